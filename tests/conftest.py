@@ -1,0 +1,24 @@
+"""Shared test setup.
+
+Tests run offline: when the project checkout has `../shared/data` beside it (our machines and CI), the
+tiktoken cache and the small real corpora there are used. On a user's fresh clone without it, tiktoken
+downloads the GPT-2 files as usual and the tests that need a real corpus make their own text.
+"""
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = ROOT.parent / "shared" / "data"
+sys.path.insert(0, str(ROOT))
+
+if (SHARED_DATA / "tiktoken_cache").is_dir():
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED_DATA / "tiktoken_cache"))
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def shared_file(relpath):
+    """Path of a file in ../shared/data, or None when this checkout has no ../shared beside it."""
+    p = SHARED_DATA / relpath
+    return p if p.exists() else None
