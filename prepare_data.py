@@ -1,0 +1,258 @@
+"""
+Tokenize a text corpus into the flat token files that train.py reads.
+
+    python prepare_data.py --dataset=NAME_OR_PATH --out_dir=DIR [--name=SUBSET] [--text_field=text]
+        [--tokenizer=gpt2] [--val_fraction=F] [--max_tokens=N] [--num_proc=N] [--split=train]
+
+With no arguments it streams FineWeb-Edu (subset sample-10BT) from the Hugging Face hub into
+data/fineweb_edu. --dataset may instead be local files: a .txt, .jsonl, .json or .parquet file, a glob of
+them, or a directory holding them. A .txt file is one document; json and parquet files hold one document
+per row, in the column --text_field.
+
+Output, in out_dir:
+  train.bin, val.bin  every document's tokens (tiktoken's encode_ordinary) followed by the end-of-text
+                      token, all concatenated: read with np.memmap(path, dtype=meta['dtype'], mode='r')
+  meta.json           tokenizer, vocab_size, dtype, eot_token, token and document counts, source
+
+Validation split: each document goes to val or train by a stable hash of its index in the stream (see
+is_val), so about val_fraction of the documents are held out, the same ones on every run whatever the batch
+size or process count; document 0 always goes to train and document 1 to val. --max_tokens caps train+val
+tokens exactly: reading stops there and the last document is cut short, without its EOT.
+
+The corpus is read in batches of documents, the batches are tokenized on all cores, and each is appended
+to the open output files as it comes back, so memory stays flat however large the corpus is. The bins are
+written under temporary names and meta.json comes last: a directory with a meta.json is complete.
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+from collections import deque
+from contextlib import closing
+from multiprocessing import Pool
+
+import datasets
+import numpy as np
+import tiktoken
+
+try:
+    from tqdm import tqdm
+except ImportError:
+    tqdm = None
+
+DEFAULT_DATASET = 'HuggingFaceFW/fineweb-edu'
+DEFAULT_NAME = 'sample-10BT'
+LOCAL_BUILDERS = {'.txt': 'text', '.jsonl': 'json', '.json': 'json', '.parquet': 'parquet'}  # suffix -> datasets builder
+VAL_SEED = 1337
+
+# -----------------------------------------------------------------------------
+# tokenizer
+
+def get_encoding(name):
+    names = tiktoken.list_encoding_names()
+    if name not in names:
+        raise ValueError(f"unknown tokenizer {name!r}: --tokenizer must name a tiktoken encoding, one of {', '.join(names)}")
+    return tiktoken.get_encoding(name)
+
+def token_dtype(n_vocab):
+    # ids run from 0 to n_vocab-1, so 16 bits hold any vocabulary of up to 2**16 tokens (GPT-2 has 50,257)
+    # and halve the files; bigger vocabularies (cl100k_base, o200k_base) need 32 bits
+    return np.uint16 if n_vocab <= 2**16 else np.uint32
+
+_enc = None  # each worker process's own encoder, built once by the pool initializer rather than per batch
+
+def init_worker(tokenizer):
+    global _enc
+    _enc = get_encoding(tokenizer)
+
+def tokenize_batch(texts):
+    """One batch of documents -> (all their tokens, each document followed by EOT, as one flat array; each
+    document's length including its EOT). One flat array is far cheaper to send back to the parent than a
+    list of lists."""
+    docs = [_enc.encode_ordinary(text) + [_enc.eot_token] for text in texts]
+    lengths = np.array([len(doc) for doc in docs], dtype=np.int64)
+    tokens = np.fromiter((t for doc in docs for t in doc), dtype=token_dtype(_enc.n_vocab), count=int(lengths.sum()))
+    return tokens, lengths
+
+# -----------------------------------------------------------------------------
+# reading documents
+
+def local_files(dataset):
+    """(builder, sorted file list) when `dataset` names local files, None when it names a hub dataset."""
+    if os.path.isdir(dataset):
+        files = glob.glob(os.path.join(dataset, '**', '*'), recursive=True)
+    elif os.path.splitext(dataset)[1] in LOCAL_BUILDERS or any(c in dataset for c in '*?['):
+        files = glob.glob(dataset, recursive=True)
+    elif os.path.exists(dataset):
+        raise ValueError(f"--dataset={dataset!r} is a file of a type this script does not read; use {', '.join(LOCAL_BUILDERS)}")
+    elif '/' not in dataset or dataset.startswith(('.', '/')):
+        raise FileNotFoundError(f"--dataset={dataset!r}: no such file or directory, and not a hub dataset name (owner/name)")
+    else:
+        return None
+    files = sorted(f for f in files if os.path.isfile(f) and os.path.splitext(f)[1] in LOCAL_BUILDERS)
+    if not files:
+        raise FileNotFoundError(f"--dataset={dataset!r}: no {', '.join(LOCAL_BUILDERS)} file found there")
+    builders = {LOCAL_BUILDERS[os.path.splitext(f)[1]] for f in files}
+    if len(builders) > 1:
+        raise ValueError(f"--dataset={dataset!r} mixes file types ({', '.join(sorted(builders))}); pass a glob of one type")
+    return builders.pop(), files
+
+def load_documents(dataset, name, split):
+    # always streamed: the hub default is far too big to download first, and streaming local files also
+    # skips datasets' Arrow cache, which would be a second full copy of the corpus on disk
+    local = local_files(dataset)
+    if local is None:
+        return datasets.load_dataset(dataset, name=name, split=split, streaming=True)
+    if name is not None:
+        raise ValueError(f"--name={name!r} selects a subset of a hub dataset; local files {dataset!r} have none")
+    builder, files = local
+    extra = {'sample_by': 'document'} if builder == 'text' else {}  # the text builder's default is one row per line
+    return datasets.load_dataset(builder, data_files=files, split=split, streaming=True, **extra)
+
+def text_batches(docs, text_field, batch_docs):
+    batch = []
+    for example in docs:
+        if text_field not in example:
+            raise ValueError(f"--text_field={text_field!r} is not a column of this dataset; its columns are {list(example)}")
+        batch.append(example[text_field] or '')  # real parquet shards have the odd null text
+        if len(batch) == batch_docs:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+def tokenized_batches(batches, tokenizer, num_proc):
+    """Tokenize batches on num_proc processes, yielding results in input order."""
+    if num_proc == 1:
+        init_worker(tokenizer)
+        yield from map(tokenize_batch, batches)
+        return
+    # not Pool.imap: its feeder thread pulls batches from the reader as fast as it can, so when reading
+    # outpaces tokenizing the whole corpus piles up in memory. Two batches in flight per worker keep every
+    # worker busy and memory flat.
+    with Pool(num_proc, initializer=init_worker, initargs=(tokenizer,)) as pool:
+        pending = deque()
+        for batch in batches:
+            pending.append(pool.apply_async(tokenize_batch, (batch,)))
+            if len(pending) >= 2 * num_proc:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+def is_val(doc_index, val_fraction):
+    """Which documents go to val, from their position in the stream alone, so the split does not depend on
+    the batch size, the number of processes, or Python's per-run randomized hash()."""
+    # splitmix64's mixing function (Steele, Lea, Flood 2014) turns consecutive indices into 64 well-mixed
+    # bits; the top 53 are a uniform draw in [0, 1) that falls below val_fraction with that probability
+    x = (doc_index.astype(np.uint64) + np.uint64(VAL_SEED)) * np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    val = (x >> np.uint64(11)).astype(np.float64) / 2**53 < val_fraction
+    # a small corpus could draw no val document at all, or only val ones: document 0 always goes to train
+    # and document 1 to val, so any corpus of two or more documents has both splits
+    val[doc_index == 0] = False
+    val[doc_index == 1] = val_fraction > 0
+    return val
+
+# -----------------------------------------------------------------------------
+
+def prepare(dataset=DEFAULT_DATASET, out_dir='data/fineweb_edu', name=None, text_field='text', tokenizer='gpt2',
+            val_fraction=None, max_tokens=None, num_proc=None, split='train', chunk_docs=1024):
+    """Tokenize `dataset` into out_dir/{train.bin, val.bin, meta.json} (see the top of this file); returns meta."""
+    if dataset == DEFAULT_DATASET and name is None:
+        name = DEFAULT_NAME
+    if val_fraction is None:
+        # FineWeb-Edu's ~10M documents give 5M val tokens at 0.05%; a small corpus needs a larger share
+        val_fraction = 0.0005 if dataset == DEFAULT_DATASET else 0.005
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"--val_fraction={val_fraction} must be in [0, 1)")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"--max_tokens={max_tokens} must be positive (leave it out for no cap)")
+    num_proc = num_proc or os.cpu_count()
+    enc = get_encoding(tokenizer)  # a bad name fails here, before any data is read
+    dtype = token_dtype(enc.n_vocab)
+    docs = load_documents(dataset, name, split)
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {s: os.path.join(out_dir, f'{s}.bin') for s in ('train', 'val')}
+    split_tokens, split_docs = {'train': 0, 'val': 0}, {'train': 0, 'val': 0}
+    n_docs = n_tokens = 0
+    bar = tqdm(desc='tokenizing', unit=' docs', file=sys.stderr) if tqdm else None
+    t0 = last_print = time.time()
+    with open(paths['train'] + '.tmp', 'wb') as f_train, open(paths['val'] + '.tmp', 'wb') as f_val, \
+            closing(tokenized_batches(text_batches(docs, text_field, chunk_docs), tokenizer, num_proc)) as stream:
+        for tokens, lengths in stream:
+            if max_tokens is not None and n_tokens + len(tokens) > max_tokens:
+                # cut exactly at the cap: later documents are dropped and the last one kept is cut short,
+                # losing its EOT
+                keep = max_tokens - n_tokens
+                n_keep = int(np.count_nonzero(np.cumsum(lengths) - lengths < keep))  # documents starting before the cap
+                tokens, lengths = tokens[:keep], lengths[:n_keep].copy()
+                lengths[-1] -= lengths.sum() - keep
+            val_docs = is_val(np.arange(n_docs, n_docs + len(lengths)), val_fraction)
+            val_tokens = np.repeat(val_docs, lengths)
+            tokens[~val_tokens].tofile(f_train)
+            tokens[val_tokens].tofile(f_val)
+            split_tokens['val'] += int(val_tokens.sum())
+            split_tokens['train'] += len(tokens) - int(val_tokens.sum())
+            split_docs['val'] += int(val_docs.sum())
+            split_docs['train'] += len(lengths) - int(val_docs.sum())
+            n_docs += len(lengths)
+            n_tokens += len(tokens)
+            now = time.time()
+            if bar is not None:
+                bar.update(len(lengths))
+                bar.set_postfix_str(f'{n_tokens:,} tokens, {n_tokens / (now - t0):,.0f} tokens/s', refresh=False)
+            elif now - last_print > 10:
+                print(f'{n_docs:,} docs, {n_tokens:,} tokens, {n_docs / (now - t0):,.0f} docs/s, '
+                      f'{n_tokens / (now - t0):,.0f} tokens/s', file=sys.stderr)
+                last_print = now
+            if max_tokens is not None and n_tokens >= max_tokens:
+                break
+    if bar is not None:
+        bar.close()
+    elapsed = time.time() - t0
+
+    # the old meta.json goes first, so a crash between the renames never leaves new bins beside an old meta
+    meta_path = os.path.join(out_dir, 'meta.json')
+    if os.path.exists(meta_path):
+        os.remove(meta_path)
+    for path in paths.values():
+        os.replace(path + '.tmp', path)
+    meta = {
+        'tokenizer': tokenizer, 'vocab_size': enc.n_vocab, 'dtype': np.dtype(dtype).name, 'eot_token': enc.eot_token,
+        'train_tokens': split_tokens['train'], 'val_tokens': split_tokens['val'],
+        'train_docs': split_docs['train'], 'val_docs': split_docs['val'],
+        'val_fraction': val_fraction, 'max_tokens': max_tokens,
+        'source': {'dataset': dataset, 'name': name, 'split': split, 'text_field': text_field},
+    }
+    with open(meta_path + '.tmp', 'w') as f:
+        json.dump(meta, f, indent=2)
+    os.replace(meta_path + '.tmp', meta_path)
+
+    print(f"wrote {n_tokens:,} {tokenizer} tokens from {n_docs:,} documents to {out_dir} in {elapsed:.1f}s "
+          f"({n_docs / elapsed:,.0f} docs/s, {n_tokens / elapsed:,.0f} tokens/s)")
+    for s in ('train', 'val'):
+        print(f"  {s}.bin: {split_tokens[s]:,} tokens, {split_docs[s]:,} documents ({meta['dtype']})")
+    if split_docs['val'] == 0 and val_fraction > 0:
+        # np.memmap cannot open an empty file, so say it here rather than leave train.py to find out
+        print(f"  note: val.bin is empty: {n_docs} document(s) is too few to hold any out. A .txt file is one "
+              f"document; split a single text into several files to get a val split.")
+    return meta
+
+if __name__ == '__main__':
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0].strip())
+    parser.add_argument('--dataset', default=DEFAULT_DATASET, help='hub dataset name, or a local file, glob or directory')
+    parser.add_argument('--out_dir', default='data/fineweb_edu')
+    parser.add_argument('--name', default=None, help=f'hub subset (default {DEFAULT_NAME} for {DEFAULT_DATASET})')
+    parser.add_argument('--text_field', default='text', help='column holding the text (json, parquet, hub)')
+    parser.add_argument('--tokenizer', default='gpt2', help='a tiktoken encoding name')
+    parser.add_argument('--val_fraction', type=float, default=None,
+                        help='share of documents held out for val (default 0.0005 for FineWeb-Edu, else 0.005)')
+    parser.add_argument('--max_tokens', type=int, default=None, help='stop after this many tokens (train + val)')
+    parser.add_argument('--num_proc', type=int, default=None, help='tokenizer processes (default: all cores)')
+    parser.add_argument('--split', default='train')
+    prepare(**vars(parser.parse_args()))
