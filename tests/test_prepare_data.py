@@ -1,0 +1,246 @@
+"""prepare_data.py: documents in, EOT-separated token files out, every document exactly once.
+
+The reference for every check is tiktoken itself (encode_ordinary on each document, plus the EOT token),
+never prepare_data's own helpers.
+"""
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import tiktoken
+
+import prepare_data
+from conftest import ROOT, shared_file
+
+ENC = tiktoken.get_encoding('gpt2')
+
+DOCS = [
+    'First document.',
+    'Unicode: naïve café, Ωμέγα, 日本語のテキスト, emoji 🙂🚀.',
+    'A document that mentions <|endoftext|> as plain text must not be split there.',
+    '',  # an empty document is still a document: a lone EOT
+    'Line one\nLine two\n\n  indented line\ttab',
+    'Zero-width joiner: 👩\u200d💻 and combining e\u0301.',
+    'Last one, with a trailing newline.\n',
+]
+
+
+def write_jsonl(path, docs, field='text'):
+    with open(path, 'w', encoding='utf-8') as f:
+        for d in docs:
+            f.write(json.dumps({field: d}, ensure_ascii=False) + '\n')
+    return path
+
+
+def numbered_docs(n):
+    return [f'Document number {i}: ' + 'word ' * (i % 7) + 'é' * (i % 3) for i in range(n)]
+
+
+def read_out(out_dir):
+    out_dir = Path(out_dir)
+    meta = json.loads((out_dir / 'meta.json').read_text())
+    return meta, read_bin(out_dir / 'train.bin', meta['dtype']), read_bin(out_dir / 'val.bin', meta['dtype'])
+
+
+def read_bin(path, dtype):
+    # the way train.py reads it; np.memmap refuses an empty file, which val.bin is when nothing was held out
+    return np.array(np.memmap(path, dtype=dtype, mode='r')) if os.path.getsize(path) else np.array([], dtype=dtype)
+
+
+def decode_docs(tokens):
+    """Split a token file on EOT and decode each piece; every document must end with its EOT."""
+    tokens = tokens.tolist()
+    assert not tokens or tokens[-1] == ENC.eot_token
+    docs, start = [], 0
+    for i, t in enumerate(tokens):
+        if t == ENC.eot_token:
+            docs.append(ENC.decode(tokens[start:i]))
+            start = i + 1
+    return docs
+
+
+def stream_tokens(docs):
+    return [t for d in docs for t in ENC.encode_ordinary(d) + [ENC.eot_token]]
+
+
+def test_round_trip_gives_back_every_document_exactly_once(tmp_path):
+    src = write_jsonl(tmp_path / 'docs.jsonl', DOCS)
+    prepare_data.prepare(str(src), str(tmp_path / 'out'), val_fraction=0.3, num_proc=1)
+    meta, train, val = read_out(tmp_path / 'out')
+    train_docs, val_docs = decode_docs(train), decode_docs(val)
+    assert Counter(train_docs + val_docs) == Counter(DOCS)
+    assert train_docs and val_docs
+    # each split keeps the corpus order
+    assert train_docs == [d for d in DOCS if d in train_docs]
+    assert meta['train_tokens'] == len(train) == os.path.getsize(tmp_path / 'out' / 'train.bin') // 2
+    assert meta['val_tokens'] == len(val) == os.path.getsize(tmp_path / 'out' / 'val.bin') // 2
+    assert (meta['train_docs'], meta['val_docs']) == (len(train_docs), len(val_docs))
+    assert meta['train_tokens'] + meta['val_tokens'] == len(stream_tokens(DOCS))
+    assert meta['source'] == {'dataset': str(src), 'name': None, 'split': 'train', 'text_field': 'text'}
+    assert (meta['tokenizer'], meta['vocab_size'], meta['eot_token']) == ('gpt2', 50257, 50256)
+    assert not list((tmp_path / 'out').glob('*.tmp'))
+
+
+def test_token_dtype_is_the_smallest_that_holds_every_id():
+    assert prepare_data.token_dtype(50257) == np.uint16
+    assert prepare_data.token_dtype(2**16) == np.uint16  # largest id 65535 still fits
+    assert prepare_data.token_dtype(2**16 + 1) == np.uint32
+    assert prepare_data.token_dtype(100277) == np.uint32  # cl100k_base
+
+
+def test_gpt2_is_written_as_uint16(tmp_path):
+    prepare_data.prepare(str(write_jsonl(tmp_path / 'd.jsonl', DOCS)), str(tmp_path / 'out'), num_proc=1)
+    meta, train, val = read_out(tmp_path / 'out')
+    assert meta['dtype'] == 'uint16'
+    assert os.path.getsize(tmp_path / 'out' / 'train.bin') == 2 * meta['train_tokens']
+
+
+def test_a_large_vocabulary_is_written_as_uint32(tmp_path, monkeypatch):
+    # cl100k_base is not in the offline cache, so pretend gpt2 needed 32-bit ids
+    monkeypatch.setattr(prepare_data, 'token_dtype', lambda n_vocab: np.uint32)
+    prepare_data.prepare(str(write_jsonl(tmp_path / 'd.jsonl', DOCS)), str(tmp_path / 'out'), val_fraction=0, num_proc=1)
+    meta, train, val = read_out(tmp_path / 'out')
+    assert meta['dtype'] == 'uint32'
+    assert os.path.getsize(tmp_path / 'out' / 'train.bin') == 4 * meta['train_tokens']
+    assert train.tolist() == stream_tokens(DOCS)
+
+
+def test_chunking_and_processes_do_not_change_the_output(tmp_path):
+    src = str(write_jsonl(tmp_path / 'd.jsonl', numbered_docs(30)))
+    runs = {'one_chunk': dict(chunk_docs=1024, num_proc=1), 'chunks_of_4': dict(chunk_docs=4, num_proc=1),
+            'chunks_of_4_on_2_procs': dict(chunk_docs=4, num_proc=2)}
+    for run, kwargs in runs.items():
+        prepare_data.prepare(src, str(tmp_path / run), val_fraction=0.2, **kwargs)
+    files = {run: {f: (tmp_path / run / f).read_bytes() for f in ('train.bin', 'val.bin', 'meta.json')} for run in runs}
+    assert files['chunks_of_4'] == files['one_chunk']
+    assert files['chunks_of_4_on_2_procs'] == files['one_chunk']
+    meta, train, val = read_out(tmp_path / 'one_chunk')
+    assert Counter(decode_docs(train) + decode_docs(val)) == Counter(numbered_docs(30))
+    assert meta['val_docs'] > 0
+
+
+def test_val_split_is_about_val_fraction_and_never_empty(tmp_path):
+    prepare_data.prepare(str(write_jsonl(tmp_path / 'many.jsonl', numbered_docs(2000))), str(tmp_path / 'many'),
+                         val_fraction=0.1, num_proc=1)
+    assert 150 < read_out(tmp_path / 'many')[0]['val_docs'] < 250
+    # two documents at the default fraction: one each, so train.py always has something to evaluate on
+    prepare_data.prepare(str(write_jsonl(tmp_path / 'two.jsonl', ['a', 'b'])), str(tmp_path / 'two'), num_proc=1)
+    meta = read_out(tmp_path / 'two')[0]
+    assert (meta['train_docs'], meta['val_docs']) == (1, 1)
+
+
+def test_max_tokens_caps_exactly(tmp_path):
+    docs = numbered_docs(50)
+    full = stream_tokens(docs)
+    src = str(write_jsonl(tmp_path / 'd.jsonl', docs))
+    for cap in (1, 37, len(full) // 2, len(full) - 1):  # 37 falls inside a document
+        prepare_data.prepare(src, str(tmp_path / f'cap{cap}'), val_fraction=0, max_tokens=cap, chunk_docs=8, num_proc=1)
+        meta, train, val = read_out(tmp_path / f'cap{cap}')
+        assert train.tolist() == full[:cap]
+        assert meta['train_tokens'] == cap and len(val) == 0
+    # with a val split the cap counts both files
+    prepare_data.prepare(src, str(tmp_path / 'split'), val_fraction=0.3, max_tokens=300, chunk_docs=8, num_proc=2)
+    meta, train, val = read_out(tmp_path / 'split')
+    assert len(train) + len(val) == meta['train_tokens'] + meta['val_tokens'] == 300
+    # a cap above the corpus size changes nothing
+    prepare_data.prepare(src, str(tmp_path / 'big'), val_fraction=0, max_tokens=10**9, num_proc=1)
+    assert read_out(tmp_path / 'big')[1].tolist() == full
+
+
+def test_txt_file_is_one_document(tmp_path):
+    path = shared_file('tinyshakespeare/input.txt')
+    if path is None:
+        path = tmp_path / 'input.txt'
+        path.write_text('First Citizen:\nBefore we proceed any further, hear me speak.\n' * 2000, encoding='utf-8')
+    text = Path(path).read_text(encoding='utf-8')
+    prepare_data.prepare(str(path), str(tmp_path / 'out'), max_tokens=20000)
+    meta, train, val = read_out(tmp_path / 'out')
+    assert train.tolist() == ENC.encode_ordinary(text)[:20000]
+    assert (meta['train_docs'], meta['val_docs'], meta['val_tokens']) == (1, 0, 0)
+
+
+def test_directory_and_glob_of_txt_files(tmp_path):
+    texts = {'a.txt': 'alpha\nfirst file\n', 'b.txt': 'beta: ünïcödé\n', 'sub/c.txt': 'gamma, in a subfolder'}
+    for rel, text in texts.items():
+        (tmp_path / 'corpus' / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / 'corpus' / rel).write_text(text, encoding='utf-8')
+    (tmp_path / 'corpus' / 'notes.md').write_text('not a corpus file')
+    prepare_data.prepare(str(tmp_path / 'corpus'), str(tmp_path / 'from_dir'), val_fraction=0, num_proc=1)
+    assert decode_docs(read_out(tmp_path / 'from_dir')[1]) == list(texts.values())  # sorted by path
+    prepare_data.prepare(str(tmp_path / 'corpus' / '*.txt'), str(tmp_path / 'from_glob'), val_fraction=0, num_proc=1)
+    assert decode_docs(read_out(tmp_path / 'from_glob')[1]) == [texts['a.txt'], texts['b.txt']]
+
+
+def test_parquet_fineweb_sample_has_known_token_count(tmp_path):
+    path = shared_file('fineweb_edu_sample/fineweb_edu_sample10bt_150.parquet')
+    if path is None:
+        path = tmp_path / 'sample.parquet'
+        datasets.Dataset.from_dict({'text': numbered_docs(150)}).to_parquet(str(path))
+    docs = [r['text'] for r in datasets.load_dataset('parquet', data_files=str(path), split='train')]
+    prepare_data.prepare(str(path), str(tmp_path / 'out'))
+    meta, train, val = read_out(tmp_path / 'out')
+    assert meta['train_docs'] + meta['val_docs'] == 150
+    assert meta['train_tokens'] + meta['val_tokens'] == len(stream_tokens(docs))
+    if shared_file('fineweb_edu_sample/fineweb_edu_sample10bt_150.parquet'):
+        assert meta['train_tokens'] + meta['val_tokens'] == 89_438  # the sample's README figure
+    assert Counter(decode_docs(train) + decode_docs(val)) == Counter(docs)
+    # the jsonl copy of the same rows gives the same files
+    jsonl = shared_file('fineweb_edu_sample/fineweb_edu_sample10bt_150.jsonl') or write_jsonl(tmp_path / 's.jsonl', docs)
+    prepare_data.prepare(str(jsonl), str(tmp_path / 'out_jsonl'))
+    for f in ('train.bin', 'val.bin'):
+        assert (tmp_path / 'out' / f).read_bytes() == (tmp_path / 'out_jsonl' / f).read_bytes()
+
+
+def test_hub_default_is_fineweb_edu_sample_10bt_streamed(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_load_dataset(path, **kwargs):
+        calls.append((path, kwargs))
+        return iter([{'text': d, 'id': i} for i, d in enumerate(DOCS)])
+    monkeypatch.setattr(prepare_data.datasets, 'load_dataset', fake_load_dataset)
+    meta = prepare_data.prepare(out_dir=str(tmp_path / 'out'), num_proc=1)
+    assert calls == [('HuggingFaceFW/fineweb-edu', {'name': 'sample-10BT', 'split': 'train', 'streaming': True})]
+    assert meta['val_fraction'] == 0.0005
+    assert meta['source']['name'] == 'sample-10BT'
+
+
+def test_missing_path_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match='nope.jsonl'):
+        prepare_data.prepare(str(tmp_path / 'nope.jsonl'), str(tmp_path / 'out'))
+    with pytest.raises(FileNotFoundError, match='no_such_corpus'):
+        prepare_data.prepare('no_such_corpus', str(tmp_path / 'out'))  # no '/': not a hub name either
+    with pytest.raises(FileNotFoundError, match='missing_dir'):
+        prepare_data.prepare('./missing_dir/data', str(tmp_path / 'out'))
+
+
+def test_missing_text_field_names_field_and_columns_and_leaves_nothing_complete(tmp_path):
+    src = write_jsonl(tmp_path / 'd.jsonl', DOCS, field='content')
+    with pytest.raises(ValueError, match=r"'text'.*\['content'\]"):
+        prepare_data.prepare(str(src), str(tmp_path / 'out'), num_proc=1)
+    assert not (tmp_path / 'out' / 'meta.json').exists()
+    assert not (tmp_path / 'out' / 'train.bin').exists()
+
+
+def test_unknown_tokenizer_lists_the_known_ones(tmp_path):
+    src = write_jsonl(tmp_path / 'd.jsonl', DOCS)
+    with pytest.raises(ValueError, match=r"not_a_tokenizer.*gpt2"):
+        prepare_data.prepare(str(src), str(tmp_path / 'out'), tokenizer='not_a_tokenizer')
+
+
+def test_command_line(tmp_path):
+    src = write_jsonl(tmp_path / 'd.jsonl', DOCS)
+    cmd = [sys.executable, str(ROOT / 'prepare_data.py'), f'--dataset={src}', f'--out_dir={tmp_path / "out"}',
+           '--val_fraction=0.3', '--num_proc=2', '--max_tokens=40']
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert 'wrote 40 gpt2 tokens' in result.stdout
+    meta, train, val = read_out(tmp_path / 'out')
+    assert len(train) + len(val) == 40
+    bad = subprocess.run(cmd[:2] + [f'--dataset={tmp_path / "absent.txt"}'], capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode != 0 and 'absent.txt' in bad.stderr
