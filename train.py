@@ -1,0 +1,480 @@
+"""
+Pretrain a Llama-style model on token bins written by prepare_data.py.
+
+One process:            python train.py config/tiny_fineweb.py --max_iters=200
+Several (any layout):   torchrun --nproc_per_node=8 train.py config/tiny_fineweb.py --tp=2 --pp=2
+
+Every setting is a variable below; a config file and --key=value overrides replace them (configurator.py).
+"""
+import json
+import math
+import os
+import sys
+import time
+from types import SimpleNamespace
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import checkpoint
+from configurator import ConfigError, configure
+from model import ModelConfig, Transformer, check_layout, choose_attn_impl
+from parallel import group_size, init_distributed
+
+# -----------------------------------------------------------------------------
+# default config values
+# I/O
+out_dir = "out"
+data_dir = "data/fineweb_edu"
+init_from = "scratch"  # 'scratch' or 'resume' (from the newest complete checkpoint in out_dir)
+seed = 1337
+log_interval = 10
+eval_interval = 100
+eval_iters = 20
+checkpoint_interval = 100
+keep_last_n = 3  # complete checkpoints kept in out_dir (0 keeps all)
+# hardware
+device = "auto"  # 'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...
+dtype = "auto"  # 'auto' (bf16 on Ampere+, fp16 before, fp32 on CPU), 'float32', 'bfloat16', 'float16'
+attn_impl = "auto"  # 'auto', 'sdpa', 'flash', 'eager'
+compile = False  # torch.compile the model
+# model
+n_layer = 4
+n_head = 4
+n_kv_head = 4
+n_embd = 128
+block_size = 256
+vocab_size = None  # from the data's meta.json unless set
+tie_embeddings = True
+rope_theta = 10000.0
+# batch: one step sees batch_size * gradient_accumulation_steps * dp windows of block_size tokens
+batch_size = 8  # micro-batch per data-parallel rank
+gradient_accumulation_steps = 1  # micro-batches per step (the pipeline's microbatches when pp > 1)
+# AdamW and the learning-rate schedule: linear warmup, then cosine decay to min_lr
+max_iters = 1000
+learning_rate = 1e-3
+min_lr = 1e-4
+warmup_iters = 50
+lr_decay_iters = 1000
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0  # clip the global gradient norm to this (0 disables)
+# parallelism: dp * tp * pp processes
+dp = 0  # data-parallel ranks; 0 means world_size / (tp * pp)
+tp = 1  # tensor-parallel ranks
+pp = 1  # pipeline stages
+pp_schedule = "1f1b"  # '1f1b' or 'afab'
+zero_stage = 0  # 1 shards the optimizer states across data-parallel ranks
+# -----------------------------------------------------------------------------
+DEFAULTS = {k: v for k, v in dict(globals()).items()
+            if not k.startswith("_") and k.islower() and isinstance(v, (int, float, bool, str, type(None)))}
+
+
+# -----------------------------------------------------------------------------
+# data: a pure function of (seed, step), so every layout sees the same global batch
+
+
+def _prepare_hint(data_dir):
+    return f"run: python prepare_data.py --out_dir={data_dir} (see the README)"
+
+
+def read_data_meta(data_dir):
+    meta_path = os.path.join(data_dir, "meta.json")
+    if not os.path.exists(meta_path):
+        raise FileNotFoundError(f"no meta.json in data_dir '{data_dir}': the token bins have not been prepared; "
+                                f"{_prepare_hint(data_dir)}")
+    with open(meta_path) as f:
+        return json.load(f)
+
+
+def load_data(data_dir, split, block_size, vocab_size, meta):
+    """Open <data_dir>/<split>.bin as a memmap, after checking that it is there and makes sense."""
+    hint, meta_path = _prepare_hint(data_dir), os.path.join(data_dir, "meta.json")
+    path = os.path.join(data_dir, f"{split}.bin")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no {split}.bin in data_dir '{data_dir}'; {hint}")
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        raise ValueError(f"{meta_path} says dtype {meta.get('dtype')!r}; expected 'uint16' or 'uint32'. {hint}")
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    size = os.path.getsize(path)
+    if size % itemsize:
+        raise ValueError(f"{path} has {size} bytes, not a whole number of {meta['dtype']} tokens: the file is "
+                         f"corrupt or was written with another dtype; {hint}")
+    data = np.memmap(path, dtype=meta["dtype"], mode="r")
+    if len(data) < block_size + 1:
+        raise ValueError(f"{path} has {len(data)} tokens, fewer than block_size + 1 = {block_size + 1}: prepare "
+                         f"more text or lower block_size")
+    sample = np.concatenate([data[:1 << 20], data[-(1 << 20):]])
+    if vocab_size is not None and sample.max() >= vocab_size:
+        raise ValueError(f"{path} holds token id {int(sample.max())} but the vocabulary has {vocab_size} tokens: "
+                         f"the bins do not match meta.json (dtype {meta['dtype']}) or the vocab_size setting; {hint}")
+    return path, meta["dtype"], len(data)
+
+
+TRAIN_STREAM, EVAL_STREAM = 0, 1
+
+
+def window_starts(seed, stream, step, n_tokens, block_size, n_windows):
+    """Where each of the n_windows windows of a step starts: a pure function of (seed, stream, step).
+    Evaluation draws from its own stream, so its batches are fixed and independent of training's."""
+    rng = np.random.default_rng([seed, stream, step])
+    return rng.integers(0, n_tokens - block_size, size=n_windows)
+
+
+def get_batch(data, starts, block_size, device):
+    path, dtype, _ = data
+    # a fresh memmap per batch: keeping one open leaks memory (nanoGPT's note on np.memmap)
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    x = torch.from_numpy(np.stack([tokens[s:s + block_size].astype(np.int64) for s in starts]))
+    y = torch.from_numpy(np.stack([tokens[s + 1:s + 1 + block_size].astype(np.int64) for s in starts]))
+    if device.type == "cuda":  # pinned memory lets the copy overlap the GPU's work
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+def rank_microbatches(cfg, layout, data, stream, step, n_micro, device):
+    """This data-parallel rank's n_micro micro-batches of a step. The step's global batch is
+    batch_size * n_micro * dp windows; dp rank r takes the r-th contiguous slice of it, so the same
+    windows are seen whatever the layout."""
+    per_rank = cfg.batch_size * n_micro
+    starts = window_starts(cfg.seed, stream, step, data[2], cfg.block_size, per_rank * layout.dp)
+    mine = starts[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
+    return [get_batch(data, mine[i * cfg.batch_size:(i + 1) * cfg.batch_size], cfg.block_size, device)
+            for i in range(n_micro)]
+
+
+# -----------------------------------------------------------------------------
+# precision
+
+
+def choose_device_and_dtype(device_name, dtype_name):
+    """Returns (device, dtype, reason). fp32 on CPU (CPUs have no fast fp16 and bf16 is opt-in),
+    bf16 on CUDA compute capability 8.0+ (Ampere), fp16 with a loss scaler before it."""
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device_name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device='{device_name}' but CUDA is not available here: use --device=cpu or --device=auto")
+    if dtype_name == "auto":
+        if dev.type != "cuda":
+            return dev, torch.float32, "auto: CPU, so float32"
+        major, minor = torch.cuda.get_device_capability(dev)
+        if major >= 8:
+            return dev, torch.bfloat16, f"auto: compute capability {major}.{minor} >= 8.0 has bf16"
+        return dev, torch.float16, f"auto: compute capability {major}.{minor} < 8.0, so fp16 with a loss scaler"
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype_name not in dtypes:
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype_name!r}")
+    if dtype_name == "float16" and dev.type == "cpu":
+        raise ValueError("dtype='float16' on CPU has no fast kernels: use 'float32' or 'bfloat16'")
+    return dev, dtypes[dtype_name], "requested"
+
+
+class DynamicLossScaler:
+    """fp16 has a narrow range: gradients of small losses underflow to zero. Multiply the loss by a large
+    scale before backward and divide the gradients by it after. A step whose gradient norm is inf/nan is
+    skipped and the scale halved; after `growth_interval` good steps it doubles (Micikevicius et al. 2017).
+    The overflow check uses the global gradient norm, already reduced across every rank, so all ranks
+    agree on skipping a step. With enabled=False (bf16, fp32) it does nothing."""
+
+    def __init__(self, enabled, scale=2.0 ** 16, growth_interval=2000):
+        self.enabled, self.scale, self.growth_interval, self.good_steps = enabled, scale, growth_interval, 0
+
+    def loss_multiplier(self):
+        return self.scale if self.enabled else 1.0
+
+    def update(self, grad_norm):
+        """Call with the unscaled global gradient norm; returns whether to take the optimizer step."""
+        if not self.enabled:
+            return True
+        if not math.isfinite(grad_norm):
+            self.scale /= 2
+            self.good_steps = 0
+            return False
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0:
+            self.scale *= 2
+        return True
+
+
+# -----------------------------------------------------------------------------
+# optimizer and schedule
+
+
+def make_optimizer(model, cfg, device):
+    """AdamW; weight decay on matrices (linears, embeddings) only, not on norm gains and biases."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = device.type == "cuda"  # on CPU the fused kernel measured no faster at our sizes
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
+
+
+def get_lr(step, cfg):
+    if step < cfg.warmup_iters:
+        return cfg.learning_rate * (step + 1) / (cfg.warmup_iters + 1)
+    if step >= cfg.lr_decay_iters:
+        return cfg.min_lr
+    progress = (step - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
+
+
+# -----------------------------------------------------------------------------
+# gradient norm and clipping across every rank
+
+
+def global_grad_norm(model, layout):
+    """The norm of the whole model's gradient, the same on every rank whatever the layout. Tensor-sharded
+    parameters contribute their slice on each tp rank; replicated ones (norms) are counted on tp rank 0
+    only; pipeline stages hold disjoint blocks (a tied head's copy is not counted twice); data-parallel
+    replicas hold the same (already averaged) gradient and are counted once."""
+    sq = torch.zeros((), device=next(model.parameters()).device, dtype=torch.float32)
+    for p in model.parameters():
+        if p.grad is None or hasattr(p, "init_name"):
+            continue
+        if getattr(p, "tp_shard_dim", None) is None and layout.tp_rank != 0:
+            continue
+        sq += p.grad.detach().float().pow(2).sum()
+    if layout.world_size > 1:
+        sq /= layout.dp  # every dp replica adds the same amount
+        dist.all_reduce(sq)
+    return sq.sqrt()
+
+
+def scale_grads(model, factor):
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(factor)
+
+
+# -----------------------------------------------------------------------------
+# forward and backward of one step
+
+
+def forward_backward(model, microbatches, autocast, loss_multiplier):
+    """Run every micro-batch forward and backward, accumulating gradients. Each micro-batch's mean loss is
+    divided by the number of micro-batches here, and only here, so the gradient is that of the mean loss
+    over the whole batch. Returns that mean loss (a tensor: reading it is a host-device sync)."""
+    total = 0.0
+    for x, y in microbatches:
+        with autocast:
+            _, loss = model(x, y)
+        loss = loss / len(microbatches)
+        (loss * loss_multiplier).backward()
+        total += loss.detach()
+    return total
+
+
+@torch.no_grad()
+def evaluate(model, cfg, layout, datasets, device, autocast):
+    """Mean loss over eval_iters fixed batches of each split (the same batches at every evaluation)."""
+    model.eval()
+    out = {}
+    for split, data in datasets.items():
+        total = 0.0
+        for i in range(cfg.eval_iters):
+            (x, y), = rank_microbatches(cfg, layout, data, EVAL_STREAM, i, 1, device)
+            with autocast:
+                _, loss = model(x, y)
+            total += loss.float() / cfg.eval_iters
+        out[split] = mean_across_ranks(total, layout).item()
+    model.train()
+    return out
+
+
+def mean_across_ranks(value, layout):
+    """The job-wide mean of a per-rank loss: computed on the last pipeline stage, equal on tp ranks,
+    different on each dp rank. One all-reduce over the whole world, rank 0 and everyone get it."""
+    if layout.world_size == 1:
+        return value
+    counts = layout.is_last_stage and layout.tp_rank == 0
+    value = value.detach().float() * (1.0 / layout.dp if counts else 0.0)
+    dist.all_reduce(value)
+    return value
+
+
+# -----------------------------------------------------------------------------
+# checkpoints
+
+
+def save_checkpoint(cfg, layout, model, optimizer, step, scaler, model_cfg, tokenizer):
+    meta = {"config": vars(cfg), "model": vars(model_cfg), "tokenizer": tokenizer,
+            "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp},
+            "adam_step": checkpoint.adamw_step_count(optimizer), "loss_scale": scaler.scale}
+    extra = {"torch_rng": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        extra["cuda_rng"] = torch.cuda.get_rng_state()
+    return checkpoint.save(cfg.out_dir, step, layout.rank, layout.world_size, checkpoint.model_pieces(model, layout),
+                           checkpoint.adamw_pieces(optimizer, model, layout), meta, extra, cfg.keep_last_n)
+
+
+def resume(cfg, layout, model, optimizer, scaler):
+    """Load the newest complete checkpoint in out_dir (saved at any layout); returns its step."""
+    path = checkpoint.latest_checkpoint(cfg.out_dir)
+    if path is None:
+        raise FileNotFoundError(f"init_from='resume' but out_dir '{cfg.out_dir}' holds no complete checkpoint: "
+                                f"use --init_from=scratch to start a new run")
+    reader = checkpoint.load_model(model, path)
+    checkpoint.load_adamw(optimizer, model, reader)
+    scaler.scale = reader.meta["loss_scale"]
+    extra = reader.rank_state(layout.rank)
+    if extra:  # RNG states only mean something for the same rank in the same world
+        torch.set_rng_state(extra["torch_rng"])
+        if "cuda_rng" in extra and torch.cuda.is_available():
+            torch.cuda.set_rng_state(extra["cuda_rng"])
+    return reader.meta["step"], path
+
+
+# -----------------------------------------------------------------------------
+# the run
+
+
+def print0(layout, *args):
+    if layout.rank == 0:
+        print(*args, flush=True)
+
+
+class MetricsLog:
+    """One JSON object per line in <out_dir>/metrics.jsonl, written by rank 0. On resume, the lines of
+    steps after the checkpoint (from the crashed run) are dropped, so the file reads as one run."""
+
+    def __init__(self, out_dir, rank, resume_step=None):
+        self.path = os.path.join(out_dir, "metrics.jsonl") if rank == 0 else None
+        if self.path and resume_step is not None and os.path.exists(self.path):
+            with open(self.path) as f:
+                keep = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+            with open(self.path, "w") as f:
+                f.writelines(keep)
+        elif self.path:
+            open(self.path, "w").close()
+
+    def write(self, record):
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def setup(cfg):
+    """Everything that can fail because of the config or the data, before any training starts."""
+    dev, ptdtype, dtype_why = choose_device_and_dtype(cfg.device, cfg.dtype)
+    layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type)
+    if dev.type == "cuda" and layout.world_size > 1:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(dev)
+    if layout.dp > 1 or layout.pp > 1 or cfg.zero_stage != 0:
+        raise NotImplementedError("dp > 1, pp > 1 and zero_stage=1 are not implemented yet")
+    if cfg.pp_schedule not in ("1f1b", "afab"):
+        raise ValueError(f"pp_schedule must be '1f1b' or 'afab', got {cfg.pp_schedule!r}")
+    if cfg.init_from not in ("scratch", "resume"):
+        raise ValueError(f"init_from must be 'scratch' or 'resume', got {cfg.init_from!r}")
+    if cfg.init_from == "scratch" and checkpoint.latest_checkpoint(cfg.out_dir):
+        raise FileExistsError(f"out_dir '{cfg.out_dir}' already holds checkpoints and init_from='scratch' would "
+                              f"overwrite them: use --init_from=resume to continue, or choose another --out_dir")
+    data_meta = read_data_meta(cfg.data_dir)
+    vocab = cfg.vocab_size or data_meta["vocab_size"]
+    datasets = {"train": load_data(cfg.data_dir, "train", cfg.block_size, vocab, data_meta)}
+    try:
+        datasets["val"] = load_data(cfg.data_dir, "val", cfg.block_size, vocab, data_meta)
+    except ValueError as e:  # a corpus of one document has no validation split: evaluate on train only
+        print0(layout, f"no validation loss: {e}")
+    attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype)
+    model_cfg = ModelConfig(vocab_size=vocab, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                            n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd, tie_embeddings=cfg.tie_embeddings,
+                            rope_theta=cfg.rope_theta, attn_impl=attn)
+    check_layout(model_cfg, layout.tp, layout.pp)
+    print0(layout, f"device: {dev}, dtype: {str(ptdtype).replace('torch.', '')} ({dtype_why}), "
+                   f"attention: {attn} ({attn_why})")
+    print0(layout, f"layout: dp={layout.dp} x tp={layout.tp} x pp={layout.pp} = {layout.world_size} processes")
+    return dev, ptdtype, layout, datasets, model_cfg, data_meta.get("tokenizer", "gpt2")
+
+
+def full_param_count(model, layout):
+    from parallel import full_shape_of
+    n = torch.tensor(float(sum(math.prod(full_shape_of(p)) for p in model.parameters() if not hasattr(p, "init_name"))))
+    if layout.world_size > 1:
+        dist.all_reduce(n)  # every dp x tp replica of a stage counts the stage's whole parameters
+        n /= layout.dp * layout.tp
+    return int(n)
+
+
+def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    model = Transformer(model_cfg, layout.tp_group, layout.pp, layout.pp_rank)
+    model.init_weights(cfg.seed)
+    model.to(dev)
+    print0(layout, f"model: {full_param_count(model, layout) / 1e6:.2f}M parameters (vocabulary padded), "
+                   f"{model_cfg.n_layer} layers, {model_cfg.n_head} heads ({model_cfg.n_kv_head} kv), width {model_cfg.n_embd}")
+    optimizer = make_optimizer(model, cfg, dev)
+    scaler = DynamicLossScaler(enabled=ptdtype == torch.float16)
+    autocast = torch.autocast(dev.type, dtype=ptdtype) if ptdtype != torch.float32 else nullcontext()
+    step = 0
+    if cfg.init_from == "resume":
+        step, path = resume(cfg, layout, model, optimizer, scaler)
+        print0(layout, f"resumed from {path} at step {step}")
+    metrics = MetricsLog(cfg.out_dir, layout.rank, step if cfg.init_from == "resume" else None)
+    train_model = model
+    if cfg.compile:
+        train_model = torch.compile(model)
+        print0(layout, "compiling the model with torch.compile (the first steps are slow)")
+
+    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
+    timer, timed_steps = time.time(), 0
+    while step < cfg.max_iters:
+        lr = get_lr(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        micro = rank_microbatches(cfg, layout, datasets["train"], TRAIN_STREAM, step, cfg.gradient_accumulation_steps, dev)
+        loss = forward_backward(train_model, micro, autocast, scaler.loss_multiplier())
+        if scaler.enabled:
+            scale_grads(model, 1.0 / scaler.scale)
+        grad_norm = global_grad_norm(model, layout)
+        if cfg.grad_clip > 0:
+            scale_grads(model, (cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0))
+        if scaler.update(grad_norm.item() if scaler.enabled else 0.0):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        timed_steps += 1
+
+        last = step == cfg.max_iters
+        if step % cfg.log_interval == 0 or last:
+            loss_value = mean_across_ranks(loss, layout).item()  # host-device sync, once per log interval
+            elapsed = time.time() - timer
+            record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
+                      "tokens_per_sec": tokens_per_step * timed_steps / elapsed, "ms_per_step": 1000 * elapsed / timed_steps}
+            print0(layout, f"step {step:6d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
+                           f"{record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step")
+            metrics.write(record)
+            timer, timed_steps = time.time(), 0
+        if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or last):
+            losses = evaluate(model, cfg, layout, datasets, dev, autocast)
+            record = {"step": step, **{f"{split}_loss": v for split, v in losses.items()}}
+            print0(layout, f"step {step:6d} | eval " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
+            metrics.write(record)
+            timer, timed_steps = time.time(), 0
+        if cfg.checkpoint_interval > 0 and (step % cfg.checkpoint_interval == 0 or last):
+            path = save_checkpoint(cfg, layout, model, optimizer, step, scaler, model_cfg, tokenizer)
+            print0(layout, f"step {step:6d} | saved {path}")
+            timer, timed_steps = time.time(), 0
+    return model
+
+
+def main(argv):
+    try:
+        cfg = SimpleNamespace(**configure(DEFAULTS, argv))
+        dev, ptdtype, layout, datasets, model_cfg, tokenizer = setup(cfg)
+    except (ConfigError, ValueError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
+        sys.exit(f"error: {e}")
+    try:
+        return train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
