@@ -13,6 +13,7 @@ import sys
 import time
 from types import SimpleNamespace
 from contextlib import nullcontext
+from dataclasses import fields
 
 import numpy as np
 import torch
@@ -381,9 +382,9 @@ def setup(cfg):
     except ValueError as e:  # a corpus of one document has no validation split: evaluate on train only
         print0(layout, f"no validation loss: {e}")
     attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype)
-    model_cfg = ModelConfig(vocab_size=vocab, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                            n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd, tie_embeddings=cfg.tie_embeddings,
-                            rope_theta=cfg.rope_theta, attn_impl=attn)
+    # every ModelConfig field is a setting of the same name above
+    model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig)
+                               if f.name not in ("vocab_size", "attn_impl")}, vocab_size=vocab, attn_impl=attn)
     check_layout(model_cfg, layout.tp, layout.pp)
     print0(layout, f"device: {dev}, dtype: {str(ptdtype).replace('torch.', '')} ({dtype_why}), "
                    f"attention: {attn} ({attn_why})")

@@ -103,3 +103,15 @@ def make_token_data(data_dir, n_tokens=20000, vocab_size=512, seed=0):
     with open(os.path.join(data_dir, "meta.json"), "w") as f:
         json.dump(meta, f)
     return data_dir
+
+
+def gather_full(tensor, param, group):
+    """The full tensor of a tensor-parallel parameter (or its gradient) from every rank's slice, with the
+    padded vocabulary rows cut off so that layouts with different padding compare."""
+    dim = getattr(param, "tp_shard_dim", None)
+    if dim is not None and group is not None:
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        tensor = torch.cat(parts, dim=dim)
+    vocab = getattr(param, "vocab_size", None)
+    return tensor[:vocab] if vocab is not None else tensor
