@@ -50,6 +50,7 @@ block_size = 256
 vocab_size = None  # from the data's meta.json unless set
 tie_embeddings = True
 rope_theta = 10000.0
+norm_eps = 1e-5
 # batch: one step sees batch_size * gradient_accumulation_steps * dp windows of block_size tokens
 batch_size = 8  # micro-batch per data-parallel rank
 gradient_accumulation_steps = 1  # micro-batches per step (the pipeline's microbatches when pp > 1)
