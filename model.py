@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
                       full_shape_of, group_rank, group_size, padded_vocab_size, shard_of, valid_vocab_columns,
@@ -39,6 +40,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     attn_impl: str = "sdpa"  # resolved from 'auto' by choose_attn_impl before the model is built
+    activation_checkpointing: bool = False  # recompute each block's activations in backward instead of storing them
+    chunked_loss: bool = False  # tp=1: compute the loss without whole logits (forward then returns logits None)
 
 
 # -----------------------------------------------------------------------------
@@ -213,6 +216,98 @@ class Block(nn.Module):
 
 
 # -----------------------------------------------------------------------------
+# The loss without the logits. With a 50k vocabulary the (B*T, V) logits are by far the largest tensors of
+# a small model (B=8, T=256: 412 MB in fp32), and a plain F.cross_entropy makes several of them (logits,
+# log-softmax, their gradients). On CPU each is fresh memory the kernel must fault in page by page, every
+# step. Computing the loss a chunk of tokens at a time, and the head's gradients right there while the
+# chunk's softmax is at hand, keeps one small chunk of logits alive instead.
+
+
+def loss_chunk_size(vocab_size, budget_bytes=32 * 2**20):
+    """Tokens per chunk: as many as keep one chunk's fp32 logits within budget_bytes (at least 64 rows, so
+    the head's matmuls stay large enough to run at full speed)."""
+    return max(64, budget_bytes // (4 * vocab_size) // 64 * 64)
+
+
+def _chunked_cross_entropy(h, weight, targets, vocab_size, softcap, ignore_index, need_grads):
+    """The summed cross-entropy of softmax(h @ weight[:vocab_size]^T) over the tokens, chunk by chunk, in
+    fp32; with need_grads also its gradients for h and weight (rows past vocab_size, padding, get zero).
+    h: (N, C), weight: (V_padded, C), targets: (N,)."""
+    device_type = h.device.type
+    compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h.dtype
+    with torch.autocast(device_type, enabled=False):  # the casts autocast would make, made explicit
+        h_c, w_c = h.to(compute), weight[:vocab_size].to(compute)
+        N = h.shape[0]
+        chunk = min(N, loss_chunk_size(vocab_size))
+        logits_buf = torch.empty(chunk, vocab_size, dtype=compute, device=h.device)  # reused by every chunk
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h_c) if need_grads else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_grads else None
+        for start in range(0, N, chunk):
+            rows = slice(start, min(start + chunk, N))
+            z = torch.mm(h_c[rows], w_c.t(), out=logits_buf[:rows.stop - start]).float()  # (n, V), fp32
+            if softcap:  # z = softcap * tanh(z / softcap) (Gemma 2), whose derivative is 1 - tanh^2
+                tanh = z.div_(softcap).tanh_()
+                dcap = 1.0 - tanh.square()
+                z = tanh.mul_(softcap)
+            t = targets[rows]
+            valid = t != ignore_index
+            t = t.masked_fill(~valid, 0).unsqueeze(1)
+            z_max = z.amax(dim=1, keepdim=True)
+            z_target = z.gather(1, t)
+            probs = z.sub_(z_max).exp_()  # in place: from here z holds exp(z - max)
+            sum_exp = probs.sum(dim=1, keepdim=True)
+            loss += ((sum_exp.log() + z_max - z_target).squeeze(1) * valid).sum()
+            if need_grads:  # d loss_i / d z_i = softmax(z_i) - onehot(target_i), zero for ignored tokens
+                grad_z = probs.div_(sum_exp)
+                grad_z.scatter_add_(1, t, torch.full_like(z_target, -1.0))
+                grad_z.mul_(valid.unsqueeze(1))
+                if softcap:
+                    grad_z.mul_(dcap)
+                grad_z_c = grad_z.to(compute)
+                torch.mm(grad_z_c, w_c, out=grad_h[rows])
+                if compute == torch.float32:
+                    grad_w[:vocab_size].addmm_(grad_z.t(), h_c[rows])
+                else:
+                    grad_w[:vocab_size] += grad_z_c.t() @ h_c[rows]
+    return loss, grad_h, grad_w
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of the logits h @ weight[:vocab_size]^T against targets (ignore_index left out
+    of the mean), without the (N, V) logits: the gradients are computed in the forward pass, chunk by
+    chunk, and the backward pass only scales them by the incoming gradient (one backward per forward)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, vocab_size, softcap, ignore_index):
+        loss_sum, grad_h, grad_w = _chunked_cross_entropy(h, weight, targets, vocab_size, softcap, ignore_index,
+                                                          need_grads=True)
+        count = (targets != ignore_index).sum().clamp(min=1)
+        ctx.save_for_backward(grad_h, grad_w, count)
+        ctx.h_dtype, ctx.weight_dtype = h.dtype, weight.dtype
+        return loss_sum / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w, count = ctx.saved_tensors
+        scale = grad_loss.float() / count
+        return ((grad_h.float() * scale).to(ctx.h_dtype), grad_w.mul_(scale).to(ctx.weight_dtype),
+                None, None, None, None)
+
+
+@torch.compiler.disable  # a loop of large matmuls: nothing for the compiler to fuse, so it stays eager
+def chunked_cross_entropy(h, weight, targets, vocab_size=None, softcap=0.0, ignore_index=-1):
+    """F.cross_entropy(logits, targets, ignore_index=ignore_index) for logits = h @ weight[:vocab_size].T,
+    soft-capped when softcap > 0, with h (N, C) and weight (V, C), computed in chunks of tokens (see above).
+    Under torch.no_grad it computes the loss only."""
+    vocab_size = vocab_size or weight.shape[0]
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return ChunkedLinearCrossEntropy.apply(h, weight, targets, vocab_size, softcap, ignore_index)
+    loss_sum, _, _ = _chunked_cross_entropy(h, weight, targets, vocab_size, softcap, ignore_index, need_grads=False)
+    return loss_sum / (targets != ignore_index).sum().clamp(min=1)
+
+
+# -----------------------------------------------------------------------------
 # The model
 
 
@@ -286,9 +381,18 @@ class Transformer(nn.Module):
                 raise ValueError(f"sequence of length {x.shape[1]} is longer than block_size {self.cfg.block_size}")
             x = self.tok_emb(x)
         for block in self.blocks.values():
-            x = block(x, self.rope_cos, self.rope_sin)
+            if self.cfg.activation_checkpointing and torch.is_grad_enabled():
+                # keep only the block's input; its activations are recomputed during backward
+                x = checkpoint(block, x, self.rope_cos, self.rope_sin, use_reentrant=False)
+            else:
+                x = block(x, self.rope_cos, self.rope_sin)
         if not self.is_last:
             return x, None
+        if targets is not None and self.cfg.chunked_loss and group_size(self.tp_group) == 1:
+            h = self.norm(x)
+            loss = chunked_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1),
+                                         vocab_size=self.cfg.vocab_size)
+            return None, loss
         logits = self.lm_head(self.norm(x))
         # drop the padded vocabulary columns: they are not tokens and must not enter the softmax
         logits = logits[..., :valid_vocab_columns(self.cfg.vocab_size, self.lm_head.out_per_rank, self.tp_group)]
@@ -339,3 +443,34 @@ class Transformer(nn.Module):
                 next_id = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1)
             idx = torch.cat([idx, next_id], dim=1)
         return idx
+
+
+# -----------------------------------------------------------------------------
+# Model FLOPs, for MFU
+
+
+def flops_per_token(cfg):
+    """Training FLOPs per token: 6 per matmul weight a token passes through (2 forward, 4 backward), plus
+    the attention scores and their weighted sum, 6 * n_layer * block_size * n_head * (qk_dim + v_dim)
+    (Kaplan et al. 2020, table 1; PaLM appendix B; with qk_dim = v_dim = head_dim this is the familiar
+    12 * L * H * D * T). Counts only the weights a token uses: the head but not the embedding lookup, and in a
+    Mixture-of-Experts layer the router plus the shared and top-k experts. Norms, RoPE and softmax are left
+    out, as is usual. The variant settings are read with defaults, so any ModelConfig works."""
+    C, H, T = cfg.n_embd, cfg.n_head, cfg.block_size
+    if getattr(cfg, "attention", "mha") == "mla":  # DeepSeek-V2 multi-head latent attention
+        nope, rope, v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        qk_dim, q_lora = nope + rope, getattr(cfg, "q_lora_rank", 0)
+        q = C * q_lora + q_lora * H * qk_dim if q_lora > 0 else C * H * qk_dim
+        attn = q + C * (cfg.kv_lora_rank + rope) + cfg.kv_lora_rank * H * (nope + v_dim) + H * v_dim * C
+    else:  # multi-head, grouped-query or multi-query attention
+        qk_dim = v_dim = C // H
+        attn = C * H * qk_dim + 2 * C * cfg.n_kv_head * qk_dim + H * v_dim * C
+    if getattr(cfg, "mlp", "swiglu") == "gelu":
+        mlp = 2 * C * 4 * C
+    else:
+        mlp = 3 * C * swiglu_hidden_size(C)
+    n_expert = getattr(cfg, "n_expert", 0)
+    if n_expert > 0:
+        mlp = C * n_expert + (cfg.n_expert_per_token + getattr(cfg, "n_shared_expert", 0)) * mlp
+    matmul_weights = cfg.n_layer * (attn + mlp) + C * cfg.vocab_size
+    return 6 * matmul_weights + 6 * cfg.n_layer * T * H * (qk_dim + v_dim)
