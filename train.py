@@ -6,9 +6,12 @@ Several (any layout):   torchrun --nproc_per_node=8 train.py config/tiny_fineweb
 
 Every setting is a variable below; a config file and --key=value overrides replace them (configurator.py).
 """
+import functools
 import json
 import math
 import os
+import re
+import resource
 import sys
 import time
 from types import SimpleNamespace
@@ -21,7 +24,7 @@ import torch.distributed as dist
 
 import checkpoint
 from configurator import ConfigError, configure
-from model import ModelConfig, Transformer, check_layout, choose_attn_impl
+from model import ModelConfig, Transformer, check_layout, choose_attn_impl, flops_per_token
 from parallel import group_size, init_distributed
 
 # -----------------------------------------------------------------------------
@@ -40,7 +43,10 @@ keep_last_n = 3  # complete checkpoints kept in out_dir (0 keeps all)
 device = "auto"  # 'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...
 dtype = "auto"  # 'auto' (bf16 on Ampere+, fp16 before, fp32 on CPU), 'float32', 'bfloat16', 'float16'
 attn_impl = "auto"  # 'auto', 'sdpa', 'flash', 'eager'
-compile = False  # torch.compile the model
+compile = False  # torch.compile the model (falls back to eager, with a log line, where compiling fails)
+activation_checkpointing = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
+chunked_loss = True  # tp=1: the loss a chunk of tokens at a time, never the whole (tokens, vocab) logits
+peak_flops = 0.0  # the device's peak FLOP/s for MFU; 0 = from the GPU table, or measured on CPU
 # model
 n_layer = 4
 n_head = 4
@@ -213,7 +219,8 @@ def make_optimizer(model, cfg, device):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = device.type == "cuda"  # on CPU the fused kernel measured no faster at our sizes
+    # one kernel for the whole update; on CPU (torch >= 2.4) it was a third of a small model's step unfused
+    fused = device.type == "cuda" or tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 4)
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
 
 
@@ -333,6 +340,112 @@ def resume(cfg, layout, model, optimizer, scaler):
 
 
 # -----------------------------------------------------------------------------
+# speed: model FLOPs utilisation (MFU) and peak memory
+#
+# MFU = model FLOPs per second / the devices' peak FLOP/s (PaLM, Chowdhery et al. 2022, appendix B). The
+# model's FLOPs per token come from model.flops_per_token; the peak from the table below, the peak_flops
+# setting, or on CPU a short matmul probe.
+
+# Dense (no sparsity) peak FLOP/s as (bf16, fp16, fp32) from NVIDIA's datasheets; None: no such tensor-core
+# path. bf16/fp16 are tensor-core figures with fp32 accumulation (what PyTorch uses; GeForce cards run that at
+# half their fp16-accumulate rate, i.e. twice their fp32 rate); fp32 is plain fp32, not TF32. Matched against
+# torch.cuda.get_device_name() in order, so longer names come before their prefixes; GeForce names must end
+# there (a "Laptop GPU" or "SUPER" is another chip and is left unknown rather than guessed).
+GPU_PEAK_FLOPS = [
+    (r"H200 NVL", 835e12, 835e12, 60e12),
+    (r"H200", 989e12, 989e12, 67e12),
+    (r"H100 NVL", 835e12, 835e12, 60e12),
+    (r"H100 PCIe", 756e12, 756e12, 51e12),
+    (r"H100", 989e12, 989e12, 67e12),  # SXM
+    (r"A100", 312e12, 312e12, 19.5e12),
+    (r"L40S", 362e12, 362e12, 91.6e12),
+    (r"L40\b", 181e12, 181e12, 90.5e12),
+    (r"L4\b", 121e12, 121e12, 30.3e12),
+    (r"A10\b", 125e12, 125e12, 31.2e12),
+    (r"V100S", None, 130e12, 16.4e12),
+    (r"V100-PCIE", None, 112e12, 14e12),
+    (r"V100", None, 125e12, 15.7e12),  # SXM2
+    (r"T4\b", None, 65e12, 8.1e12),
+    (r"RTX 4090$", 165.2e12, 165.2e12, 82.6e12),
+    (r"RTX 4080$", 97.5e12, 97.5e12, 48.7e12),
+    (r"RTX 4070 Ti$", 80.2e12, 80.2e12, 40.1e12),
+    (r"RTX 4070$", 58.3e12, 58.3e12, 29.1e12),
+    (r"RTX 4060 Ti$", 44.1e12, 44.1e12, 22.1e12),
+    (r"RTX 4060$", 30.2e12, 30.2e12, 15.1e12),
+    (r"RTX 3090 Ti$", 80e12, 80e12, 40e12),
+    (r"RTX 3090$", 71e12, 71e12, 35.6e12),
+    (r"RTX 3080 Ti$", 68.2e12, 68.2e12, 34.1e12),
+    (r"RTX 3080$", 59.5e12, 59.5e12, 29.8e12),
+    (r"RTX 3070 Ti$", 43.5e12, 43.5e12, 21.7e12),
+    (r"RTX 3070$", 40.6e12, 40.6e12, 20.3e12),
+    (r"RTX 3060 Ti$", 32.4e12, 32.4e12, 16.2e12),
+    (r"RTX 3060$", 25.4e12, 25.4e12, 12.7e12),
+]
+
+
+def gpu_peak_flops(device_name, dtype):
+    """The table's peak FLOP/s for this GPU name and dtype, or None when the GPU (or the dtype on it) is unknown."""
+    column = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}[dtype]
+    for row in GPU_PEAK_FLOPS:
+        if re.search(row[0], device_name.strip()):
+            return row[column]
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def measure_cpu_peak_flops(dtype, n=1024, repeats=3):
+    """The best FLOP/s of a few n x n matmuls in dtype with this process's threads: about what the model's
+    own matmuls can reach here (there is no table for CPUs). Measured once per process."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up: thread pool, kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best
+
+
+def peak_flops(setting, dev, dtype):
+    """(peak FLOP/s of one device, where it comes from), or (None, why) when it is not known: MFU is then
+    reported as not available rather than guessed."""
+    if setting > 0:
+        return setting, "the peak_flops setting"
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+        peak = gpu_peak_flops(name, dtype)
+        if peak is None:
+            return None, f"no peak figure for {name} in {str(dtype).replace('torch.', '')}: set --peak_flops"
+        return peak, f"{name}, datasheet"
+    if dev.type == "cpu":
+        return measure_cpu_peak_flops(dtype), f"measured: best 1024x1024 matmul, {torch.get_num_threads()} threads"
+    return None, f"no peak figure for device type {dev.type}: set --peak_flops"
+
+
+def mfu(flops_per_token, tokens_per_sec, peak, n_devices):
+    """Model FLOPs utilisation of n_devices, or None when the peak is unknown."""
+    return flops_per_token * tokens_per_sec / (peak * n_devices) if peak else None
+
+
+def format_mfu(value):
+    return f"{100 * value:.1f}%" if value is not None else "n/a"
+
+
+def peak_memory_bytes(dev, layout):
+    """The most memory any rank has held: the CUDA allocator's peak on GPU, the process's peak resident set
+    (max RSS) on CPU. An all-reduce when there are several ranks."""
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(dev)
+    else:  # ru_maxrss is in KiB on Linux, in bytes on macOS
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    if layout.world_size > 1:
+        peak = torch.tensor(peak, dtype=torch.int64, device=dev)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        peak = int(peak.item())
+    return peak
+
+
+# -----------------------------------------------------------------------------
 # the run
 
 
@@ -361,8 +474,10 @@ class MetricsLog:
                 f.write(json.dumps(record) + "\n")
 
 
-def setup(cfg):
-    """Everything that can fail because of the config or the data, before any training starts."""
+def setup(cfg, training=True):
+    """Everything that can fail because of the config or the data, before any training starts.
+    bench.py calls it with training=False: out_dir is not checked, and with data_dir=None no data is read
+    (the vocabulary is then vocab_size, or GPT-2's)."""
     dev, ptdtype, dtype_why = choose_device_and_dtype(cfg.device, cfg.dtype)
     layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type)
     if dev.type == "cuda" and layout.world_size > 1:
@@ -374,16 +489,19 @@ def setup(cfg):
         raise ValueError(f"pp_schedule must be '1f1b' or 'afab', got {cfg.pp_schedule!r}")
     if cfg.init_from not in ("scratch", "resume"):
         raise ValueError(f"init_from must be 'scratch' or 'resume', got {cfg.init_from!r}")
-    if cfg.init_from == "scratch" and checkpoint.latest_checkpoint(cfg.out_dir):
+    if training and cfg.init_from == "scratch" and checkpoint.latest_checkpoint(cfg.out_dir):
         raise FileExistsError(f"out_dir '{cfg.out_dir}' already holds checkpoints and init_from='scratch' would "
                               f"overwrite them: use --init_from=resume to continue, or choose another --out_dir")
-    data_meta = read_data_meta(cfg.data_dir)
-    vocab = cfg.vocab_size or data_meta["vocab_size"]
-    datasets = {"train": load_data(cfg.data_dir, "train", cfg.block_size, vocab, data_meta)}
-    try:
-        datasets["val"] = load_data(cfg.data_dir, "val", cfg.block_size, vocab, data_meta)
-    except ValueError as e:  # a corpus of one document has no validation split: evaluate on train only
-        print0(layout, f"no validation loss: {e}")
+    data_meta, datasets = {}, {}
+    if training or cfg.data_dir is not None:
+        data_meta = read_data_meta(cfg.data_dir)
+    vocab = cfg.vocab_size or data_meta.get("vocab_size", 50257)
+    if data_meta:
+        datasets["train"] = load_data(cfg.data_dir, "train", cfg.block_size, vocab, data_meta)
+        try:
+            datasets["val"] = load_data(cfg.data_dir, "val", cfg.block_size, vocab, data_meta)
+        except ValueError as e:  # a corpus of one document has no validation split: evaluate on train only
+            print0(layout, f"no validation loss: {e}")
     attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype)
     # every ModelConfig field is a setting of the same name above
     model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig)
@@ -404,45 +522,84 @@ def full_param_count(model, layout):
     return int(n)
 
 
-def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
-    os.makedirs(cfg.out_dir, exist_ok=True)
+def build(cfg, dev, ptdtype, layout, model_cfg):
+    """This rank's model (initialised, on dev), its AdamW, the autocast context and the loss scaler: what a
+    training step needs. bench.py builds through here too, so it times exactly what train.py runs."""
     torch.manual_seed(cfg.seed)
     model = Transformer(model_cfg, layout.tp_group, layout.pp, layout.pp_rank)
     model.init_weights(cfg.seed)
     model.to(dev)
-    print0(layout, f"model: {full_param_count(model, layout) / 1e6:.2f}M parameters (vocabulary padded), "
-                   f"{model_cfg.n_layer} layers, {model_cfg.n_head} heads ({model_cfg.n_kv_head} kv), width {model_cfg.n_embd}")
     optimizer = make_optimizer(model, cfg, dev)
     scaler = DynamicLossScaler(enabled=ptdtype == torch.float16)
     autocast = torch.autocast(dev.type, dtype=ptdtype) if ptdtype != torch.float32 else nullcontext()
+    return model, optimizer, autocast, scaler
+
+
+def compile_model(model, cfg, layout):
+    """The model the training step runs: torch.compile(model) with compile=True, else the model itself."""
+    if not cfg.compile:
+        return model
+    print0(layout, "compiling the model with torch.compile (the first steps are slow)")
+    return torch.compile(model)
+
+
+def train_step(cfg, layout, model, step_model, optimizer, scaler, autocast, microbatches, lr):
+    """One optimizer step: forward and backward of every micro-batch through step_model (the compiled
+    model, or the model itself), unscaling, the global gradient norm and clipping, AdamW. Returns (loss,
+    grad norm, step_model for the next steps), loss and norm as tensors: nothing here waits for the device
+    except fp16 loss scaling, which must read the norm to decide whether to skip the step.
+
+    torch.compile compiles inside the first forward and backward, so that is where it fails (no C compiler,
+    an op it cannot trace): the step is then run again eagerly and the eager model is used from then on."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    try:
+        loss = forward_backward(step_model, microbatches, autocast, scaler.loss_multiplier())
+    except Exception as e:
+        if step_model is model:
+            raise
+        print0(layout, f"torch.compile failed ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
+                       f"continuing without it")
+        optimizer.zero_grad(set_to_none=True)  # whatever the failed attempt accumulated
+        step_model = model
+        loss = forward_backward(model, microbatches, autocast, scaler.loss_multiplier())
+    if scaler.enabled:
+        scale_grads(model, 1.0 / scaler.scale)
+    grad_norm = global_grad_norm(model, layout)
+    if cfg.grad_clip > 0:
+        scale_grads(model, (cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0))
+    if scaler.update(grad_norm.item() if scaler.enabled else 0.0):  # host-device sync with fp16 only
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm, step_model
+
+
+def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    model, optimizer, autocast, scaler = build(cfg, dev, ptdtype, layout, model_cfg)
+    print0(layout, f"model: {full_param_count(model, layout) / 1e6:.2f}M parameters (vocabulary padded), "
+                   f"{model_cfg.n_layer} layers, {model_cfg.n_head} heads ({model_cfg.n_kv_head} kv), width {model_cfg.n_embd}")
     step = 0
     if cfg.init_from == "resume":
         step, path = resume(cfg, layout, model, optimizer, scaler)
         print0(layout, f"resumed from {path} at step {step}")
     metrics = MetricsLog(cfg.out_dir, layout.rank, step if cfg.init_from == "resume" else None)
-    train_model = model
-    if cfg.compile:
-        train_model = torch.compile(model)
-        print0(layout, "compiling the model with torch.compile (the first steps are slow)")
+    step_model = compile_model(model, cfg, layout)
+    model_flops = flops_per_token(model_cfg)
+    peak, peak_why = peak_flops(cfg.peak_flops, dev, ptdtype)
+    print0(layout, f"{model_flops / 1e6:.1f} MFLOP per token; peak {f'{peak / 1e12:.3g} TFLOP/s' if peak else 'unknown'} "
+                   f"per device ({peak_why})")
 
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     timer, timed_steps = time.time(), 0
+    micro = rank_microbatches(cfg, layout, datasets["train"], TRAIN_STREAM, step, cfg.gradient_accumulation_steps, dev)
     while step < cfg.max_iters:
         lr = get_lr(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        micro = rank_microbatches(cfg, layout, datasets["train"], TRAIN_STREAM, step, cfg.gradient_accumulation_steps, dev)
-        loss = forward_backward(train_model, micro, autocast, scaler.loss_multiplier())
-        if scaler.enabled:
-            scale_grads(model, 1.0 / scaler.scale)
-        grad_norm = global_grad_norm(model, layout)
-        if cfg.grad_clip > 0:
-            scale_grads(model, (cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0))
-        if scaler.update(grad_norm.item() if scaler.enabled else 0.0):
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss, grad_norm, step_model = train_step(cfg, layout, model, step_model, optimizer, scaler, autocast, micro, lr)
         step += 1
         timed_steps += 1
+        if step < cfg.max_iters:  # read the next batch now, while the GPU still works through this step
+            micro = rank_microbatches(cfg, layout, datasets["train"], TRAIN_STREAM, step, cfg.gradient_accumulation_steps, dev)
 
         last = step == cfg.max_iters
         if step % cfg.log_interval == 0 or last:
@@ -450,8 +607,11 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
             elapsed = time.time() - timer
             record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
                       "tokens_per_sec": tokens_per_step * timed_steps / elapsed, "ms_per_step": 1000 * elapsed / timed_steps}
+            record["mfu"] = mfu(model_flops, record["tokens_per_sec"], peak, layout.world_size)
+            record["peak_mem_bytes"] = peak_memory_bytes(dev, layout)
             print0(layout, f"step {step:6d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
-                           f"{record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step")
+                           f"{record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step | "
+                           f"MFU {format_mfu(record['mfu'])} | peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB")
             metrics.write(record)
             timer, timed_steps = time.time(), 0
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or last):

@@ -1,0 +1,248 @@
+"""Speed you can see and trust: the FLOPs count behind MFU, the peak table, peak memory, bench.py's output,
+and the fast paths (chunked loss, activation checkpointing, the torch.compile fallback) computing the same
+thing as the plain paths."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_utils import make_token_data
+
+import model as model_module
+import train
+from model import ModelConfig, Transformer, chunked_cross_entropy, flops_per_token
+from parallel import ParallelLayout
+
+TINY = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=4, n_embd=64)
+
+
+def tiny_model(seed=0, **kw):
+    torch.manual_seed(seed)
+    m = Transformer(ModelConfig(**{**TINY, **kw}))
+    m.init_weights(seed)
+    return m
+
+
+# --- FLOPs per token -------------------------------------------------------------------------------------
+
+def test_flops_per_token_dense_is_the_hand_count():
+    # n_embd 64, 4 heads of 16, SwiGLU width 2/3 * 4 * 64 = 170 -> rounded up to 192
+    attn = 4 * 64 * 64  # q, k, v, o
+    mlp = 3 * 64 * 192  # gate, up, down
+    head = 64 * 512  # the output head over the real vocabulary (the embedding lookup is no matmul)
+    scores = 6 * 2 * 32 * 4 * (16 + 16)  # per layer: q.k over 32 positions and the weighted sum of v, 4 heads
+    assert flops_per_token(ModelConfig(**TINY)) == 6 * (2 * (attn + mlp) + head) + scores
+
+
+def test_flops_per_token_gqa_counts_the_smaller_key_value_projections():
+    attn = 2 * 64 * 64 + 2 * 64 * 16  # q and o full; k and v for one head of 16
+    mlp, head, scores = 3 * 64 * 192, 64 * 512, 6 * 2 * 32 * 4 * (16 + 16)
+    assert flops_per_token(ModelConfig(**{**TINY, "n_kv_head": 1})) == 6 * (2 * (attn + mlp) + head) + scores
+
+
+def test_flops_per_token_counts_the_matmul_weights_the_model_has():
+    """The formula from the config against the built model's own matmul weights (not the embedding)."""
+    for kw in ({}, {"n_kv_head": 2}, {"tie_embeddings": False}):
+        m = tiny_model(**kw)
+        weights = sum(p.numel() for n, p in m.named_parameters() if p.dim() == 2 and not n.startswith(("tok_emb", "lm_head")))
+        weights += m.cfg.n_embd * m.cfg.vocab_size
+        scores = 6 * m.cfg.n_layer * m.cfg.block_size * m.cfg.n_embd * 2
+        assert flops_per_token(m.cfg) == 6 * weights + scores
+
+
+def test_flops_per_token_moe_counts_only_the_active_experts():
+    # written from the variant settings (model.py's MoE may not be built here): router + (top-k + shared) experts
+    cfg = SimpleNamespace(**TINY, attention="mha", mlp="swiglu", n_expert=8, n_expert_per_token=2, n_shared_expert=1)
+    attn, expert, head, scores = 4 * 64 * 64, 3 * 64 * 192, 64 * 512, 6 * 2 * 32 * 4 * 32
+    moe = 64 * 8 + (2 + 1) * expert
+    assert flops_per_token(cfg) == 6 * (2 * (attn + moe) + head) + scores
+    dense = SimpleNamespace(**TINY, mlp="gelu")
+    assert flops_per_token(dense) == 6 * (2 * (attn + 2 * 64 * 256) + head) + scores
+
+
+def test_flops_per_token_mla_counts_the_latent_projections():
+    cfg = SimpleNamespace(**TINY, attention="mla", q_lora_rank=0, kv_lora_rank=32, qk_rope_head_dim=8,
+                          qk_nope_head_dim=16, v_head_dim=16)
+    attn = 64 * 4 * 24 + 64 * (32 + 8) + 32 * 4 * (16 + 16) + 4 * 16 * 64  # q, kv down, kv up, o
+    mlp, head, scores = 3 * 64 * 192, 64 * 512, 6 * 2 * 32 * 4 * (24 + 16)
+    assert flops_per_token(cfg) == 6 * (2 * (attn + mlp) + head) + scores
+
+
+# --- peak FLOP/s and MFU ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,dtype,peak", [
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989e12),
+    ("NVIDIA H100 PCIe", torch.bfloat16, 756e12),
+    ("NVIDIA H200", torch.float32, 67e12),
+    ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312e12),
+    ("NVIDIA A10", torch.float16, 125e12),
+    ("NVIDIA L4", torch.bfloat16, 121e12),
+    ("Tesla V100-SXM2-16GB", torch.float16, 125e12),
+    ("Tesla T4", torch.float16, 65e12),
+    ("Tesla T4", torch.bfloat16, None),  # no bf16 tensor cores: unknown, not a guess
+    ("NVIDIA GeForce RTX 3090", torch.bfloat16, 71e12),
+    ("NVIDIA GeForce RTX 4090", torch.float32, 82.6e12),
+    ("NVIDIA A10G", torch.bfloat16, None),  # neither an A10 nor an A100
+    ("NVIDIA GeForce RTX 4090 Laptop GPU", torch.bfloat16, None),
+])
+def test_gpu_peak_flops_table(name, dtype, peak):
+    assert train.gpu_peak_flops(name, dtype) == peak
+
+
+def test_unknown_gpu_reports_mfu_as_not_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Imaginary GPU 9000")
+    peak, why = train.peak_flops(0.0, torch.device("cuda"), torch.bfloat16)
+    assert peak is None and "peak_flops" in why
+    assert train.mfu(1e6, 1e5, peak, 1) is None and train.format_mfu(None) == "n/a"
+    peak, why = train.peak_flops(123e12, torch.device("cuda"), torch.bfloat16)  # the setting overrides
+    assert peak == 123e12 and train.mfu(1e6, 1e5, peak, 2) == pytest.approx(1e11 / 246e12)
+
+
+def test_cpu_peak_is_measured():
+    peak, why = train.peak_flops(0.0, torch.device("cpu"), torch.float32)
+    assert peak > 1e8 and "measured" in why
+
+
+# --- the chunked loss ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_chunked_cross_entropy_equals_cross_entropy_of_the_full_logits(monkeypatch, softcap):
+    monkeypatch.setattr(model_module, "loss_chunk_size", lambda vocab: 64)  # 300 tokens: 5 chunks, the last short
+    torch.manual_seed(0)
+    h = torch.randn(300, 16, requires_grad=True)
+    w = (0.5 * torch.randn(1024, 16)).requires_grad_()  # 1000 real tokens + 24 padding rows
+    t = torch.randint(0, 1000, (300,))
+    t[::7] = -1  # ignored
+    (3 * chunked_cross_entropy(h, w, t, vocab_size=1000, softcap=softcap)).backward()
+    grads = h.grad, w.grad
+    h.grad = w.grad = None
+    logits = h @ w[:1000].t()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    loss = F.cross_entropy(logits, t, ignore_index=-1)
+    (3 * loss).backward()
+    torch.testing.assert_close(grads[0], h.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grads[1], w.grad, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        torch.testing.assert_close(chunked_cross_entropy(h, w, t, vocab_size=1000, softcap=softcap), loss)
+
+
+def test_chunked_loss_model_has_the_same_loss_and_gradients():
+    x, y = torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32))
+    plain, chunked = tiny_model(), tiny_model(chunked_loss=True)
+    logits, loss = plain(x, y)
+    none, chunked_loss = chunked(x, y)
+    assert none is None  # the point: no whole logits; without targets they are returned as usual
+    torch.testing.assert_close(chunked_loss, loss)
+    loss.backward()
+    chunked_loss.backward()
+    for (name, a), b in zip(plain.named_parameters(), chunked.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+    torch.testing.assert_close(chunked(x)[0], logits)
+
+
+# --- activation checkpointing --------------------------------------------------------------------------
+
+def test_activation_checkpointing_gives_identical_loss_and_gradients():
+    x, y = torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32))
+    plain, ckpt = tiny_model(), tiny_model(activation_checkpointing=True)
+    _, a = plain(x, y)
+    _, b = ckpt(x, y)
+    a.backward()
+    b.backward()
+    assert torch.equal(a, b)
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def saved_activation_bytes(m, x, y):
+    """Bytes autograd keeps for backward during the forward pass."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(x, y)
+    return total
+
+
+def test_activation_checkpointing_keeps_fewer_activations():
+    x, y = torch.randint(0, 512, (4, 32)), torch.randint(0, 512, (4, 32))
+    kw = dict(n_layer=4, chunked_loss=True)
+    plain, ckpt = saved_activation_bytes(tiny_model(**kw), x, y), saved_activation_bytes(tiny_model(activation_checkpointing=True, **kw), x, y)
+    assert ckpt < plain / 3
+
+
+# --- train.py: the step, the fallback, the log ------------------------------------------------------------
+
+def tiny_run(tmp_path, **kw):
+    cfg = SimpleNamespace(**{**train.DEFAULTS, **TINY, "batch_size": 2, "out_dir": str(tmp_path / "out"),
+                             "data_dir": None, **kw})
+    dev, ptdtype, layout, datasets, model_cfg, _ = train.setup(cfg, training=False)
+    return cfg, dev, ptdtype, layout, model_cfg
+
+
+def test_compile_failure_falls_back_to_eager_with_a_log_line(tmp_path, monkeypatch, capsys):
+    class FailsWhenCalled(torch.nn.Module):
+        def forward(self, *args):
+            raise RuntimeError("backend compiler failed: no C compiler here\nlong traceback")
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: FailsWhenCalled())
+    cfg, dev, ptdtype, layout, model_cfg = tiny_run(tmp_path, compile=True)
+    micro = [(torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32)))]
+    results = []
+    for compiled in (True, False):
+        model, optimizer, autocast, scaler = train.build(cfg, dev, ptdtype, layout, model_cfg)
+        step_model = train.compile_model(model, cfg, layout) if compiled else model
+        loss, _, step_model = train.train_step(cfg, layout, model, step_model, optimizer, scaler, autocast, micro, 1e-3)
+        assert step_model is model
+        results.append((loss, [p.detach().clone() for p in model.parameters()]))
+    assert "torch.compile failed (RuntimeError: backend compiler failed: no C compiler here); continuing without it" \
+        in capsys.readouterr().out
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)
+
+
+def test_train_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch):
+    """fp32 and bf16 steps never call .item(): the host can run ahead of the GPU (only fp16 must look)."""
+    cfg, dev, ptdtype, layout, model_cfg = tiny_run(tmp_path)
+    model, optimizer, autocast, scaler = train.build(cfg, dev, ptdtype, layout, model_cfg)
+    micro = [(torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32)))]
+
+    def item(self):
+        raise AssertionError("host-device sync inside the training step")
+    monkeypatch.setattr(torch.Tensor, "item", item)
+    train.train_step(cfg, layout, model, model, optimizer, scaler, autocast, micro, 1e-3)
+
+
+def test_training_log_has_mfu_and_peak_memory(tmp_path):
+    make_token_data(tmp_path / "data")
+    argv = [f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", "--n_layer=2", "--n_embd=64",
+            "--block_size=32", "--batch_size=2", "--max_iters=2", "--log_interval=1", "--eval_interval=0",
+            "--checkpoint_interval=0"]
+    train.main(argv)
+    records = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert 0 < r["mfu"] < 1 and r["peak_mem_bytes"] > 10 * 2**20
+
+
+# --- bench.py --------------------------------------------------------------------------------------------
+
+def test_bench_prints_a_table_and_a_parseable_result_line(capsys):
+    import bench
+    bench.main(["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--vocab_size=512",
+                "--batch_size=2", "--warmup_steps=1", "--bench_steps=2", "--reference=True", "--peak_flops=1e12"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("tokens/s") for line in lines)
+    assert lines[-1].startswith("RESULT ")
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["flops_per_token"] == flops_per_token(ModelConfig(**TINY))
+    assert result["tokens_per_sec"] > 0 and result["peak_mem_bytes"] > 0
+    assert result["ms_per_step"] == pytest.approx(1000 * 2 * 32 / result["tokens_per_sec"])
+    assert result["mfu"] == pytest.approx(result["flops_per_token"] * result["tokens_per_sec"] / 1e12)
+    assert result["reference_tokens_per_sec"] > 0
