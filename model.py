@@ -229,9 +229,10 @@ class Block(nn.Module):
 # chunk's softmax is at hand, keeps one small chunk of logits alive instead.
 
 
-def loss_chunk_size(vocab_size, budget_bytes=32 * 2**20):
-    """Tokens per chunk: as many as keep one chunk's fp32 logits within budget_bytes (at least 64 rows, so
-    the head's matmuls stay large enough to run at full speed)."""
+def loss_chunk_size(vocab_size, budget_bytes=128 * 2**20):
+    """Tokens per chunk: as many as keep one chunk's fp32 logits within budget_bytes, a multiple of 64 and
+    at least 64 rows. Fewer, larger chunks cost less: each chunk adds its gradient into the whole (V, C)
+    weight gradient, one more pass over it; one chunk's buffer is allocated once per call and reused."""
     return max(64, budget_bytes // (4 * vocab_size) // 64 * 64)
 
 
