@@ -392,8 +392,9 @@ def afab_actions(pp, stage, m):
 def one_f_one_b_actions(pp, stage, m):
     """1F1B (PipeDream-Flush): a stage runs a microbatch's backward as soon as its gradient can have come
     back, so it never holds more than pp - stage microbatches' activations, whatever m is."""
-    # warm-up: the first gradient reaches stage s after the last stage has seen microbatch 0, which takes
-    # pp - s - 1 more forwards on the stages after it; run that many forwards first (all m if m is smaller)
+    # warm-up: forwards only. Microbatch 0 must still go through the pp - stage - 1 later stages and come
+    # back before its backward can run here: fill that wait with as many forwards (Megatron's
+    # num_warmup_microbatches), or all m when there are fewer
     warmup = min(pp - stage - 1, m)
     actions = [("F", i) for i in range(warmup)]
     # steady state: each new forward is followed by the oldest waiting backward
@@ -437,9 +438,10 @@ class PipelineComm:
         """Send `send` (or nothing) to rank `send_to`, and receive the input of the action `recv_for` (or
         nothing): activations from the previous stage for a forward, the output's gradient from the next
         stage for a backward. Both go in one batch_isend_irecv, waited for together. A send does not
-        return before its receiver has posted the matching receive (gloo and NCCL alike), so a send then a
-        receive, one after the other, would deadlock wherever two neighbours each send first (1F1B's
-        steady state); posted together, they cannot."""
+        complete before its receiver has posted the matching receive (so with gloo, measured here, and
+        NCCL), so a send then a receive, one after the other, would deadlock wherever two neighbours each
+        send first (1F1B's steady state: one sends activations forward while the other sends gradients
+        back); posted together, they cannot."""
         ops, received = [], None
         if send is not None:
             ops.append(dist.P2POp(dist.isend, send.to(self.dtype).contiguous(), send_to))
@@ -558,7 +560,9 @@ def all_reduce_tied_grad(weight, group):
 def schedule_timeline(schedule, pp, m):
     """Each stage runs its actions in order, each in one time slot, as early as the stage is free and the
     action's input is ready: a forward of microbatch i after the previous stage's forward of i, a backward
-    after the next stage's backward of i. Returns one row per stage: the action in each slot, None if idle."""
+    after the next stage's backward of i. Returns one row per stage: the action in each slot, None if idle.
+    A real backward takes about twice a forward; the bubble fraction is the same, since the fill and the
+    drain stretch with the work."""
     lists = [SCHEDULES[schedule](pp, s, m) for s in range(pp)]
     finish = {}  # (stage, action) -> the slot after it
     nxt, free = [0] * pp, [0] * pp
@@ -589,6 +593,7 @@ def bubble_fraction(rows):
 
 
 def format_timeline(schedule, pp, m):
+    """The timeline as text, one row per stage, with the microbatches each stage holds and the bubble."""
     rows = schedule_timeline(schedule, pp, m)
     width = len(str(m - 1)) + 1
     lines = [f"{schedule}: pp={pp} stages, m={m} microbatches; one slot per forward (F) or backward (B), . idle"]
