@@ -242,6 +242,16 @@ def test_grad_sync_is_requested_before_the_last_backward_only(ranks):
 # through train.py
 
 
+def test_plain_forward_backward_requests_grad_sync_before_its_last_backward_only():
+    import train
+    from contextlib import nullcontext
+    model = Transformer(CFG)
+    model.init_weights(SEED)
+    syncs = []
+    train.forward_backward(model, make_microbatches(3), nullcontext(), 1.0, set_grad_sync=syncs.append)
+    assert syncs == [False, False, True]
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     return make_token_data(str(tmp_path_factory.mktemp("pp_data")))
