@@ -1,9 +1,12 @@
 """Pipeline parallelism (parallel.py section 3): the schedules' timelines, and pipelined training equal to
 one process. The distributed checks share one 4-rank launch (module fixture) and each test reads its part."""
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.nn as nn
 
+import train
 from dist_utils import gather_full, make_token_data, run_ranks, run_train, train_losses
 from model import ModelConfig, Transformer, check_layout
 from parallel import (SCHEDULES, ParallelLayout, PipelineComm, all_forward_all_backward, all_reduce_tied_grad,
@@ -243,8 +246,6 @@ def test_grad_sync_is_requested_before_the_last_backward_only(ranks):
 
 
 def test_plain_forward_backward_requests_grad_sync_before_its_last_backward_only():
-    import train
-    from contextlib import nullcontext
     model = Transformer(CFG)
     model.init_weights(SEED)
     syncs = []
