@@ -72,6 +72,7 @@ class Picotron:
         self.cfg, self.dev, self.layout, self.model_cfg, self.datasets = cfg, dev, layout, model_cfg, datasets
         self.model, self.optimizer, self.autocast, self.scaler = train.build(cfg, dev, ptdtype, layout, model_cfg)
         self.step_model = train.compile_model(self.model, cfg, layout)
+        self.pipeline = train.make_pipeline(cfg, layout, self.model, model_cfg, dev)
         self.flops_per_token = flops_per_token(model_cfg)
 
     def batches(self, step):
@@ -84,7 +85,8 @@ class Picotron:
         """One training step; returns its loss as a float, which waits for the device (and every rank)."""
         lr = train.get_lr(i, self.cfg)
         loss, _, self.step_model = train.train_step(self.cfg, self.layout, self.model, self.step_model,
-                                                    self.optimizer, self.scaler, self.autocast, self.batches(i), lr)
+                                                    self.optimizer, self.scaler, self.autocast, self.batches(i), lr,
+                                                    self.pipeline)
         return train.mean_across_ranks(loss, self.layout).item()
 
 
