@@ -6,6 +6,8 @@ Read top to bottom:
   2. Tensor parallelism: the four communication operators as autograd functions, then the layers built
      from them (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) and the vocab-parallel
      cross-entropy.
+  4. Data parallelism and ZeRO-1: gradients averaged in buckets from backward hooks (GradientBuckets),
+     and an AdamW whose states are split across data-parallel ranks (ZeroOneAdamW).
 
 Every layer here works on its own, given only torch and a process group (None means "not split": the
 layer is then an ordinary nn.Linear / nn.Embedding), so it can be lifted into another project.
@@ -356,3 +358,238 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
         return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
     losses = VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group, ignore_index)
     return losses.sum() / (targets != ignore_index).sum().clamp(min=1)
+
+
+# -----------------------------------------------------------------------------
+# 4. Data parallelism and ZeRO-1
+#
+# Every data-parallel rank holds the same parameters and runs its own slice of the global batch, so its
+# gradient is the mean over its slice; the mean over the whole batch is the average of the ranks'
+# gradients. Averaging is one collective per bucket of parameters, launched from a backward hook the
+# moment the bucket's last gradient is ready, so the communication of the layers near the output runs
+# while backward is still computing the layers near the input (the overlap DistributedDataParallel has;
+# Li et al. 2020, "PyTorch Distributed", section 3.2.3).
+#
+# ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+# Models", section 5.1) keeps that, but each rank keeps the AdamW moments of only 1/dp of the elements:
+# the gradients are reduce-scattered (each rank receives the average of its own slice only), each rank
+# updates its slice of the parameters, and the updated slices are all-gathered so that every rank holds
+# the whole model again. Compared with all-reduce + AdamW the communication volume is the same (an
+# all-reduce is a reduce-scatter followed by an all-gather), the optimizer memory is 1/dp.
+#
+# The slices are cut from each bucket's flat buffer, padded to a multiple of dp, not handed out tensor by
+# tensor: every rank gets the same number of elements (within the padding), whatever the tensor sizes.
+
+# torch 2.13 renamed the single-tensor collectives (the old names still work, with a warning)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Bucket:
+    """A group of parameters whose gradients travel as one flat tensor (padded to a multiple of dp)."""
+
+    def __init__(self, params, dp):
+        self.params = params
+        self.offsets, n = [], 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        self.shard_size = (n + dp - 1) // dp  # elements each data-parallel rank owns
+        self.flat = torch.zeros(self.shard_size * dp, dtype=params[0].dtype, device=params[0].device)
+        self.reset()
+
+    def reset(self):
+        self.ready = set()  # indices of the parameters whose gradient is in `flat`
+        self.work = None  # the in-flight collective
+        self.shard = None  # with sharding: the reduced gradient of this rank's slice
+
+
+class GradientBuckets:
+    """Averages the gradients of `params` across the data-parallel `group`, in buckets of about
+    bucket_size_mb launched asynchronously from backward hooks (Tensor.register_post_accumulate_grad_hook).
+
+    Before each micro-batch's backward, call set_grad_sync(False) for the gradient-accumulation micro-steps
+    (gradients just accumulate locally, no communication) and set_grad_sync(True) for the last one. After
+    backward, finish() waits for the collectives and leaves in every p.grad:
+        shard=False: the average gradient (all-reduce);
+        shard=True:  the average gradient on the elements this rank owns, zero elsewhere (reduce-scatter),
+                     for ZeRO-1; `owned_pieces()` says which elements those are.
+    `deferred` parameters are not synced from the hooks but in finish(): a gradient that still changes
+    after backward (a tied embedding whose pipeline stages add their copies' gradients) must be complete
+    before it is reduced, so call finish() after that addition."""
+
+    def __init__(self, params, group, bucket_size_mb=25.0, shard=False, deferred=()):
+        self.group, self.shard = group, shard
+        self.dp, self.dp_rank = group_size(group), group_rank(group)
+        self.sync = True
+        deferred_ids = {id(p) for p in deferred}
+        params = [p for p in params if p.requires_grad]
+        early = [p for p in params if id(p) not in deferred_ids]
+        late = [p for p in params if id(p) in deferred_ids]
+        # backward produces gradients roughly in the reverse order of the forward pass: bucket them that way
+        self.buckets, current, size = [], [], 0
+        capacity = max(1, int(bucket_size_mb * 2 ** 20))
+        for p in reversed(early):
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= capacity:
+                self.buckets.append(_Bucket(current, self.dp))
+                current, size = [], 0
+        if current:
+            self.buckets.append(_Bucket(current, self.dp))
+        if late:
+            self.buckets.append(_Bucket(late, self.dp))
+        self.where = {}
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self.where[p] = (b, i)
+        self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in early]
+        self.launched = 0  # collectives launched since the last finish(): the tests read it
+
+    def set_grad_sync(self, sync):
+        self.sync = sync
+
+    def _grad_ready(self, p):
+        if not self.sync:
+            return  # a gradient-accumulation micro-step: keep accumulating in p.grad
+        bucket, i = self.where[p]
+        if i in bucket.ready:
+            raise RuntimeError("a gradient became ready twice in one synchronised step: call set_grad_sync(False) "
+                               "before the backward of every micro-batch but the last")
+        self._copy_in(bucket, i)
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _copy_in(self, bucket, i):
+        p, start = bucket.params[i], bucket.offsets[i]
+        view = bucket.flat[start:start + p.numel()]
+        view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
+        bucket.ready.add(i)
+
+    def _launch(self, bucket):
+        self.launched += 1
+        if self.dp == 1:
+            return
+        if self.shard:
+            bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
+            bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=self.group, async_op=True)
+        else:
+            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+
+    def finish(self):
+        """Wait for every bucket's collective (launching the ones the hooks did not: deferred parameters,
+        parameters that got no gradient this step) and point each p.grad at its part of the result."""
+        for bucket in self.buckets:  # same order on every rank: the hooks fired in the same order
+            if len(bucket.ready) < len(bucket.params):
+                for i in range(len(bucket.params)):
+                    if i not in bucket.ready:
+                        self._copy_in(bucket, i)
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()  # sync point: the gradient is needed from here on
+            if self.shard:
+                mine = bucket.flat[self.dp_rank * bucket.shard_size:(self.dp_rank + 1) * bucket.shard_size]
+                if self.dp > 1:
+                    mine.copy_(bucket.shard)
+                bucket.flat[:self.dp_rank * bucket.shard_size].zero_()
+                bucket.flat[(self.dp_rank + 1) * bucket.shard_size:].zero_()
+            if self.dp > 1:
+                bucket.flat.div_(self.dp)  # the sum over ranks -> the mean over the global batch
+            for p, start in zip(bucket.params, bucket.offsets):
+                p.grad = bucket.flat[start:start + p.numel()].view_as(p)
+            bucket.reset()
+        self.sync, self.launched = True, 0
+
+    def owned_pieces(self):
+        """(param, start, end): the range of each parameter's flattened elements this rank owns under
+        sharding. Each parameter has at most one range: it is contiguous in its bucket, so is the slice."""
+        pieces = []
+        for bucket in self.buckets:
+            lo, hi = self.dp_rank * bucket.shard_size, (self.dp_rank + 1) * bucket.shard_size
+            for p, start in zip(bucket.params, bucket.offsets):
+                a, b = max(lo, start), min(hi, start + p.numel())
+                if a < b:
+                    pieces.append((p, a - start, b - start))
+        return pieces
+
+
+class ZeroOneAdamW(torch.optim.Optimizer):
+    """AdamW with its states partitioned across the data-parallel group (ZeRO stage 1).
+
+    Takes parameter groups like torch.optim.AdamW (per-group lr and weight_decay) and owns the gradient
+    averaging too (`self.grad_sync`, a sharded GradientBuckets): do not also all-reduce the gradients, or
+    wrap the model in DistributedDataParallel, or they are reduced twice. Per step:
+        backward (hooks reduce-scatter the buckets) -> grad_sync.finish() -> [clip] -> step() (AdamW on this
+        rank's slice, then all-gather the updated slices)
+    The update is torch.optim.AdamW's, element for element: decoupled weight decay p -= lr * wd * p, then
+    p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps) (Loshchilov & Hutter 2019).
+    The learning rate is read from self.param_groups at every step, so a schedule that writes
+    group['lr'] reaches the update."""
+
+    def __init__(self, params, group=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 bucket_size_mb=25.0, deferred=()):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.group = group
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        self.grad_sync = GradientBuckets(all_params, group, bucket_size_mb, shard=True, deferred=deferred)
+        self.group_of = {p: g for g in self.param_groups for p in g["params"]}
+        # the moments of this rank's slice only, created now so that their size can be reported at start-up
+        for p, start, end in self.grad_sync.owned_pieces():
+            self.state[p] = {"step": torch.tensor(0.0), "flat_range": (start, end),
+                             "exp_avg": torch.zeros(end - start, dtype=p.dtype, device=p.device),
+                             "exp_avg_sq": torch.zeros(end - start, dtype=p.dtype, device=p.device)}
+
+    @torch.no_grad()
+    def step(self):
+        for p, state in self.state.items():
+            group = self.group_of[p]
+            lr, wd, (beta1, beta2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
+            start, end = state["flat_range"]
+            param = p.view(-1)[start:end]  # a view: updating it updates p
+            grad = p.grad.view(-1)[start:end]
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            state["step"] += 1
+            t = state["step"].item()
+            param.mul_(1 - lr * wd)
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
+            param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1 ** t))
+        self._all_gather_params()
+
+    def _all_gather_params(self):
+        """Every rank updated its slice of each bucket; gather the slices so that every rank has the
+        whole updated model."""
+        gs = self.grad_sync
+        if gs.dp == 1:
+            return
+        gathered = []
+        for bucket in gs.buckets:
+            full = torch.empty_like(bucket.flat)
+            for p, start in zip(bucket.params, bucket.offsets):
+                full[start:start + p.numel()].copy_(p.detach().reshape(-1))
+            mine = full[gs.dp_rank * bucket.shard_size:(gs.dp_rank + 1) * bucket.shard_size].clone()
+            gathered.append((bucket, full, _all_gather_single(full, mine, group=self.group, async_op=True)))
+        for bucket, full, work in gathered:
+            work.wait()
+            for p, start in zip(bucket.params, bucket.offsets):
+                p.detach().copy_(full[start:start + p.numel()].view_as(p))
+
+
+def optimizer_state_bytes(optimizer):
+    """Bytes of every tensor in an optimizer's state on this rank (the moments; the step counters too)."""
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
+               for v in state.values() if torch.is_tensor(v))
+
+
+def format_grid(dp, tp, pp):
+    """The rank layout as text, one line per (pipeline stage, data-parallel replica): which global ranks
+    hold the tensor-parallel slices of it (rank = (pp_rank * dp + dp_rank) * tp + tp_rank)."""
+    lines = []
+    for p in range(pp):
+        for d in range(dp):
+            ranks = [(p * dp + d) * tp + t for t in range(tp)]
+            lines.append(f"  stage {p} replica {d}: ranks {ranks}")
+    return "\n".join(lines)
