@@ -1,0 +1,163 @@
+"""Sharded checkpoints: atomic, pruned, resharded on resume, and surviving a killed rank.
+
+The reference for every resume is one process that trains without interruption on the same global batch
+(batch_size 4 x 2 micro-batches; the 2-replica runs take batch_size 2 each): the resumed run's losses must
+be the reference's, step for step.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import checkpoint
+from dist_utils import ROOT, make_token_data, run_train, train_losses
+
+TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
+        "--log_interval=1", "--eval_interval=0", "--warmup_iters=2", "--lr_decay_iters=10",
+        "--learning_rate=3e-3", "--gradient_accumulation_steps=2", "--bucket_size_mb=0.01"]
+ONE_RANK = ["--batch_size=4"]
+TWO_REPLICAS = ["--batch_size=2"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return make_token_data(str(tmp_path_factory.mktemp("data")))
+
+
+def reference_losses(data_dir, out_dir, steps):
+    records, _ = run_train(TINY + ONE_RANK + [f"--data_dir={data_dir}", f"--out_dir={out_dir}",
+                                             f"--max_iters={steps}", "--checkpoint_interval=0"])
+    return train_losses(records)
+
+
+# -----------------------------------------------------------------------------
+# atomic writes and pruning (one process, checkpoint.py directly)
+
+
+def _save(out_dir, step, keep_last_n=0):
+    piece = {"tensor": torch.full((4,), float(step)), "full_shape": [4], "tp_dim": None, "tp_rank": 0,
+             "tp_world": 1, "flat_range": [0, 4]}
+    return checkpoint.save(str(out_dir), step, 0, 1, {"w": piece}, {}, {"adam_step": step}, keep_last_n=keep_last_n)
+
+
+def test_keep_last_n_keeps_the_newest_n_complete_checkpoints(tmp_path):
+    for step in (1, 2, 3, 4, 5):
+        _save(tmp_path, step, keep_last_n=2)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000004", "ckpt_0000005"]
+
+
+def test_latest_checkpoint_ignores_a_partial_tmp_folder_and_a_truncated_rank_file(tmp_path):
+    _save(tmp_path, 2)
+    _save(tmp_path, 4)
+    # a save that crashed before every rank had written: never renamed
+    os.makedirs(tmp_path / "ckpt_0000006.tmp")
+    (tmp_path / "ckpt_0000006.tmp" / "rank00000.pt").write_bytes(b"partial")
+    # a folder whose rank file is shorter than meta.json says (a disk that filled up, a copy cut short)
+    shutil.copytree(tmp_path / "ckpt_0000004", tmp_path / "ckpt_0000008")
+    with open(tmp_path / "ckpt_0000008" / "rank00000.pt", "r+b") as f:
+        f.truncate(10)
+    assert checkpoint.latest_checkpoint(str(tmp_path)) == str(tmp_path / "ckpt_0000004")
+    meta = json.loads((tmp_path / "ckpt_0000004" / "meta.json").read_text())
+    assert meta["step"] == 4
+
+
+# -----------------------------------------------------------------------------
+# save at one layout, resume at others
+
+
+@pytest.fixture(scope="module")
+def saved_at_dp2_zero1(data_dir, tmp_path_factory):
+    """3 steps at dp=2 with ZeRO-1: every replica saved its own half of the Adam moments."""
+    out = str(tmp_path_factory.mktemp("dp2_zero1"))
+    run_train(TINY + TWO_REPLICAS + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=3",
+                                     "--checkpoint_interval=3", "--zero_stage=1"], nproc=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data_dir, tmp_path_factory):
+    return reference_losses(data_dir, str(tmp_path_factory.mktemp("ref")), 6)
+
+
+def _resume(saved, out_dir, data_dir, extra, nproc):
+    shutil.copytree(saved, out_dir, dirs_exist_ok=True)
+    records, proc = run_train(TINY + extra + [f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--max_iters=6",
+                                              "--checkpoint_interval=3", "--init_from=resume"], nproc=nproc)
+    assert "resumed from" in proc.stdout and "ckpt_0000003" in proc.stdout
+    return train_losses(records)
+
+
+def test_dp2_zero1_checkpoint_resumes_at_tp2_without_zero(saved_at_dp2_zero1, uninterrupted, data_dir, tmp_path):
+    losses = _resume(saved_at_dp2_zero1, tmp_path, data_dir, ONE_RANK + ["--tp=2", "--zero_stage=0"], nproc=2)
+    assert losses == pytest.approx(uninterrupted, rel=1e-5)
+
+
+def test_dp2_zero1_checkpoint_resumes_in_one_process_with_zero_and_ignores_a_partial_save(
+        saved_at_dp2_zero1, uninterrupted, data_dir, tmp_path):
+    os.makedirs(tmp_path / "ckpt_0000005.tmp")  # a later save that never completed
+    (tmp_path / "ckpt_0000005.tmp" / "rank00000.pt").write_bytes(b"partial")
+    losses = _resume(saved_at_dp2_zero1, tmp_path, data_dir, ONE_RANK + ["--zero_stage=1"], nproc=1)
+    assert losses == pytest.approx(uninterrupted, rel=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# a rank killed mid-run
+
+
+def _children(pid):
+    """Direct child processes of pid, from /proc (no psutil)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    kids.append(int(entry))
+            except OSError:
+                pass
+    return kids
+
+
+def _rank_of(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    return int(env[b"RANK"]) if b"RANK" in env else None
+
+
+def test_a_rank_killed_mid_run_loses_only_the_steps_since_the_last_complete_checkpoint(data_dir, tmp_path):
+    out = str(tmp_path / "run")
+    argv = TINY + TWO_REPLICAS + [f"--data_dir={data_dir}", f"--out_dir={out}", "--zero_stage=1",
+                                  "--max_iters=100000", "--checkpoint_interval=2", "--keep_last_n=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train.py")] + argv
+    torchrun = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 180
+        while not ((latest := checkpoint.latest_checkpoint(out)) and int(latest.rsplit("_", 1)[1]) >= 4):
+            assert torchrun.poll() is None and time.time() < deadline, "the run ended before its second checkpoint"
+            time.sleep(0.01)
+        victim = next(pid for pid in _children(torchrun.pid) if _rank_of(pid) == 1)
+        os.kill(victim, signal.SIGKILL)
+        assert torchrun.wait(timeout=120) != 0  # torchrun sees the dead rank and stops the others
+    finally:
+        if torchrun.poll() is None:
+            os.killpg(torchrun.pid, signal.SIGKILL)
+            torchrun.wait()
+    last = int(checkpoint.latest_checkpoint(out).rsplit("_", 1)[1])
+    assert last >= 4
+
+    records, proc = run_train(argv[:-3] + [f"--max_iters={last + 2}", "--checkpoint_interval=2",
+                                           "--init_from=resume"], nproc=2)
+    assert f"ckpt_{last:07d}" in proc.stdout
+    reference = reference_losses(data_dir, str(tmp_path / "ref"), last + 2)
+    # steps 1..last come from the killed run's log, the rest from the resumed run: one run's worth of losses
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, last + 3))
+    assert train_losses(records) == pytest.approx(reference, rel=1e-5)
