@@ -637,7 +637,9 @@ if __name__ == "__main__":
 # the gradients are reduce-scattered (each rank receives the average of its own slice only), each rank
 # updates its slice of the parameters, and the updated slices are all-gathered so that every rank holds
 # the whole model again. Compared with all-reduce + AdamW the communication volume is the same (an
-# all-reduce is a reduce-scatter followed by an all-gather), the optimizer memory is 1/dp.
+# all-reduce is a reduce-scatter followed by an all-gather), the optimizer memory is 1/dp. Gloo (CPU) has
+# no native reduce-scatter: since torch 2.3 torch runs it there as an all-reduce followed by keeping one
+# chunk, so on CPU the gradient step costs what plain data parallelism's does, on NCCL half of it.
 #
 # The slices are cut from each bucket's flat buffer, padded to a multiple of dp, not handed out tensor by
 # tensor: every rank gets the same number of elements (within the padding), whatever the tensor sizes.
@@ -751,14 +753,15 @@ class GradientBuckets:
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()  # sync point: the gradient is needed from here on
-            if self.shard:
-                mine = bucket.flat[self.dp_rank * bucket.shard_size:(self.dp_rank + 1) * bucket.shard_size]
+            # the sum over ranks / dp = the mean gradient over the global batch
+            if self.shard:  # this rank's slice of the mean, zero elsewhere (the other ranks' slices)
+                lo, hi = self.dp_rank * bucket.shard_size, (self.dp_rank + 1) * bucket.shard_size
                 if self.dp > 1:
-                    mine.copy_(bucket.shard)
-                bucket.flat[:self.dp_rank * bucket.shard_size].zero_()
-                bucket.flat[(self.dp_rank + 1) * bucket.shard_size:].zero_()
-            if self.dp > 1:
-                bucket.flat.div_(self.dp)  # the sum over ranks -> the mean over the global batch
+                    bucket.flat[lo:hi].copy_(bucket.shard).div_(self.dp)
+                bucket.flat[:lo].zero_()
+                bucket.flat[hi:].zero_()
+            elif self.dp > 1:
+                bucket.flat.div_(self.dp)
             for p, start in zip(bucket.params, bucket.offsets):
                 p.grad = bucket.flat[start:start + p.numel()].view_as(p)
             bucket.reset()

@@ -469,10 +469,11 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
     optimizer = make_optimizer(model, cfg, dev, layout)
     grad_sync = make_grad_sync(model, cfg, layout, optimizer)
     zero = isinstance(optimizer, ZeroOneAdamW)
-    # AdamW creates its moments at the first step (two per parameter element); ZeroOneAdamW has its slice's now
-    state_bytes = optimizer_state_bytes(optimizer) if zero else 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    print0(layout, f"optimizer: {'ZeroOneAdamW' if zero else 'AdamW'}, state {state_bytes / 2**20:.2f} MiB on rank 0"
-                   + (f" (1/{layout.dp} of the moments)" if zero else ""))
+    # AdamW creates its two moments per parameter element at the first step; ZeroOneAdamW its slice's now
+    unsharded = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    print0(layout, f"optimizer: ZeroOneAdamW, state {optimizer_state_bytes(optimizer) / 2**20:.2f} MiB on rank 0, about "
+                   f"1/{layout.dp} of the unsharded {unsharded / 2**20:.2f} MiB" if zero else
+                   f"optimizer: AdamW, state {unsharded / 2**20:.2f} MiB per rank")
     scaler = DynamicLossScaler(enabled=ptdtype == torch.float16)
     autocast = torch.autocast(dev.type, dtype=ptdtype) if ptdtype != torch.float32 else nullcontext()
     step = 0
@@ -499,14 +500,14 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro = rank_microbatches(cfg, layout, datasets["train"], TRAIN_STREAM, step, cfg.gradient_accumulation_steps, dev)
-        set_grad_sync = grad_sync.set_grad_sync if grad_sync else None
+        set_grad_sync = grad_sync.set_grad_sync if grad_sync is not None else None
         if layout.pp > 1:
             loss = schedule(train_model, micro, pipe, autocast, scaler.loss_multiplier(), set_grad_sync)
             if tied_group is not None:
                 all_reduce_tied_grad(tied_weight, tied_group)
         else:
             loss = forward_backward(train_model, micro, autocast, scaler.loss_multiplier(), set_grad_sync)
-        if grad_sync:
+        if grad_sync is not None:
             grad_sync.finish()  # waits for the data-parallel averaging launched during backward (after the tied sum)
         if scaler.enabled:
             scale_grads(model, 1.0 / scaler.scale)

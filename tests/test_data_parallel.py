@@ -5,7 +5,6 @@ data-parallel runs take batch_size 2 x 2 micro-batches on each of 2 replicas (tr
 rank_microbatches gives replica r the r-th slice of the same windows).
 """
 import os
-import sys
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch.nn as nn
 
 import checkpoint
 import parallel
-from dist_utils import ROOT, make_token_data, run_ranks, run_train, train_losses
+from dist_utils import make_token_data, run_ranks, run_train, train_losses
 from model import ModelConfig, Transformer
 from parallel import GradientBuckets, ParallelLayout, ZeroOneAdamW, init_distributed, optimizer_state_bytes
 
@@ -26,11 +25,6 @@ TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_si
         "--bucket_size_mb=0.01"]
 GLOBAL_BATCH_ONE_RANK = ["--batch_size=4"]  # x 2 micro-batches = 8 windows per step
 PER_RANK_AT_DP2 = ["--batch_size=2"]  # x 2 micro-batches x 2 replicas = the same 8 windows
-
-
-def pipeline_landed():
-    """The 3D test needs pipeline parallelism (parallel.py section 3, another engineer's branch)."""
-    return "pp > 1 is not implemented yet" not in (ROOT / "train.py").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +67,6 @@ def test_dp2_gives_the_losses_and_final_weights_of_one_process(zero_stage, data_
     assert state[-1] == pytest.approx(full / (2 if zero_stage else 1), rel=0.01)
 
 
-@pytest.mark.skipif(not pipeline_landed(), reason="pipeline parallelism (pp > 1) has not landed in train.py yet")
 def test_dp2_tp2_pp2_zero1_gives_the_losses_and_final_weights_of_one_process(data_dir, reference, tmp_path):
     records, proc = run_train(TINY + PER_RANK_AT_DP2 + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
                                                         "--tp=2", "--pp=2", "--zero_stage=1"], nproc=8)
