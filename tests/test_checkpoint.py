@@ -1,8 +1,9 @@
-"""Sharded checkpoints: atomic, pruned, resharded on resume, and surviving a killed rank.
+"""Sharded checkpoints: atomic, pruned, resharded on resume, and surviving a killed rank; and the
+dp2 x tp2 x pp2 run whose checkpoints the resharding tests resume, which must itself equal one process.
 
-The reference for every resume is one process that trains without interruption on the same global batch
-(batch_size 4 x 2 micro-batches; the 2-replica runs take batch_size 2 each): the resumed run's losses must
-be the reference's, step for step.
+The reference is one process that trains without interruption on the same global batch (batch_size 4 x 2
+micro-batches; runs with 2 replicas take batch_size 2, with 4 replicas 1): every other run's losses must be
+the reference's, step for step.
 """
 import json
 import os
@@ -17,6 +18,7 @@ import torch
 
 import checkpoint
 from dist_utils import ROOT, make_token_data, run_train, train_losses
+from model import ModelConfig, Transformer
 
 TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
         "--log_interval=1", "--eval_interval=0", "--warmup_iters=2", "--lr_decay_iters=10",
@@ -28,12 +30,6 @@ TWO_REPLICAS = ["--batch_size=2"]
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     return make_token_data(str(tmp_path_factory.mktemp("data")))
-
-
-def reference_losses(data_dir, out_dir, steps):
-    records, _ = run_train(TINY + ONE_RANK + [f"--data_dir={data_dir}", f"--out_dir={out_dir}",
-                                             f"--max_iters={steps}", "--checkpoint_interval=0"])
-    return train_losses(records)
 
 
 # -----------------------------------------------------------------------------
@@ -73,25 +69,39 @@ def test_latest_checkpoint_ignores_a_partial_tmp_folder_and_a_truncated_rank_fil
 
 @pytest.fixture(scope="module")
 def uninterrupted(data_dir, tmp_path_factory):
-    """The reference losses of steps 1..10 (the layout tests resume to step 6, the kill test further)."""
-    return reference_losses(data_dir, str(tmp_path_factory.mktemp("ref")), 10)
-
-
-def _resume(saved, out_dir, data_dir, extra, nproc):
-    shutil.copytree(saved, out_dir, dirs_exist_ok=True)
-    records, proc = run_train(TINY + extra + [f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--max_iters=6",
-                                              "--checkpoint_interval=3", "--init_from=resume"], nproc=nproc)
-    assert "resumed from" in proc.stdout and "ckpt_0000003" in proc.stdout
-    return train_losses(records)
+    """One process, 10 steps, a checkpoint at step 5: the reference losses and final weights."""
+    out = str(tmp_path_factory.mktemp("ref"))
+    records, _ = run_train(TINY + ONE_RANK + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=10",
+                                             "--checkpoint_interval=5"])
+    return train_losses(records), os.path.join(out, "ckpt_0000005")
 
 
 @pytest.fixture(scope="module")
-def saved_at_dp2_tp2_pp2_zero1(data_dir, tmp_path_factory):
-    """3 steps at dp2 x tp2 x pp2 with ZeRO-1: each of the 8 ranks saved its own part of the moments."""
+def run_3d(data_dir, tmp_path_factory):
+    """5 steps at dp2 x tp2 x pp2 with ZeRO-1, checkpoints at steps 3 and 5: each of the 8 ranks saves its
+    own part of the weights and of the Adam moments."""
     out = str(tmp_path_factory.mktemp("dp2_tp2_pp2"))
-    run_train(TINY + TWO_REPLICAS + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=3",
-                                     "--checkpoint_interval=3", "--tp=2", "--pp=2", "--zero_stage=1"], nproc=8)
-    return out
+    records, proc = run_train(TINY + TWO_REPLICAS + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=5",
+                                                     "--checkpoint_interval=3", "--tp=2", "--pp=2", "--zero_stage=1"],
+                              nproc=8)
+    assert "dp=2 x tp=2 x pp=2" in proc.stdout
+    return train_losses(records), out
+
+
+def weights(ckpt_path):
+    """A checkpoint's weights, loaded into a single-process model (whatever layout saved them)."""
+    reader = checkpoint.CheckpointReader(ckpt_path)
+    model = Transformer(ModelConfig(**reader.meta["model"]))
+    checkpoint.load_model(model, ckpt_path)
+    return dict(model.named_parameters())
+
+
+def test_dp2_tp2_pp2_zero1_gives_the_losses_and_final_weights_of_one_process(run_3d, uninterrupted):
+    (losses, out), (ref_losses, ref_ckpt) = run_3d, uninterrupted
+    assert losses == pytest.approx(ref_losses[:5], rel=1e-5)
+    got, want = weights(os.path.join(out, "ckpt_0000005")), weights(ref_ckpt)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("layout, nproc", [
@@ -99,13 +109,17 @@ def saved_at_dp2_tp2_pp2_zero1(data_dir, tmp_path_factory):
     (ONE_RANK + ["--tp=2", "--pp=2", "--zero_stage=0"], 4),  # ZeRO off: AdamW's moments from the ZeRO pieces
     (["--batch_size=1", "--tp=1", "--pp=2", "--zero_stage=1"], 8),  # dp4: the 2 moment shards cut into 4
 ], ids=["dp1_tp1_pp1_zero1", "dp1_tp2_pp2_zero0", "dp4_tp1_pp2_zero1"])
-def test_dp2_tp2_pp2_zero1_checkpoint_resumes_at_another_layout(layout, nproc, saved_at_dp2_tp2_pp2_zero1,
-                                                                uninterrupted, data_dir, tmp_path):
+def test_dp2_tp2_pp2_zero1_checkpoint_resumes_at_another_layout(layout, nproc, run_3d, uninterrupted, data_dir,
+                                                                tmp_path):
+    shutil.copytree(os.path.join(run_3d[1], "ckpt_0000003"), tmp_path / "ckpt_0000003")
     # a later save that never completed (its .tmp folder was never renamed) must be ignored
     os.makedirs(tmp_path / "ckpt_0000005.tmp")
     (tmp_path / "ckpt_0000005.tmp" / "rank00000.pt").write_bytes(b"partial")
-    losses = _resume(saved_at_dp2_tp2_pp2_zero1, tmp_path, data_dir, layout, nproc=nproc)
-    assert losses == pytest.approx(uninterrupted[:6], rel=1e-5)
+    records, proc = run_train(TINY + layout + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=6",
+                                               "--checkpoint_interval=0", "--init_from=resume"], nproc=nproc)
+    assert f"resumed from {tmp_path / 'ckpt_0000003'} at step 3" in proc.stdout
+    assert [r["step"] for r in records if "loss" in r] == [4, 5, 6]
+    assert train_losses(records) == pytest.approx(uninterrupted[0][3:6], rel=1e-5)
 
 
 # -----------------------------------------------------------------------------
@@ -135,6 +149,7 @@ def _rank_of(pid):
 
 def test_a_rank_killed_mid_run_loses_only_the_steps_since_the_last_complete_checkpoint(data_dir, uninterrupted,
                                                                                       tmp_path):
+    reference = uninterrupted[0]
     out = str(tmp_path / "run")
     run = TINY + TWO_REPLICAS + [f"--data_dir={data_dir}", f"--out_dir={out}", "--checkpoint_interval=2"]
     argv = run + ["--zero_stage=0", "--max_iters=100000", "--keep_last_n=2"]
@@ -155,12 +170,12 @@ def test_a_rank_killed_mid_run_loses_only_the_steps_since_the_last_complete_chec
             os.killpg(torchrun.pid, signal.SIGKILL)
             torchrun.wait()
     last = int(checkpoint.latest_checkpoint(out).rsplit("_", 1)[1])
-    assert 4 <= last < len(uninterrupted), "the kill came too late for the reference run to cover the rerun"
+    assert 4 <= last < len(reference), "the kill came too late for the reference run to cover the rerun"
 
     # the rerun also switches ZeRO-1 on: the saved AdamW moments are cut into the two replicas' shards
-    steps = len(uninterrupted)
+    steps = len(reference)
     records, proc = run_train(run + [f"--max_iters={steps}", "--init_from=resume", "--zero_stage=1"], nproc=2)
     assert f"resumed from {os.path.join(out, f'ckpt_{last:07d}')} at step {last}" in proc.stdout
     # steps 1..last come from the killed run's log, the rest from the resumed run: one run's worth of losses
     assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
-    assert train_losses(records) == pytest.approx(uninterrupted, rel=1e-5)
+    assert train_losses(records) == pytest.approx(reference, rel=1e-5)
