@@ -73,7 +73,7 @@ def uninterrupted(data_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ref"))
     records, _ = run_train(TINY + ONE_RANK + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=10",
                                              "--checkpoint_interval=5"])
-    return train_losses(records), os.path.join(out, "ckpt_0000005")
+    return train_losses(records), os.path.join(out, "ckpt_0000005"), records
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def run_3d(data_dir, tmp_path_factory):
                                                      "--checkpoint_interval=3", "--tp=2", "--pp=2", "--zero_stage=1"],
                               nproc=8)
     assert "dp=2 x tp=2 x pp=2" in proc.stdout
-    return train_losses(records), out
+    return train_losses(records), out, records
 
 
 def weights(ckpt_path):
@@ -97,8 +97,11 @@ def weights(ckpt_path):
 
 
 def test_dp2_tp2_pp2_zero1_gives_the_losses_and_final_weights_of_one_process(run_3d, uninterrupted):
-    (losses, out), (ref_losses, ref_ckpt) = run_3d, uninterrupted
+    (losses, out, records), (ref_losses, ref_ckpt, ref_records) = run_3d, uninterrupted
     assert losses == pytest.approx(ref_losses[:5], rel=1e-5)
+    # the logged norm is the global one (every dp shard, tp slice and pp stage), the norm that was clipped
+    norms = lambda rs: [r["grad_norm"] for r in rs if "grad_norm" in r]
+    assert norms(records) == pytest.approx(norms(ref_records)[:5], rel=1e-4)
     got, want = weights(os.path.join(out, "ckpt_0000005")), weights(ref_ckpt)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
