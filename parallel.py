@@ -118,7 +118,8 @@ def init_distributed(dp, tp, pp, device_type):
 # produces a slice of the output. A row-parallel linear splits its input features: every rank holds a
 # slice of the input, produces a partial sum of the whole output. Chaining column -> row (attention:
 # QKV -> output projection; MLP: up -> down) needs exactly one all-reduce in the forward pass (g, after
-# the row-parallel layer) and one in the backward pass (f, before the column-parallel layer).
+# the row-parallel layer) and one in the backward pass (f, before the column-parallel layer). When several
+# column-parallel layers read one input (q, k, v), f is applied once to that input (copy_input=False below).
 
 
 # Measurement aid, off by default: set `parallel.tp_comm_bytes = {}` and every tensor-parallel collective
@@ -311,7 +312,8 @@ class RowParallelLinear(nn.Module):
 def padded_vocab_size(vocab_size, tp):
     """Round the vocabulary up so it splits evenly across tp ranks, and to a multiple of 64 per rank,
     which keeps the embedding and output matmuls on fast kernel sizes (nanoGPT's 50257 -> 50304).
-    The extra rows are never a target and their logits are cut off before the loss (see below)."""
+    The extra rows are never a target: Transformer.forward cuts their logits off before the loss, the
+    embedding never looks them up, so they stay zero and take no gradient."""
     multiple = 64 * tp
     return (vocab_size + multiple - 1) // multiple * multiple
 

@@ -5,12 +5,10 @@ The reference is always the unsplit computation: nn.Linear, F.cross_entropy on t
 built without a tensor-parallel group. To pay the process start-up once per world size, one run_ranks
 call per tp does every check and returns the errors; the tests below each read one behaviour from it.
 
-    python tests/test_tensor_parallel.py --measure    tokens/s and TP bytes per step at tp = 1, 2, 4
+    PYTHONPATH=. python tests/test_tensor_parallel.py --measure    tokens/s, TP bytes per step at tp = 1, 2, 4
 """
-import math
 import sys
 import tempfile
-import time
 
 import pytest
 import torch
@@ -301,3 +299,66 @@ def test_train_py_stops_with_a_clean_error_when_tp_does_not_divide_the_heads(tmp
     assert lines, proc.stderr[-2000:]
     assert "n_head = 3 must be divisible by tp = 2" in lines[0]
     assert "n_kv_head = 3 and tp = 2: one must divide the other" in lines[0]
+
+
+# -----------------------------------------------------------------------------
+# Measurement, not a test:  PYTHONPATH=. python tests/test_tensor_parallel.py --measure
+# tokens/s of train.py at tp = 1, 2, 4, and the bytes each rank puts into tensor-parallel collectives per
+# step (parallel.tp_comm_bytes) against the analytic count.
+
+BENCH = dict(n_layer=4, n_head=4, n_kv_head=4, n_embd=128, block_size=256, vocab_size=50257)
+BENCH_BATCH = 8
+
+
+def analytic_tp_bytes(cfg, batch_size, tp):
+    """fp32 bytes each rank contributes to TP all-reduces in one forward + backward (Megatron layout):
+    per block one g (attention output) and one g (MLP output) forward, one f (attention input) and one f
+    (MLP input) backward, each B*T*n_embd; the embedding's g forward and the head's f backward, B*T*n_embd
+    each; the cross-entropy's max, sum-exp and target logit, B*T each; with key/value heads replicated
+    (tp does not divide n_kv_head), the k and v weights' gradients, n_kv_head*head_dim*n_embd each, per block."""
+    btc = batch_size * cfg.block_size * cfg.n_embd
+    kv = 2 * cfg.n_layer * cfg.n_kv_head * (cfg.n_embd // cfg.n_head) * cfg.n_embd if cfg.n_kv_head % tp else 0
+    return 4 * ((4 * cfg.n_layer + 2) * btc + 3 * batch_size * cfg.block_size + kv)
+
+
+def count_tp_bytes(rank, world_size, overrides, batch_size):
+    group = ParallelLayout(1, world_size, 1, world_size, rank).tp_group
+    cfg = ModelConfig(**{**TINY, **overrides})
+    model = Transformer(cfg, group)
+    model.init_weights(0)
+    x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=torch.Generator().manual_seed(0))
+    parallel.tp_comm_bytes = {}
+    _, loss = model(x, x)
+    loss.backward()
+    counted, parallel.tp_comm_bytes = parallel.tp_comm_bytes, None
+    return counted
+
+
+def measure(steps=8, log_interval=2):
+    with tempfile.TemporaryDirectory() as tmp:
+        data = make_token_data(f"{tmp}/data", n_tokens=200_000, vocab_size=BENCH["vocab_size"])
+        args = [f"--{k}={v}" for k, v in BENCH.items() if k != "vocab_size"] + [
+            f"--batch_size={BENCH_BATCH}", f"--data_dir={data}", f"--max_iters={steps}", f"--log_interval={log_interval}",
+            "--eval_interval=0", "--checkpoint_interval=0", "--device=cpu", "--dtype=float32", "--attn_impl=sdpa"]
+        for tp, threads in ((1, 1), (1, 2), (2, 1), (4, 1)):
+            records, _ = run_train(args + [f"--out_dir={tmp}/tp{tp}_{threads}", f"--tp={tp}"], nproc=tp,
+                                   env={"OMP_NUM_THREADS": str(threads)})
+            rates = sorted(r["tokens_per_sec"] for r in records[1:] if "tokens_per_sec" in r)  # the first interval warms up
+            ms = sorted(r["ms_per_step"] for r in records[1:] if "ms_per_step" in r)
+            print(f"tp={tp} ({tp} process(es) x {threads} thread(s)): {rates[len(rates) // 2]:,.0f} tokens/s, "
+                  f"{ms[len(ms) // 2]:.0f} ms/step (median of {len(rates)} intervals of {log_interval} steps)", flush=True)
+    for name, overrides in (("MHA", {}), ("MQA", {"n_kv_head": 1})):
+        cfg = ModelConfig(**{**TINY, **BENCH, **overrides})
+        for tp in (2, 4):
+            counted = run_ranks(count_tp_bytes, tp, {**BENCH, **overrides}, BENCH_BATCH)[0]
+            expected = analytic_tp_bytes(cfg, BENCH_BATCH, tp)
+            wire = 2 * (tp - 1) / tp * counted.get("all_reduce", 0)  # a ring all-reduce sends 2(p-1)/p of its buffer
+            print(f"{name} tp={tp}: counted {counted} bytes per rank per step, analytic all_reduce {expected:,} "
+                  f"({'equal' if counted.get('all_reduce') == expected else 'DIFFERENT'}); ring all-reduce sends "
+                  f"{wire / 1e6:.1f} MB per rank", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--measure"]:
+        sys.exit("usage: PYTHONPATH=. python tests/test_tensor_parallel.py --measure   (the tests run under pytest)")
+    measure()
