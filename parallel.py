@@ -360,19 +360,18 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, vocab_start, group, ignore_index):
         logits = logits.float()
         n, n_local = logits.shape
-        rows = torch.arange(n, device=logits.device)
-        if n_local > 0:
-            max_logit = logits.max(dim=-1).values
-        else:
-            max_logit = torch.full((n,), float("-inf"), device=logits.device)
-        _count("all_reduce", max_logit)
-        dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
         # the target's logit lives on exactly one rank: the others contribute zero to the sum
         local_target = targets - vocab_start
         here = (local_target >= 0) & (local_target < n_local)
         local_target = local_target.masked_fill(~here, 0)
-        target_logit = torch.zeros(n, device=logits.device)
-        target_logit[here] = logits[rows[here], local_target[here]]
+        if n_local > 0:
+            max_logit = logits.max(dim=-1).values
+            target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~here, 0.0)
+        else:  # this rank holds only vocabulary padding
+            max_logit = torch.full((n,), float("-inf"), device=logits.device)
+            target_logit = torch.zeros(n, device=logits.device)
+        _count("all_reduce", max_logit)
+        dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
         _count("all_reduce", target_logit)
         dist.all_reduce(target_logit, group=group)
         exp = (logits - max_logit.unsqueeze(-1)).exp_()  # the one (N, V_local) temporary; becomes the softmax
@@ -388,10 +387,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, here, valid = ctx.saved_tensors
+        softmax, local_target, target_here, valid = ctx.saved_tensors
         grad = softmax  # d loss / d z = softmax - onehot(target); softmax is not needed after this
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows[here], local_target[here]] -= 1.0
+        if grad.shape[-1] > 0:  # scatter, not boolean indexing: no host-device sync on a GPU
+            grad.scatter_add_(-1, local_target.unsqueeze(-1), -target_here.to(grad.dtype).unsqueeze(-1))
         grad.mul_((grad_loss * valid).unsqueeze(-1))
         return grad, None, None, None, None
 
