@@ -5,10 +5,12 @@ The reference is always the unsplit computation: nn.Linear, F.cross_entropy on t
 built without a tensor-parallel group. To pay the process start-up once per world size, one run_ranks
 call per tp does every check and returns the errors; the tests below each read one behaviour from it.
 
-    PYTHONPATH=. python tests/test_tensor_parallel.py --measure    tokens/s, TP bytes per step at tp = 1, 2, 4
+    PYTHONPATH=. python tests/test_tensor_parallel.py --measure    tokens/s and TP bytes per step at tp = 1, 2, 4
 """
+import os
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -334,6 +336,31 @@ def count_tp_bytes(rank, world_size, overrides, batch_size):
     return counted
 
 
+def time_steps(rank, world_size, overrides, batch_size, steps):
+    """Median wall and CPU seconds of this rank's training steps (forward, backward, AdamW), the first left
+    out. CPU time is what the rank itself computed: on a machine shared with other jobs it stays close to
+    what the step costs, where the wall time mostly measures the competition for cores."""
+    torch.set_num_threads(1)
+    group = ParallelLayout(1, world_size, 1, world_size, rank).tp_group
+    cfg = ModelConfig(**{**TINY, **overrides})
+    model = Transformer(cfg, group)
+    model.init_weights(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    wall, cpu = [], []
+    for _ in range(steps + 1):
+        x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size + 1), generator=g)
+        w0, c0 = time.perf_counter(), time.process_time()
+        _, loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        wall.append(time.perf_counter() - w0)
+        cpu.append(time.process_time() - c0)
+    median = lambda v: sorted(v[1:])[len(v[1:]) // 2]
+    return median(wall), median(cpu)
+
+
 def measure(steps=8, log_interval=2):
     with tempfile.TemporaryDirectory() as tmp:
         data = make_token_data(f"{tmp}/data", n_tokens=200_000, vocab_size=BENCH["vocab_size"])
@@ -346,7 +373,14 @@ def measure(steps=8, log_interval=2):
             rates = sorted(r["tokens_per_sec"] for r in records[1:] if "tokens_per_sec" in r)  # the first interval warms up
             ms = sorted(r["ms_per_step"] for r in records[1:] if "ms_per_step" in r)
             print(f"tp={tp} ({tp} process(es) x {threads} thread(s)): {rates[len(rates) // 2]:,.0f} tokens/s, "
-                  f"{ms[len(ms) // 2]:.0f} ms/step (median of {len(rates)} intervals of {log_interval} steps)", flush=True)
+                  f"{ms[len(ms) // 2]:.0f} ms/step (median of {len(rates)} intervals of {log_interval} steps; "
+                  f"load average after: {os.getloadavg()[0]:.1f})", flush=True)
+    for tp in (1, 2, 4):
+        per_rank = run_ranks(time_steps, tp, BENCH, BENCH_BATCH, 4)
+        wall, cpu = max(w for w, _ in per_rank), max(c for _, c in per_rank)
+        print(f"tp={tp} in-process steps: wall {wall * 1e3:.0f} ms/step ({BENCH_BATCH * BENCH['block_size'] / wall:,.0f} "
+              f"tokens/s); CPU per rank {cpu * 1e3:.0f} ms/step (slowest rank; {BENCH_BATCH * BENCH['block_size'] / cpu:,.0f} "
+              f"tokens/s if each rank had its own core; load average {os.getloadavg()[0]:.1f})", flush=True)
     for name, overrides in (("MHA", {}), ("MQA", {"n_kv_head": 1})):
         cfg = ModelConfig(**{**TINY, **BENCH, **overrides})
         for tp in (2, 4):
