@@ -63,9 +63,11 @@ def check_primitives(group):
 
     x = per_rank[rank].clone().requires_grad_()
     y = copy_to_tp(x, group)
-    y.backward(grads[rank])
+    incoming = grads[rank].clone()
+    y.backward(incoming)
     out["copy_forward_identity"] = torch.equal(y, per_rank[rank])
     out["copy_backward_all_reduce"] = torch.equal(x.grad, sum(grads))
+    out["copy_leaves_incoming_grad"] = torch.equal(incoming, grads[rank])  # autograd may share it elsewhere
 
     x = per_rank[rank].clone().requires_grad_()
     y = reduce_from_tp(x, group)
@@ -205,6 +207,7 @@ def _every_rank(tp_results, section):
 def test_copy_to_region_is_identity_forward_all_reduce_backward(tp_results):
     for p in _every_rank(tp_results, "primitives"):
         assert p["copy_forward_identity"] and p["copy_backward_all_reduce"]
+        assert p["copy_leaves_incoming_grad"], "the all-reduce overwrote the gradient autograd handed in"
 
 
 def test_reduce_from_region_is_all_reduce_forward_identity_backward(tp_results):
