@@ -128,7 +128,19 @@ def init_distributed(dp, tp, pp, device_type):
 # produces a slice of the output. A row-parallel linear splits its input features: every rank holds a
 # slice of the input, produces a partial sum of the whole output. Chaining column -> row (attention:
 # QKV -> output projection; MLP: up -> down) needs exactly one all-reduce in the forward pass (g, after
-# the row-parallel layer) and one in the backward pass (f, before the column-parallel layer).
+# the row-parallel layer) and one in the backward pass (f, before the column-parallel layer). When several
+# column-parallel layers read one input (q, k, v), f is applied once to that input (copy_input=False below).
+
+
+# Measurement aid, off by default: set `parallel.tp_comm_bytes = {}` and every tensor-parallel collective
+# in this file adds the bytes of the tensor this rank contributes, keyed by the collective ("all_reduce",
+# "all_gather"); set it back to None to stop. Unused, it costs one `is None` test per collective.
+tp_comm_bytes = None
+
+
+def _count(kind, tensor):
+    if tp_comm_bytes is not None:
+        tp_comm_bytes[kind] = tp_comm_bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
 
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
@@ -142,7 +154,10 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
+        # all_reduce works in place, and autograd may hand the same gradient tensor to other branches too
+        # (an addition passes its output's gradient to both inputs): reduce a copy
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        _count("all_reduce", grad)
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -153,7 +168,8 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        x = x.contiguous()
+        x = x.clone(memory_format=torch.contiguous_format)  # all_reduce works in place: leave the caller's x
+        _count("all_reduce", x)
         dist.all_reduce(x, group=group)
         return x
 
@@ -163,13 +179,17 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
 
 
 class GatherFromTensorParallelRegion(torch.autograd.Function):
-    """All-gather along the last dimension forward; backward keeps only this rank's slice."""
+    """All-gather along the last dimension forward; backward keeps only this rank's slice of the gradient.
+    The backward assumes what follows the gather is the same computation on every rank (replicated), so
+    every rank holds the same full gradient and its own slice of it is the whole story."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(group_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        _count("all_gather", x)
+        dist.all_gather(parts, x, group=group)
         return torch.cat(parts, dim=-1)
 
     @staticmethod
@@ -178,7 +198,8 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
 
 
 class ScatterToTensorParallelRegion(torch.autograd.Function):
-    """Keep this rank's slice of the last dimension forward; all-gather the gradient backward."""
+    """Split: keep this rank's slice of the last dimension forward; all-gather the gradient backward. The input
+    is the same on every rank (replicated), so its gradient is every rank's slice gradient side by side."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -187,8 +208,10 @@ class ScatterToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        grad = grad.contiguous()
         parts = [torch.empty_like(grad) for _ in range(group_size(ctx.group))]
-        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        _count("all_gather", grad)
+        dist.all_gather(parts, grad, group=ctx.group)
         return torch.cat(parts, dim=-1), None
 
 
@@ -250,24 +273,37 @@ def _divide(n, d, what):
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by rows (output features) across the group: each rank computes
     out_features / tp of the outputs. With gather_output=False the output stays split, ready to feed a
-    RowParallelLinear (or a per-head attention, or the vocab-parallel loss) with no communication."""
+    RowParallelLinear (or a per-head attention, or the vocab-parallel loss) with no communication.
 
-    def __init__(self, in_features, out_features, bias=False, group=None, gather_output=False):
+    The input passes through f (copy_to_tp), whose backward sums the input's gradient across ranks. When
+    several column-parallel layers read the same input (q, k and v; SwiGLU's gate and up), apply
+    copy_to_tp once to that input and build the layers with copy_input=False: one all-reduce instead of
+    one per layer.
+
+    The weight is left uninitialised, like the model's other parameters (Transformer.init_weights fills
+    them). On its own: `layer.weight.copy_(shard_of(full_weight, layer.weight))`, the same for the bias."""
+
+    def __init__(self, in_features, out_features, bias=False, group=None, gather_output=False, copy_input=True):
         super().__init__()
-        self.group, self.gather_output = group, gather_output
+        self.group, self.gather_output, self.copy_input = group, gather_output, copy_input
         self.out_per_rank = _divide(out_features, group_size(group), "out_features")
         self.weight = mark_sharded(nn.Parameter(torch.empty(self.out_per_rank, in_features)), 0, group)
         self.bias = mark_sharded(nn.Parameter(torch.zeros(self.out_per_rank)), 0, group) if bias else None
 
     def forward(self, x):
-        y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        if self.copy_input:
+            x = copy_to_tp(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by columns (input features): each rank multiplies its slice of the
     input by its slice of W, and the partial outputs are summed (g). With input_is_parallel=False the full
-    input is first cut into slices here. The bias is added once, after the sum."""
+    input is first cut into slices here. The bias is replicated and added once, after the sum (added
+    before, it would be counted tp times).
+
+    The weight is left uninitialised, as in ColumnParallelLinear: fill it with shard_of(full_weight, ...)."""
 
     def __init__(self, in_features, out_features, bias=False, group=None, input_is_parallel=True):
         super().__init__()
@@ -286,7 +322,8 @@ class RowParallelLinear(nn.Module):
 def padded_vocab_size(vocab_size, tp):
     """Round the vocabulary up so it splits evenly across tp ranks, and to a multiple of 64 per rank,
     which keeps the embedding and output matmuls on fast kernel sizes (nanoGPT's 50257 -> 50304).
-    The extra rows are never a target and their logits are cut off before the loss (see below)."""
+    The extra rows are never a target: Transformer.forward cuts their logits off before the loss, the
+    embedding never looks them up, so they stay zero and take no gradient."""
     multiple = 64 * tp
     return (vocab_size + multiple - 1) // multiple * multiple
 
@@ -323,26 +360,35 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over logits split by vocabulary across the group, without ever gathering them:
     the full-vocab logits of a 50k vocabulary are the largest tensor in a small model.
 
-        loss = log(sum_v exp(z_v)) - z_target
-    The max (for a stable exp), the sum of exps and the target's logit are each reduced across ranks;
-    every rank then holds the loss of every token, and the gradient softmax - onehot of its own slice."""
+        loss = log(sum_v exp(z_v - m)) - (z_target - m),    m = max_v z_v  (for a stable exp)
+    The max, the sum of exps and the target's logit are each all-reduced across ranks (three reductions of
+    one number per token); every rank then holds the loss of every token, and the gradient of its own
+    slice, softmax - onehot(target), needs no communication. A rank whose slice is empty (it holds only
+    vocabulary padding, possible with a small vocabulary) contributes -inf to the max and 0 to the sums."""
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group, ignore_index):
         logits = logits.float()
-        local_max = logits.max(dim=-1).values
-        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - local_max.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
+        n, n_local = logits.shape
         # the target's logit lives on exactly one rank: the others contribute zero to the sum
         local_target = targets - vocab_start
-        here = (local_target >= 0) & (local_target < logits.shape[-1])
+        here = (local_target >= 0) & (local_target < n_local)
         local_target = local_target.masked_fill(~here, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~here, 0.0)
+        if n_local > 0:
+            max_logit = logits.max(dim=-1).values
+            target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~here, 0.0)
+        else:  # this rank holds only vocabulary padding
+            max_logit = torch.full((n,), float("-inf"), device=logits.device)
+            target_logit = torch.zeros(n, device=logits.device)
+        _count("all_reduce", max_logit)
+        dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
+        _count("all_reduce", target_logit)
         dist.all_reduce(target_logit, group=group)
-        loss = sum_exp.log() - target_logit
+        exp = (logits - max_logit.unsqueeze(-1)).exp_()  # the one (N, V_local) temporary; becomes the softmax
+        sum_exp = exp.sum(dim=-1)
+        _count("all_reduce", sum_exp)
+        dist.all_reduce(sum_exp, group=group)
+        loss = sum_exp.log() - (target_logit - max_logit)
         valid = targets != ignore_index
         loss = loss.masked_fill(~valid, 0.0)
         softmax = exp.div_(sum_exp.unsqueeze(-1))
@@ -351,17 +397,18 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, here, valid = ctx.saved_tensors
+        softmax, local_target, target_here, valid = ctx.saved_tensors
         grad = softmax  # d loss / d z = softmax - onehot(target); softmax is not needed after this
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows[here], local_target[here]] -= 1.0
+        if grad.shape[-1] > 0:  # scatter, not boolean indexing: no host-device sync on a GPU
+            grad.scatter_add_(-1, local_target.unsqueeze(-1), -target_here.to(grad.dtype).unsqueeze(-1))
         grad.mul_((grad_loss * valid).unsqueeze(-1))
         return grad, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ignore_index=-1):
-    """Mean cross-entropy of (N, V_local) logits against (N,) global target ids; ignored targets are left
-    out of the mean. With one rank it is F.cross_entropy."""
+    """Mean cross-entropy of (N, V_local) logits, this rank's vocabulary columns starting at global id
+    vocab_start, against (N,) global target ids; ignored targets are left out of the mean (if every target
+    is ignored the loss is 0, where F.cross_entropy gives nan). With one rank it is F.cross_entropy."""
     if group_size(group) == 1:
         return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
     losses = VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group, ignore_index)
