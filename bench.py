@@ -72,6 +72,7 @@ class Picotron:
         self.cfg, self.dev, self.layout, self.model_cfg, self.datasets = cfg, dev, layout, model_cfg, datasets
         self.model, self.optimizer, self.autocast, self.scaler = train.build(cfg, dev, ptdtype, layout, model_cfg)
         self.step_model = train.compile_model(self.model, cfg, layout)
+        self.grad_sync = train.make_grad_sync(self.model, cfg, layout, self.optimizer)
         self.pipeline = train.make_pipeline(cfg, layout, self.model, model_cfg, dev)
         self.flops_per_token = flops_per_token(model_cfg)
 
@@ -86,7 +87,7 @@ class Picotron:
         lr = train.get_lr(i, self.cfg)
         loss, _, self.step_model = train.train_step(self.cfg, self.layout, self.model, self.step_model,
                                                     self.optimizer, self.scaler, self.autocast, self.batches(i), lr,
-                                                    self.pipeline)
+                                                    self.pipeline, self.grad_sync)
         return train.mean_across_ranks(loss, self.layout).item()
 
 

@@ -144,7 +144,10 @@ class CausalSelfAttention(nn.Module):
     Key/value heads are split the same way when tp divides n_kv_head. With fewer key/value heads than
     ranks (MQA, small GQA) they cannot be split: every rank keeps the full k/v weights and uses the one
     head its query heads read. Each rank then holds only part of those weights' gradient (from its own
-    query heads), so the weights pass through copy_to_tp, whose backward sums the parts across ranks."""
+    query heads), so the weights pass through copy_to_tp, whose backward sums the parts across ranks.
+
+    The input goes through f (copy_to_tp) once, here, for q, k and v together: its gradient is
+    all-reduced once per attention in the backward pass, not once per projection."""
 
     def __init__(self, cfg, tp_group=None):
         super().__init__()
@@ -153,29 +156,33 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.n_embd // cfg.n_head
         self.n_head_local = cfg.n_head // tp
         kv_dim = cfg.n_kv_head * self.head_dim
-        self.q_proj = ColumnParallelLinear(cfg.n_embd, cfg.n_head * self.head_dim, group=tp_group)
+        self.q_proj = ColumnParallelLinear(cfg.n_embd, cfg.n_head * self.head_dim, group=tp_group, copy_input=False)
         self.kv_split = cfg.n_kv_head % tp == 0
         if self.kv_split:
-            self.k_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, group=tp_group)
-            self.v_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, group=tp_group)
+            self.k_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, group=tp_group, copy_input=False)
+            self.v_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, group=tp_group, copy_input=False)
         else:
             self.k_proj = nn.Linear(cfg.n_embd, kv_dim, bias=False)
             self.v_proj = nn.Linear(cfg.n_embd, kv_dim, bias=False)
-            self.kv_head = group_rank(tp_group) * cfg.n_kv_head // tp  # the one head this rank reads
+            # rank r holds query heads r * n_head/tp onwards, and key/value head j serves the n_head/n_kv_head
+            # query heads from j * n_head/n_kv_head: with tp a multiple of n_kv_head, all of rank r's query
+            # heads read head r * n_kv_head / tp
+            self.kv_head = group_rank(tp_group) * cfg.n_kv_head // tp
         self.o_proj = RowParallelLinear(cfg.n_head * self.head_dim, cfg.n_embd, group=tp_group)
         self.o_proj.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2's depth-scaled residual init
 
     def project_kv(self, x):
+        """x has been through copy_to_tp already (see forward)."""
         if self.kv_split:
             return self.k_proj(x), self.v_proj(x)
         rows = slice(self.kv_head * self.head_dim, (self.kv_head + 1) * self.head_dim)
-        x = copy_to_tp(x, self.tp_group)
         k = F.linear(x, copy_to_tp(self.k_proj.weight, self.tp_group)[rows])
         v = F.linear(x, copy_to_tp(self.v_proj.weight, self.tp_group)[rows])
         return k, v
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
+        x = copy_to_tp(x, self.tp_group)  # f: identity forward, all-reduce of x's gradient backward
         q = self.q_proj(x).view(B, T, self.n_head_local, self.head_dim)  # (B, T, H_local, D)
         k, v = self.project_kv(x)
         k = k.view(B, T, -1, self.head_dim)  # (B, T, H_kv_local, D)
@@ -194,17 +201,20 @@ def swiglu_hidden_size(n_embd, multiple_of=64):
 
 class SwiGLUMLP(nn.Module):
     """Shazeer 2020: down(silu(gate(x)) * up(x)). gate and up are column-parallel, down row-parallel:
-    the hidden activations stay split across tensor-parallel ranks, with no communication in between."""
+    the hidden activations stay split across tensor-parallel ranks, with no communication in between.
+    One f on the input serves gate and up; one g (inside down) sums the partial outputs."""
 
     def __init__(self, cfg, tp_group=None):
         super().__init__()
+        self.tp_group = tp_group
         hidden = swiglu_hidden_size(cfg.n_embd)
-        self.gate = ColumnParallelLinear(cfg.n_embd, hidden, group=tp_group)
-        self.up = ColumnParallelLinear(cfg.n_embd, hidden, group=tp_group)
+        self.gate = ColumnParallelLinear(cfg.n_embd, hidden, group=tp_group, copy_input=False)
+        self.up = ColumnParallelLinear(cfg.n_embd, hidden, group=tp_group, copy_input=False)
         self.down = RowParallelLinear(hidden, cfg.n_embd, group=tp_group)
         self.down.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
 
     def forward(self, x):
+        x = copy_to_tp(x, self.tp_group)  # f, once for gate and up
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
@@ -327,13 +337,18 @@ def check_layout(cfg, tp=1, pp=1):
         problems.append(f"the head size n_embd / n_head = {cfg.n_embd // cfg.n_head} must be even for RoPE")
     if cfg.n_head % cfg.n_kv_head:
         problems.append(f"n_head = {cfg.n_head} must be divisible by n_kv_head = {cfg.n_kv_head}")
-    if cfg.n_head % tp:
-        problems.append(f"n_head = {cfg.n_head} must be divisible by tp = {tp} (each rank takes n_head / tp heads)")
+    if tp > cfg.n_head:
+        problems.append(f"tp = {tp} is larger than n_head = {cfg.n_head}: each rank needs at least one whole head, "
+                        f"so use a tp that divides n_head")
+    elif cfg.n_head % tp:
+        problems.append(f"n_head = {cfg.n_head} must be divisible by tp = {tp} (each rank takes n_head / tp whole "
+                        f"heads): use a tp that divides n_head")
     if cfg.n_kv_head % tp and tp % cfg.n_kv_head:
         problems.append(f"n_kv_head = {cfg.n_kv_head} and tp = {tp}: one must divide the other (key/value heads are "
                         f"split when tp divides n_kv_head, replicated when n_kv_head divides tp)")
     if swiglu_hidden_size(cfg.n_embd) % tp:
-        problems.append(f"the MLP width {swiglu_hidden_size(cfg.n_embd)} must be divisible by tp = {tp}")
+        problems.append(f"the MLP width {swiglu_hidden_size(cfg.n_embd)} (from n_embd = {cfg.n_embd}) must be "
+                        f"divisible by tp = {tp}")
     if pp > cfg.n_layer:
         problems.append(f"pp = {pp} stages but only n_layer = {cfg.n_layer} blocks: use pp <= {cfg.n_layer}")
     if problems:
@@ -406,8 +421,8 @@ class Transformer(nn.Module):
         loss = None
         if targets is not None:
             vocab_start = group_rank(self.tp_group) * self.lm_head.out_per_rank
-            loss = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                                vocab_start, self.tp_group)
+            # flatten, not reshape(-1, V): a rank holding only padding has V = 0 here
+            loss = vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.reshape(-1), vocab_start, self.tp_group)
         return logits, loss
 
     @torch.no_grad()
