@@ -190,7 +190,8 @@ def load_adamw(optimizer, model, reader):
     step = torch.tensor(float(reader.meta["adam_step"]))
     for name, p in model.named_parameters():
         name = checkpoint_name(name, p)
-        optimizer.state[p] = {"step": step.clone(), **{k: reader.optimizer_tensor(name, p, k).to(p.device)
+        # contiguous: a tensor-parallel slice is a strided view, which fused AdamW would not update in place
+        optimizer.state[p] = {"step": step.clone(), **{k: reader.optimizer_tensor(name, p, k).to(p.device).contiguous()
                                                        for k in ("exp_avg", "exp_avg_sq")}}
 
 
