@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import checkpoint
 from configurator import ConfigError, configure
-from model import ModelConfig, Transformer, check_layout, choose_attn_impl
+from model import MixtureOfExperts, ModelConfig, Transformer, check_layout, choose_attn_impl
 from parallel import group_size, init_distributed
 
 # -----------------------------------------------------------------------------
@@ -51,6 +51,26 @@ vocab_size = None  # from the data's meta.json unless set
 tie_embeddings = True
 rope_theta = 10000.0
 norm_eps = 1e-5
+# model variants (model.py explains each, with its paper)
+attention = "mha"  # 'mha' (n_kv_head < n_head makes it GQA, 1 MQA) or 'mla' (DeepSeek-V2 latent attention)
+kv_lora_rank = 64  # mla: width of the compressed key/value latent that a KV cache would store
+q_lora_rank = 0  # mla: width of the compressed query latent; 0 = full-rank queries
+qk_rope_head_dim = 16  # mla: query/key dims per head that carry RoPE (the key part is shared by all heads)
+qk_nope_head_dim = 32  # mla: query/key dims per head without positions
+v_head_dim = 32  # mla: value dims per head
+qk_norm = False  # RMSNorm on each query and key head before RoPE
+attn_softcap = 0.0  # cap * tanh(score / cap) on attention scores (Gemma 2: 50); 0 = off; not on SDPA
+final_softcap = 0.0  # the same on the output logits (Gemma 2: 30); 0 = off
+parallel_block = False  # x + attn(norm(x)) + mlp(norm(x)) (GPT-J, PaLM) instead of one after the other
+norm = "rmsnorm"  # 'rmsnorm' or 'layernorm'
+mlp = "swiglu"  # 'swiglu' (hidden ~8/3 n_embd) or 'gelu' (hidden 4 n_embd, GPT-2)
+bias = False  # biases in the attention and MLP linears and in LayerNorm
+n_expert = 0  # Mixture-of-Experts: routed experts per MLP layer; 0 = dense MLP
+n_expert_per_token = 2  # top-k: experts each token is sent to
+capacity_factor = 1.25  # an expert takes at most ceil(capacity_factor * tokens * k / n_expert) tokens
+aux_loss_coef = 0.01  # weight of each MoE layer's load-balancing loss (Switch Transformer)
+n_shared_expert = 0  # experts every token also goes through (DeepSeekMoE)
+router_z_loss_coef = 0.0  # weight of the router z-loss (ST-MoE used 1e-3); 0 = off
 # batch: one step sees batch_size * gradient_accumulation_steps * dp windows of block_size tokens
 batch_size = 8  # micro-batch per data-parallel rank
 gradient_accumulation_steps = 1  # micro-batches per step (the pipeline's microbatches when pp > 1)
@@ -298,6 +318,22 @@ def mean_across_ranks(value, layout):
     return value
 
 
+def moe_metrics(model, layout):
+    """MoE statistics of the step's last micro-batch, for the log: aux_loss, the weighted auxiliary loss
+    that was added to the training loss (summed over the MoE layers, mean over data-parallel ranks), and
+    moe_dropped_frac, the fraction of token-to-expert assignments dropped for capacity (mean over layers
+    and ranks). Every rank joins the all-reduce; each stage's layers are held by dp * tp ranks."""
+    dev = next(model.parameters()).device
+    stats = torch.zeros(3, device=dev)
+    for m in model.modules():
+        if isinstance(m, MixtureOfExperts) and m.last_aux_loss is not None:
+            stats += torch.stack([m.last_aux_loss.float(), m.last_dropped_frac.float(), torch.ones((), device=dev)])
+    if layout.world_size > 1:
+        dist.all_reduce(stats)
+    return {"aux_loss": (stats[0] / (layout.dp * layout.tp)).item(),
+            "moe_dropped_frac": (stats[1] / stats[2].clamp(min=1)).item()}
+
+
 # -----------------------------------------------------------------------------
 # checkpoints
 
@@ -382,7 +418,7 @@ def setup(cfg):
         datasets["val"] = load_data(cfg.data_dir, "val", cfg.block_size, vocab, data_meta)
     except ValueError as e:  # a corpus of one document has no validation split: evaluate on train only
         print0(layout, f"no validation loss: {e}")
-    attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype)
+    attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype, cfg.attn_softcap)
     # every ModelConfig field is a setting of the same name above
     model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig)
                                if f.name not in ("vocab_size", "attn_impl")}, vocab_size=vocab, attn_impl=attn)
@@ -448,8 +484,12 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
             elapsed = time.time() - timer
             record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
                       "tokens_per_sec": tokens_per_step * timed_steps / elapsed, "ms_per_step": 1000 * elapsed / timed_steps}
+            if model_cfg.n_expert > 0:
+                record.update(moe_metrics(model, layout))
             print0(layout, f"step {step:6d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
-                           f"{record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step")
+                           f"{record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step"
+                           + (f" | aux {record['aux_loss']:.4f} dropped {record['moe_dropped_frac']:.3f}"
+                              if model_cfg.n_expert > 0 else ""))
             metrics.write(record)
             timer, timed_steps = time.time(), 0
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or last):
