@@ -415,8 +415,10 @@ class MixtureOfExperts(nn.Module):
     Capacity: each expert takes at most ceil(capacity_factor * N * k / n_expert) of the N * k assignments
     of a micro-batch; the others are dropped and contribute nothing, so a token whose experts are all full
     passes through the block on its residual connection alone. Assignments queue by position in the
-    sequence (all tokens at position 0 first, then 1, ...), so whether a token is dropped depends only
-    on tokens at its position or before: the model stays causal, which a batch-major queue would break.
+    sequence (all tokens at position 0 first, then 1, ...; a token's k choices one after the other), so
+    whether a token is dropped depends only on tokens at its position or before: the model stays causal.
+    A batch-major queue, or GShard's ranking of every first choice before any second choice, would let
+    later tokens push earlier ones out.
 
     Experts run only on their own tokens: the kept assignments are sorted by expert, each expert takes its
     contiguous group of tokens, and the weighted outputs are added back with index_add. Reading the group
