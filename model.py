@@ -430,7 +430,8 @@ class MixtureOfExperts(nn.Module):
     contiguous group of tokens, and the weighted outputs are added back with index_add. Reading the group
     sizes is a host-device sync, once per layer.
 
-    Auxiliary losses (added to the training loss by Transformer.forward, already weighted):
+    Auxiliary losses (weighted; forward leaves their sum in self.aux_loss, which Transformer.forward adds
+    to the training loss):
       load balancing (Switch eq. 4, with f counting all k choices): aux_loss_coef * n_expert * sum_e f_e P_e,
         f_e the fraction of assignments routed to e (before capacity), P_e the mean router probability of
         e. It is 1 (times the coefficient) for a perfectly balanced router, larger otherwise.
@@ -452,11 +453,10 @@ class MixtureOfExperts(nn.Module):
         self.router = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
         self.experts = nn.ModuleList(make_mlp(cfg, tp_group) for _ in range(cfg.n_expert))
         self.shared_experts = nn.ModuleList(make_mlp(cfg, tp_group) for _ in range(cfg.n_shared_expert))
-        # statistics of the last forward pass, for the training log (detached)
-        self.last_aux_loss = self.last_dropped_frac = self.last_tokens_per_expert = None
+        # set by each forward: the auxiliary loss (part of the graph), and statistics for the training log
+        self.aux_loss = self.last_dropped_frac = self.last_tokens_per_expert = None
 
     def forward(self, x):
-        """Returns (output like x, weighted auxiliary loss)."""
         B, T, D = x.shape
         tokens = x.transpose(0, 1).reshape(T * B, D)  # position-major, the capacity queue's order
         N = tokens.shape[0]
@@ -489,14 +489,14 @@ class MixtureOfExperts(nn.Module):
         aux = self.aux_loss_coef * self.n_expert * (routed * probs.mean(0)).sum()
         if self.router_z_loss_coef:
             aux = aux + self.router_z_loss_coef * torch.logsumexp(logits, dim=-1).pow(2).mean()
-        self.last_aux_loss = aux.detach()
+        self.aux_loss = aux
         self.last_dropped_frac = 1.0 - keep.float().mean()
         self.last_tokens_per_expert = counts
-        return out.view(T, B, D).transpose(0, 1), aux
+        return out.view(T, B, D).transpose(0, 1)
 
 
 class Block(nn.Module):
-    """One pre-norm transformer block; returns (x, auxiliary loss or None).
+    """One pre-norm transformer block.
 
     Sequential (GPT-2, Llama):  x = x + attn(norm1(x));  x = x + mlp(norm2(x))
     Parallel (parallel_block=True; GPT-J, Wang & Komatsuzaki 2021; PaLM, Chowdhery et al. 2022, sec. 2):
@@ -519,19 +519,12 @@ class Block(nn.Module):
             self.mlp_norm = make_norm(cfg, cfg.n_embd)
         self.mlp = MixtureOfExperts(cfg, tp_group) if cfg.n_expert > 0 else make_mlp(cfg, tp_group)
 
-    def feed_forward(self, h):
-        if isinstance(self.mlp, MixtureOfExperts):
-            return self.mlp(h)
-        return self.mlp(h), None
-
     def forward(self, x, cos, sin):
         if self.parallel:
             h = self.attn_norm(x)
-            y, aux = self.feed_forward(h)
-            return x + self.attn(h, cos, sin) + y, aux
+            return x + self.attn(h, cos, sin) + self.mlp(h)
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        y, aux = self.feed_forward(self.mlp_norm(x))
-        return x + y, aux
+        return x + self.mlp(self.mlp_norm(x))
 
 
 # -----------------------------------------------------------------------------
@@ -638,11 +631,9 @@ class Transformer(nn.Module):
             if x.shape[1] > self.cfg.block_size:
                 raise ValueError(f"sequence of length {x.shape[1]} is longer than block_size {self.cfg.block_size}")
             x = self.tok_emb(x)
-        aux = None
         for block in self.blocks.values():
-            x, block_aux = block(x, self.rope_cos, self.rope_sin)
-            if block_aux is not None and self.training:
-                aux = block_aux if aux is None else aux + block_aux
+            x = block(x, self.rope_cos, self.rope_sin)
+        aux = self.moe_aux_loss() if self.training else None
         if not self.is_last:
             return x, aux
         logits = self.lm_head(self.norm(x))
@@ -657,6 +648,11 @@ class Transformer(nn.Module):
             if aux is not None:
                 loss = loss + aux
         return logits, loss
+
+    def moe_aux_loss(self):
+        """The sum of this stage's MoE auxiliary losses from the forward pass just run (None if dense)."""
+        losses = [block.mlp.aux_loss for block in self.blocks.values() if isinstance(block.mlp, MixtureOfExperts)]
+        return sum(losses) if losses else None
 
     @torch.no_grad()
     def init_weights(self, seed):

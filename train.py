@@ -337,8 +337,8 @@ def moe_metrics(model, layout):
     dev = next(model.parameters()).device
     stats = torch.zeros(3, device=dev)
     for m in model.modules():
-        if isinstance(m, MixtureOfExperts) and m.last_aux_loss is not None:
-            stats += torch.stack([m.last_aux_loss.float(), m.last_dropped_frac.float(), torch.ones((), device=dev)])
+        if isinstance(m, MixtureOfExperts) and m.aux_loss is not None:
+            stats += torch.stack([m.aux_loss.detach().float(), m.last_dropped_frac.float(), torch.ones((), device=dev)])
     if layout.world_size > 1:
         dist.all_reduce(stats)
     return {"aux_loss": (stats[0] / (layout.dp * layout.tp)).item(),
