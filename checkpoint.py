@@ -132,10 +132,11 @@ def checkpoint_name(name, param):
     return getattr(param, "init_name", name)
 
 
-def _saved_here(param, layout):
-    """Each full tensor is saved once: data-parallel replicas leave it to dp rank 0, tensor-parallel
-    replicas (norms) to tp rank 0, and a tied head's copy on the last stage to the embedding's stage."""
-    if layout.dp_rank != 0 or hasattr(param, "init_name"):
+def _saved_here(param, layout, dp_sharded=False):
+    """Each full tensor is saved once: data-parallel replicas leave it to dp rank 0 (unless dp_sharded:
+    each dp rank then holds a different part, ZeRO-1's optimizer state), tensor-parallel replicas (norms)
+    to tp rank 0, and a tied head's copy on the last stage to the embedding's stage."""
+    if (layout.dp_rank != 0 and not dp_sharded) or hasattr(param, "init_name"):
         return False
     return layout.tp_rank == 0 or getattr(param, "tp_shard_dim", None) is not None
 
@@ -152,6 +153,31 @@ def adamw_pieces(optimizer, model, layout):
         if state and _saved_here(p, layout):
             pieces[name] = {k: make_piece(state[k], p) for k in ("exp_avg", "exp_avg_sq")}
     return pieces
+
+
+def zero_pieces(optimizer, model, layout):
+    """parallel.ZeroOneAdamW's moments: every data-parallel rank saves the flat range of each parameter's
+    (tensor-parallel slice's) elements it owns, so the ranks' pieces together cover every element once."""
+    pieces = {}
+    for name, p in model.named_parameters():
+        state = optimizer.state.get(p)
+        if state and _saved_here(p, layout, dp_sharded=True):
+            pieces[name] = {k: make_piece(state[k], p, state["flat_range"]) for k in ("exp_avg", "exp_avg_sq")}
+    return pieces
+
+
+def load_zero(optimizer, model, reader):
+    """Fill a ZeroOneAdamW's moments (any dp, any layout) from a checkpoint saved with or without ZeRO:
+    each rank assembles the full moments of its parameters and keeps the flat range it owns now."""
+    step = torch.tensor(float(reader.meta["adam_step"]))
+    for name, p in model.named_parameters():
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        start, end = state["flat_range"]
+        for k in ("exp_avg", "exp_avg_sq"):
+            state[k].copy_(reader.optimizer_tensor(checkpoint_name(name, p), p, k).reshape(-1)[start:end])
+        state["step"] = step.clone()
 
 
 def adamw_step_count(optimizer):

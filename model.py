@@ -220,6 +220,9 @@ class CausalSelfAttention(nn.Module):
     head its query heads read. Each rank then holds only part of those weights' gradient (from its own
     query heads), so the weights pass through copy_to_tp, whose backward sums the parts across ranks.
 
+    The input goes through f (copy_to_tp) once, here, for q, k and v together: its gradient is
+    all-reduced once per attention in the backward pass, not once per projection.
+
     qk_norm=True applies RMSNorm to every query and key head before RoPE (Dehghani et al. 2023, "Scaling
     Vision Transformers to 22B Parameters"; OLMo 2, Gemma 3): the scores cannot blow up through the
     size of q and k, a known cause of loss spikes. Its gains (one per head dimension, shared by all heads)
@@ -232,15 +235,19 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.n_embd // cfg.n_head
         self.n_head_local = cfg.n_head // tp
         kv_dim = cfg.n_kv_head * self.head_dim
-        self.q_proj = ColumnParallelLinear(cfg.n_embd, cfg.n_head * self.head_dim, bias=cfg.bias, group=tp_group)
+        self.q_proj = ColumnParallelLinear(cfg.n_embd, cfg.n_head * self.head_dim, bias=cfg.bias, group=tp_group,
+                                           copy_input=False)
         self.kv_split = cfg.n_kv_head % tp == 0
         if self.kv_split:
-            self.k_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, bias=cfg.bias, group=tp_group)
-            self.v_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, bias=cfg.bias, group=tp_group)
+            self.k_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, bias=cfg.bias, group=tp_group, copy_input=False)
+            self.v_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, bias=cfg.bias, group=tp_group, copy_input=False)
         else:
             self.k_proj = nn.Linear(cfg.n_embd, kv_dim, bias=cfg.bias)
             self.v_proj = nn.Linear(cfg.n_embd, kv_dim, bias=cfg.bias)
-            self.kv_head = group_rank(tp_group) * cfg.n_kv_head // tp  # the one head this rank reads
+            # rank r holds query heads r * n_head/tp onwards, and key/value head j serves the n_head/n_kv_head
+            # query heads from j * n_head/n_kv_head: with tp a multiple of n_kv_head, all of rank r's query
+            # heads read head r * n_kv_head / tp
+            self.kv_head = group_rank(tp_group) * cfg.n_kv_head // tp
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, tp_group)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, tp_group)
@@ -248,10 +255,10 @@ class CausalSelfAttention(nn.Module):
         self.o_proj.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2's depth-scaled residual init
 
     def project_kv(self, x):
+        """x has been through copy_to_tp already (see forward)."""
         if self.kv_split:
             return self.k_proj(x), self.v_proj(x)
         rows = slice(self.kv_head * self.head_dim, (self.kv_head + 1) * self.head_dim)
-        x = copy_to_tp(x, self.tp_group)
         k, v = (F.linear(x, copy_to_tp(proj.weight, self.tp_group)[rows],
                          None if proj.bias is None else copy_to_tp(proj.bias, self.tp_group)[rows])
                 for proj in (self.k_proj, self.v_proj))
@@ -259,6 +266,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
+        x = copy_to_tp(x, self.tp_group)  # f: identity forward, all-reduce of x's gradient backward
         q = self.q_proj(x).view(B, T, self.n_head_local, self.head_dim)  # (B, T, H_local, D)
         k, v = self.project_kv(x)
         k = k.view(B, T, -1, self.head_dim)  # (B, T, H_kv_local, D)
@@ -357,17 +365,20 @@ def swiglu_hidden_size(n_embd, multiple_of=64):
 
 class SwiGLUMLP(nn.Module):
     """Shazeer 2020: down(silu(gate(x)) * up(x)). gate and up are column-parallel, down row-parallel:
-    the hidden activations stay split across tensor-parallel ranks, with no communication in between."""
+    the hidden activations stay split across tensor-parallel ranks, with no communication in between.
+    One f on the input serves gate and up; one g (inside down) sums the partial outputs."""
 
     def __init__(self, cfg, tp_group=None):
         super().__init__()
+        self.tp_group = tp_group
         hidden = swiglu_hidden_size(cfg.n_embd)
-        self.gate = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group)
-        self.up = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group)
+        self.gate = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group, copy_input=False)
+        self.up = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group, copy_input=False)
         self.down = RowParallelLinear(hidden, cfg.n_embd, bias=cfg.bias, group=tp_group)
         self.down.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
 
     def forward(self, x):
+        x = copy_to_tp(x, self.tp_group)  # f, once for gate and up
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
@@ -538,8 +549,12 @@ def check_layout(cfg, tp=1, pp=1):
     for key, allowed in (("attention", ("mha", "mla")), ("norm", ("rmsnorm", "layernorm")), ("mlp", ("swiglu", "gelu"))):
         if getattr(cfg, key) not in allowed:
             problems.append(f"{key} = {getattr(cfg, key)!r} must be one of {', '.join(map(repr, allowed))}")
-    if cfg.n_head % tp:
-        problems.append(f"n_head = {cfg.n_head} must be divisible by tp = {tp} (each rank takes n_head / tp heads)")
+    if tp > cfg.n_head:
+        problems.append(f"tp = {tp} is larger than n_head = {cfg.n_head}: each rank needs at least one whole head, "
+                        f"so use a tp that divides n_head")
+    elif cfg.n_head % tp:
+        problems.append(f"n_head = {cfg.n_head} must be divisible by tp = {tp} (each rank takes n_head / tp whole "
+                        f"heads): use a tp that divides n_head")
     if cfg.attention == "mla":
         if cfg.qk_rope_head_dim <= 0 or cfg.qk_rope_head_dim % 2:
             problems.append(f"qk_rope_head_dim = {cfg.qk_rope_head_dim} must be positive and even for RoPE")
@@ -559,7 +574,8 @@ def check_layout(cfg, tp=1, pp=1):
             problems.append(f"n_kv_head = {cfg.n_kv_head} and tp = {tp}: one must divide the other (key/value heads are "
                             f"split when tp divides n_kv_head, replicated when n_kv_head divides tp)")
     if mlp_hidden_size(cfg) % tp:
-        problems.append(f"the MLP width {mlp_hidden_size(cfg)} must be divisible by tp = {tp}")
+        problems.append(f"the MLP width {mlp_hidden_size(cfg)} (from n_embd = {cfg.n_embd}) must be "
+                        f"divisible by tp = {tp}")
     if cfg.attn_softcap < 0 or cfg.final_softcap < 0:
         problems.append(f"attn_softcap = {cfg.attn_softcap} and final_softcap = {cfg.final_softcap} must be >= 0 (0 = off)")
     if cfg.attn_softcap and cfg.attn_impl == "sdpa":
@@ -643,8 +659,8 @@ class Transformer(nn.Module):
         loss = None
         if targets is not None:
             vocab_start = group_rank(self.tp_group) * self.lm_head.out_per_rank
-            loss = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                                vocab_start, self.tp_group)
+            # flatten, not reshape(-1, V): a rank holding only padding has V = 0 here
+            loss = vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.reshape(-1), vocab_start, self.tp_group)
             if aux is not None:
                 loss = loss + aux
         return logits, loss

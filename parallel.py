@@ -10,6 +10,8 @@ Read top to bottom:
      backward actions; one executor walks the list on a real stage, with activations and their
      gradients sent point to point between neighbouring stages, and a printer draws the same lists as
      a timeline (python parallel.py --schedule 1f1b --pp 4 --microbatches 8).
+  4. Data parallelism and ZeRO-1: gradients averaged in buckets from backward hooks (GradientBuckets),
+     and an AdamW whose states are split across data-parallel ranks (ZeroOneAdamW).
 
 Every layer here works on its own, given only torch and a process group (None means "not split": the
 layer is then an ordinary nn.Linear / nn.Embedding), so it can be lifted into another project.
@@ -126,7 +128,19 @@ def init_distributed(dp, tp, pp, device_type):
 # produces a slice of the output. A row-parallel linear splits its input features: every rank holds a
 # slice of the input, produces a partial sum of the whole output. Chaining column -> row (attention:
 # QKV -> output projection; MLP: up -> down) needs exactly one all-reduce in the forward pass (g, after
-# the row-parallel layer) and one in the backward pass (f, before the column-parallel layer).
+# the row-parallel layer) and one in the backward pass (f, before the column-parallel layer). When several
+# column-parallel layers read one input (q, k, v), f is applied once to that input (copy_input=False below).
+
+
+# Measurement aid, off by default: set `parallel.tp_comm_bytes = {}` and every tensor-parallel collective
+# in this file adds the bytes of the tensor this rank contributes, keyed by the collective ("all_reduce",
+# "all_gather"); set it back to None to stop. Unused, it costs one `is None` test per collective.
+tp_comm_bytes = None
+
+
+def _count(kind, tensor):
+    if tp_comm_bytes is not None:
+        tp_comm_bytes[kind] = tp_comm_bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
 
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
@@ -140,7 +154,10 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
+        # all_reduce works in place, and autograd may hand the same gradient tensor to other branches too
+        # (an addition passes its output's gradient to both inputs): reduce a copy
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        _count("all_reduce", grad)
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -151,7 +168,8 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        x = x.contiguous()
+        x = x.clone(memory_format=torch.contiguous_format)  # all_reduce works in place: leave the caller's x
+        _count("all_reduce", x)
         dist.all_reduce(x, group=group)
         return x
 
@@ -161,13 +179,17 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
 
 
 class GatherFromTensorParallelRegion(torch.autograd.Function):
-    """All-gather along the last dimension forward; backward keeps only this rank's slice."""
+    """All-gather along the last dimension forward; backward keeps only this rank's slice of the gradient.
+    The backward assumes what follows the gather is the same computation on every rank (replicated), so
+    every rank holds the same full gradient and its own slice of it is the whole story."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(group_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        _count("all_gather", x)
+        dist.all_gather(parts, x, group=group)
         return torch.cat(parts, dim=-1)
 
     @staticmethod
@@ -176,7 +198,8 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
 
 
 class ScatterToTensorParallelRegion(torch.autograd.Function):
-    """Keep this rank's slice of the last dimension forward; all-gather the gradient backward."""
+    """Split: keep this rank's slice of the last dimension forward; all-gather the gradient backward. The input
+    is the same on every rank (replicated), so its gradient is every rank's slice gradient side by side."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -185,8 +208,10 @@ class ScatterToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        grad = grad.contiguous()
         parts = [torch.empty_like(grad) for _ in range(group_size(ctx.group))]
-        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        _count("all_gather", grad)
+        dist.all_gather(parts, grad, group=ctx.group)
         return torch.cat(parts, dim=-1), None
 
 
@@ -248,24 +273,37 @@ def _divide(n, d, what):
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by rows (output features) across the group: each rank computes
     out_features / tp of the outputs. With gather_output=False the output stays split, ready to feed a
-    RowParallelLinear (or a per-head attention, or the vocab-parallel loss) with no communication."""
+    RowParallelLinear (or a per-head attention, or the vocab-parallel loss) with no communication.
 
-    def __init__(self, in_features, out_features, bias=False, group=None, gather_output=False):
+    The input passes through f (copy_to_tp), whose backward sums the input's gradient across ranks. When
+    several column-parallel layers read the same input (q, k and v; SwiGLU's gate and up), apply
+    copy_to_tp once to that input and build the layers with copy_input=False: one all-reduce instead of
+    one per layer.
+
+    The weight is left uninitialised, like the model's other parameters (Transformer.init_weights fills
+    them). On its own: `layer.weight.copy_(shard_of(full_weight, layer.weight))`, the same for the bias."""
+
+    def __init__(self, in_features, out_features, bias=False, group=None, gather_output=False, copy_input=True):
         super().__init__()
-        self.group, self.gather_output = group, gather_output
+        self.group, self.gather_output, self.copy_input = group, gather_output, copy_input
         self.out_per_rank = _divide(out_features, group_size(group), "out_features")
         self.weight = mark_sharded(nn.Parameter(torch.empty(self.out_per_rank, in_features)), 0, group)
         self.bias = mark_sharded(nn.Parameter(torch.zeros(self.out_per_rank)), 0, group) if bias else None
 
     def forward(self, x):
-        y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        if self.copy_input:
+            x = copy_to_tp(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by columns (input features): each rank multiplies its slice of the
     input by its slice of W, and the partial outputs are summed (g). With input_is_parallel=False the full
-    input is first cut into slices here. The bias is added once, after the sum."""
+    input is first cut into slices here. The bias is replicated and added once, after the sum (added
+    before, it would be counted tp times).
+
+    The weight is left uninitialised, as in ColumnParallelLinear: fill it with shard_of(full_weight, ...)."""
 
     def __init__(self, in_features, out_features, bias=False, group=None, input_is_parallel=True):
         super().__init__()
@@ -284,7 +322,8 @@ class RowParallelLinear(nn.Module):
 def padded_vocab_size(vocab_size, tp):
     """Round the vocabulary up so it splits evenly across tp ranks, and to a multiple of 64 per rank,
     which keeps the embedding and output matmuls on fast kernel sizes (nanoGPT's 50257 -> 50304).
-    The extra rows are never a target and their logits are cut off before the loss (see below)."""
+    The extra rows are never a target: Transformer.forward cuts their logits off before the loss, the
+    embedding never looks them up, so they stay zero and take no gradient."""
     multiple = 64 * tp
     return (vocab_size + multiple - 1) // multiple * multiple
 
@@ -321,26 +360,35 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over logits split by vocabulary across the group, without ever gathering them:
     the full-vocab logits of a 50k vocabulary are the largest tensor in a small model.
 
-        loss = log(sum_v exp(z_v)) - z_target
-    The max (for a stable exp), the sum of exps and the target's logit are each reduced across ranks;
-    every rank then holds the loss of every token, and the gradient softmax - onehot of its own slice."""
+        loss = log(sum_v exp(z_v - m)) - (z_target - m),    m = max_v z_v  (for a stable exp)
+    The max, the sum of exps and the target's logit are each all-reduced across ranks (three reductions of
+    one number per token); every rank then holds the loss of every token, and the gradient of its own
+    slice, softmax - onehot(target), needs no communication. A rank whose slice is empty (it holds only
+    vocabulary padding, possible with a small vocabulary) contributes -inf to the max and 0 to the sums."""
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group, ignore_index):
         logits = logits.float()
-        local_max = logits.max(dim=-1).values
-        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - local_max.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
+        n, n_local = logits.shape
         # the target's logit lives on exactly one rank: the others contribute zero to the sum
         local_target = targets - vocab_start
-        here = (local_target >= 0) & (local_target < logits.shape[-1])
+        here = (local_target >= 0) & (local_target < n_local)
         local_target = local_target.masked_fill(~here, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~here, 0.0)
+        if n_local > 0:
+            max_logit = logits.max(dim=-1).values
+            target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~here, 0.0)
+        else:  # this rank holds only vocabulary padding
+            max_logit = torch.full((n,), float("-inf"), device=logits.device)
+            target_logit = torch.zeros(n, device=logits.device)
+        _count("all_reduce", max_logit)
+        dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
+        _count("all_reduce", target_logit)
         dist.all_reduce(target_logit, group=group)
-        loss = sum_exp.log() - target_logit
+        exp = (logits - max_logit.unsqueeze(-1)).exp_()  # the one (N, V_local) temporary; becomes the softmax
+        sum_exp = exp.sum(dim=-1)
+        _count("all_reduce", sum_exp)
+        dist.all_reduce(sum_exp, group=group)
+        loss = sum_exp.log() - (target_logit - max_logit)
         valid = targets != ignore_index
         loss = loss.masked_fill(~valid, 0.0)
         softmax = exp.div_(sum_exp.unsqueeze(-1))
@@ -349,17 +397,18 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, here, valid = ctx.saved_tensors
+        softmax, local_target, target_here, valid = ctx.saved_tensors
         grad = softmax  # d loss / d z = softmax - onehot(target); softmax is not needed after this
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows[here], local_target[here]] -= 1.0
+        if grad.shape[-1] > 0:  # scatter, not boolean indexing: no host-device sync on a GPU
+            grad.scatter_add_(-1, local_target.unsqueeze(-1), -target_here.to(grad.dtype).unsqueeze(-1))
         grad.mul_((grad_loss * valid).unsqueeze(-1))
         return grad, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ignore_index=-1):
-    """Mean cross-entropy of (N, V_local) logits against (N,) global target ids; ignored targets are left
-    out of the mean. With one rank it is F.cross_entropy."""
+    """Mean cross-entropy of (N, V_local) logits, this rank's vocabulary columns starting at global id
+    vocab_start, against (N,) global target ids; ignored targets are left out of the mean (if every target
+    is ignored the loss is 0, where F.cross_entropy gives nan). With one rank it is F.cross_entropy."""
     if group_size(group) == 1:
         return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
     losses = VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group, ignore_index)
@@ -621,3 +670,238 @@ if __name__ == "__main__":
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (m)")
     args = parser.parse_args()
     print(format_timeline(args.schedule, args.pp, args.microbatches))
+# 4. Data parallelism and ZeRO-1
+#
+# Every data-parallel rank holds the same parameters and runs its own slice of the global batch, so its
+# gradient is the mean over its slice; the mean over the whole batch is the average of the ranks'
+# gradients. Averaging is one collective per bucket of parameters, launched from a backward hook the
+# moment the bucket's last gradient is ready, so the communication of the layers near the output runs
+# while backward is still computing the layers near the input (the overlap DistributedDataParallel has;
+# Li et al. 2020, "PyTorch Distributed", section 3.2.3).
+#
+# ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+# Models", section 5.1) keeps that, but each rank keeps the AdamW moments of only 1/dp of the elements:
+# the gradients are reduce-scattered (each rank receives the average of its own slice only), each rank
+# updates its slice of the parameters, and the updated slices are all-gathered so that every rank holds
+# the whole model again. Compared with all-reduce + AdamW the communication volume is the same (an
+# all-reduce is a reduce-scatter followed by an all-gather), the optimizer memory is 1/dp. Gloo (CPU) has
+# no native reduce-scatter: since torch 2.3 torch runs it there as an all-reduce followed by keeping one
+# chunk, so on CPU the gradient step costs what plain data parallelism's does, on NCCL half of it.
+#
+# The slices are cut from each bucket's flat buffer, padded to a multiple of dp, not handed out tensor by
+# tensor: every rank gets the same number of elements (within the padding), whatever the tensor sizes.
+
+# torch 2.13 renamed the single-tensor collectives (the old names still work, with a warning)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Bucket:
+    """A group of parameters whose gradients travel as one flat tensor (padded to a multiple of dp)."""
+
+    def __init__(self, params, dp):
+        self.params = params
+        self.offsets, n = [], 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        self.shard_size = (n + dp - 1) // dp  # elements each data-parallel rank owns
+        self.flat = torch.zeros(self.shard_size * dp, dtype=params[0].dtype, device=params[0].device)
+        self.reset()
+
+    def reset(self):
+        self.ready = set()  # indices of the parameters whose gradient is in `flat`
+        self.work = None  # the in-flight collective
+        self.shard = None  # with sharding: the reduced gradient of this rank's slice
+
+
+class GradientBuckets:
+    """Averages the gradients of `params` across the data-parallel `group`, in buckets of about
+    bucket_size_mb launched asynchronously from backward hooks (Tensor.register_post_accumulate_grad_hook).
+
+    Before each micro-batch's backward, call set_grad_sync(False) for the gradient-accumulation micro-steps
+    (gradients just accumulate locally, no communication) and set_grad_sync(True) for the last one. After
+    backward, finish() waits for the collectives and leaves in every p.grad:
+        shard=False: the average gradient (all-reduce);
+        shard=True:  the average gradient on the elements this rank owns, zero elsewhere (reduce-scatter),
+                     for ZeRO-1; `owned_pieces()` says which elements those are.
+    `deferred` parameters are not synced from the hooks but in finish(): a gradient that still changes
+    after backward (a tied embedding whose pipeline stages add their copies' gradients) must be complete
+    before it is reduced, so call finish() after that addition."""
+
+    def __init__(self, params, group, bucket_size_mb=25.0, shard=False, deferred=()):
+        self.group, self.shard = group, shard
+        self.dp, self.dp_rank = group_size(group), group_rank(group)
+        self.sync = True
+        deferred_ids = {id(p) for p in deferred}
+        params = [p for p in params if p.requires_grad]
+        early = [p for p in params if id(p) not in deferred_ids]
+        late = [p for p in params if id(p) in deferred_ids]
+        # backward produces gradients roughly in the reverse order of the forward pass: bucket them that way
+        self.buckets, current, size = [], [], 0
+        capacity = max(1, int(bucket_size_mb * 2 ** 20))
+        for p in reversed(early):
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= capacity:
+                self.buckets.append(_Bucket(current, self.dp))
+                current, size = [], 0
+        if current:
+            self.buckets.append(_Bucket(current, self.dp))
+        if late:
+            self.buckets.append(_Bucket(late, self.dp))
+        self.where = {}
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self.where[p] = (b, i)
+        self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in early]
+        self.launched = 0  # collectives launched since the last finish(): the tests read it
+
+    def set_grad_sync(self, sync):
+        self.sync = sync
+
+    def _grad_ready(self, p):
+        if not self.sync:
+            return  # a gradient-accumulation micro-step: keep accumulating in p.grad
+        bucket, i = self.where[p]
+        if i in bucket.ready:
+            raise RuntimeError("a gradient became ready twice in one synchronised step: call set_grad_sync(False) "
+                               "before the backward of every micro-batch but the last")
+        self._copy_in(bucket, i)
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _copy_in(self, bucket, i):
+        p, start = bucket.params[i], bucket.offsets[i]
+        view = bucket.flat[start:start + p.numel()]
+        view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
+        bucket.ready.add(i)
+
+    def _launch(self, bucket):
+        self.launched += 1
+        if self.dp == 1:
+            return
+        if self.shard:
+            bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
+            bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=self.group, async_op=True)
+        else:
+            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+
+    def finish(self):
+        """Wait for every bucket's collective (launching the ones the hooks did not: deferred parameters,
+        parameters that got no gradient this step) and point each p.grad at its part of the result."""
+        for bucket in self.buckets:  # same order on every rank: the hooks fired in the same order
+            if len(bucket.ready) < len(bucket.params):
+                for i in range(len(bucket.params)):
+                    if i not in bucket.ready:
+                        self._copy_in(bucket, i)
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()  # sync point: the gradient is needed from here on
+            # the sum over ranks / dp = the mean gradient over the global batch
+            if self.shard:  # this rank's slice of the mean, zero elsewhere (the other ranks' slices)
+                lo, hi = self.dp_rank * bucket.shard_size, (self.dp_rank + 1) * bucket.shard_size
+                if self.dp > 1:
+                    bucket.flat[lo:hi].copy_(bucket.shard).div_(self.dp)
+                bucket.flat[:lo].zero_()
+                bucket.flat[hi:].zero_()
+            elif self.dp > 1:
+                bucket.flat.div_(self.dp)
+            for p, start in zip(bucket.params, bucket.offsets):
+                p.grad = bucket.flat[start:start + p.numel()].view_as(p)
+            bucket.reset()
+        self.sync, self.launched = True, 0
+
+    def owned_pieces(self):
+        """(param, start, end): the range of each parameter's flattened elements this rank owns under
+        sharding. Each parameter has at most one range: it is contiguous in its bucket, so is the slice."""
+        pieces = []
+        for bucket in self.buckets:
+            lo, hi = self.dp_rank * bucket.shard_size, (self.dp_rank + 1) * bucket.shard_size
+            for p, start in zip(bucket.params, bucket.offsets):
+                a, b = max(lo, start), min(hi, start + p.numel())
+                if a < b:
+                    pieces.append((p, a - start, b - start))
+        return pieces
+
+
+class ZeroOneAdamW(torch.optim.Optimizer):
+    """AdamW with its states partitioned across the data-parallel group (ZeRO stage 1).
+
+    Takes parameter groups like torch.optim.AdamW (per-group lr and weight_decay) and owns the gradient
+    averaging too (`self.grad_sync`, a sharded GradientBuckets): do not also all-reduce the gradients, or
+    wrap the model in DistributedDataParallel, or they are reduced twice. Per step:
+        backward (hooks reduce-scatter the buckets) -> grad_sync.finish() -> [clip] -> step() (AdamW on this
+        rank's slice, then all-gather the updated slices)
+    The update is torch.optim.AdamW's, element for element: decoupled weight decay p -= lr * wd * p, then
+    p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps) (Loshchilov & Hutter 2019).
+    The learning rate is read from self.param_groups at every step, so a schedule that writes
+    group['lr'] reaches the update."""
+
+    def __init__(self, params, group=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 bucket_size_mb=25.0, deferred=()):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.group = group
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        self.grad_sync = GradientBuckets(all_params, group, bucket_size_mb, shard=True, deferred=deferred)
+        self.group_of = {p: g for g in self.param_groups for p in g["params"]}
+        # the moments of this rank's slice only, created now so that their size can be reported at start-up
+        for p, start, end in self.grad_sync.owned_pieces():
+            self.state[p] = {"step": torch.tensor(0.0), "flat_range": (start, end),
+                             "exp_avg": torch.zeros(end - start, dtype=p.dtype, device=p.device),
+                             "exp_avg_sq": torch.zeros(end - start, dtype=p.dtype, device=p.device)}
+
+    @torch.no_grad()
+    def step(self):
+        for p, state in self.state.items():
+            group = self.group_of[p]
+            lr, wd, (beta1, beta2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
+            start, end = state["flat_range"]
+            param = p.view(-1)[start:end]  # a view: updating it updates p
+            grad = p.grad.view(-1)[start:end]
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            state["step"] += 1
+            t = state["step"].item()
+            param.mul_(1 - lr * wd)
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
+            param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1 ** t))
+        self._all_gather_params()
+
+    def _all_gather_params(self):
+        """Every rank updated its slice of each bucket; gather the slices so that every rank has the
+        whole updated model."""
+        gs = self.grad_sync
+        if gs.dp == 1:
+            return
+        gathered = []
+        for bucket in gs.buckets:
+            full = torch.empty_like(bucket.flat)
+            for p, start in zip(bucket.params, bucket.offsets):
+                full[start:start + p.numel()].copy_(p.detach().reshape(-1))
+            mine = full[gs.dp_rank * bucket.shard_size:(gs.dp_rank + 1) * bucket.shard_size].clone()
+            gathered.append((bucket, full, _all_gather_single(full, mine, group=self.group, async_op=True)))
+        for bucket, full, work in gathered:
+            work.wait()
+            for p, start in zip(bucket.params, bucket.offsets):
+                p.detach().copy_(full[start:start + p.numel()].view_as(p))
+
+
+def optimizer_state_bytes(optimizer):
+    """Bytes of every tensor in an optimizer's state on this rank (the moments; the step counters too)."""
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
+               for v in state.values() if torch.is_tensor(v))
+
+
+def format_grid(dp, tp, pp):
+    """The rank layout as text, one line per (pipeline stage, data-parallel replica): which global ranks
+    hold the tensor-parallel slices of it (rank = (pp_rank * dp + dp_rank) * tp + tp_rank)."""
+    lines = []
+    for p in range(pp):
+        for d in range(dp):
+            ranks = [(p * dp + d) * tp + t for t in range(tp)]
+            lines.append(f"  stage {p} replica {d}: ranks {ranks}")
+    return "\n".join(lines)

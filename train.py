@@ -22,8 +22,9 @@ import torch.distributed as dist
 import checkpoint
 from configurator import ConfigError, configure
 from model import MixtureOfExperts, ModelConfig, Transformer, check_layout, choose_attn_impl, stage_layers
-from parallel import (PipelineComm, all_forward_all_backward, all_reduce_tied_grad, group_size, init_distributed,
-                      one_f_one_b, pipeline_forward, tied_embedding_group)
+from parallel import (GradientBuckets, PipelineComm, ZeroOneAdamW, all_forward_all_backward, all_reduce_tied_grad,
+                      format_grid, group_size, init_distributed, one_f_one_b, optimizer_state_bytes,
+                      pipeline_forward, tied_embedding_group)
 
 # -----------------------------------------------------------------------------
 # default config values
@@ -91,6 +92,7 @@ tp = 1  # tensor-parallel ranks
 pp = 1  # pipeline stages
 pp_schedule = "1f1b"  # '1f1b' or 'afab'
 zero_stage = 0  # 1 shards the optimizer states across data-parallel ranks
+bucket_size_mb = 25.0  # data-parallel gradients are averaged in buckets of about this size
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in dict(globals()).items()
             if not k.startswith("_") and k.islower() and isinstance(v, (int, float, bool, str, type(None)))}
@@ -229,13 +231,38 @@ class DynamicLossScaler:
 # optimizer and schedule
 
 
-def make_optimizer(model, cfg, device):
-    """AdamW; weight decay on matrices (linears, embeddings) only, not on norm gains and biases."""
+def make_optimizer(model, cfg, device, layout=None):
+    """AdamW; weight decay on matrices (linears, embeddings) only, not on norm gains and biases. With
+    zero_stage=1, ZeroOneAdamW: the same update, its states split across the data-parallel group."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.zero_stage == 1:
+        return ZeroOneAdamW(groups, layout.dp_group if layout else None, lr=cfg.learning_rate,
+                            betas=(cfg.beta1, cfg.beta2), bucket_size_mb=cfg.bucket_size_mb,
+                            deferred=late_synced_params(model, layout))
     fused = device.type == "cuda"  # on CPU the fused kernel measured no faster at our sizes
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
+
+
+def late_synced_params(model, layout):
+    """A tied embedding split across pipeline stages gets its other copy's gradient added after backward:
+    it is averaged across data-parallel ranks in grad_sync.finish(), after that addition, not from the
+    backward hooks."""
+    split = layout is not None and layout.pp > 1 and model.cfg.tie_embeddings
+    return [p for name, p in model.named_parameters()
+            if hasattr(p, "init_name") or (split and name == "tok_emb.weight")]
+
+
+def make_grad_sync(model, cfg, layout, optimizer):
+    """What averages the gradients across data-parallel ranks: ZeroOneAdamW's own sharded buckets, plain
+    all-reduce buckets, or nothing with a single replica."""
+    if isinstance(optimizer, ZeroOneAdamW):
+        return optimizer.grad_sync
+    if layout.dp_group is None:
+        return None
+    return GradientBuckets(list(model.parameters()), layout.dp_group, cfg.bucket_size_mb,
+                           deferred=late_synced_params(model, layout))
 
 
 def get_lr(step, cfg):
@@ -251,11 +278,12 @@ def get_lr(step, cfg):
 # gradient norm and clipping across every rank
 
 
-def global_grad_norm(model, layout):
+def global_grad_norm(model, layout, dp_sharded=False):
     """The norm of the whole model's gradient, the same on every rank whatever the layout. Tensor-sharded
     parameters contribute their slice on each tp rank; replicated ones (norms) are counted on tp rank 0
     only; pipeline stages hold disjoint blocks (a tied head's copy is not counted twice); data-parallel
-    replicas hold the same (already averaged) gradient and are counted once."""
+    replicas hold the same (already averaged) gradient and are counted once. With ZeRO-1 (dp_sharded)
+    each data-parallel rank holds the gradient of its own elements only (zero elsewhere): they add up."""
     sq = torch.zeros((), device=next(model.parameters()).device, dtype=torch.float32)
     for p in model.parameters():
         if p.grad is None or hasattr(p, "init_name"):
@@ -264,7 +292,8 @@ def global_grad_norm(model, layout):
             continue
         sq += p.grad.detach().float().pow(2).sum()
     if layout.world_size > 1:
-        sq /= layout.dp  # every dp replica adds the same amount
+        if not dp_sharded:
+            sq /= layout.dp  # every dp replica adds the same amount
         dist.all_reduce(sq)
     return sq.sqrt()
 
@@ -283,7 +312,8 @@ def forward_backward(model, microbatches, autocast, loss_multiplier, set_grad_sy
     """Run every micro-batch forward and backward, accumulating gradients. Each micro-batch's mean loss is
     divided by the number of micro-batches here, and only here, so the gradient is that of the mean loss
     over the whole batch. Returns that mean loss (a tensor: reading it is a host-device sync).
-    set_grad_sync(bool) is called before each backward, True before the last (see parallel.run_schedule)."""
+    set_grad_sync(bool) is called before each backward, True before the last (see parallel.run_schedule):
+    data parallelism communicates only then."""
     total = 0.0
     for i, (x, y) in enumerate(microbatches):
         with autocast:
@@ -356,8 +386,10 @@ def save_checkpoint(cfg, layout, model, optimizer, step, scaler, model_cfg, toke
     extra = {"torch_rng": torch.get_rng_state()}
     if torch.cuda.is_available():
         extra["cuda_rng"] = torch.cuda.get_rng_state()
+    zero = isinstance(optimizer, ZeroOneAdamW)
+    optimizer_pieces = (checkpoint.zero_pieces if zero else checkpoint.adamw_pieces)(optimizer, model, layout)
     return checkpoint.save(cfg.out_dir, step, layout.rank, layout.world_size, checkpoint.model_pieces(model, layout),
-                           checkpoint.adamw_pieces(optimizer, model, layout), meta, extra, cfg.keep_last_n)
+                           optimizer_pieces, meta, extra, cfg.keep_last_n)
 
 
 def resume(cfg, layout, model, optimizer, scaler):
@@ -367,7 +399,8 @@ def resume(cfg, layout, model, optimizer, scaler):
         raise FileNotFoundError(f"init_from='resume' but out_dir '{cfg.out_dir}' holds no complete checkpoint: "
                                 f"use --init_from=scratch to start a new run")
     reader = checkpoint.load_model(model, path)
-    checkpoint.load_adamw(optimizer, model, reader)
+    # the moments are assembled from whatever pieces were saved (ZeRO-1 or not, any dp): zero_stage can change
+    (checkpoint.load_zero if isinstance(optimizer, ZeroOneAdamW) else checkpoint.load_adamw)(optimizer, model, reader)
     scaler.scale = reader.meta["loss_scale"]
     extra = reader.rank_state(layout.rank)
     if extra:  # RNG states only mean something for the same rank in the same world
@@ -413,8 +446,9 @@ def setup(cfg):
     if dev.type == "cuda" and layout.world_size > 1:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(dev)
-    if layout.dp > 1 or cfg.zero_stage != 0:
-        raise NotImplementedError("dp > 1 and zero_stage=1 are not implemented yet")
+    if cfg.zero_stage not in (0, 1):
+        raise ValueError(f"zero_stage must be 0 (plain AdamW) or 1 (optimizer states sharded across data-parallel "
+                         f"ranks), got {cfg.zero_stage}")
     if cfg.pp_schedule not in ("1f1b", "afab"):
         raise ValueError(f"pp_schedule must be '1f1b' or 'afab', got {cfg.pp_schedule!r}")
     if cfg.init_from not in ("scratch", "resume"):
@@ -446,7 +480,8 @@ def setup(cfg):
                            f"batch): {4 * layout.pp} microbatches bring the bubble under 20%")
     print0(layout, f"device: {dev}, dtype: {str(ptdtype).replace('torch.', '')} ({dtype_why}), "
                    f"attention: {attn} ({attn_why})")
-    print0(layout, f"layout: dp={layout.dp} x tp={layout.tp} x pp={layout.pp} = {layout.world_size} processes")
+    print0(layout, f"layout: dp={layout.dp} x tp={layout.tp} x pp={layout.pp} = {layout.world_size} processes\n"
+                   + format_grid(layout.dp, layout.tp, layout.pp))
     return dev, ptdtype, layout, datasets, model_cfg, data_meta.get("tokenizer", "gpt2")
 
 
@@ -467,7 +502,14 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
     model.to(dev)
     print0(layout, f"model: {full_param_count(model, layout) / 1e6:.2f}M parameters (vocabulary padded), "
                    f"{model_cfg.n_layer} layers, {model_cfg.n_head} heads ({model_cfg.n_kv_head} kv), width {model_cfg.n_embd}")
-    optimizer = make_optimizer(model, cfg, dev)
+    optimizer = make_optimizer(model, cfg, dev, layout)
+    grad_sync = make_grad_sync(model, cfg, layout, optimizer)
+    zero = isinstance(optimizer, ZeroOneAdamW)
+    # AdamW creates its two moments per parameter element at the first step; ZeroOneAdamW its slice's now
+    unsharded = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    print0(layout, f"optimizer: ZeroOneAdamW, state {optimizer_state_bytes(optimizer) / 2**20:.2f} MiB on rank 0, about "
+                   f"1/{layout.dp} of the unsharded {unsharded / 2**20:.2f} MiB" if zero else
+                   f"optimizer: AdamW, state {unsharded / 2**20:.2f} MiB per rank")
     scaler = DynamicLossScaler(enabled=ptdtype == torch.float16)
     autocast = torch.autocast(dev.type, dtype=ptdtype) if ptdtype != torch.float32 else nullcontext()
     step = 0
@@ -494,15 +536,18 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro = rank_microbatches(cfg, layout, datasets["train"], TRAIN_STREAM, step, cfg.gradient_accumulation_steps, dev)
+        set_grad_sync = grad_sync.set_grad_sync if grad_sync is not None else None
         if layout.pp > 1:
-            loss = schedule(train_model, micro, pipe, autocast, scaler.loss_multiplier())
+            loss = schedule(train_model, micro, pipe, autocast, scaler.loss_multiplier(), set_grad_sync)
             if tied_group is not None:
                 all_reduce_tied_grad(tied_weight, tied_group)
         else:
-            loss = forward_backward(train_model, micro, autocast, scaler.loss_multiplier())
+            loss = forward_backward(train_model, micro, autocast, scaler.loss_multiplier(), set_grad_sync)
+        if grad_sync is not None:
+            grad_sync.finish()  # waits for the data-parallel averaging launched during backward (after the tied sum)
         if scaler.enabled:
             scale_grads(model, 1.0 / scaler.scale)
-        grad_norm = global_grad_norm(model, layout)
+        grad_norm = global_grad_norm(model, layout, dp_sharded=zero)
         if cfg.grad_clip > 0:
             scale_grads(model, (cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0))
         if scaler.update(grad_norm.item() if scaler.enabled else 0.0):
@@ -516,7 +561,8 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
             loss_value = mean_across_ranks(loss, layout).item()  # host-device sync, once per log interval
             elapsed = time.time() - timer
             record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
-                      "tokens_per_sec": tokens_per_step * timed_steps / elapsed, "ms_per_step": 1000 * elapsed / timed_steps}
+                      "tokens_per_sec": tokens_per_step * timed_steps / elapsed, "ms_per_step": 1000 * elapsed / timed_steps,
+                      "optimizer_state_bytes": optimizer_state_bytes(optimizer)}  # on rank 0
             if model_cfg.n_expert > 0:
                 record.update(moe_metrics(model, layout))
             print0(layout, f"step {step:6d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "

@@ -72,7 +72,7 @@ def run_train(argv, nproc=1, check=True, env=None, timeout=600):
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(ROOT / "train.py")]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}  # env may override OMP_NUM_THREADS
     proc = subprocess.run(cmd + list(argv), capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

@@ -481,7 +481,7 @@ def test_flash_path_passes_the_softcap_and_pads_mla_head_sizes(fake_flash, dv):
     (dict(norm="batchnorm"), 1, "norm = 'batchnorm'"),
     (dict(MLA, n_head=6, n_embd=60), 4, "n_head = 6 must be divisible by tp = 4"),
     (dict(MLA, qk_rope_head_dim=7), 1, "qk_rope_head_dim = 7 must be positive and even"),
-    (dict(MLA, mlp="gelu", n_embd=31, n_head=8), 8, "MLP width 124 must be divisible by tp = 8"),
+    (dict(MLA, mlp="gelu", n_embd=31, n_head=8), 8, "MLP width 124 .from n_embd = 31. must be divisible by tp = 8"),
     (dict(n_expert=2, n_expert_per_token=3), 1, "n_expert_per_token = 3 must be between 1 and n_expert = 2"),
     (dict(n_expert=2, capacity_factor=0.0), 1, "capacity_factor = 0.0 must be positive"),
 ])

@@ -1,0 +1,174 @@
+"""Data parallelism and ZeRO-1 against one process (CPU, gloo, fp32, tiny model).
+
+The reference is one process that sees the same global batch: batch_size 4 x 2 micro-batches, where the
+data-parallel runs take batch_size 2 x 2 micro-batches on each of 2 replicas (train.py's
+rank_microbatches gives replica r the r-th slice of the same windows). The dp2 x tp2 x pp2 run is in
+test_checkpoint.py, where its checkpoints are also resumed at other layouts.
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import checkpoint
+import parallel
+from dist_utils import make_token_data, run_ranks, run_train, train_losses
+from model import ModelConfig, Transformer
+from parallel import GradientBuckets, ParallelLayout, ZeroOneAdamW, init_distributed, optimizer_state_bytes
+
+STEPS = 5
+TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
+        f"--max_iters={STEPS}", "--log_interval=1", "--eval_interval=0", f"--checkpoint_interval={STEPS}",
+        "--warmup_iters=2", "--lr_decay_iters=10", "--learning_rate=3e-3", "--gradient_accumulation_steps=2",
+        # tiny buckets: several per step, so the hooks' launch order and the bucket padding are exercised
+        "--bucket_size_mb=0.01"]
+GLOBAL_BATCH_ONE_RANK = ["--batch_size=4"]  # x 2 micro-batches = 8 windows per step
+PER_RANK_AT_DP2 = ["--batch_size=2"]  # x 2 micro-batches x 2 replicas = the same 8 windows
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return make_token_data(str(tmp_path_factory.mktemp("data")))
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ref"))
+    records, _ = run_train(TINY + GLOBAL_BATCH_ONE_RANK + [f"--data_dir={data_dir}", f"--out_dir={out}"])
+    return records, os.path.join(out, f"ckpt_{STEPS:07d}")
+
+
+def final_weights(ckpt_path):
+    """A checkpoint's weights, loaded into a single-process model (whatever layout saved them)."""
+    reader = checkpoint.CheckpointReader(ckpt_path)
+    model = Transformer(ModelConfig(**reader.meta["model"]))
+    checkpoint.load_model(model, ckpt_path)
+    return dict(model.named_parameters())
+
+
+def assert_same_run(records, ckpt_path, reference):
+    """Same losses and (clipped: grad_clip=1 is active at these norms) global gradient norms at every step,
+    and the same final weights."""
+    ref_records, ref_ckpt = reference
+    assert len(train_losses(records)) == STEPS
+    assert train_losses(records) == pytest.approx(train_losses(ref_records), rel=1e-5)
+    norms = lambda rs: [r["grad_norm"] for r in rs if "grad_norm" in r]
+    assert norms(records) == pytest.approx(norms(ref_records), rel=1e-4)
+    got, want = final_weights(ckpt_path), final_weights(ref_ckpt)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_dp2_gives_the_losses_and_final_weights_of_one_process(zero_stage, data_dir, reference, tmp_path):
+    records, proc = run_train(TINY + PER_RANK_AT_DP2 + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
+                                                        f"--zero_stage={zero_stage}"], nproc=2)
+    assert "dp=2 x tp=1 x pp=1" in proc.stdout
+    assert_same_run(records, os.path.join(tmp_path, f"ckpt_{STEPS:07d}"), reference)
+    state = [r["optimizer_state_bytes"] for r in records if "optimizer_state_bytes" in r]
+    full = 2 * 4 * sum(p.numel() for p in final_weights(reference[1]).values())  # two fp32 moments
+    assert state[-1] == pytest.approx(full / (2 if zero_stage else 1), rel=0.01)
+
+
+# -----------------------------------------------------------------------------
+# ZeroOneAdamW and GradientBuckets on their own, against torch.optim.AdamW
+
+
+def _tiny_net():
+    torch.manual_seed(0)
+    # 2-d weights (decayed) and 1-d biases (not): two parameter groups, sizes that do not split evenly
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _groups(net, wd):
+    return [{"params": [p for p in net.parameters() if p.dim() >= 2], "weight_decay": wd},
+            {"params": [p for p in net.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _moment_bytes(optimizer):
+    return sum(s[k].numel() * s[k].element_size() for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
+
+
+def _zero_against_adamw(rank, world_size):
+    """Two micro-batches per step on each of 2 ranks (the reference: the whole batch on one model)."""
+    lrs = [1e-2, 3e-2, 2e-3, 5e-4]  # a schedule: each step's update must use its own lr
+    ref, net = _tiny_net(), _tiny_net()
+    ref_opt = torch.optim.AdamW(_groups(ref, 0.1), betas=(0.9, 0.95))
+    opt = ZeroOneAdamW(_groups(net, 0.1), dist.group.WORLD, betas=(0.9, 0.95), bucket_size_mb=10 * 4 / 2 ** 20)
+    sync = opt.grad_sync
+    g = torch.Generator().manual_seed(1)
+    launched_per_backward, max_diff = [], 0.0
+    for lr in lrs:
+        x, y = torch.randn(8, 7, generator=g), torch.randn(8, 3, generator=g)
+        for o in (ref_opt, opt):
+            for group in o.param_groups:
+                group["lr"] = lr
+        (nn.functional.mse_loss(ref(x), y)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mine = x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4]
+        for i in range(2):  # gradient accumulation: communication only on the last micro-batch
+            sync.set_grad_sync(i == 1)
+            (nn.functional.mse_loss(net(mine[0][2 * i:2 * i + 2]), mine[1][2 * i:2 * i + 2]) / 2).backward()
+            launched_per_backward.append(sync.launched)
+        sync.finish()
+        opt.step()
+        opt.zero_grad()
+        max_diff = max(max_diff, max((a - b).abs().max().item() for a, b in zip(ref.parameters(), net.parameters())))
+    return {"max_diff": max_diff, "launched_per_backward": launched_per_backward, "n_buckets": len(sync.buckets),
+            "zero_moment_bytes": _moment_bytes(opt), "adamw_moment_bytes": _moment_bytes(ref_opt),
+            "zero_state_bytes": optimizer_state_bytes(opt)}
+
+
+@pytest.fixture(scope="module")
+def zero_results():
+    return run_ranks(_zero_against_adamw, 2)
+
+
+def test_zero_one_adamw_follows_adamw_under_a_changing_learning_rate(zero_results):
+    for r in zero_results:
+        assert r["max_diff"] < 1e-6
+
+
+def test_zero_one_state_is_one_dp_th_of_adamw_state(zero_results):
+    full = zero_results[0]["adamw_moment_bytes"]
+    assert sum(r["zero_moment_bytes"] for r in zero_results) == full  # every element's moments exactly once
+    padding = 2 * 4 * zero_results[0]["n_buckets"]  # at most one padded element per bucket, 2 fp32 moments
+    for r in zero_results:
+        assert abs(r["zero_moment_bytes"] - full / 2) <= padding
+
+
+def test_gradients_are_communicated_from_backward_hooks_on_the_last_micro_batch_only(zero_results):
+    for r in zero_results:
+        assert r["n_buckets"] > 2
+        # after the accumulation micro-step's backward: nothing launched; after the last one's backward
+        # returns (before finish()): every bucket already launched, from the hooks, during backward
+        assert r["launched_per_backward"] == [0, r["n_buckets"]] * 4
+
+
+# -----------------------------------------------------------------------------
+# the layout
+
+
+def test_a_layout_that_does_not_multiply_to_the_world_size_is_refused():
+    with pytest.raises(ValueError, match=r"dp=2 x tp=2 x pp=1 = 4 ranks does not match the world size 6"):
+        ParallelLayout(2, 2, 1, world_size=6, rank=0)
+
+
+def test_dp_defaults_to_world_size_over_tp_times_pp(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # pretend torchrun started us: no group is built
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(dist, "new_group", lambda ranks: None)
+    assert init_distributed(0, 3, 1, "cpu").dp == 2
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp \* pp = 4 \* 1"):
+        init_distributed(0, 4, 1, "cpu")
+
+
+def test_the_grid_names_every_rank_once():
+    text = parallel.format_grid(2, 2, 2)
+    assert "stage 1 replica 0: ranks [4, 5]" in text
+    assert sorted(int(r) for r in text.replace("[", ",").replace("]", ",").split(",") if r.strip().isdigit()) == \
+        list(range(8))
