@@ -129,3 +129,16 @@ def test_plot_writes_a_png_comparing_two_runs(tmp_path):
 def test_plot_names_a_run_without_metrics(tmp_path):
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         plot.main([str(tmp_path), f"--out={tmp_path / 'x.png'}"])
+
+
+def test_no_optional_package_is_imported_by_picotron_at_start_up():
+    """Importing every picotron module, and parsing a config, must not pull in an optional package: they
+    are imported only when a setting or a command asks for them."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    code = ("import sys; import train, model, parallel, checkpoint, configurator, prepare_data, export_hf, plot, "
+            "make_config; print(sorted(m for m in ('transformers', 'safetensors', 'wandb', 'tensorboard', "
+            "'matplotlib', 'flash_attn') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert proc.stdout.strip() == "[]"
