@@ -13,7 +13,7 @@ its own blocks (and the embedding on the first stage, the head on the last). Wei
 a generator seeded by (seed, parameter name) over the full tensor, then sliced, so every layout starts
 from the same full model.
 """
-import importlib.util
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -46,8 +46,14 @@ class ModelConfig:
 # import on a T4, a laptop or a CPU box where it is absent or cannot load.
 
 
+@functools.lru_cache(maxsize=None)
 def flash_attn_available():
-    return importlib.util.find_spec("flash_attn") is not None
+    """Installed and importable: a flash-attn built for another CUDA or GPU can be present but fail to load."""
+    try:
+        import flash_attn  # noqa: F401  (lazily, here only)
+        return True
+    except Exception:
+        return False
 
 
 def choose_attn_impl(attn_impl, device_type, dtype):

@@ -108,6 +108,8 @@ def load_data(data_dir, split, block_size, vocab_size, meta):
         raise ValueError(f"{meta_path} says dtype {meta.get('dtype')!r}; expected 'uint16' or 'uint32'. {hint}")
     itemsize = np.dtype(meta["dtype"]).itemsize
     size = os.path.getsize(path)
+    if size == 0:
+        raise ValueError(f"{path} is empty (0 tokens)")
     if size % itemsize:
         raise ValueError(f"{path} has {size} bytes, not a whole number of {meta['dtype']} tokens: the file is "
                          f"corrupt or was written with another dtype; {hint}")

@@ -1,0 +1,248 @@
+"""The single-process foundation: the model, the config system, data checks, the training loop, resume,
+sampling, and imports on a machine without the optional GPU libraries."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, shared_file
+from dist_utils import make_token_data, run_train, train_losses
+
+import configurator
+import train
+from model import ModelConfig, Transformer
+
+TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=64", "--block_size=32", "--batch_size=4",
+        "--eval_interval=0", "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3"]
+
+
+@pytest.fixture(scope="module")
+def token_dir(tmp_path_factory):
+    return make_token_data(str(tmp_path_factory.mktemp("tokens")))
+
+
+def tiny_model(**kw):
+    cfg = ModelConfig(**{**dict(vocab_size=101, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=64), **kw})
+    model = Transformer(cfg)
+    model.init_weights(seed=0)
+    return model
+
+
+# --- model ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])
+def test_changing_a_future_token_does_not_change_earlier_logits(attn_impl):
+    model = tiny_model(attn_impl=attn_impl)
+    x = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(0))
+    t = 9
+    x2 = x.clone()
+    x2[:, t + 1] = (x2[:, t + 1] + 1) % 101
+    a, _ = model(x)
+    b, _ = model(x2)
+    torch.testing.assert_close(a[:, :t + 1], b[:, :t + 1], rtol=0, atol=0)
+    assert not torch.allclose(a[:, t + 1:], b[:, t + 1:])
+
+
+def test_sdpa_and_eager_attention_agree():
+    x = torch.randint(0, 101, (2, 20), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(tiny_model(attn_impl="sdpa")(x)[0], tiny_model(attn_impl="eager")(x)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_loss_is_mean_cross_entropy_of_the_logits():
+    model = tiny_model()
+    x = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(2))
+    y = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(3))
+    logits, loss = model(x, y)
+    assert logits.shape == (2, 16, 101)  # the padded vocabulary rows never reach the caller
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.reshape(-1, 101), y.reshape(-1)))
+
+
+def test_same_seed_gives_same_weights_and_padding_rows_are_zero():
+    a, b = tiny_model(), tiny_model()
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+    assert a.tok_emb.weight.shape[0] == 128 and a.tok_emb.weight[101:].abs().sum() == 0
+
+
+def test_tiny_model_overfits_one_batch():
+    torch.manual_seed(0)
+    model = tiny_model(tie_embeddings=False)
+    x = torch.randint(0, 101, (4, 32), generator=torch.Generator().manual_seed(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(150):
+        _, loss = model(x[:, :-1], x[:, 1:])
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1 * first, (first, loss.item())
+
+
+def test_generate_greedy_is_deterministic_and_extends_the_prompt():
+    model = tiny_model()
+    x = torch.tensor([[1, 2, 3]])
+    a = model.generate(x, 8, top_k=1)
+    assert a.shape == (1, 11) and torch.equal(a[:, :3], x)
+    assert torch.equal(a, model.generate(x, 8, top_k=1))
+
+
+# --- configuration ----------------------------------------------------------------------------------
+
+def test_config_file_and_overrides_apply_in_order(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("import math\nn_layer = 6\nlearning_rate = 1e-3\nout_dir = 'x'\n")
+    cfg = configurator.configure(train.DEFAULTS, [str(path), "--n_layer=8", "--learning_rate=1", "--init_from=resume"])
+    assert cfg["n_layer"] == 8 and cfg["learning_rate"] == 1.0 and isinstance(cfg["learning_rate"], float)
+    assert cfg["out_dir"] == "x" and cfg["init_from"] == "resume"
+
+
+def test_unknown_key_names_the_key_and_close_matches():
+    with pytest.raises(configurator.ConfigError, match=r"unknown config key 'n_layers'.*n_layer"):
+        configurator.configure(train.DEFAULTS, ["--n_layers=3"])
+
+
+def test_unknown_key_in_a_config_file_is_rejected(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("batch_sise = 3\n")
+    with pytest.raises(configurator.ConfigError, match="batch_sise.*batch_size"):
+        configurator.configure(train.DEFAULTS, [str(path)])
+
+
+@pytest.mark.parametrize("arg,expected", [("--n_layer=2.5", "must be of type int"),
+                                          ("--compile=1", "must be a bool"),
+                                          ("--learning_rate=fast", "must be of type float")])
+def test_wrong_type_is_rejected(arg, expected):
+    with pytest.raises(configurator.ConfigError, match=expected):
+        configurator.configure(train.DEFAULTS, [arg])
+
+
+def test_command_line_error_is_a_clean_message(tmp_path):
+    _, proc = run_train(["--n_layr=3", f"--out_dir={tmp_path}"], check=False)
+    assert proc.returncode != 0
+    assert "error: unknown config key 'n_layr'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --- data checks ------------------------------------------------------------------------------------
+
+def data_error(data_dir, tmp_path, *extra):
+    _, proc = run_train([f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=1", *TINY, *extra],
+                        check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr
+
+
+def test_missing_data_says_what_to_run(tmp_path):
+    assert "python prepare_data.py" in data_error(tmp_path / "nowhere", tmp_path)
+    make_token_data(str(tmp_path / "d"))
+    os.remove(tmp_path / "d" / "train.bin")
+    err = data_error(tmp_path / "d", tmp_path)
+    assert "no train.bin" in err and "python prepare_data.py" in err
+
+
+def test_corrupt_or_mismatched_data_is_refused(tmp_path):
+    d = make_token_data(str(tmp_path / "d"), vocab_size=512)
+    with open(os.path.join(d, "train.bin"), "ab") as f:
+        f.write(b"\x00")  # half a uint16 token
+    assert "not a whole number of uint16 tokens" in data_error(d, tmp_path)
+    d = make_token_data(str(tmp_path / "e"), vocab_size=512)
+    np.full(1000, 600, dtype=np.uint16).tofile(os.path.join(d, "train.bin"))  # ids beyond the vocabulary
+    assert "token id 600" in data_error(d, tmp_path)
+
+
+def test_too_few_tokens_for_block_size(tmp_path):
+    d = make_token_data(str(tmp_path / "d"), n_tokens=20)
+    assert "fewer than block_size + 1" in data_error(d, tmp_path)
+
+
+# --- training loop ----------------------------------------------------------------------------------
+
+def test_lr_schedule_warms_up_then_decays_to_min_lr():
+    cfg = train.SimpleNamespace(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
+    lrs = [train.get_lr(s, cfg) for s in range(130)]
+    assert lrs[0] == pytest.approx(1 / 11) and lrs[9] == pytest.approx(10 / 11)
+    assert lrs[10] == pytest.approx(1.0) and lrs[60] == pytest.approx(0.55)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[120] == 0.1
+
+
+def test_logged_lr_is_the_lr_applied_and_loss_falls(token_dir, tmp_path):
+    records, _ = run_train([f"--data_dir={token_dir}", f"--out_dir={tmp_path}", "--max_iters=30", "--lr_decay_iters=30",
+                            "--checkpoint_interval=0", *TINY])
+    cfg = train.SimpleNamespace(learning_rate=3e-3, min_lr=1e-4, warmup_iters=2, lr_decay_iters=30)
+    assert [r["lr"] for r in records] == pytest.approx([train.get_lr(s, cfg) for s in range(30)])
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec"} <= set(records[0])
+    losses = train_losses(records)
+    assert np.mean(losses[-5:]) < losses[0] - 1.0
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(token_dir, tmp_path):
+    common = [f"--data_dir={token_dir}", "--checkpoint_interval=3", "--max_iters=6", "--lr_decay_iters=6",
+              "--eval_interval=3", "--eval_iters=2", "--gradient_accumulation_steps=2", *TINY]
+    straight, _ = run_train([f"--out_dir={tmp_path / 'a'}", *common])
+    run_train([f"--out_dir={tmp_path / 'b'}", *common, "--max_iters=3"])
+    resumed, proc = run_train([f"--out_dir={tmp_path / 'b'}", *common, "--init_from=resume"])
+    assert "resumed from" in proc.stdout
+    assert train_losses(resumed) == train_losses(straight)  # bit-identical in fp32 on CPU
+    assert [r["val_loss"] for r in resumed if "val_loss" in r] == [r["val_loss"] for r in straight if "val_loss" in r]
+
+
+def test_scratch_run_refuses_to_overwrite_checkpoints(token_dir, tmp_path):
+    args = [f"--data_dir={token_dir}", f"--out_dir={tmp_path}", "--max_iters=1", *TINY]
+    run_train(args)
+    _, proc = run_train(args, check=False)
+    assert proc.returncode != 0 and "--init_from=resume" in proc.stderr
+    _, proc = run_train([f"--data_dir={token_dir}", f"--out_dir={tmp_path / 'empty'}", "--init_from=resume", *TINY],
+                        check=False)
+    assert proc.returncode != 0 and "no complete checkpoint" in proc.stderr
+
+
+# --- the whole path on real text: prepare, train, sample -------------------------------------------
+
+def test_prepare_train_sample_on_real_text(tmp_path):
+    import prepare_data
+    import sample
+    source = shared_file("fineweb_edu_sample/fineweb_edu_sample10bt_150.jsonl")
+    if source is None:  # a fresh clone without ../shared: make a small corpus of our own
+        source = tmp_path / "docs.jsonl"
+        source.write_text("".join(json.dumps({"text": f"Document {i}: the quick brown fox jumps over the lazy dog. " * 20})
+                                  + "\n" for i in range(60)))
+    prepare_data.prepare(str(source), str(tmp_path / "data"), num_proc=1)
+    records, proc = run_train([str(ROOT / "config/tiny_fineweb.py"), f"--data_dir={tmp_path / 'data'}",
+                               f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--eval_interval=4", "--eval_iters=1",
+                               "--batch_size=2", "--block_size=64", "--log_interval=1"])
+    assert "val_loss" in records[-1] and len(train_losses(records)) == 4
+    texts = sample.main([f"--out_dir={tmp_path / 'out'}", "--start=The", "--num_samples=1", "--max_new_tokens=5",
+                         "--top_k=1"])
+    assert texts[0].startswith("The") and texts[0] == sample.main([f"--out_dir={tmp_path / 'out'}", "--start=The",
+                                                                   "--num_samples=1", "--max_new_tokens=5", "--top_k=1"])[0]
+
+
+# --- optional GPU libraries ------------------------------------------------------------------------
+
+BLOCK_GPU_LIBS = """
+import sys
+class Blocker:  # behaves as if flash_attn, triton and functorch were not installed at all
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('flash_attn', 'triton', 'functorch'):
+            raise ImportError(f'{name} is blocked for this test')
+sys.meta_path.insert(0, Blocker())
+"""
+
+
+def test_every_module_imports_without_flash_attn_triton_functorch():
+    code = BLOCK_GPU_LIBS + """
+import glob, importlib, os
+for path in sorted(glob.glob('*.py')):
+    importlib.import_module(os.path.basename(path)[:-3])
+from model import choose_attn_impl
+import torch
+print(choose_attn_impl('auto', 'cpu', torch.float32)[0])
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("sdpa")
