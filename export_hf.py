@@ -23,7 +23,6 @@ transformers and safetensors are needed only here: pip install transformers safe
 """
 import importlib.util
 import json
-import math
 import os
 import re
 import sys
@@ -204,7 +203,7 @@ def hf_config(model, arch, tensors, tokenizer_fits):
     return kwargs
 
 
-def fill_missing(tensors, hf_model, arch):
+def match_hf_parameters(tensors, hf_model, arch):
     """Check the tensors against the parameters transformers builds for the config. A QK-norm without a learned
     gain in picotron becomes a gain of one; anything else missing, extra or misshapen stops the export."""
     expected = {name: p.shape for name, p in hf_model.state_dict().items()}
@@ -272,7 +271,7 @@ def export(out_dir, hf_dir):
     tensors = hf_tensors(model, arch)
     config = config_class(**hf_config(model, arch, tensors, tokenizer_fits))
     with torch.device("meta"):  # the parameter names and shapes, without allocating the model
-        fill_missing(tensors, model_class(config), arch)
+        match_hf_parameters(tensors, model_class(config), arch)
 
     os.makedirs(hf_dir, exist_ok=True)
     config.save_pretrained(hf_dir)

@@ -13,7 +13,6 @@ of train.py with its comment there.
 """
 import io
 import json
-import math
 import os
 import sys
 import tokenize

@@ -6,7 +6,6 @@ and large (gains away from one, attention far from uniform), so a misplaced or m
 changes the logits by O(1), not by a rounding error.
 """
 import importlib.util
-import os
 from dataclasses import fields
 from types import SimpleNamespace
 

@@ -1,6 +1,5 @@
 """make_config.py: a starter config for a size and a layout, refused when the layout does not divide the
 model, and one that train.py accepts and trains with."""
-import os
 
 import pytest
 
