@@ -14,10 +14,11 @@ Which architecture holds which model (each computes exactly what picotron comput
       + bias=True (biases on the attention and MLP linears)               LlamaForCausalLM (attention_bias, mlp_bias)
       + qk_norm=True (RMSNorm on each query and key head)                 Qwen3ForCausalLM
       + attn_softcap and/or final_softcap (tanh soft-capping)            VaultGemmaForCausalLM
+      + attention='mla' (multi-head latent attention)                    DeepseekV3ForCausalLM (all layers dense)
 Gemma2 also has soft-capping, but it normalises each sublayer's output too (sandwich norms), which
 picotron's blocks do not; VaultGemma is the Gemma variant without them. The options no architecture holds
-(MLA, mixture of experts, parallel blocks, LayerNorm, a non-SwiGLU MLP, QK-norm together with soft-capping)
-stop the export with the option named.
+(mixture of experts, parallel blocks, LayerNorm, a GELU MLP, QK-norm together with soft-capping, MLA with
+QK-norm, soft-capping or biases) stop the export with the option named.
 
 transformers and safetensors are needed only here: pip install transformers safetensors
 """
@@ -88,13 +89,11 @@ def hf_architecture(cfg):
     each option that no architecture can hold."""
     qk_norm = bool(option(cfg, "qk_norm", False))
     softcap = bool(option(cfg, "attn_softcap", None) or option(cfg, "final_softcap", None))
+    mla = option(cfg, "attention", "mha") == "mla"
     blockers = []
-    if option(cfg, "attention", None) == "mla":
-        blockers.append("attention='mla': multi-head latent attention is exported to no architecture yet "
-                        "(DeepSeek-V3's is the candidate, with its own weight layout and RoPE split)")
-    if (option(cfg, "n_expert", 0) or 0) > 1:
-        blockers.append(f"n_expert={cfg.n_expert}: mixture-of-experts export is not supported (each HF MoE "
-                        f"architecture has its own router; none was matched to picotron's)")
+    if (option(cfg, "n_expert", 0) or 0) > 0:
+        blockers.append(f"n_expert={cfg.n_expert}: no transformers architecture drops tokens over an expert's "
+                        f"capacity as picotron's router does, so a mixture of experts is not exported")
     if option(cfg, "parallel_block", False):
         blockers.append("parallel_block=True: no transformers architecture has parallel attention and MLP with "
                         "RMSNorm and SwiGLU (GPT-J and GPT-NeoX use LayerNorm and GELU)")
@@ -104,11 +103,16 @@ def hf_architecture(cfg):
     mlp = option(cfg, "mlp", "swiglu")
     if mlp != "swiglu":
         blockers.append(f"mlp={mlp!r}: the Llama family uses the SwiGLU MLP; use mlp='swiglu'")
-    if qk_norm and softcap:
+    if qk_norm and softcap and not mla:
         blockers.append("qk_norm=True with soft-capping: the architectures with both (Gemma3) also normalise each "
                         "sublayer's output, which picotron does not")
+    if mla:  # DeepSeek-V3's attention has no QK-norm, no soft-capping, and biases on only some projections
+        blockers += [f"attention='mla' with {name}: DeepSeek-V3's MLA has no such option"
+                     for name in ("qk_norm", "attn_softcap", "final_softcap", "bias") if option(cfg, name, False)]
     if blockers:
         raise ValueError("this model cannot be exported to a transformers architecture: " + "; ".join(blockers))
+    if mla:
+        return "DeepseekV3ForCausalLM"
     if qk_norm:
         return "Qwen3ForCausalLM"
     if softcap:
@@ -125,6 +129,13 @@ HF_NAMES = [
     (r"blocks\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
     (r"blocks\.(\d+)\.attn\.([qkvo])_proj\.(weight|bias)", r"model.layers.\1.self_attn.\2_proj.\3"),
     (r"blocks\.(\d+)\.attn\.([qk])_norm\.weight", r"model.layers.\1.self_attn.\2_norm.weight"),
+    # multi-head latent attention: DeepSeek's a (down) and b (up) projections around the latent norms
+    (r"blocks\.(\d+)\.attn\.q_down\.weight", r"model.layers.\1.self_attn.q_a_proj.weight"),
+    (r"blocks\.(\d+)\.attn\.q_latent_norm\.weight", r"model.layers.\1.self_attn.q_a_layernorm.weight"),
+    (r"blocks\.(\d+)\.attn\.q_up\.weight", r"model.layers.\1.self_attn.q_b_proj.weight"),
+    (r"blocks\.(\d+)\.attn\.kv_down\.weight", r"model.layers.\1.self_attn.kv_a_proj_with_mqa.weight"),
+    (r"blocks\.(\d+)\.attn\.kv_latent_norm\.weight", r"model.layers.\1.self_attn.kv_a_layernorm.weight"),
+    (r"blocks\.(\d+)\.attn\.kv_up\.weight", r"model.layers.\1.self_attn.kv_b_proj.weight"),
     (r"blocks\.(\d+)\.mlp_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
     (r"blocks\.(\d+)\.mlp\.(gate|up|down)\.(weight|bias)", r"model.layers.\1.mlp.\2_proj.\3"),
     (r"norm\.weight", r"model.norm.weight"),
@@ -177,17 +188,19 @@ def gemma_conventions(tensors, cfg):
 def hf_config(model, arch, tensors, tokenizer_fits):
     """The transformers config (a dict for its config class) of this model under `arch`."""
     cfg = model.cfg
-    head_dim = tensors["model.layers.0.self_attn.q_proj.weight"].shape[0] // cfg.n_head
+    head_dim = cfg.n_embd // cfg.n_head
     kwargs = dict(
         architectures=[arch], vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
         intermediate_size=tensors["model.layers.0.mlp.gate_proj.weight"].shape[0],
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
-        head_dim=head_dim, max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
+        max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
         bos_token_id=GPT2_EOT if tokenizer_fits else None, eos_token_id=GPT2_EOT if tokenizer_fits else None,
         pad_token_id=None, dtype="float32",
     )
+    if arch != "DeepseekV3ForCausalLM":
+        kwargs.update(head_dim=head_dim)
     if arch == "LlamaForCausalLM":
         kwargs.update(hidden_act="silu", mlp_bias="model.layers.0.mlp.gate_proj.bias" in tensors)
     elif arch == "Qwen3ForCausalLM":
@@ -200,6 +213,12 @@ def hf_config(model, arch, tensors, tokenizer_fits):
                       # every layer attends to the whole context; transformers builds a sliding-window mask
                       # all the same and needs a window for it, which no layer uses
                       sliding_window=cfg.block_size, layer_types=["full_attention"] * cfg.n_layer)
+    elif arch == "DeepseekV3ForCausalLM":
+        kwargs.update(hidden_act="silu", num_key_value_heads=cfg.n_head, kv_lora_rank=cfg.kv_lora_rank,
+                      q_lora_rank=cfg.q_lora_rank or None, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                      qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim,
+                      rope_interleave=False,  # picotron rotates halves, not interleaved pairs
+                      first_k_dense_replace=cfg.n_layer, num_mtp_layers=0)  # every layer a dense MLP
     return kwargs
 
 
@@ -248,7 +267,8 @@ def hf_classes(arch):
     transformers package for a name it has not loaded yet scans every model it ships (seconds)."""
     import importlib
     import transformers
-    module = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "VaultGemmaForCausalLM": "vaultgemma"}[arch]
+    module = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "VaultGemmaForCausalLM": "vaultgemma",
+              "DeepseekV3ForCausalLM": "deepseek_v3"}[arch]
     try:
         modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
         configuration = importlib.import_module(f"transformers.models.{module}.configuration_{module}")
@@ -277,6 +297,9 @@ def export(out_dir, hf_dir):
     config.save_pretrained(hf_dir)
     save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
     print(f"exported {path} (step {meta['step']}) as {arch} to {hf_dir}")
+    if arch == "DeepseekV3ForCausalLM" and model.cfg.norm_eps != 1e-6:
+        print(f"  note: DeepSeek-V3's latent norms have eps 1e-6 built in, picotron's norm_eps is {model.cfg.norm_eps}: "
+              f"the logits differ by about 1e-5 (exactly the same with norm_eps=1e-6)")
     if tokenizer_fits:
         write_gpt2_tokenizer(hf_dir, model.cfg.block_size)
         print("  with the GPT-2 tokenizer")

@@ -146,6 +146,11 @@ VARIANTS = [
     ("softcaps-untied", dict(attn_softcap=5.0, final_softcap=3.0, tie_embeddings=False), "VaultGemmaForCausalLM"),
     ("final-softcap", dict(final_softcap=3.0), "VaultGemmaForCausalLM"),
     ("bias", dict(bias=True), "LlamaForCausalLM"),
+    ("mla", dict(attention="mla", kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                 norm_eps=1e-6), "DeepseekV3ForCausalLM"),
+    ("mla-q-lora-untied", dict(attention="mla", kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+                               qk_nope_head_dim=16, v_head_dim=16, tie_embeddings=False, norm_eps=1e-6),
+     "DeepseekV3ForCausalLM"),
 ]
 FIELDS = {f.name for f in fields(ModelConfig)}
 
@@ -162,8 +167,8 @@ def test_variant_exports_to_its_architecture_with_the_same_logits(tmp_path, over
     assert max_logit_diff(model, hf_model) < 2e-5
 
 
-@pytest.mark.parametrize("option,value", [("attention", "mla"), ("n_expert", 4), ("parallel_block", True),
-                                          ("norm", "layernorm"), ("mlp", "gelu")])
+@pytest.mark.parametrize("option,value", [("n_expert", 4), ("parallel_block", True), ("norm", "layernorm"),
+                                          ("mlp", "gelu")])
 def test_an_option_no_architecture_holds_is_refused_by_name(option, value):
     cfg = SimpleNamespace(**TINY, **{option: value})
     with pytest.raises(ValueError, match=f"{option}={value!r}" if isinstance(value, str) else f"{option}={value}"):
@@ -179,3 +184,6 @@ def test_architecture_follows_the_options():
     assert export_hf.hf_architecture(SimpleNamespace(**TINY)) == "LlamaForCausalLM"
     assert export_hf.hf_architecture(SimpleNamespace(**TINY, qk_norm=True)) == "Qwen3ForCausalLM"
     assert export_hf.hf_architecture(SimpleNamespace(**TINY, final_softcap=30.0)) == "VaultGemmaForCausalLM"
+    assert export_hf.hf_architecture(SimpleNamespace(**TINY, attention="mla")) == "DeepseekV3ForCausalLM"
+    with pytest.raises(ValueError, match="attention='mla' with qk_norm"):
+        export_hf.hf_architecture(SimpleNamespace(**TINY, attention="mla", qk_norm=True))
