@@ -15,10 +15,13 @@ Which architecture holds which model (each computes exactly what picotron comput
       + qk_norm=True (RMSNorm on each query and key head)                 Qwen3ForCausalLM
       + attn_softcap and/or final_softcap (tanh soft-capping)            VaultGemmaForCausalLM
       + attention='mla' (multi-head latent attention)                    DeepseekV3ForCausalLM (all layers dense)
+    GPT-2's pieces with RoPE: norm='layernorm', mlp='gelu' (with or without
+      bias, sequential or parallel_block), MHA                            GPTNeoXForCausalLM
 Gemma2 also has soft-capping, but it normalises each sublayer's output too (sandwich norms), which
-picotron's blocks do not; VaultGemma is the Gemma variant without them. The options no architecture holds
-(mixture of experts, parallel blocks, LayerNorm, a GELU MLP, QK-norm together with soft-capping, MLA with
-QK-norm, soft-capping or biases) stop the export with the option named.
+picotron's blocks do not; VaultGemma is the Gemma variant without them. The combinations no architecture
+holds (mixture of experts; parallel blocks, LayerNorm or a GELU MLP other than all three GPT-NeoX pieces
+together; QK-norm with soft-capping; MLA with QK-norm, soft-capping or biases) stop the export with the
+options named.
 
 transformers and safetensors are needed only here: pip install transformers safetensors
 """
@@ -94,15 +97,24 @@ def hf_architecture(cfg):
     if (option(cfg, "n_expert", 0) or 0) > 0:
         blockers.append(f"n_expert={cfg.n_expert}: no transformers architecture drops tokens over an expert's "
                         f"capacity as picotron's router does, so a mixture of experts is not exported")
-    if option(cfg, "parallel_block", False):
-        blockers.append("parallel_block=True: no transformers architecture has parallel attention and MLP with "
-                        "RMSNorm and SwiGLU (GPT-J and GPT-NeoX use LayerNorm and GELU)")
-    norm = option(cfg, "norm", "rmsnorm")
-    if norm not in ("rmsnorm", "rms"):
-        blockers.append(f"norm={norm!r}: the Llama family uses RMSNorm; use norm='rmsnorm'")
-    mlp = option(cfg, "mlp", "swiglu")
-    if mlp != "swiglu":
-        blockers.append(f"mlp={mlp!r}: the Llama family uses the SwiGLU MLP; use mlp='swiglu'")
+    norm, mlp = option(cfg, "norm", "rmsnorm"), option(cfg, "mlp", "swiglu")
+    neox = norm == "layernorm" and mlp == "gelu"
+    if neox:  # GPT-NeoX: LayerNorm, GELU MLP, RoPE, sequential or parallel blocks, and nothing else
+        if cfg.n_kv_head != cfg.n_head:
+            blockers.append(f"norm='layernorm', mlp='gelu' with n_kv_head={cfg.n_kv_head} < n_head={cfg.n_head}: "
+                            f"GPT-NeoX has no grouped-query attention")
+        blockers += [f"norm='layernorm', mlp='gelu' with {name}: GPT-NeoX has no such option" for name in
+                     ("qk_norm", "attn_softcap", "final_softcap") if option(cfg, name, False)]
+        if mla:
+            blockers.append("norm='layernorm', mlp='gelu' with attention='mla': no architecture has both")
+    else:
+        if option(cfg, "parallel_block", False):
+            blockers.append("parallel_block=True with RMSNorm or SwiGLU: the only parallel-block architecture "
+                            "(GPT-NeoX) uses LayerNorm and GELU (norm='layernorm', mlp='gelu')")
+        if norm != "rmsnorm":
+            blockers.append(f"norm={norm!r} with mlp={mlp!r}: LayerNorm comes only with the GELU MLP (GPT-NeoX)")
+        if mlp != "swiglu":
+            blockers.append(f"mlp={mlp!r} with norm={norm!r}: the GELU MLP comes only with LayerNorm (GPT-NeoX)")
     if qk_norm and softcap and not mla:
         blockers.append("qk_norm=True with soft-capping: the architectures with both (Gemma3) also normalise each "
                         "sublayer's output, which picotron does not")
@@ -111,6 +123,8 @@ def hf_architecture(cfg):
                      for name in ("qk_norm", "attn_softcap", "final_softcap", "bias") if option(cfg, name, False)]
     if blockers:
         raise ValueError("this model cannot be exported to a transformers architecture: " + "; ".join(blockers))
+    if neox:
+        return "GPTNeoXForCausalLM"
     if mla:
         return "DeepseekV3ForCausalLM"
     if qk_norm:
@@ -126,7 +140,7 @@ def hf_architecture(cfg):
 # picotron's parameter names -> the Llama family's (VaultGemma calls the MLP's norm pre_feedforward_layernorm)
 HF_NAMES = [
     (r"tok_emb\.weight", r"model.embed_tokens.weight"),
-    (r"blocks\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"blocks\.(\d+)\.attn_norm\.(weight|bias)", r"model.layers.\1.input_layernorm.\2"),
     (r"blocks\.(\d+)\.attn\.([qkvo])_proj\.(weight|bias)", r"model.layers.\1.self_attn.\2_proj.\3"),
     (r"blocks\.(\d+)\.attn\.([qk])_norm\.weight", r"model.layers.\1.self_attn.\2_norm.weight"),
     # multi-head latent attention: DeepSeek's a (down) and b (up) projections around the latent norms
@@ -136,9 +150,9 @@ HF_NAMES = [
     (r"blocks\.(\d+)\.attn\.kv_down\.weight", r"model.layers.\1.self_attn.kv_a_proj_with_mqa.weight"),
     (r"blocks\.(\d+)\.attn\.kv_latent_norm\.weight", r"model.layers.\1.self_attn.kv_a_layernorm.weight"),
     (r"blocks\.(\d+)\.attn\.kv_up\.weight", r"model.layers.\1.self_attn.kv_b_proj.weight"),
-    (r"blocks\.(\d+)\.mlp_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"blocks\.(\d+)\.mlp_norm\.(weight|bias)", r"model.layers.\1.post_attention_layernorm.\2"),
     (r"blocks\.(\d+)\.mlp\.(gate|up|down)\.(weight|bias)", r"model.layers.\1.mlp.\2_proj.\3"),
-    (r"norm\.weight", r"model.norm.weight"),
+    (r"norm\.(weight|bias)", r"model.norm.\1"),
     (r"lm_head\.weight", r"lm_head.weight"),
 ]
 
@@ -169,6 +183,8 @@ def hf_tensors(model, arch):
         tensors[new] = t.detach().float().clone().contiguous()
     if arch == "VaultGemmaForCausalLM":
         gemma_conventions(tensors, cfg)
+    if arch == "GPTNeoXForCausalLM":
+        tensors = neox_layout(tensors, cfg)
     return tensors
 
 
@@ -185,10 +201,50 @@ def gemma_conventions(tensors, cfg):
             t -= 1.0
 
 
+# the Llama names -> GPT-NeoX's
+NEOX_NAMES = [("model.embed_tokens.", "gpt_neox.embed_in."), ("model.norm.", "gpt_neox.final_layer_norm."),
+              ("model.layers.", "gpt_neox.layers."), (".self_attn.o_proj.", ".attention.dense."),
+              (".mlp.up_proj.", ".mlp.dense_h_to_4h."), (".mlp.down_proj.", ".mlp.dense_4h_to_h.")]
+
+
+def neox_layout(tensors, cfg):
+    """GPT-NeoX fuses q, k and v into one projection whose output is read per head as [q_h; k_h; v_h]
+    (query_key_value), and its parallel block has a second norm for the MLP, where picotron's parallel
+    block reads one norm's output twice: that second norm gets the same weights."""
+    H, hd = cfg.n_head, cfg.n_embd // cfg.n_head
+    for i in range(cfg.n_layer):
+        prefix = f"model.layers.{i}."
+        for kind in ("weight", "bias"):
+            parts = [tensors.pop(f"{prefix}self_attn.{x}_proj.{kind}", None) for x in "qkv"]
+            if parts[0] is not None:  # (H * hd, ...) each -> (H, 3, hd, ...) -> (3 * H * hd, ...)
+                fused = torch.stack([t.view(H, hd, *t.shape[1:]) for t in parts], dim=1)
+                tensors[f"{prefix}attention.query_key_value.{kind}"] = fused.reshape(3 * H * hd, *parts[0].shape[1:])
+            if option(cfg, "parallel_block", False) and f"{prefix}input_layernorm.{kind}" in tensors:
+                tensors[f"{prefix}post_attention_layernorm.{kind}"] = tensors[f"{prefix}input_layernorm.{kind}"].clone()
+    renamed = {}
+    for name, t in tensors.items():
+        for old, new in NEOX_NAMES:
+            name = name.replace(old, new)
+        renamed[name] = t
+    return renamed
+
+
 def hf_config(model, arch, tensors, tokenizer_fits):
     """The transformers config (a dict for its config class) of this model under `arch`."""
     cfg = model.cfg
     head_dim = cfg.n_embd // cfg.n_head
+    tokens = dict(bos_token_id=GPT2_EOT if tokenizer_fits else None, eos_token_id=GPT2_EOT if tokenizer_fits else None,
+                  pad_token_id=None)
+    if arch == "GPTNeoXForCausalLM":  # its own names for most settings
+        return dict(
+            architectures=[arch], vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
+            num_attention_heads=cfg.n_head, intermediate_size=tensors["gpt_neox.layers.0.mlp.dense_h_to_4h.weight"].shape[0],
+            hidden_act="gelu_pytorch_tanh",  # picotron's GELU is the tanh approximation, as GPT-2's
+            max_position_embeddings=cfg.block_size, layer_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+            use_parallel_residual=bool(option(cfg, "parallel_block", False)),
+            attention_bias="gpt_neox.layers.0.attention.query_key_value.bias" in tensors,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0},
+            dtype="float32", **tokens)
     kwargs = dict(
         architectures=[arch], vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
         intermediate_size=tensors["model.layers.0.mlp.gate_proj.weight"].shape[0],
@@ -196,8 +252,7 @@ def hf_config(model, arch, tensors, tokenizer_fits):
         max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
-        bos_token_id=GPT2_EOT if tokenizer_fits else None, eos_token_id=GPT2_EOT if tokenizer_fits else None,
-        pad_token_id=None, dtype="float32",
+        dtype="float32", **tokens,
     )
     if arch != "DeepseekV3ForCausalLM":
         kwargs.update(head_dim=head_dim)
@@ -224,13 +279,16 @@ def hf_config(model, arch, tensors, tokenizer_fits):
 
 def match_hf_parameters(tensors, hf_model, arch):
     """Check the tensors against the parameters transformers builds for the config. A QK-norm without a learned
-    gain in picotron becomes a gain of one; anything else missing, extra or misshapen stops the export."""
+    gain in picotron becomes a gain of one, a bias GPT-NeoX always has (norms, MLP) and picotron's bias=False
+    model lacks becomes zeros; anything else missing, extra or misshapen stops the export."""
     expected = {name: p.shape for name, p in hf_model.state_dict().items()}
     if hf_model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     for name in sorted(set(expected) - set(tensors)):
         if re.fullmatch(r"model\.layers\.\d+\.self_attn\.[qk]_norm\.weight", name):
-            tensors[name] = torch.ones(expected[name])
+            tensors[name] = torch.ones(expected[name], device="cpu")
+        elif arch == "GPTNeoXForCausalLM" and name.endswith(".bias"):
+            tensors[name] = torch.zeros(expected[name], device="cpu")
         else:
             raise ValueError(f"{arch} needs '{name}', which picotron's checkpoint does not have")
     for name, t in tensors.items():
@@ -268,7 +326,7 @@ def hf_classes(arch):
     import importlib
     import transformers
     module = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "VaultGemmaForCausalLM": "vaultgemma",
-              "DeepseekV3ForCausalLM": "deepseek_v3"}[arch]
+              "DeepseekV3ForCausalLM": "deepseek_v3", "GPTNeoXForCausalLM": "gpt_neox"}[arch]
     try:
         modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
         configuration = importlib.import_module(f"transformers.models.{module}.configuration_{module}")

@@ -151,6 +151,9 @@ VARIANTS = [
     ("mla-q-lora-untied", dict(attention="mla", kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
                                qk_nope_head_dim=16, v_head_dim=16, tie_embeddings=False, norm_eps=1e-6),
      "DeepseekV3ForCausalLM"),
+    ("gpt2-pieces", dict(norm="layernorm", mlp="gelu", bias=True), "GPTNeoXForCausalLM"),
+    ("gpt2-pieces-parallel-no-bias-untied", dict(norm="layernorm", mlp="gelu", parallel_block=True,
+                                                 tie_embeddings=False), "GPTNeoXForCausalLM"),
 ]
 FIELDS = {f.name for f in fields(ModelConfig)}
 
@@ -185,5 +188,8 @@ def test_architecture_follows_the_options():
     assert export_hf.hf_architecture(SimpleNamespace(**TINY, qk_norm=True)) == "Qwen3ForCausalLM"
     assert export_hf.hf_architecture(SimpleNamespace(**TINY, final_softcap=30.0)) == "VaultGemmaForCausalLM"
     assert export_hf.hf_architecture(SimpleNamespace(**TINY, attention="mla")) == "DeepseekV3ForCausalLM"
+    assert export_hf.hf_architecture(SimpleNamespace(**TINY, norm="layernorm", mlp="gelu")) == "GPTNeoXForCausalLM"
+    with pytest.raises(ValueError, match="GPT-NeoX has no grouped-query attention"):
+        export_hf.hf_architecture(SimpleNamespace(**dict(TINY, n_kv_head=2), norm="layernorm", mlp="gelu"))
     with pytest.raises(ValueError, match="attention='mla' with qk_norm"):
         export_hf.hf_architecture(SimpleNamespace(**TINY, attention="mla", qk_norm=True))
