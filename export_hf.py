@@ -43,7 +43,7 @@ out_dir = "out"  # the training run: its newest complete checkpoint is exported 
 hf_dir = "hf"  # where the transformers model directory is written
 check = True  # reload the export in transformers and compare its logits with picotron's
 # -----------------------------------------------------------------------------
-DEFAULTS = {k: v for k, v in dict(globals()).items() if k in ("out_dir", "hf_dir", "check")}
+DEFAULTS = dict(out_dir=out_dir, hf_dir=hf_dir, check=check)
 
 GPT2_FILES = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"  # tiktoken's gpt2 source
 GPT2_VOCAB_SIZE, GPT2_EOT = 50257, 50256
@@ -115,9 +115,13 @@ def hf_architecture(cfg):
             blockers.append(f"norm={norm!r} with mlp={mlp!r}: LayerNorm comes only with the GELU MLP (GPT-NeoX)")
         if mlp != "swiglu":
             blockers.append(f"mlp={mlp!r} with norm={norm!r}: the GELU MLP comes only with LayerNorm (GPT-NeoX)")
-    if qk_norm and softcap and not mla:
-        blockers.append("qk_norm=True with soft-capping: the architectures with both (Gemma3) also normalise each "
-                        "sublayer's output, which picotron does not")
+    if not (neox or mla):
+        if qk_norm and softcap:
+            blockers.append("qk_norm=True with soft-capping: the architectures with both (Gemma3) also normalise "
+                            "each sublayer's output, which picotron does not")
+        elif option(cfg, "bias", False) and (qk_norm or softcap):
+            blockers.append(f"bias=True with {'qk_norm' if qk_norm else 'soft-capping'}: "
+                            f"{'Qwen3' if qk_norm else 'VaultGemma'} has no MLP biases")
     if mla:  # DeepSeek-V3's attention has no QK-norm, no soft-capping, and biases on only some projections
         blockers += [f"attention='mla' with {name}: DeepSeek-V3's MLA has no such option"
                      for name in ("qk_norm", "attn_softcap", "final_softcap", "bias") if option(cfg, name, False)]

@@ -181,6 +181,8 @@ def test_an_option_no_architecture_holds_is_refused_by_name(option, value):
 def test_qk_norm_with_softcapping_is_refused():
     with pytest.raises(ValueError, match="qk_norm=True with soft-capping"):
         export_hf.hf_architecture(SimpleNamespace(**TINY, qk_norm=True, attn_softcap=30.0))
+    with pytest.raises(ValueError, match="bias=True with qk_norm: Qwen3 has no MLP biases"):
+        export_hf.hf_architecture(SimpleNamespace(**TINY, qk_norm=True, bias=True))
 
 
 def test_architecture_follows_the_options():
