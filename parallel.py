@@ -6,15 +6,23 @@ Read top to bottom:
   2. Tensor parallelism: the four communication operators as autograd functions, then the layers built
      from them (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) and the vocab-parallel
      cross-entropy.
+  3. Pipeline parallelism: each schedule written once as every stage's ordered list of forward and
+     backward actions; one executor walks the list on a real stage, with activations and their
+     gradients sent point to point between neighbouring stages, and a printer draws the same lists as
+     a timeline (python parallel.py --schedule 1f1b --pp 4 --microbatches 8).
 
 Every layer here works on its own, given only torch and a process group (None means "not split": the
 layer is then an ordinary nn.Linear / nn.Embedding), so it can be lifted into another project.
 
 Reference: Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
-Model Parallelism" (the f and g operators, section 3).
+Model Parallelism" (the f and g operators, section 3); Huang et al. 2019, "GPipe" (all forward, all
+backward); Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM" (1F1B, section 2.2.1).
 """
+import argparse
 import math
 import os
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -356,3 +364,260 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
         return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
     losses = VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group, ignore_index)
     return losses.sum() / (targets != ignore_index).sum().clamp(min=1)
+
+
+# -----------------------------------------------------------------------------
+# 3. Pipeline parallelism
+#
+# Each stage holds a contiguous run of blocks (the first also the embedding, the last the final norm, the
+# head and the loss). A step's batch is cut into m microbatches, the gradient-accumulation steps, which go
+# through the stages like work down an assembly line: a stage receives a microbatch's activations from the
+# previous stage, runs its blocks, sends the result on; in the backward pass the gradient of those
+# activations comes back from the next stage and the gradient of the stage's input goes to the previous.
+# While the line fills and drains some stages wait: with every forward and backward taking the same time,
+# the idle share of a step, the "bubble", is (pp - 1) / (m + pp - 1) (GPipe, section 2.2).
+#
+# A schedule is written once, as each stage's ordered list of actions ('F', i) and ('B', i): run
+# microbatch i's forward or backward. `run_schedule` walks that list on a real stage; `schedule_timeline`
+# places the very same lists in time slots for the printed picture. Both schedules below have the same
+# bubble; they differ in memory: a stage keeps a microbatch's activations from its forward to its backward.
+
+
+def afab_actions(pp, stage, m):
+    """GPipe, all forward then all backward: simple, but at the turn every stage holds the activations of
+    all m microbatches."""
+    return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+
+
+def one_f_one_b_actions(pp, stage, m):
+    """1F1B (PipeDream-Flush): a stage runs a microbatch's backward as soon as its gradient can have come
+    back, so it never holds more than pp - stage microbatches' activations, whatever m is."""
+    # warm-up: forwards only. Microbatch 0 must still go through the pp - stage - 1 later stages and come
+    # back before its backward can run here: fill that wait with as many forwards (Megatron's
+    # num_warmup_microbatches), or all m when there are fewer
+    warmup = min(pp - stage - 1, m)
+    actions = [("F", i) for i in range(warmup)]
+    # steady state: each new forward is followed by the oldest waiting backward
+    for i in range(m - warmup):
+        actions += [("F", warmup + i), ("B", i)]
+    # cool-down: the backwards of the microbatches still in flight
+    actions += [("B", i) for i in range(m - warmup, m)]
+    return actions
+
+
+SCHEDULES = {"afab": afab_actions, "1f1b": one_f_one_b_actions}
+
+
+class PipelineComm:
+    """What a stage needs to talk to its neighbours: its index, the number of stages, the global ranks of
+    the previous and next stage (None at either end), and what travels between them. Every message is a
+    (batch, seq_len, hidden_size) tensor of `dtype`, batch and seq_len being the shape of the microbatch's
+    token ids, which every stage has: so no shape or dtype is ever negotiated at run time.
+
+    The dtype is that of the residual stream, the parameters' dtype (fp32 under autocast too: the
+    embedding output is fp32, and adding a bf16 sublayer output to it stays fp32). Sending bf16 instead would
+    round the residual stream at every stage boundary, which one process never does."""
+
+    def __init__(self, stage, pp, prev_rank, next_rank, hidden_size, dtype=torch.float32, device="cpu"):
+        self.stage, self.pp, self.prev_rank, self.next_rank = stage, pp, prev_rank, next_rank
+        self.hidden_size, self.dtype, self.device = hidden_size, dtype, torch.device(device)
+
+    @classmethod
+    def from_layout(cls, layout, hidden_size, device):
+        return cls(layout.pp_rank, layout.pp, layout.pp_prev, layout.pp_next, hidden_size, device=device)
+
+    @property
+    def is_first(self):
+        return self.prev_rank is None
+
+    @property
+    def is_last(self):
+        return self.next_rank is None
+
+    def exchange(self, send, send_to, recv_for, microbatches):
+        """Send `send` (or nothing) to rank `send_to`, and receive the input of the action `recv_for` (or
+        nothing): activations from the previous stage for a forward, the output's gradient from the next
+        stage for a backward. Both go in one batch_isend_irecv, waited for together. A send does not
+        complete before its receiver has posted the matching receive (so with gloo, measured here, and
+        NCCL), so a send then a receive, one after the other, would deadlock wherever two neighbours each
+        send first (1F1B's steady state: one sends activations forward while the other sends gradients
+        back); posted together, they cannot."""
+        ops, received = [], None
+        if send is not None:
+            ops.append(dist.P2POp(dist.isend, send.to(self.dtype).contiguous(), send_to))
+        if recv_for is not None:
+            op, i = recv_for
+            peer = self.prev_rank if op == "F" else self.next_rank
+            if peer is not None:
+                batch, seq_len = microbatches[i][0].shape
+                received = torch.empty(batch, seq_len, self.hidden_size, dtype=self.dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, received, peer))
+        if ops:
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+        return received
+
+
+def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0,
+                 set_grad_sync=None):
+    """Run one stage's list of actions over microbatches [(x, y), ...] (token ids and targets; every stage
+    has them, the first uses x, the last y, all take the message shapes from x). Gradients accumulate in
+    the stage's parameters. Returns this stage's part of the mean loss over the microbatches (a tensor): on
+    the last stage the loss, on the others their auxiliary loss (zero without one); summed over the stages
+    it is the loss one process reports.
+
+    `model(x, targets)` returns (output, loss): on the last stage the logits and the loss (cross-entropy
+    plus any auxiliary loss of its blocks), on the others the hidden states and an auxiliary loss or None
+    (a mixture-of-experts router's balance loss), which must be backpropagated from this stage.
+    `set_grad_sync(bool)` is called before each backward, True only before the last one this stage runs:
+    a data-parallel gradient reducer hooks in there to communicate once per step. Without grad enabled
+    (evaluation) give forwards only: nothing is kept for a backward."""
+    m = len(microbatches)
+    last_backward = max((k for k, (op, _) in enumerate(actions) if op == "B"), default=None)
+    inputs, outputs = {}, {}  # microbatch -> what its backward needs, from its forward until then
+    total = torch.zeros((), device=comm.device)
+    received = comm.exchange(None, None, actions[0], microbatches)
+    for k, (op, i) in enumerate(actions):
+        if op == "F":
+            x, y = microbatches[i]
+            if not comm.is_first:
+                x = received.requires_grad_(torch.is_grad_enabled())  # its .grad is what goes back
+            with autocast:
+                out, loss = model(x, y if comm.is_last else None)
+            if loss is not None:
+                loss = loss / m  # the mean over microbatches: the one place the loss is scaled
+                total += loss.detach().float()
+            if torch.is_grad_enabled():
+                inputs[i], outputs[i] = x, (None if comm.is_last else out, loss)
+            send, send_to = (None, None) if comm.is_last else (out.detach(), comm.next_rank)
+        else:
+            if set_grad_sync is not None:
+                set_grad_sync(k == last_backward)
+            x, (out, loss) = inputs.pop(i), outputs.pop(i)
+            if comm.is_last:
+                (loss * loss_multiplier).backward()
+            else:
+                # the output's gradient from the next stage, plus this stage's own auxiliary loss if any
+                tensors, grads = [out], [received.to(out.dtype)]
+                if loss is not None:
+                    tensors, grads = tensors + [loss * loss_multiplier], grads + [None]
+                torch.autograd.backward(tensors, grads)
+            send, send_to = (None, None) if comm.is_first else (x.grad, comm.prev_rank)
+        recv_for = actions[k + 1] if k + 1 < len(actions) else None
+        received = comm.exchange(send, send_to, recv_for, microbatches)
+    return total
+
+
+def all_forward_all_backward(model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0,
+                             set_grad_sync=None):
+    """One training step of this stage under GPipe's schedule; returns its part of the mean loss."""
+    actions = afab_actions(comm.pp, comm.stage, len(microbatches))
+    return run_schedule(actions, model, microbatches, comm, autocast, loss_multiplier, set_grad_sync)
+
+
+def one_f_one_b(model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0, set_grad_sync=None):
+    """One training step of this stage under the 1F1B schedule; returns its part of the mean loss."""
+    actions = one_f_one_b_actions(comm.pp, comm.stage, len(microbatches))
+    return run_schedule(actions, model, microbatches, comm, autocast, loss_multiplier, set_grad_sync)
+
+
+@torch.no_grad()
+def pipeline_forward(model, microbatches, comm, autocast=nullcontext()):
+    """Forward only (evaluation): every microbatch through the stages; returns this stage's part of the
+    mean loss, as run_schedule."""
+    actions = [("F", i) for i in range(len(microbatches))]
+    return run_schedule(actions, model, microbatches, comm, autocast)
+
+
+def tied_embedding_group(layout):
+    """The process group of the first and the last stage of this rank's pipeline (same dp and tp rank),
+    or None when they are the same stage. With tied embeddings the first stage holds the token embedding
+    and the last stage a copy of it as the output head: the two copies get different gradients (one from
+    the input side, one from the output side), which must be summed so that both take the same step, the
+    step of the single shared matrix in one process. Every rank must call this, in the same order."""
+    group = None
+    if layout.pp == 1:
+        return None
+    for d in range(layout.dp):
+        for t in range(layout.tp):
+            ranks = [d * layout.tp + t, ((layout.pp - 1) * layout.dp + d) * layout.tp + t]
+            g = dist.new_group(ranks)
+            if layout.rank in ranks:
+                group = g
+    return group
+
+
+def all_reduce_tied_grad(weight, group):
+    """Sum a tied weight's gradient over its copies (the embedding on the first stage, the head on the last)."""
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    dist.all_reduce(weight.grad, group=group)
+
+
+# The timeline: the same action lists, placed in unit time slots.
+
+
+def schedule_timeline(schedule, pp, m):
+    """Each stage runs its actions in order, each in one time slot, as early as the stage is free and the
+    action's input is ready: a forward of microbatch i after the previous stage's forward of i, a backward
+    after the next stage's backward of i. Returns one row per stage: the action in each slot, None if idle.
+    A real backward takes about twice a forward; the bubble fraction is the same, since the fill and the
+    drain stretch with the work."""
+    lists = [SCHEDULES[schedule](pp, s, m) for s in range(pp)]
+    finish = {}  # (stage, action) -> the slot after it
+    nxt, free = [0] * pp, [0] * pp
+    while any(nxt[s] < len(lists[s]) for s in range(pp)):
+        placed = False
+        for s in range(pp):
+            while nxt[s] < len(lists[s]):
+                op, i = lists[s][nxt[s]]
+                source = s - 1 if op == "F" else s + 1  # the stage the input comes from
+                if 0 <= source < pp and (source, (op, i)) not in finish:
+                    break  # its input is not ready yet
+                ready = finish[(source, (op, i))] if 0 <= source < pp else 0
+                start = max(free[s], ready)
+                finish[(s, (op, i))] = free[s] = start + 1
+                nxt[s] += 1
+                placed = True
+        if not placed:
+            raise RuntimeError(f"schedule {schedule!r} deadlocks at pp={pp}, m={m}: every stage waits on another")
+    rows = [[None] * max(free) for _ in range(pp)]
+    for (s, action), end in finish.items():
+        rows[s][end - 1] = action
+    return rows
+
+
+def bubble_fraction(rows):
+    """The share of stage-time slots spent idle."""
+    return sum(row.count(None) for row in rows) / sum(len(row) for row in rows)
+
+
+def format_timeline(schedule, pp, m):
+    """The timeline as text, one row per stage, with the microbatches each stage holds and the bubble."""
+    rows = schedule_timeline(schedule, pp, m)
+    width = len(str(m - 1)) + 1
+    lines = [f"{schedule}: pp={pp} stages, m={m} microbatches; one slot per forward (F) or backward (B), . idle"]
+    for s, row in enumerate(rows):
+        cells = ["." * width if a is None else f"{a[0]}{a[1]}".ljust(width) for a in row]
+        lines.append(f"stage {s} | " + " ".join(cells))
+    # what each stage holds: microbatches between their forward and their backward
+    held = []
+    for s in range(pp):
+        alive = peak = 0
+        for op, _ in SCHEDULES[schedule](pp, s, m):
+            alive += 1 if op == "F" else -1
+            peak = max(peak, alive)
+        held.append(peak)
+    lines.append("activations held at most (microbatches): " + ", ".join(f"stage {s}: {h}" for s, h in enumerate(held)))
+    lines.append(f"bubble: {bubble_fraction(rows):.1%} of the slots idle (measured on this timeline); "
+                 f"theory (pp - 1) / (m + pp - 1) = {pp - 1}/{m + pp - 1} = {(pp - 1) / (m + pp - 1):.1%}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Print a pipeline schedule as a timeline, one row per stage.")
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
+    parser.add_argument("--pp", type=int, default=4, help="pipeline stages")
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (m)")
+    args = parser.parse_args()
+    print(format_timeline(args.schedule, args.pp, args.microbatches))

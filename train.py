@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 import checkpoint
 from configurator import ConfigError, configure
-from model import ModelConfig, Transformer, check_layout, choose_attn_impl
-from parallel import group_size, init_distributed
+from model import ModelConfig, Transformer, check_layout, choose_attn_impl, stage_layers
+from parallel import (PipelineComm, all_forward_all_backward, all_reduce_tied_grad, group_size, init_distributed,
+                      one_f_one_b, pipeline_forward, tied_embedding_group)
 
 # -----------------------------------------------------------------------------
 # default config values
@@ -264,15 +265,18 @@ def scale_grads(model, factor):
 # forward and backward of one step
 
 
-def forward_backward(model, microbatches, autocast, loss_multiplier):
+def forward_backward(model, microbatches, autocast, loss_multiplier, set_grad_sync=None):
     """Run every micro-batch forward and backward, accumulating gradients. Each micro-batch's mean loss is
     divided by the number of micro-batches here, and only here, so the gradient is that of the mean loss
-    over the whole batch. Returns that mean loss (a tensor: reading it is a host-device sync)."""
+    over the whole batch. Returns that mean loss (a tensor: reading it is a host-device sync).
+    set_grad_sync(bool) is called before each backward, True before the last (see parallel.run_schedule)."""
     total = 0.0
-    for x, y in microbatches:
+    for i, (x, y) in enumerate(microbatches):
         with autocast:
             _, loss = model(x, y)
         loss = loss / len(microbatches)
+        if set_grad_sync is not None:
+            set_grad_sync(i == len(microbatches) - 1)
         (loss * loss_multiplier).backward()
         total += loss.detach()
     return total
@@ -285,22 +289,27 @@ def evaluate(model, cfg, layout, datasets, device, autocast):
     out = {}
     for split, data in datasets.items():
         total = 0.0
-        for i in range(cfg.eval_iters):
-            (x, y), = rank_microbatches(cfg, layout, data, EVAL_STREAM, i, 1, device)
-            with autocast:
-                _, loss = model(x, y)
-            total += loss.float() / cfg.eval_iters
+        if layout.pp > 1:  # forward only, each batch a microbatch through the pipeline; the loss on the last stage
+            batches = [rank_microbatches(cfg, layout, data, EVAL_STREAM, i, 1, device)[0] for i in range(cfg.eval_iters)]
+            total = pipeline_forward(model, batches, PipelineComm.from_layout(layout, model.cfg.n_embd, device), autocast)
+        else:
+            for i in range(cfg.eval_iters):
+                (x, y), = rank_microbatches(cfg, layout, data, EVAL_STREAM, i, 1, device)
+                with autocast:
+                    _, loss = model(x, y)
+                total += loss.float() / cfg.eval_iters
         out[split] = mean_across_ranks(total, layout).item()
     model.train()
     return out
 
 
 def mean_across_ranks(value, layout):
-    """The job-wide mean of a per-rank loss: computed on the last pipeline stage, equal on tp ranks,
-    different on each dp rank. One all-reduce over the whole world, rank 0 and everyone get it."""
+    """The job-wide mean of a per-rank loss: equal on tp ranks, different on each dp rank, and with pp > 1
+    in parts summed over the stages (the last stage's loss, the others' auxiliary losses or zero: see
+    parallel.run_schedule). One all-reduce over the whole world, rank 0 and everyone get it."""
     if layout.world_size == 1:
         return value
-    counts = layout.is_last_stage and layout.tp_rank == 0
+    counts = layout.tp_rank == 0
     value = value.detach().float() * (1.0 / layout.dp if counts else 0.0)
     dist.all_reduce(value)
     return value
@@ -429,8 +438,8 @@ def setup(cfg):
     if dev.type == "cuda" and layout.world_size > 1:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(dev)
-    if layout.dp > 1 or layout.pp > 1 or cfg.zero_stage != 0:
-        raise NotImplementedError("dp > 1, pp > 1 and zero_stage=1 are not implemented yet")
+    if layout.dp > 1 or cfg.zero_stage != 0:
+        raise NotImplementedError("dp > 1 and zero_stage=1 are not implemented yet")
     if cfg.pp_schedule not in ("1f1b", "afab"):
         raise ValueError(f"pp_schedule must be '1f1b' or 'afab', got {cfg.pp_schedule!r}")
     if cfg.init_from not in ("scratch", "resume"):
@@ -450,6 +459,16 @@ def setup(cfg):
     model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig)
                                if f.name not in ("vocab_size", "attn_impl")}, vocab_size=vocab, attn_impl=attn)
     check_layout(model_cfg, layout.tp, layout.pp)
+    if layout.pp > 1:
+        stages = [stage_layers(model_cfg.n_layer, layout.pp, s) for s in range(layout.pp)]
+        print0(layout, f"pipeline: {cfg.pp_schedule}, {cfg.gradient_accumulation_steps} microbatches, blocks per stage "
+                       + " | ".join(f"{s}: {r.start}" + (f"-{r.stop - 1}" if len(r) > 1 else "") for s, r in enumerate(stages)))
+        if cfg.gradient_accumulation_steps < layout.pp:
+            m = cfg.gradient_accumulation_steps
+            print0(layout, f"warning: gradient_accumulation_steps = {m} microbatches for pp = {layout.pp} stages: the "
+                           f"stages are idle {(layout.pp - 1) / (m + layout.pp - 1):.0%} of each step (the bubble, "
+                           f"(pp - 1) / (m + pp - 1)); raise gradient_accumulation_steps (lowering batch_size to keep the "
+                           f"batch): {4 * layout.pp} microbatches bring the bubble under 20%")
     print0(layout, f"device: {dev}, dtype: {str(ptdtype).replace('torch.', '')} ({dtype_why}), "
                    f"attention: {attn} ({attn_why})")
     print0(layout, f"layout: dp={layout.dp} x tp={layout.tp} x pp={layout.pp} = {layout.world_size} processes")
@@ -487,6 +506,13 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
         train_model = torch.compile(model)
         print0(layout, "compiling the model with torch.compile (the first steps are slow)")
 
+    if layout.pp > 1:
+        pipe = PipelineComm.from_layout(layout, model_cfg.n_embd, dev)
+        schedule = {"afab": all_forward_all_backward, "1f1b": one_f_one_b}[cfg.pp_schedule]
+        # tied embeddings split over two stages: the embedding and the head's copy of it (collective: every rank)
+        tied_group = tied_embedding_group(layout) if model_cfg.tie_embeddings else None
+        tied_weight = model.tok_emb.weight if layout.is_first_stage else model.lm_head.weight if layout.is_last_stage else None
+
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     timer, timed_steps = time.time(), 0
     while step < cfg.max_iters:
@@ -494,7 +520,12 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro = rank_microbatches(cfg, layout, datasets["train"], TRAIN_STREAM, step, cfg.gradient_accumulation_steps, dev)
-        loss = forward_backward(train_model, micro, autocast, scaler.loss_multiplier())
+        if layout.pp > 1:
+            loss = schedule(train_model, micro, pipe, autocast, scaler.loss_multiplier())
+            if tied_group is not None:
+                all_reduce_tied_grad(tied_weight, tied_group)
+        else:
+            loss = forward_backward(train_model, micro, autocast, scaler.loss_multiplier())
         if scaler.enabled:
             scale_grads(model, 1.0 / scaler.scale)
         grad_norm = global_grad_norm(model, layout)
