@@ -411,7 +411,7 @@ class TensorBoardLog:
 
     def log(self, record):
         for k, v in record.items():
-            if k != "step":
+            if k != "step" and isinstance(v, (int, float)):  # scalars only: TensorBoard plots numbers
                 self.writer.add_scalar(k, v, record["step"])
         self.writer.flush()  # once per log interval: a crash loses nothing that metrics.jsonl has
 
