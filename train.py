@@ -6,6 +6,7 @@ Several (any layout):   torchrun --nproc_per_node=8 train.py config/tiny_fineweb
 
 Every setting is a variable below; a config file and --key=value overrides replace them (configurator.py).
 """
+import importlib.util
 import json
 import math
 import os
@@ -38,6 +39,11 @@ eval_interval = 100
 eval_iters = 20
 checkpoint_interval = 100
 keep_last_n = 3  # complete checkpoints kept in out_dir (0 keeps all)
+# logging: metrics.jsonl always; these optional backends get the same records
+wandb_log = False  # Weights & Biases (pip install wandb; WANDB_MODE=offline works without a network)
+wandb_project = "picotron"
+wandb_run_name = "picotron"
+tensorboard_log = False  # event files in <out_dir>/tensorboard (pip install tensorboard)
 # hardware
 device = "auto"  # 'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...
 dtype = "auto"  # 'auto' (bf16 on Ampere+, fp16 before, fp32 on CPU), 'float32', 'bfloat16', 'float16'
@@ -419,11 +425,21 @@ def print0(layout, *args):
         print(*args, flush=True)
 
 
+def format_duration(seconds):
+    """3725 -> '1h02m', 95 -> '1m35s', 7 -> '7s'."""
+    s = int(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
 class MetricsLog:
     """One JSON object per line in <out_dir>/metrics.jsonl, written by rank 0. On resume, the lines of
-    steps after the checkpoint (from the crashed run) are dropped, so the file reads as one run."""
+    steps after the checkpoint (from the crashed run) are dropped, so the file reads as one run. Every
+    record also goes to the backends given (W&B, TensorBoard: see open_log_backends), on rank 0 only."""
 
-    def __init__(self, out_dir, rank, resume_step=None):
+    def __init__(self, out_dir, rank, resume_step=None, backends=()):
+        self.backends = list(backends) if rank == 0 else []
         self.path = os.path.join(out_dir, "metrics.jsonl") if rank == 0 else None
         if self.path and resume_step is not None and os.path.exists(self.path):
             with open(self.path) as f:
@@ -437,10 +453,55 @@ class MetricsLog:
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        for backend in self.backends:
+            backend.log(record)
+
+    def close(self):
+        for backend in self.backends:
+            backend.close()
+
+
+class WandbLog:
+    def __init__(self, cfg):
+        import wandb  # optional: imported only when wandb_log is set (setup() checked it is installed)
+        self.run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=vars(cfg))
+
+    def log(self, record):
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self):
+        self.run.finish()
+
+
+class TensorBoardLog:
+    def __init__(self, log_dir):
+        from torch.utils.tensorboard import SummaryWriter  # optional: needs the tensorboard package
+        self.writer = SummaryWriter(log_dir)
+
+    def log(self, record):
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)):  # scalars only: TensorBoard plots numbers
+                self.writer.add_scalar(k, v, record["step"])
+        self.writer.flush()  # once per log interval: a crash loses nothing that metrics.jsonl has
+
+    def close(self):
+        self.writer.close()
+
+
+def open_log_backends(cfg):
+    """The optional logging backends the settings ask for (call on rank 0 only)."""
+    backends = [WandbLog(cfg)] if cfg.wandb_log else []
+    if cfg.tensorboard_log:
+        backends.append(TensorBoardLog(os.path.join(cfg.out_dir, "tensorboard")))
+    return backends
 
 
 def setup(cfg):
     """Everything that can fail because of the config or the data, before any training starts."""
+    for flag, package in (("wandb_log", "wandb"), ("tensorboard_log", "tensorboard")):
+        if getattr(cfg, flag) and importlib.util.find_spec(package) is None:
+            raise ValueError(f"{flag}=True needs the {package} package, which is not installed: pip install "
+                             f"{package} (or set --{flag}=False)")
     dev, ptdtype, dtype_why = choose_device_and_dtype(cfg.device, cfg.dtype)
     layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type)
     if dev.type == "cuda" and layout.world_size > 1:
@@ -516,7 +577,8 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
     if cfg.init_from == "resume":
         step, path = resume(cfg, layout, model, optimizer, scaler)
         print0(layout, f"resumed from {path} at step {step}")
-    metrics = MetricsLog(cfg.out_dir, layout.rank, step if cfg.init_from == "resume" else None)
+    metrics = MetricsLog(cfg.out_dir, layout.rank, step if cfg.init_from == "resume" else None,
+                         open_log_backends(cfg) if layout.rank == 0 else [])
     train_model = model
     if cfg.compile:
         train_model = torch.compile(model)
@@ -565,8 +627,10 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
                       "optimizer_state_bytes": optimizer_state_bytes(optimizer)}  # on rank 0
             if model_cfg.n_expert > 0:
                 record.update(moe_metrics(model, layout))
+            eta = (cfg.max_iters - step) * elapsed / timed_steps  # training steps only: evals and saves come on top
             print0(layout, f"step {step:6d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
-                           f"{record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step"
+                           f"{record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step | "
+                           f"eta {format_duration(eta)}"
                            + (f" | aux {record['aux_loss']:.4f} dropped {record['moe_dropped_frac']:.3f}"
                               if model_cfg.n_expert > 0 else ""))
             metrics.write(record)
@@ -581,6 +645,7 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
             path = save_checkpoint(cfg, layout, model, optimizer, step, scaler, model_cfg, tokenizer)
             print0(layout, f"step {step:6d} | saved {path}")
             timer, timed_steps = time.time(), 0
+    metrics.close()
     return model
 
 
