@@ -1,11 +1,18 @@
 """
-A Llama-style decoder-only transformer, written once for every parallel layout.
+A Llama-style decoder-only transformer, written once for every parallel layout, with the common variants.
 
     token embedding -> n_layer x [x + attn(norm(x)); x + mlp(norm(x))] -> norm -> lm_head
 
-RoPE positions, RMSNorm before each sublayer (pre-norm), causal self-attention with n_kv_head key/value
-heads (MHA when n_kv_head == n_head, GQA below it, MQA at 1), a SwiGLU MLP, optionally tied input and
-output embeddings.
+The default is Llama: RoPE positions, RMSNorm before each sublayer (pre-norm), causal self-attention with
+n_kv_head key/value heads (MHA when n_kv_head == n_head, GQA below it, MQA at 1), a SwiGLU MLP, optionally
+tied input and output embeddings. Each variant is one setting, written where its code is, paper cited:
+
+    attention='mla'       multi-head latent attention (DeepSeek-V2)        MultiHeadLatentAttention
+    qk_norm=True          RMSNorm on each query and key head               CausalSelfAttention, MLA
+    attn_softcap, final_softcap   Gemma 2's tanh soft-capping              soft_cap
+    parallel_block=True   x + attn(norm(x)) + mlp(norm(x)) (GPT-J, PaLM)   Block
+    norm='layernorm', mlp='gelu', bias=True   GPT-2's pieces               make_norm, GeluMLP
+    n_expert > 0          Mixture-of-Experts MLP (Switch, GShard, DeepSeekMoE)  MixtureOfExperts
 
 The model is built directly in its parallel form: the linears are parallel.py's Column/Row parallel
 layers, which are plain linears when there is no tensor-parallel group, and a pipeline stage builds only
@@ -42,6 +49,26 @@ class ModelConfig:
     attn_impl: str = "sdpa"  # resolved from 'auto' by choose_attn_impl before the model is built
     activation_checkpointing: bool = False  # recompute each block's activations in backward instead of storing them
     chunked_loss: bool = False  # tp=1: compute the loss without whole logits (forward then returns logits None)
+    # the variants (train.py explains each setting; the classes below explain the idea)
+    attention: str = "mha"  # 'mha' (n_kv_head makes it GQA/MQA) or 'mla'
+    kv_lora_rank: int = 64  # mla
+    q_lora_rank: int = 0  # mla; 0 = full-rank queries
+    qk_rope_head_dim: int = 16  # mla
+    qk_nope_head_dim: int = 32  # mla
+    v_head_dim: int = 32  # mla
+    qk_norm: bool = False
+    attn_softcap: float = 0.0  # 0 = off
+    final_softcap: float = 0.0  # 0 = off
+    parallel_block: bool = False
+    norm: str = "rmsnorm"  # 'rmsnorm' or 'layernorm'
+    mlp: str = "swiglu"  # 'swiglu' or 'gelu'
+    bias: bool = False
+    n_expert: int = 0  # 0 = dense MLP
+    n_expert_per_token: int = 2
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01
+    n_shared_expert: int = 0
+    router_z_loss_coef: float = 0.0
 
 
 # -----------------------------------------------------------------------------
@@ -59,15 +86,20 @@ def flash_attn_available():
         return False
 
 
-def choose_attn_impl(attn_impl, device_type, dtype):
+def choose_attn_impl(attn_impl, device_type, dtype, softcap=0.0):
     """Returns (impl, reason). 'auto' takes FlashAttention-2 when it is installed, on CUDA, in half
     precision (its only supported dtypes); otherwise PyTorch's SDPA, which itself dispatches to a fused
-    kernel where it can."""
+    kernel where it can. SDPA cannot soft-cap attention scores (softcap = attn_softcap > 0): then 'auto'
+    falls back to the eager attention written out below. FlashAttention-2 soft-caps from version 2.6."""
     if attn_impl == "auto":
         if device_type == "cuda" and dtype in (torch.bfloat16, torch.float16) and flash_attn_available():
-            return "flash", "auto: flash-attn is installed, device is CUDA and dtype is half precision"
+            capped = ", and it soft-caps the scores" if softcap else ""
+            return "flash", f"auto: flash-attn is installed, device is CUDA and dtype is half precision{capped}"
         why = ("flash-attn is not installed" if not flash_attn_available() else
                "device is not CUDA" if device_type != "cuda" else "dtype is not bf16/fp16")
+        if softcap:
+            return "eager", (f"auto: {why}, and attn_softcap = {softcap} needs a kernel that can cap scores, which "
+                             f"SDPA cannot, so the explicit (eager) attention")
         return "sdpa", f"auto: {why}, so PyTorch SDPA"
     if attn_impl == "flash":
         if not flash_attn_available():
@@ -77,29 +109,56 @@ def choose_attn_impl(attn_impl, device_type, dtype):
             raise ValueError("attn_impl='flash' needs a CUDA device and dtype bfloat16 or float16: "
                              "use attn_impl='sdpa' here")
         return "flash", "requested"
+    if attn_impl == "sdpa" and softcap:
+        raise ValueError(f"attn_impl='sdpa' cannot soft-cap attention scores (attn_softcap = {softcap}): use "
+                         f"attn_impl='auto' or 'eager' (or 'flash' on a GPU), or set attn_softcap=0")
     if attn_impl in ("sdpa", "eager"):
         return attn_impl, "requested"
     raise ValueError(f"attn_impl must be 'auto', 'sdpa', 'flash' or 'eager', got {attn_impl!r}")
 
 
-def causal_attention(q, k, v, impl):
-    """q: (B, T, H, D), k and v: (B, T, H_kv, D) with H a multiple of H_kv. Returns (B, T, H, D)."""
+def soft_cap(x, cap):
+    """Gemma 2's logit soft-capping (Gemma Team 2024, "Gemma 2", section 2): cap * tanh(x / cap) keeps x
+    inside (-cap, cap) and is close to the identity for |x| well below cap, so no score or logit can grow
+    without bound. cap = 0 turns it off."""
+    return cap * torch.tanh(x / cap) if cap else x
+
+
+def causal_attention_scores(q, k, softcap=0.0):
+    """The eager path's pre-softmax scores, (B, H, T, T): q k^T / sqrt(D), soft-capped, -inf above the
+    diagonal. q and k are (B, H, T, D) with as many key heads as query heads."""
+    T = q.shape[2]
+    att = soft_cap((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1]), softcap)
+    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    return att.masked_fill(~mask, float("-inf"))
+
+
+def causal_attention(q, k, v, impl, softcap=0.0):
+    """q: (B, T, H, D), k: (B, T, H_kv, D), v: (B, T, H_kv, D_v) with H a multiple of H_kv (D_v differs from D
+    in MLA). softcap > 0 soft-caps every score (after the 1/sqrt(D) scale) before the softmax. Returns
+    (B, T, H, D_v)."""
     if impl == "flash":
         from flash_attn import flash_attn_func  # lazily: see choose_attn_impl
-        return flash_attn_func(q, k, v, causal=True)  # takes GQA directly
+        d, dv = q.shape[-1], v.shape[-1]
+        if dv != d:  # FlashAttention-2 wants one head size for q, k and v: pad the smaller with zeros
+            if dv < d:  # (zero value columns give zero outputs, cut off below)
+                v = F.pad(v, (0, d - dv))
+            else:  # (zero query/key columns add nothing to the scores; the scale stays 1/sqrt(d))
+                q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
+        capped = {"softcap": softcap} if softcap else {}  # flash-attn < 2.6 has no softcap argument
+        y = flash_attn_func(q, k, v, causal=True, softmax_scale=1.0 / math.sqrt(d), **capped)  # takes GQA directly
+        return y[..., :dv]
     group = q.shape[2] // k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
     if group > 1:  # each key/value head serves `group` query heads
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     if impl == "sdpa":
+        if softcap:
+            raise ValueError("SDPA cannot soft-cap attention scores: use attn_impl='eager' or 'flash'")
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    else:  # eager: written out, the reference the fused kernels must agree with
-        T = q.shape[2]
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = att @ v
+    else:  # eager: written out, the reference the fused kernels must agree with, and the one that can cap
+        y = causal_attention_scores(q, k, softcap).softmax(dim=-1) @ v
     return y.transpose(1, 2)
 
 
@@ -108,17 +167,34 @@ def causal_attention(q, k, v, impl):
 
 
 class RMSNorm(nn.Module):
-    """Zhang & Sennrich 2019: x / rms(x) * g, computed in fp32 for stability under bf16/fp16 autocast."""
+    """Zhang & Sennrich 2019: x / rms(x) * g, computed in fp32 for stability under bf16/fp16 autocast.
 
-    def __init__(self, dim, eps=1e-5):
+    tp_group is for a norm applied to per-head tensors (QK-norm): its gain is replicated, but each
+    tensor-parallel rank applies it only to its own heads and so holds only part of the gain's gradient;
+    copy_to_tp sums the parts across ranks in the backward pass, so every replica gets the full gradient."""
+
+    def __init__(self, dim, eps=1e-5, tp_group=None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.tp_group = eps, tp_group
         self.weight = nn.Parameter(torch.ones(dim))
         self.weight.init_value = 1.0
 
     def forward(self, x):
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        weight = copy_to_tp(self.weight, self.tp_group)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * weight
+
+
+def make_norm(cfg, dim):
+    """norm='rmsnorm' (Llama) or 'layernorm' (Ba et al. 2016, GPT-2: subtracts the mean too, and has a
+    bias when bias=True). Gains start at 1, biases at 0 (see init_weights)."""
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(dim, cfg.norm_eps)
+    if cfg.norm == "layernorm":
+        norm = nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+        norm.weight.init_value = 1.0
+        return norm
+    raise ValueError(f"norm must be 'rmsnorm' or 'layernorm', got {cfg.norm!r}")
 
 
 def rope_cache(seq_len, head_dim, theta):
@@ -138,8 +214,9 @@ def apply_rope(x, cos, sin):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention with n_kv_head key/value heads. Under tensor parallelism each rank holds
-    n_head / tp query heads (column-parallel q), and the output projection is row-parallel.
+    """Multi-head attention with n_kv_head key/value heads (Shazeer 2019 "Fast Transformer Decoding" for
+    MQA, Ainslie et al. 2023 for GQA). Under tensor parallelism each rank holds n_head / tp query heads
+    (column-parallel q), and the output projection is row-parallel.
 
     Key/value heads are split the same way when tp divides n_kv_head. With fewer key/value heads than
     ranks (MQA, small GQA) they cannot be split: every rank keeps the full k/v weights and uses the one
@@ -147,28 +224,37 @@ class CausalSelfAttention(nn.Module):
     query heads), so the weights pass through copy_to_tp, whose backward sums the parts across ranks.
 
     The input goes through f (copy_to_tp) once, here, for q, k and v together: its gradient is
-    all-reduced once per attention in the backward pass, not once per projection."""
+    all-reduced once per attention in the backward pass, not once per projection.
+
+    qk_norm=True applies RMSNorm to every query and key head before RoPE (Dehghani et al. 2023, "Scaling
+    Vision Transformers to 22B Parameters"; OLMo 2, Gemma 3): the scores cannot blow up through the
+    size of q and k, a known cause of loss spikes. Its gains (one per head dimension, shared by all heads)
+    are replicated across tensor-parallel ranks, see RMSNorm."""
 
     def __init__(self, cfg, tp_group=None):
         super().__init__()
         tp = group_size(tp_group)
-        self.tp_group, self.attn_impl = tp_group, cfg.attn_impl
+        self.tp_group, self.attn_impl, self.softcap = tp_group, cfg.attn_impl, cfg.attn_softcap
         self.head_dim = cfg.n_embd // cfg.n_head
         self.n_head_local = cfg.n_head // tp
         kv_dim = cfg.n_kv_head * self.head_dim
-        self.q_proj = ColumnParallelLinear(cfg.n_embd, cfg.n_head * self.head_dim, group=tp_group, copy_input=False)
+        self.q_proj = ColumnParallelLinear(cfg.n_embd, cfg.n_head * self.head_dim, bias=cfg.bias, group=tp_group,
+                                           copy_input=False)
         self.kv_split = cfg.n_kv_head % tp == 0
         if self.kv_split:
-            self.k_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, group=tp_group, copy_input=False)
-            self.v_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, group=tp_group, copy_input=False)
+            self.k_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, bias=cfg.bias, group=tp_group, copy_input=False)
+            self.v_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, bias=cfg.bias, group=tp_group, copy_input=False)
         else:
-            self.k_proj = nn.Linear(cfg.n_embd, kv_dim, bias=False)
-            self.v_proj = nn.Linear(cfg.n_embd, kv_dim, bias=False)
+            self.k_proj = nn.Linear(cfg.n_embd, kv_dim, bias=cfg.bias)
+            self.v_proj = nn.Linear(cfg.n_embd, kv_dim, bias=cfg.bias)
             # rank r holds query heads r * n_head/tp onwards, and key/value head j serves the n_head/n_kv_head
             # query heads from j * n_head/n_kv_head: with tp a multiple of n_kv_head, all of rank r's query
             # heads read head r * n_kv_head / tp
             self.kv_head = group_rank(tp_group) * cfg.n_kv_head // tp
-        self.o_proj = RowParallelLinear(cfg.n_head * self.head_dim, cfg.n_embd, group=tp_group)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, tp_group)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, tp_group)
+        self.o_proj = RowParallelLinear(cfg.n_head * self.head_dim, cfg.n_embd, bias=cfg.bias, group=tp_group)
         self.o_proj.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2's depth-scaled residual init
 
     def project_kv(self, x):
@@ -176,8 +262,9 @@ class CausalSelfAttention(nn.Module):
         if self.kv_split:
             return self.k_proj(x), self.v_proj(x)
         rows = slice(self.kv_head * self.head_dim, (self.kv_head + 1) * self.head_dim)
-        k = F.linear(x, copy_to_tp(self.k_proj.weight, self.tp_group)[rows])
-        v = F.linear(x, copy_to_tp(self.v_proj.weight, self.tp_group)[rows])
+        k, v = (F.linear(x, copy_to_tp(proj.weight, self.tp_group)[rows],
+                         None if proj.bias is None else copy_to_tp(proj.bias, self.tp_group)[rows])
+                for proj in (self.k_proj, self.v_proj))
         return k, v
 
     def forward(self, x, cos, sin):
@@ -187,9 +274,89 @@ class CausalSelfAttention(nn.Module):
         k, v = self.project_kv(x)
         k = k.view(B, T, -1, self.head_dim)  # (B, T, H_kv_local, D)
         v = v.view(B, T, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = causal_attention(q, k, v, self.attn_impl)
+        y = causal_attention(q, k, v, self.attn_impl, self.softcap)
         return self.o_proj(y.reshape(B, T, self.n_head_local * self.head_dim))
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-AI 2024, "DeepSeek-V2", section 2.1), attention='mla'.
+
+    Keys and values are rebuilt from one small latent per token, so a KV cache stores only that latent
+    (kv_lora_rank numbers) and one RoPE key shared by all heads (qk_rope_head_dim numbers), instead of
+    2 * n_kv_head * head_dim:
+
+        latent = kv_down(x) = [c_kv ; k_rope]          c_kv: kv_lora_rank, k_rope: qk_rope_head_dim
+        [k_nope ; v] per head = kv_up(norm(c_kv))      qk_nope_head_dim and v_head_dim per head
+        k = [k_nope ; rope(k_rope)]                    the same k_rope for every head ("decoupled RoPE":
+                                                       rotating k_nope would put a position-dependent
+                                                       matrix between q and kv_up, which could then no
+                                                       longer be folded into the query at inference)
+        q = [q_nope ; rope(q_rope)] per head = q_proj(x), or q_up(norm(q_down(x))) when q_lora_rank > 0
+        out = o_proj(softmax(q k^T / sqrt(qk_nope_head_dim + qk_rope_head_dim)) v)
+
+    Tensor parallelism splits the heads: q_proj / q_up and kv_up are column-parallel (each rank makes
+    its own heads' q, k_nope and v), o_proj is row-parallel. The down-projections (kv_down, q_down) and
+    the latent norms are small and replicated: every rank computes the whole latent. Their gradients are
+    still complete on every rank: c_kv and c_q feed column-parallel layers, whose copy_to_tp (Megatron's f)
+    sums the gradient of their input across ranks; k_rope is read by every rank's heads directly, so it
+    passes through copy_to_tp itself. Computing the latent once and scattering it would save a few small
+    matmuls per rank but cost a collective in each direction; replication is simpler and as fast here.
+
+    With qk_norm the per-head queries [q_nope ; q_rope] and keys [k_nope ; k_rope] are RMS-normalised
+    before RoPE, as in CausalSelfAttention. n_kv_head does not apply: every head has its own k_nope and v."""
+
+    def __init__(self, cfg, tp_group=None):
+        super().__init__()
+        tp = group_size(tp_group)
+        self.tp_group, self.attn_impl, self.softcap = tp_group, cfg.attn_impl, cfg.attn_softcap
+        self.n_head_local = cfg.n_head // tp
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        qk_dim = self.nope_dim + self.rope_dim
+        if cfg.q_lora_rank > 0:
+            self.q_down = nn.Linear(cfg.n_embd, cfg.q_lora_rank, bias=cfg.bias)
+            self.q_latent_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.q_up = ColumnParallelLinear(cfg.q_lora_rank, cfg.n_head * qk_dim, bias=cfg.bias, group=tp_group)
+        else:
+            self.q_proj = ColumnParallelLinear(cfg.n_embd, cfg.n_head * qk_dim, bias=cfg.bias, group=tp_group)
+        self.kv_down = nn.Linear(cfg.n_embd, cfg.kv_lora_rank + self.rope_dim, bias=cfg.bias)
+        self.kv_latent_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.kv_up = ColumnParallelLinear(cfg.kv_lora_rank, cfg.n_head * (self.nope_dim + self.v_dim),
+                                          bias=cfg.bias, group=tp_group)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(qk_dim, cfg.norm_eps, tp_group)
+            self.k_norm = RMSNorm(qk_dim, cfg.norm_eps, tp_group)
+        self.o_proj = RowParallelLinear(cfg.n_head * self.v_dim, cfg.n_embd, bias=cfg.bias, group=tp_group)
+        self.o_proj.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+
+    def compress_kv(self, x):
+        """What a KV cache would store per token: (B, T, kv_lora_rank + qk_rope_head_dim)."""
+        return self.kv_down(x)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        if hasattr(self, "q_down"):
+            q = self.q_up(self.q_latent_norm(self.q_down(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(B, T, self.n_head_local, self.nope_dim + self.rope_dim)  # (B, T, H_local, nope + rope)
+        latent = self.compress_kv(x)
+        c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_rope = copy_to_tp(k_rope, self.tp_group).unsqueeze(2)  # (B, T, 1, rope): one key for every head
+        kv = self.kv_up(self.kv_latent_norm(c_kv)).view(B, T, self.n_head_local, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # (B, T, H_local, nope), (B, T, H_local, v)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, self.n_head_local, -1)], dim=-1)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        k_nope, k_rope = k.split([self.nope_dim, self.rope_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
+        k = torch.cat([k_nope, apply_rope(k_rope, cos, sin)], dim=-1)
+        y = causal_attention(q, k, v, self.attn_impl, self.softcap)  # (B, T, H_local, v)
+        return self.o_proj(y.reshape(B, T, self.n_head_local * self.v_dim))
 
 
 def swiglu_hidden_size(n_embd, multiple_of=64):
@@ -208,9 +375,9 @@ class SwiGLUMLP(nn.Module):
         super().__init__()
         self.tp_group = tp_group
         hidden = swiglu_hidden_size(cfg.n_embd)
-        self.gate = ColumnParallelLinear(cfg.n_embd, hidden, group=tp_group, copy_input=False)
-        self.up = ColumnParallelLinear(cfg.n_embd, hidden, group=tp_group, copy_input=False)
-        self.down = RowParallelLinear(hidden, cfg.n_embd, group=tp_group)
+        self.gate = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group, copy_input=False)
+        self.up = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group, copy_input=False)
+        self.down = RowParallelLinear(hidden, cfg.n_embd, bias=cfg.bias, group=tp_group)
         self.down.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
 
     def forward(self, x):
@@ -218,15 +385,158 @@ class SwiGLUMLP(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-class Block(nn.Module):
+class GeluMLP(nn.Module):
+    """GPT-2's MLP (Radford et al. 2019), mlp='gelu': down(gelu(up(x))) with a 4 x n_embd hidden layer and
+    GELU's tanh approximation (Hendrycks & Gimpel 2016) as GPT-2 used. Column- then row-parallel, like
+    SwiGLUMLP; with bias=True the row-parallel down adds its bias once, after the all-reduce."""
+
     def __init__(self, cfg, tp_group=None):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.attn = CausalSelfAttention(cfg, tp_group)
-        self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.mlp = SwiGLUMLP(cfg, tp_group)
+        self.up = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias, group=tp_group)
+        self.down = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias, group=tp_group)
+        self.down.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+def mlp_hidden_size(cfg):
+    return 4 * cfg.n_embd if cfg.mlp == "gelu" else swiglu_hidden_size(cfg.n_embd)
+
+
+def make_mlp(cfg, tp_group=None):
+    if cfg.mlp == "swiglu":
+        return SwiGLUMLP(cfg, tp_group)
+    if cfg.mlp == "gelu":
+        return GeluMLP(cfg, tp_group)
+    raise ValueError(f"mlp must be 'swiglu' or 'gelu', got {cfg.mlp!r}")
+
+
+def expert_capacity_mask(expert_ids, n_expert, capacity):
+    """Which token-to-expert assignments fit: expert_ids (N, k) lists each token's k experts, tokens in
+    priority order. Every expert keeps its first `capacity` assignments in that order (row by row, a
+    token's first choice before its second) and drops the rest. Returns a bool (N, k)."""
+    onehot = F.one_hot(expert_ids.flatten(), n_expert)  # (N * k, E)
+    slot = (onehot.cumsum(0) * onehot).sum(-1) - 1  # each assignment's place in its expert's queue
+    return (slot < capacity).view_as(expert_ids)
+
+
+class MixtureOfExperts(nn.Module):
+    """A Mixture-of-Experts MLP (n_expert > 0): a router sends each token to its top-k experts (Shazeer et
+    al. 2017; GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021), each expert an MLP like
+    the dense one (mlp='swiglu' or 'gelu').
+
+        p = softmax(router(x))                          (N, n_expert), computed in fp32
+        out = sum over the top-k experts e of p_e * expert_e(x)   (+ every shared expert's output)
+
+    The top-k probabilities are used as they are, not renormalised (Switch, DeepSeek-V2): the router then
+    gets a gradient from the language-modelling loss even with k = 1.
+
+    Capacity: each expert takes at most ceil(capacity_factor * N * k / n_expert) of the N * k assignments
+    of a micro-batch; the others are dropped and contribute nothing, so a token whose experts are all full
+    passes through the block on its residual connection alone. Assignments queue by position in the
+    sequence (all tokens at position 0 first, then 1, ...; a token's k choices one after the other), so
+    whether a token is dropped depends only on tokens at its position or before: the model stays causal.
+    A batch-major queue, or GShard's ranking of every first choice before any second choice, would let
+    later tokens push earlier ones out.
+
+    Experts run only on their own tokens: the kept assignments are sorted by expert, each expert takes its
+    contiguous group of tokens, and the weighted outputs are added back with index_add. Reading the group
+    sizes is a host-device sync, once per layer.
+
+    Auxiliary losses (weighted; forward leaves their sum in self.aux_loss, which Transformer.forward adds
+    to the training loss):
+      load balancing (Switch eq. 4, with f counting all k choices): aux_loss_coef * n_expert * sum_e f_e P_e,
+        f_e the fraction of assignments routed to e (before capacity), P_e the mean router probability of
+        e. It is 1 (times the coefficient) for a perfectly balanced router, larger otherwise.
+      router z-loss (ST-MoE, Zoph et al. 2022): router_z_loss_coef * mean(logsumexp(router logits)^2),
+        which keeps the router's logits small.
+    n_shared_expert experts see every token, outside the routing (DeepSeekMoE, Dai et al. 2024).
+
+    Tensor parallelism: every expert is split internally like the dense MLP (column-parallel in, row-
+    parallel out, one all-reduce per expert that received tokens); the router is replicated. Its input
+    and everything after the all-reduces are the same on every rank, so every rank routes identically
+    (the ranks run the same experts in the same order: the collectives match) and computes the same,
+    complete router gradient and auxiliary loss. Expert parallelism (experts spread over ranks, tokens
+    sent to them with all-to-all) is the other way to split an MoE; it is not implemented here."""
+
+    def __init__(self, cfg, tp_group=None):
+        super().__init__()
+        self.n_expert, self.k, self.capacity_factor = cfg.n_expert, cfg.n_expert_per_token, cfg.capacity_factor
+        self.aux_loss_coef, self.router_z_loss_coef = cfg.aux_loss_coef, cfg.router_z_loss_coef
+        self.router = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
+        self.experts = nn.ModuleList(make_mlp(cfg, tp_group) for _ in range(cfg.n_expert))
+        self.shared_experts = nn.ModuleList(make_mlp(cfg, tp_group) for _ in range(cfg.n_shared_expert))
+        # set by each forward: the auxiliary loss (part of the graph), and statistics for the training log
+        self.aux_loss = self.last_dropped_frac = self.last_tokens_per_expert = None
+
+    def forward(self, x):
+        B, T, D = x.shape
+        tokens = x.transpose(0, 1).reshape(T * B, D)  # position-major, the capacity queue's order
+        N = tokens.shape[0]
+        with torch.autocast(x.device.type, enabled=False):  # routing decisions in fp32 (ST-MoE, section 3)
+            logits = F.linear(tokens.float(), self.router.weight.float())  # (N, E)
+        probs = logits.softmax(dim=-1)
+        gate, expert = probs.topk(self.k, dim=-1)  # (N, k) each
+        capacity = math.ceil(self.capacity_factor * N * self.k / self.n_expert)
+        keep = expert_capacity_mask(expert, self.n_expert, capacity)
+
+        # group the kept (token, expert) assignments by expert
+        token_idx = torch.arange(N, device=x.device).repeat_interleave(self.k)[keep.flatten()]
+        expert_of, gate_of = expert.flatten()[keep.flatten()], gate.flatten()[keep.flatten()]
+        order = expert_of.argsort(stable=True)
+        token_idx, gate_of = token_idx[order], gate_of[order]
+        counts = torch.bincount(expert_of, minlength=self.n_expert)
+        sizes = counts.tolist()  # host-device sync
+        outputs = []
+        for e, (idx, g) in enumerate(zip(token_idx.split(sizes), gate_of.split(sizes))):
+            if len(idx):  # an expert with no tokens is skipped on every tensor-parallel rank alike
+                y = self.experts[e](tokens[idx])
+                outputs.append(y * g.unsqueeze(-1).to(y.dtype))
+        out = torch.zeros_like(tokens)
+        if outputs:
+            out = out.index_add(0, token_idx, torch.cat(outputs).to(out.dtype))
+        for shared in self.shared_experts:
+            out = out + shared(tokens)
+
+        routed = torch.bincount(expert.flatten(), minlength=self.n_expert).float() / (N * self.k)  # f_e
+        aux = self.aux_loss_coef * self.n_expert * (routed * probs.mean(0)).sum()
+        if self.router_z_loss_coef:
+            aux = aux + self.router_z_loss_coef * torch.logsumexp(logits, dim=-1).pow(2).mean()
+        self.aux_loss = aux
+        self.last_dropped_frac = 1.0 - keep.float().mean()
+        self.last_tokens_per_expert = counts
+        return out.view(T, B, D).transpose(0, 1)
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block.
+
+    Sequential (GPT-2, Llama):  x = x + attn(norm1(x));  x = x + mlp(norm2(x))
+    Parallel (parallel_block=True; GPT-J, Wang & Komatsuzaki 2021; PaLM, Chowdhery et al. 2022, sec. 2):
+                                x = x + attn(norm(x)) + mlp(norm(x))   with one norm
+    The parallel form lets attention and MLP start from the same input, so their input matmuls can be
+    fused and, under tensor parallelism, their two output all-reduces merged into one (PaLM reports ~15%
+    faster training at scale). Here they stay two separate layers, each with its own all-reduce."""
+
+    def __init__(self, cfg, tp_group=None):
+        super().__init__()
+        self.parallel = cfg.parallel_block
+        self.attn_norm = make_norm(cfg, cfg.n_embd)
+        if cfg.attention == "mla":
+            self.attn = MultiHeadLatentAttention(cfg, tp_group)
+        elif cfg.attention == "mha":
+            self.attn = CausalSelfAttention(cfg, tp_group)
+        else:
+            raise ValueError(f"attention must be 'mha' or 'mla', got {cfg.attention!r}")
+        if not self.parallel:
+            self.mlp_norm = make_norm(cfg, cfg.n_embd)
+        self.mlp = MixtureOfExperts(cfg, tp_group) if cfg.n_expert > 0 else make_mlp(cfg, tp_group)
 
     def forward(self, x, cos, sin):
+        if self.parallel:
+            h = self.attn_norm(x)
+            return x + self.attn(h, cos, sin) + self.mlp(h)
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -329,26 +639,52 @@ def chunked_cross_entropy(h, weight, targets, vocab_size=None, softcap=0.0, igno
 
 
 def check_layout(cfg, tp=1, pp=1):
-    """Stop before anything is built when the model cannot be split this way, saying what must divide what."""
+    """Stop before anything is built when the model cannot be built, or split this way, saying what must
+    hold and what to change."""
     problems = []
-    if cfg.n_embd % cfg.n_head:
-        problems.append(f"n_embd = {cfg.n_embd} must be divisible by n_head = {cfg.n_head}")
-    elif (cfg.n_embd // cfg.n_head) % 2:
-        problems.append(f"the head size n_embd / n_head = {cfg.n_embd // cfg.n_head} must be even for RoPE")
-    if cfg.n_head % cfg.n_kv_head:
-        problems.append(f"n_head = {cfg.n_head} must be divisible by n_kv_head = {cfg.n_kv_head}")
+    for key, allowed in (("attention", ("mha", "mla")), ("norm", ("rmsnorm", "layernorm")), ("mlp", ("swiglu", "gelu"))):
+        if getattr(cfg, key) not in allowed:
+            problems.append(f"{key} = {getattr(cfg, key)!r} must be one of {', '.join(map(repr, allowed))}")
     if tp > cfg.n_head:
         problems.append(f"tp = {tp} is larger than n_head = {cfg.n_head}: each rank needs at least one whole head, "
                         f"so use a tp that divides n_head")
     elif cfg.n_head % tp:
         problems.append(f"n_head = {cfg.n_head} must be divisible by tp = {tp} (each rank takes n_head / tp whole "
                         f"heads): use a tp that divides n_head")
-    if cfg.n_kv_head % tp and tp % cfg.n_kv_head:
-        problems.append(f"n_kv_head = {cfg.n_kv_head} and tp = {tp}: one must divide the other (key/value heads are "
-                        f"split when tp divides n_kv_head, replicated when n_kv_head divides tp)")
-    if swiglu_hidden_size(cfg.n_embd) % tp:
-        problems.append(f"the MLP width {swiglu_hidden_size(cfg.n_embd)} (from n_embd = {cfg.n_embd}) must be "
+    if cfg.attention == "mla":
+        if cfg.qk_rope_head_dim <= 0 or cfg.qk_rope_head_dim % 2:
+            problems.append(f"qk_rope_head_dim = {cfg.qk_rope_head_dim} must be positive and even for RoPE")
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            if getattr(cfg, key) <= 0:
+                problems.append(f"{key} = {getattr(cfg, key)} must be positive with attention='mla'")
+        if cfg.q_lora_rank < 0:
+            problems.append(f"q_lora_rank = {cfg.q_lora_rank} must be 0 (full-rank queries) or positive")
+    elif cfg.n_embd % cfg.n_head:
+        problems.append(f"n_embd = {cfg.n_embd} must be divisible by n_head = {cfg.n_head}")
+    elif (cfg.n_embd // cfg.n_head) % 2:
+        problems.append(f"the head size n_embd / n_head = {cfg.n_embd // cfg.n_head} must be even for RoPE")
+    if cfg.attention == "mha":
+        if cfg.n_head % cfg.n_kv_head:
+            problems.append(f"n_head = {cfg.n_head} must be divisible by n_kv_head = {cfg.n_kv_head}")
+        if cfg.n_kv_head % tp and tp % cfg.n_kv_head:
+            problems.append(f"n_kv_head = {cfg.n_kv_head} and tp = {tp}: one must divide the other (key/value heads are "
+                            f"split when tp divides n_kv_head, replicated when n_kv_head divides tp)")
+    if mlp_hidden_size(cfg) % tp:
+        problems.append(f"the MLP width {mlp_hidden_size(cfg)} (from n_embd = {cfg.n_embd}) must be "
                         f"divisible by tp = {tp}")
+    if cfg.attn_softcap < 0 or cfg.final_softcap < 0:
+        problems.append(f"attn_softcap = {cfg.attn_softcap} and final_softcap = {cfg.final_softcap} must be >= 0 (0 = off)")
+    if cfg.attn_softcap and cfg.attn_impl == "sdpa":
+        problems.append(f"attn_softcap = {cfg.attn_softcap} cannot run on attn_impl='sdpa' (SDPA cannot cap scores): "
+                        f"use attn_impl='auto', 'eager' or 'flash'")
+    if cfg.n_expert < 0 or cfg.n_shared_expert < 0:
+        problems.append(f"n_expert = {cfg.n_expert} and n_shared_expert = {cfg.n_shared_expert} must be >= 0")
+    if cfg.n_expert > 0:
+        if not 1 <= cfg.n_expert_per_token <= cfg.n_expert:
+            problems.append(f"n_expert_per_token = {cfg.n_expert_per_token} must be between 1 and n_expert = {cfg.n_expert}")
+        if cfg.capacity_factor <= 0:
+            problems.append(f"capacity_factor = {cfg.capacity_factor} must be positive (1.0 fits a perfectly balanced "
+                            f"router exactly; 1.25 is usual)")
     if pp > cfg.n_layer:
         problems.append(f"pp = {pp} stages but only n_layer = {cfg.n_layer} blocks: use pp <= {cfg.n_layer}")
     if problems:
@@ -370,7 +706,11 @@ def stage_layers(n_layer, pp, pp_rank):
 class Transformer(nn.Module):
     """The whole model, or one pipeline stage of it (pp > 1): the first stage takes token ids, the others
     take the previous stage's hidden states; the last stage returns the logits and the loss, the others
-    their hidden states (and no loss)."""
+    their hidden states and this stage's auxiliary loss (MoE) or None.
+
+    The loss: cross-entropy, plus the auxiliary losses of this stage's MoE blocks while training (the
+    pipeline adds a non-last stage's auxiliary loss to its backward). In eval mode (model.eval()) they are
+    left out, so a validation loss is the plain cross-entropy, comparable with a dense model's."""
 
     def __init__(self, cfg, tp_group=None, pp=1, pp_rank=0):
         super().__init__()
@@ -382,7 +722,7 @@ class Transformer(nn.Module):
         # keyed by the global block index, so a parameter has the same name whichever stage holds it
         self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group) for i in self.layer_ids})
         if self.is_last:
-            self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+            self.norm = make_norm(cfg, cfg.n_embd)
             vocab_padded = padded_vocab_size(cfg.vocab_size, group_size(tp_group))
             self.lm_head = ColumnParallelLinear(cfg.n_embd, vocab_padded, group=tp_group)
             self.lm_head.weight.vocab_size = cfg.vocab_size
@@ -393,7 +733,8 @@ class Transformer(nn.Module):
                     # the first stage holds the embedding: this copy starts equal to it (same init name)
                     # and the pipeline sums the two copies' gradients so they stay equal
                     self.lm_head.weight.init_name = "tok_emb.weight"
-        cos, sin = rope_cache(cfg.block_size, cfg.n_embd // cfg.n_head, cfg.rope_theta)
+        rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.n_embd // cfg.n_head
+        cos, sin = rope_cache(cfg.block_size, rope_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -408,22 +749,31 @@ class Transformer(nn.Module):
                 x = checkpoint(block, x, self.rope_cos, self.rope_sin, use_reentrant=False)
             else:
                 x = block(x, self.rope_cos, self.rope_sin)
+        aux = self.moe_aux_loss() if self.training else None
         if not self.is_last:
-            return x, None
+            return x, aux
         if targets is not None and self.cfg.chunked_loss and group_size(self.tp_group) == 1:
             h = self.norm(x)
             loss = chunked_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1),
-                                         vocab_size=self.cfg.vocab_size)
-            return None, loss
+                                         vocab_size=self.cfg.vocab_size, softcap=self.cfg.final_softcap)
+            return None, loss + aux if aux is not None else loss
         logits = self.lm_head(self.norm(x))
         # drop the padded vocabulary columns: they are not tokens and must not enter the softmax
         logits = logits[..., :valid_vocab_columns(self.cfg.vocab_size, self.lm_head.out_per_rank, self.tp_group)]
+        logits = soft_cap(logits, self.cfg.final_softcap)  # elementwise: fine on vocab-sharded logits
         loss = None
         if targets is not None:
             vocab_start = group_rank(self.tp_group) * self.lm_head.out_per_rank
             # flatten, not reshape(-1, V): a rank holding only padding has V = 0 here
             loss = vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.reshape(-1), vocab_start, self.tp_group)
+            if aux is not None:
+                loss = loss + aux
         return logits, loss
+
+    def moe_aux_loss(self):
+        """The sum of this stage's MoE auxiliary losses from the forward pass just run (None if dense)."""
+        losses = [block.mlp.aux_loss for block in self.blocks.values() if isinstance(block.mlp, MixtureOfExperts)]
+        return sum(losses) if losses else None
 
     @torch.no_grad()
     def init_weights(self, seed):

@@ -41,7 +41,7 @@ def main(argv):
         sys.exit(f"error: {e}")
     reader = checkpoint.CheckpointReader(path)
     model_cfg = ModelConfig(**reader.meta["model"])
-    model_cfg.attn_impl, _ = choose_attn_impl("auto", dev.type, ptdtype)
+    model_cfg.attn_impl, _ = choose_attn_impl("auto", dev.type, ptdtype, model_cfg.attn_softcap)
     model = Transformer(model_cfg)
     checkpoint.load_model(model, path)
     model.to(dev).eval()

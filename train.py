@@ -7,6 +7,7 @@ Several (any layout):   torchrun --nproc_per_node=8 train.py config/tiny_fineweb
 Every setting is a variable below; a config file and --key=value overrides replace them (configurator.py).
 """
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -24,7 +25,8 @@ import torch.distributed as dist
 
 import checkpoint
 from configurator import ConfigError, configure
-from model import ModelConfig, Transformer, check_layout, choose_attn_impl, flops_per_token, stage_layers
+from model import (MixtureOfExperts, ModelConfig, Transformer, check_layout, choose_attn_impl, flops_per_token,
+                   stage_layers)
 from parallel import (GradientBuckets, PipelineComm, ZeroOneAdamW, all_forward_all_backward, all_reduce_tied_grad,
                       format_grid, group_size, init_distributed, one_f_one_b, optimizer_state_bytes,
                       pipeline_forward, tied_embedding_group)
@@ -41,6 +43,11 @@ eval_interval = 100
 eval_iters = 20
 checkpoint_interval = 100
 keep_last_n = 3  # complete checkpoints kept in out_dir (0 keeps all)
+# logging: metrics.jsonl always; these optional backends get the same records
+wandb_log = False  # Weights & Biases (pip install wandb; WANDB_MODE=offline works without a network)
+wandb_project = "picotron"
+wandb_run_name = "picotron"
+tensorboard_log = False  # event files in <out_dir>/tensorboard (pip install tensorboard)
 # hardware
 device = "auto"  # 'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...
 dtype = "auto"  # 'auto' (bf16 on Ampere+, fp16 before, fp32 on CPU), 'float32', 'bfloat16', 'float16'
@@ -59,6 +66,26 @@ vocab_size = None  # from the data's meta.json unless set
 tie_embeddings = True
 rope_theta = 10000.0
 norm_eps = 1e-5
+# model variants (model.py explains each, with its paper)
+attention = "mha"  # 'mha' (n_kv_head < n_head makes it GQA, 1 MQA) or 'mla' (DeepSeek-V2 latent attention)
+kv_lora_rank = 64  # mla: width of the compressed key/value latent that a KV cache would store
+q_lora_rank = 0  # mla: width of the compressed query latent; 0 = full-rank queries
+qk_rope_head_dim = 16  # mla: query/key dims per head that carry RoPE (the key part is shared by all heads)
+qk_nope_head_dim = 32  # mla: query/key dims per head without positions
+v_head_dim = 32  # mla: value dims per head
+qk_norm = False  # RMSNorm on each query and key head before RoPE
+attn_softcap = 0.0  # cap * tanh(score / cap) on attention scores (Gemma 2: 50); 0 = off; not on SDPA
+final_softcap = 0.0  # the same on the output logits (Gemma 2: 30); 0 = off
+parallel_block = False  # x + attn(norm(x)) + mlp(norm(x)) (GPT-J, PaLM) instead of one after the other
+norm = "rmsnorm"  # 'rmsnorm' or 'layernorm'
+mlp = "swiglu"  # 'swiglu' (hidden ~8/3 n_embd) or 'gelu' (hidden 4 n_embd, GPT-2)
+bias = False  # biases in the attention and MLP linears and in LayerNorm
+n_expert = 0  # Mixture-of-Experts: routed experts per MLP layer; 0 = dense MLP
+n_expert_per_token = 2  # top-k: experts each token is sent to
+capacity_factor = 1.25  # an expert takes at most ceil(capacity_factor * tokens * k / n_expert) tokens
+aux_loss_coef = 0.01  # weight of each MoE layer's load-balancing loss (Switch Transformer)
+n_shared_expert = 0  # experts every token also goes through (DeepSeekMoE)
+router_z_loss_coef = 0.0  # weight of the router z-loss (ST-MoE used 1e-3); 0 = off
 # batch: one step sees batch_size * gradient_accumulation_steps * dp windows of block_size tokens
 batch_size = 8  # micro-batch per data-parallel rank
 gradient_accumulation_steps = 1  # micro-batches per step (the pipeline's microbatches when pp > 1)
@@ -346,6 +373,22 @@ def mean_across_ranks(value, layout):
     return value
 
 
+def moe_metrics(model, layout):
+    """MoE statistics of the step's last micro-batch, for the log: aux_loss, the weighted auxiliary loss
+    that was added to the training loss (summed over the MoE layers, mean over data-parallel ranks), and
+    moe_dropped_frac, the fraction of token-to-expert assignments dropped for capacity (mean over layers
+    and ranks). Every rank joins the all-reduce; each stage's layers are held by dp * tp ranks."""
+    dev = next(model.parameters()).device
+    stats = torch.zeros(3, device=dev)
+    for m in model.modules():
+        if isinstance(m, MixtureOfExperts) and m.aux_loss is not None:
+            stats += torch.stack([m.aux_loss.detach().float(), m.last_dropped_frac.float(), torch.ones((), device=dev)])
+    if layout.world_size > 1:
+        dist.all_reduce(stats)
+    return {"aux_loss": (stats[0] / (layout.dp * layout.tp)).item(),
+            "moe_dropped_frac": (stats[1] / stats[2].clamp(min=1)).item()}
+
+
 # -----------------------------------------------------------------------------
 # checkpoints
 
@@ -496,11 +539,21 @@ def print0(layout, *args):
         print(*args, flush=True)
 
 
+def format_duration(seconds):
+    """3725 -> '1h02m', 95 -> '1m35s', 7 -> '7s'."""
+    s = int(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
 class MetricsLog:
     """One JSON object per line in <out_dir>/metrics.jsonl, written by rank 0. On resume, the lines of
-    steps after the checkpoint (from the crashed run) are dropped, so the file reads as one run."""
+    steps after the checkpoint (from the crashed run) are dropped, so the file reads as one run. Every
+    record also goes to the backends given (W&B, TensorBoard: see open_log_backends), on rank 0 only."""
 
-    def __init__(self, out_dir, rank, resume_step=None):
+    def __init__(self, out_dir, rank, resume_step=None, backends=()):
+        self.backends = list(backends) if rank == 0 else []
         self.path = os.path.join(out_dir, "metrics.jsonl") if rank == 0 else None
         if self.path and resume_step is not None and os.path.exists(self.path):
             with open(self.path) as f:
@@ -514,12 +567,57 @@ class MetricsLog:
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        for backend in self.backends:
+            backend.log(record)
+
+    def close(self):
+        for backend in self.backends:
+            backend.close()
+
+
+class WandbLog:
+    def __init__(self, cfg):
+        import wandb  # optional: imported only when wandb_log is set (setup() checked it is installed)
+        self.run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=vars(cfg))
+
+    def log(self, record):
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self):
+        self.run.finish()
+
+
+class TensorBoardLog:
+    def __init__(self, log_dir):
+        from torch.utils.tensorboard import SummaryWriter  # optional: needs the tensorboard package
+        self.writer = SummaryWriter(log_dir)
+
+    def log(self, record):
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)):  # scalars only: TensorBoard plots numbers
+                self.writer.add_scalar(k, v, record["step"])
+        self.writer.flush()  # once per log interval: a crash loses nothing that metrics.jsonl has
+
+    def close(self):
+        self.writer.close()
+
+
+def open_log_backends(cfg):
+    """The optional logging backends the settings ask for (call on rank 0 only)."""
+    backends = [WandbLog(cfg)] if cfg.wandb_log else []
+    if cfg.tensorboard_log:
+        backends.append(TensorBoardLog(os.path.join(cfg.out_dir, "tensorboard")))
+    return backends
 
 
 def setup(cfg, training=True):
     """Everything that can fail because of the config or the data, before any training starts.
     bench.py calls it with training=False: out_dir is not checked, and with data_dir=None no data is read
     (the vocabulary is then vocab_size, or GPT-2's)."""
+    for flag, package in (("wandb_log", "wandb"), ("tensorboard_log", "tensorboard")):
+        if getattr(cfg, flag) and importlib.util.find_spec(package) is None:
+            raise ValueError(f"{flag}=True needs the {package} package, which is not installed: pip install "
+                             f"{package} (or set --{flag}=False)")
     dev, ptdtype, dtype_why = choose_device_and_dtype(cfg.device, cfg.dtype)
     layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type)
     if dev.type == "cuda" and layout.world_size > 1:
@@ -545,7 +643,7 @@ def setup(cfg, training=True):
             datasets["val"] = load_data(cfg.data_dir, "val", cfg.block_size, vocab, data_meta)
         except ValueError as e:  # a corpus of one document has no validation split: evaluate on train only
             print0(layout, f"no validation loss: {e}")
-    attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype)
+    attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype, cfg.attn_softcap)
     # every ModelConfig field is a setting of the same name above
     model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig)
                                if f.name not in ("vocab_size", "attn_impl")}, vocab_size=vocab, attn_impl=attn)
@@ -674,7 +772,8 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
     if cfg.init_from == "resume":
         step, path = resume(cfg, layout, model, optimizer, scaler)
         print0(layout, f"resumed from {path} at step {step}")
-    metrics = MetricsLog(cfg.out_dir, layout.rank, step if cfg.init_from == "resume" else None)
+    metrics = MetricsLog(cfg.out_dir, layout.rank, step if cfg.init_from == "resume" else None,
+                         open_log_backends(cfg) if layout.rank == 0 else [])
     step_model = compile_model(model, cfg, layout)
     model_flops = flops_per_token(model_cfg)
     peak, peak_why = peak_flops(cfg.peak_flops, dev, ptdtype)
@@ -703,9 +802,15 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
                       "optimizer_state_bytes": optimizer_state_bytes(optimizer)}  # on rank 0
             record["mfu"] = mfu(model_flops, record["tokens_per_sec"], peak, layout.world_size)
             record["peak_mem_bytes"] = peak_memory_bytes(dev, layout)
+            if model_cfg.n_expert > 0:
+                record.update(moe_metrics(model, layout))
+            eta = (cfg.max_iters - step) * elapsed / timed_steps  # training steps only: evals and saves come on top
             print0(layout, f"step {step:6d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
                            f"{record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step | "
-                           f"MFU {format_mfu(record['mfu'])} | peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB")
+                           f"MFU {format_mfu(record['mfu'])} | peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB | "
+                           f"eta {format_duration(eta)}"
+                           + (f" | aux {record['aux_loss']:.4f} dropped {record['moe_dropped_frac']:.3f}"
+                              if model_cfg.n_expert > 0 else ""))
             metrics.write(record)
             timer, timed_steps = time.time(), 0
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or last):
@@ -718,6 +823,7 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
             path = save_checkpoint(cfg, layout, model, optimizer, step, scaler, model_cfg, tokenizer)
             print0(layout, f"step {step:6d} | saved {path}")
             timer, timed_steps = time.time(), 0
+    metrics.close()
     return model
 
 

@@ -1,0 +1,401 @@
+"""
+Export a picotron checkpoint to a Hugging Face transformers model directory.
+
+    python export_hf.py --out_dir=out --hf_dir=hf/my-model
+    python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('hf/my-model')"
+
+The newest complete checkpoint in out_dir (saved at any dp x tp x pp layout) is loaded into one process,
+its weights are renamed to the transformers names and written as config.json + model.safetensors, with the
+GPT-2 tokenizer files when the model uses GPT-2's vocabulary. The export is then reloaded in transformers
+and its logits compared with picotron's (--check=False skips that).
+
+Which architecture holds which model (each computes exactly what picotron computes):
+    the base model (RMSNorm, SwiGLU, RoPE, MHA/GQA/MQA, tied or untied)   LlamaForCausalLM
+      + bias=True (biases on the attention and MLP linears)               LlamaForCausalLM (attention_bias, mlp_bias)
+      + qk_norm=True (RMSNorm on each query and key head)                 Qwen3ForCausalLM
+      + attn_softcap and/or final_softcap (tanh soft-capping)            VaultGemmaForCausalLM
+      + attention='mla' (multi-head latent attention)                    DeepseekV3ForCausalLM (all layers dense)
+    GPT-2's pieces with RoPE: norm='layernorm', mlp='gelu' (with or without
+      bias, sequential or parallel_block), MHA                            GPTNeoXForCausalLM
+Gemma2 also has soft-capping, but it normalises each sublayer's output too (sandwich norms), which
+picotron's blocks do not; VaultGemma is the Gemma variant without them. The combinations no architecture
+holds (mixture of experts; parallel blocks, LayerNorm or a GELU MLP other than all three GPT-NeoX pieces
+together; QK-norm with soft-capping; MLA with QK-norm, soft-capping or biases) stop the export with the
+options named.
+
+transformers and safetensors are needed only here: pip install transformers safetensors
+"""
+import importlib.util
+import json
+import os
+import re
+import sys
+from dataclasses import fields
+
+import torch
+
+import checkpoint
+from configurator import ConfigError, configure
+from model import ModelConfig, Transformer
+
+# -----------------------------------------------------------------------------
+out_dir = "out"  # the training run: its newest complete checkpoint is exported (or a ckpt_* folder itself)
+hf_dir = "hf"  # where the transformers model directory is written
+check = True  # reload the export in transformers and compare its logits with picotron's
+# -----------------------------------------------------------------------------
+DEFAULTS = dict(out_dir=out_dir, hf_dir=hf_dir, check=check)
+
+GPT2_FILES = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"  # tiktoken's gpt2 source
+GPT2_VOCAB_SIZE, GPT2_EOT = 50257, 50256
+
+
+def require(package, why):
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(f"{why} needs the {package} package, which is not installed: pip install {package}")
+
+
+# -----------------------------------------------------------------------------
+# reading the checkpoint
+
+
+def load_picotron(out_dir):
+    """The single-process model of a checkpoint, whatever layout it was saved at, and its meta.json."""
+    path = out_dir if checkpoint.is_complete(out_dir) else checkpoint.latest_checkpoint(out_dir)
+    if path is None:
+        raise FileNotFoundError(f"out_dir '{out_dir}' holds no complete checkpoint to export (a ckpt_* folder with "
+                                f"its meta.json): train first, or point --out_dir at the run's folder")
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    known = {f.name for f in fields(ModelConfig)}
+    unknown = sorted(set(meta["model"]) - known)
+    if unknown:
+        raise ValueError(f"checkpoint {path} has model options {unknown} that this picotron's ModelConfig lacks: it "
+                         f"was saved by a newer picotron; export it with that version")
+    # 'eager' is picotron's written-out reference attention (the checkpoint may name flash, a CUDA-only kernel)
+    cfg = ModelConfig(**dict(meta["model"], attn_impl="eager"))
+    model = Transformer(cfg)
+    checkpoint.load_model(model, path)
+    return model.eval(), meta, path
+
+
+# -----------------------------------------------------------------------------
+# choosing the transformers architecture
+
+
+def option(cfg, name, default):
+    """A ModelConfig option that may not exist in every picotron version (older checkpoints, new variants)."""
+    return getattr(cfg, name, default)
+
+
+def hf_architecture(cfg):
+    """The transformers architecture that computes what this picotron model computes, or a ValueError naming
+    each option that no architecture can hold."""
+    qk_norm = bool(option(cfg, "qk_norm", False))
+    softcap = bool(option(cfg, "attn_softcap", None) or option(cfg, "final_softcap", None))
+    mla = option(cfg, "attention", "mha") == "mla"
+    blockers = []
+    if (option(cfg, "n_expert", 0) or 0) > 0:
+        blockers.append(f"n_expert={cfg.n_expert}: no transformers architecture drops tokens over an expert's "
+                        f"capacity as picotron's router does, so a mixture of experts is not exported")
+    norm, mlp = option(cfg, "norm", "rmsnorm"), option(cfg, "mlp", "swiglu")
+    neox = norm == "layernorm" and mlp == "gelu"
+    if neox:  # GPT-NeoX: LayerNorm, GELU MLP, RoPE, sequential or parallel blocks, and nothing else
+        if cfg.n_kv_head != cfg.n_head:
+            blockers.append(f"norm='layernorm', mlp='gelu' with n_kv_head={cfg.n_kv_head} < n_head={cfg.n_head}: "
+                            f"GPT-NeoX has no grouped-query attention")
+        blockers += [f"norm='layernorm', mlp='gelu' with {name}: GPT-NeoX has no such option" for name in
+                     ("qk_norm", "attn_softcap", "final_softcap") if option(cfg, name, False)]
+        if mla:
+            blockers.append("norm='layernorm', mlp='gelu' with attention='mla': no architecture has both")
+    else:
+        if option(cfg, "parallel_block", False):
+            blockers.append("parallel_block=True with RMSNorm or SwiGLU: the only parallel-block architecture "
+                            "(GPT-NeoX) uses LayerNorm and GELU (norm='layernorm', mlp='gelu')")
+        if norm != "rmsnorm":
+            blockers.append(f"norm={norm!r} with mlp={mlp!r}: LayerNorm comes only with the GELU MLP (GPT-NeoX)")
+        if mlp != "swiglu":
+            blockers.append(f"mlp={mlp!r} with norm={norm!r}: the GELU MLP comes only with LayerNorm (GPT-NeoX)")
+    if not (neox or mla):
+        if qk_norm and softcap:
+            blockers.append("qk_norm=True with soft-capping: the architectures with both (Gemma3) also normalise "
+                            "each sublayer's output, which picotron does not")
+        elif option(cfg, "bias", False) and (qk_norm or softcap):
+            blockers.append(f"bias=True with {'qk_norm' if qk_norm else 'soft-capping'}: "
+                            f"{'Qwen3' if qk_norm else 'VaultGemma'} has no MLP biases")
+    if mla:  # DeepSeek-V3's attention has no QK-norm, no soft-capping, and biases on only some projections
+        blockers += [f"attention='mla' with {name}: DeepSeek-V3's MLA has no such option"
+                     for name in ("qk_norm", "attn_softcap", "final_softcap", "bias") if option(cfg, name, False)]
+    if blockers:
+        raise ValueError("this model cannot be exported to a transformers architecture: " + "; ".join(blockers))
+    if neox:
+        return "GPTNeoXForCausalLM"
+    if mla:
+        return "DeepseekV3ForCausalLM"
+    if qk_norm:
+        return "Qwen3ForCausalLM"
+    if softcap:
+        return "VaultGemmaForCausalLM"
+    return "LlamaForCausalLM"
+
+
+# -----------------------------------------------------------------------------
+# weights and config
+
+# picotron's parameter names -> the Llama family's (VaultGemma calls the MLP's norm pre_feedforward_layernorm)
+HF_NAMES = [
+    (r"tok_emb\.weight", r"model.embed_tokens.weight"),
+    (r"blocks\.(\d+)\.attn_norm\.(weight|bias)", r"model.layers.\1.input_layernorm.\2"),
+    (r"blocks\.(\d+)\.attn\.([qkvo])_proj\.(weight|bias)", r"model.layers.\1.self_attn.\2_proj.\3"),
+    (r"blocks\.(\d+)\.attn\.([qk])_norm\.weight", r"model.layers.\1.self_attn.\2_norm.weight"),
+    # multi-head latent attention: DeepSeek's a (down) and b (up) projections around the latent norms
+    (r"blocks\.(\d+)\.attn\.q_down\.weight", r"model.layers.\1.self_attn.q_a_proj.weight"),
+    (r"blocks\.(\d+)\.attn\.q_latent_norm\.weight", r"model.layers.\1.self_attn.q_a_layernorm.weight"),
+    (r"blocks\.(\d+)\.attn\.q_up\.weight", r"model.layers.\1.self_attn.q_b_proj.weight"),
+    (r"blocks\.(\d+)\.attn\.kv_down\.weight", r"model.layers.\1.self_attn.kv_a_proj_with_mqa.weight"),
+    (r"blocks\.(\d+)\.attn\.kv_latent_norm\.weight", r"model.layers.\1.self_attn.kv_a_layernorm.weight"),
+    (r"blocks\.(\d+)\.attn\.kv_up\.weight", r"model.layers.\1.self_attn.kv_b_proj.weight"),
+    (r"blocks\.(\d+)\.mlp_norm\.(weight|bias)", r"model.layers.\1.post_attention_layernorm.\2"),
+    (r"blocks\.(\d+)\.mlp\.(gate|up|down)\.(weight|bias)", r"model.layers.\1.mlp.\2_proj.\3"),
+    (r"norm\.(weight|bias)", r"model.norm.\1"),
+    (r"lm_head\.weight", r"lm_head.weight"),
+]
+
+
+def hf_name(name, arch):
+    for pattern, replacement in HF_NAMES:
+        if re.fullmatch(pattern, name):
+            new = re.sub(pattern, replacement, name)
+            if arch == "VaultGemmaForCausalLM":
+                new = new.replace("post_attention_layernorm", "pre_feedforward_layernorm")
+            return new
+    return None
+
+
+def hf_tensors(model, arch):
+    """picotron's weights under transformers' names: padded vocabulary rows cut, a tied head written once."""
+    cfg = model.cfg
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_embeddings:
+            continue  # transformers ties it to the embedding (tie_word_embeddings)
+        new = hf_name(name, arch)
+        if new is None:
+            raise ValueError(f"the checkpoint's parameter '{name}' has no counterpart in {arch}: the option that "
+                             f"added it cannot be exported")
+        if name in ("tok_emb.weight", "lm_head.weight"):
+            t = t[:cfg.vocab_size]  # rows past vocab_size pad the vocabulary for tensor parallelism
+        tensors[new] = t.detach().float().clone().contiguous()
+    if arch == "VaultGemmaForCausalLM":
+        gemma_conventions(tensors, cfg)
+    if arch == "GPTNeoXForCausalLM":
+        tensors = neox_layout(tensors, cfg)
+    return tensors
+
+
+def gemma_conventions(tensors, cfg):
+    """Gemma's RMSNorm multiplies by (1 + weight), and its embedding output is multiplied by sqrt(n_embd).
+    Store weight - 1 and the embedding divided by sqrt(n_embd). A tied head reads that divided embedding, so
+    the final norm's gain is multiplied by sqrt(n_embd) to give the same logits."""
+    scale = torch.tensor(cfg.n_embd ** 0.5, dtype=torch.float32)  # the float32 value transformers multiplies by
+    tensors["model.embed_tokens.weight"] /= scale
+    if cfg.tie_embeddings:
+        tensors["model.norm.weight"] *= scale
+    for name, t in tensors.items():
+        if name.endswith("norm.weight"):
+            t -= 1.0
+
+
+# the Llama names -> GPT-NeoX's
+NEOX_NAMES = [("model.embed_tokens.", "gpt_neox.embed_in."), ("model.norm.", "gpt_neox.final_layer_norm."),
+              ("model.layers.", "gpt_neox.layers."), (".self_attn.o_proj.", ".attention.dense."),
+              (".mlp.up_proj.", ".mlp.dense_h_to_4h."), (".mlp.down_proj.", ".mlp.dense_4h_to_h.")]
+
+
+def neox_layout(tensors, cfg):
+    """GPT-NeoX fuses q, k and v into one projection whose output is read per head as [q_h; k_h; v_h]
+    (query_key_value), and its parallel block has a second norm for the MLP, where picotron's parallel
+    block reads one norm's output twice: that second norm gets the same weights."""
+    H, hd = cfg.n_head, cfg.n_embd // cfg.n_head
+    for i in range(cfg.n_layer):
+        prefix = f"model.layers.{i}."
+        for kind in ("weight", "bias"):
+            parts = [tensors.pop(f"{prefix}self_attn.{x}_proj.{kind}", None) for x in "qkv"]
+            if parts[0] is not None:  # (H * hd, ...) each -> (H, 3, hd, ...) -> (3 * H * hd, ...)
+                fused = torch.stack([t.view(H, hd, *t.shape[1:]) for t in parts], dim=1)
+                tensors[f"{prefix}attention.query_key_value.{kind}"] = fused.reshape(3 * H * hd, *parts[0].shape[1:])
+            if option(cfg, "parallel_block", False) and f"{prefix}input_layernorm.{kind}" in tensors:
+                tensors[f"{prefix}post_attention_layernorm.{kind}"] = tensors[f"{prefix}input_layernorm.{kind}"].clone()
+    renamed = {}
+    for name, t in tensors.items():
+        for old, new in NEOX_NAMES:
+            name = name.replace(old, new)
+        renamed[name] = t
+    return renamed
+
+
+def hf_config(model, arch, tensors, tokenizer_fits):
+    """The transformers config (a dict for its config class) of this model under `arch`."""
+    cfg = model.cfg
+    head_dim = cfg.n_embd // cfg.n_head
+    tokens = dict(bos_token_id=GPT2_EOT if tokenizer_fits else None, eos_token_id=GPT2_EOT if tokenizer_fits else None,
+                  pad_token_id=None)
+    if arch == "GPTNeoXForCausalLM":  # its own names for most settings
+        return dict(
+            architectures=[arch], vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
+            num_attention_heads=cfg.n_head, intermediate_size=tensors["gpt_neox.layers.0.mlp.dense_h_to_4h.weight"].shape[0],
+            hidden_act="gelu_pytorch_tanh",  # picotron's GELU is the tanh approximation, as GPT-2's
+            max_position_embeddings=cfg.block_size, layer_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+            use_parallel_residual=bool(option(cfg, "parallel_block", False)),
+            attention_bias="gpt_neox.layers.0.attention.query_key_value.bias" in tensors,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0},
+            dtype="float32", **tokens)
+    kwargs = dict(
+        architectures=[arch], vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
+        intermediate_size=tensors["model.layers.0.mlp.gate_proj.weight"].shape[0],
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+        max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
+        dtype="float32", **tokens,
+    )
+    if arch != "DeepseekV3ForCausalLM":
+        kwargs.update(head_dim=head_dim)
+    if arch == "LlamaForCausalLM":
+        kwargs.update(hidden_act="silu", mlp_bias="model.layers.0.mlp.gate_proj.bias" in tensors)
+    elif arch == "Qwen3ForCausalLM":
+        kwargs.update(hidden_act="silu", use_sliding_window=False, sliding_window=None,
+                      layer_types=["full_attention"] * cfg.n_layer)
+    elif arch == "VaultGemmaForCausalLM":
+        kwargs.update(hidden_activation="silu", query_pre_attn_scalar=head_dim,  # scores scaled by 1/sqrt(head_dim)
+                      attn_logit_softcapping=option(cfg, "attn_softcap", None) or None,
+                      final_logit_softcapping=option(cfg, "final_softcap", None) or None,
+                      # every layer attends to the whole context; transformers builds a sliding-window mask
+                      # all the same and needs a window for it, which no layer uses
+                      sliding_window=cfg.block_size, layer_types=["full_attention"] * cfg.n_layer)
+    elif arch == "DeepseekV3ForCausalLM":
+        kwargs.update(hidden_act="silu", num_key_value_heads=cfg.n_head, kv_lora_rank=cfg.kv_lora_rank,
+                      q_lora_rank=cfg.q_lora_rank or None, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                      qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim,
+                      rope_interleave=False,  # picotron rotates halves, not interleaved pairs
+                      first_k_dense_replace=cfg.n_layer, num_mtp_layers=0)  # every layer a dense MLP
+    return kwargs
+
+
+def match_hf_parameters(tensors, hf_model, arch):
+    """Check the tensors against the parameters transformers builds for the config. A QK-norm without a learned
+    gain in picotron becomes a gain of one, a bias GPT-NeoX always has (norms, MLP) and picotron's bias=False
+    model lacks becomes zeros; anything else missing, extra or misshapen stops the export."""
+    expected = {name: p.shape for name, p in hf_model.state_dict().items()}
+    if hf_model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    for name in sorted(set(expected) - set(tensors)):
+        if re.fullmatch(r"model\.layers\.\d+\.self_attn\.[qk]_norm\.weight", name):
+            tensors[name] = torch.ones(expected[name], device="cpu")
+        elif arch == "GPTNeoXForCausalLM" and name.endswith(".bias"):
+            tensors[name] = torch.zeros(expected[name], device="cpu")
+        else:
+            raise ValueError(f"{arch} needs '{name}', which picotron's checkpoint does not have")
+    for name, t in tensors.items():
+        if name not in expected:
+            raise ValueError(f"'{name}' has no place in {arch}: the option that added it cannot be exported")
+        if tuple(t.shape) != tuple(expected[name]):
+            raise ValueError(f"'{name}' has shape {list(t.shape)} but {arch} expects {list(expected[name])}")
+
+
+# -----------------------------------------------------------------------------
+# tokenizer
+
+
+def write_gpt2_tokenizer(hf_dir, block_size):
+    """GPT-2's tokenizer as transformers files (vocab.json, merges.txt, tokenizer.json), from the two files
+    tiktoken's gpt2 encoding is built from: encoder.json is the vocabulary, vocab.bpe the merges. tiktoken
+    reads them from its cache (TIKTOKEN_CACHE_DIR) when they are there, so this works offline."""
+    from tiktoken.load import read_file_cached
+    from transformers import GPT2TokenizerFast
+    with open(os.path.join(hf_dir, "vocab.json"), "wb") as f:
+        f.write(read_file_cached(GPT2_FILES + "encoder.json"))
+    with open(os.path.join(hf_dir, "merges.txt"), "wb") as f:
+        f.write(read_file_cached(GPT2_FILES + "vocab.bpe"))
+    tokenizer = GPT2TokenizerFast.from_pretrained(hf_dir, model_max_length=block_size)
+    tokenizer.save_pretrained(hf_dir)
+
+
+# -----------------------------------------------------------------------------
+# export and check
+
+
+def hf_classes(arch):
+    """(model class, config class) of an architecture, imported from its own module: asking the top-level
+    transformers package for a name it has not loaded yet scans every model it ships (seconds)."""
+    import importlib
+    import transformers
+    module = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "VaultGemmaForCausalLM": "vaultgemma",
+              "DeepseekV3ForCausalLM": "deepseek_v3", "GPTNeoXForCausalLM": "gpt_neox"}[arch]
+    try:
+        modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        configuration = importlib.import_module(f"transformers.models.{module}.configuration_{module}")
+    except ImportError:
+        raise ValueError(f"this model exports to {arch}, which transformers {transformers.__version__} does not "
+                         f"have: pip install -U transformers")
+    return getattr(modeling, arch), getattr(configuration, arch.replace("ForCausalLM", "Config"))
+
+
+def export(out_dir, hf_dir):
+    """Write the transformers directory; returns (picotron model, architecture name)."""
+    require("transformers", "export_hf.py")
+    require("safetensors", "export_hf.py")
+    from safetensors.torch import save_file
+
+    model, meta, path = load_picotron(out_dir)
+    arch = hf_architecture(model.cfg)
+    model_class, config_class = hf_classes(arch)
+    tokenizer_fits = meta.get("tokenizer") in ("gpt2", "r50k_base") and model.cfg.vocab_size == GPT2_VOCAB_SIZE
+    tensors = hf_tensors(model, arch)
+    config = config_class(**hf_config(model, arch, tensors, tokenizer_fits))
+    with torch.device("meta"):  # the parameter names and shapes, without allocating the model
+        match_hf_parameters(tensors, model_class(config), arch)
+
+    os.makedirs(hf_dir, exist_ok=True)
+    config.save_pretrained(hf_dir)
+    save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+    print(f"exported {path} (step {meta['step']}) as {arch} to {hf_dir}")
+    if arch == "DeepseekV3ForCausalLM" and model.cfg.norm_eps != 1e-6:
+        print(f"  note: DeepSeek-V3's latent norms have eps 1e-6 built in, picotron's norm_eps is {model.cfg.norm_eps}: "
+              f"the logits differ by about 1e-5 (exactly the same with norm_eps=1e-6)")
+    if tokenizer_fits:
+        write_gpt2_tokenizer(hf_dir, model.cfg.block_size)
+        print("  with the GPT-2 tokenizer")
+    else:
+        print(f"  without a tokenizer: the model's vocabulary ({model.cfg.vocab_size} tokens, tokenizer "
+              f"{meta.get('tokenizer')!r}) is not GPT-2's {GPT2_VOCAB_SIZE}")
+    return model, arch
+
+
+@torch.no_grad()
+def max_logit_difference(model, arch, hf_dir, batch=2, seq_len=64, seed=0):
+    """Reload the export in transformers and compare its logits with picotron's on random tokens."""
+    model_class, _ = hf_classes(arch)
+    hf_model = model_class.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, model.cfg.vocab_size, (batch, min(seq_len, model.cfg.block_size)), generator=g)
+    ours, _ = model(idx)
+    theirs = hf_model(idx).logits
+    return (ours - theirs).abs().max().item(), ours.abs().max().item()
+
+
+def main(argv):
+    try:
+        cfg = configure(DEFAULTS, argv)
+        model, arch = export(cfg["out_dir"], cfg["hf_dir"])
+        if cfg["check"]:
+            diff, scale = max_logit_difference(model, arch, cfg["hf_dir"])
+            print(f"  check: transformers' logits differ from picotron's by at most {diff:.2e} (logits up to {scale:.1f})")
+            if not diff <= 1e-4 * max(1.0, scale):  # fp32 agrees to ~1e-6; a wrong mapping differs by O(1)
+                raise ValueError(f"the exported {arch} does not reproduce picotron's logits (max difference "
+                                 f"{diff:.2e}): the export is wrong for this model; please report it")
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

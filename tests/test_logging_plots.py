@@ -1,0 +1,144 @@
+"""The optional logging backends (W&B, TensorBoard) record what metrics.jsonl records, the progress line
+shows an ETA, and plot.py draws runs from their metrics.jsonl.
+
+Each backend's own files are read back (W&B's offline run file, TensorBoard's event file), so the test
+checks what the backend stored, not what train.py meant to send it.
+"""
+import glob
+import importlib.util
+import json
+import os
+import struct
+
+import pytest
+
+import plot
+import train
+from dist_utils import make_token_data, run_train
+
+HAVE = {p: importlib.util.find_spec(p) is not None for p in ("wandb", "tensorboard", "matplotlib")}
+
+
+def skip_without(package):
+    return pytest.mark.skipif(not HAVE[package], reason=f"{package} is not installed (pip install {package})")
+
+
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory):
+    """One 3-step run with every installed backend on: (out_dir, metrics.jsonl records, stdout, wandb dir)."""
+    tmp = tmp_path_factory.mktemp("logging")
+    data = make_token_data(str(tmp / "data"))
+    out = tmp / "run"
+    argv = [f"--data_dir={data}", f"--out_dir={out}", "--n_layer=2", "--n_embd=64", "--n_head=4", "--block_size=32",
+            "--batch_size=2", "--max_iters=3", "--log_interval=1", "--eval_interval=3", "--eval_iters=2",
+            "--checkpoint_interval=0", "--device=cpu", f"--wandb_log={HAVE['wandb']}",
+            f"--tensorboard_log={HAVE['tensorboard']}", "--wandb_project=picotron-test", "--wandb_run_name=three-steps"]
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp), "WANDB_SILENT": "true"}
+    records, proc = run_train(argv, env=env)
+    return out, records, proc.stdout, tmp / "wandb"
+
+
+def metric(records, key):
+    return {r["step"]: r[key] for r in records if key in r}
+
+
+def wandb_history(run_file):
+    """The logged rows of an offline W&B run file. The file is a 7-byte header, then a LevelDB-style log
+    in 32 KiB blocks: each chunk has a 4-byte checksum, a 2-byte length and a 1-byte type (1 full, 2 first,
+    3 middle, 4 last), and the chunks of a record carry one serialized protobuf Record."""
+    from wandb.proto import wandb_internal_pb2
+    data = open(run_file, "rb").read()
+    assert data[:4] == b":W&B"
+    rows, pos, pending = [], 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's last few bytes are padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+@skip_without("wandb")
+def test_wandb_offline_records_the_loss_of_each_step(logged_run):
+    out, records, _, wandb_dir = logged_run
+    run_files = glob.glob(str(wandb_dir / "offline-run-*" / "run-*.wandb"))
+    assert len(run_files) == 1
+    rows = wandb_history(run_files[0])
+    logged = {row["_step"]: row["loss"] for row in rows if "loss" in row}
+    assert logged == pytest.approx(metric(records, "loss"), rel=1e-12)
+    assert sorted(logged) == [1, 2, 3]
+    assert any(row.get("val_loss") == pytest.approx(metric(records, "val_loss")[3]) for row in rows)
+
+
+@skip_without("tensorboard")
+def test_tensorboard_records_the_loss_of_each_step(logged_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out, records, _, _ = logged_run
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("loss")}
+    assert logged == pytest.approx(metric(records, "loss"), rel=1e-6)  # TensorBoard stores float32
+    assert sorted(logged) == [1, 2, 3]
+    assert {e.step: e.value for e in events.Scalars("val_loss")} == pytest.approx(metric(records, "val_loss"), rel=1e-6)
+
+
+def test_the_progress_line_shows_the_eta(logged_run):
+    _, _, stdout, _ = logged_run
+    lines = [line for line in stdout.splitlines() if "ms/step" in line]
+    assert len(lines) == 3 and all(" | eta " in line for line in lines)
+
+
+def test_format_duration():
+    assert [train.format_duration(s) for s in (7, 95, 3725, 90000)] == ["7s", "1m35s", "1h02m", "25h00m"]
+
+
+@pytest.mark.parametrize("flag,package", [("wandb_log", "wandb"), ("tensorboard_log", "tensorboard")])
+def test_a_missing_backend_stops_at_start_up_with_the_pip_command(tmp_path, monkeypatch, flag, package):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real_find_spec(name, *a))
+    with pytest.raises(SystemExit, match=f"pip install {package}"):
+        train.main([f"--{flag}=True", f"--out_dir={tmp_path / 'run'}", "--device=cpu"])
+    assert not os.path.exists(tmp_path / "run")  # stopped before anything was written
+
+
+@skip_without("matplotlib")
+def test_plot_writes_a_png_comparing_two_runs(tmp_path):
+    for name, scale in (("a", 1.0), ("b", 0.8)):
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            for step in range(1, 6):
+                f.write(json.dumps({"step": step, "loss": scale * 6 / step, "lr": 1e-3 * step / 5, "grad_norm": 1.0 / step,
+                                    "tokens_per_sec": 1000.0 + step, "ms_per_step": 20.0}) + "\n")
+            f.write(json.dumps({"step": 5, "train_loss": scale * 1.3, "val_loss": scale * 1.4}) + "\n")
+    out = tmp_path / "compare.png"
+    plot.main([str(tmp_path / "a"), str(tmp_path / "b"), f"--out={out}"])
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(out) > 10_000
+
+
+def test_plot_names_a_run_without_metrics(tmp_path):
+    with pytest.raises(SystemExit, match="no metrics.jsonl"):
+        plot.main([str(tmp_path), f"--out={tmp_path / 'x.png'}"])
+
+
+def test_no_optional_package_is_imported_by_picotron_at_start_up():
+    """Importing every picotron module, and parsing a config, must not pull in an optional package: they
+    are imported only when a setting or a command asks for them."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    code = ("import sys; import train, model, parallel, checkpoint, configurator, prepare_data, export_hf, plot, "
+            "make_config; print(sorted(m for m in ('transformers', 'safetensors', 'wandb', 'tensorboard', "
+            "'matplotlib', 'flash_attn') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert proc.stdout.strip() == "[]"

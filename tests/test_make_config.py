@@ -1,0 +1,54 @@
+"""make_config.py: a starter config for a size and a layout, refused when the layout does not divide the
+model, and one that train.py accepts and trains with."""
+
+import pytest
+
+import make_config
+from dist_utils import make_token_data, run_train
+
+
+def test_a_layout_that_does_not_divide_the_heads_is_refused_by_name(tmp_path):
+    out = tmp_path / "bad.py"
+    with pytest.raises(SystemExit, match=r"n_head = 6 must be divisible by tp = 4"):
+        make_config.main(["--n_head=6", "--n_kv_head=6", "--n_embd=96", "--tp=4", "--nproc=4", f"--out={out}"])
+    assert not out.exists()
+
+
+def test_more_pipeline_stages_than_blocks_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match=r"pp = 4 stages but only n_layer = 2 blocks"):
+        make_config.main(["--n_layer=2", "--pp=4", "--nproc=4", f"--out={tmp_path / 'bad.py'}"])
+
+
+def test_a_process_count_the_layout_does_not_divide_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match=r"nproc = 6 processes cannot be cut into tp = 2 x pp = 2"):
+        make_config.main(["--tp=2", "--pp=2", "--nproc=6", f"--out={tmp_path / 'bad.py'}"])
+
+
+def test_the_config_states_parameters_and_global_batch(tmp_path):
+    out = tmp_path / "c.py"
+    make_config.main(["--n_layer=3", "--n_embd=64", "--n_head=4", "--n_kv_head=2", "--vocab_size=1000",
+                      "--tie_embeddings=False", "--block_size=128", "--batch_size=6", "--gradient_accumulation_steps=2",
+                      "--tp=2", "--pp=1", "--nproc=8", f"--out={out}"])
+    text = out.read_text()
+    # Llama parameter count written out: q, o (d x d), k, v (d x kv_heads*head_dim), SwiGLU 3 x d x 192 (2/3 of
+    # 4d rounded up to 64), two norm gains per block; the final norm; untied embedding and head (1000 x d each)
+    d, kv = 64, 2 * 16
+    per_block = 2 * d * d + 2 * d * kv + 3 * d * 192 + 2 * d
+    params = 3 * per_block + d + 2 * 1000 * d
+    assert f"{params / 1e6:.2f}M parameters" in text
+    assert "dp 4 x tp 2 x pp 1" in text
+    assert f"{6 * 2 * 4 * 128:,} tokens per step" in text
+    namespace = {}
+    exec(text, namespace)
+    assert (namespace["dp"], namespace["tp"], namespace["n_kv_head"], namespace["batch_size"]) == (4, 2, 2, 6)
+
+
+def test_a_generated_config_trains_one_step(tmp_path):
+    data = make_token_data(str(tmp_path / "data"))
+    config = tmp_path / "config" / "tiny.py"
+    make_config.main(["--n_layer=2", "--n_embd=64", "--n_head=4", "--block_size=32", "--batch_size=2", "--max_iters=1",
+                      "--eval_interval=0", "--checkpoint_interval=0", "--device=cpu", f"--data_dir={data}",
+                      f"--out_dir={tmp_path / 'run'}", "--nproc=1", f"--out={config}"])
+    assert "vocabulary 512" in config.read_text()  # read from the data's meta.json
+    records, _ = run_train([str(config), f"--out_dir={tmp_path / 'run'}"])
+    assert [r["step"] for r in records if "loss" in r] == [1]
