@@ -34,19 +34,19 @@ from parallel import (GradientBuckets, PipelineComm, ZeroOneAdamW, all_forward_a
 # -----------------------------------------------------------------------------
 # default config values
 # I/O
-out_dir = "out"
-data_dir = "data/fineweb_edu"
+out_dir = "out"  # checkpoints and metrics.jsonl go here
+data_dir = "data/fineweb_edu"  # train.bin, val.bin and meta.json from prepare_data.py
 init_from = "scratch"  # 'scratch' or 'resume' (from the newest complete checkpoint in out_dir)
-seed = 1337
-log_interval = 10
-eval_interval = 100
-eval_iters = 20
-checkpoint_interval = 100
+seed = 1337  # fixes the initial weights and the data order (a pure function of seed and step)
+log_interval = 10  # steps between log lines (each one reads the loss back: a host-device sync)
+eval_interval = 100  # steps between evaluations of train/val loss (0 = never)
+eval_iters = 20  # batches per evaluation (the same fixed batches every time)
+checkpoint_interval = 100  # steps between checkpoints, plus one at the end (0 = never)
 keep_last_n = 3  # complete checkpoints kept in out_dir (0 keeps all)
 # logging: metrics.jsonl always; these optional backends get the same records
 wandb_log = False  # Weights & Biases (pip install wandb; WANDB_MODE=offline works without a network)
-wandb_project = "picotron"
-wandb_run_name = "picotron"
+wandb_project = "picotron"  # W&B project
+wandb_run_name = "picotron"  # W&B run name
 tensorboard_log = False  # event files in <out_dir>/tensorboard (pip install tensorboard)
 # hardware
 device = "auto"  # 'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...
@@ -57,15 +57,15 @@ activation_checkpointing = False  # recompute each block's activations in backwa
 chunked_loss = True  # tp=1: the loss a chunk of tokens at a time, never the whole (tokens, vocab) logits
 peak_flops = 0.0  # the device's peak FLOP/s for MFU; 0 = from the GPU table, or measured on CPU
 # model
-n_layer = 4
-n_head = 4
-n_kv_head = 4
-n_embd = 128
-block_size = 256
+n_layer = 4  # transformer blocks
+n_head = 4  # query heads
+n_kv_head = 4  # key/value heads: n_head is MHA, fewer is GQA, 1 is MQA
+n_embd = 128  # model width
+block_size = 256  # context length in tokens
 vocab_size = None  # from the data's meta.json unless set
-tie_embeddings = True
-rope_theta = 10000.0
-norm_eps = 1e-5
+tie_embeddings = True  # the output head shares the token embedding matrix
+rope_theta = 10000.0  # RoPE base frequency
+norm_eps = 1e-5  # epsilon of the norms
 # model variants (model.py explains each, with its paper)
 attention = "mha"  # 'mha' (n_kv_head < n_head makes it GQA, 1 MQA) or 'mla' (DeepSeek-V2 latent attention)
 kv_lora_rank = 64  # mla: width of the compressed key/value latent that a KV cache would store
@@ -90,14 +90,14 @@ router_z_loss_coef = 0.0  # weight of the router z-loss (ST-MoE used 1e-3); 0 = 
 batch_size = 8  # micro-batch per data-parallel rank
 gradient_accumulation_steps = 1  # micro-batches per step (the pipeline's microbatches when pp > 1)
 # AdamW and the learning-rate schedule: linear warmup, then cosine decay to min_lr
-max_iters = 1000
-learning_rate = 1e-3
-min_lr = 1e-4
-warmup_iters = 50
-lr_decay_iters = 1000
-weight_decay = 0.1
-beta1 = 0.9
-beta2 = 0.95
+max_iters = 1000  # optimizer steps in the run
+learning_rate = 1e-3  # peak learning rate, reached after warmup
+min_lr = 1e-4  # learning rate at the end of the cosine decay
+warmup_iters = 50  # steps of linear warmup
+lr_decay_iters = 1000  # step where the cosine decay reaches min_lr (usually max_iters)
+weight_decay = 0.1  # AdamW decoupled weight decay, on matrices only (not norms, biases)
+beta1 = 0.9  # AdamW beta1
+beta2 = 0.95  # AdamW beta2
 grad_clip = 1.0  # clip the global gradient norm to this (0 disables)
 # parallelism: dp * tp * pp processes
 dp = 0  # data-parallel ranks; 0 means world_size / (tp * pp)
