@@ -67,27 +67,19 @@ class ParallelLayout:
         self.pp_prev = self.pp_next = None  # global ranks of the neighbouring pipeline stages
         if world_size == 1:
             return
-        # every rank must create every group, in the same order, even the groups it is not in
-        grid = lambda p, d, t: (p * dp + d) * tp + t
-        for p in range(pp):
-            for d in range(dp):
-                ranks = [grid(p, d, t) for t in range(tp)]
-                g = dist.new_group(ranks)
-                if rank in ranks:
-                    self.tp_group = g if tp > 1 else None
-        for p in range(pp):
-            for t in range(tp):
-                ranks = [grid(p, d, t) for d in range(dp)]
-                g = dist.new_group(ranks)
-                if rank in ranks:
-                    self.dp_group = g if dp > 1 else None
-        for d in range(dp):
-            for t in range(tp):
-                ranks = [grid(p, d, t) for p in range(pp)]
-                g = dist.new_group(ranks)
-                if rank in ranks:
-                    self.pp_group = g if pp > 1 else None
-                    self.pp_ranks = ranks
+        # A group is a line of the grid: the ranks that differ along one axis only. Every rank must create
+        # every group, in the same order, even the groups it is not in.
+        sizes = {"pp": pp, "dp": dp, "tp": tp}
+        rank_at = lambda c: (c["pp"] * dp + c["dp"]) * tp + c["tp"]
+        for axis in ("tp", "dp", "pp"):
+            first, second = [a for a in ("pp", "dp", "tp") if a != axis]
+            for i in range(sizes[first]):
+                for j in range(sizes[second]):
+                    ranks = [rank_at({first: i, second: j, axis: k}) for k in range(sizes[axis])]
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        setattr(self, f"{axis}_group", group if sizes[axis] > 1 else None)
+                        setattr(self, f"{axis}_ranks", ranks)
         if pp > 1:
             self.pp_prev = self.pp_ranks[self.pp_rank - 1] if self.pp_rank > 0 else None
             self.pp_next = self.pp_ranks[self.pp_rank + 1] if self.pp_rank < pp - 1 else None
