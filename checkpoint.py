@@ -145,24 +145,16 @@ def model_pieces(model, layout):
     return {name: make_piece(p, p) for name, p in model.named_parameters() if _saved_here(p, layout)}
 
 
-def adamw_pieces(optimizer, model, layout):
-    """torch.optim.AdamW's moments, saved like the parameters they belong to."""
+def optimizer_pieces(optimizer, model, layout):
+    """The AdamW moments, saved like the parameters they belong to. parallel.ZeroOneAdamW's state says
+    which flat range of each parameter's (tensor-parallel slice's) elements this rank owns: then every
+    data-parallel rank saves its own range, and the ranks' pieces together cover every element once."""
     pieces = {}
     for name, p in model.named_parameters():
         state = optimizer.state.get(p)
-        if state and _saved_here(p, layout):
-            pieces[name] = {k: make_piece(state[k], p) for k in ("exp_avg", "exp_avg_sq")}
-    return pieces
-
-
-def zero_pieces(optimizer, model, layout):
-    """parallel.ZeroOneAdamW's moments: every data-parallel rank saves the flat range of each parameter's
-    (tensor-parallel slice's) elements it owns, so the ranks' pieces together cover every element once."""
-    pieces = {}
-    for name, p in model.named_parameters():
-        state = optimizer.state.get(p)
-        if state and _saved_here(p, layout, dp_sharded=True):
-            pieces[name] = {k: make_piece(state[k], p, state["flat_range"]) for k in ("exp_avg", "exp_avg_sq")}
+        flat_range = state.get("flat_range") if state else None
+        if state and _saved_here(p, layout, dp_sharded=flat_range is not None):
+            pieces[name] = {k: make_piece(state[k], p, flat_range) for k in ("exp_avg", "exp_avg_sq")}
     return pieces
 
 
@@ -187,12 +179,14 @@ def adamw_step_count(optimizer):
 
 
 def load_adamw(optimizer, model, reader):
-    step = torch.tensor(float(reader.meta["adam_step"]))
+    # fused AdamW keeps its step counter on the parameters' device, the loop implementation on the CPU
+    fused = optimizer.defaults.get("fused")
     for name, p in model.named_parameters():
         name = checkpoint_name(name, p)
+        step = torch.tensor(float(reader.meta["adam_step"]), device=p.device if fused else "cpu")
         # contiguous: a tensor-parallel slice is a strided view, which fused AdamW would not update in place
-        optimizer.state[p] = {"step": step.clone(), **{k: reader.optimizer_tensor(name, p, k).to(p.device).contiguous()
-                                                       for k in ("exp_avg", "exp_avg_sq")}}
+        optimizer.state[p] = {"step": step, **{k: reader.optimizer_tensor(name, p, k).to(p.device).contiguous()
+                                               for k in ("exp_avg", "exp_avg_sq")}}
 
 
 # -----------------------------------------------------------------------------

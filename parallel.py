@@ -43,6 +43,11 @@ def group_rank(group):
     return dist.get_rank(group) if group is not None else 0
 
 
+def grid_rank(pp_rank, dp_rank, tp_rank, dp, tp):
+    """The global rank at a point of the dp x tp x pp grid (see ParallelLayout for why this order)."""
+    return (pp_rank * dp + dp_rank) * tp + tp_rank
+
+
 class ParallelLayout:
     """Cuts `world_size` ranks into a dp x tp x pp grid and builds one process group per row of it.
 
@@ -70,7 +75,7 @@ class ParallelLayout:
         # A group is a line of the grid: the ranks that differ along one axis only. Every rank must create
         # every group, in the same order, even the groups it is not in.
         sizes = {"pp": pp, "dp": dp, "tp": tp}
-        rank_at = lambda c: (c["pp"] * dp + c["dp"]) * tp + c["tp"]
+        rank_at = lambda c: grid_rank(c["pp"], c["dp"], c["tp"], dp, tp)
         for axis in ("tp", "dp", "pp"):
             first, second = [a for a in ("pp", "dp", "tp") if a != axis]
             for i in range(sizes[first]):
@@ -581,7 +586,7 @@ def tied_embedding_group(layout):
         return None
     for d in range(layout.dp):
         for t in range(layout.tp):
-            ranks = [d * layout.tp + t, ((layout.pp - 1) * layout.dp + d) * layout.tp + t]
+            ranks = [grid_rank(0, d, t, layout.dp, layout.tp), grid_rank(layout.pp - 1, d, t, layout.dp, layout.tp)]
             g = dist.new_group(ranks)
             if layout.rank in ranks:
                 group = g
@@ -890,10 +895,10 @@ def optimizer_state_bytes(optimizer):
 
 def format_grid(dp, tp, pp):
     """The rank layout as text, one line per (pipeline stage, data-parallel replica): which global ranks
-    hold the tensor-parallel slices of it (rank = (pp_rank * dp + dp_rank) * tp + tp_rank)."""
+    hold the tensor-parallel slices of it."""
     lines = []
     for p in range(pp):
         for d in range(dp):
-            ranks = [(p * dp + d) * tp + t for t in range(tp)]
+            ranks = [grid_rank(p, d, t, dp, tp) for t in range(tp)]
             lines.append(f"  stage {p} replica {d}: ranks {ranks}")
     return "\n".join(lines)

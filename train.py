@@ -27,9 +27,9 @@ import checkpoint
 from configurator import ConfigError, configure
 from model import (MixtureOfExperts, ModelConfig, Transformer, check_layout, choose_attn_impl, flops_per_token,
                    stage_layers)
-from parallel import (GradientBuckets, PipelineComm, ZeroOneAdamW, all_forward_all_backward, all_reduce_tied_grad,
-                      format_grid, group_size, init_distributed, one_f_one_b, optimizer_state_bytes,
-                      pipeline_forward, tied_embedding_group)
+from parallel import (SCHEDULES, GradientBuckets, PipelineComm, ZeroOneAdamW, all_forward_all_backward,
+                      all_reduce_tied_grad, format_grid, full_shape_of, init_distributed, one_f_one_b,
+                      optimizer_state_bytes, pipeline_forward, tied_embedding_group)
 
 # -----------------------------------------------------------------------------
 # default config values
@@ -341,15 +341,16 @@ def forward_backward(model, microbatches, autocast, loss_multiplier, set_grad_sy
 
 
 @torch.no_grad()
-def evaluate(model, cfg, layout, datasets, device, autocast):
-    """Mean loss over eval_iters fixed batches of each split (the same batches at every evaluation)."""
+def evaluate(model, cfg, layout, datasets, device, autocast, pipeline=None):
+    """Mean loss over eval_iters fixed batches of each split (the same batches at every evaluation).
+    With pp > 1, `pipeline` is make_pipeline's: the batches go through its stages, forward only."""
     model.eval()
     out = {}
     for split, data in datasets.items():
         total = 0.0
-        if layout.pp > 1:  # forward only, each batch a microbatch through the pipeline; the loss on the last stage
+        if pipeline is not None:  # each batch a microbatch through the pipeline; the loss on the last stage
             batches = [rank_microbatches(cfg, layout, data, EVAL_STREAM, i, 1, device)[0] for i in range(cfg.eval_iters)]
-            total = pipeline_forward(model, batches, PipelineComm.from_layout(layout, model.cfg.n_embd, device), autocast)
+            total = pipeline_forward(model, batches, pipeline.pipe, autocast)
         else:
             for i in range(cfg.eval_iters):
                 (x, y), = rank_microbatches(cfg, layout, data, EVAL_STREAM, i, 1, device)
@@ -400,10 +401,8 @@ def save_checkpoint(cfg, layout, model, optimizer, step, scaler, model_cfg, toke
     extra = {"torch_rng": torch.get_rng_state()}
     if torch.cuda.is_available():
         extra["cuda_rng"] = torch.cuda.get_rng_state()
-    zero = isinstance(optimizer, ZeroOneAdamW)
-    optimizer_pieces = (checkpoint.zero_pieces if zero else checkpoint.adamw_pieces)(optimizer, model, layout)
     return checkpoint.save(cfg.out_dir, step, layout.rank, layout.world_size, checkpoint.model_pieces(model, layout),
-                           optimizer_pieces, meta, extra, cfg.keep_last_n)
+                           checkpoint.optimizer_pieces(optimizer, model, layout), meta, extra, cfg.keep_last_n)
 
 
 def resume(cfg, layout, model, optimizer, scaler):
@@ -491,7 +490,7 @@ def measure_cpu_peak_flops(dtype, n=1024, repeats=3):
     return 2 * n ** 3 / best
 
 
-def peak_flops(setting, dev, dtype):
+def device_peak_flops(setting, dev, dtype):
     """(peak FLOP/s of one device, where it comes from), or (None, why) when it is not known: MFU is then
     reported as not available rather than guessed."""
     if setting > 0:
@@ -626,7 +625,7 @@ def setup(cfg, training=True):
     if cfg.zero_stage not in (0, 1):
         raise ValueError(f"zero_stage must be 0 (plain AdamW) or 1 (optimizer states sharded across data-parallel "
                          f"ranks), got {cfg.zero_stage}")
-    if cfg.pp_schedule not in ("1f1b", "afab"):
+    if cfg.pp_schedule not in SCHEDULES:
         raise ValueError(f"pp_schedule must be '1f1b' or 'afab', got {cfg.pp_schedule!r}")
     if cfg.init_from not in ("scratch", "resume"):
         raise ValueError(f"init_from must be 'scratch' or 'resume', got {cfg.init_from!r}")
@@ -666,7 +665,6 @@ def setup(cfg, training=True):
 
 
 def full_param_count(model, layout):
-    from parallel import full_shape_of
     n = torch.tensor(float(sum(math.prod(full_shape_of(p)) for p in model.parameters() if not hasattr(p, "init_name"))))
     if layout.world_size > 1:
         dist.all_reduce(n)  # every dp x tp replica of a stage counts the stage's whole parameters
@@ -776,7 +774,7 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
                          open_log_backends(cfg) if layout.rank == 0 else [])
     step_model = compile_model(model, cfg, layout)
     model_flops = flops_per_token(model_cfg)
-    peak, peak_why = peak_flops(cfg.peak_flops, dev, ptdtype)
+    peak, peak_why = device_peak_flops(cfg.peak_flops, dev, ptdtype)
     print0(layout, f"{model_flops / 1e6:.1f} MFLOP per token; peak {f'{peak / 1e12:.3g} TFLOP/s' if peak else 'unknown'} "
                    f"per device ({peak_why})")
 
@@ -814,7 +812,7 @@ def train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer):
             metrics.write(record)
             timer, timed_steps = time.time(), 0
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or last):
-            losses = evaluate(model, cfg, layout, datasets, dev, autocast)
+            losses = evaluate(model, cfg, layout, datasets, dev, autocast, pipeline)
             record = {"step": step, **{f"{split}_loss": v for split, v in losses.items()}}
             print0(layout, f"step {step:6d} | eval " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
             metrics.write(record)
@@ -831,7 +829,7 @@ def main(argv):
     try:
         cfg = SimpleNamespace(**configure(DEFAULTS, argv))
         dev, ptdtype, layout, datasets, model_cfg, tokenizer = setup(cfg)
-    except (ConfigError, ValueError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
         sys.exit(f"error: {e}")
     try:
         return train(cfg, dev, ptdtype, layout, datasets, model_cfg, tokenizer)

@@ -13,7 +13,7 @@ from dist_utils import make_token_data
 import model as model_module
 import train
 from model import ModelConfig, Transformer, chunked_cross_entropy, flops_per_token
-from parallel import ParallelLayout
+
 
 TINY = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=4, n_embd=64)
 
@@ -93,15 +93,15 @@ def test_gpu_peak_flops_table(name, dtype, peak):
 
 def test_unknown_gpu_reports_mfu_as_not_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Imaginary GPU 9000")
-    peak, why = train.peak_flops(0.0, torch.device("cuda"), torch.bfloat16)
+    peak, why = train.device_peak_flops(0.0, torch.device("cuda"), torch.bfloat16)
     assert peak is None and "peak_flops" in why
     assert train.mfu(1e6, 1e5, peak, 1) is None and train.format_mfu(None) == "n/a"
-    peak, why = train.peak_flops(123e12, torch.device("cuda"), torch.bfloat16)  # the setting overrides
+    peak, why = train.device_peak_flops(123e12, torch.device("cuda"), torch.bfloat16)  # the setting overrides
     assert peak == 123e12 and train.mfu(1e6, 1e5, peak, 2) == pytest.approx(1e11 / 246e12)
 
 
 def test_cpu_peak_is_measured():
-    peak, why = train.peak_flops(0.0, torch.device("cpu"), torch.float32)
+    peak, why = train.device_peak_flops(0.0, torch.device("cpu"), torch.float32)
     assert peak > 1e8 and "measured" in why
 
 

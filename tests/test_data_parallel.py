@@ -16,7 +16,7 @@ import checkpoint
 import parallel
 from dist_utils import make_token_data, run_ranks, run_train, train_losses
 from model import ModelConfig, Transformer
-from parallel import GradientBuckets, ParallelLayout, ZeroOneAdamW, init_distributed, optimizer_state_bytes
+from parallel import ParallelLayout, ZeroOneAdamW, init_distributed, optimizer_state_bytes
 
 STEPS = 5
 TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
