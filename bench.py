@@ -6,42 +6,50 @@ Time picotron's training step: tokens/s, ms/step, MFU and peak memory, for any c
     python bench.py --n_layer=6 --n_head=6 --n_kv_head=6 --n_embd=384 --reference=True
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --tp=2 --dp=2
 
-Every train.py setting works here, and the model, optimizer and step are train.py's own (setup, build,
-compile_model, train_step), so this times exactly what training runs, in whatever layouts train.py supports.
-Bench-only settings: --warmup_steps (untimed steps first: compiling, allocator and thread warm-up),
---bench_steps (timed steps), --reference=True (also time the plain GPT of tests/reference_gpt.py at the same
-size, step by step in turn with picotron's, so both see the same machine). Tokens are random unless
---data_dir is given on the command line. The last line printed is `RESULT {json}`, for scripts.
+Every training setting works here (settings.py), and the model, optimizer and step are train.py's own
+(setup, build, train_step), so this times exactly what training runs, in whatever layouts train.py
+supports. Bench-only settings: --warmup_steps (untimed steps first: compiling, allocator and thread
+warm-up), --bench_steps (timed steps), --reference=True (also time the plain GPT at the end of this file at
+the same size, step by step in turn with picotron's, so both see the same machine). Tokens are random
+unless --data_dir is given on the command line. The last line printed is `RESULT {json}`, for scripts.
 """
-import importlib.util
 import json
+import math
+import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
+import metrics
+import settings
 import train
-from configurator import ConfigError, configure
-from model import flops_per_token
+from configurator import ConfigError, Setting, configure, section
 
-BENCH_DEFAULTS = {"warmup_steps": 3, "bench_steps": 10, "reference": False}
+BENCH = section(
+    "bench.py's own",
+    Setting("warmup_steps", 3, "untimed steps first (compiling, allocator and thread warm-up)"),
+    Setting("bench_steps", 10, "timed steps; the median is reported"),
+    Setting("reference", False, "also time the plain GPT at the end of bench.py, step by step in turn"),
+)
 
 
 def parse_args(argv):
-    """Split the command line into bench-only settings and train.py's (config files and the rest)."""
-    is_bench = lambda a: a.startswith("--") and a[2:].partition("=")[0] in BENCH_DEFAULTS
-    bench = SimpleNamespace(**configure(BENCH_DEFAULTS, [a for a in argv if is_bench(a)]))
-    train_argv = [a for a in argv if not is_bench(a)]
-    cfg = SimpleNamespace(**configure(train.DEFAULTS, train_argv))
-    if not any(a.startswith("--data_dir=") for a in train_argv):
+    """bench.py's settings and the training settings, from one command line."""
+    values, _ = configure(settings.TRAINING + BENCH, argv, usage=__doc__)
+    settings.check_values(values)
+    if values["bench_steps"] < 1 or values["warmup_steps"] < 0:
+        raise ConfigError(f"bench_steps = {values['bench_steps']} must be >= 1 and warmup_steps = "
+                          f"{values['warmup_steps']} >= 0")
+    bench = SimpleNamespace(**{s.name: values.pop(s.name) for s in BENCH})
+    cfg = SimpleNamespace(**values)
+    if not any(a.startswith("--data_dir=") for a in argv):
         cfg.data_dir = None  # random tokens: a config file's data_dir is not needed to time a step
-    if bench.bench_steps < 1 or bench.warmup_steps < 0:
-        raise ConfigError(f"bench_steps = {bench.bench_steps} must be >= 1 and warmup_steps = "
-                          f"{bench.warmup_steps} >= 0")
     return cfg, bench
 
 
@@ -56,51 +64,38 @@ def random_microbatches(cfg, layout, vocab_size, step, device):
     return out
 
 
-def load_reference_gpt():
-    path = Path(__file__).resolve().parent / "tests" / "reference_gpt.py"
-    spec = importlib.util.spec_from_file_location("reference_gpt", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 class Picotron:
     """train.py's training step, one call per step."""
     name = "picotron"
 
-    def __init__(self, cfg, dev, ptdtype, layout, model_cfg, datasets):
-        self.cfg, self.dev, self.layout, self.model_cfg, self.datasets = cfg, dev, layout, model_cfg, datasets
-        self.model, self.optimizer, self.autocast, self.scaler = train.build(cfg, dev, ptdtype, layout, model_cfg)
-        self.step_model = train.compile_model(self.model, cfg, layout)
-        self.grad_sync = train.make_grad_sync(self.model, cfg, layout, self.optimizer)
-        self.pipeline = train.make_pipeline(cfg, layout, self.model, model_cfg, dev)
-        self.flops_per_token = flops_per_token(model_cfg)
+    def __init__(self, cfg, run):
+        self.cfg, self.run, self.dev, self.layout = cfg, run, run.dev, run.layout
+        self.parts = train.build(cfg, run)  # the pipeline's channel runs the world's first collective (NCCL)
+        self.autocast = self.parts.autocast
+        self.flops_per_token = metrics.flops_per_token(run.model_cfg)
 
     def batches(self, step):
-        if self.datasets:
-            return train.rank_microbatches(self.cfg, self.layout, self.datasets["train"], train.TRAIN_STREAM, step,
-                                           self.cfg.gradient_accumulation_steps, self.dev)
-        return random_microbatches(self.cfg, self.layout, self.model_cfg.vocab_size, step, self.dev)
+        if self.run.datasets:
+            return train.rank_microbatches(self.cfg, self.layout, self.run.datasets["train"], train.TRAIN_STREAM,
+                                           step, self.cfg.gradient_accumulation_steps, self.dev)
+        return random_microbatches(self.cfg, self.layout, self.run.model_cfg.vocab_size, step, self.dev)
 
     def step(self, i):
         """One training step; returns its loss as a float, which waits for the device (and every rank)."""
-        lr = train.get_lr(i, self.cfg)
-        loss, _, self.step_model = train.train_step(self.cfg, self.layout, self.model, self.step_model,
-                                                    self.optimizer, self.scaler, self.autocast, self.batches(i), lr,
-                                                    self.pipeline, self.grad_sync)
+        loss, _ = train.train_step(self.cfg, self.layout, self.parts, self.batches(i), train.get_lr(i, self.cfg))
         return train.mean_across_ranks(loss, self.layout).item()
 
 
 class ReferenceGPT:
-    """The plain GPT of tests/reference_gpt.py at the same size, on the same batches, one process."""
+    """The plain GPT below at the same size, on the same batches, one process."""
     name = "reference GPT"
 
     def __init__(self, picotron):
-        cfg, mc, ref = picotron.cfg, picotron.model_cfg, load_reference_gpt()
+        cfg, mc = picotron.cfg, picotron.run.model_cfg
         torch.manual_seed(cfg.seed)
         self.picotron = picotron
-        self.model = ref.GPT(mc.vocab_size, mc.block_size, mc.n_layer, mc.n_head, mc.n_embd).to(picotron.dev)
-        self.optimizer = ref.make_optimizer(self.model, cfg.learning_rate, cfg.weight_decay)
+        self.model = GPT(mc.vocab_size, mc.block_size, mc.n_layer, mc.n_head, mc.n_embd).to(picotron.dev)
+        self.optimizer = reference_optimizer(self.model, cfg.learning_rate, cfg.weight_decay)
         self.step_model = torch.compile(self.model) if cfg.compile else self.model
         self.flops_per_token = self.model.flops_per_token()
 
@@ -127,8 +122,9 @@ def reset_peak_memory(dev):
         torch.cuda.reset_peak_memory_stats(dev)
 
 
-def run(cfg, bench, dev, ptdtype, layout, datasets, model_cfg):
-    runners = [Picotron(cfg, dev, ptdtype, layout, model_cfg, datasets)]
+def run(cfg, bench, setup):
+    dev, ptdtype, layout, model_cfg = setup.dev, setup.dtype, setup.layout, setup.model_cfg
+    runners = [Picotron(cfg, setup)]
     if bench.reference:
         runners.append(ReferenceGPT(runners[0]))
     for r in runners:
@@ -143,10 +139,10 @@ def run(cfg, bench, dev, ptdtype, layout, datasets, model_cfg):
             start = time.perf_counter()
             losses[r.name] = r.step(i)
             times[r.name].append(time.perf_counter() - start)
-    peak_mem = train.peak_memory_bytes(dev, layout)
+    peak_mem = metrics.peak_memory_bytes(dev, layout)
 
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
-    peak, peak_why = train.device_peak_flops(cfg.peak_flops, dev, ptdtype)
+    peak, peak_why = metrics.device_peak_flops(cfg.peak_flops, dev, ptdtype)
     results = {}
     for r in runners:
         seconds = statistics.median(times[r.name])
@@ -154,7 +150,7 @@ def run(cfg, bench, dev, ptdtype, layout, datasets, model_cfg):
         results[r.name] = {"tokens_per_sec": tokens_per_sec, "ms_per_step": 1000 * seconds,
                            "ms_per_step_min": 1000 * min(times[r.name]), "ms_per_step_max": 1000 * max(times[r.name]),
                            "flops_per_token": r.flops_per_token,
-                           "mfu": train.mfu(r.flops_per_token, tokens_per_sec, peak, layout.world_size),
+                           "mfu": metrics.mfu(r.flops_per_token, tokens_per_sec, peak, layout.world_size),
                            "loss": losses[r.name]}
     # the process's peak memory covers whatever ran in it: with the reference alongside it is both models'
     results["picotron"]["peak_mem_bytes"] = peak_mem
@@ -176,7 +172,7 @@ def run(cfg, bench, dev, ptdtype, layout, datasets, model_cfg):
 
 
 def step_model_kind(picotron):
-    return "eager" if picotron.step_model is picotron.model else "compiled"
+    return "eager" if picotron.parts.step_model is picotron.parts.model else "compiled"
 
 
 def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak_why, kind):
@@ -193,7 +189,7 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak
             ("ms/step (median)", lambda r: f"{r['ms_per_step']:,.1f}"),
             ("ms/step (min-max)", lambda r: f"{r['ms_per_step_min']:,.0f}-{r['ms_per_step_max']:,.0f}"),
             ("MFLOP/token", lambda r: f"{r['flops_per_token'] / 1e6:,.1f}"),
-            ("MFU", lambda r: train.format_mfu(r["mfu"])),
+            ("MFU", lambda r: metrics.format_mfu(r["mfu"])),
             ("peak memory (MiB)", lambda r: f"{r['peak_mem_bytes'] / 2**20:,.0f}" if "peak_mem_bytes" in r else "-"),
             ("loss (last step)", lambda r: f"{r['loss']:.4f}")]
     print(f"{'':20s}" + "".join(f"{n:>16s}" for n in names))
@@ -202,18 +198,100 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak
 
 
 def main(argv):
+    rank = int(os.environ.get("RANK", 0))
     try:
         cfg, bench = parse_args(argv)
-        dev, ptdtype, layout, datasets, model_cfg, _ = train.setup(cfg, training=False)
-        if bench.reference and layout.world_size > 1:
+        setup = train.setup(cfg, training=False)
+        if bench.reference and setup.layout.world_size > 1:
             raise ValueError("reference=True times a single-process GPT beside picotron: run it without torchrun")
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+        sys.exit(f"error: {e}" if rank == 0 else 1)
     try:
-        return run(cfg, bench, dev, ptdtype, layout, datasets, model_cfg)
+        return run(cfg, bench, setup)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+
+# A straightforward GPT-2 (nanoGPT-style), the yardstick bench.py --reference=True times picotron against.
+#
+# Written the plain way on purpose: learned positions, LayerNorm, one fused qkv projection, PyTorch SDPA,
+# a 4x GELU MLP, tied embeddings, the vocabulary padded to a multiple of 64, the full (B, T, V) logits
+# into F.cross_entropy, and fused AdamW. Nothing here is tuned for this machine: it is what someone would
+# write first, and picotron's training step should be no slower than it at the same size.
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=False)
+        self.proj = nn.Linear(n_embd, n_embd, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = SelfAttention(n_embd, n_head)
+        self.fc = nn.Linear(n_embd, 4 * n_embd, bias=False)
+        self.fc_proj = nn.Linear(4 * n_embd, n_embd, bias=False)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd):
+        super().__init__()
+        self.vocab_size = vocab_size
+        padded = (vocab_size + 63) // 64 * 64  # nanoGPT's 50257 -> 50304: fast matmul sizes
+        self.wte = nn.Embedding(padded, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, padded, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.n_layer, self.n_head, self.n_embd, self.block_size = n_layer, n_head, n_embd, block_size
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "fc_proj.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, idx, targets=None):
+        T = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))[..., :self.vocab_size]
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        return logits, loss
+
+    def flops_per_token(self):
+        """6 FLOPs per matmul parameter (forward 2, backward 4) plus the attention scores and their use:
+        6 * n_layer * T * 2 * n_embd (Kaplan et al. 2020; nanoGPT's estimate_mfu)."""
+        matmul_params = sum(p.numel() for p in self.blocks.parameters() if p.dim() >= 2)
+        matmul_params += self.n_embd * self.vocab_size  # the head, not its padding
+        return 6 * matmul_params + 12 * self.n_layer * self.n_embd * self.block_size
+
+
+def reference_optimizer(model, lr=1e-3, weight_decay=0.1):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True)
 
 
 if __name__ == "__main__":

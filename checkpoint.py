@@ -22,11 +22,16 @@ import os
 import re
 import shutil
 import time
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 from parallel import full_shape_of, shard_of
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read back as the model needs it; the message says which and why."""
 
 
 def make_piece(tensor, param, flat_range=None):
@@ -68,15 +73,29 @@ def _assemble(pieces, name):
     return full
 
 
+def read_meta(path):
+    """A checkpoint's meta.json: its step, settings, model config, layout and files."""
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: its meta.json cannot be read ({type(e).__name__}: {e})")
+
+
 class CheckpointReader:
     """Reads a checkpoint folder lazily (memory-mapped) and hands each rank the slices it needs."""
 
     def __init__(self, path):
         self.path = path
-        with open(os.path.join(path, "meta.json")) as f:
-            self.meta = json.load(f)
-        self.files = [torch.load(os.path.join(path, name), map_location="cpu", mmap=True, weights_only=True)
-                      for name in self.meta["files"]]
+        self.meta = read_meta(path)
+        self.files = []
+        for name in self.meta["files"]:
+            try:
+                self.files.append(torch.load(os.path.join(path, name), map_location="cpu", mmap=True,
+                                             weights_only=True))
+            except Exception as e:  # torch.load raises many kinds for a damaged file: all mean "unreadable"
+                raise CheckpointError(f"checkpoint {path}: {name} cannot be read ({type(e).__name__}: "
+                                      f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})")
 
     def _pieces(self, section, name, key=None):
         found = []
@@ -86,17 +105,20 @@ class CheckpointReader:
                 found.append(entry if key is None else entry[key])
         return found
 
+    def has(self, section, name):
+        return bool(self._pieces(section, name))
+
     def _fetch(self, section, name, param, key=None):
         pieces = self._pieces(section, name, key)
         if not pieces:
-            raise KeyError(f"checkpoint {self.path} has no '{name}'" + (f" ({key})" if key else "") +
-                           ": it was saved from a different model (compare the config in its meta.json)")
+            raise CheckpointError(f"checkpoint {self.path} has no '{name}'" + (f" ({key})" if key else "") +
+                                  ": it was saved from a different model (compare the config in its meta.json)")
         full = _assemble(pieces, name)
         want = full_shape_of(param)
         if list(full.shape) != want:
             vocab = getattr(param, "vocab_size", None)
             if vocab is None or list(full.shape[1:]) != want[1:]:
-                raise ValueError(f"checkpoint tensor '{name}' has shape {list(full.shape)} but the model "
+                raise CheckpointError(f"checkpoint tensor '{name}' has shape {list(full.shape)} but the model "
                                  f"needs {want}: the model config differs from the checkpoint's")
             # the vocabulary is padded to a multiple of tp, so the padding differs between layouts:
             # keep the real tokens' rows, the padding rows are zero
@@ -118,57 +140,101 @@ class CheckpointReader:
         return self.files[rank].get("extra")
 
 
-def load_model(model, path):
-    """Fill a model (any layout) with the weights of the checkpoint at `path`."""
-    reader = CheckpointReader(path)
+# the settings a checkpoint's model may differ in from the model it is loaded into: the context length and
+# the RoPE base (a deliberate context extension); none changes a weight's shape or meaning
+MAY_DIFFER = ("block_size", "rope_theta")
+
+
+def check_model_config(saved, model_cfg, path):
+    """Refuse to load weights into another architecture, naming every setting that differs."""
+    differ = [f"{k} = {v!r} (the checkpoint has {saved[k]!r})" for k, v in asdict(model_cfg).items()
+              if k in saved and k not in MAY_DIFFER and saved[k] != v]
+    if differ:
+        raise CheckpointError(f"checkpoint {path} holds another model than the one configured: " + "; ".join(differ))
+
+
+def open_for_resume(path, model_cfg, say=print):
+    """The reader of the checkpoint to resume: `path`, or when some rank cannot read it, the newest older
+    complete checkpoint every rank can. All ranks decide together (one all-reduce per candidate): a rank
+    that resumed another step than the others would train another model. `say` prints the fallback."""
+    out_dir = os.path.dirname(path)
+    candidates = [p for p in complete_checkpoints(out_dir) if p <= path][::-1]  # newest first
+    for i, candidate in enumerate(candidates):
+        try:
+            reader, error = CheckpointReader(candidate), ""
+        except CheckpointError as e:
+            reader, error = None, str(e)
+        failed = torch.tensor([0 if reader else 1])
+        if dist.is_initialized():
+            dist.all_reduce(failed)
+        if not failed.item():
+            check_model_config(reader.meta["model"], model_cfg, candidate)
+            return reader
+        later = candidates[i + 1] if i + 1 < len(candidates) else None
+        say(f"checkpoint {candidate} cannot be read on {int(failed.item())} rank(s)" + (f" ({error})" if error else "")
+            + (f"; falling back to {later}" if later else ""))
+    raise CheckpointError(f"no checkpoint in '{out_dir}' can be read by every rank: start a new run with "
+                          f"--init_from=scratch, or repair the files named above")
+
+
+def load_model(model, reader):
+    """Fill a model (any layout) with the weights a CheckpointReader holds; a tied copy (the head on a last
+    stage, see Transformer.tied_copies) loads from the weight it copies."""
+    copies = model.tied_copies()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(reader.model_tensor(checkpoint_name(name, p), p))
+            p.copy_(reader.model_tensor(copies.get(name, name), p))
     return reader
-
-
-def checkpoint_name(name, param):
-    """A tied output head on the last pipeline stage is a copy of the embedding: save and load it as one."""
-    return getattr(param, "init_name", name)
 
 
 def _saved_here(param, layout, dp_sharded=False):
     """Each full tensor is saved once: data-parallel replicas leave it to dp rank 0 (unless dp_sharded:
     each dp rank then holds a different part, ZeRO-1's optimizer state), tensor-parallel replicas (norms)
-    to tp rank 0, and a tied head's copy on the last stage to the embedding's stage."""
-    if (layout.dp_rank != 0 and not dp_sharded) or hasattr(param, "init_name"):
+    to tp rank 0. (A tied copy is never saved: the original is.)"""
+    if layout.dp_rank != 0 and not dp_sharded:
         return False
     return layout.tp_rank == 0 or getattr(param, "tp_shard_dim", None) is not None
 
 
 def model_pieces(model, layout):
-    return {name: make_piece(p, p) for name, p in model.named_parameters() if _saved_here(p, layout)}
+    copies = model.tied_copies()
+    return {name: make_piece(p, p) for name, p in model.named_parameters()
+            if name not in copies and _saved_here(p, layout)}
 
 
 def optimizer_pieces(optimizer, model, layout):
     """The AdamW moments, saved like the parameters they belong to. parallel.ZeroOneAdamW's state says
     which flat range of each parameter's (tensor-parallel slice's) elements this rank owns: then every
     data-parallel rank saves its own range, and the ranks' pieces together cover every element once."""
-    pieces = {}
+    pieces, copies = {}, model.tied_copies()
     for name, p in model.named_parameters():
         state = optimizer.state.get(p)
         flat_range = state.get("flat_range") if state else None
-        if state and _saved_here(p, layout, dp_sharded=flat_range is not None):
+        if state and name not in copies and _saved_here(p, layout, dp_sharded=flat_range is not None):
             pieces[name] = {k: make_piece(state[k], p, flat_range) for k in ("exp_avg", "exp_avg_sq")}
     return pieces
+
+
+def _moment(reader, name, p, key):
+    """A saved AdamW moment of parameter `name`, as this rank's slice. A checkpoint written before every
+    parameter got a gradient each step may lack the moments of one that never had one (an expert no token
+    reached): AdamW's moments start at zero, so zero is exactly what it had."""
+    if not reader.has("optimizer", name) and reader.has("model", name):
+        return torch.zeros_like(p)
+    return reader.optimizer_tensor(name, p, key)
 
 
 def load_zero(optimizer, model, reader):
     """Fill a ZeroOneAdamW's moments (any dp, any layout) from a checkpoint saved with or without ZeRO:
     each rank assembles the full moments of its parameters and keeps the flat range it owns now."""
-    step = torch.tensor(float(reader.meta["adam_step"]))
+    step, copies = torch.tensor(float(reader.meta["adam_step"])), model.tied_copies()
     for name, p in model.named_parameters():
         state = optimizer.state.get(p)
         if not state:
             continue
         start, end = state["flat_range"]
         for k in ("exp_avg", "exp_avg_sq"):
-            state[k].copy_(reader.optimizer_tensor(checkpoint_name(name, p), p, k).reshape(-1)[start:end])
+            state[k].copy_(_moment(reader, copies.get(name, name), p, k).reshape(-1)[start:end])
         state["step"] = step.clone()
 
 
@@ -180,12 +246,12 @@ def adamw_step_count(optimizer):
 
 def load_adamw(optimizer, model, reader):
     # fused AdamW keeps its step counter on the parameters' device, the loop implementation on the CPU
-    fused = optimizer.defaults.get("fused")
+    fused, copies = optimizer.defaults.get("fused"), model.tied_copies()
     for name, p in model.named_parameters():
-        name = checkpoint_name(name, p)
+        name = copies.get(name, name)
         step = torch.tensor(float(reader.meta["adam_step"]), device=p.device if fused else "cpu")
         # contiguous: a tensor-parallel slice is a strided view, which fused AdamW would not update in place
-        optimizer.state[p] = {"step": step, **{k: reader.optimizer_tensor(name, p, k).to(p.device).contiguous()
+        optimizer.state[p] = {"step": step, **{k: _moment(reader, name, p, k).to(p.device).contiguous()
                                                for k in ("exp_avg", "exp_avg_sq")}}
 
 
@@ -193,39 +259,80 @@ def load_adamw(optimizer, model, reader):
 # Writing
 
 
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
+def _gather(obj):
+    """obj of every rank, in rank order (every rank must call it: it is also a barrier)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj):
+    """Rank 0's obj, on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _error(e):
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, extra=None, keep_last_n=0):
     """Write this rank's pieces; the checkpoint appears (atomically) once every rank has written.
-    model_pieces: {name: piece}; optimizer_pieces: {name: {state_key: piece}}."""
+    model_pieces: {name: piece}; optimizer_pieces: {name: {state_key: piece}}.
+
+    Every rank learns whether every other rank's write worked (the gather of the file sizes carries the
+    errors too): when one fails (a full disk, a quota, a permission), every rank raises the same
+    CheckpointError, naming the rank, the path and the cause, after rank 0 removed the partial folder; no
+    rank is left waiting in a collective for one that stopped, and the earlier checkpoints are untouched."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp = final + ".tmp"
+    error = None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
-        os.makedirs(tmp)
-    _barrier()
-    name = f"rank{rank:05d}.pt"
-    torch.save({"model": model_pieces, "optimizer": optimizer_pieces, "extra": extra or {}}, os.path.join(tmp, name))
-    sizes = [None] * world_size
-    if dist.is_initialized():
-        dist.all_gather_object(sizes, (name, os.path.getsize(os.path.join(tmp, name))))
-    else:
-        sizes = [(name, os.path.getsize(os.path.join(tmp, name)))]
-    if rank == 0:
-        meta = dict(meta, step=step, world_size=world_size, files=[n for n, _ in sizes],
-                    file_sizes=[s for _, s in sizes], saved_at=time.time())
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        if keep_last_n > 0:
-            for old in complete_checkpoints(out_dir)[:-keep_last_n]:
-                shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
+            os.makedirs(tmp)
+        except OSError as e:
+            error = _error(e)
+    failed = [(0, error)] if _broadcast(error) else []
+    name, size = f"rank{rank:05d}.pt", None
+    if not failed:
+        try:
+            torch.save({"model": model_pieces, "optimizer": optimizer_pieces, "extra": extra or {}},
+                       os.path.join(tmp, name))
+            size = os.path.getsize(os.path.join(tmp, name))
+        except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+            error = _error(e)
+        written = _gather((name, size, error))
+        failed = [(r, e) for r, (_, _, e) in enumerate(written) if e]
+        if rank == 0 and not failed:
+            try:
+                meta = dict(meta, step=step, world_size=world_size, files=[n for n, _, _ in written],
+                            file_sizes=[s for _, s, _ in written], saved_at=time.time())
+                with open(os.path.join(tmp, "meta.json"), "w") as f:
+                    json.dump(meta, f, indent=1)
+                if os.path.exists(final):
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+                if keep_last_n > 0:
+                    for old in complete_checkpoints(out_dir)[:-keep_last_n]:
+                        shutil.rmtree(old, ignore_errors=True)
+            except OSError as e:
+                failed = [(0, _error(e))]
+        failed = _broadcast(failed)
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        r, cause = failed[0]
+        latest = latest_checkpoint(out_dir)
+        raise CheckpointError(f"saving checkpoint {final} failed on rank {r}: {cause}. The partial {tmp} was removed; "
+                              f"the last complete checkpoint is {latest or 'none'}. Free space or fix the permissions "
+                              f"of out_dir '{out_dir}', then resume with --init_from=resume")
     return final
 
 

@@ -1,19 +1,38 @@
 """
 nanoGPT-style configuration: a config is a python file of plain assignments, and any setting can be
-overridden on the command line with --key=value. Every setting must already exist among the defaults
-(at the top of train.py), so a typo stops the run instead of being silently ignored:
+overridden on the command line with --key=value:
 
     python train.py config/tiny_fineweb.py --batch_size=16 --compile=False
 
-Values given on the command line are python literals (16, 3e-4, True, 'abc') or, failing that, plain
-strings. Each value must have the type of its default; an int is accepted where a float is expected.
+A tool declares its settings as a list of `Setting`s (train.py's are in settings.py), each with its default
+and a one-line meaning; `configure` applies config files and overrides in command-line order. A key that
+is not declared stops the run with the close matches named (a typo never goes unnoticed), and a value must
+have the type of its default (an int is accepted where a float is expected; a setting whose default is None
+declares its type). Values on the command line are python literals (16, 3e-4, True, 'abc') or, failing
+that, plain strings. `--help` prints every setting with its default and meaning.
 """
 import ast
 import difflib
+import sys
+from typing import NamedTuple
 
 
 class ConfigError(ValueError):
     pass
+
+
+class Setting(NamedTuple):
+    name: str
+    default: object
+    meaning: str  # one line: what it is, its units, what 0 or None means
+    type: type = None  # needed only when the default is None; otherwise the default's type
+    resume: str = "inherit"  # what init_from='resume' does with it: see settings.py
+    section: str = ""  # the banner it is listed under
+
+
+def section(title, *settings):
+    """The settings of one banner (`# I/O`, `# model`, ...) of a tool's list."""
+    return [s._replace(section=title) for s in settings]
 
 
 def _close_matches(key, known):
@@ -21,46 +40,86 @@ def _close_matches(key, known):
     return f" Did you mean: {', '.join(matches)}?" if matches else ""
 
 
-def _check(key, value, defaults, source):
-    if key not in defaults:
-        raise ConfigError(f"unknown config key '{key}' (from {source}).{_close_matches(key, defaults)}"
-                          f" Every key must be one of the defaults at the top of train.py.")
-    default = defaults[key]
-    if default is None or value is None:
-        return value  # a None default means "decided at run time" (e.g. vocab_size from meta.json)
-    if isinstance(default, bool) != isinstance(value, bool):  # bool is an int subclass: check it first
+def _check(key, value, declared, source):
+    if key not in declared:
+        raise ConfigError(f"unknown config key '{key}' (from {source}).{_close_matches(key, declared)}"
+                          f" Run with --help to list every setting.")
+    setting = declared[key]
+    expected = setting.type if setting.default is None else type(setting.default)
+    if value is None and setting.default is None:
+        return value  # None means "decided at run time" (vocab_size from meta.json)
+    if (expected is bool) != isinstance(value, bool):  # bool is an int subclass: check it first
         raise ConfigError(f"config key '{key}' must be a bool (True/False), got {value!r} (from {source})")
-    if isinstance(default, float) and isinstance(value, int):
+    if expected is float and isinstance(value, int):
         return float(value)
-    if not isinstance(value, type(default)):
-        raise ConfigError(f"config key '{key}' must be of type {type(default).__name__} like its default "
-                          f"{default!r}, got {value!r} of type {type(value).__name__} (from {source})")
+    if not isinstance(value, expected):
+        allowed = f"{expected.__name__} or None" if setting.default is None else f"{expected.__name__} like its default {setting.default!r}"
+        raise ConfigError(f"config key '{key}' must be of type {allowed}, got {value!r} of type "
+                          f"{type(value).__name__} (from {source})")
     return value
 
 
-def configure(defaults, argv):
-    """Apply config files and --key=value overrides (in command-line order) to a dict of defaults."""
-    config = dict(defaults)
+def _run_config_file(path):
+    """The names a config file assigns. A syntax error or a failing line is named by file and line."""
+    try:
+        with open(path) as f:
+            source = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' not found (settings are given as --key=value)")
+    except (IsADirectoryError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file '{path}' cannot be read as python source: {e}")
+    namespace = {}
+    try:
+        exec(compile(source, path, "exec"), namespace)  # compiled under its path: errors name the file
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path}, line {e.lineno}: {e.msg}: {(e.text or '').strip()}")
+    except Exception as e:
+        tb, line = e.__traceback__, "?"
+        while tb is not None:  # the innermost frame of the config file itself
+            if tb.tb_frame.f_code.co_filename == path:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        raise ConfigError(f"config file {path}, line {line}: {type(e).__name__}: {e}")
+    return {k: v for k, v in namespace.items()
+            if not k.startswith("_") and not callable(v) and type(v).__name__ != "module"}
+
+
+def format_help(settings, usage=""):
+    """Every setting under its banner, `--name=default  meaning`, after the tool's usage text."""
+    lines = [usage.strip(), ""] if usage else []
+    current = None
+    for s in settings:
+        if s.section != current:
+            current = s.section
+            lines.append(f"# {current}")
+        lines.append(f"  --{s.name}={s.default!r}".ljust(34) + f"  {s.meaning}")
+    return "\n".join(lines)
+
+
+def configure(settings, argv, usage=""):
+    """Apply config files and --key=value overrides (in command-line order) to the declared settings.
+    Returns (values, given): every setting's value, and the names that a config file or the command line
+    set (resuming a run takes the others from its checkpoint). --help prints the settings and exits."""
+    if "--help" in argv or "-h" in argv:
+        print(format_help(settings, usage))
+        sys.exit(0)
+    declared = {s.name: s for s in settings}
+    values, given = {s.name: s.default for s in settings}, set()
     for arg in argv:
         if not arg.startswith("--"):
-            # a config file: run it and keep the names it assigns
-            namespace = {}
-            try:
-                with open(arg) as f:
-                    exec(f.read(), namespace)
-            except FileNotFoundError:
-                raise ConfigError(f"config file '{arg}' not found (settings are given as --key=value)")
-            for key, value in namespace.items():
-                if key.startswith("_") or key == "__builtins__" or callable(value) or type(value).__name__ == "module":
-                    continue
-                config[key] = _check(key, value, defaults, arg)
-        else:
-            key, sep, text = arg[2:].partition("=")
-            if not sep:
-                raise ConfigError(f"'{arg}' needs a value: write it as --{key}=VALUE")
-            try:
-                value = ast.literal_eval(text)
-            except (SyntaxError, ValueError):
-                value = text  # a bare word is a string: --init_from=resume
-            config[key] = _check(key, value, defaults, arg)
-    return config
+            for key, value in _run_config_file(arg).items():
+                values[key] = _check(key, value, declared, arg)
+                given.add(key)
+            continue
+        key, sep, text = arg[2:].partition("=")
+        if not sep:
+            raise ConfigError(f"'{arg}' needs a value: write it as --{key}=VALUE (--help lists the settings)")
+        try:
+            value = ast.literal_eval(text)
+        except (SyntaxError, ValueError):
+            value = text  # a bare word is a string: --init_from=resume
+        if key in declared and isinstance(declared[key].default, str) and not isinstance(value, str):
+            value = text  # a string setting takes the text as written: --out_dir=2024
+        values[key] = _check(key, value, declared, arg)
+        given.add(key)
+    return values, given

@@ -35,15 +35,15 @@ from dataclasses import fields
 import torch
 
 import checkpoint
-from configurator import ConfigError, configure
-from model import ModelConfig, Transformer
+from configurator import ConfigError, Setting, configure, section
+from model import ModelConfig, Transformer, model_config_from
 
-# -----------------------------------------------------------------------------
-out_dir = "out"  # the training run: its newest complete checkpoint is exported (or a ckpt_* folder itself)
-hf_dir = "hf"  # where the transformers model directory is written
-check = True  # reload the export in transformers and compare its logits with picotron's
-# -----------------------------------------------------------------------------
-DEFAULTS = dict(out_dir=out_dir, hf_dir=hf_dir, check=check)
+EXPORT = section(
+    "export",
+    Setting("out_dir", "out", "the training run: its newest complete checkpoint is exported (or a ckpt_* folder itself)"),
+    Setting("hf_dir", "hf", "where the transformers model directory is written"),
+    Setting("check", True, "reload the export in transformers and compare its logits with picotron's"),
+)
 
 GPT2_FILES = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"  # tiktoken's gpt2 source
 GPT2_VOCAB_SIZE, GPT2_EOT = 50257, 50256
@@ -66,15 +66,15 @@ def load_picotron(out_dir):
                                 f"its meta.json): train first, or point --out_dir at the run's folder")
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
-    known = {f.name for f in fields(ModelConfig)}
-    unknown = sorted(set(meta["model"]) - known)
+    known = {f.name for f in fields(ModelConfig)} | {"attn_impl", "activation_checkpointing", "chunked_loss"}
+    unknown = sorted(set(meta["model"]) - known)  # (the last three: execution choices older checkpoints saved)
     if unknown:
         raise ValueError(f"checkpoint {path} has model options {unknown} that this picotron's ModelConfig lacks: it "
                          f"was saved by a newer picotron; export it with that version")
     # 'eager' is picotron's written-out reference attention (the checkpoint may name flash, a CUDA-only kernel)
-    cfg = ModelConfig(**dict(meta["model"], attn_impl="eager"))
-    model = Transformer(cfg)
-    checkpoint.load_model(model, path)
+    cfg = model_config_from(meta["model"])
+    model = Transformer(cfg, attn_impl="eager")
+    checkpoint.load_model(model, checkpoint.CheckpointReader(path))
     return model.eval(), meta, path
 
 
@@ -82,33 +82,28 @@ def load_picotron(out_dir):
 # choosing the transformers architecture
 
 
-def option(cfg, name, default):
-    """A ModelConfig option that may not exist in every picotron version (older checkpoints, new variants)."""
-    return getattr(cfg, name, default)
-
-
 def hf_architecture(cfg):
     """The transformers architecture that computes what this picotron model computes, or a ValueError naming
     each option that no architecture can hold."""
-    qk_norm = bool(option(cfg, "qk_norm", False))
-    softcap = bool(option(cfg, "attn_softcap", None) or option(cfg, "final_softcap", None))
-    mla = option(cfg, "attention", "mha") == "mla"
+    qk_norm = bool(cfg.qk_norm)
+    softcap = bool(cfg.attn_softcap or cfg.final_softcap)
+    mla = cfg.attention == "mla"
     blockers = []
-    if (option(cfg, "n_expert", 0) or 0) > 0:
+    if cfg.n_expert > 0:
         blockers.append(f"n_expert={cfg.n_expert}: no transformers architecture drops tokens over an expert's "
                         f"capacity as picotron's router does, so a mixture of experts is not exported")
-    norm, mlp = option(cfg, "norm", "rmsnorm"), option(cfg, "mlp", "swiglu")
+    norm, mlp = cfg.norm, cfg.mlp
     neox = norm == "layernorm" and mlp == "gelu"
     if neox:  # GPT-NeoX: LayerNorm, GELU MLP, RoPE, sequential or parallel blocks, and nothing else
         if cfg.n_kv_head != cfg.n_head:
             blockers.append(f"norm='layernorm', mlp='gelu' with n_kv_head={cfg.n_kv_head} < n_head={cfg.n_head}: "
                             f"GPT-NeoX has no grouped-query attention")
         blockers += [f"norm='layernorm', mlp='gelu' with {name}: GPT-NeoX has no such option" for name in
-                     ("qk_norm", "attn_softcap", "final_softcap") if option(cfg, name, False)]
+                     ("qk_norm", "attn_softcap", "final_softcap") if getattr(cfg, name)]
         if mla:
             blockers.append("norm='layernorm', mlp='gelu' with attention='mla': no architecture has both")
     else:
-        if option(cfg, "parallel_block", False):
+        if cfg.parallel_block:
             blockers.append("parallel_block=True with RMSNorm or SwiGLU: the only parallel-block architecture "
                             "(GPT-NeoX) uses LayerNorm and GELU (norm='layernorm', mlp='gelu')")
         if norm != "rmsnorm":
@@ -119,12 +114,12 @@ def hf_architecture(cfg):
         if qk_norm and softcap:
             blockers.append("qk_norm=True with soft-capping: the architectures with both (Gemma3) also normalise "
                             "each sublayer's output, which picotron does not")
-        elif option(cfg, "bias", False) and (qk_norm or softcap):
+        elif cfg.bias and (qk_norm or softcap):
             blockers.append(f"bias=True with {'qk_norm' if qk_norm else 'soft-capping'}: "
                             f"{'Qwen3' if qk_norm else 'VaultGemma'} has no MLP biases")
     if mla:  # DeepSeek-V3's attention has no QK-norm, no soft-capping, and biases on only some projections
         blockers += [f"attention='mla' with {name}: DeepSeek-V3's MLA has no such option"
-                     for name in ("qk_norm", "attn_softcap", "final_softcap", "bias") if option(cfg, name, False)]
+                     for name in ("qk_norm", "attn_softcap", "final_softcap", "bias") if getattr(cfg, name)]
     if blockers:
         raise ValueError("this model cannot be exported to a transformers architecture: " + "; ".join(blockers))
     if neox:
@@ -223,7 +218,7 @@ def neox_layout(tensors, cfg):
             if parts[0] is not None:  # (H * hd, ...) each -> (H, 3, hd, ...) -> (3 * H * hd, ...)
                 fused = torch.stack([t.view(H, hd, *t.shape[1:]) for t in parts], dim=1)
                 tensors[f"{prefix}attention.query_key_value.{kind}"] = fused.reshape(3 * H * hd, *parts[0].shape[1:])
-            if option(cfg, "parallel_block", False) and f"{prefix}input_layernorm.{kind}" in tensors:
+            if cfg.parallel_block and f"{prefix}input_layernorm.{kind}" in tensors:
                 tensors[f"{prefix}post_attention_layernorm.{kind}"] = tensors[f"{prefix}input_layernorm.{kind}"].clone()
     renamed = {}
     for name, t in tensors.items():
@@ -245,7 +240,7 @@ def hf_config(model, arch, tensors, tokenizer_fits):
             num_attention_heads=cfg.n_head, intermediate_size=tensors["gpt_neox.layers.0.mlp.dense_h_to_4h.weight"].shape[0],
             hidden_act="gelu_pytorch_tanh",  # picotron's GELU is the tanh approximation, as GPT-2's
             max_position_embeddings=cfg.block_size, layer_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-            use_parallel_residual=bool(option(cfg, "parallel_block", False)),
+            use_parallel_residual=bool(cfg.parallel_block),
             attention_bias="gpt_neox.layers.0.attention.query_key_value.bias" in tensors,
             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0},
             dtype="float32", **tokens)
@@ -267,8 +262,8 @@ def hf_config(model, arch, tensors, tokenizer_fits):
                       layer_types=["full_attention"] * cfg.n_layer)
     elif arch == "VaultGemmaForCausalLM":
         kwargs.update(hidden_activation="silu", query_pre_attn_scalar=head_dim,  # scores scaled by 1/sqrt(head_dim)
-                      attn_logit_softcapping=option(cfg, "attn_softcap", None) or None,
-                      final_logit_softcapping=option(cfg, "final_softcap", None) or None,
+                      attn_logit_softcapping=cfg.attn_softcap or None,
+                      final_logit_softcapping=cfg.final_softcap or None,
                       # every layer attends to the whole context; transformers builds a sliding-window mask
                       # all the same and needs a window for it, which no layer uses
                       sliding_window=cfg.block_size, layer_types=["full_attention"] * cfg.n_layer)
@@ -385,7 +380,7 @@ def max_logit_difference(model, arch, hf_dir, batch=2, seq_len=64, seed=0):
 
 def main(argv):
     try:
-        cfg = configure(DEFAULTS, argv)
+        cfg, _ = configure(EXPORT, argv, usage=__doc__)
         model, arch = export(cfg["out_dir"], cfg["hf_dir"])
         if cfg["check"]:
             diff, scale = max_logit_difference(model, arch, cfg["hf_dir"])
@@ -393,7 +388,7 @@ def main(argv):
             if not diff <= 1e-4 * max(1.0, scale):  # fp32 agrees to ~1e-6; a wrong mapping differs by O(1)
                 raise ValueError(f"the exported {arch} does not reproduce picotron's logits (max difference "
                                  f"{diff:.2e}): the export is wrong for this model; please report it")
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, checkpoint.CheckpointError) as e:
         sys.exit(f"error: {e}")
 
 

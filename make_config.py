@@ -4,41 +4,32 @@ Write a starter config for a model size and a parallel layout, checked before an
     python make_config.py --n_layer=12 --n_embd=768 --n_head=12 --tp=2 --pp=2 --nproc=8 --out=config/my.py
     torchrun --nproc_per_node=8 train.py config/my.py
 
-Every train.py setting can be given (--key=value, or a config file to start from), plus `nproc`, the number
+Every training setting can be given (--key=value, or a config file to start from), plus `nproc`, the number
 of processes the run will have, and `out`, the file to write. The layout is checked with train.py's own
 rules (dp x tp x pp must be nproc, and model.check_layout: heads, key/value heads, MLP width and blocks
 must split), so a layout that does not divide the model is refused here rather than after the job waited
-in a queue. The file states the parameter count and the global batch in tokens, then lists every setting
-of train.py with its comment there.
+in a queue. The file states the parameter count and the global batch in tokens, then the settings that
+were asked for (and the few this script chose, each saying why), with their meanings from settings.py;
+every other setting keeps its default.
 """
-import io
 import json
 import os
 import sys
-import tokenize
 from dataclasses import fields
 
 import torch
 
-import train
-from configurator import ConfigError, configure
+import settings
+from configurator import ConfigError, Setting, configure, section
 from model import ModelConfig, Transformer, check_layout
+from parallel import resolve_dp
 
 GPT2_VOCAB_SIZE = 50257
-DEFAULTS = dict(train.DEFAULTS, nproc=1, out="config/my.py")
-
-
-def resolve_dp(nproc, dp, tp, pp):
-    """train.py's rule: dp x tp x pp processes, dp = 0 meaning whatever nproc leaves over."""
-    if nproc % (tp * pp):
-        raise ValueError(f"nproc = {nproc} processes cannot be cut into tp = {tp} x pp = {pp} = {tp * pp}: use an "
-                         f"nproc that is a multiple of {tp * pp}, or change tp or pp")
-    if dp == 0:
-        return nproc // (tp * pp)
-    if dp * tp * pp != nproc:
-        raise ValueError(f"dp = {dp} x tp = {tp} x pp = {pp} = {dp * tp * pp} processes, but nproc = {nproc}: "
-                         f"leave dp=0 to have it computed, or make the product equal nproc")
-    return dp
+OWN = section(
+    "make_config.py's own",
+    Setting("nproc", 1, "processes the run will have (torchrun --nproc_per_node x nodes)"),
+    Setting("out", "config/my.py", "the config file to write"),
+)
 
 
 def vocab_size_of(cfg):
@@ -65,36 +56,49 @@ def count_parameters(model_cfg):
     return total, embeddings
 
 
+def choices(cfg, given, dp):
+    """The settings this script fills in beyond what was asked, {name: (value, why)}: the ones whose
+    default would mean something nobody asked for at this size or layout."""
+    chosen = {"dp": (dp, f"nproc / (tp * pp) = {cfg['nproc']} / ({cfg['tp']} * {cfg['pp']})")}
+    if "n_kv_head" not in given and cfg["n_kv_head"] != cfg["n_head"]:
+        # the default n_kv_head fits the default n_head only: at another n_head it would be grouped-query
+        # attention nobody requested
+        chosen["n_kv_head"] = (cfg["n_head"], "= n_head: multi-head attention (set n_kv_head for GQA)")
+    if cfg["pp"] > 1 and "gradient_accumulation_steps" not in given:
+        m = 4 * cfg["pp"]
+        chosen["gradient_accumulation_steps"] = (m, f"4 x pp microbatches keep the pipeline bubble, (pp - 1) / "
+                                                    f"(m + pp - 1), at {(cfg['pp'] - 1) / (m + cfg['pp'] - 1):.0%}")
+    return chosen
+
+
 def literal(value):
     return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
-def settings_block(cfg):
-    """train.py's block of defaults, line by line, with this config's values and train.py's comments."""
-    with open(train.__file__) as f:
-        source = f.read()
-    start = source.index("# default config values")
-    lines = source[start:source.index("DEFAULTS =", start)].splitlines()[1:]
-    out = []
-    for line in lines:
-        if line.startswith("# ---"):
+def settings_block(cfg, given, chosen):
+    """The asked-for and chosen settings under their banners, each with its meaning."""
+    lines, current = [], None
+    for s in settings.TRAINING:
+        if s.name not in given and s.name not in chosen:
             continue
-        name = line.split("=", 1)[0].strip()
-        if "=" in line and name in cfg:
-            comment = next((t.string for t in tokenize.generate_tokens(io.StringIO(line).readline)
-                            if t.type == tokenize.COMMENT), None)
-            line = f"{name} = {literal(cfg[name])}" + (f"  {comment}" if comment else "")
-        out.append(line)
-    return "\n".join(out)
+        if s.section != current:
+            current = s.section
+            lines.append(f"\n# {current}")
+        why = f" ({chosen[s.name][1]})" if s.name in chosen else ""
+        lines.append(f"{s.name} = {literal(cfg[s.name])}  # {s.meaning}{why}")
+    lines.append("\n# every other setting keeps its default: python train.py --help lists them all")
+    return "\n".join(lines).lstrip("\n")
 
 
-def make_config(cfg, argv):
+def make_config(cfg, given, argv):
     """The config file's (header, settings); raises ValueError when the layout does not divide the model."""
     tp, pp = cfg["tp"], cfg["pp"]
-    dp = resolve_dp(cfg["nproc"], cfg["dp"], tp, pp)
+    dp = resolve_dp(cfg["nproc"], cfg["dp"], tp, pp, count_name="nproc")
+    chosen = choices(cfg, given, dp)
+    cfg = dict(cfg, **{k: v for k, (v, _) in chosen.items()})
     vocab, vocab_source = vocab_size_of(cfg)
-    model_cfg = ModelConfig(**{f.name: cfg[f.name] for f in fields(ModelConfig)
-                               if f.name in cfg and f.name not in ("vocab_size", "attn_impl")}, vocab_size=vocab)
+    model_cfg = ModelConfig(**{f.name: cfg[f.name] for f in fields(ModelConfig) if f.name != "vocab_size"},
+                            vocab_size=vocab)
     check_layout(model_cfg, tp, pp)
     n_params, n_embedding = count_parameters(model_cfg)
     sequences = cfg["batch_size"] * cfg["gradient_accumulation_steps"] * dp
@@ -116,21 +120,24 @@ def make_config(cfg, argv):
 (Chinchilla's compute-optimal ratio is about 20)
 # launch: {launch}
 """
-    return header, settings_block(dict(cfg, dp=dp)) + "\n"
+    return header, settings_block(cfg, given, chosen) + "\n", chosen
 
 
 def main(argv):
     try:
-        cfg = configure(DEFAULTS, argv)
-        header, settings = make_config(cfg, argv)
+        values, given = configure(settings.TRAINING + OWN, argv, usage=__doc__)
+        settings.check_values(values)
+        header, body, chosen = make_config(values, given, argv)
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")
-    if os.path.dirname(cfg["out"]):
-        os.makedirs(os.path.dirname(cfg["out"]), exist_ok=True)
-    with open(cfg["out"], "w") as f:
-        f.write(header + "\n" + settings)
+    if os.path.dirname(values["out"]):
+        os.makedirs(os.path.dirname(values["out"]), exist_ok=True)
+    with open(values["out"], "w") as f:
+        f.write(header + "\n" + body)
     print("\n".join(line[2:] for line in header.splitlines()[2:]))
-    print(f"wrote {cfg['out']}")
+    for name, (value, why) in chosen.items():
+        print(f"chose {name} = {value}: {why}")
+    print(f"wrote {values['out']}")
 
 
 if __name__ == "__main__":

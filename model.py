@@ -23,7 +23,7 @@ from the same full model.
 import functools
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -37,6 +37,8 @@ from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbe
 
 @dataclass
 class ModelConfig:
+    """The architecture, and nothing about how it runs (attention kernel, activation checkpointing, the
+    chunked loss: those are Transformer's arguments). Every field is a training setting of the same name."""
     vocab_size: int = 50257
     block_size: int = 256
     n_layer: int = 4
@@ -46,9 +48,6 @@ class ModelConfig:
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    attn_impl: str = "sdpa"  # resolved from 'auto' by choose_attn_impl before the model is built
-    activation_checkpointing: bool = False  # recompute each block's activations in backward instead of storing them
-    chunked_loss: bool = False  # tp=1: compute the loss without whole logits (forward then returns logits None)
     # the variants (train.py explains each setting; the classes below explain the idea)
     attention: str = "mha"  # 'mha' (n_kv_head makes it GQA/MQA) or 'mla'
     kv_lora_rank: int = 64  # mla
@@ -71,9 +70,49 @@ class ModelConfig:
     router_z_loss_coef: float = 0.0
 
 
+def model_config_from(saved):
+    """The ModelConfig of a checkpoint's saved model settings. Checkpoints written before the execution
+    choices left ModelConfig hold attn_impl, activation_checkpointing and chunked_loss too: they are not
+    the architecture, so they are dropped."""
+    known = {f.name for f in fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in saved.items() if k in known})
+
+
 # -----------------------------------------------------------------------------
-# Attention backend, chosen at run time. flash_attn is never imported at module level: picotron must
-# import on a T4, a laptop or a CPU box where it is absent or cannot load.
+# Where the model runs: device, precision and attention backend, chosen at run time. flash_attn is never
+# imported at module level: picotron must import on a T4, a laptop or a CPU box where it is absent or
+# cannot load.
+
+
+def choose_device_and_dtype(device_name, dtype_name):
+    """Returns (device, dtype, reason). fp32 on CPU (CPUs have no fast fp16 and bf16 is opt-in),
+    bf16 on CUDA compute capability 8.0+ (Ampere), fp16 with a loss scaler before it."""
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    available = "'auto', 'cpu'" + (", 'cuda', 'cuda:0' ..." if torch.cuda.is_available() else "")
+    try:
+        dev = torch.device(device_name)
+    except RuntimeError:
+        raise ValueError(f"device={device_name!r} is not a device name: use one of {available}")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device_name!r}: picotron runs on CPU and CUDA only; available here: {available}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device_name!r} but CUDA is not available here: use one of {available}")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device_name!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dtype_name == "auto":
+        if dev.type != "cuda":
+            return dev, torch.float32, "auto: CPU, so float32"
+        major, minor = torch.cuda.get_device_capability(dev)
+        if major >= 8:
+            return dev, torch.bfloat16, f"auto: compute capability {major}.{minor} >= 8.0 has bf16"
+        return dev, torch.float16, f"auto: compute capability {major}.{minor} < 8.0, so fp16 with a loss scaler"
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype_name not in dtypes:
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype_name!r}")
+    if dtype_name == "float16" and dev.type == "cpu":
+        raise ValueError("dtype='float16' on CPU has no fast kernels: use 'float32' or 'bfloat16'")
+    return dev, dtypes[dtype_name], "requested"
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,7 +152,7 @@ def choose_attn_impl(attn_impl, device_type, dtype, softcap=0.0):
         raise ValueError(f"attn_impl='sdpa' cannot soft-cap attention scores (attn_softcap = {softcap}): use "
                          f"attn_impl='auto' or 'eager' (or 'flash' on a GPU), or set attn_softcap=0")
     if attn_impl in ("sdpa", "eager"):
-        return attn_impl, "requested"
+        return attn_impl, "requested"  # (this function is the one place that keeps SDPA away from soft-capping)
     raise ValueError(f"attn_impl must be 'auto', 'sdpa', 'flash' or 'eager', got {attn_impl!r}")
 
 
@@ -135,7 +174,8 @@ def causal_attention_scores(q, k, softcap=0.0):
 
 def causal_attention(q, k, v, impl, softcap=0.0):
     """q: (B, T, H, D), k: (B, T, H_kv, D), v: (B, T, H_kv, D_v) with H a multiple of H_kv (D_v differs from D
-    in MLA). softcap > 0 soft-caps every score (after the 1/sqrt(D) scale) before the softmax. Returns
+    in MLA). softcap > 0 soft-caps every score (after the 1/sqrt(D) scale) before the softmax, which only
+    'flash' and 'eager' can (impl comes from choose_attn_impl, which never pairs 'sdpa' with a cap). Returns
     (B, T, H, D_v)."""
     if impl == "flash":
         from flash_attn import flash_attn_func  # lazily: see choose_attn_impl
@@ -154,8 +194,6 @@ def causal_attention(q, k, v, impl, softcap=0.0):
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     if impl == "sdpa":
-        if softcap:
-            raise ValueError("SDPA cannot soft-cap attention scores: use attn_impl='eager' or 'flash'")
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:  # eager: written out, the reference the fused kernels must agree with, and the one that can cap
         y = causal_attention_scores(q, k, softcap).softmax(dim=-1) @ v
@@ -231,10 +269,10 @@ class CausalSelfAttention(nn.Module):
     size of q and k, a known cause of loss spikes. Its gains (one per head dimension, shared by all heads)
     are replicated across tensor-parallel ranks, see RMSNorm."""
 
-    def __init__(self, cfg, tp_group=None):
+    def __init__(self, cfg, tp_group=None, attn_impl="sdpa"):
         super().__init__()
         tp = group_size(tp_group)
-        self.tp_group, self.attn_impl, self.softcap = tp_group, cfg.attn_impl, cfg.attn_softcap
+        self.tp_group, self.attn_impl, self.softcap = tp_group, attn_impl, cfg.attn_softcap
         self.head_dim = cfg.n_embd // cfg.n_head
         self.n_head_local = cfg.n_head // tp
         kv_dim = cfg.n_kv_head * self.head_dim
@@ -308,10 +346,10 @@ class MultiHeadLatentAttention(nn.Module):
     With qk_norm the per-head queries [q_nope ; q_rope] and keys [k_nope ; k_rope] are RMS-normalised
     before RoPE, as in CausalSelfAttention. n_kv_head does not apply: every head has its own k_nope and v."""
 
-    def __init__(self, cfg, tp_group=None):
+    def __init__(self, cfg, tp_group=None, attn_impl="sdpa"):
         super().__init__()
         tp = group_size(tp_group)
-        self.tp_group, self.attn_impl, self.softcap = tp_group, cfg.attn_impl, cfg.attn_softcap
+        self.tp_group, self.attn_impl, self.softcap = tp_group, attn_impl, cfg.attn_softcap
         self.n_head_local = cfg.n_head // tp
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
@@ -519,14 +557,14 @@ class Block(nn.Module):
     fused and, under tensor parallelism, their two output all-reduces merged into one (PaLM reports ~15%
     faster training at scale). Here they stay two separate layers, each with its own all-reduce."""
 
-    def __init__(self, cfg, tp_group=None):
+    def __init__(self, cfg, tp_group=None, attn_impl="sdpa"):
         super().__init__()
         self.parallel = cfg.parallel_block
         self.attn_norm = make_norm(cfg, cfg.n_embd)
         if cfg.attention == "mla":
-            self.attn = MultiHeadLatentAttention(cfg, tp_group)
+            self.attn = MultiHeadLatentAttention(cfg, tp_group, attn_impl)
         elif cfg.attention == "mha":
-            self.attn = CausalSelfAttention(cfg, tp_group)
+            self.attn = CausalSelfAttention(cfg, tp_group, attn_impl)
         else:
             raise ValueError(f"attention must be 'mha' or 'mla', got {cfg.attention!r}")
         if not self.parallel:
@@ -674,9 +712,6 @@ def check_layout(cfg, tp=1, pp=1):
                         f"divisible by tp = {tp}")
     if cfg.attn_softcap < 0 or cfg.final_softcap < 0:
         problems.append(f"attn_softcap = {cfg.attn_softcap} and final_softcap = {cfg.final_softcap} must be >= 0 (0 = off)")
-    if cfg.attn_softcap and cfg.attn_impl == "sdpa":
-        problems.append(f"attn_softcap = {cfg.attn_softcap} cannot run on attn_impl='sdpa' (SDPA cannot cap scores): "
-                        f"use attn_impl='auto', 'eager' or 'flash'")
     if cfg.n_expert < 0 or cfg.n_shared_expert < 0:
         problems.append(f"n_expert = {cfg.n_expert} and n_shared_expert = {cfg.n_shared_expert} must be >= 0")
     if cfg.n_expert > 0:
@@ -686,53 +721,68 @@ def check_layout(cfg, tp=1, pp=1):
             problems.append(f"capacity_factor = {cfg.capacity_factor} must be positive (1.0 fits a perfectly balanced "
                             f"router exactly; 1.25 is usual)")
     if pp > cfg.n_layer:
-        problems.append(f"pp = {pp} stages but only n_layer = {cfg.n_layer} blocks: use pp <= {cfg.n_layer}")
+        problems.append(f"pp = {pp} stages but only n_layer = {cfg.n_layer} blocks: every stage needs at least one "
+                        f"block, so use pp <= {cfg.n_layer}")
     if problems:
         raise ValueError("the model cannot be built with this layout: " + "; ".join(problems))
 
 
 def stage_layers(n_layer, pp, pp_rank):
-    """The block indices of pipeline stage pp_rank. When pp does not divide n_layer the first stages get
-    one block more: the last stage already carries the output head and the loss, the heaviest part of a
-    small model with a large vocabulary."""
-    if pp > n_layer:
-        raise ValueError(f"pp = {pp} stages but only n_layer = {n_layer} blocks: every stage needs at least "
-                         f"one block, so use pp <= {n_layer}")
+    """The block indices of pipeline stage pp_rank (check_layout has made sure that pp <= n_layer). When pp
+    does not divide n_layer the first stages get one block more: the last stage already carries the output
+    head and the loss, the heaviest part of a small model with a large vocabulary."""
     sizes = [n_layer // pp + (1 if s < n_layer % pp else 0) for s in range(pp)]
     start = sum(sizes[:pp_rank])
     return range(start, start + sizes[pp_rank])
 
 
 class Transformer(nn.Module):
-    """The whole model, or one pipeline stage of it (pp > 1): the first stage takes token ids, the others
-    take the previous stage's hidden states; the last stage returns the logits and the loss, the others
-    their hidden states and this stage's auxiliary loss (MoE) or None.
+    """The whole model, or one pipeline stage of it (pp > 1): the first stage holds the token embedding,
+    every stage its own blocks, the last the final norm and the head.
 
-    The loss: cross-entropy, plus the auxiliary losses of this stage's MoE blocks while training (the
-    pipeline adds a non-last stage's auxiliary loss to its backward). In eval mode (model.eval()) they are
-    left out, so a validation loss is the plain cross-entropy, comparable with a dense model's."""
+    forward(x, targets=None) returns (output, loss) on every stage:
+        first stage     x is token ids (B, T); a middle or last stage takes the previous stage's hidden
+                        states (B, T, n_embd)
+        output          on a last stage the logits (B, T, vocab_size) (this rank's vocabulary slice under
+                        tensor parallelism); None instead when the chunked loss computes the loss without
+                        them (chunked_loss=True, tp = 1, targets given). On other stages the hidden states.
+        loss            on a last stage with targets: the mean cross-entropy, plus this stage's MoE
+                        auxiliary losses while training. On other stages: this stage's auxiliary loss (a
+                        scalar the pipeline backpropagates from here), None for a dense model or in eval
+                        mode. None on a last stage without targets.
+    In eval mode (model.eval()) the auxiliary losses are left out, so a validation loss is the plain
+    cross-entropy, comparable with a dense model's.
 
-    def __init__(self, cfg, tp_group=None, pp=1, pp_rank=0):
+    How it runs, not what it computes: attn_impl (a kernel choose_attn_impl chose for the device; 'auto'
+    here picks as for a CPU: SDPA, or the eager attention under soft-capping), activation_checkpointing
+    (recompute each block in backward), chunked_loss (the loss without whole logits; applies at tp = 1).
+
+    Tied embeddings: on one stage the head is the embedding's own tensor. When the embedding and the head
+    sit on different stages, each holds a copy; the copy starts from the same weights (init_weights draws it
+    under the embedding's name), `tied_copies()` names it for the checkpoint and the gradient norm, and the
+    training step keeps the two equal by summing their gradients (parallel.sync_tied_grads)."""
+
+    def __init__(self, cfg, tp_group=None, pp=1, pp_rank=0, attn_impl="auto", activation_checkpointing=False,
+                 chunked_loss=False):
         super().__init__()
+        if attn_impl != "flash":  # (flash needs its device to be checked: the caller's choose_attn_impl did)
+            attn_impl, _ = choose_attn_impl(attn_impl, "cpu", torch.float32, cfg.attn_softcap)
         self.cfg, self.tp_group = cfg, tp_group
+        self.activation_checkpointing = activation_checkpointing
+        self.chunked_loss = chunked_loss and group_size(tp_group) == 1
         self.is_first, self.is_last = pp_rank == 0, pp_rank == pp - 1
         self.layer_ids = stage_layers(cfg.n_layer, pp, pp_rank)
         if self.is_first:
             self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, tp_group)
         # keyed by the global block index, so a parameter has the same name whichever stage holds it
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group) for i in self.layer_ids})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, attn_impl) for i in self.layer_ids})
         if self.is_last:
             self.norm = make_norm(cfg, cfg.n_embd)
             vocab_padded = padded_vocab_size(cfg.vocab_size, group_size(tp_group))
             self.lm_head = ColumnParallelLinear(cfg.n_embd, vocab_padded, group=tp_group)
             self.lm_head.weight.vocab_size = cfg.vocab_size
-            if cfg.tie_embeddings:
-                if self.is_first:
-                    self.lm_head.weight = self.tok_emb.weight  # one tensor, one gradient
-                else:
-                    # the first stage holds the embedding: this copy starts equal to it (same init name)
-                    # and the pipeline sums the two copies' gradients so they stay equal
-                    self.lm_head.weight.init_name = "tok_emb.weight"
+            if cfg.tie_embeddings and self.is_first:
+                self.lm_head.weight = self.tok_emb.weight  # one tensor, one gradient
         rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.n_embd // cfg.n_head
         cos, sin = rope_cache(cfg.block_size, rope_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -744,7 +794,7 @@ class Transformer(nn.Module):
                 raise ValueError(f"sequence of length {x.shape[1]} is longer than block_size {self.cfg.block_size}")
             x = self.tok_emb(x)
         for block in self.blocks.values():
-            if self.cfg.activation_checkpointing and torch.is_grad_enabled():
+            if self.activation_checkpointing and torch.is_grad_enabled():
                 # keep only the block's input; its activations are recomputed during backward
                 x = checkpoint(block, x, self.rope_cos, self.rope_sin, use_reentrant=False)
             else:
@@ -752,7 +802,7 @@ class Transformer(nn.Module):
         aux = self.moe_aux_loss() if self.training else None
         if not self.is_last:
             return x, aux
-        if targets is not None and self.cfg.chunked_loss and group_size(self.tp_group) == 1:
+        if targets is not None and self.chunked_loss:
             h = self.norm(x)
             loss = chunked_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1),
                                          vocab_size=self.cfg.vocab_size, softcap=self.cfg.final_softcap)
@@ -775,12 +825,22 @@ class Transformer(nn.Module):
         losses = [block.mlp.aux_loss for block in self.blocks.values() if isinstance(block.mlp, MixtureOfExperts)]
         return sum(losses) if losses else None
 
+    def tied_copies(self):
+        """{name of a parameter here: name of the weight it copies}: the head's weight on a last stage that
+        does not hold the embedding, under tie_embeddings. A checkpoint saves the original only, the
+        gradient norm counts it once, and the copy loads from the original."""
+        if self.cfg.tie_embeddings and self.is_last and not self.is_first:
+            return {"lm_head.weight": "tok_emb.weight"}
+        return {}
+
     @torch.no_grad()
     def init_weights(self, seed):
         """Every parameter's full tensor is drawn from its own generator, seeded by (seed, name), and this
-        rank keeps its slice: the same seed gives the same full model whatever the layout. Linear and
-        embedding weights are N(0, 0.02) (GPT-2), residual output projections N(0, 0.02/sqrt(2 n_layer)),
-        norm gains 1, biases 0, padded vocabulary rows 0."""
+        rank keeps its slice: the same seed gives the same full model whatever the layout (a tied copy is
+        drawn under the name of the weight it copies). Linear and embedding weights are N(0, 0.02) (GPT-2),
+        residual output projections N(0, 0.02/sqrt(2 n_layer)), norm gains 1, biases 0, padded vocabulary
+        rows 0."""
+        copies = self.tied_copies()
         for name, p in self.named_parameters():
             if hasattr(p, "init_value"):
                 p.fill_(p.init_value)
@@ -788,16 +848,13 @@ class Transformer(nn.Module):
             if name.endswith("bias"):
                 p.zero_()
                 continue
-            name = getattr(p, "init_name", name)
+            name = copies.get(name, name)
             g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**62)
             shape = full_shape_of(p)
             full = torch.zeros(shape)
             rows = getattr(p, "vocab_size", shape[0])  # only real tokens get random rows
             full[:rows].normal_(0.0, getattr(p, "init_std", 0.02), generator=g)
             p.copy_(shard_of(full, p))
-
-    def num_params(self):
-        return sum(p.numel() for p in self.parameters())
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
@@ -815,34 +872,3 @@ class Transformer(nn.Module):
                 next_id = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1)
             idx = torch.cat([idx, next_id], dim=1)
         return idx
-
-
-# -----------------------------------------------------------------------------
-# Model FLOPs, for MFU
-
-
-def flops_per_token(cfg):
-    """Training FLOPs per token: 6 per matmul weight a token passes through (2 forward, 4 backward), plus
-    the attention scores and their weighted sum, 6 * n_layer * block_size * n_head * (qk_dim + v_dim)
-    (Kaplan et al. 2020, table 1; PaLM appendix B; with qk_dim = v_dim = head_dim this is the familiar
-    12 * L * H * D * T). Counts only the weights a token uses: the head but not the embedding lookup, and in a
-    Mixture-of-Experts layer the router plus the shared and top-k experts. Norms, RoPE and softmax are left
-    out, as is usual. The variant settings are read with defaults, so any ModelConfig works."""
-    C, H, T = cfg.n_embd, cfg.n_head, cfg.block_size
-    if getattr(cfg, "attention", "mha") == "mla":  # DeepSeek-V2 multi-head latent attention
-        nope, rope, v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        qk_dim, q_lora = nope + rope, getattr(cfg, "q_lora_rank", 0)
-        q = C * q_lora + q_lora * H * qk_dim if q_lora > 0 else C * H * qk_dim
-        attn = q + C * (cfg.kv_lora_rank + rope) + cfg.kv_lora_rank * H * (nope + v_dim) + H * v_dim * C
-    else:  # multi-head, grouped-query or multi-query attention
-        qk_dim = v_dim = C // H
-        attn = C * H * qk_dim + 2 * C * cfg.n_kv_head * qk_dim + H * v_dim * C
-    if getattr(cfg, "mlp", "swiglu") == "gelu":
-        mlp = 2 * C * 4 * C
-    else:
-        mlp = 3 * C * swiglu_hidden_size(C)
-    n_expert = getattr(cfg, "n_expert", 0)
-    if n_expert > 0:
-        mlp = C * n_expert + (cfg.n_expert_per_token + getattr(cfg, "n_shared_expert", 0)) * mlp
-    matmul_weights = cfg.n_layer * (attn + mlp) + C * cfg.vocab_size
-    return 6 * matmul_weights + 6 * cfg.n_layer * T * H * (qk_dim + v_dim)

@@ -1,25 +1,26 @@
 """
-3D parallelism in plain torch.distributed: process groups, tensor parallelism (Megatron-LM style).
+Every parallel mechanism of picotron, in plain torch.distributed: one self-contained section each, in the
+order a reader learns them.
 
-Read top to bottom:
-  1. The layout: how the world of ranks is cut into data-, tensor- and pipeline-parallel groups.
-  2. Tensor parallelism: the four communication operators as autograd functions, then the layers built
-     from them (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) and the vocab-parallel
-     cross-entropy.
+  1. The layout: how the world of ranks is cut into data-, tensor- and pipeline-parallel groups, and the
+     printed rank grid.
+  2. Tensor parallelism (Megatron-LM): the four communication operators as autograd functions, the layers
+     built from them (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) and the
+     vocab-parallel cross-entropy.
   3. Pipeline parallelism: each schedule written once as every stage's ordered list of forward and
-     backward actions; one executor walks the list on a real stage, with activations and their
-     gradients sent point to point between neighbouring stages, and a printer draws the same lists as
-     a timeline (python parallel.py --schedule 1f1b --pp 4 --microbatches 8).
-  4. Data parallelism and ZeRO-1: gradients averaged in buckets from backward hooks (GradientBuckets),
-     and an AdamW whose states are split across data-parallel ranks (ZeroOneAdamW).
+     backward actions, one executor that walks the list on a real stage, and the tied-weight sync.
+  4. Data parallelism and ZeRO-1: gradients averaged in buckets from backward hooks (GradientBuckets), and
+     an AdamW whose states are split across data-parallel ranks (ZeroOneAdamW).
+  Last, the timeline printer: the same action lists drawn in time slots
+     (python parallel.py --schedule 1f1b --pp 4 --microbatches 8).
 
-Every layer here works on its own, given only torch and a process group (None means "not split": the
-layer is then an ordinary nn.Linear / nn.Embedding), so it can be lifted into another project.
+Every piece here works on its own, given only torch and a process group (None means "not split"), so it
+can be lifted into another project.
 
-Reference: Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
+References: Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
 Model Parallelism" (the f and g operators, section 3); Huang et al. 2019, "GPipe" (all forward, all
 backward); Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM" (1F1B, section 2.2.1).
+Megatron-LM" (1F1B, section 2.2.1); Rajbhandari et al. 2020, "ZeRO" (section 5.1).
 """
 import argparse
 import math
@@ -48,6 +49,23 @@ def grid_rank(pp_rank, dp_rank, tp_rank, dp, tp):
     return (pp_rank * dp + dp_rank) * tp + tp_rank
 
 
+def resolve_dp(world_size, dp, tp, pp, count_name="WORLD_SIZE"):
+    """The data-parallel size of a launch: dp = 0 means whatever the world leaves after tp * pp; any other
+    dp must make dp * tp * pp the world size. The one place this rule lives (train.py, bench.py and
+    make_config.py, whose count_name is 'nproc', all come here)."""
+    if world_size % (tp * pp) != 0:
+        raise ValueError(f"{count_name} = {world_size} processes cannot be cut into tp = {tp} x pp = {pp}: the world "
+                         f"size {world_size} is not divisible by tp * pp = {tp} * {pp}; launch a multiple of "
+                         f"{tp * pp} processes or change --tp/--pp")
+    if dp == 0:
+        return world_size // (tp * pp)
+    if dp * tp * pp != world_size:
+        raise ValueError(f"the layout dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks does not match the "
+                         f"world size {world_size}: set --dp, --tp and --pp so that their product is {world_size} "
+                         f"(leave dp=0 to have it computed as world_size / (tp * pp))")
+    return dp
+
+
 class ParallelLayout:
     """Cuts `world_size` ranks into a dp x tp x pp grid and builds one process group per row of it.
 
@@ -60,10 +78,7 @@ class ParallelLayout:
     """
 
     def __init__(self, dp, tp, pp, world_size=1, rank=0):
-        if dp * tp * pp != world_size:
-            raise ValueError(f"the layout dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks does not match the "
-                             f"world size {world_size}: set --dp, --tp and --pp so that their product is {world_size} "
-                             f"(leave dp=0 to have it computed as world_size / (tp * pp))")
+        dp = resolve_dp(world_size, dp, tp, pp)
         self.dp, self.tp, self.pp, self.world_size, self.rank = dp, tp, pp, world_size, rank
         self.tp_rank = rank % tp
         self.dp_rank = (rank // tp) % dp
@@ -84,10 +99,10 @@ class ParallelLayout:
                     group = dist.new_group(ranks)
                     if rank in ranks:
                         setattr(self, f"{axis}_group", group if sizes[axis] > 1 else None)
-                        setattr(self, f"{axis}_ranks", ranks)
-        if pp > 1:
-            self.pp_prev = self.pp_ranks[self.pp_rank - 1] if self.pp_rank > 0 else None
-            self.pp_next = self.pp_ranks[self.pp_rank + 1] if self.pp_rank < pp - 1 else None
+        if self.pp_rank > 0:
+            self.pp_prev = grid_rank(self.pp_rank - 1, self.dp_rank, self.tp_rank, dp, tp)
+        if self.pp_rank < pp - 1:
+            self.pp_next = grid_rank(self.pp_rank + 1, self.dp_rank, self.tp_rank, dp, tp)
 
     @property
     def is_first_stage(self):
@@ -97,25 +112,28 @@ class ParallelLayout:
     def is_last_stage(self):
         return self.pp_rank == self.pp - 1
 
-    def describe(self):
-        return (f"rank {self.rank}: dp_rank {self.dp_rank}/{self.dp}  tp_rank {self.tp_rank}/{self.tp}  "
-                f"pp_rank {self.pp_rank}/{self.pp}")
-
 
 def init_distributed(dp, tp, pp, device_type):
     """Start torch.distributed when launched by torchrun (WORLD_SIZE set) and build the layout.
     dp=0 means "whatever is left": world_size / (tp * pp)."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
+    dp = resolve_dp(world_size, dp, tp, pp)  # before any process group: a bad layout fails fast, alone
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend=backend)
-    if dp == 0:
-        if world_size % (tp * pp) != 0:
-            raise ValueError(f"the world size {world_size} is not divisible by tp * pp = {tp} * {pp}: "
-                             f"launch a multiple of {tp * pp} processes or change --tp/--pp")
-        dp = world_size // (tp * pp)
     return ParallelLayout(dp, tp, pp, world_size, rank)
+
+
+def format_grid(dp, tp, pp):
+    """The rank layout as text, one line per (pipeline stage, data-parallel replica): which global ranks
+    hold the tensor-parallel slices of it."""
+    lines = []
+    for p in range(pp):
+        for d in range(dp):
+            ranks = [grid_rank(p, d, t, dp, tp) for t in range(tp)]
+            lines.append(f"  stage {p} replica {d}: ranks {ranks}")
+    return "\n".join(lines)
 
 
 # -----------------------------------------------------------------------------
@@ -127,17 +145,6 @@ def init_distributed(dp, tp, pp, device_type):
 # QKV -> output projection; MLP: up -> down) needs exactly one all-reduce in the forward pass (g, after
 # the row-parallel layer) and one in the backward pass (f, before the column-parallel layer). When several
 # column-parallel layers read one input (q, k, v), f is applied once to that input (copy_input=False below).
-
-
-# Measurement aid, off by default: set `parallel.tp_comm_bytes = {}` and every tensor-parallel collective
-# in this file adds the bytes of the tensor this rank contributes, keyed by the collective ("all_reduce",
-# "all_gather"); set it back to None to stop. Unused, it costs one `is None` test per collective.
-tp_comm_bytes = None
-
-
-def _count(kind, tensor):
-    if tp_comm_bytes is not None:
-        tp_comm_bytes[kind] = tp_comm_bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
 
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
@@ -154,7 +161,6 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
         # all_reduce works in place, and autograd may hand the same gradient tensor to other branches too
         # (an addition passes its output's gradient to both inputs): reduce a copy
         grad = grad.clone(memory_format=torch.contiguous_format)
-        _count("all_reduce", grad)
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -166,7 +172,6 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.clone(memory_format=torch.contiguous_format)  # all_reduce works in place: leave the caller's x
-        _count("all_reduce", x)
         dist.all_reduce(x, group=group)
         return x
 
@@ -185,7 +190,6 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
         ctx.group = group
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(group_size(group))]
-        _count("all_gather", x)
         dist.all_gather(parts, x, group=group)
         return torch.cat(parts, dim=-1)
 
@@ -207,7 +211,6 @@ class ScatterToTensorParallelRegion(torch.autograd.Function):
     def backward(ctx, grad):
         grad = grad.contiguous()
         parts = [torch.empty_like(grad) for _ in range(group_size(ctx.group))]
-        _count("all_gather", grad)
         dist.all_gather(parts, grad, group=ctx.group)
         return torch.cat(parts, dim=-1), None
 
@@ -235,6 +238,13 @@ def scatter_to_tp(x, group):
 # Each sharded parameter carries `tp_shard_dim` (the dimension it is split along) so that the model's
 # initialisation, the checkpoint and the gradient-norm computation know which slice of the full tensor a
 # rank holds. A parameter without it is replicated: every tensor-parallel rank holds the same copy.
+#
+# A layer's weights are created empty (a 7B model is never materialised whole on one rank); fill them with
+# `layer.load_full(weight, bias)`, where each of weight and bias is either the full tensor (drawn, or from
+# another layout's checkpoint) or a reader of slices, `read(dim, start, size)` returning that slice of the
+# full tensor (so a rank reads only its shard of a safetensors file). With group=None a layer is not split:
+# it computes what nn.Linear / nn.Embedding compute, with the same fill (the embedding's rows are still
+# padded, to a multiple of 64).
 
 
 def mark_sharded(param, dim, group):
@@ -251,6 +261,25 @@ def shard_of(full, param):
         return full
     size = param.shape[dim]
     return full.narrow(dim, param.tp_rank * size, size)
+
+
+def load_shard(param, source):
+    """Fill `param` with its slice of a full tensor. `source` is the full tensor, or a reader
+    read(dim, start, size) of slices of it (dim None: the whole tensor). A vocabulary-padded table reads
+    only the real rows (rows past `vocab_size` stay zero), so the source needs no padding, or any padding."""
+    dim = getattr(param, "tp_shard_dim", None)
+    read = source if callable(source) else (lambda d, start, size: source if d is None else source.narrow(d, start, size))
+    with torch.no_grad():
+        if dim is None:
+            param.copy_(read(None, 0, None))
+            return param
+        size = param.shape[dim]
+        start = param.tp_rank * size
+        real = min(size, getattr(param, "vocab_size", start + size) - start)  # < size only in padded tables
+        param.zero_()
+        if real > 0:
+            param.narrow(dim, 0, real).copy_(read(dim, start, real))
+    return param
 
 
 def full_shape_of(param):
@@ -277,8 +306,7 @@ class ColumnParallelLinear(nn.Module):
     copy_to_tp once to that input and build the layers with copy_input=False: one all-reduce instead of
     one per layer.
 
-    The weight is left uninitialised, like the model's other parameters (Transformer.init_weights fills
-    them). On its own: `layer.weight.copy_(shard_of(full_weight, layer.weight))`, the same for the bias."""
+    The weight is created empty: fill it with load_full (see the section's note)."""
 
     def __init__(self, in_features, out_features, bias=False, group=None, gather_output=False, copy_input=True):
         super().__init__()
@@ -286,6 +314,12 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = _divide(out_features, group_size(group), "out_features")
         self.weight = mark_sharded(nn.Parameter(torch.empty(self.out_per_rank, in_features)), 0, group)
         self.bias = mark_sharded(nn.Parameter(torch.zeros(self.out_per_rank)), 0, group) if bias else None
+
+    def load_full(self, weight, bias=None):
+        """weight (out_features, in_features) and bias (out_features,): full tensors or slice readers."""
+        load_shard(self.weight, weight)
+        if bias is not None:
+            load_shard(self.bias, bias)
 
     def forward(self, x):
         if self.copy_input:
@@ -300,7 +334,7 @@ class RowParallelLinear(nn.Module):
     input is first cut into slices here. The bias is replicated and added once, after the sum (added
     before, it would be counted tp times).
 
-    The weight is left uninitialised, as in ColumnParallelLinear: fill it with shard_of(full_weight, ...)."""
+    The weight is created empty, as in ColumnParallelLinear: fill it with load_full."""
 
     def __init__(self, in_features, out_features, bias=False, group=None, input_is_parallel=True):
         super().__init__()
@@ -308,6 +342,12 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = _divide(in_features, group_size(group), "in_features")
         self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, self.in_per_rank)), 1, group)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def load_full(self, weight, bias=None):
+        """weight (out_features, in_features) and bias (out_features,): full tensors or slice readers."""
+        load_shard(self.weight, weight)
+        if bias is not None:
+            load_shard(self.bias, bias)
 
     def forward(self, x):
         if not self.input_is_parallel:
@@ -327,7 +367,9 @@ def padded_vocab_size(vocab_size, tp):
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by rows (token ids) across the group. Each rank looks up the ids in its
-    range, writes zeros for the others, and the all-reduce (g) assembles every token's vector."""
+    range, writes zeros for the others, and the all-reduce (g) assembles every token's vector. The table is
+    padded to padded_vocab_size rows (zero, never looked up); fill it with load_full(weight), weight being
+    the (vocab_size, dim) table or a slice reader."""
 
     def __init__(self, vocab_size, dim, group=None):
         super().__init__()
@@ -336,6 +378,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = group_rank(group) * self.rows_per_rank
         self.weight = mark_sharded(nn.Parameter(torch.empty(self.rows_per_rank, dim)), 0, self.group)
         self.weight.vocab_size = vocab_size  # rows past it are padding: zero at init, never looked up
+
+    def load_full(self, weight):
+        load_shard(self.weight, weight)
 
     def forward(self, idx):
         if group_size(self.group) == 1:
@@ -377,13 +422,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         else:  # this rank holds only vocabulary padding
             max_logit = torch.full((n,), float("-inf"), device=logits.device)
             target_logit = torch.zeros(n, device=logits.device)
-        _count("all_reduce", max_logit)
         dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
-        _count("all_reduce", target_logit)
         dist.all_reduce(target_logit, group=group)
         exp = (logits - max_logit.unsqueeze(-1)).exp_()  # the one (N, V_local) temporary; becomes the softmax
         sum_exp = exp.sum(dim=-1)
-        _count("all_reduce", sum_exp)
         dist.all_reduce(sum_exp, group=group)
         loss = sum_exp.log() - (target_logit - max_logit)
         valid = targets != ignore_index
@@ -425,8 +467,20 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
 #
 # A schedule is written once, as each stage's ordered list of actions ('F', i) and ('B', i): run
 # microbatch i's forward or backward. `run_schedule` walks that list on a real stage; `schedule_timeline`
-# places the very same lists in time slots for the printed picture. Both schedules below have the same
-# bubble; they differ in memory: a stage keeps a microbatch's activations from its forward to its backward.
+# (at the end of this file) places the very same lists in time slots for the printed picture. Both
+# schedules below have the same bubble; they differ in memory: a stage keeps a microbatch's activations
+# from its forward to its backward.
+#
+# The executor's one invariant: after action k a stage sends what action k produced (a forward's output
+# to the next stage, a backward's input gradient to the previous) and posts the receive that action k+1
+# needs, both in one batch_isend_irecv. Each direction between two neighbours is first in, first out, and
+# both walk their lists in order, so what one side sends k-th is what the other receives k-th: neighbours
+# always agree on which microbatch a message belongs to, with no tag or header.
+#
+# NCCL's rule: the first batch_isend_irecv that uses a process group must be joined by every rank of that
+# group (here the default group, the whole world). PipelineComm's constructor therefore runs a barrier on
+# the world, which every rank reaches while it builds its pipeline, so the first point-to-point exchange is
+# never a group's first collective. Gloo has no such rule; the barrier costs nothing that matters.
 
 
 def afab_actions(pp, stage, m):
@@ -456,21 +510,27 @@ SCHEDULES = {"afab": afab_actions, "1f1b": one_f_one_b_actions}
 
 class PipelineComm:
     """What a stage needs to talk to its neighbours: its index, the number of stages, the global ranks of
-    the previous and next stage (None at either end), and what travels between them. Every message is a
-    (batch, seq_len, hidden_size) tensor of `dtype`, batch and seq_len being the shape of the microbatch's
-    token ids, which every stage has: so no shape or dtype is ever negotiated at run time.
+    the previous and next stage (None at either end), and what travels between them: every message is a
+    tensor of `dtype` and of the shape message_shape(x), x being the microbatch's token ids, which every
+    stage has: so no shape or dtype is ever negotiated at run time. The caller chooses both; the model's is
+    (batch, seq_len, hidden_size), which from_layout gives.
 
-    The dtype is that of the residual stream, the parameters' dtype (fp32 under autocast too: the
+    The model's dtype is that of the residual stream, the parameters' dtype (fp32 under autocast too: the
     embedding output is fp32, and adding a bf16 sublayer output to it stays fp32). Sending bf16 instead would
-    round the residual stream at every stage boundary, which one process never does."""
+    round the residual stream at every stage boundary, which one process never does.
 
-    def __init__(self, stage, pp, prev_rank, next_rank, hidden_size, dtype=torch.float32, device="cpu"):
+    Every rank of the world must build its PipelineComm (the barrier below: see NCCL's rule above)."""
+
+    def __init__(self, stage, pp, prev_rank, next_rank, message_shape, dtype=torch.float32, device="cpu"):
         self.stage, self.pp, self.prev_rank, self.next_rank = stage, pp, prev_rank, next_rank
-        self.hidden_size, self.dtype, self.device = hidden_size, dtype, torch.device(device)
+        self.message_shape, self.dtype, self.device = message_shape, dtype, torch.device(device)
+        if dist.is_initialized():
+            dist.barrier()  # the first collective of the world group: not a batch_isend_irecv
 
     @classmethod
-    def from_layout(cls, layout, hidden_size, device):
-        return cls(layout.pp_rank, layout.pp, layout.pp_prev, layout.pp_next, hidden_size, device=device)
+    def from_layout(cls, layout, hidden_size, device, dtype=torch.float32):
+        return cls(layout.pp_rank, layout.pp, layout.pp_prev, layout.pp_next,
+                   lambda x: (*x.shape, hidden_size), dtype, device)
 
     @property
     def is_first(self):
@@ -495,8 +555,8 @@ class PipelineComm:
             op, i = recv_for
             peer = self.prev_rank if op == "F" else self.next_rank
             if peer is not None:
-                batch, seq_len = microbatches[i][0].shape
-                received = torch.empty(batch, seq_len, self.hidden_size, dtype=self.dtype, device=self.device)
+                shape = self.message_shape(microbatches[i][0])
+                received = torch.empty(shape, dtype=self.dtype, device=self.device)
                 ops.append(dist.P2POp(dist.irecv, received, peer))
         if ops:
             for request in dist.batch_isend_irecv(ops):
@@ -554,19 +614,6 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
     return total
 
 
-def all_forward_all_backward(model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0,
-                             set_grad_sync=None):
-    """One training step of this stage under GPipe's schedule; returns its part of the mean loss."""
-    actions = afab_actions(comm.pp, comm.stage, len(microbatches))
-    return run_schedule(actions, model, microbatches, comm, autocast, loss_multiplier, set_grad_sync)
-
-
-def one_f_one_b(model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0, set_grad_sync=None):
-    """One training step of this stage under the 1F1B schedule; returns its part of the mean loss."""
-    actions = one_f_one_b_actions(comm.pp, comm.stage, len(microbatches))
-    return run_schedule(actions, model, microbatches, comm, autocast, loss_multiplier, set_grad_sync)
-
-
 @torch.no_grad()
 def pipeline_forward(model, microbatches, comm, autocast=nullcontext()):
     """Forward only (evaluation): every microbatch through the stages; returns this stage's part of the
@@ -575,98 +622,40 @@ def pipeline_forward(model, microbatches, comm, autocast=nullcontext()):
     return run_schedule(actions, model, microbatches, comm, autocast)
 
 
-def tied_embedding_group(layout):
-    """The process group of the first and the last stage of this rank's pipeline (same dp and tp rank),
-    or None when they are the same stage. With tied embeddings the first stage holds the token embedding
-    and the last stage a copy of it as the output head: the two copies get different gradients (one from
-    the input side, one from the output side), which must be summed so that both take the same step, the
-    step of the single shared matrix in one process. Every rank must call this, in the same order."""
+def tied_weight_group(layout, holder_stages):
+    """The process group of the pipeline stages `holder_stages` (say the first and the last) of this rank's
+    pipeline (same dp and tp rank), or None when one stage holds every copy. Every rank must call this, in
+    the same order: every group is built by every rank."""
+    stages = sorted(set(holder_stages))
     group = None
-    if layout.pp == 1:
+    if len(stages) < 2:
         return None
     for d in range(layout.dp):
         for t in range(layout.tp):
-            ranks = [grid_rank(0, d, t, layout.dp, layout.tp), grid_rank(layout.pp - 1, d, t, layout.dp, layout.tp)]
+            ranks = [grid_rank(s, d, t, layout.dp, layout.tp) for s in stages]
             g = dist.new_group(ranks)
             if layout.rank in ranks:
                 group = g
     return group
 
 
-def all_reduce_tied_grad(weight, group):
-    """Sum a tied weight's gradient over its copies (the embedding on the first stage, the head on the last)."""
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=group)
+def sync_tied_grads(copies, group):
+    """Make the copies of one tied weight take the same step, the step of the single shared matrix in one
+    process: its gradient is the sum of every copy's (one from the input side, the embedding; one from the
+    output side, the head). `copies` are the copies this rank holds (none, one, or several when one rank
+    holds two model chunks that each have one), `group` the ranks holding the others (None: all are here).
+    Call it after the step's last backward, before the gradients are averaged across data-parallel ranks."""
+    if not copies:
+        return
+    # a new tensor (sum starts from 0): the copies' own gradients are replaced, never reduced in place
+    total = sum(w.grad if w.grad is not None else torch.zeros_like(w) for w in copies)
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    for i, w in enumerate(copies):
+        w.grad = total if i == 0 else total.clone()
 
 
-# The timeline: the same action lists, placed in unit time slots.
-
-
-def schedule_timeline(schedule, pp, m):
-    """Each stage runs its actions in order, each in one time slot, as early as the stage is free and the
-    action's input is ready: a forward of microbatch i after the previous stage's forward of i, a backward
-    after the next stage's backward of i. Returns one row per stage: the action in each slot, None if idle.
-    A real backward takes about twice a forward; the bubble fraction is the same, since the fill and the
-    drain stretch with the work."""
-    lists = [SCHEDULES[schedule](pp, s, m) for s in range(pp)]
-    finish = {}  # (stage, action) -> the slot after it
-    nxt, free = [0] * pp, [0] * pp
-    while any(nxt[s] < len(lists[s]) for s in range(pp)):
-        placed = False
-        for s in range(pp):
-            while nxt[s] < len(lists[s]):
-                op, i = lists[s][nxt[s]]
-                source = s - 1 if op == "F" else s + 1  # the stage the input comes from
-                if 0 <= source < pp and (source, (op, i)) not in finish:
-                    break  # its input is not ready yet
-                ready = finish[(source, (op, i))] if 0 <= source < pp else 0
-                start = max(free[s], ready)
-                finish[(s, (op, i))] = free[s] = start + 1
-                nxt[s] += 1
-                placed = True
-        if not placed:
-            raise RuntimeError(f"schedule {schedule!r} deadlocks at pp={pp}, m={m}: every stage waits on another")
-    rows = [[None] * max(free) for _ in range(pp)]
-    for (s, action), end in finish.items():
-        rows[s][end - 1] = action
-    return rows
-
-
-def bubble_fraction(rows):
-    """The share of stage-time slots spent idle."""
-    return sum(row.count(None) for row in rows) / sum(len(row) for row in rows)
-
-
-def format_timeline(schedule, pp, m):
-    """The timeline as text, one row per stage, with the microbatches each stage holds and the bubble."""
-    rows = schedule_timeline(schedule, pp, m)
-    width = len(str(m - 1)) + 1
-    lines = [f"{schedule}: pp={pp} stages, m={m} microbatches; one slot per forward (F) or backward (B), . idle"]
-    for s, row in enumerate(rows):
-        cells = ["." * width if a is None else f"{a[0]}{a[1]}".ljust(width) for a in row]
-        lines.append(f"stage {s} | " + " ".join(cells))
-    # what each stage holds: microbatches between their forward and their backward
-    held = []
-    for s in range(pp):
-        alive = peak = 0
-        for op, _ in SCHEDULES[schedule](pp, s, m):
-            alive += 1 if op == "F" else -1
-            peak = max(peak, alive)
-        held.append(peak)
-    lines.append("activations held at most (microbatches): " + ", ".join(f"stage {s}: {h}" for s, h in enumerate(held)))
-    lines.append(f"bubble: {bubble_fraction(rows):.1%} of the slots idle (measured on this timeline); "
-                 f"theory (pp - 1) / (m + pp - 1) = {pp - 1}/{m + pp - 1} = {(pp - 1) / (m + pp - 1):.1%}")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Print a pipeline schedule as a timeline, one row per stage.")
-    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
-    parser.add_argument("--pp", type=int, default=4, help="pipeline stages")
-    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (m)")
-    args = parser.parse_args()
-    print(format_timeline(args.schedule, args.pp, args.microbatches))
+# -----------------------------------------------------------------------------
 # 4. Data parallelism and ZeRO-1
 #
 # Every data-parallel rank holds the same parameters and runs its own slice of the global batch, so its
@@ -687,6 +676,9 @@ if __name__ == "__main__":
 #
 # The slices are cut from each bucket's flat buffer, padded to a multiple of dp, not handed out tensor by
 # tensor: every rank gets the same number of elements (within the padding), whatever the tensor sizes.
+#
+# A bucket is one flat tensor, so it holds parameters of one dtype only: a parameter whose dtype differs
+# from the one before it starts a new bucket.
 
 # torch 2.13 renamed the single-tensor collectives (the old names still work, with a warning)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -739,6 +731,9 @@ class GradientBuckets:
         self.buckets, current, size = [], [], 0
         capacity = max(1, int(bucket_size_mb * 2 ** 20))
         for p in reversed(early):
+            if current and p.dtype != current[0].dtype:  # one dtype per flat buffer
+                self.buckets.append(_Bucket(current, self.dp))
+                current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
             if size >= capacity:
@@ -746,8 +741,8 @@ class GradientBuckets:
                 current, size = [], 0
         if current:
             self.buckets.append(_Bucket(current, self.dp))
-        if late:
-            self.buckets.append(_Bucket(late, self.dp))
+        for dtype in dict.fromkeys(p.dtype for p in late):
+            self.buckets.append(_Bucket([p for p in late if p.dtype == dtype], self.dp))
         self.where = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -893,12 +888,71 @@ def optimizer_state_bytes(optimizer):
                for v in state.values() if torch.is_tensor(v))
 
 
-def format_grid(dp, tp, pp):
-    """The rank layout as text, one line per (pipeline stage, data-parallel replica): which global ranks
-    hold the tensor-parallel slices of it."""
-    lines = []
-    for p in range(pp):
-        for d in range(dp):
-            ranks = [grid_rank(p, d, t, dp, tp) for t in range(tp)]
-            lines.append(f"  stage {p} replica {d}: ranks {ranks}")
+# -----------------------------------------------------------------------------
+# The timeline printer: the pipeline schedules' action lists (section 3), placed in unit time slots.
+
+
+def schedule_timeline(schedule, pp, m):
+    """Each stage runs its actions in order, each in one time slot, as early as the stage is free and the
+    action's input is ready: a forward of microbatch i after the previous stage's forward of i, a backward
+    after the next stage's backward of i. Returns one row per stage: the action in each slot, None if idle.
+    A real backward takes about twice a forward; the bubble fraction is the same, since the fill and the
+    drain stretch with the work."""
+    lists = [SCHEDULES[schedule](pp, s, m) for s in range(pp)]
+    finish = {}  # (stage, action) -> the slot after it
+    nxt, free = [0] * pp, [0] * pp
+    while any(nxt[s] < len(lists[s]) for s in range(pp)):
+        placed = False
+        for s in range(pp):
+            while nxt[s] < len(lists[s]):
+                op, i = lists[s][nxt[s]]
+                source = s - 1 if op == "F" else s + 1  # the stage the input comes from
+                if 0 <= source < pp and (source, (op, i)) not in finish:
+                    break  # its input is not ready yet
+                ready = finish[(source, (op, i))] if 0 <= source < pp else 0
+                start = max(free[s], ready)
+                finish[(s, (op, i))] = free[s] = start + 1
+                nxt[s] += 1
+                placed = True
+        if not placed:
+            raise RuntimeError(f"schedule {schedule!r} deadlocks at pp={pp}, m={m}: every stage waits on another")
+    rows = [[None] * max(free) for _ in range(pp)]
+    for (s, action), end in finish.items():
+        rows[s][end - 1] = action
+    return rows
+
+
+def bubble_fraction(rows):
+    """The share of stage-time slots spent idle."""
+    return sum(row.count(None) for row in rows) / sum(len(row) for row in rows)
+
+
+def format_timeline(schedule, pp, m):
+    """The timeline as text, one row per stage, with the microbatches each stage holds and the bubble."""
+    rows = schedule_timeline(schedule, pp, m)
+    width = len(str(m - 1)) + 1
+    lines = [f"{schedule}: pp={pp} stages, m={m} microbatches; one slot per forward (F) or backward (B), . idle"]
+    for s, row in enumerate(rows):
+        cells = ["." * width if a is None else f"{a[0]}{a[1]}".ljust(width) for a in row]
+        lines.append(f"stage {s} | " + " ".join(cells))
+    # what each stage holds: microbatches between their forward and their backward
+    held = []
+    for s in range(pp):
+        alive = peak = 0
+        for op, _ in SCHEDULES[schedule](pp, s, m):
+            alive += 1 if op == "F" else -1
+            peak = max(peak, alive)
+        held.append(peak)
+    lines.append("activations held at most (microbatches): " + ", ".join(f"stage {s}: {h}" for s, h in enumerate(held)))
+    lines.append(f"bubble: {bubble_fraction(rows):.1%} of the slots idle (measured on this timeline); "
+                 f"theory (pp - 1) / (m + pp - 1) = {pp - 1}/{m + pp - 1} = {(pp - 1) / (m + pp - 1):.1%}")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Print a pipeline schedule as a timeline, one row per stage.")
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
+    parser.add_argument("--pp", type=int, default=4, help="pipeline stages")
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (m)")
+    args = parser.parse_args()
+    print(format_timeline(args.schedule, args.pp, args.microbatches))

@@ -4,6 +4,7 @@ Generate text from a picotron checkpoint (saved at any parallel layout) on one d
     python sample.py --out_dir=out/tiny_fineweb --start="The history of" --num_samples=3 --max_new_tokens=100
     python sample.py --out_dir=out/tiny_fineweb --start=FILE:prompt.txt --top_k=1     # greedy
 """
+import os
 import sys
 from contextlib import nullcontext
 
@@ -11,46 +12,60 @@ import tiktoken
 import torch
 
 import checkpoint
-from configurator import ConfigError, configure
-from model import ModelConfig, Transformer, choose_attn_impl
-from train import choose_device_and_dtype
+from configurator import ConfigError, Setting, configure, section
+from model import Transformer, choose_attn_impl, choose_device_and_dtype, model_config_from
 
-# -----------------------------------------------------------------------------
-out_dir = "out"  # the newest complete checkpoint in here is used...
-ckpt = ""  # ...unless a checkpoint folder is named here
-start = "\n"  # the prompt, or FILE:path to read it from a file
-num_samples = 3
-max_new_tokens = 200
-temperature = 0.8  # 1.0 samples from the model's distribution, lower is more conservative
-top_k = 200  # keep only the top_k most likely tokens; 1 is greedy decoding, 0 keeps all
-seed = 1337
-device = "auto"
-dtype = "auto"
-# -----------------------------------------------------------------------------
-DEFAULTS = {k: v for k, v in dict(globals()).items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+SAMPLING = section(
+    "sampling",
+    Setting("out_dir", "out", "the newest complete checkpoint in here is used..."),
+    Setting("ckpt", "", "...unless a checkpoint folder is named here"),
+    Setting("start", "\n", "the prompt, or FILE:path to read it from a file"),
+    Setting("num_samples", 3, "samples to draw"),
+    Setting("max_new_tokens", 200, "tokens generated per sample"),
+    Setting("temperature", 0.8, "1.0 samples from the model's distribution, lower is more conservative"),
+    Setting("top_k", 200, "keep only the top_k most likely tokens; 1 is greedy decoding, 0 keeps all"),
+    Setting("seed", 1337, "seeds the sampling"),
+    Setting("device", "auto", "'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ..."),
+    Setting("dtype", "auto", "'auto' (bf16 on Ampere+, fp16 before, fp32 on CPU), 'float32', 'bfloat16', 'float16'"),
+)
+
+
+def read_prompt(start):
+    if not start.startswith("FILE:"):
+        return start
+    path = start[len("FILE:"):]
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise FileNotFoundError(f"--start=FILE:{path}: the prompt file cannot be read ({type(e).__name__}: {e})")
 
 
 def main(argv):
     try:
-        cfg = configure(DEFAULTS, argv)
-        path = cfg["ckpt"] or checkpoint.latest_checkpoint(cfg["out_dir"])
-        if not path:
-            raise FileNotFoundError(f"no complete checkpoint in out_dir '{cfg['out_dir']}': train first, or pass --ckpt")
+        cfg, _ = configure(SAMPLING, argv, usage=__doc__)
+        if cfg["ckpt"]:
+            if not checkpoint.is_complete(cfg["ckpt"]):
+                raise FileNotFoundError(f"--ckpt={cfg['ckpt']} is not a complete checkpoint (a ckpt_* folder with its "
+                                        f"meta.json and every rank file): " + ("it does not exist" if not
+                                        os.path.exists(cfg["ckpt"]) else "it is partial or damaged"))
+            path = cfg["ckpt"]
+        else:
+            path = checkpoint.latest_checkpoint(cfg["out_dir"])
+            if not path:
+                raise FileNotFoundError(f"no complete checkpoint in out_dir '{cfg['out_dir']}': train first, or pass --ckpt")
+        prompt = read_prompt(cfg["start"])
         dev, ptdtype, _ = choose_device_and_dtype(cfg["device"], cfg["dtype"])
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+        reader = checkpoint.CheckpointReader(path)
+    except (ConfigError, ValueError, FileNotFoundError, checkpoint.CheckpointError) as e:
         sys.exit(f"error: {e}")
-    reader = checkpoint.CheckpointReader(path)
-    model_cfg = ModelConfig(**reader.meta["model"])
-    model_cfg.attn_impl, _ = choose_attn_impl("auto", dev.type, ptdtype, model_cfg.attn_softcap)
-    model = Transformer(model_cfg)
-    checkpoint.load_model(model, path)
+    model_cfg = model_config_from(reader.meta["model"])
+    attn_impl, _ = choose_attn_impl("auto", dev.type, ptdtype, model_cfg.attn_softcap)
+    model = Transformer(model_cfg, attn_impl=attn_impl)
+    checkpoint.load_model(model, reader)
     model.to(dev).eval()
     enc = tiktoken.get_encoding(reader.meta.get("tokenizer", "gpt2"))
 
-    prompt = cfg["start"]
-    if prompt.startswith("FILE:"):
-        with open(prompt[5:], encoding="utf-8") as f:
-            prompt = f.read()
     ids = enc.encode(prompt, allowed_special={"<|endoftext|>"})
     x = torch.tensor(ids, dtype=torch.long, device=dev)[None, :]
     torch.manual_seed(cfg["seed"])

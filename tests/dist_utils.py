@@ -115,3 +115,49 @@ def gather_full(tensor, param, group):
         tensor = torch.cat(parts, dim=dim)
     vocab = getattr(param, "vocab_size", None)
     return tensor[:vocab] if vocab is not None else tensor
+
+
+# -----------------------------------------------------------------------------
+# comparing a run with its one-process reference: one rule for every equivalence test
+#
+# fp32 on CPU, different layouts sum in different orders, and AdamW amplifies those roundings a little
+# each step; the tolerances hold on CPUs with and without AVX-512 and still catch a real error:
+#   losses             relative 1e-5 each step
+#   global grad norm   relative 1e-4 each step (losses barely move when a gradient is off by a constant
+#                      factor under AdamW with clipping; the norm moves with it)
+#   final weights      per tensor, ||a - b|| / ||b|| <= 1e-4 (one element can be off by 1e-5 absolute
+#                      on one CPU where the tensor as a whole agrees to 1e-5)
+LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL = 1e-5, 1e-4, 1e-4
+
+
+def _worst(got, want, rtol):
+    """The largest relative difference of two lists of numbers, and where it is."""
+    assert len(got) == len(want), f"{len(got)} values against the reference's {len(want)}"
+    diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, want)]
+    k = max(range(len(diffs)), key=diffs.__getitem__) if diffs else 0
+    return (diffs[k] if diffs else 0.0), k
+
+
+def assert_same_losses_and_norms(records, reference):
+    """Loss and global gradient norm of every logged step, against the reference run's records."""
+    for key, rtol in (("loss", LOSS_RTOL), ("grad_norm", GRAD_NORM_RTOL)):
+        got = [r[key] for r in records if key in r]
+        want = [r[key] for r in reference if key in r][:len(got)]
+        worst, k = _worst(got, want, rtol)
+        assert got and worst <= rtol, (f"{key} differs from one process by {worst:.2e} relative at logged step "
+                                       f"{k + 1} (tolerance {rtol:.0e}): {got} against {want}")
+
+
+def relative_difference(a, b):
+    """||a - b|| / ||b||, the per-tensor measure of how far a is from b."""
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def assert_same_tensors(got, want, rtol=WEIGHT_RTOL, what="weights"):
+    """Every tensor of `want` (a dict) is in `got` with the same shape and within rtol by the per-tensor
+    relative norm; the failure lists every tensor outside it with its difference."""
+    assert set(got) == set(want), f"{what}: {sorted(set(got) ^ set(want))} on one side only"
+    bad = {name: relative_difference(got[name], w) for name, w in want.items()
+           if tuple(got[name].shape) != tuple(w.shape) or relative_difference(got[name], w) > rtol}
+    assert not bad, f"{what} outside ||a-b||/||b|| <= {rtol:.0e}: " + ", ".join(f"{n}: {d:.2e}" for n, d in bad.items())

@@ -10,17 +10,21 @@ import torch.nn.functional as F
 
 from dist_utils import make_token_data
 
+import metrics
 import model as model_module
+import settings
 import train
-from model import ModelConfig, Transformer, chunked_cross_entropy, flops_per_token
+from metrics import flops_per_token
+from model import ModelConfig, Transformer, chunked_cross_entropy
 
 
 TINY = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=4, n_embd=64)
 
 
-def tiny_model(seed=0, **kw):
+def tiny_model(seed=0, activation_checkpointing=False, chunked_loss=False, **kw):
     torch.manual_seed(seed)
-    m = Transformer(ModelConfig(**{**TINY, **kw}))
+    m = Transformer(ModelConfig(**{**TINY, **kw}), activation_checkpointing=activation_checkpointing,
+                    chunked_loss=chunked_loss)
     m.init_weights(seed)
     return m
 
@@ -54,16 +58,16 @@ def test_flops_per_token_counts_the_matmul_weights_the_model_has():
 
 def test_flops_per_token_moe_counts_only_the_active_experts():
     # written from the variant settings (model.py's MoE may not be built here): router + (top-k + shared) experts
-    cfg = SimpleNamespace(**TINY, attention="mha", mlp="swiglu", n_expert=8, n_expert_per_token=2, n_shared_expert=1)
+    cfg = ModelConfig(**TINY, attention="mha", mlp="swiglu", n_expert=8, n_expert_per_token=2, n_shared_expert=1)
     attn, expert, head, scores = 4 * 64 * 64, 3 * 64 * 192, 64 * 512, 6 * 2 * 32 * 4 * 32
     moe = 64 * 8 + (2 + 1) * expert
     assert flops_per_token(cfg) == 6 * (2 * (attn + moe) + head) + scores
-    dense = SimpleNamespace(**TINY, mlp="gelu")
+    dense = ModelConfig(**TINY, mlp="gelu")
     assert flops_per_token(dense) == 6 * (2 * (attn + 2 * 64 * 256) + head) + scores
 
 
 def test_flops_per_token_mla_counts_the_latent_projections():
-    cfg = SimpleNamespace(**TINY, attention="mla", q_lora_rank=0, kv_lora_rank=32, qk_rope_head_dim=8,
+    cfg = ModelConfig(**TINY, attention="mla", q_lora_rank=0, kv_lora_rank=32, qk_rope_head_dim=8,
                           qk_nope_head_dim=16, v_head_dim=16)
     attn = 64 * 4 * 24 + 64 * (32 + 8) + 32 * 4 * (16 + 16) + 4 * 16 * 64  # q, kv down, kv up, o
     mlp, head, scores = 3 * 64 * 192, 64 * 512, 6 * 2 * 32 * 4 * (24 + 16)
@@ -88,20 +92,20 @@ def test_flops_per_token_mla_counts_the_latent_projections():
     ("NVIDIA GeForce RTX 4090 Laptop GPU", torch.bfloat16, None),
 ])
 def test_gpu_peak_flops_table(name, dtype, peak):
-    assert train.gpu_peak_flops(name, dtype) == peak
+    assert metrics.gpu_peak_flops(name, dtype) == peak
 
 
 def test_unknown_gpu_reports_mfu_as_not_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Imaginary GPU 9000")
-    peak, why = train.device_peak_flops(0.0, torch.device("cuda"), torch.bfloat16)
+    peak, why = metrics.device_peak_flops(0.0, torch.device("cuda"), torch.bfloat16)
     assert peak is None and "peak_flops" in why
-    assert train.mfu(1e6, 1e5, peak, 1) is None and train.format_mfu(None) == "n/a"
-    peak, why = train.device_peak_flops(123e12, torch.device("cuda"), torch.bfloat16)  # the setting overrides
-    assert peak == 123e12 and train.mfu(1e6, 1e5, peak, 2) == pytest.approx(1e11 / 246e12)
+    assert metrics.mfu(1e6, 1e5, peak, 1) is None and metrics.format_mfu(None) == "n/a"
+    peak, why = metrics.device_peak_flops(123e12, torch.device("cuda"), torch.bfloat16)  # the setting overrides
+    assert peak == 123e12 and metrics.mfu(1e6, 1e5, peak, 2) == pytest.approx(1e11 / 246e12)
 
 
 def test_cpu_peak_is_measured():
-    peak, why = train.device_peak_flops(0.0, torch.device("cpu"), torch.float32)
+    peak, why = metrics.device_peak_flops(0.0, torch.device("cpu"), torch.float32)
     assert peak > 1e8 and "measured" in why
 
 
@@ -180,10 +184,9 @@ def test_activation_checkpointing_keeps_fewer_activations():
 # --- train.py: the step, the fallback, the log ------------------------------------------------------------
 
 def tiny_run(tmp_path, **kw):
-    cfg = SimpleNamespace(**{**train.DEFAULTS, **TINY, "batch_size": 2, "out_dir": str(tmp_path / "out"),
+    cfg = SimpleNamespace(**{**settings.DEFAULTS, **TINY, "batch_size": 2, "out_dir": str(tmp_path / "out"),
                              "data_dir": None, **kw})
-    dev, ptdtype, layout, datasets, model_cfg, _ = train.setup(cfg, training=False)
-    return cfg, dev, ptdtype, layout, model_cfg
+    return cfg, train.setup(cfg, training=False)
 
 
 def test_compile_failure_falls_back_to_eager_with_a_log_line(tmp_path, monkeypatch, capsys):
@@ -191,15 +194,14 @@ def test_compile_failure_falls_back_to_eager_with_a_log_line(tmp_path, monkeypat
         def forward(self, *args):
             raise RuntimeError("backend compiler failed: no C compiler here\nlong traceback")
     monkeypatch.setattr(torch, "compile", lambda m, **kw: FailsWhenCalled())
-    cfg, dev, ptdtype, layout, model_cfg = tiny_run(tmp_path, compile=True)
     micro = [(torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32)))]
     results = []
     for compiled in (True, False):
-        model, optimizer, autocast, scaler = train.build(cfg, dev, ptdtype, layout, model_cfg)
-        step_model = train.compile_model(model, cfg, layout) if compiled else model
-        loss, _, step_model = train.train_step(cfg, layout, model, step_model, optimizer, scaler, autocast, micro, 1e-3)
-        assert step_model is model
-        results.append((loss, [p.detach().clone() for p in model.parameters()]))
+        cfg, run = tiny_run(tmp_path, compile=compiled)
+        parts = train.build(cfg, run)
+        loss, _ = train.train_step(cfg, run.layout, parts, micro, 1e-3)
+        assert parts.step_model is parts.model
+        results.append((loss, [p.detach().clone() for p in parts.model.parameters()]))
     assert "torch.compile failed (RuntimeError: backend compiler failed: no C compiler here); continuing without it" \
         in capsys.readouterr().out
     assert torch.equal(results[0][0], results[1][0])
@@ -207,16 +209,33 @@ def test_compile_failure_falls_back_to_eager_with_a_log_line(tmp_path, monkeypat
         assert torch.equal(a, b)
 
 
-def test_train_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch):
-    """fp32 and bf16 steps never call .item(): the host can run ahead of the GPU (only fp16 must look)."""
-    cfg, dev, ptdtype, layout, model_cfg = tiny_run(tmp_path)
-    model, optimizer, autocast, scaler = train.build(cfg, dev, ptdtype, layout, model_cfg)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_train_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch, dtype):
+    """fp32 and bf16 steps never read a tensor back to the host (.item(), float(), int(), bool(), .tolist(),
+    .numpy()): the host can run ahead of the GPU (only fp16 must look). The dense model here has none; the
+    one read-back allowed anywhere is MoE's expert counts (MixtureOfExperts.forward, for the split sizes)."""
+    cfg, run = tiny_run(tmp_path, dtype=dtype)
+    parts = train.build(cfg, run)
     micro = [(torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32)))]
 
-    def item(self):
+    def read_back(self, *args, **kwargs):
         raise AssertionError("host-device sync inside the training step")
-    monkeypatch.setattr(torch.Tensor, "item", item)
-    train.train_step(cfg, layout, model, model, optimizer, scaler, autocast, micro, 1e-3)
+    for name in ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, read_back)
+    train.train_step(cfg, run.layout, parts, micro, 1e-3)
+
+
+def test_the_read_back_check_catches_each_kind_of_read(monkeypatch):
+    """The check above could not pass by accident: each way of reading a tensor back trips it."""
+    def read_back(self, *args, **kwargs):
+        raise AssertionError("host-device sync")
+    for name in ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, read_back)
+    t = torch.ones(())
+    for read in (lambda: t.item(), lambda: t.tolist(), lambda: float(t), lambda: int(t), lambda: bool(t),
+                 lambda: t.numpy(), lambda: [0, 1][t.long()]):
+        with pytest.raises(AssertionError, match="host-device sync"):
+            read()
 
 
 def test_training_log_has_mfu_and_peak_memory(tmp_path):

@@ -13,6 +13,7 @@ import struct
 import pytest
 
 import plot
+import metrics
 import train
 from dist_utils import make_token_data, run_train
 
@@ -98,7 +99,7 @@ def test_the_progress_line_shows_the_eta(logged_run):
 
 
 def test_format_duration():
-    assert [train.format_duration(s) for s in (7, 95, 3725, 90000)] == ["7s", "1m35s", "1h02m", "25h00m"]
+    assert [metrics.format_duration(s) for s in (7, 95, 3725, 90000)] == ["7s", "1m35s", "1h02m", "25h00m"]
 
 
 @pytest.mark.parametrize("flag,package", [("wandb_log", "wandb"), ("tensorboard_log", "tensorboard")])

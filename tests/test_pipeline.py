@@ -9,8 +9,8 @@ import torch.nn as nn
 import train
 from dist_utils import gather_full, make_token_data, run_ranks, run_train, train_losses
 from model import ModelConfig, Transformer, check_layout
-from parallel import (SCHEDULES, ParallelLayout, PipelineComm, all_forward_all_backward, all_reduce_tied_grad,
-                      bubble_fraction, format_timeline, one_f_one_b, schedule_timeline, tied_embedding_group)
+from parallel import (SCHEDULES, ParallelLayout, PipelineComm, bubble_fraction, format_timeline, run_schedule,
+                      schedule_timeline, sync_tied_grads, tied_weight_group)
 
 CFG = ModelConfig(vocab_size=512, block_size=16, n_layer=6, n_head=4, n_kv_head=2, n_embd=64)
 SEED, M, BATCH = 1234, 8, 2
@@ -124,19 +124,22 @@ class _Held:
 
 
 def _stage_step(layout, schedule, m, aux=False):
-    """One step of this rank's stage; returns its loss part, full grads by (init) name, peak saved bytes and
-    the set_grad_sync calls."""
+    """One step of this rank's stage; returns its loss part, full grads by (original) name, peak saved bytes
+    and the set_grad_sync calls."""
     model = Transformer(CFG, layout.tp_group, layout.pp, layout.pp_rank)
     model.init_weights(SEED)
     comm = PipelineComm.from_layout(layout, CFG.n_embd, "cpu")
     syncs = []
+    actions = SCHEDULES[schedule](layout.pp, layout.pp_rank, m)
     with SavedActivations(model) as saved:
-        loss = schedule(WithAuxLoss(model) if aux else model, make_microbatches(m), comm, set_grad_sync=syncs.append)
-    group = tied_embedding_group(layout)
-    if group is not None:
-        all_reduce_tied_grad(model.tok_emb.weight if layout.is_first_stage else model.lm_head.weight, group)
+        loss = run_schedule(actions, WithAuxLoss(model) if aux else model, make_microbatches(m), comm,
+                            set_grad_sync=syncs.append)
+    group = tied_weight_group(layout, [0, layout.pp - 1])
+    copies = [model.tok_emb.weight] if layout.is_first_stage else [model.lm_head.weight] if layout.is_last_stage else []
+    sync_tied_grads(copies, group)
     # numpy: torch tensors would cross the result queue as shared memory, gone once the worker exits
-    grads = {getattr(p, "init_name", name): gather_full(p.grad, p, layout.tp_group).numpy()
+    originals = model.tied_copies()
+    grads = {originals.get(name, name): gather_full(p.grad, p, layout.tp_group).numpy()
              for name, p in model.named_parameters()}
     return {"loss": loss.item(), "grads": grads, "peak": saved.peak, "syncs": syncs}
 
@@ -144,14 +147,14 @@ def _stage_step(layout, schedule, m, aux=False):
 def _pipeline_worker(rank, world_size):
     out = {}
     pp4 = ParallelLayout(1, 1, 4, world_size, rank)
-    out["pp4_one_microbatch"] = _stage_step(pp4, all_forward_all_backward, 1)
-    out["pp4_afab"] = _stage_step(pp4, all_forward_all_backward, M)
-    out["pp4_1f1b"] = _stage_step(pp4, one_f_one_b, M)
-    out["pp4_1f1b_aux"] = _stage_step(pp4, one_f_one_b, M, aux=True)
-    out["pp4_1f1b_m2"] = _stage_step(pp4, one_f_one_b, 2)
+    out["pp4_one_microbatch"] = _stage_step(pp4, "afab", 1)
+    out["pp4_afab"] = _stage_step(pp4, "afab", M)
+    out["pp4_1f1b"] = _stage_step(pp4, "1f1b", M)
+    out["pp4_1f1b_aux"] = _stage_step(pp4, "1f1b", M, aux=True)
+    out["pp4_1f1b_m2"] = _stage_step(pp4, "1f1b", 2)
     pp2tp2 = ParallelLayout(1, 2, 2, world_size, rank)
-    out["pp2_tp2_afab"] = _stage_step(pp2tp2, all_forward_all_backward, M)
-    out["pp2_tp2_1f1b"] = _stage_step(pp2tp2, one_f_one_b, M)
+    out["pp2_tp2_afab"] = _stage_step(pp2tp2, "afab", M)
+    out["pp2_tp2_1f1b"] = _stage_step(pp2tp2, "1f1b", M)
     out["pp2_tp2_stage"] = pp2tp2.pp_rank
     return out
 

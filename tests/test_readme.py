@@ -4,12 +4,12 @@ import re
 
 from conftest import ROOT
 
-import train
+import settings
 
 
 def test_every_setting_is_in_the_readme_table():
     readme = (ROOT / "README.md").read_text()
-    missing = [k for k in train.DEFAULTS if not re.search(rf"^\| `{k}` \|", readme, re.M)]
+    missing = [k for k in settings.DEFAULTS if not re.search(rf"^\| `{k}` \|", readme, re.M)]
     assert not missing, f"settings missing from the README's settings table: {missing}"
 
 

@@ -27,7 +27,7 @@ from parallel import (ColumnParallelLinear, ParallelLayout, RowParallelLinear, c
 
 TOL = 1e-5  # fp32: max |tp - reference| / max |reference|, per tensor
 
-TINY = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=4, n_embd=64, attn_impl="sdpa")
+TINY = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=4, n_embd=64)
 MODEL_CONFIGS = {
     "llama_mha": dict(),  # the defaults: key/value heads split with the query heads
     # tp=2 splits the 2 key/value heads, tp=4 replicates them; vocab 520 pads to 576 / 640 / 768 at
@@ -97,7 +97,7 @@ def check_linears(group):
     weight and bias gradients."""
     g = torch.Generator().manual_seed(0)
     x_full = torch.randn(3, 5, 24, generator=g)
-    out = {}
+    out, fills = {}, {}
     for kind in ("column", "row"):
         ref = nn.Linear(24, 16, bias=True)
         with torch.no_grad():
@@ -107,9 +107,20 @@ def check_linears(group):
             layer = ColumnParallelLinear(24, 16, bias=True, group=group, gather_output=True)
         else:
             layer = RowParallelLinear(24, 16, bias=True, group=group, input_is_parallel=False)
-        with torch.no_grad():
-            layer.weight.copy_(shard_of(ref.weight, layer.weight))
-            layer.bias.copy_(shard_of(ref.bias, layer.bias))
+        # a layer fills itself from the full tensors, or from a reader of slices (as a safetensors file gives)
+        layer.load_full(ref.weight.detach(), ref.bias.detach())
+        if kind == "column":
+            twin = ColumnParallelLinear(24, 16, bias=True, group=group, gather_output=True)
+        else:
+            twin = RowParallelLinear(24, 16, bias=True, group=group, input_is_parallel=False)
+        reads = []
+        reader = lambda t: (lambda dim, start, size: reads.append(dim) or
+                            (t if dim is None else t.narrow(dim, start, size)).detach().clone())
+        twin.load_full(reader(ref.weight), reader(ref.bias))
+        fills[f"{kind}/reader_fill_equals_full_fill"] = (torch.equal(twin.weight, layer.weight) and
+                                                      torch.equal(twin.bias, layer.bias) and
+                                                      torch.equal(layer.weight, shard_of(ref.weight, layer.weight)))
+        fills[f"{kind}/reader_reads_only_slices"] = reads == [1 if kind == "row" else 0, None if kind == "row" else 0]
         upstream = torch.randn(3, 5, 16, generator=g)  # d loss / d y, the same on every rank
         x_ref, x = x_full.clone().requires_grad_(), x_full.clone().requires_grad_()
         y_ref, y = ref(x_ref), layer(x)
@@ -119,7 +130,7 @@ def check_linears(group):
         out[f"{kind}/input_grad"] = rel_err(x.grad, x_ref.grad)
         out[f"{kind}/weight_grad"] = rel_err(gather_full(layer.weight.grad, layer.weight, group), ref.weight.grad)
         out[f"{kind}/bias_grad"] = rel_err(gather_full(layer.bias.grad, layer.bias, group), ref.bias.grad)
-    return out
+    return out, fills
 
 
 def check_cross_entropy(group, vocab_size):
@@ -184,11 +195,39 @@ def check_model(group, overrides, seed=1234):
     return out
 
 
+def count_tp_bytes(group, overrides, batch_size=2):
+    """Bytes this rank puts into tensor-parallel collectives in one forward and backward, counted by
+    wrapping torch.distributed's collectives (parallel.py keeps no counter of its own)."""
+    cfg = ModelConfig(**{**TINY, **overrides})
+    model = Transformer(cfg, group)
+    model.init_weights(0)
+    x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=torch.Generator().manual_seed(0))
+    counted, real = {}, {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast")}
+
+    def counting(name):
+        def collective(first, *args, **kwargs):
+            tensor = args[0] if name == "all_gather" else first  # all_gather(outputs, input)
+            counted[name] = counted.get(name, 0) + tensor.numel() * tensor.element_size()
+            return real[name](first, *args, **kwargs)
+        return collective
+    try:
+        for name in real:
+            setattr(dist, name, counting(name))
+        _, loss = model(x, x)
+        loss.backward()
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    return counted
+
+
 def tp_checks(rank, world_size):
     group = ParallelLayout(1, world_size, 1, world_size, rank).tp_group
-    return {"primitives": check_primitives(group), "linears": check_linears(group),
+    linears, fills = check_linears(group)
+    return {"primitives": check_primitives(group), "linears": linears, "linear_fills": fills,
             "cross_entropy": {v: check_cross_entropy(group, v) for v in (500, 50)},
-            "model": {name: check_model(group, overrides) for name, overrides in MODEL_CONFIGS.items()}}
+            "model": {name: check_model(group, overrides) for name, overrides in MODEL_CONFIGS.items()},
+            "bytes": {name: count_tp_bytes(group, overrides) for name, overrides in MODEL_CONFIGS.items()}}
 
 
 # -----------------------------------------------------------------------------
@@ -225,6 +264,24 @@ def test_gather_and_scatter_along_the_last_dimension(tp_results):
 def test_column_and_row_parallel_linears_on_their_own_equal_nn_linear(tp_results):
     for errors in _every_rank(tp_results, "linears"):
         assert max(errors.values()) < TOL, errors
+
+
+def test_a_parallel_linear_fills_its_shard_from_a_full_tensor_or_a_reader_of_slices(tp_results):
+    for fills in _every_rank(tp_results, "linear_fills"):
+        assert all(fills.values()), fills
+
+
+def test_tp_bytes_per_step_equal_the_analytic_figure(tp_results):
+    """One f and one g per attention and per MLP, the embedding's g, the head's f, the loss's three
+    reductions of one number per token, and (tp not dividing n_kv_head) the replicated k/v weights' grads.
+    One f per projection instead of per sublayer would pass every other test while sending more."""
+    tp = len(tp_results)
+    for name, overrides in MODEL_CONFIGS.items():
+        cfg = ModelConfig(**{**TINY, **overrides})
+        for r in tp_results:
+            counted = r["bytes"][name]
+            assert counted.get("all_reduce") == analytic_tp_bytes(cfg, 2, tp), (name, counted)
+            assert "all_gather" not in counted and "broadcast" not in counted, (name, counted)
 
 
 def test_vocab_parallel_cross_entropy_equals_f_cross_entropy_with_ignored_targets(tp_results):
@@ -309,7 +366,7 @@ def test_train_py_stops_with_a_clean_error_when_tp_does_not_divide_the_heads(tmp
 # -----------------------------------------------------------------------------
 # Measurement, not a test:  PYTHONPATH=. python tests/test_tensor_parallel.py --measure
 # tokens/s of train.py at tp = 1, 2, 4, and the bytes each rank puts into tensor-parallel collectives per
-# step (parallel.tp_comm_bytes) against the analytic count.
+# step (count_tp_bytes) against the analytic count, at the size of config/tiny_fineweb.py.
 
 BENCH = dict(n_layer=4, n_head=4, n_kv_head=4, n_embd=128, block_size=256, vocab_size=50257)
 BENCH_BATCH = 8
@@ -326,17 +383,8 @@ def analytic_tp_bytes(cfg, batch_size, tp):
     return 4 * ((4 * cfg.n_layer + 2) * btc + 3 * batch_size * cfg.block_size + kv)
 
 
-def count_tp_bytes(rank, world_size, overrides, batch_size):
-    group = ParallelLayout(1, world_size, 1, world_size, rank).tp_group
-    cfg = ModelConfig(**{**TINY, **overrides})
-    model = Transformer(cfg, group)
-    model.init_weights(0)
-    x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=torch.Generator().manual_seed(0))
-    parallel.tp_comm_bytes = {}
-    _, loss = model(x, x)
-    loss.backward()
-    counted, parallel.tp_comm_bytes = parallel.tp_comm_bytes, None
-    return counted
+def measured_tp_bytes(rank, world_size, overrides, batch_size):
+    return count_tp_bytes(ParallelLayout(1, world_size, 1, world_size, rank).tp_group, overrides, batch_size)
 
 
 def time_steps(rank, world_size, overrides, batch_size, steps):
@@ -387,7 +435,7 @@ def measure(steps=8, log_interval=2):
     for name, overrides in (("MHA", {}), ("MQA", {"n_kv_head": 1})):
         cfg = ModelConfig(**{**TINY, **BENCH, **overrides})
         for tp in (2, 4):
-            counted = run_ranks(count_tp_bytes, tp, {**BENCH, **overrides}, BENCH_BATCH)[0]
+            counted = run_ranks(measured_tp_bytes, tp, {**BENCH, **overrides}, BENCH_BATCH)[0]
             expected = analytic_tp_bytes(cfg, BENCH_BATCH, tp)
             wire = 2 * (tp - 1) / tp * counted.get("all_reduce", 0)  # a ring all-reduce sends 2(p-1)/p of its buffer
             print(f"{name} tp={tp}: counted {counted} bytes per rank per step, analytic all_reduce {expected:,} "

@@ -13,6 +13,7 @@ from conftest import ROOT, shared_file
 from dist_utils import make_token_data, run_train, train_losses
 
 import configurator
+import settings
 import train
 from model import ModelConfig, Transformer
 
@@ -25,9 +26,9 @@ def token_dir(tmp_path_factory):
     return make_token_data(str(tmp_path_factory.mktemp("tokens")))
 
 
-def tiny_model(**kw):
+def tiny_model(attn_impl="sdpa", **kw):
     cfg = ModelConfig(**{**dict(vocab_size=101, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=64), **kw})
-    model = Transformer(cfg)
+    model = Transformer(cfg, attn_impl=attn_impl)
     model.init_weights(seed=0)
     return model
 
@@ -97,21 +98,21 @@ def test_generate_greedy_is_deterministic_and_extends_the_prompt():
 def test_config_file_and_overrides_apply_in_order(tmp_path):
     path = tmp_path / "c.py"
     path.write_text("import math\nn_layer = 6\nlearning_rate = 1e-3\nout_dir = 'x'\n")
-    cfg = configurator.configure(train.DEFAULTS, [str(path), "--n_layer=8", "--learning_rate=1", "--init_from=resume"])
+    cfg, _ = configurator.configure(settings.TRAINING, [str(path), "--n_layer=8", "--learning_rate=1", "--init_from=resume"])
     assert cfg["n_layer"] == 8 and cfg["learning_rate"] == 1.0 and isinstance(cfg["learning_rate"], float)
     assert cfg["out_dir"] == "x" and cfg["init_from"] == "resume"
 
 
 def test_unknown_key_names_the_key_and_close_matches():
     with pytest.raises(configurator.ConfigError, match=r"unknown config key 'n_layers'.*n_layer"):
-        configurator.configure(train.DEFAULTS, ["--n_layers=3"])
+        configurator.configure(settings.TRAINING, ["--n_layers=3"])
 
 
 def test_unknown_key_in_a_config_file_is_rejected(tmp_path):
     path = tmp_path / "c.py"
     path.write_text("batch_sise = 3\n")
     with pytest.raises(configurator.ConfigError, match="batch_sise.*batch_size"):
-        configurator.configure(train.DEFAULTS, [str(path)])
+        configurator.configure(settings.TRAINING, [str(path)])
 
 
 @pytest.mark.parametrize("arg,expected", [("--n_layer=2.5", "must be of type int"),
@@ -119,7 +120,7 @@ def test_unknown_key_in_a_config_file_is_rejected(tmp_path):
                                           ("--learning_rate=fast", "must be of type float")])
 def test_wrong_type_is_rejected(arg, expected):
     with pytest.raises(configurator.ConfigError, match=expected):
-        configurator.configure(train.DEFAULTS, [arg])
+        configurator.configure(settings.TRAINING, [arg])
 
 
 def test_command_line_error_is_a_clean_message(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import settings
 import train
 from configurator import configure
 from conftest import ROOT
@@ -20,7 +21,7 @@ from model import (Block, CausalSelfAttention, GeluMLP, MixtureOfExperts, ModelC
                    Transformer, apply_rope, causal_attention, causal_attention_scores, check_layout,
                    choose_attn_impl, expert_capacity_mask, flash_attn_available, make_norm, rope_cache)
 
-TINY = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=4, n_embd=64, attn_impl="eager")
+TINY = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=4, n_embd=64)
 MLA = dict(attention="mla", kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
 MOE = dict(n_expert=4, n_expert_per_token=2, n_shared_expert=1, router_z_loss_coef=1e-3, capacity_factor=1.0)
 # every variant alone, and two configs that combine them all (GQA and MLA cannot be combined)
@@ -46,9 +47,9 @@ def tiny_config(**overrides):
     return ModelConfig(**{**TINY, **overrides})
 
 
-def tiny_model(seed=0, **overrides):
+def tiny_model(seed=0, attn_impl="eager", **overrides):
     torch.manual_seed(seed)
-    m = Transformer(tiny_config(**overrides))
+    m = Transformer(tiny_config(**overrides), attn_impl=attn_impl)
     m.init_weights(seed)
     return m
 
@@ -460,7 +461,7 @@ def test_sdpa_refuses_a_softcap_naming_the_setting():
     with pytest.raises(ValueError, match="attn_softcap"):
         choose_attn_impl("sdpa", "cpu", torch.float32, 30.0)
     with pytest.raises(ValueError, match="attn_softcap"):
-        check_layout(tiny_config(attn_softcap=30.0, attn_impl="sdpa"))
+        Transformer(tiny_config(attn_softcap=30.0), attn_impl="sdpa")
 
 
 @pytest.mark.parametrize("dv", [8, 24])
@@ -496,15 +497,15 @@ def test_mla_does_not_need_n_embd_divisible_by_n_head():
 
 @pytest.mark.parametrize("name", ["llama_gqa", "mla", "moe", "gemma2_style", "parallel_block"])
 def test_variant_config_file_builds_a_model_that_runs(name):
-    cfg = SimpleNamespace(**configure(train.DEFAULTS, [str(ROOT / "config" / f"{name}.py")]))
+    cfg = SimpleNamespace(**configure(settings.TRAINING, [str(ROOT / "config" / f"{name}.py")])[0])
     text = (ROOT / "config" / f"{name}.py").read_text()
     assert text.startswith("#") and "train.py" in text  # a header saying what it shows and how to run it
     assert not re.search(r"^data_dir\s*=", text, re.M)  # model keys only: the default data applies
-    model_cfg = ModelConfig(**{f: getattr(cfg, f) for f in ModelConfig.__dataclass_fields__
-                               if f not in ("vocab_size", "attn_impl")}, vocab_size=512,
-                            attn_impl=choose_attn_impl(cfg.attn_impl, "cpu", torch.float32, cfg.attn_softcap)[0])
+    model_cfg = ModelConfig(**{f: getattr(cfg, f) for f in ModelConfig.__dataclass_fields__ if f != "vocab_size"},
+                            vocab_size=512)
     check_layout(model_cfg, tp=2)
-    m = Transformer(model_cfg)
+    m = Transformer(model_cfg, attn_impl=choose_attn_impl(cfg.attn_impl, "cpu", torch.float32, cfg.attn_softcap)[0],
+                    chunked_loss=cfg.chunked_loss)
     m.init_weights(0)
     x = tokens(1, 16)
     logits, _ = m(x)

@@ -25,7 +25,7 @@ def compare_variants_at_tp2(rank, world_size):
     results = {}
     for name, overrides in TP_VARIANTS.items():
         cfg = tiny_config(**overrides)
-        full, split = Transformer(cfg), Transformer(cfg, tp_group=group)
+        full, split = Transformer(cfg, attn_impl="eager"), Transformer(cfg, tp_group=group, attn_impl="eager")
         full.init_weights(7)
         split.init_weights(7)
         x, y = tokens(seed=1), tokens(seed=2)

@@ -1,0 +1,276 @@
+"""
+What a training run measures, and where the measurements go. train.py and bench.py both use it.
+
+  1. FLOPs per token of a model config (the numerator of MFU).
+  2. The device's peak FLOP/s: a table of GPU datasheet figures, or a measured matmul probe on CPU.
+  3. MFU and peak memory.
+  4. The log: metrics.jsonl (always), and the optional W&B and TensorBoard backends, imported only when a
+     run asks for them.
+"""
+import functools
+import json
+import math
+import os
+import re
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from model import MixtureOfExperts, mlp_hidden_size
+from parallel import full_shape_of
+
+
+# -----------------------------------------------------------------------------
+# 1. FLOPs per token
+
+
+def flops_per_token(cfg):
+    """Training FLOPs per token: 6 per matmul weight a token passes through (2 forward, 4 backward), plus
+    the attention scores and their weighted sum, 6 * n_layer * block_size * n_head * (qk_dim + v_dim)
+    (Kaplan et al. 2020, table 1; PaLM appendix B; with qk_dim = v_dim = head_dim this is the familiar
+    12 * L * H * D * T). Counts only the weights a token uses: the head but not the embedding lookup, and in a
+    Mixture-of-Experts layer the router plus the shared and top-k experts. Norms, RoPE and softmax are left
+    out, as is usual."""
+    C, H, T = cfg.n_embd, cfg.n_head, cfg.block_size
+    if cfg.attention == "mla":  # DeepSeek-V2 multi-head latent attention
+        nope, rope, v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        qk_dim, q_lora = nope + rope, cfg.q_lora_rank
+        q = C * q_lora + q_lora * H * qk_dim if q_lora > 0 else C * H * qk_dim
+        attn = q + C * (cfg.kv_lora_rank + rope) + cfg.kv_lora_rank * H * (nope + v_dim) + H * v_dim * C
+    else:  # multi-head, grouped-query or multi-query attention
+        qk_dim = v_dim = C // H
+        attn = C * H * qk_dim + 2 * C * cfg.n_kv_head * qk_dim + H * v_dim * C
+    if cfg.mlp == "gelu":
+        mlp = 2 * C * 4 * C
+    else:
+        mlp = 3 * C * mlp_hidden_size(cfg)
+    if cfg.n_expert > 0:
+        mlp = C * cfg.n_expert + (cfg.n_expert_per_token + cfg.n_shared_expert) * mlp
+    matmul_weights = cfg.n_layer * (attn + mlp) + C * cfg.vocab_size
+    return 6 * matmul_weights + 6 * cfg.n_layer * T * H * (qk_dim + v_dim)
+
+
+def full_param_count(model, layout):
+    """Parameters of the whole model (vocabulary padding included), whatever the layout: each rank counts
+    the full tensors of its stage (a tied copy once), and every dp x tp replica of a stage counts them."""
+    copies = model.tied_copies()
+    n = torch.tensor(float(sum(math.prod(full_shape_of(p)) for name, p in model.named_parameters()
+                               if name not in copies)))
+    if layout.world_size > 1:
+        dist.all_reduce(n)
+        n /= layout.dp * layout.tp
+    return int(n)
+
+
+# -----------------------------------------------------------------------------
+# 2. The peak, 3. MFU and memory
+#
+# MFU = model FLOPs per second / the devices' peak FLOP/s (PaLM, Chowdhery et al. 2022, appendix B). The
+# model's FLOPs per token come from flops_per_token above; the peak from the table below, the peak_flops
+# setting, or on CPU a short matmul probe.
+
+# Dense (no sparsity) peak FLOP/s as (bf16, fp16, fp32) from NVIDIA's datasheets; None: no such tensor-core
+# path. bf16/fp16 are tensor-core figures with fp32 accumulation (what PyTorch uses; GeForce cards run that at
+# half their fp16-accumulate rate, i.e. twice their fp32 rate); fp32 is plain fp32, not TF32. Matched against
+# torch.cuda.get_device_name() in order, so longer names come before their prefixes; GeForce names must end
+# there (a "Laptop GPU" or "SUPER" is another chip and is left unknown rather than guessed).
+GPU_PEAK_FLOPS = [
+    (r"H200 NVL", 835e12, 835e12, 60e12),
+    (r"H200", 989e12, 989e12, 67e12),
+    (r"H100 NVL", 835e12, 835e12, 60e12),
+    (r"H100 PCIe", 756e12, 756e12, 51e12),
+    (r"H100", 989e12, 989e12, 67e12),  # SXM
+    (r"A100", 312e12, 312e12, 19.5e12),
+    (r"L40S", 362e12, 362e12, 91.6e12),
+    (r"L40\b", 181e12, 181e12, 90.5e12),
+    (r"L4\b", 121e12, 121e12, 30.3e12),
+    (r"A10\b", 125e12, 125e12, 31.2e12),
+    (r"V100S", None, 130e12, 16.4e12),
+    (r"V100-PCIE", None, 112e12, 14e12),
+    (r"V100", None, 125e12, 15.7e12),  # SXM2
+    (r"T4\b", None, 65e12, 8.1e12),
+    (r"RTX 4090$", 165.2e12, 165.2e12, 82.6e12),
+    (r"RTX 4080$", 97.5e12, 97.5e12, 48.7e12),
+    (r"RTX 4070 Ti$", 80.2e12, 80.2e12, 40.1e12),
+    (r"RTX 4070$", 58.3e12, 58.3e12, 29.1e12),
+    (r"RTX 4060 Ti$", 44.1e12, 44.1e12, 22.1e12),
+    (r"RTX 4060$", 30.2e12, 30.2e12, 15.1e12),
+    (r"RTX 3090 Ti$", 80e12, 80e12, 40e12),
+    (r"RTX 3090$", 71e12, 71e12, 35.6e12),
+    (r"RTX 3080 Ti$", 68.2e12, 68.2e12, 34.1e12),
+    (r"RTX 3080$", 59.5e12, 59.5e12, 29.8e12),
+    (r"RTX 3070 Ti$", 43.5e12, 43.5e12, 21.7e12),
+    (r"RTX 3070$", 40.6e12, 40.6e12, 20.3e12),
+    (r"RTX 3060 Ti$", 32.4e12, 32.4e12, 16.2e12),
+    (r"RTX 3060$", 25.4e12, 25.4e12, 12.7e12),
+]
+
+
+def gpu_peak_flops(device_name, dtype):
+    """The table's peak FLOP/s for this GPU name and dtype, or None when the GPU (or the dtype on it) is unknown."""
+    column = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}[dtype]
+    for row in GPU_PEAK_FLOPS:
+        if re.search(row[0], device_name.strip()):
+            return row[column]
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def measure_cpu_peak_flops(dtype, sizes=(512, 1024), repeats=3):
+    """The best FLOP/s of a few square matmuls in dtype with this process's threads: about what the model's
+    own matmuls can reach here (there is no table for CPUs). Measured once per process and dtype."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a @ b  # warm-up: thread pool, kernel selection
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - start))
+    return best
+
+
+def device_peak_flops(setting, dev, dtype):
+    """(peak FLOP/s of one device, where it comes from), or (None, why) when it is not known: MFU is then
+    reported as not available rather than guessed.
+
+    On CPU the peak is measured in the run's dtype and in fp32, and the larger counts: under bf16 autocast
+    some operations stay in fp32, so a run can go faster than a slow bf16 kernel alone, and MFU must not
+    pass 100%. Where the run's dtype is slower than fp32 (no native bf16 on this CPU), `why` says so."""
+    if setting > 0:
+        return setting, "the peak_flops setting"
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+        peak = gpu_peak_flops(name, dtype)
+        if peak is None:
+            return None, f"no peak figure for {name} in {str(dtype).replace('torch.', '')}: set --peak_flops"
+        return peak, f"{name}, datasheet"
+    if dev.type == "cpu":
+        threads = torch.get_num_threads()
+        fp32 = measure_cpu_peak_flops(torch.float32)
+        if dtype == torch.float32:
+            return fp32, f"measured: best square fp32 matmul, {threads} threads"
+        own, name = measure_cpu_peak_flops(dtype), str(dtype).replace("torch.", "")
+        why = f"measured: best square matmul in {name} and fp32, {threads} threads"
+        if own < fp32:
+            why += (f"; note: {name} has no fast matmul kernel on this CPU ({own / 1e9:.0f} GFLOP/s against "
+                    f"{fp32 / 1e9:.0f} in float32): --dtype=float32 is faster here")
+        return max(own, fp32), why
+    return None, f"no peak figure for device type {dev.type}: set --peak_flops"
+
+
+def mfu(flops_per_token, tokens_per_sec, peak, n_devices):
+    """Model FLOPs utilisation of n_devices, or None when the peak is unknown."""
+    return flops_per_token * tokens_per_sec / (peak * n_devices) if peak else None
+
+
+def format_mfu(value):
+    return f"{100 * value:.1f}%" if value is not None else "n/a"
+
+
+def peak_memory_bytes(dev, layout):
+    """The most memory any rank has held: the CUDA allocator's peak on GPU, the process's peak resident set
+    (max RSS) on CPU. An all-reduce when there are several ranks."""
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(dev)
+    else:  # ru_maxrss is in KiB on Linux, in bytes on macOS
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    if layout.world_size > 1:
+        peak = torch.tensor(peak, dtype=torch.int64, device=dev)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        peak = int(peak.item())
+    return peak
+
+
+# -----------------------------------------------------------------------------
+# 4. The log
+
+
+class MetricsLog:
+    """One JSON object per line in <out_dir>/metrics.jsonl, written by rank 0. On resume, the lines of
+    steps after the checkpoint (from the crashed run) are dropped, so the file reads as one run. Every
+    record also goes to the backends given (W&B, TensorBoard: see open_log_backends), on rank 0 only."""
+
+    def __init__(self, out_dir, rank, resume_step=None, backends=()):
+        self.backends = list(backends) if rank == 0 else []
+        self.path = os.path.join(out_dir, "metrics.jsonl") if rank == 0 else None
+        if self.path and resume_step is not None and os.path.exists(self.path):
+            with open(self.path) as f:
+                keep = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+            with open(self.path, "w") as f:
+                f.writelines(keep)
+        elif self.path:
+            open(self.path, "w").close()
+
+    def write(self, record):
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        for backend in self.backends:
+            backend.log(record)
+
+    def close(self):
+        for backend in self.backends:
+            backend.close()
+
+
+class WandbLog:
+    def __init__(self, cfg):
+        import wandb  # optional: imported only when wandb_log is set (setup() checked it is installed)
+        self.run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=vars(cfg))
+
+    def log(self, record):
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self):
+        self.run.finish()
+
+
+class TensorBoardLog:
+    def __init__(self, log_dir):
+        from torch.utils.tensorboard import SummaryWriter  # optional: needs the tensorboard package
+        self.writer = SummaryWriter(log_dir)
+
+    def log(self, record):
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)):  # scalars only: TensorBoard plots numbers
+                self.writer.add_scalar(k, v, record["step"])
+        self.writer.flush()  # once per log interval: a crash loses nothing that metrics.jsonl has
+
+    def close(self):
+        self.writer.close()
+
+
+def open_log_backends(cfg):
+    """The optional logging backends the settings ask for (call on rank 0 only)."""
+    backends = [WandbLog(cfg)] if cfg.wandb_log else []
+    if cfg.tensorboard_log:
+        backends.append(TensorBoardLog(os.path.join(cfg.out_dir, "tensorboard")))
+    return backends
+
+
+def moe_metrics(model, layout):
+    """MoE statistics of the step's last micro-batch, for the log: aux_loss, the weighted auxiliary loss
+    that was added to the training loss (summed over the MoE layers, mean over data-parallel ranks), and
+    moe_dropped_frac, the fraction of token-to-expert assignments dropped for capacity (mean over layers
+    and ranks). Every rank joins the all-reduce; each stage's layers are held by dp * tp ranks."""
+    dev = next(model.parameters()).device
+    stats = torch.zeros(3, device=dev)
+    for m in model.modules():
+        if isinstance(m, MixtureOfExperts) and m.aux_loss is not None:
+            stats += torch.stack([m.aux_loss.detach().float(), m.last_dropped_frac.float(), torch.ones((), device=dev)])
+    if layout.world_size > 1:
+        dist.all_reduce(stats)
+    return {"aux_loss": (stats[0] / (layout.dp * layout.tp)).item(),
+            "moe_dropped_frac": (stats[1] / stats[2].clamp(min=1)).item()}
+
+
+def format_duration(seconds):
+    """3725 -> '1h02m', 95 -> '1m35s', 7 -> '7s'."""
+    s = int(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"

@@ -1,0 +1,174 @@
+"""
+Every setting of a training run, in one place: its default and what it means. train.py and bench.py take
+them, make_config.py writes them into a commented config, `python train.py --help` lists them, and the
+README's table shows them. A config file (config/*.py) is plain assignments of these names; --key=value on
+the command line overrides any of them (configurator.py).
+
+Each setting also says what resuming a run (init_from='resume') does with it, one rule for all of them:
+    refuse    the architecture: the checkpoint's weights mean nothing under another value, so a different
+              value stops the run, naming the setting and both values
+    allow     a deliberate change that is safe: the run's length and schedule, the layout, logging, the
+              hardware, the context length and rope_theta (for a context extension); the change is printed
+    inherit   everything else (the data, the batch, the optimizer): the checkpoint's value, unless the
+              command line or a config file gives another, which is printed
+Whatever the kind, a setting left out takes the checkpoint's value, not the default here (resuming without
+the config file continues the same run); a key that an older checkpoint lacks takes its default. out_dir
+and init_from are how this launch finds the checkpoint, never taken from it.
+"""
+from configurator import ConfigError, Setting, section
+
+TRAINING = [
+    *section(
+        "I/O",
+        Setting("out_dir", "out", "checkpoints and metrics.jsonl go here", resume="allow"),
+        Setting("data_dir", "data/fineweb_edu", "train.bin, val.bin and meta.json from prepare_data.py"),
+        Setting("init_from", "scratch", "'scratch' or 'resume' (from the newest complete checkpoint in out_dir)",
+                resume="allow"),
+        Setting("seed", 1337, "fixes the initial weights and the data order (a pure function of seed and step)"),
+        Setting("log_interval", 10, "steps between log lines (each one reads the loss back: a host-device sync)",
+                resume="allow"),
+        Setting("eval_interval", 100, "steps between evaluations of train/val loss (0 = never)", resume="allow"),
+        Setting("eval_iters", 20, "batches per evaluation (the same fixed batches every time)", resume="allow"),
+        Setting("checkpoint_interval", 100, "steps between checkpoints, plus one at the end (0 = never)",
+                resume="allow"),
+        Setting("keep_last_n", 3, "complete checkpoints kept in out_dir (0 keeps all)", resume="allow"),
+    ),
+    *section(
+        "logging: metrics.jsonl always; these optional backends get the same records",
+        Setting("wandb_log", False, "Weights & Biases (pip install wandb; WANDB_MODE=offline works without a network)",
+                resume="allow"),
+        Setting("wandb_project", "picotron", "W&B project", resume="allow"),
+        Setting("wandb_run_name", "picotron", "W&B run name", resume="allow"),
+        Setting("tensorboard_log", False, "event files in <out_dir>/tensorboard (pip install tensorboard)",
+                resume="allow"),
+    ),
+    *section(
+        "hardware and how the model runs on it",
+        Setting("device", "auto", "'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...", resume="allow"),
+        Setting("dtype", "auto", "'auto' (bf16 on Ampere+, fp16 before, fp32 on CPU), 'float32', 'bfloat16', "
+                "'float16'", resume="allow"),
+        Setting("attn_impl", "auto", "'auto', 'sdpa', 'flash', 'eager'", resume="allow"),
+        Setting("compile", False, "torch.compile the model (falls back to eager, with a log line, where compiling "
+                "fails)", resume="allow"),
+        Setting("activation_checkpointing", False, "recompute each block's activations in backward: less memory, "
+                "~1/3 more compute", resume="allow"),
+        Setting("chunked_loss", True, "tp=1: the loss a chunk of tokens at a time, never the whole (tokens, vocab) "
+                "logits", resume="allow"),
+        Setting("peak_flops", 0.0, "the device's peak FLOP/s for MFU; 0 = from the GPU table, or measured on CPU",
+                resume="allow"),
+    ),
+    *section(
+        "model",
+        Setting("n_layer", 4, "transformer blocks", resume="refuse"),
+        Setting("n_head", 4, "query heads", resume="refuse"),
+        Setting("n_kv_head", 4, "key/value heads: n_head is MHA, fewer is GQA, 1 is MQA", resume="refuse"),
+        Setting("n_embd", 128, "model width", resume="refuse"),
+        Setting("block_size", 256, "context length in tokens", resume="allow"),
+        Setting("vocab_size", None, "from the data's meta.json unless set", type=int, resume="refuse"),
+        Setting("tie_embeddings", True, "the output head shares the token embedding matrix", resume="refuse"),
+        Setting("rope_theta", 10000.0, "RoPE base frequency", resume="allow"),
+        Setting("norm_eps", 1e-5, "epsilon of the norms", resume="refuse"),
+    ),
+    *section(
+        "model variants (model.py explains each, with its paper)",
+        Setting("attention", "mha", "'mha' (n_kv_head < n_head makes it GQA, 1 MQA) or 'mla' (DeepSeek-V2 latent "
+                "attention)", resume="refuse"),
+        Setting("kv_lora_rank", 64, "mla: width of the compressed key/value latent that a KV cache would store",
+                resume="refuse"),
+        Setting("q_lora_rank", 0, "mla: width of the compressed query latent; 0 = full-rank queries", resume="refuse"),
+        Setting("qk_rope_head_dim", 16, "mla: query/key dims per head that carry RoPE (the key part is shared by "
+                "all heads)", resume="refuse"),
+        Setting("qk_nope_head_dim", 32, "mla: query/key dims per head without positions", resume="refuse"),
+        Setting("v_head_dim", 32, "mla: value dims per head", resume="refuse"),
+        Setting("qk_norm", False, "RMSNorm on each query and key head before RoPE", resume="refuse"),
+        Setting("attn_softcap", 0.0, "cap * tanh(score / cap) on attention scores (Gemma 2: 50); 0 = off; not on "
+                "SDPA", resume="refuse"),
+        Setting("final_softcap", 0.0, "the same on the output logits (Gemma 2: 30); 0 = off", resume="refuse"),
+        Setting("parallel_block", False, "x + attn(norm(x)) + mlp(norm(x)) (GPT-J, PaLM) instead of one after the "
+                "other", resume="refuse"),
+        Setting("norm", "rmsnorm", "'rmsnorm' or 'layernorm'", resume="refuse"),
+        Setting("mlp", "swiglu", "'swiglu' (hidden ~8/3 n_embd) or 'gelu' (hidden 4 n_embd, GPT-2)", resume="refuse"),
+        Setting("bias", False, "biases in the attention and MLP linears and in LayerNorm", resume="refuse"),
+        Setting("n_expert", 0, "Mixture-of-Experts: routed experts per MLP layer; 0 = dense MLP", resume="refuse"),
+        Setting("n_expert_per_token", 2, "top-k: experts each token is sent to", resume="refuse"),
+        Setting("capacity_factor", 1.25, "an expert takes at most ceil(capacity_factor * tokens * k / n_expert) "
+                "tokens"),
+        Setting("aux_loss_coef", 0.01, "weight of each MoE layer's load-balancing loss (Switch Transformer)"),
+        Setting("n_shared_expert", 0, "experts every token also goes through (DeepSeekMoE)", resume="refuse"),
+        Setting("router_z_loss_coef", 0.0, "weight of the router z-loss (ST-MoE used 1e-3); 0 = off"),
+    ),
+    *section(
+        "batch: one step sees batch_size * gradient_accumulation_steps * dp windows of block_size tokens",
+        Setting("batch_size", 8, "micro-batch per data-parallel rank"),
+        Setting("gradient_accumulation_steps", 1, "micro-batches per step (the pipeline's microbatches when pp > 1)"),
+    ),
+    *section(
+        "AdamW and the learning-rate schedule: linear warmup, then cosine decay to min_lr",
+        Setting("max_iters", 1000, "optimizer steps in the run", resume="allow"),
+        Setting("learning_rate", 1e-3, "peak learning rate, reached after warmup", resume="allow"),
+        Setting("min_lr", 1e-4, "learning rate at the end of the cosine decay", resume="allow"),
+        Setting("warmup_iters", 50, "steps of linear warmup", resume="allow"),
+        Setting("lr_decay_iters", 1000, "step where the cosine decay reaches min_lr (usually max_iters)",
+                resume="allow"),
+        Setting("weight_decay", 0.1, "AdamW decoupled weight decay, on matrices only (not norms, biases)"),
+        Setting("beta1", 0.9, "AdamW beta1"),
+        Setting("beta2", 0.95, "AdamW beta2"),
+        Setting("grad_clip", 1.0, "clip the global gradient norm to this (0 disables)"),
+    ),
+    *section(
+        "parallelism: dp * tp * pp processes",
+        Setting("dp", 0, "data-parallel ranks; 0 means world_size / (tp * pp)", resume="allow"),
+        Setting("tp", 1, "tensor-parallel ranks", resume="allow"),
+        Setting("pp", 1, "pipeline stages", resume="allow"),
+        Setting("pp_schedule", "1f1b", "'1f1b' or 'afab'", resume="allow"),
+        Setting("zero_stage", 0, "1 shards the optimizer states across data-parallel ranks", resume="allow"),
+        Setting("bucket_size_mb", 25.0, "data-parallel gradients are averaged in buckets of about this size",
+                resume="allow"),
+    ),
+]
+
+DEFAULTS = {s.name: s.default for s in TRAINING}
+
+# sizes and intervals that must be positive (or at least zero): a zero batch or a negative interval would
+# otherwise fail far from its cause, or silently do nothing
+POSITIVE = ("batch_size", "block_size", "gradient_accumulation_steps", "log_interval", "max_iters", "eval_iters",
+            "n_layer", "n_head", "n_kv_head", "n_embd", "tp", "pp", "learning_rate", "bucket_size_mb")
+NOT_NEGATIVE = ("eval_interval", "checkpoint_interval", "keep_last_n", "warmup_iters", "lr_decay_iters", "min_lr",
+                "dp", "weight_decay", "grad_clip", "peak_flops", "n_expert", "n_shared_expert", "zero_stage")
+
+
+def check_values(values):
+    """The value rules no type can say: sizes and intervals in range, a non-empty out_dir."""
+    problems = [f"{k} = {values[k]} must be positive" for k in POSITIVE if values[k] <= 0]
+    problems += [f"{k} = {values[k]} must not be negative" for k in NOT_NEGATIVE if values[k] < 0]
+    if values["vocab_size"] is not None and values["vocab_size"] <= 0:
+        problems.append(f"vocab_size = {values['vocab_size']} must be positive (or None: from meta.json)")
+    if not values["out_dir"].strip():
+        problems.append("out_dir is empty: name the folder the run writes to")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def resume_values(values, given, saved):
+    """The settings of a resumed run: `values` as configured now, `given` the names the user set, `saved`
+    the settings in the checkpoint. Returns (values, notes to print); raises ConfigError naming every
+    refused change."""
+    values, notes, refused = dict(values), [], []
+    for s in TRAINING:
+        if s.name in ("out_dir", "init_from") or s.name not in saved:
+            continue
+        old = saved[s.name]
+        if s.name not in given:
+            values[s.name] = old
+        elif values[s.name] != old:
+            new = values[s.name]
+            if s.resume == "refuse":
+                refused.append(f"{s.name} = {new!r} (the checkpoint has {old!r})")
+            else:
+                notes.append(f"resume: {s.name} = {new!r}, the checkpoint's was {old!r}"
+                             + (" (the run's recipe changes)" if s.resume == "inherit" else ""))
+    if refused:
+        raise ConfigError("the checkpoint was trained with another architecture: " + "; ".join(refused) +
+                          ". Leave these settings out to resume it as it is, or start a new run with "
+                          "--init_from=scratch and another --out_dir")
+    return values, notes
