@@ -22,10 +22,16 @@ tokens exactly: reading stops there and the last document is cut short, without 
 The corpus is read in batches of documents, the batches are tokenized on all cores, and each is appended
 to the open output files as it comes back, so memory stays flat however large the corpus is. The bins are
 written under temporary names and meta.json comes last: a directory with a meta.json is complete.
+
+Bad input (a missing path, an empty, malformed or non-UTF-8 file, a wrong --text_field, a hub or tokenizer
+download that fails offline) ends in one line, `error: ...`, that names the file or setting and what to do;
+out_dir is left as it was, with no temporary files and an earlier run's output untouched.
 """
 import argparse
 import glob
+import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -35,6 +41,7 @@ from multiprocessing import Pool
 
 import datasets
 import numpy as np
+import pyarrow  # datasets reads json and parquet files with pyarrow, and lets its errors through
 import tiktoken
 
 try:
@@ -54,7 +61,23 @@ def get_encoding(name):
     names = tiktoken.list_encoding_names()
     if name not in names:
         raise ValueError(f"unknown tokenizer {name!r}: --tokenizer must name a tiktoken encoding, one of {', '.join(names)}")
-    return tiktoken.get_encoding(name)
+    try:
+        return tiktoken.get_encoding(name)
+    except OSError as e:
+        # tiktoken downloads an encoding's files on first use and keeps them in TIKTOKEN_CACHE_DIR, each named
+        # by the sha1 of its URL. The download's errors (requests' ConnectionError, HTTPError) are OSErrors
+        # that carry the request; any other OSError (say, an unwritable cache) already names its path.
+        url = getattr(getattr(e, 'request', None), 'url', None)
+        if url is None:
+            raise
+        cache_dir = os.environ.get('TIKTOKEN_CACHE_DIR')
+        cache = f"TIKTOKEN_CACHE_DIR={cache_dir!r} holds no copy of it" if cache_dir else \
+            f"TIKTOKEN_CACHE_DIR is {'empty' if cache_dir == '' else 'not set'}"
+        raise ConnectionError(
+            f"--tokenizer={name}: tiktoken could not download {url} ({type(e).__name__}), and {cache}. Offline, set "
+            f"TIKTOKEN_CACHE_DIR to a directory holding the encoding's files, each named by the sha1 of its URL "
+            f"(this one: {hashlib.sha1(url.encode()).hexdigest()}); one filled by a run with network access will do"
+        ) from e
 
 def token_dtype(n_vocab):
     # ids run from 0 to n_vocab-1, so 16 bits hold any vocabulary of up to 2**16 tokens (GPT-2 has 50,257)
@@ -81,42 +104,105 @@ def tokenize_batch(texts):
 
 def local_files(dataset):
     """(builder, sorted file list) when `dataset` names local files, None when it names a hub dataset."""
+    kinds = ', '.join(LOCAL_BUILDERS)
+    is_glob = any(c in dataset for c in '*?[')
     if os.path.isdir(dataset):
         files = glob.glob(os.path.join(dataset, '**', '*'), recursive=True)
-    elif os.path.splitext(dataset)[1] in LOCAL_BUILDERS or any(c in dataset for c in '*?['):
+    elif os.path.splitext(dataset)[1] in LOCAL_BUILDERS or is_glob:
         files = glob.glob(dataset, recursive=True)
     elif os.path.exists(dataset):
-        raise ValueError(f"--dataset={dataset!r} is a file of a type this script does not read; use {', '.join(LOCAL_BUILDERS)}")
+        raise ValueError(f"--dataset={dataset!r} is a file of a type this script does not read; use {kinds}")
     elif '/' not in dataset or dataset.startswith(('.', '/')):
         raise FileNotFoundError(f"--dataset={dataset!r}: no such file or directory, and not a hub dataset name (owner/name)")
     else:
         return None
     files = sorted(f for f in files if os.path.isfile(f) and os.path.splitext(f)[1] in LOCAL_BUILDERS)
     if not files:
-        raise FileNotFoundError(f"--dataset={dataset!r}: no {', '.join(LOCAL_BUILDERS)} file found there")
+        if os.path.isdir(dataset):
+            raise FileNotFoundError(f"--dataset={dataset!r} is a directory with no {kinds} file in it")
+        if is_glob:
+            raise FileNotFoundError(f"--dataset={dataset!r} matches no {kinds} file")
+        raise FileNotFoundError(f"--dataset={dataset!r}: no such file")
     builders = {LOCAL_BUILDERS[os.path.splitext(f)[1]] for f in files}
     if len(builders) > 1:
         raise ValueError(f"--dataset={dataset!r} mixes file types ({', '.join(sorted(builders))}); pass a glob of one type")
     return builders.pop(), files
 
-def load_documents(dataset, name, split):
+def document_text(row, text_field, source):
+    if text_field not in row:
+        raise ValueError(f"--text_field={text_field!r} is not a column of {source}; its columns are {list(row)}")
+    text = row[text_field]
+    if text is None:
+        return ''  # real parquet shards have the odd null text
+    if not isinstance(text, str):
+        raise ValueError(f"--text_field={text_field!r} of {source} holds {type(text).__name__} values, not text "
+                         f"(such as {text!r:.60})")
+    return text
+
+def first_bad_json_line(path):
+    """'line N ...' for the first line of a JSON-lines file that is not a JSON object, or None. pyarrow's error
+    counts rows within the block it was parsing, not lines of the file, so the file is read again to find it."""
+    with open(path, encoding='utf-8', errors='replace') as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.rstrip('\r\n'))  # without its newline, so that colno counts within the line
+            except json.JSONDecodeError as e:
+                return f"line {n} is not JSON ({e.msg} at column {e.colno})"
+            if not isinstance(row, dict):
+                return f"line {n} is a JSON {type(row).__name__}, not an object"
+    return None
+
+def local_texts(builder, files, split, text_field):
+    """Every document's text, file by file in path order. Each file is its own datasets stream, so that an
+    error can name the file it is in, and json or parquet files may differ in their other columns (one stream
+    over them all casts every file to the first one's columns and fails on the others). Opening a stream per
+    file costs little: about 0.6 s more than one stream over 1,000 small files."""
+    extra = {'sample_by': 'document'} if builder == 'text' else {}  # the text builder's default is one row per line
+    for path in files:
+        # datasets reads lazily, so a file's problems surface while iterating as well as when opening it; and
+        # it streams, so they come as they are, not wrapped in a DatasetGenerationError
+        try:
+            for row in datasets.load_dataset(builder, data_files=[path], split=split, streaming=True, **extra):
+                yield document_text(row, text_field, path)
+        except StopIteration:
+            # the json builder reads a file's first rows to learn its columns, and an empty file has none:
+            # it holds no documents (prepare() fails if no file holds any)
+            continue
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not UTF-8 text (it holds the byte {e.object[e.start]:#04x}: {e.reason}); "
+                             f"is it a binary file? prepare_data.py reads text files as UTF-8") from e
+        except pyarrow.ArrowInvalid as e:
+            # only a .jsonl file is one value per line; a .json file may be one value over many lines
+            bad_line = first_bad_json_line(path) if path.endswith('.jsonl') else None
+            if bad_line:
+                raise ValueError(f"{path}: {bad_line}; a .jsonl file holds one JSON object per line, "
+                                 f"like {{\"text\": \"...\"}}") from e
+            raise ValueError(f"{path} cannot be read as {builder} ({e})") from e
+
+def load_documents(dataset, name, split, text_field):
+    """Every document's text, in order, read lazily. What can be checked before reading is checked now: a
+    missing path, an unreachable hub."""
     # always streamed: the hub default is far too big to download first, and streaming local files also
     # skips datasets' Arrow cache, which would be a second full copy of the corpus on disk
     local = local_files(dataset)
     if local is None:
-        return datasets.load_dataset(dataset, name=name, split=split, streaming=True)
+        try:
+            rows = datasets.load_dataset(dataset, name=name, split=split, streaming=True)
+        except ConnectionError as e:  # datasets' own, when the hub cannot be reached or HF_HUB_OFFLINE is set
+            raise ConnectionError(f"--dataset={dataset!r}: {e}. Offline, tokenize local files instead: --dataset=PATH, "
+                                  f"a {', '.join(LOCAL_BUILDERS)} file, a glob of them or a directory") from e
+        return (document_text(row, text_field, dataset) for row in rows)
     if name is not None:
         raise ValueError(f"--name={name!r} selects a subset of a hub dataset; local files {dataset!r} have none")
     builder, files = local
-    extra = {'sample_by': 'document'} if builder == 'text' else {}  # the text builder's default is one row per line
-    return datasets.load_dataset(builder, data_files=files, split=split, streaming=True, **extra)
+    return local_texts(builder, files, split, text_field)
 
-def text_batches(docs, text_field, batch_docs):
+def text_batches(texts, batch_docs):
     batch = []
-    for example in docs:
-        if text_field not in example:
-            raise ValueError(f"--text_field={text_field!r} is not a column of this dataset; its columns are {list(example)}")
-        batch.append(example[text_field] or '')  # real parquet shards have the odd null text
+    for text in texts:
+        batch.append(text)
         if len(batch) == batch_docs:
             yield batch
             batch = []
@@ -174,7 +260,7 @@ def prepare(dataset=DEFAULT_DATASET, out_dir='data/fineweb_edu', name=None, text
     num_proc = num_proc or os.cpu_count()
     enc = get_encoding(tokenizer)  # a bad name fails here, before any data is read
     dtype = token_dtype(enc.n_vocab)
-    docs = load_documents(dataset, name, split)
+    texts = load_documents(dataset, name, split, text_field)
 
     os.makedirs(out_dir, exist_ok=True)
     paths = {s: os.path.join(out_dir, f'{s}.bin') for s in ('train', 'val')}
@@ -182,38 +268,52 @@ def prepare(dataset=DEFAULT_DATASET, out_dir='data/fineweb_edu', name=None, text
     n_docs = n_tokens = 0
     bar = tqdm(desc='tokenizing', unit=' docs', file=sys.stderr) if tqdm else None
     t0 = last_print = time.time()
-    with open(paths['train'] + '.tmp', 'wb') as f_train, open(paths['val'] + '.tmp', 'wb') as f_val, \
-            closing(tokenized_batches(text_batches(docs, text_field, chunk_docs), tokenizer, num_proc)) as stream:
-        for tokens, lengths in stream:
-            if max_tokens is not None and n_tokens + len(tokens) > max_tokens:
-                # cut exactly at the cap: later documents are dropped and the last one kept is cut short,
-                # losing its EOT
-                keep = max_tokens - n_tokens
-                n_keep = int(np.count_nonzero(np.cumsum(lengths) - lengths < keep))  # documents starting before the cap
-                tokens, lengths = tokens[:keep], lengths[:n_keep].copy()
-                lengths[-1] -= lengths.sum() - keep
-            val_docs = is_val(np.arange(n_docs, n_docs + len(lengths)), val_fraction)
-            val_tokens = np.repeat(val_docs, lengths)
-            tokens[~val_tokens].tofile(f_train)
-            tokens[val_tokens].tofile(f_val)
-            split_tokens['val'] += int(val_tokens.sum())
-            split_tokens['train'] += len(tokens) - int(val_tokens.sum())
-            split_docs['val'] += int(val_docs.sum())
-            split_docs['train'] += len(lengths) - int(val_docs.sum())
-            n_docs += len(lengths)
-            n_tokens += len(tokens)
-            now = time.time()
-            if bar is not None:
-                bar.update(len(lengths))
-                bar.set_postfix_str(f'{n_tokens:,} tokens, {n_tokens / (now - t0):,.0f} tokens/s', refresh=False)
-            elif now - last_print > 10:
-                print(f'{n_docs:,} docs, {n_tokens:,} tokens, {n_docs / (now - t0):,.0f} docs/s, '
-                      f'{n_tokens / (now - t0):,.0f} tokens/s', file=sys.stderr)
-                last_print = now
-            if max_tokens is not None and n_tokens >= max_tokens:
-                break
-    if bar is not None:
-        bar.close()
+    try:
+        with open(paths['train'] + '.tmp', 'wb') as f_train, open(paths['val'] + '.tmp', 'wb') as f_val, \
+                closing(tokenized_batches(text_batches(texts, chunk_docs), tokenizer, num_proc)) as stream:
+            for tokens, lengths in stream:
+                if max_tokens is not None and n_tokens + len(tokens) > max_tokens:
+                    # cut exactly at the cap: later documents are dropped and the last one kept is cut short,
+                    # losing its EOT
+                    keep = max_tokens - n_tokens
+                    # the documents that start before the cap
+                    n_keep = int(np.count_nonzero(np.cumsum(lengths) - lengths < keep))
+                    tokens, lengths = tokens[:keep], lengths[:n_keep].copy()
+                    lengths[-1] -= lengths.sum() - keep
+                val_docs = is_val(np.arange(n_docs, n_docs + len(lengths)), val_fraction)
+                val_tokens = np.repeat(val_docs, lengths)
+                tokens[~val_tokens].tofile(f_train)
+                tokens[val_tokens].tofile(f_val)
+                split_tokens['val'] += int(val_tokens.sum())
+                split_tokens['train'] += len(tokens) - int(val_tokens.sum())
+                split_docs['val'] += int(val_docs.sum())
+                split_docs['train'] += len(lengths) - int(val_docs.sum())
+                n_docs += len(lengths)
+                n_tokens += len(tokens)
+                now = time.time()
+                if bar is not None:
+                    bar.update(len(lengths))
+                    bar.set_postfix_str(f'{n_tokens:,} tokens, {n_tokens / (now - t0):,.0f} tokens/s', refresh=False)
+                elif now - last_print > 10:
+                    print(f'{n_docs:,} docs, {n_tokens:,} tokens, {n_docs / (now - t0):,.0f} docs/s, '
+                          f'{n_tokens / (now - t0):,.0f} tokens/s', file=sys.stderr)
+                    last_print = now
+                if max_tokens is not None and n_tokens >= max_tokens:
+                    break
+        if n_docs == 0:
+            raise ValueError(f"--dataset={dataset!r} holds no documents (empty, or only blank lines)")
+    except BaseException:
+        # a failed run, Ctrl-C included, leaves out_dir as it found it: no half-written .tmp files, and the
+        # bins and meta.json of an earlier run untouched (they are only replaced below, once all is read)
+        for path in paths.values():
+            if os.path.exists(path + '.tmp'):
+                os.remove(path + '.tmp')
+        if bar is not None:
+            bar.leave = False  # closing erases the bar, so that the error is the one line left on the terminal
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
     elapsed = time.time() - t0
 
     # the old meta.json goes first, so a crash between the renames never leaves new bins beside an old meta
@@ -243,7 +343,7 @@ def prepare(dataset=DEFAULT_DATASET, out_dir='data/fineweb_edu', name=None, text
               f"document; split a single text into several files to get a val split.")
     return meta
 
-if __name__ == '__main__':
+def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0].strip())
     parser.add_argument('--dataset', default=DEFAULT_DATASET, help='hub dataset name, or a local file, glob or directory')
     parser.add_argument('--out_dir', default='data/fineweb_edu')
@@ -255,4 +355,17 @@ if __name__ == '__main__':
     parser.add_argument('--max_tokens', type=int, default=None, help='stop after this many tokens (train + val)')
     parser.add_argument('--num_proc', type=int, default=None, help='tokenizer processes (default: all cores)')
     parser.add_argument('--split', default='train')
-    prepare(**vars(parser.parse_args()))
+    args = parser.parse_args(argv)
+    # on a malformed json or parquet file datasets logs a line of its own before raising; the error below
+    # names the file (and the line), so datasets' line would only say it a second time, less exactly
+    for module in ('datasets.packaged_modules.json.json', 'datasets.packaged_modules.parquet.parquet'):
+        logging.getLogger(module).setLevel(logging.CRITICAL)
+    try:
+        prepare(**vars(args))
+    except (ValueError, OSError) as e:
+        # what prepare() raises about its input and settings (OSError: a missing path, no network, a full
+        # disk) says in its message which file or setting is wrong and what to do; a traceback would bury it
+        sys.exit(f'error: {e}')
+
+if __name__ == '__main__':
+    main(sys.argv[1:])

@@ -3,6 +3,7 @@
 The reference for every check is tiktoken itself (encode_ordinary on each document, plus the EOT token),
 never prepare_data's own helpers.
 """
+import hashlib
 import json
 import os
 import subprocess
@@ -244,3 +245,131 @@ def test_command_line(tmp_path):
     assert len(train) + len(val) == 40
     bad = subprocess.run(cmd[:2] + [f'--dataset={tmp_path / "absent.txt"}'], capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode != 0 and 'absent.txt' in bad.stderr
+
+
+# -----------------------------------------------------------------------------
+# bad input: main() exits with one line, `error: ...`, that names the file and what to do, and leaves out_dir
+# as it was
+
+def main_error(*argv):
+    """The message main(argv) exits with; it must be one line starting 'error: '."""
+    with pytest.raises(SystemExit) as exit_info:
+        prepare_data.main(list(argv))
+    message = exit_info.value.code
+    assert isinstance(message, str) and message.startswith('error: ') and '\n' not in message, message
+    return message
+
+
+def test_missing_file_glob_or_directory_is_named(tmp_path):
+    out = f'--out_dir={tmp_path / "out"}'
+    assert 'nope.jsonl' in main_error(f'--dataset={tmp_path / "nope.jsonl"}', out)
+    assert "*.txt' matches no .txt" in main_error(f'--dataset={tmp_path / "*.txt"}', out)
+    (tmp_path / 'corpus').mkdir()
+    (tmp_path / 'corpus' / 'notes.md').write_text('not a corpus file')
+    message = main_error(f'--dataset={tmp_path / "corpus"}', out)
+    assert 'corpus' in message and 'directory with no .txt' in message
+    assert not (tmp_path / 'out').exists()  # nothing was read, so nothing was made
+
+
+def test_empty_jsonl_is_an_error_not_empty_bins(tmp_path):
+    (tmp_path / 'empty.jsonl').write_text('')
+    (tmp_path / 'blank.jsonl').write_text('\n\n')
+    for name in ('empty.jsonl', 'blank.jsonl'):
+        message = main_error(f'--dataset={tmp_path / name}', f'--out_dir={tmp_path / "out"}', '--num_proc=1')
+        assert name in message and 'holds no documents' in message
+        assert not list((tmp_path / 'out').iterdir())
+
+
+def test_an_empty_file_among_others_adds_no_document(tmp_path):
+    (tmp_path / 'corpus').mkdir()
+    write_jsonl(tmp_path / 'corpus' / 'a.jsonl', DOCS[:3])
+    (tmp_path / 'corpus' / 'b.jsonl').write_text('')
+    write_jsonl(tmp_path / 'corpus' / 'c.jsonl', DOCS[3:])
+    prepare_data.prepare(str(tmp_path / 'corpus'), str(tmp_path / 'out'), val_fraction=0, num_proc=1)
+    assert decode_docs(read_out(tmp_path / 'out')[1]) == DOCS
+
+
+def test_malformed_jsonl_names_the_file_and_line(tmp_path):
+    src = tmp_path / 'bad.jsonl'
+    src.write_text('{"text": "fine"}\n{"text": "no closing brace"\n{"text": "fine again"}\n')
+    message = main_error(f'--dataset={src}', f'--out_dir={tmp_path / "out"}', '--num_proc=1')
+    assert 'bad.jsonl: line 2 is not JSON' in message
+    # valid JSON that is not an object is no row either
+    src.write_text('{"text": "fine"}\n"just a string"\n')
+    message = main_error(f'--dataset={src}', f'--out_dir={tmp_path / "out"}', '--num_proc=1')
+    assert 'bad.jsonl: line 2 is a JSON str, not an object' in message
+
+
+def test_binary_file_given_as_txt_is_named(tmp_path):
+    src = tmp_path / 'picture.txt'
+    src.write_bytes(b'\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xd8')
+    message = main_error(f'--dataset={src}', f'--out_dir={tmp_path / "out"}', '--num_proc=1')
+    assert 'picture.txt is not UTF-8 text' in message and '0x89' in message
+
+
+def test_wrong_text_field_names_the_file_and_its_columns(tmp_path):
+    # the second file of a directory: each file is read on its own, so the error can say which one it is
+    (tmp_path / 'corpus').mkdir()
+    write_jsonl(tmp_path / 'corpus' / 'a.jsonl', DOCS)
+    write_jsonl(tmp_path / 'corpus' / 'b.jsonl', DOCS, field='content')
+    message = main_error(f'--dataset={tmp_path / "corpus"}', f'--out_dir={tmp_path / "out"}', '--num_proc=1')
+    assert "--text_field='text' is not a column of " + str(tmp_path / 'corpus' / 'b.jsonl') in message
+    assert "['content']" in message
+    # a column that holds something other than text
+    src = tmp_path / 'numbers.jsonl'
+    src.write_text('{"text": 1}\n{"text": 2}\n')
+    message = main_error(f'--dataset={src}', f'--out_dir={tmp_path / "out"}', '--num_proc=1')
+    assert 'numbers.jsonl holds int values, not text' in message
+
+
+def test_unreachable_hub_says_to_use_local_files(tmp_path, monkeypatch):
+    # datasets' own offline path, which raises what it raises when the hub cannot be reached
+    monkeypatch.setattr(datasets.config, 'HF_HUB_OFFLINE', True)
+    message = main_error('--dataset=picotron-tests/not-on-this-machine', f'--out_dir={tmp_path / "out"}')
+    assert "Couldn't reach 'picotron-tests/not-on-this-machine'" in message and '--dataset=PATH' in message
+    # the README's first command, offline: datasets' error for FineWeb-Edu when the network is down
+    def no_network(path, **kwargs):
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+    monkeypatch.setattr(prepare_data.datasets, 'load_dataset', no_network)
+    message = main_error('--max_tokens=20000000', f'--out_dir={tmp_path / "out"}')
+    assert "--dataset='HuggingFaceFW/fineweb-edu'" in message and '--dataset=PATH' in message
+    assert not (tmp_path / 'out').exists()
+
+
+def test_tokenizer_that_cannot_be_downloaded_names_TIKTOKEN_CACHE_DIR_and_the_file(tmp_path, monkeypatch):
+    import requests  # what tiktoken downloads with
+
+    def no_network(url, *args, **kwargs):
+        raise requests.ConnectionError(f'Failed to resolve {url}', request=requests.Request('GET', url).prepare())
+    monkeypatch.setattr(requests, 'get', no_network)
+    monkeypatch.setenv('TIKTOKEN_CACHE_DIR', str(tmp_path / 'empty_cache'))
+    monkeypatch.setattr(tiktoken.registry, 'ENCODINGS', {})  # forget the gpt2 this process already loaded
+    src = write_jsonl(tmp_path / 'd.jsonl', DOCS)
+    message = main_error(f'--dataset={src}', f'--out_dir={tmp_path / "out"}')
+    url = 'https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe'
+    assert url in message and f"TIKTOKEN_CACHE_DIR='{tmp_path / 'empty_cache'}'" in message
+    assert hashlib.sha1(url.encode()).hexdigest() in message  # the name tiktoken looks for in its cache
+
+
+def test_a_failed_run_leaves_no_tmp_files_and_the_earlier_output_untouched(tmp_path):
+    write_jsonl(tmp_path / 'good.jsonl', numbered_docs(20))
+    prepare_data.prepare(str(tmp_path / 'good.jsonl'), str(tmp_path / 'out'), num_proc=1)
+    before = {f.name: f.read_bytes() for f in (tmp_path / 'out').iterdir()}
+    # a.jsonl is read (and tokens written) batch by batch before b.jsonl fails
+    (tmp_path / 'corpus').mkdir()
+    write_jsonl(tmp_path / 'corpus' / 'a.jsonl', numbered_docs(30))
+    (tmp_path / 'corpus' / 'b.jsonl').write_text('{"text": "cut off\n')
+    for num_proc in (1, 2):
+        with pytest.raises(ValueError, match='b.jsonl: line 1 is not JSON'):
+            prepare_data.prepare(str(tmp_path / 'corpus'), str(tmp_path / 'out'), chunk_docs=4, num_proc=num_proc)
+        assert {f.name: f.read_bytes() for f in (tmp_path / 'out').iterdir()} == before
+    main_error(f'--dataset={tmp_path / "nope.txt"}', f'--out_dir={tmp_path / "out"}')
+    assert {f.name: f.read_bytes() for f in (tmp_path / 'out').iterdir()} == before
+
+
+def test_command_line_error_is_one_line_without_traceback(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / 'prepare_data.py'), f'--dataset={tmp_path / "absent.jsonl"}'],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode != 0
+    assert result.stderr.startswith('error: ') and result.stderr.count('\n') == 1, result.stderr
+    assert 'absent.jsonl' in result.stderr and 'Traceback' not in result.stderr
