@@ -114,19 +114,24 @@ def window_starts(seed, stream, step, n_tokens, block_size, n_windows):
     return rng.integers(0, n_tokens - block_size, size=n_windows)
 
 
-def get_batch(data, starts, block_size, device):
-    """The (x, y) windows at `starts`, checked on the host: a token id outside the vocabulary would crash
-    the embedding at tp = 1, and at tp > 1 the vocab-parallel embedding would silently read it as zeros."""
+def read_windows(data, starts, block_size):
+    """The (len(starts), block_size + 1) tokens of the windows at `starts`, checked on the host: a token id
+    outside the vocabulary would crash the embedding at tp = 1, and at tp > 1 the vocab-parallel embedding
+    would silently read it as zeros."""
     path, dtype, _, vocab_size = data
     # a fresh memmap per batch: keeping one open leaks memory (nanoGPT's note on np.memmap)
     tokens = np.memmap(path, dtype=dtype, mode="r")
-    windows = np.stack([tokens[s:s + block_size + 1] for s in starts])  # (B, block_size + 1)
+    windows = np.stack([tokens[s:s + block_size + 1] for s in starts])
     if windows.max() >= vocab_size:
         row, col = np.unravel_index(int(windows.argmax()), windows.shape)
         raise DataError(f"{path} holds token id {int(windows[row, col])} at token offset {int(starts[row]) + col}, "
                         f"outside the vocabulary of {vocab_size}: the file is corrupt or was written by another "
                         f"tokenizer; {_prepare_hint(os.path.dirname(path))}")
-    windows = torch.from_numpy(windows.astype(np.int64))
+    return windows
+
+
+def get_batch(data, starts, block_size, device):
+    windows = torch.from_numpy(read_windows(data, starts, block_size).astype(np.int64))
     x, y = windows[:, :-1], windows[:, 1:]
     if device.type == "cuda":  # pinned memory lets the copy overlap the GPU's work
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
@@ -140,14 +145,14 @@ def rank_microbatches(cfg, layout, data, stream, step, n_micro, device):
 
     Every rank checks the token ids of the whole global batch, not only its slice: a bad id then stops
     every rank at the same step with the same message, with no collective, and no rank is left waiting for
-    one that stopped (the extra read is dp small windows per rank per step, from the page cache)."""
+    one that stopped (the extra read is the other ranks' windows, from the page cache, on the host)."""
     per_rank = cfg.batch_size * n_micro
     starts = window_starts(cfg.seed, stream, step, data[2], cfg.block_size, per_rank * layout.dp)
+    mine = slice(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)
     if layout.dp > 1:
-        get_batch(data, np.delete(starts, np.s_[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]),
-                  cfg.block_size, torch.device("cpu"))
-    mine = starts[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
-    return [get_batch(data, mine[i * cfg.batch_size:(i + 1) * cfg.batch_size], cfg.block_size, device)
+        read_windows(data, np.delete(starts, mine), cfg.block_size)
+    starts = starts[mine]
+    return [get_batch(data, starts[i * cfg.batch_size:(i + 1) * cfg.batch_size], cfg.block_size, device)
             for i in range(n_micro)]
 
 
