@@ -228,7 +228,7 @@ def setup(cfg, training=True):
         print0(layout, f"pipeline: {cfg.pp_schedule}, {cfg.gradient_accumulation_steps} microbatches, blocks per "
                        f"stage " + " | ".join(f"{s}: {r.start}" + (f"-{r.stop - 1}" if len(r) > 1 else "")
                                               for s, r in enumerate(stages)))
-        if cfg.gradient_accumulation_steps < layout.pp:
+        if cfg.gradient_accumulation_steps < layout.pp and not converting:
             m = cfg.gradient_accumulation_steps
             print0(layout, f"warning: gradient_accumulation_steps = {m} microbatches for pp = {layout.pp} stages: the "
                            f"stages are idle {(layout.pp - 1) / (m + layout.pp - 1):.0%} of each step (the bubble, "
