@@ -229,14 +229,23 @@ def weight_map(folder):
                              f"save_pretrained" if other else ""))
 
 
+# the names a tensor is saved under besides its transformers name (GPT-NeoX's checkpoints, and transformers'
+# own save_pretrained, call its head embed_out)
+ALIASES = {"lm_head.weight": "embed_out.weight"}
+
+
 class WeightFiles:
-    """The open safetensors files of a model folder (a context manager): shapes and slices by tensor name,
-    and how many bytes of tensor data were read."""
+    """The open safetensors files of a model folder (a context manager): shapes and slices by tensor name
+    (or its alias), and how many bytes of tensor data were read."""
 
     def __init__(self, folder):
         require_safetensors()
         self.folder, self.map, self.bytes_read = folder, weight_map(folder), 0
         self._stack, self._open = ExitStack(), {}
+
+    def find(self, name):
+        """The name `name` is saved under here, or None."""
+        return next((n for n in (name, ALIASES.get(name)) if n in self.map), None)
 
     def __enter__(self):
         return self
@@ -246,6 +255,7 @@ class WeightFiles:
 
     def _slice(self, name):
         from safetensors import safe_open
+        name = self.find(name) or name
         path = self.map[name]
         if path not in self._open:
             self._open[path] = self._stack.enter_context(safe_open(path, framework="pt"))
@@ -338,14 +348,14 @@ def check_weights(folder, cfg):
     with WeightFiles(folder) as files:
         expected = expected_tensors(cfg, arch)
         for name, shape in expected.items():
-            if name not in files.map:
+            if files.find(name) is None:
                 problems.append(f"'{name}' is missing")
             elif files.shape(name) != shape:
                 problems.append(f"'{name}' has shape {files.shape(name)}, the config says {shape}")
             elif files.dtype(name) not in ("F32", "BF16", "F16"):
                 problems.append(f"'{name}' is {files.dtype(name)}: picotron reads fp32, bf16 and fp16 weights "
                                 f"(not quantized ones)")
-        for name in sorted(set(files.map) - set(expected)):
+        for name in sorted(set(files.map) - {files.find(n) for n in expected}):
             why = unused_tensor_problem(files, name, cfg, arch)
             if why:
                 problems.append(why)
@@ -361,7 +371,7 @@ def unused_tensor_problem(files, name, cfg, arch):
     the MLP's norm when it equals the attention's (picotron's parallel block has one norm)."""
     if name.endswith(("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")):
         return None
-    if name == "lm_head.weight" and cfg.tie_embeddings:
+    if name in ("lm_head.weight", ALIASES["lm_head.weight"]) and cfg.tie_embeddings:
         return None
     if arch == "GPTNeoXForCausalLM":
         if name.endswith(".bias") and not cfg.bias and not files.read(name).any():

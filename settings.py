@@ -117,7 +117,8 @@ TRAINING = [
     ),
     *section(
         "AdamW and the learning-rate schedule: linear warmup, then cosine decay to min_lr",
-        Setting("max_iters", 1000, "optimizer steps in the run", resume="allow"),
+        Setting("max_iters", 1000, "optimizer steps in the run (0 with init_from=<a model folder>: convert it and exit)",
+                resume="allow"),
         Setting("learning_rate", 1e-3, "peak learning rate, reached after warmup", resume="allow"),
         Setting("min_lr", 1e-4, "learning rate at the end of the cosine decay", resume="allow"),
         Setting("warmup_iters", 50, "steps of linear warmup", resume="allow"),
