@@ -20,7 +20,7 @@ it starts a fresh optimizer at step 0. With max_iters > 0 training starts from t
      way), its shape checked against the config, and each rank reads only its own slice of it, straight
      from the safetensors files (safe_open(...).get_slice: a slice of a memory-mapped file), so no rank
      ever holds a full model. One file or several (model.safetensors.index.json), fp32, bf16 or fp16:
-     each slice is cast to the parameters' fp32 as it is read.
+     each slice is cast to the parameters' fp32 as it is copied in.
 
 Needs the safetensors package (pip install safetensors); the model folder's tokenizer is hf_tokenizer.py's.
 """
@@ -105,8 +105,8 @@ def rope_settings(config, defaults, problems):
         return {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", config.get("rope_theta", config.get("rotary_emb_base", defaults["rope_theta"])))
-    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor",
-                                                             config.get("rotary_pct", defaults.get("partial_rotary_factor", 1.0))))
+    partial = config.get("partial_rotary_factor", config.get("rotary_pct", defaults.get("partial_rotary_factor", 1.0)))
+    partial = params.get("partial_rotary_factor", partial)
     if partial != 1.0:
         problems.append(f"partial_rotary_factor={partial}: picotron rotates every dimension of a head (RoPE on part "
                         f"of it, as Pythia has, is not implemented)")
@@ -153,9 +153,9 @@ def model_settings(folder):
         problems.append(f"{act_key}={get(act_key)!r}: picotron's SwiGLU MLP gates with SiLU ('silu')")
     s["intermediate_size"] = 0 if config["intermediate_size"] == derived_mlp else config["intermediate_size"]
     if arch == "DeepseekV3ForCausalLM":
-        s.update(attention="mla", n_kv_head=n_head, kv_lora_rank=get("kv_lora_rank"), q_lora_rank=get("q_lora_rank") or 0,
-                 qk_rope_head_dim=get("qk_rope_head_dim"), qk_nope_head_dim=get("qk_nope_head_dim"),
-                 v_head_dim=get("v_head_dim"))
+        s.update(attention="mla", n_kv_head=n_head, kv_lora_rank=get("kv_lora_rank"),
+                 q_lora_rank=get("q_lora_rank") or 0, qk_rope_head_dim=get("qk_rope_head_dim"),
+                 qk_nope_head_dim=get("qk_nope_head_dim"), v_head_dim=get("v_head_dim"))
         if get("first_k_dense_replace") < s["n_layer"]:
             problems.append(f"first_k_dense_replace={get('first_k_dense_replace')} < num_hidden_layers={s['n_layer']}: "
                             f"the layers after it are DeepSeek's mixture of experts, which picotron's (with capacity "
@@ -268,14 +268,15 @@ class WeightFiles:
         return self._slice(name).get_dtype()
 
     def read(self, name, dim=None, start=0, size=None):
-        """The whole tensor, or rows start:start+size along dim, as fp32 (only that slice is read)."""
+        """The whole tensor, or rows start:start+size along dim, in its saved dtype (only that slice is read;
+        the parameter's copy_ casts it, in the same pass)."""
         tensor_slice = self._slice(name)
         index = [slice(None)] * len(tensor_slice.get_shape())
         if dim is not None:
             index[dim] = slice(start, start + size)
         t = tensor_slice[tuple(index)]
         self.bytes_read += t.numel() * t.element_size()
-        return t.float()
+        return t
 
     def total_bytes(self):
         return sum(os.path.getsize(p) for p in set(self.map.values()))
@@ -310,7 +311,7 @@ def source_reader(files, cfg, arch, name):
     if part is None:
         def read(dim, start, size):
             t = files.read(hf, dim, start, size)
-            return transform(t) if transform else t
+            return transform(t.float()) if transform else t
         return read
     hd = cfg.n_embd // cfg.n_head
 
@@ -378,7 +379,7 @@ def unused_tensor_problem(files, name, cfg, arch):
             return None
         if cfg.parallel_block and ".post_attention_layernorm." in name:
             twin = name.replace("post_attention_layernorm", "input_layernorm")
-            if twin in files.map and torch.equal(files.read(name), files.read(twin)):
+            if twin in files.map and torch.equal(files.read(name).float(), files.read(twin).float()):
                 return None
             return (f"'{name}' differs from '{twin}': picotron's parallel block has one norm for attention and MLP "
                     f"(use_parallel_residual=True with two norms is not implemented)")
