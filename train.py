@@ -201,8 +201,11 @@ def setup(cfg, training=True):
     tokenizer = data_meta.get("tokenizer", "gpt2")
     if hf_dir is not None:
         import_hf.check_weights(hf_dir, model_cfg)  # on every rank alike: a bad folder stops all of them
+        # the folder's tokenizer; a folder without one leaves the data's (None when converting: sample.py asks)
         tokenizer = import_hf.model_tokenizer(hf_dir)
-        if data_meta and data_meta.get("tokenizer") != tokenizer:
+        if tokenizer is None:
+            tokenizer = data_meta.get("tokenizer")
+        elif data_meta and data_meta.get("tokenizer") != tokenizer:
             print0(layout, f"warning: data_dir '{cfg.data_dir}' was tokenized with {data_meta.get('tokenizer')!r}, the "
                            f"model's tokenizer is {tokenizer!r}: prepare the data with --tokenizer={hf_dir}")
     if dev.type == "cuda" and layout.world_size > 1:
