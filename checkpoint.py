@@ -141,14 +141,18 @@ class CheckpointReader:
 
 
 # the settings a checkpoint's model may differ in from the model it is loaded into: the context length and
-# the RoPE base (a deliberate context extension); none changes a weight's shape or meaning
-MAY_DIFFER = ("block_size", "rope_theta")
+# the RoPE base and scaling (a deliberate context extension); none changes a weight's shape or meaning
+MAY_DIFFER = ("block_size", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+              "rope_original_context")
 
 
 def check_model_config(saved, model_cfg, path):
-    """Refuse to load weights into another architecture, naming every setting that differs."""
+    """Refuse to load weights into another architecture, naming every setting that differs. A setting the
+    checkpoint lacks (written before the setting existed) had its default then: head_dim = 0 is the
+    n_embd / n_head every older checkpoint has, so it is compared as that."""
+    saved = {**asdict(type(model_cfg)()), **saved}
     differ = [f"{k} = {v!r} (the checkpoint has {saved[k]!r})" for k, v in asdict(model_cfg).items()
-              if k in saved and k not in MAY_DIFFER and saved[k] != v]
+              if k not in MAY_DIFFER and saved[k] != v]
     if differ:
         raise CheckpointError(f"checkpoint {path} holds another model than the one configured: " + "; ".join(differ))
 

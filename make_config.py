@@ -21,7 +21,7 @@ import torch
 
 import settings
 from configurator import ConfigError, Setting, configure, section
-from model import ModelConfig, Transformer, check_layout
+from model import ModelConfig, Transformer, attention_head_dim, check_layout
 from parallel import resolve_dp
 
 GPT2_VOCAB_SIZE = 50257
@@ -104,7 +104,7 @@ def make_config(cfg, given, argv):
     sequences = cfg["batch_size"] * cfg["gradient_accumulation_steps"] * dp
     tokens_per_step = sequences * cfg["block_size"]
     total_tokens = tokens_per_step * cfg["max_iters"]
-    head_dim = model_cfg.n_embd // model_cfg.n_head
+    head_dim = attention_head_dim(model_cfg)
     launch = (f"torchrun --nproc_per_node={cfg['nproc']} train.py {cfg['out']}" if cfg["nproc"] > 1
               else f"python train.py {cfg['out']}")
     header = f"""\

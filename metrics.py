@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from model import MixtureOfExperts, mlp_hidden_size
+from model import MixtureOfExperts, attention_head_dim, mlp_hidden_size
 from parallel import full_shape_of
 
 
@@ -40,13 +40,11 @@ def flops_per_token(cfg):
         qk_dim, q_lora = nope + rope, cfg.q_lora_rank
         q = C * q_lora + q_lora * H * qk_dim if q_lora > 0 else C * H * qk_dim
         attn = q + C * (cfg.kv_lora_rank + rope) + cfg.kv_lora_rank * H * (nope + v_dim) + H * v_dim * C
-    else:  # multi-head, grouped-query or multi-query attention
-        qk_dim = v_dim = C // H
+    else:  # multi-head, grouped-query or multi-query attention; heads of head_dim (n_embd / n_head by default)
+        qk_dim = v_dim = attention_head_dim(cfg)
         attn = C * H * qk_dim + 2 * C * cfg.n_kv_head * qk_dim + H * v_dim * C
-    if cfg.mlp == "gelu":
-        mlp = 2 * C * 4 * C
-    else:
-        mlp = 3 * C * mlp_hidden_size(cfg)
+    # two matrices in GELU's MLP, three in SwiGLU's, of the hidden width (intermediate_size when set)
+    mlp = (2 if cfg.mlp == "gelu" else 3) * C * mlp_hidden_size(cfg)
     if cfg.n_expert > 0:
         mlp = C * cfg.n_expert + (cfg.n_expert_per_token + cfg.n_shared_expert) * mlp
     matmul_weights = cfg.n_layer * (attn + mlp) + C * cfg.vocab_size
@@ -171,13 +169,18 @@ def format_mfu(value):
     return f"{100 * value:.1f}%" if value is not None else "n/a"
 
 
-def peak_memory_bytes(dev, layout):
-    """The most memory any rank has held: the CUDA allocator's peak on GPU, the process's peak resident set
-    (max RSS) on CPU. An all-reduce when there are several ranks."""
+def rank_peak_memory_bytes(dev):
+    """The most memory this rank has held: the CUDA allocator's peak on GPU, the process's peak resident
+    set (max RSS) on CPU."""
     if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(dev)
-    else:  # ru_maxrss is in KiB on Linux, in bytes on macOS
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        return torch.cuda.max_memory_allocated(dev)
+    # ru_maxrss is in KiB on Linux, in bytes on macOS
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def peak_memory_bytes(dev, layout):
+    """The most memory any rank has held (rank_peak_memory_bytes): an all-reduce when there are several."""
+    peak = rank_peak_memory_bytes(dev)
     if layout.world_size > 1:
         peak = torch.tensor(peak, dtype=torch.int64, device=dev)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)

@@ -14,6 +14,10 @@ tied input and output embeddings. Each variant is one setting, written where its
     norm='layernorm', mlp='gelu', bias=True   GPT-2's pieces               make_norm, GeluMLP
     n_expert > 0          Mixture-of-Experts MLP (Switch, GShard, DeepSeekMoE)  MixtureOfExperts
 
+and the shapes real checkpoints have (import_hf.py loads them): head_dim (heads not n_embd / n_head wide,
+Qwen3), intermediate_size (any MLP width, TinyLlama), qkv_bias (biases on q, k and v only, Qwen2) and
+rope_scaling_factor with its three companions (Llama 3.1's RoPE scaling, llama3_scaled_frequencies).
+
 The model is built directly in its parallel form: the linears are parallel.py's Column/Row parallel
 layers, which are plain linears when there is no tensor-parallel group, and a pipeline stage builds only
 its own blocks (and the embedding on the first stage, the head on the last). Weights are initialised from
@@ -48,6 +52,13 @@ class ModelConfig:
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # the shapes real checkpoints have; 0 keeps the derived sizes (n_embd / n_head; the MLP widths below)
+    head_dim: int = 0  # attention='mha' only
+    intermediate_size: int = 0  # the MLP's hidden width (each expert's too)
+    rope_scaling_factor: float = 0.0  # Llama 3's RoPE scaling; 0 = plain RoPE
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
     # the variants (train.py explains each setting; the classes below explain the idea)
     attention: str = "mha"  # 'mha' (n_kv_head makes it GQA/MQA) or 'mla'
     kv_lora_rank: int = 64  # mla
@@ -62,6 +73,7 @@ class ModelConfig:
     norm: str = "rmsnorm"  # 'rmsnorm' or 'layernorm'
     mlp: str = "swiglu"  # 'swiglu' or 'gelu'
     bias: bool = False
+    qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2)
     n_expert: int = 0  # 0 = dense MLP
     n_expert_per_token: int = 2
     capacity_factor: float = 1.25
@@ -235,9 +247,37 @@ def make_norm(cfg, dim):
     raise ValueError(f"norm must be 'rmsnorm' or 'layernorm', got {cfg.norm!r}")
 
 
-def rope_cache(seq_len, head_dim, theta):
-    """cos and sin of RoPE (Su et al. 2021), (T, head_dim/2), frequencies theta^(-2i/head_dim)."""
+def llama3_scaled_frequencies(inv_freq, factor, low_freq_factor, high_freq_factor, original_context):
+    """Llama 3.1's RoPE scaling (Meta's llama-models, apply_scaling; transformers' rope_type 'llama3'),
+    which stretches a model pretrained on original_context tokens to a longer context. Per frequency w,
+    of wavelength 2 pi / w:
+        wavelength < original_context / high_freq_factor   kept: these rotate many times within the
+                                                           original context and encode local order
+        wavelength > original_context / low_freq_factor    w / factor: these never completed a turn in
+                                                           the original context, so they are slowed down
+                                                           (interpolated, Chen et al. 2023) to stay in range
+        in between                                         (1 - s) w / factor + s w, with
+                                                           s = (original_context / wavelength - low) / (high - low)"""
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    scaled = torch.where(wavelength > original_context / low_freq_factor, inv_freq / factor, inv_freq)
+    medium = (wavelength >= original_context / high_freq_factor) & (wavelength <= original_context / low_freq_factor)
+    return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def rope_scaling(cfg):
+    """The Llama 3 scaling arguments of rope_cache, or None for plain RoPE (rope_scaling_factor = 0)."""
+    if not cfg.rope_scaling_factor:
+        return None
+    return (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_context)
+
+
+def rope_cache(seq_len, head_dim, theta, scaling=None):
+    """cos and sin of RoPE (Su et al. 2021), (T, head_dim/2), frequencies theta^(-2i/head_dim), rescaled
+    as Llama 3 does when scaling = (factor, low_freq_factor, high_freq_factor, original_context)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is not None:
+        inv_freq = llama3_scaled_frequencies(inv_freq, *scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
@@ -249,6 +289,12 @@ def apply_rope(x, cos, sin):
     cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, D/2), broadcast over (B, T, H, D/2)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def attention_head_dim(cfg):
+    """The query/key/value head size of attention='mha': head_dim, or n_embd / n_head when it is 0. Real
+    models decouple the two: Qwen3-0.6B has 16 heads of 128 in a width of 1024."""
+    return cfg.head_dim or cfg.n_embd // cfg.n_head
 
 
 class CausalSelfAttention(nn.Module):
@@ -267,24 +313,28 @@ class CausalSelfAttention(nn.Module):
     qk_norm=True applies RMSNorm to every query and key head before RoPE (Dehghani et al. 2023, "Scaling
     Vision Transformers to 22B Parameters"; OLMo 2, Gemma 3): the scores cannot blow up through the
     size of q and k, a known cause of loss spikes. Its gains (one per head dimension, shared by all heads)
-    are replicated across tensor-parallel ranks, see RMSNorm."""
+    are replicated across tensor-parallel ranks, see RMSNorm.
+
+    The head size is attention_head_dim(cfg), so n_head * head_dim need not be n_embd (q_proj and o_proj are
+    then not square). qkv_bias=True gives q, k and v a bias and o none (Qwen2); bias=True gives all four one."""
 
     def __init__(self, cfg, tp_group=None, attn_impl="sdpa"):
         super().__init__()
         tp = group_size(tp_group)
         self.tp_group, self.attn_impl, self.softcap = tp_group, attn_impl, cfg.attn_softcap
-        self.head_dim = cfg.n_embd // cfg.n_head
+        self.head_dim = attention_head_dim(cfg)
         self.n_head_local = cfg.n_head // tp
         kv_dim = cfg.n_kv_head * self.head_dim
-        self.q_proj = ColumnParallelLinear(cfg.n_embd, cfg.n_head * self.head_dim, bias=cfg.bias, group=tp_group,
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.q_proj = ColumnParallelLinear(cfg.n_embd, cfg.n_head * self.head_dim, bias=qkv_bias, group=tp_group,
                                            copy_input=False)
         self.kv_split = cfg.n_kv_head % tp == 0
         if self.kv_split:
-            self.k_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, bias=cfg.bias, group=tp_group, copy_input=False)
-            self.v_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, bias=cfg.bias, group=tp_group, copy_input=False)
+            self.k_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, bias=qkv_bias, group=tp_group, copy_input=False)
+            self.v_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, bias=qkv_bias, group=tp_group, copy_input=False)
         else:
-            self.k_proj = nn.Linear(cfg.n_embd, kv_dim, bias=cfg.bias)
-            self.v_proj = nn.Linear(cfg.n_embd, kv_dim, bias=cfg.bias)
+            self.k_proj = nn.Linear(cfg.n_embd, kv_dim, bias=qkv_bias)
+            self.v_proj = nn.Linear(cfg.n_embd, kv_dim, bias=qkv_bias)
             # rank r holds query heads r * n_head/tp onwards, and key/value head j serves the n_head/n_kv_head
             # query heads from j * n_head/n_kv_head: with tp a multiple of n_kv_head, all of rank r's query
             # heads read head r * n_kv_head / tp
@@ -412,7 +462,7 @@ class SwiGLUMLP(nn.Module):
     def __init__(self, cfg, tp_group=None):
         super().__init__()
         self.tp_group = tp_group
-        hidden = swiglu_hidden_size(cfg.n_embd)
+        hidden = mlp_hidden_size(cfg)
         self.gate = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group, copy_input=False)
         self.up = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group, copy_input=False)
         self.down = RowParallelLinear(hidden, cfg.n_embd, bias=cfg.bias, group=tp_group)
@@ -424,14 +474,16 @@ class SwiGLUMLP(nn.Module):
 
 
 class GeluMLP(nn.Module):
-    """GPT-2's MLP (Radford et al. 2019), mlp='gelu': down(gelu(up(x))) with a 4 x n_embd hidden layer and
+    """GPT-2's MLP (Radford et al. 2019), mlp='gelu': down(gelu(up(x))) with a 4 x n_embd hidden layer (or
+    intermediate_size) and
     GELU's tanh approximation (Hendrycks & Gimpel 2016) as GPT-2 used. Column- then row-parallel, like
     SwiGLUMLP; with bias=True the row-parallel down adds its bias once, after the all-reduce."""
 
     def __init__(self, cfg, tp_group=None):
         super().__init__()
-        self.up = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias, group=tp_group)
-        self.down = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias, group=tp_group)
+        hidden = mlp_hidden_size(cfg)
+        self.up = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group)
+        self.down = RowParallelLinear(hidden, cfg.n_embd, bias=cfg.bias, group=tp_group)
         self.down.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
 
     def forward(self, x):
@@ -439,6 +491,10 @@ class GeluMLP(nn.Module):
 
 
 def mlp_hidden_size(cfg):
+    """The MLP's hidden width: intermediate_size, or when it is 0 the width derived from n_embd (4 n_embd
+    for GELU, swiglu_hidden_size for SwiGLU). Real models choose their own (TinyLlama: 5632 for 2048)."""
+    if cfg.intermediate_size:
+        return cfg.intermediate_size
     return 4 * cfg.n_embd if cfg.mlp == "gelu" else swiglu_hidden_size(cfg.n_embd)
 
 
@@ -697,10 +753,24 @@ def check_layout(cfg, tp=1, pp=1):
                 problems.append(f"{key} = {getattr(cfg, key)} must be positive with attention='mla'")
         if cfg.q_lora_rank < 0:
             problems.append(f"q_lora_rank = {cfg.q_lora_rank} must be 0 (full-rank queries) or positive")
+    elif cfg.head_dim:
+        if cfg.head_dim % 2:
+            problems.append(f"head_dim = {cfg.head_dim} must be even for RoPE")
     elif cfg.n_embd % cfg.n_head:
-        problems.append(f"n_embd = {cfg.n_embd} must be divisible by n_head = {cfg.n_head}")
+        problems.append(f"n_embd = {cfg.n_embd} must be divisible by n_head = {cfg.n_head} (or set head_dim)")
     elif (cfg.n_embd // cfg.n_head) % 2:
         problems.append(f"the head size n_embd / n_head = {cfg.n_embd // cfg.n_head} must be even for RoPE")
+    if cfg.attention == "mla":
+        problems += [f"{key} = {getattr(cfg, key)!r} applies to attention='mha' only (MLA's head sizes are "
+                     f"qk_nope_head_dim, qk_rope_head_dim and v_head_dim; bias=True gives it biases)"
+                     for key in ("head_dim", "qkv_bias") if getattr(cfg, key)]
+    if cfg.rope_scaling_factor:
+        if not 0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor:
+            problems.append(f"rope_low_freq_factor = {cfg.rope_low_freq_factor} and rope_high_freq_factor = "
+                            f"{cfg.rope_high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1 and 4)")
+        if cfg.rope_original_context <= 0:
+            problems.append(f"rope_original_context = {cfg.rope_original_context} must be positive (the "
+                            f"context the model was pretrained at before scaling; Llama 3.1: 8192)")
     if cfg.attention == "mha":
         if cfg.n_head % cfg.n_kv_head:
             problems.append(f"n_head = {cfg.n_head} must be divisible by n_kv_head = {cfg.n_kv_head}")
@@ -708,8 +778,8 @@ def check_layout(cfg, tp=1, pp=1):
             problems.append(f"n_kv_head = {cfg.n_kv_head} and tp = {tp}: one must divide the other (key/value heads are "
                             f"split when tp divides n_kv_head, replicated when n_kv_head divides tp)")
     if mlp_hidden_size(cfg) % tp:
-        problems.append(f"the MLP width {mlp_hidden_size(cfg)} (from n_embd = {cfg.n_embd}) must be "
-                        f"divisible by tp = {tp}")
+        source = "intermediate_size" if cfg.intermediate_size else f"from n_embd = {cfg.n_embd}"
+        problems.append(f"the MLP width {mlp_hidden_size(cfg)} ({source}) must be divisible by tp = {tp}")
     if cfg.attn_softcap < 0 or cfg.final_softcap < 0:
         problems.append(f"attn_softcap = {cfg.attn_softcap} and final_softcap = {cfg.final_softcap} must be >= 0 (0 = off)")
     if cfg.n_expert < 0 or cfg.n_shared_expert < 0:
@@ -783,8 +853,8 @@ class Transformer(nn.Module):
             self.lm_head.weight.vocab_size = cfg.vocab_size
             if cfg.tie_embeddings and self.is_first:
                 self.lm_head.weight = self.tok_emb.weight  # one tensor, one gradient
-        rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.n_embd // cfg.n_head
-        cos, sin = rope_cache(cfg.block_size, rope_dim, cfg.rope_theta)
+        rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else attention_head_dim(cfg)
+        cos, sin = rope_cache(cfg.block_size, rope_dim, cfg.rope_theta, rope_scaling(cfg))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

@@ -275,8 +275,8 @@ def load_shard(param, source):
             return param
         size = param.shape[dim]
         start = param.tp_rank * size
-        real = min(size, getattr(param, "vocab_size", start + size) - start)  # < size only in padded tables
-        param.zero_()
+        real = max(0, min(size, getattr(param, "vocab_size", start + size) - start))  # < size only in padded tables
+        param.narrow(dim, real, size - real).zero_()
         if real > 0:
             param.narrow(dim, 0, real).copy_(read(dim, start, real))
     return param

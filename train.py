@@ -3,6 +3,9 @@ Pretrain a Llama-style model on token bins written by prepare_data.py.
 
 One process:            python train.py config/tiny_fineweb.py --max_iters=200
 Several (any layout):   torchrun --nproc_per_node=8 train.py config/tiny_fineweb.py --tp=2 --pp=2
+From a transformers model folder (import_hf.py), converted once, then trained:
+    torchrun --nproc_per_node=2 train.py --init_from=hf/SmolLM2-135M --tp=2 --max_iters=0 --out_dir=out/smol
+    torchrun --nproc_per_node=2 train.py --init_from=resume --out_dir=out/smol --tp=2 --data_dir=... --max_iters=500
 
 Every setting, its default and its meaning is in settings.py (`python train.py --help` lists them); a
 config file and --key=value overrides replace the defaults (configurator.py). Read top to bottom: the
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import import_hf
 import metrics
 import settings
 from configurator import ConfigError, configure
@@ -37,7 +41,8 @@ from parallel import (SCHEDULES, GradientBuckets, PipelineComm, ZeroOneAdamW, fo
 
 def configure_run(argv):
     """The run's settings from the command line (config files, then --key=value), checked, and with
-    init_from='resume' the ones left out taken from the checkpoint (settings.py says which may change).
+    init_from='resume' the ones left out taken from the checkpoint (settings.py says which may change), with
+    init_from=<a transformers model folder> the architecture from its config.json, by the same rules.
     Returns (cfg, notes to print, the checkpoint to resume or None)."""
     values, given = configure(settings.TRAINING, argv, usage=__doc__)
     notes, path = [], None
@@ -47,6 +52,10 @@ def configure_run(argv):
             raise FileNotFoundError(f"init_from='resume' but out_dir '{values['out_dir']}' holds no complete "
                                     f"checkpoint: use --init_from=scratch to start a new run")
         values, notes = settings.resume_values(values, given, checkpoint.read_meta(path)["config"])
+    elif values["init_from"] != "scratch":
+        model, _, notes = import_hf.model_settings(values["init_from"])
+        values, changes = settings.resume_values(values, given, model, source=f"{values['init_from']}/config.json")
+        notes += changes
     settings.check_values(values)
     return SimpleNamespace(**values), notes, path
 
@@ -179,14 +188,14 @@ def setup(cfg, training=True):
                          f"ranks), got {cfg.zero_stage}")
     if cfg.pp_schedule not in SCHEDULES:
         raise ValueError(f"pp_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {cfg.pp_schedule!r}")
-    if cfg.init_from not in ("scratch", "resume"):
-        raise ValueError(f"init_from must be 'scratch' or 'resume', got {cfg.init_from!r}")
-    if training and cfg.init_from == "scratch" and checkpoint.latest_checkpoint(cfg.out_dir):
-        raise FileExistsError(f"out_dir '{cfg.out_dir}' already holds checkpoints and init_from='scratch' would "
-                              f"overwrite them: use --init_from=resume to continue, or choose another --out_dir")
+    hf_dir = None if cfg.init_from in ("scratch", "resume") else cfg.init_from  # a transformers model folder
+    if training and cfg.init_from != "resume" and checkpoint.latest_checkpoint(cfg.out_dir):
+        raise FileExistsError(f"out_dir '{cfg.out_dir}' already holds checkpoints and init_from={cfg.init_from!r} "
+                              f"would overwrite them: use --init_from=resume to continue, or choose another --out_dir")
     dev, ptdtype, dtype_why = choose_device_and_dtype(cfg.device, cfg.dtype)
+    converting = hf_dir is not None and cfg.max_iters == 0  # (convert the model and exit: no data needed)
     data_meta, datasets = {}, {}
-    if training or cfg.data_dir is not None:
+    if cfg.data_dir is not None and not converting:
         data_meta = read_data_meta(cfg.data_dir)
     vocab = cfg.vocab_size or data_meta.get("vocab_size", 50257)
     model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig) if f.name != "vocab_size"},
@@ -194,6 +203,16 @@ def setup(cfg, training=True):
     attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype, cfg.attn_softcap)
     layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type)
     check_layout(model_cfg, layout.tp, layout.pp)
+    tokenizer = data_meta.get("tokenizer", "gpt2")
+    if hf_dir is not None:
+        import_hf.check_weights(hf_dir, model_cfg)  # on every rank alike: a bad folder stops all of them
+        # the folder's tokenizer; a folder without one leaves the data's (None when converting: sample.py asks)
+        tokenizer = import_hf.model_tokenizer(hf_dir)
+        if tokenizer is None:
+            tokenizer = data_meta.get("tokenizer")
+        elif data_meta and data_meta.get("tokenizer") != tokenizer:
+            print0(layout, f"warning: data_dir '{cfg.data_dir}' was tokenized with {data_meta.get('tokenizer')!r}, the "
+                           f"model's tokenizer is {tokenizer!r}: prepare the data with --tokenizer={hf_dir}")
     if dev.type == "cuda" and layout.world_size > 1:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(dev)
@@ -217,14 +236,14 @@ def setup(cfg, training=True):
         print0(layout, f"pipeline: {cfg.pp_schedule}, {cfg.gradient_accumulation_steps} microbatches, blocks per "
                        f"stage " + " | ".join(f"{s}: {r.start}" + (f"-{r.stop - 1}" if len(r) > 1 else "")
                                               for s, r in enumerate(stages)))
-        if cfg.gradient_accumulation_steps < layout.pp:
+        if cfg.gradient_accumulation_steps < layout.pp and not converting:
             m = cfg.gradient_accumulation_steps
             print0(layout, f"warning: gradient_accumulation_steps = {m} microbatches for pp = {layout.pp} stages: the "
                            f"stages are idle {(layout.pp - 1) / (m + layout.pp - 1):.0%} of each step (the bubble, "
                            f"(pp - 1) / (m + pp - 1)); raise gradient_accumulation_steps (lowering batch_size to keep "
                            f"the batch): {4 * layout.pp} microbatches bring the bubble under 20%")
     return SimpleNamespace(dev=dev, dtype=ptdtype, layout=layout, datasets=datasets, model_cfg=model_cfg,
-                           attn_impl=attn, tokenizer=data_meta.get("tokenizer", "gpt2"))
+                           attn_impl=attn, tokenizer=tokenizer, hf_dir=hf_dir)
 
 
 def build(cfg, run):
@@ -235,7 +254,13 @@ def build(cfg, run):
     torch.manual_seed(cfg.seed)
     model = Transformer(run.model_cfg, layout.tp_group, layout.pp, layout.pp_rank, attn_impl=run.attn_impl,
                         activation_checkpointing=cfg.activation_checkpointing, chunked_loss=cfg.chunked_loss)
-    model.init_weights(cfg.seed)
+    loaded = None
+    if run.hf_dir is not None:  # a transformers model: each rank reads only its own slices of the weights
+        start = time.time()
+        read, total = import_hf.load_weights(model, run.hf_dir)
+        loaded = SimpleNamespace(seconds=time.time() - start, bytes_read=read, file_bytes=total)
+    else:
+        model.init_weights(cfg.seed)
     model.to(run.dev)
     pipeline = make_pipeline(cfg, layout, model, run.dev)
     tied = pipeline.tied_copies if pipeline else []
@@ -249,7 +274,7 @@ def build(cfg, run):
     scaler = DynamicLossScaler(enabled=run.dtype == torch.float16)
     autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
     return SimpleNamespace(model=model, step_model=compile_model(model, cfg, layout), optimizer=optimizer,
-                           grad_sync=grad_sync, pipeline=pipeline, autocast=autocast, scaler=scaler)
+                           grad_sync=grad_sync, pipeline=pipeline, autocast=autocast, scaler=scaler, loaded=loaded)
 
 
 def make_optimizer(model, cfg, device, layout, tied=()):
@@ -486,11 +511,19 @@ def mean_across_ranks(value, layout):
 # checkpoints
 
 
-def save_checkpoint(cfg, run, parts, step):
+def save_checkpoint(cfg, run, parts, step, converted=False):
+    """converted: the model just loaded from a transformers folder (max_iters=0). Its checkpoint records the
+    architecture as its settings and nothing of this launch's run: resuming it takes max_iters, the schedule
+    and the data from its own command line, and starts a fresh optimizer (see resume)."""
     layout, model, optimizer = run.layout, parts.model, parts.optimizer
-    meta = {"config": vars(cfg), "model": asdict(run.model_cfg), "tokenizer": run.tokenizer,
+    config = vars(cfg)
+    if converted:
+        config = {k: v for k, v in asdict(run.model_cfg).items() if k not in import_hf.NOT_ARCHITECTURE}
+    meta = {"config": config, "model": asdict(run.model_cfg), "tokenizer": run.tokenizer,
             "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp},
             "adam_step": checkpoint.adamw_step_count(optimizer), "loss_scale": parts.scaler.scale}
+    if converted:
+        meta["converted_from"] = os.path.abspath(cfg.init_from)
     extra = {"torch_rng": torch.get_rng_state()}
     if torch.cuda.is_available():
         extra["cuda_rng"] = torch.cuda.get_rng_state()
@@ -504,9 +537,12 @@ def resume(path, run, parts):
     checkpoint (checkpoint.open_for_resume decides for all of them together)."""
     reader = checkpoint.open_for_resume(path, run.model_cfg, lambda text: print0(run.layout, text))
     checkpoint.load_model(parts.model, reader)
-    # the moments are assembled from whatever pieces were saved (ZeRO-1 or not, any dp): zero_stage can change
-    load = checkpoint.load_zero if isinstance(parts.optimizer, ZeroOneAdamW) else checkpoint.load_adamw
-    load(parts.optimizer, parts.model, reader)
+    if reader.meta.get("converted_from"):  # a model converted from transformers has no optimizer state
+        print0(run.layout, f"a model converted from {reader.meta['converted_from']}: a fresh optimizer")
+    else:
+        # the moments are assembled from whatever pieces were saved (ZeRO-1 or not, any dp): zero_stage can change
+        load = checkpoint.load_zero if isinstance(parts.optimizer, ZeroOneAdamW) else checkpoint.load_adamw
+        load(parts.optimizer, parts.model, reader)
     parts.scaler.scale = reader.meta["loss_scale"]
     extra = reader.rank_state(run.layout.rank)
     if extra:  # RNG states only mean something for the same rank in the same world
@@ -527,6 +563,11 @@ def train(cfg, run, resume_path=None):
     print0(layout, f"model: {metrics.full_param_count(parts.model, layout) / 1e6:.2f}M parameters (vocabulary "
                    f"padded), {model_cfg.n_layer} layers, {model_cfg.n_head} heads ({model_cfg.n_kv_head} kv), "
                    f"width {model_cfg.n_embd}")
+    if run.hf_dir is not None and cfg.max_iters == 0:
+        return convert(cfg, run, parts)
+    if parts.loaded is not None:
+        print0(layout, f"loaded {run.hf_dir} in {parts.loaded.seconds:.1f} s (rank 0 read "
+                       f"{parts.loaded.bytes_read / 2**20:,.1f} MiB of the files' {parts.loaded.file_bytes / 2**20:,.1f})")
     step = 0
     if resume_path is not None:
         step, path = resume(resume_path, run, parts)
@@ -583,6 +624,27 @@ def train(cfg, run, resume_path=None):
             print0(layout, f"step {step:6d} | saved {path}")
             timer, timed_steps = time.time(), 0
     log.close()
+    return parts.model
+
+
+def convert(cfg, run, parts):
+    """init_from=<a transformers model folder> with max_iters=0: write the model just loaded as the step-0
+    checkpoint of out_dir, at this launch's layout, and say what each rank read, how long it took and the
+    most memory it held (CUDA allocator peak, or max RSS on CPU: that counts the pages of the memory-mapped
+    safetensors files the rank touched)."""
+    start = time.time()
+    path = save_checkpoint(cfg, run, parts, 0, converted=True)
+    loaded, layout = parts.loaded, run.layout
+    mine = (layout.rank, loaded.seconds, time.time() - start, loaded.bytes_read, metrics.rank_peak_memory_bytes(run.dev))
+    rows = [mine]
+    if layout.world_size > 1:
+        rows = [None] * layout.world_size
+        dist.all_gather_object(rows, mine)
+    print0(layout, f"converted {run.hf_dir} ({loaded.file_bytes / 2**20:,.1f} MiB of safetensors) to {path}, step 0, "
+                   f"layout dp={layout.dp} x tp={layout.tp} x pp={layout.pp}; resume it with --init_from=resume")
+    for rank, load_s, save_s, read, peak in rows:
+        print0(layout, f"  rank {rank}: read {read / 2**20:,.1f} MiB in {load_s:.2f} s, saved in {save_s:.2f} s, "
+                       f"peak memory {peak / 2**20:,.0f} MiB")
     return parts.model
 
 

@@ -48,11 +48,13 @@ def test_flops_per_token_gqa_counts_the_smaller_key_value_projections():
 
 def test_flops_per_token_counts_the_matmul_weights_the_model_has():
     """The formula from the config against the built model's own matmul weights (not the embedding)."""
-    for kw in ({}, {"n_kv_head": 2}, {"tie_embeddings": False}):
+    for kw in ({}, {"n_kv_head": 2}, {"tie_embeddings": False}, {"head_dim": 32, "intermediate_size": 96, "qkv_bias": True},
+               {"mlp": "gelu", "norm": "layernorm", "intermediate_size": 80}):
         m = tiny_model(**kw)
         weights = sum(p.numel() for n, p in m.named_parameters() if p.dim() == 2 and not n.startswith(("tok_emb", "lm_head")))
         weights += m.cfg.n_embd * m.cfg.vocab_size
-        scores = 6 * m.cfg.n_layer * m.cfg.block_size * m.cfg.n_embd * 2
+        head_dim = m.cfg.head_dim or m.cfg.n_embd // m.cfg.n_head
+        scores = 6 * m.cfg.n_layer * m.cfg.block_size * m.cfg.n_head * head_dim * 2
         assert flops_per_token(m.cfg) == 6 * weights + scores
 
 

@@ -15,6 +15,10 @@ TP_VARIANTS = {
     "mqa_qk_norm_bias": dict(n_kv_head=1, qk_norm=True, bias=True),
     # two key/value heads split across two ranks, with QK-norm gains replicated over the split heads
     "gqa_split_qk_norm": dict(n_kv_head=2, qk_norm=True),
+    # replicated k/v with q/k/v-only biases and a head size of its own; experts of a chosen width
+    "mqa_qkv_bias_head_dim": dict(n_kv_head=1, head_dim=8, qkv_bias=True),
+    "moe_gelu_intermediate_size": dict(n_expert=4, n_expert_per_token=2, capacity_factor=1.0, mlp="gelu",
+                                       norm="layernorm", intermediate_size=48),
 }
 
 
