@@ -130,6 +130,9 @@ def run(cfg, bench, setup):
     for r in runners:
         for i in range(bench.warmup_steps):
             r.step(i)
+    moe = model_cfg.n_expert > 0
+    if moe:
+        metrics.moe_metrics(runners[0].parts.model, layout)  # (resets the step counts: only timed steps below)
     reset_peak_memory(dev)
     # the runners take turns step by step, so a machine that speeds up or slows down affects them alike
     times = {r.name: [] for r in runners}
@@ -140,6 +143,8 @@ def run(cfg, bench, setup):
             losses[r.name] = r.step(i)
             times[r.name].append(time.perf_counter() - start)
     peak_mem = metrics.peak_memory_bytes(dev, layout)
+    # MoE: the load and the all-to-all bytes per timed step (picotron's steps only: the reference is dense)
+    moe_stats = metrics.moe_metrics(runners[0].parts.model, layout, steps=bench.bench_steps) if moe else {}
 
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     peak, peak_why = metrics.device_peak_flops(cfg.peak_flops, dev, ptdtype)
@@ -154,6 +159,12 @@ def run(cfg, bench, setup):
                            "loss": losses[r.name]}
     # the process's peak memory covers whatever ran in it: with the reference alongside it is both models'
     results["picotron"]["peak_mem_bytes"] = peak_mem
+    if moe:
+        params, state = metrics.expert_memory_bytes(runners[0].parts.model, runners[0].parts.optimizer)
+        results["picotron"].update(ep=layout.ep, a2a_bytes=moe_stats["a2a_bytes"],
+                                   expert_load_min=moe_stats["expert_load_min"],
+                                   expert_load_max=moe_stats["expert_load_max"],
+                                   expert_param_bytes=params, expert_optimizer_bytes=state)
 
     if layout.rank == 0:
         print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak_why, step_model_kind(runners[0]))
@@ -180,7 +191,7 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak
     print(f"\nbench: {mc.n_layer} layers, {mc.n_head} heads ({mc.n_kv_head} kv), width {mc.n_embd}, block {mc.block_size}, "
           f"vocab {mc.vocab_size}, batch {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro x dp {layout.dp}; "
           f"{dev}, {str(ptdtype).replace('torch.', '')}, {kind}, {torch.get_num_threads()} threads; "
-          f"layout dp={layout.dp} tp={layout.tp} pp={layout.pp}; activation_checkpointing={cfg.activation_checkpointing}, "
+          f"layout dp={layout.dp} tp={layout.tp} pp={layout.pp} ep={layout.ep}; activation_checkpointing={cfg.activation_checkpointing}, "
           f"chunked_loss={cfg.chunked_loss}; {'data ' + cfg.data_dir if cfg.data_dir else 'random tokens'}; "
           f"{bench.warmup_steps} warm-up + {bench.bench_steps} timed steps (median)")
     print(f"peak: {f'{peak / 1e12:.3g} TFLOP/s per device' if peak else 'unknown'} ({peak_why})")
@@ -191,6 +202,11 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak
             ("MFLOP/token", lambda r: f"{r['flops_per_token'] / 1e6:,.1f}"),
             ("MFU", lambda r: metrics.format_mfu(r["mfu"])),
             ("peak memory (MiB)", lambda r: f"{r['peak_mem_bytes'] / 2**20:,.0f}" if "peak_mem_bytes" in r else "-"),
+            ("experts MiB (rank 0)", lambda r: f"{r['expert_param_bytes'] / 2**20:,.2f} + {r['expert_optimizer_bytes'] / 2**20:,.2f}"
+             if "expert_param_bytes" in r else "-"),
+            ("all-to-all MiB/step", lambda r: f"{r['a2a_bytes'] / 2**20:,.2f}" if "a2a_bytes" in r else "-"),
+            ("expert load min-max", lambda r: f"{r['expert_load_min']:,.0f}-{r['expert_load_max']:,.0f}"
+             if "expert_load_min" in r else "-"),
             ("loss (last step)", lambda r: f"{r['loss']:.4f}")]
     print(f"{'':20s}" + "".join(f"{n:>16s}" for n in names))
     for label, fmt in rows:

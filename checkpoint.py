@@ -13,7 +13,8 @@ Each tensor is saved as "pieces". A piece says which full tensor it belongs to (
 which tensor-parallel slice it is (dim, rank, world) and which range of that slice's flattened elements it
 holds (all of them for a model shard, a ZeRO-1 rank's range for optimizer state). Loading assembles each
 full tensor a rank needs from whatever pieces were saved, then cuts the slice this rank's layout needs, so
-a checkpoint saved at one dp x tp x pp layout resumes at any other.
+a checkpoint saved at one dp x tp x pp layout resumes at any other. The experts of a mixture of experts are
+named by their global index whichever rank holds them, so expert parallelism (ep) changes freely too.
 """
 import glob
 import json
@@ -191,30 +192,31 @@ def load_model(model, reader):
     return reader
 
 
-def _saved_here(param, layout, dp_sharded=False):
+def _saved_here(param, layout, dp_sharded=False, expert=False):
     """Each full tensor is saved once: data-parallel replicas leave it to dp rank 0 (unless dp_sharded:
     each dp rank then holds a different part, ZeRO-1's optimizer state), tensor-parallel replicas (norms)
-    to tp rank 0. (A tied copy is never saved: the original is.)"""
-    if layout.dp_rank != 0 and not dp_sharded:
+    to tp rank 0. An expert under expert parallelism is held by one rank of each ep group, and saved by
+    the one in the first group (dp_rank < ep). (A tied copy is never saved: the original is.)"""
+    if not dp_sharded and layout.dp_rank >= (layout.ep if expert else 1):
         return False
     return layout.tp_rank == 0 or getattr(param, "tp_shard_dim", None) is not None
 
 
 def model_pieces(model, layout):
-    copies = model.tied_copies()
+    copies, experts = model.tied_copies(), model.expert_parameters()
     return {name: make_piece(p, p) for name, p in model.named_parameters()
-            if name not in copies and _saved_here(p, layout)}
+            if name not in copies and _saved_here(p, layout, expert=name in experts)}
 
 
 def optimizer_pieces(optimizer, model, layout):
     """The AdamW moments, saved like the parameters they belong to. parallel.ZeroOneAdamW's state says
     which flat range of each parameter's (tensor-parallel slice's) elements this rank owns: then every
     data-parallel rank saves its own range, and the ranks' pieces together cover every element once."""
-    pieces, copies = {}, model.tied_copies()
+    pieces, copies, experts = {}, model.tied_copies(), model.expert_parameters()
     for name, p in model.named_parameters():
         state = optimizer.state.get(p)
         flat_range = state.get("flat_range") if state else None
-        if state and name not in copies and _saved_here(p, layout, dp_sharded=flat_range is not None):
+        if state and name not in copies and _saved_here(p, layout, flat_range is not None, name in experts):
             pieces[name] = {k: make_piece(state[k], p, flat_range) for k in ("exp_avg", "exp_avg_sq")}
     return pieces
 

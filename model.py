@@ -34,9 +34,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
-                      full_shape_of, group_rank, group_size, padded_vocab_size, shard_of, valid_vocab_columns,
-                      vocab_parallel_cross_entropy)
+from parallel import (ByteCount, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
+                      dispatch_to_experts, exchange_expert_counts, full_shape_of, group_rank, group_size,
+                      padded_vocab_size, shard_of, valid_vocab_columns, vocab_parallel_cross_entropy)
 
 
 @dataclass
@@ -515,28 +515,38 @@ def expert_capacity_mask(expert_ids, n_expert, capacity):
     return (slot < capacity).view_as(expert_ids)
 
 
+def count_per_expert(expert_ids, n):
+    """How many of the (flat) expert_ids are 0, 1, ..., n - 1: a bincount that never reads the largest id
+    back to the host (torch.bincount does, on a GPU)."""
+    return torch.zeros(n, dtype=torch.long, device=expert_ids.device).scatter_add_(
+        0, expert_ids, torch.ones_like(expert_ids))
+
+
 class MixtureOfExperts(nn.Module):
     """A Mixture-of-Experts MLP (n_expert > 0): a router sends each token to its top-k experts (Shazeer et
     al. 2017; GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021), each expert an MLP like
-    the dense one (mlp='swiglu' or 'gelu').
+    the dense one (mlp='swiglu' or 'gelu', intermediate_size wide when set).
 
         p = softmax(router(x))                          (N, n_expert), computed in fp32
         out = sum over the top-k experts e of p_e * expert_e(x)   (+ every shared expert's output)
 
-    The top-k probabilities are used as they are, not renormalised (Switch, DeepSeek-V2): the router then
-    gets a gradient from the language-modelling loss even with k = 1.
+    The top-k probabilities are used as they are, not renormalised (Switch, DeepSeek-V2; Qwen2-MoE's
+    norm_topk_prob=False): the router then gets a gradient from the language-modelling loss even with k = 1.
 
-    Capacity: each expert takes at most ceil(capacity_factor * N * k / n_expert) of the N * k assignments
-    of a micro-batch; the others are dropped and contribute nothing, so a token whose experts are all full
-    passes through the block on its residual connection alone. Assignments queue by position in the
-    sequence (all tokens at position 0 first, then 1, ...; a token's k choices one after the other), so
-    whether a token is dropped depends only on tokens at its position or before: the model stays causal.
-    A batch-major queue, or GShard's ranking of every first choice before any second choice, would let
-    later tokens push earlier ones out.
+    Capacity: with capacity_factor > 0 each expert takes at most ceil(capacity_factor * N * k / n_expert) of
+    the N * k assignments of a micro-batch; the others are dropped and contribute nothing, so a token whose
+    experts are all full passes through the block on its residual connection alone. Assignments queue by
+    position in the sequence (all tokens at position 0 first, then 1, ...; a token's k choices one after the
+    other), so whether a token is dropped depends only on tokens at its position or before: the model stays
+    causal. A batch-major queue, or GShard's ranking of every first choice before any second choice, would
+    let later tokens push earlier ones out. capacity_factor = 0 is dropless routing: every assignment is
+    kept, the expert batches are as large as routing makes them (MegaBlocks, Gale et al. 2023; what the
+    transformers models compute, so only a dropless model exports: export_hf.py).
 
-    Experts run only on their own tokens: the kept assignments are sorted by expert, each expert takes its
-    contiguous group of tokens, and the weighted outputs are added back with index_add. Reading the group
-    sizes is a host-device sync, once per layer.
+    Experts run only on their own tokens: the kept assignments are sorted by expert (the dropped ones
+    last, cut off by count, so no boolean indexing syncs), each expert takes its contiguous group of tokens,
+    and the weighted outputs are added back with index_add. Reading the group sizes is the one host-device
+    sync, once per layer (parallel.exchange_expert_counts).
 
     Auxiliary losses (weighted; forward leaves their sum in self.aux_loss, which Transformer.forward adds
     to the training loss):
@@ -551,56 +561,78 @@ class MixtureOfExperts(nn.Module):
     parallel out, one all-reduce per expert that received tokens); the router is replicated. Its input
     and everything after the all-reduces are the same on every rank, so every rank routes identically
     (the ranks run the same experts in the same order: the collectives match) and computes the same,
-    complete router gradient and auxiliary loss. Expert parallelism (experts spread over ranks, tokens
-    sent to them with all-to-all) is the other way to split an MoE; it is not implemented here."""
+    complete router gradient and auxiliary loss.
 
-    def __init__(self, cfg, tp_group=None):
+    Expert parallelism (ep_group, parallel.py section 5): this rank holds only experts first_expert ...
+    first_expert + n_expert / ep - 1, keyed by their global index (experts.5 is expert 5 at every ep, so
+    checkpoints reshard between ep values). Routing, capacity, the auxiliary losses and the dropped
+    fraction are computed here, on this rank's own micro-batch, exactly as in one process; only the kept
+    assignments travel, to their experts' ranks and back (parallel.dispatch_to_experts), and the outputs are
+    combined with the router weights here, where the tokens are."""
+
+    def __init__(self, cfg, tp_group=None, ep_group=None):
         super().__init__()
         self.n_expert, self.k, self.capacity_factor = cfg.n_expert, cfg.n_expert_per_token, cfg.capacity_factor
         self.aux_loss_coef, self.router_z_loss_coef = cfg.aux_loss_coef, cfg.router_z_loss_coef
+        self.ep_group = ep_group
+        n_local = cfg.n_expert // group_size(ep_group)
+        self.first_expert = group_rank(ep_group) * n_local
         self.router = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
-        self.experts = nn.ModuleList(make_mlp(cfg, tp_group) for _ in range(cfg.n_expert))
+        self.experts = nn.ModuleDict({str(e): make_mlp(cfg, tp_group)
+                                      for e in range(self.first_expert, self.first_expert + n_local)})
         self.shared_experts = nn.ModuleList(make_mlp(cfg, tp_group) for _ in range(cfg.n_shared_expert))
         # set by each forward: the auxiliary loss (part of the graph), and statistics for the training log
         self.aux_loss = self.last_dropped_frac = self.last_tokens_per_expert = None
+        self.last_load = None  # this forward's kept assignments per expert, host list (the split sizes)
+        # what the training log reads (metrics.moe_metrics) and resets: the assignments per expert of the
+        # training forwards (added by Transformer.forward), the bytes the all-to-alls sent to other ranks
+        self.step_load = [0] * cfg.n_expert
+        self.a2a_sent = ByteCount()
 
     def forward(self, x):
         B, T, D = x.shape
         tokens = x.transpose(0, 1).reshape(T * B, D)  # position-major, the capacity queue's order
-        N = tokens.shape[0]
+        N, E = tokens.shape[0], self.n_expert
         with torch.autocast(x.device.type, enabled=False):  # routing decisions in fp32 (ST-MoE, section 3)
             logits = F.linear(tokens.float(), self.router.weight.float())  # (N, E)
         probs = logits.softmax(dim=-1)
         gate, expert = probs.topk(self.k, dim=-1)  # (N, k) each
-        capacity = math.ceil(self.capacity_factor * N * self.k / self.n_expert)
-        keep = expert_capacity_mask(expert, self.n_expert, capacity)
+        if self.capacity_factor > 0:
+            keep = expert_capacity_mask(expert, E, math.ceil(self.capacity_factor * N * self.k / E))
+        else:  # dropless
+            keep = torch.ones_like(expert, dtype=torch.bool)
 
-        # group the kept (token, expert) assignments by expert
-        token_idx = torch.arange(N, device=x.device).repeat_interleave(self.k)[keep.flatten()]
-        expert_of, gate_of = expert.flatten()[keep.flatten()], gate.flatten()[keep.flatten()]
-        order = expert_of.argsort(stable=True)
-        token_idx, gate_of = token_idx[order], gate_of[order]
-        counts = torch.bincount(expert_of, minlength=self.n_expert)
-        sizes = counts.tolist()  # host-device sync
-        outputs = []
-        for e, (idx, g) in enumerate(zip(token_idx.split(sizes), gate_of.split(sizes))):
-            if len(idx):  # an expert with no tokens is skipped on every tensor-parallel rank alike
-                y = self.experts[e](tokens[idx])
-                outputs.append(y * g.unsqueeze(-1).to(y.dtype))
-        out = torch.zeros_like(tokens)
-        if outputs:
-            out = out.index_add(0, token_idx, torch.cat(outputs).to(out.dtype))
+        # every assignment sorted by expert, the dropped ones last (as expert E, cut off below by count)
+        target = expert.masked_fill(~keep, E).flatten()  # (N * k,)
+        order = target.argsort(stable=True)
+        counts = count_per_expert(target, E + 1)[:E]  # kept assignments per expert
+        splits = exchange_expert_counts(counts, self.ep_group)  # host-device sync: the split sizes
+        n_kept = sum(splits.send)
+        token_idx = order[:n_kept] // self.k
+        gate_of = gate.flatten()[order[:n_kept]]
+        y = dispatch_to_experts(tokens[token_idx], splits, self.run_local_experts, self.ep_group, self.a2a_sent)
+        out = torch.zeros_like(tokens).index_add(0, token_idx, (y * gate_of.unsqueeze(-1).to(y.dtype)).to(tokens.dtype))
         for shared in self.shared_experts:
             out = out + shared(tokens)
 
-        routed = torch.bincount(expert.flatten(), minlength=self.n_expert).float() / (N * self.k)  # f_e
-        aux = self.aux_loss_coef * self.n_expert * (routed * probs.mean(0)).sum()
+        routed = count_per_expert(expert.flatten(), E).float() / (N * self.k)  # f_e
+        aux = self.aux_loss_coef * E * (routed * probs.mean(0)).sum()
         if self.router_z_loss_coef:
             aux = aux + self.router_z_loss_coef * torch.logsumexp(logits, dim=-1).pow(2).mean()
         self.aux_loss = aux
         self.last_dropped_frac = 1.0 - keep.float().mean()
-        self.last_tokens_per_expert = counts
+        self.last_tokens_per_expert, self.last_load = counts, splits.send
         return out.view(T, B, D).transpose(0, 1)
+
+    def run_local_experts(self, x, sizes):
+        """This rank's experts in order, the e-th on the next sizes[e] rows of x; their outputs stacked."""
+        outputs = [expert(rows) for expert, rows in zip(self.experts.values(), x.split(sizes)) if len(rows)]
+        return torch.cat(outputs) if outputs else x[:0]  # (an expert without tokens is skipped on every tp rank)
+
+    def count_load(self):
+        """Add the last forward's assignments per expert to the step's (Transformer.forward calls it once per
+        training forward: a checkpointed block's forward runs again in backward and must not count twice)."""
+        self.step_load = [a + b for a, b in zip(self.step_load, self.last_load)]
 
 
 class Block(nn.Module):
@@ -613,7 +645,7 @@ class Block(nn.Module):
     fused and, under tensor parallelism, their two output all-reduces merged into one (PaLM reports ~15%
     faster training at scale). Here they stay two separate layers, each with its own all-reduce."""
 
-    def __init__(self, cfg, tp_group=None, attn_impl="sdpa"):
+    def __init__(self, cfg, tp_group=None, attn_impl="sdpa", ep_group=None):
         super().__init__()
         self.parallel = cfg.parallel_block
         self.attn_norm = make_norm(cfg, cfg.n_embd)
@@ -625,7 +657,7 @@ class Block(nn.Module):
             raise ValueError(f"attention must be 'mha' or 'mla', got {cfg.attention!r}")
         if not self.parallel:
             self.mlp_norm = make_norm(cfg, cfg.n_embd)
-        self.mlp = MixtureOfExperts(cfg, tp_group) if cfg.n_expert > 0 else make_mlp(cfg, tp_group)
+        self.mlp = MixtureOfExperts(cfg, tp_group, ep_group) if cfg.n_expert > 0 else make_mlp(cfg, tp_group)
 
     def forward(self, x, cos, sin):
         if self.parallel:
@@ -732,7 +764,7 @@ def chunked_cross_entropy(h, weight, targets, vocab_size=None, softcap=0.0, igno
 # The model
 
 
-def check_layout(cfg, tp=1, pp=1):
+def check_layout(cfg, tp=1, pp=1, ep=1):
     """Stop before anything is built when the model cannot be built, or split this way, saying what must
     hold and what to change."""
     problems = []
@@ -787,9 +819,15 @@ def check_layout(cfg, tp=1, pp=1):
     if cfg.n_expert > 0:
         if not 1 <= cfg.n_expert_per_token <= cfg.n_expert:
             problems.append(f"n_expert_per_token = {cfg.n_expert_per_token} must be between 1 and n_expert = {cfg.n_expert}")
-        if cfg.capacity_factor <= 0:
+        if cfg.capacity_factor < 0:
             problems.append(f"capacity_factor = {cfg.capacity_factor} must be positive (1.0 fits a perfectly balanced "
-                            f"router exactly; 1.25 is usual)")
+                            f"router exactly; 1.25 is usual) or 0 (dropless: no token is dropped)")
+        if cfg.n_expert % ep:
+            problems.append(f"n_expert = {cfg.n_expert} must be divisible by ep = {ep} (each expert-parallel rank holds "
+                            f"n_expert / ep whole experts): use an ep that divides n_expert")
+    elif ep > 1:
+        problems.append(f"ep = {ep} spreads the experts of a mixture of experts over ranks, but n_expert = 0 (a dense "
+                        f"model): set n_expert > 0 or ep = 1")
     if pp > cfg.n_layer:
         problems.append(f"pp = {pp} stages but only n_layer = {cfg.n_layer} blocks: every stage needs at least one "
                         f"block, so use pp <= {cfg.n_layer}")
@@ -823,6 +861,9 @@ class Transformer(nn.Module):
     In eval mode (model.eval()) the auxiliary losses are left out, so a validation loss is the plain
     cross-entropy, comparable with a dense model's.
 
+    ep_group (expert parallelism, parallel.py section 5): each MoE layer holds only this rank's n_expert / ep
+    experts and sends tokens to the others' (expert_parameters() names the experts this rank holds).
+
     How it runs, not what it computes: attn_impl (a kernel choose_attn_impl chose for the device; 'auto'
     here picks as for a CPU: SDPA, or the eager attention under soft-capping), activation_checkpointing
     (recompute each block in backward), chunked_loss (the loss without whole logits; applies at tp = 1).
@@ -833,7 +874,7 @@ class Transformer(nn.Module):
     training step keeps the two equal by summing their gradients (parallel.sync_tied_grads)."""
 
     def __init__(self, cfg, tp_group=None, pp=1, pp_rank=0, attn_impl="auto", activation_checkpointing=False,
-                 chunked_loss=False):
+                 chunked_loss=False, ep_group=None):
         super().__init__()
         if attn_impl != "flash":  # (flash needs its device to be checked: the caller's choose_attn_impl did)
             attn_impl, _ = choose_attn_impl(attn_impl, "cpu", torch.float32, cfg.attn_softcap)
@@ -845,7 +886,7 @@ class Transformer(nn.Module):
         if self.is_first:
             self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, tp_group)
         # keyed by the global block index, so a parameter has the same name whichever stage holds it
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, attn_impl) for i in self.layer_ids})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, attn_impl, ep_group) for i in self.layer_ids})
         if self.is_last:
             self.norm = make_norm(cfg, cfg.n_embd)
             vocab_padded = padded_vocab_size(cfg.vocab_size, group_size(tp_group))
@@ -869,7 +910,11 @@ class Transformer(nn.Module):
                 x = checkpoint(block, x, self.rope_cos, self.rope_sin, use_reentrant=False)
             else:
                 x = block(x, self.rope_cos, self.rope_sin)
-        aux = self.moe_aux_loss() if self.training else None
+        aux = None
+        if self.training:
+            aux = self.moe_aux_loss()
+            for moe in self.moe_layers().values():
+                moe.count_load()
         if not self.is_last:
             return x, aux
         if targets is not None and self.chunked_loss:
@@ -890,10 +935,23 @@ class Transformer(nn.Module):
                 loss = loss + aux
         return logits, loss
 
+    def moe_layers(self):
+        """{block index: its MixtureOfExperts} of this stage (empty for a dense model)."""
+        return {int(i): block.mlp for i, block in self.blocks.items() if isinstance(block.mlp, MixtureOfExperts)}
+
     def moe_aux_loss(self):
         """The sum of this stage's MoE auxiliary losses from the forward pass just run (None if dense)."""
-        losses = [block.mlp.aux_loss for block in self.blocks.values() if isinstance(block.mlp, MixtureOfExperts)]
+        losses = [moe.aux_loss for moe in self.moe_layers().values()]
         return sum(losses) if losses else None
+
+    def expert_parameters(self):
+        """{name: parameter} of the routed experts, the parameters expert parallelism spreads over the ep ranks
+        (this rank holds n_expert / ep of them, named by their global index). Their replicas are the dp / ep
+        ranks holding the same experts, not the dp ranks: their gradients are averaged over those, ZeRO-1
+        shards them over those, the gradient norm and the parameter count count them once per expert, and
+        a checkpoint saves them once per expert."""
+        return {f"blocks.{i}.mlp.experts.{name}": p for i, moe in self.moe_layers().items()
+                for name, p in moe.experts.named_parameters()}
 
     def tied_copies(self):
         """{name of a parameter here: name of the weight it copies}: the head's weight on a last stage that

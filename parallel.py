@@ -2,8 +2,8 @@
 Every parallel mechanism of picotron, in plain torch.distributed: one self-contained section each, in the
 order a reader learns them.
 
-  1. The layout: how the world of ranks is cut into data-, tensor- and pipeline-parallel groups, and the
-     printed rank grid.
+  1. The layout: how the world of ranks is cut into data-, tensor- and pipeline-parallel groups (and the
+     data-parallel ranks into expert-parallel groups), and the printed rank grid.
   2. Tensor parallelism (Megatron-LM): the four communication operators as autograd functions, the layers
      built from them (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) and the
      vocab-parallel cross-entropy.
@@ -11,6 +11,8 @@ order a reader learns them.
      backward actions, one executor that walks the list on a real stage, and the tied-weight sync.
   4. Data parallelism and ZeRO-1: gradients averaged in buckets from backward hooks (GradientBuckets), and
      an AdamW whose states are split across data-parallel ranks (ZeroOneAdamW).
+  5. Expert parallelism: a mixture of experts' experts spread over data-parallel ranks, each token sent to
+     its experts' rank and back with two all-to-alls (an autograd function, forward and backward).
   Last, the timeline printer: the same action lists drawn in time slots
      (python parallel.py --schedule 1f1b --pp 4 --microbatches 8).
 
@@ -20,11 +22,14 @@ can be lifted into another project.
 References: Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
 Model Parallelism" (the f and g operators, section 3); Huang et al. 2019, "GPipe" (all forward, all
 backward); Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM" (1F1B, section 2.2.1); Rajbhandari et al. 2020, "ZeRO" (section 5.1).
+Megatron-LM" (1F1B, section 2.2.1); Rajbhandari et al. 2020, "ZeRO" (section 5.1); Lepikhin et al. 2020,
+"GShard" (experts spread over devices, all-to-all dispatch, section 2.2); Fedus et al. 2021, "Switch
+Transformers" (section 5.4).
 """
 import argparse
 import math
 import os
+from collections import namedtuple
 from contextlib import nullcontext
 
 import torch
@@ -49,20 +54,25 @@ def grid_rank(pp_rank, dp_rank, tp_rank, dp, tp):
     return (pp_rank * dp + dp_rank) * tp + tp_rank
 
 
-def resolve_dp(world_size, dp, tp, pp, count_name="WORLD_SIZE"):
+def resolve_dp(world_size, dp, tp, pp, count_name="WORLD_SIZE", ep=1):
     """The data-parallel size of a launch: dp = 0 means whatever the world leaves after tp * pp; any other
-    dp must make dp * tp * pp the world size. The one place this rule lives (train.py, bench.py and
-    make_config.py, whose count_name is 'nproc', all come here)."""
+    dp must make dp * tp * pp the world size; and ep (expert parallelism, section 5) must divide it. The one
+    place these rules live (train.py, bench.py and make_config.py, whose count_name is 'nproc', all come
+    here)."""
     if world_size % (tp * pp) != 0:
         raise ValueError(f"{count_name} = {world_size} processes cannot be cut into tp = {tp} x pp = {pp}: the world "
                          f"size {world_size} is not divisible by tp * pp = {tp} * {pp}; launch a multiple of "
                          f"{tp * pp} processes or change --tp/--pp")
     if dp == 0:
-        return world_size // (tp * pp)
-    if dp * tp * pp != world_size:
+        dp = world_size // (tp * pp)
+    elif dp * tp * pp != world_size:
         raise ValueError(f"the layout dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks does not match the "
                          f"world size {world_size}: set --dp, --tp and --pp so that their product is {world_size} "
                          f"(leave dp=0 to have it computed as world_size / (tp * pp))")
+    if dp % ep != 0:
+        raise ValueError(f"ep = {ep} must divide dp = {dp}: the experts are spread over ep of the data-parallel "
+                         f"ranks, so launch a multiple of ep * tp * pp = {ep * tp * pp} processes or choose an ep "
+                         f"that divides {dp}")
     return dp
 
 
@@ -74,16 +84,23 @@ class ParallelLayout:
     which on a real cluster means the same node and its fast links. Data parallelism talks once per step,
     pipeline parallelism only sends activations between neighbouring stages, so both can span nodes.
 
+    Expert parallelism (ep, section 5) cuts each line of dp ranks into dp / ep blocks of ep neighbours: the
+    ranks of a block (ep_group, ep_rank its index) hold different experts and exchange tokens twice per MoE
+    layer, the chattiest group after tp, so they are neighbours too; the dp / ep ranks at the same place of
+    every block (expert_dp_group) hold the same experts and average their gradients. At ep = 1 the
+    ep_group is None and the expert_dp_group is the dp group.
+
     With world_size 1 no group is built and every group is None: the single-process path.
     """
 
-    def __init__(self, dp, tp, pp, world_size=1, rank=0):
-        dp = resolve_dp(world_size, dp, tp, pp)
-        self.dp, self.tp, self.pp, self.world_size, self.rank = dp, tp, pp, world_size, rank
+    def __init__(self, dp, tp, pp, world_size=1, rank=0, ep=1):
+        dp = resolve_dp(world_size, dp, tp, pp, ep=ep)
+        self.dp, self.tp, self.pp, self.ep, self.world_size, self.rank = dp, tp, pp, ep, world_size, rank
         self.tp_rank = rank % tp
         self.dp_rank = (rank // tp) % dp
         self.pp_rank = rank // (tp * dp)
-        self.tp_group = self.dp_group = self.pp_group = None
+        self.ep_rank, self.expert_dp_rank = self.dp_rank % ep, self.dp_rank // ep
+        self.tp_group = self.dp_group = self.pp_group = self.ep_group = self.expert_dp_group = None
         self.pp_prev = self.pp_next = None  # global ranks of the neighbouring pipeline stages
         if world_size == 1:
             return
@@ -99,6 +116,18 @@ class ParallelLayout:
                     group = dist.new_group(ranks)
                     if rank in ranks:
                         setattr(self, f"{axis}_group", group if sizes[axis] > 1 else None)
+        # the expert groups cut each dp line (where ep = 1 or ep = dp one of them is the dp line itself)
+        self.ep_group = self.dp_group if ep == dp else None
+        self.expert_dp_group = self.dp_group if ep == 1 else None
+        if 1 < ep < dp:
+            for p in range(pp):
+                for t in range(tp):
+                    blocks, replicas = expert_groups(dp, ep, lambda d: grid_rank(p, d, t, dp, tp))
+                    for kind, lines in (("ep_group", blocks), ("expert_dp_group", replicas)):
+                        for ranks in lines:
+                            group = dist.new_group(ranks)
+                            if rank in ranks:
+                                setattr(self, kind, group)
         if self.pp_rank > 0:
             self.pp_prev = grid_rank(self.pp_rank - 1, self.dp_rank, self.tp_rank, dp, tp)
         if self.pp_rank < pp - 1:
@@ -113,26 +142,48 @@ class ParallelLayout:
         return self.pp_rank == self.pp - 1
 
 
-def init_distributed(dp, tp, pp, device_type):
+def expert_groups(dp, ep, rank_of):
+    """The groups of one line of dp ranks (rank_of(dp_rank) is its global rank): the expert-parallel blocks of
+    ep neighbours, and the expert-data-parallel groups, the ranks at the same place of every block."""
+    blocks = [[rank_of(b * ep + e) for e in range(ep)] for b in range(dp // ep)]
+    return blocks, [[block[e] for block in blocks] for e in range(ep)]
+
+
+def init_distributed(dp, tp, pp, device_type, ep=1):
     """Start torch.distributed when launched by torchrun (WORLD_SIZE set) and build the layout.
     dp=0 means "whatever is left": world_size / (tp * pp)."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
-    dp = resolve_dp(world_size, dp, tp, pp)  # before any process group: a bad layout fails fast, alone
+    dp = resolve_dp(world_size, dp, tp, pp, ep=ep)  # before any process group: a bad layout fails fast, alone
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend=backend)
-    return ParallelLayout(dp, tp, pp, world_size, rank)
+    return ParallelLayout(dp, tp, pp, world_size, rank, ep=ep)
 
 
-def format_grid(dp, tp, pp):
+def format_grid(dp, tp, pp, ep=1, n_expert=0):
     """The rank layout as text, one line per (pipeline stage, data-parallel replica): which global ranks
-    hold the tensor-parallel slices of it."""
+    hold the tensor-parallel slices of it, and under expert parallelism which experts the replica holds,
+    followed by the expert groups."""
     lines = []
     for p in range(pp):
         for d in range(dp):
             ranks = [grid_rank(p, d, t, dp, tp) for t in range(tp)]
-            lines.append(f"  stage {p} replica {d}: ranks {ranks}")
+            held = ""
+            if ep > 1:
+                first, n = (d % ep) * (n_expert // ep), n_expert // ep
+                held = f", experts {first}-{first + n - 1}" if n > 1 else f", expert {first}"
+            lines.append(f"  stage {p} replica {d}: ranks {ranks}{held}")
+    if ep > 1:
+        exchange, average = [], []
+        for p in range(pp):
+            for t in range(tp):
+                blocks, replicas = expert_groups(dp, ep, lambda d: grid_rank(p, d, t, dp, tp))
+                exchange, average = exchange + blocks, average + replicas
+        lines.append(f"  expert-parallel groups (ep={ep}, tokens sent to their experts all-to-all): "
+                     + " ".join(map(str, exchange)))
+        lines.append("  expert replicas (the same experts, gradients averaged): "
+                     + (" ".join(map(str, average)) if dp > ep else "none, every expert is on one rank (ep = dp)"))
     return "\n".join(lines)
 
 
@@ -678,7 +729,9 @@ def sync_tied_grads(copies, group):
 # tensor: every rank gets the same number of elements (within the padding), whatever the tensor sizes.
 #
 # A bucket is one flat tensor, so it holds parameters of one dtype only: a parameter whose dtype differs
-# from the one before it starts a new bucket.
+# from the one before it starts a new bucket. Its collective runs over one group: parameters that are
+# averaged over another group than the data-parallel one (the experts under expert parallelism, section 5)
+# fill buckets of their own.
 
 # torch 2.13 renamed the single-tensor collectives (the old names still work, with a warning)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -686,18 +739,24 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 class _Bucket:
-    """A group of parameters whose gradients travel as one flat tensor (padded to a multiple of dp)."""
+    """A group of parameters whose gradients travel as one flat tensor over `group` (padded to a multiple
+    of its size)."""
 
-    def __init__(self, params, dp):
-        self.params = params
+    def __init__(self, params, group):
+        self.params, self.group = params, group
+        self.world, self.rank = group_size(group), group_rank(group)
         self.offsets, n = [], 0
         for p in params:
             self.offsets.append(n)
             n += p.numel()
         self.numel = n
-        self.shard_size = (n + dp - 1) // dp  # elements each data-parallel rank owns
-        self.flat = torch.zeros(self.shard_size * dp, dtype=params[0].dtype, device=params[0].device)
+        self.shard_size = (n + self.world - 1) // self.world  # elements each rank of the group owns
+        self.flat = torch.zeros(self.shard_size * self.world, dtype=params[0].dtype, device=params[0].device)
         self.reset()
+
+    def owned(self):
+        """The range of `flat` this rank owns under sharding."""
+        return self.rank * self.shard_size, (self.rank + 1) * self.shard_size
 
     def reset(self):
         self.ready = set()  # indices of the parameters whose gradient is in `flat`
@@ -717,38 +776,49 @@ class GradientBuckets:
                      for ZeRO-1; `owned_pieces()` says which elements those are.
     `deferred` parameters are not synced from the hooks but in finish(): a gradient that still changes
     after backward (a tied embedding whose pipeline stages add their copies' gradients) must be complete
-    before it is reduced, so call finish() after that addition."""
+    before it is reduced, so call finish() after that addition.
 
-    def __init__(self, params, group, bucket_size_mb=25.0, shard=False, deferred=()):
+    `expert_params` are summed over `expert_group` instead (expert parallelism, section 5: the ranks that
+    hold the same experts), and divided by the size of `group` too: an expert's gradient on each rank is
+    already the sum over the ep ranks that sent it tokens, so its sum over expert_group is the sum over all
+    of `group`. With expert_group the same as group they are buckets like any other."""
+
+    def __init__(self, params, group, bucket_size_mb=25.0, shard=False, deferred=(), expert_params=(),
+                 expert_group=None):
         self.group, self.shard = group, shard
         self.dp, self.dp_rank = group_size(group), group_rank(group)
         self.sync = True
         deferred_ids = {id(p) for p in deferred}
+        expert_ids = {id(p) for p in expert_params} if expert_group is not group else set()
         params = [p for p in params if p.requires_grad]
         early = [p for p in params if id(p) not in deferred_ids]
         late = [p for p in params if id(p) in deferred_ids]
-        # backward produces gradients roughly in the reverse order of the forward pass: bucket them that way
-        self.buckets, current, size = [], [], 0
-        capacity = max(1, int(bucket_size_mb * 2 ** 20))
+        # backward produces gradients roughly in the reverse order of the forward pass: bucket them that way,
+        # filling one bucket for each group at a time, in the order the buckets fill up
+        self.buckets, capacity = [], max(1, int(bucket_size_mb * 2 ** 20))
+        filling = {}  # group -> (its parameters so far, their bytes)
         for p in reversed(early):
+            g = expert_group if id(p) in expert_ids else group
+            current, size = filling.get(g, ([], 0))
             if current and p.dtype != current[0].dtype:  # one dtype per flat buffer
-                self.buckets.append(_Bucket(current, self.dp))
+                self.buckets.append(_Bucket(current, g))
                 current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
             if size >= capacity:
-                self.buckets.append(_Bucket(current, self.dp))
+                self.buckets.append(_Bucket(current, g))
                 current, size = [], 0
-        if current:
-            self.buckets.append(_Bucket(current, self.dp))
+            filling[g] = (current, size)
+        self.buckets += [_Bucket(current, g) for g, (current, _) in filling.items() if current]
         for dtype in dict.fromkeys(p.dtype for p in late):
-            self.buckets.append(_Bucket([p for p in late if p.dtype == dtype], self.dp))
+            self.buckets.append(_Bucket([p for p in late if p.dtype == dtype], group))
         self.where = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self.where[p] = (b, i)
         self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in early]
         self.launched = 0  # collectives launched since the last finish(): the tests read it
+        self.next_bucket = 0  # buckets launch in this order only (see _launch_ready)
 
     def set_grad_sync(self, sync):
         self.sync = sync
@@ -761,8 +831,19 @@ class GradientBuckets:
             raise RuntimeError("a gradient became ready twice in one synchronised step: call set_grad_sync(False) "
                                "before the backward of every micro-batch but the last")
         self._copy_in(bucket, i)
-        if len(bucket.ready) == len(bucket.params):
+        self._launch_ready()
+
+    def _launch_ready(self):
+        """Launch the complete buckets, in bucket order: every rank must launch the same collectives in the
+        same order, and the order in which buckets complete can differ between ranks (an expert that got
+        tokens on one data-parallel rank and none on another has a gradient on the first only; on the
+        second its bucket completes in finish(), with zeros). A complete bucket waits for those before it."""
+        while self.next_bucket < len(self.buckets):
+            bucket = self.buckets[self.next_bucket]
+            if len(bucket.ready) < len(bucket.params):
+                return
             self._launch(bucket)
+            self.next_bucket += 1
 
     def _copy_in(self, bucket, i):
         p, start = bucket.params[i], bucket.offsets[i]
@@ -772,31 +853,33 @@ class GradientBuckets:
 
     def _launch(self, bucket):
         self.launched += 1
-        if self.dp == 1:
+        if bucket.world == 1:
             return
         if self.shard:
             bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
-            bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=self.group, async_op=True)
+            bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=bucket.group, async_op=True)
         else:
-            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
     def finish(self):
         """Wait for every bucket's collective (launching the ones the hooks did not: deferred parameters,
-        parameters that got no gradient this step) and point each p.grad at its part of the result."""
-        for bucket in self.buckets:  # same order on every rank: the hooks fired in the same order
-            if len(bucket.ready) < len(bucket.params):
-                for i in range(len(bucket.params)):
-                    if i not in bucket.ready:
-                        self._copy_in(bucket, i)
-                self._launch(bucket)
+        parameters that got no gradient this step, the buckets after them) and point each p.grad at its
+        part of the result."""
+        for bucket in self.buckets[self.next_bucket:]:  # in bucket order, as _launch_ready
+            for i in range(len(bucket.params)):
+                if i not in bucket.ready:
+                    self._copy_in(bucket, i)
+            self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()  # sync point: the gradient is needed from here on
             # the sum over ranks / dp = the mean gradient over the global batch
             if self.shard:  # this rank's slice of the mean, zero elsewhere (the other ranks' slices)
-                lo, hi = self.dp_rank * bucket.shard_size, (self.dp_rank + 1) * bucket.shard_size
+                lo, hi = bucket.owned()
+                if bucket.world > 1:
+                    bucket.flat[lo:hi].copy_(bucket.shard)
                 if self.dp > 1:
-                    bucket.flat[lo:hi].copy_(bucket.shard).div_(self.dp)
+                    bucket.flat[lo:hi].div_(self.dp)
                 bucket.flat[:lo].zero_()
                 bucket.flat[hi:].zero_()
             elif self.dp > 1:
@@ -804,14 +887,14 @@ class GradientBuckets:
             for p, start in zip(bucket.params, bucket.offsets):
                 p.grad = bucket.flat[start:start + p.numel()].view_as(p)
             bucket.reset()
-        self.sync, self.launched = True, 0
+        self.sync, self.launched, self.next_bucket = True, 0, 0
 
     def owned_pieces(self):
         """(param, start, end): the range of each parameter's flattened elements this rank owns under
         sharding. Each parameter has at most one range: it is contiguous in its bucket, so is the slice."""
         pieces = []
         for bucket in self.buckets:
-            lo, hi = self.dp_rank * bucket.shard_size, (self.dp_rank + 1) * bucket.shard_size
+            lo, hi = bucket.owned()
             for p, start in zip(bucket.params, bucket.offsets):
                 a, b = max(lo, start), min(hi, start + p.numel())
                 if a < b:
@@ -830,14 +913,16 @@ class ZeroOneAdamW(torch.optim.Optimizer):
     The update is torch.optim.AdamW's, element for element: decoupled weight decay p -= lr * wd * p, then
     p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps) (Loshchilov & Hutter 2019).
     The learning rate is read from self.param_groups at every step, so a schedule that writes
-    group['lr'] reaches the update."""
+    group['lr'] reaches the update. `expert_params` and `expert_group`: see GradientBuckets; their states
+    are split across expert_group, the ranks that hold the same experts."""
 
     def __init__(self, params, group=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 bucket_size_mb=25.0, deferred=()):
+                 bucket_size_mb=25.0, deferred=(), expert_params=(), expert_group=None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.group = group
         all_params = [p for g in self.param_groups for p in g["params"]]
-        self.grad_sync = GradientBuckets(all_params, group, bucket_size_mb, shard=True, deferred=deferred)
+        self.grad_sync = GradientBuckets(all_params, group, bucket_size_mb, shard=True, deferred=deferred,
+                                         expert_params=expert_params, expert_group=expert_group)
         self.group_of = {p: g for g in self.param_groups for p in g["params"]}
         # the moments of this rank's slice only, created now so that their size can be reported at start-up
         for p, start, end in self.grad_sync.owned_pieces():
@@ -866,16 +951,16 @@ class ZeroOneAdamW(torch.optim.Optimizer):
     def _all_gather_params(self):
         """Every rank updated its slice of each bucket; gather the slices so that every rank has the
         whole updated model."""
-        gs = self.grad_sync
-        if gs.dp == 1:
-            return
         gathered = []
-        for bucket in gs.buckets:
+        for bucket in self.grad_sync.buckets:
+            if bucket.world == 1:
+                continue
             full = torch.empty_like(bucket.flat)
             for p, start in zip(bucket.params, bucket.offsets):
                 full[start:start + p.numel()].copy_(p.detach().reshape(-1))
-            mine = full[gs.dp_rank * bucket.shard_size:(gs.dp_rank + 1) * bucket.shard_size].clone()
-            gathered.append((bucket, full, _all_gather_single(full, mine, group=self.group, async_op=True)))
+            lo, hi = bucket.owned()
+            gathered.append((bucket, full, _all_gather_single(full, full[lo:hi].clone(), group=bucket.group,
+                                                              async_op=True)))
         for bucket, full, work in gathered:
             work.wait()
             for p, start in zip(bucket.params, bucket.offsets):
@@ -886,6 +971,120 @@ def optimizer_state_bytes(optimizer):
     """Bytes of every tensor in an optimizer's state on this rank (the moments; the step counters too)."""
     return sum(v.numel() * v.element_size() for state in optimizer.state.values()
                for v in state.values() if torch.is_tensor(v))
+
+
+# -----------------------------------------------------------------------------
+# 5. Expert parallelism
+#
+# A mixture-of-experts layer holds n_expert MLPs, but each token uses only k of them. Splitting every
+# expert across the tensor-parallel ranks (section 2) keeps every expert on every rank; expert parallelism
+# (GShard, section 2.2; Switch Transformer, section 5.4) instead places whole experts on different ranks, so
+# the number of experts can grow with the number of ranks. ep neighbouring data-parallel ranks form an
+# expert-parallel group (the layout, section 1): rank r of the group holds experts r * n_expert / ep up to
+# (r + 1) * n_expert / ep - 1, every rank still holds all the other parameters (attention, router, shared
+# experts), and every rank still runs its own micro-batch.
+#
+# Each rank routes its own tokens as one process would (the capacity too, before anything moves), then:
+#   1. counts: how many of its assignments go to each expert; the counts are exchanged first (an
+#      all-to-all of n_expert integers), so every rank knows how many rows it will receive from whom.
+#      Both are read back to the host once: all_to_all_single needs its split sizes as numbers.
+#   2. dispatch: the token rows, sorted by expert and so by destination rank, go to the ranks of their
+#      experts (all_to_all_single with uneven splits).
+#   3. each rank runs its local experts, each on its contiguous group of rows (the received rows are
+#      sorted from source-rank-major to expert-major first, and back after).
+#   4. return: a second all-to-all, the reverse of the first, sends every output row to its token's rank,
+#      where the router weights combine them (model.MixtureOfExperts).
+# Backward runs the same two exchanges in reverse (AllToAll's backward), so each expert's weight gradient
+# sums the contributions of every rank that sent it tokens: the gradient of the ep ranks' summed losses. The
+# ranks holding the same experts (dp / ep of them, the expert_dp_group) add theirs, and dividing by dp gives
+# the mean over the global batch that one process computes (GradientBuckets' expert_params).
+#
+# Cost: each rank sends every token row routed to another rank's expert twice forward (the token, its
+# output) and twice backward (their gradients): 4 * rows * n_embd * bytes per element per layer, plus the
+# counts; none of it overlaps with compute here. Memory: each rank holds n_expert / ep experts' weights,
+# gradients and AdamW moments (ZeRO-1 then shards those over the expert_dp_group). With tp > 1 every
+# tensor-parallel rank exchanges the same rows with its own ep group (each keeps its slice of the experts).
+# An expert that receives no rows is skipped on every tensor-parallel rank alike (they route alike).
+
+ExpertSplits = namedtuple("ExpertSplits", "send recv recv_counts")
+
+
+class ByteCount:
+    """The bytes a rank has sent to other ranks (AllToAll adds to it, forward and backward)."""
+
+    def __init__(self):
+        self.bytes = 0
+
+
+def exchange_expert_counts(counts, group):
+    """counts: (n_expert,) int64 on the device, this rank's assignments per (global) expert, the experts of
+    group rank j being the j-th block of n_expert / ep. Returns ExpertSplits:
+        send        counts as a host list
+        recv        host list of lists: recv[j][e] rows rank j sends to this rank's local expert e
+        recv_counts the same on the device, (ep, n_expert / ep)
+    The one host read-back of a mixture-of-experts layer: the split sizes of the all-to-alls."""
+    ep = group_size(group)
+    if ep == 1:
+        recv_counts = counts.view(1, -1)
+        send = counts.tolist()  # host-device sync
+        return ExpertSplits(send, [send], recv_counts)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)  # equal splits: n_expert / ep counts to each rank
+    both = torch.cat([counts, recv_counts]).tolist()  # host-device sync
+    n = len(both) // 2
+    return ExpertSplits(both[:n], [both[n + j * n // ep:n + (j + 1) * n // ep] for j in range(ep)],
+                        recv_counts.view(ep, -1))
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits: this rank sends send_splits[j] rows of x (in order, rank 0's
+    first) to group rank j and receives recv_splits[j] rows from it, stacked in rank order. Its backward is
+    the same exchange reversed: every received row's gradient goes back to the rank that sent the row, into
+    the place the row came from (the send and receive sizes swap). `sent` (a ByteCount) adds the bytes this
+    rank sends to other ranks, both ways."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group, sent):
+        ctx.splits, ctx.group, ctx.sent = (send_splits, recv_splits), group, sent
+        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        sent.bytes += _bytes_to_others(x, send_splits, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        grad_x = grad.new_empty((sum(send_splits), *grad.shape[1:]))
+        dist.all_to_all_single(grad_x, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
+        ctx.sent.bytes += _bytes_to_others(grad, recv_splits, ctx.group)
+        return grad_x, None, None, None, None
+
+
+def _bytes_to_others(x, splits, group):
+    row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    return (sum(splits) - splits[group_rank(group)]) * row
+
+
+def dispatch_to_experts(rows, splits, run_local_experts, group, sent):
+    """rows: (n, C), this rank's kept token-to-expert assignments sorted by expert (n = sum(splits.send));
+    splits from exchange_expert_counts. run_local_experts(x, sizes) runs this rank's experts in order, the
+    e-th on the next sizes[e] rows of x, and returns their outputs stacked the same way. Returns the (n, C')
+    outputs in the order of `rows`. With group None (ep = 1) this is run_local_experts(rows, splits.send)."""
+    ep = group_size(group)
+    if ep == 1:
+        return run_local_experts(rows, splits.send)
+    n_local = len(splits.recv[0])
+    send = [sum(splits.send[j * n_local:(j + 1) * n_local]) for j in range(ep)]  # rows to each rank
+    recv = [sum(r) for r in splits.recv]  # rows from each rank
+    received = AllToAll.apply(rows, send, recv, group, sent)  # source-rank-major, expert-sorted within
+    # expert-major: the local expert of every received row, then a stable sort keeps the sources in order
+    expert_of_row = torch.arange(n_local, device=rows.device).repeat(ep).repeat_interleave(
+        splits.recv_counts.reshape(-1), output_size=sum(recv))
+    order = expert_of_row.argsort(stable=True)
+    sizes = [sum(r[e] for r in splits.recv) for e in range(n_local)]
+    out = run_local_experts(received[order], sizes)
+    back = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    return AllToAll.apply(out[back], recv, send, group, sent)  # each output row to its token's rank
 
 
 # -----------------------------------------------------------------------------

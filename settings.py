@@ -104,7 +104,7 @@ TRAINING = [
         Setting("n_expert", 0, "Mixture-of-Experts: routed experts per MLP layer; 0 = dense MLP", resume="refuse"),
         Setting("n_expert_per_token", 2, "top-k: experts each token is sent to", resume="refuse"),
         Setting("capacity_factor", 1.25, "an expert takes at most ceil(capacity_factor * tokens * k / n_expert) "
-                "tokens"),
+                "tokens; 0 = dropless (every token reaches its experts)"),
         Setting("aux_loss_coef", 0.01, "weight of each MoE layer's load-balancing loss (Switch Transformer)"),
         Setting("n_shared_expert", 0, "experts every token also goes through (DeepSeekMoE)", resume="refuse"),
         Setting("router_z_loss_coef", 0.0, "weight of the router z-loss (ST-MoE used 1e-3); 0 = off"),
@@ -138,6 +138,8 @@ TRAINING = [
         Setting("zero_stage", 0, "1 shards the optimizer states across data-parallel ranks", resume="allow"),
         Setting("bucket_size_mb", 25.0, "data-parallel gradients are averaged in buckets of about this size",
                 resume="allow"),
+        Setting("ep", 1, "expert-parallel ranks: each MoE layer's experts are spread over ep neighbouring "
+                "data-parallel ranks (ep divides dp and n_expert)", resume="allow"),
     ),
 ]
 
@@ -146,7 +148,7 @@ DEFAULTS = {s.name: s.default for s in TRAINING}
 # sizes and intervals that must be positive (or at least zero): a zero batch or a negative interval would
 # otherwise fail far from its cause, or silently do nothing
 POSITIVE = ("batch_size", "block_size", "gradient_accumulation_steps", "log_interval", "eval_iters",
-            "n_layer", "n_head", "n_kv_head", "n_embd", "tp", "pp", "learning_rate", "bucket_size_mb")
+            "n_layer", "n_head", "n_kv_head", "n_embd", "tp", "pp", "ep", "learning_rate", "bucket_size_mb")
 NOT_NEGATIVE = ("eval_interval", "checkpoint_interval", "keep_last_n", "warmup_iters", "lr_decay_iters", "min_lr",
                 "dp", "weight_decay", "grad_clip", "peak_flops", "n_expert", "n_shared_expert", "zero_stage",
                 "max_iters", "head_dim", "intermediate_size", "rope_scaling_factor")

@@ -201,8 +201,8 @@ def setup(cfg, training=True):
     model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig) if f.name != "vocab_size"},
                             vocab_size=vocab)
     attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype, cfg.attn_softcap)
-    layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type)
-    check_layout(model_cfg, layout.tp, layout.pp)
+    layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type, cfg.ep)
+    check_layout(model_cfg, layout.tp, layout.pp, layout.ep)
     tokenizer = data_meta.get("tokenizer", "gpt2")
     if hf_dir is not None:
         import_hf.check_weights(hf_dir, model_cfg)  # on every rank alike: a bad folder stops all of them
@@ -229,8 +229,9 @@ def setup(cfg, training=True):
     if cfg.chunked_loss and layout.tp > 1:
         print0(layout, f"chunked_loss: not at tp = {layout.tp} (the vocab-parallel loss never gathers the logits "
                        f"anyway): the loss is computed from the logits")
-    print0(layout, f"layout: dp={layout.dp} x tp={layout.tp} x pp={layout.pp} = {layout.world_size} processes\n"
-                   + format_grid(layout.dp, layout.tp, layout.pp))
+    print0(layout, f"layout: dp={layout.dp} x tp={layout.tp} x pp={layout.pp} = {layout.world_size} processes"
+                   + (f", experts over ep={layout.ep} of the dp ranks" if layout.ep > 1 else "") + "\n"
+                   + format_grid(layout.dp, layout.tp, layout.pp, layout.ep, model_cfg.n_expert))
     if layout.pp > 1:
         stages = [stage_layers(model_cfg.n_layer, layout.pp, s) for s in range(layout.pp)]
         print0(layout, f"pipeline: {cfg.pp_schedule}, {cfg.gradient_accumulation_steps} microbatches, blocks per "
@@ -253,7 +254,8 @@ def build(cfg, run):
     layout = run.layout
     torch.manual_seed(cfg.seed)
     model = Transformer(run.model_cfg, layout.tp_group, layout.pp, layout.pp_rank, attn_impl=run.attn_impl,
-                        activation_checkpointing=cfg.activation_checkpointing, chunked_loss=cfg.chunked_loss)
+                        activation_checkpointing=cfg.activation_checkpointing, chunked_loss=cfg.chunked_loss,
+                        ep_group=layout.ep_group)
     loaded = None
     if run.hf_dir is not None:  # a transformers model: each rank reads only its own slices of the weights
         start = time.time()
@@ -271,6 +273,12 @@ def build(cfg, run):
     print0(layout, f"optimizer: ZeroOneAdamW, state {optimizer_state_bytes(optimizer) / 2**20:.2f} MiB on rank 0, about "
                    f"1/{layout.dp} of the unsharded {unsharded / 2**20:.2f} MiB" if isinstance(optimizer, ZeroOneAdamW)
                    else f"optimizer: AdamW, state {unsharded / 2**20:.2f} MiB per rank")
+    if model.cfg.n_expert > 0:
+        expert_params, expert_state = metrics.expert_memory_bytes(model, optimizer)
+        moe = next(iter(model.moe_layers().values()))
+        print0(layout, f"experts: rank 0 holds experts {moe.first_expert}-{moe.first_expert + len(moe.experts) - 1} of "
+                       f"{model.cfg.n_expert} in each layer (ep={layout.ep}): {expert_params / 2**20:.2f} MiB of "
+                       f"parameters, {expert_state / 2**20:.2f} MiB of optimizer state")
     scaler = DynamicLossScaler(enabled=run.dtype == torch.float16)
     autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
     return SimpleNamespace(model=model, step_model=compile_model(model, cfg, layout), optimizer=optimizer,
@@ -286,7 +294,8 @@ def make_optimizer(model, cfg, device, layout, tied=()):
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.zero_stage == 1:
         return ZeroOneAdamW(groups, layout.dp_group, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                            bucket_size_mb=cfg.bucket_size_mb, deferred=tied)
+                            bucket_size_mb=cfg.bucket_size_mb, deferred=tied,
+                            expert_params=model.expert_parameters().values(), expert_group=layout.expert_dp_group)
     # one kernel for the whole update; on CPU (torch >= 2.4) it was a third of a small model's step unfused
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
 
@@ -294,12 +303,15 @@ def make_optimizer(model, cfg, device, layout, tied=()):
 def make_grad_sync(model, cfg, layout, optimizer, tied=()):
     """What averages the gradients across data-parallel ranks: ZeroOneAdamW's own sharded buckets, plain
     all-reduce buckets, or nothing with a single replica. A tied weight's gradient changes after backward
-    (its copies are summed), so it is averaged in finish(), after that sum, not from the backward hooks."""
+    (its copies are summed), so it is averaged in finish(), after that sum, not from the backward hooks.
+    Under expert parallelism the experts are averaged over the ranks that hold the same experts (and still
+    divided by dp: parallel.py, section 5), even when no other rank holds them (ep = dp)."""
     if isinstance(optimizer, ZeroOneAdamW):
         return optimizer.grad_sync
     if layout.dp_group is None:
         return None
-    return GradientBuckets(list(model.parameters()), layout.dp_group, cfg.bucket_size_mb, deferred=tied)
+    return GradientBuckets(list(model.parameters()), layout.dp_group, cfg.bucket_size_mb, deferred=tied,
+                           expert_params=model.expert_parameters().values(), expert_group=layout.expert_dp_group)
 
 
 def make_pipeline(cfg, layout, model, dev):
@@ -413,21 +425,25 @@ def global_grad_norm(model, layout, dp_sharded=False):
     """The norm of the whole model's gradient, the same on every rank whatever the layout. Tensor-sharded
     parameters contribute their slice on each tp rank; replicated ones (norms) are counted on tp rank 0
     only; pipeline stages hold disjoint blocks (a tied head's copy is not counted twice); data-parallel
-    replicas hold the same (already averaged) gradient and are counted once. With ZeRO-1 (dp_sharded)
-    each data-parallel rank holds the gradient of its own elements only (zero elsewhere): they add up."""
-    copies = model.tied_copies()
-    sq = torch.zeros((), device=next(model.parameters()).device, dtype=torch.float32)
+    replicas hold the same (already averaged) gradient and are counted once: a parameter is held by dp
+    replicas, an expert under expert parallelism by dp / ep (each rank of an ep group holds other experts).
+    With ZeRO-1 (dp_sharded) each replica holds the gradient of its own elements only (zero elsewhere):
+    they add up."""
+    copies, experts = model.tied_copies(), model.expert_parameters()
+    dev = next(model.parameters()).device
+    sq = {False: torch.zeros((), device=dev), True: torch.zeros((), device=dev)}  # dense, experts
     for name, p in model.named_parameters():
         if p.grad is None or name in copies:
             continue
         if getattr(p, "tp_shard_dim", None) is None and layout.tp_rank != 0:
             continue
-        sq += p.grad.detach().float().pow(2).sum()
-    if layout.world_size > 1:
-        if not dp_sharded:
-            sq /= layout.dp  # every dp replica adds the same amount
-        dist.all_reduce(sq)
-    return sq.sqrt()
+        sq[name in experts] += p.grad.detach().float().pow(2).sum()
+    if layout.world_size == 1:
+        return (sq[False] + sq[True]).sqrt()
+    replicas = (1, 1) if dp_sharded else (layout.dp, layout.dp // layout.ep)
+    total = sq[False] / replicas[0] + sq[True] / replicas[1]
+    dist.all_reduce(total)
+    return total.sqrt()
 
 
 def scale_grads(model, factor):
@@ -520,7 +536,7 @@ def save_checkpoint(cfg, run, parts, step, converted=False):
     if converted:
         config = {k: v for k, v in asdict(run.model_cfg).items() if k not in import_hf.NOT_ARCHITECTURE}
     meta = {"config": config, "model": asdict(run.model_cfg), "tokenizer": run.tokenizer,
-            "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp},
+            "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep},
             "adam_step": checkpoint.adamw_step_count(optimizer), "loss_scale": parts.scaler.scale}
     if converted:
         meta["converted_from"] = os.path.abspath(cfg.init_from)
@@ -583,7 +599,7 @@ def train(cfg, run, resume_path=None):
                    f"= {tokens_per_step:,} tokens per step")
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
                                           cfg.gradient_accumulation_steps, run.dev)
-    timer, timed_steps = time.time(), 0
+    timer, timed_steps, logged = time.time(), 0, step
     micro = batches(step)
     while step < cfg.max_iters:
         lr = get_lr(step, cfg)
@@ -603,16 +619,17 @@ def train(cfg, run, resume_path=None):
             record["mfu"] = metrics.mfu(model_flops, record["tokens_per_sec"], peak, layout.world_size)
             record["peak_mem_bytes"] = metrics.peak_memory_bytes(run.dev, layout)
             if model_cfg.n_expert > 0:
-                record.update(metrics.moe_metrics(parts.model, layout))
+                record.update(metrics.moe_metrics(parts.model, layout, steps=step - logged))
             eta = (cfg.max_iters - step) * elapsed / timed_steps  # training steps only: evals and saves come on top
             print0(layout, f"step {step:6d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
                            f"{record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step | "
                            f"MFU {metrics.format_mfu(record['mfu'])} | peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB | "
                            f"eta {metrics.format_duration(eta)}"
-                           + (f" | aux {record['aux_loss']:.4f} dropped {record['moe_dropped_frac']:.3f}"
-                              if model_cfg.n_expert > 0 else ""))
+                           + (f" | aux {record['aux_loss']:.4f} dropped {record['moe_dropped_frac']:.3f} | expert load "
+                              f"{record['expert_load_min']:,.0f}-{record['expert_load_max']:,.0f} | all-to-all "
+                              f"{record['a2a_bytes'] / 2**20:,.2f} MiB" if model_cfg.n_expert > 0 else ""))
             log.write(record)
-            timer, timed_steps = time.time(), 0
+            timer, timed_steps, logged = time.time(), 0, step
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or last):
             losses = evaluate(cfg, run, parts)
             record = {"step": step, **{f"{split}_loss": v for split, v in losses.items()}}
