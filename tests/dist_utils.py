@@ -151,15 +151,16 @@ LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL = 1e-5, 1e-4, 1e-4
 LOGGED = (("loss", LOSS_RTOL), ("grad_norm", GRAD_NORM_RTOL), ("train_loss", LOSS_RTOL), ("val_loss", LOSS_RTOL))
 
 
-def _report(what, worst, where, rtol):
-    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+def _report(what, worst, where, rtol, label):
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0] + (f" {label}" if label else "")
     print(f"equivalence | {test} | {what}: largest relative difference {worst:.2e} ({where}), tolerance {rtol:.0e}",
           flush=True)
 
 
-def assert_same_losses_and_norms(records, reference):
+def assert_same_losses_and_norms(records, reference, label=None):
     """The loss and global gradient norm of every logged step, and the evaluated losses where the run has
-    them, against the reference run's records of the same steps (a resumed run logs only its own)."""
+    them, against the reference run's records of the same steps (a resumed run logs only its own). label
+    names the run in the printed report when a test compares several."""
     for key, rtol in LOGGED:
         got = {r["step"]: r[key] for r in records if key in r}
         want = {r["step"]: r[key] for r in reference if key in r}
@@ -170,10 +171,10 @@ def assert_same_losses_and_norms(records, reference):
         assert set(got) <= set(want), f"{key} logged at steps {sorted(set(got) - set(want))}, not in the reference"
         diffs = {s: abs(v - want[s]) / max(abs(want[s]), 1e-12) for s, v in got.items()}
         step = max(diffs, key=diffs.get)
-        _report(key, diffs[step], f"step {step}", rtol)
-        assert diffs[step] <= rtol, (f"{key} differs from one process by {diffs[step]:.2e} relative at step {step} "
-                                     f"(tolerance {rtol:.0e}): {[got[s] for s in sorted(got)]} against "
-                                     f"{[want[s] for s in sorted(got)]}")
+        _report(key, diffs[step], f"step {step}", rtol, label)
+        assert diffs[step] <= rtol, (f"{label + ': ' if label else ''}{key} differs from one process by "
+                                     f"{diffs[step]:.2e} relative at step {step} (tolerance {rtol:.0e}): "
+                                     f"{[got[s] for s in sorted(got)]} against {[want[s] for s in sorted(got)]}")
 
 
 def relative_difference(a, b):
@@ -182,7 +183,7 @@ def relative_difference(a, b):
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
-def assert_same_tensors(got, want, rtol=WEIGHT_RTOL, what="weights"):
+def assert_same_tensors(got, want, rtol=WEIGHT_RTOL, what="weights", label=None):
     """Every tensor of `want` (a dict) is in `got` with the same shape and within rtol by the per-tensor
     relative norm; the failure lists every tensor outside it with its difference."""
     assert set(got) == set(want), f"{what}: {sorted(set(got) ^ set(want))} on one side only"
@@ -191,9 +192,10 @@ def assert_same_tensors(got, want, rtol=WEIGHT_RTOL, what="weights"):
     assert not shapes, f"{what}: shapes differ (got, want): {shapes}"
     diffs = {name: relative_difference(got[name], w) for name, w in want.items()}
     worst = max(diffs, key=diffs.get)
-    _report(what, diffs[worst], worst, rtol)
+    _report(what, diffs[worst], worst, rtol, label)
     bad = {name: d for name, d in diffs.items() if d > rtol}
-    assert not bad, f"{what} outside ||a-b||/||b|| <= {rtol:.0e}: " + ", ".join(f"{n}: {d:.2e}" for n, d in bad.items())
+    assert not bad, (f"{label + ': ' if label else ''}{what} outside ||a-b||/||b|| <= {rtol:.0e}: "
+                     + ", ".join(f"{n}: {d:.2e}" for n, d in bad.items()))
 
 
 def checkpoint_weights(ckpt_path):

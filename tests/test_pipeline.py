@@ -292,7 +292,7 @@ def test_train_py_pipelined_matches_one_process(data_dir, tmp_path):
     assert len(train_losses(ref_records)) == 5 and [r["step"] for r in ref_records if "val_loss" in r] == [5]
     for nproc, extra in ((2, ("--pp=2", "--pp_schedule=afab")), (4, ("--pp=4", "--pp_schedule=1f1b"))):
         records, weights, stdout = run(nproc, *extra)
-        assert_same_losses_and_norms(records, ref_records)
-        assert_same_tensors(weights, ref_weights)
+        assert_same_losses_and_norms(records, ref_records, label=" ".join(extra))
+        assert_same_tensors(weights, ref_weights, label=" ".join(extra))
         assert "blocks per stage" in stdout
     assert "blocks per stage 0: 0-1 | 1: 2-3 | 2: 4 | 3: 5" in stdout  # the uneven split, first stages heavier
