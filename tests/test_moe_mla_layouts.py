@@ -36,7 +36,8 @@ MOE_MLA = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block
            "--eval_interval=0", "--checkpoint_interval=2", "--keep_last_n=0", "--warmup_iters=2",
            f"--lr_decay_iters={STEPS}", "--learning_rate=3e-3",
            # tiny buckets, many of them: they fill in another order on each replica (parallel.py section 4)
-           "--bucket_size_mb=0.01"]
+           "--bucket_size_mb=0.01",
+           "--peak_flops=1e12"]  # skips timing a CPU matmul on each rank at start-up
 ONE_PROCESS = ["--gradient_accumulation_steps=4"]
 PER_REPLICA_AT_DP2 = ["--gradient_accumulation_steps=2"]
 

@@ -277,7 +277,8 @@ def data_dir(tmp_path_factory):
 
 TRAIN_ARGS = ["--n_layer=6", "--n_head=4", "--n_kv_head=4", "--n_embd=64", "--block_size=32", "--batch_size=2",
               "--gradient_accumulation_steps=4", "--max_iters=5", "--log_interval=1", "--eval_interval=5",
-              "--eval_iters=2", "--checkpoint_interval=5", "--warmup_iters=2", "--learning_rate=1e-2"]
+              "--eval_iters=2", "--checkpoint_interval=5", "--warmup_iters=2", "--learning_rate=1e-2",
+              "--peak_flops=1e12"]  # skips timing a CPU matmul on each rank at start-up
 
 
 def test_train_py_pipelined_matches_one_process(data_dir, tmp_path):

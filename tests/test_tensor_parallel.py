@@ -325,7 +325,8 @@ def test_vocabulary_padding_never_affects_the_loss(tp_results):
 
 TRAIN_ARGS = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=64", "--block_size=32", "--batch_size=4",
               "--max_iters=5", "--log_interval=1", "--eval_interval=5", "--eval_iters=2", "--checkpoint_interval=5",
-              "--learning_rate=1e-2", "--warmup_iters=1", "--device=cpu", "--dtype=float32", "--attn_impl=sdpa"]
+              "--learning_rate=1e-2", "--warmup_iters=1", "--device=cpu", "--dtype=float32", "--attn_impl=sdpa",
+              "--peak_flops=1e12"]  # skips timing a CPU matmul on each rank at start-up
 
 
 def test_five_training_steps_and_the_evaluation_at_tp2_give_the_run_of_one_process(tmp_path):
