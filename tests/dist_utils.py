@@ -161,11 +161,14 @@ def assert_same_losses_and_norms(records, reference, label=None):
     """The loss and global gradient norm of every logged step, and the evaluated losses where the run has
     them, against the reference run's records of the same steps (a resumed run logs only its own). label
     names the run in the printed report when a test compares several."""
+    trained = {r["step"] for r in records if "loss" in r}
     for key, rtol in LOGGED:
         got = {r["step"]: r[key] for r in records if key in r}
         want = {r["step"]: r[key] for r in reference if key in r}
         if key in ("loss", "grad_norm"):
             assert got, f"the run logged no {key}"
+        missing = sorted(s for s in want if s in trained and s not in got)
+        assert not missing, f"the reference logged {key} at steps {missing}, the run did not"
         if not got:
             continue
         assert set(got) <= set(want), f"{key} logged at steps {sorted(set(got) - set(want))}, not in the reference"
