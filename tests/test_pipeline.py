@@ -1,5 +1,6 @@
 """Pipeline parallelism (parallel.py section 3): the schedules' timelines, and pipelined training equal to
 one process. The distributed checks share one 4-rank launch (module fixture) and each test reads its part."""
+import os
 from contextlib import nullcontext
 
 import pytest
@@ -184,13 +185,21 @@ def reference(m, aux_after_blocks=()):
     return total, {name: p.grad for name, p in model.named_parameters()}
 
 
-def assert_grads_match(results, ref_grads):
-    seen = set()
+def assert_grads_match(results, ref_grads, rtol=1e-5, atol=1e-6):
+    """Every gradient, element by element: |a - b| <= atol + rtol |b|. Prints how much of that bound the
+    worst element used (pytest -s)."""
+    seen, worst = set(), (0.0, None)
     for r in results:
         for name, g in r["grads"].items():
-            torch.testing.assert_close(torch.from_numpy(g), ref_grads[name], rtol=1e-5, atol=1e-6, msg=lambda s: f"{name}: {s}")
+            g = torch.from_numpy(g)
+            torch.testing.assert_close(g, ref_grads[name], rtol=rtol, atol=atol, msg=lambda s: f"{name}: {s}")
+            used = ((g - ref_grads[name]).abs() / (atol + rtol * ref_grads[name].abs())).max().item()
+            worst = max(worst, (used, name), key=lambda w: w[0])
             seen.add(name)
     assert seen == set(ref_grads)  # every parameter is on some stage
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+    print(f"equivalence | {test} | gradients: the worst element is at {worst[0]:.2f} of |a-b| <= {atol:.0e} + "
+          f"{rtol:.0e}|b| ({worst[1]})", flush=True)
 
 
 def pipeline_loss(results):

@@ -306,6 +306,9 @@ def test_tp_model_logits_loss_and_every_gradient_equal_one_process(tp_results, c
         assert r["logits"] < TOL and r["loss"] < TOL, (r["logits"], r["loss"])
         worst = max(r["grads"], key=r["grads"].get)
         assert r["grads"][worst] < TOL, (worst, r["grads"][worst])
+        print(f"equivalence | tp={len(tp_results)} {config} | logits {r['logits']:.2e}, loss {r['loss']:.2e}, "
+              f"gradients {r['grads'][worst]:.2e} ({worst}): max |tp - one process| / max |one process|, "
+              f"tolerance {TOL:.0e}")
 
 
 def test_replicated_norm_and_kv_gradients_are_identical_on_every_rank(tp_results):
