@@ -198,7 +198,7 @@ def assert_grads_match(results, ref_grads, rtol=1e-5, atol=1e-6):
             seen.add(name)
     assert seen == set(ref_grads)  # every parameter is on some stage
     test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
-    print(f"equivalence | {test} | gradients: the worst element is at {worst[0]:.2f} of |a-b| <= {atol:.0e} + "
+    print(f"equivalence | {test} | gradients: the worst element uses {worst[0]:.2e} of |a-b| <= {atol:.0e} + "
           f"{rtol:.0e}|b| ({worst[1]})", flush=True)
 
 
