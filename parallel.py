@@ -679,6 +679,13 @@ def sync_tied_grads(copies, group):
 #
 # A bucket is one flat tensor, so it holds parameters of one dtype only: a parameter whose dtype differs
 # from the one before it starts a new bucket.
+#
+# The buckets are launched in their order, the same on every rank, even when they fill in another order:
+# collectives on a group must be issued in the same order by every rank, and the order gradients arrive
+# in depends on the data (an MoE expert that got tokens on one replica and none on another has a gradient
+# during backward on the first, only in finish() on the second). A bucket that is full waits for the ones
+# before it (as DistributedDataParallel's reducer does); out of order, two ranks would add up different
+# buckets, a mismatch error when their sizes differ and silently wrong gradients when they do not.
 
 # torch 2.13 renamed the single-tensor collectives (the old names still work, with a warning)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -748,7 +755,7 @@ class GradientBuckets:
             for i, p in enumerate(b.params):
                 self.where[p] = (b, i)
         self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in early]
-        self.launched = 0  # collectives launched since the last finish(): the tests read it
+        self.launched = 0  # collectives launched since the last finish() (the next bucket to launch); tests read it
 
     def set_grad_sync(self, sync):
         self.sync = sync
@@ -761,8 +768,13 @@ class GradientBuckets:
             raise RuntimeError("a gradient became ready twice in one synchronised step: call set_grad_sync(False) "
                                "before the backward of every micro-batch but the last")
         self._copy_in(bucket, i)
-        if len(bucket.ready) == len(bucket.params):
-            self._launch(bucket)
+        # launch, in bucket order, every bucket that is full and has only launched buckets before it
+        while self.launched < len(self.buckets) and self._full(self.buckets[self.launched]):
+            self._launch(self.buckets[self.launched])
+
+    @staticmethod
+    def _full(bucket):
+        return len(bucket.ready) == len(bucket.params)
 
     def _copy_in(self, bucket, i):
         p, start = bucket.params[i], bucket.offsets[i]
@@ -781,14 +793,14 @@ class GradientBuckets:
             bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
     def finish(self):
-        """Wait for every bucket's collective (launching the ones the hooks did not: deferred parameters,
-        parameters that got no gradient this step) and point each p.grad at its part of the result."""
-        for bucket in self.buckets:  # same order on every rank: the hooks fired in the same order
-            if len(bucket.ready) < len(bucket.params):
-                for i in range(len(bucket.params)):
-                    if i not in bucket.ready:
-                        self._copy_in(bucket, i)
-                self._launch(bucket)
+        """Wait for every bucket's collective (launching the ones the hooks did not, in bucket order:
+        deferred parameters, parameters that got no gradient this step, the buckets after them) and point
+        each p.grad at its part of the result."""
+        for bucket in self.buckets[self.launched:]:
+            for i in range(len(bucket.params)):
+                if i not in bucket.ready:
+                    self._copy_in(bucket, i)
+            self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()  # sync point: the gradient is needed from here on
