@@ -117,17 +117,25 @@ def gpu_peak_flops(device_name, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def measure_cpu_peak_flops(dtype, sizes=(512, 1024), repeats=3):
+def measure_cpu_peak_flops(dtype, sizes=(256, 512, 1024), repeats=3, budget_s=1.0):
     """The best FLOP/s of a few square matmuls in dtype with this process's threads: about what the model's
-    own matmuls can reach here (there is no table for CPUs). Measured once per process and dtype."""
-    best = 0.0
+    own matmuls can reach here (there is no table for CPUs). Measured once per process and dtype, within
+    about budget_s: a dtype with no fast kernel here (bf16 on a CPU without native bf16 is ~100x slower
+    than fp32) stops at the size where the budget runs out rather than holding up the start for a minute."""
+    best, spent = 0.0, 0.0
     for n in sizes:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        start = time.perf_counter()
         a @ b  # warm-up: thread pool, kernel selection
+        spent += time.perf_counter() - start
         for _ in range(repeats):
             start = time.perf_counter()
             a @ b
-            best = max(best, 2 * n ** 3 / (time.perf_counter() - start))
+            took = time.perf_counter() - start
+            spent += took
+            best = max(best, 2 * n ** 3 / took)
+        if spent * 8 > budget_s:  # the next size costs 8x this one
+            break
     return best
 
 
