@@ -17,11 +17,11 @@ import torch.distributed as dist
 #
 # The split. Causal attention's work is a triangle: a query late in the window sees many keys, an early one
 # few. Cut into contiguous pieces, rank r's queries would see r whole pieces of keys and half its own, so
-# the last rank would do 2cp-1 times the work of the first, which waits. So each window is cut into 2*cp chunks and rank r holds
-# chunk r and its mirror, chunk 2cp-1-r (the split of Llama 3's context parallelism, Dubey et al. 2024,
-# "The Llama 3 Herd of Models", section 3.3.2). Query chunk i sees key chunks 0..i, i of them whole and
-# the diagonal one half, so rank r's two chunks see r + (2cp-1-r) = 2cp-1 whole chunks and two diagonal
-# halves: the same for every rank. RoPE and the mask use the tokens' global positions, built on the host
+# the last rank would do 2cp-1 times the work of the first, which waits. So each window is cut into 2*cp
+# chunks and rank r holds chunk r and its mirror, chunk 2cp-1-r (the split of Llama 3's context
+# parallelism, Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.2). Query chunk i sees key
+# chunks 0..i, i of them whole and the diagonal one half, so rank r's two chunks see r + (2cp-1-r) =
+# 2cp-1 whole chunks and two diagonal halves: the same for every rank. RoPE and the mask use the tokens' global positions, built on the host
 # from the whole window and split the same way as the tokens. The mask is "key position <= query
 # position", so it holds for any split; every rank is given every rank's positions (a few integers per
 # token, on the host), so it decides which blocks to skip there, without a device sync, and no positions

@@ -18,7 +18,7 @@ from ring_attention import (attention_work, check_context_split, ring_attention,
                             split_for_every_rank, zigzag_gather, zigzag_split)
 
 B, T = 2, 32
-TOL = dict(rtol=1e-5, atol=1e-5)  # fp32; the largest differences seen are ~1e-6 (see the report)
+TOL = dict(rtol=1e-5, atol=1e-5)  # fp32; the largest difference seen, 3.9e-6 in a gradient of ~7, is a third of it
 
 # name -> query heads, key/value heads, q/k head size, v head size, soft-cap, document masking
 CASES = {
@@ -208,7 +208,8 @@ def test_single_process_equals_plain_attention(name):
 def test_query_with_no_visible_key_gets_zeros_not_nan():
     # in a chunk pair a query can see none of the keys (another document); merged and differentiated, its
     # lse of -inf must give zeros
-    q, k, v, dout = torch.randn(1, 1, 1, 3, 4), torch.randn(1, 1, 1, 5, 4), torch.randn(1, 1, 1, 5, 2), torch.randn(1, 1, 1, 3, 2)
+    # (B, H_kv, G, T, D): 3 queries, 5 keys
+    q, k, v, dout = (torch.randn(1, 1, 1, n, d) for n, d in ((3, 4), (5, 4), (5, 2), (3, 2)))
     visible = torch.tensor([[True] * 5, [False] * 5, [True, True, False, False, False]])
     out, lse = ra._block_forward(q, k, v, visible, 0.5, 5.0)
     assert lse[..., 1].item() == float("-inf") and out[..., 1, :].abs().max().item() == 0.0
