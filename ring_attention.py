@@ -47,7 +47,8 @@ import torch.distributed as dist
 # the next rank and receives from the previous, so no pair of neighbours can deadlock by both sending first.
 #
 # Memory: activations per rank fall by cp, attention's too: besides q, k, v and the output it keeps one
-# fp32 log-sum-exp per query and head; the largest transient is one chunk pair's (T/2cp)^2 scores per head.
+# fp32 log-sum-exp per query and head; the largest transients are one chunk pair's fp32 scores and
+# probabilities, (B, H, T/2cp, T/2cp) each.
 # The ring holds two k/v blocks (the one computed, the one arriving), and in backward two gradient blocks.
 #
 # Variants. GQA and MQA: the H_kv key/value heads travel, each serving H/H_kv query heads; their gradients
@@ -111,8 +112,8 @@ def _chunk_slices(seq_len, chunks):
 
 def _pair_kind(q_pos, kv_pos, q_doc, kv_doc):
     """'hidden', 'full' or 'masked' for queries at q_pos against keys at kv_pos, both (B, n): the test is
-    per batch row, and a pair is hidden or full only when it is so in every row. With document ids (which
-    increase along the window) a pair whose documents do not overlap is hidden too."""
+    per batch row, and a pair is hidden or full only when it is so in every row. With document ids a pair
+    whose ranges of ids do not overlap is hidden too, and a pair is full only inside one document."""
     q_lo, q_hi = q_pos.amin(-1), q_pos.amax(-1)  # (B,)
     kv_lo, kv_hi = kv_pos.amin(-1), kv_pos.amax(-1)
     hidden, full = kv_lo > q_hi, kv_hi <= q_lo
@@ -246,7 +247,7 @@ def _post_ring_exchange(tensors, group):
     of the same shapes from the previous one. Returns (the receive buffers, the requests); not waited for,
     so the caller computes while they travel."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    next_rank = dist.get_global_rank(group, (rank + 1) % cp)
+    next_rank = dist.get_global_rank(group, (rank + 1) % cp)  # a P2POp's peer is a global rank
     prev_rank = dist.get_global_rank(group, (rank - 1) % cp)
     tensors = [t.contiguous() for t in tensors]
     received = [torch.empty_like(t) for t in tensors]
@@ -281,8 +282,10 @@ class RingAttention(torch.autograd.Function):
         B, T, H, _ = q.shape
         n_kv_head = k.shape[2]
         plan = block_plan(positions, documents, rank, chunks)
-        pos = positions.to(q.device)  # small; the masks of the partly visible pairs are built from it
-        doc = documents.to(q.device) if documents is not None else None
+        # the masks of the partly visible pairs are built from a device copy; non_blocking, since a blocking
+        # host-to-device copy waits for the GPU's queue to drain, the sync the host-side plan avoids
+        pos = positions.to(q.device, non_blocking=True)
+        doc = documents.to(q.device, non_blocking=True) if documents is not None else None
 
         qh = _query_heads(q, n_kv_head)
         out = q.new_zeros(*qh.shape[:-1], v.shape[-1], dtype=torch.float32)  # (B, H_kv, G, T, D_v)
@@ -359,7 +362,8 @@ def ring_attention(q, k, v, positions, group=None, softcap=0.0, scale=None, docu
     (D_v may differ from D, as in MLA). positions: every cp rank's global token positions, on the host,
     (cp, T_local) or (cp, B, T_local) (split_for_every_rank builds it); this rank's queries are row
     `rank`, and a key is visible to a query when its position is not greater. documents (optional, same
-    shape): document ids, increasing along the window; a key is then visible only within its document.
+    shape): document ids; a key is then visible only within its document (the positions then restart at
+    0 with each document, as RoPE wants).
     Scores are q k^T * scale (default 1/sqrt(D)), soft-capped to softcap * tanh(s / softcap) when
     softcap > 0. chunks: the pieces each rank's tokens are cut into when deciding which pairs to skip (2:
     the zigzag's two chunks). group None is one process: ordinary causal attention.
