@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import ring_attention as ra
+import parallel as ra
 from dist_utils import run_ranks
-from ring_attention import (attention_work, check_context_split, ring_attention, ring_attention_bytes,
+from parallel import (attention_work, check_context_split, ring_attention, ring_attention_bytes,
                             split_for_every_rank, zigzag_gather, zigzag_split)
 
 B, T = 2, 32
