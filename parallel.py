@@ -727,7 +727,8 @@ def block_plan(positions, documents, rank, chunks=2):
         pairs = []
         for qs in slices:
             for ks in slices:
-                kind = _pair_kind(positions[rank][..., qs], positions[source][..., ks], doc(rank, qs), doc(source, ks))
+                kind = _pair_kind(positions[rank][..., qs], positions[source][..., ks], doc(rank, qs),
+                                  doc(source, ks))
                 if kind != "hidden":
                     pairs.append((qs, ks, kind))
         plan.append(pairs)

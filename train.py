@@ -3,7 +3,8 @@ Pretrain a Llama-style model on token bins written by prepare_data.py.
 
 One process:            python train.py config/tiny_fineweb.py --max_iters=200
 Several (any layout):   torchrun --nproc_per_node=8 train.py config/tiny_fineweb.py --tp=2 --pp=2
-Long sequences:         torchrun --nproc_per_node=8 train.py config/tiny_fineweb.py --cp=2 --tp=2 --pp=2 --block_size=1024
+Long sequences:         torchrun --nproc_per_node=8 train.py config/tiny_fineweb.py --cp=2 --tp=2 --pp=2 \
+                            --block_size=1024
 
 Every setting, its default and its meaning is in settings.py (`python train.py --help` lists them); a
 config file and --key=value overrides replace the defaults (configurator.py). Read top to bottom: the
@@ -218,9 +219,9 @@ def setup(cfg, training=True):
     print0(layout, f"device: {dev}, dtype: {str(ptdtype).replace('torch.', '')} ({dtype_why}), "
                    f"attention: {attn} ({attn_why})")
     if layout.cp > 1:
-        print0(layout, f"context parallelism: each sequence of {cfg.block_size} tokens split across cp = {layout.cp} "
-                       f"ranks ({cfg.block_size // layout.cp} each, zigzag chunks); attention is ring attention, whose "
-                       f"own blockwise kernel replaces {attn}")
+        print0(layout, f"context parallelism: each sequence of {cfg.block_size} tokens split across cp = "
+                       f"{layout.cp} ranks ({cfg.block_size // layout.cp} each, two zigzag chunks); attention is ring "
+                       f"attention, whose own blockwise kernel replaces {attn}")
     if cfg.chunked_loss and layout.tp > 1:
         print0(layout, f"chunked_loss: not at tp = {layout.tp} (the vocab-parallel loss never gathers the logits "
                        f"anyway): the loss is computed from the logits")
@@ -261,8 +262,8 @@ def build(cfg, run):
     # AdamW creates its two moments per parameter element at the first step; ZeroOneAdamW its slice's now
     unsharded = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     print0(layout, f"optimizer: ZeroOneAdamW, state {optimizer_state_bytes(optimizer) / 2**20:.2f} MiB on rank 0, about "
-                   f"1/{layout.dp_cp} of the unsharded {unsharded / 2**20:.2f} MiB" if isinstance(optimizer, ZeroOneAdamW)
-                   else f"optimizer: AdamW, state {unsharded / 2**20:.2f} MiB per rank")
+                   f"1/{layout.dp_cp} of the unsharded {unsharded / 2**20:.2f} MiB"
+                   if isinstance(optimizer, ZeroOneAdamW) else f"optimizer: AdamW, state {unsharded / 2**20:.2f} MiB per rank")
     scaler = DynamicLossScaler(enabled=run.dtype == torch.float16)
     autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
     return SimpleNamespace(model=model, step_model=compile_model(model, cfg, layout), optimizer=optimizer,
