@@ -1273,6 +1273,7 @@ class GradientBuckets:
                 self.where[p] = (b, i)
         self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in early]
         self.launched = 0  # collectives launched since the last finish(): the tests read it
+        self.next_bucket = 0  # buckets launch in this order only (see _launch_ready)
 
     def set_grad_sync(self, sync):
         self.sync = sync
@@ -1285,8 +1286,20 @@ class GradientBuckets:
             raise RuntimeError("a gradient became ready twice in one synchronised step: call set_grad_sync(False) "
                                "before the backward of every micro-batch but the last")
         self._copy_in(bucket, i)
-        if len(bucket.ready) == len(bucket.params):
+        self._launch_ready()
+
+    def _launch_ready(self):
+        """Launch the complete buckets, in bucket order: every rank must launch the same collectives in the
+        same order, and the order in which buckets complete can differ between ranks (an expert that got
+        tokens on one data- or context-parallel rank and none on another has a gradient on the first only;
+        on the second its bucket completes in finish(), with zeros). A complete bucket waits for those
+        before it."""
+        while self.next_bucket < len(self.buckets):
+            bucket = self.buckets[self.next_bucket]
+            if len(bucket.ready) < len(bucket.params):
+                return
             self._launch(bucket)
+            self.next_bucket += 1
 
     def _copy_in(self, bucket, i):
         p, start = bucket.params[i], bucket.offsets[i]
@@ -1306,13 +1319,13 @@ class GradientBuckets:
 
     def finish(self):
         """Wait for every bucket's collective (launching the ones the hooks did not: deferred parameters,
-        parameters that got no gradient this step) and point each p.grad at its part of the result."""
-        for bucket in self.buckets:  # same order on every rank: the hooks fired in the same order
-            if len(bucket.ready) < len(bucket.params):
-                for i in range(len(bucket.params)):
-                    if i not in bucket.ready:
-                        self._copy_in(bucket, i)
-                self._launch(bucket)
+        parameters that got no gradient this step, the buckets after them) and point each p.grad at its
+        part of the result."""
+        for bucket in self.buckets[self.next_bucket:]:  # in bucket order, as _launch_ready
+            for i in range(len(bucket.params)):
+                if i not in bucket.ready:
+                    self._copy_in(bucket, i)
+            self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()  # sync point: the gradient is needed from here on
@@ -1328,7 +1341,7 @@ class GradientBuckets:
             for p, start in zip(bucket.params, bucket.offsets):
                 p.grad = bucket.flat[start:start + p.numel()].view_as(p)
             bucket.reset()
-        self.sync, self.launched = True, 0
+        self.sync, self.launched, self.next_bucket = True, 0, 0
 
     def owned_pieces(self):
         """(param, start, end): the range of each parameter's flattened elements this rank owns under

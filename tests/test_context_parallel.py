@@ -1,21 +1,54 @@
-"""Context parallelism (ring_attention.py): the zigzag split and its balance, and ring attention at cp = 2
-and cp = 4 equal to one process's plain causal attention, output and gradients, fp32 on CPU with gloo.
+"""Context parallelism (parallel.py, section 3) and sequence parallelism (section 2) against one process,
+fp32 on CPU with gloo.
 
-The reference is written out here, on the whole sequence: softmax(q k^T * scale, soft-capped, causal) v,
-in fp32, key/value heads repeated for GQA/MQA. To pay the process start-up once per cp, one run_ranks call
-per cp runs every case and returns each rank's pieces (module fixture); the tests below each read one
-behaviour from it.
+  the zigzag split       its balance (every rank the same attention work) and its errors; no processes
+  ring attention alone   against plain causal attention written out here on the whole sequence: MHA, GQA,
+                         MQA, D_v != D, soft-capping, document masking, a cp group that is not the world
+  the model at cp 2, 4   Llama/GQA, MLA, soft-capping, MoE with capacity dropping: logits, loss and every
+                         gradient against the unsplit model, and five training steps through train.py's
+                         own build and train_step (losses, gradient norms, final weights)
+  cp composed            cp2 x tp2 (with and without sequence parallelism), cp2 x pp2, cp2 x dp2 with
+                         ZeRO-1, and tp2 x pp2 with sequence parallelism, five steps each
+  sequence parallelism   at tp 2 and 4, every variant, against tensor parallelism without it
+  train.py               the 8-rank cp2 x tp2 x pp2 run against one process, its checkpoint resumed at
+                         cp = 1, and a cp = 1 checkpoint resumed at cp = 2
+
+The distributed numerics share two launches, one of 2 ranks and one of 4, that build every layout in turn
+(module fixtures); each test reads its part. The one-process references are computed here, in the test
+process, with the same functions at a layout of one rank.
+
+    PYTHONPATH=. python tests/test_context_parallel.py --measure    the figures: activation memory per rank,
+                                                                     attention work, ring bytes per step
 """
 import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import fields
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-import parallel as ra
-from dist_utils import run_ranks
-from parallel import (attention_work, check_context_split, ring_attention, ring_attention_bytes,
-                            split_for_every_rank, zigzag_gather, zigzag_split)
+import checkpoint
+import make_config
+import parallel
+import settings
+import train
+from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, gather_full, make_token_data, run_ranks,
+                        run_train)
+from model import ModelConfig, Transformer, check_layout, choose_attn_impl, model_config_from
+from parallel import (ParallelLayout, attention_work, check_context_split, ring_attention, ring_attention_bytes,
+                      split_for_every_rank, zigzag_gather, zigzag_split)
+from test_variants import MLA, MOE, VARIANTS
+from test_variants_tp import TP_VARIANTS
+
+
+# -----------------------------------------------------------------------------
+# ring attention alone: the inputs, the reference, and what each rank runs
 
 B, T = 2, 32
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32; the largest difference seen, 3.9e-6 in a gradient of ~7, is a third of it
@@ -44,7 +77,8 @@ def make_inputs(name):
     dout = torch.randn(B, T, case["H"], case["Dv"], generator=g)
     if not case["documents"]:
         return q, k, v, dout, torch.arange(T), None
-    documents = torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)) for n in DOCUMENT_LENGTHS])
+    documents = torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n))
+                             for n in DOCUMENT_LENGTHS])
     starts = torch.stack([torch.tensor([sum(n[:d]) for d in range(len(n))])[doc] for n, doc in
                           zip(DOCUMENT_LENGTHS, documents)])
     positions = torch.arange(T) - starts  # (B, T): each document's positions restart at 0
@@ -94,7 +128,7 @@ SENT, BLOCKS = [], {}  # in the worker processes: bytes of each isend, chunk pai
 
 
 def _count_communication_and_blocks():
-    batch_isend_irecv, block_forward = dist.batch_isend_irecv, ra._block_forward
+    batch_isend_irecv, block_forward = dist.batch_isend_irecv, parallel._block_forward
 
     def counting_batch_isend_irecv(ops):
         SENT.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
@@ -104,37 +138,218 @@ def _count_communication_and_blocks():
         BLOCKS["count"] = BLOCKS.get("count", 0) + 1
         return block_forward(*args)
 
-    dist.batch_isend_irecv, ra._block_forward = counting_batch_isend_irecv, counting_block_forward
-
-
-def _ring_worker(rank, world_size):
-    _count_communication_and_blocks()
-    results = {name: run_case(name, dist.group.WORLD) for name in CASES}
-    if world_size == 4:  # a cp group that is not the whole world: ranks {0, 2} and {1, 3}
-        pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        results["subgroup"] = run_case("gqa", pairs[rank % 2])
-    return results
-
-
-@pytest.fixture(scope="module")
-def ring2():
-    return 2, run_ranks(_ring_worker, 2)
-
-
-@pytest.fixture(scope="module")
-def ring4():
-    return 4, run_ranks(_ring_worker, 4)
-
-
-@pytest.fixture(params=["ring2", "ring4"], ids=["cp2", "cp4"])
-def ring(request):
-    """(cp, every rank's results) of one launch."""
-    return request.getfixturevalue(request.param)
+    dist.batch_isend_irecv, parallel._block_forward = counting_batch_isend_irecv, counting_block_forward
 
 
 def gathered(pieces, key):
     """The whole sequence of one result from every cp rank's pieces, in rank order."""
     return zigzag_gather([torch.from_numpy(p[key]) for p in pieces])
+
+
+# -----------------------------------------------------------------------------
+# the model and the training step at a layout: what each rank of a launch runs, and (at a layout of one
+# rank) the references
+
+TINY = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+SEED, STEPS = 7, 5
+# the variants the issue names for context parallelism; capacity_factor 1.0 makes the MoE drop tokens
+CP_VARIANTS = {
+    "llama_gqa": {},
+    "mla": {**MLA, "q_lora_rank": 24},
+    "softcap": dict(attn_softcap=5.0, final_softcap=10.0),
+    "moe_dropping": MOE,
+}
+# five training steps: fp32, a large learning rate (differences grow with each step), tiny buckets (several
+# per step), clipping active at these norms
+STEP_SETTINGS = dict(TINY, device="cpu", dtype="float32", batch_size=2, gradient_accumulation_steps=2,
+                     learning_rate=1e-2, warmup_iters=1, lr_decay_iters=10, bucket_size_mb=0.01, seed=SEED)
+# the composed layouts of the 4-rank launch, with the settings each changes (dp2 takes half the windows
+# per rank, so the global batch stays the reference's 4 windows)
+COMPOSED = {
+    "cp2_tp2": dict(cp=2, tp=2),
+    "cp2_tp2_sequence_parallel": dict(cp=2, tp=2, sequence_parallel=True),
+    "cp2_pp2": dict(cp=2, pp=2),
+    "cp2_dp2_zero1": dict(cp=2, dp=2, zero_stage=1, batch_size=1),
+    "tp2_pp2_sequence_parallel": dict(tp=2, pp=2, sequence_parallel=True),
+}
+
+
+def model_batch(batch=2):
+    g = torch.Generator().manual_seed(1)
+    return (torch.randint(0, TINY["vocab_size"], (batch, TINY["block_size"]), generator=g),
+            torch.randint(0, TINY["vocab_size"], (batch, TINY["block_size"]), generator=g))
+
+
+def model_at(layout, overrides, sequence_parallel=False):
+    """This layout's model (one stage) on model_batch, forward and backward: the whole window's logits
+    (gathered over tp and cp), the loss (the cp ranks' shares averaged), the MoE statistics, and every
+    gradient (averaged over cp: gradients are averaged over dp x cp; gathered over tp). Every rank must
+    call it; the full tensors are returned as numpy (torch tensors would cross the result queue as shared
+    memory, gone once the worker exits)."""
+    cfg = ModelConfig(**{**TINY, **overrides})
+    model = Transformer(cfg, layout.tp_group, attn_impl="eager", cp_group=layout.cp_group,
+                        sequence_parallel=sequence_parallel)
+    model.init_weights(SEED)
+    x, y, *positions = train.context_split(model_batch(), layout)
+    logits, loss = model(x, y, *positions)
+    loss.backward()
+    if layout.tp_group is not None:  # the vocabulary slices (all real here: 512 splits evenly)
+        parts = [torch.empty_like(logits) for _ in range(layout.tp)]
+        dist.all_gather(parts, logits.contiguous(), group=layout.tp_group)
+        logits = torch.cat(parts, dim=-1)
+    if layout.cp_group is not None:  # every rank's zigzag chunks, in window order
+        logits = parallel.all_gather_context(logits.detach(), layout.cp_group)
+    stats = torch.stack([loss.detach(), model.moe_aux_loss().detach() if cfg.n_expert else torch.zeros(())])
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    if layout.cp_group is not None:  # the mean of the cp ranks' shares
+        for t in (stats, *grads.values()):
+            dist.all_reduce(t, group=layout.cp_group)
+            t /= layout.cp
+    grads = {name: gather_full(grads[name], p, layout.tp_group).numpy() for name, p in model.named_parameters()}
+    dropped = [b.mlp.last_dropped_frac.item() for b in model.blocks.values() if cfg.n_expert]
+    return dict(logits=logits.detach().numpy(), loss=stats[0].item(), aux=stats[1].item(), dropped=dropped,
+                grads=grads)
+
+
+def relative_error(a, b):
+    """max |a - b| / max |b|: the per-tensor elementwise measure of tests/test_tensor_parallel.py."""
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
+
+
+# sequence parallelism at tp = 4: the variants that combine every other (replicated key/value heads at tp = 4
+# included), and the two ways replicated weights meet tp; at tp = 2 every variant
+SP_AT_TP4 = ("llama", "all_gqa", "all_mla", "mqa_qk_norm_bias")
+
+
+def sequence_parallel_against_tp(layout):
+    """Each variant's model at this tp with sequence parallelism against the same tp without it: the
+    largest relative difference of the logits, the loss and the gradients, and whether the parameters are
+    the same (by name)."""
+    out = {}
+    for name, overrides in TP_VARIANTS.items():
+        if layout.tp == 4 and name not in SP_AT_TP4:
+            continue
+        plain, sp = model_at(layout, overrides), model_at(layout, overrides, sequence_parallel=True)
+        grads = {n: relative_error(sp["grads"][n], g) for n, g in plain["grads"].items()}
+        worst = max(grads, key=grads.get)
+        out[name] = dict(logits=relative_error(sp["logits"], plain["logits"]), loss=abs(sp["loss"] - plain["loss"]),
+                         grad=grads[worst], worst=worst, names=sorted(sp["grads"]) == sorted(plain["grads"]))
+    return out
+
+
+def step_windows(step, n):
+    """The step's global batch: n windows of block_size + 1 random tokens, a pure function of the step."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, TINY["vocab_size"], (n, TINY["block_size"] + 1), generator=g)
+
+
+def five_steps(layout, model_overrides=None, **setting_overrides):
+    """STEPS optimizer steps of train.py's own model, optimizer and step (build, train_step) at this layout.
+    Data-parallel rank r takes the r-th slice of each step's windows, and each cp rank its share of them
+    (train.context_split). Returns the logged records (loss, global gradient norm) and the final weights,
+    whole, from the ranks that hold a stage's first replica (the others return {})."""
+    cfg = SimpleNamespace(**{**settings.DEFAULTS, **STEP_SETTINGS, **(model_overrides or {}), **setting_overrides})
+    model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig)})
+    attn, _ = choose_attn_impl("auto", "cpu", torch.float32, model_cfg.attn_softcap)
+    run = SimpleNamespace(dev=torch.device("cpu"), dtype=torch.float32, layout=layout, datasets={},
+                          model_cfg=model_cfg, attn_impl=attn, tokenizer="gpt2")
+    parts = train.build(cfg, run)
+    per_rank = cfg.batch_size * cfg.gradient_accumulation_steps
+    records = []
+    for step in range(STEPS):
+        mine = step_windows(step, per_rank * layout.dp)[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
+        micro = [train.context_split((w[:, :-1], w[:, 1:]), layout) for w in mine.split(cfg.batch_size)]
+        loss, norm = train.train_step(cfg, layout, parts, micro, train.get_lr(step, cfg))
+        records.append({"step": step + 1, "loss": train.mean_across_ranks(loss, layout).item(),
+                        "grad_norm": norm.item()})
+    copies = parts.model.tied_copies()
+    weights = {name: gather_full(p.detach(), p, layout.tp_group).numpy()
+               for name, p in parts.model.named_parameters() if name not in copies}
+    return records, weights if layout.dp_cp_rank == 0 and layout.tp_rank == 0 else {}
+
+
+def _launch(rank, world_size):
+    """Everything one launch of world_size ranks checks: ring attention alone, the model and five training
+    steps at cp = world_size for every CP variant, sequence parallelism at tp = world_size for every
+    variant, and (4 ranks) the composed layouts."""
+    _count_communication_and_blocks()
+    out = {"ring": {name: run_case(name, dist.group.WORLD) for name in CASES}}
+    if world_size == 4:  # a cp group that is not the whole world: ranks {0, 2} and {1, 3}
+        pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        out["ring"]["subgroup"] = run_case("gqa", pairs[rank % 2])
+    cp = ParallelLayout(1, 1, 1, world_size, rank, cp=world_size)
+    out["model"] = {name: model_at(cp, overrides) for name, overrides in CP_VARIANTS.items()}
+    out["steps"] = {f"cp{world_size}_{name}": five_steps(cp, overrides) for name, overrides in CP_VARIANTS.items()}
+    tp = ParallelLayout(1, world_size, 1, world_size, rank)
+    out["sequence_parallel"] = sequence_parallel_against_tp(tp)
+    if world_size == 2:
+        out["steps"]["tp2_sequence_parallel"] = five_steps(tp, sequence_parallel=True)
+    else:
+        for name, layout in COMPOSED.items():
+            sizes = {k: layout.get(k, 1) for k in ("dp", "cp", "tp", "pp")}
+            grid = ParallelLayout(sizes["dp"], sizes["tp"], sizes["pp"], world_size, rank, cp=sizes["cp"])
+            out["steps"][name] = five_steps(grid, **layout)
+    out["grid"] = {"cp": cp.cp_rank, "tp": tp.tp_rank}
+    return out
+
+
+@pytest.fixture(scope="module")
+def launch2():
+    return run_ranks(_launch, 2)
+
+
+@pytest.fixture(scope="module")
+def launch4():
+    return run_ranks(_launch, 4)
+
+
+@pytest.fixture(params=["launch2", "launch4"], ids=["2_ranks", "4_ranks"])
+def launch(request):
+    """(ranks of the launch, every rank's results)."""
+    ranks = request.getfixturevalue(request.param)
+    return len(ranks), ranks
+
+
+@pytest.fixture
+def ring(launch):
+    """(cp, every rank's ring attention results) of one launch."""
+    cp, ranks = launch
+    return cp, [r["ring"] for r in ranks]
+
+
+@pytest.fixture
+def ring4(launch4):
+    return 4, [r["ring"] for r in launch4]
+
+
+_references = {}
+
+
+def reference_steps(model_overrides=None, **setting_overrides):
+    """five_steps on one process (cached: several layouts share a reference)."""
+    key = repr((model_overrides, setting_overrides))
+    if key not in _references:
+        _references[key] = five_steps(ParallelLayout(1, 1, 1), model_overrides, **setting_overrides)
+    return _references[key]
+
+
+def reference_model(overrides):
+    return model_at(ParallelLayout(1, 1, 1), overrides)
+
+
+def merged_weights(ranks, key):
+    """A layout's final weights, whole: the union of its stages' (each from its first replica)."""
+    weights = {}
+    for r in ranks:
+        weights.update({name: torch.from_numpy(w) for name, w in r["steps"][key][1].items()})
+    return weights
+
+
+def assert_same_steps(ranks, key, reference):
+    records, ref_weights = reference
+    assert_same_losses_and_norms(ranks[0]["steps"][key][0], records)
+    assert_same_tensors(merged_weights(ranks, key), {n: torch.from_numpy(w) for n, w in ref_weights.items()})
 
 
 # -----------------------------------------------------------------------------
@@ -211,21 +426,21 @@ def test_query_with_no_visible_key_gets_zeros_not_nan():
     # (B, H_kv, G, T, D): 3 queries, 5 keys
     q, k, v, dout = (torch.randn(1, 1, 1, n, d) for n, d in ((3, 4), (5, 4), (5, 2), (3, 2)))
     visible = torch.tensor([[True] * 5, [False] * 5, [True, True, False, False, False]])
-    out, lse = ra._block_forward(q, k, v, visible, 0.5, 5.0)
+    out, lse = parallel._block_forward(q, k, v, visible, 0.5, 5.0)
     assert lse[..., 1].item() == float("-inf") and out[..., 1, :].abs().max().item() == 0.0
     empty = (torch.zeros_like(out), torch.full_like(lse, float("-inf")))
-    merged, merged_lse = ra._merge(*empty, out, lse)
+    merged, merged_lse = parallel._merge(*empty, out, lse)
     torch.testing.assert_close(merged, out)
-    torch.testing.assert_close(ra._merge(*empty, *empty)[0], torch.zeros_like(out))
+    torch.testing.assert_close(parallel._merge(*empty, *empty)[0], torch.zeros_like(out))
     dq, dk, dv = torch.zeros_like(q), torch.zeros(1, 1, 5, 4), torch.zeros(1, 1, 5, 2)
     delta = (dout * out).sum(-1)
-    ra._block_backward(q, k, v, dout, merged_lse, delta, visible, 0.5, 5.0, dq, dk, dv)
+    parallel._block_backward(q, k, v, dout, merged_lse, delta, visible, 0.5, 5.0, dq, dk, dv)
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
     assert dq[..., 1, :].abs().max().item() == 0.0
 
 
 # -----------------------------------------------------------------------------
-# cp = 2 and cp = 4 (one launch each), against one process on the whole sequence
+# ring attention at cp = 2 and cp = 4 (the two launches), against one process on the whole sequence
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -266,3 +481,309 @@ def test_every_rank_computes_the_same_number_of_blocks(ring):
     assert [r["mha"]["blocks"] for r in ranks] == [2 * cp + 1] * cp
     assert [r["mha"]["blocks"] for r in ranks] == [w["blocks"] for w in attention_work(
         split_for_every_rank(torch.arange(T), cp))]
+
+
+# -----------------------------------------------------------------------------
+# the model at cp = 2 and 4 against one process
+
+
+MODEL_TOL = 1e-5  # fp32, max |a - b| / max |b| per tensor; the largest seen is under 1e-6
+
+
+@pytest.mark.parametrize("variant", list(CP_VARIANTS))
+def test_cp_model_logits_loss_and_every_gradient_equal_one_process(launch, variant):
+    cp, ranks = launch
+    got, want = ranks[0]["model"][variant], reference_model(CP_VARIANTS[variant])
+    assert relative_error(got["logits"], want["logits"]) < MODEL_TOL
+    assert abs(got["loss"] - want["loss"]) <= MODEL_TOL * abs(want["loss"]), (got["loss"], want["loss"])
+    assert set(got["grads"]) == set(want["grads"])
+    errors = {n: relative_error(g, want["grads"][n]) for n, g in got["grads"].items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < MODEL_TOL, f"cp={cp} {variant}: gradient of {worst} off by {errors[worst]:.2e}"
+
+
+def test_cp_moe_routes_drops_and_balances_as_one_process(launch):
+    """The capacity queue of the whole window (the expert ids gathered across cp): the same dropped fraction
+    in every layer, the same auxiliary loss; and the test batch really overflows an expert."""
+    cp, ranks = launch
+    want = reference_model(CP_VARIANTS["moe_dropping"])
+    assert min(want["dropped"]) > 0
+    for r in ranks:
+        got = r["model"]["moe_dropping"]
+        assert got["dropped"] == pytest.approx(want["dropped"], abs=1e-7)
+        assert got["aux"] == pytest.approx(want["aux"], rel=1e-5)
+
+
+@pytest.mark.parametrize("variant", list(CP_VARIANTS))
+def test_five_training_steps_at_cp_equal_one_process(launch, variant):
+    cp, ranks = launch
+    assert_same_steps(ranks, f"cp{cp}_{variant}", reference_steps(CP_VARIANTS[variant]))
+
+
+@pytest.mark.parametrize("layout", list(COMPOSED))
+def test_cp_composed_with_tp_pp_and_dp_zero1_equals_one_process(launch4, layout):
+    extra = {k: v for k, v in COMPOSED[layout].items() if k == "batch_size"}
+    # dp2 halves the windows per rank: the reference takes the same global batch of 4 windows
+    reference = reference_steps(batch_size=2) if extra else reference_steps()
+    assert_same_steps(launch4, layout, reference)
+
+
+def test_the_layout_numbers_tp_fastest_then_cp_then_dp_then_pp(monkeypatch):
+    monkeypatch.setattr(dist, "new_group", lambda ranks: tuple(ranks))  # no processes: a group is its ranks
+    layout = ParallelLayout(2, 2, 2, world_size=16, rank=13, cp=2)  # 13 = ((1 * 2 + 1) * 2 + 0) * 2 + 1
+    assert (layout.pp_rank, layout.dp_rank, layout.cp_rank, layout.tp_rank) == (1, 1, 0, 1)
+    assert (layout.tp_group, layout.cp_group, layout.dp_group, layout.pp_group) == ((12, 13), (13, 15), (9, 13),
+                                                                                    (5, 13))
+    assert layout.dp_cp_group == (9, 11, 13, 15) and layout.dp_cp_rank == 2  # gradients average over these
+    assert layout.pp_prev == 5 and layout.pp_next is None
+    assert parallel.grid_rank(1, 1, 1, 2, 2, cp_rank=0, cp=2) == 13
+    # at cp = 1 the numbering is that of a run without context parallelism, and the dp group is the dp x cp one
+    assert parallel.grid_rank(1, 1, 1, 2, 2) == (1 * 2 + 1) * 2 + 1
+    flat = ParallelLayout(2, 2, 2, world_size=8, rank=7)
+    assert flat.dp_cp_group is flat.dp_group == (5, 7) and flat.cp_group is None
+
+
+def test_the_grid_names_every_rank_once_with_its_sequence_share():
+    text = parallel.format_grid(2, 2, 2, cp=2)
+    assert "stage 1 replica 0 sequence share 1 (chunks 1, 2): ranks [10, 11]" in text
+    ranks = [int(r) for line in text.splitlines() for r in line.split("[")[1].rstrip("]").split(",")]
+    assert sorted(ranks) == list(range(16))
+
+
+# -----------------------------------------------------------------------------
+# sequence parallelism
+
+
+SP_CASES = [("launch2", v) for v in TP_VARIANTS] + [("launch4", v) for v in SP_AT_TP4]
+
+
+@pytest.mark.parametrize("launch_name, variant", SP_CASES, ids=[f"tp{n[-1]}-{v}" for n, v in SP_CASES])
+def test_sequence_parallel_equals_tensor_parallel_without_it(request, launch_name, variant):
+    ranks = request.getfixturevalue(launch_name)
+    tp = len(ranks)
+    for rank, r in enumerate(ranks):
+        e = r["sequence_parallel"][variant]
+        assert e["names"], f"tp={tp} {variant}: the parameters differ from the model without sequence parallelism"
+        assert e["logits"] < MODEL_TOL and e["loss"] < MODEL_TOL * 10, (tp, variant, rank, e)
+        assert e["grad"] < MODEL_TOL, f"tp={tp} {variant} rank {rank}: {e['worst']}'s gradient off by {e['grad']:.1e}"
+
+
+def test_five_training_steps_with_sequence_parallelism_at_tp2_equal_one_process(launch2):
+    assert_same_steps(launch2, "tp2_sequence_parallel", reference_steps())
+
+
+def test_sequence_parallel_at_tp1_and_lengths_that_do_not_split_are_refused():
+    cfg = ModelConfig(**TINY)
+    with pytest.raises(ValueError, match=r"sequence_parallel=True needs tp > 1"):
+        check_layout(cfg, tp=1, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"block_size = 32 does not split into tp = 3 equal pieces"):
+        check_layout(ModelConfig(**{**TINY, "n_head": 3, "n_kv_head": 3, "n_embd": 96}), tp=3, sequence_parallel=True)
+    cfg = ModelConfig(**{**TINY, "block_size": 24})
+    with pytest.raises(ValueError, match=r"block_size = 24 does not split into 2 \* cp \* tp = 16 \(cp = 4, tp = 2"):
+        check_layout(cfg, tp=2, cp=4, sequence_parallel=True)
+    check_layout(cfg, tp=2, cp=4)  # without sequence parallelism 2 * cp = 8 chunks are enough
+
+
+def test_make_config_checks_the_cp_layout(tmp_path):
+    with pytest.raises(SystemExit, match=r"block_size = 36 does not split into 2 \* cp = 8 \(cp = 4\)"):
+        make_config.main(["--block_size=36", "--cp=4", "--nproc=4", f"--out={tmp_path / 'bad.py'}"])
+    with pytest.raises(SystemExit, match=r"nproc = 6 processes cannot be cut into cp = 4 x tp = 1 x pp = 1"):
+        make_config.main(["--cp=4", "--nproc=6", f"--out={tmp_path / 'bad.py'}"])
+    make_config.main(["--cp=2", "--tp=2", "--sequence_parallel=True", "--pp=2", "--nproc=16", "--block_size=1024",
+                      f"--out={tmp_path / 'c.py'}"])
+    text = (tmp_path / "c.py").read_text()
+    assert "16 processes = dp 2 x cp 2 x tp 2 (sequence parallel) x pp 2" in text
+    assert "nproc / (cp * tp * pp) = 16 / (2 * 2 * 2)" in text
+
+
+# -----------------------------------------------------------------------------
+# train.py: the 8-rank cp2 x tp2 x pp2 run (ZeRO-1 over the cp ranks) against one process, and resuming
+# across cp. Each run logs every step; checkpoints at steps 3 and 6.
+
+TRAIN_ARGS = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=2", "--block_size=32", "--device=cpu",
+              "--batch_size=2", "--gradient_accumulation_steps=2", "--max_iters=6", "--log_interval=1",
+              "--eval_interval=3", "--eval_iters=2", "--checkpoint_interval=3", "--warmup_iters=2",
+              "--lr_decay_iters=10", "--learning_rate=3e-3", "--bucket_size_mb=0.01"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return make_token_data(str(tmp_path_factory.mktemp("cp_data")))
+
+
+def train_run(data_dir, out_dir, nproc=1, *extra):
+    records, proc = run_train(TRAIN_ARGS + [f"--data_dir={data_dir}", f"--out_dir={out_dir}", *extra], nproc)
+    return records, str(out_dir), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def one_process(data_dir, tmp_path_factory):
+    return train_run(data_dir, tmp_path_factory.mktemp("one_process"))
+
+
+@pytest.fixture(scope="module")
+def cp2_tp2_pp2(data_dir, tmp_path_factory):
+    return train_run(data_dir, tmp_path_factory.mktemp("cp2_tp2_pp2"), 8, "--cp=2", "--tp=2", "--pp=2",
+                     "--zero_stage=1")
+
+
+def final_weights(path):
+    """A checkpoint's weights, loaded into a single-process model (whatever layout saved them)."""
+    reader = checkpoint.CheckpointReader(path)
+    model = Transformer(model_config_from(reader.meta["model"]))
+    checkpoint.load_model(model, reader)
+    return dict(model.named_parameters())
+
+
+def evaluations(records):
+    return [r["val_loss"] for r in records if "val_loss" in r]
+
+
+def test_train_py_at_cp2_tp2_pp2_on_8_ranks_equals_one_process(cp2_tp2_pp2, one_process):
+    (records, out, stdout), (ref, ref_out, _) = cp2_tp2_pp2, one_process
+    assert "layout: dp=1 x cp=2 x tp=2 x pp=2 = 8 processes" in stdout
+    assert "stage 1 replica 0 sequence share 1 (chunks 1, 2): ranks [6, 7]" in stdout
+    assert len([r for r in records if "loss" in r]) == 6
+    assert_same_losses_and_norms(records, ref)
+    assert evaluations(records) == pytest.approx(evaluations(ref), rel=1e-5)
+    assert_same_tensors(final_weights(os.path.join(out, "ckpt_0000006")),
+                        final_weights(os.path.join(ref_out, "ckpt_0000006")))
+
+
+def resume_from(data_dir, tmp_path, source, nproc, *layout):
+    """Resume a copy of `source`'s step-3 checkpoint at another layout; returns the logged records."""
+    shutil.copytree(os.path.join(source, "ckpt_0000003"), tmp_path / "ckpt_0000003")
+    records, _, stdout = train_run(data_dir, tmp_path, nproc, "--init_from=resume", *layout)
+    assert f"resumed from {tmp_path / 'ckpt_0000003'} at step 3" in stdout
+    return records
+
+
+def test_a_cp2_checkpoint_resumes_at_cp1_with_the_uninterrupted_losses(cp2_tp2_pp2, one_process, data_dir, tmp_path):
+    # ZeRO-1's moments, sharded over the two cp ranks at each tp slice and stage, assembled for plain AdamW
+    records = resume_from(data_dir, tmp_path, cp2_tp2_pp2[1], 1, "--cp=1", "--tp=1", "--pp=1", "--zero_stage=0")
+    assert [r["step"] for r in records if "loss" in r] == [4, 5, 6]
+    assert_same_losses_and_norms(records, [r for r in one_process[0] if r["step"] > 3])
+
+
+def test_a_cp1_checkpoint_resumes_at_cp2_with_the_uninterrupted_losses(one_process, data_dir, tmp_path):
+    records = resume_from(data_dir, tmp_path, one_process[1], 2, "--cp=2", "--zero_stage=1")
+    assert [r["step"] for r in records if "loss" in r] == [4, 5, 6]
+    assert_same_losses_and_norms(records, [r for r in one_process[0] if r["step"] > 3])
+
+
+# -----------------------------------------------------------------------------
+# Measurement, not a test:  PYTHONPATH=. python tests/test_context_parallel.py --measure
+# At the shape of config/tiny_fineweb.py with block_size 2048 (one sequence per rank): the activation memory
+# per rank (the bytes autograd saves for backward, counted by saved-tensor hooks as tests/test_pipeline.py's
+# SavedActivations does) at cp = 1, 2, 4 and at tp = 2 with and without sequence parallelism; the attention
+# work per rank, zigzag against contiguous; the bytes the ring sends per step against ring_attention_bytes.
+
+MEASURE = dict(vocab_size=50257, block_size=2048, n_layer=4, n_head=4, n_kv_head=2, n_embd=128)
+
+
+def measure_window():
+    """One window of block_size + 1 random tokens, as (x, y)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, MEASURE["vocab_size"], (1, MEASURE["block_size"] + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def measured_activations(rank, world_size, cp, tp, sequence_parallel):
+    """(bytes saved by the embedding and the blocks, by the whole forward with the head and the loss) on
+    this rank, one sequence of block_size tokens per step."""
+    from test_pipeline import SavedActivations
+    layout = ParallelLayout(1, tp, 1, world_size, rank, cp=cp)
+    model = Transformer(ModelConfig(**MEASURE), layout.tp_group, chunked_loss=True, cp_group=layout.cp_group,
+                        sequence_parallel=sequence_parallel)
+    model.init_weights(0)
+    batch = train.context_split(measure_window(), layout)
+    body = {}
+    last = list(model.blocks.values())[-1]
+    with SavedActivations(model) as saved:
+        last.register_forward_hook(lambda *_: body.setdefault("bytes", saved.live))
+        _, loss = model(*batch)
+        total = saved.peak
+    loss.backward()
+    return body["bytes"], total
+
+
+def measured_ring_bytes(rank, world_size):
+    """Bytes this rank's ring sends in one forward and backward of the model (every attention layer)."""
+    _count_communication_and_blocks()
+    layout = ParallelLayout(1, 1, 1, world_size, rank, cp=world_size)
+    model = Transformer(ModelConfig(**MEASURE), chunked_loss=True, cp_group=layout.cp_group)
+    model.init_weights(0)
+    SENT.clear()
+    _, loss = model(*train.context_split(measure_window(), layout))
+    loss.backward()
+    return sum(SENT)
+
+
+def measured_attention_time(rank, world_size, split, repeats=3):
+    """CPU seconds this rank spends in ring attention, forward and backward, at the model's attention shape
+    (the best of a few repeats), with the zigzag or the contiguous split of the sequence."""
+    torch.set_num_threads(1)
+    cp, T = world_size, MEASURE["block_size"]
+    H, H_kv, D = MEASURE["n_head"], MEASURE["n_kv_head"], MEASURE["n_embd"] // MEASURE["n_head"]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, T, h, D, generator=g) for h in (H, H_kv, H_kv))
+    if split == "zigzag":
+        share, positions = (lambda t: zigzag_split(t, cp, rank)), split_for_every_rank(torch.arange(T), cp)
+    else:
+        share, positions = (lambda t: t.chunk(cp, dim=1)[rank]), torch.arange(T).view(cp, -1)
+    q, k, v = (share(t).requires_grad_() for t in (q, k, v))
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.process_time()
+        ring_attention(q, k, v, positions, dist.group.WORLD).sum().backward()
+        best = min(best, time.process_time() - start)
+    return best
+
+
+def measure():
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"
+    print(f"model: {MEASURE}, one sequence per step (batch_size 1), fp32\n\nactivation memory per rank (bytes saved "
+          f"for backward; the head's and loss's are the chunked loss's gradients at tp = 1, the vocab-parallel "
+          f"softmax at tp = 2):", flush=True)
+    rows = [("one process", 1, 1, 1, False), ("cp = 2", 2, 2, 1, False), ("cp = 4", 4, 4, 1, False),
+            ("tp = 2", 2, 1, 2, False), ("tp = 2, sequence parallel", 2, 1, 2, True)]
+    base = None
+    for label, world, cp, tp, sp in rows:
+        if world == 1:
+            per_rank = [measured_activations(0, 1, 1, 1, False)]
+        else:
+            per_rank = run_ranks(measured_activations, world, cp, tp, sp)
+        body, total = max(b for b, _ in per_rank), max(t for _, t in per_rank)
+        base = base or body
+        print(f"  {label:28s} embedding + blocks {mib(body):>12s} ({body / base:.2f} of one process)   "
+              f"whole forward {mib(total):>12s}", flush=True)
+
+    print("\nattention work per rank, one layer (score elements computed per head; CPU time of ring attention "
+          "forward + backward, 1 thread, best of 3):", flush=True)
+    T = MEASURE["block_size"]
+    for cp in (2, 4):
+        splits = (("contiguous", torch.arange(T).view(cp, -1)), ("zigzag", split_for_every_rank(torch.arange(T), cp)))
+        for split, positions in splits:
+            work = [w["scores"] for w in attention_work(positions)]
+            seconds = run_ranks(measured_attention_time, cp, split)
+            print(f"  cp = {cp} {split:10s}  scores per rank {work}  (max / min {max(work) / min(work):.2f});  "
+                  f"ms per rank {[round(1000 * s) for s in seconds]}  (max / min {max(seconds) / min(seconds):.2f})",
+                  flush=True)
+
+    print("\nring bytes sent per rank in one step (forward + backward, every layer), measured against "
+          "ring_attention_bytes:", flush=True)
+    D = MEASURE["n_embd"] // MEASURE["n_head"]
+    for cp in (2, 4):
+        sent = run_ranks(measured_ring_bytes, cp)
+        per_layer = ring_attention_bytes(1, T // cp, MEASURE["n_kv_head"], D, D, cp)
+        analytic = MEASURE["n_layer"] * (per_layer["forward"] + per_layer["backward"])
+        verdict = "equal" if set(sent) == {analytic} else "DIFFERENT"
+        print(f"  cp = {cp}: measured {sent} bytes per rank; analytic n_layer x (forward {per_layer['forward']:,} + "
+              f"backward {per_layer['backward']:,}) = {analytic:,} ({verdict})", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--measure"]:
+        sys.exit("usage: PYTHONPATH=. python tests/test_context_parallel.py --measure   (the tests run under pytest)")
+    measure()
