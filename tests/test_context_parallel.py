@@ -674,8 +674,8 @@ def test_a_cp1_checkpoint_resumes_at_cp2_with_the_uninterrupted_losses(one_proce
 # -----------------------------------------------------------------------------
 # Measurement, not a test:  PYTHONPATH=. python tests/test_context_parallel.py --measure
 # At the shape of config/tiny_fineweb.py with block_size 2048 (one sequence per rank): the activation memory
-# per rank (the bytes autograd saves for backward, counted by saved-tensor hooks as tests/test_pipeline.py's
-# SavedActivations does) at cp = 1, 2, 4 and at tp = 2 with and without sequence parallelism; the attention
+# per rank (the bytes autograd saves for backward, counted by saved-tensor hooks, each storage once) at
+# cp = 1, 2, 4 and at tp = 2 with and without sequence parallelism; the attention
 # work per rank, zigzag against contiguous; the bytes the ring sends per step against ring_attention_bytes.
 
 MEASURE = dict(vocab_size=50257, block_size=2048, n_layer=4, n_head=4, n_kv_head=2, n_embd=128)
@@ -688,19 +688,59 @@ def measure_window():
     return x[:, :-1], x[:, 1:]
 
 
+class SavedStorages:
+    """Bytes autograd holds for backward (parameters excluded), live and at peak, through saved-tensor
+    hooks as tests/test_pipeline.py's SavedActivations, but each storage counted once however many
+    operations save it (q, k and v's projections all save their one input)."""
+
+    def __init__(self, model):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.held, self.live, self.peak = {}, 0, 0  # storage -> how many saved tensors hold it
+
+    def pack(self, t):
+        key = t.untyped_storage().data_ptr()
+        if key in self.params:
+            return t
+        if self.held.get(key, 0) == 0:
+            self.live += t.untyped_storage().nbytes()
+            self.peak = max(self.peak, self.live)
+        self.held[key] = self.held.get(key, 0) + 1
+        return _Storage(t, key, self)
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda h: h.t if isinstance(h, _Storage) else h)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+
+class _Storage:
+    def __init__(self, t, key, counter):
+        self.t, self.key, self.counter, self.nbytes = t, key, counter, t.untyped_storage().nbytes()
+
+    def __del__(self):
+        self.counter.held[self.key] -= 1
+        if self.counter.held[self.key] == 0:
+            self.counter.live -= self.nbytes
+
+
 def measured_activations(rank, world_size, cp, tp, sequence_parallel):
     """(bytes saved by the embedding and the blocks, by the whole forward with the head and the loss) on
     this rank, one sequence of block_size tokens per step."""
-    from test_pipeline import SavedActivations
     layout = ParallelLayout(1, tp, 1, world_size, rank, cp=cp)
     model = Transformer(ModelConfig(**MEASURE), layout.tp_group, chunked_loss=True, cp_group=layout.cp_group,
                         sequence_parallel=sequence_parallel)
     model.init_weights(0)
     batch = train.context_split(measure_window(), layout)
     body = {}
-    last = list(model.blocks.values())[-1]
-    with SavedActivations(model) as saved:
-        last.register_forward_hook(lambda *_: body.setdefault("bytes", saved.live))
+
+    def after_the_blocks(*_):  # what the embedding and the blocks saved (nothing is let go during forward)
+        body["bytes"] = saved.live
+
+    list(model.blocks.values())[-1].register_forward_hook(after_the_blocks)
+    with SavedStorages(model) as saved:
         _, loss = model(*batch)
         total = saved.peak
     loss.backward()
@@ -747,7 +787,8 @@ def measure():
           f"for backward; the head's and loss's are the chunked loss's gradients at tp = 1, the vocab-parallel "
           f"softmax at tp = 2):", flush=True)
     rows = [("one process", 1, 1, 1, False), ("cp = 2", 2, 2, 1, False), ("cp = 4", 4, 4, 1, False),
-            ("tp = 2", 2, 1, 2, False), ("tp = 2, sequence parallel", 2, 1, 2, True)]
+            ("tp = 2", 2, 1, 2, False), ("tp = 2, sequence parallel", 2, 1, 2, True),
+            ("cp = 2 x tp = 2, sequence parallel", 4, 2, 2, True)]
     base = None
     for label, world, cp, tp, sp in rows:
         if world == 1:
@@ -756,7 +797,7 @@ def measure():
             per_rank = run_ranks(measured_activations, world, cp, tp, sp)
         body, total = max(b for b, _ in per_rank), max(t for _, t in per_rank)
         base = base or body
-        print(f"  {label:28s} embedding + blocks {mib(body):>12s} ({body / base:.2f} of one process)   "
+        print(f"  {label:34s} embedding + blocks {mib(body):>12s} ({body / base:.2f} of one process)   "
               f"whole forward {mib(total):>12s}", flush=True)
 
     print("\nattention work per rank, one layer (score elements computed per head; CPU time of ring attention "
