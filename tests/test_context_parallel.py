@@ -285,6 +285,8 @@ def _launch(rank, world_size):
     out["sequence_parallel"] = sequence_parallel_against_tp(tp)
     if world_size == 2:
         out["steps"]["tp2_sequence_parallel"] = five_steps(tp, sequence_parallel=True)
+        # each block recomputed in backward: the ring's forward runs again there, messages and all
+        out["steps"]["cp2_activation_checkpointing"] = five_steps(cp, activation_checkpointing=True)
     else:
         for name, layout in COMPOSED.items():
             sizes = {k: layout.get(k, 1) for k in ("dp", "cp", "tp", "pp")}
@@ -518,6 +520,10 @@ def test_cp_moe_routes_drops_and_balances_as_one_process(launch):
 def test_five_training_steps_at_cp_equal_one_process(launch, variant):
     cp, ranks = launch
     assert_same_steps(ranks, f"cp{cp}_{variant}", reference_steps(CP_VARIANTS[variant]))
+
+
+def test_five_training_steps_at_cp2_with_activation_checkpointing_equal_one_process(launch2):
+    assert_same_steps(launch2, "cp2_activation_checkpointing", reference_steps())
 
 
 @pytest.mark.parametrize("layout", list(COMPOSED))
