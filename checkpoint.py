@@ -13,8 +13,9 @@ Each tensor is saved as "pieces". A piece says which full tensor it belongs to (
 which tensor-parallel slice it is (dim, rank, world) and which range of that slice's flattened elements it
 holds (all of them for a model shard, a ZeRO-1 rank's range for optimizer state). Loading assembles each
 full tensor a rank needs from whatever pieces were saved, then cuts the slice this rank's layout needs, so
-a checkpoint saved at one dp x tp x pp layout resumes at any other. The experts of a mixture of experts are
-named by their global index whichever rank holds them, so expert parallelism (ep) changes freely too.
+a checkpoint saved at one dp x cp x tp x pp layout resumes at any other. The experts of a mixture of
+experts are named by their global index whichever rank holds them, so expert parallelism (ep) changes
+freely too.
 """
 import glob
 import json
@@ -193,11 +194,13 @@ def load_model(model, reader):
 
 
 def _saved_here(param, layout, dp_sharded=False, expert=False):
-    """Each full tensor is saved once: data-parallel replicas leave it to dp rank 0 (unless dp_sharded:
-    each dp rank then holds a different part, ZeRO-1's optimizer state), tensor-parallel replicas (norms)
-    to tp rank 0. An expert under expert parallelism is held by one rank of each ep group, and saved by
-    the one in the first group (dp_rank < ep). (A tied copy is never saved: the original is.)"""
-    if not dp_sharded and layout.dp_rank >= (layout.ep if expert else 1):
+    """Each full tensor is saved once: data- and context-parallel replicas leave it to the first of them
+    (dp x cp rank 0; unless dp_sharded: each dp x cp rank then holds a different part, ZeRO-1's optimizer
+    state), tensor-parallel replicas (norms) to tp rank 0. An expert under expert parallelism is held by
+    one rank of each ep group, and saved by the one in the first group (cp rank 0, dp_rank < ep). (A tied
+    copy is never saved: the original is.)"""
+    first = layout.cp_rank == 0 and layout.dp_rank < layout.ep if expert else layout.dp_cp_rank == 0
+    if not first and not dp_sharded:
         return False
     return layout.tp_rank == 0 or getattr(param, "tp_shard_dim", None) is not None
 

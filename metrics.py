@@ -53,15 +53,16 @@ def flops_per_token(cfg):
 
 def full_param_count(model, layout):
     """Parameters of the whole model (vocabulary padding included), whatever the layout: each rank counts
-    the full tensors of its stage (a tied copy once), and every dp x tp replica of a stage counts them;
-    an expert has dp / ep x tp replicas (expert parallelism: the other ranks of its ep group hold others)."""
+    the full tensors of its stage (a tied copy once), and every dp x cp x tp replica of a stage counts them;
+    an expert has (dp / ep) x cp x tp replicas (expert parallelism: the other ranks of its ep group hold
+    others)."""
     copies, experts = model.tied_copies(), model.expert_parameters()
     n = sum(math.prod(full_shape_of(p)) * (layout.ep if name in experts else 1)
             for name, p in model.named_parameters() if name not in copies)
     n = torch.tensor(float(n), dtype=torch.float64)
     if layout.world_size > 1:
         dist.all_reduce(n)
-        n /= layout.dp * layout.tp
+        n /= layout.dp * layout.cp * layout.tp
     return round(n.item())
 
 
@@ -119,17 +120,25 @@ def gpu_peak_flops(device_name, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def measure_cpu_peak_flops(dtype, sizes=(512, 1024), repeats=3):
+def measure_cpu_peak_flops(dtype, sizes=(256, 512, 1024), repeats=3, budget_s=1.0):
     """The best FLOP/s of a few square matmuls in dtype with this process's threads: about what the model's
-    own matmuls can reach here (there is no table for CPUs). Measured once per process and dtype."""
-    best = 0.0
+    own matmuls can reach here (there is no table for CPUs). Measured once per process and dtype, within
+    about budget_s: a dtype with no fast kernel here (bf16 on a CPU without native bf16 is ~100x slower
+    than fp32) stops at the size where the budget runs out rather than holding up the start for a minute."""
+    best, spent = 0.0, 0.0
     for n in sizes:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        start = time.perf_counter()
         a @ b  # warm-up: thread pool, kernel selection
+        spent += time.perf_counter() - start
         for _ in range(repeats):
             start = time.perf_counter()
             a @ b
-            best = max(best, 2 * n ** 3 / (time.perf_counter() - start))
+            took = time.perf_counter() - start
+            spent += took
+            best = max(best, 2 * n ** 3 / took)
+        if spent * 8 > budget_s:  # the next size costs 8x this one
+            break
     return best
 
 
@@ -266,7 +275,8 @@ def moe_metrics(model, layout, steps=1):
     processed in a step (the whole global batch: summed over micro-batches and data-parallel ranks), and
     a2a_bytes, the bytes the expert-parallel all-to-alls sent between ranks in a step (forward, backward and
     any recomputation; all ranks together), counted from the split sizes the host already holds. Every
-    rank joins the one all-reduce; each stage's layers are held by dp * tp ranks."""
+    rank joins the one all-reduce; each stage's layers are held by dp * cp * tp ranks (each cp rank's
+    auxiliary loss is its share: their mean is the microbatch's; each counts its own tokens' load)."""
     dev = next(model.parameters()).device
     layers = model.moe_layers()
     n_layer, n_expert = model.cfg.n_layer, model.cfg.n_expert
@@ -281,7 +291,7 @@ def moe_metrics(model, layout, steps=1):
     if layout.world_size > 1:
         dist.all_reduce(stats)
     load = load / (layout.tp * max(steps, 1))  # tp ranks count the same tokens
-    return {"aux_loss": (stats[0] / (layout.dp * layout.tp)).item(),
+    return {"aux_loss": (stats[0] / (layout.dp * layout.cp * layout.tp)).item(),
             "moe_dropped_frac": (stats[1] / stats[2].clamp(min=1)).item(),
             "expert_load_min": load.min().item(), "expert_load_max": load.max().item(),
             "a2a_bytes": (stats[3] / max(steps, 1)).item()}
@@ -289,8 +299,8 @@ def moe_metrics(model, layout, steps=1):
 
 def expert_memory_bytes(model, optimizer):
     """(bytes of the routed experts' parameters, bytes of their AdamW moments) on this rank: what expert
-    parallelism divides by ep (and ZeRO-1 the moments further by dp / ep). Plain AdamW creates its two
-    moments per element at its first step: they are counted before it, as what it will hold."""
+    parallelism divides by ep (and ZeRO-1 the moments further by the expert replicas). Plain AdamW creates
+    its two moments per element at its first step: they are counted before it, as what it will hold."""
     params = model.expert_parameters().values()
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     if not isinstance(optimizer, ZeroOneAdamW):

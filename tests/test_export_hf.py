@@ -6,7 +6,6 @@ and large (gains away from one, attention far from uniform), so a misplaced or m
 changes the logits by O(1), not by a rounding error.
 """
 import importlib.util
-from types import SimpleNamespace
 
 import pytest
 import tiktoken
@@ -38,7 +37,7 @@ def random_model(**overrides):
 
 
 def save(model, out_dir, tokenizer="gpt2"):
-    layout = ParallelLayout(1, 1, 1)
+    layout = ParallelLayout(1, 1, 1)  # one process: every piece is saved here
     checkpoint.save(str(out_dir), 7, 0, 1, checkpoint.model_pieces(model, layout), {},
                     {"model": vars(model.cfg), "tokenizer": tokenizer})
 
