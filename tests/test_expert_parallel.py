@@ -9,6 +9,7 @@ moves the norm), every gradient of step 1 (gathered from the ranks that hold it)
 tokens each expert took in step 1 (integers: the same tokens dropped) and the all-to-all bytes counted
 against the analytic figure for that routing. The numerics share one 2-rank and one 4-rank launch.
 """
+import shutil
 import zlib
 from types import SimpleNamespace
 
@@ -19,8 +20,9 @@ import torch
 import metrics
 import settings
 import train
-from dist_utils import (GRAD_NORM_RTOL, LOSS_RTOL, assert_same_tensors, gather_full, relative_difference,
-                        run_ranks)
+from dist_utils import (GRAD_NORM_RTOL, LOSS_RTOL, assert_same_losses_and_norms, assert_same_tensors,
+                        checkpoint_weights, gather_full, make_token_data, relative_difference, run_ranks, run_train,
+                        train_in_process)
 from model import ModelConfig, check_layout
 from parallel import ParallelLayout, format_grid, full_shape_of, resolve_dp, shard_of
 
@@ -246,6 +248,44 @@ def test_dropless_routing_drops_nothing_and_capacity_drops(two_ranks, references
     ref = references.setdefault("ep2_dropless_top1", reference("ep2_dropless_top1"))
     assert ref["stats"]["moe_dropped_frac"] == 0 and two_ranks[0]["ep2_dropless_top1"]["stats"]["moe_dropped_frac"] == 0
     assert two_ranks[0]["ep2_capacity_top2_shared"]["stats"]["moe_dropped_frac"] > 0
+
+
+# -----------------------------------------------------------------------------
+# checkpoints reshard between ep values, through train.py
+
+CHAIN_STEPS = 10
+CHAIN = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=2", "--block_size=16", "--batch_size=2",
+         "--n_expert=4", "--n_expert_per_token=2", "--capacity_factor=1.0", "--n_shared_expert=1", "--device=cpu",
+         "--log_interval=1", "--eval_interval=0", "--checkpoint_interval=2", "--keep_last_n=0", "--warmup_iters=2",
+         f"--lr_decay_iters={CHAIN_STEPS}", "--learning_rate=3e-3", "--bucket_size_mb=0.01", "--peak_flops=1e12"]
+# (processes, settings): the global batch is 4 micro-batches of 2 sequences at every layout
+SEGMENTS = [(2, ["--ep=2", "--gradient_accumulation_steps=2"]),  # ep=1 (one process) -> ep=2
+            (4, ["--ep=4", "--gradient_accumulation_steps=1", "--zero_stage=1"]),  # ep=2 -> ep=4, ZeRO-1
+            (2, ["--ep=2", "--gradient_accumulation_steps=2", "--zero_stage=1"]),  # ep=4 -> ep=2
+            (1, ["--ep=1", "--gradient_accumulation_steps=4"])]  # ep=2 -> ep=1
+
+
+def test_checkpoints_reshard_between_ep_values(tmp_path):
+    """One process trains ten steps; a chain resumes its step-2 checkpoint at ep=2, that one's step 4 at
+    ep=4 (ZeRO-1), that one's step 6 at ep=2 (ZeRO-1) and that one's step 8 at one process: every step of
+    the chain equals the uninterrupted run (loss, gradient norm), and so do the final weights. The
+    experts are saved by their global index whichever rank holds them, the AdamW moments with them."""
+    data = make_token_data(str(tmp_path / "data"))
+    ref_out = tmp_path / "one_process"
+    reference = train_in_process(CHAIN + ["--gradient_accumulation_steps=4", f"--max_iters={CHAIN_STEPS}",
+                                          f"--data_dir={data}", f"--out_dir={ref_out}"])
+    previous, step = ref_out, 2
+    for i, (nproc, layout) in enumerate(SEGMENTS):
+        out = tmp_path / f"segment{i}"
+        shutil.copytree(previous / f"ckpt_{step:07d}", out / f"ckpt_{step:07d}")
+        argv = CHAIN + layout + [f"--max_iters={step + 2}", "--init_from=resume", f"--data_dir={data}",
+                                 f"--out_dir={out}"]
+        records = train_in_process(argv) if nproc == 1 else run_train(argv, nproc=nproc)[0]
+        assert [r["step"] for r in records if "loss" in r] == [step + 1, step + 2]
+        assert_same_losses_and_norms(records, reference, label=f"{layout[0]} resumed at step {step}")
+        previous, step = out, step + 2
+    assert_same_tensors(checkpoint_weights(previous / f"ckpt_{step:07d}"),
+                        checkpoint_weights(ref_out / f"ckpt_{step:07d}"))
 
 
 # -----------------------------------------------------------------------------
