@@ -1,13 +1,14 @@
-"""Expert parallelism (parallel.py section 5) and dropless routing against one process (CPU, gloo, fp32).
+"""Expert parallelism (parallel.py section 6) and dropless routing against one process (CPU, gloo, fp32).
 
-Every layout trains the same tiny mixture of experts for five steps with train.py's own build and step, and
-is compared with one process that sees the same global batch: the layout's batch_size, with as many
-micro-batches as all the data-parallel ranks together (capacity and the auxiliary losses are per
-micro-batch, so the micro-batches must stay the same size). Compared: every step's loss and global gradient
-norm (a factor-ep error in the experts' gradients barely moves the losses under AdamW and clipping, but
-moves the norm), every gradient of step 1 (gathered from the ranks that hold it), the final weights, the
-tokens each expert took in step 1 (integers: the same tokens dropped) and the all-to-all bytes counted
-against the analytic figure for that routing. The numerics share one 2-rank and one 4-rank launch.
+Every layout (ep with dp, tp, pp, cp, ZeRO-1, activation checkpointing) trains the same tiny mixture of
+experts for five steps with train.py's own build and step, and is compared with one process that sees the
+same global batch: the layout's batch_size, with as many micro-batches as all the data-parallel ranks
+together (capacity and the auxiliary losses are per micro-batch, so the micro-batches must stay the same
+size). Compared: every step's loss and global gradient norm (a factor-ep error in the experts' gradients
+barely moves the losses under AdamW and clipping, but moves the norm), every gradient of step 1 (gathered
+from the ranks that hold it), the final weights, the tokens each expert took in step 1 (integers: the same
+tokens dropped) and the all-to-all bytes counted against the analytic figure for that routing. The
+numerics share one 2-rank and one 4-rank launch; train.py runs one checkpoint chain across ep values.
 """
 import shutil
 import zlib
@@ -21,7 +22,7 @@ import metrics
 import settings
 import train
 from dist_utils import (GRAD_NORM_RTOL, LOSS_RTOL, assert_same_losses_and_norms, assert_same_tensors,
-                        checkpoint_weights, gather_full, make_token_data, relative_difference, run_ranks, run_train,
+                        checkpoint_weights, gather_full, make_token_data, run_ranks, run_train,
                         train_in_process)
 from model import ModelConfig, check_layout
 from parallel import ParallelLayout, format_grid, full_shape_of, resolve_dp, shard_of
@@ -49,6 +50,7 @@ FOUR_RANKS = {
     "ep2_dp4_zero1": (4, 1, 1, 2, dict(n_shared_expert=1, zero_stage=1)),
     "ep2_tp2": (2, 2, 1, 2, dict(n_shared_expert=1, gradient_accumulation_steps=2)),
     "ep2_pp2": (2, 1, 2, 2, dict(gradient_accumulation_steps=4)),
+    "ep2_cp2": (2, 1, 1, 2, dict(cp=2, n_shared_expert=1, gradient_accumulation_steps=2)),
 }
 CASES = {**TWO_RANKS, **FOUR_RANKS}
 
@@ -59,7 +61,7 @@ def case_settings(name, reference=False):
     values = {**settings.DEFAULTS, **RUN, **{k: v for k, v in MODEL.items()}, "gradient_accumulation_steps": 1,
               **given, "dp": dp, "tp": tp, "pp": pp, "ep": ep}
     if reference:
-        values.update(dp=1, tp=1, pp=1, ep=1, zero_stage=0, activation_checkpointing=False,
+        values.update(dp=1, tp=1, pp=1, cp=1, ep=1, zero_stage=0, activation_checkpointing=False,
                       gradient_accumulation_steps=dp * values["gradient_accumulation_steps"])
     cfg = SimpleNamespace(**values)
     model_cfg = ModelConfig(**{k: values[k] for k in ModelConfig.__dataclass_fields__})
@@ -111,6 +113,7 @@ def train_five_steps(cfg, model_cfg, layout, dp_of_batch):
     try:
         for step in range(STEPS):
             micro = global_microbatches(cfg, model_cfg, dp_of_batch, step)[layout.dp_rank * g:(layout.dp_rank + 1) * g]
+            micro = [train.context_split(batch, layout) for batch in micro]  # (this cp rank's share)
             loss, norm = train.train_step(cfg, layout, parts, micro, train.get_lr(step, cfg))
             losses.append(train.mean_across_ranks(loss, layout).item())
             norms.append(norm.item())
@@ -129,7 +132,7 @@ def _worker(rank, world_size, names):
     for name in names:
         dp, tp, pp, ep, _ = CASES[name]
         cfg, model_cfg = case_settings(name)
-        layout = ParallelLayout(dp, tp, pp, world_size, rank, ep=ep)
+        layout = ParallelLayout(dp, tp, pp, world_size, rank, cp=cfg.cp, ep=ep)
         out[name] = train_five_steps(cfg, model_cfg, layout, dp)
     return out
 
@@ -216,7 +219,7 @@ def test_routing_and_all_to_all_bytes_are_one_process_routing(name, request, ref
     dropped), and the bytes the all-to-alls moved are the analytic figure for that routing: every row
     routed to an expert on another rank of the ep group crosses twice forward (the token, its output) and
     twice backward (their gradients), once more each way forward when the block is recomputed, on every
-    tensor-parallel rank."""
+    tensor-parallel rank (each context-parallel rank sends its own tokens' rows)."""
     ranks = results_of(name, request)
     ref = references.setdefault(name, reference(name))
     dp, tp, pp, ep, given = CASES[name]
