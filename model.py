@@ -676,9 +676,9 @@ def chunked_cross_entropy(h, weight, targets, vocab_size=None, softcap=0.0, igno
 # The model
 
 
-def check_layout(cfg, tp=1, pp=1):
-    """Stop before anything is built when the model cannot be built, or split this way, saying what must
-    hold and what to change."""
+def check_layout(cfg, tp=1, pp=1, chunks=1):
+    """Stop before anything is built when the model cannot be built, or split this way (chunks: model chunks
+    per pipeline rank), saying what must hold and what to change."""
     problems = []
     for key, allowed in (("attention", ("mha", "mla")), ("norm", ("rmsnorm", "layernorm")), ("mlp", ("swiglu", "gelu"))):
         if getattr(cfg, key) not in allowed:
@@ -720,9 +720,14 @@ def check_layout(cfg, tp=1, pp=1):
         if cfg.capacity_factor <= 0:
             problems.append(f"capacity_factor = {cfg.capacity_factor} must be positive (1.0 fits a perfectly balanced "
                             f"router exactly; 1.25 is usual)")
-    if pp > cfg.n_layer:
-        problems.append(f"pp = {pp} stages but only n_layer = {cfg.n_layer} blocks: every stage needs at least one "
-                        f"block, so use pp <= {cfg.n_layer}")
+    if pp * chunks > cfg.n_layer:
+        if chunks == 1:
+            problems.append(f"pp = {pp} stages but only n_layer = {cfg.n_layer} blocks: every stage needs at least "
+                            f"one block, so use pp <= {cfg.n_layer}")
+        else:
+            problems.append(f"pp = {pp} ranks x pp_chunks = {chunks} chunks = {pp * chunks} model stages but only "
+                            f"n_layer = {cfg.n_layer} blocks: every chunk needs at least one block, so use "
+                            f"pp * pp_chunks <= {cfg.n_layer}")
     if problems:
         raise ValueError("the model cannot be built with this layout: " + "; ".join(problems))
 
@@ -760,7 +765,12 @@ class Transformer(nn.Module):
     Tied embeddings: on one stage the head is the embedding's own tensor. When the embedding and the head
     sit on different stages, each holds a copy; the copy starts from the same weights (init_weights draws it
     under the embedding's name), `tied_copies()` names it for the checkpoint and the gradient norm, and the
-    training step keeps the two equal by summing their gradients (parallel.sync_tied_grads)."""
+    training step keeps the two equal by summing their gradients (parallel.sync_tied_grads).
+
+    Chunks (the interleaved and V pipeline schedules): pp_rank may be a tuple of stages of the pp, the model
+    chunks this rank holds (parallel.virtual_stages). They are one module, every parameter under its
+    whole-model name; forward(x, targets, chunk=c) runs chunk c, the stage pp_rank[c]: the embedding first if
+    it is stage 0, the head and the loss last if it is stage pp - 1."""
 
     def __init__(self, cfg, tp_group=None, pp=1, pp_rank=0, attn_impl="auto", activation_checkpointing=False,
                  chunked_loss=False):
@@ -770,8 +780,10 @@ class Transformer(nn.Module):
         self.cfg, self.tp_group = cfg, tp_group
         self.activation_checkpointing = activation_checkpointing
         self.chunked_loss = chunked_loss and group_size(tp_group) == 1
-        self.is_first, self.is_last = pp_rank == 0, pp_rank == pp - 1
-        self.layer_ids = stage_layers(cfg.n_layer, pp, pp_rank)
+        self.n_stages, self.stages = pp, tuple(pp_rank) if isinstance(pp_rank, (tuple, list)) else (pp_rank,)
+        self.is_first, self.is_last = 0 in self.stages, pp - 1 in self.stages  # holds the embedding, the head
+        self.chunk_layers = [stage_layers(cfg.n_layer, pp, s) for s in self.stages]
+        self.layer_ids = sorted(i for layers in self.chunk_layers for i in layers)
         if self.is_first:
             self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, tp_group)
         # keyed by the global block index, so a parameter has the same name whichever stage holds it
@@ -788,19 +800,21 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x, targets=None):
-        if self.is_first:
+    def forward(self, x, targets=None, chunk=0):
+        stage = self.stages[chunk]
+        if stage == 0:
             if x.shape[1] > self.cfg.block_size:
                 raise ValueError(f"sequence of length {x.shape[1]} is longer than block_size {self.cfg.block_size}")
             x = self.tok_emb(x)
-        for block in self.blocks.values():
+        blocks = [self.blocks[str(i)] for i in self.chunk_layers[chunk]]
+        for block in blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # keep only the block's input; its activations are recomputed during backward
                 x = checkpoint(block, x, self.rope_cos, self.rope_sin, use_reentrant=False)
             else:
                 x = block(x, self.rope_cos, self.rope_sin)
-        aux = self.moe_aux_loss() if self.training else None
-        if not self.is_last:
+        aux = self.moe_aux_loss(blocks) if self.training else None
+        if stage != self.n_stages - 1:
             return x, aux
         if targets is not None and self.chunked_loss:
             h = self.norm(x)
@@ -820,10 +834,20 @@ class Transformer(nn.Module):
                 loss = loss + aux
         return logits, loss
 
-    def moe_aux_loss(self):
-        """The sum of this stage's MoE auxiliary losses from the forward pass just run (None if dense)."""
-        losses = [block.mlp.aux_loss for block in self.blocks.values() if isinstance(block.mlp, MixtureOfExperts)]
+    def moe_aux_loss(self, blocks=None):
+        """The sum of the MoE auxiliary losses of `blocks` (default: all of this stage's) from the forward pass
+        just run (None if dense)."""
+        blocks = self.blocks.values() if blocks is None else blocks
+        losses = [block.mlp.aux_loss for block in blocks if isinstance(block.mlp, MixtureOfExperts)]
         return sum(losses) if losses else None
+
+    def chunk_modules(self, chunk):
+        """The modules chunk `chunk` runs: the embedding on stage 0, its blocks, the final norm and the head on
+        the last stage (the zero-bubble schedules split the backward of the linears in them)."""
+        stage = self.stages[chunk]
+        modules = [self.tok_emb] if stage == 0 else []
+        modules += [self.blocks[str(i)] for i in self.chunk_layers[chunk]]
+        return modules + ([self.norm, self.lm_head] if stage == self.n_stages - 1 else [])
 
     def tied_copies(self):
         """{name of a parameter here: name of the weight it copies}: the head's weight on a last stage that
