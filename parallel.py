@@ -873,9 +873,12 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
     m, last_stage = len(microbatches), comm.n_stages - 1
     last_backward = {c: k for k, (op, _, c) in enumerate(actions) if op == "B"}  # each chunk's last
     last_weight = {c: k for k, (op, _, c) in enumerate(actions) if op == "W"}
+    if last_weight and weight_grad_stores is None:
+        raise ValueError("these actions split the backward into B and W: give run_schedule weight_grad_stores, one "
+                         "WeightGradStore per chunk (built before the chunk's first forward)")
     inputs, outputs = {}, {}  # (microbatch, chunk) -> what its backward needs, from its forward until then
     here = {}  # messages from one chunk of this rank to another (the V's turn), by (kind, microbatch, stage)
-    sends = []  # the requests of the sends in flight, waited for at the end
+    sends = []  # the requests of the sends in flight (each holds its tensor), waited for at the end
     total = torch.zeros((), device=comm.device)
 
     def post_receive(action):
@@ -903,6 +906,7 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
         if comm.is_here(destination):
             here[(op, i, destination)] = product
         else:
+            sends[:] = [request for request in sends if not request.is_completed()]  # their buffers can go
             sends.append(comm.send(product, op, destination))
 
     posted = post_receive(actions[0]) if actions else None

@@ -217,11 +217,13 @@ def setup(cfg, training=True):
                        + ("blocks per stage " if v == 1 else "blocks per rank (chunk by chunk) ")
                        + " | ".join(f"{p}: {text}" for p, text in enumerate(per_rank)))
         if m < layout.pp:
-            bubble = ideal_bubble(cfg.pp_schedule, layout.pp, m, v) or ideal_bubble("1f1b", layout.pp, m)
+            bubble, whose = ideal_bubble(cfg.pp_schedule, layout.pp, m, v), cfg.pp_schedule
+            if bubble is None:  # (the paper gives no formula for this m)
+                bubble, whose = ideal_bubble("1f1b", layout.pp, m), "1f1b"
             print0(layout, f"warning: gradient_accumulation_steps = {m} microbatches for pp = {layout.pp} stages: the "
-                           f"stages are idle about {bubble:.0%} of each step (the bubble, 1F1B's (pp - 1) / (m + pp - 1)); "
-                           f"raise gradient_accumulation_steps (lowering batch_size to keep the batch): "
-                           f"{4 * layout.pp} microbatches bring 1F1B's bubble under 20%")
+                           f"stages are idle about {bubble:.0%} of each step ({whose}'s bubble); raise "
+                           f"gradient_accumulation_steps (lowering batch_size to keep the batch): {4 * layout.pp} "
+                           f"microbatches bring 1F1B's bubble, (pp - 1) / (m + pp - 1), under 20%")
     return SimpleNamespace(dev=dev, dtype=ptdtype, layout=layout, datasets=datasets, model_cfg=model_cfg,
                            attn_impl=attn, tokenizer=data_meta.get("tokenizer", "gpt2"))
 
