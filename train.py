@@ -224,6 +224,8 @@ def setup(cfg, training=True):
                            f"stages are idle about {bubble:.0%} of each step ({whose}'s bubble); raise "
                            f"gradient_accumulation_steps (lowering batch_size to keep the batch): {4 * layout.pp} "
                            f"microbatches bring 1F1B's bubble, (pp - 1) / (m + pp - 1), under 20%")
+    elif cfg.pp_trace:
+        print0(layout, "pp_trace: nothing to trace with pp = 1 (no pipeline); the run goes on untraced")
     return SimpleNamespace(dev=dev, dtype=ptdtype, layout=layout, datasets=datasets, model_cfg=model_cfg,
                            attn_impl=attn, tokenizer=data_meta.get("tokenizer", "gpt2"))
 
