@@ -7,13 +7,17 @@ Time picotron's training step: tokens/s, ms/step, MFU and peak memory, for any c
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --tp=2 --dp=2
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --cp=2 --tp=2 --sequence_parallel=True \
         --block_size=1024
+    torchrun --nproc_per_node=2 bench.py --pp=2 --gradient_accumulation_steps=8 \
+        --schedules=1f1b,zero_bubble,interleaved_1f1b:2,zbv:2
 
 Every training setting works here (settings.py), and the model, optimizer and step are train.py's own
 (setup, build, train_step), so this times exactly what training runs, in whatever layouts train.py
 supports. Bench-only settings: --warmup_steps (untimed steps first: compiling, allocator and thread
 warm-up), --bench_steps (timed steps), --reference=True (also time the plain GPT at the end of this file at
-the same size, step by step in turn with picotron's, so both see the same machine). Tokens are random
-unless --data_dir is given on the command line. The last line printed is `RESULT {json}`, for scripts.
+the same size, step by step in turn with picotron's, so both see the same machine), --schedules (pp > 1:
+time several pipeline schedules the same way, each its own model, and measure each one's bubble from a
+traced step and its peak activations per rank). Tokens are random unless --data_dir is given on the
+command line. The last line printed is `RESULT {json}`, for scripts.
 """
 import json
 import math
@@ -32,12 +36,16 @@ import metrics
 import settings
 import train
 from configurator import ConfigError, Setting, configure, section
+from model import check_layout
+from parallel import check_schedule, ideal_bubble
 
 BENCH = section(
     "bench.py's own",
     Setting("warmup_steps", 3, "untimed steps first (compiling, allocator and thread warm-up)"),
     Setting("bench_steps", 10, "timed steps; the median is reported"),
     Setting("reference", False, "also time the plain GPT at the end of bench.py, step by step in turn"),
+    Setting("schedules", "", "pp > 1: pipeline schedules to time side by side in turn, comma-separated, each "
+            "pp_schedule or pp_schedule:pp_chunks (1f1b,zero_bubble,interleaved_1f1b:2,zbv:2)"),
 )
 
 
@@ -52,7 +60,23 @@ def parse_args(argv):
     cfg = SimpleNamespace(**values)
     if not any(a.startswith("--data_dir=") for a in argv):
         cfg.data_dir = None  # random tokens: a config file's data_dir is not needed to time a step
+    bench.variants = schedule_variants(cfg, bench.schedules)
     return cfg, bench
+
+
+def schedule_variants(cfg, schedules):
+    """[(label, cfg with that pp_schedule and pp_chunks)] from --schedules, each checked as train.py would."""
+    variants = []
+    for item in filter(None, (part.strip() for part in schedules.split(","))):
+        name, _, chunks = item.partition(":")
+        if chunks and not chunks.isdigit():
+            raise ConfigError(f"schedules: {item!r} is not pp_schedule or pp_schedule:pp_chunks (a number)")
+        if cfg.pp == 1:
+            raise ConfigError("schedules compares pipeline schedules: set --pp to 2 or more")
+        variant = SimpleNamespace(**{**vars(cfg), "pp_schedule": name, "pp_chunks": int(chunks or 1)})
+        check_schedule(name, cfg.pp, cfg.gradient_accumulation_steps, variant.pp_chunks)
+        variants.append((item, variant))
+    return variants
 
 
 def random_microbatches(cfg, layout, vocab_size, step, device):
@@ -69,10 +93,10 @@ def random_microbatches(cfg, layout, vocab_size, step, device):
 
 class Picotron:
     """train.py's training step, one call per step."""
-    name = "picotron"
 
-    def __init__(self, cfg, run):
-        self.cfg, self.run, self.dev, self.layout = cfg, run, run.dev, run.layout
+    def __init__(self, cfg, run, name="picotron"):
+        check_layout(run.model_cfg, run.layout.tp, run.layout.pp, cfg.pp_chunks)
+        self.name, self.cfg, self.run, self.dev, self.layout = name, cfg, run, run.dev, run.layout
         self.parts = train.build(cfg, run)  # the pipeline's channel runs the world's first collective (NCCL)
         self.autocast = self.parts.autocast
         self.flops_per_token = metrics.flops_per_token(run.model_cfg)
@@ -83,10 +107,22 @@ class Picotron:
                                            step, self.cfg.gradient_accumulation_steps, self.dev)
         return random_microbatches(self.cfg, self.layout, self.run.model_cfg.vocab_size, step, self.dev)
 
-    def step(self, i):
+    def step(self, i, trace=None):
         """One training step; returns its loss as a float, which waits for the device (and every rank)."""
-        loss, _ = train.train_step(self.cfg, self.layout, self.parts, self.batches(i), train.get_lr(i, self.cfg))
+        loss, _ = train.train_step(self.cfg, self.layout, self.parts, self.batches(i), train.get_lr(i, self.cfg), trace)
         return train.mean_across_ranks(loss, self.layout).item()
+
+    def measure_pipeline(self, i):
+        """Two more steps: one traced (each pipeline rank's measured bubble), one counting the activations held
+        for backward (each rank's peak bytes). Lists by pipeline rank, on every rank."""
+        trace = metrics.PipelineTrace(self.dev)
+        self.step(i, trace)
+        bubble = metrics.measured_bubble(metrics.pipeline_values(trace.times(), self.layout))
+        with metrics.ActivationMemory(self.parts.model, self.parts.pipeline.weight_grad_stores or ()) as memory:
+            self.step(i + 1, memory)
+        return {"measured_bubble": bubble, "peak_activation_bytes": metrics.pipeline_values(memory.peak, self.layout),
+                "ideal_bubble": ideal_bubble(self.cfg.pp_schedule, self.layout.pp, self.cfg.gradient_accumulation_steps,
+                                             self.cfg.pp_chunks)}
 
 
 class ReferenceGPT:
@@ -127,7 +163,7 @@ def reset_peak_memory(dev):
 
 def run(cfg, bench, setup):
     dev, ptdtype, layout, model_cfg = setup.dev, setup.dtype, setup.layout, setup.model_cfg
-    runners = [Picotron(cfg, setup)]
+    runners = [Picotron(variant, setup, name) for name, variant in bench.variants] or [Picotron(cfg, setup)]
     if bench.reference:
         runners.append(ReferenceGPT(runners[0]))
     for r in runners:
@@ -146,8 +182,11 @@ def run(cfg, bench, setup):
             losses[r.name] = r.step(i)
             times[r.name].append(time.perf_counter() - start)
     peak_mem = metrics.peak_memory_bytes(dev, layout)
-    # MoE: the load and the all-to-all bytes per timed step (picotron's steps only: the reference is dense)
+    # MoE: the load and the all-to-all bytes per timed step (the first runner's steps only, before any
+    # pipeline measurement runs more)
     moe_stats = metrics.moe_metrics(runners[0].parts.model, layout, steps=bench.bench_steps) if moe else {}
+    step = bench.warmup_steps + bench.bench_steps
+    pipeline = {r.name: r.measure_pipeline(step) for r in runners if bench.variants}
 
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     peak, peak_why = metrics.device_peak_flops(cfg.peak_flops, dev, ptdtype)
@@ -160,20 +199,21 @@ def run(cfg, bench, setup):
                            "flops_per_token": r.flops_per_token,
                            "mfu": metrics.mfu(r.flops_per_token, tokens_per_sec, peak, layout.world_size),
                            "loss": losses[r.name]}
+        results[r.name].update(pipeline.get(r.name, {}))
     # the process's peak memory covers whatever ran in it: with the reference alongside it is both models'
-    results["picotron"]["peak_mem_bytes"] = peak_mem
+    main = runners[0].name
+    results[main]["peak_mem_bytes"] = peak_mem
     if moe:
         params, state = metrics.expert_memory_bytes(runners[0].parts.model, runners[0].parts.optimizer)
-        results["picotron"].update(ep=layout.ep, a2a_bytes=moe_stats["a2a_bytes"],
-                                   expert_load_min=moe_stats["expert_load_min"],
-                                   expert_load_max=moe_stats["expert_load_max"],
-                                   expert_param_bytes=params, expert_optimizer_bytes=state)
+        results[main].update(ep=layout.ep, a2a_bytes=moe_stats["a2a_bytes"],
+                             expert_load_min=moe_stats["expert_load_min"], expert_load_max=moe_stats["expert_load_max"],
+                             expert_param_bytes=params, expert_optimizer_bytes=state)
 
     if layout.rank == 0:
         print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak_why, step_model_kind(runners[0]))
-        if bench.reference:
-            print("(peak memory is the whole process's: both models, as they ran side by side)")
-        result = dict(results["picotron"], device=str(dev), dtype=str(ptdtype).replace("torch.", ""),
+        if bench.reference or len(runners) > 1:
+            print("(peak memory is the whole process's: every model, as they ran side by side)")
+        result = dict(results[main], device=str(dev), dtype=str(ptdtype).replace("torch.", ""),
                       world_size=layout.world_size, dp=layout.dp, cp=layout.cp, tp=layout.tp, pp=layout.pp,
                       sequence_parallel=cfg.sequence_parallel,
                       compiled=step_model_kind(runners[0]) == "compiled", peak_flops=peak,
@@ -181,7 +221,9 @@ def run(cfg, bench, setup):
         if bench.reference:
             ref = results["reference GPT"]
             result.update(reference_tokens_per_sec=ref["tokens_per_sec"], reference_ms_per_step=ref["ms_per_step"],
-                          reference_mfu=ref["mfu"], speedup_vs_reference=results["picotron"]["tokens_per_sec"] / ref["tokens_per_sec"])
+                          reference_mfu=ref["mfu"], speedup_vs_reference=results[main]["tokens_per_sec"] / ref["tokens_per_sec"])
+        if bench.variants:
+            result["schedules"] = {name: results[name] for name, _ in bench.variants}
         print("RESULT " + json.dumps(result), flush=True)
     return results
 
@@ -198,7 +240,8 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak
           f"layout dp={layout.dp} cp={layout.cp} tp={layout.tp}{' sequence-parallel' if cfg.sequence_parallel else ''} "
           f"pp={layout.pp} ep={layout.ep}; activation_checkpointing={cfg.activation_checkpointing}, "
           f"chunked_loss={cfg.chunked_loss}; {'data ' + cfg.data_dir if cfg.data_dir else 'random tokens'}; "
-          f"{bench.warmup_steps} warm-up + {bench.bench_steps} timed steps (median)")
+          + (f"pipeline {cfg.pp_schedule}, {cfg.pp_chunks} chunk(s) per rank; " if layout.pp > 1 and not bench.variants else "")
+          + f"{bench.warmup_steps} warm-up + {bench.bench_steps} timed steps (median)")
     print(f"peak: {f'{peak / 1e12:.3g} TFLOP/s per device' if peak else 'unknown'} ({peak_why})")
     names = list(results)
     rows = [("tokens/s", lambda r: f"{r['tokens_per_sec']:,.0f}"),
@@ -213,9 +256,14 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak
             ("expert load min-max", lambda r: f"{r['expert_load_min']:,.0f}-{r['expert_load_max']:,.0f}"
              if "expert_load_min" in r else "-"),
             ("loss (last step)", lambda r: f"{r['loss']:.4f}")]
-    print(f"{'':20s}" + "".join(f"{n:>16s}" for n in names))
+    if bench.variants:  # per pipeline rank, rank 0 first
+        rows += [("bubble, ideal", lambda r: f"{r['ideal_bubble']:.1%}" if r["ideal_bubble"] is not None else "-"),
+                 ("bubble, measured", lambda r: " ".join(f"{b:.0%}" for b in r["measured_bubble"])),
+                 ("activations (KiB)", lambda r: " ".join(f"{b / 2**10:.0f}" for b in r["peak_activation_bytes"]))]
+    width = max(16, *(len(n) + 2 for n in names), *(len(fmt(results[n])) + 2 for _, fmt in rows for n in names))
+    print(f"{'':20s}" + "".join(f"{n:>{width}s}" for n in names))
     for label, fmt in rows:
-        print(f"{label:20s}" + "".join(f"{fmt(results[n]):>16s}" for n in names))
+        print(f"{label:20s}" + "".join(f"{fmt(results[n]):>{width}s}" for n in names))
 
 
 def main(argv):

@@ -134,7 +134,8 @@ TRAINING = [
         Setting("dp", 0, "data-parallel ranks; 0 means world_size / (tp * pp)", resume="allow"),
         Setting("tp", 1, "tensor-parallel ranks", resume="allow"),
         Setting("pp", 1, "pipeline stages", resume="allow"),
-        Setting("pp_schedule", "1f1b", "'1f1b' or 'afab'", resume="allow"),
+        Setting("pp_schedule", "1f1b", "'1f1b', 'afab', 'interleaved_1f1b', 'zero_bubble' (ZB-H1) or 'zbv' (python "
+                "parallel.py draws each)", resume="allow"),
         Setting("zero_stage", 0, "1 shards the optimizer states across data-parallel ranks", resume="allow"),
         Setting("bucket_size_mb", 25.0, "data-parallel gradients are averaged in buckets of about this size",
                 resume="allow"),
@@ -142,6 +143,10 @@ TRAINING = [
                 "attention is ring attention", resume="allow"),
         Setting("sequence_parallel", False, "with tp > 1: the tokens between the tensor-parallel regions split "
                 "across tp (Megatron)", resume="allow"),
+        Setting("pp_chunks", 1, "model chunks per pipeline rank (virtual stages): interleaved_1f1b any, zbv 2, the "
+                "others 1", resume="allow"),
+        Setting("pp_trace", False, "time every pipeline action of the second step on every rank: <out_dir>/"
+                "pp_trace.json (Chrome trace), the measured bubble printed", resume="allow"),
         Setting("ep", 1, "expert-parallel ranks: each MoE layer's experts are spread over ep neighbouring "
                 "data-parallel ranks (ep divides dp and n_expert)", resume="allow"),
     ),
@@ -152,7 +157,8 @@ DEFAULTS = {s.name: s.default for s in TRAINING}
 # sizes and intervals that must be positive (or at least zero): a zero batch or a negative interval would
 # otherwise fail far from its cause, or silently do nothing
 POSITIVE = ("batch_size", "block_size", "gradient_accumulation_steps", "log_interval", "eval_iters",
-            "n_layer", "n_head", "n_kv_head", "n_embd", "tp", "pp", "learning_rate", "bucket_size_mb", "cp", "ep")
+            "n_layer", "n_head", "n_kv_head", "n_embd", "tp", "pp", "learning_rate", "bucket_size_mb", "cp",
+            "pp_chunks", "ep")
 NOT_NEGATIVE = ("eval_interval", "checkpoint_interval", "keep_last_n", "warmup_iters", "lr_decay_iters", "min_lr",
                 "dp", "weight_decay", "grad_clip", "peak_flops", "n_expert", "n_shared_expert", "zero_stage",
                 "max_iters", "head_dim", "intermediate_size", "rope_scaling_factor")
