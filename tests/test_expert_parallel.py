@@ -50,6 +50,8 @@ FOUR_RANKS = {
     "ep2_dp4_zero1": (4, 1, 1, 2, dict(n_shared_expert=1, zero_stage=1)),
     "ep2_tp2": (2, 2, 1, 2, dict(n_shared_expert=1, gradient_accumulation_steps=2)),
     "ep2_pp2": (2, 1, 2, 2, dict(gradient_accumulation_steps=4)),
+    "ep2_pp2_zero_bubble": (2, 1, 2, 2, dict(pp_schedule="zero_bubble", n_shared_expert=1, capacity_factor=0.0,
+                                             gradient_accumulation_steps=4)),
     "ep2_cp2": (2, 1, 1, 2, dict(cp=2, n_shared_expert=1, gradient_accumulation_steps=2)),
 }
 CASES = {**TWO_RANKS, **FOUR_RANKS}
