@@ -35,7 +35,7 @@ from dataclasses import fields
 import torch
 
 import checkpoint
-from configurator import ConfigError, Setting, configure, section
+from configurator import ConfigError, Setting, configure, make_folder, section
 from model import ModelConfig, Transformer, model_config_from
 
 EXPORT = section(
@@ -342,6 +342,7 @@ def export(out_dir, hf_dir):
     from safetensors.torch import save_file
 
     model, meta, path = load_picotron(out_dir)
+    make_folder("hf_dir", hf_dir)  # before the conversion: a folder that cannot be written is found at once
     arch = hf_architecture(model.cfg)
     model_class, config_class = hf_classes(arch)
     tokenizer_fits = meta.get("tokenizer") in ("gpt2", "r50k_base") and model.cfg.vocab_size == GPT2_VOCAB_SIZE
@@ -350,7 +351,6 @@ def export(out_dir, hf_dir):
     with torch.device("meta"):  # the parameter names and shapes, without allocating the model
         match_hf_parameters(tensors, model_class(config), arch)
 
-    os.makedirs(hf_dir, exist_ok=True)
     config.save_pretrained(hf_dir)
     save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
     print(f"exported {path} (step {meta['step']}) as {arch} to {hf_dir}")

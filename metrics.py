@@ -119,17 +119,23 @@ def gpu_peak_flops(device_name, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def measure_cpu_peak_flops(dtype, sizes=(512, 1024), repeats=3):
+def measure_cpu_peak_flops(dtype, sizes=(512, 1024), repeats=3, budget_s=1.0):
     """The best FLOP/s of a few square matmuls in dtype with this process's threads: about what the model's
-    own matmuls can reach here (there is no table for CPUs). Measured once per process and dtype."""
-    best = 0.0
+    own matmuls can reach here (there is no table for CPUs). Measured once per process and dtype, in about
+    budget_s at most: a dtype without a fast kernel (bf16 on a CPU without AVX512_BF16 or AMX runs at ~1
+    GFLOP/s) would otherwise take tens of seconds to measure, and one timed matmul already shows it."""
+    best, began = 0.0, time.perf_counter()
     for n in sizes:
+        if best and time.perf_counter() - began + 2 * (2 * n ** 3) / best > budget_s:
+            break  # this size's warm-up and one timed matmul would not fit
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         a @ b  # warm-up: thread pool, kernel selection
         for _ in range(repeats):
             start = time.perf_counter()
             a @ b
             best = max(best, 2 * n ** 3 / (time.perf_counter() - start))
+            if time.perf_counter() - began > budget_s:
+                return best
     return best
 
 

@@ -4,7 +4,6 @@ Generate text from a picotron checkpoint (saved at any parallel layout) on one d
     python sample.py --out_dir=out/tiny_fineweb --start="The history of" --num_samples=3 --max_new_tokens=100
     python sample.py --out_dir=out/tiny_fineweb --start=FILE:prompt.txt --top_k=1     # greedy
 """
-import os
 import sys
 from contextlib import nullcontext
 
@@ -41,14 +40,34 @@ def read_prompt(start):
         raise FileNotFoundError(f"--start=FILE:{path}: the prompt file cannot be read ({type(e).__name__}: {e})")
 
 
+def get_encoding(name):
+    """tiktoken's encoding. When its files cannot be downloaded (offline), prepare_data.get_encoding's
+    one-line error says how to go on (TIKTOKEN_CACHE_DIR); it is imported only then, as prepare_data
+    imports datasets, seconds of start-up."""
+    try:
+        return tiktoken.get_encoding(name)
+    except OSError:
+        import prepare_data
+        return prepare_data.get_encoding(name)
+
+
+def check_values(cfg):
+    problems = [f"{k} = {cfg[k]} must be positive" for k in ("num_samples", "max_new_tokens") if cfg[k] <= 0]
+    problems += [f"{k} = {cfg[k]} must not be negative ({why})" for k, why in
+                 (("temperature", "0 is greedy"), ("top_k", "0 keeps every token")) if cfg[k] < 0]
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def main(argv):
     try:
         cfg, _ = configure(SAMPLING, argv, usage=__doc__)
+        check_values(cfg)
         if cfg["ckpt"]:
-            if not checkpoint.is_complete(cfg["ckpt"]):
+            why = checkpoint.why_incomplete(cfg["ckpt"])
+            if why:
                 raise FileNotFoundError(f"--ckpt={cfg['ckpt']} is not a complete checkpoint (a ckpt_* folder with its "
-                                        f"meta.json and every rank file): " + ("it does not exist" if not
-                                        os.path.exists(cfg["ckpt"]) else "it is partial or damaged"))
+                                        f"meta.json and every rank file): {why}")
             path = cfg["ckpt"]
         else:
             path = checkpoint.latest_checkpoint(cfg["out_dir"])
@@ -57,16 +76,18 @@ def main(argv):
         prompt = read_prompt(cfg["start"])
         dev, ptdtype, _ = choose_device_and_dtype(cfg["device"], cfg["dtype"])
         reader = checkpoint.CheckpointReader(path)
-    except (ConfigError, ValueError, FileNotFoundError, checkpoint.CheckpointError) as e:
+        enc = get_encoding(reader.meta.get("tokenizer", "gpt2"))
+        ids = enc.encode(prompt, allowed_special={"<|endoftext|>"})
+        if not ids:
+            raise ValueError(f"the prompt is empty ({'the file ' + cfg['start'][5:] if cfg['start'].startswith('FILE:') else '--start'}"
+                             f" holds no text): generation needs at least one token to start from")
+    except (ConfigError, ValueError, OSError, checkpoint.CheckpointError) as e:
         sys.exit(f"error: {e}")
     model_cfg = model_config_from(reader.meta["model"])
     attn_impl, _ = choose_attn_impl("auto", dev.type, ptdtype, model_cfg.attn_softcap)
     model = Transformer(model_cfg, attn_impl=attn_impl)
     checkpoint.load_model(model, reader)
     model.to(dev).eval()
-    enc = tiktoken.get_encoding(reader.meta.get("tokenizer", "gpt2"))
-
-    ids = enc.encode(prompt, allowed_special={"<|endoftext|>"})
     x = torch.tensor(ids, dtype=torch.long, device=dev)[None, :]
     torch.manual_seed(cfg["seed"])
     autocast = torch.autocast(dev.type, dtype=ptdtype) if ptdtype != torch.float32 else nullcontext()

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import checkpoint
 import metrics
 import settings
-from configurator import ConfigError, configure
+from configurator import ConfigError, configure, make_folder
 from model import ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype, stage_layers
 from parallel import (SCHEDULES, GradientBuckets, PipelineComm, ZeroOneAdamW, format_grid, full_shape_of,
                       init_distributed, optimizer_state_bytes, pipeline_forward, run_schedule, sync_tied_grads,
@@ -43,10 +43,13 @@ def configure_run(argv):
     notes, path = [], None
     if values["init_from"] == "resume":
         path = checkpoint.latest_checkpoint(values["out_dir"])
+        folders = checkpoint.checkpoint_folders(values["out_dir"])
+        damaged = [f"{p} cannot be used: {checkpoint.why_incomplete(p)}" for p in folders[folders.index(path) + 1 if path else 0:]]
         if path is None:
-            raise FileNotFoundError(f"init_from='resume' but out_dir '{values['out_dir']}' holds no complete "
-                                    f"checkpoint: use --init_from=scratch to start a new run")
+            raise FileNotFoundError(f"init_from='resume' but out_dir '{values['out_dir']}' holds no complete checkpoint"
+                                    + "".join(f" ({d})" for d in damaged) + ": use --init_from=scratch to start a new run")
         values, notes = settings.resume_values(values, given, checkpoint.read_meta(path)["config"])
+        notes = [f"resume: {d}; the newest complete checkpoint is {path}" for d in damaged] + notes
     settings.check_values(values)
     return SimpleNamespace(**values), notes, path
 
@@ -96,7 +99,7 @@ def load_data(data_dir, split, block_size, vocab_size, meta):
                         f"prepare more text or lower block_size")
     data = np.memmap(path, dtype=meta["dtype"], mode="r")
     # a quick look at both ends catches bins of another tokenizer or dtype at once; every batch is checked
-    # again where it is read (get_batch), since one bad id in the middle would do the same harm
+    # again where it is read (read_windows), since one bad id in the middle would do the same harm
     sample = np.concatenate([data[:1 << 20], data[-(1 << 20):]])
     if sample.max() >= vocab_size:
         raise DataError(f"{path} holds token id {int(sample.max())} but the vocabulary has {vocab_size} tokens: the "
@@ -114,9 +117,10 @@ def window_starts(seed, stream, step, n_tokens, block_size, n_windows):
     return rng.integers(0, n_tokens - block_size, size=n_windows)
 
 
-def get_batch(data, starts, block_size, device):
-    """The (x, y) windows at `starts`, checked on the host: a token id outside the vocabulary would crash
-    the embedding at tp = 1, and at tp > 1 the vocab-parallel embedding would silently read it as zeros."""
+def read_windows(data, starts, block_size):
+    """The token windows at `starts`, (len(starts), block_size + 1), checked on the host: a token id outside
+    the vocabulary would crash the embedding at tp = 1, and at tp > 1 the vocab-parallel embedding would
+    silently read it as zeros."""
     path, dtype, _, vocab_size = data
     # a fresh memmap per batch: keeping one open leaks memory (nanoGPT's note on np.memmap)
     tokens = np.memmap(path, dtype=dtype, mode="r")
@@ -126,7 +130,12 @@ def get_batch(data, starts, block_size, device):
         raise DataError(f"{path} holds token id {int(windows[row, col])} at token offset {int(starts[row]) + col}, "
                         f"outside the vocabulary of {vocab_size}: the file is corrupt or was written by another "
                         f"tokenizer; {_prepare_hint(os.path.dirname(path))}")
-    windows = torch.from_numpy(windows.astype(np.int64))
+    return windows
+
+
+def get_batch(data, starts, block_size, device):
+    """The (x, y) windows at `starts` on the device, checked by read_windows."""
+    windows = torch.from_numpy(read_windows(data, starts, block_size).astype(np.int64))
     x, y = windows[:, :-1], windows[:, 1:]
     if device.type == "cuda":  # pinned memory lets the copy overlap the GPU's work
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
@@ -143,9 +152,9 @@ def rank_microbatches(cfg, layout, data, stream, step, n_micro, device):
     one that stopped (the extra read is dp small windows per rank per step, from the page cache)."""
     per_rank = cfg.batch_size * n_micro
     starts = window_starts(cfg.seed, stream, step, data[2], cfg.block_size, per_rank * layout.dp)
-    if layout.dp > 1:
-        get_batch(data, np.delete(starts, np.s_[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]),
-                  cfg.block_size, torch.device("cpu"))
+    if layout.dp > 1:  # the other ranks' windows, only checked
+        read_windows(data, np.delete(starts, np.s_[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]),
+                     cfg.block_size)
     mine = starts[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
     return [get_batch(data, mine[i * cfg.batch_size:(i + 1) * cfg.batch_size], cfg.block_size, device)
             for i in range(n_micro)]
@@ -176,6 +185,8 @@ def setup(cfg, training=True):
         raise ValueError(f"pp_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {cfg.pp_schedule!r}")
     if cfg.init_from not in ("scratch", "resume"):
         raise ValueError(f"init_from must be 'scratch' or 'resume', got {cfg.init_from!r}")
+    if training:
+        make_folder("out_dir", cfg.out_dir)
     if training and cfg.init_from == "scratch" and checkpoint.latest_checkpoint(cfg.out_dir):
         raise FileExistsError(f"out_dir '{cfg.out_dir}' already holds checkpoints and init_from='scratch' would "
                               f"overwrite them: use --init_from=resume to continue, or choose another --out_dir")
@@ -508,7 +519,7 @@ def resume(path, run, parts):
         torch.set_rng_state(extra["torch_rng"])
         if "cuda_rng" in extra and torch.cuda.is_available():
             torch.cuda.set_rng_state(extra["cuda_rng"])
-    return reader.meta["step"], reader.path
+    return reader.meta["step"], reader.path, reader.meta
 
 
 # -----------------------------------------------------------------------------
@@ -516,23 +527,31 @@ def resume(path, run, parts):
 
 
 def train(cfg, run, resume_path=None):
-    os.makedirs(cfg.out_dir, exist_ok=True)
     layout, model_cfg = run.layout, run.model_cfg
     parts = build(cfg, run)
     print0(layout, f"model: {metrics.full_param_count(parts.model, layout) / 1e6:.2f}M parameters (vocabulary "
                    f"padded), {model_cfg.n_layer} layers, {model_cfg.n_head} heads ({model_cfg.n_kv_head} kv), "
                    f"width {model_cfg.n_embd}")
+    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     step = 0
     if resume_path is not None:
-        step, path = resume(resume_path, run, parts)
-        print0(layout, f"resumed from {path} at step {step}")
+        step, path, saved = resume(resume_path, run, parts)
+        print0(layout, f"resumed from {path} at step {step}" + (f", which is max_iters = {cfg.max_iters} already: "
+                       f"nothing to train (raise --max_iters to go on)" if step >= cfg.max_iters else ""))
+        # batch_size is per data-parallel rank: inherited at another dp (or with another accumulation or
+        # context length), the step sees another number of tokens than the checkpoint's run did
+        c, dp = saved["config"], saved["layout"]["dp"]
+        before = c["batch_size"] * c["gradient_accumulation_steps"] * dp * c["block_size"]
+        if before != tokens_per_step:
+            print0(layout, f"resume: the global batch is now {tokens_per_step:,} tokens per step, the checkpoint's run "
+                           f"had {c['batch_size']} x {c['gradient_accumulation_steps']} micro-batches x dp {dp} x "
+                           f"{c['block_size']} = {before:,} (set batch_size or gradient_accumulation_steps to keep it)")
     log = metrics.MetricsLog(cfg.out_dir, layout.rank, step if resume_path else None,
-                             metrics.open_log_backends(cfg) if layout.rank == 0 else [])
+                             open_log_backends(cfg) if layout.rank == 0 else [])
     model_flops = metrics.flops_per_token(model_cfg)
     peak, peak_why = metrics.device_peak_flops(cfg.peak_flops, run.dev, run.dtype)
     print0(layout, f"{model_flops / 1e6:.1f} MFLOP per token; peak {f'{peak / 1e12:.3g} TFLOP/s' if peak else 'unknown'} "
                    f"per device ({peak_why})")
-    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     print0(layout, f"global batch: {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro-batches x dp {layout.dp} "
                    f"= {tokens_per_step:,} tokens per step")
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
@@ -581,6 +600,17 @@ def train(cfg, run, resume_path=None):
     return parts.model
 
 
+def open_log_backends(cfg):
+    """metrics.open_log_backends, with a backend that cannot start (W&B without a login, say) stopping the
+    run in one line, before the first step."""
+    try:
+        return metrics.open_log_backends(cfg)
+    except Exception as e:  # each backend raises its own kinds; all mean "cannot log there"
+        first = (str(e).strip().splitlines() or [""])[0]
+        off = " or ".join(f"--{flag}=False" for flag in ("wandb_log", "tensorboard_log") if getattr(cfg, flag))
+        raise ConfigError(f"logging cannot start ({type(e).__name__}: {first}): fix that, or turn it off ({off})") from e
+
+
 def main(argv):
     """Run training. Every error the user can fix ends in one line, printed once: by rank 0, since every
     rank finds the same configuration, data, layout or checkpoint problem (a bad batch is checked by every
@@ -596,7 +626,7 @@ def main(argv):
             sys.exit(f"error: {e}" if rank == 0 else 1)
         try:
             return train(cfg, run, resume_path)
-        except (DataError, checkpoint.CheckpointError) as e:
+        except (ConfigError, DataError, checkpoint.CheckpointError) as e:
             sys.exit(f"error: {e}" if rank == 0 else 1)
     finally:
         if dist.is_initialized():
