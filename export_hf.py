@@ -326,6 +326,10 @@ def hf_classes(arch):
     import transformers
     module = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "VaultGemmaForCausalLM": "vaultgemma",
               "DeepseekV3ForCausalLM": "deepseek_v3", "GPTNeoXForCausalLM": "gpt_neox"}[arch]
+    # requirements-dev.txt's floor: before 5.14 GPT-NeoX's head is named embed_out, and a tied one is not tied
+    if tuple(int(n) for n in re.findall(r"\d+", transformers.__version__)[:2]) < (5, 14):
+        raise ValueError(f"export_hf.py needs transformers >= 5.14, this is {transformers.__version__}: "
+                         f"pip install -U transformers")
     try:
         modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
         configuration = importlib.import_module(f"transformers.models.{module}.configuration_{module}")
