@@ -93,7 +93,8 @@ def make_folder(key, path):
     except OSError as e:
         raise ConfigError(f"{key} = {path!r} cannot be created ({e.strerror}): choose another --{key}")
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key} = {path!r} is not writable by this user: choose another --{key} or fix its permissions")
+        raise ConfigError(f"{key} = {path!r} is not writable by this user: choose another --{key} or fix its "
+                          f"permissions")
 
 
 def format_help(settings, usage=""):

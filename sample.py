@@ -79,8 +79,9 @@ def main(argv):
         enc = get_encoding(reader.meta.get("tokenizer", "gpt2"))
         ids = enc.encode(prompt, allowed_special={"<|endoftext|>"})
         if not ids:
-            raise ValueError(f"the prompt is empty ({'the file ' + cfg['start'][5:] if cfg['start'].startswith('FILE:') else '--start'}"
-                             f" holds no text): generation needs at least one token to start from")
+            source = f"the file {cfg['start'][5:]}" if cfg["start"].startswith("FILE:") else "--start"
+            raise ValueError(f"the prompt is empty ({source} holds no text): generation needs at least one token "
+                             f"to start from")
     except (ConfigError, ValueError, OSError, checkpoint.CheckpointError) as e:
         sys.exit(f"error: {e}")
     model_cfg = model_config_from(reader.meta["model"])

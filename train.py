@@ -44,10 +44,12 @@ def configure_run(argv):
     if values["init_from"] == "resume":
         path = checkpoint.latest_checkpoint(values["out_dir"])
         folders = checkpoint.checkpoint_folders(values["out_dir"])
-        damaged = [f"{p} cannot be used: {checkpoint.why_incomplete(p)}" for p in folders[folders.index(path) + 1 if path else 0:]]
+        newer = folders[folders.index(path) + 1:] if path else folders  # each one incomplete or damaged
+        damaged = [f"{p} cannot be used: {checkpoint.why_incomplete(p)}" for p in newer]
         if path is None:
-            raise FileNotFoundError(f"init_from='resume' but out_dir '{values['out_dir']}' holds no complete checkpoint"
-                                    + "".join(f" ({d})" for d in damaged) + ": use --init_from=scratch to start a new run")
+            raise FileNotFoundError(f"init_from='resume' but out_dir '{values['out_dir']}' holds no complete "
+                                    f"checkpoint" + "".join(f" ({d})" for d in damaged)
+                                    + ": use --init_from=scratch to start a new run")
         values, notes = settings.resume_values(values, given, checkpoint.read_meta(path)["config"])
         notes = [f"resume: {d}; the newest complete checkpoint is {path}" for d in damaged] + notes
     settings.check_values(values)
@@ -540,7 +542,7 @@ def train(cfg, run, resume_path=None):
                        f"nothing to train (raise --max_iters to go on)" if step >= cfg.max_iters else ""))
         # batch_size is per data-parallel rank: inherited at another dp (or with another accumulation or
         # context length), the step sees another number of tokens than the checkpoint's run did
-        c, dp = saved["config"], saved["layout"]["dp"]
+        c, dp = {**settings.DEFAULTS, **saved["config"]}, saved["layout"]["dp"]  # (an older one may lack a key)
         before = c["batch_size"] * c["gradient_accumulation_steps"] * dp * c["block_size"]
         if before != tokens_per_step:
             print0(layout, f"resume: the global batch is now {tokens_per_step:,} tokens per step, the checkpoint's run "
@@ -608,7 +610,8 @@ def open_log_backends(cfg):
     except Exception as e:  # each backend raises its own kinds; all mean "cannot log there"
         first = (str(e).strip().splitlines() or [""])[0]
         off = " or ".join(f"--{flag}=False" for flag in ("wandb_log", "tensorboard_log") if getattr(cfg, flag))
-        raise ConfigError(f"logging cannot start ({type(e).__name__}: {first}): fix that, or turn it off ({off})") from e
+        raise ConfigError(f"logging cannot start ({type(e).__name__}: {first}): fix that, or turn it off "
+                          f"({off})") from e
 
 
 def main(argv):

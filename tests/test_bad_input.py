@@ -76,7 +76,8 @@ def run_copy(trained, tmp_path):
 # --- settings -------------------------------------------------------------------------------------------
 
 def test_a_setting_whose_default_is_none_is_type_checked():
-    assert "config key 'vocab_size' must be of type int or None, got 'abc'" in error_of(train.main, ["--vocab_size=abc"])
+    line = error_of(train.main, ["--vocab_size=abc"])
+    assert "config key 'vocab_size' must be of type int or None, got 'abc'" in line
 
 
 @pytest.mark.parametrize("arg,message", [
@@ -416,9 +417,9 @@ def two_ranks(tmp_path_factory):
 def test_a_bad_token_id_stops_every_rank_at_the_same_step_with_one_message(layout, two_ranks):
     data, step, offset = two_ranks[layout]
     (code0, _, _), (code1, _, _) = (r[layout] for r in two_ranks["results"])
-    assert code0 == (f"error: {data}/train.bin holds token id {BAD_ID} at token offset {offset}, outside the vocabulary "
-                     f"of 512: the file is corrupt or was written by another tokenizer; run: python prepare_data.py "
-                     f"--out_dir={data} (see the README)")
+    assert code0 == (f"error: {data}/train.bin holds token id {BAD_ID} at token offset {offset}, outside the "
+                     f"vocabulary of 512: the file is corrupt or was written by another tokenizer; run: python "
+                     f"prepare_data.py --out_dir={data} (see the README)")
     assert code1 == 1  # stopped too, at the same batch (the launch returned: no rank waits), printing nothing
     assert [r["step"] for r in records_of(two_ranks["base"] / layout)] == list(range(1, step))
 
@@ -435,7 +436,8 @@ def test_when_one_rank_cannot_read_the_newest_checkpoint_every_rank_falls_back_t
     (code, out, resumed), (_, _, resumed1) = (r["fallback"] for r in two_ranks["results"])
     base = two_ranks["base"] / "fallback"
     assert code is None and resumed == resumed1 == [1]
-    assert f"checkpoint {base / 'ckpt_0000002'} cannot be read on 1 rank(s); falling back to {base / 'ckpt_0000001'}" in out
+    assert f"checkpoint {base / 'ckpt_0000002'} cannot be read on 1 rank(s); falling back to " \
+           f"{base / 'ckpt_0000001'}" in out
 
 
 # --- a checkpoint write that fails on one rank: one torchrun launch ------------------------------------------
