@@ -911,6 +911,9 @@ def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False, chunks=1):
         if cfg.capacity_factor <= 0:
             problems.append(f"capacity_factor = {cfg.capacity_factor} must be positive (1.0 fits a perfectly balanced "
                             f"router exactly; 1.25 is usual)")
+        if cfg.aux_loss_coef < 0 or cfg.router_z_loss_coef < 0:
+            problems.append(f"aux_loss_coef = {cfg.aux_loss_coef} and router_z_loss_coef = {cfg.router_z_loss_coef} "
+                            f"must be >= 0 (a negative weight trains the router towards imbalance)")
     if pp * chunks > cfg.n_layer:
         if chunks == 1:
             problems.append(f"pp = {pp} stages but only n_layer = {cfg.n_layer} blocks: every stage needs at least "

@@ -32,7 +32,7 @@ import checkpoint
 import import_hf
 import metrics
 import settings
-from configurator import ConfigError, configure
+from configurator import ConfigError, configure, make_folder
 from model import ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype, stage_layers
 from parallel import (SCHEDULES, GradientBuckets, PipelineComm, WeightGradStore, ZeroOneAdamW, check_schedule,
                       format_grid, ideal_bubble, init_distributed, optimizer_state_bytes,
@@ -52,10 +52,15 @@ def configure_run(argv):
     notes, path = [], None
     if values["init_from"] == "resume":
         path = checkpoint.latest_checkpoint(values["out_dir"])
+        folders = checkpoint.checkpoint_folders(values["out_dir"])
+        newer = folders[folders.index(path) + 1:] if path else folders  # each one incomplete or damaged
+        damaged = [f"{p} cannot be used: {checkpoint.why_incomplete(p)}" for p in newer]
         if path is None:
             raise FileNotFoundError(f"init_from='resume' but out_dir '{values['out_dir']}' holds no complete "
-                                    f"checkpoint: use --init_from=scratch to start a new run")
+                                    f"checkpoint" + "".join(f" ({d})" for d in damaged)
+                                    + ": use --init_from=scratch to start a new run")
         values, notes = settings.resume_values(values, given, checkpoint.read_meta(path)["config"])
+        notes = [f"resume: {d}; the newest complete checkpoint is {path}" for d in damaged] + notes
     elif values["init_from"] != "scratch":
         model, _, notes = import_hf.model_settings(values["init_from"])
         values, changes = settings.resume_values(values, given, model, source=f"{values['init_from']}/config.json")
@@ -109,7 +114,7 @@ def load_data(data_dir, split, block_size, vocab_size, meta):
                         f"prepare more text or lower block_size")
     data = np.memmap(path, dtype=meta["dtype"], mode="r")
     # a quick look at both ends catches bins of another tokenizer or dtype at once; every batch is checked
-    # again where it is read (get_batch), since one bad id in the middle would do the same harm
+    # again where it is read (read_windows), since one bad id in the middle would do the same harm
     sample = np.concatenate([data[:1 << 20], data[-(1 << 20):]])
     if sample.max() >= vocab_size:
         raise DataError(f"{path} holds token id {int(sample.max())} but the vocabulary has {vocab_size} tokens: the "
@@ -128,9 +133,9 @@ def window_starts(seed, stream, step, n_tokens, block_size, n_windows):
 
 
 def read_windows(data, starts, block_size):
-    """The (len(starts), block_size + 1) tokens of the windows at `starts`, checked on the host: a token id
-    outside the vocabulary would crash the embedding at tp = 1, and at tp > 1 the vocab-parallel embedding
-    would silently read it as zeros."""
+    """The token windows at `starts`, (len(starts), block_size + 1), checked on the host: a token id outside
+    the vocabulary would crash the embedding at tp = 1, and at tp > 1 the vocab-parallel embedding would
+    silently read it as zeros."""
     path, dtype, _, vocab_size = data
     # a fresh memmap per batch: keeping one open leaks memory (nanoGPT's note on np.memmap)
     tokens = np.memmap(path, dtype=dtype, mode="r")
@@ -144,6 +149,7 @@ def read_windows(data, starts, block_size):
 
 
 def get_batch(data, starts, block_size, device):
+    """The (x, y) windows at `starts` on the device, checked by read_windows."""
     windows = torch.from_numpy(read_windows(data, starts, block_size).astype(np.int64))
     x, y = windows[:, :-1], windows[:, 1:]
     if device.type == "cuda":  # pinned memory lets the copy overlap the GPU's work
@@ -206,6 +212,8 @@ def setup(cfg, training=True):
                          f"ranks), got {cfg.zero_stage}")
     check_schedule(cfg.pp_schedule, cfg.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks)
     hf_dir = None if cfg.init_from in ("scratch", "resume") else cfg.init_from  # a transformers model folder
+    if training:
+        make_folder("out_dir", cfg.out_dir)
     if training and cfg.init_from != "resume" and checkpoint.latest_checkpoint(cfg.out_dir):
         raise FileExistsError(f"out_dir '{cfg.out_dir}' already holds checkpoints and init_from={cfg.init_from!r} "
                               f"would overwrite them: use --init_from=resume to continue, or choose another --out_dir")
@@ -611,7 +619,7 @@ def resume(path, run, parts):
         torch.set_rng_state(extra["torch_rng"])
         if "cuda_rng" in extra and torch.cuda.is_available():
             torch.cuda.set_rng_state(extra["cuda_rng"])
-    return reader.meta["step"], reader.path
+    return reader.meta["step"], reader.path, reader.meta
 
 
 # -----------------------------------------------------------------------------
@@ -619,7 +627,6 @@ def resume(path, run, parts):
 
 
 def train(cfg, run, resume_path=None):
-    os.makedirs(cfg.out_dir, exist_ok=True)
     layout, model_cfg = run.layout, run.model_cfg
     parts = build(cfg, run)
     print0(layout, f"model: {metrics.full_param_count(parts.model, layout) / 1e6:.2f}M parameters (vocabulary "
@@ -630,17 +637,26 @@ def train(cfg, run, resume_path=None):
     if parts.loaded is not None:
         print0(layout, f"loaded {run.hf_dir} in {parts.loaded.seconds:.1f} s (rank 0 read "
                        f"{parts.loaded.bytes_read / 2**20:,.1f} MiB of the files' {parts.loaded.file_bytes / 2**20:,.1f})")
+    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     step = 0
     if resume_path is not None:
-        step, path = resume(resume_path, run, parts)
-        print0(layout, f"resumed from {path} at step {step}")
+        step, path, saved = resume(resume_path, run, parts)
+        print0(layout, f"resumed from {path} at step {step}" + (f", which is max_iters = {cfg.max_iters} already: "
+                       f"nothing to train (raise --max_iters to go on)" if step >= cfg.max_iters else ""))
+        # batch_size is per data-parallel rank: inherited at another dp (or with another accumulation or
+        # context length), the step sees another number of tokens than the checkpoint's run did
+        c, dp = {**settings.DEFAULTS, **saved["config"]}, saved["layout"]["dp"]  # (an older one may lack a key)
+        before = c["batch_size"] * c["gradient_accumulation_steps"] * dp * c["block_size"]
+        if before != tokens_per_step:
+            print0(layout, f"resume: the global batch is now {tokens_per_step:,} tokens per step, the checkpoint's run "
+                           f"had {c['batch_size']} x {c['gradient_accumulation_steps']} micro-batches x dp {dp} x "
+                           f"{c['block_size']} = {before:,} (set batch_size or gradient_accumulation_steps to keep it)")
     log = metrics.MetricsLog(cfg.out_dir, layout.rank, step if resume_path else None,
-                             metrics.open_log_backends(cfg) if layout.rank == 0 else [])
+                             open_log_backends(cfg) if layout.rank == 0 else [])
     model_flops = metrics.flops_per_token(model_cfg)
     peak, peak_why = metrics.device_peak_flops(cfg.peak_flops, run.dev, run.dtype)
     print0(layout, f"{model_flops / 1e6:.1f} MFLOP per token; peak {f'{peak / 1e12:.3g} TFLOP/s' if peak else 'unknown'} "
                    f"per device ({peak_why})")
-    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     print0(layout, f"global batch: {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro-batches x dp {layout.dp} "
                    f"= {tokens_per_step:,} tokens per step")
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
@@ -713,6 +729,16 @@ def convert(cfg, run, parts):
         print0(layout, f"  rank {rank}: read {read / 2**20:,.1f} MiB in {load_s:.2f} s, saved in {save_s:.2f} s, "
                        f"peak memory {peak / 2**20:,.0f} MiB")
     return parts.model
+def open_log_backends(cfg):
+    """metrics.open_log_backends, with a backend that cannot start (W&B without a login, say) stopping the
+    run in one line, before the first step."""
+    try:
+        return metrics.open_log_backends(cfg)
+    except Exception as e:  # each backend raises its own kinds; all mean "cannot log there"
+        first = (str(e).strip().splitlines() or [""])[0]
+        off = " or ".join(f"--{flag}=False" for flag in ("wandb_log", "tensorboard_log") if getattr(cfg, flag))
+        raise ConfigError(f"logging cannot start ({type(e).__name__}: {first}): fix that, or turn it off "
+                          f"({off})") from e
 
 
 def main(argv):
@@ -730,7 +756,7 @@ def main(argv):
             sys.exit(f"error: {e}" if rank == 0 else 1)
         try:
             return train(cfg, run, resume_path)
-        except (DataError, checkpoint.CheckpointError) as e:
+        except (ConfigError, DataError, checkpoint.CheckpointError) as e:
             sys.exit(f"error: {e}" if rank == 0 else 1)
     finally:
         if dist.is_initialized():
