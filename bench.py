@@ -191,7 +191,7 @@ def step_model_kind(picotron):
 
 # what a kernel (on GPU) or an operator (on CPU) is, from its name: the first kind whose name part matches
 PROFILE_KINDS = (
-    ("attention", ("flash", "fmha", "attention", "scaled_dot_product")),
+    ("attention", ("flash", "fmha", "attention", "scaled_dot_product", "sdpa")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")),
     ("optimizer", ("adam",)),
     ("compiled fusions", ("triton",)),

@@ -294,8 +294,10 @@ def compile_blocks(model, cfg, layout):
     inputs rather than constants, so dynamo traces one graph that every block reuses: compile time is one
     block's at any depth, where torch.compile(model) unrolls the loop over the blocks into one graph that
     grows with n_layer. The embedding, the final norm and the chunked loss (a loop of large matmuls) stay
-    eager. The compiled forward is an attribute of the block instance, so no parameter is renamed (a
-    compiled module would prefix them with _orig_mod.) and uncompile_blocks undoes it."""
+    eager; evaluation runs the compiled blocks too (one more graph, without autograd). The parameters are
+    graph inputs by default from torch 2.5 (dynamo's inline_inbuilt_nn_modules; before it each block would
+    compile anew). The compiled forward is an attribute of the block instance, so no parameter is renamed
+    (a compiled module would prefix them with _orig_mod.) and uncompile_blocks undoes it."""
     if not cfg.compile:
         return False
     print0(layout, "compiling each block with torch.compile (the first steps are slow)")

@@ -125,7 +125,7 @@ def test_fp16_with_the_loss_scaler_trains_like_bf16(tmp_path, record_property):
     assert bf16[-1] < bf16[0] - 1.0, f"bf16 did not learn in 50 steps ({bf16[0]:.3f} -> {bf16[-1]:.3f}): no comparison"
     assert loss_diff <= 0.02, f"fp16 ends at {fp16[-1]:.4f}, bf16 at {bf16[-1]:.4f}: {100 * loss_diff:.2f}% apart"
     assert norm_diff <= 0.1, f"grad norm at step 50: fp16 {fp16_norms[-1]:.4g}, bf16 {bf16_norms[-1]:.4g}"
-    assert n_skipped <= 5 and 1 <= scaler.scale < float("inf"), f"{n_skipped} skipped, scale {scaler.scale}"
+    assert n_skipped <= 10 and 1 <= scaler.scale < float("inf"), f"{n_skipped} skipped, scale {scaler.scale}"
 
 
 def test_attention_auto_is_sdpa_and_takes_its_flash_kernel(record_property):
@@ -246,7 +246,9 @@ def test_fp16_step_waits_only_at_the_loss_scaler(tmp_path):
 
 
 def test_activation_checkpointing_on_the_gpu_same_gradients_less_memory(record_property):
-    shape = dict(n_embd=512, n_head=8, n_kv_head=8, block_size=1024, batch_size=8)
+    """8 blocks: the plain path keeps every block's activations (about 55 x n_embd bytes per token each),
+    checkpointing only each block's input and, in backward, one block's recomputed activations."""
+    shape = dict(n_layer=8, n_embd=512, n_head=8, n_kv_head=8, block_size=1024, batch_size=8)
     x, y = random_batches(SimpleNamespace(**{**SMALL, **shape}), 0)[0]
     models, peaks, losses = {}, {}, {}
     for ac in (False, True):
