@@ -32,7 +32,7 @@ import checkpoint
 import import_hf
 import metrics
 import settings
-from configurator import ConfigError, configure
+from configurator import ConfigError, configure, make_folder
 from model import ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype, stage_layers
 from parallel import (SCHEDULES, GradientBuckets, PipelineComm, WeightGradStore, ZeroOneAdamW, check_schedule,
                       format_grid, ideal_bubble, init_distributed, optimizer_state_bytes,
@@ -52,10 +52,15 @@ def configure_run(argv):
     notes, path = [], None
     if values["init_from"] == "resume":
         path = checkpoint.latest_checkpoint(values["out_dir"])
+        folders = checkpoint.checkpoint_folders(values["out_dir"])
+        newer = folders[folders.index(path) + 1:] if path else folders  # each one incomplete or damaged
+        damaged = [f"{p} cannot be used: {checkpoint.why_incomplete(p)}" for p in newer]
         if path is None:
             raise FileNotFoundError(f"init_from='resume' but out_dir '{values['out_dir']}' holds no complete "
-                                    f"checkpoint: use --init_from=scratch to start a new run")
+                                    f"checkpoint" + "".join(f" ({d})" for d in damaged)
+                                    + ": use --init_from=scratch to start a new run")
         values, notes = settings.resume_values(values, given, checkpoint.read_meta(path)["config"])
+        notes = [f"resume: {d}; the newest complete checkpoint is {path}" for d in damaged] + notes
     elif values["init_from"] != "scratch":
         model, _, notes = import_hf.model_settings(values["init_from"])
         values, changes = settings.resume_values(values, given, model, source=f"{values['init_from']}/config.json")
@@ -109,7 +114,7 @@ def load_data(data_dir, split, block_size, vocab_size, meta):
                         f"prepare more text or lower block_size")
     data = np.memmap(path, dtype=meta["dtype"], mode="r")
     # a quick look at both ends catches bins of another tokenizer or dtype at once; every batch is checked
-    # again where it is read (get_batch), since one bad id in the middle would do the same harm
+    # again where it is read (read_windows), since one bad id in the middle would do the same harm
     sample = np.concatenate([data[:1 << 20], data[-(1 << 20):]])
     if sample.max() >= vocab_size:
         raise DataError(f"{path} holds token id {int(sample.max())} but the vocabulary has {vocab_size} tokens: the "
@@ -128,9 +133,9 @@ def window_starts(seed, stream, step, n_tokens, block_size, n_windows):
 
 
 def read_windows(data, starts, block_size):
-    """The (len(starts), block_size + 1) tokens of the windows at `starts`, checked on the host: a token id
-    outside the vocabulary would crash the embedding at tp = 1, and at tp > 1 the vocab-parallel embedding
-    would silently read it as zeros."""
+    """The token windows at `starts`, (len(starts), block_size + 1), checked on the host: a token id outside
+    the vocabulary would crash the embedding at tp = 1, and at tp > 1 the vocab-parallel embedding would
+    silently read it as zeros."""
     path, dtype, _, vocab_size = data
     # a fresh memmap per batch: keeping one open leaks memory (nanoGPT's note on np.memmap)
     tokens = np.memmap(path, dtype=dtype, mode="r")
@@ -144,6 +149,7 @@ def read_windows(data, starts, block_size):
 
 
 def get_batch(data, starts, block_size, device):
+    """The (x, y) windows at `starts` on the device, checked by read_windows."""
     windows = torch.from_numpy(read_windows(data, starts, block_size).astype(np.int64))
     x, y = windows[:, :-1], windows[:, 1:]
     if device.type == "cuda":  # pinned memory lets the copy overlap the GPU's work
@@ -206,6 +212,8 @@ def setup(cfg, training=True):
                          f"ranks), got {cfg.zero_stage}")
     check_schedule(cfg.pp_schedule, cfg.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks)
     hf_dir = None if cfg.init_from in ("scratch", "resume") else cfg.init_from  # a transformers model folder
+    if training:
+        make_folder("out_dir", cfg.out_dir)
     if training and cfg.init_from != "resume" and checkpoint.latest_checkpoint(cfg.out_dir):
         raise FileExistsError(f"out_dir '{cfg.out_dir}' already holds checkpoints and init_from={cfg.init_from!r} "
                               f"would overwrite them: use --init_from=resume to continue, or choose another --out_dir")
@@ -317,7 +325,7 @@ def build(cfg, run):
                        f"parameters, {expert_state / 2**20:.2f} MiB of optimizer state")
     scaler = DynamicLossScaler(enabled=run.dtype == torch.float16)
     autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
-    return SimpleNamespace(model=model, step_model=compile_model(model, cfg, layout), optimizer=optimizer,
+    return SimpleNamespace(model=model, compiled=compile_blocks(model, cfg, layout), optimizer=optimizer,
                            grad_sync=grad_sync, pipeline=pipeline, autocast=autocast, scaler=scaler, loaded=loaded)
 
 
@@ -377,19 +385,34 @@ def make_pipeline(cfg, layout, model, dev):
                            tied_copies=tied_copies)
 
 
-def model_chunks(step_model, pipeline):
+def model_chunks(model, pipeline):
     """What run_schedule calls for each of this rank's chunks: the model itself with one chunk."""
     if pipeline.chunks == 1:
-        return step_model
-    return [functools.partial(step_model, chunk=c) for c in range(pipeline.chunks)]
-
-
-def compile_model(model, cfg, layout):
-    """The model the training step runs: torch.compile(model) with compile=True, else the model itself."""
-    if not cfg.compile:
         return model
-    print0(layout, "compiling the model with torch.compile (the first steps are slow)")
-    return torch.compile(model)
+    return [functools.partial(model, chunk=c) for c in range(pipeline.chunks)]
+
+
+def compile_blocks(model, cfg, layout):
+    """With compile=True, torch.compile each transformer block in place, one block at a time; returns whether
+    it did. Every block runs the same code on the same shapes, and its parameters are the compiled graph's
+    inputs rather than constants, so dynamo traces one graph that every block reuses: compile time is one
+    block's at any depth, where torch.compile(model) unrolls the loop over the blocks into one graph that
+    grows with n_layer. The embedding, the final norm and the chunked loss (a loop of large matmuls) stay
+    eager; evaluation runs the compiled blocks too (one more graph, without autograd). The parameters are
+    graph inputs by default from torch 2.5 (dynamo's inline_inbuilt_nn_modules; before it each block would
+    compile anew). The compiled forward is an attribute of the block instance, so no parameter is renamed
+    (a compiled module would prefix them with _orig_mod.) and uncompile_blocks undoes it."""
+    if not cfg.compile:
+        return False
+    print0(layout, "compiling each block with torch.compile (the first steps are slow)")
+    for block in model.blocks.values():
+        block.forward = torch.compile(block.forward)
+    return True
+
+
+def uncompile_blocks(model):
+    for block in model.blocks.values():
+        block.__dict__.pop("forward", None)  # Block.forward, the class's own, again
 
 
 # -----------------------------------------------------------------------------
@@ -451,7 +474,7 @@ def forward_backward(model, microbatches, autocast, loss_multiplier, set_grad_sy
     return total
 
 
-def forward_backward_step(parts, step_model, microbatches, trace=None):
+def forward_backward_step(parts, microbatches, trace=None):
     """Forward and backward of the step's micro-batches (through the pipeline schedule when pp > 1), then
     the gradients made whole: tied copies summed, a zero gradient for every parameter that got none, and
     the data-parallel average. Returns the loss (this rank's part of it with pp > 1). trace: see
@@ -461,13 +484,13 @@ def forward_backward_step(parts, step_model, microbatches, trace=None):
     if pipeline is not None:
         comm = pipeline.comm
         actions = pipeline.actions(comm.pp, comm.stage, len(microbatches), pipeline.chunks)
-        loss = run_schedule(actions, model_chunks(step_model, pipeline), microbatches, comm, parts.autocast,
+        loss = run_schedule(actions, model_chunks(model, pipeline), microbatches, comm, parts.autocast,
                             parts.scaler.loss_multiplier(), set_grad_sync, pipeline.weight_grad_stores,
                             grad_sync.grad_ready if grad_sync is not None else None, trace)
         # after the last W: the copies' gradients are complete
         sync_tied_grads(pipeline.tied_copies, pipeline.tied_group)
     else:
-        loss = forward_backward(step_model, microbatches, parts.autocast, parts.scaler.loss_multiplier(), set_grad_sync)
+        loss = forward_backward(model, microbatches, parts.autocast, parts.scaler.loss_multiplier(), set_grad_sync)
     # One rule at every layout: a parameter without a gradient (an expert no token reached) has a zero one,
     # as the data-parallel buckets give it. AdamW then steps every parameter alike (its moments decay, the
     # weight decays, one step counter for all), and every parameter has optimizer state to checkpoint.
@@ -517,22 +540,23 @@ def train_step(cfg, layout, parts, microbatches, lr, trace=None):
     actions' timer (metrics.PipelineTrace) or memory sampler, or None.
 
     torch.compile compiles inside the first forward and backward, so that is where it fails (no C compiler,
-    an op it cannot trace): on one rank the step is then run again eagerly and parts.step_model is the
-    eager model from then on. (With pp > 1 or dp > 1 the ranks may already have communicated: the error
-    stops the run.)"""
+    an op it cannot trace): on one rank the step is then run again eagerly, and the blocks stay eager from
+    then on (parts.compiled is False). (With pp > 1 or dp > 1 the ranks may already have communicated: the
+    error stops the run.)"""
     model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
     for group in optimizer.param_groups:
         group["lr"] = lr
     try:
-        loss = forward_backward_step(parts, parts.step_model, microbatches, trace)
+        loss = forward_backward_step(parts, microbatches, trace)
     except Exception as e:
-        if parts.step_model is model or parts.pipeline is not None or parts.grad_sync is not None:
+        if not parts.compiled or parts.pipeline is not None or parts.grad_sync is not None:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print0(layout, f"torch.compile failed ({type(e).__name__}: {first}); continuing without it")
         optimizer.zero_grad(set_to_none=True)  # whatever the failed attempt accumulated
-        parts.step_model = model
-        loss = forward_backward_step(parts, model, microbatches)
+        uncompile_blocks(model)
+        parts.compiled = False
+        loss = forward_backward_step(parts, microbatches, trace)
     if scaler.enabled:
         scale_grads(model, 1.0 / scaler.scale)
     grad_norm = global_grad_norm(model, layout, dp_sharded=isinstance(optimizer, ZeroOneAdamW))
@@ -625,7 +649,7 @@ def resume(path, run, parts):
         torch.set_rng_state(extra["torch_rng"])
         if "cuda_rng" in extra and torch.cuda.is_available():
             torch.cuda.set_rng_state(extra["cuda_rng"])
-    return reader.meta["step"], reader.path
+    return reader.meta["step"], reader.path, reader.meta
 
 
 # -----------------------------------------------------------------------------
@@ -633,7 +657,6 @@ def resume(path, run, parts):
 
 
 def train(cfg, run, resume_path=None):
-    os.makedirs(cfg.out_dir, exist_ok=True)
     layout, model_cfg = run.layout, run.model_cfg
     parts = build(cfg, run)
     print0(layout, f"model: {metrics.full_param_count(parts.model, layout) / 1e6:.2f}M parameters (vocabulary "
@@ -644,17 +667,26 @@ def train(cfg, run, resume_path=None):
     if parts.loaded is not None:
         print0(layout, f"loaded {run.hf_dir} in {parts.loaded.seconds:.1f} s (rank 0 read "
                        f"{parts.loaded.bytes_read / 2**20:,.1f} MiB of the files' {parts.loaded.file_bytes / 2**20:,.1f})")
+    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     step = 0
     if resume_path is not None:
-        step, path = resume(resume_path, run, parts)
-        print0(layout, f"resumed from {path} at step {step}")
+        step, path, saved = resume(resume_path, run, parts)
+        print0(layout, f"resumed from {path} at step {step}" + (f", which is max_iters = {cfg.max_iters} already: "
+                       f"nothing to train (raise --max_iters to go on)" if step >= cfg.max_iters else ""))
+        # batch_size is per data-parallel rank: inherited at another dp (or with another accumulation or
+        # context length), the step sees another number of tokens than the checkpoint's run did
+        c, dp = {**settings.DEFAULTS, **saved["config"]}, saved["layout"]["dp"]  # (an older one may lack a key)
+        before = c["batch_size"] * c["gradient_accumulation_steps"] * dp * c["block_size"]
+        if before != tokens_per_step:
+            print0(layout, f"resume: the global batch is now {tokens_per_step:,} tokens per step, the checkpoint's run "
+                           f"had {c['batch_size']} x {c['gradient_accumulation_steps']} micro-batches x dp {dp} x "
+                           f"{c['block_size']} = {before:,} (set batch_size or gradient_accumulation_steps to keep it)")
     log = metrics.MetricsLog(cfg.out_dir, layout.rank, step if resume_path else None,
-                             metrics.open_log_backends(cfg) if layout.rank == 0 else [])
+                             open_log_backends(cfg) if layout.rank == 0 else [])
     model_flops = metrics.flops_per_token(model_cfg)
     peak, peak_why = metrics.device_peak_flops(cfg.peak_flops, run.dev, run.dtype)
     print0(layout, f"{model_flops / 1e6:.1f} MFLOP per token; peak {f'{peak / 1e12:.3g} TFLOP/s' if peak else 'unknown'} "
                    f"per device ({peak_why})")
-    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     print0(layout, f"global batch: {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro-batches x dp {layout.dp} "
                    f"= {tokens_per_step:,} tokens per step")
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
@@ -728,6 +760,16 @@ def convert(cfg, run, parts):
         print0(layout, f"  rank {rank}: read {read / 2**20:,.1f} MiB in {load_s:.2f} s, saved in {save_s:.2f} s, "
                        f"peak memory {peak / 2**20:,.0f} MiB")
     return parts.model
+def open_log_backends(cfg):
+    """metrics.open_log_backends, with a backend that cannot start (W&B without a login, say) stopping the
+    run in one line, before the first step."""
+    try:
+        return metrics.open_log_backends(cfg)
+    except Exception as e:  # each backend raises its own kinds; all mean "cannot log there"
+        first = (str(e).strip().splitlines() or [""])[0]
+        off = " or ".join(f"--{flag}=False" for flag in ("wandb_log", "tensorboard_log") if getattr(cfg, flag))
+        raise ConfigError(f"logging cannot start ({type(e).__name__}: {first}): fix that, or turn it off "
+                          f"({off})") from e
 
 
 def main(argv):
@@ -745,7 +787,7 @@ def main(argv):
             sys.exit(f"error: {e}" if rank == 0 else 1)
         try:
             return train(cfg, run, resume_path)
-        except (DataError, checkpoint.CheckpointError) as e:
+        except (ConfigError, DataError, checkpoint.CheckpointError) as e:
             sys.exit(f"error: {e}" if rank == 0 else 1)
     finally:
         if dist.is_initialized():
