@@ -27,7 +27,7 @@ import metrics
 import settings
 from configurator import ConfigError, configure
 from model import ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype, stage_layers
-from parallel import (SCHEDULES, GradientBuckets, PipelineComm, ZeroOneAdamW, format_grid, full_shape_of,
+from parallel import (SCHEDULES, GradientBuckets, Muon, PipelineComm, ZeroOneAdamW, format_grid, full_shape_of,
                       init_distributed, optimizer_state_bytes, pipeline_forward, run_schedule, sync_tied_grads,
                       tied_weight_group)
 
@@ -169,6 +169,10 @@ def setup(cfg, training=True):
         if getattr(cfg, flag) and importlib.util.find_spec(package) is None:
             raise ValueError(f"{flag}=True needs the {package} package, which is not installed: pip install "
                              f"{package} (or set --{flag}=False)")
+    if cfg.optimizer == "muon" and cfg.zero_stage > 1:
+        raise ValueError(f"optimizer='muon' runs with zero_stage 0 or 1 (ZeRO-1 deals its matrices whole to the "
+                         f"data-parallel ranks), not zero_stage={cfg.zero_stage}: use --zero_stage=1, or "
+                         f"--optimizer=adamw")
     if cfg.zero_stage not in (0, 1):
         raise ValueError(f"zero_stage must be 0 (plain AdamW) or 1 (optimizer states sharded across data-parallel "
                          f"ranks), got {cfg.zero_stage}")
@@ -236,24 +240,49 @@ def build(cfg, run):
     tied = pipeline.tied_copies if pipeline else []
     optimizer = make_optimizer(model, cfg, run.dev, layout, tied)
     grad_sync = make_grad_sync(model, cfg, layout, optimizer, tied)
-    # AdamW creates its two moments per parameter element at the first step; ZeroOneAdamW its slice's now
+    # AdamW creates its two moments per parameter element at the first step; ZeroOneAdamW and Muon theirs now
     unsharded = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    print0(layout, f"optimizer: ZeroOneAdamW, state {optimizer_state_bytes(optimizer) / 2**20:.2f} MiB on rank 0, about "
-                   f"1/{layout.dp} of the unsharded {unsharded / 2**20:.2f} MiB" if isinstance(optimizer, ZeroOneAdamW)
-                   else f"optimizer: AdamW, state {unsharded / 2**20:.2f} MiB per rank")
+    state = f"state {optimizer_state_bytes(optimizer) / 2**20:.2f} MiB on rank 0"
+    if isinstance(optimizer, Muon):
+        n = sum(p.numel() for p in optimizer.matrices)
+        print0(layout, f"optimizer: Muon for {len(optimizer.matrices)} matrices ({n / 1e6:.2f}M parameters on rank 0), "
+                       f"AdamW for the rest; {state}" + (f", whole matrices and AdamW slices across {layout.dp} "
+                                                         f"data-parallel ranks (ZeRO-1)" if cfg.zero_stage else ""))
+    elif isinstance(optimizer, ZeroOneAdamW):
+        print0(layout, f"optimizer: ZeroOneAdamW, {state}, about 1/{layout.dp} of the unsharded {unsharded / 2**20:.2f} MiB")
+    else:
+        print0(layout, f"optimizer: AdamW, state {unsharded / 2**20:.2f} MiB per rank")
     scaler = DynamicLossScaler(enabled=run.dtype == torch.float16)
     autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
     return SimpleNamespace(model=model, step_model=compile_model(model, cfg, layout), optimizer=optimizer,
                            grad_sync=grad_sync, pipeline=pipeline, autocast=autocast, scaler=scaler)
 
 
+def takes_muon(name, param):
+    """With optimizer='muon', the parameters Muon updates: the 2-D weights inside the blocks (attention and
+    MLP projections, experts; q, k and v are separate matrices). Not the MoE router, which maps a hidden
+    state to one score per expert as the head maps it to one per token; the embedding and the head sit
+    outside the blocks, norm gains and biases are 1-D: all of those take AdamW."""
+    return name.startswith("blocks.") and param.dim() == 2 and not name.endswith("router.weight")
+
+
 def make_optimizer(model, cfg, device, layout, tied=()):
     """AdamW; weight decay on matrices (linears, embeddings) only, not on norm gains and biases. With
     zero_stage=1, ZeroOneAdamW: the same update, its states split across the data-parallel group (tied
-    weights are averaged after their copies' gradients are summed: `deferred`)."""
+    weights are averaged after their copies' gradients are summed: `deferred`). With optimizer='muon', one
+    parallel.Muon: Muon for the blocks' matrices (takes_muon), with the same weight decay, AdamW as above
+    for the rest."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.optimizer == "muon":
+        matrices = [p for name, p in model.named_parameters() if takes_muon(name, p)]
+        chosen = {id(p) for p in matrices}
+        groups = [{"params": matrices, "weight_decay": cfg.weight_decay, "muon": True}] + [
+            dict(g, params=[p for p in g["params"] if id(p) not in chosen]) for g in groups]
+        return Muon(groups, lr=cfg.learning_rate, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
+                    betas=(cfg.beta1, cfg.beta2), tp_group=layout.tp_group, zero=cfg.zero_stage == 1,
+                    dp_group=layout.dp_group, bucket_size_mb=cfg.bucket_size_mb, deferred=tied)
     if cfg.zero_stage == 1:
         return ZeroOneAdamW(groups, layout.dp_group, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
                             bucket_size_mb=cfg.bucket_size_mb, deferred=tied)
@@ -262,10 +291,10 @@ def make_optimizer(model, cfg, device, layout, tied=()):
 
 
 def make_grad_sync(model, cfg, layout, optimizer, tied=()):
-    """What averages the gradients across data-parallel ranks: ZeroOneAdamW's own sharded buckets, plain
+    """What averages the gradients across data-parallel ranks: the ZeRO-1 optimizer's own sharded buckets, plain
     all-reduce buckets, or nothing with a single replica. A tied weight's gradient changes after backward
     (its copies are summed), so it is averaged in finish(), after that sum, not from the backward hooks."""
-    if isinstance(optimizer, ZeroOneAdamW):
+    if cfg.zero_stage == 1:  # ZeroOneAdamW or Muon with zero=True
         return optimizer.grad_sync
     if layout.dp_group is None:
         return None
@@ -301,11 +330,26 @@ def compile_model(model, cfg, layout):
 
 
 def get_lr(step, cfg):
-    """Linear warmup to learning_rate, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    """The learning rate of step `step` (from 0). Both schedules warm up linearly to learning_rate over
+    warmup_iters steps and reach min_lr at lr_decay_iters, where they stay. In between:
+        cosine  half a cosine from learning_rate down to min_lr (Loshchilov & Hutter 2017)
+        wsd     warmup-stable-decay: learning_rate held, then over the last decay_frac of lr_decay_iters a
+                decay to min_lr, linear or 1-sqrt: lr = learning_rate - (learning_rate - min_lr) * f(progress)
+                with f(x) = x or sqrt(x) (Hu et al. 2024, "MiniCPM"; Hägele et al. 2024, "Scaling Laws and
+                Compute-Optimal Training Beyond Fixed Training Durations", whose 1-sqrt decay did best).
+                The held phase does not depend on lr_decay_iters, so a run resumed from a checkpoint of it
+                with a larger lr_decay_iters (the change is allowed) continues as if planned that long."""
     if step < cfg.warmup_iters:
         return cfg.learning_rate * (step + 1) / (cfg.warmup_iters + 1)
     if step >= cfg.lr_decay_iters:
         return cfg.min_lr
+    if cfg.lr_schedule == "wsd":
+        decay_start = max(cfg.warmup_iters, cfg.lr_decay_iters * (1 - cfg.decay_frac))
+        if step < decay_start:
+            return cfg.learning_rate
+        progress = (step - decay_start) / (cfg.lr_decay_iters - decay_start)
+        f = progress if cfg.decay_shape == "linear" else math.sqrt(progress)
+        return cfg.learning_rate - (cfg.learning_rate - cfg.min_lr) * f
     progress = (step - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
 
@@ -430,7 +474,7 @@ def train_step(cfg, layout, parts, microbatches, lr):
         loss = forward_backward_step(parts, model, microbatches)
     if scaler.enabled:
         scale_grads(model, 1.0 / scaler.scale)
-    grad_norm = global_grad_norm(model, layout, dp_sharded=isinstance(optimizer, ZeroOneAdamW))
+    grad_norm = global_grad_norm(model, layout, dp_sharded=cfg.zero_stage == 1)
     if cfg.grad_clip > 0:
         scale_grads(model, (cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0))
     if scaler.update(grad_norm.item() if scaler.enabled else 0.0):  # host-device sync with fp16 only
@@ -493,15 +537,20 @@ def save_checkpoint(cfg, run, parts, step):
                            checkpoint.optimizer_pieces(optimizer, model, layout), meta, extra, cfg.keep_last_n)
 
 
-def resume(path, run, parts):
+def resume(path, cfg, run, parts):
     """Load the checkpoint at `path` (saved at any layout) into the model, the optimizer and the loss
     scaler; returns its step. If a rank cannot read it, every rank falls back to the previous complete
     checkpoint (checkpoint.open_for_resume decides for all of them together)."""
     reader = checkpoint.open_for_resume(path, run.model_cfg, lambda text: print0(run.layout, text))
     checkpoint.load_model(parts.model, reader)
-    # the moments are assembled from whatever pieces were saved (ZeRO-1 or not, any dp): zero_stage can change
-    load = checkpoint.load_zero if isinstance(parts.optimizer, ZeroOneAdamW) else checkpoint.load_adamw
-    load(parts.optimizer, parts.model, reader)
+    saved_optimizer = reader.meta["config"].get("optimizer", "adamw")
+    if saved_optimizer != cfg.optimizer:  # AdamW's moments are not Muon's momentum, nor the reverse
+        print0(run.layout, f"resume: the checkpoint's optimizer state ({saved_optimizer}) is not loaded: "
+                           f"{cfg.optimizer}'s starts from zero")
+    else:
+        # the states are assembled from whatever pieces were saved (ZeRO-1 or not, any dp): zero_stage can change
+        load = checkpoint.load_adamw if isinstance(parts.optimizer, torch.optim.AdamW) else checkpoint.load_states
+        load(parts.optimizer, parts.model, reader)
     parts.scaler.scale = reader.meta["loss_scale"]
     extra = reader.rank_state(run.layout.rank)
     if extra:  # RNG states only mean something for the same rank in the same world
@@ -524,7 +573,7 @@ def train(cfg, run, resume_path=None):
                    f"width {model_cfg.n_embd}")
     step = 0
     if resume_path is not None:
-        step, path = resume(resume_path, run, parts)
+        step, path = resume(resume_path, cfg, run, parts)
         print0(layout, f"resumed from {path} at step {step}")
     log = metrics.MetricsLog(cfg.out_dir, layout.rank, step if resume_path else None,
                              metrics.open_log_backends(cfg) if layout.rank == 0 else [])
