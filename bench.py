@@ -4,13 +4,15 @@ Time picotron's training step: tokens/s, ms/step, MFU and peak memory, for any c
     python bench.py config/tiny_fineweb.py
     python bench.py config/tiny_fineweb.py --compile=True --bench_steps=20
     python bench.py --n_layer=6 --n_head=6 --n_kv_head=6 --n_embd=384 --reference=True
+    python bench.py config/tiny_fineweb.py --optimizer=muon --compare_optimizer=adamw
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --tp=2 --dp=2
 
 Every training setting works here (settings.py), and the model, optimizer and step are train.py's own
 (setup, build, train_step), so this times exactly what training runs, in whatever layouts train.py
 supports. Bench-only settings: --warmup_steps (untimed steps first: compiling, allocator and thread
 warm-up), --bench_steps (timed steps), --reference=True (also time the plain GPT at the end of this file at
-the same size, step by step in turn with picotron's, so both see the same machine). Tokens are random
+the same size, step by step in turn with picotron's, so both see the same machine), --compare_optimizer=NAME
+(also time train.py's step with another optimizer, in turn the same way). Tokens are random
 unless --data_dir is given on the command line. The last line printed is `RESULT {json}`, for scripts.
 """
 import json
@@ -36,6 +38,8 @@ BENCH = section(
     Setting("warmup_steps", 3, "untimed steps first (compiling, allocator and thread warm-up)"),
     Setting("bench_steps", 10, "timed steps; the median is reported"),
     Setting("reference", False, "also time the plain GPT at the end of bench.py, step by step in turn"),
+    Setting("compare_optimizer", "", "also time train.py's step with this optimizer ('adamw' or 'muon') instead of "
+            "--optimizer, step by step in turn"),
 )
 
 
@@ -43,6 +47,9 @@ def parse_args(argv):
     """bench.py's settings and the training settings, from one command line."""
     values, _ = configure(settings.TRAINING + BENCH, argv, usage=__doc__)
     settings.check_values(values)
+    if values["compare_optimizer"] not in ("", *settings.CHOICES["optimizer"]):
+        raise ConfigError(f"compare_optimizer = {values['compare_optimizer']!r} must be '' (off) or one of "
+                          f"{', '.join(map(repr, settings.CHOICES['optimizer']))}")
     if values["bench_steps"] < 1 or values["warmup_steps"] < 0:
         raise ConfigError(f"bench_steps = {values['bench_steps']} must be >= 1 and warmup_steps = "
                           f"{values['warmup_steps']} >= 0")
@@ -66,10 +73,9 @@ def random_microbatches(cfg, layout, vocab_size, step, device):
 
 class Picotron:
     """train.py's training step, one call per step."""
-    name = "picotron"
 
-    def __init__(self, cfg, run):
-        self.cfg, self.run, self.dev, self.layout = cfg, run, run.dev, run.layout
+    def __init__(self, cfg, run, name="picotron"):
+        self.cfg, self.run, self.dev, self.layout, self.name = cfg, run, run.dev, run.layout, name
         self.parts = train.build(cfg, run)  # the pipeline's channel runs the world's first collective (NCCL)
         self.autocast = self.parts.autocast
         self.flops_per_token = metrics.flops_per_token(run.model_cfg)
@@ -125,6 +131,9 @@ def reset_peak_memory(dev):
 def run(cfg, bench, setup):
     dev, ptdtype, layout, model_cfg = setup.dev, setup.dtype, setup.layout, setup.model_cfg
     runners = [Picotron(cfg, setup)]
+    if bench.compare_optimizer:  # the same model, data and step with the other optimizer
+        other = SimpleNamespace(**{**vars(cfg), "optimizer": bench.compare_optimizer})
+        runners.append(Picotron(other, setup, name=bench.compare_optimizer))
     if bench.reference:
         runners.append(ReferenceGPT(runners[0]))
     for r in runners:
@@ -163,6 +172,14 @@ def run(cfg, bench, setup):
                       world_size=layout.world_size, dp=layout.dp, tp=layout.tp, pp=layout.pp,
                       compiled=step_model_kind(runners[0]) == "compiled", peak_flops=peak,
                       tokens_per_step=tokens_per_step, threads=torch.get_num_threads())
+        if bench.compare_optimizer:
+            other = results[bench.compare_optimizer]
+            print(f"optimizer {cfg.optimizer} against {bench.compare_optimizer}: {results['picotron']['ms_per_step']:,.1f} "
+                  f"against {other['ms_per_step']:,.1f} ms/step (median), "
+                  f"{results['picotron']['ms_per_step'] / other['ms_per_step']:.3f}x the time")
+            result.update(optimizer=cfg.optimizer, compare_optimizer=bench.compare_optimizer,
+                          compare_ms_per_step=other["ms_per_step"], compare_tokens_per_sec=other["tokens_per_sec"],
+                          compare_loss=other["loss"])
         if bench.reference:
             ref = results["reference GPT"]
             result.update(reference_tokens_per_sec=ref["tokens_per_sec"], reference_ms_per_step=ref["ms_per_step"],
