@@ -999,7 +999,7 @@ def deal_whole(params, n):
     params = list(params)
     total, seen, owners = sum(p.numel() for p in params), 0, {}
     for p in params:
-        owners[p] = min(n - 1, (2 * seen + p.numel()) * n // (2 * total))
+        owners[p] = (2 * seen + p.numel()) * n // (2 * total)  # the middle element's share, 0 .. n - 1
         seen += p.numel()
     return owners
 
