@@ -13,7 +13,7 @@ Each tensor is saved as "pieces". A piece says which full tensor it belongs to (
 which tensor-parallel slice it is (dim, rank, world) and which range of that slice's flattened elements it
 holds (all of them for a model shard, a ZeRO-1 rank's range for optimizer state). Loading assembles each
 full tensor a rank needs from whatever pieces were saved, then cuts the slice this rank's layout needs, so
-a checkpoint saved at one dp x tp x pp layout resumes at any other.
+a checkpoint saved at one dp x cp x tp x pp layout resumes at any other.
 """
 import glob
 import json
@@ -141,14 +141,18 @@ class CheckpointReader:
 
 
 # the settings a checkpoint's model may differ in from the model it is loaded into: the context length and
-# the RoPE base (a deliberate context extension); none changes a weight's shape or meaning
-MAY_DIFFER = ("block_size", "rope_theta")
+# the RoPE base and scaling (a deliberate context extension); none changes a weight's shape or meaning
+MAY_DIFFER = ("block_size", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+              "rope_original_context")
 
 
 def check_model_config(saved, model_cfg, path):
-    """Refuse to load weights into another architecture, naming every setting that differs."""
+    """Refuse to load weights into another architecture, naming every setting that differs. A setting the
+    checkpoint lacks (written before the setting existed) had its default then: head_dim = 0 is the
+    n_embd / n_head every older checkpoint has, so it is compared as that."""
+    saved = {**asdict(type(model_cfg)()), **saved}
     differ = [f"{k} = {v!r} (the checkpoint has {saved[k]!r})" for k, v in asdict(model_cfg).items()
-              if k in saved and k not in MAY_DIFFER and saved[k] != v]
+              if k not in MAY_DIFFER and saved[k] != v]
     if differ:
         raise CheckpointError(f"checkpoint {path} holds another model than the one configured: " + "; ".join(differ))
 
@@ -188,10 +192,10 @@ def load_model(model, reader):
 
 
 def _saved_here(param, layout, dp_sharded=False):
-    """Each full tensor is saved once: data-parallel replicas leave it to dp rank 0 (unless dp_sharded:
-    each dp rank then holds a different part, ZeRO-1's optimizer state), tensor-parallel replicas (norms)
-    to tp rank 0. (A tied copy is never saved: the original is.)"""
-    if layout.dp_rank != 0 and not dp_sharded:
+    """Each full tensor is saved once: data- and context-parallel replicas leave it to the first of them
+    (dp x cp rank 0; unless dp_sharded: each dp x cp rank then holds a different part, ZeRO-1's optimizer
+    state), tensor-parallel replicas (norms) to tp rank 0. (A tied copy is never saved: the original is.)"""
+    if layout.dp_cp_rank != 0 and not dp_sharded:
         return False
     return layout.tp_rank == 0 or getattr(param, "tp_shard_dim", None) is not None
 

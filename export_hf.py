@@ -12,6 +12,7 @@ and its logits compared with picotron's (--check=False skips that).
 Which architecture holds which model (each computes exactly what picotron computes):
     the base model (RMSNorm, SwiGLU, RoPE, MHA/GQA/MQA, tied or untied)   LlamaForCausalLM
       + bias=True (biases on the attention and MLP linears)               LlamaForCausalLM (attention_bias, mlp_bias)
+      + qkv_bias=True (biases on q, k and v only)                         Qwen2ForCausalLM
       + qk_norm=True (RMSNorm on each query and key head)                 Qwen3ForCausalLM
       + attn_softcap and/or final_softcap (tanh soft-capping)            VaultGemmaForCausalLM
       + attention='mla' (multi-head latent attention)                    DeepseekV3ForCausalLM (all layers dense)
@@ -21,7 +22,9 @@ Gemma2 also has soft-capping, but it normalises each sublayer's output too (sand
 picotron's blocks do not; VaultGemma is the Gemma variant without them. The combinations no architecture
 holds (mixture of experts; parallel blocks, LayerNorm or a GELU MLP other than all three GPT-NeoX pieces
 together; QK-norm with soft-capping; MLA with QK-norm, soft-capping or biases) stop the export with the
-options named.
+options named. head_dim, intermediate_size and Llama 3's RoPE scaling export to every architecture that
+has them (all but GPT-NeoX's head size, which is hidden_size / num_attention_heads), so import_hf.py reads
+every export back as the model it came from.
 
 transformers and safetensors are needed only here: pip install transformers safetensors
 """
@@ -36,7 +39,7 @@ import torch
 
 import checkpoint
 from configurator import ConfigError, Setting, configure, section
-from model import ModelConfig, Transformer, model_config_from
+from model import ModelConfig, Transformer, attention_head_dim, model_config_from
 
 EXPORT = section(
     "export",
@@ -99,7 +102,10 @@ def hf_architecture(cfg):
             blockers.append(f"norm='layernorm', mlp='gelu' with n_kv_head={cfg.n_kv_head} < n_head={cfg.n_head}: "
                             f"GPT-NeoX has no grouped-query attention")
         blockers += [f"norm='layernorm', mlp='gelu' with {name}: GPT-NeoX has no such option" for name in
-                     ("qk_norm", "attn_softcap", "final_softcap") if getattr(cfg, name)]
+                     ("qk_norm", "attn_softcap", "final_softcap", "qkv_bias") if getattr(cfg, name)]
+        if cfg.attention == "mha" and attention_head_dim(cfg) * cfg.n_head != cfg.n_embd:
+            blockers.append(f"norm='layernorm', mlp='gelu' with head_dim={cfg.head_dim}: GPT-NeoX's head size is "
+                            f"n_embd / n_head = {cfg.n_embd / cfg.n_head:g}")
         if mla:
             blockers.append("norm='layernorm', mlp='gelu' with attention='mla': no architecture has both")
     else:
@@ -117,6 +123,9 @@ def hf_architecture(cfg):
         elif cfg.bias and (qk_norm or softcap):
             blockers.append(f"bias=True with {'qk_norm' if qk_norm else 'soft-capping'}: "
                             f"{'Qwen3' if qk_norm else 'VaultGemma'} has no MLP biases")
+        elif cfg.qkv_bias and not cfg.bias and (qk_norm or softcap):
+            blockers.append(f"qkv_bias=True with {'qk_norm' if qk_norm else 'soft-capping'}: "
+                            f"{'Qwen3' if qk_norm else 'VaultGemma'}'s attention_bias gives o_proj a bias too")
     if mla:  # DeepSeek-V3's attention has no QK-norm, no soft-capping, and biases on only some projections
         blockers += [f"attention='mla' with {name}: DeepSeek-V3's MLA has no such option"
                      for name in ("qk_norm", "attn_softcap", "final_softcap", "bias") if getattr(cfg, name)]
@@ -130,6 +139,8 @@ def hf_architecture(cfg):
         return "Qwen3ForCausalLM"
     if softcap:
         return "VaultGemmaForCausalLM"
+    if cfg.qkv_bias and not cfg.bias:  # (with bias=True every linear has one already: Llama holds it)
+        return "Qwen2ForCausalLM"
     return "LlamaForCausalLM"
 
 
@@ -206,6 +217,12 @@ NEOX_NAMES = [("model.embed_tokens.", "gpt_neox.embed_in."), ("model.norm.", "gp
               (".mlp.up_proj.", ".mlp.dense_h_to_4h."), (".mlp.down_proj.", ".mlp.dense_4h_to_h.")]
 
 
+def neox_name(llama_name):
+    for old, new in NEOX_NAMES:
+        llama_name = llama_name.replace(old, new)
+    return llama_name
+
+
 def neox_layout(tensors, cfg):
     """GPT-NeoX fuses q, k and v into one projection whose output is read per head as [q_h; k_h; v_h]
     (query_key_value), and its parallel block has a second norm for the MLP, where picotron's parallel
@@ -220,18 +237,18 @@ def neox_layout(tensors, cfg):
                 tensors[f"{prefix}attention.query_key_value.{kind}"] = fused.reshape(3 * H * hd, *parts[0].shape[1:])
             if cfg.parallel_block and f"{prefix}input_layernorm.{kind}" in tensors:
                 tensors[f"{prefix}post_attention_layernorm.{kind}"] = tensors[f"{prefix}input_layernorm.{kind}"].clone()
-    renamed = {}
-    for name, t in tensors.items():
-        for old, new in NEOX_NAMES:
-            name = name.replace(old, new)
-        renamed[name] = t
-    return renamed
+    return {neox_name(name): t for name, t in tensors.items()}
 
 
 def hf_config(model, arch, tensors, tokenizer_fits):
     """The transformers config (a dict for its config class) of this model under `arch`."""
     cfg = model.cfg
-    head_dim = cfg.n_embd // cfg.n_head
+    head_dim = attention_head_dim(cfg)
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling_factor:
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": cfg.rope_scaling_factor,
+                "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_context}
     tokens = dict(bos_token_id=GPT2_EOT if tokenizer_fits else None, eos_token_id=GPT2_EOT if tokenizer_fits else None,
                   pad_token_id=None)
     if arch == "GPTNeoXForCausalLM":  # its own names for most settings
@@ -242,14 +259,14 @@ def hf_config(model, arch, tensors, tokenizer_fits):
             max_position_embeddings=cfg.block_size, layer_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
             use_parallel_residual=bool(cfg.parallel_block),
             attention_bias="gpt_neox.layers.0.attention.query_key_value.bias" in tensors,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0},
+            rope_parameters={**rope, "partial_rotary_factor": 1.0},
             dtype="float32", **tokens)
     kwargs = dict(
         architectures=[arch], vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
         intermediate_size=tensors["model.layers.0.mlp.gate_proj.weight"].shape[0],
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
         max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
-        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
+        rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
         dtype="float32", **tokens,
     )
@@ -257,7 +274,9 @@ def hf_config(model, arch, tensors, tokenizer_fits):
         kwargs.update(head_dim=head_dim)
     if arch == "LlamaForCausalLM":
         kwargs.update(hidden_act="silu", mlp_bias="model.layers.0.mlp.gate_proj.bias" in tensors)
-    elif arch == "Qwen3ForCausalLM":
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if arch == "Qwen2ForCausalLM":
+            del kwargs["attention_bias"]  # Qwen2's q, k and v always have biases, its o_proj never
         kwargs.update(hidden_act="silu", use_sliding_window=False, sliding_window=None,
                       layer_types=["full_attention"] * cfg.n_layer)
     elif arch == "VaultGemmaForCausalLM":
@@ -324,7 +343,8 @@ def hf_classes(arch):
     transformers package for a name it has not loaded yet scans every model it ships (seconds)."""
     import importlib
     import transformers
-    module = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "VaultGemmaForCausalLM": "vaultgemma",
+    module = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+              "VaultGemmaForCausalLM": "vaultgemma",
               "DeepseekV3ForCausalLM": "deepseek_v3", "GPTNeoXForCausalLM": "gpt_neox"}[arch]
     try:
         modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")

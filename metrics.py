@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from model import MixtureOfExperts, mlp_hidden_size
+from model import MixtureOfExperts, attention_head_dim, mlp_hidden_size
 from parallel import full_shape_of
 
 
@@ -40,13 +40,11 @@ def flops_per_token(cfg):
         qk_dim, q_lora = nope + rope, cfg.q_lora_rank
         q = C * q_lora + q_lora * H * qk_dim if q_lora > 0 else C * H * qk_dim
         attn = q + C * (cfg.kv_lora_rank + rope) + cfg.kv_lora_rank * H * (nope + v_dim) + H * v_dim * C
-    else:  # multi-head, grouped-query or multi-query attention
-        qk_dim = v_dim = C // H
+    else:  # multi-head, grouped-query or multi-query attention; heads of head_dim (n_embd / n_head by default)
+        qk_dim = v_dim = attention_head_dim(cfg)
         attn = C * H * qk_dim + 2 * C * cfg.n_kv_head * qk_dim + H * v_dim * C
-    if cfg.mlp == "gelu":
-        mlp = 2 * C * 4 * C
-    else:
-        mlp = 3 * C * mlp_hidden_size(cfg)
+    # two matrices in GELU's MLP, three in SwiGLU's, of the hidden width (intermediate_size when set)
+    mlp = (2 if cfg.mlp == "gelu" else 3) * C * mlp_hidden_size(cfg)
     if cfg.n_expert > 0:
         mlp = C * cfg.n_expert + (cfg.n_expert_per_token + cfg.n_shared_expert) * mlp
     matmul_weights = cfg.n_layer * (attn + mlp) + C * cfg.vocab_size
@@ -55,13 +53,13 @@ def flops_per_token(cfg):
 
 def full_param_count(model, layout):
     """Parameters of the whole model (vocabulary padding included), whatever the layout: each rank counts
-    the full tensors of its stage (a tied copy once), and every dp x tp replica of a stage counts them."""
+    the full tensors of its stage (a tied copy once), and every dp x cp x tp replica of a stage counts them."""
     copies = model.tied_copies()
     n = torch.tensor(float(sum(math.prod(full_shape_of(p)) for name, p in model.named_parameters()
                                if name not in copies)))
     if layout.world_size > 1:
         dist.all_reduce(n)
-        n /= layout.dp * layout.tp
+        n /= layout.dp * layout.cp * layout.tp
     return int(n)
 
 
@@ -119,17 +117,25 @@ def gpu_peak_flops(device_name, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def measure_cpu_peak_flops(dtype, sizes=(512, 1024), repeats=3):
+def measure_cpu_peak_flops(dtype, sizes=(256, 512, 1024), repeats=3, budget_s=1.0):
     """The best FLOP/s of a few square matmuls in dtype with this process's threads: about what the model's
-    own matmuls can reach here (there is no table for CPUs). Measured once per process and dtype."""
-    best = 0.0
+    own matmuls can reach here (there is no table for CPUs). Measured once per process and dtype, within
+    about budget_s: a dtype with no fast kernel here (bf16 on a CPU without native bf16 is ~100x slower
+    than fp32) stops at the size where the budget runs out rather than holding up the start for a minute."""
+    best, spent = 0.0, 0.0
     for n in sizes:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        start = time.perf_counter()
         a @ b  # warm-up: thread pool, kernel selection
+        spent += time.perf_counter() - start
         for _ in range(repeats):
             start = time.perf_counter()
             a @ b
-            best = max(best, 2 * n ** 3 / (time.perf_counter() - start))
+            took = time.perf_counter() - start
+            spent += took
+            best = max(best, 2 * n ** 3 / took)
+        if spent * 8 > budget_s:  # the next size costs 8x this one
+            break
     return best
 
 
@@ -171,13 +177,18 @@ def format_mfu(value):
     return f"{100 * value:.1f}%" if value is not None else "n/a"
 
 
-def peak_memory_bytes(dev, layout):
-    """The most memory any rank has held: the CUDA allocator's peak on GPU, the process's peak resident set
-    (max RSS) on CPU. An all-reduce when there are several ranks."""
+def rank_peak_memory_bytes(dev):
+    """The most memory this rank has held: the CUDA allocator's peak on GPU, the process's peak resident
+    set (max RSS) on CPU."""
     if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(dev)
-    else:  # ru_maxrss is in KiB on Linux, in bytes on macOS
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        return torch.cuda.max_memory_allocated(dev)
+    # ru_maxrss is in KiB on Linux, in bytes on macOS
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def peak_memory_bytes(dev, layout):
+    """The most memory any rank has held (rank_peak_memory_bytes): an all-reduce when there are several."""
+    peak = rank_peak_memory_bytes(dev)
     if layout.world_size > 1:
         peak = torch.tensor(peak, dtype=torch.int64, device=dev)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -256,7 +267,8 @@ def moe_metrics(model, layout):
     """MoE statistics of the step's last micro-batch, for the log: aux_loss, the weighted auxiliary loss
     that was added to the training loss (summed over the MoE layers, mean over data-parallel ranks), and
     moe_dropped_frac, the fraction of token-to-expert assignments dropped for capacity (mean over layers
-    and ranks). Every rank joins the all-reduce; each stage's layers are held by dp * tp ranks."""
+    and ranks). Every rank joins the all-reduce; each stage's layers are held by dp * cp * tp ranks (each
+    cp rank's auxiliary loss is its share: their mean is the microbatch's)."""
     dev = next(model.parameters()).device
     stats = torch.zeros(3, device=dev)
     for m in model.modules():
@@ -264,7 +276,7 @@ def moe_metrics(model, layout):
             stats += torch.stack([m.aux_loss.detach().float(), m.last_dropped_frac.float(), torch.ones((), device=dev)])
     if layout.world_size > 1:
         dist.all_reduce(stats)
-    return {"aux_loss": (stats[0] / (layout.dp * layout.tp)).item(),
+    return {"aux_loss": (stats[0] / (layout.dp * layout.cp * layout.tp)).item(),
             "moe_dropped_frac": (stats[1] / stats[2].clamp(min=1)).item()}
 
 

@@ -4,6 +4,9 @@ Tokenize a text corpus into the flat token files that train.py reads.
     python prepare_data.py --dataset=NAME_OR_PATH --out_dir=DIR [--name=SUBSET] [--text_field=text]
         [--tokenizer=gpt2] [--val_fraction=F] [--max_tokens=N] [--num_proc=N] [--split=train]
 
+--tokenizer names a tiktoken encoding, or a transformers model folder whose tokenizer.json is then used
+(with the `tokenizers` package; hf_tokenizer.py), so the bins fit a model loaded with init_from=<folder>.
+
 With no arguments it streams FineWeb-Edu (subset sample-10BT) from the Hugging Face hub into
 data/fineweb_edu. --dataset may instead be local files: a .txt, .jsonl, .json or .parquet file, a glob of
 them, or a directory holding them. A .txt file is one document; json and parquet files hold one document
@@ -44,6 +47,8 @@ import numpy as np
 import pyarrow  # datasets reads json and parquet files with pyarrow, and lets its errors through
 import tiktoken
 
+import hf_tokenizer
+
 try:
     from tqdm import tqdm
 except ImportError:
@@ -58,9 +63,15 @@ VAL_SEED = 1337
 # tokenizer
 
 def get_encoding(name):
+    """A tiktoken encoding, or the tokenizer of a transformers model folder (hf_tokenizer.py: tiktoken when
+    its vocabulary is one of tiktoken's, else its tokenizer.json). Either has encode_ordinary, eot_token,
+    n_vocab and name, the name meta.json records."""
+    if os.path.isdir(name):
+        return hf_tokenizer.folder_encoding(name)
     names = tiktoken.list_encoding_names()
     if name not in names:
-        raise ValueError(f"unknown tokenizer {name!r}: --tokenizer must name a tiktoken encoding, one of {', '.join(names)}")
+        raise ValueError(f"unknown tokenizer {name!r}: --tokenizer must name a tiktoken encoding, one of {', '.join(names)}, "
+                         f"or a model folder with tokenizer.json")
     try:
         return tiktoken.get_encoding(name)
     except OSError as e:
@@ -259,6 +270,7 @@ def prepare(dataset=DEFAULT_DATASET, out_dir='data/fineweb_edu', name=None, text
         raise ValueError(f"--max_tokens={max_tokens} must be positive (leave it out for no cap)")
     num_proc = num_proc or os.cpu_count()
     enc = get_encoding(tokenizer)  # a bad name fails here, before any data is read
+    tokenizer = enc.name  # a model folder's tokenizer is recorded by its absolute path, or as the tiktoken one it is
     dtype = token_dtype(enc.n_vocab)
     texts = load_documents(dataset, name, split, text_field)
 
@@ -349,7 +361,8 @@ def main(argv):
     parser.add_argument('--out_dir', default='data/fineweb_edu')
     parser.add_argument('--name', default=None, help=f'hub subset (default {DEFAULT_NAME} for {DEFAULT_DATASET})')
     parser.add_argument('--text_field', default='text', help='column holding the text (json, parquet, hub)')
-    parser.add_argument('--tokenizer', default='gpt2', help='a tiktoken encoding name')
+    parser.add_argument('--tokenizer', default='gpt2',
+                        help='a tiktoken encoding name, or a transformers model folder with tokenizer.json')
     parser.add_argument('--val_fraction', type=float, default=None,
                         help='share of documents held out for val (default 0.0005 for FineWeb-Edu, else 0.005)')
     parser.add_argument('--max_tokens', type=int, default=None, help='stop after this many tokens (train + val)')

@@ -3,15 +3,18 @@ Generate text from a picotron checkpoint (saved at any parallel layout) on one d
 
     python sample.py --out_dir=out/tiny_fineweb --start="The history of" --num_samples=3 --max_new_tokens=100
     python sample.py --out_dir=out/tiny_fineweb --start=FILE:prompt.txt --top_k=1     # greedy
+
+The tokenizer is the one the checkpoint records (its data's, or a converted model's: a tiktoken encoding or
+a model folder's tokenizer.json, see hf_tokenizer.py); --tokenizer names another.
 """
 import os
 import sys
 from contextlib import nullcontext
 
-import tiktoken
 import torch
 
 import checkpoint
+import hf_tokenizer
 from configurator import ConfigError, Setting, configure, section
 from model import Transformer, choose_attn_impl, choose_device_and_dtype, model_config_from
 
@@ -27,6 +30,7 @@ SAMPLING = section(
     Setting("seed", 1337, "seeds the sampling"),
     Setting("device", "auto", "'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ..."),
     Setting("dtype", "auto", "'auto' (bf16 on Ampere+, fp16 before, fp32 on CPU), 'float32', 'bfloat16', 'float16'"),
+    Setting("tokenizer", "", "a tiktoken encoding or a model folder with tokenizer.json; empty = the checkpoint's"),
 )
 
 
@@ -39,6 +43,18 @@ def read_prompt(start):
             return f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise FileNotFoundError(f"--start=FILE:{path}: the prompt file cannot be read ({type(e).__name__}: {e})")
+
+
+def checkpoint_tokenizer(meta, given):
+    """The tokenizer's name: --tokenizer, else the checkpoint's. A model converted from a folder without
+    tokenizer files has none."""
+    if given:
+        return given
+    if meta.get("tokenizer", "gpt2") is None:
+        raise ValueError(f"the checkpoint's model was converted from {meta.get('converted_from')}, which has no "
+                         f"tokenizer files: pass --tokenizer=NAME (a tiktoken encoding, or a model folder with "
+                         f"tokenizer.json)")
+    return meta.get("tokenizer", "gpt2")
 
 
 def main(argv):
@@ -57,6 +73,7 @@ def main(argv):
         prompt = read_prompt(cfg["start"])
         dev, ptdtype, _ = choose_device_and_dtype(cfg["device"], cfg["dtype"])
         reader = checkpoint.CheckpointReader(path)
+        enc = hf_tokenizer.get_encoding(checkpoint_tokenizer(reader.meta, cfg["tokenizer"]))
     except (ConfigError, ValueError, FileNotFoundError, checkpoint.CheckpointError) as e:
         sys.exit(f"error: {e}")
     model_cfg = model_config_from(reader.meta["model"])
@@ -64,7 +81,6 @@ def main(argv):
     model = Transformer(model_cfg, attn_impl=attn_impl)
     checkpoint.load_model(model, reader)
     model.to(dev).eval()
-    enc = tiktoken.get_encoding(reader.meta.get("tokenizer", "gpt2"))
 
     ids = enc.encode(prompt, allowed_special={"<|endoftext|>"})
     x = torch.tensor(ids, dtype=torch.long, device=dev)[None, :]

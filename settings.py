@@ -22,7 +22,8 @@ TRAINING = [
         "I/O",
         Setting("out_dir", "out", "checkpoints and metrics.jsonl go here", resume="allow"),
         Setting("data_dir", "data/fineweb_edu", "train.bin, val.bin and meta.json from prepare_data.py"),
-        Setting("init_from", "scratch", "'scratch' or 'resume' (from the newest complete checkpoint in out_dir)",
+        Setting("init_from", "scratch", "'scratch', 'resume' (from the newest complete checkpoint in out_dir) or "
+                "a transformers model folder (config.json and safetensors weights; the model settings come from it)",
                 resume="allow"),
         Setting("seed", 1337, "fixes the initial weights and the data order (a pure function of seed and step)"),
         Setting("log_interval", 10, "steps between log lines (each one reads the loss back: a host-device sync)",
@@ -68,6 +69,17 @@ TRAINING = [
         Setting("tie_embeddings", True, "the output head shares the token embedding matrix", resume="refuse"),
         Setting("rope_theta", 10000.0, "RoPE base frequency", resume="allow"),
         Setting("norm_eps", 1e-5, "epsilon of the norms", resume="refuse"),
+        Setting("head_dim", 0, "attention head size; 0 = n_embd / n_head (Qwen3: 128 in any width)", resume="refuse"),
+        Setting("intermediate_size", 0, "the MLP's hidden width; 0 = ~8/3 n_embd (SwiGLU) or 4 n_embd (GELU)",
+                resume="refuse"),
+        Setting("rope_scaling_factor", 0.0, "Llama 3.1's RoPE scaling: low frequencies slowed by this factor "
+                "(Llama 3.2: 32); 0 = plain RoPE", resume="allow"),
+        Setting("rope_low_freq_factor", 1.0, "RoPE scaling: wavelengths over rope_original_context / this are scaled",
+                resume="allow"),
+        Setting("rope_high_freq_factor", 4.0, "RoPE scaling: wavelengths under rope_original_context / this are kept",
+                resume="allow"),
+        Setting("rope_original_context", 8192, "RoPE scaling: the context the model was pretrained at before "
+                "scaling", resume="allow"),
     ),
     *section(
         "model variants (model.py explains each, with its paper)",
@@ -96,6 +108,7 @@ TRAINING = [
         Setting("aux_loss_coef", 0.01, "weight of each MoE layer's load-balancing loss (Switch Transformer)"),
         Setting("n_shared_expert", 0, "experts every token also goes through (DeepSeekMoE)", resume="refuse"),
         Setting("router_z_loss_coef", 0.0, "weight of the router z-loss (ST-MoE used 1e-3); 0 = off"),
+        Setting("qkv_bias", False, "biases in the query, key and value projections only (Qwen2)", resume="refuse"),
     ),
     *section(
         "batch: one step sees batch_size * gradient_accumulation_steps * dp windows of block_size tokens",
@@ -105,7 +118,8 @@ TRAINING = [
     *section(
         "the optimizer and the learning-rate schedule: linear warmup, then a decay to min_lr (cosine, or held "
         "and decayed late: wsd)",
-        Setting("max_iters", 1000, "optimizer steps in the run", resume="allow"),
+        Setting("max_iters", 1000, "optimizer steps in the run (0 with init_from=<a model folder>: convert it and exit)",
+                resume="allow"),
         Setting("learning_rate", 1e-3, "peak learning rate, reached after warmup", resume="allow"),
         Setting("min_lr", 1e-4, "learning rate at the end of the decay", resume="allow"),
         Setting("warmup_iters", 50, "steps of linear warmup", resume="allow"),
@@ -122,7 +136,7 @@ TRAINING = [
         Setting("decay_shape", "1-sqrt", "wsd: the decay's shape, 'linear' or '1-sqrt' (lr falls as the square "
                 "root of the decay's progress)", resume="allow"),
         Setting("optimizer", "adamw", "'adamw', or 'muon': Muon for the blocks' matrices, AdamW for the rest "
-                "(parallel.py, section 5)"),
+                "(parallel.py, section 6)"),
     ),
     *section(
         "Muon (optimizer='muon'): orthogonalised momentum, its update scaled to AdamW's RMS (same learning_rate)",
@@ -130,7 +144,7 @@ TRAINING = [
         Setting("muon_ns_steps", 5, "Newton-Schulz iterations that orthogonalise the momentum"),
     ),
     *section(
-        "parallelism: dp * tp * pp processes",
+        "parallelism: dp * cp * tp * pp processes",
         Setting("dp", 0, "data-parallel ranks; 0 means world_size / (tp * pp)", resume="allow"),
         Setting("tp", 1, "tensor-parallel ranks", resume="allow"),
         Setting("pp", 1, "pipeline stages", resume="allow"),
@@ -138,6 +152,10 @@ TRAINING = [
         Setting("zero_stage", 0, "1 shards the optimizer states across data-parallel ranks", resume="allow"),
         Setting("bucket_size_mb", 25.0, "data-parallel gradients are averaged in buckets of about this size",
                 resume="allow"),
+        Setting("cp", 1, "context-parallel ranks: each holds 2 of the 2*cp zigzag chunks of every sequence, "
+                "attention is ring attention", resume="allow"),
+        Setting("sequence_parallel", False, "with tp > 1: the tokens between the tensor-parallel regions split "
+                "across tp (Megatron)", resume="allow"),
     ),
 ]
 
@@ -145,11 +163,12 @@ DEFAULTS = {s.name: s.default for s in TRAINING}
 
 # sizes and intervals that must be positive (or at least zero): a zero batch or a negative interval would
 # otherwise fail far from its cause, or silently do nothing
-POSITIVE = ("batch_size", "block_size", "gradient_accumulation_steps", "log_interval", "max_iters", "eval_iters",
-            "n_layer", "n_head", "n_kv_head", "n_embd", "tp", "pp", "learning_rate", "bucket_size_mb",
+POSITIVE = ("batch_size", "block_size", "gradient_accumulation_steps", "log_interval", "eval_iters",
+            "n_layer", "n_head", "n_kv_head", "n_embd", "tp", "pp", "learning_rate", "bucket_size_mb", "cp",
             "muon_ns_steps")
 NOT_NEGATIVE = ("eval_interval", "checkpoint_interval", "keep_last_n", "warmup_iters", "lr_decay_iters", "min_lr",
-                "dp", "weight_decay", "grad_clip", "peak_flops", "n_expert", "n_shared_expert", "zero_stage")
+                "dp", "weight_decay", "grad_clip", "peak_flops", "n_expert", "n_shared_expert", "zero_stage",
+                "max_iters", "head_dim", "intermediate_size", "rope_scaling_factor")
 
 # settings that take one of a few words
 CHOICES = {"lr_schedule": ("cosine", "wsd"), "decay_shape": ("linear", "1-sqrt"), "optimizer": ("adamw", "muon")}
@@ -167,6 +186,9 @@ def check_values(values):
                         f"that decays)")
     if not 0 <= values["muon_momentum"] < 1:
         problems.append(f"muon_momentum = {values['muon_momentum']} must be at least 0 and below 1")
+    if values["max_iters"] == 0 and values["init_from"] in ("scratch", "resume"):
+        problems.append(f"max_iters = 0 trains nothing: it only converts a model, with init_from=<a transformers "
+                        f"model folder> (init_from is {values['init_from']!r})")
     if values["vocab_size"] is not None and values["vocab_size"] <= 0:
         problems.append(f"vocab_size = {values['vocab_size']} must be positive (or None: from meta.json)")
     if not values["out_dir"].strip():
@@ -175,10 +197,11 @@ def check_values(values):
         raise ConfigError("; ".join(problems))
 
 
-def resume_values(values, given, saved):
+def resume_values(values, given, saved, source=None):
     """The settings of a resumed run: `values` as configured now, `given` the names the user set, `saved`
     the settings in the checkpoint. Returns (values, notes to print); raises ConfigError naming every
-    refused change."""
+    refused change. The same rules take a transformers model's settings (init_from=<folder>): `saved` is
+    then its architecture, read from `source`, its config.json."""
     values, notes, refused = dict(values), [], []
     for s in TRAINING:
         if s.name in ("out_dir", "init_from") or s.name not in saved:
@@ -189,10 +212,14 @@ def resume_values(values, given, saved):
         elif values[s.name] != old:
             new = values[s.name]
             if s.resume == "refuse":
-                refused.append(f"{s.name} = {new!r} (the checkpoint has {old!r})")
+                refused.append(f"{s.name} = {new!r} (the {'model' if source else 'checkpoint'} has {old!r})")
             else:
-                notes.append(f"resume: {s.name} = {new!r}, the checkpoint's was {old!r}"
+                notes.append(f"{'init_from' if source else 'resume'}: {s.name} = {new!r}, the "
+                             f"{'model' if source else 'checkpoint'}'s was {old!r}"
                              + (" (the run's recipe changes)" if s.resume == "inherit" else ""))
+    if refused and source:
+        raise ConfigError(f"the settings given describe another model than {source}: " + "; ".join(refused) +
+                          ". Leave these settings out: a model's architecture comes from its config.json")
     if refused:
         raise ConfigError("the checkpoint was trained with another architecture: " + "; ".join(refused) +
                           ". Leave these settings out to resume it as it is, or start a new run with "

@@ -3,6 +3,11 @@ Pretrain a Llama-style model on token bins written by prepare_data.py.
 
 One process:            python train.py config/tiny_fineweb.py --max_iters=200
 Several (any layout):   torchrun --nproc_per_node=8 train.py config/tiny_fineweb.py --tp=2 --pp=2
+From a transformers model folder (import_hf.py), converted once, then trained:
+    torchrun --nproc_per_node=2 train.py --init_from=hf/SmolLM2-135M --tp=2 --max_iters=0 --out_dir=out/smol
+    torchrun --nproc_per_node=2 train.py --init_from=resume --out_dir=out/smol --tp=2 --data_dir=... --max_iters=500
+Long sequences:         torchrun --nproc_per_node=8 train.py config/tiny_fineweb.py --cp=2 --tp=2 --pp=2 \
+                            --block_size=1024
 
 Every setting, its default and its meaning is in settings.py (`python train.py --help` lists them); a
 config file and --key=value overrides replace the defaults (configurator.py). Read top to bottom: the
@@ -23,13 +28,14 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import import_hf
 import metrics
 import settings
 from configurator import ConfigError, configure
 from model import ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype, stage_layers
 from parallel import (SCHEDULES, GradientBuckets, Muon, PipelineComm, ZeroOneAdamW, format_grid, full_shape_of,
-                      init_distributed, optimizer_state_bytes, pipeline_forward, run_schedule, sync_tied_grads,
-                      tied_weight_group)
+                      init_distributed, optimizer_state_bytes, pipeline_forward, run_schedule, split_for_every_rank,
+                      sync_tied_grads, tied_weight_group, zigzag_split)
 
 # -----------------------------------------------------------------------------
 # settings
@@ -37,7 +43,8 @@ from parallel import (SCHEDULES, GradientBuckets, Muon, PipelineComm, ZeroOneAda
 
 def configure_run(argv):
     """The run's settings from the command line (config files, then --key=value), checked, and with
-    init_from='resume' the ones left out taken from the checkpoint (settings.py says which may change).
+    init_from='resume' the ones left out taken from the checkpoint (settings.py says which may change), with
+    init_from=<a transformers model folder> the architecture from its config.json, by the same rules.
     Returns (cfg, notes to print, the checkpoint to resume or None)."""
     values, given = configure(settings.TRAINING, argv, usage=__doc__)
     notes, path = [], None
@@ -47,6 +54,10 @@ def configure_run(argv):
             raise FileNotFoundError(f"init_from='resume' but out_dir '{values['out_dir']}' holds no complete "
                                     f"checkpoint: use --init_from=scratch to start a new run")
         values, notes = settings.resume_values(values, given, checkpoint.read_meta(path)["config"])
+    elif values["init_from"] != "scratch":
+        model, _, notes = import_hf.model_settings(values["init_from"])
+        values, changes = settings.resume_values(values, given, model, source=f"{values['init_from']}/config.json")
+        notes += changes
     settings.check_values(values)
     return SimpleNamespace(**values), notes, path
 
@@ -114,41 +125,60 @@ def window_starts(seed, stream, step, n_tokens, block_size, n_windows):
     return rng.integers(0, n_tokens - block_size, size=n_windows)
 
 
-def get_batch(data, starts, block_size, device):
-    """The (x, y) windows at `starts`, checked on the host: a token id outside the vocabulary would crash
-    the embedding at tp = 1, and at tp > 1 the vocab-parallel embedding would silently read it as zeros."""
+def read_windows(data, starts, block_size):
+    """The (len(starts), block_size + 1) tokens of the windows at `starts`, checked on the host: a token id
+    outside the vocabulary would crash the embedding at tp = 1, and at tp > 1 the vocab-parallel embedding
+    would silently read it as zeros."""
     path, dtype, _, vocab_size = data
     # a fresh memmap per batch: keeping one open leaks memory (nanoGPT's note on np.memmap)
     tokens = np.memmap(path, dtype=dtype, mode="r")
-    windows = np.stack([tokens[s:s + block_size + 1] for s in starts])  # (B, block_size + 1)
+    windows = np.stack([tokens[s:s + block_size + 1] for s in starts])
     if windows.max() >= vocab_size:
         row, col = np.unravel_index(int(windows.argmax()), windows.shape)
         raise DataError(f"{path} holds token id {int(windows[row, col])} at token offset {int(starts[row]) + col}, "
                         f"outside the vocabulary of {vocab_size}: the file is corrupt or was written by another "
                         f"tokenizer; {_prepare_hint(os.path.dirname(path))}")
-    windows = torch.from_numpy(windows.astype(np.int64))
+    return windows
+
+
+def get_batch(data, starts, block_size, device):
+    windows = torch.from_numpy(read_windows(data, starts, block_size).astype(np.int64))
     x, y = windows[:, :-1], windows[:, 1:]
     if device.type == "cuda":  # pinned memory lets the copy overlap the GPU's work
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
 
 
+def context_split(batch, layout):
+    """This context-parallel rank's share of a micro-batch of whole windows (x, y), (B, T) each: its two
+    zigzag chunks of every window (parallel.py, section 3), and every cp rank's global token positions,
+    (cp, B, T/cp) on the host, built from the whole window and split the same way. Without context
+    parallelism the micro-batch as it is (the model then counts positions from 0 itself)."""
+    if layout.cp == 1:
+        return batch
+    x, y = batch
+    positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)  # (B, T): each window's own positions
+    return (zigzag_split(x, layout.cp, layout.cp_rank), zigzag_split(y, layout.cp, layout.cp_rank),
+            split_for_every_rank(positions, layout.cp))
+
+
 def rank_microbatches(cfg, layout, data, stream, step, n_micro, device):
     """This data-parallel rank's n_micro micro-batches of a step. The step's global batch is
     batch_size * n_micro * dp windows; dp rank r takes the r-th contiguous slice of it, so the same
-    windows are seen whatever the layout.
+    windows are seen whatever the layout. Under context parallelism each is this cp rank's share,
+    (x, y, positions) (context_split).
 
     Every rank checks the token ids of the whole global batch, not only its slice: a bad id then stops
     every rank at the same step with the same message, with no collective, and no rank is left waiting for
-    one that stopped (the extra read is dp small windows per rank per step, from the page cache)."""
+    one that stopped (the extra read is the other ranks' windows, from the page cache, on the host)."""
     per_rank = cfg.batch_size * n_micro
     starts = window_starts(cfg.seed, stream, step, data[2], cfg.block_size, per_rank * layout.dp)
+    mine = slice(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)
     if layout.dp > 1:
-        get_batch(data, np.delete(starts, np.s_[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]),
-                  cfg.block_size, torch.device("cpu"))
-    mine = starts[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
-    return [get_batch(data, mine[i * cfg.batch_size:(i + 1) * cfg.batch_size], cfg.block_size, device)
-            for i in range(n_micro)]
+        read_windows(data, np.delete(starts, mine), cfg.block_size)
+    starts = starts[mine]
+    return [context_split(get_batch(data, starts[i * cfg.batch_size:(i + 1) * cfg.batch_size], cfg.block_size,
+                                    device), layout) for i in range(n_micro)]
 
 
 # -----------------------------------------------------------------------------
@@ -178,21 +208,31 @@ def setup(cfg, training=True):
                          f"ranks), got {cfg.zero_stage}")
     if cfg.pp_schedule not in SCHEDULES:
         raise ValueError(f"pp_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {cfg.pp_schedule!r}")
-    if cfg.init_from not in ("scratch", "resume"):
-        raise ValueError(f"init_from must be 'scratch' or 'resume', got {cfg.init_from!r}")
-    if training and cfg.init_from == "scratch" and checkpoint.latest_checkpoint(cfg.out_dir):
-        raise FileExistsError(f"out_dir '{cfg.out_dir}' already holds checkpoints and init_from='scratch' would "
-                              f"overwrite them: use --init_from=resume to continue, or choose another --out_dir")
+    hf_dir = None if cfg.init_from in ("scratch", "resume") else cfg.init_from  # a transformers model folder
+    if training and cfg.init_from != "resume" and checkpoint.latest_checkpoint(cfg.out_dir):
+        raise FileExistsError(f"out_dir '{cfg.out_dir}' already holds checkpoints and init_from={cfg.init_from!r} "
+                              f"would overwrite them: use --init_from=resume to continue, or choose another --out_dir")
     dev, ptdtype, dtype_why = choose_device_and_dtype(cfg.device, cfg.dtype)
+    converting = hf_dir is not None and cfg.max_iters == 0  # (convert the model and exit: no data needed)
     data_meta, datasets = {}, {}
-    if training or cfg.data_dir is not None:
+    if cfg.data_dir is not None and not converting:
         data_meta = read_data_meta(cfg.data_dir)
     vocab = cfg.vocab_size or data_meta.get("vocab_size", 50257)
     model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig) if f.name != "vocab_size"},
                             vocab_size=vocab)
     attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype, cfg.attn_softcap)
-    layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type)
-    check_layout(model_cfg, layout.tp, layout.pp)
+    layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type, cp=cfg.cp)
+    check_layout(model_cfg, layout.tp, layout.pp, layout.cp, cfg.sequence_parallel)
+    tokenizer = data_meta.get("tokenizer", "gpt2")
+    if hf_dir is not None:
+        import_hf.check_weights(hf_dir, model_cfg)  # on every rank alike: a bad folder stops all of them
+        # the folder's tokenizer; a folder without one leaves the data's (None when converting: sample.py asks)
+        tokenizer = import_hf.model_tokenizer(hf_dir)
+        if tokenizer is None:
+            tokenizer = data_meta.get("tokenizer")
+        elif data_meta and data_meta.get("tokenizer") != tokenizer:
+            print0(layout, f"warning: data_dir '{cfg.data_dir}' was tokenized with {data_meta.get('tokenizer')!r}, the "
+                           f"model's tokenizer is {tokenizer!r}: prepare the data with --tokenizer={hf_dir}")
     if dev.type == "cuda" and layout.world_size > 1:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(dev)
@@ -206,24 +246,30 @@ def setup(cfg, training=True):
                            f"validation split)")
     print0(layout, f"device: {dev}, dtype: {str(ptdtype).replace('torch.', '')} ({dtype_why}), "
                    f"attention: {attn} ({attn_why})")
+    if layout.cp > 1:
+        print0(layout, f"context parallelism: each sequence of {cfg.block_size} tokens split across cp = "
+                       f"{layout.cp} ranks ({cfg.block_size // layout.cp} each, two zigzag chunks); attention is ring "
+                       f"attention, whose own blockwise kernel replaces {attn}")
     if cfg.chunked_loss and layout.tp > 1:
         print0(layout, f"chunked_loss: not at tp = {layout.tp} (the vocab-parallel loss never gathers the logits "
                        f"anyway): the loss is computed from the logits")
-    print0(layout, f"layout: dp={layout.dp} x tp={layout.tp} x pp={layout.pp} = {layout.world_size} processes\n"
-                   + format_grid(layout.dp, layout.tp, layout.pp))
+    cut = f"dp={layout.dp} x cp={layout.cp}" if layout.cp > 1 else f"dp={layout.dp}"
+    sp = " (sequence parallel)" if cfg.sequence_parallel else ""
+    print0(layout, f"layout: {cut} x tp={layout.tp}{sp} x pp={layout.pp} = {layout.world_size} processes\n"
+                   + format_grid(layout.dp, layout.tp, layout.pp, layout.cp))
     if layout.pp > 1:
         stages = [stage_layers(model_cfg.n_layer, layout.pp, s) for s in range(layout.pp)]
         print0(layout, f"pipeline: {cfg.pp_schedule}, {cfg.gradient_accumulation_steps} microbatches, blocks per "
                        f"stage " + " | ".join(f"{s}: {r.start}" + (f"-{r.stop - 1}" if len(r) > 1 else "")
                                               for s, r in enumerate(stages)))
-        if cfg.gradient_accumulation_steps < layout.pp:
+        if cfg.gradient_accumulation_steps < layout.pp and not converting:
             m = cfg.gradient_accumulation_steps
             print0(layout, f"warning: gradient_accumulation_steps = {m} microbatches for pp = {layout.pp} stages: the "
                            f"stages are idle {(layout.pp - 1) / (m + layout.pp - 1):.0%} of each step (the bubble, "
                            f"(pp - 1) / (m + pp - 1)); raise gradient_accumulation_steps (lowering batch_size to keep "
                            f"the batch): {4 * layout.pp} microbatches bring the bubble under 20%")
     return SimpleNamespace(dev=dev, dtype=ptdtype, layout=layout, datasets=datasets, model_cfg=model_cfg,
-                           attn_impl=attn, tokenizer=data_meta.get("tokenizer", "gpt2"))
+                           attn_impl=attn, tokenizer=tokenizer, hf_dir=hf_dir)
 
 
 def build(cfg, run):
@@ -233,8 +279,15 @@ def build(cfg, run):
     layout = run.layout
     torch.manual_seed(cfg.seed)
     model = Transformer(run.model_cfg, layout.tp_group, layout.pp, layout.pp_rank, attn_impl=run.attn_impl,
-                        activation_checkpointing=cfg.activation_checkpointing, chunked_loss=cfg.chunked_loss)
-    model.init_weights(cfg.seed)
+                        activation_checkpointing=cfg.activation_checkpointing, chunked_loss=cfg.chunked_loss,
+                        cp_group=layout.cp_group, sequence_parallel=cfg.sequence_parallel)
+    loaded = None
+    if run.hf_dir is not None:  # a transformers model: each rank reads only its own slices of the weights
+        start = time.time()
+        read, total = import_hf.load_weights(model, run.hf_dir)
+        loaded = SimpleNamespace(seconds=time.time() - start, bytes_read=read, file_bytes=total)
+    else:
+        model.init_weights(cfg.seed)
     model.to(run.dev)
     pipeline = make_pipeline(cfg, layout, model, run.dev)
     tied = pipeline.tied_copies if pipeline else []
@@ -246,16 +299,16 @@ def build(cfg, run):
     if isinstance(optimizer, Muon):
         n = sum(p.numel() for p in optimizer.matrices)
         print0(layout, f"optimizer: Muon for {len(optimizer.matrices)} matrices ({n / 1e6:.2f}M parameters on rank 0), "
-                       f"AdamW for the rest; {state}" + (f", whole matrices and AdamW slices across {layout.dp} "
+                       f"AdamW for the rest; {state}" + (f", whole matrices and AdamW slices across {layout.dp_cp} "
                                                          f"data-parallel ranks (ZeRO-1)" if cfg.zero_stage else ""))
     elif isinstance(optimizer, ZeroOneAdamW):
-        print0(layout, f"optimizer: ZeroOneAdamW, {state}, about 1/{layout.dp} of the unsharded {unsharded / 2**20:.2f} MiB")
+        print0(layout, f"optimizer: ZeroOneAdamW, {state}, about 1/{layout.dp_cp} of the unsharded {unsharded / 2**20:.2f} MiB")
     else:
         print0(layout, f"optimizer: AdamW, state {unsharded / 2**20:.2f} MiB per rank")
     scaler = DynamicLossScaler(enabled=run.dtype == torch.float16)
     autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
     return SimpleNamespace(model=model, step_model=compile_model(model, cfg, layout), optimizer=optimizer,
-                           grad_sync=grad_sync, pipeline=pipeline, autocast=autocast, scaler=scaler)
+                           grad_sync=grad_sync, pipeline=pipeline, autocast=autocast, scaler=scaler, loaded=loaded)
 
 
 def takes_muon(name, param):
@@ -268,10 +321,10 @@ def takes_muon(name, param):
 
 def make_optimizer(model, cfg, device, layout, tied=()):
     """AdamW; weight decay on matrices (linears, embeddings) only, not on norm gains and biases. With
-    zero_stage=1, ZeroOneAdamW: the same update, its states split across the data-parallel group (tied
-    weights are averaged after their copies' gradients are summed: `deferred`). With optimizer='muon', one
-    parallel.Muon: Muon for the blocks' matrices (takes_muon), with the same weight decay, AdamW as above
-    for the rest."""
+    zero_stage=1, ZeroOneAdamW: the same update, its states split across the ranks that hold the same
+    parameters, dp x cp (tied weights are averaged after their copies' gradients are summed: `deferred`).
+    With optimizer='muon', one parallel.Muon: Muon for the blocks' matrices (takes_muon), with the same
+    weight decay, AdamW as above for the rest."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -282,23 +335,24 @@ def make_optimizer(model, cfg, device, layout, tied=()):
             dict(g, params=[p for p in g["params"] if id(p) not in chosen]) for g in groups]
         return Muon(groups, lr=cfg.learning_rate, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
                     betas=(cfg.beta1, cfg.beta2), tp_group=layout.tp_group, zero=cfg.zero_stage == 1,
-                    dp_group=layout.dp_group, bucket_size_mb=cfg.bucket_size_mb, deferred=tied)
+                    dp_group=layout.dp_cp_group, bucket_size_mb=cfg.bucket_size_mb, deferred=tied)
     if cfg.zero_stage == 1:
-        return ZeroOneAdamW(groups, layout.dp_group, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+        return ZeroOneAdamW(groups, layout.dp_cp_group, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
                             bucket_size_mb=cfg.bucket_size_mb, deferred=tied)
     # one kernel for the whole update; on CPU (torch >= 2.4) it was a third of a small model's step unfused
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 
 def make_grad_sync(model, cfg, layout, optimizer, tied=()):
-    """What averages the gradients across data-parallel ranks: the ZeRO-1 optimizer's own sharded buckets, plain
-    all-reduce buckets, or nothing with a single replica. A tied weight's gradient changes after backward
-    (its copies are summed), so it is averaged in finish(), after that sum, not from the backward hooks."""
+    """What averages the gradients across the ranks that hold the same parameters, dp x cp (each cp rank
+    has the gradient of its share of every sequence): ZeroOneAdamW's own sharded buckets, plain all-reduce
+    buckets, or nothing with a single replica. A tied weight's gradient changes after backward (its copies
+    are summed), so it is averaged in finish(), after that sum, not from the backward hooks."""
     if cfg.zero_stage == 1:  # ZeroOneAdamW or Muon with zero=True
         return optimizer.grad_sync
-    if layout.dp_group is None:
+    if layout.dp_cp_group is None:
         return None
-    return GradientBuckets(list(model.parameters()), layout.dp_group, cfg.bucket_size_mb, deferred=tied)
+    return GradientBuckets(list(model.parameters()), layout.dp_cp_group, cfg.bucket_size_mb, deferred=tied)
 
 
 def make_pipeline(cfg, layout, model, dev):
@@ -308,7 +362,11 @@ def make_pipeline(cfg, layout, model, dev):
     process groups and runs the world's first collective (PipelineComm)."""
     if layout.pp == 1:
         return None
-    comm = PipelineComm.from_layout(layout, model.cfg.n_embd, dev)
+    # what travels: the hidden states of this rank's tokens, (B, T, n_embd) for token ids x of (B, T), which
+    # are this rank's T/cp under context parallelism; T/tp of those under sequence parallelism
+    split = layout.tp if cfg.sequence_parallel else 1
+    comm = PipelineComm(layout.pp_rank, layout.pp, layout.pp_prev, layout.pp_next,
+                        lambda x: (x.shape[0], x.shape[1] // split, model.cfg.n_embd), device=dev)
     tied_group, tied_copies = None, []
     if model.cfg.tie_embeddings:  # the embedding on the first stage, its copy as the head on the last
         tied_group = tied_weight_group(layout, [0, layout.pp - 1])
@@ -388,9 +446,9 @@ def forward_backward(model, microbatches, autocast, loss_multiplier, set_grad_sy
     set_grad_sync(bool) is called before each backward, True before the last (see parallel.run_schedule):
     data parallelism communicates only then."""
     total = 0.0
-    for i, (x, y) in enumerate(microbatches):
+    for i, batch in enumerate(microbatches):  # (x, y), or (x, y, positions) under context parallelism
         with autocast:
-            _, loss = model(x, y)
+            _, loss = model(*batch)
         loss = loss / len(microbatches)
         if set_grad_sync is not None:
             set_grad_sync(i == len(microbatches) - 1)
@@ -426,9 +484,10 @@ def forward_backward_step(parts, step_model, microbatches):
 def global_grad_norm(model, layout, dp_sharded=False):
     """The norm of the whole model's gradient, the same on every rank whatever the layout. Tensor-sharded
     parameters contribute their slice on each tp rank; replicated ones (norms) are counted on tp rank 0
-    only; pipeline stages hold disjoint blocks (a tied head's copy is not counted twice); data-parallel
-    replicas hold the same (already averaged) gradient and are counted once. With ZeRO-1 (dp_sharded)
-    each data-parallel rank holds the gradient of its own elements only (zero elsewhere): they add up."""
+    only; pipeline stages hold disjoint blocks (a tied head's copy is not counted twice); data- and
+    context-parallel replicas hold the same (already averaged) gradient and are counted once. With ZeRO-1
+    (dp_sharded) each dp x cp rank holds the gradient of its own elements only (zero elsewhere): they add
+    up."""
     copies = model.tied_copies()
     sq = torch.zeros((), device=next(model.parameters()).device, dtype=torch.float32)
     for name, p in model.named_parameters():
@@ -439,7 +498,7 @@ def global_grad_norm(model, layout, dp_sharded=False):
         sq += p.grad.detach().float().pow(2).sum()
     if layout.world_size > 1:
         if not dp_sharded:
-            sq /= layout.dp  # every dp replica adds the same amount
+            sq /= layout.dp_cp  # every dp x cp replica adds the same amount
         dist.all_reduce(sq)
     return sq.sqrt()
 
@@ -500,9 +559,9 @@ def evaluate(cfg, run, parts):
             total = pipeline_forward(model, batches, parts.pipeline.comm, parts.autocast)
         else:
             total = 0.0
-            for x, y in batches:
+            for batch in batches:
                 with parts.autocast:
-                    _, loss = model(x, y)
+                    _, loss = model(*batch)
                 total += loss.float() / cfg.eval_iters
         out[split] = mean_across_ranks(total, layout).item()
     model.train()
@@ -510,13 +569,14 @@ def evaluate(cfg, run, parts):
 
 
 def mean_across_ranks(value, layout):
-    """The job-wide mean of a per-rank loss: equal on tp ranks, different on each dp rank, and with pp > 1
-    in parts summed over the stages (the last stage's loss, the others' auxiliary losses or zero: see
-    parallel.run_schedule). One all-reduce over the whole world, rank 0 and everyone get it."""
+    """The job-wide mean of a per-rank loss: equal on tp ranks, different on each dp rank, each cp rank's
+    its share (their mean is the loss: Transformer.context_share), and with pp > 1 in parts summed over
+    the stages (the last stage's loss, the others' auxiliary losses or zero: see parallel.run_schedule).
+    One all-reduce over the whole world, rank 0 and everyone get it."""
     if layout.world_size == 1:
         return value
     counts = layout.tp_rank == 0
-    value = value.detach().float() * (1.0 / layout.dp if counts else 0.0)
+    value = value.detach().float() * (1.0 / layout.dp_cp if counts else 0.0)
     dist.all_reduce(value)
     return value
 
@@ -525,11 +585,19 @@ def mean_across_ranks(value, layout):
 # checkpoints
 
 
-def save_checkpoint(cfg, run, parts, step):
+def save_checkpoint(cfg, run, parts, step, converted=False):
+    """converted: the model just loaded from a transformers folder (max_iters=0). Its checkpoint records the
+    architecture as its settings and nothing of this launch's run: resuming it takes max_iters, the schedule
+    and the data from its own command line, and starts a fresh optimizer (see resume)."""
     layout, model, optimizer = run.layout, parts.model, parts.optimizer
-    meta = {"config": vars(cfg), "model": asdict(run.model_cfg), "tokenizer": run.tokenizer,
-            "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp},
+    config = vars(cfg)
+    if converted:
+        config = {k: v for k, v in asdict(run.model_cfg).items() if k not in import_hf.NOT_ARCHITECTURE}
+    meta = {"config": config, "model": asdict(run.model_cfg), "tokenizer": run.tokenizer,
+            "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp},
             "adam_step": checkpoint.adamw_step_count(optimizer), "loss_scale": parts.scaler.scale}
+    if converted:
+        meta["converted_from"] = os.path.abspath(cfg.init_from)
     extra = {"torch_rng": torch.get_rng_state()}
     if torch.cuda.is_available():
         extra["cuda_rng"] = torch.cuda.get_rng_state()
@@ -544,7 +612,9 @@ def resume(path, cfg, run, parts):
     reader = checkpoint.open_for_resume(path, run.model_cfg, lambda text: print0(run.layout, text))
     checkpoint.load_model(parts.model, reader)
     saved_optimizer = reader.meta["config"].get("optimizer", "adamw")
-    if saved_optimizer != cfg.optimizer:  # AdamW's moments are not Muon's momentum, nor the reverse
+    if reader.meta.get("converted_from"):  # a model converted from transformers has no optimizer state
+        print0(run.layout, f"a model converted from {reader.meta['converted_from']}: a fresh optimizer")
+    elif saved_optimizer != cfg.optimizer:  # AdamW's moments are not Muon's momentum, nor the reverse
         print0(run.layout, f"resume: the checkpoint's optimizer state ({saved_optimizer}) is not loaded: "
                            f"{cfg.optimizer}'s starts from zero")
     else:
@@ -571,6 +641,11 @@ def train(cfg, run, resume_path=None):
     print0(layout, f"model: {metrics.full_param_count(parts.model, layout) / 1e6:.2f}M parameters (vocabulary "
                    f"padded), {model_cfg.n_layer} layers, {model_cfg.n_head} heads ({model_cfg.n_kv_head} kv), "
                    f"width {model_cfg.n_embd}")
+    if run.hf_dir is not None and cfg.max_iters == 0:
+        return convert(cfg, run, parts)
+    if parts.loaded is not None:
+        print0(layout, f"loaded {run.hf_dir} in {parts.loaded.seconds:.1f} s (rank 0 read "
+                       f"{parts.loaded.bytes_read / 2**20:,.1f} MiB of the files' {parts.loaded.file_bytes / 2**20:,.1f})")
     step = 0
     if resume_path is not None:
         step, path = resume(resume_path, cfg, run, parts)
@@ -627,6 +702,27 @@ def train(cfg, run, resume_path=None):
             print0(layout, f"step {step:6d} | saved {path}")
             timer, timed_steps = time.time(), 0
     log.close()
+    return parts.model
+
+
+def convert(cfg, run, parts):
+    """init_from=<a transformers model folder> with max_iters=0: write the model just loaded as the step-0
+    checkpoint of out_dir, at this launch's layout, and say what each rank read, how long it took and the
+    most memory it held (CUDA allocator peak, or max RSS on CPU: that counts the pages of the memory-mapped
+    safetensors files the rank touched)."""
+    start = time.time()
+    path = save_checkpoint(cfg, run, parts, 0, converted=True)
+    loaded, layout = parts.loaded, run.layout
+    mine = (layout.rank, loaded.seconds, time.time() - start, loaded.bytes_read, metrics.rank_peak_memory_bytes(run.dev))
+    rows = [mine]
+    if layout.world_size > 1:
+        rows = [None] * layout.world_size
+        dist.all_gather_object(rows, mine)
+    print0(layout, f"converted {run.hf_dir} ({loaded.file_bytes / 2**20:,.1f} MiB of safetensors) to {path}, step 0, "
+                   f"layout dp={layout.dp} x tp={layout.tp} x pp={layout.pp}; resume it with --init_from=resume")
+    for rank, load_s, save_s, read, peak in rows:
+        print0(layout, f"  rank {rank}: read {read / 2**20:,.1f} MiB in {load_s:.2f} s, saved in {save_s:.2f} s, "
+                       f"peak memory {peak / 2**20:,.0f} MiB")
     return parts.model
 
 

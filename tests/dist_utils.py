@@ -2,8 +2,11 @@
 
 run_ranks(fn, world_size, *args) runs fn(rank, world_size, *args) in world_size fresh processes with
 torch.distributed initialised (gloo) and returns each rank's return value, in rank order.
-run_train(argv, nproc) runs train.py under torchrun and returns the records of its metrics.jsonl.
+run_train(argv, nproc) runs train.py under torchrun and returns the records of its metrics.jsonl;
+train_in_process(argv) runs a one-process train.main here.
 make_token_data(dir) writes small random token bins with a meta.json, as prepare_data.py would.
+assert_same_losses_and_norms, assert_same_tensors: the equivalence rule (a run against its one-process
+reference), with the tolerances below; checkpoint_weights reads a checkpoint's weights at one process.
 """
 import json
 import os
@@ -17,6 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import checkpoint
+import train
+from model import Transformer, model_config_from
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,23 +72,35 @@ def run_ranks(fn, world_size, *args, timeout=300):
     return [results[r] for r in range(world_size)]
 
 
-def run_train(argv, nproc=1, check=True, env=None, timeout=600):
-    """Run train.py (under torchrun when nproc > 1); returns (metrics records, completed process)."""
+def run_train(argv, nproc=1, check=True, env=None, timeout=600, script="train.py"):
+    """Run train.py, or another script given relative to the checkout (bench.py, tests/crash_run.py), under
+    torchrun when nproc > 1; returns (metrics records, completed process)."""
     if nproc == 1:
-        cmd = [sys.executable, str(ROOT / "train.py")]
+        cmd = [sys.executable, str(ROOT / script)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(ROOT / "train.py")]
+               str(ROOT / script)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}  # env may override OMP_NUM_THREADS
     proc = subprocess.run(cmd + list(argv), capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT)
     if check and proc.returncode != 0:
-        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return read_records(argv), proc
+
+
+def train_in_process(argv):
+    """train.main(argv) in this process: a one-process run without the start-up of another interpreter and
+    torch. Returns the records of its metrics.jsonl."""
+    train.main(list(argv))
+    return read_records(argv)
+
+
+def read_records(argv):
+    """The records of the metrics.jsonl in the --out_dir of argv ([] when there is none)."""
     out_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--out_dir=")), None)
-    records = []
-    if out_dir and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
-        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-    return records, proc
+    if not out_dir or not os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+        return []
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def train_losses(records):
@@ -122,30 +141,43 @@ def gather_full(tensor, param, group):
 #
 # fp32 on CPU, different layouts sum in different orders, and AdamW amplifies those roundings a little
 # each step; the tolerances hold on CPUs with and without AVX-512 and still catch a real error:
-#   losses             relative 1e-5 each step
-#   global grad norm   relative 1e-4 each step (losses barely move when a gradient is off by a constant
-#                      factor under AdamW with clipping; the norm moves with it)
+#   losses             relative 1e-5 each logged step (the train loss, and the evaluated losses)
+#   global grad norm   relative 1e-4 each logged step (losses barely move when a gradient is off by a
+#                      constant factor under AdamW with clipping; the norm moves with it)
 #   final weights      per tensor, ||a - b|| / ||b|| <= 1e-4 (one element can be off by 1e-5 absolute
 #                      on one CPU where the tensor as a whole agrees to 1e-5)
+# Each comparison prints its largest difference (pytest -s shows them): the margin each test has.
 LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL = 1e-5, 1e-4, 1e-4
+LOGGED = (("loss", LOSS_RTOL), ("grad_norm", GRAD_NORM_RTOL), ("train_loss", LOSS_RTOL), ("val_loss", LOSS_RTOL))
 
 
-def _worst(got, want, rtol):
-    """The largest relative difference of two lists of numbers, and where it is."""
-    assert len(got) == len(want), f"{len(got)} values against the reference's {len(want)}"
-    diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, want)]
-    k = max(range(len(diffs)), key=diffs.__getitem__) if diffs else 0
-    return (diffs[k] if diffs else 0.0), k
+def _report(what, worst, where, rtol, label):
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0] + (f" {label}" if label else "")
+    print(f"equivalence | {test} | {what}: largest relative difference {worst:.2e} ({where}), tolerance {rtol:.0e}",
+          flush=True)
 
 
-def assert_same_losses_and_norms(records, reference):
-    """Loss and global gradient norm of every logged step, against the reference run's records."""
-    for key, rtol in (("loss", LOSS_RTOL), ("grad_norm", GRAD_NORM_RTOL)):
-        got = [r[key] for r in records if key in r]
-        want = [r[key] for r in reference if key in r][:len(got)]
-        worst, k = _worst(got, want, rtol)
-        assert got and worst <= rtol, (f"{key} differs from one process by {worst:.2e} relative at logged step "
-                                       f"{k + 1} (tolerance {rtol:.0e}): {got} against {want}")
+def assert_same_losses_and_norms(records, reference, label=None):
+    """The loss and global gradient norm of every logged step, and the evaluated losses where the run has
+    them, against the reference run's records of the same steps (a resumed run logs only its own). label
+    names the run in the printed report when a test compares several."""
+    trained = {r["step"] for r in records if "loss" in r}
+    for key, rtol in LOGGED:
+        got = {r["step"]: r[key] for r in records if key in r}
+        want = {r["step"]: r[key] for r in reference if key in r}
+        if key in ("loss", "grad_norm"):
+            assert got, f"the run logged no {key}"
+        missing = sorted(s for s in want if s in trained and s not in got)
+        assert not missing, f"the reference logged {key} at steps {missing}, the run did not"
+        if not got:
+            continue
+        assert set(got) <= set(want), f"{key} logged at steps {sorted(set(got) - set(want))}, not in the reference"
+        diffs = {s: abs(v - want[s]) / max(abs(want[s]), 1e-12) for s, v in got.items()}
+        step = max(diffs, key=diffs.get)
+        _report(key, diffs[step], f"step {step}", rtol, label)
+        assert diffs[step] <= rtol, (f"{label + ': ' if label else ''}{key} differs from one process by "
+                                     f"{diffs[step]:.2e} relative at step {step} (tolerance {rtol:.0e}): "
+                                     f"{[got[s] for s in sorted(got)]} against {[want[s] for s in sorted(got)]}")
 
 
 def relative_difference(a, b):
@@ -154,10 +186,24 @@ def relative_difference(a, b):
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
-def assert_same_tensors(got, want, rtol=WEIGHT_RTOL, what="weights"):
+def assert_same_tensors(got, want, rtol=WEIGHT_RTOL, what="weights", label=None):
     """Every tensor of `want` (a dict) is in `got` with the same shape and within rtol by the per-tensor
     relative norm; the failure lists every tensor outside it with its difference."""
     assert set(got) == set(want), f"{what}: {sorted(set(got) ^ set(want))} on one side only"
-    bad = {name: relative_difference(got[name], w) for name, w in want.items()
-           if tuple(got[name].shape) != tuple(w.shape) or relative_difference(got[name], w) > rtol}
-    assert not bad, f"{what} outside ||a-b||/||b|| <= {rtol:.0e}: " + ", ".join(f"{n}: {d:.2e}" for n, d in bad.items())
+    shapes = {n: (tuple(got[n].shape), tuple(w.shape)) for n, w in want.items()
+              if tuple(got[n].shape) != tuple(w.shape)}
+    assert not shapes, f"{what}: shapes differ (got, want): {shapes}"
+    diffs = {name: relative_difference(got[name], w) for name, w in want.items()}
+    worst = max(diffs, key=diffs.get)
+    _report(what, diffs[worst], worst, rtol, label)
+    bad = {name: d for name, d in diffs.items() if d > rtol}
+    assert not bad, (f"{label + ': ' if label else ''}{what} outside ||a-b||/||b|| <= {rtol:.0e}: "
+                     + ", ".join(f"{n}: {d:.2e}" for n, d in bad.items()))
+
+
+def checkpoint_weights(ckpt_path):
+    """A checkpoint's weights, loaded into a single-process model (whatever layout saved them)."""
+    reader = checkpoint.CheckpointReader(ckpt_path)
+    model = Transformer(model_config_from(reader.meta["model"]))
+    checkpoint.load_model(model, reader)
+    return {name: p.detach() for name, p in model.named_parameters()}

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_utils import make_token_data
+from dist_utils import make_token_data, run_train
 
 import metrics
 import model as model_module
@@ -48,11 +48,13 @@ def test_flops_per_token_gqa_counts_the_smaller_key_value_projections():
 
 def test_flops_per_token_counts_the_matmul_weights_the_model_has():
     """The formula from the config against the built model's own matmul weights (not the embedding)."""
-    for kw in ({}, {"n_kv_head": 2}, {"tie_embeddings": False}):
+    for kw in ({}, {"n_kv_head": 2}, {"tie_embeddings": False}, {"head_dim": 32, "intermediate_size": 96, "qkv_bias": True},
+               {"mlp": "gelu", "norm": "layernorm", "intermediate_size": 80}):
         m = tiny_model(**kw)
         weights = sum(p.numel() for n, p in m.named_parameters() if p.dim() == 2 and not n.startswith(("tok_emb", "lm_head")))
         weights += m.cfg.n_embd * m.cfg.vocab_size
-        scores = 6 * m.cfg.n_layer * m.cfg.block_size * m.cfg.n_embd * 2
+        head_dim = m.cfg.head_dim or m.cfg.n_embd // m.cfg.n_head
+        scores = 6 * m.cfg.n_layer * m.cfg.block_size * m.cfg.n_head * head_dim * 2
         assert flops_per_token(m.cfg) == 6 * weights + scores
 
 
@@ -265,3 +267,19 @@ def test_bench_prints_a_table_and_a_parseable_result_line(capsys):
     assert result["ms_per_step"] == pytest.approx(1000 * 2 * 32 / result["tokens_per_sec"])
     assert result["mfu"] == pytest.approx(result["flops_per_token"] * result["tokens_per_sec"] / 1e12)
     assert result["reference_tokens_per_sec"] > 0
+
+
+def test_bench_under_torchrun_prints_one_table_and_one_result_line():
+    """2 ranks (dp=2): rank 0 alone prints, once; the figures are the whole job's (both replicas' tokens)."""
+    _, proc = run_train(["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32",
+                         "--vocab_size=512", "--batch_size=2", "--warmup_steps=1", "--bench_steps=2",
+                         "--peak_flops=1e12"], nproc=2, script="bench.py")
+    lines = proc.stdout.strip().splitlines()
+    assert sum(line.startswith("tokens/s") for line in lines) == 1, proc.stdout
+    assert sum(line.startswith("bench: ") for line in lines) == 1, proc.stdout
+    assert [line for line in lines if line.startswith("RESULT ")] == [lines[-1]], proc.stdout
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert (result["world_size"], result["dp"], result["tp"], result["pp"]) == (2, 2, 1, 1)
+    assert result["tokens_per_step"] == 2 * 32 * 2
+    assert result["ms_per_step"] == pytest.approx(1000 * result["tokens_per_step"] / result["tokens_per_sec"])
+    assert result["mfu"] == pytest.approx(result["flops_per_token"] * result["tokens_per_sec"] / (2 * 1e12))

@@ -12,19 +12,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import checkpoint
 import parallel
-from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, make_token_data, run_ranks, run_train,
-                        train_losses)
-from model import Transformer, model_config_from
-from parallel import ParallelLayout, ZeroOneAdamW, init_distributed, optimizer_state_bytes
+from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights, make_token_data,
+                        run_ranks, run_train, train_losses)
+from parallel import GradientBuckets, ParallelLayout, ZeroOneAdamW, init_distributed, optimizer_state_bytes
 
 STEPS = 5
 TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
         f"--max_iters={STEPS}", "--log_interval=1", "--eval_interval=0", f"--checkpoint_interval={STEPS}",
         "--warmup_iters=2", "--lr_decay_iters=10", "--learning_rate=3e-3", "--gradient_accumulation_steps=2",
         # tiny buckets: several per step, so the hooks' launch order and the bucket padding are exercised
-        "--bucket_size_mb=0.01"]
+        "--bucket_size_mb=0.01",
+        "--peak_flops=1e12"]  # skips timing a CPU matmul on each rank at start-up
 GLOBAL_BATCH_ONE_RANK = ["--batch_size=4"]  # x 2 micro-batches = 8 windows per step
 PER_RANK_AT_DP2 = ["--batch_size=2"]  # x 2 micro-batches x 2 replicas = the same 8 windows
 
@@ -41,21 +40,13 @@ def reference(data_dir, tmp_path_factory):
     return records, os.path.join(out, f"ckpt_{STEPS:07d}")
 
 
-def final_weights(ckpt_path):
-    """A checkpoint's weights, loaded into a single-process model (whatever layout saved them)."""
-    reader = checkpoint.CheckpointReader(ckpt_path)
-    model = Transformer(model_config_from(reader.meta["model"]))
-    checkpoint.load_model(model, reader)
-    return dict(model.named_parameters())
-
-
 def assert_same_run(records, ckpt_path, reference):
     """Same losses and (clipped: grad_clip=1 is active at these norms) global gradient norms at every step,
     and the same final weights."""
     ref_records, ref_ckpt = reference
     assert len(train_losses(records)) == STEPS
     assert_same_losses_and_norms(records, ref_records)
-    assert_same_tensors(final_weights(ckpt_path), final_weights(ref_ckpt))
+    assert_same_tensors(checkpoint_weights(ckpt_path), checkpoint_weights(ref_ckpt))
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
@@ -65,7 +56,7 @@ def test_dp2_gives_the_losses_and_final_weights_of_one_process(zero_stage, data_
     assert "dp=2 x tp=1 x pp=1" in proc.stdout
     assert_same_run(records, os.path.join(tmp_path, f"ckpt_{STEPS:07d}"), reference)
     state = [r["optimizer_state_bytes"] for r in records if "optimizer_state_bytes" in r]
-    full = 2 * 4 * sum(p.numel() for p in final_weights(reference[1]).values())  # two fp32 moments
+    full = 2 * 4 * sum(p.numel() for p in checkpoint_weights(reference[1]).values())  # two fp32 moments
     assert state[-1] == pytest.approx(full / (2 if zero_stage else 1), rel=0.01)
 
 
@@ -119,9 +110,42 @@ def _zero_against_adamw(rank, world_size):
             "zero_state_bytes": optimizer_state_bytes(opt)}
 
 
+def _buckets_with_a_parameter_unused_on_one_rank(rank):
+    """Three equal linears, one bucket each; rank 1 skips the middle one (as a replica none of whose tokens
+    reached an MoE expert): its bucket fills during backward on rank 0 and only in finish() on rank 1.
+    Returns the largest difference from the mean gradient computed by hand (zero where a rank had none)."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(4, 4, bias=False) for _ in range(3))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+
+    def backward():
+        h = layers[0](x)
+        if rank == 0:
+            h = layers[1](h)
+        layers[2](h).pow(2).sum().backward()
+
+    backward()  # the reference, before any hook is registered: every gradient all-reduced on its own
+    expected = []
+    for p in layers.parameters():
+        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)
+        expected.append(g / 2)
+        p.grad = None
+    sync = GradientBuckets(list(layers.parameters()), dist.group.WORLD, bucket_size_mb=16 * 4 / 2 ** 20)
+    backward()
+    launched_in_backward = sync.launched
+    sync.finish()
+    return {"n_buckets": len(sync.buckets), "launched_in_backward": launched_in_backward,
+            "max_diff": max((p.grad - e).abs().max().item() for p, e in zip(layers.parameters(), expected))}
+
+
+def _data_parallel_worker(rank, world_size):
+    return {**_zero_against_adamw(rank, world_size), "unused": _buckets_with_a_parameter_unused_on_one_rank(rank)}
+
+
 @pytest.fixture(scope="module")
 def zero_results():
-    return run_ranks(_zero_against_adamw, 2)
+    return run_ranks(_data_parallel_worker, 2)
 
 
 def test_zero_one_adamw_follows_adamw_under_a_changing_learning_rate(zero_results):
@@ -143,6 +167,15 @@ def test_gradients_are_communicated_from_backward_hooks_on_the_last_micro_batch_
         # after the accumulation micro-step's backward: nothing launched; after the last one's backward
         # returns (before finish()): every bucket already launched, from the hooks, during backward
         assert r["launched_per_backward"] == [0, r["n_buckets"]] * 4
+
+
+def test_buckets_are_launched_in_the_same_order_on_every_rank_whatever_order_they_fill_in(zero_results):
+    # rank 0 fills buckets 0, 1, 2 during backward; rank 1 fills 0 and 2, and 1 only in finish(): launched
+    # as they filled, rank 1 would add its bucket 2 to rank 0's bucket 1 (same size: no error, wrong sums)
+    assert [r["unused"]["n_buckets"] for r in zero_results] == [3, 3]
+    assert [r["unused"]["launched_in_backward"] for r in zero_results] == [3, 1]  # rank 1's bucket 2 waits
+    for r in zero_results:
+        assert r["unused"]["max_diff"] < 1e-6, r["unused"]
 
 
 # -----------------------------------------------------------------------------

@@ -127,8 +127,17 @@ def test_plot_writes_a_png_comparing_two_runs(tmp_path):
     assert os.path.getsize(out) > 10_000
 
 
+@skip_without("matplotlib")  # without it plot.py stops first, saying so (the next test)
 def test_plot_names_a_run_without_metrics(tmp_path):
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
+        plot.main([str(tmp_path), f"--out={tmp_path / 'x.png'}"])
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    with pytest.raises(SystemExit, match="plot.py needs matplotlib, which is not installed: pip install matplotlib"):
         plot.main([str(tmp_path), f"--out={tmp_path / 'x.png'}"])
 
 

@@ -52,3 +52,15 @@ def test_a_generated_config_trains_one_step(tmp_path):
     assert "vocabulary 512" in config.read_text()  # read from the data's meta.json
     records, _ = run_train([str(config), f"--out_dir={tmp_path / 'run'}"])
     assert [r["step"] for r in records if "loss" in r] == [1]
+
+
+def test_the_parameter_count_follows_head_dim_intermediate_size_and_qkv_bias(tmp_path):
+    out = tmp_path / "c.py"
+    make_config.main(["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=2", "--head_dim=32",
+                      "--intermediate_size=96", "--qkv_bias=True", "--vocab_size=1000", f"--out={out}"])
+    # q and o: 64 x 4*32 each; k and v: 64 x 2*32 each, with biases on q, k and v; SwiGLU 3 x 64 x 96
+    d = 64
+    per_block = 2 * d * 128 + 2 * d * 64 + (128 + 2 * 64) + 3 * d * 96 + 2 * d
+    text = out.read_text()
+    assert f"{(2 * per_block + d + 1000 * d) / 1e6:.2f}M parameters" in text
+    assert "4 heads (2 key/value) of size 32" in text

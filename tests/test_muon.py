@@ -1,4 +1,4 @@
-"""Muon (parallel.py, section 5) and the warmup-stable-decay schedule (train.get_lr).
+"""Muon (parallel.py, section 6) and the warmup-stable-decay schedule (train.get_lr).
 
 Muon on its own: Newton-Schulz maps each singular value through the quintic and keeps the singular
 vectors; the update is the orthogonalised Nesterov momentum at 0.2 * sqrt(max(A, B)) with decoupled weight
@@ -120,7 +120,7 @@ def test_the_blocks_matrices_take_muon_and_the_rest_adamw():
                       n_expert=2, n_shared_expert=1, tie_embeddings=False)
     model = Transformer(cfg)
     run_cfg = train.SimpleNamespace(**{**settings.DEFAULTS, "optimizer": "muon"})
-    layout = train.SimpleNamespace(tp_group=None, dp_group=None)
+    layout = train.SimpleNamespace(tp_group=None, dp_group=None, dp_cp_group=None)
     opt = train.make_optimizer(model, run_cfg, "cpu", layout)
     names = {id(p): n for n, p in model.named_parameters()}
     muon = sorted(names[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"])

@@ -191,6 +191,8 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(token_dir, tmp_path)
     resumed, proc = run_train([f"--out_dir={tmp_path / 'b'}", *common, "--init_from=resume"])
     assert "resumed from" in proc.stdout
     assert train_losses(resumed) == train_losses(straight)  # bit-identical in fp32 on CPU
+    norms = [[r["grad_norm"] for r in records if "grad_norm" in r] for records in (resumed, straight)]
+    assert norms[0] == norms[1]
     assert [r["val_loss"] for r in resumed if "val_loss" in r] == [r["val_loss"] for r in straight if "val_loss" in r]
 
 

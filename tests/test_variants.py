@@ -36,6 +36,10 @@ VARIANTS = {
     "parallel_block": dict(parallel_block=True),
     "layernorm_gelu_bias": dict(norm="layernorm", mlp="gelu", bias=True),
     "moe": MOE,
+    # the shapes of real checkpoints: heads not n_embd / n_head wide, any MLP width, q/k/v-only biases,
+    # Llama 3's RoPE scaling (an original context of 16 < block_size 32 scales most frequencies)
+    "real_model_shapes": dict(n_kv_head=2, head_dim=32, intermediate_size=96, qkv_bias=True, rope_scaling_factor=8.0,
+                              rope_original_context=16),
     "all_gqa": dict(n_kv_head=2, qk_norm=True, attn_softcap=5.0, final_softcap=10.0, parallel_block=True,
                     norm="layernorm", mlp="gelu", bias=True, **MOE),
     "all_mla": {**MLA, "q_lora_rank": 24, "qk_norm": True, "attn_softcap": 5.0, "final_softcap": 10.0,
@@ -485,6 +489,11 @@ def test_flash_path_passes_the_softcap_and_pads_mla_head_sizes(fake_flash, dv):
     (dict(MLA, mlp="gelu", n_embd=31, n_head=8), 8, "MLP width 124 .from n_embd = 31. must be divisible by tp = 8"),
     (dict(n_expert=2, n_expert_per_token=3), 1, "n_expert_per_token = 3 must be between 1 and n_expert = 2"),
     (dict(n_expert=2, capacity_factor=0.0), 1, "capacity_factor = 0.0 must be positive"),
+    (dict(head_dim=7), 1, "head_dim = 7 must be even for RoPE"),
+    (dict(MLA, head_dim=32), 1, "head_dim = 32 applies to attention='mha' only"),
+    (dict(MLA, qkv_bias=True), 1, "qkv_bias = True applies to attention='mha' only"),
+    (dict(intermediate_size=100), 8, "MLP width 100 .intermediate_size. must be divisible by tp = 8"),
+    (dict(rope_scaling_factor=8.0, rope_low_freq_factor=4.0, rope_high_freq_factor=1.0), 1, "must satisfy 0 < low < high"),
 ])
 def test_check_layout_explains_variant_constraints(overrides, tp, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):

@@ -15,12 +15,17 @@ TP_VARIANTS = {
     "mqa_qk_norm_bias": dict(n_kv_head=1, qk_norm=True, bias=True),
     # two key/value heads split across two ranks, with QK-norm gains replicated over the split heads
     "gqa_split_qk_norm": dict(n_kv_head=2, qk_norm=True),
+    # replicated k/v with q/k/v-only biases and a head size of its own; experts of a chosen width
+    "mqa_qkv_bias_head_dim": dict(n_kv_head=1, head_dim=8, qkv_bias=True),
+    "moe_gelu_intermediate_size": dict(n_expert=4, n_expert_per_token=2, capacity_factor=1.0, mlp="gelu",
+                                       norm="layernorm", intermediate_size=48),
 }
 
 
 def compare_variants_at_tp2(rank, world_size):
     """On each rank: the full model and this rank's tp=2 slice of it, same weights, same batch, forward
-    and backward; returns {variant: (largest logit, loss and gradient differences, names compared)}."""
+    and backward; returns {variant: (largest logit difference, loss difference, (largest gradient difference,
+    its parameter), names compared)}."""
     group = dist.new_group(list(range(world_size)))
     results = {}
     for name, overrides in TP_VARIANTS.items():
@@ -37,12 +42,10 @@ def compare_variants_at_tp2(rank, world_size):
         dist.all_gather(parts, logits.contiguous(), group=group)  # the vocab-sharded logits, whole
         logit_err = (torch.cat(parts, dim=-1) - full_logits).abs().max().item()
         full_params = dict(full.named_parameters())
-        grad_err, names = 0.0, []
-        for pname, p in split.named_parameters():
-            g = gather_full(p.grad, p, group)
-            grad_err = max(grad_err, (g - full_params[pname].grad).abs().max().item())
-            names.append(pname)
-        results[name] = (logit_err, abs(loss.item() - full_loss.item()), grad_err, sorted(names))
+        grad_errs = {pname: (gather_full(p.grad, p, group) - full_params[pname].grad).abs().max().item()
+                     for pname, p in split.named_parameters()}
+        worst = max(grad_errs, key=grad_errs.get)
+        results[name] = (logit_err, abs(loss.item() - full_loss.item()), (grad_errs[worst], worst), sorted(grad_errs))
     return results
 
 
@@ -51,11 +54,13 @@ def test_every_variant_at_tp2_equals_one_process():
     failures = []
     for rank, results in enumerate(per_rank):
         assert set(results) == set(TP_VARIANTS)
-        for name, (logit_err, loss_err, grad_err, names) in results.items():
+        for name, (logit_err, loss_err, (grad_err, worst), names) in results.items():
             full_names = sorted(n for n, _ in Transformer(tiny_config(**TP_VARIANTS[name])).named_parameters())
             if names != full_names:
                 failures.append(f"{name} on rank {rank}: the tp model's parameters are not the full model's")
-            for what, err in (("logits", logit_err), ("loss", loss_err), ("a gradient", grad_err)):
+            for what, err in (("logits", logit_err), ("loss", loss_err), (f"the gradient of {worst}", grad_err)):
                 if not err < 1e-5:
-                    failures.append(f"{name} on rank {rank}: {what} differs by {err:.2e}")
+                    failures.append(f"{name} on rank {rank}: {what} differs by {err:.2e} (tolerance 1e-5)")
+            print(f"equivalence | variants at tp=2 | {name} rank {rank}: logits {logit_err:.2e}, loss {loss_err:.2e}, "
+                  f"gradients {grad_err:.2e} ({worst}), tolerance 1e-5 (absolute)")
     assert not failures, "\n".join(failures)

@@ -1,0 +1,397 @@
+"""
+Start from a transformers model: read a local model folder (config.json and safetensors weights) into
+picotron's model at any layout. train.py does it for init_from=<folder>:
+
+    torchrun --nproc_per_node=4 train.py --init_from=hf/SmolLM2-135M --tp=2 --pp=2 --max_iters=0 --out_dir=out/smol
+    torchrun --nproc_per_node=8 train.py --init_from=resume --out_dir=out/smol --data_dir=... --max_iters=2000
+
+(max_iters=0 converts the model once into a picotron checkpoint at the launch's layout and exits; resuming
+it starts a fresh optimizer at step 0. With max_iters > 0 training starts from the model directly.)
+
+  1. The config: config.json becomes picotron's model settings, every one of them (head_dim,
+     intermediate_size, qkv_bias, Llama 3's RoPE scaling, ...); whatever picotron cannot represent (a
+     sliding window, another RoPE scaling, a mixture of experts, a GELU-gated MLP) is refused by its
+     config.json name, all at once. The architectures are those export_hf.py writes, and Qwen2's:
+         LlamaForCausalLM        SmolLM2, Llama 3.x, TinyLlama
+         Qwen2ForCausalLM        Qwen2.5 (q/k/v biases: qkv_bias=True)
+         Qwen3ForCausalLM        Qwen3 dense (qk_norm=True, head_dim)
+         VaultGemmaForCausalLM, DeepseekV3ForCausalLM (dense layers), GPTNeoXForCausalLM
+  2. The weights: each tensor is found under its transformers name (export_hf.py's table, read the other
+     way), its shape checked against the config, and each rank reads only its own slice of it, straight
+     from the safetensors files (safe_open(...).get_slice: a slice of a memory-mapped file), so no rank
+     ever holds a full model. One file or several (model.safetensors.index.json), fp32, bf16 or fp16:
+     each slice is cast to the parameters' fp32 as it is copied in.
+
+Needs the safetensors package (pip install safetensors); the model folder's tokenizer is hf_tokenizer.py's.
+"""
+import json
+import os
+from contextlib import ExitStack
+from dataclasses import fields
+
+import torch
+
+import export_hf
+import hf_tokenizer
+from model import ModelConfig, Transformer, swiglu_hidden_size
+from parallel import full_shape_of, load_shard
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "VaultGemmaForCausalLM": "vaultgemma", "DeepseekV3ForCausalLM": "deepseek_v3",
+                 "GPTNeoXForCausalLM": "gpt_neox"}  # -> their model_type
+
+# transformers' defaults for what a config.json may leave out (tests/test_import_hf.py checks them against
+# the config classes). A key present with the value null keeps null: q_lora_rank null is full-rank queries.
+COMMON_DEFAULTS = {"num_key_value_heads": None, "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
+                   "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "head_dim": None,
+                   "rope_theta": 10000.0, "use_sliding_window": False, "layer_types": None}
+DEFAULTS = {
+    "LlamaForCausalLM": {},
+    "Qwen2ForCausalLM": {},
+    "Qwen3ForCausalLM": {"head_dim": 128},
+    "VaultGemmaForCausalLM": {"tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh", "head_dim": 256,
+                              "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+                              "final_logit_softcapping": 30.0},
+    "DeepseekV3ForCausalLM": {"first_k_dense_replace": 3, "rope_interleave": True, "q_lora_rank": 1536,
+                              "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128},
+    "GPTNeoXForCausalLM": {"layer_norm_eps": 1e-5, "hidden_act": "gelu", "attention_bias": True,
+                           "use_parallel_residual": True, "partial_rotary_factor": 0.25},
+}
+SILU = ("silu", "swish")  # transformers' names of x * sigmoid(x)
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")  # of GELU's tanh approximation, picotron's (and GPT-2's)
+# the model settings that are not the architecture: they come from the command line, not from config.json
+NOT_ARCHITECTURE = ("block_size", "capacity_factor", "aux_loss_coef", "router_z_loss_coef")
+
+
+def require_safetensors():
+    try:
+        import safetensors  # noqa: F401  (lazily: only a run that loads a transformers model needs it)
+    except ImportError:
+        raise ValueError("init_from=<a transformers model folder> reads its weights with the safetensors package, "
+                         "which is not installed: pip install safetensors")
+
+
+# -----------------------------------------------------------------------------
+# 1. The config
+
+
+def read_config(folder):
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"init_from={folder!r} is not 'scratch', 'resume' or a transformers model folder: "
+                                f"{'it has no config.json' if os.path.isdir(folder) else 'no such folder'}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e})")
+
+
+def architecture_of(config, folder):
+    names = config.get("architectures") or []
+    arch = names[0] if names else {t: a for a, t in ARCHITECTURES.items()}.get(config.get("model_type"))
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{folder} holds a {arch or config.get('model_type')!r} model: picotron loads "
+                         f"{', '.join(ARCHITECTURES)}")
+    return arch
+
+
+def rope_settings(config, defaults, problems):
+    """RoPE's base and Llama 3's scaling, from rope_parameters (transformers 5) or rope_theta and
+    rope_scaling (older config.json files)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        problems.append(f"rope_parameters per layer type ({', '.join(params)}): picotron's layers share one RoPE")
+        return {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", config.get("rope_theta", config.get("rotary_emb_base", defaults["rope_theta"])))
+    partial = config.get("partial_rotary_factor", config.get("rotary_pct", defaults.get("partial_rotary_factor", 1.0)))
+    partial = params.get("partial_rotary_factor", partial)
+    if partial != 1.0:
+        problems.append(f"partial_rotary_factor={partial}: picotron rotates every dimension of a head (RoPE on part "
+                        f"of it, as Pythia has, is not implemented)")
+    out = {"rope_theta": float(theta)}
+    if rope_type == "llama3":
+        out.update(rope_scaling_factor=float(params["factor"]), rope_low_freq_factor=float(params["low_freq_factor"]),
+                   rope_high_freq_factor=float(params["high_freq_factor"]),
+                   rope_original_context=int(params.get("original_max_position_embeddings",
+                                                        config.get("max_position_embeddings"))))
+    elif rope_type != "default":
+        problems.append(f"rope_type={rope_type!r}: picotron has plain RoPE and Llama 3's scaling (rope_type 'llama3')")
+    return out
+
+
+def model_settings(folder):
+    """picotron's architecture settings for the model in `folder` (every ModelConfig field but those in
+    NOT_ARCHITECTURE), its transformers architecture, and notes to print. Raises ValueError naming each
+    config.json entry picotron cannot represent. A size that equals picotron's derived one is written 0
+    (head_dim, intermediate_size), so an export of a picotron model reads back as the same settings."""
+    config = read_config(folder)
+    arch = architecture_of(config, folder)
+    defaults = {**COMMON_DEFAULTS, **DEFAULTS[arch]}
+    get = lambda key: config.get(key, defaults.get(key))
+    problems = []
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size") if k not in config]
+    if missing:
+        raise ValueError(f"{folder}/config.json has no {', '.join(missing)}: it is not a complete {arch} config")
+    n_embd, n_head = config["hidden_size"], config["num_attention_heads"]
+    s = {f.name: f.default for f in fields(ModelConfig) if f.name not in NOT_ARCHITECTURE}
+    s.update(vocab_size=config["vocab_size"], n_layer=config["num_hidden_layers"], n_head=n_head, n_embd=n_embd,
+             tie_embeddings=bool(get("tie_word_embeddings")), norm_eps=float(get("rms_norm_eps")),
+             n_kv_head=get("num_key_value_heads") or n_head, **rope_settings(config, defaults, problems))
+    derived_mlp = swiglu_hidden_size(n_embd)
+    act_key = "hidden_activation" if arch == "VaultGemmaForCausalLM" else "hidden_act"
+    if arch == "GPTNeoXForCausalLM":
+        s.update(norm="layernorm", mlp="gelu", bias=bool(get("attention_bias")), n_kv_head=n_head,
+                 parallel_block=bool(get("use_parallel_residual")), norm_eps=float(get("layer_norm_eps")))
+        derived_mlp = 4 * n_embd
+        if get(act_key) not in GELU_TANH:
+            problems.append(f"{act_key}={get(act_key)!r}: picotron's GELU MLP is the tanh approximation "
+                            f"({' or '.join(map(repr, GELU_TANH))})")
+    elif get(act_key) not in SILU:
+        problems.append(f"{act_key}={get(act_key)!r}: picotron's SwiGLU MLP gates with SiLU ('silu')")
+    s["intermediate_size"] = 0 if config["intermediate_size"] == derived_mlp else config["intermediate_size"]
+    if arch == "DeepseekV3ForCausalLM":
+        s.update(attention="mla", n_kv_head=n_head, kv_lora_rank=get("kv_lora_rank"),
+                 q_lora_rank=get("q_lora_rank") or 0, qk_rope_head_dim=get("qk_rope_head_dim"),
+                 qk_nope_head_dim=get("qk_nope_head_dim"), v_head_dim=get("v_head_dim"))
+        if get("first_k_dense_replace") < s["n_layer"]:
+            problems.append(f"first_k_dense_replace={get('first_k_dense_replace')} < num_hidden_layers={s['n_layer']}: "
+                            f"the layers after it are DeepSeek's mixture of experts, which picotron's (with capacity "
+                            f"and a Switch balance loss) is not")
+        if get("rope_interleave"):
+            problems.append("rope_interleave=True: picotron rotates the two halves of a head, not interleaved pairs")
+    elif arch != "GPTNeoXForCausalLM":
+        head_dim = get("head_dim") or n_embd // n_head
+        s["head_dim"] = 0 if head_dim * n_head == n_embd else head_dim
+        if get("use_sliding_window"):
+            problems.append("use_sliding_window=True: picotron's attention always sees the whole context")
+        layer_types = get("layer_types")
+        if arch == "VaultGemmaForCausalLM" and layer_types is None:
+            problems.append("no layer_types: VaultGemma's default alternates sliding-window layers, which picotron "
+                            "does not have")
+        elif layer_types and any(t != "full_attention" for t in layer_types):
+            problems.append(f"layer_types with {sorted(set(layer_types) - {'full_attention'})}: picotron's attention "
+                            f"always sees the whole context")
+        if arch == "VaultGemmaForCausalLM":
+            s.update(attn_softcap=float(get("attn_logit_softcapping") or 0.0),
+                     final_softcap=float(get("final_logit_softcapping") or 0.0))
+            if get("query_pre_attn_scalar") != head_dim:
+                problems.append(f"query_pre_attn_scalar={get('query_pre_attn_scalar')} != head_dim={head_dim}: "
+                                f"picotron scales the scores by 1/sqrt(head_dim)")
+    if arch == "LlamaForCausalLM":
+        if get("attention_bias") != get("mlp_bias"):
+            problems.append(f"attention_bias={get('attention_bias')} with mlp_bias={get('mlp_bias')}: picotron's bias=True "
+                            f"puts biases on the attention and the MLP linears alike (qkv_bias: on q, k and v only)")
+        s["bias"] = bool(get("attention_bias") and get("mlp_bias"))
+    elif arch == "Qwen2ForCausalLM":
+        s["qkv_bias"] = True  # Qwen2's q, k and v always have biases, o_proj never
+    elif arch in ("Qwen3ForCausalLM", "VaultGemmaForCausalLM", "DeepseekV3ForCausalLM") and get("attention_bias"):
+        problems.append(f"attention_bias=True: {arch}'s attention biases (o_proj's too, none in the MLP) are not "
+                        f"one of picotron's bias settings")
+    if arch == "Qwen3ForCausalLM":
+        s["qk_norm"] = True
+    if problems:
+        raise ValueError(f"picotron cannot represent the {arch} in {folder}: " + "; ".join(problems))
+    notes = [f"init_from: {arch} from {folder}"]
+    if arch == "DeepseekV3ForCausalLM" and s["norm_eps"] != 1e-6:
+        notes.append(f"  note: DeepSeek-V3's latent norms have eps 1e-6 built in, picotron's use rms_norm_eps = "
+                     f"{s['norm_eps']}: the logits differ by about 1e-5")
+    return s, arch, notes
+
+
+def model_tokenizer(folder):
+    """The tokenizer the converted model records (hf_tokenizer.resolve): a tiktoken encoding's name, the
+    folder's path, or None for a folder without tokenizer files."""
+    return hf_tokenizer.resolve(folder)
+
+
+# -----------------------------------------------------------------------------
+# 2. The weights
+
+
+def weight_map(folder):
+    """{tensor name: its safetensors file} of a model folder: one model.safetensors, or the shards that
+    model.safetensors.index.json lists."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            return {name: os.path.join(folder, file) for name, file in json.load(f)["weight_map"].items()}
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        from safetensors import safe_open
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    other = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if os.path.exists(os.path.join(folder, n))]
+    raise FileNotFoundError(f"{folder} has no model.safetensors (nor model.safetensors.index.json)" +
+                            (f", only {other[0]}: save it as safetensors with transformers, from_pretrained then "
+                             f"save_pretrained" if other else ""))
+
+
+# the names a tensor is saved under besides its transformers name (GPT-NeoX's checkpoints, and transformers'
+# own save_pretrained, call its head embed_out)
+ALIASES = {"lm_head.weight": "embed_out.weight"}
+
+
+class WeightFiles:
+    """The open safetensors files of a model folder (a context manager): shapes and slices by tensor name
+    (or its alias), and how many bytes of tensor data were read."""
+
+    def __init__(self, folder):
+        require_safetensors()
+        self.folder, self.map, self.bytes_read = folder, weight_map(folder), 0
+        self._stack, self._open = ExitStack(), {}
+
+    def find(self, name):
+        """The name `name` is saved under here, or None."""
+        return next((n for n in (name, ALIASES.get(name)) if n in self.map), None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+    def _slice(self, name):
+        from safetensors import safe_open
+        name = self.find(name) or name
+        path = self.map[name]
+        if path not in self._open:
+            self._open[path] = self._stack.enter_context(safe_open(path, framework="pt"))
+        return self._open[path].get_slice(name)
+
+    def shape(self, name):
+        return list(self._slice(name).get_shape())
+
+    def dtype(self, name):
+        return self._slice(name).get_dtype()
+
+    def read(self, name, dim=None, start=0, size=None):
+        """The whole tensor, or rows start:start+size along dim, in its saved dtype (only that slice is read;
+        the parameter's copy_ casts it, in the same pass)."""
+        tensor_slice = self._slice(name)
+        index = [slice(None)] * len(tensor_slice.get_shape())
+        if dim is not None:
+            index[dim] = slice(start, start + size)
+        t = tensor_slice[tuple(index)]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def total_bytes(self):
+        return sum(os.path.getsize(p) for p in set(self.map.values()))
+
+
+def hf_source(name, cfg, arch):
+    """Where picotron's (full-model) parameter `name` comes from: (the transformers tensor's name, which of
+    q, k, v it is in GPT-NeoX's fused projection or None, a function applied to what is read or None).
+    The inverse of export_hf.py's hf_tensors."""
+    hf = export_hf.hf_name(name, arch)
+    part, transform = None, None
+    if arch == "GPTNeoXForCausalLM":
+        hf = export_hf.neox_name(hf)
+        for j, x in enumerate("qkv"):
+            if f".self_attn.{x}_proj." in hf:
+                hf, part = hf.replace(f"self_attn.{x}_proj", "attention.query_key_value"), j
+    if arch == "VaultGemmaForCausalLM":  # undo export_hf.gemma_conventions
+        scale = torch.tensor(cfg.n_embd ** 0.5, dtype=torch.float32)
+        if name == "tok_emb.weight":
+            transform = lambda t: t * scale
+        elif name == "norm.weight" and cfg.tie_embeddings:
+            transform = lambda t: (t + 1.0) / scale
+        elif name.endswith("norm.weight"):
+            transform = lambda t: t + 1.0
+    return hf, part, transform
+
+
+def source_reader(files, cfg, arch, name):
+    """parallel.load_shard's reader of parameter `name`: read(dim, start, size) gives that slice of the full
+    tensor (dim None: all of it), reading only it from the files."""
+    hf, part, transform = hf_source(name, cfg, arch)
+    if part is None:
+        def read(dim, start, size):
+            t = files.read(hf, dim, start, size)
+            return transform(t.float()) if transform else t
+        return read
+    hd = cfg.n_embd // cfg.n_head
+
+    def read_fused(dim, start, size):  # GPT-NeoX's rows are [q_h; k_h; v_h] head after head: read the heads
+        assert dim in (None, 0), "q, k and v are split by rows only"
+        first, last = (0, cfg.n_head) if dim is None else (start // hd, (start + size) // hd)
+        t = files.read(hf, 0, 3 * first * hd, 3 * (last - first) * hd)  # (heads * 3 * hd, ...)
+        return t.view(last - first, 3, hd, *t.shape[1:])[:, part].reshape(-1, *t.shape[1:])
+    return read_fused
+
+
+def expected_tensors(cfg, arch):
+    """{transformers tensor name: its full shape} that picotron's model reads, from the whole model built
+    on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {}
+    for name, p in model.named_parameters():
+        hf, part, _ = hf_source(name, cfg, arch)
+        shape = full_shape_of(p)
+        if hasattr(p, "vocab_size"):  # picotron pads the vocabulary; the file has vocab_size rows
+            shape[0] = p.vocab_size
+        if part is not None:
+            shape[0] *= 3
+        expected[hf] = shape
+    return expected
+
+
+def check_weights(folder, cfg):
+    """Stop before anything is built when the folder's weights are not what its config says or hold
+    tensors picotron has no place for. Every rank runs it alike (reading the same few small tensors), so
+    every rank stops together."""
+    _, arch, _ = model_settings(folder)
+    problems = []
+    with WeightFiles(folder) as files:
+        expected = expected_tensors(cfg, arch)
+        for name, shape in expected.items():
+            if files.find(name) is None:
+                problems.append(f"'{name}' is missing")
+            elif files.shape(name) != shape:
+                problems.append(f"'{name}' has shape {files.shape(name)}, the config says {shape}")
+            elif files.dtype(name) not in ("F32", "BF16", "F16"):
+                problems.append(f"'{name}' is {files.dtype(name)}: picotron reads fp32, bf16 and fp16 weights "
+                                f"(not quantized ones)")
+        for name in sorted(set(files.map) - {files.find(n) for n in expected}):
+            why = unused_tensor_problem(files, name, cfg, arch)
+            if why:
+                problems.append(why)
+    if problems:
+        shown = problems[:8] + ([f"and {len(problems) - 8} more"] if len(problems) > 8 else [])
+        raise ValueError(f"the weights in {folder} do not fit its {arch} config.json: " + "; ".join(shown))
+
+
+def unused_tensor_problem(files, name, cfg, arch):
+    """Why a tensor picotron does not read must not be left behind, or None when nothing is lost: buffers
+    older transformers saved (RoPE's inv_freq, GPT-NeoX's masks), a tied head saved beside its embedding,
+    and what GPT-NeoX has where picotron has nothing: zero biases (bias=False) and, in a parallel block,
+    the MLP's norm when it equals the attention's (picotron's parallel block has one norm)."""
+    if name.endswith(("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")):
+        return None
+    if name in ("lm_head.weight", ALIASES["lm_head.weight"]) and cfg.tie_embeddings:
+        return None
+    if arch == "GPTNeoXForCausalLM":
+        if name.endswith(".bias") and not cfg.bias and not files.read(name).any():
+            return None
+        if cfg.parallel_block and ".post_attention_layernorm." in name:
+            twin = name.replace("post_attention_layernorm", "input_layernorm")
+            if twin in files.map and torch.equal(files.read(name).float(), files.read(twin).float()):
+                return None
+            return (f"'{name}' differs from '{twin}': picotron's parallel block has one norm for attention and MLP "
+                    f"(use_parallel_residual=True with two norms is not implemented)")
+    return f"'{name}' has no place in picotron's model (config.json describes a model without it)"
+
+
+def load_weights(model, folder):
+    """Fill every parameter of `model` (any layout: a tensor-parallel slice, a pipeline stage, a tied copy)
+    from the folder, reading only its own slices. Returns (bytes of tensor data read, bytes of the files)."""
+    _, arch, _ = model_settings(folder)
+    copies = model.tied_copies()
+    with WeightFiles(folder) as files:
+        for name, p in model.named_parameters():
+            load_shard(p, source_reader(files, model.cfg, arch, copies.get(name, name)))
+        return files.bytes_read, files.total_bytes()

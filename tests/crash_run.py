@@ -1,0 +1,75 @@
+"""train.py that crashes at a chosen point, for tests/test_checkpoint.py: one rank stops there as a killed
+process would (os._exit: no exception handler, no cleanup, no collective), at the same point every run,
+whatever the machine's speed.
+
+    torchrun --nproc_per_node=2 tests/crash_run.py --crash=STAGE:STEP:RANK <train.py's arguments>
+
+STAGE is one of
+    after_step   optimizer step STEP is taken (counted from the start of the run, a resumed one included),
+                 before it is logged or saved
+    mid_save     inside the save of step STEP: this rank has written its file, rank 0 has not yet written
+                 meta.json nor renamed the folder (the checkpoint stays ckpt_<STEP>.tmp)
+Only rank RANK crashes; torchrun then stops the others. The hooks are monkeypatches of train.py and
+checkpoint.py in this process only: the product code carries no test hooks.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import checkpoint  # noqa: E402
+import train  # noqa: E402
+
+CRASH_EXIT_CODE = 43
+
+
+def install_crash(stage, at_step, crash_rank):
+    here = int(os.environ.get("RANK", 0)) == crash_rank
+
+    def crash():
+        print(f"crash_run: rank {crash_rank} exits at {stage} of step {at_step}", flush=True)
+        os._exit(CRASH_EXIT_CODE)
+
+    if stage == "after_step":
+        resume, train_step, step = train.resume, train.train_step, [0]
+
+        def resume_counting(*args, **kwargs):
+            out = resume(*args, **kwargs)
+            step[0] = out[0]  # the resumed run counts on from the checkpoint's step
+            return out
+
+        def train_step_then_crash(*args, **kwargs):
+            out = train_step(*args, **kwargs)
+            step[0] += 1
+            if here and step[0] == at_step:
+                crash()
+            return out
+        train.resume, train.train_step = resume_counting, train_step_then_crash
+    elif stage == "mid_save":
+        save, gather, saving = checkpoint.save, checkpoint._gather, [None]
+
+        def save_noting_the_step(out_dir, step, *args, **kwargs):
+            saving[0] = step
+            try:
+                return save(out_dir, step, *args, **kwargs)
+            finally:
+                saving[0] = None
+
+        def gather_or_crash(obj):
+            # save's first gather comes right after this rank's torch.save: its file is complete on disk
+            if here and saving[0] == at_step:
+                crash()
+            return gather(obj)
+        checkpoint.save, checkpoint._gather = save_noting_the_step, gather_or_crash
+    else:
+        sys.exit(f"crash_run: unknown stage {stage!r}: after_step or mid_save")
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    crash_args = [a for a in argv if a.startswith("--crash=")]
+    if len(crash_args) != 1:
+        sys.exit("usage: tests/crash_run.py --crash=STAGE:STEP:RANK <train.py's arguments>")
+    stage, at_step, crash_rank = crash_args[0].split("=", 1)[1].split(":")
+    install_crash(stage, int(at_step), int(crash_rank))
+    train.main([a for a in argv if a not in crash_args])
