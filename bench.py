@@ -5,6 +5,7 @@ Time picotron's training step: tokens/s, ms/step, MFU and peak memory, for any c
     python bench.py config/tiny_fineweb.py --compile=True --bench_steps=20
     python bench.py --n_layer=6 --n_head=6 --n_kv_head=6 --n_embd=384 --reference=True
     python bench.py config/tiny_fineweb.py --optimizer=muon --compare_optimizer=adamw
+    python bench.py config/tiny_fineweb.py --data_dir=data/fineweb_edu --doc_mask=True --compare_doc_mask=True
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --tp=2 --dp=2
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --cp=2 --tp=2 --sequence_parallel=True \
         --block_size=1024
@@ -14,9 +15,11 @@ Every training setting works here (settings.py), and the model, optimizer and st
 supports. Bench-only settings: --warmup_steps (untimed steps first: compiling, allocator and thread
 warm-up), --bench_steps (timed steps), --reference=True (also time the plain GPT at the end of this file at
 the same size, step by step in turn with picotron's, so both see the same machine), --compare_optimizer=NAME
-(also time train.py's step with another optimizer, in turn the same way). Tokens are random
-unless --data_dir is given on the command line. The last line printed is `RESULT {json}`, for scripts.
+(also time train.py's step with another optimizer, in turn the same way), --compare_doc_mask=True (also
+time it with doc_mask the other way, in turn the same way). Tokens are random unless --data_dir is given
+on the command line (doc_mask needs its eot_token: from the data's meta.json, or --eot_token). The last line printed is `RESULT {json}`, for scripts.
 """
+import dataclasses
 import json
 import math
 import os
@@ -42,6 +45,7 @@ BENCH = section(
     Setting("reference", False, "also time the plain GPT at the end of bench.py, step by step in turn"),
     Setting("compare_optimizer", "", "also time train.py's step with this optimizer ('adamw' or 'muon') instead of "
             "--optimizer, step by step in turn"),
+    Setting("compare_doc_mask", False, "also time train.py's step with doc_mask the other way, step by step in turn"),
 )
 
 
@@ -62,15 +66,17 @@ def parse_args(argv):
     return cfg, bench
 
 
-def random_microbatches(cfg, layout, vocab_size, step, device):
+def random_microbatches(cfg, layout, model_cfg, step, device):
     """Random (x, y) micro-batches, the same on every tensor- and pipeline-parallel rank of a data-parallel
     rank (as real batches are), different across data-parallel ranks and steps; under context parallelism
-    each cp rank's share of them, as train.py's batches (train.context_split)."""
+    each cp rank's share of them, as train.py's batches (train.context_split; with doc_mask, document ids
+    at the random eot tokens)."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + layout.dp_rank)
     out = []
     for _ in range(cfg.gradient_accumulation_steps):
-        tokens = torch.randint(0, vocab_size, (cfg.batch_size, cfg.block_size + 1), generator=g)
-        out.append(train.context_split((tokens[:, :-1].to(device), tokens[:, 1:].to(device)), layout))
+        tokens = torch.randint(0, model_cfg.vocab_size, (cfg.batch_size, cfg.block_size + 1), generator=g)
+        x, y, *rest = train.context_split((tokens[:, :-1], tokens[:, 1:]), layout, train.document_end(model_cfg))
+        out.append((x.to(device), y.to(device), *rest))
     return out
 
 
@@ -86,8 +92,9 @@ class Picotron:
     def batches(self, step):
         if self.run.datasets:
             return train.rank_microbatches(self.cfg, self.layout, self.run.datasets["train"], train.TRAIN_STREAM,
-                                           step, self.cfg.gradient_accumulation_steps, self.dev)
-        return random_microbatches(self.cfg, self.layout, self.run.model_cfg.vocab_size, step, self.dev)
+                                           step, self.cfg.gradient_accumulation_steps, self.dev,
+                                           train.document_end(self.run.model_cfg))
+        return random_microbatches(self.cfg, self.layout, self.run.model_cfg, step, self.dev)
 
     def step(self, i):
         """One training step; returns its loss as a float, which waits for the device (and every rank)."""
@@ -111,7 +118,7 @@ class ReferenceGPT:
     def step(self, i):
         p = self.picotron
         loss = 0.0
-        for x, y in p.batches(i):
+        for x, y, *_ in p.batches(i):  # (plain causal attention: positions and documents unused)
             with p.autocast:
                 _, micro_loss = self.step_model(x, y)
             micro_loss = micro_loss / p.cfg.gradient_accumulation_steps
@@ -137,6 +144,11 @@ def run(cfg, bench, setup):
     if bench.compare_optimizer:  # the same model, data and step with the other optimizer
         other = SimpleNamespace(**{**vars(cfg), "optimizer": bench.compare_optimizer})
         runners.append(Picotron(other, setup, name=bench.compare_optimizer))
+    if bench.compare_doc_mask:  # the same weights' shapes, data and step, attention across documents or not
+        flipped = not cfg.doc_mask
+        other = SimpleNamespace(**{**vars(cfg), "doc_mask": flipped})
+        other_setup = SimpleNamespace(**{**vars(setup), "model_cfg": dataclasses.replace(model_cfg, doc_mask=flipped)})
+        runners.append(Picotron(other, other_setup, name=f"doc_mask={flipped}"))
     if bench.reference:
         runners.append(ReferenceGPT(runners[0]))
     for r in runners:
@@ -184,6 +196,13 @@ def run(cfg, bench, setup):
             result.update(optimizer=cfg.optimizer, compare_optimizer=bench.compare_optimizer,
                           compare_ms_per_step=other["ms_per_step"], compare_tokens_per_sec=other["tokens_per_sec"],
                           compare_loss=other["loss"])
+        if bench.compare_doc_mask:
+            other = results[f"doc_mask={not cfg.doc_mask}"]
+            print(f"doc_mask={cfg.doc_mask} against doc_mask={not cfg.doc_mask}: "
+                  f"{results['picotron']['ms_per_step']:,.1f} against {other['ms_per_step']:,.1f} ms/step (median), "
+                  f"{results['picotron']['ms_per_step'] / other['ms_per_step']:.3f}x the time")
+            result.update(doc_mask=cfg.doc_mask, compare_doc_mask_ms_per_step=other["ms_per_step"],
+                          compare_doc_mask_tokens_per_sec=other["tokens_per_sec"])
         if bench.reference:
             ref = results["reference GPT"]
             result.update(reference_tokens_per_sec=ref["tokens_per_sec"], reference_ms_per_step=ref["ms_per_step"],

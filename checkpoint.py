@@ -141,9 +141,10 @@ class CheckpointReader:
 
 
 # the settings a checkpoint's model may differ in from the model it is loaded into: the context length and
-# the RoPE base and scaling (a deliberate context extension); none changes a weight's shape or meaning
+# the RoPE base and scaling (a deliberate context extension), document masking (training on or off it);
+# none changes a weight's shape or meaning
 MAY_DIFFER = ("block_size", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-              "rope_original_context")
+              "rope_original_context", "doc_mask", "eot_token")
 
 
 def check_model_config(saved, model_cfg, path):

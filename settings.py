@@ -109,6 +109,10 @@ TRAINING = [
         Setting("n_shared_expert", 0, "experts every token also goes through (DeepSeekMoE)", resume="refuse"),
         Setting("router_z_loss_coef", 0.0, "weight of the router z-loss (ST-MoE used 1e-3); 0 = off"),
         Setting("qkv_bias", False, "biases in the query, key and value projections only (Qwen2)", resume="refuse"),
+        Setting("doc_mask", False, "attention stops at each end-of-text token and positions restart after it "
+                "(model.py: document masking)", resume="allow"),
+        Setting("eot_token", None, "the end-of-text id that ends each document, from the data's meta.json unless set",
+                type=int),
     ),
     *section(
         "batch: one step sees batch_size * gradient_accumulation_steps * dp windows of block_size tokens",

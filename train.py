@@ -32,7 +32,8 @@ import import_hf
 import metrics
 import settings
 from configurator import ConfigError, configure
-from model import ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype, stage_layers
+from model import (ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype,
+                   document_ids_and_positions, stage_layers)
 from parallel import (SCHEDULES, GradientBuckets, Muon, PipelineComm, ZeroOneAdamW, format_grid, full_shape_of,
                       init_distributed, optimizer_state_bytes, pipeline_forward, run_schedule, split_for_every_rank,
                       sync_tied_grads, tied_weight_group, zigzag_split)
@@ -141,32 +142,52 @@ def read_windows(data, starts, block_size):
     return windows
 
 
-def get_batch(data, starts, block_size, device):
+def get_batch(data, starts, block_size, device, layout, eot_token=None):
+    """A micro-batch of the windows at `starts`, as the model takes it (context_split): its token ids and
+    targets on the device; positions and document ids, when there are any, on the host."""
     windows = torch.from_numpy(read_windows(data, starts, block_size).astype(np.int64))
-    x, y = windows[:, :-1], windows[:, 1:]
+    x, *rest = context_split((windows[:, :-1], windows[:, 1:]), layout, eot_token)
     if device.type == "cuda":  # pinned memory lets the copy overlap the GPU's work
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.to(device), y.to(device)
+        x, y = x.pin_memory().to(device, non_blocking=True), rest[0].pin_memory().to(device, non_blocking=True)
+    else:
+        x, y = x.to(device), rest[0].to(device)
+    return (x, y, *rest[1:])
 
 
-def context_split(batch, layout):
+def context_split(batch, layout, eot_token=None):
     """This context-parallel rank's share of a micro-batch of whole windows (x, y), (B, T) each: its two
     zigzag chunks of every window (parallel.py, section 3), and every cp rank's global token positions,
     (cp, B, T/cp) on the host, built from the whole window and split the same way. Without context
-    parallelism the micro-batch as it is (the model then counts positions from 0 itself)."""
-    if layout.cp == 1:
+    parallelism the micro-batch as it is (the model then counts positions from 0 itself).
+    With eot_token (doc_mask=True) the positions restart at each document, and each token's document id
+    comes after them, split the same way: (x, y, positions, documents); without context parallelism
+    positions and documents are (B, T). Built from x on the host (a device x is copied back: a sync)."""
+    if layout.cp == 1 and eot_token is None:
         return batch
     x, y = batch
-    positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)  # (B, T): each window's own positions
+    if eot_token is None:
+        positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)  # (B, T): each window's own positions
+        extra = (positions,)
+    else:
+        documents, positions = document_ids_and_positions(x.cpu(), eot_token)  # (B, T) each
+        extra = (positions, documents)
+    if layout.cp == 1:
+        return (x, y, *extra)
     return (zigzag_split(x, layout.cp, layout.cp_rank), zigzag_split(y, layout.cp, layout.cp_rank),
-            split_for_every_rank(positions, layout.cp))
+            *(split_for_every_rank(e, layout.cp) for e in extra))
 
 
-def rank_microbatches(cfg, layout, data, stream, step, n_micro, device):
+def document_end(model_cfg):
+    """The end-of-text id the batches are cut into documents at: the model's eot_token under doc_mask,
+    else None (no document ids)."""
+    return model_cfg.eot_token if model_cfg.doc_mask else None
+
+
+def rank_microbatches(cfg, layout, data, stream, step, n_micro, device, eot_token=None):
     """This data-parallel rank's n_micro micro-batches of a step. The step's global batch is
     batch_size * n_micro * dp windows; dp rank r takes the r-th contiguous slice of it, so the same
     windows are seen whatever the layout. Under context parallelism each is this cp rank's share,
-    (x, y, positions) (context_split).
+    (x, y, positions) (context_split); with eot_token (document_end) positions and document ids too.
 
     Every rank checks the token ids of the whole global batch, not only its slice: a bad id then stops
     every rank at the same step with the same message, with no collective, and no rank is left waiting for
@@ -177,8 +198,8 @@ def rank_microbatches(cfg, layout, data, stream, step, n_micro, device):
     if layout.dp > 1:
         read_windows(data, np.delete(starts, mine), cfg.block_size)
     starts = starts[mine]
-    return [context_split(get_batch(data, starts[i * cfg.batch_size:(i + 1) * cfg.batch_size], cfg.block_size,
-                                    device), layout) for i in range(n_micro)]
+    return [get_batch(data, starts[i * cfg.batch_size:(i + 1) * cfg.batch_size], cfg.block_size, device, layout,
+                      eot_token) for i in range(n_micro)]
 
 
 # -----------------------------------------------------------------------------
@@ -218,8 +239,9 @@ def setup(cfg, training=True):
     if cfg.data_dir is not None and not converting:
         data_meta = read_data_meta(cfg.data_dir)
     vocab = cfg.vocab_size or data_meta.get("vocab_size", 50257)
-    model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig) if f.name != "vocab_size"},
-                            vocab_size=vocab)
+    eot = cfg.eot_token if cfg.eot_token is not None else data_meta.get("eot_token", -1)  # -1: none known
+    model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig)
+                               if f.name not in ("vocab_size", "eot_token")}, vocab_size=vocab, eot_token=eot)
     attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype, cfg.attn_softcap)
     layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type, cp=cfg.cp)
     check_layout(model_cfg, layout.tp, layout.pp, layout.cp, cfg.sequence_parallel)
@@ -554,7 +576,7 @@ def evaluate(cfg, run, parts):
     model.eval()
     out = {}
     for split, data in run.datasets.items():
-        batches = [rank_microbatches(cfg, layout, data, EVAL_STREAM, i, 1, run.dev)[0] for i in range(cfg.eval_iters)]
+        batches = [rank_microbatches(cfg, layout, data, EVAL_STREAM, i, 1, run.dev, document_end(run.model_cfg))[0] for i in range(cfg.eval_iters)]
         if parts.pipeline is not None:  # each batch a microbatch through the pipeline; the loss on the last stage
             total = pipeline_forward(model, batches, parts.pipeline.comm, parts.autocast)
         else:
@@ -660,7 +682,7 @@ def train(cfg, run, resume_path=None):
     print0(layout, f"global batch: {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro-batches x dp {layout.dp} "
                    f"= {tokens_per_step:,} tokens per step")
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
-                                          cfg.gradient_accumulation_steps, run.dev)
+                                          cfg.gradient_accumulation_steps, run.dev, document_end(model_cfg))
     timer, timed_steps = time.time(), 0
     micro = batches(step)
     while step < cfg.max_iters:
