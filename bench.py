@@ -17,7 +17,8 @@ warm-up), --bench_steps (timed steps), --reference=True (also time the plain GPT
 the same size, step by step in turn with picotron's, so both see the same machine), --compare_optimizer=NAME
 (also time train.py's step with another optimizer, in turn the same way), --compare_doc_mask=True (also
 time it with doc_mask the other way, in turn the same way). Tokens are random unless --data_dir is given
-on the command line (doc_mask needs its eot_token: from the data's meta.json, or --eot_token). The last line printed is `RESULT {json}`, for scripts.
+on the command line (doc_mask needs its eot_token: from the data's meta.json, or --eot_token). The last
+line printed is `RESULT {json}`, for scripts.
 """
 import dataclasses
 import json

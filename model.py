@@ -1097,9 +1097,9 @@ class Transformer(nn.Module):
                              f"parallel.split_for_every_rank) or with doc_mask (doc_mask = {self.cfg.doc_mask}: each "
                              f"token's position in its document)")
         if (documents is None) == self.cfg.doc_mask:
-            raise ValueError(f"Transformer.forward: documents (each token's document id, shaped like positions) must be "
-                             f"given exactly with doc_mask=True (doc_mask = {self.cfg.doc_mask} here; a first stage "
-                             f"without context parallelism derives them from the tokens when neither is given)")
+            raise ValueError(f"Transformer.forward: documents (each token's document id, shaped like positions) "
+                             f"must be given exactly with doc_mask=True (doc_mask = {self.cfg.doc_mask} here; a first "
+                             f"stage without context parallelism derives them from the tokens when neither is given)")
         if self.is_first:
             if x.shape[1] > self.cfg.block_size:
                 raise ValueError(f"sequence of length {x.shape[1]} is longer than block_size {self.cfg.block_size}")

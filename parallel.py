@@ -1490,10 +1490,11 @@ def optimizer_state_bytes(optimizer):
 #     scatter back). A matrix replicated across the tp ranks (key and value weights with fewer heads than
 #     ranks, MQA; MLA's down-projections) already has its complete gradient on every rank (copy_to_tp
 #     summed it), so every rank computes the same update with no collective.
-#   ZeRO-1 (zero=True): even flat slices would cut matrices, so the matrices are dealt whole instead. In
-#     backward order, each goes to the dp rank whose even share of all their elements holds its middle
-#     element: ZeRO-1's cut, moved to the nearest matrix boundary (a rank's share is off by at most about
-#     one matrix). They travel in GradientBuckets of their own, one owner each: the gradient is reduced to
+#   ZeRO-1 (zero=True): even flat slices would cut matrices, so the matrices are dealt whole instead, over
+#     the ranks that hold the same parameters (dp x cp under context parallelism, as for ZeroOneAdamW;
+#     "dp" below). In backward order, each goes to the dp rank whose even share of all their elements
+#     holds its middle element: ZeRO-1's cut, moved to the nearest matrix boundary (a rank's share is off
+#     by at most about one matrix). They travel in GradientBuckets of their own, one owner each: the gradient is reduced to
 #     the owner (instead of reduce-scattered), the owner keeps the momentum, runs Newton-Schulz, and
 #     broadcasts the updated matrix (instead of the all-gather). The AdamW parameters keep ZeRO-1's even
 #     slices. With tp as well, the tp ranks of the owner do the tp all-gather among themselves.
@@ -1562,7 +1563,8 @@ class Muon(torch.optim.Optimizer):
     The other groups take adamw_update, torch.optim.AdamW's update.
 
     tp_group: matrices split across it (parameters marked by mark_sharded) are orthogonalised whole, see
-    the section's note. zero=True: ZeRO-1 over dp_group, with the matrices dealt whole; the optimizer then
+    the section's note. zero=True: ZeRO-1 over dp_group (train.py gives it the dp x cp group), with the
+    matrices dealt whole; the optimizer then
     owns the gradient averaging (`self.grad_sync`, as ZeroOneAdamW: do not also all-reduce the gradients).
     Per step: backward -> grad_sync.finish() -> [clip] -> step() (AdamW on this rank's slices, Muon on its
     matrices, then grad_sync.gather_params()). Every state exists from the start (its size is reported

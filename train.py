@@ -576,7 +576,8 @@ def evaluate(cfg, run, parts):
     model.eval()
     out = {}
     for split, data in run.datasets.items():
-        batches = [rank_microbatches(cfg, layout, data, EVAL_STREAM, i, 1, run.dev, document_end(run.model_cfg))[0] for i in range(cfg.eval_iters)]
+        batches = [rank_microbatches(cfg, layout, data, EVAL_STREAM, i, 1, run.dev, document_end(run.model_cfg))[0]
+                   for i in range(cfg.eval_iters)]
         if parts.pipeline is not None:  # each batch a microbatch through the pipeline; the loss on the last stage
             total = pipeline_forward(model, batches, parts.pipeline.comm, parts.autocast)
         else:

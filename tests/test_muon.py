@@ -4,7 +4,7 @@ Muon on its own: Newton-Schulz maps each singular value through the quintic and 
 vectors; the update is the orthogonalised Nesterov momentum at 0.2 * sqrt(max(A, B)) with decoupled weight
 decay, against a reference written here with an SVD; the blocks' matrices take Muon and the rest AdamW.
 Then through train.py: dp2, tp2 (with multi-query attention, so k and v are replicated across the tp
-ranks), pp2 and dp2 x tp2 with ZeRO-1 give one process's losses, gradient norms, final weights and final
+ranks), pp2, cp2 and dp2 x tp2 with ZeRO-1 give one process's losses, gradient norms, final weights and final
 momentum over five steps, and the ZeRO-1 run's checkpoint resumes at other layouts.
 
 The reference is one process with the same global batch (batch_size 4 x 2 micro-batches; two replicas
@@ -226,7 +226,8 @@ def test_the_logged_lr_is_wsd_and_muon_reached_every_matrix(reference):
     (TWO_REPLICAS, 2),
     (ONE_REPLICA + ["--tp=2"], 2),  # n_kv_head=1 < tp: k and v replicated, q and o split
     (ONE_REPLICA + ["--pp=2"], 2),
-], ids=["dp2", "tp2_mqa", "pp2"])
+    (ONE_REPLICA + ["--cp=2"], 2),  # the gradients averaged over the cp ranks, which hold the same matrices
+], ids=["dp2", "tp2_mqa", "pp2", "cp2"])
 def test_muon_at_another_layout_gives_the_run_of_one_process(layout, nproc, data_dir, reference, tmp_path):
     records, proc = run_train(TINY + layout + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
                                                f"--checkpoint_interval={STEPS}"], nproc=nproc)
