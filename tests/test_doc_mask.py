@@ -154,3 +154,14 @@ def test_doc_mask_at_another_layout_gives_the_run_of_one_process(layout, data_di
     assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
     assert_same_losses_and_norms(records, ref_records)
     assert_same_tensors(final_weights(str(tmp_path))[0], final_weights(ref_out)[0])
+
+
+def test_bench_times_doc_mask_beside_plain_attention(capsys):
+    import bench
+    bench.main(["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--vocab_size=16",
+                "--eot_token=3", "--doc_mask=True", "--compare_doc_mask=True", "--batch_size=2", "--warmup_steps=1",
+                "--bench_steps=2", "--peak_flops=1e12"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("doc_mask=True against doc_mask=False: ") for line in lines), lines
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["doc_mask"] is True and result["compare_doc_mask_ms_per_step"] > 0
