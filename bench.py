@@ -9,16 +9,20 @@ Time picotron's training step: tokens/s, ms/step, MFU and peak memory, for any c
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --tp=2 --dp=2
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --cp=2 --tp=2 --sequence_parallel=True \
         --block_size=1024
+    torchrun --nproc_per_node=2 bench.py --pp=2 --gradient_accumulation_steps=8 \
+        --schedules=1f1b,zero_bubble,interleaved_1f1b:2,zbv:2
 
 Every training setting works here (settings.py), and the model, optimizer and step are train.py's own
 (setup, build, train_step), so this times exactly what training runs, in whatever layouts train.py
 supports. Bench-only settings: --warmup_steps (untimed steps first: compiling, allocator and thread
 warm-up), --bench_steps (timed steps), --reference=True (also time the plain GPT at the end of this file at
-the same size, step by step in turn with picotron's, so both see the same machine), --compare_optimizer=NAME
-(also time train.py's step with another optimizer, in turn the same way), --compare_doc_mask=True (also
-time it with doc_mask the other way, in turn the same way). Tokens are random unless --data_dir is given
-on the command line (doc_mask needs its eot_token: from the data's meta.json, or --eot_token). The last
-line printed is `RESULT {json}`, for scripts.
+the same size, step by step in turn with picotron's, so both see the same machine), --schedules (pp > 1:
+time several pipeline schedules the same way, each its own model, and measure each one's bubble from a
+traced step and its peak activations per rank), --compare_optimizer=NAME (also time train.py's step with
+another optimizer, in turn the same way), --compare_doc_mask=True (also time it with doc_mask the other
+way, in turn the same way). Tokens are random unless --data_dir is given on the command line (doc_mask
+needs its eot_token: from the data's meta.json, or --eot_token). The last line printed is `RESULT {json}`,
+for scripts.
 """
 import dataclasses
 import json
@@ -38,12 +42,16 @@ import metrics
 import settings
 import train
 from configurator import ConfigError, Setting, configure, section
+from model import check_layout
+from parallel import check_schedule, ideal_bubble
 
 BENCH = section(
     "bench.py's own",
     Setting("warmup_steps", 3, "untimed steps first (compiling, allocator and thread warm-up)"),
     Setting("bench_steps", 10, "timed steps; the median is reported"),
     Setting("reference", False, "also time the plain GPT at the end of bench.py, step by step in turn"),
+    Setting("schedules", "", "pp > 1: pipeline schedules to time side by side in turn, comma-separated, each "
+            "pp_schedule or pp_schedule:pp_chunks (1f1b,zero_bubble,interleaved_1f1b:2,zbv:2)"),
     Setting("compare_optimizer", "", "also time train.py's step with this optimizer ('adamw' or 'muon') instead of "
             "--optimizer, step by step in turn"),
     Setting("compare_doc_mask", False, "also time train.py's step with doc_mask the other way, step by step in turn"),
@@ -64,7 +72,23 @@ def parse_args(argv):
     cfg = SimpleNamespace(**values)
     if not any(a.startswith("--data_dir=") for a in argv):
         cfg.data_dir = None  # random tokens: a config file's data_dir is not needed to time a step
+    bench.variants = schedule_variants(cfg, bench.schedules)
     return cfg, bench
+
+
+def schedule_variants(cfg, schedules):
+    """[(label, cfg with that pp_schedule and pp_chunks)] from --schedules, each checked as train.py would."""
+    variants = []
+    for item in filter(None, (part.strip() for part in schedules.split(","))):
+        name, _, chunks = item.partition(":")
+        if chunks and not chunks.isdigit():
+            raise ConfigError(f"schedules: {item!r} is not pp_schedule or pp_schedule:pp_chunks (a number)")
+        if cfg.pp == 1:
+            raise ConfigError("schedules compares pipeline schedules: set --pp to 2 or more")
+        variant = SimpleNamespace(**{**vars(cfg), "pp_schedule": name, "pp_chunks": int(chunks or 1)})
+        check_schedule(name, cfg.pp, cfg.gradient_accumulation_steps, variant.pp_chunks)
+        variants.append((item, variant))
+    return variants
 
 
 def random_microbatches(cfg, layout, model_cfg, step, device):
@@ -85,7 +109,8 @@ class Picotron:
     """train.py's training step, one call per step."""
 
     def __init__(self, cfg, run, name="picotron"):
-        self.cfg, self.run, self.dev, self.layout, self.name = cfg, run, run.dev, run.layout, name
+        check_layout(run.model_cfg, run.layout.tp, run.layout.pp, cfg.pp_chunks)
+        self.name, self.cfg, self.run, self.dev, self.layout = name, cfg, run, run.dev, run.layout
         self.parts = train.build(cfg, run)  # the pipeline's channel runs the world's first collective (NCCL)
         self.autocast = self.parts.autocast
         self.flops_per_token = metrics.flops_per_token(run.model_cfg)
@@ -97,10 +122,22 @@ class Picotron:
                                            train.document_end(self.run.model_cfg))
         return random_microbatches(self.cfg, self.layout, self.run.model_cfg, step, self.dev)
 
-    def step(self, i):
+    def step(self, i, trace=None):
         """One training step; returns its loss as a float, which waits for the device (and every rank)."""
-        loss, _ = train.train_step(self.cfg, self.layout, self.parts, self.batches(i), train.get_lr(i, self.cfg))
+        loss, _ = train.train_step(self.cfg, self.layout, self.parts, self.batches(i), train.get_lr(i, self.cfg), trace)
         return train.mean_across_ranks(loss, self.layout).item()
+
+    def measure_pipeline(self, i):
+        """Two more steps: one traced (each pipeline rank's measured bubble), one counting the activations held
+        for backward (each rank's peak bytes). Lists by pipeline rank, on every rank."""
+        trace = metrics.PipelineTrace(self.dev)
+        self.step(i, trace)
+        bubble = metrics.measured_bubble(metrics.pipeline_values(trace.times(), self.layout))
+        with metrics.ActivationMemory(self.parts.model, self.parts.pipeline.weight_grad_stores or ()) as memory:
+            self.step(i + 1, memory)
+        return {"measured_bubble": bubble, "peak_activation_bytes": metrics.pipeline_values(memory.peak, self.layout),
+                "ideal_bubble": ideal_bubble(self.cfg.pp_schedule, self.layout.pp, self.cfg.gradient_accumulation_steps,
+                                             self.cfg.pp_chunks)}
 
 
 class ReferenceGPT:
@@ -141,7 +178,7 @@ def reset_peak_memory(dev):
 
 def run(cfg, bench, setup):
     dev, ptdtype, layout, model_cfg = setup.dev, setup.dtype, setup.layout, setup.model_cfg
-    runners = [Picotron(cfg, setup)]
+    runners = [Picotron(variant, setup, name) for name, variant in bench.variants] or [Picotron(cfg, setup)]
     if bench.compare_optimizer:  # the same model, data and step with the other optimizer
         other = SimpleNamespace(**{**vars(cfg), "optimizer": bench.compare_optimizer})
         runners.append(Picotron(other, setup, name=bench.compare_optimizer))
@@ -165,6 +202,8 @@ def run(cfg, bench, setup):
             losses[r.name] = r.step(i)
             times[r.name].append(time.perf_counter() - start)
     peak_mem = metrics.peak_memory_bytes(dev, layout)
+    step = bench.warmup_steps + bench.bench_steps
+    pipeline = {r.name: r.measure_pipeline(step) for r in runners if bench.variants}
 
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     peak, peak_why = metrics.device_peak_flops(cfg.peak_flops, dev, ptdtype)
@@ -177,37 +216,41 @@ def run(cfg, bench, setup):
                            "flops_per_token": r.flops_per_token,
                            "mfu": metrics.mfu(r.flops_per_token, tokens_per_sec, peak, layout.world_size),
                            "loss": losses[r.name]}
+        results[r.name].update(pipeline.get(r.name, {}))
     # the process's peak memory covers whatever ran in it: with the reference alongside it is both models'
-    results["picotron"]["peak_mem_bytes"] = peak_mem
+    main = runners[0].name
+    results[main]["peak_mem_bytes"] = peak_mem
 
     if layout.rank == 0:
         print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak_why, step_model_kind(runners[0]))
-        if bench.reference:
-            print("(peak memory is the whole process's: both models, as they ran side by side)")
-        result = dict(results["picotron"], device=str(dev), dtype=str(ptdtype).replace("torch.", ""),
+        if bench.reference or len(runners) > 1:
+            print("(peak memory is the whole process's: every model, as they ran side by side)")
+        result = dict(results[main], device=str(dev), dtype=str(ptdtype).replace("torch.", ""),
                       world_size=layout.world_size, dp=layout.dp, cp=layout.cp, tp=layout.tp, pp=layout.pp,
                       sequence_parallel=cfg.sequence_parallel,
                       compiled=step_model_kind(runners[0]) == "compiled", peak_flops=peak,
                       tokens_per_step=tokens_per_step, threads=torch.get_num_threads())
         if bench.compare_optimizer:
             other = results[bench.compare_optimizer]
-            print(f"optimizer {cfg.optimizer} against {bench.compare_optimizer}: {results['picotron']['ms_per_step']:,.1f} "
+            print(f"optimizer {cfg.optimizer} against {bench.compare_optimizer}: {results[main]['ms_per_step']:,.1f} "
                   f"against {other['ms_per_step']:,.1f} ms/step (median), "
-                  f"{results['picotron']['ms_per_step'] / other['ms_per_step']:.3f}x the time")
+                  f"{results[main]['ms_per_step'] / other['ms_per_step']:.3f}x the time")
             result.update(optimizer=cfg.optimizer, compare_optimizer=bench.compare_optimizer,
                           compare_ms_per_step=other["ms_per_step"], compare_tokens_per_sec=other["tokens_per_sec"],
                           compare_loss=other["loss"])
         if bench.compare_doc_mask:
             other = results[f"doc_mask={not cfg.doc_mask}"]
             print(f"doc_mask={cfg.doc_mask} against doc_mask={not cfg.doc_mask}: "
-                  f"{results['picotron']['ms_per_step']:,.1f} against {other['ms_per_step']:,.1f} ms/step (median), "
-                  f"{results['picotron']['ms_per_step'] / other['ms_per_step']:.3f}x the time")
+                  f"{results[main]['ms_per_step']:,.1f} against {other['ms_per_step']:,.1f} ms/step (median), "
+                  f"{results[main]['ms_per_step'] / other['ms_per_step']:.3f}x the time")
             result.update(doc_mask=cfg.doc_mask, compare_doc_mask_ms_per_step=other["ms_per_step"],
                           compare_doc_mask_tokens_per_sec=other["tokens_per_sec"])
         if bench.reference:
             ref = results["reference GPT"]
             result.update(reference_tokens_per_sec=ref["tokens_per_sec"], reference_ms_per_step=ref["ms_per_step"],
-                          reference_mfu=ref["mfu"], speedup_vs_reference=results["picotron"]["tokens_per_sec"] / ref["tokens_per_sec"])
+                          reference_mfu=ref["mfu"], speedup_vs_reference=results[main]["tokens_per_sec"] / ref["tokens_per_sec"])
+        if bench.variants:
+            result["schedules"] = {name: results[name] for name, _ in bench.variants}
         print("RESULT " + json.dumps(result), flush=True)
     return results
 
@@ -224,7 +267,8 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak
           f"layout dp={layout.dp} cp={layout.cp} tp={layout.tp}{' sequence-parallel' if cfg.sequence_parallel else ''} "
           f"pp={layout.pp}; activation_checkpointing={cfg.activation_checkpointing}, "
           f"chunked_loss={cfg.chunked_loss}; {'data ' + cfg.data_dir if cfg.data_dir else 'random tokens'}; "
-          f"{bench.warmup_steps} warm-up + {bench.bench_steps} timed steps (median)")
+          + (f"pipeline {cfg.pp_schedule}, {cfg.pp_chunks} chunk(s) per rank; " if layout.pp > 1 and not bench.variants else "")
+          + f"{bench.warmup_steps} warm-up + {bench.bench_steps} timed steps (median)")
     print(f"peak: {f'{peak / 1e12:.3g} TFLOP/s per device' if peak else 'unknown'} ({peak_why})")
     names = list(results)
     rows = [("tokens/s", lambda r: f"{r['tokens_per_sec']:,.0f}"),
@@ -234,9 +278,14 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak
             ("MFU", lambda r: metrics.format_mfu(r["mfu"])),
             ("peak memory (MiB)", lambda r: f"{r['peak_mem_bytes'] / 2**20:,.0f}" if "peak_mem_bytes" in r else "-"),
             ("loss (last step)", lambda r: f"{r['loss']:.4f}")]
-    print(f"{'':20s}" + "".join(f"{n:>16s}" for n in names))
+    if bench.variants:  # per pipeline rank, rank 0 first
+        rows += [("bubble, ideal", lambda r: f"{r['ideal_bubble']:.1%}" if r["ideal_bubble"] is not None else "-"),
+                 ("bubble, measured", lambda r: " ".join(f"{b:.0%}" for b in r["measured_bubble"])),
+                 ("activations (KiB)", lambda r: " ".join(f"{b / 2**10:.0f}" for b in r["peak_activation_bytes"]))]
+    width = max(16, *(len(n) + 2 for n in names), *(len(fmt(results[n])) + 2 for _, fmt in rows for n in names))
+    print(f"{'':20s}" + "".join(f"{n:>{width}s}" for n in names))
     for label, fmt in rows:
-        print(f"{label:20s}" + "".join(f"{fmt(results[n]):>16s}" for n in names))
+        print(f"{label:20s}" + "".join(f"{fmt(results[n]):>{width}s}" for n in names))
 
 
 def main(argv):
