@@ -18,11 +18,13 @@ supports. Bench-only settings: --warmup_steps (untimed steps first: compiling, a
 warm-up), --bench_steps (timed steps), --reference=True (also time the plain GPT at the end of this file at
 the same size, step by step in turn with picotron's, so both see the same machine), --schedules (pp > 1:
 time several pipeline schedules the same way, each its own model, and measure each one's bubble from a
-traced step and its peak activations per rank), --compare_optimizer=NAME (also time train.py's step with
-another optimizer, in turn the same way), --compare_doc_mask=True (also time it with doc_mask the other
-way, in turn the same way). Tokens are random unless --data_dir is given on the command line (doc_mask
-needs its eot_token: from the data's meta.json, or --eot_token). The last line printed is `RESULT {json}`,
-for scripts.
+traced step and its peak activations per rank), --profile_steps (after the timed steps, that many more
+under torch.profiler: where a step's time goes) and --profile_trace (the same as a Chrome trace file),
+--compare_optimizer=NAME (also time train.py's step with another optimizer, in turn the same way),
+--compare_doc_mask=True (also time it with doc_mask the other way, in turn the same way). Tokens are
+random unless --data_dir is given on the command line (doc_mask needs its eot_token: from the data's
+meta.json, or --eot_token). The last line printed is `RESULT {json}`, for scripts; first_step_s in it is
+the first step's time, which holds the compilation with compile=True.
 """
 import dataclasses
 import json
@@ -52,6 +54,10 @@ BENCH = section(
     Setting("reference", False, "also time the plain GPT at the end of bench.py, step by step in turn"),
     Setting("schedules", "", "pp > 1: pipeline schedules to time side by side in turn, comma-separated, each "
             "pp_schedule or pp_schedule:pp_chunks (1f1b,zero_bubble,interleaved_1f1b:2,zbv:2)"),
+    Setting("profile_steps", 0, "after the timed steps, this many more under torch.profiler: prints where the "
+            "time goes"),
+    Setting("profile_trace", "", "with profile_steps: also write the profile here as a Chrome trace (.json or "
+            ".json.gz)"),
     Setting("compare_optimizer", "", "also time train.py's step with this optimizer ('adamw' or 'muon') instead of "
             "--optimizer, step by step in turn"),
     Setting("compare_doc_mask", False, "also time train.py's step with doc_mask the other way, step by step in turn"),
@@ -65,9 +71,9 @@ def parse_args(argv):
     if values["compare_optimizer"] not in ("", *settings.CHOICES["optimizer"]):
         raise ConfigError(f"compare_optimizer = {values['compare_optimizer']!r} must be '' (off) or one of "
                           f"{', '.join(map(repr, settings.CHOICES['optimizer']))}")
-    if values["bench_steps"] < 1 or values["warmup_steps"] < 0:
-        raise ConfigError(f"bench_steps = {values['bench_steps']} must be >= 1 and warmup_steps = "
-                          f"{values['warmup_steps']} >= 0")
+    if values["bench_steps"] < 1 or values["warmup_steps"] < 0 or values["profile_steps"] < 0:
+        raise ConfigError(f"bench_steps = {values['bench_steps']} must be >= 1, warmup_steps = "
+                          f"{values['warmup_steps']} and profile_steps = {values['profile_steps']} >= 0")
     bench = SimpleNamespace(**{s.name: values.pop(s.name) for s in BENCH})
     cfg = SimpleNamespace(**values)
     if not any(a.startswith("--data_dir=") for a in argv):
@@ -189,9 +195,12 @@ def run(cfg, bench, setup):
         runners.append(Picotron(other, other_setup, name=f"doc_mask={flipped}"))
     if bench.reference:
         runners.append(ReferenceGPT(runners[0]))
+    first_step_s = {}
     for r in runners:
         for i in range(bench.warmup_steps):
+            start = time.perf_counter()
             r.step(i)
+            first_step_s.setdefault(r.name, time.perf_counter() - start)
     reset_peak_memory(dev)
     # the runners take turns step by step, so a machine that speeds up or slows down affects them alike
     times = {r.name: [] for r in runners}
@@ -204,6 +213,8 @@ def run(cfg, bench, setup):
     peak_mem = metrics.peak_memory_bytes(dev, layout)
     step = bench.warmup_steps + bench.bench_steps
     pipeline = {r.name: r.measure_pipeline(step) for r in runners if bench.variants}
+    step += 2 if bench.variants else 0  # (measure_pipeline ran two more steps)
+    profile = profile_steps(runners[0], step, bench.profile_steps, bench.profile_trace) if bench.profile_steps else None
 
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     peak, peak_why = metrics.device_peak_flops(cfg.peak_flops, dev, ptdtype)
@@ -215,7 +226,7 @@ def run(cfg, bench, setup):
                            "ms_per_step_min": 1000 * min(times[r.name]), "ms_per_step_max": 1000 * max(times[r.name]),
                            "flops_per_token": r.flops_per_token,
                            "mfu": metrics.mfu(r.flops_per_token, tokens_per_sec, peak, layout.world_size),
-                           "loss": losses[r.name]}
+                           "loss": losses[r.name], "first_step_s": first_step_s.get(r.name)}
         results[r.name].update(pipeline.get(r.name, {}))
     # the process's peak memory covers whatever ran in it: with the reference alongside it is both models'
     main = runners[0].name
@@ -245,6 +256,8 @@ def run(cfg, bench, setup):
                   f"{results[main]['ms_per_step'] / other['ms_per_step']:.3f}x the time")
             result.update(doc_mask=cfg.doc_mask, compare_doc_mask_ms_per_step=other["ms_per_step"],
                           compare_doc_mask_tokens_per_sec=other["tokens_per_sec"])
+        if profile is not None:
+            result["profile"] = profile
         if bench.reference:
             ref = results["reference GPT"]
             result.update(reference_tokens_per_sec=ref["tokens_per_sec"], reference_ms_per_step=ref["ms_per_step"],
@@ -256,7 +269,63 @@ def run(cfg, bench, setup):
 
 
 def step_model_kind(picotron):
-    return "eager" if picotron.parts.step_model is picotron.parts.model else "compiled"
+    return "compiled" if picotron.parts.compiled else "eager"
+
+
+# what a kernel (on GPU) or an operator (on CPU) is, from its name: the first kind whose name part matches
+PROFILE_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "scaled_dot_product", "sdpa")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")),
+    ("optimizer", ("adam",)),
+    ("compiled fusions", ("triton",)),
+    ("copies", ("memcpy", "memset", "aten::copy_", "aten::to")),
+)
+
+
+def profile_kind(name):
+    lowered = name.lower()
+    return next((kind for kind, parts in PROFILE_KINDS if any(p in lowered for p in parts)), "other")
+
+
+def profile_steps(picotron, first_step, n_steps, trace_path=""):
+    """Where a step's time goes: n_steps more steps under torch.profiler. On GPU it sums the time of every
+    kernel the device ran, by kind (matmul, attention, compiled fusions, optimizer, copies, other: the eager
+    elementwise kernels, norms and the loss), and how busy the device was (kernel time over wall time; idle
+    time is the host running behind: launches, Python, syncs). On CPU the same for each operator's own
+    time. Prints the kinds and the top kernels; returns {"device_busy": ..., "kinds": {kind: share}}."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    on_gpu = picotron.dev.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for i in range(first_step, first_step + n_steps):
+            picotron.step(i)  # returns the loss as a float: the device has finished when it returns
+        wall_us = 1e6 * (time.perf_counter() - start)
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    if on_gpu:  # every kernel launch is an event of device type CUDA; its duration is its time on the GPU
+        timed = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:  # operators nest (aten::linear calls aten::mm): their own time only, so nothing counts twice
+        timed = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
+    total = sum(t for _, t in timed) or 1.0
+    by_kind, by_name = {}, {}
+    for name, t in timed:
+        by_kind[profile_kind(name)] = by_kind.get(profile_kind(name), 0.0) + t
+        by_name[name] = by_name.get(name, 0.0) + t
+    busy = total / wall_us
+    if picotron.layout.rank == 0:
+        what = "kernel time on the GPU" if on_gpu else "operators' own CPU time"
+        print(f"\nprofile of {n_steps} step(s): {what} {total / 1e3 / n_steps:,.1f} ms per step, "
+              f"{wall_us / 1e3 / n_steps:,.1f} ms wall (busy {100 * busy:.0f}%; the profiler itself slows the host)")
+        for kind, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+            print(f"  {kind:18s} {100 * t / total:5.1f}%")
+        print("top kernels:" if on_gpu else "top operators:")
+        for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]:
+            print(f"  {100 * t / total:5.1f}%  {profile_kind(name):17s} {name[:90]}")
+        if trace_path:
+            print(f"trace: {trace_path}")
+    return {"device_busy": busy, "kinds": {k: t / total for k, t in by_kind.items()}}
 
 
 def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak_why, kind):

@@ -1204,7 +1204,8 @@ class Transformer(nn.Module):
         rank keeps its slice: the same seed gives the same full model whatever the layout (a tied copy is
         drawn under the name of the weight it copies). Linear and embedding weights are N(0, 0.02) (GPT-2),
         residual output projections N(0, 0.02/sqrt(2 n_layer)), norm gains 1, biases 0, padded vocabulary
-        rows 0."""
+        rows 0. The draws are made on the CPU whatever device the model is on (a CUDA generator would draw
+        other numbers), so a model built on the GPU gets the same weights as on the CPU."""
         copies = self.tied_copies()
         for name, p in self.named_parameters():
             if hasattr(p, "init_value"):
@@ -1214,9 +1215,9 @@ class Transformer(nn.Module):
                 p.zero_()
                 continue
             name = copies.get(name, name)
-            g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**62)
+            g = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**62)
             shape = full_shape_of(p)
-            full = torch.zeros(shape)
+            full = torch.zeros(shape, device="cpu")  # (also inside a `with torch.device("cuda")` block)
             rows = getattr(p, "vocab_size", shape[0])  # only real tokens get random rows
             full[:rows].normal_(0.0, getattr(p, "init_std", 0.02), generator=g)
             p.copy_(shard_of(full, p))

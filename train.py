@@ -350,7 +350,7 @@ def build(cfg, run):
         print0(layout, f"optimizer: AdamW, state {unsharded / 2**20:.2f} MiB per rank")
     scaler = DynamicLossScaler(enabled=run.dtype == torch.float16)
     autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
-    return SimpleNamespace(model=model, step_model=compile_model(model, cfg, layout), optimizer=optimizer,
+    return SimpleNamespace(model=model, compiled=compile_blocks(model, cfg, layout), optimizer=optimizer,
                            grad_sync=grad_sync, pipeline=pipeline, autocast=autocast, scaler=scaler, loaded=loaded)
 
 
@@ -424,19 +424,34 @@ def make_pipeline(cfg, layout, model, dev):
                            tied_copies=tied_copies)
 
 
-def model_chunks(step_model, pipeline):
+def model_chunks(model, pipeline):
     """What run_schedule calls for each of this rank's chunks: the model itself with one chunk."""
     if pipeline.chunks == 1:
-        return step_model
-    return [functools.partial(step_model, chunk=c) for c in range(pipeline.chunks)]
-
-
-def compile_model(model, cfg, layout):
-    """The model the training step runs: torch.compile(model) with compile=True, else the model itself."""
-    if not cfg.compile:
         return model
-    print0(layout, "compiling the model with torch.compile (the first steps are slow)")
-    return torch.compile(model)
+    return [functools.partial(model, chunk=c) for c in range(pipeline.chunks)]
+
+
+def compile_blocks(model, cfg, layout):
+    """With compile=True, torch.compile each transformer block in place, one block at a time; returns whether
+    it did. Every block runs the same code on the same shapes, and its parameters are the compiled graph's
+    inputs rather than constants, so dynamo traces one graph that every block reuses: compile time is one
+    block's at any depth, where torch.compile(model) unrolls the loop over the blocks into one graph that
+    grows with n_layer. The embedding, the final norm and the chunked loss (a loop of large matmuls) stay
+    eager; evaluation runs the compiled blocks too (one more graph, without autograd). The parameters are
+    graph inputs by default from torch 2.5 (dynamo's inline_inbuilt_nn_modules; before it each block would
+    compile anew). The compiled forward is an attribute of the block instance, so no parameter is renamed
+    (a compiled module would prefix them with _orig_mod.) and uncompile_blocks undoes it."""
+    if not cfg.compile:
+        return False
+    print0(layout, "compiling each block with torch.compile (the first steps are slow)")
+    for block in model.blocks.values():
+        block.forward = torch.compile(block.forward)
+    return True
+
+
+def uncompile_blocks(model):
+    for block in model.blocks.values():
+        block.__dict__.pop("forward", None)  # Block.forward, the class's own, again
 
 
 # -----------------------------------------------------------------------------
@@ -513,7 +528,7 @@ def forward_backward(model, microbatches, autocast, loss_multiplier, set_grad_sy
     return total
 
 
-def forward_backward_step(parts, step_model, microbatches, trace=None):
+def forward_backward_step(parts, microbatches, trace=None):
     """Forward and backward of the step's micro-batches (through the pipeline schedule when pp > 1), then
     the gradients made whole: tied copies summed, a zero gradient for every parameter that got none, and
     the data-parallel average. Returns the loss (this rank's part of it with pp > 1). trace: see
@@ -523,13 +538,13 @@ def forward_backward_step(parts, step_model, microbatches, trace=None):
     if pipeline is not None:
         comm = pipeline.comm
         actions = pipeline.actions(comm.pp, comm.stage, len(microbatches), pipeline.chunks)
-        loss = run_schedule(actions, model_chunks(step_model, pipeline), microbatches, comm, parts.autocast,
+        loss = run_schedule(actions, model_chunks(model, pipeline), microbatches, comm, parts.autocast,
                             parts.scaler.loss_multiplier(), set_grad_sync, pipeline.weight_grad_stores,
                             grad_sync.grad_ready if grad_sync is not None else None, trace)
         # after the last W: the copies' gradients are complete
         sync_tied_grads(pipeline.tied_copies, pipeline.tied_group)
     else:
-        loss = forward_backward(step_model, microbatches, parts.autocast, parts.scaler.loss_multiplier(), set_grad_sync)
+        loss = forward_backward(model, microbatches, parts.autocast, parts.scaler.loss_multiplier(), set_grad_sync)
     # One rule at every layout: a parameter without a gradient (an expert no token reached) has a zero one,
     # as the data-parallel buckets give it. AdamW then steps every parameter alike (its moments decay, the
     # weight decays, one step counter for all), and every parameter has optimizer state to checkpoint.
@@ -576,22 +591,23 @@ def train_step(cfg, layout, parts, microbatches, lr, trace=None):
     actions' timer (metrics.PipelineTrace) or memory sampler, or None.
 
     torch.compile compiles inside the first forward and backward, so that is where it fails (no C compiler,
-    an op it cannot trace): on one rank the step is then run again eagerly and parts.step_model is the
-    eager model from then on. (With pp > 1 or dp > 1 the ranks may already have communicated: the error
-    stops the run.)"""
+    an op it cannot trace): on one rank the step is then run again eagerly, and the blocks stay eager from
+    then on (parts.compiled is False). (With pp > 1 or dp > 1 the ranks may already have communicated: the
+    error stops the run.)"""
     model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
     for group in optimizer.param_groups:
         group["lr"] = lr
     try:
-        loss = forward_backward_step(parts, parts.step_model, microbatches, trace)
+        loss = forward_backward_step(parts, microbatches, trace)
     except Exception as e:
-        if parts.step_model is model or parts.pipeline is not None or parts.grad_sync is not None:
+        if not parts.compiled or parts.pipeline is not None or parts.grad_sync is not None:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print0(layout, f"torch.compile failed ({type(e).__name__}: {first}); continuing without it")
         optimizer.zero_grad(set_to_none=True)  # whatever the failed attempt accumulated
-        parts.step_model = model
-        loss = forward_backward_step(parts, model, microbatches)
+        uncompile_blocks(model)
+        parts.compiled = False
+        loss = forward_backward_step(parts, microbatches, trace)
     if scaler.enabled:
         scale_grads(model, 1.0 / scaler.scale)
     grad_norm = global_grad_norm(model, layout, dp_sharded=cfg.zero_stage == 1)

@@ -116,7 +116,7 @@ def test_help_lists_every_setting_with_its_default_and_meaning(tool, setting, ca
     text = capsys.readouterr().out
     assert setting in text
     if tool in (train, bench, make_config):  # the training settings, under their banners
-        assert "# AdamW and the learning-rate schedule" in text
+        assert "# the optimizer and the learning-rate schedule" in text
         for s in settings.TRAINING:
             assert f"  --{s.name}={s.default!r}".ljust(34) + f"  {s.meaning}" in text
 
