@@ -466,8 +466,8 @@ def get_lr(step, cfg):
                 decay to min_lr, linear or 1-sqrt: lr = learning_rate - (learning_rate - min_lr) * f(progress)
                 with f(x) = x or sqrt(x) (Hu et al. 2024, "MiniCPM"; Hägele et al. 2024, "Scaling Laws and
                 Compute-Optimal Training Beyond Fixed Training Durations", whose 1-sqrt decay did best).
-                The held phase does not depend on lr_decay_iters, so a run resumed from a checkpoint of it
-                with a larger lr_decay_iters (the change is allowed) continues as if planned that long."""
+                While the peak is held the lr does not depend on lr_decay_iters, so a run resumed there with
+                a larger lr_decay_iters (the change is allowed) continues as if planned that long."""
     if step < cfg.warmup_iters:
         return cfg.learning_rate * (step + 1) / (cfg.warmup_iters + 1)
     if step >= cfg.lr_decay_iters:
