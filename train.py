@@ -149,9 +149,10 @@ def read_windows(data, starts, block_size):
     return windows
 
 
-def get_batch(data, starts, block_size, device, layout, eot_token=None):
-    """A micro-batch of the windows at `starts`, as the model takes it (context_split): its token ids and
-    targets on the device; positions and document ids, when there are any, on the host."""
+def get_batch(data, starts, block_size, device, layout=None, eot_token=None):
+    """A micro-batch of the windows at `starts`, checked by read_windows, as the model takes it
+    (context_split; layout None: one process): its token ids and targets on the device; positions and
+    document ids, when there are any, on the host."""
     windows = torch.from_numpy(read_windows(data, starts, block_size).astype(np.int64))
     x, *rest = context_split((windows[:, :-1], windows[:, 1:]), layout, eot_token)
     if device.type == "cuda":  # pinned memory lets the copy overlap the GPU's work
@@ -169,7 +170,8 @@ def context_split(batch, layout, eot_token=None):
     With eot_token (doc_mask=True) the positions restart at each document, and each token's document id
     comes after them, split the same way: (x, y, positions, documents); without context parallelism
     positions and documents are (B, T). Built from x on the host (a device x is copied back: a sync)."""
-    if layout.cp == 1 and eot_token is None:
+    cp = layout.cp if layout is not None else 1
+    if cp == 1 and eot_token is None:
         return batch
     x, y = batch
     if eot_token is None:
@@ -178,10 +180,10 @@ def context_split(batch, layout, eot_token=None):
     else:
         documents, positions = document_ids_and_positions(x.cpu(), eot_token)  # (B, T) each
         extra = (positions, documents)
-    if layout.cp == 1:
+    if cp == 1:
         return (x, y, *extra)
-    return (zigzag_split(x, layout.cp, layout.cp_rank), zigzag_split(y, layout.cp, layout.cp_rank),
-            *(split_for_every_rank(e, layout.cp) for e in extra))
+    return (zigzag_split(x, cp, layout.cp_rank), zigzag_split(y, cp, layout.cp_rank),
+            *(split_for_every_rank(e, cp) for e in extra))
 
 
 def document_end(model_cfg):
