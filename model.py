@@ -205,7 +205,7 @@ def causal_attention(q, k, v, impl, softcap=0.0, positions=None, cp_group=None, 
         return ring_attention(q, k, v, positions, cp_group, softcap=softcap,
                               documents=None if documents is None else documents.ids)
     if impl == "flash":
-        from flash_attn import flash_attn_func, flash_attn_varlen_func  # lazily: see choose_attn_impl
+        from flash_attn import flash_attn_func  # lazily: see choose_attn_impl
         d, dv = q.shape[-1], v.shape[-1]
         if dv != d:  # FlashAttention-2 wants one head size for q, k and v: pad the smaller with zeros
             if dv < d:  # (zero value columns give zero outputs, cut off below)
@@ -216,6 +216,7 @@ def causal_attention(q, k, v, impl, softcap=0.0, positions=None, cp_group=None, 
         if documents is None:
             y = flash_attn_func(q, k, v, causal=True, softmax_scale=1.0 / math.sqrt(d), **capped)  # takes GQA directly
         else:  # every document its own causal sequence, the batch's rows laid end to end: (B * T, H, D)
+            from flash_attn import flash_attn_varlen_func
             B, T = q.shape[:2]
             cu, n = documents.cu_seqlens, documents.max_seqlen
             y = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, n, n, causal=True,
