@@ -143,9 +143,10 @@ class CheckpointReader:
 
 
 # the settings a checkpoint's model may differ in from the model it is loaded into: the context length and
-# the RoPE base and scaling (a deliberate context extension); none changes a weight's shape or meaning
+# the RoPE base and scaling (a deliberate context extension), document masking (training on or off it);
+# none changes a weight's shape or meaning
 MAY_DIFFER = ("block_size", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-              "rope_original_context")
+              "rope_original_context", "doc_mask", "eot_token")
 
 
 def check_model_config(saved, model_cfg, path):
@@ -211,45 +212,57 @@ def model_pieces(model, layout):
             if name not in copies and _saved_here(p, layout, expert=name in experts)}
 
 
+# the tensors of an optimizer's state that are saved: AdamW's two moments, Muon's momentum
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+
+
 def optimizer_pieces(optimizer, model, layout):
-    """The AdamW moments, saved like the parameters they belong to. parallel.ZeroOneAdamW's state says
-    which flat range of each parameter's (tensor-parallel slice's) elements this rank owns: then every
-    data-parallel rank saves its own range, and the ranks' pieces together cover every element once."""
+    """The optimizer's states (AdamW's moments, Muon's momentum), saved like the parameters they belong to.
+    Under ZeRO-1 a state says which flat range of its parameter's (tensor-parallel slice's) elements this
+    rank owns (parallel.ZeroOneAdamW: a slice; parallel.Muon: a whole matrix, or a slice for AdamW's
+    part): then every data-parallel rank saves its own ranges, and the ranks' pieces together cover every
+    element once."""
     pieces, copies, experts = {}, model.tied_copies(), model.expert_parameters()
     for name, p in model.named_parameters():
         state = optimizer.state.get(p)
         flat_range = state.get("flat_range") if state else None
         if state and name not in copies and _saved_here(p, layout, flat_range is not None, name in experts):
-            pieces[name] = {k: make_piece(state[k], p, flat_range) for k in ("exp_avg", "exp_avg_sq")}
+            pieces[name] = {k: make_piece(state[k], p, flat_range) for k in STATE_KEYS if k in state}
     return pieces
 
 
 def _moment(reader, name, p, key):
-    """A saved AdamW moment of parameter `name`, as this rank's slice. A checkpoint written before every
-    parameter got a gradient each step may lack the moments of one that never had one (an expert no token
-    reached): AdamW's moments start at zero, so zero is exactly what it had."""
+    """A saved state tensor (`key`) of parameter `name`, as this rank's slice. A checkpoint written before
+    every parameter got a gradient each step may lack the moments of one that never had one (an expert no
+    token reached): AdamW's moments start at zero, so zero is exactly what it had."""
     if not reader.has("optimizer", name) and reader.has("model", name):
         return torch.zeros_like(p)
     return reader.optimizer_tensor(name, p, key)
 
 
-def load_zero(optimizer, model, reader):
-    """Fill a ZeroOneAdamW's moments (any dp, any layout) from a checkpoint saved with or without ZeRO:
-    each rank assembles the full moments of its parameters and keeps the flat range it owns now."""
+def load_states(optimizer, model, reader):
+    """Fill an optimizer whose states exist before its first step (parallel.ZeroOneAdamW, parallel.Muon; any
+    dp, any layout) from a checkpoint saved with or without ZeRO: each rank assembles the full state
+    tensors of its parameters and keeps the flat range it owns (all of it without one)."""
     step, copies = torch.tensor(float(reader.meta["adam_step"])), model.tied_copies()
     for name, p in model.named_parameters():
         state = optimizer.state.get(p)
         if not state:
             continue
-        start, end = state["flat_range"]
-        for k in ("exp_avg", "exp_avg_sq"):
-            state[k].copy_(_moment(reader, copies.get(name, name), p, k).reshape(-1)[start:end])
-        state["step"] = step.clone()
+        start, end = state.get("flat_range", (0, p.numel()))
+        for k in STATE_KEYS:
+            if k in state:
+                saved = _moment(reader, copies.get(name, name), p, k).reshape(-1)[start:end]
+                state[k].copy_(saved.view_as(state[k]))
+        if "step" in state:
+            state["step"] = step.clone()
 
 
 def adamw_step_count(optimizer):
+    """AdamW's step counter (every AdamW state has the same; Muon's momentum has none)."""
     for state in optimizer.state.values():
-        return int(state["step"])
+        if "step" in state:
+            return int(state["step"])
     return 0
 
 

@@ -85,6 +85,8 @@ class ModelConfig:
     aux_loss_coef: float = 0.01
     n_shared_expert: int = 0
     router_z_loss_coef: float = 0.0
+    doc_mask: bool = False  # attention stops at eot_token, positions restart after it
+    eot_token: int = -1  # the end-of-text id that ends each document in the bins (meta.json's); -1 = unknown
 
 
 def model_config_from(saved):
@@ -189,7 +191,7 @@ def causal_attention_scores(q, k, softcap=0.0):
     return att.masked_fill(~mask, float("-inf"))
 
 
-def causal_attention(q, k, v, impl, softcap=0.0, positions=None, cp_group=None):
+def causal_attention(q, k, v, impl, softcap=0.0, positions=None, cp_group=None, documents=None):
     """q: (B, T, H, D), k: (B, T, H_kv, D), v: (B, T, H_kv, D_v) with H a multiple of H_kv (D_v differs from D
     in MLA). softcap > 0 soft-caps every score (after the 1/sqrt(D) scale) before the softmax, which only
     'flash' and 'eager' can (impl comes from choose_attn_impl, which never pairs 'sdpa' with a cap). Returns
@@ -197,9 +199,11 @@ def causal_attention(q, k, v, impl, softcap=0.0, positions=None, cp_group=None):
 
     With a context-parallel group, q, k and v are this rank's share of the sequence and attention is ring
     attention (parallel.py, section 3), whatever impl is: positions are then every cp rank's global token
-    positions, (cp, B, T) on the host."""
+    positions, (cp, B, T) on the host. documents (a DocumentMask, doc_mask=True): a query sees only the
+    keys of its own document."""
     if group_size(cp_group) > 1:
-        return ring_attention(q, k, v, positions, cp_group, softcap=softcap)
+        return ring_attention(q, k, v, positions, cp_group, softcap=softcap,
+                              documents=None if documents is None else documents.ids)
     if impl == "flash":
         from flash_attn import flash_attn_func  # lazily: see choose_attn_impl
         d, dv = q.shape[-1], v.shape[-1]
@@ -209,18 +213,100 @@ def causal_attention(q, k, v, impl, softcap=0.0, positions=None, cp_group=None):
             else:  # (zero query/key columns add nothing to the scores; the scale stays 1/sqrt(d))
                 q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
         capped = {"softcap": softcap} if softcap else {}  # flash-attn < 2.6 has no softcap argument
-        y = flash_attn_func(q, k, v, causal=True, softmax_scale=1.0 / math.sqrt(d), **capped)  # takes GQA directly
+        if documents is None:
+            y = flash_attn_func(q, k, v, causal=True, softmax_scale=1.0 / math.sqrt(d), **capped)  # takes GQA directly
+        else:  # every document its own causal sequence, the batch's rows laid end to end: (B * T, H, D)
+            from flash_attn import flash_attn_varlen_func
+            B, T = q.shape[:2]
+            cu, n = documents.cu_seqlens, documents.max_seqlen
+            y = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, n, n, causal=True,
+                                       softmax_scale=1.0 / math.sqrt(d), **capped).view(B, T, *q.shape[2:])
         return y[..., :dv]
     group = q.shape[2] // k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
     if group > 1:  # each key/value head serves `group` query heads
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    if impl == "sdpa":
+    if impl == "sdpa" and documents is not None:  # (every query sees itself: no row is all hidden, no NaN)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.visible)
+    elif impl == "sdpa":
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:  # eager: written out, the reference the fused kernels must agree with, and the one that can cap
-        y = causal_attention_scores(q, k, softcap).softmax(dim=-1) @ v
+        att = causal_attention_scores(q, k, softcap)
+        if documents is not None:
+            att = att.masked_fill(~documents.visible, float("-inf"))
+        y = att.softmax(dim=-1) @ v
     return y.transpose(1, 2)
+
+
+# -----------------------------------------------------------------------------
+# Document masking (doc_mask=True). The bins are documents laid end to end, each ended by the end-of-text
+# token, and a training window cuts across several. Plain causal attention lets a token attend to the end
+# of an unrelated earlier document; with doc_mask a query sees only the earlier keys of its own document,
+# and RoPE positions restart at 0 with each document, so a document is processed exactly as if it began
+# the window (as Llama 3 trains: Dubey et al. 2024, section 3.2). The end-of-text token belongs to the
+# document it ends (it is predicted from that document; the token after it starts the next).
+#
+# Document ids and positions are built on the host with the batch (train.context_split), so that no
+# kernel choice needs a device sync: SDPA gets a (B, 1, T, T) boolean mask, "same document and not
+# later" (SDPA picks its memory-efficient kernel with a mask, not the flash one, so on old GPUs and CPU it
+# costs a T x T mask per microbatch, built once per forward and shared by every layer); FlashAttention-2
+# gets the documents' offsets in the flattened batch (cu_seqlens) for its varlen kernel, which skips the
+# hidden blocks and costs nothing extra; under context parallelism the ids travel with the keys and
+# values as positions do (every rank holds every rank's ids on the host; parallel.py, section 3), and a
+# chunk pair that hides every key is skipped or gives zeros, never NaN.
+#
+# Isolation is exact for dense models and for MoE without dropping: a token-choice router with a
+# capacity (capacity_factor) queues the tokens of a whole microbatch, so an earlier document can take
+# the capacity a later one would have had. That coupling stays.
+
+
+@dataclass
+class DocumentMask:
+    """What attention needs to stop at documents, made once per forward (document_mask).
+    ids: document ids, (B, T) on the model's device; under context parallelism (cp, B, T/cp) on the host.
+    visible (sdpa, eager): (B, 1, T, T) bool, key in the query's document and not later.
+    cu_seqlens, max_seqlen (flash): the documents' starts in the batch's rows laid end to end, plus the
+    end, (n_documents + 1,) int32 on the device, and the longest document's length."""
+    ids: torch.Tensor
+    visible: torch.Tensor = None
+    cu_seqlens: torch.Tensor = None
+    max_seqlen: int = 0
+
+
+def document_ids_and_positions(tokens, eot_token):
+    """(documents, positions) of token ids (..., T), each shaped like tokens: the number of end-of-text
+    tokens before each token in its row (the eot itself belongs to the document it ends), and its position
+    inside its document, counted from 0."""
+    ends = (tokens == eot_token).long()
+    documents = ends.cumsum(-1) - ends
+    index = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
+    starts = torch.ones_like(tokens, dtype=torch.bool)  # a document starts at 0 and after every eot
+    starts[..., 1:] = ends[..., :-1].bool()
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values  # each token's document start
+    return documents, index - first
+
+
+@torch.compiler.disable  # host-side offsets (flash): torch.compile runs around it
+def document_mask(documents, impl, device, cp=1):
+    """The DocumentMask of document ids (B, T) (under context parallelism (cp, B, T/cp), on the host)."""
+    if cp > 1:
+        return DocumentMask(ids=documents)
+    if impl == "flash":
+        B, T = documents.shape
+        starts = torch.ones_like(documents, dtype=torch.bool)
+        starts[:, 1:] = documents[:, 1:] != documents[:, :-1]  # each row starts a document too
+        offsets = starts.flatten().nonzero().flatten()
+        cu = torch.cat([offsets, offsets.new_tensor([B * T])]).int()
+        # from a host tensor, no sync; from a device one (the model derived the ids itself), .item() syncs
+        longest = int((cu[1:] - cu[:-1]).max())
+        return DocumentMask(ids=documents.to(device, non_blocking=True), cu_seqlens=cu.to(device, non_blocking=True),
+                            max_seqlen=longest)
+    ids = documents.to(device, non_blocking=True)
+    T = ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    visible = (ids[:, :, None] == ids[:, None, :]) & causal  # (B, T, T): query row, key column
+    return DocumentMask(ids=ids, visible=visible[:, None])
 
 
 # -----------------------------------------------------------------------------
@@ -393,7 +479,7 @@ class CausalSelfAttention(nn.Module):
                 for proj in (self.k_proj, self.v_proj))
         return k, v
 
-    def forward(self, x, cos, sin, positions=None):
+    def forward(self, x, cos, sin, positions=None, documents=None):
         if self.sequence_parallel:  # (B, T/tp, C) -> (B, T, C); backward: reduce-scatter of x's gradient
             x = gather_from_sp(x, self.tp_group)
         else:  # f: identity forward, all-reduce of x's gradient backward
@@ -406,7 +492,7 @@ class CausalSelfAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = causal_attention(q, k, v, self.attn_impl, self.softcap, positions, self.cp_group)
+        y = causal_attention(q, k, v, self.attn_impl, self.softcap, positions, self.cp_group, documents)
         return self.o_proj(y.reshape(B, T, self.n_head_local * self.head_dim))
 
 
@@ -484,7 +570,7 @@ class MultiHeadLatentAttention(nn.Module):
         """What a KV cache would store per token: (B, T, kv_lora_rank + qk_rope_head_dim)."""
         return self.down(self.kv_down, x)
 
-    def forward(self, x, cos, sin, positions=None):
+    def forward(self, x, cos, sin, positions=None, documents=None):
         if self.sequence_parallel:  # (B, T/tp, C) -> (B, T, C)
             x = gather_from_sp(x, self.tp_group)
         B, T, _ = x.shape
@@ -507,7 +593,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, k_rope = k.split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
         k = torch.cat([k_nope, apply_rope(k_rope, cos, sin)], dim=-1)
-        y = causal_attention(q, k, v, self.attn_impl, self.softcap, positions, self.cp_group)  # (B, T, H_local, v)
+        y = causal_attention(q, k, v, self.attn_impl, self.softcap, positions, self.cp_group,
+                             documents)  # (B, T, H_local, v)
         return self.o_proj(y.reshape(B, T, self.n_head_local * self.v_dim))
 
 
@@ -753,7 +840,8 @@ class Block(nn.Module):
 
     Under sequence parallelism x is this tp rank's T/tp tokens: the norms and the residual adds run on
     them alone (the norms' gains then pass through f: make_norm's tp_group), attention and the MLP gather
-    the sequence and hand back this rank's tokens. positions: for ring attention (context parallelism)."""
+    the sequence and hand back this rank's tokens. positions: for ring attention (context parallelism);
+    documents: a DocumentMask (doc_mask=True)."""
 
     def __init__(self, cfg, tp_group=None, attn_impl="sdpa", cp_group=None, sequence_parallel=False,
                  ep_group=None):
@@ -774,11 +862,11 @@ class Block(nn.Module):
         else:
             self.mlp = make_mlp(cfg, tp_group, sequence_parallel)
 
-    def forward(self, x, cos, sin, positions=None):
+    def forward(self, x, cos, sin, positions=None, documents=None):
         if self.parallel:
             h = self.attn_norm(x)
-            return x + self.attn(h, cos, sin, positions) + self.mlp(h)
-        x = x + self.attn(self.attn_norm(x), cos, sin, positions)
+            return x + self.attn(h, cos, sin, positions, documents) + self.mlp(h)
+        x = x + self.attn(self.attn_norm(x), cos, sin, positions, documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -953,6 +1041,10 @@ def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False, chunks=1, ep=1)
     elif ep > 1:
         problems.append(f"ep = {ep} spreads the experts of a mixture of experts over ranks, but n_expert = 0 (a dense "
                         f"model): set n_expert > 0 or ep = 1")
+    if cfg.doc_mask and not 0 <= cfg.eot_token < cfg.vocab_size:
+        problems.append(f"doc_mask=True needs the end-of-text id that separates the documents, eot_token, in the "
+                        f"vocabulary of {cfg.vocab_size}; it is {cfg.eot_token}: prepare the data with prepare_data.py "
+                        f"(its meta.json names it), or set --eot_token")
     if pp * chunks > cfg.n_layer:
         if chunks == 1:
             problems.append(f"pp = {pp} stages but only n_layer = {cfg.n_layer} blocks: every stage needs at least "
@@ -978,13 +1070,18 @@ class Transformer(nn.Module):
     """The whole model, or one pipeline stage of it (pp > 1): the first stage holds the token embedding,
     every stage its own blocks, the last the final norm and the head.
 
-    forward(x, targets=None, positions=None, chunk=0) returns (output, loss) on every stage:
+    forward(x, targets=None, positions=None, documents=None, chunk=0) returns (output, loss) on every stage:
         first stage     x is token ids (B, T); a middle or last stage takes the previous stage's hidden
                         states (B, T, n_embd), under sequence parallelism this tp rank's (B, T/tp, n_embd)
         positions       with a context-parallel group (cp_group), required: every cp rank's global token
                         positions, (cp, B, T) or (cp, T) on the host (parallel.split_for_every_rank); x and
                         targets are then this rank's share of the window (parallel.zigzag_split). RoPE
-                        reads this rank's row, ring attention every row. Without a cp group: None.
+                        reads this rank's row, ring attention every row. Without a cp group: None, or
+                        with doc_mask each token's position in its document, (B, T).
+        documents       doc_mask=True: each token's document id, shaped like positions, on the host
+                        (document_ids_and_positions; train.context_split builds both with the batch). A
+                        first stage without context parallelism may be given neither: it then derives
+                        both from x itself. Without doc_mask: None.
         output          on a last stage the logits (B, T, vocab_size) (this rank's vocabulary slice under
                         tensor parallelism); None instead when the chunked loss computes the loss without
                         them (chunked_loss=True, tp = 1, targets given). On other stages the hidden states.
@@ -1022,7 +1119,7 @@ class Transformer(nn.Module):
         super().__init__()
         if attn_impl != "flash":  # (flash needs its device to be checked: the caller's choose_attn_impl did)
             attn_impl, _ = choose_attn_impl(attn_impl, "cpu", torch.float32, cfg.attn_softcap)
-        self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
+        self.cfg, self.tp_group, self.cp_group, self.attn_impl = cfg, tp_group, cp_group, attn_impl
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         sp = self.sequence_parallel
         self.activation_checkpointing = activation_checkpointing
@@ -1049,12 +1146,19 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x, targets=None, positions=None, chunk=0):
+    def forward(self, x, targets=None, positions=None, documents=None, chunk=0):
         cp = group_size(self.cp_group)
-        if (positions is None) != (cp == 1):
+        if self.cfg.doc_mask and documents is None and positions is None and self.stages[chunk] == 0 and cp == 1:
+            documents, positions = document_ids_and_positions(x, self.cfg.eot_token)  # (on x's device)
+        if (positions is None) != (cp == 1 and not self.cfg.doc_mask):
             raise ValueError(f"Transformer.forward: positions must be given exactly under context parallelism "
-                             f"(cp = {cp} here): every cp rank's global token positions, (cp, B, T/cp) on the host "
-                             f"(parallel.split_for_every_rank)")
+                             f"(cp = {cp} here: every cp rank's global token positions, (cp, B, T/cp) on the host, "
+                             f"parallel.split_for_every_rank) or with doc_mask (doc_mask = {self.cfg.doc_mask}: each "
+                             f"token's position in its document)")
+        if (documents is None) == self.cfg.doc_mask:
+            raise ValueError(f"Transformer.forward: documents (each token's document id, shaped like positions) "
+                             f"must be given exactly with doc_mask=True (doc_mask = {self.cfg.doc_mask} here; a first "
+                             f"stage without context parallelism derives them from the tokens when neither is given)")
         stage = self.stages[chunk]
         if stage == 0:
             if x.shape[1] > self.cfg.block_size:
@@ -1065,16 +1169,18 @@ class Transformer(nn.Module):
             seq_len = x.shape[1] * (group_size(self.tp_group) if self.sequence_parallel else 1)
         if positions is None:  # positions 0 .. seq_len - 1 in every row
             cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]  # (T, D/2)
-        else:  # this rank's tokens' own positions (the copy does not block: no sync)
-            here = positions[group_rank(self.cp_group)].to(self.rope_cos.device, non_blocking=True)
+        else:  # the tokens' own positions (this cp rank's; the copy does not block: no sync)
+            here = positions[group_rank(self.cp_group)] if cp > 1 else positions
+            here = here.to(self.rope_cos.device, non_blocking=True)
             cos, sin = self.rope_cos[here], self.rope_sin[here]  # (B, T/cp, D/2), or (T/cp, D/2)
+        mask = None if documents is None else document_mask(documents, self.attn_impl, self.rope_cos.device, cp)
         blocks = [self.blocks[str(i)] for i in self.chunk_layers[chunk]]
         for block in blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # keep only the block's input; its activations are recomputed during backward
-                x = checkpoint(block, x, cos, sin, positions, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, positions, mask, use_reentrant=False)
             else:
-                x = block(x, cos, sin, positions)
+                x = block(x, cos, sin, positions, mask)
         aux = None
         if self.training:
             aux = self.moe_aux_loss(blocks)

@@ -18,6 +18,8 @@ order a reader learns them.
      an AdamW whose states are split across data-parallel ranks (ZeroOneAdamW).
   6. Expert parallelism: a mixture of experts' experts spread over data-parallel ranks, each token sent to
      its experts' rank and back with two all-to-alls (an autograd function, forward and backward).
+  7. Muon: Newton-Schulz orthogonalised momentum for the matrices, AdamW for the rest, in one optimizer,
+     with each matrix orthogonalised whole under tensor parallelism and dealt whole to one rank by ZeRO-1.
   Last, the timeline printer: the same action lists placed in time by a simulator of the executor's
      exchanges (python parallel.py --schedule zero_bubble --pp 4 --microbatches 8; --chunks for
      interleaved_1f1b).
@@ -34,7 +36,7 @@ Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clu
 (1F1B and interleaved 1F1B, sections 2.2.1-2.2.2); Qi et al. 2023, "Zero Bubble Pipeline Parallelism"
 (ZB-H1, ZB-V); Rajbhandari et al. 2020, "ZeRO" (section 5.1); Lepikhin et al. 2020, "GShard" (experts
 spread over devices, all-to-all dispatch, section 2.2); Fedus et al. 2021, "Switch Transformers" (section
-5.4).
+5.4); Jordan et al. 2024, "Muon"; Liu et al. 2025, "Muon is Scalable for LLM Training".
 """
 import argparse
 import itertools
@@ -1616,29 +1618,33 @@ def sync_tied_grads(copies, group):
 
 
 class _Bucket:
-    """A group of parameters whose gradients travel as one flat tensor over `group` (padded to a multiple
-    of its size)."""
+    """A group of parameters whose gradients travel as one flat tensor over `group`. Under sharding it is
+    either sliced evenly across the group's ranks (padded to a multiple of its size: ZeRO-1), or it has an
+    `owner`, the one rank of the group that gets all of it (whole matrices for Muon, section 7)."""
 
-    def __init__(self, params, group):
-        self.params, self.group = params, group
+    def __init__(self, params, group, owner=None):
+        self.params, self.group, self.owner = params, group, owner
         self.world, self.rank = group_size(group), group_rank(group)
         self.offsets, n = [], 0
         for p in params:
             self.offsets.append(n)
             n += p.numel()
         self.numel = n
-        self.shard_size = (n + self.world - 1) // self.world  # elements each rank of the group owns
-        self.flat = torch.zeros(self.shard_size * self.world, dtype=params[0].dtype, device=params[0].device)
+        self.shard_size = (n + self.world - 1) // self.world if owner is None else n  # elements one rank owns
+        size = self.shard_size * self.world if owner is None else n
+        self.flat = torch.zeros(size, dtype=params[0].dtype, device=params[0].device)
         self.reset()
 
     def owned(self):
-        """The range of `flat` this rank owns under sharding."""
-        return self.rank * self.shard_size, (self.rank + 1) * self.shard_size
+        """The range of `flat` this rank owns under sharding (empty on a whole bucket's other ranks)."""
+        if self.owner is None:
+            return self.rank * self.shard_size, (self.rank + 1) * self.shard_size
+        return (0, self.numel) if self.rank == self.owner else (0, 0)
 
     def reset(self):
         self.ready = set()  # indices of the parameters whose gradient is in `flat`
         self.work = None  # the in-flight collective
-        self.shard = None  # with sharding: the reduced gradient of this rank's slice
+        self.shard = None  # with even slices: the reduced gradient of this rank's slice
 
 
 class GradientBuckets:
@@ -1663,10 +1669,15 @@ class GradientBuckets:
     `expert_params` are summed over `expert_group` instead (expert parallelism, section 6: the ranks that
     hold the same experts), and divided by the size of `group` too: an expert's gradient on each rank is
     already the sum over the ep ranks that sent it tokens, so its sum over expert_group is the sum over all
-    of `group`. With expert_group the same as group they are buckets like any other."""
+    of `group`. With expert_group the same as group they are buckets like any other.
+
+    `owners` ({param: rank of group}, with shard=True) sends those parameters' gradients whole to one rank
+    each instead of slicing them: they travel in buckets of their own, one owner per bucket, reduced to the
+    owner (dist.reduce) instead of reduce-scattered. After the optimizer step, gather_params() brings every
+    rank the parameters the others updated."""
 
     def __init__(self, params, group, bucket_size_mb=25.0, shard=False, deferred=(), expert_params=(),
-                 expert_group=None):
+                 expert_group=None, owners=None):
         self.group, self.shard = group, shard
         self.dp, self.dp_rank = group_size(group), group_rank(group)
         self.sync = True
@@ -1676,24 +1687,28 @@ class GradientBuckets:
         early = [p for p in params if id(p) not in deferred_ids]
         late = [p for p in params if id(p) in deferred_ids]
         # backward produces gradients roughly in the reverse order of the forward pass: bucket them that way,
-        # filling one bucket for each group at a time, in the order the buckets fill up
+        # filling one bucket for each kind (its group, and its owner if it goes whole to one rank) at a time,
+        # in the order the buckets fill up
+        owners = owners or {}
         self.buckets, capacity = [], max(1, int(bucket_size_mb * 2 ** 20))
-        filling = {}  # group -> (its parameters so far, their bytes)
+        filling = {}  # (group, owner) -> (its parameters so far, their bytes)
         for p in reversed(early):
-            g = expert_group if id(p) in expert_ids else group
-            current, size = filling.get(g, ([], 0))
+            kind = (expert_group if id(p) in expert_ids else group, owners.get(p))
+            current, size = filling.get(kind, ([], 0))
             if current and p.dtype != current[0].dtype:  # one dtype per flat buffer
-                self.buckets.append(_Bucket(current, g))
+                self.buckets.append(_Bucket(current, *kind))
                 current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
             if size >= capacity:
-                self.buckets.append(_Bucket(current, g))
+                self.buckets.append(_Bucket(current, *kind))
                 current, size = [], 0
-            filling[g] = (current, size)
-        self.buckets += [_Bucket(current, g) for g, (current, _) in filling.items() if current]
-        for dtype in dict.fromkeys(p.dtype for p in late):
-            self.buckets.append(_Bucket([p for p in late if p.dtype == dtype], group))
+            filling[kind] = (current, size)
+        self.buckets += [_Bucket(current, *kind) for kind, (current, _) in filling.items() if current]
+        for owner in dict.fromkeys(owners.get(p) for p in late):
+            mine = [p for p in late if owners.get(p) == owner]
+            for dtype in dict.fromkeys(p.dtype for p in mine):
+                self.buckets.append(_Bucket([p for p in mine if p.dtype == dtype], group, owner))
         self.where = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -1742,7 +1757,10 @@ class GradientBuckets:
         self.launched += 1
         if bucket.world == 1:
             return
-        if self.shard:
+        if self.shard and bucket.owner is not None:  # the sum lands on the owner only
+            owner = dist.get_global_rank(bucket.group, bucket.owner)
+            bucket.work = dist.reduce(bucket.flat, owner, group=bucket.group, async_op=True)
+        elif self.shard:
             bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
             bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=bucket.group, async_op=True)
         else:
@@ -1761,9 +1779,9 @@ class GradientBuckets:
             if bucket.work is not None:
                 bucket.work.wait()  # sync point: the gradient is needed from here on
             # the sum over ranks / dp = the mean gradient over the global batch
-            if self.shard:  # this rank's slice of the mean, zero elsewhere (the other ranks' slices)
+            if self.shard:  # the mean on what this rank owns, zero elsewhere (the other ranks' parts)
                 lo, hi = bucket.owned()
-                if bucket.world > 1:
+                if bucket.world > 1 and bucket.owner is None:  # a reduce-scatter's output; a reduce leaves the sum in flat
                     bucket.flat[lo:hi].copy_(bucket.shard)
                 if self.dp > 1:
                     bucket.flat[lo:hi].div_(self.dp)
@@ -1778,7 +1796,8 @@ class GradientBuckets:
 
     def owned_pieces(self):
         """(param, start, end): the range of each parameter's flattened elements this rank owns under
-        sharding. Each parameter has at most one range: it is contiguous in its bucket, so is the slice."""
+        sharding. Each parameter has at most one range: it is contiguous in its bucket, so is the slice
+        (a parameter of a whole bucket is all or nothing)."""
         pieces = []
         for bucket in self.buckets:
             lo, hi = bucket.owned()
@@ -1787,6 +1806,28 @@ class GradientBuckets:
                 if a < b:
                     pieces.append((p, a - start, b - start))
         return pieces
+
+    def gather_params(self):
+        """After each rank updated what it owns under sharding, give every rank the whole updated model: an
+        all-gather of each evenly sliced bucket, a broadcast from its owner of each whole one."""
+        pending = []
+        for bucket in self.buckets:
+            if bucket.world == 1:
+                continue
+            full = torch.empty_like(bucket.flat)
+            for p, start in zip(bucket.params, bucket.offsets):
+                full[start:start + p.numel()].copy_(p.detach().reshape(-1))
+            if bucket.owner is None:
+                lo, hi = bucket.owned()
+                work = _all_gather_single(full, full[lo:hi].clone(), group=bucket.group, async_op=True)
+            else:
+                work = dist.broadcast(full, dist.get_global_rank(bucket.group, bucket.owner), group=bucket.group,
+                                      async_op=True)
+            pending.append((bucket, full, work))
+        for bucket, full, work in pending:
+            work.wait()
+            for p, start in zip(bucket.params, bucket.offsets):
+                p.detach().copy_(full[start:start + p.numel()].view_as(p))
 
 
 class ZeroOneAdamW(torch.optim.Optimizer):
@@ -1821,37 +1862,25 @@ class ZeroOneAdamW(torch.optim.Optimizer):
     def step(self):
         for p, state in self.state.items():
             group = self.group_of[p]
-            lr, wd, (beta1, beta2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
             start, end = state["flat_range"]
-            param = p.view(-1)[start:end]  # a view: updating it updates p
-            grad = p.grad.view(-1)[start:end]
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            state["step"] += 1
-            t = state["step"].item()
-            param.mul_(1 - lr * wd)
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
-            param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1 ** t))
-        self._all_gather_params()
+            # views: updating them updates p
+            adamw_update(p.view(-1)[start:end], p.grad.view(-1)[start:end], state, group["lr"],
+                         group["weight_decay"], group["betas"], group["eps"])
+        self.grad_sync.gather_params()
 
-    def _all_gather_params(self):
-        """Every rank updated its slice of each bucket; gather the slices so that every rank has the
-        whole updated model."""
-        gathered = []
-        for bucket in self.grad_sync.buckets:
-            if bucket.world == 1:
-                continue
-            full = torch.empty_like(bucket.flat)
-            for p, start in zip(bucket.params, bucket.offsets):
-                full[start:start + p.numel()].copy_(p.detach().reshape(-1))
-            lo, hi = bucket.owned()
-            gathered.append((bucket, full, _all_gather_single(full, full[lo:hi].clone(), group=bucket.group,
-                                                              async_op=True)))
-        for bucket, full, work in gathered:
-            work.wait()
-            for p, start in zip(bucket.params, bucket.offsets):
-                p.detach().copy_(full[start:start + p.numel()].view_as(p))
+
+def adamw_update(param, grad, state, lr, weight_decay, betas, eps):
+    """torch.optim.AdamW's update of one tensor, in place (Loshchilov & Hutter 2019): decoupled weight decay
+    p -= lr * wd * p, then p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps), with
+    state's exp_avg (m) and exp_avg_sq (v) shaped like param and its step counter t (a tensor)."""
+    beta1, beta2 = betas
+    state["step"] += 1
+    t = state["step"].item()
+    param.mul_(1 - lr * weight_decay)
+    state["exp_avg"].lerp_(grad, 1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
+    param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** t))
 
 
 def optimizer_state_bytes(optimizer):
@@ -1973,6 +2002,163 @@ def dispatch_to_experts(rows, splits, run_local_experts, group, sent):
     out = run_local_experts(received[order], sizes)
     back = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
     return AllToAll.apply(out[back], recv, send, group, sent)  # each output row to its token's rank
+# 7. Muon: whole matrices across tensor- and data-parallel ranks
+#
+# Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks") steps a weight
+# matrix along its momentum made orthogonal: the momentum M = U S V^T is replaced by about U V^T, so that
+# every direction of the matrix moves by the same amount, where a gradient step moves mostly along its
+# few largest singular directions. U V^T comes without an SVD, from five iterations of a quintic
+# Newton-Schulz polynomial: matmuls only. Liu et al. 2025 ("Muon is Scalable for LLM Training", Moonshot
+# AI, section 2.2) scale the update of an A x B matrix by 0.2 * sqrt(max(A, B)): U V^T has RMS
+# 1 / sqrt(max(A, B)), so the update's RMS is 0.2, about AdamW's, and an AdamW recipe's learning rate and
+# decoupled weight decay carry over. Muon is for the matrices that map hidden states to hidden states;
+# the embedding, the head, the router, the norms and the biases stay on AdamW (Jordan et al. and Liu et
+# al. both keep the embedding and head on AdamW): one optimizer, with parameter groups.
+#
+# Orthogonalising is not elementwise, as AdamW is: it needs the whole matrix, which tensor parallelism and
+# ZeRO-1 both cut. What each rank holds and which collectives run, for each:
+#   Tensor parallelism: each rank keeps the momentum of its own slice (momentum is elementwise); the tp
+#     ranks all-gather the slices of the Nesterov momentum, every rank orthogonalises the full matrix and
+#     keeps its slice of the result. Gathering is one all-gather per matrix on the fastest links, with no
+#     extra process group and no scatter back; its price is Newton-Schulz run tp times over (dealing
+#     whole matrices to tp ranks would split that work, at the cost of a gather to each owner and a
+#     scatter back). A matrix replicated across the tp ranks (key and value weights with fewer heads than
+#     ranks, MQA; MLA's down-projections) already has its complete gradient on every rank (copy_to_tp
+#     summed it), so every rank computes the same update with no collective.
+#   ZeRO-1 (zero=True): even flat slices would cut matrices, so the matrices are dealt whole instead, over
+#     the ranks that hold the same parameters (dp x cp under context parallelism, as for ZeroOneAdamW;
+#     "dp" below). In backward order, each goes to the dp rank whose even share of all their elements
+#     holds its middle element: ZeRO-1's cut, moved to the nearest matrix boundary (a rank's share is off
+#     by at most about one matrix). They travel in GradientBuckets of their own, one owner each: the gradient is reduced to
+#     the owner (instead of reduce-scattered), the owner keeps the momentum, runs Newton-Schulz, and
+#     broadcasts the updated matrix (instead of the all-gather). The AdamW parameters keep ZeRO-1's even
+#     slices. With tp as well, the tp ranks of the owner do the tp all-gather among themselves.
+# What it costs. Bytes: across dp, what AdamW moves (a reduce plus a broadcast move what a reduce-scatter
+# plus an all-gather move); across tp, one all-gather of each matrix. Memory: one momentum per element
+# where AdamW keeps two, 1/dp of them with ZeRO-1. Compute: Newton-Schulz for an A x B matrix, A <= B, is
+# 5 x (X X^T: 2 A^2 B, its square: 2 A^3, times X: 2 A^2 B) = 20 A^2 B + 10 A^3 FLOPs a step; for m x m
+# matrices that is 5 m / (tokens per step) of the training FLOPs (6 m^2 per token), tp times over. It runs
+# in fp32, so that every layout's update equals one process's to fp32 rounding (Jordan et al. run it in
+# bf16 on GPUs, faster).
+#
+# The 2-D weights must be plain matrices (out, in), as nn.Linear keeps them: an expert stored as one 3-D
+# tensor would need its own loop here.
+
+NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Jordan et al. 2024
+
+
+def newton_schulz(G, steps=5, eps=1e-7):
+    """About U V^T for G = U S V^T. G is scaled to Frobenius norm 1, so every singular value is at most 1;
+    then each iteration X <- a X + b (X X^T) X + c (X X^T)^2 X maps every singular value s to
+    a s + b s^3 + c s^5 and leaves U and V alone. Jordan et al.'s (a, b, c) buy a steep start (a = 3.4:
+    small singular values grow fast) with not converging to exactly 1: after 5 iterations every singular
+    value from 0.01 of the norm up lands in [0.68, 1.13], which the update tolerates. In fp32; the Gram
+    matrix X X^T is taken on the shorter side."""
+    a, b, c = NEWTON_SCHULZ_COEFFICIENTS
+    X = G.float()
+    tall = X.shape[0] > X.shape[1]
+    if tall:
+        X = X.T
+    X = X / (X.norm() + eps)
+    for _ in range(steps):
+        gram = X @ X.T  # (rows, rows), rows <= cols
+        X = a * X + (b * gram + c * gram @ gram) @ X
+    return X.T if tall else X
+
+
+def deal_whole(params, n):
+    """{param: rank}: the params, in order, cut into n runs of about equal numbers of elements, each param
+    whole: a param goes to the rank whose even share of them all holds its middle element."""
+    params = list(params)
+    total, seen, owners = sum(p.numel() for p in params), 0, {}
+    for p in params:
+        owners[p] = (2 * seen + p.numel()) * n // (2 * total)  # the middle element's share, 0 .. n - 1
+        seen += p.numel()
+    return owners
+
+
+def gather_tp_slices(x, param, group):
+    """The full matrix of which x is this rank's tensor-parallel slice (shaped like param); x itself when
+    param is replicated (no tp_shard_dim) or the group is one rank."""
+    dim = getattr(param, "tp_shard_dim", None)
+    if dim is None or group_size(group) == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the parameter groups with muon=True (2-D matrices), AdamW for the others: one optimizer,
+    whose param_groups' lr the schedule writes at each step. Muon's update of an A x B matrix W with
+    gradient G (Nesterov momentum; Liu et al. 2025's scale and decoupled weight decay):
+        M <- mu M + G;   O = newton_schulz(G + mu M)
+        W <- W - lr * wd * W - lr * 0.2 * sqrt(max(A, B)) * O
+    where A x B is the full matrix's shape, on a rank that holds a tensor-parallel slice of it too.
+    The other groups take adamw_update, torch.optim.AdamW's update.
+
+    tp_group: matrices split across it (parameters marked by mark_sharded) are orthogonalised whole, see
+    the section's note. zero=True: ZeRO-1 over dp_group (train.py gives it the dp x cp group), with the
+    matrices dealt whole; the optimizer then
+    owns the gradient averaging (`self.grad_sync`, as ZeroOneAdamW: do not also all-reduce the gradients).
+    Per step: backward -> grad_sync.finish() -> [clip] -> step() (AdamW on this rank's slices, Muon on its
+    matrices, then grad_sync.gather_params()). Every state exists from the start (its size is reported
+    before the first step): AdamW's moments flat over the elements this rank updates (`flat_range` under
+    ZeRO-1), Muon's momentum shaped like the matrix (its tp slice)."""
+
+    def __init__(self, params, lr=1e-3, momentum=0.95, ns_steps=5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                 tp_group=None, zero=False, dp_group=None, bucket_size_mb=25.0, deferred=()):
+        super().__init__(params, dict(lr=lr, momentum=momentum, ns_steps=ns_steps, betas=betas, eps=eps,
+                                      weight_decay=weight_decay, muon=False))
+        self.tp_group = tp_group
+        self.group_of = {p: g for g in self.param_groups for p in g["params"]}
+        self.matrices = [p for g in self.param_groups if g["muon"] for p in g["params"]]
+        if any(p.dim() != 2 for p in self.matrices):
+            raise ValueError(f"Muon orthogonalises 2-D matrices; its groups hold tensors of shapes "
+                             f"{sorted({tuple(p.shape) for p in self.matrices if p.dim() != 2})}")
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        self.grad_sync = None
+        if zero:
+            owners = deal_whole(reversed(self.matrices), group_size(dp_group))  # backward order, as the buckets
+            self.grad_sync = GradientBuckets(all_params, dp_group, bucket_size_mb, shard=True, deferred=deferred,
+                                             owners=owners)
+            pieces = self.grad_sync.owned_pieces()
+        else:
+            pieces = [(p, 0, p.numel()) for p in all_params]
+        for p, start, end in pieces:
+            if self.group_of[p]["muon"]:
+                self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+            else:
+                self.state[p] = {"step": torch.tensor(0.0),
+                                 "exp_avg": torch.zeros(end - start, dtype=p.dtype, device=p.device),
+                                 "exp_avg_sq": torch.zeros(end - start, dtype=p.dtype, device=p.device)}
+            if zero:
+                self.state[p]["flat_range"] = (start, end)
+
+    @torch.no_grad()
+    def step(self):
+        for p, state in self.state.items():
+            group = self.group_of[p]
+            if group["muon"] or not state:
+                continue
+            start, end = state.get("flat_range", (0, p.numel()))
+            adamw_update(p.view(-1)[start:end], p.grad.reshape(-1)[start:end], state, group["lr"],
+                         group["weight_decay"], group["betas"], group["eps"])
+        for p in self.matrices:  # the same order on every rank: the tp all-gathers match
+            state = self.state.get(p)
+            if not state:
+                continue  # another data-parallel rank owns it (ZeRO-1)
+            group = self.group_of[p]
+            lr, mu = group["lr"], group["momentum"]
+            momentum = state["momentum_buffer"]
+            momentum.mul_(mu).add_(p.grad)
+            nesterov = p.grad.add(momentum, alpha=mu)  # the gradient plus the momentum's next step
+            full = gather_tp_slices(nesterov, p, self.tp_group)  # (A, B): the whole matrix
+            orthogonal = shard_of(newton_schulz(full, group["ns_steps"]), p).to(p.dtype)
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(orthogonal, alpha=-lr * 0.2 * math.sqrt(max(full.shape)))
+        if self.grad_sync is not None:
+            self.grad_sync.gather_params()
 
 
 # -----------------------------------------------------------------------------
