@@ -6,8 +6,11 @@ A checkpoint is a folder  out_dir/ckpt_0001000/  holding
     meta.json                       step, config, layout, the files and their sizes; written last
 
 Every rank writes into  ckpt_0001000.tmp/ ; once all have finished (a barrier), rank 0 writes meta.json
-and renames the folder. A rename is atomic, so a crash at any point leaves either the complete new
-checkpoint or a .tmp folder that resume ignores, and the previous checkpoint is never touched.
+(whole or not at all: written aside, then renamed) and renames the folder. meta.json is the commit: a
+.tmp folder without it is a save that stopped, which resume ignores; one with it is complete, and counts
+as its step's checkpoint while no complete ckpt_0001000/ is there (a kill between the two renames of a
+re-save, see _publish). A kill of any rank at any moment of a save therefore leaves the checkpoints
+before it as they were, and never makes a partial one look complete.
 
 Each tensor is saved as "pieces". A piece says which full tensor it belongs to (its name and full shape),
 which tensor-parallel slice it is (dim, rank, world) and which range of that slice's flattened elements it
@@ -162,7 +165,7 @@ def open_for_resume(path, model_cfg, say=print):
     complete checkpoint every rank can. All ranks decide together (one all-reduce per candidate): a rank
     that resumed another step than the others would train another model. `say` prints the fallback."""
     out_dir = os.path.dirname(path)
-    candidates = [p for p in complete_checkpoints(out_dir) if p <= path][::-1]  # newest first
+    candidates = [p for p in complete_checkpoints(out_dir) if step_of(p) <= step_of(path)][::-1]  # newest first
     for i, candidate in enumerate(candidates):
         try:
             reader, error = CheckpointReader(candidate), ""
@@ -239,7 +242,7 @@ def load_zero(optimizer, model, reader):
         start, end = state["flat_range"]
         for k in ("exp_avg", "exp_avg_sq"):
             state[k].copy_(_moment(reader, copies.get(name, name), p, k).reshape(-1)[start:end])
-        state["step"] = step.clone()
+        state["step"] = step.to(p.device)  # ZeroOneAdamW keeps it on the device (it skips steps there)
 
 
 def adamw_step_count(optimizer):
@@ -299,7 +302,9 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
     error = None
     if rank == 0:
         try:
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
+            if is_complete(tmp) and not is_complete(final):
+                _publish(tmp, final)  # a save of this step killed between its renames: it is this step's checkpoint
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed before its meta.json
             os.makedirs(tmp)
         except OSError as e:
             error = _error(e)
@@ -318,14 +323,13 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
             try:
                 meta = dict(meta, step=step, world_size=world_size, files=[n for n, _, _ in written],
                             file_sizes=[s for _, s, _ in written], saved_at=time.time())
-                with open(os.path.join(tmp, "meta.json"), "w") as f:
+                with open(os.path.join(tmp, "meta.json.partial"), "w") as f:
                     json.dump(meta, f, indent=1)
-                if os.path.exists(final):
-                    shutil.rmtree(final)
-                os.rename(tmp, final)
+                os.rename(os.path.join(tmp, "meta.json.partial"), os.path.join(tmp, "meta.json"))  # the commit
+                _publish(tmp, final)
                 if keep_last_n > 0:
                     for old in complete_checkpoints(out_dir)[:-keep_last_n]:
-                        shutil.rmtree(old, ignore_errors=True)
+                        shutil.rmtree(old, ignore_errors=True)  # killed midway, it is incomplete: ignored
             except OSError as e:
                 failed = [(0, _error(e))]
         failed = _broadcast(failed)
@@ -340,6 +344,19 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
     return final
 
 
+def _publish(tmp, final):
+    """Rename the complete folder tmp to final. A folder already at final (the same step saved again, by a run
+    resumed from an older checkpoint) is renamed aside and removed only once the new one is in place: at
+    every moment one complete copy of the step is where complete_checkpoints looks (ckpt_N, or ckpt_N.tmp
+    while ckpt_N is absent), never none, and never two that could both be read."""
+    old = final + ".old"
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def is_complete(path):
     """A checkpoint counts only if its meta.json exists and every rank file has the size it was saved with."""
     try:
@@ -350,10 +367,24 @@ def is_complete(path):
         return False
 
 
+_NAME = re.compile(r"ckpt_(\d+)(\.tmp)?")
+
+
+def step_of(path):
+    """The step of a checkpoint folder ckpt_<step> (or ckpt_<step>.tmp)."""
+    return int(_NAME.fullmatch(os.path.basename(path)).group(1))
+
+
 def complete_checkpoints(out_dir):
-    """The complete checkpoints in out_dir, oldest first (.tmp folders of crashed saves are ignored)."""
-    paths = [p for p in glob.glob(os.path.join(out_dir, "ckpt_*")) if re.fullmatch(r"ckpt_\d+", os.path.basename(p))]
-    return sorted((p for p in paths if is_complete(p)), key=lambda p: int(p.rsplit("_", 1)[1]))
+    """The complete checkpoints in out_dir, oldest first, one per step: ckpt_N/, or ckpt_N.tmp/ when that
+    one is complete and ckpt_N/ is not (a save killed after its meta.json, before its rename). A .tmp
+    folder without meta.json, a folder whose rank file is short, a ckpt_N.old/ are never listed."""
+    by_step = {}
+    for p in sorted(glob.glob(os.path.join(out_dir, "ckpt_*")), key=lambda p: p.endswith(".tmp")):  # ckpt_N first
+        name = _NAME.fullmatch(os.path.basename(p))
+        if name and int(name.group(1)) not in by_step and is_complete(p):
+            by_step[int(name.group(1))] = p
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def latest_checkpoint(out_dir):

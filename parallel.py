@@ -2,8 +2,8 @@
 Every parallel mechanism of picotron, in plain torch.distributed: one self-contained section each, in the
 order a reader learns them.
 
-  1. The layout: how the world of ranks is cut into data-, tensor- and pipeline-parallel groups, and the
-     printed rank grid.
+  1. The layout: how the world of ranks is cut into data-, tensor- and pipeline-parallel groups, the
+     printed rank grid, and which tensor-parallel groups would span two nodes.
   2. Tensor parallelism (Megatron-LM): the four communication operators as autograd functions, the layers
      built from them (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) and the
      vocab-parallel cross-entropy.
@@ -26,6 +26,7 @@ import argparse
 import math
 import os
 from contextlib import nullcontext
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -71,15 +72,22 @@ class ParallelLayout:
 
     Ranks are numbered with tp fastest, then dp, then pp:  rank = (pp_rank * dp + dp_rank) * tp + tp_rank.
     Tensor parallelism talks on every layer (several collectives per block), so its ranks are neighbours,
-    which on a real cluster means the same node and its fast links. Data parallelism talks once per step,
-    pipeline parallelism only sends activations between neighbouring stages, so both can span nodes.
+    which on a real cluster means the same node and its fast links: torchrun gives each node consecutive
+    ranks, so a tp group stays inside a node whenever tp divides the processes per node (see
+    tp_groups_across_nodes). Data parallelism talks once per step, pipeline parallelism only sends
+    activations between neighbouring stages, so both can span nodes.
+
+    `timeout` is how long a collective on these groups waits for its peers before it fails (a group does
+    not inherit the default group's timeout from init_process_group: it must be passed to each). Each group
+    is named after its axis (group_desc): NCCL's watchdog names the group in its timeout message.
 
     With world_size 1 no group is built and every group is None: the single-process path.
     """
 
-    def __init__(self, dp, tp, pp, world_size=1, rank=0):
+    def __init__(self, dp, tp, pp, world_size=1, rank=0, timeout=None):
         dp = resolve_dp(world_size, dp, tp, pp)
         self.dp, self.tp, self.pp, self.world_size, self.rank = dp, tp, pp, world_size, rank
+        self.timeout = timeout
         self.tp_rank = rank % tp
         self.dp_rank = (rank // tp) % dp
         self.pp_rank = rank // (tp * dp)
@@ -96,7 +104,7 @@ class ParallelLayout:
             for i in range(sizes[first]):
                 for j in range(sizes[second]):
                     ranks = [rank_at({first: i, second: j, axis: k}) for k in range(sizes[axis])]
-                    group = dist.new_group(ranks)
+                    group = dist.new_group(ranks, timeout=timeout, group_desc=axis)
                     if rank in ranks:
                         setattr(self, f"{axis}_group", group if sizes[axis] > 1 else None)
         if self.pp_rank > 0:
@@ -113,16 +121,32 @@ class ParallelLayout:
         return self.pp_rank == self.pp - 1
 
 
-def init_distributed(dp, tp, pp, device_type):
+def init_distributed(dp, tp, pp, device_type, timeout_s=None):
     """Start torch.distributed when launched by torchrun (WORLD_SIZE set) and build the layout.
-    dp=0 means "whatever is left": world_size / (tp * pp)."""
+    dp=0 means "whatever is left": world_size / (tp * pp). timeout_s: how long any collective waits for
+    its peers before it fails (None: torch's default, 10 or 30 minutes)."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     dp = resolve_dp(world_size, dp, tp, pp)  # before any process group: a bad layout fails fast, alone
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend)
-    return ParallelLayout(dp, tp, pp, world_size, rank)
+        dist.init_process_group(backend=backend, timeout=timeout)
+    return ParallelLayout(dp, tp, pp, world_size, rank, timeout)
+
+
+def tp_groups_across_nodes(dp, tp, pp, local_world_size):
+    """The tensor-parallel groups (lists of global ranks) that are not all on one node, when every node
+    runs local_world_size processes with consecutive ranks, as torchrun numbers them (LOCAL_WORLD_SIZE).
+    A tp group is tp consecutive ranks (tp fastest), so none spans two nodes when tp divides
+    local_world_size; otherwise its all-reduces, several per layer, cross the network between nodes."""
+    spanning = []
+    for p in range(pp):
+        for d in range(dp):
+            ranks = [grid_rank(p, d, t, dp, tp) for t in range(tp)]
+            if len({r // local_world_size for r in ranks}) > 1:
+                spanning.append(ranks)
+    return spanning
 
 
 def format_grid(dp, tp, pp):
@@ -559,9 +583,20 @@ class PipelineComm:
                 received = torch.empty(shape, dtype=self.dtype, device=self.device)
                 ops.append(dist.P2POp(dist.irecv, received, peer))
         if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
+            try:
+                for request in dist.batch_isend_irecv(ops):
+                    request.wait()
+            except RuntimeError as e:  # a neighbour died or stopped answering: say which, and what was awaited
+                waits = [f"send to rank {send_to} (stage {self._stage_of(send_to)})"] if send is not None else []
+                if received is not None:
+                    what = "activations" if recv_for[0] == "F" else "output gradient"
+                    waits.append(f"receive the {what} of microbatch {recv_for[1]} from rank {peer} "
+                                 f"(stage {self._stage_of(peer)})")
+                raise RuntimeError(f"pipeline stage {self.stage} waited to {' and '.join(waits)}: {e}") from e
         return received
+
+    def _stage_of(self, rank):
+        return self.stage - 1 if rank == self.prev_rank else self.stage + 1
 
 
 def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0,
@@ -633,7 +668,7 @@ def tied_weight_group(layout, holder_stages):
     for d in range(layout.dp):
         for t in range(layout.tp):
             ranks = [grid_rank(s, d, t, layout.dp, layout.tp) for s in stages]
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, timeout=layout.timeout, group_desc="tied weight")
             if layout.rank in ranks:
                 group = g
     return group
@@ -842,7 +877,13 @@ class ZeroOneAdamW(torch.optim.Optimizer):
     The update is torch.optim.AdamW's, element for element: decoupled weight decay p -= lr * wd * p, then
     p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps) (Loshchilov & Hutter 2019).
     The learning rate is read from self.param_groups at every step, so a schedule that writes
-    group['lr'] reaches the update."""
+    group['lr'] reaches the update.
+
+    step(found_inf) skips the update where found_inf (a 0-dim float tensor on the parameters' device, the
+    argument torch's fused AdamW takes) is 1: weights, moments and step counter stay exactly as they were.
+    The choice is made on the device (torch.where), so a step whose gradient is not finite is skipped
+    without the host waiting for the device; the step counter lives on the device for the same reason,
+    and the bias corrections are computed there from it."""
 
     def __init__(self, params, group=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  bucket_size_mb=25.0, deferred=()):
@@ -853,26 +894,31 @@ class ZeroOneAdamW(torch.optim.Optimizer):
         self.group_of = {p: g for g in self.param_groups for p in g["params"]}
         # the moments of this rank's slice only, created now so that their size can be reported at start-up
         for p, start, end in self.grad_sync.owned_pieces():
-            self.state[p] = {"step": torch.tensor(0.0), "flat_range": (start, end),
+            self.state[p] = {"step": torch.zeros((), device=p.device), "flat_range": (start, end),
                              "exp_avg": torch.zeros(end - start, dtype=p.dtype, device=p.device),
                              "exp_avg_sq": torch.zeros(end - start, dtype=p.dtype, device=p.device)}
 
     @torch.no_grad()
-    def step(self):
+    def step(self, found_inf=None):
         for p, state in self.state.items():
             group = self.group_of[p]
             lr, wd, (beta1, beta2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
             start, end = state["flat_range"]
             param = p.view(-1)[start:end]  # a view: updating it updates p
             grad = p.grad.view(-1)[start:end]
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            state["step"] += 1
-            t = state["step"].item()
-            param.mul_(1 - lr * wd)
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
-            param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1 ** t))
+            exp_avg, exp_avg_sq, t = state["exp_avg"], state["exp_avg_sq"], state["step"] + 1
+            new_avg = exp_avg.lerp(grad, 1 - beta1)
+            new_avg_sq = (exp_avg_sq * beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (new_avg_sq.sqrt() / (1 - beta2 ** t).sqrt()).add_(eps)
+            new_param = (param * (1 - lr * wd)).sub_(lr / (1 - beta1 ** t) * new_avg / denom)
+            if found_inf is None:
+                updates = ((param, new_param), (exp_avg, new_avg), (exp_avg_sq, new_avg_sq), (state["step"], t))
+            else:  # the old values where found_inf: a NaN in the new ones is never selected
+                skip = found_inf.bool()
+                updates = [(old, torch.where(skip, old, new)) for old, new in
+                           ((param, new_param), (exp_avg, new_avg), (exp_avg_sq, new_avg_sq), (state["step"], t))]
+            for old, new in updates:
+                old.copy_(new)
         self._all_gather_params()
 
     def _all_gather_params(self):
