@@ -5,6 +5,8 @@ Time picotron's training step: tokens/s, ms/step, MFU and peak memory, for any c
     python bench.py config/tiny_fineweb.py --compile=True --bench_steps=20
     python bench.py --n_layer=6 --n_head=6 --n_kv_head=6 --n_embd=384 --reference=True
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --tp=2 --dp=2
+    torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --cp=2 --tp=2 --sequence_parallel=True \
+        --block_size=1024
 
 Every training setting works here (settings.py), and the model, optimizer and step are train.py's own
 (setup, build, train_step), so this times exactly what training runs, in whatever layouts train.py
@@ -55,12 +57,13 @@ def parse_args(argv):
 
 def random_microbatches(cfg, layout, vocab_size, step, device):
     """Random (x, y) micro-batches, the same on every tensor- and pipeline-parallel rank of a data-parallel
-    rank (as real batches are), different across data-parallel ranks and steps."""
+    rank (as real batches are), different across data-parallel ranks and steps; under context parallelism
+    each cp rank's share of them, as train.py's batches (train.context_split)."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + layout.dp_rank)
     out = []
     for _ in range(cfg.gradient_accumulation_steps):
         tokens = torch.randint(0, vocab_size, (cfg.batch_size, cfg.block_size + 1), generator=g)
-        out.append((tokens[:, :-1].to(device), tokens[:, 1:].to(device)))
+        out.append(train.context_split((tokens[:, :-1].to(device), tokens[:, 1:].to(device)), layout))
     return out
 
 
@@ -160,7 +163,8 @@ def run(cfg, bench, setup):
         if bench.reference:
             print("(peak memory is the whole process's: both models, as they ran side by side)")
         result = dict(results["picotron"], device=str(dev), dtype=str(ptdtype).replace("torch.", ""),
-                      world_size=layout.world_size, dp=layout.dp, tp=layout.tp, pp=layout.pp,
+                      world_size=layout.world_size, dp=layout.dp, cp=layout.cp, tp=layout.tp, pp=layout.pp,
+                      sequence_parallel=cfg.sequence_parallel,
                       compiled=step_model_kind(runners[0]) == "compiled", peak_flops=peak,
                       tokens_per_step=tokens_per_step, threads=torch.get_num_threads())
         if bench.reference:
@@ -180,7 +184,8 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak
     print(f"\nbench: {mc.n_layer} layers, {mc.n_head} heads ({mc.n_kv_head} kv), width {mc.n_embd}, block {mc.block_size}, "
           f"vocab {mc.vocab_size}, batch {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro x dp {layout.dp}; "
           f"{dev}, {str(ptdtype).replace('torch.', '')}, {kind}, {torch.get_num_threads()} threads; "
-          f"layout dp={layout.dp} tp={layout.tp} pp={layout.pp}; activation_checkpointing={cfg.activation_checkpointing}, "
+          f"layout dp={layout.dp} cp={layout.cp} tp={layout.tp}{' sequence-parallel' if cfg.sequence_parallel else ''} "
+          f"pp={layout.pp}; activation_checkpointing={cfg.activation_checkpointing}, "
           f"chunked_loss={cfg.chunked_loss}; {'data ' + cfg.data_dir if cfg.data_dir else 'random tokens'}; "
           f"{bench.warmup_steps} warm-up + {bench.bench_steps} timed steps (median)")
     print(f"peak: {f'{peak / 1e12:.3g} TFLOP/s per device' if peak else 'unknown'} ({peak_why})")

@@ -16,7 +16,7 @@ Each tensor is saved as "pieces". A piece says which full tensor it belongs to (
 which tensor-parallel slice it is (dim, rank, world) and which range of that slice's flattened elements it
 holds (all of them for a model shard, a ZeRO-1 rank's range for optimizer state). Loading assembles each
 full tensor a rank needs from whatever pieces were saved, then cuts the slice this rank's layout needs, so
-a checkpoint saved at one dp x tp x pp layout resumes at any other.
+a checkpoint saved at one dp x cp x tp x pp layout resumes at any other.
 """
 import glob
 import json
@@ -195,10 +195,10 @@ def load_model(model, reader):
 
 
 def _saved_here(param, layout, dp_sharded=False):
-    """Each full tensor is saved once: data-parallel replicas leave it to dp rank 0 (unless dp_sharded:
-    each dp rank then holds a different part, ZeRO-1's optimizer state), tensor-parallel replicas (norms)
-    to tp rank 0. (A tied copy is never saved: the original is.)"""
-    if layout.dp_rank != 0 and not dp_sharded:
+    """Each full tensor is saved once: data- and context-parallel replicas leave it to the first of them
+    (dp x cp rank 0; unless dp_sharded: each dp x cp rank then holds a different part, ZeRO-1's optimizer
+    state), tensor-parallel replicas (norms) to tp rank 0. (A tied copy is never saved: the original is.)"""
+    if layout.dp_cp_rank != 0 and not dp_sharded:
         return False
     return layout.tp_rank == 0 or getattr(param, "tp_shard_dim", None) is not None
 

@@ -6,11 +6,11 @@ Write a starter config for a model size and a parallel layout, checked before an
 
 Every training setting can be given (--key=value, or a config file to start from), plus `nproc`, the number
 of processes the run will have, and `out`, the file to write. The layout is checked with train.py's own
-rules (dp x tp x pp must be nproc, and model.check_layout: heads, key/value heads, MLP width and blocks
-must split), so a layout that does not divide the model is refused here rather than after the job waited
-in a queue. The file states the parameter count and the global batch in tokens, then the settings that
-were asked for (and the few this script chose, each saying why), with their meanings from settings.py;
-every other setting keeps its default.
+rules (dp x cp x tp x pp must be nproc, and model.check_layout: heads, key/value heads, MLP width and
+blocks must split, block_size into context parallelism's 2*cp chunks), so a layout that does not divide
+the model is refused here rather than after the job waited in a queue. The file states the parameter
+count and the global batch in tokens, then the settings that were asked for (and the few this script
+chose, each saying why), with their meanings from settings.py; every other setting keeps its default.
 """
 import json
 import os
@@ -59,7 +59,10 @@ def count_parameters(model_cfg):
 def choices(cfg, given, dp):
     """The settings this script fills in beyond what was asked, {name: (value, why)}: the ones whose
     default would mean something nobody asked for at this size or layout."""
-    chosen = {"dp": (dp, f"nproc / (tp * pp) = {cfg['nproc']} / ({cfg['tp']} * {cfg['pp']})")}
+    if cfg["cp"] > 1:
+        chosen = {"dp": (dp, f"nproc / (cp * tp * pp) = {cfg['nproc']} / ({cfg['cp']} * {cfg['tp']} * {cfg['pp']})")}
+    else:
+        chosen = {"dp": (dp, f"nproc / (tp * pp) = {cfg['nproc']} / ({cfg['tp']} * {cfg['pp']})")}
     if "n_kv_head" not in given and cfg["n_kv_head"] != cfg["n_head"]:
         # the default n_kv_head fits the default n_head only: at another n_head it would be grouped-query
         # attention nobody requested
@@ -92,19 +95,21 @@ def settings_block(cfg, given, chosen):
 
 def make_config(cfg, given, argv):
     """The config file's (header, settings); raises ValueError when the layout does not divide the model."""
-    tp, pp = cfg["tp"], cfg["pp"]
-    dp = resolve_dp(cfg["nproc"], cfg["dp"], tp, pp, count_name="nproc")
+    tp, pp, cp = cfg["tp"], cfg["pp"], cfg["cp"]
+    dp = resolve_dp(cfg["nproc"], cfg["dp"], tp, pp, count_name="nproc", cp=cp)
     chosen = choices(cfg, given, dp)
     cfg = dict(cfg, **{k: v for k, (v, _) in chosen.items()})
     vocab, vocab_source = vocab_size_of(cfg)
     model_cfg = ModelConfig(**{f.name: cfg[f.name] for f in fields(ModelConfig) if f.name != "vocab_size"},
                             vocab_size=vocab)
-    check_layout(model_cfg, tp, pp)
+    check_layout(model_cfg, tp, pp, cp, cfg["sequence_parallel"])
     n_params, n_embedding = count_parameters(model_cfg)
     sequences = cfg["batch_size"] * cfg["gradient_accumulation_steps"] * dp
     tokens_per_step = sequences * cfg["block_size"]
     total_tokens = tokens_per_step * cfg["max_iters"]
     head_dim = attention_head_dim(model_cfg)
+    layout = (f"dp {dp} x " + (f"cp {cp} x " if cp > 1 else "") + f"tp {tp}"
+              + (" (sequence parallel)" if cfg["sequence_parallel"] else "") + f" x pp {pp}")
     launch = (f"torchrun --nproc_per_node={cfg['nproc']} train.py {cfg['out']}" if cfg["nproc"] > 1
               else f"python train.py {cfg['out']}")
     header = f"""\
@@ -113,7 +118,7 @@ def make_config(cfg, given, argv):
 # model:  {n_params / 1e6:.2f}M parameters ({(n_params - n_embedding) / 1e6:.2f}M without the embedding{'' if model_cfg.tie_embeddings else 's'}), \
 {model_cfg.n_layer} layers, width {model_cfg.n_embd}, {model_cfg.n_head} heads ({model_cfg.n_kv_head} key/value) of size {head_dim}
 #         vocabulary {vocab} ({vocab_source}), {'tied' if model_cfg.tie_embeddings else 'untied'} input and output embeddings
-# layout: {cfg['nproc']} processes = dp {dp} x tp {tp} x pp {pp} (checked: the model splits this way)
+# layout: {cfg['nproc']} processes = {layout} (checked: the model splits this way)
 # batch:  {cfg['batch_size']} sequences x {cfg['gradient_accumulation_steps']} micro-batches x {dp} data-parallel ranks \
 = {sequences} sequences of {cfg['block_size']} tokens = {tokens_per_step:,} tokens per step
 # run:    {cfg['max_iters']:,} steps = {total_tokens / 1e6:,.1f}M tokens, {total_tokens / n_params:.3g} tokens per parameter \

@@ -53,13 +53,13 @@ def flops_per_token(cfg):
 
 def full_param_count(model, layout):
     """Parameters of the whole model (vocabulary padding included), whatever the layout: each rank counts
-    the full tensors of its stage (a tied copy once), and every dp x tp replica of a stage counts them."""
+    the full tensors of its stage (a tied copy once), and every dp x cp x tp replica of a stage counts them."""
     copies = model.tied_copies()
     n = torch.tensor(float(sum(math.prod(full_shape_of(p)) for name, p in model.named_parameters()
                                if name not in copies)))
     if layout.world_size > 1:
         dist.all_reduce(n)
-        n /= layout.dp * layout.tp
+        n /= layout.dp * layout.cp * layout.tp
     return int(n)
 
 
@@ -267,7 +267,8 @@ def moe_metrics(model, layout):
     """MoE statistics of the step's last micro-batch, for the log: aux_loss, the weighted auxiliary loss
     that was added to the training loss (summed over the MoE layers, mean over data-parallel ranks), and
     moe_dropped_frac, the fraction of token-to-expert assignments dropped for capacity (mean over layers
-    and ranks). Every rank joins the all-reduce; each stage's layers are held by dp * tp ranks."""
+    and ranks). Every rank joins the all-reduce; each stage's layers are held by dp * cp * tp ranks (each
+    cp rank's auxiliary loss is its share: their mean is the microbatch's)."""
     dev = next(model.parameters()).device
     stats = torch.zeros(3, device=dev)
     for m in model.modules():
@@ -275,7 +276,7 @@ def moe_metrics(model, layout):
             stats += torch.stack([m.aux_loss.detach().float(), m.last_dropped_frac.float(), torch.ones((), device=dev)])
     if layout.world_size > 1:
         dist.all_reduce(stats)
-    return {"aux_loss": (stats[0] / (layout.dp * layout.tp)).item(),
+    return {"aux_loss": (stats[0] / (layout.dp * layout.cp * layout.tp)).item(),
             "moe_dropped_frac": (stats[1] / stats[2].clamp(min=1)).item()}
 
 

@@ -20,7 +20,10 @@ rope_scaling_factor with its three companions (Llama 3.1's RoPE scaling, llama3_
 
 The model is built directly in its parallel form: the linears are parallel.py's Column/Row parallel
 layers, which are plain linears when there is no tensor-parallel group, and a pipeline stage builds only
-its own blocks (and the embedding on the first stage, the head on the last). Weights are initialised from
+its own blocks (and the embedding on the first stage, the head on the last). Under context parallelism
+(a cp group) each rank runs its share of every sequence and attention is ring attention; under sequence
+parallelism the tokens between the tensor-parallel regions are split across the tp ranks (parallel.py,
+sections 3 and 2). Weights are initialised from
 a generator seeded by (seed, parameter name) over the full tensor, then sliced, so every layout starts
 from the same full model.
 """
@@ -30,13 +33,15 @@ import zlib
 from dataclasses import dataclass, fields
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
-                      full_shape_of, group_rank, group_size, padded_vocab_size, shard_of, valid_vocab_columns,
-                      vocab_parallel_cross_entropy)
+from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, all_gather_context,
+                      check_context_split, copy_to_tp, full_shape_of, gather_from_sp, gather_from_tp, group_rank,
+                      group_size, padded_vocab_size, ring_attention, scatter_to_tp, shard_of, valid_vocab_columns,
+                      vocab_parallel_cross_entropy, zigzag_split)
 
 
 @dataclass
@@ -184,11 +189,17 @@ def causal_attention_scores(q, k, softcap=0.0):
     return att.masked_fill(~mask, float("-inf"))
 
 
-def causal_attention(q, k, v, impl, softcap=0.0):
+def causal_attention(q, k, v, impl, softcap=0.0, positions=None, cp_group=None):
     """q: (B, T, H, D), k: (B, T, H_kv, D), v: (B, T, H_kv, D_v) with H a multiple of H_kv (D_v differs from D
     in MLA). softcap > 0 soft-caps every score (after the 1/sqrt(D) scale) before the softmax, which only
     'flash' and 'eager' can (impl comes from choose_attn_impl, which never pairs 'sdpa' with a cap). Returns
-    (B, T, H, D_v)."""
+    (B, T, H, D_v).
+
+    With a context-parallel group, q, k and v are this rank's share of the sequence and attention is ring
+    attention (parallel.py, section 3), whatever impl is: positions are then every cp rank's global token
+    positions, (cp, B, T) on the host."""
+    if group_size(cp_group) > 1:
+        return ring_attention(q, k, v, positions, cp_group, softcap=softcap)
     if impl == "flash":
         from flash_attn import flash_attn_func  # lazily: see choose_attn_impl
         d, dv = q.shape[-1], v.shape[-1]
@@ -235,13 +246,28 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * weight
 
 
-def make_norm(cfg, dim):
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (same parameters, same names) whose gain and bias pass through f (copy_to_tp) when
+    given a tp_group, as RMSNorm's gain does: under sequence parallelism each tp rank normalises only its
+    own tokens, so its gradients of the gain and bias are partial and f sums them across the group."""
+
+    def __init__(self, dim, eps=1e-5, bias=True, tp_group=None):
+        super().__init__(dim, eps=eps, bias=bias)
+        self.tp_group = tp_group
+
+    def forward(self, x):
+        bias = copy_to_tp(self.bias, self.tp_group) if self.bias is not None else None
+        return F.layer_norm(x, self.normalized_shape, copy_to_tp(self.weight, self.tp_group), bias, self.eps)
+
+
+def make_norm(cfg, dim, tp_group=None):
     """norm='rmsnorm' (Llama) or 'layernorm' (Ba et al. 2016, GPT-2: subtracts the mean too, and has a
-    bias when bias=True). Gains start at 1, biases at 0 (see init_weights)."""
+    bias when bias=True). Gains start at 1, biases at 0 (see init_weights). tp_group: for a norm that sees
+    only this tensor-parallel rank's tokens (sequence parallelism), so that its gradients are summed."""
     if cfg.norm == "rmsnorm":
-        return RMSNorm(dim, cfg.norm_eps)
+        return RMSNorm(dim, cfg.norm_eps, tp_group)
     if cfg.norm == "layernorm":
-        norm = nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+        norm = LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias, tp_group=tp_group)
         norm.weight.init_value = 1.0
         return norm
     raise ValueError(f"norm must be 'rmsnorm' or 'layernorm', got {cfg.norm!r}")
@@ -284,9 +310,14 @@ def rope_cache(seq_len, head_dim, theta, scaling=None):
 
 def apply_rope(x, cos, sin):
     """Rotate the two halves of each head: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). The half split
-    (not interleaved pairs) is the convention of Hugging Face's Llama, so weights export as they are."""
+    (not interleaved pairs) is the convention of Hugging Face's Llama, so weights export as they are.
+    x: (B, T, H, D); cos and sin: (T', D/2) for positions 0, 1, ... (T' >= T: the first T are used), or
+    (B, T, D/2), each token's own (a context-parallel rank's tokens are not 0..T-1)."""
     T = x.shape[1]
-    cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, D/2), broadcast over (B, T, H, D/2)
+    if cos.dim() == 2:
+        cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, D/2), broadcast over (B, T, H, D/2)
+    else:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B, T, 1, D/2)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -308,7 +339,9 @@ class CausalSelfAttention(nn.Module):
     query heads), so the weights pass through copy_to_tp, whose backward sums the parts across ranks.
 
     The input goes through f (copy_to_tp) once, here, for q, k and v together: its gradient is
-    all-reduced once per attention in the backward pass, not once per projection.
+    all-reduced once per attention in the backward pass, not once per projection. Under sequence
+    parallelism the input is this rank's T/tp tokens and is all-gathered here instead (gather_from_sp,
+    whose backward reduce-scatter does f's sum), and o_proj reduce-scatters its output.
 
     qk_norm=True applies RMSNorm to every query and key head before RoPE (Dehghani et al. 2023, "Scaling
     Vision Transformers to 22B Parameters"; OLMo 2, Gemma 3): the scores cannot blow up through the
@@ -316,12 +349,16 @@ class CausalSelfAttention(nn.Module):
     are replicated across tensor-parallel ranks, see RMSNorm.
 
     The head size is attention_head_dim(cfg), so n_head * head_dim need not be n_embd (q_proj and o_proj are
-    then not square). qkv_bias=True gives q, k and v a bias and o none (Qwen2); bias=True gives all four one."""
+    then not square). qkv_bias=True gives q, k and v a bias and o none (Qwen2); bias=True gives all four one.
 
-    def __init__(self, cfg, tp_group=None, attn_impl="sdpa"):
+    With a context-parallel group (cp_group) the attention itself is ring attention over the cp ranks'
+    shares of the sequence (causal_attention); the projections, QK-norm and RoPE are per token."""
+
+    def __init__(self, cfg, tp_group=None, attn_impl="sdpa", cp_group=None, sequence_parallel=False):
         super().__init__()
         tp = group_size(tp_group)
         self.tp_group, self.attn_impl, self.softcap = tp_group, attn_impl, cfg.attn_softcap
+        self.cp_group, self.sequence_parallel = cp_group, sequence_parallel
         self.head_dim = attention_head_dim(cfg)
         self.n_head_local = cfg.n_head // tp
         kv_dim = cfg.n_kv_head * self.head_dim
@@ -342,7 +379,8 @@ class CausalSelfAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, tp_group)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, tp_group)
-        self.o_proj = RowParallelLinear(cfg.n_head * self.head_dim, cfg.n_embd, bias=cfg.bias, group=tp_group)
+        self.o_proj = RowParallelLinear(cfg.n_head * self.head_dim, cfg.n_embd, bias=cfg.bias, group=tp_group,
+                                        sequence_parallel=sequence_parallel)
         self.o_proj.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2's depth-scaled residual init
 
     def project_kv(self, x):
@@ -355,9 +393,12 @@ class CausalSelfAttention(nn.Module):
                 for proj in (self.k_proj, self.v_proj))
         return k, v
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, positions=None):
+        if self.sequence_parallel:  # (B, T/tp, C) -> (B, T, C); backward: reduce-scatter of x's gradient
+            x = gather_from_sp(x, self.tp_group)
+        else:  # f: identity forward, all-reduce of x's gradient backward
+            x = copy_to_tp(x, self.tp_group)
         B, T, _ = x.shape
-        x = copy_to_tp(x, self.tp_group)  # f: identity forward, all-reduce of x's gradient backward
         q = self.q_proj(x).view(B, T, self.n_head_local, self.head_dim)  # (B, T, H_local, D)
         k, v = self.project_kv(x)
         k = k.view(B, T, -1, self.head_dim)  # (B, T, H_kv_local, D)
@@ -365,7 +406,7 @@ class CausalSelfAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = causal_attention(q, k, v, self.attn_impl, self.softcap)
+        y = causal_attention(q, k, v, self.attn_impl, self.softcap, positions, self.cp_group)
         return self.o_proj(y.reshape(B, T, self.n_head_local * self.head_dim))
 
 
@@ -393,47 +434,70 @@ class MultiHeadLatentAttention(nn.Module):
     passes through copy_to_tp itself. Computing the latent once and scattering it would save a few small
     matmuls per rank but cost a collective in each direction; replication is simpler and as fast here.
 
-    With qk_norm the per-head queries [q_nope ; q_rope] and keys [k_nope ; k_rope] are RMS-normalised
-    before RoPE, as in CausalSelfAttention. n_kv_head does not apply: every head has its own k_nope and v."""
+    Sequence parallelism: the input, this rank's T/tp tokens, is all-gathered on entry (gather_from_sp,
+    whose backward reduce-scatter sums every path's partial gradient), so none of those copy_to_tp is
+    applied to the activations any more; instead each replicated weight (kv_down, q_down, the latent
+    norms' gains) now holds only this rank's part of its gradient, and passes through copy_to_tp itself
+    (self.sp_group is the tp group then, None otherwise).
 
-    def __init__(self, cfg, tp_group=None, attn_impl="sdpa"):
+    With qk_norm the per-head queries [q_nope ; q_rope] and keys [k_nope ; k_rope] are RMS-normalised
+    before RoPE, as in CausalSelfAttention. n_kv_head does not apply: every head has its own k_nope and v.
+    Under context parallelism what travels round the ring is the per-head keys and values, not the latent
+    (parallel.py, section 3, says why)."""
+
+    def __init__(self, cfg, tp_group=None, attn_impl="sdpa", cp_group=None, sequence_parallel=False):
         super().__init__()
         tp = group_size(tp_group)
         self.tp_group, self.attn_impl, self.softcap = tp_group, attn_impl, cfg.attn_softcap
+        self.cp_group, self.sequence_parallel = cp_group, sequence_parallel
+        self.sp_group = tp_group if sequence_parallel else None
+        copy_input = not sequence_parallel  # under SP the gathered input's backward sums the gradient
         self.n_head_local = cfg.n_head // tp
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         qk_dim = self.nope_dim + self.rope_dim
         if cfg.q_lora_rank > 0:
             self.q_down = nn.Linear(cfg.n_embd, cfg.q_lora_rank, bias=cfg.bias)
-            self.q_latent_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
-            self.q_up = ColumnParallelLinear(cfg.q_lora_rank, cfg.n_head * qk_dim, bias=cfg.bias, group=tp_group)
+            self.q_latent_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, self.sp_group)
+            self.q_up = ColumnParallelLinear(cfg.q_lora_rank, cfg.n_head * qk_dim, bias=cfg.bias, group=tp_group,
+                                             copy_input=copy_input)
         else:
-            self.q_proj = ColumnParallelLinear(cfg.n_embd, cfg.n_head * qk_dim, bias=cfg.bias, group=tp_group)
+            self.q_proj = ColumnParallelLinear(cfg.n_embd, cfg.n_head * qk_dim, bias=cfg.bias, group=tp_group,
+                                               copy_input=copy_input)
         self.kv_down = nn.Linear(cfg.n_embd, cfg.kv_lora_rank + self.rope_dim, bias=cfg.bias)
-        self.kv_latent_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.kv_latent_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, self.sp_group)
         self.kv_up = ColumnParallelLinear(cfg.kv_lora_rank, cfg.n_head * (self.nope_dim + self.v_dim),
-                                          bias=cfg.bias, group=tp_group)
+                                          bias=cfg.bias, group=tp_group, copy_input=copy_input)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(qk_dim, cfg.norm_eps, tp_group)
             self.k_norm = RMSNorm(qk_dim, cfg.norm_eps, tp_group)
-        self.o_proj = RowParallelLinear(cfg.n_head * self.v_dim, cfg.n_embd, bias=cfg.bias, group=tp_group)
+        self.o_proj = RowParallelLinear(cfg.n_head * self.v_dim, cfg.n_embd, bias=cfg.bias, group=tp_group,
+                                        sequence_parallel=sequence_parallel)
         self.o_proj.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+
+    def down(self, linear, x):
+        """A replicated down-projection; its weight through f under sequence parallelism (see above)."""
+        bias = copy_to_tp(linear.bias, self.sp_group) if linear.bias is not None else None
+        return F.linear(x, copy_to_tp(linear.weight, self.sp_group), bias)
 
     def compress_kv(self, x):
         """What a KV cache would store per token: (B, T, kv_lora_rank + qk_rope_head_dim)."""
-        return self.kv_down(x)
+        return self.down(self.kv_down, x)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, positions=None):
+        if self.sequence_parallel:  # (B, T/tp, C) -> (B, T, C)
+            x = gather_from_sp(x, self.tp_group)
         B, T, _ = x.shape
         if hasattr(self, "q_down"):
-            q = self.q_up(self.q_latent_norm(self.q_down(x)))
+            q = self.q_up(self.q_latent_norm(self.down(self.q_down, x)))
         else:
             q = self.q_proj(x)
         q = q.view(B, T, self.n_head_local, self.nope_dim + self.rope_dim)  # (B, T, H_local, nope + rope)
         latent = self.compress_kv(x)
         c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_rope = copy_to_tp(k_rope, self.tp_group).unsqueeze(2)  # (B, T, 1, rope): one key for every head
+        if not self.sequence_parallel:  # (under SP the partial gradients are summed by the input's gather)
+            k_rope = copy_to_tp(k_rope, self.tp_group)
+        k_rope = k_rope.unsqueeze(2)  # (B, T, 1, rope): one key for every head
         kv = self.kv_up(self.kv_latent_norm(c_kv)).view(B, T, self.n_head_local, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # (B, T, H_local, nope), (B, T, H_local, v)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, self.n_head_local, -1)], dim=-1)
@@ -443,7 +507,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, k_rope = k.split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
         k = torch.cat([k_nope, apply_rope(k_rope, cos, sin)], dim=-1)
-        y = causal_attention(q, k, v, self.attn_impl, self.softcap)  # (B, T, H_local, v)
+        y = causal_attention(q, k, v, self.attn_impl, self.softcap, positions, self.cp_group)  # (B, T, H_local, v)
         return self.o_proj(y.reshape(B, T, self.n_head_local * self.v_dim))
 
 
@@ -457,19 +521,24 @@ def swiglu_hidden_size(n_embd, multiple_of=64):
 class SwiGLUMLP(nn.Module):
     """Shazeer 2020: down(silu(gate(x)) * up(x)). gate and up are column-parallel, down row-parallel:
     the hidden activations stay split across tensor-parallel ranks, with no communication in between.
-    One f on the input serves gate and up; one g (inside down) sums the partial outputs."""
+    One f on the input serves gate and up; one g (inside down) sums the partial outputs. Under sequence
+    parallelism the input is all-gathered instead of f, and down reduce-scatters instead of g."""
 
-    def __init__(self, cfg, tp_group=None):
+    def __init__(self, cfg, tp_group=None, sequence_parallel=False):
         super().__init__()
-        self.tp_group = tp_group
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         hidden = mlp_hidden_size(cfg)
         self.gate = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group, copy_input=False)
         self.up = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group, copy_input=False)
-        self.down = RowParallelLinear(hidden, cfg.n_embd, bias=cfg.bias, group=tp_group)
+        self.down = RowParallelLinear(hidden, cfg.n_embd, bias=cfg.bias, group=tp_group,
+                                      sequence_parallel=sequence_parallel)
         self.down.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
 
     def forward(self, x):
-        x = copy_to_tp(x, self.tp_group)  # f, once for gate and up
+        if self.sequence_parallel:  # (B, T/tp, C) -> (B, T, C), once for gate and up
+            x = gather_from_sp(x, self.tp_group)
+        else:
+            x = copy_to_tp(x, self.tp_group)  # f, once for gate and up
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
@@ -477,16 +546,22 @@ class GeluMLP(nn.Module):
     """GPT-2's MLP (Radford et al. 2019), mlp='gelu': down(gelu(up(x))) with a 4 x n_embd hidden layer (or
     intermediate_size) and
     GELU's tanh approximation (Hendrycks & Gimpel 2016) as GPT-2 used. Column- then row-parallel, like
-    SwiGLUMLP; with bias=True the row-parallel down adds its bias once, after the all-reduce."""
+    SwiGLUMLP; with bias=True the row-parallel down adds its bias once, after the all-reduce (under
+    sequence parallelism: gathered input, reduce-scattered output, as SwiGLUMLP)."""
 
-    def __init__(self, cfg, tp_group=None):
+    def __init__(self, cfg, tp_group=None, sequence_parallel=False):
         super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         hidden = mlp_hidden_size(cfg)
-        self.up = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group)
-        self.down = RowParallelLinear(hidden, cfg.n_embd, bias=cfg.bias, group=tp_group)
+        self.up = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group,
+                                       copy_input=not sequence_parallel)
+        self.down = RowParallelLinear(hidden, cfg.n_embd, bias=cfg.bias, group=tp_group,
+                                      sequence_parallel=sequence_parallel)
         self.down.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
 
     def forward(self, x):
+        if self.sequence_parallel:
+            x = gather_from_sp(x, self.tp_group)
         return self.down(F.gelu(self.up(x), approximate="tanh"))
 
 
@@ -498,11 +573,11 @@ def mlp_hidden_size(cfg):
     return 4 * cfg.n_embd if cfg.mlp == "gelu" else swiglu_hidden_size(cfg.n_embd)
 
 
-def make_mlp(cfg, tp_group=None):
+def make_mlp(cfg, tp_group=None, sequence_parallel=False):
     if cfg.mlp == "swiglu":
-        return SwiGLUMLP(cfg, tp_group)
+        return SwiGLUMLP(cfg, tp_group, sequence_parallel)
     if cfg.mlp == "gelu":
-        return GeluMLP(cfg, tp_group)
+        return GeluMLP(cfg, tp_group, sequence_parallel)
     raise ValueError(f"mlp must be 'swiglu' or 'gelu', got {cfg.mlp!r}")
 
 
@@ -552,10 +627,25 @@ class MixtureOfExperts(nn.Module):
     and everything after the all-reduces are the same on every rank, so every rank routes identically
     (the ranks run the same experts in the same order: the collectives match) and computes the same,
     complete router gradient and auxiliary loss. Expert parallelism (experts spread over ranks, tokens
-    sent to them with all-to-all) is the other way to split an MoE; it is not implemented here."""
+    sent to them with all-to-all) is the other way to split an MoE; it is not implemented here.
 
-    def __init__(self, cfg, tp_group=None):
+    Sequence parallelism: the layer is a tensor-parallel region that stays replicated. Its input, this
+    rank's T/tp tokens, is all-gathered (backward: keep this rank's slice, the computation after the
+    gather being the same on every rank), the layer runs on the whole sequence exactly as above, and each
+    rank keeps its own tokens of the output (backward: all-gather the gradient). So the routing, the
+    capacity and the router's gradient are those without sequence parallelism; what it does not give the
+    MoE layer is the memory saving (an index-based dispatch over sequence-split tokens is left for later).
+
+    Context parallelism: each cp rank routes its own share of the window, but the capacity and the queue
+    are the window's: every rank gathers the chosen expert ids of the whole window (small integers;
+    parallel.all_gather_context), queues them in the window's position-major order as one process does,
+    and keeps its own tokens' verdicts. The load-balancing loss takes f_e from the window's counts (an
+    all-reduce) and P_e from this rank's tokens: its share of the loss, as the cross-entropy is (parallel.py,
+    section 3); the dropped fraction is the window's."""
+
+    def __init__(self, cfg, tp_group=None, cp_group=None, sequence_parallel=False):
         super().__init__()
+        self.tp_group, self.cp_group, self.sequence_parallel = tp_group, cp_group, sequence_parallel
         self.n_expert, self.k, self.capacity_factor = cfg.n_expert, cfg.n_expert_per_token, cfg.capacity_factor
         self.aux_loss_coef, self.router_z_loss_coef = cfg.aux_loss_coef, cfg.router_z_loss_coef
         self.router = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
@@ -565,6 +655,8 @@ class MixtureOfExperts(nn.Module):
         self.aux_loss = self.last_dropped_frac = self.last_tokens_per_expert = None
 
     def forward(self, x):
+        if self.sequence_parallel:  # (B, T/tp, D) -> (B, T, D), replicated (see above)
+            x = gather_from_tp(x, self.tp_group, dim=1)
         B, T, D = x.shape
         tokens = x.transpose(0, 1).reshape(T * B, D)  # position-major, the capacity queue's order
         N = tokens.shape[0]
@@ -572,8 +664,15 @@ class MixtureOfExperts(nn.Module):
             logits = F.linear(tokens.float(), self.router.weight.float())  # (N, E)
         probs = logits.softmax(dim=-1)
         gate, expert = probs.topk(self.k, dim=-1)  # (N, k) each
-        capacity = math.ceil(self.capacity_factor * N * self.k / self.n_expert)
-        keep = expert_capacity_mask(expert, self.n_expert, capacity)
+        cp = group_size(self.cp_group)
+        capacity = math.ceil(self.capacity_factor * N * cp * self.k / self.n_expert)  # the window's N * cp tokens
+        if cp > 1:  # queue the whole window's choices, keep this rank's verdicts
+            window = all_gather_context(expert.view(T, B, self.k), self.cp_group, dim=0)  # (T * cp, B, k)
+            window_keep = expert_capacity_mask(window.view(-1, self.k), self.n_expert, capacity)
+            keep = zigzag_split(window_keep.view(T * cp, B, self.k), cp, group_rank(self.cp_group), dim=0)
+            keep = keep.reshape(N, self.k)
+        else:
+            keep = window_keep = expert_capacity_mask(expert, self.n_expert, capacity)
 
         # group the kept (token, expert) assignments by expert
         token_idx = torch.arange(N, device=x.device).repeat_interleave(self.k)[keep.flatten()]
@@ -593,14 +692,21 @@ class MixtureOfExperts(nn.Module):
         for shared in self.shared_experts:
             out = out + shared(tokens)
 
-        routed = torch.bincount(expert.flatten(), minlength=self.n_expert).float() / (N * self.k)  # f_e
+        routed = torch.bincount(expert.flatten(), minlength=self.n_expert).float()
+        if cp > 1:  # the window's counts
+            dist.all_reduce(routed, group=self.cp_group)
+        routed = routed / (N * cp * self.k)  # f_e
+        # P_e as the mean over this rank's tokens: every cp rank holds as many, so this is its share
         aux = self.aux_loss_coef * self.n_expert * (routed * probs.mean(0)).sum()
         if self.router_z_loss_coef:
             aux = aux + self.router_z_loss_coef * torch.logsumexp(logits, dim=-1).pow(2).mean()
         self.aux_loss = aux
-        self.last_dropped_frac = 1.0 - keep.float().mean()
+        self.last_dropped_frac = 1.0 - window_keep.float().mean()
         self.last_tokens_per_expert = counts
-        return out.view(T, B, D).transpose(0, 1)
+        out = out.view(T, B, D).transpose(0, 1)
+        if self.sequence_parallel:  # this rank's tokens, (B, T/tp, D)
+            out = scatter_to_tp(out, self.tp_group, dim=1)
+        return out
 
 
 class Block(nn.Module):
@@ -611,27 +717,35 @@ class Block(nn.Module):
                                 x = x + attn(norm(x)) + mlp(norm(x))   with one norm
     The parallel form lets attention and MLP start from the same input, so their input matmuls can be
     fused and, under tensor parallelism, their two output all-reduces merged into one (PaLM reports ~15%
-    faster training at scale). Here they stay two separate layers, each with its own all-reduce."""
+    faster training at scale). Here they stay two separate layers, each with its own all-reduce.
 
-    def __init__(self, cfg, tp_group=None, attn_impl="sdpa"):
+    Under sequence parallelism x is this tp rank's T/tp tokens: the norms and the residual adds run on
+    them alone (the norms' gains then pass through f: make_norm's tp_group), attention and the MLP gather
+    the sequence and hand back this rank's tokens. positions: for ring attention (context parallelism)."""
+
+    def __init__(self, cfg, tp_group=None, attn_impl="sdpa", cp_group=None, sequence_parallel=False):
         super().__init__()
         self.parallel = cfg.parallel_block
-        self.attn_norm = make_norm(cfg, cfg.n_embd)
+        sp_group = tp_group if sequence_parallel else None  # the norms see this rank's tokens only
+        self.attn_norm = make_norm(cfg, cfg.n_embd, sp_group)
         if cfg.attention == "mla":
-            self.attn = MultiHeadLatentAttention(cfg, tp_group, attn_impl)
+            self.attn = MultiHeadLatentAttention(cfg, tp_group, attn_impl, cp_group, sequence_parallel)
         elif cfg.attention == "mha":
-            self.attn = CausalSelfAttention(cfg, tp_group, attn_impl)
+            self.attn = CausalSelfAttention(cfg, tp_group, attn_impl, cp_group, sequence_parallel)
         else:
             raise ValueError(f"attention must be 'mha' or 'mla', got {cfg.attention!r}")
         if not self.parallel:
-            self.mlp_norm = make_norm(cfg, cfg.n_embd)
-        self.mlp = MixtureOfExperts(cfg, tp_group) if cfg.n_expert > 0 else make_mlp(cfg, tp_group)
+            self.mlp_norm = make_norm(cfg, cfg.n_embd, sp_group)
+        if cfg.n_expert > 0:
+            self.mlp = MixtureOfExperts(cfg, tp_group, cp_group, sequence_parallel)
+        else:
+            self.mlp = make_mlp(cfg, tp_group, sequence_parallel)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, positions=None):
         if self.parallel:
             h = self.attn_norm(x)
-            return x + self.attn(h, cos, sin) + self.mlp(h)
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+            return x + self.attn(h, cos, sin, positions) + self.mlp(h)
+        x = x + self.attn(self.attn_norm(x), cos, sin, positions)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -732,10 +846,17 @@ def chunked_cross_entropy(h, weight, targets, vocab_size=None, softcap=0.0, igno
 # The model
 
 
-def check_layout(cfg, tp=1, pp=1):
+def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False):
     """Stop before anything is built when the model cannot be built, or split this way, saying what must
     hold and what to change."""
     problems = []
+    if sequence_parallel and tp == 1:
+        problems.append("sequence_parallel=True needs tp > 1: it splits the tokens between the tensor-parallel "
+                        "regions across the tp ranks; set --tp to 2 or more, or sequence_parallel=False")
+    try:  # context parallelism's 2*cp chunks, each split again across tp under sequence parallelism
+        check_context_split(cfg.block_size, cp, tp if sequence_parallel else 1)
+    except ValueError as e:
+        problems.append(str(e))
     for key, allowed in (("attention", ("mha", "mla")), ("norm", ("rmsnorm", "layernorm")), ("mlp", ("swiglu", "gelu"))):
         if getattr(cfg, key) not in allowed:
             problems.append(f"{key} = {getattr(cfg, key)!r} must be one of {', '.join(map(repr, allowed))}")
@@ -810,22 +931,31 @@ class Transformer(nn.Module):
     """The whole model, or one pipeline stage of it (pp > 1): the first stage holds the token embedding,
     every stage its own blocks, the last the final norm and the head.
 
-    forward(x, targets=None) returns (output, loss) on every stage:
+    forward(x, targets=None, positions=None) returns (output, loss) on every stage:
         first stage     x is token ids (B, T); a middle or last stage takes the previous stage's hidden
-                        states (B, T, n_embd)
+                        states (B, T, n_embd), under sequence parallelism this tp rank's (B, T/tp, n_embd)
+        positions       with a context-parallel group (cp_group), required: every cp rank's global token
+                        positions, (cp, B, T) or (cp, T) on the host (parallel.split_for_every_rank); x and
+                        targets are then this rank's share of the window (parallel.zigzag_split). RoPE
+                        reads this rank's row, ring attention every row. Without a cp group: None.
         output          on a last stage the logits (B, T, vocab_size) (this rank's vocabulary slice under
                         tensor parallelism); None instead when the chunked loss computes the loss without
                         them (chunked_loss=True, tp = 1, targets given). On other stages the hidden states.
         loss            on a last stage with targets: the mean cross-entropy, plus this stage's MoE
                         auxiliary losses while training. On other stages: this stage's auxiliary loss (a
                         scalar the pipeline backpropagates from here), None for a dense model or in eval
-                        mode. None on a last stage without targets.
+                        mode. None on a last stage without targets. Under context parallelism each is this
+                        rank's share: the mean over the cp ranks is the microbatch's loss (see
+                        context_share), and the average of their gradients its gradient.
     In eval mode (model.eval()) the auxiliary losses are left out, so a validation loss is the plain
     cross-entropy, comparable with a dense model's.
 
     How it runs, not what it computes: attn_impl (a kernel choose_attn_impl chose for the device; 'auto'
     here picks as for a CPU: SDPA, or the eager attention under soft-capping), activation_checkpointing
-    (recompute each block in backward), chunked_loss (the loss without whole logits; applies at tp = 1).
+    (recompute each block in backward), chunked_loss (the loss without whole logits; applies at tp = 1),
+    cp_group (context parallelism: ring attention over the cp ranks' shares of each sequence),
+    sequence_parallel (with a tp group: the tokens between the tensor-parallel regions split across it;
+    the embedding hands each rank its T/tp tokens and the sequence is gathered again before the head).
 
     Tied embeddings: on one stage the head is the embedding's own tensor. When the embedding and the head
     sit on different stages, each holds a copy; the copy starts from the same weights (init_weights draws it
@@ -833,23 +963,26 @@ class Transformer(nn.Module):
     training step keeps the two equal by summing their gradients (parallel.sync_tied_grads)."""
 
     def __init__(self, cfg, tp_group=None, pp=1, pp_rank=0, attn_impl="auto", activation_checkpointing=False,
-                 chunked_loss=False):
+                 chunked_loss=False, cp_group=None, sequence_parallel=False):
         super().__init__()
         if attn_impl != "flash":  # (flash needs its device to be checked: the caller's choose_attn_impl did)
             attn_impl, _ = choose_attn_impl(attn_impl, "cpu", torch.float32, cfg.attn_softcap)
-        self.cfg, self.tp_group = cfg, tp_group
+        self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
+        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        sp = self.sequence_parallel
         self.activation_checkpointing = activation_checkpointing
         self.chunked_loss = chunked_loss and group_size(tp_group) == 1
         self.is_first, self.is_last = pp_rank == 0, pp_rank == pp - 1
         self.layer_ids = stage_layers(cfg.n_layer, pp, pp_rank)
         if self.is_first:
-            self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, tp_group)
+            self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, tp_group, sequence_parallel=sp)
         # keyed by the global block index, so a parameter has the same name whichever stage holds it
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, attn_impl) for i in self.layer_ids})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, attn_impl, cp_group, sp) for i in self.layer_ids})
         if self.is_last:
-            self.norm = make_norm(cfg, cfg.n_embd)
+            self.norm = make_norm(cfg, cfg.n_embd, tp_group if sp else None)
             vocab_padded = padded_vocab_size(cfg.vocab_size, group_size(tp_group))
-            self.lm_head = ColumnParallelLinear(cfg.n_embd, vocab_padded, group=tp_group)
+            # under sequence parallelism the head's input is gathered (gather_from_sp), whose backward sums
+            self.lm_head = ColumnParallelLinear(cfg.n_embd, vocab_padded, group=tp_group, copy_input=not sp)
             self.lm_head.weight.vocab_size = cfg.vocab_size
             if cfg.tie_embeddings and self.is_first:
                 self.lm_head.weight = self.tok_emb.weight  # one tensor, one gradient
@@ -858,26 +991,42 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x, targets=None):
+    def forward(self, x, targets=None, positions=None):
+        cp = group_size(self.cp_group)
+        if (positions is None) != (cp == 1):
+            raise ValueError(f"Transformer.forward: positions must be given exactly under context parallelism "
+                             f"(cp = {cp} here): every cp rank's global token positions, (cp, B, T/cp) on the host "
+                             f"(parallel.split_for_every_rank)")
         if self.is_first:
             if x.shape[1] > self.cfg.block_size:
                 raise ValueError(f"sequence of length {x.shape[1]} is longer than block_size {self.cfg.block_size}")
+            seq_len = x.shape[1]
             x = self.tok_emb(x)
+        else:  # hidden states, under sequence parallelism this rank's 1/tp of the tokens
+            seq_len = x.shape[1] * (group_size(self.tp_group) if self.sequence_parallel else 1)
+        if positions is None:  # positions 0 .. seq_len - 1 in every row
+            cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]  # (T, D/2)
+        else:  # this rank's tokens' own positions (the copy does not block: no sync)
+            here = positions[group_rank(self.cp_group)].to(self.rope_cos.device, non_blocking=True)
+            cos, sin = self.rope_cos[here], self.rope_sin[here]  # (B, T/cp, D/2), or (T/cp, D/2)
         for block in self.blocks.values():
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # keep only the block's input; its activations are recomputed during backward
-                x = checkpoint(block, x, self.rope_cos, self.rope_sin, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, positions, use_reentrant=False)
             else:
-                x = block(x, self.rope_cos, self.rope_sin)
+                x = block(x, cos, sin, positions)
         aux = self.moe_aux_loss() if self.training else None
         if not self.is_last:
             return x, aux
+        h = self.norm(x)
+        if self.sequence_parallel:  # (B, T/tp, C) -> (B, T, C) for the vocab-parallel head and loss
+            h = gather_from_sp(h, self.tp_group)
         if targets is not None and self.chunked_loss:
-            h = self.norm(x)
             loss = chunked_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1),
                                          vocab_size=self.cfg.vocab_size, softcap=self.cfg.final_softcap)
+            loss = self.context_share(loss, targets)
             return None, loss + aux if aux is not None else loss
-        logits = self.lm_head(self.norm(x))
+        logits = self.lm_head(h)
         # drop the padded vocabulary columns: they are not tokens and must not enter the softmax
         logits = logits[..., :valid_vocab_columns(self.cfg.vocab_size, self.lm_head.out_per_rank, self.tp_group)]
         logits = soft_cap(logits, self.cfg.final_softcap)  # elementwise: fine on vocab-sharded logits
@@ -886,9 +1035,23 @@ class Transformer(nn.Module):
             vocab_start = group_rank(self.tp_group) * self.lm_head.out_per_rank
             # flatten, not reshape(-1, V): a rank holding only padding has V = 0 here
             loss = vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.reshape(-1), vocab_start, self.tp_group)
+            loss = self.context_share(loss, targets)
             if aux is not None:
                 loss = loss + aux
         return logits, loss
+
+    def context_share(self, loss, targets, ignore_index=-1):
+        """This cp rank's share of the microbatch's mean loss, from its tokens' mean `loss`: their summed loss
+        over the token count of the whole microbatch (all cp ranks' targets: one all-reduce of a count),
+        times cp. The mean of the cp ranks' shares is the microbatch's mean loss, and the average of their
+        gradients (gradients are averaged over dp x cp) its gradient. Without context parallelism: loss."""
+        cp = group_size(self.cp_group)
+        if cp == 1:
+            return loss
+        count = (targets != ignore_index).sum()
+        total = count.clone()
+        dist.all_reduce(total, group=self.cp_group)
+        return loss * (count.clamp(min=1) * cp / total.clamp(min=1))
 
     def moe_aux_loss(self):
         """The sum of this stage's MoE auxiliary losses from the forward pass just run (None if dense)."""

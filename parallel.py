@@ -2,14 +2,17 @@
 Every parallel mechanism of picotron, in plain torch.distributed: one self-contained section each, in the
 order a reader learns them.
 
-  1. The layout: how the world of ranks is cut into data-, tensor- and pipeline-parallel groups, the
-     printed rank grid, and which tensor-parallel groups would span two nodes.
+  1. The layout: how the world of ranks is cut into data-, context-, tensor- and pipeline-parallel groups,
+     the printed rank grid, and which tensor-parallel groups would span two nodes.
   2. Tensor parallelism (Megatron-LM): the four communication operators as autograd functions, the layers
      built from them (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) and the
-     vocab-parallel cross-entropy.
-  3. Pipeline parallelism: each schedule written once as every stage's ordered list of forward and
+     vocab-parallel cross-entropy; with sequence parallelism, the two operators that split the tokens
+     between the tensor-parallel regions.
+  3. Context parallelism: the zigzag split of every sequence across ranks and ring attention (the keys
+     and values travel round the ranks; a custom autograd function, forward and backward).
+  4. Pipeline parallelism: each schedule written once as every stage's ordered list of forward and
      backward actions, one executor that walks the list on a real stage, and the tied-weight sync.
-  4. Data parallelism and ZeRO-1: gradients averaged in buckets from backward hooks (GradientBuckets), and
+  5. Data parallelism and ZeRO-1: gradients averaged in buckets from backward hooks (GradientBuckets), and
      an AdamW whose states are split across data-parallel ranks (ZeroOneAdamW).
   Last, the timeline printer: the same action lists drawn in time slots
      (python parallel.py --schedule 1f1b --pp 4 --microbatches 8).
@@ -18,11 +21,15 @@ Every piece here works on its own, given only torch and a process group (None me
 can be lifted into another project.
 
 References: Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
-Model Parallelism" (the f and g operators, section 3); Huang et al. 2019, "GPipe" (all forward, all
-backward); Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM" (1F1B, section 2.2.1); Rajbhandari et al. 2020, "ZeRO" (section 5.1).
+Model Parallelism" (the f and g operators, section 3); Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models" (sequence parallelism, section 4.2.2); Liu et al. 2023, "Ring
+Attention with Blockwise Transformers for Near-Infinite Context"; Dubey et al. 2024, "The Llama 3 Herd of
+Models" (the load-balanced split, section 3.3.2); Huang et al. 2019, "GPipe" (all forward, all backward);
+Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
+(1F1B, section 2.2.1); Rajbhandari et al. 2020, "ZeRO" (section 5.1).
 """
 import argparse
+import itertools
 import math
 import os
 from contextlib import nullcontext
@@ -33,6 +40,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+# torch 2.13 renamed the single-tensor collectives (the old names still work, with a warning)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # -----------------------------------------------------------------------------
 # 1. The layout
 
@@ -45,72 +55,93 @@ def group_rank(group):
     return dist.get_rank(group) if group is not None else 0
 
 
-def grid_rank(pp_rank, dp_rank, tp_rank, dp, tp):
-    """The global rank at a point of the dp x tp x pp grid (see ParallelLayout for why this order)."""
-    return (pp_rank * dp + dp_rank) * tp + tp_rank
+def grid_rank(pp_rank, dp_rank, tp_rank, dp, tp, cp_rank=0, cp=1):
+    """The global rank at a point of the dp x cp x tp x pp grid (see ParallelLayout for why this order)."""
+    return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
-def resolve_dp(world_size, dp, tp, pp, count_name="WORLD_SIZE"):
-    """The data-parallel size of a launch: dp = 0 means whatever the world leaves after tp * pp; any other
-    dp must make dp * tp * pp the world size. The one place this rule lives (train.py, bench.py and
-    make_config.py, whose count_name is 'nproc', all come here)."""
-    if world_size % (tp * pp) != 0:
-        raise ValueError(f"{count_name} = {world_size} processes cannot be cut into tp = {tp} x pp = {pp}: the world "
-                         f"size {world_size} is not divisible by tp * pp = {tp} * {pp}; launch a multiple of "
-                         f"{tp * pp} processes or change --tp/--pp")
+def resolve_dp(world_size, dp, tp, pp, count_name="WORLD_SIZE", cp=1):
+    """The data-parallel size of a launch: dp = 0 means whatever the world leaves after cp * tp * pp; any
+    other dp must make dp * cp * tp * pp the world size. The one place this rule lives (train.py, bench.py
+    and make_config.py, whose count_name is 'nproc', all come here)."""
+    split = cp * tp * pp
+    # a run that does not split the sequence gets the message it always had, without cp in it
+    axes, product, names = f"tp = {tp} x pp = {pp}", f"tp * pp = {tp} * {pp}", "--tp/--pp"
+    if cp > 1:
+        axes, product, names = f"cp = {cp} x " + axes, f"cp * tp * pp = {cp} * {tp} * {pp}", "--cp/--tp/--pp"
+    if world_size % split != 0:
+        raise ValueError(f"{count_name} = {world_size} processes cannot be cut into {axes}: the world size "
+                         f"{world_size} is not divisible by {product}; launch a multiple of {split} processes or "
+                         f"change {names}")
     if dp == 0:
-        return world_size // (tp * pp)
-    if dp * tp * pp != world_size:
-        raise ValueError(f"the layout dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks does not match the "
-                         f"world size {world_size}: set --dp, --tp and --pp so that their product is {world_size} "
-                         f"(leave dp=0 to have it computed as world_size / (tp * pp))")
+        return world_size // split
+    if dp * split != world_size:
+        cut = f"dp={dp} x cp={cp} x tp={tp} x pp={pp}" if cp > 1 else f"dp={dp} x tp={tp} x pp={pp}"
+        flags = "--dp, --cp, --tp and --pp" if cp > 1 else "--dp, --tp and --pp"
+        raise ValueError(f"the layout {cut} = {dp * split} ranks does not match the world size {world_size}: set "
+                         f"{flags} so that their product is {world_size} (leave dp=0 to have it computed as "
+                         f"world_size / ({'cp * ' if cp > 1 else ''}tp * pp))")
     return dp
 
 
 class ParallelLayout:
-    """Cuts `world_size` ranks into a dp x tp x pp grid and builds one process group per row of it.
+    """Cuts `world_size` ranks into a dp x cp x tp x pp grid and builds one process group per line of it.
 
-    Ranks are numbered with tp fastest, then dp, then pp:  rank = (pp_rank * dp + dp_rank) * tp + tp_rank.
+    Ranks are numbered with tp fastest, then cp, then dp, then pp (Megatron-LM's order):
+        rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+    which at cp = 1 is (pp_rank * dp + dp_rank) * tp + tp_rank, the numbering of a run without cp.
     Tensor parallelism talks on every layer (several collectives per block), so its ranks are neighbours,
     which on a real cluster means the same node and its fast links: torchrun gives each node consecutive
     ranks, so a tp group stays inside a node whenever tp divides the processes per node (see
-    tp_groups_across_nodes). Data parallelism talks once per step, pipeline parallelism only sends
+    tp_groups_across_nodes). Context parallelism passes keys and values round a ring in every attention
+    layer, the next chattiest; data parallelism talks once per step, pipeline parallelism only sends
     activations between neighbouring stages, so both can span nodes.
 
     `timeout` is how long a collective on these groups waits for its peers before it fails (a group does
     not inherit the default group's timeout from init_process_group: it must be passed to each). Each group
-    is named after its axis (group_desc): NCCL's watchdog names the group in its timeout message.
+    is named after its axes (group_desc): NCCL's watchdog names the group in its timeout message.
+
+    Groups: tp_group, cp_group, dp_group and pp_group, the lines along one axis; and dp_cp_group, the dp x cp
+    ranks that hold the same parameters (same tp slice, same stage): gradients are averaged and ZeRO shards
+    over it (at cp = 1 it is the dp group). A group of one rank is None.
 
     With world_size 1 no group is built and every group is None: the single-process path.
     """
 
-    def __init__(self, dp, tp, pp, world_size=1, rank=0, timeout=None):
-        dp = resolve_dp(world_size, dp, tp, pp)
-        self.dp, self.tp, self.pp, self.world_size, self.rank = dp, tp, pp, world_size, rank
+    def __init__(self, dp, tp, pp, world_size=1, rank=0, cp=1, timeout=None):
+        dp = resolve_dp(world_size, dp, tp, pp, cp=cp)
+        self.dp, self.cp, self.tp, self.pp, self.world_size, self.rank = dp, cp, tp, pp, world_size, rank
         self.timeout = timeout
         self.tp_rank = rank % tp
-        self.dp_rank = (rank // tp) % dp
-        self.pp_rank = rank // (tp * dp)
-        self.tp_group = self.dp_group = self.pp_group = None
+        self.cp_rank = (rank // tp) % cp
+        self.dp_rank = (rank // (tp * cp)) % dp
+        self.pp_rank = rank // (tp * cp * dp)
+        self.dp_cp, self.dp_cp_rank = dp * cp, self.dp_rank * cp + self.cp_rank
+        self.tp_group = self.cp_group = self.dp_group = self.pp_group = self.dp_cp_group = None
         self.pp_prev = self.pp_next = None  # global ranks of the neighbouring pipeline stages
         if world_size == 1:
             return
-        # A group is a line of the grid: the ranks that differ along one axis only. Every rank must create
-        # every group, in the same order, even the groups it is not in.
-        sizes = {"pp": pp, "dp": dp, "tp": tp}
-        rank_at = lambda c: grid_rank(c["pp"], c["dp"], c["tp"], dp, tp)
-        for axis in ("tp", "dp", "pp"):
-            first, second = [a for a in ("pp", "dp", "tp") if a != axis]
-            for i in range(sizes[first]):
-                for j in range(sizes[second]):
-                    ranks = [rank_at({first: i, second: j, axis: k}) for k in range(sizes[axis])]
-                    group = dist.new_group(ranks, timeout=timeout, group_desc=axis)
-                    if rank in ranks:
-                        setattr(self, f"{axis}_group", group if sizes[axis] > 1 else None)
+        # A group is a line of the grid: the ranks that differ along its axes only. Every rank must create
+        # every group, in the same order, even the groups it is not in. An axis of size 1 has no group.
+        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        rank_at = lambda c: grid_rank(c["pp"], c["dp"], c["tp"], dp, tp, c["cp"], cp)
+        lines = [("tp",), ("cp",), ("dp",), ("pp",)] + ([("dp", "cp")] if dp > 1 and cp > 1 else [])
+        for axes in lines:
+            if math.prod(sizes[a] for a in axes) == 1:
+                continue
+            fixed = [a for a in sizes if a not in axes]
+            for at in itertools.product(*(range(sizes[a]) for a in fixed)):
+                ranks = sorted(rank_at({**dict(zip(fixed, at)), **dict(zip(axes, along))})
+                               for along in itertools.product(*(range(sizes[a]) for a in axes)))
+                group = dist.new_group(ranks, timeout=timeout, group_desc="_".join(axes))
+                if rank in ranks:
+                    setattr(self, f"{'_'.join(axes)}_group", group)
+        if self.dp_cp_group is None:  # one of dp and cp is 1: the other's group holds the same parameters
+            self.dp_cp_group = self.dp_group if cp == 1 else self.cp_group
         if self.pp_rank > 0:
-            self.pp_prev = grid_rank(self.pp_rank - 1, self.dp_rank, self.tp_rank, dp, tp)
+            self.pp_prev = grid_rank(self.pp_rank - 1, self.dp_rank, self.tp_rank, dp, tp, self.cp_rank, cp)
         if self.pp_rank < pp - 1:
-            self.pp_next = grid_rank(self.pp_rank + 1, self.dp_rank, self.tp_rank, dp, tp)
+            self.pp_next = grid_rank(self.pp_rank + 1, self.dp_rank, self.tp_rank, dp, tp, self.cp_rank, cp)
 
     @property
     def is_first_stage(self):
@@ -121,42 +152,43 @@ class ParallelLayout:
         return self.pp_rank == self.pp - 1
 
 
-def init_distributed(dp, tp, pp, device_type, timeout_s=None):
+def init_distributed(dp, tp, pp, device_type, cp=1, timeout_s=None):
     """Start torch.distributed when launched by torchrun (WORLD_SIZE set) and build the layout.
-    dp=0 means "whatever is left": world_size / (tp * pp). timeout_s: how long any collective waits for
-    its peers before it fails (None: torch's default, 10 or 30 minutes)."""
+    dp=0 means "whatever is left": world_size / (cp * tp * pp). timeout_s: how long any collective waits
+    for its peers before it fails (None: torch's default, 10 minutes on gloo, 30 on NCCL)."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
-    dp = resolve_dp(world_size, dp, tp, pp)  # before any process group: a bad layout fails fast, alone
+    dp = resolve_dp(world_size, dp, tp, pp, cp=cp)  # before any process group: a bad layout fails fast, alone
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=timeout)
-    return ParallelLayout(dp, tp, pp, world_size, rank, timeout)
+    return ParallelLayout(dp, tp, pp, world_size, rank, cp=cp, timeout=timeout)
 
 
-def tp_groups_across_nodes(dp, tp, pp, local_world_size):
+def tp_groups_across_nodes(dp, tp, pp, local_world_size, cp=1):
     """The tensor-parallel groups (lists of global ranks) that are not all on one node, when every node
     runs local_world_size processes with consecutive ranks, as torchrun numbers them (LOCAL_WORLD_SIZE).
     A tp group is tp consecutive ranks (tp fastest), so none spans two nodes when tp divides
     local_world_size; otherwise its all-reduces, several per layer, cross the network between nodes."""
     spanning = []
-    for p in range(pp):
-        for d in range(dp):
-            ranks = [grid_rank(p, d, t, dp, tp) for t in range(tp)]
-            if len({r // local_world_size for r in ranks}) > 1:
-                spanning.append(ranks)
+    for p, d, c in itertools.product(range(pp), range(dp), range(cp)):
+        ranks = [grid_rank(p, d, t, dp, tp, c, cp) for t in range(tp)]
+        if len({r // local_world_size for r in ranks}) > 1:
+            spanning.append(ranks)
     return spanning
 
 
-def format_grid(dp, tp, pp):
-    """The rank layout as text, one line per (pipeline stage, data-parallel replica): which global ranks
-    hold the tensor-parallel slices of it."""
+def format_grid(dp, tp, pp, cp=1):
+    """The rank layout as text, one line per (pipeline stage, data-parallel replica), and under context
+    parallelism per share of the sequence too: which global ranks hold the tensor-parallel slices of it."""
     lines = []
     for p in range(pp):
         for d in range(dp):
-            ranks = [grid_rank(p, d, t, dp, tp) for t in range(tp)]
-            lines.append(f"  stage {p} replica {d}: ranks {ranks}")
+            for c in range(cp):
+                ranks = [grid_rank(p, d, t, dp, tp, c, cp) for t in range(tp)]
+                share = f" sequence share {c} (chunks {c}, {2 * cp - 1 - c})" if cp > 1 else ""
+                lines.append(f"  stage {p} replica {d}{share}: ranks {ranks}")
     return "\n".join(lines)
 
 
@@ -204,39 +236,101 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
         return grad, None
 
 
+def _all_gather_along(x, group, dim):
+    """Every rank's x, concatenated along dim in rank order."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter_along(x, group, dim):
+    """This rank's chunk, along dim, of the sum over the group of every rank's x."""
+    moved = x.movedim(dim, 0).contiguous()  # reduce_scatter_tensor cuts along dimension 0
+    out = moved.new_empty((moved.shape[0] // group_size(group), *moved.shape[1:]))
+    _reduce_scatter_single(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
 class GatherFromTensorParallelRegion(torch.autograd.Function):
-    """All-gather along the last dimension forward; backward keeps only this rank's slice of the gradient.
-    The backward assumes what follows the gather is the same computation on every rank (replicated), so
-    every rank holds the same full gradient and its own slice of it is the whole story."""
+    """All-gather along `dim` (the last by default) forward; backward keeps only this rank's slice of the
+    gradient. The backward assumes what follows the gather is the same computation on every rank
+    (replicated), so every rank holds the same full gradient and its own slice of it is the whole story."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(group_size(group))]
-        dist.all_gather(parts, x, group=group)
-        return torch.cat(parts, dim=-1)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather_along(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.chunk(group_size(ctx.group), dim=-1)[group_rank(ctx.group)].contiguous(), None
+        return grad.chunk(group_size(ctx.group), dim=ctx.dim)[group_rank(ctx.group)].contiguous(), None, None
 
 
 class ScatterToTensorParallelRegion(torch.autograd.Function):
-    """Split: keep this rank's slice of the last dimension forward; all-gather the gradient backward. The input
-    is the same on every rank (replicated), so its gradient is every rank's slice gradient side by side."""
+    """Split: keep this rank's slice of `dim` (the last by default) forward; all-gather the gradient
+    backward. The input is the same on every rank (replicated), so its gradient is every rank's slice
+    gradient side by side."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return x.chunk(group_size(group), dim=dim)[group_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_along(grad, ctx.group, ctx.dim), None, None
+
+
+# -----------------------------------------------------------------------------
+# Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+# Models", section 4.2.2), an option of tensor parallelism.
+#
+# Between the tensor-parallel regions (the norms and the residual adds: everything outside attention and
+# the MLP) every tp rank computes the same thing on the same tokens and holds the same (B, T, C)
+# activations. Sequence parallelism splits them along the sequence instead: tp rank t holds tokens
+# t*T/tp .. (t+1)*T/tp - 1 there, 1/tp of those activations, and works on them alone. Entering a region
+# the tokens are all-gathered, and the backward reduce-scatters their gradient: each rank's column-
+# parallel layers made a partial gradient for every token, and each rank needs the sum for its own tokens
+# only (this replaces f). Leaving a region, the row-parallel layer's partial sums are reduce-scattered:
+# each rank receives the whole sum for its own tokens, and the backward all-gathers the gradient (this
+# replaces g). An all-reduce is a reduce-scatter followed by an all-gather, so the bytes on the wire are
+# those of tensor parallelism without it; what falls is the memory between the regions, by tp.
+#
+# The cost is in the parameters every tp rank holds whole: the norm gains and the row-parallel biases now
+# see only this rank's tokens, and the replicated weights inside a region (MLA's down-projections and
+# latent norms) get only this rank's partial gradient, since no f sums it any more. Each passes through f
+# itself (copy_to_tp on the parameter), whose backward sums the parts across the tp group: Megatron's
+# all-reduce of the sequence-parallel gradients, done where the parameter is used. Tensors are
+# (B, T, ...): the sequence is dimension 1, and T must split into tp equal pieces.
+
+
+class GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Entering a tensor-parallel region: all-gather the tokens along the sequence forward; reduce-scatter
+    the gradient backward (the sum over ranks of every rank's partial gradient, this rank's tokens only)."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x.chunk(group_size(group), dim=-1)[group_rank(group)].contiguous()
+        return _all_gather_along(x, group, 1)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        parts = [torch.empty_like(grad) for _ in range(group_size(ctx.group))]
-        dist.all_gather(parts, grad, group=ctx.group)
-        return torch.cat(parts, dim=-1), None
+        return _reduce_scatter_along(grad, ctx.group, 1), None
+
+
+class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Leaving a tensor-parallel region: reduce-scatter the partial sums along the sequence forward (this
+    rank's tokens of the sum); all-gather the gradient backward (the region needs every token's)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_along(x, group, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_along(grad, ctx.group, 1), None
 
 
 # With no group (one rank) every operator is the identity, so the same model code runs unsplit.
@@ -248,12 +342,20 @@ def reduce_from_tp(x, group):
     return ReduceFromTensorParallelRegion.apply(x, group) if group_size(group) > 1 else x
 
 
-def gather_from_tp(x, group):
-    return GatherFromTensorParallelRegion.apply(x, group) if group_size(group) > 1 else x
+def gather_from_tp(x, group, dim=-1):
+    return GatherFromTensorParallelRegion.apply(x, group, dim) if group_size(group) > 1 else x
 
 
-def scatter_to_tp(x, group):
-    return ScatterToTensorParallelRegion.apply(x, group) if group_size(group) > 1 else x
+def scatter_to_tp(x, group, dim=-1):
+    return ScatterToTensorParallelRegion.apply(x, group, dim) if group_size(group) > 1 else x
+
+
+def gather_from_sp(x, group):
+    return GatherFromSequenceParallelRegion.apply(x, group) if group_size(group) > 1 else x
+
+
+def reduce_scatter_to_sp(x, group):
+    return ReduceScatterToSequenceParallelRegion.apply(x, group) if group_size(group) > 1 else x
 
 
 # -----------------------------------------------------------------------------
@@ -328,7 +430,8 @@ class ColumnParallelLinear(nn.Module):
     The input passes through f (copy_to_tp), whose backward sums the input's gradient across ranks. When
     several column-parallel layers read the same input (q, k and v; SwiGLU's gate and up), apply
     copy_to_tp once to that input and build the layers with copy_input=False: one all-reduce instead of
-    one per layer.
+    one per layer. Under sequence parallelism the input comes from gather_from_sp, whose backward already
+    sums the gradient: build the layer with copy_input=False then too.
 
     The weight is created empty: fill it with load_full (see the section's note)."""
 
@@ -358,11 +461,16 @@ class RowParallelLinear(nn.Module):
     input is first cut into slices here. The bias is replicated and added once, after the sum (added
     before, it would be counted tp times).
 
+    sequence_parallel=True: the partial outputs are reduce-scattered along the sequence instead (each rank
+    gets the sum for its own tokens, (B, T/tp, out_features)), and the bias, added to this rank's tokens
+    only, passes through f so that its gradient is summed over the ranks' tokens.
+
     The weight is created empty, as in ColumnParallelLinear: fill it with load_full."""
 
-    def __init__(self, in_features, out_features, bias=False, group=None, input_is_parallel=True):
+    def __init__(self, in_features, out_features, bias=False, group=None, input_is_parallel=True,
+                 sequence_parallel=False):
         super().__init__()
-        self.group, self.input_is_parallel = group, input_is_parallel
+        self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
         self.in_per_rank = _divide(in_features, group_size(group), "in_features")
         self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, self.in_per_rank)), 1, group)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
@@ -376,6 +484,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sp(F.linear(x, self.weight), self.group)
+            return y + copy_to_tp(self.bias, self.group) if self.bias is not None else y
         y = reduce_from_tp(F.linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
 
@@ -393,11 +504,12 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table split by rows (token ids) across the group. Each rank looks up the ids in its
     range, writes zeros for the others, and the all-reduce (g) assembles every token's vector. The table is
     padded to padded_vocab_size rows (zero, never looked up); fill it with load_full(weight), weight being
-    the (vocab_size, dim) table or a slice reader."""
+    the (vocab_size, dim) table or a slice reader. sequence_parallel=True reduce-scatters instead: each
+    rank gets its own tokens' vectors, (B, T/tp, dim), for the sequence-parallel region that follows."""
 
-    def __init__(self, vocab_size, dim, group=None):
+    def __init__(self, vocab_size, dim, group=None, sequence_parallel=False):
         super().__init__()
-        self.group, self.vocab_size = group, vocab_size
+        self.group, self.vocab_size, self.sequence_parallel = group, vocab_size, sequence_parallel
         self.rows_per_rank = padded_vocab_size(vocab_size, group_size(group)) // group_size(group)
         self.vocab_start = group_rank(group) * self.rows_per_rank
         self.weight = mark_sharded(nn.Parameter(torch.empty(self.rows_per_rank, dim)), 0, self.group)
@@ -413,6 +525,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.rows_per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sp(out, self.group)
         return reduce_from_tp(out, self.group)
 
 
@@ -479,7 +593,416 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
 
 
 # -----------------------------------------------------------------------------
-# 3. Pipeline parallelism
+# 3. Context parallelism: the zigzag split and ring attention
+#
+# Context parallelism splits the sequence. Each of the cp ranks of a context-parallel group holds T/cp of
+# every window's tokens, and with them T/cp of every activation: the embedding, the norms, the MLP and the
+# loss work token by token, so they run on the local tokens unchanged. Attention alone needs other ranks'
+# tokens, because a query reads the keys and values of every earlier token.
+#
+# Every cp rank holds the whole model, the same parameters, and computes the gradient of its own tokens'
+# part of the loss: the gradients are averaged over the dp x cp ranks that hold the same parameters
+# (section 5), and each rank's loss is its tokens' summed loss over the microbatch's token count, times cp,
+# so that the mean over the cp ranks is the microbatch's mean loss and the average of their gradients its
+# gradient (a factor cp off would hardly show in the losses under AdamW, only in the gradient norm). A
+# mixture-of-experts layer, whose expert capacity couples every token of a microbatch, gathers its routing
+# decisions from the whole window (all_gather_context) to queue them as one process would.
+#
+# The split. Causal attention's work is a triangle: a query late in the window sees many keys, an early one
+# few. Cut into contiguous pieces, rank r's queries would see r whole pieces of keys and half its own, so
+# the last rank would do 2cp-1 times the work of the first, which waits. So each window is cut into 2*cp
+# chunks and rank r holds chunk r and its mirror, chunk 2cp-1-r (the split of Llama 3's context
+# parallelism, Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.2). Query chunk i sees key
+# chunks 0..i, i of them whole and the diagonal one half, so rank r's two chunks see r + (2cp-1-r) =
+# 2cp-1 whole chunks and two diagonal halves: the same for every rank. RoPE and the mask use the tokens'
+# global positions, built on the host from the whole window and split the same way as the tokens. The mask
+# is "key position <= query position", so it holds for any split; every rank is given every rank's
+# positions (a few integers per token, on the host), so it decides which blocks to skip there, without a
+# device sync, and no positions need to travel with the keys.
+#
+# Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context").
+# The key/value blocks travel round the group: at each of cp steps a rank attends its queries to the block
+# it holds while, point to point, it passes that block on to rank r+1 and receives the next from rank r-1;
+# the transfer is posted before the block is computed, so it overlaps the compute. The partial outputs of
+# the cp blocks are merged by their log-sum-exp. Each rank's two chunks against the visiting two chunks
+# make four chunk pairs: those the causal mask fully hides are skipped, those it fully shows need no mask,
+# the others (the diagonal) are masked.
+#
+# Backward (a custom autograd function, as FlashAttention does it: Dao et al. 2022, "FlashAttention",
+# section 3.1 and appendix B) saves q, k, v, the output and the log-sum-exp, never the probabilities, and
+# recomputes each block's probabilities from them. The key/value blocks make the same trip round the ring
+# again; each carries with it an fp32 accumulator of its own gradients, which every rank it visits adds to,
+# and one more step brings the accumulator home to the rank that owns those keys.
+#
+# Collectives, per attention layer, with S = B * (T/cp) * H_kv * (D + D_v) elements of k and v per rank:
+# forward cp-1 ring steps of S elements in k/v's dtype; backward cp-1 such steps plus cp steps of the
+# gradients, S elements in fp32 (see ring_attention_bytes). Each is one dist.batch_isend_irecv of sends to
+# the next rank and receives from the previous, so no pair of neighbours can deadlock by both sending first.
+#
+# Memory: activations per rank fall by cp, attention's too: besides q, k, v and the output it keeps one
+# fp32 log-sum-exp per query and head; the largest transients are one chunk pair's fp32 scores and
+# probabilities, (B, H, T/2cp, T/2cp) each.
+# The ring holds two k/v blocks (the one computed, the one arriving), and in backward two gradient blocks.
+#
+# Variants. GQA and MQA: the H_kv key/value heads travel, each serving H/H_kv query heads; their gradients
+# are the sums over those query heads. MLA: what travels is the per-head keys and values, H * (qk_nope +
+# qk_rope + v_head) numbers per token (320 for config/mla.py), not the compressed latent (kv_lora_rank +
+# qk_rope = 80): sending the latent would cost 4x fewer bytes, but every rank would then run kv_up, the
+# QK-norm and RoPE on each visiting block and sum kv_up's weight gradient over the blocks; left for later.
+# QK-norm and RoPE act on each token before attention, so they need nothing here. Attention soft-capping
+# (Gemma 2) is applied to each block's scores. Document masking: pass each token's document id beside its
+# position; a key is then visible when it is in the same document and not later.
+
+
+def check_context_split(seq_len, cp, tp=1):
+    """The zigzag split needs 2*cp equal chunks; with sequence parallelism (tp > 1 here) each rank's tokens
+    are split again across the tensor-parallel group, so the length must split into 2*cp*tp pieces (tp
+    pieces without context parallelism, cp = 1)."""
+    pieces = (2 * cp if cp > 1 else 1) * tp
+    if seq_len % pieces == 0:
+        return
+    lower, upper = seq_len // pieces * pieces, (seq_len // pieces + 1) * pieces
+    fix = f"Set block_size to a multiple of {pieces} (e.g. {lower or upper} or {upper})"
+    if cp == 1:
+        raise ValueError(f"block_size = {seq_len} does not split into tp = {tp} equal pieces: sequence parallelism "
+                         f"gives each tensor-parallel rank 1/tp of the tokens between the tensor-parallel regions. "
+                         f"{fix}, or change tp")
+    why = (f"2 * cp * tp = {pieces} (cp = {cp}, tp = {tp}: sequence parallelism splits each rank's tokens "
+           f"again across tp)" if tp > 1 else f"2 * cp = {pieces} (cp = {cp})")
+    raise ValueError(f"block_size = {seq_len} does not split into {why} equal chunks: context parallelism "
+                     f"gives each rank chunk r and chunk 2*cp-1-r of every window. {fix}, or change cp")
+
+
+def zigzag_split(x, cp, cp_rank, dim=1):
+    """cp rank cp_rank's tokens of x: chunks cp_rank and 2*cp-1-cp_rank of 2*cp along dim, concatenated."""
+    check_context_split(x.shape[dim], cp)
+    chunk = x.shape[dim] // (2 * cp)
+    return torch.cat([x.narrow(dim, cp_rank * chunk, chunk), x.narrow(dim, (2 * cp - 1 - cp_rank) * chunk, chunk)],
+                     dim=dim)
+
+
+def zigzag_gather(parts, dim=1):
+    """The inverse: the whole sequence from every cp rank's zigzag_split, given in rank order."""
+    halves = [p.chunk(2, dim=dim) for p in parts]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
+
+
+def all_gather_context(x, group, dim=1):
+    """The whole window of x, from every cp rank's zigzag share of it (an all-gather, then zigzag_gather),
+    with no gradient. A mixture-of-experts layer gathers its chosen expert ids this way (small integers)
+    to queue them in the window's order, as one process does."""
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return zigzag_gather(parts, dim)
+
+
+def split_for_every_rank(x, cp, split=zigzag_split):
+    """Every cp rank's share of the last dim of x, stacked: (T,) -> (cp, T/cp), (B, T) -> (cp, B, T/cp).
+    This is how ring_attention takes positions (and document ids): a rank knows which keys of a visiting
+    block it may see without being sent anything, since it built the whole window's positions itself."""
+    return torch.stack([split(x, cp, r, dim=-1) for r in range(cp)])
+
+
+# The plan: which chunk pairs each ring step computes, decided on the host.
+#
+# Whether a pair of chunks is hidden, fully visible or partly visible follows from the positions' minima and
+# maxima. Taken from device tensors, each such test would be a .item(), a host-device sync that stalls the
+# GPU's queue, cp * 4 times per layer. The positions are built on the host (from the whole window), so the
+# plan is made there from the host copy of every rank's positions: no sync, and nothing to send with the
+# keys. Only the masks of the partly visible pairs are built on the device, from a device copy.
+
+
+def _chunk_slices(seq_len, chunks):
+    n = min(chunks, seq_len)
+    edges = [i * seq_len // n for i in range(n + 1)]
+    return [slice(a, b) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def _pair_kind(q_pos, kv_pos, q_doc, kv_doc):
+    """'hidden', 'full' or 'masked' for queries at q_pos against keys at kv_pos, both (B, n): the test is
+    per batch row, and a pair is hidden or full only when it is so in every row. With document ids a pair
+    whose ranges of ids do not overlap is hidden too, and a pair is full only inside one document."""
+    q_lo, q_hi = q_pos.amin(-1), q_pos.amax(-1)  # (B,)
+    kv_lo, kv_hi = kv_pos.amin(-1), kv_pos.amax(-1)
+    hidden, full = kv_lo > q_hi, kv_hi <= q_lo
+    if q_doc is not None:
+        qd_lo, qd_hi, kd_lo, kd_hi = q_doc.amin(-1), q_doc.amax(-1), kv_doc.amin(-1), kv_doc.amax(-1)
+        hidden = hidden | (kd_lo > qd_hi) | (kd_hi < qd_lo)
+        full = full & (qd_lo == qd_hi) & (kd_lo == kd_hi) & (qd_lo == kd_lo)  # all one document
+    if bool(hidden.all()):
+        return "hidden"
+    return "full" if bool(full.all()) else "masked"
+
+
+def block_plan(positions, documents, rank, chunks=2):
+    """For each ring step, the (query slice, key slice, 'full' or 'masked') pairs that rank computes; the
+    hidden ones are left out. positions and documents are (cp, B, T_local) host tensors (see
+    split_for_every_rank); at step i the block of rank (rank - i) % cp is visiting."""
+    cp, T = positions.shape[0], positions.shape[-1]
+    slices = _chunk_slices(T, chunks)
+    doc = (lambda r, s: documents[r][..., s]) if documents is not None else (lambda r, s: None)
+    plan = []
+    for step in range(cp):
+        source = (rank - step) % cp
+        pairs = []
+        for qs in slices:
+            for ks in slices:
+                kind = _pair_kind(positions[rank][..., qs], positions[source][..., ks], doc(rank, qs),
+                                  doc(source, ks))
+                if kind != "hidden":
+                    pairs.append((qs, ks, kind))
+        plan.append(pairs)
+    return plan
+
+
+def attention_work(positions, documents=None, chunks=2):
+    """Per rank, the chunk pairs computed and the score elements computed (per batch row and head) over one
+    ring pass: the attention work each rank does. positions as for ring_attention."""
+    positions = positions if positions.dim() == 3 else positions[:, None]
+    documents = documents if documents is None or documents.dim() == 3 else documents[:, None]
+    work = []
+    for rank in range(positions.shape[0]):
+        pairs = [pair for step in block_plan(positions, documents, rank, chunks) for pair in step]
+        scores = sum((qs.stop - qs.start) * (ks.stop - ks.start) for qs, ks, _ in pairs)
+        work.append({"blocks": len(pairs), "scores": scores})
+    return work
+
+
+def ring_attention_bytes(batch, seq_len_local, n_kv_head, head_dim, v_head_dim, cp, element_size=4):
+    """Bytes one rank sends in one attention layer's forward and backward (a dict). One ring step sends
+    the held k and v: batch * seq_len_local * n_kv_head * (head_dim + v_head_dim) elements. Forward takes
+    cp - 1 steps (the last block is not passed on). Backward sends k and v again cp - 1 times, and the
+    fp32 gradient accumulators cp times: the extra step takes them home."""
+    step_elements = batch * seq_len_local * n_kv_head * (head_dim + v_head_dim)
+    if cp == 1:
+        return {"forward": 0, "backward": 0, "step": 0}
+    kv = (cp - 1) * step_elements * element_size
+    return {"forward": kv, "backward": kv + cp * step_elements * 4, "step": step_elements * element_size}
+
+
+# -----------------------------------------------------------------------------
+# One chunk pair, forward and backward. Query heads are grouped by the key/value head they read:
+# q is (B, H_kv, G, Tq, D) with G = H / H_kv, k is (B, H_kv, 1, Tk, D), and broadcasting does the rest.
+
+
+def _scores(q, k, scale, softcap):
+    """fp32 scores q k^T * scale, soft-capped to cap * tanh(s / cap); also the tanh, for the derivative."""
+    s = (q @ k.transpose(-2, -1)) * scale  # (B, H_kv, G, Tq, Tk)
+    if not softcap:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return softcap * t, t
+
+
+def _finite(lse):
+    """A row with no visible key has lse = -inf; exp(s - lse) would be exp(-inf + inf) = nan. Against 0 it
+    is exp(-inf) = 0: the row gets zero probabilities, a zero output and zero gradients."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _block_forward(q, k, v, visible, scale, softcap):
+    """This block's normalised output and log-sum-exp: (B, H_kv, G, Tq, D_v) and (B, H_kv, G, Tq)."""
+    s, _ = _scores(q, k, scale, softcap)
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite(lse)[..., None])
+    return p @ v, lse
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Two softmax-weighted averages over disjoint sets of keys, combined into the one over both:
+    lse = log(e^lse1 + e^lse2), out = e^(lse1 - lse) out1 + e^(lse2 - lse) out2. Each weight is the share
+    of the softmax denominator its keys hold (Milakov & Gimelshein 2018, "Online normalizer calculation
+    for softmax"). Rows that have seen no visible key yet have lse = -inf and stay zero."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    safe = _finite(new_lse)[..., None]
+    return torch.exp(lse[..., None] - safe) * out + torch.exp(block_lse[..., None] - safe) * block_out, new_lse
+
+
+def _block_backward(q, k, v, dout, lse, delta, visible, scale, softcap, dq, dk, dv):
+    """Adds this block's gradients into dq (B, H_kv, G, Tq, D), dk (B, H_kv, Tk, D), dv (B, H_kv, Tk, D_v).
+    With p = softmax(s) recomputed from the saved lse, and delta = rowsum(dout * out):
+        dv = p^T dout,  dp = dout v^T,  ds = p * (dp - delta),  then through the cap and the scale,
+        dq = ds k,  dk = ds^T q."""
+    s, t = _scores(q, k, scale, softcap)
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    p = torch.exp(s - _finite(lse)[..., None])  # (B, H_kv, G, Tq, Tk); hidden keys give exactly 0
+    dv += (p.transpose(-2, -1) @ dout).sum(2)  # summed over the G query heads that read each kv head
+    ds = p * (dout @ v.transpose(-2, -1) - delta[..., None])
+    if softcap:
+        ds = ds * (1 - t * t)  # d/ds cap * tanh(s / cap) = 1 - tanh^2
+    ds = ds * scale
+    dq += ds @ k
+    dk += (ds.transpose(-2, -1) @ q).sum(2)
+
+
+# -----------------------------------------------------------------------------
+# The ring
+
+
+def _query_heads(x, n_kv_head):
+    B, T, H, D = x.shape
+    return x.float().view(B, T, n_kv_head, H // n_kv_head, D).permute(0, 2, 3, 1, 4)  # (B, H_kv, G, T, D)
+
+
+def _kv_heads(x):
+    return x.float().permute(0, 2, 1, 3)[:, :, None]  # (B, T, H_kv, D) -> (B, H_kv, 1, T, D)
+
+
+def _post_ring_exchange(tensors, group):
+    """Post, in one batch, the sends of `tensors` to the next rank of the ring and the receives of tensors
+    of the same shapes from the previous one. Returns (the receive buffers, the requests); not waited for,
+    so the caller computes while they travel."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    next_rank = dist.get_global_rank(group, (rank + 1) % cp)  # a P2POp's peer is a global rank
+    prev_rank = dist.get_global_rank(group, (rank - 1) % cp)
+    tensors = [t.contiguous() for t in tensors]
+    received = [torch.empty_like(t) for t in tensors]
+    ops = ([dist.P2POp(dist.isend, t, next_rank, group) for t in tensors]
+           + [dist.P2POp(dist.irecv, t, prev_rank, group) for t in received])
+    return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(requests):
+    for request in requests:
+        request.wait()
+
+
+def _visible(pos, doc, rank, source, qs, ks):
+    """Which keys each query sees, (B or 1, 1, 1, Tq, Tk): key position <= query position (and, with
+    document ids, the same document)."""
+    q_pos, kv_pos = pos[rank][..., qs], pos[source][..., ks]  # (B or 1, Tq), (B or 1, Tk)
+    visible = kv_pos[:, None, :] <= q_pos[:, :, None]
+    if doc is not None:
+        visible = visible & (doc[source][..., ks][:, None, :] == doc[rank][..., qs][:, :, None])
+    return visible[:, None, None]
+
+
+class RingAttention(torch.autograd.Function):
+    """Attention of this rank's queries over every cp rank's keys and values, which travel round the ring.
+    See ring_attention for the arguments."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, positions, documents, group, softcap, scale, chunks):
+        cp, rank = group_size(group), group_rank(group)
+        B, T, H, _ = q.shape
+        n_kv_head = k.shape[2]
+        plan = block_plan(positions, documents, rank, chunks)
+        # the masks of the partly visible pairs are built from a device copy; non_blocking, since a blocking
+        # host-to-device copy waits for the GPU's queue to drain, the sync the host-side plan avoids
+        pos = positions.to(q.device, non_blocking=True)
+        doc = documents.to(q.device, non_blocking=True) if documents is not None else None
+
+        qh = _query_heads(q, n_kv_head)
+        out = q.new_zeros(*qh.shape[:-1], v.shape[-1], dtype=torch.float32)  # (B, H_kv, G, T, D_v)
+        lse = q.new_full(qh.shape[:-1], float("-inf"), dtype=torch.float32)  # (B, H_kv, G, T)
+        k_block, v_block = k, v
+        for step in range(cp):
+            if step < cp - 1:  # the next block sets off before this one is computed
+                (k_next, v_next), requests = _post_ring_exchange([k_block, v_block], group)
+            source = (rank - step) % cp
+            kh, vh = _kv_heads(k_block), _kv_heads(v_block)
+            for qs, ks, kind in plan[step]:
+                visible = _visible(pos, doc, rank, source, qs, ks) if kind == "masked" else None
+                block_out, block_lse = _block_forward(qh[..., qs, :], kh[..., ks, :], vh[..., ks, :], visible,
+                                                      scale, softcap)
+                out[..., qs, :], lse[..., qs] = _merge(out[..., qs, :], lse[..., qs], block_out, block_lse)
+            if step < cp - 1:
+                _wait(requests)
+                k_block, v_block = k_next, v_next
+
+        out = out.permute(0, 3, 1, 2, 4).reshape(B, T, H, v.shape[-1]).to(q.dtype)  # (B, T, H, D_v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.pos, ctx.doc, ctx.group, ctx.softcap, ctx.scale = plan, pos, doc, group, softcap, scale
+        ctx.cp, ctx.rank = cp, rank
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, rank, group = ctx.cp, ctx.rank, ctx.group
+        n_kv_head = k.shape[2]
+        qh, dh = _query_heads(q, n_kv_head), _query_heads(dout, n_kv_head)
+        delta = (dh * _query_heads(out, n_kv_head)).sum(-1)  # (B, H_kv, G, T): rowsum(dout * out)
+        dq = torch.zeros_like(qh)
+        # The gradients of a visiting block's keys and values come from every rank's queries, so they cannot
+        # be finished where they are computed: an fp32 accumulator travels with each block, every rank adds
+        # its part, and after the cp-th rank one more step brings the sum home to the block's owner.
+        k_block, v_block = k, v
+        grads_home = None  # the accumulators arriving for the next visiting block, and their requests
+        for step in range(cp):
+            if step < cp - 1:
+                (k_next, v_next), kv_requests = _post_ring_exchange([k_block, v_block], group)
+            source = (rank - step) % cp
+            kh, vh = _kv_heads(k_block), _kv_heads(v_block)
+            dk_block, dv_block = torch.zeros_like(kh[:, :, 0]), torch.zeros_like(vh[:, :, 0])  # (B, H_kv, T, D)
+            for qs, ks, kind in ctx.plan[step]:
+                visible = _visible(ctx.pos, ctx.doc, rank, source, qs, ks) if kind == "masked" else None
+                _block_backward(qh[..., qs, :], kh[..., ks, :], vh[..., ks, :], dh[..., qs, :], lse[..., qs],
+                                delta[..., qs], visible, ctx.scale, ctx.softcap,
+                                dq[..., qs, :], dk_block[..., ks, :], dv_block[..., ks, :])
+            if grads_home is not None:  # add what the previous ranks gathered for this block
+                (dk_before, dv_before), grad_requests = grads_home
+                _wait(grad_requests)
+                dk_block, dv_block = dk_block + dk_before, dv_block + dv_before
+            if cp > 1:
+                grads_home = _post_ring_exchange([dk_block, dv_block], group)
+            if step < cp - 1:
+                _wait(kv_requests)
+                k_block, v_block = k_next, v_next
+        if cp > 1:  # after cp steps the accumulators that arrive are this rank's own keys' and values'
+            (dk_block, dv_block), grad_requests = grads_home
+            _wait(grad_requests)
+
+        B, T, H, D = q.shape
+        dq = dq.permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(q.dtype)  # (B, T, H, D)
+        dk = dk_block.transpose(1, 2).to(k.dtype)  # (B, T, H_kv, D)
+        dv = dv_block.transpose(1, 2).to(v.dtype)  # (B, T, H_kv, D_v)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+@torch.compiler.disable  # host-side plans and point-to-point messages: torch.compile runs around it, not through
+def ring_attention(q, k, v, positions, group=None, softcap=0.0, scale=None, documents=None, chunks=2):
+    """Causal attention of this rank's queries over the keys and values of every rank of the cp group.
+
+    q: (B, T_local, H, D), k: (B, T_local, H_kv, D), v: (B, T_local, H_kv, D_v), H a multiple of H_kv
+    (D_v may differ from D, as in MLA). positions: every cp rank's global token positions, on the host,
+    (cp, T_local) or (cp, B, T_local) (split_for_every_rank builds it); this rank's queries are row
+    `rank`, and a key is visible to a query when its position is not greater. documents (optional, same
+    shape): document ids; a key is then visible only within its document (the positions then restart at
+    0 with each document, as RoPE wants).
+    Scores are q k^T * scale (default 1/sqrt(D)), soft-capped to softcap * tanh(s / softcap) when
+    softcap > 0. chunks: the pieces each rank's tokens are cut into when deciding which pairs to skip (2:
+    the zigzag's two chunks). group None is one process: ordinary causal attention.
+    Returns (B, T_local, H, D_v); a query that sees no key gets zeros."""
+    cp = group_size(group)
+    B, T, H, D = q.shape
+    if k.shape[:2] != (B, T) or v.shape[:3] != k.shape[:3] or k.shape[-1] != D or H % k.shape[2] != 0:
+        raise ValueError(f"ring_attention wants q (B, T, H, D), k (B, T, H_kv, D), v (B, T, H_kv, D_v) with H a "
+                         f"multiple of H_kv; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    for name, x in (("positions", positions), ("documents", documents)):
+        if x is None:
+            continue
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} must be on the host (device cpu, got {x.device}): which blocks to skip is "
+                             f"decided from it there, without a device sync")
+        if x.shape not in ((cp, T), (cp, B, T)):
+            raise ValueError(f"{name} must be (cp, T_local) = ({cp}, {T}) or (cp, B, T_local) = ({cp}, {B}, {T}), "
+                             f"one row per cp rank (see split_for_every_rank); got {tuple(x.shape)}")
+    positions = positions if positions.dim() == 3 else positions[:, None]  # (cp, B or 1, T_local)
+    if documents is not None and documents.dim() == 2:
+        documents = documents[:, None]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    return RingAttention.apply(q, k, v, positions, documents, group, softcap, scale, chunks)
+
+
+# -----------------------------------------------------------------------------
+# 4. Pipeline parallelism
 #
 # Each stage holds a contiguous run of blocks (the first also the embedding, the last the final norm, the
 # head and the loss). A step's batch is cut into m microbatches, the gradient-accumulation steps, which go
@@ -537,7 +1060,9 @@ class PipelineComm:
     the previous and next stage (None at either end), and what travels between them: every message is a
     tensor of `dtype` and of the shape message_shape(x), x being the microbatch's token ids, which every
     stage has: so no shape or dtype is ever negotiated at run time. The caller chooses both; the model's is
-    (batch, seq_len, hidden_size), which from_layout gives.
+    (batch, seq_len, hidden_size), which from_layout gives (seq_len that of x: under context parallelism
+    this rank's T/cp tokens); under sequence parallelism a rank holds T/(cp * tp) of them between the
+    tensor-parallel regions, and the caller gives that shape.
 
     The model's dtype is that of the residual stream, the parameters' dtype (fp32 under autocast too: the
     embedding output is fp32, and adding a bf16 sublayer output to it stays fp32). Sending bf16 instead would
@@ -602,10 +1127,12 @@ class PipelineComm:
 def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0,
                  set_grad_sync=None):
     """Run one stage's list of actions over microbatches [(x, y), ...] (token ids and targets; every stage
-    has them, the first uses x, the last y, all take the message shapes from x). Gradients accumulate in
-    the stage's parameters. Returns this stage's part of the mean loss over the microbatches (a tensor): on
-    the last stage the loss, on the others their auxiliary loss (zero without one); summed over the stages
-    it is the loss one process reports.
+    has them, the first uses x, the last y, all take the message shapes from x). A microbatch may carry
+    more, (x, y, positions) under context parallelism: every stage passes it on, model(x, y, positions),
+    since every stage's attention needs the tokens' positions. Gradients accumulate in the stage's
+    parameters. Returns this stage's part of the mean loss over the microbatches (a tensor): on the last
+    stage the loss, on the others their auxiliary loss (zero without one); summed over the stages it is
+    the loss one process reports.
 
     `model(x, targets)` returns (output, loss): on the last stage the logits and the loss (cross-entropy
     plus any auxiliary loss of its blocks), on the others the hidden states and an auxiliary loss or None
@@ -620,11 +1147,11 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
     received = comm.exchange(None, None, actions[0], microbatches)
     for k, (op, i) in enumerate(actions):
         if op == "F":
-            x, y = microbatches[i]
+            x, y, *context = microbatches[i]
             if not comm.is_first:
                 x = received.requires_grad_(torch.is_grad_enabled())  # its .grad is what goes back
             with autocast:
-                out, loss = model(x, y if comm.is_last else None)
+                out, loss = model(x, y if comm.is_last else None, *context)
             if loss is not None:
                 loss = loss / m  # the mean over microbatches: the one place the loss is scaled
                 total += loss.detach().float()
@@ -659,18 +1186,17 @@ def pipeline_forward(model, microbatches, comm, autocast=nullcontext()):
 
 def tied_weight_group(layout, holder_stages):
     """The process group of the pipeline stages `holder_stages` (say the first and the last) of this rank's
-    pipeline (same dp and tp rank), or None when one stage holds every copy. Every rank must call this, in
+    pipeline (same dp, cp and tp rank), or None when one stage holds every copy. Every rank must call this, in
     the same order: every group is built by every rank."""
     stages = sorted(set(holder_stages))
     group = None
     if len(stages) < 2:
         return None
-    for d in range(layout.dp):
-        for t in range(layout.tp):
-            ranks = [grid_rank(s, d, t, layout.dp, layout.tp) for s in stages]
-            g = dist.new_group(ranks, timeout=layout.timeout, group_desc="tied weight")
-            if layout.rank in ranks:
-                group = g
+    for d, c, t in itertools.product(range(layout.dp), range(layout.cp), range(layout.tp)):
+        ranks = [grid_rank(s, d, t, layout.dp, layout.tp, c, layout.cp) for s in stages]
+        g = dist.new_group(ranks, timeout=layout.timeout, group_desc="tied weight")
+        if layout.rank in ranks:
+            group = g
     return group
 
 
@@ -691,14 +1217,16 @@ def sync_tied_grads(copies, group):
 
 
 # -----------------------------------------------------------------------------
-# 4. Data parallelism and ZeRO-1
+# 5. Data parallelism and ZeRO-1
 #
 # Every data-parallel rank holds the same parameters and runs its own slice of the global batch, so its
 # gradient is the mean over its slice; the mean over the whole batch is the average of the ranks'
 # gradients. Averaging is one collective per bucket of parameters, launched from a backward hook the
 # moment the bucket's last gradient is ready, so the communication of the layers near the output runs
 # while backward is still computing the layers near the input (the overlap DistributedDataParallel has;
-# Li et al. 2020, "PyTorch Distributed", section 3.2.3).
+# Li et al. 2020, "PyTorch Distributed", section 3.2.3). Under context parallelism (section 3) the ranks of a
+# cp group hold the same parameters too, each with the gradient of its share of every sequence: gradients
+# are then averaged, and ZeRO shards, over the dp x cp ranks (layout.dp_cp_group), "dp" below its size.
 #
 # ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 # Models", section 5.1) keeps that, but each rank keeps the AdamW moments of only 1/dp of the elements:
@@ -721,10 +1249,6 @@ def sync_tied_grads(copies, group):
 # during backward on the first, only in finish() on the second). A bucket that is full waits for the ones
 # before it (as DistributedDataParallel's reducer does); out of order, two ranks would add up different
 # buckets, a mismatch error when their sizes differ and silently wrong gradients when they do not.
-
-# torch 2.13 renamed the single-tensor collectives (the old names still work, with a warning)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _Bucket:
@@ -947,7 +1471,7 @@ def optimizer_state_bytes(optimizer):
 
 
 # -----------------------------------------------------------------------------
-# The timeline printer: the pipeline schedules' action lists (section 3), placed in unit time slots.
+# The timeline printer: the pipeline schedules' action lists (section 4), placed in unit time slots.
 
 
 def schedule_timeline(schedule, pp, m):

@@ -130,7 +130,7 @@ TRAINING = [
         Setting("grad_clip", 1.0, "clip the global gradient norm to this (0 disables)"),
     ),
     *section(
-        "parallelism: dp * tp * pp processes",
+        "parallelism: dp * cp * tp * pp processes",
         Setting("dp", 0, "data-parallel ranks; 0 means world_size / (tp * pp)", resume="allow"),
         Setting("tp", 1, "tensor-parallel ranks", resume="allow"),
         Setting("pp", 1, "pipeline stages", resume="allow"),
@@ -138,6 +138,10 @@ TRAINING = [
         Setting("zero_stage", 0, "1 shards the optimizer states across data-parallel ranks", resume="allow"),
         Setting("bucket_size_mb", 25.0, "data-parallel gradients are averaged in buckets of about this size",
                 resume="allow"),
+        Setting("cp", 1, "context-parallel ranks: each holds 2 of the 2*cp zigzag chunks of every sequence, "
+                "attention is ring attention", resume="allow"),
+        Setting("sequence_parallel", False, "with tp > 1: the tokens between the tensor-parallel regions split "
+                "across tp (Megatron)", resume="allow"),
     ),
 ]
 
@@ -146,7 +150,7 @@ DEFAULTS = {s.name: s.default for s in TRAINING}
 # sizes and intervals that must be positive (or at least zero): a zero batch or a negative interval would
 # otherwise fail far from its cause, or silently do nothing
 POSITIVE = ("batch_size", "block_size", "gradient_accumulation_steps", "log_interval", "eval_iters",
-            "n_layer", "n_head", "n_kv_head", "n_embd", "tp", "pp", "learning_rate", "bucket_size_mb")
+            "n_layer", "n_head", "n_kv_head", "n_embd", "tp", "pp", "learning_rate", "bucket_size_mb", "cp")
 NOT_NEGATIVE = ("eval_interval", "checkpoint_interval", "keep_last_n", "warmup_iters", "lr_decay_iters", "min_lr",
                 "dp", "weight_decay", "grad_clip", "peak_flops", "n_expert", "n_shared_expert", "zero_stage",
                 "max_iters", "head_dim", "intermediate_size", "rope_scaling_factor")

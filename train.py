@@ -6,6 +6,8 @@ Several (any layout):   torchrun --nproc_per_node=8 train.py config/tiny_fineweb
 From a transformers model folder (import_hf.py), converted once, then trained:
     torchrun --nproc_per_node=2 train.py --init_from=hf/SmolLM2-135M --tp=2 --max_iters=0 --out_dir=out/smol
     torchrun --nproc_per_node=2 train.py --init_from=resume --out_dir=out/smol --tp=2 --data_dir=... --max_iters=500
+Long sequences:         torchrun --nproc_per_node=8 train.py config/tiny_fineweb.py --cp=2 --tp=2 --pp=2 \
+                            --block_size=1024
 
 Every setting, its default and its meaning is in settings.py (`python train.py --help` lists them); a
 config file and --key=value overrides replace the defaults (configurator.py). Read top to bottom: the
@@ -32,8 +34,8 @@ import settings
 from configurator import ConfigError, configure
 from model import ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype, stage_layers
 from parallel import (SCHEDULES, GradientBuckets, PipelineComm, ZeroOneAdamW, format_grid, full_shape_of,
-                      init_distributed, optimizer_state_bytes, pipeline_forward, run_schedule, sync_tied_grads,
-                      tied_weight_group)
+                      init_distributed, optimizer_state_bytes, pipeline_forward, run_schedule, split_for_every_rank,
+                      sync_tied_grads, tied_weight_group, zigzag_split)
 
 # -----------------------------------------------------------------------------
 # settings
@@ -147,10 +149,24 @@ def get_batch(data, starts, block_size, device):
     return x.to(device), y.to(device)
 
 
+def context_split(batch, layout):
+    """This context-parallel rank's share of a micro-batch of whole windows (x, y), (B, T) each: its two
+    zigzag chunks of every window (parallel.py, section 3), and every cp rank's global token positions,
+    (cp, B, T/cp) on the host, built from the whole window and split the same way. Without context
+    parallelism the micro-batch as it is (the model then counts positions from 0 itself)."""
+    if layout.cp == 1:
+        return batch
+    x, y = batch
+    positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)  # (B, T): each window's own positions
+    return (zigzag_split(x, layout.cp, layout.cp_rank), zigzag_split(y, layout.cp, layout.cp_rank),
+            split_for_every_rank(positions, layout.cp))
+
+
 def rank_microbatches(cfg, layout, data, stream, step, n_micro, device):
     """This data-parallel rank's n_micro micro-batches of a step. The step's global batch is
     batch_size * n_micro * dp windows; dp rank r takes the r-th contiguous slice of it, so the same
-    windows are seen whatever the layout.
+    windows are seen whatever the layout. Under context parallelism each is this cp rank's share,
+    (x, y, positions) (context_split).
 
     Every rank checks the token ids of the whole global batch, not only its slice: a bad id then stops
     every rank at the same step with the same message, with no collective, and no rank is left waiting for
@@ -161,8 +177,8 @@ def rank_microbatches(cfg, layout, data, stream, step, n_micro, device):
     if layout.dp > 1:
         read_windows(data, np.delete(starts, mine), cfg.block_size)
     starts = starts[mine]
-    return [get_batch(data, starts[i * cfg.batch_size:(i + 1) * cfg.batch_size], cfg.block_size, device)
-            for i in range(n_micro)]
+    return [context_split(get_batch(data, starts[i * cfg.batch_size:(i + 1) * cfg.batch_size], cfg.block_size,
+                                    device), layout) for i in range(n_micro)]
 
 
 # -----------------------------------------------------------------------------
@@ -201,8 +217,8 @@ def setup(cfg, training=True):
     model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig) if f.name != "vocab_size"},
                             vocab_size=vocab)
     attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype, cfg.attn_softcap)
-    layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type)
-    check_layout(model_cfg, layout.tp, layout.pp)
+    layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type, cp=cfg.cp)
+    check_layout(model_cfg, layout.tp, layout.pp, layout.cp, cfg.sequence_parallel)
     tokenizer = data_meta.get("tokenizer", "gpt2")
     if hf_dir is not None:
         import_hf.check_weights(hf_dir, model_cfg)  # on every rank alike: a bad folder stops all of them
@@ -226,11 +242,17 @@ def setup(cfg, training=True):
                            f"validation split)")
     print0(layout, f"device: {dev}, dtype: {str(ptdtype).replace('torch.', '')} ({dtype_why}), "
                    f"attention: {attn} ({attn_why})")
+    if layout.cp > 1:
+        print0(layout, f"context parallelism: each sequence of {cfg.block_size} tokens split across cp = "
+                       f"{layout.cp} ranks ({cfg.block_size // layout.cp} each, two zigzag chunks); attention is ring "
+                       f"attention, whose own blockwise kernel replaces {attn}")
     if cfg.chunked_loss and layout.tp > 1:
         print0(layout, f"chunked_loss: not at tp = {layout.tp} (the vocab-parallel loss never gathers the logits "
                        f"anyway): the loss is computed from the logits")
-    print0(layout, f"layout: dp={layout.dp} x tp={layout.tp} x pp={layout.pp} = {layout.world_size} processes\n"
-                   + format_grid(layout.dp, layout.tp, layout.pp))
+    cut = f"dp={layout.dp} x cp={layout.cp}" if layout.cp > 1 else f"dp={layout.dp}"
+    sp = " (sequence parallel)" if cfg.sequence_parallel else ""
+    print0(layout, f"layout: {cut} x tp={layout.tp}{sp} x pp={layout.pp} = {layout.world_size} processes\n"
+                   + format_grid(layout.dp, layout.tp, layout.pp, layout.cp))
     if layout.pp > 1:
         stages = [stage_layers(model_cfg.n_layer, layout.pp, s) for s in range(layout.pp)]
         print0(layout, f"pipeline: {cfg.pp_schedule}, {cfg.gradient_accumulation_steps} microbatches, blocks per "
@@ -253,7 +275,8 @@ def build(cfg, run):
     layout = run.layout
     torch.manual_seed(cfg.seed)
     model = Transformer(run.model_cfg, layout.tp_group, layout.pp, layout.pp_rank, attn_impl=run.attn_impl,
-                        activation_checkpointing=cfg.activation_checkpointing, chunked_loss=cfg.chunked_loss)
+                        activation_checkpointing=cfg.activation_checkpointing, chunked_loss=cfg.chunked_loss,
+                        cp_group=layout.cp_group, sequence_parallel=cfg.sequence_parallel)
     loaded = None
     if run.hf_dir is not None:  # a transformers model: each rank reads only its own slices of the weights
         start = time.time()
@@ -269,8 +292,8 @@ def build(cfg, run):
     # AdamW creates its two moments per parameter element at the first step; ZeroOneAdamW its slice's now
     unsharded = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     print0(layout, f"optimizer: ZeroOneAdamW, state {optimizer_state_bytes(optimizer) / 2**20:.2f} MiB on rank 0, about "
-                   f"1/{layout.dp} of the unsharded {unsharded / 2**20:.2f} MiB" if isinstance(optimizer, ZeroOneAdamW)
-                   else f"optimizer: AdamW, state {unsharded / 2**20:.2f} MiB per rank")
+                   f"1/{layout.dp_cp} of the unsharded {unsharded / 2**20:.2f} MiB"
+                   if isinstance(optimizer, ZeroOneAdamW) else f"optimizer: AdamW, state {unsharded / 2**20:.2f} MiB per rank")
     scaler = DynamicLossScaler(enabled=run.dtype == torch.float16)
     autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
     return SimpleNamespace(model=model, step_model=compile_model(model, cfg, layout), optimizer=optimizer,
@@ -279,27 +302,28 @@ def build(cfg, run):
 
 def make_optimizer(model, cfg, device, layout, tied=()):
     """AdamW; weight decay on matrices (linears, embeddings) only, not on norm gains and biases. With
-    zero_stage=1, ZeroOneAdamW: the same update, its states split across the data-parallel group (tied
-    weights are averaged after their copies' gradients are summed: `deferred`)."""
+    zero_stage=1, ZeroOneAdamW: the same update, its states split across the ranks that hold the same
+    parameters, dp x cp (tied weights are averaged after their copies' gradients are summed: `deferred`)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.zero_stage == 1:
-        return ZeroOneAdamW(groups, layout.dp_group, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+        return ZeroOneAdamW(groups, layout.dp_cp_group, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
                             bucket_size_mb=cfg.bucket_size_mb, deferred=tied)
     # one kernel for the whole update; on CPU (torch >= 2.4) it was a third of a small model's step unfused
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 
 def make_grad_sync(model, cfg, layout, optimizer, tied=()):
-    """What averages the gradients across data-parallel ranks: ZeroOneAdamW's own sharded buckets, plain
-    all-reduce buckets, or nothing with a single replica. A tied weight's gradient changes after backward
-    (its copies are summed), so it is averaged in finish(), after that sum, not from the backward hooks."""
+    """What averages the gradients across the ranks that hold the same parameters, dp x cp (each cp rank
+    has the gradient of its share of every sequence): ZeroOneAdamW's own sharded buckets, plain all-reduce
+    buckets, or nothing with a single replica. A tied weight's gradient changes after backward (its copies
+    are summed), so it is averaged in finish(), after that sum, not from the backward hooks."""
     if isinstance(optimizer, ZeroOneAdamW):
         return optimizer.grad_sync
-    if layout.dp_group is None:
+    if layout.dp_cp_group is None:
         return None
-    return GradientBuckets(list(model.parameters()), layout.dp_group, cfg.bucket_size_mb, deferred=tied)
+    return GradientBuckets(list(model.parameters()), layout.dp_cp_group, cfg.bucket_size_mb, deferred=tied)
 
 
 def make_pipeline(cfg, layout, model, dev):
@@ -309,7 +333,11 @@ def make_pipeline(cfg, layout, model, dev):
     process groups and runs the world's first collective (PipelineComm)."""
     if layout.pp == 1:
         return None
-    comm = PipelineComm.from_layout(layout, model.cfg.n_embd, dev)
+    # what travels: the hidden states of this rank's tokens, (B, T, n_embd) for token ids x of (B, T), which
+    # are this rank's T/cp under context parallelism; T/tp of those under sequence parallelism
+    split = layout.tp if cfg.sequence_parallel else 1
+    comm = PipelineComm(layout.pp_rank, layout.pp, layout.pp_prev, layout.pp_next,
+                        lambda x: (x.shape[0], x.shape[1] // split, model.cfg.n_embd), device=dev)
     tied_group, tied_copies = None, []
     if model.cfg.tie_embeddings:  # the embedding on the first stage, its copy as the head on the last
         tied_group = tied_weight_group(layout, [0, layout.pp - 1])
@@ -374,9 +402,9 @@ def forward_backward(model, microbatches, autocast, loss_multiplier, set_grad_sy
     set_grad_sync(bool) is called before each backward, True before the last (see parallel.run_schedule):
     data parallelism communicates only then."""
     total = 0.0
-    for i, (x, y) in enumerate(microbatches):
+    for i, batch in enumerate(microbatches):  # (x, y), or (x, y, positions) under context parallelism
         with autocast:
-            _, loss = model(x, y)
+            _, loss = model(*batch)
         loss = loss / len(microbatches)
         if set_grad_sync is not None:
             set_grad_sync(i == len(microbatches) - 1)
@@ -412,9 +440,10 @@ def forward_backward_step(parts, step_model, microbatches):
 def global_grad_norm(model, layout, dp_sharded=False):
     """The norm of the whole model's gradient, the same on every rank whatever the layout. Tensor-sharded
     parameters contribute their slice on each tp rank; replicated ones (norms) are counted on tp rank 0
-    only; pipeline stages hold disjoint blocks (a tied head's copy is not counted twice); data-parallel
-    replicas hold the same (already averaged) gradient and are counted once. With ZeRO-1 (dp_sharded)
-    each data-parallel rank holds the gradient of its own elements only (zero elsewhere): they add up."""
+    only; pipeline stages hold disjoint blocks (a tied head's copy is not counted twice); data- and
+    context-parallel replicas hold the same (already averaged) gradient and are counted once. With ZeRO-1
+    (dp_sharded) each dp x cp rank holds the gradient of its own elements only (zero elsewhere): they add
+    up."""
     copies = model.tied_copies()
     sq = torch.zeros((), device=next(model.parameters()).device, dtype=torch.float32)
     for name, p in model.named_parameters():
@@ -425,7 +454,7 @@ def global_grad_norm(model, layout, dp_sharded=False):
         sq += p.grad.detach().float().pow(2).sum()
     if layout.world_size > 1:
         if not dp_sharded:
-            sq /= layout.dp  # every dp replica adds the same amount
+            sq /= layout.dp_cp  # every dp x cp replica adds the same amount
         dist.all_reduce(sq)
     return sq.sqrt()
 
@@ -486,9 +515,9 @@ def evaluate(cfg, run, parts):
             total = pipeline_forward(model, batches, parts.pipeline.comm, parts.autocast)
         else:
             total = 0.0
-            for x, y in batches:
+            for batch in batches:
                 with parts.autocast:
-                    _, loss = model(x, y)
+                    _, loss = model(*batch)
                 total += loss.float() / cfg.eval_iters
         out[split] = mean_across_ranks(total, layout).item()
     model.train()
@@ -496,13 +525,14 @@ def evaluate(cfg, run, parts):
 
 
 def mean_across_ranks(value, layout):
-    """The job-wide mean of a per-rank loss: equal on tp ranks, different on each dp rank, and with pp > 1
-    in parts summed over the stages (the last stage's loss, the others' auxiliary losses or zero: see
-    parallel.run_schedule). One all-reduce over the whole world, rank 0 and everyone get it."""
+    """The job-wide mean of a per-rank loss: equal on tp ranks, different on each dp rank, each cp rank's
+    its share (their mean is the loss: Transformer.context_share), and with pp > 1 in parts summed over
+    the stages (the last stage's loss, the others' auxiliary losses or zero: see parallel.run_schedule).
+    One all-reduce over the whole world, rank 0 and everyone get it."""
     if layout.world_size == 1:
         return value
     counts = layout.tp_rank == 0
-    value = value.detach().float() * (1.0 / layout.dp if counts else 0.0)
+    value = value.detach().float() * (1.0 / layout.dp_cp if counts else 0.0)
     dist.all_reduce(value)
     return value
 
@@ -520,7 +550,7 @@ def save_checkpoint(cfg, run, parts, step, converted=False):
     if converted:
         config = {k: v for k, v in asdict(run.model_cfg).items() if k not in import_hf.NOT_ARCHITECTURE}
     meta = {"config": config, "model": asdict(run.model_cfg), "tokenizer": run.tokenizer,
-            "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp},
+            "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp},
             "adam_step": checkpoint.adamw_step_count(optimizer), "loss_scale": parts.scaler.scale}
     if converted:
         meta["converted_from"] = os.path.abspath(cfg.init_from)

@@ -6,7 +6,6 @@ and large (gains away from one, attention far from uniform), so a misplaced or m
 changes the logits by O(1), not by a rounding error.
 """
 import importlib.util
-from types import SimpleNamespace
 
 import pytest
 import tiktoken
@@ -16,6 +15,7 @@ import checkpoint
 import export_hf
 from dist_utils import make_token_data, run_train
 from model import ModelConfig, Transformer, model_config_from
+from parallel import ParallelLayout
 
 HAVE_HF = all(importlib.util.find_spec(p) for p in ("transformers", "safetensors"))
 needs_hf = pytest.mark.skipif(not HAVE_HF, reason="transformers and safetensors are not installed "
@@ -37,7 +37,7 @@ def random_model(**overrides):
 
 
 def save(model, out_dir, tokenizer="gpt2"):
-    layout = SimpleNamespace(dp_rank=0, tp_rank=0)
+    layout = ParallelLayout(1, 1, 1)  # one process: every piece is saved here
     checkpoint.save(str(out_dir), 7, 0, 1, checkpoint.model_pieces(model, layout), {},
                     {"model": vars(model.cfg), "tokenizer": tokenizer})
 

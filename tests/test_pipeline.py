@@ -1,4 +1,4 @@
-"""Pipeline parallelism (parallel.py section 3): the schedules' timelines, and pipelined training equal to
+"""Pipeline parallelism (parallel.py section 4): the schedules' timelines, and pipelined training equal to
 one process. The distributed checks share one 4-rank launch (module fixture) and each test reads its part."""
 import os
 from contextlib import nullcontext
