@@ -289,9 +289,11 @@ def _error(e):
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, extra=None, keep_last_n=0):
+def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, extra=None, keep_last_n=0,
+         keep=()):
     """Write this rank's pieces; the checkpoint appears (atomically) once every rank has written.
-    model_pieces: {name: piece}; optimizer_pieces: {name: {state_key: piece}}.
+    model_pieces: {name: piece}; optimizer_pieces: {name: {state_key: piece}}. keep_last_n > 0 then
+    removes all but the newest keep_last_n complete checkpoints, except those in `keep`.
 
     Every rank learns whether every other rank's write worked (the gather of the file sizes carries the
     errors too): when one fails (a full disk, a quota, a permission), every rank raises the same
@@ -329,7 +331,8 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
                 _publish(tmp, final)
                 if keep_last_n > 0:
                     for old in complete_checkpoints(out_dir)[:-keep_last_n]:
-                        shutil.rmtree(old, ignore_errors=True)  # killed midway, it is incomplete: ignored
+                        if old not in keep:
+                            shutil.rmtree(old, ignore_errors=True)  # killed midway, it is incomplete: ignored
             except OSError as e:
                 failed = [(0, _error(e))]
         failed = _broadcast(failed)
