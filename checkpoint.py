@@ -330,9 +330,15 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
                 os.rename(os.path.join(tmp, "meta.json.partial"), os.path.join(tmp, "meta.json"))  # the commit
                 _publish(tmp, final)
                 if keep_last_n > 0:
-                    for old in complete_checkpoints(out_dir)[:-keep_last_n]:
+                    done = complete_checkpoints(out_dir)
+                    for old in done[:-keep_last_n]:
                         if old not in keep:
                             shutil.rmtree(old, ignore_errors=True)  # killed midway, it is incomplete: ignored
+                    # and what killed saves and removals left: folders that hold no complete checkpoint (no
+                    # save is under way now: this one is done, and a job saves one checkpoint at a time)
+                    for p in glob.glob(os.path.join(out_dir, "ckpt_*")):
+                        if _LEFTOVER.fullmatch(os.path.basename(p)) and p not in done:
+                            shutil.rmtree(p, ignore_errors=True)
             except OSError as e:
                 failed = [(0, _error(e))]
         failed = _broadcast(failed)
@@ -371,6 +377,7 @@ def is_complete(path):
 
 
 _NAME = re.compile(r"ckpt_(\d+)(\.tmp)?")
+_LEFTOVER = re.compile(r"ckpt_\d+(\.tmp|\.old)?")
 
 
 def step_of(path):
