@@ -878,10 +878,14 @@ def main(argv):
                 raise
             # every survivor says it (rank 0 may be the rank that died), and exits without a traceback
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            sys.exit(f"error: rank {rank} stopped in {run.phase}: a peer died or did not answer within "
-                     f"dist_timeout_s = {cfg.dist_timeout_s:g} s ({first}). Launched with torchrun --max-restarts=N "
-                     f"--init_from=auto, the job restarts from its last checkpoint by itself; else launch it again "
-                     f"with --init_from=auto")
+            print(f"error: rank {rank} stopped in {run.phase}: a peer died or did not answer within "
+                  f"dist_timeout_s = {cfg.dist_timeout_s:g} s ({first}). Launched with torchrun --max-restarts=N "
+                  f"--init_from=auto, the job restarts from its last checkpoint by itself; else launch it again "
+                  f"with --init_from=auto", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            # no clean-up: tearing down the process groups would wait for the peer that is gone (the stop
+            # vote's all-reduce in flight), until the timeout, and torchrun would restart the job that late
+            os._exit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
