@@ -8,6 +8,8 @@ From a transformers model folder (import_hf.py), converted once, then trained:
     torchrun --nproc_per_node=2 train.py --init_from=resume --out_dir=out/smol --tp=2 --data_dir=... --max_iters=500
 Long sequences:         torchrun --nproc_per_node=8 train.py config/tiny_fineweb.py --cp=2 --tp=2 --pp=2 \
                             --block_size=1024
+Long runs (a killed rank restarts the job, which resumes from its last checkpoint by itself):
+    torchrun --nproc_per_node=8 --max-restarts=3 train.py config/tiny_fineweb.py --init_from=auto --tp=2
 
 Every setting, its default and its meaning is in settings.py (`python train.py --help` lists them); a
 config file and --key=value overrides replace the defaults (configurator.py). Read top to bottom: the
