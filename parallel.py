@@ -162,8 +162,26 @@ def init_distributed(dp, tp, pp, device_type, cp=1, timeout_s=None):
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timeout)
+        store = _store_of_this_attempt(world_size, timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world_size)
     return ParallelLayout(dp, tp, pp, world_size, rank, cp=cp, timeout=timeout)
+
+
+def _store_of_this_attempt(world_size, timeout):
+    """Under torchrun, the key-value store the ranks meet in, with keys of this attempt only (None when not
+    launched by torchrun's agent). torchrun keeps one store for the whole job, restarts included, and every
+    process group publishes its ranks' addresses in it under the same keys at every attempt: a restarted
+    rank could read a dead rank's address from the attempt before and fail to connect ('Connection
+    refused'). A prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps each attempt's keys apart."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout or timedelta(minutes=10))
+    return dist.PrefixStore(f"picotron/attempt_{attempt}", store)
 
 
 def tp_groups_across_nodes(dp, tp, pp, local_world_size, cp=1):
