@@ -809,7 +809,7 @@ def train(cfg, run, resume_path=None):
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
                                           cfg.gradient_accumulation_steps, run.dev)
     vote = StopVote(layout, layout.timeout)
-    timer, timed_steps, saved_at = time.time(), 0, None
+    timer, timed_steps = time.time(), 0
     micro = batches(step)
     trace_step = min(step + 2, cfg.max_iters) if cfg.pp_trace and parts.pipeline is not None else None
     while step < cfg.max_iters:
