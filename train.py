@@ -70,7 +70,8 @@ def configure_run(argv):
             meta = checkpoint.read_meta(path)
             values, notes = settings.resume_values(values, given, meta["config"])
             notes = [f"resume: {d}; the newest complete checkpoint is {path}" for d in damaged] + notes
-            notes += keep_global_batch(values, meta, int(os.environ.get("WORLD_SIZE", 1)))
+            if values["init_from"] == "auto":  # a restart, maybe on fewer or more nodes: the same run goes on
+                notes += keep_global_batch(values, meta, int(os.environ.get("WORLD_SIZE", 1)))
     elif values["init_from"] != "scratch":
         model, _, notes = import_hf.model_settings(values["init_from"])
         values, changes = settings.resume_values(values, given, model, source=f"{values['init_from']}/config.json")
@@ -80,11 +81,12 @@ def configure_run(argv):
 
 
 def keep_global_batch(values, meta, world_size):
-    """A run resumed at another data-parallel size (torchrun's elastic --nnodes=a:b restarted it on fewer or
-    more nodes) keeps the checkpoint's global batch, batch_size * gradient_accumulation_steps * dp windows:
-    another batch is another recipe. gradient_accumulation_steps changes first (batch_size is what fits in
-    memory, and an MoE's capacity is per micro-batch), batch_size when that cannot divide it. Unless the
-    batch settings were changed on purpose (they then differ from the checkpoint's, a printed change).
+    """A run continued by init_from='auto' at another data-parallel size (torchrun's elastic --nnodes=a:b
+    restarted it on fewer or more nodes) keeps the checkpoint's global batch, batch_size *
+    gradient_accumulation_steps * dp windows: another batch is another recipe. gradient_accumulation_steps
+    changes first (batch_size is what fits in memory, and an MoE's capacity is per micro-batch), then
+    batch_size, then both (one micro-batch). Unless the batch settings were changed on purpose (they then
+    differ from the checkpoint's, a printed change).
     Returns the notes to print; raises ConfigError when no integer pair keeps the batch."""
     saved, layout = meta["config"], meta.get("layout")
     if layout is None or any(values[k] != saved.get(k) for k in ("batch_size", "gradient_accumulation_steps")):
@@ -99,10 +101,12 @@ def keep_global_batch(values, meta, world_size):
         values["gradient_accumulation_steps"] = windows // (bs * dp)
     elif windows % (gas * dp) == 0:
         values["batch_size"] = windows // (gas * dp)
+    elif windows % dp == 0:  # one micro-batch of all of this rank's windows
+        values["batch_size"], values["gradient_accumulation_steps"] = windows // dp, 1
     else:
         raise ConfigError(f"the checkpoint's global batch is {bs} x {gas} micro-batches x dp {saved_dp} = {windows} "
-                          f"windows, which dp = {dp} ({world_size} processes) cannot keep: neither "
-                          f"gradient_accumulation_steps nor batch_size can be an integer. Launch a number of "
+                          f"windows, which dp = {dp} ({world_size} processes) cannot keep: {windows} "
+                          f"windows do not split evenly across {dp} replicas. Launch a number of "
                           f"processes whose dp divides {windows}, or give --batch_size and "
                           f"--gradient_accumulation_steps for a new global batch")
     return [f"resume: dp = {dp}, the checkpoint's was {saved_dp}: batch_size {values['batch_size']} x "

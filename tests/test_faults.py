@@ -266,3 +266,22 @@ def test_two_torchrun_agents_as_two_nodes_give_one_process_s_run(data_dir, refer
     # tp = 2 over nodes of 1 process each: the one tensor-parallel group spans the two nodes, and says so
     assert "warning: 1 tensor-parallel group(s) span two nodes (ranks [0, 1] with 1 processes per node)" in text
     assert_equals_reference(read_records(argv), tmp_path, reference)
+
+
+def test_a_restart_at_another_world_size_keeps_the_global_batch_or_says_why():
+    import train
+    from configurator import ConfigError
+    values = {"batch_size": 2, "gradient_accumulation_steps": 2, "dp": 0, "tp": 1, "pp": 1, "cp": 1}
+    meta = {"config": dict(values), "layout": {"dp": 2}}  # 2 x 2 x dp 2 = 8 windows
+    one = dict(values)
+    notes = train.keep_global_batch(one, meta, world_size=1)
+    assert (one["batch_size"], one["gradient_accumulation_steps"]) == (2, 4), notes
+    assert "keep its global batch of 8 windows" in notes[0]
+    four = dict(values)
+    train.keep_global_batch(four, meta, world_size=4)
+    assert (four["batch_size"], four["gradient_accumulation_steps"]) == (2, 1)
+    eight = dict(values)
+    train.keep_global_batch(eight, meta, world_size=8)
+    assert (eight["batch_size"], eight["gradient_accumulation_steps"]) == (1, 1)
+    with pytest.raises(ConfigError, match="cannot keep"):
+        train.keep_global_batch(dict(values), meta, world_size=3)
