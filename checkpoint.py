@@ -242,7 +242,7 @@ def load_zero(optimizer, model, reader):
         start, end = state["flat_range"]
         for k in ("exp_avg", "exp_avg_sq"):
             state[k].copy_(_moment(reader, copies.get(name, name), p, k).reshape(-1)[start:end])
-        state["step"] = step.to(p.device)  # ZeroOneAdamW keeps it on the device (it skips steps there)
+        state["step"] = step.to(p.device, copy=True)  # its own: ZeroOneAdamW updates it in place
 
 
 def adamw_step_count(optimizer):
