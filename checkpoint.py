@@ -6,8 +6,11 @@ A checkpoint is a folder  out_dir/ckpt_0001000/  holding
     meta.json                       step, config, layout, the files and their sizes; written last
 
 Every rank writes into  ckpt_0001000.tmp/ ; once all have finished (a barrier), rank 0 writes meta.json
-and renames the folder. A rename is atomic, so a crash at any point leaves either the complete new
-checkpoint or a .tmp folder that resume ignores, and the previous checkpoint is never touched.
+(whole or not at all: written aside, then renamed) and renames the folder. meta.json is the commit: a
+.tmp folder without it is a save that stopped, which resume ignores; one with it is complete, and counts
+as its step's checkpoint while no complete ckpt_0001000/ is there (a kill between the two renames of a
+re-save, see _publish). A kill of any rank at any moment of a save therefore leaves the checkpoints
+before it as they were, and never makes a partial one look complete.
 
 Each tensor is saved as "pieces". A piece says which full tensor it belongs to (its name and full shape),
 which tensor-parallel slice it is (dim, rank, world) and which range of that slice's flattened elements it
@@ -165,7 +168,7 @@ def open_for_resume(path, model_cfg, say=print):
     complete checkpoint every rank can. All ranks decide together (one all-reduce per candidate): a rank
     that resumed another step than the others would train another model. `say` prints the fallback."""
     out_dir = os.path.dirname(path)
-    candidates = [p for p in complete_checkpoints(out_dir) if p <= path][::-1]  # newest first
+    candidates = [p for p in complete_checkpoints(out_dir) if step_of(p) <= step_of(path)][::-1]  # newest first
     for i, candidate in enumerate(candidates):
         try:
             reader, error = CheckpointReader(candidate), ""
@@ -255,7 +258,7 @@ def load_states(optimizer, model, reader):
                 saved = _moment(reader, copies.get(name, name), p, k).reshape(-1)[start:end]
                 state[k].copy_(saved.view_as(state[k]))
         if "step" in state:
-            state["step"] = step.clone()
+            state["step"] = step.to(p.device, copy=True)  # its own: the optimizers update it in place
 
 
 def adamw_step_count(optimizer):
@@ -333,9 +336,11 @@ def _save_file(obj, path):
             raise (recorder.error or e) from None
 
 
-def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, extra=None, keep_last_n=0):
+def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, extra=None, keep_last_n=0,
+         keep=()):
     """Write this rank's pieces; the checkpoint appears (atomically) once every rank has written.
-    model_pieces: {name: piece}; optimizer_pieces: {name: {state_key: piece}}.
+    model_pieces: {name: piece}; optimizer_pieces: {name: {state_key: piece}}. keep_last_n > 0 then
+    removes all but the newest keep_last_n complete checkpoints, except those in `keep`.
 
     Every rank learns whether every other rank's write worked (the gather of the file sizes carries the
     errors too): when one fails (a full disk, a quota, a permission), every rank raises the same
@@ -346,7 +351,9 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
     error = None
     if rank == 0:
         try:
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
+            if is_complete(tmp) and not is_complete(final):
+                _publish(tmp, final)  # a save of this step killed between its renames: it is this step's checkpoint
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed before its meta.json
             os.makedirs(tmp)
         except OSError as e:
             error = _error(e)
@@ -365,14 +372,24 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
             try:
                 meta = dict(meta, step=step, world_size=world_size, files=[n for n, _, _ in written],
                             file_sizes=[s for _, s, _ in written], saved_at=time.time())
-                with open(os.path.join(tmp, "meta.json"), "w") as f:
+                with open(os.path.join(tmp, "meta.json.partial"), "w") as f:
                     json.dump(meta, f, indent=1)
-                if os.path.exists(final):
-                    shutil.rmtree(final)
-                os.rename(tmp, final)
+                os.rename(os.path.join(tmp, "meta.json.partial"), os.path.join(tmp, "meta.json"))  # the commit
+                _publish(tmp, final)
                 if keep_last_n > 0:
-                    for old in complete_checkpoints(out_dir)[:-keep_last_n]:
-                        shutil.rmtree(old, ignore_errors=True)
+                    done = complete_checkpoints(out_dir)
+                    for old in done[:-keep_last_n]:
+                        if old not in keep:
+                            shutil.rmtree(old, ignore_errors=True)  # killed midway, it is incomplete: ignored
+                    # and what killed saves and removals left (no save is under way now: this one is done, and
+                    # a job saves one checkpoint at a time): .tmp and .old folders that are not a checkpoint,
+                    # and folders older than the oldest kept (an earlier removal stopped halfway through). A
+                    # damaged newer folder stays, for the user to see (resume names it)
+                    oldest = min([step_of(p) for p in done[-keep_last_n:]] + [step])
+                    for p in glob.glob(os.path.join(out_dir, "ckpt_*")):
+                        name = _LEFTOVER.fullmatch(os.path.basename(p))
+                        if name and p not in done and (name.group(2) or int(name.group(1)) < oldest):
+                            shutil.rmtree(p, ignore_errors=True)
             except OSError as e:
                 failed = [(0, _error(e))]
         failed = _broadcast(failed)
@@ -385,6 +402,19 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
                               f"the last complete checkpoint is {latest or 'none'}. Free space or fix the permissions "
                               f"of out_dir '{out_dir}', then resume with --init_from=resume")
     return final
+
+
+def _publish(tmp, final):
+    """Rename the complete folder tmp to final. A folder already at final (the same step saved again, by a run
+    resumed from an older checkpoint) is renamed aside and removed only once the new one is in place: at
+    every moment one complete copy of the step is where complete_checkpoints looks (ckpt_N, or ckpt_N.tmp
+    while ckpt_N is absent), never none, and never two that could both be read."""
+    old = final + ".old"
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def why_incomplete(path):
@@ -424,9 +454,25 @@ def checkpoint_folders(out_dir):
     return sorted(paths, key=lambda p: int(p.rsplit("_", 1)[1]))
 
 
+_NAME = re.compile(r"ckpt_(\d+)(\.tmp)?")
+_LEFTOVER = re.compile(r"ckpt_(\d+)(\.tmp|\.old)?")  # the step, and the suffix of a save's leftover
+
+
+def step_of(path):
+    """The step of a checkpoint folder ckpt_<step> (or ckpt_<step>.tmp)."""
+    return int(_NAME.fullmatch(os.path.basename(path)).group(1))
+
+
 def complete_checkpoints(out_dir):
-    """The complete checkpoints in out_dir, oldest first."""
-    return [p for p in checkpoint_folders(out_dir) if is_complete(p)]
+    """The complete checkpoints in out_dir, oldest first, one per step: ckpt_N/, or ckpt_N.tmp/ when that
+    one is complete and ckpt_N/ is not (a save killed after its meta.json, before its rename). A .tmp
+    folder without meta.json, a folder whose rank file is short, a ckpt_N.old/ are never listed."""
+    by_step = {}
+    for p in sorted(glob.glob(os.path.join(out_dir, "ckpt_*")), key=lambda p: p.endswith(".tmp")):  # ckpt_N first
+        name = _NAME.fullmatch(os.path.basename(p))
+        if name and int(name.group(1)) not in by_step and is_complete(p):
+            by_step[int(name.group(1))] = p
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def latest_checkpoint(out_dir):

@@ -3,7 +3,8 @@ Every parallel mechanism of picotron, in plain torch.distributed: one self-conta
 order a reader learns them.
 
   1. The layout: how the world of ranks is cut into data-, context-, tensor- and pipeline-parallel groups
-     (and the data-parallel ranks into expert-parallel groups), and the printed rank grid.
+     (and the data-parallel ranks into expert-parallel groups), the printed rank grid, and which
+     tensor-parallel groups would span two nodes.
   2. Tensor parallelism (Megatron-LM): the four communication operators as autograd functions, the layers
      built from them (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) and the
      vocab-parallel cross-entropy; with sequence parallelism, the two operators that split the tokens
@@ -45,6 +46,7 @@ import os
 import sys
 from collections import namedtuple
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -107,9 +109,15 @@ class ParallelLayout:
         rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
     which at cp = 1 is (pp_rank * dp + dp_rank) * tp + tp_rank, the numbering of a run without cp.
     Tensor parallelism talks on every layer (several collectives per block), so its ranks are neighbours,
-    which on a real cluster means the same node and its fast links. Context parallelism passes keys and
-    values round a ring in every attention layer, the next chattiest; data parallelism talks once per step,
-    pipeline parallelism only sends activations between neighbouring stages, so both can span nodes.
+    which on a real cluster means the same node and its fast links: torchrun gives each node consecutive
+    ranks, so a tp group stays inside a node whenever tp divides the processes per node (see
+    tp_groups_across_nodes). Context parallelism passes keys and values round a ring in every attention
+    layer, the next chattiest; data parallelism talks once per step, pipeline parallelism only sends
+    activations between neighbouring stages, so both can span nodes.
+
+    `timeout` is how long a collective on these groups waits for its peers before it fails (a group does
+    not inherit the default group's timeout from init_process_group: it must be passed to each). Each group
+    is named after its axes (group_desc): NCCL's watchdog names the group in its timeout message.
 
     Groups: tp_group, cp_group, dp_group and pp_group, the lines along one axis; and dp_cp_group, the dp x cp
     ranks that hold the same parameters (same tp slice, same stage): gradients are averaged and ZeRO shards
@@ -124,10 +132,10 @@ class ParallelLayout:
     With world_size 1 no group is built and every group is None: the single-process path.
     """
 
-    def __init__(self, dp, tp, pp, world_size=1, rank=0, cp=1, ep=1):
+    def __init__(self, dp, tp, pp, world_size=1, rank=0, cp=1, ep=1, timeout=None):
         dp = resolve_dp(world_size, dp, tp, pp, cp=cp, ep=ep)
         self.dp, self.cp, self.tp, self.pp, self.world_size, self.rank = dp, cp, tp, pp, world_size, rank
-        self.ep = ep
+        self.ep, self.timeout = ep, timeout
         self.tp_rank = rank % tp
         self.cp_rank = (rank // tp) % cp
         self.dp_rank = (rank // (tp * cp)) % dp
@@ -151,7 +159,7 @@ class ParallelLayout:
             for at in itertools.product(*(range(sizes[a]) for a in fixed)):
                 ranks = sorted(rank_at({**dict(zip(fixed, at)), **dict(zip(axes, along))})
                                for along in itertools.product(*(range(sizes[a]) for a in axes)))
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout, group_desc="_".join(axes))
                 if rank in ranks:
                     setattr(self, f"{'_'.join(axes)}_group", group)
         if self.dp_cp_group is None:  # one of dp and cp is 1: the other's group holds the same parameters
@@ -164,7 +172,7 @@ class ParallelLayout:
             for kind, groups in (("ep_group", blocks if ep < dp else []),
                                  ("expert_dp_group", replicas if dp * cp > ep else [])):
                 for ranks in groups:
-                    group = dist.new_group(ranks)
+                    group = dist.new_group(ranks, timeout=timeout, group_desc=kind)
                     if rank in ranks:
                         setattr(self, kind, group)
         if self.pp_rank > 0:
@@ -193,16 +201,49 @@ def expert_groups(dp, tp, pp, cp, ep):
     return blocks, replicas
 
 
-def init_distributed(dp, tp, pp, device_type, cp=1, ep=1):
+def init_distributed(dp, tp, pp, device_type, cp=1, ep=1, timeout_s=None):
     """Start torch.distributed when launched by torchrun (WORLD_SIZE set) and build the layout.
-    dp=0 means "whatever is left": world_size / (cp * tp * pp)."""
+    dp=0 means "whatever is left": world_size / (cp * tp * pp). timeout_s: how long any collective waits
+    for its peers before it fails (None: torch's default, 10 minutes on gloo, 30 on NCCL)."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
-    dp = resolve_dp(world_size, dp, tp, pp, cp=cp, ep=ep)  # before any process group: a bad layout fails fast
+    dp = resolve_dp(world_size, dp, tp, pp, cp=cp, ep=ep)  # before any process group: a bad layout fails fast, alone
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend)
-    return ParallelLayout(dp, tp, pp, world_size, rank, cp=cp, ep=ep)
+        store = _store_of_this_attempt(world_size, timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world_size)
+    return ParallelLayout(dp, tp, pp, world_size, rank, cp=cp, ep=ep, timeout=timeout)
+
+
+def _store_of_this_attempt(world_size, timeout):
+    """Under torchrun, the key-value store the ranks meet in, with keys of this attempt only (None when not
+    launched by torchrun's agent). torchrun keeps one store for the whole job, restarts included, and every
+    process group publishes its ranks' addresses in it under the same keys at every attempt: a restarted
+    rank could read a dead rank's address from the attempt before and fail to connect ('Connection
+    refused'). A prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps each attempt's keys apart."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout or timedelta(minutes=10))
+    return dist.PrefixStore(f"picotron/attempt_{attempt}", store)
+
+
+def tp_groups_across_nodes(dp, tp, pp, local_world_size, cp=1):
+    """The tensor-parallel groups (lists of global ranks) that are not all on one node, when every node
+    runs local_world_size processes with consecutive ranks, as torchrun numbers them (LOCAL_WORLD_SIZE).
+    A tp group is tp consecutive ranks (tp fastest), so none spans two nodes when tp divides
+    local_world_size; otherwise its all-reduces, several per layer, cross the network between nodes."""
+    spanning = []
+    for p, d, c in itertools.product(range(pp), range(dp), range(cp)):
+        ranks = [grid_rank(p, d, t, dp, tp, c, cp) for t in range(tp)]
+        if len({r // local_world_size for r in ranks}) > 1:
+            spanning.append(ranks)
+    return spanning
 
 
 def format_grid(dp, tp, pp, cp=1, ep=1, n_expert=0):
@@ -1390,7 +1431,8 @@ class PipelineComm:
     note). Every rank of the world must build its PipelineComm, in the same order: it builds that group and
     runs the barriers of NCCL's rule."""
 
-    def __init__(self, stage, pp, stage_ranks, message_shape, dtype=torch.float32, device="cpu", chunk_stages=None):
+    def __init__(self, stage, pp, stage_ranks, message_shape, dtype=torch.float32, device="cpu", chunk_stages=None,
+                 timeout=None):
         self.stage, self.pp, self.stage_ranks = stage, pp, list(stage_ranks)
         self.chunk_stages = tuple(chunk_stages) if chunk_stages is not None else (stage,)
         self.n_stages = len(self.stage_ranks)
@@ -1399,7 +1441,8 @@ class PipelineComm:
         self.groups = {"F": None, "B": None}  # None: the default group
         if dist.is_initialized():
             dist.barrier()  # the first collective of the world group: not a batch_isend_irecv
-            self.groups["B"] = dist.new_group(list(range(dist.get_world_size())))
+            self.groups["B"] = dist.new_group(list(range(dist.get_world_size())), timeout=timeout,
+                                              group_desc="pipeline gradients")
             dist.barrier(group=self.groups["B"])
 
     @classmethod
@@ -1412,7 +1455,7 @@ class PipelineComm:
                                            layout.cp_rank, layout.cp)
         return cls(layout.pp_rank, layout.pp, [stage_ranks[s] for s in range(len(stage_ranks))],
                    lambda x: (x.shape[0], x.shape[1] // seq_split, hidden_size), dtype, device,
-                   virtual_stages(schedule, layout.pp, layout.pp_rank, chunks))
+                   virtual_stages(schedule, layout.pp, layout.pp_rank, chunks), layout.timeout)
 
     def is_here(self, stage):
         return self.stage_ranks[stage] == self.rank
@@ -1478,7 +1521,13 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
         op, i, c = action
         if posted is not None:
             buffer, request = posted
-            request.wait()  # sync point: the input must have arrived
+            try:
+                request.wait()  # sync point: the input must have arrived
+            except RuntimeError as e:  # the sending rank died or stopped answering: say which, and what for
+                source, _ = message_route(op, comm.chunk_stages[c], comm.n_stages)
+                what = "activations" if op == "F" else "output gradient"
+                raise RuntimeError(f"pipeline stage {comm.chunk_stages[c]} (rank {comm.rank}) waited for the {what} "
+                                   f"of microbatch {i} from stage {source} (rank {comm.stage_ranks[source]}): {e}") from e
             return buffer
         return here.pop((op, i, comm.chunk_stages[c]), None)
 
@@ -1557,7 +1606,7 @@ def tied_weight_group(layout, holder_stages):
         return None
     for d, c, t in itertools.product(range(layout.dp), range(layout.cp), range(layout.tp)):
         ranks = [grid_rank(s, d, t, layout.dp, layout.tp, c, layout.cp) for s in stages]
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=layout.timeout, group_desc="tied weight")
         if layout.rank in ranks:
             group = g
     return group
@@ -1842,7 +1891,13 @@ class ZeroOneAdamW(torch.optim.Optimizer):
     p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps) (Loshchilov & Hutter 2019).
     The learning rate is read from self.param_groups at every step, so a schedule that writes
     group['lr'] reaches the update. `expert_params` and `expert_group`: see GradientBuckets; their states
-    are split across expert_group, the ranks that hold the same experts."""
+    are split across expert_group, the ranks that hold the same experts.
+
+    step(found_inf) skips the update where found_inf (a 0-dim float tensor on the parameters' device, the
+    argument torch's fused AdamW takes) is 1: weights, moments and step counter stay exactly as they were.
+    The choice is made on the device (torch.where), so a step whose gradient is not finite is skipped
+    without the host waiting for the device; the step counter lives on the device for the same reason,
+    and the bias corrections are computed there from it."""
 
     def __init__(self, params, group=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  bucket_size_mb=25.0, deferred=(), expert_params=(), expert_group=None):
@@ -1854,33 +1909,36 @@ class ZeroOneAdamW(torch.optim.Optimizer):
         self.group_of = {p: g for g in self.param_groups for p in g["params"]}
         # the moments of this rank's slice only, created now so that their size can be reported at start-up
         for p, start, end in self.grad_sync.owned_pieces():
-            self.state[p] = {"step": torch.tensor(0.0), "flat_range": (start, end),
+            self.state[p] = {"step": torch.zeros((), device=p.device), "flat_range": (start, end),
                              "exp_avg": torch.zeros(end - start, dtype=p.dtype, device=p.device),
                              "exp_avg_sq": torch.zeros(end - start, dtype=p.dtype, device=p.device)}
 
     @torch.no_grad()
-    def step(self):
+    def step(self, found_inf=None):
         for p, state in self.state.items():
             group = self.group_of[p]
             start, end = state["flat_range"]
             # views: updating them updates p
             adamw_update(p.view(-1)[start:end], p.grad.view(-1)[start:end], state, group["lr"],
-                         group["weight_decay"], group["betas"], group["eps"])
+                         group["weight_decay"], group["betas"], group["eps"], found_inf)
         self.grad_sync.gather_params()
 
 
-def adamw_update(param, grad, state, lr, weight_decay, betas, eps):
+def adamw_update(param, grad, state, lr, weight_decay, betas, eps, found_inf=None):
     """torch.optim.AdamW's update of one tensor, in place (Loshchilov & Hutter 2019): decoupled weight decay
     p -= lr * wd * p, then p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps), with
-    state's exp_avg (m) and exp_avg_sq (v) shaped like param and its step counter t (a tensor)."""
+    state's exp_avg (m) and exp_avg_sq (v) shaped like param and its step counter t (a 0-dim tensor on the
+    device, so the bias corrections need no host read). found_inf (0-dim, 1 to skip) keeps every old value
+    where it is set, chosen on the device (torch.where): a NaN in the new values is never selected."""
     beta1, beta2 = betas
-    state["step"] += 1
-    t = state["step"].item()
-    param.mul_(1 - lr * weight_decay)
-    state["exp_avg"].lerp_(grad, 1 - beta1)
-    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
-    param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** t))
+    exp_avg, exp_avg_sq, t = state["exp_avg"], state["exp_avg_sq"], state["step"] + 1
+    new_avg = exp_avg.lerp(grad, 1 - beta1)
+    new_avg_sq = (exp_avg_sq * beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (new_avg_sq.sqrt() / (1 - beta2 ** t).sqrt()).add_(eps)
+    new_param = (param * (1 - lr * weight_decay)).sub_(lr / (1 - beta1 ** t) * new_avg / denom)
+    updates = ((param, new_param), (exp_avg, new_avg), (exp_avg_sq, new_avg_sq), (state["step"], t))
+    for old, new in updates:
+        old.copy_(new if found_inf is None else torch.where(found_inf.bool(), old, new))
 
 
 def optimizer_state_bytes(optimizer):
@@ -2129,21 +2187,22 @@ class Muon(torch.optim.Optimizer):
             if self.group_of[p]["muon"]:
                 self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
             else:
-                self.state[p] = {"step": torch.tensor(0.0),
+                self.state[p] = {"step": torch.zeros((), device=p.device),
                                  "exp_avg": torch.zeros(end - start, dtype=p.dtype, device=p.device),
                                  "exp_avg_sq": torch.zeros(end - start, dtype=p.dtype, device=p.device)}
             if zero:
                 self.state[p]["flat_range"] = (start, end)
 
     @torch.no_grad()
-    def step(self):
+    def step(self, found_inf=None):
+        """found_inf: as ZeroOneAdamW.step's (a step whose gradient is not finite changes nothing)."""
         for p, state in self.state.items():
             group = self.group_of[p]
             if group["muon"] or not state:
                 continue
             start, end = state.get("flat_range", (0, p.numel()))
             adamw_update(p.view(-1)[start:end], p.grad.reshape(-1)[start:end], state, group["lr"],
-                         group["weight_decay"], group["betas"], group["eps"])
+                         group["weight_decay"], group["betas"], group["eps"], found_inf)
         for p in self.matrices:  # the same order on every rank: the tp all-gathers match
             state = self.state.get(p)
             if not state:
@@ -2151,12 +2210,14 @@ class Muon(torch.optim.Optimizer):
             group = self.group_of[p]
             lr, mu = group["lr"], group["momentum"]
             momentum = state["momentum_buffer"]
-            momentum.mul_(mu).add_(p.grad)
-            nesterov = p.grad.add(momentum, alpha=mu)  # the gradient plus the momentum's next step
+            new_momentum = momentum.mul(mu).add_(p.grad)
+            nesterov = p.grad.add(new_momentum, alpha=mu)  # the gradient plus the momentum's next step
             full = gather_tp_slices(nesterov, p, self.tp_group)  # (A, B): the whole matrix
             orthogonal = shard_of(newton_schulz(full, group["ns_steps"]), p).to(p.dtype)
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(orthogonal, alpha=-lr * 0.2 * math.sqrt(max(full.shape)))
+            scale = -lr * 0.2 * math.sqrt(max(full.shape))
+            new_p = (p * (1 - lr * group["weight_decay"])).add_(orthogonal, alpha=scale)
+            for old, new in ((p, new_p), (momentum, new_momentum)):  # found_inf: see adamw_update
+                old.copy_(new if found_inf is None else torch.where(found_inf.bool(), old, new))
         if self.grad_sync is not None:
             self.grad_sync.gather_params()
 

@@ -22,8 +22,9 @@ TRAINING = [
         "I/O",
         Setting("out_dir", "out", "checkpoints and metrics.jsonl go here", resume="allow"),
         Setting("data_dir", "data/fineweb_edu", "train.bin, val.bin and meta.json from prepare_data.py"),
-        Setting("init_from", "scratch", "'scratch', 'resume' (from the newest complete checkpoint in out_dir) or "
-                "a transformers model folder (config.json and safetensors weights; the model settings come from it)",
+        Setting("init_from", "scratch", "'scratch', 'resume' (from the newest complete checkpoint in out_dir), "
+                "'auto' (resume when out_dir holds one, else scratch: for torchrun --max-restarts) or a transformers "
+                "model folder (config.json and safetensors weights; the model settings come from it)",
                 resume="allow"),
         Setting("seed", 1337, "fixes the initial weights and the data order (a pure function of seed and step)"),
         Setting("log_interval", 10, "steps between log lines (each one reads the loss back: a host-device sync)",
@@ -33,6 +34,14 @@ TRAINING = [
         Setting("checkpoint_interval", 100, "steps between checkpoints, plus one at the end (0 = never)",
                 resume="allow"),
         Setting("keep_last_n", 3, "complete checkpoints kept in out_dir (0 keeps all)", resume="allow"),
+    ),
+    *section(
+        "faults: what a run does when a step, a peer or the job's time goes wrong",
+        Setting("max_bad_steps", 3, "steps in a row whose gradient norm is not finite (each one skipped) before "
+                "the run stops", resume="allow"),
+        Setting("dist_timeout_s", 600.0, "seconds a rank waits in a collective for its peers before it stops with "
+                "a message (the longest skew between ranks: a first compile, a save, an evaluation)",
+                resume="allow"),
     ),
     *section(
         "logging: metrics.jsonl always; these optional backends get the same records",
@@ -177,7 +186,7 @@ DEFAULTS = {s.name: s.default for s in TRAINING}
 # (the model's own rules, such as heads dividing the width or the MoE settings, are model.check_layout's)
 POSITIVE = ("batch_size", "block_size", "gradient_accumulation_steps", "log_interval", "eval_iters",
             "n_layer", "n_head", "n_kv_head", "n_embd", "rope_theta", "tp", "pp", "learning_rate", "bucket_size_mb",
-            "cp", "pp_chunks", "ep", "muon_ns_steps")
+            "cp", "pp_chunks", "ep", "muon_ns_steps", "max_bad_steps", "dist_timeout_s")
 NOT_NEGATIVE = ("seed", "eval_interval", "checkpoint_interval", "keep_last_n", "warmup_iters", "lr_decay_iters",
                 "min_lr", "norm_eps", "dp", "weight_decay", "grad_clip", "peak_flops", "zero_stage", "max_iters",
                 "head_dim", "intermediate_size", "rope_scaling_factor")
@@ -199,7 +208,7 @@ def check_values(values):
                         f"that decays)")
     if not 0 <= values["muon_momentum"] < 1:
         problems.append(f"muon_momentum = {values['muon_momentum']} must be at least 0 and below 1")
-    if values["max_iters"] == 0 and values["init_from"] in ("scratch", "resume"):
+    if values["max_iters"] == 0 and values["init_from"] in ("scratch", "resume", "auto"):
         problems.append(f"max_iters = 0 trains nothing: it only converts a model, with init_from=<a transformers "
                         f"model folder> (init_from is {values['init_from']!r})")
     problems += [f"{k} = {values[k]} must be in [0, 1) (AdamW's moments average over about 1 / (1 - {k}) steps)"

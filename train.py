@@ -8,16 +8,20 @@ From a transformers model folder (import_hf.py), converted once, then trained:
     torchrun --nproc_per_node=2 train.py --init_from=resume --out_dir=out/smol --tp=2 --data_dir=... --max_iters=500
 Long sequences:         torchrun --nproc_per_node=8 train.py config/tiny_fineweb.py --cp=2 --tp=2 --pp=2 \
                             --block_size=1024
+Long runs (a killed rank restarts the job, which resumes from its last checkpoint by itself):
+    torchrun --nproc_per_node=8 --max-restarts=3 train.py config/tiny_fineweb.py --init_from=auto --tp=2
 
 Every setting, its default and its meaning is in settings.py (`python train.py --help` lists them); a
 config file and --key=value overrides replace the defaults (configurator.py). Read top to bottom: the
 settings, the data, setup and build, the step, evaluation and checkpoints, then the loop.
 """
+import faulthandler
 import functools
 import importlib.util
 import json
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -36,9 +40,9 @@ from configurator import ConfigError, configure, make_folder
 from model import (ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype,
                    document_ids_and_positions, stage_layers)
 from parallel import (SCHEDULES, GradientBuckets, Muon, PipelineComm, WeightGradStore, ZeroOneAdamW, check_schedule,
-                      format_grid, ideal_bubble, init_distributed, optimizer_state_bytes,
-                      pipeline_forward, run_schedule, split_for_every_rank, sync_tied_grads, tied_weight_group,
-                      virtual_stages, zigzag_split)
+                      format_grid, ideal_bubble, init_distributed, optimizer_state_bytes, pipeline_forward,
+                      resolve_dp, run_schedule, split_for_every_rank, sync_tied_grads, tied_weight_group,
+                      tp_groups_across_nodes, virtual_stages, zigzag_split)
 
 # -----------------------------------------------------------------------------
 # settings
@@ -51,23 +55,64 @@ def configure_run(argv):
     Returns (cfg, notes to print, the checkpoint to resume or None)."""
     values, given = configure(settings.TRAINING, argv, usage=__doc__)
     notes, path = [], None
-    if values["init_from"] == "resume":
+    if values["init_from"] in ("resume", "auto"):
         path = checkpoint.latest_checkpoint(values["out_dir"])
         folders = checkpoint.checkpoint_folders(values["out_dir"])
-        newer = folders[folders.index(path) + 1:] if path else folders  # each one incomplete or damaged
-        damaged = [f"{p} cannot be used: {checkpoint.why_incomplete(p)}" for p in newer]
-        if path is None:
+        newer = [p for p in folders if checkpoint.step_of(p) > checkpoint.step_of(path)] if path else folders
+        damaged = [f"{p} cannot be used: {checkpoint.why_incomplete(p)}" for p in newer]  # incomplete or damaged
+        if path is None and values["init_from"] == "resume":
             raise FileNotFoundError(f"init_from='resume' but out_dir '{values['out_dir']}' holds no complete "
                                     f"checkpoint" + "".join(f" ({d})" for d in damaged)
                                     + ": use --init_from=scratch to start a new run")
-        values, notes = settings.resume_values(values, given, checkpoint.read_meta(path)["config"])
-        notes = [f"resume: {d}; the newest complete checkpoint is {path}" for d in damaged] + notes
+        if path is None:
+            notes.append(f"init_from='auto': out_dir '{values['out_dir']}' holds no complete checkpoint"
+                         + "".join(f" ({d})" for d in damaged) + ", starting from scratch")
+        else:
+            meta = checkpoint.read_meta(path)
+            values, notes = settings.resume_values(values, given, meta["config"])
+            notes = [f"resume: {d}; the newest complete checkpoint is {path}" for d in damaged] + notes
+            if values["init_from"] == "auto":  # a restart, maybe on fewer or more nodes: the same run goes on
+                notes += keep_global_batch(values, meta, int(os.environ.get("WORLD_SIZE", 1)))
     elif values["init_from"] != "scratch":
         model, _, notes = import_hf.model_settings(values["init_from"])
         values, changes = settings.resume_values(values, given, model, source=f"{values['init_from']}/config.json")
         notes += changes
     settings.check_values(values)
     return SimpleNamespace(**values), notes, path
+
+
+def keep_global_batch(values, meta, world_size):
+    """A run continued by init_from='auto' at another data-parallel size (torchrun's elastic --nnodes=a:b
+    restarted it on fewer or more nodes) keeps the checkpoint's global batch, batch_size *
+    gradient_accumulation_steps * dp windows: another batch is another recipe. gradient_accumulation_steps
+    changes first (batch_size is what fits in memory, and an MoE's capacity is per micro-batch), then
+    batch_size, then both (one micro-batch). Unless the batch settings were changed on purpose (they then
+    differ from the checkpoint's, a printed change).
+    Returns the notes to print; raises ConfigError when no integer pair keeps the batch."""
+    saved, layout = meta["config"], meta.get("layout")
+    if layout is None or any(values[k] != saved.get(k) for k in ("batch_size", "gradient_accumulation_steps")):
+        return []
+    saved_dp = layout["dp"]
+    dp = resolve_dp(world_size, values["dp"], values["tp"], values["pp"], cp=values["cp"])
+    bs, gas = values["batch_size"], values["gradient_accumulation_steps"]
+    windows = bs * gas * saved_dp
+    if dp == saved_dp:
+        return []
+    if windows % (bs * dp) == 0:
+        values["gradient_accumulation_steps"] = windows // (bs * dp)
+    elif windows % (gas * dp) == 0:
+        values["batch_size"] = windows // (gas * dp)
+    elif windows % dp == 0:  # one micro-batch of all of this rank's windows
+        values["batch_size"], values["gradient_accumulation_steps"] = windows // dp, 1
+    else:
+        raise ConfigError(f"the checkpoint's global batch is {bs} x {gas} micro-batches x dp {saved_dp} = {windows} "
+                          f"windows, which dp = {dp} ({world_size} processes) cannot keep: {windows} "
+                          f"windows do not split evenly across {dp} replicas. Launch a number of "
+                          f"processes whose dp divides {windows}, or give --batch_size and "
+                          f"--gradient_accumulation_steps for a new global batch")
+    return [f"resume: dp = {dp}, the checkpoint's was {saved_dp}: batch_size {values['batch_size']} x "
+            f"gradient_accumulation_steps {values['gradient_accumulation_steps']} keep its global batch of "
+            f"{windows} windows"]
 
 
 # -----------------------------------------------------------------------------
@@ -242,10 +287,10 @@ def setup(cfg, training=True):
         raise ValueError(f"zero_stage must be 0 (plain AdamW) or 1 (optimizer states sharded across data-parallel "
                          f"ranks), got {cfg.zero_stage}")
     check_schedule(cfg.pp_schedule, cfg.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks)
-    hf_dir = None if cfg.init_from in ("scratch", "resume") else cfg.init_from  # a transformers model folder
+    hf_dir = None if cfg.init_from in ("scratch", "resume", "auto") else cfg.init_from  # a transformers model folder
     if training:
         make_folder("out_dir", cfg.out_dir)
-    if training and cfg.init_from != "resume" and checkpoint.latest_checkpoint(cfg.out_dir):
+    if training and cfg.init_from not in ("resume", "auto") and checkpoint.latest_checkpoint(cfg.out_dir):
         raise FileExistsError(f"out_dir '{cfg.out_dir}' already holds checkpoints and init_from={cfg.init_from!r} "
                               f"would overwrite them: use --init_from=resume to continue, or choose another --out_dir")
     dev, ptdtype, dtype_why = choose_device_and_dtype(cfg.device, cfg.dtype)
@@ -258,7 +303,11 @@ def setup(cfg, training=True):
     model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig)
                                if f.name not in ("vocab_size", "eot_token")}, vocab_size=vocab, eot_token=eot)
     attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype, cfg.attn_softcap)
-    layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type, cp=cfg.cp, ep=cfg.ep)
+    layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type, cp=cfg.cp, ep=cfg.ep, timeout_s=cfg.dist_timeout_s)
+    if dev.type == "cuda":
+        # NCCL's watchdog ends a rank whose collective timed out from C++ (an abort), past any Python handler:
+        # faulthandler then prints every thread's Python stack, the line the rank was waiting in
+        faulthandler.enable()
     check_layout(model_cfg, layout.tp, layout.pp, layout.cp, cfg.sequence_parallel, cfg.pp_chunks, ep=layout.ep)
     tokenizer = data_meta.get("tokenizer", "gpt2")
     if hf_dir is not None:
@@ -295,6 +344,12 @@ def setup(cfg, training=True):
     print0(layout, f"layout: {cut} x tp={layout.tp}{sp} x pp={layout.pp} = {layout.world_size} processes"
                    + (f", experts over ep={layout.ep} of the dp ranks" if layout.ep > 1 else "") + "\n"
                    + format_grid(layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, model_cfg.n_expert))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))  # torchrun's processes on this node
+    spanning = tp_groups_across_nodes(layout.dp, layout.tp, layout.pp, per_node, layout.cp)
+    if spanning:
+        print0(layout, f"warning: {len(spanning)} tensor-parallel group(s) span two nodes (ranks {spanning[0]} with "
+                       f"{per_node} processes per node): their all-reduces, several per layer, cross the network. "
+                       f"Make tp = {layout.tp} divide --nproc_per_node = {per_node}")
     if layout.pp > 1:
         # when the blocks do not divide into pp * pp_chunks model stages, the first stages take one more
         v, m = cfg.pp_chunks, cfg.gradient_accumulation_steps
@@ -314,8 +369,8 @@ def setup(cfg, training=True):
                            f"microbatches bring 1F1B's bubble, (pp - 1) / (m + pp - 1), under 20%")
     elif cfg.pp_trace:
         print0(layout, "pp_trace: nothing to trace with pp = 1 (no pipeline); the run goes on untraced")
-    return SimpleNamespace(dev=dev, dtype=ptdtype, layout=layout, datasets=datasets, model_cfg=model_cfg,
-                           attn_impl=attn, tokenizer=tokenizer, hf_dir=hf_dir)
+    return SimpleNamespace(dev=dev, dtype=ptdtype, layout=layout, phase="start-up", datasets=datasets,
+                           model_cfg=model_cfg, attn_impl=attn, tokenizer=tokenizer, hf_dir=hf_dir)
 
 
 def build(cfg, run):
@@ -365,7 +420,8 @@ def build(cfg, run):
     scaler = DynamicLossScaler(enabled=run.dtype == torch.float16)
     autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
     return SimpleNamespace(model=model, compiled=compile_blocks(model, cfg, layout), optimizer=optimizer,
-                           grad_sync=grad_sync, pipeline=pipeline, autocast=autocast, scaler=scaler, loaded=loaded)
+                           grad_sync=grad_sync, pipeline=pipeline, autocast=autocast, scaler=scaler, loaded=loaded,
+                           bad_steps=BadSteps(run.dev, cfg.max_bad_steps))
 
 
 def takes_muon(name, param):
@@ -605,11 +661,17 @@ def scale_grads(model, factor):
             p.grad.mul_(factor)
 
 
-def train_step(cfg, layout, parts, microbatches, lr, trace=None):
-    """One optimizer step: forward and backward of every micro-batch, unscaling, the global gradient norm
-    and clipping, AdamW. Returns (loss, grad norm), both tensors: nothing here waits for the device except
-    fp16 loss scaling, which must read the norm to decide whether to skip the step. trace: the pipeline
-    actions' timer (metrics.PipelineTrace) or memory sampler, or None.
+def train_step(cfg, layout, parts, microbatches, lr, trace=None, step=0):
+    """One optimizer step (the run's step-th, counted from 1): forward and backward of every micro-batch,
+    unscaling, the global gradient norm and clipping, AdamW. Returns (loss, grad norm), both tensors:
+    nothing here waits for the device except fp16 loss scaling, which must read the norm to decide whether
+    to skip the step. trace: the pipeline actions' timer (metrics.PipelineTrace) or memory sampler, or None.
+
+    In bf16 and fp32 a step whose global gradient norm is not finite (inf or NaN, the same on every rank:
+    the norm is all-reduced) is skipped on the device: AdamW gets found_inf, as torch's GradScaler hands it
+    to the fused kernel, which then leaves weights, moments and step counter as they were (ZeroOneAdamW
+    does the same with torch.where); parts.bad_steps counts it (BadSteps), read at log lines. fp16's
+    scaler skips its overflows itself (a lower scale is the cure there), and they are not counted.
 
     torch.compile compiles inside the first forward and backward, so that is where it fails (no C compiler,
     an op it cannot trace): on one rank the step is then run again eagerly, and the blocks stay eager from
@@ -634,10 +696,82 @@ def train_step(cfg, layout, parts, microbatches, lr, trace=None):
     grad_norm = global_grad_norm(model, layout, dp_sharded=cfg.zero_stage == 1)
     if cfg.grad_clip > 0:
         scale_grads(model, (cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0))
-    if scaler.update(grad_norm.item() if scaler.enabled else 0.0):  # host-device sync with fp16 only
-        optimizer.step()
+    if scaler.enabled:
+        if scaler.update(grad_norm.item()):  # host-device sync, with fp16 only
+            optimizer.step()
+    else:
+        found_inf = (~torch.isfinite(grad_norm)).float()  # 0-dim, on the device: no sync
+        if isinstance(optimizer, (ZeroOneAdamW, Muon)):
+            optimizer.step(found_inf)
+        else:  # fused AdamW reads it from the optimizer, where torch's GradScaler puts it
+            optimizer.found_inf = found_inf
+            optimizer.step()
+            del optimizer.found_inf
+        parts.bad_steps.record(found_inf, step)
     optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
+
+
+class BadSteps:
+    """The skipped steps of a run, counted on the device (no host sync per step): `total` since the start
+    of this launch, the current `streak` in a row, the step it `began` at, and `tripped`, the first step of
+    the first streak that reached max_bad_steps (0: none). read() is one host sync, done at log lines."""
+
+    def __init__(self, device, max_bad_steps):
+        self.max_bad_steps = max_bad_steps
+        self.counts = torch.zeros(4, device=device)  # total, streak, began, tripped
+
+    def record(self, found_inf, step):
+        total, streak, began, tripped = self.counts.unbind()
+        streak = (streak + 1) * found_inf
+        began = torch.where(streak == 1, float(step), began)
+        tripped = torch.where((tripped == 0) & (streak >= self.max_bad_steps), began, tripped)
+        self.counts = torch.stack([total + found_inf, streak, began, tripped])
+
+    def read(self):
+        """(total, streak, began, tripped) as ints: a host-device sync."""
+        return [int(v) for v in self.counts.tolist()]
+
+
+class TooManyBadSteps(RuntimeError):
+    pass
+
+
+class StopVote:
+    """SIGTERM (SLURM's notice before the end of a job's time, or torchrun passing on its own) asks the run
+    to stop cleanly: finish the step, save, exit 0. Ranks get the signal at different moments, so they
+    vote: at the end of every step each rank starts an all-reduce (MAX) of its flag on a CPU gloo group,
+    without waiting, and reads the previous step's result, long finished. Every rank reads the same vote
+    at the same step, so all stop at the same step, one step after the first of them got the signal; the
+    vote is a few bytes between CPUs, overlapped with a step, and never syncs the host with the device."""
+
+    def __init__(self, layout, timeout=None):
+        self.requested, self.pending = False, None
+        self.group = dist.new_group(backend="gloo", timeout=timeout, group_desc="stop vote") \
+            if layout.world_size > 1 else None
+        signal.signal(signal.SIGTERM, self._ask)
+
+    def _ask(self, signum, frame):
+        self.requested = True
+
+    def finish(self):
+        if self.pending is not None:
+            self.pending[0].wait()
+            self.pending = None
+
+    def agreed(self):
+        """Called by every rank at the end of every step: whether the run stops now."""
+        if self.group is None:
+            return self.requested
+        stop = False
+        if self.pending is not None:
+            work, flag = self.pending
+            work.wait()
+            stop = bool(flag.item())  # a CPU tensor: no device sync
+        if not stop:
+            flag = torch.tensor([1.0 if self.requested else 0.0])
+            self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        return stop
 
 
 # -----------------------------------------------------------------------------
@@ -684,10 +818,11 @@ def mean_across_ranks(value, layout):
 # checkpoints
 
 
-def save_checkpoint(cfg, run, parts, step, converted=False):
+def save_checkpoint(cfg, run, parts, step, converted=False, keep=()):
     """converted: the model just loaded from a transformers folder (max_iters=0). Its checkpoint records the
     architecture as its settings and nothing of this launch's run: resuming it takes max_iters, the schedule
-    and the data from its own command line, and starts a fresh optimizer (see resume)."""
+    and the data from its own command line, and starts a fresh optimizer (see resume). keep: checkpoints
+    that keep_last_n must not remove (the last one before a streak of skipped steps began)."""
     layout, model, optimizer = run.layout, parts.model, parts.optimizer
     config = vars(cfg)
     if converted:
@@ -701,7 +836,7 @@ def save_checkpoint(cfg, run, parts, step, converted=False):
     if torch.cuda.is_available():
         extra["cuda_rng"] = torch.cuda.get_rng_state()
     return checkpoint.save(cfg.out_dir, step, layout.rank, layout.world_size, checkpoint.model_pieces(model, layout),
-                           checkpoint.optimizer_pieces(optimizer, model, layout), meta, extra, cfg.keep_last_n)
+                           checkpoint.optimizer_pieces(optimizer, model, layout), meta, extra, cfg.keep_last_n, keep)
 
 
 def resume(path, cfg, run, parts):
@@ -768,6 +903,7 @@ def train(cfg, run, resume_path=None):
                    f"= {tokens_per_step:,} tokens per step")
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
                                           cfg.gradient_accumulation_steps, run.dev, document_end(model_cfg))
+    vote = StopVote(layout, layout.timeout)
     timer, timed_steps, logged = time.time(), 0, step
     micro = batches(step)
     trace_step = min(step + 2, cfg.max_iters) if cfg.pp_trace and parts.pipeline is not None else None
@@ -775,19 +911,25 @@ def train(cfg, run, resume_path=None):
         lr = get_lr(step, cfg)
         # pp_trace: the second step of this run (the first warms up), clocks set at a barrier
         trace = metrics.PipelineTrace(run.dev) if step + 1 == trace_step else None
-        loss, grad_norm = train_step(cfg, layout, parts, micro, lr, trace)
+        run.phase = f"training step {step + 1} (forward, backward, gradient averaging and norm)"
+        loss, grad_norm = train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)
         step += 1
         if trace is not None:
             print0(layout, metrics.write_pipeline_trace(trace, layout, cfg, step))
         timed_steps += 1
-        last = step == cfg.max_iters
+        run.phase = f"the stop vote after step {step} (a gloo all-reduce)"
+        stopping = vote.agreed()
+        end = step == cfg.max_iters
+        last = end or stopping
         if not last:  # read the next batch now, while the GPU still works through this step
             micro = batches(step)
 
         if step % cfg.log_interval == 0 or last:
+            run.phase = f"the log line of step {step} (an all-reduce of the loss)"
             loss_value = mean_across_ranks(loss, layout).item()  # host-device sync, once per log interval
+            skipped = check_bad_steps(cfg, parts, step)
             elapsed = time.time() - timer
-            record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
+            record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped,
                       "tokens_per_sec": tokens_per_step * timed_steps / elapsed, "ms_per_step": 1000 * elapsed / timed_steps,
                       "optimizer_state_bytes": optimizer_state_bytes(parts.optimizer)}  # on rank 0
             record["mfu"] = metrics.mfu(model_flops, record["tokens_per_sec"], peak, layout.world_size)
@@ -798,24 +940,58 @@ def train(cfg, run, resume_path=None):
             print0(layout, f"step {step:6d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
                            f"{record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step | "
                            f"MFU {metrics.format_mfu(record['mfu'])} | peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB | "
-                           f"eta {metrics.format_duration(eta)}"
+                           f"eta {metrics.format_duration(eta)}" + (f" | skipped {skipped}" if skipped else "")
                            + (f" | aux {record['aux_loss']:.4f} dropped {record['moe_dropped_frac']:.3f} | expert load "
                               f"{record['expert_load_min']:,.0f}-{record['expert_load_max']:,.0f} | all-to-all "
                               f"{record['a2a_bytes'] / 2**20:,.2f} MiB" if model_cfg.n_expert > 0 else ""))
             log.write(record)
             timer, timed_steps, logged = time.time(), 0, step
-        if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or last):
+        if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or end) and not stopping:
+            run.phase = f"the evaluation at step {step}"
             losses = evaluate(cfg, run, parts)
             record = {"step": step, **{f"{split}_loss": v for split, v in losses.items()}}
             print0(layout, f"step {step:6d} | eval " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
             log.write(record)
             timer, timed_steps = time.time(), 0
-        if cfg.checkpoint_interval > 0 and (step % cfg.checkpoint_interval == 0 or last):
-            path = save_checkpoint(cfg, run, parts, step)
+        if (cfg.checkpoint_interval > 0 and (step % cfg.checkpoint_interval == 0 or last)) or stopping:
+            check_bad_steps(cfg, parts, step)  # never save the state of a run that must stop
+            run.phase = f"saving the checkpoint of step {step}"
+            path = save_checkpoint(cfg, run, parts, step, keep=checkpoints_before_trouble(cfg, parts))
             print0(layout, f"step {step:6d} | saved {path}")
             timer, timed_steps = time.time(), 0
+        if stopping:
+            print0(layout, f"step {step:6d} | stopped by SIGTERM: every rank finished step {step} and saved it; "
+                           f"launch again with --init_from=auto (or resume) to continue from there")
+            break
+    vote.finish()
     log.close()
     return parts.model
+
+
+def check_bad_steps(cfg, parts, step):
+    """The number of skipped steps so far (a host-device sync: call it at log lines and saves); raises
+    TooManyBadSteps, naming the steps and the checkpoint to resume from, once max_bad_steps came in a row."""
+    total, streak, began, tripped = parts.bad_steps.read()
+    if tripped:
+        good = [p for p in checkpoint.complete_checkpoints(cfg.out_dir) if checkpoint.step_of(p) < tripped]
+        raise TooManyBadSteps(
+            f"steps {tripped} to {tripped + cfg.max_bad_steps - 1} all had a non-finite gradient norm (max_bad_steps = "
+            f"{cfg.max_bad_steps} in a row; each was skipped, so the weights are those of step {tripped - 1}): the "
+            f"run diverged, stopped at step {step}. The last checkpoint written before the trouble is "
+            f"{good[-1] if good else 'none (start again with --init_from=scratch)'}: resume from it with a lower "
+            f"--learning_rate (--init_from=resume takes the newest complete checkpoint in out_dir; those after "
+            f"step {tripped - 1} hold the same weights)")
+    return total
+
+
+def checkpoints_before_trouble(cfg, parts):
+    """The checkpoint keep_last_n must keep while a streak of skipped steps goes on: the last one written
+    before it began (none when the last step was good)."""
+    _, streak, began, _ = parts.bad_steps.read()
+    if not streak:
+        return ()
+    good = [p for p in checkpoint.complete_checkpoints(cfg.out_dir) if checkpoint.step_of(p) < began]
+    return tuple(good[-1:])
 
 
 def convert(cfg, run, parts):
@@ -849,6 +1025,12 @@ def open_log_backends(cfg):
                           f"({off})") from e
 
 
+def peer_failure(e):
+    """Whether a RuntimeError is a collective that lost its peers: gloo's read errors and timeouts and
+    NCCL's errors are plain RuntimeErrors (or torch.distributed.DistError), told apart by their text."""
+    return isinstance(e, dist.DistError) or any(w in str(e) for w in ("gloo", "Timed out", "NCCL", "pipeline stage"))
+
+
 def main(argv):
     """Run training. Every error the user can fix ends in one line, printed once: by rank 0, since every
     rank finds the same configuration, data, layout or checkpoint problem (a bad batch is checked by every
@@ -864,8 +1046,21 @@ def main(argv):
             sys.exit(f"error: {e}" if rank == 0 else 1)
         try:
             return train(cfg, run, resume_path)
-        except (ConfigError, DataError, checkpoint.CheckpointError) as e:
+        except (ConfigError, DataError, checkpoint.CheckpointError, TooManyBadSteps) as e:
             sys.exit(f"error: {e}" if rank == 0 else 1)
+        except RuntimeError as e:
+            if not peer_failure(e):
+                raise
+            # every survivor says it (rank 0 may be the rank that died), and exits without a traceback
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"error: rank {rank} stopped in {run.phase}: a peer died or did not answer within "
+                  f"dist_timeout_s = {cfg.dist_timeout_s:g} s ({first}). Launched with torchrun --max-restarts=N "
+                  f"--init_from=auto, the job restarts from its last checkpoint by itself; else launch it again "
+                  f"with --init_from=auto", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            # no clean-up: tearing down the process groups would wait for the peer that is gone (the stop
+            # vote's all-reduce in flight), until the timeout, and torchrun would restart the job that late
+            os._exit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

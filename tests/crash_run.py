@@ -2,18 +2,25 @@
 process would (os._exit: no exception handler, no cleanup, no collective), at the same point every run,
 whatever the machine's speed.
 
-    torchrun --nproc_per_node=2 tests/crash_run.py --crash=STAGE:STEP:RANK <train.py's arguments>
+    torchrun --nproc_per_node=2 tests/crash_run.py --crash=STAGE:STEP:RANK[:once] <train.py's arguments>
 
 STAGE is one of
     after_step   optimizer step STEP is taken (counted from the start of the run, a resumed one included),
                  before it is logged or saved
     mid_save     inside the save of step STEP: this rank has written its file, rank 0 has not yet written
                  meta.json nor renamed the folder (the checkpoint stays ckpt_<STEP>.tmp)
+    sigterm      after optimizer step STEP the rank sends itself SIGTERM (as SLURM would) and goes on
+    sigstop      after optimizer step STEP the rank stops itself with SIGSTOP (a hung rank: it never
+                 answers again), after printing its pid
+With `once`, the rank does it only the first time (a marker file in out_dir remembers it), so that a run
+restarted by torchrun --max-restarts, resumed from its checkpoint, goes past the same step.
 Only rank RANK crashes; torchrun then stops the others. The hooks are monkeypatches of train.py and
 checkpoint.py in this process only: the product code carries no test hooks.
 """
 import os
+import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,14 +30,28 @@ import train  # noqa: E402
 CRASH_EXIT_CODE = 43
 
 
-def install_crash(stage, at_step, crash_rank):
+def install_crash(stage, at_step, crash_rank, marker=None):
     here = int(os.environ.get("RANK", 0)) == crash_rank
+    if marker is not None and os.path.exists(marker):
+        here = False  # `once`: done in an earlier launch
 
     def crash():
-        print(f"crash_run: rank {crash_rank} exits at {stage} of step {at_step}", flush=True)
+        if marker is not None:
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            open(marker, "w").close()
+        if stage == "sigterm":
+            print(f"crash_run: rank {crash_rank} sends itself SIGTERM after step {at_step}", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if stage == "sigstop":
+            print(f"crash_run: rank {crash_rank} (pid {os.getpid()}) stops itself after step {at_step} at "
+                  f"{time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
+        print(f"crash_run: rank {crash_rank} exits at {stage} of step {at_step} at {time.time():.3f}", flush=True)
         os._exit(CRASH_EXIT_CODE)
 
-    if stage == "after_step":
+    if stage in ("after_step", "sigterm", "sigstop"):
         resume, train_step, step = train.resume, train.train_step, [0]
 
         def resume_counting(*args, **kwargs):
@@ -62,7 +83,7 @@ def install_crash(stage, at_step, crash_rank):
             return gather(obj)
         checkpoint.save, checkpoint._gather = save_noting_the_step, gather_or_crash
     else:
-        sys.exit(f"crash_run: unknown stage {stage!r}: after_step or mid_save")
+        sys.exit(f"crash_run: unknown stage {stage!r}: after_step, mid_save, sigterm or sigstop")
 
 
 if __name__ == "__main__":
@@ -70,6 +91,8 @@ if __name__ == "__main__":
     crash_args = [a for a in argv if a.startswith("--crash=")]
     if len(crash_args) != 1:
         sys.exit("usage: tests/crash_run.py --crash=STAGE:STEP:RANK <train.py's arguments>")
-    stage, at_step, crash_rank = crash_args[0].split("=", 1)[1].split(":")
-    install_crash(stage, int(at_step), int(crash_rank))
+    stage, at_step, crash_rank, *once = crash_args[0].split("=", 1)[1].split(":")
+    out_dir = [a.split("=", 1)[1] for a in argv if a.startswith("--out_dir=")]
+    marker = os.path.join(out_dir[-1], f"crash_run_{stage}_{at_step}_{crash_rank}") if once else None
+    install_crash(stage, int(at_step), int(crash_rank), marker)
     train.main([a for a in argv if a not in crash_args])

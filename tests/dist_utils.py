@@ -72,14 +72,15 @@ def run_ranks(fn, world_size, *args, timeout=300):
     return [results[r] for r in range(world_size)]
 
 
-def run_train(argv, nproc=1, check=True, env=None, timeout=600, script="train.py"):
+def run_train(argv, nproc=1, check=True, env=None, timeout=600, script="train.py", torchrun=None):
     """Run train.py, or another script given relative to the checkout (bench.py, tests/crash_run.py), under
-    torchrun when nproc > 1; returns (metrics records, completed process)."""
-    if nproc == 1:
+    torchrun when nproc > 1 or torchrun (its arguments, replacing --standalone) is given; returns (metrics
+    records, completed process)."""
+    if nproc == 1 and torchrun is None:
         cmd = [sys.executable, str(ROOT / script)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(ROOT / script)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *(torchrun or ["--standalone"]),
+               f"--nproc_per_node={nproc}", str(ROOT / script)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}  # env may override OMP_NUM_THREADS
     proc = subprocess.run(cmd + list(argv), capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT)
     if check and proc.returncode != 0:

@@ -535,7 +535,7 @@ def test_cp_composed_with_tp_pp_and_dp_zero1_equals_one_process(launch4, layout)
 
 
 def test_the_layout_numbers_tp_fastest_then_cp_then_dp_then_pp(monkeypatch):
-    monkeypatch.setattr(dist, "new_group", lambda ranks: tuple(ranks))  # no processes: a group is its ranks
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: tuple(ranks))  # no processes: a group is its ranks
     layout = ParallelLayout(2, 2, 2, world_size=16, rank=13, cp=2)  # 13 = ((1 * 2 + 1) * 2 + 0) * 2 + 1
     assert (layout.pp_rank, layout.dp_rank, layout.cp_rank, layout.tp_rank) == (1, 1, 0, 1)
     assert (layout.tp_group, layout.cp_group, layout.dp_group, layout.pp_group) == ((12, 13), (13, 15), (9, 13),

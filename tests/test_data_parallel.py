@@ -191,7 +191,7 @@ def test_dp_defaults_to_world_size_over_tp_times_pp(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)  # pretend torchrun started us: no group is built
     monkeypatch.setenv("WORLD_SIZE", "6")
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(dist, "new_group", lambda ranks: None)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: None)
     assert init_distributed(0, 3, 1, "cpu").dp == 2
     with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp \* pp = 4 \* 1"):
         init_distributed(0, 4, 1, "cpu")

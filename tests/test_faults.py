@@ -1,0 +1,287 @@
+"""A run that survives its faults: a save killed at any moment, a rank killed mid-run under torchrun
+--max-restarts with init_from=auto, SIGTERM, a hung peer, a diverged run, two torchrun agents as two nodes.
+
+Every fault is chosen from inside the process (tests/crash_run.py, or a patched step of checkpoint.save),
+never by timing. The reference is one process training 6 steps without interruption on the same global
+batch (tests/dist_utils.py: the equivalence rule).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import checkpoint
+from conftest import ROOT
+from dist_utils import (_free_port, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights,
+                        make_token_data, read_records, run_train)
+
+TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
+        "--log_interval=1", "--eval_interval=0", "--warmup_iters=2", "--lr_decay_iters=6",
+        "--learning_rate=3e-3", "--gradient_accumulation_steps=2", "--bucket_size_mb=0.01",
+        "--peak_flops=1e12", "--max_iters=6", "--checkpoint_interval=2"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return make_token_data(str(tmp_path_factory.mktemp("data")))
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ref"))
+    records, _ = run_train(TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={out}"])
+    return records, out
+
+
+def assert_equals_reference(records, out, reference, steps=range(1, 7)):
+    assert [r["step"] for r in records if "loss" in r] == list(steps)
+    assert_same_losses_and_norms(records, reference[0])
+    assert_same_tensors(checkpoint_weights(os.path.join(out, "ckpt_0000006")),
+                        checkpoint_weights(os.path.join(reference[1], "ckpt_0000006")))
+
+
+# -----------------------------------------------------------------------------
+# a save killed at every moment of its own (one process; the two-rank moment is in test_checkpoint.py)
+
+
+def _piece(value):
+    return {"tensor": torch.full((4,), float(value)), "full_shape": [4], "tp_dim": None, "tp_rank": 0,
+            "tp_world": 1, "flat_range": [0, 4]}
+
+
+def _save(out_dir, step, value, keep_last_n=0):
+    return checkpoint.save(str(out_dir), step, 0, 1, {"w": _piece(value)}, {}, {"adam_step": step},
+                           keep_last_n=keep_last_n)
+
+
+def _value(path):
+    return float(checkpoint.CheckpointReader(path).files[0]["model"]["w"]["tensor"][0])
+
+
+def _killed_save(out_dir, step, value, moment, keep_last_n=0):
+    """checkpoint.save in a forked child that SIGKILLs itself at `moment`: the n-th call of os.rename
+    (('rename', n)), inside the write of meta.json (('meta', 0)) or inside the removal of an old
+    checkpoint (('rmtree', 0): after one file of it is gone)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            kind, n = moment
+            calls = [0]
+            die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "rename":
+                rename = os.rename
+
+                def rename_then_die(a, b):
+                    rename(a, b)
+                    calls[0] += 1
+                    if calls[0] == n:
+                        die()
+                os.rename = rename_then_die
+            elif kind == "meta":
+                dump = json.dump
+
+                def dump_half(obj, f, **kw):
+                    f.write(json.dumps(obj)[:40])
+                    f.flush()
+                    die()
+                json.dump = dump_half
+            elif kind == "rmtree":
+                def remove_one_then_die(path, ignore_errors=False):
+                    if path.endswith(".old") or not os.path.exists(path):
+                        return
+                    os.remove(os.path.join(path, sorted(os.listdir(path))[0]))
+                    die()
+                checkpoint.shutil.rmtree = remove_one_then_die
+            _save(out_dir, step, value, keep_last_n)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"the save was not killed: {status}"
+
+
+# (moment, a fresh step or a re-save of the step, the step whose checkpoint must then be the newest)
+MOMENTS = [
+    (("meta", 0), "new", 2),        # meta.json half written, in its .partial file: the save never happened
+    (("rename", 1), "new", 4),      # meta.json committed, the folder not yet renamed: the .tmp counts
+    (("rename", 2), "new", 4),      # renamed, rotation not begun
+    (("rmtree", 0), "new", 4),      # rotation killed halfway through removing the oldest
+    (("meta", 0), "resave", 2),     # a re-save of step 2 (a run resumed from an older checkpoint)
+    (("rename", 2), "resave", 2),   # the old step-2 folder renamed aside, the new one not yet in place
+    (("rename", 3), "resave", 2),   # the new one in place, the old copy not yet removed
+]
+
+
+@pytest.mark.parametrize("moment, kind, newest", MOMENTS,
+                         ids=[f"{k}_{m[0]}{m[1]}" for m, k, _ in MOMENTS])
+def test_a_save_killed_at_any_moment_leaves_the_previous_checkpoint_or_the_new_one_complete(tmp_path, moment,
+                                                                                         kind, newest):
+    _save(tmp_path, 1, 1.0)
+    _save(tmp_path, 2, 2.0)
+    if kind == "new":
+        _killed_save(tmp_path, 4, 4.0, moment, keep_last_n=2)
+        values = {1: 1.0, 2: 2.0, 4: 4.0}
+    else:
+        _killed_save(tmp_path, 2, 20.0, moment)
+        values = {1: 1.0, 2: 20.0 if moment[1] >= 2 else 2.0}
+    latest = checkpoint.latest_checkpoint(str(tmp_path))
+    assert checkpoint.step_of(latest) == newest, (os.listdir(tmp_path), latest)
+    for path in checkpoint.complete_checkpoints(str(tmp_path)):  # every one that counts reads back whole
+        assert _value(path) == values[checkpoint.step_of(path)], (path, os.listdir(tmp_path))
+    # the next save of that step, and one after it, clean up and succeed
+    _save(tmp_path, newest, 30.0)
+    _save(tmp_path, 6, 6.0, keep_last_n=2)
+    assert sorted(os.listdir(tmp_path)) == [f"ckpt_{newest:07d}", "ckpt_0000006"]
+    assert _value(checkpoint.latest_checkpoint(str(tmp_path))) == 6.0
+
+
+def test_keep_last_n_keeps_what_it_is_told_to(tmp_path):
+    _save(tmp_path, 1, 1.0)
+    for step in (2, 3, 4):
+        checkpoint.save(str(tmp_path), step, 0, 1, {"w": _piece(step)}, {}, {"adam_step": step}, keep_last_n=2,
+                        keep=(str(tmp_path / "ckpt_0000001"),))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001", "ckpt_0000003", "ckpt_0000004"]
+
+
+# -----------------------------------------------------------------------------
+# a rank killed mid-run: torchrun --max-restarts restarts the job, init_from=auto resumes it
+
+
+def test_a_rank_killed_mid_run_is_recovered_by_torchrun_restarts_with_init_from_auto(data_dir, reference, tmp_path):
+    out = tmp_path / "run"
+    records, proc = run_train(
+        TINY + ["--batch_size=2", f"--data_dir={data_dir}", f"--out_dir={out}", "--init_from=auto",
+                "--crash=after_step:5:1:once"], nproc=2, script="tests/crash_run.py",
+        torchrun=["--standalone", "--max-restarts=2", "--monitor-interval=0.5"])
+    text = proc.stdout + proc.stderr
+    assert "crash_run: rank 1 exits at after_step of step 5" in text
+    assert "init_from='auto': out_dir" in text and "holds no complete checkpoint, starting from scratch" in text
+    assert f"resumed from {out / 'ckpt_0000004'} at step 4" in text
+    assert_equals_reference(records, out, reference)
+
+
+def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_auto_continues(data_dir, reference, tmp_path):
+    out = tmp_path / "run"
+    run = TINY + ["--batch_size=2", f"--data_dir={data_dir}", f"--out_dir={out}", "--init_from=auto"]
+    # rank 1 gets SIGTERM during step 3; the ranks' vote, read a step later, stops both after step 4
+    _, proc = run_train(run + ["--checkpoint_interval=0", "--crash=sigterm:3:1"], nproc=2,
+                        script="tests/crash_run.py")
+    assert "stopped by SIGTERM: every rank finished step 4 and saved it" in proc.stdout, proc.stdout[-2000:]
+    assert checkpoint.latest_checkpoint(str(out)) == str(out / "ckpt_0000004")
+    records, proc = run_train(run, nproc=2)
+    assert f"resumed from {out / 'ckpt_0000004'} at step 4" in proc.stdout
+    assert_equals_reference(records, out, reference)
+
+
+# -----------------------------------------------------------------------------
+# a hung peer: the survivor stops within dist_timeout_s, saying what it waited for
+
+
+def test_a_hung_peer_stops_the_survivor_within_dist_timeout_s_with_a_message(data_dir, tmp_path):
+    port, procs = _free_port(), []
+    argv = TINY + ["--batch_size=2", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--dist_timeout_s=4",
+                   "--crash=sigstop:2:1"]
+    for rank in (0, 1):  # what torchrun would start, without torchrun (which waits 30 s for a stopped rank)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/crash_run.py"), *argv], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        out, err = procs[0].communicate(timeout=120)
+        stopped_at = time.time()
+    finally:
+        procs[1].kill()
+    rank1 = procs[1].communicate()[0]
+    assert procs[0].returncode == 1, (out[-2000:], err[-3000:])
+    line = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert line and "rank 0 stopped in" in line[0] and "dist_timeout_s = 4 s" in line[0], err[-3000:]
+    # rank 1 stopped right after step 2's optimizer step: rank 0 waited in that step's log line
+    assert "stopped in the log line of step 2 (an all-reduce of the loss)" in line[0], line
+    hung_at = float(rank1.split("stops itself after step 2 at ")[1].split()[0])
+    waited = stopped_at - hung_at
+    print(f"the survivor exited {waited:.1f} s after its peer hung (dist_timeout_s = 4)")
+    assert waited < 4 + 20, waited
+
+
+# -----------------------------------------------------------------------------
+# a diverged run: non-finite steps are skipped, never reach the weights, and stop the run
+
+
+def test_a_huge_learning_rate_never_puts_a_nan_in_the_weights_and_stops_the_run(data_dir, tmp_path):
+    records, proc = run_train(TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
+                                      "--learning_rate=1e3", "--max_iters=12", "--lr_decay_iters=12",
+                                      "--keep_last_n=1"], check=False)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "a non-finite gradient norm (max_bad_steps = 3 in a row" in proc.stderr, proc.stderr[-2000:]
+    skipped = [r["skipped_steps"] for r in records if "loss" in r]
+    assert skipped[-1] >= 1 and skipped[0] == 0, skipped
+    paths = checkpoint.complete_checkpoints(str(tmp_path))
+    assert paths
+    for path in paths:
+        for name, w in checkpoint_weights(path).items():
+            assert torch.isfinite(w).all(), f"{path}: {name} holds a non-finite value"
+
+
+def test_zero1_adamw_skips_a_step_on_found_inf_and_equals_adamw_otherwise():
+    from parallel import ZeroOneAdamW
+    torch.manual_seed(0)
+    ref = torch.nn.Parameter(torch.randn(8, 4))
+    mine = torch.nn.Parameter(ref.detach().clone())
+    adamw = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    zero = ZeroOneAdamW([{"params": [mine], "weight_decay": 0.1}], None, lr=1e-2, betas=(0.9, 0.95))
+    for step in range(4):
+        grad = torch.randn(8, 4)
+        bad = step == 2
+        ref.grad, mine.grad = grad.clone(), grad.clone() * (float("nan") if bad else 1.0)
+        before = mine.detach().clone()
+        if not bad:
+            adamw.step()
+        zero.step(torch.tensor(1.0 if bad else 0.0))
+        if bad:
+            assert torch.equal(mine, before), "a skipped step changed the weights"
+    assert_same_tensors({"w": mine.detach()}, {"w": ref.detach()}, rtol=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# two torchrun agents as the two nodes of one job (c10d rendezvous on 127.0.0.1)
+
+
+def test_two_torchrun_agents_as_two_nodes_give_one_process_s_run(data_dir, reference, tmp_path):
+    port = _free_port()
+    argv = TINY + ["--batch_size=4", "--tp=2", f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]
+    agents = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two_nodes",
+               str(ROOT / "train.py"), *argv]
+        agents.append(subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = [a.communicate(timeout=300)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    text = "".join(outputs)
+    # tp = 2 over nodes of 1 process each: the one tensor-parallel group spans the two nodes, and says so
+    assert "warning: 1 tensor-parallel group(s) span two nodes (ranks [0, 1] with 1 processes per node)" in text
+    assert_equals_reference(read_records(argv), tmp_path, reference)
+
+
+def test_a_restart_at_another_world_size_keeps_the_global_batch_or_says_why():
+    import train
+    from configurator import ConfigError
+    values = {"batch_size": 2, "gradient_accumulation_steps": 2, "dp": 0, "tp": 1, "pp": 1, "cp": 1}
+    meta = {"config": dict(values), "layout": {"dp": 2}}  # 2 x 2 x dp 2 = 8 windows
+    one = dict(values)
+    notes = train.keep_global_batch(one, meta, world_size=1)
+    assert (one["batch_size"], one["gradient_accumulation_steps"]) == (2, 4), notes
+    assert "keep its global batch of 8 windows" in notes[0]
+    four = dict(values)
+    train.keep_global_batch(four, meta, world_size=4)
+    assert (four["batch_size"], four["gradient_accumulation_steps"]) == (2, 1)
+    eight = dict(values)
+    train.keep_global_batch(eight, meta, world_size=8)
+    assert (eight["batch_size"], eight["gradient_accumulation_steps"]) == (1, 1)
+    with pytest.raises(ConfigError, match="cannot keep"):
+        train.keep_global_batch(dict(values), meta, world_size=3)
