@@ -670,7 +670,7 @@ def train_step(cfg, layout, parts, microbatches, lr, trace=None, step=0):
     In bf16 and fp32 a step whose global gradient norm is not finite (inf or NaN, the same on every rank:
     the norm is all-reduced) is skipped on the device: AdamW gets found_inf, as torch's GradScaler hands it
     to the fused kernel, which then leaves weights, moments and step counter as they were (ZeroOneAdamW
-    does the same with torch.where); parts.bad_steps counts it (BadSteps), read at log lines. fp16's
+    and Muon do the same with torch.where); parts.bad_steps counts it (BadSteps), read at log lines. fp16's
     scaler skips its overflows itself (a lower scale is the cure there), and they are not counted.
 
     torch.compile compiles inside the first forward and backward, so that is where it fails (no C compiler,
