@@ -32,7 +32,7 @@ import argparse
 import itertools
 import math
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -1218,18 +1218,28 @@ def sync_tied_grads(copies, group):
 
 
 class _Bucket:
-    """A group of parameters whose gradients travel as one flat tensor (padded to a multiple of dp)."""
+    """A group of parameters whose gradients travel as one flat tensor (padded to a multiple of dp).
+    Under ZeRO-2 and ZeRO-3 the flat gradient exists only from the first gradient copied in until its
+    reduce-scatter has finished; what persists is `grad_shard`, this rank's slice of the mean gradient.
+    Under ZeRO-3 a bucket is also a unit of parameters: `param_shard` the elements this rank stores,
+    `param_full` the gathered whole (its storage empty between uses)."""
 
-    def __init__(self, params, dp):
-        self.params = params
+    def __init__(self, params, dp, transient=False):
+        self.params, self.dp = params, dp
         self.offsets, n = [], 0
         for p in params:
             self.offsets.append(n)
             n += p.numel()
         self.numel = n
         self.shard_size = (n + dp - 1) // dp  # elements each data-parallel rank owns
-        self.flat = torch.zeros(self.shard_size * dp, dtype=params[0].dtype, device=params[0].device)
+        self.flat = None if transient else self.new_flat()
+        self.grad_shard = None
+        self.param_shard = self.param_full = self.gather = None
+        self.keep_whole = self.in_backward = False
         self.reset()
+
+    def new_flat(self):
+        return torch.zeros(self.shard_size * self.dp, dtype=self.params[0].dtype, device=self.params[0].device)
 
     def reset(self):
         self.ready = set()  # indices of the parameters whose gradient is in `flat`
@@ -1249,32 +1259,46 @@ class GradientBuckets:
                      for ZeRO-1; `owned_pieces()` says which elements those are.
     `deferred` parameters are not synced from the hooks but in finish(): a gradient that still changes
     after backward (a tied embedding whose pipeline stages add their copies' gradients) must be complete
-    before it is reduced, so call finish() after that addition."""
+    before it is reduced, so call finish() after that addition.
 
-    def __init__(self, params, group, bucket_size_mb=25.0, shard=False, deferred=()):
-        self.group, self.shard = group, shard
+    every_microbatch=True (ZeRO-2 and 3, with shard=True): every micro-batch's gradients are
+    reduce-scattered (set_grad_sync's argument is ignored; calling it starts a new micro-batch), each added
+    into the bucket's `grad_shard`, and p.grad is dropped as soon as it is copied into its bucket, so that
+    no full-size gradient lives beyond the two buckets in flight. p.grad is None after finish(): the
+    gradients are the grad_shards. `units` (ZeRO-3): lists of parameters, in forward order, one bucket each.
+    `alone`: parameters that get a bucket of their own (a tied weight whose shards are summed across
+    pipeline stages: both copies must be cut the same way)."""
+
+    def __init__(self, params, group, bucket_size_mb=25.0, shard=False, deferred=(), every_microbatch=False,
+                 units=None, alone=()):
+        self.group, self.shard, self.every_microbatch = group, shard, every_microbatch
         self.dp, self.dp_rank = group_size(group), group_rank(group)
-        self.sync = True
-        deferred_ids = {id(p) for p in deferred}
+        self.sync, self.started = True, False
+        self.on_launch = None  # ZeRO-3: frees a unit's gathered parameters once its gradients are sent
+        deferred_ids, alone_ids = {id(p) for p in deferred}, {id(p) for p in alone}
         params = [p for p in params if p.requires_grad]
         early = [p for p in params if id(p) not in deferred_ids]
         late = [p for p in params if id(p) in deferred_ids]
+        make = lambda ps: _Bucket(ps, self.dp, transient=every_microbatch)
         # backward produces gradients roughly in the reverse order of the forward pass: bucket them that way
         self.buckets, current, size = [], [], 0
         capacity = max(1, int(bucket_size_mb * 2 ** 20))
-        for p in reversed(early):
-            if current and p.dtype != current[0].dtype:  # one dtype per flat buffer
-                self.buckets.append(_Bucket(current, self.dp))
-                current, size = [], 0
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= capacity:
-                self.buckets.append(_Bucket(current, self.dp))
-                current, size = [], 0
-        if current:
-            self.buckets.append(_Bucket(current, self.dp))
+        if units is not None:
+            self.buckets = [make(u) for u in reversed(units) if u]
+        else:
+            for p in reversed(early):
+                if current and (p.dtype != current[0].dtype or id(p) in alone_ids):  # one dtype per flat buffer
+                    self.buckets.append(make(current))
+                    current, size = [], 0
+                current.append(p)
+                size += p.numel() * p.element_size()
+                if size >= capacity or id(p) in alone_ids:
+                    self.buckets.append(make(current))
+                    current, size = [], 0
+            if current:
+                self.buckets.append(make(current))
         for dtype in dict.fromkeys(p.dtype for p in late):
-            self.buckets.append(_Bucket([p for p in late if p.dtype == dtype], self.dp))
+            self.buckets.append(make([p for p in late if p.dtype == dtype]))
         self.where = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -1284,9 +1308,13 @@ class GradientBuckets:
 
     def set_grad_sync(self, sync):
         self.sync = sync
+        if self.every_microbatch:
+            if self.started:  # the previous micro-batch's gradients: send what the hooks did not, wait
+                self._flush()
+            self.started = True
 
     def _grad_ready(self, p):
-        if not self.sync:
+        if not self.sync and not self.every_microbatch:
             return  # a gradient-accumulation micro-step: keep accumulating in p.grad
         bucket, i = self.where[p]
         if i in bucket.ready:
@@ -1303,12 +1331,28 @@ class GradientBuckets:
 
     def _copy_in(self, bucket, i):
         p, start = bucket.params[i], bucket.offsets[i]
+        if bucket.flat is None:
+            bucket.flat = bucket.new_flat()
         view = bucket.flat[start:start + p.numel()]
         view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
+        if self.every_microbatch:
+            p.grad = None  # its elements are in the bucket now: the full-size gradient is not kept
         bucket.ready.add(i)
 
     def _launch(self, bucket):
         self.launched += 1
+        if self.every_microbatch:
+            # keep at most two buckets' full gradients in flight: settle the ones before the previous
+            for earlier in self.buckets[:max(0, self.launched - 2)]:
+                self._settle(earlier)
+            bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
+            if self.dp == 1:
+                bucket.shard.copy_(bucket.flat)
+            else:
+                bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=self.group, async_op=True)
+            if self.on_launch is not None:
+                self.on_launch(bucket)
+            return
         if self.dp == 1:
             return
         if self.shard:
@@ -1317,10 +1361,39 @@ class GradientBuckets:
         else:
             bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
+    def _settle(self, bucket):
+        """ZeRO-2/3: wait for a bucket's reduce-scatter, add this micro-batch's mean into grad_shard, drop
+        the flat gradient."""
+        if bucket.shard is None:
+            return
+        if bucket.work is not None:
+            bucket.work.wait()  # sync point: the flat gradient can only be freed once it is sent
+        bucket.shard.div_(self.dp)  # the sum over ranks / dp = the mean over the global batch
+        bucket.grad_shard = bucket.shard if bucket.grad_shard is None else bucket.grad_shard.add_(bucket.shard)
+        bucket.flat = bucket.shard = bucket.work = None
+
+    def _flush(self):
+        """ZeRO-2/3, end of a micro-batch's backward: launch, in bucket order, the buckets the hooks did not
+        (parameters that got no gradient: zeros), wait for all of them. Every rank launches every bucket
+        once per micro-batch, whatever its data did."""
+        for bucket in self.buckets[self.launched:]:
+            for i in range(len(bucket.params)):
+                if i not in bucket.ready:
+                    self._copy_in(bucket, i)
+            self._launch(bucket)
+        for bucket in self.buckets:
+            self._settle(bucket)
+            bucket.ready = set()
+        self.launched = 0
+
     def finish(self):
         """Wait for every bucket's collective (launching the ones the hooks did not, in bucket order:
         deferred parameters, parameters that got no gradient this step, the buckets after them) and point
-        each p.grad at its part of the result."""
+        each p.grad at its part of the result (ZeRO-2/3: leave it in the buckets' grad_shard)."""
+        if self.every_microbatch:
+            self._flush()
+            self.sync, self.started = True, False
+            return
         for bucket in self.buckets[self.launched:]:
             for i in range(len(bucket.params)):
                 if i not in bucket.ready:
@@ -1343,53 +1416,236 @@ class GradientBuckets:
             bucket.reset()
         self.sync, self.launched = True, 0
 
-    def owned_pieces(self):
-        """(param, start, end): the range of each parameter's flattened elements this rank owns under
-        sharding. Each parameter has at most one range: it is contiguous in its bucket, so is the slice."""
+    def owned_slices(self):
+        """(param, start, end, bucket, a, b): the range start:end of each parameter's flattened elements
+        this rank owns under sharding, which is a:b of its bucket's shard. Each parameter has at most one
+        range: it is contiguous in its bucket, so is the slice."""
         pieces = []
         for bucket in self.buckets:
             lo, hi = self.dp_rank * bucket.shard_size, (self.dp_rank + 1) * bucket.shard_size
             for p, start in zip(bucket.params, bucket.offsets):
                 a, b = max(lo, start), min(hi, start + p.numel())
                 if a < b:
-                    pieces.append((p, a - start, b - start))
+                    pieces.append((p, a - start, b - start, bucket, a - lo, b - lo))
         return pieces
+
+    def owned_pieces(self):
+        """(param, start, end) of owned_slices()."""
+        return [piece[:3] for piece in self.owned_slices()]
+
+    def bucket_of(self, p):
+        return self.where[p][0]
+
+
+# ZeRO-3 (Rajbhandari et al. 2020, section 5.3; Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling
+# Fully Sharded Data Parallel"). The parameters are cut into units: one per transformer block, and the
+# stage's other parameters (embedding, final norm, head) as the root unit, with a tied weight in a unit of
+# its own. Each unit is one flat tensor padded to a multiple of dp, and each rank stores only its slice
+# (param_shard): 1/dp of the parameters, of the gradients (reduce-scattered into grad_shard, as ZeRO-2) and
+# of the optimizer state. A parameter is a view into its unit's gathered buffer (param_full), whose
+# storage is empty except while the unit is in use. The rhythm, per block and per micro-batch:
+#
+#     forward:  all-gather the block (posted early: the previous block's forward prefetched it) ->
+#               post the all-gather of the next block -> compute -> free the storage
+#     backward: all-gather the block again (the later block's backward prefetched it) -> post the gather
+#               of the block before it -> recompute (activation checkpointing) and backward -> copy the
+#               gradients into the flat buffer and reduce-scatter it -> free the storage
+#
+# Freeing is the storage itself (untyped_storage().resize_(0)), not a reference: what autograd saved for
+# backward are views of the same storage, so they hold no memory in between and see the regathered values.
+# The root unit stays whole from the step's first forward until the optimizer step (it is used at both
+# ends of the model: the embedding first, the head last). The gathers, like the reduce-scatters (every
+# bucket once per micro-batch, GradientBuckets._flush), are unconditional and in the same order on every
+# rank of the group: a block runs forward and backward on every rank, even one whose MoE experts got no
+# token. A pipeline stage gathers each block again for every micro-batch (twice: forward and backward);
+# with pp stages and m micro-batches, 2m all-gathers and m reduce-scatters of each unit per step, each
+# unit's bytes times (dp - 1)/dp on the wire. Memory at a time: the shards, plus about two gathered
+# blocks (the one computing, the one prefetched), the root unit, and two buckets of gradients in flight.
+
+
+class FullyShardedParameters:
+    """ZeRO-3's parameter side over the buckets of a GradientBuckets built with `units`: `units` is
+    [(module, params)] in forward order, one per bucket; module None marks a unit kept whole through the
+    step (gathered by the model's forward, freed by free_all()), else the module whose forward and
+    backward use the unit. Moves each unit's parameters into its flat shard and registers the hooks."""
+
+    def __init__(self, grad_sync, units, model):
+        self.sync, self.group = grad_sync, grad_sync.group
+        self.dp, self.dp_rank = grad_sync.dp, grad_sync.dp_rank
+        self.blocks, self.whole = [], []
+        with torch.no_grad():
+            for module, params in units:
+                if not params:
+                    continue
+                b = grad_sync.bucket_of(params[0])
+                full = torch.zeros(b.shard_size * self.dp, dtype=params[0].dtype, device=params[0].device)
+                for p, start in zip(b.params, b.offsets):
+                    full[start:start + p.numel()].copy_(p.reshape(-1))
+                    p.data = full[start:start + p.numel()].view_as(p)  # p now lives in the gathered buffer
+                lo = self.dp_rank * b.shard_size
+                b.param_shard, b.param_full = full[lo:lo + b.shard_size].clone(), full
+                b.keep_whole = module is None
+                (self.whole if module is None else self.blocks).append(b)
+                if module is not None:
+                    i = len(self.blocks) - 1
+                    module.register_forward_pre_hook(lambda mod, args, i=i: self._pre_forward(i))
+                    module.register_forward_hook(lambda mod, args, out, i=i: self._post_forward(i, out))
+                self._free(b)
+        model.register_forward_pre_hook(lambda mod, args: self._gather_whole())
+        grad_sync.on_launch = self._post_backward
+
+    # the four states of a unit: storage empty (gather None, no bytes), gathering (gather = the work),
+    # whole (gather True)
+    def _gather(self, b):
+        if b.gather is not None:
+            return
+        full = b.param_full
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        if self.dp == 1:
+            full.copy_(b.param_shard)
+            b.gather = True
+        else:
+            b.gather = _all_gather_single(full, b.param_shard, group=self.group, async_op=True)
+
+    def _wait(self, b):
+        self._gather(b)
+        if b.gather is not True:
+            b.gather.wait()  # sync point: the block's parameters are needed now
+            b.gather = True
+
+    def _free(self, b):
+        if b.gather is not None and b.gather is not True:
+            b.gather.wait()  # a prefetch nobody used: it must land before its buffer goes
+        b.param_full.untyped_storage().resize_(0)
+        b.gather, b.in_backward = None, False
+
+    def _gather_whole(self):
+        for b in self.whole:
+            self._wait(b)
+        if self.blocks:
+            self._gather(self.blocks[0])  # prefetch the first block while the embedding computes
+
+    def _pre_forward(self, i):
+        self._wait(self.blocks[i])
+        if i + 1 < len(self.blocks) and not self.blocks[i].in_backward:  # (not while recomputing in backward)
+            self._gather(self.blocks[i + 1])
+
+    def _post_forward(self, i, out):
+        b = self.blocks[i]
+        if not b.in_backward:  # a recompute in backward keeps the block for its backward
+            self._free(b)
+        if torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad:
+            out.register_hook(lambda grad, i=i: self._pre_backward(i))
+
+    def _pre_backward(self, i):
+        b = self.blocks[i]
+        b.in_backward = True
+        self._wait(b)
+        if i > 0:
+            self._gather(self.blocks[i - 1])
+
+    def _post_backward(self, bucket):
+        """GradientBuckets launched the unit's reduce-scatter: its gradients are all in: free it."""
+        if bucket.param_full is not None and not bucket.keep_whole:
+            self._free(bucket)
+
+    def free_all(self):
+        """After the optimizer stepped the shards: every gathered copy is stale."""
+        for b in self.whole + self.blocks:
+            self._free(b)
+
+    @contextmanager
+    def whole_model(self, write_back=False):
+        """Every unit gathered (a checkpoint being loaded into the parameters: write_back=True copies
+        this rank's slice back into the shards afterwards)."""
+        for b in self.whole + self.blocks:
+            self._wait(b)
+        try:
+            yield
+        finally:
+            for b in self.whole + self.blocks:
+                if write_back:
+                    lo = self.dp_rank * b.shard_size
+                    b.param_shard.copy_(b.param_full[lo:lo + b.shard_size])
+                self._free(b)
+
+
+def sum_tied_grad_shards(grad_sync, copies, group):
+    """ZeRO-2/3 with pp > 1 and tied embeddings: the first stage's embedding and the last stage's head
+    each sit alone in a bucket, cut the same way, so the owned shards of their gradients are summed
+    across the two stages directly (the mean over dp commutes with the sum)."""
+    if group is None:
+        return
+    for p in copies:
+        dist.all_reduce(grad_sync.bucket_of(p).grad_shard, group=group)
 
 
 class ZeroOneAdamW(torch.optim.Optimizer):
-    """AdamW with its states partitioned across the data-parallel group (ZeRO stage 1).
+    """AdamW with its states partitioned across the data-parallel group (ZeRO stage 1; stages 2 and 3
+    with zero_stage).
 
     Takes parameter groups like torch.optim.AdamW (per-group lr and weight_decay) and owns the gradient
     averaging too (`self.grad_sync`, a sharded GradientBuckets): do not also all-reduce the gradients, or
     wrap the model in DistributedDataParallel, or they are reduced twice. Per step:
         backward (hooks reduce-scatter the buckets) -> grad_sync.finish() -> [clip] -> step() (AdamW on this
         rank's slice, then all-gather the updated slices)
+    zero_stage=2: the gradients are reduce-scattered every micro-batch and kept as shards only.
+    zero_stage=3: also the parameters (`units`: [(module or None, params)], see FullyShardedParameters;
+    `model` gets the root hook); step() updates the shards, and nothing is all-gathered after it.
     The update is torch.optim.AdamW's, element for element: decoupled weight decay p -= lr * wd * p, then
     p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps) (Loshchilov & Hutter 2019).
     The learning rate is read from self.param_groups at every step, so a schedule that writes
     group['lr'] reaches the update."""
 
     def __init__(self, params, group=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 bucket_size_mb=25.0, deferred=()):
+                 bucket_size_mb=25.0, deferred=(), zero_stage=1, units=None, model=None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.group = group
+        self.group, self.zero_stage = group, zero_stage
         all_params = [p for g in self.param_groups for p in g["params"]]
-        self.grad_sync = GradientBuckets(all_params, group, bucket_size_mb, shard=True, deferred=deferred)
+        self.grad_sync = GradientBuckets(all_params, group, bucket_size_mb, shard=True,
+                                         deferred=deferred if zero_stage == 1 else (),
+                                         every_microbatch=zero_stage >= 2,
+                                         units=[ps for _, ps in units] if zero_stage == 3 else None,
+                                         alone=deferred if zero_stage == 2 else ())
+        self.sharded = FullyShardedParameters(self.grad_sync, units, model) if zero_stage == 3 else None
         self.group_of = {p: g for g in self.param_groups for p in g["params"]}
         # the moments of this rank's slice only, created now so that their size can be reported at start-up
-        for p, start, end in self.grad_sync.owned_pieces():
+        self.slices = {}
+        for p, start, end, bucket, a, b in self.grad_sync.owned_slices():
+            self.slices[p] = (bucket, a, b)
             self.state[p] = {"step": torch.tensor(0.0), "flat_range": (start, end),
                              "exp_avg": torch.zeros(end - start, dtype=p.dtype, device=p.device),
                              "exp_avg_sq": torch.zeros(end - start, dtype=p.dtype, device=p.device)}
+
+    def owned_param(self, p):
+        """This rank's elements of p, flat: a view, so updating it updates p (ZeRO-3: p's shard)."""
+        start, end = self.state[p]["flat_range"]
+        bucket, a, b = self.slices[p]
+        return bucket.param_shard[a:b] if self.zero_stage == 3 else p.detach().view(-1)[start:end]
+
+    def owned_grad(self, p):
+        start, end = self.state[p]["flat_range"]
+        bucket, a, b = self.slices[p]
+        return p.grad.view(-1)[start:end] if self.zero_stage == 1 else bucket.grad_shard[a:b]
+
+    def grads(self):
+        """[(param, gradient tensor)]: every gradient element this rank holds, each once (ZeRO-1: whole
+        p.grad, zero off the owned range; ZeRO-2/3: the owned slices of the grad shards)."""
+        if self.zero_stage == 1:
+            return [(p, p.grad) for p in self.group_of if p.grad is not None]
+        return [(p, self.owned_grad(p)) for p in self.state]
+
+    def zero_grad(self, set_to_none=True):
+        super().zero_grad(set_to_none)
+        for bucket in self.grad_sync.buckets:
+            bucket.grad_shard = None
 
     @torch.no_grad()
     def step(self):
         for p, state in self.state.items():
             group = self.group_of[p]
             lr, wd, (beta1, beta2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
-            start, end = state["flat_range"]
-            param = p.view(-1)[start:end]  # a view: updating it updates p
-            grad = p.grad.view(-1)[start:end]
+            param, grad = self.owned_param(p), self.owned_grad(p)
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
             state["step"] += 1
             t = state["step"].item()
@@ -1398,7 +1654,10 @@ class ZeroOneAdamW(torch.optim.Optimizer):
             exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
             param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1 ** t))
-        self._all_gather_params()
+        if self.sharded is not None:
+            self.sharded.free_all()  # the next forward gathers the updated shards
+        else:
+            self._all_gather_params()
 
     def _all_gather_params(self):
         """Every rank updated its slice of each bucket; gather the slices so that every rank has the
@@ -1408,7 +1667,7 @@ class ZeroOneAdamW(torch.optim.Optimizer):
             return
         gathered = []
         for bucket in gs.buckets:
-            full = torch.empty_like(bucket.flat)
+            full = bucket.new_flat()
             for p, start in zip(bucket.params, bucket.offsets):
                 full[start:start + p.numel()].copy_(p.detach().reshape(-1))
             mine = full[gs.dp_rank * bucket.shard_size:(gs.dp_rank + 1) * bucket.shard_size].clone()

@@ -35,7 +35,7 @@ from configurator import ConfigError, configure
 from model import ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype, stage_layers
 from parallel import (SCHEDULES, GradientBuckets, PipelineComm, ZeroOneAdamW, format_grid, full_shape_of,
                       init_distributed, optimizer_state_bytes, pipeline_forward, run_schedule, split_for_every_rank,
-                      sync_tied_grads, tied_weight_group, zigzag_split)
+                      sum_tied_grad_shards, sync_tied_grads, tied_weight_group, zigzag_split)
 
 # -----------------------------------------------------------------------------
 # settings
@@ -199,9 +199,12 @@ def setup(cfg, training=True):
         if getattr(cfg, flag) and importlib.util.find_spec(package) is None:
             raise ValueError(f"{flag}=True needs the {package} package, which is not installed: pip install "
                              f"{package} (or set --{flag}=False)")
-    if cfg.zero_stage not in (0, 1):
-        raise ValueError(f"zero_stage must be 0 (plain AdamW) or 1 (optimizer states sharded across data-parallel "
-                         f"ranks), got {cfg.zero_stage}")
+    if cfg.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0 (plain AdamW), 1 (optimizer states sharded across data-parallel "
+                         f"ranks), 2 (and the gradients) or 3 (and the parameters), got {cfg.zero_stage}")
+    if cfg.zero_stage == 3 and cfg.compile:
+        raise ValueError("compile=True with zero_stage=3 is not supported yet (the blocks' gather and free hooks "
+                         "run outside a compiled graph): use --compile=False, or zero_stage=2")
     if cfg.pp_schedule not in SCHEDULES:
         raise ValueError(f"pp_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {cfg.pp_schedule!r}")
     hf_dir = None if cfg.init_from in ("scratch", "resume") else cfg.init_from  # a transformers model folder
@@ -291,9 +294,15 @@ def build(cfg, run):
     grad_sync = make_grad_sync(model, cfg, layout, optimizer, tied)
     # AdamW creates its two moments per parameter element at the first step; ZeroOneAdamW its slice's now
     unsharded = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    print0(layout, f"optimizer: ZeroOneAdamW, state {optimizer_state_bytes(optimizer) / 2**20:.2f} MiB on rank 0, about "
-                   f"1/{layout.dp_cp} of the unsharded {unsharded / 2**20:.2f} MiB"
+    print0(layout, f"optimizer: ZeroOneAdamW (ZeRO-{cfg.zero_stage}), state {optimizer_state_bytes(optimizer) / 2**20:.2f} "
+                   f"MiB on rank 0, about 1/{layout.dp_cp} of the unsharded {unsharded / 2**20:.2f} MiB"
                    if isinstance(optimizer, ZeroOneAdamW) else f"optimizer: AdamW, state {unsharded / 2**20:.2f} MiB per rank")
+    if cfg.zero_stage >= 2 and layout.dp_cp > 1:
+        m = cfg.gradient_accumulation_steps
+        print0(layout, f"ZeRO-{cfg.zero_stage}: the gradients are reduce-scattered after every one of the {m} "
+                       f"micro-batches ({m}x the reduce traffic of ZeRO-1, which sends them once per step) and kept "
+                       f"as 1/{layout.dp_cp} shards" + (f"; the parameters too: each block all-gathered before its "
+                       f"forward and again before its backward, every micro-batch" if cfg.zero_stage == 3 else ""))
     scaler = DynamicLossScaler(enabled=run.dtype == torch.float16)
     autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
     return SimpleNamespace(model=model, step_model=compile_model(model, cfg, layout), optimizer=optimizer,
@@ -307,11 +316,24 @@ def make_optimizer(model, cfg, device, layout, tied=()):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if cfg.zero_stage == 1:
+    if cfg.zero_stage >= 1:
         return ZeroOneAdamW(groups, layout.dp_cp_group, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                            bucket_size_mb=cfg.bucket_size_mb, deferred=tied)
+                            bucket_size_mb=cfg.bucket_size_mb, deferred=tied, zero_stage=cfg.zero_stage,
+                            units=zero3_units(model, tied) if cfg.zero_stage == 3 else None, model=model)
     # one kernel for the whole update; on CPU (torch >= 2.4) it was a third of a small model's step unfused
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
+
+
+def zero3_units(model, tied=()):
+    """ZeRO-3's units of parameters, in forward order: the root (this stage's embedding, final norm and
+    head, kept whole through the step), a tied weight alone (its shards are summed across stages), then one
+    unit per transformer block, gathered around its forward and its backward (parallel.py, section 5)."""
+    blocks = [(block, list(block.parameters())) for block in model.blocks.values()]
+    apart = {id(p) for _, params in blocks for p in params} | {id(p) for p in tied}
+    root = [p for p in model.parameters() if id(p) not in apart]
+    return [(None, root)] + [(None, [p]) for p in tied] + blocks
+
+
 
 
 def make_grad_sync(model, cfg, layout, optimizer, tied=()):
@@ -423,35 +445,52 @@ def forward_backward_step(parts, step_model, microbatches):
         actions = pipeline.actions(pipeline.comm.pp, pipeline.comm.stage, len(microbatches))
         loss = run_schedule(actions, step_model, microbatches, pipeline.comm, parts.autocast,
                             parts.scaler.loss_multiplier(), set_grad_sync)
-        sync_tied_grads(pipeline.tied_copies, pipeline.tied_group)
+        if not sharded_grads(parts.optimizer):
+            sync_tied_grads(pipeline.tied_copies, pipeline.tied_group)
     else:
         loss = forward_backward(step_model, microbatches, parts.autocast, parts.scaler.loss_multiplier(), set_grad_sync)
     # One rule at every layout: a parameter without a gradient (an expert no token reached) has a zero one,
     # as the data-parallel buckets give it. AdamW then steps every parameter alike (its moments decay, the
     # weight decays, one step counter for all), and every parameter has optimizer state to checkpoint.
-    for p in model.parameters():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    # (ZeRO-2/3: the gradients are the shards the buckets keep, zero where no token reached; p.grad is None)
+    if not sharded_grads(parts.optimizer):
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
     if grad_sync is not None:
         grad_sync.finish()  # waits for the data-parallel averaging launched during backward (after the tied sum)
+    if pipeline is not None and sharded_grads(parts.optimizer):
+        sum_tied_grad_shards(grad_sync, pipeline.tied_copies, pipeline.tied_group)
     return loss
 
 
-def global_grad_norm(model, layout, dp_sharded=False):
+def sharded_grads(optimizer):
+    """ZeRO-2 or 3: each rank keeps only its shard of the gradients (in the optimizer's buckets)."""
+    return isinstance(optimizer, ZeroOneAdamW) and optimizer.zero_stage >= 2
+
+
+def model_grads(model, optimizer):
+    """[(parameter, gradient)]: every gradient element this rank holds, each once."""
+    if isinstance(optimizer, ZeroOneAdamW):
+        return optimizer.grads()
+    return [(p, p.grad) for p in model.parameters() if p.grad is not None]
+
+
+def global_grad_norm(model, layout, grads, dp_sharded=False):
     """The norm of the whole model's gradient, the same on every rank whatever the layout. Tensor-sharded
     parameters contribute their slice on each tp rank; replicated ones (norms) are counted on tp rank 0
     only; pipeline stages hold disjoint blocks (a tied head's copy is not counted twice); data- and
     context-parallel replicas hold the same (already averaged) gradient and are counted once. With ZeRO-1
     (dp_sharded) each dp x cp rank holds the gradient of its own elements only (zero elsewhere): they add
-    up."""
-    copies = model.tied_copies()
+    up; so do ZeRO-2/3's owned gradient shards. `grads`: model_grads(model, optimizer)."""
+    copies = {id(p) for name, p in model.named_parameters() if name in model.tied_copies()}
     sq = torch.zeros((), device=next(model.parameters()).device, dtype=torch.float32)
-    for name, p in model.named_parameters():
-        if p.grad is None or name in copies:
+    for p, grad in grads:
+        if id(p) in copies:
             continue
         if getattr(p, "tp_shard_dim", None) is None and layout.tp_rank != 0:
             continue
-        sq += p.grad.detach().float().pow(2).sum()
+        sq += grad.detach().float().pow(2).sum()
     if layout.world_size > 1:
         if not dp_sharded:
             sq /= layout.dp_cp  # every dp x cp replica adds the same amount
@@ -459,10 +498,9 @@ def global_grad_norm(model, layout, dp_sharded=False):
     return sq.sqrt()
 
 
-def scale_grads(model, factor):
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.mul_(factor)
+def scale_grads(grads, factor):
+    for _, grad in grads:
+        grad.mul_(factor)
 
 
 def train_step(cfg, layout, parts, microbatches, lr):
@@ -487,11 +525,12 @@ def train_step(cfg, layout, parts, microbatches, lr):
         optimizer.zero_grad(set_to_none=True)  # whatever the failed attempt accumulated
         parts.step_model = model
         loss = forward_backward_step(parts, model, microbatches)
+    grads = model_grads(model, optimizer)
     if scaler.enabled:
-        scale_grads(model, 1.0 / scaler.scale)
-    grad_norm = global_grad_norm(model, layout, dp_sharded=isinstance(optimizer, ZeroOneAdamW))
+        scale_grads(grads, 1.0 / scaler.scale)
+    grad_norm = global_grad_norm(model, layout, grads, dp_sharded=isinstance(optimizer, ZeroOneAdamW))
     if cfg.grad_clip > 0:
-        scale_grads(model, (cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0))
+        scale_grads(grads, (cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0))
     if scaler.update(grad_norm.item() if scaler.enabled else 0.0):  # host-device sync with fp16 only
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -557,7 +596,11 @@ def save_checkpoint(cfg, run, parts, step, converted=False):
     extra = {"torch_rng": torch.get_rng_state()}
     if torch.cuda.is_available():
         extra["cuda_rng"] = torch.cuda.get_rng_state()
-    return checkpoint.save(cfg.out_dir, step, layout.rank, layout.world_size, checkpoint.model_pieces(model, layout),
+    # ZeRO-3: each rank saves the slices of the parameters it stores (flat ranges, as the moments)
+    shards = ({p: optimizer.owned_param(p) for p in optimizer.state}
+              if isinstance(optimizer, ZeroOneAdamW) and optimizer.zero_stage == 3 else None)
+    return checkpoint.save(cfg.out_dir, step, layout.rank, layout.world_size,
+                           checkpoint.model_pieces(model, layout, shards, optimizer),
                            checkpoint.optimizer_pieces(optimizer, model, layout), meta, extra, cfg.keep_last_n)
 
 
@@ -566,7 +609,9 @@ def resume(path, run, parts):
     scaler; returns its step. If a rank cannot read it, every rank falls back to the previous complete
     checkpoint (checkpoint.open_for_resume decides for all of them together)."""
     reader = checkpoint.open_for_resume(path, run.model_cfg, lambda text: print0(run.layout, text))
-    checkpoint.load_model(parts.model, reader)
+    sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: load whole, keep this rank's slices
+    with sharded.whole_model(write_back=True) if sharded is not None else nullcontext():
+        checkpoint.load_model(parts.model, reader)
     if reader.meta.get("converted_from"):  # a model converted from transformers has no optimizer state
         print0(run.layout, f"a model converted from {reader.meta['converted_from']}: a fresh optimizer")
     else:

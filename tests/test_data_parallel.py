@@ -49,7 +49,7 @@ def assert_same_run(records, ckpt_path, reference):
     assert_same_tensors(checkpoint_weights(ckpt_path), checkpoint_weights(ref_ckpt))
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_dp2_gives_the_losses_and_final_weights_of_one_process(zero_stage, data_dir, reference, tmp_path):
     records, proc = run_train(TINY + PER_RANK_AT_DP2 + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
                                                         f"--zero_stage={zero_stage}"], nproc=2)
@@ -58,6 +58,16 @@ def test_dp2_gives_the_losses_and_final_weights_of_one_process(zero_stage, data_
     state = [r["optimizer_state_bytes"] for r in records if "optimizer_state_bytes" in r]
     full = 2 * 4 * sum(p.numel() for p in checkpoint_weights(reference[1]).values())  # two fp32 moments
     assert state[-1] == pytest.approx(full / (2 if zero_stage else 1), rel=0.01)
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_dp4_zero2_and_zero3_give_the_losses_and_final_weights_of_one_process(zero_stage, data_dir, reference,
+                                                                               tmp_path):
+    """Four replicas of one window each: the bucket and unit shards are cut four ways (with padding)."""
+    records, proc = run_train(TINY + ["--batch_size=1", f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
+                                      f"--zero_stage={zero_stage}"], nproc=4)
+    assert "dp=4 x tp=1 x pp=1" in proc.stdout and f"ZeRO-{zero_stage}: the gradients are reduce-scattered" in proc.stdout
+    assert_same_run(records, os.path.join(tmp_path, f"ckpt_{STEPS:07d}"), reference)
 
 
 # -----------------------------------------------------------------------------
