@@ -70,6 +70,15 @@ def test_dp4_zero2_and_zero3_give_the_losses_and_final_weights_of_one_process(ze
     assert_same_run(records, os.path.join(tmp_path, f"ckpt_{STEPS:07d}"), reference)
 
 
+def test_dp2_pp2_zero2_sums_the_tied_embedding_shards_across_stages(data_dir, reference, tmp_path):
+    """pp=2 with tied embeddings: the embedding (stage 0) and the head (stage 1) each sit alone in a bucket,
+    and the owned shards of their gradients are summed across the stages (parallel.sum_tied_grad_shards)."""
+    records, proc = run_train(TINY + PER_RANK_AT_DP2 + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
+                                                        "--zero_stage=2", "--pp=2"], nproc=4)
+    assert "dp=2 x tp=1 x pp=2" in proc.stdout
+    assert_same_run(records, os.path.join(tmp_path, f"ckpt_{STEPS:07d}"), reference)
+
+
 # -----------------------------------------------------------------------------
 # ZeroOneAdamW and GradientBuckets on their own, against torch.optim.AdamW
 
