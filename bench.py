@@ -143,6 +143,7 @@ def run(cfg, bench, setup):
             losses[r.name] = r.step(i)
             times[r.name].append(time.perf_counter() - start)
     peak_mem = metrics.peak_memory_bytes(dev, layout)
+    memory = measure_memory(cfg, setup, runners[0], bench.warmup_steps + bench.bench_steps)
 
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     peak, peak_why = metrics.device_peak_flops(cfg.peak_flops, dev, ptdtype)
@@ -166,13 +167,31 @@ def run(cfg, bench, setup):
                       world_size=layout.world_size, dp=layout.dp, cp=layout.cp, tp=layout.tp, pp=layout.pp,
                       sequence_parallel=cfg.sequence_parallel,
                       compiled=step_model_kind(runners[0]) == "compiled", peak_flops=peak,
-                      tokens_per_step=tokens_per_step, threads=torch.get_num_threads())
+                      tokens_per_step=tokens_per_step, threads=torch.get_num_threads(), zero_stage=cfg.zero_stage,
+                      memory=memory)
         if bench.reference:
             ref = results["reference GPT"]
             result.update(reference_tokens_per_sec=ref["tokens_per_sec"], reference_ms_per_step=ref["ms_per_step"],
                           reference_mfu=ref["mfu"], speedup_vs_reference=results["picotron"]["tokens_per_sec"] / ref["tokens_per_sec"])
         print("RESULT " + json.dumps(result), flush=True)
     return results
+
+
+def measure_memory(cfg, setup, picotron, step):
+    """One more, untimed step, its peak measured on every rank (metrics.measure_step_memory) beside the
+    planner's prediction for the rank's stage: [{rank, dp_rank, cp_rank, tp_rank, pp_rank, predicted_bytes,
+    measured_bytes, ...the planned parts}] for every rank, on rank 0."""
+    layout = setup.layout
+    plan = metrics.plan_for(cfg, setup.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))[layout.pp_rank]
+    measured = metrics.measure_step_memory(lambda: picotron.step(step), setup.dev)
+    mine = {"rank": layout.rank, "dp_rank": layout.dp_rank, "cp_rank": layout.cp_rank, "tp_rank": layout.tp_rank,
+            "pp_rank": layout.pp_rank, "predicted_bytes": int(plan["peak"]), "measured_bytes": int(measured),
+            "planned": {k: int(v) for k, v in plan.items() if k not in ("stage", "peak")}}
+    rows = [mine]
+    if layout.world_size > 1:
+        rows = [None] * layout.world_size
+        dist.all_gather_object(rows, mine)
+    return rows
 
 
 def step_model_kind(picotron):
