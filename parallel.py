@@ -1665,17 +1665,21 @@ class ZeroOneAdamW(torch.optim.Optimizer):
         gs = self.grad_sync
         if gs.dp == 1:
             return
+        # two buckets in flight at a time: ZeRO-2 keeps no full-size flat buffer, and must not make one here
         gathered = []
-        for bucket in gs.buckets:
-            full = bucket.new_flat()
-            for p, start in zip(bucket.params, bucket.offsets):
-                full[start:start + p.numel()].copy_(p.detach().reshape(-1))
-            mine = full[gs.dp_rank * bucket.shard_size:(gs.dp_rank + 1) * bucket.shard_size].clone()
-            gathered.append((bucket, full, _all_gather_single(full, mine, group=self.group, async_op=True)))
-        for bucket, full, work in gathered:
-            work.wait()
-            for p, start in zip(bucket.params, bucket.offsets):
-                p.detach().copy_(full[start:start + p.numel()].view_as(p))
+        for bucket in gs.buckets + [None]:
+            if bucket is not None:
+                full = bucket.new_flat()
+                for p, start in zip(bucket.params, bucket.offsets):
+                    full[start:start + p.numel()].copy_(p.detach().reshape(-1))
+                mine = full[gs.dp_rank * bucket.shard_size:(gs.dp_rank + 1) * bucket.shard_size].clone()
+                gathered.append((bucket, full, _all_gather_single(full, mine, group=self.group, async_op=True)))
+            if len(gathered) == 2 or bucket is None:
+                for done, full, work in gathered[:len(gathered) - (bucket is not None)]:
+                    work.wait()
+                    for p, start in zip(done.params, done.offsets):
+                        p.detach().copy_(full[start:start + p.numel()].view_as(p))
+                gathered = gathered[len(gathered) - (bucket is not None):]
 
 
 def optimizer_state_bytes(optimizer):
