@@ -658,11 +658,24 @@ def train(cfg, run, resume_path=None):
                    f"= {tokens_per_step:,} tokens per step")
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
                                           cfg.gradient_accumulation_steps, run.dev)
+    plan = metrics.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))
+    print0(layout, "predicted " + metrics.format_plan(plan))
     timer, timed_steps = time.time(), 0
     micro = batches(step)
+    measured = None
     while step < cfg.max_iters:
         lr = get_lr(step, cfg)
-        loss, grad_norm = train_step(cfg, layout, parts, micro, lr)
+        if measured is None:  # the first step's peak, measured (its time includes the CPU tracker's)
+            out = []
+            peak_bytes = metrics.measure_step_memory(lambda: out.append(train_step(cfg, layout, parts, micro, lr)), run.dev)
+            (loss, grad_norm), = out
+            measured = memory_rows(layout, plan[layout.pp_rank]["peak"], peak_bytes, step + 1)
+            for row in measured:
+                print0(layout, f"memory rank {row['rank']} (dp {row['dp_rank']} tp {row['tp_rank']} pp {row['pp_rank']}): "
+                               f"predicted {row['predicted_bytes'] / 2**20:,.1f} MiB, measured "
+                               f"{row['measured_bytes'] / 2**20:,.1f} MiB (step {step + 1})")
+        else:
+            loss, grad_norm = train_step(cfg, layout, parts, micro, lr)
         step += 1
         timed_steps += 1
         last = step == cfg.max_iters
@@ -679,6 +692,8 @@ def train(cfg, run, resume_path=None):
             record["peak_mem_bytes"] = metrics.peak_memory_bytes(run.dev, layout)
             if model_cfg.n_expert > 0:
                 record.update(metrics.moe_metrics(parts.model, layout))
+            if measured is not None and step == measured[0]["step"]:
+                record["memory"] = measured  # every rank's predicted and measured peak, once
             eta = (cfg.max_iters - step) * elapsed / timed_steps  # training steps only: evals and saves come on top
             print0(layout, f"step {step:6d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
                            f"{record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step | "
@@ -700,6 +715,17 @@ def train(cfg, run, resume_path=None):
             timer, timed_steps = time.time(), 0
     log.close()
     return parts.model
+
+
+def memory_rows(layout, predicted, measured, step):
+    """[{rank, dp_rank, cp_rank, tp_rank, pp_rank, predicted_bytes, measured_bytes, step}] of every rank."""
+    mine = {"rank": layout.rank, "dp_rank": layout.dp_rank, "cp_rank": layout.cp_rank, "tp_rank": layout.tp_rank,
+            "pp_rank": layout.pp_rank, "predicted_bytes": int(predicted), "measured_bytes": int(measured), "step": step}
+    rows = [mine]
+    if layout.world_size > 1:
+        rows = [None] * layout.world_size
+        dist.all_gather_object(rows, mine)
+    return rows
 
 
 def convert(cfg, run, parts):
