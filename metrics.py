@@ -313,8 +313,10 @@ def format_duration(seconds):
 #   loss         the last stage: the chunked loss keeps its input and weight gradients (N x C and V x C,
 #                fp32) from forward to backward, and one chunk's logits while it runs; without it
 #                (tp > 1) the vocab-parallel logits and their softmax
-# The peak is their sum: with m >= 2 micro-batches the accumulated gradients are alive while the last
-# micro-batch's activations are (with m = 1 the sum is an upper bound). Not modelled, said where it
+#   buffers      ZeRO-2/3, at the end of backward: the last gradients in flight (see plan_memory)
+# The peak is the states (parameters, gradients, optimizer) plus the larger of activations + loss (the
+# last micro-batch's forward done) and buffers (its backward ending): with m >= 2 micro-batches the
+# accumulated gradients of ZeRO-0/1 are alive at both moments (with m = 1 this is an upper bound). Not modelled, said where it
 # applies: fp16/bf16 autocast's cast copies (counted at the activation dtype), the eager attention's
 # (B, H, T, T) scores, MLA, context parallelism's ring buffers.
 
@@ -375,6 +377,18 @@ def block_activation_elements(model_cfg, tokens, tp, sequence_parallel=False):
     return residual + blocks_norms * norm + attn + mlp
 
 
+def bucket_elements(param_elements, capacity):
+    """The elements of each gradient bucket parallel.GradientBuckets makes of parameters of these sizes
+    (one dtype): filled in backward order, closed once they reach capacity."""
+    sizes, current = [], 0
+    for n in reversed(param_elements):
+        current += n
+        if current >= capacity:
+            sizes.append(current)
+            current = 0
+    return sizes + ([current] if current else [])
+
+
 def in_flight_microbatches(schedule, pp, stage, m):
     """Micro-batches whose activations a stage holds at once: all m under 'afab' (all forward, all
     backward), pp - stage under '1f1b', one without a pipeline."""
@@ -411,8 +425,16 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
             params += (root + min(2, blocks) * biggest_block) * param_bytes
         if zero_stage >= 2:
             grads = (sum(shard(n) for n in block_elems) + shard(root)) * param_bytes
-            unit = biggest_block * param_bytes if zero_stage == 3 else bucket
-            buffers += min(3 * unit, P * param_bytes)
+            # at the end of backward, in flight at once: autograd's gradient of the largest parameter before
+            # it is copied into its bucket (a weight tied within the stage: the head's part, the embedding's
+            # part and their sum), that bucket's flat buffer, and the bucket launched before it
+            if zero_stage == 3:
+                sizes = sorted(block_elems + [root], reverse=True)
+            else:
+                sizes = sorted(bucket_elements(list(elements.values()), bucket // param_bytes), reverse=True)
+            tied_here = model_cfg.tie_embeddings and pp == 1
+            largest = max(elements.values()) * (3 if tied_here else 1)
+            buffers += (largest + sizes[0] + (sizes[1] if len(sizes) > 1 else 0)) * param_bytes
         else:
             grads = P * param_bytes * (2 if (replicas > 1 or zero_stage == 1) else 1)
         optimizer = 2 * (P if zero_stage == 0 else -(-P // replicas)) * param_bytes
@@ -431,7 +453,9 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
                 loss = (final_norm * act_bytes + (N * C + V * C) * 4) * held + chunk * model_cfg.vocab_size * 4
             else:
                 loss = (final_norm * act_bytes + N * C * act_bytes + N * (V // tp) * 4) * held + 2 * N * (V // tp) * 4
-        peak = params + grads + optimizer + activations + loss + buffers
+        # two moments: the last micro-batch's forward done (every activation and the loss's gradients
+        # alive), and the end of its backward (activations gone, the last gradients in flight)
+        peak = params + grads + optimizer + max(activations + loss, buffers)
         stages.append({"stage": stage, "parameters": params, "gradients": grads, "optimizer": optimizer,
                        "activations": activations, "loss": loss, "buffers": buffers, "peak": peak})
     return stages

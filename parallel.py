@@ -12,8 +12,10 @@ order a reader learns them.
      and values travel round the ranks; a custom autograd function, forward and backward).
   4. Pipeline parallelism: each schedule written once as every stage's ordered list of forward and
      backward actions, one executor that walks the list on a real stage, and the tied-weight sync.
-  5. Data parallelism and ZeRO-1: gradients averaged in buckets from backward hooks (GradientBuckets), and
-     an AdamW whose states are split across data-parallel ranks (ZeroOneAdamW).
+  5. Data parallelism and ZeRO: gradients averaged in buckets from backward hooks (GradientBuckets), an
+     AdamW whose states are split across data-parallel ranks (ZeroOneAdamW, ZeRO-1), the gradients kept
+     as shards too (ZeRO-2), and the parameters, gathered block by block around their use
+     (FullyShardedParameters, ZeRO-3).
   Last, the timeline printer: the same action lists drawn in time slots
      (python parallel.py --schedule 1f1b --pp 4 --microbatches 8).
 
@@ -26,7 +28,8 @@ Recomputation in Large Transformer Models" (sequence parallelism, section 4.2.2)
 Attention with Blockwise Transformers for Near-Infinite Context"; Dubey et al. 2024, "The Llama 3 Herd of
 Models" (the load-balanced split, section 3.3.2); Huang et al. 2019, "GPipe" (all forward, all backward);
 Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
-(1F1B, section 2.2.1); Rajbhandari et al. 2020, "ZeRO" (section 5.1).
+(1F1B, section 2.2.1); Rajbhandari et al. 2020, "ZeRO" (sections 5.1-5.3); Zhao et al. 2023, "PyTorch
+FSDP: Experiences on Scaling Fully Sharded Data Parallel".
 """
 import argparse
 import itertools
@@ -1183,7 +1186,7 @@ def sync_tied_grads(copies, group):
 
 
 # -----------------------------------------------------------------------------
-# 5. Data parallelism and ZeRO-1
+# 5. Data parallelism and ZeRO-1, 2, 3
 #
 # Every data-parallel rank holds the same parameters and runs its own slice of the global batch, so its
 # gradient is the mean over its slice; the mean over the whole batch is the average of the ranks'
@@ -1205,6 +1208,14 @@ def sync_tied_grads(copies, group):
 #
 # The slices are cut from each bucket's flat buffer, padded to a multiple of dp, not handed out tensor by
 # tensor: every rank gets the same number of elements (within the padding), whatever the tensor sizes.
+#
+# ZeRO stage 2 (section 5.2) keeps only the owned slice of the gradients as well. Holding them whole
+# until the last micro-batch would be ZeRO-1's memory, so every micro-batch's gradients are
+# reduce-scattered and added into the slice (DeepSpeed's way: with m micro-batches, m times ZeRO-1's
+# reduce traffic); each bucket's flat buffer lives only from its first gradient until its reduce-scatter
+# has landed (at most two launched buckets are waited for at a time), and p.grad is dropped the moment it
+# is copied into its bucket. After the step the updated slices are all-gathered, as in ZeRO-1, two
+# buckets at a time. ZeRO-3 (section 5.3) follows, after GradientBuckets.
 #
 # A bucket is one flat tensor, so it holds parameters of one dtype only: a parameter whose dtype differs
 # from the one before it starts a new bucket.
