@@ -453,9 +453,18 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
                 loss = (final_norm * act_bytes + (N * C + V * C) * 4) * held + chunk * model_cfg.vocab_size * 4
             else:
                 loss = (final_norm * act_bytes + N * C * act_bytes + N * (V // tp) * 4) * held + 2 * N * (V // tp) * 4
-        # two moments: the last micro-batch's forward done (every activation and the loss's gradients
-        # alive), and the end of its backward (activations gone, the last gradients in flight)
-        peak = params + grads + optimizer + max(activations + loss, buffers)
+        # Two moments. The forward of the micro-batch that brings the stage to `held` in flight done:
+        # its activations and the loss's gradients alive, and ZeRO-0/1's p.grad only if a backward ran
+        # before it in the step (m > held); otherwise the largest is either that forward, without p.grad,
+        # or the first backward's end, with p.grad and one micro-batch fewer. And the end of a backward
+        # (ZeRO-2/3: activations gone, the last gradients in flight).
+        forward = activations + loss
+        accumulated = P * param_bytes if zero_stage < 2 else 0  # autograd's p.grad (ZeRO-0/1)
+        if microbatches > held:
+            at_forward = accumulated + forward
+        else:
+            at_forward = max(forward, accumulated + forward * (held - 1) / held)
+        peak = params + (grads - accumulated) + optimizer + max(at_forward, buffers)
         stages.append({"stage": stage, "parameters": params, "gradients": grads, "optimizer": optimizer,
                        "activations": activations, "loss": loss, "buffers": buffers, "peak": peak})
     return stages

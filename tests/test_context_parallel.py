@@ -268,7 +268,8 @@ def five_steps(layout, model_overrides=None, **setting_overrides):
     copies = parts.model.tied_copies()
     sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: the parameters gathered to be read
     with sharded.whole_model() if sharded is not None else nullcontext():
-        weights = {name: gather_full(p.detach(), p, layout.tp_group).numpy()
+        # (a copy: numpy() would pin the storage that ZeRO-3 frees by resizing it)
+        weights = {name: gather_full(p.detach().clone(), p, layout.tp_group).numpy()
                    for name, p in parts.model.named_parameters() if name not in copies}
     return records, weights if layout.dp_cp_rank == 0 and layout.tp_rank == 0 else {}
 
