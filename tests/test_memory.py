@@ -39,6 +39,9 @@ BENCH_LAYOUTS = {
     "dp2_zero1": (["--batch_size=2", "--zero_stage=1"], 2),
     "dp2_zero2": (["--batch_size=2", "--zero_stage=2"], 2),
     "dp2_zero3": (["--batch_size=2", "--zero_stage=3"], 2),
+    "dp4_zero0": (["--batch_size=1", "--zero_stage=0"], 4),
+    "dp4_zero1": (["--batch_size=1", "--zero_stage=1"], 4),
+    "dp4_zero2": (["--batch_size=1", "--zero_stage=2"], 4),
     "dp4_zero3": (["--batch_size=1", "--zero_stage=3"], 4),
     "tp2": (["--batch_size=4", "--tp=2"], 2),
     "pp2_1f1b": (["--batch_size=2", "--pp=2", "--pp_schedule=1f1b", "--gradient_accumulation_steps=4"], 2),
@@ -100,10 +103,59 @@ def test_zero2_and_zero3_shard_what_they_promise(suite_rows):
         assert saved_measured > 0.5 * saved_planned, (a, b, saved_measured, saved_planned)
 
 
+def _speed_of_each_zero_stage(rank, world_size, steps):
+    """Every ZeRO stage's model, optimizer and step built side by side in one launch (train.build), their
+    steps timed in turn, so that each sees the same machine. Returns {stage: median seconds per step}."""
+    import statistics
+    import time
+    from dataclasses import fields
+    from types import SimpleNamespace
+
+    import torch
+    import settings
+    import train
+    from model import ModelConfig
+    from parallel import ParallelLayout
+
+    layout = ParallelLayout(world_size, 1, 1, world_size, rank)
+    values = {**settings.DEFAULTS, "n_layer": 4, "n_embd": 128, "n_head": 4, "n_kv_head": 2, "block_size": 64,
+              "vocab_size": 8192, "batch_size": 2, "gradient_accumulation_steps": 2, "bucket_size_mb": 0.25,
+              "device": "cpu", "dtype": "float32", "dp": world_size}
+    model_cfg = ModelConfig(**{f.name: values[f.name] for f in fields(ModelConfig)})
+    run = SimpleNamespace(dev=torch.device("cpu"), dtype=torch.float32, layout=layout, datasets={},
+                          model_cfg=model_cfg, attn_impl="sdpa", tokenizer="gpt2", hf_dir=None)
+    built = {}
+    for stage in (0, 1, 2, 3):
+        cfg = SimpleNamespace(**dict(values, zero_stage=stage))
+        built[stage] = (cfg, train.build(cfg, run))
+    g = torch.Generator().manual_seed(rank)
+    times = {stage: [] for stage in built}
+    for step in range(steps + 1):
+        micro = [(torch.randint(0, 8192, (2, 64), generator=g), torch.randint(0, 8192, (2, 64), generator=g))
+                 for _ in range(2)]
+        for stage, (cfg, parts) in built.items():
+            start = time.perf_counter()
+            loss, _ = train.train_step(cfg, layout, parts, micro, 1e-3)
+            train.mean_across_ranks(loss, layout).item()
+            if step:  # the first is warm-up
+                times[stage].append(time.perf_counter() - start)
+    return {stage: statistics.median(t) for stage, t in times.items()}
+
+
+if __name__ == "__main__" and "--speed" in sys.argv:
+    from dist_utils import run_ranks
+    seconds = run_ranks(_speed_of_each_zero_stage, 2, 10)[0]
+    tokens = 2 * 2 * 2 * 64  # batch_size x micro-batches x dp x block_size
+    for stage, s in seconds.items():
+        print(f"zero_stage {stage}: {tokens / s:,.0f} tokens/s ({1000 * s:.0f} ms/step), dp=2, one launch")
+
 if __name__ == "__main__" and "--measure" in sys.argv:
     worst = 0.0
+    only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), None)
     for name, (argv, nproc) in BENCH_LAYOUTS.items():
+        if only and name not in only:
+            continue
         rows = memory_rows(WIDE, argv, nproc)
         print(report(name, rows), flush=True)
         worst = max(worst, max(abs(relative_error(r)) for r in rows))
-    print(f"worst error over {len(BENCH_LAYOUTS)} layouts: {worst:.1%}")
+    print(f"worst error over these layouts: {worst:.1%}")
