@@ -7,13 +7,20 @@ Time picotron's training step: tokens/s, ms/step, MFU and peak memory, for any c
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --tp=2 --dp=2
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --cp=2 --tp=2 --sequence_parallel=True \
         --block_size=1024
+    torchrun --nproc_per_node=2 bench.py --pp=2 --gradient_accumulation_steps=8 \
+        --schedules=1f1b,zero_bubble,interleaved_1f1b:2,zbv:2
 
 Every training setting works here (settings.py), and the model, optimizer and step are train.py's own
 (setup, build, train_step), so this times exactly what training runs, in whatever layouts train.py
 supports. Bench-only settings: --warmup_steps (untimed steps first: compiling, allocator and thread
 warm-up), --bench_steps (timed steps), --reference=True (also time the plain GPT at the end of this file at
-the same size, step by step in turn with picotron's, so both see the same machine). Tokens are random
-unless --data_dir is given on the command line. The last line printed is `RESULT {json}`, for scripts.
+the same size, step by step in turn with picotron's, so both see the same machine), --schedules (pp > 1:
+time several pipeline schedules the same way, each its own model, and measure each one's bubble from a
+traced step and its peak activations per rank), --profile_steps (after the timed steps, that many more
+under torch.profiler: where a step's time goes) and --profile_trace (the same as a Chrome trace file).
+Tokens are random unless --data_dir is given on the command line. The last line printed is
+`RESULT {json}`, for scripts; first_step_s in it is the first step's time, which holds the compilation
+with compile=True.
 """
 import json
 import math
@@ -32,12 +39,20 @@ import metrics
 import settings
 import train
 from configurator import ConfigError, Setting, configure, section
+from model import check_layout
+from parallel import check_schedule, ideal_bubble
 
 BENCH = section(
     "bench.py's own",
     Setting("warmup_steps", 3, "untimed steps first (compiling, allocator and thread warm-up)"),
     Setting("bench_steps", 10, "timed steps; the median is reported"),
     Setting("reference", False, "also time the plain GPT at the end of bench.py, step by step in turn"),
+    Setting("schedules", "", "pp > 1: pipeline schedules to time side by side in turn, comma-separated, each "
+            "pp_schedule or pp_schedule:pp_chunks (1f1b,zero_bubble,interleaved_1f1b:2,zbv:2)"),
+    Setting("profile_steps", 0, "after the timed steps, this many more under torch.profiler: prints where the "
+            "time goes"),
+    Setting("profile_trace", "", "with profile_steps: also write the profile here as a Chrome trace (.json or "
+            ".json.gz)"),
 )
 
 
@@ -45,14 +60,30 @@ def parse_args(argv):
     """bench.py's settings and the training settings, from one command line."""
     values, _ = configure(settings.TRAINING + BENCH, argv, usage=__doc__)
     settings.check_values(values)
-    if values["bench_steps"] < 1 or values["warmup_steps"] < 0:
-        raise ConfigError(f"bench_steps = {values['bench_steps']} must be >= 1 and warmup_steps = "
-                          f"{values['warmup_steps']} >= 0")
+    if values["bench_steps"] < 1 or values["warmup_steps"] < 0 or values["profile_steps"] < 0:
+        raise ConfigError(f"bench_steps = {values['bench_steps']} must be >= 1, warmup_steps = "
+                          f"{values['warmup_steps']} and profile_steps = {values['profile_steps']} >= 0")
     bench = SimpleNamespace(**{s.name: values.pop(s.name) for s in BENCH})
     cfg = SimpleNamespace(**values)
     if not any(a.startswith("--data_dir=") for a in argv):
         cfg.data_dir = None  # random tokens: a config file's data_dir is not needed to time a step
+    bench.variants = schedule_variants(cfg, bench.schedules)
     return cfg, bench
+
+
+def schedule_variants(cfg, schedules):
+    """[(label, cfg with that pp_schedule and pp_chunks)] from --schedules, each checked as train.py would."""
+    variants = []
+    for item in filter(None, (part.strip() for part in schedules.split(","))):
+        name, _, chunks = item.partition(":")
+        if chunks and not chunks.isdigit():
+            raise ConfigError(f"schedules: {item!r} is not pp_schedule or pp_schedule:pp_chunks (a number)")
+        if cfg.pp == 1:
+            raise ConfigError("schedules compares pipeline schedules: set --pp to 2 or more")
+        variant = SimpleNamespace(**{**vars(cfg), "pp_schedule": name, "pp_chunks": int(chunks or 1)})
+        check_schedule(name, cfg.pp, cfg.gradient_accumulation_steps, variant.pp_chunks)
+        variants.append((item, variant))
+    return variants
 
 
 def random_microbatches(cfg, layout, vocab_size, step, device):
@@ -69,10 +100,10 @@ def random_microbatches(cfg, layout, vocab_size, step, device):
 
 class Picotron:
     """train.py's training step, one call per step."""
-    name = "picotron"
 
-    def __init__(self, cfg, run):
-        self.cfg, self.run, self.dev, self.layout = cfg, run, run.dev, run.layout
+    def __init__(self, cfg, run, name="picotron"):
+        check_layout(run.model_cfg, run.layout.tp, run.layout.pp, cfg.pp_chunks)
+        self.name, self.cfg, self.run, self.dev, self.layout = name, cfg, run, run.dev, run.layout
         self.parts = train.build(cfg, run)  # the pipeline's channel runs the world's first collective (NCCL)
         self.autocast = self.parts.autocast
         self.flops_per_token = metrics.flops_per_token(run.model_cfg)
@@ -83,10 +114,22 @@ class Picotron:
                                            step, self.cfg.gradient_accumulation_steps, self.dev)
         return random_microbatches(self.cfg, self.layout, self.run.model_cfg.vocab_size, step, self.dev)
 
-    def step(self, i):
+    def step(self, i, trace=None):
         """One training step; returns its loss as a float, which waits for the device (and every rank)."""
-        loss, _ = train.train_step(self.cfg, self.layout, self.parts, self.batches(i), train.get_lr(i, self.cfg))
+        loss, _ = train.train_step(self.cfg, self.layout, self.parts, self.batches(i), train.get_lr(i, self.cfg), trace)
         return train.mean_across_ranks(loss, self.layout).item()
+
+    def measure_pipeline(self, i):
+        """Two more steps: one traced (each pipeline rank's measured bubble), one counting the activations held
+        for backward (each rank's peak bytes). Lists by pipeline rank, on every rank."""
+        trace = metrics.PipelineTrace(self.dev)
+        self.step(i, trace)
+        bubble = metrics.measured_bubble(metrics.pipeline_values(trace.times(), self.layout))
+        with metrics.ActivationMemory(self.parts.model, self.parts.pipeline.weight_grad_stores or ()) as memory:
+            self.step(i + 1, memory)
+        return {"measured_bubble": bubble, "peak_activation_bytes": metrics.pipeline_values(memory.peak, self.layout),
+                "ideal_bubble": ideal_bubble(self.cfg.pp_schedule, self.layout.pp, self.cfg.gradient_accumulation_steps,
+                                             self.cfg.pp_chunks)}
 
 
 class ReferenceGPT:
@@ -127,12 +170,15 @@ def reset_peak_memory(dev):
 
 def run(cfg, bench, setup):
     dev, ptdtype, layout, model_cfg = setup.dev, setup.dtype, setup.layout, setup.model_cfg
-    runners = [Picotron(cfg, setup)]
+    runners = [Picotron(variant, setup, name) for name, variant in bench.variants] or [Picotron(cfg, setup)]
     if bench.reference:
         runners.append(ReferenceGPT(runners[0]))
+    first_step_s = {}
     for r in runners:
         for i in range(bench.warmup_steps):
+            start = time.perf_counter()
             r.step(i)
+            first_step_s.setdefault(r.name, time.perf_counter() - start)
     reset_peak_memory(dev)
     # the runners take turns step by step, so a machine that speeds up or slows down affects them alike
     times = {r.name: [] for r in runners}
@@ -143,7 +189,12 @@ def run(cfg, bench, setup):
             losses[r.name] = r.step(i)
             times[r.name].append(time.perf_counter() - start)
     peak_mem = metrics.peak_memory_bytes(dev, layout)
-    memory = measure_memory(cfg, setup, runners[0], bench.warmup_steps + bench.bench_steps)
+    step = bench.warmup_steps + bench.bench_steps
+    pipeline = {r.name: r.measure_pipeline(step) for r in runners if bench.variants}
+    step += 2 if bench.variants else 0  # (measure_pipeline ran two more steps)
+    profile = profile_steps(runners[0], step, bench.profile_steps, bench.profile_trace) if bench.profile_steps else None
+    memory = measure_memory(cfg, setup, runners[0], step)
+    step += 1
 
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     peak, peak_why = metrics.device_peak_flops(cfg.peak_flops, dev, ptdtype)
@@ -155,24 +206,30 @@ def run(cfg, bench, setup):
                            "ms_per_step_min": 1000 * min(times[r.name]), "ms_per_step_max": 1000 * max(times[r.name]),
                            "flops_per_token": r.flops_per_token,
                            "mfu": metrics.mfu(r.flops_per_token, tokens_per_sec, peak, layout.world_size),
-                           "loss": losses[r.name]}
+                           "loss": losses[r.name], "first_step_s": first_step_s.get(r.name)}
+        results[r.name].update(pipeline.get(r.name, {}))
     # the process's peak memory covers whatever ran in it: with the reference alongside it is both models'
-    results["picotron"]["peak_mem_bytes"] = peak_mem
+    main = runners[0].name
+    results[main]["peak_mem_bytes"] = peak_mem
 
     if layout.rank == 0:
         print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak_why, step_model_kind(runners[0]))
-        if bench.reference:
-            print("(peak memory is the whole process's: both models, as they ran side by side)")
-        result = dict(results["picotron"], device=str(dev), dtype=str(ptdtype).replace("torch.", ""),
+        if bench.reference or len(runners) > 1:
+            print("(peak memory is the whole process's: every model, as they ran side by side)")
+        result = dict(results[main], device=str(dev), dtype=str(ptdtype).replace("torch.", ""),
                       world_size=layout.world_size, dp=layout.dp, cp=layout.cp, tp=layout.tp, pp=layout.pp,
                       sequence_parallel=cfg.sequence_parallel,
                       compiled=step_model_kind(runners[0]) == "compiled", peak_flops=peak,
                       tokens_per_step=tokens_per_step, threads=torch.get_num_threads(), zero_stage=cfg.zero_stage,
                       memory=memory)
+        if profile is not None:
+            result["profile"] = profile
         if bench.reference:
             ref = results["reference GPT"]
             result.update(reference_tokens_per_sec=ref["tokens_per_sec"], reference_ms_per_step=ref["ms_per_step"],
-                          reference_mfu=ref["mfu"], speedup_vs_reference=results["picotron"]["tokens_per_sec"] / ref["tokens_per_sec"])
+                          reference_mfu=ref["mfu"], speedup_vs_reference=results[main]["tokens_per_sec"] / ref["tokens_per_sec"])
+        if bench.variants:
+            result["schedules"] = {name: results[name] for name, _ in bench.variants}
         print("RESULT " + json.dumps(result), flush=True)
     return results
 
@@ -195,7 +252,63 @@ def measure_memory(cfg, setup, picotron, step):
 
 
 def step_model_kind(picotron):
-    return "eager" if picotron.parts.step_model is picotron.parts.model else "compiled"
+    return "compiled" if picotron.parts.compiled else "eager"
+
+
+# what a kernel (on GPU) or an operator (on CPU) is, from its name: the first kind whose name part matches
+PROFILE_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "scaled_dot_product", "sdpa")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")),
+    ("optimizer", ("adam",)),
+    ("compiled fusions", ("triton",)),
+    ("copies", ("memcpy", "memset", "aten::copy_", "aten::to")),
+)
+
+
+def profile_kind(name):
+    lowered = name.lower()
+    return next((kind for kind, parts in PROFILE_KINDS if any(p in lowered for p in parts)), "other")
+
+
+def profile_steps(picotron, first_step, n_steps, trace_path=""):
+    """Where a step's time goes: n_steps more steps under torch.profiler. On GPU it sums the time of every
+    kernel the device ran, by kind (matmul, attention, compiled fusions, optimizer, copies, other: the eager
+    elementwise kernels, norms and the loss), and how busy the device was (kernel time over wall time; idle
+    time is the host running behind: launches, Python, syncs). On CPU the same for each operator's own
+    time. Prints the kinds and the top kernels; returns {"device_busy": ..., "kinds": {kind: share}}."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    on_gpu = picotron.dev.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for i in range(first_step, first_step + n_steps):
+            picotron.step(i)  # returns the loss as a float: the device has finished when it returns
+        wall_us = 1e6 * (time.perf_counter() - start)
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    if on_gpu:  # every kernel launch is an event of device type CUDA; its duration is its time on the GPU
+        timed = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:  # operators nest (aten::linear calls aten::mm): their own time only, so nothing counts twice
+        timed = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
+    total = sum(t for _, t in timed) or 1.0
+    by_kind, by_name = {}, {}
+    for name, t in timed:
+        by_kind[profile_kind(name)] = by_kind.get(profile_kind(name), 0.0) + t
+        by_name[name] = by_name.get(name, 0.0) + t
+    busy = total / wall_us
+    if picotron.layout.rank == 0:
+        what = "kernel time on the GPU" if on_gpu else "operators' own CPU time"
+        print(f"\nprofile of {n_steps} step(s): {what} {total / 1e3 / n_steps:,.1f} ms per step, "
+              f"{wall_us / 1e3 / n_steps:,.1f} ms wall (busy {100 * busy:.0f}%; the profiler itself slows the host)")
+        for kind, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+            print(f"  {kind:18s} {100 * t / total:5.1f}%")
+        print("top kernels:" if on_gpu else "top operators:")
+        for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]:
+            print(f"  {100 * t / total:5.1f}%  {profile_kind(name):17s} {name[:90]}")
+        if trace_path:
+            print(f"trace: {trace_path}")
+    return {"device_busy": busy, "kinds": {k: t / total for k, t in by_kind.items()}}
 
 
 def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak_why, kind):
@@ -206,7 +319,8 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak
           f"layout dp={layout.dp} cp={layout.cp} tp={layout.tp}{' sequence-parallel' if cfg.sequence_parallel else ''} "
           f"pp={layout.pp}; activation_checkpointing={cfg.activation_checkpointing}, "
           f"chunked_loss={cfg.chunked_loss}; {'data ' + cfg.data_dir if cfg.data_dir else 'random tokens'}; "
-          f"{bench.warmup_steps} warm-up + {bench.bench_steps} timed steps (median)")
+          + (f"pipeline {cfg.pp_schedule}, {cfg.pp_chunks} chunk(s) per rank; " if layout.pp > 1 and not bench.variants else "")
+          + f"{bench.warmup_steps} warm-up + {bench.bench_steps} timed steps (median)")
     print(f"peak: {f'{peak / 1e12:.3g} TFLOP/s per device' if peak else 'unknown'} ({peak_why})")
     names = list(results)
     rows = [("tokens/s", lambda r: f"{r['tokens_per_sec']:,.0f}"),
@@ -216,9 +330,14 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak
             ("MFU", lambda r: metrics.format_mfu(r["mfu"])),
             ("peak memory (MiB)", lambda r: f"{r['peak_mem_bytes'] / 2**20:,.0f}" if "peak_mem_bytes" in r else "-"),
             ("loss (last step)", lambda r: f"{r['loss']:.4f}")]
-    print(f"{'':20s}" + "".join(f"{n:>16s}" for n in names))
+    if bench.variants:  # per pipeline rank, rank 0 first
+        rows += [("bubble, ideal", lambda r: f"{r['ideal_bubble']:.1%}" if r["ideal_bubble"] is not None else "-"),
+                 ("bubble, measured", lambda r: " ".join(f"{b:.0%}" for b in r["measured_bubble"])),
+                 ("activations (KiB)", lambda r: " ".join(f"{b / 2**10:.0f}" for b in r["peak_activation_bytes"]))]
+    width = max(16, *(len(n) + 2 for n in names), *(len(fmt(results[n])) + 2 for _, fmt in rows for n in names))
+    print(f"{'':20s}" + "".join(f"{n:>{width}s}" for n in names))
     for label, fmt in rows:
-        print(f"{label:20s}" + "".join(f"{fmt(results[n]):>16s}" for n in names))
+        print(f"{label:20s}" + "".join(f"{fmt(results[n]):>{width}s}" for n in names))
 
 
 def main(argv):

@@ -291,6 +291,35 @@ def _error(e):
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+class _WriteRecorder:
+    """The file torch.save writes through, keeping the OSError of a failed write. torch.save reports a full
+    disk or a file-size limit as a RuntimeError of its own ("unexpected pos ..."); the OSError says what
+    happened (ENOSPC: No space left on device, EFBIG: File too large, EDQUOT: Disk quota exceeded)."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        return self.f.flush()
+
+
+def _save_file(obj, path):
+    with open(path, "wb") as f:
+        recorder = _WriteRecorder(f)
+        try:
+            torch.save(obj, recorder)
+            f.flush()
+        except RuntimeError as e:
+            raise (recorder.error or e) from None
+
+
 def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, extra=None, keep_last_n=0):
     """Write this rank's pieces; the checkpoint appears (atomically) once every rank has written.
     model_pieces: {name: piece}; optimizer_pieces: {name: {state_key: piece}}.
@@ -312,10 +341,10 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
     name, size = f"rank{rank:05d}.pt", None
     if not failed:
         try:
-            torch.save({"model": model_pieces, "optimizer": optimizer_pieces, "extra": extra or {}},
+            _save_file({"model": model_pieces, "optimizer": optimizer_pieces, "extra": extra or {}},
                        os.path.join(tmp, name))
             size = os.path.getsize(os.path.join(tmp, name))
-        except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        except (OSError, RuntimeError) as e:
             error = _error(e)
         written = _gather((name, size, error))
         failed = [(r, e) for r, (_, _, e) in enumerate(written) if e]
@@ -345,20 +374,46 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
     return final
 
 
-def is_complete(path):
-    """A checkpoint counts only if its meta.json exists and every rank file has the size it was saved with."""
+def why_incomplete(path):
+    """None for a complete checkpoint (its meta.json is there and every rank file has the size it was saved
+    with), else what is wrong with it, in a few words."""
+    if not os.path.isdir(path):
+        return "it does not exist" if not os.path.exists(path) else "it is not a folder"
     try:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
-        return all(os.path.getsize(os.path.join(path, n)) == s for n, s in zip(meta["files"], meta["file_sizes"]))
-    except (OSError, ValueError, KeyError):
-        return False
+        sizes = dict(zip(meta["files"], meta["file_sizes"]))
+    except FileNotFoundError:
+        if checkpoint_folders(path):
+            return "it is a run's folder, not one checkpoint: name it as out_dir, or name one of its ckpt_* folders"
+        return "it has no meta.json"
+    except KeyError as e:
+        return f"its meta.json is not a checkpoint's (it has no {e})"
+    except (OSError, ValueError, TypeError) as e:
+        return f"its meta.json cannot be read ({type(e).__name__}: {e})"
+    for name, size in sizes.items():
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            return f"{name} is missing"
+        if os.path.getsize(file) != size:
+            return f"{name} has {os.path.getsize(file)} of its {size} bytes"
+    return None
+
+
+def is_complete(path):
+    return why_incomplete(path) is None
+
+
+def checkpoint_folders(out_dir):
+    """Every ckpt_<step> folder in out_dir, complete or not, oldest first (.tmp folders of saves that did
+    not finish are not among them)."""
+    paths = [p for p in glob.glob(os.path.join(out_dir, "ckpt_*")) if re.fullmatch(r"ckpt_\d+", os.path.basename(p))]
+    return sorted(paths, key=lambda p: int(p.rsplit("_", 1)[1]))
 
 
 def complete_checkpoints(out_dir):
-    """The complete checkpoints in out_dir, oldest first (.tmp folders of crashed saves are ignored)."""
-    paths = [p for p in glob.glob(os.path.join(out_dir, "ckpt_*")) if re.fullmatch(r"ckpt_\d+", os.path.basename(p))]
-    return sorted((p for p in paths if is_complete(p)), key=lambda p: int(p.rsplit("_", 1)[1]))
+    """The complete checkpoints in out_dir, oldest first."""
+    return [p for p in checkpoint_folders(out_dir) if is_complete(p)]
 
 
 def latest_checkpoint(out_dir):

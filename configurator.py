@@ -13,6 +13,7 @@ that, plain strings. `--help` prints every setting with its default and meaning.
 """
 import ast
 import difflib
+import os
 import sys
 from typing import NamedTuple
 
@@ -82,6 +83,18 @@ def _run_config_file(path):
         raise ConfigError(f"config file {path}, line {line}: {type(e).__name__}: {e}")
     return {k: v for k, v in namespace.items()
             if not k.startswith("_") and not callable(v) and type(v).__name__ != "module"}
+
+
+def make_folder(key, path):
+    """Create the folder a setting names for the tool to write into (out_dir, hf_dir), or stop naming the
+    setting, the path and why: before any work, not at the first save."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{key} = {path!r} cannot be created ({e.strerror}): choose another --{key}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key} = {path!r} is not writable by this user: choose another --{key} or fix its "
+                          f"permissions")
 
 
 def format_help(settings, usage=""):

@@ -38,7 +38,7 @@ from dataclasses import fields
 import torch
 
 import checkpoint
-from configurator import ConfigError, Setting, configure, section
+from configurator import ConfigError, Setting, configure, make_folder, section
 from model import ModelConfig, Transformer, attention_head_dim, model_config_from
 
 EXPORT = section(
@@ -346,6 +346,10 @@ def hf_classes(arch):
     module = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
               "VaultGemmaForCausalLM": "vaultgemma",
               "DeepseekV3ForCausalLM": "deepseek_v3", "GPTNeoXForCausalLM": "gpt_neox"}[arch]
+    # requirements-dev.txt's floor: before 5.14 GPT-NeoX's head is named embed_out, and a tied one is not tied
+    if tuple(int(n) for n in re.findall(r"\d+", transformers.__version__)[:2]) < (5, 14):
+        raise ValueError(f"export_hf.py needs transformers >= 5.14, this is {transformers.__version__}: "
+                         f"pip install -U transformers")
     try:
         modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
         configuration = importlib.import_module(f"transformers.models.{module}.configuration_{module}")
@@ -362,6 +366,7 @@ def export(out_dir, hf_dir):
     from safetensors.torch import save_file
 
     model, meta, path = load_picotron(out_dir)
+    make_folder("hf_dir", hf_dir)  # before the conversion: a folder that cannot be written is found at once
     arch = hf_architecture(model.cfg)
     model_class, config_class = hf_classes(arch)
     tokenizer_fits = meta.get("tokenizer") in ("gpt2", "r50k_base") and model.cfg.vocab_size == GPT2_VOCAB_SIZE
@@ -370,7 +375,6 @@ def export(out_dir, hf_dir):
     with torch.device("meta"):  # the parameter names and shapes, without allocating the model
         match_hf_parameters(tensors, model_class(config), arch)
 
-    os.makedirs(hf_dir, exist_ok=True)
     config.save_pretrained(hf_dir)
     save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
     print(f"exported {path} (step {meta['step']}) as {arch} to {hf_dir}")

@@ -10,6 +10,7 @@ A folder whose vocabulary is exactly one of tiktoken's encodings (GPT-2's, for p
 resolves to that encoding: tiktoken is faster and needs no other package. Every other folder keeps its
 own tokenizer; `tokenizers` is imported only then.
 """
+import hashlib
 import json
 import os
 
@@ -153,11 +154,30 @@ def folder_encoding(folder):
 
 
 def get_encoding(name):
-    """The tokenizer named `name`: a model folder (see folder_encoding) or a tiktoken encoding."""
+    """A tiktoken encoding, or the tokenizer of a transformers model folder (folder_encoding: tiktoken when its
+    vocabulary is one of tiktoken's, else its tokenizer.json). Either has encode_ordinary, eot_token,
+    n_vocab and name, the name meta.json records."""
     if os.path.isdir(name):
         return folder_encoding(name)
-    if name in tiktoken.list_encoding_names():
+    names = tiktoken.list_encoding_names()
+    if name not in names:
+        raise ValueError(f"unknown tokenizer {name!r}: --tokenizer must name a tiktoken encoding, one of {', '.join(names)}, "
+                         f"or a model folder with tokenizer.json" + (" (a checkpoint records its data's tokenizer "
+                         "folder: it was moved or deleted?)" if os.path.isabs(name) else ""))
+    try:
         return tiktoken.get_encoding(name)
-    raise ValueError(f"tokenizer {name!r} is neither a tiktoken encoding ({', '.join(tiktoken.list_encoding_names())}) "
-                     f"nor a model folder" + (" (a checkpoint records its data's tokenizer folder: it was moved or "
-                                              "deleted?)" if os.path.isabs(name) else ""))
+    except OSError as e:
+        # tiktoken downloads an encoding's files on first use and keeps them in TIKTOKEN_CACHE_DIR, each named
+        # by the sha1 of its URL. The download's errors (requests' ConnectionError, HTTPError) are OSErrors
+        # that carry the request; any other OSError (say, an unwritable cache) already names its path.
+        url = getattr(getattr(e, "request", None), "url", None)
+        if url is None:
+            raise
+        cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR")
+        cache = f"TIKTOKEN_CACHE_DIR={cache_dir!r} holds no copy of it" if cache_dir else \
+            f"TIKTOKEN_CACHE_DIR is {'empty' if cache_dir == '' else 'not set'}"
+        raise ConnectionError(
+            f"--tokenizer={name}: tiktoken could not download {url} ({type(e).__name__}), and {cache}. Offline, set "
+            f"TIKTOKEN_CACHE_DIR to a directory holding the encoding's files, each named by the sha1 of its URL "
+            f"(this one: {hashlib.sha1(url.encode()).hexdigest()}); one filled by a run with network access will do"
+        ) from e

@@ -846,9 +846,9 @@ def chunked_cross_entropy(h, weight, targets, vocab_size=None, softcap=0.0, igno
 # The model
 
 
-def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False):
-    """Stop before anything is built when the model cannot be built, or split this way, saying what must
-    hold and what to change."""
+def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False, chunks=1):
+    """Stop before anything is built when the model cannot be built, or split this way (chunks: model chunks
+    per pipeline rank), saying what must hold and what to change."""
     problems = []
     if sequence_parallel and tp == 1:
         problems.append("sequence_parallel=True needs tp > 1: it splits the tokens between the tensor-parallel "
@@ -911,9 +911,17 @@ def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False):
         if cfg.capacity_factor <= 0:
             problems.append(f"capacity_factor = {cfg.capacity_factor} must be positive (1.0 fits a perfectly balanced "
                             f"router exactly; 1.25 is usual)")
-    if pp > cfg.n_layer:
-        problems.append(f"pp = {pp} stages but only n_layer = {cfg.n_layer} blocks: every stage needs at least one "
-                        f"block, so use pp <= {cfg.n_layer}")
+        if cfg.aux_loss_coef < 0 or cfg.router_z_loss_coef < 0:
+            problems.append(f"aux_loss_coef = {cfg.aux_loss_coef} and router_z_loss_coef = {cfg.router_z_loss_coef} "
+                            f"must be >= 0 (a negative weight trains the router towards imbalance)")
+    if pp * chunks > cfg.n_layer:
+        if chunks == 1:
+            problems.append(f"pp = {pp} stages but only n_layer = {cfg.n_layer} blocks: every stage needs at least "
+                            f"one block, so use pp <= {cfg.n_layer}")
+        else:
+            problems.append(f"pp = {pp} ranks x pp_chunks = {chunks} chunks = {pp * chunks} model stages but only "
+                            f"n_layer = {cfg.n_layer} blocks: every chunk needs at least one block, so use "
+                            f"pp * pp_chunks <= {cfg.n_layer}")
     if problems:
         raise ValueError("the model cannot be built with this layout: " + "; ".join(problems))
 
@@ -931,7 +939,7 @@ class Transformer(nn.Module):
     """The whole model, or one pipeline stage of it (pp > 1): the first stage holds the token embedding,
     every stage its own blocks, the last the final norm and the head.
 
-    forward(x, targets=None, positions=None) returns (output, loss) on every stage:
+    forward(x, targets=None, positions=None, chunk=0) returns (output, loss) on every stage:
         first stage     x is token ids (B, T); a middle or last stage takes the previous stage's hidden
                         states (B, T, n_embd), under sequence parallelism this tp rank's (B, T/tp, n_embd)
         positions       with a context-parallel group (cp_group), required: every cp rank's global token
@@ -960,7 +968,12 @@ class Transformer(nn.Module):
     Tied embeddings: on one stage the head is the embedding's own tensor. When the embedding and the head
     sit on different stages, each holds a copy; the copy starts from the same weights (init_weights draws it
     under the embedding's name), `tied_copies()` names it for the checkpoint and the gradient norm, and the
-    training step keeps the two equal by summing their gradients (parallel.sync_tied_grads)."""
+    training step keeps the two equal by summing their gradients (parallel.sync_tied_grads).
+
+    Chunks (the interleaved and V pipeline schedules): pp_rank may be a tuple of stages of the pp, the model
+    chunks this rank holds (parallel.virtual_stages). They are one module, every parameter under its
+    whole-model name; forward(x, targets, positions, chunk=c) runs chunk c, the stage pp_rank[c]: the
+    embedding first if it is stage 0, the head and the loss last if it is stage pp - 1."""
 
     def __init__(self, cfg, tp_group=None, pp=1, pp_rank=0, attn_impl="auto", activation_checkpointing=False,
                  chunked_loss=False, cp_group=None, sequence_parallel=False):
@@ -972,8 +985,10 @@ class Transformer(nn.Module):
         sp = self.sequence_parallel
         self.activation_checkpointing = activation_checkpointing
         self.chunked_loss = chunked_loss and group_size(tp_group) == 1
-        self.is_first, self.is_last = pp_rank == 0, pp_rank == pp - 1
-        self.layer_ids = stage_layers(cfg.n_layer, pp, pp_rank)
+        self.n_stages, self.stages = pp, tuple(pp_rank) if isinstance(pp_rank, (tuple, list)) else (pp_rank,)
+        self.is_first, self.is_last = 0 in self.stages, pp - 1 in self.stages  # holds the embedding, the head
+        self.chunk_layers = [stage_layers(cfg.n_layer, pp, s) for s in self.stages]
+        self.layer_ids = sorted(i for layers in self.chunk_layers for i in layers)
         if self.is_first:
             self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, tp_group, sequence_parallel=sp)
         # keyed by the global block index, so a parameter has the same name whichever stage holds it
@@ -991,13 +1006,14 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x, targets=None, positions=None):
+    def forward(self, x, targets=None, positions=None, chunk=0):
         cp = group_size(self.cp_group)
         if (positions is None) != (cp == 1):
             raise ValueError(f"Transformer.forward: positions must be given exactly under context parallelism "
                              f"(cp = {cp} here): every cp rank's global token positions, (cp, B, T/cp) on the host "
                              f"(parallel.split_for_every_rank)")
-        if self.is_first:
+        stage = self.stages[chunk]
+        if stage == 0:
             if x.shape[1] > self.cfg.block_size:
                 raise ValueError(f"sequence of length {x.shape[1]} is longer than block_size {self.cfg.block_size}")
             seq_len = x.shape[1]
@@ -1009,14 +1025,15 @@ class Transformer(nn.Module):
         else:  # this rank's tokens' own positions (the copy does not block: no sync)
             here = positions[group_rank(self.cp_group)].to(self.rope_cos.device, non_blocking=True)
             cos, sin = self.rope_cos[here], self.rope_sin[here]  # (B, T/cp, D/2), or (T/cp, D/2)
-        for block in self.blocks.values():
+        blocks = [self.blocks[str(i)] for i in self.chunk_layers[chunk]]
+        for block in blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # keep only the block's input; its activations are recomputed during backward
                 x = checkpoint(block, x, cos, sin, positions, use_reentrant=False)
             else:
                 x = block(x, cos, sin, positions)
-        aux = self.moe_aux_loss() if self.training else None
-        if not self.is_last:
+        aux = self.moe_aux_loss(blocks) if self.training else None
+        if stage != self.n_stages - 1:
             return x, aux
         h = self.norm(x)
         if self.sequence_parallel:  # (B, T/tp, C) -> (B, T, C) for the vocab-parallel head and loss
@@ -1053,10 +1070,20 @@ class Transformer(nn.Module):
         dist.all_reduce(total, group=self.cp_group)
         return loss * (count.clamp(min=1) * cp / total.clamp(min=1))
 
-    def moe_aux_loss(self):
-        """The sum of this stage's MoE auxiliary losses from the forward pass just run (None if dense)."""
-        losses = [block.mlp.aux_loss for block in self.blocks.values() if isinstance(block.mlp, MixtureOfExperts)]
+    def moe_aux_loss(self, blocks=None):
+        """The sum of the MoE auxiliary losses of `blocks` (default: all of this stage's) from the forward pass
+        just run (None if dense)."""
+        blocks = self.blocks.values() if blocks is None else blocks
+        losses = [block.mlp.aux_loss for block in blocks if isinstance(block.mlp, MixtureOfExperts)]
         return sum(losses) if losses else None
+
+    def chunk_modules(self, chunk):
+        """The modules chunk `chunk` runs: the embedding on stage 0, its blocks, the final norm and the head on
+        the last stage (the zero-bubble schedules split the backward of the linears in them)."""
+        stage = self.stages[chunk]
+        modules = [self.tok_emb] if stage == 0 else []
+        modules += [self.blocks[str(i)] for i in self.chunk_layers[chunk]]
+        return modules + ([self.norm, self.lm_head] if stage == self.n_stages - 1 else [])
 
     def tied_copies(self):
         """{name of a parameter here: name of the weight it copies}: the head's weight on a last stage that
@@ -1072,7 +1099,8 @@ class Transformer(nn.Module):
         rank keeps its slice: the same seed gives the same full model whatever the layout (a tied copy is
         drawn under the name of the weight it copies). Linear and embedding weights are N(0, 0.02) (GPT-2),
         residual output projections N(0, 0.02/sqrt(2 n_layer)), norm gains 1, biases 0, padded vocabulary
-        rows 0."""
+        rows 0. The draws are made on the CPU whatever device the model is on (a CUDA generator would draw
+        other numbers), so a model built on the GPU gets the same weights as on the CPU."""
         copies = self.tied_copies()
         for name, p in self.named_parameters():
             if hasattr(p, "init_value"):
@@ -1082,9 +1110,9 @@ class Transformer(nn.Module):
                 p.zero_()
                 continue
             name = copies.get(name, name)
-            g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**62)
+            g = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**62)
             shape = full_shape_of(p)
-            full = torch.zeros(shape)
+            full = torch.zeros(shape, device="cpu")  # (also inside a `with torch.device("cuda")` block)
             rows = getattr(p, "vocab_size", shape[0])  # only real tokens get random rows
             full[:rows].normal_(0.0, getattr(p, "init_std", 0.02), generator=g)
             p.copy_(shard_of(full, p))

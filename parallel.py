@@ -10,14 +10,17 @@ order a reader learns them.
      between the tensor-parallel regions.
   3. Context parallelism: the zigzag split of every sequence across ranks and ring attention (the keys
      and values travel round the ranks; a custom autograd function, forward and backward).
-  4. Pipeline parallelism: each schedule written once as every stage's ordered list of forward and
-     backward actions, one executor that walks the list on a real stage, and the tied-weight sync.
+  4. Pipeline parallelism: each schedule (AFAB, 1F1B, interleaved 1F1B, zero bubble ZB-H1, ZB-V) written
+     once as every rank's ordered list of forward, backward and weight-gradient actions on its model
+     chunks, the backward split into its input and weight halves (WeightGradStore), one executor that walks
+     the list on a real rank, and the tied-weight sync.
   5. Data parallelism and ZeRO: gradients averaged in buckets from backward hooks (GradientBuckets), an
      AdamW whose states are split across data-parallel ranks (ZeroOneAdamW, ZeRO-1), the gradients kept
      as shards too (ZeRO-2), and the parameters, gathered block by block around their use
      (FullyShardedParameters, ZeRO-3).
-  Last, the timeline printer: the same action lists drawn in time slots
-     (python parallel.py --schedule 1f1b --pp 4 --microbatches 8).
+  Last, the timeline printer: the same action lists placed in time by a simulator of the executor's
+     exchanges (python parallel.py --schedule zero_bubble --pp 4 --microbatches 8; --chunks for
+     interleaved_1f1b).
 
 Every piece here works on its own, given only torch and a process group (None means "not split"), so it
 can be lifted into another project.
@@ -28,13 +31,15 @@ Recomputation in Large Transformer Models" (sequence parallelism, section 4.2.2)
 Attention with Blockwise Transformers for Near-Infinite Context"; Dubey et al. 2024, "The Llama 3 Herd of
 Models" (the load-balanced split, section 3.3.2); Huang et al. 2019, "GPipe" (all forward, all backward);
 Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
-(1F1B, section 2.2.1); Rajbhandari et al. 2020, "ZeRO" (sections 5.1-5.3); Zhao et al. 2023, "PyTorch
+(1F1B and interleaved 1F1B, sections 2.2.1-2.2.2); Qi et al. 2023, "Zero Bubble Pipeline Parallelism"
+(ZB-H1, ZB-V); Rajbhandari et al. 2020, "ZeRO" (sections 5.1-5.3); Zhao et al. 2023, "PyTorch
 FSDP: Experiences on Scaling Fully Sharded Data Parallel".
 """
 import argparse
 import itertools
 import math
 import os
+import sys
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -413,7 +418,10 @@ class ColumnParallelLinear(nn.Module):
     one per layer. Under sequence parallelism the input comes from gather_from_sp, whose backward already
     sums the gradient: build the layer with copy_input=False then too.
 
-    The weight is created empty: fill it with load_full (see the section's note)."""
+    The weight is created empty: fill it with load_full (see the section's note).
+
+    `weight_grad_store` (None: a plain linear) is what the zero-bubble pipeline schedules set to split this
+    layer's backward, the input's gradient now and the weight's later (section 4, WeightGradStore)."""
 
     def __init__(self, in_features, out_features, bias=False, group=None, gather_output=False, copy_input=True):
         super().__init__()
@@ -421,6 +429,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = _divide(out_features, group_size(group), "out_features")
         self.weight = mark_sharded(nn.Parameter(torch.empty(self.out_per_rank, in_features)), 0, group)
         self.bias = mark_sharded(nn.Parameter(torch.zeros(self.out_per_rank)), 0, group) if bias else None
+        self.weight_grad_store = None
 
     def load_full(self, weight, bias=None):
         """weight (out_features, in_features) and bias (out_features,): full tensors or slice readers."""
@@ -431,7 +440,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):
         if self.copy_input:
             x = copy_to_tp(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        store = self.weight_grad_store
+        y = F.linear(x, self.weight, self.bias) if store is None else store.linear(x, self.weight, self.bias)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
@@ -445,7 +455,8 @@ class RowParallelLinear(nn.Module):
     gets the sum for its own tokens, (B, T/tp, out_features)), and the bias, added to this rank's tokens
     only, passes through f so that its gradient is summed over the ranks' tokens.
 
-    The weight is created empty, as in ColumnParallelLinear: fill it with load_full."""
+    The weight is created empty, as in ColumnParallelLinear: fill it with load_full; weight_grad_store as
+    there (the bias, added after the sum, keeps its gradient in autograd)."""
 
     def __init__(self, in_features, out_features, bias=False, group=None, input_is_parallel=True,
                  sequence_parallel=False):
@@ -454,6 +465,7 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = _divide(in_features, group_size(group), "in_features")
         self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, self.in_per_rank)), 1, group)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.weight_grad_store = None
 
     def load_full(self, weight, bias=None):
         """weight (out_features, in_features) and bias (out_features,): full tensors or slice readers."""
@@ -464,10 +476,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
+        store = self.weight_grad_store
+        partial = F.linear(x, self.weight) if store is None else store.linear(x, self.weight)
         if self.sequence_parallel:
-            y = reduce_scatter_to_sp(F.linear(x, self.weight), self.group)
+            y = reduce_scatter_to_sp(partial, self.group)
             return y + copy_to_tp(self.bias, self.group) if self.bias is not None else y
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        y = reduce_from_tp(partial, self.group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -992,164 +1006,492 @@ def ring_attention(q, k, v, positions, group=None, softcap=0.0, scale=None, docu
 # While the line fills and drains some stages wait: with every forward and backward taking the same time,
 # the idle share of a step, the "bubble", is (pp - 1) / (m + pp - 1) (GPipe, section 2.2).
 #
-# A schedule is written once, as each stage's ordered list of actions ('F', i) and ('B', i): run
-# microbatch i's forward or backward. `run_schedule` walks that list on a real stage; `schedule_timeline`
-# (at the end of this file) places the very same lists in time slots for the printed picture. Both
-# schedules below have the same bubble; they differ in memory: a stage keeps a microbatch's activations
-# from its forward to its backward.
+# A schedule is written once, as each pipeline rank's ordered list of actions (op, i, c): run op for
+# microbatch i on the rank's model chunk c. `run_schedule` walks that list on a real rank; `schedule_timeline`
+# (at the end of this file) places the very same lists in time slots for the printed picture. A rank keeps
+# a microbatch's activations from its forward to its backward, so the order also decides the memory:
+#   afab              all forward, all backward (GPipe): all m microbatches held at the turn
+#   1f1b              one forward, one backward (PipeDream-Flush): the same bubble, pp - stage held
+#   interleaved_1f1b  v chunks per rank: the bubble (pp - 1) / (v m + pp - 1) (Narayanan et al. 2021,
+#                     section 2.2.2)
+#   zero_bubble       ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3.1): the backward
+#                     split in two, and the weights' half fills 1F1B's idle slots: (pp - 1) / (3 m + pp - 1)
+#   zbv               ZB-V (same paper, section 6): two chunks per rank in a V, only the fill's pp - 1
+#                     chunk-slots idle (with forward = input backward = weight backward in time)
 #
-# The executor's one invariant: after action k a stage sends what action k produced (a forward's output
-# to the next stage, a backward's input gradient to the previous) and posts the receive that action k+1
-# needs, both in one batch_isend_irecv. Each direction between two neighbours is first in, first out, and
-# both walk their lists in order, so what one side sends k-th is what the other receives k-th: neighbours
-# always agree on which microbatch a message belongs to, with no tag or header.
+# Chunks ("virtual stages"). With v chunks per rank the layers are cut into pp * v model stages and rank r
+# holds stages r, r + pp, r + 2 pp, ... (zbv: r and 2 pp - 1 - r, so the last rank turns the V round and
+# rank 0 holds both ends of the model). A microbatch then goes round the ring of ranks v times, each time
+# through a v-th of the layers: the fill and the drain take chunk-sized slots, a v-th of a stage's, for v
+# times the point-to-point messages. A rank's chunks are one Transformer (model.py) whose parameters keep
+# their whole-model names, so the optimizer, the gradient norm and the checkpoints see one set of parameters
+# whatever v is, and a checkpoint moves between any chunkings.
+#
+# The split backward (zero_bubble, zbv). A backward computes the gradient of the stage's input, which the
+# previous stage waits for, and the gradients of the weights, which nothing needs before the optimizer step.
+# For a linear layer y = x W^T they are dx = dy W and dW = dy^T x. The action 'B' computes dx and keeps x and
+# dy; 'W' computes dW from them later (WeightGradStore below): the same matmuls as one backward, none twice.
+# Parameters other than the tensor-parallel linears' weights (norm gains, the embedding, a router, a
+# row-parallel bias) are cheap and get their gradients in B. In a list without 'W' actions, 'B' is the
+# whole backward.
+#
+# The executor's exchanges. A rank sends what an action produced (a forward's output to the next stage, a
+# backward's input gradient to the previous) as soon as the action ends, without waiting for the send to
+# complete, and posts the receive of its next action's input before it runs the current one: a rank only
+# ever waits for an input it needs now. Messages between two ranks travel in two first-in first-out
+# channels, one per kind (activations on the default group, gradients on a second group, so NCCL, which has
+# no tags, keeps them apart too); both ranks walk their lists in order, so what one sends k-th on a channel
+# is what the other receives k-th: the lists themselves must agree on that order, which schedule_timeline
+# checks, together with "no rank waits forever", without processes. Between two chunks of one rank (the V's
+# turn) the message is handed over in memory. All sends are waited for at the end of the step.
 #
 # NCCL's rule: the first batch_isend_irecv that uses a process group must be joined by every rank of that
-# group (here the default group, the whole world). PipelineComm's constructor therefore runs a barrier on
-# the world, which every rank reaches while it builds its pipeline, so the first point-to-point exchange is
-# never a group's first collective. Gloo has no such rule; the barrier costs nothing that matters.
+# group. PipelineComm's constructor therefore runs a barrier on each of its two groups, which every rank
+# reaches while it builds its pipeline, so no point-to-point exchange is ever a group's first collective.
+# Gloo has no such rule; the barriers cost nothing that matters.
 
 
-def afab_actions(pp, stage, m):
+def virtual_stages(schedule, pp, rank, chunks=1):
+    """The model stages (of pp * chunks) that pipeline rank `rank` holds, one per chunk in chunk order:
+    rank, rank + pp, rank + 2 pp, ..., or for zbv's V rank and 2 pp - 1 - rank."""
+    if schedule == "zbv":
+        return (rank, 2 * pp - 1 - rank)
+    return tuple(rank + c * pp for c in range(chunks))
+
+
+def message_route(op, stage, n_stages):
+    """(the stage that action `op` on model stage `stage` receives its input from, the stage it sends its
+    product to): a forward reads stage - 1's output and feeds stage + 1, a backward reads stage + 1's input
+    gradient and feeds stage - 1, a weight-gradient action neither. None past either end of the model. The
+    executor and the timeline simulator both route by this, so what is drawn is what runs."""
+    if op == "W":
+        return None, None
+    src, dst = (stage - 1, stage + 1) if op == "F" else (stage + 1, stage - 1)
+    return (src if 0 <= src < n_stages else None), (dst if 0 <= dst < n_stages else None)
+
+
+def afab_actions(pp, stage, m, chunks=1):
     """GPipe, all forward then all backward: simple, but at the turn every stage holds the activations of
     all m microbatches."""
-    return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
 
 
-def one_f_one_b_actions(pp, stage, m):
+def one_f_one_b_actions(pp, stage, m, chunks=1):
     """1F1B (PipeDream-Flush): a stage runs a microbatch's backward as soon as its gradient can have come
     back, so it never holds more than pp - stage microbatches' activations, whatever m is."""
     # warm-up: forwards only. Microbatch 0 must still go through the pp - stage - 1 later stages and come
     # back before its backward can run here: fill that wait with as many forwards (Megatron's
     # num_warmup_microbatches), or all m when there are fewer
     warmup = min(pp - stage - 1, m)
-    actions = [("F", i) for i in range(warmup)]
+    actions = [("F", i, 0) for i in range(warmup)]
     # steady state: each new forward is followed by the oldest waiting backward
     for i in range(m - warmup):
-        actions += [("F", warmup + i), ("B", i)]
+        actions += [("F", warmup + i, 0), ("B", i, 0)]
     # cool-down: the backwards of the microbatches still in flight
-    actions += [("B", i) for i in range(m - warmup, m)]
+    actions += [("B", i, 0) for i in range(m - warmup, m)]
     return actions
 
 
-SCHEDULES = {"afab": afab_actions, "1f1b": one_f_one_b_actions}
+def interleaved_order(pp, m, chunks):
+    """The order of a rank's forwards under interleaving, as (microbatch, chunk): microbatches in groups of
+    pp, each group through chunk 0, then chunk 1, ... A group of pp fills the ring exactly: when the rank has
+    sent the group's last microbatch on, the first is back from its lap, ready for the next chunk. (With m
+    not a multiple of pp the last group is smaller: evaluation's forwards only.)"""
+    order = []
+    for start in range(0, m, pp):
+        group = range(start, min(start + pp, m))
+        order += [(i, c) for c in range(chunks) for i in group]
+    return order
+
+
+def interleaved_1f1b_actions(pp, stage, m, chunks):
+    """Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2): 1F1B over chunk-sized work. The k-th forward
+    is interleaved_order's k-th; the k-th backward takes the same microbatch through the chunks in reverse,
+    the last chunk first. m must be a multiple of pp (check_schedule): a smaller last group would reach a
+    chunk before the previous lap's microbatches have come round."""
+    order = interleaved_order(pp, m, chunks)
+    forwards = [("F", i, c) for i, c in order]
+    backwards = [("B", i, chunks - 1 - c) for i, c in order]
+    # warm-up: microbatch 0 makes v - 1 laps of the ring (pp forwards each) before its last chunk, then, as
+    # in 1F1B, goes through the pp - stage - 1 later ranks and back. Megatron's warm-up has 2 (pp - stage - 1)
+    # for this last part: slack for its synchronous sends, which the executor here does not need (it never
+    # waits for a send); with the smaller warm-up the first rank holds v pp chunk-sized microbatches, the pp
+    # whole ones of 1F1B, where Megatron's holds (1 + (pp - 1) / (v pp)) times that (Korthikanti et al. 2022,
+    # "Reducing Activation Recomputation in Large Transformer Models", section 4.2.3). The bubble is the same.
+    warmup = min((chunks - 1) * pp + pp - stage - 1, len(order))
+    actions = forwards[:warmup]
+    for k in range(len(order) - warmup):
+        actions += [forwards[warmup + k], backwards[k]]
+    return actions + backwards[len(order) - warmup:]
+
+
+def zero_bubble_actions(pp, stage, m, chunks=1):
+    """ZB-H1 (Qi et al. 2023, section 3.1): 1F1B with each backward split into B (the input's gradient, which
+    the previous stage waits for) and W (the weights' gradients). B runs where 1F1B's backward ran; W waits:
+    stage s leaves its first s microbatches' W for the end, where 1F1B's cool-down leaves the later stages
+    idle, and runs each later W right after its B. With forward = B = W in time the bubble is
+    (pp - 1) / (3 m + pp - 1) for m >= pp, a third of 1F1B's; a stage holds at most pp microbatches between
+    F and W (1F1B's first stage's count), and what it holds after B is only the linears' x and dy."""
+    warmup = min(pp - stage - 1, m)
+    actions = [("F", i, 0) for i in range(warmup)]
+    f, b, w = warmup, 0, 0
+    delayed = min(stage, m - warmup)  # the microbatches whose W is left for the cool-down
+    for _ in range(delayed):
+        actions += [("F", f, 0), ("B", b, 0)]
+        f, b = f + 1, b + 1
+    while f < m:  # steady state: F B W
+        actions += [("F", f, 0), ("B", b, 0), ("W", w, 0)]
+        f, b, w = f + 1, b + 1, w + 1
+    while b < m:  # cool-down: the remaining backwards, each with a W
+        actions += [("B", b, 0), ("W", w, 0)]
+        b, w = b + 1, w + 1
+    return actions + [("W", i, 0) for i in range(w, m)]  # the delayed W's, in the drain's idle slots
+
+
+def zbv_actions(pp, stage, m, chunks=2):
+    """ZB-V (Qi et al. 2023, section 6): two chunks per rank in a V (virtual_stages), the backward split as in
+    zero_bubble. Rank r's chunk 0 is model stage r, its chunk 1 stage 2 pp - 1 - r: microbatches go down the
+    ranks through the chunks 0 and come back up through the chunks 1, so the last rank runs both halves of the
+    turn and rank 0 both ends of the model. In phases (with forward = B = W in time each slot is filled):
+      1. 2 (pp - r) - 1 forwards of chunk 0 (the deeper the rank, the sooner its chunk 1 gets work);
+      2. r pairs (chunk 1 forward, chunk 0 forward) while the V's second arm fills;
+      3. pp - r triples (chunk 1 forward, B, W): the turn comes back;
+      4. steady state: chunk 0's F, B, W, then chunk 1's, until every forward is done;
+      5. cool-down: r pairs of B (chunks 0 and 1), then pp - r of (chunk 0's B, W), then the rest of the W's.
+    The phases are written for at least 2 pp - 1 microbatches; with fewer, the actions of the microbatches
+    that do not exist are left out (schedule_timeline checks the rest still runs)."""
+    n = max(m, 2 * pp - 1)
+    count = {(op, c): 0 for op in "FBW" for c in (0, 1)}  # the next microbatch of each op on each chunk
+    actions = []
+
+    def add(op, c, microbatch=None):
+        i = count[(op, c)] if microbatch is None else microbatch
+        count[(op, c)] = i + 1
+        actions.append((op, i, c))
+
+    for _ in range(2 * (pp - stage) - 1):
+        add("F", 0)
+    for _ in range(stage):
+        add("F", 1), add("F", 0)
+    for _ in range(pp - stage):
+        add("F", 1), add("B", 1), add("W", 1)
+    while count[("F", 1)] < count[("F", 0)] or count[("F", 0)] < n:
+        if count[("F", 0)] < n:
+            add("F", 0)
+        add("B", 0), add("W", 0), add("F", 1), add("B", 1), add("W", 1)
+    for _ in range(stage):
+        add("B", 0), add("B", 1)
+    for _ in range(pp - stage):
+        add("B", 0), add("W", 0)
+    while count[("W", 1)] < count[("B", 1)]:
+        add("W", 1)
+    while count[("W", 0)] < count[("B", 0)]:
+        add("W", 0)
+    return [a for a in actions if a[1] < m]
+
+
+SCHEDULES = {"afab": afab_actions, "1f1b": one_f_one_b_actions, "interleaved_1f1b": interleaved_1f1b_actions,
+             "zero_bubble": zero_bubble_actions, "zbv": zbv_actions}
+
+
+def check_schedule(schedule, pp, m, chunks=1):
+    """Stop before anything is built when a schedule cannot run this way (a wrong list would hang between
+    ranks, or send a microbatch's activations to another's), saying what must hold and what to change."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pp_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
+    if pp == 1:
+        if chunks > 1:
+            raise ValueError(f"pp_chunks = {chunks} needs a pipeline: with pp = 1 one rank holds the whole model "
+                             f"(set --pp to 2 or more, or --pp_chunks=1)")
+        return
+    if schedule == "zbv" and chunks != 2:
+        raise ValueError(f"pp_schedule='zbv' holds two model chunks on each rank (the V): set --pp_chunks=2 "
+                         f"(got {chunks})")
+    if schedule in ("afab", "1f1b", "zero_bubble") and chunks != 1:
+        raise ValueError(f"pp_chunks = {chunks}: pp_schedule={schedule!r} runs one model chunk per rank; use "
+                         f"--pp_schedule=interleaved_1f1b for {chunks} chunks per rank (or --pp_chunks=1)")
+    if schedule == "interleaved_1f1b" and m % pp:
+        lower, upper = max(pp, m // pp * pp), (m // pp + 1) * pp
+        raise ValueError(f"pp_schedule='interleaved_1f1b' needs gradient_accumulation_steps (the microbatches, "
+                         f"{m}) to be a multiple of pp = {pp}: they go round the ring of ranks in groups of pp "
+                         f"(Megatron-LM's rule); use {lower}" + (f" or {upper}" if upper != lower else "")
+                         + ", adjusting batch_size to keep the batch")
+
+
+def ideal_bubble(schedule, pp, m, chunks=1):
+    """The paper's idle share of a step, with forward = B = W in time (an unsplit backward twice a
+    forward), or None where the paper gives no formula (zbv; zero_bubble with m < pp)."""
+    if schedule in ("afab", "1f1b"):
+        return (pp - 1) / (m + pp - 1)
+    if schedule == "interleaved_1f1b":
+        return (pp - 1) / (chunks * m + pp - 1)
+    if schedule == "zero_bubble" and m >= pp:
+        return (pp - 1) / (3 * m + pp - 1)
+    return None
+
+
+def forward_only_actions(pp, stage, m, chunks=1):
+    """Evaluation's forwards, for any m: in interleaved_order, which with one chunk is 0, 1, ..., m - 1."""
+    return [("F", i, c) for i, c in interleaved_order(pp, m, chunks)]
+
+
+class _LinearSplitBackward(torch.autograd.Function):
+    """y = x W^T + b whose backward computes dx = dy W only, leaving (x, dy) in store.collecting for a later
+    dW = dy^T x (and db = the sum of dy): WeightGradStore.linear. With store.collecting None (a backward outside
+    a zero-bubble B action) it computes the weight's gradient at once, as a plain linear. Under autocast it
+    computes in the autocast dtype, casting what F.linear's autocast would cast."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        with torch.autocast(device, enabled=False):
+            x_c, w_c = x.to(dtype), weight.to(dtype)
+            y = F.linear(x_c, w_c, None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(x_c, w_c)
+        ctx.weight, ctx.bias, ctx.store = weight, bias, store
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_c, w_c = ctx.saved_tensors
+        dy = dy.to(w_c.dtype)
+        dx = dy @ w_c if ctx.needs_input_grad[0] else None  # (..., in): autograd casts it to x's dtype
+        if ctx.store.collecting is not None:
+            ctx.store.collecting.append((ctx.weight, ctx.bias, x_c, dy))
+            return dx, None, None, None
+        dw, db = WeightGradStore.weight_grads(x_c, dy, ctx.bias is not None)
+        return dx, dw.to(ctx.weight.dtype), None if db is None else db.to(ctx.bias.dtype), None
+
+
+class WeightGradStore:
+    """The split backward of a model chunk's ColumnParallelLinear and RowParallelLinear layers (their
+    `weight_grad_store`): between a microbatch's B and its W, each layer's input x and output gradient dy.
+
+    run_schedule runs a B inside `collect(i)`, which keeps what the chunk's layers' backward leaves for
+    microbatch i, and a W as `apply(i)`, which accumulates dW = dy^T x (db = sum of dy) into .grad by hand:
+    no backward hook fires for those, so the caller is told (run_schedule's weight_grad_ready). `params`
+    lists, in a fixed order, every parameter whose gradient W computes."""
+
+    def __init__(self, modules):
+        self.params, self.held, self.collecting = [], {}, None
+        self.held_bytes = 0  # of the x and dy kept (each counted per layer): metrics.ActivationMemory reads it
+        for module in modules:
+            for layer in module.modules():
+                if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+                    layer.weight_grad_store = self
+                    self.params.append(layer.weight)
+                    if isinstance(layer, ColumnParallelLinear) and layer.bias is not None:
+                        self.params.append(layer.bias)
+        self.params = list({id(p): p for p in self.params}.values())  # a tied head's weight is the embedding's
+
+    def linear(self, x, weight, bias=None):
+        if not torch.is_grad_enabled():  # evaluation: nothing to split
+            return F.linear(x, weight, bias)
+        return _LinearSplitBackward.apply(x, weight, bias, self)
+
+    @contextmanager
+    def collect(self, microbatch):
+        self.collecting = []
+        try:
+            yield
+            self.held[microbatch] = self.collecting
+            self.held_bytes += sum(x.numel() * x.element_size() + dy.numel() * dy.element_size()
+                                   for _, _, x, dy in self.collecting)
+        finally:
+            self.collecting = None
+
+    @staticmethod
+    def weight_grads(x, dy, with_bias):
+        """dW = dy^T x over every token, (out, in), and db = the sum of dy over the tokens (None without bias)."""
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        return dy2.t() @ x2, (dy2.sum(0) if with_bias else None)
+
+    @torch.no_grad()
+    def apply(self, microbatch):
+        for weight, bias, x, dy in self.held.pop(microbatch):
+            self.held_bytes -= x.numel() * x.element_size() + dy.numel() * dy.element_size()
+            dw, db = self.weight_grads(x, dy, bias is not None)
+            for p, g in ((weight, dw), (bias, db)):
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g.to(p.dtype)
+                else:
+                    p.grad.add_(g.to(p.dtype))
 
 
 class PipelineComm:
-    """What a stage needs to talk to its neighbours: its index, the number of stages, the global ranks of
-    the previous and next stage (None at either end), and what travels between them: every message is a
-    tensor of `dtype` and of the shape message_shape(x), x being the microbatch's token ids, which every
-    stage has: so no shape or dtype is ever negotiated at run time. The caller chooses both; the model's is
-    (batch, seq_len, hidden_size), which from_layout gives (seq_len that of x: under context parallelism
-    this rank's T/cp tokens); under sequence parallelism a rank holds T/(cp * tp) of them between the
-    tensor-parallel regions, and the caller gives that shape.
+    """What a pipeline rank needs to talk to the others: its index `stage` among the pp ranks, the global
+    rank that holds each model stage (`stage_ranks`, pp * v of them), the model stage of each of its chunks
+    (`chunk_stages`), and what travels between them: every message is a tensor of `dtype` and of the shape
+    message_shape(x), x being the microbatch's token ids, which every stage has: so no shape or dtype is ever
+    negotiated at run time. The caller chooses both; the model's is (batch, seq_len, hidden_size), which
+    from_layout gives (seq_len that of x: under context parallelism this rank's T/cp tokens; under sequence
+    parallelism a rank holds 1/tp of those between the tensor-parallel regions: seq_split = tp).
 
     The model's dtype is that of the residual stream, the parameters' dtype (fp32 under autocast too: the
     embedding output is fp32, and adding a bf16 sublayer output to it stays fp32). Sending bf16 instead would
     round the residual stream at every stage boundary, which one process never does.
 
-    Every rank of the world must build its PipelineComm (the barrier below: see NCCL's rule above)."""
+    Activations travel on the default group, gradients on a second group of the whole world (the section's
+    note). Every rank of the world must build its PipelineComm, in the same order: it builds that group and
+    runs the barriers of NCCL's rule."""
 
-    def __init__(self, stage, pp, prev_rank, next_rank, message_shape, dtype=torch.float32, device="cpu"):
-        self.stage, self.pp, self.prev_rank, self.next_rank = stage, pp, prev_rank, next_rank
+    def __init__(self, stage, pp, stage_ranks, message_shape, dtype=torch.float32, device="cpu", chunk_stages=None):
+        self.stage, self.pp, self.stage_ranks = stage, pp, list(stage_ranks)
+        self.chunk_stages = tuple(chunk_stages) if chunk_stages is not None else (stage,)
+        self.n_stages = len(self.stage_ranks)
         self.message_shape, self.dtype, self.device = message_shape, dtype, torch.device(device)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.groups = {"F": None, "B": None}  # None: the default group
         if dist.is_initialized():
             dist.barrier()  # the first collective of the world group: not a batch_isend_irecv
+            self.groups["B"] = dist.new_group(list(range(dist.get_world_size())))
+            dist.barrier(group=self.groups["B"])
 
     @classmethod
-    def from_layout(cls, layout, hidden_size, device, dtype=torch.float32):
-        return cls(layout.pp_rank, layout.pp, layout.pp_prev, layout.pp_next,
-                   lambda x: (*x.shape, hidden_size), dtype, device)
+    def from_layout(cls, layout, hidden_size, device, dtype=torch.float32, schedule="1f1b", chunks=1, seq_split=1):
+        """The channel of this rank's pipeline (its dp, cp and tp rank) under a schedule's chunk placement."""
+        stage_ranks = {}
+        for p in range(layout.pp):
+            for s in virtual_stages(schedule, layout.pp, p, chunks):
+                stage_ranks[s] = grid_rank(p, layout.dp_rank, layout.tp_rank, layout.dp, layout.tp,
+                                           layout.cp_rank, layout.cp)
+        return cls(layout.pp_rank, layout.pp, [stage_ranks[s] for s in range(len(stage_ranks))],
+                   lambda x: (x.shape[0], x.shape[1] // seq_split, hidden_size), dtype, device,
+                   virtual_stages(schedule, layout.pp, layout.pp_rank, chunks))
 
-    @property
-    def is_first(self):
-        return self.prev_rank is None
+    def is_here(self, stage):
+        return self.stage_ranks[stage] == self.rank
 
-    @property
-    def is_last(self):
-        return self.next_rank is None
+    def send(self, tensor, kind, to_stage):
+        """Post the send of a message of `kind` ('F': activations, 'B': gradients) to model stage to_stage;
+        returns its request (wait for it before the step ends)."""
+        op = dist.P2POp(dist.isend, tensor.to(self.dtype).contiguous(), self.stage_ranks[to_stage], self.groups[kind])
+        return dist.batch_isend_irecv([op])[0]
 
-    def exchange(self, send, send_to, recv_for, microbatches):
-        """Send `send` (or nothing) to rank `send_to`, and receive the input of the action `recv_for` (or
-        nothing): activations from the previous stage for a forward, the output's gradient from the next
-        stage for a backward. Both go in one batch_isend_irecv, waited for together. A send does not
-        complete before its receiver has posted the matching receive (so with gloo, measured here, and
-        NCCL), so a send then a receive, one after the other, would deadlock wherever two neighbours each
-        send first (1F1B's steady state: one sends activations forward while the other sends gradients
-        back); posted together, they cannot."""
-        ops, received = [], None
-        if send is not None:
-            ops.append(dist.P2POp(dist.isend, send.to(self.dtype).contiguous(), send_to))
-        if recv_for is not None:
-            op, i = recv_for
-            peer = self.prev_rank if op == "F" else self.next_rank
-            if peer is not None:
-                shape = self.message_shape(microbatches[i][0])
-                received = torch.empty(shape, dtype=self.dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, received, peer))
-        if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
-        return received
+    def receive(self, kind, from_stage, x):
+        """Post the receive of a message of `kind` from model stage from_stage, for the microbatch of token ids
+        x; returns (the tensor it fills, its request)."""
+        buffer = torch.empty(self.message_shape(x), dtype=self.dtype, device=self.device)
+        op = dist.P2POp(dist.irecv, buffer, self.stage_ranks[from_stage], self.groups[kind])
+        return buffer, dist.batch_isend_irecv([op])[0]
 
 
 def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0,
-                 set_grad_sync=None):
-    """Run one stage's list of actions over microbatches [(x, y), ...] (token ids and targets; every stage
-    has them, the first uses x, the last y, all take the message shapes from x). A microbatch may carry
-    more, (x, y, positions) under context parallelism: every stage passes it on, model(x, y, positions),
-    since every stage's attention needs the tokens' positions. Gradients accumulate in the stage's
-    parameters. Returns this stage's part of the mean loss over the microbatches (a tensor): on the last
-    stage the loss, on the others their auxiliary loss (zero without one); summed over the stages it is
-    the loss one process reports.
+                 set_grad_sync=None, weight_grad_stores=None, weight_grad_ready=None, trace=None):
+    """Run one pipeline rank's list of actions over microbatches [(x, y), ...] (token ids and targets; every
+    rank has them, the first stage uses x, the last y, all take the message shapes from x). A microbatch may
+    carry more, (x, y, positions) under context parallelism: every stage passes it on, chunk(x, y,
+    positions), since every stage's attention needs the tokens' positions. Gradients accumulate in the
+    rank's parameters. Returns this rank's part of the mean loss over the microbatches (a tensor): the loss
+    on the chunk that ends the model, the auxiliary losses of the others (zero without one); summed over the
+    ranks it is the loss one process reports.
 
-    `model(x, targets)` returns (output, loss): on the last stage the logits and the loss (cross-entropy
-    plus any auxiliary loss of its blocks), on the others the hidden states and an auxiliary loss or None
-    (a mixture-of-experts router's balance loss), which must be backpropagated from this stage.
-    `set_grad_sync(bool)` is called before each backward, True only before the last one this stage runs:
-    a data-parallel gradient reducer hooks in there to communicate once per step. Without grad enabled
-    (evaluation) give forwards only: nothing is kept for a backward."""
-    m = len(microbatches)
-    last_backward = max((k for k, (op, _) in enumerate(actions) if op == "B"), default=None)
-    inputs, outputs = {}, {}  # microbatch -> what its backward needs, from its forward until then
+    `model` is the rank's chunk, or a list of its chunks (comm.chunk_stages says which model stage each is):
+    chunk(x, targets, *context) returns (output, loss): on the model's last stage the logits and the loss (cross-entropy
+    plus any auxiliary loss of its blocks), elsewhere the hidden states and an auxiliary loss or None (a
+    mixture-of-experts router's balance loss), which must be backpropagated from here.
+
+    `set_grad_sync(bool)` is called before each backward, True only before the last backward of its chunk:
+    a data-parallel gradient reducer hooks in there to communicate once per step. A list with 'W' actions
+    splits every backward: it needs `weight_grad_stores` (one WeightGradStore per chunk), and after a chunk's
+    last W, weight_grad_ready(p) is called for each parameter whose gradient W accumulated by hand, which no
+    backward hook announced. `trace(action)`, if given, returns a context manager wrapped around each action's
+    computation (metrics.PipelineTrace times them). Without grad enabled (evaluation) give forwards only:
+    nothing is kept for a backward."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    m, last_stage = len(microbatches), comm.n_stages - 1
+    last_backward = {c: k for k, (op, _, c) in enumerate(actions) if op == "B"}  # each chunk's last
+    last_weight = {c: k for k, (op, _, c) in enumerate(actions) if op == "W"}
+    if last_weight and weight_grad_stores is None:
+        raise ValueError("these actions split the backward into B and W: give run_schedule weight_grad_stores, one "
+                         "WeightGradStore per chunk (built before the chunk's first forward)")
+    inputs, outputs = {}, {}  # (microbatch, chunk) -> what its backward needs, from its forward until then
+    here = {}  # messages from one chunk of this rank to another (the V's turn), by (kind, microbatch, stage)
+    sends = []  # the requests of the sends in flight (each holds its tensor), waited for at the end
     total = torch.zeros((), device=comm.device)
-    received = comm.exchange(None, None, actions[0], microbatches)
-    for k, (op, i) in enumerate(actions):
-        if op == "F":
-            x, y, *context = microbatches[i]
-            if not comm.is_first:
-                x = received.requires_grad_(torch.is_grad_enabled())  # its .grad is what goes back
-            with autocast:
-                out, loss = model(x, y if comm.is_last else None, *context)
-            if loss is not None:
-                loss = loss / m  # the mean over microbatches: the one place the loss is scaled
-                total += loss.detach().float()
-            if torch.is_grad_enabled():
-                inputs[i], outputs[i] = x, (None if comm.is_last else out, loss)
-            send, send_to = (None, None) if comm.is_last else (out.detach(), comm.next_rank)
+
+    def post_receive(action):
+        """Post the receive of action's input if another rank sends it: (buffer, request) or None."""
+        op, i, c = action
+        source, _ = message_route(op, comm.chunk_stages[c], comm.n_stages)
+        if source is None or comm.is_here(source):
+            return None
+        return comm.receive(op, source, microbatches[i][0])
+
+    def take_input(action, posted):
+        """Action's input: received (waiting for it now), handed over from this rank's other chunk, or None."""
+        op, i, c = action
+        if posted is not None:
+            buffer, request = posted
+            request.wait()  # sync point: the input must have arrived
+            return buffer
+        return here.pop((op, i, comm.chunk_stages[c]), None)
+
+    def deliver(action, product):
+        op, i, c = action
+        _, destination = message_route(op, comm.chunk_stages[c], comm.n_stages)
+        if destination is None or product is None:
+            return
+        if comm.is_here(destination):
+            here[(op, i, destination)] = product
         else:
-            if set_grad_sync is not None:
-                set_grad_sync(k == last_backward)
-            x, (out, loss) = inputs.pop(i), outputs.pop(i)
-            if comm.is_last:
-                (loss * loss_multiplier).backward()
-            else:
-                # the output's gradient from the next stage, plus this stage's own auxiliary loss if any
-                tensors, grads = [out], [received.to(out.dtype)]
+            sends[:] = [request for request in sends if not request.is_completed()]  # their buffers can go
+            sends.append(comm.send(product, op, destination))
+
+    posted = post_receive(actions[0]) if actions else None
+    for k, action in enumerate(actions):
+        op, i, c = action
+        stage = comm.chunk_stages[c]
+        received = take_input(action, posted)
+        posted = post_receive(actions[k + 1]) if k + 1 < len(actions) else None  # lands while this one runs
+        product = None
+        with trace(action) if trace is not None else nullcontext():
+            if op == "F":
+                x, y, *context = microbatches[i]
+                if stage > 0:
+                    x = received.requires_grad_(torch.is_grad_enabled())  # its .grad is what goes back
+                with autocast:
+                    out, loss = chunks[c](x, y if stage == last_stage else None, *context)
                 if loss is not None:
-                    tensors, grads = tensors + [loss * loss_multiplier], grads + [None]
-                torch.autograd.backward(tensors, grads)
-            send, send_to = (None, None) if comm.is_first else (x.grad, comm.prev_rank)
-        recv_for = actions[k + 1] if k + 1 < len(actions) else None
-        received = comm.exchange(send, send_to, recv_for, microbatches)
+                    loss = loss / m  # the mean over microbatches: the one place the loss is scaled
+                    total += loss.detach().float()
+                if torch.is_grad_enabled():
+                    inputs[(i, c)], outputs[(i, c)] = x, (None if stage == last_stage else out, loss)
+                product = None if stage == last_stage else out.detach()
+            elif op == "B":
+                if set_grad_sync is not None:
+                    set_grad_sync(k == last_backward[c])
+                x, (out, loss) = inputs.pop((i, c)), outputs.pop((i, c))
+                split = weight_grad_stores[c].collect(i) if c in last_weight else nullcontext()
+                with split:
+                    if stage == last_stage:
+                        (loss * loss_multiplier).backward()
+                    else:
+                        # the output's gradient from the next stage, plus this stage's own auxiliary loss if any
+                        tensors, grads = [out], [received.to(out.dtype)]
+                        if loss is not None:
+                            tensors, grads = tensors + [loss * loss_multiplier], grads + [None]
+                        torch.autograd.backward(tensors, grads)
+                product = None if stage == 0 else x.grad
+            else:  # W: the weights' gradients from what B kept
+                weight_grad_stores[c].apply(i)
+                if k == last_weight[c] and weight_grad_ready is not None:
+                    for p in weight_grad_stores[c].params:
+                        weight_grad_ready(p)
+        deliver(action, product)
+    for request in sends:
+        request.wait()
     return total
 
 
 @torch.no_grad()
 def pipeline_forward(model, microbatches, comm, autocast=nullcontext()):
-    """Forward only (evaluation): every microbatch through the stages; returns this stage's part of the
-    mean loss, as run_schedule."""
-    actions = [("F", i) for i in range(len(microbatches))]
+    """Forward only (evaluation): every microbatch through the stages; returns this rank's part of the
+    mean loss, as run_schedule (model: the rank's chunk or list of chunks, as there)."""
+    actions = forward_only_actions(comm.pp, comm.stage, len(microbatches), len(comm.chunk_stages))
     return run_schedule(actions, model, microbatches, comm, autocast)
 
 
@@ -1174,7 +1516,8 @@ def sync_tied_grads(copies, group):
     process: its gradient is the sum of every copy's (one from the input side, the embedding; one from the
     output side, the head). `copies` are the copies this rank holds (none, one, or several when one rank
     holds two model chunks that each have one), `group` the ranks holding the others (None: all are here).
-    Call it after the step's last backward, before the gradients are averaged across data-parallel ranks."""
+    Call it after the step's last backward (and W), before the gradients are averaged across data-parallel
+    ranks."""
     if not copies:
         return
     # a new tensor (sum starts from 0): the copies' own gradients are replaced, never reduced in place
@@ -1272,6 +1615,11 @@ class GradientBuckets:
     after backward (a tied embedding whose pipeline stages add their copies' gradients) must be complete
     before it is reduced, so call finish() after that addition.
 
+    A gradient accumulated by hand, outside autograd (the zero-bubble schedules' W actions), is announced
+    instead: name those parameters with by_hand(params) (autograd still runs their hooks during B, with
+    no gradient or a partial one: those hooks are removed), then call grad_ready(p) once p's gradient is
+    complete for the step, on every data-parallel rank in the same order.
+
     every_microbatch=True (ZeRO-2 and 3, with shard=True): every micro-batch's gradients are
     reduce-scattered (set_grad_sync's argument is ignored; calling it starts a new micro-batch), each added
     into the bucket's `grad_shard`, and p.grad is dropped as soon as it is copied into its bucket, so that
@@ -1286,7 +1634,8 @@ class GradientBuckets:
         self.dp, self.dp_rank = group_size(group), group_rank(group)
         self.sync, self.started = True, False
         self.on_launch = None  # ZeRO-3: frees a unit's gathered parameters once its gradients are sent
-        deferred_ids, alone_ids = {id(p) for p in deferred}, {id(p) for p in alone}
+        deferred_ids = self.deferred_ids = {id(p) for p in deferred}
+        alone_ids = {id(p) for p in alone}
         params = [p for p in params if p.requires_grad]
         early = [p for p in params if id(p) not in deferred_ids]
         late = [p for p in params if id(p) in deferred_ids]
@@ -1314,7 +1663,7 @@ class GradientBuckets:
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self.where[p] = (b, i)
-        self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in early]
+        self.hooks = {id(p): p.register_post_accumulate_grad_hook(self._grad_ready) for p in early}
         self.launched = 0  # collectives launched since the last finish() (the next bucket to launch); tests read it
 
     def set_grad_sync(self, sync):
@@ -1325,8 +1674,20 @@ class GradientBuckets:
             self.started = True
 
     def _grad_ready(self, p):
-        if not self.sync and not self.every_microbatch:
-            return  # a gradient-accumulation micro-step: keep accumulating in p.grad
+        if self.sync or self.every_microbatch:  # (else a gradient-accumulation micro-step: keep accumulating)
+            self.grad_ready(p)
+
+    def by_hand(self, params):
+        for p in params:
+            hook = self.hooks.pop(id(p), None)
+            if hook is not None:
+                hook.remove()
+
+    def grad_ready(self, p):
+        """p.grad is complete for this step: copy it into its bucket, launching the bucket once it is full.
+        A deferred parameter waits for finish()."""
+        if id(p) in self.deferred_ids:
+            return
         bucket, i = self.where[p]
         if i in bucket.ready:
             raise RuntimeError("a gradient became ready twice in one synchronised step: call set_grad_sync(False) "
@@ -1700,70 +2061,177 @@ def optimizer_state_bytes(optimizer):
 
 
 # -----------------------------------------------------------------------------
-# The timeline printer: the pipeline schedules' action lists (section 4), placed in unit time slots.
+# The timeline printer: the pipeline schedules' action lists (section 4), placed in time slots by a
+# simulator of the executor's exchanges.
+
+ACTION_TIME = {"F": 1, "B": 2, "W": 1}  # in slots; a backward split into B and W takes 1 + 1
 
 
-def schedule_timeline(schedule, pp, m):
-    """Each stage runs its actions in order, each in one time slot, as early as the stage is free and the
-    action's input is ready: a forward of microbatch i after the previous stage's forward of i, a backward
-    after the next stage's backward of i. Returns one row per stage: the action in each slot, None if idle.
-    A real backward takes about twice a forward; the bubble fraction is the same, since the fill and the
-    drain stretch with the work."""
-    lists = [SCHEDULES[schedule](pp, s, m) for s in range(pp)]
-    finish = {}  # (stage, action) -> the slot after it
-    nxt, free = [0] * pp, [0] * pp
-    while any(nxt[s] < len(lists[s]) for s in range(pp)):
-        placed = False
-        for s in range(pp):
-            while nxt[s] < len(lists[s]):
-                op, i = lists[s][nxt[s]]
-                source = s - 1 if op == "F" else s + 1  # the stage the input comes from
-                if 0 <= source < pp and (source, (op, i)) not in finish:
-                    break  # its input is not ready yet
-                ready = finish[(source, (op, i))] if 0 <= source < pp else 0
-                start = max(free[s], ready)
-                finish[(s, (op, i))] = free[s] = start + 1
-                nxt[s] += 1
-                placed = True
-        if not placed:
-            raise RuntimeError(f"schedule {schedule!r} deadlocks at pp={pp}, m={m}: every stage waits on another")
+def action_times(actions):
+    """Each op's duration in a list: forward = B = W = 1 slot, a backward that is not split (no W in the
+    list) 2 slots, as the whole backward of a layer is about twice its forward's matmuls."""
+    split = any(op == "W" for op, _, _ in actions)
+    return {**ACTION_TIME, "B": 1 if split else 2}
+
+
+def schedule_timeline(schedule, pp, m, chunks=1, lists=None):
+    """Place every rank's actions in time slots as run_schedule would run them, or raise RuntimeError where
+    real processes would hang or mix up messages. Returns one row per rank: the action in each slot (an
+    action lasting two slots fills two), None where the rank is idle.
+
+    The model of the executor: a rank runs its actions in order, each as soon as the previous one ended and
+    its input has been sent (a send never waits for its receiver); messages between two ranks go through one
+    first-in first-out channel per direction and kind, so the k-th message a rank sends on a channel is the
+    k-th that the other receives on it, and both must be the same microbatch's, for the same stage. `lists`
+    (default: the schedule's own) lets a test hand in a broken one."""
+    chunks = 2 if schedule == "zbv" else chunks
+    lists = lists if lists is not None else [SCHEDULES[schedule](pp, r, m, chunks) for r in range(pp)]
+    stages = [virtual_stages(schedule, pp, r, chunks) for r in range(pp)]
+    n_stages = pp * chunks
+    owner = {s: r for r in range(pp) for s in stages[r]}
+    sent, expected = {}, {}  # channel (from rank, to rank, kind) -> messages in order: (message, rank, index)
+    needs = []  # needs[r][k]: (channel, position) of the message action k waits for, or None
+    before = {"B": "F", "W": "B"}  # on its own rank, a backward follows its forward, a W its backward
+    for r, actions in enumerate(lists):
+        produced, done, row = set(), set(), []
+        for k, (op, i, c) in enumerate(actions):
+            if op in before and (before[op], i, c) not in done:
+                raise RuntimeError(f"{schedule} at pp={pp}, m={m}: rank {r} runs {op}{i} of chunk {c} before its "
+                                   f"{before[op]}{i}")
+            done.add((op, i, c))
+            source, destination = message_route(op, stages[r][c], n_stages)
+            wait = None
+            if source is not None:
+                message = (op, i, stages[r][c])
+                if owner[source] == r:  # handed over in memory: its producer must come first
+                    if message not in produced:
+                        raise RuntimeError(f"{schedule} at pp={pp}, m={m}: rank {r} runs {op}{i} of chunk {c} "
+                                           f"before its own action that produces its input")
+                else:
+                    channel = (owner[source], r, op)
+                    expected.setdefault(channel, []).append(message)
+                    wait = (channel, len(expected[channel]) - 1)
+            if destination is not None:
+                message = (op, i, destination)
+                if owner[destination] == r:
+                    produced.add(message)
+                else:
+                    sent.setdefault((r, owner[destination], op), []).append((message, r, k))
+            row.append(wait)
+        needs.append(row)
+    kinds = {"F": "activations", "B": "gradients"}
+    for channel in sorted(set(sent) | set(expected)):
+        out, into = [s[0] for s in sent.get(channel, [])], expected.get(channel, [])
+        if out != into:
+            j = next(j for j in range(max(len(out), len(into))) if j >= len(out) or j >= len(into) or out[j] != into[j])
+            what = lambda msg: f"{msg[0]}{msg[1]} for stage {msg[2]}" if msg else "nothing"
+            raise RuntimeError(f"{schedule} at pp={pp}, m={m}: rank {channel[0]}'s message #{j} of {kinds[channel[2]]} "
+                               f"to rank {channel[1]} is {what(out[j] if j < len(out) else None)}, but rank "
+                               f"{channel[1]} expects {what(into[j] if j < len(into) else None)}: the lists "
+                               f"disagree on the order")
+    times = [action_times(actions) for actions in lists]
+    start, end = {}, {}
+    position, free = [0] * pp, [0] * pp
+    while any(position[r] < len(lists[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while position[r] < len(lists[r]):
+                k = position[r]
+                ready = 0
+                if needs[r][k] is not None:
+                    channel, j = needs[r][k]
+                    _, sender, sender_k = sent[channel][j]
+                    if (sender, sender_k) not in end:
+                        break  # its input has not been sent yet
+                    ready = end[(sender, sender_k)]
+                start[(r, k)] = max(free[r], ready)
+                end[(r, k)] = free[r] = start[(r, k)] + times[r][lists[r][k][0]]
+                position[r] += 1
+                progressed = True
+        if not progressed:
+            waiting = ", ".join(f"rank {r} at {lists[r][position[r]]}" for r in range(pp) if position[r] < len(lists[r]))
+            raise RuntimeError(f"{schedule} deadlocks at pp={pp}, m={m}, chunks={chunks}: every rank waits on "
+                               f"another ({waiting})")
     rows = [[None] * max(free) for _ in range(pp)]
-    for (s, action), end in finish.items():
-        rows[s][end - 1] = action
+    for (r, k), t in start.items():
+        for slot in range(t, end[(r, k)]):
+            rows[r][slot] = lists[r][k]
     return rows
 
 
 def bubble_fraction(rows):
-    """The share of stage-time slots spent idle."""
+    """The share of rank-time slots spent idle."""
     return sum(row.count(None) for row in rows) / sum(len(row) for row in rows)
 
 
-def format_timeline(schedule, pp, m):
-    """The timeline as text, one row per stage, with the microbatches each stage holds and the bubble."""
-    rows = schedule_timeline(schedule, pp, m)
-    width = len(str(m - 1)) + 1
-    lines = [f"{schedule}: pp={pp} stages, m={m} microbatches; one slot per forward (F) or backward (B), . idle"]
-    for s, row in enumerate(rows):
-        cells = ["." * width if a is None else f"{a[0]}{a[1]}".ljust(width) for a in row]
-        lines.append(f"stage {s} | " + " ".join(cells))
-    # what each stage holds: microbatches between their forward and their backward
-    held = []
-    for s in range(pp):
-        alive = peak = 0
-        for op, _ in SCHEDULES[schedule](pp, s, m):
-            alive += 1 if op == "F" else -1
-            peak = max(peak, alive)
-        held.append(peak)
-    lines.append("activations held at most (microbatches): " + ", ".join(f"stage {s}: {h}" for s, h in enumerate(held)))
+def held_microbatches(actions, chunks=1):
+    """The most microbatches a rank holds at once, in whole stages' worth (a chunk's microbatch is 1/chunks
+    of one): from a microbatch's forward to the end of its backward, its W when the backward is split."""
+    split = any(op == "W" for op, _, _ in actions)
+    alive = peak = 0
+    for op, _, _ in actions:
+        alive += 1 if op == "F" else -1 if op == ("W" if split else "B") else 0
+        peak = max(peak, alive)
+    return peak / chunks
+
+
+def bubble_formula(schedule, pp, m, chunks=1):
+    """The paper's formula as text, for the printed timeline."""
+    if ideal_bubble(schedule, pp, m, chunks) is None:
+        return ("none in the paper for m < pp" if schedule == "zero_bubble" else
+                "none in the paper (idle only in the first fill, pp - 1 slots, when m >= 2 pp)")
+    numerator, denominator = {"afab": (pp - 1, m + pp - 1), "1f1b": (pp - 1, m + pp - 1),
+                              "interleaved_1f1b": (pp - 1, chunks * m + pp - 1),
+                              "zero_bubble": (pp - 1, 3 * m + pp - 1)}[schedule]
+    text = {"afab": "(pp - 1) / (m + pp - 1)", "1f1b": "(pp - 1) / (m + pp - 1)",
+            "interleaved_1f1b": "(pp - 1) / (v m + pp - 1)", "zero_bubble": "(pp - 1) / (3 m + pp - 1)"}[schedule]
+    return f"{text} = {numerator}/{denominator} = {numerator / denominator:.1%}"
+
+
+def format_timeline(schedule, pp, m, chunks=1):
+    """The timeline as text, one row per rank, with the microbatches each rank holds and the bubble."""
+    if schedule == "zbv":
+        chunks = 2
+    rows = schedule_timeline(schedule, pp, m, chunks)
+    label = lambda a: f"{a[0]}{a[1]}" + (f".{a[2]}" if chunks > 1 else "")
+    width = max(len(label((op, m - 1, chunks - 1))) for op in "FBW")
+    lines = [f"{schedule}: pp={pp} ranks, m={m} microbatches" + (f", {chunks} chunks per rank" if chunks > 1 else "")
+             + "; a slot per forward (F), backward (B, two slots when not split into B and W) or weight gradient "
+             + "(W)" + (", .c the chunk" if chunks > 1 else "") + "; .. idle"]
+    for r, row in enumerate(rows):
+        cells = []
+        for slot, a in enumerate(row):
+            if a is None:
+                cells.append("." * width)
+            elif slot > 0 and row[slot - 1] is a:
+                cells.append("-" * width)  # the action of the slot before, still running
+            else:
+                cells.append(label(a).ljust(width))
+        lines.append(f"rank {r} | " + " ".join(cells))
+    lists = [SCHEDULES[schedule](pp, r, m, chunks) for r in range(pp)]
+    held = [held_microbatches(actions, chunks) for actions in lists]
+    lines.append("activations held at most (microbatches of a stage, F to the end of the backward): "
+                 + ", ".join(f"rank {r}: {h:g}" for r, h in enumerate(held)))
     lines.append(f"bubble: {bubble_fraction(rows):.1%} of the slots idle (measured on this timeline); "
-                 f"theory (pp - 1) / (m + pp - 1) = {pp - 1}/{m + pp - 1} = {(pp - 1) / (m + pp - 1):.1%}")
+                 f"theory {bubble_formula(schedule, pp, m, chunks)}")
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Print a pipeline schedule as a timeline, one row per stage.")
-    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
-    parser.add_argument("--pp", type=int, default=4, help="pipeline stages")
+def main(argv):
+    parser = argparse.ArgumentParser(description="Print a pipeline schedule as a timeline, one row per rank.")
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (m)")
-    args = parser.parse_args()
-    print(format_timeline(args.schedule, args.pp, args.microbatches))
+    parser.add_argument("--chunks", type=int, default=None,
+                        help="model chunks per rank (v): interleaved_1f1b any (default 2), zbv 2, the others 1")
+    args = parser.parse_args(argv)
+    chunks = args.chunks or (2 if args.schedule in ("interleaved_1f1b", "zbv") else 1)
+    try:
+        check_schedule(args.schedule, args.pp, args.microbatches, chunks)
+    except ValueError as e:
+        parser.exit(2, f"error: {e}\n")
+    print(format_timeline(args.schedule, args.pp, args.microbatches, chunks))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -4,8 +4,13 @@ val loss), the learning rate, the gradient norm and the throughput, against the 
 
     python plot.py out/run_a out/run_b --out=compare.png
 
-Each run gets one colour in every panel, labelled with its folder name. matplotlib is needed only here:
-pip install matplotlib
+Each run gets one colour in every panel, labelled with its folder name. With --trace, draw instead the
+pipeline timeline a run measured with pp_trace=True (<out_dir>/pp_trace.json): a row per pipeline rank
+and chunk, each action a bar from its start to its end, with each rank's measured bubble:
+
+    python plot.py --trace out/run_a            # writes out/run_a/pp_trace.png
+
+matplotlib is needed only here: pip install matplotlib
 """
 import argparse
 import importlib.util
@@ -63,18 +68,76 @@ def plot_runs(run_dirs, out):
     plt.close(fig)
 
 
+OP_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}  # forward, (input) backward, weight gradient
+
+
+def read_trace(run_dir):
+    path = run_dir if run_dir.endswith(".json") else os.path.join(run_dir, "pp_trace.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no pp_trace.json in '{run_dir}': give the out_dir of a run trained with "
+                                f"--pp_trace=True and pp > 1")
+    with open(path) as f:
+        return json.load(f)
+
+
+def plot_trace(run_dir, out):
+    """The measured pipeline timeline: one lane per (pipeline rank, chunk), rank 0 at the top, time in ms."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    trace = read_trace(run_dir)
+    info, spans = trace["otherData"], [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    lanes = sorted({(e["pid"], e["tid"]) for e in spans})
+    row = {lane: i for i, lane in enumerate(lanes)}
+    start = min(e["ts"] for e in spans)
+    fig, ax = plt.subplots(figsize=(14, 0.6 * len(lanes) + 1.8))
+    for e in spans:
+        y, left, width = row[(e["pid"], e["tid"])], (e["ts"] - start) / 1e3, e["dur"] / 1e3
+        ax.barh(y, width, left=left, height=0.8, color=OP_COLORS.get(e["cat"], "grey"), edgecolor="black", linewidth=0.3)
+        ax.text(left + width / 2, y, e["name"], ha="center", va="center", fontsize=6, clip_on=True)
+    ax.set_yticks(range(len(lanes)))
+    bubble = info["measured_bubble"]
+    ax.set_yticklabels([f"rank {p} (idle {bubble[p]:.0%}), chunk {c}" if c == min(t for q, t in lanes if q == p)
+                        else f"chunk {c}" for p, c in lanes])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step's barrier")
+    ideal = info.get("ideal_bubble")
+    ax.set_title(f"{info['schedule']}: pp={info['pp']}, m={info['microbatches']}, {info['chunks']} chunk(s) per rank, "
+                 f"step {info['step']} on {info['device']}; measured bubble (mean) "
+                 f"{sum(bubble) / len(bubble):.1%}, ideal " + (f"{ideal:.1%}" if ideal is not None else "n/a"))
+    split = any(e["cat"] == "W" for e in spans)
+    labels = {"F": "F forward", "B": "B input's gradient" if split else "B backward", "W": "W weights' gradient"}
+    ax.legend(handles=[Patch(color=OP_COLORS[op], label=labels[op]) for op in ("FBW" if split else "FB")],
+              loc="upper right", fontsize="small")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="out_dir of each run (holding metrics.jsonl)")
-    parser.add_argument("--out", default="loss.png", help="the PNG to write")
+    parser.add_argument("runs", nargs="*", help="out_dir of each run (holding metrics.jsonl)")
+    parser.add_argument("--trace", default=None, help="draw this run's pipeline trace (its out_dir or pp_trace.json)")
+    parser.add_argument("--out", default=None, help="the PNG to write (default loss.png, or pp_trace.png beside the trace)")
     args = parser.parse_args(argv)
+    if not args.runs and args.trace is None:
+        parser.error("give the out_dir of one or more runs, or --trace OUT_DIR")
     if importlib.util.find_spec("matplotlib") is None:
         sys.exit("error: plot.py needs matplotlib, which is not installed: pip install matplotlib")
     try:
-        plot_runs(args.runs, args.out)
+        if args.trace is not None:
+            out = args.out or os.path.join(os.path.dirname(args.trace) if args.trace.endswith(".json") else args.trace,
+                                           "pp_trace.png")
+            plot_trace(args.trace, out)
+        else:
+            out = args.out or "loss.png"
+            plot_runs(args.runs, out)
     except FileNotFoundError as e:
         sys.exit(f"error: {e}")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ out_dir is left as it was, with no temporary files and an earlier run's output u
 """
 import argparse
 import glob
-import hashlib
 import json
 import logging
 import os
@@ -45,7 +44,6 @@ from multiprocessing import Pool
 import datasets
 import numpy as np
 import pyarrow  # datasets reads json and parquet files with pyarrow, and lets its errors through
-import tiktoken
 
 import hf_tokenizer
 
@@ -62,33 +60,7 @@ VAL_SEED = 1337
 # -----------------------------------------------------------------------------
 # tokenizer
 
-def get_encoding(name):
-    """A tiktoken encoding, or the tokenizer of a transformers model folder (hf_tokenizer.py: tiktoken when
-    its vocabulary is one of tiktoken's, else its tokenizer.json). Either has encode_ordinary, eot_token,
-    n_vocab and name, the name meta.json records."""
-    if os.path.isdir(name):
-        return hf_tokenizer.folder_encoding(name)
-    names = tiktoken.list_encoding_names()
-    if name not in names:
-        raise ValueError(f"unknown tokenizer {name!r}: --tokenizer must name a tiktoken encoding, one of {', '.join(names)}, "
-                         f"or a model folder with tokenizer.json")
-    try:
-        return tiktoken.get_encoding(name)
-    except OSError as e:
-        # tiktoken downloads an encoding's files on first use and keeps them in TIKTOKEN_CACHE_DIR, each named
-        # by the sha1 of its URL. The download's errors (requests' ConnectionError, HTTPError) are OSErrors
-        # that carry the request; any other OSError (say, an unwritable cache) already names its path.
-        url = getattr(getattr(e, 'request', None), 'url', None)
-        if url is None:
-            raise
-        cache_dir = os.environ.get('TIKTOKEN_CACHE_DIR')
-        cache = f"TIKTOKEN_CACHE_DIR={cache_dir!r} holds no copy of it" if cache_dir else \
-            f"TIKTOKEN_CACHE_DIR is {'empty' if cache_dir == '' else 'not set'}"
-        raise ConnectionError(
-            f"--tokenizer={name}: tiktoken could not download {url} ({type(e).__name__}), and {cache}. Offline, set "
-            f"TIKTOKEN_CACHE_DIR to a directory holding the encoding's files, each named by the sha1 of its URL "
-            f"(this one: {hashlib.sha1(url.encode()).hexdigest()}); one filled by a run with network access will do"
-        ) from e
+get_encoding = hf_tokenizer.get_encoding  # a tiktoken encoding or a model folder's tokenizer
 
 def token_dtype(n_vocab):
     # ids run from 0 to n_vocab-1, so 16 bits hold any vocabulary of up to 2**16 tokens (GPT-2 has 50,257)

@@ -7,7 +7,6 @@ Generate text from a picotron checkpoint (saved at any parallel layout) on one d
 The tokenizer is the one the checkpoint records (its data's, or a converted model's: a tiktoken encoding or
 a model folder's tokenizer.json, see hf_tokenizer.py); --tokenizer names another.
 """
-import os
 import sys
 from contextlib import nullcontext
 
@@ -57,14 +56,23 @@ def checkpoint_tokenizer(meta, given):
     return meta.get("tokenizer", "gpt2")
 
 
+def check_values(cfg):
+    problems = [f"{k} = {cfg[k]} must be positive" for k in ("num_samples", "max_new_tokens") if cfg[k] <= 0]
+    problems += [f"{k} = {cfg[k]} must not be negative ({why})" for k, why in
+                 (("temperature", "0 is greedy"), ("top_k", "0 keeps every token")) if cfg[k] < 0]
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def main(argv):
     try:
         cfg, _ = configure(SAMPLING, argv, usage=__doc__)
+        check_values(cfg)
         if cfg["ckpt"]:
-            if not checkpoint.is_complete(cfg["ckpt"]):
+            why = checkpoint.why_incomplete(cfg["ckpt"])
+            if why:
                 raise FileNotFoundError(f"--ckpt={cfg['ckpt']} is not a complete checkpoint (a ckpt_* folder with its "
-                                        f"meta.json and every rank file): " + ("it does not exist" if not
-                                        os.path.exists(cfg["ckpt"]) else "it is partial or damaged"))
+                                        f"meta.json and every rank file): {why}")
             path = cfg["ckpt"]
         else:
             path = checkpoint.latest_checkpoint(cfg["out_dir"])
@@ -74,15 +82,18 @@ def main(argv):
         dev, ptdtype, _ = choose_device_and_dtype(cfg["device"], cfg["dtype"])
         reader = checkpoint.CheckpointReader(path)
         enc = hf_tokenizer.get_encoding(checkpoint_tokenizer(reader.meta, cfg["tokenizer"]))
-    except (ConfigError, ValueError, FileNotFoundError, checkpoint.CheckpointError) as e:
+        ids = enc.encode(prompt, allowed_special={"<|endoftext|>"})
+        if not ids:
+            source = f"the file {cfg['start'][5:]}" if cfg["start"].startswith("FILE:") else "--start"
+            raise ValueError(f"the prompt is empty ({source} holds no text): generation needs at least one token "
+                             f"to start from")
+    except (ConfigError, ValueError, OSError, checkpoint.CheckpointError) as e:
         sys.exit(f"error: {e}")
     model_cfg = model_config_from(reader.meta["model"])
     attn_impl, _ = choose_attn_impl("auto", dev.type, ptdtype, model_cfg.attn_softcap)
     model = Transformer(model_cfg, attn_impl=attn_impl)
     checkpoint.load_model(model, reader)
     model.to(dev).eval()
-
-    ids = enc.encode(prompt, allowed_special={"<|endoftext|>"})
     x = torch.tensor(ids, dtype=torch.long, device=dev)[None, :]
     torch.manual_seed(cfg["seed"])
     autocast = torch.autocast(dev.type, dtype=ptdtype) if ptdtype != torch.float32 else nullcontext()

@@ -134,7 +134,8 @@ TRAINING = [
         Setting("dp", 0, "data-parallel ranks; 0 means world_size / (tp * pp)", resume="allow"),
         Setting("tp", 1, "tensor-parallel ranks", resume="allow"),
         Setting("pp", 1, "pipeline stages", resume="allow"),
-        Setting("pp_schedule", "1f1b", "'1f1b' or 'afab'", resume="allow"),
+        Setting("pp_schedule", "1f1b", "'1f1b', 'afab', 'interleaved_1f1b', 'zero_bubble' (ZB-H1) or 'zbv' (python "
+                "parallel.py draws each)", resume="allow"),
         Setting("zero_stage", 0, "1 shards the optimizer states across data-parallel ranks, 2 also the gradients, 3 also "
                 "the parameters", resume="allow"),
         Setting("bucket_size_mb", 25.0, "data-parallel gradients are averaged in buckets of about this size",
@@ -143,6 +144,10 @@ TRAINING = [
                 "attention is ring attention", resume="allow"),
         Setting("sequence_parallel", False, "with tp > 1: the tokens between the tensor-parallel regions split "
                 "across tp (Megatron)", resume="allow"),
+        Setting("pp_chunks", 1, "model chunks per pipeline rank (virtual stages): interleaved_1f1b any, zbv 2, the "
+                "others 1", resume="allow"),
+        Setting("pp_trace", False, "time every pipeline action of the second step on every rank: <out_dir>/"
+                "pp_trace.json (Chrome trace), the measured bubble printed", resume="allow"),
     ),
 ]
 
@@ -150,20 +155,25 @@ DEFAULTS = {s.name: s.default for s in TRAINING}
 
 # sizes and intervals that must be positive (or at least zero): a zero batch or a negative interval would
 # otherwise fail far from its cause, or silently do nothing
+# (the model's own rules, such as heads dividing the width or the MoE settings, are model.check_layout's)
 POSITIVE = ("batch_size", "block_size", "gradient_accumulation_steps", "log_interval", "eval_iters",
-            "n_layer", "n_head", "n_kv_head", "n_embd", "tp", "pp", "learning_rate", "bucket_size_mb", "cp")
-NOT_NEGATIVE = ("eval_interval", "checkpoint_interval", "keep_last_n", "warmup_iters", "lr_decay_iters", "min_lr",
-                "dp", "weight_decay", "grad_clip", "peak_flops", "n_expert", "n_shared_expert", "zero_stage",
-                "max_iters", "head_dim", "intermediate_size", "rope_scaling_factor")
+            "n_layer", "n_head", "n_kv_head", "n_embd", "rope_theta", "tp", "pp", "learning_rate", "bucket_size_mb",
+            "cp", "pp_chunks")
+NOT_NEGATIVE = ("seed", "eval_interval", "checkpoint_interval", "keep_last_n", "warmup_iters", "lr_decay_iters",
+                "min_lr", "norm_eps", "dp", "weight_decay", "grad_clip", "peak_flops", "zero_stage", "max_iters",
+                "head_dim", "intermediate_size", "rope_scaling_factor")
 
 
 def check_values(values):
-    """The value rules no type can say: sizes and intervals in range, a non-empty out_dir."""
+    """The value rules no type can say: sizes and intervals in range, AdamW's betas in [0, 1), a non-empty
+    out_dir."""
     problems = [f"{k} = {values[k]} must be positive" for k in POSITIVE if values[k] <= 0]
     problems += [f"{k} = {values[k]} must not be negative" for k in NOT_NEGATIVE if values[k] < 0]
     if values["max_iters"] == 0 and values["init_from"] in ("scratch", "resume"):
         problems.append(f"max_iters = 0 trains nothing: it only converts a model, with init_from=<a transformers "
                         f"model folder> (init_from is {values['init_from']!r})")
+    problems += [f"{k} = {values[k]} must be in [0, 1) (AdamW's moments average over about 1 / (1 - {k}) steps)"
+                 for k in ("beta1", "beta2") if not 0 <= values[k] < 1]
     if values["vocab_size"] is not None and values["vocab_size"] <= 0:
         problems.append(f"vocab_size = {values['vocab_size']} must be positive (or None: from meta.json)")
     if not values["out_dir"].strip():

@@ -13,6 +13,7 @@ Every setting, its default and its meaning is in settings.py (`python train.py -
 config file and --key=value overrides replace the defaults (configurator.py). Read top to bottom: the
 settings, the data, setup and build, the step, evaluation and checkpoints, then the loop.
 """
+import functools
 import importlib.util
 import json
 import math
@@ -31,11 +32,12 @@ import checkpoint
 import import_hf
 import metrics
 import settings
-from configurator import ConfigError, configure
+from configurator import ConfigError, configure, make_folder
 from model import ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype, stage_layers
-from parallel import (SCHEDULES, GradientBuckets, PipelineComm, ZeroOneAdamW, format_grid, full_shape_of,
-                      init_distributed, optimizer_state_bytes, pipeline_forward, run_schedule, split_for_every_rank,
-                      sum_tied_grad_shards, sync_tied_grads, tied_weight_group, zigzag_split)
+from parallel import (SCHEDULES, GradientBuckets, PipelineComm, WeightGradStore, ZeroOneAdamW, check_schedule,
+                      format_grid, ideal_bubble, init_distributed, optimizer_state_bytes,
+                      pipeline_forward, run_schedule, split_for_every_rank, sum_tied_grad_shards, sync_tied_grads,
+                      tied_weight_group, virtual_stages, zigzag_split)
 
 # -----------------------------------------------------------------------------
 # settings
@@ -50,10 +52,15 @@ def configure_run(argv):
     notes, path = [], None
     if values["init_from"] == "resume":
         path = checkpoint.latest_checkpoint(values["out_dir"])
+        folders = checkpoint.checkpoint_folders(values["out_dir"])
+        newer = folders[folders.index(path) + 1:] if path else folders  # each one incomplete or damaged
+        damaged = [f"{p} cannot be used: {checkpoint.why_incomplete(p)}" for p in newer]
         if path is None:
             raise FileNotFoundError(f"init_from='resume' but out_dir '{values['out_dir']}' holds no complete "
-                                    f"checkpoint: use --init_from=scratch to start a new run")
+                                    f"checkpoint" + "".join(f" ({d})" for d in damaged)
+                                    + ": use --init_from=scratch to start a new run")
         values, notes = settings.resume_values(values, given, checkpoint.read_meta(path)["config"])
+        notes = [f"resume: {d}; the newest complete checkpoint is {path}" for d in damaged] + notes
     elif values["init_from"] != "scratch":
         model, _, notes = import_hf.model_settings(values["init_from"])
         values, changes = settings.resume_values(values, given, model, source=f"{values['init_from']}/config.json")
@@ -107,7 +114,7 @@ def load_data(data_dir, split, block_size, vocab_size, meta):
                         f"prepare more text or lower block_size")
     data = np.memmap(path, dtype=meta["dtype"], mode="r")
     # a quick look at both ends catches bins of another tokenizer or dtype at once; every batch is checked
-    # again where it is read (get_batch), since one bad id in the middle would do the same harm
+    # again where it is read (read_windows), since one bad id in the middle would do the same harm
     sample = np.concatenate([data[:1 << 20], data[-(1 << 20):]])
     if sample.max() >= vocab_size:
         raise DataError(f"{path} holds token id {int(sample.max())} but the vocabulary has {vocab_size} tokens: the "
@@ -126,9 +133,9 @@ def window_starts(seed, stream, step, n_tokens, block_size, n_windows):
 
 
 def read_windows(data, starts, block_size):
-    """The (len(starts), block_size + 1) tokens of the windows at `starts`, checked on the host: a token id
-    outside the vocabulary would crash the embedding at tp = 1, and at tp > 1 the vocab-parallel embedding
-    would silently read it as zeros."""
+    """The token windows at `starts`, (len(starts), block_size + 1), checked on the host: a token id outside
+    the vocabulary would crash the embedding at tp = 1, and at tp > 1 the vocab-parallel embedding would
+    silently read it as zeros."""
     path, dtype, _, vocab_size = data
     # a fresh memmap per batch: keeping one open leaks memory (nanoGPT's note on np.memmap)
     tokens = np.memmap(path, dtype=dtype, mode="r")
@@ -142,6 +149,7 @@ def read_windows(data, starts, block_size):
 
 
 def get_batch(data, starts, block_size, device):
+    """The (x, y) windows at `starts` on the device, checked by read_windows."""
     windows = torch.from_numpy(read_windows(data, starts, block_size).astype(np.int64))
     x, y = windows[:, :-1], windows[:, 1:]
     if device.type == "cuda":  # pinned memory lets the copy overlap the GPU's work
@@ -205,9 +213,15 @@ def setup(cfg, training=True):
     if cfg.zero_stage == 3 and cfg.compile:
         raise ValueError("compile=True with zero_stage=3 is not supported yet (the blocks' gather and free hooks "
                          "run outside a compiled graph): use --compile=False, or zero_stage=2")
-    if cfg.pp_schedule not in SCHEDULES:
-        raise ValueError(f"pp_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {cfg.pp_schedule!r}")
+    if cfg.zero_stage >= 2 and cfg.pp > 1 and cfg.pp_schedule not in ("1f1b", "afab"):
+        raise ValueError(f"zero_stage={cfg.zero_stage} with pp_schedule={cfg.pp_schedule!r} is not supported yet (its "
+                         f"gradients are reduce-scattered every micro-batch, which the split backward and the "
+                         f"virtual stages of this schedule do not fit yet): use pp_schedule='1f1b' or 'afab', "
+                         f"or zero_stage=1")
+    check_schedule(cfg.pp_schedule, cfg.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks)
     hf_dir = None if cfg.init_from in ("scratch", "resume") else cfg.init_from  # a transformers model folder
+    if training:
+        make_folder("out_dir", cfg.out_dir)
     if training and cfg.init_from != "resume" and checkpoint.latest_checkpoint(cfg.out_dir):
         raise FileExistsError(f"out_dir '{cfg.out_dir}' already holds checkpoints and init_from={cfg.init_from!r} "
                               f"would overwrite them: use --init_from=resume to continue, or choose another --out_dir")
@@ -221,7 +235,7 @@ def setup(cfg, training=True):
                             vocab_size=vocab)
     attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype, cfg.attn_softcap)
     layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type, cp=cfg.cp)
-    check_layout(model_cfg, layout.tp, layout.pp, layout.cp, cfg.sequence_parallel)
+    check_layout(model_cfg, layout.tp, layout.pp, layout.cp, cfg.sequence_parallel, cfg.pp_chunks)
     tokenizer = data_meta.get("tokenizer", "gpt2")
     if hf_dir is not None:
         import_hf.check_weights(hf_dir, model_cfg)  # on every rank alike: a bad folder stops all of them
@@ -257,16 +271,24 @@ def setup(cfg, training=True):
     print0(layout, f"layout: {cut} x tp={layout.tp}{sp} x pp={layout.pp} = {layout.world_size} processes\n"
                    + format_grid(layout.dp, layout.tp, layout.pp, layout.cp))
     if layout.pp > 1:
-        stages = [stage_layers(model_cfg.n_layer, layout.pp, s) for s in range(layout.pp)]
-        print0(layout, f"pipeline: {cfg.pp_schedule}, {cfg.gradient_accumulation_steps} microbatches, blocks per "
-                       f"stage " + " | ".join(f"{s}: {r.start}" + (f"-{r.stop - 1}" if len(r) > 1 else "")
-                                              for s, r in enumerate(stages)))
-        if cfg.gradient_accumulation_steps < layout.pp and not converting:
-            m = cfg.gradient_accumulation_steps
+        # when the blocks do not divide into pp * pp_chunks model stages, the first stages take one more
+        v, m = cfg.pp_chunks, cfg.gradient_accumulation_steps
+        blocks = lambda r: r.start if len(r) == 1 else f"{r.start}-{r.stop - 1}"
+        per_rank = [", ".join(str(blocks(stage_layers(model_cfg.n_layer, layout.pp * v, s)))
+                              for s in virtual_stages(cfg.pp_schedule, layout.pp, p, v)) for p in range(layout.pp)]
+        print0(layout, f"pipeline: {cfg.pp_schedule}, {m} microbatches, " + (f"{v} chunks per rank, " if v > 1 else "")
+                       + ("blocks per stage " if v == 1 else "blocks per rank (chunk by chunk) ")
+                       + " | ".join(f"{p}: {text}" for p, text in enumerate(per_rank)))
+        if m < layout.pp and not converting:
+            bubble, whose = ideal_bubble(cfg.pp_schedule, layout.pp, m, v), cfg.pp_schedule
+            if bubble is None:  # (the paper gives no formula for this m)
+                bubble, whose = ideal_bubble("1f1b", layout.pp, m), "1f1b"
             print0(layout, f"warning: gradient_accumulation_steps = {m} microbatches for pp = {layout.pp} stages: the "
-                           f"stages are idle {(layout.pp - 1) / (m + layout.pp - 1):.0%} of each step (the bubble, "
-                           f"(pp - 1) / (m + pp - 1)); raise gradient_accumulation_steps (lowering batch_size to keep "
-                           f"the batch): {4 * layout.pp} microbatches bring the bubble under 20%")
+                           f"stages are idle about {bubble:.0%} of each step ({whose}'s bubble); raise "
+                           f"gradient_accumulation_steps (lowering batch_size to keep the batch): {4 * layout.pp} "
+                           f"microbatches bring 1F1B's bubble, (pp - 1) / (m + pp - 1), under 20%")
+    elif cfg.pp_trace:
+        print0(layout, "pp_trace: nothing to trace with pp = 1 (no pipeline); the run goes on untraced")
     return SimpleNamespace(dev=dev, dtype=ptdtype, layout=layout, datasets=datasets, model_cfg=model_cfg,
                            attn_impl=attn, tokenizer=tokenizer, hf_dir=hf_dir)
 
@@ -277,7 +299,9 @@ def build(cfg, run):
     needs. bench.py builds through here too, so it times exactly what train.py runs."""
     layout = run.layout
     torch.manual_seed(cfg.seed)
-    model = Transformer(run.model_cfg, layout.tp_group, layout.pp, layout.pp_rank, attn_impl=run.attn_impl,
+    # this rank's model chunks, as the stages of a model cut into pp * pp_chunks (one with pp_chunks = 1)
+    stages = virtual_stages(cfg.pp_schedule, layout.pp, layout.pp_rank, cfg.pp_chunks)
+    model = Transformer(run.model_cfg, layout.tp_group, layout.pp * cfg.pp_chunks, stages, attn_impl=run.attn_impl,
                         activation_checkpointing=cfg.activation_checkpointing, chunked_loss=cfg.chunked_loss,
                         cp_group=layout.cp_group, sequence_parallel=cfg.sequence_parallel)
     loaded = None
@@ -292,6 +316,9 @@ def build(cfg, run):
     tied = pipeline.tied_copies if pipeline else []
     optimizer = make_optimizer(model, cfg, run.dev, layout, tied)
     grad_sync = make_grad_sync(model, cfg, layout, optimizer, tied)
+    if grad_sync is not None and pipeline is not None and pipeline.weight_grad_stores:
+        # the W actions accumulate these gradients outside autograd and announce them (parallel.run_schedule)
+        grad_sync.by_hand([p for store in pipeline.weight_grad_stores for p in store.params])
     # AdamW creates its two moments per parameter element at the first step; ZeroOneAdamW its slice's now
     unsharded = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     print0(layout, f"optimizer: ZeroOneAdamW (ZeRO-{cfg.zero_stage}), state {optimizer_state_bytes(optimizer) / 2**20:.2f} "
@@ -305,7 +332,7 @@ def build(cfg, run):
                        f"forward and again before its backward, every micro-batch" if cfg.zero_stage == 3 else ""))
     scaler = DynamicLossScaler(enabled=run.dtype == torch.float16)
     autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
-    return SimpleNamespace(model=model, step_model=compile_model(model, cfg, layout), optimizer=optimizer,
+    return SimpleNamespace(model=model, compiled=compile_blocks(model, cfg, layout), optimizer=optimizer,
                            grad_sync=grad_sync, pipeline=pipeline, autocast=autocast, scaler=scaler, loaded=loaded)
 
 
@@ -350,30 +377,58 @@ def make_grad_sync(model, cfg, layout, optimizer, tied=()):
 
 def make_pipeline(cfg, layout, model, dev):
     """What a pipeline-parallel step needs beside the model (None with pp = 1): the point-to-point channel
-    to the neighbouring stages, the schedule's action list builder, and the copies of the tied embedding
-    this stage holds with the group of the stages holding the others. Every rank must call it: it builds
-    process groups and runs the world's first collective (PipelineComm)."""
+    to the other ranks, the schedule's action list builder, the number of model chunks per rank, one
+    WeightGradStore per chunk when the schedule splits the backward (zero_bubble, zbv), and the copies of the
+    tied embedding this rank holds with the group of the ranks holding the others. Every rank must call it:
+    it builds process groups and runs the world's first collective (PipelineComm)."""
     if layout.pp == 1:
         return None
     # what travels: the hidden states of this rank's tokens, (B, T, n_embd) for token ids x of (B, T), which
     # are this rank's T/cp under context parallelism; T/tp of those under sequence parallelism
-    split = layout.tp if cfg.sequence_parallel else 1
-    comm = PipelineComm(layout.pp_rank, layout.pp, layout.pp_prev, layout.pp_next,
-                        lambda x: (x.shape[0], x.shape[1] // split, model.cfg.n_embd), device=dev)
+    schedule, v = cfg.pp_schedule, cfg.pp_chunks
+    comm = PipelineComm.from_layout(layout, model.cfg.n_embd, dev, schedule=schedule, chunks=v,
+                                    seq_split=layout.tp if cfg.sequence_parallel else 1)
+    actions = SCHEDULES[schedule]
+    split = any(op == "W" for op, _, _ in actions(layout.pp, layout.pp_rank, cfg.gradient_accumulation_steps, v))
+    stores = [WeightGradStore(model.chunk_modules(c)) for c in range(v)] if split else None
     tied_group, tied_copies = None, []
-    if model.cfg.tie_embeddings:  # the embedding on the first stage, its copy as the head on the last
-        tied_group = tied_weight_group(layout, [0, layout.pp - 1])
+    if model.cfg.tie_embeddings:  # the embedding with model stage 0, its copy (or itself) as the head of the last
+        holders = [p for p in range(layout.pp) for s in virtual_stages(schedule, layout.pp, p, v)
+                   if s in (0, layout.pp * v - 1)]
+        tied_group = tied_weight_group(layout, holders)
         tied_copies = [model.tok_emb.weight] if model.is_first else [model.lm_head.weight] if model.is_last else []
-    return SimpleNamespace(comm=comm, actions=SCHEDULES[cfg.pp_schedule], tied_group=tied_group,
+    return SimpleNamespace(comm=comm, actions=actions, chunks=v, weight_grad_stores=stores, tied_group=tied_group,
                            tied_copies=tied_copies)
 
 
-def compile_model(model, cfg, layout):
-    """The model the training step runs: torch.compile(model) with compile=True, else the model itself."""
-    if not cfg.compile:
+def model_chunks(model, pipeline):
+    """What run_schedule calls for each of this rank's chunks: the model itself with one chunk."""
+    if pipeline.chunks == 1:
         return model
-    print0(layout, "compiling the model with torch.compile (the first steps are slow)")
-    return torch.compile(model)
+    return [functools.partial(model, chunk=c) for c in range(pipeline.chunks)]
+
+
+def compile_blocks(model, cfg, layout):
+    """With compile=True, torch.compile each transformer block in place, one block at a time; returns whether
+    it did. Every block runs the same code on the same shapes, and its parameters are the compiled graph's
+    inputs rather than constants, so dynamo traces one graph that every block reuses: compile time is one
+    block's at any depth, where torch.compile(model) unrolls the loop over the blocks into one graph that
+    grows with n_layer. The embedding, the final norm and the chunked loss (a loop of large matmuls) stay
+    eager; evaluation runs the compiled blocks too (one more graph, without autograd). The parameters are
+    graph inputs by default from torch 2.5 (dynamo's inline_inbuilt_nn_modules; before it each block would
+    compile anew). The compiled forward is an attribute of the block instance, so no parameter is renamed
+    (a compiled module would prefix them with _orig_mod.) and uncompile_blocks undoes it."""
+    if not cfg.compile:
+        return False
+    print0(layout, "compiling each block with torch.compile (the first steps are slow)")
+    for block in model.blocks.values():
+        block.forward = torch.compile(block.forward)
+    return True
+
+
+def uncompile_blocks(model):
+    for block in model.blocks.values():
+        block.__dict__.pop("forward", None)  # Block.forward, the class's own, again
 
 
 # -----------------------------------------------------------------------------
@@ -435,20 +490,23 @@ def forward_backward(model, microbatches, autocast, loss_multiplier, set_grad_sy
     return total
 
 
-def forward_backward_step(parts, step_model, microbatches):
+def forward_backward_step(parts, microbatches, trace=None):
     """Forward and backward of the step's micro-batches (through the pipeline schedule when pp > 1), then
     the gradients made whole: tied copies summed, a zero gradient for every parameter that got none, and
-    the data-parallel average. Returns the loss (this rank's part of it with pp > 1)."""
+    the data-parallel average. Returns the loss (this rank's part of it with pp > 1). trace: see
+    parallel.run_schedule (pipeline only)."""
     pipeline, grad_sync, model = parts.pipeline, parts.grad_sync, parts.model
     set_grad_sync = grad_sync.set_grad_sync if grad_sync is not None else None
     if pipeline is not None:
-        actions = pipeline.actions(pipeline.comm.pp, pipeline.comm.stage, len(microbatches))
-        loss = run_schedule(actions, step_model, microbatches, pipeline.comm, parts.autocast,
-                            parts.scaler.loss_multiplier(), set_grad_sync)
+        comm = pipeline.comm
+        actions = pipeline.actions(comm.pp, comm.stage, len(microbatches), pipeline.chunks)
+        loss = run_schedule(actions, model_chunks(model, pipeline), microbatches, comm, parts.autocast,
+                            parts.scaler.loss_multiplier(), set_grad_sync, pipeline.weight_grad_stores,
+                            grad_sync.grad_ready if grad_sync is not None else None, trace)
         if not sharded_grads(parts.optimizer):
             sync_tied_grads(pipeline.tied_copies, pipeline.tied_group)
     else:
-        loss = forward_backward(step_model, microbatches, parts.autocast, parts.scaler.loss_multiplier(), set_grad_sync)
+        loss = forward_backward(model, microbatches, parts.autocast, parts.scaler.loss_multiplier(), set_grad_sync)
     # One rule at every layout: a parameter without a gradient (an expert no token reached) has a zero one,
     # as the data-parallel buckets give it. AdamW then steps every parameter alike (its moments decay, the
     # weight decays, one step counter for all), and every parameter has optimizer state to checkpoint.
@@ -503,28 +561,30 @@ def scale_grads(grads, factor):
         grad.mul_(factor)
 
 
-def train_step(cfg, layout, parts, microbatches, lr):
+def train_step(cfg, layout, parts, microbatches, lr, trace=None):
     """One optimizer step: forward and backward of every micro-batch, unscaling, the global gradient norm
     and clipping, AdamW. Returns (loss, grad norm), both tensors: nothing here waits for the device except
-    fp16 loss scaling, which must read the norm to decide whether to skip the step.
+    fp16 loss scaling, which must read the norm to decide whether to skip the step. trace: the pipeline
+    actions' timer (metrics.PipelineTrace) or memory sampler, or None.
 
     torch.compile compiles inside the first forward and backward, so that is where it fails (no C compiler,
-    an op it cannot trace): on one rank the step is then run again eagerly and parts.step_model is the
-    eager model from then on. (With pp > 1 or dp > 1 the ranks may already have communicated: the error
-    stops the run.)"""
+    an op it cannot trace): on one rank the step is then run again eagerly, and the blocks stay eager from
+    then on (parts.compiled is False). (With pp > 1 or dp > 1 the ranks may already have communicated: the
+    error stops the run.)"""
     model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
     for group in optimizer.param_groups:
         group["lr"] = lr
     try:
-        loss = forward_backward_step(parts, parts.step_model, microbatches)
+        loss = forward_backward_step(parts, microbatches, trace)
     except Exception as e:
-        if parts.step_model is model or parts.pipeline is not None or parts.grad_sync is not None:
+        if not parts.compiled or parts.pipeline is not None or parts.grad_sync is not None:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print0(layout, f"torch.compile failed ({type(e).__name__}: {first}); continuing without it")
         optimizer.zero_grad(set_to_none=True)  # whatever the failed attempt accumulated
-        parts.step_model = model
-        loss = forward_backward_step(parts, model, microbatches)
+        uncompile_blocks(model)
+        parts.compiled = False
+        loss = forward_backward_step(parts, microbatches, trace)
     grads = model_grads(model, optimizer)
     if scaler.enabled:
         scale_grads(grads, 1.0 / scaler.scale)
@@ -551,7 +611,7 @@ def evaluate(cfg, run, parts):
     for split, data in run.datasets.items():
         batches = [rank_microbatches(cfg, layout, data, EVAL_STREAM, i, 1, run.dev)[0] for i in range(cfg.eval_iters)]
         if parts.pipeline is not None:  # each batch a microbatch through the pipeline; the loss on the last stage
-            total = pipeline_forward(model, batches, parts.pipeline.comm, parts.autocast)
+            total = pipeline_forward(model_chunks(model, parts.pipeline), batches, parts.pipeline.comm, parts.autocast)
         else:
             total = 0.0
             for batch in batches:
@@ -624,7 +684,7 @@ def resume(path, run, parts):
         torch.set_rng_state(extra["torch_rng"])
         if "cuda_rng" in extra and torch.cuda.is_available():
             torch.cuda.set_rng_state(extra["cuda_rng"])
-    return reader.meta["step"], reader.path
+    return reader.meta["step"], reader.path, reader.meta
 
 
 # -----------------------------------------------------------------------------
@@ -632,7 +692,6 @@ def resume(path, run, parts):
 
 
 def train(cfg, run, resume_path=None):
-    os.makedirs(cfg.out_dir, exist_ok=True)
     layout, model_cfg = run.layout, run.model_cfg
     parts = build(cfg, run)
     print0(layout, f"model: {metrics.full_param_count(parts.model, layout) / 1e6:.2f}M parameters (vocabulary "
@@ -643,17 +702,26 @@ def train(cfg, run, resume_path=None):
     if parts.loaded is not None:
         print0(layout, f"loaded {run.hf_dir} in {parts.loaded.seconds:.1f} s (rank 0 read "
                        f"{parts.loaded.bytes_read / 2**20:,.1f} MiB of the files' {parts.loaded.file_bytes / 2**20:,.1f})")
+    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     step = 0
     if resume_path is not None:
-        step, path = resume(resume_path, run, parts)
-        print0(layout, f"resumed from {path} at step {step}")
+        step, path, saved = resume(resume_path, run, parts)
+        print0(layout, f"resumed from {path} at step {step}" + (f", which is max_iters = {cfg.max_iters} already: "
+                       f"nothing to train (raise --max_iters to go on)" if step >= cfg.max_iters else ""))
+        # batch_size is per data-parallel rank: inherited at another dp (or with another accumulation or
+        # context length), the step sees another number of tokens than the checkpoint's run did
+        c, dp = {**settings.DEFAULTS, **saved["config"]}, saved["layout"]["dp"]  # (an older one may lack a key)
+        before = c["batch_size"] * c["gradient_accumulation_steps"] * dp * c["block_size"]
+        if before != tokens_per_step:
+            print0(layout, f"resume: the global batch is now {tokens_per_step:,} tokens per step, the checkpoint's run "
+                           f"had {c['batch_size']} x {c['gradient_accumulation_steps']} micro-batches x dp {dp} x "
+                           f"{c['block_size']} = {before:,} (set batch_size or gradient_accumulation_steps to keep it)")
     log = metrics.MetricsLog(cfg.out_dir, layout.rank, step if resume_path else None,
-                             metrics.open_log_backends(cfg) if layout.rank == 0 else [])
+                             open_log_backends(cfg) if layout.rank == 0 else [])
     model_flops = metrics.flops_per_token(model_cfg)
     peak, peak_why = metrics.device_peak_flops(cfg.peak_flops, run.dev, run.dtype)
     print0(layout, f"{model_flops / 1e6:.1f} MFLOP per token; peak {f'{peak / 1e12:.3g} TFLOP/s' if peak else 'unknown'} "
                    f"per device ({peak_why})")
-    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     print0(layout, f"global batch: {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro-batches x dp {layout.dp} "
                    f"= {tokens_per_step:,} tokens per step")
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
@@ -662,12 +730,16 @@ def train(cfg, run, resume_path=None):
     print0(layout, "predicted " + metrics.format_plan(plan))
     timer, timed_steps = time.time(), 0
     micro = batches(step)
+    trace_step = min(step + 2, cfg.max_iters) if cfg.pp_trace and parts.pipeline is not None else None
     measured = None
     while step < cfg.max_iters:
         lr = get_lr(step, cfg)
+        # pp_trace: the second step of this run (the first warms up), clocks set at a barrier
+        trace = metrics.PipelineTrace(run.dev) if step + 1 == trace_step else None
         if measured is None:  # the first step's peak, measured (its time includes the CPU tracker's)
             out = []
-            peak_bytes = metrics.measure_step_memory(lambda: out.append(train_step(cfg, layout, parts, micro, lr)), run.dev)
+            peak_bytes = metrics.measure_step_memory(
+                lambda: out.append(train_step(cfg, layout, parts, micro, lr, trace)), run.dev)
             (loss, grad_norm), = out
             measured = memory_rows(layout, plan[layout.pp_rank]["peak"], peak_bytes, step + 1)
             for row in measured:
@@ -675,8 +747,10 @@ def train(cfg, run, resume_path=None):
                                f"predicted {row['predicted_bytes'] / 2**20:,.1f} MiB, measured "
                                f"{row['measured_bytes'] / 2**20:,.1f} MiB (step {step + 1})")
         else:
-            loss, grad_norm = train_step(cfg, layout, parts, micro, lr)
+            loss, grad_norm = train_step(cfg, layout, parts, micro, lr, trace)
         step += 1
+        if trace is not None:
+            print0(layout, metrics.write_pipeline_trace(trace, layout, cfg, step))
         timed_steps += 1
         last = step == cfg.max_iters
         if not last:  # read the next batch now, while the GPU still works through this step
@@ -747,6 +821,16 @@ def convert(cfg, run, parts):
         print0(layout, f"  rank {rank}: read {read / 2**20:,.1f} MiB in {load_s:.2f} s, saved in {save_s:.2f} s, "
                        f"peak memory {peak / 2**20:,.0f} MiB")
     return parts.model
+def open_log_backends(cfg):
+    """metrics.open_log_backends, with a backend that cannot start (W&B without a login, say) stopping the
+    run in one line, before the first step."""
+    try:
+        return metrics.open_log_backends(cfg)
+    except Exception as e:  # each backend raises its own kinds; all mean "cannot log there"
+        first = (str(e).strip().splitlines() or [""])[0]
+        off = " or ".join(f"--{flag}=False" for flag in ("wandb_log", "tensorboard_log") if getattr(cfg, flag))
+        raise ConfigError(f"logging cannot start ({type(e).__name__}: {first}): fix that, or turn it off "
+                          f"({off})") from e
 
 
 def main(argv):
@@ -764,7 +848,7 @@ def main(argv):
             sys.exit(f"error: {e}" if rank == 0 else 1)
         try:
             return train(cfg, run, resume_path)
-        except (DataError, checkpoint.CheckpointError) as e:
+        except (ConfigError, DataError, checkpoint.CheckpointError) as e:
             sys.exit(f"error: {e}" if rank == 0 else 1)
     finally:
         if dist.is_initialized():

@@ -22,3 +22,21 @@ def shared_file(relpath):
     """Path of a file in ../shared/data, or None when this checkout has no ../shared beside it."""
     p = SHARED_DATA / relpath
     return p if p.exists() else None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (tests/test_cuda.py); skipped where there is none. "
+                                       "scripts/gpu_check.sh runs them with pytest -m cuda")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The cuda-marked tests are collected everywhere and skipped, with the reason, where no GPU is."""
+    import pytest
+    import torch
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False here); "
+                                   "scripts/gpu_check.sh runs these on one")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

@@ -192,23 +192,62 @@ def tiny_run(tmp_path, **kw):
 
 
 def test_compile_failure_falls_back_to_eager_with_a_log_line(tmp_path, monkeypatch, capsys):
-    class FailsWhenCalled(torch.nn.Module):
-        def forward(self, *args):
-            raise RuntimeError("backend compiler failed: no C compiler here\nlong traceback")
-    monkeypatch.setattr(torch, "compile", lambda m, **kw: FailsWhenCalled())
+    def fails_when_called(*args, **kwargs):
+        raise RuntimeError("backend compiler failed: no C compiler here\nlong traceback")
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fails_when_called)
     micro = [(torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32)))]
     results = []
     for compiled in (True, False):
         cfg, run = tiny_run(tmp_path, compile=compiled)
         parts = train.build(cfg, run)
+        assert parts.compiled == compiled
         loss, _ = train.train_step(cfg, run.layout, parts, micro, 1e-3)
-        assert parts.step_model is parts.model
+        assert not parts.compiled and all("forward" not in b.__dict__ for b in parts.model.blocks.values())
         results.append((loss, [p.detach().clone() for p in parts.model.parameters()]))
     assert "torch.compile failed (RuntimeError: backend compiler failed: no C compiler here); continuing without it" \
         in capsys.readouterr().out
     assert torch.equal(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1]):
         assert torch.equal(a, b)
+
+
+def compile_counting_graphs(monkeypatch):
+    """torch.compile as train.compile_blocks calls it, through dynamo and AOT autograd but with eager kernels
+    (no C compiler needed): returns the list each graph dynamo hands to the backend is appended to."""
+    graphs, real_compile = [], torch.compile
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=counting))
+    torch._dynamo.reset()
+    return graphs
+
+
+@pytest.mark.parametrize("activation_checkpointing", [False, True])
+def test_compiled_blocks_share_one_graph_at_any_depth_and_train_like_eager(tmp_path, monkeypatch,
+                                                                           activation_checkpointing):
+    """compile=True compiles block by block: one graph for 2 blocks and for 6 (so compile time does not grow
+    with depth), parameters under their own names, and the same losses and weights as eager."""
+    graphs = compile_counting_graphs(monkeypatch)
+    micro = [(torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32)))]
+    for n_layer in (2, 6):
+        results = {}
+        for compiled in (True, False):
+            cfg, run = tiny_run(tmp_path, compile=compiled, n_layer=n_layer,
+                                activation_checkpointing=activation_checkpointing)
+            parts = train.build(cfg, run)
+            losses = [train.train_step(cfg, run.layout, parts, micro, 1e-3)[0].item() for _ in range(2)]
+            results[compiled] = losses, dict(parts.model.named_parameters())
+            assert parts.compiled == compiled
+        assert len(graphs) == 1, f"{len(graphs)} graphs for {n_layer} blocks"
+        assert results[True][0] == pytest.approx(results[False][0], rel=1e-5)
+        assert results[True][1].keys() == results[False][1].keys()
+        for name, p in results[True][1].items():
+            torch.testing.assert_close(p, results[False][1][name], rtol=1e-5, atol=1e-6, msg=name)
+        graphs.clear()
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

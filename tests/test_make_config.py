@@ -64,3 +64,29 @@ def test_the_parameter_count_follows_head_dim_intermediate_size_and_qkv_bias(tmp
     text = out.read_text()
     assert f"{(2 * per_block + d + 1000 * d) / 1e6:.2f}M parameters" in text
     assert "4 heads (2 key/value) of size 32" in text
+def assignments(text):
+    return [line.split(" = ", 1)[0] for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def test_no_grouped_query_attention_nobody_asked_for(tmp_path, capsys):
+    out = tmp_path / "c.py"
+    make_config.main(["--n_layer=2", "--n_embd=384", "--n_head=6", "--nproc=1", f"--out={out}"])
+    text = out.read_text()
+    # what was asked, plus dp and n_kv_head = n_head (the default 4 would be GQA at 6 heads), each saying why
+    assert assignments(text) == ["n_layer", "n_head", "n_kv_head", "n_embd", "dp"]
+    assert "n_kv_head = 6  # " in text and "(= n_head: multi-head attention (set n_kv_head for GQA))" in text
+    assert "chose n_kv_head = 6" in capsys.readouterr().out
+    out.unlink()
+    make_config.main(["--n_head=8", "--n_kv_head=2", "--n_embd=128", "--nproc=1", f"--out={out}"])
+    assert "n_kv_head = 2  #" in out.read_text()  # asked for: kept
+
+
+def test_a_pipeline_gets_4_x_pp_microbatches_and_says_why(tmp_path, capsys):
+    out = tmp_path / "c.py"
+    make_config.main(["--n_layer=4", "--pp=2", "--nproc=2", f"--out={out}"])
+    text = out.read_text()
+    assert "gradient_accumulation_steps = 8  # " in text and "(pp - 1) / (m + pp - 1), at 11%" in text
+    assert "chose gradient_accumulation_steps = 8: 4 x pp microbatches" in capsys.readouterr().out
+    out.unlink()
+    make_config.main(["--n_layer=4", "--pp=2", "--nproc=2", "--gradient_accumulation_steps=2", f"--out={out}"])
+    assert "gradient_accumulation_steps = 2  #" in out.read_text()  # asked for: kept

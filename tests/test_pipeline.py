@@ -1,165 +1,411 @@
-"""Pipeline parallelism (parallel.py section 4): the schedules' timelines, and pipelined training equal to
-one process. The distributed checks share one 4-rank launch (module fixture) and each test reads its part."""
+"""Pipeline parallelism (parallel.py section 4): the schedules' action lists and the simulated timeline they
+make, and pipelined training equal to one process. The distributed checks share one 4-rank launch (module
+fixture) and each test reads its part."""
+import functools
+import json
 import os
+import shutil
+import subprocess
+import sys
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+import metrics
+import settings
 import train
-from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights, gather_full,
-                        make_token_data, run_ranks, run_train, train_losses)
+from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights, gather_full,
+                        make_token_data, run_ranks, run_train)
 from model import ModelConfig, Transformer, check_layout
-from parallel import (SCHEDULES, ParallelLayout, PipelineComm, bubble_fraction, format_timeline, run_schedule,
-                      schedule_timeline, sync_tied_grads, tied_weight_group)
+from parallel import (SCHEDULES, ParallelLayout, PipelineComm, WeightGradStore, bubble_fraction, check_schedule,
+                      format_timeline, forward_only_actions, ideal_bubble, run_schedule, schedule_timeline,
+                      sync_tied_grads, tied_weight_group, virtual_stages)
+from parallel import main as parallel_main
 
 CFG = ModelConfig(vocab_size=512, block_size=16, n_layer=6, n_head=4, n_kv_head=2, n_embd=64)
+CFG8 = ModelConfig(vocab_size=512, block_size=16, n_layer=8, n_head=4, n_kv_head=2, n_embd=64)  # pp4 x v2
 SEED, M, BATCH = 1234, 8, 2
 AUX_WEIGHT = 0.01
 
 
 # -----------------------------------------------------------------------------
-# the timeline, from the same action lists the executor walks
+# the action lists and the timeline simulated from them (no processes)
+
+
+def grid(rows, chunks=1):
+    label = lambda a: f"{a[0]}{a[1]}" + (f".{a[2]}" if chunks > 1 else "")
+    return [" ".join("." if a is None else label(a) for a in row) for row in rows]
 
 
 def test_1f1b_timeline_is_warmup_steady_cooldown():
-    grid = ["F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3",
-            ".  F0 F1 .  B0 F2 B1 F3 B2 .  B3 . ",
-            ".  .  F0 B0 F1 B1 F2 B2 F3 B3 .  . "]
-    rows = schedule_timeline("1f1b", pp=3, m=4)
-    assert [" ".join(f"{a[0]}{a[1]}" if a else ". " for a in row) for row in rows] == grid
+    # a whole backward lasts two slots
+    assert grid(schedule_timeline("1f1b", pp=3, m=4)) == [
+        "F0 F1 F2 . . . . B0 B0 F3 B1 B1 . B2 B2 . B3 B3",
+        ". F0 F1 . . B0 B0 F2 B1 B1 F3 B2 B2 . B3 B3 . .",
+        ". . F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 . . . ."]
 
 
 def test_afab_timeline_is_all_forwards_then_all_backwards():
-    grid = ["F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3",
-            ".  F0 F1 F2 F3 .  .  B0 B1 B2 B3 . ",
-            ".  .  F0 F1 F2 F3 B0 B1 B2 B3 .  . "]
-    rows = schedule_timeline("afab", pp=3, m=4)
-    assert [" ".join(f"{a[0]}{a[1]}" if a else ". " for a in row) for row in rows] == grid
+    assert grid(schedule_timeline("afab", pp=3, m=4)) == [
+        "F0 F1 F2 F3 . . . . . . B0 B0 B1 B1 B2 B2 B3 B3",
+        ". F0 F1 F2 F3 . . . B0 B0 B1 B1 B2 B2 B3 B3 . .",
+        ". . F0 F1 F2 F3 B0 B0 B1 B1 B2 B2 B3 B3 . . . ."]
 
 
-@pytest.mark.parametrize("schedule", ["afab", "1f1b"])
-def test_timeline_bubble_equals_theory(schedule):
-    for pp in range(1, 7):
-        for m in range(1, 13):  # m < pp included: 1F1B then runs every forward first on the early stages
-            assert bubble_fraction(schedule_timeline(schedule, pp, m)) == pytest.approx((pp - 1) / (m + pp - 1))
+def test_zero_bubble_timeline_puts_the_weight_gradients_in_1f1b_idle_slots():
+    # B where 1F1B's backward was; stage s leaves its first s W's for the drain
+    assert grid(schedule_timeline("zero_bubble", pp=3, m=4)) == [
+        "F0 F1 F2 . . B0 W0 F3 B1 W1 B2 W2 B3 W3",
+        ". F0 F1 . B0 F2 B1 W0 F3 B2 W1 B3 W2 W3",
+        ". . F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3"]
+
+
+def test_interleaved_timeline_takes_each_group_of_pp_microbatches_round_the_ring_per_chunk():
+    assert grid(schedule_timeline("interleaved_1f1b", pp=2, m=4, chunks=2), chunks=2) == [
+        "F0.0 F1.0 F0.1 F1.1 . . B0.1 B0.1 F2.0 B1.1 B1.1 F3.0 B0.0 B0.0 F2.1 B1.0 B1.0 F3.1 B2.1 B2.1 . B3.1 B3.1 "
+        "B2.0 B2.0 B3.0 B3.0",
+        ". F0.0 F1.0 F0.1 B0.1 B0.1 F1.1 B1.1 B1.1 F2.0 B0.0 B0.0 F3.0 B1.0 B1.0 F2.1 B2.1 B2.1 F3.1 B3.1 B3.1 "
+        "B2.0 B2.0 B3.0 B3.0 . ."]
+
+
+def allowed(schedule, pp, m, chunks):
+    try:
+        check_schedule(schedule, pp, m, chunks)
+        return True
+    except ValueError:
+        return False
+
+
+def test_every_schedule_runs_each_action_once_in_order_without_deadlock_and_with_the_papers_bubble():
+    """pp 2..8, m 1..16, chunks 1..4 wherever check_schedule allows them: every rank's list holds one F and
+    one B (and one W when split) per microbatch and chunk, F before B before W; the simulator, which models the
+    executor's first-in first-out channels, places every action (else it raises); the drawn bubble is the
+    paper's formula where the paper has one; evaluation's forward-only lists run too."""
+    checked = 0
+    for schedule in SCHEDULES:
+        for pp in range(2, 9):
+            for m in range(1, 17):
+                for chunks in range(1, 5):
+                    if not allowed(schedule, pp, m, chunks):
+                        continue
+                    lists = [SCHEDULES[schedule](pp, r, m, chunks) for r in range(pp)]
+                    ops = "FBW" if schedule in ("zero_bubble", "zbv") else "FB"
+                    for actions in lists:
+                        assert sorted(actions) == sorted((op, i, c) for op in ops for i in range(m)
+                                                         for c in range(chunks)), (schedule, pp, m, chunks)
+                        at = {a: k for k, a in enumerate(actions)}
+                        assert all(at[("F", i, c)] < at[("B", i, c)] < at.get(("W", i, c), len(actions))
+                                   for i in range(m) for c in range(chunks))
+                    rows = schedule_timeline(schedule, pp, m, chunks)
+                    theory = ideal_bubble(schedule, pp, m, chunks)
+                    if theory is not None:
+                        assert bubble_fraction(rows) == pytest.approx(theory), (schedule, pp, m, chunks)
+                    evaluation = [forward_only_actions(pp, r, m, chunks) for r in range(pp)]
+                    schedule_timeline(schedule, pp, m, chunks, lists=evaluation)
+                    checked += 1
+    # afab, 1f1b, zero_bubble: one chunk; interleaved: m a multiple of pp, 1 to 4 chunks; zbv: two chunks
+    assert checked == 3 * 7 * 16 + 4 * sum(16 // pp for pp in range(2, 9)) + 7 * 16
+
+
+def test_zbv_idles_only_the_fill_with_enough_microbatches():
+    for pp in range(2, 9):
+        for m in range(2 * pp, 17):
+            assert bubble_fraction(schedule_timeline("zbv", pp, m, 2)) == pytest.approx((pp - 1) / (6 * m + pp - 1))
+
+
+def test_the_simulator_fails_a_list_that_would_hang_or_mix_up_messages():
+    lists = [SCHEDULES["1f1b"](3, r, 4) for r in range(3)]
+    # rank 1 takes microbatch 1's activations before microbatch 0's: rank 0 sends 0 first
+    swapped = [list(a) for a in lists]
+    swapped[1][0], swapped[1][1] = swapped[1][1], swapped[1][0]
+    with pytest.raises(RuntimeError, match="rank 0's message #0 of activations to rank 1 is F0 for stage 1, but rank 1 "
+                                           "expects F1 for stage 1"):
+        schedule_timeline("1f1b", 3, 4, lists=swapped)
+    # rank 0 waits for microbatch 0's gradient before sending microbatch 1 on, which rank 1 needs first
+    stuck = [list(a) for a in lists]
+    stuck[0] = [("F", 0, 0), ("B", 0, 0)] + [a for a in lists[0] if a not in (("F", 0, 0), ("B", 0, 0))]
+    with pytest.raises(RuntimeError, match=r"1f1b deadlocks at pp=3, m=4, chunks=1: every rank waits on another "
+                                           r"\(rank 0 at \('B', 0, 0\), rank 1 at \('F', 1, 0\)"):
+        schedule_timeline("1f1b", 3, 4, lists=stuck)
+    # a backward before its own forward
+    early = [list(a) for a in lists]
+    early[2] = [("B", 0, 0)] + [a for a in lists[2] if a != ("B", 0, 0)]
+    with pytest.raises(RuntimeError, match="rank 2 runs B0 of chunk 0 before its F0"):
+        schedule_timeline("1f1b", 3, 4, lists=early)
 
 
 def test_printed_timeline_shows_grid_and_bubble():
     text = format_timeline("1f1b", pp=4, m=8)
-    assert "stage 0 | F0 F1 F2 F3 .. .. .. B0 F4 B1 F5 B2 F6 B3 F7 B4 .. B5 .. B6 .. B7" in text
-    assert "stage 3 | .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .. .. .." in text
+    assert "rank 0 | F0 F1 F2 F3 .. .. .. .. .. .. B0 -- F4 B1 -- F5 B2 -- F6 B3 -- F7 B4 -- .. B5 -- .. B6 -- .. B7 --" in text
     assert "bubble: 27.3% of the slots idle (measured on this timeline); theory (pp - 1) / (m + pp - 1) = 3/11 = 27.3%" in text
-    assert "stage 0: 4, stage 1: 3, stage 2: 2, stage 3: 1" in text
+    assert "rank 0: 4, rank 1: 3, rank 2: 2, rank 3: 1" in text
 
 
-@pytest.mark.parametrize("schedule", ["afab", "1f1b"])
-def test_schedule_runs_each_forward_and_backward_once_forward_first(schedule):
-    for pp in range(1, 6):
-        for stage in range(pp):
-            for m in range(1, 10):
-                actions = SCHEDULES[schedule](pp, stage, m)
-                assert sorted(actions) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
-                assert all(actions.index(("F", i)) < actions.index(("B", i)) for i in range(m))
+def test_parallel_py_prints_the_interleaved_timeline_from_the_command_line():
+    out = subprocess.run([sys.executable, "parallel.py", "--schedule", "interleaved_1f1b", "--pp", "4", "--microbatches",
+                          "8", "--chunks", "2"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "15.8% of the slots idle (measured on this timeline); theory (pp - 1) / (v m + pp - 1) = 3/19 = 15.8%" in out
+    assert out.count("\nrank ") == 4 and "F0.0" in out and "B7.1" in out  # every slot names its chunk
+
+
+@pytest.mark.parametrize("schedule, chunks, bubble", [
+    ("1f1b", None, "27.3% of the slots idle (measured on this timeline); theory (pp - 1) / (m + pp - 1) = 3/11 = 27.3%"),
+    ("interleaved_1f1b", 4, "8.6% of the slots idle (measured on this timeline); theory (pp - 1) / (v m + pp - 1) = 3/35"),
+    ("zero_bubble", None, "11.1% of the slots idle (measured on this timeline); theory (pp - 1) / (3 m + pp - 1) = 3/27"),
+    ("zbv", 2, "5.9% of the slots idle (measured on this timeline); theory none in the paper"),
+])
+def test_parallel_py_prints_each_schedule(schedule, chunks, bubble, capsys):
+    parallel_main(["--schedule", schedule, "--pp", "4", "--microbatches", "8"] + (["--chunks", str(chunks)] if chunks else []))
+    out = capsys.readouterr().out
+    assert bubble in out
+    assert out.count("\nrank ") == 4
+
+
+def test_parallel_py_refuses_a_microbatch_count_interleaving_cannot_take(capsys):
+    with pytest.raises(SystemExit) as exit:
+        parallel_main(["--schedule", "interleaved_1f1b", "--pp", "4", "--microbatches", "6"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "needs gradient_accumulation_steps (the microbatches, 6) to be a multiple of pp = 4" in err
+    assert "use 4 or 8" in err
+
+
+@pytest.mark.parametrize("schedule, pp, m, chunks, message", [
+    ("interleaved_1f1b", 4, 6, 2, "to be a multiple of pp = 4"),
+    ("1f1b", 2, 4, 2, "pp_schedule='1f1b' runs one model chunk per rank; use --pp_schedule=interleaved_1f1b"),
+    ("zero_bubble", 2, 4, 3, "pp_schedule='zero_bubble' runs one model chunk per rank"),
+    ("zbv", 2, 4, 1, "pp_schedule='zbv' holds two model chunks on each rank (the V): set --pp_chunks=2"),
+    ("interleaved_1f1b", 1, 4, 2, "pp_chunks = 2 needs a pipeline"),
+    ("gpipe", 2, 4, 1, "pp_schedule must be one of 'afab', '1f1b', 'interleaved_1f1b', 'zero_bubble', 'zbv'"),
+])
+def test_a_schedule_that_cannot_run_is_refused_before_anything_is_built(schedule, pp, m, chunks, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_schedule(schedule, pp, m, chunks)
 
 
 def test_more_stages_than_layers_is_refused():
     with pytest.raises(ValueError, match="pp = 8 stages but only n_layer = 6"):
         check_layout(CFG, tp=1, pp=8)
+    with pytest.raises(ValueError, match="pp = 4 ranks x pp_chunks = 2 chunks = 8 model stages but only n_layer = 6"):
+        check_layout(CFG, tp=1, pp=4, chunks=2)
+
+
+def test_chunks_keep_the_whole_models_parameter_names_and_split_the_layers_first_chunks_heavier():
+    whole = dict(Transformer(CFG).named_parameters())
+    ranks = [Transformer(CFG, pp=4, pp_rank=virtual_stages("interleaved_1f1b", 2, r, 2)) for r in range(2)]
+    # 6 blocks in 4 model stages: 0-1 | 2-3 | 4 | 5; rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
+    assert [[list(r) for r in model.chunk_layers] for model in ranks] == [[[0, 1], [4]], [[2, 3], [5]]]
+    names = [set(dict(model.named_parameters())) - set(model.tied_copies()) for model in ranks]
+    assert names[0] | names[1] == set(whole) and not names[0] & names[1]
+    # zbv: rank 0 holds model stages 0 and 3, both ends: the head is the embedding's own tensor again
+    v_rank0 = Transformer(CFG, pp=4, pp_rank=virtual_stages("zbv", 2, 0))
+    assert v_rank0.lm_head.weight is v_rank0.tok_emb.weight and v_rank0.tied_copies() == {}
+
+
+VARIANTS = {"dense": {}, "moe": dict(n_expert=4, n_expert_per_token=1, n_shared_expert=1),
+            "gelu_bias": dict(mlp="gelu", norm="layernorm", bias=True),
+            "mla": dict(attention="mla", kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_split_backward_computes_the_gradients_of_one_backward(variant, dtype):
+    """B (inside WeightGradStore.collect) then W (apply), microbatch by microbatch in the W order ZB-H1 uses,
+    leaves the gradients a plain backward leaves: the weights' from the kept x and dy, the others' in B.
+    bf16: under autocast, as F.linear casts."""
+    cfg = ModelConfig(**{**CFG.__dict__, "n_layer": 2, **VARIANTS[variant]})
+    plain, split = Transformer(cfg), Transformer(cfg)
+    plain.init_weights(SEED), split.init_weights(SEED)
+    store = WeightGradStore(split.chunk_modules(0))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == torch.bfloat16 else nullcontext()
+    batches = make_microbatches(3)
+    for x, y in batches:
+        with autocast:
+            loss = plain(x, y)[1]
+        (loss / 3).backward()
+    for i, (x, y) in enumerate(batches):
+        with autocast:
+            loss = split(x, y)[1]
+        with store.collect(i):
+            (loss / 3).backward()
+        if i >= 1:
+            store.apply(i - 1)  # a W one microbatch late, as on a later stage
+    store.apply(2)
+    assert store.held == {} and store.held_bytes == 0
+    deferred = {id(p) for p in store.params}
+    assert any(id(p) in deferred for p in split.blocks["0"].parameters())
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-4)
+    for (name, p), q in zip(plain.named_parameters(), split.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, **tolerance, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_chunks_compute_the_whole_model_auxiliary_losses_included(variant):
+    cfg = ModelConfig(**{**CFG.__dict__, **VARIANTS[variant]})
+    whole = Transformer(cfg)
+    whole.init_weights(SEED)
+    chunks = [Transformer(cfg, pp=4, pp_rank=virtual_stages("interleaved_1f1b", 2, r, 2)) for r in range(2)]
+    for model in chunks:
+        model.init_weights(SEED)
+    x, y = make_microbatches(1)[0]
+    h, total = x, 0.0
+    for stage in range(4):  # model stages 0..3: rank 0 chunk 0, rank 1 chunk 0, rank 0 chunk 1, rank 1 chunk 1
+        out, loss = chunks[stage % 2](h, y if stage == 3 else None, chunk=stage // 2)
+        total, h = total + (loss if loss is not None else 0.0), out
+        assert (loss is not None) == (stage == 3 or variant == "moe")  # an MoE chunk returns its aux loss
+    torch.testing.assert_close(h, whole(x, y)[0])
+    torch.testing.assert_close(total, whole(x, y)[1])
 
 
 # -----------------------------------------------------------------------------
-# one 4-rank launch: pp=4 (uneven split 2-2-1-1) with both schedules, with a stage's auxiliary loss, with
-# fewer microbatches than stages; pp=2 x tp=2, with and without activation checkpointing
+# one 4-rank launch. Per-stage gradients of one step (run_schedule directly): pp=4 (uneven split 2-2-1-1)
+# and pp=2 x tp=2 with every schedule, auxiliary losses, fewer microbatches than stages, activation memory.
+# Training steps through train.py's build and train_step: dp=2 x pp=2 with ZeRO-1, pp=4 x 2 chunks.
 
 
-def make_microbatches(m):
-    g = torch.Generator().manual_seed(7)
-    return [(torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g),
-             torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g)) for _ in range(m)]
+def make_microbatches(m, batch=BATCH, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, CFG.vocab_size, (batch, CFG.block_size), generator=g),
+             torch.randint(0, CFG.vocab_size, (batch, CFG.block_size), generator=g)) for _ in range(m)]
 
 
 class WithAuxLoss(nn.Module):
     """A stage that returns an auxiliary loss of its output, as a non-last stage with mixture-of-experts
     blocks returns its router's balance loss (the pipeline must backpropagate it from this stage)."""
 
-    def __init__(self, stage):
+    def __init__(self, stage, chunk=0):
         super().__init__()
-        self.stage = stage
+        self.stage, self.chunk = stage, chunk
 
     def forward(self, x, targets=None):
-        out, loss = self.stage(x, targets)
-        return (out, AUX_WEIGHT * out.pow(2).mean()) if not self.stage.is_last else (out, loss)
+        out, loss = self.stage(x, targets, chunk=self.chunk)
+        last = self.stage.stages[self.chunk] == self.stage.n_stages - 1
+        return (out, loss) if last else (out, AUX_WEIGHT * out.pow(2).mean())
 
 
-class SavedActivations:
-    """Bytes autograd holds for backward (parameters excluded), live and at peak, through saved-tensor
-    hooks: a saved tensor is counted when packed and uncounted when autograd lets go of it."""
-
-    def __init__(self, model):
-        self.params = {p.data_ptr() for p in model.parameters()}
-        self.live = self.peak = 0
-
-    def pack(self, t):
-        if t.data_ptr() in self.params:
-            return t
-        return _Held(t, self)
-
-    def __enter__(self):
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda h: h.t if isinstance(h, _Held) else h)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-
-
-class _Held:
-    def __init__(self, t, counter):
-        self.t, self.counter, self.nbytes = t, counter, t.numel() * t.element_size()
-        counter.live += self.nbytes
-        counter.peak = max(counter.peak, counter.live)
-
-    def __del__(self):
-        self.counter.live -= self.nbytes
-
-
-def _stage_step(layout, schedule, m, aux=False, activation_checkpointing=False):
-    """One step of this rank's stage; returns its loss part, full grads by (original) name, peak saved bytes
-    and the set_grad_sync calls."""
-    model = Transformer(CFG, layout.tp_group, layout.pp, layout.pp_rank,
-                        activation_checkpointing=activation_checkpointing)
+def _stage_step(layout, schedule, m, chunks=1, aux=False, cfg=CFG, checkpointing=False):
+    """One step of this rank's chunks; returns its loss part, full grads by (original) name, peak activation
+    bytes and the set_grad_sync calls."""
+    v = 2 if schedule == "zbv" else chunks
+    model = Transformer(cfg, layout.tp_group, layout.pp * v, virtual_stages(schedule, layout.pp, layout.pp_rank, v),
+                        activation_checkpointing=checkpointing)
     model.init_weights(SEED)
-    comm = PipelineComm.from_layout(layout, CFG.n_embd, "cpu")
-    syncs = []
-    actions = SCHEDULES[schedule](layout.pp, layout.pp_rank, m)
-    with SavedActivations(model) as saved:
-        loss = run_schedule(actions, WithAuxLoss(model) if aux else model, make_microbatches(m), comm,
-                            set_grad_sync=syncs.append)
-    group = tied_weight_group(layout, [0, layout.pp - 1])
-    copies = [model.tok_emb.weight] if layout.is_first_stage else [model.lm_head.weight] if layout.is_last_stage else []
-    sync_tied_grads(copies, group)
+    comm = PipelineComm.from_layout(layout, cfg.n_embd, "cpu", schedule=schedule, chunks=v)
+    actions = SCHEDULES[schedule](layout.pp, layout.pp_rank, m, v)
+    split = any(op == "W" for op, _, _ in actions)
+    stores = [WeightGradStore(model.chunk_modules(c)) for c in range(v)] if split else None
+    chunk_models = [(WithAuxLoss(model, c) if aux else functools.partial(model, chunk=c)) for c in range(v)]
+    syncs, ready = [], []
+    with metrics.ActivationMemory(model, stores or ()) as memory:
+        loss = run_schedule(actions, chunk_models, make_microbatches(m), comm, set_grad_sync=syncs.append,
+                            weight_grad_stores=stores, weight_grad_ready=ready.append, trace=memory)
+    holders = [p for p in range(layout.pp) for s in virtual_stages(schedule, layout.pp, p, v) if s in (0, layout.pp * v - 1)]
+    group = tied_weight_group(layout, holders)
+    sync_tied_grads([model.tok_emb.weight] if model.is_first else [model.lm_head.weight] if model.is_last else [], group)
     # numpy: torch tensors would cross the result queue as shared memory, gone once the worker exits
     originals = model.tied_copies()
     grads = {originals.get(name, name): gather_full(p.grad, p, layout.tp_group).numpy()
              for name, p in model.named_parameters()}
-    return {"loss": loss.item(), "grads": grads, "peak": saved.peak, "syncs": syncs}
+    return {"loss": loss.item(), "grads": grads, "peak": memory.peak, "syncs": syncs, "ready": len(ready),
+            "ready_distinct": len({id(p) for p in ready}),
+            "deferred": sum(len(s.params) for s in stores) if stores else 0}
+
+
+# training steps through train.py
+
+TRAIN = dict(n_layer=6, n_head=4, n_kv_head=2, n_embd=64, block_size=16, vocab_size=512, batch_size=4,
+             gradient_accumulation_steps=4, learning_rate=1e-2, warmup_iters=1, lr_decay_iters=3, max_iters=3,
+             device="cpu", bucket_size_mb=0.01, seed=SEED, data_dir=None)
+STEPS = 3
+
+
+def step_batches(cfg, layout, step):
+    """The step's global batch, batch_size * m windows, cut as train.rank_microbatches cuts it: dp rank r
+    takes the r-th contiguous slice, in m microbatches of batch_size / dp... here batch_size is per dp rank."""
+    m, per_rank = cfg.gradient_accumulation_steps, cfg.batch_size * cfg.gradient_accumulation_steps
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, cfg.vocab_size, (per_rank * layout.dp, cfg.block_size + 1), generator=g)
+    mine = tokens[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
+    return [(mine[i * cfg.batch_size:(i + 1) * cfg.batch_size, :-1], mine[i * cfg.batch_size:(i + 1) * cfg.batch_size, 1:])
+            for i in range(m)]
+
+
+def full_tensors(model, layout, which, zero):
+    """Every parameter's (or gradient's) full tensor by whole-model name, on data-parallel rank 0 (None
+    elsewhere). With ZeRO-1 each dp rank holds its own slice of the gradient, zero elsewhere: summed."""
+    out, copies = {}, model.tied_copies()
+    for name, p in model.named_parameters():
+        t = (p.grad if which == "grads" else p.detach()).clone()
+        if which == "grads" and zero and layout.dp_group is not None:
+            dist.all_reduce(t, group=layout.dp_group)
+        t = gather_full(t, p, layout.tp_group)
+        out[copies.get(name, name)] = t.numpy()
+    return out if layout.dp_rank == 0 else None
+
+
+def train_steps(**overrides):
+    """STEPS optimizer steps of train.py's own build and train_step at a layout (world of this process):
+    the logged loss and grad norm of each, the gradients the first step's AdamW used, the final weights, and
+    the data-parallel collectives launched before finish() on the last step."""
+    cfg = SimpleNamespace(**{**settings.DEFAULTS, **TRAIN, **overrides})
+    run = train.setup(cfg, training=False)
+    parts = train.build(cfg, run)
+    layout, zero = run.layout, cfg.zero_stage == 1
+    captured, launched = {}, []
+    def capture(*_):  # the gradients AdamW steps with, first step only (a collective: every rank runs it)
+        if "grads" not in captured:
+            captured["grads"] = full_tensors(parts.model, layout, "grads", zero)
+    parts.optimizer.register_step_pre_hook(capture)
+    if parts.grad_sync is not None:  # how many buckets the schedule had launched when finish() is called
+        finish = parts.grad_sync.finish
+        parts.grad_sync.finish = lambda: (launched.append(parts.grad_sync.launched), finish())[1]
+    records = []
+    for step in range(STEPS):
+        loss, norm = train.train_step(cfg, layout, parts, step_batches(cfg, layout, step), train.get_lr(step, cfg))
+        records.append({"step": step + 1, "loss": train.mean_across_ranks(loss, layout).item(), "grad_norm": norm.item()})
+    buckets = len(parts.grad_sync.buckets) if parts.grad_sync is not None else 0
+    tied = bool(parts.pipeline and parts.pipeline.tied_copies) and layout.dp > 1
+    return {"records": records, "grads": captured["grads"], "weights": full_tensors(parts.model, layout, "weights", zero),
+            "launched": launched[-1] if launched else None, "buckets": buckets, "tied_bucket": tied,
+            "pp_rank": layout.pp_rank}
+
+
+TRAIN_LAYOUTS = {
+    "dp2_pp2_zero1_interleaved": dict(dp=2, pp=2, zero_stage=1, pp_schedule="interleaved_1f1b", pp_chunks=2,
+                                      batch_size=2),
+    "dp2_pp2_zero1_zero_bubble": dict(dp=2, pp=2, zero_stage=1, pp_schedule="zero_bubble", batch_size=2),
+    "dp2_pp2_zbv": dict(dp=2, pp=2, pp_schedule="zbv", pp_chunks=2, batch_size=2),
+}
 
 
 def _pipeline_worker(rank, world_size):
     out = {}
     pp4 = ParallelLayout(1, 1, 4, world_size, rank)
     out["pp4_one_microbatch"] = _stage_step(pp4, "afab", 1)
-    out["pp4_afab"] = _stage_step(pp4, "afab", M)
-    out["pp4_1f1b"] = _stage_step(pp4, "1f1b", M)
+    for schedule in ("afab", "1f1b", "zero_bubble"):
+        out[f"pp4_{schedule}"] = _stage_step(pp4, schedule, M)
     out["pp4_1f1b_aux"] = _stage_step(pp4, "1f1b", M, aux=True)
+    out["pp4_zero_bubble_aux"] = _stage_step(pp4, "zero_bubble", M, aux=True)
     out["pp4_1f1b_m2"] = _stage_step(pp4, "1f1b", 2)
+    out["pp4_zero_bubble_m2"] = _stage_step(pp4, "zero_bubble", 2)
+    out["pp4_interleaved_v2"] = _stage_step(pp4, "interleaved_1f1b", M, chunks=2, cfg=CFG8)
+    out["pp4_zbv"] = _stage_step(pp4, "zbv", M, cfg=CFG8)
+    out["pp4_1f1b_cfg8"] = _stage_step(pp4, "1f1b", M, cfg=CFG8)
+    out["pp4_zero_bubble_checkpointing"] = _stage_step(pp4, "zero_bubble", 4, checkpointing=True)
     pp2tp2 = ParallelLayout(1, 2, 2, world_size, rank)
-    out["pp2_tp2_afab"] = _stage_step(pp2tp2, "afab", M)
-    out["pp2_tp2_1f1b"] = _stage_step(pp2tp2, "1f1b", M)
-    out["pp2_tp2_1f1b_checkpointed"] = _stage_step(pp2tp2, "1f1b", M, activation_checkpointing=True)
+    for schedule in ("afab", "1f1b", "zero_bubble", "zbv"):
+        out[f"pp2_tp2_{schedule}"] = _stage_step(pp2tp2, schedule, M)
+    out["pp2_tp2_interleaved_v2"] = _stage_step(pp2tp2, "interleaved_1f1b", M, chunks=2, aux=True)
+    out["pp2_tp2_1f1b_checkpointed"] = _stage_step(pp2tp2, "1f1b", M, checkpointing=True)
     out["pp2_tp2_stage"] = pp2tp2.pp_rank
+    for name, overrides in TRAIN_LAYOUTS.items():
+        out[name] = train_steps(**overrides)
+    out["pp4_interleaved_v2_train"] = train_steps(pp=4, pp_schedule="interleaved_1f1b", pp_chunks=2, n_layer=8,
+                                                  tie_embeddings=True)
     return out
 
 
@@ -168,10 +414,10 @@ def ranks():
     return run_ranks(_pipeline_worker, 4)
 
 
-def reference(m, aux_after_blocks=()):
+def reference(m, aux_after_blocks=(), cfg=CFG):
     """One process, the whole model: each microbatch's loss / m backpropagated, plus AUX_WEIGHT * mean(h^2)
     of the hidden states after the given blocks (where a pipeline stage with WithAuxLoss would end)."""
-    model = Transformer(CFG)
+    model = Transformer(cfg)
     model.init_weights(SEED)
     aux = []
     for j in aux_after_blocks:
@@ -207,35 +453,48 @@ def pipeline_loss(results):
     return sum(r["loss"] for r in results)
 
 
-@pytest.mark.parametrize("schedule", ["afab", "1f1b"])
-def test_pp4_uneven_split_matches_one_process(ranks, schedule):
-    results = [r[f"pp4_{schedule}"] for r in ranks]
-    ref_loss, ref_grads = reference(M)
+@pytest.mark.parametrize("key, cfg", [("pp4_afab", CFG), ("pp4_1f1b", CFG), ("pp4_zero_bubble", CFG),
+                                      ("pp4_interleaved_v2", CFG8), ("pp4_zbv", CFG8)])
+def test_pp4_matches_one_process(ranks, key, cfg):
+    results = [r[key] for r in ranks]
+    ref_loss, ref_grads = reference(M, cfg=cfg)
     assert pipeline_loss(results) == pytest.approx(ref_loss, rel=1e-6)
     assert_grads_match(results, ref_grads)
-    # the tied embedding: the first stage's table and the last stage's head got the same summed gradient
-    assert (results[0]["grads"]["tok_emb.weight"] == results[3]["grads"]["tok_emb.weight"]).all()
+    # the tied embedding: its copies got the same summed gradient, wherever they sit
+    holders = [r for r in results if "tok_emb.weight" in r["grads"]]
+    assert len(holders) == (1 if key == "pp4_zbv" else 2)  # zbv: rank 0 holds both ends of the model
+    assert all((h["grads"]["tok_emb.weight"] == holders[0]["grads"]["tok_emb.weight"]).all() for h in holders)
 
 
-def test_pp4_1f1b_with_fewer_microbatches_than_stages_matches_one_process(ranks):
-    results = [r["pp4_1f1b_m2"] for r in ranks]
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_pp4_with_fewer_microbatches_than_stages_matches_one_process(ranks, schedule):
+    results = [r[f"pp4_{schedule}_m2"] for r in ranks]
     ref_loss, ref_grads = reference(2)
     assert pipeline_loss(results) == pytest.approx(ref_loss, rel=1e-6)
     assert_grads_match(results, ref_grads)
 
 
-def test_pp4_auxiliary_loss_of_non_last_stages_is_backpropagated(ranks):
-    results = [r["pp4_1f1b_aux"] for r in ranks]
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_pp4_auxiliary_loss_of_non_last_stages_is_backpropagated(ranks, schedule):
+    results = [r[f"pp4_{schedule}_aux"] for r in ranks]
     ref_loss, ref_grads = reference(M, aux_after_blocks=(1, 3, 4))  # stages: blocks 0-1, 2-3, 4, 5
     assert pipeline_loss(results) == pytest.approx(ref_loss, rel=1e-6)
     assert_grads_match(results, ref_grads)
     assert results[0]["loss"] > 0  # a middle stage reports its part
 
 
-@pytest.mark.parametrize("schedule", ["afab", "1f1b"])
+def test_zero_bubble_with_activation_checkpointing_matches_one_process(ranks):
+    results = [r["pp4_zero_bubble_checkpointing"] for r in ranks]
+    ref_loss, ref_grads = reference(4)
+    assert pipeline_loss(results) == pytest.approx(ref_loss, rel=1e-6)
+    assert_grads_match(results, ref_grads)
+
+
+@pytest.mark.parametrize("schedule", ["afab", "1f1b", "zero_bubble", "zbv", "interleaved_v2"])
 def test_pp2_with_tp2_matches_one_process(ranks, schedule):
     results = [r[f"pp2_tp2_{schedule}"] for r in ranks]
-    ref_loss, ref_grads = reference(M)
+    # interleaved: every chunk but the last adds an auxiliary loss (model stages 0-1 | 2-3 | 4 | 5)
+    ref_loss, ref_grads = reference(M, aux_after_blocks=(1, 3, 4) if schedule == "interleaved_v2" else ())
     tp_rank0 = [results[0], results[2]]  # ranks (pp, tp): 0 = (0, 0), 1 = (0, 1), 2 = (1, 0), 3 = (1, 1)
     assert [r["pp2_tp2_stage"] for r in ranks] == [0, 0, 1, 1]
     assert pipeline_loss(tp_rank0) == pytest.approx(ref_loss, rel=1e-5)
@@ -261,10 +520,69 @@ def test_1f1b_holds_at_most_pp_minus_stage_microbatches_afab_all(ranks):
         assert r["pp4_afab"]["peak"] == M * one
 
 
-def test_grad_sync_is_requested_before_the_last_backward_only(ranks):
+def test_zero_bubble_peak_activations_equal_1f1b_interleaved_within_the_papers_factor(ranks):
+    """Measured bytes held for backward (saved tensors, plus W's x and dy): zero_bubble's largest stage holds
+    what 1F1B's does (pp microbatches on the first stage), and no stage holds more; interleaving's largest,
+    with even chunks, within (1 + (pp - 1) / (v pp)) of 1F1B's (Korthikanti et al. 2022)."""
+    zb, ofob = [r["pp4_zero_bubble"]["peak"] for r in ranks], [r["pp4_1f1b"]["peak"] for r in ranks]
+    assert max(zb) == max(ofob) == zb[0], (zb, ofob)
+    assert all(z <= max(ofob) for z in zb)
+    assert all(z >= o for z, o in zip(zb, ofob))  # the later stages keep x and dy of their delayed W's
+    interleaved, even = [r["pp4_interleaved_v2"]["peak"] for r in ranks], [r["pp4_1f1b_cfg8"]["peak"] for r in ranks]
+    assert max(even) <= max(interleaved) <= (1 + 3 / 8) * max(even), (interleaved, even)
+
+
+def test_grad_sync_is_requested_before_each_chunks_last_backward_only(ranks):
     for r in ranks:
-        for key in ("pp4_afab", "pp4_1f1b", "pp2_tp2_1f1b"):
+        for key in ("pp4_afab", "pp4_1f1b", "pp4_zero_bubble", "pp2_tp2_1f1b"):
             assert r[key]["syncs"] == [False] * (M - 1) + [True]
+        syncs = r["pp2_tp2_interleaved_v2"]["syncs"]  # two chunks: each one's last backward
+        assert len(syncs) == 2 * M and syncs.count(True) == 2 and syncs[-1]
+
+
+def test_weight_gradients_accumulated_by_hand_are_announced_once_each(ranks):
+    for r in ranks:
+        for key in ("pp4_zero_bubble", "pp2_tp2_zbv"):
+            assert r[key]["deferred"] > 0 and r[key]["ready"] == r[key]["ready_distinct"] == r[key]["deferred"]
+        assert r["pp4_1f1b"]["ready"] == 0
+
+
+def merged(results, key):
+    out = {}
+    for r in results:
+        if r[key] is not None:
+            out.update(r[key])
+    return out
+
+
+def one_process_training(**overrides):
+    """The reference of train_steps: the same steps in this process, at one rank (batch_size the global
+    one, so the windows per microbatch are dp times those of a data-parallel rank)."""
+    return train_steps(**{**overrides, "dp": 0, "pp": 1, "zero_stage": 0, "pp_schedule": "1f1b", "pp_chunks": 1})
+
+
+@pytest.mark.parametrize("name", ["dp2_pp2_zero1_interleaved", "dp2_pp2_zero1_zero_bubble", "dp2_pp2_zbv",
+                                  "pp4_interleaved_v2_train"])
+def test_training_steps_match_one_process(ranks, name):
+    """Losses and grad norms of every step, the gradients of the first step, the final weights: dp=2 x pp=2
+    (with ZeRO-1) and pp=4, 2 chunks per rank, tied embeddings (uneven chunks 2-2-1-1 at pp=2 x 2)."""
+    results = [r[name] for r in ranks]
+    if name == "pp4_interleaved_v2_train":
+        ref = one_process_training(n_layer=8)
+    else:
+        ref = one_process_training(batch_size=2 * TRAIN_LAYOUTS[name]["batch_size"])
+    assert_same_losses_and_norms(results[0]["records"], ref["records"])
+    assert_grads_match([{"grads": merged(results, "grads")}], {k: torch.from_numpy(v) for k, v in ref["grads"].items()})
+    assert_same_tensors(merged(results, "weights"), ref["weights"])
+
+
+@pytest.mark.parametrize("name", ["dp2_pp2_zero1_interleaved", "dp2_pp2_zero1_zero_bubble", "dp2_pp2_zbv"])
+def test_data_parallel_buckets_are_launched_by_the_schedule_not_left_to_finish(ranks, name):
+    """By the end of the schedule every bucket's collective is in flight (backward hooks, and for the split
+    backward the announced hand-accumulated W gradients), except the tied embedding's, which waits for the
+    copies' sum."""
+    for r in (r[name] for r in ranks):
+        assert r["launched"] == r["buckets"] - (1 if r["tied_bucket"] else 0), r
 
 
 # -----------------------------------------------------------------------------
@@ -285,24 +603,108 @@ def data_dir(tmp_path_factory):
 
 
 TRAIN_ARGS = ["--n_layer=6", "--n_head=4", "--n_kv_head=4", "--n_embd=64", "--block_size=32", "--batch_size=2",
-              "--gradient_accumulation_steps=4", "--max_iters=5", "--log_interval=1", "--eval_interval=5",
-              "--eval_iters=2", "--checkpoint_interval=5", "--warmup_iters=2", "--learning_rate=1e-2",
+              "--gradient_accumulation_steps=4", "--log_interval=1", "--eval_interval=4", "--eval_iters=2",
+              "--warmup_iters=2", "--lr_decay_iters=8", "--learning_rate=1e-2", "--keep_last_n=0",
               "--peak_flops=1e12"]  # skips timing a CPU matmul on each rank at start-up
 
 
-def test_train_py_pipelined_matches_one_process(data_dir, tmp_path):
-    """pp=2 (AFAB) and pp=4 (1F1B, uneven split): each step's loss and gradient norm, the evaluation's
-    losses and the final weights equal one process's."""
-    def run(nproc, *extra):
-        out = tmp_path / "_".join(extra or ["one_process"])
-        records, proc = run_train([f"--data_dir={data_dir}", f"--out_dir={out}", *TRAIN_ARGS, *extra], nproc)
-        return records, checkpoint_weights(out / "ckpt_0000005"), proc.stdout
+@pytest.fixture(scope="module")
+def reference_run(data_dir, tmp_path_factory):
+    """One process, 4 steps, a checkpoint at step 2."""
+    out = tmp_path_factory.mktemp("pp_ref")
+    records, _ = run_train([f"--data_dir={data_dir}", f"--out_dir={out}", *TRAIN_ARGS, "--max_iters=4",
+                            "--checkpoint_interval=2"])
+    return records, out
 
-    ref_records, ref_weights, _ = run(1)
-    assert len(train_losses(ref_records)) == 5 and [r["step"] for r in ref_records if "val_loss" in r] == [5]
-    for nproc, extra in ((2, ("--pp=2", "--pp_schedule=afab")), (4, ("--pp=4", "--pp_schedule=1f1b"))):
-        records, weights, stdout = run(nproc, *extra)
-        assert_same_losses_and_norms(records, ref_records, label=" ".join(extra))
-        assert_same_tensors(weights, ref_weights, label=" ".join(extra))
-        assert "blocks per stage" in stdout
-    assert "blocks per stage 0: 0-1 | 1: 2-3 | 2: 4 | 3: 5" in stdout  # the uneven split, first stages heavier
+
+@pytest.fixture(scope="module")
+def interleaved_run(data_dir, tmp_path_factory):
+    """pp=2 with 2 chunks per rank (uneven: blocks 0-1, 4 | 2-3, 5), the trace of step 2, a checkpoint at 2."""
+    out = tmp_path_factory.mktemp("pp_interleaved")
+    records, proc = run_train([f"--data_dir={data_dir}", f"--out_dir={out}", *TRAIN_ARGS, "--max_iters=4",
+                               "--checkpoint_interval=2", "--pp=2", "--pp_schedule=interleaved_1f1b", "--pp_chunks=2",
+                               "--pp_trace=True"], nproc=2)
+    return records, out, proc.stdout
+
+
+def test_train_py_pipelined_matches_one_process(data_dir, tmp_path, reference_run, interleaved_run):
+    """pp=2 with 2 chunks per rank through train.py: each step's loss and gradient norm, the evaluation's
+    losses and the final weights equal one process's."""
+    ref, ref_out = reference_run
+    records, out, stdout = interleaved_run
+    assert_same_losses_and_norms(records, ref)
+    assert_same_tensors(checkpoint_weights(out / "ckpt_0000004"), checkpoint_weights(ref_out / "ckpt_0000004"))
+    val = lambda rs: [r["val_loss"] for r in rs if "val_loss" in r]
+    assert val(records) == pytest.approx(val(ref), rel=1e-5) and val(ref)
+    assert "blocks per rank (chunk by chunk) 0: 0-1, 4 | 1: 2-3, 5" in stdout  # the uneven split, printed
+
+
+@pytest.mark.parametrize("saved_by, layout, nproc", [
+    ("interleaved", ["--pp=1", "--pp_schedule=1f1b", "--pp_chunks=1"], 1),  # pp2 x 2 chunks -> one process
+    ("interleaved", ["--pp=2", "--pp_schedule=zero_bubble", "--pp_chunks=1"], 2),  # -> ZB-H1, one chunk per rank
+    ("one process", ["--pp=2", "--pp_schedule=zbv", "--pp_chunks=2"], 2),  # one chunk -> two per rank (a V)
+], ids=["interleaved_to_one_process", "interleaved_to_zero_bubble", "one_process_to_zbv"])
+def test_checkpoints_resume_across_chunkings_and_schedules(saved_by, layout, nproc, reference_run, interleaved_run,
+                                                           data_dir, tmp_path):
+    ref, ref_out = reference_run
+    source = interleaved_run[1] if saved_by == "interleaved" else ref_out
+    shutil.copytree(os.path.join(source, "ckpt_0000002"), tmp_path / "ckpt_0000002")
+    records, proc = run_train([f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *TRAIN_ARGS, "--max_iters=4",
+                               "--checkpoint_interval=0", "--init_from=resume", *layout], nproc=nproc)
+    assert "resumed from" in proc.stdout
+    later = lambda rs: [r for r in rs if r["step"] > 2]
+    assert_same_losses_and_norms(later(records), later(ref))
+    val = lambda rs: [r["val_loss"] for r in rs if "val_loss" in r]
+    assert val(records) == pytest.approx(val(ref), rel=1e-5) and val(records)
+
+
+def test_pp_trace_writes_one_chrome_trace_of_every_rank_and_prints_the_measured_bubble(interleaved_run):
+    _, out, stdout = interleaved_run
+    trace = json.loads((out / "pp_trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    # every action of the step on every rank: 4 microbatches x 2 chunks x (F, B) x 2 ranks, rank = process row
+    assert sorted((e["pid"], e["cat"], e["args"]["microbatch"], e["tid"]) for e in spans) == sorted(
+        (p, op, i, c) for p in range(2) for op in "FB" for i in range(4) for c in range(2))
+    assert all(e["dur"] > 0 and e["ts"] >= 0 for e in spans)
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and "name" in e["args"]}
+    assert names[(0, None)] == "pipeline rank 0" and names[(1, 1)] == "chunk 1 (model stage 3)"
+    assert trace["otherData"]["step"] == 2 and trace["otherData"]["ideal_bubble"] == pytest.approx(1 / 9)
+    assert f"pipeline trace of step 2 -> {out / 'pp_trace.json'}: measured bubble rank 0 " in stdout
+    assert "ideal interleaved_1f1b 11.1% with forward = B = W in time" in stdout
+
+
+def test_plot_py_draws_the_trace(interleaved_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    _, out, _ = interleaved_run
+    png = tmp_path / "trace.png"
+    proc = subprocess.run([sys.executable, "plot.py", "--trace", str(out), f"--out={png}"], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_times_schedules_side_by_side_with_their_bubbles_and_activations():
+    argv = ["--n_layer=4", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=16", "--vocab_size=512",
+            "--batch_size=2", "--gradient_accumulation_steps=4", "--warmup_steps=1", "--bench_steps=1", "--pp=2",
+            "--schedules=1f1b,zero_bubble,interleaved_1f1b:2"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "bench.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "bubble, measured" in proc.stdout and "activations (KiB)" in proc.stdout
+    result = json.loads(proc.stdout.strip().splitlines()[-1][len("RESULT "):])
+    for name in ("1f1b", "zero_bubble", "interleaved_1f1b:2"):
+        r = result["schedules"][name]
+        assert r["ms_per_step"] > 0 and len(r["measured_bubble"]) == 2 and all(0 <= b < 1 for b in r["measured_bubble"])
+        assert len(r["peak_activation_bytes"]) == 2 and min(r["peak_activation_bytes"]) > 0
+    assert result["schedules"]["zero_bubble"]["ideal_bubble"] == pytest.approx(1 / 13)
+
+
+def test_train_py_refuses_a_schedule_that_cannot_run_in_one_line(data_dir, tmp_path):
+    with pytest.raises(SystemExit) as exit:  # before any process group: every rank would print the same
+        train.main([f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--pp=2", "--pp_schedule=interleaved_1f1b",
+                    "--pp_chunks=2", "--gradient_accumulation_steps=3"])
+    assert exit.value.code == (
+        "error: pp_schedule='interleaved_1f1b' needs gradient_accumulation_steps (the microbatches, 3) to be a "
+        "multiple of pp = 2: they go round the ring of ranks in groups of pp (Megatron-LM's rule); use 2 or 4, "
+        "adjusting batch_size to keep the batch")
