@@ -463,7 +463,9 @@ class _Saved:
 #   loss         the last stage: the chunked loss keeps its input and weight gradients (N x C and V x C,
 #                fp32) from forward to backward, and one chunk's logits while it runs; without it
 #                (tp > 1) the vocab-parallel logits and their softmax
-#   buffers      ZeRO-2/3, at the end of backward: the last gradients in flight (see plan_memory)
+#   buffers      at the end of backward: the last gradients in flight (autograd's new gradient of the
+#                largest parameter, three of them for a weight tied within the stage; ZeRO-2/3 also two
+#                buckets or units of flat gradients)
 # The peak is the states (parameters, gradients, optimizer) plus the larger of activations + loss (the
 # last micro-batch's forward done) and buffers (its backward ending): with m >= 2 micro-batches the
 # accumulated gradients of ZeRO-0/1 are alive at both moments (with m = 1 this is an upper bound). Not modelled, said where it
@@ -551,8 +553,8 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
                 microbatches=1, schedule="1f1b", activation_checkpointing=False, chunked_loss=True,
                 sequence_parallel=False, bucket_size_mb=25.0, param_bytes=4, act_bytes=4):
     """For each pipeline stage, one rank's bytes: {'stage', 'parameters', 'gradients', 'optimizer',
-    'activations', 'loss', 'buffers', 'peak'} (see above; 'buffers' is what ZeRO-2/3 add in flight:
-    gradient buckets, gathered blocks; ZeRO-3's gathered root unit is under 'parameters')."""
+    'activations', 'loss', 'buffers', 'peak'} (see above; ZeRO-3's gathered root unit and blocks are under
+    'parameters')."""
     T = block_size or model_cfg.block_size
     replicas = dp * cp
     N = batch_size * T // cp  # this rank's tokens per micro-batch
@@ -569,22 +571,23 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
         biggest_block = max(block_elems, default=0)
         shard = lambda n: -(-n // replicas)
         params = P * param_bytes
-        buffers = 0
         if zero_stage == 3:
             params = (sum(shard(n) for n in block_elems) + shard(root)) * param_bytes
             params += (root + min(2, blocks) * biggest_block) * param_bytes
+        # at the end of backward: autograd's new gradient of the largest parameter before it is added
+        # into p.grad or copied into its bucket; for a weight tied within the stage the head's part, the
+        # embedding's part and their sum
+        tied_here = model_cfg.tie_embeddings and pp == 1
+        largest = max(elements.values()) * (3 if tied_here else 1)
+        buffers = largest * param_bytes
         if zero_stage >= 2:
             grads = (sum(shard(n) for n in block_elems) + shard(root)) * param_bytes
-            # at the end of backward, in flight at once: autograd's gradient of the largest parameter before
-            # it is copied into its bucket (a weight tied within the stage: the head's part, the embedding's
-            # part and their sum), that bucket's flat buffer, and the bucket launched before it
+            # and in flight with it: its bucket's flat buffer, and the bucket launched before it
             if zero_stage == 3:
                 sizes = sorted(block_elems + [root], reverse=True)
             else:
                 sizes = sorted(bucket_elements(list(elements.values()), bucket // param_bytes), reverse=True)
-            tied_here = model_cfg.tie_embeddings and pp == 1
-            largest = max(elements.values()) * (3 if tied_here else 1)
-            buffers += (largest + sizes[0] + (sizes[1] if len(sizes) > 1 else 0)) * param_bytes
+            buffers += (sizes[0] + (sizes[1] if len(sizes) > 1 else 0)) * param_bytes
         else:
             grads = P * param_bytes * (2 if (replicas > 1 or zero_stage == 1) else 1)
         optimizer = 2 * (P if zero_stage == 0 else -(-P // replicas)) * param_bytes
@@ -614,7 +617,7 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
             at_forward = accumulated + forward
         else:
             at_forward = max(forward, accumulated + forward * (held - 1) / held)
-        peak = params + (grads - accumulated) + optimizer + max(at_forward, buffers)
+        peak = params + (grads - accumulated) + optimizer + max(at_forward, accumulated + buffers)
         stages.append({"stage": stage, "parameters": params, "gradients": grads, "optimizer": optimizer,
                        "activations": activations, "loss": loss, "buffers": buffers, "peak": peak})
     return stages
