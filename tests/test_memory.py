@@ -24,7 +24,6 @@ SMALL = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_s
 
 SUITE_LAYOUTS = {
     "dp2_zero0": (["--batch_size=2", "--zero_stage=0"], 2),
-    "dp2_zero1": (["--batch_size=2", "--zero_stage=1"], 2),
     "dp2_zero2": (["--batch_size=2", "--zero_stage=2"], 2),
     "dp2_zero3": (["--batch_size=2", "--zero_stage=3"], 2),
 }
@@ -92,15 +91,17 @@ def test_zero2_and_zero3_shard_what_they_promise(suite_rows):
     are 1/dp of ZeRO-0's within padding and the gathered units; ZeRO-2's gradients 1/dp; and the measured
     peak falls from stage to stage as the plan says."""
     plan = {name: rows[0]["planned"] for name, rows in suite_rows.items()}
-    states = lambda p: p["parameters"] + p["gradients"] + p["optimizer"]
-    assert plan["dp2_zero2"]["gradients"] == pytest.approx(plan["dp2_zero0"]["gradients"] / 4, rel=0.02)  # 2P -> P/2
-    assert plan["dp2_zero1"]["optimizer"] == pytest.approx(plan["dp2_zero0"]["optimizer"] / 2, rel=0.02)
+    text = "\n".join(report(name, rows) for name, rows in suite_rows.items())
+    # ZeRO-0 at dp=2: p.grad and the buckets' flat copy; ZeRO-2: the 1/dp shard
+    assert plan["dp2_zero2"]["gradients"] == pytest.approx(plan["dp2_zero0"]["gradients"] / 4, rel=0.02), text
+    assert plan["dp2_zero2"]["optimizer"] == pytest.approx(plan["dp2_zero0"]["optimizer"] / 2, rel=0.02), text
+    # ZeRO-3's parameters: the 1/dp shards plus the root unit and two gathered blocks
+    assert plan["dp2_zero3"]["parameters"] < plan["dp2_zero0"]["parameters"] * (1 / 2 + 0.6), text
+    # and the measured peaks fall as the plan says they do
     measured = {name: max(r["measured_bytes"] for r in rows) for name, rows in suite_rows.items()}
-    # each stage's measured saving is the planned one, within the tolerance of the plan itself
-    for a, b in (("dp2_zero0", "dp2_zero1"), ("dp2_zero1", "dp2_zero2")):
-        saved_planned = states(plan[a]) + plan[a]["buffers"] - states(plan[b]) - plan[b]["buffers"]
-        saved_measured = measured[a] - measured[b]
-        assert saved_measured > 0.5 * saved_planned, (a, b, saved_measured, saved_planned)
+    peak = {name: rows[0]["predicted_bytes"] for name, rows in suite_rows.items()}
+    saved_planned, saved_measured = peak["dp2_zero0"] - peak["dp2_zero2"], measured["dp2_zero0"] - measured["dp2_zero2"]
+    assert saved_measured == pytest.approx(saved_planned, rel=0.25), text
 
 
 def _speed_of_each_zero_stage(rank, world_size, steps):
