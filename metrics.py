@@ -670,8 +670,11 @@ class LiveTensorBytes(TorchDispatchMode):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for obj in gc.get_objects():
-                if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-                    self.live[obj.untyped_storage()] = True
+                try:
+                    if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                        self.live[obj.untyped_storage()] = True
+                except (ReferenceError, RuntimeError, NotImplementedError):
+                    pass  # a dead weak proxy; a tensor without a storage of its own (sparse, meta-like)
         self.peak = self.now()
 
     def now(self):
