@@ -4,6 +4,8 @@ Time picotron's training step: tokens/s, ms/step, MFU and peak memory, for any c
     python bench.py config/tiny_fineweb.py
     python bench.py config/tiny_fineweb.py --compile=True --bench_steps=20
     python bench.py --n_layer=6 --n_head=6 --n_kv_head=6 --n_embd=384 --reference=True
+    python bench.py config/tiny_fineweb.py --optimizer=muon --compare_optimizer=adamw
+    python bench.py config/tiny_fineweb.py --data_dir=data/fineweb_edu --doc_mask=True --compare_doc_mask=True
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --tp=2 --dp=2
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --cp=2 --tp=2 --sequence_parallel=True \
         --block_size=1024
@@ -17,11 +19,14 @@ warm-up), --bench_steps (timed steps), --reference=True (also time the plain GPT
 the same size, step by step in turn with picotron's, so both see the same machine), --schedules (pp > 1:
 time several pipeline schedules the same way, each its own model, and measure each one's bubble from a
 traced step and its peak activations per rank), --profile_steps (after the timed steps, that many more
-under torch.profiler: where a step's time goes) and --profile_trace (the same as a Chrome trace file).
-Tokens are random unless --data_dir is given on the command line. The last line printed is
-`RESULT {json}`, for scripts; first_step_s in it is the first step's time, which holds the compilation
-with compile=True.
+under torch.profiler: where a step's time goes) and --profile_trace (the same as a Chrome trace file),
+--compare_optimizer=NAME (also time train.py's step with another optimizer, in turn the same way),
+--compare_doc_mask=True (also time it with doc_mask the other way, in turn the same way). Tokens are
+random unless --data_dir is given on the command line (doc_mask needs its eot_token: from the data's
+meta.json, or --eot_token). The last line printed is `RESULT {json}`, for scripts; first_step_s in it is
+the first step's time, which holds the compilation with compile=True.
 """
+import dataclasses
 import json
 import math
 import os
@@ -53,6 +58,9 @@ BENCH = section(
             "time goes"),
     Setting("profile_trace", "", "with profile_steps: also write the profile here as a Chrome trace (.json or "
             ".json.gz)"),
+    Setting("compare_optimizer", "", "also time train.py's step with this optimizer ('adamw' or 'muon') instead of "
+            "--optimizer, step by step in turn"),
+    Setting("compare_doc_mask", False, "also time train.py's step with doc_mask the other way, step by step in turn"),
 )
 
 
@@ -60,6 +68,9 @@ def parse_args(argv):
     """bench.py's settings and the training settings, from one command line."""
     values, _ = configure(settings.TRAINING + BENCH, argv, usage=__doc__)
     settings.check_values(values)
+    if values["compare_optimizer"] not in ("", *settings.CHOICES["optimizer"]):
+        raise ConfigError(f"compare_optimizer = {values['compare_optimizer']!r} must be '' (off) or one of "
+                          f"{', '.join(map(repr, settings.CHOICES['optimizer']))}")
     if values["bench_steps"] < 1 or values["warmup_steps"] < 0 or values["profile_steps"] < 0:
         raise ConfigError(f"bench_steps = {values['bench_steps']} must be >= 1, warmup_steps = "
                           f"{values['warmup_steps']} and profile_steps = {values['profile_steps']} >= 0")
@@ -86,15 +97,17 @@ def schedule_variants(cfg, schedules):
     return variants
 
 
-def random_microbatches(cfg, layout, vocab_size, step, device):
+def random_microbatches(cfg, layout, model_cfg, step, device):
     """Random (x, y) micro-batches, the same on every tensor- and pipeline-parallel rank of a data-parallel
     rank (as real batches are), different across data-parallel ranks and steps; under context parallelism
-    each cp rank's share of them, as train.py's batches (train.context_split)."""
+    each cp rank's share of them, as train.py's batches (train.context_split; with doc_mask, document ids
+    at the random eot tokens)."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + layout.dp_rank)
     out = []
     for _ in range(cfg.gradient_accumulation_steps):
-        tokens = torch.randint(0, vocab_size, (cfg.batch_size, cfg.block_size + 1), generator=g)
-        out.append(train.context_split((tokens[:, :-1].to(device), tokens[:, 1:].to(device)), layout))
+        tokens = torch.randint(0, model_cfg.vocab_size, (cfg.batch_size, cfg.block_size + 1), generator=g)
+        x, y, *rest = train.context_split((tokens[:, :-1], tokens[:, 1:]), layout, train.document_end(model_cfg))
+        out.append((x.to(device), y.to(device), *rest))
     return out
 
 
@@ -111,8 +124,9 @@ class Picotron:
     def batches(self, step):
         if self.run.datasets:
             return train.rank_microbatches(self.cfg, self.layout, self.run.datasets["train"], train.TRAIN_STREAM,
-                                           step, self.cfg.gradient_accumulation_steps, self.dev)
-        return random_microbatches(self.cfg, self.layout, self.run.model_cfg.vocab_size, step, self.dev)
+                                           step, self.cfg.gradient_accumulation_steps, self.dev,
+                                           train.document_end(self.run.model_cfg))
+        return random_microbatches(self.cfg, self.layout, self.run.model_cfg, step, self.dev)
 
     def step(self, i, trace=None):
         """One training step; returns its loss as a float, which waits for the device (and every rank)."""
@@ -148,7 +162,7 @@ class ReferenceGPT:
     def step(self, i):
         p = self.picotron
         loss = 0.0
-        for x, y in p.batches(i):
+        for x, y, *_ in p.batches(i):  # (plain causal attention: positions and documents unused)
             with p.autocast:
                 _, micro_loss = self.step_model(x, y)
             micro_loss = micro_loss / p.cfg.gradient_accumulation_steps
@@ -171,6 +185,14 @@ def reset_peak_memory(dev):
 def run(cfg, bench, setup):
     dev, ptdtype, layout, model_cfg = setup.dev, setup.dtype, setup.layout, setup.model_cfg
     runners = [Picotron(variant, setup, name) for name, variant in bench.variants] or [Picotron(cfg, setup)]
+    if bench.compare_optimizer:  # the same model, data and step with the other optimizer
+        other = SimpleNamespace(**{**vars(cfg), "optimizer": bench.compare_optimizer})
+        runners.append(Picotron(other, setup, name=bench.compare_optimizer))
+    if bench.compare_doc_mask:  # the same weights' shapes, data and step, attention across documents or not
+        flipped = not cfg.doc_mask
+        other = SimpleNamespace(**{**vars(cfg), "doc_mask": flipped})
+        other_setup = SimpleNamespace(**{**vars(setup), "model_cfg": dataclasses.replace(model_cfg, doc_mask=flipped)})
+        runners.append(Picotron(other, other_setup, name=f"doc_mask={flipped}"))
     if bench.reference:
         runners.append(ReferenceGPT(runners[0]))
     first_step_s = {}
@@ -179,6 +201,9 @@ def run(cfg, bench, setup):
             start = time.perf_counter()
             r.step(i)
             first_step_s.setdefault(r.name, time.perf_counter() - start)
+    moe = model_cfg.n_expert > 0
+    if moe:
+        metrics.moe_metrics(runners[0].parts.model, layout)  # (resets the step counts: only timed steps below)
     reset_peak_memory(dev)
     # the runners take turns step by step, so a machine that speeds up or slows down affects them alike
     times = {r.name: [] for r in runners}
@@ -189,6 +214,9 @@ def run(cfg, bench, setup):
             losses[r.name] = r.step(i)
             times[r.name].append(time.perf_counter() - start)
     peak_mem = metrics.peak_memory_bytes(dev, layout)
+    # MoE: the load and the all-to-all bytes per timed step (the first runner's steps only, before any
+    # pipeline measurement runs more)
+    moe_stats = metrics.moe_metrics(runners[0].parts.model, layout, steps=bench.bench_steps) if moe else {}
     step = bench.warmup_steps + bench.bench_steps
     pipeline = {r.name: r.measure_pipeline(step) for r in runners if bench.variants}
     step += 2 if bench.variants else 0  # (measure_pipeline ran two more steps)
@@ -211,6 +239,11 @@ def run(cfg, bench, setup):
     # the process's peak memory covers whatever ran in it: with the reference alongside it is both models'
     main = runners[0].name
     results[main]["peak_mem_bytes"] = peak_mem
+    if moe:
+        params, state = metrics.expert_memory_bytes(runners[0].parts.model, runners[0].parts.optimizer)
+        results[main].update(ep=layout.ep, a2a_bytes=moe_stats["a2a_bytes"],
+                             expert_load_min=moe_stats["expert_load_min"], expert_load_max=moe_stats["expert_load_max"],
+                             expert_param_bytes=params, expert_optimizer_bytes=state)
 
     if layout.rank == 0:
         print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak_why, step_model_kind(runners[0]))
@@ -222,6 +255,21 @@ def run(cfg, bench, setup):
                       compiled=step_model_kind(runners[0]) == "compiled", peak_flops=peak,
                       tokens_per_step=tokens_per_step, threads=torch.get_num_threads(), zero_stage=cfg.zero_stage,
                       memory=memory)
+        if bench.compare_optimizer:
+            other = results[bench.compare_optimizer]
+            print(f"optimizer {cfg.optimizer} against {bench.compare_optimizer}: {results[main]['ms_per_step']:,.1f} "
+                  f"against {other['ms_per_step']:,.1f} ms/step (median), "
+                  f"{results[main]['ms_per_step'] / other['ms_per_step']:.3f}x the time")
+            result.update(optimizer=cfg.optimizer, compare_optimizer=bench.compare_optimizer,
+                          compare_ms_per_step=other["ms_per_step"], compare_tokens_per_sec=other["tokens_per_sec"],
+                          compare_loss=other["loss"])
+        if bench.compare_doc_mask:
+            other = results[f"doc_mask={not cfg.doc_mask}"]
+            print(f"doc_mask={cfg.doc_mask} against doc_mask={not cfg.doc_mask}: "
+                  f"{results[main]['ms_per_step']:,.1f} against {other['ms_per_step']:,.1f} ms/step (median), "
+                  f"{results[main]['ms_per_step'] / other['ms_per_step']:.3f}x the time")
+            result.update(doc_mask=cfg.doc_mask, compare_doc_mask_ms_per_step=other["ms_per_step"],
+                          compare_doc_mask_tokens_per_sec=other["tokens_per_sec"])
         if profile is not None:
             result["profile"] = profile
         if bench.reference:
@@ -317,7 +365,7 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak
           f"vocab {mc.vocab_size}, batch {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro x dp {layout.dp}; "
           f"{dev}, {str(ptdtype).replace('torch.', '')}, {kind}, {torch.get_num_threads()} threads; "
           f"layout dp={layout.dp} cp={layout.cp} tp={layout.tp}{' sequence-parallel' if cfg.sequence_parallel else ''} "
-          f"pp={layout.pp}; activation_checkpointing={cfg.activation_checkpointing}, "
+          f"pp={layout.pp} ep={layout.ep}; activation_checkpointing={cfg.activation_checkpointing}, "
           f"chunked_loss={cfg.chunked_loss}; {'data ' + cfg.data_dir if cfg.data_dir else 'random tokens'}; "
           + (f"pipeline {cfg.pp_schedule}, {cfg.pp_chunks} chunk(s) per rank; " if layout.pp > 1 and not bench.variants else "")
           + f"{bench.warmup_steps} warm-up + {bench.bench_steps} timed steps (median)")
@@ -329,6 +377,11 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, peak
             ("MFLOP/token", lambda r: f"{r['flops_per_token'] / 1e6:,.1f}"),
             ("MFU", lambda r: metrics.format_mfu(r["mfu"])),
             ("peak memory (MiB)", lambda r: f"{r['peak_mem_bytes'] / 2**20:,.0f}" if "peak_mem_bytes" in r else "-"),
+            ("experts MiB (rank 0)", lambda r: f"{r['expert_param_bytes'] / 2**20:,.2f} + {r['expert_optimizer_bytes'] / 2**20:,.2f}"
+             if "expert_param_bytes" in r else "-"),
+            ("all-to-all MiB/step", lambda r: f"{r['a2a_bytes'] / 2**20:,.2f}" if "a2a_bytes" in r else "-"),
+            ("expert load min-max", lambda r: f"{r['expert_load_min']:,.0f}-{r['expert_load_max']:,.0f}"
+             if "expert_load_min" in r else "-"),
             ("loss (last step)", lambda r: f"{r['loss']:.4f}")]
     if bench.variants:  # per pipeline rank, rank 0 first
         rows += [("bubble, ideal", lambda r: f"{r['ideal_bubble']:.1%}" if r["ideal_bubble"] is not None else "-"),

@@ -13,7 +13,9 @@ Each tensor is saved as "pieces". A piece says which full tensor it belongs to (
 which tensor-parallel slice it is (dim, rank, world) and which range of that slice's flattened elements it
 holds (all of them for a model shard, a ZeRO-1 rank's range for optimizer state). Loading assembles each
 full tensor a rank needs from whatever pieces were saved, then cuts the slice this rank's layout needs, so
-a checkpoint saved at one dp x cp x tp x pp layout resumes at any other.
+a checkpoint saved at one dp x cp x tp x pp layout resumes at any other. The experts of a mixture of
+experts are named by their global index whichever rank holds them, so expert parallelism (ep) changes
+freely too.
 """
 import glob
 import json
@@ -141,9 +143,10 @@ class CheckpointReader:
 
 
 # the settings a checkpoint's model may differ in from the model it is loaded into: the context length and
-# the RoPE base and scaling (a deliberate context extension); none changes a weight's shape or meaning
+# the RoPE base and scaling (a deliberate context extension), document masking (training on or off it);
+# none changes a weight's shape or meaning
 MAY_DIFFER = ("block_size", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-              "rope_original_context")
+              "rope_original_context", "doc_mask", "eot_token")
 
 
 def check_model_config(saved, model_cfg, path):
@@ -191,11 +194,14 @@ def load_model(model, reader):
     return reader
 
 
-def _saved_here(param, layout, dp_sharded=False):
+def _saved_here(param, layout, dp_sharded=False, expert=False):
     """Each full tensor is saved once: data- and context-parallel replicas leave it to the first of them
     (dp x cp rank 0; unless dp_sharded: each dp x cp rank then holds a different part, ZeRO-1's optimizer
-    state), tensor-parallel replicas (norms) to tp rank 0. (A tied copy is never saved: the original is.)"""
-    if layout.dp_cp_rank != 0 and not dp_sharded:
+    state), tensor-parallel replicas (norms) to tp rank 0. An expert under expert parallelism is held by
+    one rank of each ep group, and saved by the one in the first group (cp rank 0, dp_rank < ep). (A tied
+    copy is never saved: the original is.)"""
+    first = layout.cp_rank == 0 and layout.dp_rank < layout.ep if expert else layout.dp_cp_rank == 0
+    if not first and not dp_sharded:
         return False
     return layout.tp_rank == 0 or getattr(param, "tp_shard_dim", None) is not None
 
@@ -203,53 +209,65 @@ def _saved_here(param, layout, dp_sharded=False):
 def model_pieces(model, layout, shards=None, optimizer=None):
     """The parameters, each full tensor once. shards (ZeRO-3): {param: the flat slice of it this rank
     stores}, whose range is the optimizer state's flat_range: every data-parallel rank saves its own."""
-    copies = model.tied_copies()
+    copies, experts = model.tied_copies(), model.expert_parameters()
     if shards is not None:
         return {name: make_piece(shards[p], p, optimizer.state[p]["flat_range"]) for name, p in model.named_parameters()
                 if name not in copies and p in shards and _saved_here(p, layout, dp_sharded=True)}
     return {name: make_piece(p, p) for name, p in model.named_parameters()
-            if name not in copies and _saved_here(p, layout)}
+            if name not in copies and _saved_here(p, layout, expert=name in experts)}
+
+
+# the tensors of an optimizer's state that are saved: AdamW's two moments, Muon's momentum
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
 
 def optimizer_pieces(optimizer, model, layout):
-    """The AdamW moments, saved like the parameters they belong to. parallel.ZeroOneAdamW's state says
-    which flat range of each parameter's (tensor-parallel slice's) elements this rank owns: then every
-    data-parallel rank saves its own range, and the ranks' pieces together cover every element once."""
-    pieces, copies = {}, model.tied_copies()
+    """The optimizer's states (AdamW's moments, Muon's momentum), saved like the parameters they belong to.
+    Under ZeRO-1 a state says which flat range of its parameter's (tensor-parallel slice's) elements this
+    rank owns (parallel.ZeroOneAdamW: a slice; parallel.Muon: a whole matrix, or a slice for AdamW's
+    part): then every data-parallel rank saves its own ranges, and the ranks' pieces together cover every
+    element once."""
+    pieces, copies, experts = {}, model.tied_copies(), model.expert_parameters()
     for name, p in model.named_parameters():
         state = optimizer.state.get(p)
         flat_range = state.get("flat_range") if state else None
-        if state and name not in copies and _saved_here(p, layout, dp_sharded=flat_range is not None):
-            pieces[name] = {k: make_piece(state[k], p, flat_range) for k in ("exp_avg", "exp_avg_sq")}
+        if state and name not in copies and _saved_here(p, layout, flat_range is not None, name in experts):
+            pieces[name] = {k: make_piece(state[k], p, flat_range) for k in STATE_KEYS if k in state}
     return pieces
 
 
 def _moment(reader, name, p, key):
-    """A saved AdamW moment of parameter `name`, as this rank's slice. A checkpoint written before every
-    parameter got a gradient each step may lack the moments of one that never had one (an expert no token
-    reached): AdamW's moments start at zero, so zero is exactly what it had."""
+    """A saved state tensor (`key`) of parameter `name`, as this rank's slice. A checkpoint written before
+    every parameter got a gradient each step may lack the moments of one that never had one (an expert no
+    token reached): AdamW's moments start at zero, so zero is exactly what it had."""
     if not reader.has("optimizer", name) and reader.has("model", name):
         return torch.zeros_like(p)
     return reader.optimizer_tensor(name, p, key)
 
 
-def load_zero(optimizer, model, reader):
-    """Fill a ZeroOneAdamW's moments (any dp, any layout) from a checkpoint saved with or without ZeRO:
-    each rank assembles the full moments of its parameters and keeps the flat range it owns now."""
+def load_states(optimizer, model, reader):
+    """Fill an optimizer whose states exist before its first step (parallel.ZeroOneAdamW, parallel.Muon; any
+    dp, any layout) from a checkpoint saved with or without ZeRO: each rank assembles the full state
+    tensors of its parameters and keeps the flat range it owns (all of it without one)."""
     step, copies = torch.tensor(float(reader.meta["adam_step"])), model.tied_copies()
     for name, p in model.named_parameters():
         state = optimizer.state.get(p)
         if not state:
             continue
-        start, end = state["flat_range"]
-        for k in ("exp_avg", "exp_avg_sq"):
-            state[k].copy_(_moment(reader, copies.get(name, name), p, k).reshape(-1)[start:end])
-        state["step"] = step.clone()
+        start, end = state.get("flat_range", (0, p.numel()))
+        for k in STATE_KEYS:
+            if k in state:
+                saved = _moment(reader, copies.get(name, name), p, k).reshape(-1)[start:end]
+                state[k].copy_(saved.view_as(state[k]))
+        if "step" in state:
+            state["step"] = step.clone()
 
 
 def adamw_step_count(optimizer):
+    """AdamW's step counter (every AdamW state has the same; Muon's momentum has none)."""
     for state in optimizer.state.values():
-        return int(state["step"])
+        if "step" in state:
+            return int(state["step"])
     return 0
 
 

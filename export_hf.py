@@ -16,15 +16,29 @@ Which architecture holds which model (each computes exactly what picotron comput
       + qk_norm=True (RMSNorm on each query and key head)                 Qwen3ForCausalLM
       + attn_softcap and/or final_softcap (tanh soft-capping)            VaultGemmaForCausalLM
       + attention='mla' (multi-head latent attention)                    DeepseekV3ForCausalLM (all layers dense)
+    a dropless mixture of experts (n_expert > 0, capacity_factor=0)      Qwen2MoeForCausalLM
+      + qk_norm=True, no shared experts                                   Qwen3MoeForCausalLM
     GPT-2's pieces with RoPE: norm='layernorm', mlp='gelu' (with or without
       bias, sequential or parallel_block), MHA                            GPTNeoXForCausalLM
 Gemma2 also has soft-capping, but it normalises each sublayer's output too (sandwich norms), which
-picotron's blocks do not; VaultGemma is the Gemma variant without them. The combinations no architecture
-holds (mixture of experts; parallel blocks, LayerNorm or a GELU MLP other than all three GPT-NeoX pieces
-together; QK-norm with soft-capping; MLA with QK-norm, soft-capping or biases) stop the export with the
+picotron's blocks do not; VaultGemma is the Gemma variant without them.
+
+A mixture of experts exports only dropless (capacity_factor=0): no transformers model drops the tokens over
+an expert's capacity, so a model trained with capacity would compute something else there. Picotron's router
+(softmax over every expert in fp32, top-k, the top-k probabilities not renormalised, SwiGLU experts) is
+Qwen2-MoE's with norm_topk_prob=False; Mixtral and OLMoE renormalise the top-k weights (and OLMoE, like
+Qwen3-MoE, always norms q and k), DeepSeek-V3 scores experts with sigmoids in groups. Qwen2-MoE always has
+one shared expert behind a sigmoid gate: it holds picotron's shared experts side by side (n_shared_expert
+SwiGLUs are one SwiGLU that many times wider), the gate weights are zero and the shared down projection is
+doubled (sigmoid(0) = 1/2, and both scalings are exact in floating point); without shared experts it is all
+zeros. Qwen3-MoE (always QK-norm, no shared expert) holds qk_norm=True without shared experts.
+
+The combinations no architecture holds (a mixture of experts with capacity dropping; parallel blocks,
+LayerNorm or a GELU MLP other than all three GPT-NeoX pieces together; QK-norm with soft-capping; MLA with
+QK-norm, soft-capping or biases; experts with biases, GELU, MLA or soft-capping) stop the export with the
 options named. head_dim, intermediate_size and Llama 3's RoPE scaling export to every architecture that
 has them (all but GPT-NeoX's head size, which is hidden_size / num_attention_heads), so import_hf.py reads
-every export back as the model it came from.
+every dense export back as the model it came from (it does not read mixtures of experts yet).
 
 transformers and safetensors are needed only here: pip install transformers safetensors
 """
@@ -39,7 +53,7 @@ import torch
 
 import checkpoint
 from configurator import ConfigError, Setting, configure, make_folder, section
-from model import ModelConfig, Transformer, attention_head_dim, model_config_from
+from model import ModelConfig, Transformer, attention_head_dim, mlp_hidden_size, model_config_from
 
 EXPORT = section(
     "export",
@@ -92,9 +106,9 @@ def hf_architecture(cfg):
     softcap = bool(cfg.attn_softcap or cfg.final_softcap)
     mla = cfg.attention == "mla"
     blockers = []
-    if cfg.n_expert > 0:
-        blockers.append(f"n_expert={cfg.n_expert}: no transformers architecture drops tokens over an expert's "
-                        f"capacity as picotron's router does, so a mixture of experts is not exported")
+    moe = cfg.n_expert > 0
+    if moe:
+        blockers += moe_blockers(cfg)
     norm, mlp = cfg.norm, cfg.mlp
     neox = norm == "layernorm" and mlp == "gelu"
     if neox:  # GPT-NeoX: LayerNorm, GELU MLP, RoPE, sequential or parallel blocks, and nothing else
@@ -131,6 +145,8 @@ def hf_architecture(cfg):
                      for name in ("qk_norm", "attn_softcap", "final_softcap", "bias") if getattr(cfg, name)]
     if blockers:
         raise ValueError("this model cannot be exported to a transformers architecture: " + "; ".join(blockers))
+    if moe:
+        return "Qwen3MoeForCausalLM" if qk_norm else "Qwen2MoeForCausalLM"
     if neox:
         return "GPTNeoXForCausalLM"
     if mla:
@@ -142,6 +158,32 @@ def hf_architecture(cfg):
     if cfg.qkv_bias and not cfg.bias:  # (with bias=True every linear has one already: Llama holds it)
         return "Qwen2ForCausalLM"
     return "LlamaForCausalLM"
+
+
+def moe_blockers(cfg):
+    """What keeps a mixture of experts from Qwen2-MoE and Qwen3-MoE, the architectures whose routing is
+    picotron's (see the module's docstring), as one message per option."""
+    name = f"n_expert={cfg.n_expert}"
+    blockers = []
+    if cfg.capacity_factor > 0:
+        blockers.append(f"{name} with capacity_factor={cfg.capacity_factor}: no transformers architecture drops tokens "
+                        f"over an expert's capacity as picotron's router does; a mixture of experts trained dropless "
+                        f"(capacity_factor=0) exports")
+    if cfg.norm == "layernorm" and cfg.mlp == "gelu":
+        blockers.append(f"{name} with norm='layernorm', mlp='gelu': GPT-NeoX has no mixture of experts")
+    if cfg.bias:
+        blockers.append(f"{name} with bias=True: Qwen-MoE's experts have no biases")
+    if cfg.attention == "mla":
+        blockers.append(f"{name} with attention='mla': DeepSeek-V3's experts are chosen by sigmoid scores in groups, "
+                        f"not by picotron's softmax")
+    if cfg.attn_softcap or cfg.final_softcap:
+        blockers.append(f"{name} with soft-capping: no mixture-of-experts architecture soft-caps")
+    if cfg.qk_norm and cfg.n_shared_expert:
+        blockers.append(f"{name} with qk_norm=True and n_shared_expert={cfg.n_shared_expert}: Qwen3-MoE has no "
+                        f"shared expert (and Qwen2-MoE no QK-norm)")
+    if cfg.qk_norm and cfg.qkv_bias:
+        blockers.append(f"{name} with qk_norm=True and qkv_bias=True: Qwen3-MoE's attention_bias gives o_proj a bias too")
+    return blockers
 
 
 # -----------------------------------------------------------------------------
@@ -162,6 +204,10 @@ HF_NAMES = [
     (r"blocks\.(\d+)\.attn\.kv_up\.weight", r"model.layers.\1.self_attn.kv_b_proj.weight"),
     (r"blocks\.(\d+)\.mlp_norm\.(weight|bias)", r"model.layers.\1.post_attention_layernorm.\2"),
     (r"blocks\.(\d+)\.mlp\.(gate|up|down)\.(weight|bias)", r"model.layers.\1.mlp.\2_proj.\3"),
+    # a mixture of experts: the router; each expert under its own name here, stacked by qwen_moe_layout
+    (r"blocks\.(\d+)\.mlp\.router\.weight", r"model.layers.\1.mlp.gate.weight"),
+    (r"blocks\.(\d+)\.mlp\.(experts|shared_experts)\.(\d+)\.(gate|up|down)\.weight",
+     r"model.layers.\1.mlp.\2.\3.\4_proj.weight"),
     (r"norm\.(weight|bias)", r"model.norm.\1"),
     (r"lm_head\.weight", r"lm_head.weight"),
 ]
@@ -195,7 +241,31 @@ def hf_tensors(model, arch):
         gemma_conventions(tensors, cfg)
     if arch == "GPTNeoXForCausalLM":
         tensors = neox_layout(tensors, cfg)
+    if cfg.n_expert > 0:
+        qwen_moe_layout(tensors, cfg, shared_expert=arch == "Qwen2MoeForCausalLM")
     return tensors
+
+
+def qwen_moe_layout(tensors, cfg, shared_expert):
+    """Qwen-MoE keeps a layer's experts in two stacked tensors, experts.gate_up_proj (E, 2 I, C), each expert's
+    gate rows then its up rows, and experts.down_proj (E, C, I). Qwen2-MoE's one shared expert holds
+    picotron's n_shared_expert shared experts side by side (I * n wide: their gate and up rows stacked, their
+    down columns), doubled behind a zero gate (sigmoid(0) = 1/2); zeros without any."""
+    I = mlp_hidden_size(cfg)
+    for i in range(cfg.n_layer):
+        p = f"model.layers.{i}.mlp."
+        take = lambda kind, e, part: tensors.pop(f"{p}{kind}.{e}.{part}_proj.weight")
+        gate_up = [torch.cat([take("experts", e, "gate"), take("experts", e, "up")]) for e in range(cfg.n_expert)]
+        tensors[p + "experts.gate_up_proj"] = torch.stack(gate_up)
+        tensors[p + "experts.down_proj"] = torch.stack([take("experts", e, "down") for e in range(cfg.n_expert)])
+        if not shared_expert:
+            continue
+        n = cfg.n_shared_expert
+        shared = {part: [take("shared_experts", j, part) for j in range(n)] for part in ("gate", "up", "down")}
+        for part in ("gate", "up"):
+            tensors[f"{p}shared_expert.{part}_proj.weight"] = torch.cat(shared[part]) if n else torch.zeros(I, cfg.n_embd)
+        tensors[p + "shared_expert.down_proj.weight"] = 2 * torch.cat(shared["down"], 1) if n else torch.zeros(cfg.n_embd, I)
+        tensors[p + "shared_expert_gate.weight"] = torch.zeros(1, cfg.n_embd)
 
 
 def gemma_conventions(tensors, cfg):
@@ -263,7 +333,7 @@ def hf_config(model, arch, tensors, tokenizer_fits):
             dtype="float32", **tokens)
     kwargs = dict(
         architectures=[arch], vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
-        intermediate_size=tensors["model.layers.0.mlp.gate_proj.weight"].shape[0],
+        intermediate_size=mlp_hidden_size(cfg),
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
         max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
         rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings,
@@ -286,6 +356,16 @@ def hf_config(model, arch, tensors, tokenizer_fits):
                       # every layer attends to the whole context; transformers builds a sliding-window mask
                       # all the same and needs a window for it, which no layer uses
                       sliding_window=cfg.block_size, layer_types=["full_attention"] * cfg.n_layer)
+    elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        kwargs.update(hidden_act="silu", use_sliding_window=False, sliding_window=None,
+                      layer_types=["full_attention"] * cfg.n_layer, num_experts=cfg.n_expert,
+                      num_experts_per_tok=cfg.n_expert_per_token, moe_intermediate_size=mlp_hidden_size(cfg),
+                      norm_topk_prob=False,  # picotron's gates are the top-k probabilities as they are
+                      decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=cfg.aux_loss_coef)
+        if arch == "Qwen2MoeForCausalLM":
+            del kwargs["attention_bias"]  # Qwen2-MoE: qkv_bias for q, k and v, never o_proj
+            kwargs.update(qkv_bias=bool(cfg.qkv_bias),
+                          shared_expert_intermediate_size=mlp_hidden_size(cfg) * max(1, cfg.n_shared_expert))
     elif arch == "DeepseekV3ForCausalLM":
         kwargs.update(hidden_act="silu", num_key_value_heads=cfg.n_head, kv_lora_rank=cfg.kv_lora_rank,
                       q_lora_rank=cfg.q_lora_rank or None, qk_rope_head_dim=cfg.qk_rope_head_dim,
@@ -344,7 +424,7 @@ def hf_classes(arch):
     import importlib
     import transformers
     module = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-              "VaultGemmaForCausalLM": "vaultgemma",
+              "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe", "VaultGemmaForCausalLM": "vaultgemma",
               "DeepseekV3ForCausalLM": "deepseek_v3", "GPTNeoXForCausalLM": "gpt_neox"}[arch]
     # requirements-dev.txt's floor: before 5.14 GPT-NeoX's head is named embed_out, and a tied one is not tied
     if tuple(int(n) for n in re.findall(r"\d+", transformers.__version__)[:2]) < (5, 14):

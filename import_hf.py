@@ -59,8 +59,9 @@ DEFAULTS = {
 }
 SILU = ("silu", "swish")  # transformers' names of x * sigmoid(x)
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")  # of GELU's tanh approximation, picotron's (and GPT-2's)
-# the model settings that are not the architecture: they come from the command line, not from config.json
-NOT_ARCHITECTURE = ("block_size", "capacity_factor", "aux_loss_coef", "router_z_loss_coef")
+# the model settings that are not the architecture: they come from the command line (and the data's
+# meta.json), not from config.json
+NOT_ARCHITECTURE = ("block_size", "capacity_factor", "aux_loss_coef", "router_z_loss_coef", "doc_mask", "eot_token")
 
 
 def require_safetensors():

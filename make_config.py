@@ -98,13 +98,13 @@ def settings_block(cfg, given, chosen):
 def make_config(cfg, given, argv):
     """The config file's (header, settings); raises ValueError when the layout does not divide the model."""
     tp, pp, cp = cfg["tp"], cfg["pp"], cfg["cp"]
-    dp = resolve_dp(cfg["nproc"], cfg["dp"], tp, pp, count_name="nproc", cp=cp)
+    dp = resolve_dp(cfg["nproc"], cfg["dp"], tp, pp, count_name="nproc", cp=cp, ep=cfg["ep"])
     chosen = choices(cfg, given, dp)
     cfg = dict(cfg, **{k: v for k, (v, _) in chosen.items()})
     vocab, vocab_source = vocab_size_of(cfg)
     model_cfg = ModelConfig(**{f.name: cfg[f.name] for f in fields(ModelConfig) if f.name != "vocab_size"},
                             vocab_size=vocab)
-    check_layout(model_cfg, tp, pp, cp, cfg["sequence_parallel"])
+    check_layout(model_cfg, tp, pp, cp, cfg["sequence_parallel"], ep=cfg["ep"])
     n_params, n_embedding = count_parameters(model_cfg)
     sequences = cfg["batch_size"] * cfg["gradient_accumulation_steps"] * dp
     tokens_per_step = sequences * cfg["block_size"]

@@ -28,8 +28,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from model import MixtureOfExperts, Transformer, attention_head_dim, loss_chunk_size, mlp_hidden_size, stage_layers
-from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, full_shape_of, ideal_bubble,
-                      padded_vocab_size, virtual_stages)
+from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ZeroOneAdamW, full_shape_of,
+                      ideal_bubble, padded_vocab_size, virtual_stages)
 
 
 # -----------------------------------------------------------------------------
@@ -62,14 +62,17 @@ def flops_per_token(cfg):
 
 def full_param_count(model, layout):
     """Parameters of the whole model (vocabulary padding included), whatever the layout: each rank counts
-    the full tensors of its stage (a tied copy once), and every dp x cp x tp replica of a stage counts them."""
-    copies = model.tied_copies()
-    n = torch.tensor(float(sum(math.prod(full_shape_of(p)) for name, p in model.named_parameters()
-                               if name not in copies)))
+    the full tensors of its stage (a tied copy once), and every dp x cp x tp replica of a stage counts them;
+    an expert has (dp / ep) x cp x tp replicas (expert parallelism: the other ranks of its ep group hold
+    others)."""
+    copies, experts = model.tied_copies(), model.expert_parameters()
+    n = sum(math.prod(full_shape_of(p)) * (layout.ep if name in experts else 1)
+            for name, p in model.named_parameters() if name not in copies)
+    n = torch.tensor(float(n), dtype=torch.float64)
     if layout.world_size > 1:
         dist.all_reduce(n)
         n /= layout.dp * layout.cp * layout.tp
-    return int(n)
+    return round(n.item())
 
 
 # -----------------------------------------------------------------------------
@@ -272,21 +275,47 @@ def open_log_backends(cfg):
     return backends
 
 
-def moe_metrics(model, layout):
-    """MoE statistics of the step's last micro-batch, for the log: aux_loss, the weighted auxiliary loss
+def moe_metrics(model, layout, steps=1):
+    """MoE statistics for the log. Of the step's last micro-batch: aux_loss, the weighted auxiliary loss
     that was added to the training loss (summed over the MoE layers, mean over data-parallel ranks), and
     moe_dropped_frac, the fraction of token-to-expert assignments dropped for capacity (mean over layers
-    and ranks). Every rank joins the all-reduce; each stage's layers are held by dp * cp * tp ranks (each
-    cp rank's auxiliary loss is its share: their mean is the microbatch's)."""
+    and ranks). Per step, over the `steps` training steps since the last call (which this call resets):
+    expert_load_min and expert_load_max, the fewest and most token assignments an expert of any layer
+    processed in a step (the whole global batch: summed over micro-batches and data-parallel ranks), and
+    a2a_bytes, the bytes the expert-parallel all-to-alls sent between ranks in a step (forward, backward and
+    any recomputation; all ranks together), counted from the split sizes the host already holds. Every
+    rank joins the one all-reduce; each stage's layers are held by dp * cp * tp ranks (each cp rank's
+    auxiliary loss is its share: their mean is the microbatch's; each counts its own tokens' load)."""
     dev = next(model.parameters()).device
-    stats = torch.zeros(3, device=dev)
-    for m in model.modules():
-        if isinstance(m, MixtureOfExperts) and m.aux_loss is not None:
-            stats += torch.stack([m.aux_loss.detach().float(), m.last_dropped_frac.float(), torch.ones((), device=dev)])
+    layers = model.moe_layers()
+    n_layer, n_expert = model.cfg.n_layer, model.cfg.n_expert
+    stats = torch.zeros(4 + n_layer * n_expert, device=dev, dtype=torch.float64)  # the byte counts need float64
+    load = stats[4:].view(n_layer, n_expert)  # each stage fills its own layers' rows
+    for i, m in layers.items():
+        if m.aux_loss is not None:
+            stats[:3] += torch.stack([m.aux_loss.detach(), m.last_dropped_frac, torch.ones((), device=dev)]).double()
+        stats[3] += m.a2a_sent.bytes
+        load[i] = torch.tensor(m.step_load, dtype=torch.float64, device=dev)
+        m.step_load, m.a2a_sent.bytes = [0] * n_expert, 0
     if layout.world_size > 1:
         dist.all_reduce(stats)
+    load = load / (layout.tp * max(steps, 1))  # tp ranks count the same tokens
     return {"aux_loss": (stats[0] / (layout.dp * layout.cp * layout.tp)).item(),
-            "moe_dropped_frac": (stats[1] / stats[2].clamp(min=1)).item()}
+            "moe_dropped_frac": (stats[1] / stats[2].clamp(min=1)).item(),
+            "expert_load_min": load.min().item(), "expert_load_max": load.max().item(),
+            "a2a_bytes": (stats[3] / max(steps, 1)).item()}
+
+
+def expert_memory_bytes(model, optimizer):
+    """(bytes of the routed experts' parameters, bytes of their AdamW moments) on this rank: what expert
+    parallelism divides by ep (and ZeRO-1 the moments further by the expert replicas). Plain AdamW creates
+    its two moments per element at its first step: they are counted before it, as what it will hold."""
+    params = model.expert_parameters().values()
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    if not isinstance(optimizer, ZeroOneAdamW):
+        return param_bytes, 2 * param_bytes
+    moments = [optimizer.state[p][k] for p in params if p in optimizer.state for k in ("exp_avg", "exp_avg_sq")]
+    return param_bytes, sum(m.numel() * m.element_size() for m in moments)
 
 
 def format_duration(seconds):
@@ -470,7 +499,8 @@ class _Saved:
 # last micro-batch's forward done) and buffers (its backward ending): with m >= 2 micro-batches the
 # accumulated gradients of ZeRO-0/1 are alive at both moments (with m = 1 this is an upper bound). Not modelled, said where it
 # applies: fp16/bf16 autocast's cast copies (counted at the activation dtype), the eager attention's
-# (B, H, T, T) scores, MLA, context parallelism's ring buffers.
+# (B, H, T, T) scores, MLA, context parallelism's ring buffers, expert parallelism (the experts are counted as at
+# ep = 1: an upper bound) and Muon (its state counted as AdamW's).
 
 
 def stage_parameter_elements(model_cfg, tp, pp, stage):

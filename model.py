@@ -38,10 +38,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, all_gather_context,
-                      check_context_split, copy_to_tp, full_shape_of, gather_from_sp, gather_from_tp, group_rank,
-                      group_size, padded_vocab_size, ring_attention, scatter_to_tp, shard_of, valid_vocab_columns,
-                      vocab_parallel_cross_entropy, zigzag_split)
+from parallel import (ByteCount, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, all_gather_context,
+                      check_context_split, copy_to_tp, dispatch_to_experts, exchange_expert_counts, full_shape_of,
+                      gather_from_sp, gather_from_tp, group_rank, group_size, padded_vocab_size, ring_attention,
+                      scatter_to_tp, shard_of, valid_vocab_columns, vocab_parallel_cross_entropy, zigzag_split)
 
 
 @dataclass
@@ -85,6 +85,8 @@ class ModelConfig:
     aux_loss_coef: float = 0.01
     n_shared_expert: int = 0
     router_z_loss_coef: float = 0.0
+    doc_mask: bool = False  # attention stops at eot_token, positions restart after it
+    eot_token: int = -1  # the end-of-text id that ends each document in the bins (meta.json's); -1 = unknown
 
 
 def model_config_from(saved):
@@ -189,7 +191,7 @@ def causal_attention_scores(q, k, softcap=0.0):
     return att.masked_fill(~mask, float("-inf"))
 
 
-def causal_attention(q, k, v, impl, softcap=0.0, positions=None, cp_group=None):
+def causal_attention(q, k, v, impl, softcap=0.0, positions=None, cp_group=None, documents=None):
     """q: (B, T, H, D), k: (B, T, H_kv, D), v: (B, T, H_kv, D_v) with H a multiple of H_kv (D_v differs from D
     in MLA). softcap > 0 soft-caps every score (after the 1/sqrt(D) scale) before the softmax, which only
     'flash' and 'eager' can (impl comes from choose_attn_impl, which never pairs 'sdpa' with a cap). Returns
@@ -197,9 +199,11 @@ def causal_attention(q, k, v, impl, softcap=0.0, positions=None, cp_group=None):
 
     With a context-parallel group, q, k and v are this rank's share of the sequence and attention is ring
     attention (parallel.py, section 3), whatever impl is: positions are then every cp rank's global token
-    positions, (cp, B, T) on the host."""
+    positions, (cp, B, T) on the host. documents (a DocumentMask, doc_mask=True): a query sees only the
+    keys of its own document."""
     if group_size(cp_group) > 1:
-        return ring_attention(q, k, v, positions, cp_group, softcap=softcap)
+        return ring_attention(q, k, v, positions, cp_group, softcap=softcap,
+                              documents=None if documents is None else documents.ids)
     if impl == "flash":
         from flash_attn import flash_attn_func  # lazily: see choose_attn_impl
         d, dv = q.shape[-1], v.shape[-1]
@@ -209,18 +213,100 @@ def causal_attention(q, k, v, impl, softcap=0.0, positions=None, cp_group=None):
             else:  # (zero query/key columns add nothing to the scores; the scale stays 1/sqrt(d))
                 q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
         capped = {"softcap": softcap} if softcap else {}  # flash-attn < 2.6 has no softcap argument
-        y = flash_attn_func(q, k, v, causal=True, softmax_scale=1.0 / math.sqrt(d), **capped)  # takes GQA directly
+        if documents is None:
+            y = flash_attn_func(q, k, v, causal=True, softmax_scale=1.0 / math.sqrt(d), **capped)  # takes GQA directly
+        else:  # every document its own causal sequence, the batch's rows laid end to end: (B * T, H, D)
+            from flash_attn import flash_attn_varlen_func
+            B, T = q.shape[:2]
+            cu, n = documents.cu_seqlens, documents.max_seqlen
+            y = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, n, n, causal=True,
+                                       softmax_scale=1.0 / math.sqrt(d), **capped).view(B, T, *q.shape[2:])
         return y[..., :dv]
     group = q.shape[2] // k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
     if group > 1:  # each key/value head serves `group` query heads
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    if impl == "sdpa":
+    if impl == "sdpa" and documents is not None:  # (every query sees itself: no row is all hidden, no NaN)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.visible)
+    elif impl == "sdpa":
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:  # eager: written out, the reference the fused kernels must agree with, and the one that can cap
-        y = causal_attention_scores(q, k, softcap).softmax(dim=-1) @ v
+        att = causal_attention_scores(q, k, softcap)
+        if documents is not None:
+            att = att.masked_fill(~documents.visible, float("-inf"))
+        y = att.softmax(dim=-1) @ v
     return y.transpose(1, 2)
+
+
+# -----------------------------------------------------------------------------
+# Document masking (doc_mask=True). The bins are documents laid end to end, each ended by the end-of-text
+# token, and a training window cuts across several. Plain causal attention lets a token attend to the end
+# of an unrelated earlier document; with doc_mask a query sees only the earlier keys of its own document,
+# and RoPE positions restart at 0 with each document, so a document is processed exactly as if it began
+# the window (as Llama 3 trains: Dubey et al. 2024, section 3.2). The end-of-text token belongs to the
+# document it ends (it is predicted from that document; the token after it starts the next).
+#
+# Document ids and positions are built on the host with the batch (train.context_split), so that no
+# kernel choice needs a device sync: SDPA gets a (B, 1, T, T) boolean mask, "same document and not
+# later" (SDPA picks its memory-efficient kernel with a mask, not the flash one, so on old GPUs and CPU it
+# costs a T x T mask per microbatch, built once per forward and shared by every layer); FlashAttention-2
+# gets the documents' offsets in the flattened batch (cu_seqlens) for its varlen kernel, which skips the
+# hidden blocks and costs nothing extra; under context parallelism the ids travel with the keys and
+# values as positions do (every rank holds every rank's ids on the host; parallel.py, section 3), and a
+# chunk pair that hides every key is skipped or gives zeros, never NaN.
+#
+# Isolation is exact for dense models and for MoE without dropping: a token-choice router with a
+# capacity (capacity_factor) queues the tokens of a whole microbatch, so an earlier document can take
+# the capacity a later one would have had. That coupling stays.
+
+
+@dataclass
+class DocumentMask:
+    """What attention needs to stop at documents, made once per forward (document_mask).
+    ids: document ids, (B, T) on the model's device; under context parallelism (cp, B, T/cp) on the host.
+    visible (sdpa, eager): (B, 1, T, T) bool, key in the query's document and not later.
+    cu_seqlens, max_seqlen (flash): the documents' starts in the batch's rows laid end to end, plus the
+    end, (n_documents + 1,) int32 on the device, and the longest document's length."""
+    ids: torch.Tensor
+    visible: torch.Tensor = None
+    cu_seqlens: torch.Tensor = None
+    max_seqlen: int = 0
+
+
+def document_ids_and_positions(tokens, eot_token):
+    """(documents, positions) of token ids (..., T), each shaped like tokens: the number of end-of-text
+    tokens before each token in its row (the eot itself belongs to the document it ends), and its position
+    inside its document, counted from 0."""
+    ends = (tokens == eot_token).long()
+    documents = ends.cumsum(-1) - ends
+    index = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
+    starts = torch.ones_like(tokens, dtype=torch.bool)  # a document starts at 0 and after every eot
+    starts[..., 1:] = ends[..., :-1].bool()
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values  # each token's document start
+    return documents, index - first
+
+
+@torch.compiler.disable  # host-side offsets (flash): torch.compile runs around it
+def document_mask(documents, impl, device, cp=1):
+    """The DocumentMask of document ids (B, T) (under context parallelism (cp, B, T/cp), on the host)."""
+    if cp > 1:
+        return DocumentMask(ids=documents)
+    if impl == "flash":
+        B, T = documents.shape
+        starts = torch.ones_like(documents, dtype=torch.bool)
+        starts[:, 1:] = documents[:, 1:] != documents[:, :-1]  # each row starts a document too
+        offsets = starts.flatten().nonzero().flatten()
+        cu = torch.cat([offsets, offsets.new_tensor([B * T])]).int()
+        # from a host tensor, no sync; from a device one (the model derived the ids itself), .item() syncs
+        longest = int((cu[1:] - cu[:-1]).max())
+        return DocumentMask(ids=documents.to(device, non_blocking=True), cu_seqlens=cu.to(device, non_blocking=True),
+                            max_seqlen=longest)
+    ids = documents.to(device, non_blocking=True)
+    T = ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    visible = (ids[:, :, None] == ids[:, None, :]) & causal  # (B, T, T): query row, key column
+    return DocumentMask(ids=ids, visible=visible[:, None])
 
 
 # -----------------------------------------------------------------------------
@@ -393,7 +479,7 @@ class CausalSelfAttention(nn.Module):
                 for proj in (self.k_proj, self.v_proj))
         return k, v
 
-    def forward(self, x, cos, sin, positions=None):
+    def forward(self, x, cos, sin, positions=None, documents=None):
         if self.sequence_parallel:  # (B, T/tp, C) -> (B, T, C); backward: reduce-scatter of x's gradient
             x = gather_from_sp(x, self.tp_group)
         else:  # f: identity forward, all-reduce of x's gradient backward
@@ -406,7 +492,7 @@ class CausalSelfAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = causal_attention(q, k, v, self.attn_impl, self.softcap, positions, self.cp_group)
+        y = causal_attention(q, k, v, self.attn_impl, self.softcap, positions, self.cp_group, documents)
         return self.o_proj(y.reshape(B, T, self.n_head_local * self.head_dim))
 
 
@@ -484,7 +570,7 @@ class MultiHeadLatentAttention(nn.Module):
         """What a KV cache would store per token: (B, T, kv_lora_rank + qk_rope_head_dim)."""
         return self.down(self.kv_down, x)
 
-    def forward(self, x, cos, sin, positions=None):
+    def forward(self, x, cos, sin, positions=None, documents=None):
         if self.sequence_parallel:  # (B, T/tp, C) -> (B, T, C)
             x = gather_from_sp(x, self.tp_group)
         B, T, _ = x.shape
@@ -507,7 +593,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, k_rope = k.split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
         k = torch.cat([k_nope, apply_rope(k_rope, cos, sin)], dim=-1)
-        y = causal_attention(q, k, v, self.attn_impl, self.softcap, positions, self.cp_group)  # (B, T, H_local, v)
+        y = causal_attention(q, k, v, self.attn_impl, self.softcap, positions, self.cp_group,
+                             documents)  # (B, T, H_local, v)
         return self.o_proj(y.reshape(B, T, self.n_head_local * self.v_dim))
 
 
@@ -590,28 +677,38 @@ def expert_capacity_mask(expert_ids, n_expert, capacity):
     return (slot < capacity).view_as(expert_ids)
 
 
+def count_per_expert(expert_ids, n):
+    """How many of the (flat) expert_ids are 0, 1, ..., n - 1: a bincount that never reads the largest id
+    back to the host (torch.bincount does, on a GPU)."""
+    return torch.zeros(n, dtype=torch.long, device=expert_ids.device).scatter_add_(
+        0, expert_ids, torch.ones_like(expert_ids))
+
+
 class MixtureOfExperts(nn.Module):
     """A Mixture-of-Experts MLP (n_expert > 0): a router sends each token to its top-k experts (Shazeer et
     al. 2017; GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021), each expert an MLP like
-    the dense one (mlp='swiglu' or 'gelu').
+    the dense one (mlp='swiglu' or 'gelu', intermediate_size wide when set).
 
         p = softmax(router(x))                          (N, n_expert), computed in fp32
         out = sum over the top-k experts e of p_e * expert_e(x)   (+ every shared expert's output)
 
-    The top-k probabilities are used as they are, not renormalised (Switch, DeepSeek-V2): the router then
-    gets a gradient from the language-modelling loss even with k = 1.
+    The top-k probabilities are used as they are, not renormalised (Switch, DeepSeek-V2; Qwen2-MoE's
+    norm_topk_prob=False): the router then gets a gradient from the language-modelling loss even with k = 1.
 
-    Capacity: each expert takes at most ceil(capacity_factor * N * k / n_expert) of the N * k assignments
-    of a micro-batch; the others are dropped and contribute nothing, so a token whose experts are all full
-    passes through the block on its residual connection alone. Assignments queue by position in the
-    sequence (all tokens at position 0 first, then 1, ...; a token's k choices one after the other), so
-    whether a token is dropped depends only on tokens at its position or before: the model stays causal.
-    A batch-major queue, or GShard's ranking of every first choice before any second choice, would let
-    later tokens push earlier ones out.
+    Capacity: with capacity_factor > 0 each expert takes at most ceil(capacity_factor * N * k / n_expert) of
+    the N * k assignments of a micro-batch; the others are dropped and contribute nothing, so a token whose
+    experts are all full passes through the block on its residual connection alone. Assignments queue by
+    position in the sequence (all tokens at position 0 first, then 1, ...; a token's k choices one after the
+    other), so whether a token is dropped depends only on tokens at its position or before: the model stays
+    causal. A batch-major queue, or GShard's ranking of every first choice before any second choice, would
+    let later tokens push earlier ones out. capacity_factor = 0 is dropless routing: every assignment is
+    kept, the expert batches are as large as routing makes them (MegaBlocks, Gale et al. 2023; what the
+    transformers models compute, so only a dropless model exports: export_hf.py).
 
-    Experts run only on their own tokens: the kept assignments are sorted by expert, each expert takes its
-    contiguous group of tokens, and the weighted outputs are added back with index_add. Reading the group
-    sizes is a host-device sync, once per layer.
+    Experts run only on their own tokens: the kept assignments are sorted by expert (the dropped ones
+    last, cut off by count, so no boolean indexing syncs), each expert takes its contiguous group of tokens,
+    and the weighted outputs are added back with index_add. Reading the group sizes is the one host-device
+    sync, once per layer (parallel.exchange_expert_counts).
 
     Auxiliary losses (weighted; forward leaves their sum in self.aux_loss, which Transformer.forward adds
     to the training loss):
@@ -626,8 +723,7 @@ class MixtureOfExperts(nn.Module):
     parallel out, one all-reduce per expert that received tokens); the router is replicated. Its input
     and everything after the all-reduces are the same on every rank, so every rank routes identically
     (the ranks run the same experts in the same order: the collectives match) and computes the same,
-    complete router gradient and auxiliary loss. Expert parallelism (experts spread over ranks, tokens
-    sent to them with all-to-all) is the other way to split an MoE; it is not implemented here.
+    complete router gradient and auxiliary loss.
 
     Sequence parallelism: the layer is a tensor-parallel region that stays replicated. Its input, this
     rank's T/tp tokens, is all-gathered (backward: keep this rank's slice, the computation after the
@@ -641,72 +737,95 @@ class MixtureOfExperts(nn.Module):
     parallel.all_gather_context), queues them in the window's position-major order as one process does,
     and keeps its own tokens' verdicts. The load-balancing loss takes f_e from the window's counts (an
     all-reduce) and P_e from this rank's tokens: its share of the loss, as the cross-entropy is (parallel.py,
-    section 3); the dropped fraction is the window's."""
+    section 3); the dropped fraction is the window's.
 
-    def __init__(self, cfg, tp_group=None, cp_group=None, sequence_parallel=False):
+    Expert parallelism (ep_group, parallel.py section 6): this rank holds only experts first_expert ...
+    first_expert + n_expert / ep - 1, keyed by their global index (experts.5 is expert 5 at every ep, so
+    checkpoints reshard between ep values). Routing, capacity, the auxiliary losses and the dropped
+    fraction are computed here, on this rank's own micro-batch, exactly as in one process; only the kept
+    assignments travel, to their experts' ranks and back (parallel.dispatch_to_experts), and the outputs are
+    combined with the router weights here, where the tokens are."""
+
+    def __init__(self, cfg, tp_group=None, cp_group=None, sequence_parallel=False, ep_group=None):
         super().__init__()
         self.tp_group, self.cp_group, self.sequence_parallel = tp_group, cp_group, sequence_parallel
         self.n_expert, self.k, self.capacity_factor = cfg.n_expert, cfg.n_expert_per_token, cfg.capacity_factor
         self.aux_loss_coef, self.router_z_loss_coef = cfg.aux_loss_coef, cfg.router_z_loss_coef
+        self.ep_group = ep_group
+        n_local = cfg.n_expert // group_size(ep_group)
+        self.first_expert = group_rank(ep_group) * n_local
         self.router = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
-        self.experts = nn.ModuleList(make_mlp(cfg, tp_group) for _ in range(cfg.n_expert))
+        self.experts = nn.ModuleDict({str(e): make_mlp(cfg, tp_group)
+                                      for e in range(self.first_expert, self.first_expert + n_local)})
         self.shared_experts = nn.ModuleList(make_mlp(cfg, tp_group) for _ in range(cfg.n_shared_expert))
         # set by each forward: the auxiliary loss (part of the graph), and statistics for the training log
         self.aux_loss = self.last_dropped_frac = self.last_tokens_per_expert = None
+        self.last_load = None  # this forward's kept assignments per expert, host list (the split sizes)
+        # what the training log reads (metrics.moe_metrics) and resets: the assignments per expert of the
+        # training forwards (added by Transformer.forward), the bytes the all-to-alls sent to other ranks
+        self.step_load = [0] * cfg.n_expert
+        self.a2a_sent = ByteCount()
 
     def forward(self, x):
         if self.sequence_parallel:  # (B, T/tp, D) -> (B, T, D), replicated (see above)
             x = gather_from_tp(x, self.tp_group, dim=1)
         B, T, D = x.shape
         tokens = x.transpose(0, 1).reshape(T * B, D)  # position-major, the capacity queue's order
-        N = tokens.shape[0]
+        N, E = tokens.shape[0], self.n_expert
         with torch.autocast(x.device.type, enabled=False):  # routing decisions in fp32 (ST-MoE, section 3)
             logits = F.linear(tokens.float(), self.router.weight.float())  # (N, E)
         probs = logits.softmax(dim=-1)
         gate, expert = probs.topk(self.k, dim=-1)  # (N, k) each
         cp = group_size(self.cp_group)
-        capacity = math.ceil(self.capacity_factor * N * cp * self.k / self.n_expert)  # the window's N * cp tokens
-        if cp > 1:  # queue the whole window's choices, keep this rank's verdicts
+        if self.capacity_factor == 0:  # dropless
+            keep = window_keep = torch.ones_like(expert, dtype=torch.bool)
+        elif cp > 1:  # queue the whole window's choices, keep this rank's verdicts
+            capacity = math.ceil(self.capacity_factor * N * cp * self.k / E)  # the window's N * cp tokens
             window = all_gather_context(expert.view(T, B, self.k), self.cp_group, dim=0)  # (T * cp, B, k)
-            window_keep = expert_capacity_mask(window.view(-1, self.k), self.n_expert, capacity)
+            window_keep = expert_capacity_mask(window.view(-1, self.k), E, capacity)
             keep = zigzag_split(window_keep.view(T * cp, B, self.k), cp, group_rank(self.cp_group), dim=0)
             keep = keep.reshape(N, self.k)
         else:
-            keep = window_keep = expert_capacity_mask(expert, self.n_expert, capacity)
+            keep = window_keep = expert_capacity_mask(expert, E, math.ceil(self.capacity_factor * N * self.k / E))
 
-        # group the kept (token, expert) assignments by expert
-        token_idx = torch.arange(N, device=x.device).repeat_interleave(self.k)[keep.flatten()]
-        expert_of, gate_of = expert.flatten()[keep.flatten()], gate.flatten()[keep.flatten()]
-        order = expert_of.argsort(stable=True)
-        token_idx, gate_of = token_idx[order], gate_of[order]
-        counts = torch.bincount(expert_of, minlength=self.n_expert)
-        sizes = counts.tolist()  # host-device sync
-        outputs = []
-        for e, (idx, g) in enumerate(zip(token_idx.split(sizes), gate_of.split(sizes))):
-            if len(idx):  # an expert with no tokens is skipped on every tensor-parallel rank alike
-                y = self.experts[e](tokens[idx])
-                outputs.append(y * g.unsqueeze(-1).to(y.dtype))
-        out = torch.zeros_like(tokens)
-        if outputs:
-            out = out.index_add(0, token_idx, torch.cat(outputs).to(out.dtype))
+        # every assignment sorted by expert, the dropped ones last (as expert E, cut off below by count)
+        target = expert.masked_fill(~keep, E).flatten()  # (N * k,)
+        order = target.argsort(stable=True)
+        counts = count_per_expert(target, E + 1)[:E]  # kept assignments per expert
+        splits = exchange_expert_counts(counts, self.ep_group)  # host-device sync: the split sizes
+        n_kept = sum(splits.send)
+        token_idx = order[:n_kept] // self.k
+        gate_of = gate.flatten()[order[:n_kept]]
+        y = dispatch_to_experts(tokens[token_idx], splits, self.run_local_experts, self.ep_group, self.a2a_sent)
+        out = torch.zeros_like(tokens).index_add(0, token_idx, (y * gate_of.unsqueeze(-1).to(y.dtype)).to(tokens.dtype))
         for shared in self.shared_experts:
             out = out + shared(tokens)
 
-        routed = torch.bincount(expert.flatten(), minlength=self.n_expert).float()
+        routed = count_per_expert(expert.flatten(), E).float()
         if cp > 1:  # the window's counts
             dist.all_reduce(routed, group=self.cp_group)
         routed = routed / (N * cp * self.k)  # f_e
         # P_e as the mean over this rank's tokens: every cp rank holds as many, so this is its share
-        aux = self.aux_loss_coef * self.n_expert * (routed * probs.mean(0)).sum()
+        aux = self.aux_loss_coef * E * (routed * probs.mean(0)).sum()
         if self.router_z_loss_coef:
             aux = aux + self.router_z_loss_coef * torch.logsumexp(logits, dim=-1).pow(2).mean()
         self.aux_loss = aux
         self.last_dropped_frac = 1.0 - window_keep.float().mean()
-        self.last_tokens_per_expert = counts
+        self.last_tokens_per_expert, self.last_load = counts, splits.send
         out = out.view(T, B, D).transpose(0, 1)
         if self.sequence_parallel:  # this rank's tokens, (B, T/tp, D)
             out = scatter_to_tp(out, self.tp_group, dim=1)
         return out
+
+    def run_local_experts(self, x, sizes):
+        """This rank's experts in order, the e-th on the next sizes[e] rows of x; their outputs stacked."""
+        outputs = [expert(rows) for expert, rows in zip(self.experts.values(), x.split(sizes)) if len(rows)]
+        return torch.cat(outputs) if outputs else x[:0]  # (an expert without tokens is skipped on every tp rank)
+
+    def count_load(self):
+        """Add the last forward's assignments per expert to the step's (Transformer.forward calls it once per
+        training forward: a checkpointed block's forward runs again in backward and must not count twice)."""
+        self.step_load = [a + b for a, b in zip(self.step_load, self.last_load)]
 
 
 class Block(nn.Module):
@@ -721,9 +840,11 @@ class Block(nn.Module):
 
     Under sequence parallelism x is this tp rank's T/tp tokens: the norms and the residual adds run on
     them alone (the norms' gains then pass through f: make_norm's tp_group), attention and the MLP gather
-    the sequence and hand back this rank's tokens. positions: for ring attention (context parallelism)."""
+    the sequence and hand back this rank's tokens. positions: for ring attention (context parallelism);
+    documents: a DocumentMask (doc_mask=True)."""
 
-    def __init__(self, cfg, tp_group=None, attn_impl="sdpa", cp_group=None, sequence_parallel=False):
+    def __init__(self, cfg, tp_group=None, attn_impl="sdpa", cp_group=None, sequence_parallel=False,
+                 ep_group=None):
         super().__init__()
         self.parallel = cfg.parallel_block
         sp_group = tp_group if sequence_parallel else None  # the norms see this rank's tokens only
@@ -737,15 +858,15 @@ class Block(nn.Module):
         if not self.parallel:
             self.mlp_norm = make_norm(cfg, cfg.n_embd, sp_group)
         if cfg.n_expert > 0:
-            self.mlp = MixtureOfExperts(cfg, tp_group, cp_group, sequence_parallel)
+            self.mlp = MixtureOfExperts(cfg, tp_group, cp_group, sequence_parallel, ep_group)
         else:
             self.mlp = make_mlp(cfg, tp_group, sequence_parallel)
 
-    def forward(self, x, cos, sin, positions=None):
+    def forward(self, x, cos, sin, positions=None, documents=None):
         if self.parallel:
             h = self.attn_norm(x)
-            return x + self.attn(h, cos, sin, positions) + self.mlp(h)
-        x = x + self.attn(self.attn_norm(x), cos, sin, positions)
+            return x + self.attn(h, cos, sin, positions, documents) + self.mlp(h)
+        x = x + self.attn(self.attn_norm(x), cos, sin, positions, documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -846,7 +967,7 @@ def chunked_cross_entropy(h, weight, targets, vocab_size=None, softcap=0.0, igno
 # The model
 
 
-def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False, chunks=1):
+def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False, chunks=1, ep=1):
     """Stop before anything is built when the model cannot be built, or split this way (chunks: model chunks
     per pipeline rank), saying what must hold and what to change."""
     problems = []
@@ -908,12 +1029,22 @@ def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False, chunks=1):
     if cfg.n_expert > 0:
         if not 1 <= cfg.n_expert_per_token <= cfg.n_expert:
             problems.append(f"n_expert_per_token = {cfg.n_expert_per_token} must be between 1 and n_expert = {cfg.n_expert}")
-        if cfg.capacity_factor <= 0:
+        if cfg.capacity_factor < 0:
             problems.append(f"capacity_factor = {cfg.capacity_factor} must be positive (1.0 fits a perfectly balanced "
-                            f"router exactly; 1.25 is usual)")
+                            f"router exactly; 1.25 is usual) or 0 (dropless: no token is dropped)")
         if cfg.aux_loss_coef < 0 or cfg.router_z_loss_coef < 0:
             problems.append(f"aux_loss_coef = {cfg.aux_loss_coef} and router_z_loss_coef = {cfg.router_z_loss_coef} "
                             f"must be >= 0 (a negative weight trains the router towards imbalance)")
+        if cfg.n_expert % ep:
+            problems.append(f"n_expert = {cfg.n_expert} must be divisible by ep = {ep} (each expert-parallel rank holds "
+                            f"n_expert / ep whole experts): use an ep that divides n_expert")
+    elif ep > 1:
+        problems.append(f"ep = {ep} spreads the experts of a mixture of experts over ranks, but n_expert = 0 (a dense "
+                        f"model): set n_expert > 0 or ep = 1")
+    if cfg.doc_mask and not 0 <= cfg.eot_token < cfg.vocab_size:
+        problems.append(f"doc_mask=True needs the end-of-text id that separates the documents, eot_token, in the "
+                        f"vocabulary of {cfg.vocab_size}; it is {cfg.eot_token}: prepare the data with prepare_data.py "
+                        f"(its meta.json names it), or set --eot_token")
     if pp * chunks > cfg.n_layer:
         if chunks == 1:
             problems.append(f"pp = {pp} stages but only n_layer = {cfg.n_layer} blocks: every stage needs at least "
@@ -939,13 +1070,18 @@ class Transformer(nn.Module):
     """The whole model, or one pipeline stage of it (pp > 1): the first stage holds the token embedding,
     every stage its own blocks, the last the final norm and the head.
 
-    forward(x, targets=None, positions=None, chunk=0) returns (output, loss) on every stage:
+    forward(x, targets=None, positions=None, documents=None, chunk=0) returns (output, loss) on every stage:
         first stage     x is token ids (B, T); a middle or last stage takes the previous stage's hidden
                         states (B, T, n_embd), under sequence parallelism this tp rank's (B, T/tp, n_embd)
         positions       with a context-parallel group (cp_group), required: every cp rank's global token
                         positions, (cp, B, T) or (cp, T) on the host (parallel.split_for_every_rank); x and
                         targets are then this rank's share of the window (parallel.zigzag_split). RoPE
-                        reads this rank's row, ring attention every row. Without a cp group: None.
+                        reads this rank's row, ring attention every row. Without a cp group: None, or
+                        with doc_mask each token's position in its document, (B, T).
+        documents       doc_mask=True: each token's document id, shaped like positions, on the host
+                        (document_ids_and_positions; train.context_split builds both with the batch). A
+                        first stage without context parallelism may be given neither: it then derives
+                        both from x itself. Without doc_mask: None.
         output          on a last stage the logits (B, T, vocab_size) (this rank's vocabulary slice under
                         tensor parallelism); None instead when the chunked loss computes the loss without
                         them (chunked_loss=True, tp = 1, targets given). On other stages the hidden states.
@@ -957,6 +1093,9 @@ class Transformer(nn.Module):
                         context_share), and the average of their gradients its gradient.
     In eval mode (model.eval()) the auxiliary losses are left out, so a validation loss is the plain
     cross-entropy, comparable with a dense model's.
+
+    ep_group (expert parallelism, parallel.py section 6): each MoE layer holds only this rank's n_expert / ep
+    experts and sends tokens to the others' (expert_parameters() names the experts this rank holds).
 
     How it runs, not what it computes: attn_impl (a kernel choose_attn_impl chose for the device; 'auto'
     here picks as for a CPU: SDPA, or the eager attention under soft-capping), activation_checkpointing
@@ -976,11 +1115,11 @@ class Transformer(nn.Module):
     embedding first if it is stage 0, the head and the loss last if it is stage pp - 1."""
 
     def __init__(self, cfg, tp_group=None, pp=1, pp_rank=0, attn_impl="auto", activation_checkpointing=False,
-                 chunked_loss=False, cp_group=None, sequence_parallel=False):
+                 chunked_loss=False, cp_group=None, sequence_parallel=False, ep_group=None):
         super().__init__()
         if attn_impl != "flash":  # (flash needs its device to be checked: the caller's choose_attn_impl did)
             attn_impl, _ = choose_attn_impl(attn_impl, "cpu", torch.float32, cfg.attn_softcap)
-        self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
+        self.cfg, self.tp_group, self.cp_group, self.attn_impl = cfg, tp_group, cp_group, attn_impl
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         sp = self.sequence_parallel
         self.activation_checkpointing = activation_checkpointing
@@ -992,7 +1131,8 @@ class Transformer(nn.Module):
         if self.is_first:
             self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, tp_group, sequence_parallel=sp)
         # keyed by the global block index, so a parameter has the same name whichever stage holds it
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, attn_impl, cp_group, sp) for i in self.layer_ids})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, attn_impl, cp_group, sp, ep_group)
+                                     for i in self.layer_ids})
         if self.is_last:
             self.norm = make_norm(cfg, cfg.n_embd, tp_group if sp else None)
             vocab_padded = padded_vocab_size(cfg.vocab_size, group_size(tp_group))
@@ -1006,12 +1146,19 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x, targets=None, positions=None, chunk=0):
+    def forward(self, x, targets=None, positions=None, documents=None, chunk=0):
         cp = group_size(self.cp_group)
-        if (positions is None) != (cp == 1):
+        if self.cfg.doc_mask and documents is None and positions is None and self.stages[chunk] == 0 and cp == 1:
+            documents, positions = document_ids_and_positions(x, self.cfg.eot_token)  # (on x's device)
+        if (positions is None) != (cp == 1 and not self.cfg.doc_mask):
             raise ValueError(f"Transformer.forward: positions must be given exactly under context parallelism "
-                             f"(cp = {cp} here): every cp rank's global token positions, (cp, B, T/cp) on the host "
-                             f"(parallel.split_for_every_rank)")
+                             f"(cp = {cp} here: every cp rank's global token positions, (cp, B, T/cp) on the host, "
+                             f"parallel.split_for_every_rank) or with doc_mask (doc_mask = {self.cfg.doc_mask}: each "
+                             f"token's position in its document)")
+        if (documents is None) == self.cfg.doc_mask:
+            raise ValueError(f"Transformer.forward: documents (each token's document id, shaped like positions) "
+                             f"must be given exactly with doc_mask=True (doc_mask = {self.cfg.doc_mask} here; a first "
+                             f"stage without context parallelism derives them from the tokens when neither is given)")
         stage = self.stages[chunk]
         if stage == 0:
             if x.shape[1] > self.cfg.block_size:
@@ -1022,17 +1169,24 @@ class Transformer(nn.Module):
             seq_len = x.shape[1] * (group_size(self.tp_group) if self.sequence_parallel else 1)
         if positions is None:  # positions 0 .. seq_len - 1 in every row
             cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]  # (T, D/2)
-        else:  # this rank's tokens' own positions (the copy does not block: no sync)
-            here = positions[group_rank(self.cp_group)].to(self.rope_cos.device, non_blocking=True)
+        else:  # the tokens' own positions (this cp rank's; the copy does not block: no sync)
+            here = positions[group_rank(self.cp_group)] if cp > 1 else positions
+            here = here.to(self.rope_cos.device, non_blocking=True)
             cos, sin = self.rope_cos[here], self.rope_sin[here]  # (B, T/cp, D/2), or (T/cp, D/2)
+        mask = None if documents is None else document_mask(documents, self.attn_impl, self.rope_cos.device, cp)
         blocks = [self.blocks[str(i)] for i in self.chunk_layers[chunk]]
         for block in blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # keep only the block's input; its activations are recomputed during backward
-                x = checkpoint(block, x, cos, sin, positions, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, positions, mask, use_reentrant=False)
             else:
-                x = block(x, cos, sin, positions)
-        aux = self.moe_aux_loss(blocks) if self.training else None
+                x = block(x, cos, sin, positions, mask)
+        aux = None
+        if self.training:
+            aux = self.moe_aux_loss(blocks)
+            for block in blocks:  # (the chunk's layers only: with pipeline chunks the others run separately)
+                if isinstance(block.mlp, MixtureOfExperts):
+                    block.mlp.count_load()
         if stage != self.n_stages - 1:
             return x, aux
         h = self.norm(x)
@@ -1057,6 +1211,10 @@ class Transformer(nn.Module):
                 loss = loss + aux
         return logits, loss
 
+    def moe_layers(self):
+        """{block index: its MixtureOfExperts} of this stage (empty for a dense model)."""
+        return {int(i): block.mlp for i, block in self.blocks.items() if isinstance(block.mlp, MixtureOfExperts)}
+
     def context_share(self, loss, targets, ignore_index=-1):
         """This cp rank's share of the microbatch's mean loss, from its tokens' mean `loss`: their summed loss
         over the token count of the whole microbatch (all cp ranks' targets: one all-reduce of a count),
@@ -1076,6 +1234,15 @@ class Transformer(nn.Module):
         blocks = self.blocks.values() if blocks is None else blocks
         losses = [block.mlp.aux_loss for block in blocks if isinstance(block.mlp, MixtureOfExperts)]
         return sum(losses) if losses else None
+
+    def expert_parameters(self):
+        """{name: parameter} of the routed experts, the parameters expert parallelism spreads over the ep ranks
+        (this rank holds n_expert / ep of them, named by their global index). Their replicas are the dp / ep
+        ranks holding the same experts, not the dp ranks: their gradients are averaged over those, ZeRO-1
+        shards them over those, the gradient norm and the parameter count count them once per expert, and
+        a checkpoint saves them once per expert."""
+        return {f"blocks.{i}.mlp.experts.{name}": p for i, moe in self.moe_layers().items()
+                for name, p in moe.experts.named_parameters()}
 
     def chunk_modules(self, chunk):
         """The modules chunk `chunk` runs: the embedding on stage 0, its blocks, the final norm and the head on

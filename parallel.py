@@ -2,8 +2,8 @@
 Every parallel mechanism of picotron, in plain torch.distributed: one self-contained section each, in the
 order a reader learns them.
 
-  1. The layout: how the world of ranks is cut into data-, context-, tensor- and pipeline-parallel groups,
-     and the printed rank grid.
+  1. The layout: how the world of ranks is cut into data-, context-, tensor- and pipeline-parallel groups
+     (and the data-parallel ranks into expert-parallel groups), and the printed rank grid.
   2. Tensor parallelism (Megatron-LM): the four communication operators as autograd functions, the layers
      built from them (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) and the
      vocab-parallel cross-entropy; with sequence parallelism, the two operators that split the tokens
@@ -18,6 +18,10 @@ order a reader learns them.
      AdamW whose states are split across data-parallel ranks (ZeroOneAdamW, ZeRO-1), the gradients kept
      as shards too (ZeRO-2), and the parameters, gathered block by block around their use
      (FullyShardedParameters, ZeRO-3).
+  6. Expert parallelism: a mixture of experts' experts spread over data-parallel ranks, each token sent to
+     its experts' rank and back with two all-to-alls (an autograd function, forward and backward).
+  7. Muon: Newton-Schulz orthogonalised momentum for the matrices, AdamW for the rest, in one optimizer,
+     with each matrix orthogonalised whole under tensor parallelism and dealt whole to one rank by ZeRO-1.
   Last, the timeline printer: the same action lists placed in time by a simulator of the executor's
      exchanges (python parallel.py --schedule zero_bubble --pp 4 --microbatches 8; --chunks for
      interleaved_1f1b).
@@ -33,13 +37,16 @@ Models" (the load-balanced split, section 3.3.2); Huang et al. 2019, "GPipe" (al
 Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
 (1F1B and interleaved 1F1B, sections 2.2.1-2.2.2); Qi et al. 2023, "Zero Bubble Pipeline Parallelism"
 (ZB-H1, ZB-V); Rajbhandari et al. 2020, "ZeRO" (sections 5.1-5.3); Zhao et al. 2023, "PyTorch
-FSDP: Experiences on Scaling Fully Sharded Data Parallel".
+FSDP: Experiences on Scaling Fully Sharded Data Parallel"; Lepikhin et al. 2020, "GShard" (experts
+spread over devices, all-to-all dispatch, section 2.2); Fedus et al. 2021, "Switch Transformers" (section
+5.4); Jordan et al. 2024, "Muon"; Liu et al. 2025, "Muon is Scalable for LLM Training".
 """
 import argparse
 import itertools
 import math
 import os
 import sys
+from collections import namedtuple
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -67,10 +74,11 @@ def grid_rank(pp_rank, dp_rank, tp_rank, dp, tp, cp_rank=0, cp=1):
     return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
-def resolve_dp(world_size, dp, tp, pp, count_name="WORLD_SIZE", cp=1):
+def resolve_dp(world_size, dp, tp, pp, count_name="WORLD_SIZE", cp=1, ep=1):
     """The data-parallel size of a launch: dp = 0 means whatever the world leaves after cp * tp * pp; any
-    other dp must make dp * cp * tp * pp the world size. The one place this rule lives (train.py, bench.py
-    and make_config.py, whose count_name is 'nproc', all come here)."""
+    other dp must make dp * cp * tp * pp the world size; and ep (expert parallelism, section 6) must divide
+    dp. The one place these rules live (train.py, bench.py and make_config.py, whose count_name is 'nproc',
+    all come here)."""
     split = cp * tp * pp
     # a run that does not split the sequence gets the message it always had, without cp in it
     axes, product, names = f"tp = {tp} x pp = {pp}", f"tp * pp = {tp} * {pp}", "--tp/--pp"
@@ -81,13 +89,17 @@ def resolve_dp(world_size, dp, tp, pp, count_name="WORLD_SIZE", cp=1):
                          f"{world_size} is not divisible by {product}; launch a multiple of {split} processes or "
                          f"change {names}")
     if dp == 0:
-        return world_size // split
-    if dp * split != world_size:
+        dp = world_size // split
+    elif dp * split != world_size:
         cut = f"dp={dp} x cp={cp} x tp={tp} x pp={pp}" if cp > 1 else f"dp={dp} x tp={tp} x pp={pp}"
         flags = "--dp, --cp, --tp and --pp" if cp > 1 else "--dp, --tp and --pp"
         raise ValueError(f"the layout {cut} = {dp * split} ranks does not match the world size {world_size}: set "
                          f"{flags} so that their product is {world_size} (leave dp=0 to have it computed as "
                          f"world_size / ({'cp * ' if cp > 1 else ''}tp * pp))")
+    if dp % ep != 0:
+        raise ValueError(f"ep = {ep} must divide dp = {dp}: the experts are spread over ep of the data-parallel "
+                         f"ranks, so launch a multiple of ep * {product.split(' = ')[0]} = {ep * split} processes "
+                         f"or choose an ep that divides {dp}")
     return dp
 
 
@@ -106,18 +118,27 @@ class ParallelLayout:
     ranks that hold the same parameters (same tp slice, same stage): gradients are averaged and ZeRO shards
     over it (at cp = 1 it is the dp group). A group of one rank is None.
 
+    Expert parallelism (ep, section 6) cuts each line of dp ranks into dp / ep blocks of ep neighbours: the
+    ranks of a block (ep_group, ep_rank its index) hold different experts and exchange tokens twice per MoE
+    layer, the chattiest group after tp and cp, so they are neighbours too; the ranks at the same place of
+    every block, of every cp share (expert_dp_group, (dp / ep) * cp of them) hold the same experts and
+    average their gradients. At ep = 1 the ep_group is None and the expert_dp_group is the dp_cp_group.
+
     With world_size 1 no group is built and every group is None: the single-process path.
     """
 
-    def __init__(self, dp, tp, pp, world_size=1, rank=0, cp=1):
-        dp = resolve_dp(world_size, dp, tp, pp, cp=cp)
+    def __init__(self, dp, tp, pp, world_size=1, rank=0, cp=1, ep=1):
+        dp = resolve_dp(world_size, dp, tp, pp, cp=cp, ep=ep)
         self.dp, self.cp, self.tp, self.pp, self.world_size, self.rank = dp, cp, tp, pp, world_size, rank
+        self.ep = ep
         self.tp_rank = rank % tp
         self.cp_rank = (rank // tp) % cp
         self.dp_rank = (rank // (tp * cp)) % dp
         self.pp_rank = rank // (tp * cp * dp)
         self.dp_cp, self.dp_cp_rank = dp * cp, self.dp_rank * cp + self.cp_rank
+        self.ep_rank = self.dp_rank % ep
         self.tp_group = self.cp_group = self.dp_group = self.pp_group = self.dp_cp_group = None
+        self.ep_group = self.expert_dp_group = None
         self.pp_prev = self.pp_next = None  # global ranks of the neighbouring pipeline stages
         if world_size == 1:
             return
@@ -138,6 +159,17 @@ class ParallelLayout:
                     setattr(self, f"{'_'.join(axes)}_group", group)
         if self.dp_cp_group is None:  # one of dp and cp is 1: the other's group holds the same parameters
             self.dp_cp_group = self.dp_group if cp == 1 else self.cp_group
+        # the expert groups (where one of them is a line built above, that line)
+        self.expert_dp_group = self.dp_cp_group if ep == 1 else None
+        if ep > 1:
+            self.ep_group = self.dp_group if ep == dp else None
+            blocks, replicas = expert_groups(dp, tp, pp, cp, ep)
+            for kind, groups in (("ep_group", blocks if ep < dp else []),
+                                 ("expert_dp_group", replicas if dp * cp > ep else [])):
+                for ranks in groups:
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        setattr(self, kind, group)
         if self.pp_rank > 0:
             self.pp_prev = grid_rank(self.pp_rank - 1, self.dp_rank, self.tp_rank, dp, tp, self.cp_rank, cp)
         if self.pp_rank < pp - 1:
@@ -152,28 +184,51 @@ class ParallelLayout:
         return self.pp_rank == self.pp - 1
 
 
-def init_distributed(dp, tp, pp, device_type, cp=1):
+def expert_groups(dp, tp, pp, cp, ep):
+    """The expert-parallel blocks (ep neighbouring dp ranks at one cp share, tp slice and stage) and the
+    expert replicas (the ranks at the same place of every block and cp share: they hold the same experts),
+    as lists of global ranks."""
+    blocks, replicas = [], []
+    for p, t in itertools.product(range(pp), range(tp)):
+        rank_of = lambda d, c: grid_rank(p, d, t, dp, tp, c, cp)
+        blocks += [[rank_of(b * ep + e, c) for e in range(ep)] for c in range(cp) for b in range(dp // ep)]
+        replicas += [sorted(rank_of(b * ep + e, c) for b in range(dp // ep) for c in range(cp)) for e in range(ep)]
+    return blocks, replicas
+
+
+def init_distributed(dp, tp, pp, device_type, cp=1, ep=1):
     """Start torch.distributed when launched by torchrun (WORLD_SIZE set) and build the layout.
     dp=0 means "whatever is left": world_size / (cp * tp * pp)."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
-    dp = resolve_dp(world_size, dp, tp, pp, cp=cp)  # before any process group: a bad layout fails fast, alone
+    dp = resolve_dp(world_size, dp, tp, pp, cp=cp, ep=ep)  # before any process group: a bad layout fails fast
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend=backend)
-    return ParallelLayout(dp, tp, pp, world_size, rank, cp=cp)
+    return ParallelLayout(dp, tp, pp, world_size, rank, cp=cp, ep=ep)
 
 
-def format_grid(dp, tp, pp, cp=1):
+def format_grid(dp, tp, pp, cp=1, ep=1, n_expert=0):
     """The rank layout as text, one line per (pipeline stage, data-parallel replica), and under context
-    parallelism per share of the sequence too: which global ranks hold the tensor-parallel slices of it."""
+    parallelism per share of the sequence too: which global ranks hold the tensor-parallel slices of it;
+    under expert parallelism which experts each replica holds, followed by the expert groups."""
     lines = []
     for p in range(pp):
         for d in range(dp):
             for c in range(cp):
                 ranks = [grid_rank(p, d, t, dp, tp, c, cp) for t in range(tp)]
                 share = f" sequence share {c} (chunks {c}, {2 * cp - 1 - c})" if cp > 1 else ""
-                lines.append(f"  stage {p} replica {d}{share}: ranks {ranks}")
+                held = ""
+                if ep > 1:
+                    first, n = (d % ep) * (n_expert // ep), n_expert // ep
+                    held = f", experts {first}-{first + n - 1}" if n > 1 else f", expert {first}"
+                lines.append(f"  stage {p} replica {d}{share}: ranks {ranks}{held}")
+    if ep > 1:
+        blocks, replicas = expert_groups(dp, tp, pp, cp, ep)
+        lines.append(f"  expert-parallel groups (ep={ep}, tokens sent to their experts all-to-all): "
+                     + " ".join(map(str, blocks)))
+        lines.append("  expert replicas (the same experts, gradients averaged): "
+                     + (" ".join(map(str, replicas)) if dp * cp > ep else "none, every expert is on one rank"))
     return "\n".join(lines)
 
 
@@ -1561,7 +1616,9 @@ def sync_tied_grads(copies, group):
 # buckets at a time. ZeRO-3 (section 5.3) follows, after GradientBuckets.
 #
 # A bucket is one flat tensor, so it holds parameters of one dtype only: a parameter whose dtype differs
-# from the one before it starts a new bucket.
+# from the one before it starts a new bucket. Its collective runs over one group: parameters that are
+# averaged over another group than the data-parallel one (the experts under expert parallelism, section 6)
+# fill buckets of their own.
 #
 # The buckets are launched in their order, the same on every rank, even when they fill in another order:
 # collectives on a group must be issued in the same order by every rank, and the order gradients arrive
@@ -1572,20 +1629,25 @@ def sync_tied_grads(copies, group):
 
 
 class _Bucket:
-    """A group of parameters whose gradients travel as one flat tensor (padded to a multiple of dp).
-    Under ZeRO-2 and ZeRO-3 the flat gradient exists only from the first gradient copied in until its
-    reduce-scatter has finished; what persists is `grad_shard`, this rank's slice of the mean gradient.
-    Under ZeRO-3 a bucket is also a unit of parameters: `param_shard` the elements this rank stores,
-    `param_full` the gathered whole (its storage empty between uses)."""
+    """A group of parameters whose gradients travel as one flat tensor over `group`. Under sharding it is
+    either sliced evenly across the group's ranks (padded to a multiple of its size: ZeRO-1), or it has an
+    `owner`, the one rank of the group that gets all of it (whole matrices for Muon, section 7).
+    transient (ZeRO-2 and ZeRO-3, even slices only): the flat gradient exists only from the first gradient
+    copied in until its reduce-scatter has finished; what persists is `grad_shard`, this rank's slice of
+    the mean gradient. Under ZeRO-3 a bucket is also a unit of parameters: `param_shard` the elements this
+    rank stores, `param_full` the gathered whole (its storage empty between uses)."""
 
-    def __init__(self, params, dp, transient=False):
-        self.params, self.dp = params, dp
+    def __init__(self, params, group, owner=None, transient=False):
+        if owner is not None and transient:
+            raise ValueError("a bucket reduced whole to one owner keeps its flat gradient: it cannot be transient")
+        self.params, self.group, self.owner = params, group, owner
+        self.world, self.rank = group_size(group), group_rank(group)
         self.offsets, n = [], 0
         for p in params:
             self.offsets.append(n)
             n += p.numel()
         self.numel = n
-        self.shard_size = (n + dp - 1) // dp  # elements each data-parallel rank owns
+        self.shard_size = (n + self.world - 1) // self.world if owner is None else n  # elements one rank owns
         self.flat = None if transient else self.new_flat()
         self.grad_shard = None
         self.param_shard = self.param_full = self.gather = None
@@ -1593,12 +1655,19 @@ class _Bucket:
         self.reset()
 
     def new_flat(self):
-        return torch.zeros(self.shard_size * self.dp, dtype=self.params[0].dtype, device=self.params[0].device)
+        size = self.shard_size * self.world if self.owner is None else self.numel
+        return torch.zeros(size, dtype=self.params[0].dtype, device=self.params[0].device)
+
+    def owned(self):
+        """The range of `flat` this rank owns under sharding (empty on a whole bucket's other ranks)."""
+        if self.owner is None:
+            return self.rank * self.shard_size, (self.rank + 1) * self.shard_size
+        return (0, self.numel) if self.rank == self.owner else (0, 0)
 
     def reset(self):
         self.ready = set()  # indices of the parameters whose gradient is in `flat`
         self.work = None  # the in-flight collective
-        self.shard = None  # with sharding: the reduced gradient of this rank's slice
+        self.shard = None  # with even slices: the reduced gradient of this rank's slice
 
 
 class GradientBuckets:
@@ -1620,7 +1689,17 @@ class GradientBuckets:
     no gradient or a partial one: those hooks are removed), then call grad_ready(p) once p's gradient is
     complete for the step, on every data-parallel rank in the same order.
 
-    every_microbatch=True (ZeRO-2 and 3, with shard=True): every micro-batch's gradients are
+    `expert_params` are summed over `expert_group` instead (expert parallelism, section 6: the ranks that
+    hold the same experts), and divided by the size of `group` too: an expert's gradient on each rank is
+    already the sum over the ep ranks that sent it tokens, so its sum over expert_group is the sum over all
+    of `group`. With expert_group the same as group they are buckets like any other.
+
+    `owners` ({param: rank of group}, with shard=True) sends those parameters' gradients whole to one rank
+    each instead of slicing them: they travel in buckets of their own, one owner per bucket, reduced to the
+    owner (dist.reduce) instead of reduce-scattered. After the optimizer step, gather_params() brings every
+    rank the parameters the others updated.
+
+    every_microbatch=True (ZeRO-2 and 3, with shard=True, no owners): every micro-batch's gradients are
     reduce-scattered (set_grad_sync's argument is ignored; calling it starts a new micro-batch), each added
     into the bucket's `grad_shard`, and p.grad is dropped as soon as it is copied into its bucket, so that
     no full-size gradient lives beyond the two buckets in flight. p.grad is None after finish(): the
@@ -1628,37 +1707,48 @@ class GradientBuckets:
     `alone`: parameters that get a bucket of their own (a tied weight whose shards are summed across
     pipeline stages: both copies must be cut the same way)."""
 
-    def __init__(self, params, group, bucket_size_mb=25.0, shard=False, deferred=(), every_microbatch=False,
-                 units=None, alone=()):
+    def __init__(self, params, group, bucket_size_mb=25.0, shard=False, deferred=(), expert_params=(),
+                 expert_group=None, owners=None, every_microbatch=False, units=None, alone=()):
+        if every_microbatch and owners:
+            raise ValueError("GradientBuckets: every_microbatch (ZeRO-2/3) keeps even slices only, not whole owners")
         self.group, self.shard, self.every_microbatch = group, shard, every_microbatch
         self.dp, self.dp_rank = group_size(group), group_rank(group)
         self.sync, self.started = True, False
         self.on_launch = None  # ZeRO-3: frees a unit's gathered parameters once its gradients are sent
         deferred_ids = self.deferred_ids = {id(p) for p in deferred}
         alone_ids = {id(p) for p in alone}
+        expert_ids = {id(p) for p in expert_params} if expert_group is not group else set()
         params = [p for p in params if p.requires_grad]
         early = [p for p in params if id(p) not in deferred_ids]
         late = [p for p in params if id(p) in deferred_ids]
-        make = lambda ps: _Bucket(ps, self.dp, transient=every_microbatch)
-        # backward produces gradients roughly in the reverse order of the forward pass: bucket them that way
-        self.buckets, current, size = [], [], 0
-        capacity = max(1, int(bucket_size_mb * 2 ** 20))
+        make = lambda ps, group, owner=None: _Bucket(ps, group, owner, transient=every_microbatch)
+        # backward produces gradients roughly in the reverse order of the forward pass: bucket them that way,
+        # filling one bucket for each kind (its group, and its owner if it goes whole to one rank) at a time,
+        # in the order the buckets fill up
+        owners = owners or {}
+        self.buckets, capacity = [], max(1, int(bucket_size_mb * 2 ** 20))
+        if units is not None and expert_ids:
+            raise ValueError("GradientBuckets: units (ZeRO-3) with experts over their own group")
         if units is not None:
-            self.buckets = [make(u) for u in reversed(units) if u]
-        else:
-            for p in reversed(early):
-                if current and (p.dtype != current[0].dtype or id(p) in alone_ids):  # one dtype per flat buffer
-                    self.buckets.append(make(current))
-                    current, size = [], 0
-                current.append(p)
-                size += p.numel() * p.element_size()
-                if size >= capacity or id(p) in alone_ids:
-                    self.buckets.append(make(current))
-                    current, size = [], 0
-            if current:
-                self.buckets.append(make(current))
-        for dtype in dict.fromkeys(p.dtype for p in late):
-            self.buckets.append(make([p for p in late if p.dtype == dtype]))
+            self.buckets = [make(u, group) for u in reversed(units) if u]
+        filling = {}  # (group, owner) -> (its parameters so far, their bytes)
+        for p in reversed(early) if units is None else []:
+            kind = (expert_group if id(p) in expert_ids else group, owners.get(p))
+            current, size = filling.get(kind, ([], 0))
+            if current and (p.dtype != current[0].dtype or id(p) in alone_ids):  # one dtype per flat buffer
+                self.buckets.append(make(current, *kind))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= capacity or id(p) in alone_ids:
+                self.buckets.append(make(current, *kind))
+                current, size = [], 0
+            filling[kind] = (current, size)
+        self.buckets += [make(current, *kind) for kind, (current, _) in filling.items() if current]
+        for owner in dict.fromkeys(owners.get(p) for p in late):
+            mine = [p for p in late if owners.get(p) == owner]
+            for dtype in dict.fromkeys(p.dtype for p in mine):
+                self.buckets.append(make([p for p in mine if p.dtype == dtype], group, owner))
         self.where = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -1718,20 +1808,23 @@ class GradientBuckets:
             for earlier in self.buckets[:max(0, self.launched - 2)]:
                 self._settle(earlier)
             bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
-            if self.dp == 1:
+            if bucket.world == 1:
                 bucket.shard.copy_(bucket.flat)
             else:
-                bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=self.group, async_op=True)
+                bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=bucket.group, async_op=True)
             if self.on_launch is not None:
                 self.on_launch(bucket)
             return
-        if self.dp == 1:
+        if bucket.world == 1:
             return
-        if self.shard:
+        if self.shard and bucket.owner is not None:  # the sum lands on the owner only
+            owner = dist.get_global_rank(bucket.group, bucket.owner)
+            bucket.work = dist.reduce(bucket.flat, owner, group=bucket.group, async_op=True)
+        elif self.shard:
             bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
-            bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=self.group, async_op=True)
+            bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=bucket.group, async_op=True)
         else:
-            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
     def _settle(self, bucket):
         """ZeRO-2/3: wait for a bucket's reduce-scatter, add this micro-batch's mean into grad_shard, drop
@@ -1775,10 +1868,12 @@ class GradientBuckets:
             if bucket.work is not None:
                 bucket.work.wait()  # sync point: the gradient is needed from here on
             # the sum over ranks / dp = the mean gradient over the global batch
-            if self.shard:  # this rank's slice of the mean, zero elsewhere (the other ranks' slices)
-                lo, hi = self.dp_rank * bucket.shard_size, (self.dp_rank + 1) * bucket.shard_size
+            if self.shard:  # the mean on what this rank owns, zero elsewhere (the other ranks' parts)
+                lo, hi = bucket.owned()
+                if bucket.world > 1 and bucket.owner is None:  # a reduce-scatter's output; a reduce leaves the sum in flat
+                    bucket.flat[lo:hi].copy_(bucket.shard)
                 if self.dp > 1:
-                    bucket.flat[lo:hi].copy_(bucket.shard).div_(self.dp)
+                    bucket.flat[lo:hi].div_(self.dp)
                 bucket.flat[:lo].zero_()
                 bucket.flat[hi:].zero_()
             elif self.dp > 1:
@@ -1791,10 +1886,11 @@ class GradientBuckets:
     def owned_slices(self):
         """(param, start, end, bucket, a, b): the range start:end of each parameter's flattened elements
         this rank owns under sharding, which is a:b of its bucket's shard. Each parameter has at most one
-        range: it is contiguous in its bucket, so is the slice."""
+        range: it is contiguous in its bucket, so is the slice (a parameter of a whole bucket is all or
+        nothing)."""
         pieces = []
         for bucket in self.buckets:
-            lo, hi = self.dp_rank * bucket.shard_size, (self.dp_rank + 1) * bucket.shard_size
+            lo, hi = bucket.owned()
             for p, start in zip(bucket.params, bucket.offsets):
                 a, b = max(lo, start), min(hi, start + p.numel())
                 if a < b:
@@ -1808,6 +1904,31 @@ class GradientBuckets:
     def bucket_of(self, p):
         return self.where[p][0]
 
+
+    def gather_params(self):
+        """After each rank updated what it owns under sharding, give every rank the whole updated model: an
+        all-gather of each evenly sliced bucket, a broadcast from its owner of each whole one. Two buckets
+        in flight at a time: ZeRO-2 keeps no full-size flat buffer, and must not make one for every bucket
+        here."""
+        gathered = []
+        for bucket in [b for b in self.buckets if b.world > 1] + [None]:
+            if bucket is not None:
+                full = bucket.new_flat()
+                for p, start in zip(bucket.params, bucket.offsets):
+                    full[start:start + p.numel()].copy_(p.detach().reshape(-1))
+                if bucket.owner is None:
+                    lo, hi = bucket.owned()
+                    work = _all_gather_single(full, full[lo:hi].clone(), group=bucket.group, async_op=True)
+                else:
+                    work = dist.broadcast(full, dist.get_global_rank(bucket.group, bucket.owner),
+                                          group=bucket.group, async_op=True)
+                gathered.append((bucket, full, work))
+            if len(gathered) == 2 or bucket is None:
+                for done, full, work in gathered[:len(gathered) - (bucket is not None)]:
+                    work.wait()
+                    for p, start in zip(done.params, done.offsets):
+                        p.detach().copy_(full[start:start + p.numel()].view_as(p))
+                gathered = gathered[len(gathered) - (bucket is not None):]
 
 # ZeRO-3 (Rajbhandari et al. 2020, section 5.3; Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling
 # Fully Sharded Data Parallel"). The parameters are cut into units: one per transformer block, and the
@@ -1967,15 +2088,18 @@ class ZeroOneAdamW(torch.optim.Optimizer):
     The update is torch.optim.AdamW's, element for element: decoupled weight decay p -= lr * wd * p, then
     p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps) (Loshchilov & Hutter 2019).
     The learning rate is read from self.param_groups at every step, so a schedule that writes
-    group['lr'] reaches the update."""
+    group['lr'] reaches the update. `expert_params` and `expert_group`: see GradientBuckets; their states
+    are split across expert_group, the ranks that hold the same experts."""
 
     def __init__(self, params, group=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 bucket_size_mb=25.0, deferred=(), zero_stage=1, units=None, model=None):
+                 bucket_size_mb=25.0, deferred=(), expert_params=(), expert_group=None, zero_stage=1, units=None,
+                 model=None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.group, self.zero_stage = group, zero_stage
         all_params = [p for g in self.param_groups for p in g["params"]]
         self.grad_sync = GradientBuckets(all_params, group, bucket_size_mb, shard=True,
                                          deferred=deferred if zero_stage == 1 else (),
+                                         expert_params=expert_params, expert_group=expert_group,
                                          every_microbatch=zero_stage >= 2,
                                          units=[ps for _, ps in units] if zero_stage == 3 else None,
                                          alone=deferred if zero_stage == 2 else ())
@@ -2016,48 +2140,304 @@ class ZeroOneAdamW(torch.optim.Optimizer):
     def step(self):
         for p, state in self.state.items():
             group = self.group_of[p]
-            lr, wd, (beta1, beta2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
-            param, grad = self.owned_param(p), self.owned_grad(p)
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            state["step"] += 1
-            t = state["step"].item()
-            param.mul_(1 - lr * wd)
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
-            param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1 ** t))
+            # views: updating them updates p (ZeRO-3: p's shard)
+            adamw_update(self.owned_param(p), self.owned_grad(p), state, group["lr"], group["weight_decay"],
+                         group["betas"], group["eps"])
         if self.sharded is not None:
             self.sharded.free_all()  # the next forward gathers the updated shards
         else:
-            self._all_gather_params()
+            self.grad_sync.gather_params()
 
-    def _all_gather_params(self):
-        """Every rank updated its slice of each bucket; gather the slices so that every rank has the
-        whole updated model."""
-        gs = self.grad_sync
-        if gs.dp == 1:
-            return
-        # two buckets in flight at a time: ZeRO-2 keeps no full-size flat buffer, and must not make one here
-        gathered = []
-        for bucket in gs.buckets + [None]:
-            if bucket is not None:
-                full = bucket.new_flat()
-                for p, start in zip(bucket.params, bucket.offsets):
-                    full[start:start + p.numel()].copy_(p.detach().reshape(-1))
-                mine = full[gs.dp_rank * bucket.shard_size:(gs.dp_rank + 1) * bucket.shard_size].clone()
-                gathered.append((bucket, full, _all_gather_single(full, mine, group=self.group, async_op=True)))
-            if len(gathered) == 2 or bucket is None:
-                for done, full, work in gathered[:len(gathered) - (bucket is not None)]:
-                    work.wait()
-                    for p, start in zip(done.params, done.offsets):
-                        p.detach().copy_(full[start:start + p.numel()].view_as(p))
-                gathered = gathered[len(gathered) - (bucket is not None):]
+def adamw_update(param, grad, state, lr, weight_decay, betas, eps):
+    """torch.optim.AdamW's update of one tensor, in place (Loshchilov & Hutter 2019): decoupled weight decay
+    p -= lr * wd * p, then p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps), with
+    state's exp_avg (m) and exp_avg_sq (v) shaped like param and its step counter t (a tensor)."""
+    beta1, beta2 = betas
+    state["step"] += 1
+    t = state["step"].item()
+    param.mul_(1 - lr * weight_decay)
+    state["exp_avg"].lerp_(grad, 1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
+    param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** t))
 
 
 def optimizer_state_bytes(optimizer):
     """Bytes of every tensor in an optimizer's state on this rank (the moments; the step counters too)."""
     return sum(v.numel() * v.element_size() for state in optimizer.state.values()
                for v in state.values() if torch.is_tensor(v))
+
+
+# -----------------------------------------------------------------------------
+# 6. Expert parallelism
+#
+# A mixture-of-experts layer holds n_expert MLPs, but each token uses only k of them. Splitting every
+# expert across the tensor-parallel ranks (section 2) keeps every expert on every rank; expert parallelism
+# (GShard, section 2.2; Switch Transformer, section 5.4) instead places whole experts on different ranks, so
+# the number of experts can grow with the number of ranks. ep neighbouring data-parallel ranks form an
+# expert-parallel group (the layout, section 1): rank r of the group holds experts r * n_expert / ep up to
+# (r + 1) * n_expert / ep - 1, every rank still holds all the other parameters (attention, router, shared
+# experts), and every rank still runs its own micro-batch.
+#
+# Each rank routes its own tokens as one process would (the capacity too, before anything moves), then:
+#   1. counts: how many of its assignments go to each expert; the counts are exchanged first (an
+#      all-to-all of n_expert integers), so every rank knows how many rows it will receive from whom.
+#      Both are read back to the host once: all_to_all_single needs its split sizes as numbers.
+#   2. dispatch: the token rows, sorted by expert and so by destination rank, go to the ranks of their
+#      experts (all_to_all_single with uneven splits).
+#   3. each rank runs its local experts, each on its contiguous group of rows (the received rows are
+#      sorted from source-rank-major to expert-major first, and back after).
+#   4. return: a second all-to-all, the reverse of the first, sends every output row to its token's rank,
+#      where the router weights combine them (model.MixtureOfExperts).
+# Backward runs the same two exchanges in reverse (AllToAll's backward), so each expert's weight gradient
+# sums the contributions of every rank that sent it tokens: the gradient of the ep ranks' summed losses. The
+# ranks holding the same experts (the expert_dp_group: dp / ep of them, times cp under context parallelism)
+# add theirs, and dividing by dp (dp * cp) gives the mean over the global batch that one process computes
+# (GradientBuckets' expert_params).
+#
+# Cost: each rank sends every token row routed to another rank's expert twice forward (the token, its
+# output) and twice backward (their gradients): 4 * rows * n_embd * bytes per element per layer, plus the
+# counts; none of it overlaps with compute here. Memory: each rank holds n_expert / ep experts' weights,
+# gradients and AdamW moments (ZeRO-1 then shards those over the expert_dp_group). With tp > 1 every
+# tensor-parallel rank exchanges the same rows with its own ep group (each keeps its slice of the experts).
+# An expert that receives no rows is skipped on every tensor-parallel rank alike (they route alike).
+
+ExpertSplits = namedtuple("ExpertSplits", "send recv recv_counts")
+
+
+class ByteCount:
+    """The bytes a rank has sent to other ranks (AllToAll adds to it, forward and backward)."""
+
+    def __init__(self):
+        self.bytes = 0
+
+
+def exchange_expert_counts(counts, group):
+    """counts: (n_expert,) int64 on the device, this rank's assignments per (global) expert, the experts of
+    group rank j being the j-th block of n_expert / ep. Returns ExpertSplits:
+        send        counts as a host list
+        recv        host list of lists: recv[j][e] rows rank j sends to this rank's local expert e
+        recv_counts the same on the device, (ep, n_expert / ep)
+    The one host read-back of a mixture-of-experts layer: the split sizes of the all-to-alls."""
+    ep = group_size(group)
+    if ep == 1:
+        recv_counts = counts.view(1, -1)
+        send = counts.tolist()  # host-device sync
+        return ExpertSplits(send, [send], recv_counts)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)  # equal splits: n_expert / ep counts to each rank
+    both = torch.cat([counts, recv_counts]).tolist()  # host-device sync
+    n = len(both) // 2
+    return ExpertSplits(both[:n], [both[n + j * n // ep:n + (j + 1) * n // ep] for j in range(ep)],
+                        recv_counts.view(ep, -1))
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits: this rank sends send_splits[j] rows of x (in order, rank 0's
+    first) to group rank j and receives recv_splits[j] rows from it, stacked in rank order. Its backward is
+    the same exchange reversed: every received row's gradient goes back to the rank that sent the row, into
+    the place the row came from (the send and receive sizes swap). `sent` (a ByteCount) adds the bytes this
+    rank sends to other ranks, both ways."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group, sent):
+        ctx.splits, ctx.group, ctx.sent = (send_splits, recv_splits), group, sent
+        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        sent.bytes += _bytes_to_others(x, send_splits, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        grad_x = grad.new_empty((sum(send_splits), *grad.shape[1:]))
+        dist.all_to_all_single(grad_x, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
+        ctx.sent.bytes += _bytes_to_others(grad, recv_splits, ctx.group)
+        return grad_x, None, None, None, None
+
+
+def _bytes_to_others(x, splits, group):
+    row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    return (sum(splits) - splits[group_rank(group)]) * row
+
+
+def dispatch_to_experts(rows, splits, run_local_experts, group, sent):
+    """rows: (n, C), this rank's kept token-to-expert assignments sorted by expert (n = sum(splits.send));
+    splits from exchange_expert_counts. run_local_experts(x, sizes) runs this rank's experts in order, the
+    e-th on the next sizes[e] rows of x, and returns their outputs stacked the same way. Returns the (n, C')
+    outputs in the order of `rows`. With group None (ep = 1) this is run_local_experts(rows, splits.send)."""
+    ep = group_size(group)
+    if ep == 1:
+        return run_local_experts(rows, splits.send)
+    n_local = len(splits.recv[0])
+    send = [sum(splits.send[j * n_local:(j + 1) * n_local]) for j in range(ep)]  # rows to each rank
+    recv = [sum(r) for r in splits.recv]  # rows from each rank
+    received = AllToAll.apply(rows, send, recv, group, sent)  # source-rank-major, expert-sorted within
+    # expert-major: the local expert of every received row, then a stable sort keeps the sources in order
+    expert_of_row = torch.arange(n_local, device=rows.device).repeat(ep).repeat_interleave(
+        splits.recv_counts.reshape(-1), output_size=sum(recv))
+    order = expert_of_row.argsort(stable=True)
+    sizes = [sum(r[e] for r in splits.recv) for e in range(n_local)]
+    out = run_local_experts(received[order], sizes)
+    back = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    return AllToAll.apply(out[back], recv, send, group, sent)  # each output row to its token's rank
+# 7. Muon: whole matrices across tensor- and data-parallel ranks
+#
+# Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks") steps a weight
+# matrix along its momentum made orthogonal: the momentum M = U S V^T is replaced by about U V^T, so that
+# every direction of the matrix moves by the same amount, where a gradient step moves mostly along its
+# few largest singular directions. U V^T comes without an SVD, from five iterations of a quintic
+# Newton-Schulz polynomial: matmuls only. Liu et al. 2025 ("Muon is Scalable for LLM Training", Moonshot
+# AI, section 2.2) scale the update of an A x B matrix by 0.2 * sqrt(max(A, B)): U V^T has RMS
+# 1 / sqrt(max(A, B)), so the update's RMS is 0.2, about AdamW's, and an AdamW recipe's learning rate and
+# decoupled weight decay carry over. Muon is for the matrices that map hidden states to hidden states;
+# the embedding, the head, the router, the norms and the biases stay on AdamW (Jordan et al. and Liu et
+# al. both keep the embedding and head on AdamW): one optimizer, with parameter groups.
+#
+# Orthogonalising is not elementwise, as AdamW is: it needs the whole matrix, which tensor parallelism and
+# ZeRO-1 both cut. What each rank holds and which collectives run, for each:
+#   Tensor parallelism: each rank keeps the momentum of its own slice (momentum is elementwise); the tp
+#     ranks all-gather the slices of the Nesterov momentum, every rank orthogonalises the full matrix and
+#     keeps its slice of the result. Gathering is one all-gather per matrix on the fastest links, with no
+#     extra process group and no scatter back; its price is Newton-Schulz run tp times over (dealing
+#     whole matrices to tp ranks would split that work, at the cost of a gather to each owner and a
+#     scatter back). A matrix replicated across the tp ranks (key and value weights with fewer heads than
+#     ranks, MQA; MLA's down-projections) already has its complete gradient on every rank (copy_to_tp
+#     summed it), so every rank computes the same update with no collective.
+#   ZeRO-1 (zero=True): even flat slices would cut matrices, so the matrices are dealt whole instead, over
+#     the ranks that hold the same parameters (dp x cp under context parallelism, as for ZeroOneAdamW;
+#     "dp" below). In backward order, each goes to the dp rank whose even share of all their elements
+#     holds its middle element: ZeRO-1's cut, moved to the nearest matrix boundary (a rank's share is off
+#     by at most about one matrix). They travel in GradientBuckets of their own, one owner each: the gradient is reduced to
+#     the owner (instead of reduce-scattered), the owner keeps the momentum, runs Newton-Schulz, and
+#     broadcasts the updated matrix (instead of the all-gather). The AdamW parameters keep ZeRO-1's even
+#     slices. With tp as well, the tp ranks of the owner do the tp all-gather among themselves.
+# What it costs. Bytes: across dp, what AdamW moves (a reduce plus a broadcast move what a reduce-scatter
+# plus an all-gather move); across tp, one all-gather of each matrix. Memory: one momentum per element
+# where AdamW keeps two, 1/dp of them with ZeRO-1. Compute: Newton-Schulz for an A x B matrix, A <= B, is
+# 5 x (X X^T: 2 A^2 B, its square: 2 A^3, times X: 2 A^2 B) = 20 A^2 B + 10 A^3 FLOPs a step; for m x m
+# matrices that is 5 m / (tokens per step) of the training FLOPs (6 m^2 per token), tp times over. It runs
+# in fp32, so that every layout's update equals one process's to fp32 rounding (Jordan et al. run it in
+# bf16 on GPUs, faster).
+#
+# The 2-D weights must be plain matrices (out, in), as nn.Linear keeps them: an expert stored as one 3-D
+# tensor would need its own loop here.
+
+NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Jordan et al. 2024
+
+
+def newton_schulz(G, steps=5, eps=1e-7):
+    """About U V^T for G = U S V^T. G is scaled to Frobenius norm 1, so every singular value is at most 1;
+    then each iteration X <- a X + b (X X^T) X + c (X X^T)^2 X maps every singular value s to
+    a s + b s^3 + c s^5 and leaves U and V alone. Jordan et al.'s (a, b, c) buy a steep start (a = 3.4:
+    small singular values grow fast) with not converging to exactly 1: after 5 iterations every singular
+    value from 0.01 of the norm up lands in [0.68, 1.13], which the update tolerates. In fp32; the Gram
+    matrix X X^T is taken on the shorter side."""
+    a, b, c = NEWTON_SCHULZ_COEFFICIENTS
+    X = G.float()
+    tall = X.shape[0] > X.shape[1]
+    if tall:
+        X = X.T
+    X = X / (X.norm() + eps)
+    for _ in range(steps):
+        gram = X @ X.T  # (rows, rows), rows <= cols
+        X = a * X + (b * gram + c * gram @ gram) @ X
+    return X.T if tall else X
+
+
+def deal_whole(params, n):
+    """{param: rank}: the params, in order, cut into n runs of about equal numbers of elements, each param
+    whole: a param goes to the rank whose even share of them all holds its middle element."""
+    params = list(params)
+    total, seen, owners = sum(p.numel() for p in params), 0, {}
+    for p in params:
+        owners[p] = (2 * seen + p.numel()) * n // (2 * total)  # the middle element's share, 0 .. n - 1
+        seen += p.numel()
+    return owners
+
+
+def gather_tp_slices(x, param, group):
+    """The full matrix of which x is this rank's tensor-parallel slice (shaped like param); x itself when
+    param is replicated (no tp_shard_dim) or the group is one rank."""
+    dim = getattr(param, "tp_shard_dim", None)
+    if dim is None or group_size(group) == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the parameter groups with muon=True (2-D matrices), AdamW for the others: one optimizer,
+    whose param_groups' lr the schedule writes at each step. Muon's update of an A x B matrix W with
+    gradient G (Nesterov momentum; Liu et al. 2025's scale and decoupled weight decay):
+        M <- mu M + G;   O = newton_schulz(G + mu M)
+        W <- W - lr * wd * W - lr * 0.2 * sqrt(max(A, B)) * O
+    where A x B is the full matrix's shape, on a rank that holds a tensor-parallel slice of it too.
+    The other groups take adamw_update, torch.optim.AdamW's update.
+
+    tp_group: matrices split across it (parameters marked by mark_sharded) are orthogonalised whole, see
+    the section's note. zero=True: ZeRO-1 over dp_group (train.py gives it the dp x cp group), with the
+    matrices dealt whole; the optimizer then
+    owns the gradient averaging (`self.grad_sync`, as ZeroOneAdamW: do not also all-reduce the gradients).
+    Per step: backward -> grad_sync.finish() -> [clip] -> step() (AdamW on this rank's slices, Muon on its
+    matrices, then grad_sync.gather_params()). Every state exists from the start (its size is reported
+    before the first step): AdamW's moments flat over the elements this rank updates (`flat_range` under
+    ZeRO-1), Muon's momentum shaped like the matrix (its tp slice)."""
+
+    def __init__(self, params, lr=1e-3, momentum=0.95, ns_steps=5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                 tp_group=None, zero=False, dp_group=None, bucket_size_mb=25.0, deferred=()):
+        super().__init__(params, dict(lr=lr, momentum=momentum, ns_steps=ns_steps, betas=betas, eps=eps,
+                                      weight_decay=weight_decay, muon=False))
+        self.tp_group = tp_group
+        self.group_of = {p: g for g in self.param_groups for p in g["params"]}
+        self.matrices = [p for g in self.param_groups if g["muon"] for p in g["params"]]
+        if any(p.dim() != 2 for p in self.matrices):
+            raise ValueError(f"Muon orthogonalises 2-D matrices; its groups hold tensors of shapes "
+                             f"{sorted({tuple(p.shape) for p in self.matrices if p.dim() != 2})}")
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        self.grad_sync = None
+        if zero:
+            owners = deal_whole(reversed(self.matrices), group_size(dp_group))  # backward order, as the buckets
+            self.grad_sync = GradientBuckets(all_params, dp_group, bucket_size_mb, shard=True, deferred=deferred,
+                                             owners=owners)
+            pieces = self.grad_sync.owned_pieces()
+        else:
+            pieces = [(p, 0, p.numel()) for p in all_params]
+        for p, start, end in pieces:
+            if self.group_of[p]["muon"]:
+                self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+            else:
+                self.state[p] = {"step": torch.tensor(0.0),
+                                 "exp_avg": torch.zeros(end - start, dtype=p.dtype, device=p.device),
+                                 "exp_avg_sq": torch.zeros(end - start, dtype=p.dtype, device=p.device)}
+            if zero:
+                self.state[p]["flat_range"] = (start, end)
+
+    @torch.no_grad()
+    def step(self):
+        for p, state in self.state.items():
+            group = self.group_of[p]
+            if group["muon"] or not state:
+                continue
+            start, end = state.get("flat_range", (0, p.numel()))
+            adamw_update(p.view(-1)[start:end], p.grad.reshape(-1)[start:end], state, group["lr"],
+                         group["weight_decay"], group["betas"], group["eps"])
+        for p in self.matrices:  # the same order on every rank: the tp all-gathers match
+            state = self.state.get(p)
+            if not state:
+                continue  # another data-parallel rank owns it (ZeRO-1)
+            group = self.group_of[p]
+            lr, mu = group["lr"], group["momentum"]
+            momentum = state["momentum_buffer"]
+            momentum.mul_(mu).add_(p.grad)
+            nesterov = p.grad.add(momentum, alpha=mu)  # the gradient plus the momentum's next step
+            full = gather_tp_slices(nesterov, p, self.tp_group)  # (A, B): the whole matrix
+            orthogonal = shard_of(newton_schulz(full, group["ns_steps"]), p).to(p.dtype)
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(orthogonal, alpha=-lr * 0.2 * math.sqrt(max(full.shape)))
+        if self.grad_sync is not None:
+            self.grad_sync.gather_params()
 
 
 # -----------------------------------------------------------------------------

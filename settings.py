@@ -104,11 +104,15 @@ TRAINING = [
         Setting("n_expert", 0, "Mixture-of-Experts: routed experts per MLP layer; 0 = dense MLP", resume="refuse"),
         Setting("n_expert_per_token", 2, "top-k: experts each token is sent to", resume="refuse"),
         Setting("capacity_factor", 1.25, "an expert takes at most ceil(capacity_factor * tokens * k / n_expert) "
-                "tokens"),
+                "tokens; 0 = dropless (every token reaches its experts)"),
         Setting("aux_loss_coef", 0.01, "weight of each MoE layer's load-balancing loss (Switch Transformer)"),
         Setting("n_shared_expert", 0, "experts every token also goes through (DeepSeekMoE)", resume="refuse"),
         Setting("router_z_loss_coef", 0.0, "weight of the router z-loss (ST-MoE used 1e-3); 0 = off"),
         Setting("qkv_bias", False, "biases in the query, key and value projections only (Qwen2)", resume="refuse"),
+        Setting("doc_mask", False, "attention stops at each end-of-text token and positions restart after it "
+                "(model.py: document masking)", resume="allow"),
+        Setting("eot_token", None, "the end-of-text id that ends each document, from the data's meta.json unless set",
+                type=int),
     ),
     *section(
         "batch: one step sees batch_size * gradient_accumulation_steps * dp windows of block_size tokens",
@@ -116,18 +120,32 @@ TRAINING = [
         Setting("gradient_accumulation_steps", 1, "micro-batches per step (the pipeline's microbatches when pp > 1)"),
     ),
     *section(
-        "AdamW and the learning-rate schedule: linear warmup, then cosine decay to min_lr",
+        "the optimizer and the learning-rate schedule: linear warmup, then a decay to min_lr (cosine, or held "
+        "and decayed late: wsd)",
         Setting("max_iters", 1000, "optimizer steps in the run (0 with init_from=<a model folder>: convert it and exit)",
                 resume="allow"),
         Setting("learning_rate", 1e-3, "peak learning rate, reached after warmup", resume="allow"),
-        Setting("min_lr", 1e-4, "learning rate at the end of the cosine decay", resume="allow"),
+        Setting("min_lr", 1e-4, "learning rate at the end of the decay", resume="allow"),
         Setting("warmup_iters", 50, "steps of linear warmup", resume="allow"),
-        Setting("lr_decay_iters", 1000, "step where the cosine decay reaches min_lr (usually max_iters)",
+        Setting("lr_decay_iters", 1000, "step where the decay reaches min_lr (usually max_iters)",
                 resume="allow"),
-        Setting("weight_decay", 0.1, "AdamW decoupled weight decay, on matrices only (not norms, biases)"),
+        Setting("weight_decay", 0.1, "decoupled weight decay (AdamW's, and Muon's), on matrices only (not norms, "
+                "biases)"),
         Setting("beta1", 0.9, "AdamW beta1"),
         Setting("beta2", 0.95, "AdamW beta2"),
         Setting("grad_clip", 1.0, "clip the global gradient norm to this (0 disables)"),
+        Setting("lr_schedule", "cosine", "'cosine' or 'wsd' (warmup, the peak held, then decay_frac of "
+                "lr_decay_iters decaying)", resume="allow"),
+        Setting("decay_frac", 0.2, "wsd: the last fraction of lr_decay_iters that decays to min_lr", resume="allow"),
+        Setting("decay_shape", "1-sqrt", "wsd: the decay's shape, 'linear' or '1-sqrt' (lr falls as the square "
+                "root of the decay's progress)", resume="allow"),
+        Setting("optimizer", "adamw", "'adamw', or 'muon': Muon for the blocks' matrices, AdamW for the rest "
+                "(parallel.py, section 7)"),
+    ),
+    *section(
+        "Muon (optimizer='muon'): orthogonalised momentum, its update scaled to AdamW's RMS (same learning_rate)",
+        Setting("muon_momentum", 0.95, "Muon's Nesterov momentum coefficient"),
+        Setting("muon_ns_steps", 5, "Newton-Schulz iterations that orthogonalise the momentum"),
     ),
     *section(
         "parallelism: dp * cp * tp * pp processes",
@@ -148,6 +166,8 @@ TRAINING = [
                 "others 1", resume="allow"),
         Setting("pp_trace", False, "time every pipeline action of the second step on every rank: <out_dir>/"
                 "pp_trace.json (Chrome trace), the measured bubble printed", resume="allow"),
+        Setting("ep", 1, "expert-parallel ranks: each MoE layer's experts are spread over ep neighbouring "
+                "data-parallel ranks (ep divides dp and n_expert)", resume="allow"),
     ),
 ]
 
@@ -158,17 +178,28 @@ DEFAULTS = {s.name: s.default for s in TRAINING}
 # (the model's own rules, such as heads dividing the width or the MoE settings, are model.check_layout's)
 POSITIVE = ("batch_size", "block_size", "gradient_accumulation_steps", "log_interval", "eval_iters",
             "n_layer", "n_head", "n_kv_head", "n_embd", "rope_theta", "tp", "pp", "learning_rate", "bucket_size_mb",
-            "cp", "pp_chunks")
+            "cp", "pp_chunks", "ep", "muon_ns_steps")
 NOT_NEGATIVE = ("seed", "eval_interval", "checkpoint_interval", "keep_last_n", "warmup_iters", "lr_decay_iters",
                 "min_lr", "norm_eps", "dp", "weight_decay", "grad_clip", "peak_flops", "zero_stage", "max_iters",
                 "head_dim", "intermediate_size", "rope_scaling_factor")
 
+# settings that take one of a few words
+CHOICES = {"lr_schedule": ("cosine", "wsd"), "decay_shape": ("linear", "1-sqrt"), "optimizer": ("adamw", "muon")}
+
 
 def check_values(values):
-    """The value rules no type can say: sizes and intervals in range, AdamW's betas in [0, 1), a non-empty
+    """The value rules no type can say: sizes and intervals in range, one of the allowed words, AdamW's betas
+    in [0, 1), a non-empty
     out_dir."""
     problems = [f"{k} = {values[k]} must be positive" for k in POSITIVE if values[k] <= 0]
     problems += [f"{k} = {values[k]} must not be negative" for k in NOT_NEGATIVE if values[k] < 0]
+    problems += [f"{k} = {values[k]!r} must be one of {', '.join(map(repr, allowed))}"
+                 for k, allowed in CHOICES.items() if values[k] not in allowed]
+    if not 0 <= values["decay_frac"] <= 1:
+        problems.append(f"decay_frac = {values['decay_frac']} must be between 0 and 1 (the share of lr_decay_iters "
+                        f"that decays)")
+    if not 0 <= values["muon_momentum"] < 1:
+        problems.append(f"muon_momentum = {values['muon_momentum']} must be at least 0 and below 1")
     if values["max_iters"] == 0 and values["init_from"] in ("scratch", "resume"):
         problems.append(f"max_iters = 0 trains nothing: it only converts a model, with init_from=<a transformers "
                         f"model folder> (init_from is {values['init_from']!r})")

@@ -33,8 +33,9 @@ import import_hf
 import metrics
 import settings
 from configurator import ConfigError, configure, make_folder
-from model import ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype, stage_layers
-from parallel import (SCHEDULES, GradientBuckets, PipelineComm, WeightGradStore, ZeroOneAdamW, check_schedule,
+from model import (ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype,
+                   document_ids_and_positions, stage_layers)
+from parallel import (SCHEDULES, GradientBuckets, Muon, PipelineComm, WeightGradStore, ZeroOneAdamW, check_schedule,
                       format_grid, ideal_bubble, init_distributed, optimizer_state_bytes,
                       pipeline_forward, run_schedule, split_for_every_rank, sum_tied_grad_shards, sync_tied_grads,
                       tied_weight_group, virtual_stages, zigzag_split)
@@ -148,33 +149,54 @@ def read_windows(data, starts, block_size):
     return windows
 
 
-def get_batch(data, starts, block_size, device):
-    """The (x, y) windows at `starts` on the device, checked by read_windows."""
+def get_batch(data, starts, block_size, device, layout=None, eot_token=None):
+    """A micro-batch of the windows at `starts`, checked by read_windows, as the model takes it
+    (context_split; layout None: one process): its token ids and targets on the device; positions and
+    document ids, when there are any, on the host."""
     windows = torch.from_numpy(read_windows(data, starts, block_size).astype(np.int64))
-    x, y = windows[:, :-1], windows[:, 1:]
+    x, *rest = context_split((windows[:, :-1], windows[:, 1:]), layout, eot_token)
     if device.type == "cuda":  # pinned memory lets the copy overlap the GPU's work
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.to(device), y.to(device)
+        x, y = x.pin_memory().to(device, non_blocking=True), rest[0].pin_memory().to(device, non_blocking=True)
+    else:
+        x, y = x.to(device), rest[0].to(device)
+    return (x, y, *rest[1:])
 
 
-def context_split(batch, layout):
+def context_split(batch, layout, eot_token=None):
     """This context-parallel rank's share of a micro-batch of whole windows (x, y), (B, T) each: its two
     zigzag chunks of every window (parallel.py, section 3), and every cp rank's global token positions,
     (cp, B, T/cp) on the host, built from the whole window and split the same way. Without context
-    parallelism the micro-batch as it is (the model then counts positions from 0 itself)."""
-    if layout.cp == 1:
+    parallelism the micro-batch as it is (the model then counts positions from 0 itself).
+    With eot_token (doc_mask=True) the positions restart at each document, and each token's document id
+    comes after them, split the same way: (x, y, positions, documents); without context parallelism
+    positions and documents are (B, T). Built from x on the host (a device x is copied back: a sync)."""
+    cp = layout.cp if layout is not None else 1
+    if cp == 1 and eot_token is None:
         return batch
     x, y = batch
-    positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)  # (B, T): each window's own positions
-    return (zigzag_split(x, layout.cp, layout.cp_rank), zigzag_split(y, layout.cp, layout.cp_rank),
-            split_for_every_rank(positions, layout.cp))
+    if eot_token is None:
+        positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)  # (B, T): each window's own positions
+        extra = (positions,)
+    else:
+        documents, positions = document_ids_and_positions(x.cpu(), eot_token)  # (B, T) each
+        extra = (positions, documents)
+    if cp == 1:
+        return (x, y, *extra)
+    return (zigzag_split(x, cp, layout.cp_rank), zigzag_split(y, cp, layout.cp_rank),
+            *(split_for_every_rank(e, cp) for e in extra))
 
 
-def rank_microbatches(cfg, layout, data, stream, step, n_micro, device):
+def document_end(model_cfg):
+    """The end-of-text id the batches are cut into documents at: the model's eot_token under doc_mask,
+    else None (no document ids)."""
+    return model_cfg.eot_token if model_cfg.doc_mask else None
+
+
+def rank_microbatches(cfg, layout, data, stream, step, n_micro, device, eot_token=None):
     """This data-parallel rank's n_micro micro-batches of a step. The step's global batch is
     batch_size * n_micro * dp windows; dp rank r takes the r-th contiguous slice of it, so the same
     windows are seen whatever the layout. Under context parallelism each is this cp rank's share,
-    (x, y, positions) (context_split).
+    (x, y, positions) (context_split); with eot_token (document_end) positions and document ids too.
 
     Every rank checks the token ids of the whole global batch, not only its slice: a bad id then stops
     every rank at the same step with the same message, with no collective, and no rank is left waiting for
@@ -185,8 +207,8 @@ def rank_microbatches(cfg, layout, data, stream, step, n_micro, device):
     if layout.dp > 1:
         read_windows(data, np.delete(starts, mine), cfg.block_size)
     starts = starts[mine]
-    return [context_split(get_batch(data, starts[i * cfg.batch_size:(i + 1) * cfg.batch_size], cfg.block_size,
-                                    device), layout) for i in range(n_micro)]
+    return [get_batch(data, starts[i * cfg.batch_size:(i + 1) * cfg.batch_size], cfg.block_size, device, layout,
+                      eot_token) for i in range(n_micro)]
 
 
 # -----------------------------------------------------------------------------
@@ -210,6 +232,21 @@ def setup(cfg, training=True):
     if cfg.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0 (plain AdamW), 1 (optimizer states sharded across data-parallel "
                          f"ranks), 2 (and the gradients) or 3 (and the parameters), got {cfg.zero_stage}")
+    if cfg.optimizer == "muon" and cfg.zero_stage > 1:
+        raise ValueError(f"optimizer='muon' runs with zero_stage 0 or 1 (ZeRO-1 deals its matrices whole to the "
+                         f"data-parallel ranks), not zero_stage={cfg.zero_stage}: use --zero_stage=1, or "
+                         f"--optimizer=adamw")
+    if cfg.optimizer == "muon" and cfg.zero_stage == 1 and cfg.ep > 1:
+        # ZeRO-1 deals Muon's matrices over dp x cp, but an expert is held by dp / ep of those ranks only
+        raise ValueError(f"optimizer='muon' with zero_stage=1 and ep = {cfg.ep} is not supported (the experts are "
+                         f"not on every data-parallel rank to be dealt whole): use --zero_stage=0 with Muon at "
+                         f"ep > 1, or --optimizer=adamw")
+    if cfg.zero_stage >= 2 and cfg.ep > 1:
+        # the experts' gradients would be reduce-scattered over their own group every micro-batch, and under
+        # ZeRO-3 their units gathered over it: neither is written yet
+        raise ValueError(f"zero_stage={cfg.zero_stage} with ep = {cfg.ep} is not supported yet (the experts' "
+                         f"gradient and parameter shards would live on their own expert group): use "
+                         f"--zero_stage=1 with expert parallelism, or --ep=1")
     if cfg.zero_stage == 3 and cfg.compile:
         raise ValueError("compile=True with zero_stage=3 is not supported yet (the blocks' gather and free hooks "
                          "run outside a compiled graph): use --compile=False, or zero_stage=2")
@@ -231,11 +268,12 @@ def setup(cfg, training=True):
     if cfg.data_dir is not None and not converting:
         data_meta = read_data_meta(cfg.data_dir)
     vocab = cfg.vocab_size or data_meta.get("vocab_size", 50257)
-    model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig) if f.name != "vocab_size"},
-                            vocab_size=vocab)
+    eot = cfg.eot_token if cfg.eot_token is not None else data_meta.get("eot_token", -1)  # -1: none known
+    model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig)
+                               if f.name not in ("vocab_size", "eot_token")}, vocab_size=vocab, eot_token=eot)
     attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype, cfg.attn_softcap)
-    layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type, cp=cfg.cp)
-    check_layout(model_cfg, layout.tp, layout.pp, layout.cp, cfg.sequence_parallel, cfg.pp_chunks)
+    layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type, cp=cfg.cp, ep=cfg.ep)
+    check_layout(model_cfg, layout.tp, layout.pp, layout.cp, cfg.sequence_parallel, cfg.pp_chunks, ep=layout.ep)
     tokenizer = data_meta.get("tokenizer", "gpt2")
     if hf_dir is not None:
         import_hf.check_weights(hf_dir, model_cfg)  # on every rank alike: a bad folder stops all of them
@@ -268,8 +306,9 @@ def setup(cfg, training=True):
                        f"anyway): the loss is computed from the logits")
     cut = f"dp={layout.dp} x cp={layout.cp}" if layout.cp > 1 else f"dp={layout.dp}"
     sp = " (sequence parallel)" if cfg.sequence_parallel else ""
-    print0(layout, f"layout: {cut} x tp={layout.tp}{sp} x pp={layout.pp} = {layout.world_size} processes\n"
-                   + format_grid(layout.dp, layout.tp, layout.pp, layout.cp))
+    print0(layout, f"layout: {cut} x tp={layout.tp}{sp} x pp={layout.pp} = {layout.world_size} processes"
+                   + (f", experts over ep={layout.ep} of the dp ranks" if layout.ep > 1 else "") + "\n"
+                   + format_grid(layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, model_cfg.n_expert))
     if layout.pp > 1:
         # when the blocks do not divide into pp * pp_chunks model stages, the first stages take one more
         v, m = cfg.pp_chunks, cfg.gradient_accumulation_steps
@@ -303,7 +342,7 @@ def build(cfg, run):
     stages = virtual_stages(cfg.pp_schedule, layout.pp, layout.pp_rank, cfg.pp_chunks)
     model = Transformer(run.model_cfg, layout.tp_group, layout.pp * cfg.pp_chunks, stages, attn_impl=run.attn_impl,
                         activation_checkpointing=cfg.activation_checkpointing, chunked_loss=cfg.chunked_loss,
-                        cp_group=layout.cp_group, sequence_parallel=cfg.sequence_parallel)
+                        cp_group=layout.cp_group, sequence_parallel=cfg.sequence_parallel, ep_group=layout.ep_group)
     loaded = None
     if run.hf_dir is not None:  # a transformers model: each rank reads only its own slices of the weights
         start = time.time()
@@ -319,34 +358,68 @@ def build(cfg, run):
     if grad_sync is not None and pipeline is not None and pipeline.weight_grad_stores:
         # the W actions accumulate these gradients outside autograd and announce them (parallel.run_schedule)
         grad_sync.by_hand([p for store in pipeline.weight_grad_stores for p in store.params])
-    # AdamW creates its two moments per parameter element at the first step; ZeroOneAdamW its slice's now
+    # AdamW creates its two moments per parameter element at the first step; ZeroOneAdamW and Muon theirs now
     unsharded = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    print0(layout, f"optimizer: ZeroOneAdamW (ZeRO-{cfg.zero_stage}), state {optimizer_state_bytes(optimizer) / 2**20:.2f} "
-                   f"MiB on rank 0, about 1/{layout.dp_cp} of the unsharded {unsharded / 2**20:.2f} MiB"
-                   if isinstance(optimizer, ZeroOneAdamW) else f"optimizer: AdamW, state {unsharded / 2**20:.2f} MiB per rank")
+    state = f"state {optimizer_state_bytes(optimizer) / 2**20:.2f} MiB on rank 0"
+    if isinstance(optimizer, Muon):
+        n = sum(p.numel() for p in optimizer.matrices)
+        print0(layout, f"optimizer: Muon for {len(optimizer.matrices)} matrices ({n / 1e6:.2f}M parameters on rank 0), "
+                       f"AdamW for the rest; {state}" + (f", whole matrices and AdamW slices across {layout.dp_cp} "
+                                                         f"data-parallel ranks (ZeRO-1)" if cfg.zero_stage else ""))
+    elif isinstance(optimizer, ZeroOneAdamW):
+        print0(layout, f"optimizer: ZeroOneAdamW (ZeRO-{cfg.zero_stage}), {state}, about 1/{layout.dp_cp} of the "
+                       f"unsharded {unsharded / 2**20:.2f} MiB")
+    else:
+        print0(layout, f"optimizer: AdamW, state {unsharded / 2**20:.2f} MiB per rank")
     if cfg.zero_stage >= 2 and layout.dp_cp > 1:
         m = cfg.gradient_accumulation_steps
         print0(layout, f"ZeRO-{cfg.zero_stage}: the gradients are reduce-scattered after every one of the {m} "
                        f"micro-batches ({m}x the reduce traffic of ZeRO-1, which sends them once per step) and kept "
                        f"as 1/{layout.dp_cp} shards" + (f"; the parameters too: each block all-gathered before its "
                        f"forward and again before its backward, every micro-batch" if cfg.zero_stage == 3 else ""))
+    if model.cfg.n_expert > 0:
+        expert_params, expert_state = metrics.expert_memory_bytes(model, optimizer)
+        moe = next(iter(model.moe_layers().values()))
+        print0(layout, f"experts: rank 0 holds experts {moe.first_expert}-{moe.first_expert + len(moe.experts) - 1} of "
+                       f"{model.cfg.n_expert} in each layer (ep={layout.ep}): {expert_params / 2**20:.2f} MiB of "
+                       f"parameters, {expert_state / 2**20:.2f} MiB of optimizer state")
     scaler = DynamicLossScaler(enabled=run.dtype == torch.float16)
     autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
     return SimpleNamespace(model=model, compiled=compile_blocks(model, cfg, layout), optimizer=optimizer,
                            grad_sync=grad_sync, pipeline=pipeline, autocast=autocast, scaler=scaler, loaded=loaded)
 
 
+def takes_muon(name, param):
+    """With optimizer='muon', the parameters Muon updates: the 2-D weights inside the blocks (attention and
+    MLP projections, experts; q, k and v are separate matrices). Not the MoE router, which maps a hidden
+    state to one score per expert as the head maps it to one per token; the embedding and the head sit
+    outside the blocks, norm gains and biases are 1-D: all of those take AdamW."""
+    return name.startswith("blocks.") and param.dim() == 2 and not name.endswith("router.weight")
+
+
 def make_optimizer(model, cfg, device, layout, tied=()):
     """AdamW; weight decay on matrices (linears, embeddings) only, not on norm gains and biases. With
-    zero_stage=1, ZeroOneAdamW: the same update, its states split across the ranks that hold the same
-    parameters, dp x cp (tied weights are averaged after their copies' gradients are summed: `deferred`)."""
+    zero_stage=1, 2 or 3, ZeroOneAdamW: the same update, its states split across the ranks that hold the same
+    parameters, dp x cp (tied weights are averaged after their copies' gradients are summed: `deferred`).
+    With optimizer='muon', one parallel.Muon: Muon for the blocks' matrices (takes_muon), with the same
+    weight decay, AdamW as above for the rest."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.optimizer == "muon":
+        matrices = [p for name, p in model.named_parameters() if takes_muon(name, p)]
+        chosen = {id(p) for p in matrices}
+        groups = [{"params": matrices, "weight_decay": cfg.weight_decay, "muon": True}] + [
+            dict(g, params=[p for p in g["params"] if id(p) not in chosen]) for g in groups]
+        return Muon(groups, lr=cfg.learning_rate, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
+                    betas=(cfg.beta1, cfg.beta2), tp_group=layout.tp_group, zero=cfg.zero_stage == 1,
+                    dp_group=layout.dp_cp_group, bucket_size_mb=cfg.bucket_size_mb, deferred=tied)
     if cfg.zero_stage >= 1:
         return ZeroOneAdamW(groups, layout.dp_cp_group, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                            bucket_size_mb=cfg.bucket_size_mb, deferred=tied, zero_stage=cfg.zero_stage,
-                            units=zero3_units(model, tied) if cfg.zero_stage == 3 else None, model=model)
+                            bucket_size_mb=cfg.bucket_size_mb, deferred=tied,
+                            expert_params=model.expert_parameters().values(), expert_group=layout.expert_dp_group,
+                            zero_stage=cfg.zero_stage, units=zero3_units(model, tied) if cfg.zero_stage == 3 else None,
+                            model=model)
     # one kernel for the whole update; on CPU (torch >= 2.4) it was a third of a small model's step unfused
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
 
@@ -367,12 +440,15 @@ def make_grad_sync(model, cfg, layout, optimizer, tied=()):
     """What averages the gradients across the ranks that hold the same parameters, dp x cp (each cp rank
     has the gradient of its share of every sequence): ZeroOneAdamW's own sharded buckets, plain all-reduce
     buckets, or nothing with a single replica. A tied weight's gradient changes after backward (its copies
-    are summed), so it is averaged in finish(), after that sum, not from the backward hooks."""
-    if isinstance(optimizer, ZeroOneAdamW):
+    are summed), so it is averaged in finish(), after that sum, not from the backward hooks. Under expert
+    parallelism the experts are summed over the ranks that hold the same experts (and still divided by
+    dp x cp: parallel.py, section 6), even when no other rank holds them (ep = dp)."""
+    if cfg.zero_stage >= 1:  # ZeroOneAdamW (ZeRO-1, 2, 3) or Muon with zero=True
         return optimizer.grad_sync
     if layout.dp_cp_group is None:
         return None
-    return GradientBuckets(list(model.parameters()), layout.dp_cp_group, cfg.bucket_size_mb, deferred=tied)
+    return GradientBuckets(list(model.parameters()), layout.dp_cp_group, cfg.bucket_size_mb, deferred=tied,
+                           expert_params=model.expert_parameters().values(), expert_group=layout.expert_dp_group)
 
 
 def make_pipeline(cfg, layout, model, dev):
@@ -436,11 +512,26 @@ def uncompile_blocks(model):
 
 
 def get_lr(step, cfg):
-    """Linear warmup to learning_rate, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    """The learning rate of step `step` (from 0). Both schedules warm up linearly to learning_rate over
+    warmup_iters steps and reach min_lr at lr_decay_iters, where they stay. In between:
+        cosine  half a cosine from learning_rate down to min_lr (Loshchilov & Hutter 2017)
+        wsd     warmup-stable-decay: learning_rate held, then over the last decay_frac of lr_decay_iters a
+                decay to min_lr, linear or 1-sqrt: lr = learning_rate - (learning_rate - min_lr) * f(progress)
+                with f(x) = x or sqrt(x) (Hu et al. 2024, "MiniCPM"; Hägele et al. 2024, "Scaling Laws and
+                Compute-Optimal Training Beyond Fixed Training Durations", whose 1-sqrt decay did best).
+                While the peak is held the lr does not depend on lr_decay_iters, so a run resumed there with
+                a larger lr_decay_iters (the change is allowed) continues as if planned that long."""
     if step < cfg.warmup_iters:
         return cfg.learning_rate * (step + 1) / (cfg.warmup_iters + 1)
     if step >= cfg.lr_decay_iters:
         return cfg.min_lr
+    if cfg.lr_schedule == "wsd":
+        decay_start = max(cfg.warmup_iters, cfg.lr_decay_iters * (1 - cfg.decay_frac))
+        if step < decay_start:
+            return cfg.learning_rate
+        progress = (step - decay_start) / (cfg.lr_decay_iters - decay_start)
+        f = progress if cfg.decay_shape == "linear" else math.sqrt(progress)
+        return cfg.learning_rate - (cfg.learning_rate - cfg.min_lr) * f
     progress = (step - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
 
@@ -538,22 +629,27 @@ def global_grad_norm(model, layout, grads, dp_sharded=False):
     """The norm of the whole model's gradient, the same on every rank whatever the layout. Tensor-sharded
     parameters contribute their slice on each tp rank; replicated ones (norms) are counted on tp rank 0
     only; pipeline stages hold disjoint blocks (a tied head's copy is not counted twice); data- and
-    context-parallel replicas hold the same (already averaged) gradient and are counted once. With ZeRO-1
-    (dp_sharded) each dp x cp rank holds the gradient of its own elements only (zero elsewhere): they add
-    up; so do ZeRO-2/3's owned gradient shards. `grads`: model_grads(model, optimizer)."""
+    context-parallel replicas hold the same (already averaged) gradient and are counted once: a parameter
+    is held by dp x cp replicas, an expert under expert parallelism by (dp / ep) x cp (each rank of an ep
+    group holds other experts). With ZeRO-1 (dp_sharded) each replica holds the gradient of its own elements
+    only (zero elsewhere): they add up; so do ZeRO-2/3's owned gradient shards. `grads`:
+    model_grads(model, optimizer)."""
     copies = {id(p) for name, p in model.named_parameters() if name in model.tied_copies()}
-    sq = torch.zeros((), device=next(model.parameters()).device, dtype=torch.float32)
+    experts = {id(p) for p in model.expert_parameters().values()}
+    dev = next(model.parameters()).device
+    sq = {False: torch.zeros((), device=dev), True: torch.zeros((), device=dev)}  # dense, experts
     for p, grad in grads:
         if id(p) in copies:
             continue
         if getattr(p, "tp_shard_dim", None) is None and layout.tp_rank != 0:
             continue
-        sq += grad.detach().float().pow(2).sum()
-    if layout.world_size > 1:
-        if not dp_sharded:
-            sq /= layout.dp_cp  # every dp x cp replica adds the same amount
-        dist.all_reduce(sq)
-    return sq.sqrt()
+        sq[id(p) in experts] += grad.detach().float().pow(2).sum()
+    if layout.world_size == 1:
+        return (sq[False] + sq[True]).sqrt()
+    replicas = (1, 1) if dp_sharded else (layout.dp_cp, layout.dp_cp // layout.ep)
+    total = sq[False] / replicas[0] + sq[True] / replicas[1]
+    dist.all_reduce(total)
+    return total.sqrt()
 
 
 def scale_grads(grads, factor):
@@ -588,7 +684,7 @@ def train_step(cfg, layout, parts, microbatches, lr, trace=None):
     grads = model_grads(model, optimizer)
     if scaler.enabled:
         scale_grads(grads, 1.0 / scaler.scale)
-    grad_norm = global_grad_norm(model, layout, grads, dp_sharded=isinstance(optimizer, ZeroOneAdamW))
+    grad_norm = global_grad_norm(model, layout, grads, dp_sharded=cfg.zero_stage >= 1)
     if cfg.grad_clip > 0:
         scale_grads(grads, (cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0))
     if scaler.update(grad_norm.item() if scaler.enabled else 0.0):  # host-device sync with fp16 only
@@ -609,7 +705,8 @@ def evaluate(cfg, run, parts):
     model.eval()
     out = {}
     for split, data in run.datasets.items():
-        batches = [rank_microbatches(cfg, layout, data, EVAL_STREAM, i, 1, run.dev)[0] for i in range(cfg.eval_iters)]
+        batches = [rank_microbatches(cfg, layout, data, EVAL_STREAM, i, 1, run.dev, document_end(run.model_cfg))[0]
+                   for i in range(cfg.eval_iters)]
         if parts.pipeline is not None:  # each batch a microbatch through the pipeline; the loss on the last stage
             total = pipeline_forward(model_chunks(model, parts.pipeline), batches, parts.pipeline.comm, parts.autocast)
         else:
@@ -649,7 +746,7 @@ def save_checkpoint(cfg, run, parts, step, converted=False):
     if converted:
         config = {k: v for k, v in asdict(run.model_cfg).items() if k not in import_hf.NOT_ARCHITECTURE}
     meta = {"config": config, "model": asdict(run.model_cfg), "tokenizer": run.tokenizer,
-            "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp},
+            "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep},
             "adam_step": checkpoint.adamw_step_count(optimizer), "loss_scale": parts.scaler.scale}
     if converted:
         meta["converted_from"] = os.path.abspath(cfg.init_from)
@@ -664,7 +761,7 @@ def save_checkpoint(cfg, run, parts, step, converted=False):
                            checkpoint.optimizer_pieces(optimizer, model, layout), meta, extra, cfg.keep_last_n)
 
 
-def resume(path, run, parts):
+def resume(path, cfg, run, parts):
     """Load the checkpoint at `path` (saved at any layout) into the model, the optimizer and the loss
     scaler; returns its step. If a rank cannot read it, every rank falls back to the previous complete
     checkpoint (checkpoint.open_for_resume decides for all of them together)."""
@@ -672,11 +769,15 @@ def resume(path, run, parts):
     sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: load whole, keep this rank's slices
     with sharded.whole_model(write_back=True) if sharded is not None else nullcontext():
         checkpoint.load_model(parts.model, reader)
+    saved_optimizer = reader.meta["config"].get("optimizer", "adamw")
     if reader.meta.get("converted_from"):  # a model converted from transformers has no optimizer state
         print0(run.layout, f"a model converted from {reader.meta['converted_from']}: a fresh optimizer")
+    elif saved_optimizer != cfg.optimizer:  # AdamW's moments are not Muon's momentum, nor the reverse
+        print0(run.layout, f"resume: the checkpoint's optimizer state ({saved_optimizer}) is not loaded: "
+                           f"{cfg.optimizer}'s starts from zero")
     else:
-        # the moments are assembled from whatever pieces were saved (ZeRO-1 or not, any dp): zero_stage can change
-        load = checkpoint.load_zero if isinstance(parts.optimizer, ZeroOneAdamW) else checkpoint.load_adamw
+        # the states are assembled from whatever pieces were saved (ZeRO-1 or not, any dp): zero_stage can change
+        load = checkpoint.load_adamw if isinstance(parts.optimizer, torch.optim.AdamW) else checkpoint.load_states
         load(parts.optimizer, parts.model, reader)
     parts.scaler.scale = reader.meta["loss_scale"]
     extra = reader.rank_state(run.layout.rank)
@@ -705,7 +806,7 @@ def train(cfg, run, resume_path=None):
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     step = 0
     if resume_path is not None:
-        step, path, saved = resume(resume_path, run, parts)
+        step, path, saved = resume(resume_path, cfg, run, parts)
         print0(layout, f"resumed from {path} at step {step}" + (f", which is max_iters = {cfg.max_iters} already: "
                        f"nothing to train (raise --max_iters to go on)" if step >= cfg.max_iters else ""))
         # batch_size is per data-parallel rank: inherited at another dp (or with another accumulation or
@@ -725,10 +826,10 @@ def train(cfg, run, resume_path=None):
     print0(layout, f"global batch: {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro-batches x dp {layout.dp} "
                    f"= {tokens_per_step:,} tokens per step")
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
-                                          cfg.gradient_accumulation_steps, run.dev)
+                                          cfg.gradient_accumulation_steps, run.dev, document_end(model_cfg))
     plan = metrics.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))
     print0(layout, "predicted " + metrics.format_plan(plan))
-    timer, timed_steps = time.time(), 0
+    timer, timed_steps, logged = time.time(), 0, step
     micro = batches(step)
     trace_step = min(step + 2, cfg.max_iters) if cfg.pp_trace and parts.pipeline is not None else None
     measured = None
@@ -765,7 +866,7 @@ def train(cfg, run, resume_path=None):
             record["mfu"] = metrics.mfu(model_flops, record["tokens_per_sec"], peak, layout.world_size)
             record["peak_mem_bytes"] = metrics.peak_memory_bytes(run.dev, layout)
             if model_cfg.n_expert > 0:
-                record.update(metrics.moe_metrics(parts.model, layout))
+                record.update(metrics.moe_metrics(parts.model, layout, steps=step - logged))
             if measured is not None and step == measured[0]["step"]:
                 record["memory"] = measured  # every rank's predicted and measured peak, once
             eta = (cfg.max_iters - step) * elapsed / timed_steps  # training steps only: evals and saves come on top
@@ -773,10 +874,11 @@ def train(cfg, run, resume_path=None):
                            f"{record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step | "
                            f"MFU {metrics.format_mfu(record['mfu'])} | peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB | "
                            f"eta {metrics.format_duration(eta)}"
-                           + (f" | aux {record['aux_loss']:.4f} dropped {record['moe_dropped_frac']:.3f}"
-                              if model_cfg.n_expert > 0 else ""))
+                           + (f" | aux {record['aux_loss']:.4f} dropped {record['moe_dropped_frac']:.3f} | expert load "
+                              f"{record['expert_load_min']:,.0f}-{record['expert_load_max']:,.0f} | all-to-all "
+                              f"{record['a2a_bytes'] / 2**20:,.2f} MiB" if model_cfg.n_expert > 0 else ""))
             log.write(record)
-            timer, timed_steps = time.time(), 0
+            timer, timed_steps, logged = time.time(), 0, step
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or last):
             losses = evaluate(cfg, run, parts)
             record = {"step": step, **{f"{split}_loss": v for split, v in losses.items()}}

@@ -5,6 +5,8 @@
 # shows both (aux_loss, moe_dropped_frac). n_shared_expert=1 adds an always-on expert (DeepSeekMoE).
 #   python train.py config/moe.py --max_iters=200
 #   torchrun --nproc_per_node=2 train.py config/moe.py --tp=2   (each expert split like the dense MLP)
+#   torchrun --nproc_per_node=4 train.py config/moe.py --ep=4   (expert parallelism: 2 whole experts per rank,
+#       tokens sent to them all-to-all; --capacity_factor=0 routes dropless, and only then exports to HF)
 n_layer = 4
 n_head = 4
 n_kv_head = 4

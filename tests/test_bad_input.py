@@ -116,7 +116,7 @@ def test_help_lists_every_setting_with_its_default_and_meaning(tool, setting, ca
     text = capsys.readouterr().out
     assert setting in text
     if tool in (train, bench, make_config):  # the training settings, under their banners
-        assert "# AdamW and the learning-rate schedule" in text
+        assert "# the optimizer and the learning-rate schedule" in text
         for s in settings.TRAINING:
             assert f"  --{s.name}={s.default!r}".ljust(34) + f"  {s.meaning}" in text
 
@@ -146,7 +146,7 @@ def test_resume_without_the_config_file_keeps_its_data_dir_and_learning_rate_and
     saved = checkpoint.read_meta(str(run_copy / "ckpt_0000003"))["config"]
     assert saved["data_dir"] == token_dir and saved["learning_rate"] == 2e-3 and saved["rope_theta"] == 20000.0
     assert saved["n_layer"] == 2 and saved["n_kv_head"] == 2
-    lr_cfg = train.SimpleNamespace(learning_rate=2e-3, min_lr=1e-4, warmup_iters=0, lr_decay_iters=10)
+    lr_cfg = train.SimpleNamespace(learning_rate=2e-3, min_lr=1e-4, warmup_iters=0, lr_decay_iters=10, lr_schedule="cosine")
     assert records_of(run_copy)[-1]["lr"] == pytest.approx(train.get_lr(2, lr_cfg))
 
 

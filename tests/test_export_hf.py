@@ -189,3 +189,58 @@ def test_architecture_follows_the_options():
         export_hf.hf_architecture(ModelConfig(**dict(TINY, n_kv_head=2), norm="layernorm", mlp="gelu"))
     with pytest.raises(ValueError, match="attention='mla' with qk_norm"):
         export_hf.hf_architecture(ModelConfig(**TINY, attention="mla", qk_norm=True))
+
+
+# -----------------------------------------------------------------------------
+# a dropless mixture of experts (capacity_factor=0): Qwen2-MoE's routing (softmax, top-k, no renormalising)
+
+DROPLESS = dict(n_expert=4, n_expert_per_token=2, capacity_factor=0.0)
+MOE_VARIANTS = [
+    ("shared-expert", dict(DROPLESS, n_shared_expert=1), "Qwen2MoeForCausalLM"),
+    ("two-shared-experts-untied", dict(DROPLESS, n_shared_expert=2, tie_embeddings=False), "Qwen2MoeForCausalLM"),
+    ("no-shared-expert-top1", dict(DROPLESS, n_expert_per_token=1), "Qwen2MoeForCausalLM"),
+    ("qk_norm", dict(DROPLESS, qk_norm=True), "Qwen3MoeForCausalLM"),
+]
+
+
+@needs_hf
+@pytest.mark.parametrize("overrides,arch", [v[1:] for v in MOE_VARIANTS], ids=[v[0] for v in MOE_VARIANTS])
+def test_a_dropless_mixture_of_experts_exports_with_the_same_logits(tmp_path, overrides, arch):
+    model = random_model(**overrides)
+    hf_model = export_and_reload(model, tmp_path, arch)
+    assert type(hf_model).__name__ == arch and hf_model.config.norm_topk_prob is False
+    diff = max_logit_diff(model, hf_model)
+    assert diff < 2e-5, f"max logit difference {diff:.2e}"
+
+
+@needs_hf
+def test_a_dropless_moe_checkpoint_of_train_py_generates_the_same_greedy_tokens(tmp_path):
+    """train.py's checkpoint through the command line (its own reload-and-compare check must pass), then
+    greedy generation in transformers against picotron's (sample.py's Transformer.generate)."""
+    data = make_token_data(str(tmp_path / "data"))
+    run_train([f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", "--n_layer=2", "--n_embd=64", "--n_head=4",
+               "--n_kv_head=2", "--block_size=32", "--batch_size=2", "--max_iters=2", "--warmup_iters=0",
+               "--n_expert=4", "--capacity_factor=0", "--n_shared_expert=1", "--learning_rate=1e-2",
+               "--eval_interval=0", "--checkpoint_interval=2", "--device=cpu", "--peak_flops=1e12"])
+    export_hf.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}"])  # check=True: exits if off
+    reader = checkpoint.CheckpointReader(checkpoint.latest_checkpoint(str(tmp_path / "run")))
+    model = Transformer(model_config_from(reader.meta["model"]), attn_impl="eager")
+    checkpoint.load_model(model, reader)
+    model.eval()
+    hf_model = hf_class("Qwen2MoeForCausalLM").from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    diff = max_logit_diff(model, hf_model)
+    print(f"train.py's dropless MoE checkpoint as Qwen2MoeForCausalLM: max logit difference {diff:.2e}")
+    assert diff < 1e-5
+    prompt = torch.randint(0, model.cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(3))
+    ours = model.generate(prompt, max_new_tokens=20, top_k=1)
+    theirs = hf_model.generate(prompt, max_new_tokens=20, do_sample=False, attention_mask=torch.ones_like(prompt))
+    assert torch.equal(ours, theirs)
+
+
+def test_a_mixture_of_experts_with_capacity_dropping_is_refused_by_name():
+    with pytest.raises(ValueError, match="n_expert=4 with capacity_factor=1.25: no transformers architecture drops "
+                                         "tokens"):
+        export_hf.hf_architecture(ModelConfig(**TINY, n_expert=4, capacity_factor=1.25))
+    with pytest.raises(ValueError, match="qk_norm=True and n_shared_expert=1: Qwen3-MoE has no shared expert"):
+        export_hf.hf_architecture(ModelConfig(**TINY, **DROPLESS, qk_norm=True, n_shared_expert=1))
+    assert export_hf.hf_architecture(ModelConfig(**TINY, **DROPLESS)) == "Qwen2MoeForCausalLM"

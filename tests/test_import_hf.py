@@ -192,7 +192,7 @@ def test_the_conversion_is_a_step_0_checkpoint_without_run_settings_or_optimizer
     _, out_root = converted
     ckpt = checkpoint.latest_checkpoint(str(out_root / "qwen3_tp"))
     meta = checkpoint.read_meta(ckpt)
-    assert meta["step"] == 0 and meta["layout"] == {"dp": 1, "cp": 1, "tp": 2, "pp": 1}
+    assert meta["step"] == 0 and meta["layout"] == {"dp": 1, "cp": 1, "tp": 2, "pp": 1, "ep": 1}
     assert meta["converted_from"] == os.path.abspath(hf_models["qwen3"])
     assert "max_iters" not in meta["config"] and "learning_rate" not in meta["config"]
     assert meta["model"]["head_dim"] == 32 and meta["model"]["qk_norm"] and meta["model"]["intermediate_size"] == 96

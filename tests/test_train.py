@@ -164,7 +164,8 @@ def test_too_few_tokens_for_block_size(tmp_path):
 # --- training loop ----------------------------------------------------------------------------------
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr():
-    cfg = train.SimpleNamespace(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
+    cfg = train.SimpleNamespace(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110,
+                                lr_schedule="cosine")
     lrs = [train.get_lr(s, cfg) for s in range(130)]
     assert lrs[0] == pytest.approx(1 / 11) and lrs[9] == pytest.approx(10 / 11)
     assert lrs[10] == pytest.approx(1.0) and lrs[60] == pytest.approx(0.55)
@@ -174,7 +175,8 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
 def test_logged_lr_is_the_lr_applied_and_loss_falls(token_dir, tmp_path):
     records, _ = run_train([f"--data_dir={token_dir}", f"--out_dir={tmp_path}", "--max_iters=30", "--lr_decay_iters=30",
                             "--checkpoint_interval=0", *TINY])
-    cfg = train.SimpleNamespace(learning_rate=3e-3, min_lr=1e-4, warmup_iters=2, lr_decay_iters=30)
+    cfg = train.SimpleNamespace(learning_rate=3e-3, min_lr=1e-4, warmup_iters=2, lr_decay_iters=30,
+                                lr_schedule="cosine")
     assert [r["lr"] for r in records] == pytest.approx([train.get_lr(s, cfg) for s in range(30)])
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec"} <= set(records[0])
     losses = train_losses(records)

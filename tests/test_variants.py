@@ -282,7 +282,7 @@ def dense_top_k_reference(layer, x):
     tokens = x.reshape(-1, x.shape[-1])
     probs = (tokens @ layer.router.weight.T).softmax(-1)
     gate, chosen = probs.topk(layer.k, dim=-1)
-    every = torch.stack([expert(tokens) for expert in layer.experts], dim=1)  # (N, E, C)
+    every = torch.stack([expert(tokens) for expert in layer.experts.values()], dim=1)  # (N, E, C)
     out = (every.gather(1, chosen[..., None].expand(-1, -1, tokens.shape[-1])) * gate[..., None]).sum(1)
     for shared in layer.shared_experts:
         out = out + shared(tokens)
@@ -295,6 +295,20 @@ def test_moe_without_drops_equals_dense_top_k_reference(mlp):
     x = torch.randn(3, 8, cfg.n_embd)
     out = layer(x)
     assert layer.last_dropped_frac == 0
+    torch.testing.assert_close(out, dense_top_k_reference(layer, x), rtol=1e-5, atol=1e-6)
+
+
+def test_capacity_factor_zero_is_dropless_routing():
+    """capacity_factor = 0 keeps every assignment however unbalanced the router: an expert chosen by every
+    token takes all of them, and the layer is the dense top-k mixture (which no capacity would give here)."""
+    cfg, layer = moe_layer(capacity_factor=0.0, n_shared_expert=0)
+    with torch.no_grad():
+        layer.router.weight[0] += 5.0 * torch.ones(cfg.n_embd)  # nearly every token's first choice: expert 0
+    x = torch.randn(4, 16, cfg.n_embd).abs()
+    out = layer(x)
+    assert layer.last_dropped_frac == 0
+    # expert 0 took all 64 tokens, twice what a capacity factor of 1 would let it (ceil(64 * 2 / 4) = 32)
+    assert layer.last_tokens_per_expert.sum() == 64 * 2 and layer.last_tokens_per_expert[0] == 64
     torch.testing.assert_close(out, dense_top_k_reference(layer, x), rtol=1e-5, atol=1e-6)
 
 
@@ -488,7 +502,7 @@ def test_flash_path_passes_the_softcap_and_pads_mla_head_sizes(fake_flash, dv):
     (dict(MLA, qk_rope_head_dim=7), 1, "qk_rope_head_dim = 7 must be positive and even"),
     (dict(MLA, mlp="gelu", n_embd=31, n_head=8), 8, "MLP width 124 .from n_embd = 31. must be divisible by tp = 8"),
     (dict(n_expert=2, n_expert_per_token=3), 1, "n_expert_per_token = 3 must be between 1 and n_expert = 2"),
-    (dict(n_expert=2, capacity_factor=0.0), 1, "capacity_factor = 0.0 must be positive"),
+    (dict(n_expert=2, capacity_factor=-1.0), 1, "capacity_factor = -1.0 must be positive .* or 0 .dropless"),
     (dict(head_dim=7), 1, "head_dim = 7 must be even for RoPE"),
     (dict(MLA, head_dim=32), 1, "head_dim = 32 applies to attention='mha' only"),
     (dict(MLA, qkv_bias=True), 1, "qkv_bias = True applies to attention='mha' only"),

@@ -1,0 +1,278 @@
+"""Muon (parallel.py, section 6) and the warmup-stable-decay schedule (train.get_lr).
+
+Muon on its own: Newton-Schulz maps each singular value through the quintic and keeps the singular
+vectors; the update is the orthogonalised Nesterov momentum at 0.2 * sqrt(max(A, B)) with decoupled weight
+decay, against a reference written here with an SVD; the blocks' matrices take Muon and the rest AdamW.
+Then through train.py: dp2, tp2 (with multi-query attention, so k and v are replicated across the tp
+ranks), pp2, cp2 and dp2 x tp2 with ZeRO-1 give one process's losses, gradient norms, final weights and final
+momentum over five steps, and the ZeRO-1 run's checkpoint resumes at other layouts.
+
+The reference is one process with the same global batch (batch_size 4 x 2 micro-batches; two replicas
+take batch_size 2). The runs use the wsd schedule, whose decay starts inside the five steps.
+"""
+import math
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+import checkpoint
+import settings
+import train
+from dist_utils import assert_same_losses_and_norms, assert_same_tensors, make_token_data, run_train
+from model import ModelConfig, Transformer, model_config_from
+from parallel import NEWTON_SCHULZ_COEFFICIENTS, Muon, deal_whole, newton_schulz
+
+# -----------------------------------------------------------------------------
+# Newton-Schulz and the update, on one process
+
+
+def quintic_iterated(s, steps=5):
+    """What `steps` iterations of the Newton-Schulz quintic do to one singular value s (of a matrix scaled
+    to Frobenius norm 1): s -> a s + b s^3 + c s^5, each time."""
+    a, b, c = NEWTON_SCHULZ_COEFFICIENTS
+    for _ in range(steps):
+        s = a * s + b * s ** 3 + c * s ** 5
+    return s
+
+
+def orthogonalised_by_svd(G, steps=5):
+    """The reference: U f(S / ||G||) V^T from an SVD in float64, f the iterated quintic."""
+    U, S, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    return U @ torch.diag(quintic_iterated(S / G.double().norm(), steps)) @ Vh
+
+
+# every singular value from 0.01 of the Frobenius norm up ends in this band after 5 iterations: the
+# quintic's minimum and maximum over [0.01, 1], to the digits of Jordan et al.'s coefficients
+BAND = (0.68, 1.135)
+
+
+def test_the_band_is_the_quintics():
+    s = torch.linspace(0.01, 1.0, 100001, dtype=torch.float64)
+    out = quintic_iterated(s)
+    assert BAND[0] <= out.min() < BAND[0] + 0.005 and BAND[1] - 0.005 < out.max() <= BAND[1], (out.min(), out.max())
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)], ids=["wide", "tall"])
+def test_newton_schulz_pushes_every_singular_value_into_the_band_and_keeps_the_singular_vectors(shape):
+    g = torch.Generator().manual_seed(0)
+    # singular values spread over 1.7 decades, the smallest at just over 0.01 of the Frobenius norm
+    U, _ = torch.linalg.qr(torch.randn(shape[0], min(shape), generator=g))
+    V, _ = torch.linalg.qr(torch.randn(shape[1], min(shape), generator=g))
+    S = torch.logspace(0, -1.7, min(shape)) * 7.0
+    G = U @ torch.diag(S) @ V.T
+    assert 0.01 <= (S / G.norm()).min() < 0.011  # the input reaches down to the band's lower edge
+    out = newton_schulz(G)
+    assert out.shape == G.shape
+    singular = torch.linalg.svdvals(out.double())
+    assert BAND[0] <= singular.min() and singular.max() <= BAND[1], singular
+    assert (out.double() - orthogonalised_by_svd(G)).abs().max() < 1e-5
+
+
+def _muon_against_reference(lrs, weight_decay, momentum=0.95):
+    """Muon on one 24 x 40 matrix and one vector (AdamW group), steps at the given lrs; the matrix's
+    reference follows the formula with an SVD, the vector's is torch.optim.AdamW."""
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(24, 40) * 0.1)
+    b = torch.nn.Parameter(torch.randn(40) * 0.1)
+    b_ref = torch.nn.Parameter(b.detach().clone())
+    opt = Muon([{"params": [W], "muon": True, "weight_decay": weight_decay}, {"params": [b], "weight_decay": 0.0}],
+               momentum=momentum, betas=(0.9, 0.95))
+    adamw = torch.optim.AdamW([b_ref], betas=(0.9, 0.95), weight_decay=0.0)
+    W_ref, M = W.detach().double().clone(), torch.zeros(24, 40, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    updates = []
+    for lr in lrs:
+        G, gb = torch.randn(24, 40, generator=g), torch.randn(40, generator=g)
+        W.grad, b.grad, b_ref.grad = G.clone(), gb.clone(), gb.clone()
+        for group in opt.param_groups:
+            group["lr"] = lr
+        adamw.param_groups[0]["lr"] = lr
+        before = W.detach().clone()
+        opt.step()
+        adamw.step()
+        updates.append((before * (1 - lr * weight_decay) - W.detach()) / lr)
+        M = momentum * M + G.double()
+        W_ref = W_ref * (1 - lr * weight_decay) - lr * 0.2 * math.sqrt(40) * orthogonalised_by_svd(G.double() + momentum * M)
+    return W.detach(), W_ref, b.detach(), b_ref.detach(), updates
+
+
+def test_muon_steps_along_the_orthogonalised_nesterov_momentum_at_0_2_sqrt_max_dim():
+    lrs = [1e-2, 3e-2, 2e-3]  # each step's update must use its own lr
+    W, W_ref, b, b_ref, updates = _muon_against_reference(lrs, weight_decay=0.1)
+    assert (W.double() - W_ref).abs().max() < 1e-6
+    assert (b - b_ref).abs().max() < 1e-7  # the AdamW group is torch's AdamW
+
+
+def test_muon_updates_have_rms_0_2_times_the_singular_values_rms():
+    # an A x B orthogonal matrix has RMS 1 / sqrt(max(A, B)): scaled by 0.2 sqrt(max(A, B)), the update's
+    # RMS per unit of learning rate is 0.2 times the RMS of its singular values, which lie in the band
+    _, _, _, _, updates = _muon_against_reference([1e-2, 1e-2, 1e-2], weight_decay=0.0)
+    for u in updates:
+        rms = u.pow(2).mean().sqrt().item()
+        assert 0.2 * BAND[0] <= rms <= 0.2 * BAND[1], rms
+
+
+def test_the_blocks_matrices_take_muon_and_the_rest_adamw():
+    cfg = ModelConfig(vocab_size=101, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, bias=True,
+                      n_expert=2, n_shared_expert=1, tie_embeddings=False)
+    model = Transformer(cfg)
+    run_cfg = train.SimpleNamespace(**{**settings.DEFAULTS, "optimizer": "muon"})
+    layout = train.SimpleNamespace(tp_group=None, dp_group=None, dp_cp_group=None)
+    opt = train.make_optimizer(model, run_cfg, "cpu", layout)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = sorted(names[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"])
+    matrix = re.compile(r"blocks\.\d+\.(attn\.[qkvo]_proj|mlp(\.(shared_)?experts\.\d+)?\.(gate|up|down))\.weight")
+    assert muon == sorted(n for n in names.values() if matrix.fullmatch(n))
+    assert len(muon) == 2 * (4 + 3 * 3)  # per block: q, k, v, o; gate, up, down of 2 experts and 1 shared
+    adamw = {names[id(p)] for g in opt.param_groups if not g["muon"] for p in g["params"]}
+    assert {"tok_emb.weight", "lm_head.weight", "blocks.0.mlp.router.weight", "norm.weight",
+            "blocks.0.attn.q_proj.bias"} <= adamw
+    assert sorted(muon + list(adamw)) == sorted(names.values())  # every parameter in exactly one group
+
+
+def test_zero_deals_each_matrix_whole_in_runs_of_about_equal_size():
+    params = [torch.empty(n) for n in (30, 10, 10, 10, 20, 20, 5, 15)]  # 120 elements: 40 per rank
+    owners = deal_whole(params, 3)
+    ranks = [owners[p] for p in params]
+    assert ranks == sorted(ranks) and set(ranks) == {0, 1, 2}  # consecutive runs, every rank one
+    loads = [sum(p.numel() for p in params if owners[p] == r) for r in range(3)]
+    assert max(loads) - 40 <= 30, loads  # off an even share by at most the largest matrix
+
+
+def test_muon_with_zero_stage_2_is_refused_by_name():
+    cfg = train.SimpleNamespace(**{**settings.DEFAULTS, "optimizer": "muon", "zero_stage": 2})
+    with pytest.raises(ValueError, match=r"optimizer='muon' runs with zero_stage 0 or 1.*not zero_stage=2"):
+        train.setup(cfg)
+
+
+# -----------------------------------------------------------------------------
+# the warmup-stable-decay schedule
+
+
+@pytest.mark.parametrize("shape", ["linear", "1-sqrt"])
+def test_wsd_warms_up_holds_the_peak_then_decays_over_the_last_decay_frac(shape):
+    cfg = train.SimpleNamespace(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110,
+                                lr_schedule="wsd", decay_frac=0.2, decay_shape=shape)
+    lrs = [train.get_lr(s, cfg) for s in range(130)]
+    assert lrs[0] == pytest.approx(1 / 11) and lrs[9] == pytest.approx(10 / 11)
+    assert lrs[10:89] == [1.0] * 79 and lrs[88] == 1.0  # held until 110 - 0.2 * 110 = 88
+    f = 0.5 if shape == "linear" else math.sqrt(0.5)  # halfway through the decay, at step 99
+    assert lrs[99] == pytest.approx(1.0 - 0.9 * f)
+    assert all(a > b for a, b in zip(lrs[88:110], lrs[89:110])) and lrs[110:] == [0.1] * 20
+
+
+# -----------------------------------------------------------------------------
+# every layout gives one process's run, through train.py
+
+STEPS = 5
+TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=1", "--block_size=32", "--device=cpu",
+        f"--max_iters={STEPS}", "--log_interval=1", "--eval_interval=0", "--warmup_iters=2", "--learning_rate=3e-3",
+        "--gradient_accumulation_steps=2", "--optimizer=muon",
+        # wsd: held at steps 2-3, decaying at 4-5 (of lr_decay_iters 6, the last half)
+        "--lr_schedule=wsd", "--lr_decay_iters=6", "--decay_frac=0.5", "--decay_shape=1-sqrt",
+        # tiny buckets: several per step, so ZeRO-1 deals the matrices into several whole buckets
+        "--bucket_size_mb=0.01"]
+ONE_REPLICA, TWO_REPLICAS = ["--batch_size=4"], ["--batch_size=2"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return make_token_data(str(tmp_path_factory.mktemp("data")))
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ref"))
+    records, _ = run_train(TINY + ONE_REPLICA + [f"--data_dir={data_dir}", f"--out_dir={out}",
+                                                 f"--checkpoint_interval={STEPS}"])
+    return records, os.path.join(out, f"ckpt_{STEPS:07d}")
+
+
+def weights_and_momenta(ckpt_path):
+    """A checkpoint's weights and Muon momentum buffers, as full tensors of a single-process model
+    (whatever layout saved them)."""
+    reader = checkpoint.CheckpointReader(ckpt_path)
+    model = Transformer(model_config_from(reader.meta["model"]))
+    checkpoint.load_model(model, reader)
+    weights = dict(model.named_parameters())
+    momenta = {name: reader.optimizer_tensor(name, p, "momentum_buffer") for name, p in weights.items()
+               if train.takes_muon(name, p)}
+    return weights, momenta
+
+
+def assert_same_run(records, ckpt_path, reference):
+    ref_records, ref_ckpt = reference
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
+    assert_same_losses_and_norms(records, ref_records)
+    (weights, momenta), (ref_weights, ref_momenta) = weights_and_momenta(ckpt_path), weights_and_momenta(ref_ckpt)
+    assert_same_tensors(weights, ref_weights)
+    assert_same_tensors(momenta, ref_momenta, what="Muon momentum")
+
+
+def test_the_logged_lr_is_wsd_and_muon_reached_every_matrix(reference):
+    records, ckpt = reference
+    cfg = train.SimpleNamespace(learning_rate=3e-3, min_lr=1e-4, warmup_iters=2, lr_decay_iters=6,
+                                lr_schedule="wsd", decay_frac=0.5, decay_shape="1-sqrt")
+    assert [r["lr"] for r in records] == pytest.approx([train.get_lr(s, cfg) for s in range(STEPS)])
+    assert [r["lr"] for r in records][2:4] == [3e-3, 3e-3]
+    _, momenta = weights_and_momenta(ckpt)
+    assert len(momenta) == 2 * 7 and all(m.abs().sum() > 0 for m in momenta.values())
+
+
+@pytest.mark.parametrize("layout, nproc", [
+    (TWO_REPLICAS, 2),
+    (ONE_REPLICA + ["--tp=2"], 2),  # n_kv_head=1 < tp: k and v replicated, q and o split
+    (ONE_REPLICA + ["--pp=2"], 2),
+    (ONE_REPLICA + ["--cp=2"], 2),  # the gradients averaged over the cp ranks, which hold the same matrices
+], ids=["dp2", "tp2_mqa", "pp2", "cp2"])
+def test_muon_at_another_layout_gives_the_run_of_one_process(layout, nproc, data_dir, reference, tmp_path):
+    records, proc = run_train(TINY + layout + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
+                                               f"--checkpoint_interval={STEPS}"], nproc=nproc)
+    assert "optimizer: Muon for" in proc.stdout
+    assert_same_run(records, os.path.join(tmp_path, f"ckpt_{STEPS:07d}"), reference)
+
+
+@pytest.fixture(scope="module")
+def zero_run(data_dir, tmp_path_factory):
+    """dp2 x tp2 with ZeRO-1, checkpoints at steps 3 and 5: each matrix's momentum lives on one replica,
+    split between that replica's two tp ranks (k and v: whole on both)."""
+    out = str(tmp_path_factory.mktemp("dp2_tp2_zero1"))
+    records, proc = run_train(TINY + TWO_REPLICAS + [f"--data_dir={data_dir}", f"--out_dir={out}", "--tp=2",
+                                                     "--zero_stage=1", "--checkpoint_interval=3"], nproc=4)
+    assert "dp=2 x tp=2 x pp=1" in proc.stdout and "(ZeRO-1)" in proc.stdout
+    return records, out
+
+
+def test_muon_with_zero1_at_dp2_tp2_gives_the_run_of_one_process(zero_run, reference):
+    records, out = zero_run
+    assert_same_run(records, os.path.join(out, f"ckpt_{STEPS:07d}"), reference)
+
+
+@pytest.mark.parametrize("layout, nproc", [
+    (ONE_REPLICA + ["--tp=1", "--zero_stage=0"], 1),  # the owners' whole matrices and the tp slices joined
+    (TWO_REPLICAS + ["--tp=1", "--zero_stage=1"], 2),  # dealt again, at tp1 sizes
+], ids=["dp1_tp1_zero0", "dp2_tp1_zero1"])
+def test_the_zero1_checkpoint_resumes_at_another_layout(layout, nproc, zero_run, data_dir, reference, tmp_path):
+    shutil.copytree(os.path.join(zero_run[1], "ckpt_0000003"), tmp_path / "ckpt_0000003")
+    records, proc = run_train(TINY + layout + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--init_from=resume",
+                                               f"--checkpoint_interval={STEPS}"], nproc=nproc)
+    assert f"resumed from {tmp_path / 'ckpt_0000003'} at step 3" in proc.stdout
+    assert [r["step"] for r in records if "loss" in r] == [4, 5]
+    assert_same_losses_and_norms(records, reference[0][3:])
+    (weights, momenta), (ref_weights, ref_momenta) = (weights_and_momenta(tmp_path / f"ckpt_{STEPS:07d}"),
+                                                      weights_and_momenta(reference[1]))
+    assert_same_tensors(weights, ref_weights)
+    assert_same_tensors(momenta, ref_momenta, what="Muon momentum")
+
+
+def test_resuming_with_the_other_optimizer_starts_its_state_afresh(zero_run, data_dir, tmp_path):
+    shutil.copytree(os.path.join(zero_run[1], "ckpt_0000003"), tmp_path / "ckpt_0000003")
+    records, proc = run_train(TINY + ONE_REPLICA + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--tp=1",
+                                                    "--zero_stage=0", "--optimizer=adamw", "--max_iters=4",
+                                                    "--init_from=resume", "--checkpoint_interval=0"])
+    assert "resume: optimizer = 'adamw', the checkpoint's was 'muon'" in proc.stdout
+    assert "the checkpoint's optimizer state (muon) is not loaded: adamw's starts from zero" in proc.stdout
+    assert [r["step"] for r in records if "loss" in r] == [4]
