@@ -221,6 +221,8 @@ def run(cfg, bench, setup):
     pipeline = {r.name: r.measure_pipeline(step) for r in runners if bench.variants}
     step += 2 if bench.variants else 0  # (measure_pipeline ran two more steps)
     profile = profile_steps(runners[0], step, bench.profile_steps, bench.profile_trace) if bench.profile_steps else None
+    memory = measure_memory(cfg, setup, runners[0], step)
+    step += 1
 
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     peak, peak_why = metrics.device_peak_flops(cfg.peak_flops, dev, ptdtype)
@@ -251,7 +253,8 @@ def run(cfg, bench, setup):
                       world_size=layout.world_size, dp=layout.dp, cp=layout.cp, tp=layout.tp, pp=layout.pp,
                       sequence_parallel=cfg.sequence_parallel,
                       compiled=step_model_kind(runners[0]) == "compiled", peak_flops=peak,
-                      tokens_per_step=tokens_per_step, threads=torch.get_num_threads())
+                      tokens_per_step=tokens_per_step, threads=torch.get_num_threads(), zero_stage=cfg.zero_stage,
+                      memory=memory)
         if bench.compare_optimizer:
             other = results[bench.compare_optimizer]
             print(f"optimizer {cfg.optimizer} against {bench.compare_optimizer}: {results[main]['ms_per_step']:,.1f} "
@@ -277,6 +280,23 @@ def run(cfg, bench, setup):
             result["schedules"] = {name: results[name] for name, _ in bench.variants}
         print("RESULT " + json.dumps(result), flush=True)
     return results
+
+
+def measure_memory(cfg, setup, picotron, step):
+    """One more, untimed step, its peak measured on every rank (metrics.measure_step_memory) beside the
+    planner's prediction for the rank's stage: [{rank, dp_rank, cp_rank, tp_rank, pp_rank, predicted_bytes,
+    measured_bytes, ...the planned parts}] for every rank, on rank 0."""
+    layout = setup.layout
+    plan = metrics.plan_for(cfg, setup.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))[layout.pp_rank]
+    measured = metrics.measure_step_memory(lambda: picotron.step(step), setup.dev)
+    mine = {"rank": layout.rank, "dp_rank": layout.dp_rank, "cp_rank": layout.cp_rank, "tp_rank": layout.tp_rank,
+            "pp_rank": layout.pp_rank, "predicted_bytes": int(plan["peak"]), "measured_bytes": int(measured),
+            "planned": {k: int(v) for k, v in plan.items() if k not in ("stage", "peak")}}
+    rows = [mine]
+    if layout.world_size > 1:
+        rows = [None] * layout.world_size
+        dist.all_gather_object(rows, mine)
+    return rows
 
 
 def step_model_kind(picotron):

@@ -209,8 +209,13 @@ def _saved_here(param, layout, dp_sharded=False, expert=False):
     return layout.tp_rank == 0 or getattr(param, "tp_shard_dim", None) is not None
 
 
-def model_pieces(model, layout):
+def model_pieces(model, layout, shards=None, optimizer=None):
+    """The parameters, each full tensor once. shards (ZeRO-3): {param: the flat slice of it this rank
+    stores}, whose range is the optimizer state's flat_range: every data-parallel rank saves its own."""
     copies, experts = model.tied_copies(), model.expert_parameters()
+    if shards is not None:
+        return {name: make_piece(shards[p], p, optimizer.state[p]["flat_range"]) for name, p in model.named_parameters()
+                if name not in copies and p in shards and _saved_here(p, layout, dp_sharded=True)}
     return {name: make_piece(p, p) for name, p in model.named_parameters()
             if name not in copies and _saved_here(p, layout, expert=name in experts)}
 

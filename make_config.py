@@ -19,6 +19,7 @@ from dataclasses import fields
 
 import torch
 
+import metrics
 import settings
 from configurator import ConfigError, Setting, configure, section
 from model import ModelConfig, Transformer, attention_head_dim, check_layout
@@ -29,6 +30,7 @@ OWN = section(
     "make_config.py's own",
     Setting("nproc", 1, "processes the run will have (torchrun --nproc_per_node x nodes)"),
     Setting("out", "config/my.py", "the config file to write"),
+    Setting("gpu_mem_gb", 0.0, "the memory of one GPU: say which stage does not fit it, and what to change (0: no check)"),
 )
 
 
@@ -125,6 +127,12 @@ def make_config(cfg, given, argv):
 (Chinchilla's compute-optimal ratio is about 20)
 # launch: {launch}
 """
+    plan = metrics.plan_memory(model_cfg, dp, tp, pp, cp, cfg["zero_stage"], cfg["batch_size"], cfg["block_size"],
+                               cfg["gradient_accumulation_steps"], cfg["pp_schedule"], cfg["activation_checkpointing"],
+                               cfg["chunked_loss"], cfg["sequence_parallel"], cfg["bucket_size_mb"],
+                               act_bytes=2 if cfg["dtype"] in ("bfloat16", "float16") else 4)
+    memory = metrics.format_plan(plan, cfg["gpu_mem_gb"] or None)
+    header += "".join(f"# {line}\n" for line in memory.splitlines())
     return header, settings_block(cfg, given, chosen) + "\n", chosen
 
 

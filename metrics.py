@@ -8,6 +8,8 @@ What a training run measures, and where the measurements go. train.py and bench.
      run asks for them.
   5. The pipeline measured: a step's actions timed on every rank (pp_trace.json, Chrome's trace format)
      and the activation memory a rank holds for backward.
+  6. Memory: the planner (each rank's bytes of every kind, per pipeline stage, before anything runs) and
+     the measured peak of one step (CUDA's allocator, or on CPU a tracker of live tensor storages).
 """
 import functools
 import json
@@ -21,9 +23,13 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
-from model import attention_head_dim, mlp_hidden_size
-from parallel import ZeroOneAdamW, full_shape_of, ideal_bubble, virtual_stages
+from model import Transformer, attention_head_dim, loss_chunk_size, mlp_hidden_size, stage_layers
+from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ZeroOneAdamW, full_shape_of,
+                      ideal_bubble, padded_vocab_size, virtual_stages)
 
 
 # -----------------------------------------------------------------------------
@@ -465,3 +471,263 @@ class _Saved:
 
     def __del__(self):
         self.counter.live -= self.nbytes
+
+
+# -----------------------------------------------------------------------------
+# 6. Memory
+#
+# The planner counts, for one rank of each pipeline stage, the bytes that are alive at the step's peak,
+# from shapes and dtypes alone (no constant fitted to a measurement):
+#   parameters   the stage's tensors, this tp rank's slice (vocabulary padded as the layers pad it);
+#                ZeRO-3: the 1/dp shards, plus the root unit (embedding, final norm, head) whole and two
+#                gathered blocks (the one computing, the one prefetched)
+#   gradients    ZeRO-0/1: autograd's p.grad, accumulated over the micro-batches, plus the buckets' flat
+#                copies when there are data-parallel replicas (dp x cp > 1, or ZeRO-1); ZeRO-2/3: the 1/dp
+#                shards plus three buckets (units) in flight (the one filling, two being reduce-scattered)
+#   optimizer    AdamW's two moments per element (1/dp of them under ZeRO, padded)
+#   activations  what autograd saves per block and micro-batch (counted from the block's code below, in
+#                the activation dtype), times the stage's blocks, times the micro-batches the schedule
+#                holds between their forward and their backward (AFAB: all m; 1F1B: pp - stage; pp = 1:
+#                one); with activation checkpointing only each block's input, plus one block recomputed
+#   loss         the last stage: the chunked loss keeps its input and weight gradients (N x C and V x C,
+#                fp32) from forward to backward, and one chunk's logits while it runs; without it
+#                (tp > 1) the vocab-parallel logits and their softmax
+#   buffers      at the end of backward: the last gradients in flight (autograd's new gradient of the
+#                largest parameter, three of them for a weight tied within the stage; ZeRO-2/3 also two
+#                buckets or units of flat gradients)
+# The peak is the states (parameters, gradients, optimizer) plus the larger of activations + loss (the
+# last micro-batch's forward done) and buffers (its backward ending): with m >= 2 micro-batches the
+# accumulated gradients of ZeRO-0/1 are alive at both moments (with m = 1 this is an upper bound). Not modelled, said where it
+# applies: fp16/bf16 autocast's cast copies (counted at the activation dtype), the eager attention's
+# (B, H, T, T) scores, MLA, context parallelism's ring buffers, expert parallelism (the experts are counted as at
+# ep = 1: an upper bound) and Muon (its state counted as AdamW's).
+
+
+def stage_parameter_elements(model_cfg, tp, pp, stage):
+    """{name: elements this tp rank holds} of the stage's parameters: the stage built on the meta device
+    (no memory) at tp = 1, each tensor-parallel layer's tensors then cut as that layer cuts them."""
+    with torch.device("meta"):
+        model = Transformer(model_cfg, None, pp, stage)
+    out = {}
+    for mod_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{name}" if mod_name else name
+            n = p.numel()
+            if isinstance(module, VocabParallelEmbedding) or getattr(p, "vocab_size", None) is not None:
+                n = padded_vocab_size(model_cfg.vocab_size, tp) // tp * p.shape[1]
+            elif isinstance(module, ColumnParallelLinear):
+                kv_whole = mod_name.endswith(("k_proj", "v_proj")) and model_cfg.n_kv_head % tp != 0
+                n = n if kv_whole else n // tp
+            elif isinstance(module, RowParallelLinear) and name == "weight":
+                n //= tp
+            out.setdefault(full, n)
+    if model_cfg.tie_embeddings and pp == 1:
+        out.pop("lm_head.weight", None)  # the embedding itself
+    return out
+
+
+def block_activation_elements(model_cfg, tokens, tp, sequence_parallel=False):
+    """Elements autograd saves for one block's backward, for `tokens` tokens of a micro-batch (this rank's),
+    counted from model.py's Block: the residual input and the residual between attention and MLP, each
+    norm's rsqrt, normalised input and output, attention's rotated q, k, v (k and v repeated to the query
+    heads under GQA), its output and log-sum-exp, the MLP's hidden tensors (SwiGLU: gate, silu, up, their
+    product; GELU: up and gelu), or a Mixture-of-Experts layer at its capacity bound."""
+    C, D = model_cfg.n_embd, attention_head_dim(model_cfg)
+    H = model_cfg.n_head // tp
+    H_kv = model_cfg.n_kv_head // tp if model_cfg.n_kv_head % tp == 0 else 1
+    N = tokens
+    n_local = N // tp if sequence_parallel else N  # between the tensor-parallel regions
+    norm = n_local + 2 * n_local * C  # rsqrt, x * rsqrt, * gain (its output: what the next layer saves)
+    if sequence_parallel:
+        norm += N * C - n_local * C  # the gathered input of attention / the MLP
+    kv_heads = H if H > H_kv else H_kv
+    attn = N * H * D + 2 * N * kv_heads * D + N * H * D + N * H  # q, k, v, output, log-sum-exp
+    F = mlp_hidden_size(model_cfg) // tp
+    per_token_mlp = (4 if model_cfg.mlp == "swiglu" else 2) * F
+    if model_cfg.n_expert > 0:
+        E, k = model_cfg.n_expert, model_cfg.n_expert_per_token
+        capacity = math.ceil(model_cfg.capacity_factor * N * k / E)
+        kept = min(N * k, E * capacity)
+        # tokens reordered (N x C), router logits and probabilities (N x E, fp32), each kept assignment's
+        # gathered input, hidden tensors and output, the combined output; the shared experts on every token
+        mlp = N * C + 2 * N * E + kept * (2 * C + per_token_mlp) + 2 * N * C
+        mlp += model_cfg.n_shared_expert * N * (C + per_token_mlp)
+    else:
+        mlp = N * per_token_mlp
+    blocks_norms = 1 if model_cfg.parallel_block else 2
+    residual = n_local * C * (1 if model_cfg.parallel_block else 2)  # the block's input; the mid-block sum
+    return residual + blocks_norms * norm + attn + mlp
+
+
+def bucket_elements(param_elements, capacity):
+    """The elements of each gradient bucket parallel.GradientBuckets makes of parameters of these sizes
+    (one dtype): filled in backward order, closed once they reach capacity."""
+    sizes, current = [], 0
+    for n in reversed(param_elements):
+        current += n
+        if current >= capacity:
+            sizes.append(current)
+            current = 0
+    return sizes + ([current] if current else [])
+
+
+def in_flight_microbatches(schedule, pp, stage, m):
+    """Micro-batches whose activations a stage holds at once: all m under 'afab' (all forward, all
+    backward), pp - stage under '1f1b', one without a pipeline."""
+    if pp == 1:
+        return 1
+    return m if schedule == "afab" else min(m, pp - stage)
+
+
+def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, block_size=None,
+                microbatches=1, schedule="1f1b", activation_checkpointing=False, chunked_loss=True,
+                sequence_parallel=False, bucket_size_mb=25.0, param_bytes=4, act_bytes=4):
+    """For each pipeline stage, one rank's bytes: {'stage', 'parameters', 'gradients', 'optimizer',
+    'activations', 'loss', 'buffers', 'peak'} (see above; ZeRO-3's gathered root unit and blocks are under
+    'parameters')."""
+    T = block_size or model_cfg.block_size
+    replicas = dp * cp
+    N = batch_size * T // cp  # this rank's tokens per micro-batch
+    C, V = model_cfg.n_embd, padded_vocab_size(model_cfg.vocab_size, tp)
+    bucket = max(1, int(bucket_size_mb * 2 ** 20))
+    stages = []
+    for stage in range(pp):
+        elements = stage_parameter_elements(model_cfg, tp, pp, stage)
+        P = sum(elements.values())
+        blocks = len(stage_layers(model_cfg.n_layer, pp, stage))
+        block_elems = [sum(n for name, n in elements.items() if name.startswith(f"blocks.{i}."))
+                       for i in stage_layers(model_cfg.n_layer, pp, stage)]
+        root = P - sum(block_elems)
+        biggest_block = max(block_elems, default=0)
+        shard = lambda n: -(-n // replicas)
+        params = P * param_bytes
+        if zero_stage == 3:
+            params = (sum(shard(n) for n in block_elems) + shard(root)) * param_bytes
+            params += (root + min(2, blocks) * biggest_block) * param_bytes
+        # at the end of backward: autograd's new gradient of the largest parameter before it is added
+        # into p.grad or copied into its bucket; for a weight tied within the stage the head's part, the
+        # embedding's part and their sum
+        tied_here = model_cfg.tie_embeddings and pp == 1
+        largest = max(elements.values()) * (3 if tied_here else 1)
+        buffers = largest * param_bytes
+        if zero_stage >= 2:
+            grads = (sum(shard(n) for n in block_elems) + shard(root)) * param_bytes
+            # and in flight with it: its bucket's flat buffer, and the bucket launched before it
+            if zero_stage == 3:
+                sizes = sorted(block_elems + [root], reverse=True)
+            else:
+                sizes = sorted(bucket_elements(list(elements.values()), bucket // param_bytes), reverse=True)
+            buffers += (sizes[0] + (sizes[1] if len(sizes) > 1 else 0)) * param_bytes
+        else:
+            grads = P * param_bytes * (2 if (replicas > 1 or zero_stage == 1) else 1)
+        optimizer = 2 * (P if zero_stage == 0 else -(-P // replicas)) * param_bytes
+        held = in_flight_microbatches(schedule, pp, stage, microbatches)
+        per_block = block_activation_elements(model_cfg, N, tp, sequence_parallel)
+        n_local = N // tp if sequence_parallel else N
+        if activation_checkpointing:
+            activations = (held * blocks * n_local * C + per_block) * act_bytes
+        else:
+            activations = held * blocks * per_block * act_bytes
+        loss = 0
+        if stage == pp - 1:
+            final_norm = n_local + 2 * n_local * C
+            if chunked_loss and tp == 1:
+                chunk = min(N, loss_chunk_size(model_cfg.vocab_size))
+                loss = (final_norm * act_bytes + (N * C + V * C) * 4) * held + chunk * model_cfg.vocab_size * 4
+            else:
+                loss = (final_norm * act_bytes + N * C * act_bytes + N * (V // tp) * 4) * held + 2 * N * (V // tp) * 4
+        # Two moments. The forward of the micro-batch that brings the stage to `held` in flight done:
+        # its activations and the loss's gradients alive, and ZeRO-0/1's p.grad only if a backward ran
+        # before it in the step (m > held); otherwise the largest is either that forward, without p.grad,
+        # or the first backward's end, with p.grad and one micro-batch fewer. And the end of a backward
+        # (ZeRO-2/3: activations gone, the last gradients in flight).
+        forward = activations + loss
+        accumulated = P * param_bytes if zero_stage < 2 else 0  # autograd's p.grad (ZeRO-0/1)
+        if microbatches > held:
+            at_forward = accumulated + forward
+        else:
+            at_forward = max(forward, accumulated + forward * (held - 1) / held)
+        peak = params + (grads - accumulated) + optimizer + max(at_forward, accumulated + buffers)
+        stages.append({"stage": stage, "parameters": params, "gradients": grads, "optimizer": optimizer,
+                       "activations": activations, "loss": loss, "buffers": buffers, "peak": peak})
+    return stages
+
+
+def plan_for(cfg, model_cfg, layout_dims):
+    """plan_memory for a run's settings (train.py's cfg) at layout_dims = (dp, tp, pp, cp)."""
+    dp, tp, pp, cp = layout_dims
+    return plan_memory(model_cfg, dp, tp, pp, cp, cfg.zero_stage, cfg.batch_size, cfg.block_size,
+                       cfg.gradient_accumulation_steps, cfg.pp_schedule, cfg.activation_checkpointing,
+                       cfg.chunked_loss, cfg.sequence_parallel, cfg.bucket_size_mb)
+
+
+def format_plan(stages, gpu_mem_gb=None):
+    """The plan as lines of text, one per stage, the largest named; with gpu_mem_gb what to change when it
+    does not fit."""
+    mib = lambda b: f"{b / 2**20:,.1f}"
+    lines = ["memory per rank (MiB): stage | parameters gradients optimizer activations loss buffers | peak"]
+    for s in stages:
+        lines.append(f"  stage {s['stage']} | {mib(s['parameters'])} {mib(s['gradients'])} {mib(s['optimizer'])} "
+                     f"{mib(s['activations'])} {mib(s['loss'])} {mib(s['buffers'])} | {mib(s['peak'])}")
+    top = max(stages, key=lambda s: s["peak"])
+    lines.append(f"  largest: stage {top['stage']}, {top['peak'] / 2**30:.2f} GiB")
+    if gpu_mem_gb is not None and top["peak"] > gpu_mem_gb * 2**30:
+        kinds = {k: top[k] for k in ("parameters", "gradients", "optimizer", "activations", "loss")}
+        worst = max(kinds, key=kinds.get)
+        advice = {"parameters": "raise zero_stage to 3 or tp/pp", "gradients": "raise zero_stage to 2",
+                  "optimizer": "raise zero_stage (1 shards the optimizer state) or dp",
+                  "activations": "turn on activation_checkpointing, lower batch_size, or use 1f1b",
+                  "loss": "keep chunked_loss on (tp = 1) or lower batch_size"}[worst]
+        lines.append(f"  does not fit {gpu_mem_gb} GB: stage {top['stage']} needs {top['peak'] / 2**30:.2f} GiB, most "
+                     f"of it {worst}: {advice}")
+    return "\n".join(lines)
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """The peak of live tensor bytes on CPU while it is active, not the process RSS (which holds the
+    interpreter and libraries). Every aten operation passes through __torch_dispatch__; the storages of its
+    outputs are kept in a weak dictionary, so a storage leaves it when its last tensor, autograd's saved
+    copies included, is gone (torch keeps one Python object per storage while the storage lives). It
+    starts from the tensors already alive (found by the garbage collector: parameters, gradients,
+    optimizer states), counts each storage once however many views share it, and reads every storage's
+    size after each operation, so a storage resized in place (ZeRO-3's freed blocks) is followed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = WeakIdKeyDictionary()
+        import gc
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for obj in gc.get_objects():
+                try:
+                    if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                        self.live[obj.untyped_storage()] = True
+                except (ReferenceError, RuntimeError, NotImplementedError):
+                    pass  # a dead weak proxy; a tensor without a storage of its own (sparse, meta-like)
+        self.peak = self.now()
+
+    def now(self):
+        return sum(storage.nbytes() for storage in self.live.keys())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self.live[t.untyped_storage()] = True
+        self.peak = max(self.peak, self.now())
+        return out
+
+
+def measure_step_memory(step, dev):
+    """This rank's peak bytes during step() (call it on an untimed step): the CUDA allocator's peak, or
+    on CPU LiveTensorBytes'."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        step()
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev)
+    with LiveTensorBytes() as tracker:
+        step()
+    return tracker.peak

@@ -15,8 +15,10 @@ order a reader learns them.
      once as every rank's ordered list of forward, backward and weight-gradient actions on its model
      chunks, the backward split into its input and weight halves (WeightGradStore), one executor that walks
      the list on a real rank, and the tied-weight sync.
-  5. Data parallelism and ZeRO-1: gradients averaged in buckets from backward hooks (GradientBuckets), and
-     an AdamW whose states are split across data-parallel ranks (ZeroOneAdamW).
+  5. Data parallelism and ZeRO: gradients averaged in buckets from backward hooks (GradientBuckets), an
+     AdamW whose states are split across data-parallel ranks (ZeroOneAdamW, ZeRO-1), the gradients kept
+     as shards too (ZeRO-2), and the parameters, gathered block by block around their use
+     (FullyShardedParameters, ZeRO-3).
   6. Expert parallelism: a mixture of experts' experts spread over data-parallel ranks, each token sent to
      its experts' rank and back with two all-to-alls (an autograd function, forward and backward).
   7. Muon: Newton-Schulz orthogonalised momentum for the matrices, AdamW for the rest, in one optimizer,
@@ -35,7 +37,8 @@ Attention with Blockwise Transformers for Near-Infinite Context"; Dubey et al. 2
 Models" (the load-balanced split, section 3.3.2); Huang et al. 2019, "GPipe" (all forward, all backward);
 Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
 (1F1B and interleaved 1F1B, sections 2.2.1-2.2.2); Qi et al. 2023, "Zero Bubble Pipeline Parallelism"
-(ZB-H1, ZB-V); Rajbhandari et al. 2020, "ZeRO" (section 5.1); Lepikhin et al. 2020, "GShard" (experts
+(ZB-H1, ZB-V); Rajbhandari et al. 2020, "ZeRO" (sections 5.1-5.3); Zhao et al. 2023, "PyTorch
+FSDP: Experiences on Scaling Fully Sharded Data Parallel"; Lepikhin et al. 2020, "GShard" (experts
 spread over devices, all-to-all dispatch, section 2.2); Fedus et al. 2021, "Switch Transformers" (section
 5.4); Jordan et al. 2024, "Muon"; Liu et al. 2025, "Muon is Scalable for LLM Training".
 """
@@ -1630,7 +1633,7 @@ def sync_tied_grads(copies, group):
 
 
 # -----------------------------------------------------------------------------
-# 5. Data parallelism and ZeRO-1
+# 5. Data parallelism and ZeRO-1, 2, 3
 #
 # Every data-parallel rank holds the same parameters and runs its own slice of the global batch, so its
 # gradient is the mean over its slice; the mean over the whole batch is the average of the ranks'
@@ -1653,6 +1656,14 @@ def sync_tied_grads(copies, group):
 # The slices are cut from each bucket's flat buffer, padded to a multiple of dp, not handed out tensor by
 # tensor: every rank gets the same number of elements (within the padding), whatever the tensor sizes.
 #
+# ZeRO stage 2 (section 5.2) keeps only the owned slice of the gradients as well. Holding them whole
+# until the last micro-batch would be ZeRO-1's memory, so every micro-batch's gradients are
+# reduce-scattered and added into the slice (DeepSpeed's way: with m micro-batches, m times ZeRO-1's
+# reduce traffic); each bucket's flat buffer lives only from its first gradient until its reduce-scatter
+# has landed (at most two launched buckets are waited for at a time), and p.grad is dropped the moment it
+# is copied into its bucket. After the step the updated slices are all-gathered, as in ZeRO-1, two
+# buckets at a time. ZeRO-3 (section 5.3) follows, after GradientBuckets.
+#
 # A bucket is one flat tensor, so it holds parameters of one dtype only: a parameter whose dtype differs
 # from the one before it starts a new bucket. Its collective runs over one group: parameters that are
 # averaged over another group than the data-parallel one (the experts under expert parallelism, section 6)
@@ -1669,9 +1680,15 @@ def sync_tied_grads(copies, group):
 class _Bucket:
     """A group of parameters whose gradients travel as one flat tensor over `group`. Under sharding it is
     either sliced evenly across the group's ranks (padded to a multiple of its size: ZeRO-1), or it has an
-    `owner`, the one rank of the group that gets all of it (whole matrices for Muon, section 7)."""
+    `owner`, the one rank of the group that gets all of it (whole matrices for Muon, section 7).
+    transient (ZeRO-2 and ZeRO-3, even slices only): the flat gradient exists only from the first gradient
+    copied in until its reduce-scatter has finished; what persists is `grad_shard`, this rank's slice of
+    the mean gradient. Under ZeRO-3 a bucket is also a unit of parameters: `param_shard` the elements this
+    rank stores, `param_full` the gathered whole (its storage empty between uses)."""
 
-    def __init__(self, params, group, owner=None):
+    def __init__(self, params, group, owner=None, transient=False):
+        if owner is not None and transient:
+            raise ValueError("a bucket reduced whole to one owner keeps its flat gradient: it cannot be transient")
         self.params, self.group, self.owner = params, group, owner
         self.world, self.rank = group_size(group), group_rank(group)
         self.offsets, n = [], 0
@@ -1680,9 +1697,15 @@ class _Bucket:
             n += p.numel()
         self.numel = n
         self.shard_size = (n + self.world - 1) // self.world if owner is None else n  # elements one rank owns
-        size = self.shard_size * self.world if owner is None else n
-        self.flat = torch.zeros(size, dtype=params[0].dtype, device=params[0].device)
+        self.flat = None if transient else self.new_flat()
+        self.grad_shard = None
+        self.param_shard = self.param_full = self.gather = None
+        self.keep_whole = self.in_backward = False
         self.reset()
+
+    def new_flat(self):
+        size = self.shard_size * self.world if self.owner is None else self.numel
+        return torch.zeros(size, dtype=self.params[0].dtype, device=self.params[0].device)
 
     def owned(self):
         """The range of `flat` this rank owns under sharding (empty on a whole bucket's other ranks)."""
@@ -1723,41 +1746,58 @@ class GradientBuckets:
     `owners` ({param: rank of group}, with shard=True) sends those parameters' gradients whole to one rank
     each instead of slicing them: they travel in buckets of their own, one owner per bucket, reduced to the
     owner (dist.reduce) instead of reduce-scattered. After the optimizer step, gather_params() brings every
-    rank the parameters the others updated."""
+    rank the parameters the others updated.
+
+    every_microbatch=True (ZeRO-2 and 3, with shard=True, no owners): every micro-batch's gradients are
+    reduce-scattered (set_grad_sync's argument is ignored; calling it starts a new micro-batch), each added
+    into the bucket's `grad_shard`, and p.grad is dropped as soon as it is copied into its bucket, so that
+    no full-size gradient lives beyond the two buckets in flight. p.grad is None after finish(): the
+    gradients are the grad_shards. `units` (ZeRO-3): lists of parameters, in forward order, one bucket each.
+    `alone`: parameters that get a bucket of their own (a tied weight whose shards are summed across
+    pipeline stages: both copies must be cut the same way)."""
 
     def __init__(self, params, group, bucket_size_mb=25.0, shard=False, deferred=(), expert_params=(),
-                 expert_group=None, owners=None):
-        self.group, self.shard = group, shard
+                 expert_group=None, owners=None, every_microbatch=False, units=None, alone=()):
+        if every_microbatch and owners:
+            raise ValueError("GradientBuckets: every_microbatch (ZeRO-2/3) keeps even slices only, not whole owners")
+        self.group, self.shard, self.every_microbatch = group, shard, every_microbatch
         self.dp, self.dp_rank = group_size(group), group_rank(group)
-        self.sync = True
+        self.sync, self.started = True, False
+        self.on_launch = None  # ZeRO-3: frees a unit's gathered parameters once its gradients are sent
         deferred_ids = self.deferred_ids = {id(p) for p in deferred}
+        alone_ids = {id(p) for p in alone}
         expert_ids = {id(p) for p in expert_params} if expert_group is not group else set()
         params = [p for p in params if p.requires_grad]
         early = [p for p in params if id(p) not in deferred_ids]
         late = [p for p in params if id(p) in deferred_ids]
+        make = lambda ps, group, owner=None: _Bucket(ps, group, owner, transient=every_microbatch)
         # backward produces gradients roughly in the reverse order of the forward pass: bucket them that way,
         # filling one bucket for each kind (its group, and its owner if it goes whole to one rank) at a time,
         # in the order the buckets fill up
         owners = owners or {}
         self.buckets, capacity = [], max(1, int(bucket_size_mb * 2 ** 20))
+        if units is not None and expert_ids:
+            raise ValueError("GradientBuckets: units (ZeRO-3) with experts over their own group")
+        if units is not None:
+            self.buckets = [make(u, group) for u in reversed(units) if u]
         filling = {}  # (group, owner) -> (its parameters so far, their bytes)
-        for p in reversed(early):
+        for p in reversed(early) if units is None else []:
             kind = (expert_group if id(p) in expert_ids else group, owners.get(p))
             current, size = filling.get(kind, ([], 0))
-            if current and p.dtype != current[0].dtype:  # one dtype per flat buffer
-                self.buckets.append(_Bucket(current, *kind))
+            if current and (p.dtype != current[0].dtype or id(p) in alone_ids):  # one dtype per flat buffer
+                self.buckets.append(make(current, *kind))
                 current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
-            if size >= capacity:
-                self.buckets.append(_Bucket(current, *kind))
+            if size >= capacity or id(p) in alone_ids:
+                self.buckets.append(make(current, *kind))
                 current, size = [], 0
             filling[kind] = (current, size)
-        self.buckets += [_Bucket(current, *kind) for kind, (current, _) in filling.items() if current]
+        self.buckets += [make(current, *kind) for kind, (current, _) in filling.items() if current]
         for owner in dict.fromkeys(owners.get(p) for p in late):
             mine = [p for p in late if owners.get(p) == owner]
             for dtype in dict.fromkeys(p.dtype for p in mine):
-                self.buckets.append(_Bucket([p for p in mine if p.dtype == dtype], group, owner))
+                self.buckets.append(make([p for p in mine if p.dtype == dtype], group, owner))
         self.where = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -1767,9 +1807,13 @@ class GradientBuckets:
 
     def set_grad_sync(self, sync):
         self.sync = sync
+        if self.every_microbatch:
+            if self.started:  # the previous micro-batch's gradients: send what the hooks did not, wait
+                self._flush()
+            self.started = True
 
     def _grad_ready(self, p):
-        if self.sync:  # (otherwise a gradient-accumulation micro-step: keep accumulating in p.grad)
+        if self.sync or self.every_microbatch:  # (else a gradient-accumulation micro-step: keep accumulating)
             self.grad_ready(p)
 
     def by_hand(self, params):
@@ -1798,12 +1842,28 @@ class GradientBuckets:
 
     def _copy_in(self, bucket, i):
         p, start = bucket.params[i], bucket.offsets[i]
+        if bucket.flat is None:
+            bucket.flat = bucket.new_flat()
         view = bucket.flat[start:start + p.numel()]
         view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
+        if self.every_microbatch:
+            p.grad = None  # its elements are in the bucket now: the full-size gradient is not kept
         bucket.ready.add(i)
 
     def _launch(self, bucket):
         self.launched += 1
+        if self.every_microbatch:
+            # keep at most two buckets' full gradients in flight: settle the ones before the previous
+            for earlier in self.buckets[:max(0, self.launched - 2)]:
+                self._settle(earlier)
+            bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
+            if bucket.world == 1:
+                bucket.shard.copy_(bucket.flat)
+            else:
+                bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=bucket.group, async_op=True)
+            if self.on_launch is not None:
+                self.on_launch(bucket)
+            return
         if bucket.world == 1:
             return
         if self.shard and bucket.owner is not None:  # the sum lands on the owner only
@@ -1815,10 +1875,39 @@ class GradientBuckets:
         else:
             bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
+    def _settle(self, bucket):
+        """ZeRO-2/3: wait for a bucket's reduce-scatter, add this micro-batch's mean into grad_shard, drop
+        the flat gradient."""
+        if bucket.shard is None:
+            return
+        if bucket.work is not None:
+            bucket.work.wait()  # sync point: the flat gradient can only be freed once it is sent
+        bucket.shard.div_(self.dp)  # the sum over ranks / dp = the mean over the global batch
+        bucket.grad_shard = bucket.shard if bucket.grad_shard is None else bucket.grad_shard.add_(bucket.shard)
+        bucket.flat = bucket.shard = bucket.work = None
+
+    def _flush(self):
+        """ZeRO-2/3, end of a micro-batch's backward: launch, in bucket order, the buckets the hooks did not
+        (parameters that got no gradient: zeros), wait for all of them. Every rank launches every bucket
+        once per micro-batch, whatever its data did."""
+        for bucket in self.buckets[self.launched:]:
+            for i in range(len(bucket.params)):
+                if i not in bucket.ready:
+                    self._copy_in(bucket, i)
+            self._launch(bucket)
+        for bucket in self.buckets:
+            self._settle(bucket)
+            bucket.ready = set()
+        self.launched = 0
+
     def finish(self):
         """Wait for every bucket's collective (launching the ones the hooks did not, in bucket order:
         deferred parameters, parameters that got no gradient this step, the buckets after them) and point
-        each p.grad at its part of the result."""
+        each p.grad at its part of the result (ZeRO-2/3: leave it in the buckets' grad_shard)."""
+        if self.every_microbatch:
+            self._flush()
+            self.sync, self.started = True, False
+            return
         for bucket in self.buckets[self.launched:]:
             for i in range(len(bucket.params)):
                 if i not in bucket.ready:
@@ -1843,50 +1932,208 @@ class GradientBuckets:
             bucket.reset()
         self.sync, self.launched = True, 0
 
-    def owned_pieces(self):
-        """(param, start, end): the range of each parameter's flattened elements this rank owns under
-        sharding. Each parameter has at most one range: it is contiguous in its bucket, so is the slice
-        (a parameter of a whole bucket is all or nothing)."""
+    def owned_slices(self):
+        """(param, start, end, bucket, a, b): the range start:end of each parameter's flattened elements
+        this rank owns under sharding, which is a:b of its bucket's shard. Each parameter has at most one
+        range: it is contiguous in its bucket, so is the slice (a parameter of a whole bucket is all or
+        nothing)."""
         pieces = []
         for bucket in self.buckets:
             lo, hi = bucket.owned()
             for p, start in zip(bucket.params, bucket.offsets):
                 a, b = max(lo, start), min(hi, start + p.numel())
                 if a < b:
-                    pieces.append((p, a - start, b - start))
+                    pieces.append((p, a - start, b - start, bucket, a - lo, b - lo))
         return pieces
+
+    def owned_pieces(self):
+        """(param, start, end) of owned_slices()."""
+        return [piece[:3] for piece in self.owned_slices()]
+
+    def bucket_of(self, p):
+        return self.where[p][0]
+
 
     def gather_params(self):
         """After each rank updated what it owns under sharding, give every rank the whole updated model: an
-        all-gather of each evenly sliced bucket, a broadcast from its owner of each whole one."""
-        pending = []
-        for bucket in self.buckets:
-            if bucket.world == 1:
-                continue
-            full = torch.empty_like(bucket.flat)
-            for p, start in zip(bucket.params, bucket.offsets):
-                full[start:start + p.numel()].copy_(p.detach().reshape(-1))
-            if bucket.owner is None:
-                lo, hi = bucket.owned()
-                work = _all_gather_single(full, full[lo:hi].clone(), group=bucket.group, async_op=True)
-            else:
-                work = dist.broadcast(full, dist.get_global_rank(bucket.group, bucket.owner), group=bucket.group,
-                                      async_op=True)
-            pending.append((bucket, full, work))
-        for bucket, full, work in pending:
-            work.wait()
-            for p, start in zip(bucket.params, bucket.offsets):
-                p.detach().copy_(full[start:start + p.numel()].view_as(p))
+        all-gather of each evenly sliced bucket, a broadcast from its owner of each whole one. Two buckets
+        in flight at a time: ZeRO-2 keeps no full-size flat buffer, and must not make one for every bucket
+        here."""
+        gathered = []
+        for bucket in [b for b in self.buckets if b.world > 1] + [None]:
+            if bucket is not None:
+                full = bucket.new_flat()
+                for p, start in zip(bucket.params, bucket.offsets):
+                    full[start:start + p.numel()].copy_(p.detach().reshape(-1))
+                if bucket.owner is None:
+                    lo, hi = bucket.owned()
+                    work = _all_gather_single(full, full[lo:hi].clone(), group=bucket.group, async_op=True)
+                else:
+                    work = dist.broadcast(full, dist.get_global_rank(bucket.group, bucket.owner),
+                                          group=bucket.group, async_op=True)
+                gathered.append((bucket, full, work))
+            if len(gathered) == 2 or bucket is None:
+                for done, full, work in gathered[:len(gathered) - (bucket is not None)]:
+                    work.wait()
+                    for p, start in zip(done.params, done.offsets):
+                        p.detach().copy_(full[start:start + p.numel()].view_as(p))
+                gathered = gathered[len(gathered) - (bucket is not None):]
+
+# ZeRO-3 (Rajbhandari et al. 2020, section 5.3; Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling
+# Fully Sharded Data Parallel"). The parameters are cut into units: one per transformer block, and the
+# stage's other parameters (embedding, final norm, head) as the root unit, with a tied weight in a unit of
+# its own. Each unit is one flat tensor padded to a multiple of dp, and each rank stores only its slice
+# (param_shard): 1/dp of the parameters, of the gradients (reduce-scattered into grad_shard, as ZeRO-2) and
+# of the optimizer state. A parameter is a view into its unit's gathered buffer (param_full), whose
+# storage is empty except while the unit is in use. The rhythm, per block and per micro-batch:
+#
+#     forward:  all-gather the block (posted early: the previous block's forward prefetched it) ->
+#               post the all-gather of the next block -> compute -> free the storage
+#     backward: all-gather the block again (the later block's backward prefetched it) -> post the gather
+#               of the block before it -> recompute (activation checkpointing) and backward -> copy the
+#               gradients into the flat buffer and reduce-scatter it -> free the storage
+#
+# Freeing is the storage itself (untyped_storage().resize_(0)), not a reference: what autograd saved for
+# backward are views of the same storage, so they hold no memory in between and see the regathered values.
+# The root unit stays whole from the step's first forward until the optimizer step (it is used at both
+# ends of the model: the embedding first, the head last). The gathers, like the reduce-scatters (every
+# bucket once per micro-batch, GradientBuckets._flush), are unconditional and in the same order on every
+# rank of the group: a block runs forward and backward on every rank, even one whose MoE experts got no
+# token. A pipeline stage gathers each block again for every micro-batch (twice: forward and backward);
+# with pp stages and m micro-batches, 2m all-gathers and m reduce-scatters of each unit per step, each
+# unit's bytes times (dp - 1)/dp on the wire. Memory at a time: the shards, plus about two gathered
+# blocks (the one computing, the one prefetched), the root unit, and two buckets of gradients in flight.
+
+
+class FullyShardedParameters:
+    """ZeRO-3's parameter side over the buckets of a GradientBuckets built with `units`: `units` is
+    [(module, params)] in forward order, one per bucket; module None marks a unit kept whole through the
+    step (gathered by the model's forward, freed by free_all()), else the module whose forward and
+    backward use the unit. Moves each unit's parameters into its flat shard and registers the hooks."""
+
+    def __init__(self, grad_sync, units, model):
+        self.sync, self.group = grad_sync, grad_sync.group
+        self.dp, self.dp_rank = grad_sync.dp, grad_sync.dp_rank
+        self.blocks, self.whole = [], []
+        with torch.no_grad():
+            for module, params in units:
+                if not params:
+                    continue
+                b = grad_sync.bucket_of(params[0])
+                full = torch.zeros(b.shard_size * self.dp, dtype=params[0].dtype, device=params[0].device)
+                for p, start in zip(b.params, b.offsets):
+                    full[start:start + p.numel()].copy_(p.reshape(-1))
+                    p.data = full[start:start + p.numel()].view_as(p)  # p now lives in the gathered buffer
+                lo = self.dp_rank * b.shard_size
+                b.param_shard, b.param_full = full[lo:lo + b.shard_size].clone(), full
+                b.keep_whole = module is None
+                (self.whole if module is None else self.blocks).append(b)
+                if module is not None:
+                    i = len(self.blocks) - 1
+                    module.register_forward_pre_hook(lambda mod, args, i=i: self._pre_forward(i))
+                    module.register_forward_hook(lambda mod, args, out, i=i: self._post_forward(i, out))
+                self._free(b)
+        model.register_forward_pre_hook(lambda mod, args: self._gather_whole())
+        grad_sync.on_launch = self._post_backward
+
+    # the four states of a unit: storage empty (gather None, no bytes), gathering (gather = the work),
+    # whole (gather True)
+    def _gather(self, b):
+        if b.gather is not None:
+            return
+        full = b.param_full
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        if self.dp == 1:
+            full.copy_(b.param_shard)
+            b.gather = True
+        else:
+            b.gather = _all_gather_single(full, b.param_shard, group=self.group, async_op=True)
+
+    def _wait(self, b):
+        self._gather(b)
+        if b.gather is not True:
+            b.gather.wait()  # sync point: the block's parameters are needed now
+            b.gather = True
+
+    def _free(self, b):
+        if b.gather is not None and b.gather is not True:
+            b.gather.wait()  # a prefetch nobody used: it must land before its buffer goes
+        b.param_full.untyped_storage().resize_(0)
+        b.gather, b.in_backward = None, False
+
+    def _gather_whole(self):
+        for b in self.whole:
+            self._wait(b)
+        if self.blocks:
+            self._gather(self.blocks[0])  # prefetch the first block while the embedding computes
+
+    def _pre_forward(self, i):
+        self._wait(self.blocks[i])
+        if i + 1 < len(self.blocks) and not self.blocks[i].in_backward:  # (not while recomputing in backward)
+            self._gather(self.blocks[i + 1])
+
+    def _post_forward(self, i, out):
+        b = self.blocks[i]
+        if not b.in_backward:  # a recompute in backward keeps the block for its backward
+            self._free(b)
+        if torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad:
+            out.register_hook(lambda grad, i=i: self._pre_backward(i))
+
+    def _pre_backward(self, i):
+        b = self.blocks[i]
+        b.in_backward = True
+        self._wait(b)
+        if i > 0:
+            self._gather(self.blocks[i - 1])
+
+    def _post_backward(self, bucket):
+        """GradientBuckets launched the unit's reduce-scatter: its gradients are all in: free it."""
+        if bucket.param_full is not None and not bucket.keep_whole:
+            self._free(bucket)
+
+    def free_all(self):
+        """After the optimizer stepped the shards: every gathered copy is stale."""
+        for b in self.whole + self.blocks:
+            self._free(b)
+
+    @contextmanager
+    def whole_model(self, write_back=False):
+        """Every unit gathered (a checkpoint being loaded into the parameters: write_back=True copies
+        this rank's slice back into the shards afterwards)."""
+        for b in self.whole + self.blocks:
+            self._wait(b)
+        try:
+            yield
+        finally:
+            for b in self.whole + self.blocks:
+                if write_back:
+                    lo = self.dp_rank * b.shard_size
+                    b.param_shard.copy_(b.param_full[lo:lo + b.shard_size])
+                self._free(b)
+
+
+def sum_tied_grad_shards(grad_sync, copies, group):
+    """ZeRO-2/3 with pp > 1 and tied embeddings: the first stage's embedding and the last stage's head
+    each sit alone in a bucket, cut the same way, so the owned shards of their gradients are summed
+    across the two stages directly (the mean over dp commutes with the sum)."""
+    if group is None:
+        return
+    for p in copies:
+        dist.all_reduce(grad_sync.bucket_of(p).grad_shard, group=group)
 
 
 class ZeroOneAdamW(torch.optim.Optimizer):
-    """AdamW with its states partitioned across the data-parallel group (ZeRO stage 1).
+    """AdamW with its states partitioned across the data-parallel group (ZeRO stage 1; stages 2 and 3
+    with zero_stage).
 
     Takes parameter groups like torch.optim.AdamW (per-group lr and weight_decay) and owns the gradient
     averaging too (`self.grad_sync`, a sharded GradientBuckets): do not also all-reduce the gradients, or
     wrap the model in DistributedDataParallel, or they are reduced twice. Per step:
         backward (hooks reduce-scatter the buckets) -> grad_sync.finish() -> [clip] -> step() (AdamW on this
         rank's slice, then all-gather the updated slices)
+    zero_stage=2: the gradients are reduce-scattered every micro-batch and kept as shards only.
+    zero_stage=3: also the parameters (`units`: [(module or None, params)], see FullyShardedParameters;
+    `model` gets the root hook); step() updates the shards, and nothing is all-gathered after it.
     The update is torch.optim.AdamW's, element for element: decoupled weight decay p -= lr * wd * p, then
     p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps) (Loshchilov & Hutter 2019).
     The learning rate is read from self.param_groups at every step, so a schedule that writes
@@ -1900,28 +2147,61 @@ class ZeroOneAdamW(torch.optim.Optimizer):
     and the bias corrections are computed there from it."""
 
     def __init__(self, params, group=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 bucket_size_mb=25.0, deferred=(), expert_params=(), expert_group=None):
+                 bucket_size_mb=25.0, deferred=(), expert_params=(), expert_group=None, zero_stage=1, units=None,
+                 model=None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.group = group
+        self.group, self.zero_stage = group, zero_stage
         all_params = [p for g in self.param_groups for p in g["params"]]
-        self.grad_sync = GradientBuckets(all_params, group, bucket_size_mb, shard=True, deferred=deferred,
-                                         expert_params=expert_params, expert_group=expert_group)
+        self.grad_sync = GradientBuckets(all_params, group, bucket_size_mb, shard=True,
+                                         deferred=deferred if zero_stage == 1 else (),
+                                         expert_params=expert_params, expert_group=expert_group,
+                                         every_microbatch=zero_stage >= 2,
+                                         units=[ps for _, ps in units] if zero_stage == 3 else None,
+                                         alone=deferred if zero_stage == 2 else ())
+        self.sharded = FullyShardedParameters(self.grad_sync, units, model) if zero_stage == 3 else None
         self.group_of = {p: g for g in self.param_groups for p in g["params"]}
         # the moments of this rank's slice only, created now so that their size can be reported at start-up
-        for p, start, end in self.grad_sync.owned_pieces():
+        self.slices = {}
+        for p, start, end, bucket, a, b in self.grad_sync.owned_slices():
+            self.slices[p] = (bucket, a, b)
             self.state[p] = {"step": torch.zeros((), device=p.device), "flat_range": (start, end),
                              "exp_avg": torch.zeros(end - start, dtype=p.dtype, device=p.device),
                              "exp_avg_sq": torch.zeros(end - start, dtype=p.dtype, device=p.device)}
+
+    def owned_param(self, p):
+        """This rank's elements of p, flat: a view, so updating it updates p (ZeRO-3: p's shard)."""
+        start, end = self.state[p]["flat_range"]
+        bucket, a, b = self.slices[p]
+        return bucket.param_shard[a:b] if self.zero_stage == 3 else p.detach().view(-1)[start:end]
+
+    def owned_grad(self, p):
+        start, end = self.state[p]["flat_range"]
+        bucket, a, b = self.slices[p]
+        return p.grad.view(-1)[start:end] if self.zero_stage == 1 else bucket.grad_shard[a:b]
+
+    def grads(self):
+        """[(param, gradient tensor)]: every gradient element this rank holds, each once (ZeRO-1: whole
+        p.grad, zero off the owned range; ZeRO-2/3: the owned slices of the grad shards)."""
+        if self.zero_stage == 1:
+            return [(p, p.grad) for p in self.group_of if p.grad is not None]
+        return [(p, self.owned_grad(p)) for p in self.state]
+
+    def zero_grad(self, set_to_none=True):
+        super().zero_grad(set_to_none)
+        for bucket in self.grad_sync.buckets:
+            bucket.grad_shard = None
 
     @torch.no_grad()
     def step(self, found_inf=None):
         for p, state in self.state.items():
             group = self.group_of[p]
-            start, end = state["flat_range"]
-            # views: updating them updates p
-            adamw_update(p.view(-1)[start:end], p.grad.view(-1)[start:end], state, group["lr"],
-                         group["weight_decay"], group["betas"], group["eps"], found_inf)
-        self.grad_sync.gather_params()
+            # views: updating them updates p (ZeRO-3: p's shard)
+            adamw_update(self.owned_param(p), self.owned_grad(p), state, group["lr"], group["weight_decay"],
+                         group["betas"], group["eps"], found_inf)
+        if self.sharded is not None:
+            self.sharded.free_all()  # the next forward gathers the updated shards
+        else:
+            self.grad_sync.gather_params()
 
 
 def adamw_update(param, grad, state, lr, weight_decay, betas, eps, found_inf=None):

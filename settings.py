@@ -163,7 +163,8 @@ TRAINING = [
         Setting("pp", 1, "pipeline stages", resume="allow"),
         Setting("pp_schedule", "1f1b", "'1f1b', 'afab', 'interleaved_1f1b', 'zero_bubble' (ZB-H1) or 'zbv' (python "
                 "parallel.py draws each)", resume="allow"),
-        Setting("zero_stage", 0, "1 shards the optimizer states across data-parallel ranks", resume="allow"),
+        Setting("zero_stage", 0, "1 shards the optimizer states across data-parallel ranks, 2 also the gradients, 3 also "
+                "the parameters", resume="allow"),
         Setting("bucket_size_mb", 25.0, "data-parallel gradients are averaged in buckets of about this size",
                 resume="allow"),
         Setting("cp", 1, "context-parallel ranks: each holds 2 of the 2*cp zigzag chunks of every sequence, "

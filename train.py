@@ -41,8 +41,8 @@ from model import (ModelConfig, Transformer, check_layout, choose_attn_impl, cho
                    document_ids_and_positions, stage_layers)
 from parallel import (SCHEDULES, GradientBuckets, Muon, PipelineComm, WeightGradStore, ZeroOneAdamW, check_schedule,
                       format_grid, ideal_bubble, init_distributed, optimizer_state_bytes, pipeline_forward,
-                      resolve_dp, run_schedule, split_for_every_rank, sync_tied_grads, tied_weight_group,
-                      tp_groups_across_nodes, virtual_stages, zigzag_split)
+                      resolve_dp, run_schedule, split_for_every_rank, sum_tied_grad_shards, sync_tied_grads,
+                      tied_weight_group, tp_groups_across_nodes, virtual_stages, zigzag_split)
 
 # -----------------------------------------------------------------------------
 # settings
@@ -274,6 +274,9 @@ def setup(cfg, training=True):
         if getattr(cfg, flag) and importlib.util.find_spec(package) is None:
             raise ValueError(f"{flag}=True needs the {package} package, which is not installed: pip install "
                              f"{package} (or set --{flag}=False)")
+    if cfg.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0 (plain AdamW), 1 (optimizer states sharded across data-parallel "
+                         f"ranks), 2 (and the gradients) or 3 (and the parameters), got {cfg.zero_stage}")
     if cfg.optimizer == "muon" and cfg.zero_stage > 1:
         raise ValueError(f"optimizer='muon' runs with zero_stage 0 or 1 (ZeRO-1 deals its matrices whole to the "
                          f"data-parallel ranks), not zero_stage={cfg.zero_stage}: use --zero_stage=1, or "
@@ -283,9 +286,20 @@ def setup(cfg, training=True):
         raise ValueError(f"optimizer='muon' with zero_stage=1 and ep = {cfg.ep} is not supported (the experts are "
                          f"not on every data-parallel rank to be dealt whole): use --zero_stage=0 with Muon at "
                          f"ep > 1, or --optimizer=adamw")
-    if cfg.zero_stage not in (0, 1):
-        raise ValueError(f"zero_stage must be 0 (plain AdamW) or 1 (optimizer states sharded across data-parallel "
-                         f"ranks), got {cfg.zero_stage}")
+    if cfg.zero_stage >= 2 and cfg.ep > 1:
+        # the experts' gradients would be reduce-scattered over their own group every micro-batch, and under
+        # ZeRO-3 their units gathered over it: neither is written yet
+        raise ValueError(f"zero_stage={cfg.zero_stage} with ep = {cfg.ep} is not supported yet (the experts' "
+                         f"gradient and parameter shards would live on their own expert group): use "
+                         f"--zero_stage=1 with expert parallelism, or --ep=1")
+    if cfg.zero_stage == 3 and cfg.compile:
+        raise ValueError("compile=True with zero_stage=3 is not supported yet (the blocks' gather and free hooks "
+                         "run outside a compiled graph): use --compile=False, or zero_stage=2")
+    if cfg.zero_stage >= 2 and cfg.pp > 1 and cfg.pp_schedule not in ("1f1b", "afab"):
+        raise ValueError(f"zero_stage={cfg.zero_stage} with pp_schedule={cfg.pp_schedule!r} is not supported yet (its "
+                         f"gradients are reduce-scattered every micro-batch, which the split backward and the "
+                         f"virtual stages of this schedule do not fit yet): use pp_schedule='1f1b' or 'afab', "
+                         f"or zero_stage=1")
     check_schedule(cfg.pp_schedule, cfg.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks)
     hf_dir = None if cfg.init_from in ("scratch", "resume", "auto") else cfg.init_from  # a transformers model folder
     if training:
@@ -408,9 +422,16 @@ def build(cfg, run):
                        f"AdamW for the rest; {state}" + (f", whole matrices and AdamW slices across {layout.dp_cp} "
                                                          f"data-parallel ranks (ZeRO-1)" if cfg.zero_stage else ""))
     elif isinstance(optimizer, ZeroOneAdamW):
-        print0(layout, f"optimizer: ZeroOneAdamW, {state}, about 1/{layout.dp_cp} of the unsharded {unsharded / 2**20:.2f} MiB")
+        print0(layout, f"optimizer: ZeroOneAdamW (ZeRO-{cfg.zero_stage}), {state}, about 1/{layout.dp_cp} of the "
+                       f"unsharded {unsharded / 2**20:.2f} MiB")
     else:
         print0(layout, f"optimizer: AdamW, state {unsharded / 2**20:.2f} MiB per rank")
+    if cfg.zero_stage >= 2 and layout.dp_cp > 1:
+        m = cfg.gradient_accumulation_steps
+        print0(layout, f"ZeRO-{cfg.zero_stage}: the gradients are reduce-scattered after every one of the {m} "
+                       f"micro-batches ({m}x the reduce traffic of ZeRO-1, which sends them once per step) and kept "
+                       f"as 1/{layout.dp_cp} shards" + ("; the parameters too: each block all-gathered before its "
+                       "forward and again before its backward, every micro-batch" if cfg.zero_stage == 3 else ""))
     if model.cfg.n_expert > 0:
         expert_params, expert_state = metrics.expert_memory_bytes(model, optimizer)
         moe = next(iter(model.moe_layers().values()))
@@ -434,7 +455,7 @@ def takes_muon(name, param):
 
 def make_optimizer(model, cfg, device, layout, tied=()):
     """AdamW; weight decay on matrices (linears, embeddings) only, not on norm gains and biases. With
-    zero_stage=1, ZeroOneAdamW: the same update, its states split across the ranks that hold the same
+    zero_stage=1, 2 or 3, ZeroOneAdamW: the same update, its states split across the ranks that hold the same
     parameters, dp x cp (tied weights are averaged after their copies' gradients are summed: `deferred`).
     With optimizer='muon', one parallel.Muon: Muon for the blocks' matrices (takes_muon), with the same
     weight decay, AdamW as above for the rest."""
@@ -449,12 +470,26 @@ def make_optimizer(model, cfg, device, layout, tied=()):
         return Muon(groups, lr=cfg.learning_rate, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
                     betas=(cfg.beta1, cfg.beta2), tp_group=layout.tp_group, zero=cfg.zero_stage == 1,
                     dp_group=layout.dp_cp_group, bucket_size_mb=cfg.bucket_size_mb, deferred=tied)
-    if cfg.zero_stage == 1:
+    if cfg.zero_stage >= 1:
         return ZeroOneAdamW(groups, layout.dp_cp_group, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
                             bucket_size_mb=cfg.bucket_size_mb, deferred=tied,
-                            expert_params=model.expert_parameters().values(), expert_group=layout.expert_dp_group)
+                            expert_params=model.expert_parameters().values(), expert_group=layout.expert_dp_group,
+                            zero_stage=cfg.zero_stage, units=zero3_units(model, tied) if cfg.zero_stage == 3 else None,
+                            model=model)
     # one kernel for the whole update; on CPU (torch >= 2.4) it was a third of a small model's step unfused
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
+
+
+def zero3_units(model, tied=()):
+    """ZeRO-3's units of parameters, in forward order: the root (this stage's embedding, final norm and
+    head, kept whole through the step), a tied weight alone (its shards are summed across stages), then one
+    unit per transformer block, gathered around its forward and its backward (parallel.py, section 5)."""
+    blocks = [(block, list(block.parameters())) for block in model.blocks.values()]
+    apart = {id(p) for _, params in blocks for p in params} | {id(p) for p in tied}
+    root = [p for p in model.parameters() if id(p) not in apart]
+    return [(None, root)] + [(None, [p]) for p in tied] + blocks
+
+
 
 
 def make_grad_sync(model, cfg, layout, optimizer, tied=()):
@@ -464,7 +499,7 @@ def make_grad_sync(model, cfg, layout, optimizer, tied=()):
     are summed), so it is averaged in finish(), after that sum, not from the backward hooks. Under expert
     parallelism the experts are summed over the ranks that hold the same experts (and still divided by
     dp x cp: parallel.py, section 6), even when no other rank holds them (ep = dp)."""
-    if cfg.zero_stage == 1:  # ZeroOneAdamW or Muon with zero=True
+    if cfg.zero_stage >= 1:  # ZeroOneAdamW (ZeRO-1, 2, 3) or Muon with zero=True
         return optimizer.grad_sync
     if layout.dp_cp_group is None:
         return None
@@ -615,38 +650,56 @@ def forward_backward_step(parts, microbatches, trace=None):
         loss = run_schedule(actions, model_chunks(model, pipeline), microbatches, comm, parts.autocast,
                             parts.scaler.loss_multiplier(), set_grad_sync, pipeline.weight_grad_stores,
                             grad_sync.grad_ready if grad_sync is not None else None, trace)
-        # after the last W: the copies' gradients are complete
-        sync_tied_grads(pipeline.tied_copies, pipeline.tied_group)
+        if not sharded_grads(parts.optimizer):
+            sync_tied_grads(pipeline.tied_copies, pipeline.tied_group)
     else:
         loss = forward_backward(model, microbatches, parts.autocast, parts.scaler.loss_multiplier(), set_grad_sync)
     # One rule at every layout: a parameter without a gradient (an expert no token reached) has a zero one,
     # as the data-parallel buckets give it. AdamW then steps every parameter alike (its moments decay, the
     # weight decays, one step counter for all), and every parameter has optimizer state to checkpoint.
-    for p in model.parameters():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    # (ZeRO-2/3: the gradients are the shards the buckets keep, zero where no token reached; p.grad is None)
+    if not sharded_grads(parts.optimizer):
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
     if grad_sync is not None:
         grad_sync.finish()  # waits for the data-parallel averaging launched during backward (after the tied sum)
+    if pipeline is not None and sharded_grads(parts.optimizer):
+        sum_tied_grad_shards(grad_sync, pipeline.tied_copies, pipeline.tied_group)
     return loss
 
 
-def global_grad_norm(model, layout, dp_sharded=False):
+def sharded_grads(optimizer):
+    """ZeRO-2 or 3: each rank keeps only its shard of the gradients (in the optimizer's buckets)."""
+    return isinstance(optimizer, ZeroOneAdamW) and optimizer.zero_stage >= 2
+
+
+def model_grads(model, optimizer):
+    """[(parameter, gradient)]: every gradient element this rank holds, each once."""
+    if isinstance(optimizer, ZeroOneAdamW):
+        return optimizer.grads()
+    return [(p, p.grad) for p in model.parameters() if p.grad is not None]
+
+
+def global_grad_norm(model, layout, grads, dp_sharded=False):
     """The norm of the whole model's gradient, the same on every rank whatever the layout. Tensor-sharded
     parameters contribute their slice on each tp rank; replicated ones (norms) are counted on tp rank 0
     only; pipeline stages hold disjoint blocks (a tied head's copy is not counted twice); data- and
     context-parallel replicas hold the same (already averaged) gradient and are counted once: a parameter
     is held by dp x cp replicas, an expert under expert parallelism by (dp / ep) x cp (each rank of an ep
     group holds other experts). With ZeRO-1 (dp_sharded) each replica holds the gradient of its own elements
-    only (zero elsewhere): they add up."""
-    copies, experts = model.tied_copies(), model.expert_parameters()
+    only (zero elsewhere): they add up; so do ZeRO-2/3's owned gradient shards. `grads`:
+    model_grads(model, optimizer)."""
+    copies = {id(p) for name, p in model.named_parameters() if name in model.tied_copies()}
+    experts = {id(p) for p in model.expert_parameters().values()}
     dev = next(model.parameters()).device
     sq = {False: torch.zeros((), device=dev), True: torch.zeros((), device=dev)}  # dense, experts
-    for name, p in model.named_parameters():
-        if p.grad is None or name in copies:
+    for p, grad in grads:
+        if id(p) in copies:
             continue
         if getattr(p, "tp_shard_dim", None) is None and layout.tp_rank != 0:
             continue
-        sq[name in experts] += p.grad.detach().float().pow(2).sum()
+        sq[id(p) in experts] += grad.detach().float().pow(2).sum()
     if layout.world_size == 1:
         return (sq[False] + sq[True]).sqrt()
     replicas = (1, 1) if dp_sharded else (layout.dp_cp, layout.dp_cp // layout.ep)
@@ -655,10 +708,9 @@ def global_grad_norm(model, layout, dp_sharded=False):
     return total.sqrt()
 
 
-def scale_grads(model, factor):
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.mul_(factor)
+def scale_grads(grads, factor):
+    for _, grad in grads:
+        grad.mul_(factor)
 
 
 def train_step(cfg, layout, parts, microbatches, lr, trace=None, step=0):
@@ -691,11 +743,12 @@ def train_step(cfg, layout, parts, microbatches, lr, trace=None, step=0):
         uncompile_blocks(model)
         parts.compiled = False
         loss = forward_backward_step(parts, microbatches, trace)
+    grads = model_grads(model, optimizer)
     if scaler.enabled:
-        scale_grads(model, 1.0 / scaler.scale)
-    grad_norm = global_grad_norm(model, layout, dp_sharded=cfg.zero_stage == 1)
+        scale_grads(grads, 1.0 / scaler.scale)
+    grad_norm = global_grad_norm(model, layout, grads, dp_sharded=cfg.zero_stage >= 1)
     if cfg.grad_clip > 0:
-        scale_grads(model, (cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0))
+        scale_grads(grads, (cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0))
     if scaler.enabled:
         if scaler.update(grad_norm.item()):  # host-device sync, with fp16 only
             optimizer.step()
@@ -835,7 +888,11 @@ def save_checkpoint(cfg, run, parts, step, converted=False, keep=()):
     extra = {"torch_rng": torch.get_rng_state()}
     if torch.cuda.is_available():
         extra["cuda_rng"] = torch.cuda.get_rng_state()
-    return checkpoint.save(cfg.out_dir, step, layout.rank, layout.world_size, checkpoint.model_pieces(model, layout),
+    # ZeRO-3: each rank saves the slices of the parameters it stores (flat ranges, as the moments)
+    shards = ({p: optimizer.owned_param(p) for p in optimizer.state}
+              if isinstance(optimizer, ZeroOneAdamW) and optimizer.zero_stage == 3 else None)
+    return checkpoint.save(cfg.out_dir, step, layout.rank, layout.world_size,
+                           checkpoint.model_pieces(model, layout, shards, optimizer),
                            checkpoint.optimizer_pieces(optimizer, model, layout), meta, extra, cfg.keep_last_n, keep)
 
 
@@ -844,7 +901,9 @@ def resume(path, cfg, run, parts):
     scaler; returns its step. If a rank cannot read it, every rank falls back to the previous complete
     checkpoint (checkpoint.open_for_resume decides for all of them together)."""
     reader = checkpoint.open_for_resume(path, run.model_cfg, lambda text: print0(run.layout, text))
-    checkpoint.load_model(parts.model, reader)
+    sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: load whole, keep this rank's slices
+    with sharded.whole_model(write_back=True) if sharded is not None else nullcontext():
+        checkpoint.load_model(parts.model, reader)
     saved_optimizer = reader.meta["config"].get("optimizer", "adamw")
     if reader.meta.get("converted_from"):  # a model converted from transformers has no optimizer state
         print0(run.layout, f"a model converted from {reader.meta['converted_from']}: a fresh optimizer")
@@ -904,15 +963,29 @@ def train(cfg, run, resume_path=None):
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
                                           cfg.gradient_accumulation_steps, run.dev, document_end(model_cfg))
     vote = StopVote(layout, layout.timeout)
+    plan = metrics.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))
+    print0(layout, "predicted " + metrics.format_plan(plan))
     timer, timed_steps, logged = time.time(), 0, step
     micro = batches(step)
     trace_step = min(step + 2, cfg.max_iters) if cfg.pp_trace and parts.pipeline is not None else None
+    measured = None
     while step < cfg.max_iters:
         lr = get_lr(step, cfg)
         # pp_trace: the second step of this run (the first warms up), clocks set at a barrier
         trace = metrics.PipelineTrace(run.dev) if step + 1 == trace_step else None
         run.phase = f"training step {step + 1} (forward, backward, gradient averaging and norm)"
-        loss, grad_norm = train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)
+        if measured is None:  # the first step's peak, measured (its time includes the CPU tracker's)
+            out = []
+            peak_bytes = metrics.measure_step_memory(
+                lambda: out.append(train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)), run.dev)
+            (loss, grad_norm), = out
+            measured = memory_rows(layout, plan[layout.pp_rank]["peak"], peak_bytes, step + 1)
+            for row in measured:
+                print0(layout, f"memory rank {row['rank']} (dp {row['dp_rank']} tp {row['tp_rank']} pp {row['pp_rank']}): "
+                               f"predicted {row['predicted_bytes'] / 2**20:,.1f} MiB, measured "
+                               f"{row['measured_bytes'] / 2**20:,.1f} MiB (step {step + 1})")
+        else:
+            loss, grad_norm = train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)
         step += 1
         if trace is not None:
             print0(layout, metrics.write_pipeline_trace(trace, layout, cfg, step))
@@ -936,6 +1009,8 @@ def train(cfg, run, resume_path=None):
             record["peak_mem_bytes"] = metrics.peak_memory_bytes(run.dev, layout)
             if model_cfg.n_expert > 0:
                 record.update(metrics.moe_metrics(parts.model, layout, steps=step - logged))
+            if measured is not None and step == measured[0]["step"]:
+                record["memory"] = measured  # every rank's predicted and measured peak, once
             eta = (cfg.max_iters - step) * elapsed / timed_steps  # training steps only: evals and saves come on top
             print0(layout, f"step {step:6d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
                            f"{record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step | "
@@ -992,6 +1067,15 @@ def checkpoints_before_trouble(cfg, parts):
         return ()
     good = [p for p in checkpoint.complete_checkpoints(cfg.out_dir) if checkpoint.step_of(p) < began]
     return tuple(good[-1:])
+def memory_rows(layout, predicted, measured, step):
+    """[{rank, dp_rank, cp_rank, tp_rank, pp_rank, predicted_bytes, measured_bytes, step}] of every rank."""
+    mine = {"rank": layout.rank, "dp_rank": layout.dp_rank, "cp_rank": layout.cp_rank, "tp_rank": layout.tp_rank,
+            "pp_rank": layout.pp_rank, "predicted_bytes": int(predicted), "measured_bytes": int(measured), "step": step}
+    rows = [mine]
+    if layout.world_size > 1:
+        rows = [None] * layout.world_size
+        dist.all_gather_object(rows, mine)
+    return rows
 
 
 def convert(cfg, run, parts):

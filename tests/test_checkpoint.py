@@ -77,17 +77,20 @@ def uninterrupted(data_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run_3d(data_dir, tmp_path_factory):
-    """5 steps at dp2 x tp2 x pp2 with ZeRO-1, checkpoints at steps 3 and 5: each of the 8 ranks saves its
-    own part of the weights and of the Adam moments."""
+    """5 steps at dp2 x tp2 x pp2 with ZeRO-3 (tied embeddings: their shards summed across the two stages)
+    and activation checkpointing (each block gathered again for its recompute), checkpoints at steps 3 and
+    5: each of the 8 ranks saves its own part of the weights and of the Adam moments. (ZeRO-1 at several
+    axes: tests/test_context_parallel.py's cp2_dp2_zero1 and the resumes below.)"""
     out = str(tmp_path_factory.mktemp("dp2_tp2_pp2"))
     records, proc = run_train(TINY + TWO_REPLICAS + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=5",
-                                                     "--checkpoint_interval=3", "--tp=2", "--pp=2", "--zero_stage=1"],
+                                                     "--checkpoint_interval=3", "--tp=2", "--pp=2", "--zero_stage=3",
+                                                     "--activation_checkpointing=True"],
                               nproc=8)
     assert "dp=2 x tp=2 x pp=2" in proc.stdout
     return records, out
 
 
-def test_dp2_tp2_pp2_zero1_gives_the_losses_and_final_weights_of_one_process(run_3d, uninterrupted):
+def test_dp2_tp2_pp2_zero3_gives_the_losses_and_final_weights_of_one_process(run_3d, uninterrupted):
     (records, out), (ref_records, ref_out) = run_3d, uninterrupted
     # the logged norm is the global one (every dp shard, tp slice and pp stage), the norm that was clipped
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
@@ -97,11 +100,11 @@ def test_dp2_tp2_pp2_zero1_gives_the_losses_and_final_weights_of_one_process(run
 
 
 @pytest.mark.parametrize("layout, nproc", [
-    (ONE_RANK + ["--tp=1", "--pp=1", "--zero_stage=1"], 1),  # the 2 moment shards (and tp slices) joined into 1
-    (ONE_RANK + ["--tp=2", "--pp=2", "--zero_stage=0"], 4),  # ZeRO off: AdamW's moments from the ZeRO pieces
-    (["--batch_size=1", "--tp=1", "--pp=2", "--zero_stage=1"], 8),  # dp4: the 2 moment shards cut into 4
-], ids=["dp1_tp1_pp1_zero1", "dp1_tp2_pp2_zero0", "dp4_tp1_pp2_zero1"])
-def test_dp2_tp2_pp2_zero1_checkpoint_resumes_at_another_layout(layout, nproc, run_3d, uninterrupted, data_dir,
+    (ONE_RANK + ["--tp=1", "--pp=1", "--zero_stage=0"], 1),  # the 2 weight and moment shards (and tp slices) joined
+    (ONE_RANK + ["--tp=2", "--pp=2", "--zero_stage=1"], 4),  # ZeRO-1: the joined moments cut again, one replica
+    (["--batch_size=1", "--tp=1", "--pp=2", "--zero_stage=3"], 8),  # dp4: the 2 weight and moment shards cut into 4
+], ids=["dp1_tp1_pp1_zero0", "dp1_tp2_pp2_zero1", "dp4_tp1_pp2_zero3"])
+def test_dp2_tp2_pp2_zero3_checkpoint_resumes_at_another_layout(layout, nproc, run_3d, uninterrupted, data_dir,
                                                                 tmp_path):
     shutil.copytree(os.path.join(run_3d[1], "ckpt_0000003"), tmp_path / "ckpt_0000003")
     # a later save that never completed (its .tmp folder was never renamed) must be ignored
@@ -115,6 +118,18 @@ def test_dp2_tp2_pp2_zero1_checkpoint_resumes_at_another_layout(layout, nproc, r
     assert_same_losses_and_norms(records, ref_records)
     assert_same_tensors(checkpoint_weights(tmp_path / "ckpt_0000005"),
                         checkpoint_weights(os.path.join(ref_out, "ckpt_0000005")))
+
+
+def test_a_one_process_checkpoint_resumes_at_dp4_zero3(uninterrupted, data_dir, tmp_path):
+    """The reverse: whole weights and moments, from one process, cut into four ZeRO-3 shards."""
+    shutil.copytree(os.path.join(uninterrupted[1], "ckpt_0000005"), tmp_path / "ckpt_0000005")
+    records, proc = run_train(TINY + ["--batch_size=1", f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
+                                      "--max_iters=7", "--checkpoint_interval=7", "--init_from=resume",
+                                      "--zero_stage=3"], nproc=4)
+    assert "dp=4 x tp=1 x pp=1" in proc.stdout
+    assert [r["step"] for r in records if "loss" in r] == [6, 7]
+    ref_records, _ = uninterrupted
+    assert_same_losses_and_norms(records, ref_records)
 
 
 # -----------------------------------------------------------------------------

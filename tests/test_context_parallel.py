@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import fields
 from types import SimpleNamespace
 
@@ -170,6 +171,7 @@ COMPOSED = {
     "cp2_tp2_sequence_parallel": dict(cp=2, tp=2, sequence_parallel=True),
     "cp2_pp2": dict(cp=2, pp=2),
     "cp2_dp2_zero1": dict(cp=2, dp=2, zero_stage=1, batch_size=1),
+    "cp2_dp2_zero3": dict(cp=2, dp=2, zero_stage=3, batch_size=1),
     "tp2_pp2_sequence_parallel": dict(tp=2, pp=2, sequence_parallel=True),
 }
 
@@ -264,8 +266,11 @@ def five_steps(layout, model_overrides=None, **setting_overrides):
         records.append({"step": step + 1, "loss": train.mean_across_ranks(loss, layout).item(),
                         "grad_norm": norm.item()})
     copies = parts.model.tied_copies()
-    weights = {name: gather_full(p.detach(), p, layout.tp_group).numpy()
-               for name, p in parts.model.named_parameters() if name not in copies}
+    sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: the parameters gathered to be read
+    with sharded.whole_model() if sharded is not None else nullcontext():
+        # (a copy: numpy() would pin the storage that ZeRO-3 frees by resizing it)
+        weights = {name: gather_full(p.detach().clone(), p, layout.tp_group).numpy()
+                   for name, p in parts.model.named_parameters() if name not in copies}
     return records, weights if layout.dp_cp_rank == 0 and layout.tp_rank == 0 else {}
 
 

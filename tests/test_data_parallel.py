@@ -49,6 +49,8 @@ def assert_same_run(records, ckpt_path, reference):
     assert_same_tensors(checkpoint_weights(ckpt_path), checkpoint_weights(ref_ckpt))
 
 
+# (ZeRO-2 and 3 at dp=2: the dp2 x pp2 run below, tests/test_checkpoint.py's dp2 x tp2 x pp2 run and
+# tests/test_moe_mla_layouts.py's dp2_zero3)
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_dp2_gives_the_losses_and_final_weights_of_one_process(zero_stage, data_dir, reference, tmp_path):
     records, proc = run_train(TINY + PER_RANK_AT_DP2 + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
@@ -58,6 +60,25 @@ def test_dp2_gives_the_losses_and_final_weights_of_one_process(zero_stage, data_
     state = [r["optimizer_state_bytes"] for r in records if "optimizer_state_bytes" in r]
     full = 2 * 4 * sum(p.numel() for p in checkpoint_weights(reference[1]).values())  # two fp32 moments
     assert state[-1] == pytest.approx(full / (2 if zero_stage else 1), rel=0.01)
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_dp4_zero2_and_zero3_give_the_losses_and_final_weights_of_one_process(zero_stage, data_dir, reference,
+                                                                               tmp_path):
+    """Four replicas of one window each: the bucket and unit shards are cut four ways (with padding)."""
+    records, proc = run_train(TINY + ["--batch_size=1", f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
+                                      f"--zero_stage={zero_stage}"], nproc=4)
+    assert "dp=4 x tp=1 x pp=1" in proc.stdout and f"ZeRO-{zero_stage}: the gradients are reduce-scattered" in proc.stdout
+    assert_same_run(records, os.path.join(tmp_path, f"ckpt_{STEPS:07d}"), reference)
+
+
+def test_dp2_pp2_zero2_sums_the_tied_embedding_shards_across_stages(data_dir, reference, tmp_path):
+    """pp=2 with tied embeddings: the embedding (stage 0) and the head (stage 1) each sit alone in a bucket,
+    and the owned shards of their gradients are summed across the stages (parallel.sum_tied_grad_shards)."""
+    records, proc = run_train(TINY + PER_RANK_AT_DP2 + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
+                                                        "--zero_stage=2", "--pp=2"], nproc=4)
+    assert "dp=2 x tp=1 x pp=2" in proc.stdout
+    assert_same_run(records, os.path.join(tmp_path, f"ckpt_{STEPS:07d}"), reference)
 
 
 # -----------------------------------------------------------------------------

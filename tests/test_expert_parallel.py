@@ -104,10 +104,10 @@ def train_five_steps(cfg, model_cfg, layout, dp_of_batch):
     grads = {}
     norm_of = train.global_grad_norm
 
-    def capture(model_, layout_, dp_sharded=False):  # the gradients the norm is taken of, then the norm
+    def capture(model_, layout_, grads_, dp_sharded=False):  # the gradients the norm is taken of, then the norm
         if not grads and not dp_sharded:
             grads.update({n: full(p.grad, p) for n, p in model_.named_parameters() if n not in copies})
-        return norm_of(model_, layout_, dp_sharded)
+        return norm_of(model_, layout_, grads_, dp_sharded)
 
     train.global_grad_norm = capture
     losses, norms, loads, stats = [], [], None, None

@@ -70,8 +70,9 @@ def idle_experts(state):
 @pytest.mark.parametrize("layout, grid", [
     (PER_REPLICA_AT_DP2 + ["--zero_stage=0"], "dp=2 x tp=1 x pp=1"),
     (PER_REPLICA_AT_DP2 + ["--zero_stage=1"], "dp=2 x tp=1 x pp=1"),
+    (PER_REPLICA_AT_DP2 + ["--zero_stage=3"], "dp=2 x tp=1 x pp=1"),  # every block gathered, idle experts too
     (ONE_PROCESS + ["--pp=2"], "dp=1 x tp=1 x pp=2"),
-], ids=["dp2_zero0", "dp2_zero1", "pp2"])
+], ids=["dp2_zero0", "dp2_zero1", "dp2_zero3", "pp2"])
 def test_moe_mla_with_idle_experts_equals_one_process(layout, grid, data_dir, reference, tmp_path):
     ref_records, ref_out = reference
     assert idle_experts(saved_state(ref_out / "ckpt_0000002"))  # the case at hand: experts no token reached
