@@ -1886,15 +1886,19 @@ class GradientBuckets:
         bucket.grad_shard = bucket.shard if bucket.grad_shard is None else bucket.grad_shard.add_(bucket.shard)
         bucket.flat = bucket.shard = bucket.work = None
 
-    def _flush(self):
-        """ZeRO-2/3, end of a micro-batch's backward: launch, in bucket order, the buckets the hooks did not
-        (parameters that got no gradient: zeros), wait for all of them. Every rank launches every bucket
-        once per micro-batch, whatever its data did."""
+    def _launch_the_rest(self):
+        """Launch, in bucket order, every bucket the hooks did not, its parameters without a gradient as zeros."""
         for bucket in self.buckets[self.launched:]:
             for i in range(len(bucket.params)):
                 if i not in bucket.ready:
                     self._copy_in(bucket, i)
             self._launch(bucket)
+
+    def _flush(self):
+        """ZeRO-2/3, end of a micro-batch's backward: launch, in bucket order, the buckets the hooks did not
+        (parameters that got no gradient: zeros), wait for all of them. Every rank launches every bucket
+        once per micro-batch, whatever its data did."""
+        self._launch_the_rest()
         for bucket in self.buckets:
             self._settle(bucket)
             bucket.ready = set()
@@ -1908,11 +1912,7 @@ class GradientBuckets:
             self._flush()
             self.sync, self.started = True, False
             return
-        for bucket in self.buckets[self.launched:]:
-            for i in range(len(bucket.params)):
-                if i not in bucket.ready:
-                    self._copy_in(bucket, i)
-            self._launch(bucket)
+        self._launch_the_rest()
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()  # sync point: the gradient is needed from here on
