@@ -39,7 +39,7 @@ import sys
 import time
 from collections import deque
 from contextlib import closing
-from multiprocessing import Pool
+import multiprocessing
 
 import datasets
 import numpy as np
@@ -201,7 +201,9 @@ def tokenized_batches(batches, tokenizer, num_proc):
     # not Pool.imap: its feeder thread pulls batches from the reader as fast as it can, so when reading
     # outpaces tokenizing the whole corpus piles up in memory. Two batches in flight per worker keep every
     # worker busy and memory flat.
-    with Pool(num_proc, initializer=init_worker, initargs=(tokenizer,)) as pool:
+    # spawn, not fork: a process forked while its parent has threads running (torch's, a reader's) can inherit
+    # a lock held by one of them and wait on it forever
+    with multiprocessing.get_context("spawn").Pool(num_proc, initializer=init_worker, initargs=(tokenizer,)) as pool:
         pending = deque()
         for batch in batches:
             pending.append(pool.apply_async(tokenize_batch, (batch,)))
