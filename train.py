@@ -286,12 +286,6 @@ def setup(cfg, training=True):
         raise ValueError(f"optimizer='muon' with zero_stage=1 and ep = {cfg.ep} is not supported (the experts are "
                          f"not on every data-parallel rank to be dealt whole): use --zero_stage=0 with Muon at "
                          f"ep > 1, or --optimizer=adamw")
-    if cfg.zero_stage >= 2 and cfg.ep > 1:
-        # the experts' gradients would be reduce-scattered over their own group every micro-batch, and under
-        # ZeRO-3 their units gathered over it: neither is written yet
-        raise ValueError(f"zero_stage={cfg.zero_stage} with ep = {cfg.ep} is not supported yet (the experts' "
-                         f"gradient and parameter shards would live on their own expert group): use "
-                         f"--zero_stage=1 with expert parallelism, or --ep=1")
     if cfg.zero_stage == 3 and cfg.compile:
         raise ValueError("compile=True with zero_stage=3 is not supported yet (the blocks' gather and free hooks "
                          "run outside a compiled graph): use --compile=False, or zero_stage=2")
@@ -483,7 +477,8 @@ def make_optimizer(model, cfg, device, layout, tied=()):
 def zero3_units(model, tied=()):
     """ZeRO-3's units of parameters, in forward order: the root (this stage's embedding, final norm and
     head, kept whole through the step), a tied weight alone (its shards are summed across stages), then one
-    unit per transformer block, gathered around its forward and its backward (parallel.py, section 5)."""
+    unit per transformer block, gathered around its forward and its backward (parallel.py, section 5). Under
+    expert parallelism GradientBuckets cuts a block's experts into a unit of their own, over their group."""
     blocks = [(block, list(block.parameters())) for block in model.blocks.values()]
     apart = {id(p) for _, params in blocks for p in params} | {id(p) for p in tied}
     root = [p for p in model.parameters() if id(p) not in apart]
