@@ -27,9 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from model import Transformer, attention_head_dim, loss_chunk_size, mlp_hidden_size, stage_layers
-from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ZeroOneAdamW, full_shape_of,
-                      ideal_bubble, padded_vocab_size, virtual_stages)
+from model import Transformer, attention_head_dim, loss_chunk_size, mlp_hidden_size, stage_layers, takes_muon
+from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ZeroOneAdamW, deal_whole,
+                      full_shape_of, ideal_bubble, padded_vocab_size, virtual_stages)
 
 
 # -----------------------------------------------------------------------------
@@ -503,13 +503,18 @@ class _Saved:
 # ep = 1: an upper bound) and Muon (its state counted as AdamW's).
 
 
-def stage_parameter_elements(model_cfg, tp, pp, stage):
+def stage_parameter_elements(model_cfg, tp, pp, stage, ep=1, shapes=None):
     """{name: elements this tp rank holds} of the stage's parameters: the stage built on the meta device
-    (no memory) at tp = 1, each tensor-parallel layer's tensors then cut as that layer cuts them."""
+    (no memory) at tp = 1, each tensor-parallel layer's tensors then cut as that layer cuts them. Under
+    expert parallelism a rank holds n_expert / ep experts of each layer (the first ep rank's are named).
+    shapes: a dict, filled with each parameter's full shape (Muon orthogonalises the full matrix)."""
     with torch.device("meta"):
         model = Transformer(model_cfg, None, pp, stage)
+    held = model_cfg.n_expert // ep if model_cfg.n_expert else 0
     out = {}
     for mod_name, module in model.named_modules():
+        if is_expert(mod_name) and int(mod_name.split(".mlp.experts.")[1].split(".")[0]) >= held:
+            continue  # another ep rank's expert
         for name, p in module.named_parameters(recurse=False):
             full = f"{mod_name}.{name}" if mod_name else name
             n = p.numel()
@@ -521,17 +526,37 @@ def stage_parameter_elements(model_cfg, tp, pp, stage):
             elif isinstance(module, RowParallelLinear) and name == "weight":
                 n //= tp
             out.setdefault(full, n)
+            if shapes is not None:
+                shapes.setdefault(full, tuple(p.shape))
     if model_cfg.tie_embeddings and pp == 1:
         out.pop("lm_head.weight", None)  # the embedding itself
     return out
 
 
-def block_activation_elements(model_cfg, tokens, tp, sequence_parallel=False):
+def is_expert(name):
+    """A parameter (or module) of a routed expert: held by its ep rank only, averaged over its replicas."""
+    return ".mlp.experts." in name
+
+
+def expert_rows(model_cfg, tokens, ep=1):
+    """(kept, received): the most token-to-expert assignments one rank keeps of its `tokens` (its sent
+    rows) and the most rows its local experts receive from the ep ranks, at the capacity bound: each
+    source rank sends an expert at most its capacity ceil(capacity_factor * N * k / E) (dropless: every
+    assignment, all of them possibly to this rank's experts). At ep = 1 the two are the same."""
+    E, k, N = model_cfg.n_expert, model_cfg.n_expert_per_token, tokens
+    if model_cfg.capacity_factor == 0:
+        return N * k, ep * N * k
+    capacity = math.ceil(model_cfg.capacity_factor * N * k / E)
+    return min(N * k, E * capacity), min(ep * N * k, E * capacity)
+
+
+def block_activation_elements(model_cfg, tokens, tp, sequence_parallel=False, ep=1):
     """Elements autograd saves for one block's backward, for `tokens` tokens of a micro-batch (this rank's),
     counted from model.py's Block: the residual input and the residual between attention and MLP, each
     norm's rsqrt, normalised input and output, attention's rotated q, k, v (k and v repeated to the query
     heads under GQA), its output and log-sum-exp, the MLP's hidden tensors (SwiGLU: gate, silu, up, their
-    product; GELU: up and gelu), or a Mixture-of-Experts layer at its capacity bound."""
+    product; GELU: up and gelu), or a Mixture-of-Experts layer at its capacity bound (under expert
+    parallelism the local experts' inputs and hidden tensors on the rows they receive, expert_rows)."""
     C, D = model_cfg.n_embd, attention_head_dim(model_cfg)
     H = model_cfg.n_head // tp
     H_kv = model_cfg.n_kv_head // tp if model_cfg.n_kv_head % tp == 0 else 1
@@ -545,12 +570,12 @@ def block_activation_elements(model_cfg, tokens, tp, sequence_parallel=False):
     F = mlp_hidden_size(model_cfg) // tp
     per_token_mlp = (4 if model_cfg.mlp == "swiglu" else 2) * F
     if model_cfg.n_expert > 0:
-        E, k = model_cfg.n_expert, model_cfg.n_expert_per_token
-        capacity = math.ceil(model_cfg.capacity_factor * N * k / E)
-        kept = min(N * k, E * capacity)
-        # tokens reordered (N x C), router logits and probabilities (N x E, fp32), each kept assignment's
-        # gathered input, hidden tensors and output, the combined output; the shared experts on every token
-        mlp = N * C + 2 * N * E + kept * (2 * C + per_token_mlp) + 2 * N * C
+        E = model_cfg.n_expert
+        kept, received = expert_rows(model_cfg, N, ep)
+        # tokens reordered (N x C), router logits and probabilities (N x E, fp32), each received row's input
+        # and hidden tensors, each kept assignment's output (back on this rank), the combined output; the
+        # shared experts on every token
+        mlp = N * C + 2 * N * E + received * (C + per_token_mlp) + kept * C + 2 * N * C
         mlp += model_cfg.n_shared_expert * N * (C + per_token_mlp)
     else:
         mlp = N * per_token_mlp
@@ -581,29 +606,35 @@ def in_flight_microbatches(schedule, pp, stage, m):
 
 def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, block_size=None,
                 microbatches=1, schedule="1f1b", activation_checkpointing=False, chunked_loss=True,
-                sequence_parallel=False, bucket_size_mb=25.0, param_bytes=4, act_bytes=4):
+                sequence_parallel=False, bucket_size_mb=25.0, param_bytes=4, act_bytes=4, ep=1,
+                optimizer="adamw", dp_rank=None):
     """For each pipeline stage, one rank's bytes: {'stage', 'parameters', 'gradients', 'optimizer',
-    'activations', 'loss', 'buffers', 'peak'} (see above; ZeRO-3's gathered root unit and blocks are under
-    'parameters')."""
+    'activations', 'loss', 'buffers', 'step', 'peak'} (see above; ZeRO-3's gathered root unit and blocks are
+    under 'parameters'). dp_rank: the data-parallel (dp x cp) rank, where ranks differ (Muon's ZeRO-1 deals
+    whole matrices); None: the largest of them."""
     T = block_size or model_cfg.block_size
-    replicas = dp * cp
+    replicas, expert_replicas = dp * cp, dp // ep * cp  # the ranks that shard a parameter, an expert
     N = batch_size * T // cp  # this rank's tokens per micro-batch
     C, V = model_cfg.n_embd, padded_vocab_size(model_cfg.vocab_size, tp)
     bucket = max(1, int(bucket_size_mb * 2 ** 20))
+    muon = optimizer == "muon"
     stages = []
     for stage in range(pp):
-        elements = stage_parameter_elements(model_cfg, tp, pp, stage)
+        shapes = {}
+        elements = stage_parameter_elements(model_cfg, tp, pp, stage, ep, shapes)
         P = sum(elements.values())
-        blocks = len(stage_layers(model_cfg.n_layer, pp, stage))
-        block_elems = [sum(n for name, n in elements.items() if name.startswith(f"blocks.{i}."))
-                       for i in stage_layers(model_cfg.n_layer, pp, stage)]
-        root = P - sum(block_elems)
-        biggest_block = max(block_elems, default=0)
-        shard = lambda n: -(-n // replicas)
+        layers = stage_layers(model_cfg.n_layer, pp, stage)
+        blocks = len(layers)
+        # ZeRO-3's units: each block's dense part over dp x cp, its experts over their own replicas
+        block_units = [[sum(n for name, n in elements.items() if name.startswith(f"blocks.{i}.") and
+                            is_expert(name) == expert) for expert in (False, True)] for i in layers]
+        root = P - sum(map(sum, block_units))
+        biggest_block = max(map(sum, block_units), default=0)
+        shard = lambda n, r=replicas: -(-n // r)
+        sharded = sum(shard(dense) + shard(experts, expert_replicas) for dense, experts in block_units) + shard(root)
         params = P * param_bytes
         if zero_stage == 3:
-            params = (sum(shard(n) for n in block_elems) + shard(root)) * param_bytes
-            params += (root + min(2, blocks) * biggest_block) * param_bytes
+            params = sharded * param_bytes + (root + min(2, blocks) * biggest_block) * param_bytes
         # at the end of backward: autograd's new gradient of the largest parameter before it is added
         # into p.grad or copied into its bucket; for a weight tied within the stage the head's part, the
         # embedding's part and their sum
@@ -611,18 +642,53 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
         largest = max(elements.values()) * (3 if tied_here else 1)
         buffers = largest * param_bytes
         if zero_stage >= 2:
-            grads = (sum(shard(n) for n in block_elems) + shard(root)) * param_bytes
+            grads = sharded * param_bytes
             # and in flight with it: its bucket's flat buffer, and the bucket launched before it
             if zero_stage == 3:
-                sizes = sorted(block_elems + [root], reverse=True)
-            else:
-                sizes = sorted(bucket_elements(list(elements.values()), bucket // param_bytes), reverse=True)
+                sizes = sorted([n for unit in block_units for n in unit if n] + [root], reverse=True)
+            else:  # the experts fill buckets of their own
+                sizes = sorted(sum((bucket_elements([n for name, n in elements.items() if is_expert(name) == e],
+                                                    bucket // param_bytes) for e in (False, True)), []), reverse=True)
             buffers += (sizes[0] + (sizes[1] if len(sizes) > 1 else 0)) * param_bytes
         else:
             grads = P * param_bytes * (2 if (replicas > 1 or zero_stage == 1) else 1)
-        optimizer = 2 * (P if zero_stage == 0 else -(-P // replicas)) * param_bytes
+        # the optimizer's state: AdamW's two moments per element; Muon's one momentum per matrix element
+        # (AdamW's two for the rest); under ZeRO 1/dp of them (the experts' over their replicas), except
+        # Muon's matrices, dealt whole (parallel.deal_whole): this rank's share is what the deal gives it
+        matrices = [name for name in elements if takes_muon(name, torch.empty(shapes[name], device="meta"))] if muon else []
+        M = sum(elements[name] for name in matrices)
+        adamw_elements = [sum(n for name, n in elements.items() if is_expert(name) == e and name not in matrices)
+                          for e in (False, True)]  # dense, experts
+        if zero_stage == 0:
+            state = 2 * (P - M) + M
+            owned = matrices
+        else:
+            state = 2 * (shard(adamw_elements[0]) + shard(adamw_elements[1], expert_replicas))
+            owners = deal_whole(reversed([torch.empty(elements[name], device="meta") for name in matrices]), replicas)
+            share = [[] for _ in range(replicas)]
+            for name, owner in zip(reversed(matrices), owners.values()):
+                share[owner].append(name)
+            owned = share[dp_rank] if dp_rank is not None else max(share, key=lambda ns: sum(elements[n] for n in ns))
+            state += sum(elements[name] for name in owned)
+        optimizer_bytes = state * param_bytes
+        # the optimizer step's temporaries (torch.optim.AdamW's fused kernel makes none): adamw_update's
+        # (new moments, denominator, new parameter and the two terms of its update: six of the largest
+        # slice); Muon's, for the largest matrix it owns: the new momentum and its Nesterov step (its tp
+        # slice), the matrix gathered whole across tp, and Newton-Schulz on it in fp32 (the normalised X;
+        # then at most X's next iterate, X X^T, the polynomial's terms: see newton_schulz)
+        step_temps = 0
+        if zero_stage >= 1 or muon:
+            adamw_slices = [shard(n, expert_replicas if is_expert(name) else replicas) if zero_stage else n
+                            for name, n in elements.items() if name not in matrices]
+            step_temps = 6 * max(adamw_slices, default=0) * param_bytes
+        if owned:
+            big = max(owned, key=lambda name: math.prod(shapes[name]))
+            F, a = math.prod(shapes[big]), min(shapes[big])
+            gathered = F * param_bytes if tp > 1 and elements[big] < F else 0
+            newton_schulz_bytes = (F + max(F + 4 * a * a, 3 * F + 2 * a * a)) * 4
+            step_temps = max(step_temps, 2 * elements[big] * param_bytes + gathered + newton_schulz_bytes)
         held = in_flight_microbatches(schedule, pp, stage, microbatches)
-        per_block = block_activation_elements(model_cfg, N, tp, sequence_parallel)
+        per_block = block_activation_elements(model_cfg, N, tp, sequence_parallel, ep)
         n_local = N // tp if sequence_parallel else N
         if activation_checkpointing:
             activations = (held * blocks * n_local * C + per_block) * act_bytes
@@ -636,29 +702,41 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
                 loss = (final_norm * act_bytes + (N * C + V * C) * 4) * held + chunk * model_cfg.vocab_size * 4
             else:
                 loss = (final_norm * act_bytes + N * C * act_bytes + N * (V // tp) * 4) * held + 2 * N * (V // tp) * 4
+        # expert parallelism: while an MoE layer's outputs travel back, the rows it sent, the rows it
+        # received, its experts' outputs and their reordered copy (parallel.dispatch_to_experts), beside
+        # the activations saved so far
+        exchange = 0
+        if ep > 1 and model_cfg.n_expert > 0 and blocks:
+            kept, received = expert_rows(model_cfg, N, ep)
+            exchange = (kept + 3 * received) * C * act_bytes
         # Two moments. The forward of the micro-batch that brings the stage to `held` in flight done:
         # its activations and the loss's gradients alive, and ZeRO-0/1's p.grad only if a backward ran
         # before it in the step (m > held); otherwise the largest is either that forward, without p.grad,
         # or the first backward's end, with p.grad and one micro-batch fewer. And the end of a backward
-        # (ZeRO-2/3: activations gone, the last gradients in flight).
-        forward = activations + loss
+        # (ZeRO-2/3: activations gone, the last gradients in flight). Then the optimizer step: the
+        # gradients once (p.grad is a view of the buckets by then) and the step's temporaries.
+        forward = activations + max(loss, exchange)
         accumulated = P * param_bytes if zero_stage < 2 else 0  # autograd's p.grad (ZeRO-0/1)
         if microbatches > held:
             at_forward = accumulated + forward
         else:
             at_forward = max(forward, accumulated + forward * (held - 1) / held)
-        peak = params + (grads - accumulated) + optimizer + max(at_forward, accumulated + buffers)
-        stages.append({"stage": stage, "parameters": params, "gradients": grads, "optimizer": optimizer,
-                       "activations": activations, "loss": loss, "buffers": buffers, "peak": peak})
+        peak = params + (grads - accumulated) + optimizer_bytes + max(at_forward, accumulated + buffers)
+        at_step = params + (grads if zero_stage >= 2 else P * param_bytes) + optimizer_bytes + step_temps
+        stages.append({"stage": stage, "parameters": params, "gradients": grads, "optimizer": optimizer_bytes,
+                       "activations": activations, "loss": loss, "buffers": buffers, "step": step_temps,
+                       "peak": max(peak, at_step)})
     return stages
 
 
-def plan_for(cfg, model_cfg, layout_dims):
-    """plan_memory for a run's settings (train.py's cfg) at layout_dims = (dp, tp, pp, cp)."""
+def plan_for(cfg, model_cfg, layout_dims, dp_rank=None):
+    """plan_memory for a run's settings (train.py's cfg) at layout_dims = (dp, tp, pp, cp); dp_rank: see
+    plan_memory."""
     dp, tp, pp, cp = layout_dims
     return plan_memory(model_cfg, dp, tp, pp, cp, cfg.zero_stage, cfg.batch_size, cfg.block_size,
                        cfg.gradient_accumulation_steps, cfg.pp_schedule, cfg.activation_checkpointing,
-                       cfg.chunked_loss, cfg.sequence_parallel, cfg.bucket_size_mb)
+                       cfg.chunked_loss, cfg.sequence_parallel, cfg.bucket_size_mb, ep=cfg.ep,
+                       optimizer=cfg.optimizer, dp_rank=dp_rank)
 
 
 def format_plan(stages, gpu_mem_gb=None):

@@ -1303,3 +1303,11 @@ class Transformer(nn.Module):
                 next_id = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1)
             idx = torch.cat([idx, next_id], dim=1)
         return idx
+
+
+def takes_muon(name, param):
+    """With optimizer='muon', the parameters Muon updates: the 2-D weights inside the blocks (attention and
+    MLP projections, experts; q, k and v are separate matrices). Not the MoE router, which maps a hidden
+    state to one score per expert as the head maps it to one per token; the embedding and the head sit
+    outside the blocks, norm gains and biases are 1-D: all of those take AdamW."""
+    return name.startswith("blocks.") and param.dim() == 2 and not name.endswith("router.weight")

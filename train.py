@@ -38,7 +38,7 @@ import metrics
 import settings
 from configurator import ConfigError, configure, make_folder
 from model import (ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype,
-                   document_ids_and_positions, stage_layers)
+                   document_ids_and_positions, stage_layers, takes_muon)
 from parallel import (SCHEDULES, GradientBuckets, Muon, PipelineComm, WeightGradStore, ZeroOneAdamW, check_schedule,
                       format_grid, ideal_bubble, init_distributed, optimizer_state_bytes, pipeline_forward,
                       resolve_dp, run_schedule, split_for_every_rank, sum_tied_grad_shards, sync_tied_grads,
@@ -437,14 +437,6 @@ def build(cfg, run):
     return SimpleNamespace(model=model, compiled=compile_blocks(model, cfg, layout), optimizer=optimizer,
                            grad_sync=grad_sync, pipeline=pipeline, autocast=autocast, scaler=scaler, loaded=loaded,
                            bad_steps=BadSteps(run.dev, cfg.max_bad_steps))
-
-
-def takes_muon(name, param):
-    """With optimizer='muon', the parameters Muon updates: the 2-D weights inside the blocks (attention and
-    MLP projections, experts; q, k and v are separate matrices). Not the MoE router, which maps a hidden
-    state to one score per expert as the head maps it to one per token; the embedding and the head sit
-    outside the blocks, norm gains and biases are 1-D: all of those take AdamW."""
-    return name.startswith("blocks.") and param.dim() == 2 and not name.endswith("router.weight")
 
 
 def make_optimizer(model, cfg, device, layout, tied=()):
@@ -974,7 +966,8 @@ def train(cfg, run, resume_path=None):
             peak_bytes = metrics.measure_step_memory(
                 lambda: out.append(train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)), run.dev)
             (loss, grad_norm), = out
-            measured = memory_rows(layout, plan[layout.pp_rank]["peak"], peak_bytes, step + 1)
+            mine = metrics.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank)
+            measured = memory_rows(layout, mine[layout.pp_rank]["peak"], peak_bytes, step + 1)
             for row in measured:
                 print0(layout, f"memory rank {row['rank']} (dp {row['dp_rank']} tp {row['tp_rank']} pp {row['pp_rank']}): "
                                f"predicted {row['predicted_bytes'] / 2**20:,.1f} MiB, measured "
