@@ -296,17 +296,18 @@ CHAIN = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=2", "--block_s
          "--log_interval=1", "--eval_interval=0", "--checkpoint_interval=2", "--keep_last_n=0", "--warmup_iters=2",
          f"--lr_decay_iters={CHAIN_STEPS}", "--learning_rate=3e-3", "--bucket_size_mb=0.01", "--peak_flops=1e12"]
 # (processes, settings): the global batch is 4 micro-batches of 2 sequences at every layout
-SEGMENTS = [(2, ["--ep=2", "--gradient_accumulation_steps=2"]),  # ep=1 (one process) -> ep=2
-            (4, ["--ep=4", "--gradient_accumulation_steps=1", "--zero_stage=1"]),  # ep=2 -> ep=4, ZeRO-1
-            (2, ["--ep=2", "--gradient_accumulation_steps=2", "--zero_stage=1"]),  # ep=4 -> ep=2
-            (1, ["--ep=1", "--gradient_accumulation_steps=4"])]  # ep=2 -> ep=1
+SEGMENTS = [(2, ["--ep=2", "--gradient_accumulation_steps=2", "--zero_stage=3"]),  # one process -> ep=2, ZeRO-3
+            (4, ["--ep=4", "--gradient_accumulation_steps=1", "--zero_stage=1"]),  # ep=2 ZeRO-3 -> ep=4, ZeRO-1
+            (2, ["--ep=2", "--gradient_accumulation_steps=2", "--zero_stage=3"]),  # ep=4 -> ep=2, ZeRO-3
+            (1, ["--ep=1", "--gradient_accumulation_steps=4"])]  # ep=2 ZeRO-3 -> one process
 
 
 def test_checkpoints_reshard_between_ep_values(tmp_path):
-    """One process trains ten steps; a chain resumes its step-2 checkpoint at ep=2, that one's step 4 at
-    ep=4 (ZeRO-1), that one's step 6 at ep=2 (ZeRO-1) and that one's step 8 at one process: every step of
-    the chain equals the uninterrupted run (loss, gradient norm), and so do the final weights. The
-    experts are saved by their global index whichever rank holds them, the AdamW moments with them."""
+    """One process trains ten steps; a chain resumes its step-2 checkpoint at ep=2 (ZeRO-3), that one's
+    step 4 at ep=4 (ZeRO-1), that one's step 6 at ep=2 (ZeRO-3) and that one's step 8 at one process:
+    every step of the chain equals the uninterrupted run (loss, gradient norm), and so do the final
+    weights. The experts are saved by their global index whichever rank holds them, the AdamW moments
+    with them (ZeRO-3: each rank's flat shards of both)."""
     data = make_token_data(str(tmp_path / "data"))
     ref_out = tmp_path / "one_process"
     reference = train_in_process(CHAIN + ["--gradient_accumulation_steps=4", f"--max_iters={CHAIN_STEPS}",
