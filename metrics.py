@@ -484,7 +484,9 @@ class _Saved:
 #   gradients    ZeRO-0/1: autograd's p.grad, accumulated over the micro-batches, plus the buckets' flat
 #                copies when there are data-parallel replicas (dp x cp > 1, or ZeRO-1); ZeRO-2/3: the 1/dp
 #                shards plus three buckets (units) in flight (the one filling, two being reduce-scattered)
-#   optimizer    AdamW's two moments per element (1/dp of them under ZeRO, padded)
+#   optimizer    AdamW's two moments per element (1/dp of them under ZeRO, padded); Muon's one momentum per
+#                element of a block's matrix (AdamW's two for the rest), ZeRO-1 dealing the matrices whole:
+#                a rank's share is what parallel.deal_whole gives it, not 1/dp
 #   activations  what autograd saves per block and micro-batch (counted from the block's code below, in
 #                the activation dtype), times the stage's blocks, times the micro-batches the schedule
 #                holds between their forward and their backward (AFAB: all m; 1F1B: pp - stage; pp = 1:
@@ -495,12 +497,21 @@ class _Saved:
 #   buffers      at the end of backward: the last gradients in flight (autograd's new gradient of the
 #                largest parameter, three of them for a weight tied within the stage; ZeRO-2/3 also two
 #                buckets or units of flat gradients)
+#   step         the optimizer step's temporaries (none for torch's fused AdamW): adamw_update's six
+#                slices of the largest tensor it updates; Muon's, for the largest matrix a rank updates, its
+#                new momentum and Nesterov step, the matrix gathered across tp, Newton-Schulz in fp32
+# Expert parallelism: each rank holds n_expert / ep experts of each layer, their gradients and optimizer
+# state; under ZeRO those are sharded over the expert replicas ((dp / ep) x cp ranks) and the rest over
+# dp x cp, and ZeRO-3 gathers a block's experts as a unit of their own. The experts' activations are
+# counted on the rows a rank receives at the capacity bound (expert_rows: up to ep times its own tokens'
+# assignments when dropless), and while an MoE layer's outputs travel back, the all-to-all buffers
+# (the rows sent, received, computed and reordered) are alive beside the activations.
 # The peak is the states (parameters, gradients, optimizer) plus the larger of activations + loss (the
 # last micro-batch's forward done) and buffers (its backward ending): with m >= 2 micro-batches the
-# accumulated gradients of ZeRO-0/1 are alive at both moments (with m = 1 this is an upper bound). Not modelled, said where it
-# applies: fp16/bf16 autocast's cast copies (counted at the activation dtype), the eager attention's
-# (B, H, T, T) scores, MLA, context parallelism's ring buffers, expert parallelism (the experts are counted as at
-# ep = 1: an upper bound) and Muon (its state counted as AdamW's).
+# accumulated gradients of ZeRO-0/1 are alive at both moments (with m = 1 this is an upper bound); or
+# the optimizer step: the states, the gradients once, and the step's temporaries. Not modelled, said
+# where it applies: fp16/bf16 autocast's cast copies (counted at the activation dtype), the eager
+# attention's (B, H, T, T) scores, MLA, context parallelism's ring buffers.
 
 
 def stage_parameter_elements(model_cfg, tp, pp, stage, ep=1, shapes=None):

@@ -1982,7 +1982,9 @@ class GradientBuckets:
 # ZeRO-3 (Rajbhandari et al. 2020, section 5.3; Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling
 # Fully Sharded Data Parallel"). The parameters are cut into units: one per transformer block, and the
 # stage's other parameters (embedding, final norm, head) as the root unit, with a tied weight in a unit of
-# its own. Each unit is one flat tensor padded to a multiple of dp, and each rank stores only its slice
+# its own. Under expert parallelism (section 6) a block's experts are a unit of their own, sharded,
+# gathered and reduce-scattered over the ranks that hold the same experts (expert_group), beside the
+# block's other parameters over the data-parallel group: the block's hooks gather and free both. Each unit is one flat tensor padded to a multiple of dp, and each rank stores only its slice
 # (param_shard): 1/dp of the parameters, of the gradients (reduce-scattered into grad_shard, as ZeRO-2) and
 # of the optimizer state. A parameter is a view into its unit's gathered buffer (param_full), whose
 # storage is empty except while the unit is in use. The rhythm, per block and per micro-batch:
@@ -2147,7 +2149,8 @@ class ZeroOneAdamW(torch.optim.Optimizer):
     p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps) (Loshchilov & Hutter 2019).
     The learning rate is read from self.param_groups at every step, so a schedule that writes
     group['lr'] reaches the update. `expert_params` and `expert_group`: see GradientBuckets; their states
-    are split across expert_group, the ranks that hold the same experts.
+    are split across expert_group, the ranks that hold the same experts (ZeRO-2/3: their gradients and
+    parameters too).
 
     step(found_inf) skips the update where found_inf (a 0-dim float tensor on the parameters' device, the
     argument torch's fused AdamW takes) is 1: weights, moments and step counter stay exactly as they were.
@@ -2266,7 +2269,8 @@ def optimizer_state_bytes(optimizer):
 # Cost: each rank sends every token row routed to another rank's expert twice forward (the token, its
 # output) and twice backward (their gradients): 4 * rows * n_embd * bytes per element per layer, plus the
 # counts; none of it overlaps with compute here. Memory: each rank holds n_expert / ep experts' weights,
-# gradients and AdamW moments (ZeRO-1 then shards those over the expert_dp_group). With tp > 1 every
+# gradients and AdamW moments (ZeRO-1 shards the moments over the expert_dp_group, ZeRO-2 the gradients
+# too, ZeRO-3 the weights as well: section 5). With tp > 1 every
 # tensor-parallel rank exchanges the same rows with its own ep group (each keeps its slice of the experts).
 # An expert that receives no rows still runs, on zero rows: its zero gradient arrives during backward as a
 # busy expert's does, so the gradient buckets (section 5) fill at the same point on every rank.
