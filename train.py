@@ -292,9 +292,6 @@ def setup(cfg, training=True):
         raise ValueError(f"zero_stage={cfg.zero_stage} with ep = {cfg.ep} is not supported yet (the experts' "
                          f"gradient and parameter shards would live on their own expert group): use "
                          f"--zero_stage=1 with expert parallelism, or --ep=1")
-    if cfg.zero_stage == 3 and cfg.compile:
-        raise ValueError("compile=True with zero_stage=3 is not supported yet (the blocks' gather and free hooks "
-                         "run outside a compiled graph): use --compile=False, or zero_stage=2")
     if cfg.zero_stage >= 2 and cfg.pp > 1 and cfg.pp_schedule not in ("1f1b", "afab"):
         raise ValueError(f"zero_stage={cfg.zero_stage} with pp_schedule={cfg.pp_schedule!r} is not supported yet (its "
                          f"gradients are reduce-scattered every micro-batch, which the split backward and the "
@@ -549,7 +546,10 @@ def compile_blocks(model, cfg, layout):
     eager; evaluation runs the compiled blocks too (one more graph, without autograd). The parameters are
     graph inputs by default from torch 2.5 (dynamo's inline_inbuilt_nn_modules; before it each block would
     compile anew). The compiled forward is an attribute of the block instance, so no parameter is renamed
-    (a compiled module would prefix them with _orig_mod.) and uncompile_blocks undoes it."""
+    (a compiled module would prefix them with _orig_mod.) and uncompile_blocks undoes it. The block's own
+    hooks stay outside the graph (nn.Module.__call__ runs them around forward): under ZeRO-3 the all-gather
+    before, the free after and the re-gather before backward run eagerly around the compiled code, which
+    sees parameters whose storage is filled whenever it runs."""
     if not cfg.compile:
         return False
     print0(layout, "compiling each block with torch.compile (the first steps are slow)")
