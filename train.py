@@ -487,8 +487,6 @@ def zero3_units(model, tied=()):
     return [(None, root)] + [(None, [p]) for p in tied] + blocks
 
 
-
-
 def make_grad_sync(model, cfg, layout, optimizer, tied=()):
     """What averages the gradients across the ranks that hold the same parameters, dp x cp (each cp rank
     has the gradient of its share of every sequence): ZeroOneAdamW's own sharded buckets, plain all-reduce
@@ -901,9 +899,9 @@ def resume(path, cfg, run, parts):
     scaler; returns its step. If a rank cannot read it, every rank falls back to the previous complete
     checkpoint (checkpoint.open_for_resume decides for all of them together)."""
     reader = checkpoint.open_for_resume(path, run.model_cfg, lambda text: print0(run.layout, text))
-    sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: load whole, keep this rank's slices
-    with sharded.whole_model(write_back=True) if sharded is not None else nullcontext():
-        checkpoint.load_model(parts.model, reader)
+    sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: a unit at a time, keeping this rank's slices
+    for params in sharded.unit_by_unit() if sharded is not None else [None]:
+        checkpoint.load_model(parts.model, reader, params)
     saved_optimizer = reader.meta["config"].get("optimizer", "adamw")
     if reader.meta.get("converted_from"):  # a model converted from transformers has no optimizer state
         print0(run.layout, f"a model converted from {reader.meta['converted_from']}: a fresh optimizer")
