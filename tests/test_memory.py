@@ -47,6 +47,10 @@ BENCH_LAYOUTS = {
     "tp2": (["--batch_size=4", "--tp=2"], 2),
     "pp2_1f1b": (["--batch_size=2", "--pp=2", "--pp_schedule=1f1b", "--gradient_accumulation_steps=4"], 2),
     "pp2_afab": (["--batch_size=2", "--pp=2", "--pp_schedule=afab", "--gradient_accumulation_steps=4"], 2),
+    "pp2_interleaved": (["--batch_size=2", "--pp=2", "--pp_schedule=interleaved_1f1b", "--pp_chunks=2",
+                         "--gradient_accumulation_steps=4"], 2),
+    "pp2_zero_bubble": (["--batch_size=2", "--pp=2", "--pp_schedule=zero_bubble", "--gradient_accumulation_steps=4"], 2),
+    "pp2_zbv": (["--batch_size=2", "--pp=2", "--pp_schedule=zbv", "--pp_chunks=2", "--gradient_accumulation_steps=4"], 2),
     "dp2_activation_checkpointing": (["--batch_size=2", "--activation_checkpointing=True"], 2),
     "dp2_moe": (["--batch_size=2", "--n_expert=8", "--n_expert_per_token=2"], 2),
     # parameters and optimizer state dominate: a wide model, one short sequence
