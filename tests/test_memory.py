@@ -17,6 +17,7 @@ sys.path[:0] = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(os.pa
 from dist_utils import run_ranks, run_train  # noqa: E402
 import settings  # noqa: E402
 import train  # noqa: E402
+from metrics import schedule_moments  # noqa: E402
 
 TOLERANCE = 0.10
 # fp32, chunked loss, m = 2 micro-batches (the planner's sum is exact for m >= 2: see metrics.py section 5)
@@ -90,6 +91,24 @@ def test_the_planner_predicts_every_ranks_peak_within_10_percent(suite_rows):
         for r in rows:
             assert abs(relative_error(r)) <= TOLERANCE, text
             assert isinstance(r["predicted_bytes"], int) and isinstance(r["measured_bytes"], int)
+
+
+def test_the_planner_walks_each_schedules_own_actions():
+    """What the walk holds at most, in micro-batches of one block: 1F1B pp - stage, AFAB all m, one without a
+    pipeline, interleaved 1F1B v pp - stage chunk-sized ones (the first rank 1F1B's pp whole micro-batches:
+    parallel.interleaved_1f1b_actions); under zero-bubble B leaves the W residual until W."""
+    def most(schedule, pp, stage, m, chunks=1, residual=0):
+        moments = schedule_moments(schedule, pp, stage, m, chunks, [1] * chunks, None, 1, residual)
+        return max(held for _, _, held, _, _ in moments)
+    for pp, m in ((4, 8), (4, 3), (2, 2)):
+        for stage in range(pp):
+            assert most("1f1b", pp, stage, m) == min(m, pp - stage)
+            assert most("afab", pp, stage, m) == m
+    assert most("1f1b", 1, 0, 4) == 1
+    assert [most("interleaved_1f1b", 4, s, 8, chunks=2) for s in range(4)] == [8, 7, 6, 5]
+    assert most("zero_bubble", 4, 0, 8) == 4  # (no W actions are deferred on the first rank, residual 0)
+    walk = list(schedule_moments("zero_bubble", 2, 1, 2, 1, [1], None, 10, 3))
+    assert [(op, held) for op, _, held, _, _ in walk] == [("F", 10), ("B", 3), ("F", 13), ("B", 6), ("W", 3), ("W", 0)]
 
 
 def test_zero2_and_zero3_shard_what_they_promise(suite_rows):
