@@ -29,7 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from model import Transformer, attention_head_dim, loss_chunk_size, mlp_hidden_size, stage_layers, takes_muon
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ZeroOneAdamW, deal_whole,
-                      full_shape_of, ideal_bubble, padded_vocab_size, virtual_stages)
+                      full_shape_of, SCHEDULES, ideal_bubble, padded_vocab_size, virtual_stages)
 
 
 # -----------------------------------------------------------------------------
@@ -488,13 +488,13 @@ class _Saved:
 #                element of a block's matrix (AdamW's two for the rest), ZeRO-1 dealing the matrices whole:
 #                a rank's share is what parallel.deal_whole gives it, not 1/dp
 #   activations  what autograd saves per block and micro-batch (counted from the block's code below, in
-#                the activation dtype), times the stage's blocks, times the micro-batches the schedule
-#                holds between their forward and their backward (AFAB: all m; 1F1B: pp - stage; pp = 1:
-#                one); with activation checkpointing only each block's input, plus one block recomputed
+#                the activation dtype), held from a chunk's forward to its backward; with activation
+#                checkpointing only each block's input, plus one block recomputed. Under the zero-bubble
+#                schedules B frees them but for the linears' x and dy, which W frees
 #   loss         the last stage: the chunked loss keeps its input and weight gradients (N x C and V x C,
 #                fp32) from forward to backward, and one chunk's logits while it runs; without it
 #                (tp > 1) the vocab-parallel logits and their softmax
-#   buffers      at the end of backward: the last gradients in flight (autograd's new gradient of the
+#   buffers      at the end of a backward: the gradients in flight (autograd's new gradient of the
 #                largest parameter, three of them for a weight tied within the stage; ZeRO-2/3 also two
 #                buckets or units of flat gradients)
 #   step         the optimizer step's temporaries (none for torch's fused AdamW): adamw_update's six
@@ -505,22 +505,29 @@ class _Saved:
 # dp x cp, and ZeRO-3 gathers a block's experts as a unit of their own. The experts' activations are
 # counted on the rows a rank receives at the capacity bound (expert_rows: up to ep times its own tokens'
 # assignments when dropless), and while an MoE layer's outputs travel back, the all-to-all buffers
-# (the rows sent, received, computed and reordered) are alive beside the activations.
-# The peak is the states (parameters, gradients, optimizer) plus the larger of activations + loss (the
-# last micro-batch's forward done) and buffers (its backward ending): with m >= 2 micro-batches the
-# accumulated gradients of ZeRO-0/1 are alive at both moments (with m = 1 this is an upper bound); or
-# the optimizer step: the states, the gradients once, and the step's temporaries. Not modelled, said
-# where it applies: fp16/bf16 autocast's cast copies (counted at the activation dtype), the eager
-# attention's (B, H, T, T) scores, MLA, context parallelism's ring buffers.
+# (the rows sent, received, computed and reordered) are alive beside the activations. Muon: one momentum
+# per element of a block's matrix, AdamW's two for the rest; ZeRO-1 deals the matrices whole
+# (parallel.deal_whole), so a rank's share of them is what the deal gives it, not 1/dp.
+# The peak is found by walking the rank's actions of the schedule (parallel.SCHEDULES: the same lists the
+# executor runs; with pp = 1 each micro-batch's forward, then its backward): the states (parameters,
+# gradients, optimizer), plus at the end of each forward what is then held (the activations and the
+# loss's tensors of every micro-batch between its forward and its backward, and ZeRO-0/1's accumulated
+# p.grad once a backward has run), and at the end of each backward or W what is still held and the
+# buffers. So AFAB holds all m micro-batches, 1F1B pp - stage, interleaved 1F1B its chunks' share of
+# more, with no count written per schedule. Then the optimizer step: the states, the gradients once
+# (p.grad is a view of the buckets by then) and the step's temporaries. Not modelled, said where it
+# applies: fp16/bf16 autocast's cast copies (counted at the activation dtype), the eager attention's
+# (B, H, T, T) scores, MLA, context parallelism's ring buffers.
 
 
-def stage_parameter_elements(model_cfg, tp, pp, stage, ep=1, shapes=None):
-    """{name: elements this tp rank holds} of the stage's parameters: the stage built on the meta device
-    (no memory) at tp = 1, each tensor-parallel layer's tensors then cut as that layer cuts them. Under
-    expert parallelism a rank holds n_expert / ep experts of each layer (the first ep rank's are named).
-    shapes: a dict, filled with each parameter's full shape (Muon orthogonalises the full matrix)."""
+def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1, ep=1, shapes=None):
+    """{name: elements this tp rank holds} of pipeline rank `stage`'s parameters (its chunks' under the
+    interleaved and V schedules): built on the meta device (no memory) at tp = 1, each tensor-parallel
+    layer's tensors then cut as that layer cuts them. Under expert parallelism a rank holds n_expert / ep
+    experts of each layer (the first ep rank's are named). shapes: a dict, filled with each parameter's
+    full shape (Muon orthogonalises the full matrix)."""
     with torch.device("meta"):
-        model = Transformer(model_cfg, None, pp, stage)
+        model = Transformer(model_cfg, None, pp * chunks, virtual_stages(schedule, pp, stage, chunks))
     held = model_cfg.n_expert // ep if model_cfg.n_expert else 0
     out = {}
     for mod_name, module in model.named_modules():
@@ -539,7 +546,7 @@ def stage_parameter_elements(model_cfg, tp, pp, stage, ep=1, shapes=None):
             out.setdefault(full, n)
             if shapes is not None:
                 shapes.setdefault(full, tuple(p.shape))
-    if model_cfg.tie_embeddings and pp == 1:
+    if model_cfg.tie_embeddings and model.is_first and model.is_last:
         out.pop("lm_head.weight", None)  # the embedding itself
     return out
 
@@ -607,38 +614,73 @@ def bucket_elements(param_elements, capacity):
     return sizes + ([current] if current else [])
 
 
-def in_flight_microbatches(schedule, pp, stage, m):
-    """Micro-batches whose activations a stage holds at once: all m under 'afab' (all forward, all
-    backward), pp - stage under '1f1b', one without a pipeline."""
+def weight_grad_residual_elements(model_cfg, tokens, tp):
+    """Elements one block keeps for a micro-batch between a zero-bubble B and its W (parallel.WeightGradStore):
+    each tensor-parallel linear's input x (q, k and v read one tensor, as the MLP's gate and up do) and its
+    output's gradient dy. Counted for the dense attention and MLP."""
+    C, D = model_cfg.n_embd, attention_head_dim(model_cfg)
+    H = model_cfg.n_head // tp
+    kv = model_cfg.n_kv_head // tp if model_cfg.n_kv_head % tp == 0 else model_cfg.n_kv_head
+    F = mlp_hidden_size(model_cfg) // tp
+    attn = C + H * D + 2 * kv * D + H * D + C  # q/k/v's x, their dy; o's x and dy
+    mlp = C + (2 if model_cfg.mlp == "swiglu" else 1) * F + F + C  # gate/up's x and dy; down's x and dy
+    return tokens * (attn + mlp)
+
+
+def schedule_moments(schedule, pp, stage, m, chunks, chunk_blocks, head_chunk, saved, residual):
+    """Walks pipeline rank `stage`'s actions (parallel.SCHEDULES; with pp = 1 each micro-batch's forward and
+    backward in turn) and yields, after each, (op, its chunk, activation elements held, micro-batches the
+    head's chunk holds, backwards so far). A forward of chunk c adds `saved` per block of the chunk
+    (chunk_blocks[c] of them); its backward takes them away, except that under the zero-bubble schedules
+    (whose W actions are separate) B leaves `residual` per block until W. head_chunk: the chunk holding the
+    head and the loss, or None."""
     if pp == 1:
-        return 1
-    return m if schedule == "afab" else min(m, pp - stage)
+        actions = [(op, i, 0) for i in range(m) for op in "FB"]
+    else:
+        actions = SCHEDULES[schedule](pp, stage, m, chunks)
+    split = any(op == "W" for op, _, _ in actions)
+    held, head, backwards = 0, 0, 0
+    for op, _, c in actions:
+        blocks = chunk_blocks[c]
+        if op == "F":
+            held += blocks * saved
+            head += c == head_chunk
+        elif op == "B":
+            held += blocks * ((residual if split else 0) - saved)
+            head -= c == head_chunk
+            backwards += 1
+        else:
+            held -= blocks * residual
+        yield op, c, held, head, backwards
 
 
 def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, block_size=None,
                 microbatches=1, schedule="1f1b", activation_checkpointing=False, chunked_loss=True,
-                sequence_parallel=False, bucket_size_mb=25.0, param_bytes=4, act_bytes=4, ep=1,
+                sequence_parallel=False, bucket_size_mb=25.0, param_bytes=4, act_bytes=4, chunks=1, ep=1,
                 optimizer="adamw", dp_rank=None):
     """For each pipeline stage, one rank's bytes: {'stage', 'parameters', 'gradients', 'optimizer',
     'activations', 'loss', 'buffers', 'step', 'peak'} (see above; ZeRO-3's gathered root unit and blocks are
-    under 'parameters'). dp_rank: the data-parallel (dp x cp) rank, where ranks differ (Muon's ZeRO-1 deals
-    whole matrices); None: the largest of them."""
+    under 'parameters'; activations and loss are their largest over the step). dp_rank: the data-parallel
+    (dp x cp) rank, where ranks differ (Muon's ZeRO-1 deals whole matrices); None: the largest of them."""
     T = block_size or model_cfg.block_size
     replicas, expert_replicas = dp * cp, dp // ep * cp  # the ranks that shard a parameter, an expert
     N = batch_size * T // cp  # this rank's tokens per micro-batch
     C, V = model_cfg.n_embd, padded_vocab_size(model_cfg.vocab_size, tp)
     bucket = max(1, int(bucket_size_mb * 2 ** 20))
     muon = optimizer == "muon"
+    n_stages = pp * chunks  # the model's stages; this rank holds `chunks` of them
     stages = []
     for stage in range(pp):
+        here = virtual_stages(schedule, pp, stage, chunks)
         shapes = {}
-        elements = stage_parameter_elements(model_cfg, tp, pp, stage, ep, shapes)
+        elements = stage_parameter_elements(model_cfg, tp, pp, stage, schedule, chunks, ep, shapes)
         P = sum(elements.values())
-        layers = stage_layers(model_cfg.n_layer, pp, stage)
-        blocks = len(layers)
+        chunk_layers = [stage_layers(model_cfg.n_layer, n_stages, s) for s in here]
         # ZeRO-3's units: each block's dense part over dp x cp, its experts over their own replicas
         block_units = [[sum(n for name, n in elements.items() if name.startswith(f"blocks.{i}.") and
-                            is_expert(name) == expert) for expert in (False, True)] for i in layers]
+                            is_expert(name) == expert) for expert in (False, True)]
+                       for layers in chunk_layers for i in layers]
+        blocks = len(block_units)
         root = P - sum(map(sum, block_units))
         biggest_block = max(map(sum, block_units), default=0)
         shard = lambda n, r=replicas: -(-n // r)
@@ -649,7 +691,8 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
         # at the end of backward: autograd's new gradient of the largest parameter before it is added
         # into p.grad or copied into its bucket; for a weight tied within the stage the head's part, the
         # embedding's part and their sum
-        tied_here = model_cfg.tie_embeddings and pp == 1
+        head_chunk = here.index(n_stages - 1) if n_stages - 1 in here else None
+        tied_here = model_cfg.tie_embeddings and head_chunk is not None and 0 in here
         largest = max(elements.values()) * (3 if tied_here else 1)
         buffers = largest * param_bytes
         if zero_stage >= 2:
@@ -698,21 +741,12 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
             gathered = F * param_bytes if tp > 1 and elements[big] < F else 0
             newton_schulz_bytes = (F + max(F + 4 * a * a, 3 * F + 2 * a * a)) * 4
             step_temps = max(step_temps, 2 * elements[big] * param_bytes + gathered + newton_schulz_bytes)
-        held = in_flight_microbatches(schedule, pp, stage, microbatches)
         per_block = block_activation_elements(model_cfg, N, tp, sequence_parallel, ep)
-        n_local = N // tp if sequence_parallel else N
-        if activation_checkpointing:
-            activations = (held * blocks * n_local * C + per_block) * act_bytes
-        else:
-            activations = held * blocks * per_block * act_bytes
-        loss = 0
-        if stage == pp - 1:
-            final_norm = n_local + 2 * n_local * C
-            if chunked_loss and tp == 1:
-                chunk = min(N, loss_chunk_size(model_cfg.vocab_size))
-                loss = (final_norm * act_bytes + (N * C + V * C) * 4) * held + chunk * model_cfg.vocab_size * 4
-            else:
-                loss = (final_norm * act_bytes + N * C * act_bytes + N * (V // tp) * 4) * held + 2 * N * (V // tp) * 4
+        # ZeRO-1: each bucket's reduce-scatter output (this rank's slice) lives from its launch in the last
+        # backward until finish() (Muon's whole matrices are reduced into the flat buffer itself)
+        if zero_stage == 1:
+            buffers += ((shard(adamw_elements[0]) if replicas > 1 else 0)
+                        + (shard(adamw_elements[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
         # expert parallelism: while an MoE layer's outputs travel back, the rows it sent, the rows it
         # received, its experts' outputs and their reordered copy (parallel.dispatch_to_experts), beside
         # the activations saved so far
@@ -720,19 +754,39 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
         if ep > 1 and model_cfg.n_expert > 0 and blocks:
             kept, received = expert_rows(model_cfg, N, ep)
             exchange = (kept + 3 * received) * C * act_bytes
-        # Two moments. The forward of the micro-batch that brings the stage to `held` in flight done:
-        # its activations and the loss's gradients alive, and ZeRO-0/1's p.grad only if a backward ran
-        # before it in the step (m > held); otherwise the largest is either that forward, without p.grad,
-        # or the first backward's end, with p.grad and one micro-batch fewer. And the end of a backward
-        # (ZeRO-2/3: activations gone, the last gradients in flight). Then the optimizer step: the
-        # gradients once (p.grad is a view of the buckets by then) and the step's temporaries.
-        forward = activations + max(loss, exchange)
+        n_local = N // tp if sequence_parallel else N
+        # with activation checkpointing a block keeps its input, and one block is recomputed at a time
+        saved = n_local * C if activation_checkpointing else per_block
+        recompute = per_block if activation_checkpointing else 0
+        loss_held = loss_once = 0  # per micro-batch the head's chunk holds; while the loss runs
+        if head_chunk is not None:
+            final_norm = n_local + 2 * n_local * C
+            if chunked_loss and tp == 1:
+                loss_held = final_norm * act_bytes + (N * C + V * C) * 4
+                loss_once = min(N, loss_chunk_size(model_cfg.vocab_size)) * model_cfg.vocab_size * 4
+            else:
+                loss_held = final_norm * act_bytes + N * C * act_bytes + N * (V // tp) * 4
+                loss_once = 2 * N * (V // tp) * 4
+        # The step walked action by action. At the end of a forward: what is held, the block just computed
+        # under activation checkpointing, the loss's chunk on the head's chunk (or, if larger, an MoE
+        # layer's all-to-all buffers in that forward), and ZeRO-0/1's p.grad once a backward has run. At
+        # the end of a backward or W: what is still held, and the gradients in flight (for ZeRO-0/1 from the
+        # second backward on: the first writes p.grad without a copy).
         accumulated = P * param_bytes if zero_stage < 2 else 0  # autograd's p.grad (ZeRO-0/1)
-        if microbatches > held:
-            at_forward = accumulated + forward
-        else:
-            at_forward = max(forward, accumulated + forward * (held - 1) / held)
-        peak = params + (grads - accumulated) + optimizer_bytes + max(at_forward, accumulated + buffers)
+        top = activations = loss = 0
+        for op, c, held, held_head, backwards in schedule_moments(
+                schedule, pp, stage, microbatches, chunks, [len(layers) for layers in chunk_layers], head_chunk,
+                saved, weight_grad_residual_elements(model_cfg, N, tp)):
+            if op == "F":
+                act = (held + recompute) * act_bytes
+                loss_now = held_head * loss_held + (loss_once if c == head_chunk else 0)
+                now = act + max(loss_now, held_head * loss_held + exchange) + (accumulated if backwards else 0)
+            else:
+                act, loss_now = held * act_bytes, held_head * loss_held
+                now = act + loss_now + accumulated + (buffers if zero_stage >= 2 or backwards > 1 else 0)
+            top = max(top, now)
+            activations, loss = max(activations, act), max(loss, loss_now)
+        peak = params + (grads - accumulated) + optimizer_bytes + top
         at_step = params + (grads if zero_stage >= 2 else P * param_bytes) + optimizer_bytes + step_temps
         stages.append({"stage": stage, "parameters": params, "gradients": grads, "optimizer": optimizer_bytes,
                        "activations": activations, "loss": loss, "buffers": buffers, "step": step_temps,
@@ -746,7 +800,7 @@ def plan_for(cfg, model_cfg, layout_dims, dp_rank=None):
     dp, tp, pp, cp = layout_dims
     return plan_memory(model_cfg, dp, tp, pp, cp, cfg.zero_stage, cfg.batch_size, cfg.block_size,
                        cfg.gradient_accumulation_steps, cfg.pp_schedule, cfg.activation_checkpointing,
-                       cfg.chunked_loss, cfg.sequence_parallel, cfg.bucket_size_mb, ep=cfg.ep,
+                       cfg.chunked_loss, cfg.sequence_parallel, cfg.bucket_size_mb, chunks=cfg.pp_chunks, ep=cfg.ep,
                        optimizer=cfg.optimizer, dp_rank=dp_rank)
 
 

@@ -91,11 +91,13 @@ def global_microbatches(cfg, model_cfg, dp, step):
 
 
 @torch.no_grad()
-def large_experts(model, std=0.2):
-    """Redraw every expert's weights (by name, the same full tensors at every layout) ten times larger than
-    the initialisation draws them: the experts' gradients are then a sizeable part of the gradient norm,
-    so an expert gradient off by a factor moves the norm well past its tolerance."""
+def large_experts(model, only=None, std=0.2):
+    """Redraw every expert's weights (by name, the same full tensors at every layout; or those in `only`)
+    ten times larger than the initialisation draws them: the experts' gradients are then a sizeable part
+    of the gradient norm, so an expert gradient off by a factor moves the norm well past its tolerance."""
     for name, p in model.expert_parameters().items():
+        if only is not None and not any(p is q for q in only):
+            continue
         full = torch.randn(full_shape_of(p), generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
         p.copy_(shard_of(full * std, p))
 
@@ -108,9 +110,9 @@ def train_five_steps(cfg, model_cfg, layout, dp_of_batch):
                           attn_impl=cfg.attn_impl, hf_dir=None)
     parts = train.build(cfg, run)
     model, copies = parts.model, parts.model.tied_copies()
-    sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: the parameters are gathered to be written
-    with sharded.whole_model(write_back=True) if sharded is not None else nullcontext():
-        large_experts(model)
+    sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: each unit gathered to be written, kept sliced
+    for params in sharded.unit_by_unit() if sharded is not None else [None]:
+        large_experts(model, params)
 
     def full(tensor, p):  # numpy: torch tensors would cross the result queue as shared memory
         return gather_full(tensor.detach().clone(), p, layout.tp_group).numpy()
