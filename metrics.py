@@ -743,10 +743,14 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
             step_temps = max(step_temps, 2 * elements[big] * param_bytes + gathered + newton_schulz_bytes)
         per_block = block_activation_elements(model_cfg, N, tp, sequence_parallel, ep)
         # ZeRO-1: each bucket's reduce-scatter output (this rank's slice) lives from its launch in the last
-        # backward until finish() (Muon's whole matrices are reduced into the flat buffer itself)
+        # backward until finish(): at the end of it, every bucket's but the one of the largest gradient,
+        # the last to fill (Muon's whole matrices are reduced into the flat buffer itself)
         if zero_stage == 1:
-            buffers += ((shard(adamw_elements[0]) if replicas > 1 else 0)
-                        + (shard(adamw_elements[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
+            biggest_name = max(elements, key=elements.get)
+            launched = [n - (elements[biggest_name] if is_expert(biggest_name) == e and biggest_name not in matrices
+                             else 0) for e, n in enumerate(adamw_elements)]
+            buffers += ((shard(launched[0]) if replicas > 1 else 0)
+                        + (shard(launched[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
         # expert parallelism: while an MoE layer's outputs travel back, the rows it sent, the rows it
         # received, its experts' outputs and their reordered copy (parallel.dispatch_to_experts), beside
         # the activations saved so far
