@@ -812,10 +812,10 @@ def format_plan(stages, gpu_mem_gb=None):
     """The plan as lines of text, one per stage, the largest named; with gpu_mem_gb what to change when it
     does not fit."""
     mib = lambda b: f"{b / 2**20:,.1f}"
-    lines = ["memory per rank (MiB): stage | parameters gradients optimizer activations loss buffers | peak"]
+    lines = ["memory per rank (MiB): stage | parameters gradients optimizer activations loss buffers step | peak"]
     for s in stages:
         lines.append(f"  stage {s['stage']} | {mib(s['parameters'])} {mib(s['gradients'])} {mib(s['optimizer'])} "
-                     f"{mib(s['activations'])} {mib(s['loss'])} {mib(s['buffers'])} | {mib(s['peak'])}")
+                     f"{mib(s['activations'])} {mib(s['loss'])} {mib(s['buffers'])} {mib(s['step'])} | {mib(s['peak'])}")
     top = max(stages, key=lambda s: s["peak"])
     lines.append(f"  largest: stage {top['stage']}, {top['peak'] / 2**30:.2f} GiB")
     if gpu_mem_gb is not None and top["peak"] > gpu_mem_gb * 2**30:
