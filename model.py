@@ -720,7 +720,7 @@ class MixtureOfExperts(nn.Module):
     n_shared_expert experts see every token, outside the routing (DeepSeekMoE, Dai et al. 2024).
 
     Tensor parallelism: every expert is split internally like the dense MLP (column-parallel in, row-
-    parallel out, one all-reduce per expert that received tokens); the router is replicated. Its input
+    parallel out, one all-reduce per expert, of no rows for one without tokens); the router is replicated. Its input
     and everything after the all-reduces are the same on every rank, so every rank routes identically
     (the ranks run the same experts in the same order: the collectives match) and computes the same,
     complete router gradient and auxiliary loss.
@@ -819,8 +819,11 @@ class MixtureOfExperts(nn.Module):
 
     def run_local_experts(self, x, sizes):
         """This rank's experts in order, the e-th on the next sizes[e] rows of x; their outputs stacked."""
-        outputs = [expert(rows) for expert, rows in zip(self.experts.values(), x.split(sizes)) if len(rows)]
-        return torch.cat(outputs) if outputs else x[:0]  # (an expert without tokens is skipped on every tp rank)
+        # Every expert runs, one without tokens on zero rows: its weights then get their (zero) gradient
+        # during backward, at the same point on every rank, so that the gradient buckets fill, and ZeRO-2/3
+        # launch their reduce-scatters between the same gathers and all-to-alls, on a rank whose expert got
+        # no token as on one whose did (parallel.py section 5). On zero rows a tp all-reduce moves nothing.
+        return torch.cat([expert(rows) for expert, rows in zip(self.experts.values(), x.split(sizes))])
 
     def count_load(self):
         """Add the last forward's assignments per expert to the step's (Transformer.forward calls it once per
@@ -1300,3 +1303,11 @@ class Transformer(nn.Module):
                 next_id = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1)
             idx = torch.cat([idx, next_id], dim=1)
         return idx
+
+
+def takes_muon(name, param):
+    """With optimizer='muon', the parameters Muon updates: the 2-D weights inside the blocks (attention and
+    MLP projections, experts; q, k and v are separate matrices). Not the MoE router, which maps a hidden
+    state to one score per expert as the head maps it to one per token; the embedding and the head sit
+    outside the blocks, norm gains and biases are 1-D: all of those take AdamW."""
+    return name.startswith("blocks.") and param.dim() == 2 and not name.endswith("router.weight")

@@ -1752,8 +1752,8 @@ class GradientBuckets:
     reduce-scattered (set_grad_sync's argument is ignored; calling it starts a new micro-batch), each added
     into the bucket's `grad_shard`, and p.grad is dropped as soon as it is copied into its bucket, so that
     no full-size gradient lives beyond the two buckets in flight. p.grad is None after finish(): the
-    gradients are the grad_shards. `units` (ZeRO-3): lists of parameters, in forward order, one bucket each.
-    `alone`: parameters that get a bucket of their own (a tied weight whose shards are summed across
+    gradients are the grad_shards. `units` (ZeRO-3): lists of parameters, in forward order, one bucket each
+    (two where a unit holds experts over their own group: the experts, then the rest). `alone`: parameters that get a bucket of their own (a tied weight whose shards are summed across
     pipeline stages: both copies must be cut the same way)."""
 
     def __init__(self, params, group, bucket_size_mb=25.0, shard=False, deferred=(), expert_params=(),
@@ -1776,10 +1776,10 @@ class GradientBuckets:
         # in the order the buckets fill up
         owners = owners or {}
         self.buckets, capacity = [], max(1, int(bucket_size_mb * 2 ** 20))
-        if units is not None and expert_ids:
-            raise ValueError("GradientBuckets: units (ZeRO-3) with experts over their own group")
-        if units is not None:
-            self.buckets = [make(u, group) for u in reversed(units) if u]
+        if units is not None:  # one bucket per unit, in backward order; a unit's experts (over expert_group)
+            for u in reversed(units):  # in one of their own, first: their gradients come first in its backward
+                experts, rest = [p for p in u if id(p) in expert_ids], [p for p in u if id(p) not in expert_ids]
+                self.buckets += [make(ps, g) for ps, g in ((experts, expert_group), (rest, group)) if ps]
         filling = {}  # (group, owner) -> (its parameters so far, their bytes)
         for p in reversed(early) if units is None else []:
             kind = (expert_group if id(p) in expert_ids else group, owners.get(p))
@@ -1982,7 +1982,9 @@ class GradientBuckets:
 # ZeRO-3 (Rajbhandari et al. 2020, section 5.3; Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling
 # Fully Sharded Data Parallel"). The parameters are cut into units: one per transformer block, and the
 # stage's other parameters (embedding, final norm, head) as the root unit, with a tied weight in a unit of
-# its own. Each unit is one flat tensor padded to a multiple of dp, and each rank stores only its slice
+# its own. Under expert parallelism (section 6) a block's experts are a unit of their own, sharded,
+# gathered and reduce-scattered over the ranks that hold the same experts (expert_group), beside the
+# block's other parameters over the data-parallel group: the block's hooks gather and free both. Each unit is one flat tensor padded to a multiple of dp, and each rank stores only its slice
 # (param_shard): 1/dp of the parameters, of the gradients (reduce-scattered into grad_shard, as ZeRO-2) and
 # of the optimizer state. A parameter is a view into its unit's gathered buffer (param_full), whose
 # storage is empty except while the unit is in use. The rhythm, per block and per micro-batch:
@@ -2007,47 +2009,51 @@ class GradientBuckets:
 
 class FullyShardedParameters:
     """ZeRO-3's parameter side over the buckets of a GradientBuckets built with `units`: `units` is
-    [(module, params)] in forward order, one per bucket; module None marks a unit kept whole through the
-    step (gathered by the model's forward, freed by free_all()), else the module whose forward and
-    backward use the unit. Moves each unit's parameters into its flat shard and registers the hooks."""
+    [(module, params)] in forward order; module None marks a unit kept whole through the step (gathered by
+    the model's forward, freed by free_all()), else the module whose forward and backward use the unit.
+    A unit is one bucket, or two when it holds experts under expert parallelism: those are sharded,
+    gathered and reduce-scattered over their own group (the ranks that hold the same experts), the rest
+    over the data-parallel group; the module's hooks gather and free both. Moves each unit's parameters
+    into its flat shards and registers the hooks."""
 
     def __init__(self, grad_sync, units, model):
-        self.sync, self.group = grad_sync, grad_sync.group
-        self.dp, self.dp_rank = grad_sync.dp, grad_sync.dp_rank
-        self.blocks, self.whole = [], []
+        self.blocks, self.whole = [], []  # blocks: each block's buckets; whole: the buckets kept whole
         with torch.no_grad():
             for module, params in units:
                 if not params:
                     continue
-                b = grad_sync.bucket_of(params[0])
-                full = torch.zeros(b.shard_size * self.dp, dtype=params[0].dtype, device=params[0].device)
-                for p, start in zip(b.params, b.offsets):
-                    full[start:start + p.numel()].copy_(p.reshape(-1))
-                    p.data = full[start:start + p.numel()].view_as(p)  # p now lives in the gathered buffer
-                lo = self.dp_rank * b.shard_size
-                b.param_shard, b.param_full = full[lo:lo + b.shard_size].clone(), full
-                b.keep_whole = module is None
-                (self.whole if module is None else self.blocks).append(b)
-                if module is not None:
+                unit = list(dict.fromkeys(grad_sync.bucket_of(p) for p in params))
+                for b in unit:
+                    full = torch.zeros(b.shard_size * b.world, dtype=b.params[0].dtype, device=b.params[0].device)
+                    for p, start in zip(b.params, b.offsets):
+                        full[start:start + p.numel()].copy_(p.reshape(-1))
+                        p.data = full[start:start + p.numel()].view_as(p)  # p now lives in the gathered buffer
+                    lo = b.rank * b.shard_size
+                    b.param_shard, b.param_full = full[lo:lo + b.shard_size].clone(), full
+                    b.keep_whole = module is None
+                    self._free(b)
+                if module is None:
+                    self.whole += unit
+                else:
+                    self.blocks.append(unit)
                     i = len(self.blocks) - 1
                     module.register_forward_pre_hook(lambda mod, args, i=i: self._pre_forward(i))
                     module.register_forward_hook(lambda mod, args, out, i=i: self._post_forward(i, out))
-                self._free(b)
         model.register_forward_pre_hook(lambda mod, args: self._gather_whole())
         grad_sync.on_launch = self._post_backward
 
-    # the four states of a unit: storage empty (gather None, no bytes), gathering (gather = the work),
-    # whole (gather True)
+    # the three states of a bucket's parameters: storage empty (gather None, no bytes), gathering
+    # (gather = the work), whole (gather True)
     def _gather(self, b):
         if b.gather is not None:
             return
         full = b.param_full
         full.untyped_storage().resize_(full.numel() * full.element_size())
-        if self.dp == 1:
+        if b.world == 1:
             full.copy_(b.param_shard)
             b.gather = True
         else:
-            b.gather = _all_gather_single(full, b.param_shard, group=self.group, async_op=True)
+            b.gather = _all_gather_single(full, b.param_shard, group=b.group, async_op=True)
 
     def _wait(self, b):
         self._gather(b)
@@ -2064,42 +2070,47 @@ class FullyShardedParameters:
     def _gather_whole(self):
         for b in self.whole:
             self._wait(b)
-        if self.blocks:
-            self._gather(self.blocks[0])  # prefetch the first block while the embedding computes
+        for b in self.blocks[0] if self.blocks else ():
+            self._gather(b)  # prefetch the first block while the embedding computes
 
     def _pre_forward(self, i):
-        self._wait(self.blocks[i])
-        if i + 1 < len(self.blocks) and not self.blocks[i].in_backward:  # (not while recomputing in backward)
-            self._gather(self.blocks[i + 1])
+        for b in self.blocks[i]:
+            self._wait(b)
+        if i + 1 < len(self.blocks) and not self.blocks[i][0].in_backward:  # (not while recomputing in backward)
+            for b in self.blocks[i + 1]:
+                self._gather(b)
 
     def _post_forward(self, i, out):
-        b = self.blocks[i]
-        if not b.in_backward:  # a recompute in backward keeps the block for its backward
-            self._free(b)
+        for b in self.blocks[i]:
+            if not b.in_backward:  # a recompute in backward keeps the block for its backward
+                self._free(b)
         if torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad:
             out.register_hook(lambda grad, i=i: self._pre_backward(i))
 
     def _pre_backward(self, i):
-        b = self.blocks[i]
-        b.in_backward = True
-        self._wait(b)
-        if i > 0:
-            self._gather(self.blocks[i - 1])
+        for b in self.blocks[i]:
+            b.in_backward = True
+            self._wait(b)
+        for b in self.blocks[i - 1] if i > 0 else ():
+            self._gather(b)
 
     def _post_backward(self, bucket):
-        """GradientBuckets launched the unit's reduce-scatter: its gradients are all in: free it."""
+        """GradientBuckets launched the bucket's reduce-scatter: its gradients are all in: free it."""
         if bucket.param_full is not None and not bucket.keep_whole:
             self._free(bucket)
 
+    def _all(self):
+        return self.whole + [b for unit in self.blocks for b in unit]
+
     def free_all(self):
         """After the optimizer stepped the shards: every gathered copy is stale."""
-        for b in self.whole + self.blocks:
+        for b in self._all():
             self._free(b)
 
     @contextmanager
     def whole_model(self):
         """Every unit gathered, to read the whole model (a test comparing weights)."""
-        for b in self.whole + self.blocks:
+        for b in self._all():
             self._wait(b)
         try:
             yield
@@ -2107,13 +2118,14 @@ class FullyShardedParameters:
             self.free_all()
 
     def unit_by_unit(self):
-        """Yields each unit's parameters gathered, one unit at a time, then copies this rank's slice of what
-        was written into them back into its shard and frees the unit: a checkpoint loads this way holding
-        one unit whole, not the model (which may not fit on one device: that is why it is sharded)."""
-        for b in self.whole + self.blocks:
+        """Yields each unit's parameters gathered, one unit at a time (a block's experts and its other
+        parameters one after the other), then copies this rank's slice of what was written into them back
+        into its shard and frees the unit: a checkpoint loads this way holding one unit whole, not the
+        model (which may not fit on one device: that is why it is sharded)."""
+        for b in self._all():
             self._wait(b)
             yield b.params
-            lo = self.dp_rank * b.shard_size
+            lo = b.rank * b.shard_size
             b.param_shard.copy_(b.param_full[lo:lo + b.shard_size])
             self._free(b)
 
@@ -2144,7 +2156,8 @@ class ZeroOneAdamW(torch.optim.Optimizer):
     p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps) (Loshchilov & Hutter 2019).
     The learning rate is read from self.param_groups at every step, so a schedule that writes
     group['lr'] reaches the update. `expert_params` and `expert_group`: see GradientBuckets; their states
-    are split across expert_group, the ranks that hold the same experts.
+    are split across expert_group, the ranks that hold the same experts (ZeRO-2/3: their gradients and
+    parameters too).
 
     step(found_inf) skips the update where found_inf (a 0-dim float tensor on the parameters' device, the
     argument torch's fused AdamW takes) is 1: weights, moments and step counter stay exactly as they were.
@@ -2263,9 +2276,11 @@ def optimizer_state_bytes(optimizer):
 # Cost: each rank sends every token row routed to another rank's expert twice forward (the token, its
 # output) and twice backward (their gradients): 4 * rows * n_embd * bytes per element per layer, plus the
 # counts; none of it overlaps with compute here. Memory: each rank holds n_expert / ep experts' weights,
-# gradients and AdamW moments (ZeRO-1 then shards those over the expert_dp_group). With tp > 1 every
+# gradients and AdamW moments (ZeRO-1 shards the moments over the expert_dp_group, ZeRO-2 the gradients
+# too, ZeRO-3 the weights as well: section 5). With tp > 1 every
 # tensor-parallel rank exchanges the same rows with its own ep group (each keeps its slice of the experts).
-# An expert that receives no rows is skipped on every tensor-parallel rank alike (they route alike).
+# An expert that receives no rows still runs, on zero rows: its zero gradient arrives during backward as a
+# busy expert's does, so the gradient buckets (section 5) fill at the same point on every rank.
 
 ExpertSplits = namedtuple("ExpertSplits", "send recv recv_counts")
 

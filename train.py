@@ -38,7 +38,7 @@ import metrics
 import settings
 from configurator import ConfigError, configure, make_folder
 from model import (ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype,
-                   document_ids_and_positions, stage_layers)
+                   document_ids_and_positions, stage_layers, takes_muon)
 from parallel import (SCHEDULES, GradientBuckets, Muon, PipelineComm, WeightGradStore, ZeroOneAdamW, check_schedule,
                       format_grid, ideal_bubble, init_distributed, optimizer_state_bytes, pipeline_forward,
                       resolve_dp, run_schedule, split_for_every_rank, sum_tied_grad_shards, sync_tied_grads,
@@ -286,12 +286,6 @@ def setup(cfg, training=True):
         raise ValueError(f"optimizer='muon' with zero_stage=1 and ep = {cfg.ep} is not supported (the experts are "
                          f"not on every data-parallel rank to be dealt whole): use --zero_stage=0 with Muon at "
                          f"ep > 1, or --optimizer=adamw")
-    if cfg.zero_stage >= 2 and cfg.ep > 1:
-        # the experts' gradients would be reduce-scattered over their own group every micro-batch, and under
-        # ZeRO-3 their units gathered over it: neither is written yet
-        raise ValueError(f"zero_stage={cfg.zero_stage} with ep = {cfg.ep} is not supported yet (the experts' "
-                         f"gradient and parameter shards would live on their own expert group): use "
-                         f"--zero_stage=1 with expert parallelism, or --ep=1")
     if cfg.zero_stage >= 2 and cfg.pp > 1 and cfg.pp_schedule not in ("1f1b", "afab"):
         raise ValueError(f"zero_stage={cfg.zero_stage} with pp_schedule={cfg.pp_schedule!r} is not supported yet (its "
                          f"gradients are reduce-scattered every micro-batch, which the split backward and the "
@@ -442,14 +436,6 @@ def build(cfg, run):
                            bad_steps=BadSteps(run.dev, cfg.max_bad_steps))
 
 
-def takes_muon(name, param):
-    """With optimizer='muon', the parameters Muon updates: the 2-D weights inside the blocks (attention and
-    MLP projections, experts; q, k and v are separate matrices). Not the MoE router, which maps a hidden
-    state to one score per expert as the head maps it to one per token; the embedding and the head sit
-    outside the blocks, norm gains and biases are 1-D: all of those take AdamW."""
-    return name.startswith("blocks.") and param.dim() == 2 and not name.endswith("router.weight")
-
-
 def make_optimizer(model, cfg, device, layout, tied=()):
     """AdamW; weight decay on matrices (linears, embeddings) only, not on norm gains and biases. With
     zero_stage=1, 2 or 3, ZeroOneAdamW: the same update, its states split across the ranks that hold the same
@@ -480,7 +466,8 @@ def make_optimizer(model, cfg, device, layout, tied=()):
 def zero3_units(model, tied=()):
     """ZeRO-3's units of parameters, in forward order: the root (this stage's embedding, final norm and
     head, kept whole through the step), a tied weight alone (its shards are summed across stages), then one
-    unit per transformer block, gathered around its forward and its backward (parallel.py, section 5)."""
+    unit per transformer block, gathered around its forward and its backward (parallel.py, section 5). Under
+    expert parallelism GradientBuckets cuts a block's experts into a unit of their own, over their group."""
     blocks = [(block, list(block.parameters())) for block in model.blocks.values()]
     apart = {id(p) for _, params in blocks for p in params} | {id(p) for p in tied}
     root = [p for p in model.parameters() if id(p) not in apart]
@@ -977,7 +964,8 @@ def train(cfg, run, resume_path=None):
             peak_bytes = metrics.measure_step_memory(
                 lambda: out.append(train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)), run.dev)
             (loss, grad_norm), = out
-            measured = memory_rows(layout, plan[layout.pp_rank]["peak"], peak_bytes, step + 1)
+            mine = metrics.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank)
+            measured = memory_rows(layout, mine[layout.pp_rank]["peak"], peak_bytes, step + 1)
             for row in measured:
                 print0(layout, f"memory rank {row['rank']} (dp {row['dp_rank']} tp {row['tp_rank']} pp {row['pp_rank']}): "
                                f"predicted {row['predicted_bytes'] / 2**20:,.1f} MiB, measured "

@@ -12,6 +12,7 @@ numerics share one 2-rank and one 4-rank launch; train.py runs one checkpoint ch
 """
 import shutil
 import zlib
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import numpy as np
@@ -34,6 +35,10 @@ MODEL = dict(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_kv_head=2, n_
 RUN = dict(batch_size=2, learning_rate=3e-3, warmup_iters=2, lr_decay_iters=10, min_lr=1e-4, bucket_size_mb=0.01,
            attn_impl="sdpa", seed=1234)
 
+# many experts for few tokens: in most micro-batches some expert of some rank gets no row (ZeRO-2/3 must
+# still reduce-scatter, and gather, in one order on every rank); three blocks, so that ZeRO-3's prefetched
+# gathers interleave with the reduce-scatters
+IDLE = dict(n_expert=32, n_expert_per_token=1, n_layer=3)
 # name: (dp, tp, pp, ep, settings); the model settings override MODEL, the rest RUN.
 # gradient_accumulation_steps is per rank: the reference runs dp times as many.
 TWO_RANKS = {
@@ -42,12 +47,19 @@ TWO_RANKS = {
     "ep2_capacity_top1_checkpointing": (2, 1, 1, 2, dict(n_expert_per_token=1, activation_checkpointing=True,
                                                          gradient_accumulation_steps=2)),
     "ep2_zero1_dropless": (2, 1, 1, 2, dict(capacity_factor=0.0, zero_stage=1, gradient_accumulation_steps=2)),
+    # 32 experts, top-1, 64 assignments per micro-batch across the ep group: some get no token (IDLE below)
+    "ep2_zero2_idle": (2, 1, 1, 2, dict(IDLE, zero_stage=2, gradient_accumulation_steps=2)),
+    "ep2_zero3_idle_checkpointing": (2, 1, 1, 2, dict(IDLE, zero_stage=3, gradient_accumulation_steps=2,
+                                                      activation_checkpointing=True)),
 }
 FOUR_RANKS = {
     "ep4_capacity_top2_shared": (4, 1, 1, 4, dict(n_shared_expert=1)),
     "ep4_dropless_top1": (4, 1, 1, 4, dict(capacity_factor=0.0, n_expert_per_token=1)),
     "ep2_dp4": (4, 1, 1, 2, dict(n_shared_expert=1)),
     "ep2_dp4_zero1": (4, 1, 1, 2, dict(n_shared_expert=1, zero_stage=1)),
+    # expert replicas: the experts' gradients (and, at ZeRO-3, parameters) sharded over 2 ranks, the rest over 4
+    "ep2_dp4_zero2": (4, 1, 1, 2, dict(n_shared_expert=1, zero_stage=2)),
+    "ep2_dp4_zero3_idle": (4, 1, 1, 2, dict(IDLE, zero_stage=3)),
     "ep2_tp2": (2, 2, 1, 2, dict(n_shared_expert=1, gradient_accumulation_steps=2)),
     "ep2_pp2": (2, 1, 2, 2, dict(gradient_accumulation_steps=4)),
     "ep2_pp2_zero_bubble": (2, 1, 2, 2, dict(pp_schedule="zero_bubble", n_shared_expert=1, capacity_factor=0.0,
@@ -79,11 +91,13 @@ def global_microbatches(cfg, model_cfg, dp, step):
 
 
 @torch.no_grad()
-def large_experts(model, std=0.2):
-    """Redraw every expert's weights (by name, the same full tensors at every layout) ten times larger than
-    the initialisation draws them: the experts' gradients are then a sizeable part of the gradient norm,
-    so an expert gradient off by a factor moves the norm well past its tolerance."""
+def large_experts(model, only=None, std=0.2):
+    """Redraw every expert's weights (by name, the same full tensors at every layout; or those in `only`)
+    ten times larger than the initialisation draws them: the experts' gradients are then a sizeable part
+    of the gradient norm, so an expert gradient off by a factor moves the norm well past its tolerance."""
     for name, p in model.expert_parameters().items():
+        if only is not None and not any(p is q for q in only):
+            continue
         full = torch.randn(full_shape_of(p), generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
         p.copy_(shard_of(full * std, p))
 
@@ -96,10 +110,12 @@ def train_five_steps(cfg, model_cfg, layout, dp_of_batch):
                           attn_impl=cfg.attn_impl, hf_dir=None)
     parts = train.build(cfg, run)
     model, copies = parts.model, parts.model.tied_copies()
-    large_experts(model)
+    sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: each unit gathered to be written, kept sliced
+    for params in sharded.unit_by_unit() if sharded is not None else [None]:
+        large_experts(model, params)
 
     def full(tensor, p):  # numpy: torch tensors would cross the result queue as shared memory
-        return gather_full(tensor.detach(), p, layout.tp_group).numpy().copy()
+        return gather_full(tensor.detach().clone(), p, layout.tp_group).numpy()
 
     grads = {}
     norm_of = train.global_grad_norm
@@ -124,7 +140,8 @@ def train_five_steps(cfg, model_cfg, layout, dp_of_batch):
                 stats = metrics.moe_metrics(model, layout, steps=1)
     finally:
         train.global_grad_norm = norm_of
-    weights = {n: full(p, p) for n, p in model.named_parameters() if n not in copies}
+    with sharded.whole_model() if sharded is not None else nullcontext():
+        weights = {n: full(p, p) for n, p in model.named_parameters() if n not in copies}
     return dict(losses=losses, norms=norms, grads=grads, weights=weights, loads=loads, stats=stats,
                 at=(layout.dp_rank, layout.tp_rank, layout.pp_rank))
 
@@ -199,6 +216,21 @@ def merged(per_rank, key):
     return out
 
 
+IDLE_CASES = [name for name in CASES if "idle" in name]
+
+
+def idle_local_experts(name, micro_loads):
+    """(step-1 micro-step, layer, expert) where the expert got no row from any rank of its ep group (the
+    group of dp ranks 0 .. ep - 1; micro_loads: the reference's step-1 assignments per micro-batch)."""
+    dp, _, _, ep, given = CASES[name]
+    g = given.get("gradient_accumulation_steps", 1)
+    idle = []
+    for s in range(g):
+        rows = sum(micro_loads[r * g + s] for r in range(ep))  # (layer, expert), micro-batch r * g + s on dp rank r
+        idle += [(s, layer, e) for layer, e in zip(*np.nonzero(rows == 0))]
+    return idle
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_layout_trains_like_one_process(name, request, references):
     ranks = results_of(name, request)
@@ -207,7 +239,9 @@ def test_layout_trains_like_one_process(name, request, references):
         for key, rtol in (("losses", LOSS_RTOL), ("norms", GRAD_NORM_RTOL)):
             worst = max(abs(a - b) / abs(b) for a, b in zip(r[key], ref[key]))
             assert worst <= rtol, f"{name}: {key} differ by {worst:.1e} relative: {r[key]} against {ref[key]}"
-    if "zero1" not in name:  # (under ZeRO-1 each rank holds the gradient of its own elements only)
+    if name in IDLE_CASES:  # the case at hand: a rank's expert got no row in some micro-batch
+        assert idle_local_experts(name, ref["micro_loads"]), f"{name}: every expert got rows in every micro-batch"
+    if CASES[name][4].get("zero_stage", 0) == 0:  # (under ZeRO each rank holds the gradient of its own elements)
         grads = merged(ranks, "grads")
         assert set(grads) == set(ref["grads"])
         for n, g in grads.items():
@@ -264,17 +298,18 @@ CHAIN = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=2", "--block_s
          "--log_interval=1", "--eval_interval=0", "--checkpoint_interval=2", "--keep_last_n=0", "--warmup_iters=2",
          f"--lr_decay_iters={CHAIN_STEPS}", "--learning_rate=3e-3", "--bucket_size_mb=0.01", "--peak_flops=1e12"]
 # (processes, settings): the global batch is 4 micro-batches of 2 sequences at every layout
-SEGMENTS = [(2, ["--ep=2", "--gradient_accumulation_steps=2"]),  # ep=1 (one process) -> ep=2
-            (4, ["--ep=4", "--gradient_accumulation_steps=1", "--zero_stage=1"]),  # ep=2 -> ep=4, ZeRO-1
-            (2, ["--ep=2", "--gradient_accumulation_steps=2", "--zero_stage=1"]),  # ep=4 -> ep=2
-            (1, ["--ep=1", "--gradient_accumulation_steps=4"])]  # ep=2 -> ep=1
+SEGMENTS = [(2, ["--ep=2", "--gradient_accumulation_steps=2", "--zero_stage=3"]),  # one process -> ep=2, ZeRO-3
+            (4, ["--ep=4", "--gradient_accumulation_steps=1", "--zero_stage=1"]),  # ep=2 ZeRO-3 -> ep=4, ZeRO-1
+            (2, ["--ep=2", "--gradient_accumulation_steps=2", "--zero_stage=3"]),  # ep=4 -> ep=2, ZeRO-3
+            (1, ["--ep=1", "--gradient_accumulation_steps=4"])]  # ep=2 ZeRO-3 -> one process
 
 
 def test_checkpoints_reshard_between_ep_values(tmp_path):
-    """One process trains ten steps; a chain resumes its step-2 checkpoint at ep=2, that one's step 4 at
-    ep=4 (ZeRO-1), that one's step 6 at ep=2 (ZeRO-1) and that one's step 8 at one process: every step of
-    the chain equals the uninterrupted run (loss, gradient norm), and so do the final weights. The
-    experts are saved by their global index whichever rank holds them, the AdamW moments with them."""
+    """One process trains ten steps; a chain resumes its step-2 checkpoint at ep=2 (ZeRO-3), that one's
+    step 4 at ep=4 (ZeRO-1), that one's step 6 at ep=2 (ZeRO-3) and that one's step 8 at one process:
+    every step of the chain equals the uninterrupted run (loss, gradient norm), and so do the final
+    weights. The experts are saved by their global index whichever rank holds them, the AdamW moments
+    with them (ZeRO-3: each rank's flat shards of both)."""
     data = make_token_data(str(tmp_path / "data"))
     ref_out = tmp_path / "one_process"
     reference = train_in_process(CHAIN + ["--gradient_accumulation_steps=4", f"--max_iters={CHAIN_STEPS}",
