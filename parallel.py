@@ -1478,7 +1478,7 @@ class PipelineComm:
 
 
 def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0,
-                 set_grad_sync=None, weight_grad_stores=None, weight_grad_ready=None, trace=None):
+                 set_grad_sync=None, weight_grad_stores=None, weight_grad_ready=None, trace=None, backward_done=None):
     """Run one pipeline rank's list of actions over microbatches [(x, y), ...] (token ids and targets; every
     rank has them, the first stage uses x, the last y, all take the message shapes from x). A microbatch may
     carry more, (x, y, positions) under context parallelism: every stage passes it on, chunk(x, y,
@@ -1496,9 +1496,11 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
     a data-parallel gradient reducer hooks in there to communicate once per step. A list with 'W' actions
     splits every backward: it needs `weight_grad_stores` (one WeightGradStore per chunk), and after a chunk's
     last W, weight_grad_ready(p) is called for each parameter whose gradient W accumulated by hand, which no
-    backward hook announced. `trace(action)`, if given, returns a context manager wrapped around each action's
-    computation (metrics.PipelineTrace times them). Without grad enabled (evaluation) give forwards only:
-    nothing is kept for a backward."""
+    backward hook announced. `backward_done(op, c)` is called after every B and W action: ZeRO-2 and 3
+    reduce-scatter there each micro-batch's gradients that the action completed (parameters of chunk c;
+    under a split backward, B's without and W's with weight_grad_stores[c].params). `trace(action)`, if
+    given, returns a context manager wrapped around each action's computation (metrics.PipelineTrace times
+    them). Without grad enabled (evaluation) give forwards only: nothing is kept for a backward."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     m, last_stage = len(microbatches), comm.n_stages - 1
     last_backward = {c: k for k, (op, _, c) in enumerate(actions) if op == "B"}  # each chunk's last
@@ -1585,6 +1587,8 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
                 if k == last_weight[c] and weight_grad_ready is not None:
                     for p in weight_grad_stores[c].params:
                         weight_grad_ready(p)
+            if op != "F" and backward_done is not None:
+                backward_done(op, c)
         deliver(action, product)
     for request in sends:
         request.wait()
@@ -1701,6 +1705,7 @@ class _Bucket:
         self.grad_shard = None
         self.param_shard = self.param_full = self.gather = None
         self.keep_whole = self.in_backward = False
+        self.phases = frozenset()  # the backward actions that write its gradients (GradientBuckets sets them)
         self.reset()
 
     def new_flat(self):
@@ -1749,68 +1754,86 @@ class GradientBuckets:
     rank the parameters the others updated.
 
     every_microbatch=True (ZeRO-2 and 3, with shard=True, no owners): every micro-batch's gradients are
-    reduce-scattered (set_grad_sync's argument is ignored; calling it starts a new micro-batch), each added
-    into the bucket's `grad_shard`, and p.grad is dropped as soon as it is copied into its bucket, so that
-    no full-size gradient lives beyond the two buckets in flight. p.grad is None after finish(): the
-    gradients are the grad_shards. `units` (ZeRO-3): lists of parameters, in forward order, one bucket each.
-    `alone`: parameters that get a bucket of their own (a tied weight whose shards are summed across
-    pipeline stages: both copies must be cut the same way)."""
+    reduce-scattered (set_grad_sync is not needed), each added into the bucket's `grad_shard`, and p.grad
+    is dropped as soon as it is copied into its bucket, so that no full-size gradient lives beyond the two
+    buckets in flight. Call backward_done(op, chunk) after each backward action: `phases` ({param: the
+    actions (op, chunk) that write its gradient}, by default ("B", 0) for all: one plain backward) says
+    which buckets each action completes, and no bucket mixes parameters of different phases; the hooks
+    launch the buckets that fill during the action, backward_done the rest. A gradient accumulated by hand
+    (by_hand) needs no grad_ready then: backward_done sends it. p.grad is None after finish(): the
+    gradients are the grad_shards. `units` (ZeRO-3): lists of parameters, in forward order, one bucket
+    each, each of one phase. `alone`: parameters that get a bucket of their own (a tied weight whose
+    shards are summed across pipeline stages: both copies must be cut the same way)."""
 
     def __init__(self, params, group, bucket_size_mb=25.0, shard=False, deferred=(), expert_params=(),
-                 expert_group=None, owners=None, every_microbatch=False, units=None, alone=()):
+                 expert_group=None, owners=None, every_microbatch=False, units=None, alone=(), phases=None):
         if every_microbatch and owners:
             raise ValueError("GradientBuckets: every_microbatch (ZeRO-2/3) keeps even slices only, not whole owners")
         self.group, self.shard, self.every_microbatch = group, shard, every_microbatch
         self.dp, self.dp_rank = group_size(group), group_rank(group)
-        self.sync, self.started = True, False
+        self.sync = True
         self.on_launch = None  # ZeRO-3: frees a unit's gathered parameters once its gradients are sent
         deferred_ids = self.deferred_ids = {id(p) for p in deferred}
         alone_ids = {id(p) for p in alone}
         expert_ids = {id(p) for p in expert_params} if expert_group is not group else set()
         params = [p for p in params if p.requires_grad]
+
+        def phase_of(p):
+            if phases is not None and not phases.get(p):
+                raise ValueError(f"GradientBuckets: phases names no backward action for a parameter of shape "
+                                 f"{tuple(p.shape)}")
+            return frozenset(phases[p]) if phases is not None else frozenset({("B", 0)})
+
         early = [p for p in params if id(p) not in deferred_ids]
         late = [p for p in params if id(p) in deferred_ids]
         make = lambda ps, group, owner=None: _Bucket(ps, group, owner, transient=every_microbatch)
         # backward produces gradients roughly in the reverse order of the forward pass: bucket them that way,
-        # filling one bucket for each kind (its group, and its owner if it goes whole to one rank) at a time,
-        # in the order the buckets fill up
+        # filling one bucket for each kind (its group, its owner if it goes whole to one rank, the actions
+        # that write it) at a time, in the order the buckets fill up
         owners = owners or {}
         self.buckets, capacity = [], max(1, int(bucket_size_mb * 2 ** 20))
         if units is not None and expert_ids:
             raise ValueError("GradientBuckets: units (ZeRO-3) with experts over their own group")
         if units is not None:
             self.buckets = [make(u, group) for u in reversed(units) if u]
-        filling = {}  # (group, owner) -> (its parameters so far, their bytes)
+        filling = {}  # (group, owner, phases) -> (its parameters so far, their bytes)
         for p in reversed(early) if units is None else []:
-            kind = (expert_group if id(p) in expert_ids else group, owners.get(p))
+            kind = (expert_group if id(p) in expert_ids else group, owners.get(p), phase_of(p))
             current, size = filling.get(kind, ([], 0))
             if current and (p.dtype != current[0].dtype or id(p) in alone_ids):  # one dtype per flat buffer
-                self.buckets.append(make(current, *kind))
+                self.buckets.append(make(current, *kind[:2]))
                 current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
             if size >= capacity or id(p) in alone_ids:
-                self.buckets.append(make(current, *kind))
+                self.buckets.append(make(current, *kind[:2]))
                 current, size = [], 0
             filling[kind] = (current, size)
-        self.buckets += [make(current, *kind) for kind, (current, _) in filling.items() if current]
+        self.buckets += [make(current, *kind[:2]) for kind, (current, _) in filling.items() if current]
         for owner in dict.fromkeys(owners.get(p) for p in late):
             mine = [p for p in late if owners.get(p) == owner]
             for dtype in dict.fromkeys(p.dtype for p in mine):
                 self.buckets.append(make([p for p in mine if p.dtype == dtype], group, owner))
         self.where = {}
         for b in self.buckets:
+            b.phases = phase_of(b.params[0])
+            if any(phase_of(p) != b.phases for p in b.params):
+                raise ValueError("GradientBuckets: a unit mixes parameters that different backward actions complete")
             for i, p in enumerate(b.params):
                 self.where[p] = (b, i)
+        # each phase's buckets in bucket order (a parameter written by two actions, alone, is in both), and
+        # the next of them to launch in the action now running
+        self.phase_buckets = {}
+        for b in self.buckets:
+            for phase in sorted(b.phases):
+                self.phase_buckets.setdefault(phase, []).append(b)
+        self.next = dict.fromkeys(self.phase_buckets, 0)
+        self.in_flight = []  # every_microbatch: launched buckets not yet added into their grad_shard
         self.hooks = {id(p): p.register_post_accumulate_grad_hook(self._grad_ready) for p in early}
-        self.launched = 0  # collectives launched since the last finish() (the next bucket to launch); tests read it
+        self.launched = 0  # collectives launched since the last finish(); tests read it
 
     def set_grad_sync(self, sync):
         self.sync = sync
-        if self.every_microbatch:
-            if self.started:  # the previous micro-batch's gradients: send what the hooks did not, wait
-                self._flush()
-            self.started = True
 
     def _grad_ready(self, p):
         if self.sync or self.every_microbatch:  # (else a gradient-accumulation micro-step: keep accumulating)
@@ -1823,18 +1846,33 @@ class GradientBuckets:
                 hook.remove()
 
     def grad_ready(self, p):
-        """p.grad is complete for this step: copy it into its bucket, launching the bucket once it is full.
-        A deferred parameter waits for finish()."""
-        if id(p) in self.deferred_ids:
+        """p.grad is complete for this step (every_microbatch: for this micro-batch): copy it into its bucket,
+        launching the bucket once it is full. A deferred parameter waits for finish(); under every_microbatch
+        one without a hook (accumulated by hand) waits for its action's backward_done."""
+        if id(p) in self.deferred_ids or (self.every_microbatch and id(p) not in self.hooks):
             return
         bucket, i = self.where[p]
         if i in bucket.ready:
             raise RuntimeError("a gradient became ready twice in one synchronised step: call set_grad_sync(False) "
                                "before the backward of every micro-batch but the last")
         self._copy_in(bucket, i)
-        # launch, in bucket order, every bucket that is full and has only launched buckets before it
-        while self.launched < len(self.buckets) and self._full(self.buckets[self.launched]):
-            self._launch(self.buckets[self.launched])
+        # launch, in its phase's bucket order, every bucket that is full and has only launched buckets before it
+        # (a bucket that hooks fill has one phase: a parameter two actions write has no hook, by_hand)
+        phase = next(iter(bucket.phases))
+        buckets = self.phase_buckets[phase]
+        while self.next[phase] < len(buckets) and self._full(buckets[self.next[phase]]):
+            self.next[phase] += 1
+            self._launch(buckets[self.next[phase] - 1])
+
+    def backward_done(self, op, chunk):
+        """every_microbatch: the backward action (op, chunk) of a micro-batch has run: launch, in order, the
+        buckets of its phase that its hooks did not (a parameter without a gradient sends zeros). Every
+        rank launches every bucket once per action that writes it, whatever its data did."""
+        if not self.every_microbatch:
+            return
+        phase = (op, chunk)
+        self._launch_the_rest(self.phase_buckets.get(phase, [])[self.next.get(phase, 0):])
+        self.next[phase] = 0
 
     @staticmethod
     def _full(bucket):
@@ -1842,6 +1880,8 @@ class GradientBuckets:
 
     def _copy_in(self, bucket, i):
         p, start = bucket.params[i], bucket.offsets[i]
+        if bucket.shard is not None and self.every_microbatch:  # its last launch must land before it refills
+            self._settle(bucket)
         if bucket.flat is None:
             bucket.flat = bucket.new_flat()
         view = bucket.flat[start:start + p.numel()]
@@ -1854,13 +1894,15 @@ class GradientBuckets:
         self.launched += 1
         if self.every_microbatch:
             # keep at most two buckets' full gradients in flight: settle the ones before the previous
-            for earlier in self.buckets[:max(0, self.launched - 2)]:
-                self._settle(earlier)
+            while len(self.in_flight) >= 2:
+                self._settle(self.in_flight.pop(0))
             bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
             if bucket.world == 1:
                 bucket.shard.copy_(bucket.flat)
             else:
                 bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=bucket.group, async_op=True)
+            self.in_flight.append(bucket)
+            bucket.ready = set()  # sent: the next action that writes it starts it afresh
             if self.on_launch is not None:
                 self.on_launch(bucket)
             return
@@ -1886,33 +1928,29 @@ class GradientBuckets:
         bucket.grad_shard = bucket.shard if bucket.grad_shard is None else bucket.grad_shard.add_(bucket.shard)
         bucket.flat = bucket.shard = bucket.work = None
 
-    def _launch_the_rest(self):
-        """Launch, in bucket order, every bucket the hooks did not, its parameters without a gradient as zeros."""
-        for bucket in self.buckets[self.launched:]:
+    def _launch_the_rest(self, buckets):
+        """Launch these buckets in order, each parameter the hooks did not copy in from its p.grad, or as
+        zeros where it has none."""
+        for bucket in buckets:
             for i in range(len(bucket.params)):
                 if i not in bucket.ready:
                     self._copy_in(bucket, i)
             self._launch(bucket)
 
-    def _flush(self):
-        """ZeRO-2/3, end of a micro-batch's backward: launch, in bucket order, the buckets the hooks did not
-        (parameters that got no gradient: zeros), wait for all of them. Every rank launches every bucket
-        once per micro-batch, whatever its data did."""
-        self._launch_the_rest()
-        for bucket in self.buckets:
-            self._settle(bucket)
-            bucket.ready = set()
-        self.launched = 0
-
     def finish(self):
         """Wait for every bucket's collective (launching the ones the hooks did not, in bucket order:
         deferred parameters, parameters that got no gradient this step, the buckets after them) and point
-        each p.grad at its part of the result (ZeRO-2/3: leave it in the buckets' grad_shard)."""
+        each p.grad at its part of the result (ZeRO-2/3: leave it in the buckets' grad_shard, every action
+        having been closed by backward_done)."""
         if self.every_microbatch:
-            self._flush()
-            self.sync, self.started = True, False
+            if any(b.ready for b in self.buckets) or any(p.grad is not None for p in self.where):
+                raise RuntimeError("GradientBuckets.finish: gradients were never sent: with every_microbatch, call "
+                                   "backward_done(op, chunk) after each backward action")
+            for bucket in self.in_flight:
+                self._settle(bucket)
+            self.in_flight, self.next, self.launched = [], dict.fromkeys(self.next, 0), 0
             return
-        self._launch_the_rest()
+        self._launch_the_rest(self.buckets[self.launched:])
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()  # sync point: the gradient is needed from here on
@@ -1930,7 +1968,7 @@ class GradientBuckets:
             for p, start in zip(bucket.params, bucket.offsets):
                 p.grad = bucket.flat[start:start + p.numel()].view_as(p)
             bucket.reset()
-        self.sync, self.launched = True, 0
+        self.sync, self.launched, self.next = True, 0, dict.fromkeys(self.next, 0)
 
     def owned_slices(self):
         """(param, start, end, bucket, a, b): the range start:end of each parameter's flattened elements
@@ -2007,16 +2045,19 @@ class GradientBuckets:
 
 class FullyShardedParameters:
     """ZeRO-3's parameter side over the buckets of a GradientBuckets built with `units`: `units` is
-    [(module, params)] in forward order, one per bucket; module None marks a unit kept whole through the
-    step (gathered by the model's forward, freed by free_all()), else the module whose forward and
-    backward use the unit. Moves each unit's parameters into its flat shard and registers the hooks."""
+    [(module, params, chunk)] in forward order, one per bucket; module None marks a unit kept whole through
+    the step (gathered by the model's forward, freed by free_all()), else the module whose forward and
+    backward use the unit: a block, whose units (one per phase: a split backward's B and W parts) are
+    gathered and freed together. `chunk` is the model chunk the block runs in (the model's forward takes
+    chunk=c): a block prefetches the next block of its own chunk only, the one that runs next. Moves each
+    unit's parameters into its flat shard and registers the hooks."""
 
     def __init__(self, grad_sync, units, model):
         self.sync, self.group = grad_sync, grad_sync.group
         self.dp, self.dp_rank = grad_sync.dp, grad_sync.dp_rank
-        self.blocks, self.whole = [], []
+        self.whole, self.chunks, self.block_of = [], {}, {}  # chunk -> [block: [its units' buckets]] in order
         with torch.no_grad():
-            for module, params in units:
+            for module, params, chunk in units:
                 if not params:
                     continue
                 b = grad_sync.bucket_of(params[0])
@@ -2027,89 +2068,106 @@ class FullyShardedParameters:
                 lo = self.dp_rank * b.shard_size
                 b.param_shard, b.param_full = full[lo:lo + b.shard_size].clone(), full
                 b.keep_whole = module is None
-                (self.whole if module is None else self.blocks).append(b)
-                if module is not None:
-                    i = len(self.blocks) - 1
-                    module.register_forward_pre_hook(lambda mod, args, i=i: self._pre_forward(i))
-                    module.register_forward_hook(lambda mod, args, out, i=i: self._post_forward(i, out))
-                self._free(b)
-        model.register_forward_pre_hook(lambda mod, args: self._gather_whole())
+                if module is None:
+                    self.whole.append(b)
+                else:
+                    blocks = self.chunks.setdefault(chunk, [])
+                    if not blocks or blocks[-1][0] is not module:  # a new block: its hooks
+                        blocks.append((module, []))
+                        c, i = chunk, len(blocks) - 1
+                        module.register_forward_pre_hook(lambda mod, args, c=c, i=i: self._pre_forward(c, i))
+                        module.register_forward_hook(lambda mod, args, out, c=c, i=i: self._post_forward(c, i, out))
+                    blocks[-1][1].append(b)
+                    self.block_of[id(b)] = blocks[-1][1]
+                self._free([b])
+        model.register_forward_pre_hook(lambda mod, args, kwargs: self._gather_whole(kwargs.get("chunk", 0)),
+                                        with_kwargs=True)
         grad_sync.on_launch = self._post_backward
 
-    # the four states of a unit: storage empty (gather None, no bytes), gathering (gather = the work),
-    # whole (gather True)
-    def _gather(self, b):
-        if b.gather is not None:
-            return
-        full = b.param_full
-        full.untyped_storage().resize_(full.numel() * full.element_size())
-        if self.dp == 1:
-            full.copy_(b.param_shard)
-            b.gather = True
-        else:
-            b.gather = _all_gather_single(full, b.param_shard, group=self.group, async_op=True)
+    def _units(self):
+        return self.whole + [b for blocks in self.chunks.values() for _, block in blocks for b in block]
 
-    def _wait(self, b):
-        self._gather(b)
-        if b.gather is not True:
-            b.gather.wait()  # sync point: the block's parameters are needed now
-            b.gather = True
+    # the three states of a unit: storage empty (gather None, no bytes), gathering (gather = the work),
+    # whole (gather True). A block is the list of its units.
+    def _gather(self, block):
+        for b in block:
+            if b.gather is not None:
+                continue
+            full = b.param_full
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            if self.dp == 1:
+                full.copy_(b.param_shard)
+                b.gather = True
+            else:
+                b.gather = _all_gather_single(full, b.param_shard, group=self.group, async_op=True)
 
-    def _free(self, b):
-        if b.gather is not None and b.gather is not True:
-            b.gather.wait()  # a prefetch nobody used: it must land before its buffer goes
-        b.param_full.untyped_storage().resize_(0)
-        b.gather, b.in_backward = None, False
+    def _wait(self, block):
+        self._gather(block)
+        for b in block:
+            if b.gather is not True:
+                b.gather.wait()  # sync point: the block's parameters are needed now
+                b.gather = True
 
-    def _gather_whole(self):
-        for b in self.whole:
-            self._wait(b)
-        if self.blocks:
-            self._gather(self.blocks[0])  # prefetch the first block while the embedding computes
+    def _free(self, block):
+        for b in block:
+            if b.gather is not None and b.gather is not True:
+                b.gather.wait()  # a prefetch nobody used: it must land before its buffer goes
+            b.param_full.untyped_storage().resize_(0)
+            b.gather, b.in_backward = None, False
 
-    def _pre_forward(self, i):
-        self._wait(self.blocks[i])
-        if i + 1 < len(self.blocks) and not self.blocks[i].in_backward:  # (not while recomputing in backward)
-            self._gather(self.blocks[i + 1])
+    def _block(self, c, i):
+        return self.chunks[c][i][1]
 
-    def _post_forward(self, i, out):
-        b = self.blocks[i]
-        if not b.in_backward:  # a recompute in backward keeps the block for its backward
-            self._free(b)
+    def _gather_whole(self, chunk):
+        self._wait(self.whole)
+        if self.chunks.get(chunk):
+            self._gather(self._block(chunk, 0))  # prefetch the chunk's first block while the embedding computes
+
+    def _pre_forward(self, c, i):
+        block = self._block(c, i)
+        self._wait(block)
+        if i + 1 < len(self.chunks[c]) and not block[0].in_backward:  # (not while recomputing in backward)
+            self._gather(self._block(c, i + 1))
+
+    def _post_forward(self, c, i, out):
+        block = self._block(c, i)
+        if not block[0].in_backward:  # a recompute in backward keeps the block for its backward
+            self._free(block)
         if torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad:
-            out.register_hook(lambda grad, i=i: self._pre_backward(i))
+            out.register_hook(lambda grad, c=c, i=i: self._pre_backward(c, i))
 
-    def _pre_backward(self, i):
-        b = self.blocks[i]
-        b.in_backward = True
-        self._wait(b)
+    def _pre_backward(self, c, i):
+        block = self._block(c, i)
+        for b in block:
+            b.in_backward = True
+        self._wait(block)
         if i > 0:
-            self._gather(self.blocks[i - 1])
+            self._gather(self._block(c, i - 1))
 
     def _post_backward(self, bucket):
-        """GradientBuckets launched the unit's reduce-scatter: its gradients are all in: free it."""
-        if bucket.param_full is not None and not bucket.keep_whole:
-            self._free(bucket)
+        """GradientBuckets launched a unit's reduce-scatter: its gradients are all in, so the backward of its
+        block has run (B: a split backward's W needs no weights, dW = dy^T x): free the whole block. The
+        W part's own launch, after W, finds it free already."""
+        if not bucket.keep_whole:
+            self._free(self.block_of[id(bucket)])
 
     def free_all(self):
         """After the optimizer stepped the shards: every gathered copy is stale."""
-        for b in self.whole + self.blocks:
-            self._free(b)
+        self._free(self._units())
 
     @contextmanager
     def whole_model(self, write_back=False):
         """Every unit gathered (a checkpoint being loaded into the parameters: write_back=True copies
         this rank's slice back into the shards afterwards)."""
-        for b in self.whole + self.blocks:
-            self._wait(b)
+        self._wait(self._units())
         try:
             yield
         finally:
-            for b in self.whole + self.blocks:
+            for b in self._units():
                 if write_back:
                     lo = self.dp_rank * b.shard_size
                     b.param_shard.copy_(b.param_full[lo:lo + b.shard_size])
-                self._free(b)
+            self._free(self._units())
 
 
 def sum_tied_grad_shards(grad_sync, copies, group):
@@ -2132,8 +2190,9 @@ class ZeroOneAdamW(torch.optim.Optimizer):
         backward (hooks reduce-scatter the buckets) -> grad_sync.finish() -> [clip] -> step() (AdamW on this
         rank's slice, then all-gather the updated slices)
     zero_stage=2: the gradients are reduce-scattered every micro-batch and kept as shards only.
-    zero_stage=3: also the parameters (`units`: [(module or None, params)], see FullyShardedParameters;
-    `model` gets the root hook); step() updates the shards, and nothing is all-gathered after it.
+    zero_stage=3: also the parameters (`units`: [(module or None, params, chunk)], see
+    FullyShardedParameters; `model` gets the root hook); step() updates the shards, and nothing is
+    all-gathered after it. `phases` (ZeRO-2/3): see GradientBuckets.
     The update is torch.optim.AdamW's, element for element: decoupled weight decay p -= lr * wd * p, then
     p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps) (Loshchilov & Hutter 2019).
     The learning rate is read from self.param_groups at every step, so a schedule that writes
@@ -2148,7 +2207,7 @@ class ZeroOneAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, group=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  bucket_size_mb=25.0, deferred=(), expert_params=(), expert_group=None, zero_stage=1, units=None,
-                 model=None):
+                 model=None, phases=None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.group, self.zero_stage = group, zero_stage
         all_params = [p for g in self.param_groups for p in g["params"]]
@@ -2156,8 +2215,9 @@ class ZeroOneAdamW(torch.optim.Optimizer):
                                          deferred=deferred if zero_stage == 1 else (),
                                          expert_params=expert_params, expert_group=expert_group,
                                          every_microbatch=zero_stage >= 2,
-                                         units=[ps for _, ps in units] if zero_stage == 3 else None,
-                                         alone=deferred if zero_stage == 2 else ())
+                                         units=[ps for _, ps, _ in units] if zero_stage == 3 else None,
+                                         alone=deferred if zero_stage == 2 else (),
+                                         phases=phases if zero_stage >= 2 else None)
         self.sharded = FullyShardedParameters(self.grad_sync, units, model) if zero_stage == 3 else None
         self.group_of = {p: g for g in self.param_groups for p in g["params"]}
         # the moments of this rank's slice only, created now so that their size can be reported at start-up

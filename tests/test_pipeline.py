@@ -24,6 +24,7 @@ from model import ModelConfig, Transformer, check_layout
 from parallel import (SCHEDULES, ParallelLayout, PipelineComm, WeightGradStore, bubble_fraction, check_schedule,
                       format_timeline, forward_only_actions, ideal_bubble, run_schedule, schedule_timeline,
                       sync_tied_grads, tied_weight_group, virtual_stages)
+from parallel import _all_gather_single
 from parallel import main as parallel_main
 
 CFG = ModelConfig(vocab_size=512, block_size=16, n_layer=6, n_head=4, n_kv_head=2, n_embd=64)
@@ -334,16 +335,31 @@ def step_batches(cfg, layout, step):
             for i in range(m)]
 
 
-def full_tensors(model, layout, which, zero):
+def whole_grads(grad_sync):
+    """ZeRO-2/3: {parameter: its mean gradient}, all-gathered from the owned shards of the buckets."""
+    out = {}
+    for b in grad_sync.buckets:
+        flat = torch.empty(b.shard_size * b.world)
+        _all_gather_single(flat, b.grad_shard, group=b.group)
+        for p, start in zip(b.params, b.offsets):
+            out[p] = flat[start:start + p.numel()].view_as(p)
+    return out
+
+
+def full_tensors(model, layout, which, zero, optimizer=None):
     """Every parameter's (or gradient's) full tensor by whole-model name, on data-parallel rank 0 (None
-    elsewhere). With ZeRO-1 each dp rank holds its own slice of the gradient, zero elsewhere: summed."""
+    elsewhere). With ZeRO-1 each dp rank holds its own slice of the gradient, zero elsewhere: summed; with
+    ZeRO-2/3 only the shards it owns: gathered; with ZeRO-3 the parameters are gathered too."""
     out, copies = {}, model.tied_copies()
-    for name, p in model.named_parameters():
-        t = (p.grad if which == "grads" else p.detach()).clone()
-        if which == "grads" and zero and layout.dp_group is not None:
-            dist.all_reduce(t, group=layout.dp_group)
-        t = gather_full(t, p, layout.tp_group)
-        out[copies.get(name, name)] = t.numpy()
+    grads = whole_grads(optimizer.grad_sync) if which == "grads" and zero >= 2 else {}
+    sharded = getattr(optimizer, "sharded", None) if which == "weights" else None
+    with sharded.whole_model() if sharded is not None else nullcontext():
+        for name, p in model.named_parameters():
+            t = (grads.get(p, p.grad) if which == "grads" else p.detach()).clone()
+            if which == "grads" and zero == 1 and layout.dp_group is not None:
+                dist.all_reduce(t, group=layout.dp_group)
+            t = gather_full(t, p, layout.tp_group)
+            out[copies.get(name, name)] = t.numpy()
     return out if layout.dp_rank == 0 else None
 
 
@@ -354,11 +370,11 @@ def train_steps(**overrides):
     cfg = SimpleNamespace(**{**settings.DEFAULTS, **TRAIN, **overrides})
     run = train.setup(cfg, training=False)
     parts = train.build(cfg, run)
-    layout, zero = run.layout, cfg.zero_stage == 1
+    layout, zero = run.layout, cfg.zero_stage
     captured, launched = {}, []
     def capture(*_):  # the gradients AdamW steps with, first step only (a collective: every rank runs it)
         if "grads" not in captured:
-            captured["grads"] = full_tensors(parts.model, layout, "grads", zero)
+            captured["grads"] = full_tensors(parts.model, layout, "grads", zero, parts.optimizer)
     parts.optimizer.register_step_pre_hook(capture)
     if parts.grad_sync is not None:  # how many buckets the schedule had launched when finish() is called
         finish = parts.grad_sync.finish
@@ -369,7 +385,8 @@ def train_steps(**overrides):
         records.append({"step": step + 1, "loss": train.mean_across_ranks(loss, layout).item(), "grad_norm": norm.item()})
     buckets = len(parts.grad_sync.buckets) if parts.grad_sync is not None else 0
     tied = bool(parts.pipeline and parts.pipeline.tied_copies) and layout.dp > 1
-    return {"records": records, "grads": captured["grads"], "weights": full_tensors(parts.model, layout, "weights", zero),
+    return {"records": records, "grads": captured["grads"],
+            "weights": full_tensors(parts.model, layout, "weights", zero, parts.optimizer),
             "launched": launched[-1] if launched else None, "buckets": buckets, "tied_bucket": tied,
             "pp_rank": layout.pp_rank}
 
