@@ -1829,7 +1829,9 @@ class GradientBuckets:
                 self.phase_buckets.setdefault(phase, []).append(b)
         self.next = dict.fromkeys(self.phase_buckets, 0)
         self.in_flight = []  # every_microbatch: launched buckets not yet added into their grad_shard
-        self.hooks = {id(p): p.register_post_accumulate_grad_hook(self._grad_ready) for p in early}
+        # a parameter that two actions write (alone in its bucket) gets no hook: backward_done sends it after each
+        self.hooks = {id(p): p.register_post_accumulate_grad_hook(self._grad_ready) for p in early
+                      if len(phase_of(p)) == 1}
         self.launched = 0  # collectives launched since the last finish(); tests read it
 
     def set_grad_sync(self, sync):
@@ -1857,8 +1859,8 @@ class GradientBuckets:
                                "before the backward of every micro-batch but the last")
         self._copy_in(bucket, i)
         # launch, in its phase's bucket order, every bucket that is full and has only launched buckets before it
-        # (a bucket that hooks fill has one phase: a parameter two actions write has no hook, by_hand)
-        phase = next(iter(bucket.phases))
+        # (a bucket that hooks fill has one phase)
+        (phase,) = bucket.phases
         buckets = self.phase_buckets[phase]
         while self.next[phase] < len(buckets) and self._full(buckets[self.next[phase]]):
             self.next[phase] += 1

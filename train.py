@@ -501,14 +501,13 @@ def backward_phases(model, pipeline):
     after each of which ZeRO-2 and 3 send it (GradientBuckets.backward_done): ('B', c) for the parameters
     of chunk c, or, where the schedule splits the backward (zero_bubble, zbv), ('W', c) for those its W
     actions compute (WeightGradStore.params). One parameter has two: under zbv with tied embeddings, rank
-    0's embedding, which chunk 0's B and, as the head, chunk 1's W both add to."""
+    0's embedding, which chunk 0's B and, as the head, chunk 1's W (its B under the chunked loss) add to."""
     stores = pipeline.weight_grad_stores if pipeline is not None else None
     phases = {}
     for c in range(len(model.stages)):
         by_hand = {id(p) for p in stores[c].params} if stores else set()
-        for module in model.chunk_modules(c):
-            for p in module.parameters():
-                phases.setdefault(p, set()).add(("W" if id(p) in by_hand else "B", c))
+        for p in model.chunk_parameters(c):
+            phases.setdefault(p, set()).add(("W" if id(p) in by_hand else "B", c))
     return phases
 
 
