@@ -653,7 +653,9 @@ def test_zero2_and_zero3_send_each_microbatchs_gradients_once_after_the_action_t
     that writes it (B, or W for the weights a split backward computes by hand; per chunk), no full-size
     p.grad left after any action; under ZeRO-3 no block left gathered after any action, and each block
     gathered twice per micro-batch (forward and B: W needs no weights), the root units once per step."""
-    for r in (r[name] for r in ranks):
+    keys = ("pp_rank", "m", "launched", "launches_per_microbatch", "grads_after_an_action", "gathered_after_an_action",
+            "gathers", "block_units", "whole_units")
+    for r in ({k: r[name][k] for k in keys} for r in ranks):
         assert r["launched"] == r["m"] * r["launches_per_microbatch"], r
         assert r["grads_after_an_action"] == 0, r
         if "zero3" in name:
