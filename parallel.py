@@ -1668,6 +1668,21 @@ def sync_tied_grads(copies, group):
 # is copied into its bucket. After the step the updated slices are all-gathered, as in ZeRO-1, two
 # buckets at a time. ZeRO-3 (section 5.3) follows, after GradientBuckets.
 #
+# Under a pipeline schedule (section 4) a micro-batch's gradient of a parameter is complete after the
+# backward action that writes it, and that is when it is sent: each action (op, chunk) is a "phase", a
+# bucket holds the parameters of one phase only, and after every B and W action the executor calls
+# backward_done(op, chunk), which launches the buckets of that phase the hooks did not. So:
+#   afab, 1f1b        one chunk, B the whole backward: every bucket after each micro-batch's B
+#   interleaved_1f1b  B of chunk c sends chunk c's buckets: each chunk's buckets are its own, and a
+#                     micro-batch's are sent v times over, a chunk at a time
+#   zero_bubble, zbv  B sends the parameters autograd gives gradients to (norm gains, the embedding, the
+#                     chunked loss's head, biases of row-parallel layers); W sends the tensor-parallel
+#                     linears' weights it computes (WeightGradStore.params), when it runs, however late
+# Every bucket is thus launched once per micro-batch for each action that writes it, in the same order on
+# every rank (the ranks of a dp group run the same action list). One parameter is written by two actions:
+# under zbv with tied embeddings rank 0 holds both ends of the model, and its one embedding-and-head
+# matrix, alone in a bucket, is sent after each of them (each part once).
+#
 # A bucket is one flat tensor, so it holds parameters of one dtype only: a parameter whose dtype differs
 # from the one before it starts a new bucket. Its collective runs over one group: parameters that are
 # averaged over another group than the data-parallel one (the experts under expert parallelism, section 6)
@@ -2043,6 +2058,15 @@ class GradientBuckets:
 # with pp stages and m micro-batches, 2m all-gathers and m reduce-scatters of each unit per step, each
 # unit's bytes times (dp - 1)/dp on the wire. Memory at a time: the shards, plus about two gathered
 # blocks (the one computing, the one prefetched), the root unit, and two buckets of gradients in flight.
+#
+# What each schedule gathers, per block and micro-batch: afab and 1f1b as above, forward and backward.
+# interleaved_1f1b the same, chunk by chunk: a block prefetches the next block of its own chunk only (the
+# root's hook, the chunk's first), since another chunk's block runs only after other actions. zero_bubble
+# and zbv gather before F and before B, free after each, and gather nothing for W: W computes
+# dW = dy^T x from the x and dy that B kept and needs no weight, so no block stays gathered from B to W.
+# Their blocks are two units each, phases of their own (the weights W computes, the rest that B does):
+# gathered and freed together, two all-gathers per gather; each part's gradients reduce-scattered after
+# its action. Under zbv rank 0's root unit (the embedding, the final norm, the head) is whole all step.
 
 
 class FullyShardedParameters:
