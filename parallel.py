@@ -1769,9 +1769,10 @@ class GradientBuckets:
     rank the parameters the others updated.
 
     every_microbatch=True (ZeRO-2 and 3, with shard=True, no owners): every micro-batch's gradients are
-    reduce-scattered (set_grad_sync is not needed), each added into the bucket's `grad_shard`, and p.grad
-    is dropped as soon as it is copied into its bucket, so that no full-size gradient lives beyond the two
-    buckets in flight. Call backward_done(op, chunk) after each backward action: `phases` ({param: the
+    reduce-scattered, each added into the bucket's `grad_shard`, and p.grad is dropped as soon as it is
+    copied into its bucket, so that no full-size gradient lives beyond the two buckets in flight
+    (set_grad_sync's argument is ignored: calling it before a backward lands the buckets still in flight,
+    whose flat buffers would otherwise add to that backward's peak). Call backward_done(op, chunk) after each backward action: `phases` ({param: the
     actions (op, chunk) that write its gradient}, by default ("B", 0) for all: one plain backward) says
     which buckets each action completes, and no bucket mixes parameters of different phases; the hooks
     launch the buckets that fill during the action, backward_done the rest. A gradient accumulated by hand
@@ -1851,6 +1852,10 @@ class GradientBuckets:
 
     def set_grad_sync(self, sync):
         self.sync = sync
+        if self.every_microbatch:  # a backward begins: land what the last one left in flight, before its peak
+            for bucket in self.in_flight:
+                self._settle(bucket)
+            self.in_flight = []
 
     def _grad_ready(self, p):
         if self.sync or self.every_microbatch:  # (else a gradient-accumulation micro-step: keep accumulating)
