@@ -1404,8 +1404,12 @@ class WeightGradStore:
         return dy2.t() @ x2, (dy2.sum(0) if with_bias else None)
 
     @torch.no_grad()
-    def apply(self, microbatch):
-        for weight, bias, x, dy in self.held.pop(microbatch):
+    def apply(self, microbatch, ready=None):
+        """W for one microbatch: accumulate each layer's dW (db) into .grad, calling ready(p), if given, as
+        soon as p's gradient for this microbatch is in (after the last layer that uses p)."""
+        held = self.held.pop(microbatch)
+        last = {id(p): j for j, (weight, bias, _, _) in enumerate(held) for p in (weight, bias) if p is not None}
+        for j, (weight, bias, x, dy) in enumerate(held):
             self.held_bytes -= x.numel() * x.element_size() + dy.numel() * dy.element_size()
             dw, db = self.weight_grads(x, dy, bias is not None)
             for p, g in ((weight, dw), (bias, db)):
@@ -1415,6 +1419,8 @@ class WeightGradStore:
                     p.grad = g.to(p.dtype)
                 else:
                     p.grad.add_(g.to(p.dtype))
+                if ready is not None and last[id(p)] == j:
+                    ready(p)
 
 
 class PipelineComm:
@@ -1492,13 +1498,14 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
     plus any auxiliary loss of its blocks), elsewhere the hidden states and an auxiliary loss or None (a
     mixture-of-experts router's balance loss), which must be backpropagated from here.
 
-    `set_grad_sync(bool)` is called before each backward, True only before the last backward of its chunk:
-    a data-parallel gradient reducer hooks in there to communicate once per step. A list with 'W' actions
-    splits every backward: it needs `weight_grad_stores` (one WeightGradStore per chunk), and after a chunk's
-    last W, weight_grad_ready(p) is called for each parameter whose gradient W accumulated by hand, which no
-    backward hook announced. `backward_done(op, c)` is called after every B and W action: ZeRO-2 and 3
-    reduce-scatter there each micro-batch's gradients that the action completed (parameters of chunk c;
-    under a split backward, B's without and W's with weight_grad_stores[c].params). `trace(action)`, if
+    `set_grad_sync(bool)` is called before each backward action, B or W, True only before the last of its
+    kind in its chunk: a data-parallel gradient reducer hooks in there to communicate once per step. A list
+    with 'W' actions splits every backward: it needs `weight_grad_stores` (one WeightGradStore per chunk), and
+    each W calls weight_grad_ready(p) for each parameter whose gradient it accumulated by hand, which no
+    backward hook announces, as soon as it is in. `backward_done(op, c)` is called after every B and W
+    action: ZeRO-2 and 3 reduce-scatter there each micro-batch's gradients that the action completed and
+    nobody announced (parameters of chunk c; under a split backward, B's without and W's with
+    weight_grad_stores[c].params). `trace(action)`, if
     given, returns a context manager wrapped around each action's computation (metrics.PipelineTrace times
     them). Without grad enabled (evaluation) give forwards only: nothing is kept for a backward."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -1583,10 +1590,9 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
                         torch.autograd.backward(tensors, grads)
                 product = None if stage == 0 else x.grad
             else:  # W: the weights' gradients from what B kept
-                weight_grad_stores[c].apply(i)
-                if k == last_weight[c] and weight_grad_ready is not None:
-                    for p in weight_grad_stores[c].params:
-                        weight_grad_ready(p)
+                if set_grad_sync is not None:
+                    set_grad_sync(k == last_weight[c])
+                weight_grad_stores[c].apply(i, weight_grad_ready)
             if op != "F" and backward_done is not None:
                 backward_done(op, c)
         deliver(action, product)
@@ -1756,7 +1762,8 @@ class GradientBuckets:
     A gradient accumulated by hand, outside autograd (the zero-bubble schedules' W actions), is announced
     instead: name those parameters with by_hand(params) (autograd still runs their hooks during B, with
     no gradient or a partial one: those hooks are removed), then call grad_ready(p) once p's gradient is
-    complete for the step, on every data-parallel rank in the same order.
+    complete (set_grad_sync(True) before the action that completes it, as for a backward), on every
+    data-parallel rank in the same order.
 
     `expert_params` are summed over `expert_group` instead (expert parallelism, section 6: the ranks that
     hold the same experts), and divided by the size of `group` too: an expert's gradient on each rank is
@@ -1775,8 +1782,9 @@ class GradientBuckets:
     whose flat buffers would otherwise add to that backward's peak). Call backward_done(op, chunk) after each backward action: `phases` ({param: the
     actions (op, chunk) that write its gradient}, by default ("B", 0) for all: one plain backward) says
     which buckets each action completes, and no bucket mixes parameters of different phases; the hooks
-    launch the buckets that fill during the action, backward_done the rest. A gradient accumulated by hand
-    (by_hand) needs no grad_ready then: backward_done sends it. p.grad is None after finish(): the
+    launch the buckets that fill during the action (and grad_ready for a gradient accumulated by hand),
+    backward_done the rest; a parameter that two actions write, alone in its bucket, is sent by
+    backward_done after each. p.grad is None after finish(): the
     gradients are the grad_shards. `units` (ZeRO-3): lists of parameters, in forward order, one bucket
     each, each of one phase. `alone`: parameters that get a bucket of their own (a tied weight whose
     shards are summed across pipeline stages: both copies must be cut the same way)."""
@@ -1845,9 +1853,7 @@ class GradientBuckets:
                 self.phase_buckets.setdefault(phase, []).append(b)
         self.next = dict.fromkeys(self.phase_buckets, 0)
         self.in_flight = []  # every_microbatch: launched buckets not yet added into their grad_shard
-        # a parameter that two actions write (alone in its bucket) gets no hook: backward_done sends it after each
-        self.hooks = {id(p): p.register_post_accumulate_grad_hook(self._grad_ready) for p in early
-                      if len(phase_of(p)) == 1}
+        self.hooks = {id(p): p.register_post_accumulate_grad_hook(self.grad_ready) for p in early}
         self.launched = 0  # collectives launched since the last finish(); tests read it
 
     def set_grad_sync(self, sync):
@@ -1857,9 +1863,6 @@ class GradientBuckets:
                 self._settle(bucket)
             self.in_flight = []
 
-    def _grad_ready(self, p):
-        if self.sync or self.every_microbatch:  # (else a gradient-accumulation micro-step: keep accumulating)
-            self.grad_ready(p)
 
     def by_hand(self, params):
         for p in params:
@@ -1868,18 +1871,20 @@ class GradientBuckets:
                 hook.remove()
 
     def grad_ready(self, p):
-        """p.grad is complete for this step (every_microbatch: for this micro-batch): copy it into its bucket,
-        launching the bucket once it is full. A deferred parameter waits for finish(); under every_microbatch
-        one without a hook (accumulated by hand) waits for its action's backward_done."""
-        if id(p) in self.deferred_ids or (self.every_microbatch and id(p) not in self.hooks):
+        """p.grad is complete for this step (every_microbatch: for this micro-batch), said by its hook or by
+        hand: copy it into its bucket, launching the bucket once it is full. Nothing in a gradient-accumulation
+        micro-step (set_grad_sync(False)); a deferred parameter waits for finish(), one that two actions write
+        for backward_done."""
+        if not (self.sync or self.every_microbatch) or id(p) in self.deferred_ids:
             return
         bucket, i = self.where[p]
+        if len(bucket.phases) > 1:
+            return
         if i in bucket.ready:
             raise RuntimeError("a gradient became ready twice in one synchronised step: call set_grad_sync(False) "
                                "before the backward of every micro-batch but the last")
         self._copy_in(bucket, i)
         # launch, in its phase's bucket order, every bucket that is full and has only launched buckets before it
-        # (a bucket that hooks fill has one phase)
         (phase,) = bucket.phases
         buckets = self.phase_buckets[phase]
         while self.next[phase] < len(buckets) and self._full(buckets[self.next[phase]]):

@@ -594,16 +594,19 @@ def test_zero_bubble_peak_activations_equal_1f1b_interleaved_within_the_papers_f
 
 def test_grad_sync_is_requested_before_each_chunks_last_backward_only(ranks):
     for r in ranks:
-        for key in ("pp4_afab", "pp4_1f1b", "pp4_zero_bubble", "pp2_tp2_1f1b"):
+        for key in ("pp4_afab", "pp4_1f1b", "pp2_tp2_1f1b"):
             assert r[key]["syncs"] == [False] * (M - 1) + [True]
+        syncs = r["pp4_zero_bubble"]["syncs"]  # before each B and each W: the last B's, the last W's
+        assert len(syncs) == 2 * M and syncs.count(True) == 2 and syncs[-1]
         syncs = r["pp2_tp2_interleaved_v2"]["syncs"]  # two chunks: each one's last backward
         assert len(syncs) == 2 * M and syncs.count(True) == 2 and syncs[-1]
 
 
-def test_weight_gradients_accumulated_by_hand_are_announced_once_each(ranks):
+def test_weight_gradients_accumulated_by_hand_are_announced_by_every_w(ranks):
     for r in ranks:
         for key in ("pp4_zero_bubble", "pp2_tp2_zbv"):
-            assert r[key]["deferred"] > 0 and r[key]["ready"] == r[key]["ready_distinct"] == r[key]["deferred"]
+            assert r[key]["deferred"] > 0 and r[key]["ready_distinct"] == r[key]["deferred"]
+            assert r[key]["ready"] == M * r[key]["deferred"]  # each W announces its chunk's, every microbatch
         assert r["pp4_1f1b"]["ready"] == 0
 
 
