@@ -187,13 +187,15 @@ def open_for_resume(path, model_cfg, say=print):
                           f"--init_from=scratch, or repair the files named above")
 
 
-def load_model(model, reader):
-    """Fill a model (any layout) with the weights a CheckpointReader holds; a tied copy (the head on a last
-    stage, see Transformer.tied_copies) loads from the weight it copies."""
-    copies = model.tied_copies()
+def load_model(model, reader, only=None):
+    """Fill a model (any layout), or only the parameters in `only`, with the weights a CheckpointReader
+    holds; a tied copy (the head on a last stage, see Transformer.tied_copies) loads from the weight it
+    copies."""
+    copies, only = model.tied_copies(), None if only is None else {id(p) for p in only}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(reader.model_tensor(copies.get(name, name), p))
+            if only is None or id(p) in only:
+                p.copy_(reader.model_tensor(copies.get(name, name), p))
     return reader
 
 

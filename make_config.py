@@ -130,7 +130,7 @@ def make_config(cfg, given, argv):
     plan = metrics.plan_memory(model_cfg, dp, tp, pp, cp, cfg["zero_stage"], cfg["batch_size"], cfg["block_size"],
                                cfg["gradient_accumulation_steps"], cfg["pp_schedule"], cfg["activation_checkpointing"],
                                cfg["chunked_loss"], cfg["sequence_parallel"], cfg["bucket_size_mb"],
-                               act_bytes=2 if cfg["dtype"] in ("bfloat16", "float16") else 4)
+                               act_bytes=2 if cfg["dtype"] in ("bfloat16", "float16") else 4, chunks=cfg["pp_chunks"])
     memory = metrics.format_plan(plan, cfg["gpu_mem_gb"] or None)
     header += "".join(f"# {line}\n" for line in memory.splitlines())
     return header, settings_block(cfg, given, chosen) + "\n", chosen

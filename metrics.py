@@ -29,7 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from model import Transformer, attention_head_dim, loss_chunk_size, mlp_hidden_size, stage_layers
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ZeroOneAdamW, full_shape_of,
-                      ideal_bubble, padded_vocab_size, virtual_stages)
+                      SCHEDULES, ideal_bubble, padded_vocab_size, virtual_stages)
 
 
 # -----------------------------------------------------------------------------
@@ -486,28 +486,33 @@ class _Saved:
 #                shards plus three buckets (units) in flight (the one filling, two being reduce-scattered)
 #   optimizer    AdamW's two moments per element (1/dp of them under ZeRO, padded)
 #   activations  what autograd saves per block and micro-batch (counted from the block's code below, in
-#                the activation dtype), times the stage's blocks, times the micro-batches the schedule
-#                holds between their forward and their backward (AFAB: all m; 1F1B: pp - stage; pp = 1:
-#                one); with activation checkpointing only each block's input, plus one block recomputed
+#                the activation dtype), held from a chunk's forward to its backward; with activation
+#                checkpointing only each block's input, plus one block recomputed. Under the zero-bubble
+#                schedules B frees them but for the linears' x and dy, which W frees
 #   loss         the last stage: the chunked loss keeps its input and weight gradients (N x C and V x C,
 #                fp32) from forward to backward, and one chunk's logits while it runs; without it
 #                (tp > 1) the vocab-parallel logits and their softmax
-#   buffers      at the end of backward: the last gradients in flight (autograd's new gradient of the
+#   buffers      at the end of a backward: the gradients in flight (autograd's new gradient of the
 #                largest parameter, three of them for a weight tied within the stage; ZeRO-2/3 also two
 #                buckets or units of flat gradients)
-# The peak is the states (parameters, gradients, optimizer) plus the larger of activations + loss (the
-# last micro-batch's forward done) and buffers (its backward ending): with m >= 2 micro-batches the
-# accumulated gradients of ZeRO-0/1 are alive at both moments (with m = 1 this is an upper bound). Not modelled, said where it
+# The peak is found by walking the rank's actions of the schedule (parallel.SCHEDULES: the same lists the
+# executor runs; with pp = 1 each micro-batch's forward, then its backward): the states (parameters,
+# gradients, optimizer), plus at the end of each forward what is then held (the activations and the
+# loss's tensors of every micro-batch between its forward and its backward, and ZeRO-0/1's accumulated
+# p.grad once a backward has run), and at the end of each backward or W what is still held and the
+# buffers. So AFAB holds all m micro-batches, 1F1B pp - stage, interleaved 1F1B its chunks' share of
+# more, with no count written per schedule. Not modelled, said where it
 # applies: fp16/bf16 autocast's cast copies (counted at the activation dtype), the eager attention's
 # (B, H, T, T) scores, MLA, context parallelism's ring buffers, expert parallelism (the experts are counted as at
 # ep = 1: an upper bound) and Muon (its state counted as AdamW's).
 
 
-def stage_parameter_elements(model_cfg, tp, pp, stage):
-    """{name: elements this tp rank holds} of the stage's parameters: the stage built on the meta device
-    (no memory) at tp = 1, each tensor-parallel layer's tensors then cut as that layer cuts them."""
+def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1):
+    """{name: elements this tp rank holds} of pipeline rank `stage`'s parameters (its chunks' under the
+    interleaved and V schedules): built on the meta device (no memory) at tp = 1, each tensor-parallel
+    layer's tensors then cut as that layer cuts them."""
     with torch.device("meta"):
-        model = Transformer(model_cfg, None, pp, stage)
+        model = Transformer(model_cfg, None, pp * chunks, virtual_stages(schedule, pp, stage, chunks))
     out = {}
     for mod_name, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
@@ -521,7 +526,7 @@ def stage_parameter_elements(model_cfg, tp, pp, stage):
             elif isinstance(module, RowParallelLinear) and name == "weight":
                 n //= tp
             out.setdefault(full, n)
-    if model_cfg.tie_embeddings and pp == 1:
+    if model_cfg.tie_embeddings and model.is_first and model.is_last:
         out.pop("lm_head.weight", None)  # the embedding itself
     return out
 
@@ -571,32 +576,67 @@ def bucket_elements(param_elements, capacity):
     return sizes + ([current] if current else [])
 
 
-def in_flight_microbatches(schedule, pp, stage, m):
-    """Micro-batches whose activations a stage holds at once: all m under 'afab' (all forward, all
-    backward), pp - stage under '1f1b', one without a pipeline."""
+def weight_grad_residual_elements(model_cfg, tokens, tp):
+    """Elements one block keeps for a micro-batch between a zero-bubble B and its W (parallel.WeightGradStore):
+    each tensor-parallel linear's input x (q, k and v read one tensor, as the MLP's gate and up do) and its
+    output's gradient dy. Counted for the dense attention and MLP."""
+    C, D = model_cfg.n_embd, attention_head_dim(model_cfg)
+    H = model_cfg.n_head // tp
+    kv = model_cfg.n_kv_head // tp if model_cfg.n_kv_head % tp == 0 else model_cfg.n_kv_head
+    F = mlp_hidden_size(model_cfg) // tp
+    attn = C + H * D + 2 * kv * D + H * D + C  # q/k/v's x, their dy; o's x and dy
+    mlp = C + (2 if model_cfg.mlp == "swiglu" else 1) * F + F + C  # gate/up's x and dy; down's x and dy
+    return tokens * (attn + mlp)
+
+
+def schedule_moments(schedule, pp, stage, m, chunks, chunk_blocks, head_chunk, saved, residual):
+    """Walks pipeline rank `stage`'s actions (parallel.SCHEDULES; with pp = 1 each micro-batch's forward and
+    backward in turn) and yields, after each, (op, its chunk, activation elements held, micro-batches the
+    head's chunk holds, backwards so far). A forward of chunk c adds `saved` per block of the chunk
+    (chunk_blocks[c] of them); its backward takes them away, except that under the zero-bubble schedules
+    (whose W actions are separate) B leaves `residual` per block until W. head_chunk: the chunk holding the
+    head and the loss, or None."""
     if pp == 1:
-        return 1
-    return m if schedule == "afab" else min(m, pp - stage)
+        actions = [(op, i, 0) for i in range(m) for op in "FB"]
+    else:
+        actions = SCHEDULES[schedule](pp, stage, m, chunks)
+    split = any(op == "W" for op, _, _ in actions)
+    held, head, backwards = 0, 0, 0
+    for op, _, c in actions:
+        blocks = chunk_blocks[c]
+        if op == "F":
+            held += blocks * saved
+            head += c == head_chunk
+        elif op == "B":
+            held += blocks * ((residual if split else 0) - saved)
+            head -= c == head_chunk
+            backwards += 1
+        else:
+            held -= blocks * residual
+        yield op, c, held, head, backwards
 
 
 def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, block_size=None,
                 microbatches=1, schedule="1f1b", activation_checkpointing=False, chunked_loss=True,
-                sequence_parallel=False, bucket_size_mb=25.0, param_bytes=4, act_bytes=4):
+                sequence_parallel=False, bucket_size_mb=25.0, param_bytes=4, act_bytes=4, chunks=1):
     """For each pipeline stage, one rank's bytes: {'stage', 'parameters', 'gradients', 'optimizer',
     'activations', 'loss', 'buffers', 'peak'} (see above; ZeRO-3's gathered root unit and blocks are under
-    'parameters')."""
+    'parameters'; activations and loss are their largest over the step)."""
     T = block_size or model_cfg.block_size
     replicas = dp * cp
     N = batch_size * T // cp  # this rank's tokens per micro-batch
     C, V = model_cfg.n_embd, padded_vocab_size(model_cfg.vocab_size, tp)
     bucket = max(1, int(bucket_size_mb * 2 ** 20))
+    n_stages = pp * chunks  # the model's stages; this rank holds `chunks` of them
     stages = []
     for stage in range(pp):
-        elements = stage_parameter_elements(model_cfg, tp, pp, stage)
+        here = virtual_stages(schedule, pp, stage, chunks)
+        elements = stage_parameter_elements(model_cfg, tp, pp, stage, schedule, chunks)
         P = sum(elements.values())
-        blocks = len(stage_layers(model_cfg.n_layer, pp, stage))
+        chunk_layers = [stage_layers(model_cfg.n_layer, n_stages, s) for s in here]
         block_elems = [sum(n for name, n in elements.items() if name.startswith(f"blocks.{i}."))
-                       for i in stage_layers(model_cfg.n_layer, pp, stage)]
+                       for layers in chunk_layers for i in layers]
+        blocks = len(block_elems)
         root = P - sum(block_elems)
         biggest_block = max(block_elems, default=0)
         shard = lambda n: -(-n // replicas)
@@ -607,7 +647,8 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
         # at the end of backward: autograd's new gradient of the largest parameter before it is added
         # into p.grad or copied into its bucket; for a weight tied within the stage the head's part, the
         # embedding's part and their sum
-        tied_here = model_cfg.tie_embeddings and pp == 1
+        head_chunk = here.index(n_stages - 1) if n_stages - 1 in here else None
+        tied_here = model_cfg.tie_embeddings and head_chunk is not None and 0 in here
         largest = max(elements.values()) * (3 if tied_here else 1)
         buffers = largest * param_bytes
         if zero_stage >= 2:
@@ -621,33 +662,39 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
         else:
             grads = P * param_bytes * (2 if (replicas > 1 or zero_stage == 1) else 1)
         optimizer = 2 * (P if zero_stage == 0 else -(-P // replicas)) * param_bytes
-        held = in_flight_microbatches(schedule, pp, stage, microbatches)
         per_block = block_activation_elements(model_cfg, N, tp, sequence_parallel)
         n_local = N // tp if sequence_parallel else N
-        if activation_checkpointing:
-            activations = (held * blocks * n_local * C + per_block) * act_bytes
-        else:
-            activations = held * blocks * per_block * act_bytes
-        loss = 0
-        if stage == pp - 1:
+        # with activation checkpointing a block keeps its input, and one block is recomputed at a time
+        saved = n_local * C if activation_checkpointing else per_block
+        recompute = per_block if activation_checkpointing else 0
+        loss_held = loss_once = 0  # per micro-batch the head's chunk holds; while the loss runs
+        if head_chunk is not None:
             final_norm = n_local + 2 * n_local * C
             if chunked_loss and tp == 1:
-                chunk = min(N, loss_chunk_size(model_cfg.vocab_size))
-                loss = (final_norm * act_bytes + (N * C + V * C) * 4) * held + chunk * model_cfg.vocab_size * 4
+                loss_held = final_norm * act_bytes + (N * C + V * C) * 4
+                loss_once = min(N, loss_chunk_size(model_cfg.vocab_size)) * model_cfg.vocab_size * 4
             else:
-                loss = (final_norm * act_bytes + N * C * act_bytes + N * (V // tp) * 4) * held + 2 * N * (V // tp) * 4
-        # Two moments. The forward of the micro-batch that brings the stage to `held` in flight done:
-        # its activations and the loss's gradients alive, and ZeRO-0/1's p.grad only if a backward ran
-        # before it in the step (m > held); otherwise the largest is either that forward, without p.grad,
-        # or the first backward's end, with p.grad and one micro-batch fewer. And the end of a backward
-        # (ZeRO-2/3: activations gone, the last gradients in flight).
-        forward = activations + loss
+                loss_held = final_norm * act_bytes + N * C * act_bytes + N * (V // tp) * 4
+                loss_once = 2 * N * (V // tp) * 4
+        # The step walked action by action. At the end of a forward: what is held, the block just computed
+        # under activation checkpointing, the loss's chunk on the head's chunk, and ZeRO-0/1's p.grad once
+        # a backward has run. At the end of a backward or W: what is still held, and the gradients in
+        # flight (for ZeRO-0/1 from the second backward on: the first writes p.grad without a copy).
         accumulated = P * param_bytes if zero_stage < 2 else 0  # autograd's p.grad (ZeRO-0/1)
-        if microbatches > held:
-            at_forward = accumulated + forward
-        else:
-            at_forward = max(forward, accumulated + forward * (held - 1) / held)
-        peak = params + (grads - accumulated) + optimizer + max(at_forward, accumulated + buffers)
+        top = activations = loss = 0
+        for op, c, held, held_head, backwards in schedule_moments(
+                schedule, pp, stage, microbatches, chunks, [len(layers) for layers in chunk_layers], head_chunk,
+                saved, weight_grad_residual_elements(model_cfg, N, tp)):
+            if op == "F":
+                act = (held + recompute) * act_bytes
+                loss_now = held_head * loss_held + (loss_once if c == head_chunk else 0)
+                now = act + loss_now + (accumulated if backwards else 0)
+            else:
+                act, loss_now = held * act_bytes, held_head * loss_held
+                now = act + loss_now + accumulated + (buffers if zero_stage >= 2 or backwards > 1 else 0)
+            top = max(top, now)
+            activations, loss = max(activations, act), max(loss, loss_now)
+        peak = params + (grads - accumulated) + optimizer + top
         stages.append({"stage": stage, "parameters": params, "gradients": grads, "optimizer": optimizer,
                        "activations": activations, "loss": loss, "buffers": buffers, "peak": peak})
     return stages
@@ -658,7 +705,7 @@ def plan_for(cfg, model_cfg, layout_dims):
     dp, tp, pp, cp = layout_dims
     return plan_memory(model_cfg, dp, tp, pp, cp, cfg.zero_stage, cfg.batch_size, cfg.block_size,
                        cfg.gradient_accumulation_steps, cfg.pp_schedule, cfg.activation_checkpointing,
-                       cfg.chunked_loss, cfg.sequence_parallel, cfg.bucket_size_mb)
+                       cfg.chunked_loss, cfg.sequence_parallel, cfg.bucket_size_mb, chunks=cfg.pp_chunks)
 
 
 def format_plan(stages, gpu_mem_gb=None):

@@ -2192,18 +2192,24 @@ class FullyShardedParameters:
         self._free(self._units())
 
     @contextmanager
-    def whole_model(self, write_back=False):
-        """Every unit gathered (a checkpoint being loaded into the parameters: write_back=True copies
-        this rank's slice back into the shards afterwards)."""
+    def whole_model(self):
+        """Every unit gathered, to read the whole model (a test comparing weights)."""
         self._wait(self._units())
         try:
             yield
         finally:
-            for b in self._units():
-                if write_back:
-                    lo = self.dp_rank * b.shard_size
-                    b.param_shard.copy_(b.param_full[lo:lo + b.shard_size])
-            self._free(self._units())
+            self.free_all()
+
+    def unit_by_unit(self):
+        """Yields each unit's parameters gathered, one unit at a time, then copies this rank's slice of what
+        was written into them back into its shard and frees the unit: a checkpoint loads this way holding
+        one unit whole, not the model (which may not fit on one device: that is why it is sharded)."""
+        for b in self._units():
+            self._wait([b])
+            yield b.params
+            lo = self.dp_rank * b.shard_size
+            b.param_shard.copy_(b.param_full[lo:lo + b.shard_size])
+            self._free([b])
 
 
 def sum_tied_grad_shards(grad_sync, copies, group):

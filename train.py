@@ -292,9 +292,6 @@ def setup(cfg, training=True):
         raise ValueError(f"zero_stage={cfg.zero_stage} with ep = {cfg.ep} is not supported yet (the experts' "
                          f"gradient and parameter shards would live on their own expert group): use "
                          f"--zero_stage=1 with expert parallelism, or --ep=1")
-    if cfg.zero_stage == 3 and cfg.compile:
-        raise ValueError("compile=True with zero_stage=3 is not supported yet (the blocks' gather and free hooks "
-                         "run outside a compiled graph): use --compile=False, or zero_stage=2")
     check_schedule(cfg.pp_schedule, cfg.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks)
     hf_dir = None if cfg.init_from in ("scratch", "resume", "auto") else cfg.init_from  # a transformers model folder
     if training:
@@ -511,8 +508,6 @@ def backward_phases(model, pipeline):
     return phases
 
 
-
-
 def make_grad_sync(model, cfg, layout, optimizer, tied=()):
     """What averages the gradients across the ranks that hold the same parameters, dp x cp (each cp rank
     has the gradient of its share of every sequence): ZeroOneAdamW's own sharded buckets, plain all-reduce
@@ -570,7 +565,10 @@ def compile_blocks(model, cfg, layout):
     eager; evaluation runs the compiled blocks too (one more graph, without autograd). The parameters are
     graph inputs by default from torch 2.5 (dynamo's inline_inbuilt_nn_modules; before it each block would
     compile anew). The compiled forward is an attribute of the block instance, so no parameter is renamed
-    (a compiled module would prefix them with _orig_mod.) and uncompile_blocks undoes it."""
+    (a compiled module would prefix them with _orig_mod.) and uncompile_blocks undoes it. The block's own
+    hooks stay outside the graph (nn.Module.__call__ runs them around forward): under ZeRO-3 the all-gather
+    before, the free after and the re-gather before backward run eagerly around the compiled code, which
+    sees parameters whose storage is filled whenever it runs."""
     if not cfg.compile:
         return False
     print0(layout, "compiling each block with torch.compile (the first steps are slow)")
@@ -926,9 +924,9 @@ def resume(path, cfg, run, parts):
     scaler; returns its step. If a rank cannot read it, every rank falls back to the previous complete
     checkpoint (checkpoint.open_for_resume decides for all of them together)."""
     reader = checkpoint.open_for_resume(path, run.model_cfg, lambda text: print0(run.layout, text))
-    sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: load whole, keep this rank's slices
-    with sharded.whole_model(write_back=True) if sharded is not None else nullcontext():
-        checkpoint.load_model(parts.model, reader)
+    sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: a unit at a time, keeping this rank's slices
+    for params in sharded.unit_by_unit() if sharded is not None else [None]:
+        checkpoint.load_model(parts.model, reader, params)
     saved_optimizer = reader.meta["config"].get("optimizer", "adamw")
     if reader.meta.get("converted_from"):  # a model converted from transformers has no optimizer state
         print0(run.layout, f"a model converted from {reader.meta['converted_from']}: a fresh optimizer")

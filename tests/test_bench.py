@@ -1,6 +1,7 @@
 """Speed you can see and trust: the FLOPs count behind MFU, the peak table, peak memory, bench.py's output,
 and the fast paths (chunked loss, activation checkpointing, the torch.compile fallback) computing the same
 thing as the plain paths."""
+import contextlib
 import json
 from types import SimpleNamespace
 
@@ -225,21 +226,26 @@ def compile_counting_graphs(monkeypatch):
     return graphs
 
 
-@pytest.mark.parametrize("activation_checkpointing", [False, True])
+@pytest.mark.parametrize("activation_checkpointing, zero_stage", [(False, 0), (True, 0), (True, 3)])
 def test_compiled_blocks_share_one_graph_at_any_depth_and_train_like_eager(tmp_path, monkeypatch,
-                                                                           activation_checkpointing):
+                                                                           activation_checkpointing, zero_stage):
     """compile=True compiles block by block: one graph for 2 blocks and for 6 (so compile time does not grow
-    with depth), parameters under their own names, and the same losses and weights as eager."""
+    with depth), parameters under their own names, and the same losses and weights as eager. At ZeRO-3
+    every block's storage is emptied after its forward and refilled before its backward (and its recompute)
+    around the compiled graph: a graph that kept the first values it saw, or read an emptied storage, would
+    train apart from eager."""
     graphs = compile_counting_graphs(monkeypatch)
     micro = [(torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32)))]
     for n_layer in (2, 6):
         results = {}
         for compiled in (True, False):
-            cfg, run = tiny_run(tmp_path, compile=compiled, n_layer=n_layer,
+            cfg, run = tiny_run(tmp_path, compile=compiled, n_layer=n_layer, zero_stage=zero_stage,
                                 activation_checkpointing=activation_checkpointing)
             parts = train.build(cfg, run)
             losses = [train.train_step(cfg, run.layout, parts, micro, 1e-3)[0].item() for _ in range(2)]
-            results[compiled] = losses, dict(parts.model.named_parameters())
+            sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: the blocks' storages are empty now
+            with sharded.whole_model() if sharded is not None else contextlib.nullcontext():
+                results[compiled] = losses, {n: p.detach().clone() for n, p in parts.model.named_parameters()}
             assert parts.compiled == compiled
         assert len(graphs) == 1, f"{len(graphs)} graphs for {n_layer} blocks"
         assert results[True][0] == pytest.approx(results[False][0], rel=1e-5)

@@ -14,9 +14,10 @@ import sys
 import pytest
 
 sys.path[:0] = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-from dist_utils import run_train  # noqa: E402
+from dist_utils import run_ranks, run_train  # noqa: E402
 import settings  # noqa: E402
 import train  # noqa: E402
+from metrics import schedule_moments  # noqa: E402
 
 TOLERANCE = 0.10
 # fp32, chunked loss, m = 2 micro-batches (the planner's sum is exact for m >= 2: see metrics.py section 5)
@@ -47,6 +48,10 @@ BENCH_LAYOUTS = {
     "tp2": (["--batch_size=4", "--tp=2"], 2),
     "pp2_1f1b": (["--batch_size=2", "--pp=2", "--pp_schedule=1f1b", "--gradient_accumulation_steps=4"], 2),
     "pp2_afab": (["--batch_size=2", "--pp=2", "--pp_schedule=afab", "--gradient_accumulation_steps=4"], 2),
+    "pp2_interleaved": (["--batch_size=2", "--pp=2", "--pp_schedule=interleaved_1f1b", "--pp_chunks=2",
+                         "--gradient_accumulation_steps=4"], 2),
+    "pp2_zero_bubble": (["--batch_size=2", "--pp=2", "--pp_schedule=zero_bubble", "--gradient_accumulation_steps=4"], 2),
+    "pp2_zbv": (["--batch_size=2", "--pp=2", "--pp_schedule=zbv", "--pp_chunks=2", "--gradient_accumulation_steps=4"], 2),
     "dp2_activation_checkpointing": (["--batch_size=2", "--activation_checkpointing=True"], 2),
     "dp2_moe": (["--batch_size=2", "--n_expert=8", "--n_expert_per_token=2"], 2),
     # parameters and optimizer state dominate: a wide model, one short sequence
@@ -88,6 +93,24 @@ def test_the_planner_predicts_every_ranks_peak_within_10_percent(suite_rows):
             assert isinstance(r["predicted_bytes"], int) and isinstance(r["measured_bytes"], int)
 
 
+def test_the_planner_walks_each_schedules_own_actions():
+    """What the walk holds at most, in micro-batches of one block: 1F1B pp - stage, AFAB all m, one without a
+    pipeline, interleaved 1F1B v pp - stage chunk-sized ones (the first rank 1F1B's pp whole micro-batches:
+    parallel.interleaved_1f1b_actions); under zero-bubble B leaves the W residual until W."""
+    def most(schedule, pp, stage, m, chunks=1, residual=0):
+        moments = schedule_moments(schedule, pp, stage, m, chunks, [1] * chunks, None, 1, residual)
+        return max(held for _, _, held, _, _ in moments)
+    for pp, m in ((4, 8), (4, 3), (2, 2)):
+        for stage in range(pp):
+            assert most("1f1b", pp, stage, m) == min(m, pp - stage)
+            assert most("afab", pp, stage, m) == m
+    assert most("1f1b", 1, 0, 4) == 1
+    assert [most("interleaved_1f1b", 4, s, 8, chunks=2) for s in range(4)] == [8, 7, 6, 5]
+    assert most("zero_bubble", 4, 0, 8) == 4  # (no W actions are deferred on the first rank, residual 0)
+    walk = list(schedule_moments("zero_bubble", 2, 1, 2, 1, [1], None, 10, 3))
+    assert [(op, held) for op, _, held, _, _ in walk] == [("F", 10), ("B", 3), ("F", 13), ("B", 6), ("W", 3), ("W", 0)]
+
+
 def test_zero2_and_zero3_shard_what_they_promise(suite_rows):
     """The planned parts, checked by the measured peaks: ZeRO-3's parameters + gradients + optimizer state
     are 1/dp of ZeRO-0's within padding and the gathered units; ZeRO-2's gradients 1/dp; and the measured
@@ -108,43 +131,116 @@ def test_zero2_and_zero3_shard_what_they_promise(suite_rows):
     assert saved_measured == pytest.approx(saved_planned, rel=0.25), text
 
 
-def _speed_of_each_zero_stage(rank, world_size, steps):
-    """Every ZeRO stage's model, optimizer and step built side by side in one launch (train.build), their
-    steps timed in turn, so that each sees the same machine. Returns {stage: median seconds per step}."""
-    import statistics
-    import time
+def _build_zero_stage(rank, world_size, stage, **model):
+    """train.build's model, optimizer and step for one ZeRO stage at dp = world_size, in a run_ranks worker.
+    Returns (cfg, layout, parts)."""
     from dataclasses import fields
     from types import SimpleNamespace
 
     import torch
-    import settings
-    import train
     from model import ModelConfig
     from parallel import ParallelLayout
 
     layout = ParallelLayout(world_size, 1, 1, world_size, rank)
     values = {**settings.DEFAULTS, "n_layer": 4, "n_embd": 128, "n_head": 4, "n_kv_head": 2, "block_size": 64,
               "vocab_size": 8192, "batch_size": 2, "gradient_accumulation_steps": 2, "bucket_size_mb": 0.25,
-              "device": "cpu", "dtype": "float32", "dp": world_size}
+              "device": "cpu", "dtype": "float32", "dp": world_size, **model, "zero_stage": stage}
     model_cfg = ModelConfig(**{f.name: values[f.name] for f in fields(ModelConfig)})
     run = SimpleNamespace(dev=torch.device("cpu"), dtype=torch.float32, layout=layout, datasets={},
                           model_cfg=model_cfg, attn_impl="sdpa", tokenizer="gpt2", hf_dir=None)
-    built = {}
-    for stage in (0, 1, 2, 3):
-        cfg = SimpleNamespace(**dict(values, zero_stage=stage))
-        built[stage] = (cfg, train.build(cfg, run))
+    cfg = SimpleNamespace(**values)
+    return cfg, layout, train.build(cfg, run)
+
+
+def _random_microbatches(cfg, generator):
+    import torch
+    shape = (cfg.batch_size, cfg.block_size)
+    return [(torch.randint(0, cfg.vocab_size, shape, generator=generator),
+             torch.randint(0, cfg.vocab_size, shape, generator=generator))
+            for _ in range(cfg.gradient_accumulation_steps)]
+
+
+def _speed_of_each_zero_stage(rank, world_size, steps):
+    """Every ZeRO stage's model, optimizer and step built side by side in one launch (train.build), their
+    steps timed in turn, so that each sees the same machine. Returns {stage: median seconds per step}."""
+    import statistics
+    import time
+
+    import torch
+
+    built = {stage: _build_zero_stage(rank, world_size, stage) for stage in (0, 1, 2, 3)}
     g = torch.Generator().manual_seed(rank)
     times = {stage: [] for stage in built}
     for step in range(steps + 1):
-        micro = [(torch.randint(0, 8192, (2, 64), generator=g), torch.randint(0, 8192, (2, 64), generator=g))
-                 for _ in range(2)]
-        for stage, (cfg, parts) in built.items():
+        micro = _random_microbatches(built[0][0], g)
+        for stage, (cfg, layout, parts) in built.items():
             start = time.perf_counter()
             loss, _ = train.train_step(cfg, layout, parts, micro, 1e-3)
             train.mean_across_ranks(loss, layout).item()
             if step:  # the first is warm-up
                 times[stage].append(time.perf_counter() - start)
     return {stage: statistics.median(t) for stage, t in times.items()}
+
+
+# deep and narrow, with a small vocabulary: the root unit that ZeRO-3 keeps whole (embedding, final norm,
+# tied head) is 1% of the parameters, the blocks the rest
+STATE_MODEL = dict(n_layer=4, n_embd=64, n_head=4, n_kv_head=4, block_size=16, vocab_size=64, batch_size=1,
+                   bucket_size_mb=0.05)
+
+
+def _state_bytes_of_each_zero_stage(rank, world_size):
+    """Each ZeRO stage built and stepped in turn; on the second step, just before the optimizer steps (the
+    gradients reduced, the moments alive since the first step, the activations gone), every live tensor
+    storage the garbage collector finds on this rank is measured (its nbytes: what is allocated, views
+    counted once) and sorted by what holds it: parameters (the model's, ZeRO-3's shards), gradients
+    (p.grad, the buckets' flat buffers and gradient shards), optimizer state, and the rest. Returns
+    {stage: {part: bytes}} and the bytes ZeRO-3 may hold beyond 1/dp: the root unit and the padding."""
+    import gc
+
+    import torch
+    from metrics import LiveTensorBytes
+
+    def key(t):
+        return t.untyped_storage()._cdata  # the storage itself, whichever view holds it
+
+    def measure(parts):
+        sync = parts.grad_sync
+        params = [p for p in parts.model.parameters()] + [b.param_shard for b in sync.buckets if b.param_shard is not None]
+        grads = ([p.grad for p in parts.model.parameters() if p.grad is not None]
+                 + [t for b in sync.buckets for t in (b.flat, b.grad_shard) if t is not None])
+        state = [t for s in parts.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        owner = {}
+        for part, tensors in (("optimizer", state), ("gradients", grads), ("parameters", params)):
+            owner.update({key(t): part for t in tensors})
+        sizes = {"parameters": 0, "gradients": 0, "optimizer": 0, "other": 0}
+        for storage in LiveTensorBytes().live.keys():
+            sizes[owner.get(storage._cdata, "other")] += storage.nbytes()
+        return sizes
+
+    found, allowance = {}, {}
+    g = torch.Generator().manual_seed(rank)
+    for stage in (0, 1, 2, 3):
+        cfg, layout, parts = _build_zero_stage(rank, world_size, stage, **STATE_MODEL)
+        micro = _random_microbatches(cfg, g)
+        step = parts.optimizer.step
+
+        def measure_then_step(*args, **kwargs):
+            found.setdefault(stage, []).append(measure(parts))
+            return step(*args, **kwargs)
+        parts.optimizer.step = measure_then_step
+        for _ in range(2):
+            train.train_step(cfg, layout, parts, micro, 1e-3)
+        found[stage] = found[stage][-1]
+        if stage == 3:
+            buckets = parts.grad_sync.buckets
+            root = sum(b.param_full.numel() for b in buckets if b.keep_whole) * 4
+            padding = sum(b.shard_size * world_size - b.numel for b in buckets) * 4
+            allowance = {"root": root, "padding": padding}
+        for hook in parts.grad_sync.hooks.values():  # the gradient hooks hold the parameters in a cycle that
+            hook.remove()                             # the garbage collector does not see: let this stage go
+        del parts, step, measure_then_step
+        gc.collect()
+    return found, allowance
 
 
 if __name__ == "__main__" and "--speed" in sys.argv:
@@ -164,6 +260,30 @@ if __name__ == "__main__" and "--measure" in sys.argv:
         print(report(name, rows), flush=True)
         worst = max(worst, max(abs(relative_error(r)) for r in rows))
     print(f"worst error over these layouts: {worst:.1%}")
+
+
+def test_zero3_keeps_1_over_dp_of_the_state_and_zero2_of_the_gradients():
+    """Measured per-rank bytes at dp=4: parameters + gradients + optimizer state at ZeRO-3 are 1/4 of
+    ZeRO-0's, plus at most the root unit (kept whole through the step) and the padding of the flat shards;
+    the gradients at ZeRO-2 are 1/4 (within the padding), the optimizer state at ZeRO-1, 2, 3 is 1/4, and
+    nothing else on the rank changes with the stage."""
+    dp = 4
+    counters = 1024  # each parameter's step counter (4 bytes) sits in the optimizer state unsharded
+    ranks = run_ranks(_state_bytes_of_each_zero_stage, dp)
+    for rank, (found, allowance) in enumerate(ranks):
+        text = f"rank {rank}: " + "; ".join(f"ZeRO-{s}: {parts}" for s, parts in found.items()) + f"; {allowance}"
+        total = {s: parts["parameters"] + parts["gradients"] + parts["optimizer"] for s, parts in found.items()}
+        pad = allowance["padding"]
+        full = found[0]
+        assert full["gradients"] == full["parameters"] and full["optimizer"] >= 2 * full["parameters"], text
+        assert total[0] / dp - counters <= total[3] <= total[0] / dp + allowance["root"] + 4 * pad + counters, text
+        assert full["gradients"] / dp <= found[2]["gradients"] <= full["gradients"] / dp + pad, text
+        assert found[3]["gradients"] == found[2]["gradients"], text
+        assert found[1]["gradients"] >= full["gradients"], text  # ZeRO-1 keeps them whole
+        for s in (1, 2, 3):
+            assert abs(found[s]["optimizer"] - full["optimizer"] / dp) <= 2 * pad + counters, text
+            assert found[s]["other"] == full["other"], text
+    print(text)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
