@@ -1505,9 +1505,9 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
     backward hook announces, as soon as it is in. `backward_done(op, c)` is called after every B and W
     action: ZeRO-2 and 3 reduce-scatter there each micro-batch's gradients that the action completed and
     nobody announced (parameters of chunk c; under a split backward, B's without and W's with
-    weight_grad_stores[c].params). `trace(action)`, if
-    given, returns a context manager wrapped around each action's computation (metrics.PipelineTrace times
-    them). Without grad enabled (evaluation) give forwards only: nothing is kept for a backward."""
+    weight_grad_stores[c].params). `trace(action)`, if given, returns a context manager wrapped around each
+    action's computation (metrics.PipelineTrace times them). Without grad enabled (evaluation) give
+    forwards only: nothing is kept for a backward."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     m, last_stage = len(microbatches), comm.n_stages - 1
     last_backward = {c: k for k, (op, _, c) in enumerate(actions) if op == "B"}  # each chunk's last
@@ -1779,12 +1779,12 @@ class GradientBuckets:
     reduce-scattered, each added into the bucket's `grad_shard`, and p.grad is dropped as soon as it is
     copied into its bucket, so that no full-size gradient lives beyond the two buckets in flight
     (set_grad_sync's argument is ignored: calling it before a backward lands the buckets still in flight,
-    whose flat buffers would otherwise add to that backward's peak). Call backward_done(op, chunk) after each backward action: `phases` ({param: the
-    actions (op, chunk) that write its gradient}, by default ("B", 0) for all: one plain backward) says
-    which buckets each action completes, and no bucket mixes parameters of different phases; the hooks
-    launch the buckets that fill during the action (and grad_ready for a gradient accumulated by hand),
-    backward_done the rest; a parameter that two actions write, alone in its bucket, is sent by
-    backward_done after each. p.grad is None after finish(): the
+    whose flat buffers would otherwise add to that backward's peak). Call backward_done(op, chunk) after
+    each backward action: `phases` ({param: the actions (op, chunk) that write its gradient}; by default
+    ("B", 0) for all, one plain backward) says which buckets each action completes, and no bucket mixes
+    parameters of different phases; the hooks (and grad_ready for a gradient accumulated by hand) launch
+    the buckets that fill during the action, backward_done the rest; a parameter that two actions write,
+    alone in its bucket, is sent by backward_done after each. p.grad is None after finish(): the
     gradients are the grad_shards. `units` (ZeRO-3): lists of parameters, in forward order, one bucket
     each, each of one phase. `alone`: parameters that get a bucket of their own (a tied weight whose
     shards are summed across pipeline stages: both copies must be cut the same way)."""
@@ -1862,7 +1862,6 @@ class GradientBuckets:
             for bucket in self.in_flight:
                 self._settle(bucket)
             self.in_flight = []
-
 
     def by_hand(self, params):
         for p in params:
