@@ -1249,11 +1249,21 @@ class Transformer(nn.Module):
 
     def chunk_modules(self, chunk):
         """The modules chunk `chunk` runs: the embedding on stage 0, its blocks, the final norm and the head on
-        the last stage (the zero-bubble schedules split the backward of the linears in them)."""
+        the last stage (the zero-bubble schedules split the backward of the linears in them). Not the head
+        under the chunked loss, which reads the head's weight itself: its gradient comes in the backward."""
         stage = self.stages[chunk]
         modules = [self.tok_emb] if stage == 0 else []
         modules += [self.blocks[str(i)] for i in self.chunk_layers[chunk]]
-        return modules + ([self.norm, self.lm_head] if stage == self.n_stages - 1 else [])
+        if stage == self.n_stages - 1:
+            modules += [self.norm] + ([] if self.chunked_loss else [self.lm_head])
+        return modules
+
+    def chunk_parameters(self, chunk):
+        """The parameters chunk `chunk` uses, each once: its modules', and the head's under the chunked loss."""
+        params = [p for module in self.chunk_modules(chunk) for p in module.parameters()]
+        if self.stages[chunk] == self.n_stages - 1:
+            params += list(self.lm_head.parameters())
+        return list({id(p): p for p in params}.values())
 
     def tied_copies(self):
         """{name of a parameter here: name of the weight it copies}: the head's weight on a last stage that

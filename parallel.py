@@ -1404,8 +1404,12 @@ class WeightGradStore:
         return dy2.t() @ x2, (dy2.sum(0) if with_bias else None)
 
     @torch.no_grad()
-    def apply(self, microbatch):
-        for weight, bias, x, dy in self.held.pop(microbatch):
+    def apply(self, microbatch, ready=None):
+        """W for one microbatch: accumulate each layer's dW (db) into .grad, calling ready(p), if given, as
+        soon as p's gradient for this microbatch is in (after the last layer that uses p)."""
+        held = self.held.pop(microbatch)
+        last = {id(p): j for j, (weight, bias, _, _) in enumerate(held) for p in (weight, bias) if p is not None}
+        for j, (weight, bias, x, dy) in enumerate(held):
             self.held_bytes -= x.numel() * x.element_size() + dy.numel() * dy.element_size()
             dw, db = self.weight_grads(x, dy, bias is not None)
             for p, g in ((weight, dw), (bias, db)):
@@ -1415,6 +1419,8 @@ class WeightGradStore:
                     p.grad = g.to(p.dtype)
                 else:
                     p.grad.add_(g.to(p.dtype))
+                if ready is not None and last[id(p)] == j:
+                    ready(p)
 
 
 class PipelineComm:
@@ -1478,7 +1484,7 @@ class PipelineComm:
 
 
 def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0,
-                 set_grad_sync=None, weight_grad_stores=None, weight_grad_ready=None, trace=None):
+                 set_grad_sync=None, weight_grad_stores=None, weight_grad_ready=None, trace=None, backward_done=None):
     """Run one pipeline rank's list of actions over microbatches [(x, y), ...] (token ids and targets; every
     rank has them, the first stage uses x, the last y, all take the message shapes from x). A microbatch may
     carry more, (x, y, positions) under context parallelism: every stage passes it on, chunk(x, y,
@@ -1492,13 +1498,16 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
     plus any auxiliary loss of its blocks), elsewhere the hidden states and an auxiliary loss or None (a
     mixture-of-experts router's balance loss), which must be backpropagated from here.
 
-    `set_grad_sync(bool)` is called before each backward, True only before the last backward of its chunk:
-    a data-parallel gradient reducer hooks in there to communicate once per step. A list with 'W' actions
-    splits every backward: it needs `weight_grad_stores` (one WeightGradStore per chunk), and after a chunk's
-    last W, weight_grad_ready(p) is called for each parameter whose gradient W accumulated by hand, which no
-    backward hook announced. `trace(action)`, if given, returns a context manager wrapped around each action's
-    computation (metrics.PipelineTrace times them). Without grad enabled (evaluation) give forwards only:
-    nothing is kept for a backward."""
+    `set_grad_sync(bool)` is called before each backward action, B or W, True only before the last of its
+    kind in its chunk: a data-parallel gradient reducer hooks in there to communicate once per step. A list
+    with 'W' actions splits every backward: it needs `weight_grad_stores` (one WeightGradStore per chunk), and
+    each W calls weight_grad_ready(p) for each parameter whose gradient it accumulated by hand, which no
+    backward hook announces, as soon as it is in. `backward_done(op, c)` is called after every B and W
+    action: ZeRO-2 and 3 reduce-scatter there each micro-batch's gradients that the action completed and
+    nobody announced (parameters of chunk c; under a split backward, B's without and W's with
+    weight_grad_stores[c].params). `trace(action)`, if given, returns a context manager wrapped around each
+    action's computation (metrics.PipelineTrace times them). Without grad enabled (evaluation) give
+    forwards only: nothing is kept for a backward."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     m, last_stage = len(microbatches), comm.n_stages - 1
     last_backward = {c: k for k, (op, _, c) in enumerate(actions) if op == "B"}  # each chunk's last
@@ -1581,10 +1590,11 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
                         torch.autograd.backward(tensors, grads)
                 product = None if stage == 0 else x.grad
             else:  # W: the weights' gradients from what B kept
-                weight_grad_stores[c].apply(i)
-                if k == last_weight[c] and weight_grad_ready is not None:
-                    for p in weight_grad_stores[c].params:
-                        weight_grad_ready(p)
+                if set_grad_sync is not None:
+                    set_grad_sync(k == last_weight[c])
+                weight_grad_stores[c].apply(i, weight_grad_ready)
+            if op != "F" and backward_done is not None:
+                backward_done(op, c)
         deliver(action, product)
     for request in sends:
         request.wait()
@@ -1664,6 +1674,21 @@ def sync_tied_grads(copies, group):
 # is copied into its bucket. After the step the updated slices are all-gathered, as in ZeRO-1, two
 # buckets at a time. ZeRO-3 (section 5.3) follows, after GradientBuckets.
 #
+# Under a pipeline schedule (section 4) a micro-batch's gradient of a parameter is complete after the
+# backward action that writes it, and that is when it is sent: each action (op, chunk) is a "phase", a
+# bucket holds the parameters of one phase only, and after every B and W action the executor calls
+# backward_done(op, chunk), which launches the buckets of that phase the hooks did not. So:
+#   afab, 1f1b        one chunk, B the whole backward: every bucket after each micro-batch's B
+#   interleaved_1f1b  B of chunk c sends chunk c's buckets: each chunk's buckets are its own, and a
+#                     micro-batch's are sent v times over, a chunk at a time
+#   zero_bubble, zbv  B sends the parameters autograd gives gradients to (norm gains, the embedding, the
+#                     chunked loss's head, biases of row-parallel layers); W sends the tensor-parallel
+#                     linears' weights it computes (WeightGradStore.params), when it runs, however late
+# Every bucket is thus launched once per micro-batch for each action that writes it, in the same order on
+# every rank (the ranks of a dp group run the same action list). One parameter is written by two actions:
+# under zbv with tied embeddings rank 0 holds both ends of the model, and its one embedding-and-head
+# matrix, alone in a bucket, is sent after each of them (each part once).
+#
 # A bucket is one flat tensor, so it holds parameters of one dtype only: a parameter whose dtype differs
 # from the one before it starts a new bucket. Its collective runs over one group: parameters that are
 # averaged over another group than the data-parallel one (the experts under expert parallelism, section 6)
@@ -1701,6 +1726,7 @@ class _Bucket:
         self.grad_shard = None
         self.param_shard = self.param_full = self.gather = None
         self.keep_whole = self.in_backward = False
+        self.phases = frozenset()  # the backward actions that write its gradients (GradientBuckets sets them)
         self.reset()
 
     def new_flat(self):
@@ -1736,7 +1762,8 @@ class GradientBuckets:
     A gradient accumulated by hand, outside autograd (the zero-bubble schedules' W actions), is announced
     instead: name those parameters with by_hand(params) (autograd still runs their hooks during B, with
     no gradient or a partial one: those hooks are removed), then call grad_ready(p) once p's gradient is
-    complete for the step, on every data-parallel rank in the same order.
+    complete (set_grad_sync(True) before the action that completes it, as for a backward), on every
+    data-parallel rank in the same order.
 
     `expert_params` are summed over `expert_group` instead (expert parallelism, section 6: the ranks that
     hold the same experts), and divided by the size of `group` too: an expert's gradient on each rank is
@@ -1749,72 +1776,93 @@ class GradientBuckets:
     rank the parameters the others updated.
 
     every_microbatch=True (ZeRO-2 and 3, with shard=True, no owners): every micro-batch's gradients are
-    reduce-scattered (set_grad_sync's argument is ignored; calling it starts a new micro-batch), each added
-    into the bucket's `grad_shard`, and p.grad is dropped as soon as it is copied into its bucket, so that
-    no full-size gradient lives beyond the two buckets in flight. p.grad is None after finish(): the
-    gradients are the grad_shards. `units` (ZeRO-3): lists of parameters, in forward order, one bucket each
-    (two where a unit holds experts over their own group: the experts, then the rest). `alone`: parameters that get a bucket of their own (a tied weight whose shards are summed across
-    pipeline stages: both copies must be cut the same way)."""
+    reduce-scattered, each added into the bucket's `grad_shard`, and p.grad is dropped as soon as it is
+    copied into its bucket, so that no full-size gradient lives beyond the two buckets in flight
+    (set_grad_sync's argument is ignored: calling it before a backward lands the buckets still in flight,
+    whose flat buffers would otherwise add to that backward's peak). Call backward_done(op, chunk) after
+    each backward action: `phases` ({param: the actions (op, chunk) that write its gradient}; by default
+    ("B", 0) for all, one plain backward) says which buckets each action completes, and no bucket mixes
+    parameters of different phases; the hooks (and grad_ready for a gradient accumulated by hand) launch
+    the buckets that fill during the action, backward_done the rest; a parameter that two actions write,
+    alone in its bucket, is sent by backward_done after each. p.grad is None after finish(): the
+    gradients are the grad_shards. `units` (ZeRO-3): lists of parameters, in forward order, one bucket
+    each, each of one phase (two where a unit holds experts over their own group: the experts, then the
+    rest). `alone`: parameters that get a bucket of their own (a tied weight whose shards are summed
+    across pipeline stages: both copies must be cut the same way)."""
 
     def __init__(self, params, group, bucket_size_mb=25.0, shard=False, deferred=(), expert_params=(),
-                 expert_group=None, owners=None, every_microbatch=False, units=None, alone=()):
+                 expert_group=None, owners=None, every_microbatch=False, units=None, alone=(), phases=None):
         if every_microbatch and owners:
             raise ValueError("GradientBuckets: every_microbatch (ZeRO-2/3) keeps even slices only, not whole owners")
         self.group, self.shard, self.every_microbatch = group, shard, every_microbatch
         self.dp, self.dp_rank = group_size(group), group_rank(group)
-        self.sync, self.started = True, False
+        self.sync = True
         self.on_launch = None  # ZeRO-3: frees a unit's gathered parameters once its gradients are sent
         deferred_ids = self.deferred_ids = {id(p) for p in deferred}
         alone_ids = {id(p) for p in alone}
         expert_ids = {id(p) for p in expert_params} if expert_group is not group else set()
         params = [p for p in params if p.requires_grad]
+
+        def phase_of(p):
+            if phases is not None and not phases.get(p):
+                raise ValueError(f"GradientBuckets: phases names no backward action for a parameter of shape "
+                                 f"{tuple(p.shape)}")
+            return frozenset(phases[p]) if phases is not None else frozenset({("B", 0)})
+
         early = [p for p in params if id(p) not in deferred_ids]
         late = [p for p in params if id(p) in deferred_ids]
         make = lambda ps, group, owner=None: _Bucket(ps, group, owner, transient=every_microbatch)
         # backward produces gradients roughly in the reverse order of the forward pass: bucket them that way,
-        # filling one bucket for each kind (its group, and its owner if it goes whole to one rank) at a time,
-        # in the order the buckets fill up
+        # filling one bucket for each kind (its group, its owner if it goes whole to one rank, the actions
+        # that write it) at a time, in the order the buckets fill up
         owners = owners or {}
         self.buckets, capacity = [], max(1, int(bucket_size_mb * 2 ** 20))
         if units is not None:  # one bucket per unit, in backward order; a unit's experts (over expert_group)
             for u in reversed(units):  # in one of their own, first: their gradients come first in its backward
                 experts, rest = [p for p in u if id(p) in expert_ids], [p for p in u if id(p) not in expert_ids]
                 self.buckets += [make(ps, g) for ps, g in ((experts, expert_group), (rest, group)) if ps]
-        filling = {}  # (group, owner) -> (its parameters so far, their bytes)
+        filling = {}  # (group, owner, phases) -> (its parameters so far, their bytes)
         for p in reversed(early) if units is None else []:
-            kind = (expert_group if id(p) in expert_ids else group, owners.get(p))
+            kind = (expert_group if id(p) in expert_ids else group, owners.get(p), phase_of(p))
             current, size = filling.get(kind, ([], 0))
             if current and (p.dtype != current[0].dtype or id(p) in alone_ids):  # one dtype per flat buffer
-                self.buckets.append(make(current, *kind))
+                self.buckets.append(make(current, *kind[:2]))
                 current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
             if size >= capacity or id(p) in alone_ids:
-                self.buckets.append(make(current, *kind))
+                self.buckets.append(make(current, *kind[:2]))
                 current, size = [], 0
             filling[kind] = (current, size)
-        self.buckets += [make(current, *kind) for kind, (current, _) in filling.items() if current]
+        self.buckets += [make(current, *kind[:2]) for kind, (current, _) in filling.items() if current]
         for owner in dict.fromkeys(owners.get(p) for p in late):
             mine = [p for p in late if owners.get(p) == owner]
             for dtype in dict.fromkeys(p.dtype for p in mine):
                 self.buckets.append(make([p for p in mine if p.dtype == dtype], group, owner))
         self.where = {}
         for b in self.buckets:
+            b.phases = phase_of(b.params[0])
+            if any(phase_of(p) != b.phases for p in b.params):
+                raise ValueError("GradientBuckets: a unit mixes parameters that different backward actions complete")
             for i, p in enumerate(b.params):
                 self.where[p] = (b, i)
-        self.hooks = {id(p): p.register_post_accumulate_grad_hook(self._grad_ready) for p in early}
-        self.launched = 0  # collectives launched since the last finish() (the next bucket to launch); tests read it
+        # each phase's buckets in bucket order (a parameter written by two actions, alone, is in both), and
+        # the next of them to launch in the action now running
+        self.phase_buckets = {}
+        for b in self.buckets:
+            for phase in sorted(b.phases):
+                self.phase_buckets.setdefault(phase, []).append(b)
+        self.next = dict.fromkeys(self.phase_buckets, 0)
+        self.in_flight = []  # every_microbatch: launched buckets not yet added into their grad_shard
+        self.hooks = {id(p): p.register_post_accumulate_grad_hook(self.grad_ready) for p in early}
+        self.launched = 0  # collectives launched since the last finish(); tests read it
 
     def set_grad_sync(self, sync):
         self.sync = sync
-        if self.every_microbatch:
-            if self.started:  # the previous micro-batch's gradients: send what the hooks did not, wait
-                self._flush()
-            self.started = True
-
-    def _grad_ready(self, p):
-        if self.sync or self.every_microbatch:  # (else a gradient-accumulation micro-step: keep accumulating)
-            self.grad_ready(p)
+        if self.every_microbatch:  # a backward begins: land what the last one left in flight, before its peak
+            for bucket in self.in_flight:
+                self._settle(bucket)
+            self.in_flight = []
 
     def by_hand(self, params):
         for p in params:
@@ -1823,18 +1871,35 @@ class GradientBuckets:
                 hook.remove()
 
     def grad_ready(self, p):
-        """p.grad is complete for this step: copy it into its bucket, launching the bucket once it is full.
-        A deferred parameter waits for finish()."""
-        if id(p) in self.deferred_ids:
+        """p.grad is complete for this step (every_microbatch: for this micro-batch), said by its hook or by
+        hand: copy it into its bucket, launching the bucket once it is full. Nothing in a gradient-accumulation
+        micro-step (set_grad_sync(False)); a deferred parameter waits for finish(), one that two actions write
+        for backward_done."""
+        if not (self.sync or self.every_microbatch) or id(p) in self.deferred_ids:
             return
         bucket, i = self.where[p]
+        if len(bucket.phases) > 1:
+            return
         if i in bucket.ready:
             raise RuntimeError("a gradient became ready twice in one synchronised step: call set_grad_sync(False) "
                                "before the backward of every micro-batch but the last")
         self._copy_in(bucket, i)
-        # launch, in bucket order, every bucket that is full and has only launched buckets before it
-        while self.launched < len(self.buckets) and self._full(self.buckets[self.launched]):
-            self._launch(self.buckets[self.launched])
+        # launch, in its phase's bucket order, every bucket that is full and has only launched buckets before it
+        (phase,) = bucket.phases
+        buckets = self.phase_buckets[phase]
+        while self.next[phase] < len(buckets) and self._full(buckets[self.next[phase]]):
+            self.next[phase] += 1
+            self._launch(buckets[self.next[phase] - 1])
+
+    def backward_done(self, op, chunk):
+        """every_microbatch: the backward action (op, chunk) of a micro-batch has run: launch, in order, the
+        buckets of its phase that its hooks did not (a parameter without a gradient sends zeros). Every
+        rank launches every bucket once per action that writes it, whatever its data did."""
+        if not self.every_microbatch:
+            return
+        phase = (op, chunk)
+        self._launch_the_rest(self.phase_buckets.get(phase, [])[self.next.get(phase, 0):])
+        self.next[phase] = 0
 
     @staticmethod
     def _full(bucket):
@@ -1842,6 +1907,8 @@ class GradientBuckets:
 
     def _copy_in(self, bucket, i):
         p, start = bucket.params[i], bucket.offsets[i]
+        if bucket.shard is not None and self.every_microbatch:  # its last launch must land before it refills
+            self._settle(bucket)
         if bucket.flat is None:
             bucket.flat = bucket.new_flat()
         view = bucket.flat[start:start + p.numel()]
@@ -1854,13 +1921,15 @@ class GradientBuckets:
         self.launched += 1
         if self.every_microbatch:
             # keep at most two buckets' full gradients in flight: settle the ones before the previous
-            for earlier in self.buckets[:max(0, self.launched - 2)]:
-                self._settle(earlier)
+            while len(self.in_flight) >= 2:
+                self._settle(self.in_flight.pop(0))
             bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
             if bucket.world == 1:
                 bucket.shard.copy_(bucket.flat)
             else:
                 bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=bucket.group, async_op=True)
+            self.in_flight.append(bucket)
+            bucket.ready = set()  # sent: the next action that writes it starts it afresh
             if self.on_launch is not None:
                 self.on_launch(bucket)
             return
@@ -1886,33 +1955,29 @@ class GradientBuckets:
         bucket.grad_shard = bucket.shard if bucket.grad_shard is None else bucket.grad_shard.add_(bucket.shard)
         bucket.flat = bucket.shard = bucket.work = None
 
-    def _launch_the_rest(self):
-        """Launch, in bucket order, every bucket the hooks did not, its parameters without a gradient as zeros."""
-        for bucket in self.buckets[self.launched:]:
+    def _launch_the_rest(self, buckets):
+        """Launch these buckets in order, each parameter the hooks did not copy in from its p.grad, or as
+        zeros where it has none."""
+        for bucket in buckets:
             for i in range(len(bucket.params)):
                 if i not in bucket.ready:
                     self._copy_in(bucket, i)
             self._launch(bucket)
 
-    def _flush(self):
-        """ZeRO-2/3, end of a micro-batch's backward: launch, in bucket order, the buckets the hooks did not
-        (parameters that got no gradient: zeros), wait for all of them. Every rank launches every bucket
-        once per micro-batch, whatever its data did."""
-        self._launch_the_rest()
-        for bucket in self.buckets:
-            self._settle(bucket)
-            bucket.ready = set()
-        self.launched = 0
-
     def finish(self):
         """Wait for every bucket's collective (launching the ones the hooks did not, in bucket order:
         deferred parameters, parameters that got no gradient this step, the buckets after them) and point
-        each p.grad at its part of the result (ZeRO-2/3: leave it in the buckets' grad_shard)."""
+        each p.grad at its part of the result (ZeRO-2/3: leave it in the buckets' grad_shard, every action
+        having been closed by backward_done)."""
         if self.every_microbatch:
-            self._flush()
-            self.sync, self.started = True, False
+            if any(b.ready for b in self.buckets) or any(p.grad is not None for p in self.where):
+                raise RuntimeError("GradientBuckets.finish: gradients were never sent: with every_microbatch, call "
+                                   "backward_done(op, chunk) after each backward action")
+            for bucket in self.in_flight:
+                self._settle(bucket)
+            self.in_flight, self.next, self.launched = [], dict.fromkeys(self.next, 0), 0
             return
-        self._launch_the_rest()
+        self._launch_the_rest(self.buckets[self.launched:])
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()  # sync point: the gradient is needed from here on
@@ -1930,7 +1995,7 @@ class GradientBuckets:
             for p, start in zip(bucket.params, bucket.offsets):
                 p.grad = bucket.flat[start:start + p.numel()].view_as(p)
             bucket.reset()
-        self.sync, self.launched = True, 0
+        self.sync, self.launched, self.next = True, 0, dict.fromkeys(self.next, 0)
 
     def owned_slices(self):
         """(param, start, end, bucket, a, b): the range start:end of each parameter's flattened elements
@@ -2005,21 +2070,33 @@ class GradientBuckets:
 # with pp stages and m micro-batches, 2m all-gathers and m reduce-scatters of each unit per step, each
 # unit's bytes times (dp - 1)/dp on the wire. Memory at a time: the shards, plus about two gathered
 # blocks (the one computing, the one prefetched), the root unit, and two buckets of gradients in flight.
+#
+# What each schedule gathers, per block and micro-batch: afab and 1f1b as above, forward and backward.
+# interleaved_1f1b the same, chunk by chunk: a block prefetches the next block of its own chunk only (the
+# root's hook, the chunk's first), since another chunk's block runs only after other actions. zero_bubble
+# and zbv gather before F and before B, free after each, and gather nothing for W: W computes
+# dW = dy^T x from the x and dy that B kept and needs no weight, so no block stays gathered from B to W.
+# Their blocks are two units each, phases of their own (the weights W computes, the rest that B does):
+# gathered and freed together, two all-gathers per gather; each part's gradients reduce-scattered after
+# its action. Under zbv rank 0's root unit (the embedding, the final norm, the head) is whole all step.
 
 
 class FullyShardedParameters:
     """ZeRO-3's parameter side over the buckets of a GradientBuckets built with `units`: `units` is
-    [(module, params)] in forward order; module None marks a unit kept whole through the step (gathered by
-    the model's forward, freed by free_all()), else the module whose forward and backward use the unit.
-    A unit is one bucket, or two when it holds experts under expert parallelism: those are sharded,
-    gathered and reduce-scattered over their own group (the ranks that hold the same experts), the rest
-    over the data-parallel group; the module's hooks gather and free both. Moves each unit's parameters
-    into its flat shards and registers the hooks."""
+    [(module, params, chunk)] in forward order; module None marks a unit kept whole through the step
+    (gathered by the model's forward, freed by free_all()), else the module whose forward and backward use
+    the unit: a block, whose units (one per phase: a split backward's B and W parts) are gathered and freed
+    together. A unit is one bucket, or two when it holds experts under expert parallelism: those are
+    sharded, gathered and reduce-scattered over their own group (the ranks that hold the same experts),
+    the rest over the data-parallel group. `chunk` is the model chunk the block runs in (the model's
+    forward takes chunk=c): a block prefetches the next block of its own chunk only, the one that runs
+    next. Moves each unit's parameters into its flat shards and registers the hooks."""
 
     def __init__(self, grad_sync, units, model):
-        self.blocks, self.whole = [], []  # blocks: each block's buckets; whole: the buckets kept whole
+        self.whole, self.chunks, self.block_of = [], {}, {}  # chunk -> [block: [its buckets]] in order
+        self.ends_backward = {}  # id(block) -> the bucket whose launch says the block's B is over
         with torch.no_grad():
-            for module, params in units:
+            for module, params, chunk in units:
                 if not params:
                     continue
                 unit = list(dict.fromkeys(grad_sync.bucket_of(p) for p in params))
@@ -2031,103 +2108,125 @@ class FullyShardedParameters:
                     lo = b.rank * b.shard_size
                     b.param_shard, b.param_full = full[lo:lo + b.shard_size].clone(), full
                     b.keep_whole = module is None
-                    self._free(b)
+                    self._free([b])
                 if module is None:
                     self.whole += unit
-                else:
-                    self.blocks.append(unit)
-                    i = len(self.blocks) - 1
-                    module.register_forward_pre_hook(lambda mod, args, i=i: self._pre_forward(i))
-                    module.register_forward_hook(lambda mod, args, out, i=i: self._post_forward(i, out))
-        model.register_forward_pre_hook(lambda mod, args: self._gather_whole())
+                    continue
+                blocks = self.chunks.setdefault(chunk, [])
+                if not blocks or blocks[-1][0] is not module:  # a new block: its hooks
+                    blocks.append((module, []))
+                    c, i = chunk, len(blocks) - 1
+                    module.register_forward_pre_hook(lambda mod, args, c=c, i=i: self._pre_forward(c, i))
+                    module.register_forward_hook(lambda mod, args, out, c=c, i=i: self._post_forward(c, i, out))
+                block = blocks[-1][1]
+                block += unit
+                for b in unit:
+                    self.block_of[id(b)] = block
+        # a block's B is over when the last of its buckets that B completes is launched (the buckets launch in
+        # their order): an expert bucket launched earlier, mid-backward, frees only itself
+        order = {id(b): k for k, b in enumerate(grad_sync.buckets)}
+        for blocks in self.chunks.values():
+            for _, block in blocks:
+                in_b = [b for b in block if any(op == "B" for op, _ in b.phases)]
+                if in_b:
+                    self.ends_backward[id(block)] = max(in_b, key=lambda b: order[id(b)])
+        model.register_forward_pre_hook(lambda mod, args, kwargs: self._gather_whole(kwargs.get("chunk", 0)),
+                                        with_kwargs=True)
         grad_sync.on_launch = self._post_backward
 
-    # the three states of a bucket's parameters: storage empty (gather None, no bytes), gathering
-    # (gather = the work), whole (gather True)
-    def _gather(self, b):
-        if b.gather is not None:
-            return
-        full = b.param_full
-        full.untyped_storage().resize_(full.numel() * full.element_size())
-        if b.world == 1:
-            full.copy_(b.param_shard)
-            b.gather = True
-        else:
-            b.gather = _all_gather_single(full, b.param_shard, group=b.group, async_op=True)
+    def _units(self):
+        return self.whole + [b for blocks in self.chunks.values() for _, block in blocks for b in block]
 
-    def _wait(self, b):
-        self._gather(b)
-        if b.gather is not True:
-            b.gather.wait()  # sync point: the block's parameters are needed now
-            b.gather = True
+    # the three states of a bucket's parameters: storage empty (gather None, no bytes), gathering (gather =
+    # the work), whole (gather True). A block is the list of its buckets; each is gathered over its group.
+    def _gather(self, block):
+        for b in block:
+            if b.gather is not None:
+                continue
+            full = b.param_full
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            if b.world == 1:
+                full.copy_(b.param_shard)
+                b.gather = True
+            else:
+                b.gather = _all_gather_single(full, b.param_shard, group=b.group, async_op=True)
 
-    def _free(self, b):
-        if b.gather is not None and b.gather is not True:
-            b.gather.wait()  # a prefetch nobody used: it must land before its buffer goes
-        b.param_full.untyped_storage().resize_(0)
-        b.gather, b.in_backward = None, False
+    def _wait(self, block):
+        self._gather(block)
+        for b in block:
+            if b.gather is not True:
+                b.gather.wait()  # sync point: the block's parameters are needed now
+                b.gather = True
 
-    def _gather_whole(self):
-        for b in self.whole:
-            self._wait(b)
-        for b in self.blocks[0] if self.blocks else ():
-            self._gather(b)  # prefetch the first block while the embedding computes
+    def _free(self, block):
+        for b in block:
+            if b.gather is not None and b.gather is not True:
+                b.gather.wait()  # a prefetch nobody used: it must land before its buffer goes
+            b.param_full.untyped_storage().resize_(0)
+            b.gather, b.in_backward = None, False
 
-    def _pre_forward(self, i):
-        for b in self.blocks[i]:
-            self._wait(b)
-        if i + 1 < len(self.blocks) and not self.blocks[i][0].in_backward:  # (not while recomputing in backward)
-            for b in self.blocks[i + 1]:
-                self._gather(b)
+    def _block(self, c, i):
+        return self.chunks[c][i][1]
 
-    def _post_forward(self, i, out):
-        for b in self.blocks[i]:
-            if not b.in_backward:  # a recompute in backward keeps the block for its backward
-                self._free(b)
+    def _gather_whole(self, chunk):
+        self._wait(self.whole)
+        if self.chunks.get(chunk):
+            self._gather(self._block(chunk, 0))  # prefetch the chunk's first block while the embedding computes
+
+    def _pre_forward(self, c, i):
+        block = self._block(c, i)
+        self._wait(block)
+        if i + 1 < len(self.chunks[c]) and not block[0].in_backward:  # (not while recomputing in backward)
+            self._gather(self._block(c, i + 1))
+
+    def _post_forward(self, c, i, out):
+        block = self._block(c, i)
+        if not block[0].in_backward:  # a recompute in backward keeps the block for its backward
+            self._free(block)
         if torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad:
-            out.register_hook(lambda grad, i=i: self._pre_backward(i))
+            out.register_hook(lambda grad, c=c, i=i: self._pre_backward(c, i))
 
-    def _pre_backward(self, i):
-        for b in self.blocks[i]:
+    def _pre_backward(self, c, i):
+        block = self._block(c, i)
+        for b in block:
             b.in_backward = True
-            self._wait(b)
-        for b in self.blocks[i - 1] if i > 0 else ():
-            self._gather(b)
+        self._wait(block)
+        if i > 0:
+            self._gather(self._block(c, i - 1))
 
     def _post_backward(self, bucket):
-        """GradientBuckets launched the bucket's reduce-scatter: its gradients are all in: free it."""
-        if bucket.param_full is not None and not bucket.keep_whole:
-            self._free(bucket)
-
-    def _all(self):
-        return self.whole + [b for unit in self.blocks for b in unit]
+        """GradientBuckets launched a bucket's reduce-scatter: its gradients are all in: free it. If it is the
+        last its block's B completes, the backward of the block has run: free the whole block (a split
+        backward's W needs no weights, dW = dy^T x; the W part's own launch, after W, finds it free)."""
+        if bucket.keep_whole:
+            return
+        block = self.block_of[id(bucket)]
+        self._free(block if self.ends_backward.get(id(block)) is bucket else [bucket])
 
     def free_all(self):
         """After the optimizer stepped the shards: every gathered copy is stale."""
-        for b in self._all():
-            self._free(b)
+        self._free(self._units())
 
     @contextmanager
     def whole_model(self):
         """Every unit gathered, to read the whole model (a test comparing weights)."""
-        for b in self._all():
-            self._wait(b)
+        self._wait(self._units())
         try:
             yield
         finally:
             self.free_all()
 
     def unit_by_unit(self):
-        """Yields each unit's parameters gathered, one unit at a time (a block's experts and its other
-        parameters one after the other), then copies this rank's slice of what was written into them back
-        into its shard and frees the unit: a checkpoint loads this way holding one unit whole, not the
-        model (which may not fit on one device: that is why it is sharded)."""
-        for b in self._all():
-            self._wait(b)
+        """Yields each bucket's parameters gathered, one at a time (a block's experts and its other parameters
+        one after the other), then copies this rank's slice of what was written into them back into its
+        shard and frees it: a checkpoint loads this way holding one unit whole, not the model (which may
+        not fit on one device: that is why it is sharded)."""
+        for b in self._units():
+            self._wait([b])
             yield b.params
             lo = b.rank * b.shard_size
             b.param_shard.copy_(b.param_full[lo:lo + b.shard_size])
-            self._free(b)
+            self._free([b])
 
 
 def sum_tied_grad_shards(grad_sync, copies, group):
@@ -2150,8 +2249,9 @@ class ZeroOneAdamW(torch.optim.Optimizer):
         backward (hooks reduce-scatter the buckets) -> grad_sync.finish() -> [clip] -> step() (AdamW on this
         rank's slice, then all-gather the updated slices)
     zero_stage=2: the gradients are reduce-scattered every micro-batch and kept as shards only.
-    zero_stage=3: also the parameters (`units`: [(module or None, params)], see FullyShardedParameters;
-    `model` gets the root hook); step() updates the shards, and nothing is all-gathered after it.
+    zero_stage=3: also the parameters (`units`: [(module or None, params, chunk)], see
+    FullyShardedParameters; `model` gets the root hook); step() updates the shards, and nothing is
+    all-gathered after it. `phases` (ZeRO-2/3): see GradientBuckets.
     The update is torch.optim.AdamW's, element for element: decoupled weight decay p -= lr * wd * p, then
     p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps) (Loshchilov & Hutter 2019).
     The learning rate is read from self.param_groups at every step, so a schedule that writes
@@ -2167,7 +2267,7 @@ class ZeroOneAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, group=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  bucket_size_mb=25.0, deferred=(), expert_params=(), expert_group=None, zero_stage=1, units=None,
-                 model=None):
+                 model=None, phases=None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.group, self.zero_stage = group, zero_stage
         all_params = [p for g in self.param_groups for p in g["params"]]
@@ -2175,8 +2275,9 @@ class ZeroOneAdamW(torch.optim.Optimizer):
                                          deferred=deferred if zero_stage == 1 else (),
                                          expert_params=expert_params, expert_group=expert_group,
                                          every_microbatch=zero_stage >= 2,
-                                         units=[ps for _, ps in units] if zero_stage == 3 else None,
-                                         alone=deferred if zero_stage == 2 else ())
+                                         units=[ps for _, ps, _ in units] if zero_stage == 3 else None,
+                                         alone=deferred if zero_stage == 2 else (),
+                                         phases=phases if zero_stage >= 2 else None)
         self.sharded = FullyShardedParameters(self.grad_sync, units, model) if zero_stage == 3 else None
         self.group_of = {p: g for g in self.param_groups for p in g["params"]}
         # the moments of this rank's slice only, created now so that their size can be reported at start-up

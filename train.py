@@ -286,11 +286,6 @@ def setup(cfg, training=True):
         raise ValueError(f"optimizer='muon' with zero_stage=1 and ep = {cfg.ep} is not supported (the experts are "
                          f"not on every data-parallel rank to be dealt whole): use --zero_stage=0 with Muon at "
                          f"ep > 1, or --optimizer=adamw")
-    if cfg.zero_stage >= 2 and cfg.pp > 1 and cfg.pp_schedule not in ("1f1b", "afab"):
-        raise ValueError(f"zero_stage={cfg.zero_stage} with pp_schedule={cfg.pp_schedule!r} is not supported yet (its "
-                         f"gradients are reduce-scattered every micro-batch, which the split backward and the "
-                         f"virtual stages of this schedule do not fit yet): use pp_schedule='1f1b' or 'afab', "
-                         f"or zero_stage=1")
     check_schedule(cfg.pp_schedule, cfg.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks)
     hf_dir = None if cfg.init_from in ("scratch", "resume", "auto") else cfg.init_from  # a transformers model folder
     if training:
@@ -399,7 +394,7 @@ def build(cfg, run):
     model.to(run.dev)
     pipeline = make_pipeline(cfg, layout, model, run.dev)
     tied = pipeline.tied_copies if pipeline else []
-    optimizer = make_optimizer(model, cfg, run.dev, layout, tied)
+    optimizer = make_optimizer(model, cfg, run.dev, layout, tied, backward_phases(model, pipeline))
     grad_sync = make_grad_sync(model, cfg, layout, optimizer, tied)
     if grad_sync is not None and pipeline is not None and pipeline.weight_grad_stores:
         # the W actions accumulate these gradients outside autograd and announce them (parallel.run_schedule)
@@ -436,10 +431,11 @@ def build(cfg, run):
                            bad_steps=BadSteps(run.dev, cfg.max_bad_steps))
 
 
-def make_optimizer(model, cfg, device, layout, tied=()):
+def make_optimizer(model, cfg, device, layout, tied=(), phases=None):
     """AdamW; weight decay on matrices (linears, embeddings) only, not on norm gains and biases. With
     zero_stage=1, 2 or 3, ZeroOneAdamW: the same update, its states split across the ranks that hold the same
-    parameters, dp x cp (tied weights are averaged after their copies' gradients are summed: `deferred`).
+    parameters, dp x cp (tied weights are averaged after their copies' gradients are summed: `deferred`;
+    ZeRO-2/3 send each micro-batch's gradients after the backward actions `phases` names: backward_phases).
     With optimizer='muon', one parallel.Muon: Muon for the blocks' matrices (takes_muon), with the same
     weight decay, AdamW as above for the rest."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -457,21 +453,46 @@ def make_optimizer(model, cfg, device, layout, tied=()):
         return ZeroOneAdamW(groups, layout.dp_cp_group, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
                             bucket_size_mb=cfg.bucket_size_mb, deferred=tied,
                             expert_params=model.expert_parameters().values(), expert_group=layout.expert_dp_group,
-                            zero_stage=cfg.zero_stage, units=zero3_units(model, tied) if cfg.zero_stage == 3 else None,
-                            model=model)
+                            zero_stage=cfg.zero_stage, model=model, phases=phases,
+                            units=zero3_units(model, tied, phases) if cfg.zero_stage == 3 else None)
     # one kernel for the whole update; on CPU (torch >= 2.4) it was a third of a small model's step unfused
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 
-def zero3_units(model, tied=()):
-    """ZeRO-3's units of parameters, in forward order: the root (this stage's embedding, final norm and
-    head, kept whole through the step), a tied weight alone (its shards are summed across stages), then one
-    unit per transformer block, gathered around its forward and its backward (parallel.py, section 5). Under
-    expert parallelism GradientBuckets cuts a block's experts into a unit of their own, over their group."""
-    blocks = [(block, list(block.parameters())) for block in model.blocks.values()]
-    apart = {id(p) for _, params in blocks for p in params} | {id(p) for p in tied}
+def zero3_units(model, tied=(), phases=None):
+    """ZeRO-3's units of parameters, (module or None, params, chunk), in forward order: the root (this
+    stage's embedding, final norm and head, kept whole through the step), a tied weight alone (its shards
+    are summed across stages), then each transformer block, gathered around its forward and its backward
+    (parallel.py, section 5). A unit's gradients are sent after one backward action (`phases`, as
+    backward_phases gives them), so under a split backward a block is two units, its B part and its W part
+    (gathered and freed together), and the root one per action. Under expert parallelism GradientBuckets
+    cuts a unit's experts into a bucket of their own, over their group."""
+    def by_phase(params):
+        parts = {}
+        for p in params:
+            parts.setdefault(frozenset(phases[p]) if phases is not None else None, []).append(p)
+        return list(parts.values())
+    chunk_of = {i: c for c, layers in enumerate(model.chunk_layers) for i in layers}
+    blocks = [(block, part, chunk_of[int(i)]) for i, block in model.blocks.items()
+              for part in by_phase(list(block.parameters()))]
+    apart = {id(p) for _, params, _ in blocks for p in params} | {id(p) for p in tied}
     root = [p for p in model.parameters() if id(p) not in apart]
-    return [(None, root)] + [(None, [p]) for p in tied] + blocks
+    return [(None, part, None) for part in by_phase(root)] + [(None, [p], None) for p in tied] + blocks
+
+
+def backward_phases(model, pipeline):
+    """{parameter: {(op, chunk)}}: the backward actions of a micro-batch that write each parameter's gradient,
+    after each of which ZeRO-2 and 3 send it (GradientBuckets.backward_done): ('B', c) for the parameters
+    of chunk c, or, where the schedule splits the backward (zero_bubble, zbv), ('W', c) for those its W
+    actions compute (WeightGradStore.params). One parameter has two: under zbv with tied embeddings, rank
+    0's embedding, which chunk 0's B and, as the head, chunk 1's W (its B under the chunked loss) add to."""
+    stores = pipeline.weight_grad_stores if pipeline is not None else None
+    phases = {}
+    for c in range(len(model.stages)):
+        by_hand = {id(p) for p in stores[c].params} if stores else set()
+        for p in model.chunk_parameters(c):
+            phases.setdefault(p, set()).add(("W" if id(p) in by_hand else "B", c))
+    return phases
 
 
 def make_grad_sync(model, cfg, layout, optimizer, tied=()):
@@ -604,12 +625,12 @@ class DynamicLossScaler:
         return True
 
 
-def forward_backward(model, microbatches, autocast, loss_multiplier, set_grad_sync=None):
+def forward_backward(model, microbatches, autocast, loss_multiplier, set_grad_sync=None, backward_done=None):
     """Run every micro-batch forward and backward, accumulating gradients. Each micro-batch's mean loss is
     divided by the number of micro-batches here, and only here, so the gradient is that of the mean loss
     over the whole batch. Returns that mean loss (a tensor: reading it is a host-device sync).
     set_grad_sync(bool) is called before each backward, True before the last (see parallel.run_schedule):
-    data parallelism communicates only then."""
+    data parallelism communicates only then; backward_done('B', 0) after each (ZeRO-2/3 send every one)."""
     total = 0.0
     for i, batch in enumerate(microbatches):  # (x, y), or (x, y, positions) under context parallelism
         with autocast:
@@ -618,6 +639,8 @@ def forward_backward(model, microbatches, autocast, loss_multiplier, set_grad_sy
         if set_grad_sync is not None:
             set_grad_sync(i == len(microbatches) - 1)
         (loss * loss_multiplier).backward()
+        if backward_done is not None:
+            backward_done("B", 0)
         total += loss.detach()
     return total
 
@@ -629,16 +652,18 @@ def forward_backward_step(parts, microbatches, trace=None):
     parallel.run_schedule (pipeline only)."""
     pipeline, grad_sync, model = parts.pipeline, parts.grad_sync, parts.model
     set_grad_sync = grad_sync.set_grad_sync if grad_sync is not None else None
+    backward_done = grad_sync.backward_done if grad_sync is not None else None
     if pipeline is not None:
         comm = pipeline.comm
         actions = pipeline.actions(comm.pp, comm.stage, len(microbatches), pipeline.chunks)
         loss = run_schedule(actions, model_chunks(model, pipeline), microbatches, comm, parts.autocast,
                             parts.scaler.loss_multiplier(), set_grad_sync, pipeline.weight_grad_stores,
-                            grad_sync.grad_ready if grad_sync is not None else None, trace)
+                            grad_sync.grad_ready if grad_sync is not None else None, trace, backward_done)
         if not sharded_grads(parts.optimizer):
             sync_tied_grads(pipeline.tied_copies, pipeline.tied_group)
     else:
-        loss = forward_backward(model, microbatches, parts.autocast, parts.scaler.loss_multiplier(), set_grad_sync)
+        loss = forward_backward(model, microbatches, parts.autocast, parts.scaler.loss_multiplier(), set_grad_sync,
+                                backward_done)
     # One rule at every layout: a parameter without a gradient (an expert no token reached) has a zero one,
     # as the data-parallel buckets give it. AdamW then steps every parameter alike (its moments decay, the
     # weight decays, one step counter for all), and every parameter has optimizer state to checkpoint.

@@ -7,7 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import metrics
+import parallel
 import settings
 import train
 from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights, gather_full,
@@ -24,6 +25,7 @@ from model import ModelConfig, Transformer, check_layout
 from parallel import (SCHEDULES, ParallelLayout, PipelineComm, WeightGradStore, bubble_fraction, check_schedule,
                       format_timeline, forward_only_actions, ideal_bubble, run_schedule, schedule_timeline,
                       sync_tied_grads, tied_weight_group, virtual_stages)
+from parallel import _all_gather_single
 from parallel import main as parallel_main
 
 CFG = ModelConfig(vocab_size=512, block_size=16, n_layer=6, n_head=4, n_kv_head=2, n_embd=64)
@@ -334,44 +336,95 @@ def step_batches(cfg, layout, step):
             for i in range(m)]
 
 
-def full_tensors(model, layout, which, zero):
+def whole_grads(grad_sync):
+    """ZeRO-2/3: {parameter: its mean gradient}, all-gathered from the owned shards of the buckets."""
+    out = {}
+    for b in grad_sync.buckets:
+        flat = torch.empty(b.shard_size * b.world)
+        _all_gather_single(flat, b.grad_shard, group=b.group)
+        for p, start in zip(b.params, b.offsets):
+            out[p] = flat[start:start + p.numel()].view_as(p)
+    return out
+
+
+def full_tensors(model, layout, which, zero, optimizer=None):
     """Every parameter's (or gradient's) full tensor by whole-model name, on data-parallel rank 0 (None
-    elsewhere). With ZeRO-1 each dp rank holds its own slice of the gradient, zero elsewhere: summed."""
+    elsewhere). With ZeRO-1 each dp rank holds its own slice of the gradient, zero elsewhere: summed; with
+    ZeRO-2/3 only the shards it owns: gathered; with ZeRO-3 the parameters are gathered too."""
     out, copies = {}, model.tied_copies()
-    for name, p in model.named_parameters():
-        t = (p.grad if which == "grads" else p.detach()).clone()
-        if which == "grads" and zero and layout.dp_group is not None:
-            dist.all_reduce(t, group=layout.dp_group)
-        t = gather_full(t, p, layout.tp_group)
-        out[copies.get(name, name)] = t.numpy()
+    grads = whole_grads(optimizer.grad_sync) if which == "grads" and zero >= 2 else {}
+    sharded = getattr(optimizer, "sharded", None) if which == "weights" else None
+    with sharded.whole_model() if sharded is not None else nullcontext():
+        for name, p in model.named_parameters():
+            t = (grads.get(p, p.grad) if which == "grads" else p.detach()).clone()
+            if which == "grads" and zero == 1 and layout.dp_group is not None:
+                dist.all_reduce(t, group=layout.dp_group)
+            t = gather_full(t, p, layout.tp_group)
+            out[copies.get(name, name)] = t.numpy()
     return out if layout.dp_rank == 0 else None
+
+
+class AfterEachAction:
+    """run_schedule's trace: after every action of the step, the parameters still holding a full-size
+    p.grad and the bytes of the blocks' gathered parameters under ZeRO-3 (the root units are kept whole);
+    the largest of each over the step."""
+
+    def __init__(self, parts):
+        self.params, self.sharded = list(parts.model.parameters()), getattr(parts.optimizer, "sharded", None)
+        self.grads = self.gathered = 0
+
+    @contextmanager
+    def __call__(self, action):
+        yield
+        self.grads = max(self.grads, sum(p.grad is not None for p in self.params))
+        if self.sharded is not None:
+            self.gathered = max(self.gathered, sum(b.param_full.untyped_storage().nbytes()
+                                                   for blocks in self.sharded.chunks.values()
+                                                   for _, block in blocks for b in block))
 
 
 def train_steps(**overrides):
     """STEPS optimizer steps of train.py's own build and train_step at a layout (world of this process):
     the logged loss and grad norm of each, the gradients the first step's AdamW used, the final weights, and
-    the data-parallel collectives launched before finish() on the last step."""
+    the data-parallel collectives launched before finish() on the last step. ZeRO-2/3 (every micro-batch's
+    gradients sent): the buckets each micro-batch must launch (one per backward action that writes it)
+    and what AfterEachAction saw in the last step; ZeRO-3: that step's all-gathers, and the units."""
     cfg = SimpleNamespace(**{**settings.DEFAULTS, **TRAIN, **overrides})
     run = train.setup(cfg, training=False)
     parts = train.build(cfg, run)
-    layout, zero = run.layout, cfg.zero_stage == 1
-    captured, launched = {}, []
+    layout, zero = run.layout, cfg.zero_stage
+    captured, launched, gathers = {}, [], []
     def capture(*_):  # the gradients AdamW steps with, first step only (a collective: every rank runs it)
         if "grads" not in captured:
-            captured["grads"] = full_tensors(parts.model, layout, "grads", zero)
+            captured["grads"] = full_tensors(parts.model, layout, "grads", zero, parts.optimizer)
     parts.optimizer.register_step_pre_hook(capture)
     if parts.grad_sync is not None:  # how many buckets the schedule had launched when finish() is called
         finish = parts.grad_sync.finish
         parts.grad_sync.finish = lambda: (launched.append(parts.grad_sync.launched), finish())[1]
-    records = []
+    all_gather = parallel._all_gather_single  # counted in the last step (ZeRO-3 gathers units with it)
+    records, seen = [], AfterEachAction(parts)
     for step in range(STEPS):
-        loss, norm = train.train_step(cfg, layout, parts, step_batches(cfg, layout, step), train.get_lr(step, cfg))
+        last = step == STEPS - 1 and zero >= 2
+        if last:
+            parallel._all_gather_single = lambda *a, **k: (gathers.append(1), all_gather(*a, **k))[1]
+        try:
+            loss, norm = train.train_step(cfg, layout, parts, step_batches(cfg, layout, step), train.get_lr(step, cfg),
+                                          trace=seen if last else None)
+        finally:
+            parallel._all_gather_single = all_gather
         records.append({"step": step + 1, "loss": train.mean_across_ranks(loss, layout).item(), "grad_norm": norm.item()})
-    buckets = len(parts.grad_sync.buckets) if parts.grad_sync is not None else 0
+    grad_sync = parts.grad_sync
+    buckets = len(grad_sync.buckets) if grad_sync is not None else 0
     tied = bool(parts.pipeline and parts.pipeline.tied_copies) and layout.dp > 1
-    return {"records": records, "grads": captured["grads"], "weights": full_tensors(parts.model, layout, "weights", zero),
+    sharded = getattr(parts.optimizer, "sharded", None)
+    return {"records": records, "grads": captured["grads"],
+            "weights": full_tensors(parts.model, layout, "weights", zero, parts.optimizer),
             "launched": launched[-1] if launched else None, "buckets": buckets, "tied_bucket": tied,
-            "pp_rank": layout.pp_rank}
+            "pp_rank": layout.pp_rank, "m": cfg.gradient_accumulation_steps,
+            "launches_per_microbatch": sum(map(len, grad_sync.phase_buckets.values())) if grad_sync else 0,
+            "grads_after_an_action": seen.grads, "gathered_after_an_action": seen.gathered, "gathers": len(gathers),
+            "block_units": sum(len(block) for blocks in sharded.chunks.values() for _, block in blocks) if sharded else 0,
+            "whole_units": len(sharded.whole) if sharded else 0}
 
 
 TRAIN_LAYOUTS = {
@@ -380,6 +433,13 @@ TRAIN_LAYOUTS = {
     "dp2_pp2_zero1_zero_bubble": dict(dp=2, pp=2, zero_stage=1, pp_schedule="zero_bubble", batch_size=2),
     "dp2_pp2_zbv": dict(dp=2, pp=2, pp_schedule="zbv", pp_chunks=2, batch_size=2),
 }
+# ZeRO-2 and 3 under the schedules with chunks or a split backward (tied embeddings: the default; under zbv
+# rank 0 holds both the embedding and the head)
+SCHEDULE_CHUNKS = {"interleaved": ("interleaved_1f1b", 2), "zero_bubble": ("zero_bubble", 1), "zbv": ("zbv", 2)}
+ZERO23_LAYOUTS = [f"dp2_pp2_zero{z}_{s}" for s in SCHEDULE_CHUNKS for z in (2, 3)]
+TRAIN_LAYOUTS.update({f"dp2_pp2_zero{z}_{s}": dict(dp=2, pp=2, zero_stage=z, pp_schedule=schedule, pp_chunks=v,
+                                                   batch_size=2)
+                      for s, (schedule, v) in SCHEDULE_CHUNKS.items() for z in (2, 3)})
 
 
 def _pipeline_worker(rank, world_size):
@@ -534,16 +594,19 @@ def test_zero_bubble_peak_activations_equal_1f1b_interleaved_within_the_papers_f
 
 def test_grad_sync_is_requested_before_each_chunks_last_backward_only(ranks):
     for r in ranks:
-        for key in ("pp4_afab", "pp4_1f1b", "pp4_zero_bubble", "pp2_tp2_1f1b"):
+        for key in ("pp4_afab", "pp4_1f1b", "pp2_tp2_1f1b"):
             assert r[key]["syncs"] == [False] * (M - 1) + [True]
+        syncs = r["pp4_zero_bubble"]["syncs"]  # before each B and each W: the last B's, the last W's
+        assert len(syncs) == 2 * M and syncs.count(True) == 2 and syncs[-1]
         syncs = r["pp2_tp2_interleaved_v2"]["syncs"]  # two chunks: each one's last backward
         assert len(syncs) == 2 * M and syncs.count(True) == 2 and syncs[-1]
 
 
-def test_weight_gradients_accumulated_by_hand_are_announced_once_each(ranks):
+def test_weight_gradients_accumulated_by_hand_are_announced_by_every_w(ranks):
     for r in ranks:
         for key in ("pp4_zero_bubble", "pp2_tp2_zbv"):
-            assert r[key]["deferred"] > 0 and r[key]["ready"] == r[key]["ready_distinct"] == r[key]["deferred"]
+            assert r[key]["deferred"] > 0 and r[key]["ready_distinct"] == r[key]["deferred"]
+            assert r[key]["ready"] == M * r[key]["deferred"]  # each W announces its chunk's, every microbatch
         assert r["pp4_1f1b"]["ready"] == 0
 
 
@@ -555,17 +618,19 @@ def merged(results, key):
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def one_process_training(**overrides):
     """The reference of train_steps: the same steps in this process, at one rank (batch_size the global
-    one, so the windows per microbatch are dp times those of a data-parallel rank)."""
+    one, so the windows per microbatch are dp times those of a data-parallel rank). Computed once for the
+    layouts that share it."""
     return train_steps(**{**overrides, "dp": 0, "pp": 1, "zero_stage": 0, "pp_schedule": "1f1b", "pp_chunks": 1})
 
 
 @pytest.mark.parametrize("name", ["dp2_pp2_zero1_interleaved", "dp2_pp2_zero1_zero_bubble", "dp2_pp2_zbv",
-                                  "pp4_interleaved_v2_train"])
+                                  "pp4_interleaved_v2_train"] + ZERO23_LAYOUTS)
 def test_training_steps_match_one_process(ranks, name):
     """Losses and grad norms of every step, the gradients of the first step, the final weights: dp=2 x pp=2
-    (with ZeRO-1) and pp=4, 2 chunks per rank, tied embeddings (uneven chunks 2-2-1-1 at pp=2 x 2)."""
+    (with ZeRO-1, 2 and 3) and pp=4, 2 chunks per rank, tied embeddings (uneven chunks 2-2-1-1 at pp=2 x 2)."""
     results = [r[name] for r in ranks]
     if name == "pp4_interleaved_v2_train":
         ref = one_process_training(n_layer=8)
@@ -583,6 +648,22 @@ def test_data_parallel_buckets_are_launched_by_the_schedule_not_left_to_finish(r
     copies' sum."""
     for r in (r[name] for r in ranks):
         assert r["launched"] == r["buckets"] - (1 if r["tied_bucket"] else 0), r
+
+
+@pytest.mark.parametrize("name", ZERO23_LAYOUTS)
+def test_zero2_and_zero3_send_each_microbatchs_gradients_once_after_the_action_that_completes_them(ranks, name):
+    """Over the last step of each rank: every bucket launched once per micro-batch for each backward action
+    that writes it (B, or W for the weights a split backward computes by hand; per chunk), no full-size
+    p.grad left after any action; under ZeRO-3 no block left gathered after any action, and each block
+    gathered twice per micro-batch (forward and B: W needs no weights), the root units once per step."""
+    keys = ("pp_rank", "m", "launched", "launches_per_microbatch", "grads_after_an_action", "gathered_after_an_action",
+            "gathers", "block_units", "whole_units")
+    for r in ({k: r[name][k] for k in keys} for r in ranks):
+        assert r["launched"] == r["m"] * r["launches_per_microbatch"], r
+        assert r["grads_after_an_action"] == 0, r
+        if "zero3" in name:
+            assert r["block_units"] > 0 and r["gathered_after_an_action"] == 0, r
+            assert r["gathers"] == 2 * r["m"] * r["block_units"] + r["whole_units"], r
 
 
 # -----------------------------------------------------------------------------
