@@ -2049,9 +2049,10 @@ class GradientBuckets:
 # stage's other parameters (embedding, final norm, head) as the root unit, with a tied weight in a unit of
 # its own. Under expert parallelism (section 6) a block's experts are a unit of their own, sharded,
 # gathered and reduce-scattered over the ranks that hold the same experts (expert_group), beside the
-# block's other parameters over the data-parallel group: the block's hooks gather and free both. Each unit is one flat tensor padded to a multiple of dp, and each rank stores only its slice
-# (param_shard): 1/dp of the parameters, of the gradients (reduce-scattered into grad_shard, as ZeRO-2) and
-# of the optimizer state. A parameter is a view into its unit's gathered buffer (param_full), whose
+# block's other parameters over the data-parallel group: the block's hooks gather and free both. Each
+# unit is one flat tensor padded to a multiple of dp, and each rank stores only its slice (param_shard):
+# 1/dp of the parameters, of the gradients (reduce-scattered into grad_shard, as ZeRO-2) and of the
+# optimizer state. A parameter is a view into its unit's gathered buffer (param_full), whose
 # storage is empty except while the unit is in use. The rhythm, per block and per micro-batch:
 #
 #     forward:  all-gather the block (posted early: the previous block's forward prefetched it) ->
