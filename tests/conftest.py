@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
 sys.path.insert(0, str(ROOT))
@@ -22,6 +24,14 @@ def shared_file(relpath):
     """Path of a file in ../shared/data, or None when this checkout has no ../shared beside it."""
     p = SHARED_DATA / relpath
     return p if p.exists() else None
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Token bins every training test of a file shares (tests/dist_utils.py make_token_data); a file whose
+    runs need other data defines its own."""
+    from dist_utils import make_token_data
+    return make_token_data(str(tmp_path_factory.mktemp("data")))
 
 
 def pytest_configure(config):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import checkpoint
-from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights, make_token_data,
+from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights,
                         run_train)
 
 TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
@@ -24,11 +24,6 @@ TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_si
         "--peak_flops=1e12"]  # skips timing a CPU matmul on each rank at start-up
 ONE_RANK = ["--batch_size=4"]
 TWO_REPLICAS = ["--batch_size=2"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return make_token_data(str(tmp_path_factory.mktemp("data")))
 
 
 # -----------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import make_config
 import parallel
 import settings
 import train
-from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, gather_full, make_token_data, run_ranks,
+from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, gather_full, run_ranks,
                         run_train)
 from model import ModelConfig, Transformer, check_layout, choose_attn_impl, model_config_from
 from parallel import (ParallelLayout, attention_work, check_context_split, ring_attention, ring_attention_bytes,
@@ -615,11 +615,6 @@ TRAIN_ARGS = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=2", "--bl
               "--batch_size=2", "--gradient_accumulation_steps=2", "--max_iters=6", "--log_interval=1",
               "--eval_interval=3", "--eval_iters=2", "--checkpoint_interval=3", "--warmup_iters=2",
               "--lr_decay_iters=10", "--learning_rate=3e-3", "--bucket_size_mb=0.01"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return make_token_data(str(tmp_path_factory.mktemp("cp_data")))
 
 
 def train_run(data_dir, out_dir, nproc=1, *extra):

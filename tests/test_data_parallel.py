@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import parallel
-from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights, make_token_data,
+from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights,
                         run_ranks, run_train, train_losses)
 from parallel import GradientBuckets, ParallelLayout, ZeroOneAdamW, init_distributed, optimizer_state_bytes
 
@@ -26,11 +26,6 @@ TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_si
         "--peak_flops=1e12"]  # skips timing a CPU matmul on each rank at start-up
 GLOBAL_BATCH_ONE_RANK = ["--batch_size=4"]  # x 2 micro-batches = 8 windows per step
 PER_RANK_AT_DP2 = ["--batch_size=2"]  # x 2 micro-batches x 2 replicas = the same 8 windows
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return make_token_data(str(tmp_path_factory.mktemp("data")))
 
 
 @pytest.fixture(scope="module")

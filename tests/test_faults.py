@@ -18,17 +18,12 @@ import torch
 import checkpoint
 from conftest import ROOT
 from dist_utils import (_free_port, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights,
-                        make_token_data, read_records, run_train)
+                        read_records, run_train)
 
 TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
         "--log_interval=1", "--eval_interval=0", "--warmup_iters=2", "--lr_decay_iters=6",
         "--learning_rate=3e-3", "--gradient_accumulation_steps=2", "--bucket_size_mb=0.01",
         "--peak_flops=1e12", "--max_iters=6", "--checkpoint_interval=2"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return make_token_data(str(tmp_path_factory.mktemp("data")))
 
 
 @pytest.fixture(scope="module")

@@ -260,7 +260,6 @@ def _state_bytes_of_each_zero_stage(rank, world_size):
 
 
 if __name__ == "__main__" and "--speed" in sys.argv:
-    from dist_utils import run_ranks
     seconds = run_ranks(_speed_of_each_zero_stage, 2, 10)[0]
     tokens = 2 * 2 * 2 * 64  # batch_size x micro-batches x dp x block_size
     for stage, s in seconds.items():

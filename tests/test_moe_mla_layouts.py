@@ -26,7 +26,7 @@ import shutil
 import pytest
 import torch
 
-from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights, make_token_data,
+from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights,
                         run_train, train_in_process)
 
 STEPS = 8
@@ -40,11 +40,6 @@ MOE_MLA = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block
            "--peak_flops=1e12"]  # skips timing a CPU matmul on each rank at start-up
 ONE_PROCESS = ["--gradient_accumulation_steps=4"]
 PER_REPLICA_AT_DP2 = ["--gradient_accumulation_steps=2"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return make_token_data(str(tmp_path_factory.mktemp("data")))
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import torch
 import checkpoint
 import settings
 import train
-from dist_utils import assert_same_losses_and_norms, assert_same_tensors, make_token_data, run_train
+from dist_utils import assert_same_losses_and_norms, assert_same_tensors, run_train
 from model import ModelConfig, Transformer, model_config_from
 from parallel import NEWTON_SCHULZ_COEFFICIENTS, Muon, deal_whole, newton_schulz
 
@@ -176,11 +176,6 @@ TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=1", "--block_si
         # tiny buckets: several per step, so ZeRO-1 deals the matrices into several whole buckets
         "--bucket_size_mb=0.01"]
 ONE_REPLICA, TWO_REPLICAS = ["--batch_size=4"], ["--batch_size=2"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return make_token_data(str(tmp_path_factory.mktemp("data")))
 
 
 @pytest.fixture(scope="module")

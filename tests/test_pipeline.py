@@ -20,7 +20,7 @@ import parallel
 import settings
 import train
 from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights, gather_full,
-                        make_token_data, run_ranks, run_train)
+                        run_ranks, run_train)
 from model import ModelConfig, Transformer, check_layout
 from parallel import (SCHEDULES, ParallelLayout, PipelineComm, WeightGradStore, bubble_fraction, check_schedule,
                       format_timeline, forward_only_actions, ideal_bubble, run_schedule, schedule_timeline,
@@ -676,11 +676,6 @@ def test_plain_forward_backward_requests_grad_sync_before_its_last_backward_only
     syncs = []
     train.forward_backward(model, make_microbatches(3), nullcontext(), 1.0, set_grad_sync=syncs.append)
     assert syncs == [False, False, True]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return make_token_data(str(tmp_path_factory.mktemp("pp_data")))
 
 
 TRAIN_ARGS = ["--n_layer=6", "--n_head=4", "--n_kv_head=4", "--n_embd=64", "--block_size=32", "--batch_size=2",
