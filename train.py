@@ -975,6 +975,7 @@ def train(cfg, run, resume_path=None):
     vote = StopVote(layout, layout.timeout)
     plan = metrics.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))
     print0(layout, "predicted " + metrics.format_plan(plan))
+    rank_plan = metrics.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank)
     timer, timed_steps, logged = time.time(), 0, step
     micro = batches(step)
     trace_step = min(step + 2, cfg.max_iters) if cfg.pp_trace and parts.pipeline is not None else None
@@ -989,8 +990,7 @@ def train(cfg, run, resume_path=None):
             peak_bytes = metrics.measure_step_memory(
                 lambda: out.append(train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)), run.dev)
             (loss, grad_norm), = out
-            mine = metrics.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank)
-            measured = memory_rows(layout, mine[layout.pp_rank]["peak"], peak_bytes, step + 1)
+            measured = memory_rows(layout, rank_plan[layout.pp_rank]["peak"], peak_bytes, step + 1)
             for row in measured:
                 print0(layout, f"memory rank {row['rank']} (dp {row['dp_rank']} tp {row['tp_rank']} pp {row['pp_rank']}): "
                                f"predicted {row['predicted_bytes'] / 2**20:,.1f} MiB, measured "
