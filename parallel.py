@@ -2439,7 +2439,7 @@ class AllToAll(torch.autograd.Function):
 
 
 def _bytes_to_others(x, splits, group):
-    row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    row = math.prod(x.shape[1:]) * x.element_size()  # from the shape: x may have no rows at all
     return (sum(splits) - splits[group_rank(group)]) * row
 
 

@@ -30,7 +30,8 @@ TRAINING = [
         Setting("log_interval", 10, "steps between log lines (each one reads the loss back: a host-device sync)",
                 resume="allow"),
         Setting("eval_interval", 100, "steps between evaluations of train/val loss (0 = never)", resume="allow"),
-        Setting("eval_iters", 20, "batches per evaluation (the same fixed batches every time)", resume="allow"),
+        Setting("eval_iters", 20, "global batches per evaluation (the same fixed ones every time, so train and val "
+                "loss do not depend on the layout)", resume="allow"),
         Setting("checkpoint_interval", 100, "steps between checkpoints, plus one at the end (0 = never)",
                 resume="allow"),
         Setting("keep_last_n", 3, "complete checkpoints kept in out_dir (0 keeps all)", resume="allow"),
@@ -158,7 +159,8 @@ TRAINING = [
     ),
     *section(
         "parallelism: dp * cp * tp * pp processes",
-        Setting("dp", 0, "data-parallel ranks; 0 means world_size / (tp * pp)", resume="allow"),
+        Setting("dp", 0, "data-parallel ranks; 0 means world_size / (cp * tp * pp), and a resumed run's dp follows "
+                "its world size unless given", resume="allow"),
         Setting("tp", 1, "tensor-parallel ranks", resume="allow"),
         Setting("pp", 1, "pipeline stages", resume="allow"),
         Setting("pp_schedule", "1f1b", "'1f1b', 'afab', 'interleaved_1f1b', 'zero_bubble' (ZB-H1) or 'zbv' (python "

@@ -50,9 +50,10 @@ from parallel import (SCHEDULES, GradientBuckets, Muon, PipelineComm, WeightGrad
 
 def configure_run(argv):
     """The run's settings from the command line (config files, then --key=value), checked, and with
-    init_from='resume' the ones left out taken from the checkpoint (settings.py says which may change), with
-    init_from=<a transformers model folder> the architecture from its config.json, by the same rules.
-    Returns (cfg, notes to print, the checkpoint to resume or None)."""
+    init_from='resume' or 'auto' the ones left out taken from the checkpoint (settings.py says which may
+    change; resume_settings the layout and the batch), with init_from=<a transformers model folder> the
+    architecture from its config.json, by the same rules. Returns (cfg, notes to print, the checkpoint to
+    resume or None)."""
     values, given = configure(settings.TRAINING, argv, usage=__doc__)
     notes, path = [], None
     if values["init_from"] in ("resume", "auto"):
@@ -68,11 +69,9 @@ def configure_run(argv):
             notes.append(f"init_from='auto': out_dir '{values['out_dir']}' holds no complete checkpoint"
                          + "".join(f" ({d})" for d in damaged) + ", starting from scratch")
         else:
-            meta = checkpoint.read_meta(path)
-            values, notes = settings.resume_values(values, given, meta["config"])
+            values, notes = resume_settings(values, given, checkpoint.read_meta(path), path,
+                                            int(os.environ.get("WORLD_SIZE", 1)))
             notes = [f"resume: {d}; the newest complete checkpoint is {path}" for d in damaged] + notes
-            if values["init_from"] == "auto":  # a restart, maybe on fewer or more nodes: the same run goes on
-                notes += keep_global_batch(values, meta, int(os.environ.get("WORLD_SIZE", 1)))
     elif values["init_from"] != "scratch":
         model, _, notes = import_hf.model_settings(values["init_from"])
         values, changes = settings.resume_values(values, given, model, source=f"{values['init_from']}/config.json")
@@ -81,22 +80,97 @@ def configure_run(argv):
     return SimpleNamespace(**values), notes, path
 
 
-def keep_global_batch(values, meta, world_size):
-    """A run continued by init_from='auto' at another data-parallel size (torchrun's elastic --nnodes=a:b
-    restarted it on fewer or more nodes) keeps the checkpoint's global batch, batch_size *
-    gradient_accumulation_steps * dp windows: another batch is another recipe. gradient_accumulation_steps
-    changes first (batch_size is what fits in memory, and an MoE's capacity is per micro-batch), then
-    batch_size, then both (one micro-batch). Unless the batch settings were changed on purpose (they then
-    differ from the checkpoint's, a printed change).
-    Returns the notes to print; raises ConfigError when no integer pair keeps the batch."""
-    saved, layout = meta["config"], meta.get("layout")
-    if layout is None or any(values[k] != saved.get(k) for k in ("batch_size", "gradient_accumulation_steps")):
-        return []
-    saved_dp = layout["dp"]
-    dp = resolve_dp(world_size, values["dp"], values["tp"], values["pp"], cp=values["cp"])
+BATCH = ("batch_size", "gradient_accumulation_steps")
+
+
+def batch_recipe(meta):
+    """The batch a run was first given, {batch_size, gradient_accumulation_steps, windows} (windows: the
+    global batch, batch_size x gradient_accumulation_steps x dp), as its checkpoints record it; a checkpoint
+    written before they did has its own settings and layout."""
+    if "recipe" in meta:
+        return meta["recipe"]
+    c = {**settings.DEFAULTS, **meta["config"]}
+    return {"batch_size": c["batch_size"], "gradient_accumulation_steps": c["gradient_accumulation_steps"],
+            "windows": c["batch_size"] * c["gradient_accumulation_steps"] * meta["layout"]["dp"]}
+
+
+def resume_settings(values, given, meta, path, world_size):
+    """The settings of a run resumed from the checkpoint at `path` (its `meta`) by this launch of
+    world_size processes: settings.resume_values' rules, and then:
+      the layout  dp follows the world size (every elastic restart changes it) unless given again; an
+                  inherited ep that does not divide the new dp is lowered to one that does (the experts
+                  reshard between ep values); inherited cp, tp or pp that do not fit the world stop the run,
+                  saying they came from the checkpoint and which flags to pass;
+      the batch   init_from='auto' (a restart, maybe on fewer or more nodes) keeps the run's recipe, the
+                  global batch it was first given (batch_recipe), when the batch settings it is given are
+                  the recipe's (a config file or scripts/slurm.sh passes the same ones every time), changing
+                  gradient_accumulation_steps or batch_size for the new dp (keep_global_batch); given other
+                  values, or init_from='resume' (a deliberate choice: the values as given or inherited), the
+                  batch is what they make it. "The run's recipe changes" is said only when the global batch
+                  does.
+    Returns (values, notes to print)."""
+    if "batch_size" not in meta["config"]:  # a model converted from transformers: no run to continue yet
+        values, notes = settings.resume_values(values, given, meta["config"])
+        return values, notes + follow_the_world(values, given, world_size, path)
+    auto = values["init_from"] == "auto"
+    recipe = batch_recipe(meta)
+    # a restart compares the batch settings it is given with the recipe's, not with the last launch's
+    # adjusted ones: the same values given every time keep the same global batch across any chain of restarts
+    before = {k: recipe[k] if auto else meta["config"][k] for k in BATCH}
+    values, notes = settings.resume_values(values, given, {k: v for k, v in meta["config"].items() if k not in BATCH})
+    values.update({k: before[k] for k in BATCH if k not in given})
+    notes += follow_the_world(values, given, world_size, path)
+    dp = resolve_dp(world_size, values["dp"], values["tp"], values["pp"], cp=values["cp"], ep=values["ep"])
+    keeping = auto and all(values[k] == recipe[k] for k in BATCH)
+    if keeping:
+        notes += keep_global_batch(values, recipe["windows"], dp)  # (says so when it changes them)
+    saved = meta["config"]
+    windows = values["batch_size"] * values["gradient_accumulation_steps"] * dp
+    changed = [k for k in BATCH if values[k] != saved[k]]
+    if windows != saved["batch_size"] * saved["gradient_accumulation_steps"] * meta["layout"]["dp"]:
+        notes += [f"resume: {k} = {values[k]!r}, the checkpoint's was {saved[k]!r} (the run's recipe changes)"
+                  for k in changed]
+    elif changed and not keeping:
+        notes.append(f"resume: batch_size {values['batch_size']} x gradient_accumulation_steps "
+                     f"{values['gradient_accumulation_steps']} x dp {dp} keep the checkpoint's global batch of "
+                     f"{windows} windows")
+    return values, notes
+
+
+def follow_the_world(values, given, world_size, path):
+    """A resumed run's layout at this launch's world size (see resume_settings); returns the notes."""
+    notes = []
+    if "dp" not in given:
+        values["dp"] = 0  # whatever the world leaves after cp * tp * pp
+    inherited = [k for k in ("cp", "tp", "pp") if k not in given and values[k] > 1]
+    split = values["cp"] * values["tp"] * values["pp"]
+    if world_size % split and inherited:
+        fit, left = {}, world_size  # an example that fits: the largest divisor of each that the world allows
+        for k in inherited:
+            fit[k] = math.gcd(values[k], left)
+            left //= fit[k]
+        raise ConfigError(f"WORLD_SIZE = {world_size} processes cannot be cut into cp = {values['cp']} x tp = "
+                          f"{values['tp']} x pp = {values['pp']}: " + ", ".join(f"{k} = {values[k]}" for k in inherited)
+                          + f" came from the checkpoint {path} (a setting left out is the checkpoint's). Pass the "
+                          f"layout for {world_size} processes, for example "
+                          + " ".join(f"--{k}={v}" for k, v in fit.items()))
+    dp = world_size // split if world_size % split == 0 else 0
+    ep = values["ep"]
+    if "ep" not in given and ep > 1 and dp and dp % ep:
+        values["ep"] = math.gcd(ep, dp)  # divides ep, so n_expert too, and dp
+        notes.append(f"resume: ep = {values['ep']}, the checkpoint's was {ep}, which does not divide dp = {dp} at "
+                     f"{world_size} processes (the experts reshard between ep values; pass --ep to choose)")
+    return notes
+
+
+def keep_global_batch(values, windows, dp):
+    """batch_size and gradient_accumulation_steps in `values` changed for data-parallel size dp so that
+    batch_size * gradient_accumulation_steps * dp is the run's global batch of `windows`: another batch is
+    another recipe. gradient_accumulation_steps changes first (batch_size is what fits in memory, and an
+    MoE's capacity is per micro-batch), then batch_size, then both (one micro-batch). Returns the notes to
+    print; raises ConfigError when no integer pair keeps the batch."""
     bs, gas = values["batch_size"], values["gradient_accumulation_steps"]
-    windows = bs * gas * saved_dp
-    if dp == saved_dp:
+    if bs * gas * dp == windows:
         return []
     if windows % (bs * dp) == 0:
         values["gradient_accumulation_steps"] = windows // (bs * dp)
@@ -105,14 +179,12 @@ def keep_global_batch(values, meta, world_size):
     elif windows % dp == 0:  # one micro-batch of all of this rank's windows
         values["batch_size"], values["gradient_accumulation_steps"] = windows // dp, 1
     else:
-        raise ConfigError(f"the checkpoint's global batch is {bs} x {gas} micro-batches x dp {saved_dp} = {windows} "
-                          f"windows, which dp = {dp} ({world_size} processes) cannot keep: {windows} "
-                          f"windows do not split evenly across {dp} replicas. Launch a number of "
-                          f"processes whose dp divides {windows}, or give --batch_size and "
-                          f"--gradient_accumulation_steps for a new global batch")
-    return [f"resume: dp = {dp}, the checkpoint's was {saved_dp}: batch_size {values['batch_size']} x "
-            f"gradient_accumulation_steps {values['gradient_accumulation_steps']} keep its global batch of "
-            f"{windows} windows"]
+        raise ConfigError(f"the run's global batch is {windows} windows (batch_size x gradient_accumulation_steps x "
+                          f"dp), which dp = {dp} cannot keep: {windows} windows do not split evenly across {dp} "
+                          f"replicas. Launch a number of processes whose dp divides {windows}, or give --batch_size "
+                          f"and --gradient_accumulation_steps for a new global batch")
+    return [f"resume: dp = {dp}: batch_size {values['batch_size']} x gradient_accumulation_steps "
+            f"{values['gradient_accumulation_steps']} keep the run's global batch of {windows} windows"]
 
 
 # -----------------------------------------------------------------------------
@@ -843,24 +915,34 @@ class StopVote:
 
 @torch.no_grad()
 def evaluate(cfg, run, parts):
-    """Mean loss over eval_iters fixed batches of each split (the same batches at every evaluation).
-    With pp > 1 the batches go through the pipeline's stages, forward only."""
+    """Mean loss over eval_iters fixed batches of each split (the same batches at every evaluation). Each
+    batch is a global batch, batch_size x gradient_accumulation_steps x dp windows, this rank taking its
+    slice as training does (rank_microbatches): so every layout with the same global batch sees the same
+    windows and reports the same losses. With pp > 1 the micro-batches go through the pipeline's stages,
+    forward only. The evaluation's all-to-alls (expert parallelism) are not counted in the training log's
+    a2a_bytes, which is the training step's traffic."""
     model, layout = parts.model, run.layout
+    moe = list(model.moe_layers().values())
+    sent = [m.a2a_sent.bytes for m in moe]
     model.eval()
     out = {}
     for split, data in run.datasets.items():
-        batches = [rank_microbatches(cfg, layout, data, EVAL_STREAM, i, 1, run.dev, document_end(run.model_cfg))[0]
-                   for i in range(cfg.eval_iters)]
-        if parts.pipeline is not None:  # each batch a microbatch through the pipeline; the loss on the last stage
-            total = pipeline_forward(model_chunks(model, parts.pipeline), batches, parts.pipeline.comm, parts.autocast)
-        else:
-            total = 0.0
-            for batch in batches:
-                with parts.autocast:
-                    _, loss = model(*batch)
-                total += loss.float() / cfg.eval_iters
+        total = 0.0
+        for i in range(cfg.eval_iters):
+            micro = rank_microbatches(cfg, layout, data, EVAL_STREAM, i, cfg.gradient_accumulation_steps, run.dev,
+                                      document_end(run.model_cfg))
+            if parts.pipeline is not None:  # the loss on the last stage (the mean over the micro-batches)
+                loss = pipeline_forward(model_chunks(model, parts.pipeline), micro, parts.pipeline.comm, parts.autocast)
+            else:
+                loss = 0.0
+                for batch in micro:
+                    with parts.autocast:
+                        loss = loss + model(*batch)[1].float() / len(micro)
+            total += loss / cfg.eval_iters
         out[split] = mean_across_ranks(total, layout).item()
     model.train()
+    for m, before in zip(moe, sent):
+        m.a2a_sent.bytes = before
     return out
 
 
@@ -895,6 +977,8 @@ def save_checkpoint(cfg, run, parts, step, converted=False, keep=()):
             "adam_step": checkpoint.adamw_step_count(optimizer), "loss_scale": parts.scaler.scale}
     if converted:
         meta["converted_from"] = os.path.abspath(cfg.init_from)
+    else:
+        meta["recipe"] = run.recipe
     extra = {"torch_rng": torch.get_rng_state()}
     if torch.cuda.is_available():
         extra["cuda_rng"] = torch.cuda.get_rng_state()
@@ -949,9 +1033,15 @@ def train(cfg, run, resume_path=None):
         print0(layout, f"loaded {run.hf_dir} in {parts.loaded.seconds:.1f} s (rank 0 read "
                        f"{parts.loaded.bytes_read / 2**20:,.1f} MiB of the files' {parts.loaded.file_bytes / 2**20:,.1f})")
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
+    # the batch this run was first given, which its checkpoints carry on (resume_settings): this launch's, unless
+    # it resumed a run with the same global batch
+    run.recipe = {"batch_size": cfg.batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+                  "windows": cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp}
     step = 0
     if resume_path is not None:
         step, path, saved = resume(resume_path, cfg, run, parts)
+        if batch_recipe(saved)["windows"] == run.recipe["windows"]:
+            run.recipe = batch_recipe(saved)
         print0(layout, f"resumed from {path} at step {step}" + (f", which is max_iters = {cfg.max_iters} already: "
                        f"nothing to train (raise --max_iters to go on)" if step >= cfg.max_iters else ""))
         # batch_size is per data-parallel rank: inherited at another dp (or with another accumulation or

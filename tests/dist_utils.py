@@ -158,16 +158,19 @@ def _report(what, worst, where, rtol, label):
           flush=True)
 
 
-def assert_same_losses_and_norms(records, reference, label=None):
-    """The loss and global gradient norm of every logged step, and the evaluated losses where the run has
-    them, against the reference run's records of the same steps (a resumed run logs only its own). label
-    names the run in the printed report when a test compares several."""
+def assert_same_losses_and_norms(records, reference, label=None, evaluated=True):
+    """The loss and global gradient norm of every logged step, and the evaluated losses (train_loss, and
+    val_loss where the data has a validation split), against the reference run's records of the same steps
+    (a resumed run logs only its own). The evaluation is part of the equivalence: with the same global
+    batch, train and val loss do not depend on the layout, so a run must have evaluated (eval_interval)
+    unless evaluated=False says it cannot. label names the run in the printed report when a test compares
+    several."""
     trained = {r["step"] for r in records if "loss" in r}
     for key, rtol in LOGGED:
         got = {r["step"]: r[key] for r in records if key in r}
         want = {r["step"]: r[key] for r in reference if key in r}
-        if key in ("loss", "grad_norm"):
-            assert got, f"the run logged no {key}"
+        if key in ("loss", "grad_norm") or (key == "train_loss" and evaluated):
+            assert got, f"the run logged no {key}" + (" (give it an eval_interval)" if key == "train_loss" else "")
         missing = sorted(s for s in want if s in trained and s not in got)
         assert not missing, f"the reference logged {key} at steps {missing}, the run did not"
         if not got:

@@ -19,7 +19,7 @@ from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, check
                         run_train)
 
 TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
-        "--log_interval=1", "--eval_interval=0", "--warmup_iters=2", "--lr_decay_iters=10",
+        "--log_interval=1", "--eval_interval=1", "--eval_iters=1", "--warmup_iters=2", "--lr_decay_iters=10",
         "--learning_rate=3e-3", "--gradient_accumulation_steps=2", "--bucket_size_mb=0.01",
         "--peak_flops=1e12"]  # skips timing a CPU matmul on each rank at start-up
 ONE_RANK = ["--batch_size=4"]

@@ -19,7 +19,7 @@ from parallel import GradientBuckets, ParallelLayout, ZeroOneAdamW, init_distrib
 
 STEPS = 5
 TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
-        f"--max_iters={STEPS}", "--log_interval=1", "--eval_interval=0", f"--checkpoint_interval={STEPS}",
+        f"--max_iters={STEPS}", "--log_interval=1", "--eval_interval=1", "--eval_iters=1", f"--checkpoint_interval={STEPS}",
         "--warmup_iters=2", "--lr_decay_iters=10", "--learning_rate=3e-3", "--gradient_accumulation_steps=2",
         # tiny buckets: several per step, so the hooks' launch order and the bucket padding are exercised
         "--bucket_size_mb=0.01",

@@ -101,7 +101,7 @@ def test_changing_an_earlier_document_leaves_the_next_documents_logits_unchanged
 
 STEPS = 5
 TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=2", "--block_size=32", "--device=cpu",
-        f"--max_iters={STEPS}", "--log_interval=1", "--eval_interval=0", "--warmup_iters=2", "--learning_rate=3e-3",
+        f"--max_iters={STEPS}", "--log_interval=1", "--eval_interval=1", "--eval_iters=1", "--warmup_iters=2", "--learning_rate=3e-3",
         "--batch_size=4", "--gradient_accumulation_steps=2", "--doc_mask=True", "--checkpoint_interval=5"]
 
 

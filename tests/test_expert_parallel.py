@@ -33,7 +33,7 @@ MODEL = dict(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_kv_head=2, n_
              n_expert_per_token=2, capacity_factor=1.0, n_shared_expert=0, aux_loss_coef=0.01,
              router_z_loss_coef=1e-3)
 RUN = dict(batch_size=2, learning_rate=3e-3, warmup_iters=2, lr_decay_iters=10, min_lr=1e-4, bucket_size_mb=0.01,
-           attn_impl="sdpa", seed=1234)
+           attn_impl="sdpa", seed=1234, eval_iters=2)
 
 # many experts for few tokens: in most micro-batches some expert of some rank gets no row (ZeRO-2/3 must
 # still reduce-scatter, and gather, in one order on every rank); three blocks, so that ZeRO-3's prefetched
@@ -66,6 +66,13 @@ FOUR_RANKS = {
                                              gradient_accumulation_steps=4)),
     "ep2_cp2": (2, 1, 1, 2, dict(cp=2, n_shared_expert=1, gradient_accumulation_steps=2)),
 }
+# a collapsed router (its weights zero: every token's scores tie, and top-k picks experts 2 and 3, rank 1's at
+# ep = 2): rank 0's local experts get no row at all, and it sends and receives empty splits
+COLLAPSED = dict(n_expert=4, n_expert_per_token=2, capacity_factor=1.0)
+TWO_RANKS.update({
+    "ep2_collapsed_router": (2, 1, 1, 2, dict(COLLAPSED)),
+    "ep2_zero3_collapsed_router": (2, 1, 1, 2, dict(COLLAPSED, zero_stage=3, gradient_accumulation_steps=2)),
+})
 CASES = {**TWO_RANKS, **FOUR_RANKS}
 
 
@@ -73,7 +80,7 @@ def case_settings(name, reference=False):
     """(cfg, model_cfg, layout sizes) of a case; the reference: one process, dp times the micro-batches."""
     dp, tp, pp, ep, given = CASES[name]
     values = {**settings.DEFAULTS, **RUN, **{k: v for k, v in MODEL.items()}, "gradient_accumulation_steps": 1,
-              **given, "dp": dp, "tp": tp, "pp": pp, "ep": ep}
+              **given, "dp": dp, "tp": tp, "pp": pp, "ep": ep, "collapsed_router": "collapsed_router" in name}
     if reference:
         values.update(dp=1, tp=1, pp=1, cp=1, ep=1, zero_stage=0, activation_checkpointing=False,
                       gradient_accumulation_steps=dp * values["gradient_accumulation_steps"])
@@ -102,17 +109,31 @@ def large_experts(model, only=None, std=0.2):
         p.copy_(shard_of(full * std, p))
 
 
-def train_five_steps(cfg, model_cfg, layout, dp_of_batch):
-    """train.py's build and five train_steps on this rank's slice of each step's global batch. Returns the
-    losses (job-wide), the norms, step 1's gradients (before clipping) and final weights as full tensors by
-    name, the tokens each expert took in step 1 (this rank's, by layer) and moe_metrics of step 1."""
+@torch.no_grad()
+def collapse_routers(model, only=None):
+    """Zero every router's weights (or those in `only`): every token's expert scores tie."""
+    for moe in model.moe_layers().values():
+        if only is None or any(moe.router.weight is q for q in only):
+            moe.router.weight.zero_()
+
+
+def train_five_steps(cfg, model_cfg, layout, dp_of_batch, data_dir):
+    """train.py's build and five train_steps on this rank's slice of each step's global batch, then
+    train.py's evaluation on the validation split of data_dir. Returns the losses (job-wide), the norms,
+    step 1's gradients (before clipping) and final weights as full tensors by name, the tokens each expert
+    took in step 1 (this rank's, by layer), moe_metrics of step 1, the evaluated loss, and whether the
+    evaluation left the all-to-all byte counts of training as they were."""
+    meta = train.read_data_meta(data_dir)
     run = SimpleNamespace(dev=torch.device("cpu"), dtype=torch.float32, layout=layout, model_cfg=model_cfg,
-                          attn_impl=cfg.attn_impl, hf_dir=None)
+                          attn_impl=cfg.attn_impl, hf_dir=None,
+                          datasets={"val": train.load_data(data_dir, "val", cfg.block_size, model_cfg.vocab_size, meta)})
     parts = train.build(cfg, run)
     model, copies = parts.model, parts.model.tied_copies()
     sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: each unit gathered to be written, kept sliced
     for params in sharded.unit_by_unit() if sharded is not None else [None]:
         large_experts(model, params)
+        if cfg.collapsed_router:
+            collapse_routers(model, params)
 
     def full(tensor, p):  # numpy: torch tensors would cross the result queue as shared memory
         return gather_full(tensor.detach().clone(), p, layout.tp_group).numpy()
@@ -140,33 +161,41 @@ def train_five_steps(cfg, model_cfg, layout, dp_of_batch):
                 stats = metrics.moe_metrics(model, layout, steps=1)
     finally:
         train.global_grad_norm = norm_of
+    sent = [m.a2a_sent.bytes for m in model.moe_layers().values()]
+    evaluated = train.evaluate(cfg, run, parts)["val"]
     with sharded.whole_model() if sharded is not None else nullcontext():
         weights = {n: full(p, p) for n, p in model.named_parameters() if n not in copies}
     return dict(losses=losses, norms=norms, grads=grads, weights=weights, loads=loads, stats=stats,
-                at=(layout.dp_rank, layout.tp_rank, layout.pp_rank))
+                at=(layout.dp_rank, layout.tp_rank, layout.pp_rank), val_loss=evaluated,
+                eval_left_a2a_bytes=sent == [m.a2a_sent.bytes for m in model.moe_layers().values()])
 
 
-def _worker(rank, world_size, names):
+def _worker(rank, world_size, names, data_dir):
     out = {}
     for name in names:
         dp, tp, pp, ep, _ = CASES[name]
         cfg, model_cfg = case_settings(name)
         layout = ParallelLayout(dp, tp, pp, world_size, rank, cp=cfg.cp, ep=ep)
-        out[name] = train_five_steps(cfg, model_cfg, layout, dp)
+        out[name] = train_five_steps(cfg, model_cfg, layout, dp, data_dir)
     return out
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return run_ranks(_worker, 2, list(TWO_RANKS))
+def moe_data(tmp_path_factory):
+    return make_token_data(str(tmp_path_factory.mktemp("moe_data")), vocab_size=MODEL["vocab_size"])
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
-    return run_ranks(_worker, 4, list(FOUR_RANKS))
+def two_ranks(moe_data):
+    return run_ranks(_worker, 2, list(TWO_RANKS), moe_data)
 
 
-def reference(name):
+@pytest.fixture(scope="module")
+def four_ranks(moe_data):
+    return run_ranks(_worker, 4, list(FOUR_RANKS), moe_data)
+
+
+def reference(name, data_dir):
     """One process, the same global batch; also every micro-batch's tokens per expert in step 1, by layer."""
     cfg, model_cfg = case_settings(name, reference=True)
     loads = []  # (micro-batch, layer, assignments per expert), in the order they ran
@@ -186,7 +215,7 @@ def reference(name):
 
     train.build = build_and_hook
     try:
-        result = train_five_steps(cfg, model_cfg, ParallelLayout(1, 1, 1), 1)
+        result = train_five_steps(cfg, model_cfg, ParallelLayout(1, 1, 1), 1, data_dir)
     finally:
         train.build = original_build
     n_layer, micro = model_cfg.n_layer, cfg.gradient_accumulation_steps
@@ -232,15 +261,22 @@ def idle_local_experts(name, micro_loads):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_layout_trains_like_one_process(name, request, references):
+def test_layout_trains_like_one_process(name, request, references, moe_data):
     ranks = results_of(name, request)
-    ref = references.setdefault(name, reference(name))
+    ref = references.setdefault(name, reference(name, moe_data))
     for r in ranks:
         for key, rtol in (("losses", LOSS_RTOL), ("norms", GRAD_NORM_RTOL)):
             worst = max(abs(a - b) / abs(b) for a, b in zip(r[key], ref[key]))
             assert worst <= rtol, f"{name}: {key} differ by {worst:.1e} relative: {r[key]} against {ref[key]}"
     if name in IDLE_CASES:  # the case at hand: a rank's expert got no row in some micro-batch
         assert idle_local_experts(name, ref["micro_loads"]), f"{name}: every expert got rows in every micro-batch"
+    if "collapsed_router" in name:  # every local expert of ep rank 0 got no row in some micro-step and layer
+        idle = idle_local_experts(name, ref["micro_loads"])
+        assert any({(s, layer, e) for e in (0, 1)} <= set(idle) for s, layer, _ in idle), f"{name}: {idle}"
+    for r in ranks:  # the evaluation sees the global batch, as one process does
+        assert abs(r["val_loss"] - ref["val_loss"]) <= LOSS_RTOL * abs(ref["val_loss"]), \
+            f"{name}: val_loss {r['val_loss']} against one process's {ref['val_loss']}"
+        assert r["eval_left_a2a_bytes"], f"{name}: the evaluation's all-to-alls were counted as training's"
     if CASES[name][4].get("zero_stage", 0) == 0:  # (under ZeRO each rank holds the gradient of its own elements)
         grads = merged(ranks, "grads")
         assert set(grads) == set(ref["grads"])
@@ -250,14 +286,14 @@ def test_layout_trains_like_one_process(name, request, references):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_routing_and_all_to_all_bytes_are_one_process_routing(name, request, references):
+def test_routing_and_all_to_all_bytes_are_one_process_routing(name, request, references, moe_data):
     """Each expert took, in step 1, exactly the tokens it took in one process (so the same ones were
     dropped), and the bytes the all-to-alls moved are the analytic figure for that routing: every row
     routed to an expert on another rank of the ep group crosses twice forward (the token, its output) and
     twice backward (their gradients), once more each way forward when the block is recomputed, on every
     tensor-parallel rank (each context-parallel rank sends its own tokens' rows)."""
     ranks = results_of(name, request)
-    ref = references.setdefault(name, reference(name))
+    ref = references.setdefault(name, reference(name, moe_data))
     dp, tp, pp, ep, given = CASES[name]
     cfg, model_cfg = case_settings(name)
     micro_loads = ref["micro_loads"]  # (dp * g, n_layer, n_expert)
@@ -283,8 +319,8 @@ def test_routing_and_all_to_all_bytes_are_one_process_routing(name, request, ref
     assert crossing_rows > 0 and stats["a2a_bytes"] == expected, f"{name}: {stats['a2a_bytes']} against {expected}"
 
 
-def test_dropless_routing_drops_nothing_and_capacity_drops(two_ranks, references):
-    ref = references.setdefault("ep2_dropless_top1", reference("ep2_dropless_top1"))
+def test_dropless_routing_drops_nothing_and_capacity_drops(two_ranks, references, moe_data):
+    ref = references.setdefault("ep2_dropless_top1", reference("ep2_dropless_top1", moe_data))
     assert ref["stats"]["moe_dropped_frac"] == 0 and two_ranks[0]["ep2_dropless_top1"]["stats"]["moe_dropped_frac"] == 0
     assert two_ranks[0]["ep2_capacity_top2_shared"]["stats"]["moe_dropped_frac"] > 0
 
@@ -295,7 +331,8 @@ def test_dropless_routing_drops_nothing_and_capacity_drops(two_ranks, references
 CHAIN_STEPS = 10
 CHAIN = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=2", "--block_size=16", "--batch_size=2",
          "--n_expert=4", "--n_expert_per_token=2", "--capacity_factor=1.0", "--n_shared_expert=1", "--device=cpu",
-         "--log_interval=1", "--eval_interval=0", "--checkpoint_interval=2", "--keep_last_n=0", "--warmup_iters=2",
+         "--log_interval=1", "--eval_interval=1", "--eval_iters=1", "--checkpoint_interval=2", "--keep_last_n=0",
+         "--warmup_iters=2",
          f"--lr_decay_iters={CHAIN_STEPS}", "--learning_rate=3e-3", "--bucket_size_mb=0.01", "--peak_flops=1e12"]
 # (processes, settings): the global batch is 4 micro-batches of 2 sequences at every layout
 SEGMENTS = [(2, ["--ep=2", "--gradient_accumulation_steps=2", "--zero_stage=3"]),  # one process -> ep=2, ZeRO-3

@@ -33,7 +33,7 @@ STEPS = 8
 MOE_MLA = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=8", "--batch_size=2",
            "--attention=mla", "--kv_lora_rank=32", "--qk_rope_head_dim=8", "--qk_nope_head_dim=16", "--v_head_dim=16",
            "--n_expert=32", "--n_expert_per_token=1", "--device=cpu", f"--max_iters={STEPS}", "--log_interval=1",
-           "--eval_interval=0", "--checkpoint_interval=2", "--keep_last_n=0", "--warmup_iters=2",
+           "--eval_interval=1", "--eval_iters=1", "--checkpoint_interval=2", "--keep_last_n=0", "--warmup_iters=2",
            f"--lr_decay_iters={STEPS}", "--learning_rate=3e-3",
            # tiny buckets, many of them: they fill in another order on each replica (parallel.py section 4)
            "--bucket_size_mb=0.01",
