@@ -38,10 +38,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from parallel import (ByteCount, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, all_gather_context,
-                      check_context_split, copy_to_tp, dispatch_to_experts, exchange_expert_counts, full_shape_of,
-                      gather_from_sp, gather_from_tp, group_rank, group_size, padded_vocab_size, ring_attention,
-                      scatter_to_tp, shard_of, valid_vocab_columns, vocab_parallel_cross_entropy, zigzag_split)
+from context_parallel import all_gather_context, check_context_split, loss_share, ring_attention, zigzag_split
+from parallel import (ByteCount, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
+                      dispatch_to_experts, exchange_expert_counts, full_shape_of, gather_from_sp, gather_from_tp,
+                      group_rank, group_size, padded_vocab_size, scatter_to_tp, shard_of, valid_vocab_columns,
+                      vocab_parallel_cross_entropy)
 
 
 @dataclass
@@ -198,7 +199,7 @@ def causal_attention(q, k, v, impl, softcap=0.0, positions=None, cp_group=None, 
     (B, T, H, D_v).
 
     With a context-parallel group, q, k and v are this rank's share of the sequence and attention is ring
-    attention (parallel.py, section 3), whatever impl is: positions are then every cp rank's global token
+    attention (context_parallel.py), whatever impl is: positions are then every cp rank's global token
     positions, (cp, B, T) on the host. documents (a DocumentMask, doc_mask=True): a query sees only the
     keys of its own document."""
     if group_size(cp_group) > 1:
@@ -253,7 +254,7 @@ def causal_attention(q, k, v, impl, softcap=0.0, positions=None, cp_group=None, 
 # costs a T x T mask per microbatch, built once per forward and shared by every layer); FlashAttention-2
 # gets the documents' offsets in the flattened batch (cu_seqlens) for its varlen kernel, which skips the
 # hidden blocks and costs nothing extra; under context parallelism the ids travel with the keys and
-# values as positions do (every rank holds every rank's ids on the host; parallel.py, section 3), and a
+# values as positions do (every rank holds every rank's ids on the host; context_parallel.py), and a
 # chunk pair that hides every key is skipped or gives zeros, never NaN.
 #
 # Isolation is exact for dense models and for MoE without dropping: a token-choice router with a
@@ -529,7 +530,7 @@ class MultiHeadLatentAttention(nn.Module):
     With qk_norm the per-head queries [q_nope ; q_rope] and keys [k_nope ; k_rope] are RMS-normalised
     before RoPE, as in CausalSelfAttention. n_kv_head does not apply: every head has its own k_nope and v.
     Under context parallelism what travels round the ring is the per-head keys and values, not the latent
-    (parallel.py, section 3, says why)."""
+    (context_parallel.py says why)."""
 
     def __init__(self, cfg, tp_group=None, attn_impl="sdpa", cp_group=None, sequence_parallel=False):
         super().__init__()
@@ -734,10 +735,10 @@ class MixtureOfExperts(nn.Module):
 
     Context parallelism: each cp rank routes its own share of the window, but the capacity and the queue
     are the window's: every rank gathers the chosen expert ids of the whole window (small integers;
-    parallel.all_gather_context), queues them in the window's position-major order as one process does,
-    and keeps its own tokens' verdicts. The load-balancing loss takes f_e from the window's counts (an
-    all-reduce) and P_e from this rank's tokens: its share of the loss, as the cross-entropy is (parallel.py,
-    section 3); the dropped fraction is the window's.
+    context_parallel.all_gather_context), queues them in the window's position-major order as one process
+    does, and keeps its own tokens' verdicts. The load-balancing loss takes f_e from the window's counts (an
+    all-reduce) and P_e from this rank's tokens: its share of the loss, as the cross-entropy is
+    (context_parallel.py); the dropped fraction is the window's.
 
     Expert parallelism (ep_group, parallel.py section 6): this rank holds only experts first_expert ...
     first_expert + n_expert / ep - 1, keyed by their global index (experts.5 is expert 5 at every ep, so
@@ -1077,8 +1078,8 @@ class Transformer(nn.Module):
         first stage     x is token ids (B, T); a middle or last stage takes the previous stage's hidden
                         states (B, T, n_embd), under sequence parallelism this tp rank's (B, T/tp, n_embd)
         positions       with a context-parallel group (cp_group), required: every cp rank's global token
-                        positions, (cp, B, T) or (cp, T) on the host (parallel.split_for_every_rank); x and
-                        targets are then this rank's share of the window (parallel.zigzag_split). RoPE
+                        positions, (cp, B, T) or (cp, T) on the host (context_parallel.split_for_every_rank); x and
+                        targets are then this rank's share of the window (context_parallel.zigzag_split). RoPE
                         reads this rank's row, ring attention every row. Without a cp group: None, or
                         with doc_mask each token's position in its document, (B, T).
         documents       doc_mask=True: each token's document id, shaped like positions, on the host
@@ -1093,7 +1094,7 @@ class Transformer(nn.Module):
                         scalar the pipeline backpropagates from here), None for a dense model or in eval
                         mode. None on a last stage without targets. Under context parallelism each is this
                         rank's share: the mean over the cp ranks is the microbatch's loss (see
-                        context_share), and the average of their gradients its gradient.
+                        context_parallel.loss_share), and the average of their gradients its gradient.
     In eval mode (model.eval()) the auxiliary losses are left out, so a validation loss is the plain
     cross-entropy, comparable with a dense model's.
 
@@ -1156,7 +1157,7 @@ class Transformer(nn.Module):
         if (positions is None) != (cp == 1 and not self.cfg.doc_mask):
             raise ValueError(f"Transformer.forward: positions must be given exactly under context parallelism "
                              f"(cp = {cp} here: every cp rank's global token positions, (cp, B, T/cp) on the host, "
-                             f"parallel.split_for_every_rank) or with doc_mask (doc_mask = {self.cfg.doc_mask}: each "
+                             f"context_parallel.split_for_every_rank) or with doc_mask (doc_mask = {self.cfg.doc_mask}: each "
                              f"token's position in its document)")
         if (documents is None) == self.cfg.doc_mask:
             raise ValueError(f"Transformer.forward: documents (each token's document id, shaped like positions) "
@@ -1198,7 +1199,7 @@ class Transformer(nn.Module):
         if targets is not None and self.chunked_loss:
             loss = chunked_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1),
                                          vocab_size=self.cfg.vocab_size, softcap=self.cfg.final_softcap)
-            loss = self.context_share(loss, targets)
+            loss = loss_share(loss, targets, self.cp_group)
             return None, loss + aux if aux is not None else loss
         logits = self.lm_head(h)
         # drop the padded vocabulary columns: they are not tokens and must not enter the softmax
@@ -1209,7 +1210,7 @@ class Transformer(nn.Module):
             vocab_start = group_rank(self.tp_group) * self.lm_head.out_per_rank
             # flatten, not reshape(-1, V): a rank holding only padding has V = 0 here
             loss = vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.reshape(-1), vocab_start, self.tp_group)
-            loss = self.context_share(loss, targets)
+            loss = loss_share(loss, targets, self.cp_group)
             if aux is not None:
                 loss = loss + aux
         return logits, loss
@@ -1217,19 +1218,6 @@ class Transformer(nn.Module):
     def moe_layers(self):
         """{block index: its MixtureOfExperts} of this stage (empty for a dense model)."""
         return {int(i): block.mlp for i, block in self.blocks.items() if isinstance(block.mlp, MixtureOfExperts)}
-
-    def context_share(self, loss, targets, ignore_index=-1):
-        """This cp rank's share of the microbatch's mean loss, from its tokens' mean `loss`: their summed loss
-        over the token count of the whole microbatch (all cp ranks' targets: one all-reduce of a count),
-        times cp. The mean of the cp ranks' shares is the microbatch's mean loss, and the average of their
-        gradients (gradients are averaged over dp x cp) its gradient. Without context parallelism: loss."""
-        cp = group_size(self.cp_group)
-        if cp == 1:
-            return loss
-        count = (targets != ignore_index).sum()
-        total = count.clone()
-        dist.all_reduce(total, group=self.cp_group)
-        return loss * (count.clamp(min=1) * cp / total.clamp(min=1))
 
     def moe_aux_loss(self, blocks=None):
         """The sum of the MoE auxiliary losses of `blocks` (default: all of this stage's) from the forward pass

@@ -37,12 +37,13 @@ import import_hf
 import metrics
 import settings
 from configurator import ConfigError, configure, make_folder
+from context_parallel import split_for_every_rank, zigzag_split
 from model import (ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype,
                    document_ids_and_positions, stage_layers, takes_muon)
 from parallel import (SCHEDULES, GradientBuckets, Muon, PipelineComm, WeightGradStore, ZeroOneAdamW, check_schedule,
                       format_grid, ideal_bubble, init_distributed, optimizer_state_bytes, pipeline_forward,
-                      resolve_dp, run_schedule, split_for_every_rank, sum_tied_grad_shards, sync_tied_grads,
-                      tied_weight_group, tp_groups_across_nodes, virtual_stages, zigzag_split)
+                      resolve_dp, run_schedule, sum_tied_grad_shards, sync_tied_grads,
+                      tied_weight_group, tp_groups_across_nodes, virtual_stages)
 
 # -----------------------------------------------------------------------------
 # settings
@@ -281,7 +282,7 @@ def get_batch(data, starts, block_size, device, layout=None, eot_token=None):
 
 def context_split(batch, layout, eot_token=None):
     """This context-parallel rank's share of a micro-batch of whole windows (x, y), (B, T) each: its two
-    zigzag chunks of every window (parallel.py, section 3), and every cp rank's global token positions,
+    zigzag chunks of every window (context_parallel.py), and every cp rank's global token positions,
     (cp, B, T/cp) on the host, built from the whole window and split the same way. Without context
     parallelism the micro-batch as it is (the model then counts positions from 0 itself).
     With eot_token (doc_mask=True) the positions restart at each document, and each token's document id
@@ -948,7 +949,7 @@ def evaluate(cfg, run, parts):
 
 def mean_across_ranks(value, layout):
     """The job-wide mean of a per-rank loss: equal on tp ranks, different on each dp rank, each cp rank's
-    its share (their mean is the loss: Transformer.context_share), and with pp > 1 in parts summed over
+    its share (their mean is the loss: context_parallel.loss_share), and with pp > 1 in parts summed over
     the stages (the last stage's loss, the others' auxiliary losses or zero: see parallel.run_schedule).
     One all-reduce over the whole world, rank 0 and everyone get it."""
     if layout.world_size == 1:

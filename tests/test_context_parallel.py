@@ -1,4 +1,4 @@
-"""Context parallelism (parallel.py, section 3) and sequence parallelism (section 2) against one process,
+"""Context parallelism (context_parallel.py) and sequence parallelism (parallel.py) against one process,
 fp32 on CPU with gloo.
 
   the zigzag split       its balance (every rank the same attention work) and its errors; no processes
@@ -42,8 +42,10 @@ import train
 from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, gather_full, run_ranks,
                         run_train)
 from model import ModelConfig, Transformer, check_layout, choose_attn_impl, model_config_from
-from parallel import (ParallelLayout, attention_work, check_context_split, ring_attention, ring_attention_bytes,
-                      split_for_every_rank, zigzag_gather, zigzag_split)
+import context_parallel
+from context_parallel import (attention_work, check_context_split, ring_attention, ring_attention_bytes,
+                              split_for_every_rank, zigzag_gather, zigzag_split)
+from parallel import ParallelLayout
 from test_variants import MLA, MOE, VARIANTS
 from test_variants_tp import TP_VARIANTS
 
@@ -129,7 +131,7 @@ SENT, BLOCKS = [], {}  # in the worker processes: bytes of each isend, chunk pai
 
 
 def _count_communication_and_blocks():
-    batch_isend_irecv, block_forward = dist.batch_isend_irecv, parallel._block_forward
+    batch_isend_irecv, block_forward = dist.batch_isend_irecv, context_parallel._block_forward
 
     def counting_batch_isend_irecv(ops):
         SENT.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
@@ -139,7 +141,7 @@ def _count_communication_and_blocks():
         BLOCKS["count"] = BLOCKS.get("count", 0) + 1
         return block_forward(*args)
 
-    dist.batch_isend_irecv, parallel._block_forward = counting_batch_isend_irecv, counting_block_forward
+    dist.batch_isend_irecv, context_parallel._block_forward = counting_batch_isend_irecv, counting_block_forward
 
 
 def gathered(pieces, key):
@@ -200,7 +202,7 @@ def model_at(layout, overrides, sequence_parallel=False):
         dist.all_gather(parts, logits.contiguous(), group=layout.tp_group)
         logits = torch.cat(parts, dim=-1)
     if layout.cp_group is not None:  # every rank's zigzag chunks, in window order
-        logits = parallel.all_gather_context(logits.detach(), layout.cp_group)
+        logits = context_parallel.all_gather_context(logits.detach(), layout.cp_group)
     stats = torch.stack([loss.detach(), model.moe_aux_loss().detach() if cfg.n_expert else torch.zeros(())])
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     if layout.cp_group is not None:  # the mean of the cp ranks' shares
@@ -433,15 +435,15 @@ def test_query_with_no_visible_key_gets_zeros_not_nan():
     # (B, H_kv, G, T, D): 3 queries, 5 keys
     q, k, v, dout = (torch.randn(1, 1, 1, n, d) for n, d in ((3, 4), (5, 4), (5, 2), (3, 2)))
     visible = torch.tensor([[True] * 5, [False] * 5, [True, True, False, False, False]])
-    out, lse = parallel._block_forward(q, k, v, visible, 0.5, 5.0)
+    out, lse = context_parallel._block_forward(q, k, v, visible, 0.5, 5.0)
     assert lse[..., 1].item() == float("-inf") and out[..., 1, :].abs().max().item() == 0.0
     empty = (torch.zeros_like(out), torch.full_like(lse, float("-inf")))
-    merged, merged_lse = parallel._merge(*empty, out, lse)
+    merged, merged_lse = context_parallel._merge(*empty, out, lse)
     torch.testing.assert_close(merged, out)
-    torch.testing.assert_close(parallel._merge(*empty, *empty)[0], torch.zeros_like(out))
+    torch.testing.assert_close(context_parallel._merge(*empty, *empty)[0], torch.zeros_like(out))
     dq, dk, dv = torch.zeros_like(q), torch.zeros(1, 1, 5, 4), torch.zeros(1, 1, 5, 2)
     delta = (dout * out).sum(-1)
-    parallel._block_backward(q, k, v, dout, merged_lse, delta, visible, 0.5, 5.0, dq, dk, dv)
+    context_parallel._block_backward(q, k, v, dout, merged_lse, delta, visible, 0.5, 5.0, dq, dk, dv)
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
     assert dq[..., 1, :].abs().max().item() == 0.0
 

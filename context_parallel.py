@@ -1,0 +1,428 @@
+"""
+Context parallelism: the zigzag split of every sequence across ranks and ring attention.
+
+Context parallelism splits the sequence. Each of the cp ranks of a context-parallel group holds T/cp of
+every window's tokens, and with them T/cp of every activation: the embedding, the norms, the MLP and the
+loss work token by token, so they run on the local tokens unchanged. Attention alone needs other ranks'
+tokens, because a query reads the keys and values of every earlier token.
+
+Every cp rank holds the whole model, the same parameters, and computes the gradient of its own tokens'
+part of the loss: the gradients are averaged over the dp x cp ranks that hold the same parameters
+(section 5), and each rank's loss is its tokens' summed loss over the microbatch's token count, times cp,
+so that the mean over the cp ranks is the microbatch's mean loss and the average of their gradients its
+gradient (a factor cp off would hardly show in the losses under AdamW, only in the gradient norm). A
+mixture-of-experts layer, whose expert capacity couples every token of a microbatch, gathers its routing
+decisions from the whole window (all_gather_context) to queue them as one process would.
+
+The split. Causal attention's work is a triangle: a query late in the window sees many keys, an early one
+few. Cut into contiguous pieces, rank r's queries would see r whole pieces of keys and half its own, so
+the last rank would do 2cp-1 times the work of the first, which waits. So each window is cut into 2*cp
+chunks and rank r holds chunk r and its mirror, chunk 2cp-1-r (the split of Llama 3's context
+parallelism, Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.2). Query chunk i sees key
+chunks 0..i, i of them whole and the diagonal one half, so rank r's two chunks see r + (2cp-1-r) =
+2cp-1 whole chunks and two diagonal halves: the same for every rank. RoPE and the mask use the tokens'
+global positions, built on the host from the whole window and split the same way as the tokens. The mask
+is "key position <= query position", so it holds for any split; every rank is given every rank's
+positions (a few integers per token, on the host), so it decides which blocks to skip there, without a
+device sync, and no positions need to travel with the keys.
+
+Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context").
+The key/value blocks travel round the group: at each of cp steps a rank attends its queries to the block
+it holds while, point to point, it passes that block on to rank r+1 and receives the next from rank r-1;
+the transfer is posted before the block is computed, so it overlaps the compute. The partial outputs of
+the cp blocks are merged by their log-sum-exp. Each rank's two chunks against the visiting two chunks
+make four chunk pairs: those the causal mask fully hides are skipped, those it fully shows need no mask,
+the others (the diagonal) are masked.
+
+Backward (a custom autograd function, as FlashAttention does it: Dao et al. 2022, "FlashAttention",
+section 3.1 and appendix B) saves q, k, v, the output and the log-sum-exp, never the probabilities, and
+recomputes each block's probabilities from them. The key/value blocks make the same trip round the ring
+again; each carries with it an fp32 accumulator of its own gradients, which every rank it visits adds to,
+and one more step brings the accumulator home to the rank that owns those keys.
+
+Collectives, per attention layer, with S = B * (T/cp) * H_kv * (D + D_v) elements of k and v per rank:
+forward cp-1 ring steps of S elements in k/v's dtype; backward cp-1 such steps plus cp steps of the
+gradients, S elements in fp32 (see ring_attention_bytes). Each is one dist.batch_isend_irecv of sends to
+the next rank and receives from the previous, so no pair of neighbours can deadlock by both sending first.
+
+Memory: activations per rank fall by cp, attention's too: besides q, k, v and the output it keeps one
+fp32 log-sum-exp per query and head; the largest transients are one chunk pair's fp32 scores and
+probabilities, (B, H, T/2cp, T/2cp) each.
+The ring holds two k/v blocks (the one computed, the one arriving), and in backward two gradient blocks.
+
+Variants. GQA and MQA: the H_kv key/value heads travel, each serving H/H_kv query heads; their gradients
+are the sums over those query heads. MLA: what travels is the per-head keys and values, H * (qk_nope +
+qk_rope + v_head) numbers per token (320 for config/mla.py), not the compressed latent (kv_lora_rank +
+qk_rope = 80): sending the latent would cost 4x fewer bytes, but every rank would then run kv_up, the
+QK-norm and RoPE on each visiting block and sum kv_up's weight gradient over the blocks; left for later.
+QK-norm and RoPE act on each token before attention, so they need nothing here. Attention soft-capping
+(Gemma 2) is applied to each block's scores. Document masking: pass each token's document id beside its
+position; a key is then visible when it is in the same document and not later.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+from parallel import group_rank, group_size
+
+
+def check_context_split(seq_len, cp, tp=1):
+    """The zigzag split needs 2*cp equal chunks; with sequence parallelism (tp > 1 here) each rank's tokens
+    are split again across the tensor-parallel group, so the length must split into 2*cp*tp pieces (tp
+    pieces without context parallelism, cp = 1)."""
+    pieces = (2 * cp if cp > 1 else 1) * tp
+    if seq_len % pieces == 0:
+        return
+    lower, upper = seq_len // pieces * pieces, (seq_len // pieces + 1) * pieces
+    fix = f"Set block_size to a multiple of {pieces} (e.g. {lower or upper} or {upper})"
+    if cp == 1:
+        raise ValueError(f"block_size = {seq_len} does not split into tp = {tp} equal pieces: sequence parallelism "
+                         f"gives each tensor-parallel rank 1/tp of the tokens between the tensor-parallel regions. "
+                         f"{fix}, or change tp")
+    why = (f"2 * cp * tp = {pieces} (cp = {cp}, tp = {tp}: sequence parallelism splits each rank's tokens "
+           f"again across tp)" if tp > 1 else f"2 * cp = {pieces} (cp = {cp})")
+    raise ValueError(f"block_size = {seq_len} does not split into {why} equal chunks: context parallelism "
+                     f"gives each rank chunk r and chunk 2*cp-1-r of every window. {fix}, or change cp")
+
+
+def zigzag_split(x, cp, cp_rank, dim=1):
+    """cp rank cp_rank's tokens of x: chunks cp_rank and 2*cp-1-cp_rank of 2*cp along dim, concatenated."""
+    check_context_split(x.shape[dim], cp)
+    chunk = x.shape[dim] // (2 * cp)
+    return torch.cat([x.narrow(dim, cp_rank * chunk, chunk), x.narrow(dim, (2 * cp - 1 - cp_rank) * chunk, chunk)],
+                     dim=dim)
+
+
+def zigzag_gather(parts, dim=1):
+    """The inverse: the whole sequence from every cp rank's zigzag_split, given in rank order."""
+    halves = [p.chunk(2, dim=dim) for p in parts]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
+
+
+def all_gather_context(x, group, dim=1):
+    """The whole window of x, from every cp rank's zigzag share of it (an all-gather, then zigzag_gather),
+    with no gradient. A mixture-of-experts layer gathers its chosen expert ids this way (small integers)
+    to queue them in the window's order, as one process does."""
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return zigzag_gather(parts, dim)
+
+
+def split_for_every_rank(x, cp, split=zigzag_split):
+    """Every cp rank's share of the last dim of x, stacked: (T,) -> (cp, T/cp), (B, T) -> (cp, B, T/cp).
+    This is how ring_attention takes positions (and document ids): a rank knows which keys of a visiting
+    block it may see without being sent anything, since it built the whole window's positions itself."""
+    return torch.stack([split(x, cp, r, dim=-1) for r in range(cp)])
+
+
+# The plan: which chunk pairs each ring step computes, decided on the host.
+#
+# Whether a pair of chunks is hidden, fully visible or partly visible follows from the positions' minima and
+# maxima. Taken from device tensors, each such test would be a .item(), a host-device sync that stalls the
+# GPU's queue, cp * 4 times per layer. The positions are built on the host (from the whole window), so the
+# plan is made there from the host copy of every rank's positions: no sync, and nothing to send with the
+# keys. Only the masks of the partly visible pairs are built on the device, from a device copy.
+
+
+def _chunk_slices(seq_len, chunks):
+    n = min(chunks, seq_len)
+    edges = [i * seq_len // n for i in range(n + 1)]
+    return [slice(a, b) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def _pair_kind(q_pos, kv_pos, q_doc, kv_doc):
+    """'hidden', 'full' or 'masked' for queries at q_pos against keys at kv_pos, both (B, n): the test is
+    per batch row, and a pair is hidden or full only when it is so in every row. With document ids a pair
+    whose ranges of ids do not overlap is hidden too, and a pair is full only inside one document."""
+    q_lo, q_hi = q_pos.amin(-1), q_pos.amax(-1)  # (B,)
+    kv_lo, kv_hi = kv_pos.amin(-1), kv_pos.amax(-1)
+    hidden, full = kv_lo > q_hi, kv_hi <= q_lo
+    if q_doc is not None:
+        qd_lo, qd_hi, kd_lo, kd_hi = q_doc.amin(-1), q_doc.amax(-1), kv_doc.amin(-1), kv_doc.amax(-1)
+        hidden = hidden | (kd_lo > qd_hi) | (kd_hi < qd_lo)
+        full = full & (qd_lo == qd_hi) & (kd_lo == kd_hi) & (qd_lo == kd_lo)  # all one document
+    if bool(hidden.all()):
+        return "hidden"
+    return "full" if bool(full.all()) else "masked"
+
+
+def block_plan(positions, documents, rank, chunks=2):
+    """For each ring step, the (query slice, key slice, 'full' or 'masked') pairs that rank computes; the
+    hidden ones are left out. positions and documents are (cp, B, T_local) host tensors (see
+    split_for_every_rank); at step i the block of rank (rank - i) % cp is visiting."""
+    cp, T = positions.shape[0], positions.shape[-1]
+    slices = _chunk_slices(T, chunks)
+    doc = (lambda r, s: documents[r][..., s]) if documents is not None else (lambda r, s: None)
+    plan = []
+    for step in range(cp):
+        source = (rank - step) % cp
+        pairs = []
+        for qs in slices:
+            for ks in slices:
+                kind = _pair_kind(positions[rank][..., qs], positions[source][..., ks], doc(rank, qs),
+                                  doc(source, ks))
+                if kind != "hidden":
+                    pairs.append((qs, ks, kind))
+        plan.append(pairs)
+    return plan
+
+
+def attention_work(positions, documents=None, chunks=2):
+    """Per rank, the chunk pairs computed and the score elements computed (per batch row and head) over one
+    ring pass: the attention work each rank does. positions as for ring_attention."""
+    positions = positions if positions.dim() == 3 else positions[:, None]
+    documents = documents if documents is None or documents.dim() == 3 else documents[:, None]
+    work = []
+    for rank in range(positions.shape[0]):
+        pairs = [pair for step in block_plan(positions, documents, rank, chunks) for pair in step]
+        scores = sum((qs.stop - qs.start) * (ks.stop - ks.start) for qs, ks, _ in pairs)
+        work.append({"blocks": len(pairs), "scores": scores})
+    return work
+
+
+def ring_attention_bytes(batch, seq_len_local, n_kv_head, head_dim, v_head_dim, cp, element_size=4):
+    """Bytes one rank sends in one attention layer's forward and backward (a dict). One ring step sends
+    the held k and v: batch * seq_len_local * n_kv_head * (head_dim + v_head_dim) elements. Forward takes
+    cp - 1 steps (the last block is not passed on). Backward sends k and v again cp - 1 times, and the
+    fp32 gradient accumulators cp times: the extra step takes them home."""
+    step_elements = batch * seq_len_local * n_kv_head * (head_dim + v_head_dim)
+    if cp == 1:
+        return {"forward": 0, "backward": 0, "step": 0}
+    kv = (cp - 1) * step_elements * element_size
+    return {"forward": kv, "backward": kv + cp * step_elements * 4, "step": step_elements * element_size}
+
+
+# -----------------------------------------------------------------------------
+# One chunk pair, forward and backward. Query heads are grouped by the key/value head they read:
+# q is (B, H_kv, G, Tq, D) with G = H / H_kv, k is (B, H_kv, 1, Tk, D), and broadcasting does the rest.
+
+
+def _scores(q, k, scale, softcap):
+    """fp32 scores q k^T * scale, soft-capped to cap * tanh(s / cap); also the tanh, for the derivative."""
+    s = (q @ k.transpose(-2, -1)) * scale  # (B, H_kv, G, Tq, Tk)
+    if not softcap:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return softcap * t, t
+
+
+def _finite(lse):
+    """A row with no visible key has lse = -inf; exp(s - lse) would be exp(-inf + inf) = nan. Against 0 it
+    is exp(-inf) = 0: the row gets zero probabilities, a zero output and zero gradients."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _block_forward(q, k, v, visible, scale, softcap):
+    """This block's normalised output and log-sum-exp: (B, H_kv, G, Tq, D_v) and (B, H_kv, G, Tq)."""
+    s, _ = _scores(q, k, scale, softcap)
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite(lse)[..., None])
+    return p @ v, lse
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Two softmax-weighted averages over disjoint sets of keys, combined into the one over both:
+    lse = log(e^lse1 + e^lse2), out = e^(lse1 - lse) out1 + e^(lse2 - lse) out2. Each weight is the share
+    of the softmax denominator its keys hold (Milakov & Gimelshein 2018, "Online normalizer calculation
+    for softmax"). Rows that have seen no visible key yet have lse = -inf and stay zero."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    safe = _finite(new_lse)[..., None]
+    return torch.exp(lse[..., None] - safe) * out + torch.exp(block_lse[..., None] - safe) * block_out, new_lse
+
+
+def _block_backward(q, k, v, dout, lse, delta, visible, scale, softcap, dq, dk, dv):
+    """Adds this block's gradients into dq (B, H_kv, G, Tq, D), dk (B, H_kv, Tk, D), dv (B, H_kv, Tk, D_v).
+    With p = softmax(s) recomputed from the saved lse, and delta = rowsum(dout * out):
+        dv = p^T dout,  dp = dout v^T,  ds = p * (dp - delta),  then through the cap and the scale,
+        dq = ds k,  dk = ds^T q."""
+    s, t = _scores(q, k, scale, softcap)
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    p = torch.exp(s - _finite(lse)[..., None])  # (B, H_kv, G, Tq, Tk); hidden keys give exactly 0
+    dv += (p.transpose(-2, -1) @ dout).sum(2)  # summed over the G query heads that read each kv head
+    ds = p * (dout @ v.transpose(-2, -1) - delta[..., None])
+    if softcap:
+        ds = ds * (1 - t * t)  # d/ds cap * tanh(s / cap) = 1 - tanh^2
+    ds = ds * scale
+    dq += ds @ k
+    dk += (ds.transpose(-2, -1) @ q).sum(2)
+
+
+# -----------------------------------------------------------------------------
+# The ring
+
+
+def _query_heads(x, n_kv_head):
+    B, T, H, D = x.shape
+    return x.float().view(B, T, n_kv_head, H // n_kv_head, D).permute(0, 2, 3, 1, 4)  # (B, H_kv, G, T, D)
+
+
+def _kv_heads(x):
+    return x.float().permute(0, 2, 1, 3)[:, :, None]  # (B, T, H_kv, D) -> (B, H_kv, 1, T, D)
+
+
+def _post_ring_exchange(tensors, group):
+    """Post, in one batch, the sends of `tensors` to the next rank of the ring and the receives of tensors
+    of the same shapes from the previous one. Returns (the receive buffers, the requests); not waited for,
+    so the caller computes while they travel."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    next_rank = dist.get_global_rank(group, (rank + 1) % cp)  # a P2POp's peer is a global rank
+    prev_rank = dist.get_global_rank(group, (rank - 1) % cp)
+    tensors = [t.contiguous() for t in tensors]
+    received = [torch.empty_like(t) for t in tensors]
+    ops = ([dist.P2POp(dist.isend, t, next_rank, group) for t in tensors]
+           + [dist.P2POp(dist.irecv, t, prev_rank, group) for t in received])
+    return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(requests):
+    for request in requests:
+        request.wait()
+
+
+def _visible(pos, doc, rank, source, qs, ks):
+    """Which keys each query sees, (B or 1, 1, 1, Tq, Tk): key position <= query position (and, with
+    document ids, the same document)."""
+    q_pos, kv_pos = pos[rank][..., qs], pos[source][..., ks]  # (B or 1, Tq), (B or 1, Tk)
+    visible = kv_pos[:, None, :] <= q_pos[:, :, None]
+    if doc is not None:
+        visible = visible & (doc[source][..., ks][:, None, :] == doc[rank][..., qs][:, :, None])
+    return visible[:, None, None]
+
+
+class RingAttention(torch.autograd.Function):
+    """Attention of this rank's queries over every cp rank's keys and values, which travel round the ring.
+    See ring_attention for the arguments."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, positions, documents, group, softcap, scale, chunks):
+        cp, rank = group_size(group), group_rank(group)
+        B, T, H, _ = q.shape
+        n_kv_head = k.shape[2]
+        plan = block_plan(positions, documents, rank, chunks)
+        # the masks of the partly visible pairs are built from a device copy; non_blocking, since a blocking
+        # host-to-device copy waits for the GPU's queue to drain, the sync the host-side plan avoids
+        pos = positions.to(q.device, non_blocking=True)
+        doc = documents.to(q.device, non_blocking=True) if documents is not None else None
+
+        qh = _query_heads(q, n_kv_head)
+        out = q.new_zeros(*qh.shape[:-1], v.shape[-1], dtype=torch.float32)  # (B, H_kv, G, T, D_v)
+        lse = q.new_full(qh.shape[:-1], float("-inf"), dtype=torch.float32)  # (B, H_kv, G, T)
+        k_block, v_block = k, v
+        for step in range(cp):
+            if step < cp - 1:  # the next block sets off before this one is computed
+                (k_next, v_next), requests = _post_ring_exchange([k_block, v_block], group)
+            source = (rank - step) % cp
+            kh, vh = _kv_heads(k_block), _kv_heads(v_block)
+            for qs, ks, kind in plan[step]:
+                visible = _visible(pos, doc, rank, source, qs, ks) if kind == "masked" else None
+                block_out, block_lse = _block_forward(qh[..., qs, :], kh[..., ks, :], vh[..., ks, :], visible,
+                                                      scale, softcap)
+                out[..., qs, :], lse[..., qs] = _merge(out[..., qs, :], lse[..., qs], block_out, block_lse)
+            if step < cp - 1:
+                _wait(requests)
+                k_block, v_block = k_next, v_next
+
+        out = out.permute(0, 3, 1, 2, 4).reshape(B, T, H, v.shape[-1]).to(q.dtype)  # (B, T, H, D_v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.pos, ctx.doc, ctx.group, ctx.softcap, ctx.scale = plan, pos, doc, group, softcap, scale
+        ctx.cp, ctx.rank = cp, rank
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, rank, group = ctx.cp, ctx.rank, ctx.group
+        n_kv_head = k.shape[2]
+        qh, dh = _query_heads(q, n_kv_head), _query_heads(dout, n_kv_head)
+        delta = (dh * _query_heads(out, n_kv_head)).sum(-1)  # (B, H_kv, G, T): rowsum(dout * out)
+        dq = torch.zeros_like(qh)
+        # The gradients of a visiting block's keys and values come from every rank's queries, so they cannot
+        # be finished where they are computed: an fp32 accumulator travels with each block, every rank adds
+        # its part, and after the cp-th rank one more step brings the sum home to the block's owner.
+        k_block, v_block = k, v
+        grads_home = None  # the accumulators arriving for the next visiting block, and their requests
+        for step in range(cp):
+            if step < cp - 1:
+                (k_next, v_next), kv_requests = _post_ring_exchange([k_block, v_block], group)
+            source = (rank - step) % cp
+            kh, vh = _kv_heads(k_block), _kv_heads(v_block)
+            dk_block, dv_block = torch.zeros_like(kh[:, :, 0]), torch.zeros_like(vh[:, :, 0])  # (B, H_kv, T, D)
+            for qs, ks, kind in ctx.plan[step]:
+                visible = _visible(ctx.pos, ctx.doc, rank, source, qs, ks) if kind == "masked" else None
+                _block_backward(qh[..., qs, :], kh[..., ks, :], vh[..., ks, :], dh[..., qs, :], lse[..., qs],
+                                delta[..., qs], visible, ctx.scale, ctx.softcap,
+                                dq[..., qs, :], dk_block[..., ks, :], dv_block[..., ks, :])
+            if grads_home is not None:  # add what the previous ranks gathered for this block
+                (dk_before, dv_before), grad_requests = grads_home
+                _wait(grad_requests)
+                dk_block, dv_block = dk_block + dk_before, dv_block + dv_before
+            if cp > 1:
+                grads_home = _post_ring_exchange([dk_block, dv_block], group)
+            if step < cp - 1:
+                _wait(kv_requests)
+                k_block, v_block = k_next, v_next
+        if cp > 1:  # after cp steps the accumulators that arrive are this rank's own keys' and values'
+            (dk_block, dv_block), grad_requests = grads_home
+            _wait(grad_requests)
+
+        B, T, H, D = q.shape
+        dq = dq.permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(q.dtype)  # (B, T, H, D)
+        dk = dk_block.transpose(1, 2).to(k.dtype)  # (B, T, H_kv, D)
+        dv = dv_block.transpose(1, 2).to(v.dtype)  # (B, T, H_kv, D_v)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+@torch.compiler.disable  # host-side plans and point-to-point messages: torch.compile runs around it, not through
+def ring_attention(q, k, v, positions, group=None, softcap=0.0, scale=None, documents=None, chunks=2):
+    """Causal attention of this rank's queries over the keys and values of every rank of the cp group.
+
+    q: (B, T_local, H, D), k: (B, T_local, H_kv, D), v: (B, T_local, H_kv, D_v), H a multiple of H_kv
+    (D_v may differ from D, as in MLA). positions: every cp rank's global token positions, on the host,
+    (cp, T_local) or (cp, B, T_local) (split_for_every_rank builds it); this rank's queries are row
+    `rank`, and a key is visible to a query when its position is not greater. documents (optional, same
+    shape): document ids; a key is then visible only within its document (the positions then restart at
+    0 with each document, as RoPE wants).
+    Scores are q k^T * scale (default 1/sqrt(D)), soft-capped to softcap * tanh(s / softcap) when
+    softcap > 0. chunks: the pieces each rank's tokens are cut into when deciding which pairs to skip (2:
+    the zigzag's two chunks). group None is one process: ordinary causal attention.
+    Returns (B, T_local, H, D_v); a query that sees no key gets zeros."""
+    cp = group_size(group)
+    B, T, H, D = q.shape
+    if k.shape[:2] != (B, T) or v.shape[:3] != k.shape[:3] or k.shape[-1] != D or H % k.shape[2] != 0:
+        raise ValueError(f"ring_attention wants q (B, T, H, D), k (B, T, H_kv, D), v (B, T, H_kv, D_v) with H a "
+                         f"multiple of H_kv; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    for name, x in (("positions", positions), ("documents", documents)):
+        if x is None:
+            continue
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} must be on the host (device cpu, got {x.device}): which blocks to skip is "
+                             f"decided from it there, without a device sync")
+        if x.shape not in ((cp, T), (cp, B, T)):
+            raise ValueError(f"{name} must be (cp, T_local) = ({cp}, {T}) or (cp, B, T_local) = ({cp}, {B}, {T}), "
+                             f"one row per cp rank (see split_for_every_rank); got {tuple(x.shape)}")
+    positions = positions if positions.dim() == 3 else positions[:, None]  # (cp, B or 1, T_local)
+    if documents is not None and documents.dim() == 2:
+        documents = documents[:, None]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    return RingAttention.apply(q, k, v, positions, documents, group, softcap, scale, chunks)
+
+
+def loss_share(loss, targets, group, ignore_index=-1):
+    """This cp rank's share of the microbatch's mean loss, from its tokens' mean `loss`: their summed loss
+    over the token count of the whole microbatch (all cp ranks' targets: one all-reduce of a count), times
+    cp. The mean of the cp ranks' shares is the microbatch's mean loss, and the average of their gradients
+    (gradients are averaged over dp x cp) its gradient. Without context parallelism (group None): loss."""
+    cp = group_size(group)
+    if cp == 1:
+        return loss
+    count = (targets != ignore_index).sum()
+    total = count.clone()
+    dist.all_reduce(total, group=group)
+    return loss * (count.clamp(min=1) * cp / total.clamp(min=1))
