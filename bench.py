@@ -45,7 +45,7 @@ import settings
 import train
 from configurator import ConfigError, Setting, configure, section
 from model import check_layout
-from parallel import check_schedule, ideal_bubble
+from pipeline_schedules import check_schedule, ideal_bubble
 
 BENCH = section(
     "bench.py's own",

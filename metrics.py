@@ -27,9 +27,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from model import Transformer, attention_head_dim, loss_chunk_size, mlp_hidden_size, stage_layers, takes_muon
+from model import Transformer, attention_head_dim, loss_chunk_size, mlp_hidden_size, takes_muon
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ZeroOneAdamW, deal_whole,
-                      full_shape_of, SCHEDULES, ideal_bubble, padded_vocab_size, virtual_stages)
+                      full_shape_of, padded_vocab_size, stage_layers)
+from pipeline_schedules import SCHEDULES, ideal_bubble, virtual_stages
 
 
 # -----------------------------------------------------------------------------
@@ -508,7 +509,7 @@ class _Saved:
 # (the rows sent, received, computed and reordered) are alive beside the activations. Muon: one momentum
 # per element of a block's matrix, AdamW's two for the rest; ZeRO-1 deals the matrices whole
 # (parallel.deal_whole), so a rank's share of them is what the deal gives it, not 1/dp.
-# The peak is found by walking the rank's actions of the schedule (parallel.SCHEDULES: the same lists the
+# The peak is found by walking the rank's actions of the schedule (pipeline_schedules.SCHEDULES: the same lists the
 # executor runs; with pp = 1 each micro-batch's forward, then its backward): the states (parameters,
 # gradients, optimizer), plus at the end of each forward what is then held (the activations and the
 # loss's tensors of every micro-batch between its forward and its backward, and ZeRO-0/1's accumulated
@@ -615,7 +616,7 @@ def bucket_elements(param_elements, capacity):
 
 
 def weight_grad_residual_elements(model_cfg, tokens, tp):
-    """Elements one block keeps for a micro-batch between a zero-bubble B and its W (parallel.WeightGradStore):
+    """Elements one block keeps for a micro-batch between a zero-bubble B and its W (pipeline_schedules.WeightGradStore):
     each tensor-parallel linear's input x (q, k and v read one tensor, as the MLP's gate and up do) and its
     output's gradient dy. Counted for the dense attention and MLP."""
     C, D = model_cfg.n_embd, attention_head_dim(model_cfg)
@@ -628,7 +629,7 @@ def weight_grad_residual_elements(model_cfg, tokens, tp):
 
 
 def schedule_moments(schedule, pp, stage, m, chunks, chunk_blocks, head_chunk, saved, residual):
-    """Walks pipeline rank `stage`'s actions (parallel.SCHEDULES; with pp = 1 each micro-batch's forward and
+    """Walks pipeline rank `stage`'s actions (pipeline_schedules.SCHEDULES; with pp = 1 each micro-batch's forward and
     backward in turn) and yields, after each, (op, its chunk, activation elements held, micro-batches the
     head's chunk holds, backwards so far). A forward of chunk c adds `saved` per block of the chunk
     (chunk_blocks[c] of them); its backward takes them away, except that under the zero-bubble schedules

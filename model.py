@@ -41,8 +41,8 @@ from torch.utils.checkpoint import checkpoint
 from context_parallel import all_gather_context, check_context_split, loss_share, ring_attention, zigzag_split
 from parallel import (ByteCount, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
                       dispatch_to_experts, exchange_expert_counts, full_shape_of, gather_from_sp, gather_from_tp,
-                      group_rank, group_size, padded_vocab_size, scatter_to_tp, shard_of, valid_vocab_columns,
-                      vocab_parallel_cross_entropy)
+                      group_rank, group_size, padded_vocab_size, scatter_to_tp, shard_of, stage_layers,
+                      valid_vocab_columns, vocab_parallel_cross_entropy)
 
 
 @dataclass
@@ -1061,15 +1061,6 @@ def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False, chunks=1, ep=1)
         raise ValueError("the model cannot be built with this layout: " + "; ".join(problems))
 
 
-def stage_layers(n_layer, pp, pp_rank):
-    """The block indices of pipeline stage pp_rank (check_layout has made sure that pp <= n_layer). When pp
-    does not divide n_layer the first stages get one block more: the last stage already carries the output
-    head and the loss, the heaviest part of a small model with a large vocabulary."""
-    sizes = [n_layer // pp + (1 if s < n_layer % pp else 0) for s in range(pp)]
-    start = sum(sizes[:pp_rank])
-    return range(start, start + sizes[pp_rank])
-
-
 class Transformer(nn.Module):
     """The whole model, or one pipeline stage of it (pp > 1): the first stage holds the token embedding,
     every stage its own blocks, the last the final norm and the head.
@@ -1114,7 +1105,7 @@ class Transformer(nn.Module):
     training step keeps the two equal by summing their gradients (parallel.sync_tied_grads).
 
     Chunks (the interleaved and V pipeline schedules): pp_rank may be a tuple of stages of the pp, the model
-    chunks this rank holds (parallel.virtual_stages). They are one module, every parameter under its
+    chunks this rank holds (pipeline_schedules.virtual_stages). They are one module, every parameter under its
     whole-model name; forward(x, targets, positions, chunk=c) runs chunk c, the stage pp_rank[c]: the
     embedding first if it is stage 0, the head and the loss last if it is stage pp - 1."""
 

@@ -516,8 +516,8 @@ class ColumnParallelLinear(nn.Module):
 
     The weight is created empty: fill it with load_full (see the section's note).
 
-    `weight_grad_store` (None: a plain linear) is what the zero-bubble pipeline schedules set to split this
-    layer's backward, the input's gradient now and the weight's later (section 4, WeightGradStore)."""
+    Hook: `matmul(x, weight, bias)`, F.linear; the zero-bubble pipeline schedules replace it to split this
+    layer's backward, the input's gradient now and the weight's later (pipeline_schedules.WeightGradStore)."""
 
     def __init__(self, in_features, out_features, bias=False, group=None, gather_output=False, copy_input=True):
         super().__init__()
@@ -525,7 +525,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = _divide(out_features, group_size(group), "out_features")
         self.weight = mark_sharded(nn.Parameter(torch.empty(self.out_per_rank, in_features)), 0, group)
         self.bias = mark_sharded(nn.Parameter(torch.zeros(self.out_per_rank)), 0, group) if bias else None
-        self.weight_grad_store = None
+        self.matmul = F.linear
 
     def load_full(self, weight, bias=None):
         """weight (out_features, in_features) and bias (out_features,): full tensors or slice readers."""
@@ -536,8 +536,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):
         if self.copy_input:
             x = copy_to_tp(x, self.group)
-        store = self.weight_grad_store
-        y = F.linear(x, self.weight, self.bias) if store is None else store.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.weight, self.bias)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
@@ -551,8 +550,8 @@ class RowParallelLinear(nn.Module):
     gets the sum for its own tokens, (B, T/tp, out_features)), and the bias, added to this rank's tokens
     only, passes through f so that its gradient is summed over the ranks' tokens.
 
-    The weight is created empty, as in ColumnParallelLinear: fill it with load_full; weight_grad_store as
-    there (the bias, added after the sum, keeps its gradient in autograd)."""
+    The weight is created empty, as in ColumnParallelLinear: fill it with load_full; the `matmul` hook as
+    there (the bias, added after the sum, is not in it: it keeps its gradient in autograd)."""
 
     def __init__(self, in_features, out_features, bias=False, group=None, input_is_parallel=True,
                  sequence_parallel=False):
@@ -561,7 +560,7 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = _divide(in_features, group_size(group), "in_features")
         self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, self.in_per_rank)), 1, group)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.weight_grad_store = None
+        self.matmul = F.linear
 
     def load_full(self, weight, bias=None):
         """weight (out_features, in_features) and bias (out_features,): full tensors or slice readers."""
@@ -572,8 +571,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
-        store = self.weight_grad_store
-        partial = F.linear(x, self.weight) if store is None else store.linear(x, self.weight)
+        partial = self.matmul(x, self.weight, None)
         if self.sequence_parallel:
             y = reduce_scatter_to_sp(partial, self.group)
             return y + copy_to_tp(self.bias, self.group) if self.bias is not None else y
@@ -695,33 +693,13 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
 # the idle share of a step, the "bubble", is (pp - 1) / (m + pp - 1) (GPipe, section 2.2).
 #
 # A schedule is written once, as each pipeline rank's ordered list of actions (op, i, c): run op for
-# microbatch i on the rank's model chunk c. `run_schedule` walks that list on a real rank; `schedule_timeline`
-# (at the end of this file) places the very same lists in time slots for the printed picture. A rank keeps
-# a microbatch's activations from its forward to its backward, so the order also decides the memory:
+# microbatch i on the rank's model chunk c (one chunk here: c is 0). `run_schedule` walks that list on a
+# real rank; timeline.py places the very same lists in time slots for the printed picture. A rank keeps a
+# microbatch's activations from its forward to its backward, so the order also decides the memory:
 #   afab              all forward, all backward (GPipe): all m microbatches held at the turn
 #   1f1b              one forward, one backward (PipeDream-Flush): the same bubble, pp - stage held
-#   interleaved_1f1b  v chunks per rank: the bubble (pp - 1) / (v m + pp - 1) (Narayanan et al. 2021,
-#                     section 2.2.2)
-#   zero_bubble       ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3.1): the backward
-#                     split in two, and the weights' half fills 1F1B's idle slots: (pp - 1) / (3 m + pp - 1)
-#   zbv               ZB-V (same paper, section 6): two chunks per rank in a V, only the fill's pp - 1
-#                     chunk-slots idle (with forward = input backward = weight backward in time)
-#
-# Chunks ("virtual stages"). With v chunks per rank the layers are cut into pp * v model stages and rank r
-# holds stages r, r + pp, r + 2 pp, ... (zbv: r and 2 pp - 1 - r, so the last rank turns the V round and
-# rank 0 holds both ends of the model). A microbatch then goes round the ring of ranks v times, each time
-# through a v-th of the layers: the fill and the drain take chunk-sized slots, a v-th of a stage's, for v
-# times the point-to-point messages. A rank's chunks are one Transformer (model.py) whose parameters keep
-# their whole-model names, so the optimizer, the gradient norm and the checkpoints see one set of parameters
-# whatever v is, and a checkpoint moves between any chunkings.
-#
-# The split backward (zero_bubble, zbv). A backward computes the gradient of the stage's input, which the
-# previous stage waits for, and the gradients of the weights, which nothing needs before the optimizer step.
-# For a linear layer y = x W^T they are dx = dy W and dW = dy^T x. The action 'B' computes dx and keeps x and
-# dy; 'W' computes dW from them later (WeightGradStore below): the same matmuls as one backward, none twice.
-# Parameters other than the tensor-parallel linears' weights (norm gains, the embedding, a router, a
-# row-parallel bias) are cheap and get their gradients in B. In a list without 'W' actions, 'B' is the
-# whole backward.
+# pipeline_schedules.py adds interleaved 1F1B (several model chunks per rank) and the zero-bubble schedules
+# ZB-H1 and ZB-V (the backward split into B and W), as more lists of the same kind for the same executor.
 #
 # The executor's exchanges. A rank sends what an action produced (a forward's output to the next stage, a
 # backward's input gradient to the previous) as soon as the action ends, without waiting for the send to
@@ -729,9 +707,9 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
 # ever waits for an input it needs now. Messages between two ranks travel in two first-in first-out
 # channels, one per kind (activations on the default group, gradients on a second group, so NCCL, which has
 # no tags, keeps them apart too); both ranks walk their lists in order, so what one sends k-th on a channel
-# is what the other receives k-th: the lists themselves must agree on that order, which schedule_timeline
-# checks, together with "no rank waits forever", without processes. Between two chunks of one rank (the V's
-# turn) the message is handed over in memory. All sends are waited for at the end of the step.
+# is what the other receives k-th: the lists themselves must agree on that order, which timeline.py's
+# simulator checks, together with "no rank waits forever", without processes. A message between two chunks
+# of one rank is handed over in memory. All sends are waited for at the end of the step.
 #
 # NCCL's rule: the first batch_isend_irecv that uses a process group must be joined by every rank of that
 # group. PipelineComm's constructor therefore runs a barrier on each of its two groups, which every rank
@@ -739,12 +717,13 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
 # Gloo has no such rule; the barriers cost nothing that matters.
 
 
-def virtual_stages(schedule, pp, rank, chunks=1):
-    """The model stages (of pp * chunks) that pipeline rank `rank` holds, one per chunk in chunk order:
-    rank, rank + pp, rank + 2 pp, ..., or for zbv's V rank and 2 pp - 1 - rank."""
-    if schedule == "zbv":
-        return (rank, 2 * pp - 1 - rank)
-    return tuple(rank + c * pp for c in range(chunks))
+def stage_layers(n_layer, pp, pp_rank):
+    """The block indices of pipeline stage pp_rank (pp <= n_layer: model.check_layout makes sure). When pp
+    does not divide n_layer the first stages get one block more: the last stage already carries the output
+    head and the loss, the heaviest part of a small model with a large vocabulary."""
+    sizes = [n_layer // pp + (1 if s < n_layer % pp else 0) for s in range(pp)]
+    start = sum(sizes[:pp_rank])
+    return range(start, start + sizes[pp_rank])
 
 
 def message_route(op, stage, n_stages):
@@ -780,239 +759,28 @@ def one_f_one_b_actions(pp, stage, m, chunks=1):
     return actions
 
 
-def interleaved_order(pp, m, chunks):
-    """The order of a rank's forwards under interleaving, as (microbatch, chunk): microbatches in groups of
-    pp, each group through chunk 0, then chunk 1, ... A group of pp fills the ring exactly: when the rank has
-    sent the group's last microbatch on, the first is back from its lap, ready for the next chunk. (With m
-    not a multiple of pp the last group is smaller: evaluation's forwards only.)"""
-    order = []
-    for start in range(0, m, pp):
-        group = range(start, min(start + pp, m))
-        order += [(i, c) for c in range(chunks) for i in group]
-    return order
-
-
-def interleaved_1f1b_actions(pp, stage, m, chunks):
-    """Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2): 1F1B over chunk-sized work. The k-th forward
-    is interleaved_order's k-th; the k-th backward takes the same microbatch through the chunks in reverse,
-    the last chunk first. m must be a multiple of pp (check_schedule): a smaller last group would reach a
-    chunk before the previous lap's microbatches have come round."""
-    order = interleaved_order(pp, m, chunks)
-    forwards = [("F", i, c) for i, c in order]
-    backwards = [("B", i, chunks - 1 - c) for i, c in order]
-    # warm-up: microbatch 0 makes v - 1 laps of the ring (pp forwards each) before its last chunk, then, as
-    # in 1F1B, goes through the pp - stage - 1 later ranks and back. Megatron's warm-up has 2 (pp - stage - 1)
-    # for this last part: slack for its synchronous sends, which the executor here does not need (it never
-    # waits for a send); with the smaller warm-up the first rank holds v pp chunk-sized microbatches, the pp
-    # whole ones of 1F1B, where Megatron's holds (1 + (pp - 1) / (v pp)) times that (Korthikanti et al. 2022,
-    # "Reducing Activation Recomputation in Large Transformer Models", section 4.2.3). The bubble is the same.
-    warmup = min((chunks - 1) * pp + pp - stage - 1, len(order))
-    actions = forwards[:warmup]
-    for k in range(len(order) - warmup):
-        actions += [forwards[warmup + k], backwards[k]]
-    return actions + backwards[len(order) - warmup:]
-
-
-def zero_bubble_actions(pp, stage, m, chunks=1):
-    """ZB-H1 (Qi et al. 2023, section 3.1): 1F1B with each backward split into B (the input's gradient, which
-    the previous stage waits for) and W (the weights' gradients). B runs where 1F1B's backward ran; W waits:
-    stage s leaves its first s microbatches' W for the end, where 1F1B's cool-down leaves the later stages
-    idle, and runs each later W right after its B. With forward = B = W in time the bubble is
-    (pp - 1) / (3 m + pp - 1) for m >= pp, a third of 1F1B's; a stage holds at most pp microbatches between
-    F and W (1F1B's first stage's count), and what it holds after B is only the linears' x and dy."""
-    warmup = min(pp - stage - 1, m)
-    actions = [("F", i, 0) for i in range(warmup)]
-    f, b, w = warmup, 0, 0
-    delayed = min(stage, m - warmup)  # the microbatches whose W is left for the cool-down
-    for _ in range(delayed):
-        actions += [("F", f, 0), ("B", b, 0)]
-        f, b = f + 1, b + 1
-    while f < m:  # steady state: F B W
-        actions += [("F", f, 0), ("B", b, 0), ("W", w, 0)]
-        f, b, w = f + 1, b + 1, w + 1
-    while b < m:  # cool-down: the remaining backwards, each with a W
-        actions += [("B", b, 0), ("W", w, 0)]
-        b, w = b + 1, w + 1
-    return actions + [("W", i, 0) for i in range(w, m)]  # the delayed W's, in the drain's idle slots
-
-
-def zbv_actions(pp, stage, m, chunks=2):
-    """ZB-V (Qi et al. 2023, section 6): two chunks per rank in a V (virtual_stages), the backward split as in
-    zero_bubble. Rank r's chunk 0 is model stage r, its chunk 1 stage 2 pp - 1 - r: microbatches go down the
-    ranks through the chunks 0 and come back up through the chunks 1, so the last rank runs both halves of the
-    turn and rank 0 both ends of the model. In phases (with forward = B = W in time each slot is filled):
-      1. 2 (pp - r) - 1 forwards of chunk 0 (the deeper the rank, the sooner its chunk 1 gets work);
-      2. r pairs (chunk 1 forward, chunk 0 forward) while the V's second arm fills;
-      3. pp - r triples (chunk 1 forward, B, W): the turn comes back;
-      4. steady state: chunk 0's F, B, W, then chunk 1's, until every forward is done;
-      5. cool-down: r pairs of B (chunks 0 and 1), then pp - r of (chunk 0's B, W), then the rest of the W's.
-    The phases are written for at least 2 pp - 1 microbatches; with fewer, the actions of the microbatches
-    that do not exist are left out (schedule_timeline checks the rest still runs)."""
-    n = max(m, 2 * pp - 1)
-    count = {(op, c): 0 for op in "FBW" for c in (0, 1)}  # the next microbatch of each op on each chunk
-    actions = []
-
-    def add(op, c, microbatch=None):
-        i = count[(op, c)] if microbatch is None else microbatch
-        count[(op, c)] = i + 1
-        actions.append((op, i, c))
-
-    for _ in range(2 * (pp - stage) - 1):
-        add("F", 0)
-    for _ in range(stage):
-        add("F", 1), add("F", 0)
-    for _ in range(pp - stage):
-        add("F", 1), add("B", 1), add("W", 1)
-    while count[("F", 1)] < count[("F", 0)] or count[("F", 0)] < n:
-        if count[("F", 0)] < n:
-            add("F", 0)
-        add("B", 0), add("W", 0), add("F", 1), add("B", 1), add("W", 1)
-    for _ in range(stage):
-        add("B", 0), add("B", 1)
-    for _ in range(pp - stage):
-        add("B", 0), add("W", 0)
-    while count[("W", 1)] < count[("B", 1)]:
-        add("W", 1)
-    while count[("W", 0)] < count[("B", 0)]:
-        add("W", 0)
-    return [a for a in actions if a[1] < m]
-
-
-SCHEDULES = {"afab": afab_actions, "1f1b": one_f_one_b_actions, "interleaved_1f1b": interleaved_1f1b_actions,
-             "zero_bubble": zero_bubble_actions, "zbv": zbv_actions}
+SCHEDULES = {"afab": afab_actions, "1f1b": one_f_one_b_actions}
 
 
 def check_schedule(schedule, pp, m, chunks=1):
-    """Stop before anything is built when a schedule cannot run this way (a wrong list would hang between
-    ranks, or send a microbatch's activations to another's), saying what must hold and what to change."""
+    """Stop before anything is built when a schedule cannot run this way, saying what must hold and what to
+    change (pipeline_schedules.check_schedule adds the rules of the schedules there)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pp_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
-    if pp == 1:
-        if chunks > 1:
-            raise ValueError(f"pp_chunks = {chunks} needs a pipeline: with pp = 1 one rank holds the whole model "
-                             f"(set --pp to 2 or more, or --pp_chunks=1)")
-        return
-    if schedule == "zbv" and chunks != 2:
-        raise ValueError(f"pp_schedule='zbv' holds two model chunks on each rank (the V): set --pp_chunks=2 "
-                         f"(got {chunks})")
-    if schedule in ("afab", "1f1b", "zero_bubble") and chunks != 1:
+    if pp > 1 and chunks != 1:
         raise ValueError(f"pp_chunks = {chunks}: pp_schedule={schedule!r} runs one model chunk per rank; use "
                          f"--pp_schedule=interleaved_1f1b for {chunks} chunks per rank (or --pp_chunks=1)")
-    if schedule == "interleaved_1f1b" and m % pp:
-        lower, upper = max(pp, m // pp * pp), (m // pp + 1) * pp
-        raise ValueError(f"pp_schedule='interleaved_1f1b' needs gradient_accumulation_steps (the microbatches, "
-                         f"{m}) to be a multiple of pp = {pp}: they go round the ring of ranks in groups of pp "
-                         f"(Megatron-LM's rule); use {lower}" + (f" or {upper}" if upper != lower else "")
-                         + ", adjusting batch_size to keep the batch")
 
 
-def ideal_bubble(schedule, pp, m, chunks=1):
-    """The paper's idle share of a step, with forward = B = W in time (an unsplit backward twice a
-    forward), or None where the paper gives no formula (zbv; zero_bubble with m < pp)."""
-    if schedule in ("afab", "1f1b"):
-        return (pp - 1) / (m + pp - 1)
-    if schedule == "interleaved_1f1b":
-        return (pp - 1) / (chunks * m + pp - 1)
-    if schedule == "zero_bubble" and m >= pp:
-        return (pp - 1) / (3 * m + pp - 1)
-    return None
+def ideal_bubble(schedule, pp, m):
+    """The idle share of a step with forward = backward / 2 in time (GPipe, section 2.2): afab and 1f1b
+    idle alike, (pp - 1) / (m + pp - 1)."""
+    return (pp - 1) / (m + pp - 1)
 
 
-def forward_only_actions(pp, stage, m, chunks=1):
-    """Evaluation's forwards, for any m: in interleaved_order, which with one chunk is 0, 1, ..., m - 1."""
-    return [("F", i, c) for i, c in interleaved_order(pp, m, chunks)]
-
-
-class _LinearSplitBackward(torch.autograd.Function):
-    """y = x W^T + b whose backward computes dx = dy W only, leaving (x, dy) in store.collecting for a later
-    dW = dy^T x (and db = the sum of dy): WeightGradStore.linear. With store.collecting None (a backward outside
-    a zero-bubble B action) it computes the weight's gradient at once, as a plain linear. Under autocast it
-    computes in the autocast dtype, casting what F.linear's autocast would cast."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, store):
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        with torch.autocast(device, enabled=False):
-            x_c, w_c = x.to(dtype), weight.to(dtype)
-            y = F.linear(x_c, w_c, None if bias is None else bias.to(dtype))
-        ctx.save_for_backward(x_c, w_c)
-        ctx.weight, ctx.bias, ctx.store = weight, bias, store
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x_c, w_c = ctx.saved_tensors
-        dy = dy.to(w_c.dtype)
-        dx = dy @ w_c if ctx.needs_input_grad[0] else None  # (..., in): autograd casts it to x's dtype
-        if ctx.store.collecting is not None:
-            ctx.store.collecting.append((ctx.weight, ctx.bias, x_c, dy))
-            return dx, None, None, None
-        dw, db = WeightGradStore.weight_grads(x_c, dy, ctx.bias is not None)
-        return dx, dw.to(ctx.weight.dtype), None if db is None else db.to(ctx.bias.dtype), None
-
-
-class WeightGradStore:
-    """The split backward of a model chunk's ColumnParallelLinear and RowParallelLinear layers (their
-    `weight_grad_store`): between a microbatch's B and its W, each layer's input x and output gradient dy.
-
-    run_schedule runs a B inside `collect(i)`, which keeps what the chunk's layers' backward leaves for
-    microbatch i, and a W as `apply(i)`, which accumulates dW = dy^T x (db = sum of dy) into .grad by hand:
-    no backward hook fires for those, so the caller is told (run_schedule's weight_grad_ready). `params`
-    lists, in a fixed order, every parameter whose gradient W computes."""
-
-    def __init__(self, modules):
-        self.params, self.held, self.collecting = [], {}, None
-        self.held_bytes = 0  # of the x and dy kept (each counted per layer): metrics.ActivationMemory reads it
-        for module in modules:
-            for layer in module.modules():
-                if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
-                    layer.weight_grad_store = self
-                    self.params.append(layer.weight)
-                    if isinstance(layer, ColumnParallelLinear) and layer.bias is not None:
-                        self.params.append(layer.bias)
-        self.params = list({id(p): p for p in self.params}.values())  # a tied head's weight is the embedding's
-
-    def linear(self, x, weight, bias=None):
-        if not torch.is_grad_enabled():  # evaluation: nothing to split
-            return F.linear(x, weight, bias)
-        return _LinearSplitBackward.apply(x, weight, bias, self)
-
-    @contextmanager
-    def collect(self, microbatch):
-        self.collecting = []
-        try:
-            yield
-            self.held[microbatch] = self.collecting
-            self.held_bytes += sum(x.numel() * x.element_size() + dy.numel() * dy.element_size()
-                                   for _, _, x, dy in self.collecting)
-        finally:
-            self.collecting = None
-
-    @staticmethod
-    def weight_grads(x, dy, with_bias):
-        """dW = dy^T x over every token, (out, in), and db = the sum of dy over the tokens (None without bias)."""
-        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-        return dy2.t() @ x2, (dy2.sum(0) if with_bias else None)
-
-    @torch.no_grad()
-    def apply(self, microbatch, ready=None):
-        """W for one microbatch: accumulate each layer's dW (db) into .grad, calling ready(p), if given, as
-        soon as p's gradient for this microbatch is in (after the last layer that uses p)."""
-        held = self.held.pop(microbatch)
-        last = {id(p): j for j, (weight, bias, _, _) in enumerate(held) for p in (weight, bias) if p is not None}
-        for j, (weight, bias, x, dy) in enumerate(held):
-            self.held_bytes -= x.numel() * x.element_size() + dy.numel() * dy.element_size()
-            dw, db = self.weight_grads(x, dy, bias is not None)
-            for p, g in ((weight, dw), (bias, db)):
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g.to(p.dtype)
-                else:
-                    p.grad.add_(g.to(p.dtype))
-                if ready is not None and last[id(p)] == j:
-                    ready(p)
+def forward_only_actions(pp, stage, m):
+    """Evaluation's forwards on one chunk: 0, 1, ..., m - 1 (pipeline_schedules.py has them for chunks)."""
+    return [("F", i, 0) for i in range(m)]
 
 
 class PipelineComm:
@@ -1047,16 +815,19 @@ class PipelineComm:
             dist.barrier(group=self.groups["B"])
 
     @classmethod
-    def from_layout(cls, layout, hidden_size, device, dtype=torch.float32, schedule="1f1b", chunks=1, seq_split=1):
-        """The channel of this rank's pipeline (its dp, cp and tp rank) under a schedule's chunk placement."""
+    def from_layout(cls, layout, hidden_size, device, dtype=torch.float32, stages_of=lambda rank: (rank,),
+                    seq_split=1):
+        """The channel of this rank's pipeline (its dp, cp and tp rank). stages_of(pp_rank): the model stages
+        that pipeline rank holds, one per chunk (one each here; pipeline_schedules.virtual_stages places
+        several)."""
         stage_ranks = {}
         for p in range(layout.pp):
-            for s in virtual_stages(schedule, layout.pp, p, chunks):
+            for s in stages_of(p):
                 stage_ranks[s] = grid_rank(p, layout.dp_rank, layout.tp_rank, layout.dp, layout.tp,
                                            layout.cp_rank, layout.cp)
         return cls(layout.pp_rank, layout.pp, [stage_ranks[s] for s in range(len(stage_ranks))],
                    lambda x: (x.shape[0], x.shape[1] // seq_split, hidden_size), dtype, device,
-                   virtual_stages(schedule, layout.pp, layout.pp_rank, chunks), layout.timeout)
+                   stages_of(layout.pp_rank), layout.timeout)
 
     def is_here(self, stage):
         return self.stage_ranks[stage] == self.rank
@@ -1075,8 +846,8 @@ class PipelineComm:
         return buffer, dist.batch_isend_irecv([op])[0]
 
 
-def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0,
-                 set_grad_sync=None, weight_grad_stores=None, weight_grad_ready=None, trace=None, backward_done=None):
+def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0, grad_sync=None,
+                 split_backward=None, trace=None):
     """Run one pipeline rank's list of actions over microbatches [(x, y), ...] (token ids and targets; every
     rank has them, the first stage uses x, the last y, all take the message shapes from x). A microbatch may
     carry more, (x, y, positions) under context parallelism: every stage passes it on, chunk(x, y,
@@ -1086,27 +857,26 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
     ranks it is the loss one process reports.
 
     `model` is the rank's chunk, or a list of its chunks (comm.chunk_stages says which model stage each is):
-    chunk(x, targets, *context) returns (output, loss): on the model's last stage the logits and the loss (cross-entropy
-    plus any auxiliary loss of its blocks), elsewhere the hidden states and an auxiliary loss or None (a
-    mixture-of-experts router's balance loss), which must be backpropagated from here.
+    chunk(x, targets, *context) returns (output, loss): on the model's last stage the logits and the loss
+    (cross-entropy plus any auxiliary loss of its blocks), elsewhere the hidden states and an auxiliary loss
+    or None (a mixture-of-experts router's balance loss), which must be backpropagated from here.
 
-    `set_grad_sync(bool)` is called before each backward action, B or W, True only before the last of its
-    kind in its chunk: a data-parallel gradient reducer hooks in there to communicate once per step. A list
-    with 'W' actions splits every backward: it needs `weight_grad_stores` (one WeightGradStore per chunk), and
-    each W calls weight_grad_ready(p) for each parameter whose gradient it accumulated by hand, which no
-    backward hook announces, as soon as it is in. `backward_done(op, c)` is called after every B and W
-    action: ZeRO-2 and 3 reduce-scatter there each micro-batch's gradients that the action completed and
-    nobody announced (parameters of chunk c; under a split backward, B's without and W's with
-    weight_grad_stores[c].params). `trace(action)`, if given, returns a context manager wrapped around each
-    action's computation (metrics.PipelineTrace times them). Without grad enabled (evaluation) give
-    forwards only: nothing is kept for a backward."""
+    Hooks, all optional:
+      grad_sync       the data-parallel reducer (GradientBuckets): set_grad_sync(last) before each backward
+                      action, True only before the last of its kind in its chunk (it communicates once per
+                      step), and backward_done(op, chunk) after each
+      split_backward  for lists with 'W' actions (pipeline_schedules.py's zero-bubble schedules): one object
+                      per chunk, whose collect(i) is a context manager around a B and apply(i, ready) the W,
+                      which calls ready(p) (the reducer's grad_ready) as each gradient it computes is in
+      trace(action)   a context manager wrapped around each action's computation (metrics.PipelineTrace)
+    Without grad enabled (evaluation) give forwards only: nothing is kept for a backward."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     m, last_stage = len(microbatches), comm.n_stages - 1
     last_backward = {c: k for k, (op, _, c) in enumerate(actions) if op == "B"}  # each chunk's last
     last_weight = {c: k for k, (op, _, c) in enumerate(actions) if op == "W"}
-    if last_weight and weight_grad_stores is None:
-        raise ValueError("these actions split the backward into B and W: give run_schedule weight_grad_stores, one "
-                         "WeightGradStore per chunk (built before the chunk's first forward)")
+    if last_weight and split_backward is None:
+        raise ValueError("these actions split the backward into B and W: give run_schedule split_backward, one "
+                         "WeightGradStore per chunk (pipeline_schedules.py; built before the chunk's first forward)")
     inputs, outputs = {}, {}  # (microbatch, chunk) -> what its backward needs, from its forward until then
     here = {}  # messages from one chunk of this rank to another (the V's turn), by (kind, microbatch, stage)
     sends = []  # the requests of the sends in flight (each holds its tensor), waited for at the end
@@ -1167,11 +937,10 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
                     inputs[(i, c)], outputs[(i, c)] = x, (None if stage == last_stage else out, loss)
                 product = None if stage == last_stage else out.detach()
             elif op == "B":
-                if set_grad_sync is not None:
-                    set_grad_sync(k == last_backward[c])
+                if grad_sync is not None:
+                    grad_sync.set_grad_sync(k == last_backward[c])
                 x, (out, loss) = inputs.pop((i, c)), outputs.pop((i, c))
-                split = weight_grad_stores[c].collect(i) if c in last_weight else nullcontext()
-                with split:
+                with split_backward[c].collect(i) if split_backward is not None else nullcontext():
                     if stage == last_stage:
                         (loss * loss_multiplier).backward()
                     else:
@@ -1181,12 +950,12 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
                             tensors, grads = tensors + [loss * loss_multiplier], grads + [None]
                         torch.autograd.backward(tensors, grads)
                 product = None if stage == 0 else x.grad
-            else:  # W: the weights' gradients from what B kept
-                if set_grad_sync is not None:
-                    set_grad_sync(k == last_weight[c])
-                weight_grad_stores[c].apply(i, weight_grad_ready)
-            if op != "F" and backward_done is not None:
-                backward_done(op, c)
+            else:  # W: the weights' half of a split backward, from what B kept
+                if grad_sync is not None:
+                    grad_sync.set_grad_sync(k == last_weight[c])
+                split_backward[c].apply(i, grad_sync.grad_ready if grad_sync is not None else None)
+            if op != "F" and grad_sync is not None:
+                grad_sync.backward_done(op, c)
         deliver(action, product)
     for request in sends:
         request.wait()
@@ -1194,10 +963,11 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
 
 
 @torch.no_grad()
-def pipeline_forward(model, microbatches, comm, autocast=nullcontext()):
+def pipeline_forward(model, microbatches, comm, autocast=nullcontext(), actions=None):
     """Forward only (evaluation): every microbatch through the stages; returns this rank's part of the
-    mean loss, as run_schedule (model: the rank's chunk or list of chunks, as there)."""
-    actions = forward_only_actions(comm.pp, comm.stage, len(microbatches), len(comm.chunk_stages))
+    mean loss, as run_schedule (model: the rank's chunk or list of chunks, as there). actions: this rank's
+    forwards in order (forward_only_actions by default; pipeline_schedules.forward_only_actions for chunks)."""
+    actions = actions if actions is not None else forward_only_actions(comm.pp, comm.stage, len(microbatches))
     return run_schedule(actions, model, microbatches, comm, autocast)
 
 
@@ -2221,6 +1991,8 @@ class Muon(torch.optim.Optimizer):
 # The timeline printer: the pipeline schedules' action lists (section 4), placed in time slots by a
 # simulator of the executor's exchanges.
 
+import pipeline_schedules  # noqa: E402 (the printer draws them all; it imports this file)
+
 ACTION_TIME = {"F": 1, "B": 2, "W": 1}  # in slots; a backward split into B and W takes 1 + 1
 
 
@@ -2242,8 +2014,8 @@ def schedule_timeline(schedule, pp, m, chunks=1, lists=None):
     k-th that the other receives on it, and both must be the same microbatch's, for the same stage. `lists`
     (default: the schedule's own) lets a test hand in a broken one."""
     chunks = 2 if schedule == "zbv" else chunks
-    lists = lists if lists is not None else [SCHEDULES[schedule](pp, r, m, chunks) for r in range(pp)]
-    stages = [virtual_stages(schedule, pp, r, chunks) for r in range(pp)]
+    lists = lists if lists is not None else [pipeline_schedules.SCHEDULES[schedule](pp, r, m, chunks) for r in range(pp)]
+    stages = [pipeline_schedules.virtual_stages(schedule, pp, r, chunks) for r in range(pp)]
     n_stages = pp * chunks
     owner = {s: r for r in range(pp) for s in stages[r]}
     sent, expected = {}, {}  # channel (from rank, to rank, kind) -> messages in order: (message, rank, index)
@@ -2334,7 +2106,7 @@ def held_microbatches(actions, chunks=1):
 
 def bubble_formula(schedule, pp, m, chunks=1):
     """The paper's formula as text, for the printed timeline."""
-    if ideal_bubble(schedule, pp, m, chunks) is None:
+    if pipeline_schedules.ideal_bubble(schedule, pp, m, chunks) is None:
         return ("none in the paper for m < pp" if schedule == "zero_bubble" else
                 "none in the paper (idle only in the first fill, pp - 1 slots, when m >= 2 pp)")
     numerator, denominator = {"afab": (pp - 1, m + pp - 1), "1f1b": (pp - 1, m + pp - 1),
@@ -2365,7 +2137,7 @@ def format_timeline(schedule, pp, m, chunks=1):
             else:
                 cells.append(label(a).ljust(width))
         lines.append(f"rank {r} | " + " ".join(cells))
-    lists = [SCHEDULES[schedule](pp, r, m, chunks) for r in range(pp)]
+    lists = [pipeline_schedules.SCHEDULES[schedule](pp, r, m, chunks) for r in range(pp)]
     held = [held_microbatches(actions, chunks) for actions in lists]
     lines.append("activations held at most (microbatches of a stage, F to the end of the backward): "
                  + ", ".join(f"rank {r}: {h:g}" for r, h in enumerate(held)))
@@ -2376,7 +2148,7 @@ def format_timeline(schedule, pp, m, chunks=1):
 
 def main(argv):
     parser = argparse.ArgumentParser(description="Print a pipeline schedule as a timeline, one row per rank.")
-    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    parser.add_argument("--schedule", choices=list(pipeline_schedules.SCHEDULES), default="1f1b")
     parser.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (m)")
     parser.add_argument("--chunks", type=int, default=None,
@@ -2384,7 +2156,7 @@ def main(argv):
     args = parser.parse_args(argv)
     chunks = args.chunks or (2 if args.schedule in ("interleaved_1f1b", "zbv") else 1)
     try:
-        check_schedule(args.schedule, args.pp, args.microbatches, chunks)
+        pipeline_schedules.check_schedule(args.schedule, args.pp, args.microbatches, chunks)
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
     print(format_timeline(args.schedule, args.pp, args.microbatches, chunks))

@@ -39,11 +39,12 @@ import settings
 from configurator import ConfigError, configure, make_folder
 from context_parallel import split_for_every_rank, zigzag_split
 from model import (ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype,
-                   document_ids_and_positions, stage_layers, takes_muon)
-from parallel import (SCHEDULES, GradientBuckets, Muon, PipelineComm, WeightGradStore, ZeroOneAdamW, check_schedule,
-                      format_grid, ideal_bubble, init_distributed, optimizer_state_bytes, pipeline_forward,
-                      resolve_dp, run_schedule, sum_tied_grad_shards, sync_tied_grads,
-                      tied_weight_group, tp_groups_across_nodes, virtual_stages)
+                   document_ids_and_positions, takes_muon)
+from parallel import (GradientBuckets, Muon, PipelineComm, ZeroOneAdamW, format_grid, init_distributed,
+                      optimizer_state_bytes, pipeline_forward, resolve_dp, run_schedule, stage_layers,
+                      sum_tied_grad_shards, sync_tied_grads, tied_weight_group, tp_groups_across_nodes)
+from pipeline_schedules import (SCHEDULES, WeightGradStore, check_schedule, forward_only_actions, ideal_bubble,
+                                virtual_stages)
 
 # -----------------------------------------------------------------------------
 # settings
@@ -594,8 +595,8 @@ def make_pipeline(cfg, layout, model, dev):
     # what travels: the hidden states of this rank's tokens, (B, T, n_embd) for token ids x of (B, T), which
     # are this rank's T/cp under context parallelism; T/tp of those under sequence parallelism
     schedule, v = cfg.pp_schedule, cfg.pp_chunks
-    comm = PipelineComm.from_layout(layout, model.cfg.n_embd, dev, schedule=schedule, chunks=v,
-                                    seq_split=layout.tp if cfg.sequence_parallel else 1)
+    comm = PipelineComm.from_layout(layout, model.cfg.n_embd, dev, seq_split=layout.tp if cfg.sequence_parallel else 1,
+                                    stages_of=lambda rank: virtual_stages(schedule, layout.pp, rank, v))
     actions = SCHEDULES[schedule]
     split = any(op == "W" for op, _, _ in actions(layout.pp, layout.pp_rank, cfg.gradient_accumulation_steps, v))
     stores = [WeightGradStore(model.chunk_modules(c)) for c in range(v)] if split else None
@@ -730,8 +731,7 @@ def forward_backward_step(parts, microbatches, trace=None):
         comm = pipeline.comm
         actions = pipeline.actions(comm.pp, comm.stage, len(microbatches), pipeline.chunks)
         loss = run_schedule(actions, model_chunks(model, pipeline), microbatches, comm, parts.autocast,
-                            parts.scaler.loss_multiplier(), set_grad_sync, pipeline.weight_grad_stores,
-                            grad_sync.grad_ready if grad_sync is not None else None, trace, backward_done)
+                            parts.scaler.loss_multiplier(), grad_sync, pipeline.weight_grad_stores, trace)
         if not sharded_grads(parts.optimizer):
             sync_tied_grads(pipeline.tied_copies, pipeline.tied_group)
     else:
@@ -933,7 +933,9 @@ def evaluate(cfg, run, parts):
             micro = rank_microbatches(cfg, layout, data, EVAL_STREAM, i, cfg.gradient_accumulation_steps, run.dev,
                                       document_end(run.model_cfg))
             if parts.pipeline is not None:  # the loss on the last stage (the mean over the micro-batches)
-                loss = pipeline_forward(model_chunks(model, parts.pipeline), micro, parts.pipeline.comm, parts.autocast)
+                comm = parts.pipeline.comm
+                loss = pipeline_forward(model_chunks(model, parts.pipeline), micro, comm, parts.autocast,
+                                        forward_only_actions(comm.pp, comm.stage, len(micro), parts.pipeline.chunks))
             else:
                 loss = 0.0
                 for batch in micro:

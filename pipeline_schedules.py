@@ -1,0 +1,286 @@
+"""
+The pipeline schedules beyond 1F1B (parallel.py has the pipeline itself: the action lists of AFAB and 1F1B
+and the executor that walks any list): interleaved 1F1B, zero bubble ZB-H1 and ZB-V, with the model chunks
+they place on each rank and the split backward the zero-bubble ones need. Each schedule is still one
+function giving every rank's ordered list of actions (op, microbatch, chunk), and parallel.run_schedule
+runs it unchanged; `python timeline.py --schedule zbv --pp 4 --microbatches 8` draws them.
+
+  interleaved_1f1b  v chunks per rank: the bubble (pp - 1) / (v m + pp - 1) (Narayanan et al. 2021,
+                    "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+                    section 2.2.2), for v times the point-to-point messages
+  zero_bubble       ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3.1): the backward
+                    split in two, and the weights' half fills 1F1B's idle slots: (pp - 1) / (3 m + pp - 1)
+  zbv               ZB-V (same paper, section 6): two chunks per rank in a V, only the fill's pp - 1
+                    chunk-slots idle (with forward = input backward = weight backward in time)
+
+Chunks ("virtual stages"). With v chunks per rank the layers are cut into pp * v model stages and rank r
+holds stages r, r + pp, r + 2 pp, ... (zbv: r and 2 pp - 1 - r, so the last rank turns the V round and
+rank 0 holds both ends of the model). A microbatch then goes round the ring of ranks v times, each time
+through a v-th of the layers: the fill and the drain take chunk-sized slots, a v-th of a stage's, for v
+times the point-to-point messages. A rank's chunks are one Transformer (model.py) whose parameters keep
+their whole-model names, so the optimizer, the gradient norm and the checkpoints see one set of parameters
+whatever v is, and a checkpoint moves between any chunkings. Between two chunks of one rank (the V's turn)
+the executor hands the message over in memory.
+
+The split backward (zero_bubble, zbv). A backward computes the gradient of the stage's input, which the
+previous stage waits for, and the gradients of the weights, which nothing needs before the optimizer step.
+For a linear layer y = x W^T they are dx = dy W and dW = dy^T x. The action 'B' computes dx and keeps x and
+dy; 'W' computes dW from them later (WeightGradStore below, through the tensor-parallel linears' `matmul`
+hook): the same matmuls as one backward, none twice. Parameters other than the tensor-parallel linears'
+weights (norm gains, the embedding, a router, a row-parallel bias) are cheap and get their gradients in B.
+What a rank holds between a microbatch's B and its W is only the linears' x and dy.
+"""
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+import parallel
+from parallel import ColumnParallelLinear, RowParallelLinear, afab_actions, one_f_one_b_actions
+
+
+def virtual_stages(schedule, pp, rank, chunks=1):
+    """The model stages (of pp * chunks) that pipeline rank `rank` holds, one per chunk in chunk order:
+    rank, rank + pp, rank + 2 pp, ..., or for zbv's V rank and 2 pp - 1 - rank."""
+    if schedule == "zbv":
+        return (rank, 2 * pp - 1 - rank)
+    return tuple(rank + c * pp for c in range(chunks))
+
+
+def interleaved_order(pp, m, chunks):
+    """The order of a rank's forwards under interleaving, as (microbatch, chunk): microbatches in groups of
+    pp, each group through chunk 0, then chunk 1, ... A group of pp fills the ring exactly: when the rank has
+    sent the group's last microbatch on, the first is back from its lap, ready for the next chunk. (With m
+    not a multiple of pp the last group is smaller: evaluation's forwards only.)"""
+    order = []
+    for start in range(0, m, pp):
+        group = range(start, min(start + pp, m))
+        order += [(i, c) for c in range(chunks) for i in group]
+    return order
+
+
+def interleaved_1f1b_actions(pp, stage, m, chunks):
+    """Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2): 1F1B over chunk-sized work. The k-th forward
+    is interleaved_order's k-th; the k-th backward takes the same microbatch through the chunks in reverse,
+    the last chunk first. m must be a multiple of pp (check_schedule): a smaller last group would reach a
+    chunk before the previous lap's microbatches have come round."""
+    order = interleaved_order(pp, m, chunks)
+    forwards = [("F", i, c) for i, c in order]
+    backwards = [("B", i, chunks - 1 - c) for i, c in order]
+    # warm-up: microbatch 0 makes v - 1 laps of the ring (pp forwards each) before its last chunk, then, as
+    # in 1F1B, goes through the pp - stage - 1 later ranks and back. Megatron's warm-up has 2 (pp - stage - 1)
+    # for this last part: slack for its synchronous sends, which the executor here does not need (it never
+    # waits for a send); with the smaller warm-up the first rank holds v pp chunk-sized microbatches, the pp
+    # whole ones of 1F1B, where Megatron's holds (1 + (pp - 1) / (v pp)) times that (Korthikanti et al. 2022,
+    # "Reducing Activation Recomputation in Large Transformer Models", section 4.2.3). The bubble is the same.
+    warmup = min((chunks - 1) * pp + pp - stage - 1, len(order))
+    actions = forwards[:warmup]
+    for k in range(len(order) - warmup):
+        actions += [forwards[warmup + k], backwards[k]]
+    return actions + backwards[len(order) - warmup:]
+
+
+def zero_bubble_actions(pp, stage, m, chunks=1):
+    """ZB-H1 (Qi et al. 2023, section 3.1): 1F1B with each backward split into B (the input's gradient, which
+    the previous stage waits for) and W (the weights' gradients). B runs where 1F1B's backward ran; W waits:
+    stage s leaves its first s microbatches' W for the end, where 1F1B's cool-down leaves the later stages
+    idle, and runs each later W right after its B. With forward = B = W in time the bubble is
+    (pp - 1) / (3 m + pp - 1) for m >= pp, a third of 1F1B's; a stage holds at most pp microbatches between
+    F and W (1F1B's first stage's count), and what it holds after B is only the linears' x and dy."""
+    warmup = min(pp - stage - 1, m)
+    actions = [("F", i, 0) for i in range(warmup)]
+    f, b, w = warmup, 0, 0
+    delayed = min(stage, m - warmup)  # the microbatches whose W is left for the cool-down
+    for _ in range(delayed):
+        actions += [("F", f, 0), ("B", b, 0)]
+        f, b = f + 1, b + 1
+    while f < m:  # steady state: F B W
+        actions += [("F", f, 0), ("B", b, 0), ("W", w, 0)]
+        f, b, w = f + 1, b + 1, w + 1
+    while b < m:  # cool-down: the remaining backwards, each with a W
+        actions += [("B", b, 0), ("W", w, 0)]
+        b, w = b + 1, w + 1
+    return actions + [("W", i, 0) for i in range(w, m)]  # the delayed W's, in the drain's idle slots
+
+
+def zbv_actions(pp, stage, m, chunks=2):
+    """ZB-V (Qi et al. 2023, section 6): two chunks per rank in a V (virtual_stages), the backward split as in
+    zero_bubble. Rank r's chunk 0 is model stage r, its chunk 1 stage 2 pp - 1 - r: microbatches go down the
+    ranks through the chunks 0 and come back up through the chunks 1, so the last rank runs both halves of the
+    turn and rank 0 both ends of the model. In phases (with forward = B = W in time each slot is filled):
+      1. 2 (pp - r) - 1 forwards of chunk 0 (the deeper the rank, the sooner its chunk 1 gets work);
+      2. r pairs (chunk 1 forward, chunk 0 forward) while the V's second arm fills;
+      3. pp - r triples (chunk 1 forward, B, W): the turn comes back;
+      4. steady state: chunk 0's F, B, W, then chunk 1's, until every forward is done;
+      5. cool-down: r pairs of B (chunks 0 and 1), then pp - r of (chunk 0's B, W), then the rest of the W's.
+    The phases are written for at least 2 pp - 1 microbatches; with fewer, the actions of the microbatches
+    that do not exist are left out (schedule_timeline checks the rest still runs)."""
+    n = max(m, 2 * pp - 1)
+    count = {(op, c): 0 for op in "FBW" for c in (0, 1)}  # the next microbatch of each op on each chunk
+    actions = []
+
+    def add(op, c, microbatch=None):
+        i = count[(op, c)] if microbatch is None else microbatch
+        count[(op, c)] = i + 1
+        actions.append((op, i, c))
+
+    for _ in range(2 * (pp - stage) - 1):
+        add("F", 0)
+    for _ in range(stage):
+        add("F", 1), add("F", 0)
+    for _ in range(pp - stage):
+        add("F", 1), add("B", 1), add("W", 1)
+    while count[("F", 1)] < count[("F", 0)] or count[("F", 0)] < n:
+        if count[("F", 0)] < n:
+            add("F", 0)
+        add("B", 0), add("W", 0), add("F", 1), add("B", 1), add("W", 1)
+    for _ in range(stage):
+        add("B", 0), add("B", 1)
+    for _ in range(pp - stage):
+        add("B", 0), add("W", 0)
+    while count[("W", 1)] < count[("B", 1)]:
+        add("W", 1)
+    while count[("W", 0)] < count[("B", 0)]:
+        add("W", 0)
+    return [a for a in actions if a[1] < m]
+
+
+SCHEDULES = {"afab": afab_actions, "1f1b": one_f_one_b_actions, "interleaved_1f1b": interleaved_1f1b_actions,
+             "zero_bubble": zero_bubble_actions, "zbv": zbv_actions}
+
+
+def check_schedule(schedule, pp, m, chunks=1):
+    """Stop before anything is built when a schedule cannot run this way (a wrong list would hang between
+    ranks, or send a microbatch's activations to another's), saying what must hold and what to change:
+    parallel.check_schedule's rules for afab and 1f1b, and the rules of the schedules here."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pp_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
+    if pp == 1:
+        if chunks > 1:
+            raise ValueError(f"pp_chunks = {chunks} needs a pipeline: with pp = 1 one rank holds the whole model "
+                             f"(set --pp to 2 or more, or --pp_chunks=1)")
+        return
+    if schedule in parallel.SCHEDULES:
+        return parallel.check_schedule(schedule, pp, m, chunks)
+    if schedule == "zero_bubble" and chunks != 1:
+        raise ValueError(f"pp_chunks = {chunks}: pp_schedule='zero_bubble' runs one model chunk per rank; use "
+                         f"--pp_schedule=interleaved_1f1b for {chunks} chunks per rank (or --pp_chunks=1)")
+    if schedule == "zbv" and chunks != 2:
+        raise ValueError(f"pp_schedule='zbv' holds two model chunks on each rank (the V): set --pp_chunks=2 "
+                         f"(got {chunks})")
+    if schedule == "interleaved_1f1b" and m % pp:
+        lower, upper = max(pp, m // pp * pp), (m // pp + 1) * pp
+        raise ValueError(f"pp_schedule='interleaved_1f1b' needs gradient_accumulation_steps (the microbatches, "
+                         f"{m}) to be a multiple of pp = {pp}: they go round the ring of ranks in groups of pp "
+                         f"(Megatron-LM's rule); use {lower}" + (f" or {upper}" if upper != lower else "")
+                         + ", adjusting batch_size to keep the batch")
+
+
+def ideal_bubble(schedule, pp, m, chunks=1):
+    """The paper's idle share of a step, with forward = B = W in time (an unsplit backward twice a
+    forward), or None where the paper gives no formula (zbv; zero_bubble with m < pp)."""
+    if schedule in parallel.SCHEDULES:
+        return parallel.ideal_bubble(schedule, pp, m)
+    if schedule == "interleaved_1f1b":
+        return (pp - 1) / (chunks * m + pp - 1)
+    if schedule == "zero_bubble" and m >= pp:
+        return (pp - 1) / (3 * m + pp - 1)
+    return None
+
+
+def forward_only_actions(pp, stage, m, chunks=1):
+    """Evaluation's forwards, for any m: in interleaved_order, which with one chunk is 0, 1, ..., m - 1."""
+    return [("F", i, c) for i, c in interleaved_order(pp, m, chunks)]
+
+
+class _LinearSplitBackward(torch.autograd.Function):
+    """y = x W^T + b whose backward computes dx = dy W only, leaving (x, dy) in store.collecting for a later
+    dW = dy^T x (and db = the sum of dy): WeightGradStore.linear. With store.collecting None (a backward outside
+    a zero-bubble B action) it computes the weight's gradient at once, as a plain linear. Under autocast it
+    computes in the autocast dtype, casting what F.linear's autocast would cast."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        with torch.autocast(device, enabled=False):
+            x_c, w_c = x.to(dtype), weight.to(dtype)
+            y = F.linear(x_c, w_c, None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(x_c, w_c)
+        ctx.weight, ctx.bias, ctx.store = weight, bias, store
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_c, w_c = ctx.saved_tensors
+        dy = dy.to(w_c.dtype)
+        dx = dy @ w_c if ctx.needs_input_grad[0] else None  # (..., in): autograd casts it to x's dtype
+        if ctx.store.collecting is not None:
+            ctx.store.collecting.append((ctx.weight, ctx.bias, x_c, dy))
+            return dx, None, None, None
+        dw, db = WeightGradStore.weight_grads(x_c, dy, ctx.bias is not None)
+        return dx, dw.to(ctx.weight.dtype), None if db is None else db.to(ctx.bias.dtype), None
+
+
+class WeightGradStore:
+    """The split backward of a model chunk's ColumnParallelLinear and RowParallelLinear layers (it takes their
+    `matmul` hook): between a microbatch's B and its W, each layer's input x and output gradient dy.
+
+    run_schedule (parallel.py) runs a B inside `collect(i)`, which keeps what the chunk's layers' backward
+    leaves for microbatch i, and a W as `apply(i, ready)`, which accumulates dW = dy^T x (db = sum of dy)
+    into .grad by hand: no backward hook fires for those, so ready(p) says when each is in (the data-parallel
+    reducer's grad_ready: tell it first with its by_hand(params)). `params` lists, in a fixed order, every
+    parameter whose gradient W computes."""
+
+    def __init__(self, modules):
+        self.params, self.held, self.collecting = [], {}, None
+        self.held_bytes = 0  # of the x and dy kept (each counted per layer): metrics.ActivationMemory reads it
+        for module in modules:
+            for layer in module.modules():
+                if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+                    layer.matmul = self.linear  # the layers' hook: their product, with this backward
+                    self.params.append(layer.weight)
+                    if isinstance(layer, ColumnParallelLinear) and layer.bias is not None:
+                        self.params.append(layer.bias)
+        self.params = list({id(p): p for p in self.params}.values())  # a tied head's weight is the embedding's
+
+    def linear(self, x, weight, bias=None):
+        if not torch.is_grad_enabled():  # evaluation: nothing to split
+            return F.linear(x, weight, bias)
+        return _LinearSplitBackward.apply(x, weight, bias, self)
+
+    @contextmanager
+    def collect(self, microbatch):
+        self.collecting = []
+        try:
+            yield
+            self.held[microbatch] = self.collecting
+            self.held_bytes += sum(x.numel() * x.element_size() + dy.numel() * dy.element_size()
+                                   for _, _, x, dy in self.collecting)
+        finally:
+            self.collecting = None
+
+    @staticmethod
+    def weight_grads(x, dy, with_bias):
+        """dW = dy^T x over every token, (out, in), and db = the sum of dy over the tokens (None without bias)."""
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        return dy2.t() @ x2, (dy2.sum(0) if with_bias else None)
+
+    @torch.no_grad()
+    def apply(self, microbatch, ready=None):
+        """W for one microbatch: accumulate each layer's dW (db) into .grad, calling ready(p), if given, as
+        soon as p's gradient for this microbatch is in (after the last layer that uses p)."""
+        held = self.held.pop(microbatch)
+        last = {id(p): j for j, (weight, bias, _, _) in enumerate(held) for p in (weight, bias) if p is not None}
+        for j, (weight, bias, x, dy) in enumerate(held):
+            self.held_bytes -= x.numel() * x.element_size() + dy.numel() * dy.element_size()
+            dw, db = self.weight_grads(x, dy, bias is not None)
+            for p, g in ((weight, dw), (bias, db)):
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g.to(p.dtype)
+                else:
+                    p.grad.add_(g.to(p.dtype))
+                if ready is not None and last[id(p)] == j:
+                    ready(p)
