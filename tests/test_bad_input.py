@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, needs_gpt2
 from dist_utils import make_token_data, run_ranks, run_train
 
 import bench
@@ -278,14 +278,19 @@ def test_an_unknown_device_is_an_error_listing_what_is_available(token_dir, tmp_
                                                                                      "--device=gpu0"])
 
 
-def test_sample_refuses_a_missing_checkpoint_or_prompt_file_and_an_empty_prompt(run_copy, tmp_path):
+def test_sample_refuses_a_missing_checkpoint_or_prompt_file(run_copy, tmp_path):
     assert "--ckpt=/nowhere is not a complete checkpoint" in error_of(sample.main, ["--ckpt=/nowhere"])
     assert "it is a run's folder, not one checkpoint" in error_of(sample.main, [f"--ckpt={run_copy}"])
     line = error_of(sample.main, [f"--out_dir={run_copy}", f"--start=FILE:{tmp_path / 'prompt.txt'}"])
     assert f"--start=FILE:{tmp_path / 'prompt.txt'}: the prompt file cannot be read (FileNotFoundError" in line
-    assert "the prompt is empty" in error_of(sample.main, [f"--out_dir={run_copy}", "--start="])
     assert "temperature = -1.0 must not be negative" in error_of(sample.main, [f"--out_dir={run_copy}",
                                                                               "--temperature=-1"])
+
+
+@needs_gpt2
+def test_sample_refuses_an_empty_prompt(run_copy):
+    # (the prompt is found empty once it is tokenized, with the checkpoint's tokenizer: its data's GPT-2)
+    assert "the prompt is empty" in error_of(sample.main, [f"--out_dir={run_copy}", "--start="])
 
 
 def test_an_out_dir_that_cannot_be_created_stops_before_training(token_dir, tmp_path):

@@ -8,7 +8,6 @@ changes the logits by O(1), not by a rounding error.
 import importlib.util
 
 import pytest
-import tiktoken
 import torch
 
 import checkpoint
@@ -113,16 +112,15 @@ def test_the_export_check_catches_a_wrong_export(tmp_path, monkeypatch):
 
 
 @needs_hf
-def test_a_gpt2_vocabulary_model_exports_with_a_working_tokenizer(tmp_path):
+def test_a_gpt2_vocabulary_model_exports_with_a_working_tokenizer(tmp_path, gpt2):
     model = random_model(vocab_size=50257, n_layer=1)
     save(model, tmp_path / "run", tokenizer="gpt2")
     export_hf.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}", "--check=False"])
     from transformers import AutoConfig, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
-    enc = tiktoken.get_encoding("gpt2")
     text = "First Citizen:\nBefore we proceed any further, hear me speak.  naïve café 🙂<|endoftext|>"
-    assert tokenizer.encode(text) == enc.encode(text, allowed_special="all")
-    assert tokenizer.eos_token_id == AutoConfig.from_pretrained(tmp_path / "hf").eos_token_id == enc.eot_token
+    assert tokenizer.encode(text) == gpt2.encode(text, allowed_special="all")
+    assert tokenizer.eos_token_id == AutoConfig.from_pretrained(tmp_path / "hf").eos_token_id == gpt2.eot_token
 
 
 @needs_hf
