@@ -6,8 +6,10 @@ never prepare_data's own helpers.
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -258,6 +260,29 @@ def test_command_line(tmp_path):
     assert bad.returncode != 0 and 'absent.txt' in bad.stderr
 
 
+def test_help_gives_every_default_out_dir_included(capsys):
+    with pytest.raises(SystemExit):
+        prepare_data.main(['--help'])
+    text = ' '.join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert 'written, replacing those there (default data/fineweb_edu, the data_dir of config/tiny_fineweb.py)' in text
+    for default in ('default HuggingFaceFW/fineweb-edu', 'default sample-10BT', 'default text', 'default gpt2',
+                    'default 0.0005 for FineWeb-Edu', 'default: no cap', 'default: all cores', 'default train'):
+        assert default in text
+
+
+@needs_gpt2
+def test_local_files_without_out_dir_say_they_go_to_the_default_and_where_they_went(tmp_path, monkeypatch, capsys):
+    src = write_jsonl(tmp_path / 'd.jsonl', DOCS)
+    monkeypatch.chdir(tmp_path)
+    prepare_data.main([f'--dataset={src}', '--num_proc=1'])
+    out = capsys.readouterr().out
+    assert out.startswith('no --out_dir given: writing to data/fineweb_edu, the default, which config/tiny_fineweb.py '
+                          'reads (pass --out_dir=DIR to write elsewhere)\n')
+    assert 'documents to data/fineweb_edu in' in out
+    assert out.endswith('train on it: python train.py config/tiny_fineweb.py --data_dir=data/fineweb_edu\n')
+    assert (tmp_path / 'data' / 'fineweb_edu' / 'meta.json').exists()
+
+
 # -----------------------------------------------------------------------------
 # bad input: main() exits with one line, `error: ...`, that names the file and what to do, and leaves out_dir
 # as it was
@@ -367,6 +392,36 @@ def test_tokenizer_that_cannot_be_downloaded_names_TIKTOKEN_CACHE_DIR_and_the_fi
     url = 'https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe'
     assert url in message and f"TIKTOKEN_CACHE_DIR='{tmp_path / 'empty_cache'}'" in message
     assert hashlib.sha1(url.encode()).hexdigest() in message  # the name tiktoken looks for in its cache
+
+
+def test_an_unreachable_hub_is_an_error_at_once_not_after_datasets_retries(monkeypatch):
+    # offline, datasets retries five times, backing off to 8 s, before its own error (~25 s): the Hub's host
+    # is tried first, once. Here the connection fails as it does offline, without a real network call.
+    def no_network(address, timeout=None):
+        raise socket.gaierror(-2, 'Name or service not known')
+
+    def datasets_must_not_be_asked(*args, **kwargs):
+        raise AssertionError('datasets.load_dataset was called although the hub cannot be reached')
+    monkeypatch.setattr(datasets.config, 'HF_HUB_OFFLINE', False)  # (conftest sets it: the tests run offline)
+    monkeypatch.setattr(prepare_data.urllib.request, 'getproxies', lambda: {})
+    monkeypatch.setattr(prepare_data.socket, 'create_connection', no_network)
+    monkeypatch.setattr(prepare_data.datasets, 'load_dataset', datasets_must_not_be_asked)
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError) as error:
+        prepare_data.load_documents(prepare_data.DEFAULT_DATASET, prepare_data.DEFAULT_NAME, 'train', 'text')
+    assert time.monotonic() - t0 < 5
+    message = str(error.value)
+    assert "--dataset='HuggingFaceFW/fineweb-edu' is a Hugging Face hub dataset" in message
+    assert 'huggingface.co:443 cannot be reached (gaierror' in message and '--dataset=PATH' in message
+
+
+def test_behind_a_proxy_the_hub_is_not_tried_directly(monkeypatch):
+    def no_direct_connection(address, timeout=None):
+        raise AssertionError(f'a direct connection to {address} was tried although a proxy is set')
+    monkeypatch.setattr(datasets.config, 'HF_HUB_OFFLINE', False)
+    monkeypatch.setattr(prepare_data.urllib.request, 'getproxies', lambda: {'https': 'http://proxy.example:3128'})
+    monkeypatch.setattr(prepare_data.socket, 'create_connection', no_direct_connection)
+    assert prepare_data.why_hub_unreachable() is None
 
 
 @needs_gpt2
