@@ -287,6 +287,15 @@ def test_sample_refuses_a_missing_checkpoint_or_prompt_file(run_copy, tmp_path):
                                                                               "--temperature=-1"])
 
 
+def test_sample_and_export_hf_answer_a_step_that_is_not_there_with_the_checkpoints_that_are(run_copy):
+    listed = f"the complete checkpoints in {run_copy} are ckpt_0000001, ckpt_0000002"
+    line = error_of(sample.main, [f"--out_dir={run_copy}", "--ckpt=3"])
+    assert f"--ckpt=3 is not a complete checkpoint" in line and line.endswith(f"{run_copy} has no ckpt_0000003; {listed}")
+    with pytest.raises(FileNotFoundError, match=listed):
+        export_hf.load_picotron(str(run_copy), f"{run_copy}/ckpt_3")
+    assert export_hf.load_picotron(str(run_copy), "ckpt_1")[2] == str(run_copy / "ckpt_0000001")
+
+
 @needs_gpt2
 def test_sample_refuses_an_empty_prompt(run_copy):
     # (the prompt is found empty once it is tokenized, with the checkpoint's tokenizer: its data's GPT-2)
