@@ -455,7 +455,13 @@ def export(out_dir, hf_dir, ckpt=""):
         match_hf_parameters(tensors, model_class(config), arch)
 
     config.save_pretrained(hf_dir)
-    save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(hf_dir, "model.safetensors")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    # save_file writes a temporary file (mode 0600) and renames it: give the weights the mode every other new
+    # file gets, 0666 less the umask, like config.json beside them (os.umask only reads it by setting it)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)
     print(f"exported {path} (step {meta['step']}) as {arch} to {hf_dir}")
     if arch == "DeepseekV3ForCausalLM" and model.cfg.norm_eps != 1e-6:
         print(f"  note: DeepSeek-V3's latent norms have eps 1e-6 built in, picotron's norm_eps is {model.cfg.norm_eps}: "

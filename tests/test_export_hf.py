@@ -6,6 +6,8 @@ and large (gains away from one, attention far from uniform), so a misplaced or m
 changes the logits by O(1), not by a rounding error.
 """
 import importlib.util
+import os
+import stat
 
 import pytest
 import torch
@@ -109,6 +111,16 @@ def test_the_export_check_catches_a_wrong_export(tmp_path, monkeypatch):
     monkeypatch.setattr(export_hf, "hf_tensors", swapped_norms)
     with pytest.raises(SystemExit, match="does not reproduce picotron's logits"):
         export_hf.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}"])
+
+
+@needs_hf
+def test_the_weights_get_the_mode_of_the_other_exported_files(tmp_path):
+    save(random_model(), tmp_path / "run")
+    export_hf.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}", "--check=False"])
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (tmp_path / "hf").iterdir()}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert modes["model.safetensors"] == modes["config.json"] == 0o666 & ~umask, modes
 
 
 @needs_hf
