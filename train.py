@@ -1,4 +1,4 @@
-"""
+r"""
 Pretrain a Llama-style model on token bins written by prepare_data.py.
 
 One process:            python train.py config/tiny_fineweb.py --max_iters=200

@@ -121,6 +121,17 @@ def test_help_lists_every_setting_with_its_default_and_meaning(tool, setting, ca
             assert f"  --{s.name}={s.default!r}".ljust(34) + f"  {s.meaning}" in text
 
 
+@pytest.mark.parametrize("tool", [train, bench, make_config, sample, export_hf])
+def test_help_shows_the_usage_lines_as_the_file_writes_them(tool, capsys):
+    # a shell continuation (a backslash at the end of a line) in a docstring that is not raw joins the two
+    # lines, with the next one's indent, into one long line
+    with pytest.raises(SystemExit):
+        tool.main(["--help"])
+    usage = capsys.readouterr().out.split("\n# ")[0]  # what comes before the first settings banner
+    source = set(open(tool.__file__).read().splitlines())
+    assert [line for line in usage.strip().splitlines() if line not in source] == []
+
+
 # --- resuming checks what it resumes ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("args,message", [
