@@ -346,6 +346,19 @@ def test_each_tool_prints_one_error_line_and_no_traceback(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, (tool, err)
 
 
+def test_under_torchrun_the_failure_summary_names_the_one_line_error(tmp_path):
+    """torchrun's summary of a failed rank (its last lines) shows what the rank left in its error file; read
+    back here with torch's own reader and formatter, as torchrun does, without a launch."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    error_file = tmp_path / "error.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--n_layr=3"], capture_output=True, text=True,
+                          env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)})
+    assert proc.returncode == 1 and proc.stderr.startswith("error: unknown config key 'n_layr'")
+    failure = ProcessFailure(local_rank=0, pid=0, exitcode=1, error_file=str(error_file))
+    summary = ChildFailedError("train.py", {0: failure}).format_msg()
+    assert f"  traceback : {proc.stderr.strip()}" in summary
+
+
 # --- MFU is never above 100% ---------------------------------------------------------------------------------
 
 def test_the_cpu_peak_is_the_faster_of_the_run_dtype_and_fp32_with_a_note_when_the_dtype_is_slower(monkeypatch):
