@@ -490,6 +490,8 @@ def latest_checkpoint(out_dir):
 def _damaged(out_dir):
     """' (why each ckpt_* folder in out_dir cannot be used)', or '' when it has none."""
     return "".join(f" ({p} cannot be used: {why_incomplete(p)})" for p in checkpoint_folders(out_dir))
+
+
 def find_checkpoint(ckpt, out_dir):
     """The complete checkpoint a tool's --ckpt names (sample.py, export_hf.py), or with ckpt empty out_dir's
     newest (out_dir itself when it is one checkpoint's folder). --ckpt is a checkpoint folder's path, its step
@@ -507,10 +509,10 @@ def find_checkpoint(ckpt, out_dir):
     if is_complete(ckpt):
         return ckpt
     parent, name = os.path.split(os.path.normpath(ckpt))
-    step = re.fullmatch(r"ckpt_(\d+)", name) or (None if parent else re.fullmatch(r"(\d+)", name))
-    if step:
+    named = re.fullmatch(r"ckpt_(\d+)", name) or (None if parent else re.fullmatch(r"(\d+)", name))
+    if named:
         # ckpt_300 is ckpt_0000300, as save() names it (the step zero-padded to 7 digits, so names sort by step)
-        folder, step = parent or out_dir, int(step.group(1))
+        folder, step = parent or out_dir, int(named.group(1))
         for path in complete_checkpoints(folder):
             if step_of(path) == step:
                 return path
@@ -526,7 +528,7 @@ def find_checkpoint(ckpt, out_dir):
     if done:
         shown = done if len(done) <= 6 else done[:1] + ["..."] + done[-4:]
         listed = f"; the complete checkpoints in {folder} are {', '.join(shown)}"
-    elif os.path.isdir(folder) and (step or checkpoint_folders(folder)):
+    elif os.path.isdir(folder) and (named or checkpoint_folders(folder)):
         listed = f"; {folder} holds no complete checkpoint"
     else:
         listed = ""
