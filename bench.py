@@ -1,4 +1,4 @@
-"""
+r"""
 Time picotron's training step: tokens/s, ms/step, MFU and peak memory, for any config and layout.
 
     python bench.py config/tiny_fineweb.py

@@ -4,9 +4,9 @@ Export a picotron checkpoint to a Hugging Face transformers model directory.
     python export_hf.py --out_dir=out --hf_dir=hf/my-model
     python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('hf/my-model')"
 
-The newest complete checkpoint in out_dir (saved at any dp x tp x pp layout) is loaded into one process,
-its weights are renamed to the transformers names and written as config.json + model.safetensors, with the
-GPT-2 tokenizer files when the model uses GPT-2's vocabulary. The export is then reloaded in transformers
+The newest complete checkpoint in out_dir, or the one --ckpt names (saved at any dp x tp x pp layout), is
+loaded into one process, its weights are renamed to the transformers names and written as config.json +
+model.safetensors, with the GPT-2 tokenizer files when the model uses GPT-2's vocabulary. The export is then reloaded in transformers
 and its logits compared with picotron's (--check=False skips that).
 
 Which architecture holds which model (each computes exactly what picotron computes):
@@ -57,7 +57,8 @@ from model import ModelConfig, Transformer, attention_head_dim, mlp_hidden_size,
 
 EXPORT = section(
     "export",
-    Setting("out_dir", "out", "the training run: its newest complete checkpoint is exported (or a ckpt_* folder itself)"),
+    Setting("out_dir", "out", "the training run: its newest complete checkpoint is exported (or a ckpt_* folder itself)..."),
+    Setting("ckpt", "", "...unless one is named here: its folder, or its step in out_dir (300 or ckpt_300)"),
     Setting("hf_dir", "hf", "where the transformers model directory is written"),
     Setting("check", True, "reload the export in transformers and compare its logits with picotron's"),
 )
@@ -75,12 +76,10 @@ def require(package, why):
 # reading the checkpoint
 
 
-def load_picotron(out_dir):
-    """The single-process model of a checkpoint, whatever layout it was saved at, and its meta.json."""
-    path = out_dir if checkpoint.is_complete(out_dir) else checkpoint.latest_checkpoint(out_dir)
-    if path is None:
-        raise FileNotFoundError(f"out_dir '{out_dir}' holds no complete checkpoint to export (a ckpt_* folder with "
-                                f"its meta.json): train first, or point --out_dir at the run's folder")
+def load_picotron(out_dir, ckpt=""):
+    """The single-process model of a checkpoint (checkpoint.find_checkpoint: the one --ckpt names, else
+    out_dir's newest), whatever layout it was saved at, and its meta.json."""
+    path = checkpoint.find_checkpoint(ckpt, out_dir)
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     known = {f.name for f in fields(ModelConfig)} | {"attn_impl", "activation_checkpointing", "chunked_loss"}
@@ -439,13 +438,13 @@ def hf_classes(arch):
     return getattr(modeling, arch), getattr(configuration, arch.replace("ForCausalLM", "Config"))
 
 
-def export(out_dir, hf_dir):
+def export(out_dir, hf_dir, ckpt=""):
     """Write the transformers directory; returns (picotron model, architecture name)."""
     require("transformers", "export_hf.py")
     require("safetensors", "export_hf.py")
     from safetensors.torch import save_file
 
-    model, meta, path = load_picotron(out_dir)
+    model, meta, path = load_picotron(out_dir, ckpt)
     make_folder("hf_dir", hf_dir)  # before the conversion: a folder that cannot be written is found at once
     arch = hf_architecture(model.cfg)
     model_class, config_class = hf_classes(arch)
@@ -456,7 +455,13 @@ def export(out_dir, hf_dir):
         match_hf_parameters(tensors, model_class(config), arch)
 
     config.save_pretrained(hf_dir)
-    save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(hf_dir, "model.safetensors")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    # save_file writes a temporary file (mode 0600) and renames it: give the weights the mode every other new
+    # file gets, 0666 less the umask, like config.json beside them (os.umask only reads it by setting it)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)
     print(f"exported {path} (step {meta['step']}) as {arch} to {hf_dir}")
     if arch == "DeepseekV3ForCausalLM" and model.cfg.norm_eps != 1e-6:
         print(f"  note: DeepSeek-V3's latent norms have eps 1e-6 built in, picotron's norm_eps is {model.cfg.norm_eps}: "
@@ -485,7 +490,7 @@ def max_logit_difference(model, arch, hf_dir, batch=2, seq_len=64, seed=0):
 def main(argv):
     try:
         cfg, _ = configure(EXPORT, argv, usage=__doc__)
-        model, arch = export(cfg["out_dir"], cfg["hf_dir"])
+        model, arch = export(cfg["out_dir"], cfg["hf_dir"], cfg["ckpt"])
         if cfg["check"]:
             diff, scale = max_logit_difference(model, arch, cfg["hf_dir"])
             print(f"  check: transformers' logits differ from picotron's by at most {diff:.2e} (logits up to {scale:.1f})")

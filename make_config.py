@@ -5,12 +5,13 @@ Write a starter config for a model size and a parallel layout, checked before an
     torchrun --nproc_per_node=8 train.py config/my.py
 
 Every training setting can be given (--key=value, or a config file to start from), plus `nproc`, the number
-of processes the run will have, and `out`, the file to write. The layout is checked with train.py's own
-rules (dp x cp x tp x pp must be nproc, and model.check_layout: heads, key/value heads, MLP width and
-blocks must split, block_size into context parallelism's 2*cp chunks), so a layout that does not divide
-the model is refused here rather than after the job waited in a queue. The file states the parameter
-count and the global batch in tokens, then the settings that were asked for (and the few this script
-chose, each saying why), with their meanings from settings.py; every other setting keeps its default.
+of processes the run will have, and `out`, the file to write (an existing one is refused unless
+--force=True). The layout is checked with train.py's own rules (dp x cp x tp x pp must be nproc, and
+model.check_layout: heads, key/value heads, MLP width and blocks must split, block_size into context
+parallelism's 2*cp chunks), so a layout that does not divide the model is refused here rather than after the
+job waited in a queue. The file states the parameter count and the global batch in tokens, then the settings
+that were asked for (and the few this script chose, each saying why), with their meanings from settings.py;
+every other setting keeps its default.
 """
 import json
 import os
@@ -30,7 +31,9 @@ OWN = section(
     "make_config.py's own",
     Setting("nproc", 1, "processes the run will have (torchrun --nproc_per_node x nodes)"),
     Setting("out", "config/my.py", "the config file to write"),
-    Setting("gpu_mem_gb", 0.0, "the memory of one GPU: say which stage does not fit it, and what to change (0: no check)"),
+    Setting("force", False, "overwrite --out if it exists (else an existing file is refused)"),
+    Setting("gpu_mem_gib", 0.0, "the memory of one GPU in GiB (2**30 bytes, the plan's unit): say which stage does "
+                                "not fit it, and what to change (0: no check)"),
 )
 
 
@@ -132,7 +135,7 @@ def make_config(cfg, given, argv):
                                cfg["chunked_loss"], cfg["sequence_parallel"], cfg["bucket_size_mb"],
                                act_bytes=2 if cfg["dtype"] in ("bfloat16", "float16") else 4, chunks=cfg["pp_chunks"],
                                ep=cfg["ep"], optimizer=cfg["optimizer"])
-    memory = metrics.format_plan(plan, cfg["gpu_mem_gb"] or None)
+    memory = metrics.format_plan(plan, cfg["gpu_mem_gib"] or None)
     header += "".join(f"# {line}\n" for line in memory.splitlines())
     return header, settings_block(cfg, given, chosen) + "\n", chosen
 
@@ -142,16 +145,25 @@ def main(argv):
         values, given = configure(settings.TRAINING + OWN, argv, usage=__doc__)
         settings.check_values(values)
         header, body, chosen = make_config(values, given, argv)
+        out, existed = values["out"], os.path.exists(values["out"])
+        if existed and not values["force"]:
+            raise ConfigError(f"out = {out!r} exists: choose another --out, or pass --force=True to overwrite it")
+        try:
+            if os.path.dirname(out):
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+            with open(out, "w") as f:
+                f.write(header + "\n" + body)
+        except OSError as e:
+            raise ConfigError(f"out = {out!r} cannot be written ({e.strerror}): choose another --out")
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")
-    if os.path.dirname(values["out"]):
-        os.makedirs(os.path.dirname(values["out"]), exist_ok=True)
-    with open(values["out"], "w") as f:
-        f.write(header + "\n" + body)
     print("\n".join(line[2:] for line in header.splitlines()[2:]))
     for name, (value, why) in chosen.items():
         print(f"chose {name} = {value}: {why}")
-    print(f"wrote {values['out']}")
+    # the default --out is a path in the current folder: say where the file went, so it is not found by surprise
+    where = out if os.path.isabs(out) else f"{out} ({os.path.abspath(out)})"
+    print(f"{'overwrote' if existed else 'wrote'} {where}" + ("" if "out" in given else
+                                                            ": the default --out; --out=PATH writes elsewhere"))
 
 
 if __name__ == "__main__":

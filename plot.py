@@ -80,23 +80,27 @@ def read_trace(run_dir):
         return json.load(f)
 
 
-def plot_trace(run_dir, out):
-    """The measured pipeline timeline: one lane per (pipeline rank, chunk), rank 0 at the top, time in ms."""
+def draw_trace(trace):
+    """The measured pipeline timeline as a figure: one lane per (pipeline rank, chunk), rank 0 at the top,
+    time in ms. Each box is labelled (F3, B3, W3) only where the label fits inside it: a step has many short
+    actions (a W is often a fraction of an F), whose labels would otherwise run into their neighbours'."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    trace = read_trace(run_dir)
     info, spans = trace["otherData"], [e for e in trace["traceEvents"] if e["ph"] == "X"]
     lanes = sorted({(e["pid"], e["tid"]) for e in spans})
     row = {lane: i for i, lane in enumerate(lanes)}
     start = min(e["ts"] for e in spans)
+    end = max(e["ts"] + e["dur"] for e in spans)
     fig, ax = plt.subplots(figsize=(14, 0.6 * len(lanes) + 1.8))
+    boxes = []  # (lane, left, width, label) in ms
     for e in spans:
         y, left, width = row[(e["pid"], e["tid"])], (e["ts"] - start) / 1e3, e["dur"] / 1e3
         ax.barh(y, width, left=left, height=0.8, color=OP_COLORS.get(e["cat"], "grey"), edgecolor="black", linewidth=0.3)
-        ax.text(left + width / 2, y, e["name"], ha="center", va="center", fontsize=6, clip_on=True)
+        boxes.append((y, left, width, e["name"]))
+    ax.set_xlim(0, (end - start) / 1e3 * 1.01)
     ax.set_yticks(range(len(lanes)))
     bubble = info["measured_bubble"]
     ax.set_yticklabels([f"rank {p} (idle {bubble[p]:.0%}), chunk {c}" if c == min(t for q, t in lanes if q == p)
@@ -109,10 +113,25 @@ def plot_trace(run_dir, out):
                  f"{sum(bubble) / len(bubble):.1%}, ideal " + (f"{ideal:.1%}" if ideal is not None else "n/a"))
     split = any(e["cat"] == "W" for e in spans)
     labels = {"F": "F forward", "B": "B input's gradient" if split else "B backward", "W": "W weights' gradient"}
+    # beside the lanes, not over them: inside, it hides the last actions of rank 0
     ax.legend(handles=[Patch(color=OP_COLORS[op], label=labels[op]) for op in ("FBW" if split else "FB")],
-              loc="upper right", fontsize="small")
+              loc="upper left", bbox_to_anchor=(1.005, 1), fontsize="small")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
+    # the labels last, once the layout has fixed how many pixels a millisecond is
+    renderer = fig.canvas.get_renderer()
+    for y, left, width, name in boxes:
+        text = ax.text(left + width / 2, y, name, ha="center", va="center", fontsize=6, clip_on=True)
+        x0, x1 = ax.transData.transform([(left, y), (left + width, y)])[:, 0]
+        if text.get_window_extent(renderer).width > x1 - x0 - 2:  # 1 pixel clear of each edge
+            text.remove()
+    return fig
+
+
+def plot_trace(run_dir, out):
+    """Draw the trace a run measured with pp_trace=True into the PNG `out`."""
+    import matplotlib.pyplot as plt
+    fig = draw_trace(read_trace(run_dir))
     fig.savefig(out, dpi=110)
     plt.close(fig)
 

@@ -40,8 +40,12 @@ import time
 from collections import deque
 from contextlib import closing
 import multiprocessing
+import socket
+import urllib.parse
+import urllib.request
 
 import datasets
+import huggingface_hub
 import numpy as np
 import pyarrow  # datasets reads json and parquet files with pyarrow, and lets its errors through
 
@@ -54,6 +58,7 @@ except ImportError:
 
 DEFAULT_DATASET = 'HuggingFaceFW/fineweb-edu'
 DEFAULT_NAME = 'sample-10BT'
+DEFAULT_OUT_DIR = 'data/fineweb_edu'  # where config/tiny_fineweb.py (the quick start) reads its data_dir
 LOCAL_BUILDERS = {'.txt': 'text', '.jsonl': 'json', '.json': 'json', '.parquet': 'parquet'}  # suffix -> datasets builder
 VAL_SEED = 1337
 
@@ -164,6 +169,22 @@ def local_texts(builder, files, split, text_field):
                                  f"like {{\"text\": \"...\"}}") from e
             raise ValueError(f"{path} cannot be read as {builder} ({e})") from e
 
+def why_hub_unreachable(timeout=3.0):
+    """None when the Hub's host (HF_ENDPOINT, else huggingface.co) accepts a connection, else why not. Without
+    this, datasets retries each request five times, backing off to 8 s, before it says it cannot connect:
+    ~25 s offline for an error that is known in one."""
+    if datasets.config.HF_HUB_OFFLINE:
+        return None  # datasets fails at once itself, or uses its cache
+    if urllib.request.getproxies().get('https'):
+        return None  # reached through a proxy: that a direct connection fails says nothing
+    url = urllib.parse.urlsplit(huggingface_hub.constants.ENDPOINT)
+    host, port = url.hostname, url.port or (443 if url.scheme == 'https' else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:  # socket.gaierror (the name does not resolve), a refusal, a timeout
+        return f"{host}:{port} cannot be reached ({type(e).__name__}: {e})"
+    return None
+
 def load_documents(dataset, name, split, text_field):
     """Every document's text, in order, read lazily. What can be checked before reading is checked now: a
     missing path, an unreachable hub."""
@@ -171,11 +192,15 @@ def load_documents(dataset, name, split, text_field):
     # skips datasets' Arrow cache, which would be a second full copy of the corpus on disk
     local = local_files(dataset)
     if local is None:
+        offline = (f"Offline, tokenize local files instead: --dataset=PATH, a {', '.join(LOCAL_BUILDERS)} file, a "
+                   f"glob of them or a directory")
+        why = why_hub_unreachable()
+        if why:
+            raise ConnectionError(f"--dataset={dataset!r} is a Hugging Face hub dataset, and the hub {why}. {offline}")
         try:
             rows = datasets.load_dataset(dataset, name=name, split=split, streaming=True)
         except ConnectionError as e:  # datasets' own, when the hub cannot be reached or HF_HUB_OFFLINE is set
-            raise ConnectionError(f"--dataset={dataset!r}: {e}. Offline, tokenize local files instead: --dataset=PATH, "
-                                  f"a {', '.join(LOCAL_BUILDERS)} file, a glob of them or a directory") from e
+            raise ConnectionError(f"--dataset={dataset!r}: {e}. {offline}") from e
         return (document_text(row, text_field, dataset) for row in rows)
     if name is not None:
         raise ValueError(f"--name={name!r} selects a subset of a hub dataset; local files {dataset!r} have none")
@@ -230,7 +255,7 @@ def is_val(doc_index, val_fraction):
 
 # -----------------------------------------------------------------------------
 
-def prepare(dataset=DEFAULT_DATASET, out_dir='data/fineweb_edu', name=None, text_field='text', tokenizer='gpt2',
+def prepare(dataset=DEFAULT_DATASET, out_dir=DEFAULT_OUT_DIR, name=None, text_field='text', tokenizer='gpt2',
             val_fraction=None, max_tokens=None, num_proc=None, split='train', chunk_docs=1024):
     """Tokenize `dataset` into out_dir/{train.bin, val.bin, meta.json} (see the top of this file); returns meta."""
     if dataset == DEFAULT_DATASET and name is None:
@@ -327,22 +352,33 @@ def prepare(dataset=DEFAULT_DATASET, out_dir='data/fineweb_edu', name=None, text
         # np.memmap cannot open an empty file, so say it here rather than leave train.py to find out
         print(f"  note: val.bin is empty: {n_docs} document(s) is too few to hold any out. A .txt file is one "
               f"document; split a single text into several files to get a val split.")
+    print(f"train on it: python train.py config/tiny_fineweb.py --data_dir={out_dir}")
     return meta
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0].strip())
-    parser.add_argument('--dataset', default=DEFAULT_DATASET, help='hub dataset name, or a local file, glob or directory')
-    parser.add_argument('--out_dir', default='data/fineweb_edu')
+    parser.add_argument('--dataset', default=DEFAULT_DATASET,
+                        help=f'hub dataset name, or a local file, glob or directory (default {DEFAULT_DATASET})')
+    parser.add_argument('--out_dir', default=None,
+                        help=f'where train.bin, val.bin and meta.json are written, replacing those there (default '
+                             f'{DEFAULT_OUT_DIR}, the data_dir of config/tiny_fineweb.py)')
     parser.add_argument('--name', default=None, help=f'hub subset (default {DEFAULT_NAME} for {DEFAULT_DATASET})')
-    parser.add_argument('--text_field', default='text', help='column holding the text (json, parquet, hub)')
+    parser.add_argument('--text_field', default='text', help='column holding the text (json, parquet, hub; default text)')
     parser.add_argument('--tokenizer', default='gpt2',
-                        help='a tiktoken encoding name, or a transformers model folder with tokenizer.json')
+                        help='a tiktoken encoding name, or a transformers model folder with tokenizer.json (default gpt2)')
     parser.add_argument('--val_fraction', type=float, default=None,
                         help='share of documents held out for val (default 0.0005 for FineWeb-Edu, else 0.005)')
-    parser.add_argument('--max_tokens', type=int, default=None, help='stop after this many tokens (train + val)')
+    parser.add_argument('--max_tokens', type=int, default=None,
+                        help='stop after this many tokens, train + val (default: no cap)')
     parser.add_argument('--num_proc', type=int, default=None, help='tokenizer processes (default: all cores)')
-    parser.add_argument('--split', default='train')
+    parser.add_argument('--split', default='train', help='the split of the dataset to read (default train)')
     args = parser.parse_args(argv)
+    if args.out_dir is None:
+        args.out_dir = DEFAULT_OUT_DIR
+        if args.dataset != DEFAULT_DATASET:
+            # the default is named for FineWeb-Edu: a corpus of one's own written there replaces that data
+            print(f"no --out_dir given: writing to {DEFAULT_OUT_DIR}, the default, which config/tiny_fineweb.py "
+                  f"reads (pass --out_dir=DIR to write elsewhere)")
     # on a malformed json or parquet file datasets logs a line of its own before raising; the error below
     # names the file (and the line), so datasets' line would only say it a second time, less exactly
     for module in ('datasets.packaged_modules.json.json', 'datasets.packaged_modules.parquet.parquet'):

@@ -20,7 +20,7 @@ from model import Transformer, choose_attn_impl, choose_device_and_dtype, model_
 SAMPLING = section(
     "sampling",
     Setting("out_dir", "out", "the newest complete checkpoint in here is used..."),
-    Setting("ckpt", "", "...unless a checkpoint folder is named here"),
+    Setting("ckpt", "", "...unless one is named here: its folder, or its step in out_dir (300 or ckpt_300)"),
     Setting("start", "\n", "the prompt, or FILE:path to read it from a file"),
     Setting("num_samples", 3, "samples to draw"),
     Setting("max_new_tokens", 200, "tokens generated per sample"),
@@ -68,16 +68,7 @@ def main(argv):
     try:
         cfg, _ = configure(SAMPLING, argv, usage=__doc__)
         check_values(cfg)
-        if cfg["ckpt"]:
-            why = checkpoint.why_incomplete(cfg["ckpt"])
-            if why:
-                raise FileNotFoundError(f"--ckpt={cfg['ckpt']} is not a complete checkpoint (a ckpt_* folder with its "
-                                        f"meta.json and every rank file): {why}")
-            path = cfg["ckpt"]
-        else:
-            path = checkpoint.latest_checkpoint(cfg["out_dir"])
-            if not path:
-                raise FileNotFoundError(f"no complete checkpoint in out_dir '{cfg['out_dir']}': train first, or pass --ckpt")
+        path = checkpoint.find_checkpoint(cfg["ckpt"], cfg["out_dir"])
         prompt = read_prompt(cfg["start"])
         dev, ptdtype, _ = choose_device_and_dtype(cfg["device"], cfg["dtype"])
         reader = checkpoint.CheckpointReader(path)

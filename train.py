@@ -1,4 +1,4 @@
-"""
+r"""
 Pretrain a Llama-style model on token bins written by prepare_data.py.
 
 One process:            python train.py config/tiny_fineweb.py --max_iters=200
@@ -1255,4 +1255,14 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except SystemExit as stop:
+        # torchrun prints its own traceback and a failure summary after any failed rank, which nothing here
+        # can shorten; the summary's "traceback" of a rank is its error file (TORCHELASTIC_ERROR_FILE, in the
+        # format of torch's ErrorHandler), else a link to the docs: let it be the one-line error
+        if isinstance(stop.code, str) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                json.dump({"message": {"message": stop.code, "extraInfo": {"py_callstack": stop.code,
+                                                                          "timestamp": str(int(time.time()))}}}, f)
+        raise

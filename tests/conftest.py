@@ -2,8 +2,11 @@
 
 Tests run offline: when the project checkout has `../shared/data` beside it (our machines and CI), the
 tiktoken cache and the small real corpora there are used. On a user's fresh clone without it, tiktoken
-downloads the GPT-2 files as usual and the tests that need a real corpus make their own text.
+downloads the GPT-2 files as usual and the tests that need a real corpus make their own text; where it
+cannot (no network, and no TIKTOKEN_CACHE_DIR holding them) the tests that need the GPT-2 tokenizer
+(marked needs_gpt2) are skipped, saying why, and every other test runs.
 """
+import functools
 import os
 import sys
 from pathlib import Path
@@ -24,6 +27,34 @@ def shared_file(relpath):
     """Path of a file in ../shared/data, or None when this checkout has no ../shared beside it."""
     p = SHARED_DATA / relpath
     return p if p.exists() else None
+
+
+@functools.cache
+def _load_gpt2():
+    """(tiktoken's GPT-2 encoding, None), or (None, why it cannot be loaded). Tried once per session: offline,
+    each try is a failed download."""
+    import hf_tokenizer
+    try:
+        return hf_tokenizer.get_encoding("gpt2"), None
+    except OSError as e:  # hf_tokenizer's ConnectionError names the file and TIKTOKEN_CACHE_DIR
+        return None, f"{type(e).__name__}: {e}"
+
+
+def gpt2_encoding():
+    """tiktoken's GPT-2 encoding. A test that needs it and runs where it cannot be loaded is skipped with the
+    reason, rather than failing (or erroring at collection) for want of a network."""
+    enc, why = _load_gpt2()
+    if enc is None:
+        pytest.skip(f"needs the GPT-2 tokenizer, which cannot be loaded here ({why})")
+    return enc
+
+
+@pytest.fixture
+def gpt2():
+    return gpt2_encoding()
+
+
+needs_gpt2 = pytest.mark.usefixtures("gpt2")  # on a test that tokenizes with GPT-2, directly or through a tool
 
 
 @pytest.fixture(scope="module")

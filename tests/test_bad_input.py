@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, needs_gpt2
 from dist_utils import make_token_data, run_ranks, run_train
 
 import bench
@@ -119,6 +119,17 @@ def test_help_lists_every_setting_with_its_default_and_meaning(tool, setting, ca
         assert "# the optimizer and the learning-rate schedule" in text
         for s in settings.TRAINING:
             assert f"  --{s.name}={s.default!r}".ljust(34) + f"  {s.meaning}" in text
+
+
+@pytest.mark.parametrize("tool", [train, bench, make_config, sample, export_hf])
+def test_help_shows_the_usage_lines_as_the_file_writes_them(tool, capsys):
+    # a shell continuation (a backslash at the end of a line) in a docstring that is not raw joins the two
+    # lines, with the next one's indent, into one long line
+    with pytest.raises(SystemExit):
+        tool.main(["--help"])
+    usage = capsys.readouterr().out.split("\n# ")[0]  # what comes before the first settings banner
+    source = set(open(tool.__file__).read().splitlines())
+    assert [line for line in usage.strip().splitlines() if line not in source] == []
 
 
 # --- resuming checks what it resumes ---------------------------------------------------------------------
@@ -278,14 +289,28 @@ def test_an_unknown_device_is_an_error_listing_what_is_available(token_dir, tmp_
                                                                                      "--device=gpu0"])
 
 
-def test_sample_refuses_a_missing_checkpoint_or_prompt_file_and_an_empty_prompt(run_copy, tmp_path):
+def test_sample_refuses_a_missing_checkpoint_or_prompt_file(run_copy, tmp_path):
     assert "--ckpt=/nowhere is not a complete checkpoint" in error_of(sample.main, ["--ckpt=/nowhere"])
     assert "it is a run's folder, not one checkpoint" in error_of(sample.main, [f"--ckpt={run_copy}"])
     line = error_of(sample.main, [f"--out_dir={run_copy}", f"--start=FILE:{tmp_path / 'prompt.txt'}"])
     assert f"--start=FILE:{tmp_path / 'prompt.txt'}: the prompt file cannot be read (FileNotFoundError" in line
-    assert "the prompt is empty" in error_of(sample.main, [f"--out_dir={run_copy}", "--start="])
     assert "temperature = -1.0 must not be negative" in error_of(sample.main, [f"--out_dir={run_copy}",
                                                                               "--temperature=-1"])
+
+
+def test_sample_and_export_hf_answer_a_step_that_is_not_there_with_the_checkpoints_that_are(run_copy):
+    listed = f"the complete checkpoints in {run_copy} are ckpt_0000001, ckpt_0000002"
+    line = error_of(sample.main, [f"--out_dir={run_copy}", "--ckpt=3"])
+    assert f"--ckpt=3 is not a complete checkpoint" in line and line.endswith(f"{run_copy} has no ckpt_0000003; {listed}")
+    with pytest.raises(FileNotFoundError, match=listed):
+        export_hf.load_picotron(str(run_copy), f"{run_copy}/ckpt_3")
+    assert export_hf.load_picotron(str(run_copy), "ckpt_1")[2] == str(run_copy / "ckpt_0000001")
+
+
+@needs_gpt2
+def test_sample_refuses_an_empty_prompt(run_copy):
+    # (the prompt is found empty once it is tokenized, with the checkpoint's tokenizer: its data's GPT-2)
+    assert "the prompt is empty" in error_of(sample.main, [f"--out_dir={run_copy}", "--start="])
 
 
 def test_an_out_dir_that_cannot_be_created_stops_before_training(token_dir, tmp_path):
@@ -319,6 +344,19 @@ def test_each_tool_prints_one_error_line_and_no_traceback(tmp_path):
         assert proc.returncode == 1, (tool, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, (tool, err)
+
+
+def test_under_torchrun_the_failure_summary_names_the_one_line_error(tmp_path):
+    """torchrun's summary of a failed rank (its last lines) shows what the rank left in its error file; read
+    back here with torch's own reader and formatter, as torchrun does, without a launch."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    error_file = tmp_path / "error.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--n_layr=3"], capture_output=True, text=True,
+                          env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)})
+    assert proc.returncode == 1 and proc.stderr.startswith("error: unknown config key 'n_layr'")
+    failure = ProcessFailure(local_rank=0, pid=0, exitcode=1, error_file=str(error_file))
+    summary = ChildFailedError("train.py", {0: failure}).format_msg()
+    assert f"  traceback : {proc.stderr.strip()}" in summary
 
 
 # --- MFU is never above 100% ---------------------------------------------------------------------------------

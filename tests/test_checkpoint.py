@@ -57,6 +57,36 @@ def test_latest_checkpoint_ignores_a_partial_tmp_folder_and_a_truncated_rank_fil
     assert meta["step"] == 4
 
 
+def test_a_checkpoint_is_found_by_its_folder_its_name_with_or_without_zeros_or_its_step(tmp_path):
+    for step in (100, 300):
+        _save(tmp_path, step)
+    want = str(tmp_path / "ckpt_0000300")
+    for ckpt in (want, str(tmp_path / "ckpt_300"), "ckpt_300", "ckpt_0000300", "300"):
+        assert checkpoint.find_checkpoint(ckpt, str(tmp_path)) == want, ckpt
+    assert checkpoint.find_checkpoint("", str(tmp_path)) == want  # none named: the newest
+    assert checkpoint.find_checkpoint("", want) == want  # out_dir naming one checkpoint: that one
+
+
+def test_a_checkpoint_that_is_not_there_is_named_with_the_list_of_those_that_are(tmp_path):
+    for step in (100, 200):
+        _save(tmp_path, step)
+    listed = f"; the complete checkpoints in {tmp_path} are ckpt_0000100, ckpt_0000200"
+    for ckpt in (str(tmp_path / "ckpt_300"), "300"):
+        with pytest.raises(FileNotFoundError) as error:
+            checkpoint.find_checkpoint(ckpt, str(tmp_path))
+        assert str(error.value) == (f"--ckpt={ckpt} is not a complete checkpoint (a ckpt_* folder with its meta.json "
+                                    f"and every rank file): {tmp_path} has no ckpt_0000300{listed}")
+    with pytest.raises(FileNotFoundError, match="it is a run's folder, not one checkpoint.*" + listed):
+        checkpoint.find_checkpoint(str(tmp_path), "out")
+    # one that is there but damaged says what is wrong with it
+    (tmp_path / "ckpt_0000200" / "meta.json").unlink()
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'ckpt_0000200'}: it has no meta.json; the complete "
+                                                f"checkpoints in {tmp_path} are ckpt_0000100$"):
+        checkpoint.find_checkpoint("200", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=f"no complete checkpoint in out_dir '{tmp_path / 'empty'}'"):
+        checkpoint.find_checkpoint("", str(tmp_path / "empty"))
+
+
 # -----------------------------------------------------------------------------
 # save at one layout, resume at others
 

@@ -6,9 +6,10 @@ and large (gains away from one, attention far from uniform), so a misplaced or m
 changes the logits by O(1), not by a rounding error.
 """
 import importlib.util
+import os
+import stat
 
 import pytest
-import tiktoken
 import torch
 
 import checkpoint
@@ -113,16 +114,25 @@ def test_the_export_check_catches_a_wrong_export(tmp_path, monkeypatch):
 
 
 @needs_hf
-def test_a_gpt2_vocabulary_model_exports_with_a_working_tokenizer(tmp_path):
+def test_the_weights_get_the_mode_of_the_other_exported_files(tmp_path):
+    save(random_model(), tmp_path / "run")
+    export_hf.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}", "--check=False"])
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (tmp_path / "hf").iterdir()}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert modes["model.safetensors"] == modes["config.json"] == 0o666 & ~umask, modes
+
+
+@needs_hf
+def test_a_gpt2_vocabulary_model_exports_with_a_working_tokenizer(tmp_path, gpt2):
     model = random_model(vocab_size=50257, n_layer=1)
     save(model, tmp_path / "run", tokenizer="gpt2")
     export_hf.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}", "--check=False"])
     from transformers import AutoConfig, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
-    enc = tiktoken.get_encoding("gpt2")
     text = "First Citizen:\nBefore we proceed any further, hear me speak.  naïve café 🙂<|endoftext|>"
-    assert tokenizer.encode(text) == enc.encode(text, allowed_special="all")
-    assert tokenizer.eos_token_id == AutoConfig.from_pretrained(tmp_path / "hf").eos_token_id == enc.eot_token
+    assert tokenizer.encode(text) == gpt2.encode(text, allowed_special="all")
+    assert tokenizer.eos_token_id == AutoConfig.from_pretrained(tmp_path / "hf").eos_token_id == gpt2.eot_token
 
 
 @needs_hf

@@ -25,7 +25,7 @@ import sample
 import settings
 import train
 from configurator import ConfigError
-from conftest import shared_file
+from conftest import needs_gpt2, shared_file
 from dist_utils import make_token_data, run_ranks
 from model import ModelConfig, Transformer, llama3_scaled_frequencies, model_config_from, rope_cache
 
@@ -390,6 +390,7 @@ def test_a_folder_without_tokenizer_files_asks_for_tokenizer(hf_models, tmp_path
 
 
 @needs_hf
+@needs_gpt2
 def test_a_folder_with_gpt2s_vocabulary_uses_tiktoken(tmp_path):
     import prepare_data
     export_hf.write_gpt2_tokenizer(str(tmp_path), 64)

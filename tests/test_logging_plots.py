@@ -133,6 +133,29 @@ def test_plot_names_a_run_without_metrics(tmp_path):
         plot.main([str(tmp_path), f"--out={tmp_path / 'x.png'}"])
 
 
+@skip_without("matplotlib")
+def test_a_trace_box_is_labelled_only_where_its_label_fits_inside_it():
+    # one rank's step: long forwards and backwards, and weight gradients a tenth of a forward, as a CPU's are
+    spans, t = [], 0.0
+    for i in range(8):
+        for op, dur in (("F", 2000.0), ("B", 3000.0), ("W", 200.0)):
+            spans.append({"name": f"{op}{i}", "cat": op, "ph": "X", "pid": 0, "tid": 0, "ts": t, "dur": dur})
+            t += dur
+    trace = {"traceEvents": spans, "otherData": {"step": 2, "schedule": "zero_bubble", "pp": 1, "microbatches": 8,
+                                                 "chunks": 1, "measured_bubble": [0.0], "ideal_bubble": 0.0,
+                                                 "device": "cpu"}}
+    fig = plot.draw_trace(trace)
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    boxes = {e["name"]: ax.transData.transform([(e["ts"] / 1e3, 0), ((e["ts"] + e["dur"]) / 1e3, 0)])[:, 0]
+             for e in spans}
+    drawn = {text.get_text(): text.get_window_extent(renderer) for text in ax.texts}
+    assert set(drawn) == {f"{op}{i}" for op in "FB" for i in range(8)}  # every W box is too narrow for its name
+    for name, extent in drawn.items():
+        left, right = boxes[name]
+        assert left < extent.x0 and extent.x1 < right, name
+
+
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

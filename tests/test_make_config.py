@@ -1,6 +1,8 @@
 """make_config.py: a starter config for a size and a layout, refused when the layout does not divide the
 model, and one that train.py accepts and trains with."""
 
+import re
+
 import pytest
 
 import make_config
@@ -90,3 +92,32 @@ def test_a_pipeline_gets_4_x_pp_microbatches_and_says_why(tmp_path, capsys):
     out.unlink()
     make_config.main(["--n_layer=4", "--pp=2", "--nproc=2", "--gradient_accumulation_steps=2", f"--out={out}"])
     assert "gradient_accumulation_steps = 2  #" in out.read_text()  # asked for: kept
+
+
+def test_an_existing_file_is_refused_unless_force_is_given(tmp_path, capsys):
+    out = tmp_path / "c.py"
+    out.write_text("# someone's own config\n")
+    with pytest.raises(SystemExit, match=r"out = '.*c.py' exists: choose another --out, or pass --force=True"):
+        make_config.main(["--n_layer=2", f"--out={out}"])
+    assert out.read_text() == "# someone's own config\n"
+    make_config.main(["--n_layer=2", f"--out={out}", "--force=True"])
+    assert "n_layer = 2  #" in out.read_text()
+    assert capsys.readouterr().out.endswith(f"overwrote {out}\n")
+
+
+def test_the_default_out_says_where_it_wrote(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    make_config.main(["--n_layer=2"])
+    assert (tmp_path / "config" / "my.py").exists()
+    assert capsys.readouterr().out.endswith(f"wrote config/my.py ({tmp_path / 'config' / 'my.py'}): the default "
+                                            f"--out; --out=PATH writes elsewhere\n")
+
+
+def test_gpu_mem_gib_is_compared_in_the_plans_unit(tmp_path, capsys):
+    # the plan states the largest stage in GiB: a GPU a little smaller does not hold it, a little larger does
+    make_config.main(["--n_layer=2", f"--out={tmp_path / 'a.py'}"])
+    largest = float(re.search(r"largest: stage 0, ([\d.]+) GiB", capsys.readouterr().out).group(1))
+    make_config.main(["--n_layer=2", f"--out={tmp_path / 'b.py'}", f"--gpu_mem_gib={largest - 0.01}"])
+    assert f"does not fit {largest - 0.01}" in capsys.readouterr().out
+    make_config.main(["--n_layer=2", f"--out={tmp_path / 'c.py'}", f"--gpu_mem_gib={largest + 0.01}"])
+    assert "does not fit" not in capsys.readouterr().out

@@ -6,8 +6,10 @@ never prepare_data's own helpers.
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -17,9 +19,7 @@ import pytest
 import tiktoken
 
 import prepare_data
-from conftest import ROOT, shared_file
-
-ENC = tiktoken.get_encoding('gpt2')
+from conftest import ROOT, gpt2_encoding, needs_gpt2, shared_file
 
 DOCS = [
     'First document.',
@@ -56,20 +56,22 @@ def read_bin(path, dtype):
 
 def decode_docs(tokens):
     """Split a token file on EOT and decode each piece; every document must end with its EOT."""
-    tokens = tokens.tolist()
-    assert not tokens or tokens[-1] == ENC.eot_token
+    enc, tokens = gpt2_encoding(), tokens.tolist()
+    assert not tokens or tokens[-1] == enc.eot_token
     docs, start = [], 0
     for i, t in enumerate(tokens):
-        if t == ENC.eot_token:
-            docs.append(ENC.decode(tokens[start:i]))
+        if t == enc.eot_token:
+            docs.append(enc.decode(tokens[start:i]))
             start = i + 1
     return docs
 
 
 def stream_tokens(docs):
-    return [t for d in docs for t in ENC.encode_ordinary(d) + [ENC.eot_token]]
+    enc = gpt2_encoding()
+    return [t for d in docs for t in enc.encode_ordinary(d) + [enc.eot_token]]
 
 
+@needs_gpt2
 def test_round_trip_gives_back_every_document_exactly_once(tmp_path):
     src = write_jsonl(tmp_path / 'docs.jsonl', DOCS)
     prepare_data.prepare(str(src), str(tmp_path / 'out'), val_fraction=0.3, num_proc=1)
@@ -95,6 +97,7 @@ def test_token_dtype_is_the_smallest_that_holds_every_id():
     assert prepare_data.token_dtype(100277) == np.uint32  # cl100k_base
 
 
+@needs_gpt2
 def test_gpt2_is_written_as_uint16(tmp_path):
     prepare_data.prepare(str(write_jsonl(tmp_path / 'd.jsonl', DOCS)), str(tmp_path / 'out'), num_proc=1)
     meta, train, val = read_out(tmp_path / 'out')
@@ -102,6 +105,7 @@ def test_gpt2_is_written_as_uint16(tmp_path):
     assert os.path.getsize(tmp_path / 'out' / 'train.bin') == 2 * meta['train_tokens']
 
 
+@needs_gpt2
 def test_a_large_vocabulary_is_written_as_uint32(tmp_path, monkeypatch):
     # cl100k_base is not in the offline cache, so pretend gpt2 needed 32-bit ids
     monkeypatch.setattr(prepare_data, 'token_dtype', lambda n_vocab: np.uint32)
@@ -112,6 +116,7 @@ def test_a_large_vocabulary_is_written_as_uint32(tmp_path, monkeypatch):
     assert train.tolist() == stream_tokens(DOCS)
 
 
+@needs_gpt2
 def test_chunking_and_processes_do_not_change_the_output(tmp_path):
     src = str(write_jsonl(tmp_path / 'd.jsonl', numbered_docs(30)))
     runs = {'one_chunk': dict(chunk_docs=1024, num_proc=1), 'chunks_of_4': dict(chunk_docs=4, num_proc=1),
@@ -126,6 +131,7 @@ def test_chunking_and_processes_do_not_change_the_output(tmp_path):
     assert meta['val_docs'] > 0
 
 
+@needs_gpt2
 def test_val_split_is_about_val_fraction_and_never_empty(tmp_path):
     prepare_data.prepare(str(write_jsonl(tmp_path / 'many.jsonl', numbered_docs(2000))), str(tmp_path / 'many'),
                          val_fraction=0.1, num_proc=1)
@@ -136,6 +142,7 @@ def test_val_split_is_about_val_fraction_and_never_empty(tmp_path):
     assert (meta['train_docs'], meta['val_docs']) == (1, 1)
 
 
+@needs_gpt2
 def test_max_tokens_caps_exactly(tmp_path):
     docs = numbered_docs(50)
     full = stream_tokens(docs)
@@ -154,7 +161,7 @@ def test_max_tokens_caps_exactly(tmp_path):
     assert read_out(tmp_path / 'big')[1].tolist() == full
 
 
-def test_txt_file_is_one_document(tmp_path):
+def test_txt_file_is_one_document(tmp_path, gpt2):
     path = shared_file('tinyshakespeare/input.txt')
     if path is None:
         path = tmp_path / 'input.txt'
@@ -162,10 +169,11 @@ def test_txt_file_is_one_document(tmp_path):
     text = Path(path).read_text(encoding='utf-8')
     prepare_data.prepare(str(path), str(tmp_path / 'out'), max_tokens=20000)
     meta, train, val = read_out(tmp_path / 'out')
-    assert train.tolist() == ENC.encode_ordinary(text)[:20000]
+    assert train.tolist() == gpt2.encode_ordinary(text)[:20000]
     assert (meta['train_docs'], meta['val_docs'], meta['val_tokens']) == (1, 0, 0)
 
 
+@needs_gpt2
 def test_directory_and_glob_of_txt_files(tmp_path):
     texts = {'a.txt': 'alpha\nfirst file\n', 'b.txt': 'beta: ünïcödé\n', 'sub/c.txt': 'gamma, in a subfolder'}
     for rel, text in texts.items():
@@ -178,6 +186,7 @@ def test_directory_and_glob_of_txt_files(tmp_path):
     assert decode_docs(read_out(tmp_path / 'from_glob')[1]) == [texts['a.txt'], texts['b.txt']]
 
 
+@needs_gpt2
 def test_parquet_fineweb_sample_has_known_token_count(tmp_path):
     path = shared_file('fineweb_edu_sample/fineweb_edu_sample10bt_150.parquet')
     if path is None:
@@ -198,6 +207,7 @@ def test_parquet_fineweb_sample_has_known_token_count(tmp_path):
         assert (tmp_path / 'out' / f).read_bytes() == (tmp_path / 'out_jsonl' / f).read_bytes()
 
 
+@needs_gpt2
 def test_hub_default_is_fineweb_edu_sample_10bt_streamed(tmp_path, monkeypatch):
     calls = []
 
@@ -211,6 +221,7 @@ def test_hub_default_is_fineweb_edu_sample_10bt_streamed(tmp_path, monkeypatch):
     assert meta['source']['name'] == 'sample-10BT'
 
 
+@needs_gpt2
 def test_missing_path_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match='nope.jsonl'):
         prepare_data.prepare(str(tmp_path / 'nope.jsonl'), str(tmp_path / 'out'))
@@ -220,6 +231,7 @@ def test_missing_path_is_named(tmp_path):
         prepare_data.prepare('./missing_dir/data', str(tmp_path / 'out'))
 
 
+@needs_gpt2
 def test_missing_text_field_names_field_and_columns_and_leaves_nothing_complete(tmp_path):
     src = write_jsonl(tmp_path / 'd.jsonl', DOCS, field='content')
     with pytest.raises(ValueError, match=r"'text'.*\['content'\]"):
@@ -234,6 +246,7 @@ def test_unknown_tokenizer_lists_the_known_ones(tmp_path):
         prepare_data.prepare(str(src), str(tmp_path / 'out'), tokenizer='not_a_tokenizer')
 
 
+@needs_gpt2
 def test_command_line(tmp_path):
     src = write_jsonl(tmp_path / 'd.jsonl', DOCS)
     cmd = [sys.executable, str(ROOT / 'prepare_data.py'), f'--dataset={src}', f'--out_dir={tmp_path / "out"}',
@@ -245,6 +258,29 @@ def test_command_line(tmp_path):
     assert len(train) + len(val) == 40
     bad = subprocess.run(cmd[:2] + [f'--dataset={tmp_path / "absent.txt"}'], capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode != 0 and 'absent.txt' in bad.stderr
+
+
+def test_help_gives_every_default_out_dir_included(capsys):
+    with pytest.raises(SystemExit):
+        prepare_data.main(['--help'])
+    text = ' '.join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert 'written, replacing those there (default data/fineweb_edu, the data_dir of config/tiny_fineweb.py)' in text
+    for default in ('default HuggingFaceFW/fineweb-edu', 'default sample-10BT', 'default text', 'default gpt2',
+                    'default 0.0005 for FineWeb-Edu', 'default: no cap', 'default: all cores', 'default train'):
+        assert default in text
+
+
+@needs_gpt2
+def test_local_files_without_out_dir_say_they_go_to_the_default_and_where_they_went(tmp_path, monkeypatch, capsys):
+    src = write_jsonl(tmp_path / 'd.jsonl', DOCS)
+    monkeypatch.chdir(tmp_path)
+    prepare_data.main([f'--dataset={src}', '--num_proc=1'])
+    out = capsys.readouterr().out
+    assert out.startswith('no --out_dir given: writing to data/fineweb_edu, the default, which config/tiny_fineweb.py '
+                          'reads (pass --out_dir=DIR to write elsewhere)\n')
+    assert 'documents to data/fineweb_edu in' in out
+    assert out.endswith('train on it: python train.py config/tiny_fineweb.py --data_dir=data/fineweb_edu\n')
+    assert (tmp_path / 'data' / 'fineweb_edu' / 'meta.json').exists()
 
 
 # -----------------------------------------------------------------------------
@@ -260,6 +296,7 @@ def main_error(*argv):
     return message
 
 
+@needs_gpt2
 def test_missing_file_glob_or_directory_is_named(tmp_path):
     out = f'--out_dir={tmp_path / "out"}'
     assert 'nope.jsonl' in main_error(f'--dataset={tmp_path / "nope.jsonl"}', out)
@@ -271,6 +308,7 @@ def test_missing_file_glob_or_directory_is_named(tmp_path):
     assert not (tmp_path / 'out').exists()  # nothing was read, so nothing was made
 
 
+@needs_gpt2
 def test_empty_jsonl_is_an_error_not_empty_bins(tmp_path):
     (tmp_path / 'empty.jsonl').write_text('')
     (tmp_path / 'blank.jsonl').write_text('\n\n')
@@ -280,6 +318,7 @@ def test_empty_jsonl_is_an_error_not_empty_bins(tmp_path):
         assert not list((tmp_path / 'out').iterdir())
 
 
+@needs_gpt2
 def test_an_empty_file_among_others_adds_no_document(tmp_path):
     (tmp_path / 'corpus').mkdir()
     write_jsonl(tmp_path / 'corpus' / 'a.jsonl', DOCS[:3])
@@ -289,6 +328,7 @@ def test_an_empty_file_among_others_adds_no_document(tmp_path):
     assert decode_docs(read_out(tmp_path / 'out')[1]) == DOCS
 
 
+@needs_gpt2
 def test_malformed_jsonl_names_the_file_and_line(tmp_path):
     src = tmp_path / 'bad.jsonl'
     src.write_text('{"text": "fine"}\n{"text": "no closing brace"\n{"text": "fine again"}\n')
@@ -300,6 +340,7 @@ def test_malformed_jsonl_names_the_file_and_line(tmp_path):
     assert 'bad.jsonl: line 2 is a JSON str, not an object' in message
 
 
+@needs_gpt2
 def test_binary_file_given_as_txt_is_named(tmp_path):
     src = tmp_path / 'picture.txt'
     src.write_bytes(b'\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xd8')
@@ -307,6 +348,7 @@ def test_binary_file_given_as_txt_is_named(tmp_path):
     assert 'picture.txt is not UTF-8 text' in message and '0x89' in message
 
 
+@needs_gpt2
 def test_wrong_text_field_names_the_file_and_its_columns(tmp_path):
     # the second file of a directory: each file is read on its own, so the error can say which one it is
     (tmp_path / 'corpus').mkdir()
@@ -322,6 +364,7 @@ def test_wrong_text_field_names_the_file_and_its_columns(tmp_path):
     assert 'numbers.jsonl holds int values, not text' in message
 
 
+@needs_gpt2
 def test_unreachable_hub_says_to_use_local_files(tmp_path, monkeypatch):
     # datasets' own offline path, which raises what it raises when the hub cannot be reached
     monkeypatch.setattr(datasets.config, 'HF_HUB_OFFLINE', True)
@@ -351,6 +394,37 @@ def test_tokenizer_that_cannot_be_downloaded_names_TIKTOKEN_CACHE_DIR_and_the_fi
     assert hashlib.sha1(url.encode()).hexdigest() in message  # the name tiktoken looks for in its cache
 
 
+def test_an_unreachable_hub_is_an_error_at_once_not_after_datasets_retries(monkeypatch):
+    # offline, datasets retries five times, backing off to 8 s, before its own error (~25 s): the Hub's host
+    # is tried first, once. Here the connection fails as it does offline, without a real network call.
+    def no_network(address, timeout=None):
+        raise socket.gaierror(-2, 'Name or service not known')
+
+    def datasets_must_not_be_asked(*args, **kwargs):
+        raise AssertionError('datasets.load_dataset was called although the hub cannot be reached')
+    monkeypatch.setattr(datasets.config, 'HF_HUB_OFFLINE', False)  # (conftest sets it: the tests run offline)
+    monkeypatch.setattr(prepare_data.urllib.request, 'getproxies', lambda: {})
+    monkeypatch.setattr(prepare_data.socket, 'create_connection', no_network)
+    monkeypatch.setattr(prepare_data.datasets, 'load_dataset', datasets_must_not_be_asked)
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError) as error:
+        prepare_data.load_documents(prepare_data.DEFAULT_DATASET, prepare_data.DEFAULT_NAME, 'train', 'text')
+    assert time.monotonic() - t0 < 5
+    message = str(error.value)
+    assert "--dataset='HuggingFaceFW/fineweb-edu' is a Hugging Face hub dataset" in message
+    assert 'huggingface.co:443 cannot be reached (gaierror' in message and '--dataset=PATH' in message
+
+
+def test_behind_a_proxy_the_hub_is_not_tried_directly(monkeypatch):
+    def no_direct_connection(address, timeout=None):
+        raise AssertionError(f'a direct connection to {address} was tried although a proxy is set')
+    monkeypatch.setattr(datasets.config, 'HF_HUB_OFFLINE', False)
+    monkeypatch.setattr(prepare_data.urllib.request, 'getproxies', lambda: {'https': 'http://proxy.example:3128'})
+    monkeypatch.setattr(prepare_data.socket, 'create_connection', no_direct_connection)
+    assert prepare_data.why_hub_unreachable() is None
+
+
+@needs_gpt2
 def test_a_failed_run_leaves_no_tmp_files_and_the_earlier_output_untouched(tmp_path):
     write_jsonl(tmp_path / 'good.jsonl', numbered_docs(20))
     prepare_data.prepare(str(tmp_path / 'good.jsonl'), str(tmp_path / 'out'), num_proc=1)
@@ -367,6 +441,7 @@ def test_a_failed_run_leaves_no_tmp_files_and_the_earlier_output_untouched(tmp_p
     assert {f.name: f.read_bytes() for f in (tmp_path / 'out').iterdir()} == before
 
 
+@needs_gpt2
 def test_command_line_error_is_one_line_without_traceback(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / 'prepare_data.py'), f'--dataset={tmp_path / "absent.jsonl"}'],
                             capture_output=True, text=True, cwd=tmp_path)

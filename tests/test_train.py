@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, shared_file
+from conftest import ROOT, needs_gpt2, shared_file
 from dist_utils import make_token_data, run_train, train_losses
 
 import configurator
@@ -208,6 +208,7 @@ def test_scratch_run_refuses_to_overwrite_checkpoints(token_dir, tmp_path):
 
 # --- the whole path on real text: prepare, train, sample -------------------------------------------
 
+@needs_gpt2
 def test_prepare_train_sample_on_real_text(tmp_path):
     import prepare_data
     import sample
