@@ -229,7 +229,7 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 def optimizer_pieces(optimizer, model, layout):
     """The optimizer's states (AdamW's moments, Muon's momentum), saved like the parameters they belong to.
     Under ZeRO-1 a state says which flat range of its parameter's (tensor-parallel slice's) elements this
-    rank owns (parallel.ZeroOneAdamW: a slice; parallel.Muon: a whole matrix, or a slice for AdamW's
+    rank owns (parallel.ZeroOneAdamW: a slice; optim.Muon: a whole matrix, or a slice for AdamW's
     part): then every data-parallel rank saves its own ranges, and the ranks' pieces together cover every
     element once."""
     pieces, copies, experts = {}, model.tied_copies(), model.expert_parameters()
@@ -251,8 +251,8 @@ def _moment(reader, name, p, key):
 
 
 def load_states(optimizer, model, reader):
-    """Fill an optimizer whose states exist before its first step (parallel.ZeroOneAdamW, parallel.Muon; any
-    dp, any layout) from a checkpoint saved with or without ZeRO: each rank assembles the full state
+    """Fill an optimizer's states, which exist before its first step (optim.AdamW, parallel.ZeroOneAdamW,
+    optim.Muon; any dp, any layout) from a checkpoint saved with or without ZeRO: each rank assembles the full state
     tensors of its parameters and keeps the flat range it owns (all of it without one)."""
     step, copies = torch.tensor(float(reader.meta["adam_step"])), model.tied_copies()
     for name, p in model.named_parameters():
@@ -274,17 +274,6 @@ def adamw_step_count(optimizer):
         if "step" in state:
             return int(state["step"])
     return 0
-
-
-def load_adamw(optimizer, model, reader):
-    # fused AdamW keeps its step counter on the parameters' device, the loop implementation on the CPU
-    fused, copies = optimizer.defaults.get("fused"), model.tied_copies()
-    for name, p in model.named_parameters():
-        name = copies.get(name, name)
-        step = torch.tensor(float(reader.meta["adam_step"]), device=p.device if fused else "cpu")
-        # contiguous: a tensor-parallel slice is a strided view, which fused AdamW would not update in place
-        optimizer.state[p] = {"step": step, **{k: _moment(reader, name, p, k).to(p.device).contiguous()
-                                               for k in ("exp_avg", "exp_avg_sq")}}
 
 
 # -----------------------------------------------------------------------------

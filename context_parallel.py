@@ -8,7 +8,7 @@ tokens, because a query reads the keys and values of every earlier token.
 
 Every cp rank holds the whole model, the same parameters, and computes the gradient of its own tokens'
 part of the loss: the gradients are averaged over the dp x cp ranks that hold the same parameters
-(section 5), and each rank's loss is its tokens' summed loss over the microbatch's token count, times cp,
+(parallel.py's data parallelism), and each rank's loss is its tokens' summed loss over the microbatch's token count, times cp,
 so that the mean over the cp ranks is the microbatch's mean loss and the average of their gradients its
 gradient (a factor cp off would hardly show in the losses under AdamW, only in the gradient norm). A
 mixture-of-experts layer, whose expert capacity couples every token of a microbatch, gathers its routing

@@ -28,8 +28,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from model import Transformer, attention_head_dim, loss_chunk_size, mlp_hidden_size, takes_muon
-from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ZeroOneAdamW, deal_whole,
-                      full_shape_of, padded_vocab_size, stage_layers)
+from optim import deal_whole
+from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, full_shape_of, padded_vocab_size,
+                      stage_layers)
 from pipeline_schedules import SCHEDULES, ideal_bubble, virtual_stages
 
 
@@ -308,15 +309,13 @@ def moe_metrics(model, layout, steps=1):
 
 
 def expert_memory_bytes(model, optimizer):
-    """(bytes of the routed experts' parameters, bytes of their AdamW moments) on this rank: what expert
-    parallelism divides by ep (and ZeRO-1 the moments further by the expert replicas). Plain AdamW creates
-    its two moments per element at its first step: they are counted before it, as what it will hold."""
+    """(bytes of the routed experts' parameters, bytes of their optimizer state) on this rank: what expert
+    parallelism divides by ep (and ZeRO-1 the moments further by the expert replicas). Every optimizer's
+    states exist from the start."""
     params = model.expert_parameters().values()
     param_bytes = sum(p.numel() * p.element_size() for p in params)
-    if not isinstance(optimizer, ZeroOneAdamW):
-        return param_bytes, 2 * param_bytes
-    moments = [optimizer.state[p][k] for p in params if p in optimizer.state for k in ("exp_avg", "exp_avg_sq")]
-    return param_bytes, sum(m.numel() * m.element_size() for m in moments)
+    state = [v for p in params if p in optimizer.state for v in optimizer.state[p].values() if torch.is_tensor(v)]
+    return param_bytes, sum(v.numel() * v.element_size() for v in state if v.dim() > 0)
 
 
 def format_duration(seconds):
@@ -487,7 +486,7 @@ class _Saved:
 #                shards plus three buckets (units) in flight (the one filling, two being reduce-scattered)
 #   optimizer    AdamW's two moments per element (1/dp of them under ZeRO, padded); Muon's one momentum per
 #                element of a block's matrix (AdamW's two for the rest), ZeRO-1 dealing the matrices whole:
-#                a rank's share is what parallel.deal_whole gives it, not 1/dp
+#                a rank's share is what optim.deal_whole gives it, not 1/dp
 #   activations  what autograd saves per block and micro-batch (counted from the block's code below, in
 #                the activation dtype), held from a chunk's forward to its backward; with activation
 #                checkpointing only each block's input, plus one block recomputed. Under the zero-bubble
@@ -508,7 +507,7 @@ class _Saved:
 # assignments when dropless), and while an MoE layer's outputs travel back, the all-to-all buffers
 # (the rows sent, received, computed and reordered) are alive beside the activations. Muon: one momentum
 # per element of a block's matrix, AdamW's two for the rest; ZeRO-1 deals the matrices whole
-# (parallel.deal_whole), so a rank's share of them is what the deal gives it, not 1/dp.
+# (optim.deal_whole), so a rank's share of them is what the deal gives it, not 1/dp.
 # The peak is found by walking the rank's actions of the schedule (pipeline_schedules.SCHEDULES: the same lists the
 # executor runs; with pp = 1 each micro-batch's forward, then its backward): the states (parameters,
 # gradients, optimizer), plus at the end of each forward what is then held (the activations and the
@@ -709,7 +708,7 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
             grads = P * param_bytes * (2 if (replicas > 1 or zero_stage == 1) else 1)
         # the optimizer's state: AdamW's two moments per element; Muon's one momentum per matrix element
         # (AdamW's two for the rest); under ZeRO 1/dp of them (the experts' over their replicas), except
-        # Muon's matrices, dealt whole (parallel.deal_whole): this rank's share is what the deal gives it
+        # Muon's matrices, dealt whole (optim.deal_whole): this rank's share is what the deal gives it
         matrices = [name for name in elements if takes_muon(name, torch.empty(shapes[name], device="meta"))] if muon else []
         M = sum(elements[name] for name in matrices)
         adamw_elements = [sum(n for name, n in elements.items() if is_expert(name) == e and name not in matrices)
@@ -753,7 +752,7 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
             buffers += ((shard(launched[0]) if replicas > 1 else 0)
                         + (shard(launched[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
         # expert parallelism: while an MoE layer's outputs travel back, the rows it sent, the rows it
-        # received, its experts' outputs and their reordered copy (parallel.dispatch_to_experts), beside
+        # received, its experts' outputs and their reordered copy (expert_parallel.dispatch_to_experts), beside
         # the activations saved so far
         exchange = 0
         if ep > 1 and model_cfg.n_expert > 0 and blocks:

@@ -21,11 +21,11 @@ rope_scaling_factor with its three companions (Llama 3.1's RoPE scaling, llama3_
 The model is built directly in its parallel form: the linears are parallel.py's Column/Row parallel
 layers, which are plain linears when there is no tensor-parallel group, and a pipeline stage builds only
 its own blocks (and the embedding on the first stage, the head on the last). Under context parallelism
-(a cp group) each rank runs its share of every sequence and attention is ring attention; under sequence
-parallelism the tokens between the tensor-parallel regions are split across the tp ranks (parallel.py,
-sections 3 and 2). Weights are initialised from
-a generator seeded by (seed, parameter name) over the full tensor, then sliced, so every layout starts
-from the same full model.
+(a cp group) each rank runs its share of every sequence and attention is ring attention
+(context_parallel.py); under sequence parallelism the tokens between the tensor-parallel regions are split
+across the tp ranks (parallel.py). Weights are initialised from a generator seeded by (seed, parameter
+name) over the full tensor, then sliced, so every layout starts from the same full model. At the end, the
+small functions that say how the parallel mechanisms cut this model (pipeline chunks, ZeRO-3's units).
 """
 import functools
 import math
@@ -39,10 +39,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from context_parallel import all_gather_context, check_context_split, loss_share, ring_attention, zigzag_split
-from parallel import (ByteCount, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
-                      dispatch_to_experts, exchange_expert_counts, full_shape_of, gather_from_sp, gather_from_tp,
-                      group_rank, group_size, padded_vocab_size, scatter_to_tp, shard_of, stage_layers,
-                      valid_vocab_columns, vocab_parallel_cross_entropy)
+from expert_parallel import ByteCount, dispatch_to_experts, exchange_expert_counts
+from parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelEmbedding, SequenceParallelRowLinear,
+                      VocabParallelEmbedding, copy_to_tp, full_shape_of, gather_from_sp, gather_from_tp, group_rank,
+                      group_size, padded_vocab_size, scatter_to_tp, shard_of, stage_layers, valid_vocab_columns,
+                      vocab_parallel_cross_entropy)
 
 
 @dataclass
@@ -415,6 +416,13 @@ def attention_head_dim(cfg):
     return cfg.head_dim or cfg.n_embd // cfg.n_head
 
 
+def output_linear(in_features, out_features, bias, tp_group, sequence_parallel):
+    """The row-parallel linear that ends a tensor-parallel region (attention's output projection, the MLP's
+    down projection): into a sequence-parallel region under sequence parallelism."""
+    linear = SequenceParallelRowLinear if sequence_parallel else RowParallelLinear
+    return linear(in_features, out_features, bias=bias, group=tp_group)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head attention with n_kv_head key/value heads (Shazeer 2019 "Fast Transformer Decoding" for
     MQA, Ainslie et al. 2023 for GQA). Under tensor parallelism each rank holds n_head / tp query heads
@@ -466,8 +474,7 @@ class CausalSelfAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, tp_group)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, tp_group)
-        self.o_proj = RowParallelLinear(cfg.n_head * self.head_dim, cfg.n_embd, bias=cfg.bias, group=tp_group,
-                                        sequence_parallel=sequence_parallel)
+        self.o_proj = output_linear(cfg.n_head * self.head_dim, cfg.n_embd, cfg.bias, tp_group, sequence_parallel)
         self.o_proj.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2's depth-scaled residual init
 
     def project_kv(self, x):
@@ -558,8 +565,7 @@ class MultiHeadLatentAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(qk_dim, cfg.norm_eps, tp_group)
             self.k_norm = RMSNorm(qk_dim, cfg.norm_eps, tp_group)
-        self.o_proj = RowParallelLinear(cfg.n_head * self.v_dim, cfg.n_embd, bias=cfg.bias, group=tp_group,
-                                        sequence_parallel=sequence_parallel)
+        self.o_proj = output_linear(cfg.n_head * self.v_dim, cfg.n_embd, cfg.bias, tp_group, sequence_parallel)
         self.o_proj.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
 
     def down(self, linear, x):
@@ -618,8 +624,7 @@ class SwiGLUMLP(nn.Module):
         hidden = mlp_hidden_size(cfg)
         self.gate = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group, copy_input=False)
         self.up = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group, copy_input=False)
-        self.down = RowParallelLinear(hidden, cfg.n_embd, bias=cfg.bias, group=tp_group,
-                                      sequence_parallel=sequence_parallel)
+        self.down = output_linear(hidden, cfg.n_embd, cfg.bias, tp_group, sequence_parallel)
         self.down.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
 
     def forward(self, x):
@@ -643,8 +648,7 @@ class GeluMLP(nn.Module):
         hidden = mlp_hidden_size(cfg)
         self.up = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group,
                                        copy_input=not sequence_parallel)
-        self.down = RowParallelLinear(hidden, cfg.n_embd, bias=cfg.bias, group=tp_group,
-                                      sequence_parallel=sequence_parallel)
+        self.down = output_linear(hidden, cfg.n_embd, cfg.bias, tp_group, sequence_parallel)
         self.down.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
 
     def forward(self, x):
@@ -709,7 +713,7 @@ class MixtureOfExperts(nn.Module):
     Experts run only on their own tokens: the kept assignments are sorted by expert (the dropped ones
     last, cut off by count, so no boolean indexing syncs), each expert takes its contiguous group of tokens,
     and the weighted outputs are added back with index_add. Reading the group sizes is the one host-device
-    sync, once per layer (parallel.exchange_expert_counts).
+    sync, once per layer (expert_parallel.exchange_expert_counts).
 
     Auxiliary losses (weighted; forward leaves their sum in self.aux_loss, which Transformer.forward adds
     to the training loss):
@@ -740,11 +744,11 @@ class MixtureOfExperts(nn.Module):
     all-reduce) and P_e from this rank's tokens: its share of the loss, as the cross-entropy is
     (context_parallel.py); the dropped fraction is the window's.
 
-    Expert parallelism (ep_group, parallel.py section 6): this rank holds only experts first_expert ...
+    Expert parallelism (ep_group, expert_parallel.py): this rank holds only experts first_expert ...
     first_expert + n_expert / ep - 1, keyed by their global index (experts.5 is expert 5 at every ep, so
     checkpoints reshard between ep values). Routing, capacity, the auxiliary losses and the dropped
     fraction are computed here, on this rank's own micro-batch, exactly as in one process; only the kept
-    assignments travel, to their experts' ranks and back (parallel.dispatch_to_experts), and the outputs are
+    assignments travel, to their experts' ranks and back (expert_parallel.dispatch_to_experts), and the outputs are
     combined with the router weights here, where the tokens are."""
 
     def __init__(self, cfg, tp_group=None, cp_group=None, sequence_parallel=False, ep_group=None):
@@ -823,7 +827,7 @@ class MixtureOfExperts(nn.Module):
         # Every expert runs, one without tokens on zero rows: its weights then get their (zero) gradient
         # during backward, at the same point on every rank, so that the gradient buckets fill, and ZeRO-2/3
         # launch their reduce-scatters between the same gathers and all-to-alls, on a rank whose expert got
-        # no token as on one whose did (parallel.py section 5). On zero rows a tp all-reduce moves nothing.
+        # no token as on one whose did (zero.py). On zero rows a tp all-reduce moves nothing.
         return torch.cat([expert(rows) for expert, rows in zip(self.experts.values(), x.split(sizes))])
 
     def count_load(self):
@@ -1089,7 +1093,7 @@ class Transformer(nn.Module):
     In eval mode (model.eval()) the auxiliary losses are left out, so a validation loss is the plain
     cross-entropy, comparable with a dense model's.
 
-    ep_group (expert parallelism, parallel.py section 6): each MoE layer holds only this rank's n_expert / ep
+    ep_group (expert parallelism, expert_parallel.py): each MoE layer holds only this rank's n_expert / ep
     experts and sends tokens to the others' (expert_parameters() names the experts this rank holds).
 
     How it runs, not what it computes: attn_impl (a kernel choose_attn_impl chose for the device; 'auto'
@@ -1124,7 +1128,7 @@ class Transformer(nn.Module):
         self.chunk_layers = [stage_layers(cfg.n_layer, pp, s) for s in self.stages]
         self.layer_ids = sorted(i for layers in self.chunk_layers for i in layers)
         if self.is_first:
-            self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, tp_group, sequence_parallel=sp)
+            self.tok_emb = (SequenceParallelEmbedding if sp else VocabParallelEmbedding)(cfg.vocab_size, cfg.n_embd, tp_group)
         # keyed by the global block index, so a parameter has the same name whichever stage holds it
         self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, attn_impl, cp_group, sp, ep_group)
                                      for i in self.layer_ids})
@@ -1226,24 +1230,6 @@ class Transformer(nn.Module):
         return {f"blocks.{i}.mlp.experts.{name}": p for i, moe in self.moe_layers().items()
                 for name, p in moe.experts.named_parameters()}
 
-    def chunk_modules(self, chunk):
-        """The modules chunk `chunk` runs: the embedding on stage 0, its blocks, the final norm and the head on
-        the last stage (the zero-bubble schedules split the backward of the linears in them). Not the head
-        under the chunked loss, which reads the head's weight itself: its gradient comes in the backward."""
-        stage = self.stages[chunk]
-        modules = [self.tok_emb] if stage == 0 else []
-        modules += [self.blocks[str(i)] for i in self.chunk_layers[chunk]]
-        if stage == self.n_stages - 1:
-            modules += [self.norm] + ([] if self.chunked_loss else [self.lm_head])
-        return modules
-
-    def chunk_parameters(self, chunk):
-        """The parameters chunk `chunk` uses, each once: its modules', and the head's under the chunked loss."""
-        params = [p for module in self.chunk_modules(chunk) for p in module.parameters()]
-        if self.stages[chunk] == self.n_stages - 1:
-            params += list(self.lm_head.parameters())
-        return list({id(p): p for p in params}.values())
-
     def tied_copies(self):
         """{name of a parameter here: name of the weight it copies}: the head's weight on a last stage that
         does not hold the embedding, under tie_embeddings. A checkpoint saves the original only, the
@@ -1300,3 +1286,65 @@ def takes_muon(name, param):
     state to one score per expert as the head maps it to one per token; the embedding and the head sit
     outside the blocks, norm gains and biases are 1-D: all of those take AdamW."""
     return name.startswith("blocks.") and param.dim() == 2 and not name.endswith("router.weight")
+
+
+# -----------------------------------------------------------------------------
+# How the parallel mechanisms cut this model: the modules and parameters of each pipeline chunk (the
+# zero-bubble schedules split the backward of the linears in them), the backward action that writes each
+# parameter's gradient (ZeRO-2/3 send it after that action), and ZeRO-3's units of parameters.
+
+
+def chunk_modules(model, chunk):
+    """The modules chunk `chunk` of a Transformer runs: the embedding on stage 0, its blocks, the final norm
+    and the head on the last stage (the zero-bubble schedules split the backward of the linears in them).
+    Not the head under the chunked loss, which reads the head's weight itself: its gradient comes in the
+    backward."""
+    stage = model.stages[chunk]
+    modules = [model.tok_emb] if stage == 0 else []
+    modules += [model.blocks[str(i)] for i in model.chunk_layers[chunk]]
+    if stage == model.n_stages - 1:
+        modules += [model.norm] + ([] if model.chunked_loss else [model.lm_head])
+    return modules
+
+
+def chunk_parameters(model, chunk):
+    """The parameters chunk `chunk` uses, each once: its modules', and the head's under the chunked loss."""
+    params = [p for module in chunk_modules(model, chunk) for p in module.parameters()]
+    if model.stages[chunk] == model.n_stages - 1:
+        params += list(model.lm_head.parameters())
+    return list({id(p): p for p in params}.values())
+
+
+def backward_phases(model, weight_grad_stores=None):
+    """{parameter: {(op, chunk)}}: the backward actions of a micro-batch that write each parameter's gradient,
+    after each of which ZeRO-2 and 3 send it (zero.GradientShards.backward_done): ('B', c) for the
+    parameters of chunk c, or, where the schedule splits the backward (zero_bubble, zbv: one
+    WeightGradStore per chunk), ('W', c) for those its W actions compute (WeightGradStore.params). One
+    parameter has two: under zbv with tied embeddings, rank 0's embedding, which chunk 0's B and, as the
+    head, chunk 1's W (its B under the chunked loss) add to."""
+    phases = {}
+    for c in range(len(model.stages)):
+        by_hand = {id(p) for p in weight_grad_stores[c].params} if weight_grad_stores else set()
+        for p in chunk_parameters(model, c):
+            phases.setdefault(p, set()).add(("W" if id(p) in by_hand else "B", c))
+    return phases
+
+
+def zero3_units(model, tied=(), phases=None):
+    """ZeRO-3's units of parameters, (module or None, params, chunk), in forward order: the root (this
+    stage's embedding, final norm and head, kept whole through the step), a tied weight alone (its shards
+    are summed across stages), then each transformer block, gathered around its forward and its backward
+    (zero.py). A unit's gradients are sent after one backward action (`phases`, as backward_phases gives
+    them), so under a split backward a block is two units, its B part and its W part (gathered and freed
+    together), and the root one per action."""
+    def by_phase(params):
+        parts = {}
+        for p in params:
+            parts.setdefault(frozenset(phases[p]) if phases is not None else None, []).append(p)
+        return list(parts.values())
+    chunk_of = {i: c for c, layers in enumerate(model.chunk_layers) for i in layers}
+    blocks = [(block, part, chunk_of[int(i)]) for i, block in model.blocks.items()
+              for part in by_phase(list(block.parameters()))]
+    apart = {id(p) for _, params, _ in blocks for p in params} | {id(p) for p in tied}
+    root = [p for p in model.parameters() if id(p) not in apart]
+    return [(None, part, None) for part in by_phase(root)] + [(None, [p], None) for p in tied] + blocks

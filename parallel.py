@@ -1,60 +1,52 @@
 """
-Every parallel mechanism of picotron, in plain torch.distributed: one self-contained section each, in the
-order a reader learns them.
+The 3D core of picotron's parallelism, in plain torch.distributed: data, tensor and pipeline parallelism,
+one numbered section each, in the order a reader learns them (the Ultra-Scale Playbook's: data
+parallelism and ZeRO, then tensor and sequence parallelism, then the pipeline).
 
   1. The layout: how the world of ranks is cut into data-, context-, tensor- and pipeline-parallel groups
      (and the data-parallel ranks into expert-parallel groups), the printed rank grid, and which
      tensor-parallel groups would span two nodes.
-  2. Tensor parallelism (Megatron-LM): the four communication operators as autograd functions, the layers
-     built from them (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) and the
-     vocab-parallel cross-entropy; with sequence parallelism, the two operators that split the tokens
-     between the tensor-parallel regions.
-  3. Context parallelism: the zigzag split of every sequence across ranks and ring attention (the keys
-     and values travel round the ranks; a custom autograd function, forward and backward).
-  4. Pipeline parallelism: each schedule (AFAB, 1F1B, interleaved 1F1B, zero bubble ZB-H1, ZB-V) written
-     once as every rank's ordered list of forward, backward and weight-gradient actions on its model
-     chunks, the backward split into its input and weight halves (WeightGradStore), one executor that walks
-     the list on a real rank, and the tied-weight sync.
-  5. Data parallelism and ZeRO: gradients averaged in buckets from backward hooks (GradientBuckets), an
-     AdamW whose states are split across data-parallel ranks (ZeroOneAdamW, ZeRO-1), the gradients kept
-     as shards too (ZeRO-2), and the parameters, gathered block by block around their use
-     (FullyShardedParameters, ZeRO-3).
-  6. Expert parallelism: a mixture of experts' experts spread over data-parallel ranks, each token sent to
-     its experts' rank and back with two all-to-alls (an autograd function, forward and backward).
-  7. Muon: Newton-Schulz orthogonalised momentum for the matrices, AdamW for the rest, in one optimizer,
-     with each matrix orthogonalised whole under tensor parallelism and dealt whole to one rank by ZeRO-1.
-  Last, the timeline printer: the same action lists placed in time by a simulator of the executor's
-     exchanges (python parallel.py --schedule zero_bubble --pp 4 --microbatches 8; --chunks for
-     interleaved_1f1b).
+  2. Data parallelism: gradients averaged in buckets launched from backward hooks (GradientBuckets), with
+     the few named hooks the mechanisms that extend it override.
+  3. ZeRO-1: the buckets reduce-scattered instead (ShardedGradientBuckets) and an AdamW whose states are
+     split across the data-parallel ranks (ZeroOneAdamW), stepped by torch's fused kernel (adamw_step).
+  4. Tensor parallelism (Megatron-LM): the communication operators as autograd functions, the layers built
+     from them (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) and the vocab-parallel
+     cross-entropy.
+  5. Sequence parallelism, tensor parallelism's option: the two operators that split the tokens between
+     the tensor-parallel regions, and the layers that end and begin them that way.
+  6. Pipeline parallelism: a schedule as every rank's ordered list of forward and backward actions (AFAB,
+     1F1B), the stages' cut, the channel between the ranks, one executor that walks any list on a real
+     rank, and the tied-weight sync.
 
-Every piece here works on its own, given only torch and a process group (None means "not split"), so it
-can be lifted into another project.
+Each mechanism beyond these is a file of its own, importing only torch and this file: context_parallel.py
+(the zigzag split and ring attention), zero.py (ZeRO-2 and ZeRO-3), expert_parallel.py (the all-to-all),
+pipeline_schedules.py (interleaved 1F1B, ZB-H1, ZB-V and the split backward); optim.py holds AdamW's
+interface and Muon. A core piece knows nothing of them: where one extends it, it does so through the named
+hooks the core's docstring lists. Every piece works given only torch and a process group, so it can be
+lifted into another project; group=None always means "not split" (one rank), never torch's default
+world group.
 
-References: Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
+References: Li et al. 2020, "PyTorch Distributed" (section 3.2.3); Rajbhandari et al. 2020, "ZeRO"
+(section 5.1); Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
 Model Parallelism" (the f and g operators, section 3); Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models" (sequence parallelism, section 4.2.2); Liu et al. 2023, "Ring
-Attention with Blockwise Transformers for Near-Infinite Context"; Dubey et al. 2024, "The Llama 3 Herd of
-Models" (the load-balanced split, section 3.3.2); Huang et al. 2019, "GPipe" (all forward, all backward);
-Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
-(1F1B and interleaved 1F1B, sections 2.2.1-2.2.2); Qi et al. 2023, "Zero Bubble Pipeline Parallelism"
-(ZB-H1, ZB-V); Rajbhandari et al. 2020, "ZeRO" (sections 5.1-5.3); Zhao et al. 2023, "PyTorch
-FSDP: Experiences on Scaling Fully Sharded Data Parallel"; Lepikhin et al. 2020, "GShard" (experts
-spread over devices, all-to-all dispatch, section 2.2); Fedus et al. 2021, "Switch Transformers" (section
-5.4); Jordan et al. 2024, "Muon"; Liu et al. 2025, "Muon is Scalable for LLM Training".
+Recomputation in Large Transformer Models" (sequence parallelism, section 4.2.2); Huang et al. 2019,
+"GPipe" (all forward, all backward); Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
+on GPU Clusters Using Megatron-LM" (1F1B, section 2.2.1).
 """
 import argparse
 import itertools
 import math
 import os
 import sys
-from collections import namedtuple
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim.adamw import adamw
 
 # torch 2.13 renamed the single-tensor collectives (the old names still work, with a warning)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -78,7 +70,7 @@ def grid_rank(pp_rank, dp_rank, tp_rank, dp, tp, cp_rank=0, cp=1):
 
 def resolve_dp(world_size, dp, tp, pp, count_name="WORLD_SIZE", cp=1, ep=1):
     """The data-parallel size of a launch: dp = 0 means whatever the world leaves after cp * tp * pp; any
-    other dp must make dp * cp * tp * pp the world size; and ep (expert parallelism, section 6) must divide
+    other dp must make dp * cp * tp * pp the world size; and ep (expert parallelism, expert_parallel.py) must divide
     dp. The one place these rules live (train.py, bench.py and make_config.py, whose count_name is 'nproc',
     all come here)."""
     split = cp * tp * pp
@@ -126,7 +118,7 @@ class ParallelLayout:
     ranks that hold the same parameters (same tp slice, same stage): gradients are averaged and ZeRO shards
     over it (at cp = 1 it is the dp group). A group of one rank is None.
 
-    Expert parallelism (ep, section 6) cuts each line of dp ranks into dp / ep blocks of ep neighbours: the
+    Expert parallelism (ep, expert_parallel.py) cuts each line of dp ranks into dp / ep blocks of ep neighbours: the
     ranks of a block (ep_group, ep_rank its index) hold different experts and exchange tokens twice per MoE
     layer, the chattiest group after tp and cp, so they are neighbours too; the ranks at the same place of
     every block, of every cp share (expert_dp_group, (dp / ep) * cp of them) hold the same experts and
@@ -273,8 +265,372 @@ def format_grid(dp, tp, pp, cp=1, ep=1, n_expert=0):
     return "\n".join(lines)
 
 
+
+
 # -----------------------------------------------------------------------------
-# 2. Tensor parallelism: the communication operators
+# 2. Data parallelism: gradients averaged in buckets, from backward hooks
+#
+# Every data-parallel rank holds the same parameters and runs its own slice of the global batch, so its
+# gradient is the mean over its slice; the mean over the whole batch is the average of the ranks'
+# gradients. Averaging is one collective per bucket of parameters, launched from a backward hook the
+# moment the bucket's last gradient is ready, so the communication of the layers near the output runs
+# while backward is still computing the layers near the input (the overlap DistributedDataParallel has;
+# Li et al. 2020, "PyTorch Distributed", section 3.2.3). Under context parallelism (context_parallel.py)
+# the ranks of a cp group hold the same parameters too, each with the gradient of its share of every
+# sequence: gradients are then averaged, and ZeRO shards, over the dp x cp ranks (layout.dp_cp_group),
+# "dp" below its size.
+#
+# A bucket is one flat tensor, so it holds parameters of one dtype only: a parameter whose dtype differs
+# from the one before it starts a new bucket. With gradient accumulation only the last micro-batch's
+# backward communicates: the others just accumulate into p.grad.
+#
+# The buckets are launched in their order, the same on every rank, even when they fill in another order:
+# collectives on a group must be issued in the same order by every rank, and the order gradients arrive
+# in may depend on the data (a parameter that got no gradient on one rank has none until finish() there).
+# A bucket that is full waits for the ones before it (as DistributedDataParallel's reducer does); out of
+# order, two ranks would add up different buckets, a mismatch error when their sizes differ and silently
+# wrong gradients when they do not.
+
+
+class Bucket:
+    """Parameters whose gradients travel as one flat tensor: `flat`, each parameter's elements at its
+    offset, in order. `ready` holds the indices of those copied in, `work` the collective in flight."""
+
+    def __init__(self, params, group):
+        self.params, self.group = params, group
+        self.offsets, n = [], 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        self.flat = self.new_flat()
+        self.ready, self.work = set(), None
+
+    def new_flat(self):
+        return torch.zeros(self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
+
+    def views(self):
+        """(param, its elements of flat, shaped like it)."""
+        return [(p, self.flat[start:start + p.numel()].view_as(p)) for p, start in zip(self.params, self.offsets)]
+
+
+class GradientBuckets:
+    """Averages the gradients of `params` over the data-parallel `group` (None: not split, one replica),
+    in buckets of about bucket_size_mb launched asynchronously from backward hooks
+    (Tensor.register_post_accumulate_grad_hook). Do not also wrap the model in DistributedDataParallel.
+
+    Per step: before each micro-batch's backward call set_grad_sync(False) for the gradient-accumulation
+    micro-steps (gradients just accumulate, nothing is sent) and set_grad_sync(True) before the last; after
+    backward, finish() waits for the collectives and leaves the average gradient in every p.grad (zeros for
+    a parameter that got none, as on every replica).
+
+    `deferred` parameters are not sent from their hooks but in finish(): a gradient that still changes
+    after backward (a tied embedding whose pipeline stages add their copies' gradients) must be complete
+    before it is reduced, so call finish() after that addition.
+
+    Hooks, for the mechanisms that extend it (each overrides what it changes; what is here is the plain
+    all-reduce):
+      kind(p)              parameters of different kinds never share a bucket (here: one kind)
+      plan(params, size)   the buckets, lists of parameters in the order backward fills them
+      new_bucket(params)   the object each bucket is (Bucket)
+      launch(bucket)       posts its collective (all_reduce)
+      land(bucket)         after it: what each p.grad becomes (the sum's mean, a view of flat)
+      replicas             the count the summed gradients are divided by: the group's size
+      backward_done(op, chunk)  called after every backward action by the training step (here: nothing)
+    and for gradients accumulated outside autograd: by_hand(params) removes their hooks, grad_ready(p)
+    announces each once it is complete."""
+
+    def __init__(self, params, group, bucket_size_mb=25.0, deferred=()):
+        self.group, self.replicas = group, group_size(group)
+        self.sync, self.launched = True, 0  # launched: buckets sent since the last finish(), in order
+        self.deferred = {id(p) for p in deferred}
+        params = [p for p in params if p.requires_grad]
+        self.buckets = [self.new_bucket(ps) for ps in self.plan(params, bucket_size_mb)]
+        self.where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self.hooks = {id(p): p.register_post_accumulate_grad_hook(self.grad_ready)
+                      for p in params if id(p) not in self.deferred}
+
+    def kind(self, p):
+        return None
+
+    def plan(self, params, bucket_size_mb):
+        """Backward produces gradients roughly in the reverse order of the forward pass: bucket them that way,
+        filling one bucket of each kind at a time, in the order they fill up; the deferred ones last."""
+        capacity, buckets, filling = max(1, int(bucket_size_mb * 2 ** 20)), [], {}  # kind -> (params, bytes)
+        for p in reversed([p for p in params if id(p) not in self.deferred]):
+            current, size = filling.get(self.kind(p), ([], 0))
+            if current and p.dtype != current[0].dtype:  # one dtype per flat buffer
+                buckets.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= capacity:
+                buckets.append(current)
+                current, size = [], 0
+            filling[self.kind(p)] = (current, size)
+        buckets += [current for current, _ in filling.values() if current]
+        late = [p for p in params if id(p) in self.deferred]
+        for kind, dtype in dict.fromkeys((self.kind(p), p.dtype) for p in late):
+            buckets.append([p for p in late if (self.kind(p), p.dtype) == (kind, dtype)])
+        return buckets
+
+    def new_bucket(self, params):
+        return Bucket(params, self.group)
+
+    def set_grad_sync(self, sync):
+        self.sync = sync
+
+    def by_hand(self, params):
+        for p in params:
+            hook = self.hooks.pop(id(p), None)
+            if hook is not None:
+                hook.remove()
+
+    def backward_done(self, op, chunk):
+        pass
+
+    def grad_ready(self, p):
+        """p.grad is complete for this step, said by its hook or by hand: copy it into its bucket, then launch,
+        in bucket order, every bucket that is full and has only launched buckets before it. Nothing in a
+        gradient-accumulation micro-step (set_grad_sync(False)); a deferred parameter waits for finish(), one
+        it does not average (none with a single replica) needs nothing."""
+        if not self.sync or id(p) in self.deferred or p not in self.where:
+            return
+        bucket, i = self.where[p]
+        if i in bucket.ready:
+            raise RuntimeError("a gradient became ready twice in one synchronised step: call set_grad_sync(False) "
+                               "before the backward of every micro-batch but the last")
+        self.copy_in(bucket, i)
+        while self.launched < len(self.buckets) and self.full(self.buckets[self.launched]):
+            self.launch(self.buckets[self.launched])
+            self.launched += 1
+
+    @staticmethod
+    def full(bucket):
+        return len(bucket.ready) == len(bucket.params)
+
+    def copy_in(self, bucket, i):
+        """p.grad into its place in the bucket (zeros for a parameter without a gradient)."""
+        p, start = bucket.params[i], bucket.offsets[i]
+        view = bucket.flat[start:start + p.numel()]
+        view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
+        bucket.ready.add(i)
+
+    def launch(self, bucket):
+        if bucket.flat.numel() and group_size(bucket.group) > 1:
+            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+
+    def land(self, bucket):
+        if self.replicas > 1:
+            bucket.flat.div_(self.replicas)  # the sum over the ranks / dp = the mean over the global batch
+        for p, view in bucket.views():
+            p.grad = view
+
+    def finish(self):
+        """Launch, in bucket order, what the hooks did not (deferred parameters, parameters that got no
+        gradient this step, the buckets after them), wait for every collective and land each bucket."""
+        for bucket in self.buckets[self.launched:]:
+            for i in range(len(bucket.params)):
+                if i not in bucket.ready:
+                    self.copy_in(bucket, i)
+            self.launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()  # sync point: the gradient is needed from here on
+            self.land(bucket)
+            bucket.ready, bucket.work = set(), None
+        self.sync, self.launched = True, 0
+
+    def bucket_of(self, p):
+        return self.where[p][0]
+
+
+# -----------------------------------------------------------------------------
+# 3. ZeRO-1: the optimizer states sharded across the data-parallel ranks
+#
+# ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+# Models", section 5.1) keeps data parallelism, but each rank keeps the AdamW moments of only 1/dp of the
+# elements: the gradients are reduce-scattered (each rank receives the average of its own slice only),
+# each rank updates its slice of the parameters, and the updated slices are all-gathered so that every
+# rank holds the whole model again. Compared with all-reduce + AdamW the communication volume is the same
+# (an all-reduce is a reduce-scatter followed by an all-gather), the optimizer memory is 1/dp. Gloo (CPU)
+# has no native reduce-scatter: since torch 2.3 torch runs it there as an all-reduce followed by keeping
+# one chunk, so on CPU the gradient step costs what plain data parallelism's does, on NCCL half of it.
+#
+# The slices are cut from each bucket's flat buffer, padded to a multiple of dp, not handed out tensor by
+# tensor: every rank gets the same number of elements (within the padding), whatever the tensor sizes.
+# zero.py goes on to ZeRO-2 (the gradients kept as shards too) and ZeRO-3 (the parameters as well).
+
+
+class ShardedBucket(Bucket):
+    """A bucket whose flat buffer is padded to a multiple of the group's size and cut into equal slices,
+    slice r owned by group rank r; `shard` receives this rank's slice of the sum."""
+
+    def __init__(self, params, group):
+        self.world, self.rank = group_size(group), group_rank(group)
+        self.shard_size = (sum(p.numel() for p in params) + self.world - 1) // self.world  # elements one rank owns
+        self.shard = None
+        super().__init__(params, group)
+
+    def new_flat(self):
+        return self.zeros()
+
+    def zeros(self):
+        return torch.zeros(self.shard_size * self.world, dtype=self.params[0].dtype, device=self.params[0].device)
+
+    def owned(self):
+        """The range of `flat` this rank owns."""
+        return self.rank * self.shard_size, (self.rank + 1) * self.shard_size
+
+
+class ShardedGradientBuckets(GradientBuckets):
+    """GradientBuckets for ZeRO-1: the buckets are reduce-scattered instead of all-reduced, so finish()
+    leaves in every p.grad the average gradient on the elements this rank owns and zero elsewhere;
+    owned_slices() says which elements those are, and after the optimizer updated them, after_step()
+    all-gathers every bucket's slices so that every rank holds the whole updated model. A hook of its own
+    for what extends it: owned_param(p) and owned_grad(p), this rank's elements of p and of its gradient
+    (views: updating one updates p)."""
+
+    def new_bucket(self, params):
+        return ShardedBucket(params, self.group)
+
+    def launch(self, bucket):
+        if bucket.world > 1:
+            bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
+            bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=bucket.group, async_op=True)
+
+    def land(self, bucket):
+        """The mean on what this rank owns, zero elsewhere (the other ranks' parts)."""
+        lo, hi = bucket.owned()
+        if bucket.shard is not None:
+            bucket.flat[lo:hi].copy_(bucket.shard)
+            bucket.shard = None
+        if self.replicas > 1:
+            bucket.flat[lo:hi].div_(self.replicas)
+        bucket.flat[:lo].zero_()
+        bucket.flat[hi:].zero_()
+        for p, view in bucket.views():
+            p.grad = view
+
+    def owned_slices(self):
+        """(param, start, end, bucket, a, b): the range start:end of each parameter's flattened elements
+        this rank owns, which is a:b of its bucket's owned range. Each parameter has at most one range: it
+        is contiguous in its bucket, so is the slice."""
+        pieces = []
+        for bucket in self.buckets:
+            lo, hi = bucket.owned()
+            for p, start in zip(bucket.params, bucket.offsets):
+                a, b = max(lo, start), min(hi, start + p.numel())
+                if a < b:
+                    pieces.append((p, a - start, b - start, bucket, a - lo, b - lo))
+        return pieces
+
+    def owned_pieces(self):
+        """(param, start, end) of owned_slices()."""
+        return [piece[:3] for piece in self.owned_slices()]
+
+    def owned_param(self, p, start, end, bucket, a, b):
+        return p.detach().view(-1)[start:end]
+
+    def owned_grad(self, p, start, end, bucket, a, b):
+        return p.grad.view(-1)[start:end]
+
+    def gathered(self, bucket):
+        """The bucket's updated parameters, whole on every rank: (flat buffer, request) of the all-gather
+        of every rank's slice into a new flat buffer."""
+        full = bucket.zeros()
+        for p, start in zip(bucket.params, bucket.offsets):
+            full[start:start + p.numel()].copy_(p.detach().reshape(-1))
+        lo, hi = bucket.owned()
+        return full, _all_gather_single(full, full[lo:hi].clone(), group=bucket.group, async_op=True)
+
+    def after_step(self):
+        """After each rank updated what it owns, give every rank the whole updated model: the buckets'
+        all-gathers, two in flight at a time (ZeRO-2 keeps no full-size flat buffer, and must not make one
+        for every bucket here)."""
+        in_flight = []
+        for bucket in [b for b in self.buckets if group_size(b.group) > 1] + [None]:
+            if bucket is not None:
+                in_flight.append((bucket, *self.gathered(bucket)))
+            while in_flight and (len(in_flight) > 1 or bucket is None):
+                done, full, work = in_flight.pop(0)
+                work.wait()
+                for p, start in zip(done.params, done.offsets):
+                    p.detach().copy_(full[start:start + p.numel()].view_as(p))
+
+
+class ZeroOneAdamW(torch.optim.Optimizer):
+    """AdamW with its states partitioned across the data-parallel ranks (ZeRO stage 1): each rank keeps the
+    moments of, and updates, only the elements `grad_sync` says it owns (its owned_slices()).
+
+    Takes parameter groups like torch.optim.AdamW (per-group lr and weight_decay) and the sharded reducer
+    that averages their gradients (ShardedGradientBuckets over the same parameters; zero.py's for ZeRO-2
+    and 3), which it steps with: do not also all-reduce the gradients, or wrap the model in
+    DistributedDataParallel, or they are reduced twice. Per step:
+        backward (hooks reduce-scatter the buckets) -> grad_sync.finish() -> [clip grads()] -> step(found_inf)
+        (AdamW on this rank's slice, then grad_sync.after_step(): the all-gather of the updated slices)
+    The update is torch.optim.AdamW's fused kernel on this rank's flat slices (adamw_step). The learning
+    rate is read from self.param_groups at every step, so a schedule that writes group['lr'] reaches the
+    update.
+
+    step(found_inf) skips the update where found_inf (a 0-dim float tensor on the parameters' device) is
+    1: weights, moments and step counter stay exactly as they were. The choice is made on the device, so a
+    step whose gradient is not finite is skipped without the host waiting for the device."""
+
+    def __init__(self, params, grad_sync, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.grad_sync = grad_sync
+        self.group_of = {p: g for g in self.param_groups for p in g["params"]}
+        # the moments of this rank's slice only, created now so that their size can be reported at start-up
+        self.slices = {}
+        for p, start, end, *where in grad_sync.owned_slices():
+            self.slices[p] = (p, start, end, *where)
+            self.state[p] = {"step": torch.zeros((), device=p.device), "flat_range": (start, end),
+                             "exp_avg": torch.zeros(end - start, dtype=p.dtype, device=p.device),
+                             "exp_avg_sq": torch.zeros(end - start, dtype=p.dtype, device=p.device)}
+
+    def owned_param(self, p):
+        """This rank's elements of p, flat: a view, so updating it updates p (ZeRO-3: p's shard)."""
+        return self.grad_sync.owned_param(*self.slices[p])
+
+    def grads(self):
+        """[(param, gradient)]: every gradient element this rank holds, each once: its owned slices."""
+        return [(p, self.grad_sync.owned_grad(*self.slices[p])) for p in self.state]
+
+    @torch.no_grad()
+    def step(self, found_inf=None):
+        for group in self.param_groups:  # one fused kernel per group over this rank's slices (views of p)
+            mine = [p for p in group["params"] if p in self.slices]
+            adamw_step([self.owned_param(p) for p in mine], [self.grad_sync.owned_grad(*self.slices[p]) for p in mine],
+                       [self.state[p] for p in mine], group, found_inf)
+        self.grad_sync.after_step()
+
+
+def adamw_step(params, grads, states, group, found_inf=None):
+    """AdamW's update of the tensors `params` with `grads`, in place (Loshchilov & Hutter 2019): decoupled
+    weight decay p -= lr * wd * p, then p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps),
+    with each state's exp_avg (m) and exp_avg_sq (v) shaped like its tensor and its step counter t (a 0-dim
+    float32 tensor on the device), lr, betas, eps and weight_decay from the parameter `group`. It is torch's
+    fused kernel, through torch.optim.adamw.adamw, its public functional form: one kernel for every tensor,
+    whole parameters or flat slices of them alike. found_inf (0-dim, 1: the gradient is not finite) leaves
+    every tensor, moment and step counter as it was, decided on the device (the argument torch's GradScaler
+    hands the same kernel)."""
+    if not params:
+        return
+    beta1, beta2 = group["betas"]
+    adamw(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+          [s["step"] for s in states], fused=True, found_inf=found_inf, amsgrad=False, beta1=beta1, beta2=beta2,
+          lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
+def optimizer_state_bytes(optimizer):
+    """Bytes of every tensor in an optimizer's state on this rank (the moments; the step counters too)."""
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
+               for v in state.values() if torch.is_tensor(v))
+
+
+# -----------------------------------------------------------------------------
+# 4. Tensor parallelism: the communication operators
 #
 # A column-parallel linear splits its output features across ranks: every rank needs the whole input,
 # produces a slice of the output. A row-parallel linear splits its input features: every rank holds a
@@ -325,14 +681,6 @@ def _all_gather_along(x, group, dim):
     return torch.cat(parts, dim=dim)
 
 
-def _reduce_scatter_along(x, group, dim):
-    """This rank's chunk, along dim, of the sum over the group of every rank's x."""
-    moved = x.movedim(dim, 0).contiguous()  # reduce_scatter_tensor cuts along dimension 0
-    out = moved.new_empty((moved.shape[0] // group_size(group), *moved.shape[1:]))
-    _reduce_scatter_single(out, moved, group=group)
-    return out.movedim(0, dim)
-
-
 class GatherFromTensorParallelRegion(torch.autograd.Function):
     """All-gather along `dim` (the last by default) forward; backward keeps only this rank's slice of the
     gradient. The backward assumes what follows the gather is the same computation on every rank
@@ -363,57 +711,6 @@ class ScatterToTensorParallelRegion(torch.autograd.Function):
         return _all_gather_along(grad, ctx.group, ctx.dim), None, None
 
 
-# -----------------------------------------------------------------------------
-# Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-# Models", section 4.2.2), an option of tensor parallelism.
-#
-# Between the tensor-parallel regions (the norms and the residual adds: everything outside attention and
-# the MLP) every tp rank computes the same thing on the same tokens and holds the same (B, T, C)
-# activations. Sequence parallelism splits them along the sequence instead: tp rank t holds tokens
-# t*T/tp .. (t+1)*T/tp - 1 there, 1/tp of those activations, and works on them alone. Entering a region
-# the tokens are all-gathered, and the backward reduce-scatters their gradient: each rank's column-
-# parallel layers made a partial gradient for every token, and each rank needs the sum for its own tokens
-# only (this replaces f). Leaving a region, the row-parallel layer's partial sums are reduce-scattered:
-# each rank receives the whole sum for its own tokens, and the backward all-gathers the gradient (this
-# replaces g). An all-reduce is a reduce-scatter followed by an all-gather, so the bytes on the wire are
-# those of tensor parallelism without it; what falls is the memory between the regions, by tp.
-#
-# The cost is in the parameters every tp rank holds whole: the norm gains and the row-parallel biases now
-# see only this rank's tokens, and the replicated weights inside a region (MLA's down-projections and
-# latent norms) get only this rank's partial gradient, since no f sums it any more. Each passes through f
-# itself (copy_to_tp on the parameter), whose backward sums the parts across the tp group: Megatron's
-# all-reduce of the sequence-parallel gradients, done where the parameter is used. Tensors are
-# (B, T, ...): the sequence is dimension 1, and T must split into tp equal pieces.
-
-
-class GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """Entering a tensor-parallel region: all-gather the tokens along the sequence forward; reduce-scatter
-    the gradient backward (the sum over ranks of every rank's partial gradient, this rank's tokens only)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_along(x, group, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_along(grad, ctx.group, 1), None
-
-
-class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Leaving a tensor-parallel region: reduce-scatter the partial sums along the sequence forward (this
-    rank's tokens of the sum); all-gather the gradient backward (the region needs every token's)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_along(x, group, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_along(grad, ctx.group, 1), None
-
-
 # With no group (one rank) every operator is the identity, so the same model code runs unsplit.
 def copy_to_tp(x, group):
     return CopyToTensorParallelRegion.apply(x, group) if group_size(group) > 1 else x
@@ -429,14 +726,6 @@ def gather_from_tp(x, group, dim=-1):
 
 def scatter_to_tp(x, group, dim=-1):
     return ScatterToTensorParallelRegion.apply(x, group, dim) if group_size(group) > 1 else x
-
-
-def gather_from_sp(x, group):
-    return GatherFromSequenceParallelRegion.apply(x, group) if group_size(group) > 1 else x
-
-
-def reduce_scatter_to_sp(x, group):
-    return ReduceScatterToSequenceParallelRegion.apply(x, group) if group_size(group) > 1 else x
 
 
 # -----------------------------------------------------------------------------
@@ -544,19 +833,16 @@ class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by columns (input features): each rank multiplies its slice of the
     input by its slice of W, and the partial outputs are summed (g). With input_is_parallel=False the full
     input is first cut into slices here. The bias is replicated and added once, after the sum (added
-    before, it would be counted tp times).
+    before, it would be counted tp times). group=None: not split (nn.Linear).
 
-    sequence_parallel=True: the partial outputs are reduce-scattered along the sequence instead (each rank
-    gets the sum for its own tokens, (B, T/tp, out_features)), and the bias, added to this rank's tokens
-    only, passes through f so that its gradient is summed over the ranks' tokens.
+    The weight is created empty, as in ColumnParallelLinear: fill it with load_full. Hooks: `matmul` as
+    there (the bias, added after the sum, is not in it: it keeps its gradient in autograd), and
+    combine(partial), the sum and the bias (sequence parallelism's SequenceParallelRowLinear
+    reduce-scatters instead)."""
 
-    The weight is created empty, as in ColumnParallelLinear: fill it with load_full; the `matmul` hook as
-    there (the bias, added after the sum, is not in it: it keeps its gradient in autograd)."""
-
-    def __init__(self, in_features, out_features, bias=False, group=None, input_is_parallel=True,
-                 sequence_parallel=False):
+    def __init__(self, in_features, out_features, bias=False, group=None, input_is_parallel=True):
         super().__init__()
-        self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
+        self.group, self.input_is_parallel = group, input_is_parallel
         self.in_per_rank = _divide(in_features, group_size(group), "in_features")
         self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, self.in_per_rank)), 1, group)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
@@ -571,10 +857,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
-        partial = self.matmul(x, self.weight, None)
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sp(partial, self.group)
-            return y + copy_to_tp(self.bias, self.group) if self.bias is not None else y
+        return self.combine(self.matmul(x, self.weight, None))
+
+    def combine(self, partial):
         y = reduce_from_tp(partial, self.group)
         return y + self.bias if self.bias is not None else y
 
@@ -592,12 +877,13 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table split by rows (token ids) across the group. Each rank looks up the ids in its
     range, writes zeros for the others, and the all-reduce (g) assembles every token's vector. The table is
     padded to padded_vocab_size rows (zero, never looked up); fill it with load_full(weight), weight being
-    the (vocab_size, dim) table or a slice reader. sequence_parallel=True reduce-scatters instead: each
-    rank gets its own tokens' vectors, (B, T/tp, dim), for the sequence-parallel region that follows."""
+    the (vocab_size, dim) table or a slice reader. group=None: not split (nn.Embedding). Hook:
+    combine(out), the all-reduce of the ranks' partial lookups (sequence parallelism's
+    SequenceParallelEmbedding reduce-scatters instead)."""
 
-    def __init__(self, vocab_size, dim, group=None, sequence_parallel=False):
+    def __init__(self, vocab_size, dim, group=None):
         super().__init__()
-        self.group, self.vocab_size, self.sequence_parallel = group, vocab_size, sequence_parallel
+        self.group, self.vocab_size = group, vocab_size
         self.rows_per_rank = padded_vocab_size(vocab_size, group_size(group)) // group_size(group)
         self.vocab_start = group_rank(group) * self.rows_per_rank
         self.weight = mark_sharded(nn.Parameter(torch.empty(self.rows_per_rank, dim)), 0, self.group)
@@ -612,9 +898,9 @@ class VocabParallelEmbedding(nn.Module):
         local = idx - self.vocab_start
         outside = (local < 0) | (local >= self.rows_per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return reduce_scatter_to_sp(out, self.group)
+        return self.combine(out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def combine(self, out):
         return reduce_from_tp(out, self.group)
 
 
@@ -681,8 +967,94 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
 
 
 # -----------------------------------------------------------------------------
+# 5. Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+# Models", section 4.2.2), an option of tensor parallelism.
+#
+# Between the tensor-parallel regions (the norms and the residual adds: everything outside attention and
+# the MLP) every tp rank computes the same thing on the same tokens and holds the same (B, T, C)
+# activations. Sequence parallelism splits them along the sequence instead: tp rank t holds tokens
+# t*T/tp .. (t+1)*T/tp - 1 there, 1/tp of those activations, and works on them alone. Entering a region
+# the tokens are all-gathered, and the backward reduce-scatters their gradient: each rank's column-
+# parallel layers made a partial gradient for every token, and each rank needs the sum for its own tokens
+# only (this replaces f). Leaving a region, the row-parallel layer's partial sums are reduce-scattered:
+# each rank receives the whole sum for its own tokens, and the backward all-gathers the gradient (this
+# replaces g). An all-reduce is a reduce-scatter followed by an all-gather, so the bytes on the wire are
+# those of tensor parallelism without it; what falls is the memory between the regions, by tp.
+#
+# The cost is in the parameters every tp rank holds whole: the norm gains and the row-parallel biases now
+# see only this rank's tokens, and the replicated weights inside a region (MLA's down-projections and
+# latent norms) get only this rank's partial gradient, since no f sums it any more. Each passes through f
+# itself (copy_to_tp on the parameter), whose backward sums the parts across the tp group: Megatron's
+# all-reduce of the sequence-parallel gradients, done where the parameter is used. Tensors are
+# (B, T, ...): the sequence is dimension 1, and T must split into tp equal pieces.
+
+
+class GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Entering a tensor-parallel region: all-gather the tokens along the sequence forward; reduce-scatter
+    the gradient backward (the sum over ranks of every rank's partial gradient, this rank's tokens only)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_along(x, group, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_along(grad, ctx.group, 1), None
+
+
+class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Leaving a tensor-parallel region: reduce-scatter the partial sums along the sequence forward (this
+    rank's tokens of the sum); all-gather the gradient backward (the region needs every token's)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_along(x, group, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_along(grad, ctx.group, 1), None
+
+
+def _reduce_scatter_along(x, group, dim):
+    """This rank's chunk, along dim, of the sum over the group of every rank's x."""
+    moved = x.movedim(dim, 0).contiguous()  # reduce_scatter_tensor cuts along dimension 0
+    out = moved.new_empty((moved.shape[0] // group_size(group), *moved.shape[1:]))
+    _reduce_scatter_single(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def gather_from_sp(x, group):
+    return GatherFromSequenceParallelRegion.apply(x, group) if group_size(group) > 1 else x
+
+
+def reduce_scatter_to_sp(x, group):
+    return ReduceScatterToSequenceParallelRegion.apply(x, group) if group_size(group) > 1 else x
+
+
+class SequenceParallelRowLinear(RowParallelLinear):
+    """RowParallelLinear leaving a tensor-parallel region into a sequence-parallel one: the partial outputs
+    are reduce-scattered along the sequence instead of all-reduced (each rank gets the sum for its own
+    tokens, (B, T/tp, out_features)), and the bias, added to this rank's tokens only, passes through f so
+    that its gradient is summed over the ranks' tokens. group=None: not split."""
+
+    def combine(self, partial):
+        y = reduce_scatter_to_sp(partial, self.group)
+        return y + copy_to_tp(self.bias, self.group) if self.bias is not None else y
+
+
+class SequenceParallelEmbedding(VocabParallelEmbedding):
+    """VocabParallelEmbedding feeding a sequence-parallel region: the vectors are reduce-scattered along the
+    sequence instead of all-reduced, so each rank gets its own tokens', (B, T/tp, dim). group=None: not
+    split."""
+
+    def combine(self, out):
+        return reduce_scatter_to_sp(out, self.group)
+
+
 # -----------------------------------------------------------------------------
-# 4. Pipeline parallelism
+# 6. Pipeline parallelism
 #
 # Each stage holds a contiguous run of blocks (the first also the embedding, the last the final norm, the
 # head and the loss). A step's batch is cut into m microbatches, the gradient-accumulation steps, which go
@@ -1005,988 +1377,6 @@ def sync_tied_grads(copies, group):
 
 
 # -----------------------------------------------------------------------------
-# 5. Data parallelism and ZeRO-1, 2, 3
-#
-# Every data-parallel rank holds the same parameters and runs its own slice of the global batch, so its
-# gradient is the mean over its slice; the mean over the whole batch is the average of the ranks'
-# gradients. Averaging is one collective per bucket of parameters, launched from a backward hook the
-# moment the bucket's last gradient is ready, so the communication of the layers near the output runs
-# while backward is still computing the layers near the input (the overlap DistributedDataParallel has;
-# Li et al. 2020, "PyTorch Distributed", section 3.2.3). Under context parallelism (section 3) the ranks of a
-# cp group hold the same parameters too, each with the gradient of its share of every sequence: gradients
-# are then averaged, and ZeRO shards, over the dp x cp ranks (layout.dp_cp_group), "dp" below its size.
-#
-# ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-# Models", section 5.1) keeps that, but each rank keeps the AdamW moments of only 1/dp of the elements:
-# the gradients are reduce-scattered (each rank receives the average of its own slice only), each rank
-# updates its slice of the parameters, and the updated slices are all-gathered so that every rank holds
-# the whole model again. Compared with all-reduce + AdamW the communication volume is the same (an
-# all-reduce is a reduce-scatter followed by an all-gather), the optimizer memory is 1/dp. Gloo (CPU) has
-# no native reduce-scatter: since torch 2.3 torch runs it there as an all-reduce followed by keeping one
-# chunk, so on CPU the gradient step costs what plain data parallelism's does, on NCCL half of it.
-#
-# The slices are cut from each bucket's flat buffer, padded to a multiple of dp, not handed out tensor by
-# tensor: every rank gets the same number of elements (within the padding), whatever the tensor sizes.
-#
-# ZeRO stage 2 (section 5.2) keeps only the owned slice of the gradients as well. Holding them whole
-# until the last micro-batch would be ZeRO-1's memory, so every micro-batch's gradients are
-# reduce-scattered and added into the slice (DeepSpeed's way: with m micro-batches, m times ZeRO-1's
-# reduce traffic); each bucket's flat buffer lives only from its first gradient until its reduce-scatter
-# has landed (at most two launched buckets are waited for at a time), and p.grad is dropped the moment it
-# is copied into its bucket. After the step the updated slices are all-gathered, as in ZeRO-1, two
-# buckets at a time. ZeRO-3 (section 5.3) follows, after GradientBuckets.
-#
-# Under a pipeline schedule (section 4) a micro-batch's gradient of a parameter is complete after the
-# backward action that writes it, and that is when it is sent: each action (op, chunk) is a "phase", a
-# bucket holds the parameters of one phase only, and after every B and W action the executor calls
-# backward_done(op, chunk), which launches the buckets of that phase the hooks did not. So:
-#   afab, 1f1b        one chunk, B the whole backward: every bucket after each micro-batch's B
-#   interleaved_1f1b  B of chunk c sends chunk c's buckets: each chunk's buckets are its own, and a
-#                     micro-batch's are sent v times over, a chunk at a time
-#   zero_bubble, zbv  B sends the parameters autograd gives gradients to (norm gains, the embedding, the
-#                     chunked loss's head, biases of row-parallel layers); W sends the tensor-parallel
-#                     linears' weights it computes (WeightGradStore.params), when it runs, however late
-# Every bucket is thus launched once per micro-batch for each action that writes it, in the same order on
-# every rank (the ranks of a dp group run the same action list). One parameter is written by two actions:
-# under zbv with tied embeddings rank 0 holds both ends of the model, and its one embedding-and-head
-# matrix, alone in a bucket, is sent after each of them (each part once).
-#
-# A bucket is one flat tensor, so it holds parameters of one dtype only: a parameter whose dtype differs
-# from the one before it starts a new bucket. Its collective runs over one group: parameters that are
-# averaged over another group than the data-parallel one (the experts under expert parallelism, section 6)
-# fill buckets of their own.
-#
-# The buckets are launched in their order, the same on every rank, even when they fill in another order:
-# collectives on a group must be issued in the same order by every rank, and the order gradients arrive
-# in depends on the data (an MoE expert that got tokens on one replica and none on another has a gradient
-# during backward on the first, only in finish() on the second). A bucket that is full waits for the ones
-# before it (as DistributedDataParallel's reducer does); out of order, two ranks would add up different
-# buckets, a mismatch error when their sizes differ and silently wrong gradients when they do not.
-
-
-class _Bucket:
-    """A group of parameters whose gradients travel as one flat tensor over `group`. Under sharding it is
-    either sliced evenly across the group's ranks (padded to a multiple of its size: ZeRO-1), or it has an
-    `owner`, the one rank of the group that gets all of it (whole matrices for Muon, section 7).
-    transient (ZeRO-2 and ZeRO-3, even slices only): the flat gradient exists only from the first gradient
-    copied in until its reduce-scatter has finished; what persists is `grad_shard`, this rank's slice of
-    the mean gradient. Under ZeRO-3 a bucket is also a unit of parameters: `param_shard` the elements this
-    rank stores, `param_full` the gathered whole (its storage empty between uses)."""
-
-    def __init__(self, params, group, owner=None, transient=False):
-        if owner is not None and transient:
-            raise ValueError("a bucket reduced whole to one owner keeps its flat gradient: it cannot be transient")
-        self.params, self.group, self.owner = params, group, owner
-        self.world, self.rank = group_size(group), group_rank(group)
-        self.offsets, n = [], 0
-        for p in params:
-            self.offsets.append(n)
-            n += p.numel()
-        self.numel = n
-        self.shard_size = (n + self.world - 1) // self.world if owner is None else n  # elements one rank owns
-        self.flat = None if transient else self.new_flat()
-        self.grad_shard = None
-        self.param_shard = self.param_full = self.gather = None
-        self.keep_whole = self.in_backward = False
-        self.phases = frozenset()  # the backward actions that write its gradients (GradientBuckets sets them)
-        self.reset()
-
-    def new_flat(self):
-        size = self.shard_size * self.world if self.owner is None else self.numel
-        return torch.zeros(size, dtype=self.params[0].dtype, device=self.params[0].device)
-
-    def owned(self):
-        """The range of `flat` this rank owns under sharding (empty on a whole bucket's other ranks)."""
-        if self.owner is None:
-            return self.rank * self.shard_size, (self.rank + 1) * self.shard_size
-        return (0, self.numel) if self.rank == self.owner else (0, 0)
-
-    def reset(self):
-        self.ready = set()  # indices of the parameters whose gradient is in `flat`
-        self.work = None  # the in-flight collective
-        self.shard = None  # with even slices: the reduced gradient of this rank's slice
-
-
-class GradientBuckets:
-    """Averages the gradients of `params` across the data-parallel `group`, in buckets of about
-    bucket_size_mb launched asynchronously from backward hooks (Tensor.register_post_accumulate_grad_hook).
-
-    Before each micro-batch's backward, call set_grad_sync(False) for the gradient-accumulation micro-steps
-    (gradients just accumulate locally, no communication) and set_grad_sync(True) for the last one. After
-    backward, finish() waits for the collectives and leaves in every p.grad:
-        shard=False: the average gradient (all-reduce);
-        shard=True:  the average gradient on the elements this rank owns, zero elsewhere (reduce-scatter),
-                     for ZeRO-1; `owned_pieces()` says which elements those are.
-    `deferred` parameters are not synced from the hooks but in finish(): a gradient that still changes
-    after backward (a tied embedding whose pipeline stages add their copies' gradients) must be complete
-    before it is reduced, so call finish() after that addition.
-
-    A gradient accumulated by hand, outside autograd (the zero-bubble schedules' W actions), is announced
-    instead: name those parameters with by_hand(params) (autograd still runs their hooks during B, with
-    no gradient or a partial one: those hooks are removed), then call grad_ready(p) once p's gradient is
-    complete (set_grad_sync(True) before the action that completes it, as for a backward), on every
-    data-parallel rank in the same order.
-
-    `expert_params` are summed over `expert_group` instead (expert parallelism, section 6: the ranks that
-    hold the same experts), and divided by the size of `group` too: an expert's gradient on each rank is
-    already the sum over the ep ranks that sent it tokens, so its sum over expert_group is the sum over all
-    of `group`. With expert_group the same as group they are buckets like any other.
-
-    `owners` ({param: rank of group}, with shard=True) sends those parameters' gradients whole to one rank
-    each instead of slicing them: they travel in buckets of their own, one owner per bucket, reduced to the
-    owner (dist.reduce) instead of reduce-scattered. After the optimizer step, gather_params() brings every
-    rank the parameters the others updated.
-
-    every_microbatch=True (ZeRO-2 and 3, with shard=True, no owners): every micro-batch's gradients are
-    reduce-scattered, each added into the bucket's `grad_shard`, and p.grad is dropped as soon as it is
-    copied into its bucket, so that no full-size gradient lives beyond the two buckets in flight
-    (set_grad_sync's argument is ignored: calling it before a backward lands the buckets still in flight,
-    whose flat buffers would otherwise add to that backward's peak). Call backward_done(op, chunk) after
-    each backward action: `phases` ({param: the actions (op, chunk) that write its gradient}; by default
-    ("B", 0) for all, one plain backward) says which buckets each action completes, and no bucket mixes
-    parameters of different phases; the hooks (and grad_ready for a gradient accumulated by hand) launch
-    the buckets that fill during the action, backward_done the rest; a parameter that two actions write,
-    alone in its bucket, is sent by backward_done after each. p.grad is None after finish(): the
-    gradients are the grad_shards. `units` (ZeRO-3): lists of parameters, in forward order, one bucket
-    each, each of one phase (two where a unit holds experts over their own group: the experts, then the
-    rest). `alone`: parameters that get a bucket of their own (a tied weight whose shards are summed
-    across pipeline stages: both copies must be cut the same way)."""
-
-    def __init__(self, params, group, bucket_size_mb=25.0, shard=False, deferred=(), expert_params=(),
-                 expert_group=None, owners=None, every_microbatch=False, units=None, alone=(), phases=None):
-        if every_microbatch and owners:
-            raise ValueError("GradientBuckets: every_microbatch (ZeRO-2/3) keeps even slices only, not whole owners")
-        self.group, self.shard, self.every_microbatch = group, shard, every_microbatch
-        self.dp, self.dp_rank = group_size(group), group_rank(group)
-        self.sync = True
-        self.on_launch = None  # ZeRO-3: frees a unit's gathered parameters once its gradients are sent
-        deferred_ids = self.deferred_ids = {id(p) for p in deferred}
-        alone_ids = {id(p) for p in alone}
-        expert_ids = {id(p) for p in expert_params} if expert_group is not group else set()
-        params = [p for p in params if p.requires_grad]
-
-        def phase_of(p):
-            if phases is not None and not phases.get(p):
-                raise ValueError(f"GradientBuckets: phases names no backward action for a parameter of shape "
-                                 f"{tuple(p.shape)}")
-            return frozenset(phases[p]) if phases is not None else frozenset({("B", 0)})
-
-        early = [p for p in params if id(p) not in deferred_ids]
-        late = [p for p in params if id(p) in deferred_ids]
-        make = lambda ps, group, owner=None: _Bucket(ps, group, owner, transient=every_microbatch)
-        # backward produces gradients roughly in the reverse order of the forward pass: bucket them that way,
-        # filling one bucket for each kind (its group, its owner if it goes whole to one rank, the actions
-        # that write it) at a time, in the order the buckets fill up
-        owners = owners or {}
-        self.buckets, capacity = [], max(1, int(bucket_size_mb * 2 ** 20))
-        if units is not None:  # one bucket per unit, in backward order; a unit's experts (over expert_group)
-            for u in reversed(units):  # in one of their own, first: their gradients come first in its backward
-                experts, rest = [p for p in u if id(p) in expert_ids], [p for p in u if id(p) not in expert_ids]
-                self.buckets += [make(ps, g) for ps, g in ((experts, expert_group), (rest, group)) if ps]
-        filling = {}  # (group, owner, phases) -> (its parameters so far, their bytes)
-        for p in reversed(early) if units is None else []:
-            kind = (expert_group if id(p) in expert_ids else group, owners.get(p), phase_of(p))
-            current, size = filling.get(kind, ([], 0))
-            if current and (p.dtype != current[0].dtype or id(p) in alone_ids):  # one dtype per flat buffer
-                self.buckets.append(make(current, *kind[:2]))
-                current, size = [], 0
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= capacity or id(p) in alone_ids:
-                self.buckets.append(make(current, *kind[:2]))
-                current, size = [], 0
-            filling[kind] = (current, size)
-        self.buckets += [make(current, *kind[:2]) for kind, (current, _) in filling.items() if current]
-        for owner in dict.fromkeys(owners.get(p) for p in late):
-            mine = [p for p in late if owners.get(p) == owner]
-            for dtype in dict.fromkeys(p.dtype for p in mine):
-                self.buckets.append(make([p for p in mine if p.dtype == dtype], group, owner))
-        self.where = {}
-        for b in self.buckets:
-            b.phases = phase_of(b.params[0])
-            if any(phase_of(p) != b.phases for p in b.params):
-                raise ValueError("GradientBuckets: a unit mixes parameters that different backward actions complete")
-            for i, p in enumerate(b.params):
-                self.where[p] = (b, i)
-        # each phase's buckets in bucket order (a parameter written by two actions, alone, is in both), and
-        # the next of them to launch in the action now running
-        self.phase_buckets = {}
-        for b in self.buckets:
-            for phase in sorted(b.phases):
-                self.phase_buckets.setdefault(phase, []).append(b)
-        self.next = dict.fromkeys(self.phase_buckets, 0)
-        self.in_flight = []  # every_microbatch: launched buckets not yet added into their grad_shard
-        self.hooks = {id(p): p.register_post_accumulate_grad_hook(self.grad_ready) for p in early}
-        self.launched = 0  # collectives launched since the last finish(); tests read it
-
-    def set_grad_sync(self, sync):
-        self.sync = sync
-        if self.every_microbatch:  # a backward begins: land what the last one left in flight, before its peak
-            for bucket in self.in_flight:
-                self._settle(bucket)
-            self.in_flight = []
-
-    def by_hand(self, params):
-        for p in params:
-            hook = self.hooks.pop(id(p), None)
-            if hook is not None:
-                hook.remove()
-
-    def grad_ready(self, p):
-        """p.grad is complete for this step (every_microbatch: for this micro-batch), said by its hook or by
-        hand: copy it into its bucket, launching the bucket once it is full. Nothing in a gradient-accumulation
-        micro-step (set_grad_sync(False)); a deferred parameter waits for finish(), one that two actions write
-        for backward_done."""
-        if not (self.sync or self.every_microbatch) or id(p) in self.deferred_ids:
-            return
-        bucket, i = self.where[p]
-        if len(bucket.phases) > 1:
-            return
-        if i in bucket.ready:
-            raise RuntimeError("a gradient became ready twice in one synchronised step: call set_grad_sync(False) "
-                               "before the backward of every micro-batch but the last")
-        self._copy_in(bucket, i)
-        # launch, in its phase's bucket order, every bucket that is full and has only launched buckets before it
-        (phase,) = bucket.phases
-        buckets = self.phase_buckets[phase]
-        while self.next[phase] < len(buckets) and self._full(buckets[self.next[phase]]):
-            self.next[phase] += 1
-            self._launch(buckets[self.next[phase] - 1])
-
-    def backward_done(self, op, chunk):
-        """every_microbatch: the backward action (op, chunk) of a micro-batch has run: launch, in order, the
-        buckets of its phase that its hooks did not (a parameter without a gradient sends zeros). Every
-        rank launches every bucket once per action that writes it, whatever its data did."""
-        if not self.every_microbatch:
-            return
-        phase = (op, chunk)
-        self._launch_the_rest(self.phase_buckets.get(phase, [])[self.next.get(phase, 0):])
-        self.next[phase] = 0
-
-    @staticmethod
-    def _full(bucket):
-        return len(bucket.ready) == len(bucket.params)
-
-    def _copy_in(self, bucket, i):
-        p, start = bucket.params[i], bucket.offsets[i]
-        if bucket.shard is not None and self.every_microbatch:  # its last launch must land before it refills
-            self._settle(bucket)
-        if bucket.flat is None:
-            bucket.flat = bucket.new_flat()
-        view = bucket.flat[start:start + p.numel()]
-        view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
-        if self.every_microbatch:
-            p.grad = None  # its elements are in the bucket now: the full-size gradient is not kept
-        bucket.ready.add(i)
-
-    def _launch(self, bucket):
-        self.launched += 1
-        if self.every_microbatch:
-            # keep at most two buckets' full gradients in flight: settle the ones before the previous
-            while len(self.in_flight) >= 2:
-                self._settle(self.in_flight.pop(0))
-            bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
-            if bucket.world == 1:
-                bucket.shard.copy_(bucket.flat)
-            else:
-                bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=bucket.group, async_op=True)
-            self.in_flight.append(bucket)
-            bucket.ready = set()  # sent: the next action that writes it starts it afresh
-            if self.on_launch is not None:
-                self.on_launch(bucket)
-            return
-        if bucket.world == 1:
-            return
-        if self.shard and bucket.owner is not None:  # the sum lands on the owner only
-            owner = dist.get_global_rank(bucket.group, bucket.owner)
-            bucket.work = dist.reduce(bucket.flat, owner, group=bucket.group, async_op=True)
-        elif self.shard:
-            bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
-            bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=bucket.group, async_op=True)
-        else:
-            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
-
-    def _settle(self, bucket):
-        """ZeRO-2/3: wait for a bucket's reduce-scatter, add this micro-batch's mean into grad_shard, drop
-        the flat gradient."""
-        if bucket.shard is None:
-            return
-        if bucket.work is not None:
-            bucket.work.wait()  # sync point: the flat gradient can only be freed once it is sent
-        bucket.shard.div_(self.dp)  # the sum over ranks / dp = the mean over the global batch
-        bucket.grad_shard = bucket.shard if bucket.grad_shard is None else bucket.grad_shard.add_(bucket.shard)
-        bucket.flat = bucket.shard = bucket.work = None
-
-    def _launch_the_rest(self, buckets):
-        """Launch these buckets in order, each parameter the hooks did not copy in from its p.grad, or as
-        zeros where it has none."""
-        for bucket in buckets:
-            for i in range(len(bucket.params)):
-                if i not in bucket.ready:
-                    self._copy_in(bucket, i)
-            self._launch(bucket)
-
-    def finish(self):
-        """Wait for every bucket's collective (launching the ones the hooks did not, in bucket order:
-        deferred parameters, parameters that got no gradient this step, the buckets after them) and point
-        each p.grad at its part of the result (ZeRO-2/3: leave it in the buckets' grad_shard, every action
-        having been closed by backward_done)."""
-        if self.every_microbatch:
-            if any(b.ready for b in self.buckets) or any(p.grad is not None for p in self.where):
-                raise RuntimeError("GradientBuckets.finish: gradients were never sent: with every_microbatch, call "
-                                   "backward_done(op, chunk) after each backward action")
-            for bucket in self.in_flight:
-                self._settle(bucket)
-            self.in_flight, self.next, self.launched = [], dict.fromkeys(self.next, 0), 0
-            return
-        self._launch_the_rest(self.buckets[self.launched:])
-        for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()  # sync point: the gradient is needed from here on
-            # the sum over ranks / dp = the mean gradient over the global batch
-            if self.shard:  # the mean on what this rank owns, zero elsewhere (the other ranks' parts)
-                lo, hi = bucket.owned()
-                if bucket.world > 1 and bucket.owner is None:  # a reduce-scatter's output; a reduce leaves the sum in flat
-                    bucket.flat[lo:hi].copy_(bucket.shard)
-                if self.dp > 1:
-                    bucket.flat[lo:hi].div_(self.dp)
-                bucket.flat[:lo].zero_()
-                bucket.flat[hi:].zero_()
-            elif self.dp > 1:
-                bucket.flat.div_(self.dp)
-            for p, start in zip(bucket.params, bucket.offsets):
-                p.grad = bucket.flat[start:start + p.numel()].view_as(p)
-            bucket.reset()
-        self.sync, self.launched, self.next = True, 0, dict.fromkeys(self.next, 0)
-
-    def owned_slices(self):
-        """(param, start, end, bucket, a, b): the range start:end of each parameter's flattened elements
-        this rank owns under sharding, which is a:b of its bucket's shard. Each parameter has at most one
-        range: it is contiguous in its bucket, so is the slice (a parameter of a whole bucket is all or
-        nothing)."""
-        pieces = []
-        for bucket in self.buckets:
-            lo, hi = bucket.owned()
-            for p, start in zip(bucket.params, bucket.offsets):
-                a, b = max(lo, start), min(hi, start + p.numel())
-                if a < b:
-                    pieces.append((p, a - start, b - start, bucket, a - lo, b - lo))
-        return pieces
-
-    def owned_pieces(self):
-        """(param, start, end) of owned_slices()."""
-        return [piece[:3] for piece in self.owned_slices()]
-
-    def bucket_of(self, p):
-        return self.where[p][0]
-
-
-    def gather_params(self):
-        """After each rank updated what it owns under sharding, give every rank the whole updated model: an
-        all-gather of each evenly sliced bucket, a broadcast from its owner of each whole one. Two buckets
-        in flight at a time: ZeRO-2 keeps no full-size flat buffer, and must not make one for every bucket
-        here."""
-        gathered = []
-        for bucket in [b for b in self.buckets if b.world > 1] + [None]:
-            if bucket is not None:
-                full = bucket.new_flat()
-                for p, start in zip(bucket.params, bucket.offsets):
-                    full[start:start + p.numel()].copy_(p.detach().reshape(-1))
-                if bucket.owner is None:
-                    lo, hi = bucket.owned()
-                    work = _all_gather_single(full, full[lo:hi].clone(), group=bucket.group, async_op=True)
-                else:
-                    work = dist.broadcast(full, dist.get_global_rank(bucket.group, bucket.owner),
-                                          group=bucket.group, async_op=True)
-                gathered.append((bucket, full, work))
-            if len(gathered) == 2 or bucket is None:
-                for done, full, work in gathered[:len(gathered) - (bucket is not None)]:
-                    work.wait()
-                    for p, start in zip(done.params, done.offsets):
-                        p.detach().copy_(full[start:start + p.numel()].view_as(p))
-                gathered = gathered[len(gathered) - (bucket is not None):]
-
-# ZeRO-3 (Rajbhandari et al. 2020, section 5.3; Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling
-# Fully Sharded Data Parallel"). The parameters are cut into units: one per transformer block, and the
-# stage's other parameters (embedding, final norm, head) as the root unit, with a tied weight in a unit of
-# its own. Under expert parallelism (section 6) a block's experts are a unit of their own, sharded,
-# gathered and reduce-scattered over the ranks that hold the same experts (expert_group), beside the
-# block's other parameters over the data-parallel group: the block's hooks gather and free both. Each
-# unit is one flat tensor padded to a multiple of dp, and each rank stores only its slice (param_shard):
-# 1/dp of the parameters, of the gradients (reduce-scattered into grad_shard, as ZeRO-2) and of the
-# optimizer state. A parameter is a view into its unit's gathered buffer (param_full), whose
-# storage is empty except while the unit is in use. The rhythm, per block and per micro-batch:
-#
-#     forward:  all-gather the block (posted early: the previous block's forward prefetched it) ->
-#               post the all-gather of the next block -> compute -> free the storage
-#     backward: all-gather the block again (the later block's backward prefetched it) -> post the gather
-#               of the block before it -> recompute (activation checkpointing) and backward -> copy the
-#               gradients into the flat buffer and reduce-scatter it -> free the storage
-#
-# Freeing is the storage itself (untyped_storage().resize_(0)), not a reference: what autograd saved for
-# backward are views of the same storage, so they hold no memory in between and see the regathered values.
-# The root unit stays whole from the step's first forward until the optimizer step (it is used at both
-# ends of the model: the embedding first, the head last). The gathers, like the reduce-scatters (every
-# bucket once per micro-batch, GradientBuckets._flush), are unconditional and in the same order on every
-# rank of the group: a block runs forward and backward on every rank, even one whose MoE experts got no
-# token. A pipeline stage gathers each block again for every micro-batch (twice: forward and backward);
-# with pp stages and m micro-batches, 2m all-gathers and m reduce-scatters of each unit per step, each
-# unit's bytes times (dp - 1)/dp on the wire. Memory at a time: the shards, plus about two gathered
-# blocks (the one computing, the one prefetched), the root unit, and two buckets of gradients in flight.
-#
-# What each schedule gathers, per block and micro-batch: afab and 1f1b as above, forward and backward.
-# interleaved_1f1b the same, chunk by chunk: a block prefetches the next block of its own chunk only (the
-# root's hook, the chunk's first), since another chunk's block runs only after other actions. zero_bubble
-# and zbv gather before F and before B, free after each, and gather nothing for W: W computes
-# dW = dy^T x from the x and dy that B kept and needs no weight, so no block stays gathered from B to W.
-# Their blocks are two units each, phases of their own (the weights W computes, the rest that B does):
-# gathered and freed together, two all-gathers per gather; each part's gradients reduce-scattered after
-# its action. Under zbv rank 0's root unit (the embedding, the final norm, the head) is whole all step.
-
-
-class FullyShardedParameters:
-    """ZeRO-3's parameter side over the buckets of a GradientBuckets built with `units`: `units` is
-    [(module, params, chunk)] in forward order; module None marks a unit kept whole through the step
-    (gathered by the model's forward, freed by free_all()), else the module whose forward and backward use
-    the unit: a block, whose units (one per phase: a split backward's B and W parts) are gathered and freed
-    together. A unit is one bucket, or two when it holds experts under expert parallelism: those are
-    sharded, gathered and reduce-scattered over their own group (the ranks that hold the same experts),
-    the rest over the data-parallel group. `chunk` is the model chunk the block runs in (the model's
-    forward takes chunk=c): a block prefetches the next block of its own chunk only, the one that runs
-    next. Moves each unit's parameters into its flat shards and registers the hooks."""
-
-    def __init__(self, grad_sync, units, model):
-        self.whole, self.chunks, self.block_of = [], {}, {}  # chunk -> [block: [its buckets]] in order
-        self.ends_backward = {}  # id(block) -> the bucket whose launch says the block's B is over
-        with torch.no_grad():
-            for module, params, chunk in units:
-                if not params:
-                    continue
-                unit = list(dict.fromkeys(grad_sync.bucket_of(p) for p in params))
-                for b in unit:
-                    full = torch.zeros(b.shard_size * b.world, dtype=b.params[0].dtype, device=b.params[0].device)
-                    for p, start in zip(b.params, b.offsets):
-                        full[start:start + p.numel()].copy_(p.reshape(-1))
-                        p.data = full[start:start + p.numel()].view_as(p)  # p now lives in the gathered buffer
-                    lo = b.rank * b.shard_size
-                    b.param_shard, b.param_full = full[lo:lo + b.shard_size].clone(), full
-                    b.keep_whole = module is None
-                    self._free([b])
-                if module is None:
-                    self.whole += unit
-                    continue
-                blocks = self.chunks.setdefault(chunk, [])
-                if not blocks or blocks[-1][0] is not module:  # a new block: its hooks
-                    blocks.append((module, []))
-                    c, i = chunk, len(blocks) - 1
-                    module.register_forward_pre_hook(lambda mod, args, c=c, i=i: self._pre_forward(c, i))
-                    module.register_forward_hook(lambda mod, args, out, c=c, i=i: self._post_forward(c, i, out))
-                block = blocks[-1][1]
-                block += unit
-                for b in unit:
-                    self.block_of[id(b)] = block
-        # a block's B is over when the last of its buckets that B completes is launched (the buckets launch in
-        # their order): an expert bucket launched earlier, mid-backward, frees only itself
-        order = {id(b): k for k, b in enumerate(grad_sync.buckets)}
-        for blocks in self.chunks.values():
-            for _, block in blocks:
-                in_b = [b for b in block if any(op == "B" for op, _ in b.phases)]
-                if in_b:
-                    self.ends_backward[id(block)] = max(in_b, key=lambda b: order[id(b)])
-        model.register_forward_pre_hook(lambda mod, args, kwargs: self._gather_whole(kwargs.get("chunk", 0)),
-                                        with_kwargs=True)
-        grad_sync.on_launch = self._post_backward
-
-    def _units(self):
-        return self.whole + [b for blocks in self.chunks.values() for _, block in blocks for b in block]
-
-    # the three states of a bucket's parameters: storage empty (gather None, no bytes), gathering (gather =
-    # the work), whole (gather True). A block is the list of its buckets; each is gathered over its group.
-    def _gather(self, block):
-        for b in block:
-            if b.gather is not None:
-                continue
-            full = b.param_full
-            full.untyped_storage().resize_(full.numel() * full.element_size())
-            if b.world == 1:
-                full.copy_(b.param_shard)
-                b.gather = True
-            else:
-                b.gather = _all_gather_single(full, b.param_shard, group=b.group, async_op=True)
-
-    def _wait(self, block):
-        self._gather(block)
-        for b in block:
-            if b.gather is not True:
-                b.gather.wait()  # sync point: the block's parameters are needed now
-                b.gather = True
-
-    def _free(self, block):
-        for b in block:
-            if b.gather is not None and b.gather is not True:
-                b.gather.wait()  # a prefetch nobody used: it must land before its buffer goes
-            b.param_full.untyped_storage().resize_(0)
-            b.gather, b.in_backward = None, False
-
-    def _block(self, c, i):
-        return self.chunks[c][i][1]
-
-    def _gather_whole(self, chunk):
-        self._wait(self.whole)
-        if self.chunks.get(chunk):
-            self._gather(self._block(chunk, 0))  # prefetch the chunk's first block while the embedding computes
-
-    def _pre_forward(self, c, i):
-        block = self._block(c, i)
-        self._wait(block)
-        if i + 1 < len(self.chunks[c]) and not block[0].in_backward:  # (not while recomputing in backward)
-            self._gather(self._block(c, i + 1))
-
-    def _post_forward(self, c, i, out):
-        block = self._block(c, i)
-        if not block[0].in_backward:  # a recompute in backward keeps the block for its backward
-            self._free(block)
-        if torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad:
-            out.register_hook(lambda grad, c=c, i=i: self._pre_backward(c, i))
-
-    def _pre_backward(self, c, i):
-        block = self._block(c, i)
-        for b in block:
-            b.in_backward = True
-        self._wait(block)
-        if i > 0:
-            self._gather(self._block(c, i - 1))
-
-    def _post_backward(self, bucket):
-        """GradientBuckets launched a bucket's reduce-scatter: its gradients are all in: free it. If it is the
-        last its block's B completes, the backward of the block has run: free the whole block (a split
-        backward's W needs no weights, dW = dy^T x; the W part's own launch, after W, finds it free)."""
-        if bucket.keep_whole:
-            return
-        block = self.block_of[id(bucket)]
-        self._free(block if self.ends_backward.get(id(block)) is bucket else [bucket])
-
-    def free_all(self):
-        """After the optimizer stepped the shards: every gathered copy is stale."""
-        self._free(self._units())
-
-    @contextmanager
-    def whole_model(self):
-        """Every unit gathered, to read the whole model (a test comparing weights)."""
-        self._wait(self._units())
-        try:
-            yield
-        finally:
-            self.free_all()
-
-    def unit_by_unit(self):
-        """Yields each bucket's parameters gathered, one at a time (a block's experts and its other parameters
-        one after the other), then copies this rank's slice of what was written into them back into its
-        shard and frees it: a checkpoint loads this way holding one unit whole, not the model (which may
-        not fit on one device: that is why it is sharded)."""
-        for b in self._units():
-            self._wait([b])
-            yield b.params
-            lo = b.rank * b.shard_size
-            b.param_shard.copy_(b.param_full[lo:lo + b.shard_size])
-            self._free([b])
-
-
-def sum_tied_grad_shards(grad_sync, copies, group):
-    """ZeRO-2/3 with pp > 1 and tied embeddings: the first stage's embedding and the last stage's head
-    each sit alone in a bucket, cut the same way, so the owned shards of their gradients are summed
-    across the two stages directly (the mean over dp commutes with the sum)."""
-    if group is None:
-        return
-    for p in copies:
-        dist.all_reduce(grad_sync.bucket_of(p).grad_shard, group=group)
-
-
-class ZeroOneAdamW(torch.optim.Optimizer):
-    """AdamW with its states partitioned across the data-parallel group (ZeRO stage 1; stages 2 and 3
-    with zero_stage).
-
-    Takes parameter groups like torch.optim.AdamW (per-group lr and weight_decay) and owns the gradient
-    averaging too (`self.grad_sync`, a sharded GradientBuckets): do not also all-reduce the gradients, or
-    wrap the model in DistributedDataParallel, or they are reduced twice. Per step:
-        backward (hooks reduce-scatter the buckets) -> grad_sync.finish() -> [clip] -> step() (AdamW on this
-        rank's slice, then all-gather the updated slices)
-    zero_stage=2: the gradients are reduce-scattered every micro-batch and kept as shards only.
-    zero_stage=3: also the parameters (`units`: [(module or None, params, chunk)], see
-    FullyShardedParameters; `model` gets the root hook); step() updates the shards, and nothing is
-    all-gathered after it. `phases` (ZeRO-2/3): see GradientBuckets.
-    The update is torch.optim.AdamW's, element for element: decoupled weight decay p -= lr * wd * p, then
-    p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps) (Loshchilov & Hutter 2019).
-    The learning rate is read from self.param_groups at every step, so a schedule that writes
-    group['lr'] reaches the update. `expert_params` and `expert_group`: see GradientBuckets; their states
-    are split across expert_group, the ranks that hold the same experts (ZeRO-2/3: their gradients and
-    parameters too).
-
-    step(found_inf) skips the update where found_inf (a 0-dim float tensor on the parameters' device, the
-    argument torch's fused AdamW takes) is 1: weights, moments and step counter stay exactly as they were.
-    The choice is made on the device (torch.where), so a step whose gradient is not finite is skipped
-    without the host waiting for the device; the step counter lives on the device for the same reason,
-    and the bias corrections are computed there from it."""
-
-    def __init__(self, params, group=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 bucket_size_mb=25.0, deferred=(), expert_params=(), expert_group=None, zero_stage=1, units=None,
-                 model=None, phases=None):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.group, self.zero_stage = group, zero_stage
-        all_params = [p for g in self.param_groups for p in g["params"]]
-        self.grad_sync = GradientBuckets(all_params, group, bucket_size_mb, shard=True,
-                                         deferred=deferred if zero_stage == 1 else (),
-                                         expert_params=expert_params, expert_group=expert_group,
-                                         every_microbatch=zero_stage >= 2,
-                                         units=[ps for _, ps, _ in units] if zero_stage == 3 else None,
-                                         alone=deferred if zero_stage == 2 else (),
-                                         phases=phases if zero_stage >= 2 else None)
-        self.sharded = FullyShardedParameters(self.grad_sync, units, model) if zero_stage == 3 else None
-        self.group_of = {p: g for g in self.param_groups for p in g["params"]}
-        # the moments of this rank's slice only, created now so that their size can be reported at start-up
-        self.slices = {}
-        for p, start, end, bucket, a, b in self.grad_sync.owned_slices():
-            self.slices[p] = (bucket, a, b)
-            self.state[p] = {"step": torch.zeros((), device=p.device), "flat_range": (start, end),
-                             "exp_avg": torch.zeros(end - start, dtype=p.dtype, device=p.device),
-                             "exp_avg_sq": torch.zeros(end - start, dtype=p.dtype, device=p.device)}
-
-    def owned_param(self, p):
-        """This rank's elements of p, flat: a view, so updating it updates p (ZeRO-3: p's shard)."""
-        start, end = self.state[p]["flat_range"]
-        bucket, a, b = self.slices[p]
-        return bucket.param_shard[a:b] if self.zero_stage == 3 else p.detach().view(-1)[start:end]
-
-    def owned_grad(self, p):
-        start, end = self.state[p]["flat_range"]
-        bucket, a, b = self.slices[p]
-        return p.grad.view(-1)[start:end] if self.zero_stage == 1 else bucket.grad_shard[a:b]
-
-    def grads(self):
-        """[(param, gradient tensor)]: every gradient element this rank holds, each once (ZeRO-1: whole
-        p.grad, zero off the owned range; ZeRO-2/3: the owned slices of the grad shards)."""
-        if self.zero_stage == 1:
-            return [(p, p.grad) for p in self.group_of if p.grad is not None]
-        return [(p, self.owned_grad(p)) for p in self.state]
-
-    def zero_grad(self, set_to_none=True):
-        super().zero_grad(set_to_none)
-        for bucket in self.grad_sync.buckets:
-            bucket.grad_shard = None
-
-    @torch.no_grad()
-    def step(self, found_inf=None):
-        for p, state in self.state.items():
-            group = self.group_of[p]
-            # views: updating them updates p (ZeRO-3: p's shard)
-            adamw_update(self.owned_param(p), self.owned_grad(p), state, group["lr"], group["weight_decay"],
-                         group["betas"], group["eps"], found_inf)
-        if self.sharded is not None:
-            self.sharded.free_all()  # the next forward gathers the updated shards
-        else:
-            self.grad_sync.gather_params()
-
-
-def adamw_update(param, grad, state, lr, weight_decay, betas, eps, found_inf=None):
-    """torch.optim.AdamW's update of one tensor, in place (Loshchilov & Hutter 2019): decoupled weight decay
-    p -= lr * wd * p, then p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps), with
-    state's exp_avg (m) and exp_avg_sq (v) shaped like param and its step counter t (a 0-dim tensor on the
-    device, so the bias corrections need no host read). found_inf (0-dim, 1 to skip) keeps every old value
-    where it is set, chosen on the device (torch.where): a NaN in the new values is never selected."""
-    beta1, beta2 = betas
-    exp_avg, exp_avg_sq, t = state["exp_avg"], state["exp_avg_sq"], state["step"] + 1
-    new_avg = exp_avg.lerp(grad, 1 - beta1)
-    new_avg_sq = (exp_avg_sq * beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (new_avg_sq.sqrt() / (1 - beta2 ** t).sqrt()).add_(eps)
-    new_param = (param * (1 - lr * weight_decay)).sub_(lr / (1 - beta1 ** t) * new_avg / denom)
-    updates = ((param, new_param), (exp_avg, new_avg), (exp_avg_sq, new_avg_sq), (state["step"], t))
-    for old, new in updates:
-        old.copy_(new if found_inf is None else torch.where(found_inf.bool(), old, new))
-
-
-def optimizer_state_bytes(optimizer):
-    """Bytes of every tensor in an optimizer's state on this rank (the moments; the step counters too)."""
-    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
-               for v in state.values() if torch.is_tensor(v))
-
-
-# -----------------------------------------------------------------------------
-# 6. Expert parallelism
-#
-# A mixture-of-experts layer holds n_expert MLPs, but each token uses only k of them. Splitting every
-# expert across the tensor-parallel ranks (section 2) keeps every expert on every rank; expert parallelism
-# (GShard, section 2.2; Switch Transformer, section 5.4) instead places whole experts on different ranks, so
-# the number of experts can grow with the number of ranks. ep neighbouring data-parallel ranks form an
-# expert-parallel group (the layout, section 1): rank r of the group holds experts r * n_expert / ep up to
-# (r + 1) * n_expert / ep - 1, every rank still holds all the other parameters (attention, router, shared
-# experts), and every rank still runs its own micro-batch.
-#
-# Each rank routes its own tokens as one process would (the capacity too, before anything moves), then:
-#   1. counts: how many of its assignments go to each expert; the counts are exchanged first (an
-#      all-to-all of n_expert integers), so every rank knows how many rows it will receive from whom.
-#      Both are read back to the host once: all_to_all_single needs its split sizes as numbers.
-#   2. dispatch: the token rows, sorted by expert and so by destination rank, go to the ranks of their
-#      experts (all_to_all_single with uneven splits).
-#   3. each rank runs its local experts, each on its contiguous group of rows (the received rows are
-#      sorted from source-rank-major to expert-major first, and back after).
-#   4. return: a second all-to-all, the reverse of the first, sends every output row to its token's rank,
-#      where the router weights combine them (model.MixtureOfExperts).
-# Backward runs the same two exchanges in reverse (AllToAll's backward), so each expert's weight gradient
-# sums the contributions of every rank that sent it tokens: the gradient of the ep ranks' summed losses. The
-# ranks holding the same experts (the expert_dp_group: dp / ep of them, times cp under context parallelism)
-# add theirs, and dividing by dp (dp * cp) gives the mean over the global batch that one process computes
-# (GradientBuckets' expert_params).
-#
-# Cost: each rank sends every token row routed to another rank's expert twice forward (the token, its
-# output) and twice backward (their gradients): 4 * rows * n_embd * bytes per element per layer, plus the
-# counts; none of it overlaps with compute here. Memory: each rank holds n_expert / ep experts' weights,
-# gradients and AdamW moments (ZeRO-1 shards the moments over the expert_dp_group, ZeRO-2 the gradients
-# too, ZeRO-3 the weights as well: section 5). With tp > 1 every
-# tensor-parallel rank exchanges the same rows with its own ep group (each keeps its slice of the experts).
-# An expert that receives no rows still runs, on zero rows: its zero gradient arrives during backward as a
-# busy expert's does, so the gradient buckets (section 5) fill at the same point on every rank.
-
-ExpertSplits = namedtuple("ExpertSplits", "send recv recv_counts")
-
-
-class ByteCount:
-    """The bytes a rank has sent to other ranks (AllToAll adds to it, forward and backward)."""
-
-    def __init__(self):
-        self.bytes = 0
-
-
-def exchange_expert_counts(counts, group):
-    """counts: (n_expert,) int64 on the device, this rank's assignments per (global) expert, the experts of
-    group rank j being the j-th block of n_expert / ep. Returns ExpertSplits:
-        send        counts as a host list
-        recv        host list of lists: recv[j][e] rows rank j sends to this rank's local expert e
-        recv_counts the same on the device, (ep, n_expert / ep)
-    The one host read-back of a mixture-of-experts layer: the split sizes of the all-to-alls."""
-    ep = group_size(group)
-    if ep == 1:
-        recv_counts = counts.view(1, -1)
-        send = counts.tolist()  # host-device sync
-        return ExpertSplits(send, [send], recv_counts)
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)  # equal splits: n_expert / ep counts to each rank
-    both = torch.cat([counts, recv_counts]).tolist()  # host-device sync
-    n = len(both) // 2
-    return ExpertSplits(both[:n], [both[n + j * n // ep:n + (j + 1) * n // ep] for j in range(ep)],
-                        recv_counts.view(ep, -1))
-
-
-class AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits: this rank sends send_splits[j] rows of x (in order, rank 0's
-    first) to group rank j and receives recv_splits[j] rows from it, stacked in rank order. Its backward is
-    the same exchange reversed: every received row's gradient goes back to the rank that sent the row, into
-    the place the row came from (the send and receive sizes swap). `sent` (a ByteCount) adds the bytes this
-    rank sends to other ranks, both ways."""
-
-    @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group, sent):
-        ctx.splits, ctx.group, ctx.sent = (send_splits, recv_splits), group, sent
-        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
-        sent.bytes += _bytes_to_others(x, send_splits, group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        send_splits, recv_splits = ctx.splits
-        grad_x = grad.new_empty((sum(send_splits), *grad.shape[1:]))
-        dist.all_to_all_single(grad_x, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
-        ctx.sent.bytes += _bytes_to_others(grad, recv_splits, ctx.group)
-        return grad_x, None, None, None, None
-
-
-def _bytes_to_others(x, splits, group):
-    row = math.prod(x.shape[1:]) * x.element_size()  # from the shape: x may have no rows at all
-    return (sum(splits) - splits[group_rank(group)]) * row
-
-
-def dispatch_to_experts(rows, splits, run_local_experts, group, sent):
-    """rows: (n, C), this rank's kept token-to-expert assignments sorted by expert (n = sum(splits.send));
-    splits from exchange_expert_counts. run_local_experts(x, sizes) runs this rank's experts in order, the
-    e-th on the next sizes[e] rows of x, and returns their outputs stacked the same way. Returns the (n, C')
-    outputs in the order of `rows`. With group None (ep = 1) this is run_local_experts(rows, splits.send)."""
-    ep = group_size(group)
-    if ep == 1:
-        return run_local_experts(rows, splits.send)
-    n_local = len(splits.recv[0])
-    send = [sum(splits.send[j * n_local:(j + 1) * n_local]) for j in range(ep)]  # rows to each rank
-    recv = [sum(r) for r in splits.recv]  # rows from each rank
-    received = AllToAll.apply(rows, send, recv, group, sent)  # source-rank-major, expert-sorted within
-    # expert-major: the local expert of every received row, then a stable sort keeps the sources in order
-    expert_of_row = torch.arange(n_local, device=rows.device).repeat(ep).repeat_interleave(
-        splits.recv_counts.reshape(-1), output_size=sum(recv))
-    order = expert_of_row.argsort(stable=True)
-    sizes = [sum(r[e] for r in splits.recv) for e in range(n_local)]
-    out = run_local_experts(received[order], sizes)
-    back = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
-    return AllToAll.apply(out[back], recv, send, group, sent)  # each output row to its token's rank
-# 7. Muon: whole matrices across tensor- and data-parallel ranks
-#
-# Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks") steps a weight
-# matrix along its momentum made orthogonal: the momentum M = U S V^T is replaced by about U V^T, so that
-# every direction of the matrix moves by the same amount, where a gradient step moves mostly along its
-# few largest singular directions. U V^T comes without an SVD, from five iterations of a quintic
-# Newton-Schulz polynomial: matmuls only. Liu et al. 2025 ("Muon is Scalable for LLM Training", Moonshot
-# AI, section 2.2) scale the update of an A x B matrix by 0.2 * sqrt(max(A, B)): U V^T has RMS
-# 1 / sqrt(max(A, B)), so the update's RMS is 0.2, about AdamW's, and an AdamW recipe's learning rate and
-# decoupled weight decay carry over. Muon is for the matrices that map hidden states to hidden states;
-# the embedding, the head, the router, the norms and the biases stay on AdamW (Jordan et al. and Liu et
-# al. both keep the embedding and head on AdamW): one optimizer, with parameter groups.
-#
-# Orthogonalising is not elementwise, as AdamW is: it needs the whole matrix, which tensor parallelism and
-# ZeRO-1 both cut. What each rank holds and which collectives run, for each:
-#   Tensor parallelism: each rank keeps the momentum of its own slice (momentum is elementwise); the tp
-#     ranks all-gather the slices of the Nesterov momentum, every rank orthogonalises the full matrix and
-#     keeps its slice of the result. Gathering is one all-gather per matrix on the fastest links, with no
-#     extra process group and no scatter back; its price is Newton-Schulz run tp times over (dealing
-#     whole matrices to tp ranks would split that work, at the cost of a gather to each owner and a
-#     scatter back). A matrix replicated across the tp ranks (key and value weights with fewer heads than
-#     ranks, MQA; MLA's down-projections) already has its complete gradient on every rank (copy_to_tp
-#     summed it), so every rank computes the same update with no collective.
-#   ZeRO-1 (zero=True): even flat slices would cut matrices, so the matrices are dealt whole instead, over
-#     the ranks that hold the same parameters (dp x cp under context parallelism, as for ZeroOneAdamW;
-#     "dp" below). In backward order, each goes to the dp rank whose even share of all their elements
-#     holds its middle element: ZeRO-1's cut, moved to the nearest matrix boundary (a rank's share is off
-#     by at most about one matrix). They travel in GradientBuckets of their own, one owner each: the gradient is reduced to
-#     the owner (instead of reduce-scattered), the owner keeps the momentum, runs Newton-Schulz, and
-#     broadcasts the updated matrix (instead of the all-gather). The AdamW parameters keep ZeRO-1's even
-#     slices. With tp as well, the tp ranks of the owner do the tp all-gather among themselves.
-# What it costs. Bytes: across dp, what AdamW moves (a reduce plus a broadcast move what a reduce-scatter
-# plus an all-gather move); across tp, one all-gather of each matrix. Memory: one momentum per element
-# where AdamW keeps two, 1/dp of them with ZeRO-1. Compute: Newton-Schulz for an A x B matrix, A <= B, is
-# 5 x (X X^T: 2 A^2 B, its square: 2 A^3, times X: 2 A^2 B) = 20 A^2 B + 10 A^3 FLOPs a step; for m x m
-# matrices that is 5 m / (tokens per step) of the training FLOPs (6 m^2 per token), tp times over. It runs
-# in fp32, so that every layout's update equals one process's to fp32 rounding (Jordan et al. run it in
-# bf16 on GPUs, faster).
-#
-# The 2-D weights must be plain matrices (out, in), as nn.Linear keeps them: an expert stored as one 3-D
-# tensor would need its own loop here.
-
-NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Jordan et al. 2024
-
-
-def newton_schulz(G, steps=5, eps=1e-7):
-    """About U V^T for G = U S V^T. G is scaled to Frobenius norm 1, so every singular value is at most 1;
-    then each iteration X <- a X + b (X X^T) X + c (X X^T)^2 X maps every singular value s to
-    a s + b s^3 + c s^5 and leaves U and V alone. Jordan et al.'s (a, b, c) buy a steep start (a = 3.4:
-    small singular values grow fast) with not converging to exactly 1: after 5 iterations every singular
-    value from 0.01 of the norm up lands in [0.68, 1.13], which the update tolerates. In fp32; the Gram
-    matrix X X^T is taken on the shorter side."""
-    a, b, c = NEWTON_SCHULZ_COEFFICIENTS
-    X = G.float()
-    tall = X.shape[0] > X.shape[1]
-    if tall:
-        X = X.T
-    X = X / (X.norm() + eps)
-    for _ in range(steps):
-        gram = X @ X.T  # (rows, rows), rows <= cols
-        X = a * X + (b * gram + c * gram @ gram) @ X
-    return X.T if tall else X
-
-
-def deal_whole(params, n):
-    """{param: rank}: the params, in order, cut into n runs of about equal numbers of elements, each param
-    whole: a param goes to the rank whose even share of them all holds its middle element."""
-    params = list(params)
-    total, seen, owners = sum(p.numel() for p in params), 0, {}
-    for p in params:
-        owners[p] = (2 * seen + p.numel()) * n // (2 * total)  # the middle element's share, 0 .. n - 1
-        seen += p.numel()
-    return owners
-
-
-def gather_tp_slices(x, param, group):
-    """The full matrix of which x is this rank's tensor-parallel slice (shaped like param); x itself when
-    param is replicated (no tp_shard_dim) or the group is one rank."""
-    dim = getattr(param, "tp_shard_dim", None)
-    if dim is None or group_size(group) == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
-class Muon(torch.optim.Optimizer):
-    """Muon for the parameter groups with muon=True (2-D matrices), AdamW for the others: one optimizer,
-    whose param_groups' lr the schedule writes at each step. Muon's update of an A x B matrix W with
-    gradient G (Nesterov momentum; Liu et al. 2025's scale and decoupled weight decay):
-        M <- mu M + G;   O = newton_schulz(G + mu M)
-        W <- W - lr * wd * W - lr * 0.2 * sqrt(max(A, B)) * O
-    where A x B is the full matrix's shape, on a rank that holds a tensor-parallel slice of it too.
-    The other groups take adamw_update, torch.optim.AdamW's update.
-
-    tp_group: matrices split across it (parameters marked by mark_sharded) are orthogonalised whole, see
-    the section's note. zero=True: ZeRO-1 over dp_group (train.py gives it the dp x cp group), with the
-    matrices dealt whole; the optimizer then
-    owns the gradient averaging (`self.grad_sync`, as ZeroOneAdamW: do not also all-reduce the gradients).
-    Per step: backward -> grad_sync.finish() -> [clip] -> step() (AdamW on this rank's slices, Muon on its
-    matrices, then grad_sync.gather_params()). Every state exists from the start (its size is reported
-    before the first step): AdamW's moments flat over the elements this rank updates (`flat_range` under
-    ZeRO-1), Muon's momentum shaped like the matrix (its tp slice)."""
-
-    def __init__(self, params, lr=1e-3, momentum=0.95, ns_steps=5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                 tp_group=None, zero=False, dp_group=None, bucket_size_mb=25.0, deferred=()):
-        super().__init__(params, dict(lr=lr, momentum=momentum, ns_steps=ns_steps, betas=betas, eps=eps,
-                                      weight_decay=weight_decay, muon=False))
-        self.tp_group = tp_group
-        self.group_of = {p: g for g in self.param_groups for p in g["params"]}
-        self.matrices = [p for g in self.param_groups if g["muon"] for p in g["params"]]
-        if any(p.dim() != 2 for p in self.matrices):
-            raise ValueError(f"Muon orthogonalises 2-D matrices; its groups hold tensors of shapes "
-                             f"{sorted({tuple(p.shape) for p in self.matrices if p.dim() != 2})}")
-        all_params = [p for g in self.param_groups for p in g["params"]]
-        self.grad_sync = None
-        if zero:
-            owners = deal_whole(reversed(self.matrices), group_size(dp_group))  # backward order, as the buckets
-            self.grad_sync = GradientBuckets(all_params, dp_group, bucket_size_mb, shard=True, deferred=deferred,
-                                             owners=owners)
-            pieces = self.grad_sync.owned_pieces()
-        else:
-            pieces = [(p, 0, p.numel()) for p in all_params]
-        for p, start, end in pieces:
-            if self.group_of[p]["muon"]:
-                self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
-            else:
-                self.state[p] = {"step": torch.zeros((), device=p.device),
-                                 "exp_avg": torch.zeros(end - start, dtype=p.dtype, device=p.device),
-                                 "exp_avg_sq": torch.zeros(end - start, dtype=p.dtype, device=p.device)}
-            if zero:
-                self.state[p]["flat_range"] = (start, end)
-
-    @torch.no_grad()
-    def step(self, found_inf=None):
-        """found_inf: as ZeroOneAdamW.step's (a step whose gradient is not finite changes nothing)."""
-        for p, state in self.state.items():
-            group = self.group_of[p]
-            if group["muon"] or not state:
-                continue
-            start, end = state.get("flat_range", (0, p.numel()))
-            adamw_update(p.view(-1)[start:end], p.grad.reshape(-1)[start:end], state, group["lr"],
-                         group["weight_decay"], group["betas"], group["eps"], found_inf)
-        for p in self.matrices:  # the same order on every rank: the tp all-gathers match
-            state = self.state.get(p)
-            if not state:
-                continue  # another data-parallel rank owns it (ZeRO-1)
-            group = self.group_of[p]
-            lr, mu = group["lr"], group["momentum"]
-            momentum = state["momentum_buffer"]
-            new_momentum = momentum.mul(mu).add_(p.grad)
-            nesterov = p.grad.add(new_momentum, alpha=mu)  # the gradient plus the momentum's next step
-            full = gather_tp_slices(nesterov, p, self.tp_group)  # (A, B): the whole matrix
-            orthogonal = shard_of(newton_schulz(full, group["ns_steps"]), p).to(p.dtype)
-            scale = -lr * 0.2 * math.sqrt(max(full.shape))
-            new_p = (p * (1 - lr * group["weight_decay"])).add_(orthogonal, alpha=scale)
-            for old, new in ((p, new_p), (momentum, new_momentum)):  # found_inf: see adamw_update
-                old.copy_(new if found_inf is None else torch.where(found_inf.bool(), old, new))
-        if self.grad_sync is not None:
-            self.grad_sync.gather_params()
-
-
 # -----------------------------------------------------------------------------
 # The timeline printer: the pipeline schedules' action lists (section 4), placed in time slots by a
 # simulator of the executor's exchanges.

@@ -15,7 +15,10 @@ Whatever the kind, a setting left out takes the checkpoint's value, not the defa
 the config file continues the same run); a key that an older checkpoint lacks takes its default. out_dir
 and init_from are how this launch finds the checkpoint, never taken from it.
 """
+import math
+
 from configurator import ConfigError, Setting, section
+from parallel import resolve_dp
 
 TRAINING = [
     *section(
@@ -220,6 +223,18 @@ def check_values(values):
         problems.append(f"vocab_size = {values['vocab_size']} must be positive (or None: from meta.json)")
     if not values["out_dir"].strip():
         problems.append("out_dir is empty: name the folder the run writes to")
+    if values["zero_stage"] not in (0, 1, 2, 3):
+        problems.append(f"zero_stage must be 0 (plain AdamW), 1 (optimizer states sharded across data-parallel "
+                        f"ranks), 2 (and the gradients) or 3 (and the parameters), got {values['zero_stage']}")
+    if values["optimizer"] == "muon" and values["zero_stage"] > 1:
+        problems.append(f"optimizer='muon' runs with zero_stage 0 or 1 (ZeRO-1 deals its matrices whole to the "
+                        f"data-parallel ranks), not zero_stage={values['zero_stage']}: use --zero_stage=1, or "
+                        f"--optimizer=adamw")
+    if values["optimizer"] == "muon" and values["zero_stage"] == 1 and values["ep"] > 1:
+        # ZeRO-1 deals Muon's matrices over dp x cp, but an expert is held by dp / ep of those ranks only
+        problems.append(f"optimizer='muon' with zero_stage=1 and ep = {values['ep']} is not supported (the experts "
+                        f"are not on every data-parallel rank to be dealt whole): use --zero_stage=0 with Muon at "
+                        f"ep > 1, or --optimizer=adamw")
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -252,3 +267,113 @@ def resume_values(values, given, saved, source=None):
                           ". Leave these settings out to resume it as it is, or start a new run with "
                           "--init_from=scratch and another --out_dir")
     return values, notes
+
+
+# -----------------------------------------------------------------------------
+# resuming at another world size: the layout and the global batch
+
+BATCH = ("batch_size", "gradient_accumulation_steps")
+
+
+def batch_recipe(meta):
+    """The batch a run was first given, {batch_size, gradient_accumulation_steps, windows} (windows: the
+    global batch, batch_size x gradient_accumulation_steps x dp), as its checkpoints record it; a checkpoint
+    written before they did has its own settings and layout."""
+    if "recipe" in meta:
+        return meta["recipe"]
+    c = {**DEFAULTS, **meta["config"]}
+    return {"batch_size": c["batch_size"], "gradient_accumulation_steps": c["gradient_accumulation_steps"],
+            "windows": c["batch_size"] * c["gradient_accumulation_steps"] * meta["layout"]["dp"]}
+
+
+def resume_settings(values, given, meta, path, world_size):
+    """The settings of a run resumed from the checkpoint at `path` (its `meta`) by this launch of
+    world_size processes: resume_values' rules, and then:
+      the layout  dp follows the world size (every elastic restart changes it) unless given again; an
+                  inherited ep that does not divide the new dp is lowered to one that does (the experts
+                  reshard between ep values); inherited cp, tp or pp that do not fit the world stop the run,
+                  saying they came from the checkpoint and which flags to pass;
+      the batch   init_from='auto' (a restart, maybe on fewer or more nodes) keeps the run's recipe, the
+                  global batch it was first given (batch_recipe), when the batch settings it is given are
+                  the recipe's (a config file or scripts/slurm.sh passes the same ones every time), changing
+                  gradient_accumulation_steps or batch_size for the new dp (keep_global_batch); given other
+                  values, or init_from='resume' (a deliberate choice: the values as given or inherited), the
+                  batch is what they make it. "The run's recipe changes" is said only when the global batch
+                  does.
+    Returns (values, notes to print)."""
+    if "batch_size" not in meta["config"]:  # a model converted from transformers: no run to continue yet
+        values, notes = resume_values(values, given, meta["config"])
+        return values, notes + follow_the_world(values, given, world_size, path)
+    auto = values["init_from"] == "auto"
+    recipe = batch_recipe(meta)
+    # a restart compares the batch settings it is given with the recipe's, not with the last launch's
+    # adjusted ones: the same values given every time keep the same global batch across any chain of restarts
+    before = {k: recipe[k] if auto else meta["config"][k] for k in BATCH}
+    values, notes = resume_values(values, given, {k: v for k, v in meta["config"].items() if k not in BATCH})
+    values.update({k: before[k] for k in BATCH if k not in given})
+    notes += follow_the_world(values, given, world_size, path)
+    dp = resolve_dp(world_size, values["dp"], values["tp"], values["pp"], cp=values["cp"], ep=values["ep"])
+    keeping = auto and all(values[k] == recipe[k] for k in BATCH)
+    if keeping:
+        notes += keep_global_batch(values, recipe["windows"], dp)  # (says so when it changes them)
+    saved = meta["config"]
+    windows = values["batch_size"] * values["gradient_accumulation_steps"] * dp
+    changed = [k for k in BATCH if values[k] != saved[k]]
+    if windows != saved["batch_size"] * saved["gradient_accumulation_steps"] * meta["layout"]["dp"]:
+        notes += [f"resume: {k} = {values[k]!r}, the checkpoint's was {saved[k]!r} (the run's recipe changes)"
+                  for k in changed]
+    elif changed and not keeping:
+        notes.append(f"resume: batch_size {values['batch_size']} x gradient_accumulation_steps "
+                     f"{values['gradient_accumulation_steps']} x dp {dp} keep the checkpoint's global batch of "
+                     f"{windows} windows")
+    return values, notes
+
+
+def follow_the_world(values, given, world_size, path):
+    """A resumed run's layout at this launch's world size (see resume_settings); returns the notes."""
+    notes = []
+    if "dp" not in given:
+        values["dp"] = 0  # whatever the world leaves after cp * tp * pp
+    inherited = [k for k in ("cp", "tp", "pp") if k not in given and values[k] > 1]
+    split = values["cp"] * values["tp"] * values["pp"]
+    if world_size % split and inherited:
+        fit, left = {}, world_size  # an example that fits: the largest divisor of each that the world allows
+        for k in inherited:
+            fit[k] = math.gcd(values[k], left)
+            left //= fit[k]
+        raise ConfigError(f"WORLD_SIZE = {world_size} processes cannot be cut into cp = {values['cp']} x tp = "
+                          f"{values['tp']} x pp = {values['pp']}: " + ", ".join(f"{k} = {values[k]}" for k in inherited)
+                          + f" came from the checkpoint {path} (a setting left out is the checkpoint's). Pass the "
+                          f"layout for {world_size} processes, for example "
+                          + " ".join(f"--{k}={v}" for k, v in fit.items()))
+    dp = world_size // split if world_size % split == 0 else 0
+    ep = values["ep"]
+    if "ep" not in given and ep > 1 and dp and dp % ep:
+        values["ep"] = math.gcd(ep, dp)  # divides ep, so n_expert too, and dp
+        notes.append(f"resume: ep = {values['ep']}, the checkpoint's was {ep}, which does not divide dp = {dp} at "
+                     f"{world_size} processes (the experts reshard between ep values; pass --ep to choose)")
+    return notes
+
+
+def keep_global_batch(values, windows, dp):
+    """batch_size and gradient_accumulation_steps in `values` changed for data-parallel size dp so that
+    batch_size * gradient_accumulation_steps * dp is the run's global batch of `windows`: another batch is
+    another recipe. gradient_accumulation_steps changes first (batch_size is what fits in memory, and an
+    MoE's capacity is per micro-batch), then batch_size, then both (one micro-batch). Returns the notes to
+    print; raises ConfigError when no integer pair keeps the batch."""
+    bs, gas = values["batch_size"], values["gradient_accumulation_steps"]
+    if bs * gas * dp == windows:
+        return []
+    if windows % (bs * dp) == 0:
+        values["gradient_accumulation_steps"] = windows // (bs * dp)
+    elif windows % (gas * dp) == 0:
+        values["batch_size"] = windows // (gas * dp)
+    elif windows % dp == 0:  # one micro-batch of all of this rank's windows
+        values["batch_size"], values["gradient_accumulation_steps"] = windows // dp, 1
+    else:
+        raise ConfigError(f"the run's global batch is {windows} windows (batch_size x gradient_accumulation_steps x "
+                          f"dp), which dp = {dp} cannot keep: {windows} windows do not split evenly across {dp} "
+                          f"replicas. Launch a number of processes whose dp divides {windows}, or give --batch_size "
+                          f"and --gradient_accumulation_steps for a new global batch")
+    return [f"resume: dp = {dp}: batch_size {values['batch_size']} x gradient_accumulation_steps "
+            f"{values['gradient_accumulation_steps']} keep the run's global batch of {windows} windows"]

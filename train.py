@@ -21,11 +21,10 @@ import importlib.util
 import json
 import math
 import os
-import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, field, fields
 from types import SimpleNamespace
 
 import numpy as np
@@ -38,13 +37,17 @@ import metrics
 import settings
 from configurator import ConfigError, configure, make_folder
 from context_parallel import split_for_every_rank, zigzag_split
-from model import (ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype,
-                   document_ids_and_positions, takes_muon)
-from parallel import (GradientBuckets, Muon, PipelineComm, ZeroOneAdamW, format_grid, init_distributed,
-                      optimizer_state_bytes, pipeline_forward, resolve_dp, run_schedule, stage_layers,
-                      sum_tied_grad_shards, sync_tied_grads, tied_weight_group, tp_groups_across_nodes)
+from expert_parallel import ExpertSplit
+from faults import BadSteps, StopVote, TooManyBadSteps, peer_failure
+from model import (ModelConfig, Transformer, backward_phases, check_layout, choose_attn_impl, choose_device_and_dtype,
+                   chunk_modules, document_ids_and_positions, takes_muon, zero3_units)
+from optim import AdamW, DynamicLossScaler, Muon, zero_one_muon_buckets
+from parallel import (GradientBuckets, PipelineComm, ShardedGradientBuckets, ZeroOneAdamW, format_grid,
+                      init_distributed, optimizer_state_bytes, pipeline_forward, run_schedule, stage_layers,
+                      sync_tied_grads, tied_weight_group, tp_groups_across_nodes)
 from pipeline_schedules import (SCHEDULES, WeightGradStore, check_schedule, forward_only_actions, ideal_bubble,
                                 virtual_stages)
+from zero import FullyShardedParameters, GradientShards
 
 # -----------------------------------------------------------------------------
 # settings
@@ -53,7 +56,7 @@ from pipeline_schedules import (SCHEDULES, WeightGradStore, check_schedule, forw
 def configure_run(argv):
     """The run's settings from the command line (config files, then --key=value), checked, and with
     init_from='resume' or 'auto' the ones left out taken from the checkpoint (settings.py says which may
-    change; resume_settings the layout and the batch), with init_from=<a transformers model folder> the
+    change; settings.resume_settings the layout and the batch), with init_from=<a transformers model folder> the
     architecture from its config.json, by the same rules. Returns (cfg, notes to print, the checkpoint to
     resume or None)."""
     values, given = configure(settings.TRAINING, argv, usage=__doc__)
@@ -71,8 +74,8 @@ def configure_run(argv):
             notes.append(f"init_from='auto': out_dir '{values['out_dir']}' holds no complete checkpoint"
                          + "".join(f" ({d})" for d in damaged) + ", starting from scratch")
         else:
-            values, notes = resume_settings(values, given, checkpoint.read_meta(path), path,
-                                            int(os.environ.get("WORLD_SIZE", 1)))
+            values, notes = settings.resume_settings(values, given, checkpoint.read_meta(path), path,
+                                                     int(os.environ.get("WORLD_SIZE", 1)))
             notes = [f"resume: {d}; the newest complete checkpoint is {path}" for d in damaged] + notes
     elif values["init_from"] != "scratch":
         model, _, notes = import_hf.model_settings(values["init_from"])
@@ -80,113 +83,6 @@ def configure_run(argv):
         notes += changes
     settings.check_values(values)
     return SimpleNamespace(**values), notes, path
-
-
-BATCH = ("batch_size", "gradient_accumulation_steps")
-
-
-def batch_recipe(meta):
-    """The batch a run was first given, {batch_size, gradient_accumulation_steps, windows} (windows: the
-    global batch, batch_size x gradient_accumulation_steps x dp), as its checkpoints record it; a checkpoint
-    written before they did has its own settings and layout."""
-    if "recipe" in meta:
-        return meta["recipe"]
-    c = {**settings.DEFAULTS, **meta["config"]}
-    return {"batch_size": c["batch_size"], "gradient_accumulation_steps": c["gradient_accumulation_steps"],
-            "windows": c["batch_size"] * c["gradient_accumulation_steps"] * meta["layout"]["dp"]}
-
-
-def resume_settings(values, given, meta, path, world_size):
-    """The settings of a run resumed from the checkpoint at `path` (its `meta`) by this launch of
-    world_size processes: settings.resume_values' rules, and then:
-      the layout  dp follows the world size (every elastic restart changes it) unless given again; an
-                  inherited ep that does not divide the new dp is lowered to one that does (the experts
-                  reshard between ep values); inherited cp, tp or pp that do not fit the world stop the run,
-                  saying they came from the checkpoint and which flags to pass;
-      the batch   init_from='auto' (a restart, maybe on fewer or more nodes) keeps the run's recipe, the
-                  global batch it was first given (batch_recipe), when the batch settings it is given are
-                  the recipe's (a config file or scripts/slurm.sh passes the same ones every time), changing
-                  gradient_accumulation_steps or batch_size for the new dp (keep_global_batch); given other
-                  values, or init_from='resume' (a deliberate choice: the values as given or inherited), the
-                  batch is what they make it. "The run's recipe changes" is said only when the global batch
-                  does.
-    Returns (values, notes to print)."""
-    if "batch_size" not in meta["config"]:  # a model converted from transformers: no run to continue yet
-        values, notes = settings.resume_values(values, given, meta["config"])
-        return values, notes + follow_the_world(values, given, world_size, path)
-    auto = values["init_from"] == "auto"
-    recipe = batch_recipe(meta)
-    # a restart compares the batch settings it is given with the recipe's, not with the last launch's
-    # adjusted ones: the same values given every time keep the same global batch across any chain of restarts
-    before = {k: recipe[k] if auto else meta["config"][k] for k in BATCH}
-    values, notes = settings.resume_values(values, given, {k: v for k, v in meta["config"].items() if k not in BATCH})
-    values.update({k: before[k] for k in BATCH if k not in given})
-    notes += follow_the_world(values, given, world_size, path)
-    dp = resolve_dp(world_size, values["dp"], values["tp"], values["pp"], cp=values["cp"], ep=values["ep"])
-    keeping = auto and all(values[k] == recipe[k] for k in BATCH)
-    if keeping:
-        notes += keep_global_batch(values, recipe["windows"], dp)  # (says so when it changes them)
-    saved = meta["config"]
-    windows = values["batch_size"] * values["gradient_accumulation_steps"] * dp
-    changed = [k for k in BATCH if values[k] != saved[k]]
-    if windows != saved["batch_size"] * saved["gradient_accumulation_steps"] * meta["layout"]["dp"]:
-        notes += [f"resume: {k} = {values[k]!r}, the checkpoint's was {saved[k]!r} (the run's recipe changes)"
-                  for k in changed]
-    elif changed and not keeping:
-        notes.append(f"resume: batch_size {values['batch_size']} x gradient_accumulation_steps "
-                     f"{values['gradient_accumulation_steps']} x dp {dp} keep the checkpoint's global batch of "
-                     f"{windows} windows")
-    return values, notes
-
-
-def follow_the_world(values, given, world_size, path):
-    """A resumed run's layout at this launch's world size (see resume_settings); returns the notes."""
-    notes = []
-    if "dp" not in given:
-        values["dp"] = 0  # whatever the world leaves after cp * tp * pp
-    inherited = [k for k in ("cp", "tp", "pp") if k not in given and values[k] > 1]
-    split = values["cp"] * values["tp"] * values["pp"]
-    if world_size % split and inherited:
-        fit, left = {}, world_size  # an example that fits: the largest divisor of each that the world allows
-        for k in inherited:
-            fit[k] = math.gcd(values[k], left)
-            left //= fit[k]
-        raise ConfigError(f"WORLD_SIZE = {world_size} processes cannot be cut into cp = {values['cp']} x tp = "
-                          f"{values['tp']} x pp = {values['pp']}: " + ", ".join(f"{k} = {values[k]}" for k in inherited)
-                          + f" came from the checkpoint {path} (a setting left out is the checkpoint's). Pass the "
-                          f"layout for {world_size} processes, for example "
-                          + " ".join(f"--{k}={v}" for k, v in fit.items()))
-    dp = world_size // split if world_size % split == 0 else 0
-    ep = values["ep"]
-    if "ep" not in given and ep > 1 and dp and dp % ep:
-        values["ep"] = math.gcd(ep, dp)  # divides ep, so n_expert too, and dp
-        notes.append(f"resume: ep = {values['ep']}, the checkpoint's was {ep}, which does not divide dp = {dp} at "
-                     f"{world_size} processes (the experts reshard between ep values; pass --ep to choose)")
-    return notes
-
-
-def keep_global_batch(values, windows, dp):
-    """batch_size and gradient_accumulation_steps in `values` changed for data-parallel size dp so that
-    batch_size * gradient_accumulation_steps * dp is the run's global batch of `windows`: another batch is
-    another recipe. gradient_accumulation_steps changes first (batch_size is what fits in memory, and an
-    MoE's capacity is per micro-batch), then batch_size, then both (one micro-batch). Returns the notes to
-    print; raises ConfigError when no integer pair keeps the batch."""
-    bs, gas = values["batch_size"], values["gradient_accumulation_steps"]
-    if bs * gas * dp == windows:
-        return []
-    if windows % (bs * dp) == 0:
-        values["gradient_accumulation_steps"] = windows // (bs * dp)
-    elif windows % (gas * dp) == 0:
-        values["batch_size"] = windows // (gas * dp)
-    elif windows % dp == 0:  # one micro-batch of all of this rank's windows
-        values["batch_size"], values["gradient_accumulation_steps"] = windows // dp, 1
-    else:
-        raise ConfigError(f"the run's global batch is {windows} windows (batch_size x gradient_accumulation_steps x "
-                          f"dp), which dp = {dp} cannot keep: {windows} windows do not split evenly across {dp} "
-                          f"replicas. Launch a number of processes whose dp divides {windows}, or give --batch_size "
-                          f"and --gradient_accumulation_steps for a new global batch")
-    return [f"resume: dp = {dp}: batch_size {values['batch_size']} x gradient_accumulation_steps "
-            f"{values['gradient_accumulation_steps']} keep the run's global batch of {windows} windows"]
 
 
 # -----------------------------------------------------------------------------
@@ -348,18 +244,6 @@ def setup(cfg, training=True):
         if getattr(cfg, flag) and importlib.util.find_spec(package) is None:
             raise ValueError(f"{flag}=True needs the {package} package, which is not installed: pip install "
                              f"{package} (or set --{flag}=False)")
-    if cfg.zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0 (plain AdamW), 1 (optimizer states sharded across data-parallel "
-                         f"ranks), 2 (and the gradients) or 3 (and the parameters), got {cfg.zero_stage}")
-    if cfg.optimizer == "muon" and cfg.zero_stage > 1:
-        raise ValueError(f"optimizer='muon' runs with zero_stage 0 or 1 (ZeRO-1 deals its matrices whole to the "
-                         f"data-parallel ranks), not zero_stage={cfg.zero_stage}: use --zero_stage=1, or "
-                         f"--optimizer=adamw")
-    if cfg.optimizer == "muon" and cfg.zero_stage == 1 and cfg.ep > 1:
-        # ZeRO-1 deals Muon's matrices over dp x cp, but an expert is held by dp / ep of those ranks only
-        raise ValueError(f"optimizer='muon' with zero_stage=1 and ep = {cfg.ep} is not supported (the experts are "
-                         f"not on every data-parallel rank to be dealt whole): use --zero_stage=0 with Muon at "
-                         f"ep > 1, or --optimizer=adamw")
     check_schedule(cfg.pp_schedule, cfg.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks)
     hf_dir = None if cfg.init_from in ("scratch", "resume", "auto") else cfg.init_from  # a transformers model folder
     if training:
@@ -447,10 +331,60 @@ def setup(cfg, training=True):
                            model_cfg=model_cfg, attn_impl=attn, tokenizer=tokenizer, hf_dir=hf_dir)
 
 
+@dataclass
+class Pipeline:
+    """What a pipeline-parallel step needs beside the model: the point-to-point channel to the other ranks
+    (comm), the schedule and the model chunks per rank, one WeightGradStore per chunk when the schedule
+    splits the backward (zero_bubble, zbv; None otherwise), and the copies of the tied embedding this rank
+    holds with the group of the ranks holding the others: after backward the pipeline sums their gradients
+    (sums_tied; under ZeRO-2/3 the reducer sums their gradient shards instead)."""
+    comm: PipelineComm
+    schedule: str
+    chunks: int
+    weight_grad_stores: list = None
+    tied_copies: list = field(default_factory=list)
+    tied_group: object = None
+    sums_tied: bool = True
+
+    def actions(self, m):
+        return SCHEDULES[self.schedule](self.comm.pp, self.comm.stage, m, self.chunks)
+
+    def chunk_models(self, model):
+        """What run_schedule calls for each of this rank's chunks: the model itself with one chunk."""
+        return model if self.chunks == 1 else [functools.partial(model, chunk=c) for c in range(self.chunks)]
+
+    def forward_backward(self, model, microbatches, autocast, loss_multiplier, grad_sync, trace=None):
+        """The schedule's actions over the micro-batches, then the tied copies' gradients summed."""
+        loss = run_schedule(self.actions(len(microbatches)), self.chunk_models(model), microbatches, self.comm,
+                            autocast, loss_multiplier, grad_sync, self.weight_grad_stores, trace)
+        if self.sums_tied:
+            sync_tied_grads(self.tied_copies, self.tied_group)
+        return loss
+
+    def forward(self, model, microbatches, autocast):
+        """Forward only (evaluation): this rank's part of the mean loss over the micro-batches."""
+        actions = forward_only_actions(self.comm.pp, self.comm.stage, len(microbatches), self.chunks)
+        return pipeline_forward(self.chunk_models(model), microbatches, self.comm, autocast, actions)
+
+
+@dataclass
+class Parts:
+    """What build makes: everything a training step needs."""
+    model: Transformer
+    optimizer: object  # optim.AdamW, parallel.ZeroOneAdamW or optim.Muon: grads(), step(found_inf)
+    grad_sync: object  # the data-parallel reducer (parallel.GradientBuckets or an extension)
+    pipeline: Pipeline  # None with pp = 1
+    autocast: object  # torch.autocast of the run's dtype, or nullcontext() in fp32 and fp64
+    scaler: DynamicLossScaler
+    bad_steps: BadSteps
+    compiled: bool  # whether the blocks run torch.compile'd (compile=True, until a compile fails)
+    loaded: SimpleNamespace = None  # init_from=<a transformers folder>: seconds, bytes_read, file_bytes
+
+
 def build(cfg, run):
-    """This rank's model (initialised, on its device), its optimizer, the gradient averaging across
-    data-parallel ranks, the pipeline, the autocast context and the loss scaler: everything a training step
-    needs. bench.py builds through here too, so it times exactly what train.py runs."""
+    """This rank's model (initialised, on its device), the pipeline, the gradient averaging across
+    data-parallel ranks, the optimizer, the autocast context and the loss scaler: everything a training
+    step needs. bench.py builds through here too, so it times exactly what train.py runs."""
     layout = run.layout
     torch.manual_seed(cfg.seed)
     # this rank's model chunks, as the stages of a model cut into pp * pp_chunks (one with pp_chunks = 1)
@@ -467,129 +401,26 @@ def build(cfg, run):
         model.init_weights(cfg.seed)
     model.to(run.dev)
     pipeline = make_pipeline(cfg, layout, model, run.dev)
-    tied = pipeline.tied_copies if pipeline else []
-    optimizer = make_optimizer(model, cfg, run.dev, layout, tied, backward_phases(model, pipeline))
-    grad_sync = make_grad_sync(model, cfg, layout, optimizer, tied)
-    if grad_sync is not None and pipeline is not None and pipeline.weight_grad_stores:
-        # the W actions accumulate these gradients outside autograd and announce them (parallel.run_schedule)
-        grad_sync.by_hand([p for store in pipeline.weight_grad_stores for p in store.params])
-    # AdamW creates its two moments per parameter element at the first step; ZeroOneAdamW and Muon theirs now
-    unsharded = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    state = f"state {optimizer_state_bytes(optimizer) / 2**20:.2f} MiB on rank 0"
-    if isinstance(optimizer, Muon):
-        n = sum(p.numel() for p in optimizer.matrices)
-        print0(layout, f"optimizer: Muon for {len(optimizer.matrices)} matrices ({n / 1e6:.2f}M parameters on rank 0), "
-                       f"AdamW for the rest; {state}" + (f", whole matrices and AdamW slices across {layout.dp_cp} "
-                                                         f"data-parallel ranks (ZeRO-1)" if cfg.zero_stage else ""))
-    elif isinstance(optimizer, ZeroOneAdamW):
-        print0(layout, f"optimizer: ZeroOneAdamW (ZeRO-{cfg.zero_stage}), {state}, about 1/{layout.dp_cp} of the "
-                       f"unsharded {unsharded / 2**20:.2f} MiB")
-    else:
-        print0(layout, f"optimizer: AdamW, state {unsharded / 2**20:.2f} MiB per rank")
-    if cfg.zero_stage >= 2 and layout.dp_cp > 1:
-        m = cfg.gradient_accumulation_steps
-        print0(layout, f"ZeRO-{cfg.zero_stage}: the gradients are reduce-scattered after every one of the {m} "
-                       f"micro-batches ({m}x the reduce traffic of ZeRO-1, which sends them once per step) and kept "
-                       f"as 1/{layout.dp_cp} shards" + ("; the parameters too: each block all-gathered before its "
-                       "forward and again before its backward, every micro-batch" if cfg.zero_stage == 3 else ""))
+    grad_sync = make_grad_sync(model, cfg, layout, pipeline)
+    optimizer = make_optimizer(model, cfg, layout, grad_sync)
+    print0(layout, describe_optimizer(optimizer, model, cfg, layout))
     if model.cfg.n_expert > 0:
         expert_params, expert_state = metrics.expert_memory_bytes(model, optimizer)
         moe = next(iter(model.moe_layers().values()))
         print0(layout, f"experts: rank 0 holds experts {moe.first_expert}-{moe.first_expert + len(moe.experts) - 1} of "
                        f"{model.cfg.n_expert} in each layer (ep={layout.ep}): {expert_params / 2**20:.2f} MiB of "
                        f"parameters, {expert_state / 2**20:.2f} MiB of optimizer state")
-    scaler = DynamicLossScaler(enabled=run.dtype == torch.float16)
-    autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
-    return SimpleNamespace(model=model, compiled=compile_blocks(model, cfg, layout), optimizer=optimizer,
-                           grad_sync=grad_sync, pipeline=pipeline, autocast=autocast, scaler=scaler, loaded=loaded,
-                           bad_steps=BadSteps(run.dev, cfg.max_bad_steps))
-
-
-def make_optimizer(model, cfg, device, layout, tied=(), phases=None):
-    """AdamW; weight decay on matrices (linears, embeddings) only, not on norm gains and biases. With
-    zero_stage=1, 2 or 3, ZeroOneAdamW: the same update, its states split across the ranks that hold the same
-    parameters, dp x cp (tied weights are averaged after their copies' gradients are summed: `deferred`;
-    ZeRO-2/3 send each micro-batch's gradients after the backward actions `phases` names: backward_phases).
-    With optimizer='muon', one parallel.Muon: Muon for the blocks' matrices (takes_muon), with the same
-    weight decay, AdamW as above for the rest."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if cfg.optimizer == "muon":
-        matrices = [p for name, p in model.named_parameters() if takes_muon(name, p)]
-        chosen = {id(p) for p in matrices}
-        groups = [{"params": matrices, "weight_decay": cfg.weight_decay, "muon": True}] + [
-            dict(g, params=[p for p in g["params"] if id(p) not in chosen]) for g in groups]
-        return Muon(groups, lr=cfg.learning_rate, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
-                    betas=(cfg.beta1, cfg.beta2), tp_group=layout.tp_group, zero=cfg.zero_stage == 1,
-                    dp_group=layout.dp_cp_group, bucket_size_mb=cfg.bucket_size_mb, deferred=tied)
-    if cfg.zero_stage >= 1:
-        return ZeroOneAdamW(groups, layout.dp_cp_group, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                            bucket_size_mb=cfg.bucket_size_mb, deferred=tied,
-                            expert_params=model.expert_parameters().values(), expert_group=layout.expert_dp_group,
-                            zero_stage=cfg.zero_stage, model=model, phases=phases,
-                            units=zero3_units(model, tied, phases) if cfg.zero_stage == 3 else None)
-    # one kernel for the whole update; on CPU (torch >= 2.4) it was a third of a small model's step unfused
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
-
-
-def zero3_units(model, tied=(), phases=None):
-    """ZeRO-3's units of parameters, (module or None, params, chunk), in forward order: the root (this
-    stage's embedding, final norm and head, kept whole through the step), a tied weight alone (its shards
-    are summed across stages), then each transformer block, gathered around its forward and its backward
-    (parallel.py, section 5). A unit's gradients are sent after one backward action (`phases`, as
-    backward_phases gives them), so under a split backward a block is two units, its B part and its W part
-    (gathered and freed together), and the root one per action. Under expert parallelism GradientBuckets
-    cuts a unit's experts into a bucket of their own, over their group."""
-    def by_phase(params):
-        parts = {}
-        for p in params:
-            parts.setdefault(frozenset(phases[p]) if phases is not None else None, []).append(p)
-        return list(parts.values())
-    chunk_of = {i: c for c, layers in enumerate(model.chunk_layers) for i in layers}
-    blocks = [(block, part, chunk_of[int(i)]) for i, block in model.blocks.items()
-              for part in by_phase(list(block.parameters()))]
-    apart = {id(p) for _, params, _ in blocks for p in params} | {id(p) for p in tied}
-    root = [p for p in model.parameters() if id(p) not in apart]
-    return [(None, part, None) for part in by_phase(root)] + [(None, [p], None) for p in tied] + blocks
-
-
-def backward_phases(model, pipeline):
-    """{parameter: {(op, chunk)}}: the backward actions of a micro-batch that write each parameter's gradient,
-    after each of which ZeRO-2 and 3 send it (GradientBuckets.backward_done): ('B', c) for the parameters
-    of chunk c, or, where the schedule splits the backward (zero_bubble, zbv), ('W', c) for those its W
-    actions compute (WeightGradStore.params). One parameter has two: under zbv with tied embeddings, rank
-    0's embedding, which chunk 0's B and, as the head, chunk 1's W (its B under the chunked loss) add to."""
-    stores = pipeline.weight_grad_stores if pipeline is not None else None
-    phases = {}
-    for c in range(len(model.stages)):
-        by_hand = {id(p) for p in stores[c].params} if stores else set()
-        for p in model.chunk_parameters(c):
-            phases.setdefault(p, set()).add(("W" if id(p) in by_hand else "B", c))
-    return phases
-
-
-def make_grad_sync(model, cfg, layout, optimizer, tied=()):
-    """What averages the gradients across the ranks that hold the same parameters, dp x cp (each cp rank
-    has the gradient of its share of every sequence): ZeroOneAdamW's own sharded buckets, plain all-reduce
-    buckets, or nothing with a single replica. A tied weight's gradient changes after backward (its copies
-    are summed), so it is averaged in finish(), after that sum, not from the backward hooks. Under expert
-    parallelism the experts are summed over the ranks that hold the same experts (and still divided by
-    dp x cp: parallel.py, section 6), even when no other rank holds them (ep = dp)."""
-    if cfg.zero_stage >= 1:  # ZeroOneAdamW (ZeRO-1, 2, 3) or Muon with zero=True
-        return optimizer.grad_sync
-    if layout.dp_cp_group is None:
-        return None
-    return GradientBuckets(list(model.parameters()), layout.dp_cp_group, cfg.bucket_size_mb, deferred=tied,
-                           expert_params=model.expert_parameters().values(), expert_group=layout.expert_dp_group)
+    fp16 = run.dtype == torch.float16
+    autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype in (torch.bfloat16, torch.float16) \
+        else nullcontext()
+    return Parts(model=model, optimizer=optimizer, grad_sync=grad_sync, pipeline=pipeline, autocast=autocast,
+                 scaler=DynamicLossScaler(enabled=fp16), bad_steps=BadSteps(run.dev, cfg.max_bad_steps, enabled=not fp16),
+                 compiled=compile_blocks(model, cfg, layout), loaded=loaded)
 
 
 def make_pipeline(cfg, layout, model, dev):
-    """What a pipeline-parallel step needs beside the model (None with pp = 1): the point-to-point channel
-    to the other ranks, the schedule's action list builder, the number of model chunks per rank, one
-    WeightGradStore per chunk when the schedule splits the backward (zero_bubble, zbv), and the copies of the
-    tied embedding this rank holds with the group of the ranks holding the others. Every rank must call it:
-    it builds process groups and runs the world's first collective (PipelineComm)."""
+    """The Pipeline of this rank (None with pp = 1). Every rank must call it: it builds process groups and
+    runs the world's first collective (PipelineComm)."""
     if layout.pp == 1:
         return None
     # what travels: the hidden states of this rank's tokens, (B, T, n_embd) for token ids x of (B, T), which
@@ -597,24 +428,99 @@ def make_pipeline(cfg, layout, model, dev):
     schedule, v = cfg.pp_schedule, cfg.pp_chunks
     comm = PipelineComm.from_layout(layout, model.cfg.n_embd, dev, seq_split=layout.tp if cfg.sequence_parallel else 1,
                                     stages_of=lambda rank: virtual_stages(schedule, layout.pp, rank, v))
-    actions = SCHEDULES[schedule]
-    split = any(op == "W" for op, _, _ in actions(layout.pp, layout.pp_rank, cfg.gradient_accumulation_steps, v))
-    stores = [WeightGradStore(model.chunk_modules(c)) for c in range(v)] if split else None
+    split = any(op == "W" for op, _, _ in SCHEDULES[schedule](layout.pp, layout.pp_rank, cfg.gradient_accumulation_steps, v))
+    stores = [WeightGradStore(chunk_modules(model, c)) for c in range(v)] if split else None
     tied_group, tied_copies = None, []
     if model.cfg.tie_embeddings:  # the embedding with model stage 0, its copy (or itself) as the head of the last
         holders = [p for p in range(layout.pp) for s in virtual_stages(schedule, layout.pp, p, v)
                    if s in (0, layout.pp * v - 1)]
         tied_group = tied_weight_group(layout, holders)
         tied_copies = [model.tok_emb.weight] if model.is_first else [model.lm_head.weight] if model.is_last else []
-    return SimpleNamespace(comm=comm, actions=actions, chunks=v, weight_grad_stores=stores, tied_group=tied_group,
-                           tied_copies=tied_copies)
+    return Pipeline(comm, schedule, v, stores, tied_copies, tied_group, sums_tied=cfg.zero_stage < 2)
 
 
-def model_chunks(model, pipeline):
-    """What run_schedule calls for each of this rank's chunks: the model itself with one chunk."""
-    if pipeline.chunks == 1:
-        return model
-    return [functools.partial(model, chunk=c) for c in range(pipeline.chunks)]
+def make_grad_sync(model, cfg, layout, pipeline):
+    """What averages the gradients across the ranks that hold the same parameters, dp x cp (each cp rank
+    has the gradient of its share of every sequence), by ZeRO stage: GradientBuckets' all-reduce (0; of no
+    parameter with a single replica), ShardedGradientBuckets' reduce-scatter (1; with Muon, its matrices dealt whole:
+    optim.zero_one_muon_buckets), zero.GradientShards (2), zero.FullyShardedParameters (3). Under expert
+    parallelism the experts get a reducer of their own kind over the ranks that hold the same experts
+    (expert_parallel.ExpertSplit). A tied weight's gradient changes after backward (its copies are summed
+    by the pipeline): ZeRO-0 and 1 average it in finish(), after that sum (deferred); ZeRO-2 and 3 sum the
+    copies' shards themselves (tied). The split backward's W gradients are announced by hand (by_hand)."""
+    zero, group, size = cfg.zero_stage, layout.dp_cp_group, cfg.bucket_size_mb
+    if zero == 0 and group is None:
+        return GradientBuckets([], None)  # one replica: nothing to average (a reducer of no parameters)
+    stores = pipeline.weight_grad_stores if pipeline is not None else None
+    tied = (pipeline.tied_copies, pipeline.tied_group) if pipeline is not None else ((), None)
+    phases = backward_phases(model, stores) if zero >= 2 else None
+    units = zero3_units(model, tied[0], phases) if zero == 3 else None
+    matrices = [p for name, p in model.named_parameters() if takes_muon(name, p)] if cfg.optimizer == "muon" else []
+
+    def reducer(params, group, tied=((), None)):
+        keep = {id(p) for p in params}
+        if zero == 0:
+            return GradientBuckets(params, group, size, deferred=tied[0])
+        if zero == 1 and matrices:
+            return zero_one_muon_buckets(params, [p for p in matrices if id(p) in keep], group, size, tied[0])
+        if zero == 1:
+            return ShardedGradientBuckets(params, group, size, deferred=tied[0])
+        if zero == 2:
+            return GradientShards(params, group, size, phases, tied)
+        return FullyShardedParameters(params, group, [(m, [p for p in ps if id(p) in keep], c) for m, ps, c in units],
+                                      model, phases, tied)
+
+    experts = {id(p) for p in model.expert_parameters().values()} if layout.expert_dp_group is not group else set()
+    grad_sync = reducer([p for p in model.parameters() if id(p) not in experts], group, tied)
+    if experts:
+        grad_sync = ExpertSplit(grad_sync, reducer([p for p in model.parameters() if id(p) in experts],
+                                                   layout.expert_dp_group))
+    if stores:  # the W actions accumulate these gradients outside autograd and announce them (parallel.run_schedule)
+        grad_sync.by_hand([p for store in stores for p in store.params])
+    return grad_sync
+
+
+def make_optimizer(model, cfg, layout, grad_sync):
+    """AdamW; weight decay on matrices (linears, embeddings) only, not on norm gains and biases. With
+    zero_stage=1, 2 or 3, ZeroOneAdamW: the same update on the elements this rank owns, stepping with the
+    sharded reducer. With optimizer='muon', optim.Muon: Muon for the blocks' matrices (takes_muon), with
+    the same weight decay, AdamW as above for the rest (ZeRO-1: with its reducer)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.optimizer == "muon":
+        matrices = [p for name, p in model.named_parameters() if takes_muon(name, p)]
+        chosen = {id(p) for p in matrices}
+        groups = [{"params": matrices, "weight_decay": cfg.weight_decay, "muon": True}] + [
+            dict(g, params=[p for p in g["params"] if id(p) not in chosen]) for g in groups]
+        return Muon(groups, lr=cfg.learning_rate, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps, betas=betas,
+                    tp_group=layout.tp_group, grad_sync=grad_sync if cfg.zero_stage == 1 else None)
+    if cfg.zero_stage >= 1:
+        return ZeroOneAdamW(groups, grad_sync, lr=cfg.learning_rate, betas=betas)
+    return AdamW(groups, lr=cfg.learning_rate, betas=betas)
+
+
+def describe_optimizer(optimizer, model, cfg, layout):
+    """The start-up line saying what the optimizer is and what its state costs on rank 0."""
+    state = f"state {optimizer_state_bytes(optimizer) / 2**20:.2f} MiB on rank 0"
+    if cfg.optimizer == "muon":
+        n = sum(p.numel() for p in optimizer.matrices)
+        return (f"optimizer: Muon for {len(optimizer.matrices)} matrices ({n / 1e6:.2f}M parameters on rank 0), "
+                f"AdamW for the rest; {state}" + (f", whole matrices and AdamW slices across {layout.dp_cp} "
+                                                  f"data-parallel ranks (ZeRO-1)" if cfg.zero_stage else ""))
+    if cfg.zero_stage == 0:
+        return f"optimizer: AdamW, {state}"
+    unsharded = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    text = f"optimizer: ZeroOneAdamW (ZeRO-{cfg.zero_stage}), {state}, about 1/{layout.dp_cp} of the unsharded " \
+           f"{unsharded / 2**20:.2f} MiB"
+    if cfg.zero_stage >= 2 and layout.dp_cp > 1:
+        m = cfg.gradient_accumulation_steps
+        text += (f"\nZeRO-{cfg.zero_stage}: the gradients are reduce-scattered after every one of the {m} "
+                 f"micro-batches ({m}x the reduce traffic of ZeRO-1, which sends them once per step) and kept as "
+                 f"1/{layout.dp_cp} shards" + ("; the parameters too: each block all-gathered before its forward and "
+                                               "again before its backward, every micro-batch" if cfg.zero_stage == 3 else ""))
+    return text
 
 
 def compile_blocks(model, cfg, layout):
@@ -639,8 +545,10 @@ def compile_blocks(model, cfg, layout):
 
 
 def uncompile_blocks(model):
+    """Undo compile_blocks; returns False (the blocks are not compiled any more)."""
     for block in model.blocks.values():
         block.__dict__.pop("forward", None)  # Block.forward, the class's own, again
+    return False
 
 
 # -----------------------------------------------------------------------------
@@ -672,96 +580,37 @@ def get_lr(step, cfg):
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
 
 
-class DynamicLossScaler:
-    """fp16 has a narrow range: gradients of small losses underflow to zero. Multiply the loss by a large
-    scale before backward and divide the gradients by it after. A step whose gradient norm is inf/nan is
-    skipped and the scale halved; after `growth_interval` good steps it doubles (Micikevicius et al. 2017).
-    The overflow check uses the global gradient norm, already reduced across every rank, so all ranks
-    agree on skipping a step. With enabled=False (bf16, fp32) it does nothing."""
-
-    def __init__(self, enabled, scale=2.0 ** 16, growth_interval=2000):
-        self.enabled, self.scale, self.growth_interval, self.good_steps = enabled, scale, growth_interval, 0
-
-    def loss_multiplier(self):
-        return self.scale if self.enabled else 1.0
-
-    def update(self, grad_norm):
-        """Call with the unscaled global gradient norm; returns whether to take the optimizer step."""
-        if not self.enabled:
-            return True
-        if not math.isfinite(grad_norm):
-            self.scale /= 2
-            self.good_steps = 0
-            return False
-        self.good_steps += 1
-        if self.good_steps % self.growth_interval == 0:
-            self.scale *= 2
-        return True
-
-
-def forward_backward(model, microbatches, autocast, loss_multiplier, set_grad_sync=None, backward_done=None):
+def forward_backward(model, microbatches, autocast, loss_multiplier, grad_sync):
     """Run every micro-batch forward and backward, accumulating gradients. Each micro-batch's mean loss is
     divided by the number of micro-batches here, and only here, so the gradient is that of the mean loss
-    over the whole batch. Returns that mean loss (a tensor: reading it is a host-device sync).
-    set_grad_sync(bool) is called before each backward, True before the last (see parallel.run_schedule):
-    data parallelism communicates only then; backward_done('B', 0) after each (ZeRO-2/3 send every one)."""
+    over the whole batch. Returns that mean loss (a tensor: reading it is a host-device sync). The
+    data-parallel reducer is told before each backward whether it is the last (it communicates only then)
+    and after each that it ran (ZeRO-2/3 send every micro-batch's gradients), as run_schedule tells it."""
     total = 0.0
     for i, batch in enumerate(microbatches):  # (x, y), or (x, y, positions) under context parallelism
         with autocast:
             _, loss = model(*batch)
         loss = loss / len(microbatches)
-        if set_grad_sync is not None:
-            set_grad_sync(i == len(microbatches) - 1)
+        grad_sync.set_grad_sync(i == len(microbatches) - 1)
         (loss * loss_multiplier).backward()
-        if backward_done is not None:
-            backward_done("B", 0)
+        grad_sync.backward_done("B", 0)
         total += loss.detach()
     return total
 
 
 def forward_backward_step(parts, microbatches, trace=None):
-    """Forward and backward of the step's micro-batches (through the pipeline schedule when pp > 1), then
-    the gradients made whole: tied copies summed, a zero gradient for every parameter that got none, and
-    the data-parallel average. Returns the loss (this rank's part of it with pp > 1). trace: see
-    parallel.run_schedule (pipeline only)."""
-    pipeline, grad_sync, model = parts.pipeline, parts.grad_sync, parts.model
-    set_grad_sync = grad_sync.set_grad_sync if grad_sync is not None else None
-    backward_done = grad_sync.backward_done if grad_sync is not None else None
-    if pipeline is not None:
-        comm = pipeline.comm
-        actions = pipeline.actions(comm.pp, comm.stage, len(microbatches), pipeline.chunks)
-        loss = run_schedule(actions, model_chunks(model, pipeline), microbatches, comm, parts.autocast,
-                            parts.scaler.loss_multiplier(), grad_sync, pipeline.weight_grad_stores, trace)
-        if not sharded_grads(parts.optimizer):
-            sync_tied_grads(pipeline.tied_copies, pipeline.tied_group)
+    """Forward and backward of the step's micro-batches (through the pipeline schedule when pp > 1: the
+    tied copies' gradients summed there), then the data-parallel average (grad_sync.finish: every
+    parameter that got no gradient gets a zero one, as on every replica). Returns the loss (this rank's
+    part of it with pp > 1). trace: see parallel.run_schedule (pipeline only)."""
+    if parts.pipeline is not None:
+        loss = parts.pipeline.forward_backward(parts.model, microbatches, parts.autocast,
+                                               parts.scaler.loss_multiplier(), parts.grad_sync, trace)
     else:
-        loss = forward_backward(model, microbatches, parts.autocast, parts.scaler.loss_multiplier(), set_grad_sync,
-                                backward_done)
-    # One rule at every layout: a parameter without a gradient (an expert no token reached) has a zero one,
-    # as the data-parallel buckets give it. AdamW then steps every parameter alike (its moments decay, the
-    # weight decays, one step counter for all), and every parameter has optimizer state to checkpoint.
-    # (ZeRO-2/3: the gradients are the shards the buckets keep, zero where no token reached; p.grad is None)
-    if not sharded_grads(parts.optimizer):
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-    if grad_sync is not None:
-        grad_sync.finish()  # waits for the data-parallel averaging launched during backward (after the tied sum)
-    if pipeline is not None and sharded_grads(parts.optimizer):
-        sum_tied_grad_shards(grad_sync, pipeline.tied_copies, pipeline.tied_group)
+        loss = forward_backward(parts.model, microbatches, parts.autocast, parts.scaler.loss_multiplier(),
+                                parts.grad_sync)
+    parts.grad_sync.finish()  # waits for the data-parallel averaging launched during backward
     return loss
-
-
-def sharded_grads(optimizer):
-    """ZeRO-2 or 3: each rank keeps only its shard of the gradients (in the optimizer's buckets)."""
-    return isinstance(optimizer, ZeroOneAdamW) and optimizer.zero_stage >= 2
-
-
-def model_grads(model, optimizer):
-    """[(parameter, gradient)]: every gradient element this rank holds, each once."""
-    if isinstance(optimizer, ZeroOneAdamW):
-        return optimizer.grads()
-    return [(p, p.grad) for p in model.parameters() if p.grad is not None]
 
 
 def global_grad_norm(model, layout, grads, dp_sharded=False):
@@ -770,9 +619,8 @@ def global_grad_norm(model, layout, grads, dp_sharded=False):
     only; pipeline stages hold disjoint blocks (a tied head's copy is not counted twice); data- and
     context-parallel replicas hold the same (already averaged) gradient and are counted once: a parameter
     is held by dp x cp replicas, an expert under expert parallelism by (dp / ep) x cp (each rank of an ep
-    group holds other experts). With ZeRO-1 (dp_sharded) each replica holds the gradient of its own elements
-    only (zero elsewhere): they add up; so do ZeRO-2/3's owned gradient shards. `grads`:
-    model_grads(model, optimizer)."""
+    group holds other experts). Under ZeRO (dp_sharded) each replica holds the gradient of its own elements
+    only: they add up. `grads`: the optimizer's grads()."""
     copies = {id(p) for name, p in model.named_parameters() if name in model.tied_copies()}
     experts = {id(p) for p in model.expert_parameters().values()}
     dev = next(model.parameters()).device
@@ -791,123 +639,47 @@ def global_grad_norm(model, layout, grads, dp_sharded=False):
     return total.sqrt()
 
 
-def scale_grads(grads, factor):
-    for _, grad in grads:
-        grad.mul_(factor)
-
-
 def train_step(cfg, layout, parts, microbatches, lr, trace=None, step=0):
     """One optimizer step (the run's step-th, counted from 1): forward and backward of every micro-batch,
-    unscaling, the global gradient norm and clipping, AdamW. Returns (loss, grad norm), both tensors:
-    nothing here waits for the device except fp16 loss scaling, which must read the norm to decide whether
-    to skip the step. trace: the pipeline actions' timer (metrics.PipelineTrace) or memory sampler, or None.
+    unscaling (fp16), the global gradient norm and clipping, the optimizer. Returns (loss, grad norm), both
+    tensors: nothing here waits for the device except fp16 loss scaling, which must read the norm to change
+    its scale. trace: the pipeline actions' timer (metrics.PipelineTrace) or memory sampler, or None.
 
-    In bf16 and fp32 a step whose global gradient norm is not finite (inf or NaN, the same on every rank:
-    the norm is all-reduced) is skipped on the device: AdamW gets found_inf, as torch's GradScaler hands it
-    to the fused kernel, which then leaves weights, moments and step counter as they were (ZeroOneAdamW
-    and Muon do the same with torch.where); parts.bad_steps counts it (BadSteps), read at log lines. fp16's
-    scaler skips its overflows itself (a lower scale is the cure there), and they are not counted.
+    A step whose global gradient norm is not finite (inf or NaN, the same on every rank: the norm is
+    all-reduced) is skipped on the device: the optimizer gets found_inf, as torch's GradScaler hands it to
+    the fused kernel, and leaves weights, moments and step counter as they were; parts.bad_steps counts it
+    (faults.BadSteps, read at log lines), except under fp16, whose scaler skips its overflows itself (a lower
+    scale is the cure there).
 
     torch.compile compiles inside the first forward and backward, so that is where it fails (no C compiler,
     an op it cannot trace): on one rank the step is then run again eagerly, and the blocks stay eager from
     then on (parts.compiled is False). (With pp > 1 or dp > 1 the ranks may already have communicated: the
     error stops the run.)"""
-    model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
+    optimizer, scaler = parts.optimizer, parts.scaler
     for group in optimizer.param_groups:
         group["lr"] = lr
     try:
         loss = forward_backward_step(parts, microbatches, trace)
     except Exception as e:
-        if not parts.compiled or parts.pipeline is not None or parts.grad_sync is not None:
+        if not parts.compiled or layout.pp > 1 or layout.dp_cp > 1:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print0(layout, f"torch.compile failed ({type(e).__name__}: {first}); continuing without it")
         optimizer.zero_grad(set_to_none=True)  # whatever the failed attempt accumulated
-        uncompile_blocks(model)
-        parts.compiled = False
+        parts.compiled = uncompile_blocks(parts.model)
         loss = forward_backward_step(parts, microbatches, trace)
-    grads = model_grads(model, optimizer)
-    if scaler.enabled:
-        scale_grads(grads, 1.0 / scaler.scale)
-    grad_norm = global_grad_norm(model, layout, grads, dp_sharded=cfg.zero_stage >= 1)
+    grads = optimizer.grads()
+    scaler.unscale(grads)
+    grad_norm = global_grad_norm(parts.model, layout, grads, dp_sharded=cfg.zero_stage >= 1)
     if cfg.grad_clip > 0:
-        scale_grads(grads, (cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0))
-    if scaler.enabled:
-        if scaler.update(grad_norm.item()):  # host-device sync, with fp16 only
-            optimizer.step()
-    else:
-        found_inf = (~torch.isfinite(grad_norm)).float()  # 0-dim, on the device: no sync
-        if isinstance(optimizer, (ZeroOneAdamW, Muon)):
-            optimizer.step(found_inf)
-        else:  # fused AdamW reads it from the optimizer, where torch's GradScaler puts it
-            optimizer.found_inf = found_inf
-            optimizer.step()
-            del optimizer.found_inf
-        parts.bad_steps.record(found_inf, step)
+        for _, grad in grads:
+            grad.mul_((cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0))
+    found_inf = (~torch.isfinite(grad_norm)).float()  # 0-dim, on the device: no sync
+    scaler.update(found_inf)  # (fp16 only: reads it)
+    optimizer.step(found_inf)
+    parts.bad_steps.record(found_inf, step)
     optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
-
-
-class BadSteps:
-    """The skipped steps of a run, counted on the device (no host sync per step): `total` since the start
-    of this launch, the current `streak` in a row, the step it `began` at, and `tripped`, the first step of
-    the first streak that reached max_bad_steps (0: none). read() is one host sync, done at log lines."""
-
-    def __init__(self, device, max_bad_steps):
-        self.max_bad_steps = max_bad_steps
-        self.counts = torch.zeros(4, device=device)  # total, streak, began, tripped
-
-    def record(self, found_inf, step):
-        total, streak, began, tripped = self.counts.unbind()
-        streak = (streak + 1) * found_inf
-        began = torch.where(streak == 1, float(step), began)
-        tripped = torch.where((tripped == 0) & (streak >= self.max_bad_steps), began, tripped)
-        self.counts = torch.stack([total + found_inf, streak, began, tripped])
-
-    def read(self):
-        """(total, streak, began, tripped) as ints: a host-device sync."""
-        return [int(v) for v in self.counts.tolist()]
-
-
-class TooManyBadSteps(RuntimeError):
-    pass
-
-
-class StopVote:
-    """SIGTERM (SLURM's notice before the end of a job's time, or torchrun passing on its own) asks the run
-    to stop cleanly: finish the step, save, exit 0. Ranks get the signal at different moments, so they
-    vote: at the end of every step each rank starts an all-reduce (MAX) of its flag on a CPU gloo group,
-    without waiting, and reads the previous step's result, long finished. Every rank reads the same vote
-    at the same step, so all stop at the same step, one step after the first of them got the signal; the
-    vote is a few bytes between CPUs, overlapped with a step, and never syncs the host with the device."""
-
-    def __init__(self, layout, timeout=None):
-        self.requested, self.pending = False, None
-        self.group = dist.new_group(backend="gloo", timeout=timeout, group_desc="stop vote") \
-            if layout.world_size > 1 else None
-        signal.signal(signal.SIGTERM, self._ask)
-
-    def _ask(self, signum, frame):
-        self.requested = True
-
-    def finish(self):
-        if self.pending is not None:
-            self.pending[0].wait()
-            self.pending = None
-
-    def agreed(self):
-        """Called by every rank at the end of every step: whether the run stops now."""
-        if self.group is None:
-            return self.requested
-        stop = False
-        if self.pending is not None:
-            work, flag = self.pending
-            work.wait()
-            stop = bool(flag.item())  # a CPU tensor: no device sync
-        if not stop:
-            flag = torch.tensor([1.0 if self.requested else 0.0])
-            self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
-        return stop
 
 
 # -----------------------------------------------------------------------------
@@ -933,9 +705,7 @@ def evaluate(cfg, run, parts):
             micro = rank_microbatches(cfg, layout, data, EVAL_STREAM, i, cfg.gradient_accumulation_steps, run.dev,
                                       document_end(run.model_cfg))
             if parts.pipeline is not None:  # the loss on the last stage (the mean over the micro-batches)
-                comm = parts.pipeline.comm
-                loss = pipeline_forward(model_chunks(model, parts.pipeline), micro, comm, parts.autocast,
-                                        forward_only_actions(comm.pp, comm.stage, len(micro), parts.pipeline.chunks))
+                loss = parts.pipeline.forward(model, micro, parts.autocast)
             else:
                 loss = 0.0
                 for batch in micro:
@@ -986,11 +756,11 @@ def save_checkpoint(cfg, run, parts, step, converted=False, keep=()):
     if torch.cuda.is_available():
         extra["cuda_rng"] = torch.cuda.get_rng_state()
     # ZeRO-3: each rank saves the slices of the parameters it stores (flat ranges, as the moments)
-    shards = ({p: optimizer.owned_param(p) for p in optimizer.state}
-              if isinstance(optimizer, ZeroOneAdamW) and optimizer.zero_stage == 3 else None)
+    shards = {p: optimizer.owned_param(p) for p in optimizer.state} if cfg.zero_stage == 3 else None
     return checkpoint.save(cfg.out_dir, step, layout.rank, layout.world_size,
                            checkpoint.model_pieces(model, layout, shards, optimizer),
-                           checkpoint.optimizer_pieces(optimizer, model, layout), meta, extra, cfg.keep_last_n, keep)
+                           {} if converted else checkpoint.optimizer_pieces(optimizer, model, layout), meta, extra,
+                           cfg.keep_last_n, keep)
 
 
 def resume(path, cfg, run, parts):
@@ -998,8 +768,8 @@ def resume(path, cfg, run, parts):
     scaler; returns its step. If a rank cannot read it, every rank falls back to the previous complete
     checkpoint (checkpoint.open_for_resume decides for all of them together)."""
     reader = checkpoint.open_for_resume(path, run.model_cfg, lambda text: print0(run.layout, text))
-    sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: a unit at a time, keeping this rank's slices
-    for params in sharded.unit_by_unit() if sharded is not None else [None]:
+    # ZeRO-3: a unit at a time, keeping this rank's slices
+    for params in parts.grad_sync.unit_by_unit() if cfg.zero_stage == 3 else [None]:
         checkpoint.load_model(parts.model, reader, params)
     saved_optimizer = reader.meta["config"].get("optimizer", "adamw")
     if reader.meta.get("converted_from"):  # a model converted from transformers has no optimizer state
@@ -1009,8 +779,7 @@ def resume(path, cfg, run, parts):
                            f"{cfg.optimizer}'s starts from zero")
     else:
         # the states are assembled from whatever pieces were saved (ZeRO-1 or not, any dp): zero_stage can change
-        load = checkpoint.load_adamw if isinstance(parts.optimizer, torch.optim.AdamW) else checkpoint.load_states
-        load(parts.optimizer, parts.model, reader)
+        checkpoint.load_states(parts.optimizer, parts.model, reader)
     parts.scaler.scale = reader.meta["loss_scale"]
     extra = reader.rank_state(run.layout.rank)
     if extra:  # RNG states only mean something for the same rank in the same world
@@ -1043,8 +812,8 @@ def train(cfg, run, resume_path=None):
     step = 0
     if resume_path is not None:
         step, path, saved = resume(resume_path, cfg, run, parts)
-        if batch_recipe(saved)["windows"] == run.recipe["windows"]:
-            run.recipe = batch_recipe(saved)
+        if settings.batch_recipe(saved)["windows"] == run.recipe["windows"]:
+            run.recipe = settings.batch_recipe(saved)
         print0(layout, f"resumed from {path} at step {step}" + (f", which is max_iters = {cfg.max_iters} already: "
                        f"nothing to train (raise --max_iters to go on)" if step >= cfg.max_iters else ""))
         # batch_size is per data-parallel rank: inherited at another dp (or with another accumulation or
@@ -1104,7 +873,7 @@ def train(cfg, run, resume_path=None):
         if step % cfg.log_interval == 0 or last:
             run.phase = f"the log line of step {step} (an all-reduce of the loss)"
             loss_value = mean_across_ranks(loss, layout).item()  # host-device sync, once per log interval
-            skipped = check_bad_steps(cfg, parts, step)
+            skipped = parts.bad_steps.check(cfg.out_dir, step)
             elapsed = time.time() - timer
             record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped,
                       "tokens_per_sec": tokens_per_step * timed_steps / elapsed, "ms_per_step": 1000 * elapsed / timed_steps,
@@ -1133,9 +902,9 @@ def train(cfg, run, resume_path=None):
             log.write(record)
             timer, timed_steps = time.time(), 0
         if (cfg.checkpoint_interval > 0 and (step % cfg.checkpoint_interval == 0 or last)) or stopping:
-            check_bad_steps(cfg, parts, step)  # never save the state of a run that must stop
+            parts.bad_steps.check(cfg.out_dir, step)  # never save the state of a run that must stop
             run.phase = f"saving the checkpoint of step {step}"
-            path = save_checkpoint(cfg, run, parts, step, keep=checkpoints_before_trouble(cfg, parts))
+            path = save_checkpoint(cfg, run, parts, step, keep=parts.bad_steps.keep(cfg.out_dir))
             print0(layout, f"step {step:6d} | saved {path}")
             timer, timed_steps = time.time(), 0
         if stopping:
@@ -1147,30 +916,6 @@ def train(cfg, run, resume_path=None):
     return parts.model
 
 
-def check_bad_steps(cfg, parts, step):
-    """The number of skipped steps so far (a host-device sync: call it at log lines and saves); raises
-    TooManyBadSteps, naming the steps and the checkpoint to resume from, once max_bad_steps came in a row."""
-    total, streak, began, tripped = parts.bad_steps.read()
-    if tripped:
-        good = [p for p in checkpoint.complete_checkpoints(cfg.out_dir) if checkpoint.step_of(p) < tripped]
-        raise TooManyBadSteps(
-            f"steps {tripped} to {tripped + cfg.max_bad_steps - 1} all had a non-finite gradient norm (max_bad_steps = "
-            f"{cfg.max_bad_steps} in a row; each was skipped, so the weights are those of step {tripped - 1}): the "
-            f"run diverged, stopped at step {step}. The last checkpoint written before the trouble is "
-            f"{good[-1] if good else 'none (start again with --init_from=scratch)'}: resume from it with a lower "
-            f"--learning_rate (--init_from=resume takes the newest complete checkpoint in out_dir; those after "
-            f"step {tripped - 1} hold the same weights)")
-    return total
-
-
-def checkpoints_before_trouble(cfg, parts):
-    """The checkpoint keep_last_n must keep while a streak of skipped steps goes on: the last one written
-    before it began (none when the last step was good)."""
-    _, streak, began, _ = parts.bad_steps.read()
-    if not streak:
-        return ()
-    good = [p for p in checkpoint.complete_checkpoints(cfg.out_dir) if checkpoint.step_of(p) < began]
-    return tuple(good[-1:])
 def memory_rows(layout, predicted, measured, step):
     """[{rank, dp_rank, cp_rank, tp_rank, pp_rank, predicted_bytes, measured_bytes, step}] of every rank."""
     mine = {"rank": layout.rank, "dp_rank": layout.dp_rank, "cp_rank": layout.cp_rank, "tp_rank": layout.tp_rank,
@@ -1211,12 +956,6 @@ def open_log_backends(cfg):
         off = " or ".join(f"--{flag}=False" for flag in ("wandb_log", "tensorboard_log") if getattr(cfg, flag))
         raise ConfigError(f"logging cannot start ({type(e).__name__}: {first}): fix that, or turn it off "
                           f"({off})") from e
-
-
-def peer_failure(e):
-    """Whether a RuntimeError is a collective that lost its peers: gloo's read errors and timeouts and
-    NCCL's errors are plain RuntimeErrors (or torch.distributed.DistError), told apart by their text."""
-    return isinstance(e, dist.DistError) or any(w in str(e) for w in ("gloo", "Timed out", "NCCL", "pipeline stage"))
 
 
 def main(argv):

@@ -268,7 +268,7 @@ def five_steps(layout, model_overrides=None, **setting_overrides):
         records.append({"step": step + 1, "loss": train.mean_across_ranks(loss, layout).item(),
                         "grad_norm": norm.item()})
     copies = parts.model.tied_copies()
-    sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: the parameters gathered to be read
+    sharded = parts.grad_sync if cfg.zero_stage == 3 else None  # ZeRO-3: the parameters gathered to be read
     with sharded.whole_model() if sharded is not None else nullcontext():
         # (a copy: numpy() would pin the storage that ZeRO-3 frees by resizing it)
         weights = {name: gather_full(p.detach().clone(), p, layout.tp_group).numpy()

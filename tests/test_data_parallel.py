@@ -15,7 +15,8 @@ import torch.nn as nn
 import parallel
 from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights,
                         run_ranks, run_train, train_losses)
-from parallel import GradientBuckets, ParallelLayout, ZeroOneAdamW, init_distributed, optimizer_state_bytes
+from parallel import (GradientBuckets, ParallelLayout, ShardedGradientBuckets, ZeroOneAdamW, init_distributed,
+                      optimizer_state_bytes)
 
 STEPS = 5
 TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
@@ -69,7 +70,7 @@ def test_dp4_zero2_and_zero3_give_the_losses_and_final_weights_of_one_process(ze
 
 def test_dp2_pp2_zero2_sums_the_tied_embedding_shards_across_stages(data_dir, reference, tmp_path):
     """pp=2 with tied embeddings: the embedding (stage 0) and the head (stage 1) each sit alone in a bucket,
-    and the owned shards of their gradients are summed across the stages (parallel.sum_tied_grad_shards)."""
+    and the owned shards of their gradients are summed across the stages (zero.GradientShards.finish)."""
     records, proc = run_train(TINY + PER_RANK_AT_DP2 + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
                                                         "--zero_stage=2", "--pp=2"], nproc=4)
     assert "dp=2 x tp=1 x pp=2" in proc.stdout
@@ -100,8 +101,8 @@ def _zero_against_adamw(rank, world_size):
     lrs = [1e-2, 3e-2, 2e-3, 5e-4]  # a schedule: each step's update must use its own lr
     ref, net = _tiny_net(), _tiny_net()
     ref_opt = torch.optim.AdamW(_groups(ref, 0.1), betas=(0.9, 0.95))
-    opt = ZeroOneAdamW(_groups(net, 0.1), dist.group.WORLD, betas=(0.9, 0.95), bucket_size_mb=10 * 4 / 2 ** 20)
-    sync = opt.grad_sync
+    sync = ShardedGradientBuckets(list(net.parameters()), dist.group.WORLD, bucket_size_mb=10 * 4 / 2 ** 20)
+    opt = ZeroOneAdamW(_groups(net, 0.1), sync, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(1)
     launched_per_backward, max_diff = [], 0.0
     for lr in lrs:

@@ -129,7 +129,7 @@ def train_five_steps(cfg, model_cfg, layout, dp_of_batch, data_dir):
                           datasets={"val": train.load_data(data_dir, "val", cfg.block_size, model_cfg.vocab_size, meta)})
     parts = train.build(cfg, run)
     model, copies = parts.model, parts.model.tied_copies()
-    sharded = getattr(parts.optimizer, "sharded", None)  # ZeRO-3: each unit gathered to be written, kept sliced
+    sharded = parts.grad_sync if cfg.zero_stage == 3 else None  # ZeRO-3: each unit gathered to be written, kept sliced
     for params in sharded.unit_by_unit() if sharded is not None else [None]:
         large_experts(model, params)
         if cfg.collapsed_router:

@@ -224,12 +224,13 @@ def test_a_huge_learning_rate_never_puts_a_nan_in_the_weights_and_stops_the_run(
 
 
 def test_zero1_adamw_skips_a_step_on_found_inf_and_equals_adamw_otherwise():
-    from parallel import ZeroOneAdamW
+    from parallel import ShardedGradientBuckets, ZeroOneAdamW
     torch.manual_seed(0)
     ref = torch.nn.Parameter(torch.randn(8, 4))
     mine = torch.nn.Parameter(ref.detach().clone())
     adamw = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    zero = ZeroOneAdamW([{"params": [mine], "weight_decay": 0.1}], None, lr=1e-2, betas=(0.9, 0.95))
+    zero = ZeroOneAdamW([{"params": [mine], "weight_decay": 0.1}], ShardedGradientBuckets([mine], None), lr=1e-2,
+                        betas=(0.9, 0.95))
     for step in range(4):
         grad = torch.randn(8, 4)
         bad = step == 2
@@ -266,21 +267,21 @@ def test_two_torchrun_agents_as_two_nodes_give_one_process_s_run(data_dir, refer
 
 
 def test_a_restart_at_another_world_size_keeps_the_global_batch_or_says_why():
-    import train
     from configurator import ConfigError
+    from settings import keep_global_batch
     values = {"batch_size": 2, "gradient_accumulation_steps": 2}  # 2 x 2 x dp 2 = 8 windows
     one = dict(values)
-    notes = train.keep_global_batch(one, 8, dp=1)
+    notes = keep_global_batch(one, 8, dp=1)
     assert (one["batch_size"], one["gradient_accumulation_steps"]) == (2, 4), notes
     assert "keep the run's global batch of 8 windows" in notes[0]
     four = dict(values)
-    train.keep_global_batch(four, 8, dp=4)
+    keep_global_batch(four, 8, dp=4)
     assert (four["batch_size"], four["gradient_accumulation_steps"]) == (2, 1)
     eight = dict(values)
-    train.keep_global_batch(eight, 8, dp=8)
+    keep_global_batch(eight, 8, dp=8)
     assert (eight["batch_size"], eight["gradient_accumulation_steps"]) == (1, 1)
     with pytest.raises(ConfigError, match="cannot keep"):
-        train.keep_global_batch(dict(values), 8, dp=3)
+        keep_global_batch(dict(values), 8, dp=3)
 
 
 CHAIN = TINY + ["--batch_size=2", "--gradient_accumulation_steps=1", "--eval_interval=2", "--eval_iters=2",
@@ -325,15 +326,14 @@ def _meta(**config):
 
 
 def _resume(meta, world_size, *argv):
-    """train.resume_settings for a launch of world_size processes given argv (names of settings given)."""
+    """settings.resume_settings for a launch of world_size processes given argv (names of settings given)."""
     import settings
-    import train
     given = {"init_from", "out_dir"} | {a.split("=")[0].lstrip("-") for a in argv}
     values = dict(settings.DEFAULTS, init_from="resume", out_dir="out")
     values.update({a.split("=")[0].lstrip("-"): int(a.split("=")[1]) for a in argv if "init_from" not in a})
     if "--init_from=auto" in argv:
         values["init_from"] = "auto"
-    return train.resume_settings(values, given, meta, "out/ckpt_0000004", world_size)
+    return settings.resume_settings(values, given, meta, "out/ckpt_0000004", world_size)
 
 
 def test_a_resumed_run_s_dp_follows_the_world_size_and_its_batch_is_said_to_change_only_when_it_does():

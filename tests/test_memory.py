@@ -221,9 +221,10 @@ def _state_bytes_of_each_zero_stage(rank, world_size):
 
     def measure(parts):
         sync = parts.grad_sync
-        params = [p for p in parts.model.parameters()] + [b.param_shard for b in sync.buckets if b.param_shard is not None]
+        params = [p for p in parts.model.parameters()] + [b.param_shard for b in sync.buckets
+                                                            if getattr(b, "param_shard", None) is not None]
         grads = ([p.grad for p in parts.model.parameters() if p.grad is not None]
-                 + [t for b in sync.buckets for t in (b.flat, b.grad_shard) if t is not None])
+                 + [t for b in sync.buckets for t in (b.flat, getattr(b, "grad_shard", None)) if t is not None])
         state = [t for s in parts.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         owner = {}
         for part, tensors in (("optimizer", state), ("gradients", grads), ("parameters", params)):

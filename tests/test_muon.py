@@ -1,4 +1,4 @@
-"""Muon (parallel.py, section 6) and the warmup-stable-decay schedule (train.get_lr).
+"""Muon (optim.py) and the warmup-stable-decay schedule (train.get_lr).
 
 Muon on its own: Newton-Schulz maps each singular value through the quintic and keeps the singular
 vectors; the update is the orthogonalised Nesterov momentum at 0.2 * sqrt(max(A, B)) with decoupled weight
@@ -23,7 +23,7 @@ import settings
 import train
 from dist_utils import assert_same_losses_and_norms, assert_same_tensors, run_train
 from model import ModelConfig, Transformer, model_config_from
-from parallel import NEWTON_SCHULZ_COEFFICIENTS, Muon, deal_whole, newton_schulz
+from optim import NEWTON_SCHULZ_COEFFICIENTS, Muon, deal_whole, newton_schulz
 
 # -----------------------------------------------------------------------------
 # Newton-Schulz and the update, on one process
@@ -121,7 +121,7 @@ def test_the_blocks_matrices_take_muon_and_the_rest_adamw():
     model = Transformer(cfg)
     run_cfg = train.SimpleNamespace(**{**settings.DEFAULTS, "optimizer": "muon"})
     layout = train.SimpleNamespace(tp_group=None, dp_group=None, dp_cp_group=None)
-    opt = train.make_optimizer(model, run_cfg, "cpu", layout)
+    opt = train.make_optimizer(model, run_cfg, layout, None)
     names = {id(p): n for n, p in model.named_parameters()}
     muon = sorted(names[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"])
     matrix = re.compile(r"blocks\.\d+\.(attn\.[qkvo]_proj|mlp(\.(shared_)?experts\.\d+)?\.(gate|up|down))\.weight")
@@ -143,9 +143,8 @@ def test_zero_deals_each_matrix_whole_in_runs_of_about_equal_size():
 
 
 def test_muon_with_zero_stage_2_is_refused_by_name():
-    cfg = train.SimpleNamespace(**{**settings.DEFAULTS, "optimizer": "muon", "zero_stage": 2})
     with pytest.raises(ValueError, match=r"optimizer='muon' runs with zero_stage 0 or 1.*not zero_stage=2"):
-        train.setup(cfg)
+        settings.check_values({**settings.DEFAULTS, "optimizer": "muon", "zero_stage": 2})
 
 
 # -----------------------------------------------------------------------------

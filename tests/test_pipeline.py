@@ -19,9 +19,10 @@ import metrics
 import parallel
 import settings
 import train
+import zero as zero_stages  # (zero is a local name below: the stage)
 from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights, gather_full,
                         run_ranks, run_train)
-from model import ModelConfig, Transformer, check_layout
+from model import ModelConfig, Transformer, check_layout, chunk_modules
 from parallel import (ParallelLayout, PipelineComm, bubble_fraction, format_timeline, run_schedule, schedule_timeline,
                       sync_tied_grads, tied_weight_group)
 from pipeline_schedules import (SCHEDULES, WeightGradStore, check_schedule, forward_only_actions, ideal_bubble,
@@ -223,7 +224,7 @@ def test_split_backward_computes_the_gradients_of_one_backward(variant, dtype):
     cfg = ModelConfig(**{**CFG.__dict__, "n_layer": 2, **VARIANTS[variant]})
     plain, split = Transformer(cfg), Transformer(cfg)
     plain.init_weights(SEED), split.init_weights(SEED)
-    store = WeightGradStore(split.chunk_modules(0))
+    store = WeightGradStore(chunk_modules(split, 0))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == torch.bfloat16 else nullcontext()
     batches = make_microbatches(3)
     for x, y in batches:
@@ -318,7 +319,7 @@ def _stage_step(layout, schedule, m, chunks=1, aux=False, cfg=CFG, checkpointing
                                     stages_of=lambda rank: virtual_stages(schedule, layout.pp, rank, v))
     actions = SCHEDULES[schedule](layout.pp, layout.pp_rank, m, v)
     split = any(op == "W" for op, _, _ in actions)
-    stores = [WeightGradStore(model.chunk_modules(c)) for c in range(v)] if split else None
+    stores = [WeightGradStore(chunk_modules(model, c)) for c in range(v)] if split else None
     chunk_models = [(WithAuxLoss(model, c) if aux else functools.partial(model, chunk=c)) for c in range(v)]
     told = ToldReducer()
     with metrics.ActivationMemory(model, stores or ()) as memory:
@@ -373,7 +374,7 @@ def full_tensors(model, layout, which, zero, optimizer=None):
     ZeRO-2/3 only the shards it owns: gathered; with ZeRO-3 the parameters are gathered too."""
     out, copies = {}, model.tied_copies()
     grads = whole_grads(optimizer.grad_sync) if which == "grads" and zero >= 2 else {}
-    sharded = getattr(optimizer, "sharded", None) if which == "weights" else None
+    sharded = optimizer.grad_sync if which == "weights" and zero == 3 else None
     with sharded.whole_model() if sharded is not None else nullcontext():
         for name, p in model.named_parameters():
             t = (grads.get(p, p.grad) if which == "grads" else p.detach()).clone()
@@ -390,7 +391,8 @@ class AfterEachAction:
     the largest of each over the step."""
 
     def __init__(self, parts):
-        self.params, self.sharded = list(parts.model.parameters()), getattr(parts.optimizer, "sharded", None)
+        self.params = list(parts.model.parameters())
+        self.sharded = parts.grad_sync if hasattr(parts.grad_sync, "chunks") else None  # ZeRO-3's
         self.grads = self.gathered = 0
 
     @contextmanager
@@ -421,27 +423,27 @@ def train_steps(**overrides):
     if parts.grad_sync is not None:  # how many buckets the schedule had launched when finish() is called
         finish = parts.grad_sync.finish
         parts.grad_sync.finish = lambda: (launched.append(parts.grad_sync.launched), finish())[1]
-    all_gather = parallel._all_gather_single  # counted in the last step (ZeRO-3 gathers units with it)
+    all_gather = zero_stages._all_gather_single  # counted in the last step (ZeRO-3 gathers units with it)
     records, seen = [], AfterEachAction(parts)
     for step in range(STEPS):
         last = step == STEPS - 1 and zero >= 2
         if last:
-            parallel._all_gather_single = lambda *a, **k: (gathers.append(1), all_gather(*a, **k))[1]
+            zero_stages._all_gather_single = lambda *a, **k: (gathers.append(1), all_gather(*a, **k))[1]
         try:
             loss, norm = train.train_step(cfg, layout, parts, step_batches(cfg, layout, step), train.get_lr(step, cfg),
                                           trace=seen if last else None)
         finally:
-            parallel._all_gather_single = all_gather
+            zero_stages._all_gather_single = all_gather
         records.append({"step": step + 1, "loss": train.mean_across_ranks(loss, layout).item(), "grad_norm": norm.item()})
     grad_sync = parts.grad_sync
     buckets = len(grad_sync.buckets) if grad_sync is not None else 0
     tied = bool(parts.pipeline and parts.pipeline.tied_copies) and layout.dp > 1
-    sharded = getattr(parts.optimizer, "sharded", None)
+    sharded = grad_sync if zero == 3 else None
     return {"records": records, "grads": captured["grads"],
             "weights": full_tensors(parts.model, layout, "weights", zero, parts.optimizer),
             "launched": launched[-1] if launched else None, "buckets": buckets, "tied_bucket": tied,
             "pp_rank": layout.pp_rank, "m": cfg.gradient_accumulation_steps,
-            "launches_per_microbatch": sum(map(len, grad_sync.phase_buckets.values())) if grad_sync else 0,
+            "launches_per_microbatch": sum(map(len, getattr(grad_sync, "phase_buckets", {}).values())),
             "grads_after_an_action": seen.grads, "gathered_after_an_action": seen.gathered, "gathers": len(gathers),
             "block_units": sum(len(block) for blocks in sharded.chunks.values() for _, block in blocks) if sharded else 0,
             "whole_units": len(sharded.whole) if sharded else 0}
@@ -694,9 +696,9 @@ def test_zero2_and_zero3_send_each_microbatchs_gradients_once_after_the_action_t
 def test_plain_forward_backward_requests_grad_sync_before_its_last_backward_only():
     model = Transformer(CFG)
     model.init_weights(SEED)
-    syncs = []
-    train.forward_backward(model, make_microbatches(3), nullcontext(), 1.0, set_grad_sync=syncs.append)
-    assert syncs == [False, False, True]
+    told = ToldReducer()
+    train.forward_backward(model, make_microbatches(3), nullcontext(), 1.0, told)
+    assert told.syncs == [False, False, True]
 
 
 TRAIN_ARGS = ["--n_layer=6", "--n_head=4", "--n_kv_head=4", "--n_embd=64", "--block_size=32", "--batch_size=2",

@@ -1,0 +1,117 @@
+"""
+What a long run does when a step, a peer or the job's time goes wrong (settings.py's "faults" section):
+
+  a non-finite step   skipped on the device, counted without a host sync (BadSteps); max_bad_steps in a
+                      row stop the run naming the last checkpoint before the trouble (TooManyBadSteps)
+  SIGTERM             SLURM's notice before the job's time runs out: every rank stops at the same step,
+                      saves, exits 0 (StopVote), and --init_from=auto continues from there
+  a dead or hung peer every survivor says which rank it is, what it waited in and how to continue
+                      (peer_failure tells such an error from the others), within dist_timeout_s
+
+A crash mid-save never costs the last good checkpoint (checkpoint.py writes each one in a .tmp folder and
+renames it when every rank has finished); a killed rank under torchrun --max-restarts restarts the job,
+which resumes from its last checkpoint by itself (init_from='auto': settings.resume_settings).
+"""
+import signal
+
+import torch
+import torch.distributed as dist
+
+import checkpoint
+
+
+class BadSteps:
+    """The skipped steps of a run, counted on the device (no host sync per step): `total` since the start
+    of this launch, the current `streak` in a row, the step it `began` at, and `tripped`, the first step of
+    the first streak that reached max_bad_steps (0: none). read() is one host sync, done at log lines.
+    With enabled=False (fp16: its loss scaler skips its overflows itself, a lower scale is the cure there)
+    nothing is counted."""
+
+    def __init__(self, device, max_bad_steps, enabled=True):
+        self.max_bad_steps, self.enabled = max_bad_steps, enabled
+        self.counts = torch.zeros(4, device=device)  # total, streak, began, tripped
+
+    def record(self, found_inf, step):
+        if not self.enabled:
+            return
+        total, streak, began, tripped = self.counts.unbind()
+        streak = (streak + 1) * found_inf
+        began = torch.where(streak == 1, float(step), began)
+        tripped = torch.where((tripped == 0) & (streak >= self.max_bad_steps), began, tripped)
+        self.counts = torch.stack([total + found_inf, streak, began, tripped])
+
+    def read(self):
+        """(total, streak, began, tripped) as ints: a host-device sync."""
+        return [int(v) for v in self.counts.tolist()]
+
+    def check(self, out_dir, step):
+        """The number of skipped steps so far (a host-device sync: call it at log lines and saves); raises
+        TooManyBadSteps, naming the steps and the checkpoint to resume from, once max_bad_steps came in a
+        row."""
+        total, _, _, tripped = self.read()
+        if tripped:
+            good = [p for p in checkpoint.complete_checkpoints(out_dir) if checkpoint.step_of(p) < tripped]
+            raise TooManyBadSteps(
+                f"steps {tripped} to {tripped + self.max_bad_steps - 1} all had a non-finite gradient norm "
+                f"(max_bad_steps = {self.max_bad_steps} in a row; each was skipped, so the weights are those of step "
+                f"{tripped - 1}): the run diverged, stopped at step {step}. The last checkpoint written before the "
+                f"trouble is {good[-1] if good else 'none (start again with --init_from=scratch)'}: resume from it "
+                f"with a lower --learning_rate (--init_from=resume takes the newest complete checkpoint in out_dir; "
+                f"those after step {tripped - 1} hold the same weights)")
+        return total
+
+    def keep(self, out_dir):
+        """The checkpoint keep_last_n must keep while a streak of skipped steps goes on: the last one written
+        before it began (none when the last step was good)."""
+        _, streak, began, _ = self.read()
+        if not streak:
+            return ()
+        good = [p for p in checkpoint.complete_checkpoints(out_dir) if checkpoint.step_of(p) < began]
+        return tuple(good[-1:])
+
+
+class TooManyBadSteps(RuntimeError):
+    pass
+
+
+class StopVote:
+    """SIGTERM (SLURM's notice before the end of a job's time, or torchrun passing on its own) asks the run
+    to stop cleanly: finish the step, save, exit 0. Ranks get the signal at different moments, so they
+    vote: at the end of every step each rank starts an all-reduce (MAX) of its flag on a CPU gloo group,
+    without waiting, and reads the previous step's result, long finished. Every rank reads the same vote
+    at the same step, so all stop at the same step, one step after the first of them got the signal; the
+    vote is a few bytes between CPUs, overlapped with a step, and never syncs the host with the device."""
+
+    def __init__(self, layout, timeout=None):
+        self.requested, self.pending = False, None
+        self.group = dist.new_group(backend="gloo", timeout=timeout, group_desc="stop vote") \
+            if layout.world_size > 1 else None
+        signal.signal(signal.SIGTERM, self._ask)
+
+    def _ask(self, signum, frame):
+        self.requested = True
+
+    def finish(self):
+        if self.pending is not None:
+            self.pending[0].wait()
+            self.pending = None
+
+    def agreed(self):
+        """Called by every rank at the end of every step: whether the run stops now."""
+        if self.group is None:
+            return self.requested
+        stop = False
+        if self.pending is not None:
+            work, flag = self.pending
+            work.wait()
+            stop = bool(flag.item())  # a CPU tensor: no device sync
+        if not stop:
+            flag = torch.tensor([1.0 if self.requested else 0.0])
+            self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        return stop
+
+
+def peer_failure(e):
+    """Whether a RuntimeError is a collective that lost its peers: gloo's read errors and timeouts and
+    NCCL's errors are plain RuntimeErrors (or torch.distributed.DistError), told apart by their text."""
+    return isinstance(e, dist.DistError) or any(w in str(e) for w in ("gloo", "Timed out", "NCCL", "pipeline stage"))
