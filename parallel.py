@@ -40,11 +40,9 @@ FSDP: Experiences on Scaling Fully Sharded Data Parallel"; Lepikhin et al. 2020,
 spread over devices, all-to-all dispatch, section 2.2); Fedus et al. 2021, "Switch Transformers" (section
 5.4); Jordan et al. 2024, "Muon"; Liu et al. 2025, "Muon is Scalable for LLM Training".
 """
-import argparse
 import itertools
 import math
 import os
-import sys
 from collections import namedtuple
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
