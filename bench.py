@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import memory_plan
 import metrics
 import settings
 import train
@@ -287,8 +288,8 @@ def measure_memory(cfg, setup, picotron, step):
     planner's prediction for the rank's stage: [{rank, dp_rank, cp_rank, tp_rank, pp_rank, predicted_bytes,
     measured_bytes, ...the planned parts}] for every rank, on rank 0."""
     layout = setup.layout
-    plan = metrics.plan_for(cfg, setup.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp),
-                            layout.dp_cp_rank)[layout.pp_rank]
+    plan = memory_plan.plan_for(cfg, setup.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp),
+                                layout.dp_cp_rank)[layout.pp_rank]
     measured = metrics.measure_step_memory(lambda: picotron.step(step), setup.dev)
     mine = {"rank": layout.rank, "dp_rank": layout.dp_rank, "cp_rank": layout.cp_rank, "tp_rank": layout.tp_rank,
             "pp_rank": layout.pp_rank, "predicted_bytes": int(plan["peak"]), "measured_bytes": int(measured),

@@ -20,7 +20,7 @@ from dataclasses import fields
 
 import torch
 
-import metrics
+import memory_plan
 import settings
 from configurator import ConfigError, Setting, configure, section
 from model import ModelConfig, Transformer, attention_head_dim, check_layout
@@ -130,12 +130,12 @@ def make_config(cfg, given, argv):
 (Chinchilla's compute-optimal ratio is about 20)
 # launch: {launch}
 """
-    plan = metrics.plan_memory(model_cfg, dp, tp, pp, cp, cfg["zero_stage"], cfg["batch_size"], cfg["block_size"],
-                               cfg["gradient_accumulation_steps"], cfg["pp_schedule"], cfg["activation_checkpointing"],
-                               cfg["chunked_loss"], cfg["sequence_parallel"], cfg["bucket_size_mb"],
-                               act_bytes=2 if cfg["dtype"] in ("bfloat16", "float16") else 4, chunks=cfg["pp_chunks"],
-                               ep=cfg["ep"], optimizer=cfg["optimizer"])
-    memory = metrics.format_plan(plan, cfg["gpu_mem_gib"] or None)
+    plan = memory_plan.plan_memory(model_cfg, dp, tp, pp, cp, cfg["zero_stage"], cfg["batch_size"],
+                                   cfg["block_size"], cfg["gradient_accumulation_steps"], cfg["pp_schedule"],
+                                   cfg["activation_checkpointing"], cfg["chunked_loss"], cfg["sequence_parallel"],
+                                   cfg["bucket_size_mb"], act_bytes=2 if cfg["dtype"] in ("bfloat16", "float16") else 4,
+                                   chunks=cfg["pp_chunks"], ep=cfg["ep"], optimizer=cfg["optimizer"])
+    memory = memory_plan.format_plan(plan, cfg["gpu_mem_gib"] or None)
     header += "".join(f"# {line}\n" for line in memory.splitlines())
     return header, settings_block(cfg, given, chosen) + "\n", chosen
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 import checkpoint
 import import_hf
+import memory_plan
 import metrics
 import settings
 from configurator import ConfigError, configure, make_folder
@@ -835,9 +836,9 @@ def train(cfg, run, resume_path=None):
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
                                           cfg.gradient_accumulation_steps, run.dev, document_end(model_cfg))
     vote = StopVote(layout, layout.timeout)
-    plan = metrics.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))
-    print0(layout, "predicted " + metrics.format_plan(plan))
-    rank_plan = metrics.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank)
+    plan = memory_plan.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))
+    print0(layout, "predicted " + memory_plan.format_plan(plan))
+    rank_plan = memory_plan.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank)
     timer, timed_steps, logged = time.time(), 0, step
     micro = batches(step)
     trace_step = min(step + 2, cfg.max_iters) if cfg.pp_trace and parts.pipeline is not None else None

@@ -1,4 +1,4 @@
-"""The memory planner (metrics.plan_memory) against the measured peak of every rank, and ZeRO-2/3's
+"""The memory planner (memory_plan.plan_memory) against the measured peak of every rank, and ZeRO-2/3's
 per-rank bytes.
 
 Each layout runs bench.py, whose RESULT line carries, per rank, the planner's peak for that rank's stage and
@@ -17,10 +17,10 @@ sys.path[:0] = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(os.pa
 from dist_utils import run_ranks, run_train  # noqa: E402
 import settings  # noqa: E402
 import train  # noqa: E402
-from metrics import schedule_moments  # noqa: E402
+from memory_plan import schedule_moments  # noqa: E402
 
 TOLERANCE = 0.10
-# fp32, chunked loss, m = 2 micro-batches (the planner's sum is exact for m >= 2: see metrics.py section 5)
+# fp32, chunked loss, m = 2 micro-batches (the planner's sum is exact for m >= 2: see memory_plan.py)
 SMALL = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--vocab_size=512",
          "--device=cpu", "--warmup_steps=1", "--bench_steps=1", "--peak_flops=1e12", "--gradient_accumulation_steps=2",
          "--bucket_size_mb=0.05"]

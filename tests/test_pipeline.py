@@ -1,5 +1,5 @@
 """Pipeline parallelism (parallel.py section 4): the schedules' action lists and the simulated timeline they
-make, and pipelined training equal to one process. The distributed checks share one 4-rank launch (module
+make (timeline.py), and pipelined training equal to one process. The distributed checks share one 4-rank launch (module
 fixture) and each test reads its part."""
 import functools
 import json
@@ -23,12 +23,12 @@ import zero as zero_stages  # (zero is a local name below: the stage)
 from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights, gather_full,
                         run_ranks, run_train)
 from model import ModelConfig, Transformer, check_layout, chunk_modules
-from parallel import (ParallelLayout, PipelineComm, bubble_fraction, format_timeline, run_schedule, schedule_timeline,
-                      sync_tied_grads, tied_weight_group)
+from parallel import ParallelLayout, PipelineComm, run_schedule, sync_tied_grads, tied_weight_group
 from pipeline_schedules import (SCHEDULES, WeightGradStore, check_schedule, forward_only_actions, ideal_bubble,
                                 virtual_stages)
 from parallel import _all_gather_single
-from parallel import main as parallel_main
+from timeline import bubble_fraction, format_timeline, schedule_timeline
+from timeline import main as timeline_main
 
 CFG = ModelConfig(vocab_size=512, block_size=16, n_layer=6, n_head=4, n_kv_head=2, n_embd=64)
 CFG8 = ModelConfig(vocab_size=512, block_size=16, n_layer=8, n_head=4, n_kv_head=2, n_embd=64)  # pp4 x v2
@@ -149,8 +149,8 @@ def test_printed_timeline_shows_grid_and_bubble():
     assert "rank 0: 4, rank 1: 3, rank 2: 2, rank 3: 1" in text
 
 
-def test_parallel_py_prints_the_interleaved_timeline_from_the_command_line():
-    out = subprocess.run([sys.executable, "parallel.py", "--schedule", "interleaved_1f1b", "--pp", "4", "--microbatches",
+def test_timeline_py_prints_the_interleaved_timeline_from_the_command_line():
+    out = subprocess.run([sys.executable, "timeline.py", "--schedule", "interleaved_1f1b", "--pp", "4", "--microbatches",
                           "8", "--chunks", "2"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "15.8% of the slots idle (measured on this timeline); theory (pp - 1) / (v m + pp - 1) = 3/19 = 15.8%" in out
     assert out.count("\nrank ") == 4 and "F0.0" in out and "B7.1" in out  # every slot names its chunk
@@ -162,16 +162,16 @@ def test_parallel_py_prints_the_interleaved_timeline_from_the_command_line():
     ("zero_bubble", None, "11.1% of the slots idle (measured on this timeline); theory (pp - 1) / (3 m + pp - 1) = 3/27"),
     ("zbv", 2, "5.9% of the slots idle (measured on this timeline); theory none in the paper"),
 ])
-def test_parallel_py_prints_each_schedule(schedule, chunks, bubble, capsys):
-    parallel_main(["--schedule", schedule, "--pp", "4", "--microbatches", "8"] + (["--chunks", str(chunks)] if chunks else []))
+def test_timeline_py_prints_each_schedule(schedule, chunks, bubble, capsys):
+    timeline_main(["--schedule", schedule, "--pp", "4", "--microbatches", "8"] + (["--chunks", str(chunks)] if chunks else []))
     out = capsys.readouterr().out
     assert bubble in out
     assert out.count("\nrank ") == 4
 
 
-def test_parallel_py_refuses_a_microbatch_count_interleaving_cannot_take(capsys):
+def test_timeline_py_refuses_a_microbatch_count_interleaving_cannot_take(capsys):
     with pytest.raises(SystemExit) as exit:
-        parallel_main(["--schedule", "interleaved_1f1b", "--pp", "4", "--microbatches", "6"])
+        timeline_main(["--schedule", "interleaved_1f1b", "--pp", "4", "--microbatches", "6"])
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert "needs gradient_accumulation_steps (the microbatches, 6) to be a multiple of pp = 4" in err

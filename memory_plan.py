@@ -1,0 +1,383 @@
+"""
+How much memory each rank of a run will hold, predicted before anything runs: make_config.py prints the
+plan of a config, train.py prints it at start-up, and bench.py's RESULT carries it beside the measured peak.
+
+What it predicts: for one rank of each pipeline stage, the bytes of the parameters, the gradients, the
+optimizer state, the activations autograd saves, the loss's tensors, the gradients in flight at the end of
+a backward, the optimizer step's temporaries, and the step's peak.
+
+From what: the model config, the layout (dp, tp, pp, cp, ep) and the execution settings (ZeRO stage,
+batch, micro-batches, schedule, activation checkpointing, chunked loss, bucket size, optimizer), by
+shapes and dtypes alone. The parameters are counted on the meta device (nothing is allocated), the
+activations from the block's code, and the peak is found by walking the rank's own actions of the
+schedule (pipeline_schedules.SCHEDULES, the lists the executor runs); no constant is fitted to a measurement.
+
+How it is checked: tests/test_memory.py runs layouts through bench.py and holds the plan to every rank's
+measured peak of one step (metrics.measure_step_memory: CUDA's allocator, or on CPU metrics.LiveTensorBytes,
+the live tensor storages), within 10%; `python tests/test_memory.py --measure` runs the larger set.
+"""
+import math
+
+import torch
+
+from model import Transformer, attention_head_dim, loss_chunk_size, mlp_hidden_size, takes_muon
+from optim import deal_whole
+from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, padded_vocab_size, stage_layers
+from pipeline_schedules import SCHEDULES, virtual_stages
+
+
+# -----------------------------------------------------------------------------
+# What the plan counts, kind by kind
+#
+# The planner counts, for one rank of each pipeline stage, the bytes that are alive at the step's peak,
+# from shapes and dtypes alone (no constant fitted to a measurement):
+#   parameters   the stage's tensors, this tp rank's slice (vocabulary padded as the layers pad it);
+#                ZeRO-3: the 1/dp shards, plus the root unit (embedding, final norm, head) whole and two
+#                gathered blocks (the one computing, the one prefetched)
+#   gradients    ZeRO-0/1: autograd's p.grad, accumulated over the micro-batches, plus the buckets' flat
+#                copies when there are data-parallel replicas (dp x cp > 1, or ZeRO-1); ZeRO-2/3: the 1/dp
+#                shards plus three buckets (units) in flight (the one filling, two being reduce-scattered)
+#   optimizer    AdamW's two moments per element (1/dp of them under ZeRO, padded); Muon's one momentum per
+#                element of a block's matrix (AdamW's two for the rest), ZeRO-1 dealing the matrices whole:
+#                a rank's share is what optim.deal_whole gives it, not 1/dp
+#   activations  what autograd saves per block and micro-batch (counted from the block's code below, in
+#                the activation dtype), held from a chunk's forward to its backward; with activation
+#                checkpointing only each block's input, plus one block recomputed. Under the zero-bubble
+#                schedules B frees them but for the linears' x and dy, which W frees
+#   loss         the last stage: the chunked loss keeps its input and weight gradients (N x C and V x C,
+#                fp32) from forward to backward, and one chunk's logits while it runs; without it
+#                (tp > 1) the vocab-parallel logits and their softmax
+#   buffers      at the end of a backward: the gradients in flight (autograd's new gradient of the
+#                largest parameter, three of them for a weight tied within the stage; ZeRO-2/3 also two
+#                buckets or units of flat gradients)
+#   step         the optimizer step's temporaries (none for torch's fused AdamW): adamw_update's six
+#                slices of the largest tensor it updates; Muon's, for the largest matrix a rank updates, its
+#                new momentum and Nesterov step, the matrix gathered across tp, Newton-Schulz in fp32
+# Expert parallelism: each rank holds n_expert / ep experts of each layer, their gradients and optimizer
+# state; under ZeRO those are sharded over the expert replicas ((dp / ep) x cp ranks) and the rest over
+# dp x cp, and ZeRO-3 gathers a block's experts as a unit of their own. The experts' activations are
+# counted on the rows a rank receives at the capacity bound (expert_rows: up to ep times its own tokens'
+# assignments when dropless), and while an MoE layer's outputs travel back, the all-to-all buffers
+# (the rows sent, received, computed and reordered) are alive beside the activations. Muon: one momentum
+# per element of a block's matrix, AdamW's two for the rest; ZeRO-1 deals the matrices whole
+# (optim.deal_whole), so a rank's share of them is what the deal gives it, not 1/dp.
+# The peak is found by walking the rank's actions of the schedule (pipeline_schedules.SCHEDULES: the same lists the
+# executor runs; with pp = 1 each micro-batch's forward, then its backward): the states (parameters,
+# gradients, optimizer), plus at the end of each forward what is then held (the activations and the
+# loss's tensors of every micro-batch between its forward and its backward, and ZeRO-0/1's accumulated
+# p.grad once a backward has run), and at the end of each backward or W what is still held and the
+# buffers. So AFAB holds all m micro-batches, 1F1B pp - stage, interleaved 1F1B its chunks' share of
+# more, with no count written per schedule. Then the optimizer step: the states, the gradients once
+# (p.grad is a view of the buckets by then) and the step's temporaries. Not modelled, said where it
+# applies: fp16/bf16 autocast's cast copies (counted at the activation dtype), the eager attention's
+# (B, H, T, T) scores, MLA, context parallelism's ring buffers.
+
+
+def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1, ep=1, shapes=None):
+    """{name: elements this tp rank holds} of pipeline rank `stage`'s parameters (its chunks' under the
+    interleaved and V schedules): built on the meta device (no memory) at tp = 1, each tensor-parallel
+    layer's tensors then cut as that layer cuts them. Under expert parallelism a rank holds n_expert / ep
+    experts of each layer (the first ep rank's are named). shapes: a dict, filled with each parameter's
+    full shape (Muon orthogonalises the full matrix)."""
+    with torch.device("meta"):
+        model = Transformer(model_cfg, None, pp * chunks, virtual_stages(schedule, pp, stage, chunks))
+    held = model_cfg.n_expert // ep if model_cfg.n_expert else 0
+    out = {}
+    for mod_name, module in model.named_modules():
+        if is_expert(mod_name) and int(mod_name.split(".mlp.experts.")[1].split(".")[0]) >= held:
+            continue  # another ep rank's expert
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{name}" if mod_name else name
+            n = p.numel()
+            if isinstance(module, VocabParallelEmbedding) or getattr(p, "vocab_size", None) is not None:
+                n = padded_vocab_size(model_cfg.vocab_size, tp) // tp * p.shape[1]
+            elif isinstance(module, ColumnParallelLinear):
+                kv_whole = mod_name.endswith(("k_proj", "v_proj")) and model_cfg.n_kv_head % tp != 0
+                n = n if kv_whole else n // tp
+            elif isinstance(module, RowParallelLinear) and name == "weight":
+                n //= tp
+            out.setdefault(full, n)
+            if shapes is not None:
+                shapes.setdefault(full, tuple(p.shape))
+    if model_cfg.tie_embeddings and model.is_first and model.is_last:
+        out.pop("lm_head.weight", None)  # the embedding itself
+    return out
+
+
+def is_expert(name):
+    """A parameter (or module) of a routed expert: held by its ep rank only, averaged over its replicas."""
+    return ".mlp.experts." in name
+
+
+def expert_rows(model_cfg, tokens, ep=1):
+    """(kept, received): the most token-to-expert assignments one rank keeps of its `tokens` (its sent
+    rows) and the most rows its local experts receive from the ep ranks, at the capacity bound: each
+    source rank sends an expert at most its capacity ceil(capacity_factor * N * k / E) (dropless: every
+    assignment, all of them possibly to this rank's experts). At ep = 1 the two are the same."""
+    E, k, N = model_cfg.n_expert, model_cfg.n_expert_per_token, tokens
+    if model_cfg.capacity_factor == 0:
+        return N * k, ep * N * k
+    capacity = math.ceil(model_cfg.capacity_factor * N * k / E)
+    return min(N * k, E * capacity), min(ep * N * k, E * capacity)
+
+
+def block_activation_elements(model_cfg, tokens, tp, sequence_parallel=False, ep=1):
+    """Elements autograd saves for one block's backward, for `tokens` tokens of a micro-batch (this rank's),
+    counted from model.py's Block: the residual input and the residual between attention and MLP, each
+    norm's rsqrt, normalised input and output, attention's rotated q, k, v (k and v repeated to the query
+    heads under GQA), its output and log-sum-exp, the MLP's hidden tensors (SwiGLU: gate, silu, up, their
+    product; GELU: up and gelu), or a Mixture-of-Experts layer at its capacity bound (under expert
+    parallelism the local experts' inputs and hidden tensors on the rows they receive, expert_rows)."""
+    C, D = model_cfg.n_embd, attention_head_dim(model_cfg)
+    H = model_cfg.n_head // tp
+    H_kv = model_cfg.n_kv_head // tp if model_cfg.n_kv_head % tp == 0 else 1
+    N = tokens
+    n_local = N // tp if sequence_parallel else N  # between the tensor-parallel regions
+    norm = n_local + 2 * n_local * C  # rsqrt, x * rsqrt, * gain (its output: what the next layer saves)
+    if sequence_parallel:
+        norm += N * C - n_local * C  # the gathered input of attention / the MLP
+    kv_heads = H if H > H_kv else H_kv
+    attn = N * H * D + 2 * N * kv_heads * D + N * H * D + N * H  # q, k, v, output, log-sum-exp
+    F = mlp_hidden_size(model_cfg) // tp
+    per_token_mlp = (4 if model_cfg.mlp == "swiglu" else 2) * F
+    if model_cfg.n_expert > 0:
+        E = model_cfg.n_expert
+        kept, received = expert_rows(model_cfg, N, ep)
+        # tokens reordered (N x C), router logits and probabilities (N x E, fp32), each received row's input
+        # and hidden tensors, each kept assignment's output (back on this rank), the combined output; the
+        # shared experts on every token
+        mlp = N * C + 2 * N * E + received * (C + per_token_mlp) + kept * C + 2 * N * C
+        mlp += model_cfg.n_shared_expert * N * (C + per_token_mlp)
+    else:
+        mlp = N * per_token_mlp
+    blocks_norms = 1 if model_cfg.parallel_block else 2
+    residual = n_local * C * (1 if model_cfg.parallel_block else 2)  # the block's input; the mid-block sum
+    return residual + blocks_norms * norm + attn + mlp
+
+
+def bucket_elements(param_elements, capacity):
+    """The elements of each gradient bucket parallel.GradientBuckets makes of parameters of these sizes
+    (one dtype): filled in backward order, closed once they reach capacity."""
+    sizes, current = [], 0
+    for n in reversed(param_elements):
+        current += n
+        if current >= capacity:
+            sizes.append(current)
+            current = 0
+    return sizes + ([current] if current else [])
+
+
+def weight_grad_residual_elements(model_cfg, tokens, tp):
+    """Elements one block keeps for a micro-batch between a zero-bubble B and its W (pipeline_schedules.WeightGradStore):
+    each tensor-parallel linear's input x (q, k and v read one tensor, as the MLP's gate and up do) and its
+    output's gradient dy. Counted for the dense attention and MLP."""
+    C, D = model_cfg.n_embd, attention_head_dim(model_cfg)
+    H = model_cfg.n_head // tp
+    kv = model_cfg.n_kv_head // tp if model_cfg.n_kv_head % tp == 0 else model_cfg.n_kv_head
+    F = mlp_hidden_size(model_cfg) // tp
+    attn = C + H * D + 2 * kv * D + H * D + C  # q/k/v's x, their dy; o's x and dy
+    mlp = C + (2 if model_cfg.mlp == "swiglu" else 1) * F + F + C  # gate/up's x and dy; down's x and dy
+    return tokens * (attn + mlp)
+
+
+def schedule_moments(schedule, pp, stage, m, chunks, chunk_blocks, head_chunk, saved, residual):
+    """Walks pipeline rank `stage`'s actions (pipeline_schedules.SCHEDULES; with pp = 1 each micro-batch's forward and
+    backward in turn) and yields, after each, (op, its chunk, activation elements held, micro-batches the
+    head's chunk holds, backwards so far). A forward of chunk c adds `saved` per block of the chunk
+    (chunk_blocks[c] of them); its backward takes them away, except that under the zero-bubble schedules
+    (whose W actions are separate) B leaves `residual` per block until W. head_chunk: the chunk holding the
+    head and the loss, or None."""
+    if pp == 1:
+        actions = [(op, i, 0) for i in range(m) for op in "FB"]
+    else:
+        actions = SCHEDULES[schedule](pp, stage, m, chunks)
+    split = any(op == "W" for op, _, _ in actions)
+    held, head, backwards = 0, 0, 0
+    for op, _, c in actions:
+        blocks = chunk_blocks[c]
+        if op == "F":
+            held += blocks * saved
+            head += c == head_chunk
+        elif op == "B":
+            held += blocks * ((residual if split else 0) - saved)
+            head -= c == head_chunk
+            backwards += 1
+        else:
+            held -= blocks * residual
+        yield op, c, held, head, backwards
+
+
+def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, block_size=None,
+                microbatches=1, schedule="1f1b", activation_checkpointing=False, chunked_loss=True,
+                sequence_parallel=False, bucket_size_mb=25.0, param_bytes=4, act_bytes=4, chunks=1, ep=1,
+                optimizer="adamw", dp_rank=None):
+    """For each pipeline stage, one rank's bytes: {'stage', 'parameters', 'gradients', 'optimizer',
+    'activations', 'loss', 'buffers', 'step', 'peak'} (see above; ZeRO-3's gathered root unit and blocks are
+    under 'parameters'; activations and loss are their largest over the step). dp_rank: the data-parallel
+    (dp x cp) rank, where ranks differ (Muon's ZeRO-1 deals whole matrices); None: the largest of them."""
+    T = block_size or model_cfg.block_size
+    replicas, expert_replicas = dp * cp, dp // ep * cp  # the ranks that shard a parameter, an expert
+    N = batch_size * T // cp  # this rank's tokens per micro-batch
+    C, V = model_cfg.n_embd, padded_vocab_size(model_cfg.vocab_size, tp)
+    bucket = max(1, int(bucket_size_mb * 2 ** 20))
+    muon = optimizer == "muon"
+    n_stages = pp * chunks  # the model's stages; this rank holds `chunks` of them
+    stages = []
+    for stage in range(pp):
+        here = virtual_stages(schedule, pp, stage, chunks)
+        shapes = {}
+        elements = stage_parameter_elements(model_cfg, tp, pp, stage, schedule, chunks, ep, shapes)
+        P = sum(elements.values())
+        chunk_layers = [stage_layers(model_cfg.n_layer, n_stages, s) for s in here]
+        # ZeRO-3's units: each block's dense part over dp x cp, its experts over their own replicas
+        block_units = [[sum(n for name, n in elements.items() if name.startswith(f"blocks.{i}.") and
+                            is_expert(name) == expert) for expert in (False, True)]
+                       for layers in chunk_layers for i in layers]
+        blocks = len(block_units)
+        root = P - sum(map(sum, block_units))
+        biggest_block = max(map(sum, block_units), default=0)
+        shard = lambda n, r=replicas: -(-n // r)
+        sharded = sum(shard(dense) + shard(experts, expert_replicas) for dense, experts in block_units) + shard(root)
+        params = P * param_bytes
+        if zero_stage == 3:
+            params = sharded * param_bytes + (root + min(2, blocks) * biggest_block) * param_bytes
+        # at the end of backward: autograd's new gradient of the largest parameter before it is added
+        # into p.grad or copied into its bucket; for a weight tied within the stage the head's part, the
+        # embedding's part and their sum
+        head_chunk = here.index(n_stages - 1) if n_stages - 1 in here else None
+        tied_here = model_cfg.tie_embeddings and head_chunk is not None and 0 in here
+        largest = max(elements.values()) * (3 if tied_here else 1)
+        buffers = largest * param_bytes
+        if zero_stage >= 2:
+            grads = sharded * param_bytes
+            # and in flight with it: its bucket's flat buffer, and the bucket launched before it
+            if zero_stage == 3:
+                sizes = sorted([n for unit in block_units for n in unit if n] + [root], reverse=True)
+            else:  # the experts fill buckets of their own
+                sizes = sorted(sum((bucket_elements([n for name, n in elements.items() if is_expert(name) == e],
+                                                    bucket // param_bytes) for e in (False, True)), []), reverse=True)
+            buffers += (sizes[0] + (sizes[1] if len(sizes) > 1 else 0)) * param_bytes
+        else:
+            grads = P * param_bytes * (2 if (replicas > 1 or zero_stage == 1) else 1)
+        # the optimizer's state: AdamW's two moments per element; Muon's one momentum per matrix element
+        # (AdamW's two for the rest); under ZeRO 1/dp of them (the experts' over their replicas), except
+        # Muon's matrices, dealt whole (optim.deal_whole): this rank's share is what the deal gives it
+        matrices = [name for name in elements if takes_muon(name, torch.empty(shapes[name], device="meta"))] if muon else []
+        M = sum(elements[name] for name in matrices)
+        adamw_elements = [sum(n for name, n in elements.items() if is_expert(name) == e and name not in matrices)
+                          for e in (False, True)]  # dense, experts
+        if zero_stage == 0:
+            state = 2 * (P - M) + M
+            owned = matrices
+        else:
+            state = 2 * (shard(adamw_elements[0]) + shard(adamw_elements[1], expert_replicas))
+            owners = deal_whole(reversed([torch.empty(elements[name], device="meta") for name in matrices]), replicas)
+            share = [[] for _ in range(replicas)]
+            for name, owner in zip(reversed(matrices), owners.values()):
+                share[owner].append(name)
+            owned = share[dp_rank] if dp_rank is not None else max(share, key=lambda ns: sum(elements[n] for n in ns))
+            state += sum(elements[name] for name in owned)
+        optimizer_bytes = state * param_bytes
+        # the optimizer step's temporaries (torch.optim.AdamW's fused kernel makes none): adamw_update's
+        # (new moments, denominator, new parameter and the two terms of its update: six of the largest
+        # slice); Muon's, for the largest matrix it owns: the new momentum and its Nesterov step (its tp
+        # slice), the matrix gathered whole across tp, and Newton-Schulz on it in fp32 (the normalised X;
+        # then at most X's next iterate, X X^T, the polynomial's terms: see newton_schulz)
+        step_temps = 0
+        if zero_stage >= 1 or muon:
+            adamw_slices = [shard(n, expert_replicas if is_expert(name) else replicas) if zero_stage else n
+                            for name, n in elements.items() if name not in matrices]
+            step_temps = 6 * max(adamw_slices, default=0) * param_bytes
+        if owned:
+            big = max(owned, key=lambda name: math.prod(shapes[name]))
+            F, a = math.prod(shapes[big]), min(shapes[big])
+            gathered = F * param_bytes if tp > 1 and elements[big] < F else 0
+            newton_schulz_bytes = (F + max(F + 4 * a * a, 3 * F + 2 * a * a)) * 4
+            step_temps = max(step_temps, 2 * elements[big] * param_bytes + gathered + newton_schulz_bytes)
+        per_block = block_activation_elements(model_cfg, N, tp, sequence_parallel, ep)
+        # ZeRO-1: each bucket's reduce-scatter output (this rank's slice) lives from its launch in the last
+        # backward until finish(): at the end of it, every bucket's but the one of the largest gradient,
+        # the last to fill (Muon's whole matrices are reduced into the flat buffer itself)
+        if zero_stage == 1:
+            biggest_name = max(elements, key=elements.get)
+            launched = [n - (elements[biggest_name] if is_expert(biggest_name) == e and biggest_name not in matrices
+                             else 0) for e, n in enumerate(adamw_elements)]
+            buffers += ((shard(launched[0]) if replicas > 1 else 0)
+                        + (shard(launched[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
+        # expert parallelism: while an MoE layer's outputs travel back, the rows it sent, the rows it
+        # received, its experts' outputs and their reordered copy (expert_parallel.dispatch_to_experts), beside
+        # the activations saved so far
+        exchange = 0
+        if ep > 1 and model_cfg.n_expert > 0 and blocks:
+            kept, received = expert_rows(model_cfg, N, ep)
+            exchange = (kept + 3 * received) * C * act_bytes
+        n_local = N // tp if sequence_parallel else N
+        # with activation checkpointing a block keeps its input, and one block is recomputed at a time
+        saved = n_local * C if activation_checkpointing else per_block
+        recompute = per_block if activation_checkpointing else 0
+        loss_held = loss_once = 0  # per micro-batch the head's chunk holds; while the loss runs
+        if head_chunk is not None:
+            final_norm = n_local + 2 * n_local * C
+            if chunked_loss and tp == 1:
+                loss_held = final_norm * act_bytes + (N * C + V * C) * 4
+                loss_once = min(N, loss_chunk_size(model_cfg.vocab_size)) * model_cfg.vocab_size * 4
+            else:
+                loss_held = final_norm * act_bytes + N * C * act_bytes + N * (V // tp) * 4
+                loss_once = 2 * N * (V // tp) * 4
+        # The step walked action by action. At the end of a forward: what is held, the block just computed
+        # under activation checkpointing, the loss's chunk on the head's chunk (or, if larger, an MoE
+        # layer's all-to-all buffers in that forward), and ZeRO-0/1's p.grad once a backward has run. At
+        # the end of a backward or W: what is still held, and the gradients in flight (for ZeRO-0/1 from the
+        # second backward on: the first writes p.grad without a copy).
+        accumulated = P * param_bytes if zero_stage < 2 else 0  # autograd's p.grad (ZeRO-0/1)
+        top = activations = loss = 0
+        for op, c, held, held_head, backwards in schedule_moments(
+                schedule, pp, stage, microbatches, chunks, [len(layers) for layers in chunk_layers], head_chunk,
+                saved, weight_grad_residual_elements(model_cfg, N, tp)):
+            if op == "F":
+                act = (held + recompute) * act_bytes
+                loss_now = held_head * loss_held + (loss_once if c == head_chunk else 0)
+                now = act + max(loss_now, held_head * loss_held + exchange) + (accumulated if backwards else 0)
+            else:
+                act, loss_now = held * act_bytes, held_head * loss_held
+                now = act + loss_now + accumulated + (buffers if zero_stage >= 2 or backwards > 1 else 0)
+            top = max(top, now)
+            activations, loss = max(activations, act), max(loss, loss_now)
+        peak = params + (grads - accumulated) + optimizer_bytes + top
+        at_step = params + (grads if zero_stage >= 2 else P * param_bytes) + optimizer_bytes + step_temps
+        stages.append({"stage": stage, "parameters": params, "gradients": grads, "optimizer": optimizer_bytes,
+                       "activations": activations, "loss": loss, "buffers": buffers, "step": step_temps,
+                       "peak": max(peak, at_step)})
+    return stages
+
+
+def plan_for(cfg, model_cfg, layout_dims, dp_rank=None):
+    """plan_memory for a run's settings (train.py's cfg) at layout_dims = (dp, tp, pp, cp); dp_rank: see
+    plan_memory."""
+    dp, tp, pp, cp = layout_dims
+    return plan_memory(model_cfg, dp, tp, pp, cp, cfg.zero_stage, cfg.batch_size, cfg.block_size,
+                       cfg.gradient_accumulation_steps, cfg.pp_schedule, cfg.activation_checkpointing,
+                       cfg.chunked_loss, cfg.sequence_parallel, cfg.bucket_size_mb, chunks=cfg.pp_chunks, ep=cfg.ep,
+                       optimizer=cfg.optimizer, dp_rank=dp_rank)
+
+
+def format_plan(stages, gpu_mem_gib=None):
+    """The plan as lines of text, one per stage, the largest named; with gpu_mem_gib what to change when it
+    does not fit."""
+    mib = lambda b: f"{b / 2**20:,.1f}"
+    lines = ["memory per rank (MiB): stage | parameters gradients optimizer activations loss buffers step | peak"]
+    for s in stages:
+        lines.append(f"  stage {s['stage']} | {mib(s['parameters'])} {mib(s['gradients'])} {mib(s['optimizer'])} "
+                     f"{mib(s['activations'])} {mib(s['loss'])} {mib(s['buffers'])} {mib(s['step'])} | {mib(s['peak'])}")
+    top = max(stages, key=lambda s: s["peak"])
+    lines.append(f"  largest: stage {top['stage']}, {top['peak'] / 2**30:.2f} GiB")
+    if gpu_mem_gib is not None and top["peak"] > gpu_mem_gib * 2**30:
+        kinds = {k: top[k] for k in ("parameters", "gradients", "optimizer", "activations", "loss")}
+        worst = max(kinds, key=kinds.get)
+        advice = {"parameters": "raise zero_stage to 3 or tp/pp", "gradients": "raise zero_stage to 2",
+                  "optimizer": "raise zero_stage (1 shards the optimizer state) or dp",
+                  "activations": "turn on activation_checkpointing, lower batch_size, or use 1f1b",
+                  "loss": "keep chunked_loss on (tp = 1) or lower batch_size"}[worst]
+        lines.append(f"  does not fit {gpu_mem_gib} GiB: stage {top['stage']} needs {top['peak'] / 2**30:.2f} GiB, most "
+                     f"of it {worst}: {advice}")
+    return "\n".join(lines)

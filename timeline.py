@@ -1,0 +1,202 @@
+"""
+The pipeline schedules drawn in time, one row per rank and one column per time slot:
+
+    python timeline.py --schedule zero_bubble --pp 4 --microbatches 8
+    python timeline.py --schedule interleaved_1f1b --pp 4 --microbatches 8 --chunks 2
+
+What is drawn is what runs: the rows are the very action lists the executor walks
+(pipeline_schedules.SCHEDULES, routed by parallel.message_route), placed in time by a simulator of the executor's exchanges. Each action
+lasts its time (forward = B = W = 1 slot, a backward not split into B and W 2 slots); a rank runs its
+actions in order, each as soon as its input has been sent, over first-in first-out channels, one per pair
+of ranks and kind of message. So a list that would hang real processes, or hand one microbatch's
+activations to another, fails here first, without processes (the tests put every schedule through it).
+Under the rows: the most microbatches each rank holds, and the bubble measured on this timeline beside the
+paper's formula (pipeline_schedules.ideal_bubble).
+"""
+import argparse
+import sys
+
+from parallel import message_route
+from pipeline_schedules import SCHEDULES, check_schedule, ideal_bubble, virtual_stages
+
+
+# -----------------------------------------------------------------------------
+# The simulator: the pipeline schedules' action lists (parallel.py, section 4), placed in time slots as the
+# executor's exchanges would place them.
+
+ACTION_TIME = {"F": 1, "B": 2, "W": 1}  # in slots; a backward split into B and W takes 1 + 1
+
+
+def action_times(actions):
+    """Each op's duration in a list: forward = B = W = 1 slot, a backward that is not split (no W in the
+    list) 2 slots, as the whole backward of a layer is about twice its forward's matmuls."""
+    split = any(op == "W" for op, _, _ in actions)
+    return {**ACTION_TIME, "B": 1 if split else 2}
+
+
+def schedule_timeline(schedule, pp, m, chunks=1, lists=None):
+    """Place every rank's actions in time slots as run_schedule would run them, or raise RuntimeError where
+    real processes would hang or mix up messages. Returns one row per rank: the action in each slot (an
+    action lasting two slots fills two), None where the rank is idle.
+
+    The model of the executor: a rank runs its actions in order, each as soon as the previous one ended and
+    its input has been sent (a send never waits for its receiver); messages between two ranks go through one
+    first-in first-out channel per direction and kind, so the k-th message a rank sends on a channel is the
+    k-th that the other receives on it, and both must be the same microbatch's, for the same stage. `lists`
+    (default: the schedule's own) lets a test hand in a broken one."""
+    chunks = 2 if schedule == "zbv" else chunks
+    lists = lists if lists is not None else [SCHEDULES[schedule](pp, r, m, chunks) for r in range(pp)]
+    stages = [virtual_stages(schedule, pp, r, chunks) for r in range(pp)]
+    n_stages = pp * chunks
+    owner = {s: r for r in range(pp) for s in stages[r]}
+    sent, expected = {}, {}  # channel (from rank, to rank, kind) -> messages in order: (message, rank, index)
+    needs = []  # needs[r][k]: (channel, position) of the message action k waits for, or None
+    before = {"B": "F", "W": "B"}  # on its own rank, a backward follows its forward, a W its backward
+    for r, actions in enumerate(lists):
+        produced, done, row = set(), set(), []
+        for k, (op, i, c) in enumerate(actions):
+            if op in before and (before[op], i, c) not in done:
+                raise RuntimeError(f"{schedule} at pp={pp}, m={m}: rank {r} runs {op}{i} of chunk {c} before its "
+                                   f"{before[op]}{i}")
+            done.add((op, i, c))
+            source, destination = message_route(op, stages[r][c], n_stages)
+            wait = None
+            if source is not None:
+                message = (op, i, stages[r][c])
+                if owner[source] == r:  # handed over in memory: its producer must come first
+                    if message not in produced:
+                        raise RuntimeError(f"{schedule} at pp={pp}, m={m}: rank {r} runs {op}{i} of chunk {c} "
+                                           f"before its own action that produces its input")
+                else:
+                    channel = (owner[source], r, op)
+                    expected.setdefault(channel, []).append(message)
+                    wait = (channel, len(expected[channel]) - 1)
+            if destination is not None:
+                message = (op, i, destination)
+                if owner[destination] == r:
+                    produced.add(message)
+                else:
+                    sent.setdefault((r, owner[destination], op), []).append((message, r, k))
+            row.append(wait)
+        needs.append(row)
+    kinds = {"F": "activations", "B": "gradients"}
+    for channel in sorted(set(sent) | set(expected)):
+        out, into = [s[0] for s in sent.get(channel, [])], expected.get(channel, [])
+        if out != into:
+            j = next(j for j in range(max(len(out), len(into))) if j >= len(out) or j >= len(into) or out[j] != into[j])
+            what = lambda msg: f"{msg[0]}{msg[1]} for stage {msg[2]}" if msg else "nothing"
+            raise RuntimeError(f"{schedule} at pp={pp}, m={m}: rank {channel[0]}'s message #{j} of {kinds[channel[2]]} "
+                               f"to rank {channel[1]} is {what(out[j] if j < len(out) else None)}, but rank "
+                               f"{channel[1]} expects {what(into[j] if j < len(into) else None)}: the lists "
+                               f"disagree on the order")
+    times = [action_times(actions) for actions in lists]
+    start, end = {}, {}
+    position, free = [0] * pp, [0] * pp
+    while any(position[r] < len(lists[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while position[r] < len(lists[r]):
+                k = position[r]
+                ready = 0
+                if needs[r][k] is not None:
+                    channel, j = needs[r][k]
+                    _, sender, sender_k = sent[channel][j]
+                    if (sender, sender_k) not in end:
+                        break  # its input has not been sent yet
+                    ready = end[(sender, sender_k)]
+                start[(r, k)] = max(free[r], ready)
+                end[(r, k)] = free[r] = start[(r, k)] + times[r][lists[r][k][0]]
+                position[r] += 1
+                progressed = True
+        if not progressed:
+            waiting = ", ".join(f"rank {r} at {lists[r][position[r]]}" for r in range(pp) if position[r] < len(lists[r]))
+            raise RuntimeError(f"{schedule} deadlocks at pp={pp}, m={m}, chunks={chunks}: every rank waits on "
+                               f"another ({waiting})")
+    rows = [[None] * max(free) for _ in range(pp)]
+    for (r, k), t in start.items():
+        for slot in range(t, end[(r, k)]):
+            rows[r][slot] = lists[r][k]
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# The printed timeline: the rows as text, the microbatches each rank holds, the bubble measured on the
+# rows beside the paper's formula, and the command line.
+
+
+def bubble_fraction(rows):
+    """The share of rank-time slots spent idle."""
+    return sum(row.count(None) for row in rows) / sum(len(row) for row in rows)
+
+
+def held_microbatches(actions, chunks=1):
+    """The most microbatches a rank holds at once, in whole stages' worth (a chunk's microbatch is 1/chunks
+    of one): from a microbatch's forward to the end of its backward, its W when the backward is split."""
+    split = any(op == "W" for op, _, _ in actions)
+    alive = peak = 0
+    for op, _, _ in actions:
+        alive += 1 if op == "F" else -1 if op == ("W" if split else "B") else 0
+        peak = max(peak, alive)
+    return peak / chunks
+
+
+def bubble_formula(schedule, pp, m, chunks=1):
+    """The paper's formula as text, for the printed timeline."""
+    if ideal_bubble(schedule, pp, m, chunks) is None:
+        return ("none in the paper for m < pp" if schedule == "zero_bubble" else
+                "none in the paper (idle only in the first fill, pp - 1 slots, when m >= 2 pp)")
+    numerator, denominator = {"afab": (pp - 1, m + pp - 1), "1f1b": (pp - 1, m + pp - 1),
+                              "interleaved_1f1b": (pp - 1, chunks * m + pp - 1),
+                              "zero_bubble": (pp - 1, 3 * m + pp - 1)}[schedule]
+    text = {"afab": "(pp - 1) / (m + pp - 1)", "1f1b": "(pp - 1) / (m + pp - 1)",
+            "interleaved_1f1b": "(pp - 1) / (v m + pp - 1)", "zero_bubble": "(pp - 1) / (3 m + pp - 1)"}[schedule]
+    return f"{text} = {numerator}/{denominator} = {numerator / denominator:.1%}"
+
+
+def format_timeline(schedule, pp, m, chunks=1):
+    """The timeline as text, one row per rank, with the microbatches each rank holds and the bubble."""
+    if schedule == "zbv":
+        chunks = 2
+    rows = schedule_timeline(schedule, pp, m, chunks)
+    label = lambda a: f"{a[0]}{a[1]}" + (f".{a[2]}" if chunks > 1 else "")
+    width = max(len(label((op, m - 1, chunks - 1))) for op in "FBW")
+    lines = [f"{schedule}: pp={pp} ranks, m={m} microbatches" + (f", {chunks} chunks per rank" if chunks > 1 else "")
+             + "; a slot per forward (F), backward (B, two slots when not split into B and W) or weight gradient "
+             + "(W)" + (", .c the chunk" if chunks > 1 else "") + "; .. idle"]
+    for r, row in enumerate(rows):
+        cells = []
+        for slot, a in enumerate(row):
+            if a is None:
+                cells.append("." * width)
+            elif slot > 0 and row[slot - 1] is a:
+                cells.append("-" * width)  # the action of the slot before, still running
+            else:
+                cells.append(label(a).ljust(width))
+        lines.append(f"rank {r} | " + " ".join(cells))
+    lists = [SCHEDULES[schedule](pp, r, m, chunks) for r in range(pp)]
+    held = [held_microbatches(actions, chunks) for actions in lists]
+    lines.append("activations held at most (microbatches of a stage, F to the end of the backward): "
+                 + ", ".join(f"rank {r}: {h:g}" for r, h in enumerate(held)))
+    lines.append(f"bubble: {bubble_fraction(rows):.1%} of the slots idle (measured on this timeline); "
+                 f"theory {bubble_formula(schedule, pp, m, chunks)}")
+    return "\n".join(lines)
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description="Print a pipeline schedule as a timeline, one row per rank.")
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks")
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (m)")
+    parser.add_argument("--chunks", type=int, default=None,
+                        help="model chunks per rank (v): interleaved_1f1b any (default 2), zbv 2, the others 1")
+    args = parser.parse_args(argv)
+    chunks = args.chunks or (2 if args.schedule in ("interleaved_1f1b", "zbv") else 1)
+    try:
+        check_schedule(args.schedule, args.pp, args.microbatches, chunks)
+    except ValueError as e:
+        parser.exit(2, f"error: {e}\n")
+    print(format_timeline(args.schedule, args.pp, args.microbatches, chunks))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
