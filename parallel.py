@@ -59,6 +59,13 @@ import torch.nn.functional as F
 # torch 2.13 renamed the single-tensor collectives (the old names still work, with a warning)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def at_least_fp32(dtype):
+    """The dtype of the sums that must not be taken in half precision (norms, softmax, losses): fp32, or
+    fp64 for a run in float64 (dtype='float64', CPU), which must not be rounded to fp32 either."""
+    return torch.promote_types(dtype, torch.float32)
+
 # -----------------------------------------------------------------------------
 # 1. The layout
 
@@ -638,7 +645,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group, ignore_index):
-        logits = logits.float()
+        logits = logits.to(at_least_fp32(logits.dtype))
         n, n_local = logits.shape
         # the target's logit lives on exactly one rank: the others contribute zero to the sum
         local_target = targets - vocab_start
@@ -648,8 +655,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             max_logit = logits.max(dim=-1).values
             target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~here, 0.0)
         else:  # this rank holds only vocabulary padding
-            max_logit = torch.full((n,), float("-inf"), device=logits.device)
-            target_logit = torch.zeros(n, device=logits.device)
+            max_logit = torch.full((n,), float("-inf"), dtype=logits.dtype, device=logits.device)
+            target_logit = torch.zeros(n, dtype=logits.dtype, device=logits.device)
         dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(target_logit, group=group)
         exp = (logits - max_logit.unsqueeze(-1)).exp_()  # the one (N, V_local) temporary; becomes the softmax
@@ -677,7 +684,7 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
     vocab_start, against (N,) global target ids; ignored targets are left out of the mean (if every target
     is ignored the loss is 0, where F.cross_entropy gives nan). With one rank it is F.cross_entropy."""
     if group_size(group) == 1:
-        return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
+        return F.cross_entropy(logits.to(at_least_fp32(logits.dtype)), targets, ignore_index=ignore_index)
     losses = VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group, ignore_index)
     return losses.sum() / (targets != ignore_index).sum().clamp(min=1)
 
@@ -937,11 +944,12 @@ def _block_backward(q, k, v, dout, lse, delta, visible, scale, softcap, dq, dk, 
 
 def _query_heads(x, n_kv_head):
     B, T, H, D = x.shape
-    return x.float().view(B, T, n_kv_head, H // n_kv_head, D).permute(0, 2, 3, 1, 4)  # (B, H_kv, G, T, D)
+    x = x.to(at_least_fp32(x.dtype))
+    return x.view(B, T, n_kv_head, H // n_kv_head, D).permute(0, 2, 3, 1, 4)  # (B, H_kv, G, T, D)
 
 
 def _kv_heads(x):
-    return x.float().permute(0, 2, 1, 3)[:, :, None]  # (B, T, H_kv, D) -> (B, H_kv, 1, T, D)
+    return x.to(at_least_fp32(x.dtype)).permute(0, 2, 1, 3)[:, :, None]  # (B, T, H_kv, D) -> (B, H_kv, 1, T, D)
 
 
 def _post_ring_exchange(tensors, group):
@@ -989,8 +997,8 @@ class RingAttention(torch.autograd.Function):
         doc = documents.to(q.device, non_blocking=True) if documents is not None else None
 
         qh = _query_heads(q, n_kv_head)
-        out = q.new_zeros(*qh.shape[:-1], v.shape[-1], dtype=torch.float32)  # (B, H_kv, G, T, D_v)
-        lse = q.new_full(qh.shape[:-1], float("-inf"), dtype=torch.float32)  # (B, H_kv, G, T)
+        out = q.new_zeros(*qh.shape[:-1], v.shape[-1], dtype=qh.dtype)  # (B, H_kv, G, T, D_v), fp32 (fp64)
+        lse = q.new_full(qh.shape[:-1], float("-inf"), dtype=qh.dtype)  # (B, H_kv, G, T)
         k_block, v_block = k, v
         for step in range(cp):
             if step < cp - 1:  # the next block sets off before this one is computed
@@ -1518,7 +1526,7 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
     inputs, outputs = {}, {}  # (microbatch, chunk) -> what its backward needs, from its forward until then
     here = {}  # messages from one chunk of this rank to another (the V's turn), by (kind, microbatch, stage)
     sends = []  # the requests of the sends in flight (each holds its tensor), waited for at the end
-    total = torch.zeros((), device=comm.device)
+    total = torch.zeros((), dtype=at_least_fp32(comm.dtype), device=comm.device)
 
     def post_receive(action):
         """Post the receive of action's input if another rank sends it: (buffer, request) or None."""
@@ -1570,7 +1578,7 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
                     out, loss = chunks[c](x, y if stage == last_stage else None, *context)
                 if loss is not None:
                     loss = loss / m  # the mean over microbatches: the one place the loss is scaled
-                    total += loss.detach().float()
+                    total += loss.detach().to(at_least_fp32(loss.dtype))
                 if torch.is_grad_enabled():
                     inputs[(i, c)], outputs[(i, c)] = x, (None if stage == last_stage else out, loss)
                 product = None if stage == last_stage else out.detach()
@@ -2333,10 +2341,11 @@ def adamw_update(param, grad, state, lr, weight_decay, betas, eps, found_inf=Non
     where it is set, chosen on the device (torch.where): a NaN in the new values is never selected."""
     beta1, beta2 = betas
     exp_avg, exp_avg_sq, t = state["exp_avg"], state["exp_avg_sq"], state["step"] + 1
+    t_in_dtype = t.to(at_least_fp32(param.dtype))  # the bias corrections in the update's precision
     new_avg = exp_avg.lerp(grad, 1 - beta1)
     new_avg_sq = (exp_avg_sq * beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (new_avg_sq.sqrt() / (1 - beta2 ** t).sqrt()).add_(eps)
-    new_param = (param * (1 - lr * weight_decay)).sub_(lr / (1 - beta1 ** t) * new_avg / denom)
+    denom = (new_avg_sq.sqrt() / (1 - beta2 ** t_in_dtype).sqrt()).add_(eps)
+    new_param = (param * (1 - lr * weight_decay)).sub_(lr / (1 - beta1 ** t_in_dtype) * new_avg / denom)
     updates = ((param, new_param), (exp_avg, new_avg), (exp_avg_sq, new_avg_sq), (state["step"], t))
     for old, new in updates:
         old.copy_(new if found_inf is None else torch.where(found_inf.bool(), old, new))
@@ -2513,10 +2522,10 @@ def newton_schulz(G, steps=5, eps=1e-7):
     then each iteration X <- a X + b (X X^T) X + c (X X^T)^2 X maps every singular value s to
     a s + b s^3 + c s^5 and leaves U and V alone. Jordan et al.'s (a, b, c) buy a steep start (a = 3.4:
     small singular values grow fast) with not converging to exactly 1: after 5 iterations every singular
-    value from 0.01 of the norm up lands in [0.68, 1.13], which the update tolerates. In fp32; the Gram
-    matrix X X^T is taken on the shorter side."""
+    value from 0.01 of the norm up lands in [0.68, 1.13], which the update tolerates. In fp32 (fp64 in a
+    float64 run); the Gram matrix X X^T is taken on the shorter side."""
     a, b, c = NEWTON_SCHULZ_COEFFICIENTS
-    X = G.float()
+    X = G.to(at_least_fp32(G.dtype))
     tall = X.shape[0] > X.shape[1]
     if tall:
         X = X.T

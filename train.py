@@ -39,10 +39,10 @@ import settings
 from configurator import ConfigError, configure, make_folder
 from model import (ModelConfig, Transformer, check_layout, choose_attn_impl, choose_device_and_dtype,
                    document_ids_and_positions, stage_layers, takes_muon)
-from parallel import (SCHEDULES, GradientBuckets, Muon, PipelineComm, WeightGradStore, ZeroOneAdamW, check_schedule,
-                      format_grid, ideal_bubble, init_distributed, optimizer_state_bytes, pipeline_forward,
-                      resolve_dp, run_schedule, split_for_every_rank, sum_tied_grad_shards, sync_tied_grads,
-                      tied_weight_group, tp_groups_across_nodes, virtual_stages, zigzag_split)
+from parallel import (SCHEDULES, GradientBuckets, Muon, PipelineComm, WeightGradStore, ZeroOneAdamW, at_least_fp32,
+                      check_schedule, format_grid, ideal_bubble, init_distributed, optimizer_state_bytes,
+                      pipeline_forward, resolve_dp, run_schedule, split_for_every_rank, sum_tied_grad_shards,
+                      sync_tied_grads, tied_weight_group, tp_groups_across_nodes, virtual_stages, zigzag_split)
 
 # -----------------------------------------------------------------------------
 # settings
@@ -391,7 +391,10 @@ def build(cfg, run):
         loaded = SimpleNamespace(seconds=time.time() - start, bytes_read=read, file_bytes=total)
     else:
         model.init_weights(cfg.seed)
-    model.to(run.dev)
+    # float64 (a check on CPU): the parameters, and so everything computed from them, in float64; the
+    # initial weights are the fp32 draws, the same at every layout. Other dtypes keep fp32 parameters
+    # and compute in the autocast dtype
+    model.to(run.dev, dtype=torch.float64 if run.dtype == torch.float64 else None)
     pipeline = make_pipeline(cfg, layout, model, run.dev)
     tied = pipeline.tied_copies if pipeline else []
     optimizer = make_optimizer(model, cfg, run.dev, layout, tied, backward_phases(model, pipeline))
@@ -425,7 +428,8 @@ def build(cfg, run):
                        f"{model.cfg.n_expert} in each layer (ep={layout.ep}): {expert_params / 2**20:.2f} MiB of "
                        f"parameters, {expert_state / 2**20:.2f} MiB of optimizer state")
     scaler = DynamicLossScaler(enabled=run.dtype == torch.float16)
-    autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
+    full = run.dtype in (torch.float32, torch.float64)  # the parameters' own dtype: no autocast
+    autocast = nullcontext() if full else torch.autocast(run.dev.type, dtype=run.dtype)
     return SimpleNamespace(model=model, compiled=compile_blocks(model, cfg, layout), optimizer=optimizer,
                            grad_sync=grad_sync, pipeline=pipeline, autocast=autocast, scaler=scaler, loaded=loaded,
                            bad_steps=BadSteps(run.dev, cfg.max_bad_steps))
@@ -521,8 +525,9 @@ def make_pipeline(cfg, layout, model, dev):
     # what travels: the hidden states of this rank's tokens, (B, T, n_embd) for token ids x of (B, T), which
     # are this rank's T/cp under context parallelism; T/tp of those under sequence parallelism
     schedule, v = cfg.pp_schedule, cfg.pp_chunks
-    comm = PipelineComm.from_layout(layout, model.cfg.n_embd, dev, schedule=schedule, chunks=v,
-                                    seq_split=layout.tp if cfg.sequence_parallel else 1)
+    # in the parameters' dtype, the residual stream's (PipelineComm's note): fp32, or fp64 in float64
+    comm = PipelineComm.from_layout(layout, model.cfg.n_embd, dev, dtype=next(model.parameters()).dtype,
+                                    schedule=schedule, chunks=v, seq_split=layout.tp if cfg.sequence_parallel else 1)
     actions = SCHEDULES[schedule]
     split = any(op == "W" for op, _, _ in actions(layout.pp, layout.pp_rank, cfg.gradient_accumulation_steps, v))
     stores = [WeightGradStore(model.chunk_modules(c)) for c in range(v)] if split else None
@@ -702,14 +707,16 @@ def global_grad_norm(model, layout, grads, dp_sharded=False):
     model_grads(model, optimizer)."""
     copies = {id(p) for name, p in model.named_parameters() if name in model.tied_copies()}
     experts = {id(p) for p in model.expert_parameters().values()}
-    dev = next(model.parameters()).device
-    sq = {False: torch.zeros((), device=dev), True: torch.zeros((), device=dev)}  # dense, experts
+    param = next(model.parameters())
+    dev, dtype = param.device, at_least_fp32(param.dtype)
+    sq = {False: torch.zeros((), dtype=dtype, device=dev),  # dense
+          True: torch.zeros((), dtype=dtype, device=dev)}  # experts
     for p, grad in grads:
         if id(p) in copies:
             continue
         if getattr(p, "tp_shard_dim", None) is None and layout.tp_rank != 0:
             continue
-        sq[id(p) in experts] += grad.detach().float().pow(2).sum()
+        sq[id(p) in experts] += grad.detach().to(dtype).pow(2).sum()
     if layout.world_size == 1:
         return (sq[False] + sq[True]).sqrt()
     replicas = (1, 1) if dp_sharded else (layout.dp_cp, layout.dp_cp // layout.ep)
@@ -858,7 +865,7 @@ def evaluate(cfg, run, parts):
             for batch in batches:
                 with parts.autocast:
                     _, loss = model(*batch)
-                total += loss.float() / cfg.eval_iters
+                total += loss.to(at_least_fp32(loss.dtype)) / cfg.eval_iters
         out[split] = mean_across_ranks(total, layout).item()
     model.train()
     return out
@@ -872,7 +879,7 @@ def mean_across_ranks(value, layout):
     if layout.world_size == 1:
         return value
     counts = layout.tp_rank == 0
-    value = value.detach().float() * (1.0 / layout.dp_cp if counts else 0.0)
+    value = value.detach().to(at_least_fp32(value.dtype)) * (1.0 / layout.dp_cp if counts else 0.0)
     dist.all_reduce(value)
     return value
 
