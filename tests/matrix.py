@@ -172,6 +172,8 @@ NAMED = {
                          gradient_accumulation_steps=2),
     "dp2-cp2-pp2-zbv-ep2": _case(dp=2, cp=2, pp="zbv", ep=2, zero_stage=2, model="moe_dropless",
                                  gradient_accumulation_steps=2),
+    # Muon's ZeRO-1 deals whole matrices to the replicas, each split between its two tp ranks
+    "muon-dp2-tp2-zero1": _case(dp=2, tp=2, zero_stage=1, optimizer="muon", model="dense_gqa"),
     # everything in float64 (model, collectives, optimizer): layouts agree to about 1e-15, held to 1e-12
     "float64-tp2-sp-muon": _case(tp=2, sp=True, optimizer="muon", model="moe_dropless", dtype="float64"),
     "float64-dp2-zero1-pp2-zbv": _case(dp=2, pp="zbv", zero_stage=1, model="tied_layernorm_gelu", dtype="float64",
@@ -204,12 +206,13 @@ for case in CASES.values():
 # run's (launches go 2, 4, 8 processes; a launch runs its own cases before its resumed ones).
 RESUMES = {  # name: (the first run, the layout its step-3 checkpoint resumes at)
     "resume-1": ("dp2-tp2-pp2", dict(dp=1, tp=1, sp=False, pp=1, zero_stage=0, activation_checkpointing=False)),
-    "resume-2": (_first(CASES, zero_stage=3, dp=2, optimizer="adamw", ep=1),
-                 dict(dp=1, tp=2, sp=False, cp=1, pp="zbv", zero_stage=0)),
+    "resume-2": (_first(CASES, zero_stage=3, dp=2, cp=1, optimizer="adamw", ep=1),
+                 dict(dp=1, tp=1, sp=False, cp=2, pp="zbv", zero_stage=0)),
     "resume-3": (_first(CASES, ep=2, gradient_accumulation_steps=2),
-                 dict(dp=4, tp=1, sp=False, cp=1, pp=1, ep=2, zero_stage=3)),
+                 dict(dp=4, tp=1, sp=False, cp=1, pp=1, ep=4, zero_stage=1)),
     "resume-4": (_first(CASES, cp=2, dp=1, ep=1, optimizer="adamw", gradient_accumulation_steps=2),
-                 dict(dp=1, cp=2, tp=2, sp=True, pp="1f1b", zero_stage=1)),
+                 dict(dp=2, cp=1, tp=2, sp=True, pp="1f1b", zero_stage=1)),
+    "resume-5": ("muon-dp2-tp2-zero1", dict(dp=1, tp=1, zero_stage=0)),
 }
 for name, (source, layout) in RESUMES.items():
     case = {**CASES[source], **layout, "resume_from": source, "refused": None}

@@ -91,7 +91,9 @@ def matrix_runs(tmp_path_factory, request):
     timings.append(f"{len(references)} references and {len(by_world.get(1, []))} one-process cases here in "
                    f"{time.time() - began:.0f} s")
     seconds = time.time() - start
-    print(f"\nmatrix: {'; '.join(timings)}; {seconds:.0f} s in all", flush=True)
+    slowest = sorted(seconds_of, key=seconds_of.get, reverse=True)[:5]
+    print(f"\nmatrix: {'; '.join(timings)}; {seconds:.0f} s in all; the slowest cases: "
+          + ", ".join(f"{n} {seconds_of[n]:.1f} s" for n in slowest), flush=True)
     SECONDS["matrix"] = seconds
     return SimpleNamespace(errors=errors, out_dir=out_dir, reference=reference_of)
 
