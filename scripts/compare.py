@@ -2,7 +2,8 @@
 Where two runs part: train two layouts (or any two settings) from the same seed on CPU and say whether
 their difference is rounding or real.
 
-    python scripts/compare.py config/tiny_fineweb.py --max_iters=10 --a="--tp=2" --b="--pp=2 --pp_schedule=zbv --pp_chunks=2"
+    python scripts/compare.py config/tiny_fineweb.py --max_iters=10 \\
+        --a="--tp=2" --b="--pp=2 --pp_schedule=zbv --pp_chunks=2"
 
 The settings before --a and --b are common to both runs, as train.py takes them (config files, then
 --key=value); each side's own go on top. Each side is launched with the processes its layout needs

@@ -40,8 +40,9 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def matrix_runs(tmp_path_factory, request):
-    """Every case run: {name: (errors of its ranks, its out_dir)}, and each case's reference out_dir. Only
-    the cases whose test is selected run (pytest -k pairwise-07), with the runs they resume."""
+    """Every case run, and its reference: (errors: {name: each rank's error or None}, out_dir: {name: the
+    case's out_dir}, reference: {name: its reference's out_dir}). Only the cases whose test is selected run
+    (pytest -k pairwise-07), with the runs they resume."""
     root = tmp_path_factory.mktemp("matrix")
     wanted = {item.callspec.params["name"] for item in request.session.items
               if item.originalname == "test_case_equals_one_process_or_is_refused"}
@@ -109,7 +110,8 @@ def compare(name, runs):
             assert case["refused"] in first, f"{name}: rank {rank} stopped with another message: {first}"
         return {}
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-    assert not failed, f"{name} failed on rank {failed[0][0]}:\n{failed[0][1]}"
+    assert not failed, (f"{name} failed on rank {failed[0][0]} (the logs: {runs.out_dir[name]}.rank*.log):\n"
+                        f"{failed[0][1]}")
     records = read_records([f"--out_dir={runs.out_dir[name]}"])
     reference = read_records([f"--out_dir={runs.reference[name]}"])
     first = matrix.RESUME_AT + 1 if "resume_from" in case else 1
