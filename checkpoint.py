@@ -53,9 +53,10 @@ def make_piece(tensor, param, flat_range=None):
 
 
 def _assemble(pieces, name):
-    """The full tensor from its pieces (every tensor-parallel slice, every flat range)."""
-    full_shape = pieces[0]["full_shape"]
-    full = torch.empty(full_shape)
+    """The full tensor from its pieces (every tensor-parallel slice, every flat range), in their dtype (a
+    float64 run's stay float64)."""
+    full_shape, dtype = pieces[0]["full_shape"], pieces[0]["tensor"].dtype
+    full = torch.empty(full_shape, dtype=dtype)
     by_slice = {}
     for p in pieces:
         by_slice.setdefault(p["tp_rank"], []).append(p)
@@ -64,7 +65,7 @@ def _assemble(pieces, name):
         slice_shape = list(full_shape)
         if dim is not None:
             slice_shape[dim] //= world
-        flat = torch.empty(math.prod(slice_shape))
+        flat = torch.empty(math.prod(slice_shape), dtype=dtype)
         covered = 0
         for p in parts:
             start, end = p["flat_range"]
@@ -127,7 +128,7 @@ class CheckpointReader:
                                  f"needs {want}: the model config differs from the checkpoint's")
             # the vocabulary is padded to a multiple of tp, so the padding differs between layouts:
             # keep the real tokens' rows, the padding rows are zero
-            resized = torch.zeros(want)
+            resized = torch.zeros(want, dtype=full.dtype)
             resized[:vocab] = full[:vocab]
             full = resized
         return shard_of(full, param)

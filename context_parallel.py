@@ -64,7 +64,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from parallel import group_rank, group_size
+from parallel import at_least_fp32, group_rank, group_size
 
 
 def check_context_split(seq_len, cp, tp=1):
@@ -260,11 +260,12 @@ def _block_backward(q, k, v, dout, lse, delta, visible, scale, softcap, dq, dk, 
 
 def _query_heads(x, n_kv_head):
     B, T, H, D = x.shape
-    return x.float().view(B, T, n_kv_head, H // n_kv_head, D).permute(0, 2, 3, 1, 4)  # (B, H_kv, G, T, D)
+    x = x.to(at_least_fp32(x.dtype))
+    return x.view(B, T, n_kv_head, H // n_kv_head, D).permute(0, 2, 3, 1, 4)  # (B, H_kv, G, T, D)
 
 
 def _kv_heads(x):
-    return x.float().permute(0, 2, 1, 3)[:, :, None]  # (B, T, H_kv, D) -> (B, H_kv, 1, T, D)
+    return x.to(at_least_fp32(x.dtype)).permute(0, 2, 1, 3)[:, :, None]  # (B, T, H_kv, D) -> (B, H_kv, 1, T, D)
 
 
 def _post_ring_exchange(tensors, group):
@@ -312,8 +313,8 @@ class RingAttention(torch.autograd.Function):
         doc = documents.to(q.device, non_blocking=True) if documents is not None else None
 
         qh = _query_heads(q, n_kv_head)
-        out = q.new_zeros(*qh.shape[:-1], v.shape[-1], dtype=torch.float32)  # (B, H_kv, G, T, D_v)
-        lse = q.new_full(qh.shape[:-1], float("-inf"), dtype=torch.float32)  # (B, H_kv, G, T)
+        out = q.new_zeros(*qh.shape[:-1], v.shape[-1], dtype=qh.dtype)  # (B, H_kv, G, T, D_v), fp32 (fp64)
+        lse = q.new_full(qh.shape[:-1], float("-inf"), dtype=qh.dtype)  # (B, H_kv, G, T)
         k_block, v_block = k, v
         for step in range(cp):
             if step < cp - 1:  # the next block sets off before this one is computed

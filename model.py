@@ -41,9 +41,9 @@ from torch.utils.checkpoint import checkpoint
 from context_parallel import all_gather_context, check_context_split, loss_share, ring_attention, zigzag_split
 from expert_parallel import ByteCount, dispatch_to_experts, exchange_expert_counts
 from parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelEmbedding, SequenceParallelRowLinear,
-                      VocabParallelEmbedding, copy_to_tp, full_shape_of, gather_from_sp, gather_from_tp, group_rank,
-                      group_size, padded_vocab_size, scatter_to_tp, shard_of, stage_layers, valid_vocab_columns,
-                      vocab_parallel_cross_entropy)
+                      VocabParallelEmbedding, at_least_fp32, copy_to_tp, full_shape_of, gather_from_sp, gather_from_tp,
+                      group_rank, group_size, padded_vocab_size, scatter_to_tp, shard_of, stage_layers,
+                      valid_vocab_columns, vocab_parallel_cross_entropy)
 
 
 @dataclass
@@ -107,7 +107,9 @@ def model_config_from(saved):
 
 def choose_device_and_dtype(device_name, dtype_name):
     """Returns (device, dtype, reason). fp32 on CPU (CPUs have no fast fp16 and bf16 is opt-in),
-    bf16 on CUDA compute capability 8.0+ (Ampere), fp16 with a loss scaler before it."""
+    bf16 on CUDA compute capability 8.0+ (Ampere), fp16 with a loss scaler before it. float64, on CPU
+    only, is for checking: the whole run (weights, activations, collectives, optimizer) in float64, where
+    two layouts' roundings fall to ~1e-15 and only a real difference stays (scripts/compare.py)."""
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     available = "'auto', 'cpu'" + (", 'cuda', 'cuda:0' ..." if torch.cuda.is_available() else "")
@@ -128,11 +130,16 @@ def choose_device_and_dtype(device_name, dtype_name):
         if major >= 8:
             return dev, torch.bfloat16, f"auto: compute capability {major}.{minor} >= 8.0 has bf16"
         return dev, torch.float16, f"auto: compute capability {major}.{minor} < 8.0, so fp16 with a loss scaler"
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
     if dtype_name not in dtypes:
-        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype_name!r}")
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16', 'float16' or 'float64', got {dtype_name!r}")
     if dtype_name == "float16" and dev.type == "cpu":
         raise ValueError("dtype='float16' on CPU has no fast kernels: use 'float32' or 'bfloat16'")
+    if dtype_name == "float64" and dev.type == "cuda":
+        # GPUs run float64 matmuls at 1/2 (H100) to 1/64 (consumer cards) of fp32's rate, and flash-attn
+        # takes half precision only: float64 is a check of the numerics, which the CPU does as well
+        raise ValueError("dtype='float64' is for checking runs on CPU (scripts/compare.py): use --device=cpu "
+                         "with it, or dtype 'auto', 'bfloat16' or 'float32' on CUDA")
     return dev, dtypes[dtype_name], "requested"
 
 
@@ -329,7 +336,7 @@ class RMSNorm(nn.Module):
         self.weight.init_value = 1.0
 
     def forward(self, x):
-        xf = x.float()
+        xf = x.to(at_least_fp32(x.dtype))
         weight = copy_to_tp(self.weight, self.tp_group)
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * weight
 
@@ -406,7 +413,7 @@ def apply_rope(x, cos, sin):
         cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, D/2), broadcast over (B, T, H, D/2)
     else:
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B, T, 1, D/2)
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = x.to(at_least_fp32(x.dtype)).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
@@ -778,7 +785,8 @@ class MixtureOfExperts(nn.Module):
         tokens = x.transpose(0, 1).reshape(T * B, D)  # position-major, the capacity queue's order
         N, E = tokens.shape[0], self.n_expert
         with torch.autocast(x.device.type, enabled=False):  # routing decisions in fp32 (ST-MoE, section 3)
-            logits = F.linear(tokens.float(), self.router.weight.float())  # (N, E)
+            fp32 = at_least_fp32(tokens.dtype)
+            logits = F.linear(tokens.to(fp32), self.router.weight.to(fp32))  # (N, E)
         probs = logits.softmax(dim=-1)
         gate, expert = probs.topk(self.k, dim=-1)  # (N, k) each
         cp = group_size(self.cp_group)
@@ -806,7 +814,7 @@ class MixtureOfExperts(nn.Module):
         for shared in self.shared_experts:
             out = out + shared(tokens)
 
-        routed = count_per_expert(expert.flatten(), E).float()
+        routed = count_per_expert(expert.flatten(), E).to(probs.dtype)
         if cp > 1:  # the window's counts
             dist.all_reduce(routed, group=self.cp_group)
         routed = routed / (N * cp * self.k)  # f_e
@@ -895,21 +903,22 @@ def loss_chunk_size(vocab_size, budget_bytes=128 * 2**20):
 
 def _chunked_cross_entropy(h, weight, targets, vocab_size, softcap, ignore_index, need_grads):
     """The summed cross-entropy of softmax(h @ weight[:vocab_size]^T) over the tokens, chunk by chunk, in
-    fp32; with need_grads also its gradients for h and weight (rows past vocab_size, padding, get zero).
-    h: (N, C), weight: (V_padded, C), targets: (N,)."""
+    fp32 (fp64 in a float64 run); with need_grads also its gradients for h and weight (rows past vocab_size,
+    padding, get zero). h: (N, C), weight: (V_padded, C), targets: (N,)."""
     device_type = h.device.type
     compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h.dtype
+    fp32 = at_least_fp32(compute)
     with torch.autocast(device_type, enabled=False):  # the casts autocast would make, made explicit
         h_c, w_c = h.to(compute), weight[:vocab_size].to(compute)
         N = h.shape[0]
         chunk = min(N, loss_chunk_size(vocab_size))
         logits_buf = torch.empty(chunk, vocab_size, dtype=compute, device=h.device)  # reused by every chunk
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        loss = torch.zeros((), dtype=fp32, device=h.device)
         grad_h = torch.empty_like(h_c) if need_grads else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_grads else None
+        grad_w = torch.zeros_like(weight, dtype=fp32) if need_grads else None
         for start in range(0, N, chunk):
             rows = slice(start, min(start + chunk, N))
-            z = torch.mm(h_c[rows], w_c.t(), out=logits_buf[:rows.stop - start]).float()  # (n, V), fp32
+            z = torch.mm(h_c[rows], w_c.t(), out=logits_buf[:rows.stop - start]).to(fp32)  # (n, V), fp32
             if softcap:  # z = softcap * tanh(z / softcap) (Gemma 2), whose derivative is 1 - tanh^2
                 tanh = z.div_(softcap).tanh_()
                 dcap = 1.0 - tanh.square()
@@ -930,7 +939,7 @@ def _chunked_cross_entropy(h, weight, targets, vocab_size, softcap, ignore_index
                     grad_z.mul_(dcap)
                 grad_z_c = grad_z.to(compute)
                 torch.mm(grad_z_c, w_c, out=grad_h[rows])
-                if compute == torch.float32:
+                if compute == fp32:
                     grad_w[:vocab_size].addmm_(grad_z.t(), h_c[rows])
                 else:
                     grad_w[:vocab_size] += grad_z_c.t() @ h_c[rows]
@@ -954,8 +963,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w, count = ctx.saved_tensors
-        scale = grad_loss.float() / count
-        return ((grad_h.float() * scale).to(ctx.h_dtype), grad_w.mul_(scale).to(ctx.weight_dtype),
+        scale = grad_loss.to(at_least_fp32(grad_loss.dtype)) / count
+        return ((grad_h.to(scale.dtype) * scale).to(ctx.h_dtype), grad_w.mul_(scale).to(ctx.weight_dtype),
                 None, None, None, None)
 
 

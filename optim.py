@@ -48,7 +48,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from parallel import ShardedBucket, ShardedGradientBuckets, adamw_step, group_size, shard_of
+from parallel import ShardedBucket, ShardedGradientBuckets, adamw_step, at_least_fp32, group_size, shard_of
 
 
 class AdamW(torch.optim.AdamW):
@@ -90,10 +90,10 @@ def newton_schulz(G, steps=5, eps=1e-7):
     then each iteration X <- a X + b (X X^T) X + c (X X^T)^2 X maps every singular value s to
     a s + b s^3 + c s^5 and leaves U and V alone. Jordan et al.'s (a, b, c) buy a steep start (a = 3.4:
     small singular values grow fast) with not converging to exactly 1: after 5 iterations every singular
-    value from 0.01 of the norm up lands in [0.68, 1.13], which the update tolerates. In fp32; the Gram
-    matrix X X^T is taken on the shorter side."""
+    value from 0.01 of the norm up lands in [0.68, 1.13], which the update tolerates. In fp32 (fp64 in a
+    float64 run); the Gram matrix X X^T is taken on the shorter side."""
     a, b, c = NEWTON_SCHULZ_COEFFICIENTS
-    X = G.float()
+    X = G.to(at_least_fp32(G.dtype))
     tall = X.shape[0] > X.shape[1]
     if tall:
         X = X.T

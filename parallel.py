@@ -49,6 +49,13 @@ from torch.optim.adamw import adamw
 # torch 2.13 renamed the single-tensor collectives (the old names still work, with a warning)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def at_least_fp32(dtype):
+    """The dtype of the sums that must not be taken in half precision (norms, softmax, losses): fp32, or
+    fp64 for a run in float64 (dtype='float64', CPU), which must not be rounded to fp32 either."""
+    return torch.promote_types(dtype, torch.float32)
+
 # -----------------------------------------------------------------------------
 # 1. The layout
 
@@ -920,7 +927,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group, ignore_index):
-        logits = logits.float()
+        logits = logits.to(at_least_fp32(logits.dtype))
         n, n_local = logits.shape
         # the target's logit lives on exactly one rank: the others contribute zero to the sum
         local_target = targets - vocab_start
@@ -930,8 +937,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             max_logit = logits.max(dim=-1).values
             target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~here, 0.0)
         else:  # this rank holds only vocabulary padding
-            max_logit = torch.full((n,), float("-inf"), device=logits.device)
-            target_logit = torch.zeros(n, device=logits.device)
+            max_logit = torch.full((n,), float("-inf"), dtype=logits.dtype, device=logits.device)
+            target_logit = torch.zeros(n, dtype=logits.dtype, device=logits.device)
         dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(target_logit, group=group)
         exp = (logits - max_logit.unsqueeze(-1)).exp_()  # the one (N, V_local) temporary; becomes the softmax
@@ -959,7 +966,7 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
     vocab_start, against (N,) global target ids; ignored targets are left out of the mean (if every target
     is ignored the loss is 0, where F.cross_entropy gives nan). With one rank it is F.cross_entropy."""
     if group_size(group) == 1:
-        return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
+        return F.cross_entropy(logits.to(at_least_fp32(logits.dtype)), targets, ignore_index=ignore_index)
     losses = VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group, ignore_index)
     return losses.sum() / (targets != ignore_index).sum().clamp(min=1)
 
@@ -1250,7 +1257,7 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
     inputs, outputs = {}, {}  # (microbatch, chunk) -> what its backward needs, from its forward until then
     here = {}  # messages from one chunk of this rank to another (the V's turn), by (kind, microbatch, stage)
     sends = []  # the requests of the sends in flight (each holds its tensor), waited for at the end
-    total = torch.zeros((), device=comm.device)
+    total = torch.zeros((), dtype=at_least_fp32(comm.dtype), device=comm.device)
 
     def post_receive(action):
         """Post the receive of action's input if another rank sends it: (buffer, request) or None."""
@@ -1302,7 +1309,7 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
                     out, loss = chunks[c](x, y if stage == last_stage else None, *context)
                 if loss is not None:
                     loss = loss / m  # the mean over microbatches: the one place the loss is scaled
-                    total += loss.detach().float()
+                    total += loss.detach().to(at_least_fp32(loss.dtype))
                 if torch.is_grad_enabled():
                     inputs[(i, c)], outputs[(i, c)] = x, (None if stage == last_stage else out, loss)
                 product = None if stage == last_stage else out.detach()

@@ -60,7 +60,8 @@ TRAINING = [
         "hardware and how the model runs on it",
         Setting("device", "auto", "'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...", resume="allow"),
         Setting("dtype", "auto", "'auto' (bf16 on Ampere+, fp16 before, fp32 on CPU), 'float32', 'bfloat16', "
-                "'float16'", resume="allow"),
+                "'float16', or 'float64' (CPU only: everything in float64, to tell rounding from a real "
+                "difference, scripts/compare.py)", resume="allow"),
         Setting("attn_impl", "auto", "'auto', 'sdpa', 'flash', 'eager'", resume="allow"),
         Setting("compile", False, "torch.compile the model (falls back to eager, with a log line, where compiling "
                 "fails)", resume="allow"),

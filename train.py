@@ -43,7 +43,8 @@ from faults import BadSteps, StopVote, TooManyBadSteps, peer_failure
 from model import (ModelConfig, Transformer, backward_phases, check_layout, choose_attn_impl, choose_device_and_dtype,
                    chunk_modules, document_ids_and_positions, takes_muon, zero3_units)
 from optim import AdamW, DynamicLossScaler, Muon, zero_one_muon_buckets
-from parallel import (GradientBuckets, PipelineComm, ShardedGradientBuckets, ZeroOneAdamW, format_grid,
+from parallel import (GradientBuckets, PipelineComm, ShardedGradientBuckets, ZeroOneAdamW, at_least_fp32,
+                      format_grid,
                       init_distributed, optimizer_state_bytes, pipeline_forward, run_schedule, stage_layers,
                       sync_tied_grads, tied_weight_group, tp_groups_across_nodes)
 from pipeline_schedules import (SCHEDULES, WeightGradStore, check_schedule, forward_only_actions, ideal_bubble,
@@ -400,7 +401,10 @@ def build(cfg, run):
         loaded = SimpleNamespace(seconds=time.time() - start, bytes_read=read, file_bytes=total)
     else:
         model.init_weights(cfg.seed)
-    model.to(run.dev)
+    # float64 (a check on CPU): the parameters, and so everything computed from them, in float64; the
+    # initial weights are the fp32 draws, the same at every layout. Other dtypes keep fp32 parameters
+    # and compute in the autocast dtype
+    model.to(run.dev, dtype=torch.float64 if run.dtype == torch.float64 else None)
     pipeline = make_pipeline(cfg, layout, model, run.dev)
     grad_sync = make_grad_sync(model, cfg, layout, pipeline)
     optimizer = make_optimizer(model, cfg, layout, grad_sync)
@@ -427,8 +431,10 @@ def make_pipeline(cfg, layout, model, dev):
     # what travels: the hidden states of this rank's tokens, (B, T, n_embd) for token ids x of (B, T), which
     # are this rank's T/cp under context parallelism; T/tp of those under sequence parallelism
     schedule, v = cfg.pp_schedule, cfg.pp_chunks
-    comm = PipelineComm.from_layout(layout, model.cfg.n_embd, dev, seq_split=layout.tp if cfg.sequence_parallel else 1,
-                                    stages_of=lambda rank: virtual_stages(schedule, layout.pp, rank, v))
+    # in the parameters' dtype, the residual stream's (PipelineComm's note): fp32, or fp64 in float64
+    comm = PipelineComm.from_layout(layout, model.cfg.n_embd, dev, dtype=next(model.parameters()).dtype,
+                                    stages_of=lambda rank: virtual_stages(schedule, layout.pp, rank, v),
+                                    seq_split=layout.tp if cfg.sequence_parallel else 1)
     split = any(op == "W" for op, _, _ in SCHEDULES[schedule](layout.pp, layout.pp_rank, cfg.gradient_accumulation_steps, v))
     stores = [WeightGradStore(chunk_modules(model, c)) for c in range(v)] if split else None
     tied_group, tied_copies = None, []
@@ -624,14 +630,16 @@ def global_grad_norm(model, layout, grads, dp_sharded=False):
     only: they add up. `grads`: the optimizer's grads()."""
     copies = {id(p) for name, p in model.named_parameters() if name in model.tied_copies()}
     experts = {id(p) for p in model.expert_parameters().values()}
-    dev = next(model.parameters()).device
-    sq = {False: torch.zeros((), device=dev), True: torch.zeros((), device=dev)}  # dense, experts
+    param = next(model.parameters())
+    dev, dtype = param.device, at_least_fp32(param.dtype)
+    sq = {False: torch.zeros((), dtype=dtype, device=dev),  # dense
+          True: torch.zeros((), dtype=dtype, device=dev)}  # experts
     for p, grad in grads:
         if id(p) in copies:
             continue
         if getattr(p, "tp_shard_dim", None) is None and layout.tp_rank != 0:
             continue
-        sq[id(p) in experts] += grad.detach().float().pow(2).sum()
+        sq[id(p) in experts] += grad.detach().to(dtype).pow(2).sum()
     if layout.world_size == 1:
         return (sq[False] + sq[True]).sqrt()
     replicas = (1, 1) if dp_sharded else (layout.dp_cp, layout.dp_cp // layout.ep)
@@ -711,7 +719,7 @@ def evaluate(cfg, run, parts):
                 loss = 0.0
                 for batch in micro:
                     with parts.autocast:
-                        loss = loss + model(*batch)[1].float() / len(micro)
+                        loss = loss + model(*batch)[1].to(at_least_fp32(run.dtype)) / len(micro)
             total += loss / cfg.eval_iters
         out[split] = mean_across_ranks(total, layout).item()
     model.train()
@@ -728,7 +736,7 @@ def mean_across_ranks(value, layout):
     if layout.world_size == 1:
         return value
     counts = layout.tp_rank == 0
-    value = value.detach().float() * (1.0 / layout.dp_cp if counts else 0.0)
+    value = value.detach().to(at_least_fp32(value.dtype)) * (1.0 / layout.dp_cp if counts else 0.0)
     dist.all_reduce(value)
     return value
 

@@ -65,6 +65,11 @@ def data_dir(tmp_path_factory):
     return make_token_data(str(tmp_path_factory.mktemp("data")))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--write-matrix", action="store_true",
+                     help="tests/test_matrix.py: write the results into docs/equivalence.md")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (tests/test_cuda.py); skipped where there is none. "
                                        "scripts/gpu_check.sh runs them with pytest -m cuda")

@@ -6,7 +6,8 @@ run_train(argv, nproc) runs train.py under torchrun and returns the records of i
 train_in_process(argv) runs a one-process train.main here.
 make_token_data(dir) writes small random token bins with a meta.json, as prepare_data.py would.
 assert_same_losses_and_norms, assert_same_tensors: the equivalence rule (a run against its one-process
-reference), with the tolerances below; checkpoint_weights reads a checkpoint's weights at one process.
+reference), with the tolerances below; each returns the largest differences it found. checkpoint_weights and
+checkpoint_optimizer_states read a checkpoint's weights and optimizer states at one process.
 """
 import json
 import os
@@ -158,15 +159,17 @@ def _report(what, worst, where, rtol, label):
           flush=True)
 
 
-def assert_same_losses_and_norms(records, reference, label=None, evaluated=True):
+def assert_same_losses_and_norms(records, reference, label=None, rtol=None, evaluated=True):
     """The loss and global gradient norm of every logged step, and the evaluated losses (train_loss, and
     val_loss where the data has a validation split), against the reference run's records of the same steps
     (a resumed run logs only its own). The evaluation is part of the equivalence: with the same global
     batch, train and val loss do not depend on the layout, so a run must have evaluated (eval_interval)
     unless evaluated=False says it cannot. label names the run in the printed report when a test compares
-    several."""
+    several; rtol, when given, replaces every tolerance (float64 runs). Returns {key: largest relative
+    difference} of the keys compared."""
     trained = {r["step"] for r in records if "loss" in r}
-    for key, rtol in LOGGED:
+    worst = {}
+    for key, rtol in ((key, rtol or default) for key, default in LOGGED):
         got = {r["step"]: r[key] for r in records if key in r}
         want = {r["step"]: r[key] for r in reference if key in r}
         if key in ("loss", "grad_norm") or (key == "train_loss" and evaluated):
@@ -182,6 +185,8 @@ def assert_same_losses_and_norms(records, reference, label=None, evaluated=True)
         assert diffs[step] <= rtol, (f"{label + ': ' if label else ''}{key} differs from one process by "
                                      f"{diffs[step]:.2e} relative at step {step} (tolerance {rtol:.0e}): "
                                      f"{[got[s] for s in sorted(got)]} against {[want[s] for s in sorted(got)]}")
+        worst[key] = diffs[step]
+    return worst
 
 
 def relative_difference(a, b):
@@ -192,7 +197,7 @@ def relative_difference(a, b):
 
 def assert_same_tensors(got, want, rtol=WEIGHT_RTOL, what="weights", label=None):
     """Every tensor of `want` (a dict) is in `got` with the same shape and within rtol by the per-tensor
-    relative norm; the failure lists every tensor outside it with its difference."""
+    relative norm; the failure lists every tensor outside it with its difference. Returns the largest."""
     assert set(got) == set(want), f"{what}: {sorted(set(got) ^ set(want))} on one side only"
     shapes = {n: (tuple(got[n].shape), tuple(w.shape)) for n, w in want.items()
               if tuple(got[n].shape) != tuple(w.shape)}
@@ -203,11 +208,35 @@ def assert_same_tensors(got, want, rtol=WEIGHT_RTOL, what="weights", label=None)
     bad = {name: d for name, d in diffs.items() if d > rtol}
     assert not bad, (f"{label + ': ' if label else ''}{what} outside ||a-b||/||b|| <= {rtol:.0e}: "
                      + ", ".join(f"{n}: {d:.2e}" for n, d in bad.items()))
+    return diffs[worst]
+
+
+def _one_process_model(reader):
+    """A single-process model of a checkpoint's architecture, in the dtype its run trained in (float64
+    runs save float64 weights)."""
+    model = Transformer(model_config_from(reader.meta["model"]))
+    return model.double() if reader.meta["config"].get("dtype") == "float64" else model
 
 
 def checkpoint_weights(ckpt_path):
     """A checkpoint's weights, loaded into a single-process model (whatever layout saved them)."""
     reader = checkpoint.CheckpointReader(ckpt_path)
-    model = Transformer(model_config_from(reader.meta["model"]))
+    model = _one_process_model(reader)
     checkpoint.load_model(model, reader)
     return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def checkpoint_optimizer_states(ckpt_path):
+    """A checkpoint's optimizer states as full tensors, {'<parameter> <state>': tensor} (AdamW's exp_avg and
+    exp_avg_sq, Muon's momentum_buffer), whatever layout and ZeRO stage saved them. A gradient off by a
+    constant factor barely moves AdamW's weights (its update is scale-free); its moments move with it."""
+    reader = checkpoint.CheckpointReader(ckpt_path)
+    model = _one_process_model(reader)
+    states, copies = {}, model.tied_copies()
+    for name, p in model.named_parameters():
+        for key in checkpoint.STATE_KEYS:
+            try:
+                states[f"{name} {key}"] = reader.optimizer_tensor(copies.get(name, name), p, key)
+            except (KeyError, checkpoint.CheckpointError):  # (the states another optimizer keeps)
+                continue
+    return states

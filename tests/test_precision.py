@@ -118,3 +118,15 @@ def test_bf16_autocast_trains_through_train_py_close_to_fp32(tmp_path, capsys):
         assert bf16 != fp32, f"bf16 {key} is fp32's exactly: autocast did not run in bf16"
     fp32_losses = [r["loss"] for r in runs["float32"] if "loss" in r]
     assert fp32_losses[-1] < 0.95 * fp32_losses[0]  # the model learns far more than the bound
+
+
+# -----------------------------------------------------------------------------
+# float64: a checking mode, on CPU only (tests/test_matrix.py's float64 cases hold layouts to 1e-12)
+
+
+def test_float64_is_chosen_on_cpu_and_refused_on_cuda(monkeypatch):
+    from model import choose_device_and_dtype
+    assert choose_device_and_dtype("cpu", "float64")[1] == torch.float64
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA device, as far as the check goes
+    with pytest.raises(ValueError, match="dtype='float64' is for checking runs on CPU"):
+        choose_device_and_dtype("cuda", "float64")
