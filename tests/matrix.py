@@ -251,8 +251,9 @@ def reference_values(case):
     """One process on the case's global batch, batch_size x gradient_accumulation_steps x dp windows. A
     mixture with capacity drops tokens per micro-batch and its auxiliary loss is per micro-batch, so its
     reference keeps batch_size and runs dp times the micro-batches (replica r's are the reference's
-    r * g .. r * g + g - 1); every other model takes the whole step in dp times larger micro-batches, which
-    makes its evaluation batches (batch_size x dp windows each) those of the case too."""
+    r * g .. r * g + g - 1); every other model takes the whole step in dp times larger micro-batches. The
+    evaluation takes whole global batches in micro-batches of batch_size (train.evaluate), so it compares
+    either way."""
     values = settings_of(case)
     dp = case["dp"]
     values.update(dp=1, tp=1, sequence_parallel=False, cp=1, pp=1, ep=1, zero_stage=0, activation_checkpointing=False)
@@ -262,12 +263,6 @@ def reference_values(case):
     else:
         values["batch_size"] *= dp
     return values
-
-
-def compares_evaluation(case):
-    """The evaluation has a one-process equal: not for a mixture with capacity at dp > 1 (each replica's
-    evaluation batch drops its own tokens, batch_size windows at a time, which no one-process batch does)."""
-    return not (case["model"] == "moe_capacity" and case["dp"] > 1)
 
 
 def argv_of(values, data_dir, out_dir, resume=False):
@@ -327,8 +322,8 @@ def write_page(path, results, seconds=None):
         f"global batch, {STEPS} steps of a tiny model: the loss of every step (tolerance 1e-5 relative), the "
         "global gradient norm of every step (1e-4), the evaluated train and val losses at steps 3 and 6 (1e-5), "
         "the final weights and the optimizer's final state per tensor by ||a - b|| / ||b|| (1e-4). The float64 "
-        "rows are held to 1e-12 on all of them. The numbers are each row's largest relative difference; n/a: "
-        "not compared (a mixture with capacity at dp > 1 evaluates batches no one process has).",
+        "rows are held to 1e-12 on all of them. The numbers are each row's largest relative difference (n/a: "
+        "not measured: a refused case).",
         "",
         f"The pairwise rows are generated (tests/matrix.py, `pairwise_cases`): every value of every axis and "
         f"every pair of values of two axes is in one of them, {ran} of the {total} pairs in a run and the "
