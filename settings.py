@@ -1,8 +1,8 @@
 """
 Every setting of a training run, in one place: its default and what it means. train.py and bench.py take
-them, make_config.py writes them into a commented config, `python train.py --help` lists them, and the
-README's table shows them. A config file (config/*.py) is plain assignments of these names; --key=value on
-the command line overrides any of them (configurator.py).
+them, make_config.py writes them into a commented config, `python train.py --help` lists them, and
+docs/settings.md's table shows them. A config file (config/*.py) is plain assignments of these names;
+--key=value on the command line overrides any of them (configurator.py).
 
 Each setting also says what resuming a run (init_from='resume') does with it, one rule for all of them:
     refuse    the architecture: the checkpoint's weights mean nothing under another value, so a different
@@ -154,7 +154,7 @@ TRAINING = [
         Setting("decay_shape", "1-sqrt", "wsd: the decay's shape, 'linear' or '1-sqrt' (lr falls as the square "
                 "root of the decay's progress)", resume="allow"),
         Setting("optimizer", "adamw", "'adamw', or 'muon': Muon for the blocks' matrices, AdamW for the rest "
-                "(parallel.py, section 7)"),
+                "(optim.py)"),
     ),
     *section(
         "Muon (optimizer='muon'): orthogonalised momentum, its update scaled to AdamW's RMS (same learning_rate)",
@@ -168,7 +168,7 @@ TRAINING = [
         Setting("tp", 1, "tensor-parallel ranks", resume="allow"),
         Setting("pp", 1, "pipeline stages", resume="allow"),
         Setting("pp_schedule", "1f1b", "'1f1b', 'afab', 'interleaved_1f1b', 'zero_bubble' (ZB-H1) or 'zbv' (python "
-                "parallel.py draws each)", resume="allow"),
+                "timeline.py draws each)", resume="allow"),
         Setting("zero_stage", 0, "1 shards the optimizer states across data-parallel ranks, 2 also the gradients, 3 also "
                 "the parameters", resume="allow"),
         Setting("bucket_size_mb", 25.0, "data-parallel gradients are averaged in buckets of about this size",

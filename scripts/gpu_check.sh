@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # picotron on one CUDA GPU, in at most 5 minutes: the machine and its measured ceilings, the CUDA tests,
-# and bench.py in bf16 with torch.compile at three fixed sizes; then one Markdown table (the README's GPU
-# section takes it as it is). It needs only what such a machine has: torch, triton, tiktoken (no
+# and bench.py in bf16 with torch.compile at three fixed sizes; then one Markdown table (docs/gpu.md's
+# table takes it as it is). It needs only what such a machine has: torch, triton, tiktoken (no
 # flash-attn, no network, no dataset: bench.py times random tokens, the tests write tiny bins).
 #
 #   scripts/gpu_check.sh                      every section: env tests bench
