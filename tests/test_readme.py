@@ -338,6 +338,29 @@ def test_the_reading_path_gives_current_line_ranges():
     assert not stale, f"the reading path's line ranges moved (run {WRITE}):\n" + "\n".join(stale)
 
 
+def github_anchor(heading):
+    """The anchor GitHub gives a heading: lower case, punctuation dropped but - and _, spaces as -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_points_at_a_file_and_heading_that_exist():
+    broken = []
+    for page in [README, *docs_pages()]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"\w+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and file.suffix == ".md":
+                text = re.sub(r"^```.*?^```", "", file.read_text(), flags=re.M | re.S)
+                anchors = {github_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+                if anchor not in anchors:
+                    broken.append(f"{page.name}: {target} (no heading with that anchor in {file.name})")
+    assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
+
+
 def test_a_shown_command_with_an_unknown_flag_is_caught():
     made = set()
     assert check_command("x", ["python", "train.py", "--n_layers=2"], made) is not None
