@@ -277,6 +277,33 @@ def adamw_step_count(optimizer):
     return 0
 
 
+def resume_run(path, cfg, run, parts, say=print):
+    """Load the checkpoint at `path` (saved at any layout) into a training run's model, optimizer and loss
+    scaler (train.py's run and parts); returns (its step, the path read, its meta). If a rank cannot read it,
+    every rank falls back to the previous complete checkpoint (open_for_resume decides for all of them
+    together). say(text) prints on rank 0."""
+    reader = open_for_resume(path, run.model_cfg, say)
+    # ZeRO-3: a unit at a time, keeping this rank's slices
+    for params in parts.grad_sync.unit_by_unit() if cfg.zero_stage == 3 else [None]:
+        load_model(parts.model, reader, params)
+    saved_optimizer = reader.meta["config"].get("optimizer", "adamw")
+    if reader.meta.get("converted_from"):  # a model converted from transformers has no optimizer state
+        say(f"a model converted from {reader.meta['converted_from']}: a fresh optimizer")
+    elif saved_optimizer != cfg.optimizer:  # AdamW's moments are not Muon's momentum, nor the reverse
+        say(f"resume: the checkpoint's optimizer state ({saved_optimizer}) is not loaded: {cfg.optimizer}'s starts "
+            f"from zero")
+    else:
+        # the states are assembled from whatever pieces were saved (ZeRO-1 or not, any dp): zero_stage can change
+        load_states(parts.optimizer, parts.model, reader)
+    parts.scaler.scale = reader.meta["loss_scale"]
+    extra = reader.rank_state(run.layout.rank)
+    if extra:  # RNG states only mean something for the same rank in the same world
+        torch.set_rng_state(extra["torch_rng"])
+        if "cuda_rng" in extra and torch.cuda.is_available():
+            torch.cuda.set_rng_state(extra["cuda_rng"])
+    return reader.meta["step"], reader.path, reader.meta
+
+
 # -----------------------------------------------------------------------------
 # Writing
 

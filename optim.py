@@ -48,7 +48,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from parallel import ShardedBucket, ShardedGradientBuckets, adamw_step, at_least_fp32, group_size, shard_of
+from parallel import (ShardedBucket, ShardedGradientBuckets, adamw_step, at_least_fp32, group_size, optimizer_state_bytes,
+                      shard_of)
 
 
 class AdamW(torch.optim.AdamW):
@@ -296,3 +297,26 @@ class DynamicLossScaler:
         self.good_steps += 1
         if self.good_steps % self.growth_interval == 0:
             self.scale *= 2
+
+
+def describe_optimizer(optimizer, model, cfg, layout):
+    """The start-up lines saying what train.py's optimizer is (cfg: its settings) and what its state costs
+    on rank 0."""
+    state = f"state {optimizer_state_bytes(optimizer) / 2**20:.2f} MiB on rank 0"
+    if cfg.optimizer == "muon":
+        n = sum(p.numel() for p in optimizer.matrices)
+        return (f"optimizer: Muon for {len(optimizer.matrices)} matrices ({n / 1e6:.2f}M parameters on rank 0), "
+                f"AdamW for the rest; {state}" + (f", whole matrices and AdamW slices across {layout.dp_cp} "
+                                                  f"data-parallel ranks (ZeRO-1)" if cfg.zero_stage else ""))
+    if cfg.zero_stage == 0:
+        return f"optimizer: AdamW, {state}"
+    unsharded = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    text = f"optimizer: ZeroOneAdamW (ZeRO-{cfg.zero_stage}), {state}, about 1/{layout.dp_cp} of the unsharded " \
+           f"{unsharded / 2**20:.2f} MiB"
+    if cfg.zero_stage >= 2 and layout.dp_cp > 1:
+        m = cfg.gradient_accumulation_steps
+        text += (f"\nZeRO-{cfg.zero_stage}: the gradients are reduce-scattered after every one of the {m} "
+                 f"micro-batches ({m}x the reduce traffic of ZeRO-1, which sends them once per step) and kept as "
+                 f"1/{layout.dp_cp} shards" + ("; the parameters too: each block all-gathered before its forward and "
+                                               "again before its backward, every micro-batch" if cfg.zero_stage == 3 else ""))
+    return text

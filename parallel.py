@@ -272,6 +272,23 @@ def format_grid(dp, tp, pp, cp=1, ep=1, n_expert=0):
 
 
 
+def describe_layout(layout, sequence_parallel=False, n_expert=0, per_node=None):
+    """The start-up lines naming the layout, its rank grid, and a warning when a tensor-parallel group spans
+    two nodes (per_node: the processes per node, torchrun's LOCAL_WORLD_SIZE)."""
+    cut = f"dp={layout.dp} x cp={layout.cp}" if layout.cp > 1 else f"dp={layout.dp}"
+    sp = " (sequence parallel)" if sequence_parallel else ""
+    text = (f"layout: {cut} x tp={layout.tp}{sp} x pp={layout.pp} = {layout.world_size} processes"
+            + (f", experts over ep={layout.ep} of the dp ranks" if layout.ep > 1 else "") + "\n"
+            + format_grid(layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, n_expert))
+    per_node = per_node or layout.world_size
+    spanning = tp_groups_across_nodes(layout.dp, layout.tp, layout.pp, per_node, layout.cp)
+    if spanning:
+        text += (f"\nwarning: {len(spanning)} tensor-parallel group(s) span two nodes (ranks {spanning[0]} with "
+                 f"{per_node} processes per node): their all-reduces, several per layer, cross the network. Make tp = "
+                 f"{layout.tp} divide --nproc_per_node = {per_node}")
+    return text
+
+
 # -----------------------------------------------------------------------------
 # 2. Data parallelism: gradients averaged in buckets, from backward hooks
 #
