@@ -25,7 +25,9 @@ pipeline_schedules.py (interleaved 1F1B, ZB-H1, ZB-V and the split backward); op
 interface and Muon. A core piece knows nothing of them: where one extends it, it does so through the named
 hooks the core's docstring lists. Every piece works given only torch and a process group, so it can be
 lifted into another project; group=None always means "not split" (one rank), never torch's default
-world group.
+world group. Each numbered section's header says which earlier sections it needs (`# Needs:`); every one
+needs the top of the file (the imports, the two renamed collectives and at_least_fp32) and no later
+section, so a section lifts with the ones it names (tests/test_lift.py lifts them so, and runs them).
 
 References: Li et al. 2020, "PyTorch Distributed" (section 3.2.3); Rajbhandari et al. 2020, "ZeRO"
 (section 5.1); Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
@@ -58,6 +60,7 @@ def at_least_fp32(dtype):
 
 # -----------------------------------------------------------------------------
 # 1. The layout
+# Needs: no other section.
 
 
 def group_size(group):
@@ -274,6 +277,7 @@ def format_grid(dp, tp, pp, cp=1, ep=1, n_expert=0):
 
 # -----------------------------------------------------------------------------
 # 2. Data parallelism: gradients averaged in buckets, from backward hooks
+# Needs: section 1 (group_size).
 #
 # Every data-parallel rank holds the same parameters and runs its own slice of the global batch, so its
 # gradient is the mean over its slice; the mean over the whole batch is the average of the ranks'
@@ -452,6 +456,7 @@ class GradientBuckets:
 
 # -----------------------------------------------------------------------------
 # 3. ZeRO-1: the optimizer states sharded across the data-parallel ranks
+# Needs: sections 1 (group_size, group_rank) and 2 (Bucket, GradientBuckets).
 #
 # ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 # Models", section 5.1) keeps data parallelism, but each rank keeps the AdamW moments of only 1/dp of the
@@ -636,6 +641,7 @@ def optimizer_state_bytes(optimizer):
 
 # -----------------------------------------------------------------------------
 # 4. Tensor parallelism: the communication operators
+# Needs: section 1 (group_size, group_rank).
 #
 # A column-parallel linear splits its output features across ranks: every rank needs the whole input,
 # produces a slice of the output. A row-parallel linear splits its input features: every rank holds a
@@ -974,6 +980,8 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
 # -----------------------------------------------------------------------------
 # 5. Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 # Models", section 4.2.2), an option of tensor parallelism.
+# Needs: sections 1 (group_size) and 4 (RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
+# _all_gather_along).
 #
 # Between the tensor-parallel regions (the norms and the residual adds: everything outside attention and
 # the MLP) every tp rank computes the same thing on the same tokens and holds the same (B, T, C)
@@ -1060,6 +1068,7 @@ class SequenceParallelEmbedding(VocabParallelEmbedding):
 
 # -----------------------------------------------------------------------------
 # 6. Pipeline parallelism
+# Needs: section 1 (grid_rank).
 #
 # Each stage holds a contiguous run of blocks (the first also the embedding, the last the final norm, the
 # head and the loss). A step's batch is cut into m microbatches, the gradient-accumulation steps, which go
