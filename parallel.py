@@ -132,7 +132,8 @@ class ParallelLayout:
     every block, of every cp share (expert_dp_group, (dp / ep) * cp of them) hold the same experts and
     average their gradients. At ep = 1 the ep_group is None and the expert_dp_group is the dp_cp_group.
 
-    With world_size 1 no group is built and every group is None: the single-process path.
+    With world_size 1 no group is built and every group is None: the single-process path. Every piece that
+    takes one of these groups reads None as "not split" (one rank), never as torch's default world group.
     """
 
     def __init__(self, dp, tp, pp, world_size=1, rank=0, cp=1, ep=1, timeout=None):
@@ -303,7 +304,8 @@ def format_grid(dp, tp, pp, cp=1, ep=1, n_expert=0):
 
 class Bucket:
     """Parameters whose gradients travel as one flat tensor: `flat`, each parameter's elements at its
-    offset, in order. `ready` holds the indices of those copied in, `work` the collective in flight."""
+    offset, in order. `ready` holds the indices of those copied in, `work` the collective in flight.
+    `group`: the ranks that average it (None: not split, one replica; nothing is sent)."""
 
     def __init__(self, params, group):
         self.params, self.group = params, group
@@ -474,7 +476,8 @@ class GradientBuckets:
 
 class ShardedBucket(Bucket):
     """A bucket whose flat buffer is padded to a multiple of the group's size and cut into equal slices,
-    slice r owned by group rank r; `shard` receives this rank's slice of the sum."""
+    slice r owned by group rank r; `shard` receives this rank's slice of the sum. group=None: not split
+    (one rank owns the whole buffer)."""
 
     def __init__(self, params, group):
         self.world, self.rank = group_size(group), group_rank(group)
@@ -499,7 +502,7 @@ class ShardedGradientBuckets(GradientBuckets):
     owned_slices() says which elements those are, and after the optimizer updated them, after_step()
     all-gathers every bucket's slices so that every rank holds the whole updated model. A hook of its own
     for what extends it: owned_param(p) and owned_grad(p), this rank's elements of p and of its gradient
-    (views: updating one updates p)."""
+    (views: updating one updates p). group=None: not split (one rank owns every element; nothing is sent)."""
 
     def new_bucket(self, params):
         return ShardedBucket(params, self.group)
@@ -653,7 +656,9 @@ def optimizer_state_bytes(optimizer):
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce backward. Each rank used the same input for its own
-    slice of the work, so the input's gradient is the sum of every rank's contribution."""
+    slice of the work, so the input's gradient is the sum of every rank's contribution.
+    group=None means not split: apply it through copy_to_tp (below), which is then the identity; the
+    Function itself would hand None to torch, whose collectives read it as the default world group."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -671,7 +676,9 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
 
 class ReduceFromTensorParallelRegion(torch.autograd.Function):
     """Megatron's g: all-reduce forward, identity backward. Each rank computed a partial sum of the
-    output; the sum is the output, and its gradient flows unchanged to every partial."""
+    output; the sum is the output, and its gradient flows unchanged to every partial.
+    group=None means not split: apply it through reduce_from_tp (below), which is then the identity; the
+    Function itself would hand None to torch, whose collectives read it as the default world group."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -695,7 +702,9 @@ def _all_gather_along(x, group, dim):
 class GatherFromTensorParallelRegion(torch.autograd.Function):
     """All-gather along `dim` (the last by default) forward; backward keeps only this rank's slice of the
     gradient. The backward assumes what follows the gather is the same computation on every rank
-    (replicated), so every rank holds the same full gradient and its own slice of it is the whole story."""
+    (replicated), so every rank holds the same full gradient and its own slice of it is the whole story.
+    group=None means not split: apply it through gather_from_tp (below), which is then the identity; the
+    Function itself would hand None to torch, whose collectives read it as the default world group."""
 
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -710,7 +719,9 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
 class ScatterToTensorParallelRegion(torch.autograd.Function):
     """Split: keep this rank's slice of `dim` (the last by default) forward; all-gather the gradient
     backward. The input is the same on every rank (replicated), so its gradient is every rank's slice
-    gradient side by side."""
+    gradient side by side. group=None means not split: apply it through scatter_to_tp (below), which is
+    then the identity; the Function itself would hand None to torch, whose collectives read it as the
+    default world group."""
 
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -929,7 +940,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     The max, the sum of exps and the target's logit are each all-reduced across ranks (three reductions of
     one number per token); every rank then holds the loss of every token, and the gradient of its own
     slice, softmax - onehot(target), needs no communication. A rank whose slice is empty (it holds only
-    vocabulary padding, possible with a small vocabulary) contributes -inf to the max and 0 to the sums."""
+    vocabulary padding, possible with a small vocabulary) contributes -inf to the max and 0 to the sums.
+    group=None means not split: apply it through vocab_parallel_cross_entropy (below), which is then
+    F.cross_entropy; the Function itself would hand None to torch, whose collectives read it as the
+    default world group."""
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group, ignore_index):
@@ -1004,7 +1018,9 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
 
 class GatherFromSequenceParallelRegion(torch.autograd.Function):
     """Entering a tensor-parallel region: all-gather the tokens along the sequence forward; reduce-scatter
-    the gradient backward (the sum over ranks of every rank's partial gradient, this rank's tokens only)."""
+    the gradient backward (the sum over ranks of every rank's partial gradient, this rank's tokens only).
+    group=None means not split: apply it through gather_from_sp (below), which is then the identity; the
+    Function itself would hand None to torch, whose collectives read it as the default world group."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -1018,7 +1034,10 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
 
 class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """Leaving a tensor-parallel region: reduce-scatter the partial sums along the sequence forward (this
-    rank's tokens of the sum); all-gather the gradient backward (the region needs every token's)."""
+    rank's tokens of the sum); all-gather the gradient backward (the region needs every token's).
+    group=None means not split: apply it through reduce_scatter_to_sp (below), which is then the
+    identity; the Function itself would hand None to torch, whose collectives read it as the default world
+    group."""
 
     @staticmethod
     def forward(ctx, x, group):
