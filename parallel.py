@@ -763,6 +763,12 @@ def scatter_to_tp(x, group, dim=-1):
 # full tensor (so a rank reads only its shard of a safetensors file). With group=None a layer is not split:
 # it computes what nn.Linear / nn.Embedding compute, with the same fill (the embedding's rows are still
 # padded, to a multiple of 64).
+#
+# Empty means whatever the memory held (a lifted weight once read 1.49e16), so a layer refuses to compute
+# before it is filled: its forward raises until load_full has run. A fill that writes the parameters some
+# other way (model.Transformer.init_weights draws them, checkpoint.load_model copies them in) says so
+# with mark_filled(model). The mark is a Python attribute of the layer, `filled`: no tensor op, no sync,
+# and torch.compile guards on it as on any attribute (ZeRO-3 moving a weight's storage leaves it be).
 
 
 def mark_sharded(param, dim, group):
@@ -808,6 +814,14 @@ def full_shape_of(param):
     return shape
 
 
+def _refuse_if_empty(layer):
+    if not layer.filled:
+        raise RuntimeError(f"{type(layer).__name__} (weight {tuple(layer.weight.shape)} on this rank) was used "
+                           f"before it was filled: its weight is created with torch.empty and holds whatever that "
+                           f"memory held. Call layer.load_full(...) with the full tensors first (or, having written "
+                           f"its parameters another way, parallel.mark_filled(layer))")
+
+
 def _divide(n, d, what):
     if n % d != 0:
         raise ValueError(f"{what} = {n} is not divisible by tp = {d}: choose a tp that divides it")
@@ -825,7 +839,8 @@ class ColumnParallelLinear(nn.Module):
     one per layer. Under sequence parallelism the input comes from gather_from_sp, whose backward already
     sums the gradient: build the layer with copy_input=False then too.
 
-    The weight is created empty: fill it with load_full (see the section's note).
+    The weight is created empty: fill it with load_full (see the section's note); until then forward
+    raises. group=None: not split (nn.Linear).
 
     Hook: `matmul(x, weight, bias)`, F.linear; the zero-bubble pipeline schedules replace it to split this
     layer's backward, the input's gradient now and the weight's later (pipeline_schedules.WeightGradStore)."""
@@ -836,15 +851,17 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = _divide(out_features, group_size(group), "out_features")
         self.weight = mark_sharded(nn.Parameter(torch.empty(self.out_per_rank, in_features)), 0, group)
         self.bias = mark_sharded(nn.Parameter(torch.zeros(self.out_per_rank)), 0, group) if bias else None
-        self.matmul = F.linear
+        self.matmul, self.filled = F.linear, False
 
     def load_full(self, weight, bias=None):
         """weight (out_features, in_features) and bias (out_features,): full tensors or slice readers."""
         load_shard(self.weight, weight)
         if bias is not None:
             load_shard(self.bias, bias)
+        self.filled = True
 
     def forward(self, x):
+        _refuse_if_empty(self)
         if self.copy_input:
             x = copy_to_tp(x, self.group)
         y = self.matmul(x, self.weight, self.bias)
@@ -857,9 +874,9 @@ class RowParallelLinear(nn.Module):
     input is first cut into slices here. The bias is replicated and added once, after the sum (added
     before, it would be counted tp times). group=None: not split (nn.Linear).
 
-    The weight is created empty, as in ColumnParallelLinear: fill it with load_full. Hooks: `matmul` as
-    there (the bias, added after the sum, is not in it: it keeps its gradient in autograd), and
-    combine(partial), the sum and the bias (sequence parallelism's SequenceParallelRowLinear
+    The weight is created empty, as in ColumnParallelLinear: fill it with load_full (forward raises until
+    then). Hooks: `matmul` as there (the bias, added after the sum, is not in it: it keeps its gradient in
+    autograd), and combine(partial), the sum and the bias (sequence parallelism's SequenceParallelRowLinear
     reduce-scatters instead)."""
 
     def __init__(self, in_features, out_features, bias=False, group=None, input_is_parallel=True):
@@ -868,15 +885,17 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = _divide(in_features, group_size(group), "in_features")
         self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, self.in_per_rank)), 1, group)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.matmul = F.linear
+        self.matmul, self.filled = F.linear, False
 
     def load_full(self, weight, bias=None):
         """weight (out_features, in_features) and bias (out_features,): full tensors or slice readers."""
         load_shard(self.weight, weight)
         if bias is not None:
             load_shard(self.bias, bias)
+        self.filled = True
 
     def forward(self, x):
+        _refuse_if_empty(self)
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
         return self.combine(self.matmul(x, self.weight, None))
@@ -899,8 +918,8 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table split by rows (token ids) across the group. Each rank looks up the ids in its
     range, writes zeros for the others, and the all-reduce (g) assembles every token's vector. The table is
     padded to padded_vocab_size rows (zero, never looked up); fill it with load_full(weight), weight being
-    the (vocab_size, dim) table or a slice reader. group=None: not split (nn.Embedding). Hook:
-    combine(out), the all-reduce of the ranks' partial lookups (sequence parallelism's
+    the (vocab_size, dim) table or a slice reader (forward raises until then). group=None: not split
+    (nn.Embedding). Hook: combine(out), the all-reduce of the ranks' partial lookups (sequence parallelism's
     SequenceParallelEmbedding reduce-scatters instead)."""
 
     def __init__(self, vocab_size, dim, group=None):
@@ -910,11 +929,14 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = group_rank(group) * self.rows_per_rank
         self.weight = mark_sharded(nn.Parameter(torch.empty(self.rows_per_rank, dim)), 0, self.group)
         self.weight.vocab_size = vocab_size  # rows past it are padding: zero at init, never looked up
+        self.filled = False
 
     def load_full(self, weight):
         load_shard(self.weight, weight)
+        self.filled = True
 
     def forward(self, idx):
+        _refuse_if_empty(self)
         if group_size(self.group) == 1:
             return F.embedding(idx, self.weight)
         local = idx - self.vocab_start
@@ -924,6 +946,19 @@ class VocabParallelEmbedding(nn.Module):
 
     def combine(self, out):
         return reduce_from_tp(out, self.group)
+
+
+def mark_filled(module, params=None):
+    """Say that the tensor-parallel layers in `module` (itself or any of its submodules) hold their weights,
+    written some other way than through load_full (model.Transformer.init_weights, checkpoint.load_model,
+    import_hf.load_weights, a test filling them by hand); with `params`, only the layers whose weight is
+    among them (a fill of part of the model: ZeRO-3 loads a checkpoint a unit at a time)."""
+    ids = None if params is None else {id(p) for p in params}
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            if ids is None or id(m.weight) in ids:
+                m.filled = True
+    return module
 
 
 def valid_vocab_columns(vocab_size, rows_per_rank, group):
