@@ -34,7 +34,7 @@ import torch
 import export_hf
 import hf_tokenizer
 from model import ModelConfig, Transformer, swiglu_hidden_size
-from parallel import full_shape_of, load_shard
+from parallel import full_shape_of, load_shard, mark_filled
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "VaultGemmaForCausalLM": "vaultgemma", "DeepseekV3ForCausalLM": "deepseek_v3",
@@ -424,4 +424,5 @@ def load_weights(model, folder):
     with WeightFiles(folder) as files:
         for name, p in model.named_parameters():
             load_shard(p, source_reader(files, model.cfg, arch, copies.get(name, name)))
+        mark_filled(model)
         return files.bytes_read, files.total_bytes()

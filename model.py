@@ -42,8 +42,8 @@ from context_parallel import all_gather_context, check_context_split, loss_share
 from expert_parallel import ByteCount, dispatch_to_experts, exchange_expert_counts
 from parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelEmbedding, SequenceParallelRowLinear,
                       VocabParallelEmbedding, at_least_fp32, copy_to_tp, full_shape_of, gather_from_sp, gather_from_tp,
-                      group_rank, group_size, padded_vocab_size, scatter_to_tp, shard_of, stage_layers,
-                      valid_vocab_columns, vocab_parallel_cross_entropy)
+                      group_rank, group_size, mark_filled, padded_vocab_size, scatter_to_tp, shard_of,
+                      stage_layers, valid_vocab_columns, vocab_parallel_cross_entropy)
 
 
 @dataclass
@@ -1284,6 +1284,7 @@ class Transformer(nn.Module):
             rows = getattr(p, "vocab_size", shape[0])  # only real tokens get random rows
             full[:rows].normal_(0.0, getattr(p, "init_std", 0.02), generator=g)
             p.copy_(shard_of(full, p))
+        mark_filled(self)  # every parameter written: the tensor-parallel layers may compute
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):

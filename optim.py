@@ -132,7 +132,7 @@ class WholeMatrixBuckets(ShardedGradientBuckets):
     sends each of those parameters' gradients whole to one rank, in buckets of their own, one owner per
     bucket, reduced to the owner (dist.reduce) instead of reduce-scattered; after the step the owner
     broadcasts what it updated (instead of the all-gather). Every other parameter keeps ZeRO-1's even
-    slices."""
+    slices. group=None: not split (one rank owns everything; nothing is sent)."""
 
     def __init__(self, params, group, bucket_size_mb=25.0, deferred=(), owners=None):
         self.owners = owners or {}
@@ -163,7 +163,7 @@ class WholeMatrixBuckets(ShardedGradientBuckets):
 
 
 class WholeBucket(ShardedBucket):
-    """A bucket that one rank of the group, `owner`, gets all of."""
+    """A bucket that one rank of the group, `owner`, gets all of. group=None: not split (owner 0)."""
 
     def __init__(self, params, group, owner):
         self.owner = owner
@@ -188,7 +188,7 @@ class Muon(torch.optim.Optimizer):
     The other groups take parallel.adamw_step, torch's fused AdamW.
 
     tp_group: matrices split across it (parameters marked by mark_sharded) are orthogonalised whole, see
-    the file's note. grad_sync (ZeRO-1): a WholeMatrixBuckets over the dp x cp group with the matrices
+    the file's note; None: not split (every matrix is whole here). grad_sync (ZeRO-1): a WholeMatrixBuckets over the dp x cp group with the matrices
     dealt whole (zero_one_muon_buckets builds it); the optimizer then steps with it as ZeroOneAdamW does
     (do not also all-reduce the gradients). Per step: backward -> grad_sync.finish() -> [clip grads()] ->
     step(found_inf) (AdamW on this rank's slices, Muon on its matrices, then grad_sync.after_step()).
