@@ -314,8 +314,9 @@ class Pipeline:
     """What a pipeline-parallel step of any schedule here needs beside the model (train.py builds it): the point-to-point channel to the other ranks
     (comm), the schedule and the model chunks per rank, one WeightGradStore per chunk when the schedule
     splits the backward (zero_bubble, zbv; None otherwise), and the copies of the tied embedding this rank
-    holds with the group of the ranks holding the others: after backward the pipeline sums their gradients
-    (sums_tied; under ZeRO-2/3 the reducer sums their gradient shards instead)."""
+    holds with the group of the ranks holding the others (None: not split, one stage holds them all): after
+    backward the pipeline sums their gradients (sums_tied; under ZeRO-2/3 the reducer sums their gradient
+    shards instead)."""
     comm: PipelineComm
     schedule: str
     chunks: int
