@@ -152,14 +152,11 @@ class WholeMatrixBuckets(ShardedGradientBuckets):
             bucket.work = dist.reduce(bucket.flat, dist.get_global_rank(bucket.group, bucket.owner),
                                       group=bucket.group, async_op=True)
 
-    def gathered(self, bucket):
+    def gather(self, bucket):
         if not isinstance(bucket, WholeBucket):
-            return super().gathered(bucket)
-        full = bucket.zeros()
-        for p, start in zip(bucket.params, bucket.offsets):
-            full[start:start + p.numel()].copy_(p.detach().reshape(-1))
-        return full, dist.broadcast(full, dist.get_global_rank(bucket.group, bucket.owner), group=bucket.group,
-                                    async_op=True)
+            return super().gather(bucket)
+        return dist.broadcast(self.values(bucket), dist.get_global_rank(bucket.group, bucket.owner),
+                              group=bucket.group, async_op=True)
 
 
 class WholeBucket(ShardedBucket):

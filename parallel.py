@@ -499,7 +499,7 @@ class ShardedBucket(Bucket):
     def __init__(self, params, group):
         self.world, self.rank = group_size(group), group_rank(group)
         self.shard_size = (sum(p.numel() for p in params) + self.world - 1) // self.world  # elements one rank owns
-        self.shard = None
+        self.shard = self.values = None  # values: the parameters' flat buffer (ShardedGradientBuckets.values)
         super().__init__(params, group)
 
     def new_flat(self):
@@ -517,7 +517,8 @@ class ShardedGradientBuckets(GradientBuckets):
     """GradientBuckets for ZeRO-1: the buckets are reduce-scattered instead of all-reduced, so finish()
     leaves in every p.grad the average gradient on the elements this rank owns and zero elsewhere;
     owned_slices() says which elements those are, and after the optimizer updated them, after_step()
-    all-gathers every bucket's slices so that every rank holds the whole updated model. A hook of its own
+    all-gathers every bucket's slices so that every rank holds the whole updated model (into the parameters
+    themselves: from the first step's end they are views of one flat buffer per bucket). A hook of its own
     for what extends it: owned_param(p) and owned_grad(p), this rank's elements of p and of its gradient
     (views: updating one updates p). group=None: not split (one rank owns every element; nothing is sent)."""
 
@@ -565,28 +566,29 @@ class ShardedGradientBuckets(GradientBuckets):
     def owned_grad(self, p, start, end, bucket, a, b):
         return p.grad.view(-1)[start:end]
 
-    def gathered(self, bucket):
-        """The bucket's updated parameters, whole on every rank: (flat buffer, request) of the all-gather
-        of every rank's slice into a new flat buffer."""
-        full = bucket.zeros()
-        for p, start in zip(bucket.params, bucket.offsets):
-            full[start:start + p.numel()].copy_(p.detach().reshape(-1))
+    def values(self, bucket):
+        """The bucket's parameters as one flat buffer, padded as its gradient is, each p.data a view of it:
+        the all-gather after the step then lands in the parameters themselves, with no copy in or out. Made
+        at the first step's end (between steps no autograd graph holds the old storage)."""
+        if bucket.values is None:
+            bucket.values = bucket.zeros()
+            for p, start in zip(bucket.params, bucket.offsets):
+                bucket.values[start:start + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = bucket.values[start:start + p.numel()].view_as(p)
+        return bucket.values
+
+    def gather(self, bucket):
+        """Post the collective that gives every rank the bucket's updated parameters: the all-gather of
+        every rank's owned slice into the parameters (its input a copy: the slice is part of the output)."""
+        values = self.values(bucket)
         lo, hi = bucket.owned()
-        return full, _all_gather_single(full, full[lo:hi].clone(), group=bucket.group, async_op=True)
+        return _all_gather_single(values, values[lo:hi].clone(), group=bucket.group, async_op=True)
 
     def after_step(self):
-        """After each rank updated what it owns, give every rank the whole updated model: the buckets'
-        all-gathers, two in flight at a time (ZeRO-2 keeps no full-size flat buffer, and must not make one
-        for every bucket here)."""
-        in_flight = []
-        for bucket in [b for b in self.buckets if group_size(b.group) > 1] + [None]:
-            if bucket is not None:
-                in_flight.append((bucket, *self.gathered(bucket)))
-            while in_flight and (len(in_flight) > 1 or bucket is None):
-                done, full, work = in_flight.pop(0)
-                work.wait()
-                for p, start in zip(done.params, done.offsets):
-                    p.detach().copy_(full[start:start + p.numel()].view_as(p))
+        """After each rank updated what it owns, give every rank the whole updated model: every bucket's
+        all-gather posted at once, then waited for (sync point: the next forward reads the parameters)."""
+        for work in [self.gather(b) for b in self.buckets if group_size(b.group) > 1]:
+            work.wait()
 
 
 class ZeroOneAdamW(torch.optim.Optimizer):

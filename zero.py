@@ -13,7 +13,7 @@ so every micro-batch's gradients are reduce-scattered and added into this rank's
 with m micro-batches, m times ZeRO-1's reduce traffic); each bucket's flat buffer lives only from its first
 gradient until its reduce-scatter has landed (at most two launched buckets are waited for at a time), and
 p.grad is dropped the moment it is copied into its bucket. After the step the updated slices are
-all-gathered, as in ZeRO-1, two buckets at a time.
+all-gathered into the parameters, as in ZeRO-1.
 
 Under a pipeline schedule (parallel.py; pipeline_schedules.py) a micro-batch's gradient of a parameter is
 complete after the backward action that writes it, and that is when it is sent: each action (op, chunk)
