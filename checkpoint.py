@@ -32,7 +32,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from parallel import full_shape_of, shard_of
+from parallel import full_shape_of, mark_filled, shard_of
 
 
 class CheckpointError(RuntimeError):
@@ -191,12 +191,13 @@ def open_for_resume(path, model_cfg, say=print):
 def load_model(model, reader, only=None):
     """Fill a model (any layout), or only the parameters in `only`, with the weights a CheckpointReader
     holds; a tied copy (the head on a last stage, see Transformer.tied_copies) loads from the weight it
-    copies."""
-    copies, only = model.tied_copies(), None if only is None else {id(p) for p in only}
+    copies. The tensor-parallel layers it filled may compute from then on (parallel.mark_filled)."""
+    copies, ids = model.tied_copies(), None if only is None else {id(p) for p in only}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if only is None or id(p) in only:
+            if ids is None or id(p) in ids:
                 p.copy_(reader.model_tensor(copies.get(name, name), p))
+    mark_filled(model, only)
     return reader
 
 
@@ -275,6 +276,33 @@ def adamw_step_count(optimizer):
         if "step" in state:
             return int(state["step"])
     return 0
+
+
+def resume_run(path, cfg, run, parts, say=print):
+    """Load the checkpoint at `path` (saved at any layout) into a training run's model, optimizer and loss
+    scaler (train.py's run and parts); returns (its step, the path read, its meta). If a rank cannot read it,
+    every rank falls back to the previous complete checkpoint (open_for_resume decides for all of them
+    together). say(text) prints on rank 0."""
+    reader = open_for_resume(path, run.model_cfg, say)
+    # ZeRO-3: a unit at a time, keeping this rank's slices
+    for params in parts.grad_sync.unit_by_unit() if cfg.zero_stage == 3 else [None]:
+        load_model(parts.model, reader, params)
+    saved_optimizer = reader.meta["config"].get("optimizer", "adamw")
+    if reader.meta.get("converted_from"):  # a model converted from transformers has no optimizer state
+        say(f"a model converted from {reader.meta['converted_from']}: a fresh optimizer")
+    elif saved_optimizer != cfg.optimizer:  # AdamW's moments are not Muon's momentum, nor the reverse
+        say(f"resume: the checkpoint's optimizer state ({saved_optimizer}) is not loaded: {cfg.optimizer}'s starts "
+            f"from zero")
+    else:
+        # the states are assembled from whatever pieces were saved (ZeRO-1 or not, any dp): zero_stage can change
+        load_states(parts.optimizer, parts.model, reader)
+    parts.scaler.scale = reader.meta["loss_scale"]
+    extra = reader.rank_state(run.layout.rank)
+    if extra:  # RNG states only mean something for the same rank in the same world
+        torch.set_rng_state(extra["torch_rng"])
+        if "cuda_rng" in extra and torch.cuda.is_available():
+            torch.cuda.set_rng_state(extra["cuda_rng"])
+    return reader.meta["step"], reader.path, reader.meta
 
 
 # -----------------------------------------------------------------------------

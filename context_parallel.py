@@ -299,7 +299,7 @@ def _visible(pos, doc, rank, source, qs, ks):
 
 class RingAttention(torch.autograd.Function):
     """Attention of this rank's queries over every cp rank's keys and values, which travel round the ring.
-    See ring_attention for the arguments."""
+    See ring_attention for the arguments. group=None: not split (one process: ordinary causal attention)."""
 
     @staticmethod
     def forward(ctx, q, k, v, positions, documents, group, softcap, scale, chunks):

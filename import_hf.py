@@ -34,7 +34,7 @@ import torch
 import export_hf
 import hf_tokenizer
 from model import ModelConfig, Transformer, swiglu_hidden_size
-from parallel import full_shape_of, load_shard
+from parallel import full_shape_of, load_shard, mark_filled
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "VaultGemmaForCausalLM": "vaultgemma", "DeepseekV3ForCausalLM": "deepseek_v3",
@@ -206,6 +206,35 @@ def model_tokenizer(folder):
     """The tokenizer the converted model records (hf_tokenizer.resolve): a tiktoken encoding's name, the
     folder's path, or None for a folder without tokenizer files."""
     return hf_tokenizer.resolve(folder)
+
+
+def run_tokenizer(folder, data_meta, data_dir):
+    """(the tokenizer a run from `folder` records, a warning or None): the folder's tokenizer; a folder
+    without one leaves the data's (None when converting without data: sample.py then asks), and data
+    tokenized otherwise is worth a warning."""
+    tokenizer = model_tokenizer(folder)
+    if tokenizer is None:
+        return data_meta.get("tokenizer"), None
+    if data_meta and data_meta.get("tokenizer") != tokenizer:
+        return tokenizer, (f"warning: data_dir '{data_dir}' was tokenized with {data_meta.get('tokenizer')!r}, the "
+                           f"model's tokenizer is {tokenizer!r}: prepare the data with --tokenizer={folder}")
+    return tokenizer, None
+
+
+def conversion_report(layout, folder, loaded, save_seconds, path, peak_bytes):
+    """The lines of a conversion (train.py's init_from=<folder> with max_iters=0): what each rank read, how
+    long it took and the most memory it held (CUDA allocator peak, or max RSS on CPU: that counts the pages
+    of the memory-mapped safetensors files the rank touched). Every rank must call it (a gather)."""
+    mine = (layout.rank, loaded.seconds, save_seconds, loaded.bytes_read, peak_bytes)
+    rows = [mine]
+    if layout.world_size > 1:
+        rows = [None] * layout.world_size
+        torch.distributed.all_gather_object(rows, mine)
+    lines = [f"converted {folder} ({loaded.file_bytes / 2**20:,.1f} MiB of safetensors) to {path}, step 0, layout "
+             f"dp={layout.dp} x tp={layout.tp} x pp={layout.pp}; resume it with --init_from=resume"]
+    lines += [f"  rank {rank}: read {read / 2**20:,.1f} MiB in {load_s:.2f} s, saved in {save_s:.2f} s, peak memory "
+              f"{peak / 2**20:,.0f} MiB" for rank, load_s, save_s, read, peak in rows]
+    return "\n".join(lines)
 
 
 # -----------------------------------------------------------------------------
@@ -395,4 +424,5 @@ def load_weights(model, folder):
     with WeightFiles(folder) as files:
         for name, p in model.named_parameters():
             load_shard(p, source_reader(files, model.cfg, arch, copies.get(name, name)))
+        mark_filled(model)
         return files.bytes_read, files.total_bytes()

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from configurator import ConfigError
 from model import attention_head_dim, mlp_hidden_size
 from parallel import full_shape_of
 from pipeline_schedules import ideal_bubble, virtual_stages
@@ -268,11 +269,18 @@ class TensorBoardLog:
 
 
 def open_log_backends(cfg):
-    """The optional logging backends the settings ask for (call on rank 0 only)."""
-    backends = [WandbLog(cfg)] if cfg.wandb_log else []
-    if cfg.tensorboard_log:
-        backends.append(TensorBoardLog(os.path.join(cfg.out_dir, "tensorboard")))
-    return backends
+    """The optional logging backends the settings ask for (call on rank 0 only). A backend that cannot start
+    (W&B without a login, say) stops the run in one line, before the first step."""
+    try:
+        backends = [WandbLog(cfg)] if cfg.wandb_log else []
+        if cfg.tensorboard_log:
+            backends.append(TensorBoardLog(os.path.join(cfg.out_dir, "tensorboard")))
+        return backends
+    except Exception as e:  # each backend raises its own kinds; all mean "cannot log there"
+        first = (str(e).strip().splitlines() or [""])[0]
+        off = " or ".join(f"--{flag}=False" for flag in ("wandb_log", "tensorboard_log") if getattr(cfg, flag))
+        raise ConfigError(f"logging cannot start ({type(e).__name__}: {first}): fix that, or turn it off "
+                          f"({off})") from e
 
 
 def moe_metrics(model, layout, steps=1):
@@ -526,3 +534,50 @@ def measure_step_memory(step, dev):
     with LiveTensorBytes() as tracker:
         step()
     return tracker.peak
+
+
+def memory_rows(layout, predicted, measured, step):
+    """[{rank, dp_rank, cp_rank, tp_rank, pp_rank, predicted_bytes, measured_bytes, step}] of every rank."""
+    mine = {"rank": layout.rank, "dp_rank": layout.dp_rank, "cp_rank": layout.cp_rank, "tp_rank": layout.tp_rank,
+            "pp_rank": layout.pp_rank, "predicted_bytes": int(predicted), "measured_bytes": int(measured), "step": step}
+    rows = [mine]
+    if layout.world_size > 1:
+        rows = [None] * layout.world_size
+        dist.all_gather_object(rows, mine)
+    return rows
+
+
+def format_memory_rows(rows):
+    """memory_rows as start-up lines: the live tensors' peak of the first step, which the plan counts (the log
+    line's peak is the process's, which counts more)."""
+    return "\n".join(f"memory rank {r['rank']} (dp {r['dp_rank']} tp {r['tp_rank']} pp {r['pp_rank']}): predicted "
+                     f"{r['predicted_bytes'] / 2**20:,.1f} MiB, measured {r['measured_bytes'] / 2**20:,.1f} MiB of live "
+                     f"tensors (step {r['step']})" for r in rows)
+
+
+def repeats_warning(max_iters, tokens_per_step, train_tokens):
+    """The warning of a run that reads its training split several times over (the windows are drawn at
+    random, so a pass is a mean: its tokens seen about once each)."""
+    passes = max_iters * tokens_per_step / train_tokens
+    return (f"warning: {max_iters} steps read {max_iters * tokens_per_step:,} tokens, {passes:.1f} passes over the "
+            f"training split's {train_tokens:,}: the train loss will fall below the val loss as the model learns "
+            f"this data by heart; prepare more text (prepare_data.py --max_tokens) or lower max_iters (the log's "
+            f"epoch says which pass a step is in)")
+
+
+def format_log_line(record, eta, dev):
+    """The console line of a logged training step (record: the metrics.jsonl record). Its memory is the
+    process's peak (peak_memory_bytes: the CPU's resident set, or CUDA's allocated bytes), which counts
+    more than the live tensors the start-up line's plan is held to."""
+    memory = "peak RSS" if dev.type == "cpu" else "peak allocated"
+    line = (f"step {record['step']:6d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
+            f"{record['grad_norm']:.3f} | {record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step | "
+            f"MFU {format_mfu(record['mfu'])} | {memory} {record['peak_mem_bytes'] / 2**20:,.0f} MiB | epoch "
+            f"{record['epoch']:.2f} | eta {format_duration(eta)}")
+    if record["skipped_steps"]:
+        line += f" | skipped {record['skipped_steps']}"
+    if "aux_loss" in record:
+        line += (f" | aux {record['aux_loss']:.4f} dropped {record['moe_dropped_frac']:.3f} | expert load "
+                 f"{record['expert_load_min']:,.0f}-{record['expert_load_max']:,.0f} | all-to-all "
+                 f"{record['a2a_bytes'] / 2**20:,.2f} MiB")
+    return line

@@ -42,8 +42,8 @@ from context_parallel import all_gather_context, check_context_split, loss_share
 from expert_parallel import ByteCount, dispatch_to_experts, exchange_expert_counts
 from parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelEmbedding, SequenceParallelRowLinear,
                       VocabParallelEmbedding, at_least_fp32, copy_to_tp, full_shape_of, gather_from_sp, gather_from_tp,
-                      group_rank, group_size, padded_vocab_size, scatter_to_tp, shard_of, stage_layers,
-                      valid_vocab_columns, vocab_parallel_cross_entropy)
+                      group_rank, group_size, mark_filled, padded_vocab_size, scatter_to_tp, shard_of,
+                      stage_layers, valid_vocab_columns, vocab_parallel_cross_entropy)
 
 
 @dataclass
@@ -1155,19 +1155,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, x, targets=None, positions=None, documents=None, chunk=0):
-        cp = group_size(self.cp_group)
-        if self.cfg.doc_mask and documents is None and positions is None and self.stages[chunk] == 0 and cp == 1:
-            documents, positions = document_ids_and_positions(x, self.cfg.eot_token)  # (on x's device)
-        if (positions is None) != (cp == 1 and not self.cfg.doc_mask):
-            raise ValueError(f"Transformer.forward: positions must be given exactly under context parallelism "
-                             f"(cp = {cp} here: every cp rank's global token positions, (cp, B, T/cp) on the host, "
-                             f"context_parallel.split_for_every_rank) or with doc_mask (doc_mask = {self.cfg.doc_mask}: each "
-                             f"token's position in its document)")
-        if (documents is None) == self.cfg.doc_mask:
-            raise ValueError(f"Transformer.forward: documents (each token's document id, shaped like positions) "
-                             f"must be given exactly with doc_mask=True (doc_mask = {self.cfg.doc_mask} here; a first "
-                             f"stage without context parallelism derives them from the tokens when neither is given)")
         stage = self.stages[chunk]
+        positions, documents = self.check_positions(x, positions, documents, stage)
         if stage == 0:
             if x.shape[1] > self.cfg.block_size:
                 raise ValueError(f"sequence of length {x.shape[1]} is longer than block_size {self.cfg.block_size}")
@@ -1175,12 +1164,8 @@ class Transformer(nn.Module):
             x = self.tok_emb(x)
         else:  # hidden states, under sequence parallelism this rank's 1/tp of the tokens
             seq_len = x.shape[1] * (group_size(self.tp_group) if self.sequence_parallel else 1)
-        if positions is None:  # positions 0 .. seq_len - 1 in every row
-            cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]  # (T, D/2)
-        else:  # the tokens' own positions (this cp rank's; the copy does not block: no sync)
-            here = positions[group_rank(self.cp_group)] if cp > 1 else positions
-            here = here.to(self.rope_cos.device, non_blocking=True)
-            cos, sin = self.rope_cos[here], self.rope_sin[here]  # (B, T/cp, D/2), or (T/cp, D/2)
+        cos, sin = self.rope_for(seq_len, positions)
+        cp = group_size(self.cp_group)
         mask = None if documents is None else document_mask(documents, self.attn_impl, self.rope_cos.device, cp)
         blocks = [self.blocks[str(i)] for i in self.chunk_layers[chunk]]
         for block in blocks:
@@ -1197,27 +1182,56 @@ class Transformer(nn.Module):
                     block.mlp.count_load()
         if stage != self.n_stages - 1:
             return x, aux
+        logits, loss = self.head_and_loss(x, targets)
+        return logits, (loss + aux if loss is not None and aux is not None else loss)
+
+    def check_positions(self, x, positions, documents, stage):
+        """forward's positions and documents, checked against the settings (see the class docstring); a first
+        stage without context parallelism derives both from the tokens under doc_mask."""
+        cp = group_size(self.cp_group)
+        if self.cfg.doc_mask and documents is None and positions is None and stage == 0 and cp == 1:
+            documents, positions = document_ids_and_positions(x, self.cfg.eot_token)  # (on x's device)
+        if (positions is None) != (cp == 1 and not self.cfg.doc_mask):
+            raise ValueError(f"Transformer.forward: positions must be given exactly under context parallelism "
+                             f"(cp = {cp} here: every cp rank's global token positions, (cp, B, T/cp) on the host, "
+                             f"context_parallel.split_for_every_rank) or with doc_mask (doc_mask = {self.cfg.doc_mask}: "
+                             f"each token's position in its document)")
+        if (documents is None) == self.cfg.doc_mask:
+            raise ValueError(f"Transformer.forward: documents (each token's document id, shaped like positions) "
+                             f"must be given exactly with doc_mask=True (doc_mask = {self.cfg.doc_mask} here; a first "
+                             f"stage without context parallelism derives them from the tokens when neither is given)")
+        return positions, documents
+
+    def rope_for(self, seq_len, positions):
+        """RoPE's (cos, sin) for the tokens: positions 0 .. seq_len - 1 in every row, (T, D/2), or the
+        tokens' own positions (this cp rank's), (B, T/cp, D/2) or (T/cp, D/2)."""
+        if positions is None:
+            return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        here = positions[group_rank(self.cp_group)] if group_size(self.cp_group) > 1 else positions
+        here = here.to(self.rope_cos.device, non_blocking=True)  # (the copy does not block: no sync)
+        return self.rope_cos[here], self.rope_sin[here]
+
+    def head_and_loss(self, x, targets):
+        """The last stage's end: the final norm, the head and, with targets, the loss (this cp rank's share:
+        context_parallel.loss_share). (logits, loss); logits None when the chunked loss computes the loss
+        without them."""
         h = self.norm(x)
         if self.sequence_parallel:  # (B, T/tp, C) -> (B, T, C) for the vocab-parallel head and loss
             h = gather_from_sp(h, self.tp_group)
         if targets is not None and self.chunked_loss:
             loss = chunked_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1),
                                          vocab_size=self.cfg.vocab_size, softcap=self.cfg.final_softcap)
-            loss = loss_share(loss, targets, self.cp_group)
-            return None, loss + aux if aux is not None else loss
+            return None, loss_share(loss, targets, self.cp_group)
         logits = self.lm_head(h)
         # drop the padded vocabulary columns: they are not tokens and must not enter the softmax
         logits = logits[..., :valid_vocab_columns(self.cfg.vocab_size, self.lm_head.out_per_rank, self.tp_group)]
         logits = soft_cap(logits, self.cfg.final_softcap)  # elementwise: fine on vocab-sharded logits
-        loss = None
-        if targets is not None:
-            vocab_start = group_rank(self.tp_group) * self.lm_head.out_per_rank
-            # flatten, not reshape(-1, V): a rank holding only padding has V = 0 here
-            loss = vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.reshape(-1), vocab_start, self.tp_group)
-            loss = loss_share(loss, targets, self.cp_group)
-            if aux is not None:
-                loss = loss + aux
-        return logits, loss
+        if targets is None:
+            return logits, None
+        vocab_start = group_rank(self.tp_group) * self.lm_head.out_per_rank
+        # flatten, not reshape(-1, V): a rank holding only padding has V = 0 here
+        loss = vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.reshape(-1), vocab_start, self.tp_group)
+        return logits, loss_share(loss, targets, self.cp_group)
 
     def moe_layers(self):
         """{block index: its MixtureOfExperts} of this stage (empty for a dense model)."""
@@ -1270,6 +1284,7 @@ class Transformer(nn.Module):
             rows = getattr(p, "vocab_size", shape[0])  # only real tokens get random rows
             full[:rows].normal_(0.0, getattr(p, "init_std", 0.02), generator=g)
             p.copy_(shard_of(full, p))
+        mark_filled(self)  # every parameter written: the tensor-parallel layers may compute
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
@@ -1357,3 +1372,28 @@ def zero3_units(model, tied=(), phases=None):
     apart = {id(p) for _, params, _ in blocks for p in params} | {id(p) for p in tied}
     root = [p for p in model.parameters() if id(p) not in apart]
     return [(None, part, None) for part in by_phase(root)] + [(None, [p], None) for p in tied] + blocks
+
+
+def compile_blocks(model):
+    """torch.compile each transformer block in place, one block at a time (train.py's compile=True); returns
+    True. Every block runs the same code on the same shapes, and its parameters are the compiled graph's
+    inputs rather than constants, so dynamo traces one graph that every block reuses: compile time is one
+    block's at any depth, where torch.compile(model) unrolls the loop over the blocks into one graph that
+    grows with n_layer. The embedding, the final norm and the chunked loss (a loop of large matmuls) stay
+    eager; evaluation runs the compiled blocks too (one more graph, without autograd). The parameters are
+    graph inputs by default from torch 2.5 (dynamo's inline_inbuilt_nn_modules; before it each block would
+    compile anew). The compiled forward is an attribute of the block instance, so no parameter is renamed
+    (a compiled module would prefix them with _orig_mod.) and uncompile_blocks undoes it. The block's own
+    hooks stay outside the graph (nn.Module.__call__ runs them around forward): under ZeRO-3 the all-gather
+    before, the free after and the re-gather before backward run eagerly around the compiled code, which
+    sees parameters whose storage is filled whenever it runs."""
+    for block in model.blocks.values():
+        block.forward = torch.compile(block.forward)
+    return True
+
+
+def uncompile_blocks(model):
+    """Undo compile_blocks; returns False (the blocks are not compiled any more)."""
+    for block in model.blocks.values():
+        block.__dict__.pop("forward", None)  # Block.forward, the class's own, again
+    return False

@@ -48,7 +48,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from parallel import ShardedBucket, ShardedGradientBuckets, adamw_step, at_least_fp32, group_size, shard_of
+from parallel import (ShardedBucket, ShardedGradientBuckets, adamw_step, at_least_fp32, group_size, optimizer_state_bytes,
+                      shard_of)
 
 
 class AdamW(torch.optim.AdamW):
@@ -131,7 +132,7 @@ class WholeMatrixBuckets(ShardedGradientBuckets):
     sends each of those parameters' gradients whole to one rank, in buckets of their own, one owner per
     bucket, reduced to the owner (dist.reduce) instead of reduce-scattered; after the step the owner
     broadcasts what it updated (instead of the all-gather). Every other parameter keeps ZeRO-1's even
-    slices."""
+    slices. group=None: not split (one rank owns everything; nothing is sent)."""
 
     def __init__(self, params, group, bucket_size_mb=25.0, deferred=(), owners=None):
         self.owners = owners or {}
@@ -151,18 +152,15 @@ class WholeMatrixBuckets(ShardedGradientBuckets):
             bucket.work = dist.reduce(bucket.flat, dist.get_global_rank(bucket.group, bucket.owner),
                                       group=bucket.group, async_op=True)
 
-    def gathered(self, bucket):
+    def gather(self, bucket):
         if not isinstance(bucket, WholeBucket):
-            return super().gathered(bucket)
-        full = bucket.zeros()
-        for p, start in zip(bucket.params, bucket.offsets):
-            full[start:start + p.numel()].copy_(p.detach().reshape(-1))
-        return full, dist.broadcast(full, dist.get_global_rank(bucket.group, bucket.owner), group=bucket.group,
-                                    async_op=True)
+            return super().gather(bucket)
+        return dist.broadcast(self.values(bucket), dist.get_global_rank(bucket.group, bucket.owner),
+                              group=bucket.group, async_op=True)
 
 
 class WholeBucket(ShardedBucket):
-    """A bucket that one rank of the group, `owner`, gets all of."""
+    """A bucket that one rank of the group, `owner`, gets all of. group=None: not split (owner 0)."""
 
     def __init__(self, params, group, owner):
         self.owner = owner
@@ -187,7 +185,7 @@ class Muon(torch.optim.Optimizer):
     The other groups take parallel.adamw_step, torch's fused AdamW.
 
     tp_group: matrices split across it (parameters marked by mark_sharded) are orthogonalised whole, see
-    the file's note. grad_sync (ZeRO-1): a WholeMatrixBuckets over the dp x cp group with the matrices
+    the file's note; None: not split (every matrix is whole here). grad_sync (ZeRO-1): a WholeMatrixBuckets over the dp x cp group with the matrices
     dealt whole (zero_one_muon_buckets builds it); the optimizer then steps with it as ZeroOneAdamW does
     (do not also all-reduce the gradients). Per step: backward -> grad_sync.finish() -> [clip grads()] ->
     step(found_inf) (AdamW on this rank's slices, Muon on its matrices, then grad_sync.after_step()).
@@ -296,3 +294,26 @@ class DynamicLossScaler:
         self.good_steps += 1
         if self.good_steps % self.growth_interval == 0:
             self.scale *= 2
+
+
+def describe_optimizer(optimizer, model, cfg, layout):
+    """The start-up lines saying what train.py's optimizer is (cfg: its settings) and what its state costs
+    on rank 0."""
+    state = f"state {optimizer_state_bytes(optimizer) / 2**20:.2f} MiB on rank 0"
+    if cfg.optimizer == "muon":
+        n = sum(p.numel() for p in optimizer.matrices)
+        return (f"optimizer: Muon for {len(optimizer.matrices)} matrices ({n / 1e6:.2f}M parameters on rank 0), "
+                f"AdamW for the rest; {state}" + (f", whole matrices and AdamW slices across {layout.dp_cp} "
+                                                  f"data-parallel ranks (ZeRO-1)" if cfg.zero_stage else ""))
+    if cfg.zero_stage == 0:
+        return f"optimizer: AdamW, {state}"
+    unsharded = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    text = f"optimizer: ZeroOneAdamW (ZeRO-{cfg.zero_stage}), {state}, about 1/{layout.dp_cp} of the unsharded " \
+           f"{unsharded / 2**20:.2f} MiB"
+    if cfg.zero_stage >= 2 and layout.dp_cp > 1:
+        m = cfg.gradient_accumulation_steps
+        text += (f"\nZeRO-{cfg.zero_stage}: the gradients are reduce-scattered after every one of the {m} "
+                 f"micro-batches ({m}x the reduce traffic of ZeRO-1, which sends them once per step) and kept as "
+                 f"1/{layout.dp_cp} shards" + ("; the parameters too: each block all-gathered before its forward and "
+                                               "again before its backward, every micro-batch" if cfg.zero_stage == 3 else ""))
+    return text

@@ -25,7 +25,9 @@ pipeline_schedules.py (interleaved 1F1B, ZB-H1, ZB-V and the split backward); op
 interface and Muon. A core piece knows nothing of them: where one extends it, it does so through the named
 hooks the core's docstring lists. Every piece works given only torch and a process group, so it can be
 lifted into another project; group=None always means "not split" (one rank), never torch's default
-world group.
+world group. Each numbered section's header says which earlier sections it needs (`# Needs:`); every one
+needs the top of the file (the imports, the two renamed collectives and at_least_fp32) and no later
+section, so a section lifts with the ones it names (tests/test_lift.py lifts them so, and runs them).
 
 References: Li et al. 2020, "PyTorch Distributed" (section 3.2.3); Rajbhandari et al. 2020, "ZeRO"
 (section 5.1); Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
@@ -58,6 +60,7 @@ def at_least_fp32(dtype):
 
 # -----------------------------------------------------------------------------
 # 1. The layout
+# Needs: no other section.
 
 
 def group_size(group):
@@ -129,7 +132,8 @@ class ParallelLayout:
     every block, of every cp share (expert_dp_group, (dp / ep) * cp of them) hold the same experts and
     average their gradients. At ep = 1 the ep_group is None and the expert_dp_group is the dp_cp_group.
 
-    With world_size 1 no group is built and every group is None: the single-process path.
+    With world_size 1 no group is built and every group is None: the single-process path. Every piece that
+    takes one of these groups reads None as "not split" (one rank), never as torch's default world group.
     """
 
     def __init__(self, dp, tp, pp, world_size=1, rank=0, cp=1, ep=1, timeout=None):
@@ -272,8 +276,26 @@ def format_grid(dp, tp, pp, cp=1, ep=1, n_expert=0):
 
 
 
+def describe_layout(layout, sequence_parallel=False, n_expert=0, per_node=None):
+    """The start-up lines naming the layout, its rank grid, and a warning when a tensor-parallel group spans
+    two nodes (per_node: the processes per node, torchrun's LOCAL_WORLD_SIZE)."""
+    cut = f"dp={layout.dp} x cp={layout.cp}" if layout.cp > 1 else f"dp={layout.dp}"
+    sp = " (sequence parallel)" if sequence_parallel else ""
+    text = (f"layout: {cut} x tp={layout.tp}{sp} x pp={layout.pp} = {layout.world_size} processes"
+            + (f", experts over ep={layout.ep} of the dp ranks" if layout.ep > 1 else "") + "\n"
+            + format_grid(layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, n_expert))
+    per_node = per_node or layout.world_size
+    spanning = tp_groups_across_nodes(layout.dp, layout.tp, layout.pp, per_node, layout.cp)
+    if spanning:
+        text += (f"\nwarning: {len(spanning)} tensor-parallel group(s) span two nodes (ranks {spanning[0]} with "
+                 f"{per_node} processes per node): their all-reduces, several per layer, cross the network. Make tp = "
+                 f"{layout.tp} divide --nproc_per_node = {per_node}")
+    return text
+
+
 # -----------------------------------------------------------------------------
 # 2. Data parallelism: gradients averaged in buckets, from backward hooks
+# Needs: section 1 (group_size).
 #
 # Every data-parallel rank holds the same parameters and runs its own slice of the global batch, so its
 # gradient is the mean over its slice; the mean over the whole batch is the average of the ranks'
@@ -299,7 +321,8 @@ def format_grid(dp, tp, pp, cp=1, ep=1, n_expert=0):
 
 class Bucket:
     """Parameters whose gradients travel as one flat tensor: `flat`, each parameter's elements at its
-    offset, in order. `ready` holds the indices of those copied in, `work` the collective in flight."""
+    offset, in order. `ready` holds the indices of those copied in, `work` the collective in flight.
+    `group`: the ranks that average it (None: not split, one replica; nothing is sent)."""
 
     def __init__(self, params, group):
         self.params, self.group = params, group
@@ -452,6 +475,7 @@ class GradientBuckets:
 
 # -----------------------------------------------------------------------------
 # 3. ZeRO-1: the optimizer states sharded across the data-parallel ranks
+# Needs: sections 1 (group_size, group_rank) and 2 (Bucket, GradientBuckets).
 #
 # ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 # Models", section 5.1) keeps data parallelism, but each rank keeps the AdamW moments of only 1/dp of the
@@ -469,12 +493,13 @@ class GradientBuckets:
 
 class ShardedBucket(Bucket):
     """A bucket whose flat buffer is padded to a multiple of the group's size and cut into equal slices,
-    slice r owned by group rank r; `shard` receives this rank's slice of the sum."""
+    slice r owned by group rank r; `shard` receives this rank's slice of the sum. group=None: not split
+    (one rank owns the whole buffer)."""
 
     def __init__(self, params, group):
         self.world, self.rank = group_size(group), group_rank(group)
         self.shard_size = (sum(p.numel() for p in params) + self.world - 1) // self.world  # elements one rank owns
-        self.shard = None
+        self.shard = self.values = None  # values: the parameters' flat buffer (ShardedGradientBuckets.values)
         super().__init__(params, group)
 
     def new_flat(self):
@@ -492,9 +517,10 @@ class ShardedGradientBuckets(GradientBuckets):
     """GradientBuckets for ZeRO-1: the buckets are reduce-scattered instead of all-reduced, so finish()
     leaves in every p.grad the average gradient on the elements this rank owns and zero elsewhere;
     owned_slices() says which elements those are, and after the optimizer updated them, after_step()
-    all-gathers every bucket's slices so that every rank holds the whole updated model. A hook of its own
+    all-gathers every bucket's slices so that every rank holds the whole updated model (into the parameters
+    themselves: from the first step's end they are views of one flat buffer per bucket). A hook of its own
     for what extends it: owned_param(p) and owned_grad(p), this rank's elements of p and of its gradient
-    (views: updating one updates p)."""
+    (views: updating one updates p). group=None: not split (one rank owns every element; nothing is sent)."""
 
     def new_bucket(self, params):
         return ShardedBucket(params, self.group)
@@ -540,28 +566,29 @@ class ShardedGradientBuckets(GradientBuckets):
     def owned_grad(self, p, start, end, bucket, a, b):
         return p.grad.view(-1)[start:end]
 
-    def gathered(self, bucket):
-        """The bucket's updated parameters, whole on every rank: (flat buffer, request) of the all-gather
-        of every rank's slice into a new flat buffer."""
-        full = bucket.zeros()
-        for p, start in zip(bucket.params, bucket.offsets):
-            full[start:start + p.numel()].copy_(p.detach().reshape(-1))
+    def values(self, bucket):
+        """The bucket's parameters as one flat buffer, padded as its gradient is, each p.data a view of it:
+        the all-gather after the step then lands in the parameters themselves, with no copy in or out. Made
+        at the first step's end (between steps no autograd graph holds the old storage)."""
+        if bucket.values is None:
+            bucket.values = bucket.zeros()
+            for p, start in zip(bucket.params, bucket.offsets):
+                bucket.values[start:start + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = bucket.values[start:start + p.numel()].view_as(p)
+        return bucket.values
+
+    def gather(self, bucket):
+        """Post the collective that gives every rank the bucket's updated parameters: the all-gather of
+        every rank's owned slice into the parameters (its input a copy: the slice is part of the output)."""
+        values = self.values(bucket)
         lo, hi = bucket.owned()
-        return full, _all_gather_single(full, full[lo:hi].clone(), group=bucket.group, async_op=True)
+        return _all_gather_single(values, values[lo:hi].clone(), group=bucket.group, async_op=True)
 
     def after_step(self):
-        """After each rank updated what it owns, give every rank the whole updated model: the buckets'
-        all-gathers, two in flight at a time (ZeRO-2 keeps no full-size flat buffer, and must not make one
-        for every bucket here)."""
-        in_flight = []
-        for bucket in [b for b in self.buckets if group_size(b.group) > 1] + [None]:
-            if bucket is not None:
-                in_flight.append((bucket, *self.gathered(bucket)))
-            while in_flight and (len(in_flight) > 1 or bucket is None):
-                done, full, work = in_flight.pop(0)
-                work.wait()
-                for p, start in zip(done.params, done.offsets):
-                    p.detach().copy_(full[start:start + p.numel()].view_as(p))
+        """After each rank updated what it owns, give every rank the whole updated model: every bucket's
+        all-gather posted at once, then waited for (sync point: the next forward reads the parameters)."""
+        for work in [self.gather(b) for b in self.buckets if group_size(b.group) > 1]:
+            work.wait()
 
 
 class ZeroOneAdamW(torch.optim.Optimizer):
@@ -636,6 +663,7 @@ def optimizer_state_bytes(optimizer):
 
 # -----------------------------------------------------------------------------
 # 4. Tensor parallelism: the communication operators
+# Needs: section 1 (group_size, group_rank).
 #
 # A column-parallel linear splits its output features across ranks: every rank needs the whole input,
 # produces a slice of the output. A row-parallel linear splits its input features: every rank holds a
@@ -647,7 +675,9 @@ def optimizer_state_bytes(optimizer):
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce backward. Each rank used the same input for its own
-    slice of the work, so the input's gradient is the sum of every rank's contribution."""
+    slice of the work, so the input's gradient is the sum of every rank's contribution.
+    group=None means not split: apply it through copy_to_tp (below), which is then the identity; the
+    Function itself would hand None to torch, whose collectives read it as the default world group."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -665,7 +695,9 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
 
 class ReduceFromTensorParallelRegion(torch.autograd.Function):
     """Megatron's g: all-reduce forward, identity backward. Each rank computed a partial sum of the
-    output; the sum is the output, and its gradient flows unchanged to every partial."""
+    output; the sum is the output, and its gradient flows unchanged to every partial.
+    group=None means not split: apply it through reduce_from_tp (below), which is then the identity; the
+    Function itself would hand None to torch, whose collectives read it as the default world group."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -689,7 +721,9 @@ def _all_gather_along(x, group, dim):
 class GatherFromTensorParallelRegion(torch.autograd.Function):
     """All-gather along `dim` (the last by default) forward; backward keeps only this rank's slice of the
     gradient. The backward assumes what follows the gather is the same computation on every rank
-    (replicated), so every rank holds the same full gradient and its own slice of it is the whole story."""
+    (replicated), so every rank holds the same full gradient and its own slice of it is the whole story.
+    group=None means not split: apply it through gather_from_tp (below), which is then the identity; the
+    Function itself would hand None to torch, whose collectives read it as the default world group."""
 
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -704,7 +738,9 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
 class ScatterToTensorParallelRegion(torch.autograd.Function):
     """Split: keep this rank's slice of `dim` (the last by default) forward; all-gather the gradient
     backward. The input is the same on every rank (replicated), so its gradient is every rank's slice
-    gradient side by side."""
+    gradient side by side. group=None means not split: apply it through scatter_to_tp (below), which is
+    then the identity; the Function itself would hand None to torch, whose collectives read it as the
+    default world group."""
 
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -746,6 +782,12 @@ def scatter_to_tp(x, group, dim=-1):
 # full tensor (so a rank reads only its shard of a safetensors file). With group=None a layer is not split:
 # it computes what nn.Linear / nn.Embedding compute, with the same fill (the embedding's rows are still
 # padded, to a multiple of 64).
+#
+# Empty means whatever the memory held (a lifted weight once read 1.49e16), so a layer refuses to compute
+# before it is filled: its forward raises until load_full has run. A fill that writes the parameters some
+# other way (model.Transformer.init_weights draws them, checkpoint.load_model copies them in) says so
+# with mark_filled(model). The mark is a Python attribute of the layer, `filled`: no tensor op, no sync,
+# and torch.compile guards on it as on any attribute (ZeRO-3 moving a weight's storage leaves it be).
 
 
 def mark_sharded(param, dim, group):
@@ -791,6 +833,14 @@ def full_shape_of(param):
     return shape
 
 
+def _refuse_if_empty(layer):
+    if not layer.filled:
+        raise RuntimeError(f"{type(layer).__name__} (weight {tuple(layer.weight.shape)} on this rank) was used "
+                           f"before it was filled: its weight is created with torch.empty and holds whatever that "
+                           f"memory held. Call layer.load_full(...) with the full tensors first (or, having written "
+                           f"its parameters another way, parallel.mark_filled(layer))")
+
+
 def _divide(n, d, what):
     if n % d != 0:
         raise ValueError(f"{what} = {n} is not divisible by tp = {d}: choose a tp that divides it")
@@ -808,7 +858,8 @@ class ColumnParallelLinear(nn.Module):
     one per layer. Under sequence parallelism the input comes from gather_from_sp, whose backward already
     sums the gradient: build the layer with copy_input=False then too.
 
-    The weight is created empty: fill it with load_full (see the section's note).
+    The weight is created empty: fill it with load_full (see the section's note); until then forward
+    raises. group=None: not split (nn.Linear).
 
     Hook: `matmul(x, weight, bias)`, F.linear; the zero-bubble pipeline schedules replace it to split this
     layer's backward, the input's gradient now and the weight's later (pipeline_schedules.WeightGradStore)."""
@@ -819,15 +870,17 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = _divide(out_features, group_size(group), "out_features")
         self.weight = mark_sharded(nn.Parameter(torch.empty(self.out_per_rank, in_features)), 0, group)
         self.bias = mark_sharded(nn.Parameter(torch.zeros(self.out_per_rank)), 0, group) if bias else None
-        self.matmul = F.linear
+        self.matmul, self.filled = F.linear, False
 
     def load_full(self, weight, bias=None):
         """weight (out_features, in_features) and bias (out_features,): full tensors or slice readers."""
         load_shard(self.weight, weight)
         if bias is not None:
             load_shard(self.bias, bias)
+        self.filled = True
 
     def forward(self, x):
+        _refuse_if_empty(self)
         if self.copy_input:
             x = copy_to_tp(x, self.group)
         y = self.matmul(x, self.weight, self.bias)
@@ -840,9 +893,9 @@ class RowParallelLinear(nn.Module):
     input is first cut into slices here. The bias is replicated and added once, after the sum (added
     before, it would be counted tp times). group=None: not split (nn.Linear).
 
-    The weight is created empty, as in ColumnParallelLinear: fill it with load_full. Hooks: `matmul` as
-    there (the bias, added after the sum, is not in it: it keeps its gradient in autograd), and
-    combine(partial), the sum and the bias (sequence parallelism's SequenceParallelRowLinear
+    The weight is created empty, as in ColumnParallelLinear: fill it with load_full (forward raises until
+    then). Hooks: `matmul` as there (the bias, added after the sum, is not in it: it keeps its gradient in
+    autograd), and combine(partial), the sum and the bias (sequence parallelism's SequenceParallelRowLinear
     reduce-scatters instead)."""
 
     def __init__(self, in_features, out_features, bias=False, group=None, input_is_parallel=True):
@@ -851,15 +904,17 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = _divide(in_features, group_size(group), "in_features")
         self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, self.in_per_rank)), 1, group)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.matmul = F.linear
+        self.matmul, self.filled = F.linear, False
 
     def load_full(self, weight, bias=None):
         """weight (out_features, in_features) and bias (out_features,): full tensors or slice readers."""
         load_shard(self.weight, weight)
         if bias is not None:
             load_shard(self.bias, bias)
+        self.filled = True
 
     def forward(self, x):
+        _refuse_if_empty(self)
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
         return self.combine(self.matmul(x, self.weight, None))
@@ -882,8 +937,8 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table split by rows (token ids) across the group. Each rank looks up the ids in its
     range, writes zeros for the others, and the all-reduce (g) assembles every token's vector. The table is
     padded to padded_vocab_size rows (zero, never looked up); fill it with load_full(weight), weight being
-    the (vocab_size, dim) table or a slice reader. group=None: not split (nn.Embedding). Hook:
-    combine(out), the all-reduce of the ranks' partial lookups (sequence parallelism's
+    the (vocab_size, dim) table or a slice reader (forward raises until then). group=None: not split
+    (nn.Embedding). Hook: combine(out), the all-reduce of the ranks' partial lookups (sequence parallelism's
     SequenceParallelEmbedding reduce-scatters instead)."""
 
     def __init__(self, vocab_size, dim, group=None):
@@ -893,11 +948,14 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = group_rank(group) * self.rows_per_rank
         self.weight = mark_sharded(nn.Parameter(torch.empty(self.rows_per_rank, dim)), 0, self.group)
         self.weight.vocab_size = vocab_size  # rows past it are padding: zero at init, never looked up
+        self.filled = False
 
     def load_full(self, weight):
         load_shard(self.weight, weight)
+        self.filled = True
 
     def forward(self, idx):
+        _refuse_if_empty(self)
         if group_size(self.group) == 1:
             return F.embedding(idx, self.weight)
         local = idx - self.vocab_start
@@ -907,6 +965,19 @@ class VocabParallelEmbedding(nn.Module):
 
     def combine(self, out):
         return reduce_from_tp(out, self.group)
+
+
+def mark_filled(module, params=None):
+    """Say that the tensor-parallel layers in `module` (itself or any of its submodules) hold their weights,
+    written some other way than through load_full (model.Transformer.init_weights, checkpoint.load_model,
+    import_hf.load_weights, a test filling them by hand); with `params`, only the layers whose weight is
+    among them (a fill of part of the model: ZeRO-3 loads a checkpoint a unit at a time)."""
+    ids = None if params is None else {id(p) for p in params}
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            if ids is None or id(m.weight) in ids:
+                m.filled = True
+    return module
 
 
 def valid_vocab_columns(vocab_size, rows_per_rank, group):
@@ -923,7 +994,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     The max, the sum of exps and the target's logit are each all-reduced across ranks (three reductions of
     one number per token); every rank then holds the loss of every token, and the gradient of its own
     slice, softmax - onehot(target), needs no communication. A rank whose slice is empty (it holds only
-    vocabulary padding, possible with a small vocabulary) contributes -inf to the max and 0 to the sums."""
+    vocabulary padding, possible with a small vocabulary) contributes -inf to the max and 0 to the sums.
+    group=None means not split: apply it through vocab_parallel_cross_entropy (below), which is then
+    F.cross_entropy; the Function itself would hand None to torch, whose collectives read it as the
+    default world group."""
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group, ignore_index):
@@ -974,6 +1048,8 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
 # -----------------------------------------------------------------------------
 # 5. Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 # Models", section 4.2.2), an option of tensor parallelism.
+# Needs: sections 1 (group_size) and 4 (RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
+# _all_gather_along).
 #
 # Between the tensor-parallel regions (the norms and the residual adds: everything outside attention and
 # the MLP) every tp rank computes the same thing on the same tokens and holds the same (B, T, C)
@@ -996,7 +1072,9 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
 
 class GatherFromSequenceParallelRegion(torch.autograd.Function):
     """Entering a tensor-parallel region: all-gather the tokens along the sequence forward; reduce-scatter
-    the gradient backward (the sum over ranks of every rank's partial gradient, this rank's tokens only)."""
+    the gradient backward (the sum over ranks of every rank's partial gradient, this rank's tokens only).
+    group=None means not split: apply it through gather_from_sp (below), which is then the identity; the
+    Function itself would hand None to torch, whose collectives read it as the default world group."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -1010,7 +1088,10 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
 
 class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """Leaving a tensor-parallel region: reduce-scatter the partial sums along the sequence forward (this
-    rank's tokens of the sum); all-gather the gradient backward (the region needs every token's)."""
+    rank's tokens of the sum); all-gather the gradient backward (the region needs every token's).
+    group=None means not split: apply it through reduce_scatter_to_sp (below), which is then the
+    identity; the Function itself would hand None to torch, whose collectives read it as the default world
+    group."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -1060,6 +1141,7 @@ class SequenceParallelEmbedding(VocabParallelEmbedding):
 
 # -----------------------------------------------------------------------------
 # 6. Pipeline parallelism
+# Needs: section 1 (grid_rank).
 #
 # Each stage holds a contiguous run of blocks (the first also the embedding, the last the final norm, the
 # head and the loss). A step's batch is cut into m microbatches, the gradient-accumulation steps, which go

@@ -30,13 +30,16 @@ hook): the same matmuls as one backward, none twice. Parameters other than the t
 weights (norm gains, the embedding, a router, a row-parallel bias) are cheap and get their gradients in B.
 What a rank holds between a microbatch's B and its W is only the linears' x and dy.
 """
+import functools
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 import parallel
-from parallel import ColumnParallelLinear, RowParallelLinear, afab_actions, one_f_one_b_actions
+from parallel import (ColumnParallelLinear, PipelineComm, RowParallelLinear, afab_actions, one_f_one_b_actions,
+                      pipeline_forward, run_schedule, stage_layers, sync_tied_grads)
 
 
 def virtual_stages(schedule, pp, rank, chunks=1):
@@ -193,6 +196,26 @@ def forward_only_actions(pp, stage, m, chunks=1):
     return [("F", i, c) for i, c in interleaved_order(pp, m, chunks)]
 
 
+def describe_pipeline(schedule, pp, m, chunks, n_layer, warn=True):
+    """The start-up line naming the schedule and the blocks of each rank (chunk by chunk), and with warn a
+    warning when there are fewer micro-batches than stages: the stages are then idle most of the step."""
+    blocks = lambda r: r.start if len(r) == 1 else f"{r.start}-{r.stop - 1}"
+    per_rank = [", ".join(str(blocks(stage_layers(n_layer, pp * chunks, s))) for s in virtual_stages(schedule, pp, p, chunks))
+                for p in range(pp)]
+    text = (f"pipeline: {schedule}, {m} microbatches, " + (f"{chunks} chunks per rank, " if chunks > 1 else "")
+            + ("blocks per stage " if chunks == 1 else "blocks per rank (chunk by chunk) ")
+            + " | ".join(f"{p}: {text}" for p, text in enumerate(per_rank)))
+    if warn and m < pp:
+        bubble, whose = ideal_bubble(schedule, pp, m, chunks), schedule
+        if bubble is None:  # (the paper gives no formula for this m)
+            bubble, whose = ideal_bubble("1f1b", pp, m), "1f1b"
+        text += (f"\nwarning: gradient_accumulation_steps = {m} microbatches for pp = {pp} stages: the stages are idle "
+                 f"about {bubble:.0%} of each step ({whose}'s bubble); raise gradient_accumulation_steps (lowering "
+                 f"batch_size to keep the batch): {4 * pp} microbatches bring 1F1B's bubble, (pp - 1) / (m + pp - 1), "
+                 f"under 20%")
+    return text
+
+
 class _LinearSplitBackward(torch.autograd.Function):
     """y = x W^T + b whose backward computes dx = dy W only, leaving (x, dy) in store.collecting for a later
     dW = dy^T x (and db = the sum of dy): WeightGradStore.linear. With store.collecting None (a backward outside
@@ -284,3 +307,40 @@ class WeightGradStore:
                     p.grad.add_(g.to(p.dtype))
                 if ready is not None and last[id(p)] == j:
                     ready(p)
+
+
+@dataclass
+class Pipeline:
+    """What a pipeline-parallel step of any schedule here needs beside the model (train.py builds it): the point-to-point channel to the other ranks
+    (comm), the schedule and the model chunks per rank, one WeightGradStore per chunk when the schedule
+    splits the backward (zero_bubble, zbv; None otherwise), and the copies of the tied embedding this rank
+    holds with the group of the ranks holding the others (None: not split, one stage holds them all): after
+    backward the pipeline sums their gradients (sums_tied; under ZeRO-2/3 the reducer sums their gradient
+    shards instead)."""
+    comm: PipelineComm
+    schedule: str
+    chunks: int
+    weight_grad_stores: list = None
+    tied_copies: list = field(default_factory=list)
+    tied_group: object = None
+    sums_tied: bool = True
+
+    def actions(self, m):
+        return SCHEDULES[self.schedule](self.comm.pp, self.comm.stage, m, self.chunks)
+
+    def chunk_models(self, model):
+        """What run_schedule calls for each of this rank's chunks: the model itself with one chunk."""
+        return model if self.chunks == 1 else [functools.partial(model, chunk=c) for c in range(self.chunks)]
+
+    def forward_backward(self, model, microbatches, autocast, loss_multiplier, grad_sync, trace=None):
+        """The schedule's actions over the micro-batches, then the tied copies' gradients summed."""
+        loss = run_schedule(self.actions(len(microbatches)), self.chunk_models(model), microbatches, self.comm,
+                            autocast, loss_multiplier, grad_sync, self.weight_grad_stores, trace)
+        if self.sums_tied:
+            sync_tied_grads(self.tied_copies, self.tied_group)
+        return loss
+
+    def forward(self, model, microbatches, autocast):
+        """Forward only (evaluation): this rank's part of the mean loss over the micro-batches."""
+        actions = forward_only_actions(self.comm.pp, self.comm.stage, len(microbatches), self.chunks)
+        return pipeline_forward(self.chunk_models(model), microbatches, self.comm, autocast, actions)

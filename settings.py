@@ -378,3 +378,16 @@ def keep_global_batch(values, windows, dp):
                           f"and --gradient_accumulation_steps for a new global batch")
     return [f"resume: dp = {dp}: batch_size {values['batch_size']} x gradient_accumulation_steps "
             f"{values['gradient_accumulation_steps']} keep the run's global batch of {windows} windows"]
+
+
+def global_batch_change(saved, tokens_per_step):
+    """The line saying that a resumed run's step sees another number of tokens than the checkpoint's run did
+    (batch_size is per data-parallel rank: inherited at another dp, or with another accumulation or context
+    length), or None. saved: the checkpoint's meta."""
+    c, dp = {**DEFAULTS, **saved["config"]}, saved["layout"]["dp"]  # (an older one may lack a key)
+    before = c["batch_size"] * c["gradient_accumulation_steps"] * dp * c["block_size"]
+    if before == tokens_per_step:
+        return None
+    return (f"resume: the global batch is now {tokens_per_step:,} tokens per step, the checkpoint's run had "
+            f"{c['batch_size']} x {c['gradient_accumulation_steps']} micro-batches x dp {dp} x {c['block_size']} = "
+            f"{before:,} (set batch_size or gradient_accumulation_steps to keep it)")

@@ -16,7 +16,6 @@ config file and --key=value overrides replace the defaults (configurator.py). Re
 settings, the data, setup and build, the step, evaluation and checkpoints, then the loop.
 """
 import faulthandler
-import functools
 import importlib.util
 import json
 import math
@@ -24,7 +23,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from types import SimpleNamespace
 
 import numpy as np
@@ -41,13 +40,11 @@ from context_parallel import split_for_every_rank, zigzag_split
 from expert_parallel import ExpertSplit
 from faults import BadSteps, StopVote, TooManyBadSteps, peer_failure
 from model import (ModelConfig, Transformer, backward_phases, check_layout, choose_attn_impl, choose_device_and_dtype,
-                   chunk_modules, document_ids_and_positions, takes_muon, zero3_units)
-from optim import AdamW, DynamicLossScaler, Muon, zero_one_muon_buckets
-from parallel import (GradientBuckets, PipelineComm, ShardedGradientBuckets, ZeroOneAdamW, at_least_fp32,
-                      format_grid,
-                      init_distributed, optimizer_state_bytes, pipeline_forward, run_schedule, stage_layers,
-                      sync_tied_grads, tied_weight_group, tp_groups_across_nodes)
-from pipeline_schedules import (SCHEDULES, WeightGradStore, check_schedule, forward_only_actions, ideal_bubble,
+                   chunk_modules, compile_blocks, document_ids_and_positions, takes_muon, uncompile_blocks, zero3_units)
+from optim import AdamW, DynamicLossScaler, Muon, describe_optimizer, zero_one_muon_buckets
+from parallel import (GradientBuckets, ParallelLayout, PipelineComm, ShardedGradientBuckets, ZeroOneAdamW,
+                      at_least_fp32, describe_layout, init_distributed, optimizer_state_bytes, tied_weight_group)
+from pipeline_schedules import (SCHEDULES, Pipeline, WeightGradStore, check_schedule, describe_pipeline,
                                 virtual_stages)
 from zero import FullyShardedParameters, GradientShards
 
@@ -237,10 +234,25 @@ def print0(layout, *args):
         print(*args, flush=True)
 
 
+@dataclass
+class Run:
+    """What setup finds: where and how the run computes, its ranks, its model's settings and its data."""
+    dev: torch.device
+    dtype: torch.dtype  # what the blocks compute in (choose_device_and_dtype)
+    layout: ParallelLayout
+    model_cfg: ModelConfig
+    attn_impl: str  # the attention kernel choose_attn_impl chose
+    datasets: dict  # split -> load_data's (path, dtype, tokens, vocabulary size); empty without data
+    tokenizer: str  # what sample.py decodes with (None: it asks)
+    hf_dir: str = None  # init_from=<a transformers model folder>, else None
+    phase: str = "start-up"  # what the run is doing now: a failed peer's message names it
+    recipe: dict = None  # the batch the run was first given, which its checkpoints carry on (settings.batch_recipe)
+
+
 def setup(cfg, training=True):
     """Everything that can fail because of the config or the data, before any training starts: the
     device and dtype, the process groups, the data, the attention kernel and the model config. Returns
-    them as one namespace. bench.py calls it with training=False: out_dir is not checked, and with
+    them as a Run. bench.py calls it with training=False: out_dir is not checked, and with
     data_dir=None no data is read (the vocabulary is then vocab_size, or GPT-2's)."""
     for flag, package in (("wandb_log", "wandb"), ("tensorboard_log", "tensorboard")):
         if getattr(cfg, flag) and importlib.util.find_spec(package) is None:
@@ -272,13 +284,9 @@ def setup(cfg, training=True):
     tokenizer = data_meta.get("tokenizer", "gpt2")
     if hf_dir is not None:
         import_hf.check_weights(hf_dir, model_cfg)  # on every rank alike: a bad folder stops all of them
-        # the folder's tokenizer; a folder without one leaves the data's (None when converting: sample.py asks)
-        tokenizer = import_hf.model_tokenizer(hf_dir)
-        if tokenizer is None:
-            tokenizer = data_meta.get("tokenizer")
-        elif data_meta and data_meta.get("tokenizer") != tokenizer:
-            print0(layout, f"warning: data_dir '{cfg.data_dir}' was tokenized with {data_meta.get('tokenizer')!r}, the "
-                           f"model's tokenizer is {tokenizer!r}: prepare the data with --tokenizer={hf_dir}")
+        tokenizer, warning = import_hf.run_tokenizer(hf_dir, data_meta, cfg.data_dir)
+        if warning:
+            print0(layout, warning)
     if dev.type == "cuda" and layout.world_size > 1:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(dev)
@@ -299,74 +307,15 @@ def setup(cfg, training=True):
     if cfg.chunked_loss and layout.tp > 1:
         print0(layout, f"chunked_loss: not at tp = {layout.tp} (the vocab-parallel loss never gathers the logits "
                        f"anyway): the loss is computed from the logits")
-    cut = f"dp={layout.dp} x cp={layout.cp}" if layout.cp > 1 else f"dp={layout.dp}"
-    sp = " (sequence parallel)" if cfg.sequence_parallel else ""
-    print0(layout, f"layout: {cut} x tp={layout.tp}{sp} x pp={layout.pp} = {layout.world_size} processes"
-                   + (f", experts over ep={layout.ep} of the dp ranks" if layout.ep > 1 else "") + "\n"
-                   + format_grid(layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, model_cfg.n_expert))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))  # torchrun's processes on this node
-    spanning = tp_groups_across_nodes(layout.dp, layout.tp, layout.pp, per_node, layout.cp)
-    if spanning:
-        print0(layout, f"warning: {len(spanning)} tensor-parallel group(s) span two nodes (ranks {spanning[0]} with "
-                       f"{per_node} processes per node): their all-reduces, several per layer, cross the network. "
-                       f"Make tp = {layout.tp} divide --nproc_per_node = {per_node}")
+    print0(layout, describe_layout(layout, cfg.sequence_parallel, model_cfg.n_expert, per_node))
     if layout.pp > 1:
-        # when the blocks do not divide into pp * pp_chunks model stages, the first stages take one more
-        v, m = cfg.pp_chunks, cfg.gradient_accumulation_steps
-        blocks = lambda r: r.start if len(r) == 1 else f"{r.start}-{r.stop - 1}"
-        per_rank = [", ".join(str(blocks(stage_layers(model_cfg.n_layer, layout.pp * v, s)))
-                              for s in virtual_stages(cfg.pp_schedule, layout.pp, p, v)) for p in range(layout.pp)]
-        print0(layout, f"pipeline: {cfg.pp_schedule}, {m} microbatches, " + (f"{v} chunks per rank, " if v > 1 else "")
-                       + ("blocks per stage " if v == 1 else "blocks per rank (chunk by chunk) ")
-                       + " | ".join(f"{p}: {text}" for p, text in enumerate(per_rank)))
-        if m < layout.pp and not converting:
-            bubble, whose = ideal_bubble(cfg.pp_schedule, layout.pp, m, v), cfg.pp_schedule
-            if bubble is None:  # (the paper gives no formula for this m)
-                bubble, whose = ideal_bubble("1f1b", layout.pp, m), "1f1b"
-            print0(layout, f"warning: gradient_accumulation_steps = {m} microbatches for pp = {layout.pp} stages: the "
-                           f"stages are idle about {bubble:.0%} of each step ({whose}'s bubble); raise "
-                           f"gradient_accumulation_steps (lowering batch_size to keep the batch): {4 * layout.pp} "
-                           f"microbatches bring 1F1B's bubble, (pp - 1) / (m + pp - 1), under 20%")
+        print0(layout, describe_pipeline(cfg.pp_schedule, layout.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks,
+                                         model_cfg.n_layer, warn=not converting))
     elif cfg.pp_trace:
         print0(layout, "pp_trace: nothing to trace with pp = 1 (no pipeline); the run goes on untraced")
-    return SimpleNamespace(dev=dev, dtype=ptdtype, layout=layout, phase="start-up", datasets=datasets,
-                           model_cfg=model_cfg, attn_impl=attn, tokenizer=tokenizer, hf_dir=hf_dir)
-
-
-@dataclass
-class Pipeline:
-    """What a pipeline-parallel step needs beside the model: the point-to-point channel to the other ranks
-    (comm), the schedule and the model chunks per rank, one WeightGradStore per chunk when the schedule
-    splits the backward (zero_bubble, zbv; None otherwise), and the copies of the tied embedding this rank
-    holds with the group of the ranks holding the others: after backward the pipeline sums their gradients
-    (sums_tied; under ZeRO-2/3 the reducer sums their gradient shards instead)."""
-    comm: PipelineComm
-    schedule: str
-    chunks: int
-    weight_grad_stores: list = None
-    tied_copies: list = field(default_factory=list)
-    tied_group: object = None
-    sums_tied: bool = True
-
-    def actions(self, m):
-        return SCHEDULES[self.schedule](self.comm.pp, self.comm.stage, m, self.chunks)
-
-    def chunk_models(self, model):
-        """What run_schedule calls for each of this rank's chunks: the model itself with one chunk."""
-        return model if self.chunks == 1 else [functools.partial(model, chunk=c) for c in range(self.chunks)]
-
-    def forward_backward(self, model, microbatches, autocast, loss_multiplier, grad_sync, trace=None):
-        """The schedule's actions over the micro-batches, then the tied copies' gradients summed."""
-        loss = run_schedule(self.actions(len(microbatches)), self.chunk_models(model), microbatches, self.comm,
-                            autocast, loss_multiplier, grad_sync, self.weight_grad_stores, trace)
-        if self.sums_tied:
-            sync_tied_grads(self.tied_copies, self.tied_group)
-        return loss
-
-    def forward(self, model, microbatches, autocast):
-        """Forward only (evaluation): this rank's part of the mean loss over the micro-batches."""
-        actions = forward_only_actions(self.comm.pp, self.comm.stage, len(microbatches), self.chunks)
-        return pipeline_forward(self.chunk_models(model), microbatches, self.comm, autocast, actions)
+    return Run(dev=dev, dtype=ptdtype, layout=layout, model_cfg=model_cfg, attn_impl=attn, datasets=datasets,
+               tokenizer=tokenizer, hf_dir=hf_dir)
 
 
 @dataclass
@@ -415,12 +364,14 @@ def build(cfg, run):
         print0(layout, f"experts: rank 0 holds experts {moe.first_expert}-{moe.first_expert + len(moe.experts) - 1} of "
                        f"{model.cfg.n_expert} in each layer (ep={layout.ep}): {expert_params / 2**20:.2f} MiB of "
                        f"parameters, {expert_state / 2**20:.2f} MiB of optimizer state")
+    if cfg.compile:
+        print0(layout, "compiling each block with torch.compile (the first steps are slow)")
     fp16 = run.dtype == torch.float16
     autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype in (torch.bfloat16, torch.float16) \
         else nullcontext()
     return Parts(model=model, optimizer=optimizer, grad_sync=grad_sync, pipeline=pipeline, autocast=autocast,
                  scaler=DynamicLossScaler(enabled=fp16), bad_steps=BadSteps(run.dev, cfg.max_bad_steps, enabled=not fp16),
-                 compiled=compile_blocks(model, cfg, layout), loaded=loaded)
+                 compiled=cfg.compile and compile_blocks(model), loaded=loaded)
 
 
 def make_pipeline(cfg, layout, model, dev):
@@ -506,56 +457,6 @@ def make_optimizer(model, cfg, layout, grad_sync):
     if cfg.zero_stage >= 1:
         return ZeroOneAdamW(groups, grad_sync, lr=cfg.learning_rate, betas=betas)
     return AdamW(groups, lr=cfg.learning_rate, betas=betas)
-
-
-def describe_optimizer(optimizer, model, cfg, layout):
-    """The start-up line saying what the optimizer is and what its state costs on rank 0."""
-    state = f"state {optimizer_state_bytes(optimizer) / 2**20:.2f} MiB on rank 0"
-    if cfg.optimizer == "muon":
-        n = sum(p.numel() for p in optimizer.matrices)
-        return (f"optimizer: Muon for {len(optimizer.matrices)} matrices ({n / 1e6:.2f}M parameters on rank 0), "
-                f"AdamW for the rest; {state}" + (f", whole matrices and AdamW slices across {layout.dp_cp} "
-                                                  f"data-parallel ranks (ZeRO-1)" if cfg.zero_stage else ""))
-    if cfg.zero_stage == 0:
-        return f"optimizer: AdamW, {state}"
-    unsharded = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    text = f"optimizer: ZeroOneAdamW (ZeRO-{cfg.zero_stage}), {state}, about 1/{layout.dp_cp} of the unsharded " \
-           f"{unsharded / 2**20:.2f} MiB"
-    if cfg.zero_stage >= 2 and layout.dp_cp > 1:
-        m = cfg.gradient_accumulation_steps
-        text += (f"\nZeRO-{cfg.zero_stage}: the gradients are reduce-scattered after every one of the {m} "
-                 f"micro-batches ({m}x the reduce traffic of ZeRO-1, which sends them once per step) and kept as "
-                 f"1/{layout.dp_cp} shards" + ("; the parameters too: each block all-gathered before its forward and "
-                                               "again before its backward, every micro-batch" if cfg.zero_stage == 3 else ""))
-    return text
-
-
-def compile_blocks(model, cfg, layout):
-    """With compile=True, torch.compile each transformer block in place, one block at a time; returns whether
-    it did. Every block runs the same code on the same shapes, and its parameters are the compiled graph's
-    inputs rather than constants, so dynamo traces one graph that every block reuses: compile time is one
-    block's at any depth, where torch.compile(model) unrolls the loop over the blocks into one graph that
-    grows with n_layer. The embedding, the final norm and the chunked loss (a loop of large matmuls) stay
-    eager; evaluation runs the compiled blocks too (one more graph, without autograd). The parameters are
-    graph inputs by default from torch 2.5 (dynamo's inline_inbuilt_nn_modules; before it each block would
-    compile anew). The compiled forward is an attribute of the block instance, so no parameter is renamed
-    (a compiled module would prefix them with _orig_mod.) and uncompile_blocks undoes it. The block's own
-    hooks stay outside the graph (nn.Module.__call__ runs them around forward): under ZeRO-3 the all-gather
-    before, the free after and the re-gather before backward run eagerly around the compiled code, which
-    sees parameters whose storage is filled whenever it runs."""
-    if not cfg.compile:
-        return False
-    print0(layout, "compiling each block with torch.compile (the first steps are slow)")
-    for block in model.blocks.values():
-        block.forward = torch.compile(block.forward)
-    return True
-
-
-def uncompile_blocks(model):
-    """Undo compile_blocks; returns False (the blocks are not compiled any more)."""
-    for block in model.blocks.values():
-        block.__dict__.pop("forward", None)  # Block.forward, the class's own, again
-    return False
 
 
 # -----------------------------------------------------------------------------
@@ -772,32 +673,6 @@ def save_checkpoint(cfg, run, parts, step, converted=False, keep=()):
                            cfg.keep_last_n, keep)
 
 
-def resume(path, cfg, run, parts):
-    """Load the checkpoint at `path` (saved at any layout) into the model, the optimizer and the loss
-    scaler; returns its step. If a rank cannot read it, every rank falls back to the previous complete
-    checkpoint (checkpoint.open_for_resume decides for all of them together)."""
-    reader = checkpoint.open_for_resume(path, run.model_cfg, lambda text: print0(run.layout, text))
-    # ZeRO-3: a unit at a time, keeping this rank's slices
-    for params in parts.grad_sync.unit_by_unit() if cfg.zero_stage == 3 else [None]:
-        checkpoint.load_model(parts.model, reader, params)
-    saved_optimizer = reader.meta["config"].get("optimizer", "adamw")
-    if reader.meta.get("converted_from"):  # a model converted from transformers has no optimizer state
-        print0(run.layout, f"a model converted from {reader.meta['converted_from']}: a fresh optimizer")
-    elif saved_optimizer != cfg.optimizer:  # AdamW's moments are not Muon's momentum, nor the reverse
-        print0(run.layout, f"resume: the checkpoint's optimizer state ({saved_optimizer}) is not loaded: "
-                           f"{cfg.optimizer}'s starts from zero")
-    else:
-        # the states are assembled from whatever pieces were saved (ZeRO-1 or not, any dp): zero_stage can change
-        checkpoint.load_states(parts.optimizer, parts.model, reader)
-    parts.scaler.scale = reader.meta["loss_scale"]
-    extra = reader.rank_state(run.layout.rank)
-    if extra:  # RNG states only mean something for the same rank in the same world
-        torch.set_rng_state(extra["torch_rng"])
-        if "cuda_rng" in extra and torch.cuda.is_available():
-            torch.cuda.set_rng_state(extra["cuda_rng"])
-    return reader.meta["step"], reader.path, reader.meta
-
-
 # -----------------------------------------------------------------------------
 # the loop
 
@@ -820,27 +695,25 @@ def train(cfg, run, resume_path=None):
                   "windows": cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp}
     step = 0
     if resume_path is not None:
-        step, path, saved = resume(resume_path, cfg, run, parts)
+        step, path, saved = checkpoint.resume_run(resume_path, cfg, run, parts, lambda text: print0(layout, text))
         if settings.batch_recipe(saved)["windows"] == run.recipe["windows"]:
             run.recipe = settings.batch_recipe(saved)
         print0(layout, f"resumed from {path} at step {step}" + (f", which is max_iters = {cfg.max_iters} already: "
                        f"nothing to train (raise --max_iters to go on)" if step >= cfg.max_iters else ""))
-        # batch_size is per data-parallel rank: inherited at another dp (or with another accumulation or
-        # context length), the step sees another number of tokens than the checkpoint's run did
-        c, dp = {**settings.DEFAULTS, **saved["config"]}, saved["layout"]["dp"]  # (an older one may lack a key)
-        before = c["batch_size"] * c["gradient_accumulation_steps"] * dp * c["block_size"]
-        if before != tokens_per_step:
-            print0(layout, f"resume: the global batch is now {tokens_per_step:,} tokens per step, the checkpoint's run "
-                           f"had {c['batch_size']} x {c['gradient_accumulation_steps']} micro-batches x dp {dp} x "
-                           f"{c['block_size']} = {before:,} (set batch_size or gradient_accumulation_steps to keep it)")
+        note = settings.global_batch_change(saved, tokens_per_step)
+        if note:
+            print0(layout, note)
     log = metrics.MetricsLog(cfg.out_dir, layout.rank, step if resume_path else None,
-                             open_log_backends(cfg) if layout.rank == 0 else [])
+                             metrics.open_log_backends(cfg) if layout.rank == 0 else [])
     model_flops = metrics.flops_per_token(model_cfg)
     peak, peak_why = metrics.device_peak_flops(cfg.peak_flops, run.dev, run.dtype)
     print0(layout, f"{model_flops / 1e6:.1f} MFLOP per token; peak {f'{peak / 1e12:.3g} TFLOP/s' if peak else 'unknown'} "
                    f"per device ({peak_why})")
     print0(layout, f"global batch: {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro-batches x dp {layout.dp} "
                    f"= {tokens_per_step:,} tokens per step")
+    train_tokens = run.datasets["train"][2]  # the training split's tokens (load_data)
+    if cfg.max_iters * tokens_per_step > 4 * train_tokens:
+        print0(layout, metrics.repeats_warning(cfg.max_iters, tokens_per_step, train_tokens))
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
                                           cfg.gradient_accumulation_steps, run.dev, document_end(model_cfg))
     vote = StopVote(layout, layout.timeout)
@@ -861,11 +734,8 @@ def train(cfg, run, resume_path=None):
             peak_bytes = metrics.measure_step_memory(
                 lambda: out.append(train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)), run.dev)
             (loss, grad_norm), = out
-            measured = memory_rows(layout, rank_plan[layout.pp_rank]["peak"], peak_bytes, step + 1)
-            for row in measured:
-                print0(layout, f"memory rank {row['rank']} (dp {row['dp_rank']} tp {row['tp_rank']} pp {row['pp_rank']}): "
-                               f"predicted {row['predicted_bytes'] / 2**20:,.1f} MiB, measured "
-                               f"{row['measured_bytes'] / 2**20:,.1f} MiB (step {step + 1})")
+            measured = metrics.memory_rows(layout, rank_plan[layout.pp_rank]["peak"], peak_bytes, step + 1)
+            print0(layout, metrics.format_memory_rows(measured))
         else:
             loss, grad_norm = train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)
         step += 1
@@ -886,7 +756,8 @@ def train(cfg, run, resume_path=None):
             elapsed = time.time() - timer
             record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped,
                       "tokens_per_sec": tokens_per_step * timed_steps / elapsed, "ms_per_step": 1000 * elapsed / timed_steps,
-                      "optimizer_state_bytes": optimizer_state_bytes(parts.optimizer)}  # on rank 0
+                      "optimizer_state_bytes": optimizer_state_bytes(parts.optimizer),  # on rank 0
+                      "epoch": step * tokens_per_step / train_tokens}  # passes over the training split so far
             record["mfu"] = metrics.mfu(model_flops, record["tokens_per_sec"], peak, layout.world_size)
             record["peak_mem_bytes"] = metrics.peak_memory_bytes(run.dev, layout)
             if model_cfg.n_expert > 0:
@@ -894,13 +765,7 @@ def train(cfg, run, resume_path=None):
             if measured is not None and step == measured[0]["step"]:
                 record["memory"] = measured  # every rank's predicted and measured peak, once
             eta = (cfg.max_iters - step) * elapsed / timed_steps  # training steps only: evals and saves come on top
-            print0(layout, f"step {step:6d} | loss {loss_value:.4f} | lr {lr:.2e} | grad norm {record['grad_norm']:.3f} | "
-                           f"{record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step | "
-                           f"MFU {metrics.format_mfu(record['mfu'])} | peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB | "
-                           f"eta {metrics.format_duration(eta)}" + (f" | skipped {skipped}" if skipped else "")
-                           + (f" | aux {record['aux_loss']:.4f} dropped {record['moe_dropped_frac']:.3f} | expert load "
-                              f"{record['expert_load_min']:,.0f}-{record['expert_load_max']:,.0f} | all-to-all "
-                              f"{record['a2a_bytes'] / 2**20:,.2f} MiB" if model_cfg.n_expert > 0 else ""))
+            print0(layout, metrics.format_log_line(record, eta, run.dev))
             log.write(record)
             timer, timed_steps, logged = time.time(), 0, step
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or end) and not stopping:
@@ -925,46 +790,14 @@ def train(cfg, run, resume_path=None):
     return parts.model
 
 
-def memory_rows(layout, predicted, measured, step):
-    """[{rank, dp_rank, cp_rank, tp_rank, pp_rank, predicted_bytes, measured_bytes, step}] of every rank."""
-    mine = {"rank": layout.rank, "dp_rank": layout.dp_rank, "cp_rank": layout.cp_rank, "tp_rank": layout.tp_rank,
-            "pp_rank": layout.pp_rank, "predicted_bytes": int(predicted), "measured_bytes": int(measured), "step": step}
-    rows = [mine]
-    if layout.world_size > 1:
-        rows = [None] * layout.world_size
-        dist.all_gather_object(rows, mine)
-    return rows
-
-
 def convert(cfg, run, parts):
     """init_from=<a transformers model folder> with max_iters=0: write the model just loaded as the step-0
-    checkpoint of out_dir, at this launch's layout, and say what each rank read, how long it took and the
-    most memory it held (CUDA allocator peak, or max RSS on CPU: that counts the pages of the memory-mapped
-    safetensors files the rank touched)."""
+    checkpoint of out_dir, at this launch's layout, and say what each rank read and held (import_hf)."""
     start = time.time()
     path = save_checkpoint(cfg, run, parts, 0, converted=True)
-    loaded, layout = parts.loaded, run.layout
-    mine = (layout.rank, loaded.seconds, time.time() - start, loaded.bytes_read, metrics.rank_peak_memory_bytes(run.dev))
-    rows = [mine]
-    if layout.world_size > 1:
-        rows = [None] * layout.world_size
-        dist.all_gather_object(rows, mine)
-    print0(layout, f"converted {run.hf_dir} ({loaded.file_bytes / 2**20:,.1f} MiB of safetensors) to {path}, step 0, "
-                   f"layout dp={layout.dp} x tp={layout.tp} x pp={layout.pp}; resume it with --init_from=resume")
-    for rank, load_s, save_s, read, peak in rows:
-        print0(layout, f"  rank {rank}: read {read / 2**20:,.1f} MiB in {load_s:.2f} s, saved in {save_s:.2f} s, "
-                       f"peak memory {peak / 2**20:,.0f} MiB")
+    print0(run.layout, import_hf.conversion_report(run.layout, run.hf_dir, parts.loaded, time.time() - start, path,
+                                                   metrics.rank_peak_memory_bytes(run.dev)))
     return parts.model
-def open_log_backends(cfg):
-    """metrics.open_log_backends, with a backend that cannot start (W&B without a login, say) stopping the
-    run in one line, before the first step."""
-    try:
-        return metrics.open_log_backends(cfg)
-    except Exception as e:  # each backend raises its own kinds; all mean "cannot log there"
-        first = (str(e).strip().splitlines() or [""])[0]
-        off = " or ".join(f"--{flag}=False" for flag in ("wandb_log", "tensorboard_log") if getattr(cfg, flag))
-        raise ConfigError(f"logging cannot start ({type(e).__name__}: {first}): fix that, or turn it off "
-                          f"({off})") from e
 
 
 def main(argv):

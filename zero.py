@@ -13,7 +13,7 @@ so every micro-batch's gradients are reduce-scattered and added into this rank's
 with m micro-batches, m times ZeRO-1's reduce traffic); each bucket's flat buffer lives only from its first
 gradient until its reduce-scatter has landed (at most two launched buckets are waited for at a time), and
 p.grad is dropped the moment it is copied into its bucket. After the step the updated slices are
-all-gathered, as in ZeRO-1, two buckets at a time.
+all-gathered into the parameters, as in ZeRO-1.
 
 Under a pipeline schedule (parallel.py; pipeline_schedules.py) a micro-batch's gradient of a parameter is
 complete after the backward action that writes it, and that is when it is sent: each action (op, chunk)
@@ -80,7 +80,7 @@ from parallel import ShardedBucket, ShardedGradientBuckets, _all_gather_single, 
 class TransientBucket(ShardedBucket):
     """A sharded bucket whose flat gradient exists only from the first gradient copied in until its
     reduce-scatter has finished; what persists is `grad_shard`, this rank's slice of the mean gradient.
-    `phases`: the backward actions that write its gradients."""
+    `phases`: the backward actions that write its gradients. group=None: not split (one rank owns it all)."""
 
     def __init__(self, params, group):
         super().__init__(params, group)
@@ -104,7 +104,8 @@ class GradientShards(ShardedGradientBuckets):
     parameter that two actions write, alone in its bucket, is sent by backward_done after each.
     `tied` (copies, group): the copies this rank holds of a weight tied across pipeline stages, each alone
     in a bucket, and the group of the stages holding the others: finish() sums their shards over it.
-    `units` (ZeRO-3): lists of parameters, one bucket each, each of one phase."""
+    `units` (ZeRO-3): lists of parameters, one bucket each, each of one phase. group=None: not split (one
+    rank holds every shard; nothing is sent)."""
 
     def __init__(self, params, group, bucket_size_mb=25.0, phases=None, tied=((), None), units=None):
         self.phases, self.units = phases, units
@@ -232,7 +233,8 @@ class GradientShards(ShardedGradientBuckets):
 class Unit(TransientBucket):
     """ZeRO-3's bucket: also a unit of parameters, `param_shard` the elements this rank stores, `param_full`
     the gathered whole (its storage empty between uses), `gather` its state (None: empty, a request:
-    gathering, True: whole), `keep_whole` for the root unit, `in_backward` while its block's backward runs."""
+    gathering, True: whole), `keep_whole` for the root unit, `in_backward` while its block's backward runs.
+    group=None: not split (the shard is the whole unit)."""
 
     def __init__(self, params, group):
         super().__init__(params, group)
@@ -247,7 +249,8 @@ class FullyShardedParameters(GradientShards):
     units (one per phase: a split backward's B and W parts) are gathered and freed together. `chunk` is the
     model chunk the block runs in (the model's forward takes chunk=c): a block prefetches the next block of
     its own chunk only, the one that runs next. Moves each unit's parameters into its flat shards and
-    registers the hooks on the blocks and on `model`. `phases` and `tied` as GradientShards'."""
+    registers the hooks on the blocks and on `model`. `phases` and `tied` as GradientShards'. group=None:
+    not split (one rank holds every shard, and gathering a unit is copying it)."""
 
     def __init__(self, params, group, units, model, phases=None, tied=((), None)):
         super().__init__(params, group, phases=phases, tied=tied, units=[ps for _, ps, _ in units])

@@ -52,7 +52,7 @@ def install_crash(stage, at_step, crash_rank, marker=None):
         os._exit(CRASH_EXIT_CODE)
 
     if stage in ("after_step", "sigterm", "sigstop"):
-        resume, train_step, step = train.resume, train.train_step, [0]
+        resume, train_step, step = checkpoint.resume_run, train.train_step, [0]
 
         def resume_counting(*args, **kwargs):
             out = resume(*args, **kwargs)
@@ -65,7 +65,7 @@ def install_crash(stage, at_step, crash_rank, marker=None):
             if here and step[0] == at_step:
                 crash()
             return out
-        train.resume, train.train_step = resume_counting, train_step_then_crash
+        checkpoint.resume_run, train.train_step = resume_counting, train_step_then_crash
     elif stage == "mid_save":
         save, gather, saving = checkpoint.save, checkpoint._gather, [None]
 

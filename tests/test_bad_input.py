@@ -325,7 +325,7 @@ def test_a_logging_backend_that_cannot_start_is_one_line(token_dir, tmp_path, mo
 
     def no_login(cfg):  # what wandb.init raises without a login, but without trying the network
         raise RuntimeError("No API key configured. Use `wandb login` to log in.\nmore detail")
-    monkeypatch.setattr(metrics, "open_log_backends", no_login)
+    monkeypatch.setattr(metrics, "WandbLog", no_login)
     line = error_of(train.main, [f"--data_dir={token_dir}", f"--out_dir={tmp_path}", *TINY, "--wandb_log=True"])
     assert line == ("error: logging cannot start (RuntimeError: No API key configured. Use `wandb login` to log in.): "
                     "fix that, or turn it off (--wandb_log=False)")
@@ -411,17 +411,17 @@ def _two_rank_cases(rank, world_size, cases):
                         raise checkpoint.CheckpointError(f"checkpoint {path}: rank00000.pt cannot be read (here only)")
                     return reader(path)
                 checkpoint.CheckpointReader = failing_reader
-            resumed, resume = [], train.resume
+            resumed, resume = [], checkpoint.resume_run
 
             def recording_resume(*args):
                 result = resume(*args)
                 resumed.append(result[0])  # the step this rank resumed
                 return result
-            train.resume = recording_resume
+            checkpoint.resume_run = recording_resume
             try:
                 results[name] = (*_main_on_every_rank(argv), resumed)
             finally:
-                train.resume = resume
+                checkpoint.resume_run = resume
                 if name == "fallback" and rank == 1:
                     checkpoint.CheckpointReader = reader
         return results

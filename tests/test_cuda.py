@@ -173,7 +173,7 @@ def test_fused_adamw_resumes_on_the_device(tmp_path, record_property):
     straight, _ = train_steps(cfg, run, first, 3, first=3)
 
     second = train.build(cfg, run)
-    step, _ = train.resume(path, run, second)
+    step, _, _ = checkpoint.resume_run(path, cfg, run, second)
     assert step == 3 and checkpoint.adamw_step_count(second.optimizer) == 3
     for name, p in second.model.named_parameters():
         state = second.optimizer.state[p]
