@@ -74,7 +74,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from parallel import ShardedBucket, ShardedGradientBuckets, _all_gather_single, _reduce_scatter_single
+from parallel import (ShardedBucket, ShardedGradientBuckets, _all_gather_single, _reduce_scatter_single,
+                      reduces_by_all_reduce)
 
 
 class TransientBucket(ShardedBucket):
@@ -192,6 +193,8 @@ class GradientShards(ShardedGradientBuckets):
         bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
         if bucket.world == 1:
             bucket.shard.copy_(bucket.flat)
+        elif reduces_by_all_reduce(bucket.group):  # (gloo) the sum lands in flat; settle() keeps this rank's slice
+            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
         else:
             bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=bucket.group, async_op=True)
         self.in_flight.append(bucket)
@@ -204,6 +207,9 @@ class GradientShards(ShardedGradientBuckets):
             return
         if bucket.work is not None:
             bucket.work.wait()  # sync point: the flat gradient can only be freed once it is sent
+            if bucket.world > 1 and reduces_by_all_reduce(bucket.group):
+                lo, hi = bucket.owned()
+                bucket.shard.copy_(bucket.flat[lo:hi])
         bucket.shard.div_(self.replicas)  # the sum over ranks / dp = the mean over the global batch
         bucket.grad_shard = bucket.shard if bucket.grad_shard is None else bucket.grad_shard.add_(bucket.shard)
         bucket.flat = bucket.shard = bucket.work = None
