@@ -3,18 +3,21 @@
 run_ranks(fn, world_size, *args) runs fn(rank, world_size, *args) in world_size fresh processes with
 torch.distributed initialised (gloo) and returns each rank's return value, in rank order.
 run_train(argv, nproc) runs train.py under torchrun and returns the records of its metrics.jsonl;
-train_in_process(argv) runs a one-process train.main here.
+train_in_process(argv) runs a one-process train.main here; train_on_ranks(runs, nproc) runs several train.py
+runs one after another in one launch.
 make_token_data(dir) writes small random token bins with a meta.json, as prepare_data.py would.
 assert_same_losses_and_norms, assert_same_tensors: the equivalence rule (a run against its one-process
 reference), with the tolerances below; each returns the largest differences it found. checkpoint_weights and
 checkpoint_optimizer_states read a checkpoint's weights and optimizer states at one process.
 """
+import io
 import json
 import os
 import socket
 import subprocess
 import sys
 import traceback
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +97,31 @@ def train_in_process(argv):
     torch. Returns the records of its metrics.jsonl."""
     train.main(list(argv))
     return read_records(argv)
+
+
+def _train_runs(rank, world_size, runs):
+    """run_ranks' worker for train_on_ranks: each run's configure_run, setup and train on the process group
+    the worker already has (train.main would tear it down after the first run). Returns rank 0's stdout of
+    each run."""
+    outputs = []
+    for argv in runs:
+        with redirect_stdout(io.StringIO()) as out:
+            cfg, notes, resume_path = train.configure_run(argv)
+            if notes and rank == 0:
+                print("\n".join(notes))
+            train.train(cfg, train.setup(cfg), resume_path)
+        outputs.append(out.getvalue())
+        dist.barrier()
+    return outputs
+
+
+def train_on_ranks(runs, nproc, timeout=600):
+    """train.py's runs (argv lists) one after another in one launch of nproc processes (run_ranks): the
+    start-up of the processes and of torch is paid once, where torchrun pays it for every run. A run may
+    resume a checkpoint that an earlier one of the list saved. Returns each run's (records of its
+    metrics.jsonl, rank 0's stdout)."""
+    outputs = run_ranks(_train_runs, nproc, [list(argv) for argv in runs], timeout=timeout)[0]
+    return [(read_records(argv), out) for argv, out in zip(runs, outputs)]
 
 
 def read_records(argv):
