@@ -197,7 +197,7 @@ def assert_same_losses_and_norms(records, reference, label=None, rtol=None, eval
     difference} of the keys compared."""
     trained = {r["step"] for r in records if "loss" in r}
     worst = {}
-    for key, rtol in ((key, rtol or default) for key, default in LOGGED):
+    for key, tolerance in ((key, rtol or default) for key, default in LOGGED):
         got = {r["step"]: r[key] for r in records if key in r}
         want = {r["step"]: r[key] for r in reference if key in r}
         if key in ("loss", "grad_norm") or (key == "train_loss" and evaluated):
@@ -209,10 +209,10 @@ def assert_same_losses_and_norms(records, reference, label=None, rtol=None, eval
         assert set(got) <= set(want), f"{key} logged at steps {sorted(set(got) - set(want))}, not in the reference"
         diffs = {s: abs(v - want[s]) / max(abs(want[s]), 1e-12) for s, v in got.items()}
         step = max(diffs, key=diffs.get)
-        _report(key, diffs[step], f"step {step}", rtol, label)
-        assert diffs[step] <= rtol, (f"{label + ': ' if label else ''}{key} differs from one process by "
-                                     f"{diffs[step]:.2e} relative at step {step} (tolerance {rtol:.0e}): "
-                                     f"{[got[s] for s in sorted(got)]} against {[want[s] for s in sorted(got)]}")
+        _report(key, diffs[step], f"step {step}", tolerance, label)
+        assert diffs[step] <= tolerance, (f"{label + ': ' if label else ''}{key} differs from one process by "
+                                          f"{diffs[step]:.2e} relative at step {step} (tolerance {tolerance:.0e}): "
+                                          f"{[got[s] for s in sorted(got)]} against {[want[s] for s in sorted(got)]}")
         worst[key] = diffs[step]
     return worst
 
