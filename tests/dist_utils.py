@@ -13,11 +13,12 @@ checkpoint_optimizer_states read a checkpoint's weights and optimizer states at 
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import traceback
-from contextlib import redirect_stdout
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import checkpoint
+import metrics
 import train
 from model import Transformer, model_config_from
 
@@ -92,10 +94,26 @@ def run_train(argv, nproc=1, check=True, env=None, timeout=600, script="train.py
     return read_records(argv), proc
 
 
+@contextmanager
+def without_memory_measurement():
+    """train.py's first step without its memory measurement (metrics.measure_step_memory, which
+    tests/test_memory.py tests through bench.py, and tests/test_bench.py through train.main): on CPU its
+    tracker sees every tensor op of the step and sums every live storage of the process after each one, which
+    made a tiny mixture of experts' run ten times slower, and more in the test process, which holds the
+    tensors of other tests. It only observes: the run is the same."""
+    measure = metrics.measure_step_memory
+    metrics.measure_step_memory = lambda step, dev: step() or 0
+    try:
+        yield
+    finally:
+        metrics.measure_step_memory = measure
+
+
 def train_in_process(argv):
-    """train.main(argv) in this process: a one-process run without the start-up of another interpreter and
-    torch. Returns the records of its metrics.jsonl."""
-    train.main(list(argv))
+    """train.main(argv) in this process, without the memory measurement: a one-process run without the
+    start-up of another interpreter and torch. Returns the records of its metrics.jsonl."""
+    with without_memory_measurement():
+        train.main(list(argv))
     return read_records(argv)
 
 
@@ -104,8 +122,12 @@ def _train_runs(rank, world_size, runs):
     the worker already has (train.main would tear it down after the first run). Returns rank 0's stdout of
     each run."""
     outputs = []
-    for argv in runs:
-        with redirect_stdout(io.StringIO()) as out:
+    for argv, copy_from in runs:
+        if copy_from is not None and rank == 0:
+            out_dir = next(a.split("=", 1)[1] for a in argv if a.startswith("--out_dir="))
+            shutil.copytree(copy_from, os.path.join(out_dir, os.path.basename(copy_from)))
+        dist.barrier()
+        with redirect_stdout(io.StringIO()) as out, without_memory_measurement():
             cfg, notes, resume_path = train.configure_run(argv)
             if notes and rank == 0:
                 print("\n".join(notes))
@@ -116,12 +138,14 @@ def _train_runs(rank, world_size, runs):
 
 
 def train_on_ranks(runs, nproc, timeout=600):
-    """train.py's runs (argv lists) one after another in one launch of nproc processes (run_ranks): the
-    start-up of the processes and of torch is paid once, where torchrun pays it for every run. A run may
-    resume a checkpoint that an earlier one of the list saved. Returns each run's (records of its
+    """train.py's runs one after another in one launch of nproc processes (run_ranks), without the memory
+    measurement: the start-up of the processes and of torch is paid once, where torchrun pays it for every
+    run. Each run is an argv list, or (argv, a checkpoint folder that rank 0 copies into the run's out_dir
+    before it starts: one an earlier run of the launch saved). Returns each run's (records of its
     metrics.jsonl, rank 0's stdout)."""
-    outputs = run_ranks(_train_runs, nproc, [list(argv) for argv in runs], timeout=timeout)[0]
-    return [(read_records(argv), out) for argv, out in zip(runs, outputs)]
+    runs = [(list(run), None) if isinstance(run, list) else (list(run[0]), str(run[1])) for run in runs]
+    outputs = run_ranks(_train_runs, nproc, runs, timeout=timeout)[0]
+    return [(read_records(argv), out) for (argv, _), out in zip(runs, outputs)]
 
 
 def read_records(argv):
