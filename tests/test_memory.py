@@ -1,9 +1,9 @@
 """The memory planner (memory_plan.plan_memory) against the measured peak of every rank, and ZeRO-2/3's
 per-rank bytes.
 
-Each layout runs bench.py (its main, on every rank of one launch), whose RESULT line carries, per rank, the planner's peak for that rank's stage and
-the peak measured on one untimed step (on CPU metrics.LiveTensorBytes: live tensor storages). The suite
-runs a small-vocabulary set of layouts; `python tests/test_memory.py --measure` runs the benchmark's larger
+Each layout runs bench.py (its main, on every rank of one launch), whose RESULT line carries, per rank, the
+planner's peak for that rank's stage and the peak measured on one untimed step (on CPU
+metrics.LiveTensorBytes: live tensor storages). The suite runs a small-vocabulary set of layouts; `python tests/test_memory.py --measure` runs the benchmark's larger
 set (dp, tp, pp with both schedules, ZeRO 0/1/2/3, activation checkpointing, MoE, and one dominated by
 parameters and optimizer state) and prints predicted vs measured per rank, and the worst error.
 """
