@@ -3,18 +3,22 @@
 run_ranks(fn, world_size, *args) runs fn(rank, world_size, *args) in world_size fresh processes with
 torch.distributed initialised (gloo) and returns each rank's return value, in rank order.
 run_train(argv, nproc) runs train.py under torchrun and returns the records of its metrics.jsonl;
-train_in_process(argv) runs a one-process train.main here.
+train_in_process(argv) runs a one-process train.main here; train_on_ranks(runs, nproc) runs several train.py
+runs one after another in one launch.
 make_token_data(dir) writes small random token bins with a meta.json, as prepare_data.py would.
 assert_same_losses_and_norms, assert_same_tensors: the equivalence rule (a run against its one-process
 reference), with the tolerances below; each returns the largest differences it found. checkpoint_weights and
 checkpoint_optimizer_states read a checkpoint's weights and optimizer states at one process.
 """
+import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import traceback
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import checkpoint
+import metrics
 import train
 from model import Transformer, model_config_from
 
@@ -89,11 +94,58 @@ def run_train(argv, nproc=1, check=True, env=None, timeout=600, script="train.py
     return read_records(argv), proc
 
 
+@contextmanager
+def without_memory_measurement():
+    """train.py's first step without its memory measurement (metrics.measure_step_memory, which
+    tests/test_memory.py tests through bench.py, and tests/test_bench.py through train.main): on CPU its
+    tracker sees every tensor op of the step and sums every live storage of the process after each one, which
+    made a tiny mixture of experts' run ten times slower, and more in the test process, which holds the
+    tensors of other tests. It only observes: the run is the same."""
+    measure = metrics.measure_step_memory
+    metrics.measure_step_memory = lambda step, dev: step() or 0
+    try:
+        yield
+    finally:
+        metrics.measure_step_memory = measure
+
+
 def train_in_process(argv):
-    """train.main(argv) in this process: a one-process run without the start-up of another interpreter and
-    torch. Returns the records of its metrics.jsonl."""
-    train.main(list(argv))
+    """train.main(argv) in this process, without the memory measurement: a one-process run without the
+    start-up of another interpreter and torch. Returns the records of its metrics.jsonl."""
+    with without_memory_measurement():
+        train.main(list(argv))
     return read_records(argv)
+
+
+def _train_runs(rank, world_size, runs):
+    """run_ranks' worker for train_on_ranks: each run's configure_run, setup and train on the process group
+    the worker already has (train.main would tear it down after the first run). Returns rank 0's stdout of
+    each run."""
+    outputs = []
+    for argv, copy_from in runs:
+        if copy_from is not None and rank == 0:
+            out_dir = next(a.split("=", 1)[1] for a in argv if a.startswith("--out_dir="))
+            shutil.copytree(copy_from, os.path.join(out_dir, os.path.basename(copy_from)))
+        dist.barrier()
+        with redirect_stdout(io.StringIO()) as out, without_memory_measurement():
+            cfg, notes, resume_path = train.configure_run(argv)
+            if notes and rank == 0:
+                print("\n".join(notes))
+            train.train(cfg, train.setup(cfg), resume_path)
+        outputs.append(out.getvalue())
+        dist.barrier()
+    return outputs
+
+
+def train_on_ranks(runs, nproc, timeout=600):
+    """train.py's runs one after another in one launch of nproc processes (run_ranks), without the memory
+    measurement: the start-up of the processes and of torch is paid once, where torchrun pays it for every
+    run. Each run is an argv list, or (argv, a checkpoint folder that rank 0 copies into the run's out_dir
+    before it starts: one an earlier run of the launch saved). Returns each run's (records of its
+    metrics.jsonl, rank 0's stdout)."""
+    runs = [(list(run), None) if isinstance(run, list) else (list(run[0]), str(run[1])) for run in runs]
+    outputs = run_ranks(_train_runs, nproc, runs, timeout=timeout)[0]
+    return [(read_records(argv), out) for (argv, _), out in zip(runs, outputs)]
 
 
 def read_records(argv):
@@ -169,7 +221,7 @@ def assert_same_losses_and_norms(records, reference, label=None, rtol=None, eval
     difference} of the keys compared."""
     trained = {r["step"] for r in records if "loss" in r}
     worst = {}
-    for key, rtol in ((key, rtol or default) for key, default in LOGGED):
+    for key, tolerance in ((key, rtol or default) for key, default in LOGGED):
         got = {r["step"]: r[key] for r in records if key in r}
         want = {r["step"]: r[key] for r in reference if key in r}
         if key in ("loss", "grad_norm") or (key == "train_loss" and evaluated):
@@ -181,10 +233,10 @@ def assert_same_losses_and_norms(records, reference, label=None, rtol=None, eval
         assert set(got) <= set(want), f"{key} logged at steps {sorted(set(got) - set(want))}, not in the reference"
         diffs = {s: abs(v - want[s]) / max(abs(want[s]), 1e-12) for s, v in got.items()}
         step = max(diffs, key=diffs.get)
-        _report(key, diffs[step], f"step {step}", rtol, label)
-        assert diffs[step] <= rtol, (f"{label + ': ' if label else ''}{key} differs from one process by "
-                                     f"{diffs[step]:.2e} relative at step {step} (tolerance {rtol:.0e}): "
-                                     f"{[got[s] for s in sorted(got)]} against {[want[s] for s in sorted(got)]}")
+        _report(key, diffs[step], f"step {step}", tolerance, label)
+        assert diffs[step] <= tolerance, (f"{label + ': ' if label else ''}{key} differs from one process by "
+                                          f"{diffs[step]:.2e} relative at step {step} (tolerance {tolerance:.0e}): "
+                                          f"{[got[s] for s in sorted(got)]} against {[want[s] for s in sorted(got)]}")
         worst[key] = diffs[step]
     return worst
 

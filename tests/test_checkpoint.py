@@ -1,6 +1,6 @@
 """Sharded checkpoints: atomic, pruned, resharded on resume, and surviving a rank that dies mid-step or
-mid-save; and the dp2 x tp2 x pp2 run whose checkpoints the resharding tests resume, which must itself equal
-one process.
+mid-save. (The dp2 x tp2 x pp2 ZeRO-3 run whose checkpoints the resharding tests resume is itself held to one
+process by the equivalence matrix, tests/matrix.py's dp2-tp2-pp2, which also resumes one at one process.)
 
 The reference is one process that trains without interruption on the same global batch (batch_size 4 x 2
 micro-batches; runs with 2 replicas take batch_size 2, with 4 replicas 1): every other run, resumed or not,
@@ -16,7 +16,7 @@ import torch
 
 import checkpoint
 from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights,
-                        run_train)
+                        run_train, train_in_process, train_on_ranks)
 
 TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
         "--log_interval=1", "--eval_interval=1", "--eval_iters=1", "--warmup_iters=2", "--lr_decay_iters=10",
@@ -93,65 +93,79 @@ def test_a_checkpoint_that_is_not_there_is_named_with_the_list_of_those_that_are
 
 @pytest.fixture(scope="module")
 def uninterrupted(data_dir, tmp_path_factory):
-    """One process, 10 steps, checkpoints at steps 5 and 10: the reference records and weights."""
+    """One process, 10 steps, checkpoints at steps 5 and 10, here in the test process: the reference records
+    and weights."""
     out = str(tmp_path_factory.mktemp("ref"))
-    records, _ = run_train(TINY + ONE_RANK + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=10",
-                                             "--checkpoint_interval=5"])
+    records = train_in_process(TINY + ONE_RANK + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=10",
+                                                  "--checkpoint_interval=5"])
     return records, out
+
+
+RESUMES = {  # name: (processes, the layout the step-3 checkpoint of the dp2 x tp2 x pp2 run resumes at)
+    "dp1_tp2_pp2_zero1": (4, ONE_RANK + ["--tp=2", "--pp=2", "--zero_stage=1"]),  # the joined moments cut again
+    "dp4_tp1_pp2_zero3": (8, ["--batch_size=1", "--tp=1", "--pp=2", "--zero_stage=3"]),  # 2 ZeRO-3 shards cut into 4
+}
+
+
+def resume_argv(data_dir, out, layout):
+    """A resume to step 5 in out, where a later save that never completed (its .tmp folder was never renamed)
+    must be ignored."""
+    os.makedirs(out / "ckpt_0000004.tmp")
+    (out / "ckpt_0000004.tmp" / "rank00000.pt").write_bytes(b"partial")
+    return TINY + layout + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=5", "--checkpoint_interval=5",
+                            "--init_from=resume"]
 
 
 @pytest.fixture(scope="module")
-def run_3d(data_dir, tmp_path_factory):
-    """5 steps at dp2 x tp2 x pp2 with ZeRO-3 (tied embeddings: their shards summed across the two stages)
-    and activation checkpointing (each block gathered again for its recompute), checkpoints at steps 3 and
-    5: each of the 8 ranks saves its own part of the weights and of the Adam moments. (ZeRO-1 at several
-    axes: tests/test_context_parallel.py's cp2_dp2_zero1 and the resumes below.)"""
-    out = str(tmp_path_factory.mktemp("dp2_tp2_pp2"))
-    records, proc = run_train(TINY + TWO_REPLICAS + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=5",
-                                                     "--checkpoint_interval=3", "--tp=2", "--pp=2", "--zero_stage=3",
-                                                     "--activation_checkpointing=True"],
-                              nproc=8)
-    assert "dp=2 x tp=2 x pp=2" in proc.stdout
-    return records, out
+def eight_ranks(data_dir, tmp_path_factory):
+    """One launch of 8 processes: 5 steps at dp2 x tp2 x pp2 with ZeRO-3 (tied embeddings: their shards summed
+    across the two stages) and activation checkpointing (each block gathered again for its recompute),
+    checkpoints at steps 3 and 5, each of the 8 ranks saving its own part of the weights and of the Adam
+    moments; then the resumes of RESUMES at 8 processes from its step-3 checkpoint. {"3d": (records, out_dir,
+    stdout), name: ...}."""
+    out = tmp_path_factory.mktemp("dp2_tp2_pp2")
+    outs = {"3d": out, **{name: tmp_path_factory.mktemp(name) for name, (n, _) in RESUMES.items() if n == 8}}
+    runs = [TINY + TWO_REPLICAS + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=5",
+                                   "--checkpoint_interval=3", "--tp=2", "--pp=2", "--zero_stage=3",
+                                   "--activation_checkpointing=True"]]
+    runs += [(resume_argv(data_dir, outs[name], RESUMES[name][1]), out / "ckpt_0000003") for name in list(outs)[1:]]
+    results = {name: (records, outs[name], stdout) for name, (records, stdout) in zip(outs, train_on_ranks(runs, 8))}
+    stdout = results["3d"][2]
+    assert "dp=2 x tp=2 x pp=2" in stdout and "ZeRO-3: the gradients are reduce-scattered" in stdout
+    return results
 
 
-def test_dp2_tp2_pp2_zero3_gives_the_losses_and_final_weights_of_one_process(run_3d, uninterrupted):
-    (records, out), (ref_records, ref_out) = run_3d, uninterrupted
-    # the logged norm is the global one (every dp shard, tp slice and pp stage), the norm that was clipped
-    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
-    assert_same_losses_and_norms(records, ref_records)
-    assert_same_tensors(checkpoint_weights(os.path.join(out, "ckpt_0000005")),
-                        checkpoint_weights(os.path.join(ref_out, "ckpt_0000005")))
+@pytest.fixture(scope="module")
+def four_ranks(eight_ranks, uninterrupted, data_dir, tmp_path_factory):
+    """One launch of 4 processes: the resumes of RESUMES at 4 processes from the dp2 x tp2 x pp2 run's step-3
+    checkpoint, then one process's step-5 checkpoint resumed at dp4 with ZeRO-3 to step 7. {name: (records,
+    out_dir, stdout)}, the last "one_process_to_dp4_zero3"."""
+    outs = {name: tmp_path_factory.mktemp(name) for name, (n, _) in RESUMES.items() if n == 4}
+    runs = [(resume_argv(data_dir, outs[name], RESUMES[name][1]), eight_ranks["3d"][1] / "ckpt_0000003")
+            for name in outs]
+    outs["one_process_to_dp4_zero3"] = out = tmp_path_factory.mktemp("one_process_to_dp4_zero3")
+    runs.append((TINY + ["--batch_size=1", f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=7",
+                         "--checkpoint_interval=7", "--init_from=resume", "--zero_stage=3"],
+                 os.path.join(uninterrupted[1], "ckpt_0000005")))
+    return {name: (records, outs[name], stdout) for name, (records, stdout) in zip(outs, train_on_ranks(runs, 4))}
 
 
-@pytest.mark.parametrize("layout, nproc", [
-    (ONE_RANK + ["--tp=1", "--pp=1", "--zero_stage=0"], 1),  # the 2 weight and moment shards (and tp slices) joined
-    (ONE_RANK + ["--tp=2", "--pp=2", "--zero_stage=1"], 4),  # ZeRO-1: the joined moments cut again, one replica
-    (["--batch_size=1", "--tp=1", "--pp=2", "--zero_stage=3"], 8),  # dp4: the 2 weight and moment shards cut into 4
-], ids=["dp1_tp1_pp1_zero0", "dp1_tp2_pp2_zero1", "dp4_tp1_pp2_zero3"])
-def test_dp2_tp2_pp2_zero3_checkpoint_resumes_at_another_layout(layout, nproc, run_3d, uninterrupted, data_dir,
-                                                                tmp_path):
-    shutil.copytree(os.path.join(run_3d[1], "ckpt_0000003"), tmp_path / "ckpt_0000003")
-    # a later save that never completed (its .tmp folder was never renamed) must be ignored
-    os.makedirs(tmp_path / "ckpt_0000004.tmp")
-    (tmp_path / "ckpt_0000004.tmp" / "rank00000.pt").write_bytes(b"partial")
-    records, proc = run_train(TINY + layout + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=5",
-                                               "--checkpoint_interval=5", "--init_from=resume"], nproc=nproc)
-    assert f"resumed from {tmp_path / 'ckpt_0000003'} at step 3" in proc.stdout
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_dp2_tp2_pp2_zero3_checkpoint_resumes_at_another_layout(name, request, uninterrupted):
+    launch = request.getfixturevalue("eight_ranks" if RESUMES[name][0] == 8 else "four_ranks")
+    records, out, stdout = launch[name]
+    assert f"resumed from {out / 'ckpt_0000003'} at step 3" in stdout
     assert [r["step"] for r in records if "loss" in r] == [4, 5]
     ref_records, ref_out = uninterrupted
     assert_same_losses_and_norms(records, ref_records)
-    assert_same_tensors(checkpoint_weights(tmp_path / "ckpt_0000005"),
+    assert_same_tensors(checkpoint_weights(out / "ckpt_0000005"),
                         checkpoint_weights(os.path.join(ref_out, "ckpt_0000005")))
 
 
-def test_a_one_process_checkpoint_resumes_at_dp4_zero3(uninterrupted, data_dir, tmp_path):
+def test_a_one_process_checkpoint_resumes_at_dp4_zero3(four_ranks, uninterrupted):
     """The reverse: whole weights and moments, from one process, cut into four ZeRO-3 shards."""
-    shutil.copytree(os.path.join(uninterrupted[1], "ckpt_0000005"), tmp_path / "ckpt_0000005")
-    records, proc = run_train(TINY + ["--batch_size=1", f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
-                                      "--max_iters=7", "--checkpoint_interval=7", "--init_from=resume",
-                                      "--zero_stage=3"], nproc=4)
-    assert "dp=4 x tp=1 x pp=1" in proc.stdout
+    records, _, stdout = four_ranks["one_process_to_dp4_zero3"]
+    assert "dp=4 x tp=1 x pp=1" in stdout
     assert [r["step"] for r in records if "loss" in r] == [6, 7]
     ref_records, _ = uninterrupted
     assert_same_losses_and_norms(records, ref_records)
@@ -195,3 +209,8 @@ def test_a_run_whose_rank_dies_mid_save_then_mid_run_resumes_to_the_uninterrupte
     assert_same_losses_and_norms(records, ref_records)
     assert_same_tensors(checkpoint_weights(out / "ckpt_0000010"),
                         checkpoint_weights(os.path.join(ref_out, "ckpt_0000010")))
+    # the optimizer state rank 0 logged: both AdamW moments of every parameter at ZeRO-0 (steps 1-2), half of
+    # them from the resume with ZeRO-1 on (steps 3-10: the saved moments cut into the replicas' shards)
+    full = 2 * 4 * sum(p.numel() for p in checkpoint_weights(os.path.join(ref_out, "ckpt_0000010")).values())
+    state = {r["step"]: r["optimizer_state_bytes"] for r in records if "optimizer_state_bytes" in r}
+    assert state == pytest.approx({s: full if s <= 2 else full / 2 for s in range(1, 11)}, rel=0.01)

@@ -7,11 +7,13 @@ fp32 on CPU with gloo.
   the model at cp 2, 4   Llama/GQA, MLA, soft-capping, MoE with capacity dropping: logits, loss and every
                          gradient against the unsplit model, and five training steps through train.py's
                          own build and train_step (losses, gradient norms, final weights)
-  cp composed            cp2 x tp2 (with and without sequence parallelism), cp2 x pp2, cp2 x dp2 with
-                         ZeRO-1, and tp2 x pp2 with sequence parallelism, five steps each
+  cp composed            cp2 x tp2 and cp2 x dp2 with ZeRO-3, five steps each
   sequence parallelism   at tp 2 and 4, every variant, against tensor parallelism without it
-  train.py               the 8-rank cp2 x tp2 x pp2 run against one process, its checkpoint resumed at
-                         cp = 1, and a cp = 1 checkpoint resumed at cp = 2
+  train.py               a one-process checkpoint resumed at cp = 2, and that run's checkpoint resumed at
+                         one process
+
+train.py at cp = 2 composed with tp (sequence parallel or not), pp, dp and ZeRO, activation checkpointing
+and document masking, against one process: the equivalence matrix (tests/matrix.py).
 
 The distributed numerics share two launches, one of 2 ranks and one of 4, that build every layout in turn
 (module fixtures); each test reads its part. The one-process references are computed here, in the test
@@ -21,7 +23,6 @@ process, with the same functions at a layout of one rank.
                                                                      attention work, ring bytes per step
 """
 import math
-import os
 import shutil
 import sys
 import time
@@ -40,7 +41,7 @@ import parallel
 import settings
 import train
 from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, gather_full, run_ranks,
-                        run_train)
+                        train_in_process, train_on_ranks)
 from model import ModelConfig, Transformer, check_layout, choose_attn_impl, model_config_from
 import context_parallel
 from context_parallel import (attention_work, check_context_split, ring_attention, ring_attention_bytes,
@@ -167,14 +168,11 @@ CP_VARIANTS = {
 STEP_SETTINGS = dict(TINY, device="cpu", dtype="float32", batch_size=2, gradient_accumulation_steps=2,
                      learning_rate=1e-2, warmup_iters=1, lr_decay_iters=10, bucket_size_mb=0.01, seed=SEED)
 # the composed layouts of the 4-rank launch, with the settings each changes (dp2 takes half the windows
-# per rank, so the global batch stays the reference's 4 windows)
+# per rank, so the global batch stays the reference's 4 windows; cp with sequence parallelism, pp and ZeRO-1:
+# the equivalence matrix)
 COMPOSED = {
     "cp2_tp2": dict(cp=2, tp=2),
-    "cp2_tp2_sequence_parallel": dict(cp=2, tp=2, sequence_parallel=True),
-    "cp2_pp2": dict(cp=2, pp=2),
-    "cp2_dp2_zero1": dict(cp=2, dp=2, zero_stage=1, batch_size=1),
     "cp2_dp2_zero3": dict(cp=2, dp=2, zero_stage=3, batch_size=1),
-    "tp2_pp2_sequence_parallel": dict(tp=2, pp=2, sequence_parallel=True),
 }
 
 
@@ -290,11 +288,7 @@ def _launch(rank, world_size):
     out["steps"] = {f"cp{world_size}_{name}": five_steps(cp, overrides) for name, overrides in CP_VARIANTS.items()}
     tp = ParallelLayout(1, world_size, 1, world_size, rank)
     out["sequence_parallel"] = sequence_parallel_against_tp(tp)
-    if world_size == 2:
-        out["steps"]["tp2_sequence_parallel"] = five_steps(tp, sequence_parallel=True)
-        # each block recomputed in backward: the ring's forward runs again there, messages and all
-        out["steps"]["cp2_activation_checkpointing"] = five_steps(cp, activation_checkpointing=True)
-    else:
+    if world_size == 4:
         for name, layout in COMPOSED.items():
             sizes = {k: layout.get(k, 1) for k in ("dp", "cp", "tp", "pp")}
             grid = ParallelLayout(sizes["dp"], sizes["tp"], sizes["pp"], world_size, rank, cp=sizes["cp"])
@@ -529,12 +523,8 @@ def test_five_training_steps_at_cp_equal_one_process(launch, variant):
     assert_same_steps(ranks, f"cp{cp}_{variant}", reference_steps(CP_VARIANTS[variant]))
 
 
-def test_five_training_steps_at_cp2_with_activation_checkpointing_equal_one_process(launch2):
-    assert_same_steps(launch2, "cp2_activation_checkpointing", reference_steps())
-
-
 @pytest.mark.parametrize("layout", list(COMPOSED))
-def test_cp_composed_with_tp_pp_and_dp_zero1_equals_one_process(launch4, layout):
+def test_cp_composed_with_tp_and_with_dp_zero3_equals_one_process(launch4, layout):
     extra = {k: v for k, v in COMPOSED[layout].items() if k == "batch_size"}
     # dp2 halves the windows per rank: the reference takes the same global batch of 4 windows
     reference = reference_steps(batch_size=2) if extra else reference_steps()
@@ -581,10 +571,6 @@ def test_sequence_parallel_equals_tensor_parallel_without_it(request, launch_nam
         assert e["grad"] < MODEL_TOL, f"tp={tp} {variant} rank {rank}: {e['worst']}'s gradient off by {e['grad']:.1e}"
 
 
-def test_five_training_steps_with_sequence_parallelism_at_tp2_equal_one_process(launch2):
-    assert_same_steps(launch2, "tp2_sequence_parallel", reference_steps())
-
-
 def test_sequence_parallel_at_tp1_and_lengths_that_do_not_split_are_refused():
     cfg = ModelConfig(**TINY)
     with pytest.raises(ValueError, match=r"sequence_parallel=True needs tp > 1"):
@@ -610,29 +596,33 @@ def test_make_config_checks_the_cp_layout(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# train.py: the 8-rank cp2 x tp2 x pp2 run (ZeRO-1 over the cp ranks) against one process, and resuming
-# across cp. Each run logs every step; checkpoints at steps 3 and 6.
+# train.py: a checkpoint resumed across cp, both ways. One process's step-2 checkpoint resumes at cp = 2 with
+# ZeRO-1 to step 4, and that run's step-4 checkpoint at one process to step 6; each segment must be the
+# uninterrupted run. (train.py at cp = 2, alone and composed with every other axis, against one process: the
+# equivalence matrix, tests/matrix.py.) Each run logs every step, evaluates and saves every second step.
 
 TRAIN_ARGS = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=2", "--block_size=32", "--device=cpu",
               "--batch_size=2", "--gradient_accumulation_steps=2", "--max_iters=6", "--log_interval=1",
-              "--eval_interval=3", "--eval_iters=2", "--checkpoint_interval=3", "--warmup_iters=2",
-              "--lr_decay_iters=10", "--learning_rate=3e-3", "--bucket_size_mb=0.01"]
-
-
-def train_run(data_dir, out_dir, nproc=1, *extra):
-    records, proc = run_train(TRAIN_ARGS + [f"--data_dir={data_dir}", f"--out_dir={out_dir}", *extra], nproc)
-    return records, str(out_dir), proc.stdout
+              "--eval_interval=2", "--eval_iters=2", "--checkpoint_interval=2", "--warmup_iters=2",
+              "--lr_decay_iters=10", "--learning_rate=3e-3", "--bucket_size_mb=0.01",
+              "--peak_flops=1e12"]  # skips timing a CPU matmul on each rank at start-up
 
 
 @pytest.fixture(scope="module")
 def one_process(data_dir, tmp_path_factory):
-    return train_run(data_dir, tmp_path_factory.mktemp("one_process"))
+    """The uninterrupted run, here in the test process: (records, out_dir)."""
+    out = tmp_path_factory.mktemp("one_process")
+    return train_in_process(TRAIN_ARGS + [f"--data_dir={data_dir}", f"--out_dir={out}"]), out
 
 
 @pytest.fixture(scope="module")
-def cp2_tp2_pp2(data_dir, tmp_path_factory):
-    return train_run(data_dir, tmp_path_factory.mktemp("cp2_tp2_pp2"), 8, "--cp=2", "--tp=2", "--pp=2",
-                     "--zero_stage=1")
+def resumed_at_cp2(one_process, data_dir, tmp_path_factory):
+    """One process's step-2 checkpoint resumed at cp = 2 with ZeRO-1 to step 4: (records, out_dir, stdout)."""
+    out = tmp_path_factory.mktemp("cp2")
+    shutil.copytree(one_process[1] / "ckpt_0000002", out / "ckpt_0000002")
+    [(records, stdout)] = train_on_ranks([TRAIN_ARGS + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=4",
+                                                        "--init_from=resume", "--cp=2", "--zero_stage=1"]], 2)
+    return records, out, stdout
 
 
 def final_weights(path):
@@ -643,40 +633,27 @@ def final_weights(path):
     return dict(model.named_parameters())
 
 
-def evaluations(records):
-    return [r["val_loss"] for r in records if "val_loss" in r]
+def test_a_one_process_checkpoint_resumes_at_cp2_with_the_uninterrupted_run(resumed_at_cp2, one_process):
+    # the whole AdamW moments cut into the two cp ranks' ZeRO-1 shards
+    records, out, stdout = resumed_at_cp2
+    assert f"resumed from {out / 'ckpt_0000002'} at step 2" in stdout
+    assert "layout: dp=1 x cp=2 x tp=1 x pp=1 = 2 processes" in stdout
+    assert "stage 0 replica 0 sequence share 1 (chunks 1, 2): ranks [1]" in stdout
+    assert [r["step"] for r in records if "loss" in r] == [3, 4]
+    assert_same_losses_and_norms(records, one_process[0])
 
 
-def test_train_py_at_cp2_tp2_pp2_on_8_ranks_equals_one_process(cp2_tp2_pp2, one_process):
-    (records, out, stdout), (ref, ref_out, _) = cp2_tp2_pp2, one_process
-    assert "layout: dp=1 x cp=2 x tp=2 x pp=2 = 8 processes" in stdout
-    assert "stage 1 replica 0 sequence share 1 (chunks 1, 2): ranks [6, 7]" in stdout
-    assert len([r for r in records if "loss" in r]) == 6
-    assert_same_losses_and_norms(records, ref)
-    assert evaluations(records) == pytest.approx(evaluations(ref), rel=1e-5)
-    assert_same_tensors(final_weights(os.path.join(out, "ckpt_0000006")),
-                        final_weights(os.path.join(ref_out, "ckpt_0000006")))
-
-
-def resume_from(data_dir, tmp_path, source, nproc, *layout):
-    """Resume a copy of `source`'s step-3 checkpoint at another layout; returns the logged records."""
-    shutil.copytree(os.path.join(source, "ckpt_0000003"), tmp_path / "ckpt_0000003")
-    records, _, stdout = train_run(data_dir, tmp_path, nproc, "--init_from=resume", *layout)
-    assert f"resumed from {tmp_path / 'ckpt_0000003'} at step 3" in stdout
-    return records
-
-
-def test_a_cp2_checkpoint_resumes_at_cp1_with_the_uninterrupted_losses(cp2_tp2_pp2, one_process, data_dir, tmp_path):
-    # ZeRO-1's moments, sharded over the two cp ranks at each tp slice and stage, assembled for plain AdamW
-    records = resume_from(data_dir, tmp_path, cp2_tp2_pp2[1], 1, "--cp=1", "--tp=1", "--pp=1", "--zero_stage=0")
-    assert [r["step"] for r in records if "loss" in r] == [4, 5, 6]
-    assert_same_losses_and_norms(records, [r for r in one_process[0] if r["step"] > 3])
-
-
-def test_a_cp1_checkpoint_resumes_at_cp2_with_the_uninterrupted_losses(one_process, data_dir, tmp_path):
-    records = resume_from(data_dir, tmp_path, one_process[1], 2, "--cp=2", "--zero_stage=1")
-    assert [r["step"] for r in records if "loss" in r] == [4, 5, 6]
-    assert_same_losses_and_norms(records, [r for r in one_process[0] if r["step"] > 3])
+def test_a_cp2_checkpoint_resumes_at_one_process_with_the_uninterrupted_run(resumed_at_cp2, one_process, data_dir,
+                                                                            tmp_path, capsys):
+    # ZeRO-1's moments, sharded over the two cp ranks, assembled for plain AdamW
+    shutil.copytree(resumed_at_cp2[1] / "ckpt_0000004", tmp_path / "ckpt_0000004")
+    records = train_in_process(TRAIN_ARGS + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--init_from=resume",
+                                             "--cp=1", "--zero_stage=0"])
+    assert f"resumed from {tmp_path / 'ckpt_0000004'} at step 4" in capsys.readouterr().out
+    assert [r["step"] for r in records if "loss" in r] == [5, 6]
+    ref_records, ref_out = one_process
+    assert_same_losses_and_norms(records, ref_records)
+    assert_same_tensors(final_weights(tmp_path / "ckpt_0000006"), final_weights(ref_out / "ckpt_0000006"))
 
 
 # -----------------------------------------------------------------------------

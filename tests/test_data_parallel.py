@@ -1,80 +1,19 @@
-"""Data parallelism and ZeRO-1 against one process (CPU, gloo, fp32, tiny model).
+"""Data parallelism and ZeRO-1's pieces on their own (CPU, gloo, fp32): ZeroOneAdamW and the gradient
+buckets against torch.optim.AdamW and the mean gradient computed by hand, and the layout's checks.
 
-The reference is one process that sees the same global batch: batch_size 4 x 2 micro-batches, where the
-data-parallel runs take batch_size 2 x 2 micro-batches on each of 2 replicas (train.py's
-rank_microbatches gives replica r the r-th slice of the same windows). The dp2 x tp2 x pp2 run is in
-test_checkpoint.py, where its checkpoints are also resumed at other layouts.
+train.py at dp = 2 and 4, with ZeRO 0 to 3, alone and with the other axes, against one process: the
+equivalence matrix (tests/matrix.py, tests/test_matrix.py). The optimizer state train.py logs at dp = 2,
+whole at ZeRO-0 and halved at ZeRO-1: tests/test_checkpoint.py's run whose rank dies and resumes.
 """
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import parallel
-from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights,
-                        run_ranks, run_train, train_losses)
+from dist_utils import run_ranks
 from parallel import (GradientBuckets, ParallelLayout, ShardedGradientBuckets, ZeroOneAdamW, init_distributed,
                       optimizer_state_bytes)
-
-STEPS = 5
-TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
-        f"--max_iters={STEPS}", "--log_interval=1", "--eval_interval=1", "--eval_iters=1", f"--checkpoint_interval={STEPS}",
-        "--warmup_iters=2", "--lr_decay_iters=10", "--learning_rate=3e-3", "--gradient_accumulation_steps=2",
-        # tiny buckets: several per step, so the hooks' launch order and the bucket padding are exercised
-        "--bucket_size_mb=0.01",
-        "--peak_flops=1e12"]  # skips timing a CPU matmul on each rank at start-up
-GLOBAL_BATCH_ONE_RANK = ["--batch_size=4"]  # x 2 micro-batches = 8 windows per step
-PER_RANK_AT_DP2 = ["--batch_size=2"]  # x 2 micro-batches x 2 replicas = the same 8 windows
-
-
-@pytest.fixture(scope="module")
-def reference(data_dir, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("ref"))
-    records, _ = run_train(TINY + GLOBAL_BATCH_ONE_RANK + [f"--data_dir={data_dir}", f"--out_dir={out}"])
-    return records, os.path.join(out, f"ckpt_{STEPS:07d}")
-
-
-def assert_same_run(records, ckpt_path, reference):
-    """Same losses and (clipped: grad_clip=1 is active at these norms) global gradient norms at every step,
-    and the same final weights."""
-    ref_records, ref_ckpt = reference
-    assert len(train_losses(records)) == STEPS
-    assert_same_losses_and_norms(records, ref_records)
-    assert_same_tensors(checkpoint_weights(ckpt_path), checkpoint_weights(ref_ckpt))
-
-
-# (ZeRO-2 and 3 at dp=2: the dp2 x pp2 run below, tests/test_checkpoint.py's dp2 x tp2 x pp2 run and
-# tests/test_moe_mla_layouts.py's dp2_zero3)
-@pytest.mark.parametrize("zero_stage", [0, 1])
-def test_dp2_gives_the_losses_and_final_weights_of_one_process(zero_stage, data_dir, reference, tmp_path):
-    records, proc = run_train(TINY + PER_RANK_AT_DP2 + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
-                                                        f"--zero_stage={zero_stage}"], nproc=2)
-    assert "dp=2 x tp=1 x pp=1" in proc.stdout
-    assert_same_run(records, os.path.join(tmp_path, f"ckpt_{STEPS:07d}"), reference)
-    state = [r["optimizer_state_bytes"] for r in records if "optimizer_state_bytes" in r]
-    full = 2 * 4 * sum(p.numel() for p in checkpoint_weights(reference[1]).values())  # two fp32 moments
-    assert state[-1] == pytest.approx(full / (2 if zero_stage else 1), rel=0.01)
-
-
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_dp4_zero2_and_zero3_give_the_losses_and_final_weights_of_one_process(zero_stage, data_dir, reference,
-                                                                               tmp_path):
-    """Four replicas of one window each: the bucket and unit shards are cut four ways (with padding)."""
-    records, proc = run_train(TINY + ["--batch_size=1", f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
-                                      f"--zero_stage={zero_stage}"], nproc=4)
-    assert "dp=4 x tp=1 x pp=1" in proc.stdout and f"ZeRO-{zero_stage}: the gradients are reduce-scattered" in proc.stdout
-    assert_same_run(records, os.path.join(tmp_path, f"ckpt_{STEPS:07d}"), reference)
-
-
-def test_dp2_pp2_zero2_sums_the_tied_embedding_shards_across_stages(data_dir, reference, tmp_path):
-    """pp=2 with tied embeddings: the embedding (stage 0) and the head (stage 1) each sit alone in a bucket,
-    and the owned shards of their gradients are summed across the stages (zero.GradientShards.finish)."""
-    records, proc = run_train(TINY + PER_RANK_AT_DP2 + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
-                                                        "--zero_stage=2", "--pp=2"], nproc=4)
-    assert "dp=2 x tp=1 x pp=2" in proc.stdout
-    assert_same_run(records, os.path.join(tmp_path, f"ckpt_{STEPS:07d}"), reference)
 
 
 # -----------------------------------------------------------------------------

@@ -23,8 +23,8 @@ import metrics
 import settings
 import train
 from dist_utils import (GRAD_NORM_RTOL, LOSS_RTOL, assert_same_losses_and_norms, assert_same_tensors,
-                        checkpoint_weights, gather_full, make_token_data, run_ranks, run_train,
-                        train_in_process)
+                        checkpoint_weights, gather_full, make_token_data, run_ranks, train_in_process,
+                        train_on_ranks)
 from model import ModelConfig, check_layout
 from parallel import ParallelLayout, format_grid, full_shape_of, resolve_dp, shard_of
 
@@ -334,35 +334,40 @@ CHAIN = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=2", "--block_s
          "--log_interval=1", "--eval_interval=1", "--eval_iters=1", "--checkpoint_interval=2", "--keep_last_n=0",
          "--warmup_iters=2",
          f"--lr_decay_iters={CHAIN_STEPS}", "--learning_rate=3e-3", "--bucket_size_mb=0.01", "--peak_flops=1e12"]
-# (processes, settings): the global batch is 4 micro-batches of 2 sequences at every layout
-SEGMENTS = [(2, ["--ep=2", "--gradient_accumulation_steps=2", "--zero_stage=3"]),  # one process -> ep=2, ZeRO-3
-            (4, ["--ep=4", "--gradient_accumulation_steps=1", "--zero_stage=1"]),  # ep=2 ZeRO-3 -> ep=4, ZeRO-1
-            (2, ["--ep=2", "--gradient_accumulation_steps=2", "--zero_stage=3"]),  # ep=4 -> ep=2, ZeRO-3
-            (1, ["--ep=1", "--gradient_accumulation_steps=4"])]  # ep=2 ZeRO-3 -> one process
+# the global batch is 4 micro-batches of 2 sequences at every layout: one process takes 4, each of 4 replicas 1
+SEGMENTS = [["--ep=2", "--zero_stage=3"],  # one process -> ep=2 (two expert replicas), ZeRO-3
+            ["--ep=4", "--zero_stage=1"],  # ep=2 ZeRO-3 -> ep=4, ZeRO-1
+            ["--ep=2", "--zero_stage=3"]]  # ep=4 ZeRO-1 -> ep=2, ZeRO-3; then its checkpoint -> one process
 
 
 def test_checkpoints_reshard_between_ep_values(tmp_path):
-    """One process trains ten steps; a chain resumes its step-2 checkpoint at ep=2 (ZeRO-3), that one's
-    step 4 at ep=4 (ZeRO-1), that one's step 6 at ep=2 (ZeRO-3) and that one's step 8 at one process:
-    every step of the chain equals the uninterrupted run (loss, gradient norm), and so do the final
-    weights. The experts are saved by their global index whichever rank holds them, the AdamW moments
-    with them (ZeRO-3: each rank's flat shards of both)."""
+    """One process trains ten steps; a chain resumes its step-2 checkpoint at dp=4 with ep=2 (ZeRO-3), that
+    one's step 4 at ep=4 (ZeRO-1), that one's step 6 at ep=2 (ZeRO-3), the three in one launch of 4
+    processes, and that one's step 8 at one process: every step of the chain equals the uninterrupted run
+    (loss, gradient norm), and so do the final weights. The experts are saved by their global index
+    whichever rank holds them, the AdamW moments with them (ZeRO-3: each rank's flat shards of both)."""
     data = make_token_data(str(tmp_path / "data"))
     ref_out = tmp_path / "one_process"
     reference = train_in_process(CHAIN + ["--gradient_accumulation_steps=4", f"--max_iters={CHAIN_STEPS}",
                                           f"--data_dir={data}", f"--out_dir={ref_out}"])
-    previous, step = ref_out, 2
-    for i, (nproc, layout) in enumerate(SEGMENTS):
+    runs, previous, step = [], ref_out, 2
+    for i, layout in enumerate(SEGMENTS):
         out = tmp_path / f"segment{i}"
-        shutil.copytree(previous / f"ckpt_{step:07d}", out / f"ckpt_{step:07d}")
-        argv = CHAIN + layout + [f"--max_iters={step + 2}", "--init_from=resume", f"--data_dir={data}",
-                                 f"--out_dir={out}"]
-        records = train_in_process(argv) if nproc == 1 else run_train(argv, nproc=nproc)[0]
-        assert [r["step"] for r in records if "loss" in r] == [step + 1, step + 2]
-        assert_same_losses_and_norms(records, reference, label=f"{layout[0]} resumed at step {step}")
+        runs.append((CHAIN + layout + ["--gradient_accumulation_steps=1", f"--max_iters={step + 2}",
+                                       "--init_from=resume", f"--data_dir={data}", f"--out_dir={out}"],
+                     previous / f"ckpt_{step:07d}"))
         previous, step = out, step + 2
-    assert_same_tensors(checkpoint_weights(previous / f"ckpt_{step:07d}"),
-                        checkpoint_weights(ref_out / f"ckpt_{step:07d}"))
+    segments = [records for records, _ in train_on_ranks(runs, 4)]
+    out = tmp_path / "segment3"
+    shutil.copytree(previous / f"ckpt_{step:07d}", out / f"ckpt_{step:07d}")
+    segments.append(train_in_process(CHAIN + ["--ep=1", "--gradient_accumulation_steps=4", "--init_from=resume",
+                                              f"--max_iters={step + 2}", f"--data_dir={data}", f"--out_dir={out}"]))
+    for i, records in enumerate(segments):
+        resumed_at = 2 + 2 * i
+        assert [r["step"] for r in records if "loss" in r] == [resumed_at + 1, resumed_at + 2]
+        assert_same_losses_and_norms(records, reference, label=f"segment {i} resumed at step {resumed_at}")
+    assert_same_tensors(checkpoint_weights(out / f"ckpt_{CHAIN_STEPS:07d}"),
+                        checkpoint_weights(ref_out / f"ckpt_{CHAIN_STEPS:07d}"))
 
 
 # -----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 
 import checkpoint
 import export_hf
-from dist_utils import make_token_data, run_train
+from dist_utils import make_token_data, train_in_process
 from model import ModelConfig, Transformer, model_config_from
 from parallel import ParallelLayout, mark_filled
 
@@ -86,9 +86,10 @@ def test_a_checkpoint_written_by_train_py_exports_with_its_own_check(tmp_path):
     """The real path: train.py's checkpoint (meta written by train.py) through the command line, whose own
     reload-and-compare check must pass."""
     data = make_token_data(str(tmp_path / "data"))
-    run_train([f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", "--n_layer=2", "--n_embd=64", "--n_head=4",
-               "--n_kv_head=2", "--tie_embeddings=False", "--block_size=32", "--batch_size=2", "--max_iters=2",
-               "--warmup_iters=0", "--eval_interval=0", "--checkpoint_interval=2", "--device=cpu"])
+    train_in_process([f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", "--n_layer=2", "--n_embd=64",
+                      "--n_head=4", "--n_kv_head=2", "--tie_embeddings=False", "--block_size=32", "--batch_size=2",
+                      "--max_iters=2", "--warmup_iters=0", "--eval_interval=0", "--checkpoint_interval=2",
+                      "--device=cpu"])
     export_hf.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}"])  # check=True: exits if off
     reader = checkpoint.CheckpointReader(checkpoint.latest_checkpoint(str(tmp_path / "run")))
     model = Transformer(model_config_from(reader.meta["model"]), attn_impl="eager")
@@ -228,10 +229,11 @@ def test_a_dropless_moe_checkpoint_of_train_py_generates_the_same_greedy_tokens(
     """train.py's checkpoint through the command line (its own reload-and-compare check must pass), then
     greedy generation in transformers against picotron's (sample.py's Transformer.generate)."""
     data = make_token_data(str(tmp_path / "data"))
-    run_train([f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", "--n_layer=2", "--n_embd=64", "--n_head=4",
-               "--n_kv_head=2", "--block_size=32", "--batch_size=2", "--max_iters=2", "--warmup_iters=0",
-               "--n_expert=4", "--capacity_factor=0", "--n_shared_expert=1", "--learning_rate=1e-2",
-               "--eval_interval=0", "--checkpoint_interval=2", "--device=cpu", "--peak_flops=1e12"])
+    train_in_process([f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", "--n_layer=2", "--n_embd=64",
+                      "--n_head=4", "--n_kv_head=2", "--block_size=32", "--batch_size=2", "--max_iters=2",
+                      "--warmup_iters=0", "--n_expert=4", "--capacity_factor=0", "--n_shared_expert=1",
+                      "--learning_rate=1e-2", "--eval_interval=0", "--checkpoint_interval=2", "--device=cpu",
+                      "--peak_flops=1e12"])
     export_hf.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}"])  # check=True: exits if off
     reader = checkpoint.CheckpointReader(checkpoint.latest_checkpoint(str(tmp_path / "run")))
     model = Transformer(model_config_from(reader.meta["model"]), attn_impl="eager")

@@ -18,7 +18,7 @@ import torch
 import checkpoint
 from conftest import ROOT
 from dist_utils import (_free_port, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights,
-                        read_records, run_train)
+                        read_records, run_train, train_in_process, train_on_ranks)
 
 TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
         "--log_interval=1", "--eval_interval=1", "--eval_iters=1", "--warmup_iters=2", "--lr_decay_iters=6",
@@ -28,9 +28,9 @@ TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_si
 
 @pytest.fixture(scope="module")
 def reference(data_dir, tmp_path_factory):
+    """One process, here in the test process: (records, out_dir)."""
     out = str(tmp_path_factory.mktemp("ref"))
-    records, _ = run_train(TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={out}"])
-    return records, out
+    return train_in_process(TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={out}"]), out
 
 
 def assert_equals_reference(records, out, reference, steps=range(1, 7)):
@@ -167,8 +167,8 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_auto_continu
                         script="tests/crash_run.py")
     assert "stopped by SIGTERM: every rank finished step 4 and saved it" in proc.stdout, proc.stdout[-2000:]
     assert checkpoint.latest_checkpoint(str(out)) == str(out / "ckpt_0000004")
-    records, proc = run_train(run, nproc=2)
-    assert f"resumed from {out / 'ckpt_0000004'} at step 4" in proc.stdout
+    [(records, stdout)] = train_on_ranks([run], 2)
+    assert f"resumed from {out / 'ckpt_0000004'} at step 4" in stdout
     # a run stopped by SIGTERM saves at once, without the evaluation of its last step
     unevaluated = [r for r in reference[0] if not ("train_loss" in r and r["step"] == 4)]
     assert_equals_reference(records, out, (unevaluated, reference[1]))
@@ -209,11 +209,12 @@ def test_a_hung_peer_stops_the_survivor_within_dist_timeout_s_with_a_message(dat
 
 
 def test_a_huge_learning_rate_never_puts_a_nan_in_the_weights_and_stops_the_run(data_dir, tmp_path):
-    records, proc = run_train(TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
-                                      "--learning_rate=1e3", "--max_iters=12", "--lr_decay_iters=12",
-                                      "--keep_last_n=1"], check=False)
-    assert proc.returncode == 1, proc.stdout[-2000:]
-    assert "a non-finite gradient norm (max_bad_steps = 3 in a row" in proc.stderr, proc.stderr[-2000:]
+    argv = TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--learning_rate=1e3",
+                   "--max_iters=12", "--lr_decay_iters=12", "--keep_last_n=1"]
+    with pytest.raises(SystemExit) as stop:
+        train_in_process(argv)
+    assert "a non-finite gradient norm (max_bad_steps = 3 in a row" in str(stop.value.code), stop.value.code
+    records = read_records(argv)
     skipped = [r["skipped_steps"] for r in records if "loss" in r]
     assert skipped[-1] >= 1 and skipped[0] == 0, skipped
     paths = checkpoint.complete_checkpoints(str(tmp_path))
@@ -297,7 +298,6 @@ def test_a_chain_of_restarts_keeps_the_recipe_s_global_batch_and_evaluation(data
     that, and is not told the recipe changes. The first launch also names --dp=2: a resumed run's dp
     follows its world size. (The evaluation takes the global batch too, so its losses do not depend on
     how the batch is split.)"""
-    from dist_utils import train_in_process
     reference = train_in_process(CHAIN + ["--gradient_accumulation_steps=2", "--max_iters=8", f"--data_dir={data_dir}",
                                           f"--out_dir={tmp_path / 'one_process'}"])
     capsys.readouterr()
@@ -308,7 +308,8 @@ def test_a_chain_of_restarts_keeps_the_recipe_s_global_batch_and_evaluation(data
             train_in_process(argv + [f"--max_iters={steps}"] + extra)
             printed.append(capsys.readouterr().out)
         else:
-            printed.append(run_train(argv + [f"--max_iters={steps}"] + extra, nproc=nproc)[1].stdout)
+            [(_, stdout)] = train_on_ranks([argv + [f"--max_iters={steps}"] + extra], nproc)
+            printed.append(stdout)
     records = read_records(argv)
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 9))
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4, 6, 8]

@@ -6,7 +6,7 @@ import re
 import pytest
 
 import make_config
-from dist_utils import make_token_data, run_train
+from dist_utils import make_token_data, train_in_process
 
 
 def test_a_layout_that_does_not_divide_the_heads_is_refused_by_name(tmp_path):
@@ -52,7 +52,7 @@ def test_a_generated_config_trains_one_step(tmp_path):
                       "--eval_interval=0", "--checkpoint_interval=0", "--device=cpu", f"--data_dir={data}",
                       f"--out_dir={tmp_path / 'run'}", "--nproc=1", f"--out={config}"])
     assert "vocabulary 512" in config.read_text()  # read from the data's meta.json
-    records, _ = run_train([str(config), f"--out_dir={tmp_path / 'run'}"])
+    records = train_in_process([str(config), f"--out_dir={tmp_path / 'run'}"])
     assert [r["step"] for r in records if "loss" in r] == [1]
 
 

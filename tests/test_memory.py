@@ -1,9 +1,9 @@
 """The memory planner (memory_plan.plan_memory) against the measured peak of every rank, and ZeRO-2/3's
 per-rank bytes.
 
-Each layout runs bench.py, whose RESULT line carries, per rank, the planner's peak for that rank's stage and
-the peak measured on one untimed step (on CPU metrics.LiveTensorBytes: live tensor storages). The suite
-runs a small-vocabulary set of layouts; `python tests/test_memory.py --measure` runs the benchmark's larger
+Each layout runs bench.py (its main, on every rank of one launch), whose RESULT line carries, per rank, the
+planner's peak for that rank's stage and the peak measured on one untimed step (on CPU
+metrics.LiveTensorBytes: live tensor storages). The suite runs a small-vocabulary set of layouts; `python tests/test_memory.py --measure` runs the benchmark's larger
 set (dp, tp, pp with both schedules, ZeRO 0/1/2/3, activation checkpointing, MoE, and one dominated by
 parameters and optimizer state) and prints predicted vs measured per rank, and the worst error.
 """
@@ -14,7 +14,7 @@ import sys
 import pytest
 
 sys.path[:0] = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-from dist_utils import run_ranks, run_train  # noqa: E402
+from dist_utils import run_ranks  # noqa: E402
 import settings  # noqa: E402
 import train  # noqa: E402
 from memory_plan import schedule_moments  # noqa: E402
@@ -76,9 +76,22 @@ BENCH_LAYOUTS = {
 }
 
 
+def _bench(rank, world_size, argv):
+    """bench.py's main on one rank of a run_ranks launch (fresh processes, as torchrun's, without its agent):
+    what it printed."""
+    import io
+    from contextlib import redirect_stdout
+
+    import bench
+    with redirect_stdout(io.StringIO()) as out:
+        bench.main(argv)
+    return out.getvalue()
+
+
 def memory_rows(base, argv, nproc):
-    _, proc = run_train(base + argv, nproc=nproc, script="bench.py")
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    """Every rank's planned and measured peak from bench.py's RESULT line (rank 0 prints it)."""
+    stdout = run_ranks(_bench, nproc, base + argv)[0]
+    line = [x for x in stdout.splitlines() if x.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])["memory"]
 
 

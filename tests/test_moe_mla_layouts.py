@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights,
-                        run_train, train_in_process)
+                        train_in_process, train_on_ranks)
 
 STEPS = 8
 MOE_MLA = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=8", "--batch_size=2",
@@ -62,20 +62,33 @@ def idle_experts(state):
             and (name not in moments or not moments[name]["exp_avg"]["tensor"].any())]
 
 
-@pytest.mark.parametrize("layout, grid", [
-    (PER_REPLICA_AT_DP2 + ["--zero_stage=0"], "dp=2 x tp=1 x pp=1"),
-    (PER_REPLICA_AT_DP2 + ["--zero_stage=1"], "dp=2 x tp=1 x pp=1"),
-    (PER_REPLICA_AT_DP2 + ["--zero_stage=3"], "dp=2 x tp=1 x pp=1"),  # every block gathered, idle experts too
-    (ONE_PROCESS + ["--pp=2"], "dp=1 x tp=1 x pp=2"),
-], ids=["dp2_zero0", "dp2_zero1", "dp2_zero3", "pp2"])
-def test_moe_mla_with_idle_experts_equals_one_process(layout, grid, data_dir, reference, tmp_path):
+LAYOUTS = {  # name: (settings, the layout train.py must print)
+    "dp2_zero0": (PER_REPLICA_AT_DP2 + ["--zero_stage=0"], "dp=2 x tp=1 x pp=1"),
+    "dp2_zero1": (PER_REPLICA_AT_DP2 + ["--zero_stage=1"], "dp=2 x tp=1 x pp=1"),
+    "dp2_zero3": (PER_REPLICA_AT_DP2 + ["--zero_stage=3"], "dp=2 x tp=1 x pp=1"),  # every block gathered, idle experts too
+    "pp2": (ONE_PROCESS + ["--pp=2"], "dp=1 x tp=1 x pp=2"),
+}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(data_dir, tmp_path_factory):
+    """Every layout of LAYOUTS trained, one after another in one launch of 2 processes:
+    {name: (records, out_dir, stdout)}."""
+    outs = {name: tmp_path_factory.mktemp(name) for name in LAYOUTS}
+    runs = train_on_ranks([MOE_MLA + layout + [f"--data_dir={data_dir}", f"--out_dir={outs[name]}"]
+                           for name, (layout, _) in LAYOUTS.items()], 2)
+    return {name: (records, outs[name], stdout) for name, (records, stdout) in zip(LAYOUTS, runs)}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_moe_mla_with_idle_experts_equals_one_process(name, layout_runs, reference):
     ref_records, ref_out = reference
     assert idle_experts(saved_state(ref_out / "ckpt_0000002"))  # the case at hand: experts no token reached
-    records, proc = run_train(MOE_MLA + layout + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}"], nproc=2)
-    assert grid in proc.stdout
+    records, out, stdout = layout_runs[name]
+    assert LAYOUTS[name][1] in stdout
     assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
     assert_same_losses_and_norms(records, ref_records)
-    assert_same_tensors(checkpoint_weights(tmp_path / f"ckpt_{STEPS:07d}"),
+    assert_same_tensors(checkpoint_weights(out / f"ckpt_{STEPS:07d}"),
                         checkpoint_weights(ref_out / f"ckpt_{STEPS:07d}"))
 
 

@@ -3,9 +3,10 @@
 Muon on its own: Newton-Schulz maps each singular value through the quintic and keeps the singular
 vectors; the update is the orthogonalised Nesterov momentum at 0.2 * sqrt(max(A, B)) with decoupled weight
 decay, against a reference written here with an SVD; the blocks' matrices take Muon and the rest AdamW.
-Then through train.py: dp2, tp2 (with multi-query attention, so k and v are replicated across the tp
-ranks), pp2, cp2 and dp2 x tp2 with ZeRO-1 give one process's losses, gradient norms, final weights and final
-momentum over five steps, and the ZeRO-1 run's checkpoint resumes at other layouts.
+Then through train.py: the logged learning rate follows wsd, and a dp2 x tp2 ZeRO-1 run (with multi-query
+attention, so k and v are replicated across the tp ranks) resumes at other layouts with one process's
+losses, gradient norms, final weights and final momentum, or with AdamW afresh. (Muon at dp, tp, pp, cp and
+their compositions against one process: the equivalence matrix, tests/matrix.py.)
 
 The reference is one process with the same global batch (batch_size 4 x 2 micro-batches; two replicas
 take batch_size 2). The runs use the wsd schedule, whose decay starts inside the five steps.
@@ -21,7 +22,7 @@ import torch
 import checkpoint
 import settings
 import train
-from dist_utils import assert_same_losses_and_norms, assert_same_tensors, run_train
+from dist_utils import assert_same_losses_and_norms, assert_same_tensors, train_in_process, train_on_ranks
 from model import ModelConfig, Transformer, model_config_from
 from optim import NEWTON_SCHULZ_COEFFICIENTS, Muon, deal_whole, newton_schulz
 
@@ -164,7 +165,7 @@ def test_wsd_warms_up_holds_the_peak_then_decays_over_the_last_decay_frac(shape)
 
 
 # -----------------------------------------------------------------------------
-# every layout gives one process's run, through train.py
+# through train.py
 
 STEPS = 5
 TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=1", "--block_size=32", "--device=cpu",
@@ -173,15 +174,17 @@ TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=1", "--block_si
         # wsd: held at steps 2-3, decaying at 4-5 (of lr_decay_iters 6, the last half)
         "--lr_schedule=wsd", "--lr_decay_iters=6", "--decay_frac=0.5", "--decay_shape=1-sqrt",
         # tiny buckets: several per step, so ZeRO-1 deals the matrices into several whole buckets
-        "--bucket_size_mb=0.01"]
+        "--bucket_size_mb=0.01",
+        "--peak_flops=1e12"]  # skips timing a CPU matmul on each rank at start-up
 ONE_REPLICA, TWO_REPLICAS = ["--batch_size=4"], ["--batch_size=2"]
 
 
 @pytest.fixture(scope="module")
 def reference(data_dir, tmp_path_factory):
+    """One process, here in the test process: (records, its final checkpoint)."""
     out = str(tmp_path_factory.mktemp("ref"))
-    records, _ = run_train(TINY + ONE_REPLICA + [f"--data_dir={data_dir}", f"--out_dir={out}",
-                                                 f"--checkpoint_interval={STEPS}"])
+    records = train_in_process(TINY + ONE_REPLICA + [f"--data_dir={data_dir}", f"--out_dir={out}",
+                                                     f"--checkpoint_interval={STEPS}"])
     return records, os.path.join(out, f"ckpt_{STEPS:07d}")
 
 
@@ -197,15 +200,6 @@ def weights_and_momenta(ckpt_path):
     return weights, momenta
 
 
-def assert_same_run(records, ckpt_path, reference):
-    ref_records, ref_ckpt = reference
-    assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
-    assert_same_losses_and_norms(records, ref_records)
-    (weights, momenta), (ref_weights, ref_momenta) = weights_and_momenta(ckpt_path), weights_and_momenta(ref_ckpt)
-    assert_same_tensors(weights, ref_weights)
-    assert_same_tensors(momenta, ref_momenta, what="Muon momentum")
-
-
 def test_the_logged_lr_is_wsd_and_muon_reached_every_matrix(reference):
     records, ckpt = reference
     cfg = train.SimpleNamespace(learning_rate=3e-3, min_lr=1e-4, warmup_iters=2, lr_decay_iters=6,
@@ -217,57 +211,58 @@ def test_the_logged_lr_is_wsd_and_muon_reached_every_matrix(reference):
     assert len(momenta) == 2 * 7 and all(m.abs().sum() > 0 for m in momenta.values())
 
 
-# (dp2 and tp2: the dp2 x tp2 ZeRO-1 run below, n_kv_head=1 < tp there too, and the resume at dp2 ZeRO-0)
-@pytest.mark.parametrize("layout, nproc", [
-    (ONE_REPLICA + ["--pp=2"], 2),
-    (ONE_REPLICA + ["--cp=2"], 2),  # the gradients averaged over the cp ranks, which hold the same matrices
-], ids=["pp2", "cp2"])
-def test_muon_at_another_layout_gives_the_run_of_one_process(layout, nproc, data_dir, reference, tmp_path):
-    records, proc = run_train(TINY + layout + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
-                                               f"--checkpoint_interval={STEPS}"], nproc=nproc)
-    assert "optimizer: Muon for" in proc.stdout
-    assert_same_run(records, os.path.join(tmp_path, f"ckpt_{STEPS:07d}"), reference)
-
-
 @pytest.fixture(scope="module")
 def zero_run(data_dir, tmp_path_factory):
     """dp2 x tp2 with ZeRO-1, checkpoints at steps 3 and 5: each matrix's momentum lives on one replica,
-    split between that replica's two tp ranks (k and v: whole on both)."""
+    split between that replica's two tp ranks (k and v: whole on both). (Its run against one process, and
+    its checkpoint resumed at one process: the equivalence matrix's muon-dp2-tp2-zero1.)"""
     out = str(tmp_path_factory.mktemp("dp2_tp2_zero1"))
-    records, proc = run_train(TINY + TWO_REPLICAS + [f"--data_dir={data_dir}", f"--out_dir={out}", "--tp=2",
-                                                     "--zero_stage=1", "--checkpoint_interval=3"], nproc=4)
-    assert "dp=2 x tp=2 x pp=1" in proc.stdout and "(ZeRO-1)" in proc.stdout
+    [(records, stdout)] = train_on_ranks([TINY + TWO_REPLICAS + [f"--data_dir={data_dir}", f"--out_dir={out}", "--tp=2",
+                                                                 "--zero_stage=1", "--checkpoint_interval=3"]], 4)
+    assert "dp=2 x tp=2 x pp=1" in stdout and "optimizer: Muon for" in stdout and "(ZeRO-1)" in stdout
     return records, out
 
 
-def test_muon_with_zero1_at_dp2_tp2_gives_the_run_of_one_process(zero_run, reference):
-    records, out = zero_run
-    assert_same_run(records, os.path.join(out, f"ckpt_{STEPS:07d}"), reference)
-
-
-@pytest.mark.parametrize("layout, nproc", [
+RESUMED_AT = {
     # the owners' whole matrices and the tp slices joined; Muon on all-reduced gradients
-    (TWO_REPLICAS + ["--tp=1", "--zero_stage=0"], 2),
-    (TWO_REPLICAS + ["--tp=1", "--zero_stage=1"], 2),  # dealt again, at tp1 sizes
-], ids=["dp2_tp1_zero0", "dp2_tp1_zero1"])
-def test_the_zero1_checkpoint_resumes_at_another_layout(layout, nproc, zero_run, data_dir, reference, tmp_path):
-    shutil.copytree(os.path.join(zero_run[1], "ckpt_0000003"), tmp_path / "ckpt_0000003")
-    records, proc = run_train(TINY + layout + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--init_from=resume",
-                                               f"--checkpoint_interval={STEPS}"], nproc=nproc)
-    assert f"resumed from {tmp_path / 'ckpt_0000003'} at step 3" in proc.stdout
+    "dp2_tp1_zero0": TWO_REPLICAS + ["--tp=1", "--zero_stage=0"],
+    "dp2_tp1_zero1": TWO_REPLICAS + ["--tp=1", "--zero_stage=1"],  # dealt again, at tp1 sizes
+}
+
+
+@pytest.fixture(scope="module")
+def resumed(zero_run, data_dir, tmp_path_factory):
+    """The ZeRO-1 run's step-3 checkpoint resumed to step 5 at each layout of RESUMED_AT, the runs one after
+    another in one launch of 2 processes: {name: (records, out_dir, stdout)}."""
+    argv, outs = [], []
+    for name, layout in RESUMED_AT.items():
+        out = tmp_path_factory.mktemp(name)
+        shutil.copytree(os.path.join(zero_run[1], "ckpt_0000003"), out / "ckpt_0000003")
+        argv.append(TINY + layout + [f"--data_dir={data_dir}", f"--out_dir={out}", "--init_from=resume",
+                                     f"--checkpoint_interval={STEPS}"])
+        outs.append(out)
+    runs = train_on_ranks(argv, 2)
+    return {name: (records, out, stdout) for name, out, (records, stdout) in zip(RESUMED_AT, outs, runs)}
+
+
+@pytest.mark.parametrize("name", list(RESUMED_AT))
+def test_the_zero1_checkpoint_resumes_at_another_layout(name, resumed, reference):
+    records, out, stdout = resumed[name]
+    assert f"resumed from {out / 'ckpt_0000003'} at step 3" in stdout
     assert [r["step"] for r in records if "loss" in r] == [4, 5]
     assert_same_losses_and_norms(records, reference[0][3:])
-    (weights, momenta), (ref_weights, ref_momenta) = (weights_and_momenta(tmp_path / f"ckpt_{STEPS:07d}"),
+    (weights, momenta), (ref_weights, ref_momenta) = (weights_and_momenta(out / f"ckpt_{STEPS:07d}"),
                                                       weights_and_momenta(reference[1]))
     assert_same_tensors(weights, ref_weights)
     assert_same_tensors(momenta, ref_momenta, what="Muon momentum")
 
 
-def test_resuming_with_the_other_optimizer_starts_its_state_afresh(zero_run, data_dir, tmp_path):
+def test_resuming_with_the_other_optimizer_starts_its_state_afresh(zero_run, data_dir, tmp_path, capsys):
     shutil.copytree(os.path.join(zero_run[1], "ckpt_0000003"), tmp_path / "ckpt_0000003")
-    records, proc = run_train(TINY + ONE_REPLICA + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--tp=1",
-                                                    "--zero_stage=0", "--optimizer=adamw", "--max_iters=4",
-                                                    "--init_from=resume", "--checkpoint_interval=0"])
-    assert "resume: optimizer = 'adamw', the checkpoint's was 'muon'" in proc.stdout
-    assert "the checkpoint's optimizer state (muon) is not loaded: adamw's starts from zero" in proc.stdout
+    records = train_in_process(TINY + ONE_REPLICA + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--tp=1",
+                                                     "--zero_stage=0", "--optimizer=adamw", "--max_iters=4",
+                                                     "--init_from=resume", "--checkpoint_interval=0"])
+    stdout = capsys.readouterr().out
+    assert "resume: optimizer = 'adamw', the checkpoint's was 'muon'" in stdout
+    assert "the checkpoint's optimizer state (muon) is not loaded: adamw's starts from zero" in stdout
     assert [r["step"] for r in records if "loss" in r] == [4]

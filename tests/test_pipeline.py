@@ -1,6 +1,6 @@
 """Pipeline parallelism (parallel.py section 4): the schedules' action lists and the simulated timeline they
 make (timeline.py), and pipelined training equal to one process. The distributed checks share one 4-rank launch (module
-fixture) and each test reads its part."""
+fixture) and each test reads its part; train.py's pipelined runs and resumes share one 2-rank launch."""
 import functools
 import json
 import os
@@ -21,7 +21,7 @@ import settings
 import train
 import zero as zero_stages  # (zero is a local name below: the stage)
 from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights, gather_full,
-                        run_ranks, run_train)
+                        run_ranks, train_in_process, train_on_ranks)
 from model import ModelConfig, Transformer, check_layout, chunk_modules
 from parallel import ParallelLayout, PipelineComm, run_schedule, sync_tied_grads, tied_weight_group
 from pipeline_schedules import (SCHEDULES, WeightGradStore, check_schedule, forward_only_actions, ideal_bubble,
@@ -709,24 +709,43 @@ TRAIN_ARGS = ["--n_layer=6", "--n_head=4", "--n_kv_head=4", "--n_embd=64", "--bl
 
 @pytest.fixture(scope="module")
 def reference_run(data_dir, tmp_path_factory):
-    """One process, 4 steps, a checkpoint at step 2."""
+    """One process, 4 steps, a checkpoint at step 2, here in the test process."""
     out = tmp_path_factory.mktemp("pp_ref")
-    records, _ = run_train([f"--data_dir={data_dir}", f"--out_dir={out}", *TRAIN_ARGS, "--max_iters=4",
-                            "--checkpoint_interval=2"])
+    records = train_in_process([f"--data_dir={data_dir}", f"--out_dir={out}", *TRAIN_ARGS, "--max_iters=4",
+                                "--checkpoint_interval=2"])
     return records, out
 
 
+RESUMES = {  # name: (the run whose step-2 checkpoint it resumes, its layout, processes)
+    "interleaved_to_one_process": ("interleaved", ["--pp=1", "--pp_schedule=1f1b", "--pp_chunks=1"], 1),
+    "interleaved_to_zero_bubble": ("interleaved", ["--pp=2", "--pp_schedule=zero_bubble", "--pp_chunks=1"], 2),  # ZB-H1
+    "one_process_to_zbv": ("one process", ["--pp=2", "--pp_schedule=zbv", "--pp_chunks=2"], 2),  # one chunk -> a V
+}
+
+
 @pytest.fixture(scope="module")
-def interleaved_run(data_dir, tmp_path_factory):
-    """pp=2 with 2 chunks per rank (uneven: blocks 0-1, 4 | 2-3, 5), the trace of step 2, a checkpoint at 2."""
-    out = tmp_path_factory.mktemp("pp_interleaved")
-    records, proc = run_train([f"--data_dir={data_dir}", f"--out_dir={out}", *TRAIN_ARGS, "--max_iters=4",
-                               "--checkpoint_interval=2", "--pp=2", "--pp_schedule=interleaved_1f1b", "--pp_chunks=2",
-                               "--pp_trace=True"], nproc=2)
-    return records, out, proc.stdout
+def two_ranks(data_dir, reference_run, tmp_path_factory):
+    """One launch of 2 processes: the interleaved run (pp=2 with 2 chunks per rank, uneven: blocks 0-1, 4 |
+    2-3, 5; the trace of step 2, a checkpoint at 2), then the resumes of RESUMES at 2 processes, to step 4:
+    {name: (records, out_dir, stdout)}."""
+    outs = {"interleaved": tmp_path_factory.mktemp("pp_interleaved")}
+    runs = [[f"--data_dir={data_dir}", f"--out_dir={outs['interleaved']}", *TRAIN_ARGS, "--max_iters=4",
+             "--checkpoint_interval=2", "--pp=2", "--pp_schedule=interleaved_1f1b", "--pp_chunks=2", "--pp_trace=True"]]
+    for name, (saved_by, layout, nproc) in RESUMES.items():
+        if nproc == 2:
+            outs[name] = tmp_path_factory.mktemp(name)
+            source = outs["interleaved"] if saved_by == "interleaved" else reference_run[1]
+            runs.append(([f"--data_dir={data_dir}", f"--out_dir={outs[name]}", *TRAIN_ARGS, "--max_iters=4",
+                          "--checkpoint_interval=0", "--init_from=resume", *layout], source / "ckpt_0000002"))
+    return {name: (records, outs[name], stdout) for name, (records, stdout) in zip(outs, train_on_ranks(runs, 2))}
 
 
-def test_train_py_pipelined_matches_one_process(data_dir, tmp_path, reference_run, interleaved_run):
+@pytest.fixture(scope="module")
+def interleaved_run(two_ranks):
+    return two_ranks["interleaved"]
+
+
+def test_train_py_pipelined_matches_one_process(reference_run, interleaved_run):
     """pp=2 with 2 chunks per rank through train.py: each step's loss and gradient norm, the evaluation's
     losses and the final weights equal one process's."""
     ref, ref_out = reference_run
@@ -738,19 +757,19 @@ def test_train_py_pipelined_matches_one_process(data_dir, tmp_path, reference_ru
     assert "blocks per rank (chunk by chunk) 0: 0-1, 4 | 1: 2-3, 5" in stdout  # the uneven split, printed
 
 
-@pytest.mark.parametrize("saved_by, layout, nproc", [
-    ("interleaved", ["--pp=1", "--pp_schedule=1f1b", "--pp_chunks=1"], 1),  # pp2 x 2 chunks -> one process
-    ("interleaved", ["--pp=2", "--pp_schedule=zero_bubble", "--pp_chunks=1"], 2),  # -> ZB-H1, one chunk per rank
-    ("one process", ["--pp=2", "--pp_schedule=zbv", "--pp_chunks=2"], 2),  # one chunk -> two per rank (a V)
-], ids=["interleaved_to_one_process", "interleaved_to_zero_bubble", "one_process_to_zbv"])
-def test_checkpoints_resume_across_chunkings_and_schedules(saved_by, layout, nproc, reference_run, interleaved_run,
-                                                           data_dir, tmp_path):
-    ref, ref_out = reference_run
-    source = interleaved_run[1] if saved_by == "interleaved" else ref_out
-    shutil.copytree(os.path.join(source, "ckpt_0000002"), tmp_path / "ckpt_0000002")
-    records, proc = run_train([f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *TRAIN_ARGS, "--max_iters=4",
-                               "--checkpoint_interval=0", "--init_from=resume", *layout], nproc=nproc)
-    assert "resumed from" in proc.stdout
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_checkpoints_resume_across_chunkings_and_schedules(name, reference_run, two_ranks, data_dir, tmp_path,
+                                                           capsys):
+    ref, _ = reference_run
+    saved_by, layout, nproc = RESUMES[name]
+    if nproc == 1:  # here, in the test process
+        shutil.copytree(two_ranks[saved_by][1] / "ckpt_0000002", tmp_path / "ckpt_0000002")
+        records = train_in_process([f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *TRAIN_ARGS, "--max_iters=4",
+                                    "--checkpoint_interval=0", "--init_from=resume", *layout])
+        stdout = capsys.readouterr().out
+    else:
+        records, _, stdout = two_ranks[name]
+    assert "resumed from" in stdout
     later = lambda rs: [r for r in rs if r["step"] > 2]
     assert_same_losses_and_norms(later(records), later(ref))
     val = lambda rs: [r["val_loss"] for r in rs if "val_loss" in r]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT, needs_gpt2, shared_file
-from dist_utils import make_token_data, run_train, train_losses
+from dist_utils import make_token_data, train_in_process, train_losses
 
 import configurator
 import settings
@@ -123,19 +123,24 @@ def test_wrong_type_is_rejected(arg, expected):
         configurator.configure(settings.TRAINING, [arg])
 
 
+def refused(argv):
+    """train.main's one-line error for argv: the message a user sees instead of a traceback (as a program:
+    tests/test_bad_input.py)."""
+    with pytest.raises(SystemExit) as stop:
+        train_in_process(argv)
+    assert isinstance(stop.value.code, str) and stop.value.code.startswith("error: "), stop.value.code
+    assert "\n" not in stop.value.code, stop.value.code
+    return stop.value.code
+
+
 def test_command_line_error_is_a_clean_message(tmp_path):
-    _, proc = run_train(["--n_layr=3", f"--out_dir={tmp_path}"], check=False)
-    assert proc.returncode != 0
-    assert "error: unknown config key 'n_layr'" in proc.stderr and "Traceback" not in proc.stderr
+    assert refused(["--n_layr=3", f"--out_dir={tmp_path}"]).startswith("error: unknown config key 'n_layr'")
 
 
 # --- data checks ------------------------------------------------------------------------------------
 
 def data_error(data_dir, tmp_path, *extra):
-    _, proc = run_train([f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=1", *TINY, *extra],
-                        check=False)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
-    return proc.stderr
+    return refused([f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=1", *TINY, *extra])
 
 
 def test_missing_data_says_what_to_run(tmp_path):
@@ -173,8 +178,8 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
 
 
 def test_logged_lr_is_the_lr_applied_and_loss_falls(token_dir, tmp_path):
-    records, _ = run_train([f"--data_dir={token_dir}", f"--out_dir={tmp_path}", "--max_iters=30", "--lr_decay_iters=30",
-                            "--checkpoint_interval=0", *TINY])
+    records = train_in_process([f"--data_dir={token_dir}", f"--out_dir={tmp_path}", "--max_iters=30",
+                                "--lr_decay_iters=30", "--checkpoint_interval=0", *TINY])
     cfg = train.SimpleNamespace(learning_rate=3e-3, min_lr=1e-4, warmup_iters=2, lr_decay_iters=30,
                                 lr_schedule="cosine")
     assert [r["lr"] for r in records] == pytest.approx([train.get_lr(s, cfg) for s in range(30)])
@@ -183,13 +188,14 @@ def test_logged_lr_is_the_lr_applied_and_loss_falls(token_dir, tmp_path):
     assert np.mean(losses[-5:]) < losses[0] - 1.0
 
 
-def test_resume_continues_exactly_like_an_uninterrupted_run(token_dir, tmp_path):
+def test_resume_continues_exactly_like_an_uninterrupted_run(token_dir, tmp_path, capsys):
     common = [f"--data_dir={token_dir}", "--checkpoint_interval=3", "--max_iters=6", "--lr_decay_iters=6",
               "--eval_interval=3", "--eval_iters=2", "--gradient_accumulation_steps=2", *TINY]
-    straight, _ = run_train([f"--out_dir={tmp_path / 'a'}", *common])
-    run_train([f"--out_dir={tmp_path / 'b'}", *common, "--max_iters=3"])
-    resumed, proc = run_train([f"--out_dir={tmp_path / 'b'}", *common, "--init_from=resume"])
-    assert "resumed from" in proc.stdout
+    straight = train_in_process([f"--out_dir={tmp_path / 'a'}", *common])
+    train_in_process([f"--out_dir={tmp_path / 'b'}", *common, "--max_iters=3"])
+    capsys.readouterr()
+    resumed = train_in_process([f"--out_dir={tmp_path / 'b'}", *common, "--init_from=resume"])
+    assert "resumed from" in capsys.readouterr().out
     assert train_losses(resumed) == train_losses(straight)  # bit-identical in fp32 on CPU
     norms = [[r["grad_norm"] for r in records if "grad_norm" in r] for records in (resumed, straight)]
     assert norms[0] == norms[1]
@@ -198,12 +204,10 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(token_dir, tmp_path)
 
 def test_scratch_run_refuses_to_overwrite_checkpoints(token_dir, tmp_path):
     args = [f"--data_dir={token_dir}", f"--out_dir={tmp_path}", "--max_iters=1", *TINY]
-    run_train(args)
-    _, proc = run_train(args, check=False)
-    assert proc.returncode != 0 and "--init_from=resume" in proc.stderr
-    _, proc = run_train([f"--data_dir={token_dir}", f"--out_dir={tmp_path / 'empty'}", "--init_from=resume", *TINY],
-                        check=False)
-    assert proc.returncode != 0 and "no complete checkpoint" in proc.stderr
+    train_in_process(args)
+    assert "--init_from=resume" in refused(args)
+    assert "no complete checkpoint" in refused([f"--data_dir={token_dir}", f"--out_dir={tmp_path / 'empty'}",
+                                                "--init_from=resume", *TINY])
 
 
 # --- the whole path on real text: prepare, train, sample -------------------------------------------
@@ -218,9 +222,9 @@ def test_prepare_train_sample_on_real_text(tmp_path):
         source.write_text("".join(json.dumps({"text": f"Document {i}: the quick brown fox jumps over the lazy dog. " * 20})
                                   + "\n" for i in range(60)))
     prepare_data.prepare(str(source), str(tmp_path / "data"), num_proc=1)
-    records, proc = run_train([str(ROOT / "config/tiny_fineweb.py"), f"--data_dir={tmp_path / 'data'}",
-                               f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--eval_interval=4", "--eval_iters=1",
-                               "--batch_size=2", "--block_size=64", "--log_interval=1"])
+    records = train_in_process([str(ROOT / "config/tiny_fineweb.py"), f"--data_dir={tmp_path / 'data'}",
+                                f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--eval_interval=4",
+                                "--eval_iters=1", "--batch_size=2", "--block_size=64", "--log_interval=1"])
     assert "val_loss" in records[-1] and len(train_losses(records)) == 4
     texts = sample.main([f"--out_dir={tmp_path / 'out'}", "--start=The", "--num_samples=1", "--max_new_tokens=5",
                          "--top_k=1"])

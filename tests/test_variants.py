@@ -16,7 +16,7 @@ import settings
 import train
 from configurator import configure
 from conftest import ROOT
-from dist_utils import make_token_data, run_train
+from dist_utils import make_token_data, train_in_process
 from model import (Block, CausalSelfAttention, GeluMLP, MixtureOfExperts, ModelConfig, MultiHeadLatentAttention,
                    Transformer, apply_rope, causal_attention, causal_attention_scores, check_layout,
                    choose_attn_impl, expert_capacity_mask, flash_attn_available, make_norm, rope_cache)
@@ -547,13 +547,14 @@ def test_variant_config_file_builds_a_model_that_runs(name):
     assert logits.shape == (1, 16, 512) and math.isfinite(loss.item())
 
 
-def test_train_logs_moe_statistics_and_why_it_chose_the_attention(tmp_path):
+def test_train_logs_moe_statistics_and_why_it_chose_the_attention(tmp_path, capsys):
     data = make_token_data(tmp_path / "data")
-    records, proc = run_train([f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", "--n_layer=2", "--n_embd=64",
-                               "--block_size=32", "--batch_size=4", "--max_iters=4", "--log_interval=2",
-                               "--eval_interval=4", "--eval_iters=2", "--checkpoint_interval=0", "--n_expert=4",
-                               "--capacity_factor=0.5", "--attn_softcap=30.0", "--final_softcap=30"])
-    assert "attention: eager (auto:" in proc.stdout and "attn_softcap = 30.0" in proc.stdout
+    records = train_in_process([f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", "--n_layer=2", "--n_embd=64",
+                                "--block_size=32", "--batch_size=4", "--max_iters=4", "--log_interval=2",
+                                "--eval_interval=4", "--eval_iters=2", "--checkpoint_interval=0", "--n_expert=4",
+                                "--capacity_factor=0.5", "--attn_softcap=30.0", "--final_softcap=30"])
+    stdout = capsys.readouterr().out
+    assert "attention: eager (auto:" in stdout and "attn_softcap = 30.0" in stdout
     logged = [r for r in records if "loss" in r]
     assert len(logged) == 2
     for r in logged:
