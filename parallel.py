@@ -1142,7 +1142,8 @@ class SequenceParallelEmbedding(VocabParallelEmbedding):
 # Needs: section 1 (grid_rank).
 #
 # Each stage holds a contiguous run of blocks (the first also the embedding, the last the final norm, the
-# head and the loss). A step's batch is cut into m microbatches, the gradient-accumulation steps, which go
+# head and the loss), as many as make the stages cost alike (balanced_cut: at a real vocabulary the head is
+# worth several blocks, and the slowest stage sets everyone's pace). A step's batch is cut into m microbatches, the gradient-accumulation steps, which go
 # through the stages like work down an assembly line: a stage receives a microbatch's activations from the
 # previous stage, runs its blocks, sends the result on; in the backward pass the gradient of those
 # activations comes back from the next stage and the gradient of the stage's input goes to the previous.
