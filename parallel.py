@@ -1143,10 +1143,11 @@ class SequenceParallelEmbedding(VocabParallelEmbedding):
 #
 # Each stage holds a contiguous run of blocks (the first also the embedding, the last the final norm, the
 # head and the loss), as many as make the stages cost alike (balanced_cut: at a real vocabulary the head is
-# worth several blocks, and the slowest stage sets everyone's pace). A step's batch is cut into m microbatches, the gradient-accumulation steps, which go
-# through the stages like work down an assembly line: a stage receives a microbatch's activations from the
-# previous stage, runs its blocks, sends the result on; in the backward pass the gradient of those
-# activations comes back from the next stage and the gradient of the stage's input goes to the previous.
+# worth several blocks, and the slowest stage sets everyone's pace). A step's batch is cut into m
+# microbatches, the gradient-accumulation steps, which go through the stages like work down an assembly
+# line: a stage receives a microbatch's activations from the previous stage, runs its blocks, sends the
+# result on; in the backward pass the gradient of those activations comes back from the next stage and the
+# gradient of the stage's input goes to the previous.
 # While the line fills and drains some stages wait: with every forward and backward taking the same time,
 # the idle share of a step, the "bubble", is (pp - 1) / (m + pp - 1) (GPipe, section 2.2).
 #
@@ -1215,14 +1216,15 @@ def balanced_cut(block_costs, n_stages, first_cost=0, last_cost=0):
     while low < high:
         mid = (low + high) // 2
         low, high = (low, mid) if fits(limits[mid]) else (mid + 1, high)
+    limit = limits[low]
     # cuts[j]: (sum of squared stage costs, blocks per stage) of the most even cut of blocks 0 .. j - 1 into
     # the stages so far, each within the limit (tuples compare the sum first, then the first stage's blocks)
     cuts = {0: (0, ())}
     for s in range(n_stages):
         ends = [n] if s == n_stages - 1 else range(s + 1, n - (n_stages - 1 - s) + 1)
-        cuts = {j: min((squares + cost(i, j, s) ** 2, sizes + (j - i,)) for i, (squares, sizes) in cuts.items()
-                       if i < j and cost(i, j, s) <= limits[low])
-                for j in ends if any(i < j and cost(i, j, s) <= limits[low] for i in cuts)}
+        options = {j: [(squares + cost(i, j, s) ** 2, sizes + (j - i,)) for i, (squares, sizes) in cuts.items()
+                       if i < j and cost(i, j, s) <= limit] for j in ends}
+        cuts = {j: min(found) for j, found in options.items() if found}
     return cuts[n][1]
 
 

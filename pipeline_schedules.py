@@ -269,7 +269,8 @@ def describe_pipeline(schedule, pp, m, chunks, stage_blocks, costs, warn=True):
     share = lambda cut: [sum(stage_work(cut, costs)[s] for s in u) / sum(stage_work(cut, costs)) for u in units]
     even, best_shares, head_share = 1 / len(units), share(best), costs[2] / sum(stage_work(best, costs))
     # the least the unit with the head can do: the head and the loss, and a block in each of its stages
-    head_unit = head_share + len(units[-1]) * min(costs[1]) / sum(stage_work(best, costs))
+    with_head = next(u for u in units if pp * chunks - 1 in u)
+    head_unit = head_share + len(with_head) * min(costs[1]) / sum(stage_work(best, costs))
     if max(best_shares) > 1.15 * even:
         why = (f"the head and the loss alone are {head_share:.0%} of the model's work, so the {unit} that holds them "
                f"does at least {head_unit:.0%}" if head_unit > 1.15 * even else
