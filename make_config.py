@@ -8,7 +8,7 @@ Every training setting can be given (--key=value, or a config file to start from
 of processes the run will have, and `out`, the file to write (an existing one is refused unless
 --force=True). The layout is checked with train.py's own rules (dp x cp x tp x pp must be nproc, and
 model.check_layout: heads, key/value heads, MLP width and blocks must split, block_size into context
-parallelism's 2*cp chunks), so a layout that does not divide the model is refused here rather than after the
+parallelism's 2*cp chunks; the pipeline schedule's rules), so a layout that does not divide the model is refused here rather than after the
 job waited in a queue. The file states the parameter count and the global batch in tokens, then the settings
 that were asked for (and the few this script chose, each saying why), with their meanings from settings.py;
 every other setting keeps its default.
@@ -21,10 +21,12 @@ from dataclasses import fields
 import torch
 
 import memory_plan
+import metrics
 import settings
 from configurator import ConfigError, Setting, configure, section
 from model import ModelConfig, Transformer, attention_head_dim, check_layout
 from parallel import resolve_dp
+from pipeline_schedules import check_schedule, describe_pipeline
 
 GPT2_VOCAB_SIZE = 50257
 OWN = section(
@@ -107,7 +109,8 @@ def make_config(cfg, given, argv):
     vocab, vocab_source = vocab_size_of(cfg)
     model_cfg = ModelConfig(**{f.name: cfg[f.name] for f in fields(ModelConfig) if f.name != "vocab_size"},
                             vocab_size=vocab)
-    check_layout(model_cfg, tp, pp, cp, cfg["sequence_parallel"], ep=cfg["ep"])
+    check_layout(model_cfg, tp, pp, cp, cfg["sequence_parallel"], cfg["pp_chunks"], ep=cfg["ep"])
+    check_schedule(cfg["pp_schedule"], pp, cfg["gradient_accumulation_steps"], cfg["pp_chunks"])
     n_params, n_embedding = count_parameters(model_cfg)
     sequences = cfg["batch_size"] * cfg["gradient_accumulation_steps"] * dp
     tokens_per_step = sequences * cfg["block_size"]
@@ -130,11 +133,17 @@ def make_config(cfg, given, argv):
 (Chinchilla's compute-optimal ratio is about 20)
 # launch: {launch}
 """
+    if pp > 1:  # the stages' cut and each rank's share of the work, as train.py prints them
+        cut = metrics.stage_cut(model_cfg, cfg["pp_schedule"], pp, cfg["pp_chunks"], cfg["pp_layers"])
+        pipeline = describe_pipeline(cfg["pp_schedule"], pp, cfg["gradient_accumulation_steps"], cfg["pp_chunks"], cut,
+                                     metrics.pipeline_costs(model_cfg))
+        header += "".join(f"# {line}\n" for line in pipeline.splitlines())
     plan = memory_plan.plan_memory(model_cfg, dp, tp, pp, cp, cfg["zero_stage"], cfg["batch_size"],
                                    cfg["block_size"], cfg["gradient_accumulation_steps"], cfg["pp_schedule"],
                                    cfg["activation_checkpointing"], cfg["chunked_loss"], cfg["sequence_parallel"],
                                    cfg["bucket_size_mb"], act_bytes=2 if cfg["dtype"] in ("bfloat16", "float16") else 4,
-                                   chunks=cfg["pp_chunks"], ep=cfg["ep"], optimizer=cfg["optimizer"])
+                                   chunks=cfg["pp_chunks"], ep=cfg["ep"], optimizer=cfg["optimizer"],
+                                   pp_layers=cfg["pp_layers"])
     memory = memory_plan.format_plan(plan, cfg["gpu_mem_gib"] or None)
     header += "".join(f"# {line}\n" for line in memory.splitlines())
     return header, settings_block(cfg, given, chosen) + "\n", chosen

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from metrics import stage_cut
 from model import Transformer, attention_head_dim, loss_chunk_size, mlp_hidden_size, takes_muon
 from optim import deal_whole
 from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, padded_vocab_size, stage_layers
@@ -73,14 +74,15 @@ from pipeline_schedules import SCHEDULES, virtual_stages
 # (B, H, T, T) scores, MLA, context parallelism's ring buffers.
 
 
-def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1, ep=1, shapes=None):
+def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1, ep=1, shapes=None, pp_layers=""):
     """{name: elements this tp rank holds} of pipeline rank `stage`'s parameters (its chunks' under the
-    interleaved and V schedules): built on the meta device (no memory) at tp = 1, each tensor-parallel
-    layer's tensors then cut as that layer cuts them. Under expert parallelism a rank holds n_expert / ep
-    experts of each layer (the first ep rank's are named). shapes: a dict, filled with each parameter's
-    full shape (Muon orthogonalises the full matrix)."""
+    interleaved and V schedules, the blocks cut as train.py cuts them: metrics.stage_cut): built on the meta
+    device (no memory) at tp = 1, each tensor-parallel layer's tensors then cut as that layer cuts them.
+    Under expert parallelism a rank holds n_expert / ep experts of each layer (the first ep rank's are
+    named). shapes: a dict, filled with each parameter's full shape (Muon orthogonalises the full matrix)."""
     with torch.device("meta"):
-        model = Transformer(model_cfg, None, pp * chunks, virtual_stages(schedule, pp, stage, chunks))
+        model = Transformer(model_cfg, None, pp * chunks, virtual_stages(schedule, pp, stage, chunks),
+                            stage_blocks=stage_cut(model_cfg, schedule, pp, chunks, pp_layers))
     held = model_cfg.n_expert // ep if model_cfg.n_expert else 0
     out = {}
     for mod_name, module in model.named_modules():
@@ -210,11 +212,12 @@ def schedule_moments(schedule, pp, stage, m, chunks, chunk_blocks, head_chunk, s
 def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, block_size=None,
                 microbatches=1, schedule="1f1b", activation_checkpointing=False, chunked_loss=True,
                 sequence_parallel=False, bucket_size_mb=25.0, param_bytes=4, act_bytes=4, chunks=1, ep=1,
-                optimizer="adamw", dp_rank=None):
+                optimizer="adamw", dp_rank=None, pp_layers=""):
     """For each pipeline stage, one rank's bytes: {'stage', 'parameters', 'gradients', 'optimizer',
     'activations', 'loss', 'buffers', 'step', 'peak'} (see above; ZeRO-3's gathered root unit and blocks are
     under 'parameters'; activations and loss are their largest over the step). dp_rank: the data-parallel
-    (dp x cp) rank, where ranks differ (Muon's ZeRO-1 deals whole matrices); None: the largest of them."""
+    (dp x cp) rank, where ranks differ (Muon's ZeRO-1 deals whole matrices); None: the largest of them.
+    pp_layers: the blocks of each model stage, as the setting ('': cut by cost, metrics.stage_cut)."""
     T = block_size or model_cfg.block_size
     replicas, expert_replicas = dp * cp, dp // ep * cp  # the ranks that shard a parameter, an expert
     N = batch_size * T // cp  # this rank's tokens per micro-batch
@@ -226,9 +229,9 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
     for stage in range(pp):
         here = virtual_stages(schedule, pp, stage, chunks)
         shapes = {}
-        elements = stage_parameter_elements(model_cfg, tp, pp, stage, schedule, chunks, ep, shapes)
+        elements = stage_parameter_elements(model_cfg, tp, pp, stage, schedule, chunks, ep, shapes, pp_layers)
         P = sum(elements.values())
-        chunk_layers = [stage_layers(model_cfg.n_layer, n_stages, s) for s in here]
+        chunk_layers = [stage_layers(stage_cut(model_cfg, schedule, pp, chunks, pp_layers), s) for s in here]
         # ZeRO-3's units: each block's dense part over dp x cp, its experts over their own replicas
         block_units = [[sum(n for name, n in elements.items() if name.startswith(f"blocks.{i}.") and
                             is_expert(name) == expert) for expert in (False, True)]
@@ -358,7 +361,7 @@ def plan_for(cfg, model_cfg, layout_dims, dp_rank=None):
     return plan_memory(model_cfg, dp, tp, pp, cp, cfg.zero_stage, cfg.batch_size, cfg.block_size,
                        cfg.gradient_accumulation_steps, cfg.pp_schedule, cfg.activation_checkpointing,
                        cfg.chunked_loss, cfg.sequence_parallel, cfg.bucket_size_mb, chunks=cfg.pp_chunks, ep=cfg.ep,
-                       optimizer=cfg.optimizer, dp_rank=dp_rank)
+                       optimizer=cfg.optimizer, dp_rank=dp_rank, pp_layers=cfg.pp_layers)
 
 
 def format_plan(stages, gpu_mem_gib=None):

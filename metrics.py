@@ -1,7 +1,7 @@
 """
 What a training run measures, and where the measurements go. train.py and bench.py both use it.
 
-  1. FLOPs per token of a model config (the numerator of MFU).
+  1. FLOPs per token of a model config (the numerator of MFU), and the pipeline's stages cut by them.
   2. The device's peak FLOP/s: a table of GPU datasheet figures, or a measured matmul probe on CPU.
   3. MFU and peak memory.
   4. The log: metrics.jsonl (always), and the optional W&B and TensorBoard backends, imported only when a
@@ -30,20 +30,22 @@ from torch.utils.weak import WeakIdKeyDictionary
 from configurator import ConfigError
 from model import attention_head_dim, mlp_hidden_size
 from parallel import full_shape_of
-from pipeline_schedules import ideal_bubble, virtual_stages
+from pipeline_schedules import cost_cut, ideal_bubble, virtual_stages
 
 
 # -----------------------------------------------------------------------------
 # 1. FLOPs per token
 
 
-def flops_per_token(cfg):
-    """Training FLOPs per token: 6 per matmul weight a token passes through (2 forward, 4 backward), plus
-    the attention scores and their weighted sum, 6 * n_layer * block_size * n_head * (qk_dim + v_dim)
-    (Kaplan et al. 2020, table 1; PaLM appendix B; with qk_dim = v_dim = head_dim this is the familiar
-    12 * L * H * D * T). Counts only the weights a token uses: the head but not the embedding lookup, and in a
-    Mixture-of-Experts layer the router plus the shared and top-k experts. Norms, RoPE and softmax are left
-    out, as is usual."""
+def pipeline_costs(cfg):
+    """(embedding, [each block], the final norm, head and loss): the training FLOPs per token of each piece a
+    pipeline stage can hold, at block_size, forward and backward (a matmul weight costs 2 FLOPs per token
+    forward and 4 backward, the 3x rule). A block: 6 per matmul weight a token passes through, plus the
+    attention scores and their weighted sum, 6 * block_size * n_head * (qk_dim + v_dim) (Kaplan et al. 2020,
+    table 1; PaLM appendix B; with qk_dim = v_dim = head_dim the familiar 12 * H * D * T per layer). The
+    head: 6 * n_embd * vocab_size. The embedding: 0 (a lookup, no matmul). Counts only the weights a token
+    uses: in a Mixture-of-Experts layer the router plus the shared and top-k experts. Norms, RoPE, softmax
+    and the loss's other elementwise work are left out, as is usual."""
     C, H, T = cfg.n_embd, cfg.n_head, cfg.block_size
     if cfg.attention == "mla":  # DeepSeek-V2 multi-head latent attention
         nope, rope, v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -57,8 +59,24 @@ def flops_per_token(cfg):
     mlp = (2 if cfg.mlp == "gelu" else 3) * C * mlp_hidden_size(cfg)
     if cfg.n_expert > 0:
         mlp = C * cfg.n_expert + (cfg.n_expert_per_token + cfg.n_shared_expert) * mlp
-    matmul_weights = cfg.n_layer * (attn + mlp) + C * cfg.vocab_size
-    return 6 * matmul_weights + 6 * cfg.n_layer * T * H * (qk_dim + v_dim)
+    block = 6 * (attn + mlp) + 6 * T * H * (qk_dim + v_dim)
+    return 0, [block] * cfg.n_layer, 6 * C * cfg.vocab_size
+
+
+def flops_per_token(cfg):
+    """Training FLOPs per token of the whole model (the numerator of MFU): the sum of pipeline_costs."""
+    embedding, blocks, head = pipeline_costs(cfg)
+    return embedding + sum(blocks) + head
+
+
+def stage_cut(cfg, schedule, pp, chunks=1, pp_layers=""):
+    """The number of blocks of each of the pp * chunks model stages, first to last: the pp_layers setting's
+    numbers when it is set ("7,1"; settings.check_values checked them), else the cut by the costs above
+    (pipeline_schedules.cost_cut). model.Transformer, the memory planner and the start-up line all take
+    their cut from here."""
+    if pp_layers:
+        return tuple(int(n) for n in pp_layers.split(","))
+    return cost_cut(schedule, pp, chunks, pipeline_costs(cfg))
 
 
 def full_param_count(model, layout):

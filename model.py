@@ -1117,13 +1117,15 @@ class Transformer(nn.Module):
     under the embedding's name), `tied_copies()` names it for the checkpoint and the gradient norm, and the
     training step keeps the two equal by summing their gradients (parallel.sync_tied_grads).
 
-    Chunks (the interleaved and V pipeline schedules): pp_rank may be a tuple of stages of the pp, the model
-    chunks this rank holds (pipeline_schedules.virtual_stages). They are one module, every parameter under its
-    whole-model name; forward(x, targets, positions, chunk=c) runs chunk c, the stage pp_rank[c]: the
-    embedding first if it is stage 0, the head and the loss last if it is stage pp - 1."""
+    Pipeline stages: pp model stages, stage_blocks[s] blocks in stage s (given when pp > 1: metrics.stage_cut
+    cuts them by their FLOPs, or by the pp_layers setting, so that the stage with the head does no more than
+    the others). Chunks (the interleaved and V pipeline schedules): pp_rank may be a tuple of stages of the
+    pp, the model chunks this rank holds (pipeline_schedules.virtual_stages). They are one module, every
+    parameter under its whole-model name; forward(x, targets, positions, chunk=c) runs chunk c, the stage
+    pp_rank[c]: the embedding first if it is stage 0, the head and the loss last if it is stage pp - 1."""
 
     def __init__(self, cfg, tp_group=None, pp=1, pp_rank=0, attn_impl="auto", activation_checkpointing=False,
-                 chunked_loss=False, cp_group=None, sequence_parallel=False, ep_group=None):
+                 chunked_loss=False, cp_group=None, sequence_parallel=False, ep_group=None, stage_blocks=None):
         super().__init__()
         if attn_impl != "flash":  # (flash needs its device to be checked: the caller's choose_attn_impl did)
             attn_impl, _ = choose_attn_impl(attn_impl, "cpu", torch.float32, cfg.attn_softcap)
@@ -1134,7 +1136,12 @@ class Transformer(nn.Module):
         self.chunked_loss = chunked_loss and group_size(tp_group) == 1
         self.n_stages, self.stages = pp, tuple(pp_rank) if isinstance(pp_rank, (tuple, list)) else (pp_rank,)
         self.is_first, self.is_last = 0 in self.stages, pp - 1 in self.stages  # holds the embedding, the head
-        self.chunk_layers = [stage_layers(cfg.n_layer, pp, s) for s in self.stages]
+        if pp > 1 and (stage_blocks is None or len(stage_blocks) != pp or sum(stage_blocks) != cfg.n_layer):
+            raise ValueError(f"Transformer: pp = {pp} stages need stage_blocks, the blocks of each: {pp} numbers "
+                             f"summing to n_layer = {cfg.n_layer}, not {stage_blocks} (metrics.stage_cut cuts them "
+                             f"by cost)")
+        self.stage_blocks = tuple(stage_blocks) if stage_blocks is not None else (cfg.n_layer,)
+        self.chunk_layers = [stage_layers(self.stage_blocks, s) for s in self.stages]
         self.layer_ids = sorted(i for layers in self.chunk_layers for i in layers)
         if self.is_first:
             self.tok_emb = (SequenceParallelEmbedding if sp else VocabParallelEmbedding)(cfg.vocab_size, cfg.n_embd, tp_group)

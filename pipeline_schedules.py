@@ -196,16 +196,97 @@ def forward_only_actions(pp, stage, m, chunks=1):
     return [("F", i, c) for i, c in interleaved_order(pp, m, chunks)]
 
 
-def describe_pipeline(schedule, pp, m, chunks, n_layer, warn=True):
-    """The start-up line naming the schedule and the blocks of each rank (chunk by chunk), and with warn a
-    warning when there are fewer micro-batches than stages: the stages are then idle most of the step."""
+def stage_work(stage_blocks, costs):
+    """The cost of each model stage under the cut stage_blocks (the blocks of each stage, first to last),
+    costs being (embedding, [each block], the final norm, head and loss), as metrics.pipeline_costs gives."""
+    first, blocks, last = costs
+    work = [sum(blocks[i] for i in stage_layers(stage_blocks, s)) for s in range(len(stage_blocks))]
+    work[0], work[-1] = work[0] + first, work[-1] + last
+    return work
+
+
+def rank_work(schedule, pp, chunks, stage_blocks, costs):
+    """Each pipeline rank's share of the model's work (its chunks' stages summed), under the cut stage_blocks."""
+    work = stage_work(stage_blocks, costs)
+    return [sum(work[s] for s in virtual_stages(schedule, pp, p, chunks)) / sum(work) for p in range(pp)]
+
+
+def balance_units(schedule, pp, chunks):
+    """The groups of model stages whose costs must be even for no rank to wait on another: under zbv each
+    rank's two stages, which a microbatch crosses back to back (down the V, then up it: the rank's total is
+    what the others wait for); otherwise each model stage alone (one per rank, or under interleaving each
+    lap round the ring waits on every chunk in turn: python timeline.py draws both)."""
+    if schedule == "zbv":
+        return [virtual_stages(schedule, pp, p, chunks) for p in range(pp)]
+    return [(s,) for s in range(pp * chunks)]
+
+
+def cost_cut(schedule, pp, chunks, costs):
+    """The blocks of each of the pp * chunks model stages, cut by their cost (costs as stage_work's):
+    parallel.balanced_cut, whose costliest stage is as cheap as it can be. Under zbv, whose ranks must
+    balance rather than its stages (balance_units), blocks are then moved one at a time across a stage
+    boundary while that makes the costliest rank cheaper, or the ranks more even, without making any stage
+    costlier than balanced_cut's costliest (a local search: each move must improve; rank 0 holds both ends
+    of the model, so the head's stage there takes as few blocks as it can)."""
+    cut = parallel.balanced_cut(costs[1], pp * chunks, costs[0], costs[2])
+    limit, units = max(stage_work(cut, costs)), balance_units(schedule, pp, chunks)
+
+    def unevenness(sizes):
+        stages = stage_work(sizes, costs)
+        totals = [sum(stages[s] for s in unit) for unit in units]
+        return max(totals), sum(t * t for t in totals), sum(c * c for c in stages), sizes
+
+    while True:
+        moves = [cut[:k] + (cut[k] - d, cut[k + 1] + d) + cut[k + 2:] for k in range(len(cut) - 1) for d in (1, -1)]
+        moves = [sizes for sizes in moves if min(sizes) > 0 and max(stage_work(sizes, costs)) <= limit]
+        best = min(moves, key=unevenness, default=cut)
+        if unevenness(best) >= unevenness(cut):
+            return cut
+        cut = best
+
+
+def describe_pipeline(schedule, pp, m, chunks, stage_blocks, costs, warn=True):
+    """The start-up line naming the schedule, the blocks of each rank (chunk by chunk) and its share of the
+    work (costs as stage_work's), and with warn two warnings. One when no cut by cost brings every unit that
+    must balance (balance_units: the ranks, or under interleaving the model stages) within 115% of an even
+    share: the others then wait for the costliest, which their measured bubble shows, so the line says why
+    (the head, or blocks that do not deal evenly), lest it be taken for a failure; or when pp_layers is that
+    uneven and the cut by cost is not. One when there are fewer micro-batches than stages: the stages are
+    then idle most of the step."""
     blocks = lambda r: r.start if len(r) == 1 else f"{r.start}-{r.stop - 1}"
-    per_rank = [", ".join(str(blocks(stage_layers(n_layer, pp * chunks, s))) for s in virtual_stages(schedule, pp, p, chunks))
+    per_rank = [", ".join(str(blocks(stage_layers(stage_blocks, s))) for s in virtual_stages(schedule, pp, p, chunks))
                 for p in range(pp)]
+    shares, best = rank_work(schedule, pp, chunks, stage_blocks, costs), cost_cut(schedule, pp, chunks, costs)
     text = (f"pipeline: {schedule}, {m} microbatches, " + (f"{chunks} chunks per rank, " if chunks > 1 else "")
+            + ("cut by cost, " if tuple(stage_blocks) == best else "cut by pp_layers, ")
             + ("blocks per stage " if chunks == 1 else "blocks per rank (chunk by chunk) ")
-            + " | ".join(f"{p}: {text}" for p, text in enumerate(per_rank)))
-    if warn and m < pp:
+            + " | ".join(f"{p}: {text} ({share:.0%}{' of the work' if p == 0 else ''})"
+                         for p, (text, share) in enumerate(zip(per_rank, shares))))
+    if not warn:
+        return text
+    units = balance_units(schedule, pp, chunks)
+    unit = "rank" if len(units) == pp else "model stage"
+    share = lambda cut: [sum(stage_work(cut, costs)[s] for s in u) / sum(stage_work(cut, costs)) for u in units]
+    even, best_shares, head_share = 1 / len(units), share(best), costs[2] / sum(stage_work(best, costs))
+    # the least the unit with the head can do: the head and the loss, and a block in each of its stages
+    with_head = next(u for u in units if pp * chunks - 1 in u)
+    head_unit = head_share + len(with_head) * min(costs[1]) / sum(stage_work(best, costs))
+    if max(best_shares) > 1.15 * even:
+        why = (f"the head and the loss alone are {head_share:.0%} of the model's work, so the {unit} that holds them "
+               f"does at least {head_unit:.0%}" if head_unit > 1.15 * even else
+               f"{len(costs[1])} blocks do not deal evenly into {pp * chunks} stages")
+        text += (f"\nwarning: no cut of the blocks brings every {unit} within 115% of an even share of the work "
+                 f"({even:.0%}): {why}. The others wait for the costliest"
+                 + (f", so the least busy rank is idle about {1 - min(best_shares) / max(best_shares):.0%} of each "
+                    f"step on top of the schedule's bubble; " if unit == "rank" else " on every lap of the ring; ")
+                 + ("split the model with tp (which splits the head too) or dp rather than pp"
+                    + (", or use fewer chunks" if chunks > 1 else "") if head_unit > 1.15 * even
+                    else "a pp * pp_chunks that divides n_layer deals them evenly"))
+    elif max(share(stage_blocks)) > 1.15 * even:
+        text += (f"\nwarning: pp_layers gives a {unit} {max(share(stage_blocks)):.0%} of the work, where an even share "
+                 f"is {even:.0%}; the cut by cost (pp_layers='') gives at most {max(best_shares):.0%}: "
+                 f"{','.join(map(str, best))}")
+    if m < pp:
         bubble, whose = ideal_bubble(schedule, pp, m, chunks), schedule
         if bubble is None:  # (the paper gives no formula for this m)
             bubble, whose = ideal_bubble("1f1b", pp, m), "1f1b"

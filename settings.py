@@ -179,6 +179,9 @@ TRAINING = [
                 "across tp (Megatron)", resume="allow"),
         Setting("pp_chunks", 1, "model chunks per pipeline rank (virtual stages): interleaved_1f1b any, zbv 2, the "
                 "others 1", resume="allow"),
+        Setting("pp_layers", "", "the blocks of each model stage, first to last, pp * pp_chunks numbers summing to "
+                "n_layer ('7,1'); '' cuts the stages by their FLOPs, the head and loss counted (metrics.stage_cut)",
+                resume="allow"),
         Setting("pp_trace", False, "time every pipeline action of the second step on every rank: <out_dir>/"
                 "pp_trace.json (Chrome trace), the measured bubble printed", resume="allow"),
         Setting("ep", 1, "expert-parallel ranks: each MoE layer's experts are spread over ep neighbouring "
@@ -224,6 +227,16 @@ def check_values(values):
         problems.append(f"vocab_size = {values['vocab_size']} must be positive (or None: from meta.json)")
     if not values["out_dir"].strip():
         problems.append("out_dir is empty: name the folder the run writes to")
+    if values["pp_layers"]:
+        n_stages, n_layer = values["pp"] * values["pp_chunks"], values["n_layer"]
+        parts = values["pp_layers"].split(",")
+        whole = all(p.strip().isdigit() and int(p) > 0 for p in parts)
+        if not whole or len(parts) != n_stages or sum(map(int, parts)) != n_layer:
+            even = [n_layer // n_stages + (s < n_layer % n_stages) for s in range(n_stages)]
+            problems.append(f"pp_layers = {values['pp_layers']!r} must be pp * pp_chunks = {n_stages} whole numbers, "
+                            f"each at least 1, summing to n_layer = {n_layer}: the blocks of each model stage, first "
+                            f"to last (" + (f"for example {','.join(map(str, even))!r}; " if min(even) > 0 else "")
+                            + "'' cuts the stages by their cost)")
     if values["zero_stage"] not in (0, 1, 2, 3):
         problems.append(f"zero_stage must be 0 (plain AdamW), 1 (optimizer states sharded across data-parallel "
                         f"ranks), 2 (and the gradients) or 3 (and the parameters), got {values['zero_stage']}")

@@ -148,9 +148,8 @@ def window_starts(seed, stream, step, n_tokens, block_size, n_windows):
 
 
 def read_windows(data, starts, block_size):
-    """The token windows at `starts`, (len(starts), block_size + 1), checked on the host: a token id outside
-    the vocabulary would crash the embedding at tp = 1, and at tp > 1 the vocab-parallel embedding would
-    silently read it as zeros."""
+    """The token windows at `starts`, (len(starts), block_size + 1), checked on the host: an id outside the
+    vocabulary would crash the embedding at tp = 1, and at tp > 1 the vocab-parallel one would silently read zeros."""
     path, dtype, _, vocab_size = data
     # a fresh memmap per batch: keeping one open leaks memory (nanoGPT's note on np.memmap)
     tokens = np.memmap(path, dtype=dtype, mode="r")
@@ -310,8 +309,9 @@ def setup(cfg, training=True):
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))  # torchrun's processes on this node
     print0(layout, describe_layout(layout, cfg.sequence_parallel, model_cfg.n_expert, per_node))
     if layout.pp > 1:
+        cut = metrics.stage_cut(model_cfg, cfg.pp_schedule, layout.pp, cfg.pp_chunks, cfg.pp_layers)
         print0(layout, describe_pipeline(cfg.pp_schedule, layout.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks,
-                                         model_cfg.n_layer, warn=not converting))
+                                         cut, metrics.pipeline_costs(model_cfg), warn=not converting))
     elif cfg.pp_trace:
         print0(layout, "pp_trace: nothing to trace with pp = 1 (no pipeline); the run goes on untraced")
     return Run(dev=dev, dtype=ptdtype, layout=layout, model_cfg=model_cfg, attn_impl=attn, datasets=datasets,
@@ -338,9 +338,10 @@ def build(cfg, run):
     step needs. bench.py builds through here too, so it times exactly what train.py runs."""
     layout = run.layout
     torch.manual_seed(cfg.seed)
-    # this rank's model chunks, as the stages of a model cut into pp * pp_chunks (one with pp_chunks = 1)
+    # this rank's model chunks, stages of the model cut into pp * pp_chunks (by cost, or pp_layers: metrics.stage_cut)
     stages = virtual_stages(cfg.pp_schedule, layout.pp, layout.pp_rank, cfg.pp_chunks)
-    model = Transformer(run.model_cfg, layout.tp_group, layout.pp * cfg.pp_chunks, stages, attn_impl=run.attn_impl,
+    cut = metrics.stage_cut(run.model_cfg, cfg.pp_schedule, layout.pp, cfg.pp_chunks, cfg.pp_layers)
+    model = Transformer(run.model_cfg, layout.tp_group, len(cut), stages, stage_blocks=cut, attn_impl=run.attn_impl,
                         activation_checkpointing=cfg.activation_checkpointing, chunked_loss=cfg.chunked_loss,
                         cp_group=layout.cp_group, sequence_parallel=cfg.sequence_parallel, ep_group=layout.ep_group)
     loaded = None

@@ -94,6 +94,23 @@ def test_a_pipeline_gets_4_x_pp_microbatches_and_says_why(tmp_path, capsys):
     assert "gradient_accumulation_steps = 2  #" in out.read_text()  # asked for: kept
 
 
+def test_a_pipeline_states_its_cut_by_cost_or_by_hand_and_warns_when_no_cut_balances(tmp_path):
+    out = tmp_path / "c.py"
+    make_config.main(["--n_layer=8", "--n_embd=256", "--n_head=8", "--block_size=128", "--vocab_size=16384", "--pp=2",
+                      "--nproc=2", f"--out={out}"])
+    assert "# pipeline: 1f1b, 8 microbatches, cut by cost, blocks per stage 0: 0-5 (47% of the work) | 1: 6-7 (53%)\n" \
+        in out.read_text()
+    make_config.main(["--n_layer=8", "--n_embd=256", "--n_head=8", "--block_size=128", "--vocab_size=16384", "--pp=2",
+                      "--pp_layers=7,1", "--nproc=2", f"--out={out}", "--force=True"])
+    text = out.read_text()
+    assert "cut by pp_layers, blocks per stage 0: 0-6 (55% of the work) | 1: 7 (45%)" in text
+    assert 'pp_layers = "7,1"  # the blocks of each model stage' in text
+    # the quick start's model: its head is most of its work
+    make_config.main(["--n_layer=4", "--n_embd=128", "--n_head=4", "--n_kv_head=2", "--block_size=256",
+                      "--vocab_size=50304", "--pp=2", "--nproc=2", f"--out={out}", "--force=True"])
+    assert "# warning: no cut of the blocks brings every rank within 115% of an even share" in out.read_text()
+
+
 def test_an_existing_file_is_refused_unless_force_is_given(tmp_path, capsys):
     out = tmp_path / "c.py"
     out.write_text("# someone's own config\n")

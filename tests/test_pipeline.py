@@ -2,8 +2,10 @@
 make (timeline.py), and pipelined training equal to one process. The distributed checks share one 4-rank launch (module
 fixture) and each test reads its part; train.py's pipelined runs and resumes share one 2-rank launch."""
 import functools
+import itertools
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import memory_plan
 import metrics
 import parallel
 import settings
@@ -23,9 +26,9 @@ import zero as zero_stages  # (zero is a local name below: the stage)
 from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights, gather_full,
                         run_ranks, train_in_process, train_on_ranks)
 from model import ModelConfig, Transformer, check_layout, chunk_modules
-from parallel import ParallelLayout, PipelineComm, run_schedule, sync_tied_grads, tied_weight_group
-from pipeline_schedules import (SCHEDULES, WeightGradStore, check_schedule, forward_only_actions, ideal_bubble,
-                                virtual_stages)
+from parallel import ParallelLayout, PipelineComm, run_schedule, stage_layers, sync_tied_grads, tied_weight_group
+from pipeline_schedules import (SCHEDULES, WeightGradStore, check_schedule, cost_cut, describe_pipeline,
+                                forward_only_actions, ideal_bubble, virtual_stages)
 from parallel import _all_gather_single
 from timeline import bubble_fraction, format_timeline, schedule_timeline
 from timeline import main as timeline_main
@@ -198,15 +201,16 @@ def test_more_stages_than_layers_is_refused():
         check_layout(CFG, tp=1, pp=4, chunks=2)
 
 
-def test_chunks_keep_the_whole_models_parameter_names_and_split_the_layers_first_chunks_heavier():
+def test_chunks_keep_the_whole_models_parameter_names_and_hold_the_blocks_of_their_cut():
     whole = dict(Transformer(CFG).named_parameters())
-    ranks = [Transformer(CFG, pp=4, pp_rank=virtual_stages("interleaved_1f1b", 2, r, 2)) for r in range(2)]
-    # 6 blocks in 4 model stages: 0-1 | 2-3 | 4 | 5; rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
-    assert [[list(r) for r in model.chunk_layers] for model in ranks] == [[[0, 1], [4]], [[2, 3], [5]]]
+    ranks = [Transformer(CFG, pp=4, pp_rank=virtual_stages("interleaved_1f1b", 2, r, 2), stage_blocks=(1, 2, 2, 1))
+             for r in range(2)]
+    # 6 blocks in 4 model stages: 0 | 1-2 | 3-4 | 5; rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
+    assert [[list(r) for r in model.chunk_layers] for model in ranks] == [[[0], [3, 4]], [[1, 2], [5]]]
     names = [set(dict(model.named_parameters())) - set(model.tied_copies()) for model in ranks]
     assert names[0] | names[1] == set(whole) and not names[0] & names[1]
     # zbv: rank 0 holds model stages 0 and 3, both ends: the head is the embedding's own tensor again
-    v_rank0 = Transformer(CFG, pp=4, pp_rank=virtual_stages("zbv", 2, 0))
+    v_rank0 = Transformer(CFG, pp=4, pp_rank=virtual_stages("zbv", 2, 0), stage_blocks=(2, 1, 2, 1))
     assert v_rank0.lm_head.weight is v_rank0.tok_emb.weight and v_rank0.tied_copies() == {}
 
 
@@ -252,7 +256,8 @@ def test_chunks_compute_the_whole_model_auxiliary_losses_included(variant):
     cfg = ModelConfig(**{**CFG.__dict__, **VARIANTS[variant]})
     whole = Transformer(cfg)
     whole.init_weights(SEED)
-    chunks = [Transformer(cfg, pp=4, pp_rank=virtual_stages("interleaved_1f1b", 2, r, 2)) for r in range(2)]
+    chunks = [Transformer(cfg, pp=4, pp_rank=virtual_stages("interleaved_1f1b", 2, r, 2),
+                          stage_blocks=metrics.stage_cut(cfg, "interleaved_1f1b", 2, 2)) for r in range(2)]
     for model in chunks:
         model.init_weights(SEED)
     x, y = make_microbatches(1)[0]
@@ -266,7 +271,124 @@ def test_chunks_compute_the_whole_model_auxiliary_losses_included(variant):
 
 
 # -----------------------------------------------------------------------------
-# one 4-rank launch. Per-stage gradients of one step (run_schedule directly): pp=4 (uneven split 2-2-1-1)
+# the stages cut by their cost (parallel.balanced_cut, pipeline_schedules.cost_cut, metrics.stage_cut)
+
+
+def every_cut(n_blocks, n_stages):
+    """Every way of cutting n_blocks into n_stages runs of at least one block, as blocks per stage."""
+    for bounds in itertools.combinations(range(1, n_blocks), n_stages - 1):
+        yield tuple(b - a for a, b in zip((0, *bounds), (*bounds, n_blocks)))
+
+
+def stage_costs(block_costs, sizes, first, last):
+    starts = [sum(sizes[:s]) for s in range(len(sizes))]
+    costs = [sum(block_costs[a:a + n]) for a, n in zip(starts, sizes)]
+    costs[0] += first
+    costs[-1] += last
+    return costs
+
+
+@pytest.mark.parametrize("block_costs, n_stages, first, last, cut", [
+    ([1] * 8, 2, 0, 4.8, (6, 2)),  # issue 28's shape: the head and loss are worth 4.8 blocks
+    ([1] * 12, 4, 0, 4.5, (3, 4, 4, 1)),  # GPT-2 small at pp=4: the head's stage sets the limit, the rest even
+    ([1] * 8, 3, 0, 0, (2, 3, 3)),  # no head: as even as blocks go, the first stage lighter on a tie
+    ([1] * 4, 2, 2, 0, (1, 3)),  # an embedding worth two blocks
+    ([1, 2, 3, 4, 5, 6, 7, 8, 9], 3, 0, 0, (5, 2, 2)),
+    ([5], 1, 1, 1, (1,)),
+])
+def test_balanced_cut_gives_the_known_answers(block_costs, n_stages, first, last, cut):
+    assert parallel.balanced_cut(block_costs, n_stages, first, last) == cut
+
+
+def test_balanced_cut_makes_the_costliest_stage_the_cheapest_of_every_cut():
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        k, costs = rng.randint(1, n), [rng.randint(0, 9) for _ in range(n)]
+        first, last = rng.randint(0, 5), rng.randint(0, 30)
+        cut = parallel.balanced_cut(costs, k, first, last)
+        best = min(max(stage_costs(costs, sizes, first, last)) for sizes in every_cut(n, k))
+        assert len(cut) == k and sum(cut) == n and min(cut) >= 1
+        assert max(stage_costs(costs, cut, first, last)) == best, (costs, k, first, last, cut)
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_under_zbv_the_cut_balances_the_ranks_within_the_cheapest_costliest_stage(pp):
+    """A ZB-V rank crosses its two stages back to back (rank 0 both ends of the model): of the cuts whose
+    costliest stage is the cheapest (the head's sets it here), the one found leaves the costliest rank as
+    cheap as any (every cut tried). Under interleaving the stages themselves must balance: balanced_cut's."""
+    costs, cuts = (0, [1] * 10, 4.8), list(every_cut(10, 2 * pp))
+    stages = lambda sizes: stage_costs(costs[1], sizes, 0, 4.8)
+    ranks = lambda sizes: [sum(stages(sizes)[s] for s in virtual_stages("zbv", pp, p, 2)) for p in range(pp)]
+    cut, cheapest = cost_cut("zbv", pp, 2, costs), min(max(stages(c)) for c in cuts)
+    assert max(stages(cut)) == cheapest
+    assert max(ranks(cut)) == min(max(ranks(c)) for c in cuts if max(stages(c)) == cheapest)
+    assert cost_cut("interleaved_1f1b", pp, 2, costs) == parallel.balanced_cut(costs[1], 2 * pp, 0, 4.8)
+
+
+ISSUE_SHAPE = ModelConfig(n_layer=8, n_embd=256, n_head=8, n_kv_head=8, block_size=128, vocab_size=16384)
+QUICK_START = ModelConfig(n_layer=4, n_embd=128, n_head=4, n_kv_head=2, block_size=256, vocab_size=50304)
+
+
+def test_the_costs_are_the_flops_per_token_and_the_head_is_most_of_the_quick_starts():
+    embedding, blocks, head = metrics.pipeline_costs(ISSUE_SHAPE)
+    assert embedding + sum(blocks) + head == metrics.flops_per_token(ISSUE_SHAPE)
+    assert head == 6 * 256 * 16384 and len(blocks) == 8 and head / blocks[0] == pytest.approx(4.83, abs=0.01)
+    _, blocks, head = metrics.pipeline_costs(QUICK_START)
+    assert head / (sum(blocks) + head) == pytest.approx(0.86, abs=0.01)
+
+
+def test_the_start_up_line_gives_each_ranks_blocks_and_share_and_says_when_no_cut_can_balance():
+    costs = metrics.pipeline_costs(ISSUE_SHAPE)
+    line = describe_pipeline("1f1b", 2, 8, 1, metrics.stage_cut(ISSUE_SHAPE, "1f1b", 2), costs)
+    assert line == ("pipeline: 1f1b, 8 microbatches, cut by cost, blocks per stage 0: 0-5 (47% of the work) | "
+                    "1: 6-7 (53%)")
+    line = describe_pipeline("1f1b", 2, 8, 1, (4, 4), costs)  # the even deal of the blocks, by hand
+    assert "cut by pp_layers" in line and "gives a rank 69% of the work" in line and ": 6,2" in line
+    # issue 29: zero_bubble at pp=2 measured "rank 0 91.1% | rank 1 2.2%" with no word of why
+    line = describe_pipeline("zero_bubble", 2, 8, 1, metrics.stage_cut(QUICK_START, "zero_bubble", 2),
+                             metrics.pipeline_costs(QUICK_START))
+    assert "0: 0-2 (11% of the work) | 1: 3 (89%)" in line
+    assert ("the head and the loss alone are 86% of the model's work, so the rank that holds them does at least "
+            "89%") in line
+    assert "the least busy rank is idle about 88% of each step" in line
+    assert "split the model with tp (which splits the head too) or dp rather than pp" in line
+    # interleaved at the issue's shape: the head's chunk alone outweighs a quarter of the model
+    line = describe_pipeline("interleaved_1f1b", 2, 8, 2, metrics.stage_cut(ISSUE_SHAPE, "interleaved_1f1b", 2, 2),
+                             costs)
+    assert "no cut of the blocks brings every model stage within 115% of an even share of the work (25%)" in line
+    assert line.endswith("or use fewer chunks")
+
+
+@pytest.mark.parametrize("bad", ["7,2", "8", "0,8", "7,x", "4,4,0"])
+def test_pp_layers_that_do_not_cut_n_layer_into_the_stages_are_refused_naming_the_setting(bad, data_dir, tmp_path):
+    with pytest.raises(SystemExit) as exit:  # before any process starts
+        train.main([f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--n_layer=8", "--pp=2", f"--pp_layers={bad}"])
+    assert exit.value.code.startswith(f"error: pp_layers = {bad!r} must be pp * pp_chunks = 2 whole numbers, each at "
+                                      f"least 1, summing to n_layer = 8: the blocks of each model stage, first to last "
+                                      f"(for example '4,4'; '' cuts the stages by their cost)")
+
+
+@pytest.mark.parametrize("schedule, pp, chunks, pp_layers", [
+    ("1f1b", 2, 1, ""), ("1f1b", 2, 1, "7,1"), ("interleaved_1f1b", 2, 2, ""), ("zbv", 2, 2, ""), ("1f1b", 4, 1, "")])
+def test_the_model_the_memory_planner_and_the_start_up_line_hold_the_same_cut(schedule, pp, chunks, pp_layers):
+    cut = metrics.stage_cut(ISSUE_SHAPE, schedule, pp, chunks, pp_layers)
+    assert sum(cut) == 8 and (pp_layers == "" or cut == (7, 1))
+    line = describe_pipeline(schedule, pp, 8, chunks, cut, metrics.pipeline_costs(ISSUE_SHAPE))
+    for rank in range(pp):
+        stages = virtual_stages(schedule, pp, rank, chunks)
+        blocks = [list(stage_layers(cut, s)) for s in stages]
+        with torch.device("meta"):
+            model = Transformer(ISSUE_SHAPE, None, pp * chunks, stages, stage_blocks=cut)
+        assert [list(layers) for layers in model.chunk_layers] == blocks
+        planned = memory_plan.stage_parameter_elements(ISSUE_SHAPE, 1, pp, rank, schedule, chunks, pp_layers=pp_layers)
+        assert {int(name.split(".")[1]) for name in planned if name.startswith("blocks.")} == set(sum(blocks, []))
+        text = ", ".join(str(b[0]) if len(b) == 1 else f"{b[0]}-{b[-1]}" for b in blocks)
+        assert f"{rank}: {text} (" in line
+
+
+# -----------------------------------------------------------------------------
+# one 4-rank launch. Per-stage gradients of one step (run_schedule directly): pp=4 (cut by cost: 1-2-2-1)
 # and pp=2 x tp=2 with every schedule, auxiliary losses, fewer microbatches than stages, activation memory.
 # Training steps through train.py's build and train_step: dp=2 x pp=2 with ZeRO-1, pp=4 x 2 chunks.
 
@@ -312,8 +434,9 @@ def _stage_step(layout, schedule, m, chunks=1, aux=False, cfg=CFG, checkpointing
     """One step of this rank's chunks; returns its loss part, full grads by (original) name, peak activation
     bytes and the set_grad_sync calls."""
     v = 2 if schedule == "zbv" else chunks
-    model = Transformer(cfg, layout.tp_group, layout.pp * v, virtual_stages(schedule, layout.pp, layout.pp_rank, v),
-                        activation_checkpointing=checkpointing)
+    cut = metrics.stage_cut(cfg, schedule, layout.pp, v)  # as train.py cuts it
+    model = Transformer(cfg, layout.tp_group, len(cut), virtual_stages(schedule, layout.pp, layout.pp_rank, v),
+                        activation_checkpointing=checkpointing, stage_blocks=cut)
     model.init_weights(SEED)
     comm = PipelineComm.from_layout(layout, cfg.n_embd, "cpu",
                                     stages_of=lambda rank: virtual_stages(schedule, layout.pp, rank, v))
@@ -443,6 +566,7 @@ def train_steps(**overrides):
             "weights": full_tensors(parts.model, layout, "weights", zero, parts.optimizer),
             "launched": launched[-1] if launched else None, "buckets": buckets, "tied_bucket": tied,
             "pp_rank": layout.pp_rank, "m": cfg.gradient_accumulation_steps,
+            "blocks": [list(layers) for layers in parts.model.chunk_layers],
             "launches_per_microbatch": sum(map(len, getattr(grad_sync, "phase_buckets", {}).values())),
             "grads_after_an_action": seen.grads, "gathered_after_an_action": seen.gathered, "gathers": len(gathers),
             "block_units": sum(len(block) for blocks in sharded.chunks.values() for _, block in blocks) if sharded else 0,
@@ -452,7 +576,8 @@ def train_steps(**overrides):
 TRAIN_LAYOUTS = {
     "dp2_pp2_zero1_interleaved": dict(dp=2, pp=2, zero_stage=1, pp_schedule="interleaved_1f1b", pp_chunks=2,
                                       batch_size=2),
-    "dp2_pp2_zero1_zero_bubble": dict(dp=2, pp=2, zero_stage=1, pp_schedule="zero_bubble", batch_size=2),
+    # (cut by hand: blocks 0-4 | 5; the others by cost)
+    "dp2_pp2_zero1_zero_bubble": dict(dp=2, pp=2, zero_stage=1, pp_schedule="zero_bubble", batch_size=2, pp_layers="5,1"),
     "dp2_pp2_zbv": dict(dp=2, pp=2, pp_schedule="zbv", pp_chunks=2, batch_size=2),
 }
 # ZeRO-2 and 3 under the schedules with chunks or a split backward (tied embeddings: the default; under zbv
@@ -559,7 +684,7 @@ def test_pp4_with_fewer_microbatches_than_stages_matches_one_process(ranks, sche
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_pp4_auxiliary_loss_of_non_last_stages_is_backpropagated(ranks, schedule):
     results = [r[f"pp4_{schedule}_aux"] for r in ranks]
-    ref_loss, ref_grads = reference(M, aux_after_blocks=(1, 3, 4))  # stages: blocks 0-1, 2-3, 4, 5
+    ref_loss, ref_grads = reference(M, aux_after_blocks=(0, 2, 4))  # stages: blocks 0, 1-2, 3-4, 5
     assert pipeline_loss(results) == pytest.approx(ref_loss, rel=1e-6)
     assert_grads_match(results, ref_grads)
     assert results[0]["loss"] > 0  # a middle stage reports its part
@@ -575,8 +700,8 @@ def test_zero_bubble_with_activation_checkpointing_matches_one_process(ranks):
 @pytest.mark.parametrize("schedule", ["afab", "1f1b", "zero_bubble", "zbv", "interleaved_v2"])
 def test_pp2_with_tp2_matches_one_process(ranks, schedule):
     results = [r[f"pp2_tp2_{schedule}"] for r in ranks]
-    # interleaved: every chunk but the last adds an auxiliary loss (model stages 0-1 | 2-3 | 4 | 5)
-    ref_loss, ref_grads = reference(M, aux_after_blocks=(1, 3, 4) if schedule == "interleaved_v2" else ())
+    # interleaved: every chunk but the last adds an auxiliary loss (model stages 0 | 1-2 | 3-4 | 5)
+    ref_loss, ref_grads = reference(M, aux_after_blocks=(0, 2, 4) if schedule == "interleaved_v2" else ())
     tp_rank0 = [results[0], results[2]]  # ranks (pp, tp): 0 = (0, 0), 1 = (0, 1), 2 = (1, 0), 3 = (1, 1)
     assert [r["pp2_tp2_stage"] for r in ranks] == [0, 0, 1, 1]
     assert pipeline_loss(tp_rank0) == pytest.approx(ref_loss, rel=1e-5)
@@ -603,12 +728,14 @@ def test_1f1b_holds_at_most_pp_minus_stage_microbatches_afab_all(ranks):
 
 
 def test_zero_bubble_peak_activations_equal_1f1b_interleaved_within_the_papers_factor(ranks):
-    """Measured bytes held for backward (saved tensors, plus W's x and dy): zero_bubble's largest stage holds
-    what 1F1B's does (pp microbatches on the first stage), and no stage holds more; interleaving's largest,
-    with even chunks, within (1 + (pp - 1) / (v pp)) of 1F1B's (Korthikanti et al. 2022)."""
+    """Measured bytes held for backward (saved tensors, plus W's x and dy), stage by stage (the stages hold
+    1, 2, 2 and 1 blocks): zero_bubble's first stage holds what 1F1B's does (pp microbatches), and no stage
+    more than pp microbatches' worth; interleaving's largest, with even chunks, within (1 + (pp - 1) / (v pp))
+    of 1F1B's (Korthikanti et al. 2022)."""
     zb, ofob = [r["pp4_zero_bubble"]["peak"] for r in ranks], [r["pp4_1f1b"]["peak"] for r in ranks]
-    assert max(zb) == max(ofob) == zb[0], (zb, ofob)
-    assert all(z <= max(ofob) for z in zb)
+    one = [r["pp4_one_microbatch"]["peak"] for r in ranks]
+    assert zb[0] == ofob[0] == 4 * one[0], (zb, ofob)
+    assert all(z <= 4 * o for z, o in zip(zb, one))
     assert all(z >= o for z, o in zip(zb, ofob))  # the later stages keep x and dy of their delayed W's
     interleaved, even = [r["pp4_interleaved_v2"]["peak"] for r in ranks], [r["pp4_1f1b_cfg8"]["peak"] for r in ranks]
     assert max(even) <= max(interleaved) <= (1 + 3 / 8) * max(even), (interleaved, even)
@@ -652,7 +779,7 @@ def one_process_training(**overrides):
                                   "pp4_interleaved_v2_train"] + ZERO23_LAYOUTS)
 def test_training_steps_match_one_process(ranks, name):
     """Losses and grad norms of every step, the gradients of the first step, the final weights: dp=2 x pp=2
-    (with ZeRO-1, 2 and 3) and pp=4, 2 chunks per rank, tied embeddings (uneven chunks 2-2-1-1 at pp=2 x 2)."""
+    (with ZeRO-1, 2 and 3) and pp=4, 2 chunks per rank, tied embeddings (chunks cut by cost, 1-2-2-1, at pp=2 x 2)."""
     results = [r[name] for r in ranks]
     if name == "pp4_interleaved_v2_train":
         ref = one_process_training(n_layer=8)
@@ -662,6 +789,20 @@ def test_training_steps_match_one_process(ranks, name):
     assert_same_losses_and_norms(results[0]["records"], ref["records"], evaluated=False)
     assert_grads_match([{"grads": merged(results, "grads")}], {k: torch.from_numpy(v) for k, v in ref["grads"].items()})
     assert_same_tensors(merged(results, "weights"), ref["weights"])
+
+
+def test_train_py_builds_the_stages_of_the_cut_by_cost_or_by_pp_layers(ranks):
+    for name, overrides in {**TRAIN_LAYOUTS, "pp4_interleaved_v2_train": dict(pp=4, pp_chunks=2, n_layer=8,
+                                                                             pp_schedule="interleaved_1f1b")}.items():
+        cfg = SimpleNamespace(**{**settings.DEFAULTS, **TRAIN, **overrides})
+        model_cfg = ModelConfig(**{k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_kv_head", "n_embd",
+                                                                 "block_size", "vocab_size")})
+        cut = metrics.stage_cut(model_cfg, cfg.pp_schedule, cfg.pp, cfg.pp_chunks, cfg.pp_layers)
+        assert cut == (5, 1) if cfg.pp_layers else cut == cost_cut(cfg.pp_schedule, cfg.pp, cfg.pp_chunks,
+                                                                  metrics.pipeline_costs(model_cfg)), name
+        for r in ranks:
+            stages = virtual_stages(cfg.pp_schedule, cfg.pp, r[name]["pp_rank"], cfg.pp_chunks)
+            assert r[name]["blocks"] == [list(stage_layers(cut, s)) for s in stages], name
 
 
 @pytest.mark.parametrize("name", ["dp2_pp2_zero1_interleaved", "dp2_pp2_zero1_zero_bubble", "dp2_pp2_zbv"])
@@ -718,15 +859,17 @@ def reference_run(data_dir, tmp_path_factory):
 
 RESUMES = {  # name: (the run whose step-2 checkpoint it resumes, its layout, processes)
     "interleaved_to_one_process": ("interleaved", ["--pp=1", "--pp_schedule=1f1b", "--pp_chunks=1"], 1),
-    "interleaved_to_zero_bubble": ("interleaved", ["--pp=2", "--pp_schedule=zero_bubble", "--pp_chunks=1"], 2),  # ZB-H1
+    # -> ZB-H1, one chunk per rank, cut by hand (blocks 0-4 | 5) where the checkpoint's was cut by cost
+    "interleaved_to_zero_bubble": ("interleaved", ["--pp=2", "--pp_schedule=zero_bubble", "--pp_chunks=1",
+                                                   "--pp_layers=5,1"], 2),
     "one_process_to_zbv": ("one process", ["--pp=2", "--pp_schedule=zbv", "--pp_chunks=2"], 2),  # one chunk -> a V
 }
 
 
 @pytest.fixture(scope="module")
 def two_ranks(data_dir, reference_run, tmp_path_factory):
-    """One launch of 2 processes: the interleaved run (pp=2 with 2 chunks per rank, uneven: blocks 0-1, 4 |
-    2-3, 5; the trace of step 2, a checkpoint at 2), then the resumes of RESUMES at 2 processes, to step 4:
+    """One launch of 2 processes: the interleaved run (pp=2 with 2 chunks per rank, cut by cost, unevenly: blocks
+    0, 3-4 | 1-2, 5; the trace of step 2, a checkpoint at 2), then the resumes of RESUMES at 2 processes, to step 4:
     {name: (records, out_dir, stdout)}."""
     outs = {"interleaved": tmp_path_factory.mktemp("pp_interleaved")}
     runs = [[f"--data_dir={data_dir}", f"--out_dir={outs['interleaved']}", *TRAIN_ARGS, "--max_iters=4",
@@ -754,7 +897,8 @@ def test_train_py_pipelined_matches_one_process(reference_run, interleaved_run):
     assert_same_tensors(checkpoint_weights(out / "ckpt_0000004"), checkpoint_weights(ref_out / "ckpt_0000004"))
     val = lambda rs: [r["val_loss"] for r in rs if "val_loss" in r]
     assert val(records) == pytest.approx(val(ref), rel=1e-5) and val(ref)
-    assert "blocks per rank (chunk by chunk) 0: 0-1, 4 | 1: 2-3, 5" in stdout  # the uneven split, printed
+    # the cut by cost, printed: rank 1 has the head and the loss
+    assert "cut by cost, blocks per rank (chunk by chunk) 0: 0, 3-4 (46% of the work) | 1: 1-2, 5 (54%)" in stdout
 
 
 @pytest.mark.parametrize("name", list(RESUMES))
@@ -770,6 +914,8 @@ def test_checkpoints_resume_across_chunkings_and_schedules(name, reference_run, 
     else:
         records, _, stdout = two_ranks[name]
     assert "resumed from" in stdout
+    if "--pp_layers=5,1" in layout:  # the checkpoint's stages were cut by cost (1-2-2-1 in chunks), these by hand
+        assert "cut by pp_layers, blocks per stage 0: 0-4 (" in stdout
     later = lambda rs: [r for r in rs if r["step"] > 2]
     assert_same_losses_and_norms(later(records), later(ref))
     val = lambda rs: [r["val_loss"] for r in rs if "val_loss" in r]

@@ -373,7 +373,7 @@ def test_pipeline_stages_return_their_own_aux_loss():
     cfg = tiny_config(**MOE, n_layer=4)
     full = Transformer(cfg)
     full.init_weights(0)
-    first, last = Transformer(cfg, pp=2, pp_rank=0), Transformer(cfg, pp=2, pp_rank=1)
+    first, last = (Transformer(cfg, pp=2, pp_rank=s, stage_blocks=(2, 2)) for s in (0, 1))
     first.init_weights(0)
     last.init_weights(0)
     x = tokens()
@@ -383,7 +383,7 @@ def test_pipeline_stages_return_their_own_aux_loss():
     assert first_aux is not None and first_aux.requires_grad
     torch.testing.assert_close(logits, full_logits)
     torch.testing.assert_close(first_aux + last_loss, full_loss)
-    dense = Transformer(tiny_config(n_layer=4), pp=2, pp_rank=0)
+    dense = Transformer(tiny_config(n_layer=4), pp=2, pp_rank=0, stage_blocks=(2, 2))
     dense.init_weights(0)
     assert dense(x)[1] is None  # dense: no aux
 
