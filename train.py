@@ -497,7 +497,7 @@ def forward_backward(model, microbatches, autocast, loss_multiplier, grad_sync):
     total = 0.0
     for i, batch in enumerate(microbatches):  # (x, y), or (x, y, positions) under context parallelism
         with autocast:
-            _, loss = model(*batch)
+            loss = model(*batch)[1]  # (not the logits: kept in a name, they would outlive the backward)
         loss = loss / len(microbatches)
         grad_sync.set_grad_sync(i == len(microbatches) - 1)
         (loss * loss_multiplier).backward()
