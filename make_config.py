@@ -143,7 +143,8 @@ def make_config(cfg, given, argv):
                                    cfg["activation_checkpointing"], cfg["chunked_loss"], cfg["sequence_parallel"],
                                    cfg["bucket_size_mb"], act_bytes=2 if cfg["dtype"] in ("bfloat16", "float16") else 4,
                                    chunks=cfg["pp_chunks"], ep=cfg["ep"], optimizer=cfg["optimizer"],
-                                   pp_layers=cfg["pp_layers"])
+                                   pp_layers=cfg["pp_layers"], attention_scores=memory_plan.attention_saves_scores(
+                                       model_cfg, cfg["attn_impl"], cfg["device"], cfg["dtype"]))
     memory = memory_plan.format_plan(plan, cfg["gpu_mem_gib"] or None)
     header += "".join(f"# {line}\n" for line in memory.splitlines())
     return header, settings_block(cfg, given, chosen) + "\n", chosen

@@ -7,21 +7,24 @@ optimizer state, the activations autograd saves, the loss's tensors, the gradien
 a backward, the optimizer step's temporaries, and the step's peak.
 
 From what: the model config, the layout (dp, tp, pp, cp, ep) and the execution settings (ZeRO stage,
-batch, micro-batches, schedule, activation checkpointing, chunked loss, bucket size, optimizer), by
-shapes and dtypes alone. The parameters are counted on the meta device (nothing is allocated), the
-activations from the block's code, and the peak is found by walking the rank's own actions of the
-schedule (pipeline_schedules.SCHEDULES, the lists the executor runs); no constant is fitted to a measurement.
+batch, micro-batches, schedule, activation checkpointing, chunked loss, bucket size, optimizer, whether
+the attention kernel keeps its scores), by shapes and dtypes alone. The parameters are counted on the
+meta device (nothing is allocated), the activations from the block's code, and the peak is found by
+walking the rank's own actions of the schedule (pipeline_schedules.SCHEDULES, the lists the executor
+runs); no constant is fitted to a measurement.
 
-How it is checked: tests/test_memory.py runs layouts through bench.py and holds the plan to every rank's
-measured peak of one step (metrics.measure_step_memory: CUDA's allocator, or on CPU metrics.LiveTensorBytes,
-the live tensor storages), within 10%; `python tests/test_memory.py --measure` runs the larger set.
+How it is checked: tests/test_memory.py holds the plan to every rank's measured peak of one step
+(metrics.measure_step_memory: CUDA's allocator, or on CPU metrics.LiveTensorBytes, the live tensor
+storages), within 10%: every shipped config at one process and the README's multi-process layouts, and
+small layouts through bench.py; `python tests/test_memory.py --measure` runs the larger set.
 """
 import math
 
 import torch
 
 from metrics import stage_cut
-from model import Transformer, attention_head_dim, loss_chunk_size, mlp_hidden_size, takes_muon
+from model import (Transformer, attention_head_dim, flash_attn_available, loss_chunk_size, mlp_hidden_size,
+                   takes_muon)
 from optim import deal_whole
 from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, padded_vocab_size, stage_layers
 from pipeline_schedules import SCHEDULES, virtual_stages
@@ -42,12 +45,17 @@ from pipeline_schedules import SCHEDULES, virtual_stages
 #                element of a block's matrix (AdamW's two for the rest), ZeRO-1 dealing the matrices whole:
 #                a rank's share is what optim.deal_whole gives it, not 1/dp
 #   activations  what autograd saves per block and micro-batch (counted from the block's code below, in
-#                the activation dtype), held from a chunk's forward to its backward; with activation
-#                checkpointing only each block's input, plus one block recomputed. Under the zero-bubble
-#                schedules B frees them but for the linears' x and dy, which W frees
+#                the activation dtype: the attention kernel's own, with the (B, H, T, T) probabilities where
+#                the kernel keeps them, MLA's latents, QK-norm), held from a chunk's forward to its backward;
+#                with activation checkpointing only each block's input, plus one block recomputed. Under the
+#                zero-bubble schedules B frees them but for the linears' x and dy, which W frees. As a
+#                backward starts, the gradient arriving at the last block and its MLP's first gradients
+#                beside them all
 #   loss         the last stage: the chunked loss keeps its input and weight gradients (N x C and V x C,
-#                fp32) from forward to backward, and one chunk's logits while it runs; without it
-#                (tp > 1) the vocab-parallel logits and their softmax
+#                fp32) from forward to backward, and one chunk's logits while it runs (soft-capped, also
+#                the chunk's 1 - tanh^2); without it the (N, V / tp) logits: their softmax (tp > 1, the
+#                vocab-parallel loss) or log-softmax (F.cross_entropy) and the soft-cap's tanh held, and
+#                while the loss runs the logits beside the softmax (F.cross_entropy: two gradients)
 #   buffers      at the end of a backward: the gradients in flight (autograd's new gradient of the
 #                largest parameter, three of them for a weight tied within the stage; ZeRO-2/3 also two
 #                buckets or units of flat gradients)
@@ -70,8 +78,8 @@ from pipeline_schedules import SCHEDULES, virtual_stages
 # buffers. So AFAB holds all m micro-batches, 1F1B pp - stage, interleaved 1F1B its chunks' share of
 # more, with no count written per schedule. Then the optimizer step: the states, the gradients once
 # (p.grad is a view of the buckets by then) and the step's temporaries. Not modelled, said where it
-# applies: fp16/bf16 autocast's cast copies (counted at the activation dtype), the eager attention's
-# (B, H, T, T) scores, MLA, context parallelism's ring buffers.
+# applies: fp16/bf16 autocast's cast copies (counted at the activation dtype), context parallelism's ring
+# buffers (its ring attention is counted as a fused kernel).
 
 
 def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1, ep=1, shapes=None, pp_layers=""):
@@ -123,23 +131,75 @@ def expert_rows(model_cfg, tokens, ep=1):
     return min(N * k, E * capacity), min(ep * N * k, E * capacity)
 
 
-def block_activation_elements(model_cfg, tokens, tp, sequence_parallel=False, ep=1):
-    """Elements autograd saves for one block's backward, for `tokens` tokens of a micro-batch (this rank's),
-    counted from model.py's Block: the residual input and the residual between attention and MLP, each
-    norm's rsqrt, normalised input and output, attention's rotated q, k, v (k and v repeated to the query
-    heads under GQA), its output and log-sum-exp, the MLP's hidden tensors (SwiGLU: gate, silu, up, their
-    product; GELU: up and gelu), or a Mixture-of-Experts layer at its capacity bound (under expert
-    parallelism the local experts' inputs and hidden tensors on the rows they receive, expert_rows)."""
-    C, D = model_cfg.n_embd, attention_head_dim(model_cfg)
+def attention_saves_scores(model_cfg, attn_impl="auto", device="auto", dtype="auto"):
+    """Whether a run of this model and these settings (attn_impl, device, dtype) keeps each block's
+    (B, H, T, T) attention probabilities for backward, when it runs without context parallelism. The eager
+    attention does: model.choose_attn_impl picks it for soft-capped scores (attn_softcap > 0) unless
+    flash-attn runs on a GPU in half precision. So does PyTorch SDPA on CPU when the value head differs from
+    the query/key head (MLA): it falls back to its math path. FlashAttention, SDPA's fused kernels and ring
+    attention (cp > 1) keep only q, k, v, the output and the log-sum-exp."""
+    gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    impl = attn_impl
+    if impl == "auto":
+        half = dtype in ("auto", "bfloat16", "float16")
+        impl = "flash" if gpu and half and flash_attn_available() else "eager" if model_cfg.attn_softcap else "sdpa"
+    qk_dim, v_dim = attention_dims(model_cfg)
+    return impl == "eager" or (impl == "sdpa" and not gpu and v_dim != qk_dim)
+
+
+def attention_dims(model_cfg):
+    """(query/key head size, value head size): MLA's [nope ; rope] and v_head_dim, else head_dim for both."""
+    if model_cfg.attention == "mla":
+        return model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim, model_cfg.v_head_dim
+    D = attention_head_dim(model_cfg)
+    return D, D
+
+
+def attention_activation_elements(model_cfg, N, seq_len, tp, scores=False):
+    """Elements one attention layer saves for backward, for N tokens (this rank's, after sequence
+    parallelism's gather) in sequences of seq_len, counted from model.py's CausalSelfAttention and
+    MultiHeadLatentAttention. Every kernel keeps the rotated q and k and the values (k and v repeated to the
+    query heads under GQA) and the output (o_proj's input). Without the scores (flash, SDPA's fused kernels,
+    ring attention) also the log-sum-exp; with them (scores=True: attention_saves_scores) the softmax's
+    (B, H, T, T) output, and the soft-capped scores' tanh when attn_softcap > 0 (the eager path; the T x T
+    causal mask, small, is left out). RoPE saves none of its inputs (cos and sin take no gradient). QK-norm
+    (qk_norm) keeps, for q and k each, the projection's output, its product with the rsqrt and the rsqrt.
+    MLA also keeps its latent (kv_down's output, which its norm reads), that norm's rsqrt, product and output
+    (kv_up's input), and with q_lora_rank > 0 the same of the query's latent."""
+    qk_dim, v_dim = attention_dims(model_cfg)
     H = model_cfg.n_head // tp
-    H_kv = model_cfg.n_kv_head // tp if model_cfg.n_kv_head % tp == 0 else 1
+    if model_cfg.attention == "mla":
+        kv_heads = norm_heads = H  # every head its own k_nope and v
+        kvr, qr = model_cfg.kv_lora_rank, model_cfg.q_lora_rank
+        latents = N * (kvr + model_cfg.qk_rope_head_dim) + N + 2 * N * kvr
+        latents += (N + 3 * N * qr) if qr > 0 else 0
+    else:
+        H_kv = model_cfg.n_kv_head // tp if model_cfg.n_kv_head % tp == 0 else 1
+        kv_heads, norm_heads, latents = max(H, H_kv), H_kv, 0
+    qkv = N * H * qk_dim + N * kv_heads * (qk_dim + v_dim)
+    if scores:
+        kernel = N * H * seq_len * (2 if model_cfg.attn_softcap else 1)  # the probabilities (and the tanh)
+    else:
+        kernel = N * H  # the log-sum-exp
+    qk_norm = (2 * N * (H + norm_heads) * qk_dim + N * (H + norm_heads)) if model_cfg.qk_norm else 0
+    return qkv + N * H * v_dim + kernel + qk_norm + latents
+
+
+def block_activation_elements(model_cfg, tokens, tp, sequence_parallel=False, ep=1, seq_len=None, scores=False):
+    """Elements autograd saves for one block's backward, for `tokens` tokens of a micro-batch (this rank's)
+    in sequences of seq_len (block_size unless given), counted from model.py's Block: the residual input
+    and the residual between attention and MLP, each norm's rsqrt, normalised input and output, the
+    attention's tensors (attention_activation_elements; scores: see attention_saves_scores), the MLP's hidden
+    tensors (SwiGLU: gate, silu, up, their product; GELU: up and gelu), or a Mixture-of-Experts layer at its
+    capacity bound (under expert parallelism the local experts' inputs and hidden tensors on the rows they
+    receive, expert_rows)."""
+    C = model_cfg.n_embd
     N = tokens
     n_local = N // tp if sequence_parallel else N  # between the tensor-parallel regions
     norm = n_local + 2 * n_local * C  # rsqrt, x * rsqrt, * gain (its output: what the next layer saves)
     if sequence_parallel:
         norm += N * C - n_local * C  # the gathered input of attention / the MLP
-    kv_heads = H if H > H_kv else H_kv
-    attn = N * H * D + 2 * N * kv_heads * D + N * H * D + N * H  # q, k, v, output, log-sum-exp
+    attn = attention_activation_elements(model_cfg, N, seq_len or model_cfg.block_size, tp, scores)
     F = mlp_hidden_size(model_cfg) // tp
     per_token_mlp = (4 if model_cfg.mlp == "swiglu" else 2) * F
     if model_cfg.n_expert > 0:
@@ -155,6 +215,20 @@ def block_activation_elements(model_cfg, tokens, tp, sequence_parallel=False, ep
     blocks_norms = 1 if model_cfg.parallel_block else 2
     residual = n_local * C * (1 if model_cfg.parallel_block else 2)  # the block's input; the mid-block sum
     return residual + blocks_norms * norm + attn + mlp
+
+
+def block_backward_elements(model_cfg, tokens, tp, sequence_parallel=False):
+    """Elements a backward adds, as it starts, to the activations of the chunk it runs (all still held):
+    the gradient arriving at the last block (n_local x C: from the next stage, or the final norm's), and
+    inside that block's MLP backward the gradient of its hidden product with the two it splits into
+    (SwiGLU: the silu's and the up projection's), while the product itself is freed: net 2 x N x hidden
+    (GELU: the gelu's input gradient, net 1). An MoE layer's is not added: its capacity bound already
+    counts more rows than its routed tokens fill."""
+    C, N = model_cfg.n_embd, tokens
+    n_local = N // tp if sequence_parallel else N
+    F = mlp_hidden_size(model_cfg) // tp
+    mlp = 0 if model_cfg.n_expert > 0 else (2 if model_cfg.mlp == "swiglu" else 1) * N * F
+    return n_local * C + mlp
 
 
 def bucket_elements(param_elements, capacity):
@@ -212,12 +286,14 @@ def schedule_moments(schedule, pp, stage, m, chunks, chunk_blocks, head_chunk, s
 def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, block_size=None,
                 microbatches=1, schedule="1f1b", activation_checkpointing=False, chunked_loss=True,
                 sequence_parallel=False, bucket_size_mb=25.0, param_bytes=4, act_bytes=4, chunks=1, ep=1,
-                optimizer="adamw", dp_rank=None, pp_layers=""):
+                optimizer="adamw", dp_rank=None, attention_scores=False, pp_layers=""):
     """For each pipeline stage, one rank's bytes: {'stage', 'parameters', 'gradients', 'optimizer',
     'activations', 'loss', 'buffers', 'step', 'peak'} (see above; ZeRO-3's gathered root unit and blocks are
     under 'parameters'; activations and loss are their largest over the step). dp_rank: the data-parallel
     (dp x cp) rank, where ranks differ (Muon's ZeRO-1 deals whole matrices); None: the largest of them.
-    pp_layers: the blocks of each model stage, as the setting ('': cut by cost, metrics.stage_cut)."""
+    attention_scores: whether the attention kernel keeps the (B, H, T, T) probabilities (attention_saves_scores;
+    never under context parallelism, whose ring attention keeps the log-sum-exp). pp_layers: the blocks of
+    each model stage, as the setting ('': cut by cost, metrics.stage_cut)."""
     T = block_size or model_cfg.block_size
     replicas, expert_replicas = dp * cp, dp // ep * cp  # the ranks that shard a parameter, an expert
     N = batch_size * T // cp  # this rank's tokens per micro-batch
@@ -297,7 +373,8 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
             gathered = F * param_bytes if tp > 1 and elements[big] < F else 0
             newton_schulz_bytes = (F + max(F + 4 * a * a, 3 * F + 2 * a * a)) * 4
             step_temps = max(step_temps, 2 * elements[big] * param_bytes + gathered + newton_schulz_bytes)
-        per_block = block_activation_elements(model_cfg, N, tp, sequence_parallel, ep)
+        per_block = block_activation_elements(model_cfg, N, tp, sequence_parallel, ep, T // cp,
+                                              attention_scores and cp == 1)
         # ZeRO-1: each bucket's reduce-scatter output (this rank's slice) lives from its launch in the last
         # backward until finish(): at the end of it, every bucket's but the one of the largest gradient,
         # the last to fill (Muon's whole matrices are reduced into the flat buffer itself)
@@ -318,22 +395,36 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
         # with activation checkpointing a block keeps its input, and one block is recomputed at a time
         saved = n_local * C if activation_checkpointing else per_block
         recompute = per_block if activation_checkpointing else 0
+        # a backward, as it starts: the chunk's activations all held, and the backward's first tensors
+        backward_start = block_backward_elements(model_cfg, N, tp, sequence_parallel) if blocks else 0
         loss_held = loss_once = 0  # per micro-batch the head's chunk holds; while the loss runs
         if head_chunk is not None:
-            final_norm = n_local + 2 * n_local * C
+            # the final norm's tensors (its output, the head's input, gathered under sequence parallelism)
+            final_norm = n_local + 2 * n_local * C + (N * C - n_local * C)
+            vocab, capped = model_cfg.vocab_size, model_cfg.final_softcap > 0
             if chunked_loss and tp == 1:
+                # model._chunked_cross_entropy: from forward to backward the gradients of the head's input
+                # and weight (fp32); while it runs, one chunk's logits buffer and, soft-capped, the chunk's
+                # 1 - tanh^2 (fp32, a buffer reused likewise)
                 loss_held = final_norm * act_bytes + (N * C + V * C) * 4
-                loss_once = min(N, loss_chunk_size(model_cfg.vocab_size)) * model_cfg.vocab_size * 4
+                loss_once = min(N, loss_chunk_size(vocab)) * vocab * (act_bytes + (4 if capped else 0))
             else:
-                loss_held = final_norm * act_bytes + N * C * act_bytes + N * (V // tp) * 4
-                loss_once = 2 * N * (V // tp) * 4
+                # the (N, V / tp) logits. Held to the backward: the softmax (the vocab-parallel loss, tp > 1:
+                # its exp becomes the softmax) or the log-softmax (F.cross_entropy at tp = 1), fp32, and
+                # soft-capped the tanh. While the loss runs: the vocab-parallel loss's logits beside their
+                # exp; F.cross_entropy's backward's two (nll_loss's gradient, log_softmax's)
+                logits = N * (V // tp)
+                loss_held = final_norm * act_bytes + logits * 4 + (logits * act_bytes if capped else 0)
+                loss_once = logits * act_bytes if tp > 1 else 2 * logits * 4
         # The step walked action by action. At the end of a forward: what is held, the block just computed
         # under activation checkpointing, the loss's chunk on the head's chunk (or, if larger, an MoE
-        # layer's all-to-all buffers in that forward), and ZeRO-0/1's p.grad once a backward has run. At
-        # the end of a backward or W: what is still held, and the gradients in flight (for ZeRO-0/1 from the
-        # second backward on: the first writes p.grad without a copy).
+        # layer's all-to-all buffers in that forward), and ZeRO-0/1's p.grad once a backward has run. As a
+        # backward starts: what was held before it, the block it recomputes (activation checkpointing) and
+        # its first tensors (backward_start). At the end of a backward or W: what is still held, and the
+        # gradients in flight (for ZeRO-0/1 from the second backward on: the first writes p.grad without a
+        # copy).
         accumulated = P * param_bytes if zero_stage < 2 else 0  # autograd's p.grad (ZeRO-0/1)
-        top = activations = loss = 0
+        top = activations = loss = before = 0  # before: the activations held before this action
         for op, c, held, held_head, backwards in schedule_moments(
                 schedule, pp, stage, microbatches, chunks, [len(layers) for layers in chunk_layers], head_chunk,
                 saved, weight_grad_residual_elements(model_cfg, N, tp)):
@@ -344,6 +435,10 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
             else:
                 act, loss_now = held * act_bytes, held_head * loss_held
                 now = act + loss_now + accumulated + (buffers if zero_stage >= 2 or backwards > 1 else 0)
+                if op == "B":
+                    starting = (before + recompute + backward_start) * act_bytes + loss_now
+                    now = max(now, starting + (accumulated if backwards > 1 else 0))
+            before = held
             top = max(top, now)
             activations, loss = max(activations, act), max(loss, loss_now)
         peak = params + (grads - accumulated) + optimizer_bytes + top
@@ -361,7 +456,8 @@ def plan_for(cfg, model_cfg, layout_dims, dp_rank=None):
     return plan_memory(model_cfg, dp, tp, pp, cp, cfg.zero_stage, cfg.batch_size, cfg.block_size,
                        cfg.gradient_accumulation_steps, cfg.pp_schedule, cfg.activation_checkpointing,
                        cfg.chunked_loss, cfg.sequence_parallel, cfg.bucket_size_mb, chunks=cfg.pp_chunks, ep=cfg.ep,
-                       optimizer=cfg.optimizer, dp_rank=dp_rank, pp_layers=cfg.pp_layers)
+                       optimizer=cfg.optimizer, dp_rank=dp_rank, pp_layers=cfg.pp_layers,
+                       attention_scores=attention_saves_scores(model_cfg, cfg.attn_impl, cfg.device, cfg.dtype))
 
 
 def format_plan(stages, gpu_mem_gib=None):

@@ -913,6 +913,7 @@ def _chunked_cross_entropy(h, weight, targets, vocab_size, softcap, ignore_index
         N = h.shape[0]
         chunk = min(N, loss_chunk_size(vocab_size))
         logits_buf = torch.empty(chunk, vocab_size, dtype=compute, device=h.device)  # reused by every chunk
+        dcap_buf = torch.empty(chunk, vocab_size, dtype=fp32, device=h.device) if softcap else None  # likewise
         loss = torch.zeros((), dtype=fp32, device=h.device)
         grad_h = torch.empty_like(h_c) if need_grads else None
         grad_w = torch.zeros_like(weight, dtype=fp32) if need_grads else None
@@ -921,7 +922,7 @@ def _chunked_cross_entropy(h, weight, targets, vocab_size, softcap, ignore_index
             z = torch.mm(h_c[rows], w_c.t(), out=logits_buf[:rows.stop - start]).to(fp32)  # (n, V), fp32
             if softcap:  # z = softcap * tanh(z / softcap) (Gemma 2), whose derivative is 1 - tanh^2
                 tanh = z.div_(softcap).tanh_()
-                dcap = 1.0 - tanh.square()
+                dcap = torch.square(tanh, out=dcap_buf[:rows.stop - start]).neg_().add_(1.0)
                 z = tanh.mul_(softcap)
             t = targets[rows]
             valid = t != ignore_index

@@ -498,7 +498,7 @@ def forward_backward(model, microbatches, autocast, loss_multiplier, grad_sync):
     total = 0.0
     for i, batch in enumerate(microbatches):  # (x, y), or (x, y, positions) under context parallelism
         with autocast:
-            _, loss = model(*batch)
+            loss = model(*batch)[1]  # (not the logits: kept in a name, they would outlive the backward)
         loss = loss / len(microbatches)
         grad_sync.set_grad_sync(i == len(microbatches) - 1)
         (loss * loss_multiplier).backward()
@@ -707,9 +707,8 @@ def train(cfg, run, resume_path=None):
     log = metrics.MetricsLog(cfg.out_dir, layout.rank, step if resume_path else None,
                              metrics.open_log_backends(cfg) if layout.rank == 0 else [])
     model_flops = metrics.flops_per_token(model_cfg)
-    peak, peak_why = metrics.device_peak_flops(cfg.peak_flops, run.dev, run.dtype)
-    print0(layout, f"{model_flops / 1e6:.1f} MFLOP per token; peak {f'{peak / 1e12:.3g} TFLOP/s' if peak else 'unknown'} "
-                   f"per device ({peak_why})")
+    peak = metrics.PeakFlops(cfg.peak_flops, run.dev, run.dtype)  # (asked for the MFU of each log line)
+    print0(layout, f"{model_flops / 1e6:.1f} MFLOP per token; peak {peak}")
     print0(layout, f"global batch: {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro-batches x dp {layout.dp} "
                    f"= {tokens_per_step:,} tokens per step")
     train_tokens = run.datasets["train"][2]  # the training split's tokens (load_data)
@@ -759,7 +758,7 @@ def train(cfg, run, resume_path=None):
                       "tokens_per_sec": tokens_per_step * timed_steps / elapsed, "ms_per_step": 1000 * elapsed / timed_steps,
                       "optimizer_state_bytes": optimizer_state_bytes(parts.optimizer),  # on rank 0
                       "epoch": step * tokens_per_step / train_tokens}  # passes over the training split so far
-            record["mfu"] = metrics.mfu(model_flops, record["tokens_per_sec"], peak, layout.world_size)
+            record.update(peak.mfu(model_flops, record["tokens_per_sec"], layout.world_size))
             record["peak_mem_bytes"] = metrics.peak_memory_bytes(run.dev, layout)
             if model_cfg.n_expert > 0:
                 record.update(metrics.moe_metrics(parts.model, layout, steps=step - logged))

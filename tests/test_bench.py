@@ -2,6 +2,7 @@
 and the fast paths (chunked loss, activation checkpointing, the torch.compile fallback) computing the same
 thing as the plain paths."""
 import contextlib
+import functools
 import json
 from types import SimpleNamespace
 
@@ -110,6 +111,42 @@ def test_unknown_gpu_reports_mfu_as_not_available(monkeypatch):
 def test_cpu_peak_is_measured():
     peak, why = metrics.device_peak_flops(0.0, torch.device("cpu"), torch.float32)
     assert peak > 1e8 and "measured" in why
+
+
+def test_a_low_cpu_probe_is_probed_again_the_best_kept_and_the_mfu_capped_at_100_percent(monkeypatch):
+    """metrics.PeakFlops, which train.py's log line and bench.py ask for the MFU: a first probe taken under
+    load (20 GFLOP/s), then the run's achieved FLOP/s per device comes to 90% of it and more."""
+    probes, taken = iter([20e9, 50e9, 40e9]), []
+
+    @functools.lru_cache(maxsize=None)  # as the real probe: kept until PeakFlops clears it
+    def probe(dtype):
+        taken.append(dtype)
+        return next(probes)
+    monkeypatch.setattr(metrics, "measure_cpu_peak_flops", probe)
+    cpu = torch.device("cpu")
+    peak = metrics.PeakFlops(0.0, cpu, torch.float32)
+    assert peak.flops == 20e9 and len(taken) == 1 and str(peak).startswith("0.02 TFLOP/s per device (measured")
+    # 17 GFLOP/s per device (1 MFLOP/token x 34,000 tokens/s over 2 devices): 85%, no new probe
+    assert peak.mfu(1e6, 34e3, 2) == {"mfu": pytest.approx(0.85), "peak_flops": 20e9} and len(taken) == 1
+    # 19 GFLOP/s, 95% of the probe: probed again, the better peak kept and said
+    got = peak.mfu(1e6, 19e3, 1)
+    assert len(taken) == 2 and peak.flops == 50e9 and got["mfu"] == pytest.approx(19 / 50)
+    assert got["mfu_note"] == "the run reached 95% of the peak: probed again, the best of 2 probes is 50.0 GFLOP/s"
+    # 60 GFLOP/s: probed again (40, worse: 50 kept), and still above it: capped at 100%, said
+    got = peak.mfu(1e6, 60e3, 1)
+    assert len(taken) == 3 and peak.flops == 50e9 and got["mfu"] == 1.0
+    assert got["mfu_note"].endswith("the best of 3 probes is 50.0 GFLOP/s; capped at 100%: 120% of the best probe")
+    # the same rate again is no new high: no probe at every log line
+    assert peak.mfu(1e6, 60e3, 1)["mfu"] == 1.0 and len(taken) == 3
+    record = {"step": 10, "loss": 3.0, "lr": 1e-3, "grad_norm": 1.0, "skipped_steps": 0, "tokens_per_sec": 60e3,
+              "ms_per_step": 100.0, "peak_mem_bytes": 2**30, "epoch": 0.1, **got}
+    assert f"| MFU 100.0% ({got['mfu_note']}) | peak RSS" in metrics.format_log_line(record, 60, cpu)
+    # a given peak is the user's word: never probed, but the MFU is capped all the same
+    given = metrics.PeakFlops(1e9, cpu, torch.float32)
+    got = given.mfu(1e6, 2e3, 1)
+    assert len(taken) == 3 and got == {"mfu": 1.0, "peak_flops": 1e9,
+                                       "mfu_note": "capped at 100%: 200% of the peak_flops setting"}
+    assert "| MFU 50.0% | peak RSS" in metrics.format_log_line({**record, "mfu": 0.5, "mfu_note": None}, 60, cpu)
 
 
 # --- the chunked loss ----------------------------------------------------------------------------------
