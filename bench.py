@@ -43,6 +43,7 @@ import torch.nn.functional as F
 import memory_plan
 import metrics
 import settings
+import timeline
 import train
 from configurator import ConfigError, Setting, configure, section
 from model import check_layout
@@ -137,12 +138,12 @@ class Picotron:
     def measure_pipeline(self, i):
         """Two more steps: one traced (each pipeline rank's measured bubble), one counting the activations held
         for backward (each rank's peak bytes). Lists by pipeline rank, on every rank."""
-        trace = metrics.PipelineTrace(self.dev)
+        trace = timeline.PipelineTrace(self.dev)
         self.step(i, trace)
-        bubble = metrics.measured_bubble(metrics.pipeline_values(trace.times(), self.layout))
+        bubble = timeline.measured_bubble(timeline.pipeline_values(trace.times(), self.layout))
         with metrics.ActivationMemory(self.parts.model, self.parts.pipeline.weight_grad_stores or ()) as memory:
             self.step(i + 1, memory)
-        return {"measured_bubble": bubble, "peak_activation_bytes": metrics.pipeline_values(memory.peak, self.layout),
+        return {"measured_bubble": bubble, "peak_activation_bytes": timeline.pipeline_values(memory.peak, self.layout),
                 "ideal_bubble": ideal_bubble(self.cfg.pp_schedule, self.layout.pp, self.cfg.gradient_accumulation_steps,
                                              self.cfg.pp_chunks)}
 

@@ -1155,7 +1155,7 @@ class SequenceParallelEmbedding(VocabParallelEmbedding):
 # Needs: section 1 (grid_rank).
 #
 # Each stage holds a contiguous run of blocks (the first also the embedding, the last the final norm, the
-# head and the loss), as many as make the stages cost alike (balanced_cut: at a real vocabulary the head is
+# head and the loss), as many as make the stages cost alike (pipeline_schedules.cost_cut: at a real vocabulary the head is
 # worth several blocks, and the slowest stage sets everyone's pace). A step's batch is cut into m
 # microbatches, the gradient-accumulation steps, which go through the stages like work down an assembly
 # line: a stage receives a microbatch's activations from the previous stage, runs its blocks, sends the
@@ -1189,61 +1189,9 @@ class SequenceParallelEmbedding(VocabParallelEmbedding):
 # Gloo has no such rule; the barriers cost nothing that matters.
 
 
-def balanced_cut(block_costs, n_stages, first_cost=0, last_cost=0):
-    """The number of blocks of each of n_stages contiguous pipeline stages, first to last, that makes the
-    costliest stage as cheap as it can be. block_costs[i] is block i's work (any unit: FLOPs, seconds; at
-    least one block per stage, so len(block_costs) >= n_stages), first_cost what the first stage does beside
-    its blocks (the embedding), last_cost the last stage's (the final norm, the head and the loss). Under
-    interleaving the stages are the pp * chunks model stages in model order.
-
-    The costliest stage of the best cut costs some sum of neighbouring blocks (plus an end's extra): those
-    sums are tried by bisection, each by filling the stages from the last back, every one taking as many
-    blocks as stay within the limit and leaving one for each earlier stage (if any cut stays within it,
-    this one does: a stage that stops earlier only leaves more to the ones before it). Of the cuts within
-    the smallest such limit, the most even one is taken (the least sum of squared stage costs, by dynamic
-    programming), so a stage that the head keeps above the others does not push the rest as full as it is:
-    an error in the costs then moves the slowest stage little. On a tie the first stages get fewer blocks:
-    under 1F1B stage s holds the activations of pp - s microbatches."""
-    n = len(block_costs)
-    if not 1 <= n_stages <= n:
-        raise ValueError(f"{n} blocks cannot be cut into {n_stages} stages of at least one block each")
-    extra = [first_cost if s == 0 else 0 for s in range(n_stages)]
-    extra[-1] += last_cost
-    before = list(itertools.accumulate(block_costs, initial=0))  # before[i]: the cost of blocks 0 .. i - 1
-    cost = lambda start, stop, s: before[stop] - before[start] + extra[s]
-
-    def fits(limit):
-        stop = n
-        for s in reversed(range(1, n_stages)):
-            start = stop - 1
-            while start > s and cost(start - 1, stop, s) <= limit:
-                start -= 1
-            if cost(start, stop, s) > limit:
-                return False
-            stop = start
-        return cost(0, stop, 0) <= limit
-
-    # every cost a stage can have: a run of neighbouring blocks plus a first, middle or last stage's extra
-    limits = sorted({before[j] - before[i] + e for e in {*extra, 0} for i in range(n) for j in range(i + 1, n + 1)})
-    low, high = 0, len(limits) - 1  # the largest fits any cut
-    while low < high:
-        mid = (low + high) // 2
-        low, high = (low, mid) if fits(limits[mid]) else (mid + 1, high)
-    limit = limits[low]
-    # cuts[j]: (sum of squared stage costs, blocks per stage) of the most even cut of blocks 0 .. j - 1 into
-    # the stages so far, each within the limit (tuples compare the sum first, then the first stage's blocks)
-    cuts = {0: (0, ())}
-    for s in range(n_stages):
-        ends = [n] if s == n_stages - 1 else range(s + 1, n - (n_stages - 1 - s) + 1)
-        options = {j: [(squares + cost(i, j, s) ** 2, sizes + (j - i,)) for i, (squares, sizes) in cuts.items()
-                       if i < j and cost(i, j, s) <= limit] for j in ends}
-        cuts = {j: min(found) for j, found in options.items() if found}
-    return cuts[n][1]
-
-
 def stage_layers(stage_blocks, stage):
     """The block indices of model stage `stage` in a cut of stage_blocks, the number of blocks of each stage
-    (balanced_cut's, or the user's pp_layers)."""
+    (pipeline_schedules.cost_cut's, or the user's pp_layers)."""
     start = sum(stage_blocks[:stage])
     return range(start, start + stage_blocks[stage])
 
@@ -1390,7 +1338,7 @@ def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), los
       split_backward  for lists with 'W' actions (pipeline_schedules.py's zero-bubble schedules): one object
                       per chunk, whose collect(i) is a context manager around a B and apply(i, ready) the W,
                       which calls ready(p) (the reducer's grad_ready) as each gradient it computes is in
-      trace(action)   a context manager wrapped around each action's computation (metrics.PipelineTrace)
+      trace(action)   a context manager wrapped around each action's computation (timeline.PipelineTrace)
     Without grad enabled (evaluation) give forwards only: nothing is kept for a backward."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     m, last_stage = len(microbatches), comm.n_stages - 1

@@ -31,6 +31,8 @@ weights (norm gains, the embedding, a router, a row-parallel bias) are cheap and
 What a rank holds between a microbatch's B and its W is only the linears' x and dy.
 """
 import functools
+import itertools
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -196,6 +198,41 @@ def forward_only_actions(pp, stage, m, chunks=1):
     return [("F", i, c) for i, c in interleaved_order(pp, m, chunks)]
 
 
+def balanced_cut(block_costs, n_stages, first_cost=0, last_cost=0):
+    """The number of blocks of each of n_stages contiguous pipeline stages, first to last, that makes the
+    costliest stage as cheap as it can be. block_costs[i] is block i's work (any unit: FLOPs, seconds; at
+    least one block per stage, so len(block_costs) >= n_stages), first_cost what the first stage does beside
+    its blocks (the embedding), last_cost the last stage's (the final norm, the head and the loss). Under
+    interleaving the stages are the pp * chunks model stages in model order.
+
+    Two passes of one dynamic programme over "the best cut of blocks 0 .. j - 1 into the first stages":
+    the first finds the least cost the costliest stage can have; the second, among the cuts within it, takes
+    the most even one (the least sum of squared stage costs), so a stage that the head keeps above the
+    others does not push the rest as full as it is: an error in the costs then moves the slowest stage
+    little. On a tie the first stages get fewer blocks: under 1F1B stage s holds pp - s microbatches."""
+    n = len(block_costs)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"{n} blocks cannot be cut into {n_stages} stages of at least one block each")
+    extra = [first_cost if s == 0 else 0 for s in range(n_stages)]
+    extra[-1] += last_cost
+    before = list(itertools.accumulate(block_costs, initial=0))  # before[i]: the cost of blocks 0 .. i - 1
+    cost = lambda start, stop, s: before[stop] - before[start] + extra[s]
+
+    def best_cut(score, limit):
+        # cuts[j]: (score, blocks per stage) of the best cut of blocks 0 .. j - 1 into the stages so far, each
+        # stage within the limit (tuples compare the score first, then the first stage's blocks)
+        cuts = {0: (0, ())}
+        for s in range(n_stages):
+            ends = [n] if s == n_stages - 1 else range(s + 1, n - (n_stages - 1 - s) + 1)
+            options = {j: [(score(so_far, cost(i, j, s)), sizes + (j - i,)) for i, (so_far, sizes) in cuts.items()
+                           if i < j and cost(i, j, s) <= limit] for j in ends}
+            cuts = {j: min(found) for j, found in options.items() if found}
+        return cuts[n]
+
+    slowest = best_cut(max, math.inf)[0]
+    return best_cut(lambda squares, c: squares + c * c, slowest)[1]
+
+
 def stage_work(stage_blocks, costs):
     """The cost of each model stage under the cut stage_blocks (the blocks of each stage, first to last),
     costs being (embedding, [each block], the final norm, head and loss), as metrics.pipeline_costs gives."""
@@ -223,12 +260,12 @@ def balance_units(schedule, pp, chunks):
 
 def cost_cut(schedule, pp, chunks, costs):
     """The blocks of each of the pp * chunks model stages, cut by their cost (costs as stage_work's):
-    parallel.balanced_cut, whose costliest stage is as cheap as it can be. Under zbv, whose ranks must
+    balanced_cut, whose costliest stage is as cheap as it can be. Under zbv, whose ranks must
     balance rather than its stages (balance_units), blocks are then moved one at a time across a stage
     boundary while that makes the costliest rank cheaper, or the ranks more even, without making any stage
     costlier than balanced_cut's costliest (a local search: each move must improve; rank 0 holds both ends
     of the model, so the head's stage there takes as few blocks as it can)."""
-    cut = parallel.balanced_cut(costs[1], pp * chunks, costs[0], costs[2])
+    cut = balanced_cut(costs[1], pp * chunks, costs[0], costs[2])
     limit, units = max(stage_work(cut, costs)), balance_units(schedule, pp, chunks)
 
     def unevenness(sizes):

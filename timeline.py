@@ -12,9 +12,19 @@ of ranks and kind of message. So a list that would hang real processes, or hand 
 activations to another, fails here first, without processes (the tests put every schedule through it).
 Under the rows: the most microbatches each rank holds, and the bubble measured on this timeline beside the
 paper's formula (pipeline_schedules.ideal_bubble).
+
+The end of the file measures the real thing: a step's actions timed on every rank (train.py's pp_trace,
+bench.py --schedules), written as pp_trace.json in Chrome's trace format with the measured bubble.
 """
 import argparse
+import json
+import os
 import sys
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
 
 from parallel import message_route
 from pipeline_schedules import SCHEDULES, check_schedule, ideal_bubble, virtual_stages
@@ -180,6 +190,106 @@ def format_timeline(schedule, pp, m, chunks=1):
     lines.append(f"bubble: {bubble_fraction(rows):.1%} of the slots idle (measured on this timeline); "
                  f"theory {bubble_formula(schedule, pp, m, chunks)}")
     return "\n".join(lines)
+
+
+
+# -----------------------------------------------------------------------------
+# The pipeline measured: one step's actions timed on every rank
+
+
+
+class PipelineTrace:
+    """Every pipeline action's start and end on this rank during one step (pass it as run_schedule's
+    trace). Time zero is the end of a barrier every rank joins when the trace is made, so the ranks' clocks
+    agree to within the barrier's own skew (a fraction of a millisecond on one machine). On a GPU each time
+    is a CUDA event recorded on the stream: the host only sees kernels being launched, the events see them
+    run. times() reads them (on a GPU after a synchronize, so call it after the step)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.events = []  # (action, start, end): CUDA events, or seconds since time zero
+        if dist.is_initialized():
+            dist.barrier()
+        if self.cuda:
+            torch.cuda.synchronize(device)
+            self.zero = torch.cuda.Event(enable_timing=True)
+            self.zero.record()
+        else:
+            self.zero = time.perf_counter()
+
+    def __call__(self, action):
+        return self._timed(action)
+
+    @contextmanager
+    def _timed(self, action):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((action, start, end))
+        else:
+            start = time.perf_counter() - self.zero
+            yield
+            self.events.append((action, start, time.perf_counter() - self.zero))
+
+    def times(self):
+        """[(op, microbatch, chunk, start seconds, end seconds)] in the order the actions ran."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [(*a, self.zero.elapsed_time(s) / 1e3, self.zero.elapsed_time(e) / 1e3) for a, s, e in self.events]
+        return [(*a, s, e) for a, s, e in self.events]
+
+
+def measured_bubble(times_by_rank):
+    """Each rank's idle share of the step: 1 - (its actions' time) / (first start to last end, over all ranks)."""
+    spans = [t for times in times_by_rank for t in times]
+    begin, finish = min(t[3] for t in spans), max(t[4] for t in spans)
+    return [1 - sum(t[4] - t[3] for t in times) / (finish - begin) for times in times_by_rank]
+
+
+def pipeline_values(value, layout):
+    """[value of pipeline rank 0, 1, ...] of one pipeline (the ranks of data- and tensor-parallel rank 0), on
+    every rank: a gather of Python objects, which every rank must join."""
+    if not dist.is_initialized():
+        return [value]
+    gathered = [None] * layout.world_size
+    dist.all_gather_object(gathered, (layout.pp_rank, value) if layout.dp_rank == 0 and layout.tp_rank == 0 else None)
+    by_rank = dict(g for g in gathered if g is not None)
+    return [by_rank[r] for r in range(layout.pp)]
+
+
+def write_pipeline_trace(trace, layout, cfg, step):
+    """Gather one pipeline's trace and write it, on rank 0, to <out_dir>/pp_trace.json in Chrome's trace
+    format (chrome://tracing, https://ui.perfetto.dev): a process row per pipeline rank, a thread row per
+    chunk, an event per action. Every rank must call it (a gather). Returns, on rank 0, the summary line to
+    print: each rank's measured bubble beside the schedule's ideal one."""
+    times_by_rank = pipeline_values(trace.times(), layout)
+    if layout.rank != 0:
+        return None
+    bubbles = measured_bubble(times_by_rank)
+    m, chunks = cfg.gradient_accumulation_steps, cfg.pp_chunks
+    ideal = ideal_bubble(cfg.pp_schedule, layout.pp, m, chunks)
+    events = []
+    for r in range(layout.pp):
+        stages = virtual_stages(cfg.pp_schedule, layout.pp, r, chunks)
+        events.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"pipeline rank {r}"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": r, "args": {"sort_index": r}})
+        for c, stage in enumerate(stages):
+            events.append({"name": "thread_name", "ph": "M", "pid": r, "tid": c,
+                           "args": {"name": f"chunk {c} (model stage {stage})"}})
+        for op, i, c, start, end in times_by_rank[r]:
+            events.append({"name": f"{op}{i}", "cat": op, "ph": "X", "pid": r, "tid": c, "ts": start * 1e6,
+                           "dur": (end - start) * 1e6, "args": {"microbatch": i, "chunk": c, "stage": stages[c]}})
+    summary = {"step": step, "schedule": cfg.pp_schedule, "pp": layout.pp, "microbatches": m, "chunks": chunks,
+               "measured_bubble": bubbles, "ideal_bubble": ideal, "device": "cuda" if trace.cuda else "cpu"}
+    path = os.path.join(cfg.out_dir, "pp_trace.json")
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": summary}, f)
+    return (f"pipeline trace of step {step} -> {path}: measured bubble "
+            + " | ".join(f"rank {r} {b:.1%}" for r, b in enumerate(bubbles))
+            + f" (mean {sum(bubbles) / len(bubbles):.1%}); ideal {cfg.pp_schedule} "
+            + (f"{ideal:.1%}" if ideal is not None else "(no formula)") + " with forward = B = W in time")
 
 
 def main(argv):

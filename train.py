@@ -35,6 +35,7 @@ import import_hf
 import memory_plan
 import metrics
 import settings
+import timeline
 from configurator import ConfigError, configure, make_folder
 from context_parallel import split_for_every_rank, zigzag_split
 from expert_parallel import ExpertSplit
@@ -554,7 +555,7 @@ def train_step(cfg, layout, parts, microbatches, lr, trace=None, step=0):
     """One optimizer step (the run's step-th, counted from 1): forward and backward of every micro-batch,
     unscaling (fp16), the global gradient norm and clipping, the optimizer. Returns (loss, grad norm), both
     tensors: nothing here waits for the device except fp16 loss scaling, which must read the norm to change
-    its scale. trace: the pipeline actions' timer (metrics.PipelineTrace) or memory sampler, or None.
+    its scale. trace: the pipeline actions' timer (timeline.PipelineTrace) or memory sampler, or None.
 
     A step whose global gradient norm is not finite (inf or NaN, the same on every rank: the norm is
     all-reduced) is skipped on the device: the optimizer gets found_inf, as torch's GradScaler hands it to
@@ -727,7 +728,7 @@ def train(cfg, run, resume_path=None):
     while step < cfg.max_iters:
         lr = get_lr(step, cfg)
         # pp_trace: the second step of this run (the first warms up), clocks set at a barrier
-        trace = metrics.PipelineTrace(run.dev) if step + 1 == trace_step else None
+        trace = timeline.PipelineTrace(run.dev) if step + 1 == trace_step else None
         run.phase = f"training step {step + 1} (forward, backward, gradient averaging and norm)"
         if measured is None:  # the first step's peak, measured (its time includes the CPU tracker's)
             out = []
@@ -740,7 +741,7 @@ def train(cfg, run, resume_path=None):
             loss, grad_norm = train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)
         step += 1
         if trace is not None:
-            print0(layout, metrics.write_pipeline_trace(trace, layout, cfg, step))
+            print0(layout, timeline.write_pipeline_trace(trace, layout, cfg, step))
         timed_steps += 1
         run.phase = f"the stop vote after step {step} (a gloo all-reduce)"
         stopping = vote.agreed()

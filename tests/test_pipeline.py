@@ -27,7 +27,7 @@ from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors,
                         run_ranks, train_in_process, train_on_ranks)
 from model import ModelConfig, Transformer, check_layout, chunk_modules
 from parallel import ParallelLayout, PipelineComm, run_schedule, stage_layers, sync_tied_grads, tied_weight_group
-from pipeline_schedules import (SCHEDULES, WeightGradStore, check_schedule, cost_cut, describe_pipeline,
+from pipeline_schedules import (SCHEDULES, WeightGradStore, balanced_cut, check_schedule, cost_cut, describe_pipeline,
                                 forward_only_actions, ideal_bubble, virtual_stages)
 from parallel import _all_gather_single
 from timeline import bubble_fraction, format_timeline, schedule_timeline
@@ -271,7 +271,7 @@ def test_chunks_compute_the_whole_model_auxiliary_losses_included(variant):
 
 
 # -----------------------------------------------------------------------------
-# the stages cut by their cost (parallel.balanced_cut, pipeline_schedules.cost_cut, metrics.stage_cut)
+# the stages cut by their cost (pipeline_schedules.balanced_cut and cost_cut, metrics.stage_cut)
 
 
 def every_cut(n_blocks, n_stages):
@@ -297,7 +297,7 @@ def stage_costs(block_costs, sizes, first, last):
     ([5], 1, 1, 1, (1,)),
 ])
 def test_balanced_cut_gives_the_known_answers(block_costs, n_stages, first, last, cut):
-    assert parallel.balanced_cut(block_costs, n_stages, first, last) == cut
+    assert balanced_cut(block_costs, n_stages, first, last) == cut
 
 
 def test_balanced_cut_makes_the_costliest_stage_the_cheapest_of_every_cut():
@@ -306,7 +306,7 @@ def test_balanced_cut_makes_the_costliest_stage_the_cheapest_of_every_cut():
         n = rng.randint(1, 9)
         k, costs = rng.randint(1, n), [rng.randint(0, 9) for _ in range(n)]
         first, last = rng.randint(0, 5), rng.randint(0, 30)
-        cut = parallel.balanced_cut(costs, k, first, last)
+        cut = balanced_cut(costs, k, first, last)
         best = min(max(stage_costs(costs, sizes, first, last)) for sizes in every_cut(n, k))
         assert len(cut) == k and sum(cut) == n and min(cut) >= 1
         assert max(stage_costs(costs, cut, first, last)) == best, (costs, k, first, last, cut)
@@ -323,7 +323,7 @@ def test_under_zbv_the_cut_balances_the_ranks_within_the_cheapest_costliest_stag
     cut, cheapest = cost_cut("zbv", pp, 2, costs), min(max(stages(c)) for c in cuts)
     assert max(stages(cut)) == cheapest
     assert max(ranks(cut)) == min(max(ranks(c)) for c in cuts if max(stages(c)) == cheapest)
-    assert cost_cut("interleaved_1f1b", pp, 2, costs) == parallel.balanced_cut(costs[1], 2 * pp, 0, 4.8)
+    assert cost_cut("interleaved_1f1b", pp, 2, costs) == balanced_cut(costs[1], 2 * pp, 0, 4.8)
 
 
 ISSUE_SHAPE = ModelConfig(n_layer=8, n_embd=256, n_head=8, n_kv_head=8, block_size=128, vocab_size=16384)
