@@ -295,14 +295,8 @@ def measure_memory(cfg, setup, picotron, step):
     plan = memory_plan.plan_for(cfg, setup.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp),
                                 layout.dp_cp_rank)[layout.pp_rank]
     measured = metrics.measure_step_memory(lambda: picotron.step(step), setup.dev)
-    mine = {"rank": layout.rank, "dp_rank": layout.dp_rank, "cp_rank": layout.cp_rank, "tp_rank": layout.tp_rank,
-            "pp_rank": layout.pp_rank, "predicted_bytes": int(plan["peak"]), "measured_bytes": int(measured),
-            "planned": {k: int(v) for k, v in plan.items() if k not in ("stage", "peak")}}
-    rows = [mine]
-    if layout.world_size > 1:
-        rows = [None] * layout.world_size
-        dist.all_gather_object(rows, mine)
-    return rows
+    return metrics.memory_rows(layout, plan["peak"], measured,
+                               planned={k: int(v) for k, v in plan.items() if k not in ("stage", "peak")})
 
 
 def step_model_kind(picotron):

@@ -506,10 +506,11 @@ def measure_step_memory(step, dev):
     return tracker.peak
 
 
-def memory_rows(layout, predicted, measured, step):
-    """[{rank, dp_rank, cp_rank, tp_rank, pp_rank, predicted_bytes, measured_bytes, step}] of every rank."""
+def memory_rows(layout, predicted, measured, **more):
+    """[{rank, dp_rank, cp_rank, tp_rank, pp_rank, predicted_bytes, measured_bytes, **more}] of every rank
+    (every rank must call it: a gather)."""
     mine = {"rank": layout.rank, "dp_rank": layout.dp_rank, "cp_rank": layout.cp_rank, "tp_rank": layout.tp_rank,
-            "pp_rank": layout.pp_rank, "predicted_bytes": int(predicted), "measured_bytes": int(measured), "step": step}
+            "pp_rank": layout.pp_rank, "predicted_bytes": int(predicted), "measured_bytes": int(measured), **more}
     rows = [mine]
     if layout.world_size > 1:
         rows = [None] * layout.world_size

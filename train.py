@@ -735,7 +735,7 @@ def train(cfg, run, resume_path=None):
             peak_bytes = metrics.measure_step_memory(
                 lambda: out.append(train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)), run.dev)
             (loss, grad_norm), = out
-            measured = metrics.memory_rows(layout, rank_plan[layout.pp_rank]["peak"], peak_bytes, step + 1)
+            measured = metrics.memory_rows(layout, rank_plan[layout.pp_rank]["peak"], peak_bytes, step=step + 1)
             print0(layout, metrics.format_memory_rows(measured))
         else:
             loss, grad_norm = train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)
