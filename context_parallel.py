@@ -380,7 +380,10 @@ class RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-@torch.compiler.disable  # host-side plans and point-to-point messages: torch.compile runs around it, not through
+# A compiled block (model.compile_blocks) runs around ring attention, not through it: host-side plans and
+# point-to-point messages. torch._disable_dynamo is torch.compiler.disable applied at the first call, as
+# torch marks its own functions: the mark imports torch._dynamo, about 2 s of every process's start.
+@torch._disable_dynamo
 def ring_attention(q, k, v, positions, group=None, softcap=0.0, scale=None, documents=None, chunks=2):
     """Causal attention of this rank's queries over the keys and values of every rank of the cp group.
 

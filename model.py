@@ -296,7 +296,6 @@ def document_ids_and_positions(tokens, eot_token):
     return documents, index - first
 
 
-@torch.compiler.disable  # host-side offsets (flash): torch.compile runs around it
 def document_mask(documents, impl, device, cp=1):
     """The DocumentMask of document ids (B, T) (under context parallelism (cp, B, T/cp), on the host)."""
     if cp > 1:
@@ -969,7 +968,6 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 None, None, None, None)
 
 
-@torch.compiler.disable  # a loop of large matmuls: nothing for the compiler to fuse, so it stays eager
 def chunked_cross_entropy(h, weight, targets, vocab_size=None, softcap=0.0, ignore_index=-1):
     """F.cross_entropy(logits, targets, ignore_index=ignore_index) for logits = h @ weight[:vocab_size].T,
     soft-capped when softcap > 0, with h (N, C) and weight (V, C), computed in chunks of tokens (see above).
@@ -1387,8 +1385,9 @@ def compile_blocks(model):
     True. Every block runs the same code on the same shapes, and its parameters are the compiled graph's
     inputs rather than constants, so dynamo traces one graph that every block reuses: compile time is one
     block's at any depth, where torch.compile(model) unrolls the loop over the blocks into one graph that
-    grows with n_layer. The embedding, the final norm and the chunked loss (a loop of large matmuls) stay
-    eager; evaluation runs the compiled blocks too (one more graph, without autograd). The parameters are
+    grows with n_layer. The embedding, the document mask's host-side offsets, the final norm and the chunked
+    loss (a loop of large matmuls, nothing to fuse) stay eager, outside any graph; evaluation runs the
+    compiled blocks too (one more graph, without autograd). The parameters are
     graph inputs by default from torch 2.5 (dynamo's inline_inbuilt_nn_modules; before it each block would
     compile anew). The compiled forward is an attribute of the block instance, so no parameter is renamed
     (a compiled module would prefix them with _orig_mod.) and uncompile_blocks undoes it. The block's own

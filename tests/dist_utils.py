@@ -1,6 +1,6 @@
 """Helpers for tests that need several processes: CPU, gloo, tiny models.
 
-run_ranks(fn, world_size, *args) runs fn(rank, world_size, *args) in world_size fresh processes with
+run_ranks(fn, world_size, *args) runs fn(rank, world_size, *args) in world_size new processes with
 torch.distributed initialised (gloo) and returns each rank's return value, in rank order.
 run_train(argv, nproc) runs train.py under torchrun and returns the records of its metrics.jsonl;
 train_in_process(argv) runs a one-process train.main here; train_on_ranks(runs, nproc) runs several train.py
@@ -40,9 +40,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
+def _worker(rank, world_size, port, fn, args, queue, env, cwd):
+    os.environ.clear()  # the test process's environment and folder now, as a spawned process would have them
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.chdir(cwd)
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -55,12 +57,21 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
+# The workers are forked from a server process that has imported torch, torch._dynamo (which torch.optim
+# imports when an optimizer is built) and picotron once, at the first launch: a fresh interpreter spends
+# about 4 s of CPU importing them, which, over the suite's launches, was minutes of its time. The server
+# forks before any test's work has started threads in it, which fork would not copy.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "dist_utils"]
+
+
 def run_ranks(fn, world_size, *args, timeout=300):
     """fn must be a module-level function (it is pickled into the worker processes)."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, dict(os.environ), os.getcwd()))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results = {}
