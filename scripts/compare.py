@@ -7,7 +7,8 @@ their difference is rounding or real.
 
 The settings before --a and --b are common to both runs, as train.py takes them (config files, then
 --key=value); each side's own go on top. Each side is launched with the processes its layout needs
-(dp * cp * tp * pp; give --dp for data parallelism), under torchrun when that is more than one. Printed:
+(dp * cp * tp * pp; give --dp for data parallelism), under torchrun when that is more than one; the two
+sides run at the same time. Printed:
   - every step's two losses and global gradient norms, and their relative differences;
   - where the runs part beyond picotron's tolerances (tests/dist_utils.py: loss 1e-5, gradient norm 1e-4
     relative): the first such step, and the parameters whose step-1 gradients differ most;
@@ -23,7 +24,8 @@ clipped gradient, unclipped here by the logged norm. Options of this script:
     --a, --b        each side's settings (quoted: --a="--tp=2 --sequence_parallel=True")
     --script        the training script both sides run (default train.py): a copy you changed, to see
                     where it parts from picotron's
-    --work_dir      where the four runs write (default: a temporary folder, removed at the end)
+    --work_dir      where the four runs write, each with its output in <run>.log (default: a temporary
+                    folder, removed at the end)
 Exit status: 0 for rounding, 1 for a real difference.
 """
 import json
@@ -71,20 +73,27 @@ def processes(argv):
 
 
 def launch(script, argv, out_dir):
-    """One run of the script, under torchrun when its layout has more than one process; returns its
-    metrics records. A failed run stops the comparison with its output."""
+    """One run of the script started, under torchrun when its layout has more than one process, its output
+    to <out_dir>.log; returns a function that waits for it and returns (its metrics records by step, its
+    processes). The two sides run at once: a side's processes spend most of their start importing, which the
+    other's can use the cores for. A failed run stops the comparison with its output."""
     argv = DEFAULTS + argv + FORCED + [f"--out_dir={out_dir}"]
     n = processes(argv)
     cmd = [sys.executable, str(ROOT / script)] if n == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", str(ROOT / script)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.run(cmd + argv, capture_output=True, text=True, env=env, cwd=ROOT)
-    if proc.returncode != 0:
-        sys.exit(f"error: the run of {' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}"
-                 f"\n{proc.stderr[-4000:]}")
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return {r["step"]: r for r in records if "loss" in r}, n
+    log = open(out_dir + ".log", "w")
+    proc = subprocess.Popen(cmd + argv, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+
+    def wait():
+        returncode = proc.wait()
+        log.close()
+        if returncode != 0:
+            sys.exit(f"error: the run of {' '.join(argv)} failed ({returncode}):\n{open(out_dir + '.log').read()[-6000:]}")
+        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        return {r["step"]: r for r in records if "loss" in r}, n
+    return wait
 
 
 def step1_gradients(out_dir, grad_norm):
@@ -122,7 +131,8 @@ def run_pair(script, common, side_a, side_b, work_dir, dtype):
     first; the largest loss and gradient norm differences; the first step beyond the tolerances, or None)."""
     extra = [f"--dtype={dtype}"]
     dir_a, dir_b = (os.path.join(work_dir, f"{dtype}_{side}") for side in "ab")
-    (a, na), (b, nb) = launch(script, common + side_a + extra, dir_a), launch(script, common + side_b + extra, dir_b)
+    wait_a, wait_b = launch(script, common + side_a + extra, dir_a), launch(script, common + side_b + extra, dir_b)
+    (a, na), (b, nb) = wait_a(), wait_b()
     print(f"\n{dtype}: a on {na} process{'es' if na > 1 else ''}, b on {nb}")
     print(f"{'step':>5} {'loss a':>15} {'loss b':>15} {'rel diff':>9}  {'grad norm a':>15} {'grad norm b':>15} "
           f"{'rel diff':>9}")
@@ -179,6 +189,7 @@ def main(argv):
     except ConfigError as e:
         sys.exit(f"error: {e}")
     work_dir = options["work_dir"] or tempfile.mkdtemp(prefix="picotron_compare_")
+    os.makedirs(work_dir, exist_ok=True)
     try:
         return 1 if compare(options["script"], common, side_a, side_b, work_dir) else 0
     finally:
