@@ -8,10 +8,10 @@ Every training setting can be given (--key=value, or a config file to start from
 of processes the run will have, and `out`, the file to write (an existing one is refused unless
 --force=True). The layout is checked with train.py's own rules (dp x cp x tp x pp must be nproc, and
 model.check_layout: heads, key/value heads, MLP width and blocks must split, block_size into context
-parallelism's 2*cp chunks; the pipeline schedule's rules), so a layout that does not divide the model is refused here rather than after the
-job waited in a queue. The file states the parameter count and the global batch in tokens, then the settings
-that were asked for (and the few this script chose, each saying why), with their meanings from settings.py;
-every other setting keeps its default.
+parallelism's 2*cp chunks; the pipeline schedule's rules), so a layout that does not divide the model is
+refused here rather than after the job waited in a queue. The file states the parameter count and the global
+batch in tokens, then the settings that were asked for (and the few this script chose, each saying why),
+with their meanings from settings.py; every other setting keeps its default.
 """
 import json
 import os
