@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import ROOT, needs_gpt2
-from dist_utils import make_token_data, run_ranks, run_train
+from dist_utils import make_token_data, run_ranks
 
 import bench
 import checkpoint
@@ -301,7 +301,7 @@ def test_sample_refuses_a_missing_checkpoint_or_prompt_file(run_copy, tmp_path):
 def test_sample_and_export_hf_answer_a_step_that_is_not_there_with_the_checkpoints_that_are(run_copy):
     listed = f"the complete checkpoints in {run_copy} are ckpt_0000001, ckpt_0000002"
     line = error_of(sample.main, [f"--out_dir={run_copy}", "--ckpt=3"])
-    assert f"--ckpt=3 is not a complete checkpoint" in line and line.endswith(f"{run_copy} has no ckpt_0000003; {listed}")
+    assert "--ckpt=3 is not a complete checkpoint" in line and line.endswith(f"{run_copy} has no ckpt_0000003; {listed}")
     with pytest.raises(FileNotFoundError, match=listed):
         export_hf.load_picotron(str(run_copy), f"{run_copy}/ckpt_3")
     assert export_hf.load_picotron(str(run_copy), "ckpt_1")[2] == str(run_copy / "ckpt_0000001")

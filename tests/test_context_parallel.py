@@ -30,7 +30,6 @@ from contextlib import nullcontext
 from dataclasses import fields
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -47,7 +46,7 @@ import context_parallel
 from context_parallel import (attention_work, check_context_split, ring_attention, ring_attention_bytes,
                               split_for_every_rank, zigzag_gather, zigzag_split)
 from parallel import ParallelLayout
-from test_variants import MLA, MOE, VARIANTS
+from test_variants import MLA, MOE
 from test_variants_tp import TP_VARIANTS
 
 

@@ -78,8 +78,6 @@ def _killed_save(out_dir, step, value, moment, keep_last_n=0):
                         die()
                 os.rename = rename_then_die
             elif kind == "meta":
-                dump = json.dump
-
                 def dump_half(obj, f, **kw):
                     f.write(json.dumps(obj)[:40])
                     f.flush()

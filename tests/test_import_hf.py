@@ -27,7 +27,7 @@ import train
 from configurator import ConfigError
 from conftest import needs_gpt2, shared_file
 from dist_utils import make_token_data, run_ranks
-from model import ModelConfig, Transformer, llama3_scaled_frequencies, model_config_from, rope_cache
+from model import ModelConfig, Transformer, llama3_scaled_frequencies, rope_cache
 
 HAVE_HF = all(importlib.util.find_spec(p) for p in ("transformers", "safetensors", "tokenizers"))
 needs_hf = pytest.mark.skipif(not HAVE_HF, reason="transformers, safetensors and tokenizers are not installed "

@@ -19,7 +19,6 @@ import torch.nn as nn
 
 import memory_plan
 import metrics
-import parallel
 import settings
 import train
 import zero as zero_stages  # (zero is a local name below: the stage)

@@ -20,7 +20,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import parallel
 from dist_utils import gather_full, make_token_data, run_ranks, run_train
 from model import ModelConfig, Transformer, check_layout, swiglu_hidden_size
 from parallel import (ColumnParallelLinear, ParallelLayout, RowParallelLinear, copy_to_tp, gather_from_tp,

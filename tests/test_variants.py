@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 import settings
-import train
 from configurator import configure
 from conftest import ROOT
 from dist_utils import make_token_data, train_in_process
