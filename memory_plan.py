@@ -23,7 +23,7 @@ import math
 import torch
 
 from metrics import stage_cut
-from model import (Transformer, attention_head_dim, flash_attn_available, loss_chunk_size, mlp_hidden_size,
+from model import (Transformer, attention_head_dim, choose_attn_impl, loss_chunk_size, mlp_hidden_size,
                    takes_muon)
 from optim import deal_whole
 from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, padded_vocab_size, stage_layers
@@ -139,10 +139,9 @@ def attention_saves_scores(model_cfg, attn_impl="auto", device="auto", dtype="au
     the query/key head (MLA): it falls back to its math path. FlashAttention, SDPA's fused kernels and ring
     attention (cp > 1) keep only q, k, v, the output and the log-sum-exp."""
     gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    impl = attn_impl
-    if impl == "auto":
-        half = dtype in ("auto", "bfloat16", "float16")
-        impl = "flash" if gpu and half and flash_attn_available() else "eager" if model_cfg.attn_softcap else "sdpa"
+    half = dtype in ("auto", "bfloat16", "float16")  # (auto on a GPU is bf16 or fp16)
+    impl = attn_impl if attn_impl != "auto" else choose_attn_impl(  # train.py's rule, for a device maybe not here
+        "auto", "cuda" if gpu else "cpu", torch.bfloat16 if half else torch.float32, model_cfg.attn_softcap)[0]
     qk_dim, v_dim = attention_dims(model_cfg)
     return impl == "eager" or (impl == "sdpa" and not gpu and v_dim != qk_dim)
 
