@@ -23,8 +23,8 @@ import math
 import torch
 
 from metrics import stage_cut
-from model import (Transformer, attention_head_dim, choose_attn_impl, loss_chunk_size, mlp_hidden_size,
-                   takes_muon)
+from model import (Transformer, attention_dims, attention_head_dim, choose_attn_impl, loss_chunk_size,
+                   mlp_hidden_size, takes_muon)
 from optim import deal_whole
 from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, padded_vocab_size, stage_layers
 from pipeline_schedules import SCHEDULES, virtual_stages
@@ -144,14 +144,6 @@ def attention_saves_scores(model_cfg, attn_impl="auto", device="auto", dtype="au
         "auto", "cuda" if gpu else "cpu", torch.bfloat16 if half else torch.float32, model_cfg.attn_softcap)[0]
     qk_dim, v_dim = attention_dims(model_cfg)
     return impl == "eager" or (impl == "sdpa" and not gpu and v_dim != qk_dim)
-
-
-def attention_dims(model_cfg):
-    """(query/key head size, value head size): MLA's [nope ; rope] and v_head_dim, else head_dim for both."""
-    if model_cfg.attention == "mla":
-        return model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim, model_cfg.v_head_dim
-    D = attention_head_dim(model_cfg)
-    return D, D
 
 
 def attention_activation_elements(model_cfg, N, seq_len, tp, scores=False):

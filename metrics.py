@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from configurator import ConfigError
-from model import attention_head_dim, mlp_hidden_size
+from model import attention_dims, mlp_hidden_size
 from parallel import full_shape_of
 from pipeline_schedules import cost_cut
 
@@ -50,11 +50,11 @@ def pipeline_costs(cfg):
     C, H, T = cfg.n_embd, cfg.n_head, cfg.block_size
     if cfg.attention == "mla":  # DeepSeek-V2 multi-head latent attention
         nope, rope, v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        qk_dim, q_lora = nope + rope, cfg.q_lora_rank
+        qk_dim, q_lora = attention_dims(cfg)[0], cfg.q_lora_rank
         q = C * q_lora + q_lora * H * qk_dim if q_lora > 0 else C * H * qk_dim
         attn = q + C * (cfg.kv_lora_rank + rope) + cfg.kv_lora_rank * H * (nope + v_dim) + H * v_dim * C
     else:  # multi-head, grouped-query or multi-query attention; heads of head_dim (n_embd / n_head by default)
-        qk_dim = v_dim = attention_head_dim(cfg)
+        qk_dim, v_dim = attention_dims(cfg)
         attn = C * H * qk_dim + 2 * C * cfg.n_kv_head * qk_dim + H * v_dim * C
     # two matrices in GELU's MLP, three in SwiGLU's, of the hidden width (intermediate_size when set)
     mlp = (2 if cfg.mlp == "gelu" else 3) * C * mlp_hidden_size(cfg)

@@ -422,6 +422,13 @@ def attention_head_dim(cfg):
     return cfg.head_dim or cfg.n_embd // cfg.n_head
 
 
+def attention_dims(cfg):
+    """(query/key head size, value head size): MLA's [nope ; rope] and v_head_dim, else attention_head_dim."""
+    if cfg.attention == "mla":
+        return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    return attention_head_dim(cfg), attention_head_dim(cfg)
+
+
 def output_linear(in_features, out_features, bias, tp_group, sequence_parallel):
     """The row-parallel linear that ends a tensor-parallel region (attention's output projection, the MLP's
     down projection): into a sequence-parallel region under sequence parallelism."""
