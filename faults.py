@@ -7,12 +7,19 @@ What a long run does when a step, a peer or the job's time goes wrong (settings.
                       saves, exits 0 (StopVote), and --init_from=auto continues from there
   a dead or hung peer every survivor says which rank it is, what it waited in and how to continue
                       (peer_failure tells such an error from the others), within dist_timeout_s
+  the end of a script train.py and bench.py end by end_process, past the interpreter's teardown, where
+                      torch's gloo threads can abort a finished run
 
 A crash mid-save never costs the last good checkpoint (checkpoint.py writes each one in a .tmp folder and
 renames it when every rank has finished); a killed rank under torchrun --max-restarts restarts the job,
 which resumes from its last checkpoint by itself (init_from='auto': settings.resume_settings).
 """
+import atexit
+import json
+import os
 import signal
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -80,13 +87,15 @@ class StopVote:
     vote: at the end of every step each rank starts an all-reduce (MAX) of its flag on a CPU gloo group,
     without waiting, and reads the previous step's result, long finished. Every rank reads the same vote
     at the same step, so all stop at the same step, one step after the first of them got the signal; the
-    vote is a few bytes between CPUs, overlapped with a step, and never syncs the host with the device."""
+    vote is a few bytes between CPUs, overlapped with a step, and never syncs the host with the device.
+    finish() puts the SIGTERM handler it replaced back: the handler holds the vote and its group, which
+    would otherwise live until the interpreter's teardown (see end_process)."""
 
     def __init__(self, layout, timeout=None):
         self.requested, self.pending = False, None
         self.group = dist.new_group(backend="gloo", timeout=timeout, group_desc="stop vote") \
             if layout.world_size > 1 else None
-        signal.signal(signal.SIGTERM, self._ask)
+        self.replaced = signal.signal(signal.SIGTERM, self._ask)
 
     def _ask(self, signum, frame):
         self.requested = True
@@ -95,6 +104,7 @@ class StopVote:
         if self.pending is not None:
             self.pending[0].wait()
             self.pending = None
+        signal.signal(signal.SIGTERM, self.replaced)
 
     def agreed(self):
         """Called by every rank at the end of every step: whether the run stops now."""
@@ -115,3 +125,26 @@ def peer_failure(e):
     """Whether a RuntimeError is a collective that lost its peers: gloo's read errors and timeouts and
     NCCL's errors are plain RuntimeErrors (or torch.distributed.DistError), told apart by their text."""
     return isinstance(e, dist.DistError) or any(w in str(e) for w in ("gloo", "Timed out", "NCCL", "pipeline stage"))
+
+
+def end_process(status):
+    """End a script with SystemExit's `status` (None or 0: success; a string: that one-line error on stderr,
+    exit status 1), skipping the interpreter's teardown. Why: a gloo worker thread releases a collective's
+    tensors after the collective has finished, and that takes the GIL; a worker that asks for it once the
+    interpreter has begun to finalize is ended by Python mid-C++, which aborts the process ("terminate called
+    without an active exception", SIGABRT): torchrun then reports a finished run, saved and logged, as
+    failed. A busy machine makes it likely. Nothing is left to do by then but what this does: the exit
+    handlers (atexit: W&B's, logging's) run first, and stdout and stderr are flushed."""
+    if isinstance(status, str):
+        # torchrun prints a failure summary after any failed rank, with each rank's error file as its
+        # "traceback" (TORCHELASTIC_ERROR_FILE, in the format of torch's ErrorHandler), else a link to the
+        # docs: let it be the one-line error
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                json.dump({"message": {"message": status, "extraInfo": {"py_callstack": status,
+                                                                       "timestamp": str(int(time.time()))}}}, f)
+        print(status, file=sys.stderr)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if isinstance(status, str) else status or 0)

@@ -39,7 +39,7 @@ import timeline
 from configurator import ConfigError, configure, make_folder
 from context_parallel import split_for_every_rank, zigzag_split
 from expert_parallel import ExpertSplit
-from faults import BadSteps, StopVote, TooManyBadSteps, peer_failure
+from faults import BadSteps, StopVote, TooManyBadSteps, end_process, peer_failure
 from model import (ModelConfig, Transformer, backward_phases, check_layout, choose_attn_impl, choose_device_and_dtype,
                    chunk_modules, compile_blocks, document_ids_and_positions, takes_muon, uncompile_blocks, zero3_units)
 from optim import AdamW, DynamicLossScaler, Muon, describe_optimizer, zero_one_muon_buckets
@@ -840,11 +840,5 @@ if __name__ == "__main__":
     try:
         main(sys.argv[1:])
     except SystemExit as stop:
-        # torchrun prints its own traceback and a failure summary after any failed rank, which nothing here
-        # can shorten; the summary's "traceback" of a rank is its error file (TORCHELASTIC_ERROR_FILE, in the
-        # format of torch's ErrorHandler), else a link to the docs: let it be the one-line error
-        if isinstance(stop.code, str) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                json.dump({"message": {"message": stop.code, "extraInfo": {"py_callstack": stop.code,
-                                                                          "timestamp": str(int(time.time()))}}}, f)
-        raise
+        end_process(stop.code)
+    end_process(0)
