@@ -209,10 +209,16 @@ def gather_full(tensor, param, group):
 #   losses             relative 1e-5 each logged step (the train loss, and the evaluated losses)
 #   global grad norm   relative 1e-4 each logged step (losses barely move when a gradient is off by a
 #                      constant factor under AdamW with clipping; the norm moves with it)
-#   final weights      per tensor, ||a - b|| / ||b|| <= 1e-4 (one element can be off by 1e-5 absolute
-#                      on one CPU where the tensor as a whole agrees to 1e-5)
+#   final weights      per tensor, ||a - b|| / ||b|| <= 1e-3, and the optimizer's state alike. AdamW moves
+#                      an element whose gradient is at the level of rounding by about its learning rate,
+#                      either way, so a tensor with many such elements parts by more than its gradients:
+#                      the MoE at dp2 x tp2 + SP x ep2 parted by 1.7e-4 on an AMD EPYC (3e-5 on another
+#                      CPU) in one tensor, where one process in fp32 is itself 1.0e-4 from the float64 run
+#                      and the layout 7e-5 (the matrix's float64 rows hold the layouts to 1e-12). A real
+#                      error moves most elements of a tensor by about the update: 1e-2 and more.
 # Each comparison prints its largest difference (pytest -s shows them): the margin each test has.
-LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL = 1e-5, 1e-4, 1e-4
+LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL = 1e-5, 1e-4, 1e-3
+FLOAT64_RTOL = 1e-12  # every tolerance, in a run all in float64: layouts agree there to 1e-13 at most
 LOGGED = (("loss", LOSS_RTOL), ("grad_norm", GRAD_NORM_RTOL), ("train_loss", LOSS_RTOL), ("val_loss", LOSS_RTOL))
 
 

@@ -8,8 +8,8 @@ assembled from the section markers here, nothing copied by hand. An extension is
 whole parallel.py. Every folder is run in one launch: two processes (gloo) with the folder above them as
 their working directory and nothing of the checkout on sys.path, running tests/lift_toys.py's toys, each
 of which imports its mechanism from its own folder only and compares it with one process computed there.
-The tolerances are tests/dist_utils.py's: 1e-5 relative on losses and outputs, 1e-4 by ||a - b|| / ||b||
-on weights and gradients; the pipeline's are exact (its toy says why).
+The tolerances are tests/dist_utils.py's: 1e-5 relative on losses and outputs, by ||a - b|| / ||b|| 1e-4
+on gradients and 1e-3 on weights after AdamW; the pipeline's are exact (its toy says why).
 """
 import ast
 import builtins
@@ -37,7 +37,7 @@ import optim
 import parallel
 import pipeline_schedules
 import zero
-from dist_utils import LOSS_RTOL, WEIGHT_RTOL
+from dist_utils import GRAD_NORM_RTOL, LOSS_RTOL, WEIGHT_RTOL
 from model import ModelConfig, Transformer
 from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_filled
 
@@ -51,7 +51,7 @@ EXTENSIONS = {"context_parallel": "context_parallel.py", "expert_parallel": "exp
 TOYS = {"tensor_parallel_mlp": "tensor_parallel", "pipeline_1f1b": "pipeline", "data_parallel": "data_parallel",
         "zero_one": "zero_one", "ring_attention": "context_parallel", "expert_all_to_all": "expert_parallel",
         "zero_three": "zero"}
-TOLERANCE = {"loss": LOSS_RTOL, "output": LOSS_RTOL, "gradient": WEIGHT_RTOL, "weight": WEIGHT_RTOL, "exact": 0.0}
+TOLERANCE = {"loss": LOSS_RTOL, "output": LOSS_RTOL, "gradient": GRAD_NORM_RTOL, "weight": WEIGHT_RTOL, "exact": 0.0}
 
 
 # -----------------------------------------------------------------------------

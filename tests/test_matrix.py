@@ -18,11 +18,10 @@ import pytest
 import torch
 
 import matrix
-from dist_utils import (ROOT, WEIGHT_RTOL, assert_same_losses_and_norms, assert_same_tensors,
+from dist_utils import (FLOAT64_RTOL, ROOT, WEIGHT_RTOL, assert_same_losses_and_norms, assert_same_tensors,
                         checkpoint_optimizer_states, checkpoint_weights, read_records, run_ranks)
 
 PAGE = ROOT / "docs" / "equivalence.md"
-FLOAT64_RTOL = 1e-12
 MEASURED = {}  # case name: its largest differences and result, for the page
 SECONDS = {}  # "matrix": how long the runs took
 
