@@ -46,7 +46,7 @@ import settings
 import timeline
 import train
 from configurator import ConfigError, Setting, configure, section
-from faults import end_process
+from faults import run_script
 from model import check_layout
 from pipeline_schedules import check_schedule, ideal_bubble
 
@@ -495,8 +495,4 @@ def reference_optimizer(model, lr=1e-3, weight_decay=0.1):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except SystemExit as stop:
-        end_process(stop.code)
-    end_process(0)
+    run_script(main, sys.argv[1:])

@@ -7,7 +7,7 @@ What a long run does when a step, a peer or the job's time goes wrong (settings.
                       saves, exits 0 (StopVote), and --init_from=auto continues from there
   a dead or hung peer every survivor says which rank it is, what it waited in and how to continue
                       (peer_failure tells such an error from the others), within dist_timeout_s
-  the end of a script train.py and bench.py end by end_process, past the interpreter's teardown, where
+  the end of a script train.py and bench.py end by run_script, past the interpreter's teardown, where
                       torch's gloo threads can abort a finished run
 
 A crash mid-save never costs the last good checkpoint (checkpoint.py writes each one in a .tmp folder and
@@ -89,7 +89,7 @@ class StopVote:
     at the same step, so all stop at the same step, one step after the first of them got the signal; the
     vote is a few bytes between CPUs, overlapped with a step, and never syncs the host with the device.
     finish() puts the SIGTERM handler it replaced back: the handler holds the vote and its group, which
-    would otherwise live until the interpreter's teardown (see end_process)."""
+    would otherwise live until the interpreter's teardown (see run_script)."""
 
     def __init__(self, layout, timeout=None):
         self.requested, self.pending = False, None
@@ -127,14 +127,20 @@ def peer_failure(e):
     return isinstance(e, dist.DistError) or any(w in str(e) for w in ("gloo", "Timed out", "NCCL", "pipeline stage"))
 
 
-def end_process(status):
-    """End a script with SystemExit's `status` (None or 0: success; a string: that one-line error on stderr,
-    exit status 1), skipping the interpreter's teardown. Why: a gloo worker thread releases a collective's
-    tensors after the collective has finished, and that takes the GIL; a worker that asks for it once the
-    interpreter has begun to finalize is ended by Python mid-C++, which aborts the process ("terminate called
-    without an active exception", SIGABRT): torchrun then reports a finished run, saved and logged, as
-    failed. A busy machine makes it likely. Nothing is left to do by then but what this does: the exit
-    handlers (atexit: W&B's, logging's) run first, and stdout and stderr are flushed."""
+def run_script(main, argv):
+    """Run a script's main(argv) and end the process with its status (returned: 0; SystemExit's: None or 0
+    is success, a string is that one-line error on stderr and status 1), skipping the interpreter's
+    teardown. Why: a gloo worker thread releases a collective's tensors after the collective has finished,
+    and that takes the GIL; a worker that asks for it once the interpreter has begun to finalize is ended
+    by Python mid-C++, which aborts the process ("terminate called without an active exception", SIGABRT):
+    torchrun then reports a finished run, saved and logged, as failed. A busy machine makes it likely.
+    Nothing is left to do by then but what this does: the exit handlers (atexit: W&B's, logging's) run
+    first, and stdout and stderr are flushed."""
+    try:
+        main(argv)
+        status = 0
+    except SystemExit as stop:
+        status = stop.code
     if isinstance(status, str):
         # torchrun prints a failure summary after any failed rank, with each rank's error file as its
         # "traceback" (TORCHELASTIC_ERROR_FILE, in the format of torch's ErrorHandler), else a link to the

@@ -39,7 +39,7 @@ import timeline
 from configurator import ConfigError, configure, make_folder
 from context_parallel import split_for_every_rank, zigzag_split
 from expert_parallel import ExpertSplit
-from faults import BadSteps, StopVote, TooManyBadSteps, end_process, peer_failure
+from faults import BadSteps, StopVote, TooManyBadSteps, peer_failure, run_script
 from model import (ModelConfig, Transformer, backward_phases, check_layout, choose_attn_impl, choose_device_and_dtype,
                    chunk_modules, compile_blocks, document_ids_and_positions, takes_muon, uncompile_blocks, zero3_units)
 from optim import AdamW, DynamicLossScaler, Muon, describe_optimizer, zero_one_muon_buckets
@@ -837,8 +837,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except SystemExit as stop:
-        end_process(stop.code)
-    end_process(0)
+    run_script(main, sys.argv[1:])

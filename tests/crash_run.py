@@ -95,8 +95,4 @@ if __name__ == "__main__":
     out_dir = [a.split("=", 1)[1] for a in argv if a.startswith("--out_dir=")]
     marker = os.path.join(out_dir[-1], f"crash_run_{stage}_{at_step}_{crash_rank}") if once else None
     install_crash(stage, int(at_step), int(crash_rank), marker)
-    try:
-        train.main([a for a in argv if a not in crash_args])
-    except SystemExit as stop:
-        train.end_process(stop.code)
-    train.end_process(0)  # as train.py ends
+    train.run_script(train.main, [a for a in argv if a not in crash_args])  # as train.py ends
