@@ -128,29 +128,28 @@ def peer_failure(e):
 
 
 def run_script(main, argv):
-    """Run a script's main(argv) and end the process with its status (returned: 0; SystemExit's: None or 0
-    is success, a string is that one-line error on stderr and status 1), skipping the interpreter's
+    """Run a script's main(argv); a finished one ends the process with status 0, skipping the interpreter's
     teardown. Why: a gloo worker thread releases a collective's tensors after the collective has finished,
     and that takes the GIL; a worker that asks for it once the interpreter has begun to finalize is ended
     by Python mid-C++, which aborts the process ("terminate called without an active exception", SIGABRT):
     torchrun then reports a finished run, saved and logged, as failed. A busy machine makes it likely.
     Nothing is left to do by then but what this does: the exit handlers (atexit: W&B's, logging's) run
-    first, and stdout and stderr are flushed."""
+    first, and stdout and stderr are flushed. A script that stops with an error ends the usual way: the
+    ranks that stop without a word (exit 1) must not be gone so fast that torchrun ends rank 0 before it
+    has printed the error line."""
     try:
         main(argv)
-        status = 0
     except SystemExit as stop:
-        status = stop.code
-    if isinstance(status, str):
         # torchrun prints a failure summary after any failed rank, with each rank's error file as its
         # "traceback" (TORCHELASTIC_ERROR_FILE, in the format of torch's ErrorHandler), else a link to the
         # docs: let it be the one-line error
-        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        if isinstance(stop.code, str) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
             with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                json.dump({"message": {"message": status, "extraInfo": {"py_callstack": status,
-                                                                       "timestamp": str(int(time.time()))}}}, f)
-        print(status, file=sys.stderr)
+                json.dump({"message": {"message": stop.code, "extraInfo": {"py_callstack": stop.code,
+                                                                          "timestamp": str(int(time.time()))}}}, f)
+        if stop.code not in (None, 0):
+            raise
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1 if isinstance(status, str) else status or 0)
+    os._exit(0)

@@ -251,6 +251,15 @@ def test_a_finished_script_exits_0_with_a_gloo_worker_still_releasing_a_collecti
     assert proc.returncode == 0 and "terminate called" not in proc.stderr, (proc.returncode, proc.stderr[-2000:])
 
 
+def test_a_layout_error_under_torchrun_is_printed_by_rank_0(data_dir, tmp_path):
+    """The other rank stops without a word: rank 0 still says why before torchrun ends the job."""
+    _, proc = run_train(TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--tp=4"],
+                        nproc=2, check=False)
+    assert proc.returncode != 0
+    assert (proc.stdout + proc.stderr).count("error: WORLD_SIZE = 2 processes cannot be cut into tp = 4") >= 1, \
+        proc.stderr[-3000:]
+
+
 # -----------------------------------------------------------------------------
 # a diverged run: non-finite steps are skipped, never reach the weights, and stop the run
 
