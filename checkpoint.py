@@ -513,13 +513,13 @@ def _prune(out_dir, step, keep_last_n, keep):
 
 def _not_finite_message(final, step, started):
     r, names = next((r, bad) for r, (_, bad) in enumerate(started) if bad)
-    out_dir = os.path.dirname(final)
+    out_dir, intact = os.path.dirname(final), newest_intact(os.path.dirname(final))
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return (f"the weights are not finite at step {step} (rank {r}: {shown}): checkpoint {final} was not "
             f"written. Either the run diverged (resume with a lower --learning_rate) or it was given bad input "
-            f"(a damaged data file or checkpoint: python checkpoint.py --verify {out_dir}). The last finite "
-            f"checkpoint is {newest_intact(out_dir) or 'none (start again with --init_from=scratch)'}: resume "
-            f"from it with --init_from=resume")
+            f"(a damaged data file or checkpoint: python checkpoint.py --verify {out_dir}). "
+            + (f"The last finite checkpoint is {intact}: resume from it with --init_from=resume" if intact else
+               f"No checkpoint in {out_dir} is intact: start again with --init_from=scratch"))
 
 
 def _failed_message(out_dir, final, rank, cause, code):
