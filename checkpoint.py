@@ -443,8 +443,8 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
     errors too): when one fails (a full disk, a quota, a permission), every rank raises the same
     CheckpointError, naming the rank, the path and the cause, after rank 0 removed the partial folder; no
     rank is left waiting in a collective for one that stopped, and the earlier checkpoints are untouched.
-    Weights that are not finite on any rank are never written: every rank learns it in the first gather
-    and raises the same CheckpointError."""
+    Weights that are not finite on any rank are never written (a pass over them before the write): the
+    same gather tells every rank, and each raises the same CheckpointError."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp = final + ".tmp"
     error = None
@@ -456,24 +456,21 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
             os.makedirs(tmp)
         except OSError as e:
             error = (_error(e), e.errno)
-    # one collective: rank 0's error preparing the folder, and every rank's weights that are not finite
-    started = _gather((error, _not_finite(model_pieces)))
-    if any(bad for _, bad in started):
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(_not_finite_message(final, step, started))
-    failed = [(0, *started[0][0])] if started[0][0] else []
-    name, size, crc, code = f"rank{rank:05d}.pt", None, None, None
+    failed = [(0, *error)] if _broadcast(error) else []
+    name, size, crc, code, not_finite = f"rank{rank:05d}.pt", None, None, None, []
     if not failed:
+        bad = _not_finite(model_pieces)
         try:
-            crc = _save_file({"model": model_pieces, "optimizer": optimizer_pieces, "extra": extra or {}},
-                             os.path.join(tmp, name))
-            size = os.path.getsize(os.path.join(tmp, name))
+            if not bad:  # NaN never reaches the disk: the gather below stops every rank
+                crc = _save_file({"model": model_pieces, "optimizer": optimizer_pieces, "extra": extra or {}},
+                                 os.path.join(tmp, name))
+                size = os.path.getsize(os.path.join(tmp, name))
         except (OSError, RuntimeError) as e:
             error, code = _error(e), getattr(e, "errno", None)
-        written = _gather((name, size, crc, error, code))
-        failed = [(r, e, c) for r, (_, _, _, e, c) in enumerate(written) if e]
-        if rank == 0 and not failed:
+        written = _gather((name, size, crc, error, code, bad))
+        failed = [(r, w[3], w[4]) for r, w in enumerate(written) if w[3]]
+        not_finite = [(r, w[5]) for r, w in enumerate(written) if w[5]]
+        if rank == 0 and not failed and not not_finite:
             try:
                 meta = dict(meta, step=step, world_size=world_size, files=[w[0] for w in written],
                             file_sizes=[w[1] for w in written], file_crc32=[w[2] for w in written],
@@ -487,9 +484,11 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
             except OSError as e:
                 failed = [(0, _error(e), e.errno)]
         failed = _broadcast(failed)
-    if failed:
+    if failed or not_finite:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if not_finite:
+            raise CheckpointError(_not_finite_message(final, step, *not_finite[0]))
         raise CheckpointError(_failed_message(out_dir, final, *failed[0]))
     return final
 
@@ -511,8 +510,7 @@ def _prune(out_dir, step, keep_last_n, keep):
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _not_finite_message(final, step, started):
-    r, names = next((r, bad) for r, (_, bad) in enumerate(started) if bad)
+def _not_finite_message(final, step, r, names):
     out_dir, intact = os.path.dirname(final), newest_intact(os.path.dirname(final))
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return (f"the weights are not finite at step {step} (rank {r}: {shown}): checkpoint {final} was not "
