@@ -528,7 +528,7 @@ def _failed_message(out_dir, final, rank, cause, code):
         older = [p for p in checkpoint_folders(out_dir) if intact and step_of(p) < step_of(intact)]
         if older:
             freed = sum(os.path.getsize(os.path.join(d, f)) for p in older for d, _, fs in os.walk(p) for f in fs)
-            advice = (f"The checkpoints older than the newest intact one can be deleted to free "
+            advice = (f"The checkpoints older than the newest intact one ({intact}) can be deleted to free "
                       f"{freed / 2**20:,.1f} MiB: rm -r {' '.join(older)}; then resume with --init_from=resume")
         else:
             advice = (f"No checkpoint is older than the newest intact one ({intact or 'none'}): free space on the "

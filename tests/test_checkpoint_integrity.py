@@ -100,7 +100,8 @@ def test_a_save_that_finds_the_disk_full_names_the_checkpoints_older_than_the_ne
         _save(tmp_path, 4)
     old = tmp_path / "ckpt_0000001"
     freed = sum(os.path.getsize(old / name) for name in os.listdir(old)) / 2**20
-    assert str(failed.value).endswith(f"The checkpoints older than the newest intact one can be deleted to free "
+    assert str(failed.value).endswith(f"The checkpoints older than the newest intact one "
+                                      f"({tmp_path / 'ckpt_0000002'}) can be deleted to free "
                                       f"{freed:,.1f} MiB: rm -r {old}; then resume with --init_from=resume"), \
         str(failed.value)
 
