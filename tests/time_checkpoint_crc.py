@@ -78,8 +78,9 @@ def main(repeats):
     print(f"tiny_fineweb: {params:.2f}M parameters, a {size:.1f} MiB file; median of {repeats}, "
           f"{torch.get_num_threads()} threads, {os.cpu_count()} cores (wall seconds, CPU seconds)")
     for crc in (False, True):
-        row = [f"{what} {statistics.median(w for w, _ in times[crc, what]):.3f} s, "
-               f"{statistics.median(c for _, c in times[crc, what]):.3f} s" for what in ("save", "load")]
+        row = [f"{what} {statistics.median(w for w, _ in times[crc, what]):.3f} s (min "
+               f"{min(times[crc, what])[0]:.3f}), {statistics.median(c for _, c in times[crc, what]):.3f} s"
+               for what in ("save", "load")]
         print(f"  {'with' if crc else 'without'} crc32: " + "; ".join(row))
     took, _ = clocked(lambda: zlib.crc32(bytes(int(size * 2**20))))
     print(f"  zlib.crc32 alone over {size:.1f} MiB: {took[0]:.3f} s, {took[1]:.3f} s")
