@@ -3,7 +3,7 @@ Sharded, atomic, reshardable checkpoints.
 
 A checkpoint is a folder  out_dir/ckpt_0001000/  holding
     rank00000.pt ... rankNNNNN.pt   what each rank holds, and nothing more: no rank gathers the model
-    meta.json                       step, config, layout, the files and their sizes; written last
+    meta.json                       step, config, layout, the files, their sizes and crc32s; written last
 
 Every rank writes into  ckpt_0001000.tmp/ ; once all have finished (a barrier), rank 0 writes meta.json
 (whole or not at all: written aside, then renamed) and renames the folder. meta.json is the commit: a
@@ -11,6 +11,12 @@ Every rank writes into  ckpt_0001000.tmp/ ; once all have finished (a barrier), 
 as its step's checkpoint while no complete ckpt_0001000/ is there (a kill between the two renames of a
 re-save, see _publish). A kill of any rank at any moment of a save therefore leaves the checkpoints
 before it as they were, and never makes a partial one look complete.
+
+Each rank file's crc32 is computed as torch.save writes it (no second read) and checked by every rank that
+reads the file: a file damaged on disk without changing its size (a bad sector, a copy gone wrong) stops the
+load naming the file, rather than loading NaN that would later read as a divergence. A save refuses weights
+that are not finite, so every checkpoint that verifies is one to resume from. `python checkpoint.py --verify
+OUT_DIR` checks every checkpoint of a run offline and names the newest intact one.
 
 Each tensor is saved as "pieces". A piece says which full tensor it belongs to (its name and full shape),
 which tensor-parallel slice it is (dim, rank, world) and which range of that slice's flattened elements it
@@ -20,13 +26,16 @@ a checkpoint saved at one dp x cp x tp x pp layout resumes at any other. The exp
 experts are named by their global index whichever rank holds them, so expert parallelism (ep) changes
 freely too.
 """
+import errno
 import glob
 import json
 import math
 import os
 import re
 import shutil
+import sys
 import time
+import zlib
 from dataclasses import asdict
 
 import torch
@@ -37,6 +46,28 @@ from parallel import full_shape_of, mark_filled, shard_of
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read back as the model needs it; the message says which and why."""
+
+
+class CorruptedCheckpoint(CheckpointError):
+    """A rank file whose bytes are not those written (its crc32 differs from meta.json's): the load stops."""
+
+
+def _gather(obj):
+    """obj of every rank, in rank order (every rank must call it: it is also a barrier)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj):
+    """Rank 0's obj, on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def make_piece(tensor, param, flat_range=None):
@@ -88,14 +119,43 @@ def read_meta(path):
         raise CheckpointError(f"checkpoint {path}: its meta.json cannot be read ({type(e).__name__}: {e})")
 
 
+def file_crc32(path, chunk=1 << 24):
+    """The crc32 of a file's bytes, read in 16 MiB blocks."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def why_corrupted(path, name, meta):
+    """None when rank file `name` of checkpoint `path` has the crc32 meta.json recorded as it was written (or
+    meta.json has none: a checkpoint from before checksums), else why not, naming the file."""
+    crcs = dict(zip(meta["files"], meta.get("file_crc32", [])))
+    if name not in crcs:
+        return None
+    found = file_crc32(os.path.join(path, name))
+    if found == crcs[name]:
+        return None
+    return (f"{os.path.join(path, name)} is corrupted, not diverged: its bytes' crc32 is {found:08x}, meta.json "
+            f"recorded {crcs[name]:08x} as it was written (the file changed on disk since, at the same size: "
+            f"the storage or a copy damaged it)")
+
+
 class CheckpointReader:
-    """Reads a checkpoint folder lazily (memory-mapped) and hands each rank the slices it needs."""
+    """Reads a checkpoint folder lazily (memory-mapped) and hands each rank the slices it needs. It first
+    checks each file's crc32 against meta.json's (a full read of the files; raises CorruptedCheckpoint);
+    `checksummed` is False for a checkpoint written before checksums, whose files are not checked."""
 
     def __init__(self, path):
         self.path = path
         self.meta = read_meta(path)
+        self.checksummed = "file_crc32" in self.meta
         self.files = []
         for name in self.meta["files"]:
+            corrupted = why_corrupted(path, name, self.meta)
+            if corrupted:
+                raise CorruptedCheckpoint(corrupted)
             try:
                 self.files.append(torch.load(os.path.join(path, name), map_location="cpu", mmap=True,
                                              weights_only=True))
@@ -166,26 +226,45 @@ def check_model_config(saved, model_cfg, path):
 
 def open_for_resume(path, model_cfg, say=print):
     """The reader of the checkpoint to resume: `path`, or when some rank cannot read it, the newest older
-    complete checkpoint every rank can. All ranks decide together (one all-reduce per candidate): a rank
-    that resumed another step than the others would train another model. `say` prints the fallback."""
+    complete checkpoint every rank can. All ranks decide together (one all_gather per candidate): a rank
+    that resumed another step than the others would train another model. A file that is corrupted (its
+    crc32 differs from the one recorded as it was written) on any rank stops every rank, naming it: its
+    NaN would otherwise pass for a divergence. `say` prints the fallback and notes."""
     out_dir = os.path.dirname(path)
     candidates = [p for p in complete_checkpoints(out_dir) if step_of(p) <= step_of(path)][::-1]  # newest first
     for i, candidate in enumerate(candidates):
         try:
-            reader, error = CheckpointReader(candidate), ""
+            reader, error = CheckpointReader(candidate), None
         except CheckpointError as e:
-            reader, error = None, str(e)
-        failed = torch.tensor([0 if reader else 1])
-        if dist.is_initialized():
-            dist.all_reduce(failed)
-        if not failed.item():
+            reader, error = None, (isinstance(e, CorruptedCheckpoint), str(e))
+        errors = [(r, e) for r, e in enumerate(_gather(error)) if e]
+        corrupted = [(r, text) for r, (bad, text) in errors if bad]
+        if corrupted:
+            r, text = corrupted[0]
+            raise CorruptedCheckpoint(text + (f" (found by rank {r})" if dist.is_initialized() else "") + ". "
+                                      + _corrupted_advice(out_dir, candidate))
+        if not errors:
+            if not reader.checksummed:
+                say(f"checkpoint {candidate} was written before checkpoints had checksums: its files' sizes are "
+                    f"checked, not their bytes")
             check_model_config(reader.meta["model"], model_cfg, candidate)
             return reader
         later = candidates[i + 1] if i + 1 < len(candidates) else None
-        say(f"checkpoint {candidate} cannot be read on {int(failed.item())} rank(s)" + (f" ({error})" if error else "")
+        say(f"checkpoint {candidate} cannot be read on {len(errors)} rank(s)" + (f" ({error[1]})" if error else "")
             + (f"; falling back to {later}" if later else ""))
     raise CheckpointError(f"no checkpoint in '{out_dir}' can be read by every rank: start a new run with "
                           f"--init_from=scratch, or repair the files named above")
+
+
+def _corrupted_advice(out_dir, corrupted):
+    """What to do when checkpoint `corrupted` has a damaged file: resume from the newest intact older one."""
+    intact = newest_intact(out_dir, before=step_of(corrupted))
+    if intact is None:
+        return (f"No older checkpoint in {out_dir} is intact: start again with --init_from=scratch (or restore "
+                f"the file from a copy)")
+    return (f"Move it aside (mv {corrupted} {corrupted}.damaged) and launch again with --init_from=resume to "
+            f"resume from the newest intact checkpoint, {intact} (python checkpoint.py --verify {out_dir} checks "
+            f"them all)")
 
 
 def load_model(model, reader, only=None):
@@ -309,49 +388,36 @@ def resume_run(path, cfg, run, parts, say=print):
 # Writing
 
 
-def _gather(obj):
-    """obj of every rank, in rank order (every rank must call it: it is also a barrier)."""
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _broadcast(obj):
-    """Rank 0's obj, on every rank."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _error(e):
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 class _WriteRecorder:
-    """The file torch.save writes through, keeping the OSError of a failed write. torch.save reports a full
-    disk or a file-size limit as a RuntimeError of its own ("unexpected pos ..."); the OSError says what
-    happened (ENOSPC: No space left on device, EFBIG: File too large, EDQUOT: Disk quota exceeded)."""
+    """The file torch.save writes through: it computes the crc32 of the bytes as they are written (torch.save
+    writes a file front to back, never seeking back, so these are the file's bytes, with no second read) and
+    keeps the OSError of a failed write. torch.save reports a full disk or a file-size limit as a RuntimeError
+    of its own ("unexpected pos ..."); the OSError says what happened (ENOSPC: No space left on device,
+    EFBIG: File too large, EDQUOT: Disk quota exceeded)."""
 
     def __init__(self, f):
-        self.f, self.error = f, None
+        self.f, self.error, self.crc = f, None, 0
 
     def write(self, data):
         try:
-            return self.f.write(data)
+            written = self.f.write(data)
         except OSError as e:
             self.error = e
             raise
+        self.crc = zlib.crc32(data, self.crc)
+        return written
 
     def flush(self):
         return self.f.flush()
 
 
 def _save_file(obj, path):
+    """Write obj to path; returns the crc32 of the bytes written."""
     with open(path, "wb") as f:
         recorder = _WriteRecorder(f)
         try:
@@ -359,6 +425,12 @@ def _save_file(obj, path):
             f.flush()
         except RuntimeError as e:
             raise (recorder.error or e) from None
+    return recorder.crc
+
+
+def _not_finite(model_pieces):
+    """The names of the saved weights that hold a NaN or an inf (a pass over this rank's weights, on CPU)."""
+    return [name for name, piece in model_pieces.items() if not torch.isfinite(piece["tensor"]).all()]
 
 
 def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, extra=None, keep_last_n=0,
@@ -370,7 +442,9 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
     Every rank learns whether every other rank's write worked (the gather of the file sizes carries the
     errors too): when one fails (a full disk, a quota, a permission), every rank raises the same
     CheckpointError, naming the rank, the path and the cause, after rank 0 removed the partial folder; no
-    rank is left waiting in a collective for one that stopped, and the earlier checkpoints are untouched."""
+    rank is left waiting in a collective for one that stopped, and the earlier checkpoints are untouched.
+    Weights that are not finite on any rank are never written (a pass over them before the write): the
+    same gather tells every rank, and each raises the same CheckpointError."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp = final + ".tmp"
     error = None
@@ -381,52 +455,86 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed before its meta.json
             os.makedirs(tmp)
         except OSError as e:
-            error = _error(e)
-    failed = [(0, error)] if _broadcast(error) else []
-    name, size = f"rank{rank:05d}.pt", None
+            error = (_error(e), e.errno)
+    failed = [(0, *error)] if _broadcast(error) else []
+    name, size, crc, code, not_finite = f"rank{rank:05d}.pt", None, None, None, []
     if not failed:
+        bad = _not_finite(model_pieces)
         try:
-            _save_file({"model": model_pieces, "optimizer": optimizer_pieces, "extra": extra or {}},
-                       os.path.join(tmp, name))
-            size = os.path.getsize(os.path.join(tmp, name))
+            if not bad:  # NaN never reaches the disk: the gather below stops every rank
+                crc = _save_file({"model": model_pieces, "optimizer": optimizer_pieces, "extra": extra or {}},
+                                 os.path.join(tmp, name))
+                size = os.path.getsize(os.path.join(tmp, name))
         except (OSError, RuntimeError) as e:
-            error = _error(e)
-        written = _gather((name, size, error))
-        failed = [(r, e) for r, (_, _, e) in enumerate(written) if e]
-        if rank == 0 and not failed:
+            error, code = _error(e), getattr(e, "errno", None)
+        written = _gather((name, size, crc, error, code, bad))
+        failed = [(r, w[3], w[4]) for r, w in enumerate(written) if w[3]]
+        not_finite = [(r, w[5]) for r, w in enumerate(written) if w[5]]
+        if rank == 0 and not failed and not not_finite:
             try:
-                meta = dict(meta, step=step, world_size=world_size, files=[n for n, _, _ in written],
-                            file_sizes=[s for _, s, _ in written], saved_at=time.time())
+                meta = dict(meta, step=step, world_size=world_size, files=[w[0] for w in written],
+                            file_sizes=[w[1] for w in written], file_crc32=[w[2] for w in written],
+                            saved_at=time.time())
                 with open(os.path.join(tmp, "meta.json.partial"), "w") as f:
                     json.dump(meta, f, indent=1)
                 os.rename(os.path.join(tmp, "meta.json.partial"), os.path.join(tmp, "meta.json"))  # the commit
                 _publish(tmp, final)
                 if keep_last_n > 0:
-                    done = complete_checkpoints(out_dir)
-                    for old in done[:-keep_last_n]:
-                        if old not in keep:
-                            shutil.rmtree(old, ignore_errors=True)  # killed midway, it is incomplete: ignored
-                    # and what killed saves and removals left (no save is under way now: this one is done, and
-                    # a job saves one checkpoint at a time): .tmp and .old folders that are not a checkpoint,
-                    # and folders older than the oldest kept (an earlier removal stopped halfway through). A
-                    # damaged newer folder stays, for the user to see (resume names it)
-                    oldest = min([step_of(p) for p in done[-keep_last_n:]] + [step])
-                    for p in glob.glob(os.path.join(out_dir, "ckpt_*")):
-                        name = _LEFTOVER.fullmatch(os.path.basename(p))
-                        if name and p not in done and (name.group(2) or int(name.group(1)) < oldest):
-                            shutil.rmtree(p, ignore_errors=True)
+                    _prune(out_dir, step, keep_last_n, keep)
             except OSError as e:
-                failed = [(0, _error(e))]
+                failed = [(0, _error(e), e.errno)]
         failed = _broadcast(failed)
-    if failed:
+    if failed or not_finite:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        r, cause = failed[0]
-        latest = latest_checkpoint(out_dir)
-        raise CheckpointError(f"saving checkpoint {final} failed on rank {r}: {cause}. The partial {tmp} was removed; "
-                              f"the last complete checkpoint is {latest or 'none'}. Free space or fix the permissions "
-                              f"of out_dir '{out_dir}', then resume with --init_from=resume")
+        if not_finite:
+            raise CheckpointError(_not_finite_message(final, step, *not_finite[0]))
+        raise CheckpointError(_failed_message(out_dir, final, *failed[0]))
     return final
+
+
+def _prune(out_dir, step, keep_last_n, keep):
+    """Remove all but the newest keep_last_n complete checkpoints, except those in `keep`."""
+    done = complete_checkpoints(out_dir)
+    for old in done[:-keep_last_n]:
+        if old not in keep:
+            shutil.rmtree(old, ignore_errors=True)  # killed midway, it is incomplete: ignored
+    # and what killed saves and removals left (no save is under way now: this one is done, and a job saves
+    # one checkpoint at a time): .tmp and .old folders that are not a checkpoint, and folders older than the
+    # oldest kept (an earlier removal stopped halfway through). A damaged newer folder stays, for the user to
+    # see (resume names it)
+    oldest = min([step_of(p) for p in done[-keep_last_n:]] + [step])
+    for p in glob.glob(os.path.join(out_dir, "ckpt_*")):
+        name = _LEFTOVER.fullmatch(os.path.basename(p))
+        if name and p not in done and (name.group(2) or int(name.group(1)) < oldest):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _not_finite_message(final, step, r, names):
+    out_dir, intact = os.path.dirname(final), newest_intact(os.path.dirname(final))
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (f"the weights are not finite at step {step} (rank {r}: {shown}): checkpoint {final} was not "
+            f"written. Either the run diverged (resume with a lower --learning_rate) or it was given bad input "
+            f"(a damaged data file or checkpoint: python checkpoint.py --verify {out_dir}). "
+            + (f"The last finite checkpoint is {intact}: resume from it with --init_from=resume" if intact else
+               f"No checkpoint in {out_dir} is intact: start again with --init_from=scratch"))
+
+
+def _failed_message(out_dir, final, rank, cause, code):
+    """The error of a save that failed on `rank`; for a full disk or quota, which old checkpoints can go."""
+    advice = f"Free space or fix the permissions of out_dir '{out_dir}', then resume with --init_from=resume"
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        intact = newest_intact(out_dir)
+        older = [p for p in checkpoint_folders(out_dir) if intact and step_of(p) < step_of(intact)]
+        if older:
+            freed = sum(os.path.getsize(os.path.join(d, f)) for p in older for d, _, fs in os.walk(p) for f in fs)
+            advice = (f"The checkpoints older than the newest intact one ({intact}) can be deleted to free "
+                      f"{freed / 2**20:,.1f} MiB: rm -r {' '.join(older)}; then resume with --init_from=resume")
+        else:
+            advice = (f"No checkpoint is older than the newest intact one ({intact or 'none'}): free space on the "
+                      f"disk of out_dir '{out_dir}' (or give another --out_dir), then resume with --init_from=resume")
+    return (f"saving checkpoint {final} failed on rank {rank}: {cause}. The partial {final}.tmp was removed; the "
+            f"last complete checkpoint is {latest_checkpoint(out_dir) or 'none'}. {advice}")
 
 
 def _publish(tmp, final):
@@ -505,6 +613,25 @@ def latest_checkpoint(out_dir):
     return done[-1] if done else None
 
 
+def why_damaged(path):
+    """None for an intact checkpoint (complete, and every rank file has the crc32 meta.json recorded; one
+    written before checksums by its sizes alone), else what is wrong with it: reads every file."""
+    why = why_incomplete(path)
+    if why:
+        return why
+    meta = read_meta(path)
+    return next((why for why in (why_corrupted(path, name, meta) for name in meta["files"]) if why), None)
+
+
+def newest_intact(out_dir, before=None):
+    """The newest intact checkpoint in out_dir (of a step below `before`, when given), or None: it reads the
+    files of every newer damaged one, so it is for errors and --verify, not for every start."""
+    for path in reversed(complete_checkpoints(out_dir)):
+        if (before is None or step_of(path) < before) and why_damaged(path) is None:
+            return path
+    return None
+
+
 def _damaged(out_dir):
     """' (why each ckpt_* folder in out_dir cannot be used)', or '' when it has none."""
     return "".join(f" ({p} cannot be used: {why_incomplete(p)})" for p in checkpoint_folders(out_dir))
@@ -554,3 +681,53 @@ def find_checkpoint(ckpt, out_dir):
                             f"every rank file): {why}{listed}")
 
 
+
+
+# -----------------------------------------------------------------------------
+# python checkpoint.py --verify OUT_DIR
+
+
+def verify(out_dir, say=print):
+    """Check every checkpoint of out_dir offline (sizes and crc32s, reading every file), say what each is,
+    and name the newest intact one with the command that resumes from it. Returns the exit status: 0 when
+    the newest checkpoint is intact, 1 when it is not (an older one may be, named), 2 when out_dir holds
+    no checkpoint."""
+    paths = sorted(set(checkpoint_folders(out_dir)) | set(complete_checkpoints(out_dir)), key=step_of)
+    if not paths:
+        say(f"error: no checkpoint in '{out_dir}' (no ckpt_* folder): name a run's out_dir")
+        return 2
+    intact = None
+    for path in paths:
+        start, why = time.time(), why_damaged(path)
+        if why is None:
+            intact, meta = path, read_meta(path)
+            files, size = len(meta["files"]), sum(meta["file_sizes"]) / 2**20
+            why = (f"intact ({files} file{'s' if files > 1 else ''}, {size:,.1f} MiB, crc32 checked in "
+                   f"{time.time() - start:.2f} s)" if "file_crc32" in meta else
+                   "intact by its sizes (written before checksums: its bytes cannot be checked)")
+        say(f"{path}: {why}")
+    if intact is None:
+        say(f"no checkpoint in {out_dir} is intact: start again with --init_from=scratch")
+        return 1
+    world = read_meta(intact)["world_size"]
+    launch = "python train.py" if world == 1 else f"torchrun --nproc_per_node={world} train.py"
+    newer = [p for p in paths if step_of(p) > step_of(intact)]
+    say(f"the newest intact checkpoint is {intact} (saved by {world} process{'es' if world > 1 else ''})"
+        + (f", older than the damaged {', '.join(newer)}: move {'them' if len(newer) > 1 else 'it'} aside first ("
+           + "; ".join(f"mv {p} {p}.damaged" for p in newer) + ")" if newer else "")
+        + f"; resume from it with:\n  {launch} --init_from=resume --out_dir={out_dir}")
+    return 1 if newer else 0
+
+
+def main(argv):
+    if len(argv) == 2 and argv[0] == "--verify":
+        return verify(argv[1])
+    if len(argv) == 1 and argv[0].startswith("--verify="):
+        return verify(argv[0].split("=", 1)[1])
+    print("usage: python checkpoint.py --verify OUT_DIR   (checks every checkpoint of a run; exit status 0 when the "
+          "newest is intact, 1 when it is not, 2 when OUT_DIR holds none)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
