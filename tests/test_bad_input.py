@@ -492,6 +492,36 @@ def test_a_corrupt_meta_json_names_the_file(tmp_path):
     assert f"{data}/meta.json is corrupt (JSONDecodeError" in line and "python prepare_data.py" in line
 
 
+@needs_gpt2
+def test_missing_data_is_told_the_online_and_the_offline_prepare_and_the_offline_one_runs(tmp_path):
+    data, text = tmp_path / "data", tmp_path / "corpus.txt"
+    line = error_of(train.main, [f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", *TINY])
+    assert f"run: python prepare_data.py --out_dir={data} (streams FineWeb-Edu: needs the network)" in line
+    offline = suggested(line, f"without a network, from local text: python prepare_data.py --dataset=PATH "
+                              f"--out_dir={data}")[-2:]
+    text.write_text("A local document, the kind a user without a network has. " * 200)
+    import prepare_data
+    prepare_data.main([offline[0].replace("PATH", str(text)), offline[1], "--num_proc=1"])
+    meta = train.read_data_meta(str(data))  # the data's checks now pass
+    assert train.load_data(str(data), "train", 32, meta["vocab_size"], meta)[2] > 33
+
+
+def test_a_thread_count_of_one_is_said_in_the_singular(monkeypatch):
+    monkeypatch.setattr(metrics, "measure_cpu_peak_flops", lambda dtype: 1e9)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert metrics.device_peak_flops(0.0, torch.device("cpu"), torch.float32)[1] == \
+        "measured: best square fp32 matmul, 1 thread"
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert metrics.device_peak_flops(0.0, torch.device("cpu"), torch.float32)[1].endswith(", 2 threads")
+
+
+def test_bench_says_one_thread_in_the_singular(monkeypatch, capsys):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    bench.main(["--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=2", "--block_size=16", "--vocab_size=64",
+                "--batch_size=1", "--warmup_steps=0", "--bench_steps=1", "--peak_flops=1e12", "--device=cpu"])
+    assert ", 1 thread; layout dp=1" in capsys.readouterr().out
+
+
 # --- files and devices -------------------------------------------------------------------------------------
 
 def test_an_unknown_device_is_an_error_listing_what_is_available(token_dir, tmp_path, run_copy):
@@ -670,8 +700,7 @@ def test_a_bad_token_id_stops_every_rank_at_the_same_step_with_one_message(layou
     data, step, offset = two_ranks[layout]
     (code0, _, _), (code1, _, _) = (r[layout] for r in two_ranks["results"])
     assert code0 == (f"error: {data}/train.bin holds token id {BAD_ID} at token offset {offset}, outside the "
-                     f"vocabulary of 512: the file is corrupt or was written by another tokenizer; run: python "
-                     f"prepare_data.py --out_dir={data} (see the README)")
+                     f"vocabulary of 512: the file is corrupt or was written by another tokenizer; {train._prepare_hint(data)}")
     assert code1 == 1  # stopped too, at the same batch (the launch returned: no rank waits), printing nothing
     assert [r["step"] for r in records_of(two_ranks["base"] / layout)] == list(range(1, step))
 
