@@ -70,7 +70,9 @@ BENCH = section(
 def parse_args(argv):
     """bench.py's settings and the training settings, from one command line."""
     values, _ = configure(settings.TRAINING + BENCH, argv, usage=__doc__)
-    settings.check_values(values)
+    warnings = settings.check_values(values)
+    if warnings and int(os.environ.get("RANK", 0)) == 0:
+        print("\n".join(warnings), flush=True)
     if values["compare_optimizer"] not in ("", *settings.CHOICES["optimizer"]):
         raise ConfigError(f"compare_optimizer = {values['compare_optimizer']!r} must be '' (off) or one of "
                           f"{', '.join(map(repr, settings.CHOICES['optimizer']))}")
@@ -361,10 +363,10 @@ def profile_steps(picotron, first_step, n_steps, trace_path=""):
 
 
 def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, kind):
-    mc = model_cfg
+    mc, threads = model_cfg, torch.get_num_threads()
     print(f"\nbench: {mc.n_layer} layers, {mc.n_head} heads ({mc.n_kv_head} kv), width {mc.n_embd}, block {mc.block_size}, "
           f"vocab {mc.vocab_size}, batch {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro x dp {layout.dp}; "
-          f"{dev}, {str(ptdtype).replace('torch.', '')}, {kind}, {torch.get_num_threads()} threads; "
+          f"{dev}, {str(ptdtype).replace('torch.', '')}, {kind}, {threads} thread{'s' * (threads != 1)}; "
           f"layout dp={layout.dp} cp={layout.cp} tp={layout.tp}{' sequence-parallel' if cfg.sequence_parallel else ''} "
           f"pp={layout.pp} ep={layout.ep}; activation_checkpointing={cfg.activation_checkpointing}, "
           f"chunked_loss={cfg.chunked_loss}; {'data ' + cfg.data_dir if cfg.data_dir else 'random tokens'}; "

@@ -41,7 +41,10 @@ def _close_matches(key, known):
     return f" Did you mean: {', '.join(matches)}?" if matches else ""
 
 
-def _check(key, value, declared, source):
+def _check(key, value, declared, source, before=None):
+    """`value` for `key` as the declared type, or a ConfigError quoting the value given and where it came
+    from. before: (value, where it came from) of what it replaces, the example of the right type that the
+    message gives (a config file's 300, not a default of 1000 that the user never wrote)."""
     if key not in declared:
         raise ConfigError(f"unknown config key '{key}' (from {source}).{_close_matches(key, declared)}"
                           f" Run with --help to list every setting.")
@@ -49,12 +52,18 @@ def _check(key, value, declared, source):
     expected = setting.type if setting.default is None else type(setting.default)
     if value is None and setting.default is None:
         return value  # None means "decided at run time" (vocab_size from meta.json)
-    if (expected is bool) != isinstance(value, bool):  # bool is an int subclass: check it first
+    if expected is bool and not isinstance(value, bool):
         raise ConfigError(f"config key '{key}' must be a bool (True/False), got {value!r} (from {source})")
-    if expected is float and isinstance(value, int):
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if not isinstance(value, expected):
-        allowed = f"{expected.__name__} or None" if setting.default is None else f"{expected.__name__} like its default {setting.default!r}"
+    # (bool is an int subclass: True given for a number is a type error too, not "must be a bool")
+    if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
+        if setting.default is None:
+            allowed = f"{expected.__name__} or None"
+        elif before is not None and before[1] is not None:
+            allowed = f"{expected.__name__} like {before[0]!r} (from {before[1]})"
+        else:
+            allowed = f"{expected.__name__} like its default {setting.default!r}"
         raise ConfigError(f"config key '{key}' must be of type {allowed}, got {value!r} of type "
                           f"{type(value).__name__} (from {source})")
     return value
@@ -118,11 +127,13 @@ def configure(settings, argv, usage=""):
         sys.exit(0)
     declared = {s.name: s for s in settings}
     values, given = {s.name: s.default for s in settings}, set()
+    sources = {}  # where each given value came from: a config file or the --key=value that set it
     for arg in argv:
         if not arg.startswith("--"):
             for key, value in _run_config_file(arg).items():
-                values[key] = _check(key, value, declared, arg)
+                values[key] = _check(key, value, declared, arg, (values.get(key), sources.get(key)))
                 given.add(key)
+                sources[key] = arg
             continue
         key, sep, text = arg[2:].partition("=")
         if not sep:
@@ -133,6 +144,7 @@ def configure(settings, argv, usage=""):
             value = text  # a bare word is a string: --init_from=resume
         if key in declared and isinstance(declared[key].default, str) and not isinstance(value, str):
             value = text  # a string setting takes the text as written: --out_dir=2024
-        values[key] = _check(key, value, declared, arg)
+        values[key] = _check(key, value, declared, arg, (values.get(key), sources.get(key)))
         given.add(key)
+        sources[key] = arg
     return values, given

@@ -153,7 +153,7 @@ def make_config(cfg, given, argv):
 def main(argv):
     try:
         values, given = configure(settings.TRAINING + OWN, argv, usage=__doc__)
-        settings.check_values(values)
+        warnings = settings.check_values(values)
         header, body, chosen = make_config(values, given, argv)
         out, existed = values["out"], os.path.exists(values["out"])
         if existed and not values["force"]:
@@ -167,7 +167,7 @@ def main(argv):
             raise ConfigError(f"out = {out!r} cannot be written ({e.strerror}): choose another --out")
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")
-    print("\n".join(line[2:] for line in header.splitlines()[2:]))
+    print("\n".join(warnings + [line[2:] for line in header.splitlines()[2:]]))
     for name, (value, why) in chosen.items():
         print(f"chose {name} = {value}: {why}")
     # the default --out is a path in the current folder: say where the file went, so it is not found by surprise

@@ -187,12 +187,12 @@ def device_peak_flops(setting, dev, dtype):
             return None, f"no peak figure for {name} in {str(dtype).replace('torch.', '')}: set --peak_flops"
         return peak, f"{name}, datasheet"
     if dev.type == "cpu":
-        threads = torch.get_num_threads()
+        threads = f"{torch.get_num_threads()} thread" + "s" * (torch.get_num_threads() != 1)
         fp32 = measure_cpu_peak_flops(torch.float32)
         if dtype == torch.float32:
-            return fp32, f"measured: best square fp32 matmul, {threads} threads"
+            return fp32, f"measured: best square fp32 matmul, {threads}"
         own, name = measure_cpu_peak_flops(dtype), str(dtype).replace("torch.", "")
-        why = f"measured: best square matmul in {name} and fp32, {threads} threads"
+        why = f"measured: best square matmul in {name} and fp32, {threads}"
         if own < fp32:
             why += (f"; note: {name} has no fast matmul kernel on this CPU ({own / 1e9:.0f} GFLOP/s against "
                     f"{fp32 / 1e9:.0f} in float32): --dtype=float32 is faster here")

@@ -161,6 +161,10 @@ def check_schedule(schedule, pp, m, chunks=1):
     if schedule not in SCHEDULES:
         raise ValueError(f"pp_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
     if pp == 1:
+        if schedule == "zbv":  # (its cut and its V place model stages 0 and 1 on ranks that are not there)
+            raise ValueError(f"pp_schedule='zbv' needs a pipeline of pp >= 2 ranks (its V is two model chunks on "
+                             f"each), but pp = 1: set --pp=2 or more with --pp_chunks=2, or run on one stage "
+                             f"with --pp_schedule=1f1b --pp_chunks=1")
         if chunks > 1:
             raise ValueError(f"pp_chunks = {chunks} needs a pipeline: with pp = 1 one rank holds the whole model "
                              f"(set --pp to 2 or more, or --pp_chunks=1)")

@@ -206,9 +206,14 @@ CHOICES = {"lr_schedule": ("cosine", "wsd"), "decay_shape": ("linear", "1-sqrt")
 
 
 def check_values(values):
-    """The value rules no type can say: sizes and intervals in range, one of the allowed words, AdamW's betas
-    in [0, 1), a non-empty
-    out_dir."""
+    """The value rules no type can say: every number finite, sizes and intervals in range, one of the allowed
+    words, AdamW's betas in [0, 1), the schedule's settings consistent, a non-empty out_dir. Raises
+    ConfigError naming every problem; returns the warnings to print (a setting that runs, but not as meant)."""
+    # a NaN passes every comparison below (nan <= 0 is False) and would fail far from here, in a traceback
+    problems = [f"{k} = {v} must be a finite number" for k, v in values.items()
+                if isinstance(v, float) and not math.isfinite(v)]
+    if problems:
+        raise ConfigError("; ".join(problems))
     problems = [f"{k} = {values[k]} must be positive" for k in POSITIVE if values[k] <= 0]
     problems += [f"{k} = {values[k]} must not be negative" for k in NOT_NEGATIVE if values[k] < 0]
     problems += [f"{k} = {values[k]!r} must be one of {', '.join(map(repr, allowed))}"
@@ -218,6 +223,10 @@ def check_values(values):
                         f"that decays)")
     if not 0 <= values["muon_momentum"] < 1:
         problems.append(f"muon_momentum = {values['muon_momentum']} must be at least 0 and below 1")
+    if values["min_lr"] > values["learning_rate"]:
+        problems.append(f"min_lr = {values['min_lr']} is above learning_rate = {values['learning_rate']}: the decay "
+                        f"would raise the learning rate; set min_lr at most learning_rate (a tenth of it is usual: "
+                        f"--min_lr={values['learning_rate'] / 10:g})")
     if values["max_iters"] == 0 and values["init_from"] in ("scratch", "resume", "auto"):
         problems.append(f"max_iters = 0 trains nothing: it only converts a model, with init_from=<a transformers "
                         f"model folder> (init_from is {values['init_from']!r})")
@@ -233,17 +242,22 @@ def check_values(values):
         whole = all(p.strip().isdigit() and int(p) > 0 for p in parts)
         if not whole or len(parts) != n_stages or sum(map(int, parts)) != n_layer:
             even = [n_layer // n_stages + (s < n_layer % n_stages) for s in range(n_stages)]
+            # (with fewer blocks than stages no cut can do: model.check_layout says so, whatever pp_layers is)
             problems.append(f"pp_layers = {values['pp_layers']!r} must be pp * pp_chunks = {n_stages} whole numbers, "
                             f"each at least 1, summing to n_layer = {n_layer}: the blocks of each model stage, first "
-                            f"to last (" + (f"for example {','.join(map(str, even))!r}; " if min(even) > 0 else "")
-                            + "'' cuts the stages by their cost)")
+                            f"to last (" + (f"for example {','.join(map(str, even))!r}; '' cuts the stages by their "
+                                            f"cost)" if min(even) > 0 else
+                                            f"n_layer = {n_layer} blocks cannot fill {n_stages} stages: lower --pp or "
+                                            f"--pp_chunks)"))
     if values["zero_stage"] not in (0, 1, 2, 3):
         problems.append(f"zero_stage must be 0 (plain AdamW), 1 (optimizer states sharded across data-parallel "
                         f"ranks), 2 (and the gradients) or 3 (and the parameters), got {values['zero_stage']}")
     if values["optimizer"] == "muon" and values["zero_stage"] > 1:
+        zero = 1 if values["ep"] == 1 else 0  # (the rule below: at ep > 1 Muon takes no ZeRO-1)
         problems.append(f"optimizer='muon' runs with zero_stage 0 or 1 (ZeRO-1 deals its matrices whole to the "
-                        f"data-parallel ranks), not zero_stage={values['zero_stage']}: use --zero_stage=1, or "
-                        f"--optimizer=adamw")
+                        f"data-parallel ranks), not zero_stage={values['zero_stage']}: use --zero_stage={zero}"
+                        + (f" (ep = {values['ep']} > 1 takes no ZeRO-1 with Muon)" if zero == 0 else "")
+                        + ", or --optimizer=adamw")
     if values["optimizer"] == "muon" and values["zero_stage"] == 1 and values["ep"] > 1:
         # ZeRO-1 deals Muon's matrices over dp x cp, but an expert is held by dp / ep of those ranks only
         problems.append(f"optimizer='muon' with zero_stage=1 and ep = {values['ep']} is not supported (the experts "
@@ -251,6 +265,18 @@ def check_values(values):
                         f"ep > 1, or --optimizer=adamw")
     if problems:
         raise ConfigError("; ".join(problems))
+    return schedule_warnings(values)
+
+
+def schedule_warnings(values):
+    """A learning-rate schedule that runs but not as a schedule: warmup reaching lr_decay_iters climbs to
+    the peak and then falls to min_lr in one step (get_lr: past lr_decay_iters it is min_lr)."""
+    warmup, decay = values["warmup_iters"], values["lr_decay_iters"]
+    if 0 < warmup < values["max_iters"] and warmup >= decay:
+        return [f"warning: warmup_iters = {warmup} is not below lr_decay_iters = {decay}: the learning rate climbs "
+                f"for {warmup} steps, then drops to min_lr = {values['min_lr']} in one step, with no decay (lower "
+                f"--warmup_iters, or decay over the run: --lr_decay_iters={values['max_iters']})"]
+    return []
 
 
 def resume_values(values, given, saved, source=None):
@@ -350,16 +376,14 @@ def follow_the_world(values, given, world_size, path):
         values["dp"] = 0  # whatever the world leaves after cp * tp * pp
     inherited = [k for k in ("cp", "tp", "pp") if k not in given and values[k] > 1]
     split = values["cp"] * values["tp"] * values["pp"]
-    if world_size % split and inherited:
-        fit, left = {}, world_size  # an example that fits: the largest divisor of each that the world allows
-        for k in inherited:
-            fit[k] = math.gcd(values[k], left)
-            left //= fit[k]
-        raise ConfigError(f"WORLD_SIZE = {world_size} processes cannot be cut into cp = {values['cp']} x tp = "
-                          f"{values['tp']} x pp = {values['pp']}: " + ", ".join(f"{k} = {values[k]}" for k in inherited)
-                          + f" came from the checkpoint {path} (a setting left out is the checkpoint's). Pass the "
-                          f"layout for {world_size} processes, for example "
-                          + " ".join(f"--{k}={v}" for k, v in fit.items()))
+    if inherited and (world_size % split or values["dp"] not in (0, world_size // split)):
+        cut = (f"dp = {values['dp']} x " if values["dp"] else "") + " x ".join(f"{k} = {values[k]}"
+                                                                            for k in ("cp", "tp", "pp"))
+        raise ConfigError(f"WORLD_SIZE = {world_size} processes cannot be cut into {cut}: "
+                          + ", ".join(f"{k} = {values[k]}" for k in inherited) + f" came from the checkpoint "
+                          f"{path} (a setting left out is the checkpoint's). Pass the layout for {world_size} "
+                          f"processes, for example " + " ".join(f"--{k}={v}" for k, v in
+                                                               layout_that_fits(values, inherited, world_size)))
     dp = world_size // split if world_size % split == 0 else 0
     ep = values["ep"]
     if "ep" not in given and ep > 1 and dp and dp % ep:
@@ -367,6 +391,29 @@ def follow_the_world(values, given, world_size, path):
         notes.append(f"resume: ep = {values['ep']}, the checkpoint's was {ep}, which does not divide dp = {dp} at "
                      f"{world_size} processes (the experts reshard between ep values; pass --ep to choose)")
     return notes
+
+
+def layout_that_fits(values, inherited, world_size):
+    """The settings to pass, [(name, value)], for a layout of world_size processes close to `values`: the
+    axes given on the command line kept as far as the world allows, then each inherited one (cp, tp, pp)
+    lowered to its largest divisor that fits what is left (a divisor of tp or cp splits the model wherever
+    they did); a given dp takes the rest. At pp = 1, the settings that need a pipeline go back to one stage
+    (pipeline_schedules.check_schedule), and a cut the stage count changes to the cut by cost."""
+    axes = [k for k in ("dp", "cp", "tp", "pp") if k not in inherited and values[k] > 0] + inherited
+    fit, left = {}, world_size
+    for k in axes:
+        fit[k] = math.gcd(values[k], left)
+        left //= fit[k]
+    if "dp" in fit:
+        fit["dp"] *= left  # (a given dp: the processes no other axis takes)
+    flags = [(k, fit[k]) for k in ("dp", "cp", "tp", "pp") if k in fit and (k in inherited or fit[k] != values[k])]
+    if fit["pp"] == 1 and values["pp_schedule"] == "zbv":
+        flags.append(("pp_schedule", "1f1b"))
+    if fit["pp"] == 1 and values["pp_chunks"] > 1:
+        flags.append(("pp_chunks", 1))
+    if values["pp_layers"] and fit["pp"] != values["pp"]:
+        flags.append(("pp_layers", "''"))
+    return flags
 
 
 def keep_global_batch(values, windows, dp):
@@ -388,7 +435,9 @@ def keep_global_batch(values, windows, dp):
         raise ConfigError(f"the run's global batch is {windows} windows (batch_size x gradient_accumulation_steps x "
                           f"dp), which dp = {dp} cannot keep: {windows} windows do not split evenly across {dp} "
                           f"replicas. Launch a number of processes whose dp divides {windows}, or give --batch_size "
-                          f"and --gradient_accumulation_steps for a new global batch")
+                          f"and --gradient_accumulation_steps for a new global batch, or resume with "
+                          f"--init_from=resume (the batch settings as given or as the checkpoint has them, the "
+                          f"global batch whatever they make it)")
     return [f"resume: dp = {dp}: batch_size {values['batch_size']} x gradient_accumulation_steps "
             f"{values['gradient_accumulation_steps']} keep the run's global batch of {windows} windows"]
 

@@ -81,7 +81,7 @@ def configure_run(argv):
         model, _, notes = import_hf.model_settings(values["init_from"])
         values, changes = settings.resume_values(values, given, model, source=f"{values['init_from']}/config.json")
         notes += changes
-    settings.check_values(values)
+    notes += settings.check_values(values)  # (its warnings)
     return SimpleNamespace(**values), notes, path
 
 
@@ -94,7 +94,10 @@ class DataError(ValueError):
 
 
 def _prepare_hint(data_dir):
-    return f"run: python prepare_data.py --out_dir={data_dir} (see the README)"
+    # the plain command streams FineWeb-Edu from the hub: offline, local text is what a user has
+    return (f"run: python prepare_data.py --out_dir={data_dir} (streams FineWeb-Edu: needs the network), or "
+            f"without a network, from local text: python prepare_data.py --dataset=PATH --out_dir={data_dir} (PATH "
+            f"a .txt, .jsonl or .parquet file, a glob or a folder; see the README)")
 
 
 def read_data_meta(data_dir):

@@ -28,6 +28,8 @@ import sample
 import settings
 import train
 from model import Transformer, model_config_from
+from parallel import resolve_dp
+from pipeline_schedules import check_schedule
 
 TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=64", "--block_size=32", "--batch_size=4",
         "--eval_interval=0", "--log_interval=1", "--device=cpu"]
@@ -132,6 +134,61 @@ def test_help_shows_the_usage_lines_as_the_file_writes_them(tool, capsys):
     assert [line for line in usage.strip().splitlines() if line not in source] == []
 
 
+def test_a_type_error_quotes_the_value_given_and_the_one_it_replaces_with_their_sources(tmp_path):
+    config = tmp_path / "run_config.py"
+    config.write_text("max_iters = 300\n")
+    line = error_of(train.main, [str(config), "--max_iters=3e2"])
+    assert line == (f"error: config key 'max_iters' must be of type int like 300 (from {config}), got 300.0 of type "
+                    f"float (from --max_iters=3e2)")  # not "like its default 1000": the user wrote 300
+    line = error_of(train.main, ["--max_iters=3e2"])
+    assert "must be of type int like its default 1000, got 300.0 of type float (from --max_iters=3e2)" in line
+
+
+def test_a_bool_given_for_a_number_is_told_the_number_s_type(tmp_path):
+    config = tmp_path / "run_config.py"
+    config.write_text("max_iters = True\n")
+    line = error_of(train.main, [str(config)])
+    assert line == (f"error: config key 'max_iters' must be of type int like its default 1000, got True of type "
+                    f"bool (from {config})")
+    assert "learning_rate' must be of type float like its default 0.001, got False of type bool" in \
+        error_of(train.main, ["--learning_rate=False"])
+
+
+@pytest.mark.parametrize("text,arg,message", [
+    ("learning_rate = float('nan')\n", None, "learning_rate = nan must be a finite number"),
+    ("min_lr = float('inf')\n", None, "min_lr = inf must be a finite number"),
+    ("", "--grad_clip=1e999", "grad_clip = inf must be a finite number"),  # python reads 1e999 as inf
+])
+def test_a_number_that_is_not_finite_stops_at_the_check(text, arg, message, tmp_path):
+    config = tmp_path / "run_config.py"
+    config.write_text(text)
+    for tool in (train, bench, make_config):
+        assert error_of(tool.main, [str(config), *([arg] if arg else [])]) == f"error: {message}"
+
+
+def test_min_lr_above_learning_rate_stops_naming_both():
+    line = error_of(train.main, ["--learning_rate=1e-3", "--min_lr=1.0"])
+    assert line.startswith("error: min_lr = 1.0 is above learning_rate = 0.001: the decay would raise the learning "
+                           "rate")
+    assert settings.check_values({**settings.DEFAULTS, "learning_rate": 1e-3, "min_lr": 1e-3}) == []  # equal: held
+
+
+def test_warmup_reaching_lr_decay_iters_is_a_one_line_warning_in_every_tool(token_dir, tmp_path, capsys):
+    argv = ["--warmup_iters=50", "--lr_decay_iters=30", "--max_iters=100"]
+    warning = ("warning: warmup_iters = 50 is not below lr_decay_iters = 30: the learning rate climbs for 50 steps, "
+               "then drops to min_lr = 0.0001 in one step, with no decay")
+    # what the schedule does, by get_lr: the peak's last warm-up step, then min_lr at once
+    lr_cfg = train.SimpleNamespace(**{**settings.DEFAULTS, "warmup_iters": 50, "lr_decay_iters": 30})
+    assert (train.get_lr(49, lr_cfg), train.get_lr(50, lr_cfg)) == (1e-3 * 50 / 51, 1e-4)
+    _, notes, _ = train.configure_run(argv)
+    assert [n for n in notes if n.startswith("warning:")] == [warning + " (lower --warmup_iters, or decay over the "
+                                                                         "run: --lr_decay_iters=100)"]
+    make_config.main([*argv, "--n_layer=2", "--n_embd=64", "--vocab_size=512", f"--out={tmp_path / 'c.py'}"])
+    assert capsys.readouterr().out.count(warning) == 1
+    assert settings.check_values({**settings.DEFAULTS, "warmup_iters": 50, "lr_decay_iters": 30, "max_iters": 40}) \
+        == []  # the run ends before the drop: nothing to warn about
+
+
 # --- resuming checks what it resumes ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("args,message", [
@@ -209,6 +266,163 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_train(run_copy, capsys
     assert "at step 2, which is max_iters = 2 already: nothing to train (raise --max_iters" in capsys.readouterr().out
 
 
+# --- a schedule that needs a pipeline ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("tool", [train, make_config, bench])
+def test_zbv_at_pp_1_stops_at_start_up_naming_pp_and_the_schedule_settings(tool, chunks, token_dir, tmp_path):
+    own = {train: [f"--data_dir={token_dir}", f"--out_dir={tmp_path / 'run'}"],
+           make_config: [f"--out={tmp_path / 'c.py'}"], bench: ["--bench_steps=1", "--warmup_steps=0"]}[tool]
+    line = error_of(tool.main, [*TINY, *own, "--pp_schedule=zbv", f"--pp_chunks={chunks}"])
+    assert line == ("error: pp_schedule='zbv' needs a pipeline of pp >= 2 ranks (its V is two model chunks on each), "
+                    "but pp = 1: set --pp=2 or more with --pp_chunks=2, or run on one stage with --pp_schedule=1f1b "
+                    "--pp_chunks=1")
+    assert not os.path.exists(tmp_path / "run") and not os.path.exists(tmp_path / "c.py")
+
+
+# --- advice: a message that suggests settings gets past the check when they are given ---------------------
+# Each message's every branch: the settings it suggests, added to the same command, pass start_up, the checks
+# a launch makes before it builds anything (the settings', the resume's, the layout's and the schedule's).
+
+RESUME = ["--init_from=resume", "--out_dir=out"]
+
+
+def saved_run(**config):
+    """The meta.json of a checkpoint out/ckpt_0000004 of a run with these settings (layout from them)."""
+    layout = {k: config.get(k, 1) for k in ("cp", "tp", "pp", "ep")}
+    layout["dp"] = config.pop("saved_dp", 1)
+    return {"step": 4, "config": {**settings.DEFAULTS, **config}, "layout": layout}
+
+
+@pytest.fixture
+def start_up(monkeypatch):
+    """start_up(argv, world_size=1, saved=None): the settings a launch of world_size processes makes of argv
+    (resuming a checkpoint whose meta.json is `saved`), through train.configure_run and then the layout's and
+    the schedule's rules, the first of train.setup. Returns (cfg, notes); raises what train.main would print."""
+    def run(argv, world_size=1, saved=None):
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        if saved is not None:
+            monkeypatch.setattr(checkpoint, "latest_checkpoint", lambda out_dir: "out/ckpt_0000004")
+            monkeypatch.setattr(checkpoint, "checkpoint_folders", lambda out_dir: ["out/ckpt_0000004"])
+            monkeypatch.setattr(checkpoint, "read_meta", lambda path: saved)
+        cfg, notes, _ = train.configure_run(argv)
+        resolve_dp(world_size, cfg.dp, cfg.tp, cfg.pp, cp=cfg.cp, ep=cfg.ep)
+        check_schedule(cfg.pp_schedule, cfg.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks)
+        return cfg, notes
+    return run
+
+
+def advice(start_up, argv, world_size=1, saved=None):
+    """The message start_up stops argv with."""
+    with pytest.raises(ValueError) as stop:  # (ConfigError is a ValueError)
+        start_up(argv, world_size, saved)
+    return str(stop.value)
+
+
+def suggested(message, flags):
+    """flags ('--a=1 --b=2'), after checking that the message suggests them, as a list of arguments."""
+    assert flags in message, message
+    return flags.split()
+
+
+def test_zbv_at_pp_1_the_advice_either_way_passes(start_up):
+    line = advice(start_up, ["--pp_schedule=zbv", "--pp_chunks=2"])
+    start_up(["--pp_schedule=zbv", "--pp_chunks=2", *suggested(line, "--pp_schedule=1f1b --pp_chunks=1")])
+    assert "--pp=2 or more with --pp_chunks=2" in line
+    start_up(["--pp_schedule=zbv", "--pp=2", "--pp_chunks=2"], world_size=2)
+
+
+def test_a_pp_2_zbv_checkpoint_resumed_on_one_process_is_told_settings_that_run(start_up):
+    saved = saved_run(pp=2, pp_schedule="zbv", pp_chunks=2, gradient_accumulation_steps=4)
+    # the layout left out: the checkpoint's pp = 2 does not fit one process
+    line = advice(start_up, RESUME, saved=saved)
+    assert line.endswith("for example --pp=1 --pp_schedule=1f1b --pp_chunks=1")
+    cfg, _ = start_up([*RESUME, "--pp=1", "--pp_schedule=1f1b", "--pp_chunks=1"], saved=saved)
+    assert (cfg.pp, cfg.pp_schedule, cfg.pp_chunks) == (1, "1f1b", 1)
+    # --pp=1 given: the inherited zbv and its two chunks, then what that message says
+    line = advice(start_up, [*RESUME, "--pp=1"], saved=saved)
+    start_up([*RESUME, "--pp=1", *suggested(line, "--pp_schedule=1f1b --pp_chunks=1")], saved=saved)
+
+
+@pytest.mark.parametrize("config,given,world_size,flags", [
+    ({"tp": 2}, ["--pp=2"], 2, "--tp=1"),  # the given pp takes both processes (it once said --tp=2)
+    ({"cp": 2, "tp": 2, "pp": 2}, [], 1, "--cp=1 --tp=1 --pp=1"),
+    ({"tp": 4}, [], 2, "--tp=2"),
+    ({"tp": 2}, ["--dp=4"], 4, "--tp=1"),  # a given dp is kept
+    ({"tp": 2}, ["--dp=1"], 4, "--dp=2 --tp=2"),  # ... and takes what the others leave
+    ({"pp": 2}, ["--tp=3"], 2, "--tp=1 --pp=2"),  # a given axis that cannot fit either
+    ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_chunks": 2, "gradient_accumulation_steps": 4}, [], 1,
+     "--pp=1 --pp_chunks=1"),
+    ({"pp": 2, "pp_layers": "3,1"}, [], 1, "--pp=1 --pp_layers=''"),
+])
+def test_a_layout_inherited_that_does_not_fit_the_world_is_told_flags_that_fit(start_up, config, given, world_size,
+                                                                               flags):
+    saved = saved_run(**config)
+    line = advice(start_up, [*RESUME, *given], world_size, saved)
+    assert "came from the checkpoint out/ckpt_0000004" in line
+    assert line.endswith(f"for example {flags}")
+    start_up([*RESUME, *given, *flags.split()], world_size, saved)
+
+
+def test_the_global_batch_that_a_restart_cannot_keep_is_told_three_ways_that_pass(start_up):
+    saved = {**saved_run(batch_size=1, gradient_accumulation_steps=3),
+             "recipe": {"batch_size": 1, "gradient_accumulation_steps": 3, "windows": 3}}
+    auto = ["--init_from=auto", "--out_dir=out"]
+    line = advice(start_up, auto, 2, saved)
+    assert "Launch a number of processes whose dp divides 3" in line
+    start_up(auto, 3, saved)
+    assert "give --batch_size and --gradient_accumulation_steps for a new global batch" in line
+    cfg, _ = start_up([*auto, "--batch_size=2", "--gradient_accumulation_steps=1"], 2, saved)
+    assert cfg.batch_size * cfg.gradient_accumulation_steps * 2 == 4
+    start_up([*RESUME, *suggested(line, "--init_from=resume")[1:]], 2, saved)
+
+
+def test_another_architecture_is_told_to_leave_the_settings_out_or_start_a_new_run(start_up):
+    saved = saved_run(n_layer=2)
+    line = advice(start_up, [*RESUME, "--n_layer=3"], saved=saved)
+    assert "Leave these settings out to resume it as it is" in line
+    assert start_up(RESUME, saved=saved)[0].n_layer == 2
+    assert "start a new run with --init_from=scratch and another --out_dir" in line
+    start_up(["--init_from=scratch", "--out_dir=another", "--n_layer=3"])
+    with pytest.raises(settings.ConfigError, match="Leave these settings out: a model's architecture comes from"):
+        settings.resume_values(settings.DEFAULTS, {"n_layer"}, {"n_layer": 2}, source="model/config.json")
+    settings.resume_values(settings.DEFAULTS, set(), {"n_layer": 2}, source="model/config.json")
+
+
+@pytest.mark.parametrize("argv,world_size,options", [
+    (["--zero_stage=2"], 1, ["--zero_stage=1", "--optimizer=adamw"]),
+    (["--zero_stage=2", "--ep=2", "--n_expert=4"], 2, ["--zero_stage=0", "--optimizer=adamw"]),  # not ZeRO-1 at ep > 1
+    (["--zero_stage=1", "--ep=2", "--n_expert=4"], 2, ["--zero_stage=0", "--optimizer=adamw"]),
+])
+def test_muon_with_a_zero_stage_it_cannot_take_is_told_settings_that_pass(start_up, argv, world_size, options):
+    argv = ["--optimizer=muon", *argv]
+    line = advice(start_up, argv, world_size)
+    for option in options:
+        start_up([*argv, *suggested(line, option)], world_size)
+
+
+def test_min_lr_above_learning_rate_is_told_a_min_lr_that_passes(start_up):
+    line = advice(start_up, ["--learning_rate=1e-3", "--min_lr=1.0"])
+    start_up(["--learning_rate=1e-3", "--min_lr=1.0", *suggested(line, "--min_lr=0.0001")])
+
+
+def test_warmup_past_lr_decay_iters_is_told_an_lr_decay_iters_without_the_warning(start_up):
+    argv = ["--warmup_iters=50", "--lr_decay_iters=30", "--max_iters=100"]
+    line = next(n for n in start_up(argv)[1] if n.startswith("warning:"))
+    assert not any(n.startswith("warning:") for n in start_up([*argv, *suggested(line, "--lr_decay_iters=100")])[1])
+
+
+def test_pp_layers_that_do_not_cut_the_model_is_told_a_cut_that_does(start_up):
+    argv = ["--n_layer=4", "--pp=2", "--pp_layers=3,2"]
+    line = advice(start_up, argv, 2)
+    assert "for example '2,2'; '' cuts the stages by their cost" in line
+    for cut in ("2,2", "''"):
+        start_up([*argv, f"--pp_layers={cut}"], 2)
+    # fewer blocks than stages: no pp_layers can do, and the message does not offer one
+    line = advice(start_up, ["--n_layer=1", "--pp=2", "--pp_layers=1"], 2)
+    assert line.endswith("n_layer = 1 blocks cannot fill 2 stages: lower --pp or --pp_chunks)")
+
+
 # --- token ids are checked where they are read ------------------------------------------------------------
 
 def big_token_data(data_dir):
@@ -276,6 +490,36 @@ def test_a_corrupt_meta_json_names_the_file(tmp_path):
         f.write('{"dtype": "uint16", ')
     line = error_of(train.main, [f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", *TINY])
     assert f"{data}/meta.json is corrupt (JSONDecodeError" in line and "python prepare_data.py" in line
+
+
+@needs_gpt2
+def test_missing_data_is_told_the_online_and_the_offline_prepare_and_the_offline_one_runs(tmp_path):
+    data, text = tmp_path / "data", tmp_path / "corpus.txt"
+    line = error_of(train.main, [f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", *TINY])
+    assert f"run: python prepare_data.py --out_dir={data} (streams FineWeb-Edu: needs the network)" in line
+    offline = suggested(line, f"without a network, from local text: python prepare_data.py --dataset=PATH "
+                              f"--out_dir={data}")[-2:]
+    text.write_text("A local document, the kind a user without a network has. " * 200)
+    import prepare_data
+    prepare_data.main([offline[0].replace("PATH", str(text)), offline[1], "--num_proc=1"])
+    meta = train.read_data_meta(str(data))  # the data's checks now pass
+    assert train.load_data(str(data), "train", 32, meta["vocab_size"], meta)[2] > 33
+
+
+def test_a_thread_count_of_one_is_said_in_the_singular(monkeypatch):
+    monkeypatch.setattr(metrics, "measure_cpu_peak_flops", lambda dtype: 1e9)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert metrics.device_peak_flops(0.0, torch.device("cpu"), torch.float32)[1] == \
+        "measured: best square fp32 matmul, 1 thread"
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert metrics.device_peak_flops(0.0, torch.device("cpu"), torch.float32)[1].endswith(", 2 threads")
+
+
+def test_bench_says_one_thread_in_the_singular(monkeypatch, capsys):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    bench.main(["--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=2", "--block_size=16", "--vocab_size=64",
+                "--batch_size=1", "--warmup_steps=0", "--bench_steps=1", "--peak_flops=1e12", "--device=cpu"])
+    assert ", 1 thread; layout dp=1" in capsys.readouterr().out
 
 
 # --- files and devices -------------------------------------------------------------------------------------
@@ -456,8 +700,7 @@ def test_a_bad_token_id_stops_every_rank_at_the_same_step_with_one_message(layou
     data, step, offset = two_ranks[layout]
     (code0, _, _), (code1, _, _) = (r[layout] for r in two_ranks["results"])
     assert code0 == (f"error: {data}/train.bin holds token id {BAD_ID} at token offset {offset}, outside the "
-                     f"vocabulary of 512: the file is corrupt or was written by another tokenizer; run: python "
-                     f"prepare_data.py --out_dir={data} (see the README)")
+                     f"vocabulary of 512: the file is corrupt or was written by another tokenizer; {train._prepare_hint(data)}")
     assert code1 == 1  # stopped too, at the same batch (the launch returned: no rank waits), printing nothing
     assert [r["step"] for r in records_of(two_ranks["base"] / layout)] == list(range(1, step))
 

@@ -117,9 +117,19 @@ def test_an_existing_file_is_refused_unless_force_is_given(tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"out = '.*c.py' exists: choose another --out, or pass --force=True"):
         make_config.main(["--n_layer=2", f"--out={out}"])
     assert out.read_text() == "# someone's own config\n"
+    make_config.main(["--n_layer=2", f"--out={tmp_path / 'another.py'}"])  # the advice, either way, is taken
     make_config.main(["--n_layer=2", f"--out={out}", "--force=True"])
     assert "n_layer = 2  #" in out.read_text()
     assert capsys.readouterr().out.endswith(f"overwrote {out}\n")
+
+
+def test_an_out_that_cannot_be_written_is_told_to_choose_another(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit, match=r"out = '.*a_file/c.py' cannot be written \(.*\): choose another --out"):
+        make_config.main(["--n_layer=2", f"--out={blocker / 'c.py'}"])
+    make_config.main(["--n_layer=2", f"--out={tmp_path / 'c.py'}"])
+    assert "n_layer = 2  #" in (tmp_path / "c.py").read_text()
 
 
 def test_the_default_out_says_where_it_wrote(tmp_path, monkeypatch, capsys):
