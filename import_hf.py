@@ -9,15 +9,20 @@ picotron's model at any layout. train.py does it for init_from=<folder>:
 it starts a fresh optimizer at step 0. With max_iters > 0 training starts from the model directly.)
 
   1. The config: config.json becomes picotron's model settings, every one of them (head_dim,
-     intermediate_size, qkv_bias, Llama 3's RoPE scaling, ...); whatever picotron cannot represent (a
-     sliding window, another RoPE scaling, a mixture of experts, a GELU-gated MLP) is refused by its
-     config.json name, all at once. The architectures are those export_hf.py writes, and Qwen2's:
+     intermediate_size, qkv_bias, Llama 3's RoPE scaling, the experts, ...); whatever picotron cannot
+     represent (a sliding window, another RoPE scaling, DeepSeek's mixture of experts, renormalised top-k
+     weights, a GELU-gated MLP) is refused by its config.json name, all at once. The architectures are
+     those export_hf.py writes, and Qwen2's:
          LlamaForCausalLM        SmolLM2, Llama 3.x, TinyLlama
          Qwen2ForCausalLM        Qwen2.5 (q/k/v biases: qkv_bias=True)
          Qwen3ForCausalLM        Qwen3 dense (qk_norm=True, head_dim)
+         Qwen2MoeForCausalLM     a dropless mixture of experts (capacity_factor=0), its shared expert
+                                 ungated (a zero gate: picotron's exports; see moe_settings)
+         Qwen3MoeForCausalLM     the same with qk_norm=True, without shared experts
          VaultGemmaForCausalLM, DeepseekV3ForCausalLM (dense layers), GPTNeoXForCausalLM
   2. The weights: each tensor is found under its transformers name (export_hf.py's table, read the other
-     way), its shape checked against the config, and each rank reads only its own slice of it, straight
+     way; experts in stacked tensors or one by one), its shape checked against the config, and each rank
+     reads only its own slice of it (an expert-parallel rank: only its own experts), straight
      from the safetensors files (safe_open(...).get_slice: a slice of a memory-mapped file), so no rank
      ever holds a full model. One file or several (model.safetensors.index.json), fp32, bf16 or fp16:
      each slice is cast to the parameters' fp32 as it is copied in.

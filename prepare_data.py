@@ -295,6 +295,43 @@ def is_val(doc_index, val_fraction):
 
 # -----------------------------------------------------------------------------
 
+def write_bins(stream, f_train, f_val, val_fraction, max_tokens, bar):
+    """Append each tokenized batch's documents to the train or val file (is_val), stopping exactly at
+    max_tokens; show the progress. Returns ({split: tokens}, {split: documents})."""
+    split_tokens, split_docs = {'train': 0, 'val': 0}, {'train': 0, 'val': 0}
+    n_docs = n_tokens = 0
+    t0 = last_print = time.time()
+    for tokens, lengths in stream:
+        if max_tokens is not None and n_tokens + len(tokens) > max_tokens:
+            # cut exactly at the cap: later documents are dropped and the last one kept is cut short,
+            # losing its EOT
+            keep = max_tokens - n_tokens
+            # the documents that start before the cap
+            n_keep = int(np.count_nonzero(np.cumsum(lengths) - lengths < keep))
+            tokens, lengths = tokens[:keep], lengths[:n_keep].copy()
+            lengths[-1] -= lengths.sum() - keep
+        val_docs = is_val(np.arange(n_docs, n_docs + len(lengths)), val_fraction)
+        val_tokens = np.repeat(val_docs, lengths)
+        tokens[~val_tokens].tofile(f_train)
+        tokens[val_tokens].tofile(f_val)
+        split_tokens['val'] += int(val_tokens.sum())
+        split_tokens['train'] += len(tokens) - int(val_tokens.sum())
+        split_docs['val'] += int(val_docs.sum())
+        split_docs['train'] += len(lengths) - int(val_docs.sum())
+        n_docs += len(lengths)
+        n_tokens += len(tokens)
+        now = time.time()
+        if bar is not None:
+            bar.update(len(lengths))
+            bar.set_postfix_str(f'{n_tokens:,} tokens, {n_tokens / (now - t0):,.0f} tokens/s', refresh=False)
+        elif now - last_print > 10:
+            print(f'{n_docs:,} docs, {n_tokens:,} tokens, {n_docs / (now - t0):,.0f} docs/s, '
+                  f'{n_tokens / (now - t0):,.0f} tokens/s', file=sys.stderr)
+            last_print = now
+        if max_tokens is not None and n_tokens >= max_tokens:
+            break
+    return split_tokens, split_docs
+
 def prepare(dataset=DEFAULT_DATASET, out_dir=DEFAULT_OUT_DIR, name=None, text_field='text', tokenizer='gpt2',
             val_fraction=None, max_tokens=None, num_proc=None, split='train', chunk_docs=1024):
     """Tokenize `dataset` into out_dir/{train.bin, val.bin, meta.json} (see the top of this file); returns meta."""
@@ -316,43 +353,13 @@ def prepare(dataset=DEFAULT_DATASET, out_dir=DEFAULT_OUT_DIR, name=None, text_fi
 
     os.makedirs(out_dir, exist_ok=True)
     paths = {s: os.path.join(out_dir, f'{s}.bin') for s in ('train', 'val')}
-    split_tokens, split_docs = {'train': 0, 'val': 0}, {'train': 0, 'val': 0}
-    n_docs = n_tokens = 0
     bar = tqdm(desc='tokenizing', unit=' docs', file=sys.stderr) if tqdm else None
-    t0 = last_print = time.time()
+    t0 = time.time()
     try:
         with open(paths['train'] + '.tmp', 'wb') as f_train, open(paths['val'] + '.tmp', 'wb') as f_val, \
                 closing(tokenized_batches(text_batches(texts, chunk_docs), tokenizer, num_proc)) as stream:
-            for tokens, lengths in stream:
-                if max_tokens is not None and n_tokens + len(tokens) > max_tokens:
-                    # cut exactly at the cap: later documents are dropped and the last one kept is cut short,
-                    # losing its EOT
-                    keep = max_tokens - n_tokens
-                    # the documents that start before the cap
-                    n_keep = int(np.count_nonzero(np.cumsum(lengths) - lengths < keep))
-                    tokens, lengths = tokens[:keep], lengths[:n_keep].copy()
-                    lengths[-1] -= lengths.sum() - keep
-                val_docs = is_val(np.arange(n_docs, n_docs + len(lengths)), val_fraction)
-                val_tokens = np.repeat(val_docs, lengths)
-                tokens[~val_tokens].tofile(f_train)
-                tokens[val_tokens].tofile(f_val)
-                split_tokens['val'] += int(val_tokens.sum())
-                split_tokens['train'] += len(tokens) - int(val_tokens.sum())
-                split_docs['val'] += int(val_docs.sum())
-                split_docs['train'] += len(lengths) - int(val_docs.sum())
-                n_docs += len(lengths)
-                n_tokens += len(tokens)
-                now = time.time()
-                if bar is not None:
-                    bar.update(len(lengths))
-                    bar.set_postfix_str(f'{n_tokens:,} tokens, {n_tokens / (now - t0):,.0f} tokens/s', refresh=False)
-                elif now - last_print > 10:
-                    print(f'{n_docs:,} docs, {n_tokens:,} tokens, {n_docs / (now - t0):,.0f} docs/s, '
-                          f'{n_tokens / (now - t0):,.0f} tokens/s', file=sys.stderr)
-                    last_print = now
-                if max_tokens is not None and n_tokens >= max_tokens:
-                    break
-        if n_docs == 0:
+            split_tokens, split_docs = write_bins(stream, f_train, f_val, val_fraction, max_tokens, bar)
+        if sum(split_docs.values()) == 0:
             raise ValueError(f"--dataset={dataset!r} holds no documents (empty, or only blank lines" +
                              (f"; its {skipped.count:,} rows have no {text_field!r}" if skipped.count else "") + ")")
     except BaseException:
@@ -386,21 +393,25 @@ def prepare(dataset=DEFAULT_DATASET, out_dir=DEFAULT_OUT_DIR, name=None, text_fi
         json.dump(meta, f, indent=2)
     os.replace(meta_path + '.tmp', meta_path)
 
-    print(f"wrote {n_tokens:,} {tokenizer} tokens from {n_docs:,} documents to {out_dir} in {elapsed:.1f}s "
+    print_summary(meta, out_dir, elapsed, skipped)
+    return meta
+
+def print_summary(meta, out_dir, elapsed, skipped):
+    n_docs, n_tokens = meta['train_docs'] + meta['val_docs'], meta['train_tokens'] + meta['val_tokens']
+    print(f"wrote {n_tokens:,} {meta['tokenizer']} tokens from {n_docs:,} documents to {out_dir} in {elapsed:.1f}s "
           f"({n_docs / elapsed:,.0f} docs/s, {n_tokens / elapsed:,.0f} tokens/s)")
     for s in ('train', 'val'):
-        print(f"  {s}.bin: {split_tokens[s]:,} tokens, {split_docs[s]:,} documents ({meta['dtype']})")
+        print(f"  {s}.bin: {meta[s + '_tokens']:,} tokens, {meta[s + '_docs']:,} documents ({meta['dtype']})")
     if skipped.count:
-        print(f"  skipped {skipped.count:,} row(s) with no {text_field!r} (null, or missing): the first is "
-              f"{skipped.where_first()}")
-    if split_docs['val'] == 0 and val_fraction > 0:
+        print(f"  skipped {skipped.count:,} row(s) with no {meta['source']['text_field']!r} (null, or missing): the "
+              f"first is {skipped.where_first()}")
+    if meta['val_docs'] == 0 and meta['val_fraction'] > 0:
         # np.memmap cannot open an empty file, so say it here rather than leave train.py to find out
-        local = local_files(dataset)
+        local = local_files(meta['source']['dataset'])
         more = ("a .txt file is one document: split the text into several files" if local and local[0] == 'text'
                 else "each row is one document: add rows")
         print(f"  note: val.bin is empty: {n_docs} document(s) is too few to hold any out; {more} to get a val split.")
     print(f"train on it: python train.py config/tiny_fineweb.py --data_dir={out_dir}")
-    return meta
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0].strip())
