@@ -143,7 +143,8 @@ def model_settings(folder):
     """picotron's architecture settings for the model in `folder` (every ModelConfig field but those in
     NOT_ARCHITECTURE), its transformers architecture, and notes to print. Raises ValueError naming each
     config.json entry picotron cannot represent. A size that equals picotron's derived one is written 0
-    (head_dim, intermediate_size), so an export of a picotron model reads back as the same settings."""
+    (head_dim, intermediate_size), so an export of a picotron model reads back as the same settings. (One
+    setting comes from the weights: Qwen2-MoE's shared experts, shared_expert_count.)"""
     config = read_config(folder)
     arch = architecture_of(config, folder)
     defaults = {**COMMON_DEFAULTS, **DEFAULTS[arch]}
