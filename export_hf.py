@@ -38,7 +38,7 @@ LayerNorm or a GELU MLP other than all three GPT-NeoX pieces together; QK-norm w
 QK-norm, soft-capping or biases; experts with biases, GELU, MLA or soft-capping) stop the export with the
 options named. head_dim, intermediate_size and Llama 3's RoPE scaling export to every architecture that
 has them (all but GPT-NeoX's head size, which is hidden_size / num_attention_heads), so import_hf.py reads
-every dense export back as the model it came from (it does not read mixtures of experts yet).
+every export back as the model it came from (a mixture of experts too: it undoes qwen_moe_layout).
 
 transformers and safetensors are needed only here: pip install transformers safetensors
 """

@@ -9,15 +9,20 @@ picotron's model at any layout. train.py does it for init_from=<folder>:
 it starts a fresh optimizer at step 0. With max_iters > 0 training starts from the model directly.)
 
   1. The config: config.json becomes picotron's model settings, every one of them (head_dim,
-     intermediate_size, qkv_bias, Llama 3's RoPE scaling, ...); whatever picotron cannot represent (a
-     sliding window, another RoPE scaling, a mixture of experts, a GELU-gated MLP) is refused by its
-     config.json name, all at once. The architectures are those export_hf.py writes, and Qwen2's:
+     intermediate_size, qkv_bias, Llama 3's RoPE scaling, the experts, ...); whatever picotron cannot
+     represent (a sliding window, another RoPE scaling, DeepSeek's mixture of experts, renormalised top-k
+     weights, a GELU-gated MLP) is refused by its config.json name, all at once. The architectures are
+     those export_hf.py writes, and Qwen2's:
          LlamaForCausalLM        SmolLM2, Llama 3.x, TinyLlama
          Qwen2ForCausalLM        Qwen2.5 (q/k/v biases: qkv_bias=True)
          Qwen3ForCausalLM        Qwen3 dense (qk_norm=True, head_dim)
+         Qwen2MoeForCausalLM     a dropless mixture of experts (capacity_factor=0), its shared expert
+                                 ungated (a zero gate: picotron's exports; see moe_settings)
+         Qwen3MoeForCausalLM     the same with qk_norm=True, without shared experts
          VaultGemmaForCausalLM, DeepseekV3ForCausalLM (dense layers), GPTNeoXForCausalLM
   2. The weights: each tensor is found under its transformers name (export_hf.py's table, read the other
-     way), its shape checked against the config, and each rank reads only its own slice of it, straight
+     way; experts in stacked tensors or one by one), its shape checked against the config, and each rank
+     reads only its own slice of it (an expert-parallel rank: only its own experts), straight
      from the safetensors files (safe_open(...).get_slice: a slice of a memory-mapped file), so no rank
      ever holds a full model. One file or several (model.safetensors.index.json), fp32, bf16 or fp16:
      each slice is cast to the parameters' fp32 as it is copied in.
@@ -26,19 +31,23 @@ Needs the safetensors package (pip install safetensors); the model folder's toke
 """
 import json
 import os
+import re
 from contextlib import ExitStack
 from dataclasses import fields
+from typing import NamedTuple
 
 import torch
 
 import export_hf
 import hf_tokenizer
-from model import ModelConfig, Transformer, swiglu_hidden_size
+from model import ModelConfig, Transformer, mlp_hidden_size, swiglu_hidden_size
 from parallel import full_shape_of, load_shard, mark_filled
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "VaultGemmaForCausalLM": "vaultgemma", "DeepseekV3ForCausalLM": "deepseek_v3",
-                 "GPTNeoXForCausalLM": "gpt_neox"}  # -> their model_type
+                 "GPTNeoXForCausalLM": "gpt_neox", "Qwen2MoeForCausalLM": "qwen2_moe",
+                 "Qwen3MoeForCausalLM": "qwen3_moe"}  # -> their model_type
+MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 # transformers' defaults for what a config.json may leave out (tests/test_import_hf.py checks them against
 # the config classes). A key present with the value null keeps null: q_lora_rank null is full-rank queries.
@@ -56,12 +65,20 @@ DEFAULTS = {
                               "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128},
     "GPTNeoXForCausalLM": {"layer_norm_eps": 1e-5, "hidden_act": "gelu", "attention_bias": True,
                            "use_parallel_residual": True, "partial_rotary_factor": 0.25},
+    "Qwen2MoeForCausalLM": {"qkv_bias": True, "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                            "shared_expert_intermediate_size": 5632, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                            "mlp_only_layers": [], "router_aux_loss_coef": 0.001},
+    "Qwen3MoeForCausalLM": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                            "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                            "router_aux_loss_coef": 0.001},
 }
 SILU = ("silu", "swish")  # transformers' names of x * sigmoid(x)
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")  # of GELU's tanh approximation, picotron's (and GPT-2's)
 # the model settings that are not the architecture: they come from the command line (and the data's
-# meta.json), not from config.json
-NOT_ARCHITECTURE = ("block_size", "capacity_factor", "aux_loss_coef", "router_z_loss_coef", "doc_mask", "eot_token")
+# meta.json), not from config.json. (A mixture of experts' capacity_factor and aux_loss_coef do come from
+# it: transformers routes dropless, capacity_factor=0, and config.json has router_aux_loss_coef; a dense
+# model has their defaults.)
+NOT_ARCHITECTURE = ("block_size", "router_z_loss_coef", "doc_mask", "eot_token")
 
 
 def require_safetensors():
@@ -126,7 +143,8 @@ def model_settings(folder):
     """picotron's architecture settings for the model in `folder` (every ModelConfig field but those in
     NOT_ARCHITECTURE), its transformers architecture, and notes to print. Raises ValueError naming each
     config.json entry picotron cannot represent. A size that equals picotron's derived one is written 0
-    (head_dim, intermediate_size), so an export of a picotron model reads back as the same settings."""
+    (head_dim, intermediate_size), so an export of a picotron model reads back as the same settings. (One
+    setting comes from the weights: Qwen2-MoE's shared experts, shared_expert_count.)"""
     config = read_config(folder)
     arch = architecture_of(config, folder)
     defaults = {**COMMON_DEFAULTS, **DEFAULTS[arch]}
@@ -136,15 +154,34 @@ def model_settings(folder):
                            "intermediate_size") if k not in config]
     if missing:
         raise ValueError(f"{folder}/config.json has no {', '.join(missing)}: it is not a complete {arch} config")
-    n_embd, n_head = config["hidden_size"], config["num_attention_heads"]
+    n_head = config["num_attention_heads"]
     s = {f.name: f.default for f in fields(ModelConfig) if f.name not in NOT_ARCHITECTURE}
-    s.update(vocab_size=config["vocab_size"], n_layer=config["num_hidden_layers"], n_head=n_head, n_embd=n_embd,
-             tie_embeddings=bool(get("tie_word_embeddings")), norm_eps=float(get("rms_norm_eps")),
-             n_kv_head=get("num_key_value_heads") or n_head, **rope_settings(config, defaults, problems))
+    s.update(vocab_size=config["vocab_size"], n_layer=config["num_hidden_layers"], n_head=n_head,
+             n_embd=config["hidden_size"], tie_embeddings=bool(get("tie_word_embeddings")),
+             norm_eps=float(get("rms_norm_eps")), n_kv_head=get("num_key_value_heads") or n_head,
+             **rope_settings(config, defaults, problems))
+    s.update(mlp_settings(arch, config, get, problems))
+    s.update(attention_settings(arch, config, get, problems))
+    s.update(bias_settings(arch, get, problems))
+    if arch in MOE:
+        s.update(moe_settings(arch, folder, config, get, problems))  # (after the MLP: the experts' width)
+    if problems:
+        raise ValueError(f"picotron cannot represent the {arch} in {folder}: " + "; ".join(problems))
+    notes = [f"init_from: {arch} from {folder}"]
+    if arch == "DeepseekV3ForCausalLM" and s["norm_eps"] != 1e-6:
+        notes.append(f"  note: DeepSeek-V3's latent norms have eps 1e-6 built in, picotron's use rms_norm_eps = "
+                     f"{s['norm_eps']}: the logits differ by about 1e-5")
+    return s, arch, notes
+
+
+def mlp_settings(arch, config, get, problems):
+    """The MLP: SwiGLU (gated with SiLU), or GPT-NeoX's GELU MLP with the rest of GPT-NeoX's block (LayerNorm,
+    its biases, the parallel block); its width is 0 where it is picotron's derived one."""
+    n_embd, s = config["hidden_size"], {}
     derived_mlp = swiglu_hidden_size(n_embd)
     act_key = "hidden_activation" if arch == "VaultGemmaForCausalLM" else "hidden_act"
     if arch == "GPTNeoXForCausalLM":
-        s.update(norm="layernorm", mlp="gelu", bias=bool(get("attention_bias")), n_kv_head=n_head,
+        s.update(norm="layernorm", mlp="gelu", bias=bool(get("attention_bias")), n_kv_head=config["num_attention_heads"],
                  parallel_block=bool(get("use_parallel_residual")), norm_eps=float(get("layer_norm_eps")))
         derived_mlp = 4 * n_embd
         if get(act_key) not in GELU_TANH:
@@ -153,53 +190,117 @@ def model_settings(folder):
     elif get(act_key) not in SILU:
         problems.append(f"{act_key}={get(act_key)!r}: picotron's SwiGLU MLP gates with SiLU ('silu')")
     s["intermediate_size"] = 0 if config["intermediate_size"] == derived_mlp else config["intermediate_size"]
+    return s
+
+
+def attention_settings(arch, config, get, problems):
+    """The attention: DeepSeek's latent attention, or heads of head_dim (0: n_embd / n_head) that see the whole
+    context, QK-normed (Qwen3), soft-capped (VaultGemma)."""
+    n_embd, n_head, s = config["hidden_size"], config["num_attention_heads"], {}
     if arch == "DeepseekV3ForCausalLM":
         s.update(attention="mla", n_kv_head=n_head, kv_lora_rank=get("kv_lora_rank"),
                  q_lora_rank=get("q_lora_rank") or 0, qk_rope_head_dim=get("qk_rope_head_dim"),
                  qk_nope_head_dim=get("qk_nope_head_dim"), v_head_dim=get("v_head_dim"))
-        if get("first_k_dense_replace") < s["n_layer"]:
-            problems.append(f"first_k_dense_replace={get('first_k_dense_replace')} < num_hidden_layers={s['n_layer']}: "
-                            f"the layers after it are DeepSeek's mixture of experts, which picotron's (with capacity "
-                            f"and a Switch balance loss) is not")
+        if get("first_k_dense_replace") < config["num_hidden_layers"]:
+            problems.append(f"first_k_dense_replace={get('first_k_dense_replace')} < num_hidden_layers="
+                            f"{config['num_hidden_layers']}: the layers after it are DeepSeek's mixture of experts, "
+                            f"which picotron's (with capacity and a Switch balance loss) is not")
         if get("rope_interleave"):
             problems.append("rope_interleave=True: picotron rotates the two halves of a head, not interleaved pairs")
-    elif arch != "GPTNeoXForCausalLM":
-        head_dim = get("head_dim") or n_embd // n_head
-        s["head_dim"] = 0 if head_dim * n_head == n_embd else head_dim
-        if get("use_sliding_window"):
-            problems.append("use_sliding_window=True: picotron's attention always sees the whole context")
-        layer_types = get("layer_types")
-        if arch == "VaultGemmaForCausalLM" and layer_types is None:
-            problems.append("no layer_types: VaultGemma's default alternates sliding-window layers, which picotron "
-                            "does not have")
-        elif layer_types and any(t != "full_attention" for t in layer_types):
-            problems.append(f"layer_types with {sorted(set(layer_types) - {'full_attention'})}: picotron's attention "
-                            f"always sees the whole context")
-        if arch == "VaultGemmaForCausalLM":
-            s.update(attn_softcap=float(get("attn_logit_softcapping") or 0.0),
-                     final_softcap=float(get("final_logit_softcapping") or 0.0))
-            if get("query_pre_attn_scalar") != head_dim:
-                problems.append(f"query_pre_attn_scalar={get('query_pre_attn_scalar')} != head_dim={head_dim}: "
-                                f"picotron scales the scores by 1/sqrt(head_dim)")
+        return s
+    if arch == "GPTNeoXForCausalLM":
+        return s
+    head_dim = get("head_dim") or n_embd // n_head
+    s["head_dim"] = 0 if head_dim * n_head == n_embd else head_dim
+    if get("use_sliding_window"):
+        problems.append("use_sliding_window=True: picotron's attention always sees the whole context")
+    layer_types = get("layer_types")
+    if arch == "VaultGemmaForCausalLM" and layer_types is None:
+        problems.append("no layer_types: VaultGemma's default alternates sliding-window layers, which picotron "
+                        "does not have")
+    elif layer_types and any(t != "full_attention" for t in layer_types):
+        problems.append(f"layer_types with {sorted(set(layer_types) - {'full_attention'})}: picotron's attention "
+                        f"always sees the whole context")
+    if arch == "VaultGemmaForCausalLM":
+        s.update(attn_softcap=float(get("attn_logit_softcapping") or 0.0),
+                 final_softcap=float(get("final_logit_softcapping") or 0.0))
+        if get("query_pre_attn_scalar") != head_dim:
+            problems.append(f"query_pre_attn_scalar={get('query_pre_attn_scalar')} != head_dim={head_dim}: "
+                            f"picotron scales the scores by 1/sqrt(head_dim)")
+    s["qk_norm"] = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    return s
+
+
+def bias_settings(arch, get, problems):
+    """picotron's biases: bias=True on every attention and MLP linear (Llama's attention_bias with mlp_bias),
+    qkv_bias=True on q, k and v only (Qwen2's, always; Qwen2-MoE's qkv_bias)."""
     if arch == "LlamaForCausalLM":
         if get("attention_bias") != get("mlp_bias"):
             problems.append(f"attention_bias={get('attention_bias')} with mlp_bias={get('mlp_bias')}: picotron's bias=True "
                             f"puts biases on the attention and the MLP linears alike (qkv_bias: on q, k and v only)")
-        s["bias"] = bool(get("attention_bias") and get("mlp_bias"))
-    elif arch == "Qwen2ForCausalLM":
-        s["qkv_bias"] = True  # Qwen2's q, k and v always have biases, o_proj never
-    elif arch in ("Qwen3ForCausalLM", "VaultGemmaForCausalLM", "DeepseekV3ForCausalLM") and get("attention_bias"):
+        return {"bias": bool(get("attention_bias") and get("mlp_bias"))}
+    if arch == "Qwen2ForCausalLM":
+        return {"qkv_bias": True}  # Qwen2's q, k and v always have biases, o_proj never
+    if arch == "Qwen2MoeForCausalLM":
+        return {"qkv_bias": bool(get("qkv_bias"))}
+    if arch != "GPTNeoXForCausalLM" and get("attention_bias"):
         problems.append(f"attention_bias=True: {arch}'s attention biases (o_proj's too, none in the MLP) are not "
                         f"one of picotron's bias settings")
-    if arch == "Qwen3ForCausalLM":
-        s["qk_norm"] = True
-    if problems:
-        raise ValueError(f"picotron cannot represent the {arch} in {folder}: " + "; ".join(problems))
-    notes = [f"init_from: {arch} from {folder}"]
-    if arch == "DeepseekV3ForCausalLM" and s["norm_eps"] != 1e-6:
-        notes.append(f"  note: DeepSeek-V3's latent norms have eps 1e-6 built in, picotron's use rms_norm_eps = "
-                     f"{s['norm_eps']}: the logits differ by about 1e-5")
-    return s, arch, notes
+    return {}
+
+
+def moe_settings(arch, folder, config, get, problems):
+    """A Qwen-MoE's sparse MLP as picotron's mixture of experts (the inverse of export_hf.py's): its router is
+    picotron's (a softmax over every expert in fp32, the top-k probabilities as they are, norm_topk_prob=False)
+    and it routes dropless, which is capacity_factor=0 (transformers drops no token). Renormalised top-k
+    weights and dense layers among the sparse ones are refused by name; Qwen2-MoE's shared expert is read
+    from the weights (shared_expert_count)."""
+    width = get("moe_intermediate_size")
+    n_expert = config.get("num_local_experts", get("num_experts"))  # the name Qwen3-MoE's config class saves
+    s = dict(n_expert=n_expert, n_expert_per_token=get("num_experts_per_tok"), capacity_factor=0.0,
+             aux_loss_coef=float(get("router_aux_loss_coef")),
+             intermediate_size=0 if width == swiglu_hidden_size(config["hidden_size"]) else width)
+    if not s["n_expert"]:
+        problems.append("num_experts=0: every layer is a dense MLP of intermediate_size, which picotron loads as the "
+                        "dense architecture (Qwen2ForCausalLM, Qwen3ForCausalLM)")
+    if get("norm_topk_prob"):
+        problems.append("norm_topk_prob=True: picotron weights each chosen expert by its softmax probability as it "
+                        "is; renormalising the top-k weights to sum to 1 is not implemented")
+    if get("decoder_sparse_step") != 1:
+        problems.append(f"decoder_sparse_step={get('decoder_sparse_step')}: every layer of picotron's mixture of "
+                        f"experts is sparse (dense MLP layers between sparse ones are not implemented)")
+    if get("mlp_only_layers"):
+        problems.append(f"mlp_only_layers={get('mlp_only_layers')}: every layer of picotron's mixture of experts is "
+                        f"sparse (dense MLP layers among them are not implemented)")
+    if arch == "Qwen2MoeForCausalLM" and not problems:  # (a folder refused already need not have weights)
+        s["n_shared_expert"] = shared_expert_count(folder, config, width, get("shared_expert_intermediate_size"),
+                                                   problems)
+    return s
+
+
+def shared_expert_count(folder, config, width, shared_width, problems):
+    """Qwen2-MoE's one shared expert, sigmoid(shared_expert_gate x) * shared_expert(x), as picotron's
+    n_shared_expert shared experts, which are not gated. export_hf.py writes picotron's side by side (n
+    SwiGLUs of `width` are one SwiGLU n times wider), the down projection doubled behind a gate of zeros
+    (sigmoid(0) = 1/2), or all zeros without any. So: a gate that is not zero is refused (Qwen1.5-MoE
+    learned its gates); a shared expert that is zero in every layer adds nothing and is none; any other is
+    shared_expert_intermediate_size / moe_intermediate_size experts. Reads one gate (and one down
+    projection) per layer."""
+    layers = [f"model.layers.{i}.mlp." for i in range(config["num_hidden_layers"])]
+    with WeightFiles(folder) as files:
+        nonzero = lambda name: files.find(name) is not None and bool(files.read(name).any())
+        gated = [p + "shared_expert_gate.weight" for p in layers if nonzero(p + "shared_expert_gate.weight")]
+        if gated:
+            problems.append(f"'{gated[0]}' is not zero: Qwen2-MoE gates its shared expert with a learned sigmoid, "
+                            f"picotron's shared experts are not gated (picotron's own exports have zero gates)")
+            return 0
+        if not any(nonzero(p + "shared_expert.down_proj.weight") for p in layers):
+            return 0
+    if shared_width % width:
+        problems.append(f"shared_expert_intermediate_size={shared_width} is not a multiple of moe_intermediate_size="
+                        f"{width}: picotron's shared experts are each as wide as a routed one")
+        return 0
+    return shared_width // width
 
 
 def model_tokenizer(folder):
@@ -272,6 +373,9 @@ class WeightFiles:
         require_safetensors()
         self.folder, self.map, self.bytes_read = folder, weight_map(folder), 0
         self._stack, self._open = ExitStack(), {}
+        # a Qwen-MoE's experts stacked in one tensor per layer (export_hf.py; transformers' modules), or each
+        # expert's matrices under their own names (transformers' save_pretrained, checkpoints on the Hub)
+        self.stacked = any(name.endswith(".mlp.experts.gate_up_proj") for name in self.map)
 
     def find(self, name):
         """The name `name` is saved under here, or None."""
@@ -297,14 +401,10 @@ class WeightFiles:
     def dtype(self, name):
         return self._slice(name).get_dtype()
 
-    def read(self, name, dim=None, start=0, size=None):
-        """The whole tensor, or rows start:start+size along dim, in its saved dtype (only that slice is read;
-        the parameter's copy_ casts it, in the same pass)."""
-        tensor_slice = self._slice(name)
-        index = [slice(None)] * len(tensor_slice.get_shape())
-        if dim is not None:
-            index[dim] = slice(start, start + size)
-        t = tensor_slice[tuple(index)]
+    def read(self, name, index=()):
+        """The tensor, or the part of it `index` (a tuple of ints and slices) selects, in its saved dtype (only
+        that part is read; the parameter's copy_ casts it, in the same pass)."""
+        t = self._slice(name)[tuple(index)]
         self.bytes_read += t.numel() * t.element_size()
         return t
 
@@ -312,10 +412,28 @@ class WeightFiles:
         return sum(os.path.getsize(p) for p in set(self.map.values()))
 
 
-def hf_source(name, cfg, arch):
-    """Where picotron's (full-model) parameter `name` comes from: (the transformers tensor's name, which of
-    q, k, v it is in GPT-NeoX's fused projection or None, a function applied to what is read or None).
-    The inverse of export_hf.py's hf_tensors."""
+class Source(NamedTuple):
+    """Where a picotron parameter is in the files: the tensor `name`; for an expert stacked with the others,
+    its index in that tensor; `block`, the rows and columns of that tensor (or of the expert's matrix) the
+    parameter is (None: all of it); `shape`, the tensor's full shape where it holds more than the parameter;
+    `part`, which of q, k, v it is in GPT-NeoX's fused projection; `transform`, applied to what is read."""
+    name: str
+    expert: int = None
+    block: tuple = None
+    shape: list = None
+    part: int = None
+    transform: object = None
+
+
+EXPERT_PARAMETER = re.compile(r"blocks\.(\d+)\.mlp\.(experts|shared_experts)\.(\d+)\.(gate|up|down)\.weight")
+
+
+def hf_source(name, cfg, arch, stacked=True):
+    """Where picotron's (full-model) parameter `name` comes from, a Source: the inverse of export_hf.py's
+    hf_tensors. stacked: the folder's experts are stacked (WeightFiles.stacked)."""
+    expert = EXPERT_PARAMETER.fullmatch(name)
+    if expert:
+        return expert_source(*expert.groups(), cfg, stacked)
     hf = export_hf.hf_name(name, arch)
     part, transform = None, None
     if arch == "GPTNeoXForCausalLM":
@@ -331,42 +449,73 @@ def hf_source(name, cfg, arch):
             transform = lambda t: (t + 1.0) / scale
         elif name.endswith("norm.weight"):
             transform = lambda t: t + 1.0
-    return hf, part, transform
+    return Source(hf, part=part, transform=transform)
+
+
+def expert_source(layer, kind, index, part, cfg, stacked):
+    """The inverse of export_hf.qwen_moe_layout. Routed expert e: its gate then its up rows in
+    experts.gate_up_proj[e], its down projection experts.down_proj[e] (not stacked: under their own names,
+    experts.e.gate_proj.weight ...). Shared expert j: its rows (gate, up) or columns (down) of Qwen2-MoE's one
+    shared expert, the down projection halved (the export doubled it behind a zero gate: sigmoid(0) = 1/2)."""
+    p, j = f"model.layers.{layer}.mlp.", int(index)
+    I, C, E, n = mlp_hidden_size(cfg), cfg.n_embd, cfg.n_expert, cfg.n_shared_expert
+    if kind == "experts" and not stacked:
+        return Source(f"{p}experts.{j}.{part}_proj.weight")
+    if kind == "experts" and part == "down":
+        return Source(p + "experts.down_proj", expert=j, shape=[E, C, I])
+    if kind == "experts":
+        rows = slice(I, 2 * I) if part == "up" else slice(0, I)
+        return Source(p + "experts.gate_up_proj", expert=j, block=(rows, slice(0, C)), shape=[E, 2 * I, C])
+    mine = slice(j * I, (j + 1) * I)  # shared expert j's hidden units
+    if part == "down":
+        return Source(p + "shared_expert.down_proj.weight", block=(slice(0, C), mine), shape=[C, n * I],
+                      transform=lambda t: t / 2)
+    return Source(f"{p}shared_expert.{part}_proj.weight", block=(mine, slice(0, C)), shape=[n * I, C])
+
+
+def source_index(src, dim, start, size):
+    """The index into src's tensor of the parameter's rows start:start+size along its dim (dim None: all of
+    the parameter)."""
+    index = list(src.block or [slice(None)] * (0 if dim is None else dim + 1))
+    if dim is not None:
+        first = index[dim].start or 0
+        index[dim] = slice(first + start, first + start + size)
+    return tuple(([] if src.expert is None else [src.expert]) + index)
 
 
 def source_reader(files, cfg, arch, name):
     """parallel.load_shard's reader of parameter `name`: read(dim, start, size) gives that slice of the full
     tensor (dim None: all of it), reading only it from the files."""
-    hf, part, transform = hf_source(name, cfg, arch)
-    if part is None:
+    src = hf_source(name, cfg, arch, files.stacked)
+    if src.part is None:
         def read(dim, start, size):
-            t = files.read(hf, dim, start, size)
-            return transform(t.float()) if transform else t
+            t = files.read(src.name, source_index(src, dim, start, size))
+            return src.transform(t.float()) if src.transform else t
         return read
     hd = cfg.n_embd // cfg.n_head
 
     def read_fused(dim, start, size):  # GPT-NeoX's rows are [q_h; k_h; v_h] head after head: read the heads
         assert dim in (None, 0), "q, k and v are split by rows only"
         first, last = (0, cfg.n_head) if dim is None else (start // hd, (start + size) // hd)
-        t = files.read(hf, 0, 3 * first * hd, 3 * (last - first) * hd)  # (heads * 3 * hd, ...)
-        return t.view(last - first, 3, hd, *t.shape[1:])[:, part].reshape(-1, *t.shape[1:])
+        t = files.read(src.name, (slice(3 * first * hd, 3 * last * hd),))  # (heads * 3 * hd, ...)
+        return t.view(last - first, 3, hd, *t.shape[1:])[:, src.part].reshape(-1, *t.shape[1:])
     return read_fused
 
 
-def expected_tensors(cfg, arch):
+def expected_tensors(cfg, arch, stacked):
     """{transformers tensor name: its full shape} that picotron's model reads, from the whole model built
     on the meta device (no memory)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = {}
     for name, p in model.named_parameters():
-        hf, part, _ = hf_source(name, cfg, arch)
+        src = hf_source(name, cfg, arch, stacked)
         shape = full_shape_of(p)
         if hasattr(p, "vocab_size"):  # picotron pads the vocabulary; the file has vocab_size rows
             shape[0] = p.vocab_size
-        if part is not None:
+        if src.part is not None:
             shape[0] *= 3
-        expected[hf] = shape
+        expected[src.name] = src.shape or shape
     return expected
 
 
@@ -377,7 +526,7 @@ def check_weights(folder, cfg):
     _, arch, _ = model_settings(folder)
     problems = []
     with WeightFiles(folder) as files:
-        expected = expected_tensors(cfg, arch)
+        expected = expected_tensors(cfg, arch, files.stacked)
         for name, shape in expected.items():
             if files.find(name) is None:
                 problems.append(f"'{name}' is missing")
@@ -403,6 +552,11 @@ def unused_tensor_problem(files, name, cfg, arch):
     if name.endswith(("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")):
         return None
     if name in ("lm_head.weight", ALIASES["lm_head.weight"]) and cfg.tie_embeddings:
+        return None
+    # Qwen2-MoE's shared expert gate, and its shared expert when picotron has none: model_settings found
+    # every gate zero (else it refused) and, for n_shared_expert = 0, every shared expert zero
+    if arch == "Qwen2MoeForCausalLM" and (".mlp.shared_expert_gate." in name or
+                                          ".mlp.shared_expert." in name and not cfg.n_shared_expert):
         return None
     if arch == "GPTNeoXForCausalLM":
         if name.endswith(".bias") and not cfg.bias and not files.read(name).any():

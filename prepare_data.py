@@ -9,8 +9,9 @@ Tokenize a text corpus into the flat token files that train.py reads.
 
 With no arguments it streams FineWeb-Edu (subset sample-10BT) from the Hugging Face hub into
 data/fineweb_edu. --dataset may instead be local files: a .txt, .jsonl, .json or .parquet file, a glob of
-them, or a directory holding them. A .txt file is one document; json and parquet files hold one document
-per row, in the column --text_field.
+them, or a directory holding them. A .txt file is one document (none if it is empty or blank); json and
+parquet files hold one document per row, in the column --text_field. A row whose text is null or missing is
+skipped, and the count is printed at the end (SkippedRows says why).
 
 Output, in out_dir:
   train.bin, val.bin  every document's tokens (tiktoken's encode_ordinary) followed by the end-of-text
@@ -32,6 +33,7 @@ out_dir is left as it was, with no temporary files and an earlier run's output u
 """
 import argparse
 import glob
+import itertools
 import json
 import logging
 import os
@@ -117,15 +119,39 @@ def local_files(dataset):
     return builders.pop(), files
 
 def document_text(row, text_field, source):
+    """The row's text, or None for a row without any (its field null, or missing where other rows have it)."""
     if text_field not in row:
         raise ValueError(f"--text_field={text_field!r} is not a column of {source}; its columns are {list(row)}")
     text = row[text_field]
     if text is None:
-        return ''  # real parquet shards have the odd null text
+        return None
     if not isinstance(text, str):
         raise ValueError(f"--text_field={text_field!r} of {source} holds {type(text).__name__} values, not text "
                          f"(such as {text!r:.60})")
     return text
+
+class SkippedRows:
+    """The rows that hold no text (their field null, or missing where other rows have it): skipped and counted,
+    not written as empty documents (a lone EOT) nor stopped at. Skipped rather than an error because real
+    corpora (parquet shards, hub datasets) have the odd null text, and one row in millions should not end a
+    run of hours; counted because a misnamed field or a broken export must not pass in silence: prepare()
+    prints how many there were and where the first one is, and meta.json records the count."""
+
+    def __init__(self):
+        self.count, self.first = 0, None
+
+    def add(self, source, row):
+        self.count += 1
+        if self.first is None:
+            self.first = (source, row)
+
+    def where_first(self):
+        source, row = self.first
+        if source.endswith('.jsonl'):  # rows are the file's non-blank lines
+            with open(source, encoding='utf-8', errors='replace') as f:
+                nonblank = (n for n, line in enumerate(f, 1) if line.strip())
+                return f"{source}, line {next(itertools.islice(nonblank, row - 1, None))}"
+        return f"{source}, row {row}"
 
 def first_bad_json_line(path):
     """'line N ...' for the first line of a JSON-lines file that is not a JSON object, or None. pyarrow's error
@@ -142,7 +168,7 @@ def first_bad_json_line(path):
                 return f"line {n} is a JSON {type(row).__name__}, not an object"
     return None
 
-def local_texts(builder, files, split, text_field):
+def local_texts(builder, files, split, text_field, skipped):
     """Every document's text, file by file in path order. Each file is its own datasets stream, so that an
     error can name the file it is in, and json or parquet files may differ in their other columns (one stream
     over them all casts every file to the first one's columns and fails on the others). Opening a stream per
@@ -152,8 +178,13 @@ def local_texts(builder, files, split, text_field):
         # datasets reads lazily, so a file's problems surface while iterating as well as when opening it; and
         # it streams, so they come as they are, not wrapped in a DatasetGenerationError
         try:
-            for row in datasets.load_dataset(builder, data_files=[path], split=split, streaming=True, **extra):
-                yield document_text(row, text_field, path)
+            rows = datasets.load_dataset(builder, data_files=[path], split=split, streaming=True, **extra)
+            for n, row in enumerate(rows, 1):
+                text = document_text(row, text_field, path)
+                if text is None:
+                    skipped.add(path, n)
+                elif builder != 'text' or text.strip():  # a .txt file of nothing or blank lines holds no document
+                    yield text
         except StopIteration:
             # the json builder reads a file's first rows to learn its columns, and an empty file has none:
             # it holds no documents (prepare() fails if no file holds any)
@@ -185,9 +216,18 @@ def why_hub_unreachable(timeout=3.0):
         return f"{host}:{port} cannot be reached ({type(e).__name__}: {e})"
     return None
 
-def load_documents(dataset, name, split, text_field):
-    """Every document's text, in order, read lazily. What can be checked before reading is checked now: a
-    missing path, an unreachable hub."""
+def hub_texts(rows, text_field, dataset, skipped):
+    for n, row in enumerate(rows, 1):
+        text = document_text(row, text_field, dataset)
+        if text is None:
+            skipped.add(dataset, n)
+        else:
+            yield text
+
+def load_documents(dataset, name, split, text_field, skipped=None):
+    """Every document's text, in order, read lazily; the rows without text are counted in `skipped` (a
+    SkippedRows). What can be checked before reading is checked now: a missing path, an unreachable hub."""
+    skipped = SkippedRows() if skipped is None else skipped
     # always streamed: the hub default is far too big to download first, and streaming local files also
     # skips datasets' Arrow cache, which would be a second full copy of the corpus on disk
     local = local_files(dataset)
@@ -201,11 +241,11 @@ def load_documents(dataset, name, split, text_field):
             rows = datasets.load_dataset(dataset, name=name, split=split, streaming=True)
         except ConnectionError as e:  # datasets' own, when the hub cannot be reached or HF_HUB_OFFLINE is set
             raise ConnectionError(f"--dataset={dataset!r}: {e}. {offline}") from e
-        return (document_text(row, text_field, dataset) for row in rows)
+        return hub_texts(rows, text_field, dataset, skipped)
     if name is not None:
         raise ValueError(f"--name={name!r} selects a subset of a hub dataset; local files {dataset!r} have none")
     builder, files = local
-    return local_texts(builder, files, split, text_field)
+    return local_texts(builder, files, split, text_field, skipped)
 
 def text_batches(texts, batch_docs):
     batch = []
@@ -255,6 +295,43 @@ def is_val(doc_index, val_fraction):
 
 # -----------------------------------------------------------------------------
 
+def write_bins(stream, f_train, f_val, val_fraction, max_tokens, bar):
+    """Append each tokenized batch's documents to the train or val file (is_val), stopping exactly at
+    max_tokens; show the progress. Returns ({split: tokens}, {split: documents})."""
+    split_tokens, split_docs = {'train': 0, 'val': 0}, {'train': 0, 'val': 0}
+    n_docs = n_tokens = 0
+    t0 = last_print = time.time()
+    for tokens, lengths in stream:
+        if max_tokens is not None and n_tokens + len(tokens) > max_tokens:
+            # cut exactly at the cap: later documents are dropped and the last one kept is cut short,
+            # losing its EOT
+            keep = max_tokens - n_tokens
+            # the documents that start before the cap
+            n_keep = int(np.count_nonzero(np.cumsum(lengths) - lengths < keep))
+            tokens, lengths = tokens[:keep], lengths[:n_keep].copy()
+            lengths[-1] -= lengths.sum() - keep
+        val_docs = is_val(np.arange(n_docs, n_docs + len(lengths)), val_fraction)
+        val_tokens = np.repeat(val_docs, lengths)
+        tokens[~val_tokens].tofile(f_train)
+        tokens[val_tokens].tofile(f_val)
+        split_tokens['val'] += int(val_tokens.sum())
+        split_tokens['train'] += len(tokens) - int(val_tokens.sum())
+        split_docs['val'] += int(val_docs.sum())
+        split_docs['train'] += len(lengths) - int(val_docs.sum())
+        n_docs += len(lengths)
+        n_tokens += len(tokens)
+        now = time.time()
+        if bar is not None:
+            bar.update(len(lengths))
+            bar.set_postfix_str(f'{n_tokens:,} tokens, {n_tokens / (now - t0):,.0f} tokens/s', refresh=False)
+        elif now - last_print > 10:
+            print(f'{n_docs:,} docs, {n_tokens:,} tokens, {n_docs / (now - t0):,.0f} docs/s, '
+                  f'{n_tokens / (now - t0):,.0f} tokens/s', file=sys.stderr)
+            last_print = now
+        if max_tokens is not None and n_tokens >= max_tokens:
+            break
+    return split_tokens, split_docs
+
 def prepare(dataset=DEFAULT_DATASET, out_dir=DEFAULT_OUT_DIR, name=None, text_field='text', tokenizer='gpt2',
             val_fraction=None, max_tokens=None, num_proc=None, split='train', chunk_docs=1024):
     """Tokenize `dataset` into out_dir/{train.bin, val.bin, meta.json} (see the top of this file); returns meta."""
@@ -271,48 +348,20 @@ def prepare(dataset=DEFAULT_DATASET, out_dir=DEFAULT_OUT_DIR, name=None, text_fi
     enc = get_encoding(tokenizer)  # a bad name fails here, before any data is read
     tokenizer = enc.name  # a model folder's tokenizer is recorded by its absolute path, or as the tiktoken one it is
     dtype = token_dtype(enc.n_vocab)
-    texts = load_documents(dataset, name, split, text_field)
+    skipped = SkippedRows()
+    texts = load_documents(dataset, name, split, text_field, skipped)
 
     os.makedirs(out_dir, exist_ok=True)
     paths = {s: os.path.join(out_dir, f'{s}.bin') for s in ('train', 'val')}
-    split_tokens, split_docs = {'train': 0, 'val': 0}, {'train': 0, 'val': 0}
-    n_docs = n_tokens = 0
     bar = tqdm(desc='tokenizing', unit=' docs', file=sys.stderr) if tqdm else None
-    t0 = last_print = time.time()
+    t0 = time.time()
     try:
         with open(paths['train'] + '.tmp', 'wb') as f_train, open(paths['val'] + '.tmp', 'wb') as f_val, \
                 closing(tokenized_batches(text_batches(texts, chunk_docs), tokenizer, num_proc)) as stream:
-            for tokens, lengths in stream:
-                if max_tokens is not None and n_tokens + len(tokens) > max_tokens:
-                    # cut exactly at the cap: later documents are dropped and the last one kept is cut short,
-                    # losing its EOT
-                    keep = max_tokens - n_tokens
-                    # the documents that start before the cap
-                    n_keep = int(np.count_nonzero(np.cumsum(lengths) - lengths < keep))
-                    tokens, lengths = tokens[:keep], lengths[:n_keep].copy()
-                    lengths[-1] -= lengths.sum() - keep
-                val_docs = is_val(np.arange(n_docs, n_docs + len(lengths)), val_fraction)
-                val_tokens = np.repeat(val_docs, lengths)
-                tokens[~val_tokens].tofile(f_train)
-                tokens[val_tokens].tofile(f_val)
-                split_tokens['val'] += int(val_tokens.sum())
-                split_tokens['train'] += len(tokens) - int(val_tokens.sum())
-                split_docs['val'] += int(val_docs.sum())
-                split_docs['train'] += len(lengths) - int(val_docs.sum())
-                n_docs += len(lengths)
-                n_tokens += len(tokens)
-                now = time.time()
-                if bar is not None:
-                    bar.update(len(lengths))
-                    bar.set_postfix_str(f'{n_tokens:,} tokens, {n_tokens / (now - t0):,.0f} tokens/s', refresh=False)
-                elif now - last_print > 10:
-                    print(f'{n_docs:,} docs, {n_tokens:,} tokens, {n_docs / (now - t0):,.0f} docs/s, '
-                          f'{n_tokens / (now - t0):,.0f} tokens/s', file=sys.stderr)
-                    last_print = now
-                if max_tokens is not None and n_tokens >= max_tokens:
-                    break
-        if n_docs == 0:
-            raise ValueError(f"--dataset={dataset!r} holds no documents (empty, or only blank lines)")
+            split_tokens, split_docs = write_bins(stream, f_train, f_val, val_fraction, max_tokens, bar)
+        if sum(split_docs.values()) == 0:
+            raise ValueError(f"--dataset={dataset!r} holds no documents (empty, or only blank lines" +
+                             (f"; its {skipped.count:,} rows have no {text_field!r}" if skipped.count else "") + ")")
     except BaseException:
         # a failed run, Ctrl-C included, leaves out_dir as it found it: no half-written .tmp files, and the
         # bins and meta.json of an earlier run untouched (they are only replaced below, once all is read)
@@ -337,23 +386,32 @@ def prepare(dataset=DEFAULT_DATASET, out_dir=DEFAULT_OUT_DIR, name=None, text_fi
         'tokenizer': tokenizer, 'vocab_size': enc.n_vocab, 'dtype': np.dtype(dtype).name, 'eot_token': enc.eot_token,
         'train_tokens': split_tokens['train'], 'val_tokens': split_tokens['val'],
         'train_docs': split_docs['train'], 'val_docs': split_docs['val'],
-        'val_fraction': val_fraction, 'max_tokens': max_tokens,
+        'val_fraction': val_fraction, 'max_tokens': max_tokens, 'skipped_rows': skipped.count,
         'source': {'dataset': dataset, 'name': name, 'split': split, 'text_field': text_field},
     }
     with open(meta_path + '.tmp', 'w') as f:
         json.dump(meta, f, indent=2)
     os.replace(meta_path + '.tmp', meta_path)
 
-    print(f"wrote {n_tokens:,} {tokenizer} tokens from {n_docs:,} documents to {out_dir} in {elapsed:.1f}s "
+    print_summary(meta, out_dir, elapsed, skipped)
+    return meta
+
+def print_summary(meta, out_dir, elapsed, skipped):
+    n_docs, n_tokens = meta['train_docs'] + meta['val_docs'], meta['train_tokens'] + meta['val_tokens']
+    print(f"wrote {n_tokens:,} {meta['tokenizer']} tokens from {n_docs:,} documents to {out_dir} in {elapsed:.1f}s "
           f"({n_docs / elapsed:,.0f} docs/s, {n_tokens / elapsed:,.0f} tokens/s)")
     for s in ('train', 'val'):
-        print(f"  {s}.bin: {split_tokens[s]:,} tokens, {split_docs[s]:,} documents ({meta['dtype']})")
-    if split_docs['val'] == 0 and val_fraction > 0:
+        print(f"  {s}.bin: {meta[s + '_tokens']:,} tokens, {meta[s + '_docs']:,} documents ({meta['dtype']})")
+    if skipped.count:
+        print(f"  skipped {skipped.count:,} row(s) with no {meta['source']['text_field']!r} (null, or missing): the "
+              f"first is {skipped.where_first()}")
+    if meta['val_docs'] == 0 and meta['val_fraction'] > 0:
         # np.memmap cannot open an empty file, so say it here rather than leave train.py to find out
-        print(f"  note: val.bin is empty: {n_docs} document(s) is too few to hold any out. A .txt file is one "
-              f"document; split a single text into several files to get a val split.")
+        local = local_files(meta['source']['dataset'])
+        more = ("a .txt file is one document: split the text into several files" if local and local[0] == 'text'
+                else "each row is one document: add rows")
+        print(f"  note: val.bin is empty: {n_docs} document(s) is too few to hold any out; {more} to get a val split.")
     print(f"train on it: python train.py config/tiny_fineweb.py --data_dir={out_dir}")
-    return meta
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0].strip())

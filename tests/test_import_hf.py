@@ -10,6 +10,7 @@ sample.py then decodes greedily from each converted checkpoint. No network: the 
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -55,7 +56,16 @@ MODELS = {
     "gpt_neox": ("GPTNeoXConfig", dict(use_parallel_residual=False, hidden_act="gelu_pytorch_tanh", intermediate_size=256,
                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                         "partial_rotary_factor": 1.0}), {}),
+    # a mixture of experts as transformers saves it (each expert's matrices under their own names), its
+    # shared expert two of picotron's wide behind a zero gate (make_hf_model): the layout the Hub's Qwen1.5-MoE has
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, shared_expert_intermediate_size=64), {}),
 }
+# picotron models exported by export_hf.py (experts stacked in one tensor per layer), imported by the launch too
+EXPORTED = {"moe_export": dict(n_expert=4, n_expert_per_token=2, capacity_factor=0.0, n_shared_expert=1, n_layer=3,
+                               vocab_size=VOCAB, tie_embeddings=False)}
+# every model converts at tp=2 and pp=2; a mixture of experts also at ep=2 (each rank holds 2 of the 4 experts)
+LAYOUTS = {name: ("tp", "pp", "ep") if "moe" in name else ("tp", "pp") for name in [*MODELS, *EXPORTED]}
 PROMPT = "First Citizen:\nBefore we proceed"
 
 
@@ -86,9 +96,11 @@ def make_hf_model(folder, config_class, overrides, save_kwargs=(), tokenizer=Tru
     model = transformers.AutoModelForCausalLM.from_config(config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g) if p.dim() == 1 else
                     torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            if name.endswith("shared_expert_gate.weight"):  # picotron's shared experts are not gated: sigmoid(0) = 1/2
+                p.zero_()
     save_kwargs = dict(save_kwargs)
     if "dtype" in save_kwargs:
         model = model.to(save_kwargs.pop("dtype"))
@@ -107,12 +119,22 @@ def token_batch(seed=0):
     return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(seed))
 
 
+def export_picotron_model(root, overrides):
+    """A random picotron model (test_export_hf's), saved and exported: (the export's folder, the model)."""
+    from test_export_hf import random_model, save
+    model = random_model(**overrides)
+    save(model, root / "run")
+    export_hf.main([f"--out_dir={root / 'run'}", f"--hf_dir={root / 'hf'}"])  # its own check: exits if off
+    return str(root / "hf"), model
+
+
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     if not HAVE_HF:
         pytest.skip("transformers, safetensors and tokenizers are not installed")
     root = tmp_path_factory.mktemp("hf")
-    return {name: make_hf_model(root / name, cls, overrides, save) for name, (cls, overrides, save) in MODELS.items()}
+    models = {name: make_hf_model(root / name, cls, overrides, save) for name, (cls, overrides, save) in MODELS.items()}
+    return {**models, **{name: export_picotron_model(root / name, overrides)[0] for name, overrides in EXPORTED.items()}}
 
 
 # -----------------------------------------------------------------------------
@@ -125,13 +147,15 @@ def convert_and_forward(rank, world_size, folders, out_root, idx):
     hidden states sent to stage 1)."""
     results = {}
     for name, folder in folders.items():
-        for layout in ("tp", "pp"):
+        for layout in LAYOUTS[name]:
             cfg, _, _ = train.configure_run([f"--init_from={folder}", "--max_iters=0", f"--{layout}=2", "--device=cpu",
                                              "--dtype=float32", f"--out_dir={out_root}/{name}_{layout}"])
             run = train.setup(cfg)
             model = train.train(cfg, run).eval()
             with torch.no_grad():
-                if layout == "tp":
+                if layout == "ep":  # every rank computes the whole batch, its tokens sent to the experts' ranks
+                    logits = model(idx)[0]
+                elif layout == "tp":
                     parts = [None] * world_size
                     dist.all_gather_object(parts, model(idx)[0])
                     logits = torch.cat(parts, dim=-1)
@@ -141,7 +165,7 @@ def convert_and_forward(rank, world_size, folders, out_root, idx):
                     hidden = torch.empty(*idx.shape, model.cfg.n_embd)
                     dist.recv(hidden, 0)
                     logits = model(hidden)[0]
-            if layout == "tp" and rank == 0 or layout == "pp" and rank == 1:
+            if layout in ("tp", "ep") and rank == 0 or layout == "pp" and rank == 1:
                 results[name, layout] = logits
             if name == "llama":  # what this rank read (loading again), against what it holds: fp32 in the file too
                 real_rows = lambda p: min(p.shape[0], getattr(p, "vocab_size", 1 << 62) - p.shape[0] * getattr(p, "tp_rank", 0))
@@ -159,8 +183,7 @@ def converted(hf_models, tmp_path_factory):
 
 
 @needs_hf
-@pytest.mark.parametrize("layout", ["tp", "pp"])
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name,layout", [(name, layout) for name, layouts in LAYOUTS.items() for layout in layouts])
 def test_a_loaded_model_gives_transformers_logits(name, layout, hf_models, converted):
     logits, _ = converted
     with torch.no_grad():
@@ -185,6 +208,29 @@ def test_sample_py_decodes_greedily_as_transformers_does(name, layout, hf_models
     ids = hf_reference(hf_models[name]).generate(prompt, max_new_tokens=16, do_sample=False,
                                                  attention_mask=torch.ones_like(prompt))
     assert text == tokenizer.decode(ids[0].tolist())
+
+
+@needs_hf
+@pytest.mark.parametrize("layout", ["tp", "pp", "ep"])
+def test_an_exported_mixture_of_experts_loads_at_every_layout_as_the_model_exported(layout, converted):
+    """Export, then import: the logits at each layout are those of the picotron model that was exported
+    (random_model is seeded: this is the same model), as well as transformers' (above)."""
+    from test_export_hf import random_model
+    logits, _ = converted
+    with torch.no_grad():
+        want = random_model(**EXPORTED["moe_export"])(token_batch())[0]
+    diff, scale = (logits["moe_export", layout] - want).abs().max().item(), want.abs().max().item()
+    assert diff <= 1e-5 * max(1.0, scale), f"at {layout}=2: logits differ by {diff:.2e} (logits up to {scale:.1f})"
+
+
+@needs_hf
+def test_a_converted_mixture_of_experts_routes_dropless_and_resumes_so(converted):
+    """transformers drops no token: the conversion is capacity_factor=0, and a resume of it keeps it."""
+    _, out_root = converted
+    meta = checkpoint.read_meta(checkpoint.latest_checkpoint(str(out_root / "moe_export_ep")))
+    assert meta["layout"]["ep"] == 2 and meta["config"]["capacity_factor"] == 0 and meta["model"]["n_shared_expert"] == 1
+    cfg, _, _ = train.configure_run(["--init_from=resume", f"--out_dir={out_root / 'moe_export_ep'}", "--max_iters=5"])
+    assert (cfg.capacity_factor, cfg.n_expert, cfg.n_expert_per_token, cfg.aux_loss_coef) == (0, 4, 2, 0.01)
 
 
 @needs_hf
@@ -232,6 +278,10 @@ REFUSED = [  # (config class, settings, the words naming what picotron cannot re
     ("DeepseekV3Config", dict(first_k_dense_replace=1, n_routed_experts=4, rope_interleave=False), "first_k_dense_replace=1"),
     ("GPTNeoXConfig", dict(hidden_act="gelu_new"), "partial_rotary_factor=0.25"),
     ("MistralConfig", {}, "'MistralForCausalLM'"),
+    # a mixture of experts picotron's does not compute: renormalised top-k weights, dense layers among the sparse
+    ("Qwen3MoeConfig", dict(norm_topk_prob=True), "norm_topk_prob=True"),
+    ("Qwen2MoeConfig", dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+    ("Qwen2MoeConfig", dict(mlp_only_layers=[1]), "mlp_only_layers=[1]"),
 ]
 
 
@@ -242,9 +292,24 @@ def test_what_picotron_cannot_represent_is_refused_by_its_config_json_name(tmp_p
     config = getattr(transformers, config_class)(**{**SIZES, **overrides})
     config.architectures = [config_class.replace("Config", "ForCausalLM")]
     config.save_pretrained(tmp_path)
-    with pytest.raises(SystemExit, match=f"error: picotron cannot represent .*{words.replace('(', '.').replace(')', '.')}"
+    with pytest.raises(SystemExit, match=f"error: picotron cannot represent .*{re.escape(words)}"
                                          if "ForCausalLM" not in words else words):
         train.main([f"--init_from={tmp_path}", "--max_iters=0", f"--out_dir={tmp_path / 'out'}"])
+
+
+@needs_hf
+def test_a_gated_shared_expert_is_refused_by_tensor_name(hf_models, tmp_path):
+    """Qwen1.5-MoE learned its shared expert's gate; picotron's shared experts have none (its own exports
+    hold a zero gate, which it reads back)."""
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path / "gated"
+    shutil.copytree(hf_models["qwen2_moe"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.mlp.shared_expert_gate.weight"][0, 3] = 0.5
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(SystemExit, match=r"'model.layers.1.mlp.shared_expert_gate.weight' is not zero: Qwen2-MoE gates "
+                                         r"its shared expert"):
+        train.main([f"--init_from={folder}", "--max_iters=0", f"--out_dir={tmp_path / 'out'}"])
 
 
 @needs_hf
@@ -335,9 +400,13 @@ def test_llama3_frequencies_are_transformers_at_llama_3_2_sizes():
     dict(attention="mla", kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
          norm_eps=1e-6),
     dict(norm="layernorm", mlp="gelu", bias=True), dict(norm="layernorm", mlp="gelu", parallel_block=True,
-                                                        tie_embeddings=False, intermediate_size=96)],
+                                                        tie_embeddings=False, intermediate_size=96),
+    dict(n_expert=4, capacity_factor=0.0, n_shared_expert=2, intermediate_size=32, aux_loss_coef=0.02),
+    dict(n_expert=4, capacity_factor=0.0, n_expert_per_token=1, tie_embeddings=False),
+    dict(n_expert=4, capacity_factor=0.0, qk_norm=True)],
     ids=["llama", "gqa-head_dim-intermediate", "qwen2", "llama3-bias", "qwen3", "vaultgemma-tied",
-         "vaultgemma-untied", "mla", "neox", "neox-parallel-no-bias"])
+         "vaultgemma-untied", "mla", "neox", "neox-parallel-no-bias", "qwen2_moe-two-shared-experts",
+         "qwen2_moe-no-shared-expert-top1", "qwen3_moe"])
 def test_an_export_imports_as_the_same_model(tmp_path, overrides):
     from test_export_hf import TINY, random_model, save
     model = random_model(**overrides)

@@ -329,6 +329,39 @@ def test_an_empty_file_among_others_adds_no_document(tmp_path):
 
 
 @needs_gpt2
+def test_rows_without_text_are_skipped_and_counted_not_empty_documents(tmp_path, capsys):
+    src = tmp_path / 'rows.jsonl'
+    src.write_text('{"text": "first"}\n\n{"other": 1}\n{"text": null}\n{"text": "last"}\n')
+    prepare_data.prepare(str(src), str(tmp_path / 'out'), val_fraction=0, num_proc=1)
+    meta, train, _ = read_out(tmp_path / 'out')
+    assert decode_docs(train) == ['first', 'last'] and meta['skipped_rows'] == 2
+    # the first skipped row is the file's line 3: the blank line 2 holds no row
+    assert f"skipped 2 row(s) with no 'text' (null, or missing): the first is {src}, line 3" in capsys.readouterr().out
+
+
+@needs_gpt2
+def test_an_empty_or_blank_txt_is_an_error_not_a_one_token_bin(tmp_path):
+    (tmp_path / 'empty.txt').write_text('')
+    (tmp_path / 'blank.txt').write_text('\n  \n')
+    for name in ('empty.txt', 'blank.txt'):
+        message = main_error(f'--dataset={tmp_path / name}', f'--out_dir={tmp_path / "out"}', '--num_proc=1')
+        assert name in message and 'holds no documents' in message
+        assert not list((tmp_path / 'out').iterdir())
+
+
+@needs_gpt2
+def test_the_empty_val_note_names_what_a_document_is_for_the_input(tmp_path, capsys):
+    write_jsonl(tmp_path / 'one.jsonl', ['the only row'])
+    prepare_data.prepare(str(tmp_path / 'one.jsonl'), str(tmp_path / 'a'), num_proc=1)
+    note = capsys.readouterr().out
+    assert 'val.bin is empty: 1 document(s) is too few' in note and 'each row is one document' in note
+    assert '.txt' not in note
+    (tmp_path / 'one.txt').write_text('one text')
+    prepare_data.prepare(str(tmp_path / 'one.txt'), str(tmp_path / 'b'), num_proc=1)
+    assert 'a .txt file is one document: split the text into several files' in capsys.readouterr().out
+
+
+@needs_gpt2
 def test_malformed_jsonl_names_the_file_and_line(tmp_path):
     src = tmp_path / 'bad.jsonl'
     src.write_text('{"text": "fine"}\n{"text": "no closing brace"\n{"text": "fine again"}\n')
