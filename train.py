@@ -823,7 +823,7 @@ def convert(cfg, run, parts):
 def main(argv):
     """Run training. Every error the user can fix ends in one line, printed once: by rank 0, since every
     rank finds the same configuration, data, layout or checkpoint problem (a bad batch is checked by every
-    rank, a failed save is reported to every rank), not a traceback from each of them."""
+    rank, a failed save or log line is reported to every rank), not a traceback from each of them."""
     rank = int(os.environ.get("RANK", 0))
     try:
         try:
