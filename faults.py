@@ -157,9 +157,12 @@ def run_script(main, argv):
         # "traceback" (TORCHELASTIC_ERROR_FILE, in the format of torch's ErrorHandler), else a link to the
         # docs: let it be the one-line error
         if isinstance(stop.code, str) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                json.dump({"message": {"message": stop.code, "extraInfo": {"py_callstack": stop.code,
-                                                                          "timestamp": str(int(time.time()))}}}, f)
+            try:
+                with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                    json.dump({"message": {"message": stop.code, "extraInfo": {"py_callstack": stop.code,
+                                                                              "timestamp": str(int(time.time()))}}}, f)
+            except OSError:  # a full disk (the error may be that): the line is still printed, torchrun links its docs
+                pass
         if stop.code not in (None, 0):
             raise
     atexit._run_exitfuncs()

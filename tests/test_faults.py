@@ -364,6 +364,19 @@ def test_a_full_disk_at_a_log_line_at_dp2_stops_every_rank_there_with_rank_0_s_l
     assert sorted(os.listdir(out)) == ["ckpt_0000002", "metrics.jsonl"]
 
 
+def test_an_error_line_that_torchrun_s_error_file_cannot_take_still_ends_in_that_line(tmp_path, monkeypatch):
+    """On a full disk torchrun's error file may not be writable either: the line must still be what the
+    script stops with, not the OSError of that write."""
+    from faults import run_script
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "no such folder" / "error.json"))
+
+    def main(argv):
+        raise SystemExit("error: the disk is full")
+    with pytest.raises(SystemExit) as stop:
+        run_script(main, [])
+    assert stop.value.code == "error: the disk is full"
+
+
 # -----------------------------------------------------------------------------
 # a diverged run: non-finite steps are skipped, never reach the weights, and stop the run
 
