@@ -303,7 +303,8 @@ class MetricsLog:
             except LogError as e:
                 self.error = str(e)
             except OSError as e:
-                self.error = f"cannot write the log {self.path} ({type(e).__name__}: {e}): {_FREE_SPACE}"
+                self.error = (f"cannot write the log {self.path} ({type(e).__name__}: {e}): free space on its disk "
+                              f"(or fix the permissions of out_dir), then launch again")
         self._stop_if_failed()
 
     def _start(self, resume_step):
@@ -343,9 +344,6 @@ class MetricsLog:
     def close(self):
         for backend in self.backends:
             backend.close()
-
-
-_FREE_SPACE = "free space on its disk (or fix the permissions of out_dir), then launch again"
 
 
 def _lines_up_to(path, step):

@@ -144,6 +144,19 @@ def test_a_torn_line_in_the_middle_of_the_log_stops_the_resume_naming_the_file_a
     assert path.read_text() == damaged  # left as it was, for the user to see
 
 
+def test_a_log_that_cannot_be_written_at_start_up_stops_in_one_line(tmp_path, monkeypatch):
+    import errno
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(metrics, "open", full_disk, raising=False)  # metrics.py's own `open` only
+    with pytest.raises(metrics.LogError) as stop:
+        metrics.MetricsLog(str(tmp_path), 0)
+    assert str(stop.value) == (f"cannot write the log {tmp_path / 'metrics.jsonl'} (OSError: [Errno 28] No space left "
+                               f"on device): free space on its disk (or fix the permissions of out_dir), then launch "
+                               f"again")
+
+
 def test_a_new_run_moves_an_earlier_run_s_log_aside_and_keeps_it(data_dir, tmp_path, capsys):
     """An out_dir without checkpoints (a finished run with checkpoint_interval=0, or one that died before its
     first save), with two earlier runs' logs: the new run writes its own, and overwrites neither."""
