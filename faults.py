@@ -9,6 +9,8 @@ What a long run does when a step, a peer or the job's time goes wrong (settings.
                       (peer_failure tells such an error from the others), within dist_timeout_s
   the end of a script train.py and bench.py end by run_script, past the interpreter's teardown, where
                       torch's gloo threads can abort a finished run
+  a full disk at      rank 0 alone writes metrics.jsonl: every rank learns of its failure at the same line
+  a log line          (StopVote.any_rank), saves if it can and stops with rank 0's one line (train.write_log)
 
 A crash mid-save never costs the last good checkpoint (checkpoint.py writes each one in a .tmp folder and
 renames it when every rank has finished); a killed rank under torchrun --max-restarts restarts the job,
@@ -120,6 +122,17 @@ class StopVote:
             self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
         return stop
 
+    def any_rank(self, failed):
+        """Whether `failed` is true on any rank, known to every rank now: the vote's all-reduce, but waited for.
+        For a fault only one rank sees at a point every rank passes, such as rank 0's write of metrics.jsonl
+        on a full disk (metrics.MetricsLog): every rank stops there, none is left waiting for the one that
+        stopped, and none reports it as a dead peer. A few bytes between CPUs, no device sync."""
+        if self.group is None:
+            return failed
+        flag = torch.tensor([1.0 if failed else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
 
 def peer_failure(e):
     """Whether a RuntimeError is a collective that lost its peers: gloo's read errors and timeouts and
@@ -144,9 +157,12 @@ def run_script(main, argv):
         # "traceback" (TORCHELASTIC_ERROR_FILE, in the format of torch's ErrorHandler), else a link to the
         # docs: let it be the one-line error
         if isinstance(stop.code, str) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                json.dump({"message": {"message": stop.code, "extraInfo": {"py_callstack": stop.code,
-                                                                          "timestamp": str(int(time.time()))}}}, f)
+            try:
+                with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                    json.dump({"message": {"message": stop.code, "extraInfo": {"py_callstack": stop.code,
+                                                                              "timestamp": str(int(time.time()))}}}, f)
+            except OSError:  # a full disk (the error may be that): the line is still printed, torchrun links its docs
+                pass
         if stop.code not in (None, 0):
             raise
     atexit._run_exitfuncs()

@@ -13,6 +13,7 @@ What a training run measures, and where the measurements go. train.py and bench.
      What memory_plan.py predicts before anything runs is held to it.
 """
 import functools
+import itertools
 import json
 import math
 import os
@@ -277,32 +278,95 @@ def peak_memory_bytes(dev, layout):
 # 4. The log
 
 
+class LogError(RuntimeError):
+    """metrics.jsonl cannot be read back or written; rank 0's message says which line or why, and what to do."""
+
+
 class MetricsLog:
     """One JSON object per line in <out_dir>/metrics.jsonl, written by rank 0. On resume, the lines of
-    steps after the checkpoint (from the crashed run) are dropped, so the file reads as one run. Every
-    record also goes to the backends given (W&B, TensorBoard: see open_log_backends), on rank 0 only."""
+    steps after the checkpoint (from the crashed run) are dropped, so the file reads as one run; a new run
+    moves an earlier run's file aside. Every record also goes to the backends given (W&B, TensorBoard: see
+    open_log_backends), on rank 0 only.
 
-    def __init__(self, out_dir, rank, resume_step=None, backends=()):
+    Only rank 0 touches the file, but every rank makes the log and calls write() at the same points, and
+    learns there through any_rank (faults.StopVote.any_rank: true on every rank when it is on one) whether
+    rank 0 failed (a full disk, a damaged file): every rank then raises LogError at the same line, rank 0's
+    saying why, rather than rank 0 dying alone and the others reporting a dead peer."""
+
+    def __init__(self, out_dir, rank, resume_step=None, backends=(), any_rank=lambda failed: failed):
         self.backends = list(backends) if rank == 0 else []
         self.path = os.path.join(out_dir, "metrics.jsonl") if rank == 0 else None
-        if self.path and resume_step is not None and os.path.exists(self.path):
-            with open(self.path) as f:
-                keep = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
-            with open(self.path, "w") as f:
-                f.writelines(keep)
-        elif self.path:
-            open(self.path, "w").close()
+        self.any_rank, self.error = any_rank, None
+        if self.path:
+            try:
+                self._start(resume_step)
+            except LogError as e:
+                self.error = str(e)
+            except OSError as e:
+                self.error = (f"cannot write the log {self.path} ({type(e).__name__}: {e}): free space on its disk "
+                              f"(or fix the permissions of out_dir), then launch again")
+        self._stop_if_failed()
+
+    def _start(self, resume_step):
+        if os.path.exists(self.path) and resume_step is None:
+            # A new run (init_from scratch, or auto with no checkpoint yet) keeps the earlier run's log, moved
+            # aside, rather than refusing to start: torchrun --max-restarts with --init_from=auto restarts a
+            # run that died before its first save as a new run in the same out_dir, which a refusal would
+            # end; torchtitan likewise gives each launch its own log folder (tb/<date-time>). Never overwrites.
+            # (An earlier run's checkpoints are refused instead, in train.setup: a later --init_from=auto
+            # would resume the wrong run's.)
+            aside = next(p for n in itertools.count(1)
+                         if not os.path.exists(p := os.path.join(os.path.dirname(self.path), f"metrics.{n}.jsonl")))
+            os.rename(self.path, aside)
+            print(f"log: {self.path} held an earlier run's log (out_dir has no checkpoint to resume): moved it to "
+                  f"{aside}", flush=True)
+        keep = _lines_up_to(self.path, resume_step) if os.path.exists(self.path) else []
+        with open(self.path + ".tmp", "w") as f:  # aside, then renamed: a kill now leaves the file as it was
+            f.writelines(keep)
+        os.replace(self.path + ".tmp", self.path)
+
+    def _stop_if_failed(self):
+        if self.any_rank(self.error is not None):
+            raise LogError(self.error or "rank 0 could not write metrics.jsonl (its message says why)")
 
     def write(self, record):
         if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as e:
+                self.error = (f"writing the log {self.path} failed at step {record['step']} ({type(e).__name__}: "
+                              f"{e})")
+        self._stop_if_failed()
         for backend in self.backends:
             backend.log(record)
 
     def close(self):
         for backend in self.backends:
             backend.close()
+
+
+def _lines_up_to(path, step):
+    """The lines of the log at `path` of steps up to `step`, each ending in a newline. A last line that is
+    not a whole record is what a kill (or a full disk) in the middle of a write leaves: it is dropped, with a
+    warning. One in the middle is damage that the resume cannot mend by itself: LogError names its line."""
+    with open(path) as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    keep = []
+    for n, line in lines:
+        try:
+            kept = json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):  # not JSON; not a record with a step
+            if n == lines[-1][0]:
+                print(f"warning: the last line of {path} (line {n}) is cut short, as a kill in the middle of a "
+                      f"write leaves it: dropped it", flush=True)
+                break
+            raise LogError(f"{path} line {n} is not a whole record (it begins {line.strip()[:40]!r}), and records "
+                           f"follow it: the file is damaged. Delete or mend that line, or move the file aside to "
+                           f"start a new log, then resume again") from None
+        if kept:
+            keep.append(line.rstrip("\n") + "\n")  # (a whole last line may have lost only its newline)
+    return keep
 
 
 class WandbLog:

@@ -678,6 +678,25 @@ def save_checkpoint(cfg, run, parts, step, converted=False, keep=()):
                            cfg.keep_last_n, keep)
 
 
+def write_log(cfg, run, parts, log, record):
+    """log.write(record), on every rank. When rank 0 cannot write it (a full disk: every rank learns it in
+    the write, at the same step), every rank saves the steps since the last checkpoint, if the disk lets it,
+    and stops with rank 0's one line naming the file, the cause and what to do."""
+    try:
+        log.write(record)
+    except metrics.LogError as e:
+        step = record["step"]
+        parts.bad_steps.check(cfg.out_dir, step)  # never save the state of a run that must stop
+        run.phase = f"saving the checkpoint of step {step} (the log could not be written)"
+        try:
+            path = save_checkpoint(cfg, run, parts, step, keep=parts.bad_steps.keep(cfg.out_dir))
+        except checkpoint.CheckpointError as failed:
+            raise metrics.LogError(f"{e}, and saving step {step} failed too: {failed}") from None
+        raise metrics.LogError(f"{e}: the run stopped at step {step} and saved {path}. Free space on the disk of "
+                               f"out_dir '{cfg.out_dir}' (or fix its permissions), then launch again with "
+                               f"--init_from=auto to continue from there") from None
+
+
 # -----------------------------------------------------------------------------
 # the loop
 
@@ -708,8 +727,9 @@ def train(cfg, run, resume_path=None):
         note = settings.global_batch_change(saved, tokens_per_step)
         if note:
             print0(layout, note)
+    vote = StopVote(layout, layout.timeout)
     log = metrics.MetricsLog(cfg.out_dir, layout.rank, step if resume_path else None,
-                             metrics.open_log_backends(cfg) if layout.rank == 0 else [])
+                             metrics.open_log_backends(cfg) if layout.rank == 0 else [], vote.any_rank)
     model_flops = metrics.flops_per_token(model_cfg)
     peak = metrics.PeakFlops(cfg.peak_flops, run.dev, run.dtype)  # (asked for the MFU of each log line)
     print0(layout, f"{model_flops / 1e6:.1f} MFLOP per token; peak {peak}")
@@ -720,7 +740,6 @@ def train(cfg, run, resume_path=None):
         print0(layout, metrics.repeats_warning(cfg.max_iters, tokens_per_step, train_tokens))
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
                                           cfg.gradient_accumulation_steps, run.dev, document_end(model_cfg))
-    vote = StopVote(layout, layout.timeout)
     plan = memory_plan.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))
     print0(layout, "predicted " + memory_plan.format_plan(plan))
     rank_plan = memory_plan.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank)
@@ -770,14 +789,14 @@ def train(cfg, run, resume_path=None):
                 record["memory"] = measured  # every rank's predicted and measured peak, once
             eta = (cfg.max_iters - step) * elapsed / timed_steps  # training steps only: evals and saves come on top
             print0(layout, metrics.format_log_line(record, eta, run.dev))
-            log.write(record)
+            write_log(cfg, run, parts, log, record)
             timer, timed_steps, logged = time.time(), 0, step
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or end) and not stopping:
             run.phase = f"the evaluation at step {step}"
             losses = evaluate(cfg, run, parts)
             record = {"step": step, **{f"{split}_loss": v for split, v in losses.items()}}
             print0(layout, f"step {step:6d} | eval " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
-            log.write(record)
+            write_log(cfg, run, parts, log, record)
             timer, timed_steps = time.time(), 0
         if (cfg.checkpoint_interval > 0 and (step % cfg.checkpoint_interval == 0 or last)) or stopping:
             parts.bad_steps.check(cfg.out_dir, step)  # never save the state of a run that must stop
@@ -807,7 +826,7 @@ def convert(cfg, run, parts):
 def main(argv):
     """Run training. Every error the user can fix ends in one line, printed once: by rank 0, since every
     rank finds the same configuration, data, layout or checkpoint problem (a bad batch is checked by every
-    rank, a failed save is reported to every rank), not a traceback from each of them."""
+    rank, a failed save or log line is reported to every rank), not a traceback from each of them."""
     rank = int(os.environ.get("RANK", 0))
     try:
         try:
@@ -819,7 +838,7 @@ def main(argv):
             sys.exit(f"error: {e}" if rank == 0 else 1)
         try:
             return train(cfg, run, resume_path)
-        except (ConfigError, DataError, checkpoint.CheckpointError, TooManyBadSteps) as e:
+        except (ConfigError, DataError, checkpoint.CheckpointError, TooManyBadSteps, metrics.LogError) as e:
             sys.exit(f"error: {e}" if rank == 0 else 1)
         except RuntimeError as e:
             if not peer_failure(e):

@@ -18,7 +18,7 @@ import torch
 import checkpoint
 from conftest import ROOT
 from dist_utils import (_free_port, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights,
-                        read_records, run_train, train_in_process, train_on_ranks)
+                        read_records, run_ranks, run_train, train_in_process, train_on_ranks)
 
 TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
         "--log_interval=1", "--eval_interval=1", "--eval_iters=1", "--warmup_iters=2", "--lr_decay_iters=6",
@@ -258,6 +258,123 @@ def test_a_layout_error_under_torchrun_is_printed_by_rank_0(data_dir, tmp_path):
     assert proc.returncode != 0
     assert (proc.stdout + proc.stderr).count("error: WORLD_SIZE = 2 processes cannot be cut into tp = 4") >= 1, \
         proc.stderr[-3000:]
+
+
+# -----------------------------------------------------------------------------
+# a full disk at a log line: rank 0 alone writes metrics.jsonl, every rank stops there, saving first if it can
+
+
+def _fill_the_disk_at_the_log(at_append, save_too=False):
+    """This process's disk fills at its at_append-th append to metrics.jsonl: from it on, each write there puts
+    half its line in the file (a short write) and fails with ENOSPC, as a full disk does; with save_too, each
+    checkpoint file's write from then on fails the same way (checkpoint._save_file). Patches metrics.py's `open` and
+    checkpoint.py in this process only."""
+    import builtins
+    import errno
+    appends = [0]
+
+    def no_space():
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    class FullFile:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[:len(text) // 2])
+            self.f.flush()
+            raise no_space()
+
+    def open_on_a_full_disk(path, mode="r", *args, **kwargs):
+        f = builtins.open(path, mode, *args, **kwargs)
+        if os.path.basename(path) == "metrics.jsonl" and mode == "a":
+            appends[0] += 1
+            return FullFile(f) if appends[0] >= at_append else f
+        return f
+
+    save_file = checkpoint._save_file
+
+    def save_file_on_a_full_disk(obj, path):
+        if appends[0] < at_append:
+            return save_file(obj, path)
+        builtins.open(path, "wb").close()
+        raise no_space()
+
+    import metrics
+    metrics.open = open_on_a_full_disk
+    if save_too:
+        checkpoint._save_file = save_file_on_a_full_disk
+
+
+def test_a_full_disk_at_a_log_line_saves_the_step_stops_in_one_line_and_auto_continues(data_dir, reference, tmp_path,
+                                                                                         capsys):
+    import metrics
+    out = tmp_path / "run"
+    argv = TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={out}", "--init_from=auto"]
+    _fill_the_disk_at_the_log(at_append=5)  # step 3's log line (steps 1 and 2 each wrote a log and an eval line)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            train_in_process(argv)
+    finally:
+        del metrics.open  # the disk has room again
+    assert stop.value.code == (f"error: writing the log {out}/metrics.jsonl failed at step 3 (OSError: [Errno 28] No "
+                               f"space left on device): the run stopped at step 3 and saved {out}/ckpt_0000003. Free "
+                               f"space on the disk of out_dir '{out}' (or fix its permissions), then launch again with "
+                               f"--init_from=auto to continue from there")
+    capsys.readouterr()
+    records = train_in_process(argv)  # the command the message gives: no step lost, the log reads as one run
+    assert (f"warning: the last line of {out}/metrics.jsonl (line 5) is cut short, as a kill in the middle of a write "
+            f"leaves it: dropped it") in capsys.readouterr().out
+    assert_equals_reference(records, out, reference, steps=[1, 2, 4, 5, 6])  # step 3's line: the one cut short
+
+
+def _full_disk_on_rank_0(rank, world_size, argv):
+    """run_ranks' worker: train.main(argv), rank 0's disk full from step 3's log line (its log and its save):
+    (what each rank exited with, its stdout)."""
+    import contextlib
+    import io
+    import train
+    if rank == 0:
+        _fill_the_disk_at_the_log(at_append=5, save_too=True)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        try:
+            train.main(argv)
+            code = None
+        except SystemExit as e:
+            code = e.code
+    return code, printed.getvalue()
+
+
+def test_a_full_disk_at_a_log_line_at_dp2_stops_every_rank_there_with_rank_0_s_line(data_dir, tmp_path):
+    """Rank 0 alone writes the log; without the agreement it died alone and rank 1 reported a dead peer."""
+    out = tmp_path / "run"
+    argv = TINY + ["--batch_size=2", "--dp=2", f"--data_dir={data_dir}", f"--out_dir={out}"]
+    (code0, _), (code1, printed1) = run_ranks(_full_disk_on_rank_0, 2, argv, timeout=240)
+    assert code0.startswith(f"error: writing the log {out}/metrics.jsonl failed at step 3 (OSError: [Errno 28] No "
+                            f"space left on device), and saving step 3 failed too: saving checkpoint "
+                            f"{out}/ckpt_0000003 failed on rank 0: OSError: [Errno 28] No space left on device. "), code0
+    assert "the last complete checkpoint is " + str(out / "ckpt_0000002") in code0
+    assert code1 == 1 and printed1 == ""  # stopped too, at the same line, without a word: rank 0 says why
+    assert sorted(os.listdir(out)) == ["ckpt_0000002", "metrics.jsonl"]
+
+
+def test_an_error_line_that_torchrun_s_error_file_cannot_take_still_ends_in_that_line(tmp_path, monkeypatch):
+    """On a full disk torchrun's error file may not be writable either: the line must still be what the
+    script stops with, not the OSError of that write."""
+    from faults import run_script
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "no such folder" / "error.json"))
+
+    def main(argv):
+        raise SystemExit("error: the disk is full")
+    with pytest.raises(SystemExit) as stop:
+        run_script(main, [])
+    assert stop.value.code == "error: the disk is full"
 
 
 # -----------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The optional logging backends (W&B, TensorBoard) record what metrics.jsonl records, the progress line
-shows an ETA, and plot.py draws runs from their metrics.jsonl.
+shows an ETA, plot.py draws runs from their metrics.jsonl, and metrics.jsonl survives a kill in the middle of
+a write and a new run in the same out_dir.
 
 Each backend's own files are read back (W&B's offline run file, TensorBoard's event file), so the test
 checks what the backend stored, not what train.py meant to send it.
@@ -15,7 +16,7 @@ import pytest
 import plot
 import metrics
 import train
-from dist_utils import make_token_data, run_train
+from dist_utils import make_token_data, run_train, train_in_process
 
 HAVE = {p: importlib.util.find_spec(p) is not None for p in ("wandb", "tensorboard", "matplotlib")}
 
@@ -109,6 +110,66 @@ def test_a_missing_backend_stops_at_start_up_with_the_pip_command(tmp_path, monk
     with pytest.raises(SystemExit, match=f"pip install {package}"):
         train.main([f"--{flag}=True", f"--out_dir={tmp_path / 'run'}", "--device=cpu"])
     assert not os.path.exists(tmp_path / "run")  # stopped before anything was written
+
+
+LINES = [json.dumps({"step": s, "loss": 6.0 / s}) + "\n" for s in (1, 2, 3)]  # a log as a run writes it
+
+
+def test_a_resume_drops_a_torn_last_line_of_the_log_with_a_one_line_warning(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(LINES) + '{"step": 4, "loss": 1.')  # killed in the middle of step 4's line
+    metrics.MetricsLog(str(tmp_path), 0, resume_step=3)
+    assert path.read_text() == "".join(LINES)
+    assert capsys.readouterr().out == (f"warning: the last line of {path} (line 4) is cut short, as a kill in the "
+                                       f"middle of a write leaves it: dropped it\n")
+
+
+def test_a_resume_keeps_a_whole_last_line_that_lost_only_its_newline(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(LINES).rstrip("\n"))
+    log = metrics.MetricsLog(str(tmp_path), 0, resume_step=4)
+    log.write({"step": 4, "loss": 1.5})
+    assert path.read_text() == "".join(LINES) + json.dumps({"step": 4, "loss": 1.5}) + "\n"
+
+
+def test_a_torn_line_in_the_middle_of_the_log_stops_the_resume_naming_the_file_and_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    damaged = LINES[0] + '{"step": 2, "lo\n' + LINES[2]
+    path.write_text(damaged)
+    with pytest.raises(metrics.LogError) as stop:
+        metrics.MetricsLog(str(tmp_path), 0, resume_step=3)
+    assert str(stop.value) == (f"{path} line 2 is not a whole record (it begins '{{\"step\": 2, \"lo'), and records "
+                               f"follow it: the file is damaged. Delete or mend that line, or move the file aside to "
+                               f"start a new log, then resume again")
+    assert path.read_text() == damaged  # left as it was, for the user to see
+
+
+def test_a_log_that_cannot_be_written_at_start_up_stops_in_one_line(tmp_path, monkeypatch):
+    import errno
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(metrics, "open", full_disk, raising=False)  # metrics.py's own `open` only
+    with pytest.raises(metrics.LogError) as stop:
+        metrics.MetricsLog(str(tmp_path), 0)
+    assert str(stop.value) == (f"cannot write the log {tmp_path / 'metrics.jsonl'} (OSError: [Errno 28] No space left "
+                               f"on device): free space on its disk (or fix the permissions of out_dir), then launch "
+                               f"again")
+
+
+def test_a_new_run_moves_an_earlier_run_s_log_aside_and_keeps_it(data_dir, tmp_path, capsys):
+    """An out_dir without checkpoints (a finished run with checkpoint_interval=0, or one that died before its
+    first save), with two earlier runs' logs: the new run writes its own, and overwrites neither."""
+    earlier, before = tmp_path / "metrics.jsonl", tmp_path / "metrics.1.jsonl"
+    earlier.write_text("".join(LINES))
+    before.write_text(LINES[0])
+    records = train_in_process([f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--n_layer=1", "--n_embd=32",
+                                "--n_head=2", "--n_kv_head=2", "--block_size=16", "--batch_size=2", "--max_iters=1",
+                                "--eval_interval=0", "--checkpoint_interval=0", "--peak_flops=1e12", "--device=cpu"])
+    assert [r["step"] for r in records] == [1]  # the new run's own log
+    assert (tmp_path / "metrics.2.jsonl").read_text() == "".join(LINES) and before.read_text() == LINES[0]
+    assert (f"log: {earlier} held an earlier run's log (out_dir has no checkpoint to resume): moved it to "
+            f"{tmp_path / 'metrics.2.jsonl'}\n") in capsys.readouterr().out
 
 
 @skip_without("matplotlib")
