@@ -717,7 +717,7 @@ def train(cfg, run, resume_path=None):
         print0(layout, metrics.repeats_warning(cfg.max_iters, tokens_per_step, train_tokens))
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
                                           cfg.gradient_accumulation_steps, run.dev, document_end(model_cfg))
-    vote = StopVote(layout, layout.timeout)
+    vote = StopVote(layout, layout.timeout, cfg.out_dir)
     plan = memory_plan.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))
     print0(layout, "predicted " + memory_plan.format_plan(plan))
     rank_plan = memory_plan.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank)
@@ -788,6 +788,8 @@ def train(cfg, run, resume_path=None):
             break
     vote.finish()
     log.close()
+    if vote.stopped:
+        vote.exit_saved(step)  # the status scripts/slurm.sh requeues the job on (faults.SAVED_ON_SIGTERM)
     return parts.model
 
 
@@ -813,11 +815,11 @@ def main(argv):
                 print("\n".join(notes), flush=True) if notes else None
             run = setup(cfg)
         except (ConfigError, ValueError, FileNotFoundError, FileExistsError, checkpoint.CheckpointError) as e:
-            sys.exit(f"error: {e}" if rank == 0 else 1)
+            sys.exit(f"error: {e}")  # printed by rank 0 (faults.run_script)
         try:
             return train(cfg, run, resume_path)
         except (ConfigError, DataError, checkpoint.CheckpointError, TooManyBadSteps) as e:
-            sys.exit(f"error: {e}" if rank == 0 else 1)
+            sys.exit(f"error: {e}")  # printed by rank 0 (faults.run_script)
         except RuntimeError as e:
             if not peer_failure(e):
                 raise

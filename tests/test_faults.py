@@ -17,6 +17,7 @@ import torch
 
 import checkpoint
 from conftest import ROOT
+from faults import SAVED_ON_SIGTERM, SIGTERM_MARK
 from dist_utils import (_free_port, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights,
                         read_records, run_train, train_in_process, train_on_ranks)
 
@@ -162,14 +163,55 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_auto_continu
     run = TINY + ["--batch_size=2", f"--data_dir={data_dir}", f"--out_dir={out}", "--init_from=auto"]
     # rank 1 gets SIGTERM during step 3; the ranks' vote, read a step later, stops both after step 4
     _, proc = run_train(run + ["--checkpoint_interval=0", "--crash=sigterm:3:1"], nproc=2,
-                        script="tests/crash_run.py")
+                        script="tests/crash_run.py", check=False)
     assert "stopped by SIGTERM: every rank finished step 4 and saved it" in proc.stdout, proc.stdout[-2000:]
     assert checkpoint.latest_checkpoint(str(out)) == str(out / "ckpt_0000004")
+    # each rank exits SAVED_ON_SIGTERM, which torchrun reports as its own 1: rank 0's mark says it
+    assert proc.returncode == 1 and proc.stderr.count(f"exitcode  : {SAVED_ON_SIGTERM} ") == 2, proc.stderr[-3000:]
+    assert (out / SIGTERM_MARK).read_text() == "4\n"
     [(records, stdout)] = train_on_ranks([run], 2)
     assert f"resumed from {out / 'ckpt_0000004'} at step 4" in stdout
+    assert not (out / SIGTERM_MARK).exists()  # the launch that continues the run takes its mark away
     # a run stopped by SIGTERM saves at once, without the evaluation of its last step
     unevaluated = [r for r in reference[0] if not ("train_loss" in r and r["step"] == 4)]
     assert_equals_reference(records, out, (unevaluated, reference[1]))
+
+
+def test_a_run_stopped_by_sigterm_exits_75_with_its_step_saved(data_dir, tmp_path):
+    """75, not 0 (a finished run) nor 1 (an error): scripts/slurm.sh requeues the job on it."""
+    out = tmp_path / "run"
+    _, proc = run_train(TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={out}", "--eval_interval=0",
+                                "--checkpoint_interval=0", "--crash=sigterm:2:0"], script="tests/crash_run.py",
+                        check=False)
+    assert proc.returncode == 75, (proc.returncode, proc.stderr[-2000:])
+    assert checkpoint.latest_checkpoint(str(out)) == str(out / "ckpt_0000002")
+    assert (out / SIGTERM_MARK).read_text() == "2\n"
+
+
+SLURM_STUBS = {  # scontrol and srun as scripts/slurm.sh calls them, recording what it asks
+    "scontrol": '#!/bin/bash\nif [ "$1" = show ]; then echo node1; else echo "$@" >> "$STUB_LOG"; fi\n',
+    "srun": '#!/bin/bash\n[ -z "$STUB_MARK" ] || { mkdir -p "$(dirname "$STUB_MARK")"; echo 4 > "$STUB_MARK"; }\n'
+            'exit "$STUB_STATUS"\n'}
+
+
+@pytest.mark.parametrize("status, marks, requeued", [(1, True, True), (75, False, True), (1, False, False),
+                                                     (0, False, False)])
+def test_slurm_sh_requeues_the_job_after_a_sigterm_that_every_rank_saved_on(tmp_path, status, marks, requeued):
+    """Under torchrun (srun's status is torchrun's: 1) the mark in out_dir tells the stop; alone, status 75."""
+    for name, text in SLURM_STUBS.items():
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    mark = tmp_path / "out" / "picotron" / SIGTERM_MARK  # OUT_DIR=out/${SLURM_JOB_NAME}
+    mark.parent.mkdir(parents=True)
+    mark.write_text("2\n")  # an earlier job's, which must not requeue this one
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node1",
+           "SLURM_JOB_ID": "123", "SLURM_JOB_NAME": "picotron", "SLURM_JOB_NUM_NODES": "1",
+           "STUB_LOG": str(tmp_path / "log"), "STUB_STATUS": str(status), "STUB_MARK": str(mark) if marks else ""}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "slurm.sh")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == status, proc.stderr
+    log = (tmp_path / "log").read_text() if (tmp_path / "log").exists() else ""
+    assert log == ("requeue 123\n" if requeued else ""), (log, proc.stdout)
 
 
 def test_the_stop_vote_puts_back_the_sigterm_handler_it_replaced():
@@ -251,6 +293,17 @@ def test_a_finished_script_exits_0_with_a_gloo_worker_still_releasing_a_collecti
     assert proc.returncode == 0 and "terminate called" not in proc.stderr, (proc.returncode, proc.stderr[-2000:])
 
 
+def test_a_script_that_stops_with_an_error_exits_1_with_a_gloo_worker_still_releasing_a_collective(data_dir,
+                                                                                                  tmp_path):
+    """An error ends past the teardown too: status 1 and the error line, not SIGABRT (-6)."""
+    (tmp_path / "sitecustomize.py").write_text(GIL_WAITER)
+    env = {"PYTHONPATH": str(tmp_path), "GIL_WAITER_STORE": str(tmp_path / "store")}
+    _, proc = run_train(TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}",
+                                "--tp=2"], env=env, check=False)
+    assert proc.returncode == 1 and "terminate called" not in proc.stderr, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.count("error: WORLD_SIZE = 1 processes cannot be cut into tp = 2") == 1, proc.stderr[-2000:]
+
+
 def test_a_layout_error_under_torchrun_is_printed_by_rank_0(data_dir, tmp_path):
     """The other rank stops without a word: rank 0 still says why before torchrun ends the job."""
     _, proc = run_train(TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--tp=4"],
@@ -258,10 +311,6 @@ def test_a_layout_error_under_torchrun_is_printed_by_rank_0(data_dir, tmp_path):
     assert proc.returncode != 0
     assert (proc.stdout + proc.stderr).count("error: WORLD_SIZE = 2 processes cannot be cut into tp = 4") >= 1, \
         proc.stderr[-3000:]
-
-
-# -----------------------------------------------------------------------------
-# a diverged run: non-finite steps are skipped, never reach the weights, and stop the run
 
 
 def test_a_huge_learning_rate_never_puts_a_nan_in_the_weights_and_stops_the_run(data_dir, tmp_path):
