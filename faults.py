@@ -162,26 +162,41 @@ def run_script(main, argv):
     what this does: the exit handlers (atexit: W&B's, logging's) run first, and stdout and stderr are
     flushed. An error line is printed by rank 0 only (every rank finds the same configuration or layout
     problem) and written by every rank to its torchrun error file (end_with_error)."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    silent = False  # an error line that rank 0 prints
     try:
         main(argv)
         status = 0
     except SystemExit as stop:
-        status = stop.code or 0 if stop.code is None or isinstance(stop.code, int) else end_with_error(str(stop.code))
+        if stop.code is None or isinstance(stop.code, int):
+            status = stop.code or 0
+        else:
+            status, silent = end_with_error(str(stop.code)), rank != 0
     except Exception as e:
         traceback.print_exc()
         status = end_with_error(f"{type(e).__name__}: {e}", traceback.format_exc())
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
+    if silent and world_size > 1:
+        outlive_rank_0(status)
     os._exit(status)
+
+
+def outlive_rank_0(status, seconds=10.0):
+    """A rank that stops on an error line it leaves rank 0 to print waits, up to `seconds`, for torchrun to end
+    it: torchrun ends every rank once one has exited, so a silent rank gone first would have rank 0 ended
+    before it printed the line (a loaded machine starts the ranks seconds apart). Rank 0 exiting is what
+    sends the SIGTERM, so the wait is short when rank 0 found the error too."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(status))
+    time.sleep(seconds)
 
 
 def end_with_error(line, callstack=None):
     """Say why a script failed: an error line (callstack None) is printed by rank 0, and under torchrun every
     rank writes it, or the traceback already printed, to its error file (TORCHELASTIC_ERROR_FILE, in torch's
     ErrorHandler format), which torchrun's failure summary shows as the rank's "traceback" (else a link to
-    its docs): the line is there even when torchrun ended rank 0 before it printed (torchrun ends the other
-    ranks as soon as one has exited). Returns the status: 1."""
+    its docs), whichever rank torchrun saw fail first. Returns the status: 1."""
     if callstack is None and int(os.environ.get("RANK", 0)) == 0:
         print(line, file=sys.stderr, flush=True)
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):

@@ -17,7 +17,9 @@ torchrun when that is more than one; the two sides run at the same time. Printed
     that only round differently agree there to about 1e-15, so a float64 difference below 1e-10 is
     "rounding", and above it "a real difference", with the parameters whose gradients still differ. It is
     given also when the float32 runs agree within the tolerances: a small real difference (a missing
-    scale on one small tensor, say) can hide under them.
+    scale on one small tensor, say) can hide under them. The float64 pair runs the first 3 steps (step 1's
+    gradients, and two updates by the optimizer), or up to the step where the float32 pair parted: a
+    float64 step costs about three float32 ones on CPU.
 
 The step-1 gradients are read back from each run's step-1 checkpoint, which any layout saves as full
 tensors: after one step AdamW's first moment is (1 - beta1) * g and Muon's momentum is g, with g the
@@ -60,6 +62,7 @@ DEFAULTS = ["--device=cpu", "--max_iters=10", "--eval_interval=0"]
 FORCED = ["--device=cpu", "--log_interval=1", "--checkpoint_interval=1", "--keep_last_n=0", "--init_from=scratch"]
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4  # tests/dist_utils.py's, for float32
 FLOAT64_ROUNDING = 1e-10  # float64 layouts agree to ~1e-15; a real difference stays at its own size
+FLOAT64_STEPS = 3  # the float64 pair's steps, or up to the step where the float32 pair parted: see the docstring
 SHOWN = 5  # parameters listed
 ROUNDING, REAL_DIFFERENCE, FAILED = 0, 1, 2  # the exit statuses
 OUTCOMES = {ROUNDING: "the same model up to rounding", REAL_DIFFERENCE: "a real difference",
@@ -174,10 +177,11 @@ def gradient_differences(dir_a, dir_b, norm_a, norm_b):
     return sorted(diffs, reverse=True)
 
 
-def run_pair(script, common, side_a, side_b, work_dir, dtype):
-    """Both sides in one dtype; prints the step table. Returns (the step-1 gradients' differences, largest
-    first; the largest loss and gradient norm differences; the first step beyond the tolerances, or None)."""
-    extra = [f"--dtype={dtype}"]
+def run_pair(script, common, side_a, side_b, work_dir, dtype, extra=()):
+    """Both sides in one dtype (extra: settings on top of each side's); prints the step table. Returns (the
+    step-1 gradients' differences, largest first; the largest loss and gradient norm differences; the first
+    step beyond the tolerances, or None; the last step)."""
+    extra = [f"--dtype={dtype}", *extra]
     dir_a, dir_b = (os.path.join(work_dir, f"{dtype}_{side}") for side in "ab")
     runs = [launch(script, common + side_a + extra, dir_a, f"{dtype} a"),
             launch(script, common + side_b + extra, dir_b, f"{dtype} b")]
@@ -196,12 +200,12 @@ def run_pair(script, common, side_a, side_b, work_dir, dtype):
         print(f"{step:5d} {a[step]['loss']:15.10f} {b[step]['loss']:15.10f} {dl:9.1e}  "
               f"{a[step]['grad_norm']:15.10f} {b[step]['grad_norm']:15.10f} {dn:9.1e}")
     grads = gradient_differences(dir_a, dir_b, a[1]["grad_norm"], b[1]["grad_norm"])
-    return grads, worst_loss, worst_norm, parted
+    return grads, worst_loss, worst_norm, parted, max(set(a) & set(b))
 
 
 def compare(script, common, side_a, side_b, work_dir):
     """The float32 pair, then the float64 pair and the verdict: ROUNDING or REAL_DIFFERENCE."""
-    grads, worst_loss, worst_norm, parted = run_pair(script, common, side_a, side_b, work_dir, "float32")
+    grads, worst_loss, worst_norm, parted, steps = run_pair(script, common, side_a, side_b, work_dir, "float32")
     if parted is None:
         print(f"float32: the runs agree within the tolerances (loss {LOSS_RTOL:.0e}, gradient norm "
               f"{GRAD_NORM_RTOL:.0e}): at most {worst_loss:.1e} and {worst_norm:.1e}")
@@ -209,7 +213,9 @@ def compare(script, common, side_a, side_b, work_dir):
         print(f"float32: the runs part at step {parted}; the step-1 gradients that differ most:")
         for d, name in grads[:SHOWN]:
             print(f"  {name}: {d:.1e}")
-    grads64, loss64, norm64, _ = run_pair(script, common, side_a, side_b, work_dir, "float64")
+    steps64 = min(steps, max(FLOAT64_STEPS, parted or 0))  # a float64 step costs about three float32 ones
+    grads64, loss64, norm64, _, _ = run_pair(script, common, side_a, side_b, work_dir, "float64",
+                                             [f"--max_iters={steps64}"])
     worst64 = max(loss64, norm64, grads64[0][0])
     print(f"float64: largest relative differences: loss {loss64:.1e}, gradient norm {norm64:.1e}, step-1 "
           f"gradient {grads64[0][0]:.1e} ({grads64[0][1]}); in float32 {worst_loss:.1e}, {worst_norm:.1e} and "

@@ -7,6 +7,7 @@ batch (tests/dist_utils.py: the equivalence rule).
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -304,13 +305,26 @@ def test_a_script_that_stops_with_an_error_exits_1_with_a_gloo_worker_still_rele
     assert proc.stderr.count("error: WORLD_SIZE = 1 processes cannot be cut into tp = 2") == 1, proc.stderr[-2000:]
 
 
-def test_a_layout_error_under_torchrun_is_printed_by_rank_0(data_dir, tmp_path):
-    """The other rank stops without a word: rank 0 still says why before torchrun ends the job."""
-    _, proc = run_train(TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--tp=4"],
-                        nproc=2, check=False)
-    assert proc.returncode != 0
-    assert (proc.stdout + proc.stderr).count("error: WORLD_SIZE = 2 processes cannot be cut into tp = 4") >= 1, \
-        proc.stderr[-3000:]
+RANK_0_LATE = "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n"  # as sitecustomize.py
+
+
+def test_a_layout_error_under_torchrun_is_one_line_by_rank_0_even_when_the_other_rank_stops_first(data_dir,
+                                                                                                  tmp_path):
+    """A start-up error under torchrun: rank 0's `error:` line, naming the fix, is picotron's whole output,
+    printed before torchrun's report of the failure (its traceback and summary, which no worker can shorten),
+    where each rank's entry shows the same line. Rank 0 starts 3 s late: rank 1, which finds the error first
+    and leaves rank 0 to say it, must not be gone so soon that torchrun ends rank 0 before it has."""
+    (tmp_path / "sitecustomize.py").write_text(RANK_0_LATE)
+    _, proc = run_train(TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}",
+                                "--tp=4"], nproc=2, check=False, env={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 1
+    err = proc.stderr.splitlines()
+    torchrun_report = err.index("Traceback (most recent call last):")  # torchrun's own, the only one
+    ours = [line for line in err[:torchrun_report] if not re.match(r"[IWE]\d{4} ", line)]  # not torchrun's log
+    assert ours == ["error: WORLD_SIZE = 2 processes cannot be cut into tp = 4 x pp = 1: the world size 2 is not "
+                    "divisible by tp * pp = 4 * 1; launch a multiple of 4 processes or change --tp/--pp"], err
+    assert proc.stderr.count("Traceback (most recent call last)") == 1
+    assert proc.stderr.count(f"traceback : {ours[0]}") == 2 and "To enable traceback" not in proc.stderr, err
 
 
 def test_a_huge_learning_rate_never_puts_a_nan_in_the_weights_and_stops_the_run(data_dir, tmp_path):
