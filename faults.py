@@ -93,12 +93,11 @@ SIGTERM_MARK = "stopped_by_sigterm"
 
 class StopVote:
     """SIGTERM (SLURM's notice before the end of a job's time, or torchrun passing on its own) asks the run
-    to stop cleanly: finish the step, save, exit SAVED_ON_SIGTERM (exit_saved). Ranks get the signal at
-    different moments, so they vote: at the end of every step each rank starts an all-reduce (MAX) of its
-    flag on a CPU gloo group, without waiting, and reads the previous step's result, long finished. Every
-    rank reads the same vote at the same step, so all stop at the same step, one step after the first of
-    them got the signal; the vote is a few bytes between CPUs, overlapped with a step, and never syncs the
-    host with the device.
+    to stop cleanly: finish the step, save, exit 75. Ranks get the signal at different moments, so they
+    vote: at the end of every step each rank starts an all-reduce (MAX) of its flag on a CPU gloo group,
+    without waiting, and reads the previous step's result, long finished. Every rank reads the same vote
+    at the same step, so all stop at the same step, one step after the first of them got the signal; the
+    vote is a few bytes between CPUs, overlapped with a step, and never syncs the host with the device.
     finish() puts the SIGTERM handler it replaced back: the handler holds the vote and its group, which
     would otherwise live until the interpreter's teardown (see run_script)."""
 

@@ -116,7 +116,7 @@ def read_steps(run):
     """The run's metrics records by step, from the complete lines of its metrics.jsonl so far; prints each
     step not printed before."""
     path = os.path.join(run["out_dir"], "metrics.jsonl")
-    lines = open(path).read().split("\n")[:-1] if os.path.exists(path) else []  # the last one may be half-written
+    lines = Path(path).read_text().split("\n")[:-1] if os.path.exists(path) else []  # the last may be half-written
     for record in map(json.loads, filter(str.strip, lines)):
         if "loss" in record and record["step"] not in run["records"]:
             run["records"][record["step"]] = record
@@ -136,7 +136,7 @@ def wait_for(runs):
             if failed:
                 run = failed[0]
                 raise LaunchFailed(f"the run {run['name']} failed (exit status {run['proc'].returncode}): "
-                                   f"{' '.join(run['argv'])}\n{open(run['out_dir'] + '.log').read()[-6000:]}")
+                                   f"{' '.join(run['argv'])}\n{Path(run['out_dir'] + '.log').read_text()[-6000:]}")
             if all(run["proc"].returncode == 0 for run in runs):
                 return [read_steps(run) for run in runs]
     finally:
