@@ -29,7 +29,6 @@ the first step's time, which holds the compilation with compile=True.
 import dataclasses
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -400,14 +399,13 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, kind
 
 
 def main(argv):
-    rank = int(os.environ.get("RANK", 0))
     try:
         cfg, bench = parse_args(argv)
         setup = train.setup(cfg, training=False)
         if bench.reference and setup.layout.world_size > 1:
             raise ValueError("reference=True times a single-process GPT beside picotron: run it without torchrun")
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}" if rank == 0 else 1)
+        sys.exit(f"error: {e}")  # printed by rank 0 (faults.run_script)
     try:
         return run(cfg, bench, setup)
     finally:

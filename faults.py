@@ -4,11 +4,12 @@ What a long run does when a step, a peer or the job's time goes wrong (settings.
   a non-finite step   skipped on the device, counted without a host sync (BadSteps); max_bad_steps in a
                       row stop the run naming the last checkpoint before the trouble (TooManyBadSteps)
   SIGTERM             SLURM's notice before the job's time runs out: every rank stops at the same step,
-                      saves, exits 0 (StopVote), and --init_from=auto continues from there
+                      saves, exits SAVED_ON_SIGTERM (StopVote), and --init_from=auto continues from there
   a dead or hung peer every survivor says which rank it is, what it waited in and how to continue
                       (peer_failure tells such an error from the others), within dist_timeout_s
   the end of a script train.py and bench.py end by run_script, past the interpreter's teardown, where
-                      torch's gloo threads can abort a finished run
+                      torch's gloo threads can abort a process: 0 finished, 1 an error (said once, by
+                      rank 0), 75 stopped and saved by SIGTERM
   a full disk at      rank 0 alone writes metrics.jsonl: every rank learns of its failure at the same line
   a log line          (StopVote.any_rank), saves if it can and stops with rank 0's one line (train.write_log)
 
@@ -22,6 +23,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -83,9 +85,17 @@ class TooManyBadSteps(RuntimeError):
     pass
 
 
+# The exit status of a run that SIGTERM stopped after every rank saved: sysexits.h's EX_TEMPFAIL ("a temporary
+# failure: try again"), neither a finished run (0) nor an error (1). torchrun turns any worker's status but 0
+# into its own 1, and ends with 1 after a SIGTERM of its own, so under it the stop is also told by the file
+# SIGTERM_MARK that rank 0 leaves in out_dir: scripts/slurm.sh requeues the job on either.
+SAVED_ON_SIGTERM = 75
+SIGTERM_MARK = "stopped_by_sigterm"
+
+
 class StopVote:
     """SIGTERM (SLURM's notice before the end of a job's time, or torchrun passing on its own) asks the run
-    to stop cleanly: finish the step, save, exit 0. Ranks get the signal at different moments, so they
+    to stop cleanly: finish the step, save, exit 75. Ranks get the signal at different moments, so they
     vote: at the end of every step each rank starts an all-reduce (MAX) of its flag on a CPU gloo group,
     without waiting, and reads the previous step's result, long finished. Every rank reads the same vote
     at the same step, so all stop at the same step, one step after the first of them got the signal; the
@@ -93,11 +103,14 @@ class StopVote:
     finish() puts the SIGTERM handler it replaced back: the handler holds the vote and its group, which
     would otherwise live until the interpreter's teardown (see run_script)."""
 
-    def __init__(self, layout, timeout=None):
-        self.requested, self.pending = False, None
+    def __init__(self, layout, timeout=None, out_dir=None):
+        self.requested, self.pending, self.stopped = False, None, False
         self.group = dist.new_group(backend="gloo", timeout=timeout, group_desc="stop vote") \
             if layout.world_size > 1 else None
         self.replaced = signal.signal(signal.SIGTERM, self._ask)
+        self.mark = os.path.join(out_dir, SIGTERM_MARK) if out_dir and layout.rank == 0 else None
+        if self.mark and os.path.exists(self.mark):  # an earlier launch's: this one goes on from there
+            os.remove(self.mark)
 
     def _ask(self, signum, frame):
         self.requested = True
@@ -111,7 +124,8 @@ class StopVote:
     def agreed(self):
         """Called by every rank at the end of every step: whether the run stops now."""
         if self.group is None:
-            return self.requested
+            self.stopped = self.requested
+            return self.stopped
         stop = False
         if self.pending is not None:
             work, flag = self.pending
@@ -120,6 +134,7 @@ class StopVote:
         if not stop:
             flag = torch.tensor([1.0 if self.requested else 0.0])
             self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        self.stopped = stop
         return stop
 
     def any_rank(self, failed):
@@ -133,6 +148,14 @@ class StopVote:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
+    def exit_saved(self, step):
+        """Once every rank has saved the step the vote stopped at: rank 0 leaves SIGTERM_MARK (the step) in
+        out_dir, and every rank exits with SAVED_ON_SIGTERM."""
+        if self.mark:
+            with open(self.mark, "w") as f:
+                f.write(f"{step}\n")
+        sys.exit(SAVED_ON_SIGTERM)
+
 
 def peer_failure(e):
     """Whether a RuntimeError is a collective that lost its peers: gloo's read errors and timeouts and
@@ -141,31 +164,58 @@ def peer_failure(e):
 
 
 def run_script(main, argv):
-    """Run a script's main(argv); a finished one ends the process with status 0, skipping the interpreter's
-    teardown. Why: a gloo worker thread releases a collective's tensors after the collective has finished,
-    and that takes the GIL; a worker that asks for it once the interpreter has begun to finalize is ended
-    by Python mid-C++, which aborts the process ("terminate called without an active exception", SIGABRT):
-    torchrun then reports a finished run, saved and logged, as failed. A busy machine makes it likely.
-    Nothing is left to do by then but what this does: the exit handlers (atexit: W&B's, logging's) run
-    first, and stdout and stderr are flushed. A script that stops with an error ends the usual way: the
-    ranks that stop without a word (exit 1) must not be gone so fast that torchrun ends rank 0 before it
-    has printed the error line."""
+    """Run a script's main(argv) and end the process with its status, past the interpreter's teardown: 0
+    when main returns, SystemExit's own (a string is an error line: status 1), 1 after any other exception
+    (its traceback printed). Why past the teardown: a gloo worker thread releases a collective's tensors
+    after the collective has finished, and that takes the GIL; a worker that asks for it once the
+    interpreter has begun to finalize is ended by Python mid-C++, which aborts the process ("terminate
+    called without an active exception", SIGABRT): torchrun then reports a finished run, saved and logged,
+    as failed, and an error as a crash. A busy machine makes it likely. Nothing is left to do by then but
+    what this does: the exit handlers (atexit: W&B's, logging's) run first, and stdout and stderr are
+    flushed. An error line is printed by rank 0 only (every rank finds the same configuration or layout
+    problem) and written by every rank to its torchrun error file (end_with_error)."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    silent = False  # an error line that rank 0 prints
     try:
         main(argv)
+        status = 0
     except SystemExit as stop:
-        # torchrun prints a failure summary after any failed rank, with each rank's error file as its
-        # "traceback" (TORCHELASTIC_ERROR_FILE, in the format of torch's ErrorHandler), else a link to the
-        # docs: let it be the one-line error
-        if isinstance(stop.code, str) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            try:
-                with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                    json.dump({"message": {"message": stop.code, "extraInfo": {"py_callstack": stop.code,
-                                                                              "timestamp": str(int(time.time()))}}}, f)
-            except OSError:  # a full disk (the error may be that): the line is still printed, torchrun links its docs
-                pass
-        if stop.code not in (None, 0):
-            raise
+        if stop.code is None or isinstance(stop.code, int):
+            status = stop.code or 0
+        else:
+            status, silent = end_with_error(str(stop.code)), rank != 0
+    except Exception as e:
+        traceback.print_exc()
+        status = end_with_error(f"{type(e).__name__}: {e}", traceback.format_exc())
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    if silent and world_size > 1:
+        outlive_rank_0(status)
+    os._exit(status)
+
+
+def outlive_rank_0(status, seconds=10.0):
+    """A rank that stops on an error line it leaves rank 0 to print waits, up to `seconds`, for torchrun to end
+    it: torchrun ends every rank once one has exited, so a silent rank gone first would have rank 0 ended
+    before it printed the line (a loaded machine starts the ranks seconds apart). Rank 0 exiting is what
+    sends the SIGTERM, so the wait is short when rank 0 found the error too."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(status))
+    time.sleep(seconds)
+
+
+def end_with_error(line, callstack=None):
+    """Say why a script failed: an error line (callstack None) is printed by rank 0, and under torchrun every
+    rank writes it, or the traceback already printed, to its error file (TORCHELASTIC_ERROR_FILE, in torch's
+    ErrorHandler format), which torchrun's failure summary shows as the rank's "traceback" (else a link to
+    its docs), whichever rank torchrun saw fail first. Returns the status: 1."""
+    if callstack is None and int(os.environ.get("RANK", 0)) == 0:
+        print(line, file=sys.stderr, flush=True)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        try:
+            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": callstack or line,
+                                                                       "timestamp": str(int(time.time()))}}}, f)
+        except OSError:  # a full disk (the error may be that): the line is printed, torchrun links its docs
+            pass
+    return 1

@@ -727,7 +727,7 @@ def train(cfg, run, resume_path=None):
         note = settings.global_batch_change(saved, tokens_per_step)
         if note:
             print0(layout, note)
-    vote = StopVote(layout, layout.timeout)
+    vote = StopVote(layout, layout.timeout, cfg.out_dir)
     log = metrics.MetricsLog(cfg.out_dir, layout.rank, step if resume_path else None,
                              metrics.open_log_backends(cfg) if layout.rank == 0 else [], vote.any_rank)
     model_flops = metrics.flops_per_token(model_cfg)
@@ -810,6 +810,8 @@ def train(cfg, run, resume_path=None):
             break
     vote.finish()
     log.close()
+    if vote.stopped:
+        vote.exit_saved(step)  # the status scripts/slurm.sh requeues the job on (faults.SAVED_ON_SIGTERM)
     return parts.model
 
 
@@ -835,11 +837,11 @@ def main(argv):
                 print("\n".join(notes), flush=True) if notes else None
             run = setup(cfg)
         except (ConfigError, ValueError, FileNotFoundError, FileExistsError, checkpoint.CheckpointError) as e:
-            sys.exit(f"error: {e}" if rank == 0 else 1)
+            sys.exit(f"error: {e}")  # printed by rank 0 (faults.run_script)
         try:
             return train(cfg, run, resume_path)
         except (ConfigError, DataError, checkpoint.CheckpointError, TooManyBadSteps, metrics.LogError) as e:
-            sys.exit(f"error: {e}" if rank == 0 else 1)
+            sys.exit(f"error: {e}")  # printed by rank 0 (faults.run_script)
         except RuntimeError as e:
             if not peer_failure(e):
                 raise

@@ -2,6 +2,8 @@
 # picotron on SLURM: one torchrun agent per node, c10d rendezvous on the first node, automatic restarts.
 #   sbatch scripts/slurm.sh
 # Resubmit the same script to continue a run: --init_from=auto resumes from the newest complete checkpoint.
+# A run stopped by the SIGTERM before the time limit, saved on every rank, requeues its job by itself (the
+# end of this script), which continues from that checkpoint.
 # Lines marked CHANGE are the ones to edit for your cluster and run.
 
 #SBATCH --job-name=picotron
@@ -15,6 +17,7 @@
                                        # the time of a step plus a save; torchrun, which gets the signal too,
                                        # kills its workers 30 s after it, so a save must take less than that
 #SBATCH --output=%x-%j.out
+#SBATCH --requeue                      # the job may be requeued (by this script, after a SIGTERM's save)
 
 set -euo pipefail
 
@@ -33,8 +36,20 @@ PORT=29500
 # export NCCL_SOCKET_IFNAME=ib0
 export OMP_NUM_THREADS=8
 
+# A SIGTERM that every rank saved on ends each rank with status 75 (faults.SAVED_ON_SIGTERM). torchrun reports
+# any worker's status but 0 as its own 1, so rank 0 also leaves this file in out_dir (faults.SIGTERM_MARK)
+MARK="$OUT_DIR/stopped_by_sigterm"
+rm -f "$MARK"  # an earlier job's: only this job's own stop requeues it
+
+status=0
 srun --kill-on-bad-exit=0 python -m torch.distributed.run \
     --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$GPUS_PER_NODE" \
     --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$HEAD:$PORT" \
     --max-restarts="$MAX_RESTARTS" \
-    train.py "$CONFIG" --out_dir="$OUT_DIR" --init_from=auto $ARGS
+    train.py "$CONFIG" --out_dir="$OUT_DIR" --init_from=auto $ARGS || status=$?
+
+if [ "$status" -eq 75 ] || [ -f "$MARK" ]; then
+    echo "stopped by SIGTERM, every rank saved: requeueing job $SLURM_JOB_ID to continue (--init_from=auto)"
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"

@@ -24,4 +24,4 @@ def build_with_a_doubled_gradient(cfg, run):
 train.build = build_with_a_doubled_gradient
 
 if __name__ == "__main__":
-    train.main(sys.argv[1:])
+    train.run_script(train.main, sys.argv[1:])  # as train.py ends

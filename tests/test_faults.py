@@ -7,6 +7,7 @@ batch (tests/dist_utils.py: the equivalence rule).
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import torch
 
 import checkpoint
 from conftest import ROOT
+from faults import SAVED_ON_SIGTERM, SIGTERM_MARK
 from dist_utils import (_free_port, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights,
                         read_records, run_ranks, run_train, train_in_process, train_on_ranks)
 
@@ -162,14 +164,55 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_auto_continu
     run = TINY + ["--batch_size=2", f"--data_dir={data_dir}", f"--out_dir={out}", "--init_from=auto"]
     # rank 1 gets SIGTERM during step 3; the ranks' vote, read a step later, stops both after step 4
     _, proc = run_train(run + ["--checkpoint_interval=0", "--crash=sigterm:3:1"], nproc=2,
-                        script="tests/crash_run.py")
+                        script="tests/crash_run.py", check=False)
     assert "stopped by SIGTERM: every rank finished step 4 and saved it" in proc.stdout, proc.stdout[-2000:]
     assert checkpoint.latest_checkpoint(str(out)) == str(out / "ckpt_0000004")
+    # each rank exits SAVED_ON_SIGTERM, which torchrun reports as its own 1: rank 0's mark says it
+    assert proc.returncode == 1 and proc.stderr.count(f"exitcode  : {SAVED_ON_SIGTERM} ") == 2, proc.stderr[-3000:]
+    assert (out / SIGTERM_MARK).read_text() == "4\n"
     [(records, stdout)] = train_on_ranks([run], 2)
     assert f"resumed from {out / 'ckpt_0000004'} at step 4" in stdout
+    assert not (out / SIGTERM_MARK).exists()  # the launch that continues the run takes its mark away
     # a run stopped by SIGTERM saves at once, without the evaluation of its last step
     unevaluated = [r for r in reference[0] if not ("train_loss" in r and r["step"] == 4)]
     assert_equals_reference(records, out, (unevaluated, reference[1]))
+
+
+def test_a_run_stopped_by_sigterm_exits_75_with_its_step_saved(data_dir, tmp_path):
+    """75, not 0 (a finished run) nor 1 (an error): scripts/slurm.sh requeues the job on it."""
+    out = tmp_path / "run"
+    _, proc = run_train(TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={out}", "--eval_interval=0",
+                                "--checkpoint_interval=0", "--crash=sigterm:2:0"], script="tests/crash_run.py",
+                        check=False)
+    assert proc.returncode == 75, (proc.returncode, proc.stderr[-2000:])
+    assert checkpoint.latest_checkpoint(str(out)) == str(out / "ckpt_0000002")
+    assert (out / SIGTERM_MARK).read_text() == "2\n"
+
+
+SLURM_STUBS = {  # scontrol and srun as scripts/slurm.sh calls them, recording what it asks
+    "scontrol": '#!/bin/bash\nif [ "$1" = show ]; then echo node1; else echo "$@" >> "$STUB_LOG"; fi\n',
+    "srun": '#!/bin/bash\n[ -z "$STUB_MARK" ] || { mkdir -p "$(dirname "$STUB_MARK")"; echo 4 > "$STUB_MARK"; }\n'
+            'exit "$STUB_STATUS"\n'}
+
+
+@pytest.mark.parametrize("status, marks, requeued", [(1, True, True), (75, False, True), (1, False, False),
+                                                     (0, False, False)])
+def test_slurm_sh_requeues_the_job_after_a_sigterm_that_every_rank_saved_on(tmp_path, status, marks, requeued):
+    """Under torchrun (srun's status is torchrun's: 1) the mark in out_dir tells the stop; alone, status 75."""
+    for name, text in SLURM_STUBS.items():
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    mark = tmp_path / "out" / "picotron" / SIGTERM_MARK  # OUT_DIR=out/${SLURM_JOB_NAME}
+    mark.parent.mkdir(parents=True)
+    mark.write_text("2\n")  # an earlier job's, which must not requeue this one
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node1",
+           "SLURM_JOB_ID": "123", "SLURM_JOB_NAME": "picotron", "SLURM_JOB_NUM_NODES": "1",
+           "STUB_LOG": str(tmp_path / "log"), "STUB_STATUS": str(status), "STUB_MARK": str(mark) if marks else ""}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "slurm.sh")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == status, proc.stderr
+    log = (tmp_path / "log").read_text() if (tmp_path / "log").exists() else ""
+    assert log == ("requeue 123\n" if requeued else ""), (log, proc.stdout)
 
 
 def test_the_stop_vote_puts_back_the_sigterm_handler_it_replaced():
@@ -251,13 +294,37 @@ def test_a_finished_script_exits_0_with_a_gloo_worker_still_releasing_a_collecti
     assert proc.returncode == 0 and "terminate called" not in proc.stderr, (proc.returncode, proc.stderr[-2000:])
 
 
-def test_a_layout_error_under_torchrun_is_printed_by_rank_0(data_dir, tmp_path):
-    """The other rank stops without a word: rank 0 still says why before torchrun ends the job."""
-    _, proc = run_train(TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--tp=4"],
-                        nproc=2, check=False)
-    assert proc.returncode != 0
-    assert (proc.stdout + proc.stderr).count("error: WORLD_SIZE = 2 processes cannot be cut into tp = 4") >= 1, \
-        proc.stderr[-3000:]
+def test_a_script_that_stops_with_an_error_exits_1_with_a_gloo_worker_still_releasing_a_collective(data_dir,
+                                                                                                  tmp_path):
+    """An error ends past the teardown too: status 1 and the error line, not SIGABRT (-6)."""
+    (tmp_path / "sitecustomize.py").write_text(GIL_WAITER)
+    env = {"PYTHONPATH": str(tmp_path), "GIL_WAITER_STORE": str(tmp_path / "store")}
+    _, proc = run_train(TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}",
+                                "--tp=2"], env=env, check=False)
+    assert proc.returncode == 1 and "terminate called" not in proc.stderr, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.count("error: WORLD_SIZE = 1 processes cannot be cut into tp = 2") == 1, proc.stderr[-2000:]
+
+
+RANK_0_LATE = "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n"  # as sitecustomize.py
+
+
+def test_a_layout_error_under_torchrun_is_one_line_by_rank_0_even_when_the_other_rank_stops_first(data_dir,
+                                                                                                  tmp_path):
+    """A start-up error under torchrun: rank 0's `error:` line, naming the fix, is picotron's whole output,
+    printed before torchrun's report of the failure (its traceback and summary, which no worker can shorten),
+    where each rank's entry shows the same line. Rank 0 starts 3 s late: rank 1, which finds the error first
+    and leaves rank 0 to say it, must not be gone so soon that torchrun ends rank 0 before it has."""
+    (tmp_path / "sitecustomize.py").write_text(RANK_0_LATE)
+    _, proc = run_train(TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}",
+                                "--tp=4"], nproc=2, check=False, env={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 1
+    err = proc.stderr.splitlines()
+    torchrun_report = err.index("Traceback (most recent call last):")  # torchrun's own, the only one
+    ours = [line for line in err[:torchrun_report] if not re.match(r"[IWE]\d{4} ", line)]  # not torchrun's log
+    assert ours == ["error: WORLD_SIZE = 2 processes cannot be cut into tp = 4 x pp = 1: the world size 2 is not "
+                    "divisible by tp * pp = 4 * 1; launch a multiple of 4 processes or change --tp/--pp"], err
+    assert proc.stderr.count("Traceback (most recent call last)") == 1
+    assert proc.stderr.count(f"traceback : {ours[0]}") == 2 and "To enable traceback" not in proc.stderr, err
 
 
 # -----------------------------------------------------------------------------
@@ -360,26 +427,23 @@ def test_a_full_disk_at_a_log_line_at_dp2_stops_every_rank_there_with_rank_0_s_l
                             f"space left on device), and saving step 3 failed too: saving checkpoint "
                             f"{out}/ckpt_0000003 failed on rank 0: OSError: [Errno 28] No space left on device. "), code0
     assert "the last complete checkpoint is " + str(out / "ckpt_0000002") in code0
-    assert code1 == 1 and printed1 == ""  # stopped too, at the same line, without a word: rank 0 says why
+    # stopped too, at the same line, without a word: run_script prints rank 0's line only
+    assert code1.startswith("error: rank 0 could not write metrics.jsonl") and printed1 == "", code1
     assert sorted(os.listdir(out)) == ["ckpt_0000002", "metrics.jsonl"]
 
 
-def test_an_error_line_that_torchrun_s_error_file_cannot_take_still_ends_in_that_line(tmp_path, monkeypatch):
-    """On a full disk torchrun's error file may not be writable either: the line must still be what the
-    script stops with, not the OSError of that write."""
-    from faults import run_script
+def test_an_error_line_that_torchrun_s_error_file_cannot_take_still_ends_in_that_line(tmp_path, monkeypatch, capsys):
+    """On a full disk torchrun's error file may not be writable either: the line must still be printed and the
+    status be 1, not the OSError of that write."""
+    from faults import end_with_error
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "no such folder" / "error.json"))
-
-    def main(argv):
-        raise SystemExit("error: the disk is full")
-    with pytest.raises(SystemExit) as stop:
-        run_script(main, [])
-    assert stop.value.code == "error: the disk is full"
+    monkeypatch.setenv("RANK", "0")
+    assert end_with_error("error: the disk is full") == 1
+    assert capsys.readouterr().err == "error: the disk is full\n"
 
 
 # -----------------------------------------------------------------------------
-# a diverged run: non-finite steps are skipped, never reach the weights, and stop the run
-
+# a diverged run
 
 def test_a_huge_learning_rate_never_puts_a_nan_in_the_weights_and_stops_the_run(data_dir, tmp_path):
     argv = TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--learning_rate=1e3",

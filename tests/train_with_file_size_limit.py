@@ -27,4 +27,4 @@ def save_with_a_limit_from_the_second(*args, **kwargs):
 checkpoint.save = save_with_a_limit_from_the_second
 
 if __name__ == "__main__":
-    train.main(sys.argv[1:])
+    train.run_script(train.main, sys.argv[1:])  # as train.py ends
