@@ -122,6 +122,22 @@ def test_the_planner_predicts_every_ranks_peak_within_10_percent(suite_rows):
             assert isinstance(r["predicted_bytes"], int) and isinstance(r["measured_bytes"], int)
 
 
+def test_the_live_tensors_leave_out_the_fake_tensors_torch_compile_keeps():
+    """After compiling, dynamo's caches hold FakeTensors: device 'cpu', but a meta storage and no memory. The
+    CPU measure's starting point (LiveTensorBytes' live storages; allocated_peak_bytes' too) counts the real
+    tensor and not the fake one (it counted them, and a compiled run's live bytes came out 500 MiB high)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from metrics import LiveTensorBytes
+    with FakeTensorMode():
+        fake = torch.empty(2 ** 20)
+    real = torch.empty(2 ** 10)
+    assert fake.device.type == "cpu"
+    live = LiveTensorBytes().live
+    assert real.untyped_storage() in live and fake.untyped_storage() not in live
+
+
 def test_the_planner_walks_each_schedules_own_actions():
     """What the walk holds at most, in micro-batches of one block: 1F1B pp - stage, AFAB all m, one without a
     pipeline, interleaved 1F1B v pp - stage chunk-sized ones (the first rank 1F1B's pp whole micro-batches:
