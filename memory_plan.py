@@ -15,8 +15,10 @@ runs); no constant is fitted to a measurement.
 
 How it is checked: tests/test_memory.py holds the plan to every rank's measured peak of one step
 (metrics.measure_step_memory: CUDA's allocator, or on CPU metrics.LiveTensorBytes, the live tensor
-storages), within 10%: every shipped config at one process and the README's multi-process layouts, and
-small layouts through bench.py; `python tests/test_memory.py --measure` runs the larger set.
+storages, or with compiled blocks the CPU allocator's), within 10%: every shipped config at one process
+and the README's multi-process layouts, and small layouts through bench.py; `python tests/test_memory.py
+--measure` runs the larger set. torch.compile's own memory (its traces, generated code, caches) is no
+tensor of the step: neither the plan nor the measure counts it (train.py's start-up says so).
 """
 import math
 
@@ -59,9 +61,10 @@ from pipeline_schedules import SCHEDULES, virtual_stages
 #   buffers      at the end of a backward: the gradients in flight (autograd's new gradient of the
 #                largest parameter, three of them for a weight tied within the stage; ZeRO-2/3 also two
 #                buckets or units of flat gradients)
-#   step         the optimizer step's temporaries (none for torch's fused AdamW): adamw_update's six
-#                slices of the largest tensor it updates; Muon's, for the largest matrix a rank updates, its
-#                new momentum and Nesterov step, the matrix gathered across tp, Newton-Schulz in fp32
+#   step         the optimizer step's temporaries: none for AdamW (torch's fused kernel, on whole tensors
+#                or ZeRO's slices); ZeRO-1/2's all-gather after it, a copy of this rank's slice of every
+#                bucket (1/dp of the parameters); Muon's, for the largest matrix a rank updates, its new
+#                momentum and Nesterov step, the matrix gathered across tp, Newton-Schulz in fp32
 # Expert parallelism: each rank holds n_expert / ep experts of each layer, their gradients and optimizer
 # state; under ZeRO those are sharded over the expert replicas ((dp / ep) x cp ranks) and the rest over
 # dp x cp, and ZeRO-3 gathers a block's experts as a unit of their own. The experts' activations are
@@ -348,16 +351,18 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
             owned = share[dp_rank] if dp_rank is not None else max(share, key=lambda ns: sum(elements[n] for n in ns))
             state += sum(elements[name] for name in owned)
         optimizer_bytes = state * param_bytes
-        # the optimizer step's temporaries (torch.optim.AdamW's fused kernel makes none): adamw_update's
-        # (new moments, denominator, new parameter and the two terms of its update: six of the largest
-        # slice); Muon's, for the largest matrix it owns: the new momentum and its Nesterov step (its tp
-        # slice), the matrix gathered whole across tp, and Newton-Schulz on it in fp32 (the normalised X;
-        # then at most X's next iterate, X X^T, the polynomial's terms: see newton_schulz)
+        # the optimizer step's temporaries. AdamW makes none: it is torch's fused kernel (parallel.adamw_step)
+        # on whole tensors or on ZeRO's flat slices alike. After it, ZeRO-1/2's all-gather of the updated
+        # parameters (ShardedGradientBuckets.after_step) posts every bucket's at once, each with a copy of
+        # this rank's slice as its input: 1/dp of the parameters AdamW steps (the experts' over their
+        # replicas), beside the gradient shards (Muon's whole matrices are broadcast in place). Muon's own,
+        # before that, for the largest matrix it owns: the new momentum and its Nesterov step (its tp slice),
+        # the matrix gathered whole across tp, and Newton-Schulz on it in fp32 (the normalised X; then at
+        # most X's next iterate, X X^T, the polynomial's terms: see newton_schulz)
         step_temps = 0
-        if zero_stage >= 1 or muon:
-            adamw_slices = [shard(n, expert_replicas if is_expert(name) else replicas) if zero_stage else n
-                            for name, n in elements.items() if name not in matrices]
-            step_temps = 6 * max(adamw_slices, default=0) * param_bytes
+        if zero_stage in (1, 2):
+            step_temps = ((shard(adamw_elements[0]) if replicas > 1 else 0)
+                          + (shard(adamw_elements[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
         if owned:
             big = max(owned, key=lambda name: math.prod(shapes[name]))
             F, a = math.prod(shapes[big]), min(shapes[big])
