@@ -330,8 +330,23 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
                 sizes = sorted(sum((bucket_elements([n for name, n in elements.items() if is_expert(name) == e],
                                                     bucket // param_bytes) for e in (False, True)), []), reverse=True)
             buffers += (sizes[0] + (sizes[1] if len(sizes) > 1 else 0)) * param_bytes
+            # the last two buckets (units) a backward launches stay in flight through the forwards after it,
+            # until the next backward lands them (GradientShards.set_grad_sync): their flat gradients, and
+            # from the second backward on their shards of the sum beside the grad_shards (after the first
+            # the shard becomes the grad_shard, counted above). Launched in backward order, per reducer (the
+            # experts' apart); ZeRO-3's root unit last where it holds the embedding, first where it holds
+            # only the head
+            if zero_stage == 3:
+                blocks_back = [[unit[e] for unit in reversed(block_units) if unit[e]] for e in (0, 1)]
+                launches = [blocks_back[0] + [root] if 0 in here else [root] + blocks_back[0], blocks_back[1]]
+            else:
+                launches = [bucket_elements([n for name, n in elements.items() if is_expert(name) == e],
+                                            bucket // param_bytes) for e in (False, True)]
+            last_two = [(n, r) for order, r in zip(launches, (replicas, expert_replicas)) for n in order[-2:]]
+            in_flight = [sum(n for n, _ in last_two) * param_bytes, sum(shard(n, r) for n, r in last_two) * param_bytes]
         else:
             grads = P * param_bytes * (2 if (replicas > 1 or zero_stage == 1) else 1)
+            in_flight = [0, 0]  # (flat gradients, shards)
         # the optimizer's state: AdamW's two moments per element; Muon's one momentum per matrix element
         # (AdamW's two for the rest); under ZeRO 1/dp of them (the experts' over their replicas), except
         # Muon's matrices, dealt whole (optim.deal_whole): this rank's share is what the deal gives it
@@ -427,7 +442,8 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
             if op == "F":
                 act = (held + recompute) * act_bytes
                 loss_now = held_head * loss_held + (loss_once if c == head_chunk else 0)
-                now = act + max(loss_now, held_head * loss_held + exchange) + (accumulated if backwards else 0)
+                landing = in_flight[0] + (in_flight[1] if backwards > 1 else 0)
+                now = act + max(loss_now, held_head * loss_held + exchange) + ((accumulated + landing) if backwards else 0)
             else:
                 act, loss_now = held * act_bytes, held_head * loss_held
                 now = act + loss_now + accumulated + (buffers if zero_stage >= 2 or backwards > 1 else 0)
