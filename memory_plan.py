@@ -60,7 +60,8 @@ from pipeline_schedules import SCHEDULES, virtual_stages
 #                while the loss runs the logits beside the softmax (F.cross_entropy: two gradients)
 #   buffers      at the end of a backward: the gradients in flight (autograd's new gradient of the
 #                largest parameter, three of them for a weight tied within the stage; ZeRO-2/3 also two
-#                buckets or units of flat gradients)
+#                buckets or units of flat gradients). ZeRO-2/3's last two launched stay in flight through
+#                the forwards after the backward, until the next backward lands them
 #   step         the optimizer step's temporaries: none for AdamW (torch's fused kernel, on whole tensors
 #                or ZeRO's slices); ZeRO-1/2's all-gather after it, a copy of this rank's slice of every
 #                bucket (1/dp of the parameters); Muon's, for the largest matrix a rank updates, its new
@@ -76,8 +77,8 @@ from pipeline_schedules import SCHEDULES, virtual_stages
 # The peak is found by walking the rank's actions of the schedule (pipeline_schedules.SCHEDULES: the same lists the
 # executor runs; with pp = 1 each micro-batch's forward, then its backward): the states (parameters,
 # gradients, optimizer), plus at the end of each forward what is then held (the activations and the
-# loss's tensors of every micro-batch between its forward and its backward, and ZeRO-0/1's accumulated
-# p.grad once a backward has run), and at the end of each backward or W what is still held and the
+# loss's tensors of every micro-batch between its forward and its backward, ZeRO-0/1's accumulated
+# p.grad once a backward has run, and ZeRO-2/3's buckets still in flight from it), and at the end of each backward or W what is still held and the
 # buffers. So AFAB holds all m micro-batches, 1F1B pp - stage, interleaved 1F1B its chunks' share of
 # more, with no count written per schedule. Then the optimizer step: the states, the gradients once
 # (p.grad is a view of the buckets by then) and the step's temporaries. Not modelled, said where it
