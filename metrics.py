@@ -463,6 +463,7 @@ def live_cpu_storages():
     hold a meta storage, no memory (counted, they made a compiled run's live bytes 500 MiB too many)."""
     import gc
     import warnings
+    gc.collect()  # (tensors in cycles nothing reaches any more: garbage, not alive)
     live = WeakIdKeyDictionary()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
