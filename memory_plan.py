@@ -78,8 +78,8 @@ from pipeline_schedules import SCHEDULES, virtual_stages
 # executor runs; with pp = 1 each micro-batch's forward, then its backward): the states (parameters,
 # gradients, optimizer), plus at the end of each forward what is then held (the activations and the
 # loss's tensors of every micro-batch between its forward and its backward, ZeRO-0/1's accumulated
-# p.grad once a backward has run, and ZeRO-2/3's buckets still in flight from it), and at the end of each backward or W what is still held and the
-# buffers. So AFAB holds all m micro-batches, 1F1B pp - stage, interleaved 1F1B its chunks' share of
+# p.grad once a backward has run, and ZeRO-2/3's buckets still in flight from it), and at the end of
+# each backward or W what is still held and the buffers. So AFAB holds all m micro-batches, 1F1B pp - stage, interleaved 1F1B its chunks' share of
 # more, with no count written per schedule. Then the optimizer step: the states, the gradients once
 # (p.grad is a view of the buckets by then) and the step's temporaries. Not modelled, said where it
 # applies: fp16/bf16 autocast's cast copies (counted at the activation dtype), context parallelism's ring
@@ -238,6 +238,20 @@ def bucket_elements(param_elements, capacity):
     return sizes + ([current] if current else [])
 
 
+def last_launched(zero_stage, elements, block_units, root, holds_embedding, capacity):
+    """ZeRO-2/3: the last two buckets (units) of each reducer that a backward launches, as (elements,
+    whether of experts): they stay in flight through the forwards after it, until the next backward lands
+    them (zero.GradientShards.set_grad_sync). Launched in backward order, the experts' by a reducer of their
+    own; ZeRO-3's root unit last where the stage holds the embedding, first where it holds only the head."""
+    if zero_stage == 3:
+        back = [[unit[e] for unit in reversed(block_units) if unit[e]] for e in (0, 1)]
+        launches = [back[0] + [root] if holds_embedding else [root] + back[0], back[1]]
+    else:
+        launches = [bucket_elements([n for name, n in elements.items() if is_expert(name) == e], capacity)
+                    for e in (False, True)]
+    return [(n, bool(e)) for e, order in enumerate(launches) for n in order[-2:]]
+
+
 def weight_grad_residual_elements(model_cfg, tokens, tp):
     """Elements one block keeps for a micro-batch between a zero-bubble B and its W (pipeline_schedules.WeightGradStore):
     each tensor-parallel linear's input x (q, k and v read one tensor, as the MLP's gate and up do) and its
@@ -331,20 +345,12 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
                 sizes = sorted(sum((bucket_elements([n for name, n in elements.items() if is_expert(name) == e],
                                                     bucket // param_bytes) for e in (False, True)), []), reverse=True)
             buffers += (sizes[0] + (sizes[1] if len(sizes) > 1 else 0)) * param_bytes
-            # the last two buckets (units) a backward launches stay in flight through the forwards after it,
-            # until the next backward lands them (GradientShards.set_grad_sync): their flat gradients, and
-            # from the second backward on their shards of the sum beside the grad_shards (after the first
-            # the shard becomes the grad_shard, counted above). Launched in backward order, per reducer (the
-            # experts' apart); ZeRO-3's root unit last where it holds the embedding, first where it holds
-            # only the head
-            if zero_stage == 3:
-                blocks_back = [[unit[e] for unit in reversed(block_units) if unit[e]] for e in (0, 1)]
-                launches = [blocks_back[0] + [root] if 0 in here else [root] + blocks_back[0], blocks_back[1]]
-            else:
-                launches = [bucket_elements([n for name, n in elements.items() if is_expert(name) == e],
-                                            bucket // param_bytes) for e in (False, True)]
-            last_two = [(n, r) for order, r in zip(launches, (replicas, expert_replicas)) for n in order[-2:]]
-            in_flight = [sum(n for n, _ in last_two) * param_bytes, sum(shard(n, r) for n, r in last_two) * param_bytes]
+            # the buckets still in flight through the forwards after a backward (last_launched): their flat
+            # gradients, and from the second backward on their shards of the sum beside the grad_shards
+            # (after the first the shard becomes the grad_shard, counted above)
+            last = last_launched(zero_stage, elements, block_units, root, 0 in here, bucket // param_bytes)
+            in_flight = [sum(n for n, _ in last) * param_bytes,
+                         sum(shard(n, expert_replicas if e else replicas) for n, e in last) * param_bytes]
         else:
             grads = P * param_bytes * (2 if (replicas > 1 or zero_stage == 1) else 1)
             in_flight = [0, 0]  # (flat gradients, shards)
