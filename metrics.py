@@ -579,15 +579,18 @@ def memory_rows(layout, predicted, measured, **more):
 def format_memory_rows(rows, compiled_on=None):
     """memory_rows as start-up lines: the tensors' peak of the first step, which the plan counts (the log
     line's peak is the process's, which counts more). compiled_on: the device, when the blocks were compiled
-    in that step: one more line says what compiling adds that neither the plan nor the measure counts."""
+    in that step: one more line says how compiling moves the measure from the plan, and what it adds that
+    neither counts."""
     lines = [f"memory rank {r['rank']} (dp {r['dp_rank']} tp {r['tp_rank']} pp {r['pp_rank']}): predicted "
              f"{r['predicted_bytes'] / 2**20:,.1f} MiB, measured {r['measured_bytes'] / 2**20:,.1f} MiB of tensors "
              f"(step {r['step']})" for r in rows]
     if compiled_on is not None:
         where = (f"the log lines' peak RSS ({rank_peak_memory_bytes(compiled_on) / 2**20:,.0f} MiB after this first "
                  f"step, which compiled)" if compiled_on.type == "cpu" else "host memory")
-        lines.append(f"compile=True: the plan and the measure count tensors only; torch.compile's own memory "
-                     f"(dynamo's traces, inductor's generated code and caches) is in neither, but in {where}")
+        lines.append(f"compile=True: the plan counts an eager step's tensors (compiled blocks save fewer for backward: "
+                     f"their partitioner recomputes cheap operations, so the measure may come in under it); "
+                     f"torch.compile's own memory (dynamo's traces, inductor's generated code and caches) is in "
+                     f"neither, but in {where}")
     return "\n".join(lines)
 
 
