@@ -80,8 +80,8 @@ from pipeline_schedules import SCHEDULES, virtual_stages
 # gradients, optimizer), plus at the end of each forward what is then held (the activations and the
 # loss's tensors of every micro-batch between its forward and its backward, ZeRO-0/1's accumulated
 # p.grad once a backward has run, and ZeRO-2/3's buckets still in flight from it), and at the end of
-# each backward or W what is still held and the buffers. So AFAB holds all m micro-batches, 1F1B pp - stage, interleaved 1F1B its chunks' share of
-# more, with no count written per schedule. Then the optimizer step: the states, the gradients once
+# each backward or W what is still held and the buffers. So AFAB holds all m micro-batches, 1F1B
+# pp - stage, interleaved 1F1B its chunks' share of more, with no count written per schedule. Then the optimizer step: the states, the gradients once
 # (p.grad is a view of the buckets by then) and the step's temporaries. Not modelled, said where it
 # applies: fp16/bf16 autocast's cast copies (counted at the activation dtype), context parallelism's ring
 # buffers (its ring attention is counted as a fused kernel).
