@@ -296,7 +296,7 @@ def measure_memory(cfg, setup, picotron, step):
     layout = setup.layout
     plan = memory_plan.plan_for(cfg, setup.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp),
                                 layout.dp_cp_rank)[layout.pp_rank]
-    measured = metrics.measure_step_memory(lambda: picotron.step(step), setup.dev)
+    measured = metrics.measure_step_memory(lambda: picotron.step(step), setup.dev, compiled=picotron.parts.compiled)
     return metrics.memory_rows(layout, plan["peak"], measured,
                                planned={k: int(v) for k, v in plan.items() if k not in ("stage", "peak")})
 

@@ -15,8 +15,11 @@ runs); no constant is fitted to a measurement.
 
 How it is checked: tests/test_memory.py holds the plan to every rank's measured peak of one step
 (metrics.measure_step_memory: CUDA's allocator, or on CPU metrics.LiveTensorBytes, the live tensor
-storages), within 10%: every shipped config at one process and the README's multi-process layouts, and
-small layouts through bench.py; `python tests/test_memory.py --measure` runs the larger set.
+storages, or with compiled blocks the CPU allocator's), within 10%: every shipped config at one process
+and the README's multi-process layouts, and small layouts through bench.py; `python tests/test_memory.py
+--measure` runs the larger set. It counts what eager blocks save for backward (compiled ones save less),
+and torch.compile's own memory (its traces, generated code, caches) is no tensor of the step: train.py's
+start-up says both when compile is on.
 """
 import math
 
@@ -58,10 +61,12 @@ from pipeline_schedules import SCHEDULES, virtual_stages
 #                while the loss runs the logits beside the softmax (F.cross_entropy: two gradients)
 #   buffers      at the end of a backward: the gradients in flight (autograd's new gradient of the
 #                largest parameter, three of them for a weight tied within the stage; ZeRO-2/3 also two
-#                buckets or units of flat gradients)
-#   step         the optimizer step's temporaries (none for torch's fused AdamW): adamw_update's six
-#                slices of the largest tensor it updates; Muon's, for the largest matrix a rank updates, its
-#                new momentum and Nesterov step, the matrix gathered across tp, Newton-Schulz in fp32
+#                buckets or units of flat gradients). ZeRO-2/3's last two launched stay in flight through
+#                the forwards after the backward, until the next backward lands them
+#   step         the optimizer step's temporaries: none for AdamW (torch's fused kernel, on whole tensors
+#                or ZeRO's slices); ZeRO-1/2's all-gather after it, a copy of this rank's slice of every
+#                bucket (1/dp of the parameters); Muon's, for the largest matrix a rank updates, its new
+#                momentum and Nesterov step, the matrix gathered across tp, Newton-Schulz in fp32
 # Expert parallelism: each rank holds n_expert / ep experts of each layer, their gradients and optimizer
 # state; under ZeRO those are sharded over the expert replicas ((dp / ep) x cp ranks) and the rest over
 # dp x cp, and ZeRO-3 gathers a block's experts as a unit of their own. The experts' activations are
@@ -73,10 +78,10 @@ from pipeline_schedules import SCHEDULES, virtual_stages
 # The peak is found by walking the rank's actions of the schedule (pipeline_schedules.SCHEDULES: the same lists the
 # executor runs; with pp = 1 each micro-batch's forward, then its backward): the states (parameters,
 # gradients, optimizer), plus at the end of each forward what is then held (the activations and the
-# loss's tensors of every micro-batch between its forward and its backward, and ZeRO-0/1's accumulated
-# p.grad once a backward has run), and at the end of each backward or W what is still held and the
-# buffers. So AFAB holds all m micro-batches, 1F1B pp - stage, interleaved 1F1B its chunks' share of
-# more, with no count written per schedule. Then the optimizer step: the states, the gradients once
+# loss's tensors of every micro-batch between its forward and its backward, ZeRO-0/1's accumulated
+# p.grad once a backward has run, and ZeRO-2/3's buckets still in flight from it), and at the end of
+# each backward or W what is still held and the buffers. So AFAB holds all m micro-batches, 1F1B
+# pp - stage, interleaved 1F1B its chunks' share of more, with no count written per schedule. Then the optimizer step: the states, the gradients once
 # (p.grad is a view of the buckets by then) and the step's temporaries. Not modelled, said where it
 # applies: fp16/bf16 autocast's cast copies (counted at the activation dtype), context parallelism's ring
 # buffers (its ring attention is counted as a fused kernel).
@@ -234,6 +239,20 @@ def bucket_elements(param_elements, capacity):
     return sizes + ([current] if current else [])
 
 
+def last_launched(zero_stage, elements, block_units, root, holds_embedding, capacity):
+    """ZeRO-2/3: the last two buckets (units) of each reducer that a backward launches, as (elements,
+    whether of experts): they stay in flight through the forwards after it, until the next backward lands
+    them (zero.GradientShards.set_grad_sync). Launched in backward order, the experts' by a reducer of their
+    own; ZeRO-3's root unit last where the stage holds the embedding, first where it holds only the head."""
+    if zero_stage == 3:
+        back = [[unit[e] for unit in reversed(block_units) if unit[e]] for e in (0, 1)]
+        launches = [back[0] + [root] if holds_embedding else [root] + back[0], back[1]]
+    else:
+        launches = [bucket_elements([n for name, n in elements.items() if is_expert(name) == e], capacity)
+                    for e in (False, True)]
+    return [(n, bool(e)) for e, order in enumerate(launches) for n in order[-2:]]
+
+
 def weight_grad_residual_elements(model_cfg, tokens, tp):
     """Elements one block keeps for a micro-batch between a zero-bubble B and its W (pipeline_schedules.WeightGradStore):
     each tensor-parallel linear's input x (q, k and v read one tensor, as the MLP's gate and up do) and its
@@ -327,8 +346,15 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
                 sizes = sorted(sum((bucket_elements([n for name, n in elements.items() if is_expert(name) == e],
                                                     bucket // param_bytes) for e in (False, True)), []), reverse=True)
             buffers += (sizes[0] + (sizes[1] if len(sizes) > 1 else 0)) * param_bytes
+            # the buckets still in flight through the forwards after a backward (last_launched): their flat
+            # gradients, and from the second backward on their shards of the sum beside the grad_shards
+            # (after the first the shard becomes the grad_shard, counted above)
+            last = last_launched(zero_stage, elements, block_units, root, 0 in here, bucket // param_bytes)
+            in_flight = [sum(n for n, _ in last) * param_bytes,
+                         sum(shard(n, expert_replicas if e else replicas) for n, e in last) * param_bytes]
         else:
             grads = P * param_bytes * (2 if (replicas > 1 or zero_stage == 1) else 1)
+            in_flight = [0, 0]  # (flat gradients, shards)
         # the optimizer's state: AdamW's two moments per element; Muon's one momentum per matrix element
         # (AdamW's two for the rest); under ZeRO 1/dp of them (the experts' over their replicas), except
         # Muon's matrices, dealt whole (optim.deal_whole): this rank's share is what the deal gives it
@@ -348,16 +374,18 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
             owned = share[dp_rank] if dp_rank is not None else max(share, key=lambda ns: sum(elements[n] for n in ns))
             state += sum(elements[name] for name in owned)
         optimizer_bytes = state * param_bytes
-        # the optimizer step's temporaries (torch.optim.AdamW's fused kernel makes none): adamw_update's
-        # (new moments, denominator, new parameter and the two terms of its update: six of the largest
-        # slice); Muon's, for the largest matrix it owns: the new momentum and its Nesterov step (its tp
-        # slice), the matrix gathered whole across tp, and Newton-Schulz on it in fp32 (the normalised X;
-        # then at most X's next iterate, X X^T, the polynomial's terms: see newton_schulz)
+        # the optimizer step's temporaries. AdamW makes none: it is torch's fused kernel (parallel.adamw_step)
+        # on whole tensors or on ZeRO's flat slices alike. After it, ZeRO-1/2's all-gather of the updated
+        # parameters (ShardedGradientBuckets.after_step) posts every bucket's at once, each with a copy of
+        # this rank's slice as its input: 1/dp of the parameters AdamW steps (the experts' over their
+        # replicas), beside the gradient shards (Muon's whole matrices are broadcast in place). Muon's own,
+        # before that, for the largest matrix it owns: the new momentum and its Nesterov step (its tp slice),
+        # the matrix gathered whole across tp, and Newton-Schulz on it in fp32 (the normalised X; then at
+        # most X's next iterate, X X^T, the polynomial's terms: see newton_schulz)
         step_temps = 0
-        if zero_stage >= 1 or muon:
-            adamw_slices = [shard(n, expert_replicas if is_expert(name) else replicas) if zero_stage else n
-                            for name, n in elements.items() if name not in matrices]
-            step_temps = 6 * max(adamw_slices, default=0) * param_bytes
+        if zero_stage in (1, 2):
+            step_temps = ((shard(adamw_elements[0]) if replicas > 1 else 0)
+                          + (shard(adamw_elements[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
         if owned:
             big = max(owned, key=lambda name: math.prod(shapes[name]))
             F, a = math.prod(shapes[big]), min(shapes[big])
@@ -422,7 +450,8 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
             if op == "F":
                 act = (held + recompute) * act_bytes
                 loss_now = held_head * loss_held + (loss_once if c == head_chunk else 0)
-                now = act + max(loss_now, held_head * loss_held + exchange) + (accumulated if backwards else 0)
+                landing = in_flight[0] + (in_flight[1] if backwards > 1 else 0)
+                now = act + max(loss_now, held_head * loss_held + exchange) + ((accumulated + landing) if backwards else 0)
             else:
                 act, loss_now = held * act_bytes, held_head * loss_held
                 now = act + loss_now + accumulated + (buffers if zero_stage >= 2 or backwards > 1 else 0)

@@ -520,28 +520,38 @@ class _Saved:
 # one step, from CUDA's allocator or, on CPU, from the live tensor storages.
 
 
+def live_cpu_storages():
+    """The storages of every CPU tensor alive now (found by the garbage collector: parameters, gradients,
+    optimizer states), each once however many views share it, in a weak dictionary. A tensor whose storage is
+    not on the CPU is left out: the FakeTensors that torch.compile keeps in its caches say device 'cpu' but
+    hold a meta storage, no memory (counted, they made a compiled run's live bytes 500 MiB too many)."""
+    import gc
+    import warnings
+    gc.collect()  # (tensors in cycles nothing reaches any more: garbage, not alive)
+    live = WeakIdKeyDictionary()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor) and obj.untyped_storage().device.type == "cpu":
+                    live[obj.untyped_storage()] = True
+            except (ReferenceError, RuntimeError, NotImplementedError):
+                pass  # a dead weak proxy; a tensor without a storage of its own (sparse, meta-like)
+    return live
+
+
 class LiveTensorBytes(TorchDispatchMode):
     """The peak of live tensor bytes on CPU while it is active, not the process RSS (which holds the
     interpreter and libraries). Every aten operation passes through __torch_dispatch__; the storages of its
     outputs are kept in a weak dictionary, so a storage leaves it when its last tensor, autograd's saved
     copies included, is gone (torch keeps one Python object per storage while the storage lives). It
-    starts from the tensors already alive (found by the garbage collector: parameters, gradients,
-    optimizer states), counts each storage once however many views share it, and reads every storage's
-    size after each operation, so a storage resized in place (ZeRO-3's freed blocks) is followed."""
+    starts from the tensors already alive (live_cpu_storages), and reads every storage's size after each
+    operation, so a storage resized in place (ZeRO-3's freed blocks) is followed. Not for compiled code:
+    see measure_step_memory."""
 
     def __init__(self):
         super().__init__()
-        self.live = WeakIdKeyDictionary()
-        import gc
-        import warnings
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for obj in gc.get_objects():
-                try:
-                    if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-                        self.live[obj.untyped_storage()] = True
-                except (ReferenceError, RuntimeError, NotImplementedError):
-                    pass  # a dead weak proxy; a tensor without a storage of its own (sparse, meta-like)
+        self.live = live_cpu_storages()
         self.peak = self.now()
 
     def now(self):
@@ -556,15 +566,63 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
-def measure_step_memory(step, dev):
+def allocated_peak_bytes(step):
+    """The peak of CPU tensor bytes during step(), from the CPU allocator rather than a dispatch mode: the
+    storages alive before it (live_cpu_storages) plus the most that torch.profiler's memory events (every
+    allocation and free through the CPU allocator, in order) add to them. For compiled code, which no
+    dispatch mode can measure (see measure_step_memory). A block allocated before the step and freed in it
+    is not subtracted (the profiler never saw its size): the few such in a step err high."""
+    from torch.profiler import ProfilerActivity, profile
+    before = sum(storage.nbytes() for storage in live_cpu_storages().keys())
+    profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    # Out of sight: kineto's own start and stop lines, and the allocator's warning about a block freed
+    # that was allocated before profiling (once per thousand such frees: spent here on a block of our own)
+    before_profiling = [torch.empty(1)]
+    _without_stderr(lambda: (profiler.__enter__(), before_profiling.clear()))
+    try:
+        step()
+    finally:
+        _without_stderr(lambda: profiler.__exit__(None, None, None))
+    events = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    held = most = 0
+    for _, nbytes in events:  # an allocation's bytes, or a free's negative bytes
+        held += nbytes
+        most = max(most, held)
+    return before + most
+
+
+def _without_stderr(fn):
+    """fn() with file descriptor 2 sent to /dev/null (what C++ libraries print there; Python's exceptions
+    still propagate)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            return fn()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def measure_step_memory(step, dev, compiled=False):
     """This rank's peak bytes during step() (call it on an untimed step): the CUDA allocator's peak, or
-    on CPU LiveTensorBytes'."""
+    on CPU LiveTensorBytes', or with compiled blocks (compiled=True) allocated_peak_bytes'. A dispatch mode
+    cannot measure compiled code: dynamo skips every frame it meets under a TorchDispatchMode, and marks
+    it never to be compiled again (the first step measured so left compile=True running eager for good),
+    and inside a compiled graph the generated code allocates its buffers outside the dispatcher, where no
+    mode sees them. The CPU allocator sees every tensor either way; on eager steps the two agree (the quick
+    start's first step: 322.2 MiB both), and the dispatch mode stays their measure, as it needs no
+    profiler."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         step()
         torch.cuda.synchronize(dev)
         return torch.cuda.max_memory_allocated(dev)
+    if compiled:
+        return allocated_peak_bytes(step)
     with LiveTensorBytes() as tracker:
         step()
     return tracker.peak
@@ -582,12 +640,22 @@ def memory_rows(layout, predicted, measured, **more):
     return rows
 
 
-def format_memory_rows(rows):
-    """memory_rows as start-up lines: the live tensors' peak of the first step, which the plan counts (the log
-    line's peak is the process's, which counts more)."""
-    return "\n".join(f"memory rank {r['rank']} (dp {r['dp_rank']} tp {r['tp_rank']} pp {r['pp_rank']}): predicted "
-                     f"{r['predicted_bytes'] / 2**20:,.1f} MiB, measured {r['measured_bytes'] / 2**20:,.1f} MiB of live "
-                     f"tensors (step {r['step']})" for r in rows)
+def format_memory_rows(rows, compiled_on=None):
+    """memory_rows as start-up lines: the tensors' peak of the first step, which the plan counts (the log
+    line's peak is the process's, which counts more). compiled_on: the device, when the blocks were compiled
+    in that step: one more line says how compiling moves the measure from the plan, and what it adds that
+    neither counts."""
+    lines = [f"memory rank {r['rank']} (dp {r['dp_rank']} tp {r['tp_rank']} pp {r['pp_rank']}): predicted "
+             f"{r['predicted_bytes'] / 2**20:,.1f} MiB, measured {r['measured_bytes'] / 2**20:,.1f} MiB of tensors "
+             f"(step {r['step']})" for r in rows]
+    if compiled_on is not None:
+        where = (f"the log lines' peak RSS ({rank_peak_memory_bytes(compiled_on) / 2**20:,.0f} MiB after this first "
+                 f"step, which compiled)" if compiled_on.type == "cpu" else "host memory")
+        lines.append(f"compile=True: the plan counts an eager step's tensors (compiled blocks save fewer for backward: "
+                     f"their partitioner recomputes cheap operations, so the measure may come in under it); "
+                     f"torch.compile's own memory (dynamo's traces, inductor's generated code and caches) is in "
+                     f"neither, but in {where}")
+    return "\n".join(lines)
 
 
 def repeats_warning(max_iters, tokens_per_step, train_tokens):

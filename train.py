@@ -755,10 +755,11 @@ def train(cfg, run, resume_path=None):
         if measured is None:  # the first step's peak, measured (its time includes the CPU tracker's)
             out = []
             peak_bytes = metrics.measure_step_memory(
-                lambda: out.append(train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)), run.dev)
+                lambda: out.append(train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)), run.dev,
+                compiled=parts.compiled)
             (loss, grad_norm), = out
             measured = metrics.memory_rows(layout, rank_plan[layout.pp_rank]["peak"], peak_bytes, step=step + 1)
-            print0(layout, metrics.format_memory_rows(measured))
+            print0(layout, metrics.format_memory_rows(measured, run.dev if parts.compiled else None))
         else:
             loss, grad_norm = train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)
         step += 1

@@ -411,7 +411,7 @@ def run_one(argv, copy_from=None, log_path=None):
     if dist.is_initialized():
         dist.barrier()
     measure = metrics.measure_step_memory
-    metrics.measure_step_memory = lambda step, dev: step() or 0
+    metrics.measure_step_memory = lambda step, dev, compiled=False: step() or 0
     with open(log_path or os.devnull, "w") as log, redirect_stdout(log):
         try:
             cfg, _, resume_path = train.configure_run(argv)

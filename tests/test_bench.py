@@ -293,6 +293,26 @@ def test_compiled_blocks_share_one_graph_at_any_depth_and_train_like_eager(tmp_p
         torch._dynamo.reset()
 
 
+def test_train_py_compiles_the_blocks_in_the_first_step_whose_memory_it_measures(tmp_path, monkeypatch, capsys):
+    """train.py measures its first step's peak memory, the step in which torch.compile compiles: a run with
+    compile=True hands dynamo's graph of the blocks to the backend (under a TorchDispatchMode dynamo skips
+    the blocks and never compiles them again), and the measure still sees the step's tensors: the plan
+    within 10% of it (less the tensors that other tests left alive in this process before the run), and a
+    line that says why the two differ."""
+    graphs = compile_counting_graphs(monkeypatch)
+    make_token_data(tmp_path / "data")
+    before = metrics.LiveTensorBytes().now()
+    train.main([f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", "--n_layer=2", "--n_embd=64",
+                "--block_size=32", "--batch_size=2", "--max_iters=2", "--log_interval=1", "--eval_interval=0",
+                "--checkpoint_interval=0", "--compile=True", "--device=cpu", "--peak_flops=1e12"])
+    out = capsys.readouterr().out
+    assert len(graphs) == 1 and "torch.compile failed" not in out, out
+    memory, = [r["memory"] for r in map(json.loads, open(tmp_path / "out" / "metrics.jsonl")) if "memory" in r]
+    predicted, measured = memory[0]["predicted_bytes"], memory[0]["measured_bytes"] - before
+    assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured, before)
+    assert "compile=True: the plan counts an eager step's tensors" in out
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_train_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch, dtype):
     """fp32 and bf16 steps never read a tensor back to the host (.item(), float(), int(), bool(), .tolist(),
