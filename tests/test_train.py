@@ -244,6 +244,13 @@ def test_prepare_train_sample_on_real_text(real_text_run):
                                                                    "--num_samples=1", "--max_new_tokens=5", "--top_k=1"])[0]
 
 
+def test_the_layout_line_gives_the_global_batch_in_tokens(real_text_run):
+    _, _, printed = real_text_run
+    layout_line = next(line for line in printed.splitlines() if line.startswith("layout:"))
+    # batch_size 2 x 1 micro-batch x dp 1 = 2 windows of block_size 64
+    assert layout_line.endswith("; global batch 2 x 1 micro-batches x dp 1 = 2 x 64 = 128 tokens")
+
+
 def test_a_run_ends_with_a_summary_and_the_commands_that_take_it_further(real_text_run):
     import export_hf
     import sample
