@@ -460,13 +460,13 @@ def run_shown(words, folder, logs, timeout=300):
     deadline = time.time() + timeout
     for p in procs:
         p.join(max(0.0, deadline - time.time()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join()
     codes = [p.exitcode for p in procs]
     failed = next((r for r, c in enumerate(codes) if c != 0), 0)
-    return codes, open(files[failed]).read()
+    return codes, open(files[failed]).read() + (f"\n(ranks {hung} killed after {timeout} s)" if hung else "")
 
 
 def readme_runs(data_source):
@@ -488,9 +488,14 @@ def readme_runs(data_source):
 def test_every_readme_command_runs_as_written(tmp_path):
     folder, logs = tmp_path / "checkout", tmp_path / "logs"
     logs.mkdir()
-    # a fresh copy of the checkout's code and configs, without what the README's commands write
-    shutil.copytree(ROOT, folder, ignore=lambda d, names: {n for n in names if n in (
-        ".git", "tests", "docs", "out", "data", "hf", "__pycache__") or n.endswith((".png", ".log"))})
+    # a fresh checkout: the scripts, configs and requirements, without what the README's commands write
+    folder.mkdir()
+    for path in ROOT.glob("*.py"):
+        shutil.copy(path, folder)
+    for path in ROOT.glob("requirements*.txt"):
+        shutil.copy(path, folder)
+    for name in ("config", "scripts"):
+        shutil.copytree(ROOT / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
     made = set()
     for line, words in shown_commands(README.read_text()):
         if words[1:2] == ["make_config.py"]:
