@@ -32,8 +32,8 @@ from unittest import mock
 import torch
 import torch.multiprocessing as mp
 
-import dist_utils
 from conftest import ROOT, needs_gpt2, shared_file
+from dist_utils import PRELOAD, _free_port
 
 import settings
 from configurator import ConfigError, configure
@@ -447,10 +447,10 @@ def run_shown(words, folder, logs, timeout=300):
         nproc = int(launch.nproc_per_node)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if words[0] == "torchrun":
-        env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dist_utils._free_port()),
+        env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                    WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", TORCHELASTIC_RESTART_COUNT="0")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(dist_utils.PRELOAD)
+    ctx.set_forkserver_preload(PRELOAD)
     files = [os.path.join(logs, f"{len(os.listdir(logs)):03d}.rank{r}.log") for r in range(nproc)]
     procs = [ctx.Process(target=_as_run, args=(words[at], words[at + 1:], {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
                                                if words[0] == "torchrun" else env, str(folder), files[r]))
