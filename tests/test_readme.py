@@ -1,4 +1,4 @@
-"""The README and docs/ are part of the product, held to the code here without training anything:
+"""The README and docs/ are part of the product, held to the code here:
 
   - docs/settings.md lists every setting of train.py and of each tool, with the default and meaning the code
     declares (its tables are generated from settings.TRAINING and each tool's own list or parser);
@@ -6,7 +6,10 @@
   - every command the README and docs show names files that exist and only flags its script takes, parsed
     by that script's own Setting list or argparse parser (torchrun's flags by torchrun's parser);
   - the README's reading path ("Read the code") gives each function or class it names its current line
-    range and count of non-blank lines, so a range that moved fails here.
+    range and count of non-blank lines, so a range that moved fails here;
+  - and the README's commands run, in its order, in one fresh copy of the checkout, each cut to a tiny
+    model and 2 steps by flags put after its own (NOT_RUN: what cannot run offline on a CPU), so a command
+    that fails as written fails here.
 
     python tests/test_readme.py            print the reading path's ranges as the code has them now
     python tests/test_readme.py --write    rewrite the generated parts: docs/settings.md's tables and the
