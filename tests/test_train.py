@@ -256,7 +256,7 @@ def test_a_run_ends_with_a_summary_and_the_commands_that_take_it_further(real_te
     import sample
     out_dir, records, printed = real_text_run
     summary = printed[printed.index("finished:"):]
-    evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]  # the log's, at steps 2 and 4
+    evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]  # metrics.jsonl's: steps 2, 4
     best = min(evals, key=lambda e: e[1])
     assert summary.startswith(f"finished: steps 0 -> 4 (4 steps, {4 * 2 * 64:,} tokens) in ")
     assert f"validation loss {evals[-1][1]:.4f} at step 4, the best {best[1]:.4f} at step {best[0]}\n" in summary
@@ -265,7 +265,8 @@ def test_a_run_ends_with_a_summary_and_the_commands_that_take_it_further(real_te
     commands = {words[1]: words for words in shown if words[0] == "python"}  # one process: python SCRIPT ...
     assert set(commands) == {"sample.py", "train.py", "export_hf.py"}
     assert all(f"--out_dir={out_dir}" in words for words in commands.values())
-    # each runs as printed: sample.py samples, train.py resumes this run to 8 steps, export_hf.py's flags parse
+    # each is taken as printed: sample.py samples, train.py finds this run's checkpoint to resume to 8 steps,
+    # export_hf.py's flags parse
     assert sample.main(commands["sample.py"][2:] + ["--num_samples=1", "--max_new_tokens=2"])[0].startswith("The history of")
     cfg, _, resume_path = train.configure_run(commands["train.py"][2:])
     assert resume_path == os.path.join(out_dir, "ckpt_0000004") and cfg.max_iters == 8 and cfg.batch_size == 2
