@@ -20,6 +20,7 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from contextlib import nullcontext
@@ -237,6 +238,15 @@ def print0(layout, *args):
         print(*args, flush=True)
 
 
+def global_batch(cfg, layout):
+    """The step's global batch, batch_size x gradient_accumulation_steps x dp windows of block_size tokens:
+    every layout given the same one trains the same model as one process (docs/equivalence.md), and a
+    layout with more dp ranks trains a larger one unless batch_size or the accumulation is divided by dp."""
+    windows = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp
+    return (f"global batch {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro-batches x dp {layout.dp} = "
+            f"{windows} x {cfg.block_size} = {windows * cfg.block_size:,} tokens")
+
+
 @dataclass
 class Run:
     """What setup finds: where and how the run computes, its ranks, its model's settings and its data."""
@@ -311,7 +321,8 @@ def setup(cfg, training=True):
         print0(layout, f"chunked_loss: not at tp = {layout.tp} (the vocab-parallel loss never gathers the logits "
                        f"anyway): the loss is computed from the logits")
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))  # torchrun's processes on this node
-    print0(layout, describe_layout(layout, cfg.sequence_parallel, model_cfg.n_expert, per_node))
+    first, _, grid = describe_layout(layout, cfg.sequence_parallel, model_cfg.n_expert, per_node).partition("\n")
+    print0(layout, first + ("" if converting else f"; {global_batch(cfg, layout)}") + "\n" + grid)
     if layout.pp > 1:
         cut = metrics.stage_cut(model_cfg, cfg.pp_schedule, layout.pp, cfg.pp_chunks, cfg.pp_layers)
         print0(layout, describe_pipeline(cfg.pp_schedule, layout.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks,
@@ -701,6 +712,39 @@ def write_log(cfg, run, parts, log, record):
 # the loop
 
 
+def end_of_run(cfg, layout, first_step, step, tokens_per_step, seconds, evals, newest):
+    """The lines a run ends with: the steps and tokens it trained and how long it took, its evaluations'
+    last and best validation loss (evals: [(step, {split: loss})]), its newest checkpoint and the
+    commands that take it further, written for this run's out_dir."""
+    trained = step - first_step
+    lines = [f"finished: steps {first_step} -> {step} ({trained} steps, {trained * tokens_per_step:,} tokens) in "
+             f"{metrics.format_duration(seconds)}"]
+    if evals:
+        split = "val" if "val" in evals[-1][1] else "train"  # a corpus of one document has no validation split
+        best = min(evals, key=lambda e: e[1][split])
+        lines.append(f"{'validation' if split == 'val' else 'no validation split: training-set'} loss "
+                     f"{evals[-1][1][split]:.4f} at step {evals[-1][0]}, "
+                     f"the best {best[1][split]:.4f} at step {best[0]}")
+    else:
+        lines.append("no evaluation in this launch (eval_interval = 0, or the run stopped first)")
+    if newest is None:
+        lines.append("no checkpoint (checkpoint_interval = 0): nothing to sample from, resume or export")
+        return "\n".join(lines)
+    out = shlex.quote(cfg.out_dir)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
+    launcher = "python" if layout.world_size == 1 else f"torchrun --nproc_per_node={per_node}" + (
+        f" --nnodes={layout.world_size // per_node}" if layout.world_size > per_node else "")
+    more = "" if step < cfg.max_iters else f" --max_iters={2 * cfg.max_iters}" + (
+        f" --lr_decay_iters={2 * cfg.max_iters}" if cfg.lr_decay_iters == cfg.max_iters else "")
+    name = os.path.basename(os.path.normpath(cfg.out_dir))
+    commands = [(f"python sample.py --out_dir={out} --start=\"The history of\"", "text from it"),
+                (f"{launcher} train.py --init_from=resume --out_dir={out}{more}", "train on"),
+                (f"python export_hf.py --out_dir={out} --hf_dir={shlex.quote('hf/' + name)}", "a transformers folder")]
+    width = max(len(command) for command, _ in commands)
+    lines += [f"checkpoint: {newest}", "next:"] + [f"  {command.ljust(width)}  # {why}" for command, why in commands]
+    return "\n".join(lines)
+
+
 def train(cfg, run, resume_path=None):
     layout, model_cfg = run.layout, run.model_cfg
     parts = build(cfg, run)
@@ -733,8 +777,6 @@ def train(cfg, run, resume_path=None):
     model_flops = metrics.flops_per_token(model_cfg)
     peak = metrics.PeakFlops(cfg.peak_flops, run.dev, run.dtype)  # (asked for the MFU of each log line)
     print0(layout, f"{model_flops / 1e6:.1f} MFLOP per token; peak {peak}")
-    print0(layout, f"global batch: {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro-batches x dp {layout.dp} "
-                   f"= {tokens_per_step:,} tokens per step")
     train_tokens = run.datasets["train"][2]  # the training split's tokens (load_data)
     if cfg.max_iters * tokens_per_step > 4 * train_tokens:
         print0(layout, metrics.repeats_warning(cfg.max_iters, tokens_per_step, train_tokens))
@@ -744,6 +786,7 @@ def train(cfg, run, resume_path=None):
     print0(layout, "predicted " + memory_plan.format_plan(plan))
     rank_plan = memory_plan.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank)
     timer, timed_steps, logged = time.time(), 0, step
+    started, first_step, evals, newest = timer, step, [], resume_path  # for the summary at the end
     micro = batches(step)
     trace_step = min(step + 2, cfg.max_iters) if cfg.pp_trace and parts.pipeline is not None else None
     measured = None
@@ -795,6 +838,7 @@ def train(cfg, run, resume_path=None):
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or end) and not stopping:
             run.phase = f"the evaluation at step {step}"
             losses = evaluate(cfg, run, parts)
+            evals.append((step, losses))
             record = {"step": step, **{f"{split}_loss": v for split, v in losses.items()}}
             print0(layout, f"step {step:6d} | eval " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
             write_log(cfg, run, parts, log, record)
@@ -802,8 +846,8 @@ def train(cfg, run, resume_path=None):
         if (cfg.checkpoint_interval > 0 and (step % cfg.checkpoint_interval == 0 or last)) or stopping:
             parts.bad_steps.check(cfg.out_dir, step)  # never save the state of a run that must stop
             run.phase = f"saving the checkpoint of step {step}"
-            path = save_checkpoint(cfg, run, parts, step, keep=parts.bad_steps.keep(cfg.out_dir))
-            print0(layout, f"step {step:6d} | saved {path}")
+            newest = save_checkpoint(cfg, run, parts, step, keep=parts.bad_steps.keep(cfg.out_dir))
+            print0(layout, f"step {step:6d} | saved {newest}")
             timer, timed_steps = time.time(), 0
         if stopping:
             print0(layout, f"step {step:6d} | stopped by SIGTERM: every rank finished step {step} and saved it; "
@@ -811,6 +855,7 @@ def train(cfg, run, resume_path=None):
             break
     vote.finish()
     log.close()
+    print0(layout, end_of_run(cfg, layout, first_step, step, tokens_per_step, time.time() - started, evals, newest))
     if vote.stopped:
         vote.exit_saved(step)  # the status scripts/slurm.sh requeues the job on (faults.SAVED_ON_SIGTERM)
     return parts.model

@@ -1,7 +1,10 @@
 """The single-process foundation: the model, the config system, data checks, the training loop, resume,
 sampling, and imports on a machine without the optional GPU libraries."""
+import contextlib
+import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -9,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, needs_gpt2, shared_file
+from conftest import ROOT, gpt2_encoding, shared_file
 from dist_utils import make_token_data, train_in_process, train_losses
 
 import configurator
@@ -212,24 +215,62 @@ def test_scratch_run_refuses_to_overwrite_checkpoints(token_dir, tmp_path):
 
 # --- the whole path on real text: prepare, train, sample -------------------------------------------
 
-@needs_gpt2
-def test_prepare_train_sample_on_real_text(tmp_path):
+@pytest.fixture(scope="module")
+def real_text_run(tmp_path_factory):
+    """prepare_data.py on real text, then train.py with the quick start's config cut small, in this process:
+    (its out_dir, the records of its metrics.jsonl, what it printed)."""
     import prepare_data
-    import sample
+    gpt2_encoding()
+    tmp_path = tmp_path_factory.mktemp("real_text")
     source = shared_file("fineweb_edu_sample/fineweb_edu_sample10bt_150.jsonl")
     if source is None:  # a fresh clone without ../shared: make a small corpus of our own
         source = tmp_path / "docs.jsonl"
         source.write_text("".join(json.dumps({"text": f"Document {i}: the quick brown fox jumps over the lazy dog. " * 20})
                                   + "\n" for i in range(60)))
     prepare_data.prepare(str(source), str(tmp_path / "data"), num_proc=1)
-    records = train_in_process([str(ROOT / "config/tiny_fineweb.py"), f"--data_dir={tmp_path / 'data'}",
-                                f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--eval_interval=4",
-                                "--eval_iters=1", "--batch_size=2", "--block_size=64", "--log_interval=1"])
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        records = train_in_process([str(ROOT / "config/tiny_fineweb.py"), f"--data_dir={tmp_path / 'data'}",
+                                    f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--eval_interval=2",
+                                    "--eval_iters=1", "--batch_size=2", "--block_size=64", "--log_interval=1"])
+    return str(tmp_path / "out"), records, printed.getvalue()
+
+
+def test_prepare_train_sample_on_real_text(real_text_run):
+    import sample
+    out_dir, records, _ = real_text_run
     assert "val_loss" in records[-1] and len(train_losses(records)) == 4
-    texts = sample.main([f"--out_dir={tmp_path / 'out'}", "--start=The", "--num_samples=1", "--max_new_tokens=5",
-                         "--top_k=1"])
-    assert texts[0].startswith("The") and texts[0] == sample.main([f"--out_dir={tmp_path / 'out'}", "--start=The",
+    texts = sample.main([f"--out_dir={out_dir}", "--start=The", "--num_samples=1", "--max_new_tokens=5", "--top_k=1"])
+    assert texts[0].startswith("The") and texts[0] == sample.main([f"--out_dir={out_dir}", "--start=The",
                                                                    "--num_samples=1", "--max_new_tokens=5", "--top_k=1"])[0]
+
+
+def test_the_layout_line_gives_the_global_batch_in_tokens(real_text_run):
+    _, _, printed = real_text_run
+    layout_line = next(line for line in printed.splitlines() if line.startswith("layout:"))
+    # batch_size 2 x 1 micro-batch x dp 1 = 2 windows of block_size 64
+    assert layout_line.endswith("; global batch 2 x 1 micro-batches x dp 1 = 2 x 64 = 128 tokens")
+
+
+def test_a_run_ends_with_a_summary_and_the_commands_that_take_it_further(real_text_run):
+    import export_hf
+    import sample
+    out_dir, records, printed = real_text_run
+    summary = printed[printed.index("finished:"):]
+    evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]  # metrics.jsonl's: steps 2, 4
+    best = min(evals, key=lambda e: e[1])
+    assert summary.startswith(f"finished: steps 0 -> 4 (4 steps, {4 * 2 * 64:,} tokens) in ")
+    assert f"validation loss {evals[-1][1]:.4f} at step 4, the best {best[1]:.4f} at step {best[0]}\n" in summary
+    assert f"checkpoint: {os.path.join(out_dir, 'ckpt_0000004')}\n" in summary
+    shown = [shlex.split(line, comments=True) for line in summary.splitlines() if line.startswith("  ")]
+    commands = {words[1]: words for words in shown if words[0] == "python"}  # one process: python SCRIPT ...
+    assert set(commands) == {"sample.py", "train.py", "export_hf.py"}
+    assert all(f"--out_dir={out_dir}" in words for words in commands.values())
+    # each is taken as printed: sample.py samples, train.py finds this run's checkpoint to resume to 8 steps,
+    # export_hf.py's flags parse
+    assert sample.main(commands["sample.py"][2:] + ["--num_samples=1", "--max_new_tokens=2"])[0].startswith("The history of")
+    cfg, _, resume_path = train.configure_run(commands["train.py"][2:])
+    assert resume_path == os.path.join(out_dir, "ckpt_0000004") and cfg.max_iters == 8 and cfg.batch_size == 2
+    configurator.configure(export_hf.EXPORT, commands["export_hf.py"][2:])
 
 
 # --- optional GPU libraries ------------------------------------------------------------------------
