@@ -143,7 +143,7 @@ class Picotron:
         trace = timeline.PipelineTrace(self.dev)
         self.step(i, trace)
         bubble = timeline.measured_bubble(timeline.pipeline_values(trace.times(), self.layout))
-        with metrics.ActivationMemory(self.parts.model, self.parts.pipeline.weight_grad_stores or ()) as memory:
+        with timeline.ActivationMemory(self.parts.model, self.parts.pipeline.weight_grad_stores or ()) as memory:
             self.step(i + 1, memory)
         return {"measured_bubble": bubble, "peak_activation_bytes": timeline.pipeline_values(memory.peak, self.layout),
                 "ideal_bubble": ideal_bubble(self.cfg.pp_schedule, self.layout.pp, self.cfg.gradient_accumulation_steps,
@@ -297,7 +297,7 @@ def measure_memory(cfg, setup, picotron, step):
     plan = memory_plan.plan_for(cfg, setup.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp),
                                 layout.dp_cp_rank)[layout.pp_rank]
     measured = metrics.measure_step_memory(lambda: picotron.step(step), setup.dev, compiled=picotron.parts.compiled)
-    return metrics.memory_rows(layout, plan["peak"], measured,
+    return memory_plan.memory_rows(layout, plan["peak"], measured,
                                planned={k: int(v) for k, v in plan.items() if k not in ("stage", "peak")})
 
 

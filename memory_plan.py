@@ -24,8 +24,9 @@ start-up says both when compile is on.
 import math
 
 import torch
+import torch.distributed as dist
 
-from metrics import stage_cut
+from metrics import rank_peak_memory_bytes, stage_cut
 from model import (Transformer, attention_dims, attention_head_dim, choose_attn_impl, loss_chunk_size,
                    mlp_hidden_size, takes_muon)
 from optim import deal_whole
@@ -499,4 +500,38 @@ def format_plan(stages, gpu_mem_gib=None):
                   "loss": "keep chunked_loss on (tp = 1) or lower batch_size"}[worst]
         lines.append(f"  does not fit {gpu_mem_gib} GiB: stage {top['stage']} needs {top['peak'] / 2**30:.2f} GiB, most "
                      f"of it {worst}: {advice}")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# The plan beside the measure (metrics.measure_step_memory) on every rank: train.py's start-up, bench.py's RESULT
+
+
+def memory_rows(layout, predicted, measured, **more):
+    """[{rank, dp_rank, cp_rank, tp_rank, pp_rank, predicted_bytes, measured_bytes, **more}] of every rank
+    (every rank must call it: a gather)."""
+    mine = {"rank": layout.rank, "dp_rank": layout.dp_rank, "cp_rank": layout.cp_rank, "tp_rank": layout.tp_rank,
+            "pp_rank": layout.pp_rank, "predicted_bytes": int(predicted), "measured_bytes": int(measured), **more}
+    rows = [mine]
+    if layout.world_size > 1:
+        rows = [None] * layout.world_size
+        dist.all_gather_object(rows, mine)
+    return rows
+
+
+def format_memory_rows(rows, compiled_on=None):
+    """memory_rows as start-up lines: the tensors' peak of the first step, which the plan counts (the log
+    line's peak is the process's, which counts more). compiled_on: the device, when the blocks were compiled
+    in that step: one more line says how compiling moves the measure from the plan, and what it adds that
+    neither counts."""
+    lines = [f"memory rank {r['rank']} (dp {r['dp_rank']} tp {r['tp_rank']} pp {r['pp_rank']}): predicted "
+             f"{r['predicted_bytes'] / 2**20:,.1f} MiB, measured {r['measured_bytes'] / 2**20:,.1f} MiB of tensors "
+             f"(step {r['step']})" for r in rows]
+    if compiled_on is not None:
+        where = (f"the log lines' peak RSS ({rank_peak_memory_bytes(compiled_on) / 2**20:,.0f} MiB after this first "
+                 f"step, which compiled)" if compiled_on.type == "cpu" else "host memory")
+        lines.append(f"compile=True: the plan counts an eager step's tensors (compiled blocks save fewer for backward: "
+                     f"their partitioner recomputes cheap operations, so the measure may come in under it); "
+                     f"torch.compile's own memory (dynamo's traces, inductor's generated code and caches) is in "
+                     f"neither, but in {where}")
     return "\n".join(lines)

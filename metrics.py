@@ -7,10 +7,8 @@ What a training run measures, and where the measurements go. train.py and bench.
   3. MFU and peak memory.
   4. The log: metrics.jsonl (always), and the optional W&B and TensorBoard backends, imported only when a
      run asks for them.
-  5. The activation memory a rank holds for backward (the pipeline's actions, sampled; timeline.py times
-     them).
-  6. The memory of one step, measured: CUDA's allocator, or on CPU a tracker of live tensor storages.
-     What memory_plan.py predicts before anything runs is held to it.
+  5. The memory of one step, measured: CUDA's allocator, or on CPU a tracker of live tensor storages.
+     What memory_plan.py predicts before anything runs is held to it (memory_plan.memory_rows).
 """
 import functools
 import itertools
@@ -21,7 +19,6 @@ import re
 import resource
 import sys
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -460,61 +457,37 @@ def format_duration(seconds):
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-# -----------------------------------------------------------------------------
-# 5. The activation memory held for backward
+def repeats_warning(max_iters, tokens_per_step, train_tokens):
+    """The warning of a run that reads its training split several times over (the windows are drawn at
+    random, so a pass is a mean: its tokens seen about once each)."""
+    passes = max_iters * tokens_per_step / train_tokens
+    return (f"warning: {max_iters} steps read {max_iters * tokens_per_step:,} tokens, {passes:.1f} passes over the "
+            f"training split's {train_tokens:,}: the train loss will fall below the val loss as the model learns "
+            f"this data by heart; prepare more text (prepare_data.py --max_tokens) or lower max_iters (the log's "
+            f"epoch says which pass a step is in)")
 
 
-class ActivationMemory:
-    """The bytes this rank holds for backward, live and at peak: the floating-point tensors autograd saves
-    (seen through saved-tensor hooks; parameters and integer index tensors such as token ids are left out,
-    and a tensor saved by two operations counts twice), plus what zero-bubble WeightGradStores keep between a
-    microbatch's B and its W. Use it as a context around the step; sampled at every save and, passed as
-    run_schedule's trace, at the end of every action."""
-
-    def __init__(self, model, stores=()):
-        self.params = {p.data_ptr() for p in model.parameters()}
-        self.stores, self.live, self.peak = list(stores), 0, 0
-
-    def __enter__(self):
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-
-    def _pack(self, t):
-        if not t.is_floating_point() or t.data_ptr() in self.params:
-            return t
-        return _Saved(t, self)
-
-    @staticmethod
-    def _unpack(packed):
-        return packed.tensor if isinstance(packed, _Saved) else packed
-
-    def sample(self):
-        self.peak = max(self.peak, self.live + sum(store.held_bytes for store in self.stores))
-
-    @contextmanager
-    def __call__(self, action):
-        yield
-        self.sample()
-
-
-class _Saved:
-    """A tensor autograd saved, counted in an ActivationMemory while autograd holds it."""
-
-    def __init__(self, tensor, counter):
-        self.tensor, self.counter, self.nbytes = tensor, counter, tensor.numel() * tensor.element_size()
-        counter.live += self.nbytes
-        counter.sample()
-
-    def __del__(self):
-        self.counter.live -= self.nbytes
+def format_log_line(record, eta, dev):
+    """The console line of a logged training step (record: the metrics.jsonl record). Its memory is the
+    process's peak (peak_memory_bytes: the CPU's resident set, or CUDA's allocated bytes), which counts
+    more than the live tensors the start-up line's plan is held to."""
+    memory = "peak RSS" if dev.type == "cpu" else "peak allocated"
+    mfu_note = f" ({record['mfu_note']})" if record.get("mfu_note") else ""  # PeakFlops: a new probe, a cap
+    line = (f"step {record['step']:6d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
+            f"{record['grad_norm']:.3f} | {record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step | "
+            f"MFU {format_mfu(record['mfu'])}{mfu_note} | {memory} {record['peak_mem_bytes'] / 2**20:,.0f} MiB | epoch "
+            f"{record['epoch']:.2f} | eta {format_duration(eta)}")
+    if record["skipped_steps"]:
+        line += f" | skipped {record['skipped_steps']}"
+    if "aux_loss" in record:
+        line += (f" | aux {record['aux_loss']:.4f} dropped {record['moe_dropped_frac']:.3f} | expert load "
+                 f"{record['expert_load_min']:,.0f}-{record['expert_load_max']:,.0f} | all-to-all "
+                 f"{record['a2a_bytes'] / 2**20:,.2f} MiB")
+    return line
 
 
 # -----------------------------------------------------------------------------
-# 6. The memory of one step, measured
+# 5. The memory of one step, measured
 #
 # What memory_plan.py's prediction is held to (tests/test_memory.py): this rank's peak bytes during
 # one step, from CUDA's allocator or, on CPU, from the live tensor storages.
@@ -585,11 +558,8 @@ def allocated_peak_bytes(step):
         _without_stderr(lambda: profiler.__exit__(None, None, None))
     events = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events()
                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-    held = most = 0
-    for _, nbytes in events:  # an allocation's bytes, or a free's negative bytes
-        held += nbytes
-        most = max(most, held)
-    return before + most
+    # each event's bytes: an allocation's, or a free's negative; the most held is their running sum's top
+    return before + max(itertools.accumulate((nbytes for _, nbytes in events), initial=0))
 
 
 def _without_stderr(fn):
@@ -626,62 +596,3 @@ def measure_step_memory(step, dev, compiled=False):
     with LiveTensorBytes() as tracker:
         step()
     return tracker.peak
-
-
-def memory_rows(layout, predicted, measured, **more):
-    """[{rank, dp_rank, cp_rank, tp_rank, pp_rank, predicted_bytes, measured_bytes, **more}] of every rank
-    (every rank must call it: a gather)."""
-    mine = {"rank": layout.rank, "dp_rank": layout.dp_rank, "cp_rank": layout.cp_rank, "tp_rank": layout.tp_rank,
-            "pp_rank": layout.pp_rank, "predicted_bytes": int(predicted), "measured_bytes": int(measured), **more}
-    rows = [mine]
-    if layout.world_size > 1:
-        rows = [None] * layout.world_size
-        dist.all_gather_object(rows, mine)
-    return rows
-
-
-def format_memory_rows(rows, compiled_on=None):
-    """memory_rows as start-up lines: the tensors' peak of the first step, which the plan counts (the log
-    line's peak is the process's, which counts more). compiled_on: the device, when the blocks were compiled
-    in that step: one more line says how compiling moves the measure from the plan, and what it adds that
-    neither counts."""
-    lines = [f"memory rank {r['rank']} (dp {r['dp_rank']} tp {r['tp_rank']} pp {r['pp_rank']}): predicted "
-             f"{r['predicted_bytes'] / 2**20:,.1f} MiB, measured {r['measured_bytes'] / 2**20:,.1f} MiB of tensors "
-             f"(step {r['step']})" for r in rows]
-    if compiled_on is not None:
-        where = (f"the log lines' peak RSS ({rank_peak_memory_bytes(compiled_on) / 2**20:,.0f} MiB after this first "
-                 f"step, which compiled)" if compiled_on.type == "cpu" else "host memory")
-        lines.append(f"compile=True: the plan counts an eager step's tensors (compiled blocks save fewer for backward: "
-                     f"their partitioner recomputes cheap operations, so the measure may come in under it); "
-                     f"torch.compile's own memory (dynamo's traces, inductor's generated code and caches) is in "
-                     f"neither, but in {where}")
-    return "\n".join(lines)
-
-
-def repeats_warning(max_iters, tokens_per_step, train_tokens):
-    """The warning of a run that reads its training split several times over (the windows are drawn at
-    random, so a pass is a mean: its tokens seen about once each)."""
-    passes = max_iters * tokens_per_step / train_tokens
-    return (f"warning: {max_iters} steps read {max_iters * tokens_per_step:,} tokens, {passes:.1f} passes over the "
-            f"training split's {train_tokens:,}: the train loss will fall below the val loss as the model learns "
-            f"this data by heart; prepare more text (prepare_data.py --max_tokens) or lower max_iters (the log's "
-            f"epoch says which pass a step is in)")
-
-
-def format_log_line(record, eta, dev):
-    """The console line of a logged training step (record: the metrics.jsonl record). Its memory is the
-    process's peak (peak_memory_bytes: the CPU's resident set, or CUDA's allocated bytes), which counts
-    more than the live tensors the start-up line's plan is held to."""
-    memory = "peak RSS" if dev.type == "cpu" else "peak allocated"
-    mfu_note = f" ({record['mfu_note']})" if record.get("mfu_note") else ""  # PeakFlops: a new probe, a cap
-    line = (f"step {record['step']:6d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
-            f"{record['grad_norm']:.3f} | {record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step | "
-            f"MFU {format_mfu(record['mfu'])}{mfu_note} | {memory} {record['peak_mem_bytes'] / 2**20:,.0f} MiB | epoch "
-            f"{record['epoch']:.2f} | eta {format_duration(eta)}")
-    if record["skipped_steps"]:
-        line += f" | skipped {record['skipped_steps']}"
-    if "aux_loss" in record:
-        line += (f" | aux {record['aux_loss']:.4f} dropped {record['moe_dropped_frac']:.3f} | expert load "
-                 f"{record['expert_load_min']:,.0f}-{record['expert_load_max']:,.0f} | all-to-all "
-                 f"{record['a2a_bytes'] / 2**20:,.2f} MiB")
-    return line

@@ -379,7 +379,7 @@ class WeightGradStore:
 
     def __init__(self, modules):
         self.params, self.held, self.collecting = [], {}, None
-        self.held_bytes = 0  # of the x and dy kept (each counted per layer): metrics.ActivationMemory reads it
+        self.held_bytes = 0  # of the x and dy kept (each counted per layer): timeline.ActivationMemory reads it
         for module in modules:
             for layer in module.modules():
                 if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):

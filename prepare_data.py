@@ -376,12 +376,6 @@ def prepare(dataset=DEFAULT_DATASET, out_dir=DEFAULT_OUT_DIR, name=None, text_fi
             bar.close()
     elapsed = time.time() - t0
 
-    # the old meta.json goes first, so a crash between the renames never leaves new bins beside an old meta
-    meta_path = os.path.join(out_dir, 'meta.json')
-    if os.path.exists(meta_path):
-        os.remove(meta_path)
-    for path in paths.values():
-        os.replace(path + '.tmp', path)
     meta = {
         'tokenizer': tokenizer, 'vocab_size': enc.n_vocab, 'dtype': np.dtype(dtype).name, 'eot_token': enc.eot_token,
         'train_tokens': split_tokens['train'], 'val_tokens': split_tokens['val'],
@@ -389,12 +383,20 @@ def prepare(dataset=DEFAULT_DATASET, out_dir=DEFAULT_OUT_DIR, name=None, text_fi
         'val_fraction': val_fraction, 'max_tokens': max_tokens, 'skipped_rows': skipped.count,
         'source': {'dataset': dataset, 'name': name, 'split': split, 'text_field': text_field},
     }
+    publish(paths, os.path.join(out_dir, 'meta.json'), meta)
+    print_summary(meta, out_dir, elapsed, skipped)
+    return meta
+
+def publish(paths, meta_path, meta):
+    """Put the new bins (written beside them as .tmp) in place of out_dir's, then write meta.json."""
+    # the old meta.json goes first, so a crash between the renames never leaves new bins beside an old meta
+    if os.path.exists(meta_path):
+        os.remove(meta_path)
+    for path in paths.values():
+        os.replace(path + '.tmp', path)
     with open(meta_path + '.tmp', 'w') as f:
         json.dump(meta, f, indent=2)
     os.replace(meta_path + '.tmp', meta_path)
-
-    print_summary(meta, out_dir, elapsed, skipped)
-    return meta
 
 def print_summary(meta, out_dir, elapsed, skipped):
     n_docs, n_tokens = meta['train_docs'] + meta['val_docs'], meta['train_tokens'] + meta['val_tokens']

@@ -14,7 +14,8 @@ Under the rows: the most microbatches each rank holds, and the bubble measured o
 paper's formula (pipeline_schedules.ideal_bubble).
 
 The end of the file measures the real thing: a step's actions timed on every rank (train.py's pp_trace,
-bench.py --schedules), written as pp_trace.json in Chrome's trace format with the measured bubble.
+bench.py --schedules), written as pp_trace.json in Chrome's trace format with the measured bubble; and the
+activation memory each rank holds for backward, sampled at every action (ActivationMemory; bench.py reports both).
 """
 import argparse
 import json
@@ -194,7 +195,7 @@ def format_timeline(schedule, pp, m, chunks=1):
 
 
 # -----------------------------------------------------------------------------
-# The pipeline measured: one step's actions timed on every rank
+# The pipeline measured: one step's actions timed on every rank, and the activations each holds
 
 
 
@@ -290,6 +291,55 @@ def write_pipeline_trace(trace, layout, cfg, step):
             + " | ".join(f"rank {r} {b:.1%}" for r, b in enumerate(bubbles))
             + f" (mean {sum(bubbles) / len(bubbles):.1%}); ideal {cfg.pp_schedule} "
             + (f"{ideal:.1%}" if ideal is not None else "(no formula)") + " with forward = B = W in time")
+
+
+class ActivationMemory:
+    """The bytes this rank holds for backward, live and at peak: the floating-point tensors autograd saves
+    (seen through saved-tensor hooks; parameters and integer index tensors such as token ids are left out,
+    and a tensor saved by two operations counts twice), plus what zero-bubble WeightGradStores keep between a
+    microbatch's B and its W. Use it as a context around the step; sampled at every save and, passed as
+    run_schedule's trace, at the end of every action."""
+
+    def __init__(self, model, stores=()):
+        self.params = {p.data_ptr() for p in model.parameters()}
+        self.stores, self.live, self.peak = list(stores), 0, 0
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    def _pack(self, t):
+        if not t.is_floating_point() or t.data_ptr() in self.params:
+            return t
+        return _Saved(t, self)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def sample(self):
+        self.peak = max(self.peak, self.live + sum(store.held_bytes for store in self.stores))
+
+    @contextmanager
+    def __call__(self, action):
+        yield
+        self.sample()
+
+
+class _Saved:
+    """A tensor autograd saved, counted in an ActivationMemory while autograd holds it."""
+
+    def __init__(self, tensor, counter):
+        self.tensor, self.counter, self.nbytes = tensor, counter, tensor.numel() * tensor.element_size()
+        counter.live += self.nbytes
+        counter.sample()
+
+    def __del__(self):
+        self.counter.live -= self.nbytes
 
 
 def main(argv):

@@ -801,8 +801,8 @@ def train(cfg, run, resume_path=None):
                 lambda: out.append(train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)), run.dev,
                 compiled=parts.compiled)
             (loss, grad_norm), = out
-            measured = metrics.memory_rows(layout, rank_plan[layout.pp_rank]["peak"], peak_bytes, step=step + 1)
-            print0(layout, metrics.format_memory_rows(measured, run.dev if parts.compiled else None))
+            measured = memory_plan.memory_rows(layout, rank_plan[layout.pp_rank]["peak"], peak_bytes, step=step + 1)
+            print0(layout, memory_plan.format_memory_rows(measured, run.dev if parts.compiled else None))
         else:
             loss, grad_norm = train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)
         step += 1

@@ -29,7 +29,7 @@ from parallel import ParallelLayout, PipelineComm, run_schedule, stage_layers, s
 from pipeline_schedules import (SCHEDULES, WeightGradStore, balanced_cut, check_schedule, cost_cut, describe_pipeline,
                                 forward_only_actions, ideal_bubble, virtual_stages)
 from parallel import _all_gather_single
-from timeline import bubble_fraction, format_timeline, schedule_timeline
+from timeline import ActivationMemory, bubble_fraction, format_timeline, schedule_timeline
 from timeline import main as timeline_main
 
 CFG = ModelConfig(vocab_size=512, block_size=16, n_layer=6, n_head=4, n_kv_head=2, n_embd=64)
@@ -444,7 +444,7 @@ def _stage_step(layout, schedule, m, chunks=1, aux=False, cfg=CFG, checkpointing
     stores = [WeightGradStore(chunk_modules(model, c)) for c in range(v)] if split else None
     chunk_models = [(WithAuxLoss(model, c) if aux else functools.partial(model, chunk=c)) for c in range(v)]
     told = ToldReducer()
-    with metrics.ActivationMemory(model, stores or ()) as memory:
+    with ActivationMemory(model, stores or ()) as memory:
         loss = run_schedule(actions, chunk_models, make_microbatches(m), comm, grad_sync=told, split_backward=stores,
                             trace=memory)
     syncs, ready = told.syncs, told.ready
