@@ -16,7 +16,7 @@ Each rank file's crc32 is computed as torch.save writes it (no second read) and 
 reads the file: a file damaged on disk without changing its size (a bad sector, a copy gone wrong) stops the
 load naming the file, rather than loading NaN that would later read as a divergence. A save refuses weights
 that are not finite, so every checkpoint that verifies is one to resume from. `python checkpoint.py --verify
-OUT_DIR` checks every checkpoint of a run offline and names the newest intact one.
+OUT_DIR` checks every checkpoint of a run offline and names the newest intact one (faults.verify).
 
 Each tensor is saved as "pieces". A piece says which full tensor it belongs to (its name and full shape),
 which tensor-parallel slice it is (dim, rank, world) and which range of that slice's flattened elements it
@@ -68,6 +68,12 @@ def _broadcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _error(e):
+    """An exception as a few words: its type and the first line of its text."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def make_piece(tensor, param, flat_range=None):
@@ -132,10 +138,8 @@ def why_corrupted(path, name, meta):
     """None when rank file `name` of checkpoint `path` has the crc32 meta.json recorded as it was written (or
     meta.json has none: a checkpoint from before checksums), else why not, naming the file."""
     crcs = dict(zip(meta["files"], meta.get("file_crc32", [])))
-    if name not in crcs:
-        return None
-    found = file_crc32(os.path.join(path, name))
-    if found == crcs[name]:
+    found = file_crc32(os.path.join(path, name)) if name in crcs else None
+    if found is None or found == crcs[name]:
         return None
     return (f"{os.path.join(path, name)} is corrupted, not diverged: its bytes' crc32 is {found:08x}, meta.json "
             f"recorded {crcs[name]:08x} as it was written (the file changed on disk since, at the same size: "
@@ -153,15 +157,13 @@ class CheckpointReader:
         self.checksummed = "file_crc32" in self.meta
         self.files = []
         for name in self.meta["files"]:
-            corrupted = why_corrupted(path, name, self.meta)
-            if corrupted:
+            if corrupted := why_corrupted(path, name, self.meta):
                 raise CorruptedCheckpoint(corrupted)
             try:
                 self.files.append(torch.load(os.path.join(path, name), map_location="cpu", mmap=True,
                                              weights_only=True))
             except Exception as e:  # torch.load raises many kinds for a damaged file: all mean "unreadable"
-                raise CheckpointError(f"checkpoint {path}: {name} cannot be read ({type(e).__name__}: "
-                                      f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})")
+                raise CheckpointError(f"checkpoint {path}: {name} cannot be read ({_error(e)})")
 
     def _pieces(self, section, name, key=None):
         found = []
@@ -238,11 +240,10 @@ def open_for_resume(path, model_cfg, say=print):
         except CheckpointError as e:
             reader, error = None, (isinstance(e, CorruptedCheckpoint), str(e))
         errors = [(r, e) for r, e in enumerate(_gather(error)) if e]
-        corrupted = [(r, text) for r, (bad, text) in errors if bad]
-        if corrupted:
-            r, text = corrupted[0]
-            raise CorruptedCheckpoint(text + (f" (found by rank {r})" if dist.is_initialized() else "") + ". "
-                                      + _corrupted_advice(out_dir, candidate))
+        for r, (corrupted, text) in errors:
+            if corrupted:  # the first rank that found it
+                raise CorruptedCheckpoint(text + (f" (found by rank {r})" if dist.is_initialized() else "") + ". "
+                                          + _corrupted_advice(out_dir, candidate))
         if not errors:
             if not reader.checksummed:
                 say(f"checkpoint {candidate} was written before checkpoints had checksums: its files' sizes are "
@@ -388,11 +389,6 @@ def resume_run(path, cfg, run, parts, say=print):
 # Writing
 
 
-def _error(e):
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
-
-
 class _WriteRecorder:
     """The file torch.save writes through: it computes the crc32 of the bytes as they are written (torch.save
     writes a file front to back, never seeking back, so these are the file's bytes, with no second read) and
@@ -467,14 +463,13 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
                 size = os.path.getsize(os.path.join(tmp, name))
         except (OSError, RuntimeError) as e:
             error, code = _error(e), getattr(e, "errno", None)
-        written = _gather((name, size, crc, error, code, bad))
-        failed = [(r, w[3], w[4]) for r, w in enumerate(written) if w[3]]
-        not_finite = [(r, w[5]) for r, w in enumerate(written) if w[5]]
+        names, sizes, crcs, errors, codes, bads = zip(*_gather((name, size, crc, error, code, bad)))
+        failed = [(r, e, c) for r, (e, c) in enumerate(zip(errors, codes)) if e]
+        not_finite = [(r, b) for r, b in enumerate(bads) if b]
         if rank == 0 and not failed and not not_finite:
             try:
-                meta = dict(meta, step=step, world_size=world_size, files=[w[0] for w in written],
-                            file_sizes=[w[1] for w in written], file_crc32=[w[2] for w in written],
-                            saved_at=time.time())
+                meta = dict(meta, step=step, world_size=world_size, files=list(names), file_sizes=list(sizes),
+                            file_crc32=list(crcs), saved_at=time.time())
                 with open(os.path.join(tmp, "meta.json.partial"), "w") as f:
                     json.dump(meta, f, indent=1)
                 os.rename(os.path.join(tmp, "meta.json.partial"), os.path.join(tmp, "meta.json"))  # the commit
@@ -616,11 +611,10 @@ def latest_checkpoint(out_dir):
 def why_damaged(path):
     """None for an intact checkpoint (complete, and every rank file has the crc32 meta.json recorded; one
     written before checksums by its sizes alone), else what is wrong with it: reads every file."""
-    why = why_incomplete(path)
-    if why:
+    if why := why_incomplete(path):
         return why
     meta = read_meta(path)
-    return next((why for why in (why_corrupted(path, name, meta) for name in meta["files"]) if why), None)
+    return next(filter(None, (why_corrupted(path, name, meta) for name in meta["files"])), None)
 
 
 def newest_intact(out_dir, before=None):
@@ -681,53 +675,6 @@ def find_checkpoint(ckpt, out_dir):
                             f"every rank file): {why}{listed}")
 
 
-
-
-# -----------------------------------------------------------------------------
-# python checkpoint.py --verify OUT_DIR
-
-
-def verify(out_dir, say=print):
-    """Check every checkpoint of out_dir offline (sizes and crc32s, reading every file), say what each is,
-    and name the newest intact one with the command that resumes from it. Returns the exit status: 0 when
-    the newest checkpoint is intact, 1 when it is not (an older one may be, named), 2 when out_dir holds
-    no checkpoint."""
-    paths = sorted(set(checkpoint_folders(out_dir)) | set(complete_checkpoints(out_dir)), key=step_of)
-    if not paths:
-        say(f"error: no checkpoint in '{out_dir}' (no ckpt_* folder): name a run's out_dir")
-        return 2
-    intact = None
-    for path in paths:
-        start, why = time.time(), why_damaged(path)
-        if why is None:
-            intact, meta = path, read_meta(path)
-            files, size = len(meta["files"]), sum(meta["file_sizes"]) / 2**20
-            why = (f"intact ({files} file{'s' if files > 1 else ''}, {size:,.1f} MiB, crc32 checked in "
-                   f"{time.time() - start:.2f} s)" if "file_crc32" in meta else
-                   "intact by its sizes (written before checksums: its bytes cannot be checked)")
-        say(f"{path}: {why}")
-    if intact is None:
-        say(f"no checkpoint in {out_dir} is intact: start again with --init_from=scratch")
-        return 1
-    world = read_meta(intact)["world_size"]
-    launch = "python train.py" if world == 1 else f"torchrun --nproc_per_node={world} train.py"
-    newer = [p for p in paths if step_of(p) > step_of(intact)]
-    say(f"the newest intact checkpoint is {intact} (saved by {world} process{'es' if world > 1 else ''})"
-        + (f", older than the damaged {', '.join(newer)}: move {'them' if len(newer) > 1 else 'it'} aside first ("
-           + "; ".join(f"mv {p} {p}.damaged" for p in newer) + ")" if newer else "")
-        + f"; resume from it with:\n  {launch} --init_from=resume --out_dir={out_dir}")
-    return 1 if newer else 0
-
-
-def main(argv):
-    if len(argv) == 2 and argv[0] == "--verify":
-        return verify(argv[1])
-    if len(argv) == 1 and argv[0].startswith("--verify="):
-        return verify(argv[0].split("=", 1)[1])
-    print("usage: python checkpoint.py --verify OUT_DIR   (checks every checkpoint of a run; exit status 0 when the "
-          "newest is intact, 1 when it is not, 2 when OUT_DIR holds none)", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":  # python checkpoint.py --verify OUT_DIR: faults.verify (faults.py imports this file)
+    from faults import verify_main
+    sys.exit(verify_main(sys.argv[1:]))
