@@ -61,31 +61,20 @@ def _gather(obj):
     return out
 
 
-def _broadcast(obj):
-    """Rank 0's obj, on every rank."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _error(e):
-    """An exception as a few words: its type and the first line of its text."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def make_piece(tensor, param, flat_range=None):
     """Describe `tensor` (shaped like this rank's slice of `param`, or a flat range of it) for saving."""
-    numel = tensor.numel() if flat_range is None else None
     return {
         "tensor": tensor.detach().cpu().clone().reshape(-1),
         "full_shape": list(full_shape_of(param)),
         "tp_dim": getattr(param, "tp_shard_dim", None),
         "tp_rank": getattr(param, "tp_rank", 0),
         "tp_world": getattr(param, "tp_world", 1),
-        "flat_range": list(flat_range) if flat_range is not None else [0, numel],
+        "flat_range": [0, tensor.numel()] if flat_range is None else list(flat_range),
     }
 
 
@@ -147,14 +136,12 @@ def why_corrupted(path, name, meta):
 
 
 class CheckpointReader:
-    """Reads a checkpoint folder lazily (memory-mapped) and hands each rank the slices it needs. It first
-    checks each file's crc32 against meta.json's (a full read of the files; raises CorruptedCheckpoint);
-    `checksummed` is False for a checkpoint written before checksums, whose files are not checked."""
+    """Reads a checkpoint folder lazily (memory-mapped) and hands each rank the slices it needs, once each
+    file's crc32 is the one meta.json recorded (a full read of the files; else CorruptedCheckpoint)."""
 
     def __init__(self, path):
         self.path = path
         self.meta = read_meta(path)
-        self.checksummed = "file_crc32" in self.meta
         self.files = []
         for name in self.meta["files"]:
             if corrupted := why_corrupted(path, name, self.meta):
@@ -166,12 +153,8 @@ class CheckpointReader:
                 raise CheckpointError(f"checkpoint {path}: {name} cannot be read ({_error(e)})")
 
     def _pieces(self, section, name, key=None):
-        found = []
-        for f in self.files:
-            entry = f[section].get(name)
-            if entry is not None:
-                found.append(entry if key is None else entry[key])
-        return found
+        entries = [f[section][name] for f in self.files if name in f[section]]
+        return entries if key is None else [entry[key] for entry in entries]
 
     def has(self, section, name):
         return bool(self._pieces(section, name))
@@ -229,9 +212,8 @@ def check_model_config(saved, model_cfg, path):
 def open_for_resume(path, model_cfg, say=print):
     """The reader of the checkpoint to resume: `path`, or when some rank cannot read it, the newest older
     complete checkpoint every rank can. All ranks decide together (one all_gather per candidate): a rank
-    that resumed another step than the others would train another model. A file that is corrupted (its
-    crc32 differs from the one recorded as it was written) on any rank stops every rank, naming it: its
-    NaN would otherwise pass for a divergence. `say` prints the fallback and notes."""
+    that resumed another step than the others would train another model. A corrupted file on any rank
+    stops every rank, naming it: its NaN would otherwise pass for a divergence."""
     out_dir = os.path.dirname(path)
     candidates = [p for p in complete_checkpoints(out_dir) if step_of(p) <= step_of(path)][::-1]  # newest first
     for i, candidate in enumerate(candidates):
@@ -245,7 +227,7 @@ def open_for_resume(path, model_cfg, say=print):
                 raise CorruptedCheckpoint(text + (f" (found by rank {r})" if dist.is_initialized() else "") + ". "
                                           + _corrupted_advice(out_dir, candidate))
         if not errors:
-            if not reader.checksummed:
+            if "file_crc32" not in reader.meta:
                 say(f"checkpoint {candidate} was written before checkpoints had checksums: its files' sizes are "
                     f"checked, not their bytes")
             check_model_config(reader.meta["model"], model_cfg, candidate)
@@ -309,11 +291,9 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
 
 def optimizer_pieces(optimizer, model, layout):
-    """The optimizer's states (AdamW's moments, Muon's momentum), saved like the parameters they belong to.
-    Under ZeRO-1 a state says which flat range of its parameter's (tensor-parallel slice's) elements this
-    rank owns (parallel.ZeroOneAdamW: a slice; optim.Muon: a whole matrix, or a slice for AdamW's
-    part): then every data-parallel rank saves its own ranges, and the ranks' pieces together cover every
-    element once."""
+    """The optimizer's states, saved like the parameters they belong to. Under ZeRO-1 a state says which flat
+    range of its parameter's (tensor-parallel slice's) elements this rank owns (parallel.ZeroOneAdamW: a
+    slice; optim.Muon: a whole matrix, or a slice for AdamW's part): every data-parallel rank saves its own."""
     pieces, copies, experts = {}, model.tied_copies(), model.expert_parameters()
     for name, p in model.named_parameters():
         state = optimizer.state.get(p)
@@ -333,9 +313,8 @@ def _moment(reader, name, p, key):
 
 
 def load_states(optimizer, model, reader):
-    """Fill an optimizer's states, which exist before its first step (optim.AdamW, parallel.ZeroOneAdamW,
-    optim.Muon; any dp, any layout) from a checkpoint saved with or without ZeRO: each rank assembles the full state
-    tensors of its parameters and keeps the flat range it owns (all of it without one)."""
+    """Fill an optimizer's states (they exist before its first step) from a checkpoint saved with or without
+    ZeRO: each rank assembles the full state tensors of its parameters and keeps the flat range it owns."""
     step, copies = torch.tensor(float(reader.meta["adam_step"])), model.tied_copies()
     for name, p in model.named_parameters():
         state = optimizer.state.get(p)
@@ -352,17 +331,12 @@ def load_states(optimizer, model, reader):
 
 def adamw_step_count(optimizer):
     """AdamW's step counter (every AdamW state has the same; Muon's momentum has none)."""
-    for state in optimizer.state.values():
-        if "step" in state:
-            return int(state["step"])
-    return 0
+    return next((int(state["step"]) for state in optimizer.state.values() if "step" in state), 0)
 
 
 def resume_run(path, cfg, run, parts, say=print):
-    """Load the checkpoint at `path` (saved at any layout) into a training run's model, optimizer and loss
-    scaler (train.py's run and parts); returns (its step, the path read, its meta). If a rank cannot read it,
-    every rank falls back to the previous complete checkpoint (open_for_resume decides for all of them
-    together). say(text) prints on rank 0."""
+    """Load the checkpoint at `path` (saved at any layout, or an older one: open_for_resume) into train.py's
+    run and parts: model, optimizer and loss scaler. Returns (its step, the path read, its meta)."""
     reader = open_for_resume(path, run.model_cfg, say)
     # ZeRO-3: a unit at a time, keeping this rank's slices
     for params in parts.grad_sync.unit_by_unit() if cfg.zero_stage == 3 else [None]:
@@ -431,16 +405,11 @@ def _not_finite(model_pieces):
 
 def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, extra=None, keep_last_n=0,
          keep=()):
-    """Write this rank's pieces; the checkpoint appears (atomically) once every rank has written.
-    model_pieces: {name: piece}; optimizer_pieces: {name: {state_key: piece}}. keep_last_n > 0 then
-    removes all but the newest keep_last_n complete checkpoints, except those in `keep`.
-
-    Every rank learns whether every other rank's write worked (the gather of the file sizes carries the
-    errors too): when one fails (a full disk, a quota, a permission), every rank raises the same
-    CheckpointError, naming the rank, the path and the cause, after rank 0 removed the partial folder; no
-    rank is left waiting in a collective for one that stopped, and the earlier checkpoints are untouched.
-    Weights that are not finite on any rank are never written (a pass over them before the write): the
-    same gather tells every rank, and each raises the same CheckpointError."""
+    """Write this rank's pieces ({name: piece}, {name: {state_key: piece}}); the checkpoint appears
+    (atomically) once every rank has written, and keep_last_n > 0 then prunes the older ones but `keep`.
+    One gather tells every rank whether every write worked and every weight was finite: when not, every
+    rank raises the same CheckpointError (rank 0 having removed the partial folder), none is left waiting
+    in a collective for one that stopped, and the earlier checkpoints are untouched."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp = final + ".tmp"
     error = None
@@ -452,7 +421,8 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
             os.makedirs(tmp)
         except OSError as e:
             error = (_error(e), e.errno)
-    failed = [(0, *error)] if _broadcast(error) else []
+    error = _gather(error)[0]  # rank 0's, on every rank
+    failed = [(0, *error)] if error else []
     name, size, crc, code, not_finite = f"rank{rank:05d}.pt", None, None, None, []
     if not failed:
         bad = _not_finite(model_pieces)
@@ -478,7 +448,7 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
                     _prune(out_dir, step, keep_last_n, keep)
             except OSError as e:
                 failed = [(0, _error(e), e.errno)]
-        failed = _broadcast(failed)
+        failed = _gather(failed)[0]
     if failed or not_finite:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -604,8 +574,7 @@ def complete_checkpoints(out_dir):
 
 
 def latest_checkpoint(out_dir):
-    done = complete_checkpoints(out_dir)
-    return done[-1] if done else None
+    return (complete_checkpoints(out_dir) or [None])[-1]
 
 
 def why_damaged(path):
