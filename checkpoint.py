@@ -61,6 +61,15 @@ def _gather(obj):
     return out
 
 
+def _broadcast(obj):
+    """Rank 0's obj, on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _error(e):
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
@@ -68,14 +77,10 @@ def _error(e):
 
 def make_piece(tensor, param, flat_range=None):
     """Describe `tensor` (shaped like this rank's slice of `param`, or a flat range of it) for saving."""
-    return {
-        "tensor": tensor.detach().cpu().clone().reshape(-1),
-        "full_shape": list(full_shape_of(param)),
-        "tp_dim": getattr(param, "tp_shard_dim", None),
-        "tp_rank": getattr(param, "tp_rank", 0),
-        "tp_world": getattr(param, "tp_world", 1),
-        "flat_range": [0, tensor.numel()] if flat_range is None else list(flat_range),
-    }
+    return {"tensor": tensor.detach().cpu().clone().reshape(-1), "full_shape": list(full_shape_of(param)),
+            "tp_dim": getattr(param, "tp_shard_dim", None), "tp_rank": getattr(param, "tp_rank", 0),
+            "tp_world": getattr(param, "tp_world", 1),
+            "flat_range": [0, tensor.numel()] if flat_range is None else list(flat_range)}
 
 
 def _assemble(pieces, name):
@@ -232,9 +237,8 @@ def open_for_resume(path, model_cfg, say=print):
                     f"checked, not their bytes")
             check_model_config(reader.meta["model"], model_cfg, candidate)
             return reader
-        later = candidates[i + 1] if i + 1 < len(candidates) else None
         say(f"checkpoint {candidate} cannot be read on {len(errors)} rank(s)" + (f" ({error[1]})" if error else "")
-            + (f"; falling back to {later}" if later else ""))
+            + (f"; falling back to {candidates[i + 1]}" if i + 1 < len(candidates) else ""))
     raise CheckpointError(f"no checkpoint in '{out_dir}' can be read by every rank: start a new run with "
                           f"--init_from=scratch, or repair the files named above")
 
@@ -367,8 +371,7 @@ class _WriteRecorder:
     """The file torch.save writes through: it computes the crc32 of the bytes as they are written (torch.save
     writes a file front to back, never seeking back, so these are the file's bytes, with no second read) and
     keeps the OSError of a failed write. torch.save reports a full disk or a file-size limit as a RuntimeError
-    of its own ("unexpected pos ..."); the OSError says what happened (ENOSPC: No space left on device,
-    EFBIG: File too large, EDQUOT: Disk quota exceeded)."""
+    of its own ("unexpected pos ..."); the OSError says what happened (ENOSPC, EFBIG, EDQUOT)."""
 
     def __init__(self, f):
         self.f, self.error, self.crc = f, None, 0
@@ -398,11 +401,6 @@ def _save_file(obj, path):
     return recorder.crc
 
 
-def _not_finite(model_pieces):
-    """The names of the saved weights that hold a NaN or an inf (a pass over this rank's weights, on CPU)."""
-    return [name for name, piece in model_pieces.items() if not torch.isfinite(piece["tensor"]).all()]
-
-
 def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, extra=None, keep_last_n=0,
          keep=()):
     """Write this rank's pieces ({name: piece}, {name: {state_key: piece}}); the checkpoint appears
@@ -421,11 +419,11 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
             os.makedirs(tmp)
         except OSError as e:
             error = (_error(e), e.errno)
-    error = _gather(error)[0]  # rank 0's, on every rank
+    error = _broadcast(error)  # rank 0's, on every rank
     failed = [(0, *error)] if error else []
     name, size, crc, code, not_finite = f"rank{rank:05d}.pt", None, None, None, []
     if not failed:
-        bad = _not_finite(model_pieces)
+        bad = [name for name, piece in model_pieces.items() if not torch.isfinite(piece["tensor"]).all()]  # NaN, inf
         try:
             if not bad:  # NaN never reaches the disk: the gather below stops every rank
                 crc = _save_file({"model": model_pieces, "optimizer": optimizer_pieces, "extra": extra or {}},
@@ -448,7 +446,7 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
                     _prune(out_dir, step, keep_last_n, keep)
             except OSError as e:
                 failed = [(0, _error(e), e.errno)]
-        failed = _gather(failed)[0]
+        failed = _broadcast(failed)
     if failed or not_finite:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
