@@ -20,7 +20,6 @@ import importlib.util
 import json
 import math
 import os
-import shlex
 import sys
 import time
 from contextlib import nullcontext
@@ -40,7 +39,7 @@ import timeline
 from configurator import ConfigError, configure, make_folder
 from context_parallel import split_for_every_rank, zigzag_split
 from expert_parallel import ExpertSplit
-from faults import BadSteps, StopVote, TooManyBadSteps, peer_failure, run_script
+from faults import BadSteps, StopVote, TooManyBadSteps, end_of_run, end_on_dead_peer, peer_failure, run_script
 from model import (ModelConfig, Transformer, backward_phases, check_layout, choose_attn_impl, choose_device_and_dtype,
                    chunk_modules, compile_blocks, document_ids_and_positions, takes_muon, uncompile_blocks, zero3_units)
 from optim import AdamW, DynamicLossScaler, Muon, describe_optimizer, zero_one_muon_buckets
@@ -238,15 +237,6 @@ def print0(layout, *args):
         print(*args, flush=True)
 
 
-def global_batch(cfg, layout):
-    """The step's global batch, batch_size x gradient_accumulation_steps x dp windows of block_size tokens:
-    every layout given the same one trains the same model as one process (docs/equivalence.md), and a
-    layout with more dp ranks trains a larger one unless batch_size or the accumulation is divided by dp."""
-    windows = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp
-    return (f"global batch {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro-batches x dp {layout.dp} = "
-            f"{windows} x {cfg.block_size} = {windows * cfg.block_size:,} tokens")
-
-
 @dataclass
 class Run:
     """What setup finds: where and how the run computes, its ranks, its model's settings and its data."""
@@ -322,7 +312,7 @@ def setup(cfg, training=True):
                        f"anyway): the loss is computed from the logits")
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))  # torchrun's processes on this node
     first, _, grid = describe_layout(layout, cfg.sequence_parallel, model_cfg.n_expert, per_node).partition("\n")
-    print0(layout, first + ("" if converting else f"; {global_batch(cfg, layout)}") + "\n" + grid)
+    print0(layout, first + ("" if converting else f"; {settings.global_batch(vars(cfg), layout.dp)}") + "\n" + grid)
     if layout.pp > 1:
         cut = metrics.stage_cut(model_cfg, cfg.pp_schedule, layout.pp, cfg.pp_chunks, cfg.pp_layers)
         print0(layout, describe_pipeline(cfg.pp_schedule, layout.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks,
@@ -712,39 +702,6 @@ def write_log(cfg, run, parts, log, record):
 # the loop
 
 
-def end_of_run(cfg, layout, first_step, step, tokens_per_step, seconds, evals, newest):
-    """The lines a run ends with: the steps and tokens it trained and how long it took, its evaluations'
-    last and best validation loss (evals: [(step, {split: loss})]), its newest checkpoint and the
-    commands that take it further, written for this run's out_dir."""
-    trained = step - first_step
-    lines = [f"finished: steps {first_step} -> {step} ({trained} steps, {trained * tokens_per_step:,} tokens) in "
-             f"{metrics.format_duration(seconds)}"]
-    if evals:
-        split = "val" if "val" in evals[-1][1] else "train"  # a corpus of one document has no validation split
-        best = min(evals, key=lambda e: e[1][split])
-        lines.append(f"{'validation' if split == 'val' else 'no validation split: training-set'} loss "
-                     f"{evals[-1][1][split]:.4f} at step {evals[-1][0]}, "
-                     f"the best {best[1][split]:.4f} at step {best[0]}")
-    else:
-        lines.append("no evaluation in this launch (eval_interval = 0, or the run stopped first)")
-    if newest is None:
-        lines.append("no checkpoint (checkpoint_interval = 0): nothing to sample from, resume or export")
-        return "\n".join(lines)
-    out = shlex.quote(cfg.out_dir)
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
-    launcher = "python" if layout.world_size == 1 else f"torchrun --nproc_per_node={per_node}" + (
-        f" --nnodes={layout.world_size // per_node}" if layout.world_size > per_node else "")
-    more = "" if step < cfg.max_iters else f" --max_iters={2 * cfg.max_iters}" + (
-        f" --lr_decay_iters={2 * cfg.max_iters}" if cfg.lr_decay_iters == cfg.max_iters else "")
-    name = os.path.basename(os.path.normpath(cfg.out_dir))
-    commands = [(f"python sample.py --out_dir={out} --start=\"The history of\"", "text from it"),
-                (f"{launcher} train.py --init_from=resume --out_dir={out}{more}", "train on"),
-                (f"python export_hf.py --out_dir={out} --hf_dir={shlex.quote('hf/' + name)}", "a transformers folder")]
-    width = max(len(command) for command, _ in commands)
-    lines += [f"checkpoint: {newest}", "next:"] + [f"  {command.ljust(width)}  # {why}" for command, why in commands]
-    return "\n".join(lines)
-
-
 def train(cfg, run, resume_path=None):
     layout, model_cfg = run.layout, run.model_cfg
     parts = build(cfg, run)
@@ -891,16 +848,7 @@ def main(argv):
         except RuntimeError as e:
             if not peer_failure(e):
                 raise
-            # every survivor says it (rank 0 may be the rank that died), and exits without a traceback
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"error: rank {rank} stopped in {run.phase}: a peer died or did not answer within "
-                  f"dist_timeout_s = {cfg.dist_timeout_s:g} s ({first}). Launched with torchrun --max-restarts=N "
-                  f"--init_from=auto, the job restarts from its last checkpoint by itself; else launch it again "
-                  f"with --init_from=auto", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            # no clean-up: tearing down the process groups would wait for the peer that is gone (the stop
-            # vote's all-reduce in flight), until the timeout, and torchrun would restart the job that late
-            os._exit(1)
+            end_on_dead_peer(e, rank, run.phase, cfg.dist_timeout_s)  # every survivor says it, and exits
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
