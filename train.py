@@ -54,11 +54,10 @@ from zero import FullyShardedParameters, GradientShards
 
 
 def configure_run(argv):
-    """The run's settings from the command line (config files, then --key=value), checked, and with
-    init_from='resume' or 'auto' the ones left out taken from the checkpoint (settings.py says which may
-    change; settings.resume_settings the layout and the batch), with init_from=<a transformers model folder> the
-    architecture from its config.json, by the same rules. Returns (cfg, notes to print, the checkpoint to
-    resume or None)."""
+    """The run's settings from the command line (config files, then --key=value), checked. With init_from=
+    'resume' or 'auto' the ones left out come from the checkpoint, with init_from=<a transformers model folder>
+    the architecture from its config.json, by settings.py's rules (resume_settings: the layout and the batch
+    too). Returns (cfg, notes to print, the checkpoint to resume or None)."""
     values, given = configure(settings.TRAINING, argv, usage=__doc__)
     notes, path = [], None
     if values["init_from"] in ("resume", "auto"):
@@ -539,12 +538,9 @@ def global_grad_norm(model, layout, grads, dp_sharded=False):
     experts = {id(p) for p in model.expert_parameters().values()}
     param = next(model.parameters())
     dev, dtype = param.device, at_least_fp32(param.dtype)
-    sq = {False: torch.zeros((), dtype=dtype, device=dev),  # dense
-          True: torch.zeros((), dtype=dtype, device=dev)}  # experts
+    sq = {is_expert: torch.zeros((), dtype=dtype, device=dev) for is_expert in (False, True)}
     for p, grad in grads:
-        if id(p) in copies:
-            continue
-        if getattr(p, "tp_shard_dim", None) is None and layout.tp_rank != 0:
+        if id(p) in copies or (getattr(p, "tp_shard_dim", None) is None and layout.tp_rank != 0):
             continue
         sq[id(p) in experts] += grad.detach().to(dtype).pow(2).sum()
     if layout.world_size == 1:
@@ -642,8 +638,7 @@ def mean_across_ranks(value, layout):
     One all-reduce over the whole world, rank 0 and everyone get it."""
     if layout.world_size == 1:
         return value
-    counts = layout.tp_rank == 0
-    value = value.detach().to(at_least_fp32(value.dtype)) * (1.0 / layout.dp_cp if counts else 0.0)
+    value = value.detach().to(at_least_fp32(value.dtype)) * (1.0 / layout.dp_cp if layout.tp_rank == 0 else 0.0)
     dist.all_reduce(value)
     return value
 
@@ -652,11 +647,12 @@ def mean_across_ranks(value, layout):
 # checkpoints
 
 
-def save_checkpoint(cfg, run, parts, step, converted=False, keep=()):
+def save_checkpoint(cfg, run, parts, step, converted=False):
     """converted: the model just loaded from a transformers folder (max_iters=0). Its checkpoint records the
     architecture as its settings and nothing of this launch's run: resuming it takes max_iters, the schedule
-    and the data from its own command line, and starts a fresh optimizer (see resume). keep: checkpoints
-    that keep_last_n must not remove (the last one before a streak of skipped steps began)."""
+    and the data from its own command line, and starts a fresh optimizer (see resume). keep_last_n never
+    removes the last checkpoint before a streak of skipped steps began (parts.bad_steps.keep)."""
+    parts.bad_steps.check(cfg.out_dir, step)  # never save the state of a run that must stop
     layout, model, optimizer = run.layout, parts.model, parts.optimizer
     config = vars(cfg)
     if converted:
@@ -676,21 +672,19 @@ def save_checkpoint(cfg, run, parts, step, converted=False, keep=()):
     return checkpoint.save(cfg.out_dir, step, layout.rank, layout.world_size,
                            checkpoint.model_pieces(model, layout, shards, optimizer),
                            {} if converted else checkpoint.optimizer_pieces(optimizer, model, layout), meta, extra,
-                           cfg.keep_last_n, keep)
+                           cfg.keep_last_n, parts.bad_steps.keep(cfg.out_dir))
 
 
 def write_log(cfg, run, parts, log, record):
-    """log.write(record), on every rank. When rank 0 cannot write it (a full disk: every rank learns it in
-    the write, at the same step), every rank saves the steps since the last checkpoint, if the disk lets it,
-    and stops with rank 0's one line naming the file, the cause and what to do."""
+    """log.write(record), on every rank. When rank 0 cannot (a full disk: every rank learns it in the write),
+    every rank saves this step if the disk lets it, and stops with rank 0's line saying what to do."""
     try:
         log.write(record)
     except metrics.LogError as e:
         step = record["step"]
-        parts.bad_steps.check(cfg.out_dir, step)  # never save the state of a run that must stop
         run.phase = f"saving the checkpoint of step {step} (the log could not be written)"
         try:
-            path = save_checkpoint(cfg, run, parts, step, keep=parts.bad_steps.keep(cfg.out_dir))
+            path = save_checkpoint(cfg, run, parts, step)
         except checkpoint.CheckpointError as failed:
             raise metrics.LogError(f"{e}, and saving step {step} failed too: {failed}") from None
         raise metrics.LogError(f"{e}: the run stopped at step {step} and saved {path}. Free space on the disk of "
@@ -725,8 +719,7 @@ def train(cfg, run, resume_path=None):
             run.recipe = settings.batch_recipe(saved)
         print0(layout, f"resumed from {path} at step {step}" + (f", which is max_iters = {cfg.max_iters} already: "
                        f"nothing to train (raise --max_iters to go on)" if step >= cfg.max_iters else ""))
-        note = settings.global_batch_change(saved, tokens_per_step)
-        if note:
+        if note := settings.global_batch_change(saved, tokens_per_step):
             print0(layout, note)
     vote = StopVote(layout, layout.timeout, cfg.out_dir)
     log = metrics.MetricsLog(cfg.out_dir, layout.rank, step if resume_path else None,
@@ -801,9 +794,8 @@ def train(cfg, run, resume_path=None):
             write_log(cfg, run, parts, log, record)
             timer, timed_steps = time.time(), 0
         if (cfg.checkpoint_interval > 0 and (step % cfg.checkpoint_interval == 0 or last)) or stopping:
-            parts.bad_steps.check(cfg.out_dir, step)  # never save the state of a run that must stop
             run.phase = f"saving the checkpoint of step {step}"
-            newest = save_checkpoint(cfg, run, parts, step, keep=parts.bad_steps.keep(cfg.out_dir))
+            newest = save_checkpoint(cfg, run, parts, step)
             print0(layout, f"step {step:6d} | saved {newest}")
             timer, timed_steps = time.time(), 0
         if stopping:
@@ -836,8 +828,8 @@ def main(argv):
     try:
         try:
             cfg, notes, resume_path = configure_run(argv)
-            if rank == 0:
-                print("\n".join(notes), flush=True) if notes else None
+            if rank == 0 and notes:
+                print("\n".join(notes), flush=True)
             run = setup(cfg)
         except (ConfigError, ValueError, FileNotFoundError, FileExistsError, checkpoint.CheckpointError) as e:
             sys.exit(f"error: {e}")  # printed by rank 0 (faults.run_script)
