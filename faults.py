@@ -6,7 +6,8 @@ What a long run does when a step, a peer or the job's time goes wrong (settings.
   SIGTERM             SLURM's notice before the job's time runs out: every rank stops at the same step,
                       saves, exits SAVED_ON_SIGTERM (StopVote), and --init_from=auto continues from there
   a dead or hung peer every survivor says which rank it is, what it waited in and how to continue
-                      (peer_failure tells such an error from the others), within dist_timeout_s
+                      (peer_failure tells such an error from the others; end_on_dead_peer), within
+                      dist_timeout_s
   the end of a script train.py and bench.py end by run_script, past the interpreter's teardown, where
                       torch's gloo threads can abort a process: 0 finished, 1 an error (said once, by
                       rank 0), 75 stopped and saved by SIGTERM
@@ -241,6 +242,42 @@ def end_with_error(line, callstack=None):
     return 1
 
 
+def resume_command(out_dir, world_size, per_node=None):
+    """The command that resumes the run in out_dir at world_size processes, per_node of them on each node."""
+    per_node = per_node or world_size
+    launcher = "python" if world_size == 1 else f"torchrun --nproc_per_node={per_node}" + (
+        f" --nnodes={world_size // per_node}" if world_size > per_node else "")
+    return f"{launcher} train.py --init_from=resume --out_dir={shlex.quote(out_dir)}"
+
+
+def end_of_run(cfg, layout, first_step, step, tokens_per_step, seconds, evals, newest):
+    """The lines a run ends with: the steps and tokens it trained and how long it took, its evaluations'
+    last and best validation loss (evals: [(step, {split: loss})]), its newest checkpoint and the
+    commands that take it further, written for this run's out_dir."""
+    trained = step - first_step
+    lines = [f"finished: steps {first_step} -> {step} ({trained} steps, {trained * tokens_per_step:,} tokens) in "
+             f"{format_duration(seconds)}"]
+    if evals:
+        split = "val" if "val" in evals[-1][1] else "train"  # a corpus of one document has no validation split
+        (last, losses), best = evals[-1], min(evals, key=lambda e: e[1][split])
+        lines.append(f"{'validation' if split == 'val' else 'no validation split: training-set'} loss "
+                     f"{losses[split]:.4f} at step {last}, the best {best[1][split]:.4f} at step {best[0]}")
+    else:
+        lines.append("no evaluation in this launch (eval_interval = 0, or the run stopped first)")
+    if newest is None:
+        return "\n".join(lines + ["no checkpoint (checkpoint_interval = 0): nothing to sample from, resume or export"])
+    out, name = shlex.quote(cfg.out_dir), os.path.basename(os.path.normpath(cfg.out_dir))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
+    more = "" if step < cfg.max_iters else f" --max_iters={2 * cfg.max_iters}" + (
+        f" --lr_decay_iters={2 * cfg.max_iters}" if cfg.lr_decay_iters == cfg.max_iters else "")
+    commands = [(f"python sample.py --out_dir={out} --start=\"The history of\"", "text from it"),
+                (resume_command(cfg.out_dir, layout.world_size, per_node) + more, "train on"),
+                (f"python export_hf.py --out_dir={out} --hf_dir={shlex.quote('hf/' + name)}", "a transformers folder")]
+    width = max(len(command) for command, _ in commands)
+    return "\n".join(lines + [f"checkpoint: {newest}", "next:"]
+                     + [f"  {command.ljust(width)}  # {why}" for command, why in commands])
+
+
 def verify(out_dir, say=print):
     """Check every checkpoint of out_dir offline (sizes and crc32s, reading every file), say what each is,
     and name the newest intact one with the command that resumes from it. Returns the exit status: 0 when
@@ -283,39 +320,3 @@ def verify_main(argv):
     print("usage: python checkpoint.py --verify OUT_DIR   (checks every checkpoint of a run; exit status 0 when the "
           "newest is intact, 1 when it is not, 2 when OUT_DIR holds none)", file=sys.stderr)
     return 2
-
-
-def resume_command(out_dir, world_size, per_node=None):
-    """The command that resumes the run in out_dir at world_size processes, per_node of them on each node."""
-    per_node = per_node or world_size
-    launcher = "python" if world_size == 1 else f"torchrun --nproc_per_node={per_node}" + (
-        f" --nnodes={world_size // per_node}" if world_size > per_node else "")
-    return f"{launcher} train.py --init_from=resume --out_dir={shlex.quote(out_dir)}"
-
-
-def end_of_run(cfg, layout, first_step, step, tokens_per_step, seconds, evals, newest):
-    """The lines a run ends with: the steps and tokens it trained and how long it took, its evaluations'
-    last and best validation loss (evals: [(step, {split: loss})]), its newest checkpoint and the
-    commands that take it further, written for this run's out_dir."""
-    trained = step - first_step
-    lines = [f"finished: steps {first_step} -> {step} ({trained} steps, {trained * tokens_per_step:,} tokens) in "
-             f"{format_duration(seconds)}"]
-    if evals:
-        split = "val" if "val" in evals[-1][1] else "train"  # a corpus of one document has no validation split
-        (last, losses), best = evals[-1], min(evals, key=lambda e: e[1][split])
-        lines.append(f"{'validation' if split == 'val' else 'no validation split: training-set'} loss "
-                     f"{losses[split]:.4f} at step {last}, the best {best[1][split]:.4f} at step {best[0]}")
-    else:
-        lines.append("no evaluation in this launch (eval_interval = 0, or the run stopped first)")
-    if newest is None:
-        return "\n".join(lines + ["no checkpoint (checkpoint_interval = 0): nothing to sample from, resume or export"])
-    out, name = shlex.quote(cfg.out_dir), os.path.basename(os.path.normpath(cfg.out_dir))
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
-    more = "" if step < cfg.max_iters else f" --max_iters={2 * cfg.max_iters}" + (
-        f" --lr_decay_iters={2 * cfg.max_iters}" if cfg.lr_decay_iters == cfg.max_iters else "")
-    commands = [(f"python sample.py --out_dir={out} --start=\"The history of\"", "text from it"),
-                (resume_command(cfg.out_dir, layout.world_size, per_node) + more, "train on"),
-                (f"python export_hf.py --out_dir={out} --hf_dir={shlex.quote('hf/' + name)}", "a transformers folder")]
-    width = max(len(command) for command, _ in commands)
-    return "\n".join(lines + [f"checkpoint: {newest}", "next:"]
-                     + [f"  {command.ljust(width)}  # {why}" for command, why in commands])
