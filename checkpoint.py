@@ -16,7 +16,7 @@ Each rank file's crc32 is computed as torch.save writes it (no second read) and 
 reads the file: a file damaged on disk without changing its size (a bad sector, a copy gone wrong) stops the
 load naming the file, rather than loading NaN that would later read as a divergence. A save refuses weights
 that are not finite, so every checkpoint that verifies is one to resume from. `python checkpoint.py --verify
-OUT_DIR` checks every checkpoint of a run offline and names the newest intact one.
+OUT_DIR` checks every checkpoint of a run offline and names the newest intact one (faults.verify).
 
 Each tensor is saved as "pieces". A piece says which full tensor it belongs to (its name and full shape),
 which tensor-parallel slice it is (dim, rank, world) and which range of that slice's flattened elements it
@@ -70,17 +70,17 @@ def _broadcast(obj):
     return box[0]
 
 
+def _error(e):
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
 def make_piece(tensor, param, flat_range=None):
     """Describe `tensor` (shaped like this rank's slice of `param`, or a flat range of it) for saving."""
-    numel = tensor.numel() if flat_range is None else None
-    return {
-        "tensor": tensor.detach().cpu().clone().reshape(-1),
-        "full_shape": list(full_shape_of(param)),
-        "tp_dim": getattr(param, "tp_shard_dim", None),
-        "tp_rank": getattr(param, "tp_rank", 0),
-        "tp_world": getattr(param, "tp_world", 1),
-        "flat_range": list(flat_range) if flat_range is not None else [0, numel],
-    }
+    return {"tensor": tensor.detach().cpu().clone().reshape(-1), "full_shape": list(full_shape_of(param)),
+            "tp_dim": getattr(param, "tp_shard_dim", None), "tp_rank": getattr(param, "tp_rank", 0),
+            "tp_world": getattr(param, "tp_world", 1),
+            "flat_range": [0, tensor.numel()] if flat_range is None else list(flat_range)}
 
 
 def _assemble(pieces, name):
@@ -132,10 +132,8 @@ def why_corrupted(path, name, meta):
     """None when rank file `name` of checkpoint `path` has the crc32 meta.json recorded as it was written (or
     meta.json has none: a checkpoint from before checksums), else why not, naming the file."""
     crcs = dict(zip(meta["files"], meta.get("file_crc32", [])))
-    if name not in crcs:
-        return None
-    found = file_crc32(os.path.join(path, name))
-    if found == crcs[name]:
+    found = file_crc32(os.path.join(path, name)) if name in crcs else None
+    if found is None or found == crcs[name]:
         return None
     return (f"{os.path.join(path, name)} is corrupted, not diverged: its bytes' crc32 is {found:08x}, meta.json "
             f"recorded {crcs[name]:08x} as it was written (the file changed on disk since, at the same size: "
@@ -143,33 +141,25 @@ def why_corrupted(path, name, meta):
 
 
 class CheckpointReader:
-    """Reads a checkpoint folder lazily (memory-mapped) and hands each rank the slices it needs. It first
-    checks each file's crc32 against meta.json's (a full read of the files; raises CorruptedCheckpoint);
-    `checksummed` is False for a checkpoint written before checksums, whose files are not checked."""
+    """Reads a checkpoint folder lazily (memory-mapped) and hands each rank the slices it needs, once each
+    file's crc32 is the one meta.json recorded (a full read of the files; else CorruptedCheckpoint)."""
 
     def __init__(self, path):
         self.path = path
         self.meta = read_meta(path)
-        self.checksummed = "file_crc32" in self.meta
         self.files = []
         for name in self.meta["files"]:
-            corrupted = why_corrupted(path, name, self.meta)
-            if corrupted:
+            if corrupted := why_corrupted(path, name, self.meta):
                 raise CorruptedCheckpoint(corrupted)
             try:
                 self.files.append(torch.load(os.path.join(path, name), map_location="cpu", mmap=True,
                                              weights_only=True))
             except Exception as e:  # torch.load raises many kinds for a damaged file: all mean "unreadable"
-                raise CheckpointError(f"checkpoint {path}: {name} cannot be read ({type(e).__name__}: "
-                                      f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})")
+                raise CheckpointError(f"checkpoint {path}: {name} cannot be read ({_error(e)})")
 
     def _pieces(self, section, name, key=None):
-        found = []
-        for f in self.files:
-            entry = f[section].get(name)
-            if entry is not None:
-                found.append(entry if key is None else entry[key])
-        return found
+        entries = [f[section][name] for f in self.files if name in f[section]]
+        return entries if key is None else [entry[key] for entry in entries]
 
     def has(self, section, name):
         return bool(self._pieces(section, name))
@@ -227,9 +217,8 @@ def check_model_config(saved, model_cfg, path):
 def open_for_resume(path, model_cfg, say=print):
     """The reader of the checkpoint to resume: `path`, or when some rank cannot read it, the newest older
     complete checkpoint every rank can. All ranks decide together (one all_gather per candidate): a rank
-    that resumed another step than the others would train another model. A file that is corrupted (its
-    crc32 differs from the one recorded as it was written) on any rank stops every rank, naming it: its
-    NaN would otherwise pass for a divergence. `say` prints the fallback and notes."""
+    that resumed another step than the others would train another model. A corrupted file on any rank
+    stops every rank, naming it: its NaN would otherwise pass for a divergence."""
     out_dir = os.path.dirname(path)
     candidates = [p for p in complete_checkpoints(out_dir) if step_of(p) <= step_of(path)][::-1]  # newest first
     for i, candidate in enumerate(candidates):
@@ -238,20 +227,18 @@ def open_for_resume(path, model_cfg, say=print):
         except CheckpointError as e:
             reader, error = None, (isinstance(e, CorruptedCheckpoint), str(e))
         errors = [(r, e) for r, e in enumerate(_gather(error)) if e]
-        corrupted = [(r, text) for r, (bad, text) in errors if bad]
-        if corrupted:
-            r, text = corrupted[0]
-            raise CorruptedCheckpoint(text + (f" (found by rank {r})" if dist.is_initialized() else "") + ". "
-                                      + _corrupted_advice(out_dir, candidate))
+        for r, (corrupted, text) in errors:
+            if corrupted:  # the first rank that found it
+                raise CorruptedCheckpoint(text + (f" (found by rank {r})" if dist.is_initialized() else "") + ". "
+                                          + _corrupted_advice(out_dir, candidate))
         if not errors:
-            if not reader.checksummed:
+            if "file_crc32" not in reader.meta:
                 say(f"checkpoint {candidate} was written before checkpoints had checksums: its files' sizes are "
                     f"checked, not their bytes")
             check_model_config(reader.meta["model"], model_cfg, candidate)
             return reader
-        later = candidates[i + 1] if i + 1 < len(candidates) else None
         say(f"checkpoint {candidate} cannot be read on {len(errors)} rank(s)" + (f" ({error[1]})" if error else "")
-            + (f"; falling back to {later}" if later else ""))
+            + (f"; falling back to {candidates[i + 1]}" if i + 1 < len(candidates) else ""))
     raise CheckpointError(f"no checkpoint in '{out_dir}' can be read by every rank: start a new run with "
                           f"--init_from=scratch, or repair the files named above")
 
@@ -308,11 +295,9 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
 
 def optimizer_pieces(optimizer, model, layout):
-    """The optimizer's states (AdamW's moments, Muon's momentum), saved like the parameters they belong to.
-    Under ZeRO-1 a state says which flat range of its parameter's (tensor-parallel slice's) elements this
-    rank owns (parallel.ZeroOneAdamW: a slice; optim.Muon: a whole matrix, or a slice for AdamW's
-    part): then every data-parallel rank saves its own ranges, and the ranks' pieces together cover every
-    element once."""
+    """The optimizer's states, saved like the parameters they belong to. Under ZeRO-1 a state says which flat
+    range of its parameter's (tensor-parallel slice's) elements this rank owns (parallel.ZeroOneAdamW: a
+    slice; optim.Muon: a whole matrix, or a slice for AdamW's part): every data-parallel rank saves its own."""
     pieces, copies, experts = {}, model.tied_copies(), model.expert_parameters()
     for name, p in model.named_parameters():
         state = optimizer.state.get(p)
@@ -332,9 +317,8 @@ def _moment(reader, name, p, key):
 
 
 def load_states(optimizer, model, reader):
-    """Fill an optimizer's states, which exist before its first step (optim.AdamW, parallel.ZeroOneAdamW,
-    optim.Muon; any dp, any layout) from a checkpoint saved with or without ZeRO: each rank assembles the full state
-    tensors of its parameters and keeps the flat range it owns (all of it without one)."""
+    """Fill an optimizer's states (they exist before its first step) from a checkpoint saved with or without
+    ZeRO: each rank assembles the full state tensors of its parameters and keeps the flat range it owns."""
     step, copies = torch.tensor(float(reader.meta["adam_step"])), model.tied_copies()
     for name, p in model.named_parameters():
         state = optimizer.state.get(p)
@@ -351,17 +335,12 @@ def load_states(optimizer, model, reader):
 
 def adamw_step_count(optimizer):
     """AdamW's step counter (every AdamW state has the same; Muon's momentum has none)."""
-    for state in optimizer.state.values():
-        if "step" in state:
-            return int(state["step"])
-    return 0
+    return next((int(state["step"]) for state in optimizer.state.values() if "step" in state), 0)
 
 
 def resume_run(path, cfg, run, parts, say=print):
-    """Load the checkpoint at `path` (saved at any layout) into a training run's model, optimizer and loss
-    scaler (train.py's run and parts); returns (its step, the path read, its meta). If a rank cannot read it,
-    every rank falls back to the previous complete checkpoint (open_for_resume decides for all of them
-    together). say(text) prints on rank 0."""
+    """Load the checkpoint at `path` (saved at any layout, or an older one: open_for_resume) into train.py's
+    run and parts: model, optimizer and loss scaler. Returns (its step, the path read, its meta)."""
     reader = open_for_resume(path, run.model_cfg, say)
     # ZeRO-3: a unit at a time, keeping this rank's slices
     for params in parts.grad_sync.unit_by_unit() if cfg.zero_stage == 3 else [None]:
@@ -388,17 +367,11 @@ def resume_run(path, cfg, run, parts, say=print):
 # Writing
 
 
-def _error(e):
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
-
-
 class _WriteRecorder:
     """The file torch.save writes through: it computes the crc32 of the bytes as they are written (torch.save
     writes a file front to back, never seeking back, so these are the file's bytes, with no second read) and
     keeps the OSError of a failed write. torch.save reports a full disk or a file-size limit as a RuntimeError
-    of its own ("unexpected pos ..."); the OSError says what happened (ENOSPC: No space left on device,
-    EFBIG: File too large, EDQUOT: Disk quota exceeded)."""
+    of its own ("unexpected pos ..."); the OSError says what happened (ENOSPC, EFBIG, EDQUOT)."""
 
     def __init__(self, f):
         self.f, self.error, self.crc = f, None, 0
@@ -428,23 +401,13 @@ def _save_file(obj, path):
     return recorder.crc
 
 
-def _not_finite(model_pieces):
-    """The names of the saved weights that hold a NaN or an inf (a pass over this rank's weights, on CPU)."""
-    return [name for name, piece in model_pieces.items() if not torch.isfinite(piece["tensor"]).all()]
-
-
 def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, extra=None, keep_last_n=0,
          keep=()):
-    """Write this rank's pieces; the checkpoint appears (atomically) once every rank has written.
-    model_pieces: {name: piece}; optimizer_pieces: {name: {state_key: piece}}. keep_last_n > 0 then
-    removes all but the newest keep_last_n complete checkpoints, except those in `keep`.
-
-    Every rank learns whether every other rank's write worked (the gather of the file sizes carries the
-    errors too): when one fails (a full disk, a quota, a permission), every rank raises the same
-    CheckpointError, naming the rank, the path and the cause, after rank 0 removed the partial folder; no
-    rank is left waiting in a collective for one that stopped, and the earlier checkpoints are untouched.
-    Weights that are not finite on any rank are never written (a pass over them before the write): the
-    same gather tells every rank, and each raises the same CheckpointError."""
+    """Write this rank's pieces ({name: piece}, {name: {state_key: piece}}); the checkpoint appears
+    (atomically) once every rank has written, and keep_last_n > 0 then prunes the older ones but `keep`.
+    One gather tells every rank whether every write worked and every weight was finite: when not, every
+    rank raises the same CheckpointError (rank 0 having removed the partial folder), none is left waiting
+    in a collective for one that stopped, and the earlier checkpoints are untouched."""
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp = final + ".tmp"
     error = None
@@ -456,10 +419,11 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
             os.makedirs(tmp)
         except OSError as e:
             error = (_error(e), e.errno)
-    failed = [(0, *error)] if _broadcast(error) else []
+    error = _broadcast(error)  # rank 0's, on every rank
+    failed = [(0, *error)] if error else []
     name, size, crc, code, not_finite = f"rank{rank:05d}.pt", None, None, None, []
     if not failed:
-        bad = _not_finite(model_pieces)
+        bad = [name for name, piece in model_pieces.items() if not torch.isfinite(piece["tensor"]).all()]  # NaN, inf
         try:
             if not bad:  # NaN never reaches the disk: the gather below stops every rank
                 crc = _save_file({"model": model_pieces, "optimizer": optimizer_pieces, "extra": extra or {}},
@@ -467,14 +431,13 @@ def save(out_dir, step, rank, world_size, model_pieces, optimizer_pieces, meta, 
                 size = os.path.getsize(os.path.join(tmp, name))
         except (OSError, RuntimeError) as e:
             error, code = _error(e), getattr(e, "errno", None)
-        written = _gather((name, size, crc, error, code, bad))
-        failed = [(r, w[3], w[4]) for r, w in enumerate(written) if w[3]]
-        not_finite = [(r, w[5]) for r, w in enumerate(written) if w[5]]
+        names, sizes, crcs, errors, codes, bads = zip(*_gather((name, size, crc, error, code, bad)))
+        failed = [(r, e, c) for r, (e, c) in enumerate(zip(errors, codes)) if e]
+        not_finite = [(r, b) for r, b in enumerate(bads) if b]
         if rank == 0 and not failed and not not_finite:
             try:
-                meta = dict(meta, step=step, world_size=world_size, files=[w[0] for w in written],
-                            file_sizes=[w[1] for w in written], file_crc32=[w[2] for w in written],
-                            saved_at=time.time())
+                meta = dict(meta, step=step, world_size=world_size, files=list(names), file_sizes=list(sizes),
+                            file_crc32=list(crcs), saved_at=time.time())
                 with open(os.path.join(tmp, "meta.json.partial"), "w") as f:
                     json.dump(meta, f, indent=1)
                 os.rename(os.path.join(tmp, "meta.json.partial"), os.path.join(tmp, "meta.json"))  # the commit
@@ -609,18 +572,16 @@ def complete_checkpoints(out_dir):
 
 
 def latest_checkpoint(out_dir):
-    done = complete_checkpoints(out_dir)
-    return done[-1] if done else None
+    return (complete_checkpoints(out_dir) or [None])[-1]
 
 
 def why_damaged(path):
     """None for an intact checkpoint (complete, and every rank file has the crc32 meta.json recorded; one
     written before checksums by its sizes alone), else what is wrong with it: reads every file."""
-    why = why_incomplete(path)
-    if why:
+    if why := why_incomplete(path):
         return why
     meta = read_meta(path)
-    return next((why for why in (why_corrupted(path, name, meta) for name in meta["files"]) if why), None)
+    return next(filter(None, (why_corrupted(path, name, meta) for name in meta["files"])), None)
 
 
 def newest_intact(out_dir, before=None):
@@ -632,102 +593,6 @@ def newest_intact(out_dir, before=None):
     return None
 
 
-def _damaged(out_dir):
-    """' (why each ckpt_* folder in out_dir cannot be used)', or '' when it has none."""
-    return "".join(f" ({p} cannot be used: {why_incomplete(p)})" for p in checkpoint_folders(out_dir))
-
-
-def find_checkpoint(ckpt, out_dir):
-    """The complete checkpoint a tool's --ckpt names (sample.py, export_hf.py), or with ckpt empty out_dir's
-    newest (out_dir itself when it is one checkpoint's folder). --ckpt is a checkpoint folder's path, its step
-    written as saved (out/run/ckpt_0000300) or not (out/run/ckpt_300), or a name or step alone (ckpt_300,
-    300), which is looked for in out_dir. When there is none, the FileNotFoundError says why and lists the
-    complete checkpoints that are there."""
-    if not ckpt:
-        if is_complete(out_dir):
-            return out_dir
-        path = latest_checkpoint(out_dir)
-        if path is None:
-            raise FileNotFoundError(f"no complete checkpoint in out_dir '{out_dir}'{_damaged(out_dir)}: train "
-                                    f"first, or name a run's folder with --out_dir, or a checkpoint with --ckpt")
-        return path
-    if is_complete(ckpt):
-        return ckpt
-    parent, name = os.path.split(os.path.normpath(ckpt))
-    named = re.fullmatch(r"ckpt_(\d+)", name) or (None if parent else re.fullmatch(r"(\d+)", name))
-    if named:
-        # ckpt_300 is ckpt_0000300, as save() names it (the step zero-padded to 7 digits, so names sort by step)
-        folder, step = parent or out_dir, int(named.group(1))
-        for path in complete_checkpoints(folder):
-            if step_of(path) == step:
-                return path
-        padded = os.path.join(folder, f"ckpt_{step:07d}")
-        if os.path.exists(padded):
-            why = f"{padded}: {why_incomplete(padded)}"
-        else:
-            why = f"{folder} has no ckpt_{step:07d}" if os.path.isdir(folder) else f"{folder} does not exist"
-    else:
-        why = why_incomplete(ckpt)
-        folder = ckpt if checkpoint_folders(ckpt) else parent or "."  # a run's folder: list its checkpoints
-    done = [os.path.basename(p) for p in complete_checkpoints(folder)]
-    if done:
-        shown = done if len(done) <= 6 else done[:1] + ["..."] + done[-4:]
-        listed = f"; the complete checkpoints in {folder} are {', '.join(shown)}"
-    elif os.path.isdir(folder) and (named or checkpoint_folders(folder)):
-        listed = f"; {folder} holds no complete checkpoint"
-    else:
-        listed = ""
-    raise FileNotFoundError(f"--ckpt={ckpt} is not a complete checkpoint (a ckpt_* folder with its meta.json and "
-                            f"every rank file): {why}{listed}")
-
-
-
-
-# -----------------------------------------------------------------------------
-# python checkpoint.py --verify OUT_DIR
-
-
-def verify(out_dir, say=print):
-    """Check every checkpoint of out_dir offline (sizes and crc32s, reading every file), say what each is,
-    and name the newest intact one with the command that resumes from it. Returns the exit status: 0 when
-    the newest checkpoint is intact, 1 when it is not (an older one may be, named), 2 when out_dir holds
-    no checkpoint."""
-    paths = sorted(set(checkpoint_folders(out_dir)) | set(complete_checkpoints(out_dir)), key=step_of)
-    if not paths:
-        say(f"error: no checkpoint in '{out_dir}' (no ckpt_* folder): name a run's out_dir")
-        return 2
-    intact = None
-    for path in paths:
-        start, why = time.time(), why_damaged(path)
-        if why is None:
-            intact, meta = path, read_meta(path)
-            files, size = len(meta["files"]), sum(meta["file_sizes"]) / 2**20
-            why = (f"intact ({files} file{'s' if files > 1 else ''}, {size:,.1f} MiB, crc32 checked in "
-                   f"{time.time() - start:.2f} s)" if "file_crc32" in meta else
-                   "intact by its sizes (written before checksums: its bytes cannot be checked)")
-        say(f"{path}: {why}")
-    if intact is None:
-        say(f"no checkpoint in {out_dir} is intact: start again with --init_from=scratch")
-        return 1
-    world = read_meta(intact)["world_size"]
-    launch = "python train.py" if world == 1 else f"torchrun --nproc_per_node={world} train.py"
-    newer = [p for p in paths if step_of(p) > step_of(intact)]
-    say(f"the newest intact checkpoint is {intact} (saved by {world} process{'es' if world > 1 else ''})"
-        + (f", older than the damaged {', '.join(newer)}: move {'them' if len(newer) > 1 else 'it'} aside first ("
-           + "; ".join(f"mv {p} {p}.damaged" for p in newer) + ")" if newer else "")
-        + f"; resume from it with:\n  {launch} --init_from=resume --out_dir={out_dir}")
-    return 1 if newer else 0
-
-
-def main(argv):
-    if len(argv) == 2 and argv[0] == "--verify":
-        return verify(argv[1])
-    if len(argv) == 1 and argv[0].startswith("--verify="):
-        return verify(argv[0].split("=", 1)[1])
-    print("usage: python checkpoint.py --verify OUT_DIR   (checks every checkpoint of a run; exit status 0 when the "
-          "newest is intact, 1 when it is not, 2 when OUT_DIR holds none)", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":  # python checkpoint.py --verify OUT_DIR: faults.verify (faults.py imports this file)
+    from faults import verify_main
+    sys.exit(verify_main(sys.argv[1:]))

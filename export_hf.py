@@ -54,6 +54,7 @@ import torch
 import checkpoint
 from configurator import ConfigError, Setting, configure, make_folder, section
 from model import ModelConfig, Transformer, attention_head_dim, mlp_hidden_size, model_config_from
+from sample import find_checkpoint
 
 EXPORT = section(
     "export",
@@ -77,9 +78,9 @@ def require(package, why):
 
 
 def load_picotron(out_dir, ckpt=""):
-    """The single-process model of a checkpoint (checkpoint.find_checkpoint: the one --ckpt names, else
+    """The single-process model of a checkpoint (sample.find_checkpoint: the one --ckpt names, else
     out_dir's newest), whatever layout it was saved at, and its meta.json."""
-    path = checkpoint.find_checkpoint(ckpt, out_dir)
+    path = find_checkpoint(ckpt, out_dir)
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     known = {f.name for f in fields(ModelConfig)} | {"attn_impl", "activation_checkpointing", "chunked_loss"}

@@ -6,12 +6,17 @@ What a long run does when a step, a peer or the job's time goes wrong (settings.
   SIGTERM             SLURM's notice before the job's time runs out: every rank stops at the same step,
                       saves, exits SAVED_ON_SIGTERM (StopVote), and --init_from=auto continues from there
   a dead or hung peer every survivor says which rank it is, what it waited in and how to continue
-                      (peer_failure tells such an error from the others), within dist_timeout_s
+                      (peer_failure tells such an error from the others; end_on_dead_peer), within
+                      dist_timeout_s
   the end of a script train.py and bench.py end by run_script, past the interpreter's teardown, where
                       torch's gloo threads can abort a process: 0 finished, 1 an error (said once, by
                       rank 0), 75 stopped and saved by SIGTERM
   a full disk at      rank 0 alone writes metrics.jsonl: every rank learns of its failure at the same line
   a log line          (StopVote.any_rank), saves if it can and stops with rank 0's one line (train.write_log)
+  a damaged           `python checkpoint.py --verify OUT_DIR` checks every checkpoint of a run offline (sizes
+  checkpoint          and crc32s) and names the newest intact one with its resume command (verify)
+  the end of a run    finished or stopped, it says what it trained and how to go on from its newest
+                      checkpoint (end_of_run, resume_command)
 
 A crash mid-save never costs the last good checkpoint (checkpoint.py writes each one in a .tmp folder and
 renames it when every rank has finished); a killed rank under torchrun --max-restarts restarts the job,
@@ -20,6 +25,7 @@ which resumes from its last checkpoint by itself (init_from='auto': settings.res
 import atexit
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -29,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+from metrics import format_duration
 
 
 class BadSteps:
@@ -163,6 +170,20 @@ def peer_failure(e):
     return isinstance(e, dist.DistError) or any(w in str(e) for w in ("gloo", "Timed out", "NCCL", "pipeline stage"))
 
 
+def end_on_dead_peer(e, rank, phase, timeout_s):
+    """What every survivor of a dead or hung peer does (rank 0 may be the rank that died): say which rank it
+    is, what it waited in (phase) and how to continue, and exit with status 1, without a traceback."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    print(f"error: rank {rank} stopped in {phase}: a peer died or did not answer within "
+          f"dist_timeout_s = {timeout_s:g} s ({first}). Launched with torchrun --max-restarts=N "
+          f"--init_from=auto, the job restarts from its last checkpoint by itself; else launch it again "
+          f"with --init_from=auto", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # no clean-up: tearing down the process groups would wait for the peer that is gone (the stop
+    # vote's all-reduce in flight), until the timeout, and torchrun would restart the job that late
+    os._exit(1)
+
+
 def run_script(main, argv):
     """Run a script's main(argv) and end the process with its status, past the interpreter's teardown: 0
     when main returns, SystemExit's own (a string is an error line: status 1), 1 after any other exception
@@ -219,3 +240,83 @@ def end_with_error(line, callstack=None):
         except OSError:  # a full disk (the error may be that): the line is printed, torchrun links its docs
             pass
     return 1
+
+
+def resume_command(out_dir, world_size, per_node=None):
+    """The command that resumes the run in out_dir at world_size processes, per_node of them on each node."""
+    per_node = per_node or world_size
+    launcher = "python" if world_size == 1 else f"torchrun --nproc_per_node={per_node}" + (
+        f" --nnodes={world_size // per_node}" if world_size > per_node else "")
+    return f"{launcher} train.py --init_from=resume --out_dir={shlex.quote(out_dir)}"
+
+
+def end_of_run(cfg, layout, first_step, step, tokens_per_step, seconds, evals, newest):
+    """The lines a run ends with: the steps and tokens it trained and how long it took, its evaluations'
+    last and best validation loss (evals: [(step, {split: loss})]), its newest checkpoint and the
+    commands that take it further, written for this run's out_dir."""
+    trained = step - first_step
+    lines = [f"finished: steps {first_step} -> {step} ({trained} steps, {trained * tokens_per_step:,} tokens) in "
+             f"{format_duration(seconds)}"]
+    if evals:
+        split = "val" if "val" in evals[-1][1] else "train"  # a corpus of one document has no validation split
+        (last, losses), best = evals[-1], min(evals, key=lambda e: e[1][split])
+        lines.append(f"{'validation' if split == 'val' else 'no validation split: training-set'} loss "
+                     f"{losses[split]:.4f} at step {last}, the best {best[1][split]:.4f} at step {best[0]}")
+    else:
+        lines.append("no evaluation in this launch (eval_interval = 0, or the run stopped first)")
+    if newest is None:
+        return "\n".join(lines + ["no checkpoint (checkpoint_interval = 0): nothing to sample from, resume or export"])
+    out, name = shlex.quote(cfg.out_dir), os.path.basename(os.path.normpath(cfg.out_dir))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
+    more = "" if step < cfg.max_iters else f" --max_iters={2 * cfg.max_iters}" + (
+        f" --lr_decay_iters={2 * cfg.max_iters}" if cfg.lr_decay_iters == cfg.max_iters else "")
+    commands = [(f"python sample.py --out_dir={out} --start=\"The history of\"", "text from it"),
+                (resume_command(cfg.out_dir, layout.world_size, per_node) + more, "train on"),
+                (f"python export_hf.py --out_dir={out} --hf_dir={shlex.quote('hf/' + name)}", "a transformers folder")]
+    width = max(len(command) for command, _ in commands)
+    return "\n".join(lines + [f"checkpoint: {newest}", "next:"]
+                     + [f"  {command.ljust(width)}  # {why}" for command, why in commands])
+
+
+def verify(out_dir, say=print):
+    """Check every checkpoint of out_dir offline (sizes and crc32s, reading every file), say what each is,
+    and name the newest intact one with the command that resumes from it. Returns the exit status: 0 when
+    the newest checkpoint is intact, 1 when it is not (an older one may be, named), 2 when out_dir holds
+    no checkpoint."""
+    step_of = checkpoint.step_of
+    paths = sorted(set(checkpoint.checkpoint_folders(out_dir)) | set(checkpoint.complete_checkpoints(out_dir)),
+                   key=step_of)
+    if not paths:
+        say(f"error: no checkpoint in '{out_dir}' (no ckpt_* folder): name a run's out_dir")
+        return 2
+    intact = None
+    for path in paths:
+        start, why = time.time(), checkpoint.why_damaged(path)
+        if why is None:
+            intact, meta = path, checkpoint.read_meta(path)
+            files, size = len(meta["files"]), sum(meta["file_sizes"]) / 2**20
+            why = (f"intact ({files} file{'s' if files > 1 else ''}, {size:,.1f} MiB, crc32 checked in "
+                   f"{time.time() - start:.2f} s)" if "file_crc32" in meta else
+                   "intact by its sizes (written before checksums: its bytes cannot be checked)")
+        say(f"{path}: {why}")
+    if intact is None:
+        say(f"no checkpoint in {out_dir} is intact: start again with --init_from=scratch")
+        return 1
+    world = checkpoint.read_meta(intact)["world_size"]
+    newer = [p for p in paths if step_of(p) > step_of(intact)]
+    say(f"the newest intact checkpoint is {intact} (saved by {world} process{'es' if world > 1 else ''})"
+        + (f", older than the damaged {', '.join(newer)}: move {'them' if len(newer) > 1 else 'it'} aside first ("
+           + "; ".join(f"mv {p} {p}.damaged" for p in newer) + ")" if newer else "")
+        + f"; resume from it with:\n  {resume_command(out_dir, world)}")
+    return 1 if newer else 0
+
+
+def verify_main(argv):
+    """python checkpoint.py --verify OUT_DIR (or --verify=OUT_DIR); returns verify's exit status."""
+    if len(argv) == 2 and argv[0] == "--verify":
+        return verify(argv[1])
+    if len(argv) == 1 and argv[0].startswith("--verify="):
+        return verify(argv[0].split("=", 1)[1])
+    print("usage: python checkpoint.py --verify OUT_DIR   (checks every checkpoint of a run; exit status 0 when the "
+          "newest is intact, 1 when it is not, 2 when OUT_DIR holds none)", file=sys.stderr)
+    return 2

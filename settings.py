@@ -442,6 +442,15 @@ def keep_global_batch(values, windows, dp):
             f"{values['gradient_accumulation_steps']} keep the run's global batch of {windows} windows"]
 
 
+def global_batch(values, dp):
+    """The step's global batch, batch_size x gradient_accumulation_steps x dp windows of block_size tokens:
+    every layout given the same one trains the same model as one process (docs/equivalence.md), and a
+    layout with more dp ranks trains a larger one unless batch_size or the accumulation is divided by dp."""
+    bs, gas, block = values["batch_size"], values["gradient_accumulation_steps"], values["block_size"]
+    return (f"global batch {bs} x {gas} micro-batches x dp {dp} = {bs * gas * dp} x {block} = "
+            f"{bs * gas * dp * block:,} tokens")
+
+
 def global_batch_change(saved, tokens_per_step):
     """The line saying that a resumed run's step sees another number of tokens than the checkpoint's run did
     (batch_size is per data-parallel rank: inherited at another dp, or with another accumulation or context

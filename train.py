@@ -20,7 +20,6 @@ import importlib.util
 import json
 import math
 import os
-import shlex
 import sys
 import time
 from contextlib import nullcontext
@@ -40,7 +39,7 @@ import timeline
 from configurator import ConfigError, configure, make_folder
 from context_parallel import split_for_every_rank, zigzag_split
 from expert_parallel import ExpertSplit
-from faults import BadSteps, StopVote, TooManyBadSteps, peer_failure, run_script
+from faults import BadSteps, StopVote, TooManyBadSteps, end_of_run, end_on_dead_peer, peer_failure, run_script
 from model import (ModelConfig, Transformer, backward_phases, check_layout, choose_attn_impl, choose_device_and_dtype,
                    chunk_modules, compile_blocks, document_ids_and_positions, takes_muon, uncompile_blocks, zero3_units)
 from optim import AdamW, DynamicLossScaler, Muon, describe_optimizer, zero_one_muon_buckets
@@ -55,11 +54,10 @@ from zero import FullyShardedParameters, GradientShards
 
 
 def configure_run(argv):
-    """The run's settings from the command line (config files, then --key=value), checked, and with
-    init_from='resume' or 'auto' the ones left out taken from the checkpoint (settings.py says which may
-    change; settings.resume_settings the layout and the batch), with init_from=<a transformers model folder> the
-    architecture from its config.json, by the same rules. Returns (cfg, notes to print, the checkpoint to
-    resume or None)."""
+    """The run's settings from the command line (config files, then --key=value), checked. With init_from=
+    'resume' or 'auto' the ones left out come from the checkpoint, with init_from=<a transformers model folder>
+    the architecture from its config.json, by settings.py's rules (resume_settings: the layout and the batch
+    too). Returns (cfg, notes to print, the checkpoint to resume or None)."""
     values, given = configure(settings.TRAINING, argv, usage=__doc__)
     notes, path = [], None
     if values["init_from"] in ("resume", "auto"):
@@ -238,15 +236,6 @@ def print0(layout, *args):
         print(*args, flush=True)
 
 
-def global_batch(cfg, layout):
-    """The step's global batch, batch_size x gradient_accumulation_steps x dp windows of block_size tokens:
-    every layout given the same one trains the same model as one process (docs/equivalence.md), and a
-    layout with more dp ranks trains a larger one unless batch_size or the accumulation is divided by dp."""
-    windows = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp
-    return (f"global batch {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro-batches x dp {layout.dp} = "
-            f"{windows} x {cfg.block_size} = {windows * cfg.block_size:,} tokens")
-
-
 @dataclass
 class Run:
     """What setup finds: where and how the run computes, its ranks, its model's settings and its data."""
@@ -322,7 +311,7 @@ def setup(cfg, training=True):
                        f"anyway): the loss is computed from the logits")
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))  # torchrun's processes on this node
     first, _, grid = describe_layout(layout, cfg.sequence_parallel, model_cfg.n_expert, per_node).partition("\n")
-    print0(layout, first + ("" if converting else f"; {global_batch(cfg, layout)}") + "\n" + grid)
+    print0(layout, first + ("" if converting else f"; {settings.global_batch(vars(cfg), layout.dp)}") + "\n" + grid)
     if layout.pp > 1:
         cut = metrics.stage_cut(model_cfg, cfg.pp_schedule, layout.pp, cfg.pp_chunks, cfg.pp_layers)
         print0(layout, describe_pipeline(cfg.pp_schedule, layout.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks,
@@ -549,12 +538,9 @@ def global_grad_norm(model, layout, grads, dp_sharded=False):
     experts = {id(p) for p in model.expert_parameters().values()}
     param = next(model.parameters())
     dev, dtype = param.device, at_least_fp32(param.dtype)
-    sq = {False: torch.zeros((), dtype=dtype, device=dev),  # dense
-          True: torch.zeros((), dtype=dtype, device=dev)}  # experts
+    sq = {is_expert: torch.zeros((), dtype=dtype, device=dev) for is_expert in (False, True)}
     for p, grad in grads:
-        if id(p) in copies:
-            continue
-        if getattr(p, "tp_shard_dim", None) is None and layout.tp_rank != 0:
+        if id(p) in copies or (getattr(p, "tp_shard_dim", None) is None and layout.tp_rank != 0):
             continue
         sq[id(p) in experts] += grad.detach().to(dtype).pow(2).sum()
     if layout.world_size == 1:
@@ -652,8 +638,7 @@ def mean_across_ranks(value, layout):
     One all-reduce over the whole world, rank 0 and everyone get it."""
     if layout.world_size == 1:
         return value
-    counts = layout.tp_rank == 0
-    value = value.detach().to(at_least_fp32(value.dtype)) * (1.0 / layout.dp_cp if counts else 0.0)
+    value = value.detach().to(at_least_fp32(value.dtype)) * (1.0 / layout.dp_cp if layout.tp_rank == 0 else 0.0)
     dist.all_reduce(value)
     return value
 
@@ -662,11 +647,12 @@ def mean_across_ranks(value, layout):
 # checkpoints
 
 
-def save_checkpoint(cfg, run, parts, step, converted=False, keep=()):
+def save_checkpoint(cfg, run, parts, step, converted=False):
     """converted: the model just loaded from a transformers folder (max_iters=0). Its checkpoint records the
     architecture as its settings and nothing of this launch's run: resuming it takes max_iters, the schedule
-    and the data from its own command line, and starts a fresh optimizer (see resume). keep: checkpoints
-    that keep_last_n must not remove (the last one before a streak of skipped steps began)."""
+    and the data from its own command line, and starts a fresh optimizer (see resume). keep_last_n never
+    removes the last checkpoint before a streak of skipped steps began (parts.bad_steps.keep)."""
+    parts.bad_steps.check(cfg.out_dir, step)  # never save the state of a run that must stop
     layout, model, optimizer = run.layout, parts.model, parts.optimizer
     config = vars(cfg)
     if converted:
@@ -686,21 +672,19 @@ def save_checkpoint(cfg, run, parts, step, converted=False, keep=()):
     return checkpoint.save(cfg.out_dir, step, layout.rank, layout.world_size,
                            checkpoint.model_pieces(model, layout, shards, optimizer),
                            {} if converted else checkpoint.optimizer_pieces(optimizer, model, layout), meta, extra,
-                           cfg.keep_last_n, keep)
+                           cfg.keep_last_n, parts.bad_steps.keep(cfg.out_dir))
 
 
 def write_log(cfg, run, parts, log, record):
-    """log.write(record), on every rank. When rank 0 cannot write it (a full disk: every rank learns it in
-    the write, at the same step), every rank saves the steps since the last checkpoint, if the disk lets it,
-    and stops with rank 0's one line naming the file, the cause and what to do."""
+    """log.write(record), on every rank. When rank 0 cannot (a full disk: every rank learns it in the write),
+    every rank saves this step if the disk lets it, and stops with rank 0's line saying what to do."""
     try:
         log.write(record)
     except metrics.LogError as e:
         step = record["step"]
-        parts.bad_steps.check(cfg.out_dir, step)  # never save the state of a run that must stop
         run.phase = f"saving the checkpoint of step {step} (the log could not be written)"
         try:
-            path = save_checkpoint(cfg, run, parts, step, keep=parts.bad_steps.keep(cfg.out_dir))
+            path = save_checkpoint(cfg, run, parts, step)
         except checkpoint.CheckpointError as failed:
             raise metrics.LogError(f"{e}, and saving step {step} failed too: {failed}") from None
         raise metrics.LogError(f"{e}: the run stopped at step {step} and saved {path}. Free space on the disk of "
@@ -710,39 +694,6 @@ def write_log(cfg, run, parts, log, record):
 
 # -----------------------------------------------------------------------------
 # the loop
-
-
-def end_of_run(cfg, layout, first_step, step, tokens_per_step, seconds, evals, newest):
-    """The lines a run ends with: the steps and tokens it trained and how long it took, its evaluations'
-    last and best validation loss (evals: [(step, {split: loss})]), its newest checkpoint and the
-    commands that take it further, written for this run's out_dir."""
-    trained = step - first_step
-    lines = [f"finished: steps {first_step} -> {step} ({trained} steps, {trained * tokens_per_step:,} tokens) in "
-             f"{metrics.format_duration(seconds)}"]
-    if evals:
-        split = "val" if "val" in evals[-1][1] else "train"  # a corpus of one document has no validation split
-        best = min(evals, key=lambda e: e[1][split])
-        lines.append(f"{'validation' if split == 'val' else 'no validation split: training-set'} loss "
-                     f"{evals[-1][1][split]:.4f} at step {evals[-1][0]}, "
-                     f"the best {best[1][split]:.4f} at step {best[0]}")
-    else:
-        lines.append("no evaluation in this launch (eval_interval = 0, or the run stopped first)")
-    if newest is None:
-        lines.append("no checkpoint (checkpoint_interval = 0): nothing to sample from, resume or export")
-        return "\n".join(lines)
-    out = shlex.quote(cfg.out_dir)
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
-    launcher = "python" if layout.world_size == 1 else f"torchrun --nproc_per_node={per_node}" + (
-        f" --nnodes={layout.world_size // per_node}" if layout.world_size > per_node else "")
-    more = "" if step < cfg.max_iters else f" --max_iters={2 * cfg.max_iters}" + (
-        f" --lr_decay_iters={2 * cfg.max_iters}" if cfg.lr_decay_iters == cfg.max_iters else "")
-    name = os.path.basename(os.path.normpath(cfg.out_dir))
-    commands = [(f"python sample.py --out_dir={out} --start=\"The history of\"", "text from it"),
-                (f"{launcher} train.py --init_from=resume --out_dir={out}{more}", "train on"),
-                (f"python export_hf.py --out_dir={out} --hf_dir={shlex.quote('hf/' + name)}", "a transformers folder")]
-    width = max(len(command) for command, _ in commands)
-    lines += [f"checkpoint: {newest}", "next:"] + [f"  {command.ljust(width)}  # {why}" for command, why in commands]
-    return "\n".join(lines)
 
 
 def train(cfg, run, resume_path=None):
@@ -768,8 +719,7 @@ def train(cfg, run, resume_path=None):
             run.recipe = settings.batch_recipe(saved)
         print0(layout, f"resumed from {path} at step {step}" + (f", which is max_iters = {cfg.max_iters} already: "
                        f"nothing to train (raise --max_iters to go on)" if step >= cfg.max_iters else ""))
-        note = settings.global_batch_change(saved, tokens_per_step)
-        if note:
+        if note := settings.global_batch_change(saved, tokens_per_step):
             print0(layout, note)
     vote = StopVote(layout, layout.timeout, cfg.out_dir)
     log = metrics.MetricsLog(cfg.out_dir, layout.rank, step if resume_path else None,
@@ -844,9 +794,8 @@ def train(cfg, run, resume_path=None):
             write_log(cfg, run, parts, log, record)
             timer, timed_steps = time.time(), 0
         if (cfg.checkpoint_interval > 0 and (step % cfg.checkpoint_interval == 0 or last)) or stopping:
-            parts.bad_steps.check(cfg.out_dir, step)  # never save the state of a run that must stop
             run.phase = f"saving the checkpoint of step {step}"
-            newest = save_checkpoint(cfg, run, parts, step, keep=parts.bad_steps.keep(cfg.out_dir))
+            newest = save_checkpoint(cfg, run, parts, step)
             print0(layout, f"step {step:6d} | saved {newest}")
             timer, timed_steps = time.time(), 0
         if stopping:
@@ -879,8 +828,8 @@ def main(argv):
     try:
         try:
             cfg, notes, resume_path = configure_run(argv)
-            if rank == 0:
-                print("\n".join(notes), flush=True) if notes else None
+            if rank == 0 and notes:
+                print("\n".join(notes), flush=True)
             run = setup(cfg)
         except (ConfigError, ValueError, FileNotFoundError, FileExistsError, checkpoint.CheckpointError) as e:
             sys.exit(f"error: {e}")  # printed by rank 0 (faults.run_script)
@@ -891,16 +840,7 @@ def main(argv):
         except RuntimeError as e:
             if not peer_failure(e):
                 raise
-            # every survivor says it (rank 0 may be the rank that died), and exits without a traceback
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"error: rank {rank} stopped in {run.phase}: a peer died or did not answer within "
-                  f"dist_timeout_s = {cfg.dist_timeout_s:g} s ({first}). Launched with torchrun --max-restarts=N "
-                  f"--init_from=auto, the job restarts from its last checkpoint by itself; else launch it again "
-                  f"with --init_from=auto", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            # no clean-up: tearing down the process groups would wait for the peer that is gone (the stop
-            # vote's all-reduce in flight), until the timeout, and torchrun would restart the job that late
-            os._exit(1)
+            end_on_dead_peer(e, rank, run.phase, cfg.dist_timeout_s)  # every survivor says it, and exits
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

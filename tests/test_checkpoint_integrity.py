@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import faults
 import train
 from dist_utils import run_ranks, train_in_process, without_memory_measurement
 from model import ModelConfig
@@ -107,7 +108,7 @@ def test_a_save_that_finds_the_disk_full_names_the_checkpoints_older_than_the_ne
 
 
 def _verify(out_dir, capsys):
-    code = checkpoint.main(["--verify", str(out_dir)])
+    code = faults.verify_main(["--verify", str(out_dir)])
     return code, capsys.readouterr().out
 
 
@@ -140,15 +141,20 @@ def _stop_of(call):
     """(the error's type name, its message) of what call() raised, or None."""
     try:
         call()
-    except checkpoint.CheckpointError as e:
+    except Exception as e:
         return type(e).__name__, str(e)
     return None
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
 
 
 def _two_rank_cases(rank, world_size, out_dir):
     """A 2-rank run's checkpoints at steps 1 and 2; rank 0 damages rank 1's file of step 2, which both ranks
     then read. Then step 1 read by both, where only rank 1 finds a wrong crc32, and a save of step 3 where
-    only rank 1's weights are not finite. Each case: what each rank raised."""
+    only rank 1's weights are not finite, and one where rank 0 cannot make the save's folder. Each case: what
+    each rank raised."""
     for step in (1, 2):
         _save(out_dir, step, rank=rank, world_size=world_size)
     if rank == 0:
@@ -161,6 +167,11 @@ def _two_rank_cases(rank, world_size, out_dir):
     results["rank_1_only"] = _stop_of(lambda: checkpoint.open_for_resume(os.path.join(out_dir, "ckpt_0000001"), None))
     checkpoint.file_crc32 = crc32
     results["not_finite"] = _stop_of(lambda: _save(out_dir, 3, float("nan") if rank == 1 else 3.0, rank, world_size))
+    makedirs = os.makedirs
+    if rank == 0:  # rank 0 alone makes the .tmp folder every rank writes into
+        os.makedirs = _no_space
+    results["no_folder"] = _stop_of(lambda: _save(out_dir, 4, 4.0, rank, world_size))
+    os.makedirs = makedirs
     return results
 
 
@@ -198,3 +209,11 @@ def test_verify_gives_the_torchrun_command_of_a_two_rank_checkpoint(two_ranks, c
     code, out = _verify(out_dir, capsys)
     assert code == 1, out  # its step-2 checkpoint is damaged
     assert out.splitlines()[-1] == f"  torchrun --nproc_per_node=2 train.py --init_from=resume --out_dir={out_dir}"
+
+
+def test_a_save_whose_folder_rank_0_cannot_make_stops_every_rank_with_the_same_error(two_ranks):
+    out_dir, results = two_ranks
+    assert [r["no_folder"] for r in results] == [results[0]["no_folder"]] * 2, results
+    kind, text = results[0]["no_folder"]
+    assert kind == "CheckpointError" and text.startswith(f"saving checkpoint {out_dir / 'ckpt_0000004'} failed on "
+                                                         f"rank 0: OSError: [Errno 28] No space left on device"), text
