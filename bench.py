@@ -119,7 +119,8 @@ class Picotron:
     """train.py's training step, one call per step."""
 
     def __init__(self, cfg, run, name="picotron"):
-        check_layout(run.model_cfg, run.layout.tp, run.layout.pp, cfg.pp_chunks)
+        layout = run.layout  # (a variant's schedule and chunks, checked against the layout train.setup built)
+        check_layout(run.model_cfg, layout.tp, layout.pp, layout.cp, cfg.sequence_parallel, cfg.pp_chunks, ep=layout.ep)
         self.name, self.cfg, self.run, self.dev, self.layout = name, cfg, run, run.dev, run.layout
         self.parts = train.build(cfg, run)  # the pipeline's channel runs the world's first collective (NCCL)
         self.autocast = self.parts.autocast

@@ -398,7 +398,8 @@ def layout_that_fits(values, inherited, world_size):
     axes given on the command line kept as far as the world allows, then each inherited one (cp, tp, pp)
     lowered to its largest divisor that fits what is left (a divisor of tp or cp splits the model wherever
     they did); a given dp takes the rest. At pp = 1, the settings that need a pipeline go back to one stage
-    (pipeline_schedules.check_schedule), and a cut the stage count changes to the cut by cost."""
+    (pipeline_schedules.check_schedule), and a cut the stage count changes to the cut by cost; at tp = 1,
+    sequence parallelism goes off (model.check_layout)."""
     axes = [k for k in ("dp", "cp", "tp", "pp") if k not in inherited and values[k] > 0] + inherited
     fit, left = {}, world_size
     for k in axes:
@@ -413,6 +414,8 @@ def layout_that_fits(values, inherited, world_size):
         flags.append(("pp_chunks", 1))
     if values["pp_layers"] and fit["pp"] != values["pp"]:
         flags.append(("pp_layers", "''"))
+    if fit["tp"] == 1 and values["sequence_parallel"]:  # (it splits tokens across tp ranks: none to split)
+        flags.append(("sequence_parallel", False))
     return flags
 
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ import metrics
 import sample
 import settings
 import train
-from model import Transformer, model_config_from
+from model import ModelConfig, Transformer, check_layout, model_config_from
 from parallel import resolve_dp
 from pipeline_schedules import check_schedule
 
@@ -300,8 +301,8 @@ def saved_run(**config):
 @pytest.fixture
 def start_up(monkeypatch):
     """start_up(argv, world_size=1, saved=None): the settings a launch of world_size processes makes of argv
-    (resuming a checkpoint whose meta.json is `saved`), through train.configure_run and then the layout's and
-    the schedule's rules, the first of train.setup. Returns (cfg, notes); raises what train.main would print."""
+    (resuming a checkpoint whose meta.json is `saved`), through train.configure_run and then the layout's,
+    the schedule's and the model's split rules (model.check_layout), the first of train.setup. Returns (cfg, notes); raises what train.main would print."""
     def run(argv, world_size=1, saved=None):
         monkeypatch.setenv("WORLD_SIZE", str(world_size))
         if saved is not None:
@@ -311,6 +312,9 @@ def start_up(monkeypatch):
         cfg, notes, _ = train.configure_run(argv)
         resolve_dp(world_size, cfg.dp, cfg.tp, cfg.pp, cp=cfg.cp, ep=cfg.ep)
         check_schedule(cfg.pp_schedule, cfg.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks)
+        model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig)
+                                   if f.name not in ("vocab_size", "eot_token")}, vocab_size=512)
+        check_layout(model_cfg, cfg.tp, cfg.pp, cfg.cp, cfg.sequence_parallel, cfg.pp_chunks, ep=cfg.ep)
         return cfg, notes
     return run
 
@@ -357,6 +361,7 @@ def test_a_pp_2_zbv_checkpoint_resumed_on_one_process_is_told_settings_that_run(
     ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_chunks": 2, "gradient_accumulation_steps": 4}, [], 1,
      "--pp=1 --pp_chunks=1"),
     ({"pp": 2, "pp_layers": "3,1"}, [], 1, "--pp=1 --pp_layers=''"),
+    ({"tp": 2, "sequence_parallel": True}, ["--pp=2"], 2, "--tp=1 --sequence_parallel=False"),  # nothing to split
 ])
 def test_a_layout_inherited_that_does_not_fit_the_world_is_told_flags_that_fit(start_up, config, given, world_size,
                                                                                flags):
