@@ -87,7 +87,7 @@ def resolve_dp(world_size, dp, tp, pp, count_name="WORLD_SIZE", cp=1, ep=1):
     if cp > 1:
         axes, product, names = f"cp = {cp} x " + axes, f"cp * tp * pp = {cp} * {tp} * {pp}", "--cp/--tp/--pp"
     if world_size % split != 0:
-        raise ValueError(f"{count_name} = {world_size} processes cannot be cut into {axes}: the world size "
+        raise ValueError(f"{count_name} = {world_size} process{'es' if world_size != 1 else ''} cannot be cut into {axes}: the world size "
                          f"{world_size} is not divisible by {product}; launch a multiple of {split} processes or "
                          f"change {names}")
     if dp == 0:
@@ -288,7 +288,7 @@ def describe_layout(layout, sequence_parallel=False, n_expert=0, per_node=None):
     spanning = tp_groups_across_nodes(layout.dp, layout.tp, layout.pp, per_node, layout.cp)
     if spanning:
         text += (f"\nwarning: {len(spanning)} tensor-parallel group(s) span two nodes (ranks {spanning[0]} with "
-                 f"{per_node} processes per node): their all-reduces, several per layer, cross the network. Make tp = "
+                 f"{per_node} process{'es' if per_node != 1 else ''} per node): their all-reduces, several per layer, cross the network. Make tp = "
                  f"{layout.tp} divide --nproc_per_node = {per_node}")
     return text
 

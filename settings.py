@@ -379,17 +379,19 @@ def follow_the_world(values, given, world_size, path):
     if inherited and (world_size % split or values["dp"] not in (0, world_size // split)):
         cut = (f"dp = {values['dp']} x " if values["dp"] else "") + " x ".join(f"{k} = {values[k]}"
                                                                             for k in ("cp", "tp", "pp"))
-        raise ConfigError(f"WORLD_SIZE = {world_size} processes cannot be cut into {cut}: "
+        procs = f"{world_size} process{'es' if world_size != 1 else ''}"
+        raise ConfigError(f"WORLD_SIZE = {procs} cannot be cut into {cut}: "
                           + ", ".join(f"{k} = {values[k]}" for k in inherited) + f" came from the checkpoint "
-                          f"{path} (a setting left out is the checkpoint's). Pass the layout for {world_size} "
-                          f"processes, for example " + " ".join(f"--{k}={v}" for k, v in
-                                                               layout_that_fits(values, inherited, world_size)))
+                          f"{path} (a setting left out is the checkpoint's). Pass the layout for {procs}, for "
+                          f"example " + " ".join(f"--{k}={v}" for k, v in layout_that_fits(values, inherited,
+                                                                                                  world_size)))
     dp = world_size // split if world_size % split == 0 else 0
     ep = values["ep"]
     if "ep" not in given and ep > 1 and dp and dp % ep:
         values["ep"] = math.gcd(ep, dp)  # divides ep, so n_expert too, and dp
         notes.append(f"resume: ep = {values['ep']}, the checkpoint's was {ep}, which does not divide dp = {dp} at "
-                     f"{world_size} processes (the experts reshard between ep values; pass --ep to choose)")
+                     f"{world_size} process{'es' if world_size != 1 else ''} (the experts reshard between ep "
+                     f"values; pass --ep to choose)")
     return notes
 
 

@@ -302,7 +302,7 @@ def test_a_script_that_stops_with_an_error_exits_1_with_a_gloo_worker_still_rele
     _, proc = run_train(TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}",
                                 "--tp=2"], env=env, check=False)
     assert proc.returncode == 1 and "terminate called" not in proc.stderr, (proc.returncode, proc.stderr[-2000:])
-    assert proc.stderr.count("error: WORLD_SIZE = 1 processes cannot be cut into tp = 2") == 1, proc.stderr[-2000:]
+    assert proc.stderr.count("error: WORLD_SIZE = 1 process cannot be cut into tp = 2") == 1, proc.stderr[-2000:]
 
 
 RANK_0_LATE = "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n"  # as sitecustomize.py
@@ -500,7 +500,7 @@ def test_two_torchrun_agents_as_two_nodes_give_one_process_s_run(data_dir, refer
     assert [a.returncode for a in agents] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     text = "".join(outputs)
     # tp = 2 over nodes of 1 process each: the one tensor-parallel group spans the two nodes, and says so
-    assert "warning: 1 tensor-parallel group(s) span two nodes (ranks [0, 1] with 1 processes per node)" in text
+    assert "warning: 1 tensor-parallel group(s) span two nodes (ranks [0, 1] with 1 process per node)" in text
     assert_equals_reference(read_records(argv), tmp_path, reference)
 
 
@@ -601,6 +601,6 @@ def test_a_restart_on_fewer_ranks_lowers_an_inherited_ep_to_one_that_divides_dp(
     meta = _meta(ep=2, n_expert=4, saved_dp=2)
     values, notes = _resume(meta, 1, "--init_from=auto")
     assert values["ep"] == 1
-    assert "resume: ep = 1, the checkpoint's was 2, which does not divide dp = 1 at 1 processes" in notes[0]
+    assert "resume: ep = 1, the checkpoint's was 2, which does not divide dp = 1 at 1 process" in notes[0]
     with pytest.raises(ValueError, match="ep = 2 must divide dp = 1"):
         _resume(meta, 1, "--init_from=auto", "--ep=2")
