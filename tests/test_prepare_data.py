@@ -309,13 +309,13 @@ def test_missing_file_glob_or_directory_is_named(tmp_path):
 
 
 @needs_gpt2
-def test_empty_jsonl_is_an_error_not_empty_bins(tmp_path):
-    (tmp_path / 'empty.jsonl').write_text('')
-    (tmp_path / 'blank.jsonl').write_text('\n\n')
-    for name in ('empty.jsonl', 'blank.jsonl'):
-        message = main_error(f'--dataset={tmp_path / name}', f'--out_dir={tmp_path / "out"}', '--num_proc=1')
-        assert name in message and 'holds no documents' in message
-        assert not list((tmp_path / 'out').iterdir())
+@pytest.mark.parametrize("name,text", [("empty.jsonl", ""), ("blank.jsonl", "\n\n"),
+                                       ("empty.txt", ""), ("blank.txt", "\n  \n")])  # (a .txt once made a 1-token bin)
+def test_an_empty_or_blank_file_is_an_error_not_empty_bins(tmp_path, name, text):
+    (tmp_path / name).write_text(text)
+    message = main_error(f'--dataset={tmp_path / name}', f'--out_dir={tmp_path / "out"}', '--num_proc=1')
+    assert name in message and 'holds no documents' in message
+    assert not list((tmp_path / 'out').iterdir())
 
 
 @needs_gpt2
@@ -337,16 +337,6 @@ def test_rows_without_text_are_skipped_and_counted_not_empty_documents(tmp_path,
     assert decode_docs(train) == ['first', 'last'] and meta['skipped_rows'] == 2
     # the first skipped row is the file's line 3: the blank line 2 holds no row
     assert f"skipped 2 row(s) with no 'text' (null, or missing): the first is {src}, line 3" in capsys.readouterr().out
-
-
-@needs_gpt2
-def test_an_empty_or_blank_txt_is_an_error_not_a_one_token_bin(tmp_path):
-    (tmp_path / 'empty.txt').write_text('')
-    (tmp_path / 'blank.txt').write_text('\n  \n')
-    for name in ('empty.txt', 'blank.txt'):
-        message = main_error(f'--dataset={tmp_path / name}', f'--out_dir={tmp_path / "out"}', '--num_proc=1')
-        assert name in message and 'holds no documents' in message
-        assert not list((tmp_path / 'out').iterdir())
 
 
 @needs_gpt2
