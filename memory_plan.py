@@ -21,6 +21,7 @@ and the README's multi-process layouts, and small layouts through bench.py; `pyt
 and torch.compile's own memory (its traces, generated code, caches) is no tensor of the step: train.py's
 start-up says both when compile is on.
 """
+import itertools
 import math
 
 import torch
@@ -495,16 +496,15 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
         peak = params + (grads - accumulated) + optimizer_bytes + top
         # after the last backward, before the data-parallel reduction: the tied copies' gradients summed into
         # a new tensor (the activations all freed; ZeRO-1's slices still in flight)
-        at_tied_sum = params + grads + optimizer_bytes + zero1_slices + tied_sum_bytes(model_cfg, pp, zero_stage,
-                                                                                        elements, param_bytes)
-        # then, the gradients reduced, the norm's square of the largest gradient, and the optimizer step's own
-        if zero_stage == 3:
-            unit_shards = [shard(n, expert_replicas if e else replicas) for unit in block_units for e, n in enumerate(unit)]
-            largest_shard = max(unit_shards + [shard(root)])
-        else:  # the buckets of each kind (the experts' over their replicas)
-            largest_shard = max(shard(n, expert_replicas if e else replicas) for e in (False, True) for n in bucket_elements(
-                [n for name, n in elements.items() if is_expert(name) == e], bucket // param_bytes))
-        copy_here = model_cfg.tie_embeddings and head_chunk is not None and 0 not in here
+        at_tied_sum = (params + grads + optimizer_bytes + zero1_slices
+                       + tied_sum_bytes(model_cfg, pp, zero_stage, elements, param_bytes))
+        # then, the gradients reduced, the norm's square of the largest gradient (under ZeRO a slice of at
+        # most the largest bucket's or unit's shard; the experts' over their replicas), and the step's own
+        kinds = [[n for name, n in elements.items() if is_expert(name) == e] for e in (False, True)]
+        pieces = (block_units + [[root, 0]] if zero_stage == 3 else
+                  itertools.zip_longest(*[bucket_elements(ns, bucket // param_bytes) for ns in kinds], fillvalue=0))
+        largest_shard = max(max(shard(dense), shard(experts, expert_replicas)) for dense, experts in pieces)
+        copy_here = model_cfg.tie_embeddings and head_chunk is not None and 0 not in here  # the head's copy
         norm_temp = grad_norm_temp_elements(elements, zero_stage, muon, ("lm_head.weight",) if copy_here else (),
                                             largest_shard) * param_bytes
         step_temps = max(step_temps, norm_temp)
