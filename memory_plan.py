@@ -21,6 +21,7 @@ and the README's multi-process layouts, and small layouts through bench.py; `pyt
 and torch.compile's own memory (its traces, generated code, caches) is no tensor of the step: train.py's
 start-up says both when compile is on.
 """
+import itertools
 import math
 
 import torch
@@ -63,8 +64,11 @@ from pipeline_schedules import SCHEDULES, virtual_stages
 #   buffers      at the end of a backward: the gradients in flight (autograd's new gradient of the
 #                largest parameter, three of them for a weight tied within the stage; ZeRO-2/3 also two
 #                buckets or units of flat gradients). ZeRO-2/3's last two launched stay in flight through
-#                the forwards after the backward, until the next backward lands them
-#   step         the optimizer step's temporaries: none for AdamW (torch's fused kernel, on whole tensors
+#                the forwards after the backward, until the next backward lands them. After the last
+#                backward, at ZeRO-0/1 under pp with tied embeddings, the copies' summed gradient (tied_sum_bytes)
+#   step         the temporaries from the reduced gradients to the step's end: the gradient norm's square
+#                of the largest gradient it reads (grad_norm_temp_elements), before the optimizer; the
+#                optimizer's own: none for AdamW (torch's fused kernel, on whole tensors
 #                or ZeRO's slices); ZeRO-1/2's all-gather after it, a copy of this rank's slice of every
 #                bucket (1/dp of the parameters); Muon's, for the largest matrix a rank updates, its new
 #                momentum and Nesterov step, the matrix gathered across tp, Newton-Schulz in fp32
@@ -226,6 +230,31 @@ def block_backward_elements(model_cfg, tokens, tp, sequence_parallel=False):
     F = mlp_hidden_size(model_cfg) // tp
     mlp = 0 if model_cfg.n_expert > 0 else (2 if model_cfg.mlp == "swiglu" else 1) * N * F
     return n_local * C + mlp
+
+
+def tied_sum_bytes(model_cfg, pp, zero_stage, elements, param_bytes=4):
+    """The bytes of the tied embedding's summed gradient on a pipeline rank holding a copy (the first or the
+    last stage), at ZeRO-0/1 (ZeRO-2/3's reducer sums the copies' shards instead): after the step's last
+    backward, parallel.sync_tied_grads adds the copies' gradients into a new tensor (sum() starts from 0)
+    and all-reduces it across the stages holding copies, while this rank's copy's own gradient is alive
+    beside it until the sum replaces it. One tensor of the copy's size (this tp rank's vocabulary slice),
+    even where one rank holds the only copy (zbv's first rank: the embedding is the head)."""
+    if pp == 1 or not model_cfg.tie_embeddings or zero_stage >= 2:
+        return 0
+    return elements.get("tok_emb.weight", elements.get("lm_head.weight", 0)) * param_bytes
+
+
+def grad_norm_temp_elements(elements, zero_stage, muon=False, skipped=(), largest_shard=None):
+    """The elements of the temporary the gradient norm makes (train.global_grad_norm: each gradient the
+    optimizer's grads() gives is squared, pow(2), into a new tensor of its size before it is summed), for
+    the largest of them: after the gradients are reduced, beside the states, before the optimizer steps.
+    grads() gives whole p.grad at ZeRO-0 and under Muon's ZeRO-1, and otherwise (ZeroOneAdamW) each
+    parameter's slice this rank owns: at most the largest 1/dp shard of a bucket (largest_shard). skipped:
+    parameters the norm leaves out (a last stage's copy of the tied embedding, counted on the first)."""
+    largest = max((n for name, n in elements.items() if name not in skipped), default=0)
+    if zero_stage >= 1 and not (muon and zero_stage == 1) and largest_shard is not None:
+        largest = min(largest, largest_shard)
+    return largest
 
 
 def bucket_elements(param_elements, capacity):
@@ -398,12 +427,14 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
         # ZeRO-1: each bucket's reduce-scatter output (this rank's slice) lives from its launch in the last
         # backward until finish(): at the end of it, every bucket's but the one of the largest gradient,
         # the last to fill (Muon's whole matrices are reduced into the flat buffer itself)
+        zero1_slices = 0
         if zero_stage == 1:
             biggest_name = max(elements, key=elements.get)
             launched = [n - (elements[biggest_name] if is_expert(biggest_name) == e and biggest_name not in matrices
                              else 0) for e, n in enumerate(adamw_elements)]
-            buffers += ((shard(launched[0]) if replicas > 1 else 0)
-                        + (shard(launched[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
+            zero1_slices = ((shard(launched[0]) if replicas > 1 else 0)
+                            + (shard(launched[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
+            buffers += zero1_slices
         # expert parallelism: while an MoE layer's outputs travel back, the rows it sent, the rows it
         # received, its experts' outputs and their reordered copy (expert_parallel.dispatch_to_experts), beside
         # the activations saved so far
@@ -463,7 +494,22 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
             top = max(top, now)
             activations, loss = max(activations, act), max(loss, loss_now)
         peak = params + (grads - accumulated) + optimizer_bytes + top
+        # after the last backward, before the data-parallel reduction: the tied copies' gradients summed into
+        # a new tensor (the activations all freed; ZeRO-1's slices still in flight)
+        at_tied_sum = (params + grads + optimizer_bytes + zero1_slices
+                       + tied_sum_bytes(model_cfg, pp, zero_stage, elements, param_bytes))
+        # then, the gradients reduced, the norm's square of the largest gradient (under ZeRO a slice of at
+        # most the largest bucket's or unit's shard; the experts' over their replicas), and the step's own
+        kinds = [[n for name, n in elements.items() if is_expert(name) == e] for e in (False, True)]
+        pieces = (block_units + [[root, 0]] if zero_stage == 3 else
+                  itertools.zip_longest(*[bucket_elements(ns, bucket // param_bytes) for ns in kinds], fillvalue=0))
+        largest_shard = max(max(shard(dense), shard(experts, expert_replicas)) for dense, experts in pieces)
+        copy_here = model_cfg.tie_embeddings and head_chunk is not None and 0 not in here  # the head's copy
+        norm_temp = grad_norm_temp_elements(elements, zero_stage, muon, ("lm_head.weight",) if copy_here else (),
+                                            largest_shard) * param_bytes
+        step_temps = max(step_temps, norm_temp)
         at_step = params + (grads if zero_stage >= 2 else P * param_bytes) + optimizer_bytes + step_temps
+        peak = max(peak, at_tied_sum)
         stages.append({"stage": stage, "parameters": params, "gradients": grads, "optimizer": optimizer_bytes,
                        "activations": activations, "loss": loss, "buffers": buffers, "step": step_temps,
                        "peak": max(peak, at_step)})

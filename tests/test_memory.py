@@ -257,7 +257,12 @@ def _speed_of_each_zero_stage(rank, world_size, steps, model):
 SHIPPED_CONFIGS = ["tiny_fineweb", "shakespeare", "llama_gqa", "mla", "moe", "gemma2_style", "parallel_block"]
 README_LAYOUTS = {
     1: [(name, [f"config/{name}.py"]) for name in SHIPPED_CONFIGS],
-    2: [("tiny_fineweb tp2", ["config/tiny_fineweb.py", "--tp=2"])],
+    2: [("tiny_fineweb tp2", ["config/tiny_fineweb.py", "--tp=2"]),
+        # narrow, so that the vocabulary's tensors are most of stage 0: after its backward, the tied
+        # embedding's summed gradient, then the gradient norm's square of it, each an embedding beside the
+        # states (the plan was 20% under there)
+        ("tiny_fineweb pp2, width 64", ["config/tiny_fineweb.py", "--pp=2", "--n_layer=2", "--n_embd=64",
+                                        "--n_head=4", "--block_size=64", "--batch_size=4"])],
     8: [("tiny_fineweb dp2 x tp2 x pp2", ["config/tiny_fineweb.py", "--tp=2", "--pp=2"]),
         ("tiny_fineweb cp2 x tp2 x pp2", ["config/tiny_fineweb.py", "--cp=2", "--tp=2", "--pp=2", "--block_size=1024"])],
 }
