@@ -62,7 +62,7 @@ from pipeline_schedules import SCHEDULES, virtual_stages
 #                vocab-parallel loss) or log-softmax (F.cross_entropy) and the soft-cap's tanh held, and
 #                while the loss runs the logits beside the softmax (F.cross_entropy: two gradients)
 #   buffers      at the end of a backward: the gradients in flight (autograd's new gradient of the
-#                largest parameter, three of them for a weight tied within the stage; ZeRO-2/3 also two
+#                largest parameter, three of them for a weight tied within one chunk; ZeRO-2/3 also two
 #                buckets or units of flat gradients). ZeRO-2/3's last two launched stay in flight through
 #                the forwards after the backward, until the next backward lands them. After the last
 #                backward, at ZeRO-0/1 under pp with tied embeddings, the copies' summed gradient (tied_sum_bytes)
@@ -361,11 +361,13 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
         if zero_stage == 3:
             params = sharded * param_bytes + (root + min(2, blocks) * biggest_block) * param_bytes
         # at the end of backward: autograd's new gradient of the largest parameter before it is added
-        # into p.grad or copied into its bucket; for a weight tied within the stage the head's part, the
-        # embedding's part and their sum
+        # into p.grad or copied into its bucket; for a weight tied within one chunk (one backward reaches
+        # both uses) the head's part, the embedding's part and autograd's sum of them. Where one rank holds
+        # the two ends in different chunks (zbv's first rank) each chunk's backward is its own: the head's
+        # part becomes p.grad, and the embedding's, one new gradient, is added into it later
         head_chunk = here.index(n_stages - 1) if n_stages - 1 in here else None
-        tied_here = model_cfg.tie_embeddings and head_chunk is not None and 0 in here
-        largest = max(elements.values()) * (3 if tied_here else 1)
+        tied_in_chunk = model_cfg.tie_embeddings and head_chunk is not None and here[head_chunk] == 0
+        largest = max(elements.values()) * (3 if tied_in_chunk else 1)
         buffers = largest * param_bytes
         if zero_stage >= 2:
             grads = sharded * param_bytes

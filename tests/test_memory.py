@@ -262,7 +262,13 @@ README_LAYOUTS = {
         # embedding's summed gradient, then the gradient norm's square of it, each an embedding beside the
         # states (the plan was 20% under there)
         ("tiny_fineweb pp2, width 64", ["config/tiny_fineweb.py", "--pp=2", "--n_layer=2", "--n_embd=64",
-                                        "--n_head=4", "--block_size=64", "--batch_size=4"])],
+                                        "--n_head=4", "--block_size=64", "--batch_size=4"]),
+        # zbv puts both ends of the model on rank 0, in different chunks: each chunk's backward adds one
+        # new gradient of the tied embedding, never the three of one backward reaching both uses (the
+        # plan was 15% over there)
+        ("tiny_fineweb zbv pp2, width 64", ["config/tiny_fineweb.py", "--pp=2", "--pp_schedule=zbv", "--pp_chunks=2",
+                                            "--n_layer=4", "--n_embd=64", "--n_head=4", "--block_size=64",
+                                            "--batch_size=2"])],
     8: [("tiny_fineweb dp2 x tp2 x pp2", ["config/tiny_fineweb.py", "--tp=2", "--pp=2"]),
         ("tiny_fineweb cp2 x tp2 x pp2", ["config/tiny_fineweb.py", "--cp=2", "--tp=2", "--pp=2", "--block_size=1024"])],
 }
