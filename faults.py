@@ -111,7 +111,7 @@ class StopVote:
     would otherwise live until the interpreter's teardown (see run_script)."""
 
     def __init__(self, layout, timeout=None, out_dir=None):
-        self.requested, self.pending, self.stopped = False, None, False
+        self.requested, self.pending = False, None
         self.group = dist.new_group(backend="gloo", timeout=timeout, group_desc="stop vote") \
             if layout.world_size > 1 else None
         self.replaced = signal.signal(signal.SIGTERM, self._ask)
@@ -131,8 +131,7 @@ class StopVote:
     def agreed(self):
         """Called by every rank at the end of every step: whether the run stops now."""
         if self.group is None:
-            self.stopped = self.requested
-            return self.stopped
+            return self.requested
         stop = False
         if self.pending is not None:
             work, flag = self.pending
@@ -141,7 +140,6 @@ class StopVote:
         if not stop:
             flag = torch.tensor([1.0 if self.requested else 0.0])
             self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
-        self.stopped = stop
         return stop
 
     def any_rank(self, failed):

@@ -376,10 +376,10 @@ def follow_the_world(values, given, world_size, path):
         values["dp"] = 0  # whatever the world leaves after cp * tp * pp
     inherited = [k for k in ("cp", "tp", "pp") if k not in given and values[k] > 1]
     split = values["cp"] * values["tp"] * values["pp"]
+    procs = f"{world_size} process{'es' if world_size != 1 else ''}"
     if inherited and (world_size % split or values["dp"] not in (0, world_size // split)):
         cut = (f"dp = {values['dp']} x " if values["dp"] else "") + " x ".join(f"{k} = {values[k]}"
                                                                             for k in ("cp", "tp", "pp"))
-        procs = f"{world_size} process{'es' if world_size != 1 else ''}"
         raise ConfigError(f"WORLD_SIZE = {procs} cannot be cut into {cut}: "
                           + ", ".join(f"{k} = {values[k]}" for k in inherited) + f" came from the checkpoint "
                           f"{path} (a setting left out is the checkpoint's). Pass the layout for {procs}, for "
@@ -390,8 +390,7 @@ def follow_the_world(values, given, world_size, path):
     if "ep" not in given and ep > 1 and dp and dp % ep:
         values["ep"] = math.gcd(ep, dp)  # divides ep, so n_expert too, and dp
         notes.append(f"resume: ep = {values['ep']}, the checkpoint's was {ep}, which does not divide dp = {dp} at "
-                     f"{world_size} process{'es' if world_size != 1 else ''} (the experts reshard between ep "
-                     f"values; pass --ep to choose)")
+                     f"{procs} (the experts reshard between ep values; pass --ep to choose)")
     return notes
 
 

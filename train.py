@@ -736,7 +736,7 @@ def train(cfg, run, resume_path=None):
     print0(layout, "predicted " + memory_plan.format_plan(plan))
     rank_plan = memory_plan.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank)
     timer, timed_steps, logged = time.time(), 0, step
-    started, first_step, evals, newest = timer, step, [], resume_path  # for the summary at the end
+    started, first_step, evals, newest, stopping = timer, step, [], resume_path, False  # (for the end)
     micro = batches(step)
     trace_step = min(step + 2, cfg.max_iters) if cfg.pp_trace and parts.pipeline is not None else None
     measured = None
@@ -805,7 +805,7 @@ def train(cfg, run, resume_path=None):
     vote.finish()
     log.close()
     print0(layout, end_of_run(cfg, layout, first_step, step, tokens_per_step, time.time() - started, evals, newest))
-    if vote.stopped:
+    if stopping:
         vote.exit_saved(step)  # the status scripts/slurm.sh requeues the job on (faults.SAVED_ON_SIGTERM)
     return parts.model
 

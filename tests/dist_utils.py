@@ -128,6 +128,17 @@ def train_in_process(argv):
     return read_records(argv)
 
 
+def main_exit_and_output(argv):
+    """train.main(argv) in this process: (what it exited with, or None when it returned; its stdout)."""
+    with redirect_stdout(io.StringIO()) as out:
+        try:
+            train.main(argv)
+            code = None
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue()
+
+
 def _train_runs(rank, world_size, runs):
     """run_ranks' worker for train_on_ranks: each run's configure_run, setup and train on the process group
     the worker already has (train.main would tear it down after the first run). Returns rank 0's stdout of

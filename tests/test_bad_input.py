@@ -4,8 +4,6 @@ Each case calls the tool's main(argv) in this process and reads the line it exit
 tool shows what a user sees (no traceback). Under torchrun the line is printed once, and no rank is left
 waiting for one that stopped: the multi-rank cases share one 2-rank launch (run_ranks), plus one torchrun
 launch for a checkpoint write that fails on one rank."""
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -18,7 +16,7 @@ import pytest
 import torch
 
 from conftest import ROOT, needs_gpt2
-from dist_utils import make_token_data, run_ranks
+from dist_utils import main_exit_and_output, make_token_data, run_ranks
 
 import bench
 import checkpoint
@@ -638,18 +636,6 @@ def test_a_bf16_run_on_this_cpu_reports_mfu_under_100_percent_and_the_note_where
 
 # --- several ranks: one 2-rank launch ---------------------------------------------------------------------------
 
-def _main_on_every_rank(argv, patch=None):
-    """train.main(argv) on this rank: (what it exited with, or None; its stdout)."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            train.main(argv)
-            code = None
-        except SystemExit as e:
-            code = e.code
-    return code, out.getvalue()
-
-
 def _two_rank_cases(rank, world_size, cases):
     # train.main ends by destroying the process group; here several runs share this launch's group
     torch.distributed.destroy_process_group, destroy = (lambda: None), torch.distributed.destroy_process_group
@@ -671,7 +657,7 @@ def _two_rank_cases(rank, world_size, cases):
                 return result
             checkpoint.resume_run = recording_resume
             try:
-                results[name] = (*_main_on_every_rank(argv), resumed)
+                results[name] = (*main_exit_and_output(argv), resumed)
             finally:
                 checkpoint.resume_run = resume
                 if name == "fallback" and rank == 1:

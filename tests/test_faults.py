@@ -20,7 +20,8 @@ import checkpoint
 from conftest import ROOT
 from faults import SAVED_ON_SIGTERM, SIGTERM_MARK
 from dist_utils import (_free_port, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights,
-                        read_records, run_ranks, run_train, train_in_process, train_on_ranks)
+                        main_exit_and_output, read_records, run_ranks, run_train, train_in_process,
+                        train_on_ranks)
 
 TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
         "--log_interval=1", "--eval_interval=1", "--eval_iters=1", "--warmup_iters=2", "--lr_decay_iters=6",
@@ -404,18 +405,9 @@ def test_a_full_disk_at_a_log_line_saves_the_step_stops_in_one_line_and_auto_con
 def _full_disk_on_rank_0(rank, world_size, argv):
     """run_ranks' worker: train.main(argv), rank 0's disk full from step 3's log line (its log and its save):
     (what each rank exited with, its stdout)."""
-    import contextlib
-    import io
-    import train
     if rank == 0:
         _fill_the_disk_at_the_log(at_append=5, save_too=True)
-    with contextlib.redirect_stdout(io.StringIO()) as printed:
-        try:
-            train.main(argv)
-            code = None
-        except SystemExit as e:
-            code = e.code
-    return code, printed.getvalue()
+    return main_exit_and_output(argv)
 
 
 def test_a_full_disk_at_a_log_line_at_dp2_stops_every_rank_there_with_rank_0_s_line(data_dir, tmp_path):
