@@ -46,7 +46,7 @@ import timeline
 import train
 from configurator import ConfigError, Setting, configure, section
 from faults import run_script
-from model import check_layout
+from settings import check_layout
 from pipeline_schedules import check_schedule, ideal_bubble
 
 BENCH = section(

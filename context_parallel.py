@@ -63,6 +63,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from parallel import at_least_fp32, group_rank, group_size
 
@@ -430,3 +431,93 @@ def loss_share(loss, targets, group, ignore_index=-1):
     total = count.clone()
     dist.all_reduce(total, group=group)
     return loss * (count.clamp(min=1) * cp / total.clamp(min=1))
+
+
+# -----------------------------------------------------------------------------
+# Context parallelism applied to a built model (model.Transformer): the pieces the model leaves for it to
+# swap, each doing what one process does over the whole window.
+
+
+class RingAttentionKernel(nn.Module):
+    """model.AttentionKernel over the cp ranks' shares of the sequence: ring attention, whatever kernel the
+    run chose (positions and document ids, every rank's, on the host, decide which blocks to skip)."""
+
+    def __init__(self, group, softcap=0.0):
+        super().__init__()
+        self.group, self.softcap = group, softcap
+
+    def document_mask(self, documents, device):
+        """Every rank's document ids, (cp, B, T_local) on the host, as ring_attention takes them."""
+        return documents
+
+    def forward(self, q, k, v, positions=None, documents=None):
+        return ring_attention(q, k, v, positions, self.group, softcap=self.softcap, documents=documents)
+
+
+class ContextParallelRotary(nn.Module):
+    """model.Rotary reading this rank's row of every cp rank's positions, (cp, B, T_local) or (cp, T_local)
+    on the host (split_for_every_rank), which ring attention needs whole."""
+
+    def __init__(self, rotary, group):
+        super().__init__()
+        self.rotary, self.group = rotary, group
+
+    def forward(self, positions=None):
+        cp = group_size(self.group)
+        if positions is None or positions.dim() < 2 or positions.shape[0] != cp:
+            raise ValueError(f"Transformer.forward: under context parallelism (cp = {cp}) positions must be every cp "
+                             f"rank's global token positions, (cp, B, T/cp) on the host (split_for_every_rank), got "
+                             f"{None if positions is None else tuple(positions.shape)}")
+        return self.rotary(positions[group_rank(self.group)])
+
+
+class ContextWindow:
+    """model.TokenWindow of the whole window: a mixture of experts' capacity queue and balance counts span
+    every cp rank's share, as in one process. Each rank gathers the chosen expert ids of the whole window
+    (small integers), queues them in the window's position-major order (zigzag_gather's), and keeps its own
+    tokens' verdicts; the load-balancing loss takes f_e from the window's counts (an all-reduce) and P_e
+    from this rank's tokens: its share of the loss, as the cross-entropy is; the dropped fraction is the
+    window's."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def gather(self, choices):  # (T_local, B, k) -> the window's (T, B, k)
+        return all_gather_context(choices, self.group, dim=0)
+
+    def mine(self, window_verdicts):  # the window's (T, B, k) -> this rank's (T_local, B, k)
+        return zigzag_split(window_verdicts, group_size(self.group), group_rank(self.group), dim=0)
+
+    def total(self, counts):
+        counts = counts.clone()
+        dist.all_reduce(counts, group=self.group)
+        return counts
+
+
+class ContextParallelLoss(nn.Module):
+    """The model's loss (model.NextTokenLoss, or the vocab-parallel one) as this cp rank's share of the
+    microbatch's mean (loss_share)."""
+
+    def __init__(self, loss, group):
+        super().__init__()
+        self.inner, self.group, self.chunked = loss, group, loss.chunked
+
+    def forward(self, h, head, targets=None):
+        logits, loss = self.inner(h, head, targets)
+        return logits, (None if loss is None else loss_share(loss, targets, self.group))
+
+
+def apply_context_parallel(model, group):
+    """Run a model.Transformer on this cp rank's share of every window (Liu et al. 2023, "Ring Attention";
+    the zigzag split above): attention becomes ring attention, RoPE reads this rank's positions, a mixture
+    of experts queues and counts over the window, and the loss is this rank's share. The projections and
+    MLPs are per token and stay. Returns the model."""
+    if group_size(group) == 1:
+        return model
+    model.rope = ContextParallelRotary(model.rope, group)
+    model.loss = ContextParallelLoss(model.loss, group)
+    for block in model.blocks.values():
+        block.attn.attend = RingAttentionKernel(group, block.attn.attend.softcap)
+        if hasattr(block.mlp, "window"):
+            block.mlp.window = ContextWindow(group)
+    return model

@@ -48,13 +48,6 @@ from parallel import group_rank, group_size
 ExpertSplits = namedtuple("ExpertSplits", "send recv recv_counts")
 
 
-class ByteCount:
-    """The bytes a rank has sent to other ranks (AllToAll adds to it, forward and backward)."""
-
-    def __init__(self):
-        self.bytes = 0
-
-
 def exchange_expert_counts(counts, group):
     """counts: (n_expert,) int64 on the device, this rank's assignments per (global) expert, the experts of
     group rank j being the j-th block of n_expert / ep. Returns ExpertSplits:
@@ -79,8 +72,8 @@ class AllToAll(torch.autograd.Function):
     """all_to_all_single with uneven splits: this rank sends send_splits[j] rows of x (in order, rank 0's
     first) to group rank j and receives recv_splits[j] rows from it, stacked in rank order. Its backward is
     the same exchange reversed: every received row's gradient goes back to the rank that sent the row, into
-    the place the row came from (the send and receive sizes swap). `sent` (a ByteCount) adds the bytes this
-    rank sends to other ranks, both ways. group=None means not split: apply it through dispatch_to_experts,
+    the place the row came from (the send and receive sizes swap). `sent` (an ExpertParallelDispatch) adds
+    the bytes this rank sends to other ranks to its bytes_sent, both ways. group=None means not split: apply it through dispatch_to_experts,
     which then runs the experts where they are; the Function itself would hand None to torch, whose
     collectives read it as the default world group."""
 
@@ -89,7 +82,7 @@ class AllToAll(torch.autograd.Function):
         ctx.splits, ctx.group, ctx.sent = (send_splits, recv_splits), group, sent
         out = x.new_empty((sum(recv_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
-        sent.bytes += _bytes_to_others(x, send_splits, group)
+        sent.bytes_sent += _bytes_to_others(x, send_splits, group)
         return out
 
     @staticmethod
@@ -97,7 +90,7 @@ class AllToAll(torch.autograd.Function):
         send_splits, recv_splits = ctx.splits
         grad_x = grad.new_empty((sum(send_splits), *grad.shape[1:]))
         dist.all_to_all_single(grad_x, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
-        ctx.sent.bytes += _bytes_to_others(grad, recv_splits, ctx.group)
+        ctx.sent.bytes_sent += _bytes_to_others(grad, recv_splits, ctx.group)
         return grad_x, None, None, None, None
 
 
@@ -126,6 +119,37 @@ def dispatch_to_experts(rows, splits, run_local_experts, group, sent):
     out = run_local_experts(received[order], sizes)
     back = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
     return AllToAll.apply(out[back], recv, send, group, sent)  # each output row to its token's rank
+
+
+class ExpertParallelDispatch:
+    """model.LocalExperts across the ep group: the counts exchanged, the kept assignments sent to their
+    experts' ranks and back by the two all-to-alls (see the top of this file). bytes_sent: the bytes this
+    rank has sent to other ranks, forward and backward (the training log reads and resets it)."""
+
+    def __init__(self, group):
+        self.group, self.bytes_sent = group, 0
+
+    def exchange_counts(self, counts):
+        return exchange_expert_counts(counts, self.group)
+
+    def __call__(self, rows, splits, run_local_experts):
+        return dispatch_to_experts(rows, splits, run_local_experts, self.group, self)
+
+
+def apply_expert_parallel(model, group):
+    """Spread the routed experts of a model.Transformer over the ep group: group rank r keeps experts
+    r * n_expert / ep up to (r + 1) * n_expert / ep - 1 of every mixture-of-experts layer, keyed by their
+    global index (experts.5 is expert 5 at every ep, so checkpoints reshard between ep values), and reaches
+    the others' through the all-to-all. Everything else stays whole on every rank. Returns the model."""
+    ep, rank = group_size(group), group_rank(group)
+    if ep == 1:
+        return model
+    for moe in model.moe_layers().values():
+        n_local = moe.n_expert // ep
+        for name in [name for name in moe.experts if int(name) // n_local != rank]:
+            del moe.experts[name]
+        moe.dispatch = ExpertParallelDispatch(group)
+    return model
 
 
 class ExpertSplit:

@@ -7,7 +7,7 @@ Write a starter config for a model size and a parallel layout, checked before an
 Every training setting can be given (--key=value, or a config file to start from), plus `nproc`, the number
 of processes the run will have, and `out`, the file to write (an existing one is refused unless
 --force=True). The layout is checked with train.py's own rules (dp x cp x tp x pp must be nproc, and
-model.check_layout: heads, key/value heads, MLP width and blocks must split, block_size into context
+settings.check_layout: heads, key/value heads, MLP width and blocks must split, block_size into context
 parallelism's 2*cp chunks; the pipeline schedule's rules), so a layout that does not divide the model is
 refused here rather than after the job waited in a queue. The file states the parameter count and the global
 batch in tokens, then the settings that were asked for (and the few this script chose, each saying why),
@@ -24,7 +24,8 @@ import memory_plan
 import metrics
 import settings
 from configurator import ConfigError, Setting, configure, section
-from model import ModelConfig, Transformer, attention_head_dim, check_layout
+from model import ModelConfig, Transformer, attention_head_dim
+from settings import check_layout
 from parallel import resolve_dp
 from pipeline_schedules import check_schedule, describe_pipeline
 

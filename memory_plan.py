@@ -23,15 +23,16 @@ start-up says both when compile is on.
 """
 import itertools
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from metrics import rank_peak_memory_bytes, stage_cut
-from model import (Transformer, attention_dims, attention_head_dim, choose_attn_impl, loss_chunk_size,
+from model import (attention_dims, attention_head_dim, choose_attn_impl, loss_chunk_size,
                    mlp_hidden_size, takes_muon)
 from optim import deal_whole
-from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, padded_vocab_size, stage_layers
+from parallel import full_shape_of, padded_vocab_size, stage_layers
 from pipeline_schedules import SCHEDULES, virtual_stages
 
 
@@ -92,35 +93,31 @@ from pipeline_schedules import SCHEDULES, virtual_stages
 # buffers (its ring attention is counted as a fused kernel).
 
 
+class PlannedGroup:
+    """A process group's size and this rank's place in it, for building a rank's model without processes."""
+
+    def __init__(self, size, rank=0):
+        self.size, self.rank = (lambda: size), (lambda: rank)
+
+
 def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1, ep=1, shapes=None, pp_layers=""):
     """{name: elements this tp rank holds} of pipeline rank `stage`'s parameters (its chunks' under the
-    interleaved and V schedules, the blocks cut as train.py cuts them: metrics.stage_cut): built on the meta
-    device (no memory) at tp = 1, each tensor-parallel layer's tensors then cut as that layer cuts them.
-    Under expert parallelism a rank holds n_expert / ep experts of each layer (the first ep rank's are
-    named). shapes: a dict, filled with each parameter's full shape (Muon orthogonalises the full matrix)."""
-    with torch.device("meta"):
-        model = Transformer(model_cfg, None, pp * chunks, virtual_stages(schedule, pp, stage, chunks),
-                            stage_blocks=stage_cut(model_cfg, schedule, pp, chunks, pp_layers))
-    held = model_cfg.n_expert // ep if model_cfg.n_expert else 0
+    interleaved and V schedules, the blocks cut as train.py cuts them: metrics.stage_cut): the model built on
+    the meta device (no memory) and the layout applied to it as train.build_model applies it, each group a
+    PlannedGroup of its size, so what is counted is what a run holds. Under expert parallelism a rank holds
+    n_expert / ep experts of each layer (the first ep rank's). shapes: a dict, filled with each parameter's
+    full shape (Muon orthogonalises the full matrix)."""
+    import train  # (here: train.py imports this file)
+    group = lambda size: PlannedGroup(size) if size > 1 else None  # noqa: E731
+    layout = SimpleNamespace(pp=pp, pp_rank=stage, tp_group=group(tp), ep_group=group(ep), cp_group=None)
+    cfg = SimpleNamespace(chunked_loss=False, pp_schedule=schedule, pp_chunks=chunks, pp_layers=pp_layers,
+                          sequence_parallel=False, activation_checkpointing=False)
+    model = train.build_model(cfg, model_cfg, layout, "sdpa", "meta")
     out = {}
-    for mod_name, module in model.named_modules():
-        if is_expert(mod_name) and int(mod_name.split(".mlp.experts.")[1].split(".")[0]) >= held:
-            continue  # another ep rank's expert
-        for name, p in module.named_parameters(recurse=False):
-            full = f"{mod_name}.{name}" if mod_name else name
-            n = p.numel()
-            if isinstance(module, VocabParallelEmbedding) or getattr(p, "vocab_size", None) is not None:
-                n = padded_vocab_size(model_cfg.vocab_size, tp) // tp * p.shape[1]
-            elif isinstance(module, ColumnParallelLinear):
-                kv_whole = mod_name.endswith(("k_proj", "v_proj")) and model_cfg.n_kv_head % tp != 0
-                n = n if kv_whole else n // tp
-            elif isinstance(module, RowParallelLinear) and name == "weight":
-                n //= tp
-            out.setdefault(full, n)
-            if shapes is not None:
-                shapes.setdefault(full, tuple(p.shape))
-    if model_cfg.tie_embeddings and model.is_first and model.is_last:
-        out.pop("lm_head.weight", None)  # the embedding itself
+    for name, p in model.named_parameters():  # (a tied weight once: named_parameters gives each tensor once)
+        out[name] = p.numel()
+        if shapes is not None:
+            shapes[name] = tuple(full_shape_of(p))
     return out
 
 

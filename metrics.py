@@ -427,9 +427,9 @@ def moe_metrics(model, layout, steps=1):
     for i, m in layers.items():
         if m.aux_loss is not None:
             stats[:3] += torch.stack([m.aux_loss.detach(), m.last_dropped_frac, torch.ones((), device=dev)]).double()
-        stats[3] += m.a2a_sent.bytes
+        stats[3] += m.dispatch.bytes_sent
         load[i] = torch.tensor(m.step_load, dtype=torch.float64, device=dev)
-        m.step_load, m.a2a_sent.bytes = [0] * n_expert, 0
+        m.step_load, m.dispatch.bytes_sent = [0] * n_expert, 0
     if layout.world_size > 1:
         dist.all_reduce(stats)
     load = load / (layout.tp * max(steps, 1))  # tp ranks count the same tokens

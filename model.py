@@ -18,32 +18,33 @@ and the shapes real checkpoints have (import_hf.py loads them): head_dim (heads 
 Qwen3), intermediate_size (any MLP width, TinyLlama), qkv_bias (biases on q, k and v only, Qwen2) and
 rope_scaling_factor with its three companions (Llama 3.1's RoPE scaling, llama3_scaled_frequencies).
 
-The model is built directly in its parallel form: the linears are parallel.py's Column/Row parallel
-layers, which are plain linears when there is no tensor-parallel group, and a pipeline stage builds only
-its own blocks (and the embedding on the first stage, the head on the last). Under context parallelism
-(a cp group) each rank runs its share of every sequence and attention is ring attention
-(context_parallel.py); under sequence parallelism the tokens between the tensor-parallel regions are split
-across the tp ranks (parallel.py). Weights are initialised from a generator seeded by (seed, parameter
-name) over the full tensor, then sliced, so every layout starts from the same full model. At the end, the
-small functions that say how the parallel mechanisms cut this model (pipeline chunks, ZeRO-3's units).
+The model knows nothing of how it runs, as nanoGPT's does: Transformer(cfg) is the whole model in one
+process, its linears nn.Linear. Each parallel mechanism applies itself to a built model, in its own file,
+by swapping modules for their parallel forms (parallel.apply_tensor_parallel, apply_pipeline;
+context_parallel.apply_context_parallel; expert_parallel.apply_expert_parallel), so the maths below is read
+apart from all of them. Where a mechanism changes more than a layer, the model leaves one small named
+piece for it to swap, each a plain class here that does what one process does:
+    AttentionKernel      attention proper; context parallelism swaps in ring attention
+    Rotary               RoPE's cos and sin; context parallelism reads its rank's positions
+    TokenWindow          the tokens a router's capacity and counts span; context parallelism's window
+    LocalExperts         how tokens reach their experts; expert parallelism's all-to-all
+    NextTokenLoss        the head's logits and loss; tensor parallelism's vocab-parallel loss,
+                         context parallelism's share of it
+    Transformer.chunk_layers   the blocks each forward runs; the pipeline's stages and chunks
+Weights are initialised from a generator seeded by (seed, parameter name) over the full tensor, then cut
+to this rank's share (init_weights), so every layout starts from the same full model.
 """
 import functools
 import math
 import zlib
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from context_parallel import all_gather_context, check_context_split, loss_share, ring_attention, zigzag_split
-from expert_parallel import ByteCount, dispatch_to_experts, exchange_expert_counts
-from parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelEmbedding, SequenceParallelRowLinear,
-                      VocabParallelEmbedding, at_least_fp32, copy_to_tp, full_shape_of, gather_from_sp, gather_from_tp,
-                      group_rank, group_size, mark_filled, padded_vocab_size, scatter_to_tp, shard_of,
-                      stage_layers, valid_vocab_columns, vocab_parallel_cross_entropy)
 
 
 @dataclass
@@ -200,19 +201,17 @@ def causal_attention_scores(q, k, softcap=0.0):
     return att.masked_fill(~mask, float("-inf"))
 
 
-def causal_attention(q, k, v, impl, softcap=0.0, positions=None, cp_group=None, documents=None):
+def at_least_fp32(dtype):
+    """fp32 for the half-precision dtypes, the dtype itself otherwise (fp64 stays fp64)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def causal_attention(q, k, v, impl, softcap=0.0, documents=None):
     """q: (B, T, H, D), k: (B, T, H_kv, D), v: (B, T, H_kv, D_v) with H a multiple of H_kv (D_v differs from D
     in MLA). softcap > 0 soft-caps every score (after the 1/sqrt(D) scale) before the softmax, which only
     'flash' and 'eager' can (impl comes from choose_attn_impl, which never pairs 'sdpa' with a cap). Returns
-    (B, T, H, D_v).
-
-    With a context-parallel group, q, k and v are this rank's share of the sequence and attention is ring
-    attention (context_parallel.py), whatever impl is: positions are then every cp rank's global token
-    positions, (cp, B, T) on the host. documents (a DocumentMask, doc_mask=True): a query sees only the
-    keys of its own document."""
-    if group_size(cp_group) > 1:
-        return ring_attention(q, k, v, positions, cp_group, softcap=softcap,
-                              documents=None if documents is None else documents.ids)
+    (B, T, H, D_v). documents (a DocumentMask, doc_mask=True): a query sees only the keys of its own
+    document."""
     if impl == "flash":
         from flash_attn import flash_attn_func  # lazily: see choose_attn_impl
         d, dv = q.shape[-1], v.shape[-1]
@@ -296,10 +295,8 @@ def document_ids_and_positions(tokens, eot_token):
     return documents, index - first
 
 
-def document_mask(documents, impl, device, cp=1):
-    """The DocumentMask of document ids (B, T) (under context parallelism (cp, B, T/cp), on the host)."""
-    if cp > 1:
-        return DocumentMask(ids=documents)
+def document_mask(documents, impl, device):
+    """The DocumentMask of document ids (B, T)."""
     if impl == "flash":
         B, T = documents.shape
         starts = torch.ones_like(documents, dtype=torch.bool)
@@ -317,53 +314,48 @@ def document_mask(documents, impl, device, cp=1):
     return DocumentMask(ids=ids, visible=visible[:, None])
 
 
+class AttentionKernel(nn.Module):
+    """Attention proper, softmax(q k^T / sqrt(D)) v over the causal (and document) mask, with the kernel
+    choose_attn_impl chose; no parameters. It is its own module so that context parallelism can swap it for
+    ring attention over the cp ranks' shares of the sequence (context_parallel.RingAttentionKernel), which
+    reads the positions and document ids this one does not need."""
+
+    def __init__(self, impl, softcap=0.0):
+        super().__init__()
+        self.impl, self.softcap = impl, softcap
+
+    def document_mask(self, documents, device):
+        """What this kernel needs to stop at documents, built once per forward from the ids (B, T)."""
+        return document_mask(documents, self.impl, device)
+
+    def forward(self, q, k, v, positions=None, documents=None):
+        return causal_attention(q, k, v, self.impl, self.softcap, documents)
+
+
 # -----------------------------------------------------------------------------
 # Building blocks
 
 
 class RMSNorm(nn.Module):
-    """Zhang & Sennrich 2019: x / rms(x) * g, computed in fp32 for stability under bf16/fp16 autocast.
+    """Zhang & Sennrich 2019: x / rms(x) * g, computed in fp32 for stability under bf16/fp16 autocast."""
 
-    tp_group is for a norm applied to per-head tensors (QK-norm): its gain is replicated, but each
-    tensor-parallel rank applies it only to its own heads and so holds only part of the gain's gradient;
-    copy_to_tp sums the parts across ranks in the backward pass, so every replica gets the full gradient."""
-
-    def __init__(self, dim, eps=1e-5, tp_group=None):
+    def __init__(self, dim, eps=1e-5):
         super().__init__()
-        self.eps, self.tp_group = eps, tp_group
+        self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.weight.init_value = 1.0
 
     def forward(self, x):
         xf = x.to(at_least_fp32(x.dtype))
-        weight = copy_to_tp(self.weight, self.tp_group)
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * weight
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm (same parameters, same names) whose gain and bias pass through f (copy_to_tp) when
-    given a tp_group, as RMSNorm's gain does: under sequence parallelism each tp rank normalises only its
-    own tokens, so its gradients of the gain and bias are partial and f sums them across the group."""
-
-    def __init__(self, dim, eps=1e-5, bias=True, tp_group=None):
-        super().__init__(dim, eps=eps, bias=bias)
-        self.tp_group = tp_group
-
-    def forward(self, x):
-        bias = copy_to_tp(self.bias, self.tp_group) if self.bias is not None else None
-        return F.layer_norm(x, self.normalized_shape, copy_to_tp(self.weight, self.tp_group), bias, self.eps)
-
-
-def make_norm(cfg, dim, tp_group=None):
+def make_norm(cfg, dim):
     """norm='rmsnorm' (Llama) or 'layernorm' (Ba et al. 2016, GPT-2: subtracts the mean too, and has a
-    bias when bias=True). Gains start at 1, biases at 0 (see init_weights). tp_group: for a norm that sees
-    only this tensor-parallel rank's tokens (sequence parallelism), so that its gradients are summed."""
+    bias when bias=True). Gains start at 1, biases at 0 (see init_weights)."""
     if cfg.norm == "rmsnorm":
-        return RMSNorm(dim, cfg.norm_eps, tp_group)
+        return RMSNorm(dim, cfg.norm_eps)
     if cfg.norm == "layernorm":
-        norm = LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias, tp_group=tp_group)
-        norm.weight.init_value = 1.0
-        return norm
+        return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
     raise ValueError(f"norm must be 'rmsnorm' or 'layernorm', got {cfg.norm!r}")
 
 
@@ -395,11 +387,33 @@ def rope_scaling(cfg):
 def rope_cache(seq_len, head_dim, theta, scaling=None):
     """cos and sin of RoPE (Su et al. 2021), (T, head_dim/2), frequencies theta^(-2i/head_dim), rescaled
     as Llama 3 does when scaling = (factor, low_freq_factor, high_freq_factor, original_context)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    # on the host, also while the model is built on the meta device: a buffer is computed, not initialised
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
     if scaling is not None:
         inv_freq = llama3_scaled_frequencies(inv_freq, *scaling)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device="cpu"), inv_freq)
     return angles.cos().float(), angles.sin().float()
+
+
+class Rotary(nn.Module):
+    """RoPE's cos and sin for the model's tokens, from one cache of block_size positions (buffers that a
+    checkpoint does not save). forward(positions): the first rows of the cache (every row's tokens at
+    0, 1, ...; apply_rope takes as many as the sequence has), or each token's own row when positions are
+    given, (B, T) (doc_mask: positions restart with each document). Context parallelism wraps it so that
+    it reads this rank's row of every rank's positions (context_parallel.apply_context_parallel)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else attention_head_dim(cfg)
+        cos, sin = rope_cache(cfg.block_size, dim, cfg.rope_theta, rope_scaling(cfg))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, positions=None):
+        if positions is None:
+            return self.cos, self.sin
+        positions = positions.to(self.cos.device, non_blocking=True)  # (the copy does not block: no sync)
+        return self.cos[positions], self.sin[positions]
 
 
 def apply_rope(x, cos, sin):
@@ -429,92 +443,46 @@ def attention_dims(cfg):
     return attention_head_dim(cfg), attention_head_dim(cfg)
 
 
-def output_linear(in_features, out_features, bias, tp_group, sequence_parallel):
-    """The row-parallel linear that ends a tensor-parallel region (attention's output projection, the MLP's
-    down projection): into a sequence-parallel region under sequence parallelism."""
-    linear = SequenceParallelRowLinear if sequence_parallel else RowParallelLinear
-    return linear(in_features, out_features, bias=bias, group=tp_group)
-
-
 class CausalSelfAttention(nn.Module):
     """Multi-head attention with n_kv_head key/value heads (Shazeer 2019 "Fast Transformer Decoding" for
-    MQA, Ainslie et al. 2023 for GQA). Under tensor parallelism each rank holds n_head / tp query heads
-    (column-parallel q), and the output projection is row-parallel.
-
-    Key/value heads are split the same way when tp divides n_kv_head. With fewer key/value heads than
-    ranks (MQA, small GQA) they cannot be split: every rank keeps the full k/v weights and uses the one
-    head its query heads read. Each rank then holds only part of those weights' gradient (from its own
-    query heads), so the weights pass through copy_to_tp, whose backward sums the parts across ranks.
-
-    The input goes through f (copy_to_tp) once, here, for q, k and v together: its gradient is
-    all-reduced once per attention in the backward pass, not once per projection. Under sequence
-    parallelism the input is this rank's T/tp tokens and is all-gathered here instead (gather_from_sp,
-    whose backward reduce-scatter does f's sum), and o_proj reduce-scatters its output.
+    MQA, Ainslie et al. 2023 for GQA): q_proj makes n_head query heads, k_proj and v_proj n_kv_head each,
+    and each key/value head serves n_head / n_kv_head query heads. The heads are counted from the
+    projections' outputs, so the same forward runs a tensor-parallel rank's share of them
+    (parallel.apply_tensor_parallel says how the heads are split).
 
     qk_norm=True applies RMSNorm to every query and key head before RoPE (Dehghani et al. 2023, "Scaling
     Vision Transformers to 22B Parameters"; OLMo 2, Gemma 3): the scores cannot blow up through the
-    size of q and k, a known cause of loss spikes. Its gains (one per head dimension, shared by all heads)
-    are replicated across tensor-parallel ranks, see RMSNorm.
+    size of q and k, a known cause of loss spikes. Its gains (one per head dimension) are shared by all heads.
 
     The head size is attention_head_dim(cfg), so n_head * head_dim need not be n_embd (q_proj and o_proj are
     then not square). qkv_bias=True gives q, k and v a bias and o none (Qwen2); bias=True gives all four one.
+    Attention itself is self.attend, an AttentionKernel (context parallelism swaps in ring attention); the
+    projections, QK-norm and RoPE are per token."""
 
-    With a context-parallel group (cp_group) the attention itself is ring attention over the cp ranks'
-    shares of the sequence (causal_attention); the projections, QK-norm and RoPE are per token."""
-
-    def __init__(self, cfg, tp_group=None, attn_impl="sdpa", cp_group=None, sequence_parallel=False):
+    def __init__(self, cfg, attn_impl="sdpa"):
         super().__init__()
-        tp = group_size(tp_group)
-        self.tp_group, self.attn_impl, self.softcap = tp_group, attn_impl, cfg.attn_softcap
-        self.cp_group, self.sequence_parallel = cp_group, sequence_parallel
         self.head_dim = attention_head_dim(cfg)
-        self.n_head_local = cfg.n_head // tp
         kv_dim = cfg.n_kv_head * self.head_dim
         qkv_bias = cfg.bias or cfg.qkv_bias
-        self.q_proj = ColumnParallelLinear(cfg.n_embd, cfg.n_head * self.head_dim, bias=qkv_bias, group=tp_group,
-                                           copy_input=False)
-        self.kv_split = cfg.n_kv_head % tp == 0
-        if self.kv_split:
-            self.k_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, bias=qkv_bias, group=tp_group, copy_input=False)
-            self.v_proj = ColumnParallelLinear(cfg.n_embd, kv_dim, bias=qkv_bias, group=tp_group, copy_input=False)
-        else:
-            self.k_proj = nn.Linear(cfg.n_embd, kv_dim, bias=qkv_bias)
-            self.v_proj = nn.Linear(cfg.n_embd, kv_dim, bias=qkv_bias)
-            # rank r holds query heads r * n_head/tp onwards, and key/value head j serves the n_head/n_kv_head
-            # query heads from j * n_head/n_kv_head: with tp a multiple of n_kv_head, all of rank r's query
-            # heads read head r * n_kv_head / tp
-            self.kv_head = group_rank(tp_group) * cfg.n_kv_head // tp
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.n_embd, kv_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.n_embd, kv_dim, bias=qkv_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, tp_group)
-            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, tp_group)
-        self.o_proj = output_linear(cfg.n_head * self.head_dim, cfg.n_embd, cfg.bias, tp_group, sequence_parallel)
-        self.o_proj.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2's depth-scaled residual init
-
-    def project_kv(self, x):
-        """x has been through copy_to_tp already (see forward)."""
-        if self.kv_split:
-            return self.k_proj(x), self.v_proj(x)
-        rows = slice(self.kv_head * self.head_dim, (self.kv_head + 1) * self.head_dim)
-        k, v = (F.linear(x, copy_to_tp(proj.weight, self.tp_group)[rows],
-                         None if proj.bias is None else copy_to_tp(proj.bias, self.tp_group)[rows])
-                for proj in (self.k_proj, self.v_proj))
-        return k, v
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.o_proj = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=cfg.bias)
+        self.attend = AttentionKernel(attn_impl, cfg.attn_softcap)
 
     def forward(self, x, cos, sin, positions=None, documents=None):
-        if self.sequence_parallel:  # (B, T/tp, C) -> (B, T, C); backward: reduce-scatter of x's gradient
-            x = gather_from_sp(x, self.tp_group)
-        else:  # f: identity forward, all-reduce of x's gradient backward
-            x = copy_to_tp(x, self.tp_group)
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head_local, self.head_dim)  # (B, T, H_local, D)
-        k, v = self.project_kv(x)
-        k = k.view(B, T, -1, self.head_dim)  # (B, T, H_kv_local, D)
-        v = v.view(B, T, -1, self.head_dim)
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H_kv, D)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = causal_attention(q, k, v, self.attn_impl, self.softcap, positions, self.cp_group, documents)
-        return self.o_proj(y.reshape(B, T, self.n_head_local * self.head_dim))
+        y = self.attend(q, k, v, positions, documents)
+        return self.o_proj(y.flatten(2))
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -533,89 +501,52 @@ class MultiHeadLatentAttention(nn.Module):
         q = [q_nope ; rope(q_rope)] per head = q_proj(x), or q_up(norm(q_down(x))) when q_lora_rank > 0
         out = o_proj(softmax(q k^T / sqrt(qk_nope_head_dim + qk_rope_head_dim)) v)
 
-    Tensor parallelism splits the heads: q_proj / q_up and kv_up are column-parallel (each rank makes
-    its own heads' q, k_nope and v), o_proj is row-parallel. The down-projections (kv_down, q_down) and
-    the latent norms are small and replicated: every rank computes the whole latent. Their gradients are
-    still complete on every rank: c_kv and c_q feed column-parallel layers, whose copy_to_tp (Megatron's f)
-    sums the gradient of their input across ranks; k_rope is read by every rank's heads directly, so it
-    passes through copy_to_tp itself. Computing the latent once and scattering it would save a few small
-    matmuls per rank but cost a collective in each direction; replication is simpler and as fast here.
-
-    Sequence parallelism: the input, this rank's T/tp tokens, is all-gathered on entry (gather_from_sp,
-    whose backward reduce-scatter sums every path's partial gradient), so none of those copy_to_tp is
-    applied to the activations any more; instead each replicated weight (kv_down, q_down, the latent
-    norms' gains) now holds only this rank's part of its gradient, and passes through copy_to_tp itself
-    (self.sp_group is the tp group then, None otherwise).
-
     With qk_norm the per-head queries [q_nope ; q_rope] and keys [k_nope ; k_rope] are RMS-normalised
     before RoPE, as in CausalSelfAttention. n_kv_head does not apply: every head has its own k_nope and v.
-    Under context parallelism what travels round the ring is the per-head keys and values, not the latent
-    (context_parallel.py says why)."""
+    The heads are counted from q's and kv_up's outputs (a tensor-parallel rank holds some of them:
+    parallel.apply_tensor_parallel). Under context parallelism what travels round the ring is the per-head
+    keys and values, not the latent (context_parallel.py says why)."""
 
-    def __init__(self, cfg, tp_group=None, attn_impl="sdpa", cp_group=None, sequence_parallel=False):
+    def __init__(self, cfg, attn_impl="sdpa"):
         super().__init__()
-        tp = group_size(tp_group)
-        self.tp_group, self.attn_impl, self.softcap = tp_group, attn_impl, cfg.attn_softcap
-        self.cp_group, self.sequence_parallel = cp_group, sequence_parallel
-        self.sp_group = tp_group if sequence_parallel else None
-        copy_input = not sequence_parallel  # under SP the gathered input's backward sums the gradient
-        self.n_head_local = cfg.n_head // tp
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         qk_dim = self.nope_dim + self.rope_dim
         if cfg.q_lora_rank > 0:
             self.q_down = nn.Linear(cfg.n_embd, cfg.q_lora_rank, bias=cfg.bias)
-            self.q_latent_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, self.sp_group)
-            self.q_up = ColumnParallelLinear(cfg.q_lora_rank, cfg.n_head * qk_dim, bias=cfg.bias, group=tp_group,
-                                             copy_input=copy_input)
+            self.q_latent_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.q_up = nn.Linear(cfg.q_lora_rank, cfg.n_head * qk_dim, bias=cfg.bias)
         else:
-            self.q_proj = ColumnParallelLinear(cfg.n_embd, cfg.n_head * qk_dim, bias=cfg.bias, group=tp_group,
-                                               copy_input=copy_input)
+            self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * qk_dim, bias=cfg.bias)
         self.kv_down = nn.Linear(cfg.n_embd, cfg.kv_lora_rank + self.rope_dim, bias=cfg.bias)
-        self.kv_latent_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, self.sp_group)
-        self.kv_up = ColumnParallelLinear(cfg.kv_lora_rank, cfg.n_head * (self.nope_dim + self.v_dim),
-                                          bias=cfg.bias, group=tp_group, copy_input=copy_input)
+        self.kv_latent_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.kv_up = nn.Linear(cfg.kv_lora_rank, cfg.n_head * (self.nope_dim + self.v_dim), bias=cfg.bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(qk_dim, cfg.norm_eps, tp_group)
-            self.k_norm = RMSNorm(qk_dim, cfg.norm_eps, tp_group)
-        self.o_proj = output_linear(cfg.n_head * self.v_dim, cfg.n_embd, cfg.bias, tp_group, sequence_parallel)
-        self.o_proj.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
-
-    def down(self, linear, x):
-        """A replicated down-projection; its weight through f under sequence parallelism (see above)."""
-        bias = copy_to_tp(linear.bias, self.sp_group) if linear.bias is not None else None
-        return F.linear(x, copy_to_tp(linear.weight, self.sp_group), bias)
+            self.q_norm = RMSNorm(qk_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(qk_dim, cfg.norm_eps)
+        self.o_proj = nn.Linear(cfg.n_head * self.v_dim, cfg.n_embd, bias=cfg.bias)
+        self.attend = AttentionKernel(attn_impl, cfg.attn_softcap)
 
     def compress_kv(self, x):
         """What a KV cache would store per token: (B, T, kv_lora_rank + qk_rope_head_dim)."""
-        return self.down(self.kv_down, x)
+        return self.kv_down(x)
 
     def forward(self, x, cos, sin, positions=None, documents=None):
-        if self.sequence_parallel:  # (B, T/tp, C) -> (B, T, C)
-            x = gather_from_sp(x, self.tp_group)
         B, T, _ = x.shape
-        if hasattr(self, "q_down"):
-            q = self.q_up(self.q_latent_norm(self.down(self.q_down, x)))
-        else:
-            q = self.q_proj(x)
-        q = q.view(B, T, self.n_head_local, self.nope_dim + self.rope_dim)  # (B, T, H_local, nope + rope)
-        latent = self.compress_kv(x)
-        c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        if not self.sequence_parallel:  # (under SP the partial gradients are summed by the input's gather)
-            k_rope = copy_to_tp(k_rope, self.tp_group)
-        k_rope = k_rope.unsqueeze(2)  # (B, T, 1, rope): one key for every head
-        kv = self.kv_up(self.kv_latent_norm(c_kv)).view(B, T, self.n_head_local, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # (B, T, H_local, nope), (B, T, H_local, v)
-        k = torch.cat([k_nope, k_rope.expand(-1, -1, self.n_head_local, -1)], dim=-1)
+        q = self.q_up(self.q_latent_norm(self.q_down(x))) if hasattr(self, "q_down") else self.q_proj(x)
+        q = q.view(B, T, -1, self.nope_dim + self.rope_dim)  # (B, T, H, nope + rope)
+        c_kv, k_rope = self.compress_kv(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_up(self.kv_latent_norm(c_kv)).view(B, T, -1, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # (B, T, H, nope), (B, T, H, v)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, kv.shape[2], -1)], dim=-1)  # one k_rope for all
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         k_nope, k_rope = k.split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
         k = torch.cat([k_nope, apply_rope(k_rope, cos, sin)], dim=-1)
-        y = causal_attention(q, k, v, self.attn_impl, self.softcap, positions, self.cp_group,
-                             documents)  # (B, T, H_local, v)
-        return self.o_proj(y.reshape(B, T, self.n_head_local * self.v_dim))
+        y = self.attend(q, k, v, positions, documents)  # (B, T, H, v)
+        return self.o_proj(y.flatten(2))
 
 
 def swiglu_hidden_size(n_embd, multiple_of=64):
@@ -626,47 +557,30 @@ def swiglu_hidden_size(n_embd, multiple_of=64):
 
 
 class SwiGLUMLP(nn.Module):
-    """Shazeer 2020: down(silu(gate(x)) * up(x)). gate and up are column-parallel, down row-parallel:
-    the hidden activations stay split across tensor-parallel ranks, with no communication in between.
-    One f on the input serves gate and up; one g (inside down) sums the partial outputs. Under sequence
-    parallelism the input is all-gathered instead of f, and down reduce-scatters instead of g."""
+    """Shazeer 2020: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg, tp_group=None, sequence_parallel=False):
+    def __init__(self, cfg):
         super().__init__()
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         hidden = mlp_hidden_size(cfg)
-        self.gate = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group, copy_input=False)
-        self.up = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group, copy_input=False)
-        self.down = output_linear(hidden, cfg.n_embd, cfg.bias, tp_group, sequence_parallel)
-        self.down.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+        self.gate = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
+        self.up = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
+        self.down = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x):
-        if self.sequence_parallel:  # (B, T/tp, C) -> (B, T, C), once for gate and up
-            x = gather_from_sp(x, self.tp_group)
-        else:
-            x = copy_to_tp(x, self.tp_group)  # f, once for gate and up
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class GeluMLP(nn.Module):
     """GPT-2's MLP (Radford et al. 2019), mlp='gelu': down(gelu(up(x))) with a 4 x n_embd hidden layer (or
-    intermediate_size) and
-    GELU's tanh approximation (Hendrycks & Gimpel 2016) as GPT-2 used. Column- then row-parallel, like
-    SwiGLUMLP; with bias=True the row-parallel down adds its bias once, after the all-reduce (under
-    sequence parallelism: gathered input, reduce-scattered output, as SwiGLUMLP)."""
+    intermediate_size) and GELU's tanh approximation (Hendrycks & Gimpel 2016) as GPT-2 used."""
 
-    def __init__(self, cfg, tp_group=None, sequence_parallel=False):
+    def __init__(self, cfg):
         super().__init__()
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         hidden = mlp_hidden_size(cfg)
-        self.up = ColumnParallelLinear(cfg.n_embd, hidden, bias=cfg.bias, group=tp_group,
-                                       copy_input=not sequence_parallel)
-        self.down = output_linear(hidden, cfg.n_embd, cfg.bias, tp_group, sequence_parallel)
-        self.down.weight.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+        self.up = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
+        self.down = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x):
-        if self.sequence_parallel:
-            x = gather_from_sp(x, self.tp_group)
         return self.down(F.gelu(self.up(x), approximate="tanh"))
 
 
@@ -678,11 +592,11 @@ def mlp_hidden_size(cfg):
     return 4 * cfg.n_embd if cfg.mlp == "gelu" else swiglu_hidden_size(cfg.n_embd)
 
 
-def make_mlp(cfg, tp_group=None, sequence_parallel=False):
+def make_mlp(cfg):
     if cfg.mlp == "swiglu":
-        return SwiGLUMLP(cfg, tp_group, sequence_parallel)
+        return SwiGLUMLP(cfg)
     if cfg.mlp == "gelu":
-        return GeluMLP(cfg, tp_group, sequence_parallel)
+        return GeluMLP(cfg)
     raise ValueError(f"mlp must be 'swiglu' or 'gelu', got {cfg.mlp!r}")
 
 
@@ -693,6 +607,35 @@ def expert_capacity_mask(expert_ids, n_expert, capacity):
     onehot = F.one_hot(expert_ids.flatten(), n_expert)  # (N * k, E)
     slot = (onehot.cumsum(0) * onehot).sum(-1) - 1  # each assignment's place in its expert's queue
     return (slot < capacity).view_as(expert_ids)
+
+
+class TokenWindow:
+    """The tokens whose choices a MixtureOfExperts queues for capacity and counts for its balance loss: in
+    one process, the forward's own. Context parallelism swaps in the whole window's (every cp rank's share:
+    context_parallel.ContextWindow), so that the queue and the counts are those of one process."""
+
+    def gather(self, choices):  # (T, B, k) -> the window's, (T_window, B, k)
+        return choices
+
+    def mine(self, window_verdicts):  # the window's (T_window, B, k) -> this forward's (T, B, k)
+        return window_verdicts
+
+    def total(self, counts):  # this forward's assignments per expert -> the window's
+        return counts
+
+
+class LocalExperts:
+    """How a MixtureOfExperts reaches its experts when they are all in this process: the kept assignments,
+    sorted by expert, go straight to run_local_experts. Expert parallelism swaps in the all-to-all
+    (expert_parallel.ExpertParallelDispatch), whose bytes sent to other ranks bytes_sent counts: none here."""
+    bytes_sent = 0
+
+    def exchange_counts(self, counts):
+        """counts, the kept assignments per expert, read to the host (.send): the one sync of the layer."""
+        return SimpleNamespace(send=counts.tolist())
+
+    def __call__(self, rows, splits, run_local_experts):
+        return run_local_experts(rows, splits.send)
 
 
 def count_per_expert(expert_ids, n):
@@ -737,56 +680,30 @@ class MixtureOfExperts(nn.Module):
         which keeps the router's logits small.
     n_shared_expert experts see every token, outside the routing (DeepSeekMoE, Dai et al. 2024).
 
-    Tensor parallelism: every expert is split internally like the dense MLP (column-parallel in, row-
-    parallel out, one all-reduce per expert, of no rows for one without tokens); the router is replicated. Its input
-    and everything after the all-reduces are the same on every rank, so every rank routes identically
-    (the ranks run the same experts in the same order: the collectives match) and computes the same,
-    complete router gradient and auxiliary loss.
+    How the layer runs under each layout, where that layout is applied: tensor parallelism splits every
+    expert like the dense MLP and keeps the router replicated (parallel.apply_tensor_parallel); context
+    parallelism makes the capacity queue and the balance counts the window's (self.window,
+    context_parallel.apply_context_parallel); expert parallelism keeps this rank's experts, keyed by their
+    global index, and sends the kept assignments to their experts' ranks and back (self.dispatch,
+    expert_parallel.apply_expert_parallel). Routing, capacity, the auxiliary losses and the dropped fraction
+    are computed where the tokens are, exactly as in one process."""
 
-    Sequence parallelism: the layer is a tensor-parallel region that stays replicated. Its input, this
-    rank's T/tp tokens, is all-gathered (backward: keep this rank's slice, the computation after the
-    gather being the same on every rank), the layer runs on the whole sequence exactly as above, and each
-    rank keeps its own tokens of the output (backward: all-gather the gradient). So the routing, the
-    capacity and the router's gradient are those without sequence parallelism; what it does not give the
-    MoE layer is the memory saving (an index-based dispatch over sequence-split tokens is left for later).
-
-    Context parallelism: each cp rank routes its own share of the window, but the capacity and the queue
-    are the window's: every rank gathers the chosen expert ids of the whole window (small integers;
-    context_parallel.all_gather_context), queues them in the window's position-major order as one process
-    does, and keeps its own tokens' verdicts. The load-balancing loss takes f_e from the window's counts (an
-    all-reduce) and P_e from this rank's tokens: its share of the loss, as the cross-entropy is
-    (context_parallel.py); the dropped fraction is the window's.
-
-    Expert parallelism (ep_group, expert_parallel.py): this rank holds only experts first_expert ...
-    first_expert + n_expert / ep - 1, keyed by their global index (experts.5 is expert 5 at every ep, so
-    checkpoints reshard between ep values). Routing, capacity, the auxiliary losses and the dropped
-    fraction are computed here, on this rank's own micro-batch, exactly as in one process; only the kept
-    assignments travel, to their experts' ranks and back (expert_parallel.dispatch_to_experts), and the outputs are
-    combined with the router weights here, where the tokens are."""
-
-    def __init__(self, cfg, tp_group=None, cp_group=None, sequence_parallel=False, ep_group=None):
+    def __init__(self, cfg):
         super().__init__()
-        self.tp_group, self.cp_group, self.sequence_parallel = tp_group, cp_group, sequence_parallel
         self.n_expert, self.k, self.capacity_factor = cfg.n_expert, cfg.n_expert_per_token, cfg.capacity_factor
         self.aux_loss_coef, self.router_z_loss_coef = cfg.aux_loss_coef, cfg.router_z_loss_coef
-        self.ep_group = ep_group
-        n_local = cfg.n_expert // group_size(ep_group)
-        self.first_expert = group_rank(ep_group) * n_local
         self.router = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
-        self.experts = nn.ModuleDict({str(e): make_mlp(cfg, tp_group)
-                                      for e in range(self.first_expert, self.first_expert + n_local)})
-        self.shared_experts = nn.ModuleList(make_mlp(cfg, tp_group) for _ in range(cfg.n_shared_expert))
+        self.experts = nn.ModuleDict({str(e): make_mlp(cfg) for e in range(cfg.n_expert)})
+        self.shared_experts = nn.ModuleList(make_mlp(cfg) for _ in range(cfg.n_shared_expert))
+        self.window, self.dispatch = TokenWindow(), LocalExperts()
         # set by each forward: the auxiliary loss (part of the graph), and statistics for the training log
         self.aux_loss = self.last_dropped_frac = self.last_tokens_per_expert = None
         self.last_load = None  # this forward's kept assignments per expert, host list (the split sizes)
         # what the training log reads (metrics.moe_metrics) and resets: the assignments per expert of the
-        # training forwards (added by Transformer.forward), the bytes the all-to-alls sent to other ranks
+        # training forwards (added by Transformer.forward)
         self.step_load = [0] * cfg.n_expert
-        self.a2a_sent = ByteCount()
 
     def forward(self, x):
-        if self.sequence_parallel:  # (B, T/tp, D) -> (B, T, D), replicated (see above)
-            x = gather_from_tp(x, self.tp_group, dim=1)
         B, T, D = x.shape
         tokens = x.transpose(0, 1).reshape(T * B, D)  # position-major, the capacity queue's order
         N, E = tokens.shape[0], self.n_expert
@@ -795,35 +712,29 @@ class MixtureOfExperts(nn.Module):
             logits = F.linear(tokens.to(fp32), self.router.weight.to(fp32))  # (N, E)
         probs = logits.softmax(dim=-1)
         gate, expert = probs.topk(self.k, dim=-1)  # (N, k) each
-        cp = group_size(self.cp_group)
         if self.capacity_factor == 0:  # dropless
             keep = window_keep = torch.ones_like(expert, dtype=torch.bool)
-        elif cp > 1:  # queue the whole window's choices, keep this rank's verdicts
-            capacity = math.ceil(self.capacity_factor * N * cp * self.k / E)  # the window's N * cp tokens
-            window = all_gather_context(expert.view(T, B, self.k), self.cp_group, dim=0)  # (T * cp, B, k)
-            window_keep = expert_capacity_mask(window.view(-1, self.k), E, capacity)
-            keep = zigzag_split(window_keep.view(T * cp, B, self.k), cp, group_rank(self.cp_group), dim=0)
-            keep = keep.reshape(N, self.k)
-        else:
-            keep = window_keep = expert_capacity_mask(expert, E, math.ceil(self.capacity_factor * N * self.k / E))
+        else:  # queue the window's choices (this forward's, or every cp rank's), keep this rank's verdicts
+            window = self.window.gather(expert.view(T, B, self.k))  # (T_window, B, k)
+            capacity = math.ceil(self.capacity_factor * window.numel() / E)
+            window_keep = expert_capacity_mask(window.reshape(-1, self.k), E, capacity)
+            keep = self.window.mine(window_keep.view(window.shape)).reshape(N, self.k)
 
-        # every assignment sorted by expert, the dropped ones last (as expert E, cut off below by count)
+        # every assignment sorted by expert, the dropped ones last (as expert E, cut off by count)
         target = expert.masked_fill(~keep, E).flatten()  # (N * k,)
         order = target.argsort(stable=True)
         counts = count_per_expert(target, E + 1)[:E]  # kept assignments per expert
-        splits = exchange_expert_counts(counts, self.ep_group)  # host-device sync: the split sizes
+        splits = self.dispatch.exchange_counts(counts)  # host-device sync: the split sizes
         n_kept = sum(splits.send)
         token_idx = order[:n_kept] // self.k
         gate_of = gate.flatten()[order[:n_kept]]
-        y = dispatch_to_experts(tokens[token_idx], splits, self.run_local_experts, self.ep_group, self.a2a_sent)
+        y = self.dispatch(tokens[token_idx], splits, self.run_local_experts)
         out = torch.zeros_like(tokens).index_add(0, token_idx, (y * gate_of.unsqueeze(-1).to(y.dtype)).to(tokens.dtype))
         for shared in self.shared_experts:
             out = out + shared(tokens)
 
-        routed = count_per_expert(expert.flatten(), E).to(probs.dtype)
-        if cp > 1:  # the window's counts
-            dist.all_reduce(routed, group=self.cp_group)
-        routed = routed / (N * cp * self.k)  # f_e
+        routed = self.window.total(count_per_expert(expert.flatten(), E).to(probs.dtype))
+        routed = routed / routed.sum()  # f_e, over the window's N * k assignments
         # P_e as the mean over this rank's tokens: every cp rank holds as many, so this is its share
         aux = self.aux_loss_coef * E * (routed * probs.mean(0)).sum()
         if self.router_z_loss_coef:
@@ -831,10 +742,7 @@ class MixtureOfExperts(nn.Module):
         self.aux_loss = aux
         self.last_dropped_frac = 1.0 - window_keep.float().mean()
         self.last_tokens_per_expert, self.last_load = counts, splits.send
-        out = out.view(T, B, D).transpose(0, 1)
-        if self.sequence_parallel:  # this rank's tokens, (B, T/tp, D)
-            out = scatter_to_tp(out, self.tp_group, dim=1)
-        return out
+        return out.view(T, B, D).transpose(0, 1)
 
     def run_local_experts(self, x, sizes):
         """This rank's experts in order, the e-th on the next sizes[e] rows of x; their outputs stacked."""
@@ -860,29 +768,22 @@ class Block(nn.Module):
     fused and, under tensor parallelism, their two output all-reduces merged into one (PaLM reports ~15%
     faster training at scale). Here they stay two separate layers, each with its own all-reduce.
 
-    Under sequence parallelism x is this tp rank's T/tp tokens: the norms and the residual adds run on
-    them alone (the norms' gains then pass through f: make_norm's tp_group), attention and the MLP gather
-    the sequence and hand back this rank's tokens. positions: for ring attention (context parallelism);
-    documents: a DocumentMask (doc_mask=True)."""
+    positions: each token's position, for ring attention (context parallelism) and doc_mask; documents:
+    what the attention kernel needs to stop at documents (AttentionKernel.document_mask)."""
 
-    def __init__(self, cfg, tp_group=None, attn_impl="sdpa", cp_group=None, sequence_parallel=False,
-                 ep_group=None):
+    def __init__(self, cfg, attn_impl="sdpa"):
         super().__init__()
         self.parallel = cfg.parallel_block
-        sp_group = tp_group if sequence_parallel else None  # the norms see this rank's tokens only
-        self.attn_norm = make_norm(cfg, cfg.n_embd, sp_group)
+        self.attn_norm = make_norm(cfg, cfg.n_embd)
         if cfg.attention == "mla":
-            self.attn = MultiHeadLatentAttention(cfg, tp_group, attn_impl, cp_group, sequence_parallel)
+            self.attn = MultiHeadLatentAttention(cfg, attn_impl)
         elif cfg.attention == "mha":
-            self.attn = CausalSelfAttention(cfg, tp_group, attn_impl, cp_group, sequence_parallel)
+            self.attn = CausalSelfAttention(cfg, attn_impl)
         else:
             raise ValueError(f"attention must be 'mha' or 'mla', got {cfg.attention!r}")
         if not self.parallel:
-            self.mlp_norm = make_norm(cfg, cfg.n_embd, sp_group)
-        if cfg.n_expert > 0:
-            self.mlp = MixtureOfExperts(cfg, tp_group, cp_group, sequence_parallel, ep_group)
-        else:
-            self.mlp = make_mlp(cfg, tp_group, sequence_parallel)
+            self.mlp_norm = make_norm(cfg, cfg.n_embd)
+        self.mlp = MixtureOfExperts(cfg) if cfg.n_expert > 0 else make_mlp(cfg)
 
     def forward(self, x, cos, sin, positions=None, documents=None):
         if self.parallel:
@@ -990,26 +891,13 @@ def chunked_cross_entropy(h, weight, targets, vocab_size=None, softcap=0.0, igno
 # The model
 
 
-def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False, chunks=1, ep=1):
-    """Stop before anything is built when the model cannot be built, or split this way (chunks: model chunks
-    per pipeline rank), saying what must hold and what to change."""
+def config_problems(cfg):
+    """What makes the model impossible to build from cfg, whatever the layout: a list of sentences, each
+    saying what must hold (settings.check_layout adds the layout's and stops on any)."""
     problems = []
-    if sequence_parallel and tp == 1:
-        problems.append("sequence_parallel=True needs tp > 1: it splits the tokens between the tensor-parallel "
-                        "regions across the tp ranks; set --tp to 2 or more, or sequence_parallel=False")
-    try:  # context parallelism's 2*cp chunks, each split again across tp under sequence parallelism
-        check_context_split(cfg.block_size, cp, tp if sequence_parallel else 1)
-    except ValueError as e:
-        problems.append(str(e))
     for key, allowed in (("attention", ("mha", "mla")), ("norm", ("rmsnorm", "layernorm")), ("mlp", ("swiglu", "gelu"))):
         if getattr(cfg, key) not in allowed:
             problems.append(f"{key} = {getattr(cfg, key)!r} must be one of {', '.join(map(repr, allowed))}")
-    if tp > cfg.n_head:
-        problems.append(f"tp = {tp} is larger than n_head = {cfg.n_head}: each rank needs at least one whole head, "
-                        f"so use a tp that divides n_head")
-    elif cfg.n_head % tp:
-        problems.append(f"n_head = {cfg.n_head} must be divisible by tp = {tp} (each rank takes n_head / tp whole "
-                        f"heads): use a tp that divides n_head")
     if cfg.attention == "mla":
         if cfg.qk_rope_head_dim <= 0 or cfg.qk_rope_head_dim % 2:
             problems.append(f"qk_rope_head_dim = {cfg.qk_rope_head_dim} must be positive and even for RoPE")
@@ -1018,6 +906,9 @@ def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False, chunks=1, ep=1)
                 problems.append(f"{key} = {getattr(cfg, key)} must be positive with attention='mla'")
         if cfg.q_lora_rank < 0:
             problems.append(f"q_lora_rank = {cfg.q_lora_rank} must be 0 (full-rank queries) or positive")
+        problems += [f"{key} = {getattr(cfg, key)!r} applies to attention='mha' only (MLA's head sizes are "
+                     f"qk_nope_head_dim, qk_rope_head_dim and v_head_dim; bias=True gives it biases)"
+                     for key in ("head_dim", "qkv_bias") if getattr(cfg, key)]
     elif cfg.head_dim:
         if cfg.head_dim % 2:
             problems.append(f"head_dim = {cfg.head_dim} must be even for RoPE")
@@ -1025,10 +916,8 @@ def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False, chunks=1, ep=1)
         problems.append(f"n_embd = {cfg.n_embd} must be divisible by n_head = {cfg.n_head} (or set head_dim)")
     elif (cfg.n_embd // cfg.n_head) % 2:
         problems.append(f"the head size n_embd / n_head = {cfg.n_embd // cfg.n_head} must be even for RoPE")
-    if cfg.attention == "mla":
-        problems += [f"{key} = {getattr(cfg, key)!r} applies to attention='mha' only (MLA's head sizes are "
-                     f"qk_nope_head_dim, qk_rope_head_dim and v_head_dim; bias=True gives it biases)"
-                     for key in ("head_dim", "qkv_bias") if getattr(cfg, key)]
+    if cfg.attention == "mha" and cfg.n_head % cfg.n_kv_head:
+        problems.append(f"n_head = {cfg.n_head} must be divisible by n_kv_head = {cfg.n_kv_head}")
     if cfg.rope_scaling_factor:
         if not 0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor:
             problems.append(f"rope_low_freq_factor = {cfg.rope_low_freq_factor} and rope_high_freq_factor = "
@@ -1036,17 +925,17 @@ def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False, chunks=1, ep=1)
         if cfg.rope_original_context <= 0:
             problems.append(f"rope_original_context = {cfg.rope_original_context} must be positive (the "
                             f"context the model was pretrained at before scaling; Llama 3.1: 8192)")
-    if cfg.attention == "mha":
-        if cfg.n_head % cfg.n_kv_head:
-            problems.append(f"n_head = {cfg.n_head} must be divisible by n_kv_head = {cfg.n_kv_head}")
-        if cfg.n_kv_head % tp and tp % cfg.n_kv_head:
-            problems.append(f"n_kv_head = {cfg.n_kv_head} and tp = {tp}: one must divide the other (key/value heads are "
-                            f"split when tp divides n_kv_head, replicated when n_kv_head divides tp)")
-    if mlp_hidden_size(cfg) % tp:
-        source = "intermediate_size" if cfg.intermediate_size else f"from n_embd = {cfg.n_embd}"
-        problems.append(f"the MLP width {mlp_hidden_size(cfg)} ({source}) must be divisible by tp = {tp}")
     if cfg.attn_softcap < 0 or cfg.final_softcap < 0:
         problems.append(f"attn_softcap = {cfg.attn_softcap} and final_softcap = {cfg.final_softcap} must be >= 0 (0 = off)")
+    return problems + moe_problems(cfg) + (
+        [f"doc_mask=True needs the end-of-text id that separates the documents, eot_token, in the vocabulary of "
+         f"{cfg.vocab_size}; it is {cfg.eot_token}: prepare the data with prepare_data.py (its meta.json names "
+         f"it), or set --eot_token"] if cfg.doc_mask and not 0 <= cfg.eot_token < cfg.vocab_size else [])
+
+
+def moe_problems(cfg):
+    """config_problems' sentences about the mixture of experts."""
+    problems = []
     if cfg.n_expert < 0 or cfg.n_shared_expert < 0:
         problems.append(f"n_expert = {cfg.n_expert} and n_shared_expert = {cfg.n_shared_expert} must be >= 0")
     if cfg.n_expert > 0:
@@ -1058,200 +947,125 @@ def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False, chunks=1, ep=1)
         if cfg.aux_loss_coef < 0 or cfg.router_z_loss_coef < 0:
             problems.append(f"aux_loss_coef = {cfg.aux_loss_coef} and router_z_loss_coef = {cfg.router_z_loss_coef} "
                             f"must be >= 0 (a negative weight trains the router towards imbalance)")
-        if cfg.n_expert % ep:
-            problems.append(f"n_expert = {cfg.n_expert} must be divisible by ep = {ep} (each expert-parallel rank holds "
-                            f"n_expert / ep whole experts): use an ep that divides n_expert")
-    elif ep > 1:
-        problems.append(f"ep = {ep} spreads the experts of a mixture of experts over ranks, but n_expert = 0 (a dense "
-                        f"model): set n_expert > 0 or ep = 1")
-    if cfg.doc_mask and not 0 <= cfg.eot_token < cfg.vocab_size:
-        problems.append(f"doc_mask=True needs the end-of-text id that separates the documents, eot_token, in the "
-                        f"vocabulary of {cfg.vocab_size}; it is {cfg.eot_token}: prepare the data with prepare_data.py "
-                        f"(its meta.json names it), or set --eot_token")
-    if pp * chunks > cfg.n_layer:
-        if chunks == 1:
-            problems.append(f"pp = {pp} stages but only n_layer = {cfg.n_layer} blocks: every stage needs at least "
-                            f"one block, so use pp <= {cfg.n_layer}")
-        else:
-            problems.append(f"pp = {pp} ranks x pp_chunks = {chunks} chunks = {pp * chunks} model stages but only "
-                            f"n_layer = {cfg.n_layer} blocks: every chunk needs at least one block, so use "
-                            f"pp * pp_chunks <= {cfg.n_layer}")
-    if problems:
-        raise ValueError("the model cannot be built with this layout: " + "; ".join(problems))
+    return problems
+
+
+def padded_vocab_size(vocab_size, multiple=64):
+    """The embedding's and the head's rows: the vocabulary rounded up to a multiple of 64, which keeps their
+    matmuls on fast kernel sizes (nanoGPT's 50257 -> 50304); tensor parallelism pads to 64 per rank. The
+    extra rows are never a target: NextTokenLoss cuts their logits off, the embedding never looks them up,
+    so they stay zero and take no gradient."""
+    return (vocab_size + multiple - 1) // multiple * multiple
+
+
+class NextTokenLoss(nn.Module):
+    """The head's logits (soft-capped: final_softcap) and their mean cross-entropy against the targets,
+    ignore_index -1 left out of the mean; no parameters. forward(h, head, targets) -> (logits, loss):
+    loss None without targets; logits None under the chunked loss (chunked=True with targets), which
+    computes the loss from h and the head's weight without them. Tensor parallelism swaps it for the
+    vocab-parallel loss (parallel.VocabParallelLoss), context parallelism wraps it to give this rank's share
+    (context_parallel.ContextParallelLoss)."""
+
+    def __init__(self, vocab_size, softcap=0.0, chunked=False):
+        super().__init__()
+        self.vocab_size, self.softcap, self.chunked = vocab_size, softcap, chunked
+
+    def forward(self, h, head, targets=None):
+        if targets is not None and self.chunked:
+            return None, chunked_cross_entropy(h.reshape(-1, h.shape[-1]), head.weight, targets.reshape(-1),
+                                               vocab_size=self.vocab_size, softcap=self.softcap)
+        # drop the padded vocabulary columns: they are not tokens and must not enter the softmax
+        logits = soft_cap(head(h)[..., :self.vocab_size], self.softcap)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, -2).to(at_least_fp32(logits.dtype)), targets.reshape(-1),
+                                       ignore_index=-1)
 
 
 class Transformer(nn.Module):
-    """The whole model, or one pipeline stage of it (pp > 1): the first stage holds the token embedding,
-    every stage its own blocks, the last the final norm and the head.
+    """The whole model, built from its config alone (attn_impl, a kernel choose_attn_impl chose; 'auto' picks
+    as for a CPU; chunked_loss, the loss without whole logits: how it runs, not what it computes).
 
-    forward(x, targets=None, positions=None, documents=None, chunk=0) returns (output, loss) on every stage:
-        first stage     x is token ids (B, T); a middle or last stage takes the previous stage's hidden
-                        states (B, T, n_embd), under sequence parallelism this tp rank's (B, T/tp, n_embd)
-        positions       with a context-parallel group (cp_group), required: every cp rank's global token
-                        positions, (cp, B, T) or (cp, T) on the host (context_parallel.split_for_every_rank); x and
-                        targets are then this rank's share of the window (context_parallel.zigzag_split). RoPE
-                        reads this rank's row, ring attention every row. Without a cp group: None, or
-                        with doc_mask each token's position in its document, (B, T).
+    forward(x, targets=None, positions=None, documents=None, chunk=0) returns (output, loss):
+        x               token ids (B, T); a chunk that does not start at block 0 (a later pipeline stage)
+                        takes the previous chunk's hidden states (B, T, n_embd) instead
+        positions       None, or with doc_mask each token's position in its document, (B, T); under context
+                        parallelism every cp rank's (context_parallel.py)
         documents       doc_mask=True: each token's document id, shaped like positions, on the host
-                        (document_ids_and_positions; train.context_split builds both with the batch). A
-                        first stage without context parallelism may be given neither: it then derives
-                        both from x itself. Without doc_mask: None.
-        output          on a last stage the logits (B, T, vocab_size) (this rank's vocabulary slice under
-                        tensor parallelism); None instead when the chunked loss computes the loss without
-                        them (chunked_loss=True, tp = 1, targets given). On other stages the hidden states.
-        loss            on a last stage with targets: the mean cross-entropy, plus this stage's MoE
-                        auxiliary losses while training. On other stages: this stage's auxiliary loss (a
-                        scalar the pipeline backpropagates from here), None for a dense model or in eval
-                        mode. None on a last stage without targets. Under context parallelism each is this
-                        rank's share: the mean over the cp ranks is the microbatch's loss (see
-                        context_parallel.loss_share), and the average of their gradients its gradient.
+                        (document_ids_and_positions; train.context_split builds both with the batch). Given
+                        neither, the first chunk derives both from x itself. Without doc_mask: None.
+        output          the logits (B, T, vocab_size) on the chunk that ends the model; None instead when the
+                        chunked loss computes the loss without them. On other chunks the hidden states.
+        loss            with targets, on the chunk that ends the model: the mean cross-entropy, plus the MoE
+                        auxiliary losses while training. On other chunks: their auxiliary loss (a scalar the
+                        pipeline backpropagates from there), None for a dense model or in eval mode.
     In eval mode (model.eval()) the auxiliary losses are left out, so a validation loss is the plain
     cross-entropy, comparable with a dense model's.
 
-    ep_group (expert parallelism, expert_parallel.py): each MoE layer holds only this rank's n_expert / ep
-    experts and sends tokens to the others' (expert_parameters() names the experts this rank holds).
+    chunk_layers, the one pipeline hook: the global indices of the blocks each chunk runs, [all of them]
+    here. The pipeline keeps this rank's blocks (parallel.apply_pipeline sets it, and removes the embedding,
+    the final norm and the head from the ranks that do not run them). A chunk whose first block is block 0
+    embeds, one whose last block is the last runs the final norm, the head and the loss. Blocks are keyed
+    by their global index, so a parameter has the same name wherever it is held.
 
-    How it runs, not what it computes: attn_impl (a kernel choose_attn_impl chose for the device; 'auto'
-    here picks as for a CPU: SDPA, or the eager attention under soft-capping), activation_checkpointing
-    (recompute each block in backward), chunked_loss (the loss without whole logits; applies at tp = 1),
-    cp_group (context parallelism: ring attention over the cp ranks' shares of each sequence),
-    sequence_parallel (with a tp group: the tokens between the tensor-parallel regions split across it;
-    the embedding hands each rank its T/tp tokens and the sequence is gathered again before the head).
+    Tied embeddings: the head is the embedding's own tensor. When the pipeline puts them on different ranks
+    each holds a copy; `tied_copies()` names it for the checkpoint and the gradient norm, init_weights draws it
+    under the embedding's name, and the training step keeps the two equal by summing their gradients
+    (parallel.sync_tied_grads)."""
 
-    Tied embeddings: on one stage the head is the embedding's own tensor. When the embedding and the head
-    sit on different stages, each holds a copy; the copy starts from the same weights (init_weights draws it
-    under the embedding's name), `tied_copies()` names it for the checkpoint and the gradient norm, and the
-    training step keeps the two equal by summing their gradients (parallel.sync_tied_grads).
-
-    Pipeline stages: pp model stages, stage_blocks[s] blocks in stage s (given when pp > 1: metrics.stage_cut
-    cuts them by their FLOPs, or by the pp_layers setting, so that the stage with the head does no more than
-    the others). Chunks (the interleaved and V pipeline schedules): pp_rank may be a tuple of stages of the
-    pp, the model chunks this rank holds (pipeline_schedules.virtual_stages). They are one module, every
-    parameter under its whole-model name; forward(x, targets, positions, chunk=c) runs chunk c, the stage
-    pp_rank[c]: the embedding first if it is stage 0, the head and the loss last if it is stage pp - 1."""
-
-    def __init__(self, cfg, tp_group=None, pp=1, pp_rank=0, attn_impl="auto", activation_checkpointing=False,
-                 chunked_loss=False, cp_group=None, sequence_parallel=False, ep_group=None, stage_blocks=None):
+    def __init__(self, cfg, *, attn_impl="auto", chunked_loss=False):
         super().__init__()
         if attn_impl != "flash":  # (flash needs its device to be checked: the caller's choose_attn_impl did)
             attn_impl, _ = choose_attn_impl(attn_impl, "cpu", torch.float32, cfg.attn_softcap)
-        self.cfg, self.tp_group, self.cp_group, self.attn_impl = cfg, tp_group, cp_group, attn_impl
-        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
-        sp = self.sequence_parallel
-        self.activation_checkpointing = activation_checkpointing
-        self.chunked_loss = chunked_loss and group_size(tp_group) == 1
-        self.n_stages, self.stages = pp, tuple(pp_rank) if isinstance(pp_rank, (tuple, list)) else (pp_rank,)
-        self.is_first, self.is_last = 0 in self.stages, pp - 1 in self.stages  # holds the embedding, the head
-        if pp > 1 and (stage_blocks is None or len(stage_blocks) != pp or sum(stage_blocks) != cfg.n_layer):
-            raise ValueError(f"Transformer: pp = {pp} stages need stage_blocks, the blocks of each: {pp} numbers "
-                             f"summing to n_layer = {cfg.n_layer}, not {stage_blocks} (metrics.stage_cut cuts them "
-                             f"by cost)")
-        self.stage_blocks = tuple(stage_blocks) if stage_blocks is not None else (cfg.n_layer,)
-        self.chunk_layers = [stage_layers(self.stage_blocks, s) for s in self.stages]
-        self.layer_ids = sorted(i for layers in self.chunk_layers for i in layers)
-        if self.is_first:
-            self.tok_emb = (SequenceParallelEmbedding if sp else VocabParallelEmbedding)(cfg.vocab_size, cfg.n_embd, tp_group)
-        # keyed by the global block index, so a parameter has the same name whichever stage holds it
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, attn_impl, cp_group, sp, ep_group)
-                                     for i in self.layer_ids})
-        if self.is_last:
-            self.norm = make_norm(cfg, cfg.n_embd, tp_group if sp else None)
-            vocab_padded = padded_vocab_size(cfg.vocab_size, group_size(tp_group))
-            # under sequence parallelism the head's input is gathered (gather_from_sp), whose backward sums
-            self.lm_head = ColumnParallelLinear(cfg.n_embd, vocab_padded, group=tp_group, copy_input=not sp)
-            self.lm_head.weight.vocab_size = cfg.vocab_size
-            if cfg.tie_embeddings and self.is_first:
-                self.lm_head.weight = self.tok_emb.weight  # one tensor, one gradient
-        rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else attention_head_dim(cfg)
-        cos, sin = rope_cache(cfg.block_size, rope_dim, cfg.rope_theta, rope_scaling(cfg))
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.cfg = cfg
+        vocab_rows = padded_vocab_size(cfg.vocab_size)
+        self.tok_emb = nn.Embedding(vocab_rows, cfg.n_embd)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, attn_impl) for i in range(cfg.n_layer)})
+        self.norm = make_norm(cfg, cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, vocab_rows, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # one tensor, one gradient
+        for table in (self.tok_emb.weight, self.lm_head.weight):
+            table.vocab_size = cfg.vocab_size  # rows past it are padding: zero at init, and a checkpoint's may differ
+        self.rope = Rotary(cfg)
+        self.loss = NextTokenLoss(cfg.vocab_size, cfg.final_softcap, chunked_loss)
+        self.chunk_layers = [list(range(cfg.n_layer))]
 
     def forward(self, x, targets=None, positions=None, documents=None, chunk=0):
-        stage = self.stages[chunk]
-        positions, documents = self.check_positions(x, positions, documents, stage)
-        if stage == 0:
+        layers = self.chunk_layers[chunk]
+        starts, ends = layers[0] == 0, layers[-1] == self.cfg.n_layer - 1
+        if starts and self.cfg.doc_mask and documents is None and positions is None:
+            documents, positions = document_ids_and_positions(x, self.cfg.eot_token)  # (on x's device)
+        if (documents is None) == self.cfg.doc_mask:
+            raise ValueError(f"Transformer.forward: documents (each token's document id, shaped like positions) "
+                             f"must be given exactly with doc_mask=True (doc_mask = {self.cfg.doc_mask} here; the "
+                             f"first chunk derives them from the tokens when neither is given)")
+        if starts:
             if x.shape[1] > self.cfg.block_size:
                 raise ValueError(f"sequence of length {x.shape[1]} is longer than block_size {self.cfg.block_size}")
-            seq_len = x.shape[1]
             x = self.tok_emb(x)
-        else:  # hidden states, under sequence parallelism this rank's 1/tp of the tokens
-            seq_len = x.shape[1] * (group_size(self.tp_group) if self.sequence_parallel else 1)
-        cos, sin = self.rope_for(seq_len, positions)
-        cp = group_size(self.cp_group)
-        mask = None if documents is None else document_mask(documents, self.attn_impl, self.rope_cos.device, cp)
-        blocks = [self.blocks[str(i)] for i in self.chunk_layers[chunk]]
+        cos, sin = self.rope(positions)
+        blocks = [self.blocks[str(i)] for i in layers]
+        mask = None if documents is None else blocks[0].attn.attend.document_mask(documents, cos.device)
         for block in blocks:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                # keep only the block's input; its activations are recomputed during backward
-                x = checkpoint(block, x, cos, sin, positions, mask, use_reentrant=False)
-            else:
-                x = block(x, cos, sin, positions, mask)
+            x = block(x, cos, sin, positions, mask)
         aux = None
         if self.training:
             aux = self.moe_aux_loss(blocks)
-            for block in blocks:  # (the chunk's layers only: with pipeline chunks the others run separately)
+            for block in blocks:  # (this chunk's layers only: a pipeline's other chunks run separately)
                 if isinstance(block.mlp, MixtureOfExperts):
                     block.mlp.count_load()
-        if stage != self.n_stages - 1:
+        if not ends:
             return x, aux
-        logits, loss = self.head_and_loss(x, targets)
+        logits, loss = self.loss(self.norm(x), self.lm_head, targets)
         return logits, (loss + aux if loss is not None and aux is not None else loss)
 
-    def check_positions(self, x, positions, documents, stage):
-        """forward's positions and documents, checked against the settings (see the class docstring); a first
-        stage without context parallelism derives both from the tokens under doc_mask."""
-        cp = group_size(self.cp_group)
-        if self.cfg.doc_mask and documents is None and positions is None and stage == 0 and cp == 1:
-            documents, positions = document_ids_and_positions(x, self.cfg.eot_token)  # (on x's device)
-        if (positions is None) != (cp == 1 and not self.cfg.doc_mask):
-            raise ValueError(f"Transformer.forward: positions must be given exactly under context parallelism "
-                             f"(cp = {cp} here: every cp rank's global token positions, (cp, B, T/cp) on the host, "
-                             f"context_parallel.split_for_every_rank) or with doc_mask (doc_mask = {self.cfg.doc_mask}: "
-                             f"each token's position in its document)")
-        if (documents is None) == self.cfg.doc_mask:
-            raise ValueError(f"Transformer.forward: documents (each token's document id, shaped like positions) "
-                             f"must be given exactly with doc_mask=True (doc_mask = {self.cfg.doc_mask} here; a first "
-                             f"stage without context parallelism derives them from the tokens when neither is given)")
-        return positions, documents
-
-    def rope_for(self, seq_len, positions):
-        """RoPE's (cos, sin) for the tokens: positions 0 .. seq_len - 1 in every row, (T, D/2), or the
-        tokens' own positions (this cp rank's), (B, T/cp, D/2) or (T/cp, D/2)."""
-        if positions is None:
-            return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
-        here = positions[group_rank(self.cp_group)] if group_size(self.cp_group) > 1 else positions
-        here = here.to(self.rope_cos.device, non_blocking=True)  # (the copy does not block: no sync)
-        return self.rope_cos[here], self.rope_sin[here]
-
-    def head_and_loss(self, x, targets):
-        """The last stage's end: the final norm, the head and, with targets, the loss (this cp rank's share:
-        context_parallel.loss_share). (logits, loss); logits None when the chunked loss computes the loss
-        without them."""
-        h = self.norm(x)
-        if self.sequence_parallel:  # (B, T/tp, C) -> (B, T, C) for the vocab-parallel head and loss
-            h = gather_from_sp(h, self.tp_group)
-        if targets is not None and self.chunked_loss:
-            loss = chunked_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1),
-                                         vocab_size=self.cfg.vocab_size, softcap=self.cfg.final_softcap)
-            return None, loss_share(loss, targets, self.cp_group)
-        logits = self.lm_head(h)
-        # drop the padded vocabulary columns: they are not tokens and must not enter the softmax
-        logits = logits[..., :valid_vocab_columns(self.cfg.vocab_size, self.lm_head.out_per_rank, self.tp_group)]
-        logits = soft_cap(logits, self.cfg.final_softcap)  # elementwise: fine on vocab-sharded logits
-        if targets is None:
-            return logits, None
-        vocab_start = group_rank(self.tp_group) * self.lm_head.out_per_rank
-        # flatten, not reshape(-1, V): a rank holding only padding has V = 0 here
-        loss = vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.reshape(-1), vocab_start, self.tp_group)
-        return logits, loss_share(loss, targets, self.cp_group)
-
     def moe_layers(self):
-        """{block index: its MixtureOfExperts} of this stage (empty for a dense model)."""
+        """{block index: its MixtureOfExperts} of the blocks held here (empty for a dense model)."""
         return {int(i): block.mlp for i, block in self.blocks.items() if isinstance(block.mlp, MixtureOfExperts)}
 
     def moe_aux_loss(self, blocks=None):
-        """The sum of the MoE auxiliary losses of `blocks` (default: all of this stage's) from the forward pass
+        """The sum of the MoE auxiliary losses of `blocks` (default: all held here) from the forward pass
         just run (None if dense)."""
         blocks = self.blocks.values() if blocks is None else blocks
         losses = [block.mlp.aux_loss for block in blocks if isinstance(block.mlp, MixtureOfExperts)]
@@ -1259,7 +1073,7 @@ class Transformer(nn.Module):
 
     def expert_parameters(self):
         """{name: parameter} of the routed experts, the parameters expert parallelism spreads over the ep ranks
-        (this rank holds n_expert / ep of them, named by their global index). Their replicas are the dp / ep
+        (a rank holds n_expert / ep of them, named by their global index). Their replicas are the dp / ep
         ranks holding the same experts, not the dp ranks: their gradients are averaged over those, ZeRO-1
         shards them over those, the gradient norm and the parameter count count them once per expert, and
         a checkpoint saves them once per expert."""
@@ -1267,37 +1081,40 @@ class Transformer(nn.Module):
                 for name, p in moe.experts.named_parameters()}
 
     def tied_copies(self):
-        """{name of a parameter here: name of the weight it copies}: the head's weight on a last stage that
-        does not hold the embedding, under tie_embeddings. A checkpoint saves the original only, the
+        """{name of a parameter here: name of the weight it copies}: the head's weight where the pipeline left
+        the head without the embedding, under tie_embeddings. A checkpoint saves the original only, the
         gradient norm counts it once, and the copy loads from the original."""
-        if self.cfg.tie_embeddings and self.is_last and not self.is_first:
+        if self.cfg.tie_embeddings and self.lm_head is not None and self.tok_emb is None:
             return {"lm_head.weight": "tok_emb.weight"}
         return {}
 
     @torch.no_grad()
-    def init_weights(self, seed):
+    def init_weights(self, seed, full_shape=lambda p: p.shape, share=lambda full, p: full):
         """Every parameter's full tensor is drawn from its own generator, seeded by (seed, name), and this
-        rank keeps its slice: the same seed gives the same full model whatever the layout (a tied copy is
-        drawn under the name of the weight it copies). Linear and embedding weights are N(0, 0.02) (GPT-2),
-        residual output projections N(0, 0.02/sqrt(2 n_layer)), norm gains 1, biases 0, padded vocabulary
-        rows 0. The draws are made on the CPU whatever device the model is on (a CUDA generator would draw
-        other numbers), so a model built on the GPU gets the same weights as on the CPU."""
+        rank keeps its share, share(full, p) (full_shape(p): the full tensor's shape; a layout that splits
+        parameters passes its own, parallel.init_shares): the same seed gives the same full model whatever
+        the layout (a tied copy is drawn under the name of the weight it copies). Linear and embedding weights
+        are N(0, 0.02) (GPT-2), residual output projections (attention's o_proj, the MLPs' down)
+        N(0, 0.02/sqrt(2 n_layer)), norm gains 1, biases 0, padded vocabulary rows 0. The draws are made on
+        the CPU whatever device the model is on (a CUDA generator would draw other numbers), so a model built
+        on the GPU gets the same weights as on the CPU. One full tensor at a time: a rank never holds more
+        than its share plus the largest full tensor."""
         copies = self.tied_copies()
         for name, p in self.named_parameters():
-            if hasattr(p, "init_value"):
-                p.fill_(p.init_value)
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
                 continue
             if name.endswith("bias"):
                 p.zero_()
                 continue
             name = copies.get(name, name)
             g = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**62)
-            shape = full_shape_of(p)
+            shape = full_shape(p)
             full = torch.zeros(shape, device="cpu")  # (also inside a `with torch.device("cuda")` block)
             rows = getattr(p, "vocab_size", shape[0])  # only real tokens get random rows
-            full[:rows].normal_(0.0, getattr(p, "init_std", 0.02), generator=g)
-            p.copy_(shard_of(full, p))
-        mark_filled(self)  # every parameter written: the tensor-parallel layers may compute
+            residual = name.endswith((".o_proj.weight", ".down.weight"))  # GPT-2's depth-scaled residual init
+            full[:rows].normal_(0.0, 0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02, generator=g)
+            p.copy_(share(full, p))
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
@@ -1336,18 +1153,18 @@ def chunk_modules(model, chunk):
     and the head on the last stage (the zero-bubble schedules split the backward of the linears in them).
     Not the head under the chunked loss, which reads the head's weight itself: its gradient comes in the
     backward."""
-    stage = model.stages[chunk]
-    modules = [model.tok_emb] if stage == 0 else []
-    modules += [model.blocks[str(i)] for i in model.chunk_layers[chunk]]
-    if stage == model.n_stages - 1:
-        modules += [model.norm] + ([] if model.chunked_loss else [model.lm_head])
+    layers = model.chunk_layers[chunk]
+    modules = [model.tok_emb] if layers[0] == 0 else []
+    modules += [model.blocks[str(i)] for i in layers]
+    if layers[-1] == model.cfg.n_layer - 1:
+        modules += [model.norm] + ([] if model.loss.chunked else [model.lm_head])
     return modules
 
 
 def chunk_parameters(model, chunk):
     """The parameters chunk `chunk` uses, each once: its modules', and the head's under the chunked loss."""
     params = [p for module in chunk_modules(model, chunk) for p in module.parameters()]
-    if model.stages[chunk] == model.n_stages - 1:
+    if model.chunk_layers[chunk][-1] == model.cfg.n_layer - 1:
         params += list(model.lm_head.parameters())
     return list({id(p): p for p in params}.values())
 
@@ -1360,7 +1177,7 @@ def backward_phases(model, weight_grad_stores=None):
     parameter has two: under zbv with tied embeddings, rank 0's embedding, which chunk 0's B and, as the
     head, chunk 1's W (its B under the chunked loss) add to."""
     phases = {}
-    for c in range(len(model.stages)):
+    for c in range(len(model.chunk_layers)):
         by_hand = {id(p) for p in weight_grad_stores[c].params} if weight_grad_stores else set()
         for p in chunk_parameters(model, c):
             phases.setdefault(p, set()).add(("W" if id(p) in by_hand else "B", c))
@@ -1387,6 +1204,22 @@ def zero3_units(model, tied=(), phases=None):
     return [(None, part, None) for part in by_phase(root)] + [(None, [p], None) for p in tied] + blocks
 
 
+def apply_activation_checkpointing(model):
+    """Recompute each block's activations during backward, keeping only its input (Chen et al. 2016,
+    "Training Deep Nets with Sublinear Memory Cost"): the block's forward is wrapped in place, so no
+    parameter is renamed. Outside autograd (evaluation) a block runs as it is."""
+    for block in model.blocks.values():
+        block.forward = functools.partial(checkpointed, block.forward)
+    return model
+
+
+def checkpointed(forward, *args):
+    """forward(*args), its activations recomputed in backward (torch.utils.checkpoint, non-reentrant)."""
+    if not torch.is_grad_enabled():
+        return forward(*args)
+    return checkpoint(forward, *args, use_reentrant=False)
+
+
 def compile_blocks(model):
     """torch.compile each transformer block in place, one block at a time (train.py's compile=True); returns
     True. Every block runs the same code on the same shapes, and its parameters are the compiled graph's
@@ -1402,12 +1235,14 @@ def compile_blocks(model):
     before, the free after and the re-gather before backward run eagerly around the compiled code, which
     sees parameters whose storage is filled whenever it runs."""
     for block in model.blocks.values():
-        block.forward = torch.compile(block.forward)
+        eager = block.forward  # Block.forward, or activation checkpointing's wrapper of it
+        block.forward = torch.compile(eager)
+        block.forward.eager = eager
     return True
 
 
 def uncompile_blocks(model):
     """Undo compile_blocks; returns False (the blocks are not compiled any more)."""
     for block in model.blocks.values():
-        block.__dict__.pop("forward", None)  # Block.forward, the class's own, again
+        block.forward = block.forward.eager
     return False

@@ -18,6 +18,8 @@ and init_from are how this launch finds the checkpoint, never taken from it.
 import math
 
 from configurator import ConfigError, Setting, section
+from context_parallel import check_context_split
+from model import config_problems, mlp_hidden_size
 from parallel import resolve_dp
 
 TRAINING = [
@@ -466,3 +468,51 @@ def global_batch_change(saved, tokens_per_step):
     return (f"resume: the global batch is now {tokens_per_step:,} tokens per step, the checkpoint's run had "
             f"{c['batch_size']} x {c['gradient_accumulation_steps']} micro-batches x dp {dp} x {c['block_size']} = "
             f"{before:,} (set batch_size or gradient_accumulation_steps to keep it)")
+
+
+def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False, chunks=1, ep=1):
+    """Stop before anything is built when the model cannot be built from cfg (model.config_problems), or
+    cannot be split this way (chunks: model chunks per pipeline rank), saying what must hold and what to
+    change."""
+    problems = config_problems(cfg) + layout_problems(cfg, tp, pp, cp, sequence_parallel, chunks, ep)
+    if problems:
+        raise ValueError("the model cannot be built with this layout: " + "; ".join(problems))
+
+
+def layout_problems(cfg, tp, pp, cp, sequence_parallel, chunks, ep):
+    """check_layout's sentences about the layout: what each mechanism needs of the model's shapes."""
+    problems = []
+    if sequence_parallel and tp == 1:
+        problems.append("sequence_parallel=True needs tp > 1: it splits the tokens between the tensor-parallel "
+                        "regions across the tp ranks; set --tp to 2 or more, or sequence_parallel=False")
+    try:  # context parallelism's 2*cp chunks, each split again across tp under sequence parallelism
+        check_context_split(cfg.block_size, cp, tp if sequence_parallel else 1)
+    except ValueError as e:
+        problems.append(str(e))
+    if tp > cfg.n_head:
+        problems.append(f"tp = {tp} is larger than n_head = {cfg.n_head}: each rank needs at least one whole head, "
+                        f"so use a tp that divides n_head")
+    elif cfg.n_head % tp:
+        problems.append(f"n_head = {cfg.n_head} must be divisible by tp = {tp} (each rank takes n_head / tp whole "
+                        f"heads): use a tp that divides n_head")
+    if cfg.attention == "mha" and cfg.n_kv_head % tp and tp % cfg.n_kv_head:
+        problems.append(f"n_kv_head = {cfg.n_kv_head} and tp = {tp}: one must divide the other (key/value heads are "
+                        f"split when tp divides n_kv_head, replicated when n_kv_head divides tp)")
+    if mlp_hidden_size(cfg) % tp:
+        source = "intermediate_size" if cfg.intermediate_size else f"from n_embd = {cfg.n_embd}"
+        problems.append(f"the MLP width {mlp_hidden_size(cfg)} ({source}) must be divisible by tp = {tp}")
+    if cfg.n_expert > 0 and cfg.n_expert % ep:
+        problems.append(f"n_expert = {cfg.n_expert} must be divisible by ep = {ep} (each expert-parallel rank holds "
+                        f"n_expert / ep whole experts): use an ep that divides n_expert")
+    elif cfg.n_expert <= 0 and ep > 1:
+        problems.append(f"ep = {ep} spreads the experts of a mixture of experts over ranks, but n_expert = 0 (a dense "
+                        f"model): set n_expert > 0 or ep = 1")
+    if pp * chunks > cfg.n_layer:
+        if chunks == 1:
+            problems.append(f"pp = {pp} stages but only n_layer = {cfg.n_layer} blocks: every stage needs at least "
+                            f"one block, so use pp <= {cfg.n_layer}")
+        else:
+            problems.append(f"pp = {pp} ranks x pp_chunks = {chunks} chunks = {pp * chunks} model stages but only "
+                            f"n_layer = {cfg.n_layer} blocks: every chunk needs at least one block, so use "
+                            f"pp * pp_chunks <= {cfg.n_layer}")
+    return problems

@@ -37,16 +37,19 @@ import metrics
 import settings
 import timeline
 from configurator import ConfigError, configure, make_folder
-from context_parallel import split_for_every_rank, zigzag_split
-from expert_parallel import ExpertSplit
+from context_parallel import apply_context_parallel, split_for_every_rank, zigzag_split
+from expert_parallel import ExpertSplit, apply_expert_parallel
 from faults import BadSteps, StopVote, TooManyBadSteps, end_of_run, end_on_dead_peer, peer_failure, run_script
-from model import (ModelConfig, Transformer, backward_phases, check_layout, choose_attn_impl, choose_device_and_dtype,
-                   chunk_modules, compile_blocks, document_ids_and_positions, takes_muon, uncompile_blocks, zero3_units)
+from model import (ModelConfig, Transformer, apply_activation_checkpointing, backward_phases, choose_attn_impl,
+                   choose_device_and_dtype, chunk_modules, compile_blocks, document_ids_and_positions, takes_muon,
+                   uncompile_blocks, zero3_units)
 from optim import AdamW, DynamicLossScaler, Muon, describe_optimizer, zero_one_muon_buckets
 from parallel import (GradientBuckets, ParallelLayout, PipelineComm, ShardedGradientBuckets, ZeroOneAdamW,
-                      at_least_fp32, describe_layout, init_distributed, optimizer_state_bytes, tied_weight_group)
+                      apply_pipeline, apply_tensor_parallel, at_least_fp32, describe_layout, init_distributed,
+                      init_shares, materialize, optimizer_state_bytes, tied_weight_group)
 from pipeline_schedules import (SCHEDULES, Pipeline, WeightGradStore, check_schedule, describe_pipeline,
                                 virtual_stages)
+from settings import check_layout
 from zero import FullyShardedParameters, GradientShards
 
 # -----------------------------------------------------------------------------
@@ -342,19 +345,14 @@ def build(cfg, run):
     step needs. bench.py builds through here too, so it times exactly what train.py runs."""
     layout = run.layout
     torch.manual_seed(cfg.seed)
-    # this rank's model chunks, stages of the model cut into pp * pp_chunks (by cost, or pp_layers: metrics.stage_cut)
-    stages = virtual_stages(cfg.pp_schedule, layout.pp, layout.pp_rank, cfg.pp_chunks)
-    cut = metrics.stage_cut(run.model_cfg, cfg.pp_schedule, layout.pp, cfg.pp_chunks, cfg.pp_layers)
-    model = Transformer(run.model_cfg, layout.tp_group, len(cut), stages, stage_blocks=cut, attn_impl=run.attn_impl,
-                        activation_checkpointing=cfg.activation_checkpointing, chunked_loss=cfg.chunked_loss,
-                        cp_group=layout.cp_group, sequence_parallel=cfg.sequence_parallel, ep_group=layout.ep_group)
+    model = build_model(cfg, run.model_cfg, layout, run.attn_impl, run.dev)
     loaded = None
     if run.hf_dir is not None:  # a transformers model: each rank reads only its own slices of the weights
         start = time.time()
         read, total = import_hf.load_weights(model, run.hf_dir)
         loaded = SimpleNamespace(seconds=time.time() - start, bytes_read=read, file_bytes=total)
     else:
-        model.init_weights(cfg.seed)
+        init_shares(model, cfg.seed)  # each full tensor drawn from (seed, name), this rank's share kept
     # float64 (a check on CPU): the parameters, and so everything computed from them, in float64; the
     # initial weights are the fp32 draws, the same at every layout. Other dtypes keep fp32 parameters
     # and compute in the autocast dtype
@@ -365,8 +363,8 @@ def build(cfg, run):
     print0(layout, describe_optimizer(optimizer, model, cfg, layout))
     if model.cfg.n_expert > 0:
         expert_params, expert_state = metrics.expert_memory_bytes(model, optimizer)
-        moe = next(iter(model.moe_layers().values()))
-        print0(layout, f"experts: rank 0 holds experts {moe.first_expert}-{moe.first_expert + len(moe.experts) - 1} of "
+        held = [int(e) for e in next(iter(model.moe_layers().values())).experts]
+        print0(layout, f"experts: rank 0 holds experts {held[0]}-{held[-1]} of "
                        f"{model.cfg.n_expert} in each layer (ep={layout.ep}): {expert_params / 2**20:.2f} MiB of "
                        f"parameters, {expert_state / 2**20:.2f} MiB of optimizer state")
     if cfg.compile:
@@ -377,6 +375,23 @@ def build(cfg, run):
     return Parts(model=model, optimizer=optimizer, grad_sync=grad_sync, pipeline=pipeline, autocast=autocast,
                  scaler=DynamicLossScaler(enabled=fp16), bad_steps=BadSteps(run.dev, cfg.max_bad_steps, enabled=not fp16),
                  compiled=cfg.compile and compile_blocks(model), loaded=loaded)
+
+
+def build_model(cfg, model_cfg, layout, attn_impl, dev):
+    """This rank's model, uninitialised on dev: the whole model built on the meta device (no memory), the
+    layout applied to it in one fixed order, each mechanism swapping in its own parts, then this rank's
+    share materialized. bench.py, memory_plan.py and scripts/compare.py build through here too."""
+    with torch.device("meta"):
+        model = Transformer(model_cfg, attn_impl=attn_impl, chunked_loss=cfg.chunked_loss)
+    # this rank's model chunks, stages of the model cut into pp * pp_chunks (by cost, or pp_layers: metrics.stage_cut)
+    cut = metrics.stage_cut(model_cfg, cfg.pp_schedule, layout.pp, cfg.pp_chunks, cfg.pp_layers)
+    apply_pipeline(model, cut, virtual_stages(cfg.pp_schedule, layout.pp, layout.pp_rank, cfg.pp_chunks))
+    apply_expert_parallel(model, layout.ep_group)  # this rank's experts
+    apply_tensor_parallel(model, layout.tp_group, cfg.sequence_parallel)  # its slice of every layer
+    apply_context_parallel(model, layout.cp_group)  # ring attention over its share of every sequence
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    return materialize(model, dev)
 
 
 def make_pipeline(cfg, layout, model, dev):
@@ -398,7 +413,8 @@ def make_pipeline(cfg, layout, model, dev):
         holders = [p for p in range(layout.pp) for s in virtual_stages(schedule, layout.pp, p, v)
                    if s in (0, layout.pp * v - 1)]
         tied_group = tied_weight_group(layout, holders)
-        tied_copies = [model.tok_emb.weight] if model.is_first else [model.lm_head.weight] if model.is_last else []
+        tied_copies = [model.tok_emb.weight] if model.tok_emb is not None else \
+            [model.lm_head.weight] if model.lm_head is not None else []
     return Pipeline(comm, schedule, v, stores, tied_copies, tied_group, sums_tied=cfg.zero_stage < 2)
 
 
@@ -608,7 +624,7 @@ def evaluate(cfg, run, parts):
     a2a_bytes, which is the training step's traffic."""
     model, layout = parts.model, run.layout
     moe = list(model.moe_layers().values())
-    sent = [m.a2a_sent.bytes for m in moe]
+    sent = [m.dispatch.bytes_sent for m in moe]
     model.eval()
     out = {}
     for split, data in run.datasets.items():
@@ -627,7 +643,7 @@ def evaluate(cfg, run, parts):
         out[split] = mean_across_ranks(total, layout).item()
     model.train()
     for m, before in zip(moe, sent):
-        m.a2a_sent.bytes = before
+        m.dispatch.bytes_sent = before
     return out
 
 

@@ -84,7 +84,7 @@ def world_size(case):
 
 
 # What picotron refuses, in the order it checks (train.setup, parallel.check_schedule and resolve_dp,
-# model.check_layout), each with the words its message must contain.
+# settings.check_layout), each with the words its message must contain.
 REFUSALS = [
     (lambda c: c["optimizer"] == "muon" and c["zero_stage"] > 1, "optimizer='muon' runs with zero_stage 0 or 1"),
     (lambda c: c["optimizer"] == "muon" and c["zero_stage"] == 1 and c["ep"] > 1,

@@ -26,7 +26,8 @@ import metrics
 import sample
 import settings
 import train
-from model import ModelConfig, Transformer, check_layout, model_config_from
+from settings import check_layout
+from model import ModelConfig, Transformer, model_config_from
 from parallel import resolve_dp
 from pipeline_schedules import check_schedule
 
@@ -300,7 +301,7 @@ def saved_run(**config):
 def start_up(monkeypatch):
     """start_up(argv, world_size=1, saved=None): the settings a launch of world_size processes makes of argv
     (resuming a checkpoint whose meta.json is `saved`), through train.configure_run and then the layout's,
-    the schedule's and the model's split rules (model.check_layout), the first of train.setup. Returns (cfg, notes); raises what train.main would print."""
+    the schedule's and the model's split rules (settings.check_layout), the first of train.setup. Returns (cfg, notes); raises what train.main would print."""
     def run(argv, world_size=1, saved=None):
         monkeypatch.setenv("WORLD_SIZE", str(world_size))
         if saved is not None:

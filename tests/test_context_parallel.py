@@ -41,7 +41,8 @@ import settings
 import train
 from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, gather_full, run_ranks,
                         train_in_process, train_on_ranks)
-from model import ModelConfig, Transformer, check_layout, choose_attn_impl, model_config_from
+from settings import check_layout
+from model import ModelConfig, Transformer, choose_attn_impl, model_config_from
 import context_parallel
 from context_parallel import (attention_work, check_context_split, ring_attention, ring_attention_bytes,
                               split_for_every_rank, zigzag_gather, zigzag_split)

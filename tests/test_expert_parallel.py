@@ -25,7 +25,8 @@ import train
 from dist_utils import (GRAD_NORM_RTOL, LOSS_RTOL, assert_same_losses_and_norms, assert_same_tensors,
                         checkpoint_weights, gather_full, make_token_data, run_ranks, train_in_process,
                         train_on_ranks)
-from model import ModelConfig, check_layout
+from settings import check_layout
+from model import ModelConfig
 from parallel import ParallelLayout, format_grid, full_shape_of, resolve_dp, shard_of
 
 STEPS = 5
