@@ -187,8 +187,8 @@ def reset_peak_memory(dev):
         torch.cuda.reset_peak_memory_stats(dev)
 
 
-def run(cfg, bench, setup):
-    dev, ptdtype, layout, model_cfg = setup.dev, setup.dtype, setup.layout, setup.model_cfg
+def make_runners(cfg, bench, setup):
+    """The steps timed side by side: picotron's (one per schedule variant), and each it is compared with."""
     runners = [Picotron(variant, setup, name) for name, variant in bench.variants] or [Picotron(cfg, setup)]
     if bench.compare_optimizer:  # the same model, data and step with the other optimizer
         other = SimpleNamespace(**{**vars(cfg), "optimizer": bench.compare_optimizer})
@@ -196,20 +196,27 @@ def run(cfg, bench, setup):
     if bench.compare_doc_mask:  # the same weights' shapes, data and step, attention across documents or not
         flipped = not cfg.doc_mask
         other = SimpleNamespace(**{**vars(cfg), "doc_mask": flipped})
-        other_setup = SimpleNamespace(**{**vars(setup), "model_cfg": dataclasses.replace(model_cfg, doc_mask=flipped)})
+        other_model = dataclasses.replace(setup.model_cfg, doc_mask=flipped)
+        other_setup = SimpleNamespace(**{**vars(setup), "model_cfg": other_model})
         runners.append(Picotron(other, other_setup, name=f"doc_mask={flipped}"))
     if bench.reference:
         runners.append(ReferenceGPT(runners[0]))
+    return runners
+
+
+def warm_up(runners, bench):
+    """Each runner's untimed warm-up steps (compiling, allocating); {name: seconds of its first step}."""
     first_step_s = {}
     for r in runners:
         for i in range(bench.warmup_steps):
             start = time.perf_counter()
             r.step(i)
             first_step_s.setdefault(r.name, time.perf_counter() - start)
-    moe = model_cfg.n_expert > 0
-    if moe:
-        metrics.moe_metrics(runners[0].parts.model, layout)  # (resets the step counts: only timed steps below)
-    reset_peak_memory(dev)
+    return first_step_s
+
+
+def timed_steps(runners, bench):
+    """The timed steps after the warm-up: ({name: [seconds of each step]}, {name: its last step's loss})."""
     # the runners take turns step by step, so a machine that speeds up or slows down affects them alike
     times = {r.name: [] for r in runners}
     losses = {}
@@ -218,6 +225,38 @@ def run(cfg, bench, setup):
             start = time.perf_counter()
             losses[r.name] = r.step(i)
             times[r.name].append(time.perf_counter() - start)
+    return times, losses
+
+
+def speed_results(runners, times, losses, first_step_s, pipeline, tokens_per_step, peak, world_size):
+    """{name: speed, loss and MFU} of each runner, from the median of its timed steps."""
+    results = {}
+    for r in runners:
+        seconds = statistics.median(times[r.name])
+        tokens_per_sec = tokens_per_step / seconds
+        results[r.name] = {"tokens_per_sec": tokens_per_sec, "ms_per_step": 1000 * seconds,
+                           "ms_per_step_min": 1000 * min(times[r.name]), "ms_per_step_max": 1000 * max(times[r.name]),
+                           "flops_per_token": r.flops_per_token,
+                           "loss": losses[r.name], "first_step_s": first_step_s.get(r.name)}
+        results[r.name].update(pipeline.get(r.name, {}))
+    # the fastest first: if it makes the peak probe again, the others divide by the same final peak
+    for name in sorted(results, key=lambda n: -results[n]["flops_per_token"] * results[n]["tokens_per_sec"]):
+        results[name].update(peak.mfu(results[name]["flops_per_token"], results[name]["tokens_per_sec"],
+                                      world_size))
+    return results
+
+
+def run(cfg, bench, setup):
+    """The benchmark: warm up, time the steps, then measure the pipeline, the profile and the memory; rank 0
+    prints the table and the RESULT line. Returns {name: results} of each runner."""
+    dev, ptdtype, layout, model_cfg = setup.dev, setup.dtype, setup.layout, setup.model_cfg
+    runners = make_runners(cfg, bench, setup)
+    first_step_s = warm_up(runners, bench)
+    moe = model_cfg.n_expert > 0
+    if moe:
+        metrics.moe_metrics(runners[0].parts.model, layout)  # (resets the step counts: only timed steps below)
+    reset_peak_memory(dev)
+    times, losses = timed_steps(runners, bench)
     peak_mem = metrics.peak_memory_bytes(dev, layout)
     # MoE: the load and the all-to-all bytes per timed step (the first runner's steps only, before any
     # pipeline measurement runs more)
@@ -231,19 +270,7 @@ def run(cfg, bench, setup):
 
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     peak = metrics.PeakFlops(cfg.peak_flops, dev, ptdtype)
-    results = {}
-    for r in runners:
-        seconds = statistics.median(times[r.name])
-        tokens_per_sec = tokens_per_step / seconds
-        results[r.name] = {"tokens_per_sec": tokens_per_sec, "ms_per_step": 1000 * seconds,
-                           "ms_per_step_min": 1000 * min(times[r.name]), "ms_per_step_max": 1000 * max(times[r.name]),
-                           "flops_per_token": r.flops_per_token,
-                           "loss": losses[r.name], "first_step_s": first_step_s.get(r.name)}
-        results[r.name].update(pipeline.get(r.name, {}))
-    # the fastest first: if it makes the peak probe again, the others divide by the same final peak
-    for name in sorted(results, key=lambda n: -results[n]["flops_per_token"] * results[n]["tokens_per_sec"]):
-        results[name].update(peak.mfu(results[name]["flops_per_token"], results[name]["tokens_per_sec"],
-                                      layout.world_size))
+    results = speed_results(runners, times, losses, first_step_s, pipeline, tokens_per_step, peak, layout.world_size)
     # the process's peak memory covers whatever ran in it: with the reference alongside it is both models'
     main = runners[0].name
     results[main]["peak_mem_bytes"] = peak_mem
@@ -254,40 +281,48 @@ def run(cfg, bench, setup):
                              expert_param_bytes=params, expert_optimizer_bytes=state)
 
     if layout.rank == 0:
-        print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, step_model_kind(runners[0]))
-        if bench.reference or len(runners) > 1:
-            print("(peak memory is the whole process's: every model, as they ran side by side)")
-        result = dict(results[main], device=str(dev), dtype=str(ptdtype).replace("torch.", ""),
-                      world_size=layout.world_size, dp=layout.dp, cp=layout.cp, tp=layout.tp, pp=layout.pp,
-                      sequence_parallel=cfg.sequence_parallel,
-                      compiled=step_model_kind(runners[0]) == "compiled", peak_flops=peak.flops,
-                      tokens_per_step=tokens_per_step, threads=torch.get_num_threads(), zero_stage=cfg.zero_stage,
-                      memory=memory)
-        if bench.compare_optimizer:
-            other = results[bench.compare_optimizer]
-            print(f"optimizer {cfg.optimizer} against {bench.compare_optimizer}: {results[main]['ms_per_step']:,.1f} "
-                  f"against {other['ms_per_step']:,.1f} ms/step (median), "
-                  f"{results[main]['ms_per_step'] / other['ms_per_step']:.3f}x the time")
-            result.update(optimizer=cfg.optimizer, compare_optimizer=bench.compare_optimizer,
-                          compare_ms_per_step=other["ms_per_step"], compare_tokens_per_sec=other["tokens_per_sec"],
-                          compare_loss=other["loss"])
-        if bench.compare_doc_mask:
-            other = results[f"doc_mask={not cfg.doc_mask}"]
-            print(f"doc_mask={cfg.doc_mask} against doc_mask={not cfg.doc_mask}: "
-                  f"{results[main]['ms_per_step']:,.1f} against {other['ms_per_step']:,.1f} ms/step (median), "
-                  f"{results[main]['ms_per_step'] / other['ms_per_step']:.3f}x the time")
-            result.update(doc_mask=cfg.doc_mask, compare_doc_mask_ms_per_step=other["ms_per_step"],
-                          compare_doc_mask_tokens_per_sec=other["tokens_per_sec"])
-        if profile is not None:
-            result["profile"] = profile
-        if bench.reference:
-            ref = results["reference GPT"]
-            result.update(reference_tokens_per_sec=ref["tokens_per_sec"], reference_ms_per_step=ref["ms_per_step"],
-                          reference_mfu=ref["mfu"], speedup_vs_reference=results[main]["tokens_per_sec"] / ref["tokens_per_sec"])
-        if bench.variants:
-            result["schedules"] = {name: results[name] for name, _ in bench.variants}
-        print("RESULT " + json.dumps(result), flush=True)
+        report(cfg, bench, setup, runners, results, peak, tokens_per_step, memory, profile)
     return results
+
+
+def report(cfg, bench, setup, runners, results, peak, tokens_per_step, memory, profile):
+    """Rank 0's output: the table, each comparison in a line, and the RESULT line that tests and scripts parse."""
+    dev, ptdtype, layout, model_cfg = setup.dev, setup.dtype, setup.layout, setup.model_cfg
+    main = runners[0].name
+    print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, step_model_kind(runners[0]))
+    if bench.reference or len(runners) > 1:
+        print("(peak memory is the whole process's: every model, as they ran side by side)")
+    result = dict(results[main], device=str(dev), dtype=str(ptdtype).replace("torch.", ""),
+                  world_size=layout.world_size, dp=layout.dp, cp=layout.cp, tp=layout.tp, pp=layout.pp,
+                  sequence_parallel=cfg.sequence_parallel,
+                  compiled=step_model_kind(runners[0]) == "compiled", peak_flops=peak.flops,
+                  tokens_per_step=tokens_per_step, threads=torch.get_num_threads(), zero_stage=cfg.zero_stage,
+                  memory=memory)
+    if bench.compare_optimizer:
+        other = results[bench.compare_optimizer]
+        print(f"optimizer {cfg.optimizer} against {bench.compare_optimizer}: {results[main]['ms_per_step']:,.1f} "
+              f"against {other['ms_per_step']:,.1f} ms/step (median), "
+              f"{results[main]['ms_per_step'] / other['ms_per_step']:.3f}x the time")
+        result.update(optimizer=cfg.optimizer, compare_optimizer=bench.compare_optimizer,
+                      compare_ms_per_step=other["ms_per_step"], compare_tokens_per_sec=other["tokens_per_sec"],
+                      compare_loss=other["loss"])
+    if bench.compare_doc_mask:
+        other = results[f"doc_mask={not cfg.doc_mask}"]
+        print(f"doc_mask={cfg.doc_mask} against doc_mask={not cfg.doc_mask}: "
+              f"{results[main]['ms_per_step']:,.1f} against {other['ms_per_step']:,.1f} ms/step (median), "
+              f"{results[main]['ms_per_step'] / other['ms_per_step']:.3f}x the time")
+        result.update(doc_mask=cfg.doc_mask, compare_doc_mask_ms_per_step=other["ms_per_step"],
+                      compare_doc_mask_tokens_per_sec=other["tokens_per_sec"])
+    if profile is not None:
+        result["profile"] = profile
+    if bench.reference:
+        ref = results["reference GPT"]
+        result.update(reference_tokens_per_sec=ref["tokens_per_sec"], reference_ms_per_step=ref["ms_per_step"],
+                      reference_mfu=ref["mfu"],
+                      speedup_vs_reference=results[main]["tokens_per_sec"] / ref["tokens_per_sec"])
+    if bench.variants:
+        result["schedules"] = {name: results[name] for name, _ in bench.variants}
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 def measure_memory(cfg, setup, picotron, step):

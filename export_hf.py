@@ -310,27 +310,39 @@ def neox_layout(tensors, cfg):
     return {neox_name(name): t for name, t in tensors.items()}
 
 
-def hf_config(model, arch, tensors, tokenizer_fits):
-    """The transformers config (a dict for its config class) of this model under `arch`."""
-    cfg = model.cfg
-    head_dim = attention_head_dim(cfg)
+def hf_rope(cfg):
+    """transformers' rope_parameters for picotron's RoPE: plain, or with Llama 3's scaling."""
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling_factor:
         rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": cfg.rope_scaling_factor,
                 "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
                 "original_max_position_embeddings": cfg.rope_original_context}
+    return rope
+
+
+def gpt_neox_config(cfg, tensors, rope, tokens):
+    """GPTNeoXForCausalLM's config: apart from the Llama-like ones, as it has its own names for most settings."""
+    return dict(
+        architectures=["GPTNeoXForCausalLM"], vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
+        intermediate_size=tensors["gpt_neox.layers.0.mlp.dense_h_to_4h.weight"].shape[0],
+        hidden_act="gelu_pytorch_tanh",  # picotron's GELU is the tanh approximation, as GPT-2's
+        max_position_embeddings=cfg.block_size, layer_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+        use_parallel_residual=bool(cfg.parallel_block),
+        attention_bias="gpt_neox.layers.0.attention.query_key_value.bias" in tensors,
+        rope_parameters={**rope, "partial_rotary_factor": 1.0},
+        dtype="float32", **tokens)
+
+
+def hf_config(model, arch, tensors, tokenizer_fits):
+    """The transformers config (a dict for its config class) of this model under `arch`."""
+    cfg = model.cfg
+    head_dim = attention_head_dim(cfg)
+    rope = hf_rope(cfg)
     tokens = dict(bos_token_id=GPT2_EOT if tokenizer_fits else None, eos_token_id=GPT2_EOT if tokenizer_fits else None,
                   pad_token_id=None)
     if arch == "GPTNeoXForCausalLM":  # its own names for most settings
-        return dict(
-            architectures=[arch], vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
-            num_attention_heads=cfg.n_head, intermediate_size=tensors["gpt_neox.layers.0.mlp.dense_h_to_4h.weight"].shape[0],
-            hidden_act="gelu_pytorch_tanh",  # picotron's GELU is the tanh approximation, as GPT-2's
-            max_position_embeddings=cfg.block_size, layer_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-            use_parallel_residual=bool(cfg.parallel_block),
-            attention_bias="gpt_neox.layers.0.attention.query_key_value.bias" in tensors,
-            rope_parameters={**rope, "partial_rotary_factor": 1.0},
-            dtype="float32", **tokens)
+        return gpt_neox_config(cfg, tensors, rope, tokens)
     kwargs = dict(
         architectures=[arch], vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
         intermediate_size=mlp_hidden_size(cfg),

@@ -320,6 +320,224 @@ def schedule_moments(schedule, pp, stage, m, chunks, chunk_blocks, head_chunk, s
         yield op, c, held, head, backwards
 
 
+def shard(n, ranks):
+    """One rank's share of n elements split over `ranks` ranks, rounded up (ZeRO's shards are padded)."""
+    return -(-n // ranks)
+
+
+def zero3_units(elements, chunk_layers):
+    """[dense, experts] elements of each block this rank holds (chunk_layers: each chunk's block indices):
+    ZeRO-3 gathers each as a unit, and the blocks' sum is what the root unit is not."""
+    return [[sum(n for name, n in elements.items() if name.startswith(f"blocks.{i}.") and
+                 is_expert(name) == expert) for expert in (False, True)]
+            for layers in chunk_layers for i in layers]
+
+
+def sharded_elements(block_units, root, replicas, expert_replicas):
+    """This rank's elements of the parameters under ZeRO-2/3's sharding: each block's dense part over dp x cp,
+    its experts over their own replicas, the root unit over dp x cp."""
+    return (sum(shard(dense, replicas) + shard(experts, expert_replicas) for dense, experts in block_units)
+            + shard(root, replicas))
+
+
+def parameter_bytes(zero_stage, block_units, root, replicas, expert_replicas, param_bytes):
+    """The bytes of the parameters one rank holds: all of its stage's, but under ZeRO-3 the shards, the root
+    unit whole and two gathered blocks (the one computing, the one prefetched)."""
+    P = sum(map(sum, block_units)) + root
+    params = P * param_bytes
+    if zero_stage == 3:
+        sharded = sharded_elements(block_units, root, replicas, expert_replicas)
+        biggest_block = max(map(sum, block_units), default=0)
+        params = sharded * param_bytes + (root + min(2, len(block_units)) * biggest_block) * param_bytes
+    return params
+
+
+def gradient_bytes(model_cfg, zero_stage, elements, block_units, root, here, head_chunk, replicas,
+                   expert_replicas, capacity, param_bytes):
+    """(gradients, buffers, in_flight) of one rank, in bytes: its gradients, those in flight at the end of a
+    backward, and ZeRO-2/3's last two buckets (units) still in flight after it, as [flat gradients, shards]."""
+    P = sum(elements.values())
+    # at the end of backward: autograd's new gradient of the largest parameter before it is added
+    # into p.grad or copied into its bucket; for a weight tied within one chunk (one backward reaches
+    # both uses) the head's part, the embedding's part and autograd's sum of them. Where one rank holds
+    # the two ends in different chunks (zbv's first rank) each chunk's backward is its own: the head's
+    # part becomes p.grad, and the embedding's, one new gradient, is added into it later
+    tied_in_chunk = model_cfg.tie_embeddings and head_chunk is not None and here[head_chunk] == 0
+    largest = max(elements.values()) * (3 if tied_in_chunk else 1)
+    buffers = largest * param_bytes
+    if zero_stage >= 2:
+        grads = sharded_elements(block_units, root, replicas, expert_replicas) * param_bytes
+        # and in flight with it: its bucket's flat buffer, and the bucket launched before it
+        if zero_stage == 3:
+            sizes = sorted([n for unit in block_units for n in unit if n] + [root], reverse=True)
+        else:  # the experts fill buckets of their own
+            sizes = sorted(sum((bucket_elements([n for name, n in elements.items() if is_expert(name) == e],
+                                                capacity) for e in (False, True)), []), reverse=True)
+        buffers += (sizes[0] + (sizes[1] if len(sizes) > 1 else 0)) * param_bytes
+        # the buckets still in flight through the forwards after a backward (last_launched): their flat
+        # gradients, and from the second backward on their shards of the sum beside the grad_shards
+        # (after the first the shard becomes the grad_shard, counted above)
+        last = last_launched(zero_stage, elements, block_units, root, 0 in here, capacity)
+        in_flight = [sum(n for n, _ in last) * param_bytes,
+                     sum(shard(n, expert_replicas if e else replicas) for n, e in last) * param_bytes]
+    else:
+        grads = P * param_bytes * (2 if (replicas > 1 or zero_stage == 1) else 1)
+        in_flight = [0, 0]  # (flat gradients, shards)
+    return grads, buffers, in_flight
+
+
+def optimizer_state(elements, shapes, muon, zero_stage, replicas, expert_replicas, dp_rank):
+    """(state elements, Muon's matrices, AdamW's elements as [dense, experts], the matrices this rank
+    updates) of one rank: what the optimizer keeps, and what its step and ZeRO-1's slices are counted from."""
+    # the optimizer's state: AdamW's two moments per element; Muon's one momentum per matrix element
+    # (AdamW's two for the rest); under ZeRO 1/dp of them (the experts' over their replicas), except
+    # Muon's matrices, dealt whole (optim.deal_whole): this rank's share is what the deal gives it
+    matrices = [name for name in elements if takes_muon(name, torch.empty(shapes[name], device="meta"))] if muon else []
+    M = sum(elements[name] for name in matrices)
+    adamw_elements = [sum(n for name, n in elements.items() if is_expert(name) == e and name not in matrices)
+                      for e in (False, True)]  # dense, experts
+    P = sum(elements.values())
+    if zero_stage == 0:
+        state = 2 * (P - M) + M
+        owned = matrices
+    else:
+        state = 2 * (shard(adamw_elements[0], replicas) + shard(adamw_elements[1], expert_replicas))
+        owners = deal_whole(reversed([torch.empty(elements[name], device="meta") for name in matrices]), replicas)
+        share = [[] for _ in range(replicas)]
+        for name, owner in zip(reversed(matrices), owners.values()):
+            share[owner].append(name)
+        owned = share[dp_rank] if dp_rank is not None else max(share, key=lambda ns: sum(elements[n] for n in ns))
+        state += sum(elements[name] for name in owned)
+    return state, matrices, adamw_elements, owned
+
+
+def optimizer_step_bytes(zero_stage, elements, shapes, adamw_elements, owned, tp, replicas, expert_replicas,
+                         param_bytes):
+    """The bytes of the optimizer step's own temporaries (ZeRO-1/2's all-gather inputs, Muon's update)."""
+    # the optimizer step's temporaries. AdamW makes none: it is torch's fused kernel (parallel.adamw_step)
+    # on whole tensors or on ZeRO's flat slices alike. After it, ZeRO-1/2's all-gather of the updated
+    # parameters (ShardedGradientBuckets.after_step) posts every bucket's at once, each with a copy of
+    # this rank's slice as its input: 1/dp of the parameters AdamW steps (the experts' over their
+    # replicas), beside the gradient shards (Muon's whole matrices are broadcast in place). Muon's own,
+    # before that, for the largest matrix it owns: the new momentum and its Nesterov step (its tp slice),
+    # the matrix gathered whole across tp, and Newton-Schulz on it in fp32 (the normalised X; then at
+    # most X's next iterate, X X^T, the polynomial's terms: see newton_schulz)
+    step_temps = 0
+    if zero_stage in (1, 2):
+        step_temps = ((shard(adamw_elements[0], replicas) if replicas > 1 else 0)
+                      + (shard(adamw_elements[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
+    if owned:
+        big = max(owned, key=lambda name: math.prod(shapes[name]))
+        F, a = math.prod(shapes[big]), min(shapes[big])
+        gathered = F * param_bytes if tp > 1 and elements[big] < F else 0
+        newton_schulz_bytes = (F + max(F + 4 * a * a, 3 * F + 2 * a * a)) * 4
+        step_temps = max(step_temps, 2 * elements[big] * param_bytes + gathered + newton_schulz_bytes)
+    return step_temps
+
+
+def zero1_slice_bytes(elements, matrices, adamw_elements, replicas, expert_replicas, param_bytes):
+    """ZeRO-1: each bucket's reduce-scatter output (this rank's slice) lives from its launch in the last
+    backward until finish(): at the end of it, every bucket's but the one of the largest gradient, the last
+    to fill (Muon's whole matrices are reduced into the flat buffer itself)."""
+    biggest_name = max(elements, key=elements.get)
+    launched = [n - (elements[biggest_name] if is_expert(biggest_name) == e and biggest_name not in matrices
+                     else 0) for e, n in enumerate(adamw_elements)]
+    return ((shard(launched[0], replicas) if replicas > 1 else 0)
+            + (shard(launched[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
+
+
+def exchange_bytes(model_cfg, tokens, ep, act_bytes):
+    """Expert parallelism: while an MoE layer's outputs travel back, the rows it sent, the rows it received,
+    its experts' outputs and their reordered copy (expert_parallel.dispatch_to_experts), beside the
+    activations saved so far."""
+    kept, received = expert_rows(model_cfg, tokens, ep)
+    return (kept + 3 * received) * model_cfg.n_embd * act_bytes
+
+
+def activation_elements(model_cfg, tokens, seq_len, tp, ep, sequence_parallel, activation_checkpointing,
+                        scores, blocks):
+    """(saved, recompute, backward_start): the elements a forward leaves per block until its backward, the
+    block recomputed at a time, and what a backward adds as it starts; blocks: whether the rank holds any."""
+    per_block = block_activation_elements(model_cfg, tokens, tp, sequence_parallel, ep, seq_len, scores)
+    n_local = tokens // tp if sequence_parallel else tokens
+    # with activation checkpointing a block keeps its input, and one block is recomputed at a time
+    saved = n_local * model_cfg.n_embd if activation_checkpointing else per_block
+    recompute = per_block if activation_checkpointing else 0
+    # a backward, as it starts: the chunk's activations all held, and the backward's first tensors
+    backward_start = block_backward_elements(model_cfg, tokens, tp, sequence_parallel) if blocks else 0
+    return saved, recompute, backward_start
+
+
+def loss_bytes(model_cfg, N, tp, sequence_parallel, chunked_loss, act_bytes):
+    """(held, once): the bytes the loss keeps on the head's chunk per micro-batch from its forward to its
+    backward, and those alive only while it runs (N: this rank's tokens per micro-batch)."""
+    C, V = model_cfg.n_embd, padded_vocab_size(model_cfg.vocab_size, tp)
+    n_local = N // tp if sequence_parallel else N  # between the tensor-parallel regions
+    # the final norm's tensors (its output, the head's input, gathered under sequence parallelism)
+    final_norm = n_local + 2 * n_local * C + (N * C - n_local * C)
+    vocab, capped = model_cfg.vocab_size, model_cfg.final_softcap > 0
+    if chunked_loss and tp == 1:
+        # model._chunked_cross_entropy: from forward to backward the gradients of the head's input
+        # and weight (fp32); while it runs, one chunk's logits buffer and, soft-capped, the chunk's
+        # 1 - tanh^2 (fp32, a buffer reused likewise)
+        loss_held = final_norm * act_bytes + (N * C + V * C) * 4
+        loss_once = min(N, loss_chunk_size(vocab)) * vocab * (act_bytes + (4 if capped else 0))
+    else:
+        # the (N, V / tp) logits. Held to the backward: the softmax (the vocab-parallel loss, tp > 1:
+        # its exp becomes the softmax) or the log-softmax (F.cross_entropy at tp = 1), fp32, and
+        # soft-capped the tanh. While the loss runs: the vocab-parallel loss's logits beside their
+        # exp; F.cross_entropy's backward's two (nll_loss's gradient, log_softmax's)
+        logits = N * (V // tp)
+        loss_held = final_norm * act_bytes + logits * 4 + (logits * act_bytes if capped else 0)
+        loss_once = logits * act_bytes if tp > 1 else 2 * logits * 4
+    return loss_held, loss_once
+
+
+def walk_peak(moments, head_chunk, zero_stage, act_bytes, recompute, backward_start, loss_held, loss_once,
+              exchange, accumulated, buffers, in_flight):
+    """(top, activations, loss): the most bytes beyond the states the step holds, over schedule_moments'
+    actions, and the largest activations and loss tensors along the way.
+
+    The step walked action by action. At the end of a forward: what is held, the block just computed
+    under activation checkpointing, the loss's chunk on the head's chunk (or, if larger, an MoE
+    layer's all-to-all buffers in that forward), and ZeRO-0/1's p.grad once a backward has run. As a
+    backward starts: what was held before it, the block it recomputes (activation checkpointing) and
+    its first tensors (backward_start). At the end of a backward or W: what is still held, and the
+    gradients in flight (for ZeRO-0/1 from the second backward on: the first writes p.grad without a
+    copy)."""
+    top = activations = loss = before = 0  # before: the activations held before this action
+    for op, c, held, held_head, backwards in moments:
+        if op == "F":
+            act = (held + recompute) * act_bytes
+            loss_now = held_head * loss_held + (loss_once if c == head_chunk else 0)
+            landing = in_flight[0] + (in_flight[1] if backwards > 1 else 0)
+            now = act + max(loss_now, held_head * loss_held + exchange) + ((accumulated + landing) if backwards else 0)
+        else:
+            act, loss_now = held * act_bytes, held_head * loss_held
+            now = act + loss_now + accumulated + (buffers if zero_stage >= 2 or backwards > 1 else 0)
+            if op == "B":
+                starting = (before + recompute + backward_start) * act_bytes + loss_now
+                now = max(now, starting + (accumulated if backwards > 1 else 0))
+        before = held
+        top = max(top, now)
+        activations, loss = max(activations, act), max(loss, loss_now)
+    return top, activations, loss
+
+
+def grad_norm_bytes(model_cfg, zero_stage, muon, elements, block_units, root, here, head_chunk, capacity, replicas,
+                    expert_replicas, param_bytes):
+    """The bytes of the gradient norm's temporary, once the gradients are reduced: the norm's square of the
+    largest gradient (under ZeRO a slice of at most the largest bucket's or unit's shard; the experts' over
+    their replicas)."""
+    kinds = [[n for name, n in elements.items() if is_expert(name) == e] for e in (False, True)]
+    pieces = (block_units + [[root, 0]] if zero_stage == 3 else
+              itertools.zip_longest(*[bucket_elements(ns, capacity) for ns in kinds], fillvalue=0))
+    largest_shard = max(max(shard(dense, replicas), shard(experts, expert_replicas)) for dense, experts in pieces)
+    copy_here = model_cfg.tie_embeddings and head_chunk is not None and 0 not in here  # the head's copy
+    return grad_norm_temp_elements(elements, zero_stage, muon, ("lm_head.weight",) if copy_here else (),
+                                   largest_shard) * param_bytes
+
+
 def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, block_size=None,
                 microbatches=1, schedule="1f1b", activation_checkpointing=False, chunked_loss=True,
                 sequence_parallel=False, bucket_size_mb=25.0, param_bytes=4, act_bytes=4, chunks=1, ep=1,
@@ -334,164 +552,42 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
     T = block_size or model_cfg.block_size
     replicas, expert_replicas = dp * cp, dp // ep * cp  # the ranks that shard a parameter, an expert
     N = batch_size * T // cp  # this rank's tokens per micro-batch
-    C, V = model_cfg.n_embd, padded_vocab_size(model_cfg.vocab_size, tp)
-    bucket = max(1, int(bucket_size_mb * 2 ** 20))
-    muon = optimizer == "muon"
+    capacity = max(1, int(bucket_size_mb * 2 ** 20)) // param_bytes  # a gradient bucket's elements
     n_stages = pp * chunks  # the model's stages; this rank holds `chunks` of them
     stages = []
     for stage in range(pp):
         here = virtual_stages(schedule, pp, stage, chunks)
+        head_chunk = here.index(n_stages - 1) if n_stages - 1 in here else None
         shapes = {}
         elements = stage_parameter_elements(model_cfg, tp, pp, stage, schedule, chunks, ep, shapes, pp_layers)
         P = sum(elements.values())
         chunk_layers = [stage_layers(stage_cut(model_cfg, schedule, pp, chunks, pp_layers), s) for s in here]
         # ZeRO-3's units: each block's dense part over dp x cp, its experts over their own replicas
-        block_units = [[sum(n for name, n in elements.items() if name.startswith(f"blocks.{i}.") and
-                            is_expert(name) == expert) for expert in (False, True)]
-                       for layers in chunk_layers for i in layers]
-        blocks = len(block_units)
+        block_units = zero3_units(elements, chunk_layers)
         root = P - sum(map(sum, block_units))
-        biggest_block = max(map(sum, block_units), default=0)
-        shard = lambda n, r=replicas: -(-n // r)
-        sharded = sum(shard(dense) + shard(experts, expert_replicas) for dense, experts in block_units) + shard(root)
-        params = P * param_bytes
-        if zero_stage == 3:
-            params = sharded * param_bytes + (root + min(2, blocks) * biggest_block) * param_bytes
-        # at the end of backward: autograd's new gradient of the largest parameter before it is added
-        # into p.grad or copied into its bucket; for a weight tied within one chunk (one backward reaches
-        # both uses) the head's part, the embedding's part and autograd's sum of them. Where one rank holds
-        # the two ends in different chunks (zbv's first rank) each chunk's backward is its own: the head's
-        # part becomes p.grad, and the embedding's, one new gradient, is added into it later
-        head_chunk = here.index(n_stages - 1) if n_stages - 1 in here else None
-        tied_in_chunk = model_cfg.tie_embeddings and head_chunk is not None and here[head_chunk] == 0
-        largest = max(elements.values()) * (3 if tied_in_chunk else 1)
-        buffers = largest * param_bytes
-        if zero_stage >= 2:
-            grads = sharded * param_bytes
-            # and in flight with it: its bucket's flat buffer, and the bucket launched before it
-            if zero_stage == 3:
-                sizes = sorted([n for unit in block_units for n in unit if n] + [root], reverse=True)
-            else:  # the experts fill buckets of their own
-                sizes = sorted(sum((bucket_elements([n for name, n in elements.items() if is_expert(name) == e],
-                                                    bucket // param_bytes) for e in (False, True)), []), reverse=True)
-            buffers += (sizes[0] + (sizes[1] if len(sizes) > 1 else 0)) * param_bytes
-            # the buckets still in flight through the forwards after a backward (last_launched): their flat
-            # gradients, and from the second backward on their shards of the sum beside the grad_shards
-            # (after the first the shard becomes the grad_shard, counted above)
-            last = last_launched(zero_stage, elements, block_units, root, 0 in here, bucket // param_bytes)
-            in_flight = [sum(n for n, _ in last) * param_bytes,
-                         sum(shard(n, expert_replicas if e else replicas) for n, e in last) * param_bytes]
-        else:
-            grads = P * param_bytes * (2 if (replicas > 1 or zero_stage == 1) else 1)
-            in_flight = [0, 0]  # (flat gradients, shards)
-        # the optimizer's state: AdamW's two moments per element; Muon's one momentum per matrix element
-        # (AdamW's two for the rest); under ZeRO 1/dp of them (the experts' over their replicas), except
-        # Muon's matrices, dealt whole (optim.deal_whole): this rank's share is what the deal gives it
-        matrices = [name for name in elements if takes_muon(name, torch.empty(shapes[name], device="meta"))] if muon else []
-        M = sum(elements[name] for name in matrices)
-        adamw_elements = [sum(n for name, n in elements.items() if is_expert(name) == e and name not in matrices)
-                          for e in (False, True)]  # dense, experts
-        if zero_stage == 0:
-            state = 2 * (P - M) + M
-            owned = matrices
-        else:
-            state = 2 * (shard(adamw_elements[0]) + shard(adamw_elements[1], expert_replicas))
-            owners = deal_whole(reversed([torch.empty(elements[name], device="meta") for name in matrices]), replicas)
-            share = [[] for _ in range(replicas)]
-            for name, owner in zip(reversed(matrices), owners.values()):
-                share[owner].append(name)
-            owned = share[dp_rank] if dp_rank is not None else max(share, key=lambda ns: sum(elements[n] for n in ns))
-            state += sum(elements[name] for name in owned)
+        params = parameter_bytes(zero_stage, block_units, root, replicas, expert_replicas, param_bytes)
+        grads, buffers, in_flight = gradient_bytes(model_cfg, zero_stage, elements, block_units, root, here,
+                                                   head_chunk, replicas, expert_replicas, capacity, param_bytes)
+        state, matrices, adamw_elements, owned = optimizer_state(elements, shapes, optimizer == "muon", zero_stage,
+                                                                 replicas, expert_replicas, dp_rank)
         optimizer_bytes = state * param_bytes
-        # the optimizer step's temporaries. AdamW makes none: it is torch's fused kernel (parallel.adamw_step)
-        # on whole tensors or on ZeRO's flat slices alike. After it, ZeRO-1/2's all-gather of the updated
-        # parameters (ShardedGradientBuckets.after_step) posts every bucket's at once, each with a copy of
-        # this rank's slice as its input: 1/dp of the parameters AdamW steps (the experts' over their
-        # replicas), beside the gradient shards (Muon's whole matrices are broadcast in place). Muon's own,
-        # before that, for the largest matrix it owns: the new momentum and its Nesterov step (its tp slice),
-        # the matrix gathered whole across tp, and Newton-Schulz on it in fp32 (the normalised X; then at
-        # most X's next iterate, X X^T, the polynomial's terms: see newton_schulz)
-        step_temps = 0
-        if zero_stage in (1, 2):
-            step_temps = ((shard(adamw_elements[0]) if replicas > 1 else 0)
-                          + (shard(adamw_elements[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
-        if owned:
-            big = max(owned, key=lambda name: math.prod(shapes[name]))
-            F, a = math.prod(shapes[big]), min(shapes[big])
-            gathered = F * param_bytes if tp > 1 and elements[big] < F else 0
-            newton_schulz_bytes = (F + max(F + 4 * a * a, 3 * F + 2 * a * a)) * 4
-            step_temps = max(step_temps, 2 * elements[big] * param_bytes + gathered + newton_schulz_bytes)
-        per_block = block_activation_elements(model_cfg, N, tp, sequence_parallel, ep, T // cp,
-                                              attention_scores and cp == 1)
-        # ZeRO-1: each bucket's reduce-scatter output (this rank's slice) lives from its launch in the last
-        # backward until finish(): at the end of it, every bucket's but the one of the largest gradient,
-        # the last to fill (Muon's whole matrices are reduced into the flat buffer itself)
-        zero1_slices = 0
-        if zero_stage == 1:
-            biggest_name = max(elements, key=elements.get)
-            launched = [n - (elements[biggest_name] if is_expert(biggest_name) == e and biggest_name not in matrices
-                             else 0) for e, n in enumerate(adamw_elements)]
-            zero1_slices = ((shard(launched[0]) if replicas > 1 else 0)
-                            + (shard(launched[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
-            buffers += zero1_slices
-        # expert parallelism: while an MoE layer's outputs travel back, the rows it sent, the rows it
-        # received, its experts' outputs and their reordered copy (expert_parallel.dispatch_to_experts), beside
-        # the activations saved so far
-        exchange = 0
-        if ep > 1 and model_cfg.n_expert > 0 and blocks:
-            kept, received = expert_rows(model_cfg, N, ep)
-            exchange = (kept + 3 * received) * C * act_bytes
-        n_local = N // tp if sequence_parallel else N
-        # with activation checkpointing a block keeps its input, and one block is recomputed at a time
-        saved = n_local * C if activation_checkpointing else per_block
-        recompute = per_block if activation_checkpointing else 0
-        # a backward, as it starts: the chunk's activations all held, and the backward's first tensors
-        backward_start = block_backward_elements(model_cfg, N, tp, sequence_parallel) if blocks else 0
+        step_temps = optimizer_step_bytes(zero_stage, elements, shapes, adamw_elements, owned, tp, replicas,
+                                          expert_replicas, param_bytes)
+        zero1_slices = (zero1_slice_bytes(elements, matrices, adamw_elements, replicas, expert_replicas, param_bytes)
+                        if zero_stage == 1 else 0)
+        buffers += zero1_slices
+        saved, recompute, backward_start = activation_elements(model_cfg, N, T // cp, tp, ep, sequence_parallel,
+                                                               activation_checkpointing, attention_scores and cp == 1,
+                                                               bool(block_units))
+        exchange = exchange_bytes(model_cfg, N, ep, act_bytes) if ep > 1 and model_cfg.n_expert > 0 and block_units else 0
         loss_held = loss_once = 0  # per micro-batch the head's chunk holds; while the loss runs
         if head_chunk is not None:
-            # the final norm's tensors (its output, the head's input, gathered under sequence parallelism)
-            final_norm = n_local + 2 * n_local * C + (N * C - n_local * C)
-            vocab, capped = model_cfg.vocab_size, model_cfg.final_softcap > 0
-            if chunked_loss and tp == 1:
-                # model._chunked_cross_entropy: from forward to backward the gradients of the head's input
-                # and weight (fp32); while it runs, one chunk's logits buffer and, soft-capped, the chunk's
-                # 1 - tanh^2 (fp32, a buffer reused likewise)
-                loss_held = final_norm * act_bytes + (N * C + V * C) * 4
-                loss_once = min(N, loss_chunk_size(vocab)) * vocab * (act_bytes + (4 if capped else 0))
-            else:
-                # the (N, V / tp) logits. Held to the backward: the softmax (the vocab-parallel loss, tp > 1:
-                # its exp becomes the softmax) or the log-softmax (F.cross_entropy at tp = 1), fp32, and
-                # soft-capped the tanh. While the loss runs: the vocab-parallel loss's logits beside their
-                # exp; F.cross_entropy's backward's two (nll_loss's gradient, log_softmax's)
-                logits = N * (V // tp)
-                loss_held = final_norm * act_bytes + logits * 4 + (logits * act_bytes if capped else 0)
-                loss_once = logits * act_bytes if tp > 1 else 2 * logits * 4
-        # The step walked action by action. At the end of a forward: what is held, the block just computed
-        # under activation checkpointing, the loss's chunk on the head's chunk (or, if larger, an MoE
-        # layer's all-to-all buffers in that forward), and ZeRO-0/1's p.grad once a backward has run. As a
-        # backward starts: what was held before it, the block it recomputes (activation checkpointing) and
-        # its first tensors (backward_start). At the end of a backward or W: what is still held, and the
-        # gradients in flight (for ZeRO-0/1 from the second backward on: the first writes p.grad without a
-        # copy).
+            loss_held, loss_once = loss_bytes(model_cfg, N, tp, sequence_parallel, chunked_loss, act_bytes)
         accumulated = P * param_bytes if zero_stage < 2 else 0  # autograd's p.grad (ZeRO-0/1)
-        top = activations = loss = before = 0  # before: the activations held before this action
-        for op, c, held, held_head, backwards in schedule_moments(
-                schedule, pp, stage, microbatches, chunks, [len(layers) for layers in chunk_layers], head_chunk,
-                saved, weight_grad_residual_elements(model_cfg, N, tp)):
-            if op == "F":
-                act = (held + recompute) * act_bytes
-                loss_now = held_head * loss_held + (loss_once if c == head_chunk else 0)
-                landing = in_flight[0] + (in_flight[1] if backwards > 1 else 0)
-                now = act + max(loss_now, held_head * loss_held + exchange) + ((accumulated + landing) if backwards else 0)
-            else:
-                act, loss_now = held * act_bytes, held_head * loss_held
-                now = act + loss_now + accumulated + (buffers if zero_stage >= 2 or backwards > 1 else 0)
-                if op == "B":
-                    starting = (before + recompute + backward_start) * act_bytes + loss_now
-                    now = max(now, starting + (accumulated if backwards > 1 else 0))
-            before = held
-            top = max(top, now)
-            activations, loss = max(activations, act), max(loss, loss_now)
+        moments = schedule_moments(schedule, pp, stage, microbatches, chunks, [len(layers) for layers in chunk_layers],
+                                   head_chunk, saved, weight_grad_residual_elements(model_cfg, N, tp))
+        top, activations, loss = walk_peak(moments, head_chunk, zero_stage, act_bytes, recompute, backward_start,
+                                           loss_held, loss_once, exchange, accumulated, buffers, in_flight)
         peak = params + (grads - accumulated) + optimizer_bytes + top
         # after the last backward, before the data-parallel reduction: the tied copies' gradients summed into
         # a new tensor (the activations all freed; ZeRO-1's slices still in flight)
@@ -499,13 +595,8 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
                        + tied_sum_bytes(model_cfg, pp, zero_stage, elements, param_bytes))
         # then, the gradients reduced, the norm's square of the largest gradient (under ZeRO a slice of at
         # most the largest bucket's or unit's shard; the experts' over their replicas), and the step's own
-        kinds = [[n for name, n in elements.items() if is_expert(name) == e] for e in (False, True)]
-        pieces = (block_units + [[root, 0]] if zero_stage == 3 else
-                  itertools.zip_longest(*[bucket_elements(ns, bucket // param_bytes) for ns in kinds], fillvalue=0))
-        largest_shard = max(max(shard(dense), shard(experts, expert_replicas)) for dense, experts in pieces)
-        copy_here = model_cfg.tie_embeddings and head_chunk is not None and 0 not in here  # the head's copy
-        norm_temp = grad_norm_temp_elements(elements, zero_stage, muon, ("lm_head.weight",) if copy_here else (),
-                                            largest_shard) * param_bytes
+        norm_temp = grad_norm_bytes(model_cfg, zero_stage, optimizer == "muon", elements, block_units, root, here,
+                                    head_chunk, capacity, replicas, expert_replicas, param_bytes)
         step_temps = max(step_temps, norm_temp)
         at_step = params + (grads if zero_stage >= 2 else P * param_bytes) + optimizer_bytes + step_temps
         peak = max(peak, at_tied_sum)
