@@ -29,6 +29,7 @@ the first step's time, which holds the compilation with compile=True.
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
