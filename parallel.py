@@ -1343,10 +1343,14 @@ def materialize(model, device):
     is, the hooks that sum a gradient) stays. Initialise next (init_shares), or load a checkpoint."""
     for p in model.parameters():
         if p.is_meta:
-            marks = dict(p.__dict__)
+            marks, hooks = dict(p.__dict__), list((p._backward_hooks or {}).values())
             real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
             torch.utils.swap_tensors(p, real)
             p.__dict__.update(marks)
+            # autograd's gradient hooks went with the old contents: register them again on the new ones
+            p._backward_hooks = None
+            for hook in hooks:
+                p.register_hook(hook)
     return model
 
 

@@ -29,7 +29,10 @@ import torch.multiprocessing as mp
 import checkpoint
 import metrics
 import train
-from model import Transformer, model_config_from
+from context_parallel import apply_context_parallel
+from expert_parallel import apply_expert_parallel
+from model import Transformer, apply_activation_checkpointing, model_config_from
+from parallel import apply_pipeline, apply_tensor_parallel, init_shares, materialize
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -289,6 +292,24 @@ def assert_same_tensors(got, want, rtol=WEIGHT_RTOL, what="weights", label=None)
     assert not bad, (f"{label + ': ' if label else ''}{what} outside ||a-b||/||b|| <= {rtol:.0e}: "
                      + ", ".join(f"{n}: {d:.2e}" for n, d in bad.items()))
     return diffs[worst]
+
+
+def build_model(cfg, *, tp_group=None, stages=(0,), stage_blocks=None, cp_group=None, sequence_parallel=False,
+                ep_group=None, attn_impl="auto", activation_checkpointing=False, chunked_loss=False, seed=0):
+    """A rank's model, built the way train.build_model builds it: the whole model on the meta device, the
+    layout applied in train.py's order (stage_blocks: the pipeline's cut, with this rank's stages), this
+    rank's share materialized on the CPU and initialised from seed (None: left uninitialised)."""
+    with torch.device("meta"):
+        model = Transformer(cfg, attn_impl=attn_impl, chunked_loss=chunked_loss)
+    if stage_blocks is not None:
+        apply_pipeline(model, stage_blocks, stages)
+    apply_expert_parallel(model, ep_group)
+    apply_tensor_parallel(model, tp_group, sequence_parallel)
+    apply_context_parallel(model, cp_group)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    materialize(model, "cpu")
+    return model if seed is None else init_shares(model, seed)
 
 
 def _one_process_model(reader):

@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_utils import make_token_data, run_train
+from dist_utils import build_model, make_token_data, run_train
 
 import metrics
 import model as model_module
 import settings
 import train
 from metrics import flops_per_token
-from model import ModelConfig, Transformer, chunked_cross_entropy
+from model import ModelConfig, chunked_cross_entropy
 
 
 TINY = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=4, n_embd=64)
@@ -25,10 +25,8 @@ TINY = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=4, n_e
 
 def tiny_model(seed=0, activation_checkpointing=False, chunked_loss=False, **kw):
     torch.manual_seed(seed)
-    m = Transformer(ModelConfig(**{**TINY, **kw}), activation_checkpointing=activation_checkpointing,
-                    chunked_loss=chunked_loss)
-    m.init_weights(seed)
-    return m
+    return build_model(ModelConfig(**{**TINY, **kw}), activation_checkpointing=activation_checkpointing,
+                       chunked_loss=chunked_loss, seed=seed)
 
 
 # --- FLOPs per token -------------------------------------------------------------------------------------

@@ -39,14 +39,14 @@ import make_config
 import parallel
 import settings
 import train
-from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, gather_full, run_ranks,
+from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, build_model, gather_full, run_ranks,
                         train_in_process, train_on_ranks)
-from settings import check_layout
 from model import ModelConfig, Transformer, choose_attn_impl, model_config_from
 import context_parallel
 from context_parallel import (attention_work, check_context_split, ring_attention, ring_attention_bytes,
                               split_for_every_rank, zigzag_gather, zigzag_split)
 from parallel import ParallelLayout
+from settings import check_layout
 from test_variants import MLA, MOE
 from test_variants_tp import TP_VARIANTS
 
@@ -189,9 +189,8 @@ def model_at(layout, overrides, sequence_parallel=False):
     call it; the full tensors are returned as numpy (torch tensors would cross the result queue as shared
     memory, gone once the worker exits)."""
     cfg = ModelConfig(**{**TINY, **overrides})
-    model = Transformer(cfg, layout.tp_group, attn_impl="eager", cp_group=layout.cp_group,
-                        sequence_parallel=sequence_parallel)
-    model.init_weights(SEED)
+    model = build_model(cfg, tp_group=layout.tp_group, attn_impl="eager", cp_group=layout.cp_group,
+                        sequence_parallel=sequence_parallel, seed=SEED)
     x, y, *positions = train.context_split(model_batch(), layout)
     logits, loss = model(x, y, *positions)
     loss.backward()
@@ -715,9 +714,8 @@ def measured_activations(rank, world_size, cp, tp, sequence_parallel):
     """(bytes saved by the embedding and the blocks, by the whole forward with the head and the loss) on
     this rank, one sequence of block_size tokens per step."""
     layout = ParallelLayout(1, tp, 1, world_size, rank, cp=cp)
-    model = Transformer(ModelConfig(**MEASURE), layout.tp_group, chunked_loss=True, cp_group=layout.cp_group,
-                        sequence_parallel=sequence_parallel)
-    model.init_weights(0)
+    model = build_model(ModelConfig(**MEASURE), tp_group=layout.tp_group, chunked_loss=True,
+                        cp_group=layout.cp_group, sequence_parallel=sequence_parallel)
     batch = train.context_split(measure_window(), layout)
     body = {}
 
@@ -736,8 +734,7 @@ def measured_ring_bytes(rank, world_size):
     """Bytes this rank's ring sends in one forward and backward of the model (every attention layer)."""
     _count_communication_and_blocks()
     layout = ParallelLayout(1, 1, 1, world_size, rank, cp=world_size)
-    model = Transformer(ModelConfig(**MEASURE), chunked_loss=True, cp_group=layout.cp_group)
-    model.init_weights(0)
+    model = build_model(ModelConfig(**MEASURE), chunked_loss=True, cp_group=layout.cp_group)
     SENT.clear()
     _, loss = model(*train.context_split(measure_window(), layout))
     loss.backward()

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dist_utils import make_token_data, relative_difference
+from dist_utils import build_model, make_token_data, relative_difference
 
 import checkpoint
 import settings
@@ -52,10 +52,9 @@ def train_steps(cfg, run, parts, steps, first=0):
 
 
 def small_model(device=DEVICE, seed=0, **kw):
-    m = Transformer(ModelConfig(**{k: v for k, v in {**SMALL, **kw}.items() if k in ModelConfig.__dataclass_fields__}),
+    m = build_model(ModelConfig(**{k: v for k, v in {**SMALL, **kw}.items() if k in ModelConfig.__dataclass_fields__}),
                     attn_impl=kw.get("attn_impl", "sdpa"), activation_checkpointing=kw.get("activation_checkpointing", False),
-                    chunked_loss=kw.get("chunked_loss", False))
-    m.init_weights(seed)
+                    chunked_loss=kw.get("chunked_loss", False), seed=seed)
     return m.to(device)
 
 

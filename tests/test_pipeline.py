@@ -22,10 +22,12 @@ import metrics
 import settings
 import train
 import zero as zero_stages  # (zero is a local name below: the stage)
-from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights, gather_full,
+from dist_utils import (ROOT, assert_same_losses_and_norms, build_model, assert_same_tensors, checkpoint_weights, gather_full,
                         run_ranks, train_in_process, train_on_ranks)
-from model import ModelConfig, Transformer, check_layout, chunk_modules
-from parallel import ParallelLayout, PipelineComm, run_schedule, stage_layers, sync_tied_grads, tied_weight_group
+from model import ModelConfig, Transformer, chunk_modules
+from settings import check_layout
+from parallel import (ParallelLayout, PipelineComm, apply_pipeline, run_schedule, stage_layers, sync_tied_grads,
+                      tied_weight_group)
 from pipeline_schedules import (SCHEDULES, WeightGradStore, balanced_cut, check_schedule, cost_cut, describe_pipeline,
                                 forward_only_actions, ideal_bubble, virtual_stages)
 from parallel import _all_gather_single
@@ -202,14 +204,14 @@ def test_more_stages_than_layers_is_refused():
 
 def test_chunks_keep_the_whole_models_parameter_names_and_hold_the_blocks_of_their_cut():
     whole = dict(Transformer(CFG).named_parameters())
-    ranks = [Transformer(CFG, pp=4, pp_rank=virtual_stages("interleaved_1f1b", 2, r, 2), stage_blocks=(1, 2, 2, 1))
+    ranks = [build_model(CFG, stages=virtual_stages("interleaved_1f1b", 2, r, 2), stage_blocks=(1, 2, 2, 1))
              for r in range(2)]
     # 6 blocks in 4 model stages: 0 | 1-2 | 3-4 | 5; rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
     assert [[list(r) for r in model.chunk_layers] for model in ranks] == [[[0], [3, 4]], [[1, 2], [5]]]
     names = [set(dict(model.named_parameters())) - set(model.tied_copies()) for model in ranks]
     assert names[0] | names[1] == set(whole) and not names[0] & names[1]
     # zbv: rank 0 holds model stages 0 and 3, both ends: the head is the embedding's own tensor again
-    v_rank0 = Transformer(CFG, pp=4, pp_rank=virtual_stages("zbv", 2, 0), stage_blocks=(2, 1, 2, 1))
+    v_rank0 = build_model(CFG, stages=virtual_stages("zbv", 2, 0), stage_blocks=(2, 1, 2, 1))
     assert v_rank0.lm_head.weight is v_rank0.tok_emb.weight and v_rank0.tied_copies() == {}
 
 
@@ -255,10 +257,8 @@ def test_chunks_compute_the_whole_model_auxiliary_losses_included(variant):
     cfg = ModelConfig(**{**CFG.__dict__, **VARIANTS[variant]})
     whole = Transformer(cfg)
     whole.init_weights(SEED)
-    chunks = [Transformer(cfg, pp=4, pp_rank=virtual_stages("interleaved_1f1b", 2, r, 2),
-                          stage_blocks=metrics.stage_cut(cfg, "interleaved_1f1b", 2, 2)) for r in range(2)]
-    for model in chunks:
-        model.init_weights(SEED)
+    chunks = [build_model(cfg, stages=virtual_stages("interleaved_1f1b", 2, r, 2),
+                          stage_blocks=metrics.stage_cut(cfg, "interleaved_1f1b", 2, 2), seed=SEED) for r in range(2)]
     x, y = make_microbatches(1)[0]
     h, total = x, 0.0
     for stage in range(4):  # model stages 0..3: rank 0 chunk 0, rank 1 chunk 0, rank 0 chunk 1, rank 1 chunk 1
@@ -378,7 +378,7 @@ def test_the_model_the_memory_planner_and_the_start_up_line_hold_the_same_cut(sc
         stages = virtual_stages(schedule, pp, rank, chunks)
         blocks = [list(stage_layers(cut, s)) for s in stages]
         with torch.device("meta"):
-            model = Transformer(ISSUE_SHAPE, None, pp * chunks, stages, stage_blocks=cut)
+            model = apply_pipeline(Transformer(ISSUE_SHAPE), cut, stages)
         assert [list(layers) for layers in model.chunk_layers] == blocks
         planned = memory_plan.stage_parameter_elements(ISSUE_SHAPE, 1, pp, rank, schedule, chunks, pp_layers=pp_layers)
         assert {int(name.split(".")[1]) for name in planned if name.startswith("blocks.")} == set(sum(blocks, []))
@@ -434,9 +434,8 @@ def _stage_step(layout, schedule, m, chunks=1, aux=False, cfg=CFG, checkpointing
     bytes and the set_grad_sync calls."""
     v = 2 if schedule == "zbv" else chunks
     cut = metrics.stage_cut(cfg, schedule, layout.pp, v)  # as train.py cuts it
-    model = Transformer(cfg, layout.tp_group, len(cut), virtual_stages(schedule, layout.pp, layout.pp_rank, v),
-                        activation_checkpointing=checkpointing, stage_blocks=cut)
-    model.init_weights(SEED)
+    model = build_model(cfg, tp_group=layout.tp_group, stages=virtual_stages(schedule, layout.pp, layout.pp_rank, v),
+                        stage_blocks=cut, activation_checkpointing=checkpointing, seed=SEED)
     comm = PipelineComm.from_layout(layout, cfg.n_embd, "cpu",
                                     stages_of=lambda rank: virtual_stages(schedule, layout.pp, rank, v))
     actions = SCHEDULES[schedule](layout.pp, layout.pp_rank, m, v)

@@ -20,8 +20,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dist_utils import gather_full, make_token_data, run_ranks, run_train
-from model import ModelConfig, Transformer, check_layout, swiglu_hidden_size
+from dist_utils import build_model, gather_full, make_token_data, run_ranks, run_train
+from model import ModelConfig, Transformer, swiglu_hidden_size
+from settings import check_layout
 from parallel import (ColumnParallelLinear, ParallelLayout, RowParallelLinear, copy_to_tp, gather_from_tp,
                       padded_vocab_size, reduce_from_tp, scatter_to_tp, shard_of, valid_vocab_columns,
                       vocab_parallel_cross_entropy)
@@ -200,8 +201,7 @@ def count_tp_bytes(group, overrides, batch_size=2):
     """Bytes this rank puts into tensor-parallel collectives in one forward and backward, counted by
     wrapping torch.distributed's collectives (parallel.py keeps no counter of its own)."""
     cfg = ModelConfig(**{**TINY, **overrides})
-    model = Transformer(cfg, group)
-    model.init_weights(0)
+    model = build_model(cfg, tp_group=group)
     x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=torch.Generator().manual_seed(0))
     counted, real = {}, {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast")}
 
@@ -381,8 +381,7 @@ def time_steps(rank, world_size, overrides, batch_size, steps):
     torch.set_num_threads(1)
     group = ParallelLayout(1, world_size, 1, world_size, rank).tp_group
     cfg = ModelConfig(**{**TINY, **overrides})
-    model = Transformer(cfg, group)
-    model.init_weights(0)
+    model = build_model(cfg, tp_group=group)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     wall, cpu = [], []

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 import settings
 from configurator import configure
 from conftest import ROOT
-from dist_utils import make_token_data, train_in_process
+from dist_utils import build_model, make_token_data, train_in_process
 from model import (Block, CausalSelfAttention, GeluMLP, MixtureOfExperts, ModelConfig, MultiHeadLatentAttention,
-                   Transformer, apply_rope, causal_attention, causal_attention_scores, check_layout,
-                   choose_attn_impl, expert_capacity_mask, flash_attn_available, make_norm, rope_cache)
+                   Transformer, apply_rope, causal_attention, causal_attention_scores, choose_attn_impl, expert_capacity_mask, flash_attn_available, make_norm, rope_cache)
 from parallel import mark_filled
+from settings import check_layout
 
 TINY = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=4, n_embd=64)
 MLA = dict(attention="mla", kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
@@ -372,9 +372,7 @@ def test_pipeline_stages_return_their_own_aux_loss():
     cfg = tiny_config(**MOE, n_layer=4)
     full = Transformer(cfg)
     full.init_weights(0)
-    first, last = (Transformer(cfg, pp=2, pp_rank=s, stage_blocks=(2, 2)) for s in (0, 1))
-    first.init_weights(0)
-    last.init_weights(0)
+    first, last = (build_model(cfg, stages=(s,), stage_blocks=(2, 2)) for s in (0, 1))
     x = tokens()
     hidden, first_aux = first(x)
     logits, last_loss = last(hidden, x)
@@ -382,8 +380,7 @@ def test_pipeline_stages_return_their_own_aux_loss():
     assert first_aux is not None and first_aux.requires_grad
     torch.testing.assert_close(logits, full_logits)
     torch.testing.assert_close(first_aux + last_loss, full_loss)
-    dense = Transformer(tiny_config(n_layer=4), pp=2, pp_rank=0, stage_blocks=(2, 2))
-    dense.init_weights(0)
+    dense = build_model(tiny_config(n_layer=4), stages=(0,), stage_blocks=(2, 2))
     assert dense(x)[1] is None  # dense: no aux
 
 

@@ -4,7 +4,7 @@ them all (a launch costs seconds; the models cost milliseconds)."""
 import torch
 import torch.distributed as dist
 
-from dist_utils import gather_full, run_ranks
+from dist_utils import build_model, gather_full, run_ranks
 from model import Transformer
 from test_variants import VARIANTS, tiny_config, tokens
 
@@ -30,9 +30,7 @@ def compare_variants_at_tp2(rank, world_size):
     results = {}
     for name, overrides in TP_VARIANTS.items():
         cfg = tiny_config(**overrides)
-        full, split = Transformer(cfg, attn_impl="eager"), Transformer(cfg, tp_group=group, attn_impl="eager")
-        full.init_weights(7)
-        split.init_weights(7)
+        full, split = (build_model(cfg, tp_group=tp, attn_impl="eager", seed=7) for tp in (None, group))
         x, y = tokens(seed=1), tokens(seed=2)
         full_logits, full_loss = full(x, y)
         full_loss.backward()
