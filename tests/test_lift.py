@@ -204,16 +204,39 @@ def run_two_ranks(root, timeout=600):
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+# The reducers' division of the summed gradients by the group's size (the sum over dp ranks / dp = the mean
+# over the global batch), and the file of each toy's folder that makes it: the mutation test deletes it there
+DIVISION = re.compile(r"\.div_\((?:self\.)?replicas\)")
+DIVIDES = {"data_parallel": "parallel.py", "zero_one": "parallel.py", "zero_three": "zero.py"}
+
+
+def write_mutants(root):
+    """Each reducer's folder again, as <folder>_undivided, with its division by the group size deleted, and
+    mutants.json naming them for lift_toys.py, which runs those toys a second time from there (in the same
+    launch). Returns {toy: the divisions deleted}; a folder where none was found is not written."""
+    deleted, mutants = {}, {}
+    for toy, name in DIVIDES.items():
+        folder = f"{TOYS[toy]}_undivided"
+        patched, deleted[toy] = DIVISION.subn("", (root / TOYS[toy] / name).read_text())
+        if deleted[toy]:
+            shutil.copytree(root / TOYS[toy], root / folder)
+            (root / folder / name).write_text(patched)
+            mutants[toy] = folder
+    (root / "mutants.json").write_text(json.dumps(mutants))
+    return deleted
+
+
 @pytest.fixture(scope="module")
 def lifted(tmp_path_factory):
     root = tmp_path_factory.mktemp("lifted")
-    return SimpleNamespace(root=root, files=write_lifted(root))
+    files = write_lifted(root)
+    return SimpleNamespace(root=root, files=files, mutants=write_mutants(root))
 
 
 @pytest.fixture(scope="module")
 def measured(lifted):
     per_rank = run_two_ranks(lifted.root)
-    assert all(set(on_rank) == set(TOYS) for on_rank in per_rank), f"toys run: {sorted(per_rank[0])}"
+    assert all(set(TOYS) <= set(on_rank) for on_rank in per_rank), f"toys run: {sorted(per_rank[0])}"
     return per_rank
 
 
@@ -234,6 +257,31 @@ def test_a_mechanism_lifted_alone_equals_one_process_on_two_ranks(measured, toy)
                   f"difference {diff:.2e}, tolerance {TOLERANCE[kind]:.0e}", flush=True)
             assert diff <= TOLERANCE[kind], (f"{toy}, lifted into {TOYS[toy]}/, rank {rank}: {what} differs from "
                                              f"one process by {diff:.2e} (tolerance {TOLERANCE[kind]:.0e})")
+
+
+def test_every_toy_compares_gradients_with_one_process(measured):
+    """A toy that compared only losses and weights after AdamW would be blind to the gradients' scale: Adam
+    divides the first moment by the root of the second, so a gradient dp times too large moves the weights
+    almost as the right one does."""
+    for toy in TOYS:
+        kinds = {kind for what, (kind, _) in measured[0][toy].items() if "gradient" in what}
+        assert kinds & {"gradient", "exact"}, f"{toy} measures no gradient against one process: {sorted(measured[0][toy])}"
+
+
+def test_a_reducer_toy_fails_when_the_division_by_the_group_size_is_patched_out(lifted, measured):
+    for toy, deleted in lifted.mutants.items():
+        assert deleted, (f"{TOYS[toy]}/{DIVIDES[toy]} (lifted for {toy}) has no division by the group size "
+                         f"matching {DIVISION.pattern}: point DIVISION at the line that divides the summed "
+                         f"gradients by dp")
+    for rank, on_rank in enumerate(measured):
+        for toy in DIVIDES:
+            (what, (kind, diff)), = [(w, m) for w, m in on_rank[f"{toy} mutant"].items() if "gradient" in w]
+            others = "".join(f"; {w} {d:.1e}" for w, (_, d) in on_rank[f"{toy} mutant"].items() if w != what)
+            print(f"mutation | {toy} without the division, rank {rank}: {what} {diff:.2e} (tolerance "
+                  f"{TOLERANCE[kind]:.0e}){others}", flush=True)
+            # the sum over 2 ranks where their mean belongs: ||2g - g|| / ||g|| = 1
+            assert abs(diff - 1) < 1e-4, (f"{toy} with its division by dp patched out: its {what} differ from one "
+                                          f"process by {diff:.2e}, not by 1 (twice the mean gradient)")
 
 
 # -----------------------------------------------------------------------------
