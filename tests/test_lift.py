@@ -265,7 +265,8 @@ def test_every_toy_compares_gradients_with_one_process(measured):
     almost as the right one does."""
     for toy in TOYS:
         kinds = {kind for what, (kind, _) in measured[0][toy].items() if "gradient" in what}
-        assert kinds & {"gradient", "exact"}, f"{toy} measures no gradient against one process: {sorted(measured[0][toy])}"
+        assert kinds & {"gradient", "exact"}, (f"{toy} measures no gradient against one process: "
+                                               f"{sorted(measured[0][toy])}")
 
 
 def test_a_reducer_toy_fails_when_the_division_by_the_group_size_is_patched_out(lifted, measured):
