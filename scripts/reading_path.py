@@ -409,8 +409,9 @@ def details(sources):
         for file, name, lines in order:  # (a method of a class already listed adds nothing)
             new = lines - shown.setdefault(file, set())
             shown[file] |= lines
-            if new:
-                out.append(f"  read   {file} {name}: {sum(1 for k in new if sources[file].lines[k - 1].strip())} lines")
+            n = sum(1 for k in new if sources[file].lines[k - 1].strip())
+            if n:
+                out.append(f"  read   {file} {name}: {n} line{'s' if n != 1 else ''}")
         for file, marked in others.items():
             for start, end, serves in runs(marked):
                 out.append(f"  other  {file} {start}-{end}: {serves}")
