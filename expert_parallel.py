@@ -73,9 +73,7 @@ class AllToAll(torch.autograd.Function):
     first) to group rank j and receives recv_splits[j] rows from it, stacked in rank order. Its backward is
     the same exchange reversed: every received row's gradient goes back to the rank that sent the row, into
     the place the row came from (the send and receive sizes swap). `sent` (an ExpertParallelDispatch) adds
-    the bytes this rank sends to other ranks to its bytes_sent, both ways. group=None means not split: apply it through dispatch_to_experts,
-    which then runs the experts where they are; the Function itself would hand None to torch, whose
-    collectives read it as the default world group."""
+    the bytes this rank sends to other ranks to its bytes_sent, both ways."""
 
     @staticmethod
     def forward(ctx, x, send_splits, recv_splits, group, sent):

@@ -24,10 +24,17 @@ Each mechanism beyond these is a file of its own, importing only torch and this 
 pipeline_schedules.py (interleaved 1F1B, ZB-H1, ZB-V and the split backward); optim.py holds AdamW's
 interface and Muon. A core piece knows nothing of them: where one extends it, it does so through the named
 hooks the core's docstring lists. Every piece works given only torch and a process group, so it can be
-lifted into another project; group=None always means "not split" (one rank), never torch's default
-world group. Each numbered section's header says which earlier sections it needs (`# Needs:`); every one
-needs the top of the file (the imports, the two renamed collectives and at_least_fp32) and no later
-section, so a section lifts with the ones it names (tests/test_lift.py lifts them so, and runs them).
+lifted into another project. group=None always means "not split" (one rank), never torch's default
+world group, wherever a group is taken (here and in the files beyond): a layer or reducer given None
+computes what the one-process torch code computes, and each collective helper (copy_to_tp,
+reduce_from_tp, gather_from_tp, scatter_to_tp, gather_from_sp, reduce_scatter_to_sp,
+vocab_parallel_cross_entropy; context_parallel.ring_attention, expert_parallel.dispatch_to_experts) returns
+its input's one-process result. Apply an autograd Function through its helper: called directly with None,
+it would hand None to torch, whose collectives read it as the default world group.
+
+Each numbered section's header says which earlier sections it needs (`# Needs:`); every one needs the
+top of the file (the imports, the two renamed collectives and at_least_fp32) and no later section, so a
+section lifts with the ones it names (tests/test_lift.py lifts them so, and runs them).
 
 References: Li et al. 2020, "PyTorch Distributed" (section 3.2.3); Rajbhandari et al. 2020, "ZeRO"
 (section 5.1); Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
@@ -134,8 +141,8 @@ class ParallelLayout:
     every block, of every cp share (expert_dp_group, (dp / ep) * cp of them) hold the same experts and
     average their gradients. At ep = 1 the ep_group is None and the expert_dp_group is the dp_cp_group.
 
-    With world_size 1 no group is built and every group is None: the single-process path. Every piece that
-    takes one of these groups reads None as "not split" (one rank), never as torch's default world group.
+    With world_size 1 no group is built and every group is None: the single-process path (what None means:
+    the module docstring).
     """
 
     def __init__(self, dp, tp, pp, world_size=1, rank=0, cp=1, ep=1, timeout=None):
@@ -688,9 +695,7 @@ def optimizer_state_bytes(optimizer):
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce backward. Each rank used the same input for its own
-    slice of the work, so the input's gradient is the sum of every rank's contribution.
-    group=None means not split: apply it through copy_to_tp (below), which is then the identity; the
-    Function itself would hand None to torch, whose collectives read it as the default world group."""
+    slice of the work, so the input's gradient is the sum of every rank's contribution."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -708,9 +713,7 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
 
 class ReduceFromTensorParallelRegion(torch.autograd.Function):
     """Megatron's g: all-reduce forward, identity backward. Each rank computed a partial sum of the
-    output; the sum is the output, and its gradient flows unchanged to every partial.
-    group=None means not split: apply it through reduce_from_tp (below), which is then the identity; the
-    Function itself would hand None to torch, whose collectives read it as the default world group."""
+    output; the sum is the output, and its gradient flows unchanged to every partial."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -734,9 +737,7 @@ def _all_gather_along(x, group, dim):
 class GatherFromTensorParallelRegion(torch.autograd.Function):
     """All-gather along `dim` (the last by default) forward; backward keeps only this rank's slice of the
     gradient. The backward assumes what follows the gather is the same computation on every rank
-    (replicated), so every rank holds the same full gradient and its own slice of it is the whole story.
-    group=None means not split: apply it through gather_from_tp (below), which is then the identity; the
-    Function itself would hand None to torch, whose collectives read it as the default world group."""
+    (replicated), so every rank holds the same full gradient and its own slice of it is the whole story."""
 
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -751,9 +752,7 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
 class ScatterToTensorParallelRegion(torch.autograd.Function):
     """Split: keep this rank's slice of `dim` (the last by default) forward; all-gather the gradient
     backward. The input is the same on every rank (replicated), so its gradient is every rank's slice
-    gradient side by side. group=None means not split: apply it through scatter_to_tp (below), which is
-    then the identity; the Function itself would hand None to torch, whose collectives read it as the
-    default world group."""
+    gradient side by side."""
 
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -1007,10 +1006,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     The max, the sum of exps and the target's logit are each all-reduced across ranks (three reductions of
     one number per token); every rank then holds the loss of every token, and the gradient of its own
     slice, softmax - onehot(target), needs no communication. A rank whose slice is empty (it holds only
-    vocabulary padding, possible with a small vocabulary) contributes -inf to the max and 0 to the sums.
-    group=None means not split: apply it through vocab_parallel_cross_entropy (below), which is then
-    F.cross_entropy; the Function itself would hand None to torch, whose collectives read it as the
-    default world group."""
+    vocabulary padding, possible with a small vocabulary) contributes -inf to the max and 0 to the sums."""
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group, ignore_index):
@@ -1085,9 +1081,7 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
 
 class GatherFromSequenceParallelRegion(torch.autograd.Function):
     """Entering a tensor-parallel region: all-gather the tokens along the sequence forward; reduce-scatter
-    the gradient backward (the sum over ranks of every rank's partial gradient, this rank's tokens only).
-    group=None means not split: apply it through gather_from_sp (below), which is then the identity; the
-    Function itself would hand None to torch, whose collectives read it as the default world group."""
+    the gradient backward (the sum over ranks of every rank's partial gradient, this rank's tokens only)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -1101,10 +1095,7 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
 
 class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """Leaving a tensor-parallel region: reduce-scatter the partial sums along the sequence forward (this
-    rank's tokens of the sum); all-gather the gradient backward (the region needs every token's).
-    group=None means not split: apply it through reduce_scatter_to_sp (below), which is then the
-    identity; the Function itself would hand None to torch, whose collectives read it as the default world
-    group."""
+    rank's tokens of the sum); all-gather the gradient backward (the region needs every token's)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -1136,7 +1127,7 @@ class SequenceParallelRowLinear(RowParallelLinear):
     """RowParallelLinear leaving a tensor-parallel region into a sequence-parallel one: the partial outputs
     are reduce-scattered along the sequence instead of all-reduced (each rank gets the sum for its own
     tokens, (B, T/tp, out_features)), and the bias, added to this rank's tokens only, passes through f so
-    that its gradient is summed over the ranks' tokens. group=None: not split."""
+    that its gradient is summed over the ranks' tokens."""
 
     def combine(self, partial):
         y = reduce_scatter_to_sp(partial, self.group)
@@ -1145,8 +1136,7 @@ class SequenceParallelRowLinear(RowParallelLinear):
 
 class SequenceParallelEmbedding(VocabParallelEmbedding):
     """VocabParallelEmbedding feeding a sequence-parallel region: the vectors are reduce-scattered along the
-    sequence instead of all-reduced, so each rank gets its own tokens', (B, T/tp, dim). group=None: not
-    split."""
+    sequence instead of all-reduced, so each rank gets its own tokens', (B, T/tp, dim)."""
 
     def combine(self, out):
         return reduce_scatter_to_sp(out, self.group)

@@ -4,7 +4,8 @@ against one process computed here, in the same worker.
 test_lift.py copies this file into an empty folder beside the lifted ones and runs it there, one process
 per rank (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment, as torchrun sets them), with
 the checkout not on sys.path: it imports nothing of picotron but the lifted files, each from its own
-folder (lifted()). Each rank writes what its toys measured to rank<r>.json: {toy: {what: [kind, largest
+folder (lifted()); a reducer's toy runs a second time from the folder mutants.json names, if any (the
+mutation test's). Each rank writes what its toys measured to rank<r>.json: {toy: {what: [kind, largest
 difference]}}, the difference ||a - b|| / ||b|| of a tensor against its one-process value (|a - b| / |b|
 for a loss), `kind` naming the tolerance test_lift.py holds it to.
 """
@@ -132,10 +133,10 @@ def toy_model(seed, bias=True):
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3, bias=bias))
 
 
-def data_parallel(rank):
+def data_parallel(rank, folder="data_parallel"):
     """GradientBuckets over dp = 2, each rank a half of the batch in two micro-batches (gradient
     accumulation), small buckets: the average gradient against one process's gradient of the whole batch."""
-    dp = lifted("data_parallel", "parallel")
+    dp = lifted(folder, "parallel")
     model = toy_model(0)
     one = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
@@ -152,34 +153,51 @@ def data_parallel(rank):
                                           for p, q in zip(model.parameters(), one.parameters())))}
 
 
-def zero_one(rank):
+def owned_gradients(opt, pairs):
+    """The largest difference between the gradient elements a ZeRO optimizer steps with on this rank (its
+    grads(): the slices it owns, after the reducer's finish, before the step) and the same elements of the
+    one-process gradient: `pairs` maps each parameter to its one-process twin."""
+    return max(difference(g, pairs[p].grad.reshape(-1)[slice(*opt.state[p]["flat_range"])]) for p, g in opt.grads())
+
+
+def owned_weights(opt, pairs):
+    """The same for the weights this rank stores and updates (a view of p, or ZeRO-3's shard)."""
+    return max(difference(opt.owned_param(p), pairs[p].detach().reshape(-1)[slice(*opt.state[p]["flat_range"])])
+               for p in opt.state)
+
+
+def zero_one(rank, folder="zero_one"):
     """ShardedGradientBuckets + ZeroOneAdamW at dp = 2 (63 elements in one bucket: padded to 64, the
-    ranks' slices cut through a weight), 3 steps, against torch.optim.AdamW on one process: the losses and
-    the weights after each step."""
-    z = lifted("zero_one", "parallel")
+    ranks' slices cut through a weight), 3 steps, against torch.optim.AdamW on one process: the losses, the
+    gradient slices each rank steps with (before the step: AdamW's update barely changes when a gradient is
+    scaled, so the weights alone would not see a gradient dp times too large) and the weights after it."""
+    z = lifted(folder, "parallel")
     model, one = toy_model(0, bias=False), toy_model(0, bias=False)
+    pairs = dict(zip(model.parameters(), one.parameters()))
     sync = z.ShardedGradientBuckets(list(model.parameters()), WORLD)
     opt = z.ZeroOneAdamW(model.parameters(), sync, lr=1e-2, weight_decay=0.1)
     opt_one = torch.optim.AdamW(one.parameters(), lr=1e-2, weight_decay=0.1)
     g = torch.Generator().manual_seed(1)
     mine = slice(4 * rank, 4 * rank + 4)
-    losses, weights = 0.0, 0.0
+    losses, grads, weights = 0.0, 0.0, 0.0
     for _ in range(3):
         x, y = randn(g, 8, 5), randn(g, 8, 3)
         loss = F.mse_loss(model(x[mine]), y[mine])
         loss.backward()
         sync.finish()
-        opt.step()
-        opt.zero_grad()
-        loss = loss.detach()
-        dist.all_reduce(loss)  # the two halves' mean losses: their mean is the batch's
         loss_one = F.mse_loss(one(x), y)
         loss_one.backward()
+        grads = max(grads, owned_gradients(opt, pairs))
+        opt.step()
+        opt.zero_grad()
         opt_one.step()
         opt_one.zero_grad()
+        loss = loss.detach()
+        dist.all_reduce(loss)  # the two halves' mean losses: their mean is the batch's
         losses = max(losses, abs(loss / 2 - loss_one).item() / loss_one.item())
-        weights = max([weights] + [difference(p, q) for p, q in zip(model.parameters(), one.parameters())])
-    return {"losses": ("loss", losses), "weights": ("weight", weights)}
+        weights = max([weights] + [difference(p, q) for p, q in pairs.items()])
+    return {"losses": ("loss", losses), "gradients before the step": ("gradient", grads),
+            "weights": ("weight", weights)}
 
 
 # -----------------------------------------------------------------------------
@@ -223,7 +241,7 @@ def expert_all_to_all(rank):
 
     splits = ep.exchange_expert_counts(torch.tensor(counts[rank]), WORLD)
     x_here = rows[rank].clone().requires_grad_()
-    out = ep.dispatch_to_experts(x_here, splits, run_local_experts, WORLD, ep.ByteCount())
+    out = ep.ExpertParallelDispatch(WORLD)(x_here, splits, run_local_experts)
     out.backward(dys[rank])
 
     outs_one, xs_one = [], []
@@ -255,21 +273,23 @@ class TwoLayers(nn.Module):
         return self.head(x)
 
 
-def zero_three(rank):
+def zero_three(rank, folder="zero"):
     """FullyShardedParameters + ZeroOneAdamW at dp = 2 on TwoLayers, 2 steps, against torch.optim.AdamW on
-    one process: the losses, and the weights gathered after each step."""
-    zero = lifted("zero", "zero")
+    one process: the losses, the gradient shards each rank steps with (before the step) and the weight
+    shards each rank stores after it (the next step's loss checks what the gathers rebuild from them)."""
+    zero = lifted(folder, "zero")
     parallel = sys.modules["parallel"]  # the copy zero.py imported, from its own folder (lifted() checked)
     torch.manual_seed(0)
     model = TwoLayers()
     one = copy.deepcopy(model)
+    pairs = dict(zip(model.parameters(), one.parameters()))
     units = [(None, list(model.head.parameters()), 0)] + [(b, list(b.parameters()), 0) for b in model.blocks]
     sync = zero.FullyShardedParameters(list(model.parameters()), WORLD, units, model)
     opt = parallel.ZeroOneAdamW(model.parameters(), sync, lr=1e-2, weight_decay=0.1)
     opt_one = torch.optim.AdamW(one.parameters(), lr=1e-2, weight_decay=0.1)
     g = torch.Generator().manual_seed(1)
     mine = slice(4 * rank, 4 * rank + 4)
-    losses, weights = 0.0, 0.0
+    losses, grads, weights = 0.0, 0.0, 0.0
     for _ in range(2):
         x, y = randn(g, 8, 5), randn(g, 8, 3)
         sync.set_grad_sync(True)
@@ -277,18 +297,19 @@ def zero_three(rank):
         loss.backward()
         sync.backward_done("B", 0)
         sync.finish()
-        opt.step()
-        opt.zero_grad()
-        loss = loss.detach()
-        dist.all_reduce(loss)
         loss_one = F.mse_loss(one(x), y)
         loss_one.backward()
+        grads = max(grads, owned_gradients(opt, pairs))
+        opt.step()
+        opt.zero_grad()
         opt_one.step()
         opt_one.zero_grad()
+        loss = loss.detach()
+        dist.all_reduce(loss)
         losses = max(losses, abs(loss / 2 - loss_one).item() / loss_one.item())
-        with sync.whole_model():
-            weights = max([weights] + [difference(p, q) for p, q in zip(model.parameters(), one.parameters())])
-    return {"losses": ("loss", losses), "weights": ("weight", weights)}
+        weights = max(weights, owned_weights(opt, pairs))
+    return {"losses": ("loss", losses), "gradients before the step": ("gradient", grads),
+            "weights": ("weight", weights)}
 
 
 TOYS = [tensor_parallel_mlp, pipeline_1f1b, data_parallel, zero_one, ring_attention, expert_all_to_all, zero_three]
@@ -305,6 +326,11 @@ def main():
     dist.init_process_group("gloo")
     WORLD = dist.group.WORLD
     measured = {toy.__name__: toy(rank) for toy in TOYS}
+    # test_lift.py's mutation test: {toy: a folder where its mechanism was lifted with a line patched out}
+    mutants = json.loads((HERE / "mutants.json").read_text()) if (HERE / "mutants.json").exists() else {}
+    for toy in TOYS:
+        if toy.__name__ in mutants:
+            measured[f"{toy.__name__} mutant"] = toy(rank, mutants[toy.__name__])
     dist.barrier()
     dist.destroy_process_group()
     (HERE / f"rank{rank}.json").write_text(json.dumps(measured))

@@ -162,13 +162,13 @@ def train_five_steps(cfg, model_cfg, layout, dp_of_batch, data_dir):
                 stats = metrics.moe_metrics(model, layout, steps=1)
     finally:
         train.global_grad_norm = norm_of
-    sent = [m.a2a_sent.bytes for m in model.moe_layers().values()]
+    sent = [m.dispatch.bytes_sent for m in model.moe_layers().values()]
     evaluated = train.evaluate(cfg, run, parts)["val"]
     with sharded.whole_model() if sharded is not None else nullcontext():
         weights = {n: full(p, p) for n, p in model.named_parameters() if n not in copies}
     return dict(losses=losses, norms=norms, grads=grads, weights=weights, loads=loads, stats=stats,
                 at=(layout.dp_rank, layout.tp_rank, layout.pp_rank), val_loss=evaluated,
-                eval_left_a2a_bytes=sent == [m.a2a_sent.bytes for m in model.moe_layers().values()])
+                eval_left_a2a_bytes=sent == [m.dispatch.bytes_sent for m in model.moe_layers().values()])
 
 
 def _worker(rank, world_size, names, data_dir):

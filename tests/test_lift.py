@@ -1,6 +1,7 @@
 """Liftable is tested, not claimed (STYLE.md): each mechanism, copied alone into an empty folder, runs a
-2-rank toy equal to one process there; a lifted layer refuses to compute before it is filled; every class
-that takes a group says that None means "not split".
+2-rank toy equal to one process there, gradients included, and fails when a reducer's division by the group
+size is patched out; a lifted layer refuses to compute before it is filled; given group=None ("not split"),
+each collective helper and reducer computes what one process computes.
 
 What is copied. A core piece is a numbered section of parallel.py with the sections its header names on
 its `# Needs:` line, after parallel.py's prologue (its imports, the two renamed collectives, at_least_fp32),
@@ -13,7 +14,6 @@ on gradients and 1e-3 on weights after AdamW; the pipeline's are exact (its toy 
 """
 import ast
 import builtins
-import inspect
 import json
 import os
 import re
@@ -33,9 +33,7 @@ import torch.nn.functional as F
 import checkpoint
 import context_parallel
 import expert_parallel
-import optim
 import parallel
-import pipeline_schedules
 import zero
 from dist_utils import GRAD_NORM_RTOL, LOSS_RTOL, WEIGHT_RTOL
 from model import ModelConfig, Transformer
@@ -206,16 +204,39 @@ def run_two_ranks(root, timeout=600):
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+# The reducers' division of the summed gradients by the group's size (the sum over dp ranks / dp = the mean
+# over the global batch), and the file of each toy's folder that makes it: the mutation test deletes it there
+DIVISION = re.compile(r"\.div_\((?:self\.)?replicas\)")
+DIVIDES = {"data_parallel": "parallel.py", "zero_one": "parallel.py", "zero_three": "zero.py"}
+
+
+def write_mutants(root):
+    """Each reducer's folder again, as <folder>_undivided, with its division by the group size deleted, and
+    mutants.json naming them for lift_toys.py, which runs those toys a second time from there (in the same
+    launch). Returns {toy: the divisions deleted}; a folder where none was found is not written."""
+    deleted, mutants = {}, {}
+    for toy, name in DIVIDES.items():
+        folder = f"{TOYS[toy]}_undivided"
+        patched, deleted[toy] = DIVISION.subn("", (root / TOYS[toy] / name).read_text())
+        if deleted[toy]:
+            shutil.copytree(root / TOYS[toy], root / folder)
+            (root / folder / name).write_text(patched)
+            mutants[toy] = folder
+    (root / "mutants.json").write_text(json.dumps(mutants))
+    return deleted
+
+
 @pytest.fixture(scope="module")
 def lifted(tmp_path_factory):
     root = tmp_path_factory.mktemp("lifted")
-    return SimpleNamespace(root=root, files=write_lifted(root))
+    files = write_lifted(root)
+    return SimpleNamespace(root=root, files=files, mutants=write_mutants(root))
 
 
 @pytest.fixture(scope="module")
 def measured(lifted):
     per_rank = run_two_ranks(lifted.root)
-    assert all(set(on_rank) == set(TOYS) for on_rank in per_rank), f"toys run: {sorted(per_rank[0])}"
+    assert all(set(TOYS) <= set(on_rank) for on_rank in per_rank), f"toys run: {sorted(per_rank[0])}"
     return per_rank
 
 
@@ -236,6 +257,32 @@ def test_a_mechanism_lifted_alone_equals_one_process_on_two_ranks(measured, toy)
                   f"difference {diff:.2e}, tolerance {TOLERANCE[kind]:.0e}", flush=True)
             assert diff <= TOLERANCE[kind], (f"{toy}, lifted into {TOYS[toy]}/, rank {rank}: {what} differs from "
                                              f"one process by {diff:.2e} (tolerance {TOLERANCE[kind]:.0e})")
+
+
+def test_every_toy_compares_gradients_with_one_process(measured):
+    """A toy that compared only losses and weights after AdamW would be blind to the gradients' scale: Adam
+    divides the first moment by the root of the second, so a gradient dp times too large moves the weights
+    almost as the right one does."""
+    for toy in TOYS:
+        kinds = {kind for what, (kind, _) in measured[0][toy].items() if "gradient" in what}
+        assert kinds & {"gradient", "exact"}, (f"{toy} measures no gradient against one process: "
+                                               f"{sorted(measured[0][toy])}")
+
+
+def test_a_reducer_toy_fails_when_the_division_by_the_group_size_is_patched_out(lifted, measured):
+    for toy, deleted in lifted.mutants.items():
+        assert deleted, (f"{TOYS[toy]}/{DIVIDES[toy]} (lifted for {toy}) has no division by the group size "
+                         f"matching {DIVISION.pattern}: point DIVISION at the line that divides the summed "
+                         f"gradients by dp")
+    for rank, on_rank in enumerate(measured):
+        for toy in DIVIDES:
+            (what, (kind, diff)), = [(w, m) for w, m in on_rank[f"{toy} mutant"].items() if "gradient" in w]
+            others = "".join(f"; {w} {d:.1e}" for w, (_, d) in on_rank[f"{toy} mutant"].items() if w != what)
+            print(f"mutation | {toy} without the division, rank {rank}: {what} {diff:.2e} (tolerance "
+                  f"{TOLERANCE[kind]:.0e}){others}", flush=True)
+            # the sum over 2 ranks where their mean belongs: ||2g - g|| / ||g|| = 1
+            assert abs(diff - 1) < 1e-4, (f"{toy} with its division by dp patched out: its {what} differ from one "
+                                          f"process by {diff:.2e}, not by 1 (twice the mean gradient)")
 
 
 # -----------------------------------------------------------------------------
@@ -303,25 +350,77 @@ def test_mark_filled_marks_only_the_layers_whose_weight_it_is_given():
 
 
 # -----------------------------------------------------------------------------
-# group=None means "not split", in every class that takes a group
+# group=None means "not split" (parallel.py's module docstring says so once): in one process, with no process
+# group at all, each collective helper returns what the one-process code computes from its input, and its
+# input's gradient is that code's too
 
 
-def arguments(function):
-    try:
-        return inspect.signature(function).parameters
-    except (TypeError, ValueError):  # (a builtin's: a namedtuple's __init__)
-        return ()
+def one_process_cases():
+    """(helper's name, a function of the inputs calling it with group=None, the one-process code computing
+    the same thing with torch alone, the inputs)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 6, generator=g)  # (B, T, C)
+    logits, targets = torch.randn(5, 11, generator=g), torch.tensor([0, 10, 3, 3, 7])
+    q, k, v = (torch.randn(2, 8, 2, 4, generator=g) for _ in range(3))  # (B, T, H, D)
+    rows, counts = torch.randn(6, 4, generator=g), torch.tensor([2, 0, 3, 1])  # rows sorted by expert, 4 experts
+    experts = [nn.Linear(4, 4) for _ in range(4)]
+
+    def run_experts(rows, sizes):
+        return torch.cat([expert(part) for expert, part in zip(experts, rows.split(sizes))])
+
+    def causal(q, k, v):
+        return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True).transpose(1, 2)
+
+    def dispatched(rows):
+        splits = expert_parallel.exchange_expert_counts(counts, None)
+        return expert_parallel.ExpertParallelDispatch(None)(rows, splits, run_experts)
+
+    def identity(x):
+        return x
+
+    return [("copy_to_tp", lambda x: parallel.copy_to_tp(x, None), identity, (x,)),
+            ("reduce_from_tp", lambda x: parallel.reduce_from_tp(x, None), identity, (x,)),
+            ("gather_from_tp", lambda x: parallel.gather_from_tp(x, None), identity, (x,)),
+            ("scatter_to_tp", lambda x: parallel.scatter_to_tp(x, None, dim=1), identity, (x,)),
+            ("gather_from_sp", lambda x: parallel.gather_from_sp(x, None), identity, (x,)),
+            ("reduce_scatter_to_sp", lambda x: parallel.reduce_scatter_to_sp(x, None), identity, (x,)),
+            ("vocab_parallel_cross_entropy", lambda z: parallel.vocab_parallel_cross_entropy(z, targets, group=None),
+             lambda z: F.cross_entropy(z, targets), (logits,)),
+            ("ring_attention", lambda q, k, v: context_parallel.ring_attention(q, k, v, torch.arange(8)[None], None),
+             causal, (q, k, v)),
+            ("dispatch_to_experts", dispatched, lambda rows: run_experts(rows, counts.tolist()), (rows,))]
 
 
-def test_every_class_that_takes_a_group_says_that_none_means_not_split():
-    quiet = []
-    for module in (parallel, context_parallel, zero, expert_parallel, pipeline_schedules, optim):
-        for name, cls in vars(module).items():
-            if not inspect.isclass(cls) or cls.__module__ != module.__name__:
-                continue
-            takes = {arg for method in ("__init__", "forward") for arg in arguments(getattr(cls, method, None))
-                     if arg == "group" or arg.endswith("_group")}
-            doc = " ".join((cls.__doc__ or "").split())
-            if takes and not ("None" in doc and "not split" in doc):
-                quiet.append(f"{module.__name__}.{name} ({', '.join(sorted(takes))})")
-    assert not quiet, f"these take a group but their docstring does not say that None means 'not split': {quiet}"
+def test_each_collective_helper_given_group_none_returns_the_one_process_result():
+    for name, helper, one_process, inputs in one_process_cases():
+        here = [t.clone().requires_grad_() for t in inputs]
+        one = [t.clone().requires_grad_() for t in inputs]
+        out, expected = helper(*here), one_process(*one)
+        torch.testing.assert_close(out, expected, msg=lambda m: f"{name}(group=None): {m}")
+        dy = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+        out.backward(dy)
+        expected.backward(dy)
+        for a, b in zip(here, one):
+            torch.testing.assert_close(a.grad, b.grad, msg=lambda m: f"{name}(group=None), its input's gradient: {m}")
+
+
+def toy_model_pair():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    one = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    one.load_state_dict(model.state_dict())
+    return model, one
+
+
+def test_a_reducer_given_group_none_leaves_each_gradient_as_backward_made_it():
+    model, one = toy_model_pair()
+    x, y = torch.randn(8, 5, generator=torch.Generator().manual_seed(1)), torch.zeros(8, 3)
+    for reducer in (parallel.GradientBuckets, parallel.ShardedGradientBuckets):
+        model.zero_grad(set_to_none=True)
+        one.zero_grad(set_to_none=True)
+        sync = reducer(list(model.parameters()), None)
+        F.mse_loss(model(x), y).backward()
+        sync.finish()
+        F.mse_loss(one(x), y).backward()
+        for p, q in zip(model.parameters(), one.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{reducer.__name__}: {m}")
