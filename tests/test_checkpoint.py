@@ -215,3 +215,25 @@ def test_a_run_whose_rank_dies_mid_save_then_mid_run_resumes_to_the_uninterrupte
     full = 2 * 4 * sum(p.numel() for p in checkpoint_weights(os.path.join(ref_out, "ckpt_0000010")).values())
     state = {r["step"]: r["optimizer_state_bytes"] for r in records if "optimizer_state_bytes" in r}
     assert state == pytest.approx({s: full if s <= 2 else full / 2 for s in range(1, 11)}, rel=0.01)
+
+
+# -----------------------------------------------------------------------------
+# a checkpoint from before the model was built plain and the layout applied to it (commit 7e5f793)
+
+OLD_TP2 = os.path.join(os.path.dirname(__file__), "data", "tp2_checkpoint_7e5f793")
+
+
+def test_a_tp2_checkpoint_from_before_the_plain_model_resumes_at_one_process_as_the_unbroken_run(tmp_path):
+    """tests/data/tp2_checkpoint_7e5f793: step 3 of a tp=2 run made by the code of commit 7e5f793 (2 blocks,
+    width 16, 2 query heads on 1 key/value head, so each tp rank read the replicated key/value head; a
+    vocabulary of 150, padded to 256 at tp=2 and to 192 at one process), and unbroken.json, what that run
+    logged at steps 4 to 6 without stopping. Today's one process resumes it (the parameter names, the
+    replicated key/value weights, the vocabulary padding all read as they were written) and logs the same."""
+    import matrix  # (tests/matrix.py's documents: the run's data, made again from its seed)
+    data = matrix.make_matrix_data(str(tmp_path / "data"), n_tokens=20000, vocab_size=150)
+    out = tmp_path / "run"
+    shutil.copytree(os.path.join(OLD_TP2, "ckpt_0000003"), out / "ckpt_0000003")
+    records = train_in_process([f"--out_dir={out}", f"--data_dir={data}", "--init_from=resume", "--max_iters=6",
+                                "--tp=1", "--device=cpu"])
+    unbroken = json.load(open(os.path.join(OLD_TP2, "unbroken.json")))
+    assert_same_losses_and_norms([r for r in records if r["step"] > 3], unbroken, label="the old tp=2 checkpoint")
