@@ -41,7 +41,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from parallel import full_shape_of, mark_filled, shard_of
+from parallel import full_shape_of, shard_of
 
 
 class CheckpointError(RuntimeError):
@@ -257,13 +257,12 @@ def _corrupted_advice(out_dir, corrupted):
 def load_model(model, reader, only=None):
     """Fill a model (any layout), or only the parameters in `only`, with the weights a CheckpointReader
     holds; a tied copy (the head on a last stage, see Transformer.tied_copies) loads from the weight it
-    copies. The tensor-parallel layers it filled may compute from then on (parallel.mark_filled)."""
+    copies."""
     copies, ids = model.tied_copies(), None if only is None else {id(p) for p in only}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ids is None or id(p) in ids:
                 p.copy_(reader.model_tensor(copies.get(name, name), p))
-    mark_filled(model, only)
     return reader
 
 

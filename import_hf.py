@@ -41,7 +41,7 @@ import torch
 import export_hf
 import hf_tokenizer
 from model import ModelConfig, Transformer, mlp_hidden_size, swiglu_hidden_size
-from parallel import full_shape_of, load_shard, mark_filled
+from parallel import full_shape_of, load_shard
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "VaultGemmaForCausalLM": "vaultgemma", "DeepseekV3ForCausalLM": "deepseek_v3",
@@ -578,5 +578,4 @@ def load_weights(model, folder):
     with WeightFiles(folder) as files:
         for name, p in model.named_parameters():
             load_shard(p, source_reader(files, model.cfg, arch, copies.get(name, name)))
-        mark_filled(model)
         return files.bytes_read, files.total_bytes()

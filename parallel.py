@@ -788,18 +788,12 @@ def scatter_to_tp(x, group, dim=-1):
 # initialisation, the checkpoint and the gradient-norm computation know which slice of the full tensor a
 # rank holds. A parameter without it is replicated: every tensor-parallel rank holds the same copy.
 #
-# A layer's weights are created empty (a 7B model is never materialised whole on one rank); fill them with
-# `layer.load_full(weight, bias)`, where each of weight and bias is either the full tensor (drawn, or from
-# another layout's checkpoint) or a reader of slices, `read(dim, start, size)` returning that slice of the
-# full tensor (so a rank reads only its shard of a safetensors file). With group=None a layer is not split:
-# it computes what nn.Linear / nn.Embedding compute, with the same fill (the embedding's rows are still
-# padded, to a multiple of 64).
-#
-# Empty means whatever the memory held (a lifted weight once read 1.49e16), so a layer refuses to compute
-# before it is filled: its forward raises until load_full has run. A fill that writes the parameters some
-# other way (model.Transformer.init_weights draws them, checkpoint.load_model copies them in) says so
-# with mark_filled(model). The mark is a Python attribute of the layer, `filled`: no tensor op, no sync,
-# and torch.compile guards on it as on any attribute (ZeRO-3 moving a weight's storage leaves it be).
+# A layer's weights are created empty, as nn.Linear's are before their reset: picotron builds the model on
+# the meta device, applies the layout, then gives each rank its shares and initialises them (init_shares
+# below; a checkpoint or a transformers model loads them instead), so a 7B model is never materialised
+# whole on one rank. Empty means whatever the memory held (a lifted weight once read 1.49e16): a layer
+# used alone is filled with load_full (after the vocabulary-parallel loss) before it computes. With
+# group=None a layer is not split: it computes what nn.Linear / nn.Embedding compute.
 
 
 def mark_sharded(param, dim, group):
@@ -818,39 +812,12 @@ def shard_of(full, param):
     return full.narrow(dim, param.tp_rank * size, size)
 
 
-def load_shard(param, source):
-    """Fill `param` with its slice of a full tensor. `source` is the full tensor, or a reader
-    read(dim, start, size) of slices of it (dim None: the whole tensor). A vocabulary-padded table reads
-    only the real rows (rows past `vocab_size` stay zero), so the source needs no padding, or any padding."""
-    dim = getattr(param, "tp_shard_dim", None)
-    read = source if callable(source) else (lambda d, start, size: source if d is None else source.narrow(d, start, size))
-    with torch.no_grad():
-        if dim is None:
-            param.copy_(read(None, 0, None))
-            return param
-        size = param.shape[dim]
-        start = param.tp_rank * size
-        real = max(0, min(size, getattr(param, "vocab_size", start + size) - start))  # < size only in padded tables
-        param.narrow(dim, real, size - real).zero_()
-        if real > 0:
-            param.narrow(dim, 0, real).copy_(read(dim, start, real))
-    return param
-
-
 def full_shape_of(param):
     shape = list(param.shape)
     dim = getattr(param, "tp_shard_dim", None)
     if dim is not None:
         shape[dim] *= param.tp_world
     return shape
-
-
-def _refuse_if_empty(layer):
-    if not layer.filled:
-        raise RuntimeError(f"{type(layer).__name__} (weight {tuple(layer.weight.shape)} on this rank) was used "
-                           f"before it was filled: its weight is created with torch.empty and holds whatever that "
-                           f"memory held. Call layer.load_full(...) with the full tensors first (or, having written "
-                           f"its parameters another way, parallel.mark_filled(layer))")
 
 
 def _divide(n, d, what):
@@ -870,8 +837,7 @@ class ColumnParallelLinear(nn.Module):
     one per layer. Under sequence parallelism the input comes from gather_from_sp, whose backward already
     sums the gradient: build the layer with copy_input=False then too.
 
-    The weight is created empty: fill it with load_full (see the section's note); until then forward
-    raises. group=None: not split (nn.Linear).
+    The weight is created empty (see the section's note). group=None: not split (nn.Linear).
 
     Hook: `matmul(x, weight, bias)`, F.linear; the zero-bubble pipeline schedules replace it to split this
     layer's backward, the input's gradient now and the weight's later (pipeline_schedules.WeightGradStore)."""
@@ -882,17 +848,9 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = _divide(out_features, group_size(group), "out_features")
         self.weight = mark_sharded(nn.Parameter(torch.empty(self.out_per_rank, in_features)), 0, group)
         self.bias = mark_sharded(nn.Parameter(torch.zeros(self.out_per_rank)), 0, group) if bias else None
-        self.matmul, self.filled = F.linear, False
-
-    def load_full(self, weight, bias=None):
-        """weight (out_features, in_features) and bias (out_features,): full tensors or slice readers."""
-        load_shard(self.weight, weight)
-        if bias is not None:
-            load_shard(self.bias, bias)
-        self.filled = True
+        self.matmul = F.linear
 
     def forward(self, x):
-        _refuse_if_empty(self)
         if self.copy_input:
             x = copy_to_tp(x, self.group)
         y = self.matmul(x, self.weight, self.bias)
@@ -905,8 +863,7 @@ class RowParallelLinear(nn.Module):
     input is first cut into slices here. The bias is replicated and added once, after the sum (added
     before, it would be counted tp times). group=None: not split (nn.Linear).
 
-    The weight is created empty, as in ColumnParallelLinear: fill it with load_full (forward raises until
-    then). Hooks: `matmul` as there (the bias, added after the sum, is not in it: it keeps its gradient in
+    The weight is created empty, as in ColumnParallelLinear. Hooks: `matmul` as there (the bias, added after the sum, is not in it: it keeps its gradient in
     autograd), and combine(partial), the sum and the bias (sequence parallelism's SequenceParallelRowLinear
     reduce-scatters instead)."""
 
@@ -916,17 +873,9 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = _divide(in_features, group_size(group), "in_features")
         self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, self.in_per_rank)), 1, group)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.matmul, self.filled = F.linear, False
-
-    def load_full(self, weight, bias=None):
-        """weight (out_features, in_features) and bias (out_features,): full tensors or slice readers."""
-        load_shard(self.weight, weight)
-        if bias is not None:
-            load_shard(self.bias, bias)
-        self.filled = True
+        self.matmul = F.linear
 
     def forward(self, x):
-        _refuse_if_empty(self)
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
         return self.combine(self.matmul(x, self.weight, None))
@@ -948,8 +897,7 @@ def padded_vocab_size(vocab_size, tp):
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by rows (token ids) across the group. Each rank looks up the ids in its
     range, writes zeros for the others, and the all-reduce (g) assembles every token's vector. The table is
-    padded to padded_vocab_size rows (zero, never looked up); fill it with load_full(weight), weight being
-    the (vocab_size, dim) table or a slice reader (forward raises until then). group=None: not split
+    padded to padded_vocab_size rows (zero, never looked up). group=None: not split
     (nn.Embedding). Hook: combine(out), the all-reduce of the ranks' partial lookups (sequence parallelism's
     SequenceParallelEmbedding reduce-scatters instead)."""
 
@@ -960,14 +908,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = group_rank(group) * self.rows_per_rank
         self.weight = mark_sharded(nn.Parameter(torch.empty(self.rows_per_rank, dim)), 0, self.group)
         self.weight.vocab_size = vocab_size  # rows past it are padding: zero at init, never looked up
-        self.filled = False
-
-    def load_full(self, weight):
-        load_shard(self.weight, weight)
-        self.filled = True
 
     def forward(self, idx):
-        _refuse_if_empty(self)
         if group_size(self.group) == 1:
             return F.embedding(idx, self.weight)
         local = idx - self.vocab_start
@@ -977,19 +919,6 @@ class VocabParallelEmbedding(nn.Module):
 
     def combine(self, out):
         return reduce_from_tp(out, self.group)
-
-
-def mark_filled(module, params=None):
-    """Say that the tensor-parallel layers in `module` (itself or any of its submodules) hold their weights,
-    written some other way than through load_full (model.Transformer.init_weights, checkpoint.load_model,
-    import_hf.load_weights, a test filling them by hand); with `params`, only the layers whose weight is
-    among them (a fill of part of the model: ZeRO-3 loads a checkpoint a unit at a time)."""
-    ids = None if params is None else {id(p) for p in params}
-    for m in module.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
-            if ids is None or id(m.weight) in ids:
-                m.filled = True
-    return module
 
 
 def valid_vocab_columns(vocab_size, rows_per_rank, group):
@@ -1053,6 +982,40 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
     losses = VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group, ignore_index)
     return losses.sum() / (targets != ignore_index).sum().clamp(min=1)
 
+
+
+# Filling a layer used alone (outside a model that init_shares or a checkpoint fills): each full tensor is
+# either the tensor itself (drawn, or from another layout's checkpoint) or a reader of slices,
+# read(dim, start, size) returning that slice of it, so that a rank reads only its shard of a safetensors
+# file (import_hf.py reads a transformers model so).
+
+
+def load_full(layer, weight, bias=None):
+    """Fill a layer's weight (and bias) with this rank's slices of the full tensors: (out_features,
+    in_features) and (out_features,) for the linears, the (vocab_size, dim) table for the embedding."""
+    load_shard(layer.weight, weight)
+    if bias is not None:
+        load_shard(layer.bias, bias)
+    return layer
+
+
+def load_shard(param, source):
+    """Fill `param` with its slice of a full tensor. `source` is the full tensor, or a reader
+    read(dim, start, size) of slices of it (dim None: the whole tensor). A vocabulary-padded table reads
+    only the real rows (rows past `vocab_size` stay zero), so the source needs no padding, or any padding."""
+    dim = getattr(param, "tp_shard_dim", None)
+    read = source if callable(source) else (lambda d, start, size: source if d is None else source.narrow(d, start, size))
+    with torch.no_grad():
+        if dim is None:
+            param.copy_(read(None, 0, None))
+            return param
+        size = param.shape[dim]
+        start = param.tp_rank * size
+        real = max(0, min(size, getattr(param, "vocab_size", start + size) - start))  # < size only in padded tables
+        param.narrow(dim, real, size - real).zero_()
+        if real > 0:
+            param.narrow(dim, 0, real).copy_(read(dim, start, real))
+    return param
 
 # -----------------------------------------------------------------------------
 # 5. Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
@@ -1346,9 +1309,9 @@ def materialize(model, device):
 
 def init_shares(model, seed):
     """model.init_weights with this layout's shares: each full tensor drawn, then cut to this rank's slice
-    (shard_of); the tensor-parallel layers may compute from then on. Returns the model."""
+    (shard_of). Returns the model."""
     model.init_weights(seed, full_shape=full_shape_of, share=shard_of)
-    return mark_filled(model)
+    return model
 
 
 # -----------------------------------------------------------------------------

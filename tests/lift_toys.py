@@ -73,8 +73,8 @@ def tensor_parallel_mlp(rank):
     w_up, b_up, w_down, b_down = randn(g, 16, 8), randn(g, 16), randn(g, 8, 16), randn(g, 8)
     up = tp.ColumnParallelLinear(8, 16, bias=True, group=WORLD)  # this rank: 8 of the 16 hidden features
     down = tp.RowParallelLinear(16, 8, bias=True, group=WORLD)
-    up.load_full(w_up, b_up)
-    down.load_full(w_down, b_down)
+    tp.load_full(up, w_up, b_up)
+    tp.load_full(down, w_down, b_down)
     x_here = x.clone().requires_grad_()
     out = down(F.gelu(up(x_here)))
     out.backward(dy)

@@ -16,7 +16,7 @@ import checkpoint
 import export_hf
 from dist_utils import make_token_data, train_in_process
 from model import ModelConfig, Transformer, model_config_from
-from parallel import ParallelLayout, mark_filled
+from parallel import ParallelLayout
 
 HAVE_HF = all(importlib.util.find_spec(p) for p in ("transformers", "safetensors"))
 needs_hf = pytest.mark.skipif(not HAVE_HF, reason="transformers and safetensors are not installed "
@@ -34,7 +34,7 @@ def random_model(**overrides):
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-    return mark_filled(model).eval()
+    return model.eval()
 
 
 def save(model, out_dir, tokenizer="gpt2"):

@@ -37,7 +37,8 @@ import parallel
 import zero
 from dist_utils import GRAD_NORM_RTOL, LOSS_RTOL, WEIGHT_RTOL
 from model import ModelConfig, Transformer
-from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_filled
+from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, init_shares, load_full,
+                      materialize)
 
 ROOT = Path(__file__).resolve().parent.parent
 PARALLEL = (ROOT / "parallel.py").read_text()
@@ -286,7 +287,7 @@ def test_a_reducer_toy_fails_when_the_division_by_the_group_size_is_patched_out(
 
 
 # -----------------------------------------------------------------------------
-# a layer refuses to compute before it is filled
+# a layer used alone is filled with load_full; a model is built on the meta device, then given its shares
 
 
 def empty_layers():
@@ -299,54 +300,54 @@ def empty_layers():
             (VocabParallelEmbedding(10, 4), ids, (table,), F.embedding(ids, table))]
 
 
-def test_a_layer_used_before_it_is_filled_raises_naming_itself_and_load_full():
-    for layer, x, _, _ in empty_layers():
-        with pytest.raises(RuntimeError, match=rf"{type(layer).__name__} \(weight .*\) was used before it was "
-                                               rf"filled.*torch\.empty.*load_full"):
-            layer(x)
-
-
 def test_a_layer_filled_by_load_full_computes_what_torch_computes():
     for layer, x, full, expected in empty_layers():
-        layer.load_full(*full)
+        load_full(layer, *full)
         torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
 
 
-def tiny_transformer():
-    cfg = ModelConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_kv_head=2, n_embd=16)
-    return Transformer(cfg), torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+def tiny_config():
+    return ModelConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_kv_head=2, n_embd=16)
 
 
-def test_init_weights_and_load_model_mark_what_they_fill_and_only_that():
-    model, x = tiny_transformer()
-    with pytest.raises(RuntimeError, match="VocabParallelEmbedding .* before it was filled"):
-        model(x)
-    model.init_weights(0)
-    logits, _ = model(x)
-    # load_model a part at a time (ZeRO-3 loads a checkpoint a unit at a time): only that part may compute
-    reader = SimpleNamespace(model_tensor=lambda name, p: dict(model.named_parameters())[name].detach())
-    loaded, _ = tiny_transformer()
+def test_a_model_built_on_the_meta_device_holds_nothing_until_materialized_then_init_shares_draws_it():
+    with torch.device("meta"):
+        model = Transformer(tiny_config())
+    assert all(p.is_meta for p in model.parameters())
+    materialize(model, "cpu")
+    assert not any(p.is_meta for p in model.parameters())
+    init_shares(model, 0)
+    whole = Transformer(tiny_config())  # built on the CPU, drawn by the model itself
+    whole.init_weights(0)
+    for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_load_model_fills_the_parameters_it_is_given_and_only_those():
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    source = Transformer(tiny_config())
+    source.init_weights(0)
+    logits, _ = source(x)
+    # load_model a part at a time (ZeRO-3 loads a checkpoint a unit at a time): only that part is written
+    reader = SimpleNamespace(model_tensor=lambda name, p: dict(source.named_parameters())[name].detach())
+    loaded = Transformer(tiny_config())
+    with torch.no_grad():
+        for p in loaded.parameters():
+            p.fill_(7.0)
     checkpoint.load_model(loaded, reader, list(loaded.blocks["0"].parameters()))
-    assert loaded.blocks["0"].attn.q_proj.filled and not loaded.blocks["1"].attn.q_proj.filled
-    assert not loaded.tok_emb.filled
+    assert torch.equal(loaded.blocks["0"].attn.q_proj.weight, source.blocks["0"].attn.q_proj.weight)
+    assert (loaded.blocks["1"].attn.q_proj.weight == 7).all() and (loaded.tok_emb.weight == 7).all()
     checkpoint.load_model(loaded, reader)
     torch.testing.assert_close(loaded(x)[0], logits, rtol=0, atol=0)
 
 
-def test_zero3_moving_a_filled_layers_weight_into_its_flat_buffer_leaves_it_filled():
+def test_zero3_moving_a_filled_layers_weight_into_its_flat_buffer_computes_the_same():
     layer, x, full, expected = empty_layers()[0]
-    layer.load_full(*full)
+    load_full(layer, *full)
     model = nn.Sequential(layer)
     zero.FullyShardedParameters(list(model.parameters()), None, [(layer, list(layer.parameters()), 0)], model)
     assert layer.weight.untyped_storage().size() == 0  # between uses ZeRO-3 holds only the shard
     torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
-
-
-def test_mark_filled_marks_only_the_layers_whose_weight_it_is_given():
-    model, _ = tiny_transformer()
-    mark_filled(model, [model.blocks["1"].mlp.up.weight])
-    filled = sorted(name for name, m in model.named_modules() if getattr(m, "filled", False))
-    assert filled == ["blocks.1.mlp.up"]
 
 
 # -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from dist_utils import build_model, gather_full, make_token_data, run_ranks, run_train
 from model import ModelConfig, Transformer, swiglu_hidden_size
 from settings import check_layout
-from parallel import (ColumnParallelLinear, ParallelLayout, RowParallelLinear, copy_to_tp, gather_from_tp,
+from parallel import (ColumnParallelLinear, ParallelLayout, RowParallelLinear, copy_to_tp, gather_from_tp, load_full,
                       padded_vocab_size, reduce_from_tp, scatter_to_tp, shard_of, valid_vocab_columns,
                       vocab_parallel_cross_entropy)
 
@@ -110,7 +110,7 @@ def check_linears(group):
         else:
             layer = RowParallelLinear(24, 16, bias=True, group=group, input_is_parallel=False)
         # a layer fills itself from the full tensors, or from a reader of slices (as a safetensors file gives)
-        layer.load_full(ref.weight.detach(), ref.bias.detach())
+        load_full(layer, ref.weight.detach(), ref.bias.detach())
         if kind == "column":
             twin = ColumnParallelLinear(24, 16, bias=True, group=group, gather_output=True)
         else:
@@ -118,7 +118,7 @@ def check_linears(group):
         reads = []
         reader = lambda t: (lambda dim, start, size: reads.append(dim) or
                             (t if dim is None else t.narrow(dim, start, size)).detach().clone())
-        twin.load_full(reader(ref.weight), reader(ref.bias))
+        load_full(twin, reader(ref.weight), reader(ref.bias))
         fills[f"{kind}/reader_fill_equals_full_fill"] = (torch.equal(twin.weight, layer.weight) and
                                                       torch.equal(twin.bias, layer.bias) and
                                                       torch.equal(layer.weight, shard_of(ref.weight, layer.weight)))
@@ -164,9 +164,7 @@ def check_model(group, overrides, seed=1234):
     x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=g)
     y = torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=g)
     y[0, :5] = -1  # ignored targets
-    ref, model = Transformer(cfg), Transformer(cfg, group)
-    ref.init_weights(seed)
-    model.init_weights(seed)
+    ref, model = build_model(cfg, seed=seed), build_model(cfg, tp_group=group, seed=seed)
     ref_params = dict(ref.named_parameters())
     out = {"init_differs": [name for name, p in model.named_parameters()
                             if not torch.equal(gather_full(p.detach(), p, group),

@@ -18,7 +18,6 @@ from conftest import ROOT
 from dist_utils import build_model, make_token_data, train_in_process
 from model import (Block, CausalSelfAttention, GeluMLP, MixtureOfExperts, ModelConfig, MultiHeadLatentAttention,
                    Transformer, apply_rope, causal_attention, causal_attention_scores, choose_attn_impl, expert_capacity_mask, flash_attn_available, make_norm, rope_cache)
-from parallel import mark_filled
 from settings import check_layout
 
 TINY = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=4, n_embd=64)
@@ -86,7 +85,6 @@ def test_attention_with_as_many_kv_heads_as_heads_is_plain_multi_head_attention(
     attn = CausalSelfAttention(cfg)
     for p in attn.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    mark_filled(attn)
     x = torch.randn(2, 16, cfg.n_embd)
     cos, sin = rope_cache(cfg.block_size, cfg.n_embd // cfg.n_head, cfg.rope_theta)
     expected = reference_mha(x, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
@@ -100,7 +98,6 @@ def test_grouped_query_attention_equals_mha_with_each_kv_head_copied_to_its_quer
     mha = CausalSelfAttention(tiny_config(n_kv_head=4))
     for p in gqa.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    mark_filled(gqa)
     head_dim, group = 16, 4 // n_kv_head
     with torch.no_grad():
         mha.q_proj.weight.copy_(gqa.q_proj.weight)
@@ -108,7 +105,6 @@ def test_grouped_query_attention_equals_mha_with_each_kv_head_copied_to_its_quer
         for name in ("k_proj", "v_proj"):  # query head h reads key/value head h // group
             per_head = getattr(gqa, name).weight.view(n_kv_head, head_dim, -1)
             getattr(mha, name).weight.copy_(per_head.repeat_interleave(group, dim=0).reshape(4 * head_dim, -1))
-    mark_filled(mha)
     x = torch.randn(2, 16, 64)
     cos, sin = rope_cache(32, head_dim, 10000.0)
     assert sum(p.numel() for p in gqa.parameters()) < sum(p.numel() for p in mha.parameters())
@@ -123,7 +119,6 @@ def test_qk_norm_normalises_every_query_and_key_head_before_rope():
             p.normal_(0.0, 0.1)
         attn.q_norm.weight.uniform_(0.5, 2.0)
         attn.k_norm.weight.copy_(attn.q_norm.weight)
-    mark_filled(attn)
     seen = {}
     attn.q_norm.register_forward_hook(lambda m, i, out: seen.setdefault("q", out))
     attn.k_norm.register_forward_hook(lambda m, i, out: seen.setdefault("k", out))
@@ -156,7 +151,6 @@ def test_mla_keys_and_values_see_the_tokens_only_through_the_cached_latent():
     attn = MultiHeadLatentAttention(cfg)
     for p in attn.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    mark_filled(attn)
     cos, sin = rope_cache(cfg.block_size, cfg.qk_rope_head_dim, cfg.rope_theta)
     x_q, x_kv = torch.randn(2, 8, cfg.n_embd), torch.randn(2, 8, cfg.n_embd)
     latent = attn.compress_kv(x_kv)
@@ -213,7 +207,6 @@ def test_parallel_block_is_x_plus_attn_of_norm_plus_mlp_of_norm():
     block = Block(cfg)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    mark_filled(block)
     cos, sin = rope_cache(cfg.block_size, 16, cfg.rope_theta)
     x = torch.randn(2, 8, cfg.n_embd)
     h = F.layer_norm(x, (cfg.n_embd,), block.attn_norm.weight, block.attn_norm.bias, cfg.norm_eps)
@@ -232,7 +225,6 @@ def test_layernorm_and_gelu_mlp_are_gpt2s():
     norm, mlp = make_norm(cfg, cfg.n_embd), GeluMLP(cfg)
     for p in list(norm.parameters()) + list(mlp.parameters()):
         torch.nn.init.normal_(p, std=0.1)
-    mark_filled(mlp)
     x = torch.randn(3, 5, cfg.n_embd)
     mean, var = x.mean(-1, keepdim=True), x.var(-1, keepdim=True, unbiased=False)
     torch.testing.assert_close(norm(x), (x - mean) / torch.sqrt(var + cfg.norm_eps) * norm.weight + norm.bias)
@@ -262,7 +254,6 @@ def moe_layer(**overrides):
     layer = MixtureOfExperts(cfg)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    mark_filled(layer)
     return cfg, layer
 
 
