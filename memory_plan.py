@@ -112,7 +112,7 @@ def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1
     layout = SimpleNamespace(pp=pp, pp_rank=stage, tp_group=group(tp), ep_group=group(ep), cp_group=None)
     cfg = SimpleNamespace(chunked_loss=False, pp_schedule=schedule, pp_chunks=chunks, pp_layers=pp_layers,
                           sequence_parallel=False, activation_checkpointing=False)
-    model = train.build_model(cfg, model_cfg, layout, "sdpa", "meta")
+    model = train.build_model(cfg, model_cfg, layout, "auto", "meta")  # (the kernel holds no parameters)
     out = {}
     for name, p in model.named_parameters():  # (a tied weight once: named_parameters gives each tensor once)
         out[name] = p.numel()
