@@ -67,19 +67,8 @@ STOPS = {
 OTHER = [
     # tensor parallelism: the fill protocol (checkpoints, import_hf), the matmul hook (the split backward of
     # pipeline_schedules.py), sequence parallelism's hooks, the vocabulary padding (kernel sizes)
-    ("parallel.py load_shard", "loading weights"),
-    ("parallel.py _refuse_if_empty", "loading weights"),
-    ("parallel.py ColumnParallelLinear.load_full", "loading weights"),
-    ("parallel.py RowParallelLinear.load_full", "loading weights"),
-    ("parallel.py VocabParallelEmbedding.load_full", "loading weights"),
-    ("parallel.py ColumnParallelLinear: _refuse_if_empty(self)", "loading weights"),
-    ("parallel.py RowParallelLinear: _refuse_if_empty(self)", "loading weights"),
-    ("parallel.py VocabParallelEmbedding: _refuse_if_empty(self)", "loading weights"),
-    ("parallel.py VocabParallelEmbedding: self.filled = False", "loading weights"),
-    ("parallel.py ColumnParallelLinear: The weight is created empty ~ raises. group=None", "loading weights"),
-    ("parallel.py RowParallelLinear: The weight is created empty ~ then). Hooks", "loading weights"),
-    ("parallel.py ColumnParallelLinear: self.matmul, self.filled", "the split backward (zero bubble)"),
-    ("parallel.py RowParallelLinear: self.matmul, self.filled", "the split backward (zero bubble)"),
+    ("parallel.py ColumnParallelLinear: self.matmul = F.linear", "the split backward (zero bubble)"),
+    ("parallel.py RowParallelLinear: self.matmul = F.linear", "the split backward (zero bubble)"),
     ("parallel.py ColumnParallelLinear: Hook: `matmul ~ (pipeline_schedules", "the split backward (zero bubble)"),
     ("parallel.py RowParallelLinear: autograd), and combine ~ reduce-scatters instead", "sequence parallelism"),
     ("parallel.py ColumnParallelLinear: Under sequence parallelism ~ copy_input=False then too",
