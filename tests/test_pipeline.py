@@ -25,9 +25,9 @@ import zero as zero_stages  # (zero is a local name below: the stage)
 from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights, gather_full,
                         run_ranks, train_in_process, train_on_ranks)
 from model import ModelConfig, Transformer, check_layout, chunk_modules
-from parallel import ParallelLayout, PipelineComm, run_schedule, stage_layers, sync_tied_grads, tied_weight_group
-from pipeline_schedules import (SCHEDULES, WeightGradStore, balanced_cut, check_schedule, cost_cut, describe_pipeline,
-                                forward_only_actions, ideal_bubble, virtual_stages)
+from parallel import ParallelLayout, PipelineComm, stage_layers, sync_tied_grads, tied_weight_group
+from pipeline_schedules import (SCHEDULES, ScheduleExecutor, WeightGradStore, balanced_cut, check_schedule, cost_cut,
+                                describe_pipeline, forward_only_actions, ideal_bubble, virtual_stages)
 from parallel import _all_gather_single
 from timeline import ActivationMemory, bubble_fraction, format_timeline, schedule_timeline
 from timeline import main as timeline_main
@@ -387,7 +387,7 @@ def test_the_model_the_memory_planner_and_the_start_up_line_hold_the_same_cut(sc
 
 
 # -----------------------------------------------------------------------------
-# one 4-rank launch. Per-stage gradients of one step (run_schedule directly): pp=4 (cut by cost: 1-2-2-1)
+# one 4-rank launch. Per-stage gradients of one step (ScheduleExecutor directly): pp=4 (cut by cost: 1-2-2-1)
 # and pp=2 x tp=2 with every schedule, auxiliary losses, fewer microbatches than stages, activation memory.
 # Training steps through train.py's build and train_step: dp=2 x pp=2 with ZeRO-1, pp=4 x 2 chunks.
 
@@ -413,7 +413,7 @@ class WithAuxLoss(nn.Module):
 
 
 class ToldReducer:
-    """What run_schedule tells a data-parallel reducer, recorded: set_grad_sync's arguments and the
+    """What the executor tells a data-parallel reducer, recorded: set_grad_sync's arguments and the
     parameters grad_ready announces (the W actions' gradients, accumulated by hand)."""
 
     def __init__(self):
@@ -445,8 +445,8 @@ def _stage_step(layout, schedule, m, chunks=1, aux=False, cfg=CFG, checkpointing
     chunk_models = [(WithAuxLoss(model, c) if aux else functools.partial(model, chunk=c)) for c in range(v)]
     told = ToldReducer()
     with ActivationMemory(model, stores or ()) as memory:
-        loss = run_schedule(actions, chunk_models, make_microbatches(m), comm, grad_sync=told, split_backward=stores,
-                            trace=memory)
+        loss = ScheduleExecutor(chunk_models, make_microbatches(m), comm, grad_sync=told, split_backward=stores,
+                                trace=memory).run(actions)
     syncs, ready = told.syncs, told.ready
     holders = [p for p in range(layout.pp) for s in virtual_stages(schedule, layout.pp, p, v) if s in (0, layout.pp * v - 1)]
     group = tied_weight_group(layout, holders)
@@ -508,7 +508,7 @@ def full_tensors(model, layout, which, zero, optimizer=None):
 
 
 class AfterEachAction:
-    """run_schedule's trace: after every action of the step, the parameters still holding a full-size
+    """The executor's trace: after every action of the step, the parameters still holding a full-size
     p.grad and the bytes of the blocks' gathered parameters under ZeRO-3 (the root units are kept whole);
     the largest of each over the step."""
 
