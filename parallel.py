@@ -1353,6 +1353,9 @@ class PipelineExecutor:
         """Run one action (op, i, c) on its input, received (None where it has none: the first stage's
         forward, the last's backward); returns its product for the neighbouring stage, or None."""
         op, i, c = action
+        if op not in ("F", "B"):
+            raise ValueError(f"action {action}: PipelineExecutor runs forwards ('F') and backwards ('B') only; "
+                             f"pipeline_schedules.ScheduleExecutor runs the zero-bubble schedules' 'W'")
         return self.forward(i, c, received) if op == "F" else self.backward(i, c, received, last)
 
     def post_receive(self, action):

@@ -25,7 +25,8 @@ import zero as zero_stages  # (zero is a local name below: the stage)
 from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights, gather_full,
                         run_ranks, train_in_process, train_on_ranks)
 from model import ModelConfig, Transformer, check_layout, chunk_modules
-from parallel import ParallelLayout, PipelineComm, stage_layers, sync_tied_grads, tied_weight_group
+from parallel import (ParallelLayout, PipelineComm, one_f_one_b_actions, run_schedule, stage_layers, sync_tied_grads,
+                      tied_weight_group)
 from pipeline_schedules import (SCHEDULES, ScheduleExecutor, WeightGradStore, balanced_cut, check_schedule, cost_cut,
                                 describe_pipeline, forward_only_actions, ideal_bubble, virtual_stages)
 from parallel import _all_gather_single
@@ -839,6 +840,40 @@ def test_plain_forward_backward_requests_grad_sync_before_its_last_backward_only
     told = ToldReducer()
     train.forward_backward(model, make_microbatches(3), nullcontext(), 1.0, told)
     assert told.syncs == [False, False, True]
+
+
+def one_stage_comm():
+    """The channel of a one-stage pipeline in this process: no peer, nothing sent."""
+    return PipelineComm(0, 1, [0], lambda x: (x.shape[0], x.shape[1], CFG.n_embd))
+
+
+def whole_model():
+    model = Transformer(CFG)
+    model.init_weights(SEED)
+    return model
+
+
+def test_the_core_executor_on_one_stage_is_the_plain_accumulation_loop():
+    """parallel.run_schedule with 1F1B's list on one stage: the loss and every gradient of train.py's loop
+    over the micro-batches, to the bit (one scaling by m, one backward per micro-batch, in the same order)."""
+    plain, staged, microbatches = whole_model(), whole_model(), make_microbatches(3)
+    want = train.forward_backward(plain, microbatches, nullcontext(), 1.0, ToldReducer())
+    told = ToldReducer()
+    got = run_schedule(one_f_one_b_actions(1, 0, 3), staged, microbatches, one_stage_comm(), grad_sync=told)
+    assert torch.equal(got, want) and told.syncs == [False, False, True]
+    for (name, p), q in zip(plain.named_parameters(), staged.parameters()):
+        assert torch.equal(q.grad, p.grad), name
+
+
+def test_the_core_executor_refuses_a_w_action_naming_the_executor_that_runs_it():
+    with pytest.raises(ValueError, match=r"\('W', 0, 0\).*'F'.*'B'.*ScheduleExecutor"):
+        run_schedule([("F", 0, 0), ("B", 0, 0), ("W", 0, 0)], whole_model(), make_microbatches(1), one_stage_comm())
+
+
+def test_w_actions_without_a_split_backward_are_refused_naming_what_to_give():
+    executor = ScheduleExecutor(whole_model(), make_microbatches(1), one_stage_comm())
+    with pytest.raises(ValueError, match="split_backward, one WeightGradStore per chunk"):
+        executor.run([("F", 0, 0), ("B", 0, 0), ("W", 0, 0)])
 
 
 TRAIN_ARGS = ["--n_layer=6", "--n_head=4", "--n_kv_head=4", "--n_embd=64", "--block_size=32", "--batch_size=2",
