@@ -16,8 +16,8 @@ parallelism and ZeRO, then tensor and sequence parallelism, then the pipeline).
   5. Sequence parallelism, tensor parallelism's option: the two operators that split the tokens between
      the tensor-parallel regions, and the layers that end and begin them that way.
   6. Pipeline parallelism: a schedule as every rank's ordered list of forward and backward actions (AFAB,
-     1F1B), the stages' cut, the channel between the ranks, one executor that walks any list on a real
-     rank, and the tied-weight sync.
+     1F1B), the stages' cut, the channel between the ranks, the executor that walks such a list on a real
+     rank (PipelineExecutor, with two hooks), and the tied-weight sync.
 
 Each mechanism beyond these is a file of its own, importing only torch and this file: context_parallel.py
 (the zigzag split and ring attention), zero.py (ZeRO-2 and ZeRO-3), expert_parallel.py (the all-to-all),
@@ -29,11 +29,13 @@ world group. Each numbered section's header says which earlier sections it needs
 needs the top of the file (the imports, the two renamed collectives and at_least_fp32) and no later
 section, so a section lifts with the ones it names (tests/test_lift.py lifts them so, and runs them).
 
-The pipeline's hooks (section 6). pipeline_schedules.ScheduleExecutor extends PipelineExecutor, overriding
-  act(action, received, last)      one action's work: W actions and the split backward around B, the hand-over
-                                   between two chunks of one rank, the trace, the reducer's backward_done
-  backpropagate(out, loss, grad)   a backward's roots: a stage's auxiliary loss beside its output's gradient
-and calling forward and backward (inside act) and, on the reducer, set_grad_sync, grad_ready, backward_done.
+The pipeline's hooks (section 6). pipeline_schedules.ScheduleExecutor extends PipelineExecutor by overriding
+  act(action, received, last)     one action's work: the extension's runs W actions, the split backward
+                                  around B, the hand-over between two chunks of one rank and the trace
+                                  around the core's act
+  backpropagate(out, loss, grad)  a backward's roots: the extension adds a stage's auxiliary loss
+and calls PipelineComm.is_here (the hand-over) and, on the data-parallel reducer, set_grad_sync,
+grad_ready and backward_done (after each B and W).
 
 References: Li et al. 2020, "PyTorch Distributed" (section 3.2.3); Rajbhandari et al. 2020, "ZeRO"
 (section 5.1); Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
@@ -1318,7 +1320,7 @@ class PipelineExecutor:
     def forward(self, i, c, received):
         """Microbatch i through chunk c, from the previous stage's output (received) or, on the first stage,
         the token ids; returns what the next stage receives (None on the last)."""
-        x, y, *context = self.microbatches[i]  # (x, y, positions) under context parallelism: every stage needs them
+        x, y, *context = self.microbatches[i]  # (x, y, positions[, documents]) under context parallelism
         stage, last_stage = self.comm.chunk_stages[c], self.comm.n_stages - 1
         if stage > 0:
             x = received.requires_grad_(torch.is_grad_enabled())  # its .grad is what goes back

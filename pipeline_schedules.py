@@ -1,11 +1,11 @@
 """
-The pipeline schedules beyond 1F1B (parallel.py has the pipeline itself: the action lists of AFAB and 1F1B
-and the executor that walks any list): interleaved 1F1B, zero bubble ZB-H1 and ZB-V, with the model chunks
-they place on each rank and the split backward the zero-bubble ones need. Each schedule is still one
-function giving every rank's ordered list of actions (op, microbatch, chunk), and one executor runs them
-all (ScheduleExecutor below: parallel.PipelineExecutor, extended through its two hooks); `python timeline.py
---schedule zbv --pp 4 --microbatches 8` draws them. Here too: every schedule's table (SCHEDULES, afab and
-1f1b included), the rules that refuse one that cannot run (check_schedule), and the bubbles (ideal_bubble).
+The pipeline schedules beyond 1F1B (parallel.py has the pipeline itself: the action lists of AFAB and 1F1B and
+the executor of their forwards and backwards): interleaved 1F1B, zero bubble ZB-H1 and ZB-V, with the model
+chunks they place on each rank and the split backward the zero-bubble ones need. Each schedule is still one
+function giving every rank's ordered list of actions (op, microbatch, chunk), and one executor runs them all
+(ScheduleExecutor below: parallel.PipelineExecutor, extended through its two hooks); `python timeline.py
+--schedule zbv --pp 4 --microbatches 8` draws them. Here too: every schedule's table (SCHEDULES, afab and 1f1b
+included), the rules that refuse one that cannot run (check_schedule), and the bubbles (ideal_bubble).
 
   interleaved_1f1b  v chunks per rank: the bubble (pp - 1) / (v m + pp - 1) (Narayanan et al. 2021,
                     "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
@@ -453,7 +453,7 @@ class ScheduleExecutor(PipelineExecutor):
     def act(self, action, received, last):
         op, i, c = action
         source, destination = message_route(op, self.comm.chunk_stages[c], self.comm.n_stages)
-        if source is not None and self.comm.is_here(source):
+        if source is not None and self.comm.is_here(source):  # from this rank's other chunk: kept, not received
             received = self.here.pop((op, i, self.comm.chunk_stages[c]))
         with self.trace(action) if self.trace is not None else nullcontext():
             if op == "W":
@@ -464,7 +464,7 @@ class ScheduleExecutor(PipelineExecutor):
                     product = super().act(action, received, last)
             if op != "F" and self.grad_sync is not None:
                 self.grad_sync.backward_done(op, c)
-        if product is not None and self.comm.is_here(destination):
+        if product is not None and self.comm.is_here(destination):  # for this rank's other chunk: kept, not sent
             self.here[(op, i, destination)], product = product, None
         return product
 
