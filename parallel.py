@@ -1356,8 +1356,8 @@ class PipelineExecutor:
         forward, the last's backward); returns its product for the neighbouring stage, or None."""
         op, i, c = action
         if op not in ("F", "B"):
-            raise ValueError(f"action {action}: PipelineExecutor runs forwards ('F') and backwards ('B') only; "
-                             f"pipeline_schedules.ScheduleExecutor runs the zero-bubble schedules' 'W'")
+            raise ValueError(f"{action}: PipelineExecutor runs 'F' and 'B' actions only; "
+                             f"'W' needs pipeline_schedules.ScheduleExecutor")
         return self.forward(i, c, received) if op == "F" else self.backward(i, c, received, last)
 
     def post_receive(self, action):
@@ -1380,10 +1380,9 @@ class PipelineExecutor:
                 received, request, source = posted
                 try:
                     request.wait()  # sync point: the input must have arrived
-                except RuntimeError as e:  # the sender died or stopped answering: say which, and what for
-                    raise RuntimeError(f"pipeline stage {comm.chunk_stages[c]} (rank {comm.rank}) waited for the "
-                                       f"{'activations' if op == 'F' else 'output gradient'} of microbatch {i} from "
-                                       f"stage {source} (rank {comm.stage_ranks[source]}): {e}") from e
+                except RuntimeError as e:  # the sender died or hung: say which (faults.peer_failure knows the text)
+                    raise RuntimeError(f"pipeline stage {comm.chunk_stages[c]} (rank {comm.rank}) waited for the input "
+                                       f"of {op}{i} from stage {source} (rank {comm.stage_ranks[source]}): {e}") from e
             posted = self.post_receive(actions[k + 1]) if k + 1 < len(actions) else None  # lands while this runs
             product = self.act((op, i, c), received, k == last[(op, c)])
             if product is not None:  # a forward's output to the next stage, a backward's input gradient back
