@@ -16,8 +16,8 @@ parallelism and ZeRO, then tensor and sequence parallelism, then the pipeline).
   5. Sequence parallelism, tensor parallelism's option: the two operators that split the tokens between
      the tensor-parallel regions, and the layers that end and begin them that way.
   6. Pipeline parallelism: a schedule as every rank's ordered list of forward and backward actions (AFAB,
-     1F1B), the stages' cut, the channel between the ranks, one executor that walks any list on a real
-     rank, and the tied-weight sync.
+     1F1B), the stages' cut, the channel between the ranks, the executor that walks such a list on a real
+     rank (PipelineExecutor, with two hooks), and the tied-weight sync.
 
 Each mechanism beyond these is a file of its own, importing only torch and this file: context_parallel.py
 (the zigzag split and ring attention), zero.py (ZeRO-2 and ZeRO-3), expert_parallel.py (the all-to-all),
@@ -35,6 +35,14 @@ it would hand None to torch, whose collectives read it as the default world grou
 Each numbered section's header says which earlier sections it needs (`# Needs:`); every one needs the
 top of the file (the imports, the two renamed collectives and at_least_fp32) and no later section, so a
 section lifts with the ones it names (tests/test_lift.py lifts them so, and runs them).
+
+The pipeline's hooks (section 6). pipeline_schedules.ScheduleExecutor extends PipelineExecutor by overriding
+  act(action, received, last)     one action's work: the extension's runs W actions, the split backward
+                                  around B, the hand-over between two chunks of one rank and the trace
+                                  around the core's act
+  backpropagate(out, loss, grad)  a backward's roots: the extension adds a stage's auxiliary loss
+and calls PipelineComm.is_here (the hand-over) and, on the data-parallel reducer, set_grad_sync,
+grad_ready and backward_done (after each B and W).
 
 References: Li et al. 2020, "PyTorch Distributed" (section 3.2.3); Rajbhandari et al. 2020, "ZeRO"
 (section 5.1); Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
@@ -192,14 +200,6 @@ class ParallelLayout:
             self.pp_prev = grid_rank(self.pp_rank - 1, self.dp_rank, self.tp_rank, dp, tp, self.cp_rank, cp)
         if self.pp_rank < pp - 1:
             self.pp_next = grid_rank(self.pp_rank + 1, self.dp_rank, self.tp_rank, dp, tp, self.cp_rank, cp)
-
-    @property
-    def is_first_stage(self):
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self):
-        return self.pp_rank == self.pp - 1
 
 
 def expert_groups(dp, tp, pp, cp, ep):
@@ -1319,8 +1319,8 @@ def init_shares(model, seed):
 # Needs: section 1 (grid_rank).
 #
 # Each stage holds a contiguous run of blocks (the first also the embedding, the last the final norm, the
-# head and the loss), as many as make the stages cost alike (pipeline_schedules.cost_cut: at a real vocabulary the head is
-# worth several blocks, and the slowest stage sets everyone's pace). A step's batch is cut into m
+# head and the loss), as many as make the stages cost alike (pipeline_schedules.cost_cut: at a real
+# vocabulary the head is worth several blocks, and the slowest stage sets everyone's pace). A step's batch is cut into m
 # microbatches, the gradient-accumulation steps, which go through the stages like work down an assembly
 # line: a stage receives a microbatch's activations from the previous stage, runs its blocks, sends the
 # result on; in the backward pass the gradient of those activations comes back from the next stage and the
@@ -1329,13 +1329,16 @@ def init_shares(model, seed):
 # the idle share of a step, the "bubble", is (pp - 1) / (m + pp - 1) (GPipe, section 2.2).
 #
 # A schedule is written once, as each pipeline rank's ordered list of actions (op, i, c): run op for
-# microbatch i on the rank's model chunk c (one chunk here: c is 0). `run_schedule` walks that list on a
-# real rank; timeline.py places the very same lists in time slots for the printed picture. A rank keeps a
+# microbatch i on the rank's model chunk c (one chunk here: c is 0). PipelineExecutor (run_schedule) walks
+# that list on a real rank; timeline.py places the very same lists in time slots for the printed picture. A rank keeps a
 # microbatch's activations from its forward to its backward, so the order also decides the memory:
 #   afab              all forward, all backward (GPipe): all m microbatches held at the turn
 #   1f1b              one forward, one backward (PipeDream-Flush): the same bubble, pp - stage held
 # pipeline_schedules.py adds interleaved 1F1B (several model chunks per rank) and the zero-bubble schedules
-# ZB-H1 and ZB-V (the backward split into B and W), as more lists of the same kind for the same executor.
+# ZB-H1 and ZB-V (the backward split into B and W), as more lists of the same kind for the same executor,
+# which it extends through two hooks (the module docstring's list); it also holds every schedule's table
+# (SCHEDULES), the rules that refuse a schedule that cannot run (check_schedule) and the bubbles
+# (ideal_bubble).
 #
 # The executor's exchanges. A rank sends what an action produced (a forward's output to the next stage, a
 # backward's input gradient to the previous) as soon as the action ends, without waiting for the send to
@@ -1345,7 +1348,8 @@ def init_shares(model, seed):
 # no tags, keeps them apart too); both ranks walk their lists in order, so what one sends k-th on a channel
 # is what the other receives k-th: the lists themselves must agree on that order, which timeline.py's
 # simulator checks, together with "no rank waits forever", without processes. A message between two chunks
-# of one rank is handed over in memory. All sends are waited for at the end of the step.
+# of one rank is handed over in memory (pipeline_schedules.py). All sends are waited for at the end of the
+# step.
 #
 # NCCL's rule: the first batch_isend_irecv that uses a process group must be joined by every rank of that
 # group. PipelineComm's constructor therefore runs a barrier on each of its two groups, which every rank
@@ -1421,30 +1425,6 @@ def one_f_one_b_actions(pp, stage, m, chunks=1):
     return actions
 
 
-SCHEDULES = {"afab": afab_actions, "1f1b": one_f_one_b_actions}
-
-
-def check_schedule(schedule, pp, m, chunks=1):
-    """Stop before anything is built when a schedule cannot run this way, saying what must hold and what to
-    change (pipeline_schedules.check_schedule adds the rules of the schedules there)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pp_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
-    if pp > 1 and chunks != 1:
-        raise ValueError(f"pp_chunks = {chunks}: pp_schedule={schedule!r} runs one model chunk per rank; use "
-                         f"--pp_schedule=interleaved_1f1b for {chunks} chunks per rank (or --pp_chunks=1)")
-
-
-def ideal_bubble(schedule, pp, m):
-    """The idle share of a step with forward = backward / 2 in time (GPipe, section 2.2): afab and 1f1b
-    idle alike, (pp - 1) / (m + pp - 1)."""
-    return (pp - 1) / (m + pp - 1)
-
-
-def forward_only_actions(pp, stage, m):
-    """Evaluation's forwards on one chunk: 0, 1, ..., m - 1 (pipeline_schedules.py has them for chunks)."""
-    return [("F", i, 0) for i in range(m)]
-
-
 class PipelineComm:
     """What a pipeline rank needs to talk to the others: its index `stage` among the pp ranks, the global
     rank that holds each model stage (`stage_ranks`, pp * v of them), the model stage of each of its chunks
@@ -1508,129 +1488,108 @@ class PipelineComm:
         return buffer, dist.batch_isend_irecv([op])[0]
 
 
-def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0, grad_sync=None,
-                 split_backward=None, trace=None):
-    """Run one pipeline rank's list of actions over microbatches [(x, y), ...] (token ids and targets; every
-    rank has them, the first stage uses x, the last y, all take the message shapes from x). A microbatch may
-    carry more, (x, y, positions) under context parallelism: every stage passes it on, chunk(x, y,
-    positions), since every stage's attention needs the tokens' positions. Gradients accumulate in the
-    rank's parameters. Returns this rank's part of the mean loss over the microbatches (a tensor): the loss
-    on the chunk that ends the model, the auxiliary losses of the others (zero without one); summed over the
-    ranks it is the loss one process reports.
+class PipelineExecutor:
+    """One step of one pipeline rank: walks its list of actions over microbatches [(x, y), ...] (token ids and
+    targets; every rank has them, the first stage uses x, the last y, all take the message shapes from x).
+    Gradients accumulate in the rank's parameters; run(actions) returns this rank's part of the mean loss
+    over the microbatches (a tensor, zero on a rank without the model's last stage): summed over the ranks
+    it is the loss one process reports.
 
-    `model` is the rank's chunk, or a list of its chunks (comm.chunk_stages says which model stage each is):
-    chunk(x, targets, *context) returns (output, loss): on the model's last stage the logits and the loss
-    (cross-entropy plus any auxiliary loss of its blocks), elsewhere the hidden states and an auxiliary loss
-    or None (a mixture-of-experts router's balance loss), which must be backpropagated from here.
+    `model` is the rank's stage, or a list of its chunks (comm.chunk_stages says which model stage each is):
+    model(x, targets, ...) returns (output, loss), on the model's last stage the logits and the loss,
+    elsewhere the hidden states and None. `grad_sync`, the data-parallel reducer (GradientBuckets), is told
+    set_grad_sync(last) before each backward, True only before the chunk's last backward of the step (it
+    communicates once per step). Without grad enabled (evaluation) give forwards only: nothing is kept for a
+    backward."""
 
-    Hooks, all optional:
-      grad_sync       the data-parallel reducer (GradientBuckets): set_grad_sync(last) before each backward
-                      action, True only before the last of its kind in its chunk (it communicates once per
-                      step), and backward_done(op, chunk) after each
-      split_backward  for lists with 'W' actions (pipeline_schedules.py's zero-bubble schedules): one object
-                      per chunk, whose collect(i) is a context manager around a B and apply(i, ready) the W,
-                      which calls ready(p) (the reducer's grad_ready) as each gradient it computes is in
-      trace(action)   a context manager wrapped around each action's computation (timeline.PipelineTrace)
-    Without grad enabled (evaluation) give forwards only: nothing is kept for a backward."""
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    m, last_stage = len(microbatches), comm.n_stages - 1
-    last_backward = {c: k for k, (op, _, c) in enumerate(actions) if op == "B"}  # each chunk's last
-    last_weight = {c: k for k, (op, _, c) in enumerate(actions) if op == "W"}
-    if last_weight and split_backward is None:
-        raise ValueError("these actions split the backward into B and W: give run_schedule split_backward, one "
-                         "WeightGradStore per chunk (pipeline_schedules.py; built before the chunk's first forward)")
-    inputs, outputs = {}, {}  # (microbatch, chunk) -> what its backward needs, from its forward until then
-    here = {}  # messages from one chunk of this rank to another (the V's turn), by (kind, microbatch, stage)
-    sends = []  # the requests of the sends in flight (each holds its tensor), waited for at the end
-    total = torch.zeros((), dtype=at_least_fp32(comm.dtype), device=comm.device)
+    def __init__(self, model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0, grad_sync=None):
+        self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        self.microbatches, self.comm, self.autocast = microbatches, comm, autocast
+        self.loss_multiplier, self.grad_sync = loss_multiplier, grad_sync
+        self.held = {}  # (microbatch, chunk) -> (input, output, loss): what its backward needs, from its forward
+        self.total = torch.zeros((), dtype=at_least_fp32(comm.dtype), device=comm.device)
 
-    def post_receive(action):
-        """Post the receive of action's input if another rank sends it: (buffer, request) or None."""
-        op, i, c = action
-        source, _ = message_route(op, comm.chunk_stages[c], comm.n_stages)
-        if source is None or comm.is_here(source):
-            return None
-        return comm.receive(op, source, microbatches[i][0])
+    def forward(self, i, c, received):
+        """Microbatch i through chunk c, from the previous stage's output (received) or, on the first stage,
+        the token ids; returns what the next stage receives (None on the last)."""
+        x, y, *context = self.microbatches[i]  # (x, y, positions[, documents]) under context parallelism
+        stage, last_stage = self.comm.chunk_stages[c], self.comm.n_stages - 1
+        if stage > 0:
+            x = received.requires_grad_(torch.is_grad_enabled())  # its .grad is what goes back
+        with self.autocast:
+            out, loss = self.chunks[c](x, y if stage == last_stage else None, *context)
+        if loss is not None:
+            loss = loss / len(self.microbatches)  # the mean over microbatches: the one place the loss is scaled
+            self.total += loss.detach().to(at_least_fp32(loss.dtype))
+        if torch.is_grad_enabled():
+            self.held[(i, c)] = x, (None if stage == last_stage else out), loss
+        return None if stage == last_stage else out.detach()
 
-    def take_input(action, posted):
-        """Action's input: received (waiting for it now), handed over from this rank's other chunk, or None."""
-        op, i, c = action
-        if posted is not None:
-            buffer, request = posted
-            try:
-                request.wait()  # sync point: the input must have arrived
-            except RuntimeError as e:  # the sending rank died or stopped answering: say which, and what for
-                source, _ = message_route(op, comm.chunk_stages[c], comm.n_stages)
-                what = "activations" if op == "F" else "output gradient"
-                raise RuntimeError(f"pipeline stage {comm.chunk_stages[c]} (rank {comm.rank}) waited for the {what} "
-                                   f"of microbatch {i} from stage {source} (rank {comm.stage_ranks[source]}): {e}") from e
-            return buffer
-        return here.pop((op, i, comm.chunk_stages[c]), None)
+    def backward(self, i, c, received, last):
+        """Microbatch i back through chunk c, from its loss or from its output's gradient (received from the
+        next stage); returns the gradient of its input, which the previous stage receives (None on the first).
+        last: whether this is the chunk's last backward of the step."""
+        x, out, loss = self.held.pop((i, c))
+        if self.grad_sync is not None:
+            self.grad_sync.set_grad_sync(last)
+        self.backpropagate(out, loss, received)
+        return None if self.comm.chunk_stages[c] == 0 else x.grad
 
-    def deliver(action, product):
-        op, i, c = action
-        _, destination = message_route(op, comm.chunk_stages[c], comm.n_stages)
-        if destination is None or product is None:
-            return
-        if comm.is_here(destination):
-            here[(op, i, destination)] = product
+    def backpropagate(self, out, loss, grad):
+        """The backward of one forward: from the loss on the model's last stage (out None), elsewhere from
+        the output's gradient, grad."""
+        if out is None:
+            (loss * self.loss_multiplier).backward()
         else:
-            sends[:] = [request for request in sends if not request.is_completed()]  # their buffers can go
-            sends.append(comm.send(product, op, destination))
+            out.backward(grad.to(out.dtype))
 
-    posted = post_receive(actions[0]) if actions else None
-    for k, action in enumerate(actions):
+    def act(self, action, received, last):
+        """Run one action (op, i, c) on its input, received (None where it has none: the first stage's
+        forward, the last's backward); returns its product for the neighbouring stage, or None."""
         op, i, c = action
-        stage = comm.chunk_stages[c]
-        received = take_input(action, posted)
-        posted = post_receive(actions[k + 1]) if k + 1 < len(actions) else None  # lands while this one runs
-        product = None
-        with trace(action) if trace is not None else nullcontext():
-            if op == "F":
-                x, y, *context = microbatches[i]
-                if stage > 0:
-                    x = received.requires_grad_(torch.is_grad_enabled())  # its .grad is what goes back
-                with autocast:
-                    out, loss = chunks[c](x, y if stage == last_stage else None, *context)
-                if loss is not None:
-                    loss = loss / m  # the mean over microbatches: the one place the loss is scaled
-                    total += loss.detach().to(at_least_fp32(loss.dtype))
-                if torch.is_grad_enabled():
-                    inputs[(i, c)], outputs[(i, c)] = x, (None if stage == last_stage else out, loss)
-                product = None if stage == last_stage else out.detach()
-            elif op == "B":
-                if grad_sync is not None:
-                    grad_sync.set_grad_sync(k == last_backward[c])
-                x, (out, loss) = inputs.pop((i, c)), outputs.pop((i, c))
-                with split_backward[c].collect(i) if split_backward is not None else nullcontext():
-                    if stage == last_stage:
-                        (loss * loss_multiplier).backward()
-                    else:
-                        # the output's gradient from the next stage, plus this stage's own auxiliary loss if any
-                        tensors, grads = [out], [received.to(out.dtype)]
-                        if loss is not None:
-                            tensors, grads = tensors + [loss * loss_multiplier], grads + [None]
-                        torch.autograd.backward(tensors, grads)
-                product = None if stage == 0 else x.grad
-            else:  # W: the weights' half of a split backward, from what B kept
-                if grad_sync is not None:
-                    grad_sync.set_grad_sync(k == last_weight[c])
-                split_backward[c].apply(i, grad_sync.grad_ready if grad_sync is not None else None)
-            if op != "F" and grad_sync is not None:
-                grad_sync.backward_done(op, c)
-        deliver(action, product)
-    for request in sends:
-        request.wait()
-    return total
+        if op not in ("F", "B"):
+            raise ValueError(f"{action}: PipelineExecutor runs 'F' and 'B' actions only; "
+                             f"'W' needs pipeline_schedules.ScheduleExecutor")
+        return self.forward(i, c, received) if op == "F" else self.backward(i, c, received, last)
+
+    def post_receive(self, action):
+        """Post the receive of action's input if another rank sends it: (buffer, request, from stage), or None."""
+        op, i, c = action
+        source, _ = message_route(op, self.comm.chunk_stages[c], self.comm.n_stages)
+        if source is None or self.comm.is_here(source):  # (a chunk of this rank: pipeline_schedules.py)
+            return None
+        return *self.comm.receive(op, source, self.microbatches[i][0]), source
+
+    def run(self, actions):
+        """Walk the list: wait for each action's input, post the next one's receive, run the action, send its
+        product on without waiting (the section's note); wait for every send at the end. Returns the loss."""
+        comm, sends = self.comm, []  # sends: the requests in flight (each holds its tensor)
+        last = {(op, c): k for k, (op, _, c) in enumerate(actions)}  # each op's last action on each chunk
+        posted = self.post_receive(actions[0]) if actions else None
+        for k, (op, i, c) in enumerate(actions):
+            received = None
+            if posted is not None:
+                received, request, source = posted
+                try:
+                    request.wait()  # sync point: the input must have arrived
+                except RuntimeError as e:  # the sender died or hung: say which (faults.peer_failure knows the text)
+                    raise RuntimeError(f"pipeline stage {comm.chunk_stages[c]} (rank {comm.rank}) waited for the input "
+                                       f"of {op}{i} from stage {source} (rank {comm.stage_ranks[source]}): {e}") from e
+            posted = self.post_receive(actions[k + 1]) if k + 1 < len(actions) else None  # lands while this runs
+            product = self.act((op, i, c), received, k == last[(op, c)])
+            if product is not None:  # a forward's output to the next stage, a backward's input gradient back
+                _, destination = message_route(op, comm.chunk_stages[c], comm.n_stages)
+                sends[:] = [request for request in sends if not request.is_completed()]  # their buffers can go
+                sends.append(comm.send(product, op, destination))
+        for request in sends:
+            request.wait()
+        return self.total
 
 
-@torch.no_grad()
-def pipeline_forward(model, microbatches, comm, autocast=nullcontext(), actions=None):
-    """Forward only (evaluation): every microbatch through the stages; returns this rank's part of the
-    mean loss, as run_schedule (model: the rank's chunk or list of chunks, as there). actions: this rank's
-    forwards in order (forward_only_actions by default; pipeline_schedules.forward_only_actions for chunks)."""
-    actions = actions if actions is not None else forward_only_actions(comm.pp, comm.stage, len(microbatches))
-    return run_schedule(actions, model, microbatches, comm, autocast)
+def run_schedule(actions, model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0, grad_sync=None):
+    """Run one pipeline rank's list of actions (PipelineExecutor's arguments); returns this rank's part of the
+    mean loss."""
+    return PipelineExecutor(model, microbatches, comm, autocast, loss_multiplier, grad_sync).run(actions)
 
 
 def tied_weight_group(layout, holder_stages):

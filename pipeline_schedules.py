@@ -1,9 +1,11 @@
 """
-The pipeline schedules beyond 1F1B (parallel.py has the pipeline itself: the action lists of AFAB and 1F1B
-and the executor that walks any list): interleaved 1F1B, zero bubble ZB-H1 and ZB-V, with the model chunks
-they place on each rank and the split backward the zero-bubble ones need. Each schedule is still one
-function giving every rank's ordered list of actions (op, microbatch, chunk), and parallel.run_schedule
-runs it unchanged; `python timeline.py --schedule zbv --pp 4 --microbatches 8` draws them.
+The pipeline schedules beyond 1F1B (parallel.py has the pipeline itself: the action lists of AFAB and 1F1B and
+the executor of their forwards and backwards): interleaved 1F1B, zero bubble ZB-H1 and ZB-V, with the model
+chunks they place on each rank and the split backward the zero-bubble ones need. Each schedule is still one
+function giving every rank's ordered list of actions (op, microbatch, chunk), and one executor runs them all
+(ScheduleExecutor below: parallel.PipelineExecutor, extended through its two hooks); `python timeline.py
+--schedule zbv --pp 4 --microbatches 8` draws them. Here too: every schedule's table (SCHEDULES, afab and 1f1b
+included), the rules that refuse one that cannot run (check_schedule), and the bubbles (ideal_bubble).
 
   interleaved_1f1b  v chunks per rank: the bubble (pp - 1) / (v m + pp - 1) (Narayanan et al. 2021,
                     "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
@@ -33,15 +35,14 @@ What a rank holds between a microbatch's B and its W is only the linears' x and 
 import functools
 import itertools
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-import parallel
-from parallel import (ColumnParallelLinear, PipelineComm, RowParallelLinear, afab_actions, one_f_one_b_actions,
-                      pipeline_forward, run_schedule, stage_layers, sync_tied_grads)
+from parallel import (ColumnParallelLinear, PipelineComm, PipelineExecutor, RowParallelLinear, afab_actions,
+                      message_route, one_f_one_b_actions, stage_layers, sync_tied_grads)
 
 
 def virtual_stages(schedule, pp, rank, chunks=1):
@@ -156,23 +157,20 @@ SCHEDULES = {"afab": afab_actions, "1f1b": one_f_one_b_actions, "interleaved_1f1
 
 def check_schedule(schedule, pp, m, chunks=1):
     """Stop before anything is built when a schedule cannot run this way (a wrong list would hang between
-    ranks, or send a microbatch's activations to another's), saying what must hold and what to change:
-    parallel.check_schedule's rules for afab and 1f1b, and the rules of the schedules here."""
+    ranks, or send a microbatch's activations to another's), saying what must hold and what to change."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pp_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
     if pp == 1:
         if schedule == "zbv":  # (its cut and its V place model stages 0 and 1 on ranks that are not there)
-            raise ValueError(f"pp_schedule='zbv' needs a pipeline of pp >= 2 ranks (its V is two model chunks on "
-                             f"each), but pp = 1: set --pp=2 or more with --pp_chunks=2, or run on one stage "
-                             f"with --pp_schedule=1f1b --pp_chunks=1")
+            raise ValueError("pp_schedule='zbv' needs a pipeline of pp >= 2 ranks (its V is two model chunks on "
+                             "each), but pp = 1: set --pp=2 or more with --pp_chunks=2, or run on one stage "
+                             "with --pp_schedule=1f1b --pp_chunks=1")
         if chunks > 1:
             raise ValueError(f"pp_chunks = {chunks} needs a pipeline: with pp = 1 one rank holds the whole model "
                              f"(set --pp to 2 or more, or --pp_chunks=1)")
         return
-    if schedule in parallel.SCHEDULES:
-        return parallel.check_schedule(schedule, pp, m, chunks)
-    if schedule == "zero_bubble" and chunks != 1:
-        raise ValueError(f"pp_chunks = {chunks}: pp_schedule='zero_bubble' runs one model chunk per rank; use "
+    if schedule in ("afab", "1f1b", "zero_bubble") and chunks != 1:
+        raise ValueError(f"pp_chunks = {chunks}: pp_schedule={schedule!r} runs one model chunk per rank; use "
                          f"--pp_schedule=interleaved_1f1b for {chunks} chunks per rank (or --pp_chunks=1)")
     if schedule == "zbv" and chunks != 2:
         raise ValueError(f"pp_schedule='zbv' holds two model chunks on each rank (the V): set --pp_chunks=2 "
@@ -187,9 +185,10 @@ def check_schedule(schedule, pp, m, chunks=1):
 
 def ideal_bubble(schedule, pp, m, chunks=1):
     """The paper's idle share of a step, with forward = B = W in time (an unsplit backward twice a
-    forward), or None where the paper gives no formula (zbv; zero_bubble with m < pp)."""
-    if schedule in parallel.SCHEDULES:
-        return parallel.ideal_bubble(schedule, pp, m)
+    forward), or None where the paper gives no formula (zbv; zero_bubble with m < pp). afab and 1f1b idle
+    alike, (pp - 1) / (m + pp - 1) (GPipe, section 2.2)."""
+    if schedule in ("afab", "1f1b"):
+        return (pp - 1) / (m + pp - 1)
     if schedule == "interleaved_1f1b":
         return (pp - 1) / (chunks * m + pp - 1)
     if schedule == "zero_bubble" and m >= pp:
@@ -371,7 +370,7 @@ class WeightGradStore:
     """The split backward of a model chunk's ColumnParallelLinear and RowParallelLinear layers (it takes their
     `matmul` hook): between a microbatch's B and its W, each layer's input x and output gradient dy.
 
-    run_schedule (parallel.py) runs a B inside `collect(i)`, which keeps what the chunk's layers' backward
+    ScheduleExecutor runs a B inside `collect(i)`, which keeps what the chunk's layers' backward
     leaves for microbatch i, and a W as `apply(i, ready)`, which accumulates dW = dy^T x (db = sum of dy)
     into .grad by hand: no backward hook fires for those, so ready(p) says when each is in (the data-parallel
     reducer's grad_ready: tell it first with its by_hand(params)). `params` lists, in a fixed order, every
@@ -431,14 +430,68 @@ class WeightGradStore:
                     ready(p)
 
 
+class ScheduleExecutor(PipelineExecutor):
+    """parallel.PipelineExecutor for every schedule here, extended through its two hooks (act and
+    backpropagate) with what they need beside forward and backward:
+      split_backward  for lists with 'W' actions (zero_bubble, zbv): one WeightGradStore per chunk (built before
+                      the chunk's first forward); a B runs inside its collect(i), a W is its apply(i, ready),
+                      ready(p) being the reducer's grad_ready as each gradient it computes is in
+      chunks          a message between two chunks of this rank (the V's turn) is handed over in memory
+      trace(action)   a context manager around each action's work (timeline.PipelineTrace, ActivationMemory)
+      auxiliary loss  a stage before the last may return one, not None (a mixture-of-experts router's balance
+                      loss): it is backpropagated from there, with the output's gradient, and its mean is
+                      this rank's part of the loss
+    and the reducer is told backward_done(op, chunk) after each B and W (ZeRO-2/3 send each microbatch's
+    gradients then). Training runs every schedule through it, afab and 1f1b included."""
+
+    def __init__(self, model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0, grad_sync=None,
+                 split_backward=None, trace=None):
+        super().__init__(model, microbatches, comm, autocast, loss_multiplier, grad_sync)
+        self.split_backward, self.trace = split_backward, trace
+        self.here = {}  # messages from one chunk of this rank to another, by (kind, microbatch, stage)
+
+    def act(self, action, received, last):
+        op, i, c = action
+        source, destination = message_route(op, self.comm.chunk_stages[c], self.comm.n_stages)
+        if source is not None and self.comm.is_here(source):  # from this rank's other chunk: kept, not received
+            received = self.here.pop((op, i, self.comm.chunk_stages[c]))
+        with self.trace(action) if self.trace is not None else nullcontext():
+            if op == "W":
+                product = self.weight_gradients(i, c, last)
+            else:
+                split = op == "B" and self.split_backward is not None
+                with self.split_backward[c].collect(i) if split else nullcontext():
+                    product = super().act(action, received, last)
+            if op != "F" and self.grad_sync is not None:
+                self.grad_sync.backward_done(op, c)
+        if product is not None and self.comm.is_here(destination):  # for this rank's other chunk: kept, not sent
+            self.here[(op, i, destination)], product = product, None
+        return product
+
+    def weight_gradients(self, i, c, last):
+        """W: the weights' half of microbatch i's split backward on chunk c, from what its B kept."""
+        if self.split_backward is None:
+            raise ValueError("these actions split the backward into B and W: give the executor split_backward, "
+                             "one WeightGradStore per chunk (built before the chunk's first forward)")
+        if self.grad_sync is not None:
+            self.grad_sync.set_grad_sync(last)  # only the chunk's last W sends what it computes
+        self.split_backward[c].apply(i, self.grad_sync.grad_ready if self.grad_sync is not None else None)
+
+    def backpropagate(self, out, loss, grad):
+        if out is None or loss is None:
+            return super().backpropagate(out, loss, grad)
+        # the output's gradient from the next stage, plus this stage's own auxiliary loss
+        torch.autograd.backward([out, loss * self.loss_multiplier], [grad.to(out.dtype), None])
+
+
 @dataclass
 class Pipeline:
-    """What a pipeline-parallel step of any schedule here needs beside the model (train.py builds it): the point-to-point channel to the other ranks
-    (comm), the schedule and the model chunks per rank, one WeightGradStore per chunk when the schedule
-    splits the backward (zero_bubble, zbv; None otherwise), and the copies of the tied embedding this rank
-    holds with the group of the ranks holding the others (None: not split, one stage holds them all): after
-    backward the pipeline sums their gradients (sums_tied; under ZeRO-2/3 the reducer sums their gradient
-    shards instead)."""
+    """What a pipeline-parallel step of any schedule here needs beside the model (train.py builds it): the
+    point-to-point channel to the other ranks (comm), the schedule and the model chunks per rank, one
+    WeightGradStore per chunk when the schedule splits the backward (zero_bubble, zbv; None otherwise), and
+    the copies of the tied embedding this rank holds with the group of the ranks holding the others (None: not
+    split, one stage holds them all): after backward the pipeline sums their gradients (sums_tied; under
+    ZeRO-2/3 the reducer sums their gradient shards instead)."""
     comm: PipelineComm
     schedule: str
     chunks: int
@@ -451,18 +504,19 @@ class Pipeline:
         return SCHEDULES[self.schedule](self.comm.pp, self.comm.stage, m, self.chunks)
 
     def chunk_models(self, model):
-        """What run_schedule calls for each of this rank's chunks: the model itself with one chunk."""
+        """What the executor calls for each of this rank's chunks: the model itself with one chunk."""
         return model if self.chunks == 1 else [functools.partial(model, chunk=c) for c in range(self.chunks)]
 
     def forward_backward(self, model, microbatches, autocast, loss_multiplier, grad_sync, trace=None):
         """The schedule's actions over the micro-batches, then the tied copies' gradients summed."""
-        loss = run_schedule(self.actions(len(microbatches)), self.chunk_models(model), microbatches, self.comm,
-                            autocast, loss_multiplier, grad_sync, self.weight_grad_stores, trace)
+        loss = ScheduleExecutor(self.chunk_models(model), microbatches, self.comm, autocast, loss_multiplier,
+                                grad_sync, self.weight_grad_stores, trace).run(self.actions(len(microbatches)))
         if self.sums_tied:
             sync_tied_grads(self.tied_copies, self.tied_group)
         return loss
 
+    @torch.no_grad()
     def forward(self, model, microbatches, autocast):
         """Forward only (evaluation): this rank's part of the mean loss over the micro-batches."""
         actions = forward_only_actions(self.comm.pp, self.comm.stage, len(microbatches), self.chunks)
-        return pipeline_forward(self.chunk_models(model), microbatches, self.comm, autocast, actions)
+        return ScheduleExecutor(self.chunk_models(model), microbatches, self.comm, autocast).run(actions)

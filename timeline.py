@@ -5,13 +5,13 @@ The pipeline schedules drawn in time, one row per rank and one column per time s
     python timeline.py --schedule interleaved_1f1b --pp 4 --microbatches 8 --chunks 2
 
 What is drawn is what runs: the rows are the very action lists the executor walks
-(pipeline_schedules.SCHEDULES, routed by parallel.message_route), placed in time by a simulator of the executor's exchanges. Each action
-lasts its time (forward = B = W = 1 slot, a backward not split into B and W 2 slots); a rank runs its
-actions in order, each as soon as its input has been sent, over first-in first-out channels, one per pair
-of ranks and kind of message. So a list that would hang real processes, or hand one microbatch's
-activations to another, fails here first, without processes (the tests put every schedule through it).
-Under the rows: the most microbatches each rank holds, and the bubble measured on this timeline beside the
-paper's formula (pipeline_schedules.ideal_bubble).
+(pipeline_schedules.SCHEDULES, routed by parallel.message_route), placed in time by a simulator of the
+executor's exchanges. Each action lasts its time (forward = B = W = 1 slot, a backward not split into B and W
+2 slots); a rank runs its actions in order, each as soon as its input has been sent, over first-in first-out
+channels, one per pair of ranks and kind of message. So a list that would hang real processes, or hand one
+microbatch's activations to another, fails here first, without processes (the tests put every schedule through
+it). Under the rows: the most microbatches each rank holds, and the bubble measured on this timeline beside
+the paper's formula (pipeline_schedules.ideal_bubble).
 
 The end of the file measures the real thing: a step's actions timed on every rank (train.py's pp_trace,
 bench.py --schedules), written as pp_trace.json in Chrome's trace format with the measured bubble; and the
@@ -46,9 +46,9 @@ def action_times(actions):
 
 
 def schedule_timeline(schedule, pp, m, chunks=1, lists=None):
-    """Place every rank's actions in time slots as run_schedule would run them, or raise RuntimeError where
-    real processes would hang or mix up messages. Returns one row per rank: the action in each slot (an
-    action lasting two slots fills two), None where the rank is idle.
+    """Place every rank's actions in time slots as the executor (parallel.PipelineExecutor) would run them, or
+    raise RuntimeError where real processes would hang or mix up messages. Returns one row per rank: the
+    action in each slot (an action lasting two slots fills two), None where the rank is idle.
 
     The model of the executor: a rank runs its actions in order, each as soon as the previous one ended and
     its input has been sent (a send never waits for its receiver); messages between two ranks go through one
@@ -58,17 +58,27 @@ def schedule_timeline(schedule, pp, m, chunks=1, lists=None):
     chunks = 2 if schedule == "zbv" else chunks
     lists = lists if lists is not None else [SCHEDULES[schedule](pp, r, m, chunks) for r in range(pp)]
     stages = [virtual_stages(schedule, pp, r, chunks) for r in range(pp)]
-    n_stages = pp * chunks
-    owner = {s: r for r in range(pp) for s in stages[r]}
-    sent, expected = {}, {}  # channel (from rank, to rank, kind) -> messages in order: (message, rank, index)
-    needs = []  # needs[r][k]: (channel, position) of the message action k waits for, or None
+    where = f"{schedule} at pp={pp}, m={m}"
+    sent, expected, needs = route_messages(where, lists, stages)
+    check_channels(where, sent, expected)
+    return place_in_time(f"{schedule} deadlocks at pp={pp}, m={m}, chunks={chunks}", lists, needs, sent)
+
+
+def route_messages(where, lists, stages):
+    """Walk each rank's list (stages[r]: the model stage of each of rank r's chunks) as the executor would,
+    checking that every action comes after what it needs on its own rank, and route its messages. Returns
+    (sent, expected, needs): for each channel (from rank, to rank, kind) the messages sent on it in order, as
+    (message, rank, index of the sending action), and those expected on it; needs[r][k] is (channel,
+    position) of the message rank r's action k waits for, or None."""
+    owner = {s: r for r, held in enumerate(stages) for s in held}
+    n_stages = len(owner)
+    sent, expected, needs = {}, {}, []
     before = {"B": "F", "W": "B"}  # on its own rank, a backward follows its forward, a W its backward
     for r, actions in enumerate(lists):
         produced, done, row = set(), set(), []
         for k, (op, i, c) in enumerate(actions):
             if op in before and (before[op], i, c) not in done:
-                raise RuntimeError(f"{schedule} at pp={pp}, m={m}: rank {r} runs {op}{i} of chunk {c} before its "
-                                   f"{before[op]}{i}")
+                raise RuntimeError(f"{where}: rank {r} runs {op}{i} of chunk {c} before its {before[op]}{i}")
             done.add((op, i, c))
             source, destination = message_route(op, stages[r][c], n_stages)
             wait = None
@@ -76,8 +86,8 @@ def schedule_timeline(schedule, pp, m, chunks=1, lists=None):
                 message = (op, i, stages[r][c])
                 if owner[source] == r:  # handed over in memory: its producer must come first
                     if message not in produced:
-                        raise RuntimeError(f"{schedule} at pp={pp}, m={m}: rank {r} runs {op}{i} of chunk {c} "
-                                           f"before its own action that produces its input")
+                        raise RuntimeError(f"{where}: rank {r} runs {op}{i} of chunk {c} before its own action "
+                                           f"that produces its input")
                 else:
                     channel = (owner[source], r, op)
                     expected.setdefault(channel, []).append(message)
@@ -90,16 +100,29 @@ def schedule_timeline(schedule, pp, m, chunks=1, lists=None):
                     sent.setdefault((r, owner[destination], op), []).append((message, r, k))
             row.append(wait)
         needs.append(row)
+    return sent, expected, needs
+
+
+def check_channels(where, sent, expected):
+    """Both ends of every channel agree on the order of its messages: else the receiver would take one
+    microbatch's message for another's (or wait for one that never comes)."""
     kinds = {"F": "activations", "B": "gradients"}
     for channel in sorted(set(sent) | set(expected)):
         out, into = [s[0] for s in sent.get(channel, [])], expected.get(channel, [])
         if out != into:
             j = next(j for j in range(max(len(out), len(into))) if j >= len(out) or j >= len(into) or out[j] != into[j])
             what = lambda msg: f"{msg[0]}{msg[1]} for stage {msg[2]}" if msg else "nothing"
-            raise RuntimeError(f"{schedule} at pp={pp}, m={m}: rank {channel[0]}'s message #{j} of {kinds[channel[2]]} "
+            raise RuntimeError(f"{where}: rank {channel[0]}'s message #{j} of {kinds[channel[2]]} "
                                f"to rank {channel[1]} is {what(out[j] if j < len(out) else None)}, but rank "
                                f"{channel[1]} expects {what(into[j] if j < len(into) else None)}: the lists "
                                f"disagree on the order")
+
+
+def place_in_time(deadlock, lists, needs, sent):
+    """Run the lists in time slots: each action starts when its rank is free and its input has been sent
+    (route_messages' needs and sent), and lasts action_times'. Returns the rows (schedule_timeline's); raises
+    RuntimeError starting with `deadlock` when every rank still at work waits on another."""
+    pp = len(lists)
     times = [action_times(actions) for actions in lists]
     start, end = {}, {}
     position, free = [0] * pp, [0] * pp
@@ -121,8 +144,7 @@ def schedule_timeline(schedule, pp, m, chunks=1, lists=None):
                 progressed = True
         if not progressed:
             waiting = ", ".join(f"rank {r} at {lists[r][position[r]]}" for r in range(pp) if position[r] < len(lists[r]))
-            raise RuntimeError(f"{schedule} deadlocks at pp={pp}, m={m}, chunks={chunks}: every rank waits on "
-                               f"another ({waiting})")
+            raise RuntimeError(f"{deadlock}: every rank waits on another ({waiting})")
     rows = [[None] * max(free) for _ in range(pp)]
     for (r, k), t in start.items():
         for slot in range(t, end[(r, k)]):
@@ -200,11 +222,12 @@ def format_timeline(schedule, pp, m, chunks=1):
 
 
 class PipelineTrace:
-    """Every pipeline action's start and end on this rank during one step (pass it as run_schedule's
-    trace). Time zero is the end of a barrier every rank joins when the trace is made, so the ranks' clocks
-    agree to within the barrier's own skew (a fraction of a millisecond on one machine). On a GPU each time
-    is a CUDA event recorded on the stream: the host only sees kernels being launched, the events see them
-    run. times() reads them (on a GPU after a synchronize, so call it after the step)."""
+    """Every pipeline action's start and end on this rank during one step (pass it as
+    pipeline_schedules.ScheduleExecutor's trace). Time zero is the end of a barrier every rank joins when the
+    trace is made, so the ranks' clocks agree to within the barrier's own skew (a fraction of a millisecond on
+    one machine). On a GPU each time is a CUDA event recorded on the stream: the host only sees kernels being
+    launched, the events see them run. times() reads them (on a GPU after a synchronize, so call it after the
+    step)."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
@@ -298,7 +321,7 @@ class ActivationMemory:
     (seen through saved-tensor hooks; parameters and integer index tensors such as token ids are left out,
     and a tensor saved by two operations counts twice), plus what zero-bubble WeightGradStores keep between a
     microbatch's B and its W. Use it as a context around the step; sampled at every save and, passed as
-    run_schedule's trace, at the end of every action."""
+    pipeline_schedules.ScheduleExecutor's trace, at the end of every action."""
 
     def __init__(self, model, stores=()):
         self.params = {p.data_ptr() for p in model.parameters()}

@@ -454,7 +454,7 @@ def make_grad_sync(model, cfg, layout, pipeline):
     if experts:
         grad_sync = ExpertSplit(grad_sync, reducer([p for p in model.parameters() if id(p) in experts],
                                                    layout.expert_dp_group))
-    if stores:  # the W actions accumulate these gradients outside autograd and announce them (parallel.run_schedule)
+    if stores:  # W accumulates these outside autograd and announces them (pipeline_schedules.ScheduleExecutor)
         grad_sync.by_hand([p for store in stores for p in store.params])
     return grad_sync
 
@@ -514,7 +514,7 @@ def forward_backward(model, microbatches, autocast, loss_multiplier, grad_sync):
     divided by the number of micro-batches here, and only here, so the gradient is that of the mean loss
     over the whole batch. Returns that mean loss (a tensor: reading it is a host-device sync). The
     data-parallel reducer is told before each backward whether it is the last (it communicates only then)
-    and after each that it ran (ZeRO-2/3 send every micro-batch's gradients), as run_schedule tells it."""
+    and after each that it ran (ZeRO-2/3 send every micro-batch's gradients), as the pipeline tells it."""
     total = 0.0
     for i, batch in enumerate(microbatches):  # (x, y), or (x, y, positions) under context parallelism
         with autocast:
@@ -531,7 +531,7 @@ def forward_backward_step(parts, microbatches, trace=None):
     """Forward and backward of the step's micro-batches (through the pipeline schedule when pp > 1: the
     tied copies' gradients summed there), then the data-parallel average (grad_sync.finish: every
     parameter that got no gradient gets a zero one, as on every replica). Returns the loss (this rank's
-    part of it with pp > 1). trace: see parallel.run_schedule (pipeline only)."""
+    part of it with pp > 1). trace: see pipeline_schedules.ScheduleExecutor (pipeline only)."""
     if parts.pipeline is not None:
         loss = parts.pipeline.forward_backward(parts.model, microbatches, parts.autocast,
                                                parts.scaler.loss_multiplier(), parts.grad_sync, trace)
@@ -650,7 +650,7 @@ def evaluate(cfg, run, parts):
 def mean_across_ranks(value, layout):
     """The job-wide mean of a per-rank loss: equal on tp ranks, different on each dp rank, each cp rank's
     its share (their mean is the loss: context_parallel.loss_share), and with pp > 1 in parts summed over
-    the stages (the last stage's loss, the others' auxiliary losses or zero: see parallel.run_schedule).
+    the stages (the last stage's loss, the others' auxiliary losses or zero: ScheduleExecutor).
     One all-reduce over the whole world, rank 0 and everyone get it."""
     if layout.world_size == 1:
         return value

@@ -83,7 +83,7 @@ def world_size(case):
     return case["dp"] * case["tp"] * case["cp"] * pp_size(case)
 
 
-# What picotron refuses, in the order it checks (train.setup, parallel.check_schedule and resolve_dp,
+# What picotron refuses, in the order it checks (train.setup, pipeline_schedules.check_schedule and resolve_dp,
 # settings.check_layout), each with the words its message must contain.
 REFUSALS = [
     (lambda c: c["optimizer"] == "muon" and c["zero_stage"] > 1, "optimizer='muon' runs with zero_stage 0 or 1"),

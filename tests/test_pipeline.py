@@ -22,14 +22,14 @@ import metrics
 import settings
 import train
 import zero as zero_stages  # (zero is a local name below: the stage)
-from dist_utils import (ROOT, assert_same_losses_and_norms, build_model, assert_same_tensors, checkpoint_weights, gather_full,
+from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors, build_model, checkpoint_weights, gather_full,
                         run_ranks, train_in_process, train_on_ranks)
 from model import ModelConfig, Transformer, chunk_modules
+from parallel import (ParallelLayout, PipelineComm, apply_pipeline, one_f_one_b_actions, run_schedule, stage_layers,
+                      sync_tied_grads, tied_weight_group)
+from pipeline_schedules import (SCHEDULES, ScheduleExecutor, WeightGradStore, balanced_cut, check_schedule, cost_cut,
+                                describe_pipeline, forward_only_actions, ideal_bubble, virtual_stages)
 from settings import check_layout
-from parallel import (ParallelLayout, PipelineComm, apply_pipeline, run_schedule, stage_layers, sync_tied_grads,
-                      tied_weight_group)
-from pipeline_schedules import (SCHEDULES, WeightGradStore, balanced_cut, check_schedule, cost_cut, describe_pipeline,
-                                forward_only_actions, ideal_bubble, virtual_stages)
 from parallel import _all_gather_single
 from timeline import ActivationMemory, bubble_fraction, format_timeline, schedule_timeline
 from timeline import main as timeline_main
@@ -387,7 +387,7 @@ def test_the_model_the_memory_planner_and_the_start_up_line_hold_the_same_cut(sc
 
 
 # -----------------------------------------------------------------------------
-# one 4-rank launch. Per-stage gradients of one step (run_schedule directly): pp=4 (cut by cost: 1-2-2-1)
+# one 4-rank launch. Per-stage gradients of one step (ScheduleExecutor directly): pp=4 (cut by cost: 1-2-2-1)
 # and pp=2 x tp=2 with every schedule, auxiliary losses, fewer microbatches than stages, activation memory.
 # Training steps through train.py's build and train_step: dp=2 x pp=2 with ZeRO-1, pp=4 x 2 chunks.
 
@@ -408,12 +408,12 @@ class WithAuxLoss(nn.Module):
 
     def forward(self, x, targets=None):
         out, loss = self.stage(x, targets, chunk=self.chunk)
-        last = self.stage.stages[self.chunk] == self.stage.n_stages - 1
+        last = self.stage.chunk_layers[self.chunk][-1] == self.stage.cfg.n_layer - 1
         return (out, loss) if last else (out, AUX_WEIGHT * out.pow(2).mean())
 
 
 class ToldReducer:
-    """What run_schedule tells a data-parallel reducer, recorded: set_grad_sync's arguments and the
+    """What the executor tells a data-parallel reducer, recorded: set_grad_sync's arguments and the
     parameters grad_ready announces (the W actions' gradients, accumulated by hand)."""
 
     def __init__(self):
@@ -444,8 +444,8 @@ def _stage_step(layout, schedule, m, chunks=1, aux=False, cfg=CFG, checkpointing
     chunk_models = [(WithAuxLoss(model, c) if aux else functools.partial(model, chunk=c)) for c in range(v)]
     told = ToldReducer()
     with ActivationMemory(model, stores or ()) as memory:
-        loss = run_schedule(actions, chunk_models, make_microbatches(m), comm, grad_sync=told, split_backward=stores,
-                            trace=memory)
+        loss = ScheduleExecutor(chunk_models, make_microbatches(m), comm, grad_sync=told, split_backward=stores,
+                                trace=memory).run(actions)
     syncs, ready = told.syncs, told.ready
     holders = [p for p in range(layout.pp) for s in virtual_stages(schedule, layout.pp, p, v) if s in (0, layout.pp * v - 1)]
     group = tied_weight_group(layout, holders)
@@ -507,7 +507,7 @@ def full_tensors(model, layout, which, zero, optimizer=None):
 
 
 class AfterEachAction:
-    """run_schedule's trace: after every action of the step, the parameters still holding a full-size
+    """The executor's trace: after every action of the step, the parameters still holding a full-size
     p.grad and the bytes of the blocks' gathered parameters under ZeRO-3 (the root units are kept whole);
     the largest of each over the step."""
 
@@ -838,6 +838,40 @@ def test_plain_forward_backward_requests_grad_sync_before_its_last_backward_only
     told = ToldReducer()
     train.forward_backward(model, make_microbatches(3), nullcontext(), 1.0, told)
     assert told.syncs == [False, False, True]
+
+
+def one_stage_comm():
+    """The channel of a one-stage pipeline in this process: no peer, nothing sent."""
+    return PipelineComm(0, 1, [0], lambda x: (x.shape[0], x.shape[1], CFG.n_embd))
+
+
+def whole_model():
+    model = Transformer(CFG)
+    model.init_weights(SEED)
+    return model
+
+
+def test_the_core_executor_on_one_stage_is_the_plain_accumulation_loop():
+    """parallel.run_schedule with 1F1B's list on one stage: the loss and every gradient of train.py's loop
+    over the micro-batches, to the bit (one scaling by m, one backward per micro-batch, in the same order)."""
+    plain, staged, microbatches = whole_model(), whole_model(), make_microbatches(3)
+    want = train.forward_backward(plain, microbatches, nullcontext(), 1.0, ToldReducer())
+    told = ToldReducer()
+    got = run_schedule(one_f_one_b_actions(1, 0, 3), staged, microbatches, one_stage_comm(), grad_sync=told)
+    assert torch.equal(got, want) and told.syncs == [False, False, True]
+    for (name, p), q in zip(plain.named_parameters(), staged.parameters()):
+        assert torch.equal(q.grad, p.grad), name
+
+
+def test_the_core_executor_refuses_a_w_action_naming_the_executor_that_runs_it():
+    with pytest.raises(ValueError, match=r"\('W', 0, 0\): PipelineExecutor runs 'F' and 'B' actions only; 'W' needs pipeline_schedules"):
+        run_schedule([("F", 0, 0), ("B", 0, 0), ("W", 0, 0)], whole_model(), make_microbatches(1), one_stage_comm())
+
+
+def test_w_actions_without_a_split_backward_are_refused_naming_what_to_give():
+    executor = ScheduleExecutor(whole_model(), make_microbatches(1), one_stage_comm())
+    with pytest.raises(ValueError, match="split_backward, one WeightGradStore per chunk"):
+        executor.run([("F", 0, 0), ("B", 0, 0), ("W", 0, 0)])
 
 
 TRAIN_ARGS = ["--n_layer=6", "--n_head=4", "--n_kv_head=4", "--n_embd=64", "--block_size=32", "--batch_size=2",
