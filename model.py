@@ -709,7 +709,7 @@ class MixtureOfExperts(nn.Module):
         N, E = tokens.shape[0], self.n_expert
         with torch.autocast(x.device.type, enabled=False):  # routing decisions in fp32 (ST-MoE, section 3)
             fp32 = at_least_fp32(tokens.dtype)
-            logits = F.linear(tokens.to(fp32), self.router.weight.to(fp32))  # (N, E)
+            logits = self.router(tokens.to(fp32))  # (N, E); the weight is fp32 (fp64 in a float64 run)
         probs = logits.softmax(dim=-1)
         gate, expert = probs.topk(self.k, dim=-1)  # (N, k) each
         if self.capacity_factor == 0:  # dropless

@@ -1176,6 +1176,7 @@ def sum_grad_over(module, group):
         return grad
     for p in module.parameters():
         p.register_hook(summed)
+        p.grad_summed_over = group  # (what reads gradients from elsewhere than backward must sum them too)
 
 
 def enter_region(module, group, sequence_parallel):

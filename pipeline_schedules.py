@@ -39,6 +39,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from parallel import (ColumnParallelLinear, PipelineComm, PipelineExecutor, RowParallelLinear, afab_actions,
@@ -367,8 +368,9 @@ class _LinearSplitBackward(torch.autograd.Function):
 
 
 class WeightGradStore:
-    """The split backward of a model chunk's ColumnParallelLinear and RowParallelLinear layers (it takes their
-    `matmul` hook): between a microbatch's B and its W, each layer's input x and output gradient dy.
+    """The split backward of a model chunk's linear layers (a ColumnParallelLinear's or RowParallelLinear's
+    `matmul` hook, an nn.Linear's forward): between a microbatch's B and its W, each layer's input x and
+    output gradient dy.
 
     ScheduleExecutor runs a B inside `collect(i)`, which keeps what the chunk's layers' backward
     leaves for microbatch i, and a W as `apply(i, ready)`, which accumulates dW = dy^T x (db = sum of dy)
@@ -383,10 +385,20 @@ class WeightGradStore:
             for layer in module.modules():
                 if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
                     layer.matmul = self.linear  # the layers' hook: their product, with this backward
-                    self.params.append(layer.weight)
-                    if isinstance(layer, ColumnParallelLinear) and layer.bias is not None:
-                        self.params.append(layer.bias)
+                elif isinstance(layer, nn.Linear) and not hasattr(layer.weight, "grad_summed_over"):
+                    # a plain linear (one process, and the layers tensor parallelism leaves whole): its
+                    # forward is this product; one whose gradient is summed as backward makes it
+                    # (parallel.sum_grad_over) keeps its backward whole
+                    layer.forward = functools.partial(self.linear_layer, layer)
+                else:
+                    continue
+                self.params.append(layer.weight)
+                if not isinstance(layer, RowParallelLinear) and layer.bias is not None:  # (Row's: after its sum)
+                    self.params.append(layer.bias)
         self.params = list({id(p): p for p in self.params}.values())  # a tied head's weight is the embedding's
+
+    def linear_layer(self, layer, x):
+        return self.linear(x, layer.weight, layer.bias)
 
     def linear(self, x, weight, bias=None):
         if not torch.is_grad_enabled():  # evaluation: nothing to split

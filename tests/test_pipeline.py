@@ -449,7 +449,8 @@ def _stage_step(layout, schedule, m, chunks=1, aux=False, cfg=CFG, checkpointing
     syncs, ready = told.syncs, told.ready
     holders = [p for p in range(layout.pp) for s in virtual_stages(schedule, layout.pp, p, v) if s in (0, layout.pp * v - 1)]
     group = tied_weight_group(layout, holders)
-    sync_tied_grads([model.tok_emb.weight] if model.is_first else [model.lm_head.weight] if model.is_last else [], group)
+    held = [model.tok_emb.weight] if model.tok_emb is not None else [model.lm_head.weight] if model.lm_head is not None else []
+    sync_tied_grads(held, group)
     # numpy: torch tensors would cross the result queue as shared memory, gone once the worker exits
     originals = model.tied_copies()
     grads = {originals.get(name, name): gather_full(p.grad, p, layout.tp_group).numpy()
