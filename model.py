@@ -255,7 +255,7 @@ def causal_attention(q, k, v, impl, softcap=0.0, documents=None):
 # the window (as Llama 3 trains: Dubey et al. 2024, section 3.2). The end-of-text token belongs to the
 # document it ends (it is predicted from that document; the token after it starts the next).
 #
-# Document ids and positions are built on the host with the batch (train.context_split), so that no
+# Document ids and positions are built on the host with the batch (data.context_split), so that no
 # kernel choice needs a device sync: SDPA gets a (B, 1, T, T) boolean mask, "same document and not
 # later" (SDPA picks its memory-efficient kernel with a mask, not the flash one, so on old GPUs and CPU it
 # costs a T x T mask per microbatch, built once per forward and shared by every layer); FlashAttention-2
@@ -992,7 +992,7 @@ class Transformer(nn.Module):
         positions       None, or with doc_mask each token's position in its document, (B, T); under context
                         parallelism every cp rank's (context_parallel.py)
         documents       doc_mask=True: each token's document id, shaped like positions, on the host
-                        (document_ids_and_positions; train.context_split builds both with the batch). Given
+                        (document_ids_and_positions; data.context_split builds both with the batch). Given
                         neither, the first chunk derives both from x itself. Without doc_mask: None.
         output          the logits (B, T, vocab_size) on the chunk that ends the model; None instead when the
                         chunked loss computes the loss without them. On other chunks the hidden states.

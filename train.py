@@ -13,11 +13,11 @@ Long runs (a killed rank restarts the job, which resumes from its last checkpoin
 
 Every setting, its default and its meaning is in settings.py (`python train.py --help` lists them); a
 config file and --key=value overrides replace the defaults (configurator.py). Read top to bottom: the
-settings, the data, setup and build, the step, evaluation and checkpoints, then the loop.
+settings, setup and build, the step, evaluation and checkpoints, then the loop; the batches come from
+data.py.
 """
 import faulthandler
 import importlib.util
-import json
 import math
 import os
 import sys
@@ -26,7 +26,6 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -37,12 +36,12 @@ import metrics
 import settings
 import timeline
 from configurator import ConfigError, configure, make_folder
-from context_parallel import apply_context_parallel, split_for_every_rank, zigzag_split
+from data import EVAL_STREAM, TRAIN_STREAM, DataError, document_end, load_data, rank_microbatches, read_data_meta
+from context_parallel import apply_context_parallel
 from expert_parallel import ExpertSplit, apply_expert_parallel
 from faults import BadSteps, StopVote, TooManyBadSteps, end_of_run, end_on_dead_peer, peer_failure, run_script
 from model import (ModelConfig, Transformer, apply_activation_checkpointing, backward_phases, choose_attn_impl,
-                   choose_device_and_dtype, chunk_modules, compile_blocks, document_ids_and_positions, takes_muon,
-                   uncompile_blocks, zero3_units)
+                   choose_device_and_dtype, chunk_modules, compile_blocks, takes_muon, uncompile_blocks, zero3_units)
 from optim import AdamW, DynamicLossScaler, Muon, describe_optimizer, zero_one_muon_buckets
 from parallel import (GradientBuckets, ParallelLayout, PipelineComm, ShardedGradientBuckets, ZeroOneAdamW,
                       apply_pipeline, apply_tensor_parallel, at_least_fp32, describe_layout, init_distributed,
@@ -88,149 +87,6 @@ def configure_run(argv):
 
 
 # -----------------------------------------------------------------------------
-# data: a pure function of (seed, step), so every layout sees the same global batch
-
-
-class DataError(ValueError):
-    pass
-
-
-def _prepare_hint(data_dir):
-    # the plain command streams FineWeb-Edu from the hub: offline, local text is what a user has
-    return (f"run: python prepare_data.py --out_dir={data_dir} (streams FineWeb-Edu: needs the network), or "
-            f"without a network, from local text: python prepare_data.py --dataset=PATH --out_dir={data_dir} (PATH "
-            f"a .txt, .jsonl or .parquet file, a glob or a folder; see the README)")
-
-
-def read_data_meta(data_dir):
-    meta_path = os.path.join(data_dir, "meta.json")
-    if not os.path.exists(meta_path):
-        raise FileNotFoundError(f"no meta.json in data_dir '{data_dir}': the token bins have not been prepared; "
-                                f"{_prepare_hint(data_dir)}")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        meta["dtype"], meta["vocab_size"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{meta_path} is corrupt ({type(e).__name__}: {e}): {_prepare_hint(data_dir)}")
-    return meta
-
-
-def load_data(data_dir, split, block_size, vocab_size, meta):
-    """Open <data_dir>/<split>.bin as a memmap, after checking that it is there and makes sense. Returns
-    (path, dtype, number of tokens, vocab_size): what get_batch needs."""
-    hint, meta_path = _prepare_hint(data_dir), os.path.join(data_dir, "meta.json")
-    path = os.path.join(data_dir, f"{split}.bin")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no {split}.bin in data_dir '{data_dir}'; {hint}")
-    if meta.get("dtype") not in ("uint16", "uint32"):
-        raise DataError(f"{meta_path} says dtype {meta.get('dtype')!r}; expected 'uint16' or 'uint32'. {hint}")
-    itemsize = np.dtype(meta["dtype"]).itemsize
-    size = os.path.getsize(path)
-    if size % itemsize:
-        raise DataError(f"{path} has {size} bytes, not a whole number of {meta['dtype']} tokens: the file is "
-                        f"corrupt or was written with another dtype; {hint}")
-    if size // itemsize < block_size + 1:
-        raise DataError(f"{path} has {size // itemsize} tokens, fewer than block_size + 1 = {block_size + 1}: "
-                        f"prepare more text or lower block_size")
-    data = np.memmap(path, dtype=meta["dtype"], mode="r")
-    # a quick look at both ends catches bins of another tokenizer or dtype at once; every batch is checked
-    # again where it is read (read_windows), since one bad id in the middle would do the same harm
-    sample = np.concatenate([data[:1 << 20], data[-(1 << 20):]])
-    if sample.max() >= vocab_size:
-        raise DataError(f"{path} holds token id {int(sample.max())} but the vocabulary has {vocab_size} tokens: the "
-                        f"bins do not match meta.json (dtype {meta['dtype']}) or the vocab_size setting; {hint}")
-    return path, meta["dtype"], len(data), vocab_size
-
-
-TRAIN_STREAM, EVAL_STREAM = 0, 1
-
-
-def window_starts(seed, stream, step, n_tokens, block_size, n_windows):
-    """Where each of the n_windows windows of a step starts: a pure function of (seed, stream, step).
-    Evaluation draws from its own stream, so its batches are fixed and independent of training's."""
-    rng = np.random.default_rng([seed, stream, step])
-    return rng.integers(0, n_tokens - block_size, size=n_windows)
-
-
-def read_windows(data, starts, block_size):
-    """The token windows at `starts`, (len(starts), block_size + 1), checked on the host: an id outside the
-    vocabulary would crash the embedding at tp = 1, and at tp > 1 the vocab-parallel one would silently read zeros."""
-    path, dtype, _, vocab_size = data
-    # a fresh memmap per batch: keeping one open leaks memory (nanoGPT's note on np.memmap)
-    tokens = np.memmap(path, dtype=dtype, mode="r")
-    windows = np.stack([tokens[s:s + block_size + 1] for s in starts])
-    if windows.max() >= vocab_size:
-        row, col = np.unravel_index(int(windows.argmax()), windows.shape)
-        raise DataError(f"{path} holds token id {int(windows[row, col])} at token offset {int(starts[row]) + col}, "
-                        f"outside the vocabulary of {vocab_size}: the file is corrupt or was written by another "
-                        f"tokenizer; {_prepare_hint(os.path.dirname(path))}")
-    return windows
-
-
-def get_batch(data, starts, block_size, device, layout=None, eot_token=None):
-    """A micro-batch of the windows at `starts`, checked by read_windows, as the model takes it
-    (context_split; layout None: one process): its token ids and targets on the device; positions and
-    document ids, when there are any, on the host."""
-    windows = torch.from_numpy(read_windows(data, starts, block_size).astype(np.int64))
-    x, *rest = context_split((windows[:, :-1], windows[:, 1:]), layout, eot_token)
-    if device.type == "cuda":  # pinned memory lets the copy overlap the GPU's work
-        x, y = x.pin_memory().to(device, non_blocking=True), rest[0].pin_memory().to(device, non_blocking=True)
-    else:
-        x, y = x.to(device), rest[0].to(device)
-    return (x, y, *rest[1:])
-
-
-def context_split(batch, layout, eot_token=None):
-    """This context-parallel rank's share of a micro-batch of whole windows (x, y), (B, T) each: its two
-    zigzag chunks of every window (context_parallel.py), and every cp rank's global token positions,
-    (cp, B, T/cp) on the host, built from the whole window and split the same way. Without context
-    parallelism the micro-batch as it is (the model then counts positions from 0 itself).
-    With eot_token (doc_mask=True) the positions restart at each document, and each token's document id
-    comes after them, split the same way: (x, y, positions, documents); without context parallelism
-    positions and documents are (B, T). Built from x on the host (a device x is copied back: a sync)."""
-    cp = layout.cp if layout is not None else 1
-    if cp == 1 and eot_token is None:
-        return batch
-    x, y = batch
-    if eot_token is None:
-        positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)  # (B, T): each window's own positions
-        extra = (positions,)
-    else:
-        documents, positions = document_ids_and_positions(x.cpu(), eot_token)  # (B, T) each
-        extra = (positions, documents)
-    if cp == 1:
-        return (x, y, *extra)
-    return (zigzag_split(x, cp, layout.cp_rank), zigzag_split(y, cp, layout.cp_rank),
-            *(split_for_every_rank(e, cp) for e in extra))
-
-
-def document_end(model_cfg):
-    """The end-of-text id the batches are cut into documents at: the model's eot_token under doc_mask,
-    else None (no document ids)."""
-    return model_cfg.eot_token if model_cfg.doc_mask else None
-
-
-def rank_microbatches(cfg, layout, data, stream, step, n_micro, device, eot_token=None):
-    """This data-parallel rank's n_micro micro-batches of a step. The step's global batch is
-    batch_size * n_micro * dp windows; dp rank r takes the r-th contiguous slice of it, so the same
-    windows are seen whatever the layout. Under context parallelism each is this cp rank's share,
-    (x, y, positions) (context_split); with eot_token (document_end) positions and document ids too.
-
-    Every rank checks the token ids of the whole global batch, not only its slice: a bad id then stops
-    every rank at the same step with the same message, with no collective, and no rank is left waiting for
-    one that stopped (the extra read is the other ranks' windows, from the page cache, on the host)."""
-    per_rank = cfg.batch_size * n_micro
-    starts = window_starts(cfg.seed, stream, step, data[2], cfg.block_size, per_rank * layout.dp)
-    mine = slice(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)
-    if layout.dp > 1:
-        read_windows(data, np.delete(starts, mine), cfg.block_size)
-    starts = starts[mine]
-    return [get_batch(data, starts[i * cfg.batch_size:(i + 1) * cfg.batch_size], cfg.block_size, device, layout,
-                      eot_token) for i in range(n_micro)]
-
-
-# -----------------------------------------------------------------------------
 # setup and build
 
 
@@ -252,6 +108,12 @@ class Run:
     hf_dir: str = None  # init_from=<a transformers model folder>, else None
     phase: str = "start-up"  # what the run is doing now: a failed peer's message names it
     recipe: dict = None  # the batch the run was first given, which its checkpoints carry on (settings.batch_recipe)
+    # what train sets once the model is built, for the log lines: the global batch's tokens, the training
+    # split's, the model's FLOPs per token and the device's peak (metrics.PeakFlops)
+    tokens_per_step: int = 0
+    train_tokens: int = 0
+    model_flops: float = 0.0
+    peak: object = None
 
 
 def setup(cfg, training=True):
@@ -296,15 +158,28 @@ def setup(cfg, training=True):
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(dev)
     if data_meta:
-        datasets["train"] = load_data(cfg.data_dir, "train", cfg.block_size, vocab, data_meta)
-        val_path = os.path.join(cfg.data_dir, "val.bin")
-        if os.path.exists(val_path) and os.path.getsize(val_path) > 0:  # a corrupt val.bin stops the run
-            datasets["val"] = load_data(cfg.data_dir, "val", cfg.block_size, vocab, data_meta)
-        else:  # a corpus of one document has no validation split: evaluate on train only
-            print0(layout, f"no validation loss: {val_path} is absent or empty (a corpus of one document has no "
-                           f"validation split)")
+        datasets = load_splits(cfg, vocab, data_meta, layout)
     print0(layout, f"device: {dev}, dtype: {str(ptdtype).replace('torch.', '')} ({dtype_why}), "
                    f"attention: {attn} ({attn_why})")
+    describe_run_layout(cfg, layout, model_cfg, attn, converting)
+    return Run(dev=dev, dtype=ptdtype, layout=layout, model_cfg=model_cfg, attn_impl=attn, datasets=datasets,
+               tokenizer=tokenizer, hf_dir=hf_dir)
+
+
+def load_splits(cfg, vocab, data_meta, layout):
+    """{split: load_data's} of the data: train, and val unless it is absent or empty."""
+    datasets = {"train": load_data(cfg.data_dir, "train", cfg.block_size, vocab, data_meta)}
+    val_path = os.path.join(cfg.data_dir, "val.bin")
+    if os.path.exists(val_path) and os.path.getsize(val_path) > 0:  # a corrupt val.bin stops the run
+        datasets["val"] = load_data(cfg.data_dir, "val", cfg.block_size, vocab, data_meta)
+    else:  # a corpus of one document has no validation split: evaluate on train only
+        print0(layout, f"no validation loss: {val_path} is absent or empty (a corpus of one document has no "
+                       f"validation split)")
+    return datasets
+
+
+def describe_run_layout(cfg, layout, model_cfg, attn, converting):
+    """The start-up lines of the layout: context parallelism's split, the rank grid, the pipeline's cut."""
     if layout.cp > 1:
         print0(layout, f"context parallelism: each sequence of {cfg.block_size} tokens split across cp = "
                        f"{layout.cp} ranks ({cfg.block_size // layout.cp} each, two zigzag chunks); attention is ring "
@@ -321,8 +196,6 @@ def setup(cfg, training=True):
                                          cut, metrics.pipeline_costs(model_cfg), warn=not converting))
     elif cfg.pp_trace:
         print0(layout, "pp_trace: nothing to trace with pp = 1 (no pipeline); the run goes on untraced")
-    return Run(dev=dev, dtype=ptdtype, layout=layout, model_cfg=model_cfg, attn_impl=attn, datasets=datasets,
-               tokenizer=tokenizer, hf_dir=hf_dir)
 
 
 @dataclass
@@ -723,34 +596,21 @@ def train(cfg, run, resume_path=None):
     if parts.loaded is not None:
         print0(layout, f"loaded {run.hf_dir} in {parts.loaded.seconds:.1f} s (rank 0 read "
                        f"{parts.loaded.bytes_read / 2**20:,.1f} MiB of the files' {parts.loaded.file_bytes / 2**20:,.1f})")
-    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
-    # the batch this run was first given, which its checkpoints carry on (resume_settings): this launch's, unless
-    # it resumed a run with the same global batch
-    run.recipe = {"batch_size": cfg.batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-                  "windows": cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp}
-    step = 0
-    if resume_path is not None:
-        step, path, saved = checkpoint.resume_run(resume_path, cfg, run, parts, lambda text: print0(layout, text))
-        if settings.batch_recipe(saved)["windows"] == run.recipe["windows"]:
-            run.recipe = settings.batch_recipe(saved)
-        print0(layout, f"resumed from {path} at step {step}" + (f", which is max_iters = {cfg.max_iters} already: "
-                       f"nothing to train (raise --max_iters to go on)" if step >= cfg.max_iters else ""))
-        if note := settings.global_batch_change(saved, tokens_per_step):
-            print0(layout, note)
+    run.tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
+    step = start_step(cfg, run, parts, resume_path)
     vote = StopVote(layout, layout.timeout, cfg.out_dir)
     log = metrics.MetricsLog(cfg.out_dir, layout.rank, step if resume_path else None,
                              metrics.open_log_backends(cfg) if layout.rank == 0 else [], vote.any_rank)
-    model_flops = metrics.flops_per_token(model_cfg)
-    peak = metrics.PeakFlops(cfg.peak_flops, run.dev, run.dtype)  # (asked for the MFU of each log line)
-    print0(layout, f"{model_flops / 1e6:.1f} MFLOP per token; peak {peak}")
-    train_tokens = run.datasets["train"][2]  # the training split's tokens (load_data)
-    if cfg.max_iters * tokens_per_step > 4 * train_tokens:
-        print0(layout, metrics.repeats_warning(cfg.max_iters, tokens_per_step, train_tokens))
+    run.model_flops = metrics.flops_per_token(model_cfg)
+    run.peak = metrics.PeakFlops(cfg.peak_flops, run.dev, run.dtype)  # (asked for the MFU of each log line)
+    print0(layout, f"{run.model_flops / 1e6:.1f} MFLOP per token; peak {run.peak}")
+    run.train_tokens = run.datasets["train"][2]  # the training split's tokens (load_data)
+    if cfg.max_iters * run.tokens_per_step > 4 * run.train_tokens:
+        print0(layout, metrics.repeats_warning(cfg.max_iters, run.tokens_per_step, run.train_tokens))
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
                                           cfg.gradient_accumulation_steps, run.dev, document_end(model_cfg))
     plan = memory_plan.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))
     print0(layout, "predicted " + memory_plan.format_plan(plan))
-    rank_plan = memory_plan.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank)
     timer, timed_steps, logged = time.time(), 0, step
     started, first_step, evals, newest, stopping = timer, step, [], resume_path, False  # (for the end)
     micro = batches(step)
@@ -762,13 +622,7 @@ def train(cfg, run, resume_path=None):
         trace = timeline.PipelineTrace(run.dev) if step + 1 == trace_step else None
         run.phase = f"training step {step + 1} (forward, backward, gradient averaging and norm)"
         if measured is None:  # the first step's peak, measured (its time includes the CPU tracker's)
-            out = []
-            peak_bytes = metrics.measure_step_memory(
-                lambda: out.append(train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)), run.dev,
-                compiled=parts.compiled)
-            (loss, grad_norm), = out
-            measured = memory_plan.memory_rows(layout, rank_plan[layout.pp_rank]["peak"], peak_bytes, step=step + 1)
-            print0(layout, memory_plan.format_memory_rows(measured, run.dev if parts.compiled else None))
+            loss, grad_norm, measured = measured_step(cfg, run, parts, micro, lr, trace, step + 1)
         else:
             loss, grad_norm = train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)
         step += 1
@@ -781,31 +635,17 @@ def train(cfg, run, resume_path=None):
         last = end or stopping
         if not last:  # read the next batch now, while the GPU still works through this step
             micro = batches(step)
-
         if step % cfg.log_interval == 0 or last:
             run.phase = f"the log line of step {step} (an all-reduce of the loss)"
-            loss_value = mean_across_ranks(loss, layout).item()  # host-device sync, once per log interval
-            skipped = parts.bad_steps.check(cfg.out_dir, step)
-            elapsed = time.time() - timer
-            record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped,
-                      "tokens_per_sec": tokens_per_step * timed_steps / elapsed, "ms_per_step": 1000 * elapsed / timed_steps,
-                      "optimizer_state_bytes": optimizer_state_bytes(parts.optimizer),  # on rank 0
-                      "epoch": step * tokens_per_step / train_tokens}  # passes over the training split so far
-            record.update(peak.mfu(model_flops, record["tokens_per_sec"], layout.world_size))
-            record["peak_mem_bytes"] = metrics.peak_memory_bytes(run.dev, layout)
-            if model_cfg.n_expert > 0:
-                record.update(metrics.moe_metrics(parts.model, layout, steps=step - logged))
-            if measured is not None and step == measured[0]["step"]:
+            record = step_record(cfg, run, parts, step, loss, grad_norm, lr, (time.time() - timer, timed_steps, logged))
+            if step == measured[0]["step"]:
                 record["memory"] = measured  # every rank's predicted and measured peak, once
-            eta = (cfg.max_iters - step) * elapsed / timed_steps  # training steps only: evals and saves come on top
-            print0(layout, metrics.format_log_line(record, eta, run.dev))
             write_log(cfg, run, parts, log, record)
             timer, timed_steps, logged = time.time(), 0, step
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or end) and not stopping:
             run.phase = f"the evaluation at step {step}"
-            losses = evaluate(cfg, run, parts)
-            evals.append((step, losses))
-            record = {"step": step, **{f"{split}_loss": v for split, v in losses.items()}}
+            evals.append((step, evaluate(cfg, run, parts)))
+            record = {"step": step, **{f"{split}_loss": v for split, v in evals[-1][1].items()}}
             print0(layout, f"step {step:6d} | eval " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
             write_log(cfg, run, parts, log, record)
             timer, timed_steps = time.time(), 0
@@ -820,10 +660,61 @@ def train(cfg, run, resume_path=None):
             break
     vote.finish()
     log.close()
-    print0(layout, end_of_run(cfg, layout, first_step, step, tokens_per_step, time.time() - started, evals, newest))
+    print0(layout, end_of_run(cfg, layout, first_step, step, run.tokens_per_step, time.time() - started, evals, newest))
     if stopping:
         vote.exit_saved(step)  # the status scripts/slurm.sh requeues the job on (faults.SAVED_ON_SIGTERM)
     return parts.model
+
+
+def start_step(cfg, run, parts, resume_path):
+    """The step training starts from: 0, or the checkpoint's it resumes, whose batch recipe it carries on."""
+    layout = run.layout
+    # the batch this run was first given, which its checkpoints carry on (resume_settings): this launch's, unless
+    # it resumed a run with the same global batch
+    run.recipe = {"batch_size": cfg.batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+                  "windows": cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp}
+    if resume_path is None:
+        return 0
+    step, path, saved = checkpoint.resume_run(resume_path, cfg, run, parts, lambda text: print0(layout, text))
+    if settings.batch_recipe(saved)["windows"] == run.recipe["windows"]:
+        run.recipe = settings.batch_recipe(saved)
+    print0(layout, f"resumed from {path} at step {step}" + (f", which is max_iters = {cfg.max_iters} already: "
+                   f"nothing to train (raise --max_iters to go on)" if step >= cfg.max_iters else ""))
+    if note := settings.global_batch_change(saved, run.tokens_per_step):
+        print0(layout, note)
+    return step
+
+
+def measured_step(cfg, run, parts, micro, lr, trace, step):
+    """train_step with its peak memory measured (the first step of a run): (loss, grad norm, every rank's
+    predicted and measured peak, memory_plan.memory_rows), the rows printed."""
+    layout, out = run.layout, []
+    rank_plan = memory_plan.plan_for(cfg, run.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank)
+    peak_bytes = metrics.measure_step_memory(lambda: out.append(train_step(cfg, layout, parts, micro, lr, trace, step=step)),
+                                             run.dev, compiled=parts.compiled)
+    (loss, grad_norm), = out
+    measured = memory_plan.memory_rows(layout, rank_plan[layout.pp_rank]["peak"], peak_bytes, step=step)
+    print0(layout, memory_plan.format_memory_rows(measured, run.dev if parts.compiled else None))
+    return loss, grad_norm, measured
+
+
+def step_record(cfg, run, parts, step, loss, grad_norm, lr, since):
+    """The log record of a training step, its line printed. since: (seconds, training steps and the step at
+    the last log line): the speed is over the steps since, evaluations and saves left out."""
+    layout, (elapsed, timed_steps, logged) = run.layout, since
+    loss_value = mean_across_ranks(loss, layout).item()  # host-device sync, once per log interval
+    skipped = parts.bad_steps.check(cfg.out_dir, step)
+    record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped,
+              "tokens_per_sec": run.tokens_per_step * timed_steps / elapsed, "ms_per_step": 1000 * elapsed / timed_steps,
+              "optimizer_state_bytes": optimizer_state_bytes(parts.optimizer),  # on rank 0
+              "epoch": step * run.tokens_per_step / run.train_tokens}  # passes over the training split so far
+    record.update(run.peak.mfu(run.model_flops, record["tokens_per_sec"], layout.world_size))
+    record["peak_mem_bytes"] = metrics.peak_memory_bytes(run.dev, layout)
+    if run.model_cfg.n_expert > 0:
+        record.update(metrics.moe_metrics(parts.model, layout, steps=step - logged))
+    eta = (cfg.max_iters - step) * elapsed / timed_steps  # training steps only: evals and saves come on top
+    print0(layout, metrics.format_log_line(record, eta, run.dev))
+    return record
 
 
 def convert(cfg, run, parts):

@@ -25,6 +25,7 @@ import make_config
 import metrics
 import sample
 import settings
+import data
 import train
 from settings import check_layout
 from model import ModelConfig, Transformer, model_config_from
@@ -445,7 +446,7 @@ def plant_bad_id(data_dir, n_windows, window, block_size=32, seed=1337):
     tokens = np.fromfile(path, dtype=np.uint16)
     edge, earlier = 1 << 20, []
     for k in range(100):
-        starts = train.window_starts(seed, train.TRAIN_STREAM, k, len(tokens), block_size, n_windows)
+        starts = data.window_starts(seed, data.TRAIN_STREAM, k, len(tokens), block_size, n_windows)
         offset = int(starts[window]) + block_size // 2
         if k >= 1 and edge <= offset < len(tokens) - edge and not any(s <= offset <= s + block_size for s in earlier):
             tokens[offset] = BAD_ID
@@ -509,8 +510,8 @@ def test_missing_data_is_told_the_online_and_the_offline_prepare_and_the_offline
     text.write_text("A local document, the kind a user without a network has. " * 200)
     import prepare_data
     prepare_data.main([offline[0].replace("PATH", str(text)), offline[1], "--num_proc=1"])
-    meta = train.read_data_meta(str(data))  # the data's checks now pass
-    assert train.load_data(str(data), "train", 32, meta["vocab_size"], meta)[2] > 33
+    meta = data.read_data_meta(str(data))  # the data's checks now pass
+    assert data.load_data(str(data), "train", 32, meta["vocab_size"], meta)[2] > 33
 
 
 def test_a_thread_count_of_one_is_said_in_the_singular(monkeypatch):
@@ -695,7 +696,7 @@ def test_a_bad_token_id_stops_every_rank_at_the_same_step_with_one_message(layou
     data, step, offset = two_ranks[layout]
     (code0, _, _), (code1, _, _) = (r[layout] for r in two_ranks["results"])
     assert code0 == (f"error: {data}/train.bin holds token id {BAD_ID} at token offset {offset}, outside the "
-                     f"vocabulary of 512: the file is corrupt or was written by another tokenizer; {train._prepare_hint(data)}")
+                     f"vocabulary of 512: the file is corrupt or was written by another tokenizer; {data._prepare_hint(data)}")
     assert code1 == code0  # stopped too, at the same batch (the launch returned: no rank waits); run_script prints
     # the line on rank 0 only
     assert [r["step"] for r in records_of(two_ranks["base"] / layout)] == list(range(1, step))
