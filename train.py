@@ -588,29 +588,15 @@ def write_log(cfg, run, parts, log, record):
 def train(cfg, run, resume_path=None):
     layout, model_cfg = run.layout, run.model_cfg
     parts = build(cfg, run)
-    print0(layout, f"model: {metrics.full_param_count(parts.model, layout) / 1e6:.2f}M parameters (vocabulary "
-                   f"padded), {model_cfg.n_layer} layers, {model_cfg.n_head} heads ({model_cfg.n_kv_head} kv), "
-                   f"width {model_cfg.n_embd}")
     if run.hf_dir is not None and cfg.max_iters == 0:
         return convert(cfg, run, parts)
-    if parts.loaded is not None:
-        print0(layout, f"loaded {run.hf_dir} in {parts.loaded.seconds:.1f} s (rank 0 read "
-                       f"{parts.loaded.bytes_read / 2**20:,.1f} MiB of the files' {parts.loaded.file_bytes / 2**20:,.1f})")
-    run.tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
+    describe_training(cfg, run, parts)
     step = start_step(cfg, run, parts, resume_path)
     vote = StopVote(layout, layout.timeout, cfg.out_dir)
     log = metrics.MetricsLog(cfg.out_dir, layout.rank, step if resume_path else None,
                              metrics.open_log_backends(cfg) if layout.rank == 0 else [], vote.any_rank)
-    run.model_flops = metrics.flops_per_token(model_cfg)
-    run.peak = metrics.PeakFlops(cfg.peak_flops, run.dev, run.dtype)  # (asked for the MFU of each log line)
-    print0(layout, f"{run.model_flops / 1e6:.1f} MFLOP per token; peak {run.peak}")
-    run.train_tokens = run.datasets["train"][2]  # the training split's tokens (load_data)
-    if cfg.max_iters * run.tokens_per_step > 4 * run.train_tokens:
-        print0(layout, metrics.repeats_warning(cfg.max_iters, run.tokens_per_step, run.train_tokens))
     batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
                                           cfg.gradient_accumulation_steps, run.dev, document_end(model_cfg))
-    plan = memory_plan.plan_for(cfg, model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))
-    print0(layout, "predicted " + memory_plan.format_plan(plan))
     timer, timed_steps, logged = time.time(), 0, step
     started, first_step, evals, newest, stopping = timer, step, [], resume_path, False  # (for the end)
     micro = batches(step)
@@ -625,14 +611,12 @@ def train(cfg, run, resume_path=None):
             loss, grad_norm, measured = measured_step(cfg, run, parts, micro, lr, trace, step + 1)
         else:
             loss, grad_norm = train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)
-        step += 1
+        step, timed_steps = step + 1, timed_steps + 1
         if trace is not None:
             print0(layout, timeline.write_pipeline_trace(trace, layout, cfg, step))
-        timed_steps += 1
         run.phase = f"the stop vote after step {step} (a gloo all-reduce)"
         stopping = vote.agreed()
-        end = step == cfg.max_iters
-        last = end or stopping
+        end, last = step == cfg.max_iters, step == cfg.max_iters or stopping
         if not last:  # read the next batch now, while the GPU still works through this step
             micro = batches(step)
         if step % cfg.log_interval == 0 or last:
@@ -644,10 +628,7 @@ def train(cfg, run, resume_path=None):
             timer, timed_steps, logged = time.time(), 0, step
         if cfg.eval_interval > 0 and (step % cfg.eval_interval == 0 or end) and not stopping:
             run.phase = f"the evaluation at step {step}"
-            evals.append((step, evaluate(cfg, run, parts)))
-            record = {"step": step, **{f"{split}_loss": v for split, v in evals[-1][1].items()}}
-            print0(layout, f"step {step:6d} | eval " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
-            write_log(cfg, run, parts, log, record)
+            evals.append((step, evaluate_and_log(cfg, run, parts, log, step)))
             timer, timed_steps = time.time(), 0
         if (cfg.checkpoint_interval > 0 and (step % cfg.checkpoint_interval == 0 or last)) or stopping:
             run.phase = f"saving the checkpoint of step {step}"
@@ -664,6 +645,40 @@ def train(cfg, run, resume_path=None):
     if stopping:
         vote.exit_saved(step)  # the status scripts/slurm.sh requeues the job on (faults.SAVED_ON_SIGTERM)
     return parts.model
+
+
+def describe_training(cfg, run, parts):
+    """What the run's log lines need (the global batch's tokens, the training split's, the FLOPs per token, the
+    device's peak), set on run; and their start-up lines, with the memory each rank is predicted to need."""
+    layout = run.layout
+    print0(layout, model_line(run, parts))
+    if parts.loaded is not None:
+        print0(layout, f"loaded {run.hf_dir} in {parts.loaded.seconds:.1f} s (rank 0 read "
+                       f"{parts.loaded.bytes_read / 2**20:,.1f} MiB of the files' {parts.loaded.file_bytes / 2**20:,.1f})")
+    run.tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
+    run.model_flops = metrics.flops_per_token(run.model_cfg)
+    run.peak = metrics.PeakFlops(cfg.peak_flops, run.dev, run.dtype)  # (asked for the MFU of each log line)
+    print0(layout, f"{run.model_flops / 1e6:.1f} MFLOP per token; peak {run.peak}")
+    run.train_tokens = run.datasets["train"][2]  # the training split's tokens (load_data)
+    if cfg.max_iters * run.tokens_per_step > 4 * run.train_tokens:
+        print0(layout, metrics.repeats_warning(cfg.max_iters, run.tokens_per_step, run.train_tokens))
+    plan = memory_plan.plan_for(cfg, run.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))
+    print0(layout, "predicted " + memory_plan.format_plan(plan))
+
+
+def model_line(run, parts):
+    model_cfg = run.model_cfg
+    return (f"model: {metrics.full_param_count(parts.model, run.layout) / 1e6:.2f}M parameters (vocabulary padded), "
+            f"{model_cfg.n_layer} layers, {model_cfg.n_head} heads ({model_cfg.n_kv_head} kv), width {model_cfg.n_embd}")
+
+
+def evaluate_and_log(cfg, run, parts, log, step):
+    """evaluate, its line printed and its record logged; returns {split: loss}."""
+    losses = evaluate(cfg, run, parts)
+    record = {"step": step, **{f"{split}_loss": v for split, v in losses.items()}}
+    print0(run.layout, f"step {step:6d} | eval " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
+    write_log(cfg, run, parts, log, record)
+    return losses
 
 
 def start_step(cfg, run, parts, resume_path):
@@ -720,6 +735,7 @@ def step_record(cfg, run, parts, step, loss, grad_norm, lr, since):
 def convert(cfg, run, parts):
     """init_from=<a transformers model folder> with max_iters=0: write the model just loaded as the step-0
     checkpoint of out_dir, at this launch's layout, and say what each rank read and held (import_hf)."""
+    print0(run.layout, model_line(run, parts))
     start = time.time()
     path = save_checkpoint(cfg, run, parts, 0, converted=True)
     print0(run.layout, import_hf.conversion_report(run.layout, run.hf_dir, parts.loaded, time.time() - start, path,
