@@ -44,7 +44,7 @@ import memory_plan
 import metrics
 import settings
 import timeline
-import data
+from data import TRAIN_STREAM, context_split, document_end, rank_microbatches
 import train
 from configurator import ConfigError, Setting, configure, section
 from faults import run_script
@@ -106,13 +106,13 @@ def schedule_variants(cfg, schedules):
 def random_microbatches(cfg, layout, model_cfg, step, device):
     """Random (x, y) micro-batches, the same on every tensor- and pipeline-parallel rank of a data-parallel
     rank (as real batches are), different across data-parallel ranks and steps; under context parallelism
-    each cp rank's share of them, as train.py's batches (data.context_split; with doc_mask, document ids
+    each cp rank's share of them, as train.py's batches (context_split; with doc_mask, document ids
     at the random eot tokens)."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + layout.dp_rank)
     out = []
     for _ in range(cfg.gradient_accumulation_steps):
         tokens = torch.randint(0, model_cfg.vocab_size, (cfg.batch_size, cfg.block_size + 1), generator=g)
-        x, y, *rest = data.context_split((tokens[:, :-1], tokens[:, 1:]), layout, data.document_end(model_cfg))
+        x, y, *rest = context_split((tokens[:, :-1], tokens[:, 1:]), layout, document_end(model_cfg))
         out.append((x.to(device), y.to(device), *rest))
     return out
 
@@ -130,9 +130,9 @@ class Picotron:
 
     def batches(self, step):
         if self.run.datasets:
-            return data.rank_microbatches(self.cfg, self.layout, self.run.datasets["train"], data.TRAIN_STREAM,
+            return rank_microbatches(self.cfg, self.layout, self.run.datasets["train"], TRAIN_STREAM,
                                            step, self.cfg.gradient_accumulation_steps, self.dev,
-                                           data.document_end(self.run.model_cfg))
+                                           document_end(self.run.model_cfg))
         return random_microbatches(self.cfg, self.layout, self.run.model_cfg, step, self.dev)
 
     def step(self, i, trace=None):

@@ -25,7 +25,7 @@ import make_config
 import metrics
 import sample
 import settings
-import data
+from data import TRAIN_STREAM, _prepare_hint, load_data, read_data_meta, window_starts
 import train
 from settings import check_layout
 from model import ModelConfig, Transformer, model_config_from
@@ -446,7 +446,7 @@ def plant_bad_id(data_dir, n_windows, window, block_size=32, seed=1337):
     tokens = np.fromfile(path, dtype=np.uint16)
     edge, earlier = 1 << 20, []
     for k in range(100):
-        starts = data.window_starts(seed, data.TRAIN_STREAM, k, len(tokens), block_size, n_windows)
+        starts = window_starts(seed, TRAIN_STREAM, k, len(tokens), block_size, n_windows)
         offset = int(starts[window]) + block_size // 2
         if k >= 1 and edge <= offset < len(tokens) - edge and not any(s <= offset <= s + block_size for s in earlier):
             tokens[offset] = BAD_ID
@@ -502,16 +502,16 @@ def test_a_corrupt_meta_json_names_the_file(tmp_path):
 
 @needs_gpt2
 def test_missing_data_is_told_the_online_and_the_offline_prepare_and_the_offline_one_runs(tmp_path):
-    data, text = tmp_path / "data", tmp_path / "corpus.txt"
-    line = error_of(train.main, [f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", *TINY])
-    assert f"run: python prepare_data.py --out_dir={data} (streams FineWeb-Edu: needs the network)" in line
+    data_dir, text = tmp_path / "data", tmp_path / "corpus.txt"
+    line = error_of(train.main, [f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}", *TINY])
+    assert f"run: python prepare_data.py --out_dir={data_dir} (streams FineWeb-Edu: needs the network)" in line
     offline = suggested(line, f"without a network, from local text: python prepare_data.py --dataset=PATH "
-                              f"--out_dir={data}")[-2:]
+                              f"--out_dir={data_dir}")[-2:]
     text.write_text("A local document, the kind a user without a network has. " * 200)
     import prepare_data
     prepare_data.main([offline[0].replace("PATH", str(text)), offline[1], "--num_proc=1"])
-    meta = data.read_data_meta(str(data))  # the data's checks now pass
-    assert data.load_data(str(data), "train", 32, meta["vocab_size"], meta)[2] > 33
+    meta = read_data_meta(str(data_dir))  # the data's checks now pass
+    assert load_data(str(data_dir), "train", 32, meta["vocab_size"], meta)[2] > 33
 
 
 def test_a_thread_count_of_one_is_said_in_the_singular(monkeypatch):
@@ -696,7 +696,7 @@ def test_a_bad_token_id_stops_every_rank_at_the_same_step_with_one_message(layou
     data, step, offset = two_ranks[layout]
     (code0, _, _), (code1, _, _) = (r[layout] for r in two_ranks["results"])
     assert code0 == (f"error: {data}/train.bin holds token id {BAD_ID} at token offset {offset}, outside the "
-                     f"vocabulary of 512: the file is corrupt or was written by another tokenizer; {data._prepare_hint(data)}")
+                     f"vocabulary of 512: the file is corrupt or was written by another tokenizer; {_prepare_hint(data)}")
     assert code1 == code0  # stopped too, at the same batch (the launch returned: no rank waits); run_script prints
     # the line on rank 0 only
     assert [r["step"] for r in records_of(two_ranks["base"] / layout)] == list(range(1, step))

@@ -38,7 +38,7 @@ import checkpoint
 import make_config
 import parallel
 import settings
-import data
+from data import context_split
 import train
 from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, build_model, gather_full, run_ranks,
                         train_in_process, train_on_ranks)
@@ -192,7 +192,7 @@ def model_at(layout, overrides, sequence_parallel=False):
     cfg = ModelConfig(**{**TINY, **overrides})
     model = build_model(cfg, tp_group=layout.tp_group, attn_impl="eager", cp_group=layout.cp_group,
                         sequence_parallel=sequence_parallel, seed=SEED)
-    x, y, *positions = data.context_split(model_batch(), layout)
+    x, y, *positions = context_split(model_batch(), layout)
     logits, loss = model(x, y, *positions)
     loss.backward()
     if layout.tp_group is not None:  # the vocabulary slices (all real here: 512 splits evenly)
@@ -249,7 +249,7 @@ def step_windows(step, n):
 def five_steps(layout, model_overrides=None, **setting_overrides):
     """STEPS optimizer steps of train.py's own model, optimizer and step (build, train_step) at this layout.
     Data-parallel rank r takes the r-th slice of each step's windows, and each cp rank its share of them
-    (data.context_split). Returns the logged records (loss, global gradient norm) and the final weights,
+    (context_split). Returns the logged records (loss, global gradient norm) and the final weights,
     whole, from the ranks that hold a stage's first replica (the others return {})."""
     cfg = SimpleNamespace(**{**settings.DEFAULTS, **STEP_SETTINGS, **(model_overrides or {}), **setting_overrides})
     model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig)})
@@ -261,7 +261,7 @@ def five_steps(layout, model_overrides=None, **setting_overrides):
     records = []
     for step in range(STEPS):
         mine = step_windows(step, per_rank * layout.dp)[layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
-        micro = [data.context_split((w[:, :-1], w[:, 1:]), layout) for w in mine.split(cfg.batch_size)]
+        micro = [context_split((w[:, :-1], w[:, 1:]), layout) for w in mine.split(cfg.batch_size)]
         loss, norm = train.train_step(cfg, layout, parts, micro, train.get_lr(step, cfg))
         records.append({"step": step + 1, "loss": train.mean_across_ranks(loss, layout).item(),
                         "grad_norm": norm.item()})
@@ -717,7 +717,7 @@ def measured_activations(rank, world_size, cp, tp, sequence_parallel):
     layout = ParallelLayout(1, tp, 1, world_size, rank, cp=cp)
     model = build_model(ModelConfig(**MEASURE), tp_group=layout.tp_group, chunked_loss=True,
                         cp_group=layout.cp_group, sequence_parallel=sequence_parallel)
-    batch = data.context_split(measure_window(), layout)
+    batch = context_split(measure_window(), layout)
     body = {}
 
     def after_the_blocks(*_):  # what the embedding and the blocks saved (nothing is let go during forward)
@@ -737,7 +737,7 @@ def measured_ring_bytes(rank, world_size):
     layout = ParallelLayout(1, 1, 1, world_size, rank, cp=world_size)
     model = build_model(ModelConfig(**MEASURE), chunked_loss=True, cp_group=layout.cp_group)
     SENT.clear()
-    _, loss = model(*data.context_split(measure_window(), layout))
+    _, loss = model(*context_split(measure_window(), layout))
     loss.backward()
     return sum(SENT)
 

@@ -18,7 +18,7 @@ from dist_utils import build_model, make_token_data, relative_difference
 
 import checkpoint
 import settings
-import data
+from data import TRAIN_STREAM, get_batch, load_data, rank_microbatches, read_data_meta, window_starts
 import train
 from model import ModelConfig, Transformer, choose_attn_impl, choose_device_and_dtype, flash_attn_available
 
@@ -46,7 +46,7 @@ def train_steps(cfg, run, parts, steps, first=0):
     """train.py's loop without the logging: (losses, grad norms) as floats, read after the last step."""
     out = []
     for step in range(first, first + steps):
-        micro = (data.rank_microbatches(cfg, run.layout, run.datasets["train"], data.TRAIN_STREAM, step, 1, run.dev)
+        micro = (rank_microbatches(cfg, run.layout, run.datasets["train"], TRAIN_STREAM, step, 1, run.dev)
                  if run.datasets else random_batches(cfg, step))
         out.append(train.train_step(cfg, run.layout, parts, micro, train.get_lr(step, cfg)))
     return [loss.item() for loss, _ in out], [norm.item() for _, norm in out]
@@ -190,10 +190,10 @@ def test_fused_adamw_resumes_on_the_device(tmp_path, record_property):
 
 def test_batches_are_pinned_and_copied_without_blocking(tmp_path, monkeypatch, record_property):
     data_dir = make_token_data(str(tmp_path / "data"), n_tokens=20_000)
-    meta = data.read_data_meta(data_dir)
-    split = data.load_data(data_dir, "train", 64, meta["vocab_size"], meta)
-    starts = data.window_starts(0, data.TRAIN_STREAM, 0, split[2], 64, 4)
-    on_cpu = data.get_batch(split, starts, 64, torch.device("cpu"))
+    meta = read_data_meta(data_dir)
+    split = load_data(data_dir, "train", 64, meta["vocab_size"], meta)
+    starts = window_starts(0, TRAIN_STREAM, 0, split[2], 64, 4)
+    on_cpu = get_batch(split, starts, 64, torch.device("cpu"))
     pinned, copies = [], []
     pin, to = torch.Tensor.pin_memory, torch.Tensor.to
 
@@ -207,7 +207,7 @@ def test_batches_are_pinned_and_copied_without_blocking(tmp_path, monkeypatch, r
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_and_keep)
     monkeypatch.setattr(torch.Tensor, "to", to_and_note)
     batch = []
-    sync = first_sync_point(lambda: batch.extend(data.get_batch(data, starts, 64, DEVICE)))
+    sync = first_sync_point(lambda: batch.extend(get_batch(split, starts, 64, DEVICE)))
     monkeypatch.undo()
     record_property("figures", f"{len(pinned)} pinned, copies (pinned, non_blocking): {copies}")
     assert sync is None, f"reading a batch waits for the device:\n{sync}"

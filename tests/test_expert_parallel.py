@@ -21,7 +21,7 @@ import torch
 
 import metrics
 import settings
-import data
+from data import context_split, load_data, read_data_meta
 import train
 from dist_utils import (GRAD_NORM_RTOL, LOSS_RTOL, assert_same_losses_and_norms, assert_same_tensors,
                         checkpoint_weights, gather_full, make_token_data, run_ranks, train_in_process,
@@ -125,10 +125,10 @@ def train_five_steps(cfg, model_cfg, layout, dp_of_batch, data_dir):
     step 1's gradients (before clipping) and final weights as full tensors by name, the tokens each expert
     took in step 1 (this rank's, by layer), moe_metrics of step 1, the evaluated loss, and whether the
     evaluation left the all-to-all byte counts of training as they were."""
-    meta = data.read_data_meta(data_dir)
+    meta = read_data_meta(data_dir)
     run = SimpleNamespace(dev=torch.device("cpu"), dtype=torch.float32, layout=layout, model_cfg=model_cfg,
                           attn_impl=cfg.attn_impl, hf_dir=None,
-                          datasets={"val": data.load_data(data_dir, "val", cfg.block_size, model_cfg.vocab_size, meta)})
+                          datasets={"val": load_data(data_dir, "val", cfg.block_size, model_cfg.vocab_size, meta)})
     parts = train.build(cfg, run)
     model, copies = parts.model, parts.model.tied_copies()
     sharded = parts.grad_sync if cfg.zero_stage == 3 else None  # ZeRO-3: each unit gathered to be written, kept sliced
@@ -154,7 +154,7 @@ def train_five_steps(cfg, model_cfg, layout, dp_of_batch, data_dir):
     try:
         for step in range(STEPS):
             micro = global_microbatches(cfg, model_cfg, dp_of_batch, step)[layout.dp_rank * g:(layout.dp_rank + 1) * g]
-            micro = [data.context_split(batch, layout) for batch in micro]  # (this cp rank's share)
+            micro = [context_split(batch, layout) for batch in micro]  # (this cp rank's share)
             loss, norm = train.train_step(cfg, layout, parts, micro, train.get_lr(step, cfg))
             losses.append(train.mean_across_ranks(loss, layout).item())
             norms.append(norm.item())

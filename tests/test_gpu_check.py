@@ -14,7 +14,7 @@ from conftest import ROOT
 from dist_utils import make_token_data
 
 import model as model_module
-import data
+from data import TRAIN_STREAM, get_batch, load_data, read_data_meta, window_starts
 from model import ModelConfig, Transformer, choose_device_and_dtype
 
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -107,10 +107,10 @@ def test_get_batch_pins_and_copies_without_blocking_for_a_cuda_device(tmp_path, 
     """The branch get_batch takes for a CUDA device, run on the CPU: each of x and y is pinned, then copied
     with non_blocking=True (tests/test_cuda.py checks the same on a GPU, with the copies really pinned)."""
     data_dir = make_token_data(str(tmp_path / "data"), n_tokens=5000)
-    meta = data.read_data_meta(data_dir)
-    split = data.load_data(data_dir, "train", 32, meta["vocab_size"], meta)
-    starts = data.window_starts(0, data.TRAIN_STREAM, 0, split[2], 32, 3)
-    x_cpu, y_cpu = data.get_batch(split, starts, 32, torch.device("cpu"))
+    meta = read_data_meta(data_dir)
+    split = load_data(data_dir, "train", 32, meta["vocab_size"], meta)
+    starts = window_starts(0, TRAIN_STREAM, 0, split[2], 32, 3)
+    x_cpu, y_cpu = get_batch(split, starts, 32, torch.device("cpu"))
     calls = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
     real_to = torch.Tensor.to
@@ -120,7 +120,7 @@ def test_get_batch_pins_and_copies_without_blocking_for_a_cuda_device(tmp_path, 
         return real_to(self, "cpu")
     monkeypatch.setattr(torch.Tensor, "to", to)
     fake_cuda = types.SimpleNamespace(type="cuda")
-    x, y = data.get_batch(data, starts, 32, fake_cuda)
+    x, y = get_batch(split, starts, 32, fake_cuda)
     monkeypatch.undo()
     assert calls == ["pin", ("to", (fake_cuda,), {"non_blocking": True})] * 2
     assert torch.equal(x, x_cpu) and torch.equal(y, y_cpu)

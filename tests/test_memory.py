@@ -16,7 +16,7 @@ import pytest
 sys.path[:0] = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from dist_utils import run_ranks  # noqa: E402
 import settings  # noqa: E402
-import data  # noqa: E402
+from data import TRAIN_STREAM, document_end, rank_microbatches  # noqa: E402
 import train  # noqa: E402
 from memory_plan import schedule_moments  # noqa: E402
 
@@ -294,8 +294,8 @@ def _first_step_memory(rank, world_size, cases, data_dir, out_dir):
         run = train.setup(cfg)
         layout = run.layout
         parts = train.build(cfg, run)
-        micro = data.rank_microbatches(cfg, layout, run.datasets["train"], data.TRAIN_STREAM, 0,
-                                        cfg.gradient_accumulation_steps, run.dev, data.document_end(run.model_cfg))
+        micro = rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, 0,
+                                        cfg.gradient_accumulation_steps, run.dev, document_end(run.model_cfg))
         plan = memory_plan.plan_for(cfg, run.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank)
         step = lambda: train.train_step(cfg, layout, parts, micro, train.get_lr(0, cfg), step=1)
         measured = metrics.measure_step_memory(step, run.dev)

@@ -469,7 +469,7 @@ STEPS = 3
 
 
 def step_batches(cfg, layout, step):
-    """The step's global batch, batch_size * m windows, cut as data.rank_microbatches cuts it: dp rank r
+    """The step's global batch, batch_size * m windows, cut as rank_microbatches cuts it: dp rank r
     takes the r-th contiguous slice, in m microbatches of batch_size / dp... here batch_size is per dp rank."""
     m, per_rank = cfg.gradient_accumulation_steps, cfg.batch_size * cfg.gradient_accumulation_steps
     g = torch.Generator().manual_seed(1000 + step)
