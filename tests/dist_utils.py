@@ -291,6 +291,14 @@ def assert_same_tensors(got, want, rtol=WEIGHT_RTOL, what="weights", label=None)
     return diffs[worst]
 
 
+def gathered_parameters(grad_sync):
+    """ZeRO-3 (a zero.FullyShardedParameters, or an ExpertSplit of two): {parameter: a copy of its whole
+    value}, gathered unit by unit (unit_by_unit: a collective, every rank calls it); {} for None."""
+    if grad_sync is None:
+        return {}
+    return {p: p.detach().clone() for params in grad_sync.unit_by_unit() for p in params}
+
+
 def _one_process_model(reader):
     """A single-process model of a checkpoint's architecture, in the dtype its run trained in (float64
     runs save float64 weights)."""

@@ -286,8 +286,8 @@ def zero_three(rank):
         opt_one.step()
         opt_one.zero_grad()
         losses = max(losses, abs(loss / 2 - loss_one).item() / loss_one.item())
-        with sync.whole_model():
-            weights = max([weights] + [difference(p, q) for p, q in zip(model.parameters(), one.parameters())])
+        whole = {p: p.detach().clone() for params in sync.unit_by_unit() for p in params}  # gathered unit by unit
+        weights = max([weights] + [difference(whole[p], q) for p, q in zip(model.parameters(), one.parameters())])
     return {"losses": ("loss", losses), "weights": ("weight", weights)}
 
 

@@ -26,7 +26,6 @@ import math
 import shutil
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import fields
 from types import SimpleNamespace
 
@@ -39,7 +38,7 @@ import make_config
 import parallel
 import settings
 import train
-from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, gather_full, run_ranks,
+from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, gather_full, gathered_parameters, run_ranks,
                         train_in_process, train_on_ranks)
 from model import ModelConfig, Transformer, check_layout, choose_attn_impl, model_config_from
 import context_parallel
@@ -266,10 +265,10 @@ def five_steps(layout, model_overrides=None, **setting_overrides):
                         "grad_norm": norm.item()})
     copies = parts.model.tied_copies()
     sharded = parts.grad_sync if cfg.zero_stage == 3 else None  # ZeRO-3: the parameters gathered to be read
-    with sharded.whole_model() if sharded is not None else nullcontext():
-        # (a copy: numpy() would pin the storage that ZeRO-3 frees by resizing it)
-        weights = {name: gather_full(p.detach().clone(), p, layout.tp_group).numpy()
-                   for name, p in parts.model.named_parameters() if name not in copies}
+    whole = gathered_parameters(sharded)
+    # (a copy: numpy() would pin the storage that ZeRO-3 frees by resizing it)
+    weights = {name: gather_full(whole.get(p, p).detach().clone(), p, layout.tp_group).numpy()
+               for name, p in parts.model.named_parameters() if name not in copies}
     return records, weights if layout.dp_cp_rank == 0 and layout.tp_rank == 0 else {}
 
 

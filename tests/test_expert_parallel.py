@@ -12,7 +12,6 @@ numerics share one 2-rank and one 4-rank launch; train.py runs one checkpoint ch
 """
 import shutil
 import zlib
-from contextlib import nullcontext
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,7 +22,7 @@ import metrics
 import settings
 import train
 from dist_utils import (GRAD_NORM_RTOL, LOSS_RTOL, assert_same_losses_and_norms, assert_same_tensors,
-                        checkpoint_weights, gather_full, make_token_data, run_ranks, train_in_process,
+                        checkpoint_weights, gather_full, gathered_parameters, make_token_data, run_ranks, train_in_process,
                         train_on_ranks)
 from model import ModelConfig, check_layout
 from parallel import ParallelLayout, format_grid, full_shape_of, resolve_dp, shard_of
@@ -163,8 +162,8 @@ def train_five_steps(cfg, model_cfg, layout, dp_of_batch, data_dir):
         train.global_grad_norm = norm_of
     sent = [m.a2a_sent.bytes for m in model.moe_layers().values()]
     evaluated = train.evaluate(cfg, run, parts)["val"]
-    with sharded.whole_model() if sharded is not None else nullcontext():
-        weights = {n: full(p, p) for n, p in model.named_parameters() if n not in copies}
+    whole = gathered_parameters(sharded)
+    weights = {n: full(whole.get(p, p), p) for n, p in model.named_parameters() if n not in copies}
     return dict(losses=losses, norms=norms, grads=grads, weights=weights, loads=loads, stats=stats,
                 at=(layout.dp_rank, layout.tp_rank, layout.pp_rank), val_loss=evaluated,
                 eval_left_a2a_bytes=sent == [m.a2a_sent.bytes for m in model.moe_layers().values()])

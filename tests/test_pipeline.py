@@ -23,11 +23,11 @@ import settings
 import train
 import zero as zero_stages  # (zero is a local name below: the stage)
 from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights, gather_full,
-                        run_ranks, train_in_process, train_on_ranks)
-from model import ModelConfig, Transformer, check_layout, chunk_modules
+                        gathered_parameters, run_ranks, train_in_process, train_on_ranks)
+from model import ModelConfig, Transformer, check_layout
 from parallel import ParallelLayout, PipelineComm, run_schedule, stage_layers, sync_tied_grads, tied_weight_group
-from pipeline_schedules import (SCHEDULES, WeightGradStore, balanced_cut, check_schedule, cost_cut, describe_pipeline,
-                                forward_only_actions, ideal_bubble, virtual_stages)
+from pipeline_schedules import (SCHEDULES, WeightGradStore, balanced_cut, check_schedule, chunk_modules, cost_cut,
+                                describe_pipeline, forward_only_actions, ideal_bubble, virtual_stages)
 from parallel import _all_gather_single
 from timeline import ActivationMemory, bubble_fraction, format_timeline, schedule_timeline
 from timeline import main as timeline_main
@@ -497,13 +497,13 @@ def full_tensors(model, layout, which, zero, optimizer=None):
     out, copies = {}, model.tied_copies()
     grads = whole_grads(optimizer.grad_sync) if which == "grads" and zero >= 2 else {}
     sharded = optimizer.grad_sync if which == "weights" and zero == 3 else None
-    with sharded.whole_model() if sharded is not None else nullcontext():
-        for name, p in model.named_parameters():
-            t = (grads.get(p, p.grad) if which == "grads" else p.detach()).clone()
-            if which == "grads" and zero == 1 and layout.dp_group is not None:
-                dist.all_reduce(t, group=layout.dp_group)
-            t = gather_full(t, p, layout.tp_group)
-            out[copies.get(name, name)] = t.numpy()
+    whole = gathered_parameters(sharded)
+    for name, p in model.named_parameters():
+        t = (grads.get(p, p.grad) if which == "grads" else whole.get(p, p).detach()).clone()
+        if which == "grads" and zero == 1 and layout.dp_group is not None:
+            dist.all_reduce(t, group=layout.dp_group)
+        t = gather_full(t, p, layout.tp_group)
+        out[copies.get(name, name)] = t.numpy()
     return out if layout.dp_rank == 0 else None
 
 
