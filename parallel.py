@@ -499,27 +499,28 @@ class ShardedBucket(Bucket):
 
 
 def post_reduce_scatter(bucket):
-    """Post the sum over the group of bucket.flat of which this rank keeps its slice, into bucket.shard: a
-    reduce-scatter, or on gloo an all-reduce of the whole of flat (reduces_by_all_reduce; summed_slice then
-    takes the slice). With one rank the slice is flat itself."""
-    bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
+    """Post the sum over the group of bucket.flat, of which this rank keeps its slice (summed_slice): a
+    reduce-scatter into a new bucket.shard, or on gloo an all-reduce of the whole of flat
+    (reduces_by_all_reduce), the slice then read from flat. With one rank there is nothing to send."""
     if bucket.world == 1:
-        bucket.shard.copy_(bucket.flat)
-    elif reduces_by_all_reduce(bucket.group):
+        return
+    if reduces_by_all_reduce(bucket.group):
         bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
     else:
+        bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
         bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=bucket.group, async_op=True)
 
 
 def summed_slice(bucket):
-    """Wait for post_reduce_scatter's collective; returns bucket.shard, this rank's slice of the sum."""
+    """This rank's slice of the sum post_reduce_scatter posted, once it has landed: bucket.shard, or its
+    range of flat (gloo, or one rank)."""
     if bucket.work is not None:
         bucket.work.wait()  # sync point: the sum is needed now
         bucket.work = None
-        if reduces_by_all_reduce(bucket.group):
-            lo, hi = bucket.owned()
-            bucket.shard.copy_(bucket.flat[lo:hi])
-    return bucket.shard
+    if bucket.shard is not None:
+        return bucket.shard
+    lo, hi = bucket.owned()
+    return bucket.flat[lo:hi]
 
 
 def owned_slices(buckets):
@@ -597,7 +598,7 @@ class ShardedGradientBuckets(GradientBuckets):
     def land(self, bucket):
         """The mean on what this rank owns, zero elsewhere (the other ranks' parts)."""
         lo, hi = bucket.owned()
-        if bucket.shard is not None:
+        if bucket.shard is not None:  # (a reduce-scatter's; an all-reduce's sum is in flat already)
             bucket.flat[lo:hi].copy_(summed_slice(bucket))
             bucket.shard = None
         if self.replicas > 1:

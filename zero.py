@@ -133,9 +133,8 @@ class GradientShards(GradientBuckets):
         return bucket
 
     def set_grad_sync(self, sync):
-        for bucket in self.in_flight:  # a backward begins: land what the last one left in flight, before its peak
-            self.settle(bucket)
-        self.in_flight = []
+        while self.in_flight:  # a backward begins: land what the last one left in flight, before its peak
+            self.settle(self.in_flight[0])
 
     def grad_ready(self, p):
         """p.grad is complete for this micro-batch: copy it into its bucket, then launch, in its phase's
@@ -167,8 +166,7 @@ class GradientShards(GradientBuckets):
         self.next[phase] = 0
 
     def copy_in(self, bucket, i):
-        if bucket.shard is not None:  # its last launch must land before it refills
-            self.settle(bucket)
+        self.settle(bucket)  # its last launch, if still in flight, must land before it refills
         if bucket.flat is None:
             bucket.flat = bucket.zeros()
         super().copy_in(bucket, i)
@@ -177,7 +175,7 @@ class GradientShards(GradientBuckets):
     def launch(self, bucket):
         self.launched += 1
         while len(self.in_flight) >= 2:  # keep at most two buckets' full gradients in flight
-            self.settle(self.in_flight.pop(0))
+            self.settle(self.in_flight[0])
         post_reduce_scatter(bucket)
         self.in_flight.append(bucket)
         bucket.ready = set()  # sent: the next action that writes it starts it afresh
@@ -185,10 +183,14 @@ class GradientShards(GradientBuckets):
     def settle(self, bucket):
         """Wait for a bucket's reduce-scatter, add this micro-batch's mean into grad_shard, drop the flat
         gradient."""
-        if bucket.shard is None:
+        if bucket not in self.in_flight:
             return
+        self.in_flight.remove(bucket)
         shard = summed_slice(bucket).div_(self.replicas)  # the sum over ranks / dp = the mean over the global batch
-        bucket.grad_shard = shard if bucket.grad_shard is None else bucket.grad_shard.add_(shard)
+        if bucket.grad_shard is not None:
+            bucket.grad_shard.add_(shard)
+        else:  # (kept: a copy where the slice is a view of flat, which goes now)
+            bucket.grad_shard = shard if bucket.shard is not None else shard.clone()
         bucket.flat = bucket.shard = None
 
     def finish(self):
@@ -197,9 +199,9 @@ class GradientShards(GradientBuckets):
         if any(b.ready for b in self.buckets) or any(p.grad is not None for p in self.where):
             raise RuntimeError("GradientShards.finish: gradients were never sent: call backward_done(op, chunk) "
                                "after each backward action")
-        for bucket in self.in_flight:
-            self.settle(bucket)
-        self.in_flight, self.next, self.launched = [], dict.fromkeys(self.next, 0), 0
+        while self.in_flight:
+            self.settle(self.in_flight[0])
+        self.next, self.launched = dict.fromkeys(self.next, 0), 0
         if self.tied_group is not None:
             for p in self.tied_copies:
                 dist.all_reduce(self.where[p][0].grad_shard, group=self.tied_group)

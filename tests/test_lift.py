@@ -303,6 +303,18 @@ def test_mark_filled_marks_only_the_layers_whose_weight_it_is_given():
     assert filled == ["blocks.1.mlp.up"]
 
 
+def test_no_class_has_more_than_two_picotron_classes_above_it_and_zero_is_four_classes():
+    """Composition over deep inheritance (STYLE.md): a reader holds at most three classes to know what one
+    method does. ZeRO-2 and ZeRO-3 are at most four classes."""
+    modules = (parallel, zero, optim, expert_parallel, pipeline_schedules, context_parallel, checkpoint)
+    ours = {module.__name__ for module in modules} | {"model"}
+    deep = {f"{cls.__module__}.{cls.__name__}": [c.__name__ for c in cls.__mro__[1:] if c.__module__ in ours]
+            for module in modules for cls in vars(module).values()
+            if inspect.isclass(cls) and cls.__module__ == module.__name__}
+    assert not {name: above for name, above in deep.items() if len(above) > 2}
+    assert len([c for c in vars(zero).values() if inspect.isclass(c) and c.__module__ == "zero"]) <= 4
+
+
 # -----------------------------------------------------------------------------
 # the hook list: what the extensions override, call or set on parallel.py's classes, all of it in its docstring
 
