@@ -143,4 +143,3 @@ class ExpertSplit(Reducers):
     def __init__(self, dense, experts):
         experts.replicas = dense.replicas
         super().__init__(dense, experts)
-        self.dense, self.experts = dense, experts
