@@ -357,15 +357,18 @@ class FullyShardedParameters(GradientShards):
                 unit.post_gather()
 
     def launch(self, bucket):
-        """GradientShards' reduce-scatter, then after_backward: once the last unit its block's B completes is
-        sent, the whole block is freed (a split backward's W needs no weights, dW = dy^T x; the W part's
-        own launch, after W, finds it free); any other unit of a block is freed when it is sent."""
+        """GradientShards' reduce-scatter, then after_backward: the unit's gradients are sent."""
         super().launch(bucket)
         unit = self.unit[id(bucket)]
-        if unit.keep_whole:
-            return
-        block = self.block_of[id(bucket)]
-        for u in (block if self.ends_backward.get(id(block)) is bucket else [unit]):
+        if not unit.keep_whole:
+            self.after_backward(unit)
+
+    def after_backward(self, unit):
+        """Free the unit; once the last unit its block's B completes is sent, the block's backward has run:
+        free the whole block (a split backward's W needs no weights, dW = dy^T x; the W part's own launch,
+        after W, finds it free)."""
+        block = self.block_of[id(unit.bucket)]
+        for u in (block if self.ends_backward.get(id(block)) is unit.bucket else [unit]):
             u.free()
 
     def after_step(self):
