@@ -43,9 +43,10 @@ override, call or set (tests/test_lift.py reads their code and fails on one miss
   ColumnParallelLinear, RowParallelLinear  `matmul`  their product (the split backward's WeightGradStore)
 What ZeRO-2/3 add, backward_done(op, chunk) after each backward action, the executor and train.py call
 where a reducer has it. Every piece works given only torch and a process group, so it can be lifted into
-another project; group=None always means "not split" (one rank), never torch's default world group. Each numbered section's header says which earlier sections it needs (`# Needs:`); every one
-needs the top of the file (the imports, the two renamed collectives and at_least_fp32) and no later
-section, so a section lifts with the ones it names (tests/test_lift.py lifts them so, and runs them).
+another project; group=None always means "not split" (one rank), never torch's default world group. Each
+numbered section's header says which earlier sections it needs (`# Needs:`); every one needs the top of
+the file (the imports, the two renamed collectives and at_least_fp32) and no later section, so a section
+lifts with the ones it names (tests/test_lift.py lifts them so, and runs them).
 
 References: Li et al. 2020, "PyTorch Distributed" (section 3.2.3); Rajbhandari et al. 2020, "ZeRO"
 (section 5.1); Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using

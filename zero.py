@@ -67,8 +67,8 @@ gathered and freed together, two all-gathers per gather; each part's gradients r
 its action. Under zbv rank 0's root unit (the embedding, the final norm, the head) is whole all step.
 
 Both are reducers as parallel.py's ShardedGradientBuckets is, for parallel.ZeroOneAdamW to step with:
-GradientShards extends parallel.GradientBuckets through the hooks its docstring lists, with ZeRO-1's
-slices (parallel.ShardedBucket, owned_slices, gather_slices), and FullyShardedParameters extends
+GradientShards extends parallel.GradientBuckets through the hooks parallel.py's docstring lists, with
+ZeRO-1's slices (parallel.ShardedBucket, owned_slices, gather_slices), and FullyShardedParameters extends
 GradientShards, each ZeRO-3 unit's parameters held by a Unit beside its bucket. Expert parallelism
 (expert_parallel.py) runs one of them over the experts' group beside the other. At the end of this file:
 what of picotron's Transformer they are cut from, the backward action that writes each parameter's
