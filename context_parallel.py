@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel import at_least_fp32, group_rank, group_size
+from parallel import _all_gather_along, at_least_fp32, group_rank, group_size
 
 
 def check_context_split(seq_len, cp, tp=1):
@@ -107,10 +107,7 @@ def all_gather_context(x, group, dim=1):
     to queue them in the window's order, as one process does."""
     if group_size(group) == 1:
         return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    dist.all_gather(parts, x, group=group)
-    return zigzag_gather(parts, dim)
+    return zigzag_gather(_all_gather_along(x, group, dim).chunk(group_size(group), dim), dim)  # (every rank's share)
 
 
 def split_for_every_rank(x, cp, split=zigzag_split):

@@ -38,12 +38,11 @@ busy expert's does, so the gradient buckets fill at the same point on every rank
 """
 import math
 from collections import namedtuple
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-from parallel import group_rank, group_size
+from parallel import Reducers, group_rank, group_size
 
 ExpertSplits = namedtuple("ExpertSplits", "send recv recv_counts")
 
@@ -150,7 +149,7 @@ def apply_expert_parallel(model, group):
     return model
 
 
-class ExpertSplit:
+class ExpertSplit(Reducers):
     """The gradient reducer of a model under expert parallelism: two reducers of one kind (GradientBuckets,
     parallel.ShardedGradientBuckets, zero.GradientShards or zero.FullyShardedParameters, whatever the ZeRO
     stage), `dense` over the data-parallel group for every parameter but the experts, `experts` over
@@ -160,70 +159,9 @@ class ExpertSplit:
     the dense group's size (its `replicas`), not by its own. The optimizer's states of the experts are
     sharded over their replicas, as their gradients are (ZeRO-2) and their parameters (ZeRO-3: each block
     is then gathered by both, its experts over their group, the rest over the data-parallel group).
-    It answers every call a reducer answers, passing each to both, or to the one holding the parameter."""
+    It answers every call a reducer answers, as parallel.Reducers does: passing each to both, or to the one
+    holding the parameter."""
 
     def __init__(self, dense, experts):
-        self.dense, self.experts, self.parts = dense, experts, (dense, experts)
         experts.replicas = dense.replicas
-        self.group, self.replicas = dense.group, dense.replicas
-
-    def of(self, p):
-        return self.dense if p in self.dense.where else self.experts
-
-    @property
-    def buckets(self):
-        return self.dense.buckets + self.experts.buckets
-
-    @property
-    def launched(self):
-        return self.dense.launched + self.experts.launched
-
-    @property
-    def hooks(self):
-        return {**self.dense.hooks, **self.experts.hooks}
-
-    def set_grad_sync(self, sync):
-        for r in self.parts:
-            r.set_grad_sync(sync)
-
-    def backward_done(self, op, chunk):
-        for r in self.parts:
-            r.backward_done(op, chunk)
-
-    def by_hand(self, params):
-        for r in self.parts:
-            r.by_hand([p for p in params if p in r.where])
-
-    def grad_ready(self, p):
-        self.of(p).grad_ready(p)
-
-    def finish(self):
-        for r in self.parts:
-            r.finish()
-
-    def bucket_of(self, p):
-        return self.of(p).bucket_of(p)
-
-    # the sharded reducers' (ZeRO-1, 2, 3)
-    def owned_slices(self):
-        return self.dense.owned_slices() + self.experts.owned_slices()
-
-    def owned_param(self, p, *where):
-        return self.of(p).owned_param(p, *where)
-
-    def owned_grad(self, p, *where):
-        return self.of(p).owned_grad(p, *where)
-
-    def after_step(self):
-        for r in self.parts:
-            r.after_step()
-
-    # ZeRO-3's
-    def unit_by_unit(self):
-        for r in self.parts:
-            yield from r.unit_by_unit()
-
-    @contextmanager
-    def whole_model(self):
-        with self.dense.whole_model(), self.experts.whole_model():
-            yield
+        super().__init__(dense, experts)

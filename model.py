@@ -1143,65 +1143,8 @@ def takes_muon(name, param):
 
 
 # -----------------------------------------------------------------------------
-# How the parallel mechanisms cut this model: the modules and parameters of each pipeline chunk (the
-# zero-bubble schedules split the backward of the linears in them), the backward action that writes each
-# parameter's gradient (ZeRO-2/3 send it after that action), and ZeRO-3's units of parameters.
-
-
-def chunk_modules(model, chunk):
-    """The modules chunk `chunk` of a Transformer runs: the embedding on stage 0, its blocks, the final norm
-    and the head on the last stage (the zero-bubble schedules split the backward of the linears in them).
-    Not the head under the chunked loss, which reads the head's weight itself: its gradient comes in the
-    backward."""
-    layers = model.chunk_layers[chunk]
-    modules = [model.tok_emb] if layers[0] == 0 else []
-    modules += [model.blocks[str(i)] for i in layers]
-    if layers[-1] == model.cfg.n_layer - 1:
-        modules += [model.norm] + ([] if model.loss.chunked else [model.lm_head])
-    return modules
-
-
-def chunk_parameters(model, chunk):
-    """The parameters chunk `chunk` uses, each once: its modules', and the head's under the chunked loss."""
-    params = [p for module in chunk_modules(model, chunk) for p in module.parameters()]
-    if model.chunk_layers[chunk][-1] == model.cfg.n_layer - 1:
-        params += list(model.lm_head.parameters())
-    return list({id(p): p for p in params}.values())
-
-
-def backward_phases(model, weight_grad_stores=None):
-    """{parameter: {(op, chunk)}}: the backward actions of a micro-batch that write each parameter's gradient,
-    after each of which ZeRO-2 and 3 send it (zero.GradientShards.backward_done): ('B', c) for the
-    parameters of chunk c, or, where the schedule splits the backward (zero_bubble, zbv: one
-    WeightGradStore per chunk), ('W', c) for those its W actions compute (WeightGradStore.params). One
-    parameter has two: under zbv with tied embeddings, rank 0's embedding, which chunk 0's B and, as the
-    head, chunk 1's W (its B under the chunked loss) add to."""
-    phases = {}
-    for c in range(len(model.chunk_layers)):
-        by_hand = {id(p) for p in weight_grad_stores[c].params} if weight_grad_stores else set()
-        for p in chunk_parameters(model, c):
-            phases.setdefault(p, set()).add(("W" if id(p) in by_hand else "B", c))
-    return phases
-
-
-def zero3_units(model, tied=(), phases=None):
-    """ZeRO-3's units of parameters, (module or None, params, chunk), in forward order: the root (this
-    stage's embedding, final norm and head, kept whole through the step), a tied weight alone (its shards
-    are summed across stages), then each transformer block, gathered around its forward and its backward
-    (zero.py). A unit's gradients are sent after one backward action (`phases`, as backward_phases gives
-    them), so under a split backward a block is two units, its B part and its W part (gathered and freed
-    together), and the root one per action."""
-    def by_phase(params):
-        parts = {}
-        for p in params:
-            parts.setdefault(frozenset(phases[p]) if phases is not None else None, []).append(p)
-        return list(parts.values())
-    chunk_of = {i: c for c, layers in enumerate(model.chunk_layers) for i in layers}
-    blocks = [(block, part, chunk_of[int(i)]) for i, block in model.blocks.items()
-              for part in by_phase(list(block.parameters()))]
-    apart = {id(p) for _, params, _ in blocks for p in params} | {id(p) for p in tied}
-    root = [p for p in model.parameters() if id(p) not in apart]
-    return [(None, part, None) for part in by_phase(root)] + [(None, [p], None) for p in tied] + blocks
+# How it runs, applied to a built model like a layout: activation checkpointing and torch.compile, block by
+# block.
 
 
 def apply_activation_checkpointing(model):

@@ -48,8 +48,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from parallel import (ShardedBucket, ShardedGradientBuckets, adamw_step, at_least_fp32, group_size, optimizer_state_bytes,
-                      shard_of)
+from parallel import (ShardedBucket, ShardedGradientBuckets, _all_gather_along, adamw_step, at_least_fp32,
+                      buckets_by_kind, group_size, optimizer_state_bytes, params_flat, shard_of)
 
 
 class AdamW(torch.optim.AdamW):
@@ -122,9 +122,7 @@ def gather_tp_slices(x, param, group):
     dim = getattr(param, "tp_shard_dim", None)
     if dim is None or group_size(group) == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return _all_gather_along(x, group, dim)
 
 
 class WholeMatrixBuckets(ShardedGradientBuckets):
@@ -132,18 +130,22 @@ class WholeMatrixBuckets(ShardedGradientBuckets):
     sends each of those parameters' gradients whole to one rank, in buckets of their own, one owner per
     bucket, reduced to the owner (dist.reduce) instead of reduce-scattered; after the step the owner
     broadcasts what it updated (instead of the all-gather). Every other parameter keeps ZeRO-1's even
-    slices. group=None: not split (one rank owns everything; nothing is sent)."""
+    slices. It extends ShardedGradientBuckets through the hooks parallel.py's docstring lists."""
 
-    def __init__(self, params, group, bucket_size_mb=25.0, deferred=(), owners=None):
+    def __init__(self, params, group, bucket_size_mb=25.0, owners=None):
         self.owners = owners or {}
-        super().__init__(params, group, bucket_size_mb, deferred)
+        super().__init__(params, group, bucket_size_mb)
 
-    def kind(self, p):
-        return self.owners.get(p)
+    def plan(self, params, bucket_size_mb):
+        return buckets_by_kind(params, bucket_size_mb, self.owners.get)  # one owner per bucket
 
     def new_bucket(self, params):
         owner = self.owners.get(params[0])
-        return ShardedBucket(params, self.group) if owner is None else WholeBucket(params, self.group, owner)
+        if owner is None:
+            return super().new_bucket(params)
+        bucket = WholeBucket(params, self.group, owner)
+        bucket.flat = bucket.zeros()
+        return bucket
 
     def launch(self, bucket):
         if not isinstance(bucket, WholeBucket):
@@ -155,12 +157,12 @@ class WholeMatrixBuckets(ShardedGradientBuckets):
     def gather(self, bucket):
         if not isinstance(bucket, WholeBucket):
             return super().gather(bucket)
-        return dist.broadcast(self.values(bucket), dist.get_global_rank(bucket.group, bucket.owner),
+        return dist.broadcast(params_flat(bucket), dist.get_global_rank(bucket.group, bucket.owner),
                               group=bucket.group, async_op=True)
 
 
 class WholeBucket(ShardedBucket):
-    """A bucket that one rank of the group, `owner`, gets all of. group=None: not split (owner 0)."""
+    """A bucket that one rank of the group, `owner`, gets all of."""
 
     def __init__(self, params, group, owner):
         self.owner = owner
@@ -168,8 +170,7 @@ class WholeBucket(ShardedBucket):
         self.shard_size = self.numel
 
     def zeros(self):
-        return torch.zeros(sum(p.numel() for p in self.params), dtype=self.params[0].dtype,
-                           device=self.params[0].device)
+        return torch.zeros(self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
 
     def owned(self):
         return (0, self.numel) if self.rank == self.owner else (0, 0)
@@ -204,7 +205,7 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"Muon orthogonalises 2-D matrices; its groups hold tensors of shapes "
                              f"{sorted({tuple(p.shape) for p in self.matrices if p.dim() != 2})}")
         if grad_sync is not None:
-            pieces = grad_sync.owned_pieces()
+            pieces = [piece[:3] for piece in grad_sync.owned_slices()]
         else:
             pieces = [(p, 0, p.numel()) for g in self.param_groups for p in g["params"]]
         for p, start, end in pieces:
@@ -256,11 +257,11 @@ class Muon(torch.optim.Optimizer):
             self.grad_sync.after_step()
 
 
-def zero_one_muon_buckets(params, matrices, group, bucket_size_mb=25.0, deferred=()):
+def zero_one_muon_buckets(params, matrices, group, bucket_size_mb=25.0):
     """ZeRO-1 under Muon: the reducer that deals `matrices` whole (in backward order, as the buckets fill)
     over `group` and cuts every other parameter of `params` in ZeRO-1's even slices."""
     owners = deal_whole(reversed(list(matrices)), group_size(group))
-    return WholeMatrixBuckets(params, group, bucket_size_mb, deferred, owners)
+    return WholeMatrixBuckets(params, group, bucket_size_mb, owners)
 
 
 class DynamicLossScaler:

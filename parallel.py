@@ -22,8 +22,37 @@ parallelism and ZeRO, then tensor and sequence parallelism, then the pipeline).
 Each mechanism beyond these is a file of its own, importing only torch and this file: context_parallel.py
 (the zigzag split and ring attention), zero.py (ZeRO-2 and ZeRO-3), expert_parallel.py (the all-to-all),
 pipeline_schedules.py (interleaved 1F1B, ZB-H1, ZB-V and the split backward); optim.py holds AdamW's
-interface and Muon. A core piece knows nothing of them: where one extends it, it does so through the named
-hooks the core's docstring lists. Every piece works given only torch and a process group, so it can be
+interface and Muon. A core piece knows nothing of them: where one extends it, it does so through these
+hooks, every method (with its arguments) or attribute (in backquotes) of a class here that those files
+override, call or set (tests/test_lift.py reads their code and fails on one missing here):
+  GradientBuckets  plan(params, bucket_size_mb)  the buckets, lists of parameters (ZeRO-2/3: by backward
+                                                  action, one per unit; Muon: one owner each)
+                   new_bucket(params)            the object each bucket is, its flat buffer made now or not
+                   set_grad_sync(sync)           before each backward (ZeRO-2: lands what is in flight)
+                   grad_ready(p)                 p.grad complete: the hook's, or by hand (the split
+                                                  backward's W calls it)
+                   full(bucket), copy_in(bucket, i)  a bucket complete; p.grad into it
+                   launch(bucket), land(bucket)  post its collective; what p.grad becomes after it
+                   finish()                      after backward: every collective waited for
+                   `hooks`, `replicas`           {id(p): its hook}, taken out where autograd does not say
+                                                  when p.grad is complete (Reducers' late; the split
+                                                  backward's announced_by_hand); what the sums are divided
+                                                  by (the experts': the dense group's size)
+  ShardedGradientBuckets  owned_slices(), gather(bucket), after_step()  what the optimizer steps with
+  Bucket, ShardedBucket   zeros(), owned()  the flat buffer, this rank's range of it
+  ColumnParallelLinear, RowParallelLinear  `matmul`  their product (the split backward's WeightGradStore)
+What ZeRO-2/3 add, backward_done(op, chunk) after each backward action, the executor and train.py call
+where a reducer has it.
+
+The pipeline's hooks (section 6). pipeline_schedules.ScheduleExecutor extends PipelineExecutor by overriding
+  act(action, received, last)     one action's work: the extension's runs W actions, the split backward
+                                  around B, the hand-over between two chunks of one rank and the trace
+                                  around the core's act
+  backpropagate(out, loss, grad)  a backward's roots: the extension adds a stage's auxiliary loss
+and calls PipelineComm.is_here (the hand-over) and, on the data-parallel reducer, set_grad_sync,
+grad_ready and backward_done (after each B and W).
+
+Every piece works given only torch and a process group, so it can be
 lifted into another project. group=None always means "not split" (one rank), never torch's default
 world group, wherever a group is taken (here and in the files beyond): a layer or reducer given None
 computes what the one-process torch code computes, and each collective helper (copy_to_tp,
@@ -35,14 +64,6 @@ it would hand None to torch, whose collectives read it as the default world grou
 Each numbered section's header says which earlier sections it needs (`# Needs:`); every one needs the
 top of the file (the imports, the two renamed collectives and at_least_fp32) and no later section, so a
 section lifts with the ones it names (tests/test_lift.py lifts them so, and runs them).
-
-The pipeline's hooks (section 6). pipeline_schedules.ScheduleExecutor extends PipelineExecutor by overriding
-  act(action, received, last)     one action's work: the extension's runs W actions, the split backward
-                                  around B, the hand-over between two chunks of one rank and the trace
-                                  around the core's act
-  backpropagate(out, loss, grad)  a backward's roots: the extension adds a stage's auxiliary loss
-and calls PipelineComm.is_here (the hand-over) and, on the data-parallel reducer, set_grad_sync,
-grad_ready and backward_done (after each B and W).
 
 References: Li et al. 2020, "PyTorch Distributed" (section 3.2.3); Rajbhandari et al. 2020, "ZeRO"
 (section 5.1); Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
@@ -330,8 +351,8 @@ def describe_layout(layout, sequence_parallel=False, n_expert=0, per_node=None):
 
 class Bucket:
     """Parameters whose gradients travel as one flat tensor: `flat`, each parameter's elements at its
-    offset, in order. `ready` holds the indices of those copied in, `work` the collective in flight.
-    `group`: the ranks that average it (None: not split, one replica; nothing is sent)."""
+    offset, in order (allocated by the reducer: zeros()). `ready` holds the indices of those copied in,
+    `work` the collective in flight. `group`: the ranks that average it."""
 
     def __init__(self, params, group):
         self.params, self.group = params, group
@@ -339,11 +360,10 @@ class Bucket:
         for p in params:
             self.offsets.append(n)
             n += p.numel()
-        self.numel = n
-        self.flat = self.new_flat()
+        self.numel, self.flat = n, None
         self.ready, self.work = set(), None
 
-    def new_flat(self):
+    def zeros(self):
         return torch.zeros(self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
 
     def views(self):
@@ -352,86 +372,49 @@ class Bucket:
 
 
 class GradientBuckets:
-    """Averages the gradients of `params` over the data-parallel `group` (None: not split, one replica),
-    in buckets of about bucket_size_mb launched asynchronously from backward hooks
-    (Tensor.register_post_accumulate_grad_hook). Do not also wrap the model in DistributedDataParallel.
+    """Averages the gradients of `params` over the data-parallel `group`, in buckets of about bucket_size_mb
+    launched asynchronously from backward hooks (Tensor.register_post_accumulate_grad_hook). Do not also
+    wrap the model in DistributedDataParallel.
 
     Per step: before each micro-batch's backward call set_grad_sync(False) for the gradient-accumulation
     micro-steps (gradients just accumulate, nothing is sent) and set_grad_sync(True) before the last; after
     backward, finish() waits for the collectives and leaves the average gradient in every p.grad (zeros for
-    a parameter that got none, as on every replica).
+    a parameter that got none, as on every replica). A gradient accumulated outside autograd (no hook
+    fires) is announced with grad_ready(p) once complete."""
 
-    `deferred` parameters are not sent from their hooks but in finish(): a gradient that still changes
-    after backward (a tied embedding whose pipeline stages add their copies' gradients) must be complete
-    before it is reduced, so call finish() after that addition.
-
-    Hooks, for the mechanisms that extend it (each overrides what it changes; what is here is the plain
-    all-reduce):
-      kind(p)              parameters of different kinds never share a bucket (here: one kind)
-      plan(params, size)   the buckets, lists of parameters in the order backward fills them
-      new_bucket(params)   the object each bucket is (Bucket)
-      launch(bucket)       posts its collective (all_reduce)
-      land(bucket)         after it: what each p.grad becomes (the sum's mean, a view of flat)
-      replicas             the count the summed gradients are divided by: the group's size
-      backward_done(op, chunk)  called after every backward action by the training step (here: nothing)
-    and for gradients accumulated outside autograd: by_hand(params) removes their hooks, grad_ready(p)
-    announces each once it is complete."""
-
-    def __init__(self, params, group, bucket_size_mb=25.0, deferred=()):
-        self.group, self.replicas = group, group_size(group)
+    def __init__(self, params, group, bucket_size_mb=25.0):
+        self.group, self.replicas = group, group_size(group)  # replicas: what the summed gradients are divided by
         self.sync, self.launched = True, 0  # launched: buckets sent since the last finish(), in order
-        self.deferred = {id(p) for p in deferred}
         params = [p for p in params if p.requires_grad]
         self.buckets = [self.new_bucket(ps) for ps in self.plan(params, bucket_size_mb)]
         self.where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self.hooks = {id(p): p.register_post_accumulate_grad_hook(self.grad_ready)
-                      for p in params if id(p) not in self.deferred}
-
-    def kind(self, p):
-        return None
+        self.hooks = {id(p): p.register_post_accumulate_grad_hook(self.grad_ready) for p in params}
 
     def plan(self, params, bucket_size_mb):
         """Backward produces gradients roughly in the reverse order of the forward pass: bucket them that way,
-        filling one bucket of each kind at a time, in the order they fill up; the deferred ones last."""
-        capacity, buckets, filling = max(1, int(bucket_size_mb * 2 ** 20)), [], {}  # kind -> (params, bytes)
-        for p in reversed([p for p in params if id(p) not in self.deferred]):
-            current, size = filling.get(self.kind(p), ([], 0))
-            if current and p.dtype != current[0].dtype:  # one dtype per flat buffer
+        a bucket closed once it holds bucket_size_mb, or when the next parameter's dtype differs."""
+        capacity, buckets, current, size = max(1, int(bucket_size_mb * 2 ** 20)), [], [], 0
+        for p in reversed(params):
+            if current and (p.dtype != current[0].dtype or size >= capacity):
                 buckets.append(current)
                 current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
-            if size >= capacity:
-                buckets.append(current)
-                current, size = [], 0
-            filling[self.kind(p)] = (current, size)
-        buckets += [current for current, _ in filling.values() if current]
-        late = [p for p in params if id(p) in self.deferred]
-        for kind, dtype in dict.fromkeys((self.kind(p), p.dtype) for p in late):
-            buckets.append([p for p in late if (self.kind(p), p.dtype) == (kind, dtype)])
-        return buckets
+        return buckets + ([current] if current else [])
 
     def new_bucket(self, params):
-        return Bucket(params, self.group)
+        bucket = Bucket(params, self.group)
+        bucket.flat = bucket.zeros()
+        return bucket
 
     def set_grad_sync(self, sync):
         self.sync = sync
 
-    def by_hand(self, params):
-        for p in params:
-            hook = self.hooks.pop(id(p), None)
-            if hook is not None:
-                hook.remove()
-
-    def backward_done(self, op, chunk):
-        pass
-
     def grad_ready(self, p):
-        """p.grad is complete for this step, said by its hook or by hand: copy it into its bucket, then launch,
-        in bucket order, every bucket that is full and has only launched buckets before it. Nothing in a
-        gradient-accumulation micro-step (set_grad_sync(False)); a deferred parameter waits for finish(), one
-        it does not average (none with a single replica) needs nothing."""
-        if not self.sync or id(p) in self.deferred or p not in self.where:
+        """p.grad is complete for this step: copy it into its bucket, then launch, in bucket order, every bucket
+        that is full and has only launched buckets before it. Nothing in a gradient-accumulation micro-step
+        (set_grad_sync(False)); a parameter it does not average (none with a single replica) needs nothing."""
+        if not self.sync or p not in self.where:
             return
         bucket, i = self.where[p]
         if i in bucket.ready:
@@ -464,8 +447,8 @@ class GradientBuckets:
             p.grad = view
 
     def finish(self):
-        """Launch, in bucket order, what the hooks did not (deferred parameters, parameters that got no
-        gradient this step, the buckets after them), wait for every collective and land each bucket."""
+        """Launch, in bucket order, what the hooks did not (parameters that got no gradient this step, the
+        buckets after them), wait for every collective and land each bucket."""
         for bucket in self.buckets[self.launched:]:
             for i in range(len(bucket.params)):
                 if i not in bucket.ready:
@@ -477,9 +460,6 @@ class GradientBuckets:
             self.land(bucket)
             bucket.ready, bucket.work = set(), None
         self.sync, self.launched = True, 0
-
-    def bucket_of(self, p):
-        return self.where[p][0]
 
 
 # -----------------------------------------------------------------------------
@@ -498,7 +478,9 @@ class GradientBuckets:
 #
 # The slices are cut from each bucket's flat buffer, padded to a multiple of dp, not handed out tensor by
 # tensor: every rank gets the same number of elements (within the padding), whatever the tensor sizes.
-# zero.py goes on to ZeRO-2 (the gradients kept as shards too) and ZeRO-3 (the parameters as well).
+# zero.py goes on to ZeRO-2 (the gradients kept as shards too) and ZeRO-3 (the parameters as well); it
+# reuses the pieces here that are not methods: ShardedBucket, post_reduce_scatter and summed_slice (the
+# one place gloo's all-reduce stands in for the reduce-scatter), owned_slices and gather_slices.
 
 
 def reduces_by_all_reduce(group):
@@ -511,17 +493,14 @@ def reduces_by_all_reduce(group):
 
 class ShardedBucket(Bucket):
     """A bucket whose flat buffer is padded to a multiple of the group's size and cut into equal slices,
-    slice r owned by group rank r; `shard` receives this rank's slice of the sum. group=None: not split
-    (one rank owns the whole buffer)."""
+    slice r owned by group rank r; `shard` receives this rank's slice of the sum, `values` (made by
+    params_flat) is the parameters' flat buffer."""
 
     def __init__(self, params, group):
         self.world, self.rank = group_size(group), group_rank(group)
         self.shard_size = (sum(p.numel() for p in params) + self.world - 1) // self.world  # elements one rank owns
-        self.shard = self.values = None  # values: the parameters' flat buffer (ShardedGradientBuckets.values)
+        self.shard = self.values = None
         super().__init__(params, group)
-
-    def new_flat(self):
-        return self.zeros()
 
     def zeros(self):
         return torch.zeros(self.shard_size * self.world, dtype=self.params[0].dtype, device=self.params[0].device)
@@ -531,30 +510,108 @@ class ShardedBucket(Bucket):
         return self.rank * self.shard_size, (self.rank + 1) * self.shard_size
 
 
+def post_reduce_scatter(bucket):
+    """Post the sum over the group of bucket.flat, of which this rank keeps its slice (summed_slice): a
+    reduce-scatter into a new bucket.shard, or on gloo an all-reduce of the whole of flat
+    (reduces_by_all_reduce), the slice then read from flat. With one rank there is nothing to send."""
+    if bucket.world == 1:
+        return
+    if reduces_by_all_reduce(bucket.group):
+        bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+    else:
+        bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
+        bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=bucket.group, async_op=True)
+
+
+def summed_slice(bucket):
+    """This rank's slice of the sum post_reduce_scatter posted, once it has landed: bucket.shard, or its
+    range of flat (gloo, or one rank)."""
+    if bucket.work is not None:
+        bucket.work.wait()  # sync point: the sum is needed now
+        bucket.work = None
+    if bucket.shard is not None:
+        return bucket.shard
+    lo, hi = bucket.owned()
+    return bucket.flat[lo:hi]
+
+
+def owned_slices(buckets):
+    """(param, start, end, bucket, a, b): the range start:end of each parameter's flattened elements this
+    rank owns, which is a:b of its bucket's owned range. Each parameter has at most one range: it is
+    contiguous in its bucket, so is the slice."""
+    pieces = []
+    for bucket in buckets:
+        lo, hi = bucket.owned()
+        for p, start in zip(bucket.params, bucket.offsets):
+            a, b = max(lo, start), min(hi, start + p.numel())
+            if a < b:
+                pieces.append((p, a - start, b - start, bucket, a - lo, b - lo))
+    return pieces
+
+
+def params_flat(bucket):
+    """The bucket's parameters as one flat buffer, padded as its gradient is, each p.data a view of it: the
+    all-gather after the step then lands in the parameters themselves, with no copy in or out. Made at the
+    first step's end (between steps no autograd graph holds the old storage)."""
+    if bucket.values is None:
+        bucket.values = bucket.zeros()
+        for p, start in zip(bucket.params, bucket.offsets):
+            bucket.values[start:start + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = bucket.values[start:start + p.numel()].view_as(p)
+    return bucket.values
+
+
+def gather_slices(bucket):
+    """Post the collective that gives every rank the bucket's updated parameters: the all-gather of every
+    rank's owned slice into the parameters (its input a copy: the slice is part of the output)."""
+    values = params_flat(bucket)
+    lo, hi = bucket.owned()
+    return _all_gather_single(values, values[lo:hi].clone(), group=bucket.group, async_op=True)
+
+
+def buckets_by_kind(params, bucket_size_mb, kind):
+    """GradientBuckets.plan for reducers whose buckets must not mix kinds of parameters (zero.py's backward
+    actions, optim.py's matrix owners): one bucket of each kind(p) filling at a time, in backward order,
+    each closed once it holds bucket_size_mb or when the next parameter of its kind has another dtype; the
+    buckets in the order they close, those left open last."""
+    capacity, buckets, filling = max(1, int(bucket_size_mb * 2 ** 20)), [], {}  # kind -> (params, bytes)
+    for p in reversed(params):
+        current, size = filling.get(kind(p), ([], 0))
+        if current and p.dtype != current[0].dtype:  # one dtype per flat buffer
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= capacity:
+            buckets.append(current)
+            current, size = [], 0
+        filling[kind(p)] = (current, size)
+    return buckets + [current for current, _ in filling.values() if current]
+
+
 class ShardedGradientBuckets(GradientBuckets):
     """GradientBuckets for ZeRO-1: the buckets are reduce-scattered instead of all-reduced, so finish()
     leaves in every p.grad the average gradient on the elements this rank owns and zero elsewhere;
     owned_slices() says which elements those are, and after the optimizer updated them, after_step()
     all-gathers every bucket's slices so that every rank holds the whole updated model (into the parameters
-    themselves: from the first step's end they are views of one flat buffer per bucket). A hook of its own
-    for what extends it: owned_param(p) and owned_grad(p), this rank's elements of p and of its gradient
-    (views: updating one updates p). group=None: not split (one rank owns every element; nothing is sent)."""
+    themselves: from the first step's end they are views of one flat buffer per bucket). owned_param(p) and
+    owned_grad(p) are this rank's elements of p and of its gradient (views: updating one updates p), and
+    gather(bucket) posts a bucket's collective after the step (Muon's whole matrices override it)."""
 
     def new_bucket(self, params):
-        return ShardedBucket(params, self.group)
+        bucket = ShardedBucket(params, self.group)
+        bucket.flat = bucket.zeros()
+        return bucket
 
     def launch(self, bucket):
-        if bucket.world > 1 and reduces_by_all_reduce(bucket.group):  # the sum lands in flat: land() keeps a slice
-            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
-        elif bucket.world > 1:
-            bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
-            bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=bucket.group, async_op=True)
+        if bucket.world > 1:
+            post_reduce_scatter(bucket)
 
     def land(self, bucket):
         """The mean on what this rank owns, zero elsewhere (the other ranks' parts)."""
         lo, hi = bucket.owned()
-        if bucket.shard is not None:
-            bucket.flat[lo:hi].copy_(bucket.shard)
+        if bucket.shard is not None:  # (a reduce-scatter's; an all-reduce's sum is in flat already)
+            bucket.flat[lo:hi].copy_(summed_slice(bucket))
             bucket.shard = None
         if self.replicas > 1:
             bucket.flat[lo:hi].div_(self.replicas)
@@ -564,21 +621,7 @@ class ShardedGradientBuckets(GradientBuckets):
             p.grad = view
 
     def owned_slices(self):
-        """(param, start, end, bucket, a, b): the range start:end of each parameter's flattened elements
-        this rank owns, which is a:b of its bucket's owned range. Each parameter has at most one range: it
-        is contiguous in its bucket, so is the slice."""
-        pieces = []
-        for bucket in self.buckets:
-            lo, hi = bucket.owned()
-            for p, start in zip(bucket.params, bucket.offsets):
-                a, b = max(lo, start), min(hi, start + p.numel())
-                if a < b:
-                    pieces.append((p, a - start, b - start, bucket, a - lo, b - lo))
-        return pieces
-
-    def owned_pieces(self):
-        """(param, start, end) of owned_slices()."""
-        return [piece[:3] for piece in self.owned_slices()]
+        return owned_slices(self.buckets)
 
     def owned_param(self, p, start, end, bucket, a, b):
         return p.detach().view(-1)[start:end]
@@ -586,28 +629,13 @@ class ShardedGradientBuckets(GradientBuckets):
     def owned_grad(self, p, start, end, bucket, a, b):
         return p.grad.view(-1)[start:end]
 
-    def values(self, bucket):
-        """The bucket's parameters as one flat buffer, padded as its gradient is, each p.data a view of it:
-        the all-gather after the step then lands in the parameters themselves, with no copy in or out. Made
-        at the first step's end (between steps no autograd graph holds the old storage)."""
-        if bucket.values is None:
-            bucket.values = bucket.zeros()
-            for p, start in zip(bucket.params, bucket.offsets):
-                bucket.values[start:start + p.numel()].copy_(p.detach().reshape(-1))
-                p.data = bucket.values[start:start + p.numel()].view_as(p)
-        return bucket.values
-
     def gather(self, bucket):
-        """Post the collective that gives every rank the bucket's updated parameters: the all-gather of
-        every rank's owned slice into the parameters (its input a copy: the slice is part of the output)."""
-        values = self.values(bucket)
-        lo, hi = bucket.owned()
-        return _all_gather_single(values, values[lo:hi].clone(), group=bucket.group, async_op=True)
+        return gather_slices(bucket)
 
     def after_step(self):
         """After each rank updated what it owns, give every rank the whole updated model: every bucket's
         all-gather posted at once, then waited for (sync point: the next forward reads the parameters)."""
-        for work in [self.gather(b) for b in self.buckets if group_size(b.group) > 1]:
+        for work in [self.gather(b) for b in self.buckets if b.world > 1]:
             work.wait()
 
 
@@ -632,7 +660,6 @@ class ZeroOneAdamW(torch.optim.Optimizer):
     def __init__(self, params, grad_sync, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.grad_sync = grad_sync
-        self.group_of = {p: g for g in self.param_groups for p in g["params"]}
         # the moments of this rank's slice only, created now so that their size can be reported at start-up
         self.slices = {}
         for p, start, end, *where in grad_sync.owned_slices():
@@ -679,6 +706,75 @@ def optimizer_state_bytes(optimizer):
     """Bytes of every tensor in an optimizer's state on this rank (the moments; the step counters too)."""
     return sum(v.numel() * v.element_size() for state in optimizer.state.values()
                for v in state.values() if torch.is_tensor(v))
+
+
+class Reducers:
+    """Several reducers of the same kind over disjoint parameters, answering as one: each call goes to every
+    part, or to the one holding the parameter, and what they hold reads as one list (buckets, owned
+    slices). For the mechanisms that reduce some parameters apart: the experts over the ranks holding the
+    same experts (expert_parallel.ExpertSplit), and `late`, a reducer of parameters whose gradient is
+    complete only after backward (a weight tied across pipeline stages, whose copies the pipeline sums:
+    train.make_grad_sync): its hooks are taken out and grad_ready passes it by, so that its finish(), after
+    the others', sends them. The parts' own extensions (backward_done, unit_by_unit: zero.py) pass to the
+    parts that have them."""
+
+    def __init__(self, *parts, late=None):
+        self.parts = parts + ((late,) if late is not None else ())
+        self.group, self.replicas = parts[0].group, parts[0].replicas
+        self.where = {p: at for r in self.parts for p, at in r.where.items()}
+        self.part_of = {p: r for r in parts for p in r.where}  # (not late's: grad_ready passes them by)
+        if late is not None:
+            for key in list(late.hooks):
+                late.hooks.pop(key).remove()
+
+    def of(self, p):
+        return self.part_of.get(p) or next(r for r in self.parts if p in r.where)
+
+    @property
+    def buckets(self):
+        return [b for r in self.parts for b in r.buckets]
+
+    @property
+    def launched(self):
+        return sum(r.launched for r in self.parts)
+
+    @property
+    def hooks(self):
+        return {k: h for r in self.parts for k, h in r.hooks.items()}
+
+    def set_grad_sync(self, sync):
+        for r in self.parts:
+            r.set_grad_sync(sync)
+
+    def grad_ready(self, p):
+        if p in self.part_of:
+            self.part_of[p].grad_ready(p)
+
+    def backward_done(self, op, chunk):
+        for r in self.parts:
+            if hasattr(r, "backward_done"):
+                r.backward_done(op, chunk)
+
+    def finish(self):
+        for r in self.parts:
+            r.finish()
+
+    def owned_slices(self):
+        return [piece for r in self.parts for piece in r.owned_slices()]
+
+    def owned_param(self, p, *where):
+        return self.of(p).owned_param(p, *where)
+
+    def owned_grad(self, p, *where):
+        return self.of(p).owned_grad(p, *where)
+
+    def after_step(self):
+        for r in self.parts:
+            r.after_step()
+
+    def unit_by_unit(self):
+        for r in self.parts:
+            yield from r.unit_by_unit()
 
 
 # -----------------------------------------------------------------------------

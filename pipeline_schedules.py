@@ -338,6 +338,32 @@ def describe_pipeline(schedule, pp, m, chunks, stage_blocks, costs, warn=True):
     return text
 
 
+# The modules and parameters of each model chunk of picotron's Transformer: what the split backward takes
+# (WeightGradStore, over a chunk's modules) and what the backward actions of a chunk write (zero.py's
+# backward_phases, over each chunk's parameters).
+
+
+def chunk_modules(model, chunk):
+    """The modules chunk `chunk` of a Transformer runs: the embedding on stage 0, its blocks, the final norm
+    and the head on the last stage (the zero-bubble schedules split the backward of the linears in them).
+    Not the head under the chunked loss, which reads the head's weight itself: its gradient comes in the
+    backward."""
+    layers = model.chunk_layers[chunk]
+    modules = [model.tok_emb] if layers[0] == 0 else []
+    modules += [model.blocks[str(i)] for i in layers]
+    if layers[-1] == model.cfg.n_layer - 1:
+        modules += [model.norm] + ([] if model.loss.chunked else [model.lm_head])
+    return modules
+
+
+def chunk_parameters(model, chunk):
+    """The parameters chunk `chunk` uses, each once: its modules', and the head's under the chunked loss."""
+    params = [p for module in chunk_modules(model, chunk) for p in module.parameters()]
+    if model.chunk_layers[chunk][-1] == model.cfg.n_layer - 1:
+        params += list(model.lm_head.parameters())
+    return list({id(p): p for p in params}.values())
+
+
 class _LinearSplitBackward(torch.autograd.Function):
     """y = x W^T + b whose backward computes dx = dy W only, leaving (x, dy) in store.collecting for a later
     dW = dy^T x (and db = the sum of dy): WeightGradStore.linear. With store.collecting None (a backward outside
@@ -374,9 +400,9 @@ class WeightGradStore:
 
     ScheduleExecutor runs a B inside `collect(i)`, which keeps what the chunk's layers' backward
     leaves for microbatch i, and a W as `apply(i, ready)`, which accumulates dW = dy^T x (db = sum of dy)
-    into .grad by hand: no backward hook fires for those, so ready(p) says when each is in (the data-parallel
-    reducer's grad_ready: tell it first with its by_hand(params)). `params` lists, in a fixed order, every
-    parameter whose gradient W computes."""
+    into .grad by hand: no backward hook fires for those (B gives them no gradient), so ready(p) says when
+    each is in (the data-parallel reducer's grad_ready). `params` lists, in a fixed order, every parameter
+    whose gradient W computes."""
 
     def __init__(self, modules):
         self.params, self.held, self.collecting = [], {}, None
@@ -442,6 +468,20 @@ class WeightGradStore:
                     ready(p)
 
 
+def announced_by_hand(grad_sync, params):
+    """Take the data-parallel reducer's backward hooks off `params`, whose gradients the W actions accumulate
+    by hand and announce with grad_ready (WeightGradStore.apply): a hook firing for one of them as well (a
+    gradient autograd also adds in B) would send it before its W. Through every part of a parallel.Reducers."""
+    for reducer in getattr(grad_sync, "parts", None) or [grad_sync]:
+        if hasattr(reducer, "parts"):
+            announced_by_hand(reducer, params)
+            continue
+        for p in params:
+            hook = reducer.hooks.pop(id(p), None)
+            if hook is not None:
+                hook.remove()
+
+
 class ScheduleExecutor(PipelineExecutor):
     """parallel.PipelineExecutor for every schedule here, extended through its two hooks (act and
     backpropagate) with what they need beside forward and backward:
@@ -474,7 +514,7 @@ class ScheduleExecutor(PipelineExecutor):
                 split = op == "B" and self.split_backward is not None
                 with self.split_backward[c].collect(i) if split else nullcontext():
                     product = super().act(action, received, last)
-            if op != "F" and self.grad_sync is not None:
+            if op != "F" and hasattr(self.grad_sync, "backward_done"):  # ZeRO-2/3 (zero.py) send each action's
                 self.grad_sync.backward_done(op, c)
         if product is not None and self.comm.is_here(destination):  # for this rank's other chunk: kept, not sent
             self.here[(op, i, destination)], product = product, None

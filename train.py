@@ -40,16 +40,16 @@ from data import EVAL_STREAM, TRAIN_STREAM, DataError, document_end, load_data, 
 from context_parallel import apply_context_parallel
 from expert_parallel import ExpertSplit, apply_expert_parallel
 from faults import BadSteps, StopVote, TooManyBadSteps, end_of_run, end_on_dead_peer, peer_failure, run_script
-from model import (ModelConfig, Transformer, apply_activation_checkpointing, backward_phases, choose_attn_impl,
-                   choose_device_and_dtype, chunk_modules, compile_blocks, takes_muon, uncompile_blocks, zero3_units)
+from model import (ModelConfig, Transformer, apply_activation_checkpointing, choose_attn_impl, choose_device_and_dtype,
+                   compile_blocks, takes_muon, uncompile_blocks)
 from optim import AdamW, DynamicLossScaler, Muon, describe_optimizer, zero_one_muon_buckets
-from parallel import (GradientBuckets, ParallelLayout, PipelineComm, ShardedGradientBuckets, ZeroOneAdamW,
+from parallel import (GradientBuckets, ParallelLayout, PipelineComm, Reducers, ShardedGradientBuckets, ZeroOneAdamW,
                       apply_pipeline, apply_tensor_parallel, at_least_fp32, describe_layout, init_distributed,
                       init_shares, materialize, optimizer_state_bytes, tied_weight_group)
-from pipeline_schedules import (SCHEDULES, Pipeline, WeightGradStore, check_schedule, describe_pipeline,
-                                virtual_stages)
+from pipeline_schedules import (SCHEDULES, Pipeline, WeightGradStore, announced_by_hand, check_schedule, chunk_modules,
+                                chunk_parameters, describe_pipeline, virtual_stages)
 from settings import check_layout
-from zero import FullyShardedParameters, GradientShards
+from zero import FullyShardedParameters, GradientShards, backward_phases, zero3_units
 
 # -----------------------------------------------------------------------------
 # settings
@@ -298,37 +298,42 @@ def make_grad_sync(model, cfg, layout, pipeline):
     optim.zero_one_muon_buckets), zero.GradientShards (2), zero.FullyShardedParameters (3). Under expert
     parallelism the experts get a reducer of their own kind over the ranks that hold the same experts
     (expert_parallel.ExpertSplit). A tied weight's gradient changes after backward (its copies are summed
-    by the pipeline): ZeRO-0 and 1 average it in finish(), after that sum (deferred); ZeRO-2 and 3 sum the
-    copies' shards themselves (tied). The split backward's W gradients are announced by hand (by_hand)."""
+    by the pipeline): ZeRO-0 and 1 average it in finish(), after that sum, by a reducer of its own without
+    hooks (parallel.Reducers' late); ZeRO-2 and 3 sum the copies' shards themselves (tied). The split
+    backward's W gradients are announced by hand (pipeline_schedules.announced_by_hand)."""
     zero, group, size = cfg.zero_stage, layout.dp_cp_group, cfg.bucket_size_mb
     if zero == 0 and group is None:
         return GradientBuckets([], None)  # one replica: nothing to average (a reducer of no parameters)
     stores = pipeline.weight_grad_stores if pipeline is not None else None
     tied = (pipeline.tied_copies, pipeline.tied_group) if pipeline is not None else ((), None)
-    phases = backward_phases(model, stores) if zero >= 2 else None
+    chunks = [chunk_parameters(model, c) for c in range(len(model.chunk_layers))]
+    phases = backward_phases(chunks, stores) if zero >= 2 else None
     units = zero3_units(model, tied[0], phases) if zero == 3 else None
     matrices = [p for name, p in model.named_parameters() if takes_muon(name, p)] if cfg.optimizer == "muon" else []
 
     def reducer(params, group, tied=((), None)):
         keep = {id(p) for p in params}
         if zero == 0:
-            return GradientBuckets(params, group, size, deferred=tied[0])
+            return GradientBuckets(params, group, size)
         if zero == 1 and matrices:
-            return zero_one_muon_buckets(params, [p for p in matrices if id(p) in keep], group, size, tied[0])
+            return zero_one_muon_buckets(params, [p for p in matrices if id(p) in keep], group, size)
         if zero == 1:
-            return ShardedGradientBuckets(params, group, size, deferred=tied[0])
+            return ShardedGradientBuckets(params, group, size)
         if zero == 2:
             return GradientShards(params, group, size, phases, tied)
         return FullyShardedParameters(params, group, [(m, [p for p in ps if id(p) in keep], c) for m, ps, c in units],
                                       model, phases, tied)
 
     experts = {id(p) for p in model.expert_parameters().values()} if layout.expert_dp_group is not group else set()
-    grad_sync = reducer([p for p in model.parameters() if id(p) not in experts], group, tied)
+    late = {id(p) for p in tied[0]} if zero <= 1 else set()  # ZeRO-0/1: a tied weight's copies, sent in finish()
+    grad_sync = reducer([p for p in model.parameters() if id(p) not in experts | late], group, tied)
+    if late:
+        grad_sync = Reducers(grad_sync, late=reducer(list(tied[0]), group))
     if experts:
         grad_sync = ExpertSplit(grad_sync, reducer([p for p in model.parameters() if id(p) in experts],
                                                    layout.expert_dp_group))
     if stores:  # W accumulates these outside autograd and announces them (pipeline_schedules.ScheduleExecutor)
-        grad_sync.by_hand([p for store in stores for p in store.params])
+        announced_by_hand(grad_sync, [p for store in stores for p in store.params])
     return grad_sync
 
 
@@ -395,7 +400,8 @@ def forward_backward(model, microbatches, autocast, loss_multiplier, grad_sync):
         loss = loss / len(microbatches)
         grad_sync.set_grad_sync(i == len(microbatches) - 1)
         (loss * loss_multiplier).backward()
-        grad_sync.backward_done("B", 0)
+        if hasattr(grad_sync, "backward_done"):  # ZeRO-2/3 (zero.py) send every micro-batch's gradients
+            grad_sync.backward_done("B", 0)
         total += loss.detach()
     return total
 

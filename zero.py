@@ -66,37 +66,28 @@ Their blocks are two units each, phases of their own (the weights W computes, th
 gathered and freed together, two all-gathers per gather; each part's gradients reduce-scattered after
 its action. Under zbv rank 0's root unit (the embedding, the final norm, the head) is whole all step.
 
-Both are reducers as parallel.py's ShardedGradientBuckets is, for parallel.ZeroOneAdamW to step with;
-expert parallelism (expert_parallel.py) runs one of them over the experts' group beside the other.
+Both are reducers as parallel.py's ShardedGradientBuckets is, for parallel.ZeroOneAdamW to step with:
+GradientShards extends parallel.GradientBuckets through the hooks parallel.py's docstring lists, with
+ZeRO-1's slices (parallel.ShardedBucket, owned_slices, gather_slices), and FullyShardedParameters extends
+GradientShards, each ZeRO-3 unit's parameters held by a Unit beside its bucket. Expert parallelism
+(expert_parallel.py) runs one of them over the experts' group beside the other. At the end of this file:
+what of picotron's Transformer they are cut from, the backward action that writes each parameter's
+gradient (backward_phases) and ZeRO-3's units (zero3_units).
 """
-from contextlib import contextmanager
-
 import torch
 import torch.distributed as dist
 
-from parallel import (ShardedBucket, ShardedGradientBuckets, _all_gather_single, _reduce_scatter_single,
-                      reduces_by_all_reduce)
+from parallel import (GradientBuckets, ShardedBucket, _all_gather_single, buckets_by_kind, gather_slices, owned_slices,
+                      post_reduce_scatter, summed_slice)
 
 
-class TransientBucket(ShardedBucket):
-    """A sharded bucket whose flat gradient exists only from the first gradient copied in until its
-    reduce-scatter has finished; what persists is `grad_shard`, this rank's slice of the mean gradient.
-    `phases`: the backward actions that write its gradients. group=None: not split (one rank owns it all)."""
-
-    def __init__(self, params, group):
-        super().__init__(params, group)
-        self.grad_shard, self.phases = None, frozenset()
-
-    def new_flat(self):
-        return None  # (allocated when the first gradient comes: zeros())
-
-
-class GradientShards(ShardedGradientBuckets):
+class GradientShards(GradientBuckets):
     """ZeRO-2's reducer: every micro-batch's gradients are reduce-scattered, each added into its bucket's
     `grad_shard`, and p.grad is dropped as soon as it is copied into its bucket, so that no full-size
     gradient lives beyond the two buckets in flight (set_grad_sync's argument is ignored: calling it before
     a backward lands the buckets still in flight, whose flat buffers would otherwise add to that
-    backward's peak). After finish() p.grad is None: the gradients are the grad_shards.
+    backward's peak). A bucket's flat buffer lives from its first gradient until its reduce-scatter has
+    landed. After finish() p.grad is None: the gradients are the grad_shards.
 
     Call backward_done(op, chunk) after each backward action: `phases` ({param: the actions (op, chunk)
     that write its gradient}; by default ("B", 0) for all, one plain backward) says which buckets each
@@ -105,21 +96,18 @@ class GradientShards(ShardedGradientBuckets):
     parameter that two actions write, alone in its bucket, is sent by backward_done after each.
     `tied` (copies, group): the copies this rank holds of a weight tied across pipeline stages, each alone
     in a bucket, and the group of the stages holding the others: finish() sums their shards over it.
-    `units` (ZeRO-3): lists of parameters, one bucket each, each of one phase. group=None: not split (one
-    rank holds every shard; nothing is sent)."""
+    `units` (ZeRO-3): lists of parameters, one bucket each, each of one phase."""
 
     def __init__(self, params, group, bucket_size_mb=25.0, phases=None, tied=((), None), units=None):
         self.phases, self.units = phases, units
         self.tied_copies, self.tied_group = list(tied[0]), tied[1]
         super().__init__(params, group, bucket_size_mb)
-        for b in self.buckets:
-            b.phases = self.phase_of(b.params[0])
-            if any(self.phase_of(p) != b.phases for p in b.params):
-                raise ValueError("GradientShards: a unit mixes parameters that different backward actions complete")
         # each phase's buckets in bucket order (a parameter written by two actions, alone, is in both), and
         # the next of them to launch in the action now running
         self.phase_buckets = {}
         for b in self.buckets:
+            if any(self.phase_of(p) != b.phases for p in b.params):
+                raise ValueError("GradientShards: a unit mixes parameters that different backward actions complete")
             for phase in sorted(b.phases):
                 self.phase_buckets.setdefault(phase, []).append(b)
         self.next = dict.fromkeys(self.phase_buckets, 0)
@@ -133,21 +121,20 @@ class GradientShards(ShardedGradientBuckets):
                              f"{tuple(p.shape)}")
         return frozenset(self.phases[p])
 
-    def kind(self, p):
-        return self.phase_of(p), any(p is c for c in self.tied_copies) and id(p)  # a tied copy: alone
-
     def plan(self, params, bucket_size_mb):
-        if self.units is None:
-            return super().plan(params, bucket_size_mb)
-        return [list(u) for u in reversed(self.units) if u]  # one bucket per unit, in backward order
+        if self.units is not None:
+            return [list(u) for u in reversed(self.units) if u]  # one bucket per unit, in backward order
+        tied = {id(p) for p in self.tied_copies}  # a tied copy: alone
+        return buckets_by_kind(params, bucket_size_mb, lambda p: (self.phase_of(p), id(p) in tied and id(p)))
 
     def new_bucket(self, params):
-        return TransientBucket(params, self.group)
+        bucket = ShardedBucket(params, self.group)  # its flat buffer: made by copy_in, dropped by settle
+        bucket.phases, bucket.grad_shard = self.phase_of(params[0]), None
+        return bucket
 
     def set_grad_sync(self, sync):
-        for bucket in self.in_flight:  # a backward begins: land what the last one left in flight, before its peak
-            self.settle(bucket)
-        self.in_flight = []
+        while self.in_flight:  # a backward begins: land what the last one left in flight, before its peak
+            self.settle(self.in_flight[0])
 
     def grad_ready(self, p):
         """p.grad is complete for this micro-batch: copy it into its bucket, then launch, in its phase's
@@ -179,8 +166,7 @@ class GradientShards(ShardedGradientBuckets):
         self.next[phase] = 0
 
     def copy_in(self, bucket, i):
-        if bucket.shard is not None:  # its last launch must land before it refills
-            self.settle(bucket)
+        self.settle(bucket)  # its last launch, if still in flight, must land before it refills
         if bucket.flat is None:
             bucket.flat = bucket.zeros()
         super().copy_in(bucket, i)
@@ -189,30 +175,23 @@ class GradientShards(ShardedGradientBuckets):
     def launch(self, bucket):
         self.launched += 1
         while len(self.in_flight) >= 2:  # keep at most two buckets' full gradients in flight
-            self.settle(self.in_flight.pop(0))
-        bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
-        if bucket.world == 1:
-            bucket.shard.copy_(bucket.flat)
-        elif reduces_by_all_reduce(bucket.group):  # (gloo) the sum lands in flat; settle() keeps this rank's slice
-            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
-        else:
-            bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=bucket.group, async_op=True)
+            self.settle(self.in_flight[0])
+        post_reduce_scatter(bucket)
         self.in_flight.append(bucket)
         bucket.ready = set()  # sent: the next action that writes it starts it afresh
 
     def settle(self, bucket):
         """Wait for a bucket's reduce-scatter, add this micro-batch's mean into grad_shard, drop the flat
         gradient."""
-        if bucket.shard is None:
+        if bucket not in self.in_flight:
             return
-        if bucket.work is not None:
-            bucket.work.wait()  # sync point: the flat gradient can only be freed once it is sent
-            if bucket.world > 1 and reduces_by_all_reduce(bucket.group):
-                lo, hi = bucket.owned()
-                bucket.shard.copy_(bucket.flat[lo:hi])
-        bucket.shard.div_(self.replicas)  # the sum over ranks / dp = the mean over the global batch
-        bucket.grad_shard = bucket.shard if bucket.grad_shard is None else bucket.grad_shard.add_(bucket.shard)
-        bucket.flat = bucket.shard = bucket.work = None
+        self.in_flight.remove(bucket)
+        shard = summed_slice(bucket).div_(self.replicas)  # the sum over ranks / dp = the mean over the global batch
+        if bucket.grad_shard is not None:
+            bucket.grad_shard.add_(shard)
+        else:  # (kept: a copy where the slice is a view of flat, which goes now)
+            bucket.grad_shard = shard if bucket.shard is not None else shard.clone()
+        bucket.flat = bucket.shard = None
 
     def finish(self):
         """Land every bucket still in flight (every action having been closed by backward_done), then sum the
@@ -220,32 +199,71 @@ class GradientShards(ShardedGradientBuckets):
         if any(b.ready for b in self.buckets) or any(p.grad is not None for p in self.where):
             raise RuntimeError("GradientShards.finish: gradients were never sent: call backward_done(op, chunk) "
                                "after each backward action")
-        for bucket in self.in_flight:
-            self.settle(bucket)
-        self.in_flight, self.next, self.launched = [], dict.fromkeys(self.next, 0), 0
+        while self.in_flight:
+            self.settle(self.in_flight[0])
+        self.next, self.launched = dict.fromkeys(self.next, 0), 0
         if self.tied_group is not None:
             for p in self.tied_copies:
-                dist.all_reduce(self.bucket_of(p).grad_shard, group=self.tied_group)
+                dist.all_reduce(self.where[p][0].grad_shard, group=self.tied_group)
+
+    # what parallel.ZeroOneAdamW steps with: ZeRO-1's slices, the gradient's from grad_shard
+    def owned_slices(self):
+        return owned_slices(self.buckets)
+
+    def owned_param(self, p, start, end, bucket, a, b):
+        return p.detach().view(-1)[start:end]
 
     def owned_grad(self, p, start, end, bucket, a, b):
         return bucket.grad_shard[a:b]
 
     def after_step(self):
-        super().after_step()  # the updated slices, all-gathered
+        """The updated slices all-gathered into the parameters, as ZeRO-1's after_step; the shards dropped."""
+        for work in [gather_slices(b) for b in self.buckets if b.world > 1]:
+            work.wait()  # sync point: the next forward reads the parameters
         for bucket in self.buckets:
             bucket.grad_shard = None
 
 
-class Unit(TransientBucket):
-    """ZeRO-3's bucket: also a unit of parameters, `param_shard` the elements this rank stores, `param_full`
-    the gathered whole (its storage empty between uses), `gather` its state (None: empty, a request:
-    gathering, True: whole), `keep_whole` for the root unit, `in_backward` while its block's backward runs.
-    group=None: not split (the shard is the whole unit)."""
+class Unit:
+    """One ZeRO-3 unit's parameters, those of `bucket`: `param_shard` the elements this rank stores,
+    `param_full` the gathered whole, a flat buffer the parameters are views of, its storage empty between
+    uses. `gather` is its state (None: empty, a request: gathering, True: whole), `keep_whole` marks the
+    root unit, `in_backward` a block whose backward is running."""
 
-    def __init__(self, params, group):
-        super().__init__(params, group)
-        self.param_shard = self.param_full = self.gather = None
-        self.keep_whole = self.in_backward = False
+    @torch.no_grad()
+    def __init__(self, bucket, keep_whole):
+        full = bucket.zeros()
+        for p, start in zip(bucket.params, bucket.offsets):
+            full[start:start + p.numel()].copy_(p.reshape(-1))
+            p.data = full[start:start + p.numel()].view_as(p)  # p now lives in the gathered buffer
+        lo, _ = bucket.owned()
+        self.bucket, self.param_shard, self.param_full = bucket, full[lo:lo + bucket.shard_size].clone(), full
+        self.keep_whole, self.gather, self.in_backward = keep_whole, None, False
+        self.free()
+
+    def post_gather(self):
+        if self.gather is not None:
+            return
+        full, b = self.param_full, self.bucket
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        if b.world == 1:
+            full.copy_(self.param_shard)
+            self.gather = True
+        else:
+            self.gather = _all_gather_single(full, self.param_shard, group=b.group, async_op=True)
+
+    def wait(self):
+        self.post_gather()
+        if self.gather is not True:
+            self.gather.wait()  # sync point: the parameters are needed now
+            self.gather = True
+
+    def free(self):
+        """Freeing is the storage itself, not a reference: what autograd saved are views of it."""
+        if self.gather is not None and self.gather is not True:
+            self.gather.wait()  # a prefetch nobody used: it must land before its buffer goes
+        self.param_full.untyped_storage().resize_(0)
+        self.gather, self.in_backward = None, False
 
 
 class FullyShardedParameters(GradientShards):
@@ -254,147 +272,161 @@ class FullyShardedParameters(GradientShards):
     freed after the optimizer step), else the module whose forward and backward use the unit: a block, whose
     units (one per phase: a split backward's B and W parts) are gathered and freed together. `chunk` is the
     model chunk the block runs in (the model's forward takes chunk=c): a block prefetches the next block of
-    its own chunk only, the one that runs next. Moves each unit's parameters into its flat shards and
-    registers the hooks on the blocks and on `model`. `phases` and `tied` as GradientShards'. group=None:
-    not split (one rank holds every shard, and gathering a unit is copying it)."""
+    its own chunk only, the one that runs next. Moves each unit's parameters into its Unit's shard and
+    registers the hooks on the blocks and on `model`. `phases` and `tied` as GradientShards'.
+
+    A block's rhythm (the paper's, section 5.3): before_forward gathers it (and posts the next block's
+    gather), after_forward frees it; before_backward gathers it again (and posts the previous block's),
+    after_backward frees it once its gradients are sent (reduce-scattered)."""
 
     def __init__(self, params, group, units, model, phases=None, tied=((), None)):
         super().__init__(params, group, phases=phases, tied=tied, units=[ps for _, ps, _ in units])
-        self.whole, self.chunks, self.block_of = [], {}, {}  # chunk -> [(block, [its units])] in order
-        self.ends_backward = {}  # id(block) -> the unit whose launch says the block's B is over
-        with torch.no_grad():
-            for module, params, chunk in units:
-                if not params:
-                    continue
-                b = self.bucket_of(params[0])
-                full = b.zeros()
-                for p, start in zip(b.params, b.offsets):
-                    full[start:start + p.numel()].copy_(p.reshape(-1))
-                    p.data = full[start:start + p.numel()].view_as(p)  # p now lives in the gathered buffer
-                lo, _ = b.owned()
-                b.param_shard, b.param_full = full[lo:lo + b.shard_size].clone(), full
-                b.keep_whole = module is None
-                self._free([b])
-                if module is None:
-                    self.whole.append(b)
-                    continue
-                blocks = self.chunks.setdefault(chunk, [])
-                if not blocks or blocks[-1][0] is not module:  # a new block: its hooks
-                    blocks.append((module, []))
-                    c, i = chunk, len(blocks) - 1
-                    module.register_forward_pre_hook(lambda mod, args, c=c, i=i: self._pre_forward(c, i))
-                    module.register_forward_hook(lambda mod, args, out, c=c, i=i: self._post_forward(c, i, out))
-                blocks[-1][1].append(b)
-                self.block_of[id(b)] = blocks[-1][1]
+        self.whole, self.chunks, self.unit, self.block_of = [], {}, {}, {}  # chunks: c -> [(block, [its Units])]
+        for module, params, chunk in units:
+            if not params:
+                continue
+            bucket = self.where[params[0]][0]
+            unit = self.unit[id(bucket)] = Unit(bucket, keep_whole=module is None)
+            if module is None:
+                self.whole.append(unit)
+                continue
+            blocks = self.chunks.setdefault(chunk, [])
+            if not blocks or blocks[-1][0] is not module:  # a new block: its hooks
+                blocks.append((module, []))
+                c, i = chunk, len(blocks) - 1
+                module.register_forward_pre_hook(lambda mod, args, c=c, i=i: self.before_forward(c, i))
+                module.register_forward_hook(lambda mod, args, out, c=c, i=i: self.after_forward(c, i, out))
+            blocks[-1][1].append(unit)
+            self.block_of[id(bucket)] = blocks[-1][1]
         # a block's B is over when the last of its units that B completes is launched (they launch in order)
         order = {id(b): k for k, b in enumerate(self.buckets)}
+        self.ends_backward = {}  # id(block) -> the bucket whose launch says the block's B is over
         for blocks in self.chunks.values():
             for _, block in blocks:
-                in_b = [b for b in block if any(op == "B" for op, _ in b.phases)]
+                in_b = [u.bucket for u in block if any(op == "B" for op, _ in u.bucket.phases)]
                 if in_b:
                     self.ends_backward[id(block)] = max(in_b, key=lambda b: order[id(b)])
-        model.register_forward_pre_hook(lambda mod, args, kwargs: self._gather_whole(kwargs.get("chunk", 0)),
+        model.register_forward_pre_hook(lambda mod, args, kwargs: self.gather_root(kwargs.get("chunk", 0)),
                                         with_kwargs=True)
 
-    def new_bucket(self, params):
-        return Unit(params, self.group)
-
     def owned_param(self, p, start, end, bucket, a, b):
-        return bucket.param_shard[a:b]  # the shard: updating it is the update (the full copy is stale)
+        return self.unit[id(bucket)].param_shard[a:b]  # the shard: updating it is the update (the full copy is stale)
 
     def _units(self):
-        return self.whole + [b for blocks in self.chunks.values() for _, block in blocks for b in block]
-
-    # the three states of a unit's parameters: storage empty (gather None, no bytes), gathering (gather =
-    # the work), whole (gather True). A block is the list of its units; each is gathered over its group.
-    def _gather(self, block):
-        for b in block:
-            if b.gather is not None:
-                continue
-            full = b.param_full
-            full.untyped_storage().resize_(full.numel() * full.element_size())
-            if b.world == 1:
-                full.copy_(b.param_shard)
-                b.gather = True
-            else:
-                b.gather = _all_gather_single(full, b.param_shard, group=b.group, async_op=True)
-
-    def _wait(self, block):
-        self._gather(block)
-        for b in block:
-            if b.gather is not True:
-                b.gather.wait()  # sync point: the block's parameters are needed now
-                b.gather = True
-
-    def _free(self, block):
-        for b in block:
-            if b.gather is not None and b.gather is not True:
-                b.gather.wait()  # a prefetch nobody used: it must land before its buffer goes
-            b.param_full.untyped_storage().resize_(0)
-            b.gather, b.in_backward = None, False
+        return self.whole + [u for blocks in self.chunks.values() for _, block in blocks for u in block]
 
     def _block(self, c, i):
         return self.chunks[c][i][1]
 
-    def _gather_whole(self, chunk):
-        self._wait(self.whole)
+    @staticmethod
+    def wait(units):
+        """Every unit whole: all their gathers posted first, then each waited for."""
+        for unit in units:
+            unit.post_gather()
+        for unit in units:
+            unit.wait()
+
+    def gather_root(self, chunk):
+        self.wait(self.whole)
         if self.chunks.get(chunk):
-            self._gather(self._block(chunk, 0))  # prefetch the chunk's first block while the embedding computes
+            for unit in self._block(chunk, 0):  # prefetch the chunk's first block while the embedding computes
+                unit.post_gather()
 
-    def _pre_forward(self, c, i):
+    def before_forward(self, c, i):
         block = self._block(c, i)
-        self._wait(block)
+        self.wait(block)
         if i + 1 < len(self.chunks[c]) and not block[0].in_backward:  # (not while recomputing in backward)
-            self._gather(self._block(c, i + 1))
+            for unit in self._block(c, i + 1):
+                unit.post_gather()
 
-    def _post_forward(self, c, i, out):
+    def after_forward(self, c, i, out):
         block = self._block(c, i)
         if not block[0].in_backward:  # a recompute in backward keeps the block for its backward
-            self._free(block)
+            for unit in block:
+                unit.free()
         if torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad:
-            out.register_hook(lambda grad, c=c, i=i: self._pre_backward(c, i))
+            out.register_hook(lambda grad, c=c, i=i: self.before_backward(c, i))
 
-    def _pre_backward(self, c, i):
+    def before_backward(self, c, i):
         block = self._block(c, i)
-        for b in block:
-            b.in_backward = True
-        self._wait(block)
+        for unit in block:
+            unit.in_backward = True
+        self.wait(block)
         if i > 0:
-            self._gather(self._block(c, i - 1))
+            for unit in self._block(c, i - 1):
+                unit.post_gather()
 
     def launch(self, bucket):
-        """GradientShards' reduce-scatter, then: its gradients are all in, free it; if it is the last unit its
-        block's B completes, the backward of the block has run: free the whole block (a split backward's W
-        needs no weights, dW = dy^T x; the W part's own launch, after W, finds it free)."""
+        """GradientShards' reduce-scatter, then after_backward: the unit's gradients are sent."""
         super().launch(bucket)
-        if bucket.keep_whole:
-            return
-        block = self.block_of[id(bucket)]
-        self._free(block if self.ends_backward.get(id(block)) is bucket else [bucket])
+        unit = self.unit[id(bucket)]
+        if not unit.keep_whole:
+            self.after_backward(unit)
+
+    def after_backward(self, unit):
+        """Free the unit; once the last unit its block's B completes is sent, the block's backward has run:
+        free the whole block (a split backward's W needs no weights, dW = dy^T x; the W part's own launch,
+        after W, finds it free)."""
+        block = self.block_of[id(unit.bucket)]
+        for u in (block if self.ends_backward.get(id(block)) is unit.bucket else [unit]):
+            u.free()
 
     def after_step(self):
         """After the optimizer stepped the shards every gathered copy is stale: the next forward gathers the
         updated shards."""
-        self._free(self._units())
+        for unit in self._units():
+            unit.free()
         for bucket in self.buckets:
             bucket.grad_shard = None
-
-    @contextmanager
-    def whole_model(self):
-        """Every unit gathered, to read the whole model (a test comparing weights)."""
-        self._wait(self._units())
-        try:
-            yield
-        finally:
-            self._free(self._units())
 
     def unit_by_unit(self):
         """Yields each unit's parameters gathered, one at a time, then copies this rank's slice of what was
         written into them back into its shard and frees it: a checkpoint loads this way holding one unit
         whole, not the model (which may not fit on one device: that is why it is sharded)."""
-        for b in self._units():
-            self._wait([b])
-            yield b.params
-            lo, _ = b.owned()
-            b.param_shard.copy_(b.param_full[lo:lo + b.shard_size])
-            self._free([b])
+        for unit in self._units():
+            unit.wait()
+            yield unit.bucket.params
+            lo, _ = unit.bucket.owned()
+            unit.param_shard.copy_(unit.param_full[lo:lo + unit.bucket.shard_size])
+            unit.free()
+
+
+# -----------------------------------------------------------------------------
+# How ZeRO-2 and ZeRO-3 cut picotron's Transformer: the backward action that writes each parameter's
+# gradient (ZeRO-2/3 send it after that action), and ZeRO-3's units of parameters.
+
+
+def backward_phases(chunk_params, weight_grad_stores=None):
+    """{parameter: {(op, chunk)}}: the backward actions of a micro-batch that write each parameter's gradient,
+    after each of which ZeRO-2 and 3 send it (GradientShards.backward_done), from `chunk_params`, each model
+    chunk's parameters (pipeline_schedules.chunk_parameters; one list without a pipeline): ('B', c) for the
+    parameters of chunk c, or, where the schedule splits the backward (zero_bubble, zbv: one
+    WeightGradStore per chunk), ('W', c) for those its W actions compute (WeightGradStore.params). One
+    parameter has two: under zbv with tied embeddings, rank 0's embedding, which chunk 0's B and, as the
+    head, chunk 1's W (its B under the chunked loss) add to."""
+    phases = {}
+    for c, params in enumerate(chunk_params):
+        by_hand = {id(p) for p in weight_grad_stores[c].params} if weight_grad_stores else set()
+        for p in params:
+            phases.setdefault(p, set()).add(("W" if id(p) in by_hand else "B", c))
+    return phases
+
+
+def zero3_units(model, tied=(), phases=None):
+    """ZeRO-3's units of parameters, (module or None, params, chunk), in forward order: the root (this
+    stage's embedding, final norm and head, kept whole through the step), a tied weight alone (its shards
+    are summed across stages), then each transformer block, gathered around its forward and its backward.
+    A unit's gradients are sent after one backward action (`phases`, as backward_phases gives them), so
+    under a split backward a block is two units, its B part and its W part (gathered and freed together),
+    and the root one per action."""
+    def by_phase(params):
+        parts = {}
+        for p in params:
+            parts.setdefault(frozenset(phases[p]) if phases is not None else None, []).append(p)
+        return list(parts.values())
+    chunk_of = {i: c for c, layers in enumerate(model.chunk_layers) for i in layers}
+    blocks = [(block, part, chunk_of[int(i)]) for i, block in model.blocks.items()
+              for part in by_phase(list(block.parameters()))]
+    apart = {id(p) for _, params, _ in blocks for p in params} | {id(p) for p in tied}
+    root = [p for p in model.parameters() if id(p) not in apart]
+    return [(None, part, None) for part in by_phase(root)] + [(None, [p], None) for p in tied] + blocks

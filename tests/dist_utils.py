@@ -312,6 +312,14 @@ def build_model(cfg, *, tp_group=None, stages=(0,), stage_blocks=None, cp_group=
     return model if seed is None else init_shares(model, seed)
 
 
+def gathered_parameters(grad_sync):
+    """ZeRO-3 (a zero.FullyShardedParameters, or an ExpertSplit of two): {parameter: a copy of its whole
+    value}, gathered unit by unit (unit_by_unit: a collective, every rank calls it); {} for None."""
+    if grad_sync is None:
+        return {}
+    return {p: p.detach().clone() for params in grad_sync.unit_by_unit() for p in params}
+
+
 def _one_process_model(reader):
     """A single-process model of a checkpoint's architecture, in the dtype its run trained in (float64
     runs save float64 weights)."""

@@ -26,7 +26,6 @@ import math
 import shutil
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import fields
 from types import SimpleNamespace
 
@@ -40,8 +39,8 @@ import parallel
 import settings
 from data import context_split
 import train
-from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, build_model, gather_full, run_ranks,
-                        train_in_process, train_on_ranks)
+from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, build_model, gather_full, gathered_parameters,
+                        run_ranks, train_in_process, train_on_ranks)
 from model import ModelConfig, Transformer, choose_attn_impl, model_config_from
 import context_parallel
 from context_parallel import (attention_work, check_context_split, ring_attention, ring_attention_bytes,
@@ -267,10 +266,10 @@ def five_steps(layout, model_overrides=None, **setting_overrides):
                         "grad_norm": norm.item()})
     copies = parts.model.tied_copies()
     sharded = parts.grad_sync if cfg.zero_stage == 3 else None  # ZeRO-3: the parameters gathered to be read
-    with sharded.whole_model() if sharded is not None else nullcontext():
-        # (a copy: numpy() would pin the storage that ZeRO-3 frees by resizing it)
-        weights = {name: gather_full(p.detach().clone(), p, layout.tp_group).numpy()
-                   for name, p in parts.model.named_parameters() if name not in copies}
+    whole = gathered_parameters(sharded)
+    # (a copy: numpy() would pin the storage that ZeRO-3 frees by resizing it)
+    weights = {name: gather_full(whole.get(p, p).detach().clone(), p, layout.tp_group).numpy()
+               for name, p in parts.model.named_parameters() if name not in copies}
     return records, weights if layout.dp_cp_rank == 0 and layout.tp_rank == 0 else {}
 
 

@@ -12,7 +12,6 @@ numerics share one 2-rank and one 4-rank launch; train.py runs one checkpoint ch
 """
 import shutil
 import zlib
-from contextlib import nullcontext
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,7 +23,7 @@ import settings
 from data import context_split, load_data, read_data_meta
 import train
 from dist_utils import (GRAD_NORM_RTOL, LOSS_RTOL, assert_same_losses_and_norms, assert_same_tensors,
-                        checkpoint_weights, gather_full, make_token_data, run_ranks, train_in_process,
+                        checkpoint_weights, gather_full, gathered_parameters, make_token_data, run_ranks, train_in_process,
                         train_on_ranks)
 from settings import check_layout
 from model import ModelConfig
@@ -165,8 +164,8 @@ def train_five_steps(cfg, model_cfg, layout, dp_of_batch, data_dir):
         train.global_grad_norm = norm_of
     sent = [m.dispatch.bytes_sent for m in model.moe_layers().values()]
     evaluated = train.evaluate(cfg, run, parts)["val"]
-    with sharded.whole_model() if sharded is not None else nullcontext():
-        weights = {n: full(p, p) for n, p in model.named_parameters() if n not in copies}
+    whole = gathered_parameters(sharded)
+    weights = {n: full(whole.get(p, p), p) for n, p in model.named_parameters() if n not in copies}
     return dict(losses=losses, norms=norms, grads=grads, weights=weights, loads=loads, stats=stats,
                 at=(layout.dp_rank, layout.tp_rank, layout.pp_rank), val_loss=evaluated,
                 eval_left_a2a_bytes=sent == [m.dispatch.bytes_sent for m in model.moe_layers().values()])

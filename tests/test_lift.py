@@ -13,6 +13,8 @@ The tolerances are tests/dist_utils.py's: 1e-5 relative on losses and outputs, b
 on gradients and 1e-3 on weights after AdamW; the pipeline's are exact (its toy says why).
 """
 import ast
+import inspect
+import copy
 import builtins
 import json
 import os
@@ -33,7 +35,9 @@ import torch.nn.functional as F
 import checkpoint
 import context_parallel
 import expert_parallel
+import optim
 import parallel
+import pipeline_schedules
 import zero
 from dist_utils import GRAD_NORM_RTOL, LOSS_RTOL, WEIGHT_RTOL
 from model import ModelConfig, Transformer
@@ -350,6 +354,115 @@ def test_zero3_moving_a_filled_layers_weight_into_its_flat_buffer_computes_the_s
     torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
 
 
+def test_no_class_has_more_than_two_picotron_classes_above_it_and_zero_is_four_classes():
+    """Composition over deep inheritance (STYLE.md): a reader holds at most three classes to know what one
+    method does. ZeRO-2 and ZeRO-3 are at most four classes."""
+    modules = (parallel, zero, optim, expert_parallel, pipeline_schedules, context_parallel, checkpoint)
+    ours = {module.__name__ for module in modules} | {"model"}
+    deep = {f"{cls.__module__}.{cls.__name__}": [c.__name__ for c in cls.__mro__[1:] if c.__module__ in ours]
+            for module in modules for cls in vars(module).values()
+            if inspect.isclass(cls) and cls.__module__ == module.__name__}
+    assert not {name: above for name, above in deep.items() if len(above) > 2}
+    assert len([c for c in vars(zero).values() if inspect.isclass(c) and c.__module__ == "zero"]) <= 4
+
+
+# -----------------------------------------------------------------------------
+# the hook list: what the extensions override, call or set on parallel.py's classes, all of it in its docstring
+
+EXTENSION_FILES = ("zero.py", "optim.py", "expert_parallel.py", "pipeline_schedules.py", "context_parallel.py")
+NOT_HOOKS = {"__init__", "forward", "backward", "apply", "step"}  # torch's own protocol, not a hook of ours
+
+
+def core_classes(source=PARALLEL):
+    """{class name: (its methods, the attributes its methods set on self)} of parallel.py, each with its
+    picotron bases'."""
+    classes = {node.name: node for node in ast.parse(source).body if isinstance(node, ast.ClassDef)}
+
+    def members(name):
+        node = classes[name]
+        methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+        attributes = {t.attr for n in ast.walk(node) if isinstance(n, ast.Assign) for target in n.targets
+                      for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+                      if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+        for base in node.bases:
+            if isinstance(base, ast.Name) and base.id in classes:
+                more = members(base.id)
+                methods, attributes = methods | more[0], attributes | more[1]
+        return methods, attributes
+    return {name: members(name) for name in classes}
+
+
+def extension_hooks(source, core):
+    """The names a file's code uses of parallel.py's classes, as well as they can be told statically:
+    the methods its subclasses of them override or reach through self or super(), the methods of theirs
+    it calls on any object (by name: a name only a class here defines), and the attributes of theirs it
+    sets on an object that is not self (by name too)."""
+    tree = ast.parse(source)
+    local = {node.name: node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    core_methods = set().union(*(methods for methods, _ in core.values())) - NOT_HOOKS
+    core_attributes = set().union(*(attributes for _, attributes in core.values()))
+
+    def core_bases(cls):
+        names = [b.id for b in cls.bases if isinstance(b, ast.Name)]
+        return [n for n in names if n in core] + [m for n in names if n in local for m in core_bases(local[n])]
+    found = set()
+    for cls in local.values():
+        bases = core_bases(cls)
+        if not bases:
+            continue
+        inherited = set().union(*(core[b][0] for b in bases)) - NOT_HOOKS
+        own = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+        found |= own & inherited
+        found |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and n.attr in inherited
+                  and isinstance(n.value, ast.Name) and n.value.id == "self" and n.attr not in own}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in core_methods:
+            found.add(node.func.attr)  # (super().x(...) and any object's .x(...))
+        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Attribute, ast.Name, ast.Lambda)):
+            found |= {t.attr for t in node.targets if isinstance(t, ast.Attribute) and t.attr in core_attributes
+                      and not (isinstance(t.value, ast.Name) and t.value.id == "self")}  # one value, not a new state
+    return found
+
+
+def listed_hooks(source=PARALLEL):
+    """The names parallel.py's docstring lists as hooks, in its block that opens with 'through these hooks':
+    each method written name(...), each attribute `name`."""
+    doc = ast.get_docstring(ast.parse(source))
+    block = doc[doc.index("through these\nhooks"):doc.index("Every piece works")]
+    return set(re.findall(r"([A-Za-z_]\w*)\(", block)) | set(re.findall(r"`([A-Za-z_]\w*)`", block))
+
+
+def unlisted_hooks(sources):
+    core = core_classes()
+    return {(name, hook) for name, source in sources.items() for hook in extension_hooks(source, core)
+            if hook not in listed_hooks()}
+
+
+def test_parallel_py_lists_every_hook_its_extensions_override_call_or_set():
+    sources = {name: (ROOT / name).read_text() for name in EXTENSION_FILES}
+    assert not unlisted_hooks(sources), (f"the extensions use these of parallel.py's classes, which its docstring "
+                                         f"does not list among the hooks: {sorted(unlisted_hooks(sources))}")
+
+
+def test_the_hook_check_sees_an_override_a_call_and_a_setting_not_listed():
+    extension = """
+from parallel import GradientBuckets, ShardedBucket
+
+class Cheaper(GradientBuckets):
+    def views(self, bucket):
+        return super().views(bucket)
+
+def f(bucket):
+    bucket.views()
+    bucket.offsets = bucket.params
+"""
+    core = core_classes()
+    assert {"views", "offsets"} <= extension_hooks(extension, core)
+    assert unlisted_hooks({"cheaper.py": extension}) == {("cheaper.py", "views"), ("cheaper.py", "offsets")}
+    assert "plan" in extension_hooks("from parallel import GradientBuckets\nclass P(GradientBuckets):\n"
+                                     "    def plan(self, params, size):\n        return []\n", core)
+
+
 # -----------------------------------------------------------------------------
 # group=None means "not split" (parallel.py's module docstring says so once): in one process, with no process
 # group at all, each collective helper returns what the one-process code computes from its input, and its
@@ -425,3 +538,57 @@ def test_a_reducer_given_group_none_leaves_each_gradient_as_backward_made_it():
         F.mse_loss(one(x), y).backward()
         for p, q in zip(model.parameters(), one.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{reducer.__name__}: {m}")
+
+
+def no_group_reducer(name, model):
+    """The reducer `name` of `model`'s parameters with group=None, and the optimizer that steps with it."""
+    params, adamw = list(model.parameters()), dict(lr=1e-2, weight_decay=0.1)
+    if name == "all-reduce":
+        return parallel.GradientBuckets(params, None), optim.AdamW(params, **adamw)
+    if name == "Muon ZeRO-1":
+        sync = optim.zero_one_muon_buckets(params, [model[0].weight], None, bucket_size_mb=1e-5)
+        return sync, optim.Muon([{"params": [model[0].weight], "muon": True}, {"params": params[1:]}],
+                                grad_sync=sync, **adamw)
+    if name == "ZeRO-3":
+        units = [(None, list(model[2].parameters()), 0)] + [(m, list(m.parameters()), 0) for m in model[:2]]
+        sync = zero.FullyShardedParameters(params, None, units, model)
+    else:
+        sync = {"ZeRO-1": parallel.ShardedGradientBuckets, "ZeRO-2": zero.GradientShards}[name](params, None, 1e-5)
+    return sync, parallel.ZeroOneAdamW(params, sync, **adamw)
+
+
+@pytest.mark.parametrize("name", ["all-reduce", "ZeRO-1", "ZeRO-2", "ZeRO-3", "Muon ZeRO-1"])
+def test_a_reducer_given_no_group_is_one_rank_that_sends_nothing_and_steps_as_its_optimizer_alone(monkeypatch, name):
+    """group=None means "not split" (parallel.py's docstring): every reducer and its buckets, given none,
+    hold every element on this one rank, call no collective (each of torch's raises here), and two steps
+    move the weights as the optimizer over plain p.grad does (torch's AdamW; Muon without a reducer)."""
+    for collective in ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+                       "reduce_scatter_tensor", "get_backend", "get_global_rank"):
+        monkeypatch.setattr(torch.distributed, collective, lambda *a, **k: pytest.fail("a collective ran"))
+    for module in (parallel, zero):
+        monkeypatch.setattr(module, "_all_gather_single", lambda *a, **k: pytest.fail("a collective ran"))
+    monkeypatch.setattr(parallel, "_reduce_scatter_single", lambda *a, **k: pytest.fail("a collective ran"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 5), nn.Linear(5, 3))
+    alone = copy.deepcopy(model)
+    sync, optimizer = no_group_reducer(name, model)
+    if name == "Muon ZeRO-1":
+        reference = optim.Muon([{"params": [alone[0].weight], "muon": True}, {"params": list(alone.parameters())[1:]}],
+                               lr=1e-2, weight_decay=0.1)
+    else:
+        reference = torch.optim.AdamW(alone.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(2):
+        x, y = torch.randn(8, 4), torch.randn(8, 3)
+        sync.set_grad_sync(True)
+        F.mse_loss(model(x), y).backward()
+        if hasattr(sync, "backward_done"):
+            sync.backward_done("B", 0)
+        sync.finish()
+        optimizer.step()
+        optimizer.zero_grad()
+        F.mse_loss(alone(x), y).backward()
+        reference.step()
+        reference.zero_grad()
+    whole = {p: p.detach().clone() for ps in sync.unit_by_unit() for p in ps} if name == "ZeRO-3" else {}
+    for p, q in zip(model.parameters(), alone.parameters()):
+        torch.testing.assert_close(whole.get(p, p.detach()), q.detach(), rtol=1e-6, atol=1e-7)

@@ -356,8 +356,7 @@ def _state_bytes_of_each_zero_stage(rank, world_size):
 
     def measure(parts):
         sync = parts.grad_sync
-        params = [p for p in parts.model.parameters()] + [b.param_shard for b in sync.buckets
-                                                            if getattr(b, "param_shard", None) is not None]
+        params = [p for p in parts.model.parameters()] + [u.param_shard for u in getattr(sync, "unit", {}).values()]
         grads = ([p.grad for p in parts.model.parameters() if p.grad is not None]
                  + [t for b in sync.buckets for t in (b.flat, getattr(b, "grad_shard", None)) if t is not None])
         state = [t for s in parts.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
@@ -385,7 +384,7 @@ def _state_bytes_of_each_zero_stage(rank, world_size):
         found[stage] = found[stage][-1]
         if stage == 3:
             buckets = parts.grad_sync.buckets
-            root = sum(b.param_full.numel() for b in buckets if b.keep_whole) * 4
+            root = sum(u.param_full.numel() for u in parts.grad_sync.unit.values() if u.keep_whole) * 4
             padding = sum(b.shard_size * world_size - b.numel for b in buckets) * 4
             allowance = {"root": root, "padding": padding}
         for hook in parts.grad_sync.hooks.values():  # the gradient hooks hold the parameters in a cycle that

@@ -22,13 +22,14 @@ import metrics
 import settings
 import train
 import zero as zero_stages  # (zero is a local name below: the stage)
-from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors, build_model, checkpoint_weights, gather_full,
-                        run_ranks, train_in_process, train_on_ranks)
-from model import ModelConfig, Transformer, chunk_modules
+from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors, build_model, checkpoint_weights,
+                        gather_full, gathered_parameters, run_ranks, train_in_process, train_on_ranks)
+from model import ModelConfig, Transformer
 from parallel import (ParallelLayout, PipelineComm, apply_pipeline, one_f_one_b_actions, run_schedule, stage_layers,
                       sync_tied_grads, tied_weight_group)
-from pipeline_schedules import (SCHEDULES, ScheduleExecutor, WeightGradStore, balanced_cut, check_schedule, cost_cut,
-                                describe_pipeline, forward_only_actions, ideal_bubble, virtual_stages)
+from pipeline_schedules import (SCHEDULES, ScheduleExecutor, WeightGradStore, balanced_cut, check_schedule,
+                                chunk_modules, cost_cut, describe_pipeline, forward_only_actions, ideal_bubble,
+                                virtual_stages)
 from settings import check_layout
 from parallel import _all_gather_single
 from timeline import ActivationMemory, bubble_fraction, format_timeline, schedule_timeline
@@ -497,13 +498,13 @@ def full_tensors(model, layout, which, zero, optimizer=None):
     out, copies = {}, model.tied_copies()
     grads = whole_grads(optimizer.grad_sync) if which == "grads" and zero >= 2 else {}
     sharded = optimizer.grad_sync if which == "weights" and zero == 3 else None
-    with sharded.whole_model() if sharded is not None else nullcontext():
-        for name, p in model.named_parameters():
-            t = (grads.get(p, p.grad) if which == "grads" else p.detach()).clone()
-            if which == "grads" and zero == 1 and layout.dp_group is not None:
-                dist.all_reduce(t, group=layout.dp_group)
-            t = gather_full(t, p, layout.tp_group)
-            out[copies.get(name, name)] = t.numpy()
+    whole = gathered_parameters(sharded)
+    for name, p in model.named_parameters():
+        t = (grads.get(p, p.grad) if which == "grads" else whole.get(p, p).detach()).clone()
+        if which == "grads" and zero == 1 and layout.dp_group is not None:
+            dist.all_reduce(t, group=layout.dp_group)
+        t = gather_full(t, p, layout.tp_group)
+        out[copies.get(name, name)] = t.numpy()
     return out if layout.dp_rank == 0 else None
 
 
