@@ -1178,8 +1178,8 @@ def compile_blocks(model):
     before, the free after and the re-gather before backward run eagerly around the compiled code, which
     sees parameters whose storage is filled whenever it runs."""
     for block in model.blocks.values():
-        eager = block.forward  # Block.forward, or activation checkpointing's wrapper of it
-        block.forward = torch.compile(eager)
+        eager = block.__dict__.get("forward")  # activation checkpointing's wrapper, or None: Block.forward
+        block.forward = torch.compile(block.forward)
         block.forward.eager = eager
     return True
 
@@ -1187,5 +1187,9 @@ def compile_blocks(model):
 def uncompile_blocks(model):
     """Undo compile_blocks; returns False (the blocks are not compiled any more)."""
     for block in model.blocks.values():
-        block.forward = block.forward.eager
+        eager = block.forward.eager
+        if eager is None:
+            del block.forward  # Block.forward, the class's own, again
+        else:
+            block.forward = eager
     return False
