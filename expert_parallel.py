@@ -118,6 +118,18 @@ def dispatch_to_experts(rows, splits, run_local_experts, group, sent):
     return AllToAll.apply(out[back], recv, send, group, sent)  # each output row to its token's rank
 
 
+def expert_rows(model_cfg, tokens, ep=1):
+    """(kept, received): the most token-to-expert assignments one rank keeps of its `tokens` (its sent
+    rows) and the most rows its local experts receive from the ep ranks, at the capacity bound: each
+    source rank sends an expert at most its capacity ceil(capacity_factor * N * k / E) (dropless: every
+    assignment, all of them possibly to this rank's experts). At ep = 1 the two are the same."""
+    E, k, N = model_cfg.n_expert, model_cfg.n_expert_per_token, tokens
+    if model_cfg.capacity_factor == 0:
+        return N * k, ep * N * k
+    capacity = math.ceil(model_cfg.capacity_factor * N * k / E)
+    return min(N * k, E * capacity), min(ep * N * k, E * capacity)
+
+
 class ExpertParallelDispatch:
     """model.LocalExperts across the ep group: the counts exchanged, the kept assignments sent to their
     experts' ranks and back by the two all-to-alls (see the top of this file). bytes_sent: the bytes this

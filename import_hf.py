@@ -41,7 +41,8 @@ import torch
 import export_hf
 import hf_tokenizer
 from model import ModelConfig, Transformer, mlp_hidden_size, swiglu_hidden_size
-from parallel import full_shape_of, load_shard
+from parallel import full_shape_of
+from tensor_parallel import load_shard
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "VaultGemmaForCausalLM": "vaultgemma", "DeepseekV3ForCausalLM": "deepseek_v3",
@@ -484,7 +485,7 @@ def source_index(src, dim, start, size):
 
 
 def source_reader(files, cfg, arch, name):
-    """parallel.load_shard's reader of parameter `name`: read(dim, start, size) gives that slice of the full
+    """tensor_parallel.load_shard's reader of parameter `name`: read(dim, start, size) gives that slice of the full
     tensor (dim None: all of it), reading only it from the files."""
     src = hf_source(name, cfg, arch, files.stacked)
     if src.part is None:

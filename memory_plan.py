@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 
 from metrics import rank_peak_memory_bytes, stage_cut
-from model import (attention_dims, attention_head_dim, choose_attn_impl, loss_chunk_size,
-                   mlp_hidden_size, takes_muon)
+from expert_parallel import expert_rows
+from model import attention_dims, attention_head_dim, choose_attn_impl, loss_chunk_size, mlp_hidden_size, takes_muon
 from optim import deal_whole
 from parallel import full_shape_of, padded_vocab_size, stage_layers
-from pipeline_schedules import SCHEDULES, virtual_stages
+from pipeline_schedules import virtual_stages
+from timeline import schedule_moments, walk_peak
 
 
 # -----------------------------------------------------------------------------
@@ -93,22 +94,15 @@ from pipeline_schedules import SCHEDULES, virtual_stages
 # buffers (its ring attention is counted as a fused kernel).
 
 
-class PlannedGroup:
-    """A process group's size and this rank's place in it, for building a rank's model without processes."""
-
-    def __init__(self, size, rank=0):
-        self.size, self.rank = (lambda: size), (lambda: rank)
-
-
 def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1, ep=1, shapes=None, pp_layers=""):
     """{name: elements this tp rank holds} of pipeline rank `stage`'s parameters (its chunks' under the
     interleaved and V schedules, the blocks cut as train.py cuts them: metrics.stage_cut): the model built on
     the meta device (no memory) and the layout applied to it as train.build_model applies it, each group a
-    PlannedGroup of its size, so what is counted is what a run holds. Under expert parallelism a rank holds
-    n_expert / ep experts of each layer (the first ep rank's). shapes: a dict, filled with each parameter's
-    full shape (Muon orthogonalises the full matrix)."""
+    stand-in of its size (what parallel.group_size and group_rank read), so what is counted is what a run
+    holds. Under expert parallelism a rank holds n_expert / ep experts of each layer (the first ep rank's).
+    shapes: a dict, filled with each parameter's full shape (Muon orthogonalises the full matrix)."""
     import train  # (here: train.py imports this file)
-    group = lambda size: PlannedGroup(size) if size > 1 else None  # noqa: E731
+    group = lambda size: SimpleNamespace(size=lambda: size, rank=lambda: 0) if size > 1 else None  # noqa: E731
     layout = SimpleNamespace(pp=pp, pp_rank=stage, tp_group=group(tp), ep_group=group(ep), cp_group=None)
     cfg = SimpleNamespace(chunked_loss=False, pp_schedule=schedule, pp_chunks=chunks, pp_layers=pp_layers,
                           sequence_parallel=False, activation_checkpointing=False)
@@ -124,18 +118,6 @@ def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1
 def is_expert(name):
     """A parameter (or module) of a routed expert: held by its ep rank only, averaged over its replicas."""
     return ".mlp.experts." in name
-
-
-def expert_rows(model_cfg, tokens, ep=1):
-    """(kept, received): the most token-to-expert assignments one rank keeps of its `tokens` (its sent
-    rows) and the most rows its local experts receive from the ep ranks, at the capacity bound: each
-    source rank sends an expert at most its capacity ceil(capacity_factor * N * k / E) (dropless: every
-    assignment, all of them possibly to this rank's experts). At ep = 1 the two are the same."""
-    E, k, N = model_cfg.n_expert, model_cfg.n_expert_per_token, tokens
-    if model_cfg.capacity_factor == 0:
-        return N * k, ep * N * k
-    capacity = math.ceil(model_cfg.capacity_factor * N * k / E)
-    return min(N * k, E * capacity), min(ep * N * k, E * capacity)
 
 
 def attention_saves_scores(model_cfg, attn_impl="auto", device="auto", dtype="auto"):
@@ -291,33 +273,6 @@ def weight_grad_residual_elements(model_cfg, tokens, tp):
     attn = C + H * D + 2 * kv * D + H * D + C  # q/k/v's x, their dy; o's x and dy
     mlp = C + (2 if model_cfg.mlp == "swiglu" else 1) * F + F + C  # gate/up's x and dy; down's x and dy
     return tokens * (attn + mlp)
-
-
-def schedule_moments(schedule, pp, stage, m, chunks, chunk_blocks, head_chunk, saved, residual):
-    """Walks pipeline rank `stage`'s actions (pipeline_schedules.SCHEDULES; with pp = 1 each micro-batch's forward and
-    backward in turn) and yields, after each, (op, its chunk, activation elements held, micro-batches the
-    head's chunk holds, backwards so far). A forward of chunk c adds `saved` per block of the chunk
-    (chunk_blocks[c] of them); its backward takes them away, except that under the zero-bubble schedules
-    (whose W actions are separate) B leaves `residual` per block until W. head_chunk: the chunk holding the
-    head and the loss, or None."""
-    if pp == 1:
-        actions = [(op, i, 0) for i in range(m) for op in "FB"]
-    else:
-        actions = SCHEDULES[schedule](pp, stage, m, chunks)
-    split = any(op == "W" for op, _, _ in actions)
-    held, head, backwards = 0, 0, 0
-    for op, _, c in actions:
-        blocks = chunk_blocks[c]
-        if op == "F":
-            held += blocks * saved
-            head += c == head_chunk
-        elif op == "B":
-            held += blocks * ((residual if split else 0) - saved)
-            head -= c == head_chunk
-            backwards += 1
-        else:
-            held -= blocks * residual
-        yield op, c, held, head, backwards
 
 
 def shard(n, ranks):
@@ -491,37 +446,6 @@ def loss_bytes(model_cfg, N, tp, sequence_parallel, chunked_loss, act_bytes):
         loss_held = final_norm * act_bytes + logits * 4 + (logits * act_bytes if capped else 0)
         loss_once = logits * act_bytes if tp > 1 else 2 * logits * 4
     return loss_held, loss_once
-
-
-def walk_peak(moments, head_chunk, zero_stage, act_bytes, recompute, backward_start, loss_held, loss_once,
-              exchange, accumulated, buffers, in_flight):
-    """(top, activations, loss): the most bytes beyond the states the step holds, over schedule_moments'
-    actions, and the largest activations and loss tensors along the way.
-
-    The step walked action by action. At the end of a forward: what is held, the block just computed
-    under activation checkpointing, the loss's chunk on the head's chunk (or, if larger, an MoE
-    layer's all-to-all buffers in that forward), and ZeRO-0/1's p.grad once a backward has run. As a
-    backward starts: what was held before it, the block it recomputes (activation checkpointing) and
-    its first tensors (backward_start). At the end of a backward or W: what is still held, and the
-    gradients in flight (for ZeRO-0/1 from the second backward on: the first writes p.grad without a
-    copy)."""
-    top = activations = loss = before = 0  # before: the activations held before this action
-    for op, c, held, held_head, backwards in moments:
-        if op == "F":
-            act = (held + recompute) * act_bytes
-            loss_now = held_head * loss_held + (loss_once if c == head_chunk else 0)
-            landing = in_flight[0] + (in_flight[1] if backwards > 1 else 0)
-            now = act + max(loss_now, held_head * loss_held + exchange) + ((accumulated + landing) if backwards else 0)
-        else:
-            act, loss_now = held * act_bytes, held_head * loss_held
-            now = act + loss_now + accumulated + (buffers if zero_stage >= 2 or backwards > 1 else 0)
-            if op == "B":
-                starting = (before + recompute + backward_start) * act_bytes + loss_now
-                now = max(now, starting + (accumulated if backwards > 1 else 0))
-        before = held
-        top = max(top, now)
-        activations, loss = max(activations, act), max(loss, loss_now)
-    return top, activations, loss
 
 
 def grad_norm_bytes(model_cfg, zero_stage, muon, elements, block_units, root, here, head_chunk, capacity, replicas,

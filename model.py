@@ -20,7 +20,7 @@ rope_scaling_factor with its three companions (Llama 3.1's RoPE scaling, llama3_
 
 The model knows nothing of how it runs, as nanoGPT's does: Transformer(cfg) is the whole model in one
 process, its linears nn.Linear. Each parallel mechanism applies itself to a built model, in its own file,
-by swapping modules for their parallel forms (parallel.apply_tensor_parallel, apply_pipeline;
+by swapping modules for their parallel forms (tensor_parallel.apply_tensor_parallel, parallel.apply_pipeline;
 context_parallel.apply_context_parallel; expert_parallel.apply_expert_parallel), so the maths below is read
 apart from all of them. Where a mechanism changes more than a layer, the model leaves one small named
 piece for it to swap, each a plain class here that does what one process does:
@@ -448,7 +448,7 @@ class CausalSelfAttention(nn.Module):
     MQA, Ainslie et al. 2023 for GQA): q_proj makes n_head query heads, k_proj and v_proj n_kv_head each,
     and each key/value head serves n_head / n_kv_head query heads. The heads are counted from the
     projections' outputs, so the same forward runs a tensor-parallel rank's share of them
-    (parallel.apply_tensor_parallel says how the heads are split).
+    (tensor_parallel.apply_tensor_parallel says how the heads are split).
 
     qk_norm=True applies RMSNorm to every query and key head before RoPE (Dehghani et al. 2023, "Scaling
     Vision Transformers to 22B Parameters"; OLMo 2, Gemma 3): the scores cannot blow up through the
@@ -504,7 +504,7 @@ class MultiHeadLatentAttention(nn.Module):
     With qk_norm the per-head queries [q_nope ; q_rope] and keys [k_nope ; k_rope] are RMS-normalised
     before RoPE, as in CausalSelfAttention. n_kv_head does not apply: every head has its own k_nope and v.
     The heads are counted from q's and kv_up's outputs (a tensor-parallel rank holds some of them:
-    parallel.apply_tensor_parallel). Under context parallelism what travels round the ring is the per-head
+    tensor_parallel.apply_tensor_parallel). Under context parallelism what travels round the ring is the per-head
     keys and values, not the latent (context_parallel.py says why)."""
 
     def __init__(self, cfg, attn_impl="sdpa"):
@@ -681,7 +681,7 @@ class MixtureOfExperts(nn.Module):
     n_shared_expert experts see every token, outside the routing (DeepSeekMoE, Dai et al. 2024).
 
     How the layer runs under each layout, where that layout is applied: tensor parallelism splits every
-    expert like the dense MLP and keeps the router replicated (parallel.apply_tensor_parallel); context
+    expert like the dense MLP and keeps the router replicated (tensor_parallel.apply_tensor_parallel); context
     parallelism makes the capacity queue and the balance counts the window's (self.window,
     context_parallel.apply_context_parallel); expert parallelism keeps this rank's experts, keyed by their
     global index, and sends the kept assignments to their experts' ranks and back (self.dispatch,
@@ -963,7 +963,7 @@ class NextTokenLoss(nn.Module):
     ignore_index -1 left out of the mean; no parameters. forward(h, head, targets) -> (logits, loss):
     loss None without targets; logits None under the chunked loss (chunked=True with targets), which
     computes the loss from h and the head's weight without them. Tensor parallelism swaps it for the
-    vocab-parallel loss (parallel.VocabParallelLoss), context parallelism wraps it to give this rank's share
+    vocab-parallel loss (tensor_parallel.VocabParallelLoss), context parallelism wraps it to give this rank's share
     (context_parallel.ContextParallelLoss)."""
 
     def __init__(self, vocab_size, softcap=0.0, chunked=False):
@@ -1092,7 +1092,7 @@ class Transformer(nn.Module):
     def init_weights(self, seed, full_shape=lambda p: p.shape, share=lambda full, p: full):
         """Every parameter's full tensor is drawn from its own generator, seeded by (seed, name), and this
         rank keeps its share, share(full, p) (full_shape(p): the full tensor's shape; a layout that splits
-        parameters passes its own, parallel.init_shares): the same seed gives the same full model whatever
+        parameters passes its own, train.init_shares): the same seed gives the same full model whatever
         the layout (a tied copy is drawn under the name of the weight it copies). Linear and embedding weights
         are N(0, 0.02) (GPT-2), residual output projections (attention's o_proj, the MLPs' down)
         N(0, 0.02/sqrt(2 n_layer)), norm gains 1, biases 0, padded vocabulary rows 0. The draws are made on

@@ -414,7 +414,7 @@ class WeightGradStore:
                 elif isinstance(layer, nn.Linear) and not hasattr(layer.weight, "grad_summed_over"):
                     # a plain linear (one process, and the layers tensor parallelism leaves whole): its
                     # forward is this product; one whose gradient is summed as backward makes it
-                    # (parallel.sum_grad_over) keeps its backward whole
+                    # (tensor_parallel.sum_grad_over) keeps its backward whole
                     layer.forward = functools.partial(self.linear_layer, layer)
                 else:
                     continue

@@ -217,6 +217,68 @@ def format_timeline(schedule, pp, m, chunks=1):
 
 
 # -----------------------------------------------------------------------------
+# The schedule walked for memory: memory_plan.py's peak, action by action
+
+
+def schedule_moments(schedule, pp, stage, m, chunks, chunk_blocks, head_chunk, saved, residual):
+    """Walks pipeline rank `stage`'s actions (pipeline_schedules.SCHEDULES; with pp = 1 each micro-batch's forward and
+    backward in turn) and yields, after each, (op, its chunk, activation elements held, micro-batches the
+    head's chunk holds, backwards so far). A forward of chunk c adds `saved` per block of the chunk
+    (chunk_blocks[c] of them); its backward takes them away, except that under the zero-bubble schedules
+    (whose W actions are separate) B leaves `residual` per block until W. head_chunk: the chunk holding the
+    head and the loss, or None."""
+    if pp == 1:
+        actions = [(op, i, 0) for i in range(m) for op in "FB"]
+    else:
+        actions = SCHEDULES[schedule](pp, stage, m, chunks)
+    split = any(op == "W" for op, _, _ in actions)
+    held, head, backwards = 0, 0, 0
+    for op, _, c in actions:
+        blocks = chunk_blocks[c]
+        if op == "F":
+            held += blocks * saved
+            head += c == head_chunk
+        elif op == "B":
+            held += blocks * ((residual if split else 0) - saved)
+            head -= c == head_chunk
+            backwards += 1
+        else:
+            held -= blocks * residual
+        yield op, c, held, head, backwards
+
+
+def walk_peak(moments, head_chunk, zero_stage, act_bytes, recompute, backward_start, loss_held, loss_once,
+              exchange, accumulated, buffers, in_flight):
+    """(top, activations, loss): the most bytes beyond the states the step holds, over schedule_moments'
+    actions, and the largest activations and loss tensors along the way.
+
+    The step walked action by action. At the end of a forward: what is held, the block just computed
+    under activation checkpointing, the loss's chunk on the head's chunk (or, if larger, an MoE
+    layer's all-to-all buffers in that forward), and ZeRO-0/1's p.grad once a backward has run. As a
+    backward starts: what was held before it, the block it recomputes (activation checkpointing) and
+    its first tensors (backward_start). At the end of a backward or W: what is still held, and the
+    gradients in flight (for ZeRO-0/1 from the second backward on: the first writes p.grad without a
+    copy)."""
+    top = activations = loss = before = 0  # before: the activations held before this action
+    for op, c, held, held_head, backwards in moments:
+        if op == "F":
+            act = (held + recompute) * act_bytes
+            loss_now = held_head * loss_held + (loss_once if c == head_chunk else 0)
+            landing = in_flight[0] + (in_flight[1] if backwards > 1 else 0)
+            now = act + max(loss_now, held_head * loss_held + exchange) + ((accumulated + landing) if backwards else 0)
+        else:
+            act, loss_now = held * act_bytes, held_head * loss_held
+            now = act + loss_now + accumulated + (buffers if zero_stage >= 2 or backwards > 1 else 0)
+            if op == "B":
+                starting = (before + recompute + backward_start) * act_bytes + loss_now
+                now = max(now, starting + (accumulated if backwards > 1 else 0))
+        before = held
+        top = max(top, now)
+        activations, loss = max(activations, act), max(loss, loss_now)
+    return top, activations, loss
+
+
+# -----------------------------------------------------------------------------
 # The pipeline measured: one step's actions timed on every rank, and the activations each holds
 
 

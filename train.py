@@ -28,6 +28,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import checkpoint
 import import_hf
@@ -44,11 +45,12 @@ from model import (ModelConfig, Transformer, apply_activation_checkpointing, cho
                    compile_blocks, takes_muon, uncompile_blocks)
 from optim import AdamW, DynamicLossScaler, Muon, describe_optimizer, zero_one_muon_buckets
 from parallel import (GradientBuckets, ParallelLayout, PipelineComm, Reducers, ShardedGradientBuckets, ZeroOneAdamW,
-                      apply_pipeline, apply_tensor_parallel, at_least_fp32, describe_layout, init_distributed,
-                      init_shares, materialize, optimizer_state_bytes, tied_weight_group)
+                      apply_pipeline, at_least_fp32, describe_layout, full_shape_of, init_distributed,
+                      optimizer_state_bytes, shard_of, tied_weight_group)
 from pipeline_schedules import (SCHEDULES, Pipeline, WeightGradStore, announced_by_hand, check_schedule, chunk_modules,
                                 chunk_parameters, describe_pipeline, virtual_stages)
 from settings import check_layout
+from tensor_parallel import apply_tensor_parallel
 from zero import FullyShardedParameters, GradientShards, backward_phases, zero3_units
 
 # -----------------------------------------------------------------------------
@@ -265,6 +267,31 @@ def build_model(cfg, model_cfg, layout, attn_impl, dev):
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
     return materialize(model, dev)
+
+
+def materialize(model, device):
+    """Give every parameter of a model built on the meta device memory on `device`, uninitialised: only
+    this rank's shares exist by now, so that is all a rank allocates. The Parameter objects stay the same
+    (their contents are swapped in), so what the layout marked on them (the shard a tensor-parallel weight
+    is, the hooks that sum a gradient) stays. Initialise next (init_shares), or load a checkpoint."""
+    for p in model.parameters():
+        if p.is_meta:
+            marks, hooks = dict(p.__dict__), list((p._backward_hooks or {}).values())
+            real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+            torch.utils.swap_tensors(p, real)
+            p.__dict__.update(marks)
+            # autograd's gradient hooks went with the old contents: register them again on the new ones
+            p._backward_hooks = None
+            for hook in hooks:
+                p.register_hook(hook)
+    return model
+
+
+def init_shares(model, seed):
+    """model.init_weights with this layout's shares: each full tensor drawn, then cut to this rank's slice
+    (shard_of). Returns the model."""
+    model.init_weights(seed, full_shape=full_shape_of, share=shard_of)
+    return model
 
 
 def make_pipeline(cfg, layout, model, dev):

@@ -32,7 +32,9 @@ import train
 from context_parallel import apply_context_parallel
 from expert_parallel import apply_expert_parallel
 from model import Transformer, apply_activation_checkpointing, model_config_from
-from parallel import apply_pipeline, apply_tensor_parallel, init_shares, materialize
+from parallel import apply_pipeline
+from tensor_parallel import apply_tensor_parallel
+from train import init_shares, materialize
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -65,7 +65,7 @@ def randn(g, *shape):
 
 
 def tensor_parallel_mlp(rank):
-    """ColumnParallelLinear -> gelu -> RowParallelLinear at tp = 2, filled with load_full, against the MLP
+    """ColumnParallelLinear -> gelu -> RowParallelLinear at tp = 2, filled with its shards of the full tensors (shard_of), against the MLP
     unsplit: the output, the input's gradient and the full weights' and biases' gradients."""
     tp = lifted("tensor_parallel", "parallel")
     g = torch.Generator().manual_seed(0)
@@ -73,8 +73,10 @@ def tensor_parallel_mlp(rank):
     w_up, b_up, w_down, b_down = randn(g, 16, 8), randn(g, 16), randn(g, 8, 16), randn(g, 8)
     up = tp.ColumnParallelLinear(8, 16, bias=True, group=WORLD)  # this rank: 8 of the 16 hidden features
     down = tp.RowParallelLinear(16, 8, bias=True, group=WORLD)
-    tp.load_full(up, w_up, b_up)
-    tp.load_full(down, w_down, b_down)
+    with torch.no_grad():  # this rank's slice of each full tensor (a replicated bias: all of it)
+        for layer, w, b in ((up, w_up, b_up), (down, w_down, b_down)):
+            layer.weight.copy_(tp.shard_of(w, layer.weight))
+            layer.bias.copy_(tp.shard_of(b, layer.bias))
     x_here = x.clone().requires_grad_()
     out = down(F.gelu(up(x_here)))
     out.backward(dy)

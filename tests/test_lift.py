@@ -41,8 +41,9 @@ import pipeline_schedules
 import zero
 from dist_utils import GRAD_NORM_RTOL, LOSS_RTOL, WEIGHT_RTOL
 from model import ModelConfig, Transformer
-from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, init_shares, load_full,
-                      materialize)
+from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tensor_parallel import load_full
+from train import init_shares, materialize
 
 ROOT = Path(__file__).resolve().parent.parent
 PARALLEL = (ROOT / "parallel.py").read_text()
@@ -369,7 +370,8 @@ def test_no_class_has_more_than_two_picotron_classes_above_it_and_zero_is_four_c
 # -----------------------------------------------------------------------------
 # the hook list: what the extensions override, call or set on parallel.py's classes, all of it in its docstring
 
-EXTENSION_FILES = ("zero.py", "optim.py", "expert_parallel.py", "pipeline_schedules.py", "context_parallel.py")
+EXTENSION_FILES = ("zero.py", "optim.py", "expert_parallel.py", "pipeline_schedules.py", "context_parallel.py",
+                   "tensor_parallel.py")
 NOT_HOOKS = {"__init__", "forward", "backward", "apply", "step"}  # torch's own protocol, not a hook of ours
 
 

@@ -18,7 +18,7 @@ from dist_utils import run_ranks  # noqa: E402
 import settings  # noqa: E402
 from data import TRAIN_STREAM, document_end, rank_microbatches  # noqa: E402
 import train  # noqa: E402
-from memory_plan import schedule_moments  # noqa: E402
+from timeline import schedule_moments  # noqa: E402
 
 TOLERANCE = 0.10
 # fp32, chunked loss, m = 2 micro-batches (the planner's sum is exact for m >= 2: see memory_plan.py)

@@ -22,10 +22,11 @@ import torch.nn.functional as F
 
 from dist_utils import build_model, gather_full, make_token_data, run_ranks, run_train
 from model import ModelConfig, swiglu_hidden_size
-from settings import check_layout
-from parallel import (ColumnParallelLinear, ParallelLayout, RowParallelLinear, copy_to_tp, gather_from_tp, load_full,
+from parallel import (ColumnParallelLinear, ParallelLayout, RowParallelLinear, copy_to_tp, gather_from_tp,
                       padded_vocab_size, reduce_from_tp, scatter_to_tp, shard_of, valid_vocab_columns,
                       vocab_parallel_cross_entropy)
+from settings import check_layout
+from tensor_parallel import load_full
 
 TOL = 1e-5  # fp32: max |tp - reference| / max |reference|, per tensor
 
