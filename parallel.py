@@ -41,6 +41,8 @@ override, call or set (tests/test_lift.py reads their code and fails on one miss
   ShardedGradientBuckets  owned_slices(), gather(bucket), after_step()  what the optimizer steps with
   Bucket, ShardedBucket   zeros(), owned()  the flat buffer, this rank's range of it
   ColumnParallelLinear, RowParallelLinear  `matmul`  their product (the split backward's WeightGradStore)
+  ColumnParallelLinear  `weight`, `vocab_size`  a head's weight tied to the embedding's, and its real rows
+                                                 (tensor_parallel.apply_tensor_parallel)
 What ZeRO-2/3 add, backward_done(op, chunk) after each backward action, the executor and train.py call
 where a reducer has it.
 
@@ -49,8 +51,9 @@ The pipeline's hooks (section 6). pipeline_schedules.ScheduleExecutor extends Pi
                                   around B, the hand-over between two chunks of one rank and the trace
                                   around the core's act
   backpropagate(out, loss, grad)  a backward's roots: the extension adds a stage's auxiliary loss
-and calls PipelineComm.is_here (the hand-over) and, on the data-parallel reducer, set_grad_sync,
-grad_ready and backward_done (after each B and W).
+  wait(request, action, source)   an input's arrival: the extension names a dead sender
+and calls run(actions), PipelineComm is_here(stage) (the hand-over) and, on the data-parallel reducer,
+set_grad_sync, grad_ready and backward_done (after each B and W).
 
 Every piece works given only torch and a process group, so it can be
 lifted into another project. group=None always means "not split" (one rank), never torch's default
@@ -930,8 +933,7 @@ class ColumnParallelLinear(nn.Module):
     The input passes through f (copy_to_tp), whose backward sums the input's gradient across ranks. When
     several column-parallel layers read the same input (q, k and v; SwiGLU's gate and up), apply
     copy_to_tp once to that input and build the layers with copy_input=False: one all-reduce instead of
-    one per layer. Under sequence parallelism the input comes from gather_from_sp, whose backward already
-    sums the gradient: build the layer with copy_input=False then too.
+    one per layer (tensor_parallel.enter_region).
 
     The weight is created empty (see the section's note). group=None: not split (nn.Linear).
 
@@ -959,9 +961,9 @@ class RowParallelLinear(nn.Module):
     input is first cut into slices here. The bias is replicated and added once, after the sum (added
     before, it would be counted tp times). group=None: not split (nn.Linear).
 
-    The weight is created empty, as in ColumnParallelLinear. Hooks: `matmul` as there (the bias, added after the sum, is not in it: it keeps its gradient in
-    autograd), and combine(partial), the sum and the bias (sequence parallelism's SequenceParallelRowLinear
-    reduce-scatters instead)."""
+    The weight is created empty, as in ColumnParallelLinear. Hooks: `matmul` as there (the bias, added after
+    the sum, is not in it: it keeps its gradient in autograd), and combine(partial), the sum and the bias
+    (sequence parallelism's SequenceParallelRowLinear reduce-scatters instead)."""
 
     def __init__(self, in_features, out_features, bias=False, group=None, input_is_parallel=True):
         super().__init__()
@@ -1249,11 +1251,9 @@ def apply_pipeline(model, stage_blocks, stages):
 def message_route(op, stage, n_stages):
     """(the stage that action `op` on model stage `stage` receives its input from, the stage it sends its
     product to): a forward reads stage - 1's output and feeds stage + 1, a backward reads stage + 1's input
-    gradient and feeds stage - 1, a weight-gradient action neither. None past either end of the model. The
+    gradient and feeds stage - 1. None past either end of the model (and for any other action). The
     executor and the timeline simulator (timeline.py) both route by this, so what is drawn is what runs."""
-    if op == "W":
-        return None, None
-    src, dst = (stage - 1, stage + 1) if op == "F" else (stage + 1, stage - 1)
+    src, dst = {"F": (stage - 1, stage + 1), "B": (stage + 1, stage - 1)}.get(op, (-1, -1))
     return (src if 0 <= src < n_stages else None), (dst if 0 <= dst < n_stages else None)
 
 
@@ -1402,8 +1402,7 @@ class PipelineExecutor:
         forward, the last's backward); returns its product for the neighbouring stage, or None."""
         op, i, c = action
         if op not in ("F", "B"):
-            raise ValueError(f"{action}: PipelineExecutor runs 'F' and 'B' actions only; "
-                             f"'W' needs pipeline_schedules.ScheduleExecutor")
+            raise ValueError(f"{action}: PipelineExecutor runs 'F' and 'B' only ('W': ScheduleExecutor)")
         return self.forward(i, c, received) if op == "F" else self.backward(i, c, received, last)
 
     def post_receive(self, action):
@@ -1413,6 +1412,10 @@ class PipelineExecutor:
         if source is None or self.comm.is_here(source):  # (a chunk of this rank: pipeline_schedules.py)
             return None
         return *self.comm.receive(op, source, self.microbatches[i][0]), source
+
+    def wait(self, request, action, source):
+        """Wait for action's input, posted as `request`, from model stage `source`."""
+        request.wait()  # sync point: the input must have arrived
 
     def run(self, actions):
         """Walk the list: wait for each action's input, post the next one's receive, run the action, send its
@@ -1424,11 +1427,7 @@ class PipelineExecutor:
             received = None
             if posted is not None:
                 received, request, source = posted
-                try:
-                    request.wait()  # sync point: the input must have arrived
-                except RuntimeError as e:  # the sender died or hung: say which (faults.peer_failure knows the text)
-                    raise RuntimeError(f"pipeline stage {comm.chunk_stages[c]} (rank {comm.rank}) waited for the input "
-                                       f"of {op}{i} from stage {source} (rank {comm.stage_ranks[source]}): {e}") from e
+                self.wait(request, (op, i, c), source)
             posted = self.post_receive(actions[k + 1]) if k + 1 < len(actions) else None  # lands while this runs
             product = self.act((op, i, c), received, k == last[(op, c)])
             if product is not None:  # a forward's output to the next stage, a backward's input gradient back

@@ -520,6 +520,14 @@ class ScheduleExecutor(PipelineExecutor):
             self.here[(op, i, destination)], product = product, None
         return product
 
+    def wait(self, request, action, source):
+        try:
+            super().wait(request, action, source)
+        except RuntimeError as e:  # the sender died or hung: say which (faults.peer_failure knows the text)
+            op, i, c = action
+            raise RuntimeError(f"pipeline stage {self.comm.chunk_stages[c]} (rank {self.comm.rank}) waited for the "
+                               f"input of {op}{i} from stage {source} (rank {self.comm.stage_ranks[source]}): {e}") from e
+
     def weight_gradients(self, i, c, last):
         """W: the weights' half of microbatch i's split backward on chunk c, from what its B kept."""
         if self.split_backward is None:

@@ -866,7 +866,7 @@ def test_the_core_executor_on_one_stage_is_the_plain_accumulation_loop():
 
 
 def test_the_core_executor_refuses_a_w_action_naming_the_executor_that_runs_it():
-    with pytest.raises(ValueError, match=r"\('W', 0, 0\): PipelineExecutor runs 'F' and 'B' actions only; 'W' needs pipeline_schedules"):
+    with pytest.raises(ValueError, match=r"\('W', 0, 0\): PipelineExecutor runs 'F' and 'B' only \('W': ScheduleExecutor\)"):
         run_schedule([("F", 0, 0), ("B", 0, 0), ("W", 0, 0)], whole_model(), make_microbatches(1), one_stage_comm())
 
 
