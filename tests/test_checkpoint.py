@@ -220,11 +220,11 @@ def test_a_run_whose_rank_dies_mid_save_then_mid_run_resumes_to_the_uninterrupte
 # -----------------------------------------------------------------------------
 # a checkpoint from before the model was built plain and the layout applied to it (commit 7e5f793)
 
-OLD_TP2 = os.path.join(os.path.dirname(__file__), "data", "tp2_checkpoint_7e5f793")
+OLD_TP2 = os.path.join(os.path.dirname(__file__), "checkpoints", "tp2_7e5f793")
 
 
 def test_a_tp2_checkpoint_from_before_the_plain_model_resumes_at_one_process_as_the_unbroken_run(tmp_path):
-    """tests/data/tp2_checkpoint_7e5f793: step 3 of a tp=2 run made by the code of commit 7e5f793 (2 blocks,
+    """tests/checkpoints/tp2_7e5f793: step 3 of a tp=2 run made by the code of commit 7e5f793 (2 blocks,
     width 16, 2 query heads on 1 key/value head, so each tp rank read the replicated key/value head; a
     vocabulary of 150, padded to 256 at tp=2 and to 192 at one process), and unbroken.json, what that run
     logged at steps 4 to 6 without stopping. Today's one process resumes it (the parameter names, the
