@@ -68,23 +68,15 @@ import torch.nn as nn
 from parallel import _all_gather_along, at_least_fp32, group_rank, group_size
 
 
-def check_context_split(seq_len, cp, tp=1):
-    """The zigzag split needs 2*cp equal chunks; with sequence parallelism (tp > 1 here) each rank's tokens
-    are split again across the tensor-parallel group, so the length must split into 2*cp*tp pieces (tp
-    pieces without context parallelism, cp = 1)."""
-    pieces = (2 * cp if cp > 1 else 1) * tp
-    if seq_len % pieces == 0:
+def check_context_split(seq_len, cp):
+    """The zigzag split needs 2*cp equal chunks (what sequence parallelism adds: settings.sequence_split_problems)."""
+    pieces = 2 * cp
+    if cp == 1 or seq_len % pieces == 0:
         return
     lower, upper = seq_len // pieces * pieces, (seq_len // pieces + 1) * pieces
-    fix = f"Set block_size to a multiple of {pieces} (e.g. {lower or upper} or {upper})"
-    if cp == 1:
-        raise ValueError(f"block_size = {seq_len} does not split into tp = {tp} equal pieces: sequence parallelism "
-                         f"gives each tensor-parallel rank 1/tp of the tokens between the tensor-parallel regions. "
-                         f"{fix}, or change tp")
-    why = (f"2 * cp * tp = {pieces} (cp = {cp}, tp = {tp}: sequence parallelism splits each rank's tokens "
-           f"again across tp)" if tp > 1 else f"2 * cp = {pieces} (cp = {cp})")
-    raise ValueError(f"block_size = {seq_len} does not split into {why} equal chunks: context parallelism "
-                     f"gives each rank chunk r and chunk 2*cp-1-r of every window. {fix}, or change cp")
+    raise ValueError(f"block_size = {seq_len} does not split into 2 * cp = {pieces} (cp = {cp}) equal chunks: context "
+                     f"parallelism gives each rank chunk r and chunk 2*cp-1-r of every window. Set block_size to a "
+                     f"multiple of {pieces} (e.g. {lower or upper} or {upper}), or change cp")
 
 
 def zigzag_split(x, cp, cp_rank, dim=1):

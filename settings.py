@@ -485,10 +485,13 @@ def layout_problems(cfg, tp, pp, cp, sequence_parallel, chunks, ep):
     if sequence_parallel and tp == 1:
         problems.append("sequence_parallel=True needs tp > 1: it splits the tokens between the tensor-parallel "
                         "regions across the tp ranks; set --tp to 2 or more, or sequence_parallel=False")
-    try:  # context parallelism's 2*cp chunks, each split again across tp under sequence parallelism
-        check_context_split(cfg.block_size, cp, tp if sequence_parallel else 1)
-    except ValueError as e:
-        problems.append(str(e))
+    if sequence_parallel and tp > 1:
+        problems += sequence_split_problems(cfg.block_size, cp, tp)
+    else:
+        try:  # context parallelism's 2*cp chunks
+            check_context_split(cfg.block_size, cp)
+        except ValueError as e:
+            problems.append(str(e))
     if tp > cfg.n_head:
         problems.append(f"tp = {tp} is larger than n_head = {cfg.n_head}: each rank needs at least one whole head, "
                         f"so use a tp that divides n_head")
@@ -516,3 +519,19 @@ def layout_problems(cfg, tp, pp, cp, sequence_parallel, chunks, ep):
                             f"n_layer = {cfg.n_layer} blocks: every chunk needs at least one block, so use "
                             f"pp * pp_chunks <= {cfg.n_layer}")
     return problems
+
+
+def sequence_split_problems(seq_len, cp, tp):
+    """What sequence parallelism needs of the length: tp equal pieces, and under context parallelism each cp
+    rank's tokens split again across tp, so 2*cp*tp equal chunks. A list of sentences (none: it splits)."""
+    pieces = (2 * cp if cp > 1 else 1) * tp
+    if seq_len % pieces == 0:
+        return []
+    lower, upper = seq_len // pieces * pieces, (seq_len // pieces + 1) * pieces
+    fix = f"Set block_size to a multiple of {pieces} (e.g. {lower or upper} or {upper})"
+    if cp == 1:
+        return [f"block_size = {seq_len} does not split into tp = {tp} equal pieces: sequence parallelism gives each "
+                f"tensor-parallel rank 1/tp of the tokens between the tensor-parallel regions. {fix}, or change tp"]
+    return [f"block_size = {seq_len} does not split into 2 * cp * tp = {pieces} (cp = {cp}, tp = {tp}: sequence "
+            f"parallelism splits each rank's tokens again across tp) equal chunks: context parallelism gives each "
+            f"rank chunk r and chunk 2*cp-1-r of every window. {fix}, or change cp"]

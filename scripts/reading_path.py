@@ -87,10 +87,6 @@ OTHER = [
     ("parallel.py GradientBuckets: fires) is announced with grad_ready(p) once complete.",
      "the split backward (zero bubble)"),
     # ring attention: document masking, soft-capping, sequence parallelism's split check
-    ("context_parallel.py check_context_split: with sequence parallelism (tp > 1 here) ~ pieces without",
-     "sequence parallelism"),
-    ("context_parallel.py check_context_split: if cp == 1:", "sequence parallelism"),
-    ("context_parallel.py check_context_split: why = (f\"2 * cp * tp ~ else f\"2 * cp", "sequence parallelism"),
     ("context_parallel.py _pair_kind: With document ids a pair ~ inside one document", "document masking"),
     ("context_parallel.py _pair_kind: if q_doc is not None:", "document masking"),
     ("context_parallel.py _visible: (and, with", "document masking"),
