@@ -74,6 +74,13 @@ OTHER = [
     ("parallel.py VocabParallelEmbedding: self.weight.vocab_size = vocab_size", "loading weights"),
     # (the matmul hook is not "other": it is the layers' one extension point, named as such in their
     # docstrings and parallel.py's hook list, which the issue asks for in place of moving it)
+    # ZeRO-2/3: the pipeline's tied copies, summed across stages
+    ("zero.py GradientShards: `tied` (copies, group): the copies ~ finish() sums their shards over it.",
+     "tied embeddings (pipeline)"),
+    ("zero.py GradientShards: self.tied_copies, self.tied_group = ", "tied embeddings (pipeline)"),
+    ("zero.py GradientShards.plan: tied = {id(p) for p in self.tied_copies}", "tied embeddings (pipeline)"),
+    ("zero.py GradientShards.finish: if self.tied_group is not None: ~ dist.all_reduce(self.where[p][0].grad_shard",
+     "tied embeddings (pipeline)"),
     # 1F1B's executor: the chunks of one rank, the W actions' refusal, context parallelism's positions,
     # a dead peer's message
     ("parallel.py PipelineExecutor: `model` is the rank's stage, or a list ~ model stage each is):",
