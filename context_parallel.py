@@ -81,8 +81,9 @@ def check_context_split(seq_len, cp):
 
 def zigzag_split(x, cp, cp_rank, dim=1):
     """cp rank cp_rank's tokens of x: chunks cp_rank and 2*cp-1-cp_rank of 2*cp along dim, concatenated."""
-    check_context_split(x.shape[dim], cp)
-    chunk = x.shape[dim] // (2 * cp)
+    chunk, rest = divmod(x.shape[dim], 2 * cp)
+    if rest:  # (settings.check_layout stops such a block_size before a run starts, saying what to change)
+        raise ValueError(f"zigzag_split: {x.shape[dim]} tokens do not split into 2 * cp = {2 * cp} equal chunks")
     return torch.cat([x.narrow(dim, cp_rank * chunk, chunk), x.narrow(dim, (2 * cp - 1 - cp_rank) * chunk, chunk)],
                      dim=dim)
 
@@ -118,57 +119,52 @@ def split_for_every_rank(x, cp, split=zigzag_split):
 # keys. Only the masks of the partly visible pairs are built on the device, from a device copy.
 
 
-def _chunk_slices(seq_len, chunks):
-    n = min(chunks, seq_len)
-    edges = [i * seq_len // n for i in range(n + 1)]
-    return [slice(a, b) for a, b in zip(edges[:-1], edges[1:])]
+def visibility(positions, documents=None):
+    """(keys, firsts), each like positions (cp, B or 1, T_local): key k is visible to query q when
+    firsts[q] <= keys[k] <= keys[q]. Causal attention: keys are the positions, firsts 0. Document masking
+    (documents: ids like positions, whose positions restart in each document) puts each document after the
+    previous one and a query's first visible key at its document's start."""
+    if documents is None:
+        return positions, torch.zeros_like(positions)
+    span = int(positions.max()) + 1
+    return documents * span + positions, documents * span
 
 
-def _pair_kind(q_pos, kv_pos, q_doc, kv_doc):
-    """'hidden', 'full' or 'masked' for queries at q_pos against keys at kv_pos, both (B, n): the test is
-    per batch row, and a pair is hidden or full only when it is so in every row. With document ids a pair
-    whose ranges of ids do not overlap is hidden too, and a pair is full only inside one document."""
-    q_lo, q_hi = q_pos.amin(-1), q_pos.amax(-1)  # (B,)
-    kv_lo, kv_hi = kv_pos.amin(-1), kv_pos.amax(-1)
-    hidden, full = kv_lo > q_hi, kv_hi <= q_lo
-    if q_doc is not None:
-        qd_lo, qd_hi, kd_lo, kd_hi = q_doc.amin(-1), q_doc.amax(-1), kv_doc.amin(-1), kv_doc.amax(-1)
-        hidden = hidden | (kd_lo > qd_hi) | (kd_hi < qd_lo)
-        full = full & (qd_lo == qd_hi) & (kd_lo == kd_hi) & (qd_lo == kd_lo)  # all one document
+def _pair_kind(q_key, q_first, kv_key):
+    """'hidden', 'full' or 'masked' for queries (q_key, q_first) against keys kv_key, each (B, n): per batch
+    row, a pair is hidden or full only when it is so in every row."""
+    kv_lo, kv_hi = kv_key.amin(-1), kv_key.amax(-1)  # (B,)
+    hidden = (kv_lo > q_key.amax(-1)) | (kv_hi < q_first.amin(-1))
     if bool(hidden.all()):
         return "hidden"
+    full = (kv_hi <= q_key.amin(-1)) & (kv_lo >= q_first.amax(-1))
     return "full" if bool(full.all()) else "masked"
 
 
-def block_plan(positions, documents, rank, chunks=2):
-    """For each ring step, the (query slice, key slice, 'full' or 'masked') pairs that rank computes; the
-    hidden ones are left out. positions and documents are (cp, B, T_local) host tensors (see
-    split_for_every_rank); at step i the block of rank (rank - i) % cp is visiting."""
-    cp, T = positions.shape[0], positions.shape[-1]
-    slices = _chunk_slices(T, chunks)
-    doc = (lambda r, s: documents[r][..., s]) if documents is not None else (lambda r, s: None)
+def block_plan(keys, firsts, rank):
+    """For each ring step, the (query slice, key slice, 'full' or 'masked') pairs that rank computes of its
+    two zigzag chunks against the visiting two; the hidden ones are left out. keys and firsts: visibility's,
+    (cp, B, T_local) host tensors; at step i the block of rank (rank - i) % cp is visiting."""
+    cp, T = keys.shape[0], keys.shape[-1]
+    slices = [s for s in (slice(0, T // 2), slice(T // 2, T)) if s.stop > s.start]  # (one token: one slice)
     plan = []
     for step in range(cp):
         source = (rank - step) % cp
-        pairs = []
-        for qs in slices:
-            for ks in slices:
-                kind = _pair_kind(positions[rank][..., qs], positions[source][..., ks], doc(rank, qs),
-                                  doc(source, ks))
-                if kind != "hidden":
-                    pairs.append((qs, ks, kind))
-        plan.append(pairs)
+        pairs = [(qs, ks, _pair_kind(keys[rank][..., qs], firsts[rank][..., qs], keys[source][..., ks]))
+                 for qs in slices for ks in slices]
+        plan.append([pair for pair in pairs if pair[2] != "hidden"])
     return plan
 
 
-def attention_work(positions, documents=None, chunks=2):
+def attention_work(positions, documents=None):
     """Per rank, the chunk pairs computed and the score elements computed (per batch row and head) over one
-    ring pass: the attention work each rank does. positions as for ring_attention."""
+    ring pass: the attention work each rank does. positions and documents as for ring_attention."""
     positions = positions if positions.dim() == 3 else positions[:, None]
     documents = documents if documents is None or documents.dim() == 3 else documents[:, None]
+    keys, firsts = visibility(positions, documents)
     work = []
     for rank in range(positions.shape[0]):
-        pairs = [pair for step in block_plan(positions, documents, rank, chunks) for pair in step]
+        pairs = [pair for step in block_plan(keys, firsts, rank) for pair in step]
         scores = sum((qs.stop - qs.start) * (ks.stop - ks.start) for qs, ks, _ in pairs)
         work.append({"blocks": len(pairs), "scores": scores})
     return work
@@ -194,10 +190,8 @@ def ring_attention_bytes(batch, seq_len_local, n_kv_head, head_dim, v_head_dim, 
 def _scores(q, k, scale, softcap):
     """fp32 scores q k^T * scale, soft-capped to cap * tanh(s / cap); also the tanh, for the derivative."""
     s = (q @ k.transpose(-2, -1)) * scale  # (B, H_kv, G, Tq, Tk)
-    if not softcap:
-        return s, None
-    t = torch.tanh(s / softcap)
-    return softcap * t, t
+    t = torch.tanh(s / softcap) if softcap else None
+    return (s, None) if t is None else (softcap * t, t)
 
 
 def _finite(lse):
@@ -259,9 +253,8 @@ def _kv_heads(x):
 
 
 def _post_ring_exchange(tensors, group):
-    """Post, in one batch, the sends of `tensors` to the next rank of the ring and the receives of tensors
-    of the same shapes from the previous one. Returns (the receive buffers, the requests); not waited for,
-    so the caller computes while they travel."""
+    """Post, in one batch, the sends of `tensors` to the next rank of the ring and the receives of as many from
+    the previous one: (the receive buffers, the requests), not waited for (the caller computes meanwhile)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     next_rank = dist.get_global_rank(group, (rank + 1) % cp)  # a P2POp's peer is a global rank
     prev_rank = dist.get_global_rank(group, (rank - 1) % cp)
@@ -277,30 +270,25 @@ def _wait(requests):
         request.wait()
 
 
-def _visible(pos, doc, rank, source, qs, ks):
-    """Which keys each query sees, (B or 1, 1, 1, Tq, Tk): key position <= query position (and, with
-    document ids, the same document)."""
-    q_pos, kv_pos = pos[rank][..., qs], pos[source][..., ks]  # (B or 1, Tq), (B or 1, Tk)
-    visible = kv_pos[:, None, :] <= q_pos[:, :, None]
-    if doc is not None:
-        visible = visible & (doc[source][..., ks][:, None, :] == doc[rank][..., qs][:, :, None])
-    return visible[:, None, None]
+def _visible(keys, firsts, rank, source, qs, ks):
+    """Which keys each query sees, (B or 1, 1, 1, Tq, Tk): firsts[q] <= keys[k] <= keys[q] (visibility)."""
+    q_key, q_first, kv_key = keys[rank][..., qs, None], firsts[rank][..., qs, None], keys[source][..., None, ks]
+    return ((kv_key <= q_key) & (kv_key >= q_first))[:, None, None]
 
 
 class RingAttention(torch.autograd.Function):
-    """Attention of this rank's queries over every cp rank's keys and values, which travel round the ring.
-    See ring_attention for the arguments. group=None: not split (one process: ordinary causal attention)."""
+    """Attention of this rank's queries over every cp rank's keys and values, which travel round the ring
+    (ring_attention's arguments)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, documents, group, softcap, scale, chunks):
+    def forward(ctx, q, k, v, keys, firsts, group, softcap, scale):
         cp, rank = group_size(group), group_rank(group)
         B, T, H, _ = q.shape
         n_kv_head = k.shape[2]
-        plan = block_plan(positions, documents, rank, chunks)
+        plan = block_plan(keys, firsts, rank)
         # the masks of the partly visible pairs are built from a device copy; non_blocking, since a blocking
         # host-to-device copy waits for the GPU's queue to drain, the sync the host-side plan avoids
-        pos = positions.to(q.device, non_blocking=True)
-        doc = documents.to(q.device, non_blocking=True) if documents is not None else None
+        keys, firsts = keys.to(q.device, non_blocking=True), firsts.to(q.device, non_blocking=True)
 
         qh = _query_heads(q, n_kv_head)
         out = q.new_zeros(*qh.shape[:-1], v.shape[-1], dtype=qh.dtype)  # (B, H_kv, G, T, D_v), fp32 (fp64)
@@ -312,7 +300,7 @@ class RingAttention(torch.autograd.Function):
             source = (rank - step) % cp
             kh, vh = _kv_heads(k_block), _kv_heads(v_block)
             for qs, ks, kind in plan[step]:
-                visible = _visible(pos, doc, rank, source, qs, ks) if kind == "masked" else None
+                visible = _visible(keys, firsts, rank, source, qs, ks) if kind == "masked" else None
                 block_out, block_lse = _block_forward(qh[..., qs, :], kh[..., ks, :], vh[..., ks, :], visible,
                                                       scale, softcap)
                 out[..., qs, :], lse[..., qs] = _merge(out[..., qs, :], lse[..., qs], block_out, block_lse)
@@ -322,7 +310,7 @@ class RingAttention(torch.autograd.Function):
 
         out = out.permute(0, 3, 1, 2, 4).reshape(B, T, H, v.shape[-1]).to(q.dtype)  # (B, T, H, D_v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.pos, ctx.doc, ctx.group, ctx.softcap, ctx.scale = plan, pos, doc, group, softcap, scale
+        ctx.plan, ctx.keys, ctx.firsts, ctx.group, ctx.softcap, ctx.scale = plan, keys, firsts, group, softcap, scale
         ctx.cp, ctx.rank = cp, rank
         return out
 
@@ -346,7 +334,7 @@ class RingAttention(torch.autograd.Function):
             kh, vh = _kv_heads(k_block), _kv_heads(v_block)
             dk_block, dv_block = torch.zeros_like(kh[:, :, 0]), torch.zeros_like(vh[:, :, 0])  # (B, H_kv, T, D)
             for qs, ks, kind in ctx.plan[step]:
-                visible = _visible(ctx.pos, ctx.doc, rank, source, qs, ks) if kind == "masked" else None
+                visible = _visible(ctx.keys, ctx.firsts, rank, source, qs, ks) if kind == "masked" else None
                 _block_backward(qh[..., qs, :], kh[..., ks, :], vh[..., ks, :], dh[..., qs, :], lse[..., qs],
                                 delta[..., qs], visible, ctx.scale, ctx.softcap,
                                 dq[..., qs, :], dk_block[..., ks, :], dv_block[..., ks, :])
@@ -367,45 +355,25 @@ class RingAttention(torch.autograd.Function):
         dq = dq.permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(q.dtype)  # (B, T, H, D)
         dk = dk_block.transpose(1, 2).to(k.dtype)  # (B, T, H_kv, D)
         dv = dv_block.transpose(1, 2).to(v.dtype)  # (B, T, H_kv, D_v)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 # A compiled block (model.compile_blocks) runs around ring attention, not through it: host-side plans and
 # point-to-point messages. torch._disable_dynamo is torch.compiler.disable applied at the first call, as
 # torch marks its own functions: the mark imports torch._dynamo, about 2 s of every process's start.
 @torch._disable_dynamo
-def ring_attention(q, k, v, positions, group=None, softcap=0.0, scale=None, documents=None, chunks=2):
+def ring_attention(q, k, v, positions, group=None, softcap=0.0, scale=None, documents=None):
     """Causal attention of this rank's queries over the keys and values of every rank of the cp group.
-
-    q: (B, T_local, H, D), k: (B, T_local, H_kv, D), v: (B, T_local, H_kv, D_v), H a multiple of H_kv
-    (D_v may differ from D, as in MLA). positions: every cp rank's global token positions, on the host,
-    (cp, T_local) or (cp, B, T_local) (split_for_every_rank builds it); this rank's queries are row
-    `rank`, and a key is visible to a query when its position is not greater. documents (optional, same
-    shape): document ids; a key is then visible only within its document (the positions then restart at
-    0 with each document, as RoPE wants).
-    Scores are q k^T * scale (default 1/sqrt(D)), soft-capped to softcap * tanh(s / softcap) when
-    softcap > 0. chunks: the pieces each rank's tokens are cut into when deciding which pairs to skip (2:
-    the zigzag's two chunks). group None is one process: ordinary causal attention.
-    Returns (B, T_local, H, D_v); a query that sees no key gets zeros."""
-    cp = group_size(group)
-    B, T, H, D = q.shape
-    if k.shape[:2] != (B, T) or v.shape[:3] != k.shape[:3] or k.shape[-1] != D or H % k.shape[2] != 0:
-        raise ValueError(f"ring_attention wants q (B, T, H, D), k (B, T, H_kv, D), v (B, T, H_kv, D_v) with H a "
-                         f"multiple of H_kv; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    for name, x in (("positions", positions), ("documents", documents)):
-        if x is None:
-            continue
-        if x.device.type != "cpu":
-            raise ValueError(f"{name} must be on the host (device cpu, got {x.device}): which blocks to skip is "
-                             f"decided from it there, without a device sync")
-        if x.shape not in ((cp, T), (cp, B, T)):
-            raise ValueError(f"{name} must be (cp, T_local) = ({cp}, {T}) or (cp, B, T_local) = ({cp}, {B}, {T}), "
-                             f"one row per cp rank (see split_for_every_rank); got {tuple(x.shape)}")
-    positions = positions if positions.dim() == 3 else positions[:, None]  # (cp, B or 1, T_local)
-    if documents is not None and documents.dim() == 2:
-        documents = documents[:, None]
+    q: (B, T_local, H, D), k and v: (B, T_local, H_kv, D or D_v), H a multiple of H_kv (MLA's D_v differs).
+    positions: every cp rank's global token positions, (cp, T_local) or (cp, B, T_local) on the host
+    (split_for_every_rank); this rank's queries are row `rank`; check_ring_inputs says what must hold.
+    documents (doc_mask): their document ids, the same shape (visibility: what a query sees then).
+    Scores are q k^T * scale (default 1/sqrt(D)), soft-capped when softcap > 0 (Gemma 2).
+    group None is one process. Returns (B, T_local, H, D_v); a query that sees no key gets zeros."""
+    D = q.shape[-1]
+    keys, firsts = visibility(*(x if x is None or x.dim() == 3 else x[:, None] for x in (positions, documents)))
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    return RingAttention.apply(q, k, v, positions, documents, group, softcap, scale, chunks)
+    return RingAttention.apply(q, k, v, keys, firsts, group, softcap, scale)
 
 
 def loss_share(loss, targets, group, ignore_index=-1):
@@ -420,6 +388,24 @@ def loss_share(loss, targets, group, ignore_index=-1):
     total = count.clone()
     dist.all_reduce(total, group=group)
     return loss * (count.clamp(min=1) * cp / total.clamp(min=1))
+
+
+def check_ring_inputs(q, k, v, positions, documents, cp):
+    """What ring_attention needs of its inputs (the model's RingAttentionKernel checks them each call): q, k,
+    v's shapes, and positions and documents on the host, one row per cp rank."""
+    B, T, H, D = q.shape
+    if k.shape[:2] != (B, T) or v.shape[:3] != k.shape[:3] or k.shape[-1] != D or H % k.shape[2] != 0:
+        raise ValueError(f"ring_attention wants q (B, T, H, D), k (B, T, H_kv, D), v (B, T, H_kv, D_v) with H a "
+                         f"multiple of H_kv; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    for name, x in (("positions", positions), ("documents", documents)):
+        if x is None:
+            continue
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} must be on the host (device cpu, got {x.device}): which blocks to skip is "
+                             f"decided from it there, without a device sync")
+        if x.shape not in ((cp, T), (cp, B, T)):
+            raise ValueError(f"{name} must be (cp, T_local) = ({cp}, {T}) or (cp, B, T_local) = ({cp}, {B}, {T}), "
+                             f"one row per cp rank (see split_for_every_rank); got {tuple(x.shape)}")
 
 
 # -----------------------------------------------------------------------------
@@ -440,6 +426,7 @@ class RingAttentionKernel(nn.Module):
         return documents
 
     def forward(self, q, k, v, positions=None, documents=None):
+        check_ring_inputs(q, k, v, positions, documents, group_size(self.group))
         return ring_attention(q, k, v, positions, self.group, softcap=self.softcap, documents=documents)
 
 

@@ -93,19 +93,14 @@ OTHER = [
     # data parallelism: the split backward's gradients, announced by hand; the experts' divisor
     ("parallel.py GradientBuckets: fires) is announced with grad_ready(p) once complete.",
      "the split backward (zero bubble)"),
-    # ring attention: document masking, soft-capping, sequence parallelism's split check
-    ("context_parallel.py _pair_kind: With document ids a pair ~ inside one document", "document masking"),
-    ("context_parallel.py _pair_kind: if q_doc is not None:", "document masking"),
-    ("context_parallel.py _visible: (and, with", "document masking"),
-    ("context_parallel.py _visible: document ids, the same document)", "document masking"),
-    ("context_parallel.py _visible: if doc is not None:", "document masking"),
-    ("context_parallel.py RingAttention: doc = documents.to(", "document masking"),
-    ("context_parallel.py ring_attention: shape): document ids; a key ~ 0 with each document, as RoPE wants)",
+    # ring attention: document masking, soft-capping
+    ("context_parallel.py visibility: (documents: ids like positions, whose positions ~ previous one and a query's",
      "document masking"),
-    ("context_parallel.py ring_attention: if documents is not None and documents.dim() == 2:", "document masking"),
-    ("context_parallel.py ring_attention: softcap > 0. chunks", "soft-capping (Gemma 2)"),
-    ("context_parallel.py ring_attention: Scores are q k^T * scale", "soft-capping (Gemma 2)"),
-    ("context_parallel.py _scores: if not softcap: ~ return softcap * t, t", "soft-capping (Gemma 2)"),
+    ("context_parallel.py visibility: span = int(positions.max()) + 1 ~ return documents * span", "document masking"),
+    ("context_parallel.py ring_attention: documents (doc_mask): their document ids", "document masking"),
+    ("context_parallel.py ring_attention: soft-capped when softcap > 0 (Gemma 2)", "soft-capping (Gemma 2)"),
+    ("context_parallel.py _scores: t = torch.tanh(s / softcap) if softcap else None ~ return (s, None) if t is None",
+     "soft-capping (Gemma 2)"),
     ("context_parallel.py _block_backward: if softcap:", "soft-capping (Gemma 2)"),
 ]
 

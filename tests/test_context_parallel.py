@@ -379,7 +379,7 @@ def test_length_that_does_not_split_into_2cp_chunks_is_a_clear_error():
     problems = sequence_split_problems(36, cp=2, tp=2)
     assert len(problems) == 1 and re.match(r"block_size = 36 does not split into 2 \* cp \* tp = 8 \(cp = 2, tp = 2",
                                            problems[0])
-    with pytest.raises(ValueError, match=r"block_size = 12 does not split into 2 \* cp = 8"):
+    with pytest.raises(ValueError, match=r"zigzag_split: 12 tokens do not split into 2 \* cp = 8 equal chunks"):
         zigzag_split(torch.zeros(1, 12), cp=4, cp_rank=0)
     assert sequence_split_problems(32, cp=4, tp=2) == []
 
