@@ -195,7 +195,8 @@ DEFAULTS = {s.name: s.default for s in TRAINING}
 
 # sizes and intervals that must be positive (or at least zero): a zero batch or a negative interval would
 # otherwise fail far from its cause, or silently do nothing
-# (the model's own rules, such as heads dividing the width or the MoE settings, are model.check_layout's)
+# (the model's own rules, such as heads dividing the width or the MoE settings, are model.config_problems':
+# check_layout, below, says them with the layout's)
 POSITIVE = ("batch_size", "block_size", "gradient_accumulation_steps", "log_interval", "eval_iters",
             "n_layer", "n_head", "n_kv_head", "n_embd", "rope_theta", "tp", "pp", "learning_rate", "bucket_size_mb",
             "cp", "pp_chunks", "ep", "muon_ns_steps", "max_bad_steps", "dist_timeout_s")
@@ -244,7 +245,7 @@ def check_values(values):
         whole = all(p.strip().isdigit() and int(p) > 0 for p in parts)
         if not whole or len(parts) != n_stages or sum(map(int, parts)) != n_layer:
             even = [n_layer // n_stages + (s < n_layer % n_stages) for s in range(n_stages)]
-            # (with fewer blocks than stages no cut can do: model.check_layout says so, whatever pp_layers is)
+            # (with fewer blocks than stages no cut can do: check_layout says so, whatever pp_layers is)
             problems.append(f"pp_layers = {values['pp_layers']!r} must be pp * pp_chunks = {n_stages} whole numbers, "
                             f"each at least 1, summing to n_layer = {n_layer}: the blocks of each model stage, first "
                             f"to last (" + (f"for example {','.join(map(str, even))!r}; '' cuts the stages by their "
@@ -402,7 +403,7 @@ def layout_that_fits(values, inherited, world_size):
     lowered to its largest divisor that fits what is left (a divisor of tp or cp splits the model wherever
     they did); a given dp takes the rest. At pp = 1, the settings that need a pipeline go back to one stage
     (pipeline_schedules.check_schedule), and a cut the stage count changes to the cut by cost; at tp = 1,
-    sequence parallelism goes off (model.check_layout)."""
+    sequence parallelism goes off (check_layout)."""
     axes = [k for k in ("dp", "cp", "tp", "pp") if k not in inherited and values[k] > 0] + inherited
     fit, left = {}, world_size
     for k in axes:
