@@ -476,7 +476,11 @@ class ContextParallelLoss(nn.Module):
 
     def __init__(self, loss, group):
         super().__init__()
-        self.inner, self.group, self.chunked = loss, group, loss.chunked
+        self.inner, self.group = loss, group
+
+    @property
+    def chunked(self):  # (the split backward's chunk_modules asks)
+        return self.inner.chunked
 
     def forward(self, h, head, targets=None):
         logits, loss = self.inner(h, head, targets)

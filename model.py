@@ -202,8 +202,9 @@ def causal_attention_scores(q, k, softcap=0.0):
 
 
 def at_least_fp32(dtype):
-    """fp32 for the half-precision dtypes, the dtype itself otherwise (fp64 stays fp64)."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    """fp32 for the half-precision dtypes, the dtype itself otherwise (fp64 stays fp64): parallel.at_least_fp32's
+    rule, written here too because model.py imports nothing of how it runs."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def causal_attention(q, k, v, impl, softcap=0.0, documents=None):
