@@ -5,6 +5,7 @@ Time picotron's training step: tokens/s, ms/step, MFU and peak memory, for any c
     python bench.py config/tiny_fineweb.py --compile=True --bench_steps=20
     python bench.py --n_layer=6 --n_head=6 --n_kv_head=6 --n_embd=384 --reference=True
     python bench.py config/tiny_fineweb.py --optimizer=muon --compare_optimizer=adamw
+    torchrun --nproc_per_node=2 bench.py config/tiny_fineweb.py --zero_stage=1 --compare_zero_stage=0
     python bench.py config/tiny_fineweb.py --data_dir=data/fineweb_edu --doc_mask=True --compare_doc_mask=True
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --tp=2 --dp=2
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --cp=2 --tp=2 --sequence_parallel=True \
@@ -21,10 +22,13 @@ time several pipeline schedules the same way, each its own model, and measure ea
 traced step and its peak activations per rank), --profile_steps (after the timed steps, that many more
 under torch.profiler: where a step's time goes) and --profile_trace (the same as a Chrome trace file),
 --compare_optimizer=NAME (also time train.py's step with another optimizer, in turn the same way),
+--compare_zero_stage=N (also time it at ZeRO stage N, in turn the same way),
 --compare_doc_mask=True (also time it with doc_mask the other way, in turn the same way). Tokens are
 random unless --data_dir is given on the command line (doc_mask needs its eot_token: from the data's
 meta.json, or --eot_token). The last line printed is `RESULT {json}`, for scripts; first_step_s in it is
-the first step's time, which holds the compilation with compile=True.
+the first step's time, which holds the compilation with compile=True; exposed_comm_ms, {mechanism: ms},
+what a rank stood waiting on communication in a step (one more step, profiled: timeline.exposed_comm;
+the mean over the ranks), each comparison's as compare_exposed_comm_ms.
 """
 import dataclasses
 import json
@@ -64,6 +68,8 @@ BENCH = section(
             ".json.gz)"),
     Setting("compare_optimizer", "", "also time train.py's step with this optimizer ('adamw' or 'muon') instead of "
             "--optimizer, step by step in turn"),
+    Setting("compare_zero_stage", -1, "also time train.py's step at this ZeRO stage (0-3) instead of --zero_stage, "
+            "step by step in turn (-1: off)"),
     Setting("compare_doc_mask", False, "also time train.py's step with doc_mask the other way, step by step in turn"),
 )
 
@@ -77,6 +83,10 @@ def parse_args(argv):
     if values["compare_optimizer"] not in ("", *settings.CHOICES["optimizer"]):
         raise ConfigError(f"compare_optimizer = {values['compare_optimizer']!r} must be '' (off) or one of "
                           f"{', '.join(map(repr, settings.CHOICES['optimizer']))}")
+    if values["compare_zero_stage"] not in (-1, 0, 1, 2, 3) or (values["compare_zero_stage"] >= 0
+                                                                   and values["compare_optimizer"]):
+        raise ConfigError(f"compare_zero_stage = {values['compare_zero_stage']} must be -1 (off) or a ZeRO stage 0-3, "
+                          f"and not given with compare_optimizer (both report compare_tokens_per_sec)")
     if values["bench_steps"] < 1 or values["warmup_steps"] < 0 or values["profile_steps"] < 0:
         raise ConfigError(f"bench_steps = {values['bench_steps']} must be >= 1, warmup_steps = "
                           f"{values['warmup_steps']} and profile_steps = {values['profile_steps']} >= 0")
@@ -195,6 +205,9 @@ def make_runners(cfg, bench, setup):
     if bench.compare_optimizer:  # the same model, data and step with the other optimizer
         other = SimpleNamespace(**{**vars(cfg), "optimizer": bench.compare_optimizer})
         runners.append(Picotron(other, setup, name=bench.compare_optimizer))
+    if bench.compare_zero_stage >= 0:  # the same model, data and step, sharded another way
+        other = SimpleNamespace(**{**vars(cfg), "zero_stage": bench.compare_zero_stage})
+        runners.append(Picotron(other, setup, name=f"ZeRO-{bench.compare_zero_stage}"))
     if bench.compare_doc_mask:  # the same weights' shapes, data and step, attention across documents or not
         flipped = not cfg.doc_mask
         other = SimpleNamespace(**{**vars(cfg), "doc_mask": flipped})
@@ -266,6 +279,8 @@ def run(cfg, bench, setup):
     step = bench.warmup_steps + bench.bench_steps
     pipeline = {r.name: r.measure_pipeline(step) for r in runners if bench.variants}
     step += 2 if bench.variants else 0  # (measure_pipeline ran two more steps)
+    exposed = {r.name: timeline.exposed_comm(lambda: r.step(step), layout)[1] for r in runners if isinstance(r, Picotron)}
+    step += 1
     profile = profile_steps(runners[0], step, bench.profile_steps, bench.profile_trace) if bench.profile_steps else None
     memory = measure_memory(cfg, setup, runners[0], step)
     step += 1
@@ -276,6 +291,8 @@ def run(cfg, bench, setup):
     # the process's peak memory covers whatever ran in it: with the reference alongside it is both models'
     main = runners[0].name
     results[main]["peak_mem_bytes"] = peak_mem
+    for name, waited in exposed.items():
+        results[name]["exposed_comm_ms"] = waited
     if moe:
         params, state = metrics.expert_memory_bytes(runners[0].parts.model, runners[0].parts.optimizer)
         results[main].update(ep=layout.ep, a2a_bytes=moe_stats["a2a_bytes"],
@@ -308,6 +325,14 @@ def report(cfg, bench, setup, runners, results, peak, tokens_per_step, memory, p
         result.update(optimizer=cfg.optimizer, compare_optimizer=bench.compare_optimizer,
                       compare_ms_per_step=other["ms_per_step"], compare_tokens_per_sec=other["tokens_per_sec"],
                       compare_loss=other["loss"])
+    if bench.compare_zero_stage >= 0:
+        other = results[f"ZeRO-{bench.compare_zero_stage}"]
+        print(f"ZeRO-{cfg.zero_stage} against ZeRO-{bench.compare_zero_stage}: {results[main]['tokens_per_sec']:,.0f} "
+              f"against {other['tokens_per_sec']:,.0f} tokens/s (median), "
+              f"{results[main]['tokens_per_sec'] / other['tokens_per_sec']:.3f}x the speed")
+        result.update(compare_zero_stage=bench.compare_zero_stage, compare_ms_per_step=other["ms_per_step"],
+                      compare_tokens_per_sec=other["tokens_per_sec"], compare_loss=other["loss"],
+                      compare_exposed_comm_ms=other["exposed_comm_ms"])
     if bench.compare_doc_mask:
         other = results[f"doc_mask={not cfg.doc_mask}"]
         print(f"doc_mask={cfg.doc_mask} against doc_mask={not cfg.doc_mask}: "
@@ -422,6 +447,8 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, kind
             ("all-to-all MiB/step", lambda r: f"{r['a2a_bytes'] / 2**20:,.2f}" if "a2a_bytes" in r else "-"),
             ("expert load min-max", lambda r: f"{r['expert_load_min']:,.0f}-{r['expert_load_max']:,.0f}"
              if "expert_load_min" in r else "-"),
+            ("comm waited ms/step", lambda r: " ".join(f"{k} {v:.1f}" for k, v in r["exposed_comm_ms"].items() if v)
+             or "0" if "exposed_comm_ms" in r else "-"),
             ("loss (last step)", lambda r: f"{r['loss']:.4f}")]
     if bench.variants:  # per pipeline rank, rank 0 first
         rows += [("bubble, ideal", lambda r: f"{r['ideal_bubble']:.1%}" if r["ideal_bubble"] is not None else "-"),

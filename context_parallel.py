@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel import _all_gather_along, at_least_fp32, group_rank, group_size
+from parallel import _all_gather_along, at_least_fp32, group_rank, group_size, waited
 
 
 def check_context_split(seq_len, cp):
@@ -267,7 +267,7 @@ def _post_ring_exchange(tensors, group):
 
 def _wait(requests):
     for request in requests:
-        request.wait()
+        waited(request, "cp")
 
 
 def _visible(keys, firsts, rank, source, qs, ks):
@@ -386,7 +386,7 @@ def loss_share(loss, targets, group, ignore_index=-1):
         return loss
     count = (targets != ignore_index).sum()
     total = count.clone()
-    dist.all_reduce(total, group=group)
+    waited(dist.all_reduce(total, group=group, async_op=True), "cp")
     return loss * (count.clamp(min=1) * cp / total.clamp(min=1))
 
 
@@ -466,7 +466,7 @@ class ContextWindow:
 
     def total(self, counts):
         counts = counts.clone()
-        dist.all_reduce(counts, group=self.group)
+        waited(dist.all_reduce(counts, group=self.group, async_op=True), "cp")
         return counts
 
 

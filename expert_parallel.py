@@ -42,7 +42,7 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 
-from parallel import Reducers, group_rank, group_size
+from parallel import Reducers, group_rank, group_size, waited
 
 ExpertSplits = namedtuple("ExpertSplits", "send recv recv_counts")
 
@@ -60,7 +60,7 @@ def exchange_expert_counts(counts, group):
         send = counts.tolist()  # host-device sync
         return ExpertSplits(send, [send], recv_counts)
     recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)  # equal splits: n_expert / ep counts to each rank
+    waited(dist.all_to_all_single(recv_counts, counts, group=group, async_op=True), "ep")  # n_expert / ep to each
     both = torch.cat([counts, recv_counts]).tolist()  # host-device sync
     n = len(both) // 2
     return ExpertSplits(both[:n], [both[n + j * n // ep:n + (j + 1) * n // ep] for j in range(ep)],
@@ -78,7 +78,7 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx, x, send_splits, recv_splits, group, sent):
         ctx.splits, ctx.group, ctx.sent = (send_splits, recv_splits), group, sent
         out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        waited(dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group, async_op=True), "ep")
         sent.bytes_sent += _bytes_to_others(x, send_splits, group)
         return out
 
@@ -86,7 +86,8 @@ class AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
         grad_x = grad.new_empty((sum(send_splits), *grad.shape[1:]))
-        dist.all_to_all_single(grad_x, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
+        waited(dist.all_to_all_single(grad_x, grad.contiguous(), send_splits, recv_splits, group=ctx.group,
+                                      async_op=True), "ep")
         ctx.sent.bytes_sent += _bytes_to_others(grad, recv_splits, ctx.group)
         return grad_x, None, None, None, None
 

@@ -479,6 +479,7 @@ def format_log_line(record, eta, dev):
             f"{record['epoch']:.2f} | eta {format_duration(eta)}")
     if record["skipped_steps"]:
         line += f" | skipped {record['skipped_steps']}"
+    line += f" | comm waited {sum(record['exposed_comm_ms'].values()):.1f} ms" if "exposed_comm_ms" in record else ""
     if "aux_loss" in record:
         line += (f" | aux {record['aux_loss']:.4f} dropped {record['moe_dropped_frac']:.3f} | expert load "
                  f"{record['expert_load_min']:,.0f}-{record['expert_load_max']:,.0f} | all-to-all "

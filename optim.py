@@ -49,7 +49,8 @@ import torch
 import torch.distributed as dist
 
 from parallel import (ShardedBucket, ShardedGradientBuckets, _all_gather_along, adamw_step, at_least_fp32,
-                      buckets_by_kind, group_size, optimizer_state_bytes, params_flat, shard_of)
+                      buckets_by_kind, group_size, optimizer_state_bytes, params_flat, shard_of,
+                      wait_for_params)
 
 
 class AdamW(torch.optim.AdamW):
@@ -230,6 +231,8 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, found_inf=None):
         """found_inf: as ZeroOneAdamW.step's (a step whose gradient is not finite changes nothing)."""
+        if self.grad_sync is not None:
+            wait_for_params(self.grad_sync.buckets)  # (the last gathers, if no forward waited: they write p too)
         for group in self.param_groups:
             if group["muon"]:
                 continue

@@ -4,8 +4,7 @@ one numbered section each, in the order a reader learns them (the Ultra-Scale Pl
 parallelism and ZeRO, then tensor and sequence parallelism, then the pipeline).
 
   1. The layout: how the world of ranks is cut into data-, context-, tensor- and pipeline-parallel groups
-     (and the data-parallel ranks into expert-parallel groups), the printed rank grid, and which
-     tensor-parallel groups would span two nodes.
+     (and the data-parallel ranks into expert-parallel groups); settings.py prints the grid.
   2. Data parallelism: gradients averaged in buckets launched from backward hooks (GradientBuckets), with
      the few named hooks the mechanisms that extend it override.
   3. ZeRO-1: the buckets reduce-scattered instead (ShardedGradientBuckets) and an AdamW whose states are
@@ -65,7 +64,7 @@ its input's one-process result. Apply an autograd Function through its helper: c
 it would hand None to torch, whose collectives read it as the default world group.
 
 Each numbered section's header says which earlier sections it needs (`# Needs:`); every one needs the
-top of the file (the imports, the two renamed collectives and at_least_fp32) and no later section, so a
+top of the file (the imports, the two renamed collectives, waited and at_least_fp32) and no later section, so a
 section lifts with the ones it names (tests/test_lift.py lifts them so, and runs them).
 
 References: Li et al. 2020, "PyTorch Distributed" (section 3.2.3); Rajbhandari et al. 2020, "ZeRO"
@@ -90,6 +89,15 @@ from torch.optim.adamw import adamw
 # torch 2.13 renamed the single-tensor collectives (the old names still work, with a warning)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def waited(work, mechanism):
+    """work.wait(), labelled for torch.profiler as "exposed communication: <mechanism>" (dp, tp, cp, ep, pp):
+    the time this rank stood waiting for communication that no computation hid. bench.py and train.py sum
+    those labels over a profiled step (metrics.exposed_comm_ms); without a profiler running the label costs
+    next to nothing. On CUDA a wait only orders the streams, so there the figure is the host's, not the GPU's."""
+    with torch.profiler.record_function(f"exposed communication: {mechanism}"):
+        work.wait()
 
 
 def at_least_fp32(dtype):
@@ -155,7 +163,7 @@ class ParallelLayout:
     Tensor parallelism talks on every layer (several collectives per block), so its ranks are neighbours,
     which on a real cluster means the same node and its fast links: torchrun gives each node consecutive
     ranks, so a tp group stays inside a node whenever tp divides the processes per node (see
-    tp_groups_across_nodes). Context parallelism passes keys and values round a ring in every attention
+    settings.tp_groups_across_nodes). Context parallelism passes keys and values round a ring in every attention
     layer, the next chattiest; data parallelism talks once per step, pipeline parallelism only sends
     activations between neighbouring stages, so both can span nodes.
 
@@ -268,62 +276,6 @@ def _store_of_this_attempt(world_size, timeout):
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
                           timeout=timeout or timedelta(minutes=10))
     return dist.PrefixStore(f"picotron/attempt_{attempt}", store)
-
-
-def tp_groups_across_nodes(dp, tp, pp, local_world_size, cp=1):
-    """The tensor-parallel groups (lists of global ranks) that are not all on one node, when every node
-    runs local_world_size processes with consecutive ranks, as torchrun numbers them (LOCAL_WORLD_SIZE).
-    A tp group is tp consecutive ranks (tp fastest), so none spans two nodes when tp divides
-    local_world_size; otherwise its all-reduces, several per layer, cross the network between nodes."""
-    spanning = []
-    for p, d, c in itertools.product(range(pp), range(dp), range(cp)):
-        ranks = [grid_rank(p, d, t, dp, tp, c, cp) for t in range(tp)]
-        if len({r // local_world_size for r in ranks}) > 1:
-            spanning.append(ranks)
-    return spanning
-
-
-def format_grid(dp, tp, pp, cp=1, ep=1, n_expert=0):
-    """The rank layout as text, one line per (pipeline stage, data-parallel replica), and under context
-    parallelism per share of the sequence too: which global ranks hold the tensor-parallel slices of it;
-    under expert parallelism which experts each replica holds, followed by the expert groups."""
-    lines = []
-    for p in range(pp):
-        for d in range(dp):
-            for c in range(cp):
-                ranks = [grid_rank(p, d, t, dp, tp, c, cp) for t in range(tp)]
-                share = f" sequence share {c} (chunks {c}, {2 * cp - 1 - c})" if cp > 1 else ""
-                held = ""
-                if ep > 1:
-                    first, n = (d % ep) * (n_expert // ep), n_expert // ep
-                    held = f", experts {first}-{first + n - 1}" if n > 1 else f", expert {first}"
-                lines.append(f"  stage {p} replica {d}{share}: ranks {ranks}{held}")
-    if ep > 1:
-        blocks, replicas = expert_groups(dp, tp, pp, cp, ep)
-        lines.append(f"  expert-parallel groups (ep={ep}, tokens sent to their experts all-to-all): "
-                     + " ".join(map(str, blocks)))
-        lines.append("  expert replicas (the same experts, gradients averaged): "
-                     + (" ".join(map(str, replicas)) if dp * cp > ep else "none, every expert is on one rank"))
-    return "\n".join(lines)
-
-
-
-
-def describe_layout(layout, sequence_parallel=False, n_expert=0, per_node=None):
-    """The start-up lines naming the layout, its rank grid, and a warning when a tensor-parallel group spans
-    two nodes (per_node: the processes per node, torchrun's LOCAL_WORLD_SIZE)."""
-    cut = f"dp={layout.dp} x cp={layout.cp}" if layout.cp > 1 else f"dp={layout.dp}"
-    sp = " (sequence parallel)" if sequence_parallel else ""
-    text = (f"layout: {cut} x tp={layout.tp}{sp} x pp={layout.pp} = {layout.world_size} processes"
-            + (f", experts over ep={layout.ep} of the dp ranks" if layout.ep > 1 else "") + "\n"
-            + format_grid(layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, n_expert))
-    per_node = per_node or layout.world_size
-    spanning = tp_groups_across_nodes(layout.dp, layout.tp, layout.pp, per_node, layout.cp)
-    if spanning:
-        text += (f"\nwarning: {len(spanning)} tensor-parallel group(s) span two nodes (ranks {spanning[0]} with "
-                 f"{per_node} process{'es' if per_node != 1 else ''} per node): their all-reduces, several per layer, cross the network. Make tp = "
-                 f"{layout.tp} divide --nproc_per_node = {per_node}")
-    return text
 
 
 # -----------------------------------------------------------------------------
@@ -459,7 +411,7 @@ class GradientBuckets:
             self.launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
-                bucket.work.wait()  # sync point: the gradient is needed from here on
+                waited(bucket.work, "dp")  # sync point: the gradient is needed from here on
             self.land(bucket)
             bucket.ready, bucket.work = set(), None
         self.sync, self.launched = True, 0
@@ -475,23 +427,58 @@ class GradientBuckets:
 # each rank updates its slice of the parameters, and the updated slices are all-gathered so that every
 # rank holds the whole model again. Compared with all-reduce + AdamW the communication volume is the same
 # (an all-reduce is a reduce-scatter followed by an all-gather), the optimizer memory is 1/dp. Gloo (CPU)
-# has no native reduce-scatter (torch's emulation takes twice an all-reduce's time), so there the buckets
-# are all-reduced and each rank keeps its slice (reduces_by_all_reduce): on CPU the gradient step costs what
-# plain data parallelism's does, on NCCL half of it.
+# has no reduce-scatter of its own (torch's emulation takes twice an all-reduce's time): there it is
+# written out as point-to-point exchanges (SlicesExchange), with a reduce-scatter's bytes, half an
+# all-reduce's.
 #
 # The slices are cut from each bucket's flat buffer, padded to a multiple of dp, not handed out tensor by
 # tensor: every rank gets the same number of elements (within the padding), whatever the tensor sizes.
 # zero.py goes on to ZeRO-2 (the gradients kept as shards too) and ZeRO-3 (the parameters as well); it
-# reuses the pieces here that are not methods: ShardedBucket, post_reduce_scatter and summed_slice (the
-# one place gloo's all-reduce stands in for the reduce-scatter), owned_slices and gather_slices.
+# reuses the pieces here that are not methods: ShardedBucket, post_reduce_scatter and summed_slice,
+# owned_slices, gather_slices and wait_for_params.
+#
+# After the step the all-gather of the updated slices need not hold the step up: each bucket's gather is
+# posted, and waited for only where its parameters are first read (Megatron-LM's --overlap-param-gather).
+# zero.overlap_param_gather puts that wait in forward pre-hooks and marks the buckets it covers
+# (`waited_by_hook`); anything else that reads the parameters (an evaluation, a save) calls
+# wait_for_params first.
 
 
-def reduces_by_all_reduce(group):
-    """Whether a bucket's reduce-scatter goes better as an all-reduce of the whole bucket, this rank then
-    keeping its slice: on gloo, which has no reduce-scatter of its own and whose emulation by torch takes
-    twice an all-reduce's time (14 against 7 ms for 10 MB at 2 ranks, measured on a 2-core CPU); the bytes
-    are an all-reduce's either way there. On NCCL a reduce-scatter moves half an all-reduce's bytes."""
-    return dist.get_backend(group) == "gloo"
+def reduce_scatter(out, flat, group):
+    """Post out = this rank's slice of the sum of flat over the group (group rank r: the r-th of
+    group_size(group) equal pieces of flat); returns its request. NCCL's own reduce-scatter, or on gloo,
+    which has none (torch's emulation takes twice an all-reduce's time: 14 against 7 ms for 10 MB at 2
+    ranks on a 2-core CPU), point-to-point exchanges (SlicesExchange)."""
+    if dist.get_backend(group) != "gloo":
+        return _reduce_scatter_single(out, flat, group=group, async_op=True)
+    return SlicesExchange(out, flat, group)
+
+
+class SlicesExchange:
+    """A reduce-scatter on gloo, in dp - 1 steps of a ring's order: at step s rank r sends rank r + s the
+    piece of flat that rank owns and receives its own piece from rank r - s, so each rank sends (dp - 1)/dp
+    of flat, a reduce-scatter's bytes and half an all-reduce's (measured: 4.3 against 10.2 ms for 10 MB at
+    2 ranks). Every step is posted at once: a ring proper forwards partial sums, each step waiting for the
+    one before, which on gloo (no stream to queue them on) would take a thread to stay asynchronous; sent
+    straight to their owners the pieces need none, for the same bytes. The first piece lands in out itself,
+    the others (dp > 2) in buffers of their own; wait() adds this rank's own piece and those to it."""
+
+    def __init__(self, out, flat, group):
+        n, r = group_size(group), group_rank(group)
+        pieces = flat.view(n, -1)
+        self.out, self.mine, self.received = out, pieces[r], [out] + [torch.empty_like(out) for _ in range(2, n)]
+        self.requests = [dist.isend(pieces[(r + s) % n], group=group, group_dst=(r + s) % n) for s in range(1, n)]
+        self.requests += [dist.irecv(self.received[s - 1], group=group, group_src=(r - s) % n) for s in range(1, n)]
+
+    def wait(self):
+        """(Once: a point-to-point request waited for a second time never returns.)"""
+        if self.requests:
+            for request in self.requests:
+                request.wait()
+            self.out.add_(self.mine)
+            for piece in self.received[1:]:
+                self.out.add_(piece)
+            self.requests = self.received = None
 
 
 class ShardedBucket(Bucket):
@@ -502,7 +489,8 @@ class ShardedBucket(Bucket):
     def __init__(self, params, group):
         self.world, self.rank = group_size(group), group_rank(group)
         self.shard_size = (sum(p.numel() for p in params) + self.world - 1) // self.world  # elements one rank owns
-        self.shard = self.values = None
+        self.shard = self.values = self.gathering = None  # gathering: after_step's all-gather, in flight
+        self.waited_by_hook = False
         super().__init__(params, group)
 
     def zeros(self):
@@ -515,22 +503,18 @@ class ShardedBucket(Bucket):
 
 def post_reduce_scatter(bucket):
     """Post the sum over the group of bucket.flat, of which this rank keeps its slice (summed_slice): a
-    reduce-scatter into a new bucket.shard, or on gloo an all-reduce of the whole of flat
-    (reduces_by_all_reduce), the slice then read from flat. With one rank there is nothing to send."""
+    reduce-scatter into a new bucket.shard. With one rank there is nothing to send."""
     if bucket.world == 1:
         return
-    if reduces_by_all_reduce(bucket.group):
-        bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
-    else:
-        bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
-        bucket.work = _reduce_scatter_single(bucket.shard, bucket.flat, group=bucket.group, async_op=True)
+    bucket.shard = torch.empty(bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device)
+    bucket.work = reduce_scatter(bucket.shard, bucket.flat, bucket.group)
 
 
 def summed_slice(bucket):
-    """This rank's slice of the sum post_reduce_scatter posted, once it has landed: bucket.shard, or its
-    range of flat (gloo, or one rank)."""
+    """This rank's slice of the sum post_reduce_scatter posted, once it has landed: bucket.shard, or with
+    one rank its range of flat."""
     if bucket.work is not None:
-        bucket.work.wait()  # sync point: the sum is needed now
+        waited(bucket.work, "dp")  # sync point: the sum is needed now
         bucket.work = None
     if bucket.shard is not None:
         return bucket.shard
@@ -570,6 +554,25 @@ def gather_slices(bucket):
     values = params_flat(bucket)
     lo, hi = bucket.owned()
     return _all_gather_single(values, values[lo:hi].clone(), group=bucket.group, async_op=True)
+
+
+def post_gathers(buckets, gather):
+    """After the step: post gather(bucket) for every bucket, in the order the next forward meets them (the
+    buckets are in backward order), each into bucket.gathering; wait at once for those no forward hook
+    waits for (sync point: parameters are read next)."""
+    for bucket in reversed(buckets):
+        if bucket.world > 1:
+            bucket.gathering = gather(bucket)
+    wait_for_params([b for b in buckets if not b.waited_by_hook])
+
+
+def wait_for_params(buckets):
+    """Wait for the buckets' gathers still in flight: their parameters are whole from here on (a bucket
+    that is not ZeRO's has none)."""
+    for bucket in buckets:
+        if getattr(bucket, "gathering", None) is not None:
+            waited(bucket.gathering, "dp")
+            bucket.gathering = None
 
 
 def buckets_by_kind(params, bucket_size_mb, kind):
@@ -613,7 +616,7 @@ class ShardedGradientBuckets(GradientBuckets):
     def land(self, bucket):
         """The mean on what this rank owns, zero elsewhere (the other ranks' parts)."""
         lo, hi = bucket.owned()
-        if bucket.shard is not None:  # (a reduce-scatter's; an all-reduce's sum is in flat already)
+        if bucket.shard is not None:  # (with one rank the sum is flat itself)
             bucket.flat[lo:hi].copy_(summed_slice(bucket))
             bucket.shard = None
         if self.replicas > 1:
@@ -637,9 +640,8 @@ class ShardedGradientBuckets(GradientBuckets):
 
     def after_step(self):
         """After each rank updated what it owns, give every rank the whole updated model: every bucket's
-        all-gather posted at once, then waited for (sync point: the next forward reads the parameters)."""
-        for work in [self.gather(b) for b in self.buckets if b.world > 1]:
-            work.wait()
+        all-gather posted at once, waited for before its parameters are read (post_gathers)."""
+        post_gathers(self.buckets, self.gather)
 
 
 class ZeroOneAdamW(torch.optim.Optimizer):
@@ -681,6 +683,7 @@ class ZeroOneAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, found_inf=None):
+        wait_for_params(self.grad_sync.buckets)  # (the last gathers, if no forward waited: they write p too)
         for group in self.param_groups:  # one fused kernel per group over this rank's slices (views of p)
             mine = [p for p in group["params"] if p in self.slices]
             adamw_step([self.owned_param(p) for p in mine], [self.grad_sync.owned_grad(*self.slices[p]) for p in mine],
@@ -806,7 +809,7 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
         # all_reduce works in place, and autograd may hand the same gradient tensor to other branches too
         # (an addition passes its output's gradient to both inputs): reduce a copy
         grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)
+        waited(dist.all_reduce(grad, group=ctx.group, async_op=True), "tp")
         return grad, None
 
 
@@ -817,7 +820,7 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.clone(memory_format=torch.contiguous_format)  # all_reduce works in place: leave the caller's x
-        dist.all_reduce(x, group=group)
+        waited(dist.all_reduce(x, group=group, async_op=True), "tp")
         return x
 
     @staticmethod
@@ -829,7 +832,7 @@ def _all_gather_along(x, group, dim):
     """Every rank's x, concatenated along dim in rank order."""
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    dist.all_gather(parts, x, group=group)
+    waited(dist.all_gather(parts, x, group=group, async_op=True), "tp")
     return torch.cat(parts, dim=dim)
 
 
@@ -1049,11 +1052,12 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         else:  # this rank holds only vocabulary padding
             max_logit = torch.full((n,), float("-inf"), dtype=logits.dtype, device=logits.device)
             target_logit = torch.zeros(n, dtype=logits.dtype, device=logits.device)
-        dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
-        dist.all_reduce(target_logit, group=group)
+        waited(dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group, async_op=True), "tp")
+        target_summed = dist.all_reduce(target_logit, group=group, async_op=True)  # lands while exp runs
         exp = (logits - max_logit.unsqueeze(-1)).exp_()  # the one (N, V_local) temporary; becomes the softmax
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
+        waited(dist.all_reduce(sum_exp, group=group, async_op=True), "tp")
+        waited(target_summed, "tp")
         loss = sum_exp.log() - (target_logit - max_logit)
         valid = targets != ignore_index
         loss = loss.masked_fill(~valid, 0.0)
@@ -1139,7 +1143,7 @@ def _reduce_scatter_along(x, group, dim):
     """This rank's chunk, along dim, of the sum over the group of every rank's x."""
     moved = x.movedim(dim, 0).contiguous()  # reduce_scatter_tensor cuts along dimension 0
     out = moved.new_empty((moved.shape[0] // group_size(group), *moved.shape[1:]))
-    _reduce_scatter_single(out, moved, group=group)
+    waited(_reduce_scatter_single(out, moved, group=group, async_op=True), "tp")
     return out.movedim(0, dim)
 
 
@@ -1415,7 +1419,7 @@ class PipelineExecutor:
 
     def wait(self, request, action, source):
         """Wait for action's input, posted as `request`, from model stage `source`."""
-        request.wait()  # sync point: the input must have arrived
+        waited(request, "pp")  # sync point: the input must have arrived
 
     def run(self, actions):
         """Walk the list: wait for each action's input, post the next one's receive, run the action, send its
@@ -1435,7 +1439,7 @@ class PipelineExecutor:
                 sends[:] = [request for request in sends if not request.is_completed()]  # their buffers can go
                 sends.append(comm.send(product, op, destination))
         for request in sends:
-            request.wait()
+            waited(request, "pp")
         return self.total
 
 

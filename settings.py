@@ -15,12 +15,13 @@ Whatever the kind, a setting left out takes the checkpoint's value, not the defa
 the config file continues the same run); a key that an older checkpoint lacks takes its default. out_dir
 and init_from are how this launch finds the checkpoint, never taken from it.
 """
+import itertools
 import math
 
 from configurator import ConfigError, Setting, section
 from context_parallel import check_context_split
 from model import config_problems, mlp_hidden_size
-from parallel import resolve_dp
+from parallel import expert_groups, grid_rank, resolve_dp
 
 TRAINING = [
     *section(
@@ -175,6 +176,8 @@ TRAINING = [
                 "the parameters", resume="allow"),
         Setting("bucket_size_mb", 25.0, "data-parallel gradients are averaged in buckets of about this size",
                 resume="allow"),
+        Setting("overlap_param_gather", True, "ZeRO-1/2: each bucket's all-gather after the step is waited for "
+                "where the next forward first reads it (False: at once)", resume="allow"),
         Setting("cp", 1, "context-parallel ranks: each holds 2 of the 2*cp zigzag chunks of every sequence, "
                 "attention is ring attention", resume="allow"),
         Setting("sequence_parallel", False, "with tp > 1: the tokens between the tensor-parallel regions split "
@@ -536,3 +539,62 @@ def sequence_split_problems(seq_len, cp, tp):
     return [f"block_size = {seq_len} does not split into 2 * cp * tp = {pieces} (cp = {cp}, tp = {tp}: sequence "
             f"parallelism splits each rank's tokens again across tp) equal chunks: context parallelism gives each "
             f"rank chunk r and chunk 2*cp-1-r of every window. {fix}, or change cp"]
+
+
+# -----------------------------------------------------------------------------
+# The layout in words: the start-up lines that name it, its rank grid, and the warning when a
+# tensor-parallel group would span two nodes (parallel.ParallelLayout builds the groups these describe).
+
+
+def tp_groups_across_nodes(dp, tp, pp, local_world_size, cp=1):
+    """The tensor-parallel groups (lists of global ranks) that are not all on one node, when every node
+    runs local_world_size processes with consecutive ranks, as torchrun numbers them (LOCAL_WORLD_SIZE).
+    A tp group is tp consecutive ranks (tp fastest), so none spans two nodes when tp divides
+    local_world_size; otherwise its all-reduces, several per layer, cross the network between nodes."""
+    spanning = []
+    for p, d, c in itertools.product(range(pp), range(dp), range(cp)):
+        ranks = [grid_rank(p, d, t, dp, tp, c, cp) for t in range(tp)]
+        if len({r // local_world_size for r in ranks}) > 1:
+            spanning.append(ranks)
+    return spanning
+
+
+def format_grid(dp, tp, pp, cp=1, ep=1, n_expert=0):
+    """The rank layout as text, one line per (pipeline stage, data-parallel replica), and under context
+    parallelism per share of the sequence too: which global ranks hold the tensor-parallel slices of it;
+    under expert parallelism which experts each replica holds, followed by the expert groups."""
+    lines = []
+    for p in range(pp):
+        for d in range(dp):
+            for c in range(cp):
+                ranks = [grid_rank(p, d, t, dp, tp, c, cp) for t in range(tp)]
+                share = f" sequence share {c} (chunks {c}, {2 * cp - 1 - c})" if cp > 1 else ""
+                held = ""
+                if ep > 1:
+                    first, n = (d % ep) * (n_expert // ep), n_expert // ep
+                    held = f", experts {first}-{first + n - 1}" if n > 1 else f", expert {first}"
+                lines.append(f"  stage {p} replica {d}{share}: ranks {ranks}{held}")
+    if ep > 1:
+        blocks, replicas = expert_groups(dp, tp, pp, cp, ep)
+        lines.append(f"  expert-parallel groups (ep={ep}, tokens sent to their experts all-to-all): "
+                     + " ".join(map(str, blocks)))
+        lines.append("  expert replicas (the same experts, gradients averaged): "
+                     + (" ".join(map(str, replicas)) if dp * cp > ep else "none, every expert is on one rank"))
+    return "\n".join(lines)
+
+
+def describe_layout(layout, sequence_parallel=False, n_expert=0, per_node=None):
+    """The start-up lines naming the layout, its rank grid, and a warning when a tensor-parallel group spans
+    two nodes (per_node: the processes per node, torchrun's LOCAL_WORLD_SIZE)."""
+    cut = f"dp={layout.dp} x cp={layout.cp}" if layout.cp > 1 else f"dp={layout.dp}"
+    sp = " (sequence parallel)" if sequence_parallel else ""
+    text = (f"layout: {cut} x tp={layout.tp}{sp} x pp={layout.pp} = {layout.world_size} processes"
+            + (f", experts over ep={layout.ep} of the dp ranks" if layout.ep > 1 else "") + "\n"
+            + format_grid(layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, n_expert))
+    per_node = per_node or layout.world_size
+    spanning = tp_groups_across_nodes(layout.dp, layout.tp, layout.pp, per_node, layout.cp)
+    if spanning:
+        text += (f"\nwarning: {len(spanning)} tensor-parallel group(s) span two nodes (ranks {spanning[0]} with "
+                 f"{per_node} process{'es' if per_node != 1 else ''} per node): their all-reduces, several per layer, cross the network. Make tp = "
+                 f"{layout.tp} divide --nproc_per_node = {per_node}")
+    return text

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelEmbedding, SequenceParallelRowLinear,
                       VocabParallelEmbedding, copy_to_tp, gather_from_sp, gather_from_tp, group_rank, group_size,
-                      padded_vocab_size, scatter_to_tp, valid_vocab_columns, vocab_parallel_cross_entropy)
+                      padded_vocab_size, scatter_to_tp, valid_vocab_columns, vocab_parallel_cross_entropy, waited)
 
 
 class VocabParallelLoss(nn.Module):
@@ -84,7 +84,7 @@ def sum_grad_over(module, group):
     """Sum the gradient of each parameter of `module` over the tp group, as backward computes it (see above)."""
     def summed(grad):
         grad = grad.clone()
-        dist.all_reduce(grad, group=group)
+        waited(dist.all_reduce(grad, group=group, async_op=True), "tp")
         return grad
     for p in module.parameters():
         p.register_hook(summed)

@@ -427,6 +427,32 @@ class _Saved:
         self.counter.live -= self.nbytes
 
 
+# -----------------------------------------------------------------------------
+# Where a step waited: parallel.waited labels every wait on communication with its mechanism; a profiled
+# step sums them, so a log line shows what no computation hid (bench.py's exposed_comm_ms, train.py's).
+
+MECHANISMS = ("dp", "tp", "cp", "ep", "pp")  # (dp: data parallelism and every ZeRO stage)
+EXPOSED = "exposed communication: "  # parallel.waited's label
+
+
+def exposed_comm(step, layout):
+    """Run step() under torch.profiler; returns (what it returned, {mechanism: ms this rank stood in
+    parallel.waited's labelled waits}, the mean over the world's ranks: every rank calls it, one
+    all-reduce). The profiler slows the host a little: the speed of the step it watches is not the point."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = step()
+    waited = dict.fromkeys(MECHANISMS, 0.0)
+    for event in prof.key_averages():
+        if event.key.startswith(EXPOSED):
+            waited[event.key[len(EXPOSED):]] += event.cpu_time_total / 1e3
+    if layout.world_size > 1:
+        mean = torch.tensor(list(waited.values()), dtype=torch.float64) / layout.world_size
+        dist.all_reduce(mean)
+        waited = dict(zip(waited, mean.tolist()))
+    return out, waited
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description="Print a pipeline schedule as a timeline, one row per rank.")
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")

@@ -45,13 +45,13 @@ from model import (ModelConfig, Transformer, apply_activation_checkpointing, cho
                    compile_blocks, takes_muon, uncompile_blocks)
 from optim import AdamW, DynamicLossScaler, Muon, describe_optimizer, zero_one_muon_buckets
 from parallel import (GradientBuckets, ParallelLayout, PipelineComm, Reducers, ShardedGradientBuckets, ZeroOneAdamW,
-                      apply_pipeline, at_least_fp32, describe_layout, full_shape_of, init_distributed,
-                      optimizer_state_bytes, shard_of, tied_weight_group)
+                      apply_pipeline, at_least_fp32, full_shape_of, init_distributed,
+                      optimizer_state_bytes, shard_of, tied_weight_group, wait_for_params)
 from pipeline_schedules import (SCHEDULES, Pipeline, WeightGradStore, announced_by_hand, check_schedule, chunk_modules,
                                 chunk_parameters, describe_pipeline, virtual_stages)
-from settings import check_layout
+from settings import check_layout, describe_layout
 from tensor_parallel import apply_tensor_parallel
-from zero import FullyShardedParameters, GradientShards, backward_phases, zero3_units
+from zero import FullyShardedParameters, GradientShards, backward_phases, overlap_param_gather, zero3_units
 
 # -----------------------------------------------------------------------------
 # settings
@@ -116,6 +116,7 @@ class Run:
     train_tokens: int = 0
     model_flops: float = 0.0
     peak: object = None
+    exposed_comm_ms: dict = None  # {mechanism: ms waited on communication} of the last profiled step
 
 
 def setup(cfg, training=True):
@@ -234,6 +235,8 @@ def build(cfg, run):
     model.to(run.dev, dtype=torch.float64 if run.dtype == torch.float64 else None)
     pipeline = make_pipeline(cfg, layout, model, run.dev)
     grad_sync = make_grad_sync(model, cfg, layout, pipeline)
+    if cfg.overlap_param_gather and cfg.zero_stage in (1, 2):  # each gather waited for where forward reads it
+        overlap_param_gather(model, grad_sync)
     optimizer = make_optimizer(model, cfg, layout, grad_sync)
     print0(layout, describe_optimizer(optimizer, model, cfg, layout))
     if model.cfg.n_expert > 0:
@@ -529,6 +532,7 @@ def evaluate(cfg, run, parts):
     forward only. The evaluation's all-to-alls (expert parallelism) are not counted in the training log's
     a2a_bytes, which is the training step's traffic."""
     model, layout = parts.model, run.layout
+    wait_for_params(parts.grad_sync.buckets)  # ZeRO-1/2: the last step's gathers, if still in flight
     moe = list(model.moe_layers().values())
     sent = [m.dispatch.bytes_sent for m in moe]
     model.eval()
@@ -575,6 +579,7 @@ def save_checkpoint(cfg, run, parts, step, converted=False):
     and the data from its own command line, and starts a fresh optimizer (see resume). keep_last_n never
     removes the last checkpoint before a streak of skipped steps began (parts.bad_steps.keep)."""
     parts.bad_steps.check(cfg.out_dir, step)  # never save the state of a run that must stop
+    wait_for_params(parts.grad_sync.buckets)  # ZeRO-1/2: the parameters whole before they are written
     layout, model, optimizer = run.layout, parts.model, parts.optimizer
     config = vars(cfg)
     if converted:
@@ -642,6 +647,9 @@ def train(cfg, run, resume_path=None):
         run.phase = f"training step {step + 1} (forward, backward, gradient averaging and norm)"
         if measured is None:  # the first step's peak, measured (its time includes the CPU tracker's)
             loss, grad_norm, measured = measured_step(cfg, run, parts, micro, lr, trace, step + 1)
+        elif layout.world_size > 1 and (step + 1) % cfg.log_interval == 0:  # profiled: the waits on communication
+            (loss, grad_norm), run.exposed_comm_ms = timeline.exposed_comm(
+                lambda: train_step(cfg, layout, parts, micro, lr, trace, step=step + 1), layout)
         else:
             loss, grad_norm = train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)
         step, timed_steps = step + 1, timed_steps + 1
@@ -673,6 +681,7 @@ def train(cfg, run, resume_path=None):
                            f"launch again with --init_from=auto (or resume) to continue from there")
             break
     vote.finish()
+    wait_for_params(parts.grad_sync.buckets)  # the model returned whole
     log.close()
     print0(layout, end_of_run(cfg, layout, first_step, step, run.tokens_per_step, time.time() - started, evals, newest))
     if stopping:
@@ -758,6 +767,8 @@ def step_record(cfg, run, parts, step, loss, grad_norm, lr, since):
               "epoch": step * run.tokens_per_step / run.train_tokens}  # passes over the training split so far
     record.update(run.peak.mfu(run.model_flops, record["tokens_per_sec"], layout.world_size))
     record["peak_mem_bytes"] = metrics.peak_memory_bytes(run.dev, layout)
+    if run.exposed_comm_ms and step % cfg.log_interval == 0:  # (this step's, profiled)
+        record["exposed_comm_ms"] = run.exposed_comm_ms
     if run.model_cfg.n_expert > 0:
         record.update(metrics.moe_metrics(parts.model, layout, steps=step - logged))
     eta = (cfg.max_iters - step) * elapsed / timed_steps  # training steps only: evals and saves come on top

@@ -78,7 +78,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import (GradientBuckets, ShardedBucket, _all_gather_single, buckets_by_kind, gather_slices, owned_slices,
-                      post_reduce_scatter, summed_slice)
+                      post_gathers, post_reduce_scatter, summed_slice, wait_for_params, waited)
 
 
 class GradientShards(GradientBuckets):
@@ -204,7 +204,7 @@ class GradientShards(GradientBuckets):
         self.next, self.launched = dict.fromkeys(self.next, 0), 0
         if self.tied_group is not None:
             for p in self.tied_copies:
-                dist.all_reduce(self.where[p][0].grad_shard, group=self.tied_group)
+                waited(dist.all_reduce(self.where[p][0].grad_shard, group=self.tied_group, async_op=True), "pp")
 
     # what parallel.ZeroOneAdamW steps with: ZeRO-1's slices, the gradient's from grad_shard
     def owned_slices(self):
@@ -217,9 +217,9 @@ class GradientShards(GradientBuckets):
         return bucket.grad_shard[a:b]
 
     def after_step(self):
-        """The updated slices all-gathered into the parameters, as ZeRO-1's after_step; the shards dropped."""
-        for work in [gather_slices(b) for b in self.buckets if b.world > 1]:
-            work.wait()  # sync point: the next forward reads the parameters
+        """The updated slices all-gathered into the parameters, as ZeRO-1's after_step (waited for before
+        their parameters are read); the shards dropped."""
+        post_gathers(self.buckets, gather_slices)
         for bucket in self.buckets:
             bucket.grad_shard = None
 
@@ -255,13 +255,13 @@ class Unit:
     def wait(self):
         self.post_gather()
         if self.gather is not True:
-            self.gather.wait()  # sync point: the parameters are needed now
+            waited(self.gather, "dp")  # sync point: the parameters are needed now
             self.gather = True
 
     def free(self):
         """Freeing is the storage itself, not a reference: what autograd saved are views of it."""
         if self.gather is not None and self.gather is not True:
-            self.gather.wait()  # a prefetch nobody used: it must land before its buffer goes
+            waited(self.gather, "dp")  # a prefetch nobody used: it must land before its buffer goes
         self.param_full.untyped_storage().resize_(0)
         self.gather, self.in_backward = None, False
 
@@ -389,6 +389,38 @@ class FullyShardedParameters(GradientShards):
             lo, _ = unit.bucket.owned()
             unit.param_shard.copy_(unit.param_full[lo:lo + unit.bucket.shard_size])
             unit.free()
+
+
+def overlap_param_gather(model, grad_sync):
+    """ZeRO-1 and ZeRO-2 (overlap_param_gather=True): each bucket's all-gather of the updated parameters,
+    posted after the step (parallel.post_gathers), is waited for just before the forward first reads one of
+    its parameters, so the gathers of the later blocks run while the earlier ones compute
+    (Megatron-LM's --overlap-param-gather). The readers, in forward order: the model's own forward (the
+    embedding and every parameter outside the blocks but the final norm's and the head's), each block,
+    and the final norm (the head reads right after it). A bucket spanning two readers is waited for by
+    the first; one holding a parameter no reader names stays waited for at once after the step. Under a
+    pipeline each chunk's forward passes the hooks of what it holds. Returns the hook handles."""
+    norm = getattr(model, "norm", None)
+    tail = {id(p) for m in (norm, getattr(model, "lm_head", None)) if m is not None for p in m.parameters()}
+    in_blocks = {id(p) for p in model.blocks.parameters()}
+    readers = [(model, [p for p in model.parameters() if id(p) not in in_blocks | tail])]
+    readers += [(block, list(block.parameters())) for block in model.blocks.values()]
+    if norm is not None:
+        readers.append((norm, [p for p in model.parameters() if id(p) in tail]))
+    first = {}  # id(param) -> the first reader's index
+    for k, (_, params) in enumerate(readers):
+        for p in params:
+            first.setdefault(id(p), k)
+    waits, handles = [[] for _ in readers], []
+    for bucket in grad_sync.buckets:
+        readers_of = [first.get(id(p)) for p in bucket.params]
+        bucket.waited_by_hook = None not in readers_of
+        if bucket.waited_by_hook:
+            waits[min(readers_of)].append(bucket)
+    for (module, _), buckets in zip(readers, waits):
+        if buckets:
+            handles.append(module.register_forward_pre_hook(lambda mod, args, b=buckets: wait_for_params(b)))
+    return handles
 
 
 # -----------------------------------------------------------------------------

@@ -198,8 +198,15 @@ def zero_one(rank, folder="zero_one"):
         dist.all_reduce(loss)  # the two halves' mean losses: their mean is the batch's
         losses = max(losses, abs(loss / 2 - loss_one).item() / loss_one.item())
         weights = max([weights] + [difference(p, q) for p, q in pairs.items()])
+    # the reduce-scatter every ZeRO stage sends with (gloo's written out: SlicesExchange), on its own: three
+    # buffers of different sizes posted at once, each rank's slice of their sum (two addends: exact)
+    flats = [[randn(torch.Generator().manual_seed(10 * r + n), n) for r in range(2)] for n in (6, 18, 2)]
+    outs = [torch.empty(len(f[0]) // 2) for f in flats]
+    for request in [z.reduce_scatter(out, f[rank].clone(), WORLD) for out, f in zip(outs, flats)]:
+        request.wait()
+    summed = max(difference(out, (f[0] + f[1]).view(2, -1)[rank]) for out, f in zip(outs, flats))
     return {"losses": ("loss", losses), "gradients before the step": ("gradient", grads),
-            "weights": ("weight", weights)}
+            "weights": ("weight", weights), "reduce-scatter alone": ("exact", summed)}
 
 
 # -----------------------------------------------------------------------------

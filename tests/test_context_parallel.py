@@ -548,7 +548,7 @@ def test_the_layout_numbers_tp_fastest_then_cp_then_dp_then_pp(monkeypatch):
 
 
 def test_the_grid_names_every_rank_once_with_its_sequence_share():
-    text = parallel.format_grid(2, 2, 2, cp=2)
+    text = settings.format_grid(2, 2, 2, cp=2)
     assert "stage 1 replica 0 sequence share 1 (chunks 1, 2): ranks [10, 11]" in text
     ranks = [int(r) for line in text.splitlines() for r in line.split("[")[1].rstrip("]").split(",")]
     assert sorted(ranks) == list(range(16))

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import parallel
+import settings
 from dist_utils import run_ranks
 from parallel import (GradientBuckets, ParallelLayout, ShardedGradientBuckets, ZeroOneAdamW, init_distributed,
                       optimizer_state_bytes)
@@ -134,6 +135,26 @@ def test_buckets_are_launched_in_the_same_order_on_every_rank_whatever_order_the
         assert r["unused"]["max_diff"] < 1e-6, r["unused"]
 
 
+def _reduce_scatter_worker(rank, world_size):
+    """parallel.reduce_scatter (on gloo the point-to-point SlicesExchange) of buffers of several sizes, all
+    posted before any is waited for, as the buckets are: (this rank's slices, every rank's buffers)."""
+    flats = [[torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * r + n))
+              for r in range(world_size)] for n in (4 * world_size, 12 * world_size, world_size)]
+    outs = [torch.empty(len(f[0]) // world_size, dtype=torch.float64) for f in flats]
+    requests = [parallel.reduce_scatter(out, f[rank].clone(), dist.group.WORLD) for out, f in zip(outs, flats)]
+    for request in reversed(requests):  # (waited in another order than posted: each lands on its own)
+        request.wait()
+    return [o.tolist() for o in outs], [[f.tolist() for f in per_rank] for per_rank in flats]  # (lists: pickled)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gloo_reduce_scatter_gives_each_rank_its_slice_of_the_sum(world_size):
+    for rank, (outs, flats) in enumerate(run_ranks(_reduce_scatter_worker, world_size)):
+        for out, per_rank in zip(outs, flats):
+            expected = torch.tensor(per_rank, dtype=torch.float64).sum(0).view(world_size, -1)[rank]  # one process
+            torch.testing.assert_close(torch.tensor(out, dtype=torch.float64), expected, rtol=1e-12, atol=1e-12)
+
+
 # -----------------------------------------------------------------------------
 # the layout
 
@@ -154,7 +175,7 @@ def test_dp_defaults_to_world_size_over_tp_times_pp(monkeypatch):
 
 
 def test_the_grid_names_every_rank_once():
-    text = parallel.format_grid(2, 2, 2)
+    text = settings.format_grid(2, 2, 2)
     assert "stage 1 replica 0: ranks [4, 5]" in text
     assert sorted(int(r) for r in text.replace("[", ",").replace("]", ",").split(",") if r.strip().isdigit()) == \
         list(range(8))

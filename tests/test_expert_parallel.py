@@ -27,7 +27,8 @@ from dist_utils import (GRAD_NORM_RTOL, LOSS_RTOL, assert_same_losses_and_norms,
                         train_on_ranks)
 from settings import check_layout
 from model import ModelConfig
-from parallel import ParallelLayout, format_grid, full_shape_of, resolve_dp, shard_of
+from parallel import ParallelLayout, full_shape_of, resolve_dp, shard_of
+from settings import format_grid
 
 STEPS = 5
 MODEL = dict(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_kv_head=2, n_embd=32, n_expert=8,
