@@ -27,8 +27,8 @@ under torch.profiler: where a step's time goes) and --profile_trace (the same as
 random unless --data_dir is given on the command line (doc_mask needs its eot_token: from the data's
 meta.json, or --eot_token). The last line printed is `RESULT {json}`, for scripts; first_step_s in it is
 the first step's time, which holds the compilation with compile=True; exposed_comm_ms, {mechanism: ms},
-what a rank stood waiting on communication in a step (one more step, profiled: timeline.exposed_comm;
-the mean over the ranks), each comparison's as compare_exposed_comm_ms.
+what a rank stood waiting on communication in a step (one more step, its waits counted:
+timeline.exposed_comm; the mean over the ranks), each comparison's as compare_exposed_comm_ms.
 """
 import dataclasses
 import json

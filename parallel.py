@@ -77,7 +77,8 @@ on GPU Clusters Using Megatron-LM" (1F1B, section 2.2.1).
 import itertools
 import math
 import os
-from contextlib import nullcontext
+import time
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
 import torch
@@ -91,13 +92,29 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+# What a rank stands waiting on communication, by mechanism (dp: data parallelism and ZeRO; tp, cp, ep, pp):
+# every wait goes through waited(), which inside `with counting_waits() as waits:` (bench.py, train.py's
+# step before a log line) adds its milliseconds to waits. On CUDA a wait only orders the streams, the host
+# does not stand still: the figures are gloo's.
+_counting = []  # the dicts of the counting_waits blocks open now (what waited() adds to)
+
+
+@contextmanager
+def counting_waits():
+    waits = {}
+    _counting.append(waits)
+    try:
+        yield waits
+    finally:
+        _counting.remove(waits)
+
+
 def waited(work, mechanism):
-    """work.wait(), labelled for torch.profiler as "exposed communication: <mechanism>" (dp, tp, cp, ep, pp):
-    the time this rank stood waiting for communication that no computation hid. bench.py and train.py sum
-    those labels over a profiled step (metrics.exposed_comm_ms); without a profiler running the label costs
-    next to nothing. On CUDA a wait only orders the streams, so there the figure is the host's, not the GPU's."""
-    with torch.profiler.record_function(f"exposed communication: {mechanism}"):
-        work.wait()
+    """work.wait(), its time added to the open counting_waits blocks' `mechanism`."""
+    start = time.perf_counter()
+    work.wait()
+    for waits in _counting:
+        waits[mechanism] = waits.get(mechanism, 0.0) + 1e3 * (time.perf_counter() - start)
 
 
 def at_least_fp32(dtype):
@@ -445,10 +462,9 @@ class GradientBuckets:
 
 
 def reduce_scatter(out, flat, group):
-    """Post out = this rank's slice of the sum of flat over the group (group rank r: the r-th of
-    group_size(group) equal pieces of flat); returns its request. NCCL's own reduce-scatter, or on gloo,
-    which has none (torch's emulation takes twice an all-reduce's time: 14 against 7 ms for 10 MB at 2
-    ranks on a 2-core CPU), point-to-point exchanges (SlicesExchange)."""
+    """Post out = this rank's slice (group rank r: the r-th of equal pieces) of the sum of flat over the
+    group; returns its request. NCCL's reduce-scatter, or on gloo, which has none (torch's emulation takes
+    twice an all-reduce's time: 14 against 7 ms for 10 MB at 2 ranks), SlicesExchange."""
     if dist.get_backend(group) != "gloo":
         return _reduce_scatter_single(out, flat, group=group, async_op=True)
     return SlicesExchange(out, flat, group)
@@ -490,7 +506,7 @@ class ShardedBucket(Bucket):
         self.world, self.rank = group_size(group), group_rank(group)
         self.shard_size = (sum(p.numel() for p in params) + self.world - 1) // self.world  # elements one rank owns
         self.shard = self.values = self.gathering = None  # gathering: after_step's all-gather, in flight
-        self.waited_by_hook = False
+        self.waited_by_hook = False  # (zero.overlap_param_gather: a forward pre-hook waits for the gathering)
         super().__init__(params, group)
 
     def zeros(self):
@@ -567,8 +583,7 @@ def post_gathers(buckets, gather):
 
 
 def wait_for_params(buckets):
-    """Wait for the buckets' gathers still in flight: their parameters are whole from here on (a bucket
-    that is not ZeRO's has none)."""
+    """Wait for the buckets' gathers in flight (a bucket not ZeRO's has none): their parameters are whole."""
     for bucket in buckets:
         if getattr(bucket, "gathering", None) is not None:
             waited(bucket.gathering, "dp")

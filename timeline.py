@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from parallel import message_route
+from parallel import counting_waits, message_route
 from pipeline_schedules import SCHEDULES, check_schedule, ideal_bubble, virtual_stages
 
 
@@ -428,24 +428,18 @@ class _Saved:
 
 
 # -----------------------------------------------------------------------------
-# Where a step waited: parallel.waited labels every wait on communication with its mechanism; a profiled
-# step sums them, so a log line shows what no computation hid (bench.py's exposed_comm_ms, train.py's).
+# Where a step waited: parallel.waited counts every wait on communication by its mechanism, so a log line
+# shows what no computation hid (bench.py's exposed_comm_ms, train.py's).
 
 MECHANISMS = ("dp", "tp", "cp", "ep", "pp")  # (dp: data parallelism and every ZeRO stage)
-EXPOSED = "exposed communication: "  # parallel.waited's label
 
 
 def exposed_comm(step, layout):
-    """Run step() under torch.profiler; returns (what it returned, {mechanism: ms this rank stood in
-    parallel.waited's labelled waits}, the mean over the world's ranks: every rank calls it, one
-    all-reduce). The profiler slows the host a little: the speed of the step it watches is not the point."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    """Run step(); returns (what it returned, {mechanism: ms this rank stood in parallel.waited during it},
+    the mean over the world's ranks: every rank calls it, one all-reduce)."""
+    with counting_waits() as waits:
         out = step()
-    waited = dict.fromkeys(MECHANISMS, 0.0)
-    for event in prof.key_averages():
-        if event.key.startswith(EXPOSED):
-            waited[event.key[len(EXPOSED):]] += event.cpu_time_total / 1e3
+    waited = {m: waits.get(m, 0.0) for m in MECHANISMS}
     if layout.world_size > 1:
         mean = torch.tensor(list(waited.values()), dtype=torch.float64) / layout.world_size
         dist.all_reduce(mean)

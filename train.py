@@ -116,7 +116,7 @@ class Run:
     train_tokens: int = 0
     model_flops: float = 0.0
     peak: object = None
-    exposed_comm_ms: dict = None  # {mechanism: ms waited on communication} of the last profiled step
+    exposed_comm_ms: dict = None  # {mechanism: ms waited on communication} in the step before the log line
 
 
 def setup(cfg, training=True):
@@ -645,13 +645,7 @@ def train(cfg, run, resume_path=None):
         # pp_trace: the second step of this run (the first warms up), clocks set at a barrier
         trace = timeline.PipelineTrace(run.dev) if step + 1 == trace_step else None
         run.phase = f"training step {step + 1} (forward, backward, gradient averaging and norm)"
-        if measured is None:  # the first step's peak, measured (its time includes the CPU tracker's)
-            loss, grad_norm, measured = measured_step(cfg, run, parts, micro, lr, trace, step + 1)
-        elif layout.world_size > 1 and (step + 1) % cfg.log_interval == 0:  # profiled: the waits on communication
-            (loss, grad_norm), run.exposed_comm_ms = timeline.exposed_comm(
-                lambda: train_step(cfg, layout, parts, micro, lr, trace, step=step + 1), layout)
-        else:
-            loss, grad_norm = train_step(cfg, layout, parts, micro, lr, trace, step=step + 1)
+        loss, grad_norm, measured = one_step(cfg, run, parts, micro, lr, trace, step + 1, measured)
         step, timed_steps = step + 1, timed_steps + 1
         if trace is not None:
             print0(layout, timeline.write_pipeline_trace(trace, layout, cfg, step))
@@ -742,6 +736,20 @@ def start_step(cfg, run, parts, resume_path):
     return step
 
 
+def one_step(cfg, run, parts, micro, lr, trace, step, measured):
+    """train_step for step `step`: (loss, grad norm, measured). The run's first has every rank's peak
+    memory measured (measured: None until then; its time includes the CPU tracker's); with several ranks,
+    the one before each log line has its waits on communication counted (run.exposed_comm_ms)."""
+    layout = run.layout
+    if measured is None:
+        return measured_step(cfg, run, parts, micro, lr, trace, step)
+    if layout.world_size > 1 and step % cfg.log_interval == 0:
+        (loss, grad_norm), run.exposed_comm_ms = timeline.exposed_comm(
+            lambda: train_step(cfg, layout, parts, micro, lr, trace, step=step), layout)
+        return loss, grad_norm, measured
+    return (*train_step(cfg, layout, parts, micro, lr, trace, step=step), measured)
+
+
 def measured_step(cfg, run, parts, micro, lr, trace, step):
     """train_step with its peak memory measured (the first step of a run): (loss, grad norm, every rank's
     predicted and measured peak, memory_plan.memory_rows), the rows printed."""
@@ -767,7 +775,7 @@ def step_record(cfg, run, parts, step, loss, grad_norm, lr, since):
               "epoch": step * run.tokens_per_step / run.train_tokens}  # passes over the training split so far
     record.update(run.peak.mfu(run.model_flops, record["tokens_per_sec"], layout.world_size))
     record["peak_mem_bytes"] = metrics.peak_memory_bytes(run.dev, layout)
-    if run.exposed_comm_ms and step % cfg.log_interval == 0:  # (this step's, profiled)
+    if run.exposed_comm_ms and step % cfg.log_interval == 0:  # (this step's, counted)
         record["exposed_comm_ms"] = run.exposed_comm_ms
     if run.model_cfg.n_expert > 0:
         record.update(metrics.moe_metrics(parts.model, layout, steps=step - logged))

@@ -12,6 +12,8 @@ import torch.nn as nn
 
 import parallel
 import settings
+import zero
+from model import ModelConfig, Transformer
 from dist_utils import run_ranks
 from parallel import (GradientBuckets, ParallelLayout, ShardedGradientBuckets, ZeroOneAdamW, init_distributed,
                       optimizer_state_bytes)
@@ -153,6 +155,47 @@ def test_gloo_reduce_scatter_gives_each_rank_its_slice_of_the_sum(world_size):
         for out, per_rank in zip(outs, flats):
             expected = torch.tensor(per_rank, dtype=torch.float64).sum(0).view(world_size, -1)[rank]  # one process
             torch.testing.assert_close(torch.tensor(out, dtype=torch.float64), expected, rtol=1e-12, atol=1e-12)
+
+
+def _overlap_worker(rank, world_size):
+    """A 3-block Transformer under ZeRO-1 at dp = 2, three steps, with zero.overlap_param_gather and without:
+    how many buckets' gathers are still in flight when step() returns, whether block 1's parameters are
+    whole when its forward starts, and the weights at the end."""
+    cfg = ModelConfig(vocab_size=64, block_size=8, n_layer=3, n_head=2, n_kv_head=2, n_embd=16)
+    out = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        sync = ShardedGradientBuckets(list(model.parameters()), dist.group.WORLD, bucket_size_mb=900 * 4 / 2 ** 20)
+        if overlap:
+            zero.overlap_param_gather(model, sync)
+        opt = ZeroOneAdamW(model.parameters(), sync, lr=1e-2)
+        block = {id(p) for p in model.blocks["1"].parameters()}
+        mine = [b for b in sync.buckets if any(id(p) in block for p in b.params)]
+        whole = []  # (this hook runs after overlap_param_gather's, registered before it)
+        model.blocks["1"].register_forward_pre_hook(lambda m, a: whole.append([b.gathering is None for b in mine]))
+        in_flight, g = [], torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x, y = torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)
+            model(x, y)[1].backward()
+            sync.finish()
+            opt.step()
+            opt.zero_grad()
+            in_flight.append(sum(b.gathering is not None for b in sync.buckets))
+        parallel.wait_for_params(sync.buckets)  # (what train.py's evaluation and save call first)
+        out[overlap] = {"in_flight": in_flight, "whole": whole, "n_buckets": len(sync.buckets),
+                        "weights": [p.detach().reshape(-1).tolist() for p in model.parameters()]}
+    return out
+
+
+def test_zero_one_gathers_stay_in_flight_after_the_step_and_land_before_their_first_use():
+    for r in run_ranks(_overlap_worker, 2):
+        on, off = r[True], r[False]
+        assert on["n_buckets"] > 3
+        assert off["in_flight"] == [0, 0, 0]  # waited for at once
+        assert all(n > 1 for n in on["in_flight"]), on["in_flight"]  # left in flight for the next forward
+        assert all(all(seen) for seen in on["whole"]) and len(on["whole"]) == 3  # whole when block 1 starts
+        assert on["weights"] == off["weights"]  # the same arithmetic: only when each wait happens moves
 
 
 # -----------------------------------------------------------------------------

@@ -212,46 +212,6 @@ def _random_microbatches(cfg, generator):
             for _ in range(cfg.gradient_accumulation_steps)]
 
 
-def _speed_of_each_zero_stage(rank, world_size, steps, model):
-    """Every ZeRO stage's model, optimizer and step built side by side in one launch (train.build), their
-    steps timed in turn, so that each sees the same machine. Returns {stage: (median seconds per step,
-    median seconds of the optimizer's update alone, median seconds of its all-gather after it)}: the update
-    is optimizer.step without grad_sync.after_step (ZeRO-0's: the fused kernel on the whole model)."""
-    import statistics
-    import time
-
-    import torch
-
-    built = {stage: _build_zero_stage(rank, world_size, stage, **model) for stage in (0, 1, 2, 3)}
-    g = torch.Generator().manual_seed(rank)
-    times = {stage: ([], [], []) for stage in built}
-    for stage, (_, _, parts) in built.items():
-        step, sync = parts.optimizer.step, parts.grad_sync
-        after = getattr(sync, "after_step", None)
-
-        def timed_after(after=after, stage=stage):
-            start = time.perf_counter()
-            after()
-            times[stage][2].append(time.perf_counter() - start)
-
-        def timed_step(found_inf=None, step=step, stage=stage, gathers=after is not None):
-            start = time.perf_counter()
-            step(found_inf)
-            times[stage][1].append(time.perf_counter() - start - (times[stage][2][-1] if gathers else 0.0))
-        if after is not None:
-            sync.after_step = timed_after
-        parts.optimizer.step = timed_step
-    for step in range(steps + 1):
-        micro = _random_microbatches(built[0][0], g)
-        for stage, (cfg, layout, parts) in built.items():
-            start = time.perf_counter()
-            loss, _ = train.train_step(cfg, layout, parts, micro, 1e-3)
-            train.mean_across_ranks(loss, layout).item()
-            times[stage][0].append(time.perf_counter() - start)
-    # the first step is warm-up
-    return {stage: tuple(statistics.median(t[1:]) if t[1:] else 0.0 for t in ts) for stage, ts in times.items()}
-
-
 # The shipped configs (config/*.py: 4 layers of width 128, block 256, batch 8, GPT-2's 50,257-token
 # vocabulary, whose logits are the largest tensors) at one process, and the quick start's at the README's
 # multi-process layouts: {world size: [(name, argv)]}, one launch per world size
@@ -393,16 +353,6 @@ def _state_bytes_of_each_zero_stage(rank, world_size):
         gc.collect()
     return found, allowance
 
-
-if __name__ == "__main__" and "--speed" in sys.argv:
-    # python tests/test_memory.py --speed [--n_embd=256] [--steps=10]
-    flags = dict(a.lstrip("-").split("=", 1) for a in sys.argv if a.startswith("--") and "=" in a)
-    width, steps = int(flags.get("n_embd", 128)), int(flags.get("steps", 10))
-    seconds = run_ranks(_speed_of_each_zero_stage, 2, steps, dict(n_embd=width, n_head=max(4, width // 32)))[0]
-    tokens = 2 * 2 * 2 * 64  # batch_size x micro-batches x dp x block_size
-    for stage, (s, update, gather) in seconds.items():
-        print(f"zero_stage {stage}: {tokens / s:,.0f} tokens/s ({1000 * s:.0f} ms/step, {tokens / seconds[0][0] * s / tokens:.2f}x "
-              f"ZeRO-0's time; the update {1000 * update:.1f} ms, its all-gather {1000 * gather:.1f} ms), dp=2, width {width}")
 
 if __name__ == "__main__" and "--measure" in sys.argv:
     worst = 0.0
