@@ -1,0 +1,728 @@
+"""
+How long one training step of a run will take, predicted before anything runs: the time half of the plan
+whose memory half is memory_plan.py. `python step_time.py config/x.py --nproc=64 --machine=h100 --tp=8`
+prints one layout's step broken down; make_config.py --choose=True ranks every layout that fits by it;
+train.py prints it at start-up beside the measured step, and bench.py puts it in its RESULT.
+
+What it predicts: one step's seconds, as its parts: the compute of the slowest pipeline rank, the bubble
+the schedule leaves it, and the communication each mechanism leaves exposed (data parallelism's and ZeRO's
+per bucket, tensor parallelism's per block, context parallelism's ring, expert parallelism's all-to-all,
+the pipeline's point-to-point transfers), then the optimizer step. Tokens per second per device and MFU
+follow from it.
+
+From what: the model config, the layout and the execution settings (as memory_plan.plan_memory takes
+them), and a machine: a few numbers, each with its source (MACHINES below), or measured here
+(machine=auto). The FLOPs are metrics.pipeline_costs' (the same cut train.py makes, metrics.stage_cut), the
+pipeline is the schedule's own action lists (pipeline_schedules.SCHEDULES, routed by timeline.route_messages
+as the executor routes them) placed in time with each action's predicted seconds, and the bytes of each
+collective are counted from the code that sends them. No constant is fitted to a measured training run.
+Predicting calls no collective, touches no device and runs no model: it runs on a laptop for an H100 cluster.
+
+The terms, each with its formula and source where it is computed:
+  compute       FLOPs / the machine's achieved matmul rate (its best published measurement, or one measured
+                here at the model's shapes); attention, where the kernel is fused, at the kernel's published
+                efficiency, counting the causal half it computes (FlashAttention-2's convention).
+  non-matmul    the norms, residual adds, rotary, the MLP's activation, the loss's softmax and the optimizer
+                step, by the bytes they move over the memory bandwidth (the roofline: Williams et al. 2009).
+  pipeline      every rank's actions placed in time (simulate_pipeline): bubble, interleaving, zero-bubble
+                and the stages' imbalance all come out of the one simulation.
+  communication the ring algorithm (Patarasuk & Yuan 2009; NCCL's busbw convention, nccl-tests
+                doc/PERFORMANCE.md): an all-reduce of S bytes over n ranks takes 2 (n - 1) latencies plus
+                2 (n - 1) / n S / busbw, a reduce-scatter or all-gather half that; on the link the group
+                spans (inside a node, or across nodes with as many NICs as the group has ranks per node).
+  overlap       only where the code overlaps: the data-parallel buckets with the backward (Li et al. 2020,
+                section 3.2.3), ZeRO-1/2's parameter all-gather with the next forward (overlap_param_gather),
+                ZeRO-3's prefetched gathers with the unit before, context parallelism's ring with the
+                attention it feeds. On a machine whose links share the compute's cores (CPU, gloo with one
+                core a rank) nothing overlaps.
+What it leaves out, and which way each errs: the kernels' efficiency at small shapes (a named machine's
+matmul rate is the best shape's: small models err fast), congestion and stragglers across nodes (errs
+fast), data loading, logging and the host's launch overhead (errs fast), and overlap the code does not
+have but a real NCCL run gets anyway (errs slow).
+"""
+import json
+import math
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+import metrics
+from expert_parallel import expert_rows
+from model import attention_dims, mlp_hidden_size
+from parallel import grid_rank, stage_layers
+from pipeline_schedules import SCHEDULES, virtual_stages
+from timeline import check_channels, route_messages
+
+
+# -----------------------------------------------------------------------------
+# Machines: a few numbers each, every one with its source (../shared/published_runs.md collects them)
+#
+#   matmul_flops    achieved dense matmul FLOP/s per dtype: the best published measurement (MAMF, stas00
+#                   ml-engineering compute/accelerator/README.md), else the datasheet's peak (errs fast)
+#   peak_flops      the datasheet peak MFU divides by (metrics.GPU_PEAK_FLOPS)
+#   memory_bw       bytes/s of device memory (datasheet)
+#   attention_efficiency  a fused attention kernel's achieved share of matmul_flops, forward and backward
+#   node, network   per link: busbw (bytes/s, nccl-tests' bus bandwidth of a ring) and latency (s per ring
+#                   step); network.busbw is per NIC, one per GPU: a group with g ranks on a node crosses
+#                   nodes over g NICs, min(node busbw, g x NIC busbw)
+#   overlaps        whether communication runs beside compute (a GPU's copy engines and NCCL's kernels do;
+#                   gloo on a CPU core that also computes does not)
+#   gpus_per_node, memory_gib  which groups cross nodes; what make_config.py fits into
+
+MACHINES = {
+    "a100": {
+        "description": "A100-80GB SXM, NVLink 3 (DGX A100), 8 x 200 Gb/s HDR InfiniBand per node",
+        # MAMF bf16 best shape 271.2 TFLOP/s (stas00 compute/accelerator/README.md); fp32 = datasheet 19.5
+        "matmul_flops": {"bfloat16": 271.2e12, "float16": 271.2e12, "float32": 19.5e12},
+        "peak_flops": {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},  # NVIDIA datasheet
+        "memory_bw": 2.0e12,  # HBM2e 2.0 TB/s (stas00 memory table)
+        # FlashAttention-2 (Dao 2023, abstract and figure 4): forward + backward at 50-73% of the A100's peak;
+        # the range's middle, over the MAMF (which is 87% of the peak): 0.615 x 312 / 271.2
+        "attention_efficiency": 0.71,
+        # nccl-tests all-reduce busbw on one DGX A100 node: 232 GB/s (NVIDIA GTC24 S62129); latency: the
+        # 32 KiB all-reduce of stas00's nccl-tests table at 1.31 GB/s busbw takes 44 us over 2 (8 - 1) steps
+        "node": {"busbw": 232e9, "latency": 3.1e-6},
+        # one 200 Gb/s HDR link: busbw 24 GB/s (GTC24 S62129; 8 of them: the multi-node 192 GB/s)
+        "network": {"busbw": 24e9, "latency": 5e-6},
+        "overlaps": True, "gpus_per_node": 8, "memory_gib": 80,
+    },
+    "h100": {
+        "description": "H100-80GB SXM, NVLink 4 (DGX H100), 8 x 400 Gb/s NDR per node",
+        # MAMF bf16 794.5 TFLOP/s (stas00, torch 2.7.0+cu126); fp32 = datasheet 67
+        "matmul_flops": {"bfloat16": 794.5e12, "float16": 794.5e12, "float32": 67e12},
+        "peak_flops": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+        "memory_bw": 3.35e12,  # HBM3 (stas00 memory table)
+        # FlashAttention-3 (Shah et al. 2024, section 1): FlashAttention-2, PyTorch's SDPA kernel, reaches
+        # 35% of the H100's peak; over the MAMF (80.3% of the peak): 0.35 / 0.803
+        "attention_efficiency": 0.44,
+        # nccl-tests ring all-reduce busbw, one node: 370 GB/s (GTC24 S62129; stas00 H200 ring 367 GB/s)
+        "node": {"busbw": 370e9, "latency": 3.1e-6},
+        "network": {"busbw": 48e9, "latency": 5e-6},  # one 400 Gb/s link: 48 GB/s (GTC24 S62129)
+        "overlaps": True, "gpus_per_node": 8, "memory_gib": 80,
+    },
+    "l4": {
+        "description": "8 x L4 24GB on PCIe Gen4 (no NVLink), one 200 Gb/s NIC per node",
+        # no published MAMF for the L4: the datasheet's 121 TFLOP/s bf16 (errs fast)
+        "matmul_flops": {"bfloat16": 121e12, "float16": 121e12, "float32": 30.3e12},
+        "peak_flops": {"bfloat16": 121e12, "float16": 121e12, "float32": 30.3e12},
+        "memory_bw": 300e9,  # NVIDIA L4 datasheet: 300 GB/s GDDR6
+        "attention_efficiency": 0.44,  # no published figure for the L4: the H100's FlashAttention-2 share
+        # PCIe Gen4 x16: 32 GB/s per direction (PCI-SIG), the ring's wire speed through the host's switch
+        # (errs fast: traffic through the root complex rarely reaches it)
+        "node": {"busbw": 32e9, "latency": 10e-6},
+        "network": {"busbw": 25e9 / 8, "latency": 10e-6},  # one 200 Gb/s NIC shared by the node's 8 GPUs
+        "overlaps": True, "gpus_per_node": 8, "memory_gib": 24,
+    },
+}
+
+# gloo on this kind of machine (../shared/PERF_NOTES.md, "gloo on this machine", 2 ranks): a 4-byte
+# all-reduce 0.16 ms = 2 (n - 1) latencies; a 10 MB fp32 all-reduce 7.5 ms, an algbw of 1.33 GB/s, a busbw
+# of 1.33 GB/s at n = 2. Used where a CPU run measures no collective (train.py's start-up, step_time.py
+# without processes).
+CPU_GLOO_LINK = {"busbw": 1.33e9, "latency": 0.08e-3}
+
+
+def load_machine(name):
+    """A machine by name (MACHINES) or from a JSON file of the same fields (--machine=PATH.json)."""
+    if name in MACHINES:
+        return dict(MACHINES[name], name=name)
+    if name.endswith(".json") and os.path.exists(name):
+        with open(name) as f:
+            machine = json.load(f)
+        missing = {"matmul_flops", "memory_bw", "attention_efficiency", "node"} - set(machine)
+        if missing:
+            raise ValueError(f"machine = {name!r} lacks {', '.join(sorted(missing))}: a machine file has the fields "
+                             f"of step_time.MACHINES (python step_time.py --machine=h100 prints one in its RESULT)")
+        return {"network": machine["node"], "overlaps": True, "gpus_per_node": 8, "memory_gib": 80,
+                "peak_flops": machine["matmul_flops"], **machine, "name": machine.get("name", name)}
+    raise ValueError(f"machine = {name!r} is neither one of {', '.join(MACHINES)}, 'auto', nor a .json file that "
+                     f"exists: name one, or describe yours in a file with step_time.MACHINES' fields")
+
+
+# -----------------------------------------------------------------------------
+# machine=auto: this machine measured, in a few seconds
+
+
+def _best_seconds(fn, repeats=3):
+    fn()  # warm-up: thread pool, kernel choice
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_link(group=None, device="cpu"):
+    """{'busbw', 'latency'} of an all-reduce over `group` (every rank of it must call this): a 4-byte one
+    gives the latency (2 (n - 1) ring steps), an 8 MiB one the bus bandwidth, nccl-tests' convention."""
+    import torch.distributed as dist
+    n = dist.get_world_size(group)
+    small, big = torch.zeros(1, device=device), torch.zeros(2 ** 21, device=device)
+    sync = (lambda: torch.cuda.synchronize(device)) if str(device).startswith("cuda") else (lambda: None)
+    timed = lambda t: _best_seconds(lambda: (dist.all_reduce(t, group=group), sync()))  # noqa: E731
+    tiny, large = timed(small), timed(big)
+    bandwidth_s = max(large - tiny, 1e-9)
+    return {"busbw": 2 * (n - 1) / n * big.numel() * 4 / bandwidth_s, "latency": tiny / (2 * (n - 1))}
+
+
+def measure_machine(model_cfg, dtype, device="cpu", group=None, tokens=2048, matmul_rate=None):
+    """This machine, measured in a second or two: a matmul at the model's shapes (tokens x n_embd by n_embd x
+    the MLP's width; or matmul_rate given), a copy for the memory bandwidth, a causal SDPA forward and
+    backward at the model's heads for the attention kernel's share of the matmul rate, and an all-reduce
+    over `group` when given (every rank of it must call this; else gloo's figures above on CPU)."""
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    C, F = model_cfg.n_embd, mlp_hidden_size(model_cfg)
+    if matmul_rate is None:
+        a, b = torch.randn(tokens, C, device=dev, dtype=dtype), torch.randn(C, F, device=dev, dtype=dtype)
+        matmul_rate = 2 * tokens * C * F / _best_seconds(lambda: (a @ b, sync()), repeats=5)
+    x, y = torch.empty(2 ** 23, device=dev), torch.empty(2 ** 23, device=dev)  # 32 MiB each: past the caches
+    memory_bw = 2 * x.numel() * 4 / _best_seconds(lambda: (y.copy_(x), sync()))  # read once, written once
+    H, D, T = model_cfg.n_head, attention_dims(model_cfg)[0], min(model_cfg.block_size, 1024)
+    q = torch.randn(1, H, T, D, device=dev, dtype=dtype, requires_grad=True)
+    sdpa = lambda: (torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward(), sync())
+    attention_flops = 3 * 4 * T * T * H * D / 2  # forward and backward (3x the forward), the causal half
+    efficiency = attention_flops / _best_seconds(sdpa, repeats=2) / matmul_rate
+    name = str(dtype).replace("torch.", "")
+    link = measure_link(group, dev) if group is not None else CPU_GLOO_LINK
+    # the peak MFU divides by: the datasheet's on a GPU, on CPU the square-matmul probe bench.py's MFU reads
+    peak = (metrics.gpu_peak_flops(torch.cuda.get_device_name(dev), dtype) if dev.type == "cuda"
+            else metrics.measure_cpu_peak_flops(dtype)) or matmul_rate
+    return {"name": "auto", "description": f"measured here: {dev}, {name}, {torch.get_num_threads()} thread(s)",
+            "matmul_flops": {name: matmul_rate}, "peak_flops": {name: max(peak, matmul_rate)}, "memory_bw": memory_bw,
+            "attention_efficiency": efficiency, "node": link, "network": link,
+            # gloo's exchanges run on the cores that compute (one a rank): nothing overlaps on CPU
+            "overlaps": dev.type == "cuda", "gpus_per_node": 1 << 20, "memory_gib": 0}
+
+
+def startup_machine(model_cfg, dtype, device):
+    """train.py's start-up machine: on CPU the cached matmul peak (metrics.measure_cpu_peak_flops, which the
+    MFU reads too) and gloo's figures, no collective; on a GPU the named machine its name matches, else None."""
+    if device.type == "cpu":
+        return measure_machine(model_cfg, dtype, "cpu", matmul_rate=metrics.measure_cpu_peak_flops(dtype))
+    name = torch.cuda.get_device_name(device)
+    return next((load_machine(key) for key in MACHINES if key.upper() in name.upper()), None)
+
+
+# -----------------------------------------------------------------------------
+# Communication: the ring algorithm on the link a group spans
+
+
+RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1,
+              "all_gather": lambda n: n - 1, "all_to_all": lambda n: n - 1}
+
+
+def collective_seconds(kind, nbytes, n, link):
+    """One collective of `nbytes` (the whole buffer: an all-reduce's input, a reduce-scatter's input, an
+    all-gather's output, the rows an all-to-all sends) over n ranks, by the ring algorithm (Patarasuk & Yuan
+    2009): steps latencies plus steps / n of the bytes over the bus bandwidth, steps = 2 (n - 1) for an
+    all-reduce and n - 1 for the others (nccl-tests doc/PERFORMANCE.md: busbw = algbw x 2 (n - 1) / n, or
+    (n - 1) / n, so that a ring at wire speed reads as the link's bandwidth)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    steps = RING_STEPS[kind](n)
+    return steps * link["latency"] + steps / n * nbytes / link["busbw"]
+
+
+def p2p_seconds(nbytes, link):
+    """A point-to-point send (the pipeline's activations, a ring attention step): one latency and the bytes
+    over the link's bandwidth in one direction (busbw is the per-direction figure)."""
+    return link["latency"] + nbytes / link["busbw"] if nbytes else 0.0
+
+
+def group_link(machine, dims, axes, gpus_per_node):
+    """The link a group along `axes` ('dp', 'cp', 'tp', 'pp') of the grid dims = (dp, cp, tp, pp) spans:
+    the node's, when its ranks share a node (parallel.ParallelLayout numbers tp fastest, then cp, dp, pp,
+    as torchrun fills nodes with consecutive ranks), else the network's with as many NICs as the group has
+    ranks on a node (NCCL runs one ring per NIC: the multi-node busbw of 8 x 24 GB/s = 192 on a DGX A100)."""
+    dp, cp, tp, pp = dims
+    sizes = {"dp": dp, "cp": cp, "tp": tp, "pp": pp}
+    at = {a: list(range(sizes[a])) if a in axes else [0] for a in sizes}
+    ranks = [grid_rank(p, d, t, dp, tp, c, cp) for p in at["pp"] for d in at["dp"] for c in at["cp"] for t in at["tp"]]
+    nodes = {r // gpus_per_node for r in ranks}
+    if len(nodes) == 1:
+        return machine["node"]
+    per_node = len(ranks) // len(nodes)
+    net = machine["network"]
+    return {"busbw": min(machine["node"]["busbw"], per_node * net["busbw"]), "latency": net["latency"]}
+
+
+# -----------------------------------------------------------------------------
+# The run: a config and a layout, in the fields the model reads
+
+
+def run_of(cfg, nproc=None):
+    """The settings the model reads, from train.py's cfg (a SimpleNamespace or dict of settings), dp
+    resolved from nproc when dp = 0."""
+    get = (lambda k: cfg[k]) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))
+    names = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "batch_size", "gradient_accumulation_steps", "pp_schedule",
+             "pp_chunks", "activation_checkpointing", "sequence_parallel", "bucket_size_mb", "dtype", "pp_layers",
+             "block_size", "optimizer", "attn_impl")
+    run = SimpleNamespace(**{k: get(k) for k in names})
+    if not run.dp:
+        run.dp = (nproc or 1) // (run.tp * run.pp * run.cp)
+    run.pp_chunks = 2 if run.pp_schedule == "zbv" else run.pp_chunks
+    return run
+
+
+def dtype_of(run, machine):
+    """The dtype the matmuls run in: the run's, or for 'auto' bf16 on a GPU machine and fp32 on a CPU."""
+    if run.dtype != "auto":
+        return run.dtype
+    return "bfloat16" if "bfloat16" in machine["matmul_flops"] and machine.get("name") != "auto" else \
+        next(iter(machine["matmul_flops"]))
+
+
+_PIECES = {}  # (repr(model_cfg), tp, ep): parameter_pieces' answer (the config is not hashable)
+
+
+def parameter_pieces(model_cfg, tp, ep):
+    """({name: elements} of one block, {name: elements} of the rest) on one tp (and ep) rank: a one-block model
+    built on the meta device as train.build_model builds it (memory_plan.stage_parameter_elements), so the
+    counts are the run's, at a cost that does not grow with the depth."""
+    import dataclasses
+    import memory_plan
+    key = (repr(model_cfg), tp, ep)
+    if key not in _PIECES:
+        elements = memory_plan.stage_parameter_elements(dataclasses.replace(model_cfg, n_layer=1), tp, 1, 0, ep=ep)
+        block = {name[len("blocks.0."):]: n for name, n in elements.items() if name.startswith("blocks.0.")}
+        _PIECES[key] = block, {name: n for name, n in elements.items() if not name.startswith("blocks.0.")}
+    return _PIECES[key]
+
+
+# -----------------------------------------------------------------------------
+# Compute: one block's forward and backward for one micro-batch on one rank
+
+
+def fused_attention(model_cfg, run, machine):
+    """Whether the attention runs a fused kernel (FlashAttention, SDPA's fused kernels, ring attention) or
+    the eager one, which writes the (B, H, T, T) scores (memory_plan.attention_saves_scores: the same rule)."""
+    import memory_plan
+    device = "cpu" if machine.get("name") == "auto" and not machine["overlaps"] else "cuda"
+    return run.cp > 1 or not memory_plan.attention_saves_scores(model_cfg, run.attn_impl, device, dtype_of(run, machine))
+
+
+def elementwise_bytes(model_cfg, run, fused, act_bytes):
+    """Bytes one token's forward through one block moves outside the matmuls, each tensor read or written
+    once (a roofline's count): two norms (read x, write the output), two residual adds (read two, write one),
+    rotary on q and k (read, write), the MLP's activation (SwiGLU reads gate and up, writes their product;
+    GELU reads one, writes one: for each expert a token goes to), and without a fused kernel the softmax
+    (read the scores, write the probabilities, per head and key position). Under sequence parallelism the
+    norms and adds see 1/tp of the tokens. A backward moves about twice a forward's (it reads the saved
+    input and the incoming gradient, writes the gradient)."""
+    tp, C = run.tp, model_cfg.n_embd
+    qk, _ = attention_dims(model_cfg)
+    H, H_kv = model_cfg.n_head / tp, max(1, model_cfg.n_kv_head / tp)
+    share = C / tp if run.sequence_parallel else C
+    F = mlp_hidden_size(model_cfg) / tp
+    mlp = (3 if model_cfg.mlp == "swiglu" else 2) * F
+    if model_cfg.n_expert > 0:
+        mlp *= model_cfg.n_expert_per_token + model_cfg.n_shared_expert
+    softmax = 0 if fused else 2 * H * run.block_size / 2  # the causal half of the scores, on average
+    return act_bytes * (2 * 2 * share + 2 * 3 * share + 2 * (H + H_kv) * qk + mlp + softmax)
+
+
+def block_seconds(model_cfg, run, machine, links, tokens):
+    """Seconds of one block on one rank for one micro-batch of `tokens` tokens (this rank's, after context
+    parallelism's split): {'forward', 'input_grad', 'weight_grad'} of compute, and the communication each
+    leaves exposed, {'tp', 'cp', 'ep'} per forward and per backward.
+    Matmuls: metrics.pipeline_costs' 6 FLOPs per weight and token (2 forward, 2 for the input's gradient,
+    2 for the weights'), over tp, at the machine's matmul rate. Attention: its 6 T H (qk + v) FLOPs per
+    token, with a fused kernel at the kernel's efficiency on the causal half it computes (FlashAttention-2
+    reports causal FLOP/s so), otherwise at the matmul rate on all of it. The rest: elementwise_bytes over
+    the memory bandwidth."""
+    dtype = dtype_of(run, machine)
+    rate, act_bytes = machine["matmul_flops"][dtype], 4 if dtype == "float32" else 2
+    _, blocks, _ = metrics.pipeline_costs(model_cfg)
+    qk, v = attention_dims(model_cfg)
+    attention = 6 * run.block_size * model_cfg.n_head * (qk + v)
+    fused = fused_attention(model_cfg, run, machine)
+    matmul_f = tokens * (blocks[0] - attention) / 3 / run.tp / rate
+    attention_f = tokens * attention / 3 / run.tp / (rate * machine["attention_efficiency"] * 2 if fused else rate)
+    elementwise_f = tokens * elementwise_bytes(model_cfg, run, fused, act_bytes) / machine["memory_bw"]
+    # tensor parallelism: attention's and the MLP's outputs all-reduced forward (g), their inputs' gradients
+    # backward (f); under sequence parallelism an all-gather and a reduce-scatter instead, the same bytes
+    tp = 2 * collective_seconds("all_reduce", tokens * model_cfg.n_embd * act_bytes, run.tp, links["tp"])
+    # context parallelism: cp - 1 ring steps, each sending this rank's keys and values on (forward) and
+    # with them their gradients (backward), overlapped with the attention of the step (the ring feeds it)
+    kv = tokens * max(1, model_cfg.n_kv_head // run.tp) * (qk + v) * act_bytes
+    step_attention = attention_f / run.cp
+    cp = [(run.cp - 1) * max(0.0, p2p_seconds(k * kv, links["cp"]) - (step_attention * k if machine["overlaps"] else 0))
+          for k in (1, 2)]
+    # expert parallelism: two all-to-alls of the rows each rank keeps, forward and backward alike
+    ep = 0.0
+    if model_cfg.n_expert > 0 and run.ep > 1:
+        kept, _ = expert_rows(model_cfg, tokens, run.ep)
+        ep = 2 * collective_seconds("all_to_all", kept * model_cfg.n_embd * act_bytes, run.ep, links["ep"])
+    forward = matmul_f + attention_f + elementwise_f
+    recompute = forward if run.activation_checkpointing else 0.0  # (its communication: stage_actions)
+    return {"forward": forward, "input_grad": matmul_f + 2 * attention_f + 2 * elementwise_f + recompute,
+            "weight_grad": matmul_f, "tp": tp, "cp": cp, "ep": ep}
+
+
+def ends_seconds(model_cfg, run, machine, links, tokens):
+    """(embedding, head) seconds for one micro-batch: {'forward', 'input_grad', 'weight_grad', 'tp'}. The
+    embedding: a lookup (its rows written), and under tensor parallelism the vocab-parallel embedding's
+    all-reduce. The head: metrics.pipeline_costs' 6 C V FLOPs per token over tp, and the loss's softmax,
+    read and written in fp32 forward and backward; under tp the vocab-parallel loss's three all-reduces of
+    one float per token, and under sequence parallelism the final norm's output gathered."""
+    dtype = dtype_of(run, machine)
+    rate, act_bytes, C = machine["matmul_flops"][dtype], 4 if dtype == "float32" else 2, model_cfg.n_embd
+    _, _, head = metrics.pipeline_costs(model_cfg)
+    lookup = tokens * C * act_bytes / machine["memory_bw"]
+    embedding = {"forward": lookup, "input_grad": 2 * lookup, "weight_grad": 0.0,
+                 "tp": collective_seconds("all_reduce", tokens * C * act_bytes, run.tp, links["tp"])}
+    matmul = tokens * head / 3 / run.tp / rate
+    softmax = tokens * 2 * model_cfg.vocab_size / run.tp * 4 / machine["memory_bw"]
+    tp = 3 * collective_seconds("all_reduce", tokens * 4, run.tp, links["tp"])
+    if run.sequence_parallel:
+        tp += collective_seconds("all_gather", tokens * C * act_bytes, run.tp, links["tp"]) * 2
+    return embedding, {"forward": matmul + softmax, "input_grad": matmul + softmax, "weight_grad": matmul, "tp": tp}
+
+
+# -----------------------------------------------------------------------------
+# The pipeline: every rank's actions placed in time
+
+
+def simulate_pipeline(lists, stages, seconds, transfer):
+    """Place every rank's actions (lists[r], the schedule's; stages[r], the model stage of each of its chunks)
+    in time as the executor runs them (timeline.schedule_timeline's model, with seconds instead of slots):
+    a rank runs its actions in order, each when the one before has ended and its input has arrived, which
+    is `transfer` seconds after the action that sent it ended. seconds(r, action): an action's duration.
+    Returns {(r, k): (start, end)}."""
+    sent, expected, needs = route_messages("the step-time simulation", lists, stages)
+    check_channels("the step-time simulation", sent, expected)
+    times, position, free = {}, [0] * len(lists), [0.0] * len(lists)
+    while any(position[r] < len(lists[r]) for r in range(len(lists))):
+        progressed = False
+        for r, actions in enumerate(lists):
+            while position[r] < len(actions):
+                k, ready = position[r], 0.0
+                if needs[r][k] is not None:
+                    channel, j = needs[r][k]
+                    _, sender, sender_k = sent[channel][j]
+                    if (sender, sender_k) not in times:
+                        break  # its input has not been sent yet
+                    ready = times[(sender, sender_k)][1] + transfer
+                start = max(free[r], ready)
+                free[r] = start + seconds(r, actions[k])
+                times[(r, k)] = (start, free[r])
+                position[r] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the schedule deadlocks (python timeline.py shows where)")
+    return times
+
+
+def schedule_lists(run):
+    """(each rank's actions, each rank's model stages): the schedule's own lists, or without a pipeline each
+    micro-batch's forward then backward."""
+    m = run.gradient_accumulation_steps
+    if run.pp == 1:
+        return [[(op, i, 0) for i in range(m) for op in "FB"]], [(0,)]
+    lists = [SCHEDULES[run.pp_schedule](run.pp, r, m, run.pp_chunks) for r in range(run.pp)]
+    return lists, [virtual_stages(run.pp_schedule, run.pp, r, run.pp_chunks) for r in range(run.pp)]
+
+
+def stage_actions(model_cfg, run, machine, links, cut, zero3):
+    """{model stage: {op: (seconds, {part: seconds})}} of one micro-batch's F, B and W on each model stage: its
+    blocks, the embedding on the first, the head and loss on the last; B is the whole backward where the
+    schedule does not split it (no W). zero3: (gather, reduce-scatter) seconds of one block's parameters
+    under ZeRO-3, which prefetches the next block's gather while this one computes (forward and backward)."""
+    tokens = run.batch_size * run.block_size // run.cp
+    block = block_seconds(model_cfg, run, machine, links, tokens)
+    gather, reduce = zero3
+    hide = machine["overlaps"]
+    zero3 = (max(0.0, gather - block["forward"] * hide),
+             max(0.0, gather + reduce - (block["input_grad"] + block["weight_grad"]) * hide))
+    embedding, head = ends_seconds(model_cfg, run, machine, links, tokens)
+    split = run.pp > 1 and run.pp_schedule in ("zero_bubble", "zbv")
+    again = 2 if run.activation_checkpointing else 1  # the recomputed forward's communication, in the backward
+    out = {}
+    for s, n in enumerate(cut):
+        ends = ([embedding] if s == 0 else []) + ([head] if s == len(cut) - 1 else [])
+        f = {"compute": n * block["forward"] + sum(e["forward"] for e in ends),
+             "tp": n * block["tp"] + sum(e["tp"] for e in ends), "cp": n * block["cp"][0], "ep": n * block["ep"],
+             "zero": n * zero3[0]}
+        w = {"compute": n * block["weight_grad"] + sum(e["weight_grad"] for e in ends)}
+        b = {"compute": n * block["input_grad"] + sum(e["input_grad"] for e in ends) + (0 if split else w["compute"]),
+             "tp": n * block["tp"] * again + sum(e["tp"] for e in ends),
+             "cp": n * (block["cp"][1] + block["cp"][0] * (again - 1)), "ep": n * block["ep"] * again,
+             "zero": n * zero3[1]}
+        out[s] = {op: (sum(parts.values()), parts) for op, parts in (("F", f), ("B", b), ("W", w))}
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Data parallelism and ZeRO: the buckets' collectives, overlapped where the code overlaps them
+
+
+def rank_pieces(model_cfg, run, cut, held):
+    """[(elements, whether of an expert)] of the parameters a pipeline rank holds (held: its model stages),
+    in forward order: the embedding on the first stage, each block's tensors, the final norm and head on
+    the last (a tied head's copy of the embedding where the first stage is elsewhere)."""
+    block, root = parameter_pieces(model_cfg, run.tp, run.ep)
+    embedding = [n for name, n in root.items() if name.startswith("tok_emb.")]
+    pieces = []
+    for s in sorted(held):
+        pieces += [(n, False) for n in embedding] if s == 0 else []
+        for _ in stage_layers(cut, s):
+            pieces += [(n, ".experts." in name) for name, n in block.items()]
+        if s == len(cut) - 1:
+            pieces += [(n, False) for name, n in root.items() if not name.startswith("tok_emb.")]
+            pieces += [(n, False) for n in embedding] if model_cfg.tie_embeddings and 0 not in held else []
+    return pieces
+
+
+def bucket_collectives(pieces, run, link, kind):
+    """[(elements, seconds)] of each bucket's collective in backward order (memory_plan.bucket_elements:
+    parallel.GradientBuckets' plan), the experts' buckets after the dense ones', over their own replicas.
+    Gradients travel in fp32 (the parameters' dtype)."""
+    from memory_plan import bucket_elements
+    capacity = max(1, int(run.bucket_size_mb * 2 ** 20)) // 4
+    out = []
+    for expert, n in ((False, run.dp * run.cp), (True, run.dp // run.ep * run.cp)):
+        sizes = bucket_elements([e for e, is_expert in pieces if is_expert == expert], capacity)
+        out += [(size, collective_seconds(kind, size * 4, n, link)) for size in sizes]
+    return out
+
+
+def overlapped(collectives, window, overlaps):
+    """The seconds a series of collectives runs past the end of a compute window they overlap: each starts
+    when its bucket is ready (the buckets fill evenly over the window, in the order given) and the one
+    before it has ended (one channel). Without overlap, all of them."""
+    total = sum(seconds for _, seconds in collectives)
+    if not overlaps:
+        return total
+    elements, done, end = sum(n for n, _ in collectives) or 1, 0, 0.0
+    for n, seconds in collectives:
+        done += n
+        end = max(end, window * done / elements) + seconds
+    return max(0.0, end - window)
+
+
+def gathered_late(collectives, forward, overlaps):
+    """ZeRO-1/2's parameter all-gathers, posted together after the optimizer step (overlap_param_gather) and
+    each waited for before its bucket's first use in the next forward: the seconds the forward waits, the
+    buckets used in forward order (the reverse of the backward's) through `forward` seconds of compute."""
+    if not overlaps:
+        return sum(seconds for _, seconds in collectives)
+    order = list(reversed(collectives))
+    elements, used, end, late = sum(n for n, _ in order) or 1, 0, 0.0, 0.0
+    for n, seconds in order:
+        end += seconds
+        late = max(late, end - forward * used / elements)
+        used += n
+    return max(0.0, late)
+
+
+def data_parallel_seconds(pieces, root_elements, run, machine, link, last_window, micro_window, forward):
+    """(exposed seconds of the gradients' reduction, of ZeRO-1/2's parameter gather) on one rank.
+    ZeRO-0: each bucket all-reduced in the last micro-batch's backward (the reducer communicates only then),
+    overlapped with it. ZeRO-1: reduce-scattered so. ZeRO-2: reduce-scattered in every micro-batch's
+    backward, the earlier ones overlapped with the backward and the next forward too. ZeRO-1/2: every
+    bucket's parameters all-gathered after the step, ahead of the next forward. ZeRO-3: its blocks' gathers
+    and reduce-scatters are in the actions (stage_actions); here its root unit's, once each way."""
+    if run.dp * run.cp == 1:
+        return 0.0, 0.0
+    overlaps = machine["overlaps"]
+    if run.zero_stage == 3:  # the root unit: gathered before the first forward, reduced after the last backward
+        n, ranks = root_elements * 4, run.dp * run.cp
+        return collective_seconds("reduce_scatter", n, ranks, link), collective_seconds("all_gather", n, ranks, link)
+    kind = "all_reduce" if run.zero_stage == 0 else "reduce_scatter"
+    reduce = overlapped(bucket_collectives(pieces, run, link, kind), last_window, overlaps)
+    if run.zero_stage == 2:
+        earlier = overlapped(bucket_collectives(pieces, run, link, kind), micro_window, overlaps)
+        reduce += (run.gradient_accumulation_steps - 1) * earlier
+    gather = 0.0
+    if run.zero_stage in (1, 2):
+        gather = gathered_late(bucket_collectives(pieces, run, link, "all_gather"), forward, overlaps)
+    return reduce, gather
+
+
+# -----------------------------------------------------------------------------
+# The step
+
+
+def layout_links(machine, run, gpus_per_node):
+    """The link each group spans: tp, cp, the data-parallel dp x cp, pp, and ep (ep neighbouring dp ranks)."""
+    dims = (run.dp, run.cp, run.tp, run.pp)
+    links = {name: group_link(machine, dims, axes, gpus_per_node)
+             for name, axes in (("tp", ("tp",)), ("cp", ("cp",)), ("dp", ("dp", "cp")), ("pp", ("pp",)))}
+    links["ep"] = group_link(machine, (run.ep, run.cp, run.tp, run.pp), ("dp",), gpus_per_node)
+    return links
+
+
+def zero3_block_seconds(model_cfg, run, link):
+    """(all-gather, reduce-scatter) seconds of one block's parameters (fp32) under ZeRO-3: the dense part over
+    dp x cp, the experts over their replicas."""
+    if run.zero_stage != 3 or run.dp * run.cp == 1:
+        return 0.0, 0.0
+    block, _ = parameter_pieces(model_cfg, run.tp, run.ep)
+    experts = sum(n for name, n in block.items() if ".experts." in name)
+    groups = ((sum(block.values()) - experts, run.dp * run.cp), (experts, run.dp // run.ep * run.cp))
+    return tuple(sum(collective_seconds(kind, n * 4, ranks, link) for n, ranks in groups)
+                 for kind in ("all_gather", "reduce_scatter"))
+
+
+def rank_timing(r, lists, stages, times, times_without, actions):
+    """One rank's {'end', 'busy' {part: seconds}, 'bubble', 'pp', 'last_window', 'micro_window', 'forward'}
+    from the simulation (times_without: the same without the pipeline's transfers)."""
+    busy, end = {}, max(end for (q, _), (_, end) in times.items() if q == r)
+    end_without = max(end for (q, _), (_, end) in times_without.items() if q == r)
+    m = max(i for _, i, _ in lists[r])
+    first_last = min(times[(r, k)][0] for k, (op, i, _) in enumerate(lists[r]) if op != "F" and i == m)
+    for op, i, c in lists[r]:
+        for part, seconds in actions[stages[r][c]][op][1].items():
+            busy[part] = busy.get(part, 0.0) + seconds
+    of = lambda op: sum(actions[s][op][0] for s in stages[r])  # noqa: E731  (one micro-batch, every chunk)
+    return {"end": end, "busy": busy, "bubble": end_without - sum(busy.values()), "pp": end - end_without,
+            "last_window": end - first_last, "micro_window": of("F") + of("B") + of("W"), "forward": of("F")}
+
+
+def predict(model_cfg, run, machine, gpus_per_node=None):
+    """One step's predicted seconds and its parts, for the slowest pipeline rank: {'step_s', 'parts'
+    {'compute', 'bubble', 'tp', 'cp', 'ep', 'pp', 'dp', 'zero_gather', 'optimizer'} in seconds,
+    'tokens_per_sec_per_gpu', 'mfu', 'machine'}. run: run_of's fields."""
+    gpus_per_node = gpus_per_node or machine["gpus_per_node"]
+    links = layout_links(machine, run, gpus_per_node)
+    cut = (metrics.stage_cut(model_cfg, run.pp_schedule, run.pp, run.pp_chunks, run.pp_layers) if run.pp > 1
+           else (model_cfg.n_layer,))
+    actions = stage_actions(model_cfg, run, machine, links, cut, zero3_block_seconds(model_cfg, run, links["dp"]))
+    lists, stages = schedule_lists(run)
+    dtype = dtype_of(run, machine)
+    tokens = run.batch_size * run.block_size // run.cp
+    message = tokens * model_cfg.n_embd * (4 if dtype == "float32" else 2) // (run.tp if run.sequence_parallel else 1)
+    seconds = lambda r, a: actions[stages[r][a[2]]][a[0]][0]  # noqa: E731
+    times = simulate_pipeline(lists, stages, seconds, p2p_seconds(message, links["pp"]) if run.pp > 1 else 0.0)
+    times_without = simulate_pipeline(lists, stages, seconds, 0.0) if run.pp > 1 else times
+    block, root = parameter_pieces(model_cfg, run.tp, run.ep)
+    ranks = []
+    for r in range(len(lists)):
+        timing = rank_timing(r, lists, stages, times, times_without, actions)
+        pieces = rank_pieces(model_cfg, run, cut, stages[r])
+        held_root = sum(n for n, _ in pieces) - sum(len(stage_layers(cut, s)) for s in stages[r]) * sum(block.values())
+        timing["dp"], timing["zero_gather"] = data_parallel_seconds(
+            pieces, held_root, run, machine, links["dp"], timing["last_window"], timing["micro_window"], timing["forward"])
+        timing["tied"] = 0.0
+        if run.pp > 1 and model_cfg.tie_embeddings and run.zero_stage < 2 and (0 in stages[r] or len(cut) - 1 in stages[r]):
+            # parallel.sync_tied_grads: the two copies' gradients all-reduced between the first and last stage
+            copy = sum(n for name, n in root.items() if name.startswith("tok_emb."))
+            timing["tied"] = collective_seconds("all_reduce", copy * 4, 2, links["pp"])
+        timing["optimizer"] = optimizer_seconds(pieces, run, machine)
+        timing["total"] = sum(timing[k] for k in ("end", "tied", "dp", "zero_gather", "optimizer"))
+        ranks.append(timing)
+    return summarize(model_cfg, run, machine, dtype, ranks)
+
+
+def optimizer_seconds(pieces, run, machine):
+    """AdamW's step over the elements this rank steps (all of its stage's, or under ZeRO its 1/dp shard, the
+    experts' over their replicas), by the bytes it moves: torch's fused kernel reads the parameter, its
+    gradient and the two moments and writes three of them back (7 x 4 bytes), and the gradient norm reads
+    the gradient once more (4): 32 bytes an element over the memory bandwidth."""
+    shards = (run.dp * run.cp, run.dp // run.ep * run.cp) if run.zero_stage >= 1 else (1, 1)
+    stepped = sum(n / shards[expert] for n, expert in pieces)
+    return stepped * 32 / machine["memory_bw"]
+
+
+def summarize(model_cfg, run, machine, dtype, ranks):
+    """predict's answer from every pipeline rank's timing: the step is the slowest rank's, its parts the
+    busiest rank's (the one with the most work), whose idle time in the step is the bubble."""
+    step = max(t["total"] for t in ranks)
+    busiest = max(ranks, key=lambda t: sum(t["busy"].values()))
+    busy = busiest["busy"]
+    parts = {"compute": busy.get("compute", 0.0), "tp": busy.get("tp", 0.0), "cp": busy.get("cp", 0.0),
+             "ep": busy.get("ep", 0.0), "pp": busiest["pp"] + busiest["tied"], "dp": busiest["dp"] + busy.get("zero", 0.0),
+             "zero_gather": busiest["zero_gather"], "optimizer": busiest["optimizer"]}
+    parts["bubble"] = max(0.0, step - sum(parts.values()))
+    world = run.dp * run.cp * run.tp * run.pp
+    tokens_per_step = run.batch_size * run.gradient_accumulation_steps * run.dp * run.block_size
+    peak = machine.get("peak_flops", machine["matmul_flops"]).get(dtype)
+    flops = metrics.flops_per_token(model_cfg) * tokens_per_step / step
+    return {"step_s": step, "parts": parts, "tokens_per_sec_per_gpu": tokens_per_step / step / world,
+            "mfu": flops / (world * peak) if peak else None, "dtype": dtype,
+            "machine": {k: v for k, v in machine.items()}}
+
+
+def format_prediction(prediction, run):
+    """The prediction as lines: the step, its parts (each with its share), tokens/s per device and MFU."""
+    step, parts = prediction["step_s"], prediction["parts"]
+    names = {"compute": "compute", "bubble": "pipeline bubble", "tp": "TP communication (exposed)",
+             "cp": "CP ring (exposed)", "ep": "EP all-to-all (exposed)", "pp": "PP transfers (exposed)",
+             "dp": "DP/ZeRO reduction (exposed)", "zero_gather": "ZeRO parameter gather (exposed)",
+             "optimizer": "optimizer step"}
+    lines = [f"predicted step: {step * 1e3:,.1f} ms on {prediction['machine'].get('description', '?')} "
+             f"({prediction['dtype']}); layout dp {run.dp} x cp {run.cp} x tp {run.tp} x pp {run.pp} x ep {run.ep}, "
+             f"ZeRO-{run.zero_stage}, micro-batch {run.batch_size} x {run.gradient_accumulation_steps}"
+             + (f", {run.pp_schedule} ({run.pp_chunks} chunk{'s' * (run.pp_chunks > 1)})" if run.pp > 1 else "")
+             + (", activation checkpointing" if run.activation_checkpointing else "")]
+    for key, label in names.items():
+        if parts[key] > 0 or key == "compute":
+            lines.append(f"  {label:34s} {parts[key] * 1e3:12,.2f} ms  {parts[key] / step:6.1%}")
+    mfu = prediction["mfu"]
+    lines.append(f"  tokens/s per device {prediction['tokens_per_sec_per_gpu']:,.0f}; MFU "
+                 f"{metrics.format_mfu(mfu)}")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# The command line: one layout's step, broken down
+
+OWN = [
+    ("nproc", 1, "processes the run will have (GPUs)"),
+    ("machine", "h100", "a named machine (" + ", ".join(MACHINES) + "), a .json file of the same fields, or 'auto' "
+                        "(this machine, measured)"),
+    ("gpus_per_node", 0, "devices per node: which groups cross nodes (0: the machine's, 8 for the named ones)"),
+]
+
+
+def model_config_of(cfg):
+    """The ModelConfig of a settings dict, its vocabulary as make_config.py finds it."""
+    from dataclasses import fields
+    from make_config import vocab_size_of
+    from model import ModelConfig
+    vocab, _ = vocab_size_of(cfg)
+    return ModelConfig(**{f.name: cfg[f.name] for f in fields(ModelConfig) if f.name != "vocab_size"}, vocab_size=vocab)
+
+
+def machine_for(name, model_cfg, dtype_setting):
+    """The machine a command line names ('auto': this one measured, without processes: gloo's figures)."""
+    if name != "auto":
+        return load_machine(name)
+    dtype = torch.float32 if dtype_setting in ("auto", "float32") else getattr(torch, dtype_setting)
+    return measure_machine(model_cfg, dtype)
+
+
+def main(argv):
+    import settings
+    from configurator import ConfigError, Setting, configure, section
+    from parallel import resolve_dp
+    from pipeline_schedules import check_schedule
+    own = section("step_time.py's own", *(Setting(*s) for s in OWN))
+    try:
+        values, _ = configure(settings.TRAINING + own, argv, usage=__doc__)
+        model_cfg = model_config_of(values)
+        values["dp"] = resolve_dp(values["nproc"], values["dp"], values["tp"], values["pp"], count_name="nproc",
+                                  cp=values["cp"], ep=values["ep"])
+        settings.check_layout(model_cfg, values["tp"], values["pp"], values["cp"], values["sequence_parallel"],
+                              values["pp_chunks"], ep=values["ep"])
+        check_schedule(values["pp_schedule"], values["pp"], values["gradient_accumulation_steps"], values["pp_chunks"])
+        machine = machine_for(values["machine"], model_cfg, values["dtype"])
+    except (ConfigError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    run = run_of(values)
+    prediction = predict(model_cfg, run, machine, values["gpus_per_node"] or None)
+    print(format_prediction(prediction, run))
+    result = {k: prediction[k] for k in ("step_s", "tokens_per_sec_per_gpu", "mfu", "dtype", "machine")}
+    result.update(parts_s=prediction["parts"], dp=run.dp, cp=run.cp, tp=run.tp, pp=run.pp, ep=run.ep,
+                  zero_stage=run.zero_stage, pp_schedule=run.pp_schedule, pp_chunks=run.pp_chunks)
+    print("RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
