@@ -388,14 +388,17 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
 # The pipeline: every rank's actions placed in time
 
 
-def simulate_pipeline(lists, stages, seconds, transfer):
+def simulate_pipeline(lists, stages, seconds, transfer, routes=None):
     """Place every rank's actions (lists[r], the schedule's; stages[r], the model stage of each of its chunks)
     in time as the executor runs them (timeline.schedule_timeline's model, with seconds instead of slots):
     a rank runs its actions in order, each when the one before has ended and its input has arrived, which
-    is `transfer` seconds after the action that sent it ended. seconds(r, action): an action's duration.
-    Returns {(r, k): (start, end)}."""
-    sent, expected, needs = route_messages("the step-time simulation", lists, stages)
-    check_channels("the step-time simulation", sent, expected)
+    is `transfer` seconds after the action that sent it ended. seconds(r, action): an action's duration;
+    routes: route_messages' (sent, needs) of these lists, when already found. Returns {(r, k): (start, end)}."""
+    if routes is None:
+        sent, expected, needs = route_messages("the step-time simulation", lists, stages)
+        check_channels("the step-time simulation", sent, expected)
+    else:
+        sent, needs = routes
     times, position, free = {}, [0] * len(lists), [0.0] * len(lists)
     while any(position[r] < len(lists[r]) for r in range(len(lists))):
         progressed = False
@@ -418,14 +421,24 @@ def simulate_pipeline(lists, stages, seconds, transfer):
     return times
 
 
+_SCHEDULES = {}  # (schedule, pp, m, chunks): schedule_lists' answer, found once (the routing costs most)
+
+
 def schedule_lists(run):
-    """(each rank's actions, each rank's model stages): the schedule's own lists, or without a pipeline each
-    micro-batch's forward then backward."""
+    """(each rank's actions, each rank's model stages, their routes for simulate_pipeline): the schedule's own
+    lists, or without a pipeline each micro-batch's forward then backward."""
     m = run.gradient_accumulation_steps
-    if run.pp == 1:
-        return [[(op, i, 0) for i in range(m) for op in "FB"]], [(0,)]
-    lists = [SCHEDULES[run.pp_schedule](run.pp, r, m, run.pp_chunks) for r in range(run.pp)]
-    return lists, [virtual_stages(run.pp_schedule, run.pp, r, run.pp_chunks) for r in range(run.pp)]
+    key = (run.pp_schedule, run.pp, m, run.pp_chunks)
+    if key not in _SCHEDULES:
+        if run.pp == 1:
+            lists, stages = [[(op, i, 0) for i in range(m) for op in "FB"]], [(0,)]
+        else:
+            lists = [SCHEDULES[run.pp_schedule](run.pp, r, m, run.pp_chunks) for r in range(run.pp)]
+            stages = [virtual_stages(run.pp_schedule, run.pp, r, run.pp_chunks) for r in range(run.pp)]
+        sent, expected, needs = route_messages("the step-time simulation", lists, stages)
+        check_channels("the step-time simulation", sent, expected)
+        _SCHEDULES[key] = lists, stages, (sent, needs)
+    return _SCHEDULES[key]
 
 
 def stage_actions(model_cfg, run, machine, links, cut, zero3):
@@ -548,6 +561,18 @@ def data_parallel_seconds(pieces, root_elements, run, machine, link, last_window
 # The step
 
 
+_CUTS = {}  # metrics.stage_cut's answers (the model config is not hashable)
+
+
+def stage_cut(model_cfg, run):
+    """The blocks of each model stage, as train.py cuts them (metrics.stage_cut)."""
+    key = (repr(model_cfg), run.pp_schedule, run.pp, run.pp_chunks, run.pp_layers)
+    if key not in _CUTS:
+        _CUTS[key] = (metrics.stage_cut(model_cfg, run.pp_schedule, run.pp, run.pp_chunks, run.pp_layers)
+                      if run.pp > 1 else (model_cfg.n_layer,))
+    return _CUTS[key]
+
+
 def layout_links(machine, run, gpus_per_node):
     """The link each group spans: tp, cp, the data-parallel dp x cp, pp, and ep (ep neighbouring dp ranks)."""
     dims = (run.dp, run.cp, run.tp, run.pp)
@@ -572,8 +597,8 @@ def zero3_block_seconds(model_cfg, run, link):
 def rank_timing(r, lists, stages, times, times_without, actions):
     """One rank's {'end', 'busy' {part: seconds}, 'bubble', 'pp', 'last_window', 'micro_window', 'forward'}
     from the simulation (times_without: the same without the pipeline's transfers)."""
-    busy, end = {}, max(end for (q, _), (_, end) in times.items() if q == r)
-    end_without = max(end for (q, _), (_, end) in times_without.items() if q == r)
+    last = len(lists[r]) - 1  # (a rank's actions run in its list's order)
+    busy, end, end_without = {}, times[(r, last)][1], times_without[(r, last)][1]
     m = max(i for _, i, _ in lists[r])
     first_last = min(times[(r, k)][0] for k, (op, i, _) in enumerate(lists[r]) if op != "F" and i == m)
     for op, i, c in lists[r]:
@@ -590,16 +615,15 @@ def predict(model_cfg, run, machine, gpus_per_node=None):
     'tokens_per_sec_per_gpu', 'mfu', 'machine'}. run: run_of's fields."""
     gpus_per_node = gpus_per_node or machine["gpus_per_node"]
     links = layout_links(machine, run, gpus_per_node)
-    cut = (metrics.stage_cut(model_cfg, run.pp_schedule, run.pp, run.pp_chunks, run.pp_layers) if run.pp > 1
-           else (model_cfg.n_layer,))
+    cut = stage_cut(model_cfg, run)
     actions = stage_actions(model_cfg, run, machine, links, cut, zero3_block_seconds(model_cfg, run, links["dp"]))
-    lists, stages = schedule_lists(run)
+    lists, stages, routes = schedule_lists(run)
     dtype = dtype_of(run, machine)
     tokens = run.batch_size * run.block_size // run.cp
     message = tokens * model_cfg.n_embd * (4 if dtype == "float32" else 2) // (run.tp if run.sequence_parallel else 1)
     seconds = lambda r, a: actions[stages[r][a[2]]][a[0]][0]  # noqa: E731
-    times = simulate_pipeline(lists, stages, seconds, p2p_seconds(message, links["pp"]) if run.pp > 1 else 0.0)
-    times_without = simulate_pipeline(lists, stages, seconds, 0.0) if run.pp > 1 else times
+    times = simulate_pipeline(lists, stages, seconds, p2p_seconds(message, links["pp"]) if run.pp > 1 else 0.0, routes)
+    times_without = simulate_pipeline(lists, stages, seconds, 0.0, routes) if run.pp > 1 else times
     block, root = parameter_pieces(model_cfg, run.tp, run.ep)
     ranks = []
     for r in range(len(lists)):
