@@ -8,6 +8,7 @@ Nothing here is fitted to a training run's measured step.
 import json
 import math
 import os
+import re
 import time
 
 import torch
@@ -128,11 +129,12 @@ def measure_link(group=None, device="cpu"):
     return {"busbw": 2 * (n - 1) / n * big.numel() * 4 / bandwidth_s, "latency": tiny / (2 * (n - 1))}
 
 
-def measure_machine(model_cfg, dtype, device="cpu", group=None, tokens=2048, matmul_rate=None):
+def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=2048, matmul_rate=None):
     """This machine, measured in a second or two: a matmul at the model's shapes (tokens x n_embd by n_embd x
     the MLP's width; or matmul_rate given), a copy for the memory bandwidth, a causal SDPA forward and
-    backward at the model's heads for the attention kernel's share of the matmul rate, and an all-reduce
-    over `group` when given (every rank of it must call this; else gloo's figures above on CPU)."""
+    backward at the model's heads for the attention kernel's share of the matmul rate, and with collective
+    an all-reduce over every process (each must call this: on one machine every group of the run shares its
+    links), else gloo's figures above."""
     dev = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     C, F = model_cfg.n_embd, mlp_hidden_size(model_cfg)
@@ -147,7 +149,7 @@ def measure_machine(model_cfg, dtype, device="cpu", group=None, tokens=2048, mat
     attention_flops = 3 * 4 * T * T * H * D / 2  # forward and backward (3x the forward), the causal half
     efficiency = attention_flops / _best_seconds(sdpa, repeats=2) / matmul_rate
     name = str(dtype).replace("torch.", "")
-    link = measure_link(group, dev) if group is not None else CPU_GLOO_LINK
+    link = measure_link(None, dev) if collective else CPU_GLOO_LINK
     # the peak MFU divides by: the datasheet's on a GPU, on CPU the square-matmul probe bench.py's MFU reads
     peak = (metrics.gpu_peak_flops(torch.cuda.get_device_name(dev), dtype) if dev.type == "cuda"
             else metrics.measure_cpu_peak_flops(dtype)) or matmul_rate
@@ -164,4 +166,4 @@ def startup_machine(model_cfg, dtype, device):
     if device.type == "cpu":
         return measure_machine(model_cfg, dtype, "cpu", matmul_rate=metrics.measure_cpu_peak_flops(dtype))
     name = torch.cuda.get_device_name(device)
-    return next((load_machine(key) for key in MACHINES if key.upper() in name.upper()), None)
+    return next((load_machine(key) for key in MACHINES if re.search(rf"\b{key}\b", name, re.I)), None)

@@ -51,7 +51,7 @@ from expert_parallel import expert_rows
 from model import attention_dims, mlp_hidden_size
 from parallel import grid_rank, stage_layers
 from pipeline_schedules import SCHEDULES, virtual_stages
-from machines import MACHINES, load_machine, measure_machine  # noqa: F401  (step_time.load_machine)
+from machines import MACHINES, load_machine, measure_machine, startup_machine  # noqa: F401
 from timeline import check_channels, route_messages
 
 
@@ -566,6 +566,33 @@ def machine_for(name, model_cfg, dtype_setting):
         return load_machine(name)
     dtype = torch.float32 if dtype_setting in ("auto", "float32") else getattr(torch, dtype_setting)
     return measure_machine(model_cfg, dtype)
+
+
+def startup_prediction(cfg, model_cfg, layout, device, dtype):
+    """(predicted seconds or None, the line) of train.py's start-up: on CPU the cached matmul peak and gloo's
+    figures (machines.startup_machine: no collective), on a GPU the named machine its name matches."""
+    machine = startup_machine(model_cfg, dtype, device)
+    if machine is None:
+        return None, ("predicted step: no named machine matches this GPU (python step_time.py --machine=PATH.json "
+                      "predicts for one you describe)")
+    run = run_of(cfg, layout.world_size)
+    run.dp = layout.dp
+    prediction = predict(model_cfg, run, machine)
+    return prediction["step_s"], format_prediction(prediction, run)
+
+
+def bench_prediction(cfg, model_cfg, layout, device, dtype, machine_name):
+    """bench.py's prediction, {'predicted_step_s', 'predicted_parts_s', 'machine'}: machine_name 'auto'
+    measures this machine, its all-reduce over every rank (every rank must call this)."""
+    if machine_name == "auto":
+        tokens = min(4096, cfg.batch_size * cfg.block_size // cfg.cp)
+        machine = measure_machine(model_cfg, dtype, device, collective=layout.world_size > 1, tokens=tokens)
+    else:
+        machine = load_machine(machine_name)
+    run = run_of(cfg, layout.world_size)
+    run.dp = layout.dp
+    prediction = predict(model_cfg, run, machine)
+    return {"predicted_step_s": prediction["step_s"], "predicted_parts_s": prediction["parts"], "machine": machine}
 
 
 def main(argv):

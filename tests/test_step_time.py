@@ -2,6 +2,7 @@
 hidden under the backward), the links a layout's groups span, and a machine file reproducing a prediction.
 All in process: nothing here launches, measures or communicates."""
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -116,3 +117,28 @@ def test_a_machine_written_to_a_file_reproduces_the_prediction(tmp_path):
 def test_an_unknown_machine_is_refused_by_name():
     with pytest.raises(ValueError, match="machine = 'b300'"):
         step_time.load_machine("b300")
+
+
+def test_bench_predicts_its_step_and_step_time_given_its_machine_reproduces_it(tmp_path, capsys):
+    import bench
+    flags = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--vocab_size=512",
+             "--batch_size=2", "--gradient_accumulation_steps=2"]
+    bench.main(flags + ["--warmup_steps=1", "--bench_steps=1"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1][len("RESULT "):])
+    assert result["predicted_step_s"] > 0 and result["machine"]["name"] == "auto"
+    path = tmp_path / "here.json"
+    path.write_text(json.dumps(result["machine"]))
+    again = step_time.main(flags + [f"--machine={path}"])
+    assert again["step_s"] == pytest.approx(result["predicted_step_s"], rel=1e-12)
+
+
+def test_train_prints_the_predicted_step_at_start_up_and_the_measured_beside_it(tmp_path, capsys):
+    from dist_utils import make_token_data, train_in_process
+    data = make_token_data(str(tmp_path / "data"))
+    train_in_process([f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", "--n_layer=2", "--n_embd=64",
+                      "--n_head=4", "--n_kv_head=4", "--block_size=32", "--batch_size=2", "--max_iters=4",
+                      "--log_interval=2", "--eval_interval=0", "--checkpoint_interval=0"])
+    out = capsys.readouterr().out
+    assert re.search(r"^predicted step: [\d,.]+ ms on measured here: cpu", out, re.M), out
+    # beside the log line after the first step (whose memory train.py tracks): steps 3-4
+    assert re.search(r"^step time: predicted [\d,.]+ ms, measured [\d,.]+ ms \(steps 3-4\)$", out, re.M), out
