@@ -146,7 +146,7 @@ def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=204
     H, D, T = model_cfg.n_head, attention_dims(model_cfg)[0], min(model_cfg.block_size, 1024)
     q = torch.randn(1, H, T, D, device=dev, dtype=dtype, requires_grad=True)
     sdpa = lambda: (torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward(), sync())
-    attention_flops = 3 * 4 * T * T * H * D / 2  # forward and backward (3x the forward), the causal half
+    attention_flops = 3.5 * 4 * T * T * H * D / 2  # forward and backward (FlashAttention-2's 3.5 forwards), causal half
     efficiency = attention_flops / _best_seconds(sdpa, repeats=2) / matmul_rate
     name = str(dtype).replace("torch.", "")
     link = measure_link(None, dev) if collective else CPU_GLOO_LINK

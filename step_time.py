@@ -180,8 +180,8 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     Matmuls: metrics.pipeline_costs' 6 FLOPs per weight and token (2 forward, 2 for the input's gradient,
     2 for the weights'), over tp, at the machine's matmul rate. Attention: its 6 T H (qk + v) FLOPs per
     token, with a fused kernel at the kernel's efficiency on the causal half it computes (FlashAttention-2
-    reports causal FLOP/s so), otherwise at the matmul rate on all of it. The rest: elementwise_bytes over
-    the memory bandwidth."""
+    reports causal FLOP/s so, its backward 2.5 forwards), otherwise at the matmul rate on all of it. The
+    rest: elementwise_bytes over the memory bandwidth."""
     dtype = dtype_of(run, machine)
     rate, act_bytes = machine["matmul_flops"][dtype], 4 if dtype == "float32" else 2
     _, blocks, _ = metrics.pipeline_costs(model_cfg)
@@ -190,6 +190,9 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     fused = fused_attention(model_cfg, run, machine)
     matmul_f = tokens * (blocks[0] - attention) / 3 / run.tp / rate
     attention_f = tokens * attention / 3 / run.tp / (rate * machine["attention_efficiency"] * 2 if fused else rate)
+    # a fused kernel's backward recomputes the scores: 2.5 forwards' FLOPs (FlashAttention-2's count, in which
+    # its efficiency is reported), where the unfused backward is two
+    attention_b = attention_f * (2.5 if fused else 2)
     elementwise_f = tokens * elementwise_bytes(model_cfg, run, fused, act_bytes) / machine["memory_bw"]
     # tensor parallelism: attention's and the MLP's outputs all-reduced forward (g), their inputs' gradients
     # backward (f); under sequence parallelism an all-gather and a reduce-scatter instead, the same bytes
@@ -207,7 +210,7 @@ def block_seconds(model_cfg, run, machine, links, tokens):
         ep = 2 * collective_seconds("all_to_all", kept * model_cfg.n_embd * act_bytes, run.ep, links["ep"])
     forward = matmul_f + attention_f + elementwise_f
     recompute = forward if run.activation_checkpointing else 0.0  # (its communication: stage_actions)
-    return {"forward": forward, "input_grad": matmul_f + 2 * attention_f + 2 * elementwise_f + recompute,
+    return {"forward": forward, "input_grad": matmul_f + attention_b + 2 * elementwise_f + recompute,
             "weight_grad": matmul_f, "tp": tp, "cp": cp, "ep": ep}
 
 
