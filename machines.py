@@ -129,25 +129,48 @@ def measure_link(group=None, device="cpu"):
     return {"busbw": 2 * (n - 1) / n * big.numel() * 4 / bandwidth_s, "latency": tiny / (2 * (n - 1))}
 
 
-def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=2048, matmul_rate=None):
-    """This machine, measured in a second or two: a matmul at the model's shapes (tokens x n_embd by n_embd x
-    the MLP's width; or matmul_rate given), a copy for the memory bandwidth, a causal SDPA forward and
-    backward at the model's heads for the attention kernel's share of the matmul rate, and with collective
-    an all-reduce over every process (each must call this: on one machine every group of the run shares its
-    links), else gloo's figures above."""
+def linear_rate(model_cfg, dtype, dev, tokens, tp=1):
+    """FLOP/s of the model's own linears on this device: each distinct (in, out) of a block's (q, k and v, the
+    output projection, the MLP's) and the head's, this tp rank's share, run forward and backward (x W^T,
+    then dy W and dy^T x: 6 FLOPs per weight and token) on `tokens` tokens, weighted as the model runs them."""
+    from torch.nn.functional import linear
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    C, F, (qk, v) = model_cfg.n_embd, mlp_hidden_size(model_cfg) // tp, attention_dims(model_cfg)
+    H, H_kv = model_cfg.n_head // tp, max(1, model_cfg.n_kv_head // tp)
+    shapes = {(C, H * qk): model_cfg.n_layer, (C, H_kv * (qk + v)): model_cfg.n_layer, (H * v, C): model_cfg.n_layer,
+              (C, F): (2 if model_cfg.mlp == "swiglu" else 1) * model_cfg.n_layer, (F, C): model_cfg.n_layer,
+              (C, -(-model_cfg.vocab_size // tp)): 1}
+    flops = seconds = 0.0
+    for (n_in, n_out), count in shapes.items():
+        x = torch.randn(tokens, n_in, device=dev, dtype=dtype, requires_grad=True)
+        w = torch.randn(n_out, n_in, device=dev, dtype=dtype, requires_grad=True)
+        dy = torch.randn(tokens, n_out, device=dev, dtype=dtype)
+        seconds += count * _best_seconds(lambda: (linear(x, w).backward(dy), sync()))
+        flops += count * 6 * tokens * n_in * n_out
+    return flops / seconds
+
+
+def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512, matmul_rate=None, tp=1):
+    """This machine, measured in a second or two: the model's linears forward and backward on a micro-batch's
+    tokens (linear_rate; or matmul_rate given), an elementwise product for the memory bandwidth, a causal
+    SDPA forward and backward at the model's heads for the attention kernel's share of the matmul rate, and
+    with collective an all-reduce over every process (each must call this: on one machine every group of
+    the run shares its links), else gloo's figures above."""
     dev = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    C, F = model_cfg.n_embd, mlp_hidden_size(model_cfg)
     if matmul_rate is None:
-        a, b = torch.randn(tokens, C, device=dev, dtype=dtype), torch.randn(C, F, device=dev, dtype=dtype)
-        matmul_rate = 2 * tokens * C * F / _best_seconds(lambda: (a @ b, sync()), repeats=5)
-    x, y = torch.empty(2 ** 23, device=dev), torch.empty(2 ** 23, device=dev)  # 32 MiB each: past the caches
-    memory_bw = 2 * x.numel() * 4 / _best_seconds(lambda: (y.copy_(x), sync()))  # read once, written once
+        matmul_rate = linear_rate(model_cfg, dtype, dev, tokens, tp)
+    # the roofline's bandwidth as the model's elementwise kernels see it: z = x * y reads two, writes one
+    x, y, z = (torch.empty(tokens * mlp_hidden_size(model_cfg), device=dev, dtype=dtype) for _ in range(3))
+    memory_bw = 3 * x.numel() * x.element_size() / _best_seconds(lambda: (torch.mul(x, y, out=z), sync()))
     H, D, T = model_cfg.n_head, attention_dims(model_cfg)[0], min(model_cfg.block_size, 1024)
     q = torch.randn(1, H, T, D, device=dev, dtype=dtype, requires_grad=True)
     sdpa = lambda: (torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward(), sync())
     attention_flops = 3.5 * 4 * T * T * H * D / 2  # forward and backward (FlashAttention-2's 3.5 forwards), causal half
     efficiency = attention_flops / _best_seconds(sdpa, repeats=2) / matmul_rate
+    # the host's cost of one operator (the dispatcher and autograd's bookkeeping): a one-element add
+    one = torch.ones(1, device=dev)
+    op_seconds = _best_seconds(lambda: [torch.add(one, one) for _ in range(100)]) / 100
     name = str(dtype).replace("torch.", "")
     link = measure_link(None, dev) if collective else CPU_GLOO_LINK
     # the peak MFU divides by: the datasheet's on a GPU, on CPU the square-matmul probe bench.py's MFU reads
@@ -156,6 +179,8 @@ def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=204
     return {"name": "auto", "description": f"measured here: {dev}, {name}, {torch.get_num_threads()} thread(s)",
             "matmul_flops": {name: matmul_rate}, "peak_flops": {name: max(peak, matmul_rate)}, "memory_bw": memory_bw,
             "attention_efficiency": efficiency, "node": link, "network": link,
+            # a GPU's launches run ahead of its kernels: their cost is hidden but at the smallest shapes
+            "op_seconds": op_seconds if dev.type == "cpu" else 0.0,
             # gloo's exchanges run on the cores that compute (one a rank): nothing overlaps on CPU
             "overlaps": dev.type == "cuda", "gpus_per_node": 1 << 20, "memory_gib": 0}
 

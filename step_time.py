@@ -173,6 +173,13 @@ def elementwise_bytes(model_cfg, run, fused, act_bytes):
     return act_bytes * (2 * 2 * share + 2 * 3 * share + 2 * (H + H_kv) * qk + mlp + softmax)
 
 
+# The operators one block runs for a micro-batch, forward and backward (views included): counted on this commit's
+# model.Block with a TorchDispatchMode, one block against three (SwiGLU 80 and 137, GELU 75 and 125, a
+# mixture of experts 161 and 246); what the embedding, final norm, head and loss add, 20 and 34.
+OPS_PER_BLOCK = {"dense": (80, 137), "moe": (161, 246)}
+OPS_AT_ENDS = (20, 34)
+
+
 def block_seconds(model_cfg, run, machine, links, tokens):
     """Seconds of one block on one rank for one micro-batch of `tokens` tokens (this rank's, after context
     parallelism's split): {'forward', 'input_grad', 'weight_grad'} of compute, and the communication each
@@ -208,9 +215,12 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     if model_cfg.n_expert > 0 and run.ep > 1:
         kept, _ = expert_rows(model_cfg, tokens, run.ep)
         ep = 2 * collective_seconds("all_to_all", kept * model_cfg.n_embd * act_bytes, run.ep, links["ep"])
-    forward = matmul_f + attention_f + elementwise_f
+    # the host's cost per operator (machine op_seconds: measured on CPU, hidden behind a GPU's kernels), for the
+    # operators one block runs (OPS_PER_BLOCK)
+    ops_f, ops_b = (n * machine.get("op_seconds", 0.0) for n in OPS_PER_BLOCK["moe" if model_cfg.n_expert else "dense"])
+    forward = matmul_f + attention_f + elementwise_f + ops_f
     recompute = forward if run.activation_checkpointing else 0.0  # (its communication: stage_actions)
-    return {"forward": forward, "input_grad": matmul_f + attention_b + 2 * elementwise_f + recompute,
+    return {"forward": forward, "input_grad": matmul_f + attention_b + 2 * elementwise_f + ops_b + recompute,
             "weight_grad": matmul_f, "tp": tp, "cp": cp, "ep": ep}
 
 
@@ -228,10 +238,12 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
                  "tp": collective_seconds("all_reduce", tokens * C * act_bytes, run.tp, links["tp"])}
     matmul = tokens * head / 3 / run.tp / rate
     softmax = tokens * 2 * model_cfg.vocab_size / run.tp * 4 / machine["memory_bw"]
+    ops_f, ops_b = (n * machine.get("op_seconds", 0.0) for n in OPS_AT_ENDS)
     tp = 3 * collective_seconds("all_reduce", tokens * 4, run.tp, links["tp"])
     if run.sequence_parallel:
         tp += collective_seconds("all_gather", tokens * C * act_bytes, run.tp, links["tp"]) * 2
-    return embedding, {"forward": matmul + softmax, "input_grad": matmul + softmax, "weight_grad": matmul, "tp": tp}
+    return embedding, {"forward": matmul + softmax + ops_f, "input_grad": matmul + softmax + ops_b, "weight_grad": matmul,
+                       "tp": tp}
 
 
 # -----------------------------------------------------------------------------
@@ -589,7 +601,7 @@ def bench_prediction(cfg, model_cfg, layout, device, dtype, machine_name):
     measures this machine, its all-reduce over every rank (every rank must call this)."""
     if machine_name == "auto":
         tokens = min(4096, cfg.batch_size * cfg.block_size // cfg.cp)
-        machine = measure_machine(model_cfg, dtype, device, collective=layout.world_size > 1, tokens=tokens)
+        machine = measure_machine(model_cfg, dtype, device, collective=layout.world_size > 1, tokens=tokens, tp=layout.tp)
     else:
         machine = load_machine(machine_name)
     run = run_of(cfg, layout.world_size)
