@@ -146,11 +146,12 @@ def parameter_pieces(model_cfg, tp, ep):
 
 
 def fused_attention(model_cfg, run, machine):
-    """Whether the attention runs a fused kernel (FlashAttention, SDPA's fused kernels, ring attention) or
-    the eager one, which writes the (B, H, T, T) scores (memory_plan.attention_saves_scores: the same rule)."""
+    """Whether the attention runs a fused kernel (FlashAttention, SDPA's fused kernels) or writes its scores:
+    the eager attention (memory_plan.attention_saves_scores: the same rule) and context parallelism's ring
+    attention, whose blocks are matmuls and a softmax written out (context_parallel._block_forward)."""
     import memory_plan
     device = "cpu" if machine.get("name") == "auto" and not machine["overlaps"] else "cuda"
-    return run.cp > 1 or not memory_plan.attention_saves_scores(model_cfg, run.attn_impl, device, dtype_of(run, machine))
+    return run.cp == 1 and not memory_plan.attention_saves_scores(model_cfg, run.attn_impl, device, dtype_of(run, machine))
 
 
 def elementwise_bytes(model_cfg, run, fused, act_bytes):
@@ -196,7 +197,10 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     attention = 6 * run.block_size * model_cfg.n_head * (qk + v)
     fused = fused_attention(model_cfg, run, machine)
     matmul_f = tokens * (blocks[0] - attention) / 3 / run.tp / rate
-    attention_f = tokens * attention / 3 / run.tp / (rate * machine["attention_efficiency"] * 2 if fused else rate)
+    # the eager attention computes every score and masks half; the zigzag ring skips the blocks no query
+    # sees: the causal half and its 2 cp diagonal blocks' other half, of 2 cp x 2 cp
+    unfused = 1.0 if run.cp == 1 else 0.5 + 1 / (4 * run.cp)
+    attention_f = tokens * attention / 3 / run.tp / (rate * machine["attention_efficiency"] * 2 if fused else rate / unfused)
     # a fused kernel's backward recomputes the scores: 2.5 forwards' FLOPs (FlashAttention-2's count, in which
     # its efficiency is reported), where the unfused backward is two
     attention_b = attention_f * (2.5 if fused else 2)

@@ -69,21 +69,22 @@ def summary(label, rows):
     predicted, measured = [r[0] for r in rows], [r[1] for r in rows]
     within = sum(abs(p / m - 1) <= 0.2 for p, m in rows)
     errors = [abs(p / m - 1) for p, m in rows]
-    return (f"{label}: {within} of {len(rows)} within 20%, median |error| {statistics.median(errors):.0%}, "
-            f"Spearman {spearman(predicted, measured):.2f}")
+    rank = f", Spearman {spearman(predicted, measured):.2f}" if len(rows) > 2 else ""
+    return f"{label}: {within} of {len(rows)} within 20%, median |error| {statistics.median(errors):.0%}{rank}"
 
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="small,large")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (bench.py's median)")
+    parser.add_argument("--layouts", default="", help="only the layouts whose names contain this")
     args = parser.parse_args(argv)
     print("| size | layout | ranks | predicted ms | measured ms | error | largest predicted parts |")
     print("|---|---|---|---|---|---|---|", flush=True)
     every = []
     for size in args.sizes.split(","):
         rows = []
-        for name, nproc, flags in LAYOUTS:
+        for name, nproc, flags in [layout for layout in LAYOUTS if args.layouts in layout[0]]:
             result = bench(size, nproc, flags, args.steps)
             predicted, measured = 1e3 * result["predicted_step_s"], result["ms_per_step"]
             parts = sorted(result["predicted_parts_s"].items(), key=lambda kv: -kv[1])[:3]
