@@ -280,7 +280,7 @@ def run(cfg, bench, setup):
     main = runners[0].name
     # the step predicted (step_time.py) beside the measured; `python step_time.py --machine=FILE` given the
     # machine in the RESULT reproduces it
-    results[main].update(step_time.bench_prediction(cfg, model_cfg, layout, dev, ptdtype, bench.machine))
+    results[main].update(step_time.run_prediction(cfg, model_cfg, layout, dev, ptdtype, bench.machine)[2])
     results[main]["peak_mem_bytes"] = peak_mem
     if moe:
         params, state = metrics.expert_memory_bytes(runners[0].parts.model, runners[0].parts.optimizer)

@@ -4,19 +4,14 @@ whose memory half is memory_plan.py. `python step_time.py config/x.py --nproc=64
 prints one layout's step broken down; make_config.py --choose=True ranks every layout that fits by it;
 train.py prints it at start-up beside the measured step, and bench.py puts it in its RESULT.
 
-What it predicts: one step's seconds, as its parts: the compute of the slowest pipeline rank, the bubble
-the schedule leaves it, and the communication each mechanism leaves exposed (data parallelism's and ZeRO's
-per bucket, tensor parallelism's per block, context parallelism's ring, expert parallelism's all-to-all,
-the pipeline's point-to-point transfers), then the optimizer step. Tokens per second per device and MFU
-follow from it.
-
-From what: the model config, the layout and the execution settings (as memory_plan.plan_memory takes
-them), and a machine: a few numbers, each with its source (machines.py: named ones, a JSON file, or
-this one measured, machine=auto). The FLOPs are metrics.pipeline_costs' (cut as train.py cuts them), the
-pipeline is the schedule's own action lists (pipeline_schedules.SCHEDULES, routed by timeline.route_messages
-as the executor routes them) placed in time with each action's predicted seconds, and the bytes of each
-collective are counted from the code that sends them. No constant is fitted to a measured training run.
-Predicting calls no collective, touches no device and runs no model: it runs on a laptop for an H100 cluster.
+It predicts one step's seconds as its parts (compute, the bubble, the communication each mechanism leaves
+exposed, the optimizer step), tokens/s per device and MFU, from the model config, the layout and the
+execution settings (as memory_plan.plan_memory takes them) and a machine (machines.py: a few numbers with
+their sources, a JSON file, or this one measured). The FLOPs are metrics.pipeline_costs' (cut as train.py
+cuts them), the pipeline is the schedule's own action lists (pipeline_schedules.SCHEDULES, routed by
+timeline.route_messages as the executor routes them) placed in time, and each collective's bytes are
+counted from the code that sends them. No constant is fitted to a measured training run. Predicting calls
+no collective, touches no device and runs no model: it runs on a laptop for an H100 cluster.
 
 The terms, each with its formula and source where it is computed:
   compute       FLOPs / the machine's achieved matmul rate (its best published measurement, or one measured
@@ -35,10 +30,9 @@ The terms, each with its formula and source where it is computed:
                 ZeRO-3's prefetched gathers with the unit before, context parallelism's ring with the
                 attention it feeds. On a machine whose links share the compute's cores (CPU, gloo with one
                 core a rank) nothing overlaps.
-What it leaves out, and which way each errs: the kernels' efficiency at small shapes (a named machine's
-matmul rate is the best shape's: small models err fast), congestion and stragglers across nodes (errs
-fast), data loading, logging and the host's launch overhead (errs fast), and overlap the code does not
-have but a real NCCL run gets anyway (errs slow).
+Left out, and which way each errs: the kernels' efficiency at a run's own shapes (a named machine's rate
+is the best shape's: errs fast), congestion across nodes, data loading and logging (fast), and overlap
+NCCL gets where the code does not ask for it (slow).
 """
 import json
 import sys
@@ -47,12 +41,13 @@ from types import SimpleNamespace
 import torch
 
 import metrics
+from configurator import ConfigError, Setting, configure, section
 from expert_parallel import expert_rows
 from model import attention_dims, mlp_hidden_size
 from parallel import grid_rank, stage_layers
 from pipeline_schedules import SCHEDULES, virtual_stages
 from machines import MACHINES, load_machine, measure_machine, startup_machine  # noqa: F401
-from timeline import check_channels, route_messages
+from timeline import check_channels, route_messages, simulate_pipeline
 
 
 # -----------------------------------------------------------------------------
@@ -76,8 +71,7 @@ def collective_seconds(kind, nbytes, n, link):
 
 
 def p2p_seconds(nbytes, link):
-    """A point-to-point send (the pipeline's activations, a ring attention step): one latency and the bytes
-    over the link's bandwidth in one direction (busbw is the per-direction figure)."""
+    """A send (the pipeline's activations, a ring step): a latency and the bytes over the link (per direction)."""
     return link["latency"] + nbytes / link["busbw"] if nbytes else 0.0
 
 
@@ -252,39 +246,6 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
 
 # -----------------------------------------------------------------------------
 # The pipeline: every rank's actions placed in time
-
-
-def simulate_pipeline(lists, stages, seconds, transfer, routes=None):
-    """Place every rank's actions (lists[r], the schedule's; stages[r], the model stage of each of its chunks)
-    in time as the executor runs them (timeline.schedule_timeline's model, with seconds instead of slots):
-    a rank runs its actions in order, each when the one before has ended and its input has arrived, which
-    is `transfer` seconds after the action that sent it ended. seconds(r, action): an action's duration;
-    routes: route_messages' (sent, needs) of these lists, when already found. Returns {(r, k): (start, end)}."""
-    if routes is None:
-        sent, expected, needs = route_messages("the step-time simulation", lists, stages)
-        check_channels("the step-time simulation", sent, expected)
-    else:
-        sent, needs = routes
-    times, position, free = {}, [0] * len(lists), [0.0] * len(lists)
-    while any(position[r] < len(lists[r]) for r in range(len(lists))):
-        progressed = False
-        for r, actions in enumerate(lists):
-            while position[r] < len(actions):
-                k, ready = position[r], 0.0
-                if needs[r][k] is not None:
-                    channel, j = needs[r][k]
-                    _, sender, sender_k = sent[channel][j]
-                    if (sender, sender_k) not in times:
-                        break  # its input has not been sent yet
-                    ready = times[(sender, sender_k)][1] + transfer
-                start = max(free[r], ready)
-                free[r] = start + seconds(r, actions[k])
-                times[(r, k)] = (start, free[r])
-                position[r] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("the schedule deadlocks (python timeline.py shows where)")
-    return times
 
 
 _SCHEDULES = {}  # (schedule, pp, m, chunks): schedule_lists' answer, found once (the routing costs most)
@@ -562,12 +523,13 @@ def format_prediction(prediction, run):
 # -----------------------------------------------------------------------------
 # The command line: one layout's step, broken down
 
-OWN = [
-    ("nproc", 1, "processes the run will have (GPUs)"),
-    ("machine", "h100", "a named machine (" + ", ".join(MACHINES) + "), a .json file of the same fields, or 'auto' "
-                        "(this machine, measured)"),
-    ("gpus_per_node", 0, "devices per node: which groups cross nodes (0: the machine's, 8 for the named ones)"),
-]
+OWN = section(
+    "step_time.py's own",
+    Setting("nproc", 1, "processes the run will have (GPUs)"),
+    Setting("machine", "h100", "a named machine (" + ", ".join(MACHINES) + "), a .json file of the same fields, or "
+                               "'auto' (this machine, measured)"),
+    Setting("gpus_per_node", 0, "devices per node: which groups cross nodes (0: the machine's, 8 for the named ones)"),
+)
 
 
 def model_config_of(cfg):
@@ -587,41 +549,34 @@ def machine_for(name, model_cfg, dtype_setting):
     return measure_machine(model_cfg, dtype)
 
 
-def startup_prediction(cfg, model_cfg, layout, device, dtype):
-    """(predicted seconds or None, the line) of train.py's start-up: on CPU the cached matmul peak and gloo's
-    figures (machines.startup_machine: no collective), on a GPU the named machine its name matches."""
-    machine = startup_machine(model_cfg, dtype, device)
-    if machine is None:
-        return None, ("predicted step: no named machine matches this GPU (python step_time.py --machine=PATH.json "
-                      "predicts for one you describe)")
-    run = run_of(cfg, layout.world_size)
-    run.dp = layout.dp
-    prediction = predict(model_cfg, run, machine)
-    return prediction["step_s"], format_prediction(prediction, run)
-
-
-def bench_prediction(cfg, model_cfg, layout, device, dtype, machine_name):
-    """bench.py's prediction, {'predicted_step_s', 'predicted_parts_s', 'machine'}: machine_name 'auto'
-    measures this machine, its all-reduce over every rank (every rank must call this)."""
-    if machine_name == "auto":
+def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None):
+    """(predicted seconds or None, its lines, {'predicted_step_s', 'predicted_parts_s', 'machine'}) of a run.
+    machine_name None: train.py's start-up (on CPU the cached matmul probe and gloo's figures, no collective;
+    on a GPU the named machine its name matches); 'auto': this machine measured, its all-reduce over every
+    rank (bench.py: every rank calls this); else a named machine or a .json file."""
+    if machine_name is None:
+        machine = startup_machine(model_cfg, dtype, device)
+    elif machine_name == "auto":
         tokens = min(4096, cfg.batch_size * cfg.block_size // cfg.cp)
         machine = measure_machine(model_cfg, dtype, device, collective=layout.world_size > 1, tokens=tokens, tp=layout.tp)
     else:
         machine = load_machine(machine_name)
+    if machine is None:
+        return None, ("predicted step: no named machine matches this GPU (python step_time.py --machine=PATH.json "
+                      "predicts for one you describe)"), {}
     run = run_of(cfg, layout.world_size)
     run.dp = layout.dp
-    prediction = predict(model_cfg, run, machine)
-    return {"predicted_step_s": prediction["step_s"], "predicted_parts_s": prediction["parts"], "machine": machine}
+    p = predict(model_cfg, run, machine)
+    return p["step_s"], format_prediction(p, run), {"predicted_step_s": p["step_s"], "predicted_parts_s": p["parts"],
+                                                    "machine": machine}
 
 
 def main(argv):
     import settings
-    from configurator import ConfigError, Setting, configure, section
     from parallel import resolve_dp
     from pipeline_schedules import check_schedule
-    own = section("step_time.py's own", *(Setting(*s) for s in OWN))
     try:
-        values, _ = configure(settings.TRAINING + own, argv, usage=__doc__)
+        values, _ = configure(settings.TRAINING + OWN, argv, usage=__doc__)
         model_cfg = model_config_of(values)
         values["dp"] = resolve_dp(values["nproc"], values["dp"], values["tp"], values["pp"], count_name="nproc",
                                   cp=values["cp"], ep=values["ep"])

@@ -152,6 +152,42 @@ def place_in_time(deadlock, lists, needs, sent):
     return rows
 
 
+# The schedule placed in seconds rather than slots: step_time.py's pipeline
+
+
+def simulate_pipeline(lists, stages, seconds, transfer, routes=None):
+    """Place every rank's actions (lists[r], the schedule's; stages[r], the model stage of each of its chunks)
+    in time as the executor runs them (schedule_timeline's model, with seconds instead of slots):
+    a rank runs its actions in order, each when the one before has ended and its input has arrived, which
+    is `transfer` seconds after the action that sent it ended. seconds(r, action): an action's duration;
+    routes: route_messages' (sent, needs) of these lists, when already found. Returns {(r, k): (start, end)}."""
+    if routes is None:
+        sent, expected, needs = route_messages("the step-time simulation", lists, stages)
+        check_channels("the step-time simulation", sent, expected)
+    else:
+        sent, needs = routes
+    times, position, free = {}, [0] * len(lists), [0.0] * len(lists)
+    while any(position[r] < len(lists[r]) for r in range(len(lists))):
+        progressed = False
+        for r, actions in enumerate(lists):
+            while position[r] < len(actions):
+                k, ready = position[r], 0.0
+                if needs[r][k] is not None:
+                    channel, j = needs[r][k]
+                    _, sender, sender_k = sent[channel][j]
+                    if (sender, sender_k) not in times:
+                        break  # its input has not been sent yet
+                    ready = times[(sender, sender_k)][1] + transfer
+                start = max(free[r], ready)
+                free[r] = start + seconds(r, actions[k])
+                times[(r, k)] = (start, free[r])
+                position[r] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the schedule deadlocks (python timeline.py shows where)")
+    return times
+
+
 # -----------------------------------------------------------------------------
 # The printed timeline: the rows as text, the microbatches each rank holds, the bubble measured on the
 # rows beside the paper's formula, and the command line.

@@ -700,8 +700,8 @@ def describe_training(cfg, run, parts):
         print0(layout, metrics.repeats_warning(cfg.max_iters, run.tokens_per_step, run.train_tokens))
     plan = memory_plan.plan_for(cfg, run.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))
     print0(layout, "predicted " + memory_plan.format_plan(plan))
-    run.predicted_step_s, line = step_time.startup_prediction(cfg, run.model_cfg, layout, run.dev, run.dtype)
-    print0(layout, line)
+    run.predicted_step_s, lines, _ = step_time.run_prediction(cfg, run.model_cfg, layout, run.dev, run.dtype)
+    print0(layout, lines)
 
 
 def model_line(run, parts):
