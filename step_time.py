@@ -428,9 +428,9 @@ def rank_timing(r, lists, stages, times, times_without, actions):
     busy, end, end_without = {}, times[(r, last)][1], times_without[(r, last)][1]
     m = max(i for _, i, _ in lists[r])
     first_last = min(times[(r, k)][0] for k, (op, i, _) in enumerate(lists[r]) if op != "F" and i == m)
-    for op, i, c in lists[r]:
+    for op, c in {(op, c) for op, _, c in lists[r]}:  # each chunk runs each op once per micro-batch
         for part, seconds in actions[stages[r][c]][op][1].items():
-            busy[part] = busy.get(part, 0.0) + seconds
+            busy[part] = busy.get(part, 0.0) + seconds * (m + 1)
     of = lambda op: sum(actions[s][op][0] for s in stages[r])  # noqa: E731  (one micro-batch, every chunk)
     return {"end": end, "busy": busy, "bubble": end_without - sum(busy.values()), "pp": end - end_without,
             "last_window": end - first_last, "micro_window": of("F") + of("B") + of("W"), "forward": of("F")}

@@ -166,23 +166,26 @@ def simulate_pipeline(lists, stages, seconds, transfer, routes=None):
         check_channels("the step-time simulation", sent, expected)
     else:
         sent, needs = routes
+    # each action's duration, and the (rank, index) of the action whose message it waits for
+    durations = [[seconds(r, action) for action in actions] for r, actions in enumerate(lists)]
+    senders = [[None if need is None else sent[need[0]][need[1]][1:] for need in row] for row in needs]
     times, position, free = {}, [0] * len(lists), [0.0] * len(lists)
     while any(position[r] < len(lists[r]) for r in range(len(lists))):
         progressed = False
         for r, actions in enumerate(lists):
-            while position[r] < len(actions):
-                k, ready = position[r], 0.0
-                if needs[r][k] is not None:
-                    channel, j = needs[r][k]
-                    _, sender, sender_k = sent[channel][j]
-                    if (sender, sender_k) not in times:
+            k = position[r]
+            while k < len(actions):
+                ready = 0.0
+                if senders[r][k] is not None:
+                    if senders[r][k] not in times:
                         break  # its input has not been sent yet
-                    ready = times[(sender, sender_k)][1] + transfer
+                    ready = times[senders[r][k]][1] + transfer
                 start = max(free[r], ready)
-                free[r] = start + seconds(r, actions[k])
+                free[r] = start + durations[r][k]
                 times[(r, k)] = (start, free[r])
-                position[r] += 1
+                k += 1
                 progressed = True
+            position[r] = k
         if not progressed:
             raise RuntimeError("the schedule deadlocks (python timeline.py shows where)")
     return times
