@@ -512,7 +512,7 @@ def format_prediction(prediction, run):
              + (f", {run.pp_schedule} ({run.pp_chunks} chunk{'s' * (run.pp_chunks > 1)})" if run.pp > 1 else "")
              + (", activation checkpointing" if run.activation_checkpointing else "")]
     for key, label in names.items():
-        if parts[key] > 0 or key == "compute":
+        if parts[key] > 1e-4 * step or key == "compute":
             lines.append(f"  {label:34s} {parts[key] * 1e3:12,.2f} ms  {parts[key] / step:6.1%}")
     mfu = prediction["mfu"]
     lines.append(f"  tokens/s per device {prediction['tokens_per_sec_per_gpu']:,.0f}; MFU "
