@@ -112,10 +112,8 @@ def run_of(cfg, nproc=None):
 
 def dtype_of(run, machine):
     """The dtype the matmuls run in: the run's, or for 'auto' bf16 on a GPU machine and fp32 on a CPU."""
-    if run.dtype != "auto":
-        return run.dtype
-    return "bfloat16" if "bfloat16" in machine["matmul_flops"] and machine.get("name") != "auto" else \
-        next(iter(machine["matmul_flops"]))
+    gpu = "bfloat16" in machine["matmul_flops"] and machine.get("name") != "auto"
+    return run.dtype if run.dtype != "auto" else "bfloat16" if gpu else next(iter(machine["matmul_flops"]))
 
 
 _PIECES = {}  # (repr(model_cfg), tp, ep): parameter_pieces' answer (the config is not hashable)
@@ -149,23 +147,25 @@ def fused_attention(model_cfg, run, machine):
 
 
 def elementwise_bytes(model_cfg, run, fused, act_bytes):
-    """Bytes one token's forward through one block moves outside the matmuls, each tensor read or written
-    once (a roofline's count): two norms (read x, write the output), two residual adds (read two, write one),
-    rotary on q and k (read, write), the MLP's activation (SwiGLU reads gate and up, writes their product;
-    GELU reads one, writes one: for each expert a token goes to), and without a fused kernel the softmax
-    (read the scores, write the probabilities, per head and key position). Under sequence parallelism the
-    norms and adds see 1/tp of the tokens. A backward moves about twice a forward's (it reads the saved
-    input and the incoming gradient, writes the gradient)."""
-    tp, C = run.tp, model_cfg.n_embd
-    qk, _ = attention_dims(model_cfg)
+    """Bytes one token's forward through one block moves outside the matmuls, each eager kernel of model.py
+    reading its inputs and writing its output (a = act_bytes; f = 4: RMSNorm and RoPE compute in fp32):
+    RMSNorm per element 5f + 2a, plus 2 (a + f) for its casts in and out when a < f (to fp32, pow, mean,
+    x * rsqrt, back, * weight; LayerNorm one fused kernel, 2a); RoPE per element of q and k 9f, plus the
+    casts (four products and two sums of halves, the cat); two residual adds (3a); the MLP's activation
+    (SwiGLU's silu and product 5a per hidden element, GELU's 2a, for each expert a token goes to); without a
+    fused kernel the softmax (2a per head and key, the causal half). Under sequence parallelism the norms
+    and adds see 1/tp of the tokens. A backward moves about twice a forward's."""
+    tp, C, a, f, (qk, _) = run.tp, model_cfg.n_embd, act_bytes, 4, attention_dims(model_cfg)
     H, H_kv = model_cfg.n_head / tp, max(1, model_cfg.n_kv_head / tp)
     share = C / tp if run.sequence_parallel else C
+    casts = 2 * (a + f) if a < f else 0
+    norm = 5 * f + 2 * a + casts if model_cfg.norm == "rmsnorm" else 2 * a
     F = mlp_hidden_size(model_cfg) / tp
-    mlp = (3 if model_cfg.mlp == "swiglu" else 2) * F
+    mlp = (5 if model_cfg.mlp == "swiglu" else 2) * a * F
     if model_cfg.n_expert > 0:
         mlp *= model_cfg.n_expert_per_token + model_cfg.n_shared_expert
-    softmax = 0 if fused else 2 * H * run.block_size / 2  # the causal half of the scores, on average
-    return act_bytes * (2 * 2 * share + 2 * 3 * share + 2 * (H + H_kv) * qk + mlp + softmax)
+    softmax = 0 if fused else 2 * a * H * run.block_size / 2  # the causal half of the scores, on average
+    return 2 * norm * share + 2 * 3 * a * share + (9 * f + casts) * (H + H_kv) * qk + mlp + softmax
 
 
 # The operators one block runs for a micro-batch, forward and backward (views included): counted on this commit's
@@ -213,8 +213,7 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     if model_cfg.n_expert > 0 and run.ep > 1:
         kept, _ = expert_rows(model_cfg, tokens, run.ep)
         ep = 2 * collective_seconds("all_to_all", kept * model_cfg.n_embd * act_bytes, run.ep, links["ep"])
-    # the host's cost per operator (machine op_seconds: measured on CPU, hidden behind a GPU's kernels), for the
-    # operators one block runs (OPS_PER_BLOCK)
+    # the host's cost per operator (op_seconds: measured on CPU, hidden behind a GPU's kernels), OPS_PER_BLOCK
     ops_f, ops_b = (n * machine.get("op_seconds", 0.0) for n in OPS_PER_BLOCK["moe" if model_cfg.n_expert else "dense"])
     forward = matmul_f + attention_f + elementwise_f + ops_f
     recompute = forward if run.activation_checkpointing else 0.0  # (its communication: stage_actions)
