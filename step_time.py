@@ -98,12 +98,12 @@ def group_link(machine, dims, axes, gpus_per_node):
 
 def run_of(cfg, nproc=None):
     """The settings the model reads, from train.py's cfg (a SimpleNamespace or dict of settings), dp
-    resolved from nproc when dp = 0."""
-    get = (lambda k: cfg[k]) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))
+    resolved from nproc when dp = 0; overlap_param_gather (ZeRO-1/2) True where a cfg has no such setting."""
+    source = cfg if isinstance(cfg, dict) else vars(cfg)
     names = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "batch_size", "gradient_accumulation_steps", "pp_schedule",
              "pp_chunks", "activation_checkpointing", "sequence_parallel", "bucket_size_mb", "dtype", "pp_layers",
              "block_size", "optimizer", "attn_impl")
-    run = SimpleNamespace(**{k: get(k) for k in names})
+    run = SimpleNamespace(**{k: source[k] for k in names}, overlap_param_gather=source.get("overlap_param_gather", True))
     if not run.dp:
         run.dp = (nproc or 1) // (run.tp * run.pp * run.cp)
     run.pp_chunks = 2 if run.pp_schedule == "zbv" else run.pp_chunks
@@ -379,7 +379,8 @@ def data_parallel_seconds(pieces, root_elements, run, machine, link, last_window
         reduce += (run.gradient_accumulation_steps - 1) * earlier
     gather = 0.0
     if run.zero_stage in (1, 2):
-        gather = gathered_late(bucket_collectives(pieces, run, link, "all_gather"), forward, overlaps)
+        gather = gathered_late(bucket_collectives(pieces, run, link, "all_gather"), forward,
+                               overlaps and run.overlap_param_gather)
     return reduce, gather
 
 

@@ -18,7 +18,8 @@ LINK = {"busbw": 1e9, "latency": 0.0}
 def run_of(**changes):
     base = dict(dp=1, tp=1, pp=1, cp=1, ep=1, zero_stage=0, batch_size=2, gradient_accumulation_steps=4,
                 pp_schedule="1f1b", pp_chunks=1, activation_checkpointing=False, sequence_parallel=False,
-                bucket_size_mb=25.0, dtype="auto", pp_layers="", block_size=64, optimizer="adamw", attn_impl="auto")
+                bucket_size_mb=25.0, dtype="auto", pp_layers="", block_size=64, optimizer="adamw", attn_impl="auto",
+                overlap_param_gather=True)
     return SimpleNamespace(**{**base, **changes})
 
 
@@ -142,3 +143,16 @@ def test_train_prints_the_predicted_step_at_start_up_and_the_measured_beside_it(
     assert re.search(r"^predicted step: [\d,.]+ ms on measured here: cpu", out, re.M), out
     # beside the log line after the first step (whose memory train.py tracks): steps 3-4
     assert re.search(r"^step time: predicted [\d,.]+ ms, measured [\d,.]+ ms \(steps 3-4\)$", out, re.M), out
+
+
+def test_zero_one_gathers_wait_whole_when_overlap_param_gather_is_off():
+    # small buckets: the first is needed at once, the later ones while the forward runs
+    run = run_of(dp=2, zero_stage=1, bucket_size_mb=0.01)
+    on = step_time.predict(SMALL, run, step_time.load_machine("a100"))["parts"]["zero_gather"]
+    off = step_time.predict(SMALL, run_of(dp=2, zero_stage=1, bucket_size_mb=0.01, overlap_param_gather=False),
+                            step_time.load_machine("a100"))["parts"]["zero_gather"]
+    # off: every bucket's all-gather before the forward, whole
+    pieces = step_time.rank_pieces(SMALL, run, step_time.stage_cut(SMALL, run), (0,))
+    whole = sum(t for _, t in step_time.bucket_collectives(pieces, run, step_time.layout_links(
+        step_time.load_machine("a100"), run, 8)["dp"], "all_gather"))
+    assert off == pytest.approx(whole) and on < off
