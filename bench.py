@@ -47,6 +47,7 @@ import torch.nn.functional as F
 import memory_plan
 import metrics
 import settings
+import step_time
 import timeline
 from data import TRAIN_STREAM, context_split, document_end, rank_microbatches
 import train
@@ -71,6 +72,8 @@ BENCH = section(
     Setting("compare_zero_stage", -1, "also time train.py's step at this ZeRO stage (0-3) instead of --zero_stage, "
             "step by step in turn (-1: off)"),
     Setting("compare_doc_mask", False, "also time train.py's step with doc_mask the other way, step by step in turn"),
+    Setting("machine", "auto", "the machine step_time.py predicts the step for: 'auto' (this one, measured: a matmul "
+            "at the model's shapes, an all-reduce over the ranks), a named one or a .json file"),
 )
 
 
@@ -290,6 +293,9 @@ def run(cfg, bench, setup):
     results = speed_results(runners, times, losses, first_step_s, pipeline, tokens_per_step, peak, layout.world_size)
     # the process's peak memory covers whatever ran in it: with the reference alongside it is both models'
     main = runners[0].name
+    # the step predicted (step_time.py) beside the measured; `python step_time.py --machine=FILE` given the
+    # machine in the RESULT reproduces it
+    results[main].update(step_time.run_prediction(cfg, model_cfg, layout, dev, ptdtype, bench.machine)[2])
     results[main]["peak_mem_bytes"] = peak_mem
     for name, waited in exposed.items():
         results[name]["exposed_comm_ms"] = waited

@@ -13,6 +13,7 @@ refused here rather than after the job waited in a queue. The file states the pa
 batch in tokens, then the settings that were asked for (and the few this script chose, each saying why),
 with their meanings from settings.py; every other setting keeps its default.
 """
+import itertools
 import json
 import os
 import sys
@@ -23,6 +24,8 @@ import torch
 import memory_plan
 import metrics
 import settings
+import step_time
+from step_time import model_config_of
 from configurator import ConfigError, Setting, configure, section
 from model import ModelConfig, Transformer, attention_head_dim
 from settings import check_layout
@@ -36,7 +39,14 @@ OWN = section(
     Setting("out", "config/my.py", "the config file to write"),
     Setting("force", False, "overwrite --out if it exists (else an existing file is refused)"),
     Setting("gpu_mem_gib", 0.0, "the memory of one GPU in GiB (2**30 bytes, the plan's unit): say which stage does "
-                                "not fit it, and what to change (0: no check)"),
+                                "not fit it, and what to change (0: no check; --choose: the machine's)"),
+    Setting("choose", False, "rank every layout that fits by its predicted step time (step_time.py) and write the "
+                             "fastest; a layout setting given on the command line is held, the others chosen"),
+    Setting("global_batch", 0, "--choose: sequences per step, held while the layouts vary (0: batch_size x "
+                               "gradient_accumulation_steps x the dp of the layout given)"),
+    Setting("machine", "h100", "--choose: the machine to predict for (step_time.py: a100, h100, l4, or a .json file)"),
+    Setting("gpus_per_node", 0, "--choose: devices per node (0: the machine's); tensor parallelism stays inside a node "
+                                "unless --tp is given"),
 )
 
 
@@ -151,10 +161,147 @@ def make_config(cfg, given, argv):
     return header, settings_block(cfg, given, chosen) + "\n", chosen
 
 
+# -----------------------------------------------------------------------------
+# --choose: every layout of nproc devices that fits, ranked by its predicted step time (step_time.py)
+
+LAYOUT_SETTINGS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "pp_schedule", "pp_chunks", "batch_size",
+                   "gradient_accumulation_steps", "activation_checkpointing", "sequence_parallel")
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def grids(cfg, given, model_cfg, gpus_per_node):
+    """(dp, tp, pp, cp, sequence_parallel) of every cut of nproc that divides the model (settings.check_layout),
+    tp within a node unless --tp is given, cp at most 8, sequence parallelism on wherever tp > 1 allows it
+    (it moves the same bytes as tp alone and holds less)."""
+    nproc = cfg["nproc"]
+    held = lambda name, options: [cfg[name]] if name in given else options  # noqa: E731
+    for tp, pp, cp in itertools.product(held("tp", [d for d in divisors(nproc) if d <= gpus_per_node]),
+                                        held("pp", [d for d in divisors(nproc) if d <= model_cfg.n_layer]),
+                                        held("cp", [d for d in divisors(nproc) if d <= 8])):
+        if nproc % (tp * pp * cp):
+            continue
+        for sp in held("sequence_parallel", [True, False] if tp > 1 else [False]):
+            try:
+                check_layout(model_cfg, tp, pp, cp, sp, 1)
+            except ValueError:
+                continue
+            yield nproc // (tp * pp * cp), tp, pp, cp, sp
+            break  # sequence parallelism where it divides, else without
+
+
+def candidates(cfg, given, model_cfg, global_batch, gpus_per_node):
+    """Every layout (a dict of LAYOUT_SETTINGS) of nproc devices for global_batch sequences per step: the grids,
+    expert parallelism over divisors of dp, ZeRO 0 to 3, micro-batches that divide each replica's sequences,
+    the schedules (pp > 1: 1f1b, interleaved_1f1b over 2 chunks, zero_bubble, zbv), activation checkpointing
+    off and on; each that pipeline_schedules.check_schedule and settings.check_layout accept."""
+    held = lambda name, options: [cfg[name]] if name in given else options  # noqa: E731
+    for dp, tp, pp, cp, sp in grids(cfg, given, model_cfg, gpus_per_node):
+        if global_batch % dp:
+            continue
+        per_replica = global_batch // dp
+        eps = [d for d in divisors(dp) if model_cfg.n_expert % d == 0] if model_cfg.n_expert else [1]
+        schedules = ([(cfg["pp_schedule"], cfg["pp_chunks"])] if "pp_schedule" in given else
+                     [("1f1b", 1)] + ([("interleaved_1f1b", 2), ("zero_bubble", 1), ("zbv", 2)] if pp > 1 else []))
+        for ep, zero, b, (schedule, chunks), ac in itertools.product(
+                held("ep", eps), held("zero_stage", [0, 1, 2, 3] if dp * cp > 1 else [0]),
+                held("batch_size", [d for d in divisors(per_replica) if d <= 32]), schedules,
+                held("activation_checkpointing", [False, True])):
+            if per_replica % b:
+                continue
+            try:
+                check_schedule(schedule, pp, per_replica // b, chunks)
+                check_layout(model_cfg, tp, pp, cp, sp, chunks, ep=ep)
+            except ValueError:
+                continue
+            yield dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero, pp_schedule=schedule, pp_chunks=chunks,
+                       batch_size=b, gradient_accumulation_steps=per_replica // b, activation_checkpointing=ac,
+                       sequence_parallel=sp)
+
+
+def states_bytes(model_cfg, layout):
+    """A lower bound on a rank's bytes, to skip a layout before planning it: its stage's parameters (fp32),
+    gradients and AdamW's two moments, shared as the ZeRO stage shares them (16 bytes a parameter at ZeRO-0)."""
+    block, root = step_time.parameter_pieces(model_cfg, layout["tp"], layout["ep"])
+    params = (sum(block.values()) * model_cfg.n_layer + sum(root.values())) / layout["pp"]
+    n = layout["dp"] * layout["cp"]
+    per_param = {0: 16, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[layout["zero_stage"]]
+    return params * per_param
+
+
+def plan_peak(cfg, model_cfg, layout, act_bytes):
+    """The largest rank's predicted peak bytes (memory_plan.plan_memory) of a layout on a GPU."""
+    plan = memory_plan.plan_memory(
+        model_cfg, layout["dp"], layout["tp"], layout["pp"], layout["cp"], layout["zero_stage"], layout["batch_size"],
+        cfg["block_size"], layout["gradient_accumulation_steps"], layout["pp_schedule"], layout["activation_checkpointing"],
+        cfg["chunked_loss"], layout["sequence_parallel"], cfg["bucket_size_mb"], act_bytes=act_bytes,
+        chunks=layout["pp_chunks"], ep=layout["ep"], optimizer=cfg["optimizer"], pp_layers=cfg["pp_layers"],
+        attention_scores=memory_plan.attention_saves_scores(model_cfg, cfg["attn_impl"], "cuda", cfg["dtype"]))
+    return max(stage["peak"] for stage in plan)
+
+
+def choose(cfg, given, model_cfg):
+    """[(prediction, layout, peak bytes)] of the fastest ten layouts that fit, fastest first, and how many were
+    ranked; raises ValueError when none fits."""
+    machine = step_time.load_machine(cfg["machine"])
+    gpus_per_node = cfg["gpus_per_node"] or machine["gpus_per_node"]
+    limit = (cfg["gpu_mem_gib"] or machine["memory_gib"]) * 2 ** 30
+    dp = resolve_dp(cfg["nproc"], cfg["dp"], cfg["tp"], cfg["pp"], count_name="nproc", cp=cfg["cp"], ep=cfg["ep"])
+    global_batch = cfg["global_batch"] or cfg["batch_size"] * cfg["gradient_accumulation_steps"] * dp
+    ranked = []
+    for layout in candidates(cfg, given, model_cfg, global_batch, gpus_per_node):
+        if states_bytes(model_cfg, layout) <= limit:
+            run = step_time.run_of({**cfg, **layout})
+            ranked.append((step_time.predict(model_cfg, run, machine, gpus_per_node), layout))
+    # equal times (the model sees no difference) go to the simpler layout: fewer axes, less sharding, no
+    # recomputation, fewer and larger micro-batches
+    ranked.sort(key=lambda pair: (round(pair[0]["step_s"], 9), pair[1]["cp"], pair[1]["pp"], pair[1]["tp"],
+                                  pair[1]["zero_stage"], pair[1]["activation_checkpointing"], -pair[1]["batch_size"]))
+    best = []
+    act_bytes = 4 if step_time.dtype_of(step_time.run_of(cfg), machine) == "float32" else 2
+    for prediction, layout in ranked:
+        peak = plan_peak(cfg, model_cfg, layout, act_bytes)
+        if peak <= limit:
+            best.append((prediction, layout, peak))
+        if len(best) == 10:
+            break
+    if not best:
+        raise ValueError(f"no layout of nproc = {cfg['nproc']} devices fits {limit / 2**30:g} GiB at global_batch = "
+                         f"{global_batch} sequences ({len(ranked)} ranked): use more devices, a machine with more "
+                         f"memory, or a smaller global_batch or block_size")
+    return best, len(ranked), global_batch
+
+
+def format_choice(best, count, global_batch, nproc, machine):
+    """The ranked list as lines: each layout, its step and where its time goes."""
+    lines = [f"{count} layouts of {nproc} devices for {global_batch} sequences per step ranked on {machine}; "
+             f"the fastest {len(best)} that fit memory:"]
+    for i, (p, layout, peak) in enumerate(best):
+        shown = {k: v for k, v in p["parts"].items() if v > 0.005 * p["step_s"]}
+        lines.append(
+            f"{i + 1:2d}. {p['step_s'] * 1e3:9.4g} ms  dp {layout['dp']} cp {layout['cp']} tp {layout['tp']}"
+            f"{' (sp)' if layout['sequence_parallel'] else ''} pp {layout['pp']} ep {layout['ep']}, "
+            f"{layout['pp_schedule'] + ' x' + str(layout['pp_chunks']) + ', ' if layout['pp'] > 1 else ''}"
+            f"ZeRO-{layout['zero_stage']}, micro-batch {layout['batch_size']} x {layout['gradient_accumulation_steps']}"
+            f"{', checkpointed' if layout['activation_checkpointing'] else ''}; {peak / 2**30:.1f} GiB; MFU "
+            f"{metrics.format_mfu(p['mfu'])}\n      " + ", ".join(f"{k} {v / p['step_s']:.0%}" for k, v in shown.items()))
+    return "\n".join(lines)
+
+
 def main(argv):
     try:
         values, given = configure(settings.TRAINING + OWN, argv, usage=__doc__)
         warnings = settings.check_values(values)
+        ranking = ""
+        if values["choose"]:  # every layout ranked; the fastest that fits written, every layout setting with it
+            best, count, global_batch = choose(values, given, model_config_of(values))
+            ranking = format_choice(best, count, global_batch, values["nproc"], values["machine"])
+            values.update(best[0][1])
+            if values["dtype"] == "auto":  # written out: the plan below counts the activations in it
+                values["dtype"] = step_time.dtype_of(step_time.run_of(values), step_time.load_machine(values["machine"]))
+            given = set(given) | set(LAYOUT_SETTINGS) | {"dtype"}
         header, body, chosen = make_config(values, given, argv)
         out, existed = values["out"], os.path.exists(values["out"])
         if existed and not values["force"]:
@@ -168,7 +315,7 @@ def main(argv):
             raise ConfigError(f"out = {out!r} cannot be written ({e.strerror}): choose another --out")
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")
-    print("\n".join(warnings + [line[2:] for line in header.splitlines()[2:]]))
+    print("\n".join(warnings + ([ranking] if ranking else []) + [line[2:] for line in header.splitlines()[2:]]))
     for name, (value, why) in chosen.items():
         print(f"chose {name} = {value}: {why}")
     # the default --out is a path in the current folder: say where the file went, so it is not found by surprise

@@ -152,6 +152,45 @@ def place_in_time(deadlock, lists, needs, sent):
     return rows
 
 
+# The schedule placed in seconds rather than slots: step_time.py's pipeline
+
+
+def simulate_pipeline(lists, stages, seconds, transfer, routes=None):
+    """Place every rank's actions (lists[r], the schedule's; stages[r], the model stage of each of its chunks)
+    in time as the executor runs them (schedule_timeline's model, with seconds instead of slots):
+    a rank runs its actions in order, each when the one before has ended and its input has arrived, which
+    is `transfer` seconds after the action that sent it ended. seconds(r, action): an action's duration;
+    routes: route_messages' (sent, needs) of these lists, when already found. Returns {(r, k): (start, end)}."""
+    if routes is None:
+        sent, expected, needs = route_messages("the step-time simulation", lists, stages)
+        check_channels("the step-time simulation", sent, expected)
+    else:
+        sent, needs = routes
+    # each action's duration, and the (rank, index) of the action whose message it waits for
+    durations = [[seconds(r, action) for action in actions] for r, actions in enumerate(lists)]
+    senders = [[None if need is None else sent[need[0]][need[1]][1:] for need in row] for row in needs]
+    times, position, free = {}, [0] * len(lists), [0.0] * len(lists)
+    while any(position[r] < len(lists[r]) for r in range(len(lists))):
+        progressed = False
+        for r, actions in enumerate(lists):
+            k = position[r]
+            while k < len(actions):
+                ready = 0.0
+                if senders[r][k] is not None:
+                    if senders[r][k] not in times:
+                        break  # its input has not been sent yet
+                    ready = times[senders[r][k]][1] + transfer
+                start = max(free[r], ready)
+                free[r] = start + durations[r][k]
+                times[(r, k)] = (start, free[r])
+                k += 1
+                progressed = True
+            position[r] = k
+        if not progressed:
+            raise RuntimeError("the schedule deadlocks (python timeline.py shows where)")
+    return times
+
+
 # -----------------------------------------------------------------------------
 # The printed timeline: the rows as text, the microbatches each rank holds, the bubble measured on the
 # rows beside the paper's formula, and the command line.

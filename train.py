@@ -35,6 +35,7 @@ import import_hf
 import memory_plan
 import metrics
 import settings
+import step_time
 import timeline
 from configurator import ConfigError, configure, make_folder
 from data import EVAL_STREAM, TRAIN_STREAM, DataError, document_end, load_data, rank_microbatches, read_data_meta
@@ -117,6 +118,8 @@ class Run:
     model_flops: float = 0.0
     peak: object = None
     exposed_comm_ms: dict = None  # {mechanism: ms waited on communication} in the step before the log line
+    predicted_step_s: float = None  # step_time.py's, printed at start-up and beside a log line's measure
+    memory_step: int = 0  # the step measured_step tracked (slower): the measure beside the prediction comes after
 
 
 def setup(cfg, training=True):
@@ -700,6 +703,8 @@ def describe_training(cfg, run, parts):
         print0(layout, metrics.repeats_warning(cfg.max_iters, run.tokens_per_step, run.train_tokens))
     plan = memory_plan.plan_for(cfg, run.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))
     print0(layout, "predicted " + memory_plan.format_plan(plan))
+    run.predicted_step_s, lines, _ = step_time.run_prediction(cfg, run.model_cfg, layout, run.dev, run.dtype)
+    print0(layout, lines)
 
 
 def model_line(run, parts):
@@ -753,7 +758,7 @@ def one_step(cfg, run, parts, micro, lr, trace, step, measured):
 def measured_step(cfg, run, parts, micro, lr, trace, step):
     """train_step with its peak memory measured (the first step of a run): (loss, grad norm, every rank's
     predicted and measured peak, memory_plan.memory_rows), the rows printed."""
-    layout, out = run.layout, []
+    layout, out, run.memory_step = run.layout, [], step
     rank_plan = memory_plan.plan_for(cfg, run.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank)
     peak_bytes = metrics.measure_step_memory(lambda: out.append(train_step(cfg, layout, parts, micro, lr, trace, step=step)),
                                              run.dev, compiled=parts.compiled)
@@ -781,6 +786,10 @@ def step_record(cfg, run, parts, step, loss, grad_norm, lr, since):
         record.update(metrics.moe_metrics(parts.model, layout, steps=step - logged))
     eta = (cfg.max_iters - step) * elapsed / timed_steps  # training steps only: evals and saves come on top
     print0(layout, metrics.format_log_line(record, eta, run.dev))
+    if run.predicted_step_s and (logged >= run.memory_step or step == cfg.max_iters):  # once, past measured_step
+        print0(layout, f"step time: predicted {run.predicted_step_s * 1e3:,.1f} ms, measured "
+                       f"{record['ms_per_step']:,.1f} ms (steps {logged + 1}-{step})")
+        run.predicted_step_s = None
     return record
 
 

@@ -382,3 +382,5 @@ def test_bench_under_torchrun_prints_one_table_and_one_result_line():
     assert result["tokens_per_step"] == 2 * 32 * 2
     assert result["ms_per_step"] == pytest.approx(1000 * result["tokens_per_step"] / result["tokens_per_sec"])
     assert result["mfu"] == pytest.approx(result["flops_per_token"] * result["tokens_per_sec"] / (2 * 1e12))
+    # step_time.py's prediction beside it, on this machine measured with its all-reduce over the two ranks
+    assert result["predicted_step_s"] > 0 and result["machine"]["name"] == "auto" and result["machine"]["node"]["busbw"] > 0

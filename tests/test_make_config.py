@@ -148,3 +148,39 @@ def test_gpu_mem_gib_is_compared_in_the_plans_unit(tmp_path, capsys):
     assert f"does not fit {largest - 0.01}" in capsys.readouterr().out
     make_config.main(["--n_layer=2", f"--out={tmp_path / 'c.py'}", f"--gpu_mem_gib={largest + 0.01}"])
     assert "does not fit" not in capsys.readouterr().out
+
+
+def test_choose_writes_the_fastest_layout_that_fits_with_every_layout_setting(tmp_path, capsys):
+    import step_time
+    out = tmp_path / "chosen.py"
+    make_config.main(["--n_layer=4", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--vocab_size=512", "--block_size=64",
+                      "--nproc=4", "--machine=a100", "--choose=True", "--global_batch=16", f"--out={out}"])
+    printed = capsys.readouterr().out
+    written = {}
+    exec(out.read_text(), {}, written)
+    for name in make_config.LAYOUT_SETTINGS:
+        assert name in written, name
+    # the global batch is held: 16 sequences per step, whatever the layout
+    assert written["batch_size"] * written["gradient_accumulation_steps"] * written["dp"] == 16
+    assert written["dp"] * written["cp"] * written["tp"] * written["pp"] == 4
+    # and it is the first of the ranked list, whose times rise
+    times = [float(t) for t in re.findall(r"^\s*\d+\.\s+([\d.e+-]+) ms", printed, re.M)]
+    assert times == sorted(times) and len(times) == 10
+    # the written config, predicted on its own, takes the first time listed
+    cfg = {**defaults(), **written}
+    prediction = step_time.predict(step_time.model_config_of(cfg), step_time.run_of(cfg), step_time.load_machine("a100"))
+    assert prediction["step_s"] * 1e3 == pytest.approx(times[0], rel=1e-3)
+
+
+def defaults():
+    import settings
+    return {s.name: s.default for s in settings.TRAINING}
+
+
+def test_choose_keeps_a_layout_setting_given_on_the_command_line(tmp_path):
+    out = tmp_path / "held.py"
+    make_config.main(["--n_layer=4", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--vocab_size=512", "--block_size=64",
+                      "--nproc=4", "--machine=a100", "--choose=True", "--global_batch=16", "--pp=2", f"--out={out}"])
+    written = {}
+    exec(out.read_text(), {}, written)
+    assert written["pp"] == 2

@@ -73,6 +73,7 @@ def setting_lists():
         ("train.py", "also bench.py, make_config.py and scripts/compare.py", settings.TRAINING),
         ("bench.py", "its own, besides train.py's", load("bench.py").BENCH),
         ("make_config.py", "its own, besides train.py's", load("make_config.py").OWN),
+        ("step_time.py", "its own, besides train.py's", load("step_time.py").OWN),
         ("sample.py", "", load("sample.py").SAMPLING),
         ("export_hf.py", "", load("export_hf.py").EXPORT),
         ("scripts/compare.py", "its own, besides train.py's; each side's --a and --b are train.py's",
@@ -83,6 +84,7 @@ def setting_lists():
 CONFIGURE = {"train.py": lambda: settings.TRAINING,
              "bench.py": lambda: settings.TRAINING + load("bench.py").BENCH,
              "make_config.py": lambda: settings.TRAINING + load("make_config.py").OWN,
+             "step_time.py": lambda: settings.TRAINING + load("step_time.py").OWN,
              "sample.py": lambda: load("sample.py").SAMPLING,
              "export_hf.py": lambda: load("export_hf.py").EXPORT}
 ARGPARSE = ("prepare_data.py", "plot.py", "timeline.py")

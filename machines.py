@@ -1,0 +1,194 @@
+"""
+The machines step_time.py predicts for: a few numbers each, every one with its source (MACHINES, from the
+figures ../shared/published_runs.md collects), a JSON file of the same fields for any other (H200, MI300X,
+B200: --machine=PATH.json), or this machine measured in a second or two (machine=auto: a matmul at the
+model's shapes, a copy, a fused attention, and an all-reduce over the run's group where there is one).
+Nothing here is fitted to a training run's measured step.
+"""
+import json
+import math
+import os
+import re
+import time
+
+import torch
+
+import metrics
+from model import attention_dims, mlp_hidden_size
+
+
+# -----------------------------------------------------------------------------
+# Machines: a few numbers each, every one with its source (../shared/published_runs.md collects them)
+#
+#   matmul_flops    achieved dense matmul FLOP/s per dtype: the best published measurement (MAMF, stas00
+#                   ml-engineering compute/accelerator/README.md), else the datasheet's peak (errs fast)
+#   peak_flops      the datasheet peak MFU divides by (metrics.GPU_PEAK_FLOPS)
+#   memory_bw       bytes/s of device memory (datasheet)
+#   attention_efficiency  a fused attention kernel's achieved share of matmul_flops, forward and backward
+#   node, network   per link: busbw (bytes/s, nccl-tests' bus bandwidth of a ring) and latency (s per ring
+#                   step); network.busbw is per NIC, one per GPU: a group with g ranks on a node crosses
+#                   nodes over g NICs, min(node busbw, g x NIC busbw)
+#   overlaps        whether communication runs beside compute (a GPU's copy engines and NCCL's kernels do;
+#                   gloo on a CPU core that also computes does not)
+#   gpus_per_node, memory_gib  which groups cross nodes; what make_config.py fits into
+
+MACHINES = {
+    "a100": {
+        "description": "A100-80GB SXM, NVLink 3 (DGX A100), 8 x 200 Gb/s HDR InfiniBand per node",
+        # MAMF bf16 best shape 271.2 TFLOP/s (stas00 compute/accelerator/README.md); fp32 = datasheet 19.5
+        "matmul_flops": {"bfloat16": 271.2e12, "float16": 271.2e12, "float32": 19.5e12},
+        "peak_flops": {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},  # NVIDIA datasheet
+        "memory_bw": 2.0e12,  # HBM2e 2.0 TB/s (stas00 memory table)
+        # FlashAttention-2 (Dao 2023, abstract and figure 4): forward + backward at 50-73% of the A100's peak;
+        # the range's middle, over the MAMF (which is 87% of the peak): 0.615 x 312 / 271.2
+        "attention_efficiency": 0.71,
+        # nccl-tests all-reduce busbw on one DGX A100 node: 232 GB/s (NVIDIA GTC24 S62129); latency: the
+        # 32 KiB all-reduce of stas00's nccl-tests table at 1.31 GB/s busbw takes 44 us over 2 (8 - 1) steps
+        "node": {"busbw": 232e9, "latency": 3.1e-6},
+        # one 200 Gb/s HDR link: busbw 24 GB/s (GTC24 S62129; 8 of them: the multi-node 192 GB/s)
+        "network": {"busbw": 24e9, "latency": 5e-6},
+        "overlaps": True, "gpus_per_node": 8, "memory_gib": 80,
+    },
+    "h100": {
+        "description": "H100-80GB SXM, NVLink 4 (DGX H100), 8 x 400 Gb/s NDR per node",
+        # MAMF bf16 794.5 TFLOP/s (stas00, torch 2.7.0+cu126); fp32 = datasheet 67
+        "matmul_flops": {"bfloat16": 794.5e12, "float16": 794.5e12, "float32": 67e12},
+        "peak_flops": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+        "memory_bw": 3.35e12,  # HBM3 (stas00 memory table)
+        # FlashAttention-3 (Shah et al. 2024, section 1): FlashAttention-2, PyTorch's SDPA kernel, reaches
+        # 35% of the H100's peak; over the MAMF (80.3% of the peak): 0.35 / 0.803
+        "attention_efficiency": 0.44,
+        # nccl-tests ring all-reduce busbw, one node: 370 GB/s (GTC24 S62129; stas00 H200 ring 367 GB/s)
+        "node": {"busbw": 370e9, "latency": 3.1e-6},
+        "network": {"busbw": 48e9, "latency": 5e-6},  # one 400 Gb/s link: 48 GB/s (GTC24 S62129)
+        "overlaps": True, "gpus_per_node": 8, "memory_gib": 80,
+    },
+    "l4": {
+        "description": "8 x L4 24GB on PCIe Gen4 (no NVLink), one 200 Gb/s NIC per node",
+        # no published MAMF for the L4: the datasheet's 121 TFLOP/s bf16 (errs fast)
+        "matmul_flops": {"bfloat16": 121e12, "float16": 121e12, "float32": 30.3e12},
+        "peak_flops": {"bfloat16": 121e12, "float16": 121e12, "float32": 30.3e12},
+        "memory_bw": 300e9,  # NVIDIA L4 datasheet: 300 GB/s GDDR6
+        "attention_efficiency": 0.44,  # no published figure for the L4: the H100's FlashAttention-2 share
+        # PCIe Gen4 x16: 32 GB/s per direction (PCI-SIG), the ring's wire speed through the host's switch
+        # (errs fast: traffic through the root complex rarely reaches it)
+        "node": {"busbw": 32e9, "latency": 10e-6},
+        "network": {"busbw": 25e9 / 8, "latency": 10e-6},  # one 200 Gb/s NIC shared by the node's 8 GPUs
+        "overlaps": True, "gpus_per_node": 8, "memory_gib": 24,
+    },
+}
+
+# gloo on this kind of machine (../shared/PERF_NOTES.md, "gloo on this machine", 2 ranks): a 4-byte
+# all-reduce 0.16 ms = 2 (n - 1) latencies; a 10 MB fp32 all-reduce 7.5 ms, an algbw of 1.33 GB/s, a busbw
+# of 1.33 GB/s at n = 2. Used where a CPU run measures no collective (train.py's start-up, step_time.py
+# without processes).
+CPU_GLOO_LINK = {"busbw": 1.33e9, "latency": 0.08e-3}
+
+
+def load_machine(name):
+    """A machine by name (MACHINES) or from a JSON file of the same fields (--machine=PATH.json)."""
+    if name in MACHINES:
+        return dict(MACHINES[name], name=name)
+    if name.endswith(".json") and os.path.exists(name):
+        with open(name) as f:
+            machine = json.load(f)
+        missing = {"matmul_flops", "memory_bw", "attention_efficiency", "node"} - set(machine)
+        if missing:
+            raise ValueError(f"machine = {name!r} lacks {', '.join(sorted(missing))}: a machine file has the fields "
+                             f"of step_time.MACHINES (python step_time.py --machine=h100 prints one in its RESULT)")
+        return {"network": machine["node"], "overlaps": True, "gpus_per_node": 8, "memory_gib": 80,
+                "peak_flops": machine["matmul_flops"], **machine, "name": machine.get("name", name)}
+    raise ValueError(f"machine = {name!r} is neither one of {', '.join(MACHINES)}, 'auto', nor a .json file that "
+                     f"exists: name one, or describe yours in a file with step_time.MACHINES' fields")
+
+
+# -----------------------------------------------------------------------------
+# machine=auto: this machine measured, in a few seconds
+
+
+def _best_seconds(fn, repeats=3):
+    fn()  # warm-up: thread pool, kernel choice
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_link(group=None, device="cpu"):
+    """{'busbw', 'latency'} of an all-reduce over `group` (every rank of it must call this): a 4-byte one
+    gives the latency (2 (n - 1) ring steps), an 8 MiB one the bus bandwidth, nccl-tests' convention."""
+    import torch.distributed as dist
+    n = dist.get_world_size(group)
+    small, big = torch.zeros(1, device=device), torch.zeros(2 ** 21, device=device)
+    sync = (lambda: torch.cuda.synchronize(device)) if str(device).startswith("cuda") else (lambda: None)
+    timed = lambda t: _best_seconds(lambda: (dist.all_reduce(t, group=group), sync()))  # noqa: E731
+    tiny, large = timed(small), timed(big)
+    bandwidth_s = max(large - tiny, 1e-9)
+    return {"busbw": 2 * (n - 1) / n * big.numel() * 4 / bandwidth_s, "latency": tiny / (2 * (n - 1))}
+
+
+def linear_rate(model_cfg, dtype, dev, tokens, tp=1):
+    """FLOP/s of the model's own linears on this device: each distinct (in, out) of a block's (q, k and v, the
+    output projection, the MLP's) and the head's, this tp rank's share, run forward and backward (x W^T,
+    then dy W and dy^T x: 6 FLOPs per weight and token) on `tokens` tokens, weighted as the model runs them."""
+    from torch.nn.functional import linear
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    C, F, (qk, v) = model_cfg.n_embd, mlp_hidden_size(model_cfg) // tp, attention_dims(model_cfg)
+    H, H_kv = model_cfg.n_head // tp, max(1, model_cfg.n_kv_head // tp)
+    shapes = {(C, H * qk): model_cfg.n_layer, (C, H_kv * (qk + v)): model_cfg.n_layer, (H * v, C): model_cfg.n_layer,
+              (C, F): (2 if model_cfg.mlp == "swiglu" else 1) * model_cfg.n_layer, (F, C): model_cfg.n_layer,
+              (C, -(-model_cfg.vocab_size // tp)): 1}
+    flops = seconds = 0.0
+    for (n_in, n_out), count in shapes.items():
+        x = torch.randn(tokens, n_in, device=dev, dtype=dtype, requires_grad=True)
+        w = torch.randn(n_out, n_in, device=dev, dtype=dtype, requires_grad=True)
+        dy = torch.randn(tokens, n_out, device=dev, dtype=dtype)
+        seconds += count * _best_seconds(lambda: (linear(x, w).backward(dy), sync()))
+        flops += count * 6 * tokens * n_in * n_out
+    return flops / seconds
+
+
+def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512, matmul_rate=None, tp=1):
+    """This machine, measured in a second or two: the model's linears forward and backward on a micro-batch's
+    tokens (linear_rate; or matmul_rate given), an elementwise product for the memory bandwidth, a causal
+    SDPA forward and backward at the model's heads for the attention kernel's share of the matmul rate, and
+    with collective an all-reduce over every process (each must call this: on one machine every group of
+    the run shares its links), else gloo's figures above."""
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    if matmul_rate is None:
+        matmul_rate = linear_rate(model_cfg, dtype, dev, tokens, tp)
+    # the roofline's bandwidth as the model's elementwise kernels see it: z = x * y reads two, writes one
+    x, y, z = (torch.empty(tokens * mlp_hidden_size(model_cfg), device=dev, dtype=dtype) for _ in range(3))
+    memory_bw = 3 * x.numel() * x.element_size() / _best_seconds(lambda: (torch.mul(x, y, out=z), sync()))
+    H, D, T = model_cfg.n_head, attention_dims(model_cfg)[0], min(model_cfg.block_size, 1024)
+    q = torch.randn(1, H, T, D, device=dev, dtype=dtype, requires_grad=True)
+    sdpa = lambda: (torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward(), sync())
+    attention_flops = 3.5 * 4 * T * T * H * D / 2  # forward and backward (FlashAttention-2's 3.5 forwards), causal half
+    efficiency = attention_flops / _best_seconds(sdpa, repeats=2) / matmul_rate
+    # the host's cost of one operator (the dispatcher and autograd's bookkeeping): a one-element add
+    one = torch.ones(1, device=dev)
+    op_seconds = _best_seconds(lambda: [torch.add(one, one) for _ in range(100)]) / 100
+    name = str(dtype).replace("torch.", "")
+    link = measure_link(None, dev) if collective else CPU_GLOO_LINK
+    # the peak MFU divides by: the datasheet's on a GPU, on CPU the square-matmul probe bench.py's MFU reads
+    peak = (metrics.gpu_peak_flops(torch.cuda.get_device_name(dev), dtype) if dev.type == "cuda"
+            else metrics.measure_cpu_peak_flops(dtype)) or matmul_rate
+    return {"name": "auto", "description": f"measured here: {dev}, {name}, {torch.get_num_threads()} thread(s)",
+            "matmul_flops": {name: matmul_rate}, "peak_flops": {name: max(peak, matmul_rate)}, "memory_bw": memory_bw,
+            "attention_efficiency": efficiency, "node": link, "network": link,
+            # a GPU's launches run ahead of its kernels: their cost is hidden but at the smallest shapes
+            "op_seconds": op_seconds if dev.type == "cpu" else 0.0,
+            # gloo's exchanges run on the cores that compute (one a rank): nothing overlaps on CPU
+            "overlaps": dev.type == "cuda", "gpus_per_node": 1 << 20, "memory_gib": 0}
+
+
+def startup_machine(model_cfg, dtype, device):
+    """train.py's start-up machine: on CPU the cached matmul peak (metrics.measure_cpu_peak_flops, which the
+    MFU reads too) and gloo's figures, no collective; on a GPU the named machine its name matches, else None."""
+    if device.type == "cpu":
+        return measure_machine(model_cfg, dtype, "cpu", matmul_rate=metrics.measure_cpu_peak_flops(dtype))
+    name = torch.cuda.get_device_name(device)
+    return next((load_machine(key) for key in MACHINES if re.search(rf"\b{key}\b", name, re.I)), None)

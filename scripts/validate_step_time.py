@@ -1,0 +1,101 @@
+"""
+step_time.py held to this machine: every layout below timed by bench.py (one core a rank, OMP_NUM_THREADS=1)
+at one process and at 2 ranks, at two model sizes, its predicted step (bench.py's RESULT: machine=auto, this
+machine measured by bench.py itself) beside the measured, and whether the layouts rank as measured.
+
+    nice python scripts/validate_step_time.py                 # both sizes, every layout: about 15 minutes
+    nice python scripts/validate_step_time.py --sizes=small   # one size
+
+Prints a markdown table (docs/performance.md carries it), each row as it is measured: the layout, predicted
+and measured ms per step, the error; then per size and over all, the share within 20% and Spearman's rank
+correlation. Not a test: it times things, on whatever else the machine runs.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from published_runs import spearman  # noqa: E402
+
+SIZES = {
+    "small": ["--n_layer=4", "--n_embd=128", "--n_head=4", "--n_kv_head=4", "--block_size=128", "--vocab_size=4096",
+              "--batch_size=4"],
+    "large": ["--n_layer=8", "--n_embd=256", "--n_head=8", "--n_kv_head=8", "--block_size=256", "--vocab_size=8192",
+              "--batch_size=2"],
+}
+MOE = ["--n_expert=4", "--n_expert_per_token=2"]
+# (name, processes, settings): 4 micro-batches each, so every schedule runs the same work
+LAYOUTS = [
+    ("one process", 1, []),
+    ("one process, checkpointed", 1, ["--activation_checkpointing=True"]),
+    ("dp=2 ZeRO-0", 2, ["--dp=2"]),
+    ("dp=2 ZeRO-1", 2, ["--dp=2", "--zero_stage=1"]),
+    ("dp=2 ZeRO-2", 2, ["--dp=2", "--zero_stage=2"]),
+    ("dp=2 ZeRO-3", 2, ["--dp=2", "--zero_stage=3"]),
+    ("tp=2", 2, ["--tp=2"]),
+    ("tp=2 sequence parallel", 2, ["--tp=2", "--sequence_parallel=True"]),
+    ("cp=2", 2, ["--cp=2"]),
+    ("pp=2 afab", 2, ["--pp=2", "--pp_schedule=afab"]),
+    ("pp=2 1f1b", 2, ["--pp=2", "--pp_schedule=1f1b"]),
+    ("pp=2 interleaved x2", 2, ["--pp=2", "--pp_schedule=interleaved_1f1b", "--pp_chunks=2"]),
+    ("pp=2 zero_bubble", 2, ["--pp=2", "--pp_schedule=zero_bubble"]),
+    ("pp=2 zbv", 2, ["--pp=2", "--pp_schedule=zbv", "--pp_chunks=2"]),
+    ("MoE one process", 1, MOE),
+    ("MoE dp=2 ep=2", 2, MOE + ["--dp=2", "--ep=2"]),
+]
+
+
+def bench(size, nproc, flags, steps):
+    """bench.py's RESULT for one layout (raises with its output when it fails)."""
+    script = os.path.join(ROOT, "bench.py")
+    cmd = ([sys.executable, script] if nproc == 1 else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script])
+    args = SIZES[size] + flags + ["--gradient_accumulation_steps=4", "--warmup_steps=2", f"--bench_steps={steps}"]
+    proc = subprocess.run(cmd + args, capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"bench.py {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def summary(label, rows):
+    predicted, measured = [r[0] for r in rows], [r[1] for r in rows]
+    within = sum(abs(p / m - 1) <= 0.2 for p, m in rows)
+    errors = [abs(p / m - 1) for p, m in rows]
+    rank = f", Spearman {spearman(predicted, measured):.2f}" if len(rows) > 2 else ""
+    return f"{label}: {within} of {len(rows)} within 20%, median |error| {statistics.median(errors):.0%}{rank}"
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="small,large")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (bench.py's median)")
+    parser.add_argument("--layouts", default="", help="only the layouts whose names contain this")
+    args = parser.parse_args(argv)
+    print("| size | layout | ranks | predicted ms | measured ms | error | largest predicted parts |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    every = []
+    for size in args.sizes.split(","):
+        rows = []
+        for name, nproc, flags in [layout for layout in LAYOUTS if args.layouts in layout[0]]:
+            result = bench(size, nproc, flags, args.steps)
+            predicted, measured = 1e3 * result["predicted_step_s"], result["ms_per_step"]
+            parts = sorted(result["predicted_parts_s"].items(), key=lambda kv: -kv[1])[:3]
+            shown = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in parts if v > 0)
+            print(f"| {size} | {name} | {nproc} | {predicted:,.1f} | {measured:,.1f} | {predicted / measured - 1:+.0%} "
+                  f"| {shown} |", flush=True)
+            rows.append((predicted, measured))
+        print(summary(size, rows), flush=True)
+        every += rows
+    print(summary("all", every))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

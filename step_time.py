@@ -1,0 +1,600 @@
+"""
+How long one training step of a run will take, predicted before anything runs: the time half of the plan
+whose memory half is memory_plan.py. `python step_time.py config/x.py --nproc=64 --machine=h100 --tp=8`
+prints one layout's step broken down; make_config.py --choose=True ranks every layout that fits by it;
+train.py prints it at start-up beside the measured step, and bench.py puts it in its RESULT.
+
+It predicts one step's seconds as its parts (compute, the bubble, the communication each mechanism leaves
+exposed, the optimizer step), tokens/s per device and MFU, from the model config, the layout and the
+execution settings (as memory_plan.plan_memory takes them) and a machine (machines.py: a few numbers with
+their sources, a JSON file, or this one measured). The FLOPs are metrics.pipeline_costs' (cut as train.py
+cuts them), the pipeline is the schedule's own action lists (pipeline_schedules.SCHEDULES, routed by
+timeline.route_messages as the executor routes them) placed in time, and each collective's bytes are
+counted from the code that sends them. No constant is fitted to a measured training run. Predicting calls
+no collective, touches no device and runs no model: it runs on a laptop for an H100 cluster.
+
+The terms, each with its formula and source where it is computed:
+  compute       FLOPs / the machine's achieved matmul rate (its best published measurement, or one measured
+                here at the model's shapes); attention, where the kernel is fused, at the kernel's published
+                efficiency, counting the causal half it computes (FlashAttention-2's convention).
+  non-matmul    the norms, residual adds, rotary, the MLP's activation, the loss's softmax and the optimizer
+                step, by the bytes they move over the memory bandwidth (the roofline: Williams et al. 2009).
+  pipeline      every rank's actions placed in time (simulate_pipeline): bubble, interleaving, zero-bubble
+                and the stages' imbalance all come out of the one simulation.
+  communication the ring algorithm (Patarasuk & Yuan 2009; NCCL's busbw convention, nccl-tests
+                doc/PERFORMANCE.md): an all-reduce of S bytes over n ranks takes 2 (n - 1) latencies plus
+                2 (n - 1) / n S / busbw, a reduce-scatter or all-gather half that; on the link the group
+                spans (inside a node, or across nodes with as many NICs as the group has ranks per node).
+  overlap       only where the code overlaps: the data-parallel buckets with the backward (Li et al. 2020,
+                section 3.2.3), ZeRO-1/2's parameter all-gather with the next forward (overlap_param_gather),
+                ZeRO-3's prefetched gathers with the unit before, context parallelism's ring with the
+                attention it feeds. On a machine whose links share the compute's cores (CPU, gloo with one
+                core a rank) nothing overlaps.
+Left out, and which way each errs: the kernels' efficiency at a run's own shapes (a named machine's rate
+is the best shape's: errs fast), congestion across nodes, data loading and logging (fast), and overlap
+NCCL gets where the code does not ask for it (slow).
+"""
+import json
+import sys
+from types import SimpleNamespace
+
+import torch
+
+import metrics
+from configurator import ConfigError, Setting, configure, section
+from expert_parallel import expert_rows
+from model import attention_dims, mlp_hidden_size
+from parallel import grid_rank, stage_layers
+from pipeline_schedules import SCHEDULES, virtual_stages
+from machines import MACHINES, load_machine, measure_machine, startup_machine  # noqa: F401
+from timeline import check_channels, route_messages, simulate_pipeline
+
+
+# -----------------------------------------------------------------------------
+# Communication: the ring algorithm on the link a group spans
+
+
+RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1,
+              "all_gather": lambda n: n - 1, "all_to_all": lambda n: n - 1}
+
+
+def collective_seconds(kind, nbytes, n, link):
+    """One collective of `nbytes` (the whole buffer: an all-reduce's input, a reduce-scatter's input, an
+    all-gather's output, the rows an all-to-all sends) over n ranks, by the ring algorithm (Patarasuk & Yuan
+    2009): steps latencies plus steps / n of the bytes over the bus bandwidth, steps = 2 (n - 1) for an
+    all-reduce and n - 1 for the others (nccl-tests doc/PERFORMANCE.md: busbw = algbw x 2 (n - 1) / n, or
+    (n - 1) / n, so that a ring at wire speed reads as the link's bandwidth)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    steps = RING_STEPS[kind](n)
+    return steps * link["latency"] + steps / n * nbytes / link["busbw"]
+
+
+def p2p_seconds(nbytes, link):
+    """A send (the pipeline's activations, a ring step): a latency and the bytes over the link (per direction)."""
+    return link["latency"] + nbytes / link["busbw"] if nbytes else 0.0
+
+
+def group_link(machine, dims, axes, gpus_per_node):
+    """The link a group along `axes` ('dp', 'cp', 'tp', 'pp') of the grid dims = (dp, cp, tp, pp) spans:
+    the node's, when its ranks share a node (parallel.ParallelLayout numbers tp fastest, then cp, dp, pp,
+    as torchrun fills nodes with consecutive ranks), else the network's with as many NICs as the group has
+    ranks on a node (NCCL runs one ring per NIC: the multi-node busbw of 8 x 24 GB/s = 192 on a DGX A100)."""
+    dp, cp, tp, pp = dims
+    sizes = {"dp": dp, "cp": cp, "tp": tp, "pp": pp}
+    at = {a: list(range(sizes[a])) if a in axes else [0] for a in sizes}
+    ranks = [grid_rank(p, d, t, dp, tp, c, cp) for p in at["pp"] for d in at["dp"] for c in at["cp"] for t in at["tp"]]
+    nodes = {r // gpus_per_node for r in ranks}
+    if len(nodes) == 1:
+        return machine["node"]
+    per_node = len(ranks) // len(nodes)
+    net = machine["network"]
+    return {"busbw": min(machine["node"]["busbw"], per_node * net["busbw"]), "latency": net["latency"]}
+
+
+# -----------------------------------------------------------------------------
+# The run: a config and a layout, in the fields the model reads
+
+
+def run_of(cfg, nproc=None):
+    """The settings the model reads, from train.py's cfg (a SimpleNamespace or dict of settings), dp
+    resolved from nproc when dp = 0; overlap_param_gather (ZeRO-1/2) True where a cfg has no such setting."""
+    source = cfg if isinstance(cfg, dict) else vars(cfg)
+    names = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "batch_size", "gradient_accumulation_steps", "pp_schedule",
+             "pp_chunks", "activation_checkpointing", "sequence_parallel", "bucket_size_mb", "dtype", "pp_layers",
+             "block_size", "optimizer", "attn_impl")
+    run = SimpleNamespace(**{k: source[k] for k in names}, overlap_param_gather=source.get("overlap_param_gather", True))
+    if not run.dp:
+        run.dp = (nproc or 1) // (run.tp * run.pp * run.cp)
+    run.pp_chunks = 2 if run.pp_schedule == "zbv" else run.pp_chunks
+    return run
+
+
+def dtype_of(run, machine):
+    """The dtype the matmuls run in: the run's, or for 'auto' bf16 on a GPU machine and fp32 on a CPU."""
+    gpu = "bfloat16" in machine["matmul_flops"] and machine.get("name") != "auto"
+    return run.dtype if run.dtype != "auto" else "bfloat16" if gpu else next(iter(machine["matmul_flops"]))
+
+
+_PIECES = {}  # (repr(model_cfg), tp, ep): parameter_pieces' answer (the config is not hashable)
+
+
+def parameter_pieces(model_cfg, tp, ep):
+    """({name: elements} of one block, {name: elements} of the rest) on one tp (and ep) rank: a one-block model
+    built on the meta device as train.build_model builds it (memory_plan.stage_parameter_elements), so the
+    counts are the run's, at a cost that does not grow with the depth."""
+    import dataclasses
+    import memory_plan
+    key = (repr(model_cfg), tp, ep)
+    if key not in _PIECES:
+        elements = memory_plan.stage_parameter_elements(dataclasses.replace(model_cfg, n_layer=1), tp, 1, 0, ep=ep)
+        block = {name[len("blocks.0."):]: n for name, n in elements.items() if name.startswith("blocks.0.")}
+        _PIECES[key] = block, {name: n for name, n in elements.items() if not name.startswith("blocks.0.")}
+    return _PIECES[key]
+
+
+# -----------------------------------------------------------------------------
+# Compute: one block's forward and backward for one micro-batch on one rank
+
+
+def fused_attention(model_cfg, run, machine):
+    """Whether the attention runs a fused kernel (FlashAttention, SDPA's fused kernels) or writes its scores:
+    the eager attention (memory_plan.attention_saves_scores: the same rule) and context parallelism's ring
+    attention, whose blocks are matmuls and a softmax written out (context_parallel._block_forward)."""
+    import memory_plan
+    device = "cpu" if machine.get("name") == "auto" and not machine["overlaps"] else "cuda"
+    return run.cp == 1 and not memory_plan.attention_saves_scores(model_cfg, run.attn_impl, device, dtype_of(run, machine))
+
+
+def elementwise_bytes(model_cfg, run, fused, act_bytes):
+    """Bytes one token's forward through one block moves outside the matmuls, each eager kernel of model.py
+    reading its inputs and writing its output (a = act_bytes; f = 4: RMSNorm and RoPE compute in fp32):
+    RMSNorm per element 5f + 2a, plus 2 (a + f) for its casts in and out when a < f (to fp32, pow, mean,
+    x * rsqrt, back, * weight; LayerNorm one fused kernel, 2a); RoPE per element of q and k 9f, plus the
+    casts (four products and two sums of halves, the cat); two residual adds (3a); the MLP's activation
+    (SwiGLU's silu and product 5a per hidden element, GELU's 2a, for each expert a token goes to); without a
+    fused kernel the softmax (2a per head and key, the causal half). Under sequence parallelism the norms
+    and adds see 1/tp of the tokens. A backward moves about twice a forward's."""
+    tp, C, a, f, (qk, _) = run.tp, model_cfg.n_embd, act_bytes, 4, attention_dims(model_cfg)
+    H, H_kv = model_cfg.n_head / tp, max(1, model_cfg.n_kv_head / tp)
+    share = C / tp if run.sequence_parallel else C
+    casts = 2 * (a + f) if a < f else 0
+    norm = 5 * f + 2 * a + casts if model_cfg.norm == "rmsnorm" else 2 * a
+    F = mlp_hidden_size(model_cfg) / tp
+    mlp = (5 if model_cfg.mlp == "swiglu" else 2) * a * F
+    if model_cfg.n_expert > 0:
+        mlp *= model_cfg.n_expert_per_token + model_cfg.n_shared_expert
+    softmax = 0 if fused else 2 * a * H * run.block_size / 2  # the causal half of the scores, on average
+    return 2 * norm * share + 2 * 3 * a * share + (9 * f + casts) * (H + H_kv) * qk + mlp + softmax
+
+
+# The operators one block runs for a micro-batch, forward and backward (views included): counted on this commit's
+# model.Block with a TorchDispatchMode, one block against three (SwiGLU 80 and 137, GELU 75 and 125, a
+# mixture of experts 161 and 246); what the embedding, final norm, head and loss add, 20 and 34.
+OPS_PER_BLOCK = {"dense": (80, 137), "moe": (161, 246)}
+OPS_AT_ENDS = (20, 34)
+
+
+def block_seconds(model_cfg, run, machine, links, tokens):
+    """Seconds of one block on one rank for one micro-batch of `tokens` tokens (this rank's, after context
+    parallelism's split): {'forward', 'input_grad', 'weight_grad'} of compute, and the communication each
+    leaves exposed, {'tp', 'cp', 'ep'} per forward and per backward.
+    Matmuls: metrics.pipeline_costs' 6 FLOPs per weight and token (2 forward, 2 for the input's gradient,
+    2 for the weights'), over tp, at the machine's matmul rate. Attention: its 6 T H (qk + v) FLOPs per
+    token, with a fused kernel at the kernel's efficiency on the causal half it computes (FlashAttention-2
+    reports causal FLOP/s so, its backward 2.5 forwards), otherwise at the matmul rate on all of it. The
+    rest: elementwise_bytes over the memory bandwidth."""
+    dtype = dtype_of(run, machine)
+    rate, act_bytes = machine["matmul_flops"][dtype], 4 if dtype == "float32" else 2
+    _, blocks, _ = metrics.pipeline_costs(model_cfg)
+    qk, v = attention_dims(model_cfg)
+    attention = 6 * run.block_size * model_cfg.n_head * (qk + v)
+    fused = fused_attention(model_cfg, run, machine)
+    matmul_f = tokens * (blocks[0] - attention) / 3 / run.tp / rate
+    # the eager attention computes every score and masks half; the zigzag ring skips the blocks no query
+    # sees: the causal half and its 2 cp diagonal blocks' other half, of 2 cp x 2 cp
+    unfused = 1.0 if run.cp == 1 else 0.5 + 1 / (4 * run.cp)
+    attention_f = tokens * attention / 3 / run.tp / (rate * machine["attention_efficiency"] * 2 if fused else rate / unfused)
+    # a fused kernel's backward recomputes the scores: 2.5 forwards' FLOPs (FlashAttention-2's count, in which
+    # its efficiency is reported), where the unfused backward is two
+    attention_b = attention_f * (2.5 if fused else 2)
+    elementwise_f = tokens * elementwise_bytes(model_cfg, run, fused, act_bytes) / machine["memory_bw"]
+    # tensor parallelism: attention's and the MLP's outputs all-reduced forward (g), their inputs' gradients
+    # backward (f); under sequence parallelism an all-gather and a reduce-scatter instead, the same bytes
+    tp = 2 * collective_seconds("all_reduce", tokens * model_cfg.n_embd * act_bytes, run.tp, links["tp"])
+    # context parallelism: cp - 1 ring steps, each sending this rank's keys and values on (forward) and
+    # with them their gradients (backward), overlapped with the attention of the step (the ring feeds it)
+    kv = tokens * max(1, model_cfg.n_kv_head // run.tp) * (qk + v) * act_bytes
+    step_attention = attention_f / run.cp
+    cp = [(run.cp - 1) * max(0.0, p2p_seconds(k * kv, links["cp"]) - (step_attention * k if machine["overlaps"] else 0))
+          for k in (1, 2)]
+    # expert parallelism: two all-to-alls of the rows each rank keeps, forward and backward alike
+    ep = 0.0
+    if model_cfg.n_expert > 0 and run.ep > 1:
+        kept, _ = expert_rows(model_cfg, tokens, run.ep)
+        ep = 2 * collective_seconds("all_to_all", kept * model_cfg.n_embd * act_bytes, run.ep, links["ep"])
+    # the host's cost per operator (op_seconds: measured on CPU, hidden behind a GPU's kernels), OPS_PER_BLOCK
+    ops_f, ops_b = (n * machine.get("op_seconds", 0.0) for n in OPS_PER_BLOCK["moe" if model_cfg.n_expert else "dense"])
+    forward = matmul_f + attention_f + elementwise_f + ops_f
+    recompute = forward if run.activation_checkpointing else 0.0  # (its communication: stage_actions)
+    return {"forward": forward, "input_grad": matmul_f + attention_b + 2 * elementwise_f + ops_b + recompute,
+            "weight_grad": matmul_f, "tp": tp, "cp": cp, "ep": ep}
+
+
+def ends_seconds(model_cfg, run, machine, links, tokens):
+    """(embedding, head) seconds for one micro-batch: {'forward', 'input_grad', 'weight_grad', 'tp'}. The
+    embedding: a lookup (its rows written), and under tensor parallelism the vocab-parallel embedding's
+    all-reduce. The head: metrics.pipeline_costs' 6 C V FLOPs per token over tp, and the loss's softmax,
+    read and written in fp32 forward and backward; under tp the vocab-parallel loss's three all-reduces of
+    one float per token, and under sequence parallelism the final norm's output gathered."""
+    dtype = dtype_of(run, machine)
+    rate, act_bytes, C = machine["matmul_flops"][dtype], 4 if dtype == "float32" else 2, model_cfg.n_embd
+    _, _, head = metrics.pipeline_costs(model_cfg)
+    lookup = tokens * C * act_bytes / machine["memory_bw"]
+    embedding = {"forward": lookup, "input_grad": 2 * lookup, "weight_grad": 0.0,
+                 "tp": collective_seconds("all_reduce", tokens * C * act_bytes, run.tp, links["tp"])}
+    matmul = tokens * head / 3 / run.tp / rate
+    softmax = tokens * 2 * model_cfg.vocab_size / run.tp * 4 / machine["memory_bw"]
+    ops_f, ops_b = (n * machine.get("op_seconds", 0.0) for n in OPS_AT_ENDS)
+    tp = 3 * collective_seconds("all_reduce", tokens * 4, run.tp, links["tp"])
+    if run.sequence_parallel:
+        tp += collective_seconds("all_gather", tokens * C * act_bytes, run.tp, links["tp"]) * 2
+    return embedding, {"forward": matmul + softmax + ops_f, "input_grad": matmul + softmax + ops_b, "weight_grad": matmul,
+                       "tp": tp}
+
+
+# -----------------------------------------------------------------------------
+# The pipeline: every rank's actions placed in time
+
+
+_SCHEDULES = {}  # (schedule, pp, m, chunks): schedule_lists' answer, found once (the routing costs most)
+
+
+def schedule_lists(run):
+    """(each rank's actions, each rank's model stages, their routes for simulate_pipeline): the schedule's own
+    lists, or without a pipeline each micro-batch's forward then backward."""
+    m = run.gradient_accumulation_steps
+    key = (run.pp_schedule, run.pp, m, run.pp_chunks)
+    if key not in _SCHEDULES:
+        if run.pp == 1:
+            lists, stages = [[(op, i, 0) for i in range(m) for op in "FB"]], [(0,)]
+        else:
+            lists = [SCHEDULES[run.pp_schedule](run.pp, r, m, run.pp_chunks) for r in range(run.pp)]
+            stages = [virtual_stages(run.pp_schedule, run.pp, r, run.pp_chunks) for r in range(run.pp)]
+        sent, expected, needs = route_messages("the step-time simulation", lists, stages)
+        check_channels("the step-time simulation", sent, expected)
+        _SCHEDULES[key] = lists, stages, (sent, needs)
+    return _SCHEDULES[key]
+
+
+def stage_actions(model_cfg, run, machine, links, cut, zero3):
+    """{model stage: {op: (seconds, {part: seconds})}} of one micro-batch's F, B and W on each model stage: its
+    blocks, the embedding on the first, the head and loss on the last; B is the whole backward where the
+    schedule does not split it (no W). zero3: (gather, reduce-scatter) seconds of one block's parameters
+    under ZeRO-3, which prefetches the next block's gather while this one computes (forward and backward)."""
+    tokens = run.batch_size * run.block_size // run.cp
+    block = block_seconds(model_cfg, run, machine, links, tokens)
+    gather, reduce = zero3
+    hide = machine["overlaps"]
+    zero3 = (max(0.0, gather - block["forward"] * hide),
+             max(0.0, gather + reduce - (block["input_grad"] + block["weight_grad"]) * hide))
+    embedding, head = ends_seconds(model_cfg, run, machine, links, tokens)
+    split = run.pp > 1 and run.pp_schedule in ("zero_bubble", "zbv")
+    again = 2 if run.activation_checkpointing else 1  # the recomputed forward's communication, in the backward
+    out = {}
+    for s, n in enumerate(cut):
+        ends = ([embedding] if s == 0 else []) + ([head] if s == len(cut) - 1 else [])
+        f = {"compute": n * block["forward"] + sum(e["forward"] for e in ends),
+             "tp": n * block["tp"] + sum(e["tp"] for e in ends), "cp": n * block["cp"][0], "ep": n * block["ep"],
+             "zero": n * zero3[0]}
+        w = {"compute": n * block["weight_grad"] + sum(e["weight_grad"] for e in ends)}
+        b = {"compute": n * block["input_grad"] + sum(e["input_grad"] for e in ends) + (0 if split else w["compute"]),
+             "tp": n * block["tp"] * again + sum(e["tp"] for e in ends),
+             "cp": n * (block["cp"][1] + block["cp"][0] * (again - 1)), "ep": n * block["ep"] * again,
+             "zero": n * zero3[1]}
+        out[s] = {op: (sum(parts.values()), parts) for op, parts in (("F", f), ("B", b), ("W", w))}
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Data parallelism and ZeRO: the buckets' collectives, overlapped where the code overlaps them
+
+
+def rank_pieces(model_cfg, run, cut, held):
+    """[(elements, whether of an expert)] of the parameters a pipeline rank holds (held: its model stages),
+    in forward order: the embedding on the first stage, each block's tensors, the final norm and head on
+    the last (a tied head's copy of the embedding where the first stage is elsewhere)."""
+    block, root = parameter_pieces(model_cfg, run.tp, run.ep)
+    embedding = [n for name, n in root.items() if name.startswith("tok_emb.")]
+    pieces = []
+    for s in sorted(held):
+        pieces += [(n, False) for n in embedding] if s == 0 else []
+        for _ in stage_layers(cut, s):
+            pieces += [(n, ".experts." in name) for name, n in block.items()]
+        if s == len(cut) - 1:
+            pieces += [(n, False) for name, n in root.items() if not name.startswith("tok_emb.")]
+            pieces += [(n, False) for n in embedding] if model_cfg.tie_embeddings and 0 not in held else []
+    return pieces
+
+
+def bucket_collectives(pieces, run, link, kind):
+    """[(elements, seconds)] of each bucket's collective in backward order (memory_plan.bucket_elements:
+    parallel.GradientBuckets' plan), the experts' buckets after the dense ones', over their own replicas.
+    Gradients travel in fp32 (the parameters' dtype)."""
+    from memory_plan import bucket_elements
+    capacity = max(1, int(run.bucket_size_mb * 2 ** 20)) // 4
+    out = []
+    for expert, n in ((False, run.dp * run.cp), (True, run.dp // run.ep * run.cp)):
+        sizes = bucket_elements([e for e, is_expert in pieces if is_expert == expert], capacity)
+        out += [(size, collective_seconds(kind, size * 4, n, link)) for size in sizes]
+    return out
+
+
+def overlapped(collectives, window, overlaps):
+    """The seconds a series of collectives runs past the end of a compute window they overlap: each starts
+    when its bucket is ready (the buckets fill evenly over the window, in the order given) and the one
+    before it has ended (one channel). Without overlap, all of them."""
+    total = sum(seconds for _, seconds in collectives)
+    if not overlaps:
+        return total
+    elements, done, end = sum(n for n, _ in collectives) or 1, 0, 0.0
+    for n, seconds in collectives:
+        done += n
+        end = max(end, window * done / elements) + seconds
+    return max(0.0, end - window)
+
+
+def gathered_late(collectives, forward, overlaps):
+    """ZeRO-1/2's parameter all-gathers, posted together after the optimizer step (overlap_param_gather) and
+    each waited for before its bucket's first use in the next forward: the seconds the forward waits, the
+    buckets used in forward order (the reverse of the backward's) through `forward` seconds of compute."""
+    if not overlaps:
+        return sum(seconds for _, seconds in collectives)
+    order = list(reversed(collectives))
+    elements, used, end, late = sum(n for n, _ in order) or 1, 0, 0.0, 0.0
+    for n, seconds in order:
+        end += seconds
+        late = max(late, end - forward * used / elements)
+        used += n
+    return max(0.0, late)
+
+
+def data_parallel_seconds(pieces, root_elements, run, machine, link, last_window, micro_window, forward):
+    """(exposed seconds of the gradients' reduction, of ZeRO-1/2's parameter gather) on one rank.
+    ZeRO-0: each bucket all-reduced in the last micro-batch's backward (the reducer communicates only then),
+    overlapped with it. ZeRO-1: reduce-scattered so. ZeRO-2: reduce-scattered in every micro-batch's
+    backward, the earlier ones overlapped with the backward and the next forward too. ZeRO-1/2: every
+    bucket's parameters all-gathered after the step, ahead of the next forward. ZeRO-3: its blocks' gathers
+    and reduce-scatters are in the actions (stage_actions); here its root unit's, once each way."""
+    if run.dp * run.cp == 1:
+        return 0.0, 0.0
+    overlaps = machine["overlaps"]
+    if run.zero_stage == 3:  # the root unit: gathered before the first forward, reduced after the last backward
+        n, ranks = root_elements * 4, run.dp * run.cp
+        return collective_seconds("reduce_scatter", n, ranks, link), collective_seconds("all_gather", n, ranks, link)
+    kind = "all_reduce" if run.zero_stage == 0 else "reduce_scatter"
+    reduce = overlapped(bucket_collectives(pieces, run, link, kind), last_window, overlaps)
+    if run.zero_stage == 2:
+        earlier = overlapped(bucket_collectives(pieces, run, link, kind), micro_window, overlaps)
+        reduce += (run.gradient_accumulation_steps - 1) * earlier
+    gather = 0.0
+    if run.zero_stage in (1, 2):
+        gather = gathered_late(bucket_collectives(pieces, run, link, "all_gather"), forward,
+                               overlaps and run.overlap_param_gather)
+    return reduce, gather
+
+
+# -----------------------------------------------------------------------------
+# The step
+
+
+_CUTS = {}  # metrics.stage_cut's answers (the model config is not hashable)
+
+
+def stage_cut(model_cfg, run):
+    """The blocks of each model stage, as train.py cuts them (metrics.stage_cut)."""
+    key = (repr(model_cfg), run.pp_schedule, run.pp, run.pp_chunks, run.pp_layers)
+    if key not in _CUTS:
+        _CUTS[key] = (metrics.stage_cut(model_cfg, run.pp_schedule, run.pp, run.pp_chunks, run.pp_layers)
+                      if run.pp > 1 else (model_cfg.n_layer,))
+    return _CUTS[key]
+
+
+def layout_links(machine, run, gpus_per_node):
+    """The link each group spans: tp, cp, the data-parallel dp x cp, pp, and ep (ep neighbouring dp ranks)."""
+    dims = (run.dp, run.cp, run.tp, run.pp)
+    links = {name: group_link(machine, dims, axes, gpus_per_node)
+             for name, axes in (("tp", ("tp",)), ("cp", ("cp",)), ("dp", ("dp", "cp")), ("pp", ("pp",)))}
+    links["ep"] = group_link(machine, (run.ep, run.cp, run.tp, run.pp), ("dp",), gpus_per_node)
+    return links
+
+
+def zero3_block_seconds(model_cfg, run, link):
+    """(all-gather, reduce-scatter) seconds of one block's parameters (fp32) under ZeRO-3: the dense part over
+    dp x cp, the experts over their replicas."""
+    if run.zero_stage != 3 or run.dp * run.cp == 1:
+        return 0.0, 0.0
+    block, _ = parameter_pieces(model_cfg, run.tp, run.ep)
+    experts = sum(n for name, n in block.items() if ".experts." in name)
+    groups = ((sum(block.values()) - experts, run.dp * run.cp), (experts, run.dp // run.ep * run.cp))
+    return tuple(sum(collective_seconds(kind, n * 4, ranks, link) for n, ranks in groups)
+                 for kind in ("all_gather", "reduce_scatter"))
+
+
+def rank_timing(r, lists, stages, times, times_without, actions):
+    """One rank's {'end', 'busy' {part: seconds}, 'bubble', 'pp', 'last_window', 'micro_window', 'forward'}
+    from the simulation (times_without: the same without the pipeline's transfers)."""
+    last = len(lists[r]) - 1  # (a rank's actions run in its list's order)
+    busy, end, end_without = {}, times[(r, last)][1], times_without[(r, last)][1]
+    m = max(i for _, i, _ in lists[r])
+    first_last = min(times[(r, k)][0] for k, (op, i, _) in enumerate(lists[r]) if op != "F" and i == m)
+    for op, c in {(op, c) for op, _, c in lists[r]}:  # each chunk runs each op once per micro-batch
+        for part, seconds in actions[stages[r][c]][op][1].items():
+            busy[part] = busy.get(part, 0.0) + seconds * (m + 1)
+    of = lambda op: sum(actions[s][op][0] for s in stages[r])  # noqa: E731  (one micro-batch, every chunk)
+    return {"end": end, "busy": busy, "bubble": end_without - sum(busy.values()), "pp": end - end_without,
+            "last_window": end - first_last, "micro_window": of("F") + of("B") + of("W"), "forward": of("F")}
+
+
+def predict(model_cfg, run, machine, gpus_per_node=None):
+    """One step's predicted seconds and its parts, for the slowest pipeline rank: {'step_s', 'parts'
+    {'compute', 'bubble', 'tp', 'cp', 'ep', 'pp', 'dp', 'zero_gather', 'optimizer'} in seconds,
+    'tokens_per_sec_per_gpu', 'mfu', 'machine'}. run: run_of's fields."""
+    gpus_per_node = gpus_per_node or machine["gpus_per_node"]
+    links = layout_links(machine, run, gpus_per_node)
+    cut = stage_cut(model_cfg, run)
+    actions = stage_actions(model_cfg, run, machine, links, cut, zero3_block_seconds(model_cfg, run, links["dp"]))
+    lists, stages, routes = schedule_lists(run)
+    dtype = dtype_of(run, machine)
+    tokens = run.batch_size * run.block_size // run.cp
+    message = tokens * model_cfg.n_embd * (4 if dtype == "float32" else 2) // (run.tp if run.sequence_parallel else 1)
+    seconds = lambda r, a: actions[stages[r][a[2]]][a[0]][0]  # noqa: E731
+    times = simulate_pipeline(lists, stages, seconds, p2p_seconds(message, links["pp"]) if run.pp > 1 else 0.0, routes)
+    times_without = simulate_pipeline(lists, stages, seconds, 0.0, routes) if run.pp > 1 else times
+    block, root = parameter_pieces(model_cfg, run.tp, run.ep)
+    ranks = []
+    for r in range(len(lists)):
+        timing = rank_timing(r, lists, stages, times, times_without, actions)
+        pieces = rank_pieces(model_cfg, run, cut, stages[r])
+        held_root = sum(n for n, _ in pieces) - sum(len(stage_layers(cut, s)) for s in stages[r]) * sum(block.values())
+        timing["dp"], timing["zero_gather"] = data_parallel_seconds(
+            pieces, held_root, run, machine, links["dp"], timing["last_window"], timing["micro_window"], timing["forward"])
+        timing["tied"] = 0.0
+        if run.pp > 1 and model_cfg.tie_embeddings and run.zero_stage < 2 and (0 in stages[r] or len(cut) - 1 in stages[r]):
+            # parallel.sync_tied_grads: the two copies' gradients all-reduced between the first and last stage
+            copy = sum(n for name, n in root.items() if name.startswith("tok_emb."))
+            timing["tied"] = collective_seconds("all_reduce", copy * 4, 2, links["pp"])
+        timing["optimizer"] = optimizer_seconds(pieces, run, machine)
+        timing["total"] = sum(timing[k] for k in ("end", "tied", "dp", "zero_gather", "optimizer"))
+        ranks.append(timing)
+    return summarize(model_cfg, run, machine, dtype, ranks)
+
+
+def optimizer_seconds(pieces, run, machine):
+    """AdamW's step over the elements this rank steps (all of its stage's, or under ZeRO its 1/dp shard, the
+    experts' over their replicas), by the bytes it moves: torch's fused kernel reads the parameter, its
+    gradient and the two moments and writes three of them back (7 x 4 bytes), and the gradient norm reads
+    the gradient once more (4): 32 bytes an element over the memory bandwidth."""
+    shards = (run.dp * run.cp, run.dp // run.ep * run.cp) if run.zero_stage >= 1 else (1, 1)
+    stepped = sum(n / shards[expert] for n, expert in pieces)
+    return stepped * 32 / machine["memory_bw"]
+
+
+def summarize(model_cfg, run, machine, dtype, ranks):
+    """predict's answer from every pipeline rank's timing: the step is the slowest rank's, its parts the
+    busiest rank's (the one with the most work), whose idle time in the step is the bubble."""
+    step = max(t["total"] for t in ranks)
+    busiest = max(ranks, key=lambda t: sum(t["busy"].values()))
+    busy = busiest["busy"]
+    parts = {"compute": busy.get("compute", 0.0), "tp": busy.get("tp", 0.0), "cp": busy.get("cp", 0.0),
+             "ep": busy.get("ep", 0.0), "pp": busiest["pp"] + busiest["tied"], "dp": busiest["dp"] + busy.get("zero", 0.0),
+             "zero_gather": busiest["zero_gather"], "optimizer": busiest["optimizer"]}
+    parts["bubble"] = max(0.0, step - sum(parts.values()))
+    world = run.dp * run.cp * run.tp * run.pp
+    tokens_per_step = run.batch_size * run.gradient_accumulation_steps * run.dp * run.block_size
+    peak = machine.get("peak_flops", machine["matmul_flops"]).get(dtype)
+    flops = metrics.flops_per_token(model_cfg) * tokens_per_step / step
+    return {"step_s": step, "parts": parts, "tokens_per_sec_per_gpu": tokens_per_step / step / world,
+            "mfu": flops / (world * peak) if peak else None, "dtype": dtype,
+            "machine": {k: v for k, v in machine.items()}}
+
+
+def format_prediction(prediction, run):
+    """The prediction as lines: the step, its parts (each with its share), tokens/s per device and MFU."""
+    step, parts = prediction["step_s"], prediction["parts"]
+    names = {"compute": "compute", "bubble": "pipeline bubble", "tp": "TP communication (exposed)",
+             "cp": "CP ring (exposed)", "ep": "EP all-to-all (exposed)", "pp": "PP transfers (exposed)",
+             "dp": "DP/ZeRO reduction (exposed)", "zero_gather": "ZeRO parameter gather (exposed)",
+             "optimizer": "optimizer step"}
+    lines = [f"predicted step: {step * 1e3:,.1f} ms on {prediction['machine'].get('description', '?')} "
+             f"({prediction['dtype']}); layout dp {run.dp} x cp {run.cp} x tp {run.tp} x pp {run.pp} x ep {run.ep}, "
+             f"ZeRO-{run.zero_stage}, micro-batch {run.batch_size} x {run.gradient_accumulation_steps}"
+             + (f", {run.pp_schedule} ({run.pp_chunks} chunk{'s' * (run.pp_chunks > 1)})" if run.pp > 1 else "")
+             + (", activation checkpointing" if run.activation_checkpointing else "")]
+    for key, label in names.items():
+        if parts[key] > 1e-4 * step or key == "compute":
+            lines.append(f"  {label:34s} {parts[key] * 1e3:12,.2f} ms  {parts[key] / step:6.1%}")
+    mfu = prediction["mfu"]
+    lines.append(f"  tokens/s per device {prediction['tokens_per_sec_per_gpu']:,.0f}; MFU "
+                 f"{metrics.format_mfu(mfu)}")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# The command line: one layout's step, broken down
+
+OWN = section(
+    "step_time.py's own",
+    Setting("nproc", 1, "processes the run will have (GPUs)"),
+    Setting("machine", "h100", "a named machine (" + ", ".join(MACHINES) + "), a .json file of the same fields, or "
+                               "'auto' (this machine, measured)"),
+    Setting("gpus_per_node", 0, "devices per node: which groups cross nodes (0: the machine's, 8 for the named ones)"),
+)
+
+
+def model_config_of(cfg):
+    """The ModelConfig of a settings dict, its vocabulary as make_config.py finds it."""
+    from dataclasses import fields
+    from make_config import vocab_size_of
+    from model import ModelConfig
+    vocab, _ = vocab_size_of(cfg)
+    return ModelConfig(**{f.name: cfg[f.name] for f in fields(ModelConfig) if f.name != "vocab_size"}, vocab_size=vocab)
+
+
+def machine_for(name, model_cfg, dtype_setting):
+    """The machine a command line names ('auto': this one measured, without processes: gloo's figures)."""
+    if name != "auto":
+        return load_machine(name)
+    dtype = torch.float32 if dtype_setting in ("auto", "float32") else getattr(torch, dtype_setting)
+    return measure_machine(model_cfg, dtype)
+
+
+def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None):
+    """(predicted seconds or None, its lines, {'predicted_step_s', 'predicted_parts_s', 'machine'}) of a run.
+    machine_name None: train.py's start-up (on CPU the cached matmul probe and gloo's figures, no collective;
+    on a GPU the named machine its name matches); 'auto': this machine measured, its all-reduce over every
+    rank (bench.py: every rank calls this); else a named machine or a .json file."""
+    if machine_name is None:
+        machine = startup_machine(model_cfg, dtype, device)
+    elif machine_name == "auto":
+        tokens = min(4096, cfg.batch_size * cfg.block_size // cfg.cp)
+        machine = measure_machine(model_cfg, dtype, device, collective=layout.world_size > 1, tokens=tokens, tp=layout.tp)
+    else:
+        machine = load_machine(machine_name)
+    if machine is None:
+        return None, ("predicted step: no named machine matches this GPU (python step_time.py --machine=PATH.json "
+                      "predicts for one you describe)"), {}
+    run = run_of(cfg, layout.world_size)
+    run.dp = layout.dp
+    p = predict(model_cfg, run, machine)
+    return p["step_s"], format_prediction(p, run), {"predicted_step_s": p["step_s"], "predicted_parts_s": p["parts"],
+                                                    "machine": machine}
+
+
+def main(argv):
+    import settings
+    from parallel import resolve_dp
+    from pipeline_schedules import check_schedule
+    try:
+        values, _ = configure(settings.TRAINING + OWN, argv, usage=__doc__)
+        model_cfg = model_config_of(values)
+        values["dp"] = resolve_dp(values["nproc"], values["dp"], values["tp"], values["pp"], count_name="nproc",
+                                  cp=values["cp"], ep=values["ep"])
+        settings.check_layout(model_cfg, values["tp"], values["pp"], values["cp"], values["sequence_parallel"],
+                              values["pp_chunks"], ep=values["ep"])
+        check_schedule(values["pp_schedule"], values["pp"], values["gradient_accumulation_steps"], values["pp_chunks"])
+        machine = machine_for(values["machine"], model_cfg, values["dtype"])
+    except (ConfigError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    run = run_of(values)
+    prediction = predict(model_cfg, run, machine, values["gpus_per_node"] or None)
+    print(format_prediction(prediction, run))
+    result = {k: prediction[k] for k in ("step_s", "tokens_per_sec_per_gpu", "mfu", "dtype", "machine")}
+    result.update(parts_s=prediction["parts"], dp=run.dp, cp=run.cp, tp=run.tp, pp=run.pp, ep=run.ep,
+                  zero_stage=run.zero_stage, pp_schedule=run.pp_schedule, pp_chunks=run.pp_chunks)
+    print("RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

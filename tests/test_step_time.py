@@ -1,0 +1,158 @@
+"""step_time.py: the step-time model held to closed forms (the pipeline's bubble, a ring's bytes, a bucket
+hidden under the backward), the links a layout's groups span, and a machine file reproducing a prediction.
+All in process: nothing here launches, measures or communicates."""
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+
+import step_time
+from model import ModelConfig
+from pipeline_schedules import SCHEDULES
+
+SMALL = ModelConfig(n_layer=4, n_head=4, n_kv_head=4, n_embd=64, block_size=64, vocab_size=512)
+LINK = {"busbw": 1e9, "latency": 0.0}
+
+
+def run_of(**changes):
+    base = dict(dp=1, tp=1, pp=1, cp=1, ep=1, zero_stage=0, batch_size=2, gradient_accumulation_steps=4,
+                pp_schedule="1f1b", pp_chunks=1, activation_checkpointing=False, sequence_parallel=False,
+                bucket_size_mb=25.0, dtype="auto", pp_layers="", block_size=64, optimizer="adamw", attn_impl="auto",
+                overlap_param_gather=True)
+    return SimpleNamespace(**{**base, **changes})
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 4)])
+def test_one_f_one_b_with_equal_stages_idles_the_gpipe_share(pp, m):
+    # equal stages, a forward 1 s and a backward 2 s: every rank idles (p - 1) / (m + p - 1) of the step
+    lists = [SCHEDULES["1f1b"](pp, r, m) for r in range(pp)]
+    times = step_time.simulate_pipeline(lists, [(r,) for r in range(pp)], lambda r, a: {"F": 1.0, "B": 2.0}[a[0]], 0.0)
+    step = max(end for _, end in times.values())
+    assert step == pytest.approx(3 * (m + pp - 1))
+    for r in range(pp):
+        assert (step - 3 * m) / step == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+def test_a_transfer_delays_each_hop_of_the_fill_and_the_drain():
+    # 1F1B at pp = 2, m = 1: F on rank 0, F and B on rank 1, B on rank 0; two messages, each t late
+    lists = [SCHEDULES["1f1b"](2, r, 1) for r in range(2)]
+    times = step_time.simulate_pipeline(lists, [(0,), (1,)], lambda r, a: {"F": 1.0, "B": 2.0}[a[0]], 0.25)
+    assert max(end for _, end in times.values()) == pytest.approx(1 + 1 + 2 + 2 + 2 * 0.25)
+
+
+def ring_all_reduce_bytes_sent(n, nbytes):
+    """Each rank's bytes sent by a ring all-reduce, counted step by step: n - 1 reduce-scatter steps and n - 1
+    all-gather steps, each passing one of the n chunks to the next rank."""
+    chunk = nbytes / n
+    return sum(chunk for _ in range(n - 1)) + sum(chunk for _ in range(n - 1))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_a_ring_all_reduce_sends_twice_n_minus_one_over_n_of_the_buffer(n):
+    nbytes = 1e8
+    assert step_time.collective_seconds("all_reduce", nbytes, n, LINK) == pytest.approx(
+        ring_all_reduce_bytes_sent(n, nbytes) / LINK["busbw"])
+    # a reduce-scatter or an all-gather is one half of it
+    assert step_time.collective_seconds("reduce_scatter", nbytes, n, LINK) == pytest.approx(
+        ring_all_reduce_bytes_sent(n, nbytes) / 2 / LINK["busbw"])
+    # and each of its 2 (n - 1) steps waits one latency
+    assert step_time.collective_seconds("all_reduce", 0.0 + 1, n, {"busbw": 1e30, "latency": 1.0}) == \
+        pytest.approx(2 * (n - 1))
+
+
+def test_one_rank_communicates_nothing():
+    assert step_time.collective_seconds("all_reduce", 1e9, 1, LINK) == 0.0
+
+
+def test_buckets_that_fit_in_the_backward_leave_only_the_last_exposed():
+    # four equal buckets filling evenly over a 4 s backward, each reduced in 0.5 s: each is done before the
+    # next is full, so only the last one's 0.5 s runs past the backward
+    buckets = [(100, 0.5)] * 4
+    assert step_time.overlapped(buckets, 4.0, overlaps=True) == pytest.approx(0.5)
+    # where nothing overlaps (gloo on the cores that compute) all of it is exposed
+    assert step_time.overlapped(buckets, 4.0, overlaps=False) == pytest.approx(2.0)
+    # buckets slower than the backward fills them queue up: 4 x 1.5 s from the first's ready time at 1 s
+    assert step_time.overlapped([(100, 1.5)] * 4, 4.0, overlaps=True) == pytest.approx(1 + 4 * 1.5 - 4)
+
+
+def test_zero_one_gathers_ahead_of_the_forward_wait_only_when_they_outrun_it():
+    # two buckets of equal size, gathered in 1 s each; the forward reaches the second bucket after 3 s
+    assert step_time.gathered_late([(1, 1.0), (1, 1.0)], forward=6.0, overlaps=True) == pytest.approx(1.0)
+    assert step_time.gathered_late([(1, 0.1), (1, 0.1)], forward=6.0, overlaps=True) == pytest.approx(0.1)
+
+
+def test_groups_inside_a_node_take_the_node_link_and_across_nodes_the_network():
+    machine = step_time.load_machine("h100")
+    links = step_time.layout_links(machine, run_of(dp=8, tp=8), 8)
+    assert links["tp"] == machine["node"]  # tp fastest: ranks 0-7, one node
+    # dp: ranks 0, 8, 16, ...: one per node, one NIC each
+    assert links["dp"]["busbw"] == machine["network"]["busbw"]
+    links = step_time.layout_links(machine, run_of(dp=16), 8)
+    assert links["dp"]["busbw"] == min(machine["node"]["busbw"], 8 * machine["network"]["busbw"])
+
+
+def test_every_named_machine_has_every_field():
+    for name in step_time.MACHINES:
+        machine = step_time.load_machine(name)
+        for field in ("matmul_flops", "peak_flops", "memory_bw", "attention_efficiency", "node", "network",
+                      "overlaps", "gpus_per_node", "memory_gib", "description"):
+            assert field in machine, (name, field)
+
+
+def test_a_prediction_breaks_the_step_into_parts_that_sum_to_it():
+    run = run_of(dp=2, tp=2, pp=2, gradient_accumulation_steps=4, zero_stage=1)
+    p = step_time.predict(SMALL, run, step_time.load_machine("a100"))
+    assert sum(p["parts"].values()) == pytest.approx(p["step_s"])
+    assert p["tokens_per_sec_per_gpu"] == pytest.approx(2 * 4 * 2 * 64 / p["step_s"] / 8)
+
+
+def test_a_machine_written_to_a_file_reproduces_the_prediction(tmp_path):
+    run = run_of(dp=2, zero_stage=2)
+    first = step_time.predict(SMALL, run, step_time.load_machine("l4"))
+    path = tmp_path / "box.json"
+    path.write_text(json.dumps(first["machine"]))
+    assert step_time.predict(SMALL, run, step_time.load_machine(str(path)))["step_s"] == first["step_s"]
+
+
+def test_an_unknown_machine_is_refused_by_name():
+    with pytest.raises(ValueError, match="machine = 'b300'"):
+        step_time.load_machine("b300")
+
+
+def test_bench_predicts_its_step_and_step_time_given_its_machine_reproduces_it(tmp_path, capsys):
+    import bench
+    flags = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--vocab_size=512",
+             "--batch_size=2", "--gradient_accumulation_steps=2"]
+    bench.main(flags + ["--warmup_steps=1", "--bench_steps=1"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1][len("RESULT "):])
+    assert result["predicted_step_s"] > 0 and result["machine"]["name"] == "auto"
+    path = tmp_path / "here.json"
+    path.write_text(json.dumps(result["machine"]))
+    again = step_time.main(flags + [f"--machine={path}"])
+    assert again["step_s"] == pytest.approx(result["predicted_step_s"], rel=1e-12)
+
+
+def test_train_prints_the_predicted_step_at_start_up_and_the_measured_beside_it(tmp_path, capsys):
+    from dist_utils import make_token_data, train_in_process
+    data = make_token_data(str(tmp_path / "data"))
+    train_in_process([f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", "--n_layer=2", "--n_embd=64",
+                      "--n_head=4", "--n_kv_head=4", "--block_size=32", "--batch_size=2", "--max_iters=4",
+                      "--log_interval=2", "--eval_interval=0", "--checkpoint_interval=0"])
+    out = capsys.readouterr().out
+    assert re.search(r"^predicted step: [\d,.]+ ms on measured here: cpu", out, re.M), out
+    # beside the log line after the first step (whose memory train.py tracks): steps 3-4
+    assert re.search(r"^step time: predicted [\d,.]+ ms, measured [\d,.]+ ms \(steps 3-4\)$", out, re.M), out
+
+
+def test_zero_one_gathers_wait_whole_when_overlap_param_gather_is_off():
+    # small buckets: the first is needed at once, the later ones while the forward runs
+    run = run_of(dp=2, zero_stage=1, bucket_size_mb=0.01)
+    on = step_time.predict(SMALL, run, step_time.load_machine("a100"))["parts"]["zero_gather"]
+    off = step_time.predict(SMALL, run_of(dp=2, zero_stage=1, bucket_size_mb=0.01, overlap_param_gather=False),
+                            step_time.load_machine("a100"))["parts"]["zero_gather"]
+    # off: every bucket's all-gather before the forward, whole
+    pieces = step_time.rank_pieces(SMALL, run, step_time.stage_cut(SMALL, run), (0,))
+    whole = sum(t for _, t in step_time.bucket_collectives(pieces, run, step_time.layout_links(
+        step_time.load_machine("a100"), run, 8)["dp"], "all_gather"))
+    assert off == pytest.approx(whole) and on < off
