@@ -259,6 +259,21 @@ class Float8Linear(nn.Linear):
 # applying it to a model
 
 
+def check_fp8(recipe, device, dtype):
+    """Stop at start-up where fp8 cannot run: a CUDA card without FP8 tensor cores (compute capability below
+    8.9: before Ada and Hopper), or a float64 run (the FP8 matmuls give at most fp32)."""
+    if recipe == "none":
+        return
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"fp8 = {recipe!r} needs FP8 tensor cores (CUDA compute capability 8.9 or above: Ada, "
+                         f"Hopper, Blackwell); {torch.cuda.get_device_name(device)} has {major}.{minor}: "
+                         f"train with --fp8=none (bf16)")
+    if dtype == torch.float64:
+        raise ValueError(f"fp8 = {recipe!r} with dtype float64: the FP8 matmuls give fp32 at most; use "
+                         f"--fp8=none for a float64 run")
+
+
 def fp8_dims_ok(weight, device_type):
     """CUDA's FP8 kernels need both dimensions multiples of 16 (torchtitan's rule); the CPU's do not."""
     return device_type != "cuda" or (weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)

@@ -105,7 +105,7 @@ def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1
     group = lambda size: SimpleNamespace(size=lambda: size, rank=lambda: 0) if size > 1 else None  # noqa: E731
     layout = SimpleNamespace(pp=pp, pp_rank=stage, tp_group=group(tp), ep_group=group(ep), cp_group=None)
     cfg = SimpleNamespace(chunked_loss=False, pp_schedule=schedule, pp_chunks=chunks, pp_layers=pp_layers,
-                          sequence_parallel=False, activation_checkpointing=False)
+                          sequence_parallel=False, activation_checkpointing=False, fp8="none")
     model = train.build_model(cfg, model_cfg, layout, "auto", "meta")  # (the kernel holds no parameters)
     out = {}
     for name, p in model.named_parameters():  # (a tied weight once: named_parameters gives each tensor once)

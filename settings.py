@@ -19,6 +19,7 @@ import math
 
 from configurator import ConfigError, Setting, section
 from context_parallel import check_context_split
+from fp8 import RECIPES as FP8_RECIPES
 from model import config_problems, mlp_hidden_size
 from parallel import resolve_dp
 
@@ -67,6 +68,9 @@ TRAINING = [
         Setting("attn_impl", "auto", "'auto', 'sdpa', 'flash', 'eager'", resume="allow"),
         Setting("compile", False, "torch.compile the model (falls back to eager, with a log line, where compiling "
                 "fails)", resume="allow"),
+        Setting("fp8", "none", "'tensorwise' or 'rowwise': every linear but the head and the router computes its "
+                "matmuls in FP8 (fp8.py; torchao's recipes); 'none' in the run's dtype. Weights, gradients and "
+                "checkpoints are unchanged", resume="allow"),
         Setting("activation_checkpointing", False, "recompute each block's activations in backward: less memory, "
                 "~1/3 more compute", resume="allow"),
         Setting("chunked_loss", True, "tp=1: the loss a chunk of tokens at a time, never the whole (tokens, vocab) "
@@ -205,7 +209,8 @@ NOT_NEGATIVE = ("seed", "eval_interval", "checkpoint_interval", "keep_last_n", "
                 "head_dim", "intermediate_size", "rope_scaling_factor")
 
 # settings that take one of a few words
-CHOICES = {"lr_schedule": ("cosine", "wsd"), "decay_shape": ("linear", "1-sqrt"), "optimizer": ("adamw", "muon")}
+CHOICES = {"lr_schedule": ("cosine", "wsd"), "decay_shape": ("linear", "1-sqrt"), "optimizer": ("adamw", "muon"),
+           "fp8": FP8_RECIPES}
 
 
 def check_values(values):

@@ -104,3 +104,64 @@ def test_scales_at_tp2_are_bit_identical_to_one_process():
     """The one rule for scales: a rank's cast of its slice equals one process's cast of the same elements,
     bit for bit, for every scale whose elements the layout splits (all-reduced) or leaves whole."""
     assert run_ranks(_tp_scales, 2) == [[], []]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_split_backward_keeps_the_fp8_weight_gradient_and_equals_one_backward(recipe):
+    """Under a zero-bubble schedule's split backward (WeightGradStore: B collects, W applies, a microbatch
+    late) an FP8 model's gradients are those of its plain backward, bit for bit: W forms dW with the same
+    FP8 matmuls (the store keeps the FP8 layers' inputs, not a plain linear's product)."""
+    from model import ModelConfig, Transformer
+    from pipeline_schedules import WeightGradStore, chunk_modules
+    cfg = ModelConfig(vocab_size=128, block_size=8, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                      n_expert=4, n_expert_per_token=1, n_shared_expert=1)
+    plain, split = Transformer(cfg), Transformer(cfg)
+    plain.init_weights(1), split.init_weights(1)
+    for model in (plain, split):
+        fp8.apply_fp8(model, recipe, keep=lambda name, _: name == "lm_head" or name.endswith(".router"))
+    store = WeightGradStore(chunk_modules(split, 0))
+    assert any(p is split.blocks["0"].attn.q_proj.weight for p in store.params)
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randint(0, 128, (2, 8), generator=g), torch.randint(0, 128, (2, 8), generator=g)) for _ in range(3)]
+    for x, y in batches:
+        (plain(x, y)[1] / 3).backward()
+    for i, (x, y) in enumerate(batches):
+        with store.collect(i):
+            (split(x, y)[1] / 3).backward()
+        if i >= 1:
+            store.apply(i - 1)
+    store.apply(2)
+    assert store.held == {} and store.held_bytes == 0
+    in_fp8 = {id(m.weight) for m in split.modules() if isinstance(getattr(m, "matmul", None), fp8.Float8Matmul)}
+    for (name, p), q in zip(plain.named_parameters(), split.parameters()):
+        if id(q) in in_fp8:
+            assert torch.equal(p.grad, q.grad), name
+        else:  # (the tied head's plain split backward adds in another order)
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=64", "--block_size=32", "--batch_size=4",
+        "--eval_interval=0", "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3", "--device=cpu"]
+
+
+def test_an_fp8_run_says_so_and_resumes_without_fp8(tmp_path):
+    """train.py --fp8=rowwise names how many linears compute in FP8 (all but the tied head: 7 a block); its
+    checkpoint resumes with fp8 off, a checkpoint of the same names and shapes."""
+    from contextlib import redirect_stdout
+    import io
+    from dist_utils import make_token_data, read_records, train_in_process
+    data = make_token_data(str(tmp_path / "data"))
+    run = TINY + [f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", "--checkpoint_interval=2"]
+    with redirect_stdout(io.StringIO()) as out:
+        train_in_process(run + ["--fp8=rowwise", "--max_iters=2"])
+    assert "fp8: 14 linears (rowwise)" in out.getvalue()
+    records = train_in_process(run + ["--fp8=none", "--max_iters=3", "--init_from=resume"])
+    assert [r["step"] for r in records if "loss" in r][-1] == 3
+
+
+def test_fp8_refuses_an_unknown_recipe_and_float64():
+    from dist_utils import main_exit_and_output
+    code, out = main_exit_and_output(TINY + ["--fp8=blockwise", "--max_iters=1"])
+    assert "fp8 = 'blockwise' must be one of 'none', 'tensorwise', 'rowwise'" in str(code)
+    with pytest.raises(ValueError, match="fp8 = 'tensorwise' with dtype float64"):
+        fp8.check_fp8("tensorwise", torch.device("cpu"), torch.float64)
