@@ -165,3 +165,17 @@ def test_fp8_refuses_an_unknown_recipe_and_float64():
     assert "fp8 = 'blockwise' must be one of 'none', 'tensorwise', 'rowwise'" in str(code)
     with pytest.raises(ValueError, match="fp8 = 'tensorwise' with dtype float64"):
         fp8.check_fp8("tensorwise", torch.device("cpu"), torch.float64)
+
+
+def test_bench_compare_fp8_times_both_in_turn(capsys):
+    """bench.py --compare_fp8=True times the step with fp8 and without, in turn, and says which is which."""
+    import json
+    import bench
+    bench.main(["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--vocab_size=512",
+                "--batch_size=2", "--warmup_steps=1", "--bench_steps=1", "--peak_flops=1e12", "--device=cpu",
+                "--fp8=rowwise", "--compare_fp8=True"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert (result["fp8"], result["compare_fp8"]) == ("rowwise", "none")
+    assert result["compare_fp8_ms_per_step"] > 0 and result["compare_fp8_loss"] != result["loss"]
+    assert any(line.startswith("fp8=rowwise against fp8=none:") for line in lines)
