@@ -327,9 +327,10 @@ def report(cfg, bench, setup, runners, results, peak, tokens_per_step, memory, p
     if bench.compare_fp8:
         other_fp8 = "tensorwise" if cfg.fp8 == "none" else "none"
         other = results[f"fp8={other_fp8}"]
+        ratio = results[main]["ms_per_step"] / other["ms_per_step"]
         print(f"fp8={cfg.fp8} against fp8={other_fp8}: {results[main]['ms_per_step']:,.1f} against "
-              f"{other['ms_per_step']:,.1f} ms/step (median), {results[main]['ms_per_step'] / other['ms_per_step']:.3f}x "
-              f"the time" + (" (on CPU FP8 proves the numerics, not the speed: it is slower)" if dev.type == "cpu" else ""))
+              f"{other['ms_per_step']:,.1f} ms/step (median), {ratio:.3f}x the time"
+              + (" (on CPU FP8 proves the numerics, not the speed: it is slower)" if dev.type == "cpu" else ""))
         result.update(fp8=cfg.fp8, compare_fp8=other_fp8, compare_fp8_ms_per_step=other["ms_per_step"],
                       compare_fp8_tokens_per_sec=other["tokens_per_sec"], compare_fp8_loss=other["loss"])
     if profile is not None:

@@ -281,7 +281,7 @@ def fp8_saved_elements(model_cfg, tokens, tp, recipe, act_bytes):
     outputs and the MLP's hidden product, which only the linears kept; rowwise keeps what plain linears keep."""
     if recipe != "tensorwise" or model_cfg.n_expert > 0 or model_cfg.attention == "mla":
         return 0
-    C, D, F, H = model_cfg.n_embd, attention_head_dim(model_cfg), mlp_hidden_size(model_cfg) // tp, model_cfg.n_head // tp
+    C, D, F, H = model_cfg.n_embd, attention_head_dim(model_cfg), mlp_hidden_size(model_cfg) // tp, model_cfg.n_head//tp
     kv, up = model_cfg.n_kv_head // (tp if model_cfg.n_kv_head % tp == 0 else 1), 2 if model_cfg.mlp == "swiglu" else 1
     casts = tokens * (3 * C + H * D + up * C + F) + C * (2 * H + 2 * kv) * D + (up + 1) * C * F
     return round(casts / act_bytes) - tokens * ((1 if model_cfg.parallel_block else 2) * C + F)

@@ -325,7 +325,8 @@ def fp8_tensor_parallel(rank):
     w_up, w_down = randn(g, 16, 8), randn(g, 8, 16)
     measured = {}
     for recipe in ("tensorwise", "rowwise"):
-        mlp = nn.Sequential(tp.ColumnParallelLinear(8, 16, group=WORLD), nn.GELU(), tp.RowParallelLinear(16, 8, group=WORLD))
+        mlp = nn.Sequential(tp.ColumnParallelLinear(8, 16, group=WORLD), nn.GELU(),
+                            tp.RowParallelLinear(16, 8, group=WORLD))
         one = nn.Sequential(nn.Linear(8, 16, bias=False), nn.GELU(), nn.Linear(16, 8, bias=False))
         with torch.no_grad():
             for layer, single, w in ((mlp[0], one[0], w_up), (mlp[2], one[2], w_down)):

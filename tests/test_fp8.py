@@ -122,7 +122,7 @@ def test_split_backward_keeps_the_fp8_weight_gradient_and_equals_one_backward(re
     store = WeightGradStore(chunk_modules(split, 0))
     assert any(p is split.blocks["0"].attn.q_proj.weight for p in store.params)
     g = torch.Generator().manual_seed(7)
-    batches = [(torch.randint(0, 128, (2, 8), generator=g), torch.randint(0, 128, (2, 8), generator=g)) for _ in range(3)]
+    batches = [[torch.randint(0, 128, (2, 8), generator=g) for _ in range(2)] for _ in range(3)]
     for x, y in batches:
         (plain(x, y)[1] / 3).backward()
     for i, (x, y) in enumerate(batches):
