@@ -104,10 +104,10 @@ def scaled_mm(a, a_scale, b, b_scale, out_dtype, post_scaled=False):
     return torch._scaled_mm(a, b, *inverse, out_dtype=out_dtype, use_fast_accum=True)
 
 
-def _rowwise_dtype(out_dtype, split):
-    """The dtype of a rowwise matmul's output: bf16 (its kernel's), or out_dtype where the inner dimension is
-    split (the sum is rounded later: round_through_bf16)."""
-    return out_dtype if split or out_dtype == torch.bfloat16 else torch.bfloat16
+def _rowwise_dtype(split):
+    """The dtype of a rowwise matmul's output: bf16 (its kernel's), or fp32 where the inner dimension is split,
+    its partial sums rounded once summed (round_after, sum_then_round)."""
+    return torch.float32 if split else torch.bfloat16
 
 
 def sum_then_round(partial, group):
@@ -139,8 +139,9 @@ def forward_product(mm, x, weight):
         return y, (torch.cat([x8 for x8, _ in xs]), torch.stack([s for _, s in xs]), w8, ws)
     x8, xs = cast(x, E4M3, -1, (g.inner,), power_of_2=True)  # (M, 1)
     w8, ws = cast(weight, E4M3, -1, (g.inner,), power_of_2=True)  # (N, 1)
-    y = scaled_mm(x8, xs, w8.t(), ws.t(), _rowwise_dtype(x.dtype, group_size(g.inner) > 1))
-    return y.to(x.dtype), (x, weight)
+    split = group_size(g.inner) > 1
+    y = scaled_mm(x8, xs, w8.t(), ws.t(), _rowwise_dtype(split))
+    return (y if split else y.to(x.dtype)), (x, weight)
 
 
 def input_grad(mm, dy, kept):
@@ -153,7 +154,7 @@ def input_grad(mm, dy, kept):
     weight = kept[1]
     dy8, dys = cast(dy, E4M3, -1, (g.outer,), power_of_2=True)  # (M, 1)
     w8, ws = cast(weight, E4M3, 0, (g.outer,), power_of_2=True)  # (1, K)
-    dx = scaled_mm(dy8, dys, w8, ws, _rowwise_dtype(dy.dtype, group_size(g.outer) > 1), post_scaled=True)
+    dx = scaled_mm(dy8, dys, w8, ws, _rowwise_dtype(group_size(g.outer) > 1), post_scaled=True)
     return sum_then_round(dx, g.outer).to(dy.dtype)
 
 
@@ -170,7 +171,7 @@ def weight_grad(mm, sources, x_kept, dy, kept):
         else:
             dy8, dys = cast(dy_i, E4M3, 0, (g.tokens,), power_of_2=True)  # (1, N)
             x8, xs = cast(x_i, E4M3, 0, (g.tokens,), power_of_2=True)  # (1, K)
-            out = _rowwise_dtype(dy.dtype, group_size(g.tokens) > 1)
+            out = _rowwise_dtype(group_size(g.tokens) > 1)
             dw = dw + sum_then_round(scaled_mm(dy8.t(), dys.t(), x8, xs, out, post_scaled=True), g.tokens).to(dy.dtype)
     return dw
 
