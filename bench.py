@@ -7,6 +7,7 @@ Time picotron's training step: tokens/s, ms/step, MFU and peak memory, for any c
     python bench.py config/tiny_fineweb.py --optimizer=muon --compare_optimizer=adamw
     torchrun --nproc_per_node=2 bench.py config/tiny_fineweb.py --zero_stage=1 --compare_zero_stage=0
     python bench.py config/tiny_fineweb.py --data_dir=data/fineweb_edu --doc_mask=True --compare_doc_mask=True
+    python bench.py config/tiny_fineweb.py --fp8=tensorwise --compare_fp8=True
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --tp=2 --dp=2
     torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --cp=2 --tp=2 --sequence_parallel=True \
         --block_size=1024
@@ -23,7 +24,8 @@ traced step and its peak activations per rank), --profile_steps (after the timed
 under torch.profiler: where a step's time goes) and --profile_trace (the same as a Chrome trace file),
 --compare_optimizer=NAME (also time train.py's step with another optimizer, in turn the same way),
 --compare_zero_stage=N (also time it at ZeRO stage N, in turn the same way),
---compare_doc_mask=True (also time it with doc_mask the other way, in turn the same way). Tokens are
+--compare_doc_mask=True (also time it with doc_mask the other way, in turn the same way), --compare_fp8=True
+(also time it with fp8 the other way: the run's dtype against its recipe, or against tensorwise). Tokens are
 random unless --data_dir is given on the command line (doc_mask needs its eot_token: from the data's
 meta.json, or --eot_token). The last line printed is `RESULT {json}`, for scripts; first_step_s in it is
 the first step's time, which holds the compilation with compile=True; exposed_comm_ms, {mechanism: ms},
@@ -53,6 +55,7 @@ from data import TRAIN_STREAM, context_split, document_end, rank_microbatches
 import train
 from configurator import ConfigError, Setting, configure, section
 from faults import run_script
+from fp8 import check_fp8
 from settings import check_layout
 from pipeline_schedules import check_schedule, ideal_bubble
 
@@ -74,6 +77,8 @@ BENCH = section(
     Setting("compare_doc_mask", False, "also time train.py's step with doc_mask the other way, step by step in turn"),
     Setting("machine", "auto", "the machine step_time.py predicts the step for: 'auto' (this one, measured: a matmul "
             "at the model's shapes, an all-reduce over the ranks), a named one or a .json file"),
+    Setting("compare_fp8", False, "also time train.py's step with fp8 the other way ('none' against the run's "
+            "recipe; a run without fp8 against 'tensorwise'), step by step in turn"),
 )
 
 
@@ -217,6 +222,10 @@ def make_runners(cfg, bench, setup):
         other_model = dataclasses.replace(setup.model_cfg, doc_mask=flipped)
         other_setup = SimpleNamespace(**{**vars(setup), "model_cfg": other_model})
         runners.append(Picotron(other, other_setup, name=f"doc_mask={flipped}"))
+    if bench.compare_fp8:  # the same model and step, its linears in FP8 or in the run's dtype
+        other = SimpleNamespace(**{**vars(cfg), "fp8": "tensorwise" if cfg.fp8 == "none" else "none"})
+        check_fp8(other.fp8, setup.dev, setup.dtype)
+        runners.append(Picotron(other, setup, name=f"fp8={other.fp8}"))
     if bench.reference:
         runners.append(ReferenceGPT(runners[0]))
     return runners
@@ -346,6 +355,15 @@ def report(cfg, bench, setup, runners, results, peak, tokens_per_step, memory, p
               f"{results[main]['ms_per_step'] / other['ms_per_step']:.3f}x the time")
         result.update(doc_mask=cfg.doc_mask, compare_doc_mask_ms_per_step=other["ms_per_step"],
                       compare_doc_mask_tokens_per_sec=other["tokens_per_sec"])
+    if bench.compare_fp8:
+        other_fp8 = "tensorwise" if cfg.fp8 == "none" else "none"
+        other = results[f"fp8={other_fp8}"]
+        ratio = results[main]["ms_per_step"] / other["ms_per_step"]
+        print(f"fp8={cfg.fp8} against fp8={other_fp8}: {results[main]['ms_per_step']:,.1f} against "
+              f"{other['ms_per_step']:,.1f} ms/step (median), {ratio:.3f}x the time"
+              + (" (on CPU FP8 proves the numerics, not the speed: it is slower)" if dev.type == "cpu" else ""))
+        result.update(fp8=cfg.fp8, compare_fp8=other_fp8, compare_fp8_ms_per_step=other["ms_per_step"],
+                      compare_fp8_tokens_per_sec=other["tokens_per_sec"], compare_fp8_loss=other["loss"])
     if profile is not None:
         result["profile"] = profile
     if bench.reference:

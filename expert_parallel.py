@@ -131,6 +131,14 @@ def expert_rows(model_cfg, tokens, ep=1):
     return min(N * k, E * capacity), min(ep * N * k, E * capacity)
 
 
+def exchange_bytes(model_cfg, tokens, ep, act_bytes):
+    """The memory planner's count (memory_plan.py): while an MoE layer's outputs travel back, the rows it
+    sent, the rows it received, its experts' outputs and their reordered copy (dispatch_to_experts), beside
+    the activations saved so far."""
+    kept, received = expert_rows(model_cfg, tokens, ep)
+    return (kept + 3 * received) * model_cfg.n_embd * act_bytes
+
+
 class ExpertParallelDispatch:
     """model.LocalExperts across the ep group: the counts exchanged, the kept assignments sent to their
     experts' ranks and back by the two all-to-alls (see the top of this file). bytes_sent: the bytes this

@@ -26,10 +26,9 @@ import math
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 
 from metrics import rank_peak_memory_bytes, stage_cut
-from expert_parallel import expert_rows
+from expert_parallel import exchange_bytes, expert_rows
 from model import attention_dims, attention_head_dim, choose_attn_impl, loss_chunk_size, mlp_hidden_size, takes_muon
 from optim import deal_whole
 from parallel import full_shape_of, padded_vocab_size, stage_layers
@@ -105,7 +104,7 @@ def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1
     group = lambda size: SimpleNamespace(size=lambda: size, rank=lambda: 0) if size > 1 else None  # noqa: E731
     layout = SimpleNamespace(pp=pp, pp_rank=stage, tp_group=group(tp), ep_group=group(ep), cp_group=None)
     cfg = SimpleNamespace(chunked_loss=False, pp_schedule=schedule, pp_chunks=chunks, pp_layers=pp_layers,
-                          sequence_parallel=False, activation_checkpointing=False)
+                          sequence_parallel=False, activation_checkpointing=False, fp8="none")
     model = train.build_model(cfg, model_cfg, layout, "auto", "meta")  # (the kernel holds no parameters)
     out = {}
     for name, p in model.named_parameters():  # (a tied weight once: named_parameters gives each tensor once)
@@ -275,14 +274,25 @@ def weight_grad_residual_elements(model_cfg, tokens, tp):
     return tokens * (attn + mlp)
 
 
+def fp8_saved_elements(model_cfg, tokens, tp, recipe, act_bytes):
+    """fp8's change to a dense block's saved elements (of act_bytes; MoE and MLA counted as plain): tensorwise
+    keeps each linear's input (q, k, v each theirs) and weight as FP8 casts (a byte each), no longer the norms'
+    outputs and the MLP's hidden product, which only the linears kept; rowwise keeps what plain linears keep."""
+    if recipe != "tensorwise" or model_cfg.n_expert > 0 or model_cfg.attention == "mla":
+        return 0
+    C, D, F, H = model_cfg.n_embd, attention_head_dim(model_cfg), mlp_hidden_size(model_cfg) // tp, model_cfg.n_head//tp
+    kv, up = model_cfg.n_kv_head // (tp if model_cfg.n_kv_head % tp == 0 else 1), 2 if model_cfg.mlp == "swiglu" else 1
+    casts = tokens * (3 * C + H * D + up * C + F) + C * (2 * H + 2 * kv) * D + (up + 1) * C * F
+    return round(casts / act_bytes) - tokens * ((1 if model_cfg.parallel_block else 2) * C + F)
+
+
 def shard(n, ranks):
     """One rank's share of n elements split over `ranks` ranks, rounded up (ZeRO's shards are padded)."""
     return -(-n // ranks)
 
 
 def zero3_units(elements, chunk_layers):
-    """[dense, experts] elements of each block this rank holds (chunk_layers: each chunk's block indices):
-    ZeRO-3 gathers each as a unit, and the blocks' sum is what the root unit is not."""
+    """[dense, experts] elements of each block here (chunk_layers: each chunk's blocks), each a ZeRO-3 unit."""
     return [[sum(n for name, n in elements.items() if name.startswith(f"blocks.{i}.") and
                  is_expert(name) == expert) for expert in (False, True)]
             for layers in chunk_layers for i in layers]
@@ -401,19 +411,12 @@ def zero1_slice_bytes(elements, matrices, adamw_elements, replicas, expert_repli
             + (shard(launched[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
 
 
-def exchange_bytes(model_cfg, tokens, ep, act_bytes):
-    """Expert parallelism: while an MoE layer's outputs travel back, the rows it sent, the rows it received,
-    its experts' outputs and their reordered copy (expert_parallel.dispatch_to_experts), beside the
-    activations saved so far."""
-    kept, received = expert_rows(model_cfg, tokens, ep)
-    return (kept + 3 * received) * model_cfg.n_embd * act_bytes
-
-
 def activation_elements(model_cfg, tokens, seq_len, tp, ep, sequence_parallel, activation_checkpointing,
-                        scores, blocks):
+                        scores, blocks, fp8="none", act_bytes=4):
     """(saved, recompute, backward_start): the elements a forward leaves per block until its backward, the
     block recomputed at a time, and what a backward adds as it starts; blocks: whether the rank holds any."""
     per_block = block_activation_elements(model_cfg, tokens, tp, sequence_parallel, ep, seq_len, scores)
+    per_block += fp8_saved_elements(model_cfg, tokens, tp, fp8, act_bytes)
     n_local = tokens // tp if sequence_parallel else tokens
     # with activation checkpointing a block keeps its input, and one block is recomputed at a time
     saved = n_local * model_cfg.n_embd if activation_checkpointing else per_block
@@ -465,7 +468,7 @@ def grad_norm_bytes(model_cfg, zero_stage, muon, elements, block_units, root, he
 def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, block_size=None,
                 microbatches=1, schedule="1f1b", activation_checkpointing=False, chunked_loss=True,
                 sequence_parallel=False, bucket_size_mb=25.0, param_bytes=4, act_bytes=4, chunks=1, ep=1,
-                optimizer="adamw", dp_rank=None, attention_scores=False, pp_layers=""):
+                optimizer="adamw", dp_rank=None, attention_scores=False, pp_layers="", fp8="none"):
     """For each pipeline stage, one rank's bytes: {'stage', 'parameters', 'gradients', 'optimizer',
     'activations', 'loss', 'buffers', 'step', 'peak'} (see above; ZeRO-3's gathered root unit and blocks are
     under 'parameters'; activations and loss are their largest over the step). dp_rank: the data-parallel
@@ -502,7 +505,7 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
         buffers += zero1_slices
         saved, recompute, backward_start = activation_elements(model_cfg, N, T // cp, tp, ep, sequence_parallel,
                                                                activation_checkpointing, attention_scores and cp == 1,
-                                                               bool(block_units))
+                                                               bool(block_units), fp8, act_bytes)
         exchange = exchange_bytes(model_cfg, N, ep, act_bytes) if ep > 1 and model_cfg.n_expert > 0 and block_units else 0
         loss_held = loss_once = 0  # per micro-batch the head's chunk holds; while the loss runs
         if head_chunk is not None:
@@ -537,7 +540,7 @@ def plan_for(cfg, model_cfg, layout_dims, dp_rank=None):
     return plan_memory(model_cfg, dp, tp, pp, cp, cfg.zero_stage, cfg.batch_size, cfg.block_size,
                        cfg.gradient_accumulation_steps, cfg.pp_schedule, cfg.activation_checkpointing,
                        cfg.chunked_loss, cfg.sequence_parallel, cfg.bucket_size_mb, chunks=cfg.pp_chunks, ep=cfg.ep,
-                       optimizer=cfg.optimizer, dp_rank=dp_rank, pp_layers=cfg.pp_layers,
+                       optimizer=cfg.optimizer, dp_rank=dp_rank, pp_layers=cfg.pp_layers, fp8=cfg.fp8,
                        attention_scores=attention_saves_scores(model_cfg, cfg.attn_impl, cfg.device, cfg.dtype))
 
 
@@ -575,7 +578,7 @@ def memory_rows(layout, predicted, measured, **more):
     rows = [mine]
     if layout.world_size > 1:
         rows = [None] * layout.world_size
-        dist.all_gather_object(rows, mine)
+        torch.distributed.all_gather_object(rows, mine)
     return rows
 
 

@@ -387,7 +387,7 @@ class _LinearSplitBackward(torch.autograd.Function):
         dy = dy.to(w_c.dtype)
         dx = dy @ w_c if ctx.needs_input_grad[0] else None  # (..., in): autograd casts it to x's dtype
         if ctx.store.collecting is not None:
-            ctx.store.collecting.append((ctx.weight, ctx.bias, x_c, dy))
+            ctx.store.collecting.append((ctx.weight, ctx.bias, x_c, dy, WeightGradStore.weight_grads))
             return dx, None, None, None
         dw, db = WeightGradStore.weight_grads(x_c, dy, ctx.bias is not None)
         return dx, dw.to(ctx.weight.dtype), None if db is None else db.to(ctx.bias.dtype), None
@@ -396,7 +396,8 @@ class _LinearSplitBackward(torch.autograd.Function):
 class WeightGradStore:
     """The split backward of a model chunk's linear layers (a ColumnParallelLinear's or RowParallelLinear's
     `matmul` hook, an nn.Linear's forward): between a microbatch's B and its W, each layer's input x and
-    output gradient dy.
+    output gradient dy, and how W forms dW (db) from them: weight_grads, or an FP8 layer's own (fp8.py: its
+    Float8Matmul splits its backward at the store it is given, keeping dW in FP8).
 
     ScheduleExecutor runs a B inside `collect(i)`, which keeps what the chunk's layers' backward
     leaves for microbatch i, and a W as `apply(i, ready)`, which accumulates dW = dy^T x (db = sum of dy)
@@ -409,6 +410,10 @@ class WeightGradStore:
         self.held_bytes = 0  # of the x and dy kept (each counted per layer): timeline.ActivationMemory reads it
         for module in modules:
             for layer in module.modules():
+                if hasattr(getattr(layer, "matmul", None), "store") and not hasattr(layer.weight, "grad_summed_over"):
+                    layer.matmul.store = self  # an FP8 product: collects here itself; its bias, outside it, in B
+                    self.params.append(layer.weight)
+                    continue
                 if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
                     layer.matmul = self.linear  # the layers' hook: their product, with this backward
                 elif isinstance(layer, nn.Linear) and not hasattr(layer.weight, "grad_summed_over"):
@@ -438,7 +443,7 @@ class WeightGradStore:
             yield
             self.held[microbatch] = self.collecting
             self.held_bytes += sum(x.numel() * x.element_size() + dy.numel() * dy.element_size()
-                                   for _, _, x, dy in self.collecting)
+                                   for _, _, x, dy, _ in self.collecting)
         finally:
             self.collecting = None
 
@@ -453,10 +458,10 @@ class WeightGradStore:
         """W for one microbatch: accumulate each layer's dW (db) into .grad, calling ready(p), if given, as
         soon as p's gradient for this microbatch is in (after the last layer that uses p)."""
         held = self.held.pop(microbatch)
-        last = {id(p): j for j, (weight, bias, _, _) in enumerate(held) for p in (weight, bias) if p is not None}
-        for j, (weight, bias, x, dy) in enumerate(held):
+        last = {id(p): j for j, (weight, bias, *_) in enumerate(held) for p in (weight, bias) if p is not None}
+        for j, (weight, bias, x, dy, weight_grads) in enumerate(held):
             self.held_bytes -= x.numel() * x.element_size() + dy.numel() * dy.element_size()
-            dw, db = self.weight_grads(x, dy, bias is not None)
+            dw, db = weight_grads(x, dy, bias is not None)
             for p, g in ((weight, dw), (bias, db)):
                 if g is None:
                     continue

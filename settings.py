@@ -20,6 +20,7 @@ import math
 
 from configurator import ConfigError, Setting, section
 from context_parallel import check_context_split
+from fp8 import RECIPES as FP8_RECIPES
 from model import config_problems, mlp_hidden_size
 from parallel import expert_groups, grid_rank, resolve_dp
 
@@ -47,8 +48,7 @@ TRAINING = [
         Setting("max_bad_steps", 3, "steps in a row whose gradient norm is not finite (each one skipped) before "
                 "the run stops", resume="allow"),
         Setting("dist_timeout_s", 600.0, "seconds a rank waits in a collective for its peers before it stops with "
-                "a message (the longest skew between ranks: a first compile, a save, an evaluation)",
-                resume="allow"),
+                "a message (the longest skew between ranks: a first compile, a save, an evaluation)", resume="allow"),
     ),
     *section(
         "logging: metrics.jsonl always; these optional backends get the same records",
@@ -68,6 +68,8 @@ TRAINING = [
         Setting("attn_impl", "auto", "'auto', 'sdpa', 'flash', 'eager'", resume="allow"),
         Setting("compile", False, "torch.compile the model (falls back to eager, with a log line, where compiling "
                 "fails)", resume="allow"),
+        Setting("fp8", "none", "'tensorwise' or 'rowwise': the linears but the head and router compute in FP8 (fp8.py, "
+                "torchao's recipes; weights and checkpoints unchanged); 'none': the run's dtype", resume="allow"),
         Setting("activation_checkpointing", False, "recompute each block's activations in backward: less memory, "
                 "~1/3 more compute", resume="allow"),
         Setting("chunked_loss", True, "tp=1: the loss a chunk of tokens at a time, never the whole (tokens, vocab) "
@@ -208,7 +210,8 @@ NOT_NEGATIVE = ("seed", "eval_interval", "checkpoint_interval", "keep_last_n", "
                 "head_dim", "intermediate_size", "rope_scaling_factor")
 
 # settings that take one of a few words
-CHOICES = {"lr_schedule": ("cosine", "wsd"), "decay_shape": ("linear", "1-sqrt"), "optimizer": ("adamw", "muon")}
+CHOICES = {"lr_schedule": ("cosine", "wsd"), "decay_shape": ("linear", "1-sqrt"), "optimizer": ("adamw", "muon"),
+           "fp8": FP8_RECIPES}
 
 
 def check_values(values):
@@ -542,8 +545,7 @@ def sequence_split_problems(seq_len, cp, tp):
 
 
 # -----------------------------------------------------------------------------
-# The layout in words: the start-up lines that name it, its rank grid, and the warning when a
-# tensor-parallel group would span two nodes (parallel.ParallelLayout builds the groups these describe).
+# The layout in words: its start-up lines, rank grid and tp groups across nodes (parallel.ParallelLayout's)
 
 
 def tp_groups_across_nodes(dp, tp, pp, local_world_size, cp=1):
@@ -593,8 +595,6 @@ def describe_layout(layout, sequence_parallel=False, n_expert=0, per_node=None):
             + format_grid(layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, n_expert))
     per_node = per_node or layout.world_size
     spanning = tp_groups_across_nodes(layout.dp, layout.tp, layout.pp, per_node, layout.cp)
-    if spanning:
-        text += (f"\nwarning: {len(spanning)} tensor-parallel group(s) span two nodes (ranks {spanning[0]} with "
-                 f"{per_node} process{'es' if per_node != 1 else ''} per node): their all-reduces, several per layer, cross the network. Make tp = "
-                 f"{layout.tp} divide --nproc_per_node = {per_node}")
-    return text
+    return text + (f"\nwarning: {len(spanning)} tensor-parallel group(s) span two nodes (ranks {spanning[0]} with "
+                   f"{per_node} process{'es' if per_node != 1 else ''} per node): their all-reduces, several per "
+                   f"layer, cross the network. Make tp = {layout.tp} divide --nproc_per_node = {per_node}" if spanning else "")

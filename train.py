@@ -41,6 +41,7 @@ from configurator import ConfigError, configure, make_folder
 from data import EVAL_STREAM, TRAIN_STREAM, DataError, document_end, load_data, rank_microbatches, read_data_meta
 from context_parallel import apply_context_parallel
 from expert_parallel import ExpertSplit, apply_expert_parallel
+from fp8 import apply_fp8, check_fp8, count_fp8
 from faults import BadSteps, StopVote, TooManyBadSteps, end_of_run, end_on_dead_peer, peer_failure, run_script
 from model import (ModelConfig, Transformer, apply_activation_checkpointing, choose_attn_impl, choose_device_and_dtype,
                    compile_blocks, takes_muon, uncompile_blocks)
@@ -139,6 +140,7 @@ def setup(cfg, training=True):
         raise FileExistsError(f"out_dir '{cfg.out_dir}' already holds checkpoints and init_from={cfg.init_from!r} "
                               f"would overwrite them: use --init_from=resume to continue, or choose another --out_dir")
     dev, ptdtype, dtype_why = choose_device_and_dtype(cfg.device, cfg.dtype)
+    check_fp8(cfg.fp8, dev, ptdtype)
     converting = hf_dir is not None and cfg.max_iters == 0  # (convert the model and exit: no data needed)
     data_meta, datasets = {}, {}
     if cfg.data_dir is not None and not converting:
@@ -242,6 +244,8 @@ def build(cfg, run):
         overlap_param_gather(model, grad_sync)
     optimizer = make_optimizer(model, cfg, layout, grad_sync)
     print0(layout, describe_optimizer(optimizer, model, cfg, layout))
+    if cfg.fp8 != "none":
+        print0(layout, f"fp8: {count_fp8(model)} linears ({cfg.fp8})")
     if model.cfg.n_expert > 0:
         expert_params, expert_state = metrics.expert_memory_bytes(model, optimizer)
         held = [int(e) for e in next(iter(model.moe_layers().values())).experts]
@@ -270,6 +274,9 @@ def build_model(cfg, model_cfg, layout, attn_impl, dev):
     apply_expert_parallel(model, layout.ep_group)  # this rank's experts
     apply_tensor_parallel(model, layout.tp_group, cfg.sequence_parallel)  # its slice of every layer
     apply_context_parallel(model, layout.cp_group)  # ring attention over its share of every sequence
+    # FP8 linears; the head and the router stay in the run's dtype (the loss and the routing are precise)
+    apply_fp8(model, cfg.fp8, keep=lambda name, _: name == "lm_head" or name.endswith(".router"),
+              token_group=layout.cp_group, device_type=torch.device(dev).type)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
     return materialize(model, dev)

@@ -150,6 +150,9 @@ def bench_figures(result, env_info):
         parts.append(mfu)
     else:
         parts.append("MFU n/a")
+    if result.get("compare_fp8"):  # (--compare_fp8: the same step with fp8 the other way, timed in turn)
+        parts.append(f"{result['ms_per_step'] / result['compare_fp8_ms_per_step']:.2f}x the time of "
+                     f"fp8={result['compare_fp8']}")
     planned = result.get("planned_peak_mem_bytes")
     parts.append(f"peak {gib(result['peak_mem_bytes'])} (planned {gib(planned) if planned else '-'})")
     if result.get("first_step_s") is not None:

@@ -6,7 +6,7 @@
 #
 #   scripts/gpu_check.sh                      every section: env tests bench
 #   scripts/gpu_check.sh tests bench-1b       the sections named: env, tests, bench (= bench-125m bench-350m
-#                                             bench-1b); the env section always runs first
+#                                             bench-1b bench-fp8); the env section always runs first
 #   scripts/gpu_check.sh --dry-run            every section at a tiny size on the CPU (CUDA hidden): proves
 #                                             the script and every command it runs work, in about a minute
 #   --out DIR      also copy summary.md and logs.tar.gz (every log, the junit XML, the profile trace) there
@@ -31,16 +31,16 @@ while (($#)); do
         --out) OUT=${2:?--out needs a folder}; shift ;;
         --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
         --work) WORK=${2:?--work needs a folder}; shift ;;
-        env|tests|bench-125m|bench-350m|bench-1b) SECTIONS+=("$1") ;;
-        bench) SECTIONS+=(bench-125m bench-350m bench-1b) ;;
-        all) SECTIONS+=(tests bench-125m bench-350m bench-1b) ;;
+        env|tests|bench-125m|bench-350m|bench-1b|bench-fp8) SECTIONS+=("$1") ;;
+        bench) SECTIONS+=(bench-125m bench-350m bench-1b bench-fp8) ;;
+        all) SECTIONS+=(tests bench-125m bench-350m bench-1b bench-fp8) ;;
         -h|--help) usage ;;
         *) echo "gpu_check.sh: unknown section or option '$1' (sections: env tests bench bench-125m bench-350m" \
-                "bench-1b; options: --dry-run --out DIR --budget S --work DIR)" >&2; exit 2 ;;
+                "bench-1b bench-fp8; options: --dry-run --out DIR --budget S --work DIR)" >&2; exit 2 ;;
     esac
     shift
 done
-((${#SECTIONS[@]})) || SECTIONS=(tests bench-125m bench-350m bench-1b)
+((${#SECTIONS[@]})) || SECTIONS=(tests bench-125m bench-350m bench-1b bench-fp8)
 wanted() { [[ " ${SECTIONS[*]} " == *" $1 "* ]]; }
 
 # -----------------------------------------------------------------------------
@@ -122,6 +122,16 @@ for size in "${SIZES[@]}"; do
     run_section bench "$layers x $width, batch $batch x $SEQ" "$limit" "$LOGS/bench_$name.log" \
         "$PYTHON" bench.py "${args[@]}"
 done
+
+# FP8 (fp8.py, tensorwise) at the 350M size, timed in turn against the same step in bf16 (--compare_fp8): the
+# speed-up only a card with FP8 tensor cores shows (compute capability 8.9+; below it fp8 stops at start-up)
+if wanted bench-fp8; then
+    read -r name layers heads width batch limit <<<"${SIZES[1]}"
+    run_section bench "fp8 tensorwise against bf16, $layers x $width, batch $batch x $SEQ" 90 "$LOGS/bench_fp8.log" \
+        "$PYTHON" bench.py --n_layer="$layers" --n_head="$heads" --n_kv_head="$heads" --n_embd="$width" \
+        --batch_size="$batch" --block_size="$SEQ" --vocab_size="$VOCAB" --warmup_steps="$WARMUP" \
+        --bench_steps="$STEPS" "${DEVICE_ARGS[@]}" --fp8=tensorwise --compare_fp8=True
+fi
 
 echo "=== summary ($LOGS) ==="
 "$PYTHON" scripts/gpu_check.py summary "$LOGS"

@@ -321,7 +321,39 @@ def zero_three(rank, folder="zero"):
             "weights": ("weight", weights)}
 
 
-TOYS = [tensor_parallel_mlp, pipeline_1f1b, data_parallel, zero_one, ring_attention, expert_all_to_all, zero_three]
+def fp8_tensor_parallel(rank):
+    """fp8.apply_fp8 (both recipes) on ColumnParallelLinear -> gelu -> RowParallelLinear at tp = 2, against
+    the same MLP of two nn.Linear with apply_fp8 on one process: the output, the input's gradient and the
+    full weights' gradients (the scales are the same: fp8.py's rule; the fp32 sums differ in order)."""
+    fp8 = lifted("fp8", "fp8")
+    tp = sys.modules["parallel"]
+    g = torch.Generator().manual_seed(0)
+    x, dy = randn(g, 3, 5, 8), randn(g, 3, 5, 8)
+    w_up, w_down = randn(g, 16, 8), randn(g, 8, 16)
+    measured = {}
+    for recipe in ("tensorwise", "rowwise"):
+        mlp = nn.Sequential(tp.ColumnParallelLinear(8, 16, group=WORLD), nn.GELU(),
+                            tp.RowParallelLinear(16, 8, group=WORLD))
+        one = nn.Sequential(nn.Linear(8, 16, bias=False), nn.GELU(), nn.Linear(16, 8, bias=False))
+        with torch.no_grad():
+            for layer, single, w in ((mlp[0], one[0], w_up), (mlp[2], one[2], w_down)):
+                layer.weight.copy_(tp.shard_of(w, layer.weight))
+                single.weight.copy_(w)
+        assert fp8.apply_fp8(mlp, recipe) == fp8.apply_fp8(one, recipe) == 2
+        x_here, x_one = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, out_one = mlp(x_here), one(x_one)
+        out.backward(dy)
+        out_one.backward(dy)
+        grads = max(difference(gathered(mlp[0].weight.grad, 0), one[0].weight.grad),
+                    difference(gathered(mlp[2].weight.grad, 1), one[2].weight.grad))
+        measured.update({f"{recipe} output": ("output", difference(out, out_one)),
+                         f"{recipe} input gradient": ("gradient", difference(x_here.grad, x_one.grad)),
+                         f"{recipe} weight gradients": ("gradient", grads)})
+    return measured
+
+
+TOYS = [tensor_parallel_mlp, pipeline_1f1b, data_parallel, zero_one, ring_attention, expert_all_to_all, zero_three,
+        fp8_tensor_parallel]
 
 
 def main():

@@ -7,7 +7,8 @@ of every axis and every pair of values of two axes is in at least one case (a pa
 AETG and PICT build them), among the combinations picotron accepts on 2 to 4 processes. A pair that only
 combinations picotron refuses can hold (Muon with ZeRO-2, say) is covered by a refused case instead, one
 that breaks that rule alone: it must be refused with the rule's message. After them come a few larger
-cases by name (8 ranks, dp=4), float64 runs held to 1e-12, and runs resumed at another layout mid-run.
+cases by name (8 ranks, dp=4), float64 runs held to 1e-12, FP8 runs (fp8.py), and runs resumed at another layout
+mid-run.
 
     python tests/matrix.py            the cases, one a line, and what they cover
     python -m pytest tests/test_matrix.py [--write-matrix]   run them (and rewrite docs/equivalence.md)
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dist_utils import FLOAT64_RTOL, GRAD_NORM_RTOL, LOSS_RTOL, WEIGHT_RTOL
+from dist_utils import FLOAT64_RTOL, FP8_RTOL, GRAD_NORM_RTOL, LOSS_RTOL, WEIGHT_RTOL
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, RESUME_AT = 6, 3
@@ -184,6 +185,14 @@ NAMED = {
     # the layout whose fp32 weights part most from one process (tests/dist_utils.py): exact in float64
     "float64-dp2-tp2-ep2-zero3": _case(dp=2, tp=2, sp=True, ep=2, zero_stage=3, model="moe_dropless",
                                        dtype="float64"),
+    # FP8 (fp8.py) against one process with fp8 on: each layout splits or joins what a scale reduces over.
+    # Under a pipeline, tensorwise flips FP8 roundings more (its scale, 448 / amax, moves with the last bit
+    # of amax, rowwise's power of two does not): one flipped element moves a 32 x 32 gradient by ~1e-3
+    "fp8-tp2": _case(tp=2, fp8="tensorwise"),
+    "fp8-tp2-pp2-1f1b": _case(tp=2, pp="1f1b", fp8="rowwise", gradient_accumulation_steps=2),
+    "fp8-tp2-sp-cp2": _case(tp=2, sp=True, cp=2, fp8="tensorwise", doc_mask=True),
+    "fp8-dp2-zero1-pp2-zbv": _case(dp=2, zero_stage=1, pp="zbv", fp8="rowwise", gradient_accumulation_steps=2),
+    "fp8-dp2-zero3-ep2": _case(dp=2, zero_stage=3, ep=2, model="moe_dropless", fp8="tensorwise"),
 }
 # refusals no pair brings out: a rule of three settings, and a setting the generator never varies
 NAMED_REFUSED = {
@@ -249,6 +258,8 @@ def settings_of(case):
         values["pp_chunks"] = case.get("pp_chunks", 2 if case["pp"] in ("interleaved_1f1b", "zbv") else 1)
     if "dtype" in case:
         values["dtype"] = case["dtype"]
+    if "fp8" in case:
+        values["fp8"] = case["fp8"]
     return values
 
 
@@ -256,14 +267,15 @@ def reference_values(case):
     """One process on the case's global batch, batch_size x gradient_accumulation_steps x dp windows. A
     mixture with capacity drops tokens per micro-batch and its auxiliary loss is per micro-batch, so its
     reference keeps batch_size and runs dp times the micro-batches (replica r's are the reference's
-    r * g .. r * g + g - 1); every other model takes the whole step in dp times larger micro-batches. The
+    r * g .. r * g + g - 1), and so does an FP8 run (a scale is per micro-batch, as fp8.py says); every other
+    model takes the whole step in dp times larger micro-batches. The
     evaluation takes whole global batches in micro-batches of batch_size (train.evaluate), so it compares
     either way."""
     values = settings_of(case)
     dp = case["dp"]
     values.update(dp=1, tp=1, sequence_parallel=False, cp=1, pp=1, ep=1, zero_stage=0, activation_checkpointing=False)
     values.pop("pp_schedule", None), values.pop("pp_chunks", None)
-    if case["model"] == "moe_capacity":
+    if case["model"] == "moe_capacity" or "fp8" in case:
         values["gradient_accumulation_steps"] *= dp
     else:
         values["batch_size"] *= dp
@@ -303,6 +315,7 @@ def features_text(case):
     parts += ["checkpointing"] if case["activation_checkpointing"] else []
     parts += [f"accumulation {case['gradient_accumulation_steps']}"] if case["gradient_accumulation_steps"] > 1 else []
     parts += [case["dtype"]] if "dtype" in case else []
+    parts += [f"fp8 {case['fp8']}"] if "fp8" in case else []
     return ", ".join(parts)
 
 
@@ -329,8 +342,11 @@ def write_page(path, results, seconds=None):
         f"the global gradient norm of every step ({tol(GRAD_NORM_RTOL)}), the evaluated train and val losses at "
         f"steps 3 and 6 ({tol(LOSS_RTOL)}), the final weights and the optimizer's final state per tensor by "
         f"||a - b|| / ||b|| ({tol(WEIGHT_RTOL)}; tests/dist_utils.py says why). The float64 rows are held to "
-        f"{tol(FLOAT64_RTOL)} on all of them. The numbers are each row's largest relative difference (n/a: not "
-        "measured: a refused case).",
+        f"{tol(FLOAT64_RTOL)} on all of them. The fp8 rows compare with one process with the same recipe (fp8.py), "
+        f"its losses held to {tol(FP8_RTOL['loss'])} and gradient norms to {tol(FP8_RTOL['grad_norm'])}: where "
+        "two layouts' fp32 sums differ in their last bit an FP8 rounding may flip; fp8 itself moves this model's "
+        "loss from the fp32 run's far more (docs/training.md#fp8). The numbers are each row's largest relative "
+        "difference (n/a: not measured: a refused case).",
         "",
         f"The pairwise rows are generated (tests/matrix.py, `pairwise_cases`): every value of every axis and "
         f"every pair of values of two axes is in one of them, {ran} of the {total} pairs in a run and the "

@@ -43,12 +43,13 @@ def test_dry_run_goes_through_every_section_and_prints_the_table(tmp_path):
     assert sections == [("env", "the machine: GPU, versions, bf16 matmul and copy rates", "ok"),
                         ("tests", "pytest -m cuda tests/test_cuda.py", "ok"),
                         ("bench", "2 x 64, batch 2 x 64", "ok"), ("bench", "2 x 96, batch 2 x 64", "ok"),
-                        ("bench", "3 x 128, batch 2 x 64", "ok")], sections
+                        ("bench", "3 x 128, batch 2 x 64", "ok"),
+                        ("bench", "fp8 tensorwise against bf16, 2 x 96, batch 2 x 64", "ok")], sections
     tests = [r[2] for r in rows[1:] if r[0] == "tests" and not r[1].startswith("pytest")]
     assert len(tests) >= 10 and all(r.startswith("skipped: needs a CUDA GPU") for r in tests), tests
     bench_rows = [line for line in table.splitlines() if line.startswith("| bench")]
     assert all("tok/s" in line and "planned -" in line for line in bench_rows), bench_rows
-    assert "profile:" in bench_rows[-1]
+    assert "profile:" in bench_rows[2] and "x the time of fp8=none" in bench_rows[3]
     assert (tmp_path / "out" / "summary.md").read_text().strip() == table.split("\n(logs:")[0].strip()
     listing = subprocess.run(["tar", "-tzf", str(tmp_path / "out" / "logs.tar.gz")], capture_output=True,
                              text=True, check=True).stdout

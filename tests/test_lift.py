@@ -50,11 +50,12 @@ PARALLEL = (ROOT / "parallel.py").read_text()
 
 # folder: the section of parallel.py a core piece is, or the file an extension is
 CORE = {"tensor_parallel": 4, "pipeline": 6, "data_parallel": 2, "zero_one": 3}
-EXTENSIONS = {"context_parallel": "context_parallel.py", "expert_parallel": "expert_parallel.py", "zero": "zero.py"}
+EXTENSIONS = {"context_parallel": "context_parallel.py", "expert_parallel": "expert_parallel.py", "zero": "zero.py",
+              "fp8": "fp8.py"}
 # tests/lift_toys.py's toys, and the folder each lifts its mechanism from
 TOYS = {"tensor_parallel_mlp": "tensor_parallel", "pipeline_1f1b": "pipeline", "data_parallel": "data_parallel",
         "zero_one": "zero_one", "ring_attention": "context_parallel", "expert_all_to_all": "expert_parallel",
-        "zero_three": "zero"}
+        "zero_three": "zero", "fp8_tensor_parallel": "fp8"}
 TOLERANCE = {"loss": LOSS_RTOL, "output": LOSS_RTOL, "gradient": GRAD_NORM_RTOL, "weight": WEIGHT_RTOL, "exact": 0.0}
 
 
@@ -371,7 +372,7 @@ def test_no_class_has_more_than_two_picotron_classes_above_it_and_zero_is_four_c
 # the hook list: what the extensions override, call or set on parallel.py's classes, all of it in its docstring
 
 EXTENSION_FILES = ("zero.py", "optim.py", "expert_parallel.py", "pipeline_schedules.py", "context_parallel.py",
-                   "tensor_parallel.py")
+                   "tensor_parallel.py", "fp8.py")
 NOT_HOOKS = {"__init__", "forward", "backward", "apply", "step"}  # torch's own protocol, not a hook of ours
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import matrix
-from dist_utils import (FLOAT64_RTOL, ROOT, WEIGHT_RTOL, assert_same_losses_and_norms, assert_same_tensors,
+from dist_utils import (FLOAT64_RTOL, FP8_RTOL, ROOT, WEIGHT_RTOL, assert_same_losses_and_norms, assert_same_tensors,
                         checkpoint_optimizer_states, checkpoint_weights, read_records, run_ranks)
 
 PAGE = ROOT / "docs" / "equivalence.md"
@@ -118,7 +118,7 @@ def compare(name, runs):
     evaluated = [r["step"] for r in records if "val_loss" in r and "train_loss" in r]
     assert evaluated == [s for s in (matrix.RESUME_AT, matrix.STEPS) if s >= first], f"{name}: evaluated {evaluated}"
     rtol = FLOAT64_RTOL if case.get("dtype") == "float64" else None
-    worst = assert_same_losses_and_norms(records, reference, label=name, rtol=rtol)
+    worst = assert_same_losses_and_norms(records, reference, label=name, rtol=FP8_RTOL if "fp8" in case else rtol)
     final = f"ckpt_{matrix.STEPS:07d}"
     got, want = (os.path.join(d, final) for d in (runs.out_dir[name], runs.reference[name]))
     weights = assert_same_tensors(checkpoint_weights(got), checkpoint_weights(want), rtol=rtol or WEIGHT_RTOL,

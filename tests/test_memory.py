@@ -37,6 +37,8 @@ SUITE_LAYOUTS = {
     # and its slices at the optimizer step (AdamW's fused kernel makes no temporaries, the all-gather after
     # it copies 1/dp of the parameters; counting six slices of the largest put the plan 17% over)
     "dp2_pp2_zero2": (["--batch_size=1", "--vocab_size=8192", "--pp=2", "--zero_stage=2"], 4),
+    # FP8 (tensorwise): each linear's input and weight kept as FP8 casts instead of the norms' outputs
+    "tp2_fp8": (["--batch_size=4", "--tp=2", "--fp8=tensorwise"], 2),
 }
 
 # the benchmark: a wider model, a real vocabulary
@@ -80,6 +82,10 @@ BENCH_LAYOUTS = {
     "tp2_muon": (["--batch_size=4", "--optimizer=muon", "--tp=2"], 2),
     "params_dominated_muon": (["--batch_size=1", "--block_size=16", "--n_embd=512", "--n_head=8", "--n_kv_head=8",
                                "--gradient_accumulation_steps=2", "--optimizer=muon"], 1),
+    "fp8_tensorwise": (["--batch_size=4", "--fp8=tensorwise"], 1),
+    "fp8_rowwise": (["--batch_size=4", "--fp8=rowwise"], 1),
+    "tp2_fp8_tensorwise": (["--batch_size=4", "--tp=2", "--fp8=tensorwise"], 2),
+    "tp2_sp_fp8_rowwise": (["--batch_size=4", "--tp=2", "--sequence_parallel=True", "--fp8=rowwise"], 2),
 }
 
 
