@@ -474,16 +474,22 @@ MECHANISMS = ("dp", "tp", "cp", "ep", "pp")  # (dp: data parallelism and every Z
 
 
 def exposed_comm(step, layout):
-    """Run step(); returns (what it returned, {mechanism: ms this rank stood in parallel.waited during it},
-    the mean over the world's ranks: every rank calls it, one all-reduce)."""
+    """Run step(); returns (what it returned, mean_waits of the milliseconds this rank stood in
+    parallel.waited during it)."""
     with counting_waits() as waits:
         out = step()
+    return out, mean_waits(waits, layout)
+
+
+def mean_waits(waits, layout):
+    """{mechanism: ms} of a counting_waits block, every mechanism named, the mean over the world's ranks
+    (every rank calls it: one all-reduce)."""
     waited = {m: waits.get(m, 0.0) for m in MECHANISMS}
     if layout.world_size > 1:
         mean = torch.tensor(list(waited.values()), dtype=torch.float64) / layout.world_size
         dist.all_reduce(mean)
         waited = dict(zip(waited, mean.tolist()))
-    return out, waited
+    return waited
 
 
 def main(argv):

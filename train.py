@@ -48,7 +48,7 @@ from model import (ModelConfig, Transformer, apply_activation_checkpointing, cho
 from optim import AdamW, DynamicLossScaler, Muon, describe_optimizer, zero_one_muon_buckets
 from parallel import (GradientBuckets, ParallelLayout, PipelineComm, Reducers, ShardedGradientBuckets, ZeroOneAdamW,
                       apply_pipeline, at_least_fp32, full_shape_of, init_distributed,
-                      optimizer_state_bytes, shard_of, tied_weight_group, wait_for_params)
+                      optimizer_state_bytes, shard_of, tied_weight_group, wait_for_params, counting_waits)
 from pipeline_schedules import (SCHEDULES, Pipeline, WeightGradStore, announced_by_hand, check_schedule, chunk_modules,
                                 chunk_parameters, describe_pipeline, virtual_stages)
 from settings import check_layout, describe_layout
@@ -756,8 +756,8 @@ def one_step(cfg, run, parts, micro, lr, trace, step, measured):
     if measured is None:
         return measured_step(cfg, run, parts, micro, lr, trace, step)
     if layout.world_size > 1 and step % cfg.log_interval == 0:
-        (loss, grad_norm), run.exposed_comm_ms = timeline.exposed_comm(
-            lambda: train_step(cfg, layout, parts, micro, lr, trace, step=step), layout)
+        with counting_waits() as run.exposed_comm_ms:  # (averaged over the ranks by the log line)
+            loss, grad_norm = train_step(cfg, layout, parts, micro, lr, trace, step=step)
         return loss, grad_norm, measured
     return (*train_step(cfg, layout, parts, micro, lr, trace, step=step), measured)
 
@@ -787,8 +787,8 @@ def step_record(cfg, run, parts, step, loss, grad_norm, lr, since):
               "epoch": step * run.tokens_per_step / run.train_tokens}  # passes over the training split so far
     record.update(run.peak.mfu(run.model_flops, record["tokens_per_sec"], layout.world_size))
     record["peak_mem_bytes"] = metrics.peak_memory_bytes(run.dev, layout)
-    if run.exposed_comm_ms and step % cfg.log_interval == 0:  # (this step's, counted)
-        record["exposed_comm_ms"] = run.exposed_comm_ms
+    if run.exposed_comm_ms is not None and step % cfg.log_interval == 0:  # (this step's, counted)
+        record["exposed_comm_ms"] = timeline.mean_waits(run.exposed_comm_ms, layout)
     if run.model_cfg.n_expert > 0:
         record.update(metrics.moe_metrics(parts.model, layout, steps=step - logged))
     eta = (cfg.max_iters - step) * elapsed / timed_steps  # training steps only: evals and saves come on top

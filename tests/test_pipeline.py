@@ -31,6 +31,7 @@ from pipeline_schedules import (SCHEDULES, ScheduleExecutor, WeightGradStore, ba
                                 chunk_modules, cost_cut, describe_pipeline, forward_only_actions, ideal_bubble,
                                 virtual_stages)
 from settings import check_layout
+import parallel
 from parallel import _all_gather_single
 from timeline import ActivationMemory, bubble_fraction, format_timeline, schedule_timeline
 from timeline import main as timeline_main
@@ -559,6 +560,8 @@ def train_steps(**overrides):
             zero_stages._all_gather_single = all_gather
         records.append({"step": step + 1, "loss": train.mean_across_ranks(loss, layout).item(), "grad_norm": norm.item()})
     grad_sync = parts.grad_sync
+    if grad_sync is not None:  # ZeRO-1/2: the last step's gathers land before the weights are read
+        parallel.wait_for_params(grad_sync.buckets)
     buckets = len(grad_sync.buckets) if grad_sync is not None else 0
     tied = bool(parts.pipeline and parts.pipeline.tied_copies) and layout.dp > 1
     sharded = grad_sync if zero == 3 else None
