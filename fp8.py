@@ -285,7 +285,8 @@ def apply_fp8(model, recipe, *, keep=None, token_group=None, device_type="cpu"):
     convert_to_float8_training), parallel.py's column- and row-parallel linears get a Float8Matmul as their
     `matmul` hook, with their tensor-parallel group as the split they are. keep(name, module) -> True leaves
     a linear in the run's dtype (torchao's module_filter_fn: train.py keeps the head and the router); on CUDA
-    a linear whose dimensions are not multiples of 16 stays too. token_group: the group splitting each
+    a linear whose dimensions are not multiples of 16 stays too, and so does one whose weight's gradient is
+    summed over the tp ranks (tensor_parallel.sum_grad_over). token_group: the group splitting each
     sequence (context parallelism). Under expert parallelism each expert's rows are cast per source rank.
     Returns the number of linears swapped. recipe 'none' changes nothing."""
     if recipe == "none":
@@ -294,8 +295,9 @@ def apply_fp8(model, recipe, *, keep=None, token_group=None, device_type="cpu"):
     for name, layer in model.named_modules():
         if not isinstance(layer, nn.Linear | ColumnParallelLinear | RowParallelLinear) or (keep and keep(name, layer)):
             continue
-        if not fp8_dims_ok(layer.weight, device_type):
-            continue
+        if not fp8_dims_ok(layer.weight, device_type) or getattr(layer.weight, "grad_summed_over", None) is not None:
+            continue  # (a weight every tp rank holds whole but uses for part of the work, MLA's down-projections:
+            #          its output gradient here is a partial sum, and no cast of a part is one process's cast)
         if isinstance(layer, ColumnParallelLinear):
             layer.matmul = Float8Matmul(recipe, outer=layer.group, tokens=token_group)
         elif isinstance(layer, RowParallelLinear):

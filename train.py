@@ -47,8 +47,8 @@ from model import (ModelConfig, Transformer, apply_activation_checkpointing, cho
                    compile_blocks, takes_muon, uncompile_blocks)
 from optim import AdamW, DynamicLossScaler, Muon, describe_optimizer, zero_one_muon_buckets
 from parallel import (GradientBuckets, ParallelLayout, PipelineComm, Reducers, ShardedGradientBuckets, ZeroOneAdamW,
-                      apply_pipeline, at_least_fp32, full_shape_of, init_distributed,
-                      optimizer_state_bytes, shard_of, tied_weight_group, wait_for_params, counting_waits)
+                      apply_pipeline, at_least_fp32, counting_waits, full_shape_of, init_distributed,
+                      optimizer_state_bytes, shard_of, tied_weight_group, wait_for_params)
 from pipeline_schedules import (SCHEDULES, Pipeline, WeightGradStore, announced_by_hand, check_schedule, chunk_modules,
                                 chunk_parameters, describe_pipeline, virtual_stages)
 from settings import check_layout, describe_layout

@@ -179,3 +179,27 @@ def test_bench_compare_fp8_times_both_in_turn(capsys):
     assert (result["fp8"], result["compare_fp8"]) == ("rowwise", "none")
     assert result["compare_fp8_ms_per_step"] > 0 and result["compare_fp8_loss"] != result["loss"]
     assert any(line.startswith("fp8=rowwise against fp8=none:") for line in lines)
+
+
+def test_a_linear_whose_gradient_tp_sums_stays_out_of_fp8():
+    """MLA's down-projections at tp = 2: every rank holds them whole and backward gives each rank a partial
+    output gradient (tensor_parallel.sum_grad_over sums their weight gradients): a cast of a part is not one
+    process's cast, so they stay in the run's dtype; the column-parallel up-projections go to FP8."""
+    from types import SimpleNamespace
+
+    from model import ModelConfig, Transformer
+    from tensor_parallel import apply_tensor_parallel
+    cfg = ModelConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_kv_head=2, n_embd=32, attention="mla",
+                      kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    apply_tensor_parallel(model, SimpleNamespace(size=lambda: 2, rank=lambda: 0), False)
+    fp8.apply_fp8(model, "tensorwise")
+    summed = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)
+              and getattr(m.weight, "grad_summed_over", None) is not None]
+    assert summed, "MLA at tp=2 has down-projections whose gradient tp sums"
+    for name, m in model.named_modules():
+        if name in summed:
+            assert not isinstance(m, fp8.Float8Linear), name
+    assert any(isinstance(getattr(m, "matmul", None), fp8.Float8Matmul) for n, m in model.named_modules()
+               if n.endswith("up")), "the up-projections compute in FP8"
