@@ -116,17 +116,37 @@ def _best_seconds(fn, repeats=3):
     return best
 
 
-def measure_link(group=None, device="cpu"):
-    """{'busbw', 'latency'} of an all-reduce over `group` (every rank of it must call this): a 4-byte one
-    gives the latency (2 (n - 1) ring steps), an 8 MiB one the bus bandwidth, nccl-tests' convention."""
+def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None):
+    """{'busbw', 'latency'} of an all-reduce over `group` (every rank of it must call this), nccl-tests'
+    convention: timed at `nbytes` (the run's own message) and at 8 MiB (a bucket's), the line through the
+    two gives the bus bandwidth (its slope) and the latency (where it meets zero bytes, over 2 (n - 1) ring
+    steps). Each is timed as a step issues it, after `burst` (compute of the step's own grain), not back to
+    back: on gloo an exchange wakes threads that slept through the compute and waits for the rank the
+    compute left behind, which makes a 256 KiB all-reduce between two CPU ranks here 2.1 ms against 0.6 ms
+    back to back. The median of repeats: that wait is the rule, not the exception."""
+    import statistics
     import torch.distributed as dist
     n = dist.get_world_size(group)
-    small, big = torch.zeros(1, device=device), torch.zeros(2 ** 21, device=device)
     sync = (lambda: torch.cuda.synchronize(device)) if str(device).startswith("cuda") else (lambda: None)
-    timed = lambda t: _best_seconds(lambda: (dist.all_reduce(t, group=group), sync()))  # noqa: E731
-    tiny, large = timed(small), timed(big)
-    bandwidth_s = max(large - tiny, 1e-9)
-    return {"busbw": 2 * (n - 1) / n * big.numel() * 4 / bandwidth_s, "latency": tiny / (2 * (n - 1))}
+
+    def timed(size, repeats=7):
+        t = torch.zeros(max(1, size // 4), device=device)
+        dist.all_reduce(t, group=group)  # warm-up: the connections, the buffers
+        seconds = []
+        for _ in range(repeats):
+            if burst is not None:
+                burst()
+            sync()
+            start = time.perf_counter()
+            dist.all_reduce(t, group=group)
+            sync()
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds)
+    large = max(2 ** 23, 2 * nbytes)
+    small_s, large_s = timed(nbytes), timed(large)
+    per_byte = max(large_s - small_s, 1e-9) / (large - nbytes)
+    zero_bytes = max(small_s - per_byte * nbytes, 0.0)
+    return {"busbw": 2 * (n - 1) / n / per_byte, "latency": zero_bytes / (2 * (n - 1))}
 
 
 def linear_rate(model_cfg, dtype, dev, tokens, tp=1):
@@ -172,7 +192,13 @@ def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512
     one = torch.ones(1, device=dev)
     op_seconds = _best_seconds(lambda: [torch.add(one, one) for _ in range(100)]) / 100
     name = str(dtype).replace("torch.", "")
-    link = measure_link(None, dev) if collective else CPU_GLOO_LINK
+    # the link timed on the run's own message (a micro-batch's activations, whole: what tp, cp, ep and pp
+    # exchange), each exchange after a burst of the MLP's first linear on those tokens
+    message = tokens * model_cfg.n_embd * torch.finfo(dtype).bits // 8
+    w_up = torch.randn(mlp_hidden_size(model_cfg) // tp, model_cfg.n_embd, device=dev, dtype=dtype)
+    x_in = torch.randn(tokens, model_cfg.n_embd, device=dev, dtype=dtype)
+    burst = lambda: torch.nn.functional.linear(x_in, w_up)  # noqa: E731
+    link = measure_link(None, dev, nbytes=max(message, 2 ** 16), burst=burst) if collective else CPU_GLOO_LINK
     # the peak MFU divides by: the datasheet's on a GPU, on CPU the square-matmul probe bench.py's MFU reads
     peak = (metrics.gpu_peak_flops(torch.cuda.get_device_name(dev), dtype) if dev.type == "cuda"
             else metrics.measure_cpu_peak_flops(dtype)) or matmul_rate

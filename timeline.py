@@ -119,75 +119,53 @@ def check_channels(where, sent, expected):
 
 
 def place_in_time(deadlock, lists, needs, sent):
-    """Run the lists in time slots: each action starts when its rank is free and its input has been sent
-    (route_messages' needs and sent), and lasts action_times'. Returns the rows (schedule_timeline's); raises
-    RuntimeError starting with `deadlock` when every rank still at work waits on another."""
-    pp = len(lists)
-    times = [action_times(actions) for actions in lists]
-    start, end = {}, {}
-    position, free = [0] * pp, [0] * pp
-    while any(position[r] < len(lists[r]) for r in range(pp)):
-        progressed = False
-        for r in range(pp):
-            while position[r] < len(lists[r]):
-                k = position[r]
-                ready = 0
-                if needs[r][k] is not None:
-                    channel, j = needs[r][k]
-                    _, sender, sender_k = sent[channel][j]
-                    if (sender, sender_k) not in end:
-                        break  # its input has not been sent yet
-                    ready = end[(sender, sender_k)]
-                start[(r, k)] = max(free[r], ready)
-                end[(r, k)] = free[r] = start[(r, k)] + times[r][lists[r][k][0]]
-                position[r] += 1
-                progressed = True
-        if not progressed:
-            waiting = ", ".join(f"rank {r} at {lists[r][position[r]]}" for r in range(pp) if position[r] < len(lists[r]))
-            raise RuntimeError(f"{deadlock}: every rank waits on another ({waiting})")
-    rows = [[None] * max(free) for _ in range(pp)]
-    for (r, k), t in start.items():
-        for slot in range(t, end[(r, k)]):
+    """Run the lists in time slots: simulate_pipeline with each action lasting action_times' slots and
+    messages arriving as they are sent. Returns the rows (schedule_timeline's); raises RuntimeError starting
+    with `deadlock` when every rank still at work waits on another."""
+    slots = [action_times(actions) for actions in lists]
+    placed = simulate_pipeline(lists, None, lambda r, action: slots[r][action[0]], 0, (sent, needs), deadlock)
+    rows = [[None] * max(end for _, end in placed.values()) for _ in lists]
+    for (r, k), (start, end) in placed.items():
+        for slot in range(start, end):
             rows[r][slot] = lists[r][k]
     return rows
 
 
-# The schedule placed in seconds rather than slots: step_time.py's pipeline
-
-
-def simulate_pipeline(lists, stages, seconds, transfer, routes=None):
+def simulate_pipeline(lists, stages, seconds, transfer, routes=None, deadlock="the step-time simulation"):
     """Place every rank's actions (lists[r], the schedule's; stages[r], the model stage of each of its chunks)
-    in time as the executor runs them (schedule_timeline's model, with seconds instead of slots):
-    a rank runs its actions in order, each when the one before has ended and its input has arrived, which
-    is `transfer` seconds after the action that sent it ended. seconds(r, action): an action's duration;
-    routes: route_messages' (sent, needs) of these lists, when already found. Returns {(r, k): (start, end)}."""
+    in time as the executor runs them: a rank runs its actions in order, each when the one before has ended
+    and its input has arrived, which is `transfer` after the action that sent it ended. seconds(r, action):
+    an action's duration (slots for the printed timeline, seconds for step_time.py); routes: route_messages'
+    (sent, needs) of these lists, when already found. Returns {(r, k): (start, end)}; raises RuntimeError
+    starting with `deadlock` when every rank still at work waits on another."""
     if routes is None:
-        sent, expected, needs = route_messages("the step-time simulation", lists, stages)
-        check_channels("the step-time simulation", sent, expected)
+        sent, expected, needs = route_messages(deadlock, lists, stages)
+        check_channels(deadlock, sent, expected)
     else:
         sent, needs = routes
-    # each action's duration, and the (rank, index) of the action whose message it waits for
-    durations = [[seconds(r, action) for action in actions] for r, actions in enumerate(lists)]
+    # the (rank, index) of the action whose message each action waits for
     senders = [[None if need is None else sent[need[0]][need[1]][1:] for need in row] for row in needs]
-    times, position, free = {}, [0] * len(lists), [0.0] * len(lists)
+    times, position, free = {}, [0] * len(lists), [0] * len(lists)
     while any(position[r] < len(lists[r]) for r in range(len(lists))):
         progressed = False
         for r, actions in enumerate(lists):
             k = position[r]
             while k < len(actions):
-                ready = 0.0
+                ready = 0
                 if senders[r][k] is not None:
                     if senders[r][k] not in times:
                         break  # its input has not been sent yet
                     ready = times[senders[r][k]][1] + transfer
                 start = max(free[r], ready)
-                free[r] = start + durations[r][k]
+                free[r] = start + seconds(r, actions[k])
                 times[(r, k)] = (start, free[r])
                 k += 1
                 progressed = True
             position[r] = k
         if not progressed:
-            raise RuntimeError("the schedule deadlocks (python timeline.py shows where)")
+            waiting = ", ".join(f"rank {r} at {lists[r][position[r]]}" for r in range(len(lists))
+                                if position[r] < len(lists[r]))
+            raise RuntimeError(f"{deadlock}: every rank waits on another ({waiting})")
     return times
 
 

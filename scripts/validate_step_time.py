@@ -79,8 +79,8 @@ def main(argv):
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (bench.py's median)")
     parser.add_argument("--layouts", default="", help="only the layouts whose names contain this")
     args = parser.parse_args(argv)
-    print("| size | layout | ranks | predicted ms | measured ms | error | largest predicted parts |")
-    print("|---|---|---|---|---|---|---|", flush=True)
+    print("| size | layout | ranks | predicted ms | measured ms | error | largest predicted parts | measured waits |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
     every = []
     for size in args.sizes.split(","):
         rows = []
@@ -89,8 +89,9 @@ def main(argv):
             predicted, measured = 1e3 * result["predicted_step_s"], result["ms_per_step"]
             parts = sorted(result["predicted_parts_s"].items(), key=lambda kv: -kv[1])[:3]
             shown = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in parts if v > 0)
+            waited = ", ".join(f"{k} {v:.1f}" for k, v in result.get("exposed_comm_ms", {}).items() if v) or "-"
             print(f"| {size} | {name} | {nproc} | {predicted:,.1f} | {measured:,.1f} | {predicted / measured - 1:+.0%} "
-                  f"| {shown} |", flush=True)
+                  f"| {shown} | {waited} |", flush=True)
             rows.append((predicted, measured))
         print(summary(size, rows), flush=True)
         every += rows
