@@ -30,7 +30,8 @@ clipped gradient, unclipped here by the logged norm. Options of this script:
     --work_dir      where the four runs write, each with its output in <run>.log (default: a temporary
                     folder, removed at the end)
 Exit status, also said in the last line printed: 0 for rounding (the same model), 1 for a real
-difference, 2 when the comparison could not be made (a bad setting, a run that failed: its output shown).
+difference, 2 when the comparison could not be made (a bad setting, a run that failed: its output shown; fp8,
+which has no float64 pair: the float32 table is still printed).
 """
 import json
 import math
@@ -213,6 +214,10 @@ def compare(script, common, side_a, side_b, work_dir):
         print(f"float32: the runs part at step {parted}; the step-1 gradients that differ most:")
         for d, name in grads[:SHOWN]:
             print(f"  {name}: {d:.1e}")
+    if any(configure(settings.TRAINING, with_defaults(common + side))[0]["fp8"] != "none" for side in (side_a, side_b)):
+        print("no float64 verdict: fp8's matmuls give fp32 at most, so the pair cannot run in float64; how far "
+              "two fp8 runs part on rounding alone: docs/training.md#fp8")
+        return FAILED
     steps64 = min(steps, max(FLOAT64_STEPS, parted or 0))  # a float64 step costs about three float32 ones
     grads64, loss64, norm64, _, _ = run_pair(script, common, side_a, side_b, work_dir, "float64",
                                              [f"--max_iters={steps64}"])
