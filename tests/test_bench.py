@@ -15,6 +15,7 @@ import metrics
 import model as model_module
 import settings
 import train
+from fp8 import count_fp8
 from metrics import flops_per_token
 from model import ModelConfig, chunked_cross_entropy
 
@@ -288,6 +289,23 @@ def test_compiled_blocks_share_one_graph_at_any_depth_and_train_like_eager(tmp_p
             torch.testing.assert_close(p, results[False][1][name], rtol=1e-5, atol=1e-6, msg=name)
         graphs.clear()
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("fp8", ["tensorwise", "rowwise"])
+def test_compiled_fp8_blocks_are_one_graph_and_train_like_eager_fp8(tmp_path, monkeypatch, fp8):
+    """compile=True with fp8 on: dynamo and AOT autograd take fp8.py's autograd function into the blocks'
+    one graph (no break, no fall-back to eager), and the compiled blocks train as the eager FP8 ones do."""
+    graphs = compile_counting_graphs(monkeypatch)
+    micro = [(torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32)))]
+    results = {}
+    for compiled in (True, False):
+        cfg, run = tiny_run(tmp_path, compile=compiled, fp8=fp8)
+        parts = train.build(cfg, run)
+        results[compiled] = [train.train_step(cfg, run.layout, parts, micro, 1e-3)[0].item() for _ in range(2)]
+        assert parts.compiled == compiled and count_fp8(parts.model) > 0
+    assert len(graphs) == 1
+    assert results[True] == pytest.approx(results[False], rel=1e-6)
+    torch._dynamo.reset()
 
 
 def test_train_py_compiles_the_blocks_in_the_first_step_whose_memory_it_measures(tmp_path, monkeypatch, capsys):
