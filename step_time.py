@@ -35,6 +35,7 @@ is the best shape's: errs fast), congestion across nodes, data loading and loggi
 NCCL gets where the code does not ask for it (slow).
 """
 import json
+import os
 import sys
 from types import SimpleNamespace
 
@@ -541,14 +542,6 @@ def model_config_of(cfg):
     return ModelConfig(**{f.name: cfg[f.name] for f in fields(ModelConfig) if f.name != "vocab_size"}, vocab_size=vocab)
 
 
-def machine_for(name, model_cfg, dtype_setting):
-    """The machine a command line names ('auto': this one measured, without processes: gloo's figures)."""
-    if name != "auto":
-        return load_machine(name)
-    dtype = torch.float32 if dtype_setting in ("auto", "float32") else getattr(torch, dtype_setting)
-    return measure_machine(model_cfg, dtype)
-
-
 def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None):
     """(predicted seconds or None, its lines, {'predicted_step_s', 'predicted_parts_s', 'machine'}) of a run.
     machine_name None: train.py's start-up (on CPU the cached matmul probe and gloo's figures, no collective;
@@ -567,8 +560,13 @@ def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None):
     run = run_of(cfg, layout.world_size)
     run.dp = layout.dp
     p = predict(model_cfg, run, machine)
-    return p["step_s"], format_prediction(p, run), {"predicted_step_s": p["step_s"], "predicted_parts_s": p["parts"],
-                                                    "machine": machine}
+    lines = format_prediction(p, run)
+    if getattr(cfg, "fp8", "none") != "none":
+        lines += f"\n  (fp8 = {cfg.fp8!r} is not modelled: its linears are predicted at the {p['dtype']} rate)"
+    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) * torch.get_num_threads()
+    if device.type == "cpu" and sharing > (os.cpu_count() or 1):  # (a step-time model gives each rank its cores)
+        lines += f"\n  ({sharing} threads share this machine's {os.cpu_count()} cores: expect a slower step)"
+    return p["step_s"], lines, {"predicted_step_s": p["step_s"], "predicted_parts_s": p["parts"], "machine": machine}
 
 
 def main(argv):
@@ -583,7 +581,9 @@ def main(argv):
         settings.check_layout(model_cfg, values["tp"], values["pp"], values["cp"], values["sequence_parallel"],
                               values["pp_chunks"], ep=values["ep"])
         check_schedule(values["pp_schedule"], values["pp"], values["gradient_accumulation_steps"], values["pp_chunks"])
-        machine = machine_for(values["machine"], model_cfg, values["dtype"])
+        dtype = torch.float32 if values["dtype"] in ("auto", "float32") else getattr(torch, values["dtype"])
+        # 'auto': this machine measured, without processes (gloo's figures)
+        machine = load_machine(values["machine"]) if values["machine"] != "auto" else measure_machine(model_cfg, dtype)
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")
     run = run_of(values)

@@ -156,3 +156,24 @@ def test_zero_one_gathers_wait_whole_when_overlap_param_gather_is_off():
     whole = sum(t for _, t in step_time.bucket_collectives(pieces, run, step_time.layout_links(
         step_time.load_machine("a100"), run, 8)["dp"], "all_gather"))
     assert off == pytest.approx(whole) and on < off
+
+
+def test_a_prediction_says_what_it_leaves_out_of_this_run(monkeypatch):
+    """fp8 (predicted at the run's dtype's rate) and, on CPU, more threads than cores (a rank's cores are its
+    own in the model) are said under the prediction, where train.py prints it, and not otherwise."""
+    import os
+    import torch
+    import settings
+    cfg = SimpleNamespace(**{**settings.DEFAULTS, "n_layer": 2, "n_embd": 64, "n_head": 4, "n_kv_head": 4,
+                             "block_size": 32, "vocab_size": 512, "batch_size": 2, "fp8": "rowwise"})
+    layout = SimpleNamespace(world_size=1, dp=1, tp=1)
+    model_cfg = step_time.model_config_of(vars(cfg))
+    machine = step_time.load_machine("a100")
+    monkeypatch.setattr(step_time, "startup_machine", lambda *args: machine)
+    predict = lambda: step_time.run_prediction(cfg, model_cfg, layout, torch.device("cpu"), torch.float32)[1]  # noqa: E731
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(os.cpu_count() * torch.get_num_threads() + 1))
+    assert "(fp8 = 'rowwise' is not modelled" in predict() and "threads share this machine's" in predict()
+    cfg.fp8 = "none"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    sharing = torch.get_num_threads() > (os.cpu_count() or 1)
+    assert "fp8" not in predict() and ("threads share" in predict()) == sharing
