@@ -345,7 +345,9 @@ def write_page(path, results, seconds=None):
         f"{tol(FLOAT64_RTOL)} on all of them. The fp8 rows compare with one process with the same recipe (fp8.py), "
         f"its losses held to {tol(FP8_RTOL['loss'])} and gradient norms to {tol(FP8_RTOL['grad_norm'])}: where "
         "two layouts' fp32 sums differ in their last bit an FP8 rounding may flip; fp8 itself moves this model's "
-        "loss from the fp32 run's far more (docs/training.md#fp8). The numbers are each row's largest relative "
+        "loss from the fp32 run's far more (docs/training.md#fp8). The pipeline's fp8 rows run rowwise: tensorwise's "
+        "scale moves with an amax's last bit and flips more (there one process parts from itself as far, given "
+        "another attention kernel). The numbers are each row's largest relative "
         "difference (n/a: not measured: a refused case).",
         "",
         f"The pairwise rows are generated (tests/matrix.py, `pairwise_cases`): every value of every axis and "
