@@ -2,6 +2,7 @@
 and the fast paths (chunked loss, activation checkpointing, the torch.compile fallback) computing the same
 thing as the plain paths."""
 import functools
+import gc
 import json
 from types import SimpleNamespace
 
@@ -316,6 +317,7 @@ def test_train_py_compiles_the_blocks_in_the_first_step_whose_memory_it_measures
     line that says why the two differ."""
     graphs = compile_counting_graphs(monkeypatch)
     make_token_data(tmp_path / "data")
+    gc.collect()  # what earlier tests left in reference cycles goes now, not during the run's measure
     before = metrics.LiveTensorBytes().now()
     train.main([f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", "--n_layer=2", "--n_embd=64",
                 "--block_size=32", "--batch_size=2", "--max_iters=2", "--log_interval=1", "--eval_interval=0",
