@@ -78,11 +78,12 @@ MACHINES = {
     },
 }
 
-# gloo on this kind of machine (../shared/PERF_NOTES.md, "gloo on this machine", 2 ranks): a 4-byte
-# all-reduce 0.16 ms = 2 (n - 1) latencies; a 10 MB fp32 all-reduce 7.5 ms, an algbw of 1.33 GB/s, a busbw
-# of 1.33 GB/s at n = 2. Used where a CPU run measures no collective (train.py's start-up, step_time.py
-# without processes).
-CPU_GLOO_LINK = {"busbw": 1.33e9, "latency": 0.08e-3}
+# gloo between two ranks of a 2-vCPU machine (docs/performance.md#on-this-machine), timed as a step issues
+# it (measure_link: after compute, at a micro-batch's message and at 8 MiB; bench.py at tp=2 and dp=2 of the
+# small validation model): busbw 0.95-1.04 GB/s, a latency of 0.20 ms a ring step. Back to back the same
+# link reads 1.33 GB/s and 0.08 ms (../shared/PERF_NOTES.md), which a step never sees. Used where a CPU run
+# measures no collective (train.py's start-up, step_time.py without processes).
+CPU_GLOO_LINK = {"busbw": 1.0e9, "latency": 0.2e-3}
 
 
 def load_machine(name):
