@@ -13,6 +13,7 @@ refused here rather than after the job waited in a queue. The file states the pa
 batch in tokens, then the settings that were asked for (and the few this script chose, each saying why),
 with their meanings from settings.py; every other setting keeps its default.
 """
+import functools
 import itertools
 import json
 import os
@@ -172,12 +173,17 @@ def divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def held_or(cfg, given, name, options):
+    """A layout setting's options: the value given on the command line (held), else every one of options."""
+    return [cfg[name]] if name in given else options
+
+
 def grids(cfg, given, model_cfg, gpus_per_node):
     """(dp, tp, pp, cp, sequence_parallel) of every cut of nproc that divides the model (settings.check_layout),
     tp within a node unless --tp is given, cp at most 8, sequence parallelism on wherever tp > 1 allows it
     (it moves the same bytes as tp alone and holds less)."""
     nproc = cfg["nproc"]
-    held = lambda name, options: [cfg[name]] if name in given else options  # noqa: E731
+    held = functools.partial(held_or, cfg, given)
     for tp, pp, cp in itertools.product(held("tp", [d for d in divisors(nproc) if d <= gpus_per_node]),
                                         held("pp", [d for d in divisors(nproc) if d <= model_cfg.n_layer]),
                                         held("cp", [d for d in divisors(nproc) if d <= 8])):
@@ -197,7 +203,7 @@ def candidates(cfg, given, model_cfg, global_batch, gpus_per_node):
     expert parallelism over divisors of dp, ZeRO 0 to 3, micro-batches that divide each replica's sequences,
     the schedules (pp > 1: 1f1b, interleaved_1f1b over 2 chunks, zero_bubble, zbv), activation checkpointing
     off and on; each that pipeline_schedules.check_schedule and settings.check_layout accept."""
-    held = lambda name, options: [cfg[name]] if name in given else options  # noqa: E731
+    held = functools.partial(held_or, cfg, given)
     for dp, tp, pp, cp, sp in grids(cfg, given, model_cfg, gpus_per_node):
         if global_batch % dp:
             continue

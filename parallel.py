@@ -64,8 +64,8 @@ its input's one-process result. Apply an autograd Function through its helper: c
 it would hand None to torch, whose collectives read it as the default world group.
 
 Each numbered section's header says which earlier sections it needs (`# Needs:`); every one needs the
-top of the file (the imports, the two renamed collectives, waited and at_least_fp32) and no later section, so a
-section lifts with the ones it names (tests/test_lift.py lifts them so, and runs them).
+top of the file (the imports, the two renamed collectives, waited and at_least_fp32) and no later section,
+so a section lifts with the ones it names (tests/test_lift.py lifts them so, and runs them).
 
 References: Li et al. 2020, "PyTorch Distributed" (section 3.2.3); Rajbhandari et al. 2020, "ZeRO"
 (section 5.1); Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using

@@ -596,5 +596,5 @@ def describe_layout(layout, sequence_parallel=False, n_expert=0, per_node=None):
     per_node = per_node or layout.world_size
     spanning = tp_groups_across_nodes(layout.dp, layout.tp, layout.pp, per_node, layout.cp)
     return text + (f"\nwarning: {len(spanning)} tensor-parallel group(s) span two nodes (ranks {spanning[0]} with "
-                   f"{per_node} process{'es' if per_node != 1 else ''} per node): their all-reduces, several per "
-                   f"layer, cross the network. Make tp = {layout.tp} divide --nproc_per_node = {per_node}" if spanning else "")
+                   f"{per_node} process{'es' if per_node != 1 else ''} per node): their all-reduces, several per layer, "
+                   f"cross the network. Make tp = {layout.tp} divide --nproc_per_node = {per_node}" if spanning else "")

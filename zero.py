@@ -397,9 +397,9 @@ def overlap_param_gather(model, grad_sync):
     its parameters, so the gathers of the later blocks run while the earlier ones compute
     (Megatron-LM's --overlap-param-gather). The readers, in forward order: the model's own forward (the
     embedding, a head tied to it, and every parameter outside the blocks but the final norm's and the
-    head's), each block, and the final norm (the head reads right after it). A bucket spanning two readers is waited for by
-    the first; one holding a parameter no reader names stays waited for at once after the step. Under a
-    pipeline each chunk's forward passes the hooks of what it holds. Returns the hook handles."""
+    head's), each block, and the final norm (the head reads right after it). A bucket spanning two readers
+    is waited for by the first; one holding a parameter no reader names stays waited for at once after the
+    step. Under a pipeline each chunk's forward passes the hooks of what it holds. Returns the hook handles."""
     norm, embedding = getattr(model, "norm", None), getattr(model, "tok_emb", None)
     tail = {id(p) for m in (norm, getattr(model, "lm_head", None)) if m is not None for p in m.parameters()}
     tail -= {id(p) for p in (embedding.parameters() if embedding is not None else ())}  # a tied head: read first
