@@ -6,7 +6,6 @@ model's shapes, a copy, a fused attention, and an all-reduce over the run's grou
 Nothing here is fitted to a training run's measured step.
 """
 import json
-import math
 import os
 import re
 import time
@@ -107,14 +106,19 @@ def load_machine(name):
 # machine=auto: this machine measured, in a few seconds
 
 
-def _best_seconds(fn, repeats=3):
-    fn()  # warm-up: thread pool, kernel choice
-    best = math.inf
+def _median_seconds(fn, repeats=7):
+    """fn's median seconds after two warm-up calls (the thread pool, the kernel's choice, first-touch pages):
+    the statistic bench.py reports of its steps, which see the machine's noise as the probe does (a best of
+    a few read this machine's prediction 6-9% apart from one call to the next)."""
+    import statistics
+    fn()
+    fn()
+    seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None):
@@ -124,13 +128,16 @@ def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None):
     steps). Each is timed as a step issues it, after `burst` (compute of the step's own grain), not back to
     back: on gloo an exchange wakes threads that slept through the compute and waits for the rank the
     compute left behind, which makes a 256 KiB all-reduce between two CPU ranks here 2.1 ms against 0.6 ms
-    back to back. The median of repeats: that wait is the rule, not the exception."""
+    back to back. The mean of many: a step sums dozens of exchanges, and a sum of many draws comes to their
+    count times their mean, not their median; these waits have a long tail (one rank's lateness: a 256 KiB
+    all-reduce after 64 ms of compute took 2.6 ms at the median, 5.0 on average), so the run's own message
+    is timed 60 times (15 read the latency 0.4 to 1.5 ms from one launch to the next), 8 MiB 15 times."""
     import statistics
     import torch.distributed as dist
     n = dist.get_world_size(group)
     sync = (lambda: torch.cuda.synchronize(device)) if str(device).startswith("cuda") else (lambda: None)
 
-    def timed(size, repeats=7):
+    def timed(size, repeats):
         t = torch.zeros(max(1, size // 4), device=device)
         dist.all_reduce(t, group=group)  # warm-up: the connections, the buffers
         seconds = []
@@ -142,9 +149,9 @@ def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None):
             dist.all_reduce(t, group=group)
             sync()
             seconds.append(time.perf_counter() - start)
-        return statistics.median(seconds)
+        return statistics.mean(seconds)
     large = max(2 ** 23, 2 * nbytes)
-    small_s, large_s = timed(nbytes), timed(large)
+    small_s, large_s = timed(nbytes, 60), timed(large, 15)
     per_byte = max(large_s - small_s, 1e-9) / (large - nbytes)
     zero_bytes = max(small_s - per_byte * nbytes, 0.0)
     return {"busbw": 2 * (n - 1) / n / per_byte, "latency": zero_bytes / (2 * (n - 1))}
@@ -166,7 +173,7 @@ def linear_rate(model_cfg, dtype, dev, tokens, tp=1):
         x = torch.randn(tokens, n_in, device=dev, dtype=dtype, requires_grad=True)
         w = torch.randn(n_out, n_in, device=dev, dtype=dtype, requires_grad=True)
         dy = torch.randn(tokens, n_out, device=dev, dtype=dtype)
-        seconds += count * _best_seconds(lambda: (linear(x, w).backward(dy), sync()))
+        seconds += count * _median_seconds(lambda: (linear(x, w).backward(dy), sync()))
         flops += count * 6 * tokens * n_in * n_out
     return flops / seconds
 
@@ -183,15 +190,24 @@ def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512
         matmul_rate = linear_rate(model_cfg, dtype, dev, tokens, tp)
     # the roofline's bandwidth as the model's elementwise kernels see it: z = x * y reads two, writes one
     x, y, z = (torch.empty(tokens * mlp_hidden_size(model_cfg), device=dev, dtype=dtype) for _ in range(3))
-    memory_bw = 3 * x.numel() * x.element_size() / _best_seconds(lambda: (torch.mul(x, y, out=z), sync()))
+    memory_bw = 3 * x.numel() * x.element_size() / _median_seconds(lambda: (torch.mul(x, y, out=z), sync()))
     H, D, T = model_cfg.n_head, attention_dims(model_cfg)[0], min(model_cfg.block_size, 1024)
     q = torch.randn(1, H, T, D, device=dev, dtype=dtype, requires_grad=True)
     sdpa = lambda: (torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward(), sync())
     attention_flops = 3.5 * 4 * T * T * H * D / 2  # forward and backward (FlashAttention-2's 3.5 forwards), causal half
-    efficiency = attention_flops / _best_seconds(sdpa, repeats=2) / matmul_rate
-    # the host's cost of one operator (the dispatcher and autograd's bookkeeping): a one-element add
-    one = torch.ones(1, device=dev)
-    op_seconds = _best_seconds(lambda: [torch.add(one, one) for _ in range(100)]) / 100
+    efficiency = attention_flops / _median_seconds(sdpa) / matmul_rate
+    # the host's cost of one operator as a training step pays it, the dispatcher and autograd's bookkeeping:
+    # a chain of 50 one-element products forward, each recorded for the backward, and its backward (50 more
+    # operators). A product outside autograd costs a third of that here (1.0 against 2.9 us), and the
+    # quick start's model at width 16, its compute nothing, spends 2.3 us an operator of OPS_PER_BLOCK.
+    one = torch.ones(1, device=dev, requires_grad=True)
+
+    def chain():
+        y = one
+        for _ in range(50):
+            y = y * 1.0  # (its backward: one product each)
+        y.backward()
+    op_seconds = _median_seconds(chain) / 100
     name = str(dtype).replace("torch.", "")
     # the link timed on the run's own message (a micro-batch's activations, whole: what tp, cp, ep and pp
     # exchange), each exchange after a burst of the MLP's first linear on those tokens
