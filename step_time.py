@@ -5,13 +5,12 @@ prints one layout's step broken down; make_config.py --choose=True ranks every l
 train.py prints it at start-up beside the measured step, and bench.py puts it in its RESULT.
 
 It predicts one step's seconds as its parts (compute, the bubble, the communication each mechanism leaves
-exposed, the optimizer step), tokens/s per device and MFU, from the model config, the layout and the
-execution settings (as memory_plan.plan_memory takes them) and a machine (machines.py: a few numbers with
-their sources, a JSON file, or this one measured). The FLOPs are metrics.pipeline_costs' (cut as train.py
-cuts them), the pipeline is the schedule's own action lists (pipeline_schedules.SCHEDULES, routed by
-timeline.route_messages as the executor routes them) placed in time, and each collective's bytes are
-counted from the code that sends them. No constant is fitted to a measured training run. Predicting calls
-no collective, touches no device and runs no model: it runs on a laptop for an H100 cluster.
+exposed, the optimizer step), tokens/s per device and MFU, from the model config, the layout, the execution
+settings (as memory_plan.plan_memory takes them) and a machine (machines.py). The FLOPs are
+metrics.pipeline_costs' (cut as train.py cuts them), the pipeline is the schedule's own action lists
+(pipeline_schedules.SCHEDULES, routed as the executor routes them) placed in time, each collective's bytes
+are counted from the code that sends them, and no constant is fitted to a measured training run. Predicting
+calls no collective, touches no device and runs no model: it runs on a laptop for an H100 cluster.
 
 The terms, each with its formula and source where it is computed:
   compute       FLOPs / the machine's achieved matmul rate (its best published measurement, or one measured
@@ -21,15 +20,14 @@ The terms, each with its formula and source where it is computed:
                 step, by the bytes they move over the memory bandwidth (the roofline: Williams et al. 2009).
   pipeline      every rank's actions placed in time (simulate_pipeline): bubble, interleaving, zero-bubble
                 and the stages' imbalance all come out of the one simulation.
-  communication the ring algorithm (Patarasuk & Yuan 2009; NCCL's busbw convention, nccl-tests
-                doc/PERFORMANCE.md): an all-reduce of S bytes over n ranks takes 2 (n - 1) latencies plus
-                2 (n - 1) / n S / busbw, a reduce-scatter or all-gather half that; on the link the group
-                spans (inside a node, or across nodes with as many NICs as the group has ranks per node).
+  communication the ring algorithm (Patarasuk & Yuan 2009; nccl-tests doc/PERFORMANCE.md's busbw): an all-reduce
+                of S bytes over n ranks takes 2 (n - 1) latencies plus 2 (n - 1) / n S / busbw, a reduce-scatter
+                or all-gather half that; on the link the group spans (a node's, or the network's).
   overlap       only where the code overlaps: the data-parallel buckets with the backward (Li et al. 2020,
-                section 3.2.3), ZeRO-1/2's parameter all-gather with the next forward (overlap_param_gather),
-                ZeRO-3's prefetched gathers with the unit before, context parallelism's ring with the
-                attention it feeds. On a machine whose links share the compute's cores (CPU, gloo with one
-                core a rank) nothing overlaps.
+                3.2.3), ZeRO-1/2's parameter all-gather with the next forward, ZeRO-3's prefetched gathers
+                with the unit before, the cp ring with the attention it feeds. Where the links share the
+                compute's cores (CPU, gloo with one core a rank) nothing overlaps.
+  host          on CPU, each operator's dispatch and autograd bookkeeping (OPS_PER_BLOCK, op_seconds).
 Left out, and which way each errs: the kernels' efficiency at a run's own shapes (a named machine's rate
 is the best shape's: errs fast), congestion across nodes, data loading and logging (fast), and overlap
 NCCL gets where the code does not ask for it (slow).
@@ -139,9 +137,8 @@ def parameter_pieces(model_cfg, tp, ep):
 
 
 def fused_attention(model_cfg, run, machine):
-    """Whether the attention runs a fused kernel (FlashAttention, SDPA's fused kernels) or writes its scores:
-    the eager attention (memory_plan.attention_saves_scores: the same rule) and context parallelism's ring
-    attention, whose blocks are matmuls and a softmax written out (context_parallel._block_forward)."""
+    """Whether the attention runs a fused kernel or writes its scores out: the eager attention (the rule of
+    memory_plan.attention_saves_scores) and context parallelism's ring attention (its blocks' softmax)."""
     import memory_plan
     device = "cpu" if machine.get("name") == "auto" and not machine["overlaps"] else "cuda"
     return run.cp == 1 and not memory_plan.attention_saves_scores(model_cfg, run.attn_impl, device, dtype_of(run, machine))
@@ -149,13 +146,13 @@ def fused_attention(model_cfg, run, machine):
 
 def elementwise_bytes(model_cfg, run, fused, act_bytes):
     """Bytes one token's forward through one block moves outside the matmuls, each eager kernel of model.py
-    reading its inputs and writing its output (a = act_bytes; f = 4: RMSNorm and RoPE compute in fp32):
-    RMSNorm per element 5f + 2a, plus 2 (a + f) for its casts in and out when a < f (to fp32, pow, mean,
-    x * rsqrt, back, * weight; LayerNorm one fused kernel, 2a); RoPE per element of q and k 9f, plus the
-    casts (four products and two sums of halves, the cat); two residual adds (3a); the MLP's activation
-    (SwiGLU's silu and product 5a per hidden element, GELU's 2a, for each expert a token goes to); without a
-    fused kernel the softmax (2a per head and key, the causal half). Under sequence parallelism the norms
-    and adds see 1/tp of the tokens. A backward moves about twice a forward's."""
+    reading its inputs and writing its output (a = act_bytes; f = 4: RMSNorm and RoPE compute in fp32): RMSNorm
+    per element 5f + 2a, plus 2 (a + f) for its casts in and out when a < f (to fp32, pow, mean, x * rsqrt,
+    back, * weight; LayerNorm one fused kernel, 2a); RoPE per element of q and k 9f, plus the casts (four
+    products and two sums of halves, the cat); two residual adds (3a); the MLP's activation (SwiGLU's silu and
+    product 5a per hidden element, GELU's 2a, for each expert a token goes to); without a fused kernel the
+    softmax (2a per head and key, the causal half). Under sequence parallelism the norms and adds see 1/tp of
+    the tokens. A backward moves about twice a forward's."""
     tp, C, a, f, (qk, _) = run.tp, model_cfg.n_embd, act_bytes, 4, attention_dims(model_cfg)
     H, H_kv = model_cfg.n_head / tp, max(1, model_cfg.n_kv_head / tp)
     share = C / tp if run.sequence_parallel else C
@@ -171,9 +168,18 @@ def elementwise_bytes(model_cfg, run, fused, act_bytes):
 
 # The operators one block runs for a micro-batch, forward and backward (views included): counted on this commit's
 # model.Block with a TorchDispatchMode, one block against three (SwiGLU 80 and 137, GELU 75 and 125, a
-# mixture of experts 161 and 246); what the embedding, final norm, head and loss add, 20 and 34.
-OPS_PER_BLOCK = {"dense": (80, 137), "moe": (161, 246)}
-OPS_AT_ENDS = (20, 34)
+# mixture of experts 161 and 246); what the embedding, final norm, head and loss add, 20 and 34. Context
+# parallelism's ring attention in place of a fused kernel's 2 and 7: 88 and 76 per chunk pair a rank computes
+# (2 cp + 1 of them), 33 more backward; counted at cp = 2 and 4 (tests/test_context_parallel.py holds it).
+OPS_PER_BLOCK, OPS_AT_ENDS = {"dense": (80, 137), "moe": (161, 246)}, (20, 34)
+RING_OPS_PER_PAIR, RING_OPS_BACKWARD, FUSED_ATTENTION_OPS = (88, 76), 33, (2, 7)
+
+
+def block_operators(model_cfg, cp):
+    """(forward, backward) operators of one block for a micro-batch, the ring's under context parallelism."""
+    (forward, backward), ring, pairs = OPS_PER_BLOCK["moe" if model_cfg.n_expert else "dense"], cp > 1, 2 * cp + 1
+    return (forward + ring * (RING_OPS_PER_PAIR[0] * pairs - FUSED_ATTENTION_OPS[0]),
+            backward + ring * (RING_OPS_PER_PAIR[1] * pairs + RING_OPS_BACKWARD - FUSED_ATTENTION_OPS[1]))
 
 
 def block_seconds(model_cfg, run, machine, links, tokens):
@@ -214,8 +220,8 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     if model_cfg.n_expert > 0 and run.ep > 1:
         kept, _ = expert_rows(model_cfg, tokens, run.ep)
         ep = 2 * collective_seconds("all_to_all", kept * model_cfg.n_embd * act_bytes, run.ep, links["ep"])
-    # the host's cost per operator (op_seconds: measured on CPU, hidden behind a GPU's kernels), OPS_PER_BLOCK
-    ops_f, ops_b = (n * machine.get("op_seconds", 0.0) for n in OPS_PER_BLOCK["moe" if model_cfg.n_expert else "dense"])
+    # the host's cost per operator (op_seconds: measured on CPU, hidden behind a GPU's kernels)
+    ops_f, ops_b = (n * machine.get("op_seconds", 0.0) for n in block_operators(model_cfg, run.cp))
     forward = matmul_f + attention_f + elementwise_f + ops_f
     recompute = forward if run.activation_checkpointing else 0.0  # (its communication: stage_actions)
     return {"forward": forward, "input_grad": matmul_f + attention_b + 2 * elementwise_f + ops_b + recompute,
@@ -515,22 +521,18 @@ def format_prediction(prediction, run):
     for key, label in names.items():
         if parts[key] > 1e-4 * step or key == "compute":
             lines.append(f"  {label:34s} {parts[key] * 1e3:12,.2f} ms  {parts[key] / step:6.1%}")
-    mfu = prediction["mfu"]
-    lines.append(f"  tokens/s per device {prediction['tokens_per_sec_per_gpu']:,.0f}; MFU "
-                 f"{metrics.format_mfu(mfu)}")
+    lines.append(f"  tokens/s per device {prediction['tokens_per_sec_per_gpu']:,.0f}; "
+                 f"MFU {metrics.format_mfu(prediction['mfu'])}")
     return "\n".join(lines)
 
 
 # -----------------------------------------------------------------------------
 # The command line: one layout's step, broken down
 
-OWN = section(
-    "step_time.py's own",
-    Setting("nproc", 1, "processes the run will have (GPUs)"),
+OWN = section("step_time.py's own", Setting("nproc", 1, "processes the run will have (GPUs)"),
     Setting("machine", "h100", "a named machine (" + ", ".join(MACHINES) + "), a .json file of the same fields, or "
                                "'auto' (this machine, measured)"),
-    Setting("gpus_per_node", 0, "devices per node: which groups cross nodes (0: the machine's, 8 for the named ones)"),
-)
+    Setting("gpus_per_node", 0, "devices per node: which groups cross nodes (0: the machine's, 8 for the named ones)"))
 
 
 def model_config_of(cfg):
@@ -544,9 +546,8 @@ def model_config_of(cfg):
 
 def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None):
     """(predicted seconds or None, its lines, {'predicted_step_s', 'predicted_parts_s', 'machine'}) of a run.
-    machine_name None: train.py's start-up (on CPU the cached matmul probe and gloo's figures, no collective;
-    on a GPU the named machine its name matches); 'auto': this machine measured, its all-reduce over every
-    rank (bench.py: every rank calls this); else a named machine or a .json file."""
+    machine_name None: train.py's start-up (on CPU the cached matmul probe and gloo's figures, no collective; on
+    a GPU the named machine its name matches); 'auto': this machine measured (bench.py: every rank calls this)."""
     if machine_name is None:
         machine = startup_machine(model_cfg, dtype, device)
     elif machine_name == "auto":
@@ -582,7 +583,6 @@ def main(argv):
                               values["pp_chunks"], ep=values["ep"])
         check_schedule(values["pp_schedule"], values["pp"], values["gradient_accumulation_steps"], values["pp_chunks"])
         dtype = torch.float32 if values["dtype"] in ("auto", "float32") else getattr(torch, values["dtype"])
-        # 'auto': this machine measured, without processes (gloo's figures)
         machine = load_machine(values["machine"]) if values["machine"] != "auto" else measure_machine(model_cfg, dtype)
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")

@@ -33,11 +33,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpoint
 import make_config
 import parallel
 import settings
+import step_time
 from data import context_split
 import train
 from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, build_model, gather_full, gathered_parameters,
@@ -120,13 +122,26 @@ def run_case(name, group):
     positions = split_for_every_rank(positions, cp)  # (cp, T/cp) or (cp, B, T/cp)
     documents = split_for_every_rank(documents, cp) if documents is not None else None
     SENT.clear()
-    out = ring_attention(q, k, v, positions, group, softcap=CASES[name]["softcap"], documents=documents)
+    with CountingOperators() as forward_ops:
+        out = ring_attention(q, k, v, positions, group, softcap=CASES[name]["softcap"], documents=documents)
     forward_bytes, blocks = sum(SENT), BLOCKS.pop("count", 0)
     SENT.clear()
-    out.backward(zigzag_split(dout, cp, rank))
+    dout = zigzag_split(dout, cp, rank)
+    with CountingOperators() as backward_ops:
+        out.backward(dout)
     # numpy: torch tensors would cross the result queue as shared memory, gone once the worker exits
     return dict(out=out.detach().numpy(), dq=q.grad.numpy(), dk=k.grad.numpy(), dv=v.grad.numpy(),
-                forward_bytes=forward_bytes, backward_bytes=sum(SENT), blocks=blocks)
+                forward_bytes=forward_bytes, backward_bytes=sum(SENT), blocks=blocks,
+                operators=(forward_ops.count, backward_ops.count))
+
+
+class CountingOperators(TorchDispatchMode):
+    """The operators dispatched inside the block (views included), as step_time.OPS_PER_BLOCK counts them."""
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 SENT, BLOCKS = [], {}  # in the worker processes: bytes of each isend, chunk pairs computed in forward
@@ -485,6 +500,17 @@ def test_every_rank_computes_the_same_number_of_blocks(ring):
     assert [r["mha"]["blocks"] for r in ranks] == [2 * cp + 1] * cp
     assert [r["mha"]["blocks"] for r in ranks] == [w["blocks"] for w in attention_work(
         split_for_every_rank(torch.arange(T), cp))]
+
+
+def test_step_time_counts_the_ring_operators_each_rank_dispatches(ring):
+    """step_time charges each operator a host's cost on CPU: its count of the ring's, in place of a fused
+    kernel's, within a tenth of what each rank dispatches (MHA; the counts were taken at another shape)."""
+    cp, ranks = ring
+    dense = step_time.OPS_PER_BLOCK["dense"]
+    predicted = [n - d + fused for n, d, fused in zip(step_time.block_operators(ModelConfig(**TINY), cp), dense,
+                                                         step_time.FUSED_ATTENTION_OPS)]
+    for r in ranks:
+        assert r["mha"]["operators"] == pytest.approx(predicted, rel=0.1)
 
 
 # -----------------------------------------------------------------------------
