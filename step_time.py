@@ -1,16 +1,16 @@
 """
-How long one training step of a run will take, predicted before anything runs: the time half of the plan
-whose memory half is memory_plan.py. `python step_time.py config/x.py --nproc=64 --machine=h100 --tp=8`
-prints one layout's step broken down; make_config.py --choose=True ranks every layout that fits by it;
-train.py prints it at start-up beside the measured step, and bench.py puts it in its RESULT.
+How long one training step of a run will take, predicted before anything runs: the time half of the plan whose
+memory half is memory_plan.py. `python step_time.py config/x.py --nproc=64 --machine=h100 --tp=8` prints one
+layout's step broken down; make_config.py --choose=True ranks every layout that fits by it; train.py prints it at
+start-up beside the measured step, and bench.py puts it in its RESULT.
 
-It predicts one step's seconds as its parts (compute, the bubble, the communication each mechanism leaves
-exposed, the optimizer step), tokens/s per device and MFU, from the model config, the layout, the execution
-settings (as memory_plan.plan_memory takes them) and a machine (machines.py). The FLOPs are
-metrics.pipeline_costs' (cut as train.py cuts them), the pipeline is the schedule's own action lists
-(pipeline_schedules.SCHEDULES, routed as the executor routes them) placed in time, each collective's bytes
-are counted from the code that sends them, and no constant is fitted to a measured training run. Predicting
-calls no collective, touches no device and runs no model: it runs on a laptop for an H100 cluster.
+It predicts one step's seconds as its parts (compute, the bubble, the communication each mechanism leaves exposed,
+the optimizer step), tokens/s per device and MFU, from the model config, the layout, the execution settings (as
+memory_plan.plan_memory takes them) and a machine (machines.py). The FLOPs are metrics.pipeline_costs' (cut as
+train.py cuts them), the pipeline is the schedule's own action lists (pipeline_schedules.SCHEDULES, routed as the
+executor routes them) placed in time, each collective's bytes are counted from the code that sends them, and no
+constant is fitted to a measured training run. Predicting calls no collective, touches no device and runs no model:
+it runs on a laptop for an H100 cluster.
 
 The terms, each with its formula and source where it is computed:
   compute       FLOPs / the machine's achieved matmul rate (its best published measurement, or one measured
@@ -28,9 +28,9 @@ The terms, each with its formula and source where it is computed:
                 with the unit before, the cp ring with the attention it feeds. Where the links share the
                 compute's cores (CPU, gloo with one core a rank) nothing overlaps.
   host          on CPU, each operator's dispatch and autograd bookkeeping (OPS_PER_BLOCK, op_seconds).
-Left out, and which way each errs: the kernels' efficiency at a run's own shapes (a named machine's rate
-is the best shape's: errs fast), congestion across nodes, data loading and logging (fast), and overlap
-NCCL gets where the code does not ask for it (slow).
+Left out, and which way each errs: the kernels' efficiency at a run's own shapes (a named machine's rate is the best
+shape's: errs fast), congestion across nodes, data loading and logging (fast), and overlap NCCL gets where the code
+does not ask for it (slow).
 """
 import json
 import os
@@ -101,7 +101,7 @@ def run_of(cfg, nproc=None):
     source = cfg if isinstance(cfg, dict) else vars(cfg)
     names = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "batch_size", "gradient_accumulation_steps", "pp_schedule",
              "pp_chunks", "activation_checkpointing", "sequence_parallel", "bucket_size_mb", "dtype", "pp_layers",
-             "block_size", "optimizer", "attn_impl")
+             "block_size", "optimizer", "attn_impl", "chunked_loss")
     run = SimpleNamespace(**{k: source[k] for k in names}, overlap_param_gather=source.get("overlap_param_gather", True))
     if not run.dp:
         run.dp = (nproc or 1) // (run.tp * run.pp * run.cp)
@@ -166,20 +166,13 @@ def elementwise_bytes(model_cfg, run, fused, act_bytes):
     return 2 * norm * share + 2 * 3 * a * share + (9 * f + casts) * (H + H_kv) * qk + mlp + softmax
 
 
-# The operators one block runs for a micro-batch, forward and backward (views included): counted on this commit's
-# model.Block with a TorchDispatchMode, one block against three (SwiGLU 80 and 137, GELU 75 and 125, a
-# mixture of experts 161 and 246); what the embedding, final norm, head and loss add, 20 and 34. Context
-# parallelism's ring attention in place of a fused kernel's 2 and 7: 88 and 76 per chunk pair a rank computes
-# (2 cp + 1 of them), 33 more backward; counted at cp = 2 and 4 (tests/test_context_parallel.py holds it).
+# The operators one block runs for a micro-batch, forward and backward (views included), counted with a
+# TorchDispatchMode: model.Block's one block against three (SwiGLU 80 and 137, GELU 75 and 125, a mixture of experts
+# 161 and 246), what the embedding, final norm, head and loss add (20 and 34); context parallelism's ring attention,
+# where a fused kernel's are 2 and 7, 88 and 76 per chunk pair a rank computes (2 cp + 1 of them) and 33 more
+# backward, at cp = 2 and 4 (tests/test_context_parallel.py holds this count to the ring's own).
 OPS_PER_BLOCK, OPS_AT_ENDS = {"dense": (80, 137), "moe": (161, 246)}, (20, 34)
 RING_OPS_PER_PAIR, RING_OPS_BACKWARD, FUSED_ATTENTION_OPS = (88, 76), 33, (2, 7)
-
-
-def block_operators(model_cfg, cp):
-    """(forward, backward) operators of one block for a micro-batch, the ring's under context parallelism."""
-    (forward, backward), ring, pairs = OPS_PER_BLOCK["moe" if model_cfg.n_expert else "dense"], cp > 1, 2 * cp + 1
-    return (forward + ring * (RING_OPS_PER_PAIR[0] * pairs - FUSED_ATTENTION_OPS[0]),
-            backward + ring * (RING_OPS_PER_PAIR[1] * pairs + RING_OPS_BACKWARD - FUSED_ATTENTION_OPS[1]))
 
 
 def block_seconds(model_cfg, run, machine, links, tokens):
@@ -220,8 +213,12 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     if model_cfg.n_expert > 0 and run.ep > 1:
         kept, _ = expert_rows(model_cfg, tokens, run.ep)
         ep = 2 * collective_seconds("all_to_all", kept * model_cfg.n_embd * act_bytes, run.ep, links["ep"])
-    # the host's cost per operator (op_seconds: measured on CPU, hidden behind a GPU's kernels)
-    ops_f, ops_b = (n * machine.get("op_seconds", 0.0) for n in block_operators(model_cfg, run.cp))
+    # the host's cost per operator (op_seconds: measured on CPU, hidden behind a GPU's kernels); the ring's under cp
+    ops_f, ops_b = OPS_PER_BLOCK["moe" if model_cfg.n_expert else "dense"]
+    if run.cp > 1:
+        ops_f += RING_OPS_PER_PAIR[0] * (2 * run.cp + 1) - FUSED_ATTENTION_OPS[0]
+        ops_b += RING_OPS_PER_PAIR[1] * (2 * run.cp + 1) + RING_OPS_BACKWARD - FUSED_ATTENTION_OPS[1]
+    ops_f, ops_b = ops_f * machine.get("op_seconds", 0.0), ops_b * machine.get("op_seconds", 0.0)
     forward = matmul_f + attention_f + elementwise_f + ops_f
     recompute = forward if run.activation_checkpointing else 0.0  # (its communication: stage_actions)
     return {"forward": forward, "input_grad": matmul_f + attention_b + 2 * elementwise_f + ops_b + recompute,
@@ -229,11 +226,11 @@ def block_seconds(model_cfg, run, machine, links, tokens):
 
 
 def ends_seconds(model_cfg, run, machine, links, tokens):
-    """(embedding, head) seconds for one micro-batch: {'forward', 'input_grad', 'weight_grad', 'tp'}. The
-    embedding: a lookup (its rows written), and under tensor parallelism the vocab-parallel embedding's
-    all-reduce. The head: metrics.pipeline_costs' 6 C V FLOPs per token over tp, and the loss's softmax,
-    read and written in fp32 forward and backward; under tp the vocab-parallel loss's three all-reduces of
-    one float per token, and under sequence parallelism the final norm's output gathered."""
+    """(embedding, head) seconds for one micro-batch: {'forward', 'input_grad', 'weight_grad', 'tp'}. The embedding:
+    a lookup (its rows written), under tp the vocab-parallel embedding's all-reduce. The head: 6 C V FLOPs per token
+    over tp (metrics.pipeline_costs') and the loss's fp32 softmax read and written forward and backward; all in the
+    forward under the chunked loss (tp = 1: model.ChunkedLinearCrossEntropy, whose backward scales the gradients);
+    under tp the vocab-parallel loss's three all-reduces of a float per token; under SP the final norm's gather."""
     dtype = dtype_of(run, machine)
     rate, act_bytes, C = machine["matmul_flops"][dtype], 4 if dtype == "float32" else 2, model_cfg.n_embd
     _, _, head = metrics.pipeline_costs(model_cfg)
@@ -246,8 +243,11 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
     tp = 3 * collective_seconds("all_reduce", tokens * 4, run.tp, links["tp"])
     if run.sequence_parallel:
         tp += collective_seconds("all_gather", tokens * C * act_bytes, run.tp, links["tp"]) * 2
-    return embedding, {"forward": matmul + softmax + ops_f, "input_grad": matmul + softmax + ops_b, "weight_grad": matmul,
-                       "tp": tp}
+    chunked = run.chunked_loss and run.tp == 1
+    scale = (tokens + model_cfg.vocab_size) * C * 8 / machine["memory_bw"]  # (both gradients read and written, fp32)
+    head = ({"forward": 3 * matmul + 2 * softmax + ops_f, "input_grad": scale + ops_b, "weight_grad": 0.0} if chunked
+            else {"forward": matmul + softmax + ops_f, "input_grad": matmul + softmax + ops_b, "weight_grad": matmul})
+    return embedding, {**head, "tp": tp}
 
 
 # -----------------------------------------------------------------------------

@@ -506,9 +506,8 @@ def test_step_time_counts_the_ring_operators_each_rank_dispatches(ring):
     """step_time charges each operator a host's cost on CPU: its count of the ring's, in place of a fused
     kernel's, within a tenth of what each rank dispatches (MHA; the counts were taken at another shape)."""
     cp, ranks = ring
-    dense = step_time.OPS_PER_BLOCK["dense"]
-    predicted = [n - d + fused for n, d, fused in zip(step_time.block_operators(ModelConfig(**TINY), cp), dense,
-                                                         step_time.FUSED_ATTENTION_OPS)]
+    pairs, (forward, backward) = 2 * cp + 1, step_time.RING_OPS_PER_PAIR
+    predicted = (forward * pairs, backward * pairs + step_time.RING_OPS_BACKWARD)
     for r in ranks:
         assert r["mha"]["operators"] == pytest.approx(predicted, rel=0.1)
 

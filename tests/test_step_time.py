@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 import step_time
+from machines import CPU_GLOO_LINK
 from model import ModelConfig
 from pipeline_schedules import SCHEDULES
 
@@ -19,7 +20,7 @@ def run_of(**changes):
     base = dict(dp=1, tp=1, pp=1, cp=1, ep=1, zero_stage=0, batch_size=2, gradient_accumulation_steps=4,
                 pp_schedule="1f1b", pp_chunks=1, activation_checkpointing=False, sequence_parallel=False,
                 bucket_size_mb=25.0, dtype="auto", pp_layers="", block_size=64, optimizer="adamw", attn_impl="auto",
-                overlap_param_gather=True)
+                overlap_param_gather=True, chunked_loss=True)
     return SimpleNamespace(**{**base, **changes})
 
 
@@ -59,6 +60,26 @@ def test_a_ring_all_reduce_sends_twice_n_minus_one_over_n_of_the_buffer(n):
     # and each of its 2 (n - 1) steps waits one latency
     assert step_time.collective_seconds("all_reduce", 0.0 + 1, n, {"busbw": 1e30, "latency": 1.0}) == \
         pytest.approx(2 * (n - 1))
+
+
+def test_the_chunked_loss_runs_the_heads_backward_in_its_forward():
+    """model.ChunkedLinearCrossEntropy computes the head's gradients in the forward and only scales them in
+    the backward: the same work moved, so one stage's step barely changes and AFAB's first stage waits for
+    the last stage's heavier forwards."""
+    machine, links = step_time.load_machine("a100"), {"tp": LINK}
+    (_, plain), (_, chunked) = (step_time.ends_seconds(SMALL, run_of(chunked_loss=c), machine, links, 128)
+                                for c in (False, True))
+    assert chunked["weight_grad"] == 0 and chunked["forward"] == pytest.approx(sum(
+        plain[k] for k in ("forward", "input_grad", "weight_grad")))
+    # the validation's small model on this CPU's figures (scripts/validate_step_time.py), where it matters
+    cpu = dict(name="auto", matmul_flops={"float32": 85e9}, memory_bw=90e9, attention_efficiency=0.35, op_seconds=3e-6,
+               node=CPU_GLOO_LINK, network=CPU_GLOO_LINK, overlaps=False,
+               gpus_per_node=2)
+    model = ModelConfig(n_layer=4, n_head=4, n_kv_head=4, n_embd=128, block_size=128, vocab_size=4096)
+    one, afab = ([step_time.predict(model, run_of(chunked_loss=c, batch_size=4, block_size=128, **layout),
+                                    cpu)["step_s"] for c in (False, True)]
+                 for layout in ({}, dict(pp=2, pp_schedule="afab")))
+    assert one[1] == pytest.approx(one[0], rel=0.02) and afab[1] > 1.2 * afab[0]
 
 
 def test_one_rank_communicates_nothing():
