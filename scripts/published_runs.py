@@ -109,7 +109,8 @@ NOT_EXPRESSIBLE = [
      "recomputes whole blocks or none"),
     ("TT-9 to TT-12", "selective activation checkpointing, on a 500 W HBM2e H100 whose peak torchtitan itself does "
      "not know"),
-    ("TT-13 to TT-21", "float8 linears (torchao): not a bf16 matmul rate; FP8 is another issue's"),
+    ("TT-13 to TT-21", "float8 linears (torchao): not a bf16 matmul rate, and step_time.py does not model FP8's "
+                       "(fp8.py runs it; no GPU here to measure its rate)"),
     ("TT-24, TT-26", "asynchronous tensor parallelism (communication overlapped inside the matmuls): picotron's TP "
      "collectives are not overlapped"),
 ]
