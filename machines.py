@@ -2,7 +2,8 @@
 The machines step_time.py predicts for: a few numbers each, every one with its source (MACHINES, from the
 figures ../shared/published_runs.md collects), a JSON file of the same fields for any other (H200, MI300X,
 B200: --machine=PATH.json), or this machine measured in a second or two (machine=auto: a matmul at the
-model's shapes, a copy, a fused attention, and an all-reduce over the run's group where there is one).
+model's shapes, a copy, a fused attention, a chain of autograd operators, and an all-reduce over the run's
+group where there is one, each timed as a step meets it).
 Nothing here is fitted to a training run's measured step.
 """
 import json
@@ -181,9 +182,9 @@ def linear_rate(model_cfg, dtype, dev, tokens, tp=1):
 def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512, matmul_rate=None, tp=1):
     """This machine, measured in a second or two: the model's linears forward and backward on a micro-batch's
     tokens (linear_rate; or matmul_rate given), an elementwise product for the memory bandwidth, a causal
-    SDPA forward and backward at the model's heads for the attention kernel's share of the matmul rate, and
-    with collective an all-reduce over every process (each must call this: on one machine every group of
-    the run shares its links), else gloo's figures above."""
+    SDPA forward and backward at the model's heads for the attention kernel's share of the matmul rate, an
+    operator's host cost through autograd, and with collective an all-reduce over every process (each must
+    call this: on one machine every group of the run shares its links), else gloo's figures above."""
     dev = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     if matmul_rate is None:
