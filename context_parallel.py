@@ -42,8 +42,9 @@ and one more step brings the accumulator home to the rank that owns those keys.
 
 Collectives, per attention layer, with S = B * (T/cp) * H_kv * (D + D_v) elements of k and v per rank:
 forward cp-1 ring steps of S elements in k/v's dtype; backward cp-1 such steps plus cp steps of the
-gradients, S elements in fp32 (see ring_attention_bytes). Each is one dist.batch_isend_irecv of sends to
-the next rank and receives from the previous, so no pair of neighbours can deadlock by both sending first.
+gradients, S elements in fp32 (see ring_attention_bytes). Each is one dist.batch_isend_irecv of a send to
+the next rank and a receive from the previous, so no pair of neighbours can deadlock by both sending first;
+k and v (or their two gradients) travel packed as one message.
 
 Memory: activations per rank fall by cp, attention's too: besides q, k, v and the output it keeps one
 fp32 log-sum-exp per query and head; the largest transients are one chunk pair's fp32 scores and
@@ -185,11 +186,14 @@ def ring_attention_bytes(batch, seq_len_local, n_kv_head, head_dim, v_head_dim, 
 # -----------------------------------------------------------------------------
 # One chunk pair, forward and backward. Query heads are grouped by the key/value head they read:
 # q is (B, H_kv, G, Tq, D) with G = H / H_kv, k is (B, H_kv, 1, Tk, D), and broadcasting does the rest.
+# q comes already multiplied by the scale (once per call, not once per pair's scores), and dq leaves as the
+# gradient of that scaled q. Each pass over a pair's (Tq, Tk) scores costs a kernel and its memory traffic,
+# and there are ten to fifteen of them where a fused kernel makes one, so the scores are worked on in place.
 
 
-def _scores(q, k, scale, softcap):
-    """fp32 scores q k^T * scale, soft-capped to cap * tanh(s / cap); also the tanh, for the derivative."""
-    s = (q @ k.transpose(-2, -1)) * scale  # (B, H_kv, G, Tq, Tk)
+def _scores(q, k, softcap):
+    """fp32 scores q k^T (q scaled), soft-capped to cap * tanh(s / cap); also the tanh, for the derivative."""
+    s = q @ k.transpose(-2, -1)  # (B, H_kv, G, Tq, Tk)
     t = torch.tanh(s / softcap) if softcap else None
     return (s, None) if t is None else (softcap * t, t)
 
@@ -200,14 +204,18 @@ def _finite(lse):
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
-def _block_forward(q, k, v, visible, scale, softcap):
-    """This block's normalised output and log-sum-exp: (B, H_kv, G, Tq, D_v) and (B, H_kv, G, Tq)."""
-    s, _ = _scores(q, k, scale, softcap)
+def _block_forward(q, k, v, visible, softcap):
+    """This block's normalised output and log-sum-exp: (B, H_kv, G, Tq, D_v) and (B, H_kv, G, Tq). The softmax
+    as FlashAttention computes it: p = exp(s - m) with m the row's largest score, l = sum(p), out = p v / l,
+    lse = m + log(l). l >= 1 where a key is visible (the largest contributes exp(0)); where none is, l = 0,
+    lse = -inf and p v = 0, so dividing by max(l, 1) gives zeros."""
+    s, _ = _scores(q, k, softcap)
     if visible is not None:
-        s = s.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - _finite(lse)[..., None])
-    return p @ v, lse
+        s.masked_fill_(~visible, float("-inf"))
+    m = _finite(s.amax(-1))
+    p = s.sub_(m[..., None]).exp_()
+    l = p.sum(-1)
+    return (p @ v) / l.clamp(min=1.0)[..., None], m + torch.log(l)
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -220,20 +228,19 @@ def _merge(out, lse, block_out, block_lse):
     return torch.exp(lse[..., None] - safe) * out + torch.exp(block_lse[..., None] - safe) * block_out, new_lse
 
 
-def _block_backward(q, k, v, dout, lse, delta, visible, scale, softcap, dq, dk, dv):
+def _block_backward(q, k, v, dout, lse, delta, visible, softcap, dq, dk, dv):
     """Adds this block's gradients into dq (B, H_kv, G, Tq, D), dk (B, H_kv, Tk, D), dv (B, H_kv, Tk, D_v).
     With p = softmax(s) recomputed from the saved lse, and delta = rowsum(dout * out):
-        dv = p^T dout,  dp = dout v^T,  ds = p * (dp - delta),  then through the cap and the scale,
-        dq = ds k,  dk = ds^T q."""
-    s, t = _scores(q, k, scale, softcap)
+        dv = p^T dout,  dp = dout v^T,  ds = p * (dp - delta),  then through the cap,
+        dq = ds k,  dk = ds^T q  (q scaled: dq is the scaled q's gradient, dk already the keys')."""
+    s, t = _scores(q, k, softcap)
     if visible is not None:
-        s = s.masked_fill(~visible, float("-inf"))
-    p = torch.exp(s - _finite(lse)[..., None])  # (B, H_kv, G, Tq, Tk); hidden keys give exactly 0
+        s.masked_fill_(~visible, float("-inf"))
+    p = s.sub_(_finite(lse)[..., None]).exp_()  # (B, H_kv, G, Tq, Tk); hidden keys give exactly 0
     dv += (p.transpose(-2, -1) @ dout).sum(2)  # summed over the G query heads that read each kv head
-    ds = p * (dout @ v.transpose(-2, -1) - delta[..., None])
+    ds = (dout @ v.transpose(-2, -1)).sub_(delta[..., None]).mul_(p)
     if softcap:
-        ds = ds * (1 - t * t)  # d/ds cap * tanh(s / cap) = 1 - tanh^2
-    ds = ds * scale
+        ds.mul_(1 - t * t)  # d/ds cap * tanh(s / cap) = 1 - tanh^2
     dq += ds @ k
     dk += (ds.transpose(-2, -1) @ q).sum(2)
 
@@ -242,27 +249,32 @@ def _block_backward(q, k, v, dout, lse, delta, visible, scale, softcap, dq, dk, 
 # The ring
 
 
-def _query_heads(x, n_kv_head):
+# The heads laid out contiguously, (B, H_kv, G, T, D): a chunk's slice of T is then a view that a batched
+# matmul reads as it is, where the permuted view would be copied by every pair's matmul.
+def _query_heads(x, n_kv_head, scale=1.0):
     B, T, H, D = x.shape
-    x = x.to(at_least_fp32(x.dtype))
-    return x.view(B, T, n_kv_head, H // n_kv_head, D).permute(0, 2, 3, 1, 4)  # (B, H_kv, G, T, D)
+    x = x.to(at_least_fp32(x.dtype)).view(B, T, n_kv_head, H // n_kv_head, D).permute(0, 2, 3, 1, 4)
+    return (x * scale).contiguous() if scale != 1.0 else x.contiguous()  # (B, H_kv, G, T, D)
 
 
 def _kv_heads(x):
-    return x.to(at_least_fp32(x.dtype)).permute(0, 2, 1, 3)[:, :, None]  # (B, T, H_kv, D) -> (B, H_kv, 1, T, D)
+    return x.to(at_least_fp32(x.dtype)).permute(0, 2, 1, 3).contiguous()[:, :, None]  # (B, T, H_kv, D) -> (B, H_kv, 1, T, D)
 
 
 def _post_ring_exchange(tensors, group):
-    """Post, in one batch, the sends of `tensors` to the next rank of the ring and the receives of as many from
-    the previous one: (the receive buffers, the requests), not waited for (the caller computes meanwhile)."""
+    """Post the send of `tensors` (one dtype) to the next rank of the ring and the receive of as many from the
+    previous one, in one batch: (the received tensors, views of one buffer, and the requests), not waited for
+    (the caller computes meanwhile). They travel as one message: each message pays the link's latency (on
+    gloo about a millisecond, more than 512 KiB take to cross), and the copy that packs them costs far less."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     next_rank = dist.get_global_rank(group, (rank + 1) % cp)  # a P2POp's peer is a global rank
     prev_rank = dist.get_global_rank(group, (rank - 1) % cp)
-    tensors = [t.contiguous() for t in tensors]
-    received = [torch.empty_like(t) for t in tensors]
-    ops = ([dist.P2POp(dist.isend, t, next_rank, group) for t in tensors]
-           + [dist.P2POp(dist.irecv, t, prev_rank, group) for t in received])
-    return received, dist.batch_isend_irecv(ops)
+    packed = torch.cat([t.reshape(-1) for t in tensors])
+    arriving = torch.empty_like(packed)
+    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, packed, next_rank, group),
+                                       dist.P2POp(dist.irecv, arriving, prev_rank, group)])
+    received = [part.view(t.shape) for part, t in zip(arriving.split([t.numel() for t in tensors]), tensors)]
+    return received, requests
 
 
 def _wait(requests):
@@ -290,7 +302,7 @@ class RingAttention(torch.autograd.Function):
         # host-to-device copy waits for the GPU's queue to drain, the sync the host-side plan avoids
         keys, firsts = keys.to(q.device, non_blocking=True), firsts.to(q.device, non_blocking=True)
 
-        qh = _query_heads(q, n_kv_head)
+        qh = _query_heads(q, n_kv_head, scale)
         out = q.new_zeros(*qh.shape[:-1], v.shape[-1], dtype=qh.dtype)  # (B, H_kv, G, T, D_v), fp32 (fp64)
         lse = q.new_full(qh.shape[:-1], float("-inf"), dtype=qh.dtype)  # (B, H_kv, G, T)
         k_block, v_block = k, v
@@ -302,7 +314,7 @@ class RingAttention(torch.autograd.Function):
             for qs, ks, kind in plan[step]:
                 visible = _visible(keys, firsts, rank, source, qs, ks) if kind == "masked" else None
                 block_out, block_lse = _block_forward(qh[..., qs, :], kh[..., ks, :], vh[..., ks, :], visible,
-                                                      scale, softcap)
+                                                      softcap)
                 out[..., qs, :], lse[..., qs] = _merge(out[..., qs, :], lse[..., qs], block_out, block_lse)
             if step < cp - 1:
                 _wait(requests)
@@ -319,7 +331,7 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp, rank, group = ctx.cp, ctx.rank, ctx.group
         n_kv_head = k.shape[2]
-        qh, dh = _query_heads(q, n_kv_head), _query_heads(dout, n_kv_head)
+        qh, dh = _query_heads(q, n_kv_head, ctx.scale), _query_heads(dout, n_kv_head)
         delta = (dh * _query_heads(out, n_kv_head)).sum(-1)  # (B, H_kv, G, T): rowsum(dout * out)
         dq = torch.zeros_like(qh)
         # The gradients of a visiting block's keys and values come from every rank's queries, so they cannot
@@ -336,7 +348,7 @@ class RingAttention(torch.autograd.Function):
             for qs, ks, kind in ctx.plan[step]:
                 visible = _visible(ctx.keys, ctx.firsts, rank, source, qs, ks) if kind == "masked" else None
                 _block_backward(qh[..., qs, :], kh[..., ks, :], vh[..., ks, :], dh[..., qs, :], lse[..., qs],
-                                delta[..., qs], visible, ctx.scale, ctx.softcap,
+                                delta[..., qs], visible, ctx.softcap,
                                 dq[..., qs, :], dk_block[..., ks, :], dv_block[..., ks, :])
             if grads_home is not None:  # add what the previous ranks gathered for this block
                 (dk_before, dv_before), grad_requests = grads_home
@@ -352,7 +364,7 @@ class RingAttention(torch.autograd.Function):
             _wait(grad_requests)
 
         B, T, H, D = q.shape
-        dq = dq.permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(q.dtype)  # (B, T, H, D)
+        dq = (dq * ctx.scale).permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(q.dtype)  # (B, T, H, D): q's, unscaled
         dk = dk_block.transpose(1, 2).to(k.dtype)  # (B, T, H_kv, D)
         dv = dv_block.transpose(1, 2).to(v.dtype)  # (B, T, H_kv, D_v)
         return dq, dk, dv, None, None, None, None, None

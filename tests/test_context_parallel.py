@@ -445,7 +445,7 @@ def test_query_with_no_visible_key_gets_zeros_not_nan():
     # (B, H_kv, G, T, D): 3 queries, 5 keys
     q, k, v, dout = (torch.randn(1, 1, 1, n, d) for n, d in ((3, 4), (5, 4), (5, 2), (3, 2)))
     visible = torch.tensor([[True] * 5, [False] * 5, [True, True, False, False, False]])
-    out, lse = context_parallel._block_forward(q, k, v, visible, 0.5, 5.0)
+    out, lse = context_parallel._block_forward(q, k, v, visible, 5.0)
     assert lse[..., 1].item() == float("-inf") and out[..., 1, :].abs().max().item() == 0.0
     empty = (torch.zeros_like(out), torch.full_like(lse, float("-inf")))
     merged, merged_lse = context_parallel._merge(*empty, out, lse)
@@ -453,7 +453,7 @@ def test_query_with_no_visible_key_gets_zeros_not_nan():
     torch.testing.assert_close(context_parallel._merge(*empty, *empty)[0], torch.zeros_like(out))
     dq, dk, dv = torch.zeros_like(q), torch.zeros(1, 1, 5, 4), torch.zeros(1, 1, 5, 2)
     delta = (dout * out).sum(-1)
-    context_parallel._block_backward(q, k, v, dout, merged_lse, delta, visible, 0.5, 5.0, dq, dk, dv)
+    context_parallel._block_backward(q, k, v, dout, merged_lse, delta, visible, 5.0, dq, dk, dv)
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
     assert dq[..., 1, :].abs().max().item() == 0.0
 
