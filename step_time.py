@@ -169,10 +169,10 @@ def elementwise_bytes(model_cfg, run, fused, act_bytes):
 # The operators one block runs for a micro-batch, forward and backward (views included), counted with a
 # TorchDispatchMode: model.Block's one block against three (SwiGLU 80 and 137, GELU 75 and 125, a mixture of experts
 # 161 and 246), what the embedding, final norm, head and loss add (20 and 34); context parallelism's ring attention,
-# where a fused kernel's are 2 and 7, 88 and 76 per chunk pair a rank computes (2 cp + 1 of them) and 33 more
+# where a fused kernel's are 2 and 7, 91 and 69 per chunk pair a rank computes (2 cp + 1 of them) and 38 more
 # backward, at cp = 2 and 4 (tests/test_context_parallel.py holds this count to the ring's own).
 OPS_PER_BLOCK, OPS_AT_ENDS = {"dense": (80, 137), "moe": (161, 246)}, (20, 34)
-RING_OPS_PER_PAIR, RING_OPS_BACKWARD, FUSED_ATTENTION_OPS = (88, 76), 33, (2, 7)
+RING_OPS_PER_PAIR, RING_OPS_BACKWARD, FUSED_ATTENTION_OPS = (91, 69), 38, (2, 7)
 
 
 def block_seconds(model_cfg, run, machine, links, tokens):
@@ -202,12 +202,15 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     # tensor parallelism: attention's and the MLP's outputs all-reduced forward (g), their inputs' gradients
     # backward (f); under sequence parallelism an all-gather and a reduce-scatter instead, the same bytes
     tp = 2 * collective_seconds("all_reduce", tokens * model_cfg.n_embd * act_bytes, run.tp, links["tp"])
-    # context parallelism: cp - 1 ring steps, each sending this rank's keys and values on (forward) and
-    # with them their gradients (backward), overlapped with the attention of the step (the ring feeds it)
-    kv = tokens * max(1, model_cfg.n_kv_head // run.tp) * (qk + v) * act_bytes
+    # context parallelism, the ring's messages (context_parallel.ring_attention_bytes): forward cp - 1 of the
+    # keys and values; backward cp - 1 of them and cp of their fp32 gradients' accumulators, the last one
+    # bringing them home. Each overlaps the attention of its step (the ring feeds it), the last one nothing.
+    kv_elements = tokens * max(1, model_cfg.n_kv_head // run.tp) * (qk + v)
+    kv, kv_grads = p2p_seconds(kv_elements * act_bytes, links["cp"]), p2p_seconds(kv_elements * 4, links["cp"])
+    hide = 1.0 if machine["overlaps"] else 0.0
     step_attention = attention_f / run.cp
-    cp = [(run.cp - 1) * max(0.0, p2p_seconds(k * kv, links["cp"]) - (step_attention * k if machine["overlaps"] else 0))
-          for k in (1, 2)]
+    cp = [(run.cp - 1) * max(0.0, kv - hide * step_attention),
+          (run.cp - 1) * max(0.0, kv + kv_grads - hide * step_attention * 2) + kv_grads * (run.cp > 1)]
     # expert parallelism: two all-to-alls of the rows each rank keeps, forward and backward alike
     ep = 0.0
     if model_cfg.n_expert > 0 and run.ep > 1:
