@@ -69,7 +69,7 @@ BENCH = section(
     Setting("profile_steps", 0, "after the timed steps, this many more under torch.profiler: prints where the "
             "time goes"),
     Setting("profile_trace", "", "with profile_steps: also write the profile here as a Chrome trace (.json or "
-            ".json.gz)"),
+            ".json.gz; PATH.rankN.json for each rank of several)"),
     Setting("compare_optimizer", "", "also time train.py's step with this optimizer ('adamw' or 'muon') instead of "
             "--optimizer, step by step in turn"),
     Setting("compare_zero_stage", -1, "also time train.py's step at this ZeRO stage (0-3) instead of --zero_stage, "
@@ -422,6 +422,9 @@ def profile_steps(picotron, first_step, n_steps, trace_path=""):
         for i in range(first_step, first_step + n_steps):
             picotron.step(i)  # returns the loss as a float: the device has finished when it returns
         wall_us = 1e6 * (time.perf_counter() - start)
+    if trace_path and dist.is_initialized() and dist.get_world_size() > 1:
+        stem, dot, ext = trace_path.partition(".json")  # each rank its own file: one path would be written twice
+        trace_path = f"{stem}.rank{dist.get_rank()}{dot}{ext}"
     if trace_path:
         prof.export_chrome_trace(trace_path)
     if on_gpu:  # every kernel launch is an event of device type CUDA; its duration is its time on the GPU
