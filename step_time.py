@@ -4,13 +4,11 @@ memory half is memory_plan.py. `python step_time.py config/x.py --nproc=64 --mac
 layout's step broken down; make_config.py --choose=True ranks every layout that fits by it; train.py prints it at
 start-up beside the measured step, and bench.py puts it in its RESULT.
 
-It predicts one step's seconds as its parts (compute, the bubble, the communication each mechanism leaves exposed,
-the optimizer step), tokens/s per device and MFU, from the model config, the layout, the execution settings (as
-memory_plan.plan_memory takes them) and a machine (machines.py). The FLOPs are metrics.pipeline_costs' (cut as
-train.py cuts them), the pipeline is the schedule's own action lists (pipeline_schedules.SCHEDULES, routed as the
-executor routes them) placed in time, each collective's bytes are counted from the code that sends them, and no
-constant is fitted to a measured training run. Predicting calls no collective, touches no device and runs no model:
-it runs on a laptop for an H100 cluster.
+It predicts one step's seconds as its parts (compute, the bubble, each mechanism's exposed communication, the
+optimizer), tokens/s per device and MFU, from the model config, the layout, the execution settings and a machine
+(machines.py): metrics.pipeline_costs' FLOPs, the schedule's own action lists placed in time, each collective's bytes
+counted from the code that sends them; no constant fitted to a measured run. It calls no collective, touches no
+device and runs no model: it runs on a laptop for an H100 cluster.
 
 The terms, each with its formula and source where it is computed:
   compute       FLOPs / the machine's achieved matmul rate (its best published measurement, or one measured
@@ -28,9 +26,8 @@ The terms, each with its formula and source where it is computed:
                 with the unit before, the cp ring with the attention it feeds. Where the links share the
                 compute's cores (CPU, gloo with one core a rank) nothing overlaps.
   host          on CPU, each operator's dispatch and autograd bookkeeping (OPS_PER_BLOCK, op_seconds).
-Left out, and which way each errs: the kernels' efficiency at a run's own shapes (a named machine's rate is the best
-shape's: errs fast), congestion across nodes, data loading and logging (fast), and overlap NCCL gets where the code
-does not ask for it (slow).
+Left out, and which way each errs: kernels' efficiency at the run's own shapes (a named machine's rate is the best
+shape's), congestion across nodes, data loading, logging (all fast); overlap NCCL gets unasked (slow).
 """
 import json
 import os
@@ -167,10 +164,9 @@ def elementwise_bytes(model_cfg, run, fused, act_bytes):
 
 
 # The operators one block runs for a micro-batch, forward and backward (views included), counted with a
-# TorchDispatchMode: model.Block's one block against three (SwiGLU 80 and 137, GELU 75 and 125, a mixture of experts
-# 161 and 246), what the embedding, final norm, head and loss add (20 and 34); context parallelism's ring attention,
-# where a fused kernel's are 2 and 7, 91 and 69 per chunk pair a rank computes (2 cp + 1 of them) and 38 more
-# backward, at cp = 2 and 4 (tests/test_context_parallel.py holds this count to the ring's own).
+# TorchDispatchMode: model.Block's (SwiGLU 80 and 137, GELU 75 and 125, a mixture of experts 161 and 246), what the
+# ends add (20 and 34); the ring attention, where a fused kernel's are 2 and 7, 91 and 69 per chunk pair a rank
+# computes (2 cp + 1 of them) and 38 more backward (tests/test_context_parallel.py holds it to the ring's own).
 OPS_PER_BLOCK, OPS_AT_ENDS = {"dense": (80, 137), "moe": (161, 246)}, (20, 34)
 RING_OPS_PER_PAIR, RING_OPS_BACKWARD, FUSED_ATTENTION_OPS = (91, 69), 38, (2, 7)
 
@@ -205,17 +201,17 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     # context parallelism, the ring's messages (context_parallel.ring_attention_bytes): forward cp - 1 of the
     # keys and values; backward cp - 1 of them and cp of their fp32 gradients' accumulators, the last one
     # bringing them home. Each overlaps the attention of its step (the ring feeds it), the last one nothing.
-    kv_elements = tokens * max(1, model_cfg.n_kv_head // run.tp) * (qk + v)
-    kv, kv_grads = p2p_seconds(kv_elements * act_bytes, links["cp"]), p2p_seconds(kv_elements * 4, links["cp"])
-    hide = 1.0 if machine["overlaps"] else 0.0
-    step_attention = attention_f / run.cp
-    cp = [(run.cp - 1) * max(0.0, kv - hide * step_attention),
-          (run.cp - 1) * max(0.0, kv + kv_grads - hide * step_attention * 2) + kv_grads * (run.cp > 1)]
-    # expert parallelism: two all-to-alls of the rows each rank keeps, forward and backward alike
-    ep = 0.0
+    kv, kv_grads = (p2p_seconds(tokens * max(1, model_cfg.n_kv_head // run.tp) * (qk + v) * b, links["cp"]) for b in (act_bytes, 4))
+    hidden = attention_f / run.cp if machine["overlaps"] else 0.0  # one step's attention
+    cp = [(run.cp - 1) * max(0.0, kv - hidden),
+          (run.cp - 1) * max(0.0, kv + kv_grads - 2 * hidden) + kv_grads * (run.cp > 1)]
+    # expert parallelism: two all-to-alls of the rows each rank keeps each way, the forward's after the counts'
+    # (expert_parallel.exchange_expert_counts: n_expert integers)
+    ep = [0.0, 0.0]
     if model_cfg.n_expert > 0 and run.ep > 1:
         kept, _ = expert_rows(model_cfg, tokens, run.ep)
-        ep = 2 * collective_seconds("all_to_all", kept * model_cfg.n_embd * act_bytes, run.ep, links["ep"])
+        rows = 2 * collective_seconds("all_to_all", kept * model_cfg.n_embd * act_bytes, run.ep, links["ep"])
+        ep = [rows + collective_seconds("all_to_all", model_cfg.n_expert * 8, run.ep, links["ep"]), rows]
     # the host's cost per operator (op_seconds: measured on CPU, hidden behind a GPU's kernels); the ring's under cp
     ops_f, ops_b = OPS_PER_BLOCK["moe" if model_cfg.n_expert else "dense"]
     if run.cp > 1:
@@ -295,12 +291,13 @@ def stage_actions(model_cfg, run, machine, links, cut, zero3):
     for s, n in enumerate(cut):
         ends = ([embedding] if s == 0 else []) + ([head] if s == len(cut) - 1 else [])
         f = {"compute": n * block["forward"] + sum(e["forward"] for e in ends),
-             "tp": n * block["tp"] + sum(e["tp"] for e in ends), "cp": n * block["cp"][0], "ep": n * block["ep"],
+             "tp": n * block["tp"] + sum(e["tp"] for e in ends), "cp": n * block["cp"][0], "ep": n * block["ep"][0],
              "zero": n * zero3[0]}
         w = {"compute": n * block["weight_grad"] + sum(e["weight_grad"] for e in ends)}
         b = {"compute": n * block["input_grad"] + sum(e["input_grad"] for e in ends) + (0 if split else w["compute"]),
              "tp": n * block["tp"] * again + sum(e["tp"] for e in ends),
-             "cp": n * (block["cp"][1] + block["cp"][0] * (again - 1)), "ep": n * block["ep"] * again,
+             "cp": n * (block["cp"][1] + block["cp"][0] * (again - 1)),
+             "ep": n * (block["ep"][1] + block["ep"][0] * (again - 1)),
              "zero": n * zero3[1]}
         out[s] = {op: (sum(parts.values()), parts) for op, parts in (("F", f), ("B", b), ("W", w))}
     return out
