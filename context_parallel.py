@@ -47,8 +47,8 @@ the next rank and a receive from the previous, so no pair of neighbours can dead
 k and v (or their two gradients) travel packed as one message.
 
 Memory: activations per rank fall by cp, attention's too: besides q, k, v and the output it keeps one
-fp32 log-sum-exp per query and head; the largest transients are one chunk pair's fp32 scores and
-probabilities, (B, H, T/2cp, T/2cp) each.
+fp32 log-sum-exp per query and head; the largest transients are one chunk pair's fp32 scores, (B, H, T/2cp,
+T/2cp), which its probabilities overwrite, and in backward their gradient beside them.
 The ring holds two k/v blocks (the one computed, the one arriving), and in backward two gradient blocks.
 
 Variants. GQA and MQA: the H_kv key/value heads travel, each serving H/H_kv query heads; their gradients
