@@ -201,12 +201,12 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     # context parallelism, the ring's messages (context_parallel.ring_attention_bytes): forward cp - 1 of the
     # keys and values; backward cp - 1 of them and cp of their fp32 gradients' accumulators, the last one
     # bringing them home. Each overlaps the attention of its step (the ring feeds it), the last one nothing.
-    kv, kv_grads = (p2p_seconds(tokens * max(1, model_cfg.n_kv_head // run.tp) * (qk + v) * b, links["cp"]) for b in (act_bytes, 4))
+    kv_elements = tokens * max(1, model_cfg.n_kv_head // run.tp) * (qk + v)
+    kv, kv_grads = p2p_seconds(kv_elements * act_bytes, links["cp"]), p2p_seconds(kv_elements * 4, links["cp"])
     hidden = attention_f / run.cp if machine["overlaps"] else 0.0  # one step's attention
     cp = [(run.cp - 1) * max(0.0, kv - hidden),
           (run.cp - 1) * max(0.0, kv + kv_grads - 2 * hidden) + kv_grads * (run.cp > 1)]
-    # expert parallelism: two all-to-alls of the rows each rank keeps each way, the forward's after the counts'
-    # (expert_parallel.exchange_expert_counts: n_expert integers)
+    # expert parallelism: two all-to-alls of the kept rows each way, forward after the counts' (exchange_expert_counts)
     ep = [0.0, 0.0]
     if model_cfg.n_expert > 0 and run.ep > 1:
         kept, _ = expert_rows(model_cfg, tokens, run.ep)

@@ -86,6 +86,28 @@ def test_one_rank_communicates_nothing():
     assert step_time.collective_seconds("all_reduce", 1e9, 1, LINK) == 0.0
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_ring_pays_a_latency_for_each_message_it_sends(cp):
+    # no overlap (gloo on the cores that compute): forward cp - 1 messages of k and v, backward cp - 1 of them
+    # and cp of their fp32 gradients (context_parallel.ring_attention_bytes), each one latency and its bytes
+    link = {"busbw": 1e9, "latency": 1e-3}
+    machine = dict(name="auto", matmul_flops={"float32": 85e9}, memory_bw=90e9, attention_efficiency=0.35, overlaps=False)
+    tokens = 2 * SMALL.block_size // cp
+    block = step_time.block_seconds(SMALL, run_of(cp=cp), machine, {"tp": LINK, "cp": link, "ep": LINK}, tokens)
+    kv = tokens * SMALL.n_kv_head * 2 * (SMALL.n_embd // SMALL.n_head) * 4  # fp32 k and v, and their gradients
+    assert block["cp"][0] == pytest.approx((cp - 1) * (1e-3 + kv / 1e9))
+    assert block["cp"][1] == pytest.approx((2 * cp - 1) * (1e-3 + kv / 1e9))
+
+
+def test_expert_parallelism_exchanges_the_counts_before_the_rows_forward():
+    moe = ModelConfig(**{**vars(SMALL), "n_expert": 4, "n_expert_per_token": 2})
+    link = {"busbw": 1e9, "latency": 1e-3}
+    machine = dict(name="auto", matmul_flops={"float32": 85e9}, memory_bw=90e9, attention_efficiency=0.35, overlaps=False)
+    block = step_time.block_seconds(moe, run_of(dp=2, ep=2), machine, {"tp": LINK, "cp": LINK, "ep": link}, 128)
+    counts = step_time.collective_seconds("all_to_all", 4 * 8, 2, link)
+    assert counts >= 1e-3 and block["ep"][0] == pytest.approx(block["ep"][1] + counts)
+
+
 def test_buckets_that_fit_in_the_backward_leave_only_the_last_exposed():
     # four equal buckets filling evenly over a 4 s backward, each reduced in 0.5 s: each is done before the
     # next is full, so only the last one's 0.5 s runs past the backward
