@@ -161,7 +161,11 @@ def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None):
 def linear_rate(model_cfg, dtype, dev, tokens, tp=1):
     """FLOP/s of the model's own linears on this device: each distinct (in, out) of a block's (q, k and v, the
     output projection, the MLP's) and the head's, this tp rank's share, run forward and backward (x W^T,
-    then dy W and dy^T x: 6 FLOPs per weight and token) on `tokens` tokens, weighted as the model runs them."""
+    then dy W and dy^T x: 6 FLOPs per weight and token) on `tokens` tokens, weighted as the model runs them.
+    Timed in passes, every shape once in each, the median of 15: a slow stretch of the host spoils a few
+    passes, where each shape's repeats timed back to back let it spoil that shape's every one (three launches
+    of one run read the same compute 262, 321 and 403 ms so)."""
+    import statistics
     from torch.nn.functional import linear
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     C, F, (qk, v) = model_cfg.n_embd, mlp_hidden_size(model_cfg) // tp, attention_dims(model_cfg)
@@ -169,14 +173,21 @@ def linear_rate(model_cfg, dtype, dev, tokens, tp=1):
     shapes = {(C, H * qk): model_cfg.n_layer, (C, H_kv * (qk + v)): model_cfg.n_layer, (H * v, C): model_cfg.n_layer,
               (C, F): (2 if model_cfg.mlp == "swiglu" else 1) * model_cfg.n_layer, (F, C): model_cfg.n_layer,
               (C, -(-model_cfg.vocab_size // tp)): 1}
-    flops = seconds = 0.0
-    for (n_in, n_out), count in shapes.items():
-        x = torch.randn(tokens, n_in, device=dev, dtype=dtype, requires_grad=True)
-        w = torch.randn(n_out, n_in, device=dev, dtype=dtype, requires_grad=True)
-        dy = torch.randn(tokens, n_out, device=dev, dtype=dtype)
-        seconds += count * _median_seconds(lambda: (linear(x, w).backward(dy), sync()))
-        flops += count * 6 * tokens * n_in * n_out
-    return flops / seconds
+    cases = [(count, torch.randn(tokens, n_in, device=dev, dtype=dtype, requires_grad=True),
+              torch.randn(n_out, n_in, device=dev, dtype=dtype, requires_grad=True),
+              torch.randn(tokens, n_out, device=dev, dtype=dtype)) for (n_in, n_out), count in shapes.items()]
+
+    def one_pass():  # a micro-batch's linears: each shape timed once, times how often the model runs it
+        seconds = 0.0
+        for count, x, w, dy in cases:
+            start = time.perf_counter()
+            linear(x, w).backward(dy)
+            sync()
+            seconds += count * (time.perf_counter() - start)
+        return seconds
+    one_pass(), one_pass()  # (warm-ups: the thread pool, the kernels' choice, first-touch pages)
+    flops = sum(count * 6 * tokens * n_in * n_out for (n_in, n_out), count in shapes.items())
+    return flops / statistics.median(one_pass() for _ in range(15))
 
 
 def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512, matmul_rate=None, tp=1):
