@@ -9,6 +9,7 @@ Nothing here is fitted to a training run's measured step.
 import json
 import os
 import re
+import statistics
 import time
 
 import torch
@@ -107,19 +108,23 @@ def load_machine(name):
 # machine=auto: this machine measured, in a few seconds
 
 
+def _median_of(measure, repeats):
+    """The median of `repeats` calls of measure() (each returns seconds) after two warm-up calls (the thread
+    pool, the kernel's choice, first-touch pages): the statistic bench.py reports of its steps, which see the
+    machine's noise as the probe does (a best of a few read this machine's prediction 6-9% apart from one call
+    to the next)."""
+    measure()
+    measure()
+    return statistics.median(measure() for _ in range(repeats))
+
+
 def _median_seconds(fn, repeats=7):
-    """fn's median seconds after two warm-up calls (the thread pool, the kernel's choice, first-touch pages):
-    the statistic bench.py reports of its steps, which see the machine's noise as the probe does (a best of
-    a few read this machine's prediction 6-9% apart from one call to the next)."""
-    import statistics
-    fn()
-    fn()
-    seconds = []
-    for _ in range(repeats):
+    """fn's median seconds (_median_of)."""
+    def timed():
         start = time.perf_counter()
         fn()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+        return time.perf_counter() - start
+    return _median_of(timed, repeats)
 
 
 def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None):
@@ -133,7 +138,6 @@ def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None):
     count times their mean, not their median; these waits have a long tail (one rank's lateness: a 256 KiB
     all-reduce after 64 ms of compute took 2.6 ms at the median, 5.0 on average), so the run's own message
     is timed 60 times (15 read the latency 0.4 to 1.5 ms from one launch to the next), 8 MiB 15 times."""
-    import statistics
     import torch.distributed as dist
     n = dist.get_world_size(group)
     sync = (lambda: torch.cuda.synchronize(device)) if str(device).startswith("cuda") else (lambda: None)
@@ -165,7 +169,6 @@ def linear_rate(model_cfg, dtype, dev, tokens, tp=1):
     Timed in passes, every shape once in each, the median of 15: a slow stretch of the host spoils a few
     passes, where each shape's repeats timed back to back let it spoil that shape's every one (three launches
     of one run read the same compute 262, 321 and 403 ms so)."""
-    import statistics
     from torch.nn.functional import linear
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     C, F, (qk, v) = model_cfg.n_embd, mlp_hidden_size(model_cfg) // tp, attention_dims(model_cfg)
@@ -185,9 +188,8 @@ def linear_rate(model_cfg, dtype, dev, tokens, tp=1):
             sync()
             seconds += count * (time.perf_counter() - start)
         return seconds
-    one_pass(), one_pass()  # (warm-ups: the thread pool, the kernels' choice, first-touch pages)
     flops = sum(count * 6 * tokens * n_in * n_out for (n_in, n_out), count in shapes.items())
-    return flops / statistics.median(one_pass() for _ in range(15))
+    return flops / _median_of(one_pass, 15)
 
 
 def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512, matmul_rate=None, tp=1):
