@@ -331,8 +331,10 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp, rank, group = ctx.cp, ctx.rank, ctx.group
         n_kv_head = k.shape[2]
+        B, T, H, D = q.shape
         qh, dh = _query_heads(q, n_kv_head, ctx.scale), _query_heads(dout, n_kv_head)
-        delta = (dh * _query_heads(out, n_kv_head)).sum(-1)  # (B, H_kv, G, T): rowsum(dout * out)
+        delta = (dout.to(qh.dtype) * out.to(qh.dtype)).sum(-1)  # (B, T, H): rowsum(dout * out)
+        delta = delta.view(B, T, n_kv_head, H // n_kv_head).permute(0, 2, 3, 1)  # (B, H_kv, G, T)
         dq = torch.zeros_like(qh)
         # The gradients of a visiting block's keys and values come from every rank's queries, so they cannot
         # be finished where they are computed: an fp32 accumulator travels with each block, every rank adds
@@ -363,7 +365,6 @@ class RingAttention(torch.autograd.Function):
             (dk_block, dv_block), grad_requests = grads_home
             _wait(grad_requests)
 
-        B, T, H, D = q.shape
         dq = (dq * ctx.scale).permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(q.dtype)  # (B, T, H, D): q's, unscaled
         dk = dk_block.transpose(1, 2).to(k.dtype)  # (B, T, H_kv, D)
         dv = dv_block.transpose(1, 2).to(v.dtype)  # (B, T, H_kv, D_v)
