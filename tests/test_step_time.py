@@ -14,6 +14,9 @@ from pipeline_schedules import SCHEDULES
 
 SMALL = ModelConfig(n_layer=4, n_head=4, n_kv_head=4, n_embd=64, block_size=64, vocab_size=512)
 LINK = {"busbw": 1e9, "latency": 0.0}
+# this CPU's figures as machine=auto reads them (scripts/validate_step_time.py): gloo on the cores that compute
+CPU = dict(name="auto", matmul_flops={"float32": 85e9}, memory_bw=90e9, attention_efficiency=0.35, op_seconds=3e-6,
+           node=CPU_GLOO_LINK, network=CPU_GLOO_LINK, overlaps=False, gpus_per_node=2)
 
 
 def run_of(**changes):
@@ -72,12 +75,9 @@ def test_the_chunked_loss_runs_the_heads_backward_in_its_forward():
     assert chunked["weight_grad"] == 0 and chunked["forward"] == pytest.approx(sum(
         plain[k] for k in ("forward", "input_grad", "weight_grad")))
     # the validation's small model on this CPU's figures (scripts/validate_step_time.py), where it matters
-    cpu = dict(name="auto", matmul_flops={"float32": 85e9}, memory_bw=90e9, attention_efficiency=0.35, op_seconds=3e-6,
-               node=CPU_GLOO_LINK, network=CPU_GLOO_LINK, overlaps=False,
-               gpus_per_node=2)
     model = ModelConfig(n_layer=4, n_head=4, n_kv_head=4, n_embd=128, block_size=128, vocab_size=4096)
     one, afab = ([step_time.predict(model, run_of(chunked_loss=c, batch_size=4, block_size=128, **layout),
-                                    cpu)["step_s"] for c in (False, True)]
+                                    CPU)["step_s"] for c in (False, True)]
                  for layout in ({}, dict(pp=2, pp_schedule="afab")))
     assert one[1] == pytest.approx(one[0], rel=0.02) and afab[1] > 1.2 * afab[0]
 
@@ -91,9 +91,8 @@ def test_the_ring_pays_a_latency_for_each_message_it_sends(cp):
     # no overlap (gloo on the cores that compute): forward cp - 1 messages of k and v, backward cp - 1 of them
     # and cp of their fp32 gradients (context_parallel.ring_attention_bytes), each one latency and its bytes
     link = {"busbw": 1e9, "latency": 1e-3}
-    machine = dict(name="auto", matmul_flops={"float32": 85e9}, memory_bw=90e9, attention_efficiency=0.35, overlaps=False)
     tokens = 2 * SMALL.block_size // cp
-    block = step_time.block_seconds(SMALL, run_of(cp=cp), machine, {"tp": LINK, "cp": link, "ep": LINK}, tokens)
+    block = step_time.block_seconds(SMALL, run_of(cp=cp), CPU, {"tp": LINK, "cp": link, "ep": LINK}, tokens)
     kv = tokens * SMALL.n_kv_head * 2 * (SMALL.n_embd // SMALL.n_head) * 4  # fp32 k and v, and their gradients
     assert block["cp"][0] == pytest.approx((cp - 1) * (1e-3 + kv / 1e9))
     assert block["cp"][1] == pytest.approx((2 * cp - 1) * (1e-3 + kv / 1e9))
@@ -102,8 +101,7 @@ def test_the_ring_pays_a_latency_for_each_message_it_sends(cp):
 def test_expert_parallelism_exchanges_the_counts_before_the_rows_forward():
     moe = ModelConfig(**{**vars(SMALL), "n_expert": 4, "n_expert_per_token": 2})
     link = {"busbw": 1e9, "latency": 1e-3}
-    machine = dict(name="auto", matmul_flops={"float32": 85e9}, memory_bw=90e9, attention_efficiency=0.35, overlaps=False)
-    block = step_time.block_seconds(moe, run_of(dp=2, ep=2), machine, {"tp": LINK, "cp": LINK, "ep": link}, 128)
+    block = step_time.block_seconds(moe, run_of(dp=2, ep=2), CPU, {"tp": LINK, "cp": LINK, "ep": link}, 128)
     counts = step_time.collective_seconds("all_to_all", 4 * 8, 2, link)
     assert counts >= 1e-3 and block["ep"][0] == pytest.approx(block["ep"][1] + counts)
 
