@@ -1120,10 +1120,10 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
 #
 # The cost is in the parameters every tp rank holds whole: the norm gains and the row-parallel biases now
 # see only this rank's tokens, and the replicated weights inside a region (MLA's down-projections and
-# latent norms) get only this rank's partial gradient, since no f sums it any more. Each passes through f
-# itself (copy_to_tp on the parameter), whose backward sums the parts across the tp group: Megatron's
-# all-reduce of the sequence-parallel gradients, done where the parameter is used. Tensors are
-# (B, T, ...): the sequence is dimension 1, and T must split into tp equal pieces.
+# latent norms) get only this rank's partial gradient, since no f sums it any more. A row-parallel bias
+# passes through f itself (copy_to_tp on the parameter), whose backward sums its parts across the group;
+# the others are summed once a step (tensor_parallel.sum_partial_grads: Megatron's all-reduce of the
+# sequence-parallel gradients). Tensors are (B, T, ...): the sequence is dimension 1, T split in tp pieces.
 
 
 class GatherFromSequenceParallelRegion(torch.autograd.Function):

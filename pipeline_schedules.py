@@ -410,16 +410,15 @@ class WeightGradStore:
         self.held_bytes = 0  # of the x and dy kept (each counted per layer): timeline.ActivationMemory reads it
         for module in modules:
             for layer in module.modules():
-                if hasattr(getattr(layer, "matmul", None), "store") and not hasattr(layer.weight, "grad_summed_over"):
+                if hasattr(getattr(layer, "matmul", None), "store"):
                     layer.matmul.store = self  # an FP8 product: collects here itself; its bias, outside it, in B
                     self.params.append(layer.weight)
                     continue
                 if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
                     layer.matmul = self.linear  # the layers' hook: their product, with this backward
-                elif isinstance(layer, nn.Linear) and not hasattr(layer.weight, "grad_summed_over"):
+                elif isinstance(layer, nn.Linear):
                     # a plain linear (one process, and the layers tensor parallelism leaves whole): its
-                    # forward is this product; one whose gradient is summed as backward makes it
-                    # (tensor_parallel.sum_grad_over) keeps its backward whole
+                    # forward is this product
                     layer.forward = functools.partial(self.linear_layer, layer)
                 else:
                     continue

@@ -52,7 +52,7 @@ from parallel import (GradientBuckets, ParallelLayout, PipelineComm, Reducers, S
 from pipeline_schedules import (SCHEDULES, Pipeline, WeightGradStore, announced_by_hand, check_schedule, chunk_modules,
                                 chunk_parameters, describe_pipeline, virtual_stages)
 from settings import check_layout, describe_layout
-from tensor_parallel import apply_tensor_parallel
+from tensor_parallel import apply_tensor_parallel, sum_partial_grads
 from zero import FullyShardedParameters, GradientShards, backward_phases, overlap_param_gather, zero3_units
 
 # -----------------------------------------------------------------------------
@@ -516,6 +516,7 @@ def train_step(cfg, layout, parts, microbatches, lr, trace=None, step=0):
         parts.compiled = uncompile_blocks(parts.model)
         loss = forward_backward_step(parts, microbatches, trace)
     grads = optimizer.grads()
+    sum_partial_grads(grads)  # tensor parallelism's replicated parameters: each rank's part of their gradient
     scaler.unscale(grads)
     grad_norm = global_grad_norm(parts.model, layout, grads, dp_sharded=cfg.zero_stage >= 1)
     if cfg.grad_clip > 0:

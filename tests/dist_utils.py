@@ -33,7 +33,7 @@ from context_parallel import apply_context_parallel
 from expert_parallel import apply_expert_parallel
 from model import Transformer, apply_activation_checkpointing, model_config_from
 from parallel import apply_pipeline
-from tensor_parallel import apply_tensor_parallel
+from tensor_parallel import apply_tensor_parallel, sum_partial_grads
 from train import init_shares, materialize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -298,6 +298,13 @@ def assert_same_tensors(got, want, rtol=WEIGHT_RTOL, what="weights", label=None)
     assert not bad, (f"{label + ': ' if label else ''}{what} outside ||a-b||/||b|| <= {rtol:.0e}: "
                      + ", ".join(f"{n}: {d:.2e}" for n, d in bad.items()))
     return diffs[worst]
+
+
+def backward(loss, model):
+    """loss.backward(), then the once-a-step sum over tp of the gradients of the parameters each tp rank holds
+    whole (tensor_parallel.sum_partial_grads, as train.train_step sums them): the gradients of one process."""
+    loss.backward()
+    sum_partial_grads([(p, p.grad) for p in model.parameters() if p.grad is not None])
 
 
 def build_model(cfg, *, tp_group=None, stages=(0,), stage_blocks=None, cp_group=None, sequence_parallel=False,

@@ -42,8 +42,8 @@ import settings
 import step_time
 from data import context_split
 import train
-from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, build_model, gather_full, gathered_parameters,
-                        run_ranks, train_in_process, train_on_ranks)
+from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, backward, build_model, gather_full,
+                        gathered_parameters, run_ranks, train_in_process, train_on_ranks)
 from model import ModelConfig, Transformer, choose_attn_impl, model_config_from
 import context_parallel
 from context_parallel import (attention_work, check_context_split, ring_attention, ring_attention_bytes,
@@ -209,7 +209,7 @@ def model_at(layout, overrides, sequence_parallel=False):
                         sequence_parallel=sequence_parallel, seed=SEED)
     x, y, *positions = context_split(model_batch(), layout)
     logits, loss = model(x, y, *positions)
-    loss.backward()
+    backward(loss, model)
     if layout.tp_group is not None:  # the vocabulary slices (all real here: 512 splits evenly)
         parts = [torch.empty_like(logits) for _ in range(layout.tp)]
         dist.all_gather(parts, logits.contiguous(), group=layout.tp_group)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dist_utils import build_model, gather_full, make_token_data, run_ranks, run_train
+from dist_utils import backward, build_model, gather_full, make_token_data, run_ranks, run_train
 from model import ModelConfig, swiglu_hidden_size
 from parallel import (ColumnParallelLinear, ParallelLayout, RowParallelLinear, copy_to_tp, gather_from_tp,
                       padded_vocab_size, reduce_from_tp, scatter_to_tp, shard_of, valid_vocab_columns,
@@ -173,7 +173,7 @@ def check_model(group, overrides, seed=1234):
     ref_logits, ref_loss = ref(x, y)
     logits, loss = model(x, y)
     ref_loss.backward()
-    loss.backward()
+    backward(loss, model)
     out["logits"] = rel_err(gather_vocab_columns(logits.detach(), cfg.vocab_size, model.lm_head.out_per_rank, group),
                             ref_logits.detach())
     out["loss"] = rel_err(loss.detach(), ref_loss.detach())
@@ -214,7 +214,7 @@ def count_tp_bytes(group, overrides, batch_size=2):
         for name in real:
             setattr(dist, name, counting(name))
         _, loss = model(x, x)
-        loss.backward()
+        backward(loss, model)
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
@@ -388,7 +388,7 @@ def time_steps(rank, world_size, overrides, batch_size, steps):
         x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size + 1), generator=g)
         w0, c0 = time.perf_counter(), time.process_time()
         _, loss = model(x[:, :-1], x[:, 1:])
-        loss.backward()
+        backward(loss, model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         wall.append(time.perf_counter() - w0)

@@ -4,7 +4,7 @@ them all (a launch costs seconds; the models cost milliseconds)."""
 import torch
 import torch.distributed as dist
 
-from dist_utils import build_model, gather_full, run_ranks
+from dist_utils import backward, build_model, gather_full, run_ranks
 from model import Transformer
 from test_variants import VARIANTS, tiny_config, tokens
 
@@ -35,7 +35,7 @@ def compare_variants_at_tp2(rank, world_size):
         full_logits, full_loss = full(x, y)
         full_loss.backward()
         logits, loss = split(x, y)
-        loss.backward()
+        backward(loss, split)
         parts = [torch.empty_like(logits) for _ in range(world_size)]
         dist.all_gather(parts, logits.contiguous(), group=group)  # the vocab-sharded logits, whole
         logit_err = (torch.cat(parts, dim=-1) - full_logits).abs().max().item()
