@@ -93,24 +93,29 @@ from timeline import schedule_moments, walk_peak
 # buffers (its ring attention is counted as a fused kernel).
 
 
-def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1, ep=1, shapes=None, pp_layers=""):
+def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1, ep=1, shapes=None, pp_layers="",
+                             sequence_parallel=False, summed=None):
     """{name: elements this tp rank holds} of pipeline rank `stage`'s parameters (its chunks' under the
     interleaved and V schedules, the blocks cut as train.py cuts them: metrics.stage_cut): the model built on
     the meta device (no memory) and the layout applied to it as train.build_model applies it, each group a
     stand-in of its size (what parallel.group_size and group_rank read), so what is counted is what a run
     holds. Under expert parallelism a rank holds n_expert / ep experts of each layer (the first ep rank's).
-    shapes: a dict, filled with each parameter's full shape (Muon orthogonalises the full matrix)."""
+    shapes: a dict, filled with each parameter's full shape (Muon orthogonalises the full matrix). summed: a
+    dict, filled with the elements of each parameter whose gradient a hook sums over the tp group
+    (tensor_parallel.sum_grad_over; which ones depends on sequence_parallel)."""
     import train  # (here: train.py imports this file)
     group = lambda size: SimpleNamespace(size=lambda: size, rank=lambda: 0) if size > 1 else None  # noqa: E731
     layout = SimpleNamespace(pp=pp, pp_rank=stage, tp_group=group(tp), ep_group=group(ep), cp_group=None)
     cfg = SimpleNamespace(chunked_loss=False, pp_schedule=schedule, pp_chunks=chunks, pp_layers=pp_layers,
-                          sequence_parallel=False, activation_checkpointing=False, fp8="none")
+                          sequence_parallel=sequence_parallel, activation_checkpointing=False, fp8="none")
     model = train.build_model(cfg, model_cfg, layout, "auto", "meta")  # (the kernel holds no parameters)
     out = {}
     for name, p in model.named_parameters():  # (a tied weight once: named_parameters gives each tensor once)
         out[name] = p.numel()
         if shapes is not None:
             shapes[name] = tuple(full_shape_of(p))
+        if summed is not None and hasattr(p, "grad_summed_over"):
+            summed[name] = p.numel()
     return out
 
 

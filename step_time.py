@@ -112,21 +112,44 @@ def dtype_of(run, machine):
     return run.dtype if run.dtype != "auto" else "bfloat16" if gpu else next(iter(machine["matmul_flops"]))
 
 
-_PIECES = {}  # (repr(model_cfg), tp, ep): parameter_pieces' answer (the config is not hashable)
+_PIECES = {}  # (repr(model_cfg), tp, ep, sequence_parallel): _pieces' answer (the config is not hashable)
+
+
+def _pieces(model_cfg, tp, ep, sequence_parallel=False):
+    """(({name: elements} of one block, {name: elements} of the rest) of every parameter on one tp (and ep)
+    rank, the same of those whose gradient a hook sums over tp): a one-block model built on the meta device as
+    train.build_model builds it (memory_plan.stage_parameter_elements), so the counts are the run's, at a cost
+    that does not grow with the depth."""
+    import dataclasses
+    import memory_plan
+    key = (repr(model_cfg), tp, ep, sequence_parallel)
+    if key not in _PIECES:
+        summed = {}
+        elements = memory_plan.stage_parameter_elements(dataclasses.replace(model_cfg, n_layer=1), tp, 1, 0, ep=ep,
+                                                        sequence_parallel=sequence_parallel, summed=summed)
+        _PIECES[key] = tuple(({name[len("blocks.0."):]: n for name, n in of.items() if name.startswith("blocks.0.")},
+                              {name: n for name, n in of.items() if not name.startswith("blocks.0.")})
+                             for of in (elements, summed))
+    return _PIECES[key]
 
 
 def parameter_pieces(model_cfg, tp, ep):
-    """({name: elements} of one block, {name: elements} of the rest) on one tp (and ep) rank: a one-block model
-    built on the meta device as train.build_model builds it (memory_plan.stage_parameter_elements), so the
-    counts are the run's, at a cost that does not grow with the depth."""
-    import dataclasses
-    import memory_plan
-    key = (repr(model_cfg), tp, ep)
-    if key not in _PIECES:
-        elements = memory_plan.stage_parameter_elements(dataclasses.replace(model_cfg, n_layer=1), tp, 1, 0, ep=ep)
-        block = {name[len("blocks.0."):]: n for name, n in elements.items() if name.startswith("blocks.0.")}
-        _PIECES[key] = block, {name: n for name, n in elements.items() if not name.startswith("blocks.0.")}
-    return _PIECES[key]
+    """({name: elements} of one block, {name: elements} of the rest) on one tp (and ep) rank (_pieces)."""
+    return _pieces(model_cfg, tp, ep)[0]
+
+
+def tp_summed_seconds(model_cfg, run, cut, held, link):
+    """Seconds of the one all-reduce a step that sums over tp the gradients of the parameters each tp rank
+    holds whole (tensor_parallel.sum_partial_grads), on a pipeline rank holding model stages `held`: under
+    sequence parallelism the norms, and the replicated parts of attention (QK-norm gains, key/value heads
+    fewer than the tp ranks, MLA's down-projections). Under ZeRO each rank sums its own slices."""
+    if run.tp == 1:
+        return 0.0
+    block, root = _pieces(model_cfg, run.tp, run.ep, run.sequence_parallel)[1]
+    elements = sum(len(stage_layers(cut, s)) for s in held) * sum(block.values())
+    elements += sum(root.values()) if len(cut) - 1 in held else 0  # (the final norm)
+    shards = run.dp * run.cp if run.zero_stage >= 1 else 1
+    return collective_seconds("all_reduce", elements * 4 / shards, run.tp, link) if elements else 0.0
 
 
 # -----------------------------------------------------------------------------
@@ -195,6 +218,12 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     # its efficiency is reported), where the unfused backward is two
     attention_b = attention_f * (2.5 if fused else 2)
     elementwise_f = tokens * elementwise_bytes(model_cfg, run, fused, act_bytes) / machine["memory_bw"]
+    # tensor parallelism's two regions a block copy their activations, forward and backward alike (parallel.py):
+    # g clones its input for the in-place all-reduce, f its gradient (2a per element); under SP the all-gather
+    # writes through the library's flat buffer, then concatenates (4a), the reduce-scatter moves the sequence
+    # to the front (2a) and adds the received piece (3a / tp)
+    per_region = (6 + 3 / run.tp if run.sequence_parallel else 2) * (run.tp > 1)
+    copies = tokens * 2 * per_region * act_bytes * model_cfg.n_embd / machine["memory_bw"]
     # tensor parallelism: attention's and the MLP's outputs all-reduced forward (g), their inputs' gradients
     # backward (f); under sequence parallelism an all-gather and a reduce-scatter instead, the same bytes
     tp = 2 * collective_seconds("all_reduce", tokens * model_cfg.n_embd * act_bytes, run.tp, links["tp"])
@@ -218,30 +247,34 @@ def block_seconds(model_cfg, run, machine, links, tokens):
         ops_f += RING_OPS_PER_PAIR[0] * (2 * run.cp + 1) - FUSED_ATTENTION_OPS[0]
         ops_b += RING_OPS_PER_PAIR[1] * (2 * run.cp + 1) + RING_OPS_BACKWARD - FUSED_ATTENTION_OPS[1]
     ops_f, ops_b = ops_f * machine.get("op_seconds", 0.0), ops_b * machine.get("op_seconds", 0.0)
-    forward = matmul_f + attention_f + elementwise_f + ops_f
+    forward = matmul_f + attention_f + elementwise_f + copies + ops_f
     recompute = forward if run.activation_checkpointing else 0.0  # (its communication: stage_actions)
-    return {"forward": forward, "input_grad": matmul_f + attention_b + 2 * elementwise_f + ops_b + recompute,
+    return {"forward": forward, "input_grad": matmul_f + attention_b + 2 * elementwise_f + copies + ops_b + recompute,
             "weight_grad": matmul_f, "tp": tp, "cp": cp, "ep": ep}
 
 
 def ends_seconds(model_cfg, run, machine, links, tokens):
-    """(embedding, head) seconds for one micro-batch: {'forward', 'input_grad', 'weight_grad', 'tp'}. The embedding:
-    a lookup (its rows written), under tp the vocab-parallel embedding's all-reduce. The head: 6 C V FLOPs per token
-    over tp (metrics.pipeline_costs') and the loss's fp32 softmax read and written forward and backward; all in the
-    forward under the chunked loss (tp = 1: model.ChunkedLinearCrossEntropy, whose backward scales the gradients);
-    under tp the vocab-parallel loss's three all-reduces of a float per token; under SP the final norm's gather."""
+    """(embedding, head) seconds for one micro-batch: {'forward', 'input_grad', 'weight_grad'} of compute and
+    'tp' [forward, backward]. The embedding: a lookup (its rows written), under tp the vocab-parallel
+    embedding's all-reduce forward (under SP a reduce-scatter, whose backward all-gathers). The head: 6 C V FLOPs
+    per token over tp (metrics.pipeline_costs') and the loss's fp32 softmax read and written forward and backward;
+    all in the forward under the chunked loss (tp = 1: model.ChunkedLinearCrossEntropy, whose backward scales the
+    gradients); under tp the vocab-parallel loss's three all-reduces of a float per token forward and f's
+    all-reduce of the head's input gradient backward (under SP the final norm's all-gather forward and
+    reduce-scatter backward instead)."""
     dtype = dtype_of(run, machine)
     rate, act_bytes, C = machine["matmul_flops"][dtype], 4 if dtype == "float32" else 2, model_cfg.n_embd
     _, _, head = metrics.pipeline_costs(model_cfg)
     lookup = tokens * C * act_bytes / machine["memory_bw"]
+    activations = collective_seconds("all_reduce", tokens * C * act_bytes, run.tp, links["tp"])
+    half = activations / 2  # (a reduce-scatter or an all-gather)
     embedding = {"forward": lookup, "input_grad": 2 * lookup, "weight_grad": 0.0,
-                 "tp": collective_seconds("all_reduce", tokens * C * act_bytes, run.tp, links["tp"])}
+                 "tp": [half, half] if run.sequence_parallel else [activations, 0.0]}
     matmul = tokens * head / 3 / run.tp / rate
     softmax = tokens * 2 * model_cfg.vocab_size / run.tp * 4 / machine["memory_bw"]
     ops_f, ops_b = (n * machine.get("op_seconds", 0.0) for n in OPS_AT_ENDS)
-    tp = 3 * collective_seconds("all_reduce", tokens * 4, run.tp, links["tp"])
-    if run.sequence_parallel:
-        tp += collective_seconds("all_gather", tokens * C * act_bytes, run.tp, links["tp"]) * 2
+    loss = 3 * collective_seconds("all_reduce", tokens * 4, run.tp, links["tp"])
+    tp = [loss + half, half] if run.sequence_parallel else [loss, activations]
     chunked = run.chunked_loss and run.tp == 1
     scale = (tokens + model_cfg.vocab_size) * C * 8 / machine["memory_bw"]  # (both gradients read and written, fp32)
     head = ({"forward": 3 * matmul + 2 * softmax + ops_f, "input_grad": scale + ops_b, "weight_grad": 0.0} if chunked
@@ -291,11 +324,11 @@ def stage_actions(model_cfg, run, machine, links, cut, zero3):
     for s, n in enumerate(cut):
         ends = ([embedding] if s == 0 else []) + ([head] if s == len(cut) - 1 else [])
         f = {"compute": n * block["forward"] + sum(e["forward"] for e in ends),
-             "tp": n * block["tp"] + sum(e["tp"] for e in ends), "cp": n * block["cp"][0], "ep": n * block["ep"][0],
+             "tp": n * block["tp"] + sum(e["tp"][0] for e in ends), "cp": n * block["cp"][0], "ep": n * block["ep"][0],
              "zero": n * zero3[0]}
         w = {"compute": n * block["weight_grad"] + sum(e["weight_grad"] for e in ends)}
         b = {"compute": n * block["input_grad"] + sum(e["input_grad"] for e in ends) + (0 if split else w["compute"]),
-             "tp": n * block["tp"] * again + sum(e["tp"] for e in ends),
+             "tp": n * block["tp"] * again + sum(e["tp"][1] for e in ends),
              "cp": n * (block["cp"][1] + block["cp"][0] * (again - 1)),
              "ep": n * (block["ep"][1] + block["ep"][0] * (again - 1)),
              "zero": n * zero3[1]}
@@ -439,8 +472,9 @@ def rank_timing(r, lists, stages, times, times_without, actions):
         for part, seconds in actions[stages[r][c]][op][1].items():
             busy[part] = busy.get(part, 0.0) + seconds * (m + 1)
     of = lambda op: sum(actions[s][op][0] for s in stages[r])  # noqa: E731  (one micro-batch, every chunk)
+    split = any(op == "W" for op, _, _ in lists[r])  # (where B is not split, B holds W's work)
     return {"end": end, "busy": busy, "bubble": end_without - sum(busy.values()), "pp": end - end_without,
-            "last_window": end - first_last, "micro_window": of("F") + of("B") + of("W"), "forward": of("F")}
+            "last_window": end - first_last, "micro_window": of("F") + of("B") + of("W") * split, "forward": of("F")}
 
 
 def predict(model_cfg, run, machine, gpus_per_node=None):
@@ -471,8 +505,9 @@ def predict(model_cfg, run, machine, gpus_per_node=None):
             # parallel.sync_tied_grads: the two copies' gradients all-reduced between the first and last stage
             copy = sum(n for name, n in root.items() if name.startswith("tok_emb."))
             timing["tied"] = collective_seconds("all_reduce", copy * 4, 2, links["pp"])
+        timing["tp_summed"] = tp_summed_seconds(model_cfg, run, cut, stages[r], links["tp"])
         timing["optimizer"] = optimizer_seconds(pieces, run, machine)
-        timing["total"] = sum(timing[k] for k in ("end", "tied", "dp", "zero_gather", "optimizer"))
+        timing["total"] = sum(timing[k] for k in ("end", "tied", "tp_summed", "dp", "zero_gather", "optimizer"))
         ranks.append(timing)
     return summarize(model_cfg, run, machine, dtype, ranks)
 
@@ -493,8 +528,8 @@ def summarize(model_cfg, run, machine, dtype, ranks):
     step = max(t["total"] for t in ranks)
     busiest = max(ranks, key=lambda t: sum(t["busy"].values()))
     busy = busiest["busy"]
-    parts = {"compute": busy.get("compute", 0.0), "tp": busy.get("tp", 0.0), "cp": busy.get("cp", 0.0),
-             "ep": busy.get("ep", 0.0), "pp": busiest["pp"] + busiest["tied"], "dp": busiest["dp"] + busy.get("zero", 0.0),
+    parts = {"compute": busy.get("compute", 0.0), "tp": busy.get("tp", 0.0) + busiest["tp_summed"],
+             "cp": busy.get("cp", 0.0), "ep": busy.get("ep", 0.0), "pp": busiest["pp"] + busiest["tied"], "dp": busiest["dp"] + busy.get("zero", 0.0),
              "zero_gather": busiest["zero_gather"], "optimizer": busiest["optimizer"]}
     parts["bubble"] = max(0.0, step - sum(parts.values()))
     world = run.dp * run.cp * run.tp * run.pp

@@ -106,6 +106,37 @@ def test_expert_parallelism_exchanges_the_counts_before_the_rows_forward():
     assert counts >= 1e-3 and block["ep"][0] == pytest.approx(block["ep"][1] + counts)
 
 
+def test_the_heads_tensor_parallel_messages_each_in_its_own_direction():
+    # forward: the embedding's all-reduce and the loss's three of a float per token; backward: f's all-reduce
+    # of the head's input gradient. Under SP a reduce-scatter (embedding) and an all-gather (final norm) each
+    # way instead of the two activations' all-reduces.
+    link = {"busbw": 1e9, "latency": 1e-3}
+    tokens, links = 128, {"tp": link}
+    activations = step_time.collective_seconds("all_reduce", tokens * SMALL.n_embd * 4, 2, link)
+    loss = 3 * step_time.collective_seconds("all_reduce", tokens * 4, 2, link)
+    embedding, head = step_time.ends_seconds(SMALL, run_of(tp=2), CPU, links, tokens)
+    assert embedding["tp"] == [activations, 0.0] and head["tp"] == [pytest.approx(loss), activations]
+    embedding, head = step_time.ends_seconds(SMALL, run_of(tp=2, sequence_parallel=True), CPU, links, tokens)
+    assert embedding["tp"] == [activations / 2] * 2 and head["tp"] == [pytest.approx(loss + activations / 2),
+                                                                         activations / 2]
+
+
+@pytest.mark.parametrize("sequence_parallel,zero_stage", [(True, 0), (True, 1), (False, 0)])
+def test_the_gradients_tp_ranks_hold_whole_are_summed_in_one_all_reduce_a_step(sequence_parallel, zero_stage):
+    # tensor_parallel.sum_partial_grads: under SP each block's two norm gains and the final norm's, n_embd each
+    # (under ZeRO this rank's 1/dp of them), one all-reduce a step whatever the micro-batches; with the key and
+    # value heads fewer than the tp ranks, each block's whole k and v weights too
+    link = {"busbw": 1e9, "latency": 1e-3}
+    run = run_of(tp=2, dp=2, sequence_parallel=sequence_parallel, zero_stage=zero_stage)
+    elements = (2 * SMALL.n_layer + 1) * SMALL.n_embd / (2 if zero_stage else 1) if sequence_parallel else 0
+    expected = step_time.collective_seconds("all_reduce", elements * 4, 2, link)
+    assert step_time.tp_summed_seconds(SMALL, run, [SMALL.n_layer], {0}, link) == pytest.approx(expected)
+    few_kv = ModelConfig(**{**vars(SMALL), "n_kv_head": 1})
+    kv = 2 * SMALL.n_layer * SMALL.n_embd * (SMALL.n_embd // SMALL.n_head)
+    assert step_time.tp_summed_seconds(few_kv, run_of(tp=2), [SMALL.n_layer], {0}, link) == pytest.approx(
+        step_time.collective_seconds("all_reduce", kv * 4, 2, link))
+
+
 def test_buckets_that_fit_in_the_backward_leave_only_the_last_exposed():
     # four equal buckets filling evenly over a 4 s backward, each reduced in 0.5 s: each is done before the
     # next is full, so only the last one's 0.5 s runs past the backward
