@@ -27,7 +27,8 @@ The terms, each with its formula and source where it is computed:
                 compute's cores (CPU, gloo with one core a rank) nothing overlaps.
   host          on CPU, each operator's dispatch and autograd bookkeeping (OPS_PER_BLOCK, op_seconds).
 Left out, and which way each errs: kernels' efficiency at the run's own shapes (a named machine's rate is the best
-shape's), congestion across nodes, data loading, logging (all fast); overlap NCCL gets unasked (slow).
+shape's), congestion across nodes, the skew between ranks at each blocking exchange (it waits for the slower),
+data loading, logging (all fast); overlap NCCL gets unasked (slow).
 """
 import json
 import os
