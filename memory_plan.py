@@ -101,8 +101,8 @@ def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1
     stand-in of its size (what parallel.group_size and group_rank read), so what is counted is what a run
     holds. Under expert parallelism a rank holds n_expert / ep experts of each layer (the first ep rank's).
     shapes: a dict, filled with each parameter's full shape (Muon orthogonalises the full matrix). summed: a
-    dict, filled with the elements of each parameter whose gradient a hook sums over the tp group
-    (tensor_parallel.sum_grad_over; which ones depends on sequence_parallel)."""
+    dict, filled with the elements of each parameter whose gradient is summed over the tp group once a step
+    (tensor_parallel.sum_grad_over marks them; which ones depends on sequence_parallel)."""
     import train  # (here: train.py imports this file)
     group = lambda size: SimpleNamespace(size=lambda: size, rank=lambda: 0) if size > 1 else None  # noqa: E731
     layout = SimpleNamespace(pp=pp, pp_rank=stage, tp_group=group(tp), ep_group=group(ep), cp_group=None)

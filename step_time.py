@@ -118,9 +118,9 @@ _PIECES = {}  # (repr(model_cfg), tp, ep, sequence_parallel): _pieces' answer (t
 
 def _pieces(model_cfg, tp, ep, sequence_parallel=False):
     """(({name: elements} of one block, {name: elements} of the rest) of every parameter on one tp (and ep)
-    rank, the same of those whose gradient a hook sums over tp): a one-block model built on the meta device as
-    train.build_model builds it (memory_plan.stage_parameter_elements), so the counts are the run's, at a cost
-    that does not grow with the depth."""
+    rank, the same of those whose gradient is summed over tp once a step): a one-block model built on the
+    meta device as train.build_model builds it (memory_plan.stage_parameter_elements), so the counts are the
+    run's, at a cost that does not grow with the depth."""
     import dataclasses
     import memory_plan
     key = (repr(model_cfg), tp, ep, sequence_parallel)
