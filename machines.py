@@ -3,8 +3,8 @@ The machines step_time.py predicts for: a few numbers each, every one with its s
 figures ../shared/published_runs.md collects), a JSON file of the same fields for any other (H200, MI300X,
 B200: --machine=PATH.json), or this machine measured in a second or two (machine=auto: a matmul at the
 model's shapes, a copy, a fused attention, a chain of autograd operators, and an all-reduce over the run's
-group where there is one, each timed as a step meets it).
-Nothing here is fitted to a training run's measured step.
+group where there is one, each timed as a step meets it); and how long a collective takes on the link a
+group spans (collective_seconds: the ring algorithm). Nothing here is fitted to a training run's measured step.
 """
 import json
 import os
@@ -16,6 +16,7 @@ import torch
 
 import metrics
 from model import attention_dims, mlp_hidden_size
+from parallel import grid_rank
 
 
 # -----------------------------------------------------------------------------
@@ -102,6 +103,48 @@ def load_machine(name):
                 "peak_flops": machine["matmul_flops"], **machine, "name": machine.get("name", name)}
     raise ValueError(f"machine = {name!r} is neither one of {', '.join(MACHINES)}, 'auto', nor a .json file that "
                      f"exists: name one, or describe yours in a file with step_time.MACHINES' fields")
+
+
+# -----------------------------------------------------------------------------
+# A collective's time on the link a group spans: the ring algorithm (step_time.py times every exchange so)
+
+
+RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1,
+              "all_gather": lambda n: n - 1, "all_to_all": lambda n: n - 1}
+
+
+def collective_seconds(kind, nbytes, n, link):
+    """One collective of `nbytes` (the whole buffer: an all-reduce's input, a reduce-scatter's input, an
+    all-gather's output, the rows an all-to-all sends) over n ranks, by the ring algorithm (Patarasuk & Yuan
+    2009): steps latencies plus steps / n of the bytes over the bus bandwidth, steps = 2 (n - 1) for an
+    all-reduce and n - 1 for the others (nccl-tests doc/PERFORMANCE.md: busbw = algbw x 2 (n - 1) / n, or
+    (n - 1) / n, so that a ring at wire speed reads as the link's bandwidth)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    steps = RING_STEPS[kind](n)
+    return steps * link["latency"] + steps / n * nbytes / link["busbw"]
+
+
+def p2p_seconds(nbytes, link):
+    """A send (the pipeline's activations, a ring step): a latency and the bytes over the link (per direction)."""
+    return link["latency"] + nbytes / link["busbw"] if nbytes else 0.0
+
+
+def group_link(machine, dims, axes, gpus_per_node):
+    """The link a group along `axes` ('dp', 'cp', 'tp', 'pp') of the grid dims = (dp, cp, tp, pp) spans:
+    the node's, when its ranks share a node (parallel.ParallelLayout numbers tp fastest, then cp, dp, pp,
+    as torchrun fills nodes with consecutive ranks), else the network's with as many NICs as the group has
+    ranks on a node (NCCL runs one ring per NIC: the multi-node busbw of 8 x 24 GB/s = 192 on a DGX A100)."""
+    dp, cp, tp, pp = dims
+    sizes = {"dp": dp, "cp": cp, "tp": tp, "pp": pp}
+    at = {a: list(range(sizes[a])) if a in axes else [0] for a in sizes}
+    ranks = [grid_rank(p, d, t, dp, tp, c, cp) for p in at["pp"] for d in at["dp"] for c in at["cp"] for t in at["tp"]]
+    nodes = {r // gpus_per_node for r in ranks}
+    if len(nodes) == 1:
+        return machine["node"]
+    per_node = len(ranks) // len(nodes)
+    net = machine["network"]
+    return {"busbw": min(machine["node"]["busbw"], per_node * net["busbw"]), "latency": net["latency"]}
 
 
 # -----------------------------------------------------------------------------

@@ -78,31 +78,26 @@ from timeline import schedule_moments, walk_peak
 # dp x cp, and ZeRO-3 gathers a block's experts as a unit of their own. The experts' activations are
 # counted on the rows a rank receives at the capacity bound (expert_rows: up to ep times its own tokens'
 # assignments when dropless), and while an MoE layer's outputs travel back, the all-to-all buffers
-# (the rows sent, received, computed and reordered) are alive beside the activations. Muon: one momentum
-# per element of a block's matrix, AdamW's two for the rest; ZeRO-1 deals the matrices whole
-# (optim.deal_whole), so a rank's share of them is what the deal gives it, not 1/dp.
+# (the rows sent, received, computed and reordered) are alive beside the activations.
 # The peak is found by walking the rank's actions of the schedule (pipeline_schedules.SCHEDULES: the same lists the
-# executor runs; with pp = 1 each micro-batch's forward, then its backward): the states (parameters,
-# gradients, optimizer), plus at the end of each forward what is then held (the activations and the
-# loss's tensors of every micro-batch between its forward and its backward, ZeRO-0/1's accumulated
-# p.grad once a backward has run, and ZeRO-2/3's buckets still in flight from it), and at the end of
-# each backward or W what is still held and the buffers. So AFAB holds all m micro-batches, 1F1B
-# pp - stage, interleaved 1F1B its chunks' share of more, with no count written per schedule. Then the optimizer step: the states, the gradients once
-# (p.grad is a view of the buckets by then) and the step's temporaries. Not modelled, said where it
-# applies: fp16/bf16 autocast's cast copies (counted at the activation dtype), context parallelism's ring
-# buffers (its ring attention is counted as a fused kernel).
+# executor runs; with pp = 1 each micro-batch's forward, then its backward): the states (parameters, gradients,
+# optimizer), plus at the end of each forward what is then held (the activations and the loss's tensors of every
+# micro-batch between its forward and its backward, ZeRO-0/1's accumulated p.grad once a backward has run, and
+# ZeRO-2/3's buckets still in flight from it), and at the end of each backward or W what is still held and the
+# buffers. So AFAB holds all m micro-batches, 1F1B pp - stage, interleaved 1F1B its chunks' share of more, with no
+# count written per schedule. Then the optimizer step: the states, the gradients once (p.grad is a view of the buckets
+# by then) and the step's temporaries. Not modelled, said where it applies: fp16/bf16 autocast's cast copies (counted
+# at the activation dtype), context parallelism's ring buffers (its ring attention is counted as a fused kernel).
 
 
 def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1, ep=1, shapes=None, pp_layers="",
                              sequence_parallel=False, summed=None):
-    """{name: elements this tp rank holds} of pipeline rank `stage`'s parameters (its chunks' under the
-    interleaved and V schedules, the blocks cut as train.py cuts them: metrics.stage_cut): the model built on
-    the meta device (no memory) and the layout applied to it as train.build_model applies it, each group a
-    stand-in of its size (what parallel.group_size and group_rank read), so what is counted is what a run
-    holds. Under expert parallelism a rank holds n_expert / ep experts of each layer (the first ep rank's).
-    shapes: a dict, filled with each parameter's full shape (Muon orthogonalises the full matrix). summed: a
-    dict, filled with the elements of each parameter whose gradient is summed over the tp group once a step
-    (tensor_parallel.sum_grad_over marks them; which ones depends on sequence_parallel)."""
+    """{name: elements this tp rank holds} of pipeline rank `stage`'s parameters (its chunks' under the interleaved and
+    V schedules, the blocks cut as train.py cuts them: metrics.stage_cut): the model built on the meta device and
+    the layout applied to it as train.build_model applies it, each group a stand-in of its size (what
+    parallel.group_size and group_rank read), so what is counted is what a run holds. Under expert parallelism a
+    rank holds n_expert / ep experts of each layer (the first ep rank's). shapes: a dict, filled with each
+    parameter's full shape (Muon orthogonalises the full matrix); summed: those tensor_parallel.sum_grad_over marks."""
     import train  # (here: train.py imports this file)
     group = lambda size: SimpleNamespace(size=lambda: size, rank=lambda: 0) if size > 1 else None  # noqa: E731
     layout = SimpleNamespace(pp=pp, pp_rank=stage, tp_group=group(tp), ep_group=group(ep), cp_group=None)

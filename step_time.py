@@ -20,7 +20,8 @@ The terms, each with its formula and source where it is computed:
                 and the stages' imbalance all come out of the one simulation.
   communication the ring algorithm (Patarasuk & Yuan 2009; nccl-tests doc/PERFORMANCE.md's busbw): an all-reduce
                 of S bytes over n ranks takes 2 (n - 1) latencies plus 2 (n - 1) / n S / busbw, a reduce-scatter
-                or all-gather half that; on the link the group spans (a node's, or the network's).
+                or all-gather half that; on the link the group spans (a node's, or the network's):
+                machines.collective_seconds and group_link.
   overlap       only where the code overlaps: the data-parallel buckets with the backward (Li et al. 2020,
                 3.2.3), ZeRO-1/2's parameter all-gather with the next forward, ZeRO-3's prefetched gathers
                 with the unit before, the cp ring with the attention it feeds. Where the links share the
@@ -41,52 +42,11 @@ import metrics
 from configurator import ConfigError, Setting, configure, section
 from expert_parallel import expert_rows
 from model import attention_dims, mlp_hidden_size
-from parallel import grid_rank, stage_layers
+from parallel import stage_layers
 from pipeline_schedules import SCHEDULES, virtual_stages
-from machines import MACHINES, load_machine, measure_machine, startup_machine  # noqa: F401
+from machines import (MACHINES, collective_seconds, group_link, load_machine, measure_machine,  # noqa: F401
+                      p2p_seconds, startup_machine)
 from timeline import check_channels, route_messages, simulate_pipeline
-
-
-# -----------------------------------------------------------------------------
-# Communication: the ring algorithm on the link a group spans
-
-
-RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1,
-              "all_gather": lambda n: n - 1, "all_to_all": lambda n: n - 1}
-
-
-def collective_seconds(kind, nbytes, n, link):
-    """One collective of `nbytes` (the whole buffer: an all-reduce's input, a reduce-scatter's input, an
-    all-gather's output, the rows an all-to-all sends) over n ranks, by the ring algorithm (Patarasuk & Yuan
-    2009): steps latencies plus steps / n of the bytes over the bus bandwidth, steps = 2 (n - 1) for an
-    all-reduce and n - 1 for the others (nccl-tests doc/PERFORMANCE.md: busbw = algbw x 2 (n - 1) / n, or
-    (n - 1) / n, so that a ring at wire speed reads as the link's bandwidth)."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    steps = RING_STEPS[kind](n)
-    return steps * link["latency"] + steps / n * nbytes / link["busbw"]
-
-
-def p2p_seconds(nbytes, link):
-    """A send (the pipeline's activations, a ring step): a latency and the bytes over the link (per direction)."""
-    return link["latency"] + nbytes / link["busbw"] if nbytes else 0.0
-
-
-def group_link(machine, dims, axes, gpus_per_node):
-    """The link a group along `axes` ('dp', 'cp', 'tp', 'pp') of the grid dims = (dp, cp, tp, pp) spans:
-    the node's, when its ranks share a node (parallel.ParallelLayout numbers tp fastest, then cp, dp, pp,
-    as torchrun fills nodes with consecutive ranks), else the network's with as many NICs as the group has
-    ranks on a node (NCCL runs one ring per NIC: the multi-node busbw of 8 x 24 GB/s = 192 on a DGX A100)."""
-    dp, cp, tp, pp = dims
-    sizes = {"dp": dp, "cp": cp, "tp": tp, "pp": pp}
-    at = {a: list(range(sizes[a])) if a in axes else [0] for a in sizes}
-    ranks = [grid_rank(p, d, t, dp, tp, c, cp) for p in at["pp"] for d in at["dp"] for c in at["cp"] for t in at["tp"]]
-    nodes = {r // gpus_per_node for r in ranks}
-    if len(nodes) == 1:
-        return machine["node"]
-    per_node = len(ranks) // len(nodes)
-    net = machine["network"]
-    return {"busbw": min(machine["node"]["busbw"], per_node * net["busbw"]), "latency": net["latency"]}
 
 
 # -----------------------------------------------------------------------------
