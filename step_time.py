@@ -490,8 +490,9 @@ def summarize(model_cfg, run, machine, dtype, ranks):
     busiest = max(ranks, key=lambda t: sum(t["busy"].values()))
     busy = busiest["busy"]
     parts = {"compute": busy.get("compute", 0.0), "tp": busy.get("tp", 0.0) + busiest["tp_summed"],
-             "cp": busy.get("cp", 0.0), "ep": busy.get("ep", 0.0), "pp": busiest["pp"] + busiest["tied"], "dp": busiest["dp"] + busy.get("zero", 0.0),
-             "zero_gather": busiest["zero_gather"], "optimizer": busiest["optimizer"]}
+             "cp": busy.get("cp", 0.0), "ep": busy.get("ep", 0.0), "pp": busiest["pp"] + busiest["tied"],
+             "dp": busiest["dp"] + busy.get("zero", 0.0), "zero_gather": busiest["zero_gather"],
+             "optimizer": busiest["optimizer"]}
     parts["bubble"] = max(0.0, step - sum(parts.values()))
     world = run.dp * run.cp * run.tp * run.pp
     tokens_per_step = run.batch_size * run.gradient_accumulation_steps * run.dp * run.block_size
