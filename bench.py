@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import machines
 import memory_plan
 import metrics
 import settings
@@ -242,17 +243,21 @@ def warm_up(runners, bench):
     return first_step_s
 
 
-def timed_steps(runners, bench):
-    """The timed steps after the warm-up: ({name: [seconds of each step]}, {name: its last step's loss})."""
-    # the runners take turns step by step, so a machine that speeds up or slows down affects them alike
+def timed_steps(runners, bench, probe=None):
+    """The timed steps after the warm-up: ({name: [seconds of each step]}, {name: its last step's loss},
+    [seconds of each pass of probe]). probe (machines.linear_pass's one_pass) runs three times after each step."""
+    # the runners take turns step by step, so a machine that speeds up or slows down affects them alike; so does
+    # the step-time prediction's matmul probe on CPU: this host runs 25% faster or slower from one second to the
+    # next, and probed after the steps, the probe read other seconds than they ran in
     times = {r.name: [] for r in runners}
-    losses = {}
+    losses, passes = {}, []
     for i in range(bench.warmup_steps, bench.warmup_steps + bench.bench_steps):
         for r in runners:
             start = time.perf_counter()
             losses[r.name] = r.step(i)
             times[r.name].append(time.perf_counter() - start)
-    return times, losses
+        passes += [probe() for _ in range(3)] if probe else []
+    return times, losses, passes
 
 
 def speed_results(runners, times, losses, first_step_s, pipeline, tokens_per_step, peak, world_size):
@@ -283,7 +288,11 @@ def run(cfg, bench, setup):
     if moe:
         metrics.moe_metrics(runners[0].parts.model, layout)  # (resets the step counts: only timed steps below)
     reset_peak_memory(dev)
-    times, losses = timed_steps(runners, bench)
+    # on a GPU, which holds its pace, the probe's tensors would count in the allocator's peak: it runs later
+    flops, probe = (machines.linear_pass(model_cfg, ptdtype, dev, machines.probe_tokens(cfg), layout.tp)
+                    if bench.machine == "auto" and dev.type == "cpu" else (0, None))
+    times, losses, passes = timed_steps(runners, bench, probe)
+    del probe  # (its tensors, before the memory is measured)
     peak_mem = metrics.peak_memory_bytes(dev, layout)
     # MoE: the load and the all-to-all bytes per timed step (the first runner's steps only, before any
     # pipeline measurement runs more)
@@ -304,7 +313,8 @@ def run(cfg, bench, setup):
     main = runners[0].name
     # the step predicted (step_time.py) beside the measured; `python step_time.py --machine=FILE` given the
     # machine in the RESULT reproduces it
-    results[main].update(step_time.run_prediction(cfg, model_cfg, layout, dev, ptdtype, bench.machine)[2])
+    rate = flops / statistics.median(passes) if passes else None
+    results[main].update(step_time.run_prediction(cfg, model_cfg, layout, dev, ptdtype, bench.machine, rate)[2])
     results[main]["peak_mem_bytes"] = peak_mem
     for name, waited in exposed.items():
         results[name]["exposed_comm_ms"] = waited

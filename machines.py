@@ -205,13 +205,17 @@ def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None):
     return {"busbw": 2 * (n - 1) / n / per_byte, "latency": zero_bytes / (2 * (n - 1))}
 
 
-def linear_rate(model_cfg, dtype, dev, tokens, tp=1):
-    """FLOP/s of the model's own linears on this device: each distinct (in, out) of a block's (q, k and v, the
-    output projection, the MLP's) and the head's, this tp rank's share, run forward and backward (x W^T,
-    then dy W and dy^T x: 6 FLOPs per weight and token) on `tokens` tokens, weighted as the model runs them.
-    Timed in passes, every shape once in each, the median of 15: a slow stretch of the host spoils a few
-    passes, where each shape's repeats timed back to back let it spoil that shape's every one (three launches
-    of one run read the same compute 262, 321 and 403 ms so)."""
+def probe_tokens(cfg):
+    """The tokens the probes of a run's machine run on: a micro-batch's on one rank (after context
+    parallelism's split), at most 4,096 (the probe stays a few seconds)."""
+    return min(4096, cfg.batch_size * cfg.block_size // cfg.cp)
+
+
+def linear_pass(model_cfg, dtype, dev, tokens, tp=1):
+    """(FLOPs, one_pass) of the model's own linears on this device: each distinct (in, out) of a block's (q, k
+    and v, the output projection, the MLP's) and the head's, this tp rank's share, run forward and backward
+    (x W^T, then dy W and dy^T x: 6 FLOPs per weight and token) on `tokens` tokens, weighted as the model runs
+    them; one_pass() runs every shape once and returns the seconds weighted so (those FLOPs' time)."""
     from torch.nn.functional import linear
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     C, F, (qk, v) = model_cfg.n_embd, mlp_hidden_size(model_cfg) // tp, attention_dims(model_cfg)
@@ -231,7 +235,15 @@ def linear_rate(model_cfg, dtype, dev, tokens, tp=1):
             sync()
             seconds += count * (time.perf_counter() - start)
         return seconds
-    flops = sum(count * 6 * tokens * n_in * n_out for (n_in, n_out), count in shapes.items())
+    return sum(count * 6 * tokens * n_in * n_out for (n_in, n_out), count in shapes.items()), one_pass
+
+
+def linear_rate(model_cfg, dtype, dev, tokens, tp=1):
+    """FLOP/s of the model's own linears (linear_pass), the median of 15 passes: a slow stretch of the host
+    spoils a few passes, where each shape's repeats timed back to back let it spoil that shape's every one
+    (three launches of one run read the same compute 262, 321 and 403 ms so). bench.py times its passes
+    between its timed steps instead (bench.timed_steps)."""
+    flops, one_pass = linear_pass(model_cfg, dtype, dev, tokens, tp)
     return flops / _median_of(one_pass, 15)
 
 

@@ -45,7 +45,7 @@ from model import attention_dims, mlp_hidden_size
 from parallel import stage_layers
 from pipeline_schedules import SCHEDULES, virtual_stages
 from machines import (MACHINES, collective_seconds, group_link, load_machine, measure_machine,  # noqa: F401
-                      p2p_seconds, startup_machine)
+                      p2p_seconds, probe_tokens, startup_machine)
 from timeline import check_channels, route_messages, simulate_pipeline
 
 
@@ -541,15 +541,16 @@ def model_config_of(cfg):
     return ModelConfig(**{f.name: cfg[f.name] for f in fields(ModelConfig) if f.name != "vocab_size"}, vocab_size=vocab)
 
 
-def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None):
+def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None, matmul_rate=None):
     """(predicted seconds or None, its lines, {'predicted_step_s', 'predicted_parts_s', 'machine'}) of a run.
     machine_name None: train.py's start-up (on CPU the cached matmul probe and gloo's figures, no collective; on
-    a GPU the named machine its name matches); 'auto': this machine measured (bench.py: every rank calls this)."""
+    a GPU the named machine its name matches); 'auto': this machine measured (bench.py: every rank calls this,
+    with the linears' rate it timed between its steps)."""
     if machine_name is None:
         machine = startup_machine(model_cfg, dtype, device)
     elif machine_name == "auto":
-        tokens = min(4096, cfg.batch_size * cfg.block_size // cfg.cp)
-        machine = measure_machine(model_cfg, dtype, device, collective=layout.world_size > 1, tokens=tokens, tp=layout.tp)
+        machine = measure_machine(model_cfg, dtype, device, collective=layout.world_size > 1, tokens=probe_tokens(cfg),
+                                  tp=layout.tp, matmul_rate=matmul_rate)
     else:
         machine = load_machine(machine_name)
     if machine is None:

@@ -388,6 +388,29 @@ def test_bench_prints_a_table_and_a_parseable_result_line(capsys):
     assert result["reference_tokens_per_sec"] > 0
 
 
+def test_bench_times_the_matmul_probe_between_its_timed_steps(monkeypatch, capsys):
+    """On CPU the prediction's linears are timed three passes after each timed step, none in the warm-up (this
+    host's pace moves from one second to the next: probed after the steps, it read other seconds than they
+    ran in), and the rate the RESULT's machine carries is their FLOPs over the passes' median."""
+    import bench
+    import machines
+    events = []
+
+    def fake_pass(model_cfg, dtype, dev, tokens, tp=1):
+        def one_pass():
+            events.append("pass")
+            return [0.01, 0.02, 0.04][len(events) % 3]
+        return 1e9, one_pass
+    monkeypatch.setattr(machines, "linear_pass", fake_pass)
+    step = bench.Picotron.step
+    monkeypatch.setattr(bench.Picotron, "step", lambda self, i, *a: events.append(f"step {i}") or step(self, i, *a))
+    bench.main(["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--vocab_size=512",
+                "--batch_size=2", "--warmup_steps=1", "--bench_steps=2", "--peak_flops=1e12"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1][len("RESULT "):])
+    assert events[:9] == ["step 0", "step 1", "pass", "pass", "pass", "step 2", "pass", "pass", "pass"], events
+    assert result["machine"]["matmul_flops"]["float32"] == pytest.approx(1e9 / 0.02)
+
+
 def test_bench_under_torchrun_prints_one_table_and_one_result_line():
     """2 ranks (dp=2): rank 0 alone prints, once; the figures are the whole job's (both replicas' tokens)."""
     _, proc = run_train(["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32",
