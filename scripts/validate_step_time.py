@@ -96,7 +96,7 @@ def main(argv):
                 print(f"launch {launch + 1}: {size} {name} {result['ms_per_step']:,.1f} ms", file=sys.stderr, flush=True)
     print("| size | layout | ranks | predicted ms | measured ms | error | largest predicted parts | measured waits |")
     print("|---|---|---|---|---|---|---|---|")
-    every = []
+    every, summaries = [], []  # (after the table: a line between its rows would end it)
     for size in args.sizes.split(","):
         rows = []
         for name, nproc, _ in chosen:
@@ -108,9 +108,9 @@ def main(argv):
             print(f"| {size} | {name} | {nproc} | {predicted:,.1f} | {measured:,.1f} | {predicted / measured - 1:+.0%} "
                   f"| {shown} | {waited} |")
             rows.append((predicted, measured))
-        print(summary(size, rows))
+        summaries.append(summary(size, rows))
         every += rows
-    print(summary("all", every))
+    print("\n" + "\n".join(summaries + [summary("all", every)]))
 
 
 if __name__ == "__main__":
