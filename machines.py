@@ -247,6 +247,24 @@ def linear_rate(model_cfg, dtype, dev, tokens, tp=1):
     return flops / _median_of(one_pass, 15)
 
 
+def loss_seconds(model_cfg, dev, tokens, tp):
+    """[forward, backward] seconds per logit of the vocab-parallel loss's own kernels
+    (parallel.VocabParallelCrossEntropy: the max, the shifted copy, exp, the sum and the division forward; the
+    target's scatter and the scaling backward) on a micro-batch's fp32 logits over this rank's vocabulary, as
+    a step issues them: the copy made anew each time (on CPU, past glibc's mmap threshold, pages it touches
+    first). On this CPU max and exp cost 1.2-1.5 ns an element and the first touch more: not a bandwidth."""
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    logits = torch.randn(tokens, -(-model_cfg.vocab_size // tp), device=dev)
+    target = torch.randint(0, logits.shape[1], (tokens, 1), device=dev)
+
+    def forward():
+        exp = (logits - logits.max(dim=-1).values.unsqueeze(-1)).exp_()
+        return exp.div_(exp.sum(dim=-1).unsqueeze(-1))
+    softmax = forward()
+    backward = lambda: (softmax.scatter_add_(-1, target, -torch.ones_like(softmax[:, :1])).mul_(0.5), sync())  # noqa: E731
+    return [_median_seconds(lambda: (forward(), sync())) / logits.numel(), _median_seconds(backward) / logits.numel()]
+
+
 def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512, matmul_rate=None, tp=1):
     """This machine, measured in a second or two: the model's linears forward and backward on a micro-batch's
     tokens (linear_rate; or matmul_rate given), an elementwise product for the memory bandwidth, a causal
@@ -293,6 +311,7 @@ def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512
             "attention_efficiency": efficiency, "node": link, "network": link,
             # a GPU's launches run ahead of its kernels: their cost is hidden but at the smallest shapes
             "op_seconds": op_seconds if dev.type == "cpu" else 0.0,
+            **({"loss_seconds": loss_seconds(model_cfg, dev, tokens, tp)} if tp > 1 else {}),
             # gloo's exchanges run on the cores that compute (one a rank): nothing overlaps on CPU
             "overlaps": dev.type == "cuda", "gpus_per_node": 1 << 20, "memory_gib": 0}
 

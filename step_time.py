@@ -15,7 +15,8 @@ The terms, each with its formula and source where it is computed:
                 here at the model's shapes); attention, where the kernel is fused, at the kernel's published
                 efficiency, counting the causal half it computes (FlashAttention-2's convention).
   non-matmul    the norms, residual adds, rotary, the MLP's activation, the loss's softmax and the optimizer
-                step, by the bytes they move over the memory bandwidth (the roofline: Williams et al. 2009).
+                step, by the bytes they move over the memory bandwidth (the roofline: Williams et al. 2009);
+                under tp on a machine measured here, the vocab-parallel loss's kernels as they were timed.
   pipeline      every rank's actions placed in time (simulate_pipeline): bubble, interleaving, zero-bubble
                 and the stages' imbalance all come out of the one simulation.
   communication the ring algorithm (Patarasuk & Yuan 2009; nccl-tests doc/PERFORMANCE.md's busbw): an all-reduce
@@ -216,13 +217,13 @@ def block_seconds(model_cfg, run, machine, links, tokens):
 
 def ends_seconds(model_cfg, run, machine, links, tokens):
     """(embedding, head) seconds for one micro-batch: {'forward', 'input_grad', 'weight_grad'} of compute and
-    'tp' [forward, backward]. The embedding: a lookup (its rows written), under tp the vocab-parallel
-    embedding's all-reduce forward (under SP a reduce-scatter, whose backward all-gathers). The head: 6 C V FLOPs
-    per token over tp (metrics.pipeline_costs') and the loss's fp32 softmax read and written forward and backward;
-    all in the forward under the chunked loss (tp = 1: model.ChunkedLinearCrossEntropy, whose backward scales the
-    gradients); under tp the vocab-parallel loss's three all-reduces of a float per token forward and f's
-    all-reduce of the head's input gradient backward (under SP the final norm's all-gather forward and
-    reduce-scatter backward instead)."""
+    'tp' [forward, backward]. The embedding: a lookup (its rows written), under tp the vocab-parallel embedding's
+    all-reduce forward (under SP a reduce-scatter, whose backward all-gathers). The head: 6 C V FLOPs per token
+    over tp (metrics.pipeline_costs') and the loss's fp32 softmax read and written forward and backward (under tp
+    machine=auto's timed kernels, machines.loss_seconds); all in the forward under the chunked loss (tp = 1:
+    model.ChunkedLinearCrossEntropy, whose backward scales the gradients); under tp the vocab-parallel loss's
+    three all-reduces of a float per token forward and f's all-reduce of the head's input gradient backward
+    (under SP the final norm's all-gather forward and reduce-scatter backward instead)."""
     dtype = dtype_of(run, machine)
     rate, act_bytes, C = machine["matmul_flops"][dtype], 4 if dtype == "float32" else 2, model_cfg.n_embd
     _, _, head = metrics.pipeline_costs(model_cfg)
@@ -233,13 +234,15 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
                  "tp": [half, half] if run.sequence_parallel else [activations, 0.0]}
     matmul = tokens * head / 3 / run.tp / rate
     softmax = tokens * 2 * model_cfg.vocab_size / run.tp * 4 / machine["memory_bw"]
+    loss_f, loss_b = ([tokens * -(-model_cfg.vocab_size // run.tp) * s for s in machine["loss_seconds"]]
+                      if run.tp > 1 and "loss_seconds" in machine else (softmax, softmax))
     ops_f, ops_b = (n * machine.get("op_seconds", 0.0) for n in OPS_AT_ENDS)
     loss = 3 * collective_seconds("all_reduce", tokens * 4, run.tp, links["tp"])
     tp = [loss + half, half] if run.sequence_parallel else [loss, activations]
     chunked = run.chunked_loss and run.tp == 1
     scale = (tokens + model_cfg.vocab_size) * C * 8 / machine["memory_bw"]  # (both gradients read and written, fp32)
     head = ({"forward": 3 * matmul + 2 * softmax + ops_f, "input_grad": scale + ops_b, "weight_grad": 0.0} if chunked
-            else {"forward": matmul + softmax + ops_f, "input_grad": matmul + softmax + ops_b, "weight_grad": matmul})
+            else {"forward": matmul + loss_f + ops_f, "input_grad": matmul + loss_b + ops_b, "weight_grad": matmul})
     return embedding, {**head, "tp": tp}
 
 
@@ -291,8 +294,7 @@ def stage_actions(model_cfg, run, machine, links, cut, zero3):
         b = {"compute": n * block["input_grad"] + sum(e["input_grad"] for e in ends) + (0 if split else w["compute"]),
              "tp": n * block["tp"] * again + sum(e["tp"][1] for e in ends),
              "cp": n * (block["cp"][1] + block["cp"][0] * (again - 1)),
-             "ep": n * (block["ep"][1] + block["ep"][0] * (again - 1)),
-             "zero": n * zero3[1]}
+             "ep": n * (block["ep"][1] + block["ep"][0] * (again - 1)), "zero": n * zero3[1]}
         out[s] = {op: (sum(parts.values()), parts) for op, parts in (("F", f), ("B", b), ("W", w))}
     return out
 

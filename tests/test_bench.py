@@ -411,6 +411,16 @@ def test_bench_times_the_matmul_probe_between_its_timed_steps(monkeypatch, capsy
     assert result["machine"]["matmul_flops"]["float32"] == pytest.approx(1e9 / 0.02)
 
 
+def test_machine_auto_times_the_vocab_parallel_loss_only_under_tp():
+    """bench.py's machine=auto times the vocab-parallel loss's own kernels (machines.loss_seconds), which
+    step_time.py puts in the head under tp; without tp the loss is another (the chunked one) and nothing is timed."""
+    import machines
+    tiny = ModelConfig(n_layer=1, n_embd=16, n_head=2, n_kv_head=2, block_size=8, vocab_size=64)
+    forward, backward = machines.measure_machine(tiny, torch.float32, tokens=16, tp=2)["loss_seconds"]
+    assert forward > 0 and backward > 0
+    assert "loss_seconds" not in machines.measure_machine(tiny, torch.float32, tokens=16)
+
+
 def test_bench_under_torchrun_prints_one_table_and_one_result_line():
     """2 ranks (dp=2): rank 0 alone prints, once; the figures are the whole job's (both replicas' tokens)."""
     _, proc = run_train(["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32",

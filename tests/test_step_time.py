@@ -121,6 +121,22 @@ def test_the_heads_tensor_parallel_messages_each_in_its_own_direction():
                                                                          activations / 2]
 
 
+def test_the_vocab_parallel_loss_takes_the_time_its_kernels_were_timed_at():
+    # machine=auto times the loss's own kernels per logit (machines.loss_seconds), forward and backward: under tp
+    # the head's forward and input gradient carry tokens x its vocabulary columns of them in place of the two
+    # passes at the memory bandwidth; a machine without them, and tp = 1, keep the passes
+    tokens, links = 128, {"tp": {"busbw": 1e9, "latency": 1e-3}}
+    timed = {**CPU, "loss_seconds": [5e-9, 3e-10]}
+    columns = -(-SMALL.vocab_size // 2)
+    (_, plain), (_, measured) = (step_time.ends_seconds(SMALL, run_of(tp=2), m, links, tokens) for m in (CPU, timed))
+    softmax = tokens * 2 * SMALL.vocab_size / 2 * 4 / CPU["memory_bw"]
+    assert measured["forward"] - plain["forward"] == pytest.approx(tokens * columns * 5e-9 - softmax)
+    assert measured["input_grad"] - plain["input_grad"] == pytest.approx(tokens * columns * 3e-10 - softmax)
+    assert measured["weight_grad"] == plain["weight_grad"]
+    one = [step_time.ends_seconds(SMALL, run_of(chunked_loss=False), m, links, tokens)[1] for m in (CPU, timed)]
+    assert one[0] == one[1]
+
+
 @pytest.mark.parametrize("sequence_parallel,zero_stage", [(True, 0), (True, 1), (False, 0)])
 def test_the_gradients_tp_ranks_hold_whole_are_summed_in_one_all_reduce_a_step(sequence_parallel, zero_stage):
     # tensor_parallel.sum_partial_grads: under SP each block's two norm gains and the final norm's, n_embd each
