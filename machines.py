@@ -269,8 +269,9 @@ def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512
     """This machine, measured in a second or two: the model's linears forward and backward on a micro-batch's
     tokens (linear_rate; or matmul_rate given), an elementwise product for the memory bandwidth, a causal
     SDPA forward and backward at the model's heads for the attention kernel's share of the matmul rate, an
-    operator's host cost through autograd, and with collective an all-reduce over every process (each must
-    call this: on one machine every group of the run shares its links), else gloo's figures above."""
+    operator's host cost through autograd, under tp the vocab-parallel loss's kernels (loss_seconds), and with
+    collective an all-reduce over every process (each must call this: on one machine every group of the run
+    shares its links), else gloo's figures above."""
     dev = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     if matmul_rate is None:
