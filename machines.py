@@ -151,6 +151,11 @@ def group_link(machine, dims, axes, gpus_per_node):
 # machine=auto: this machine measured, in a few seconds
 
 
+def device_sync(dev):
+    """A call that waits for the device's queued kernels (a GPU's run ahead of the host), before a timer reads."""
+    return (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+
+
 def _median_of(measure, repeats):
     """The median of `repeats` calls of measure() (each returns seconds) after two warm-up calls (the thread
     pool, the kernel's choice, first-touch pages): the statistic bench.py reports of its steps, which see the
@@ -183,7 +188,7 @@ def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None):
     is timed 60 times (15 read the latency 0.4 to 1.5 ms from one launch to the next), 8 MiB 15 times."""
     import torch.distributed as dist
     n = dist.get_world_size(group)
-    sync = (lambda: torch.cuda.synchronize(device)) if str(device).startswith("cuda") else (lambda: None)
+    sync = device_sync(torch.device(device))
 
     def timed(size, repeats):
         t = torch.zeros(max(1, size // 4), device=device)
@@ -217,7 +222,7 @@ def linear_pass(model_cfg, dtype, dev, tokens, tp=1):
     (x W^T, then dy W and dy^T x: 6 FLOPs per weight and token) on `tokens` tokens, weighted as the model runs
     them; one_pass() runs every shape once and returns the seconds weighted so (those FLOPs' time)."""
     from torch.nn.functional import linear
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    sync = device_sync(dev)
     C, F, (qk, v) = model_cfg.n_embd, mlp_hidden_size(model_cfg) // tp, attention_dims(model_cfg)
     H, H_kv = model_cfg.n_head // tp, max(1, model_cfg.n_kv_head // tp)
     shapes = {(C, H * qk): model_cfg.n_layer, (C, H_kv * (qk + v)): model_cfg.n_layer, (H * v, C): model_cfg.n_layer,
@@ -253,7 +258,7 @@ def loss_seconds(model_cfg, dev, tokens, tp):
     target's scatter and the scaling backward) on a micro-batch's fp32 logits over this rank's vocabulary, as
     a step issues them: the copy made anew each time (on CPU, past glibc's mmap threshold, pages it touches
     first). On this CPU max and exp cost 1.2-1.5 ns an element and the first touch more: not a bandwidth."""
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    sync = device_sync(dev)
     logits = torch.randn(tokens, -(-model_cfg.vocab_size // tp), device=dev)
     target = torch.randint(0, logits.shape[1], (tokens, 1), device=dev)
 
@@ -273,7 +278,7 @@ def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512
     collective an all-reduce over every process (each must call this: on one machine every group of the run
     shares its links), else gloo's figures above."""
     dev = torch.device(device)
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    sync = device_sync(dev)
     if matmul_rate is None:
         matmul_rate = linear_rate(model_cfg, dtype, dev, tokens, tp)
     # the roofline's bandwidth as the model's elementwise kernels see it: z = x * y reads two, writes one
