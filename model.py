@@ -407,8 +407,11 @@ class Rotary(nn.Module):
         super().__init__()
         dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else attention_head_dim(cfg)
         cos, sin = rope_cache(cfg.block_size, dim, cfg.rope_theta, rope_scaling(cfg))
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        # kept where the model is built (`with torch.device("cuda")`), or on the host under the meta device
+        where = torch.empty(0).device
+        where = torch.device("cpu") if where.type == "meta" else where
+        self.register_buffer("cos", cos.to(where), persistent=False)
+        self.register_buffer("sin", sin.to(where), persistent=False)
 
     def forward(self, positions=None):
         if positions is None:
