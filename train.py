@@ -154,7 +154,7 @@ def setup(cfg, training=True):
     if dev.type == "cuda":
         # NCCL's watchdog ends a rank whose collective timed out from C++ (an abort), past any Python handler:
         # faulthandler then prints every thread's Python stack, the line the rank was waiting in
-        faulthandler.enable()
+        faulthandler.enable(sys.__stderr__)  # (the process's own: sys.stderr may be a capture, with no fileno)
     check_layout(model_cfg, layout.tp, layout.pp, layout.cp, cfg.sequence_parallel, cfg.pp_chunks, ep=layout.ep)
     tokenizer = data_meta.get("tokenizer", "gpt2")
     if hf_dir is not None:
