@@ -234,15 +234,18 @@ def test_training_step_never_waits_for_the_device(tmp_path, dtype, compile, reco
     assert parts.compiled == compile
 
 
-def test_fp16_step_waits_only_at_the_loss_scaler(tmp_path):
-    """fp16 must read the gradient norm to decide whether to skip the step: that is the step's first (and
-    meant to be only) read-back."""
+def test_fp16_step_waits_only_at_the_loss_scaler(tmp_path, monkeypatch):
+    """fp16 must read whether the gradient norm is finite to adjust its loss scale (optim.DynamicLossScaler.
+    update): that is the step's first read-back, and with that read taken out the step makes none."""
     cfg, run = gpu_run(tmp_path, dtype="float16")
     parts = train.build(cfg, run)
     train.train_step(cfg, run.layout, parts, random_batches(cfg, 0), 1e-3)
-    micro = random_batches(cfg, 1)
+    micro, later = random_batches(cfg, 1), random_batches(cfg, 2)  # (copied to the device before the timing)
     sync = first_sync_point(lambda: train.train_step(cfg, run.layout, parts, micro, 1e-3))
-    assert sync is not None and "grad_norm.item()" in sync, sync
+    assert sync is not None and "scaler.update(found_inf)" in sync and "found_inf.item()" in sync, sync
+    monkeypatch.setattr(parts.scaler, "update", lambda found_inf: None)
+    sync = first_sync_point(lambda: train.train_step(cfg, run.layout, parts, later, 1e-3))
+    assert sync is None, f"the fp16 step waits for the device beside the loss scaler:\n{sync}"
 
 
 def test_activation_checkpointing_on_the_gpu_same_gradients_less_memory(record_property):
