@@ -289,7 +289,7 @@ def run(cfg, bench, setup):
         metrics.moe_metrics(runners[0].parts.model, layout)  # (resets the step counts: only timed steps below)
     reset_peak_memory(dev)
     # on a GPU, which holds its pace, the probe's tensors would count in the allocator's peak: it runs later
-    flops, probe = (machines.linear_pass(model_cfg, ptdtype, dev, machines.probe_tokens(cfg), layout.tp)
+    flops, probe = (machines.linear_pass(model_cfg, ptdtype, dev, machines.probe_tokens(cfg, dev), layout.tp)
                     if bench.machine == "auto" and dev.type == "cpu" else (0, None))
     times, losses, passes = timed_steps(runners, bench, probe)
     del probe  # (its tensors, before the memory is measured)

@@ -156,6 +156,14 @@ def device_sync(dev):
     return (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
 
 
+def calls_between_waits(dev):
+    """How many calls of a probed kernel run between two waits for the device: on a GPU 10, so the host runs
+    ahead as in a step and the wait's own tens of microseconds do not count against kernels of a few hundred
+    (the H200 read the model's linears at 123-329 TFLOP/s waiting after each, where its steps run them at
+    about 500); on CPU, where nothing runs ahead, 1."""
+    return 10 if dev.type == "cuda" else 1
+
+
 def _median_of(measure, repeats):
     """The median of `repeats` calls of measure() (each returns seconds) after two warm-up calls (the thread
     pool, the kernel's choice, first-touch pages): the statistic bench.py reports of its steps, which see the
@@ -166,12 +174,16 @@ def _median_of(measure, repeats):
     return statistics.median(measure() for _ in range(repeats))
 
 
-def _median_seconds(fn, repeats=7):
-    """fn's median seconds (_median_of)."""
+def _median_seconds(fn, dev, repeats=7):
+    """fn's median seconds on device dev (_median_of), each timing calls_between_waits(dev) calls and a wait."""
+    sync, calls = device_sync(dev), calls_between_waits(dev)
+
     def timed():
         start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
+        for _ in range(calls):
+            fn()
+        sync()
+        return (time.perf_counter() - start) / calls
     return _median_of(timed, repeats)
 
 
@@ -210,10 +222,11 @@ def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None):
     return {"busbw": 2 * (n - 1) / n / per_byte, "latency": zero_bytes / (2 * (n - 1))}
 
 
-def probe_tokens(cfg):
+def probe_tokens(cfg, dev):
     """The tokens the probes of a run's machine run on: a micro-batch's on one rank (after context
-    parallelism's split), at most 4,096 (the probe stays a few seconds)."""
-    return min(4096, cfg.batch_size * cfg.block_size // cfg.cp)
+    parallelism's split), at most 4,096 on CPU (the probe stays a few seconds) and 16,384 on a GPU (shapes a
+    GPU runs at its step's rate; the head's logits are then 1.6 GB in bf16 at GPT-2's vocabulary)."""
+    return min(4096 if dev.type == "cpu" else 16384, cfg.batch_size * cfg.block_size // cfg.cp)
 
 
 def linear_pass(model_cfg, dtype, dev, tokens, tp=1):
@@ -222,7 +235,7 @@ def linear_pass(model_cfg, dtype, dev, tokens, tp=1):
     (x W^T, then dy W and dy^T x: 6 FLOPs per weight and token) on `tokens` tokens, weighted as the model runs
     them; one_pass() runs every shape once and returns the seconds weighted so (those FLOPs' time)."""
     from torch.nn.functional import linear
-    sync = device_sync(dev)
+    sync, calls = device_sync(dev), calls_between_waits(dev)
     C, F, (qk, v) = model_cfg.n_embd, mlp_hidden_size(model_cfg) // tp, attention_dims(model_cfg)
     H, H_kv = model_cfg.n_head // tp, max(1, model_cfg.n_kv_head // tp)
     shapes = {(C, H * qk): model_cfg.n_layer, (C, H_kv * (qk + v)): model_cfg.n_layer, (H * v, C): model_cfg.n_layer,
@@ -236,9 +249,10 @@ def linear_pass(model_cfg, dtype, dev, tokens, tp=1):
         seconds = 0.0
         for count, x, w, dy in cases:
             start = time.perf_counter()
-            linear(x, w).backward(dy)
+            for _ in range(calls):
+                linear(x, w).backward(dy)
             sync()
-            seconds += count * (time.perf_counter() - start)
+            seconds += count * (time.perf_counter() - start) / calls
         return seconds
     return sum(count * 6 * tokens * n_in * n_out for (n_in, n_out), count in shapes.items()), one_pass
 
@@ -258,7 +272,6 @@ def loss_seconds(model_cfg, dev, tokens, tp):
     target's scatter and the scaling backward) on a micro-batch's fp32 logits over this rank's vocabulary, as
     a step issues them: the copy made anew each time (on CPU, past glibc's mmap threshold, pages it touches
     first). On this CPU max and exp cost 1.2-1.5 ns an element and the first touch more: not a bandwidth."""
-    sync = device_sync(dev)
     logits = torch.randn(tokens, -(-model_cfg.vocab_size // tp), device=dev)
     target = torch.randint(0, logits.shape[1], (tokens, 1), device=dev)
 
@@ -266,8 +279,8 @@ def loss_seconds(model_cfg, dev, tokens, tp):
         exp = (logits - logits.max(dim=-1).values.unsqueeze(-1)).exp_()
         return exp.div_(exp.sum(dim=-1).unsqueeze(-1))
     softmax = forward()
-    backward = lambda: (softmax.scatter_add_(-1, target, -torch.ones_like(softmax[:, :1])).mul_(0.5), sync())  # noqa: E731
-    return [_median_seconds(lambda: (forward(), sync())) / logits.numel(), _median_seconds(backward) / logits.numel()]
+    backward = lambda: softmax.scatter_add_(-1, target, -torch.ones_like(softmax[:, :1])).mul_(0.5)  # noqa: E731
+    return [_median_seconds(forward, dev) / logits.numel(), _median_seconds(backward, dev) / logits.numel()]
 
 
 def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512, matmul_rate=None, tp=1):
@@ -278,17 +291,20 @@ def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512
     collective an all-reduce over every process (each must call this: on one machine every group of the run
     shares its links), else gloo's figures above."""
     dev = torch.device(device)
-    sync = device_sync(dev)
     if matmul_rate is None:
         matmul_rate = linear_rate(model_cfg, dtype, dev, tokens, tp)
     # the roofline's bandwidth as the model's elementwise kernels see it: z = x * y reads two, writes one
     x, y, z = (torch.empty(tokens * mlp_hidden_size(model_cfg), device=dev, dtype=dtype) for _ in range(3))
-    memory_bw = 3 * x.numel() * x.element_size() / _median_seconds(lambda: (torch.mul(x, y, out=z), sync()))
-    H, D, T = model_cfg.n_head, attention_dims(model_cfg)[0], min(model_cfg.block_size, 1024)
-    q = torch.randn(1, H, T, D, device=dev, dtype=dtype, requires_grad=True)
-    sdpa = lambda: (torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward(), sync())
-    attention_flops = 3.5 * 4 * T * T * H * D / 2  # forward and backward (FlashAttention-2's 3.5 forwards), causal half
-    efficiency = attention_flops / _median_seconds(sdpa) / matmul_rate
+    memory_bw = 3 * x.numel() * x.element_size() / _median_seconds(lambda: torch.mul(x, y, out=z), dev)
+    # the attention on one sequence of up to 1,024 on CPU (seconds); on a GPU the micro-batch's sequences
+    # whole, up to the probe's tokens (one short sequence leaves most of a GPU's multiprocessors idle)
+    H, D = model_cfg.n_head, attention_dims(model_cfg)[0]
+    B, T = ((1, min(model_cfg.block_size, 1024)) if dev.type == "cpu"
+            else (max(1, tokens // model_cfg.block_size), model_cfg.block_size))
+    q = torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True)
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()  # noqa: E731
+    attention_flops = 3.5 * 4 * B * T * T * H * D / 2  # forward and backward (FlashAttention-2's 3.5 forwards), causal half
+    efficiency = attention_flops / _median_seconds(sdpa, dev) / matmul_rate
     # the host's cost of one operator as a training step pays it, the dispatcher and autograd's bookkeeping:
     # a chain of 50 one-element products forward, each recorded for the backward, and its backward (50 more
     # operators). A product outside autograd costs a third of that here (1.0 against 2.9 us), and the
@@ -300,7 +316,7 @@ def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512
         for _ in range(50):
             y = y * 1.0  # (its backward: one product each)
         y.backward()
-    op_seconds = _median_seconds(chain) / 100
+    op_seconds = _median_seconds(chain, dev) / 100
     name = str(dtype).replace("torch.", "")
     # the link timed on the run's own message (a micro-batch's activations, whole: what tp, cp, ep and pp
     # exchange), each exchange after a burst of the MLP's first linear on those tokens

@@ -551,8 +551,8 @@ def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None, mat
     if machine_name is None:
         machine = startup_machine(model_cfg, dtype, device)
     elif machine_name == "auto":
-        machine = measure_machine(model_cfg, dtype, device, collective=layout.world_size > 1, tokens=probe_tokens(cfg),
-                                  tp=layout.tp, matmul_rate=matmul_rate)
+        machine = measure_machine(model_cfg, dtype, device, collective=layout.world_size > 1,
+                                  tokens=probe_tokens(cfg, device), tp=layout.tp, matmul_rate=matmul_rate)
     else:
         machine = load_machine(machine_name)
     if machine is None:
