@@ -10,8 +10,9 @@ plus bytes written), each the median of 10 timed runs after 3 warm-ups, timed wi
 summary reads what each section left in LOGS: sections.tsv (one line per section: section, check, status,
 seconds, log file), the env log's ENV line, the pytest junit XML of the tests (each test's `figures`
 property, from record_property) and each bench log's RESULT line. A memory planner's prediction is shown
-beside the measured peak when bench's RESULT carries it as `planned_peak_mem_bytes`; until a planner exists
-that column says "-".
+beside the measured peak (bench's memory rows: memory_plan.py's prediction and the measured step's tensors),
+and step_time.py's predicted step beside the measured one (bench's `predicted_step_s`, its machine=auto
+measured on the GPU).
 """
 import json
 import os
@@ -140,7 +141,8 @@ def gib(n):
 
 def bench_figures(result, env_info):
     """The figures of one bench RESULT: speed, MFU (of the datasheet peak, and of the measured matmul rate),
-    memory (and the planner's prediction when there is one), the first step (compilation), the profile."""
+    step_time.py's predicted step, memory (and the planner's prediction), the first step (compilation), the
+    profile."""
     parts = [f"{result['tokens_per_sec']:,.0f} tok/s", f"{result['ms_per_step']:,.0f} ms/step"]
     if result.get("mfu") is not None:
         mfu = f"MFU {100 * result['mfu']:.1f}%"
@@ -153,8 +155,15 @@ def bench_figures(result, env_info):
     if result.get("compare_fp8"):  # (--compare_fp8: the same step with fp8 the other way, timed in turn)
         parts.append(f"{result['ms_per_step'] / result['compare_fp8_ms_per_step']:.2f}x the time of "
                      f"fp8={result['compare_fp8']}")
-    planned = result.get("planned_peak_mem_bytes")
-    parts.append(f"peak {gib(result['peak_mem_bytes'])} (planned {gib(planned) if planned else '-'})")
+    predicted = result.get("predicted_step_s")  # (step_time.py on bench's machine=auto, measured there)
+    if predicted:
+        error = 1e3 * predicted / result["ms_per_step"] - 1
+        parts.append(f"predicted {1e3 * predicted:,.0f} ms/step ({100 * error:+.0f}%)")
+    # the planner's prediction: memory_plan's for the measured step's tensors (bench's memory rows, rank 0)
+    planned = result.get("planned_peak_mem_bytes") or (result.get("memory") or [{}])[0].get("predicted_bytes")
+    measured = (result.get("memory") or [{}])[0].get("measured_bytes")
+    parts.append(f"peak {gib(result['peak_mem_bytes'])} (planned {gib(planned) if planned else '-'}"
+                 + (f" against {gib(measured)} of the step's tensors)" if measured and planned else ")"))
     if result.get("first_step_s") is not None:
         parts.append(f"first step {result['first_step_s']:.1f} s")
     if not result.get("compiled"):

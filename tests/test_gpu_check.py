@@ -48,7 +48,9 @@ def test_dry_run_goes_through_every_section_and_prints_the_table(tmp_path):
     tests = [r[2] for r in rows[1:] if r[0] == "tests" and not r[1].startswith("pytest")]
     assert len(tests) >= 10 and all(r.startswith("skipped: needs a CUDA GPU") for r in tests), tests
     bench_rows = [line for line in table.splitlines() if line.startswith("| bench")]
-    assert all("tok/s" in line and "planned -" in line for line in bench_rows), bench_rows
+    # every bench row carries bench's own predictions: step_time.py's step and memory_plan's peak
+    assert all("tok/s" in line and "ms/step (" in line and "GiB (planned 0.0 GiB against" in line
+               for line in bench_rows), bench_rows
     assert "profile:" in bench_rows[2] and "x the time of fp8=none" in bench_rows[3]
     assert (tmp_path / "out" / "summary.md").read_text().strip() == table.split("\n(logs:")[0].strip()
     listing = subprocess.run(["tar", "-tzf", str(tmp_path / "out" / "logs.tar.gz")], capture_output=True,
@@ -74,7 +76,7 @@ def write_logs(logs, bench_result, junit):
         f"bench\t12 x 768\tskipped: 12s of the 300s budget left\t0\t{logs / 'bench_125m.log'}\n")
 
 
-def test_summary_shows_failures_figures_and_the_planners_prediction(tmp_path, capsys):
+def test_summary_shows_failures_figures_and_the_predictions(tmp_path, capsys):
     junit = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
       <testcase classname="tests.test_cuda" name="test_fp16_trains_like_bf16" time="3.2">
         <properties><property name="figures" value="step 50 loss fp16 2.1 / bf16 2.1 (0.10% apart)"/></properties>
@@ -84,7 +86,8 @@ def test_summary_shows_failures_figures_and_the_planners_prediction(tmp_path, ca
         <failure message="AssertionError: the bfloat16 training step waits | here">traceback</failure>
       </testcase></testsuite></testsuites>"""
     result = {"tokens_per_sec": 51234.5, "ms_per_step": 320.0, "mfu": 0.52, "peak_flops": 989e12,
-              "peak_mem_bytes": 60 * 2**30, "planned_peak_mem_bytes": 58 * 2**30, "first_step_s": 41.2,
+              "peak_mem_bytes": 60 * 2**30, "first_step_s": 41.2, "predicted_step_s": 0.288,
+              "memory": [{"rank": 0, "predicted_bytes": 58 * 2**30, "measured_bytes": 59 * 2**30}],
               "compiled": True, "profile": {"device_busy": 0.97, "kinds": {"matmul": 0.7, "attention": 0.2,
                                                                            "other": 0.1, "copies": 0.001}}}
     write_logs(tmp_path / "logs", result, junit)
@@ -94,8 +97,8 @@ def test_summary_shows_failures_figures_and_the_planners_prediction(tmp_path, ca
     assert "| tests | pytest -m cuda | FAILED (exit 1) | 1 passed, 1 FAILED | 80 |" in out
     assert "| tests | test_fp16_trains_like_bf16 | passed | step 50 loss fp16 2.1 / bf16 2.1 (0.10% apart) | 3 |" in out
     assert "FAILED: AssertionError: the bfloat16 training step waits \\| here" in out  # the pipe escaped
-    assert ("51,234 tok/s, 320 ms/step, MFU 52.0% (65% of the measured bf16 matmul), peak 60.0 GiB (planned "
-            "58.0 GiB), first step 41.2 s, profile: matmul 70%, attention 20%, other 10%; device busy 97%") in out
+    assert ("51,234 tok/s, 320 ms/step, MFU 52.0% (65% of the measured bf16 matmul), predicted 288 ms/step (-10%), "
+            "peak 60.0 GiB (planned 58.0 GiB against 59.0 GiB of the step's tensors), first step 41.2 s, profile: matmul 70%, attention 20%, other 10%; device busy 97%") in out
     assert "| bench | 24 x 1024 | FAILED (exit 1) | torch.OutOfMemoryError: CUDA out of memory." in out
     assert "| bench | 12 x 768 | skipped: 12s of the 300s budget left |" in out
     assert "bf16 matmul 8192^3 790 TFLOP/s measured, datasheet 989" in out
