@@ -824,16 +824,22 @@ def _chunked_cross_entropy(h, weight, targets, vocab_size, softcap, ignore_index
         N = h.shape[0]
         chunk = min(N, loss_chunk_size(vocab_size))
         logits_buf = torch.empty(chunk, vocab_size, dtype=compute, device=h.device)  # reused by every chunk
+        # in half precision the chunk's fp32 logits have a buffer of their own, reused likewise (a fresh copy
+        # each chunk kept two of them alive as the next replaced the last), and the half buffer takes the
+        # chunk's gradient back for the matmuls
+        z_buf = None if compute == fp32 else torch.empty(chunk, vocab_size, dtype=fp32, device=h.device)
         dcap_buf = torch.empty(chunk, vocab_size, dtype=fp32, device=h.device) if softcap else None  # likewise
         loss = torch.zeros((), dtype=fp32, device=h.device)
         grad_h = torch.empty_like(h_c) if need_grads else None
         grad_w = torch.zeros_like(weight, dtype=fp32) if need_grads else None
         for start in range(0, N, chunk):
             rows = slice(start, min(start + chunk, N))
-            z = torch.mm(h_c[rows], w_c.t(), out=logits_buf[:rows.stop - start]).to(fp32)  # (n, V), fp32
+            n = rows.stop - start
+            z = torch.mm(h_c[rows], w_c.t(), out=logits_buf[:n])
+            z = z if z_buf is None else z_buf[:n].copy_(z)  # (n, V), fp32
             if softcap:  # z = softcap * tanh(z / softcap) (Gemma 2), whose derivative is 1 - tanh^2
                 tanh = z.div_(softcap).tanh_()
-                dcap = torch.square(tanh, out=dcap_buf[:rows.stop - start]).neg_().add_(1.0)
+                dcap = torch.square(tanh, out=dcap_buf[:n]).neg_().add_(1.0)
                 z = tanh.mul_(softcap)
             t = targets[rows]
             valid = t != ignore_index
@@ -849,7 +855,7 @@ def _chunked_cross_entropy(h, weight, targets, vocab_size, softcap, ignore_index
                 grad_z.mul_(valid.unsqueeze(1))
                 if softcap:
                     grad_z.mul_(dcap)
-                grad_z_c = grad_z.to(compute)
+                grad_z_c = grad_z if z_buf is None else logits_buf[:n].copy_(grad_z)
                 torch.mm(grad_z_c, w_c, out=grad_h[rows])
                 if compute == fp32:
                     grad_w[:vocab_size].addmm_(grad_z.t(), h_c[rows])

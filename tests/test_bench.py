@@ -172,6 +172,26 @@ def test_chunked_cross_entropy_equals_cross_entropy_of_the_full_logits(monkeypat
         torch.testing.assert_close(chunked_cross_entropy(h, w, t, vocab_size=1000, softcap=softcap), loss)
 
 
+def test_chunked_cross_entropy_under_bf16_autocast_is_the_autocast_logits_loss(monkeypatch):
+    """Under bf16 autocast (a GPU's run) each chunk's logits are a bf16 matmul taken to fp32 in a buffer of
+    their own, reused chunk by chunk: the loss and gradients of F.cross_entropy on the autocast logits."""
+    monkeypatch.setattr(model_module, "loss_chunk_size", lambda vocab: 64)
+    torch.manual_seed(0)
+    h = torch.randn(300, 16, requires_grad=True)
+    w = (0.5 * torch.randn(1024, 16)).requires_grad_()
+    t = torch.randint(0, 1000, (300,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked = chunked_cross_entropy(h, w, t, vocab_size=1000)
+        chunked.backward()
+        grads = h.grad, w.grad
+        h.grad = w.grad = None
+        loss = F.cross_entropy((h @ w[:1000].t()).float(), t)
+        loss.backward()
+    torch.testing.assert_close(chunked, loss)
+    torch.testing.assert_close(grads[0], h.grad, rtol=2e-2, atol=1e-4)
+    torch.testing.assert_close(grads[1], w.grad, rtol=2e-2, atol=1e-4)
+
+
 def test_chunked_loss_model_has_the_same_loss_and_gradients():
     x, y = torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32))
     plain, chunked = tiny_model(), tiny_model(chunked_loss=True)
