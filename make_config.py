@@ -153,7 +153,7 @@ def make_config(cfg, given, argv):
     plan = memory_plan.plan_memory(model_cfg, dp, tp, pp, cp, cfg["zero_stage"], cfg["batch_size"],
                                    cfg["block_size"], cfg["gradient_accumulation_steps"], cfg["pp_schedule"],
                                    cfg["activation_checkpointing"], cfg["chunked_loss"], cfg["sequence_parallel"],
-                                   cfg["bucket_size_mb"], act_bytes=2 if cfg["dtype"] in ("bfloat16", "float16") else 4,
+                                   cfg["bucket_size_mb"], act_bytes=memory_plan.compute_bytes(cfg["dtype"], cfg["device"]),
                                    chunks=cfg["pp_chunks"], ep=cfg["ep"], optimizer=cfg["optimizer"],
                                    pp_layers=cfg["pp_layers"], attention_scores=memory_plan.attention_saves_scores(
                                        model_cfg, cfg["attn_impl"], cfg["device"], cfg["dtype"]))
@@ -266,7 +266,7 @@ def choose(cfg, given, model_cfg):
     ranked.sort(key=lambda pair: (round(pair[0]["step_s"], 9), pair[1]["cp"], pair[1]["pp"], pair[1]["tp"],
                                   pair[1]["zero_stage"], pair[1]["activation_checkpointing"], -pair[1]["batch_size"]))
     best = []
-    act_bytes = 4 if step_time.dtype_of(step_time.run_of(cfg), machine) == "float32" else 2
+    act_bytes = memory_plan.compute_bytes(step_time.dtype_of(step_time.run_of(cfg), machine), "cuda")
     for prediction, layout in ranked:
         peak = plan_peak(cfg, model_cfg, layout, act_bytes)
         if peak <= limit:

@@ -2,16 +2,13 @@
 How much memory each rank of a run will hold, predicted before anything runs: make_config.py prints the
 plan of a config, train.py prints it at start-up, and bench.py's RESULT carries it beside the measured peak.
 
-What it predicts: for one rank of each pipeline stage, the bytes of the parameters, the gradients, the
-optimizer state, the activations autograd saves, the loss's tensors, the gradients in flight at the end of
-a backward, the optimizer step's temporaries, and the step's peak.
-
-From what: the model config, the layout (dp, tp, pp, cp, ep) and the execution settings (ZeRO stage,
-batch, micro-batches, schedule, activation checkpointing, chunked loss, bucket size, optimizer, whether
-the attention kernel keeps its scores), by shapes and dtypes alone. The parameters are counted on the
-meta device (nothing is allocated), the activations from the block's code, and the peak is found by
-walking the rank's own actions of the schedule (pipeline_schedules.SCHEDULES, the lists the executor
-runs); no constant is fitted to a measurement.
+What it predicts: for one rank of each pipeline stage, the bytes of the parameters, gradients, optimizer
+state, saved activations, the loss's tensors, the gradients in flight, the optimizer step's temporaries,
+and the step's peak. From what: the model config, the layout (dp, tp, pp, cp, ep) and the execution
+settings (ZeRO stage, batch, micro-batches, schedule, activation checkpointing, chunked loss, bucket size,
+optimizer, compute dtype, whether the attention kernel keeps its scores), by shapes and dtypes alone: the
+parameters counted on the meta device, the activations from the block's code, the peak by walking the
+rank's own actions of the schedule; no constant is fitted to a measurement.
 
 How it is checked: tests/test_memory.py holds the plan to every rank's measured peak of one step
 (metrics.measure_step_memory: CUDA's allocator, or on CPU metrics.LiveTensorBytes, the live tensor
@@ -37,67 +34,51 @@ from timeline import schedule_moments, walk_peak
 
 
 # -----------------------------------------------------------------------------
-# What the plan counts, kind by kind
-#
-# The planner counts, for one rank of each pipeline stage, the bytes that are alive at the step's peak,
-# from shapes and dtypes alone (no constant fitted to a measurement):
-#   parameters   the stage's tensors, this tp rank's slice (vocabulary padded as the layers pad it);
-#                ZeRO-3: the 1/dp shards, plus the root unit (embedding, final norm, head) whole and two
-#                gathered blocks (the one computing, the one prefetched)
-#   gradients    ZeRO-0/1: autograd's p.grad, accumulated over the micro-batches, plus the buckets' flat
-#                copies when there are data-parallel replicas (dp x cp > 1, or ZeRO-1); ZeRO-2/3: the 1/dp
-#                shards plus three buckets (units) in flight (the one filling, two being reduce-scattered)
-#   optimizer    AdamW's two moments per element (1/dp of them under ZeRO, padded); Muon's one momentum per
-#                element of a block's matrix (AdamW's two for the rest), ZeRO-1 dealing the matrices whole:
-#                a rank's share is what optim.deal_whole gives it, not 1/dp
-#   activations  what autograd saves per block and micro-batch (counted from the block's code below, in
-#                the activation dtype: the attention kernel's own, with the (B, H, T, T) probabilities where
-#                the kernel keeps them, MLA's latents, QK-norm), held from a chunk's forward to its backward;
-#                with activation checkpointing only each block's input, plus one block recomputed. Under the
-#                zero-bubble schedules B frees them but for the linears' x and dy, which W frees. As a
-#                backward starts, the gradient arriving at the last block and its MLP's first gradients
-#                beside them all
-#   loss         the last stage: the chunked loss keeps its input and weight gradients (N x C and V x C,
-#                fp32) from forward to backward, and one chunk's logits while it runs (soft-capped, also
-#                the chunk's 1 - tanh^2); without it the (N, V / tp) logits: their softmax (tp > 1, the
-#                vocab-parallel loss) or log-softmax (F.cross_entropy) and the soft-cap's tanh held, and
+# What the plan counts, kind by kind: for one rank of each pipeline stage, the bytes alive at the step's peak
+#   parameters   the stage's tensors, this tp rank's slice (vocabulary padded as the layers pad it); ZeRO-3:
+#                the 1/dp shards, the root unit (embedding, final norm, head) whole and two gathered blocks
+#   gradients    ZeRO-0/1: autograd's p.grad, accumulated over the micro-batches, plus the buckets' flat copies
+#                with data-parallel replicas (dp x cp > 1, or ZeRO-1); ZeRO-2/3: the 1/dp shards plus three
+#                buckets (units) in flight (the one filling, two being reduce-scattered)
+#   optimizer    AdamW's two moments per element (1/dp under ZeRO, padded); Muon's one momentum per element of
+#                a block's matrix (AdamW's two for the rest), ZeRO-1 dealing the matrices whole (optim.deal_whole)
+#   activations  what autograd saves per block and micro-batch (counted from the block's code below: the
+#                attention kernel's own, the (B, H, T, T) probabilities where the kernel keeps them, MLA's
+#                latents, QK-norm), held from a chunk's forward to its backward, each tensor in its dtype: fp32
+#                for the residual stream and the norms, the compute dtype for the linears (under bf16 or fp16
+#                autocast each linear also keeps its own half copy of its input and weight); with activation
+#                checkpointing each block's input and one block recomputed. Under the zero-bubble schedules B
+#                frees them but for the linears' x and dy, which W frees. As a backward starts, the gradient
+#                arriving at the last block and its MLP's first gradients beside them all
+#   loss         the last stage: the chunked loss keeps its input and weight gradients from forward to
+#                backward, and one chunk's logits while it runs (soft-capped, also 1 - tanh^2); without it the
+#                (N, V / tp) logits: their softmax (tp > 1) or log-softmax and the soft-cap's tanh held, and
 #                while the loss runs the logits beside the softmax (F.cross_entropy: two gradients)
-#   buffers      at the end of a backward: the gradients in flight (autograd's new gradient of the
-#                largest parameter, three of them for a weight tied within one chunk; ZeRO-2/3 also two
-#                buckets or units of flat gradients). ZeRO-2/3's last two launched stay in flight through
-#                the forwards after the backward, until the next backward lands them. After the last
-#                backward, at ZeRO-0/1 under pp with tied embeddings, the copies' summed gradient (tied_sum_bytes)
-#   step         the temporaries from the reduced gradients to the step's end: the gradient norm's square
-#                of the largest gradient it reads (grad_norm_temp_elements), before the optimizer; the
-#                optimizer's own: none for AdamW (torch's fused kernel, on whole tensors
-#                or ZeRO's slices); ZeRO-1/2's all-gather after it, a copy of this rank's slice of every
-#                bucket (1/dp of the parameters); Muon's, for the largest matrix a rank updates, its new
-#                momentum and Nesterov step, the matrix gathered across tp, Newton-Schulz in fp32
-# Expert parallelism: each rank holds n_expert / ep experts of each layer, their gradients and optimizer
-# state; under ZeRO those are sharded over the expert replicas ((dp / ep) x cp ranks) and the rest over
-# dp x cp, and ZeRO-3 gathers a block's experts as a unit of their own. The experts' activations are
-# counted on the rows a rank receives at the capacity bound (expert_rows: up to ep times its own tokens'
-# assignments when dropless), and while an MoE layer's outputs travel back, the all-to-all buffers
-# (the rows sent, received, computed and reordered) are alive beside the activations.
-# The peak is found by walking the rank's actions of the schedule (pipeline_schedules.SCHEDULES: the same lists the
-# executor runs; with pp = 1 each micro-batch's forward, then its backward): the states (parameters, gradients,
-# optimizer), plus at the end of each forward what is then held (the activations and the loss's tensors of every
-# micro-batch between its forward and its backward, ZeRO-0/1's accumulated p.grad once a backward has run, and
-# ZeRO-2/3's buckets still in flight from it), and at the end of each backward or W what is still held and the
-# buffers. So AFAB holds all m micro-batches, 1F1B pp - stage, interleaved 1F1B its chunks' share of more, with no
-# count written per schedule. Then the optimizer step: the states, the gradients once (p.grad is a view of the buckets
-# by then) and the step's temporaries. Not modelled, said where it applies: fp16/bf16 autocast's cast copies (counted
-# at the activation dtype), context parallelism's ring buffers (its ring attention is counted as a fused kernel).
+#   buffers      at the end of a backward: the gradients in flight (autograd's new gradient of the largest
+#                parameter, three for a weight tied within one chunk; ZeRO-2/3 also two buckets or units, in
+#                flight through the next forwards until the next backward lands them); after the last
+#                backward, at ZeRO-0/1 under pp with tied embeddings, the copies' summed gradient
+#   step         from the reduced gradients to the step's end: the gradient norm's square of the largest
+#                gradient; AdamW's fused kernel makes none; ZeRO-1/2's all-gather after it, a copy of this
+#                rank's 1/dp slice; Muon's new momentum and Nesterov step, the matrix gathered across tp
+# Expert parallelism: a rank holds n_expert / ep experts of each layer, sharded under ZeRO over the expert
+# replicas ((dp / ep) x cp ranks); ZeRO-3 gathers a block's experts as a unit of their own. The experts'
+# activations are counted on the rows a rank receives at the capacity bound (expert_rows), and while an MoE
+# layer's outputs travel back its all-to-all buffers are alive beside them.
+# The peak: the rank's actions of the schedule walked (pipeline_schedules.SCHEDULES, the lists the executor
+# runs; with pp = 1 each micro-batch's forward, then its backward), the states plus what each action leaves
+# held, so AFAB holds all m micro-batches, 1F1B pp - stage, interleaved 1F1B its chunks' share, with no count
+# written per schedule; then the optimizer step. Not modelled: context parallelism's ring buffers (its ring
+# attention is counted as a fused kernel).
 
 
 def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1, ep=1, shapes=None, pp_layers="",
                              sequence_parallel=False, summed=None):
-    """{name: elements this tp rank holds} of pipeline rank `stage`'s parameters (its chunks' under the interleaved and
-    V schedules, the blocks cut as train.py cuts them: metrics.stage_cut): the model built on the meta device and
-    the layout applied to it as train.build_model applies it, each group a stand-in of its size (what
-    parallel.group_size and group_rank read), so what is counted is what a run holds. Under expert parallelism a
-    rank holds n_expert / ep experts of each layer (the first ep rank's). shapes: a dict, filled with each
-    parameter's full shape (Muon orthogonalises the full matrix); summed: those tensor_parallel.sum_grad_over marks."""
+    """{name: elements this tp rank holds} of pipeline rank `stage`'s parameters (its chunks', cut as train.py
+    cuts them): the model built on the meta device and the layout applied as train.build_model applies it,
+    each group a stand-in of its size, so what is counted is what a run holds (under expert parallelism the
+    first ep rank's experts). shapes: a dict, filled with each parameter's full shape (Muon orthogonalises
+    the full matrix; autocast copies the matrices); summed: those tensor_parallel.sum_grad_over marks."""
     import train  # (here: train.py imports this file)
     group = lambda size: SimpleNamespace(size=lambda: size, rank=lambda: 0) if size > 1 else None  # noqa: E731
     layout = SimpleNamespace(pp=pp, pp_rank=stage, tp_group=group(tp), ep_group=group(ep), cp_group=None)
@@ -119,13 +100,18 @@ def is_expert(name):
     return ".mlp.experts." in name
 
 
+def compute_bytes(dtype="auto", device="auto"):
+    """The bytes of an element of a run's compute dtype, which its narrow activations take: 2 under bf16 or
+    fp16 autocast (dtype auto on a GPU is one of them: train.choose_device_and_dtype), else 4."""
+    gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return 2 if dtype in ("bfloat16", "float16") or (dtype == "auto" and gpu) else 4
+
+
 def attention_saves_scores(model_cfg, attn_impl="auto", device="auto", dtype="auto"):
-    """Whether a run of this model and these settings (attn_impl, device, dtype) keeps each block's
-    (B, H, T, T) attention probabilities for backward, when it runs without context parallelism. The eager
-    attention does: model.choose_attn_impl picks it for soft-capped scores (attn_softcap > 0) unless
-    flash-attn runs on a GPU in half precision. So does PyTorch SDPA on CPU when the value head differs from
-    the query/key head (MLA): it falls back to its math path. FlashAttention, SDPA's fused kernels and ring
-    attention (cp > 1) keep only q, k, v, the output and the log-sum-exp."""
+    """Whether a run with these settings keeps each block's (B, H, T, T) attention probabilities for backward
+    (without context parallelism): the eager attention does (model.choose_attn_impl's for soft-capped
+    scores unless flash-attn runs on a GPU in half precision), and SDPA on CPU when the value head differs
+    from the query/key head (MLA: its math path). The fused kernels and ring attention keep the log-sum-exp."""
     gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     half = dtype in ("auto", "bfloat16", "float16")  # (auto on a GPU is bf16 or fp16)
     impl = attn_impl if attn_impl != "auto" else choose_attn_impl(  # train.py's rule, for a device maybe not here
@@ -135,49 +121,53 @@ def attention_saves_scores(model_cfg, attn_impl="auto", device="auto", dtype="au
 
 
 def attention_activation_elements(model_cfg, N, seq_len, tp, scores=False):
-    """Elements one attention layer saves for backward, for N tokens (this rank's, after sequence
-    parallelism's gather) in sequences of seq_len, counted from model.py's CausalSelfAttention and
-    MultiHeadLatentAttention. Every kernel keeps the rotated q and k and the values (k and v repeated to the
-    query heads under GQA) and the output (o_proj's input). Without the scores (flash, SDPA's fused kernels,
-    ring attention) also the log-sum-exp; with them (scores=True: attention_saves_scores) the softmax's
-    (B, H, T, T) output, and the soft-capped scores' tanh when attn_softcap > 0 (the eager path; the T x T
-    causal mask, small, is left out). RoPE saves none of its inputs (cos and sin take no gradient). QK-norm
-    (qk_norm) keeps, for q and k each, the projection's output, its product with the rsqrt and the rsqrt.
-    MLA also keeps its latent (kv_down's output, which its norm reads), that norm's rsqrt, product and output
-    (kv_up's input), and with q_lora_rank > 0 the same of the query's latent."""
+    """(wide, narrow) elements one attention layer saves for backward (block_activation_elements says which
+    is which) for N tokens (this rank's, after sequence parallelism's gather) in sequences of seq_len, from
+    model.py's CausalSelfAttention and MultiHeadLatentAttention: the rotated q and k, the values (repeated to
+    the query heads under GQA), the output (o_proj's input); the log-sum-exp, or with scores=True
+    (attention_saves_scores) the (B, H, T, T) probabilities and soft-capped the tanh (the T x T mask left
+    out). RoPE saves none of its inputs. QK-norm keeps for q and k the projection's output, its product with
+    the rsqrt and the rsqrt; MLA its latent (kv_down's output), that norm's rsqrt, product and output, and
+    with q_lora_rank > 0 the same of the query's. Wide: the log-sum-exp, the probabilities (autocast's
+    softmax is fp32), what a norm reads and its rsqrt; narrow: a linear's output or input."""
     qk_dim, v_dim = attention_dims(model_cfg)
     H = model_cfg.n_head // tp
     if model_cfg.attention == "mla":
         kv_heads = norm_heads = H  # every head its own k_nope and v
         kvr, qr = model_cfg.kv_lora_rank, model_cfg.q_lora_rank
-        latents = N * (kvr + model_cfg.qk_rope_head_dim) + N + 2 * N * kvr
-        latents += (N + 3 * N * qr) if qr > 0 else 0
+        # the latents as their norms read them (and their rsqrt); the rope key, the products and outputs
+        latents = [N * kvr + N + ((N * qr + N) if qr > 0 else 0),
+                   N * model_cfg.qk_rope_head_dim + 2 * N * kvr + (2 * N * qr if qr > 0 else 0)]
     else:
         H_kv = model_cfg.n_kv_head // tp if model_cfg.n_kv_head % tp == 0 else 1
-        kv_heads, norm_heads, latents = max(H, H_kv), H_kv, 0
+        kv_heads, norm_heads, latents = max(H, H_kv), H_kv, [0, 0]
     qkv = N * H * qk_dim + N * kv_heads * (qk_dim + v_dim)
-    if scores:
-        kernel = N * H * seq_len * (2 if model_cfg.attn_softcap else 1)  # the probabilities (and the tanh)
+    if scores:  # the probabilities (and the soft-capped scores' tanh)
+        kernel = [N * H * seq_len, N * H * seq_len if model_cfg.attn_softcap else 0]
     else:
-        kernel = N * H  # the log-sum-exp
-    qk_norm = (2 * N * (H + norm_heads) * qk_dim + N * (H + norm_heads)) if model_cfg.qk_norm else 0
-    return qkv + N * H * v_dim + kernel + qk_norm + latents
+        kernel = [N * H, 0]  # the log-sum-exp
+    heads = H + norm_heads  # QK-norm: the projection's output and rsqrt, the product
+    qk_norm = [N * heads * qk_dim + N * heads, N * heads * qk_dim] if model_cfg.qk_norm else [0, 0]
+    return kernel[0] + qk_norm[0] + latents[0], qkv + N * H * v_dim + kernel[1] + qk_norm[1] + latents[1]
 
 
-def block_activation_elements(model_cfg, tokens, tp, sequence_parallel=False, ep=1, seq_len=None, scores=False):
-    """Elements autograd saves for one block's backward, for `tokens` tokens of a micro-batch (this rank's)
-    in sequences of seq_len (block_size unless given), counted from model.py's Block: the residual input
-    and the residual between attention and MLP, each norm's rsqrt, normalised input and output, the
-    attention's tensors (attention_activation_elements; scores: see attention_saves_scores), the MLP's hidden
-    tensors (SwiGLU: gate, silu, up, their product; GELU: up and gelu), or a Mixture-of-Experts layer at its
-    capacity bound (under expert parallelism the local experts' inputs and hidden tensors on the rows they
-    receive, expert_rows)."""
+def block_activation_elements(model_cfg, tokens, tp, sequence_parallel=False, ep=1, seq_len=None, scores=False,
+                              autocast=False):
+    """(wide, narrow) elements autograd saves for one block's backward, for `tokens` tokens of a micro-batch
+    (this rank's) in sequences of seq_len (block_size unless given), from model.py's Block: the residual
+    input and mid-block sum, each norm's rsqrt, normalised input and output, the attention's tensors
+    (attention_activation_elements), the MLP's hidden tensors (SwiGLU: gate, silu, up, product; GELU: up and
+    gelu), or an MoE layer at its capacity bound (the local experts' rows: expert_rows). Wide: fp32 whatever
+    the dtype (the residual stream, what a norm reads and its rsqrt, the router's, what the gates weight);
+    narrow: the compute dtype's (a linear's output and input). Under autocast each linear keeps its own half
+    copy of its input, where in fp32 q, k and v (SwiGLU's gate and up, an expert's) share one tensor."""
     C = model_cfg.n_embd
     N = tokens
     n_local = N // tp if sequence_parallel else N  # between the tensor-parallel regions
-    norm = n_local + 2 * n_local * C  # rsqrt, x * rsqrt, * gain (its output: what the next layer saves)
-    if sequence_parallel:
-        norm += N * C - n_local * C  # the gathered input of attention / the MLP
+    attn_readers = (2 if model_cfg.attention == "mla" else 3) if autocast else 1
+    mlp_readers = (2 if model_cfg.mlp == "swiglu" else 1) if autocast else 1
+    # rsqrt, x * rsqrt; * gain, its output as the linears keep it (under sequence parallelism gathered)
+    norm = [n_local + n_local * C, N * C]
     attn = attention_activation_elements(model_cfg, N, seq_len or model_cfg.block_size, tp, scores)
     F = mlp_hidden_size(model_cfg) // tp
     per_token_mlp = (4 if model_cfg.mlp == "swiglu" else 2) * F
@@ -187,47 +177,44 @@ def block_activation_elements(model_cfg, tokens, tp, sequence_parallel=False, ep
         # tokens reordered (N x C), router logits and probabilities (N x E, fp32), each received row's input
         # and hidden tensors, each kept assignment's output (back on this rank), the combined output; the
         # shared experts on every token
-        mlp = N * C + 2 * N * E + received * (C + per_token_mlp) + kept * C + 2 * N * C
-        mlp += model_cfg.n_shared_expert * N * (C + per_token_mlp)
+        expert_in = mlp_readers * C + per_token_mlp
+        mlp = [N * C + 2 * N * E + 2 * N * C, received * expert_in + kept * C + model_cfg.n_shared_expert * N * expert_in]
     else:
-        mlp = N * per_token_mlp
+        mlp = [0, N * per_token_mlp]
     blocks_norms = 1 if model_cfg.parallel_block else 2
     residual = n_local * C * (1 if model_cfg.parallel_block else 2)  # the block's input; the mid-block sum
-    return residual + blocks_norms * norm + attn + mlp
+    norm_outputs = norm[1] * (attn_readers + mlp_readers if autocast else blocks_norms)
+    return residual + blocks_norms * norm[0] + attn[0] + mlp[0], norm_outputs + attn[1] + mlp[1]
 
 
 def block_backward_elements(model_cfg, tokens, tp, sequence_parallel=False):
-    """Elements a backward adds, as it starts, to the activations of the chunk it runs (all still held):
+    """(wide, narrow) elements a backward adds, as it starts, to the activations of the chunk it runs (all still held):
     the gradient arriving at the last block (n_local x C: from the next stage, or the final norm's), and
     inside that block's MLP backward the gradient of its hidden product with the two it splits into
     (SwiGLU: the silu's and the up projection's), while the product itself is freed: net 2 x N x hidden
     (GELU: the gelu's input gradient, net 1). An MoE layer's is not added: its capacity bound already
-    counts more rows than its routed tokens fill."""
+    counts more rows than its routed tokens fill. The residual's gradient is wide, the MLP's narrow."""
     C, N = model_cfg.n_embd, tokens
     n_local = N // tp if sequence_parallel else N
     F = mlp_hidden_size(model_cfg) // tp
     mlp = 0 if model_cfg.n_expert > 0 else (2 if model_cfg.mlp == "swiglu" else 1) * N * F
-    return n_local * C + mlp
+    return n_local * C, mlp
 
 
 def tied_sum_bytes(model_cfg, pp, zero_stage, elements, param_bytes=4):
-    """The bytes of the tied embedding's summed gradient on a pipeline rank holding a copy (the first or the
-    last stage), at ZeRO-0/1 (ZeRO-2/3's reducer sums the copies' shards instead): after the step's last
-    backward, parallel.sync_tied_grads adds the copies' gradients into a new tensor (sum() starts from 0)
-    and all-reduces it across the stages holding copies, while this rank's copy's own gradient is alive
-    beside it until the sum replaces it. One tensor of the copy's size (this tp rank's vocabulary slice),
-    even where one rank holds the only copy (zbv's first rank: the embedding is the head)."""
+    """The bytes of the tied embedding's summed gradient on a pipeline rank holding a copy, at ZeRO-0/1 (2/3's
+    reducer sums the shards): after the last backward parallel.sync_tied_grads adds the copies' gradients
+    into a new tensor and all-reduces it, beside this rank's copy's own gradient until the sum replaces it.
+    One tensor of the copy's size, even where one rank holds the only copy (zbv's first: embedding = head)."""
     if pp == 1 or not model_cfg.tie_embeddings or zero_stage >= 2:
         return 0
     return elements.get("tok_emb.weight", elements.get("lm_head.weight", 0)) * param_bytes
 
 
 def grad_norm_temp_elements(elements, zero_stage, muon=False, skipped=(), largest_shard=None):
-    """The elements of the temporary the gradient norm makes (train.global_grad_norm: each gradient the
-    optimizer's grads() gives is squared, pow(2), into a new tensor of its size before it is summed), for
-    the largest of them: after the gradients are reduced, beside the states, before the optimizer steps.
-    grads() gives whole p.grad at ZeRO-0 and under Muon's ZeRO-1, and otherwise (ZeroOneAdamW) each
-    parameter's slice this rank owns: at most the largest 1/dp shard of a bucket (largest_shard). skipped:
+    """The elements of the gradient norm's temporary (train.global_grad_norm squares each gradient of the
+    optimizer's grads() into a new tensor), for the largest: whole p.grad at ZeRO-0 and under Muon's ZeRO-1,
+    else the slice this rank owns, at most the largest 1/dp shard of a bucket (largest_shard). skipped:
     parameters the norm leaves out (a last stage's copy of the tied embedding, counted on the first)."""
     largest = max((n for name, n in elements.items() if name not in skipped), default=0)
     if zero_stage >= 1 and not (muon and zero_stage == 1) and largest_shard is not None:
@@ -264,7 +251,7 @@ def last_launched(zero_stage, elements, block_units, root, holds_embedding, capa
 def weight_grad_residual_elements(model_cfg, tokens, tp):
     """Elements one block keeps for a micro-batch between a zero-bubble B and its W (pipeline_schedules.WeightGradStore):
     each tensor-parallel linear's input x (q, k and v read one tensor, as the MLP's gate and up do) and its
-    output's gradient dy. Counted for the dense attention and MLP."""
+    output's gradient dy, all narrow. Counted for the dense attention and MLP."""
     C, D = model_cfg.n_embd, attention_head_dim(model_cfg)
     H = model_cfg.n_head // tp
     kv = model_cfg.n_kv_head // tp if model_cfg.n_kv_head % tp == 0 else model_cfg.n_kv_head
@@ -284,6 +271,13 @@ def fp8_saved_elements(model_cfg, tokens, tp, recipe, act_bytes):
     kv, up = model_cfg.n_kv_head // (tp if model_cfg.n_kv_head % tp == 0 else 1), 2 if model_cfg.mlp == "swiglu" else 1
     casts = tokens * (3 * C + H * D + up * C + F) + C * (2 * H + 2 * kv) * D + (up + 1) * C * F
     return round(casts / act_bytes) - tokens * ((1 if model_cfg.parallel_block else 2) * C + F)
+
+
+def block_matrix_elements(elements, shapes, blocks):
+    """A block's matrices on this rank, the mean over the stage's `blocks` (the router's stays fp32): what bf16
+    or fp16 autocast copies to half in each forward."""
+    return sum(n for name, n in elements.items() if name.startswith("blocks.") and len(shapes[name]) > 1
+               and ".router." not in name) // max(1, blocks)
 
 
 def shard(n, ranks):
@@ -411,18 +405,22 @@ def zero1_slice_bytes(elements, matrices, adamw_elements, replicas, expert_repli
             + (shard(launched[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
 
 
-def activation_elements(model_cfg, tokens, seq_len, tp, ep, sequence_parallel, activation_checkpointing,
-                        scores, blocks, fp8="none", act_bytes=4):
-    """(saved, recompute, backward_start): the elements a forward leaves per block until its backward, the
-    block recomputed at a time, and what a backward adds as it starts; blocks: whether the rank holds any."""
-    per_block = block_activation_elements(model_cfg, tokens, tp, sequence_parallel, ep, seq_len, scores)
-    per_block += fp8_saved_elements(model_cfg, tokens, tp, fp8, act_bytes)
+def activation_bytes(model_cfg, tokens, seq_len, tp, ep, sequence_parallel, activation_checkpointing,
+                     scores, blocks, fp8="none", act_bytes=4, block_matrices=0):
+    """(saved, recompute, backward_start): the bytes a forward leaves per block until its backward, the block
+    recomputed at a time, what a backward adds as it starts (blocks: whether the rank holds any). act_bytes:
+    the compute dtype's; under autocast a forward also keeps a half copy of a block's block_matrices."""
+    autocast = act_bytes < 4
+    to_bytes = lambda wide, narrow: 4 * wide + act_bytes * narrow  # noqa: E731
+    wide, narrow = block_activation_elements(model_cfg, tokens, tp, sequence_parallel, ep, seq_len, scores, autocast)
+    narrow += fp8_saved_elements(model_cfg, tokens, tp, fp8, act_bytes) + (block_matrices if autocast else 0)
+    per_block = to_bytes(wide, narrow)
     n_local = tokens // tp if sequence_parallel else tokens
-    # with activation checkpointing a block keeps its input, and one block is recomputed at a time
-    saved = n_local * model_cfg.n_embd if activation_checkpointing else per_block
+    # with activation checkpointing a block keeps its (fp32) input, and one block is recomputed at a time
+    saved = 4 * n_local * model_cfg.n_embd if activation_checkpointing else per_block
     recompute = per_block if activation_checkpointing else 0
     # a backward, as it starts: the chunk's activations all held, and the backward's first tensors
-    backward_start = block_backward_elements(model_cfg, tokens, tp, sequence_parallel) if blocks else 0
+    backward_start = to_bytes(*block_backward_elements(model_cfg, tokens, tp, sequence_parallel)) if blocks else 0
     return saved, recompute, backward_start
 
 
@@ -431,23 +429,25 @@ def loss_bytes(model_cfg, N, tp, sequence_parallel, chunked_loss, act_bytes):
     backward, and those alive only while it runs (N: this rank's tokens per micro-batch)."""
     C, V = model_cfg.n_embd, padded_vocab_size(model_cfg.vocab_size, tp)
     n_local = N // tp if sequence_parallel else N  # between the tensor-parallel regions
-    # the final norm's tensors (its output, the head's input, gathered under sequence parallelism)
-    final_norm = n_local + 2 * n_local * C + (N * C - n_local * C)
+    # the final norm's tensors: its rsqrt and x * rsqrt (fp32), its output as the head keeps it (the compute
+    # dtype, gathered under sequence parallelism)
+    final_norm = 4 * (n_local + n_local * C) + act_bytes * N * C
     vocab, capped = model_cfg.vocab_size, model_cfg.final_softcap > 0
     if chunked_loss and tp == 1:
-        # model._chunked_cross_entropy: from forward to backward the gradients of the head's input
-        # and weight (fp32); while it runs, one chunk's logits buffer and, soft-capped, the chunk's
-        # 1 - tanh^2 (fp32, a buffer reused likewise)
-        loss_held = final_norm * act_bytes + (N * C + V * C) * 4
-        loss_once = min(N, loss_chunk_size(vocab)) * vocab * (act_bytes + (4 if capped else 0))
+        # model._chunked_cross_entropy: held, the head's input and weight gradients (the latter fp32); while
+        # it runs, one chunk's logits buffer and soft-capped its 1 - tanh^2 (fp32); in half precision also the
+        # chunk's fp32 logits, the half copies of input and weight, and a chunk's weight gradient term
+        half = act_bytes < 4
+        loss_held = final_norm + N * C * act_bytes + V * C * 4
+        loss_once = min(N, loss_chunk_size(vocab)) * vocab * (act_bytes + (4 if half else 0) + (4 if capped else 0))
+        loss_once += (N * C + 2 * V * C) * act_bytes if half else 0
     else:
-        # the (N, V / tp) logits. Held to the backward: the softmax (the vocab-parallel loss, tp > 1:
-        # its exp becomes the softmax) or the log-softmax (F.cross_entropy at tp = 1), fp32, and
-        # soft-capped the tanh. While the loss runs: the vocab-parallel loss's logits beside their
-        # exp; F.cross_entropy's backward's two (nll_loss's gradient, log_softmax's)
+        # the (N, V / tp) logits. Held: the softmax (tp > 1) or log-softmax, fp32, and soft-capped the tanh.
+        # While the loss runs: the vocab-parallel loss's logits beside their exp (in half precision also
+        # their fp32 copy); F.cross_entropy's backward's two gradients
         logits = N * (V // tp)
-        loss_held = final_norm * act_bytes + logits * 4 + (logits * act_bytes if capped else 0)
-        loss_once = logits * act_bytes if tp > 1 else 2 * logits * 4
+        loss_held = final_norm + logits * 4 + (logits * act_bytes if capped else 0)
+        loss_once = logits * (act_bytes + (4 if act_bytes < 4 else 0)) if tp > 1 else 2 * logits * 4
     return loss_held, loss_once
 
 
@@ -503,17 +503,17 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
         zero1_slices = (zero1_slice_bytes(elements, matrices, adamw_elements, replicas, expert_replicas, param_bytes)
                         if zero_stage == 1 else 0)
         buffers += zero1_slices
-        saved, recompute, backward_start = activation_elements(model_cfg, N, T // cp, tp, ep, sequence_parallel,
-                                                               activation_checkpointing, attention_scores and cp == 1,
-                                                               bool(block_units), fp8, act_bytes)
+        saved, recompute, backward_start = activation_bytes(
+            model_cfg, N, T // cp, tp, ep, sequence_parallel, activation_checkpointing, attention_scores and cp == 1,
+            bool(block_units), fp8, act_bytes, block_matrix_elements(elements, shapes, len(block_units)))
         exchange = exchange_bytes(model_cfg, N, ep, act_bytes) if ep > 1 and model_cfg.n_expert > 0 and block_units else 0
         loss_held = loss_once = 0  # per micro-batch the head's chunk holds; while the loss runs
         if head_chunk is not None:
             loss_held, loss_once = loss_bytes(model_cfg, N, tp, sequence_parallel, chunked_loss, act_bytes)
         accumulated = P * param_bytes if zero_stage < 2 else 0  # autograd's p.grad (ZeRO-0/1)
         moments = schedule_moments(schedule, pp, stage, microbatches, chunks, [len(layers) for layers in chunk_layers],
-                                   head_chunk, saved, weight_grad_residual_elements(model_cfg, N, tp))
-        top, activations, loss = walk_peak(moments, head_chunk, zero_stage, act_bytes, recompute, backward_start,
+                                   head_chunk, saved, act_bytes * weight_grad_residual_elements(model_cfg, N, tp))
+        top, activations, loss = walk_peak(moments, head_chunk, zero_stage, recompute, backward_start,
                                            loss_held, loss_once, exchange, accumulated, buffers, in_flight)
         peak = params + (grads - accumulated) + optimizer_bytes + top
         # after the last backward, before the data-parallel reduction: the tied copies' gradients summed into
@@ -541,6 +541,7 @@ def plan_for(cfg, model_cfg, layout_dims, dp_rank=None):
                        cfg.gradient_accumulation_steps, cfg.pp_schedule, cfg.activation_checkpointing,
                        cfg.chunked_loss, cfg.sequence_parallel, cfg.bucket_size_mb, chunks=cfg.pp_chunks, ep=cfg.ep,
                        optimizer=cfg.optimizer, dp_rank=dp_rank, pp_layers=cfg.pp_layers, fp8=cfg.fp8,
+                       act_bytes=compute_bytes(cfg.dtype, cfg.device),
                        attention_scores=attention_saves_scores(model_cfg, cfg.attn_impl, cfg.device, cfg.dtype))
 
 
@@ -583,10 +584,9 @@ def memory_rows(layout, predicted, measured, **more):
 
 
 def format_memory_rows(rows, compiled_on=None):
-    """memory_rows as start-up lines: the tensors' peak of the first step, which the plan counts (the log
-    line's peak is the process's, which counts more). compiled_on: the device, when the blocks were compiled
-    in that step: one more line says how compiling moves the measure from the plan, and what it adds that
-    neither counts."""
+    """memory_rows as start-up lines: the first step's tensors' peak, which the plan counts (the log line's is
+    the process's). compiled_on: the device, when the blocks compiled in that step: one more line says how
+    compiling moves the measure from the plan, and what it adds that neither counts."""
     lines = [f"memory rank {r['rank']} (dp {r['dp_rank']} tp {r['tp_rank']} pp {r['pp_rank']}): predicted "
              f"{r['predicted_bytes'] / 2**20:,.1f} MiB, measured {r['measured_bytes'] / 2**20:,.1f} MiB of tensors "
              f"(step {r['step']})" for r in rows]

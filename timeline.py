@@ -239,7 +239,7 @@ def format_timeline(schedule, pp, m, chunks=1):
 
 def schedule_moments(schedule, pp, stage, m, chunks, chunk_blocks, head_chunk, saved, residual):
     """Walks pipeline rank `stage`'s actions (pipeline_schedules.SCHEDULES; with pp = 1 each micro-batch's forward and
-    backward in turn) and yields, after each, (op, its chunk, activation elements held, micro-batches the
+    backward in turn) and yields, after each, (op, its chunk, activation bytes held, micro-batches the
     head's chunk holds, backwards so far). A forward of chunk c adds `saved` per block of the chunk
     (chunk_blocks[c] of them); its backward takes them away, except that under the zero-bubble schedules
     (whose W actions are separate) B leaves `residual` per block until W. head_chunk: the chunk holding the
@@ -264,7 +264,7 @@ def schedule_moments(schedule, pp, stage, m, chunks, chunk_blocks, head_chunk, s
         yield op, c, held, head, backwards
 
 
-def walk_peak(moments, head_chunk, zero_stage, act_bytes, recompute, backward_start, loss_held, loss_once,
+def walk_peak(moments, head_chunk, zero_stage, recompute, backward_start, loss_held, loss_once,
               exchange, accumulated, buffers, in_flight):
     """(top, activations, loss): the most bytes beyond the states the step holds, over schedule_moments'
     actions, and the largest activations and loss tensors along the way.
@@ -279,15 +279,15 @@ def walk_peak(moments, head_chunk, zero_stage, act_bytes, recompute, backward_st
     top = activations = loss = before = 0  # before: the activations held before this action
     for op, c, held, held_head, backwards in moments:
         if op == "F":
-            act = (held + recompute) * act_bytes
+            act = held + recompute
             loss_now = held_head * loss_held + (loss_once if c == head_chunk else 0)
             landing = in_flight[0] + (in_flight[1] if backwards > 1 else 0)
             now = act + max(loss_now, held_head * loss_held + exchange) + ((accumulated + landing) if backwards else 0)
         else:
-            act, loss_now = held * act_bytes, held_head * loss_held
+            act, loss_now = held, held_head * loss_held
             now = act + loss_now + accumulated + (buffers if zero_stage >= 2 or backwards > 1 else 0)
             if op == "B":
-                starting = (before + recompute + backward_start) * act_bytes + loss_now
+                starting = before + recompute + backward_start + loss_now
                 now = max(now, starting + (accumulated if backwards > 1 else 0))
         before = held
         top = max(top, now)

@@ -86,6 +86,12 @@ BENCH_LAYOUTS = {
     "fp8_rowwise": (["--batch_size=4", "--fp8=rowwise"], 1),
     "tp2_fp8_tensorwise": (["--batch_size=4", "--tp=2", "--fp8=tensorwise"], 2),
     "tp2_sp_fp8_rowwise": (["--batch_size=4", "--tp=2", "--sequence_parallel=True", "--fp8=rowwise"], 2),
+    # bf16 autocast: half linears beside the fp32 residual stream and norms, each linear's half copies
+    "bf16": (["--batch_size=4", "--dtype=bfloat16"], 1),
+    "tp2_sp_bf16": (["--batch_size=4", "--tp=2", "--sequence_parallel=True", "--dtype=bfloat16"], 2),
+    "pp2_zero_bubble_bf16": (["--batch_size=2", "--pp=2", "--pp_schedule=zero_bubble", "--gradient_accumulation_steps=4",
+                              "--dtype=bfloat16"], 2),
+    "dp2_ep2_moe_bf16": (["--batch_size=2", "--n_expert=8", "--n_expert_per_token=2", "--ep=2", "--dtype=bfloat16"], 2),
 }
 
 
@@ -222,9 +228,15 @@ def _random_microbatches(cfg, generator):
 # vocabulary, whose logits are the largest tensors) at one process, and the quick start's at the README's
 # multi-process layouts: {world size: [(name, argv)]}, one launch per world size
 SHIPPED_CONFIGS = ["tiny_fineweb", "shakespeare", "llama_gqa", "mla", "moe", "gemma2_style", "parallel_block"]
+# bf16 (autocast, as on a GPU): the fp32 residual stream and norms beside half linears, each linear's own half
+# copy of its input and of its weight, the chunked and the vocab-parallel losses' fp32 logits
+BF16 = ["tiny_fineweb", "mla", "moe", "gemma2_style", "parallel_block"]
 README_LAYOUTS = {
-    1: [(name, [f"config/{name}.py"]) for name in SHIPPED_CONFIGS],
+    1: [(name, [f"config/{name}.py"]) for name in SHIPPED_CONFIGS]
+    + [(f"{name} bf16", [f"config/{name}.py", "--dtype=bfloat16"]) for name in BF16]
+    + [("tiny_fineweb bf16 checkpointed", ["config/tiny_fineweb.py", "--dtype=bfloat16", "--activation_checkpointing=True"])],
     2: [("tiny_fineweb tp2", ["config/tiny_fineweb.py", "--tp=2"]),
+        ("tiny_fineweb tp2 SP bf16", ["config/tiny_fineweb.py", "--tp=2", "--sequence_parallel=True", "--dtype=bfloat16"]),
         # narrow, so that the vocabulary's tensors are most of stage 0: after its backward, the tied
         # embedding's summed gradient, then the gradient norm's square of it, each an embedding beside the
         # states (the plan was 20% under there)
@@ -285,8 +297,8 @@ def readme_rows(tmp_path_factory):
 
 def test_the_planner_holds_within_10_percent_on_every_shipped_config_at_the_readmes_layouts(readme_rows):
     """The README's promise at the README's own commands: each rank's predicted peak within 10% of its
-    measured one, for every config/*.py at one process and the quick start at tp 2, dp2 x tp2 x pp2 and
-    cp2 x tp2 x pp2 (block 1024)."""
+    measured one, for every config/*.py at one process (five of them in bf16 too) and the quick start at
+    tp 2 (and in bf16 with sequence parallelism), dp2 x tp2 x pp2 and cp2 x tp2 x pp2 (block 1024)."""
     lines, worst = [], 0.0
     for ranks in readme_rows.values():
         for name in ranks[0]:
