@@ -233,7 +233,8 @@ def linear_pass(model_cfg, dtype, dev, tokens, tp=1):
     """(FLOPs, one_pass) of the model's own linears on this device: each distinct (in, out) of a block's (q, k
     and v, the output projection, the MLP's) and the head's, this tp rank's share, run forward and backward
     (x W^T, then dy W and dy^T x: 6 FLOPs per weight and token) on `tokens` tokens, weighted as the model runs
-    them; one_pass() runs every shape once and returns the seconds weighted so (those FLOPs' time)."""
+    them; one_pass() runs every shape once (on a GPU calls_between_waits times in a row) and returns the
+    seconds of one run of each, weighted so (those FLOPs' time)."""
     from torch.nn.functional import linear
     sync, calls = device_sync(dev), calls_between_waits(dev)
     C, F, (qk, v) = model_cfg.n_embd, mlp_hidden_size(model_cfg) // tp, attention_dims(model_cfg)
