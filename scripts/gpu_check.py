@@ -160,8 +160,8 @@ def bench_figures(result, env_info):
         error = 1e3 * predicted / result["ms_per_step"] - 1
         parts.append(f"predicted {1e3 * predicted:,.0f} ms/step ({100 * error:+.0f}%)")
     # the planner's prediction: memory_plan's for the measured step's tensors (bench's memory rows, rank 0)
-    planned = result.get("planned_peak_mem_bytes") or (result.get("memory") or [{}])[0].get("predicted_bytes")
-    measured = (result.get("memory") or [{}])[0].get("measured_bytes")
+    rank0 = (result.get("memory") or [{}])[0]
+    planned, measured = rank0.get("predicted_bytes"), rank0.get("measured_bytes")
     parts.append(f"peak {gib(result['peak_mem_bytes'])} (planned {gib(planned) if planned else '-'}"
                  + (f" against {gib(measured)} of the step's tensors)" if measured and planned else ")"))
     if result.get("first_step_s") is not None:
