@@ -113,7 +113,7 @@ def attention_saves_scores(model_cfg, attn_impl="auto", device="auto", dtype="au
     scores unless flash-attn runs on a GPU in half precision), and SDPA on CPU when the value head differs
     from the query/key head (MLA: its math path). The fused kernels and ring attention keep the log-sum-exp."""
     gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    half = dtype in ("auto", "bfloat16", "float16")  # (auto on a GPU is bf16 or fp16)
+    half = compute_bytes(dtype, device) < 4
     impl = attn_impl if attn_impl != "auto" else choose_attn_impl(  # train.py's rule, for a device maybe not here
         "auto", "cuda" if gpu else "cpu", torch.bfloat16 if half else torch.float32, model_cfg.attn_softcap)[0]
     qk_dim, v_dim = attention_dims(model_cfg)
