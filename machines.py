@@ -6,6 +6,7 @@ model's shapes, a copy, a fused attention, a chain of autograd operators, and an
 group where there is one, each timed as a step meets it); and how long a collective takes on the link a
 group spans (collective_seconds: the ring algorithm). Nothing here is fitted to a training run's measured step.
 """
+import itertools
 import json
 import os
 import re
@@ -222,6 +223,42 @@ def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None):
     return {"busbw": 2 * (n - 1) / n / per_byte, "latency": zero_bytes / (2 * (n - 1))}
 
 
+def last_level_cache_bytes(dev):
+    """The device's last-level cache: a GPU's L2, a CPU's largest cache (Linux's sysfs; 32 MiB where it
+    does not say)."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).L2_cache_size
+    sizes = []
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
+                text = f.read().strip()
+        except OSError:
+            break
+        sizes.append(int(text[:-1]) * {"K": 2 ** 10, "M": 2 ** 20}[text[-1]] if text[-1] in "KM" else int(text))
+    return max(sizes, default=32 * 2 ** 20)
+
+
+def memory_bandwidth(elements, dtype, dev):
+    """Bytes/s of the roofline's memory (Williams et al. 2009) as the model's elementwise kernels meet it:
+    z = x * y (reads two, writes one) on tensors of `elements`, each call on the triple used longest ago of a
+    pool past four times the last-level cache (STREAM's rule, McCalpin 1995). Its operands come from memory,
+    as a step's do (an activation written in the forward is read in the backward long after the caches held
+    it), and the figure is the device memory's, as a named machine's datasheet gives it. On this CPU (32 MiB
+    of L3) one hot triple reads 65-95 GB/s, the pool 15-19 GB/s; the small validation model's step spends
+    28 us on a product that the first gives 10 us (docs/performance.md#on-this-machine)."""
+    size = elements * torch.finfo(dtype).bits // 8
+    # between two calls on one triple the others move four caches' worth (one more than the pool needs)
+    triples = [[torch.ones(elements, device=dev, dtype=dtype) for _ in range(3)]
+               for _ in range(1 + -(-4 * last_level_cache_bytes(dev) // (3 * size)))]
+    order = itertools.cycle(triples)  # in the order they were written: the first is the longest evicted
+
+    def product():
+        x, y, z = next(order)
+        torch.mul(x, y, out=z)
+    return 3 * size / _median_seconds(product, dev)
+
+
 def probe_tokens(cfg, dev):
     """The tokens the probes of a run's machine run on: a micro-batch's on one rank (after context
     parallelism's split), at most 4,096 on CPU (the probe stays a few seconds) and 16,384 on a GPU (shapes a
@@ -294,9 +331,7 @@ def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512
     dev = torch.device(device)
     if matmul_rate is None:
         matmul_rate = linear_rate(model_cfg, dtype, dev, tokens, tp)
-    # the roofline's bandwidth as the model's elementwise kernels see it: z = x * y reads two, writes one
-    x, y, z = (torch.empty(tokens * mlp_hidden_size(model_cfg), device=dev, dtype=dtype) for _ in range(3))
-    memory_bw = 3 * x.numel() * x.element_size() / _median_seconds(lambda: torch.mul(x, y, out=z), dev)
+    memory_bw = memory_bandwidth(tokens * mlp_hidden_size(model_cfg), dtype, dev)
     # the attention on one sequence of up to 1,024 on CPU (seconds); on a GPU the micro-batch's sequences
     # whole, up to the probe's tokens (one short sequence leaves most of a GPU's multiprocessors idle)
     H, D = model_cfg.n_head, attention_dims(model_cfg)[0]

@@ -441,6 +441,22 @@ def test_machine_auto_times_the_vocab_parallel_loss_only_under_tp():
     assert "loss_seconds" not in machines.measure_machine(tiny, torch.float32, tokens=16)
 
 
+def test_the_memory_probe_reads_each_product_from_a_pool_past_the_cache(monkeypatch):
+    """machines.memory_bandwidth times z = x * y on triples from a pool past four times the last-level cache,
+    each call on the triple used (or written) longest ago: as a step's kernels read activations the caches no
+    longer hold (a product timed on one hot triple reads the cache's bandwidth, 4-5x memory's)."""
+    import machines
+    monkeypatch.setattr(machines, "last_level_cache_bytes", lambda dev: 2 ** 20)
+    written, read = [], []
+    ones, mul = torch.ones, torch.mul
+    monkeypatch.setattr(torch, "ones", lambda *a, **k: written.append(ones(*a, **k)) or written[-1])
+    monkeypatch.setattr(torch, "mul", lambda x, y, out: read.append(out.data_ptr()) or mul(x, y, out=out))
+    assert machines.memory_bandwidth(4096, torch.float32, torch.device("cpu")) > 0
+    pool = [z.data_ptr() for z in written[2::3]]
+    assert (len(pool) - 1) * 3 * 4096 * 4 >= 4 * 2 ** 20  # a call's triple: four caches' worth since its last
+    assert len(read) == 9 and read == [pool[i % len(pool)] for i in range(9)]
+
+
 def test_bench_under_torchrun_prints_one_table_and_one_result_line():
     """2 ranks (dp=2): rank 0 alone prints, once; the figures are the whole job's (both replicas' tokens)."""
     _, proc = run_train(["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32",
