@@ -2,9 +2,10 @@
 The machines step_time.py predicts for: a few numbers each, every one with its source (MACHINES, from the
 figures ../shared/published_runs.md collects), a JSON file of the same fields for any other (H200, MI300X,
 B200: --machine=PATH.json), or this machine measured in a second or two (machine=auto: a matmul at the
-model's shapes, a copy, a fused attention, a chain of autograd operators, and an all-reduce over the run's
-group where there is one, each timed as a step meets it); and how long a collective takes on the link a
-group spans (collective_seconds: the ring algorithm). Nothing here is fitted to a training run's measured step.
+model's shapes, an elementwise product on operands out of the caches, a fused attention, a chain of autograd
+operators, and an all-reduce over the run's group where there is one, each timed as a step meets it); and how
+long a collective takes on the link a group spans (collective_seconds: the ring algorithm). Nothing here is
+fitted to a training run's measured step.
 """
 import itertools
 import json
