@@ -249,7 +249,7 @@ def memory_bandwidth(elements, dtype, dev):
     of L3) one hot triple reads 65-95 GB/s, the pool 15-19 GB/s; the small validation model's step spends
     28 us on a product that the first gives 10 us (docs/performance.md#on-this-machine)."""
     size = elements * torch.finfo(dtype).bits // 8
-    # between two calls on one triple the others move four caches' worth (one more than the pool needs)
+    # four caches' worth of triples and one more: between two calls on a triple the others move four caches
     triples = [[torch.ones(elements, device=dev, dtype=dtype) for _ in range(3)]
                for _ in range(1 + -(-4 * last_level_cache_bytes(dev) // (3 * size)))]
     order = itertools.cycle(triples)  # in the order they were written: the first is the longest evicted
