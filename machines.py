@@ -193,30 +193,36 @@ def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None):
     """{'busbw', 'latency'} of an all-reduce over `group` (every rank of it must call this), nccl-tests'
     convention: timed at `nbytes` (the run's own message) and at 8 MiB (a bucket's), the line through the
     two gives the bus bandwidth (its slope) and the latency (where it meets zero bytes, over 2 (n - 1) ring
-    steps). Each is timed as a step issues it, after `burst` (compute of the step's own grain), not back to
-    back: on gloo an exchange wakes threads that slept through the compute and waits for the rank the
-    compute left behind, which makes a 256 KiB all-reduce between two CPU ranks here 2.1 ms against 0.6 ms
-    back to back. The mean of many: a step sums dozens of exchanges, and a sum of many draws comes to their
-    count times their mean, not their median; these waits have a long tail (one rank's lateness: a 256 KiB
-    all-reduce after 64 ms of compute took 2.6 ms at the median, 5.0 on average), so the run's own message
-    is timed 60 times (15 read the latency 0.4 to 1.5 ms from one launch to the next), 8 MiB 15 times."""
+    steps). Each is timed as a step issues it, between bursts of `burst` (compute of the step's own grain),
+    not back to back: on gloo an exchange wakes threads that slept through the compute and waits for the rank
+    the compute left behind, which makes a 256 KiB all-reduce between two CPU ranks here 2.1 ms against 0.6 ms
+    back to back. And an exchange costs the step more than its wait: on CPU the compute after it runs slower
+    (gloo's threads and the kernel's loopback copies share the ranks' cores and caches: 3 ms of matmul here
+    took 10-15% more of the main thread's own CPU time after an exchange than after more matmul). So an exchange's time is what it adds to a burst: a burst and an
+    exchange, less a burst alone. The mean of many: a step sums dozens of exchanges, and a sum of many draws
+    comes to their count times their mean, not their median; these waits have a long tail (one rank's
+    lateness: a 256 KiB all-reduce after 64 ms of compute took 2.6 ms at the median, 5.0 on average), so the
+    run's own message is timed 60 times (15 read the latency 0.4 to 1.5 ms from one launch to the next), 8 MiB
+    15 times."""
     import torch.distributed as dist
     n = dist.get_world_size(group)
     sync = device_sync(torch.device(device))
+    burst = burst or (lambda: None)
 
-    def timed(size, repeats):
-        t = torch.zeros(max(1, size // 4), device=device)
-        dist.all_reduce(t, group=group)  # warm-up: the connections, the buffers
+    def mean_seconds(fn, repeats):
         seconds = []
         for _ in range(repeats):
-            if burst is not None:
-                burst()
-            sync()
             start = time.perf_counter()
-            dist.all_reduce(t, group=group)
+            fn()
             sync()
             seconds.append(time.perf_counter() - start)
         return statistics.mean(seconds)
+
+    def timed(size, repeats):
+        t = torch.zeros(max(1, size // 4), device=device)
+        alone = mean_seconds(burst, repeats)
+        dist.all_reduce(t, group=group)  # warm-up: the connections, the buffers; the ranks met again
+        return mean_seconds(lambda: (burst(), dist.all_reduce(t, group=group)), repeats) - alone
     large = max(2 ** 23, 2 * nbytes)
     small_s, large_s = timed(nbytes, 60), timed(large, 15)
     per_byte = max(large_s - small_s, 1e-9) / (large - nbytes)
@@ -322,6 +328,25 @@ def loss_seconds(model_cfg, dev, tokens, tp):
     return [_median_seconds(forward, dev) / logits.numel(), _median_seconds(backward, dev) / logits.numel()]
 
 
+def mlp_forward(model_cfg, dtype, dev, tokens, tp):
+    """A call that runs the model's MLP forward on `tokens` tokens, this tp rank's share (its matmuls and its
+    activation): the compute between two of tp's exchanges, after which measure_link times one. An exchange
+    costs more after more compute (the ranks drift further apart, the caches cool): here a 256 KiB all-reduce
+    added 1.5-1.9 ms after 0.4 ms of compute, 2.1-2.5 after 1.4 ms and 3.6-3.8 after 14 ms; after the MLP's
+    first linear alone (the burst until 2026-12-04) the small validation model's link read 0.5-1.0 ms a ring
+    step, after its MLP 0.95-1.3."""
+    from torch.nn.functional import gelu, linear, silu
+    C, F, swiglu = model_cfg.n_embd, mlp_hidden_size(model_cfg) // tp, model_cfg.mlp == "swiglu"
+    x = torch.randn(tokens, C, device=dev, dtype=dtype)
+    w_in = torch.randn((2 if swiglu else 1) * F, C, device=dev, dtype=dtype)
+    w_out = torch.randn(C, F, device=dev, dtype=dtype)
+
+    def forward():
+        h = linear(x, w_in)
+        return linear(silu(h[:, :F]) * h[:, F:] if swiglu else gelu(h), w_out)
+    return forward
+
+
 def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512, matmul_rate=None, tp=1):
     """This machine, measured in a second or two: the model's linears forward and backward on a micro-batch's
     tokens (linear_rate; or matmul_rate given), an elementwise product for the memory bandwidth, a causal
@@ -356,12 +381,10 @@ def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512
     op_seconds = _median_seconds(chain, dev) / 100
     name = str(dtype).replace("torch.", "")
     # the link timed on the run's own message (a micro-batch's activations, whole: what tp, cp, ep and pp
-    # exchange), each exchange after a burst of the MLP's first linear on those tokens
+    # exchange), each exchange after the compute that comes between two of tp's (mlp_forward)
     message = tokens * model_cfg.n_embd * torch.finfo(dtype).bits // 8
-    w_up = torch.randn(mlp_hidden_size(model_cfg) // tp, model_cfg.n_embd, device=dev, dtype=dtype)
-    x_in = torch.randn(tokens, model_cfg.n_embd, device=dev, dtype=dtype)
-    burst = lambda: torch.nn.functional.linear(x_in, w_up)  # noqa: E731
-    link = measure_link(None, dev, nbytes=max(message, 2 ** 16), burst=burst) if collective else CPU_GLOO_LINK
+    link = (measure_link(None, dev, nbytes=max(message, 2 ** 16), burst=mlp_forward(model_cfg, dtype, dev, tokens, tp))
+            if collective else CPU_GLOO_LINK)
     # the peak MFU divides by: the datasheet's on a GPU, on CPU the square-matmul probe bench.py's MFU reads
     peak = (metrics.gpu_peak_flops(torch.cuda.get_device_name(dev), dtype) if dev.type == "cuda"
             else metrics.measure_cpu_peak_flops(dtype)) or matmul_rate

@@ -4,6 +4,7 @@ thing as the plain paths."""
 import functools
 import gc
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -455,6 +456,35 @@ def test_the_memory_probe_reads_each_product_from_a_pool_past_the_cache(monkeypa
     pool = [z.data_ptr() for z in written[2::3]]
     assert (len(pool) - 1) * 3 * 4096 * 4 >= 4 * 2 ** 20  # a call's triple: four caches' worth since its last
     assert len(read) == 9 and read == [pool[i % len(pool)] for i in range(9)]
+
+
+def test_the_link_probe_counts_what_an_exchange_adds_to_the_compute_after_it(monkeypatch):
+    """machines.measure_link prices an exchange by what it adds to a burst of compute (a burst and an exchange,
+    less a burst alone): on CPU the compute after an exchange runs slower, and the step pays that too. Faked:
+    an all-reduce of S bytes over 2 ranks takes 1 ms + S / 1 GB/s, and a 1 ms burst takes 1 ms more after one;
+    the line through the two sizes reads 2 ms at zero bytes (1 ms a ring step) and 1 GB/s, where timing the
+    exchange alone reads half the latency."""
+    import torch.distributed as dist
+    import machines
+    after_exchange = []
+
+    def busy(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def burst():
+        busy(1e-3 + 1e-3 * bool(after_exchange))
+        after_exchange.clear()
+
+    def all_reduce(t, group=None):
+        busy(1e-3 + t.numel() * 4 / 1e9)
+        after_exchange.append(True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    link = machines.measure_link(nbytes=2 ** 16, burst=burst)
+    assert link["latency"] == pytest.approx(1e-3, rel=0.15)
+    assert link["busbw"] == pytest.approx(1e9, rel=0.1)
 
 
 def test_bench_under_torchrun_prints_one_table_and_one_result_line():
