@@ -83,11 +83,12 @@ MACHINES = {
 }
 
 # gloo between two ranks of a 2-vCPU machine (docs/performance.md#on-this-machine), timed as a step issues
-# it (measure_link: after compute, the mean at a micro-batch's message and at 8 MiB; twelve bench.py launches
-# at tp=2 of the small validation model): busbw 1.1-1.6 GB/s, a latency of 0.55-1.1 ms a ring step, their
-# medians below. Back to back the same link reads 1.33 GB/s and 0.08 ms (../shared/PERF_NOTES.md), which a
-# step never sees. Used where a CPU run measures no collective (train.py's start-up, step_time.py alone).
-CPU_GLOO_LINK = {"busbw": 1.3e9, "latency": 0.77e-3}
+# it (measure_link: what an exchange adds to the MLP forward before it, the mean at a micro-batch's message and
+# at 8 MiB; the 26 two-rank launches of the small validation model in one run of
+# scripts/validate_step_time.py): busbw 0.84-2.14 GB/s, a latency of 0.73-1.53 ms a ring step, their medians
+# below. Back to back the same link reads 1.33 GB/s and 0.08 ms (../shared/PERF_NOTES.md), which a step
+# never sees. Used where a CPU run measures no collective (train.py's start-up, step_time.py alone).
+CPU_GLOO_LINK = {"busbw": 1.35e9, "latency": 1.2e-3}
 
 
 def load_machine(name):
