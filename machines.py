@@ -191,20 +191,19 @@ def _median_seconds(fn, dev, repeats=7):
 
 
 def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None):
-    """{'busbw', 'latency'} of an all-reduce over `group` (every rank of it must call this), nccl-tests'
-    convention: timed at `nbytes` (the run's own message) and at 8 MiB (a bucket's), the line through the
-    two gives the bus bandwidth (its slope) and the latency (where it meets zero bytes, over 2 (n - 1) ring
-    steps). Each is timed as a step issues it, between bursts of `burst` (compute of the step's own grain),
-    not back to back: on gloo an exchange wakes threads that slept through the compute and waits for the rank
-    the compute left behind, which makes a 256 KiB all-reduce between two CPU ranks here 2.1 ms against 0.6 ms
-    back to back. And an exchange costs the step more than its wait: on CPU the compute after it runs slower
-    (gloo's threads and the kernel's loopback copies share the ranks' cores and caches: 3 ms of matmul here
-    took 10-15% more of the main thread's own CPU time after an exchange than after more matmul). So an exchange's time is what it adds to a burst: a burst and an
-    exchange, less a burst alone. The mean of many: a step sums dozens of exchanges, and a sum of many draws
-    comes to their count times their mean, not their median; these waits have a long tail (one rank's
-    lateness: a 256 KiB all-reduce after 64 ms of compute took 2.6 ms at the median, 5.0 on average), so the
-    run's own message is timed 60 times (15 read the latency 0.4 to 1.5 ms from one launch to the next), 8 MiB
-    15 times."""
+    """{'busbw', 'latency'} of an all-reduce over `group` (every rank of it must call this), nccl-tests' convention:
+    timed at `nbytes` (the run's own message) and at 8 MiB (a bucket's), the line through the two gives the bus
+    bandwidth (its slope) and the latency (where it meets zero bytes, over 2 (n - 1) ring steps). Each is timed as a
+    step issues it, between bursts of `burst` (compute of the step's own grain), not back to back: on gloo an
+    exchange wakes threads that slept through the compute and waits for the rank the compute left behind, which
+    makes a 256 KiB all-reduce between two CPU ranks here 2.1 ms against 0.6 ms back to back. And an exchange costs
+    the step more than its wait: on CPU the compute after it runs slower (gloo's threads and the kernel's loopback
+    copies share the ranks' cores and caches: 3 ms of matmul here took 10-15% more of the main thread's own CPU time
+    after an exchange than after more matmul). So an exchange's time is what it adds to a burst: a burst and an
+    exchange, less a burst alone. The mean of many: a step sums dozens of exchanges, and a sum of many draws comes
+    to their count times their mean, not their median; these waits have a long tail (one rank's lateness: a 256 KiB
+    all-reduce after 64 ms of compute took 2.6 ms at the median, 5.0 on average), so the run's own message is timed
+    60 times (15 read the latency 0.4 to 1.5 ms from one launch to the next), 8 MiB 15 times."""
     import torch.distributed as dist
     n = dist.get_world_size(group)
     sync = device_sync(torch.device(device))
@@ -333,9 +332,9 @@ def mlp_forward(model_cfg, dtype, dev, tokens, tp):
     """A call that runs the model's MLP forward on `tokens` tokens, this tp rank's share (its matmuls and its
     activation): the compute between two of tp's exchanges, after which measure_link times one. An exchange
     costs more after more compute (the ranks drift further apart, the caches cool): here a 256 KiB all-reduce
-    added 1.5-1.9 ms after 0.4 ms of compute, 2.1-2.5 after 1.4 ms and 3.6-3.8 after 14 ms; after the MLP's
-    first linear alone (the burst until 2026-12-04) the small validation model's link read 0.5-1.0 ms a ring
-    step, after its MLP 0.95-1.3."""
+    added 1.5-1.9 ms after 0.4 ms of compute, 2.1-2.5 after 1.4 ms and 3.6-3.8 after 14 ms. After the MLP's
+    first linear alone (the burst until 2026-12-04) the small validation model's link read 0.55-1.1 ms a ring
+    step, after its MLP 0.73-1.53 (docs/performance.md#on-this-machine)."""
     from torch.nn.functional import gelu, linear, silu
     C, F, swiglu = model_cfg.n_embd, mlp_hidden_size(model_cfg) // tp, model_cfg.mlp == "swiglu"
     x = torch.randn(tokens, C, device=dev, dtype=dtype)

@@ -96,10 +96,10 @@ def main(argv):
                 result = bench(size, nproc, flags, args.steps)
                 if (size, name) not in fastest or result["ms_per_step"] < fastest[(size, name)]["ms_per_step"]:
                     fastest[(size, name)] = result
-                link = result["machine"]["node"]  # (gloo's, as measured when there are 2 ranks)
+                link = result["machine"]["node"]  # gloo's, as the launch measured it (with 2 ranks)
+                timed = f", link {1e3 * link['latency']:.2f} ms a ring step {link['busbw'] / 1e9:.2f} GB/s" * (nproc > 1)
                 print(f"launch {launch + 1}: {size} {name} {result['ms_per_step']:,.1f} ms, predicted "
-                      f"{1e3 * result['predicted_step_s']:,.1f}, link {1e3 * link['latency']:.2f} ms a ring step "
-                      f"{link['busbw'] / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
+                      f"{1e3 * result['predicted_step_s']:,.1f}{timed}", file=sys.stderr, flush=True)
     print("| size | layout | ranks | predicted ms | measured ms | error | largest predicted parts | measured waits |")
     print("|---|---|---|---|---|---|---|---|")
     every, summaries = [], []  # (after the table: a line between its rows would end it)
