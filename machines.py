@@ -9,6 +9,7 @@ fitted to a training run's measured step.
 """
 import itertools
 import json
+import math
 import os
 import re
 import statistics
@@ -96,16 +97,94 @@ def load_machine(name):
     if name in MACHINES:
         return dict(MACHINES[name], name=name)
     if name.endswith(".json") and os.path.exists(name):
-        with open(name) as f:
-            machine = json.load(f)
-        missing = {"matmul_flops", "memory_bw", "attention_efficiency", "node"} - set(machine)
-        if missing:
-            raise ValueError(f"machine = {name!r} lacks {', '.join(sorted(missing))}: a machine file has the fields "
-                             f"of step_time.MACHINES (python step_time.py --machine=h100 prints one in its RESULT)")
+        machine = read_machine_file(name)
         return {"network": machine["node"], "overlaps": True, "gpus_per_node": 8, "memory_gib": 80,
                 "peak_flops": machine["matmul_flops"], **machine, "name": machine.get("name", name)}
     raise ValueError(f"machine = {name!r} is neither one of {', '.join(MACHINES)}, 'auto', nor a .json file that "
-                     f"exists: name one, or describe yours in a file with step_time.MACHINES' fields")
+                     f"exists: name one, or describe yours in a file with machines.MACHINES' fields")
+
+
+# A machine file's fields, checked as it is read: a wrong one would otherwise stop the prediction
+# with a traceback where it is first used (a string divided, a number indexed), or pass as a step of
+# zero or negative seconds. A rate for the run's dtype is checked where the dtype is known
+# (step_time.dtype_of). The dtypes are settings.py's.
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+_MISSING = object()  # a required field the file lacks
+SHOWN_BY = "machines.MACHINES' fields; python step_time.py --machine=h100 prints one in its RESULT"
+
+
+def _number_above(least, strict=True):
+    """A check that a JSON value is a finite number above `least` (strict) or at least it: not a
+    string, not true or false (Python's 1 and 0), not NaN or Infinity (which json reads)."""
+    def check(value):
+        if not (type(value) is int or type(value) is float and math.isfinite(value)):  # (bool: no)
+            return False
+        return value > least if strict else value >= least
+    return check
+
+
+def _require(where, field, value, check, what):
+    """Unless check(value): a ValueError of one line naming the file, the field, what it must be."""
+    if value is _MISSING or not check(value):
+        found = "is missing" if value is _MISSING else f"= {json.dumps(value)[:40]}"
+        raise ValueError(f"{where}: {field} {found}: it must be {what} ({SHOWN_BY})")
+
+
+def check_machine_fields(machine, where):
+    """Each field a machine file must hold (matmul_flops, memory_bw, attention_efficiency, node) and
+    each it may hold, the nested ones by their path ('node.busbw'), a parent before its entries."""
+    positive, at_least_zero = _number_above(0), _number_above(0, strict=False)
+    by_dtype = lambda v: isinstance(v, dict) and v and set(v) <= set(DTYPES)  # noqa: E731
+    for key in ("matmul_flops", "peak_flops"):
+        if key in machine or key == "matmul_flops":
+            rates = machine.get(key, _MISSING)
+            _require(where, key, rates, by_dtype,
+                     "an object of FLOP/s keyed by " + ", ".join(DTYPES))
+            for dtype, rate in rates.items():
+                _require(where, f"{key}.{dtype}", rate, positive, "a number of FLOP/s above 0")
+    _require(where, "memory_bw", machine.get("memory_bw", _MISSING), positive,
+             "a number of bytes/s above 0")
+    _require(where, "attention_efficiency", machine.get("attention_efficiency", _MISSING), positive,
+             "a number above 0 (a share of matmul_flops)")
+    for key in ("node", "network"):
+        if key in machine or key == "node":
+            link = machine.get(key, _MISSING)
+            _require(where, key, link, lambda v: isinstance(v, dict),
+                     'an object {"busbw": bytes/s, "latency": seconds a ring step}')
+            _require(where, f"{key}.busbw", link.get("busbw", _MISSING), positive,
+                     "a number of bytes/s above 0")
+            _require(where, f"{key}.latency", link.get("latency", _MISSING), at_least_zero,
+                     "a number of seconds a ring step, 0 or more")
+    two = lambda v: isinstance(v, list) and len(v) == 2 and all(map(at_least_zero, v))  # noqa: E731
+    optional = {"overlaps": (lambda v: isinstance(v, bool), "true or false"),
+                "gpus_per_node": (lambda v: positive(v) and v == int(v), "a whole number above 0"),
+                "memory_gib": (at_least_zero, "a number of GiB, 0 or more"),
+                "op_seconds": (at_least_zero, "a number of seconds, 0 or more"),
+                "loss_seconds": (two, "two seconds a logit, [forward, backward], each 0 or more"),
+                "name": (lambda v: isinstance(v, str), "a string"),
+                "description": (lambda v: isinstance(v, str), "a string")}
+    for key, (check, what) in optional.items():
+        if key in machine:
+            _require(where, key, machine[key], check, what)
+
+
+def read_machine_file(path):
+    """The fields of a machine file (--machine=PATH.json), each checked: a ValueError of one line
+    that names the file, the field and what it must hold, which step_time.py and make_config.py
+    print."""
+    where = f"machine = {path!r}"
+    try:
+        with open(path) as f:
+            machine = json.load(f)
+    except OSError as e:  # a folder, no permission
+        raise ValueError(f"{where} cannot be read ({e.strerror}): name a machine file") from None
+    except ValueError as e:  # json.JSONDecodeError, or bytes that are not UTF-8
+        raise ValueError(f"{where} is not JSON ({e}): fix it ({SHOWN_BY})") from None
+    if not isinstance(machine, dict):
+        raise ValueError(f"{where} holds {json.dumps(machine)[:40]}, not an object: a machine file "
+                         f"is an object of {SHOWN_BY}")
+    check_machine_fields(machine, where)
+    return machine
 
 
 # -----------------------------------------------------------------------------
@@ -190,7 +269,7 @@ def _median_seconds(fn, dev, repeats=7):
     return _median_of(timed, repeats)
 
 
-def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None):
+def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None, clock=time.perf_counter):
     """{'busbw', 'latency'} of an all-reduce over `group` (every rank of it must call this), nccl-tests' convention:
     timed at `nbytes` (the run's own message) and at 8 MiB (a bucket's), the line through the two gives the bus
     bandwidth (its slope) and the latency (where it meets zero bytes, over 2 (n - 1) ring steps). Each is timed as a
@@ -203,7 +282,8 @@ def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None):
     exchange, less a burst alone. The mean of many: a step sums dozens of exchanges, and a sum of many draws comes
     to their count times their mean, not their median; these waits have a long tail (one rank's lateness: a 256 KiB
     all-reduce after 64 ms of compute took 2.6 ms at the median, 5.0 on average), so the run's own message is timed
-    60 times (15 read the latency 0.4 to 1.5 ms from one launch to the next), 8 MiB 15 times."""
+    60 times (15 read the latency 0.4 to 1.5 ms from one launch to the next), 8 MiB 15 times.
+    clock: where the seconds are read (a test drives a fake one: no busy machine moves them)."""
     import torch.distributed as dist
     n = dist.get_world_size(group)
     sync = device_sync(torch.device(device))
@@ -212,10 +292,10 @@ def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None):
     def mean_seconds(fn, repeats):
         seconds = []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = clock()
             fn()
             sync()
-            seconds.append(time.perf_counter() - start)
+            seconds.append(clock() - start)
         return statistics.mean(seconds)
 
     def timed(size, repeats):
@@ -388,7 +468,8 @@ def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512
     # the peak MFU divides by: the datasheet's on a GPU, on CPU the square-matmul probe bench.py's MFU reads
     peak = (metrics.gpu_peak_flops(torch.cuda.get_device_name(dev), dtype) if dev.type == "cuda"
             else metrics.measure_cpu_peak_flops(dtype)) or matmul_rate
-    return {"name": "auto", "description": f"measured here: {dev}, {name}, {torch.get_num_threads()} thread(s)",
+    threads = torch.get_num_threads()
+    return {"name": "auto", "description": f"this machine ({dev}, {name}, {threads} thread(s), measured)",
             "matmul_flops": {name: matmul_rate}, "peak_flops": {name: max(peak, matmul_rate)}, "memory_bw": memory_bw,
             "attention_efficiency": efficiency, "node": link, "network": link,
             # a GPU's launches run ahead of its kernels: their cost is hidden but at the smallest shapes

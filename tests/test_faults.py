@@ -251,10 +251,11 @@ def test_a_hung_peer_stops_the_survivor_within_dist_timeout_s_with_a_message(dat
     assert line and "rank 0 stopped in" in line[0] and "dist_timeout_s = 4 s" in line[0], err[-3000:]
     # rank 1 stopped right after step 2's optimizer step: rank 0 waited in that step's log line
     assert "stopped in the log line of step 2 (an all-reduce of the loss)" in line[0], line
+    # the wait gloo itself applied, as its error states it (not the wall clock, which a busy machine
+    # stretches): 4 s, not torch's default of 30 minutes (communicate's 120 s bounds the rest)
+    assert "Timed out waiting 4000ms" in line[0], line
     hung_at = float(rank1.split("stops itself after step 2 at ")[1].split()[0])
-    waited = stopped_at - hung_at
-    print(f"the survivor exited {waited:.1f} s after its peer hung (dist_timeout_s = 4)")
-    assert waited < 4 + 20, waited
+    print(f"the survivor exited {stopped_at - hung_at:.1f} s after its peer hung")
 
 
 # -----------------------------------------------------------------------------
