@@ -69,9 +69,16 @@ def run_of(cfg, nproc=None):
 
 
 def dtype_of(run, machine):
-    """The dtype the matmuls run in: the run's, or for 'auto' bf16 on a GPU machine and fp32 on a CPU."""
-    gpu = "bfloat16" in machine["matmul_flops"] and machine.get("name") != "auto"
-    return run.dtype if run.dtype != "auto" else "bfloat16" if gpu else next(iter(machine["matmul_flops"]))
+    """The dtype the matmuls run in: the run's, or for 'auto' bf16 on a GPU machine and fp32 on a
+    CPU. The one place a run's dtype meets the machine: one without its rate is refused here."""
+    rates = machine["matmul_flops"]
+    gpu = "bfloat16" in rates and machine.get("name") != "auto"
+    dtype = run.dtype if run.dtype != "auto" else "bfloat16" if gpu else next(iter(rates))
+    if dtype not in rates:
+        raise ValueError(f"dtype = {dtype!r}: machine {machine.get('name')!r} has no matmul_flops "
+                         f"for it, only {', '.join(rates)}: choose --dtype= one of them, or add "
+                         f"its rate to the machine file")
+    return dtype
 
 
 _PIECES = {}  # (repr(model_cfg), tp, ep, sequence_parallel): _pieces' answer (the config is not hashable)
@@ -534,6 +541,21 @@ OWN = section("step_time.py's own", Setting("nproc", 1, "processes the run will 
     Setting("gpus_per_node", 0, "devices per node: which groups cross nodes (0: the machine's, 8 for the named ones)"))
 
 
+def check_counts(values):
+    """Refuse a count that no launch has (nproc < 1, gpus_per_node < 0) with a ConfigError naming
+    the setting. Unchecked, 0 processes are predicted as one and a negative count divides by zero
+    far from here. make_config.py, which takes the same two settings, checks them here too."""
+    problems = []
+    if values["nproc"] < 1:
+        problems.append(f"nproc = {values['nproc']} must be at least 1: the processes the run "
+                        f"will have (torchrun's --nproc_per_node x nodes); set --nproc=1 or more")
+    if values["gpus_per_node"] < 0:
+        problems.append(f"gpus_per_node = {values['gpus_per_node']} must not be negative: set "
+                        f"--gpus_per_node to one node's devices, or 0 for the machine's")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def model_config_of(cfg):
     """The ModelConfig of a settings dict, its vocabulary as make_config.py finds it."""
     from dataclasses import fields
@@ -576,6 +598,7 @@ def main(argv):
     from pipeline_schedules import check_schedule
     try:
         values, _ = configure(settings.TRAINING + OWN, argv, usage=__doc__)
+        check_counts(values)
         model_cfg = model_config_of(values)
         values["dp"] = resolve_dp(values["nproc"], values["dp"], values["tp"], values["pp"], count_name="nproc",
                                   cp=values["cp"], ep=values["ep"])
@@ -584,10 +607,10 @@ def main(argv):
         check_schedule(values["pp_schedule"], values["pp"], values["gradient_accumulation_steps"], values["pp_chunks"])
         dtype = torch.float32 if values["dtype"] in ("auto", "float32") else getattr(torch, values["dtype"])
         machine = load_machine(values["machine"]) if values["machine"] != "auto" else measure_machine(model_cfg, dtype)
+        run = run_of(values)  # (predicted in here: dtype_of refuses a machine lacking --dtype)
+        prediction = predict(model_cfg, run, machine, values["gpus_per_node"] or None)
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")
-    run = run_of(values)
-    prediction = predict(model_cfg, run, machine, values["gpus_per_node"] or None)
     print(format_prediction(prediction, run))
     result = {k: prediction[k] for k in ("step_s", "tokens_per_sec_per_gpu", "mfu", "dtype", "machine")}
     result.update(parts_s=prediction["parts"], dp=run.dp, cp=run.cp, tp=run.tp, pp=run.pp, ep=run.ep,

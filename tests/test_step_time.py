@@ -1,12 +1,15 @@
-"""step_time.py: the step-time model held to closed forms (the pipeline's bubble, a ring's bytes, a bucket
-hidden under the backward), the links a layout's groups span, and a machine file reproducing a prediction.
-All in process: nothing here launches, measures or communicates."""
+"""step_time.py: the step-time model held to closed forms (the pipeline's bubble, a ring's bytes, a
+bucket hidden under the backward), the links a layout's groups span, and a machine file reproducing a
+prediction (one that is not a machine refused in one line). All in process: nothing here launches,
+measures or communicates."""
 import json
 import re
 from types import SimpleNamespace
 
 import pytest
 
+import machines
+import make_config
 import step_time
 from machines import CPU_GLOO_LINK
 from model import ModelConfig
@@ -181,7 +184,7 @@ def test_groups_inside_a_node_take_the_node_link_and_across_nodes_the_network():
 
 
 def test_every_named_machine_has_every_field():
-    for name in step_time.MACHINES:
+    for name in machines.MACHINES:
         machine = step_time.load_machine(name)
         for field in ("matmul_flops", "peak_flops", "memory_bw", "attention_efficiency", "node", "network",
                       "overlaps", "gpus_per_node", "memory_gib", "description"):
@@ -208,6 +211,78 @@ def test_an_unknown_machine_is_refused_by_name():
         step_time.load_machine("b300")
 
 
+# --machine=PATH.json that is JSON but not a machine, or no JSON at all: before, a traceback where
+# the prediction first read the field (TypeError, ZeroDivisionError, KeyError, IsADirectoryError), a
+# negative busbw a negative step, and a syntax error json's message without the file's name
+A_MACHINE = {"matmul_flops": {"bfloat16": 1e15}, "memory_bw": 3e12, "attention_efficiency": 0.5,
+             "node": {"busbw": 3e11, "latency": 3e-6}}
+NOT_A_MACHINE = {  # what the file holds: (its text, the error line after "machine = 'PATH'")
+    "a bare number": ("5", " holds 5, not an object: a machine file is an object of step_time."),
+    "a rate as a string": (json.dumps({**A_MACHINE, "matmul_flops": {"bfloat16": "1e15"}}),
+                           ': matmul_flops.bfloat16 = "1e15": it must be a number of FLOP/s above'),
+    "node not an object": (json.dumps({**A_MACHINE, "node": 3e11}),
+                           ': node = 300000000000.0: it must be an object {"busbw": bytes/s'),
+    "a zero rate": (json.dumps({**A_MACHINE, "memory_bw": 0}),
+                    ": memory_bw = 0: it must be a number of bytes/s above 0"),
+    "a negative rate": (json.dumps({**A_MACHINE, "node": {"busbw": -1e9, "latency": 3e-6}}),
+                        ": node.busbw = -1000000000.0: it must be a number of bytes/s above 0"),
+    "a field missing": (json.dumps({k: v for k, v in A_MACHINE.items() if k != "memory_bw"}),
+                        ": memory_bw is missing: it must be a number of bytes/s above 0"),
+    "a syntax error": ('{"memory_bw": 3e12,}', " is not JSON (Expecting property name enclosed in"),
+    "a folder": (None, " cannot be read (Is a directory): name a machine file"),
+}
+MODEL = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32",
+         "--vocab_size=512"]
+TOOLS = {  # each command line that takes --machine, at a model it plans in a moment
+    "step_time.py": lambda path, *flags: step_time.main([*MODEL, f"--machine={path}", *flags]),
+    "make_config.py --choose": lambda path, *flags: make_config.main(
+        [*MODEL, "--nproc=2", "--choose=True", "--global_batch=4", f"--machine={path}", *flags,
+         f"--out={path}.py"]),
+}
+
+
+def error_line(tool, *args):
+    """The line a command line stops with (SystemExit's message): any other exception fails."""
+    with pytest.raises(SystemExit) as stop:
+        TOOLS[tool](*args)
+    message = str(stop.value.code)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+@pytest.mark.parametrize("holds", NOT_A_MACHINE)
+def test_a_machine_file_that_is_not_a_machine_stops_the_tool_with_one_line_naming_file_and_field(
+        tmp_path, tool, holds):
+    text, says = NOT_A_MACHINE[holds]
+    path = tmp_path / "box.json"
+    path.mkdir() if text is None else path.write_text(text)
+    assert error_line(tool, path).startswith(f"error: machine = '{path}'{says}")
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_machine_file_without_a_rate_for_the_runs_dtype_is_refused_naming_it(tmp_path, tool):
+    path = tmp_path / "box.json"
+    path.write_text(json.dumps(A_MACHINE))  # bfloat16 only
+    assert error_line(tool, path, "--dtype=float32").startswith(
+        f"error: dtype = 'float32': machine '{path}' has no matmul_flops for it, only bfloat16: "
+        f"choose --dtype=")
+
+
+def test_every_named_machine_written_to_a_file_passes_the_checks_and_reads_back_the_same(tmp_path):
+    for name in machines.MACHINES:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(step_time.load_machine(name)))
+        assert step_time.load_machine(str(path)) == step_time.load_machine(name)
+
+
+@pytest.mark.parametrize("nproc", [0, -8])  # 0 was predicted as one process, -8 divided by zero
+def test_a_process_count_below_one_is_refused_naming_nproc(nproc):
+    refused = rf"^error: nproc = {nproc} must be at least 1: .* set --nproc=1"
+    with pytest.raises(SystemExit, match=refused):
+        step_time.main([f"--nproc={nproc}", "--machine=h100"])
+
+
 def test_bench_predicts_its_step_and_step_time_given_its_machine_reproduces_it(tmp_path, capsys):
     import bench
     flags = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--vocab_size=512",
@@ -228,7 +303,7 @@ def test_train_prints_the_predicted_step_at_start_up_and_the_measured_beside_it(
                       "--n_head=4", "--n_kv_head=4", "--block_size=32", "--batch_size=2", "--max_iters=4",
                       "--log_interval=2", "--eval_interval=0", "--checkpoint_interval=0"])
     out = capsys.readouterr().out
-    assert re.search(r"^predicted step: [\d,.]+ ms on measured here: cpu", out, re.M), out
+    assert re.search(r"^predicted step: [\d,.]+ ms on this machine \(cpu, ", out, re.M), out
     # beside the log line after the first step (whose memory train.py tracks): steps 3-4
     assert re.search(r"^step time: predicted [\d,.]+ ms, measured [\d,.]+ ms \(steps 3-4\)$", out, re.M), out
 
