@@ -11,7 +11,9 @@ settings.check_layout: heads, key/value heads, MLP width and blocks must split, 
 parallelism's 2*cp chunks; the pipeline schedule's rules), so a layout that does not divide the model is
 refused here rather than after the job waited in a queue. The file states the parameter count and the global
 batch in tokens, then the settings that were asked for (and the few this script chose, each saying why),
-with their meanings from settings.py; every other setting keeps its default.
+with their meanings from settings.py; every other setting keeps its default. Its launch line starts
+nproc processes on nodes of the machine's GPUs (or --gpus_per_node): above one node, torchrun on
+each node with a c10d rendezvous, as scripts/slurm.sh starts it.
 """
 import functools
 import itertools
@@ -22,6 +24,7 @@ from dataclasses import fields
 
 import torch
 
+import machines
 import memory_plan
 import metrics
 import settings
@@ -45,10 +48,59 @@ OWN = section(
                              "fastest; a layout setting given on the command line is held, the others chosen"),
     Setting("global_batch", 0, "--choose: sequences per step, held while the layouts vary (0: batch_size x "
                                "gradient_accumulation_steps x the dp of the layout given)"),
-    Setting("machine", "h100", "--choose: the machine to predict for (step_time.py: a100, h100, l4, or a .json file)"),
-    Setting("gpus_per_node", 0, "--choose: devices per node (0: the machine's); tensor parallelism stays inside a node "
-                                "unless --tp is given"),
+    Setting("machine", "h100", "the machine the run is for (step_time.py's a100, h100, l4, or a "
+                               ".json file): its GPUs per node cut the launch line into nodes; "
+                               "--choose predicts on it"),
+    Setting("gpus_per_node", 0, "devices per node (0: the machine's): the launch line's "
+                                "--nproc_per_node above one node; --choose keeps tensor "
+                                "parallelism inside a node unless --tp is given"),
 )
+
+
+def machine_of(cfg):
+    """The machine the run is planned for: a named one (machines.MACHINES) or a .json file of
+    its fields. Not 'auto': that measures the machine a tool runs on, and a config is planned
+    before its run."""
+    name = cfg["machine"]
+    if name not in machines.MACHINES and not (name.endswith(".json") and os.path.exists(name)):
+        raise ConfigError(
+            f"machine = {name!r} is not one make_config.py can plan for: --choose (which ranks "
+            f"layouts on it) and the launch line (its GPUs per node) need a named machine: "
+            f"{', '.join(machines.MACHINES)}, or a .json file that exists with "
+            f"machines.MACHINES' fields; 'auto' measures the machine a tool runs on, which "
+            f"step_time.py and bench.py do")
+    return step_time.load_machine(name)
+
+
+def gpus_per_node_of(cfg):
+    """(devices per node, where that comes from): --gpus_per_node, else the machine's."""
+    if cfg["gpus_per_node"]:
+        return cfg["gpus_per_node"], f"--gpus_per_node={cfg['gpus_per_node']}"
+    return machine_of(cfg)["gpus_per_node"], f"{cfg['machine']}'s"
+
+
+def launch_lines(cfg):
+    """How to start the run: python for one process, torchrun for one node, and above one node
+    torchrun on each node with a c10d rendezvous, as scripts/slurm.sh starts it. Above one node
+    nproc must fill whole nodes (torchrun starts --nproc_per_node on each), else a ConfigError."""
+    nproc, out = cfg["nproc"], cfg["out"]
+    if nproc == 1:
+        return [f"python train.py {out}"]
+    per_node, source = gpus_per_node_of(cfg)
+    if nproc <= per_node:
+        return [f"torchrun --nproc_per_node={nproc} train.py {out}"]
+    nodes = nproc // per_node
+    if nproc % per_node:
+        raise ConfigError(
+            f"nproc = {nproc} is more than one node of {per_node} GPUs ({source}) but not a "
+            f"multiple of {per_node}: torchrun starts as many processes on every node; set "
+            f"--nproc={nodes * per_node} or {(nodes + 1) * per_node}, or --gpus_per_node to "
+            f"your nodes' count")
+    return [f"torchrun --nnodes={nodes} --nproc_per_node={per_node} --rdzv-id=my_run "
+            f"--rdzv-backend=c10d --rdzv-endpoint=HOST:29500 train.py {out}",
+            f"(the same on each of the {nodes} nodes, HOST the first node's address; on SLURM,",
+            f"sbatch scripts/slurm.sh with --nodes={nodes} --gpus-per-node={per_node},",
+            f"GPUS_PER_NODE={per_node}, CONFIG={out} and ARGS=\"\": the layout is in the config)"]
 
 
 def vocab_size_of(cfg):
@@ -112,8 +164,9 @@ def settings_block(cfg, given, chosen):
     return "\n".join(lines).lstrip("\n")
 
 
-def make_config(cfg, given, argv):
-    """The config file's (header, settings); raises ValueError when the layout does not divide the model."""
+def make_config(cfg, given, argv, launch):
+    """The config file's (header, settings); raises ValueError when the layout does not divide the
+    model. launch: the lines that start the run (launch_lines)."""
     tp, pp, cp = cfg["tp"], cfg["pp"], cfg["cp"]
     dp = resolve_dp(cfg["nproc"], cfg["dp"], tp, pp, count_name="nproc", cp=cp, ep=cfg["ep"])
     chosen = choices(cfg, given, dp)
@@ -130,8 +183,6 @@ def make_config(cfg, given, argv):
     head_dim = attention_head_dim(model_cfg)
     layout = (f"dp {dp} x " + (f"cp {cp} x " if cp > 1 else "") + f"tp {tp}"
               + (" (sequence parallel)" if cfg["sequence_parallel"] else "") + f" x pp {pp}")
-    launch = (f"torchrun --nproc_per_node={cfg['nproc']} train.py {cfg['out']}" if cfg["nproc"] > 1
-              else f"python train.py {cfg['out']}")
     header = f"""\
 # Written by: python make_config.py {' '.join(argv)}
 #
@@ -143,8 +194,9 @@ def make_config(cfg, given, argv):
 = {sequences} sequences of {cfg['block_size']} tokens = {tokens_per_step:,} tokens per step
 # run:    {cfg['max_iters']:,} steps = {total_tokens / 1e6:,.1f}M tokens, {total_tokens / n_params:.3g} tokens per parameter \
 (Chinchilla's compute-optimal ratio is about 20)
-# launch: {launch}
+# launch: {launch[0]}
 """
+    header += "".join(f"#         {line}\n" for line in launch[1:])
     if pp > 1:  # the stages' cut and each rank's share of the work, as train.py prints them
         cut = metrics.stage_cut(model_cfg, cfg["pp_schedule"], pp, cfg["pp_chunks"], cfg["pp_layers"])
         pipeline = describe_pipeline(cfg["pp_schedule"], pp, cfg["gradient_accumulation_steps"], cfg["pp_chunks"], cut,
@@ -251,8 +303,8 @@ def plan_peak(cfg, model_cfg, layout, act_bytes):
 def choose(cfg, given, model_cfg):
     """[(prediction, layout, peak bytes)] of the fastest ten layouts that fit, fastest first, and how many were
     ranked; raises ValueError when none fits."""
-    machine = step_time.load_machine(cfg["machine"])
-    gpus_per_node = cfg["gpus_per_node"] or machine["gpus_per_node"]
+    machine = machine_of(cfg)
+    gpus_per_node, _ = gpus_per_node_of(cfg)
     limit = (cfg["gpu_mem_gib"] or machine["memory_gib"]) * 2 ** 30
     dp = resolve_dp(cfg["nproc"], cfg["dp"], cfg["tp"], cfg["pp"], count_name="nproc", cp=cfg["cp"], ep=cfg["ep"])
     global_batch = cfg["global_batch"] or cfg["batch_size"] * cfg["gradient_accumulation_steps"] * dp
@@ -300,6 +352,8 @@ def main(argv):
     try:
         values, given = configure(settings.TRAINING + OWN, argv, usage=__doc__)
         warnings = settings.check_values(values)
+        step_time.check_counts(values)
+        launch = launch_lines(values)  # before --choose: a count that fills no nodes stops here
         ranking = ""
         if values["choose"]:  # every layout ranked; the fastest that fits written, every layout setting with it
             best, count, global_batch = choose(values, given, model_config_of(values))
@@ -308,7 +362,7 @@ def main(argv):
             if values["dtype"] == "auto":  # written out: the plan below counts the activations in it
                 values["dtype"] = step_time.dtype_of(step_time.run_of(values), step_time.load_machine(values["machine"]))
             given = set(given) | set(LAYOUT_SETTINGS) | {"dtype"}
-        header, body, chosen = make_config(values, given, argv)
+        header, body, chosen = make_config(values, given, argv, launch)
         out, existed = values["out"], os.path.exists(values["out"])
         if existed and not values["force"]:
             raise ConfigError(f"out = {out!r} exists: choose another --out, or pass --force=True to overwrite it")

@@ -5,7 +5,9 @@ import re
 
 import pytest
 
+import machines
 import make_config
+from conftest import ROOT
 from dist_utils import make_token_data, train_in_process
 
 
@@ -184,3 +186,74 @@ def test_choose_keeps_a_layout_setting_given_on_the_command_line(tmp_path):
     written = {}
     exec(out.read_text(), {}, written)
     assert written["pp"] == 2
+
+
+# --- the process count and the launch line: nodes of the machine's GPUs ---------------------------
+
+TINY = ["--n_layer=4", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--vocab_size=512",
+        "--block_size=64"]
+
+
+@pytest.mark.parametrize("nproc", [0, -8])
+def test_a_process_count_below_one_is_refused_naming_nproc(nproc, tmp_path):
+    out = tmp_path / "c.py"
+    refused = rf"^error: nproc = {nproc} must be at least 1: .* set --nproc=1"
+    with pytest.raises(SystemExit, match=refused):
+        make_config.main([*TINY, f"--nproc={nproc}", f"--out={out}"])
+    assert not out.exists()
+
+
+def launch_of(text):
+    """The torchrun command of a config's `# launch:` line, read by torchrun's own parser."""
+    from torch.distributed.run import get_args_parser
+    words = re.search(r"^# launch: (.*)$", text, re.M).group(1).split()
+    assert words[0] == "torchrun"
+    return get_args_parser().parse_args(words[1:])
+
+
+def test_above_one_node_the_launch_line_names_nodes_gpus_per_node_and_slurm_sh(tmp_path, capsys):
+    # the command of issue 51: 64 processes on h100 nodes of 8 GPUs (machines.py), the layout chosen
+    out = tmp_path / "c.py"
+    make_config.main([*TINY, "--nproc=64", "--machine=h100", "--choose=True", "--tp=4", "--pp=1",
+                      "--cp=1", "--zero_stage=1", "--activation_checkpointing=False",
+                      "--global_batch=64", f"--out={out}"])
+    text, printed = out.read_text(), capsys.readouterr().out
+    launch = launch_of(text)
+    assert (launch.nnodes, launch.nproc_per_node, launch.rdzv_backend) == ("8", "8", "c10d")
+    assert launch.rdzv_endpoint == "HOST:29500" and launch.training_script == "train.py"
+    assert launch.training_script_args == [str(out)]
+    assert "torchrun --nnodes=8 --nproc_per_node=8 " in printed
+    # the SLURM advice names what scripts/slurm.sh has you change
+    script = (ROOT / "scripts" / "slurm.sh").read_text()
+    assert "scripts/slurm.sh with --nodes=8 --gpus-per-node=8," in text
+    for name in ("#SBATCH --nodes=", "#SBATCH --gpus-per-node=", "GPUS_PER_NODE=", "CONFIG=",
+                 "ARGS=", "--rdzv-backend=c10d", "--rdzv-endpoint="):
+        assert name in script, name
+
+
+def test_gpus_per_node_cuts_the_launch_and_one_node_keeps_the_one_node_form(tmp_path):
+    out = tmp_path / "c.py"
+    make_config.main([*TINY, "--nproc=12", "--gpus_per_node=4", f"--out={out}"])
+    launch = launch_of(out.read_text())
+    assert (launch.nnodes, launch.nproc_per_node) == ("3", "4")
+    make_config.main([*TINY, "--nproc=8", f"--out={out}", "--force=True"])  # one h100 node
+    assert f"# launch: torchrun --nproc_per_node=8 train.py {out}\n" in out.read_text()
+
+
+def test_a_process_count_that_fills_no_whole_nodes_is_refused(tmp_path):
+    out = tmp_path / "c.py"
+    refused = (r"^error: nproc = 12 is more than one node of 8 GPUs \(h100's\) but not a multiple "
+               r"of 8: .* set --nproc=8 or 16, or --gpus_per_node")
+    with pytest.raises(SystemExit, match=refused):
+        make_config.main([*TINY, "--nproc=12", f"--out={out}"])
+    assert not out.exists()
+
+
+def test_choose_with_machine_auto_lists_the_machines_choose_takes():
+    with pytest.raises(SystemExit) as stop:
+        make_config.main([*TINY, "--machine=auto", "--choose=True", "--out=unused.py"])
+    message = str(stop.value.code)
+    assert message.startswith("error: machine = 'auto' is not one make_config.py can plan for: "
+                              "--choose")
+    allowed = re.search(r"need a named machine: (.*?), or a \.json file", message).group(1)
+    assert allowed.split(", ") == list(machines.MACHINES)  # 'auto' is not among them
