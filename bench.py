@@ -89,22 +89,75 @@ def parse_args(argv):
     warnings = settings.check_values(values)
     if warnings and int(os.environ.get("RANK", 0)) == 0:
         print("\n".join(warnings), flush=True)
-    if values["compare_optimizer"] not in ("", *settings.CHOICES["optimizer"]):
-        raise ConfigError(f"compare_optimizer = {values['compare_optimizer']!r} must be '' (off) or one of "
-                          f"{', '.join(map(repr, settings.CHOICES['optimizer']))}")
-    if values["compare_zero_stage"] not in (-1, 0, 1, 2, 3) or (values["compare_zero_stage"] >= 0
-                                                                   and values["compare_optimizer"]):
-        raise ConfigError(f"compare_zero_stage = {values['compare_zero_stage']} must be -1 (off) or a ZeRO stage 0-3, "
-                          f"and not given with compare_optimizer (both report compare_tokens_per_sec)")
+    if values["compare_zero_stage"] != -1 and values["compare_optimizer"]:
+        raise ConfigError(f"compare_zero_stage = {values['compare_zero_stage']} and "
+                          f"compare_optimizer = {values['compare_optimizer']!r}: give one of them "
+                          f"(both report compare_tokens_per_sec): --compare_zero_stage=-1 or "
+                          f"--compare_optimizer=''")
     if values["bench_steps"] < 1 or values["warmup_steps"] < 0 or values["profile_steps"] < 0:
         raise ConfigError(f"bench_steps = {values['bench_steps']} must be >= 1, warmup_steps = "
                           f"{values['warmup_steps']} and profile_steps = {values['profile_steps']} >= 0")
     bench = SimpleNamespace(**{s.name: values.pop(s.name) for s in BENCH})
+    if bench.machine != "auto":  # a machine file read now stops a bad one before the timed steps
+        try:
+            machines.load_machine(bench.machine)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     cfg = SimpleNamespace(**values)
     if not any(a.startswith("--data_dir=") for a in argv):
         cfg.data_dir = None  # random tokens: a config file's data_dir is not needed to time a step
     bench.variants = schedule_variants(cfg, bench.schedules)
+    bench.compared = compared_settings(cfg, bench)
     return cfg, bench
+
+
+def checked_variant(cfg, flag, value, **changes):
+    """The run's settings with `changes`, asked for by --flag=value, checked by
+    settings.check_values: the very function train.py checks a run's settings with (configure_run).
+    Settings train.py would refuse stop here, before anything runs, in its words."""
+    variant = SimpleNamespace(**{**vars(cfg), **changes})
+    try:
+        settings.check_values(vars(variant))  # (its warnings are the run's own, printed already)
+    except ConfigError as e:
+        raise ConfigError(refused(flag, value, changes, e)) from None
+    return variant
+
+
+def refused(flag, value, changes, why):
+    """The error line of a column that --flag=value asked for, with `changes` to the run's settings,
+    which train.py's checks refuse for `why` (whose fix names the run's setting, not the flag)."""
+    changed = ", ".join(f"{k}={v!r}" for k, v in changes.items())
+    return (f"--{flag}={value} would time {changed}, which train.py refuses: {why} "
+            f"(for the comparison, change --{flag})")
+
+
+# each --compare_*: the setting it changes, and its column's label, read from the settings that
+# the column runs with (not from the flag: the label names what ran)
+COMPARISONS = {
+    "compare_optimizer": ("optimizer", lambda c: c.optimizer),
+    "compare_zero_stage": ("zero_stage", lambda c: f"ZeRO-{c.zero_stage}"),
+    "compare_doc_mask": ("doc_mask", lambda c: f"doc_mask={c.doc_mask}"),
+    "compare_fp8": ("fp8", lambda c: f"fp8={c.fp8}"),
+}
+
+
+def compared_settings(cfg, bench):
+    """{flag: (label, settings)} of each --compare_* given: the first column's settings (the run's,
+    or its first schedule's) with that one changed, each checked as train.py checks its own."""
+    first = bench.variants[0][1] if bench.variants else cfg
+    other_fp8 = "tensorwise" if cfg.fp8 == "none" else "none"
+    zero_stage = bench.compare_zero_stage
+    asked = {"compare_optimizer": bench.compare_optimizer or None,
+             "compare_zero_stage": None if zero_stage == -1 else zero_stage,
+             "compare_doc_mask": (not cfg.doc_mask) if bench.compare_doc_mask else None,
+             "compare_fp8": other_fp8 if bench.compare_fp8 else None}
+    compared = {}
+    for flag, value in asked.items():
+        if value is not None:
+            name, label = COMPARISONS[flag]
+            other = checked_variant(first, flag, getattr(bench, flag), **{name: value})
+            compared[flag] = (label(other), other)
+    return compared
 
 
 def schedule_variants(cfg, schedules):
@@ -116,7 +169,10 @@ def schedule_variants(cfg, schedules):
             raise ConfigError(f"schedules: {item!r} is not pp_schedule or pp_schedule:pp_chunks (a number)")
         if cfg.pp == 1:
             raise ConfigError("schedules compares pipeline schedules: set --pp to 2 or more")
-        variant = SimpleNamespace(**{**vars(cfg), "pp_schedule": name, "pp_chunks": int(chunks or 1)})
+        if item in (label for label, _ in variants):  # (a second column of a label hides the first)
+            raise ConfigError(f"schedules: {item!r} is given twice: name each schedule once")
+        chunks = int(chunks or 1)
+        variant = checked_variant(cfg, "schedules", item, pp_schedule=name, pp_chunks=chunks)
         check_schedule(name, cfg.pp, cfg.gradient_accumulation_steps, variant.pp_chunks)
         variants.append((item, variant))
     return variants
@@ -140,8 +196,6 @@ class Picotron:
     """train.py's training step, one call per step."""
 
     def __init__(self, cfg, run, name="picotron"):
-        layout = run.layout  # (a variant's schedule and chunks, checked against the layout train.setup built)
-        check_layout(run.model_cfg, layout.tp, layout.pp, layout.cp, cfg.sequence_parallel, cfg.pp_chunks, ep=layout.ep)
         self.name, self.cfg, self.run, self.dev, self.layout = name, cfg, run, run.dev, run.layout
         self.parts = train.build(cfg, run)  # the pipeline's channel runs the world's first collective (NCCL)
         self.autocast = self.parts.autocast
@@ -208,25 +262,45 @@ def reset_peak_memory(dev):
         torch.cuda.reset_peak_memory_stats(dev)
 
 
-def make_runners(cfg, bench, setup):
-    """The steps timed side by side: picotron's (one per schedule variant), and each it is compared with."""
-    runners = [Picotron(variant, setup, name) for name, variant in bench.variants] or [Picotron(cfg, setup)]
-    if bench.compare_optimizer:  # the same model, data and step with the other optimizer
-        other = SimpleNamespace(**{**vars(cfg), "optimizer": bench.compare_optimizer})
-        runners.append(Picotron(other, setup, name=bench.compare_optimizer))
-    if bench.compare_zero_stage >= 0:  # the same model, data and step, sharded another way
-        other = SimpleNamespace(**{**vars(cfg), "zero_stage": bench.compare_zero_stage})
-        runners.append(Picotron(other, setup, name=f"ZeRO-{bench.compare_zero_stage}"))
-    if bench.compare_doc_mask:  # the same weights' shapes, data and step, attention across documents or not
-        flipped = not cfg.doc_mask
-        other = SimpleNamespace(**{**vars(cfg), "doc_mask": flipped})
-        other_model = dataclasses.replace(setup.model_cfg, doc_mask=flipped)
-        other_setup = SimpleNamespace(**{**vars(setup), "model_cfg": other_model})
-        runners.append(Picotron(other, other_setup, name=f"doc_mask={flipped}"))
-    if bench.compare_fp8:  # the same model and step, its linears in FP8 or in the run's dtype
-        other = SimpleNamespace(**{**vars(cfg), "fp8": "tensorwise" if cfg.fp8 == "none" else "none"})
-        check_fp8(other.fp8, setup.dev, setup.dtype)
-        runners.append(Picotron(other, setup, name=f"fp8={other.fp8}"))
+def timed_columns(cfg, bench, setup):
+    """[(label, settings, Run)] of the steps timed side by side: picotron's (one per schedule), then
+    each it is compared with. Each passes the checks train.setup gives the run's own (column_run),
+    here in main's try: a column that cannot run ends in one line before any model is built."""
+    asked = [("schedules", label, label, other) for label, other in bench.variants]
+    asked = asked or [(None, None, "picotron", cfg)]  # (the run's own: train.setup checked it)
+    asked += [(flag, getattr(bench, flag), label, other)
+              for flag, (label, other) in bench.compared.items()]
+    columns = []
+    for flag, value, label, other in asked:
+        try:
+            columns.append((label, other, column_run(other, setup)))
+        except ValueError as e:
+            if flag is None:
+                raise
+            changes = {k: v for k, v in vars(other).items() if getattr(cfg, k) != v}
+            raise ValueError(refused(flag, value, changes, e)) from None
+    return columns
+
+
+def column_run(other, setup):
+    """setup's Run for other settings: the model's settings read from them as train.setup reads the
+    run's, and train.setup's checks on them (a schedule's chunks against the layout setup built,
+    doc_mask against the vocabulary, fp8 against the device and dtype)."""
+    model = {f.name: getattr(other, f.name) for f in dataclasses.fields(setup.model_cfg)
+             if f.name not in ("vocab_size", "eot_token")}  # (those two from the data, as setup's)
+    model_cfg = dataclasses.replace(setup.model_cfg, **model)
+    layout = setup.layout
+    check_layout(model_cfg, layout.tp, layout.pp, layout.cp, other.sequence_parallel,
+                 other.pp_chunks, ep=layout.ep)
+    check_fp8(other.fp8, setup.dev, setup.dtype)
+    if model_cfg == setup.model_cfg:
+        return setup
+    return SimpleNamespace(**{**vars(setup), "model_cfg": model_cfg})
+
+
+def make_runners(columns, bench):
+    """A Picotron for each of timed_columns, in order, then the plain GPT (--reference)."""
+    runners = [Picotron(other, run, label) for label, other, run in columns]
     if bench.reference:
         runners.append(ReferenceGPT(runners[0]))
     return runners
@@ -278,11 +352,12 @@ def speed_results(runners, times, losses, first_step_s, pipeline, tokens_per_ste
     return results
 
 
-def run(cfg, bench, setup):
-    """The benchmark: warm up, time the steps, then measure the pipeline, the profile and the memory; rank 0
-    prints the table and the RESULT line. Returns {name: results} of each runner."""
+def run(cfg, bench, setup, columns):
+    """The benchmark of timed_columns: warm up, time the steps, then measure the pipeline, the
+    profile and the memory; rank 0 prints the table and the RESULT line. Returns {name: results} of
+    each runner."""
     dev, ptdtype, layout, model_cfg = setup.dev, setup.dtype, setup.layout, setup.model_cfg
-    runners = make_runners(cfg, bench, setup)
+    runners = make_runners(columns, bench)
     first_step_s = warm_up(runners, bench)
     moe = model_cfg.n_expert > 0
     if moe:
@@ -342,38 +417,7 @@ def report(cfg, bench, setup, runners, results, peak, tokens_per_step, memory, p
                   compiled=step_model_kind(runners[0]) == "compiled", peak_flops=peak.flops,
                   tokens_per_step=tokens_per_step, threads=torch.get_num_threads(), zero_stage=cfg.zero_stage,
                   memory=memory)
-    if bench.compare_optimizer:
-        other = results[bench.compare_optimizer]
-        print(f"optimizer {cfg.optimizer} against {bench.compare_optimizer}: {results[main]['ms_per_step']:,.1f} "
-              f"against {other['ms_per_step']:,.1f} ms/step (median), "
-              f"{results[main]['ms_per_step'] / other['ms_per_step']:.3f}x the time")
-        result.update(optimizer=cfg.optimizer, compare_optimizer=bench.compare_optimizer,
-                      compare_ms_per_step=other["ms_per_step"], compare_tokens_per_sec=other["tokens_per_sec"],
-                      compare_loss=other["loss"])
-    if bench.compare_zero_stage >= 0:
-        other = results[f"ZeRO-{bench.compare_zero_stage}"]
-        print(f"ZeRO-{cfg.zero_stage} against ZeRO-{bench.compare_zero_stage}: {results[main]['tokens_per_sec']:,.0f} "
-              f"against {other['tokens_per_sec']:,.0f} tokens/s (median), "
-              f"{results[main]['tokens_per_sec'] / other['tokens_per_sec']:.3f}x the speed")
-        result.update(compare_zero_stage=bench.compare_zero_stage, compare_ms_per_step=other["ms_per_step"],
-                      compare_tokens_per_sec=other["tokens_per_sec"], compare_loss=other["loss"],
-                      compare_exposed_comm_ms=other["exposed_comm_ms"])
-    if bench.compare_doc_mask:
-        other = results[f"doc_mask={not cfg.doc_mask}"]
-        print(f"doc_mask={cfg.doc_mask} against doc_mask={not cfg.doc_mask}: "
-              f"{results[main]['ms_per_step']:,.1f} against {other['ms_per_step']:,.1f} ms/step (median), "
-              f"{results[main]['ms_per_step'] / other['ms_per_step']:.3f}x the time")
-        result.update(doc_mask=cfg.doc_mask, compare_doc_mask_ms_per_step=other["ms_per_step"],
-                      compare_doc_mask_tokens_per_sec=other["tokens_per_sec"])
-    if bench.compare_fp8:
-        other_fp8 = "tensorwise" if cfg.fp8 == "none" else "none"
-        other = results[f"fp8={other_fp8}"]
-        ratio = results[main]["ms_per_step"] / other["ms_per_step"]
-        print(f"fp8={cfg.fp8} against fp8={other_fp8}: {results[main]['ms_per_step']:,.1f} against "
-              f"{other['ms_per_step']:,.1f} ms/step (median), {ratio:.3f}x the time"
-              + (" (on CPU FP8 proves the numerics, not the speed: it is slower)" if dev.type == "cpu" else ""))
-        result.update(fp8=cfg.fp8, compare_fp8=other_fp8, compare_fp8_ms_per_step=other["ms_per_step"],
-                      compare_fp8_tokens_per_sec=other["tokens_per_sec"], compare_fp8_loss=other["loss"])
+    result.update(report_comparisons(bench, runners[0], results, dev))
     if profile is not None:
         result["profile"] = profile
     if bench.reference:
@@ -384,6 +428,39 @@ def report(cfg, bench, setup, runners, results, peak, tokens_per_step, memory, p
     if bench.variants:
         result["schedules"] = {name: results[name] for name, _ in bench.variants}
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def report_comparisons(bench, first, results, dev):
+    """Each --compare_*'s line: the first column against the compared one, each named by the
+    settings it ran with (bench.compared). Returns the RESULT fields they add."""
+    ours, mine, fields = first.cfg, results[first.name], {}
+    for flag, (label, theirs) in bench.compared.items():
+        other = results[label]
+        ms, other_ms = mine["ms_per_step"], other["ms_per_step"]
+        times = f"{ms:,.1f} against {other_ms:,.1f} ms/step (median), {ms / other_ms:.3f}x the time"
+        if flag == "compare_optimizer":
+            print(f"optimizer {ours.optimizer} against {theirs.optimizer}: {times}")
+            fields.update(optimizer=ours.optimizer, compare_optimizer=theirs.optimizer,
+                          compare_ms_per_step=other_ms, compare_loss=other["loss"],
+                          compare_tokens_per_sec=other["tokens_per_sec"])
+        if flag == "compare_zero_stage":
+            speed, other_speed = mine["tokens_per_sec"], other["tokens_per_sec"]
+            print(f"ZeRO-{ours.zero_stage} against ZeRO-{theirs.zero_stage}: {speed:,.0f} against "
+                  f"{other_speed:,.0f} tokens/s (median), {speed / other_speed:.3f}x the speed")
+            fields.update(compare_zero_stage=theirs.zero_stage, compare_ms_per_step=other_ms,
+                          compare_tokens_per_sec=other_speed, compare_loss=other["loss"],
+                          compare_exposed_comm_ms=other["exposed_comm_ms"])
+        if flag == "compare_doc_mask":
+            print(f"doc_mask={ours.doc_mask} against doc_mask={theirs.doc_mask}: {times}")
+            fields.update(doc_mask=ours.doc_mask, compare_doc_mask_ms_per_step=other_ms,
+                          compare_doc_mask_tokens_per_sec=other["tokens_per_sec"])
+        if flag == "compare_fp8":
+            cpu = " (on CPU FP8 proves the numerics, not the speed: it is slower)"
+            print(f"fp8={ours.fp8} against fp8={theirs.fp8}: {times}" + cpu * (dev.type == "cpu"))
+            fields.update(fp8=ours.fp8, compare_fp8=theirs.fp8, compare_fp8_ms_per_step=other_ms,
+                          compare_fp8_tokens_per_sec=other["tokens_per_sec"],
+                          compare_fp8_loss=other["loss"])
+    return fields
 
 
 def measure_memory(cfg, setup, picotron, step):
@@ -506,10 +583,11 @@ def main(argv):
         setup = train.setup(cfg, training=False)
         if bench.reference and setup.layout.world_size > 1:
             raise ValueError("reference=True times a single-process GPT beside picotron: run it without torchrun")
+        columns = timed_columns(cfg, bench, setup)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")  # printed by rank 0 (faults.run_script)
     try:
-        return run(cfg, bench, setup)
+        return run(cfg, bench, setup, columns)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
