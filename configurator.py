@@ -8,8 +8,9 @@ A tool declares its settings as a list of `Setting`s (train.py's are in settings
 and a one-line meaning; `configure` applies config files and overrides in command-line order. A key that
 is not declared stops the run with the close matches named (a typo never goes unnoticed), and a value must
 have the type of its default (an int is accepted where a float is expected; a setting whose default is None
-declares its type). Values on the command line are python literals (16, 3e-4, True, 'abc') or, failing
-that, plain strings. `--help` prints every setting with its default and meaning.
+declares its type). A config file's statement that sets nothing (`n_layer: 2`, YAML's habit) is
+refused, naming its line. Values on the command line are python literals (16, 3e-4, True, 'abc') or,
+failing that, plain strings. `--help` prints every setting with its default and meaning.
 """
 import ast
 import difflib
@@ -69,6 +70,38 @@ def _check(key, value, declared, source, before=None):
     return value
 
 
+def _module_statements(body):
+    """The statements a config file runs, those inside if/for/while/with/try included (not a
+    function's or a class's body: it sets nothing until it is called)."""
+    for node in body:
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+                yield from _module_statements(getattr(node, field, []))
+
+
+def _refuse_statements_that_set_nothing(tree, path):
+    """Refuse a statement that python runs and that sets nothing, naming its line: `n_layer: 2`
+    (YAML's habit) is a bare annotation and `n_layer == 2` a comparison thrown away, and either
+    would train the default in silence. Kept: an annotated assignment with a value (`n_layer: int
+    = 2` sets n_layer as `n_layer = 2` does, type-checked alike), a string alone (a docstring or a
+    comment), and a call (`print(...)`) or `(x := 2)`, which do something."""
+    for node in _module_statements(tree.body):
+        where = f"config file {path}, line {node.lineno}: `{ast.unparse(node)}`"
+        if isinstance(node, ast.AnnAssign) and node.value is None:
+            fix = f"{ast.unparse(node.target)} = {ast.unparse(node.annotation)}"
+            raise ConfigError(f"{where} is an annotation and sets nothing (a config file is "
+                              f"python, not YAML): write `{fix}`")
+        value = node.value if isinstance(node, ast.Expr) else None
+        if value is None or isinstance(value, (ast.Call, ast.NamedExpr)) or (
+                isinstance(value, ast.Constant) and isinstance(value.value, str)):
+            continue
+        equals = isinstance(value, ast.Compare) and isinstance(value.ops[0], ast.Eq)
+        fix = f"{ast.unparse(value.left)} = {ast.unparse(value.comparators[0])}" if equals else None
+        raise ConfigError(f"{where} computes a value and sets nothing: assign the setting, as in "
+                          f"`{fix or 'name = value'}`")
+
+
 def _run_config_file(path):
     """The names a config file assigns. A syntax error or a failing line is named by file and line."""
     try:
@@ -80,9 +113,13 @@ def _run_config_file(path):
         raise ConfigError(f"config file '{path}' cannot be read as python source: {e}")
     namespace = {}
     try:
-        exec(compile(source, path, "exec"), namespace)  # compiled under its path: errors name the file
+        tree = ast.parse(source, path)
+        _refuse_statements_that_set_nothing(tree, path)
+        code = compile(tree, path, "exec")  # compiled under its path: errors name the file
     except SyntaxError as e:
         raise ConfigError(f"config file {path}, line {e.lineno}: {e.msg}: {(e.text or '').strip()}")
+    try:
+        exec(code, namespace)
     except Exception as e:
         tb, line = e.__traceback__, "?"
         while tb is not None:  # the innermost frame of the config file itself

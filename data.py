@@ -63,6 +63,14 @@ def load_data(data_dir, split, block_size, vocab_size, meta):
     if sample.max() >= vocab_size:
         raise DataError(f"{path} holds token id {int(sample.max())} but the vocabulary has {vocab_size} tokens: the "
                         f"bins do not match meta.json (dtype {meta['dtype']}) or the vocab_size setting; {hint}")
+    # a bin cut short at a whole token (a copy stopped, a full disk) looks sound but for its length,
+    # which prepare_data.py records; checked after the ids, so that bins of another tokenizer are
+    # named as such whatever their length (a meta.json written by hand may not record the count)
+    recorded = meta.get(f"{split}_tokens")
+    if recorded is not None and recorded != len(data):
+        raise DataError(f"{path} has {len(data):,} tokens but {meta_path} records {split}_tokens = "
+                        f"{recorded:,}: the file was cut short or changed after prepare_data.py "
+                        f"wrote it. To prepare it again, {hint}")
     return path, meta["dtype"], len(data), vocab_size
 
 

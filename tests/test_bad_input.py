@@ -25,6 +25,7 @@ import make_config
 import metrics
 import sample
 import settings
+from configurator import configure
 from data import TRAIN_STREAM, _prepare_hint, load_data, read_data_meta, window_starts
 import train
 from settings import check_layout
@@ -107,6 +108,24 @@ def test_a_config_file_with_a_syntax_error_names_the_file_and_line(tmp_path):
     assert f"config file {config}, line 2: '(' was never closed" in error_of(train.main, [str(config)])
     config.write_text("n_layer = 2\n\nn_embd = 1 / 0\n")
     assert f"config file {config}, line 3: ZeroDivisionError" in error_of(train.main, [str(config)])
+
+
+def test_a_config_line_that_sets_nothing_is_refused_naming_the_line_and_what_to_write(tmp_path):
+    config = tmp_path / "yaml_habit.py"
+    config.write_text('"""Two layers."""\nbatch_size = 4\nn_layer: 2\n')  # python ignores line 3
+    assert error_of(train.main, [str(config)]) == (
+        f"error: config file {config}, line 3: `n_layer: 2` is an annotation and sets nothing (a "
+        f"config file is python, not YAML): write `n_layer = 2`")
+    config.write_text("if True:\n    n_layer == 2\n")
+    assert (f"config file {config}, line 2: `n_layer == 2` computes a value and sets nothing: "
+            f"assign the setting, as in `n_layer = 2`") in error_of(train.main, [str(config)])
+
+
+def test_an_annotated_assignment_with_a_value_sets_the_setting(tmp_path):
+    config = tmp_path / "annotated.py"
+    config.write_text('"""A docstring is kept."""\nn_layer: int = 2\nprint("a call is kept")\n')
+    values, given = configure(settings.TRAINING, [str(config)])
+    assert values["n_layer"] == 2 and "n_layer" in given
 
 
 @pytest.mark.parametrize("tool,setting", [(train, "  --batch_size=8"), (bench, "  --bench_steps=10"),
@@ -477,6 +496,17 @@ def test_a_corrupt_val_bin_stops_the_run(tmp_path):
     val.tofile(os.path.join(data, "val.bin"))
     line = error_of(train.main, [f"--data_dir={data}", f"--out_dir={tmp_path / 'b'}", *TINY, "--max_iters=1"])
     assert f"{data}/val.bin holds token id {BAD_ID}" in line
+
+
+@pytest.mark.parametrize("split,recorded", [("train", 20000), ("val", 2000)])
+def test_a_bin_cut_short_at_a_whole_token_stops_naming_both_counts(split, recorded, tmp_path):
+    data = make_token_data(str(tmp_path / "data"))  # meta.json records 20000 and 2000 tokens
+    path = os.path.join(data, f"{split}.bin")
+    np.fromfile(path, dtype=np.uint16)[:recorded // 2].tofile(path)  # even bytes: whole tokens
+    line = error_of(train.main, [f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", *TINY,
+                                 "--max_iters=1"])
+    assert (f"{path} has {recorded // 2:,} tokens but {data}/meta.json records {split}_tokens = "
+            f"{recorded:,}: the file was cut short") in line and "python prepare_data.py" in line
 
 
 @pytest.mark.parametrize("val", ["absent", "empty"])
