@@ -5,8 +5,8 @@ What a training run measures, and where the measurements go. train.py and bench.
   2. The device's peak FLOP/s: a table of GPU datasheet figures, or a measured matmul probe on CPU,
      probed again when a run comes near it (PeakFlops, which both ask for the MFU).
   3. MFU and peak memory.
-  4. The log: metrics.jsonl (always), and the optional W&B and TensorBoard backends, imported only when a
-     run asks for them.
+  4. The log: metrics.jsonl (always; the resume and plot.py read it back with read_log), and the
+     optional W&B and TensorBoard backends, imported only when a run asks for them.
   5. The memory of one step, measured: CUDA's allocator, or on CPU a tracker of live tensor storages.
      What memory_plan.py predicts before anything runs is held to it (memory_plan.memory_rows).
 """
@@ -343,27 +343,38 @@ class MetricsLog:
             backend.close()
 
 
-def _lines_up_to(path, step):
-    """The lines of the log at `path` of steps up to `step`, each ending in a newline. A last line that is
-    not a whole record is what a kill (or a full disk) in the middle of a write leaves: it is dropped, with a
-    warning. One in the middle is damage that the resume cannot mend by itself: LogError names its line."""
+def read_log(path):
+    """The log at `path` as [(line, record)]: each line as written, and the record it holds. A last
+    line that is not a whole record is what a kill (or a full disk) in the middle of a write leaves:
+    it is dropped, with a warning. One in the middle is damage that no reader can mend: LogError
+    names its line. The resume (MetricsLog) and plot.py both read the log here."""
     with open(path) as f:
         lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
-    keep = []
+    records = []
     for n, line in lines:
         try:
-            kept = json.loads(line)["step"] <= step
+            record = json.loads(line)
+            record["step"]
         except (ValueError, KeyError, TypeError):  # not JSON; not a record with a step
             if n == lines[-1][0]:
                 print(f"warning: the last line of {path} (line {n}) is cut short, as a kill in the middle of a "
                       f"write leaves it: dropped it", flush=True)
                 break
             raise LogError(f"{path} line {n} is not a whole record (it begins {line.strip()[:40]!r}), and records "
-                           f"follow it: the file is damaged. Delete or mend that line, or move the file aside to "
-                           f"start a new log, then resume again") from None
-        if kept:
-            keep.append(line.rstrip("\n") + "\n")  # (a whole last line may have lost only its newline)
-    return keep
+                           f"follow it: the file is damaged. Delete or mend that line") from None
+        records.append((line, record))
+    return records
+
+
+def _lines_up_to(path, step):
+    """The lines of the log at `path` (read_log) of steps up to `step`, each ending in a newline."""
+    try:
+        records = read_log(path)
+    except LogError as e:
+        raise LogError(f"{e}, or move the file aside to start a new log, then resume "
+                       f"again") from None
+    # (a whole last line may have lost only its newline)
+    return [line.rstrip("\n") + "\n" for line, record in records if record["step"] <= step]
 
 
 class WandbLog:

@@ -18,6 +18,8 @@ import json
 import os
 import sys
 
+from metrics import LogError, read_log
+
 PANELS = [  # (title, [(metrics key, line style, label suffix)], log scale)
     ("loss", [("loss", "-", "train"), ("val_loss", "--", "val")], False),
     ("learning rate", [("lr", "-", "")], False),
@@ -30,8 +32,7 @@ def read_metrics(run_dir):
     path = run_dir if run_dir.endswith(".jsonl") else os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"no metrics.jsonl in '{run_dir}': give the out_dir of a training run")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [record for _, record in read_log(path)]  # as the resume reads it
 
 
 def series(records, key):
@@ -154,7 +155,7 @@ def main(argv):
         else:
             out = args.out or "loss.png"
             plot_runs(args.runs, out)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, LogError) as e:
         sys.exit(f"error: {e}")
     print(f"wrote {out}")
 

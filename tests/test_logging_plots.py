@@ -144,6 +144,29 @@ def test_a_torn_line_in_the_middle_of_the_log_stops_the_resume_naming_the_file_a
     assert path.read_text() == damaged  # left as it was, for the user to see
 
 
+def test_plot_reads_a_log_whose_last_line_a_kill_cut_off_as_the_resume_does(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    torn = "".join(LINES) + '{"step": 4, "loss": 1.'  # killed in the middle of step 4's line
+    path.write_text(torn)
+    assert plot.read_metrics(str(tmp_path)) == [json.loads(line) for line in LINES]
+    warning = (f"warning: the last line of {path} (line 4) is cut short, as a kill in the middle "
+               f"of a write leaves it: dropped it\n")
+    assert capsys.readouterr().out == warning
+    assert path.read_text() == torn  # plotting changes no file
+
+
+@skip_without("matplotlib")
+def test_plot_stops_at_a_torn_line_in_the_middle_of_the_log_naming_the_file_and_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(LINES[0] + '{"step": 2, "lo\n' + LINES[2])
+    with pytest.raises(SystemExit) as stop:
+        plot.main([str(tmp_path), f"--out={tmp_path / 'x.png'}"])
+    assert stop.value.code == (f"error: {path} line 2 is not a whole record (it begins "
+                               f"'{{\"step\": 2, \"lo'), and records follow it: the file is "
+                               f"damaged. Delete or mend that line")
+    assert not os.path.exists(tmp_path / "x.png")
+
+
 def test_a_log_that_cannot_be_written_at_start_up_stops_in_one_line(tmp_path, monkeypatch):
     import errno
 
