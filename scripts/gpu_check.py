@@ -182,13 +182,17 @@ def caption(env_info):
     if env_info.get("gpu"):
         where = (f"{env_info['gpu']} (sm {env_info['capability']}, {env_info['memory_gib']:.0f} GiB, "
                  f"driver {env_info.get('driver')})")
-    else:
+    elif env_info.get("dry_run"):
         where = f"CPU ({env_info.get('cpu_threads')} threads; a dry run: the figures are not a GPU's)"
+    else:
+        where = f"CPU ({env_info.get('cpu_threads')} threads; no CUDA GPU: this is no GPU check)"
     return (f"**GPU check** on {where}; torch {env_info['torch']}, CUDA {env_info['cuda']}, triton "
             f"{env_info['triton']}, flash-attn {'installed' if env_info['flash_attn'] else 'not installed'}")
 
 
 def summary(logs):
+    """Print and write the table; return how many sections failed or timed out (a budget skip is no
+    failure: the table says it), so the script's exit code says whether the check passed."""
     sections = []
     with open(os.path.join(logs, "sections.tsv")) as f:
         for line in f:
@@ -230,12 +234,15 @@ def summary(logs):
     with open(os.path.join(logs, "summary.md"), "w") as f:
         f.write(text + "\n")
     print(text)
+    return sum(status.startswith(("FAILED", "TIMEOUT")) for _, _, status, _, _ in sections)
 
 
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "env":
         env(dry_run="--dry-run" in sys.argv[2:])
     elif len(sys.argv) == 3 and sys.argv[1] == "summary":
-        summary(sys.argv[2])
+        failed = summary(sys.argv[2])
+        if failed:
+            sys.exit(f"gpu_check: {failed} section(s) failed or timed out (the table's result column)")
     else:
         sys.exit(__doc__)

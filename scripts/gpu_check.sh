@@ -18,6 +18,8 @@
 #
 # Each section runs under `timeout` (a hang costs its limit, not the session), and its status, time and log
 # go to sections.tsv; scripts/gpu_check.py writes the table from those logs.
+# It exits 0 when every section that ran passed, 1 when one failed or timed out, and 2 at once where
+# torch sees no CUDA GPU (--dry-run is the way to run it on a CPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -71,6 +73,11 @@ if ((DRY_RUN)); then  # the same commands at a tiny size, on the CPU, CUDA hidde
     export CUDA_VISIBLE_DEVICES=""
 fi
 BUDGET=${BUDGET:-300}
+if ((!DRY_RUN)) && ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    echo "gpu_check.sh: no CUDA GPU here (torch.cuda.is_available() is False): this check times a" \
+         "CUDA GPU; run it on one, or try the script itself with --dry-run" >&2
+    exit 2
+fi
 
 STAMP=$(date +%Y%m%d-%H%M%S)
 LOGS="$WORK/logs/$STAMP"

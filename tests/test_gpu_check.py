@@ -91,7 +91,7 @@ def test_summary_shows_failures_figures_and_the_predictions(tmp_path, capsys):
               "compiled": True, "profile": {"device_busy": 0.97, "kinds": {"matmul": 0.7, "attention": 0.2,
                                                                            "other": 0.1, "copies": 0.001}}}
     write_logs(tmp_path / "logs", result, junit)
-    gpu_check.summary(str(tmp_path / "logs"))
+    assert gpu_check.summary(str(tmp_path / "logs")) == 2  # the tests' and the 355M bench's sections
     out = capsys.readouterr().out
     assert out.startswith("**GPU check** on NVIDIA H200 (sm 9.0, 140 GiB, driver 580.1); torch 2.11.0+cu130")
     assert "| tests | pytest -m cuda | FAILED (exit 1) | 1 passed, 1 FAILED | 80 |" in out
@@ -103,6 +103,29 @@ def test_summary_shows_failures_figures_and_the_predictions(tmp_path, capsys):
     assert "| bench | 12 x 768 | skipped: 12s of the 300s budget left |" in out
     assert "bf16 matmul 8192^3 790 TFLOP/s measured, datasheet 989" in out
     assert (tmp_path / "logs" / "summary.md").read_text() == out
+
+
+def test_without_a_cuda_gpu_the_check_stops_at_once_and_fails():
+    """Run for real (not --dry-run) where torch sees no CUDA GPU, the check refuses before any section:
+    it used to time every section on the CPU, print four FAILED rows and exit 0 as 'a dry run'."""
+    proc = subprocess.run(["bash", str(SCRIPT), "bench-125m"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "no CUDA GPU here" in proc.stderr and "--dry-run" in proc.stderr and "===" not in proc.stdout
+
+
+def test_a_failed_section_fails_the_check_and_the_caption_says_no_gpu(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    info = {"torch": "2.13.0", "cuda": None, "triton": None, "flash_attn": False, "gpu": None,
+            "cpu_threads": 2, "dry_run": False, "matmul_fp32_flops": 5e10}
+    (logs / "env.log").write_text("ENV " + json.dumps(info) + "\n")
+    (logs / "sections.tsv").write_text(f"env\tthe machine\tok\t1\t{logs / 'env.log'}\n"
+                                       f"bench\t2 x 64\tFAILED (exit 1)\t3\t{logs / 'b.log'}\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "summary", str(logs)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and "1 section(s) failed" in proc.stderr, proc.stderr
+    assert "no CUDA GPU: this is no GPU check" in proc.stdout and "dry run" not in proc.stdout
 
 
 # --- the GPU path's pieces that run on a CPU -------------------------------------------------------------------
