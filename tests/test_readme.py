@@ -3,13 +3,14 @@
   - docs/settings.md lists every setting of train.py and of each tool, with the default and meaning the code
     declares (its tables are generated from settings.TRAINING and each tool's own list or parser);
   - CI runs the README's test command, and the README links every docs page;
-  - every command the README and docs show names files that exist and only flags its script takes, parsed
-    by that script's own Setting list or argparse parser (torchrun's flags by torchrun's parser);
+  - every command the README and docs show, in a code block or inline in prose (a `code` span that
+    starts as a command), names files that exist and only flags its script takes, parsed by that
+    script's own Setting list or argparse parser (torchrun's flags by torchrun's parser);
   - the README's reading path ("Read the code") gives each function or class it names its current line
     range and count of non-blank lines, so a range that moved fails here;
-  - and the README's commands run, in its order, in one fresh copy of the checkout, each cut to a tiny
-    model and 2 steps by flags put after its own (NOT_RUN: what cannot run offline on a CPU), so a command
-    that fails as written fails here.
+  - and the README's commands, inline ones too, run, in its order, in one fresh copy of the
+    checkout, each cut to a tiny model and 2 steps by flags put after its own (NOT_RUN: what cannot
+    run offline on a CPU), so a command that fails as written fails here.
 
     python tests/test_readme.py            print the reading path's ranges as the code has them now
     python tests/test_readme.py --write    rewrite the generated parts: docs/settings.md's tables and the
@@ -192,31 +193,56 @@ def reading_path(text):
 # the commands the README and docs show
 
 COMMAND_START = re.compile(r"^(\$ )?(\w+=\S+ +)*(python3?|torchrun|pip|sbatch|\S+\.sh)( |$)")
-FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
+# a code block, or an inline `code` span in one paragraph (a blank line ends it), in text order
+SHOWN = re.compile(r"^```[^\n]*\n(?P<block>.*?)^```|(?<!`)`(?P<inline>(?:[^`\n]|\n(?!\s*\n))+)`",
+                   re.M | re.S)
+# an inline span that starts as a command is one (`slurm.sh` names a file, `scripts/slurm.sh` runs)
+INLINE_START = re.compile(r"^(\w+=\S+ +)*(python3?|torchrun|pip|sbatch|\S+/\S+\.sh)( |$)")
 PYTEST_FLAGS = {"-q", "-s", "-x", "-v", "-m", "-k"}  # those the docs use; -m and -k take a value
 PYTEST_VALUED = {"-m", "-k"}
 
 
+def is_form(words):
+    """Whether an inline span shows a command's form rather than a command: a placeholder (`...`,
+    `[config.py ...]`, `<out_dir>`, a name in capitals: `--zero_stage=N`, `OUT_DIR`), or torchrun's
+    flags named without a script."""
+    program = next((w for w in words if not re.match(r"^\w+=", w)), "")
+    return (any(w == "..." or w[:1] in "[<" or re.search(r"(^|=)[A-Z][A-Z_]*$", w) for w in words)
+            or program == "torchrun" and not any(w.endswith(".py") for w in words))
+
+
+def shown_lines(text):
+    """The text's command lines in its order: each line of a code block (continuations joined), and
+    each inline span that starts as a command and is not a form (its line breaks joined)."""
+    for m in SHOWN.finditer(text):
+        if m["block"] is not None:
+            yield from re.sub(r"\\\n\s*", " ", m["block"]).splitlines()
+            continue
+        span = " ".join(m["inline"].split())
+        if INLINE_START.match(span) and not is_form(shlex.split(span)):
+            yield span
+
+
 def shown_commands(text):
-    """(the line as shown, its words) for every command in the text's code blocks: lines starting, after a
-    `$ ` prompt and VAR=value assignments, with python, torchrun, pip, sbatch or a .sh script; continuation
-    lines joined, comments dropped, a line split at && ; and |."""
-    for block in FENCE.findall(text):
-        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
-            line = line.strip()
-            if not COMMAND_START.match(line):
-                continue
-            words = shlex.split(line.removeprefix("$ "), comments=True)
-            command = []
-            for word in words + ["&&"]:
-                if word in ("&&", "||", ";", "|"):
-                    while command and re.match(r"^\w+=", command[0]):
-                        command.pop(0)
-                    if command:
-                        yield line, command
-                    command = []
-                else:
-                    command.append(word)
+    """(the line as shown, its words) for every command the text shows, in its order: lines of its
+    code blocks and its inline commands (shown_lines) starting, after a `$ ` prompt and VAR=value
+    assignments, with python, torchrun, pip, sbatch or a .sh script; comments dropped, a line split
+    at && ; and |."""
+    for line in shown_lines(text):
+        line = line.strip()
+        if not COMMAND_START.match(line):
+            continue
+        words = shlex.split(line.removeprefix("$ "), comments=True)
+        command = []
+        for word in words + ["&&"]:
+            if word in ("&&", "||", ";", "|"):
+                while command and re.match(r"^\w+=", command[0]):
+                    command.pop(0)
+                if command:
+                    yield line, command
+                command = []
+            else:
+                command.append(word)
 
 
 def _file_problem(path, line):
@@ -385,6 +411,23 @@ def test_a_shown_command_with_an_unknown_flag_is_caught():
     assert check_command("x", ["python", "config/nowhere.py"], made) is not None
 
 
+def test_an_inline_command_is_a_command_in_its_place_among_the_blocks():
+    text = ("```bash\npython make_config.py --nproc=8 --out=config/my.py\n```\n\n"
+            "Then `python step_time.py config/my.py\n--nproc=8 --machine=h100` explains it; "
+            "`slurm.sh`, `--tp=2`, `torchrun --max-restarts=N`, `python train.py [config.py ...]`\n"
+            "and `python plot.py --trace <out_dir>` are names and forms, not commands. A lone ` is "
+            "no span.\n\n`sbatch scripts/slurm.sh`\n"
+            "```\ntorchrun --nproc_per_node=8 train.py config/my.py\n```\n")
+    assert [words for _, words in shown_commands(text)] == [
+        ["python", "make_config.py", "--nproc=8", "--out=config/my.py"],
+        ["python", "step_time.py", "config/my.py", "--nproc=8", "--machine=h100"],
+        ["sbatch", "scripts/slurm.sh"],
+        ["torchrun", "--nproc_per_node=8", "train.py", "config/my.py"]]
+    # and is checked as a block's command is: a flag its script does not take is caught
+    line, words = next(shown_commands("run `python step_time.py --nprocs=8` to see"))
+    assert "unknown config key 'nprocs'" in check_command(line, words, set())
+
+
 # -----------------------------------------------------------------------------
 # the README's commands, run: in its order, in one fresh folder, each cut to a tiny size by flags put after
 # its own, so a command that fails as written fails here
@@ -399,6 +442,8 @@ NOT_RUN = [
     ("sbatch needs a SLURM cluster", lambda words: words[0] == "sbatch"),
     ("the GPU check needs a CUDA GPU", lambda words: words[0].endswith("gpu_check.sh")),
     ("the test suite, which this test is part of", lambda words: words[1:3] == ["-m", "pytest"]),
+    ("it rewrites the checkout's README and docs (their generated parts): the copy has neither",
+     lambda words: words[1:2] == ["tests/test_readme.py"]),
 ]
 # Each script's cut, put after the command's own flags: a small model (4 layers, so that pp = 4 and two
 # chunks of pp = 2 still have a layer each), 2 steps, evaluations of one batch; bench.py times one step,
