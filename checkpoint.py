@@ -16,7 +16,7 @@ Each rank file's crc32 is computed as torch.save writes it (no second read) and 
 reads the file: a file damaged on disk without changing its size (a bad sector, a copy gone wrong) stops the
 load naming the file, rather than loading NaN that would later read as a divergence. A save refuses weights
 that are not finite, so every checkpoint that verifies is one to resume from. `python checkpoint.py --verify
-OUT_DIR` checks every checkpoint of a run offline and names the newest intact one (faults.verify).
+OUT_DIR` checks every checkpoint of a run offline and names the newest intact one (verify).
 
 Each tensor is saved as "pieces". A piece says which full tensor it belongs to (its name and full shape),
 which tensor-parallel slice it is (dim, rank, world) and which range of that slice's flattened elements it
@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import sys
 import time
@@ -592,6 +593,59 @@ def newest_intact(out_dir, before=None):
     return None
 
 
-if __name__ == "__main__":  # python checkpoint.py --verify OUT_DIR: faults.verify (faults.py imports this file)
-    from faults import verify_main
+# -----------------------------------------------------------------------------
+# offline: python checkpoint.py --verify OUT_DIR, and the command that resumes a run
+
+def resume_command(out_dir, world_size, per_node=None):
+    """The command that resumes the run in out_dir at world_size processes, per_node of them on each node."""
+    per_node = per_node or world_size
+    launcher = "python" if world_size == 1 else f"torchrun --nproc_per_node={per_node}" + (
+        f" --nnodes={world_size // per_node}" if world_size > per_node else "")
+    return f"{launcher} train.py --init_from=resume --out_dir={shlex.quote(out_dir)}"
+
+
+def verify(out_dir, say=print):
+    """Check every checkpoint of out_dir offline (sizes and crc32s, reading every file), say what each is,
+    and name the newest intact one with the command that resumes from it. Returns the exit status: 0 when
+    the newest checkpoint is intact, 1 when it is not (an older one may be, named), 2 when out_dir holds
+    no checkpoint."""
+    paths = sorted(set(checkpoint_folders(out_dir)) | set(complete_checkpoints(out_dir)),
+                   key=step_of)
+    if not paths:
+        say(f"error: no checkpoint in '{out_dir}' (no ckpt_* folder): name a run's out_dir")
+        return 2
+    intact = None
+    for path in paths:
+        start, why = time.time(), why_damaged(path)
+        if why is None:
+            intact, meta = path, read_meta(path)
+            files, size = len(meta["files"]), sum(meta["file_sizes"]) / 2**20
+            why = (f"intact ({files} file{'s' if files > 1 else ''}, {size:,.1f} MiB, crc32 checked in "
+                   f"{time.time() - start:.2f} s)" if "file_crc32" in meta else
+                   "intact by its sizes (written before checksums: its bytes cannot be checked)")
+        say(f"{path}: {why}")
+    if intact is None:
+        say(f"no checkpoint in {out_dir} is intact: start again with --init_from=scratch")
+        return 1
+    world = read_meta(intact)["world_size"]
+    newer = [p for p in paths if step_of(p) > step_of(intact)]
+    say(f"the newest intact checkpoint is {intact} (saved by {world} process{'es' if world > 1 else ''})"
+        + (f", older than the damaged {', '.join(newer)}: move {'them' if len(newer) > 1 else 'it'} aside first ("
+           + "; ".join(f"mv {p} {p}.damaged" for p in newer) + ")" if newer else "")
+        + f"; resume from it with:\n  {resume_command(out_dir, world)}")
+    return 1 if newer else 0
+
+
+def verify_main(argv):
+    """python checkpoint.py --verify OUT_DIR (or --verify=OUT_DIR); returns verify's exit status."""
+    if len(argv) == 2 and argv[0] == "--verify":
+        return verify(argv[1])
+    if len(argv) == 1 and argv[0].startswith("--verify="):
+        return verify(argv[0].split("=", 1)[1])
+    print("usage: python checkpoint.py --verify OUT_DIR   (checks every checkpoint of a run; exit status 0 when the "
+          "newest is intact, 1 when it is not, 2 when OUT_DIR holds none)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
     sys.exit(verify_main(sys.argv[1:]))

@@ -14,9 +14,10 @@ What a long run does when a step, a peer or the job's time goes wrong (settings.
   a full disk at      rank 0 alone writes metrics.jsonl: every rank learns of its failure at the same line
   a log line          (StopVote.any_rank), saves if it can and stops with rank 0's one line (train.write_log)
   a damaged           `python checkpoint.py --verify OUT_DIR` checks every checkpoint of a run offline (sizes
-  checkpoint          and crc32s) and names the newest intact one with its resume command (verify)
+  checkpoint          and crc32s) and names the newest intact one with its resume command
+                      (checkpoint.verify)
   the end of a run    finished or stopped, it says what it trained and how to go on from its newest
-                      checkpoint (end_of_run, resume_command)
+                      checkpoint (end_of_run)
 
 A crash mid-save never costs the last good checkpoint (checkpoint.py writes each one in a .tmp folder and
 renames it when every rank has finished); a killed rank under torchrun --max-restarts restarts the job,
@@ -240,14 +241,6 @@ def end_with_error(line, callstack=None):
     return 1
 
 
-def resume_command(out_dir, world_size, per_node=None):
-    """The command that resumes the run in out_dir at world_size processes, per_node of them on each node."""
-    per_node = per_node or world_size
-    launcher = "python" if world_size == 1 else f"torchrun --nproc_per_node={per_node}" + (
-        f" --nnodes={world_size // per_node}" if world_size > per_node else "")
-    return f"{launcher} train.py --init_from=resume --out_dir={shlex.quote(out_dir)}"
-
-
 def end_of_run(cfg, layout, first_step, step, tokens_per_step, seconds, evals, newest):
     """The lines a run ends with: the steps and tokens it trained and how long it took, its evaluations'
     last and best validation loss (evals: [(step, {split: loss})]), its newest checkpoint and the
@@ -269,52 +262,8 @@ def end_of_run(cfg, layout, first_step, step, tokens_per_step, seconds, evals, n
     more = "" if step < cfg.max_iters else f" --max_iters={2 * cfg.max_iters}" + (
         f" --lr_decay_iters={2 * cfg.max_iters}" if cfg.lr_decay_iters == cfg.max_iters else "")
     commands = [(f"python sample.py --out_dir={out} --start=\"The history of\"", "text from it"),
-                (resume_command(cfg.out_dir, layout.world_size, per_node) + more, "train on"),
+                (checkpoint.resume_command(cfg.out_dir, layout.world_size, per_node) + more, "train on"),
                 (f"python export_hf.py --out_dir={out} --hf_dir={shlex.quote('hf/' + name)}", "a transformers folder")]
     width = max(len(command) for command, _ in commands)
     return "\n".join(lines + [f"checkpoint: {newest}", "next:"]
                      + [f"  {command.ljust(width)}  # {why}" for command, why in commands])
-
-
-def verify(out_dir, say=print):
-    """Check every checkpoint of out_dir offline (sizes and crc32s, reading every file), say what each is,
-    and name the newest intact one with the command that resumes from it. Returns the exit status: 0 when
-    the newest checkpoint is intact, 1 when it is not (an older one may be, named), 2 when out_dir holds
-    no checkpoint."""
-    step_of = checkpoint.step_of
-    paths = sorted(set(checkpoint.checkpoint_folders(out_dir)) | set(checkpoint.complete_checkpoints(out_dir)),
-                   key=step_of)
-    if not paths:
-        say(f"error: no checkpoint in '{out_dir}' (no ckpt_* folder): name a run's out_dir")
-        return 2
-    intact = None
-    for path in paths:
-        start, why = time.time(), checkpoint.why_damaged(path)
-        if why is None:
-            intact, meta = path, checkpoint.read_meta(path)
-            files, size = len(meta["files"]), sum(meta["file_sizes"]) / 2**20
-            why = (f"intact ({files} file{'s' if files > 1 else ''}, {size:,.1f} MiB, crc32 checked in "
-                   f"{time.time() - start:.2f} s)" if "file_crc32" in meta else
-                   "intact by its sizes (written before checksums: its bytes cannot be checked)")
-        say(f"{path}: {why}")
-    if intact is None:
-        say(f"no checkpoint in {out_dir} is intact: start again with --init_from=scratch")
-        return 1
-    world = checkpoint.read_meta(intact)["world_size"]
-    newer = [p for p in paths if step_of(p) > step_of(intact)]
-    say(f"the newest intact checkpoint is {intact} (saved by {world} process{'es' if world > 1 else ''})"
-        + (f", older than the damaged {', '.join(newer)}: move {'them' if len(newer) > 1 else 'it'} aside first ("
-           + "; ".join(f"mv {p} {p}.damaged" for p in newer) + ")" if newer else "")
-        + f"; resume from it with:\n  {resume_command(out_dir, world)}")
-    return 1 if newer else 0
-
-
-def verify_main(argv):
-    """python checkpoint.py --verify OUT_DIR (or --verify=OUT_DIR); returns verify's exit status."""
-    if len(argv) == 2 and argv[0] == "--verify":
-        return verify(argv[1])
-    if len(argv) == 1 and argv[0].startswith("--verify="):
-        return verify(argv[0].split("=", 1)[1])
-    print("usage: python checkpoint.py --verify OUT_DIR   (checks every checkpoint of a run; exit status 0 when the "
-          "newest is intact, 1 when it is not, 2 when OUT_DIR holds none)", file=sys.stderr)
-    return 2

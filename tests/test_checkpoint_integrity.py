@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
-import faults
 import train
 from dist_utils import run_ranks, train_in_process, without_memory_measurement
 from model import ModelConfig
@@ -108,7 +107,7 @@ def test_a_save_that_finds_the_disk_full_names_the_checkpoints_older_than_the_ne
 
 
 def _verify(out_dir, capsys):
-    code = faults.verify_main(["--verify", str(out_dir)])
+    code = checkpoint.verify_main(["--verify", str(out_dir)])
     return code, capsys.readouterr().out
 
 
