@@ -16,7 +16,7 @@ parallelism and ZeRO, then tensor and sequence parallelism, then the pipeline).
      the tensor-parallel regions, and the layers that end and begin them that way.
   6. Pipeline parallelism: a schedule as every rank's ordered list of forward and backward actions (AFAB,
      1F1B), the stages' cut, the channel between the ranks, the executor that walks such a list on a real
-     rank (PipelineExecutor, with two hooks), and the tied-weight sync.
+     rank (PipelineExecutor), the tied-weight sync, and a step's Pipeline, which puts them together.
 
 Each mechanism beyond these is a file of its own, importing only torch and this file: tensor_parallel.py
 (tensor and sequence parallelism applied to the model), context_parallel.py (the zigzag split and ring
@@ -45,14 +45,20 @@ override, call or set (tests/test_lift.py reads their code and fails on one miss
 What ZeRO-2/3 add, backward_done(op, chunk) after each backward action, the executor and train.py call
 where a reducer has it.
 
-The pipeline's hooks (section 6). pipeline_schedules.ScheduleExecutor extends PipelineExecutor by overriding
-  act(action, received, last)     one action's work: the extension's runs W actions, the split backward
-                                  around B, the hand-over between two chunks of one rank and the trace
-                                  around the core's act
-  backpropagate(out, loss, grad)  a backward's roots: the extension adds a stage's auxiliary loss
-  wait(request, action, source)   an input's arrival: the extension names a dead sender
-and calls run(actions), PipelineComm is_here(stage) (the hand-over) and, on the data-parallel reducer,
-set_grad_sync, grad_ready and backward_done (after each B and W).
+The pipeline's hooks (section 6). PipelineExecutor does each part of a step in a method of its own:
+  act(action, received, last)     one action's work (the core's: F and B)
+  backpropagate(out, loss, grad)  a backward's roots: the output's gradient, and a stage's own loss
+  backward_done(op, chunk)        after a backward action: the reducer told, if it sends per action
+  wait(request, action, source)   an input's arrival: a dead or hung sender named
+  `trace`                         a context manager around each action (tools/timeline.py's)
+pipeline_schedules.py runs its schedules through subclasses of PipelineExecutor (ScheduleExecutor:
+act runs W actions, the split backward around B and the hand-over between two chunks of one rank
+around the core's act, and calls backward_done after a W) and of Pipeline (SchedulePipeline), which
+override
+  actions(m), evaluation_actions(m)  this rank's list for a step, and for evaluation
+  executor(model, microbatches, autocast, loss_multiplier, grad_sync, trace)  what runs them
+It calls run(actions), PipelineComm is_here(stage) (the hand-over) and, on the data-parallel
+reducer, set_grad_sync and grad_ready.
 
 Every piece works given only torch and a process group, so it can be
 lifted into another project. group=None always means "not split" (one rank), never torch's default
@@ -79,6 +85,7 @@ import math
 import os
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -93,7 +100,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 # What a rank stands waiting on communication, by mechanism (dp: data parallelism and ZeRO; tp, cp, ep, pp):
-# every wait goes through waited(), which inside `with counting_waits() as waits:` (bench.py, train.py's
+# every wait goes through waited(), which inside `with counting_waits() as waits:` (tools/bench.py, train.py's
 # step before a log line) adds its milliseconds to waits. On CUDA a wait only orders the streams, the host
 # does not stand still: the figures are gloo's.
 _counting = []  # the dicts of the counting_waits blocks open now (what waited() adds to)
@@ -129,7 +136,7 @@ def at_least_fp32(dtype):
 
 def group_size(group):
     """The ranks of a process group (None: one). Read from the group itself, so that anything with size() and
-    rank() stands for one where no process runs (memory_plan.py builds a rank's model so)."""
+    rank() stands for one where no process runs (tools/memory_plan.py builds a rank's model so)."""
     return group.size() if group is not None else 1
 
 
@@ -145,7 +152,7 @@ def grid_rank(pp_rank, dp_rank, tp_rank, dp, tp, cp_rank=0, cp=1):
 def resolve_dp(world_size, dp, tp, pp, count_name="WORLD_SIZE", cp=1, ep=1):
     """The data-parallel size of a launch: dp = 0 means whatever the world leaves after cp * tp * pp; any
     other dp must make dp * cp * tp * pp the world size; and ep (expert parallelism, expert_parallel.py) must divide
-    dp. The one place these rules live (train.py, bench.py and make_config.py, whose count_name is 'nproc',
+    dp. The one place these rules live (train.py, tools/bench.py and tools/make_config.py, whose count_name is 'nproc',
     all come here)."""
     split = cp * tp * pp
     # a run that does not split the sequence gets the message it always had, without cp in it
@@ -1001,11 +1008,11 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-def padded_vocab_size(vocab_size, tp):
-    """Round the vocabulary up so it splits evenly across tp ranks, and to a multiple of 64 per rank,
-    which keeps the embedding and output matmuls on fast kernel sizes (nanoGPT's 50257 -> 50304).
-    The extra rows are never a target: Transformer.forward cuts their logits off before the loss, the
-    embedding never looks them up, so they stay zero and take no gradient."""
+def split_vocab_size(vocab_size, tp):
+    """The vocabulary's rows under tensor parallelism: rounded up to split evenly across tp ranks, each
+    share a multiple of 64, which keeps the embedding's and head's matmuls on fast kernel sizes (the
+    model's own padding, model.padded_vocab_size, is this at tp = 1). The extra rows are never a target
+    (vocab_parallel_cross_entropy takes only the valid columns) and never looked up: they stay zero."""
     multiple = 64 * tp
     return (vocab_size + multiple - 1) // multiple * multiple
 
@@ -1013,14 +1020,14 @@ def padded_vocab_size(vocab_size, tp):
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by rows (token ids) across the group. Each rank looks up the ids in its
     range, writes zeros for the others, and the all-reduce (g) assembles every token's vector. The table is
-    padded to padded_vocab_size rows (zero, never looked up). group=None: not split
+    padded to split_vocab_size rows (zero, never looked up). group=None: not split
     (nn.Embedding). Hook: combine(out), the all-reduce of the ranks' partial lookups (sequence parallelism's
     SequenceParallelEmbedding reduce-scatters instead)."""
 
     def __init__(self, vocab_size, dim, group=None):
         super().__init__()
         self.group, self.vocab_size = group, vocab_size
-        self.rows_per_rank = padded_vocab_size(vocab_size, group_size(group)) // group_size(group)
+        self.rows_per_rank = split_vocab_size(vocab_size, group_size(group)) // group_size(group)
         self.vocab_start = group_rank(group) * self.rows_per_rank
         self.weight = mark_sharded(nn.Parameter(torch.empty(self.rows_per_rank, dim)), 0, self.group)
         self.weight.vocab_size = vocab_size  # rows past it are padding: zero at init, never looked up
@@ -1205,15 +1212,16 @@ class SequenceParallelEmbedding(VocabParallelEmbedding):
 #
 # A schedule is written once, as each pipeline rank's ordered list of actions (op, i, c): run op for
 # microbatch i on the rank's model chunk c (one chunk here: c is 0). PipelineExecutor (run_schedule) walks
-# that list on a real rank; timeline.py places the very same lists in time slots for the printed picture. A rank keeps a
+# that list on a real rank; tools/timeline.py places the very same lists in time slots for the printed picture. A rank keeps a
 # microbatch's activations from its forward to its backward, so the order also decides the memory:
 #   afab              all forward, all backward (GPipe): all m microbatches held at the turn
 #   1f1b              one forward, one backward (PipeDream-Flush): the same bubble, pp - stage held
 # pipeline_schedules.py adds interleaved 1F1B (several model chunks per rank) and the zero-bubble schedules
-# ZB-H1 and ZB-V (the backward split into B and W), as more lists of the same kind for the same executor,
-# which it extends through two hooks (the module docstring's list); it also holds every schedule's table
-# (SCHEDULES), the rules that refuse a schedule that cannot run (check_schedule) and the bubbles
-# (ideal_bubble).
+# ZB-H1 and ZB-V (the backward split into B and W), as more lists of the same kind for the same
+# executor, which it extends, with the step's Pipeline, through the hooks the module docstring
+# lists; it also holds every schedule's table (SCHEDULES), the rules that refuse a schedule that
+# cannot run (check_schedule) and the bubbles (ideal_bubble). A training step of afab or 1f1b runs
+# this section's code alone: Pipeline.forward_backward, PipelineExecutor, sync_tied_grads.
 #
 # The executor's exchanges. A rank sends what an action produced (a forward's output to the next stage, a
 # backward's input gradient to the previous) as soon as the action ends, without waiting for the send to
@@ -1221,7 +1229,7 @@ class SequenceParallelEmbedding(VocabParallelEmbedding):
 # ever waits for an input it needs now. Messages between two ranks travel in two first-in first-out
 # channels, one per kind (activations on the default group, gradients on a second group, so NCCL, which has
 # no tags, keeps them apart too); both ranks walk their lists in order, so what one sends k-th on a channel
-# is what the other receives k-th: the lists themselves must agree on that order, which timeline.py's
+# is what the other receives k-th: the lists themselves must agree on that order, which tools/timeline.py's
 # simulator checks, together with "no rank waits forever", without processes. A message between two chunks
 # of one rank is handed over in memory (pipeline_schedules.py). All sends are waited for at the end of the
 # step.
@@ -1250,7 +1258,7 @@ def apply_pipeline(model, stage_blocks, stages):
         return model
     if sum(stage_blocks) != model.cfg.n_layer or min(stage_blocks) < 1:
         raise ValueError(f"apply_pipeline: stage_blocks must give every stage at least one block and sum to "
-                         f"n_layer = {model.cfg.n_layer}, not {stage_blocks} (metrics.stage_cut cuts them by cost)")
+                         f"n_layer = {model.cfg.n_layer}, not {stage_blocks} (build.stage_cut cuts them by cost)")
     model.chunk_layers = [list(stage_layers(stage_blocks, s)) for s in stages]
     held = {str(i) for layers in model.chunk_layers for i in layers}
     for name in [name for name in model.blocks if name not in held]:
@@ -1271,7 +1279,7 @@ def message_route(op, stage, n_stages):
     """(the stage that action `op` on model stage `stage` receives its input from, the stage it sends its
     product to): a forward reads stage - 1's output and feeds stage + 1, a backward reads stage + 1's input
     gradient and feeds stage - 1. None past either end of the model (and for any other action). The
-    executor and the timeline simulator (timeline.py) both route by this, so what is drawn is what runs."""
+    executor and the timeline simulator (tools/timeline.py) both route by this, so what is drawn is what runs."""
     src, dst = {"F": (stage - 1, stage + 1), "B": (stage + 1, stage - 1)}.get(op, (-1, -1))
     return (src if 0 <= src < n_stages else None), (dst if 0 <= dst < n_stages else None)
 
@@ -1373,12 +1381,22 @@ class PipelineExecutor:
     elsewhere the hidden states and None. `grad_sync`, the data-parallel reducer (GradientBuckets), is told
     set_grad_sync(last) before each backward, True only before the chunk's last backward of the step (it
     communicates once per step). Without grad enabled (evaluation) give forwards only: nothing is kept for a
-    backward."""
+    backward. What else a step may need, each in one method:
+      backpropagate   a stage before the last may return a loss of its own, not None (a mixture of
+                      experts' balance loss): backpropagated with the output's gradient, counted in
+                      the loss
+      backward_done   after each backward the reducer is told backward_done(op, chunk) if it has it
+                      (ZeRO-2/3, zero.py, send each microbatch's gradients then)
+      wait            a sender that died or hung is named, its stage and rank (faults.peer_failure
+                      knows the text)
+      trace(action)   if given, a context manager around each action (tools/timeline.py:
+                      PipelineTrace, ActivationMemory)"""
 
-    def __init__(self, model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0, grad_sync=None):
+    def __init__(self, model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0,
+                 grad_sync=None, trace=None):
         self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self.microbatches, self.comm, self.autocast = microbatches, comm, autocast
-        self.loss_multiplier, self.grad_sync = loss_multiplier, grad_sync
+        self.loss_multiplier, self.grad_sync, self.trace = loss_multiplier, grad_sync, trace
         self.held = {}  # (microbatch, chunk) -> (input, output, loss): what its backward needs, from its forward
         self.total = torch.zeros((), dtype=at_least_fp32(comm.dtype), device=comm.device)
 
@@ -1406,15 +1424,23 @@ class PipelineExecutor:
         if self.grad_sync is not None:
             self.grad_sync.set_grad_sync(last)
         self.backpropagate(out, loss, received)
+        self.backward_done("B", c)
         return None if self.comm.chunk_stages[c] == 0 else x.grad
 
     def backpropagate(self, out, loss, grad):
         """The backward of one forward: from the loss on the model's last stage (out None), elsewhere from
-        the output's gradient, grad."""
+        the output's gradient, grad, and from the stage's own loss if it returned one."""
         if out is None:
             (loss * self.loss_multiplier).backward()
-        else:
+        elif loss is None:
             out.backward(grad.to(out.dtype))
+        else:  # both roots in one backward, as one process's backward of the sum reaches them
+            torch.autograd.backward([out, loss * self.loss_multiplier], [grad.to(out.dtype), None])
+
+    def backward_done(self, op, c):
+        """A backward action (op, chunk c) has run: tell the reducer, if it sends per action."""
+        if hasattr(self.grad_sync, "backward_done"):
+            self.grad_sync.backward_done(op, c)
 
     def act(self, action, received, last):
         """Run one action (op, i, c) on its input, received (None where it has none: the first stage's
@@ -1434,7 +1460,13 @@ class PipelineExecutor:
 
     def wait(self, request, action, source):
         """Wait for action's input, posted as `request`, from model stage `source`."""
-        waited(request, "pp")  # sync point: the input must have arrived
+        try:
+            waited(request, "pp")  # sync point: the input must have arrived
+        except RuntimeError as e:  # the sender died or hung: say which
+            op, i, c = action
+            here = f"pipeline stage {self.comm.chunk_stages[c]} (rank {self.comm.rank})"
+            raise RuntimeError(f"{here} waited for the input of {op}{i} from stage {source} "
+                               f"(rank {self.comm.stage_ranks[source]}): {e}") from e
 
     def run(self, actions):
         """Walk the list: wait for each action's input, post the next one's receive, run the action, send its
@@ -1448,7 +1480,8 @@ class PipelineExecutor:
                 received, request, source = posted
                 self.wait(request, (op, i, c), source)
             posted = self.post_receive(actions[k + 1]) if k + 1 < len(actions) else None  # lands while this runs
-            product = self.act((op, i, c), received, k == last[(op, c)])
+            with self.trace((op, i, c)) if self.trace is not None else nullcontext():
+                product = self.act((op, i, c), received, k == last[(op, c)])
             if product is not None:  # a forward's output to the next stage, a backward's input gradient back
                 _, destination = message_route(op, comm.chunk_stages[c], comm.n_stages)
                 sends[:] = [request for request in sends if not request.is_completed()]  # their buffers can go
@@ -1495,6 +1528,51 @@ def sync_tied_grads(copies, group):
         dist.all_reduce(total, group=group)
     for i, w in enumerate(copies):
         w.grad = total if i == 0 else total.clone()
+
+
+@dataclass
+class Pipeline:
+    """What a pipelined step needs beside the model (build.make_pipeline makes it): the channel to
+    the other ranks (comm), the schedule, afab or 1f1b, and the copies of the tied embedding this
+    rank holds with the group of the ranks holding the others (None: one stage holds them all),
+    whose gradients the pipeline sums after backward (sums_tied; a reducer that sums their shards
+    itself, ZeRO-2/3, turns it off). forward_backward is a training step's pipeline part, forward
+    an evaluation's."""
+    comm: PipelineComm
+    schedule: str
+    tied_copies: list = field(default_factory=list)
+    tied_group: object = None
+    sums_tied: bool = True
+
+    def actions(self, m):
+        """This rank's list for a step of m microbatches."""
+        schedule = {"afab": afab_actions, "1f1b": one_f_one_b_actions}[self.schedule]
+        return schedule(self.comm.pp, self.comm.stage, m)
+
+    def evaluation_actions(self, m):
+        """Evaluation's list: the forwards alone, in order (nothing comes back to wait for)."""
+        return [("F", i, 0) for i in range(m)]
+
+    def executor(self, model, microbatches, autocast, loss_multiplier=1.0, grad_sync=None,
+                 trace=None):
+        return PipelineExecutor(model, microbatches, self.comm, autocast, loss_multiplier,
+                                grad_sync, trace)
+
+    def forward_backward(self, model, microbatches, autocast, loss_multiplier, grad_sync,
+                         trace=None):
+        """The schedule's actions over the microbatches, then the tied copies' gradients summed.
+        Returns this rank's part of the mean loss."""
+        executor = self.executor(model, microbatches, autocast, loss_multiplier, grad_sync, trace)
+        loss = executor.run(self.actions(len(microbatches)))
+        if self.sums_tied:
+            sync_tied_grads(self.tied_copies, self.tied_group)
+        return loss
+
+    @torch.no_grad()
+    def forward(self, model, microbatches, autocast):
+        """Forward only (evaluation): this rank's part of the mean loss over the microbatches."""
+        executor = self.executor(model, microbatches, autocast)
+        return executor.run(self.evaluation_actions(len(microbatches)))
 
 
 # -----------------------------------------------------------------------------

@@ -1,11 +1,14 @@
 """
-The pipeline schedules beyond 1F1B (parallel.py has the pipeline itself: the action lists of AFAB and 1F1B and
-the executor of their forwards and backwards): interleaved 1F1B, zero bubble ZB-H1 and ZB-V, with the model
-chunks they place on each rank and the split backward the zero-bubble ones need. Each schedule is still one
-function giving every rank's ordered list of actions (op, microbatch, chunk), and one executor runs them all
-(ScheduleExecutor below: parallel.PipelineExecutor, extended through its two hooks); `python timeline.py
---schedule zbv --pp 4 --microbatches 8` draws them. Here too: every schedule's table (SCHEDULES, afab and 1f1b
-included), the rules that refuse one that cannot run (check_schedule), and the bubbles (ideal_bubble).
+The pipeline schedules beyond 1F1B (parallel.py has the pipeline itself: the action lists of AFAB
+and 1F1B, the executor of their forwards and backwards and the step's Pipeline): interleaved 1F1B,
+zero bubble ZB-H1 and ZB-V, with the model chunks they place on each rank and the split backward the
+zero-bubble ones need. Each schedule is still one function giving every rank's ordered list of
+actions (op, microbatch, chunk), run by the same executor (ScheduleExecutor and SchedulePipeline
+below: parallel.PipelineExecutor and parallel.Pipeline, extended through their hooks); `python
+tools/timeline.py --schedule zbv --pp 4 --microbatches 8` draws them. Here too: every schedule's
+table (SCHEDULES, afab and 1f1b included), the rules that refuse one that cannot run
+(check_schedule), the bubbles (ideal_bubble) and the cut of the blocks into stages by their cost
+(cost_cut).
 
   interleaved_1f1b  v chunks per rank: the bubble (pp - 1) / (v m + pp - 1) (Narayanan et al. 2021,
                     "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
@@ -36,14 +39,14 @@ import functools
 import itertools
 import math
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel import (ColumnParallelLinear, PipelineComm, PipelineExecutor, RowParallelLinear, afab_actions,
-                      message_route, one_f_one_b_actions, stage_layers, sync_tied_grads)
+from parallel import (ColumnParallelLinear, Pipeline, PipelineExecutor, RowParallelLinear,
+                      afab_actions, message_route, one_f_one_b_actions, stage_layers)
 
 
 def virtual_stages(schedule, pp, rank, chunks=1):
@@ -246,17 +249,11 @@ def stage_work(stage_blocks, costs):
     return work
 
 
-def rank_work(schedule, pp, chunks, stage_blocks, costs):
-    """Each pipeline rank's share of the model's work (its chunks' stages summed), under the cut stage_blocks."""
-    work = stage_work(stage_blocks, costs)
-    return [sum(work[s] for s in virtual_stages(schedule, pp, p, chunks)) / sum(work) for p in range(pp)]
-
-
 def balance_units(schedule, pp, chunks):
     """The groups of model stages whose costs must be even for no rank to wait on another: under zbv each
     rank's two stages, which a microbatch crosses back to back (down the V, then up it: the rank's total is
     what the others wait for); otherwise each model stage alone (one per rank, or under interleaving each
-    lap round the ring waits on every chunk in turn: python timeline.py draws both)."""
+    lap round the ring waits on every chunk in turn: python tools/timeline.py draws both)."""
     if schedule == "zbv":
         return [virtual_stages(schedule, pp, p, chunks) for p in range(pp)]
     return [(s,) for s in range(pp * chunks)]
@@ -284,58 +281,6 @@ def cost_cut(schedule, pp, chunks, costs):
         if unevenness(best) >= unevenness(cut):
             return cut
         cut = best
-
-
-def describe_pipeline(schedule, pp, m, chunks, stage_blocks, costs, warn=True):
-    """The start-up line naming the schedule, the blocks of each rank (chunk by chunk) and its share of the
-    work (costs as stage_work's), and with warn two warnings. One when no cut by cost brings every unit that
-    must balance (balance_units: the ranks, or under interleaving the model stages) within 115% of an even
-    share: the others then wait for the costliest, which their measured bubble shows, so the line says why
-    (the head, or blocks that do not deal evenly), lest it be taken for a failure; or when pp_layers is that
-    uneven and the cut by cost is not. One when there are fewer micro-batches than stages: the stages are
-    then idle most of the step."""
-    blocks = lambda r: r.start if len(r) == 1 else f"{r.start}-{r.stop - 1}"
-    per_rank = [", ".join(str(blocks(stage_layers(stage_blocks, s))) for s in virtual_stages(schedule, pp, p, chunks))
-                for p in range(pp)]
-    shares, best = rank_work(schedule, pp, chunks, stage_blocks, costs), cost_cut(schedule, pp, chunks, costs)
-    text = (f"pipeline: {schedule}, {m} microbatches, " + (f"{chunks} chunks per rank, " if chunks > 1 else "")
-            + ("cut by cost, " if tuple(stage_blocks) == best else "cut by pp_layers, ")
-            + ("blocks per stage " if chunks == 1 else "blocks per rank (chunk by chunk) ")
-            + " | ".join(f"{p}: {text} ({share:.0%}{' of the work' if p == 0 else ''})"
-                         for p, (text, share) in enumerate(zip(per_rank, shares))))
-    if not warn:
-        return text
-    units = balance_units(schedule, pp, chunks)
-    unit = "rank" if len(units) == pp else "model stage"
-    share = lambda cut: [sum(stage_work(cut, costs)[s] for s in u) / sum(stage_work(cut, costs)) for u in units]
-    even, best_shares, head_share = 1 / len(units), share(best), costs[2] / sum(stage_work(best, costs))
-    # the least the unit with the head can do: the head and the loss, and a block in each of its stages
-    with_head = next(u for u in units if pp * chunks - 1 in u)
-    head_unit = head_share + len(with_head) * min(costs[1]) / sum(stage_work(best, costs))
-    if max(best_shares) > 1.15 * even:
-        why = (f"the head and the loss alone are {head_share:.0%} of the model's work, so the {unit} that holds them "
-               f"does at least {head_unit:.0%}" if head_unit > 1.15 * even else
-               f"{len(costs[1])} blocks do not deal evenly into {pp * chunks} stages")
-        text += (f"\nwarning: no cut of the blocks brings every {unit} within 115% of an even share of the work "
-                 f"({even:.0%}): {why}. The others wait for the costliest"
-                 + (f", so the least busy rank is idle about {1 - min(best_shares) / max(best_shares):.0%} of each "
-                    f"step on top of the schedule's bubble; " if unit == "rank" else " on every lap of the ring; ")
-                 + ("split the model with tp (which splits the head too) or dp rather than pp"
-                    + (", or use fewer chunks" if chunks > 1 else "") if head_unit > 1.15 * even
-                    else "a pp * pp_chunks that divides n_layer deals them evenly"))
-    elif max(share(stage_blocks)) > 1.15 * even:
-        text += (f"\nwarning: pp_layers gives a {unit} {max(share(stage_blocks)):.0%} of the work, where an even share "
-                 f"is {even:.0%}; the cut by cost (pp_layers='') gives at most {max(best_shares):.0%}: "
-                 f"{','.join(map(str, best))}")
-    if m < pp:
-        bubble, whose = ideal_bubble(schedule, pp, m, chunks), schedule
-        if bubble is None:  # (the paper gives no formula for this m)
-            bubble, whose = ideal_bubble("1f1b", pp, m), "1f1b"
-        text += (f"\nwarning: gradient_accumulation_steps = {m} microbatches for pp = {pp} stages: the stages are idle "
-                 f"about {bubble:.0%} of each step ({whose}'s bubble); raise gradient_accumulation_steps (lowering "
-                 f"batch_size to keep the batch): {4 * pp} microbatches bring 1F1B's bubble, (pp - 1) / (m + pp - 1), "
-                 f"under 20%")
-    return text
 
 
 # The modules and parameters of each model chunk of picotron's Transformer: what the split backward takes
@@ -487,23 +432,20 @@ def announced_by_hand(grad_sync, params):
 
 
 class ScheduleExecutor(PipelineExecutor):
-    """parallel.PipelineExecutor for every schedule here, extended through its two hooks (act and
-    backpropagate) with what they need beside forward and backward:
-      split_backward  for lists with 'W' actions (zero_bubble, zbv): one WeightGradStore per chunk (built before
-                      the chunk's first forward); a B runs inside its collect(i), a W is its apply(i, ready),
-                      ready(p) being the reducer's grad_ready as each gradient it computes is in
-      chunks          a message between two chunks of this rank (the V's turn) is handed over in memory
-      trace(action)   a context manager around each action's work (timeline.PipelineTrace, ActivationMemory)
-      auxiliary loss  a stage before the last may return one, not None (a mixture-of-experts router's balance
-                      loss): it is backpropagated from there, with the output's gradient, and its mean is
-                      this rank's part of the loss
-    and the reducer is told backward_done(op, chunk) after each B and W (ZeRO-2/3 send each microbatch's
-    gradients then). Training runs every schedule through it, afab and 1f1b included."""
+    """parallel.PipelineExecutor for the schedules here, extended through its act hook with what
+    they need beside forward and backward:
+      split_backward  for lists with 'W' actions (zero_bubble, zbv): one WeightGradStore per chunk
+                      (built before the chunk's first forward); a B runs inside its collect(i), a W
+                      is its apply(i, ready), ready(p) being the reducer's grad_ready as each
+                      gradient it computes is in; the reducer is told backward_done('W', chunk)
+                      after a W, as the core tells it after a B
+      chunks          a message between two chunks of this rank (the V's turn) is handed over in
+                      memory"""
 
     def __init__(self, model, microbatches, comm, autocast=nullcontext(), loss_multiplier=1.0, grad_sync=None,
                  split_backward=None, trace=None):
-        super().__init__(model, microbatches, comm, autocast, loss_multiplier, grad_sync)
-        self.split_backward, self.trace = split_backward, trace
+        super().__init__(model, microbatches, comm, autocast, loss_multiplier, grad_sync, trace)
+        self.split_backward = split_backward
         self.here = {}  # messages from one chunk of this rank to another, by (kind, microbatch, stage)
 
     def act(self, action, received, last):
@@ -511,26 +453,15 @@ class ScheduleExecutor(PipelineExecutor):
         source, destination = message_route(op, self.comm.chunk_stages[c], self.comm.n_stages)
         if source is not None and self.comm.is_here(source):  # from this rank's other chunk: kept, not received
             received = self.here.pop((op, i, self.comm.chunk_stages[c]))
-        with self.trace(action) if self.trace is not None else nullcontext():
-            if op == "W":
-                product = self.weight_gradients(i, c, last)
-            else:
-                split = op == "B" and self.split_backward is not None
-                with self.split_backward[c].collect(i) if split else nullcontext():
-                    product = super().act(action, received, last)
-            if op != "F" and hasattr(self.grad_sync, "backward_done"):  # ZeRO-2/3 (zero.py) send each action's
-                self.grad_sync.backward_done(op, c)
+        if op == "W":
+            product = self.weight_gradients(i, c, last)
+        else:
+            split = op == "B" and self.split_backward is not None
+            with self.split_backward[c].collect(i) if split else nullcontext():
+                product = super().act(action, received, last)
         if product is not None and self.comm.is_here(destination):  # for this rank's other chunk: kept, not sent
             self.here[(op, i, destination)], product = product, None
         return product
-
-    def wait(self, request, action, source):
-        try:
-            super().wait(request, action, source)
-        except RuntimeError as e:  # the sender died or hung: say which (faults.peer_failure knows the text)
-            op, i, c = action
-            raise RuntimeError(f"pipeline stage {self.comm.chunk_stages[c]} (rank {self.comm.rank}) waited for the "
-                               f"input of {op}{i} from stage {source} (rank {self.comm.stage_ranks[source]}): {e}") from e
 
     def weight_gradients(self, i, c, last):
         """W: the weights' half of microbatch i's split backward on chunk c, from what its B kept."""
@@ -540,47 +471,27 @@ class ScheduleExecutor(PipelineExecutor):
         if self.grad_sync is not None:
             self.grad_sync.set_grad_sync(last)  # only the chunk's last W sends what it computes
         self.split_backward[c].apply(i, self.grad_sync.grad_ready if self.grad_sync is not None else None)
-
-    def backpropagate(self, out, loss, grad):
-        if out is None or loss is None:
-            return super().backpropagate(out, loss, grad)
-        # the output's gradient from the next stage, plus this stage's own auxiliary loss
-        torch.autograd.backward([out, loss * self.loss_multiplier], [grad.to(out.dtype), None])
+        self.backward_done("W", c)
 
 
 @dataclass
-class Pipeline:
-    """What a pipeline-parallel step of any schedule here needs beside the model (train.py builds it): the
-    point-to-point channel to the other ranks (comm), the schedule and the model chunks per rank, one
-    WeightGradStore per chunk when the schedule splits the backward (zero_bubble, zbv; None otherwise), and
-    the copies of the tied embedding this rank holds with the group of the ranks holding the others (None: not
-    split, one stage holds them all): after backward the pipeline sums their gradients (sums_tied; under
-    ZeRO-2/3 the reducer sums their gradient shards instead)."""
-    comm: PipelineComm
-    schedule: str
-    chunks: int
+class SchedulePipeline(Pipeline):
+    """parallel.Pipeline (afab and 1f1b) for the schedules here: this rank's model chunks (chunks),
+    and one WeightGradStore per chunk when the schedule splits the backward (zero_bubble, zbv; None
+    otherwise). A step runs ScheduleExecutor over the chunks."""
+    chunks: int = 1
     weight_grad_stores: list = None
-    tied_copies: list = field(default_factory=list)
-    tied_group: object = None
-    sums_tied: bool = True
 
     def actions(self, m):
         return SCHEDULES[self.schedule](self.comm.pp, self.comm.stage, m, self.chunks)
 
-    def chunk_models(self, model):
-        """What the executor calls for each of this rank's chunks: the model itself with one chunk."""
-        return model if self.chunks == 1 else [functools.partial(model, chunk=c) for c in range(self.chunks)]
+    def evaluation_actions(self, m):
+        return forward_only_actions(self.comm.pp, self.comm.stage, m, self.chunks)
 
-    def forward_backward(self, model, microbatches, autocast, loss_multiplier, grad_sync, trace=None):
-        """The schedule's actions over the micro-batches, then the tied copies' gradients summed."""
-        loss = ScheduleExecutor(self.chunk_models(model), microbatches, self.comm, autocast, loss_multiplier,
-                                grad_sync, self.weight_grad_stores, trace).run(self.actions(len(microbatches)))
-        if self.sums_tied:
-            sync_tied_grads(self.tied_copies, self.tied_group)
-        return loss
-
-    @torch.no_grad()
-    def forward(self, model, microbatches, autocast):
-        """Forward only (evaluation): this rank's part of the mean loss over the micro-batches."""
-        actions = forward_only_actions(self.comm.pp, self.comm.stage, len(microbatches), self.chunks)
-        return ScheduleExecutor(self.chunk_models(model), microbatches, self.comm, autocast).run(actions)
+    def executor(self, model, microbatches, autocast, loss_multiplier=1.0, grad_sync=None,
+                 trace=None):
+        chunks = model  # what the executor calls: with one chunk the model itself
+        if self.chunks > 1:
+            chunks = [functools.partial(model, chunk=c) for c in range(self.chunks)]
+        return ScheduleExecutor(chunks, microbatches, self.comm, autocast, loss_multiplier,
+                                grad_sync, self.weight_grad_stores, trace)
