@@ -1,396 +1,331 @@
 """
-What a learner reads to understand each mechanism, measured: every line reached by following the calls from
-the mechanism's entry points, and how many of those lines exist only for another mechanism or setting.
+What a learner reads for each mechanism, traced from real runs.
+
+Lines read: the lines of the functions train.py enters at the mechanism's layout beyond those it
+enters at one process.
 
     python scripts/reading_path.py           the table, in markdown (the README shows it)
-    python scripts/reading_path.py --show    and under it, per mechanism, each def read and each "other" part
+    python scripts/reading_path.py --show    and under it, per row, each function counted, by file
     python scripts/reading_path.py --write   rewrite the README's copy of the table
 
-The walk. A row starts from its entry points (ENTRIES below: "file name", a def or class, Class.method for
-a method; or "file name: text", the lines of that def the text marks as OTHER's are marked, below: ZeRO-1's
-wiring in train.py). It reads the whole of each def or class it reaches, with the comment lines just above
-it, and follows every name in it (ast; annotations left out) that is a def or class of picotron's own
-top-level files: a bare name of the file or one imported from another of them, self.method and
-super().method through the class and its picotron bases, module.name and Class.method. It stops at torch,
-builtins and the standard library (they are not picotron's files) and at what STOPS names for the row. A
-call on any other object (bucket.views(), comm.send()) is not followed: what it calls is read only if the
-walk reaches it by name. Lines read: the non-blank lines of all that, each counted once, docstrings and
-comments included.
+The runs. A row is train.py on 2 processes (gloo, CPU): the tiny model of TINY, two steps on small
+random token bins written here, evaluated once at the end, no checkpoint. Its one-process run is the
+same at one process (BASELINES). One torchrun launch of 2 ranks runs every row one after another:
+each rank calls train.py's configure_run, build.py's setup and train.py's train for each row,
+in-process, on the one process group the launch starts (as tests/dist_utils.py's train_on_ranks
+does). train.main is those three calls, its error messages, and the process group destroyed at its
+end, which the next row needs. The one-process runs run in this process meanwhile.
 
-Other lines: those OTHER marks (but for what serves the row itself: a ZeRO-1 hook in GradientBuckets is
-ZeRO-1's own on its row), and what only they lead to: the walk is made a second time without following
-the marked lines, and whatever it no longer reaches is other too. The marks are kept here, not as comments
-in the code: the code is rewritten by several hands at once, and a marker comment lost in a merge would
-lower the count without a word, where an entry here that no longer matches stops the script with its name;
-and the code's reader is spared a bookkeeping comment on every such line. `--show` lists every other part
-with what it serves. An entry marks a whole def, or at each line of it holding its text: the statement
-starting there (with the comment lines just above it); on a comment line, the comment and the statement
-after it; in a docstring, that line; and "first ~ last" the lines from one holding `first` to the next
-holding `last`.
+Two things part from a run launched alone. The first step's memory measurement is left out of
+every run (metrics.measure_step_memory, as the tests leave it out): on CPU its dispatch mode sees
+every op, which made the runs several times slower; it observes a step whatever the layout, and the
+table came out the same with it when this was written. And what a process caches (functools'
+lru_cache, tools/step_time.py's _SCHEDULES) is computed by the first run in it that needs it, later
+runs skipping the functions that compute it. The cached functions a row enters today are entered by
+its one-process run too, so the lines read do not change; the tools' figures do: step_time's
+routing (tools/timeline.py's route_messages and check_channels) is entered by the tensor parallel
+row, the first without a pipeline, and by the 1F1B row only.
+
+What is counted. Every function (a code object: file, first line, name) that Python enters during a
+run, on any rank, is recorded (sys.settrace's 'call' events, and threading.settrace's in threads the
+run starts). The functions of picotron's own files count: the .py files at the top of the repository
+(not tests/ or scripts/), but not the tools (TOOLS: planning, benchmarks, interop, plots), whose
+lines a run entered (the start-up plan and predicted step) --show lists apart. A function entered counts whole:
+all the non-blank lines of its def, decorators, docstring and comments inside included. Lines read:
+the (file, line) pairs of all the functions the row's run entered, less those of the functions its
+one-process run entered, each pair once (a nested def lies within its outer def's lines). A module's
+or a class body's own code is no function and is not counted.
 """
 import argparse
 import ast
-import re
+import io
+import json
+import os
+import subprocess
 import sys
+import tempfile
+import threading
+import time
+from contextlib import redirect_stdout
 from pathlib import Path
 
+import numpy as np
+import torch
+import torch.distributed as dist
+
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# (imported before any trace starts: importing is not what a run enters)
+import build  # noqa: E402
+import metrics  # noqa: E402
+import train  # noqa: E402
+
+# the tools: planning, benchmarks, interop and plots, apart from what trains. A path ending in "/"
+# is a folder
+TOOLS = {"tools/"}
+
+# every run: the tiny model, two steps, one evaluation batch at the end, no checkpoint, on CPU
+TINY = ["--n_layer=4", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_size=64",
+        "--batch_size=2", "--max_iters=2", "--eval_iters=1", "--checkpoint_interval=0",
+        "--device=cpu"]
+# the one-process runs the rows are measured against: a config file and settings
+BASELINES = {"dense": ["config/tiny_fineweb.py"], "MoE": ["config/moe.py"],
+             "Muon": ["config/tiny_fineweb.py", "--optimizer=muon"]}
+# a row: the mechanism, its one-process run, the settings its 2-process run adds
+ROWS = [("tensor parallel", "dense", ["--tp=2"]),
+        ("data parallel", "dense", ["--dp=2"]),
+        ("ZeRO-1", "dense", ["--dp=2", "--zero_stage=1"]),
+        ("1F1B", "dense", ["--pp=2", "--pp_schedule=1f1b"]),
+        ("ring attention", "dense", ["--cp=2"]),
+        ("ZeRO-3", "dense", ["--dp=2", "--zero_stage=3"]),
+        ("expert parallel", "MoE", ["--ep=2"]),
+        ("Muon", "Muon", ["--dp=2", "--zero_stage=1"])]
+NPROC = 2
+COMPREHENSIONS = {ast.ListComp: "<listcomp>", ast.SetComp: "<setcomp>",
+                  ast.DictComp: "<dictcomp>", ast.GeneratorExp: "<genexpr>"}
 
 # -----------------------------------------------------------------------------
-# the rows: a mechanism, its entry points ("file name" or "file name: text"), where its walk stops
-
-ENTRIES = {
-    "tensor parallel": ["parallel.py ColumnParallelLinear", "parallel.py RowParallelLinear",
-                        "parallel.py VocabParallelEmbedding", "parallel.py vocab_parallel_cross_entropy"],
-    "data parallel": ["parallel.py GradientBuckets"],
-    "ZeRO-1": ["parallel.py ShardedGradientBuckets", "parallel.py ZeroOneAdamW",
-               "train.py make_grad_sync: if zero == 1:", "train.py make_optimizer: if cfg.zero_stage >= 1:",
-               "train.py forward_backward_step: parts.grad_sync.finish()", "train.py train_step: optimizer.step("],
-    "1F1B": ["parallel.py one_f_one_b_actions", "parallel.py PipelineComm", "parallel.py run_schedule"],
-    "ring attention": ["context_parallel.py zigzag_split", "context_parallel.py ring_attention"],
-    "ZeRO-3": ["zero.py FullyShardedParameters"],
-    "expert parallel": ["expert_parallel.py exchange_expert_counts", "expert_parallel.py dispatch_to_experts",
-                        "expert_parallel.py ExpertSplit"],
-    "Muon": ["optim.py Muon", "optim.py zero_one_muon_buckets"],
-}
-# what a row's walk does not enter (its entry points aside): a file, or "file name". Every row stops at the
-# model, read on its own (a mechanism that swaps the model's layers names them without reading them)
-STOPS = {
-    "every row": ["model.py"],
-    "1F1B": ["pipeline_schedules.py"],  # the schedules beyond 1F1B, and the split backward
-}
-
-# -----------------------------------------------------------------------------
-# the lines that exist only for another mechanism or setting: (where, what they serve). A row named in what
-# they serve ("ZeRO-2 and ZeRO-3") reads them as its own
-
-OTHER = [
-    # tensor parallelism: the fill protocol (checkpoints, import_hf), the matmul hook (the split backward of
-    # pipeline_schedules.py), sequence parallelism's hooks, the vocabulary padding (kernel sizes)
-    ("parallel.py RowParallelLinear: (sequence parallelism's SequenceParallelRowLinear reduce-scatters instead)",
-     "sequence parallelism"),
-    ("parallel.py VocabParallelEmbedding: Hook: combine ~ reduce-scatters instead", "sequence parallelism"),
-    ("parallel.py padded_vocab_size: and to a multiple of 64 per rank ~ kernel sizes (nanoGPT", "kernel sizes"),
-    ("parallel.py VocabParallelEmbedding: self.weight.vocab_size = vocab_size", "loading weights"),
-    # (the matmul hook is not "other": it is the layers' one extension point, named as such in their
-    # docstrings and parallel.py's hook list, which the issue asks for in place of moving it)
-    # ZeRO-2/3: the pipeline's tied copies, summed across stages
-    ("zero.py GradientShards: `tied` (copies, group): the copies ~ finish() sums their shards over it.",
-     "tied embeddings (pipeline)"),
-    ("zero.py GradientShards: self.tied_copies, self.tied_group = ", "tied embeddings (pipeline)"),
-    ("zero.py GradientShards.plan: tied = {id(p) for p in self.tied_copies}", "tied embeddings (pipeline)"),
-    ("zero.py GradientShards.finish: if self.tied_group is not None: ~ dist.all_reduce(self.where[p][0].grad_shard",
-     "tied embeddings (pipeline)"),
-    # 1F1B's executor: the chunks of one rank, the W actions' refusal, context parallelism's positions,
-    # a dead peer's message
-    ("parallel.py PipelineExecutor: `model` is the rank's stage, or a list ~ model stage each is):",
-     "interleaved schedules"),
-    ("parallel.py PipelineExecutor: self.chunks = list(model) if", "interleaved schedules"),
-    ("parallel.py PipelineExecutor.post_receive: if source is None or self.comm.is_here(source):",
-     "interleaved schedules"),
-    ("parallel.py PipelineExecutor: x, y, *context = self.microbatches[i]", "ring attention"),
-    ("parallel.py PipelineExecutor.act: if op not in (\"F\", \"B\"): ~ ScheduleExecutor)\")", "the split backward (zero bubble)"),
-    # data parallelism: the split backward's gradients, announced by hand; the experts' divisor
-    ("parallel.py GradientBuckets: fires) is announced with grad_ready(p) once complete.",
-     "the split backward (zero bubble)"),
-    # ring attention: document masking, soft-capping
-    ("context_parallel.py visibility: (documents: ids like positions, whose positions ~ previous one and a query's",
-     "document masking"),
-    ("context_parallel.py visibility: span = int(positions.max()) + 1 ~ return documents * span", "document masking"),
-    ("context_parallel.py ring_attention: documents (doc_mask): their document ids", "document masking"),
-    ("context_parallel.py ring_attention: soft-capped when softcap > 0 (Gemma 2)", "soft-capping (Gemma 2)"),
-    ("context_parallel.py _scores: t = torch.tanh(s / softcap) if softcap else None ~ return (s, None) if t is None",
-     "soft-capping (Gemma 2)"),
-    ("context_parallel.py _block_backward: if softcap:", "soft-capping (Gemma 2)"),
-]
+# the counting rule: the functions entered, to the lines they hold
 
 
-# -----------------------------------------------------------------------------
-# reading picotron's files
+def is_tool(file):
+    return any(file == t or (t.endswith("/") and file.startswith(t)) for t in TOOLS)
 
 
-DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+def project_files(root):
+    """{path relative to root: text} of picotron's own files: the .py files at its top, and the
+    tools' (those in a folder of TOOLS)."""
+    paths = list(root.glob("*.py"))
+    paths += [p for t in TOOLS if t.endswith("/") for p in (root / t).rglob("*.py")]
+    return {p.relative_to(root).as_posix(): p.read_text() for p in sorted(paths)}
 
 
-class Source:
-    """One of picotron's files, parsed: its lines, its top-level defs and classes, what it imports from
-    the others (name -> (file, name)) and which of them it imports whole (alias -> file)."""
+def function_spans(text):
+    """{(first line, code name): (qualified name, its non-blank lines)} of each function of a file,
+    keyed as its code object is (co_firstlineno: the first decorator's line); lambdas too, and the
+    comprehensions inside a def (code objects of their own in Python 3.11), which lie within it."""
+    lines, spans = text.splitlines(), {}
 
-    def __init__(self, path, files):
-        self.name, self.text = path.name, path.read_text()
-        self.lines = self.text.splitlines()
-        self.tree = ast.parse(self.text)
-        self.defs = {n.name: n for n in self.tree.body if isinstance(n, DEFS)}
-        self.imported, self.modules = {}, {}
-        for node in ast.walk(self.tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and f"{node.module}.py" in files:
-                for alias in node.names:
-                    self.imported[alias.asname or alias.name] = (f"{node.module}.py", alias.name)
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    if f"{alias.name}.py" in files:
-                        self.modules[alias.asname or alias.name] = f"{alias.name}.py"
+    def add(node, first, name, qualname):
+        span = {k for k in range(first, node.end_lineno + 1) if lines[k - 1].strip()}
+        spans[(first, name)] = (qualname, span)
 
-    def find(self, qualname):
-        """The node of a top-level def or class, or Class.method; None if there is none."""
-        first, *rest = qualname.split(".")
-        node = self.defs.get(first)
-        for part in rest:
-            node = next((n for n in getattr(node, "body", []) if isinstance(n, DEFS) and n.name == part), None)
-        return node
-
-    def is_comment(self, line):
-        return self.lines[line - 1].lstrip().startswith("#")
-
-    def comments_above(self, line):
-        """The comment lines directly above `line` (no blank line between), as a range."""
-        start = line
-        while start > 1 and self.is_comment(start - 1):
-            start -= 1
-        return range(start, line)
-
-    def def_lines(self, node):
-        """A def or class whole: its decorators, its body, the comment lines just above it."""
-        start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-        return set(self.comments_above(start)) | set(range(start, node.end_lineno + 1))
-
-    def part_lines(self, node, text):
-        """The lines `text` marks inside the def `node`, at each line holding it: "first ~ last", the lines
-        from one holding `first` to the next holding `last`; else in a docstring that line, on a comment line
-        the comment block and the statement after it, on a line of code the statement starting there (on a
-        continuation line, the innermost one holding it) with the comment lines just above it."""
-        first, _, last = (part.strip() for part in text.partition(" ~ "))
-        statements = [n for n in ast.walk(node) if isinstance(n, ast.stmt) and n is not node]
-        strings = [n for n in statements if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
-                   and isinstance(n.value.value, str)]
-        found = set()
-        for line in range(node.lineno, node.end_lineno + 1):
-            if first not in self.lines[line - 1]:
-                continue
-            if last:
-                end = next((k for k in range(line, node.end_lineno + 1) if last in self.lines[k - 1]), None)
-                found |= set(range(line, end + 1)) if end else set()
-            elif any(s.lineno <= line <= s.end_lineno for s in strings):
-                found.add(line)
+    def visit(node, prefix, in_def):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([d.lineno for d in child.decorator_list] + [child.lineno])
+                add(child, first, child.name, prefix + child.name)
+                visit(child, f"{prefix}{child.name}.", True)
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.", in_def)
             else:
-                start = line
-                while self.is_comment(start) and start < node.end_lineno:
-                    start += 1
-                starting = [s for s in statements if s.lineno == start]
-                holding = [s for s in statements if s.lineno <= start <= s.end_lineno]
-                statement = (max(starting, key=lambda s: s.end_lineno) if starting
-                             else min(holding, key=lambda s: s.end_lineno - s.lineno))
-                found |= set(self.comments_above(line)) | set(range(line, statement.end_lineno + 1))
-        return found
+                lambda_ = isinstance(child, ast.Lambda)
+                name = "<lambda>" if lambda_ else COMPREHENSIONS.get(type(child))
+                if lambda_ or (name and in_def):
+                    add(child, child.lineno, name, f"{prefix}{name} (line {child.lineno})")
+                visit(child, prefix, in_def)
+
+    visit(ast.parse(text), "", False)
+    return spans
 
 
 def load(root):
-    files = {p.name for p in root.glob("*.py")}
-    return {name: Source(root / name, files) for name in sorted(files)}
+    """{file: function_spans} of picotron's own files."""
+    return {file: function_spans(text) for file, text in project_files(root).items()}
 
 
-def locate(sources, where):
-    """(file, qualname, lines) of a locator "file name" or "file name: text"; ValueError if it is stale."""
-    place, _, text = where.partition(": ")
-    file, _, qualname = place.partition(" ")
-    source = sources.get(file)
-    node = source.find(qualname) if source is not None else None
-    if node is None:
-        raise ValueError(f"{where!r}: {file} has no def or class {qualname!r}")
-    lines = source.part_lines(node, text) if text else source.def_lines(node)
-    if not lines:
-        raise ValueError(f"{where!r}: no line of {file} {qualname} holds {text!r}")
-    return file, qualname, lines
+def entered_lines(spans, entered):
+    """{(file, line)} of the functions entered ((file, first line, code name)), each whole; a code
+    object that is no function (a module's, a class body's) is left out."""
+    found = set()
+    for file, first, name in entered:
+        span = spans.get(file, {}).get((first, name))
+        if span is not None:
+            found |= {(file, k) for k in span[1]}
+    return found
+
+
+def count(spans, entered, baseline):
+    """(lines read, tools' lines entered), each {(file, line)}: the lines of the functions of
+    picotron's files but the tools' that `entered` holds beyond `baseline`; the tools' it holds."""
+    lines = entered_lines(spans, entered)
+    read = {(f, k) for f, k in lines - entered_lines(spans, baseline) if not is_tool(f)}
+    return read, {(f, k) for f, k in lines if is_tool(f)}
+
+
+def by_function(spans, entered, lines):
+    """{file: [(qualified name, n)]}: each line of `lines` given to the outermost function of
+    `entered` holding it (a nested def's lines are its outer def's), n the lines each was given."""
+    given, out = set(), {}
+    found = [e for e in entered if e[1:] in spans.get(e[0], {})]
+    for file, first, name in sorted(found, key=lambda e: (e[0], e[1], -len(spans[e[0]][e[1:]][1]))):
+        qualname, span = spans[file][(first, name)]
+        new = {(file, k) for k in span} & lines - given
+        given |= new
+        if new:
+            out.setdefault(file, []).append((qualname, len(new)))
+    return out
 
 
 # -----------------------------------------------------------------------------
-# the walk
+# the runs, traced
 
 
-def names_in(node, skip):
-    """The Name and Attribute nodes under `node` that a reader follows: not in annotations, not on a line
-    in `skip` (the row's "other" lines), nor in a statement that starts on one."""
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        if isinstance(n, ast.stmt) and n is not node and n.lineno in skip:
-            continue
-        if isinstance(n, (ast.Name, ast.Attribute)) and n.lineno not in skip:
-            yield n
-        children = [v for field, value in ast.iter_fields(n) if field not in ("annotation", "returns")
-                    for v in (value if isinstance(value, list) else [value]) if isinstance(v, ast.AST)]
-        todo += reversed(children)  # popped in the order they are written
+def skip_memory_measurement(step, dev, compiled=False):
+    """metrics.measure_step_memory without the measurement: the step, and a peak of 0."""
+    step()
+    return 0
 
 
-def method_of(sources, file, cls, name, seen=()):
-    """(file, "Class.method") of `name` looked up in class `cls` of `file`, then in its picotron bases."""
-    source = sources[file]
-    node = source.defs.get(cls)
-    if not isinstance(node, ast.ClassDef) or (file, cls) in seen:
-        return None
-    if source.find(f"{cls}.{name}") is not None:
-        return file, f"{cls}.{name}"
-    for base in node.bases:
-        target = resolve_name(sources, file, base.id) if isinstance(base, ast.Name) else None
-        found = target and method_of(sources, *target, name, seen + ((file, cls),))
-        if found:
-            return found
-    return None
+def traced(argv):
+    """{(file, first line, code name)} of the functions of picotron's files (file relative to the
+    repository) that train.py's run of argv enters in this process (its process group, if any,
+    already started)."""
+    codes, out = set(), io.StringIO()
+    measure, metrics.measure_step_memory = metrics.measure_step_memory, skip_memory_measurement
+
+    def tracer(frame, event, arg):  # 'call' events only: returning None asks for no line events
+        codes.add(frame.f_code)
+
+    sys.settrace(tracer)
+    threading.settrace(tracer)
+    try:
+        with redirect_stdout(out):
+            cfg, _, resume_path = train.configure_run(argv)
+            train.train(cfg, build.setup(cfg), resume_path)
+    except BaseException as e:
+        output = out.getvalue()
+        raise RuntimeError(f"train.py {' '.join(argv)} failed; its output:\n{output}") from e
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)
+        metrics.measure_step_memory = measure
+    files = set(project_files(ROOT))
+    where = {name: os.path.relpath(os.path.realpath(name), os.path.realpath(ROOT))
+             for name in {c.co_filename for c in codes}}
+    return {(where[c.co_filename], c.co_firstlineno, c.co_name) for c in codes
+            if where[c.co_filename] in files}
 
 
-def resolve_name(sources, file, name):
-    """(file, name) of a bare name read in `file`: its own top-level def or class, or one it imports."""
-    if name in sources[file].defs:
-        return file, name
-    target = sources[file].imported.get(name)
-    return target if target and target[1] in sources[target[0]].defs else None
+def run_argv(work, base, settings, name):
+    config, *given = BASELINES[base]
+    return [str(ROOT / config), *given, *TINY, *settings, f"--data_dir={work}/data",
+            f"--out_dir={work}/{name}"]
 
 
-def resolve(sources, file, cls, n):
-    """Where a Name or Attribute node read in `file` (inside class `cls`, or None) leads: (file, qualname)."""
-    if isinstance(n, ast.Name):
-        return resolve_name(sources, file, n.id)
-    value = n.value
-    if isinstance(value, ast.Name) and value.id in ("self", "cls") and cls:
-        return method_of(sources, file, cls, n.attr)
-    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super" and cls:
-        bases = [b.id for b in sources[file].defs[cls].bases if isinstance(b, ast.Name)]
-        return next(filter(None, (method_of(sources, *resolve_name(sources, file, b) or (file, b), n.attr)
-                                  for b in bases)), None)
-    if isinstance(value, ast.Name) and value.id in sources[file].modules:
-        module = sources[file].modules[value.id]
-        return (module, n.attr) if n.attr in sources[module].defs else None
-    if isinstance(value, ast.Name):  # Class.method
-        target = resolve_name(sources, file, value.id)
-        return target and method_of(sources, *target, n.attr)
-    return None
+def trace_rows(work):
+    """One rank of the launch: every row's run, one after another on the one process group, traced;
+    writes {row: [[file, first line, name], ...]} to <work>/rank<rank>.json."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    entered = {}
+    for k, (row, base, settings) in enumerate(ROWS):
+        dist.barrier()
+        entered[row] = sorted(traced(run_argv(work, base, settings, f"row{k}")))
+    (Path(work) / f"rank{dist.get_rank()}.json").write_text(json.dumps(entered))
+    dist.destroy_process_group()
 
 
-def stopped(row, file, qualname):
-    return any(stop in (file, f"{file} {qualname}", f"{file} {qualname.split('.')[0]}")
-               for stop in STOPS.get("every row", []) + STOPS.get(row, []))
+def write_tokens(folder, n_tokens=8192, vocab_size=512):
+    """Random token bins (train and val) and their meta.json, as prepare_data.py writes them."""
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split, n in (("train", n_tokens), ("val", n_tokens // 4)):
+        rng.integers(0, vocab_size, n, dtype=np.uint16).tofile(folder / f"{split}.bin")
+    meta = {"tokenizer": "gpt2", "vocab_size": vocab_size, "dtype": "uint16",
+            "eot_token": vocab_size - 1, "train_tokens": n_tokens, "val_tokens": n_tokens // 4}
+    (folder / "meta.json").write_text(json.dumps(meta))
 
 
-def other_lines(sources, row):
-    """{file: {line: what it serves}} of OTHER, but for what serves the row itself."""
-    marked = {}
-    for where, serves in OTHER:
-        file, _, lines = locate(sources, where)
-        if row not in re.split(r", | and ", serves):
-            marked.setdefault(file, {}).update(dict.fromkeys(lines, serves))
-    return marked
+def launch_ranks(work):
+    """torchrun of NPROC ranks running trace_rows, its output in <work>/launch.log: the Popen."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={NPROC}", str(Path(__file__).resolve()), f"--ranks_of={work}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(Path(work) / "launch.log", "w") as log:  # (the launch writes to its own copy)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
 
-def walk(sources, row, skip):
-    """What row's reader reads, not following what the lines in `skip` ({file: lines}) name: ({file: set of
-    lines}, [(file, qualname, its lines)] in the order reached)."""
-    read, order, todo, seen = {}, [], [], set()
-    for where in ENTRIES[row]:
-        file, qualname, lines = locate(sources, where)
-        todo.append((file, qualname, lines, ": " in where))
-    entries = len(todo)
-    while todo:
-        file, qualname, lines, part = todo.pop(0)
-        key = (file, qualname, part and min(lines))
-        entries -= 1
-        if key in seen or (entries < 0 and stopped(row, file, qualname)):
-            continue
-        seen.add(key)
-        read.setdefault(file, set()).update(lines)
-        order.append((file, qualname if not part else f"{qualname} (line {min(lines)})", lines))
-        top = sources[file].defs.get(qualname.split(".")[0])
-        cls = top.name if isinstance(top, ast.ClassDef) else None
-        for n in names_in(sources[file].find(qualname), skip.get(file, set())):
-            target = resolve(sources, file, cls, n) if not part or n.lineno in lines else None
-            if target is not None:
-                todo.append((*target, sources[target[0]].def_lines(sources[target[0]].find(target[1])), False))
-    return read, order
-
-
-def measure(sources, row):
-    """(lines read, of which other, the walk's order, {file: {other line: what it serves}}) for a row. Read:
-    everything the walk reaches. Other: the lines OTHER marks, and what is reached only through them (the
-    walk again, not following the marked lines, does not reach it)."""
-    marked = other_lines(sources, row)
-    read, order = walk(sources, row, {})
-    core, _ = walk(sources, row, marked)
-    others = {}
-    for file, lines in read.items():
-        others[file] = {k: marked.get(file, {}).get(k, "reached only from other lines") for k in lines
-                        if k in marked.get(file, {}) or k not in core.get(file, set())}
-
-    def count(file, lines):
-        return sum(1 for k in lines if sources[file].lines[k - 1].strip())
-    return (sum(count(file, lines) for file, lines in read.items()),
-            sum(count(file, lines) for file, lines in others.items()), order, others)
+def trace_all():
+    """({row: the functions its 2-process run entered}, {one-process run: the functions it
+    entered}): the launch of the rows, and meanwhile the one-process runs here, one by one."""
+    torch.set_num_threads(1)  # (as each rank: the launch has the machine's cores)
+    with tempfile.TemporaryDirectory() as work:
+        write_tokens(Path(work) / "data")
+        launch = launch_ranks(work)
+        try:
+            alone = {base: traced(run_argv(work, base, [], f"one_{base}")) for base in BASELINES}
+            launch.wait(timeout=600)
+        finally:
+            if launch.poll() is None:  # (a run here failed: torchrun ends its ranks on SIGTERM)
+                launch.terminate()
+                launch.wait(timeout=30)
+        if launch.returncode != 0:
+            log = (Path(work) / "launch.log").read_text()
+            raise SystemExit(f"the launch of the rows failed ({launch.returncode}):\n{log[-6000:]}")
+        ranks = [json.loads((Path(work) / f"rank{r}.json").read_text()) for r in range(NPROC)]
+    return {row: {tuple(e) for rank in ranks for e in rank[row]} for row, _, _ in ROWS}, alone
 
 
 # -----------------------------------------------------------------------------
 # the table
 
-HEADER = "| mechanism | entry points | lines read | of which other |\n|---|---|---|---|"
+HEADER = "| mechanism | layout | lines read |\n|---|---|---|"
 
 
-def entry_cell(row):
-    """The row's entry points, by file: its defs and classes, then the defs whose lines it reads."""
-    whole, parts = {}, {}
-    for where in ENTRIES[row]:
-        place, _, text = where.partition(": ")
-        file, _, name = place.partition(" ")
-        names = (parts if text else whole).setdefault(file, [])
-        if f"`{name}`" not in names:
-            names.append(f"`{name}`")
-    cells = [f"{file} " + ", ".join(names) for file, names in whole.items()]
-    cells += [f"{file}: lines of " + ", ".join(names) for file, names in parts.items()]
-    return "; ".join(cells)
+def layout_cell(base, settings):
+    """The row's settings beyond the tiny dense run's: its config file when another, its own."""
+    config, *given = BASELINES[base]
+    shown = ([] if config == BASELINES["dense"][0] else [config]) + given + settings
+    return f"`{' '.join(shown)}`"
 
 
-def table(sources):
-    rows = [HEADER]
-    for row in ENTRIES:
-        total, other, _, _ = measure(sources, row)
-        rows.append(f"| {row} | {entry_cell(row)} | {total} | {other} |")
-    return "\n".join(rows)
-
-
-def details(sources):
-    """Per row: each def read with its non-blank lines, and each run of "other" lines with what it serves."""
-    out = []
-    for row in ENTRIES:
-        total, other, order, others = measure(sources, row)
-        out.append(f"\n## {row}: {total} lines read, {other} other")
-        shown = {}
-        for file, name, lines in order:  # (a method of a class already listed adds nothing)
-            new = lines - shown.setdefault(file, set())
-            shown[file] |= lines
-            n = sum(1 for k in new if sources[file].lines[k - 1].strip())
-            if n:
-                out.append(f"  read   {file} {name}: {n} line{'s' if n != 1 else ''}")
-        for file, marked in others.items():
-            for start, end, serves in runs(marked):
-                out.append(f"  other  {file} {start}-{end}: {serves}")
+def table(spans, rows, alone):
+    out = [HEADER]
+    for row, base, settings in ROWS:
+        read, _ = count(spans, rows[row], alone[base])  # (the tools' lines entered: --show)
+        out.append(f"| {row} | {layout_cell(base, settings)} | {len(read)} |")
     return "\n".join(out)
 
 
-def runs(marked):
-    """[(first, last, what)] of {line: what}, consecutive lines serving the same thing joined."""
-    found = []
-    for k in sorted(marked):
-        if found and found[-1][1] == k - 1 and found[-1][2] == marked[k]:
-            found[-1] = (found[-1][0], k, marked[k])
-        else:
-            found.append((k, k, marked[k]))
-    return found
+def listing(spans, entered, lines, indent="  "):
+    """The functions of `entered` that `lines` holds, by file, with the lines each was given."""
+    out = []
+    for file, functions in by_function(spans, entered, lines).items():
+        out.append(f"{indent}{file}: {sum(n for _, n in functions)}")
+        out += [f"{indent}    {name}: {n}" for name, n in functions]
+    return out
+
+
+def details(spans, rows, alone):
+    """Per row, each function counted, by file, then the tools' functions its run entered; last,
+    the tools' functions each one-process run entered."""
+    out = []
+    for row, base, settings in ROWS:
+        read, tools = count(spans, rows[row], alone[base])
+        out.append(f"\n## {row}: {layout_cell(base, settings)} on {NPROC} processes against one: "
+                   f"{len(read)} lines read")
+        out += listing(spans, rows[row], read)
+        out.append(f"  tools entered: {len(tools)} lines")
+        out += listing(spans, rows[row], tools, "    ")
+    for base in BASELINES:
+        _, tools = count(spans, alone[base], ())
+        out.append(f"\n## one process, `{' '.join(BASELINES[base])}`: tools entered: "
+                   f"{len(tools)} lines")
+        out += listing(spans, alone[base], tools)
+    return "\n".join(out)
 
 
 def with_table(readme, new):
-    """The README's text with its table (from HEADER's first line to the first line not in a table) new."""
+    """The README's text with its table (from HEADER's first line to the first line not in a table)
+    new."""
     lines = readme.splitlines(keepends=True)
     first = HEADER.splitlines()[0]
     start = next((k for k, line in enumerate(lines) if line.rstrip("\n") == first), None)
     if start is None:
-        raise SystemExit(f"README.md has no line {first!r}: put the table where it belongs once by hand "
-                         f"(python scripts/reading_path.py prints it), then --write keeps it current")
+        raise SystemExit(f"README.md has no line {first!r}: put the table where it belongs once by "
+                         f"hand (python scripts/reading_path.py prints it), then --write keeps it")
     end = next((k for k in range(start, len(lines)) if not lines[k].startswith("|")), len(lines))
     return "".join(lines[:start]) + new + "\n" + "".join(lines[end:])
 
@@ -398,18 +333,21 @@ def with_table(readme, new):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--show", action="store_true", help="list each def read and each other part, per row")
+    parser.add_argument("--show", action="store_true", help="list each function counted, per row")
     parser.add_argument("--write", action="store_true", help="rewrite the table in README.md")
+    parser.add_argument("--ranks_of", help=argparse.SUPPRESS)  # (a rank of the launch: its folder)
     args = parser.parse_args(argv)
-    sources = load(ROOT)
-    try:
-        text = table(sources)
-    except ValueError as e:
-        raise SystemExit(f"scripts/reading_path.py: a stale entry in ENTRIES or OTHER: {e}; change it to where the "
-                         f"code is now")
+    sys.path.insert(0, str(ROOT))  # (train.py and the files it imports)
+    if args.ranks_of:
+        return trace_rows(args.ranks_of)
+    start = time.time()
+    rows, alone = trace_all()
+    spans = load(ROOT)
+    text = table(spans, rows, alone)
     print(text)
     if args.show:
-        print(details(sources))
+        print(details(spans, rows, alone))
+    print(f"traced in {time.time() - start:.0f} s", file=sys.stderr)
     if args.write:
         readme = ROOT / "README.md"
         readme.write_text(with_table(readme.read_text(), text))
