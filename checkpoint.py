@@ -594,6 +594,58 @@ def newest_intact(out_dir, before=None):
 
 
 # -----------------------------------------------------------------------------
+# the checkpoint a tool names (sample.py's and export_hf.py's --ckpt)
+
+def _damaged(out_dir):
+    """' (why each ckpt_* folder in out_dir cannot be used)', or '' when it has none."""
+    return "".join(f" ({p} cannot be used: {why_incomplete(p)})" for p in checkpoint_folders(out_dir))
+
+
+def find_checkpoint(ckpt, out_dir):
+    """The complete checkpoint a tool's --ckpt names (sample.py, export_hf.py), or with ckpt empty out_dir's
+    newest (out_dir itself when it is one checkpoint's folder). --ckpt is a checkpoint folder's path, its step
+    written as saved (out/run/ckpt_0000300) or not (out/run/ckpt_300), or a name or step alone (ckpt_300,
+    300), which is looked for in out_dir. When there is none, the FileNotFoundError says why and lists the
+    complete checkpoints that are there."""
+    if not ckpt:
+        if is_complete(out_dir):
+            return out_dir
+        path = latest_checkpoint(out_dir)
+        if path is None:
+            raise FileNotFoundError(f"no complete checkpoint in out_dir '{out_dir}'{_damaged(out_dir)}: train "
+                                    f"first, or name a run's folder with --out_dir, or a checkpoint with --ckpt")
+        return path
+    if is_complete(ckpt):
+        return ckpt
+    parent, name = os.path.split(os.path.normpath(ckpt))
+    named = re.fullmatch(r"ckpt_(\d+)", name) or (None if parent else re.fullmatch(r"(\d+)", name))
+    if named:
+        # ckpt_300 is ckpt_0000300, as save() names it (the step zero-padded to 7 digits, so names sort by step)
+        folder, step = parent or out_dir, int(named.group(1))
+        for path in complete_checkpoints(folder):
+            if step_of(path) == step:
+                return path
+        padded = os.path.join(folder, f"ckpt_{step:07d}")
+        if os.path.exists(padded):
+            why = f"{padded}: {why_incomplete(padded)}"
+        else:
+            why = f"{folder} has no ckpt_{step:07d}" if os.path.isdir(folder) else f"{folder} does not exist"
+    else:
+        why = why_incomplete(ckpt)
+        folder = ckpt if checkpoint_folders(ckpt) else parent or "."  # a run's folder: list its checkpoints
+    done = [os.path.basename(p) for p in complete_checkpoints(folder)]
+    if done:
+        shown = done if len(done) <= 6 else done[:1] + ["..."] + done[-4:]
+        listed = f"; the complete checkpoints in {folder} are {', '.join(shown)}"
+    elif os.path.isdir(folder) and (named or checkpoint_folders(folder)):
+        listed = f"; {folder} holds no complete checkpoint"
+    else:
+        listed = ""
+    raise FileNotFoundError(f"--ckpt={ckpt} is not a complete checkpoint (a ckpt_* folder with its meta.json and "
+                            f"every rank file): {why}{listed}")
+
+
+# -----------------------------------------------------------------------------
 # offline: python checkpoint.py --verify OUT_DIR, and the command that resumes a run
 
 def resume_command(out_dir, world_size, per_node=None):

@@ -132,7 +132,7 @@ def expert_rows(model_cfg, tokens, ep=1):
 
 
 def exchange_bytes(model_cfg, tokens, ep, act_bytes):
-    """The memory planner's count (memory_plan.py): while an MoE layer's outputs travel back, the rows it
+    """The memory planner's count (tools/memory_plan.py): while an MoE layer's outputs travel back, the rows it
     sent, the rows it received, its experts' outputs and their reordered copy (dispatch_to_experts), beside
     the activations saved so far."""
     kept, received = expert_rows(model_cfg, tokens, ep)

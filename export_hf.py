@@ -42,6 +42,7 @@ every export back as the model it came from (a mixture of experts too: it undoes
 
 transformers and safetensors are needed only here: pip install transformers safetensors
 """
+import importlib
 import importlib.util
 import json
 import os
@@ -50,11 +51,12 @@ import sys
 from dataclasses import fields
 
 import torch
+from tiktoken.load import read_file_cached
 
 import checkpoint
+from checkpoint import find_checkpoint
 from configurator import ConfigError, Setting, configure, make_folder, section
 from model import ModelConfig, Transformer, attention_head_dim, mlp_hidden_size, model_config_from
-from sample import find_checkpoint
 
 EXPORT = section(
     "export",
@@ -78,7 +80,7 @@ def require(package, why):
 
 
 def load_picotron(out_dir, ckpt=""):
-    """The single-process model of a checkpoint (sample.find_checkpoint: the one --ckpt names, else
+    """The single-process model of a checkpoint (checkpoint.find_checkpoint: the one --ckpt names, else
     out_dir's newest), whatever layout it was saved at, and its meta.json."""
     path = find_checkpoint(ckpt, out_dir)
     with open(os.path.join(path, "meta.json")) as f:
@@ -416,7 +418,6 @@ def write_gpt2_tokenizer(hf_dir, block_size):
     """GPT-2's tokenizer as transformers files (vocab.json, merges.txt, tokenizer.json), from the two files
     tiktoken's gpt2 encoding is built from: encoder.json is the vocabulary, vocab.bpe the merges. tiktoken
     reads them from its cache (TIKTOKEN_CACHE_DIR) when they are there, so this works offline."""
-    from tiktoken.load import read_file_cached
     from transformers import GPT2TokenizerFast
     with open(os.path.join(hf_dir, "vocab.json"), "wb") as f:
         f.write(read_file_cached(GPT2_FILES + "encoder.json"))
@@ -433,7 +434,6 @@ def write_gpt2_tokenizer(hf_dir, block_size):
 def hf_classes(arch):
     """(model class, config class) of an architecture, imported from its own module: asking the top-level
     transformers package for a name it has not loaded yet scans every model it ships (seconds)."""
-    import importlib
     import transformers
     module = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
               "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe", "VaultGemmaForCausalLM": "vaultgemma",

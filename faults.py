@@ -8,7 +8,7 @@ What a long run does when a step, a peer or the job's time goes wrong (settings.
   a dead or hung peer every survivor says which rank it is, what it waited in and how to continue
                       (peer_failure tells such an error from the others; end_on_dead_peer), within
                       dist_timeout_s
-  the end of a script train.py and bench.py end by run_script, past the interpreter's teardown, where
+  the end of a script train.py and tools/bench.py end by run_script, past the interpreter's teardown, where
                       torch's gloo threads can abort a process: 0 finished, 1 an error (said once, by
                       rank 0), 75 stopped and saved by SIGTERM
   a full disk at      rank 0 alone writes metrics.jsonl: every rank learns of its failure at the same line

@@ -288,10 +288,10 @@ def apply_fp8(model, recipe, *, keep=None, token_group=None, device_type="cpu"):
     a linear whose dimensions are not multiples of 16 stays too, and so does one whose weight's gradient is
     summed over the tp ranks (tensor_parallel.sum_grad_over). token_group: the group splitting each
     sequence (context parallelism). Under expert parallelism each expert's rows are cast per source rank.
-    Returns the number of linears swapped. recipe 'none' changes nothing."""
+    Returns the model, as every apply_* does (count_fp8 counts the linears swapped). recipe 'none' changes
+    nothing."""
     if recipe == "none":
-        return 0
-    swapped = []
+        return model
     for name, layer in model.named_modules():
         if not isinstance(layer, nn.Linear | ColumnParallelLinear | RowParallelLinear) or (keep and keep(name, layer)):
             continue
@@ -307,12 +307,11 @@ def apply_fp8(model, recipe, *, keep=None, token_group=None, device_type="cpu"):
         else:
             layer.__class__ = Float8Linear  # the same module: its parameters, hooks and name stay
             layer.matmul = Float8Matmul(recipe, tokens=token_group)
-        swapped.append(layer)
     for module in model.modules():  # the mixtures of experts whose experts are spread over ranks
         dispatch = getattr(module, "dispatch", None)
         if group_size(getattr(dispatch, "group", None)) > 1 and hasattr(module, "experts"):
             dispatch.exchange_counts = functools.partial(_per_source, dispatch.exchange_counts, module.experts)
-    return len(swapped)
+    return model
 
 
 def _per_source(exchange_counts, experts, counts):

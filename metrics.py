@@ -1,16 +1,17 @@
 """
-What a training run measures, and where the measurements go. train.py and bench.py both use it.
+What a training run measures, and where the measurements go. train.py and tools/bench.py both use it.
 
   1. FLOPs per token of a model config (the numerator of MFU), and the pipeline's stages cut by them.
   2. The device's peak FLOP/s: a table of GPU datasheet figures, or a measured matmul probe on CPU,
      probed again when a run comes near it (PeakFlops, which both ask for the MFU).
   3. MFU and peak memory.
-  4. The log: metrics.jsonl (always; the resume and plot.py read it back with read_log), and the
+  4. The log: metrics.jsonl (always; the resume and tools/plot.py read it back with read_log), and the
      optional W&B and TensorBoard backends, imported only when a run asks for them.
   5. The memory of one step, measured: CUDA's allocator, or on CPU a tracker of live tensor storages.
-     What memory_plan.py predicts before anything runs is held to it (memory_plan.memory_rows).
+     What tools/memory_plan.py predicts before anything runs is held to it (memory_plan.memory_rows).
 """
 import functools
+import gc
 import itertools
 import json
 import math
@@ -19,17 +20,18 @@ import re
 import resource
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from configurator import ConfigError
 from model import attention_dims, mlp_hidden_size
-from parallel import full_shape_of
-from pipeline_schedules import cost_cut
+from parallel import counting_waits, full_shape_of
 
 
 # -----------------------------------------------------------------------------
@@ -66,16 +68,6 @@ def flops_per_token(cfg):
     """Training FLOPs per token of the whole model (the numerator of MFU): the sum of pipeline_costs."""
     embedding, blocks, head = pipeline_costs(cfg)
     return embedding + sum(blocks) + head
-
-
-def stage_cut(cfg, schedule, pp, chunks=1, pp_layers=""):
-    """The number of blocks of each of the pp * chunks model stages, first to last: the pp_layers setting's
-    numbers when it is set ("7,1"; settings.check_values checked them), else the cut by the costs above
-    (pipeline_schedules.cost_cut). model.Transformer, the memory planner and the start-up line all take
-    their cut from here."""
-    if pp_layers:
-        return tuple(int(n) for n in pp_layers.split(","))
-    return cost_cut(schedule, pp, chunks, pipeline_costs(cfg))
 
 
 def full_param_count(model, layout):
@@ -215,7 +207,7 @@ REPROBE_AT = 0.9
 
 class PeakFlops:
     """The peak FLOP/s of one device that MFU divides by, and the one rule for it: train.py's log line and
-    bench.py both ask it for their MFU. It starts from device_peak_flops (the setting, a datasheet figure,
+    tools/bench.py both ask it for their MFU. It starts from device_peak_flops (the setting, a datasheet figure,
     or on CPU the probe). Where the peak is a probe, mfu() probes again when the achieved FLOP/s per device
     comes to REPROBE_AT of it, keeps the best peak seen, and says so in the note it returns; only at a new
     high of the achieved FLOP/s, so that a run that really is near the peak probes a few times, not at every
@@ -347,7 +339,7 @@ def read_log(path):
     """The log at `path` as [(line, record)]: each line as written, and the record it holds. A last
     line that is not a whole record is what a kill (or a full disk) in the middle of a write leaves:
     it is dropped, with a warning. One in the middle is damage that no reader can mend: LogError
-    names its line. The resume (MetricsLog) and plot.py both read the log here."""
+    names its line. The resume (MetricsLog) and tools/plot.py both read the log here."""
     with open(path) as f:
         lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
     records = []
@@ -417,6 +409,32 @@ def open_log_backends(cfg):
         off = " or ".join(f"--{flag}=False" for flag in ("wandb_log", "tensorboard_log") if getattr(cfg, flag))
         raise ConfigError(f"logging cannot start ({type(e).__name__}: {first}): fix that, or turn it off "
                           f"({off})") from e
+
+
+# -----------------------------------------------------------------------------
+# Where a step waited: parallel.waited counts every wait on communication by its mechanism, so a log line
+# shows what no computation hid (tools/bench.py's exposed_comm_ms, train.py's).
+
+MECHANISMS = ("dp", "tp", "cp", "ep", "pp")  # (dp: data parallelism and every ZeRO stage)
+
+
+def exposed_comm(step, layout):
+    """Run step(); returns (what it returned, mean_waits of the milliseconds this rank stood in
+    parallel.waited during it)."""
+    with counting_waits() as waits:
+        out = step()
+    return out, mean_waits(waits, layout)
+
+
+def mean_waits(waits, layout):
+    """{mechanism: ms} of a counting_waits block, every mechanism named, the mean over the world's ranks
+    (every rank calls it: one all-reduce)."""
+    waited = {m: waits.get(m, 0.0) for m in MECHANISMS}
+    if layout.world_size > 1:
+        mean = torch.tensor(list(waited.values()), dtype=torch.float64) / layout.world_size
+        dist.all_reduce(mean)
+        waited = dict(zip(waited, mean.tolist()))
+    return waited
 
 
 def moe_metrics(model, layout, steps=1):
@@ -501,7 +519,7 @@ def format_log_line(record, eta, dev):
 # -----------------------------------------------------------------------------
 # 5. The memory of one step, measured
 #
-# What memory_plan.py's prediction is held to (tests/test_memory.py): this rank's peak bytes during
+# What tools/memory_plan.py's prediction is held to (tests/test_memory.py): this rank's peak bytes during
 # one step, from CUDA's allocator or, on CPU, from the live tensor storages.
 
 
@@ -510,8 +528,6 @@ def live_cpu_storages():
     optimizer states), each once however many views share it, in a weak dictionary. A tensor whose storage is
     not on the CPU is left out: the FakeTensors that torch.compile keeps in its caches say device 'cpu' but
     hold a meta storage, no memory (counted, they made a compiled run's live bytes 500 MiB too many)."""
-    import gc
-    import warnings
     gc.collect()  # (tensors in cycles nothing reaches any more: garbage, not alive)
     live = WeakIdKeyDictionary()
     with warnings.catch_warnings():
@@ -557,7 +573,6 @@ def allocated_peak_bytes(step):
     allocation and free through the CPU allocator, in order) add to them. For compiled code, which no
     dispatch mode can measure (see measure_step_memory). A block allocated before the step and freed in it
     is not subtracted (the profiler never saw its size): the few such in a step err high."""
-    from torch.profiler import ProfilerActivity, profile
     before = sum(storage.nbytes() for storage in live_cpu_storages().keys())
     profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     # Out of sight: kineto's own start and stop lines, and the allocator's warning about a block freed

@@ -960,12 +960,12 @@ def moe_problems(cfg):
     return problems
 
 
-def padded_vocab_size(vocab_size, multiple=64):
+def padded_vocab_size(vocab_size):
     """The embedding's and the head's rows: the vocabulary rounded up to a multiple of 64, which keeps their
-    matmuls on fast kernel sizes (nanoGPT's 50257 -> 50304); tensor parallelism pads to 64 per rank. The
-    extra rows are never a target: NextTokenLoss cuts their logits off, the embedding never looks them up,
-    so they stay zero and take no gradient."""
-    return (vocab_size + multiple - 1) // multiple * multiple
+    matmuls on fast kernel sizes (nanoGPT's 50257 -> 50304); tensor parallelism pads to 64 per rank
+    (parallel.split_vocab_size). The extra rows are never a target: NextTokenLoss cuts their logits off,
+    the embedding never looks them up, so they stay zero and take no gradient."""
+    return (vocab_size + 63) // 64 * 64
 
 
 class NextTokenLoss(nn.Module):

@@ -1,6 +1,6 @@
 """
-Every setting of a training run, in one place: its default and what it means. train.py and bench.py take
-them, make_config.py writes them into a commented config, `python train.py --help` lists them, and
+Every setting of a training run, in one place: its default and what it means. train.py and tools/bench.py take
+them, tools/make_config.py writes them into a commented config, `python train.py --help` lists them, and
 docs/settings.md's table shows them. A config file (config/*.py) is plain assignments of these names;
 --key=value on the command line overrides any of them (configurator.py).
 
@@ -173,7 +173,7 @@ TRAINING = [
         Setting("tp", 1, "tensor-parallel ranks", resume="allow"),
         Setting("pp", 1, "pipeline stages", resume="allow"),
         Setting("pp_schedule", "1f1b", "'1f1b', 'afab', 'interleaved_1f1b', 'zero_bubble' (ZB-H1) or 'zbv' (python "
-                "timeline.py draws each)", resume="allow"),
+                "tools/timeline.py draws each)", resume="allow"),
         Setting("zero_stage", 0, "1 shards the optimizer states across data-parallel ranks, 2 also the gradients, 3 also "
                 "the parameters", resume="allow"),
         Setting("bucket_size_mb", 25.0, "data-parallel gradients are averaged in buckets of about this size",
@@ -187,7 +187,7 @@ TRAINING = [
         Setting("pp_chunks", 1, "model chunks per pipeline rank (virtual stages): interleaved_1f1b any, zbv 2, the "
                 "others 1", resume="allow"),
         Setting("pp_layers", "", "the blocks of each model stage, first to last, pp * pp_chunks numbers summing to "
-                "n_layer ('7,1'); '' cuts the stages by their FLOPs, the head and loss counted (metrics.stage_cut)",
+                "n_layer ('7,1'); '' cuts the stages by their FLOPs, the head and loss counted (build.stage_cut)",
                 resume="allow"),
         Setting("pp_trace", False, "time every pipeline action of the second step on every rank: <out_dir>/"
                 "pp_trace.json (Chrome trace), the measured bubble printed", resume="allow"),

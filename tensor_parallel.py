@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from parallel import (ColumnParallelLinear, RowParallelLinear, SequenceParallelEmbedding, SequenceParallelRowLinear,
                       VocabParallelEmbedding, copy_to_tp, gather_from_sp, gather_from_tp, group_rank, group_size,
-                      padded_vocab_size, scatter_to_tp, valid_vocab_columns, vocab_parallel_cross_entropy, waited)
+                      split_vocab_size, scatter_to_tp, valid_vocab_columns, vocab_parallel_cross_entropy, waited)
 
 
 class VocabParallelLoss(nn.Module):
@@ -208,7 +208,7 @@ def apply_tensor_parallel(model, group, sequence_parallel=False):
             sum_grad_over(model.norm, group)
         tied = cfg.tie_embeddings and model.tok_emb is not None
         with torch.device(model.lm_head.weight.device):  # padded to 64 rows per rank
-            model.lm_head = ColumnParallelLinear(cfg.n_embd, padded_vocab_size(cfg.vocab_size, tp), group=group,
+            model.lm_head = ColumnParallelLinear(cfg.n_embd, split_vocab_size(cfg.vocab_size, tp), group=group,
                                                  copy_input=not sequence_parallel)
         model.lm_head.weight.vocab_size = cfg.vocab_size  # rows past it are padding (load_shard reads the real ones)
         if tied:

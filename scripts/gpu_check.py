@@ -10,8 +10,8 @@ plus bytes written), each the median of 10 timed runs after 3 warm-ups, timed wi
 summary reads what each section left in LOGS: sections.tsv (one line per section: section, check, status,
 seconds, log file), the env log's ENV line, the pytest junit XML of the tests (each test's `figures`
 property, from record_property) and each bench log's RESULT line. A memory planner's prediction is shown
-beside the measured peak (bench's memory rows: memory_plan.py's prediction and the measured step's tensors),
-and step_time.py's predicted step beside the measured one (bench's `predicted_step_s`, its machine=auto
+beside the measured peak (bench's memory rows: tools/memory_plan.py's prediction and the measured step's tensors),
+and tools/step_time.py's predicted step beside the measured one (bench's `predicted_step_s`, its machine=auto
 measured on the GPU).
 """
 import json
@@ -21,7 +21,13 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import metrics  # noqa: E402
+from model import flash_attn_available  # noqa: E402
 
 
 # -----------------------------------------------------------------------------
@@ -30,7 +36,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def timed_median(fn, warmup=3, repeats=10):
     """Median seconds of fn on the GPU, timed with CUDA events."""
-    import torch
     for _ in range(warmup):
         fn()
     times = []
@@ -45,10 +50,6 @@ def timed_median(fn, warmup=3, repeats=10):
 
 
 def env(dry_run=False):
-    import torch
-    sys.path.insert(0, ROOT)
-    import metrics
-    from model import flash_attn_available
     info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
             "flash_attn": flash_attn_available()}
     try:
@@ -141,7 +142,7 @@ def gib(n):
 
 def bench_figures(result, env_info):
     """The figures of one bench RESULT: speed, MFU (of the datasheet peak, and of the measured matmul rate),
-    step_time.py's predicted step, memory (and the planner's prediction), the first step (compilation), the
+    tools/step_time.py's predicted step, memory (and the planner's prediction), the first step (compilation), the
     profile."""
     parts = [f"{result['tokens_per_sec']:,.0f} tok/s", f"{result['ms_per_step']:,.0f} ms/step"]
     if result.get("mfu") is not None:
@@ -155,7 +156,7 @@ def bench_figures(result, env_info):
     if result.get("compare_fp8"):  # (--compare_fp8: the same step with fp8 the other way, timed in turn)
         parts.append(f"{result['ms_per_step'] / result['compare_fp8_ms_per_step']:.2f}x the time of "
                      f"fp8={result['compare_fp8']}")
-    predicted = result.get("predicted_step_s")  # (step_time.py on bench's machine=auto, measured there)
+    predicted = result.get("predicted_step_s")  # (tools/step_time.py on bench's machine=auto, measured there)
     if predicted:
         error = 1e3 * predicted / result["ms_per_step"] - 1
         parts.append(f"predicted {1e3 * predicted:,.0f} ms/step ({100 * error:+.0f}%)")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # picotron on one CUDA GPU, in at most 5 minutes: the machine and its measured ceilings, the CUDA tests,
-# and bench.py in bf16 with torch.compile at three fixed sizes; then one Markdown table (docs/gpu.md's
+# and tools/bench.py in bf16 with torch.compile at three fixed sizes; then one Markdown table (docs/gpu.md's
 # table takes it as it is). It needs only what such a machine has: torch, triton, tiktoken (no
-# flash-attn, no network, no dataset: bench.py times random tokens, the tests write tiny bins).
+# flash-attn, no network, no dataset: tools/bench.py times random tokens, the tests write tiny bins).
 #
 #   scripts/gpu_check.sh                      every section: env tests bench
 #   scripts/gpu_check.sh tests bench-1b       the sections named: env, tests, bench (= bench-125m bench-350m
@@ -127,7 +127,7 @@ for size in "${SIZES[@]}"; do
           --block_size="$SEQ" --vocab_size="$VOCAB" --warmup_steps="$WARMUP" --bench_steps="$STEPS" "${DEVICE_ARGS[@]}")
     [[ $name == 1b ]] && args+=(--profile_steps="$PROFILE" --profile_trace="$LOGS/profile_$name.json.gz")
     run_section bench "$layers x $width, batch $batch x $SEQ" "$limit" "$LOGS/bench_$name.log" \
-        "$PYTHON" bench.py "${args[@]}"
+        "$PYTHON" tools/bench.py "${args[@]}"
 done
 
 # FP8 (fp8.py, tensorwise) at the 350M size, timed in turn against the same step in bf16 (--compare_fp8): the
@@ -135,7 +135,7 @@ done
 if wanted bench-fp8; then
     read -r name layers heads width batch limit <<<"${SIZES[1]}"
     run_section bench "fp8 tensorwise against bf16, $layers x $width, batch $batch x $SEQ" 90 "$LOGS/bench_fp8.log" \
-        "$PYTHON" bench.py --n_layer="$layers" --n_head="$heads" --n_kv_head="$heads" --n_embd="$width" \
+        "$PYTHON" tools/bench.py --n_layer="$layers" --n_head="$heads" --n_kv_head="$heads" --n_embd="$width" \
         --batch_size="$batch" --block_size="$SEQ" --vocab_size="$VOCAB" --warmup_steps="$WARMUP" \
         --bench_steps="$STEPS" "${DEVICE_ARGS[@]}" --fp8=tensorwise --compare_fp8=True
 fi

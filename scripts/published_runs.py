@@ -1,5 +1,5 @@
 """
-step_time.py's prediction beside published training runs (../shared/published_runs.md): every row
+tools/step_time.py's prediction beside published training runs (../shared/published_runs.md): every row
 picotron's settings can express, predicted on the named machine of its GPU, its error against the
 published step time, and the rows it cannot express, with why. Nothing is tuned to the published figures:
 where a source leaves a setting unpublished, the choice below is said in the row's note and made the same
@@ -17,8 +17,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tools import machines  # noqa: E402
 import settings  # noqa: E402
-import step_time  # noqa: E402
+from tools import step_time  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
 SOURCE = "../shared/published_runs.md"
@@ -109,7 +110,7 @@ NOT_EXPRESSIBLE = [
      "recomputes whole blocks or none"),
     ("TT-9 to TT-12", "selective activation checkpointing, on a 500 W HBM2e H100 whose peak torchtitan itself does "
      "not know"),
-    ("TT-13 to TT-21", "float8 linears (torchao): not a bf16 matmul rate, and step_time.py does not model FP8's "
+    ("TT-13 to TT-21", "float8 linears (torchao): not a bf16 matmul rate, and tools/step_time.py does not model FP8's "
                        "(fp8.py runs it; no GPU here to measure its rate)"),
     ("TT-24, TT-26", "asynchronous tensor parallelism (communication overlapped inside the matmuls): picotron's TP "
      "collectives are not overlapped"),
@@ -126,7 +127,7 @@ def predict_row(row):
                batch_size=mbs, gradient_accumulation_steps=gbs // (dp * mbs), zero_stage=zero,
                activation_checkpointing=ac, sequence_parallel=tp > 1 and model.startswith("mlm"))
     model_cfg = ModelConfig(**{k: cfg[k] for k in ModelConfig.__dataclass_fields__ if k in cfg})
-    prediction = step_time.predict(model_cfg, step_time.run_of(cfg), step_time.load_machine(machine))
+    prediction = step_time.predict(model_cfg, step_time.run_of(cfg), machines.load_machine(machine))
     return prediction["step_s"], prediction
 
 

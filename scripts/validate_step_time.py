@@ -1,7 +1,7 @@
 """
-step_time.py held to this machine: every layout below timed by bench.py (one core a rank, OMP_NUM_THREADS=1)
-at one process and at 2 ranks, at two model sizes, its predicted step (bench.py's RESULT: machine=auto, this
-machine measured by bench.py itself) beside the measured, and whether the layouts rank as measured.
+tools/step_time.py held to this machine: every layout below timed by tools/bench.py (one core a rank, OMP_NUM_THREADS=1)
+at one process and at 2 ranks, at two model sizes, its predicted step (tools/bench.py's RESULT: machine=auto, this
+machine measured by tools/bench.py itself) beside the measured, and whether the layouts rank as measured.
 
     nice python scripts/validate_step_time.py                 # both sizes, every layout: about 15 minutes
     nice python scripts/validate_step_time.py --sizes=small   # one size
@@ -54,8 +54,8 @@ LAYOUTS = [
 
 
 def bench(size, nproc, flags, steps):
-    """bench.py's RESULT for one layout (raises with its output when it fails)."""
-    script = os.path.join(ROOT, "bench.py")
+    """tools/bench.py's RESULT for one layout (raises with its output when it fails)."""
+    script = os.path.join(ROOT, "tools/bench.py")
     cmd = ([sys.executable, script] if nproc == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script])
     args = SIZES[size] + flags + ["--gradient_accumulation_steps=4", "--warmup_steps=2", f"--bench_steps={steps}"]
@@ -63,7 +63,7 @@ def bench(size, nproc, flags, steps):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
-        raise RuntimeError(f"bench.py {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"tools/bench.py {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -78,7 +78,7 @@ def summary(label, rows):
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="small,large")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (bench.py's median)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (tools/bench.py's median)")
     parser.add_argument("--layouts", default="", help="only the layouts whose names contain this")
     parser.add_argument("--launches", type=int, default=1, help="launches per layout, the fastest kept: what else "
                         "the machine runs only ever adds time, so the fastest is the least disturbed")

@@ -28,13 +28,14 @@ import torch.multiprocessing as mp
 
 import checkpoint
 import metrics
+import build
 import train
 from context_parallel import apply_context_parallel
 from expert_parallel import apply_expert_parallel
 from model import Transformer, apply_activation_checkpointing, model_config_from
 from parallel import apply_pipeline
 from tensor_parallel import apply_tensor_parallel, sum_partial_grads
-from train import init_shares, materialize
+from build import init_shares, materialize
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,7 +96,7 @@ def run_ranks(fn, world_size, *args, timeout=300):
 
 
 def run_train(argv, nproc=1, check=True, env=None, timeout=600, script="train.py", torchrun=None):
-    """Run train.py, or another script given relative to the checkout (bench.py, tests/crash_run.py), under
+    """Run train.py, or another script given relative to the checkout (tools/bench.py, tests/crash_run.py), under
     torchrun when nproc > 1 or torchrun (its arguments, replacing --standalone) is given; returns (metrics
     records, completed process)."""
     if nproc == 1 and torchrun is None:
@@ -113,7 +114,7 @@ def run_train(argv, nproc=1, check=True, env=None, timeout=600, script="train.py
 @contextmanager
 def without_memory_measurement():
     """train.py's first step without its memory measurement (metrics.measure_step_memory, which
-    tests/test_memory.py tests through bench.py, and tests/test_bench.py through train.main): on CPU its
+    tests/test_memory.py tests through tools/bench.py, and tests/test_bench.py through train.main): on CPU its
     tracker sees every tensor op of the step and sums every live storage of the process after each one, which
     made a tiny mixture of experts' run ten times slower, and more in the test process, which holds the
     tensors of other tests. It only observes: the run is the same."""
@@ -158,7 +159,7 @@ def _train_runs(rank, world_size, runs):
             cfg, notes, resume_path = train.configure_run(argv)
             if notes and rank == 0:
                 print("\n".join(notes))
-            train.train(cfg, train.setup(cfg), resume_path)
+            train.train(cfg, build.setup(cfg), resume_path)
         outputs.append(out.getvalue())
         dist.barrier()
     return outputs
@@ -309,7 +310,7 @@ def backward(loss, model):
 
 def build_model(cfg, *, tp_group=None, stages=(0,), stage_blocks=None, cp_group=None, sequence_parallel=False,
                 ep_group=None, attn_impl="auto", activation_checkpointing=False, chunked_loss=False, seed=0):
-    """A rank's model, built the way train.build_model builds it: the whole model on the meta device, the
+    """A rank's model, built the way build.build_model builds it: the whole model on the meta device, the
     layout applied in train.py's order (stage_blocks: the pipeline's cut, with this rank's stages), this
     rank's share materialized on the CPU and initialised from seed (None: left uninitialised)."""
     with torch.device("meta"):

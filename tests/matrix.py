@@ -84,7 +84,7 @@ def world_size(case):
     return case["dp"] * case["tp"] * case["cp"] * pp_size(case)
 
 
-# What picotron refuses, in the order it checks (train.setup, pipeline_schedules.check_schedule and resolve_dp,
+# What picotron refuses, in the order it checks (build.setup, pipeline_schedules.check_schedule and resolve_dp,
 # settings.check_layout), each with the words its message must contain.
 REFUSALS = [
     (lambda c: c["optimizer"] == "muon" and c["zero_stage"] > 1, "optimizer='muon' runs with zero_stage 0 or 1"),
@@ -421,6 +421,7 @@ def run_one(argv, copy_from=None, log_path=None):
     import torch.distributed as dist
 
     import metrics
+    import build
     import train
     rank = dist.get_rank() if dist.is_initialized() else 0
     out_dir = next(a.split("=", 1)[1] for a in argv if a.startswith("--out_dir="))
@@ -433,7 +434,7 @@ def run_one(argv, copy_from=None, log_path=None):
     with open(log_path or os.devnull, "w") as log, redirect_stdout(log):
         try:
             cfg, _, resume_path = train.configure_run(argv)
-            train.train(cfg, train.setup(cfg), resume_path)
+            train.train(cfg, build.setup(cfg), resume_path)
             return None
         except Exception as e:  # a refusal (the message is checked), or a failure the test reports
             return f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}"

@@ -18,10 +18,10 @@ import torch
 from conftest import ROOT, needs_gpt2
 from dist_utils import main_exit_and_output, make_token_data, run_ranks
 
-import bench
+from tools import bench
 import checkpoint
 import export_hf
-import make_config
+from tools import make_config
 import metrics
 import sample
 import settings
@@ -321,7 +321,7 @@ def saved_run(**config):
 def start_up(monkeypatch):
     """start_up(argv, world_size=1, saved=None): the settings a launch of world_size processes makes of argv
     (resuming a checkpoint whose meta.json is `saved`), through train.configure_run and then the layout's,
-    the schedule's and the model's split rules (settings.check_layout), the first of train.setup. Returns (cfg, notes); raises what train.main would print."""
+    the schedule's and the model's split rules (settings.check_layout), the first of build.setup. Returns (cfg, notes); raises what train.main would print."""
     def run(argv, world_size=1, saved=None):
         monkeypatch.setenv("WORLD_SIZE", str(world_size))
         if saved is not None:
@@ -615,8 +615,8 @@ def test_a_logging_backend_that_cannot_start_is_one_line(token_dir, tmp_path, mo
 
 def test_each_tool_prints_one_error_line_and_no_traceback(tmp_path):
     """What a user sees: each script run as a program (concurrently: each one's time is mostly imports)."""
-    cases = {"train.py": ["--n_layr=3"], "sample.py": ["--ckpt=/nowhere"], "bench.py": ["--batch_size=0"],
-             "make_config.py": ["--tp=3", "--nproc=4", f"--out={tmp_path / 'c.py'}"],
+    cases = {"train.py": ["--n_layr=3"], "sample.py": ["--ckpt=/nowhere"], "tools/bench.py": ["--batch_size=0"],
+             "tools/make_config.py": ["--tp=3", "--nproc=4", f"--out={tmp_path / 'c.py'}"],
              "export_hf.py": [f"--out_dir={tmp_path / 'none'}", f"--hf_dir={tmp_path / 'hf'}"]}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {tool: subprocess.Popen([sys.executable, str(ROOT / tool), *argv], cwd=ROOT, env=env, text=True,

@@ -1,4 +1,4 @@
-"""Speed you can see and trust: the FLOPs count behind MFU, the peak table, peak memory, bench.py's output,
+"""Speed you can see and trust: the FLOPs count behind MFU, the peak table, peak memory, tools/bench.py's output,
 and the fast paths (chunked loss, activation checkpointing, the torch.compile fallback) computing the same
 thing as the plain paths."""
 import functools
@@ -14,6 +14,7 @@ from dist_utils import build_model, gathered_parameters, make_token_data, run_tr
 import metrics
 import model as model_module
 import settings
+import build
 import train
 from fp8 import count_fp8
 from metrics import flops_per_token
@@ -112,7 +113,7 @@ def test_cpu_peak_is_measured():
 
 
 def test_a_low_cpu_probe_is_probed_again_the_best_kept_and_the_mfu_capped_at_100_percent(monkeypatch):
-    """metrics.PeakFlops, which train.py's log line and bench.py ask for the MFU: a first probe taken under
+    """metrics.PeakFlops, which train.py's log line and tools/bench.py ask for the MFU: a first probe taken under
     load (20 GFLOP/s), then the run's achieved FLOP/s per device comes to 90% of it and more."""
     probes, taken = iter([20e9, 50e9, 40e9]), []
 
@@ -244,7 +245,7 @@ def test_activation_checkpointing_keeps_fewer_activations():
 def tiny_run(tmp_path, **kw):
     cfg = SimpleNamespace(**{**settings.DEFAULTS, **TINY, "batch_size": 2, "out_dir": str(tmp_path / "out"),
                              "data_dir": None, **kw})
-    return cfg, train.setup(cfg, training=False)
+    return cfg, build.setup(cfg, training=False)
 
 
 def test_compile_failure_falls_back_to_eager_with_a_log_line(tmp_path, monkeypatch, capsys):
@@ -255,7 +256,7 @@ def test_compile_failure_falls_back_to_eager_with_a_log_line(tmp_path, monkeypat
     results = []
     for compiled in (True, False):
         cfg, run = tiny_run(tmp_path, compile=compiled)
-        parts = train.build(cfg, run)
+        parts = build.build(cfg, run)
         assert parts.compiled == compiled
         loss, _ = train.train_step(cfg, run.layout, parts, micro, 1e-3)
         assert not parts.compiled and all("forward" not in b.__dict__ for b in parts.model.blocks.values())
@@ -296,7 +297,7 @@ def test_compiled_blocks_share_one_graph_at_any_depth_and_train_like_eager(tmp_p
         for compiled in (True, False):
             cfg, run = tiny_run(tmp_path, compile=compiled, n_layer=n_layer, zero_stage=zero_stage,
                                 activation_checkpointing=activation_checkpointing)
-            parts = train.build(cfg, run)
+            parts = build.build(cfg, run)
             losses = [train.train_step(cfg, run.layout, parts, micro, 1e-3)[0].item() for _ in range(2)]
             sharded = parts.grad_sync if cfg.zero_stage == 3 else None  # ZeRO-3: the blocks' storages are empty now
             whole = gathered_parameters(sharded)
@@ -320,7 +321,7 @@ def test_compiled_fp8_blocks_are_one_graph_and_train_like_eager_fp8(tmp_path, mo
     results = {}
     for compiled in (True, False):
         cfg, run = tiny_run(tmp_path, compile=compiled, fp8=fp8)
-        parts = train.build(cfg, run)
+        parts = build.build(cfg, run)
         results[compiled] = [train.train_step(cfg, run.layout, parts, micro, 1e-3)[0].item() for _ in range(2)]
         assert parts.compiled == compiled and count_fp8(parts.model) > 0
     assert len(graphs) == 1
@@ -358,7 +359,7 @@ def test_train_step_reads_nothing_back_from_the_device(tmp_path, monkeypatch, dt
     .numpy()): the host can run ahead of the GPU (only fp16 must look). The dense model here has none; the
     one read-back allowed anywhere is MoE's expert counts (MixtureOfExperts.forward, for the split sizes)."""
     cfg, run = tiny_run(tmp_path, dtype=dtype)
-    parts = train.build(cfg, run)
+    parts = build.build(cfg, run)
     micro = [(torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32)))]
 
     def read_back(self, *args, **kwargs):
@@ -393,10 +394,10 @@ def test_training_log_has_mfu_and_peak_memory(tmp_path):
         assert 0 < r["mfu"] < 1 and r["peak_mem_bytes"] > 10 * 2**20
 
 
-# --- bench.py --------------------------------------------------------------------------------------------
+# --- tools/bench.py --------------------------------------------------------------------------------------------
 
 def test_bench_prints_a_table_and_a_parseable_result_line(capsys):
-    import bench
+    from tools import bench
     bench.main(["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--vocab_size=512",
                 "--batch_size=2", "--warmup_steps=1", "--bench_steps=2", "--reference=True", "--peak_flops=1e12"])
     lines = capsys.readouterr().out.strip().splitlines()
@@ -414,8 +415,8 @@ def test_bench_times_the_matmul_probe_between_its_timed_steps(monkeypatch, capsy
     """On CPU the prediction's linears are timed three passes after each timed step, none in the warm-up (this
     host's pace moves from one second to the next: probed after the steps, it read other seconds than they
     ran in), and the rate the RESULT's machine carries is their FLOPs over the passes' median."""
-    import bench
-    import machines
+    from tools import bench
+    from tools import machines
     events = []
 
     def fake_pass(model_cfg, dtype, dev, tokens, tp=1):
@@ -434,9 +435,9 @@ def test_bench_times_the_matmul_probe_between_its_timed_steps(monkeypatch, capsy
 
 
 def test_machine_auto_times_the_vocab_parallel_loss_only_under_tp():
-    """bench.py's machine=auto times the vocab-parallel loss's own kernels (machines.loss_seconds), which
-    step_time.py puts in the head under tp; without tp the loss is another (the chunked one) and nothing is timed."""
-    import machines
+    """tools/bench.py's machine=auto times the vocab-parallel loss's own kernels (machines.loss_seconds), which
+    tools/step_time.py puts in the head under tp; without tp the loss is another (the chunked one) and nothing is timed."""
+    from tools import machines
     tiny = ModelConfig(n_layer=1, n_embd=16, n_head=2, n_kv_head=2, block_size=8, vocab_size=64)
     forward, backward = machines.measure_machine(tiny, torch.float32, tokens=16, tp=2)["loss_seconds"]
     assert forward > 0 and backward > 0
@@ -447,7 +448,7 @@ def test_the_memory_probe_reads_each_product_from_a_pool_past_the_cache(monkeypa
     """machines.memory_bandwidth times z = x * y on triples from a pool past four times the last-level cache,
     each call on the triple used (or written) longest ago: as a step's kernels read activations the caches no
     longer hold (a product timed on one hot triple reads the cache's bandwidth, 4-5x memory's)."""
-    import machines
+    from tools import machines
     monkeypatch.setattr(machines, "last_level_cache_bytes", lambda dev: 2 ** 20)
     written, read = [], []
     ones, mul = torch.ones, torch.mul
@@ -468,7 +469,7 @@ def test_the_link_probe_counts_what_an_exchange_adds_to_the_compute_after_it(mon
     1 GB/s, where timing the exchange alone (the probe before it subtracted the burst) reads half
     the latency."""
     import torch.distributed as dist
-    import machines
+    from tools import machines
     now, after_exchange = [0.0], [False]
 
     def burst():
@@ -490,7 +491,7 @@ def test_bench_under_torchrun_prints_one_table_and_one_result_line():
     """2 ranks (dp=2): rank 0 alone prints, once; the figures are the whole job's (both replicas' tokens)."""
     _, proc = run_train(["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32",
                          "--vocab_size=512", "--batch_size=2", "--warmup_steps=1", "--bench_steps=2",
-                         "--peak_flops=1e12"], nproc=2, script="bench.py")
+                         "--peak_flops=1e12"], nproc=2, script="tools/bench.py")
     lines = proc.stdout.strip().splitlines()
     assert sum(line.startswith("tokens/s") for line in lines) == 1, proc.stdout
     assert sum(line.startswith("bench: ") for line in lines) == 1, proc.stdout
@@ -500,5 +501,5 @@ def test_bench_under_torchrun_prints_one_table_and_one_result_line():
     assert result["tokens_per_step"] == 2 * 32 * 2
     assert result["ms_per_step"] == pytest.approx(1000 * result["tokens_per_step"] / result["tokens_per_sec"])
     assert result["mfu"] == pytest.approx(result["flops_per_token"] * result["tokens_per_sec"] / (2 * 1e12))
-    # step_time.py's prediction beside it, on this machine measured with its all-reduce over the two ranks
+    # tools/step_time.py's prediction beside it, on this machine measured with its all-reduce over the two ranks
     assert result["predicted_step_s"] > 0 and result["machine"]["name"] == "auto" and result["machine"]["node"]["busbw"] > 0

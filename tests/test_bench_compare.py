@@ -1,4 +1,4 @@
-"""bench.py's compared columns (--compare_optimizer, --compare_zero_stage, --compare_doc_mask,
+"""tools/bench.py's compared columns (--compare_optimizer, --compare_zero_stage, --compare_doc_mask,
 --compare_fp8, --schedules): each passes train.py's own checks before anything is built, ends in a
 one-line error where it cannot run, and is labelled by the settings it ran with (issue 51: 3, 8)."""
 import json
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import bench
+from tools import bench
 import settings
-import train
+import build
 from configurator import ConfigError, configure
 from fp8 import check_fp8
 from model import ModelConfig
@@ -56,7 +56,7 @@ def test_a_compared_column_train_py_refuses_stops_before_anything_runs_with_its_
     """Muon at ZeRO-2 or 3 (once a column labelled ZeRO-2 that ran ZeRO-1, and a setStorage
     traceback at ZeRO-3): refused by the check train.py applies, in its words, naming the flag,
     before setup."""
-    monkeypatch.setattr(train, "setup", lambda *a, **k: pytest.fail("setup ran: nothing should"))
+    monkeypatch.setattr(build, "setup", lambda *a, **k: pytest.fail("setup ran: nothing should"))
     line = error_of(argv)
     assert refusal(**variant) in line
     assert f"--{flag}" in line
@@ -105,10 +105,10 @@ def doc_mask_without_eot():
 ])
 def test_a_compared_column_that_cannot_run_ends_in_one_line_before_any_is_built(argv, check,
                                                                                 monkeypatch):
-    """fp8 at float64, or doc_mask without an end-of-text id: train.setup's own check, its message
+    """fp8 at float64, or doc_mask without an end-of-text id: build.setup's own check, its message
     in one line naming the flag (once a traceback from inside the timed run), before any model is
     built."""
-    monkeypatch.setattr(train, "build", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr(build, "build", lambda *a, **k: pytest.fail("a model was built"))
     with pytest.raises(ValueError) as expected:
         check()
     line = error_of(argv)
@@ -119,8 +119,8 @@ def test_a_compared_column_that_cannot_run_ends_in_one_line_before_any_is_built(
 def test_a_schedule_the_layout_cannot_hold_is_refused_before_any_model_is_built(monkeypatch):
     """--schedules=interleaved_1f1b:2 on 2 blocks at pp = 2 (4 stages): check_layout's message,
     naming the schedule, from main's checks (once a traceback from each rank's timed run). The
-    layout train.setup would build under torchrun is given here by hand: no process is launched."""
-    monkeypatch.setattr(train, "build", lambda *a, **k: pytest.fail("a model was built"))
+    layout build.setup would build under torchrun is given here by hand: no process is launched."""
+    monkeypatch.setattr(build, "build", lambda *a, **k: pytest.fail("a model was built"))
     cfg, args = bench.parse_args(TINY + ["--pp=2", "--gradient_accumulation_steps=4",
                                          "--schedules=1f1b,interleaved_1f1b:2"])
     model_cfg = ModelConfig(block_size=32, vocab_size=512, n_layer=2, n_head=4, n_kv_head=4,
@@ -138,6 +138,6 @@ def test_a_machine_file_that_is_not_a_machine_stops_bench_before_any_step(tmp_pa
     one ended the benchmark in a traceback)."""
     bad = tmp_path / "box.json"
     bad.write_text(json.dumps({"matmul_flops": {"float32": "fast"}}))
-    monkeypatch.setattr(train, "setup", lambda *a, **k: pytest.fail("setup ran: nothing should"))
+    monkeypatch.setattr(build, "setup", lambda *a, **k: pytest.fail("setup ran: nothing should"))
     line = error_of([f"--machine={bad}"])
     assert str(bad) in line and "matmul_flops.float32" in line, line

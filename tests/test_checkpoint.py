@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import checkpoint
-import sample
 from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, checkpoint_weights,
                         run_train, train_in_process, train_on_ranks)
 
@@ -63,9 +62,9 @@ def test_a_checkpoint_is_found_by_its_folder_its_name_with_or_without_zeros_or_i
         _save(tmp_path, step)
     want = str(tmp_path / "ckpt_0000300")
     for ckpt in (want, str(tmp_path / "ckpt_300"), "ckpt_300", "ckpt_0000300", "300"):
-        assert sample.find_checkpoint(ckpt, str(tmp_path)) == want, ckpt
-    assert sample.find_checkpoint("", str(tmp_path)) == want  # none named: the newest
-    assert sample.find_checkpoint("", want) == want  # out_dir naming one checkpoint: that one
+        assert checkpoint.find_checkpoint(ckpt, str(tmp_path)) == want, ckpt
+    assert checkpoint.find_checkpoint("", str(tmp_path)) == want  # none named: the newest
+    assert checkpoint.find_checkpoint("", want) == want  # out_dir naming one checkpoint: that one
 
 
 def test_a_checkpoint_that_is_not_there_is_named_with_the_list_of_those_that_are(tmp_path):
@@ -74,18 +73,18 @@ def test_a_checkpoint_that_is_not_there_is_named_with_the_list_of_those_that_are
     listed = f"; the complete checkpoints in {tmp_path} are ckpt_0000100, ckpt_0000200"
     for ckpt in (str(tmp_path / "ckpt_300"), "300"):
         with pytest.raises(FileNotFoundError) as error:
-            sample.find_checkpoint(ckpt, str(tmp_path))
+            checkpoint.find_checkpoint(ckpt, str(tmp_path))
         assert str(error.value) == (f"--ckpt={ckpt} is not a complete checkpoint (a ckpt_* folder with its meta.json "
                                     f"and every rank file): {tmp_path} has no ckpt_0000300{listed}")
     with pytest.raises(FileNotFoundError, match="it is a run's folder, not one checkpoint.*" + listed):
-        sample.find_checkpoint(str(tmp_path), "out")
+        checkpoint.find_checkpoint(str(tmp_path), "out")
     # one that is there but damaged says what is wrong with it
     (tmp_path / "ckpt_0000200" / "meta.json").unlink()
     with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'ckpt_0000200'}: it has no meta.json; the complete "
                                                 f"checkpoints in {tmp_path} are ckpt_0000100$"):
-        sample.find_checkpoint("200", str(tmp_path))
+        checkpoint.find_checkpoint("200", str(tmp_path))
     with pytest.raises(FileNotFoundError, match=f"no complete checkpoint in out_dir '{tmp_path / 'empty'}'"):
-        sample.find_checkpoint("", str(tmp_path / "empty"))
+        checkpoint.find_checkpoint("", str(tmp_path / "empty"))
 
 
 # -----------------------------------------------------------------------------

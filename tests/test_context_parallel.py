@@ -36,11 +36,12 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpoint
-import make_config
+from tools import make_config
 import parallel
 import settings
-import step_time
+from tools import step_time
 from data import context_split
+import build
 import train
 from dist_utils import (assert_same_losses_and_norms, assert_same_tensors, backward, build_model, gather_full,
                         gathered_parameters, run_ranks, train_in_process, train_on_ranks)
@@ -271,7 +272,7 @@ def five_steps(layout, model_overrides=None, **setting_overrides):
     attn, _ = choose_attn_impl("auto", "cpu", torch.float32, model_cfg.attn_softcap)
     run = SimpleNamespace(dev=torch.device("cpu"), dtype=torch.float32, layout=layout, datasets={},
                           model_cfg=model_cfg, attn_impl=attn, tokenizer="gpt2", hf_dir=None)
-    parts = train.build(cfg, run)
+    parts = build.build(cfg, run)
     per_rank = cfg.batch_size * cfg.gradient_accumulation_steps
     records = []
     for step in range(STEPS):

@@ -19,6 +19,7 @@ from dist_utils import build_model, make_token_data, relative_difference
 import checkpoint
 import settings
 from data import TRAIN_STREAM, get_batch, load_data, rank_microbatches, read_data_meta, window_starts
+import build
 import train
 from model import ModelConfig, Transformer, choose_attn_impl, choose_device_and_dtype, flash_attn_available
 
@@ -33,7 +34,7 @@ def gpu_run(tmp_path, data_dir=None, **kw):
     """train.py's settings and setup for a run on the GPU (random tokens unless data_dir is given)."""
     cfg = SimpleNamespace(**{**settings.DEFAULTS, **SMALL, "device": str(DEVICE), "out_dir": str(tmp_path / "out"),
                              "data_dir": data_dir, "eval_interval": 0, **kw})
-    return cfg, train.setup(cfg, training=False)
+    return cfg, build.setup(cfg, training=False)
 
 
 def random_batches(cfg, step, device=DEVICE):
@@ -111,7 +112,7 @@ def test_fp16_with_the_loss_scaler_trains_like_bf16(tmp_path, record_property):
     runs = {}
     for dtype in ("bfloat16", "float16"):
         cfg, run = gpu_run(tmp_path, data, dtype=dtype, learning_rate=3e-3, warmup_iters=5, lr_decay_iters=50)
-        parts = train.build(cfg, run)
+        parts = build.build(cfg, run)
         losses, norms = train_steps(cfg, run, parts, 50)
         runs[dtype] = losses, norms, parts.scaler, sum(not math.isfinite(n) for n in norms)
     (bf16, bf16_norms, bf16_scaler, _), (fp16, fp16_norms, scaler, n_skipped) = runs["bfloat16"], runs["float16"]
@@ -165,14 +166,14 @@ def test_fused_adamw_resumes_on_the_device(tmp_path, record_property):
     data = make_token_data(str(tmp_path / "data"), n_tokens=50_000)
     cfg, run = gpu_run(tmp_path, data, dtype="float32", checkpoint_interval=3, max_iters=6, lr_decay_iters=6,
                        warmup_iters=2, learning_rate=3e-3)
-    first = train.build(cfg, run)
+    first = build.build(cfg, run)
     assert first.optimizer.defaults.get("fused"), first.optimizer.defaults
     train_steps(cfg, run, first, 3)
     path = train.save_checkpoint(cfg, run, first, 3)
     saved = {name: {k: v.clone() for k, v in first.optimizer.state[p].items()} for name, p in first.model.named_parameters()}
     straight, _ = train_steps(cfg, run, first, 3, first=3)
 
-    second = train.build(cfg, run)
+    second = build.build(cfg, run)
     step, _, _ = checkpoint.resume_run(path, cfg, run, second)
     assert step == 3 and checkpoint.adamw_step_count(second.optimizer) == 3
     for name, p in second.model.named_parameters():
@@ -225,7 +226,7 @@ def test_training_step_never_waits_for_the_device(tmp_path, dtype, compile, reco
     AdamW's lazily made state): no read-back, no blocking copy, no synchronize anywhere in the step, so the
     host runs ahead and the GPU never waits for Python."""
     cfg, run = gpu_run(tmp_path, dtype=dtype, compile=compile)
-    parts = train.build(cfg, run)
+    parts = build.build(cfg, run)
     train.train_step(cfg, run.layout, parts, random_batches(cfg, 0), 1e-3)
     micro = random_batches(cfg, 1)
     sync = first_sync_point(lambda: train.train_step(cfg, run.layout, parts, micro, 1e-3))
@@ -238,7 +239,7 @@ def test_fp16_step_waits_only_at_the_loss_scaler(tmp_path, monkeypatch):
     """fp16 must read whether the gradient norm is finite to adjust its loss scale (optim.DynamicLossScaler.
     update): that is the step's first read-back, and with that read taken out the step makes none."""
     cfg, run = gpu_run(tmp_path, dtype="float16")
-    parts = train.build(cfg, run)
+    parts = build.build(cfg, run)
     train.train_step(cfg, run.layout, parts, random_batches(cfg, 0), 1e-3)
     micro, later = random_batches(cfg, 1), random_batches(cfg, 2)  # (copied to the device before the timing)
     sync = first_sync_point(lambda: train.train_step(cfg, run.layout, parts, micro, 1e-3))
@@ -305,7 +306,7 @@ def test_compile_runs_the_blocks_compiled_on_the_gpu(tmp_path, capsys, record_pr
     results = {}
     for compile in (True, False):
         cfg, run = gpu_run(tmp_path, compile=compile)
-        parts = train.build(cfg, run)
+        parts = build.build(cfg, run)
         start = time.perf_counter()
         results[compile] = train_steps(cfg, run, parts, 1)[0]
         first_step = time.perf_counter() - start

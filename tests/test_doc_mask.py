@@ -133,7 +133,7 @@ def test_the_model_takes_eot_from_meta_json_and_doc_mask_changes_the_run(data_di
 
 
 def test_bench_times_doc_mask_beside_plain_attention(capsys):
-    import bench
+    from tools import bench
     bench.main(["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--vocab_size=16",
                 "--eot_token=3", "--doc_mask=True", "--compare_doc_mask=True", "--batch_size=2", "--warmup_steps=1",
                 "--bench_steps=2", "--peak_flops=1e12"])

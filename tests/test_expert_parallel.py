@@ -21,6 +21,7 @@ import torch
 import metrics
 import settings
 from data import context_split, load_data, read_data_meta
+import build
 import train
 from dist_utils import (GRAD_NORM_RTOL, LOSS_RTOL, assert_same_losses_and_norms, assert_same_tensors,
                         checkpoint_weights, gather_full, gathered_parameters, make_token_data, run_ranks, train_in_process,
@@ -129,7 +130,7 @@ def train_five_steps(cfg, model_cfg, layout, dp_of_batch, data_dir):
     run = SimpleNamespace(dev=torch.device("cpu"), dtype=torch.float32, layout=layout, model_cfg=model_cfg,
                           attn_impl=cfg.attn_impl, hf_dir=None,
                           datasets={"val": load_data(data_dir, "val", cfg.block_size, model_cfg.vocab_size, meta)})
-    parts = train.build(cfg, run)
+    parts = build.build(cfg, run)
     model, copies = parts.model, parts.model.tied_copies()
     sharded = parts.grad_sync if cfg.zero_stage == 3 else None  # ZeRO-3: each unit gathered to be written, kept sliced
     for params in sharded.unit_by_unit() if sharded is not None else [None]:
@@ -207,7 +208,7 @@ def reference(name, data_dir):
     def record(module, inputs, output):
         loads.append(list(module.last_load))
 
-    original_build = train.build
+    original_build = build.build
 
     def build_and_hook(cfg_, run_):
         parts = original_build(cfg_, run_)
@@ -215,11 +216,11 @@ def reference(name, data_dir):
             hooks.append(m.register_forward_hook(record))
         return parts
 
-    train.build = build_and_hook
+    build.build = build_and_hook
     try:
         result = train_five_steps(cfg, model_cfg, ParallelLayout(1, 1, 1), 1, data_dir)
     finally:
-        train.build = original_build
+        build.build = original_build
     n_layer, micro = model_cfg.n_layer, cfg.gradient_accumulation_steps
     step1 = loads[:micro * n_layer]  # the first step's forwards, micro-batch by micro-batch, layer by layer
     result["micro_loads"] = np.array(step1).reshape(micro, n_layer, -1)

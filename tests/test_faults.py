@@ -283,13 +283,13 @@ atexit.register(leave_a_gloo_worker_waiting_for_the_gil)
 """
 
 
-@pytest.mark.parametrize("script", ["train.py", "bench.py"])
+@pytest.mark.parametrize("script", ["train.py", "tools/bench.py"])
 def test_a_finished_script_exits_0_with_a_gloo_worker_still_releasing_a_collective(script, data_dir, tmp_path):
     (tmp_path / "sitecustomize.py").write_text(GIL_WAITER)
     env = {"PYTHONPATH": str(tmp_path), "GIL_WAITER_STORE": str(tmp_path / "store")}
     argv = {"train.py": TINY + ["--batch_size=4", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}",
                                 "--max_iters=1", "--eval_interval=0", "--checkpoint_interval=0"],
-            "bench.py": ["--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=2", "--block_size=16",
+            "tools/bench.py": ["--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=2", "--block_size=16",
                          "--vocab_size=64", "--batch_size=1", "--warmup_steps=0", "--bench_steps=1",
                          "--peak_flops=1e12"]}[script]
     _, proc = run_train(argv, env=env, check=False, script=script)

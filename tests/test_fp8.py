@@ -43,7 +43,7 @@ def test_apply_fp8_equals_torchao(recipe, zero_input):
     plain = nn.Sequential(nn.Linear(20, 36, bias=False), nn.GELU(), nn.Linear(36, 12, bias=True))
     x = torch.zeros(2, 5, 20) if zero_input else torch.randn(2, 5, 20) * 3
     ours, theirs = copy.deepcopy(plain), copy.deepcopy(plain)
-    assert fp8.apply_fp8(ours, recipe) == 2
+    assert fp8.count_fp8(fp8.apply_fp8(ours, recipe)) == 2
     convert_to_float8_training(theirs, config=Float8LinearConfig.from_recipe_name(recipe))
     got, want = outputs_and_grads(ours, x), outputs_and_grads(theirs, x)
     exact = outputs_and_grads(plain, x)
@@ -58,15 +58,15 @@ def test_fp8_keeps_parameters_names_and_state_dict():
     """apply_fp8 swaps in place: the same Parameter objects and state-dict keys, and keep() leaves a layer."""
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
     params, keys = list(model.parameters()), list(model.state_dict())
-    assert fp8.apply_fp8(model, "tensorwise", keep=lambda name, m: name == "1") == 1
+    assert fp8.count_fp8(fp8.apply_fp8(model, "tensorwise", keep=lambda name, m: name == "1")) == 1
     assert isinstance(model[0], fp8.Float8Linear) and type(model[1]) is nn.Linear
     assert list(model.parameters()) == params and list(model.state_dict()) == keys
-    assert fp8.apply_fp8(nn.Linear(8, 8), "none") == 0
+    assert fp8.count_fp8(fp8.apply_fp8(nn.Linear(8, 8), "none")) == 0
 
 
 def test_cuda_keeps_linears_whose_dimensions_are_not_multiples_of_16():
     model = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 20))
-    assert fp8.apply_fp8(model, "rowwise", device_type="cuda") == 1
+    assert fp8.count_fp8(fp8.apply_fp8(model, "rowwise", device_type="cuda")) == 1
     assert type(model[1]) is nn.Linear
 
 
@@ -149,7 +149,7 @@ def test_an_fp8_run_says_so_and_resumes_without_fp8(tmp_path):
     checkpoint resumes with fp8 off, a checkpoint of the same names and shapes."""
     from contextlib import redirect_stdout
     import io
-    from dist_utils import make_token_data, read_records, train_in_process
+    from dist_utils import make_token_data, train_in_process
     data = make_token_data(str(tmp_path / "data"))
     run = TINY + [f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", "--checkpoint_interval=2"]
     with redirect_stdout(io.StringIO()) as out:
@@ -168,9 +168,9 @@ def test_fp8_refuses_an_unknown_recipe_and_float64():
 
 
 def test_bench_compare_fp8_times_both_in_turn(capsys):
-    """bench.py --compare_fp8=True times the step with fp8 and without, in turn, and says which is which."""
+    """tools/bench.py --compare_fp8=True times the step with fp8 and without, in turn, and says which is which."""
     import json
-    import bench
+    from tools import bench
     bench.main(["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--vocab_size=512",
                 "--batch_size=2", "--warmup_steps=1", "--bench_steps=1", "--peak_flops=1e12", "--device=cpu",
                 "--fp8=rowwise", "--compare_fp8=True"])

@@ -31,7 +31,7 @@ def test_the_script_parses_and_rejects_an_unknown_section():
 
 
 def test_dry_run_goes_through_every_section_and_prints_the_table(tmp_path):
-    """The dry run runs the very commands of a GPU run (the CUDA tests' collection, bench.py with every
+    """The dry run runs the very commands of a GPU run (the CUDA tests' collection, tools/bench.py with every
     argument the GPU run passes, the profile and its trace) at a tiny size on the CPU."""
     proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--work", str(tmp_path / "work"), "--out",
                            str(tmp_path / "out")], capture_output=True, text=True, timeout=900,
@@ -48,7 +48,7 @@ def test_dry_run_goes_through_every_section_and_prints_the_table(tmp_path):
     tests = [r[2] for r in rows[1:] if r[0] == "tests" and not r[1].startswith("pytest")]
     assert len(tests) >= 10 and all(r.startswith("skipped: needs a CUDA GPU") for r in tests), tests
     bench_rows = [line for line in table.splitlines() if line.startswith("| bench")]
-    # every bench row carries bench's own predictions: step_time.py's step and memory_plan's peak
+    # every bench row carries bench's own predictions: tools/step_time.py's step and memory_plan's peak
     assert all("tok/s" in line and "ms/step (" in line and "GiB (planned 0.0 GiB against" in line
                for line in bench_rows), bench_rows
     assert "profile:" in bench_rows[2] and "x the time of fp8=none" in bench_rows[3]

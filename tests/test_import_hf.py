@@ -24,6 +24,7 @@ import hf_tokenizer
 import import_hf
 import sample
 import settings
+import build
 import train
 from configurator import ConfigError
 from conftest import needs_gpt2, shared_file
@@ -150,7 +151,7 @@ def convert_and_forward(rank, world_size, folders, out_root, idx):
         for layout in LAYOUTS[name]:
             cfg, _, _ = train.configure_run([f"--init_from={folder}", "--max_iters=0", f"--{layout}=2", "--device=cpu",
                                              "--dtype=float32", f"--out_dir={out_root}/{name}_{layout}"])
-            run = train.setup(cfg)
+            run = build.setup(cfg)
             model = train.train(cfg, run).eval()
             with torch.no_grad():
                 if layout == "ep":  # every rank computes the whole batch, its tokens sent to the experts' ranks

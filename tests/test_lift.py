@@ -43,7 +43,7 @@ from dist_utils import GRAD_NORM_RTOL, LOSS_RTOL, WEIGHT_RTOL
 from model import ModelConfig, Transformer
 from parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tensor_parallel import load_full
-from train import init_shares, materialize
+from build import init_shares, materialize
 
 ROOT = Path(__file__).resolve().parent.parent
 PARALLEL = (ROOT / "parallel.py").read_text()

@@ -1,5 +1,5 @@
 """The optional logging backends (W&B, TensorBoard) record what metrics.jsonl records, the progress line
-shows an ETA, plot.py draws runs from their metrics.jsonl, and metrics.jsonl survives a kill in the middle of
+shows an ETA, tools/plot.py draws runs from their metrics.jsonl, and metrics.jsonl survives a kill in the middle of
 a write and a new run in the same out_dir.
 
 Each backend's own files are read back (W&B's offline run file, TensorBoard's event file), so the test
@@ -13,7 +13,7 @@ import struct
 
 import pytest
 
-import plot
+from tools import plot
 import metrics
 import train
 from dist_utils import make_token_data, run_train, train_in_process
@@ -211,7 +211,7 @@ def test_plot_writes_a_png_comparing_two_runs(tmp_path):
     assert os.path.getsize(out) > 10_000
 
 
-@skip_without("matplotlib")  # without it plot.py stops first, saying so (the next test)
+@skip_without("matplotlib")  # without it tools/plot.py stops first, saying so (the next test)
 def test_plot_names_a_run_without_metrics(tmp_path):
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         plot.main([str(tmp_path), f"--out={tmp_path / 'x.png'}"])
@@ -244,7 +244,7 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
-    with pytest.raises(SystemExit, match="plot.py needs matplotlib, which is not installed: pip install matplotlib"):
+    with pytest.raises(SystemExit, match="tools/plot.py needs matplotlib, which is not installed: pip install matplotlib"):
         plot.main([str(tmp_path), f"--out={tmp_path / 'x.png'}"])
 
 
@@ -254,8 +254,8 @@ def test_no_optional_package_is_imported_by_picotron_at_start_up():
     import subprocess
     import sys
     from conftest import ROOT
-    code = ("import sys; import train, model, parallel, checkpoint, configurator, prepare_data, export_hf, plot, "
-            "make_config; print(sorted(m for m in ('transformers', 'safetensors', 'wandb', 'tensorboard', "
+    code = ("import sys; import train, model, parallel, checkpoint, configurator, prepare_data, export_hf; "
+            "from tools import plot, make_config, bench; print(sorted(m for m in ('transformers', 'safetensors', 'wandb', 'tensorboard', "
             "'matplotlib', 'flash_attn') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert proc.stdout.strip() == "[]"

@@ -1,12 +1,12 @@
-"""make_config.py: a starter config for a size and a layout, refused when the layout does not divide the
+"""tools/make_config.py: a starter config for a size and a layout, refused when the layout does not divide the
 model, and one that train.py accepts and trains with."""
 
 import re
 
 import pytest
 
-import machines
-import make_config
+from tools import machines
+from tools import make_config
 from conftest import ROOT
 from dist_utils import make_token_data, train_in_process
 
@@ -153,7 +153,7 @@ def test_gpu_mem_gib_is_compared_in_the_plans_unit(tmp_path, capsys):
 
 
 def test_choose_writes_the_fastest_layout_that_fits_with_every_layout_setting(tmp_path, capsys):
-    import step_time
+    from tools import step_time
     out = tmp_path / "chosen.py"
     make_config.main(["--n_layer=4", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--vocab_size=512", "--block_size=64",
                       "--nproc=4", "--machine=a100", "--choose=True", "--global_batch=16", f"--out={out}"])
@@ -170,7 +170,7 @@ def test_choose_writes_the_fastest_layout_that_fits_with_every_layout_setting(tm
     assert times == sorted(times) and len(times) == 10
     # the written config, predicted on its own, takes the first time listed
     cfg = {**defaults(), **written}
-    prediction = step_time.predict(step_time.model_config_of(cfg), step_time.run_of(cfg), step_time.load_machine("a100"))
+    prediction = step_time.predict(step_time.model_config_of(cfg), step_time.run_of(cfg), machines.load_machine("a100"))
     assert prediction["step_s"] * 1e3 == pytest.approx(times[0], rel=1e-3)
 
 
@@ -212,7 +212,7 @@ def launch_of(text):
 
 
 def test_above_one_node_the_launch_line_names_nodes_gpus_per_node_and_slurm_sh(tmp_path, capsys):
-    # the command of issue 51: 64 processes on h100 nodes of 8 GPUs (machines.py), the layout chosen
+    # the command of issue 51: 64 processes on h100 nodes of 8 GPUs (tools/machines.py), the layout chosen
     out = tmp_path / "c.py"
     make_config.main([*TINY, "--nproc=64", "--machine=h100", "--choose=True", "--tp=4", "--pp=1",
                       "--cp=1", "--zero_stage=1", "--activation_checkpointing=False",
@@ -253,7 +253,7 @@ def test_choose_with_machine_auto_lists_the_machines_choose_takes():
     with pytest.raises(SystemExit) as stop:
         make_config.main([*TINY, "--machine=auto", "--choose=True", "--out=unused.py"])
     message = str(stop.value.code)
-    assert message.startswith("error: machine = 'auto' is not one make_config.py can plan for: "
+    assert message.startswith("error: machine = 'auto' is not one tools/make_config.py can plan for: "
                               "--choose")
     allowed = re.search(r"need a named machine: (.*?), or a \.json file", message).group(1)
     assert allowed.split(", ") == list(machines.MACHINES)  # 'auto' is not among them

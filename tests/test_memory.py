@@ -1,7 +1,7 @@
 """The memory planner (memory_plan.plan_memory) against the measured peak of every rank, and ZeRO-2/3's
 per-rank bytes.
 
-Each layout runs bench.py (its main, on every rank of one launch), whose RESULT line carries, per rank, the
+Each layout runs tools/bench.py (its main, on every rank of one launch), whose RESULT line carries, per rank, the
 planner's peak for that rank's stage and the peak measured on one untimed step (on CPU
 metrics.LiveTensorBytes: live tensor storages). The suite runs a small-vocabulary set of layouts; `python tests/test_memory.py --measure` runs the benchmark's larger
 set (dp, tp, pp with both schedules, ZeRO 0/1/2/3, activation checkpointing, MoE, and one dominated by
@@ -17,11 +17,12 @@ sys.path[:0] = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(os.pa
 from dist_utils import run_ranks  # noqa: E402
 import settings  # noqa: E402
 from data import TRAIN_STREAM, document_end, rank_microbatches  # noqa: E402
+import build
 import train  # noqa: E402
-from timeline import schedule_moments  # noqa: E402
+from tools.timeline import schedule_moments  # noqa: E402
 
 TOLERANCE = 0.10
-# fp32, chunked loss, m = 2 micro-batches (the planner's sum is exact for m >= 2: see memory_plan.py)
+# fp32, chunked loss, m = 2 micro-batches (the planner's sum is exact for m >= 2: see tools/memory_plan.py)
 SMALL = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--vocab_size=512",
          "--device=cpu", "--warmup_steps=1", "--bench_steps=1", "--peak_flops=1e12", "--gradient_accumulation_steps=2",
          "--bucket_size_mb=0.05"]
@@ -96,19 +97,19 @@ BENCH_LAYOUTS = {
 
 
 def _bench(rank, world_size, argv):
-    """bench.py's main on one rank of a run_ranks launch (fresh processes, as torchrun's, without its agent):
+    """tools/bench.py's main on one rank of a run_ranks launch (fresh processes, as torchrun's, without its agent):
     what it printed."""
     import io
     from contextlib import redirect_stdout
 
-    import bench
+    from tools import bench
     with redirect_stdout(io.StringIO()) as out:
         bench.main(argv)
     return out.getvalue()
 
 
 def memory_rows(base, argv, nproc):
-    """Every rank's planned and measured peak from bench.py's RESULT line (rank 0 prints it)."""
+    """Every rank's planned and measured peak from tools/bench.py's RESULT line (rank 0 prints it)."""
     stdout = run_ranks(_bench, nproc, base + argv)[0]
     line = [x for x in stdout.splitlines() if x.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])["memory"]
@@ -196,7 +197,7 @@ def test_zero2_and_zero3_shard_what_they_promise(suite_rows):
 
 
 def _build_zero_stage(rank, world_size, stage, **model):
-    """train.build's model, optimizer and step for one ZeRO stage at dp = world_size, in a run_ranks worker.
+    """build.build's model, optimizer and step for one ZeRO stage at dp = world_size, in a run_ranks worker.
     Returns (cfg, layout, parts)."""
     from dataclasses import fields
     from types import SimpleNamespace
@@ -213,7 +214,7 @@ def _build_zero_stage(rank, world_size, stage, **model):
     run = SimpleNamespace(dev=torch.device("cpu"), dtype=torch.float32, layout=layout, datasets={},
                           model_cfg=model_cfg, attn_impl="sdpa", tokenizer="gpt2", hf_dir=None)
     cfg = SimpleNamespace(**values)
-    return cfg, layout, train.build(cfg, run)
+    return cfg, layout, build.build(cfg, run)
 
 
 def _random_microbatches(cfg, generator):
@@ -262,20 +263,22 @@ def _first_step_memory(rank, world_size, cases, data_dir, out_dir):
 
     import torch
 
-    import memory_plan
+    from tools import memory_plan
     import metrics
     torch.set_num_threads(1)
     found = {}
     for name, argv in cases:
         cfg, _, _ = train.configure_run([*argv, f"--data_dir={data_dir}", f"--out_dir={out_dir}/{rank}", "--device=cpu",
                                          "--peak_flops=1e12"])
-        run = train.setup(cfg)
+        run = build.setup(cfg)
         layout = run.layout
-        parts = train.build(cfg, run)
+        parts = build.build(cfg, run)
         micro = rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, 0,
                                         cfg.gradient_accumulation_steps, run.dev, document_end(run.model_cfg))
         plan = memory_plan.plan_for(cfg, run.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank)
-        step = lambda: train.train_step(cfg, layout, parts, micro, train.get_lr(0, cfg), step=1)
+        # (bound now: the names are deleted at the loop's end, and a closure would read the next case's)
+        step = lambda parts=parts, micro=micro: train.train_step(cfg, layout, parts, micro, train.get_lr(0, cfg),
+                                                                 step=1)
         measured = metrics.measure_step_memory(step, run.dev)
         where = f"rank {rank} (dp {layout.dp_rank} cp {layout.cp_rank} tp {layout.tp_rank} pp {layout.pp_rank})"
         found[name] = (plan[layout.pp_rank]["peak"], measured, where)
@@ -353,7 +356,7 @@ def _state_bytes_of_each_zero_stage(rank, world_size):
         micro = _random_microbatches(cfg, g)
         step = parts.optimizer.step
 
-        def measure_then_step(*args, **kwargs):
+        def measure_then_step(*args, parts=parts, step=step, **kwargs):  # (bound now: deleted below)
             found.setdefault(stage, []).append(measure(parts))
             return step(*args, **kwargs)
         parts.optimizer.step = measure_then_step

@@ -21,6 +21,7 @@ import torch
 
 import checkpoint
 import settings
+import build
 import train
 from dist_utils import assert_same_losses_and_norms, assert_same_tensors, train_in_process, train_on_ranks
 from model import ModelConfig, Transformer, model_config_from
@@ -122,7 +123,7 @@ def test_the_blocks_matrices_take_muon_and_the_rest_adamw():
     model = Transformer(cfg)
     run_cfg = train.SimpleNamespace(**{**settings.DEFAULTS, "optimizer": "muon"})
     layout = train.SimpleNamespace(tp_group=None, dp_group=None, dp_cp_group=None)
-    opt = train.make_optimizer(model, run_cfg, layout, None)
+    opt = build.make_optimizer(model, run_cfg, layout, None)
     names = {id(p): n for n, p in model.named_parameters()}
     muon = sorted(names[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"])
     matrix = re.compile(r"blocks\.\d+\.(attn\.[qkvo]_proj|mlp(\.(shared_)?experts\.\d+)?\.(gate|up|down))\.weight")

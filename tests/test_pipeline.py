@@ -1,5 +1,5 @@
 """Pipeline parallelism (parallel.py section 4): the schedules' action lists and the simulated timeline they
-make (timeline.py), and pipelined training equal to one process. The distributed checks share one 4-rank launch (module
+make (tools/timeline.py), and pipelined training equal to one process. The distributed checks share one 4-rank launch (module
 fixture) and each test reads its part; train.py's pipelined runs and resumes share one 2-rank launch."""
 import functools
 import itertools
@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import memory_plan
+from tools import memory_plan
 import metrics
 import settings
+import build
 import train
 import zero as zero_stages  # (zero is a local name below: the stage)
 from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors, build_model, checkpoint_weights,
@@ -27,14 +28,14 @@ from dist_utils import (ROOT, assert_same_losses_and_norms, assert_same_tensors,
 from model import ModelConfig, Transformer
 from parallel import (ParallelLayout, PipelineComm, apply_pipeline, one_f_one_b_actions, run_schedule, stage_layers,
                       sync_tied_grads, tied_weight_group)
+from build import describe_pipeline
 from pipeline_schedules import (SCHEDULES, ScheduleExecutor, WeightGradStore, balanced_cut, check_schedule,
-                                chunk_modules, cost_cut, describe_pipeline, forward_only_actions, ideal_bubble,
-                                virtual_stages)
+                                chunk_modules, cost_cut, forward_only_actions, ideal_bubble, virtual_stages)
 from settings import check_layout
 import parallel
 from parallel import _all_gather_single
-from timeline import ActivationMemory, bubble_fraction, format_timeline, schedule_timeline
-from timeline import main as timeline_main
+from tools.timeline import ActivationMemory, bubble_fraction, format_timeline, schedule_timeline
+from tools.timeline import main as timeline_main
 
 CFG = ModelConfig(vocab_size=512, block_size=16, n_layer=6, n_head=4, n_kv_head=2, n_embd=64)
 CFG8 = ModelConfig(vocab_size=512, block_size=16, n_layer=8, n_head=4, n_kv_head=2, n_embd=64)  # pp4 x v2
@@ -156,7 +157,7 @@ def test_printed_timeline_shows_grid_and_bubble():
 
 
 def test_timeline_py_prints_the_interleaved_timeline_from_the_command_line():
-    out = subprocess.run([sys.executable, "timeline.py", "--schedule", "interleaved_1f1b", "--pp", "4", "--microbatches",
+    out = subprocess.run([sys.executable, "tools/timeline.py", "--schedule", "interleaved_1f1b", "--pp", "4", "--microbatches",
                           "8", "--chunks", "2"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "15.8% of the slots idle (measured on this timeline); theory (pp - 1) / (v m + pp - 1) = 3/19 = 15.8%" in out
     assert out.count("\nrank ") == 4 and "F0.0" in out and "B7.1" in out  # every slot names its chunk
@@ -260,7 +261,7 @@ def test_chunks_compute_the_whole_model_auxiliary_losses_included(variant):
     whole = Transformer(cfg)
     whole.init_weights(SEED)
     chunks = [build_model(cfg, stages=virtual_stages("interleaved_1f1b", 2, r, 2),
-                          stage_blocks=metrics.stage_cut(cfg, "interleaved_1f1b", 2, 2), seed=SEED) for r in range(2)]
+                          stage_blocks=build.stage_cut(cfg, "interleaved_1f1b", 2, 2), seed=SEED) for r in range(2)]
     x, y = make_microbatches(1)[0]
     h, total = x, 0.0
     for stage in range(4):  # model stages 0..3: rank 0 chunk 0, rank 1 chunk 0, rank 0 chunk 1, rank 1 chunk 1
@@ -272,7 +273,7 @@ def test_chunks_compute_the_whole_model_auxiliary_losses_included(variant):
 
 
 # -----------------------------------------------------------------------------
-# the stages cut by their cost (pipeline_schedules.balanced_cut and cost_cut, metrics.stage_cut)
+# the stages cut by their cost (pipeline_schedules.balanced_cut and cost_cut, build.stage_cut)
 
 
 def every_cut(n_blocks, n_stages):
@@ -341,13 +342,13 @@ def test_the_costs_are_the_flops_per_token_and_the_head_is_most_of_the_quick_sta
 
 def test_the_start_up_line_gives_each_ranks_blocks_and_share_and_says_when_no_cut_can_balance():
     costs = metrics.pipeline_costs(ISSUE_SHAPE)
-    line = describe_pipeline("1f1b", 2, 8, 1, metrics.stage_cut(ISSUE_SHAPE, "1f1b", 2), costs)
+    line = describe_pipeline("1f1b", 2, 8, 1, build.stage_cut(ISSUE_SHAPE, "1f1b", 2), costs)
     assert line == ("pipeline: 1f1b, 8 microbatches, cut by cost, blocks per stage 0: 0-5 (47% of the work) | "
                     "1: 6-7 (53%)")
     line = describe_pipeline("1f1b", 2, 8, 1, (4, 4), costs)  # the even deal of the blocks, by hand
     assert "cut by pp_layers" in line and "gives a rank 69% of the work" in line and ": 6,2" in line
     # issue 29: zero_bubble at pp=2 measured "rank 0 91.1% | rank 1 2.2%" with no word of why
-    line = describe_pipeline("zero_bubble", 2, 8, 1, metrics.stage_cut(QUICK_START, "zero_bubble", 2),
+    line = describe_pipeline("zero_bubble", 2, 8, 1, build.stage_cut(QUICK_START, "zero_bubble", 2),
                              metrics.pipeline_costs(QUICK_START))
     assert "0: 0-2 (11% of the work) | 1: 3 (89%)" in line
     assert ("the head and the loss alone are 86% of the model's work, so the rank that holds them does at least "
@@ -355,7 +356,7 @@ def test_the_start_up_line_gives_each_ranks_blocks_and_share_and_says_when_no_cu
     assert "the least busy rank is idle about 88% of each step" in line
     assert "split the model with tp (which splits the head too) or dp rather than pp" in line
     # interleaved at the issue's shape: the head's chunk alone outweighs a quarter of the model
-    line = describe_pipeline("interleaved_1f1b", 2, 8, 2, metrics.stage_cut(ISSUE_SHAPE, "interleaved_1f1b", 2, 2),
+    line = describe_pipeline("interleaved_1f1b", 2, 8, 2, build.stage_cut(ISSUE_SHAPE, "interleaved_1f1b", 2, 2),
                              costs)
     assert "no cut of the blocks brings every model stage within 115% of an even share of the work (25%)" in line
     assert line.endswith("or use fewer chunks")
@@ -373,7 +374,7 @@ def test_pp_layers_that_do_not_cut_n_layer_into_the_stages_are_refused_naming_th
 @pytest.mark.parametrize("schedule, pp, chunks, pp_layers", [
     ("1f1b", 2, 1, ""), ("1f1b", 2, 1, "7,1"), ("interleaved_1f1b", 2, 2, ""), ("zbv", 2, 2, ""), ("1f1b", 4, 1, "")])
 def test_the_model_the_memory_planner_and_the_start_up_line_hold_the_same_cut(schedule, pp, chunks, pp_layers):
-    cut = metrics.stage_cut(ISSUE_SHAPE, schedule, pp, chunks, pp_layers)
+    cut = build.stage_cut(ISSUE_SHAPE, schedule, pp, chunks, pp_layers)
     assert sum(cut) == 8 and (pp_layers == "" or cut == (7, 1))
     line = describe_pipeline(schedule, pp, 8, chunks, cut, metrics.pipeline_costs(ISSUE_SHAPE))
     for rank in range(pp):
@@ -435,7 +436,7 @@ def _stage_step(layout, schedule, m, chunks=1, aux=False, cfg=CFG, checkpointing
     """One step of this rank's chunks; returns its loss part, full grads by (original) name, peak activation
     bytes and the set_grad_sync calls."""
     v = 2 if schedule == "zbv" else chunks
-    cut = metrics.stage_cut(cfg, schedule, layout.pp, v)  # as train.py cuts it
+    cut = build.stage_cut(cfg, schedule, layout.pp, v)  # as train.py cuts it
     model = build_model(cfg, tp_group=layout.tp_group, stages=virtual_stages(schedule, layout.pp, layout.pp_rank, v),
                         stage_blocks=cut, activation_checkpointing=checkpointing, seed=SEED)
     comm = PipelineComm.from_layout(layout, cfg.n_embd, "cpu",
@@ -536,8 +537,8 @@ def train_steps(**overrides):
     gradients sent): the buckets each micro-batch must launch (one per backward action that writes it)
     and what AfterEachAction saw in the last step; ZeRO-3: that step's all-gathers, and the units."""
     cfg = SimpleNamespace(**{**settings.DEFAULTS, **TRAIN, **overrides})
-    run = train.setup(cfg, training=False)
-    parts = train.build(cfg, run)
+    run = build.setup(cfg, training=False)
+    parts = build.build(cfg, run)
     layout, zero = run.layout, cfg.zero_stage
     captured, launched, gathers = {}, [], []
     def capture(*_):  # the gradients AdamW steps with, first step only (a collective: every rank runs it)
@@ -800,7 +801,7 @@ def test_train_py_builds_the_stages_of_the_cut_by_cost_or_by_pp_layers(ranks):
         cfg = SimpleNamespace(**{**settings.DEFAULTS, **TRAIN, **overrides})
         model_cfg = ModelConfig(**{k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_kv_head", "n_embd",
                                                                  "block_size", "vocab_size")})
-        cut = metrics.stage_cut(model_cfg, cfg.pp_schedule, cfg.pp, cfg.pp_chunks, cfg.pp_layers)
+        cut = build.stage_cut(model_cfg, cfg.pp_schedule, cfg.pp, cfg.pp_chunks, cfg.pp_layers)
         assert cut == (5, 1) if cfg.pp_layers else cut == cost_cut(cfg.pp_schedule, cfg.pp, cfg.pp_chunks,
                                                                   metrics.pipeline_costs(model_cfg)), name
         for r in ranks:
@@ -978,7 +979,7 @@ def test_plot_py_draws_the_trace(interleaved_run, tmp_path):
     pytest.importorskip("matplotlib")
     _, out, _ = interleaved_run
     png = tmp_path / "trace.png"
-    proc = subprocess.run([sys.executable, "plot.py", "--trace", str(out), f"--out={png}"], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "tools/plot.py", "--trace", str(out), f"--out={png}"], cwd=ROOT, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -989,7 +990,7 @@ def test_bench_times_schedules_side_by_side_with_their_bubbles_and_activations()
             "--batch_size=2", "--gradient_accumulation_steps=4", "--warmup_steps=1", "--bench_steps=1", "--pp=2",
             "--schedules=1f1b,zero_bubble,interleaved_1f1b:2"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "bench.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           "tools/bench.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "bubble, measured" in proc.stdout and "activations (KiB)" in proc.stdout

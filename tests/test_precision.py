@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import settings
+import build
 import train
 from optim import DynamicLossScaler
 from dist_utils import make_token_data, train_in_process
@@ -50,8 +51,8 @@ def test_a_disabled_loss_scaler_never_scales():
 def tiny_parts(tmp_path, scaler):
     cfg = SimpleNamespace(**{**settings.DEFAULTS, **TINY, "batch_size": 2, "out_dir": str(tmp_path / "out"),
                              "data_dir": None, "device": "cpu", "dtype": "float32"})
-    run = train.setup(cfg, training=False)
-    parts = train.build(cfg, run)
+    run = build.setup(cfg, training=False)
+    parts = build.build(cfg, run)
     parts.scaler = scaler  # fp16's scaler on an fp32 CPU model: the same arithmetic, no GPU needed
     return cfg, run, parts
 

@@ -60,7 +60,7 @@ def docs_pages():
 def load(script):
     """The module of a script of this repository (scripts/compare.py too), imported without running it."""
     name = script[:-3].replace("/", ".")
-    if "/" not in script:
+    if "/" not in script or script.startswith("tools/"):
         return importlib.import_module(name)
     spec = importlib.util.spec_from_file_location(f"readme_{name.replace('.', '_')}", ROOT / script)
     module = importlib.util.module_from_spec(spec)
@@ -71,10 +71,10 @@ def load(script):
 def setting_lists():
     """(script, what else takes the same list, its Setting list) for every script read by configurator.py."""
     return [
-        ("train.py", "also bench.py, make_config.py and scripts/compare.py", settings.TRAINING),
-        ("bench.py", "its own, besides train.py's", load("bench.py").BENCH),
-        ("make_config.py", "its own, besides train.py's", load("make_config.py").OWN),
-        ("step_time.py", "its own, besides train.py's", load("step_time.py").OWN),
+        ("train.py", "also tools/bench.py, tools/make_config.py and scripts/compare.py", settings.TRAINING),
+        ("tools/bench.py", "its own, besides train.py's", load("tools/bench.py").BENCH),
+        ("tools/make_config.py", "its own, besides train.py's", load("tools/make_config.py").OWN),
+        ("tools/step_time.py", "its own, besides train.py's", load("tools/step_time.py").OWN),
         ("sample.py", "", load("sample.py").SAMPLING),
         ("export_hf.py", "", load("export_hf.py").EXPORT),
         ("scripts/compare.py", "its own, besides train.py's; each side's --a and --b are train.py's",
@@ -83,12 +83,12 @@ def setting_lists():
 
 
 CONFIGURE = {"train.py": lambda: settings.TRAINING,
-             "bench.py": lambda: settings.TRAINING + load("bench.py").BENCH,
-             "make_config.py": lambda: settings.TRAINING + load("make_config.py").OWN,
-             "step_time.py": lambda: settings.TRAINING + load("step_time.py").OWN,
+             "tools/bench.py": lambda: settings.TRAINING + load("tools/bench.py").BENCH,
+             "tools/make_config.py": lambda: settings.TRAINING + load("tools/make_config.py").OWN,
+             "tools/step_time.py": lambda: settings.TRAINING + load("tools/step_time.py").OWN,
              "sample.py": lambda: load("sample.py").SAMPLING,
              "export_hf.py": lambda: load("export_hf.py").EXPORT}
-ARGPARSE = ("prepare_data.py", "plot.py", "timeline.py")
+ARGPARSE = ("prepare_data.py", "tools/plot.py", "tools/timeline.py")
 
 
 class _Caught(Exception):
@@ -263,7 +263,7 @@ def check_configure(script, args, made):
             configure(settings.TRAINING, shlex.split(options[side]))
     else:
         values, _ = configure(CONFIGURE[script](), args)
-        if script == "make_config.py":
+        if script == "tools/make_config.py":
             made.add(values["out"])
 
 
@@ -361,7 +361,7 @@ def test_the_readme_is_a_short_guide_that_links_every_docs_page():
 def test_every_command_shown_uses_files_and_flags_that_exist():
     problems, checked = [], 0
     for page in [README, *docs_pages()]:
-        made = set()  # files a shown command writes (make_config.py --out=...), for the commands after it
+        made = set()  # files a shown command writes (tools/make_config.py --out=...), for the commands after it
         for line, words in shown_commands(page.read_text()):
             checked += 1
             if problem := check_command(line, words, made):
@@ -405,26 +405,26 @@ def test_every_link_points_at_a_file_and_heading_that_exist():
 def test_a_shown_command_with_an_unknown_flag_is_caught():
     made = set()
     assert check_command("x", ["python", "train.py", "--n_layers=2"], made) is not None
-    assert check_command("x", ["python", "timeline.py", "--stages", "4"], made) is not None
+    assert check_command("x", ["python", "tools/timeline.py", "--stages", "4"], made) is not None
     assert check_command("x", ["torchrun", "--nproc-per-node=2", "train.py", "--tp=2"], made) is None
     assert check_command("x", ["python", "sample.py", "--top_k=one"], made) is not None
     assert check_command("x", ["python", "config/nowhere.py"], made) is not None
 
 
 def test_an_inline_command_is_a_command_in_its_place_among_the_blocks():
-    text = ("```bash\npython make_config.py --nproc=8 --out=config/my.py\n```\n\n"
-            "Then `python step_time.py config/my.py\n--nproc=8 --machine=h100` explains it; "
+    text = ("```bash\npython tools/make_config.py --nproc=8 --out=config/my.py\n```\n\n"
+            "Then `python tools/step_time.py config/my.py\n--nproc=8 --machine=h100` explains it; "
             "`slurm.sh`, `--tp=2`, `torchrun --max-restarts=N`, `python train.py [config.py ...]`\n"
-            "and `python plot.py --trace <out_dir>` are names and forms, not commands. A lone ` is "
+            "and `python tools/plot.py --trace <out_dir>` are names and forms, not commands. A lone ` is "
             "no span.\n\n`sbatch scripts/slurm.sh`\n"
             "```\ntorchrun --nproc_per_node=8 train.py config/my.py\n```\n")
     assert [words for _, words in shown_commands(text)] == [
-        ["python", "make_config.py", "--nproc=8", "--out=config/my.py"],
-        ["python", "step_time.py", "config/my.py", "--nproc=8", "--machine=h100"],
+        ["python", "tools/make_config.py", "--nproc=8", "--out=config/my.py"],
+        ["python", "tools/step_time.py", "config/my.py", "--nproc=8", "--machine=h100"],
         ["sbatch", "scripts/slurm.sh"],
         ["torchrun", "--nproc_per_node=8", "train.py", "config/my.py"]]
     # and is checked as a block's command is: a flag its script does not take is caught
-    line, words = next(shown_commands("run `python step_time.py --nprocs=8` to see"))
+    line, words = next(shown_commands("run `python tools/step_time.py --nprocs=8` to see"))
     assert "unknown config key 'nprocs'" in check_command(line, words, set())
 
 
@@ -446,12 +446,12 @@ NOT_RUN = [
      lambda words: words[1:2] == ["tests/test_readme.py"]),
 ]
 # Each script's cut, put after the command's own flags: a small model (4 layers, so that pp = 4 and two
-# chunks of pp = 2 still have a layer each), 2 steps, evaluations of one batch; bench.py times one step,
+# chunks of pp = 2 still have a layer each), 2 steps, evaluations of one batch; tools/bench.py times one step,
 # uncompiled (compiling costs half a minute of CPU; tests/test_bench.py tests compile); sample.py writes 4 tokens
 TINY_MODEL = ["--n_layer=4", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_size=64", "--batch_size=2"]
 CUT = {"train.py": TINY_MODEL + ["--max_iters=2", "--eval_iters=1"],
-       "make_config.py": TINY_MODEL,
-       "bench.py": TINY_MODEL + ["--warmup_steps=0", "--bench_steps=1", "--compile=False"],
+       "tools/make_config.py": TINY_MODEL,
+       "tools/bench.py": TINY_MODEL + ["--warmup_steps=0", "--bench_steps=1", "--compile=False"],
        "scripts/compare.py": TINY_MODEL + ["--max_iters=2"],
        "sample.py": ["--num_samples=1", "--max_new_tokens=4"],
        "prepare_data.py": ["--num_proc=1"]}  # a small file: a pool's processes would each import the tokenizer
@@ -548,8 +548,8 @@ def test_every_readme_command_runs_as_written(tmp_path):
         shutil.copytree(ROOT / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
     made = set()
     for line, words in shown_commands(README.read_text()):
-        if words[1:2] == ["make_config.py"]:
-            check_configure("make_config.py", words[2:], made)
+        if words[1:2] == ["tools/make_config.py"]:
+            check_configure("tools/make_config.py", words[2:], made)
     for path in made:
         (folder / path).unlink(missing_ok=True)
     for path, text in READERS_FILES.items():

@@ -1,4 +1,4 @@
-"""step_time.py: the step-time model held to closed forms (the pipeline's bubble, a ring's bytes, a
+"""tools/step_time.py: the step-time model held to closed forms (the pipeline's bubble, a ring's bytes, a
 bucket hidden under the backward), the links a layout's groups span, and a machine file reproducing a
 prediction (one that is not a machine refused in one line). All in process: nothing here launches,
 measures or communicates."""
@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import machines
-import make_config
-import step_time
-from machines import CPU_GLOO_LINK
+from tools import machines
+from tools import make_config
+from tools import step_time
+from tools.machines import CPU_GLOO_LINK
 from model import ModelConfig
 from pipeline_schedules import SCHEDULES
 
@@ -58,13 +58,13 @@ def ring_all_reduce_bytes_sent(n, nbytes):
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_a_ring_all_reduce_sends_twice_n_minus_one_over_n_of_the_buffer(n):
     nbytes = 1e8
-    assert step_time.collective_seconds("all_reduce", nbytes, n, LINK) == pytest.approx(
+    assert machines.collective_seconds("all_reduce", nbytes, n, LINK) == pytest.approx(
         ring_all_reduce_bytes_sent(n, nbytes) / LINK["busbw"])
     # a reduce-scatter or an all-gather is one half of it
-    assert step_time.collective_seconds("reduce_scatter", nbytes, n, LINK) == pytest.approx(
+    assert machines.collective_seconds("reduce_scatter", nbytes, n, LINK) == pytest.approx(
         ring_all_reduce_bytes_sent(n, nbytes) / 2 / LINK["busbw"])
     # and each of its 2 (n - 1) steps waits one latency
-    assert step_time.collective_seconds("all_reduce", 0.0 + 1, n, {"busbw": 1e30, "latency": 1.0}) == \
+    assert machines.collective_seconds("all_reduce", 0.0 + 1, n, {"busbw": 1e30, "latency": 1.0}) == \
         pytest.approx(2 * (n - 1))
 
 
@@ -72,7 +72,7 @@ def test_the_chunked_loss_runs_the_heads_backward_in_its_forward():
     """model.ChunkedLinearCrossEntropy computes the head's gradients in the forward and only scales them in
     the backward: the same work moved, so one stage's step barely changes and AFAB's first stage waits for
     the last stage's heavier forwards."""
-    machine, links = step_time.load_machine("a100"), {"tp": LINK}
+    machine, links = machines.load_machine("a100"), {"tp": LINK}
     (_, plain), (_, chunked) = (step_time.ends_seconds(SMALL, run_of(chunked_loss=c), machine, links, 128)
                                 for c in (False, True))
     assert chunked["weight_grad"] == 0 and chunked["forward"] == pytest.approx(sum(
@@ -86,7 +86,7 @@ def test_the_chunked_loss_runs_the_heads_backward_in_its_forward():
 
 
 def test_one_rank_communicates_nothing():
-    assert step_time.collective_seconds("all_reduce", 1e9, 1, LINK) == 0.0
+    assert machines.collective_seconds("all_reduce", 1e9, 1, LINK) == 0.0
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -105,7 +105,7 @@ def test_expert_parallelism_exchanges_the_counts_before_the_rows_forward():
     moe = ModelConfig(**{**vars(SMALL), "n_expert": 4, "n_expert_per_token": 2})
     link = {"busbw": 1e9, "latency": 1e-3}
     block = step_time.block_seconds(moe, run_of(dp=2, ep=2), CPU, {"tp": LINK, "cp": LINK, "ep": link}, 128)
-    counts = step_time.collective_seconds("all_to_all", 4 * 8, 2, link)
+    counts = machines.collective_seconds("all_to_all", 4 * 8, 2, link)
     assert counts >= 1e-3 and block["ep"][0] == pytest.approx(block["ep"][1] + counts)
 
 
@@ -115,8 +115,8 @@ def test_the_heads_tensor_parallel_messages_each_in_its_own_direction():
     # way instead of the two activations' all-reduces.
     link = {"busbw": 1e9, "latency": 1e-3}
     tokens, links = 128, {"tp": link}
-    activations = step_time.collective_seconds("all_reduce", tokens * SMALL.n_embd * 4, 2, link)
-    loss = 3 * step_time.collective_seconds("all_reduce", tokens * 4, 2, link)
+    activations = machines.collective_seconds("all_reduce", tokens * SMALL.n_embd * 4, 2, link)
+    loss = 3 * machines.collective_seconds("all_reduce", tokens * 4, 2, link)
     embedding, head = step_time.ends_seconds(SMALL, run_of(tp=2), CPU, links, tokens)
     assert embedding["tp"] == [activations, 0.0] and head["tp"] == [pytest.approx(loss), activations]
     embedding, head = step_time.ends_seconds(SMALL, run_of(tp=2, sequence_parallel=True), CPU, links, tokens)
@@ -148,12 +148,12 @@ def test_the_gradients_tp_ranks_hold_whole_are_summed_in_one_all_reduce_a_step(s
     link = {"busbw": 1e9, "latency": 1e-3}
     run = run_of(tp=2, dp=2, sequence_parallel=sequence_parallel, zero_stage=zero_stage)
     elements = (2 * SMALL.n_layer + 1) * SMALL.n_embd / (2 if zero_stage else 1) if sequence_parallel else 0
-    expected = step_time.collective_seconds("all_reduce", elements * 4, 2, link)
+    expected = machines.collective_seconds("all_reduce", elements * 4, 2, link)
     assert step_time.tp_summed_seconds(SMALL, run, [SMALL.n_layer], {0}, link) == pytest.approx(expected)
     few_kv = ModelConfig(**{**vars(SMALL), "n_kv_head": 1})
     kv = 2 * SMALL.n_layer * SMALL.n_embd * (SMALL.n_embd // SMALL.n_head)
     assert step_time.tp_summed_seconds(few_kv, run_of(tp=2), [SMALL.n_layer], {0}, link) == pytest.approx(
-        step_time.collective_seconds("all_reduce", kv * 4, 2, link))
+        machines.collective_seconds("all_reduce", kv * 4, 2, link))
 
 
 def test_buckets_that_fit_in_the_backward_leave_only_the_last_exposed():
@@ -174,7 +174,7 @@ def test_zero_one_gathers_ahead_of_the_forward_wait_only_when_they_outrun_it():
 
 
 def test_groups_inside_a_node_take_the_node_link_and_across_nodes_the_network():
-    machine = step_time.load_machine("h100")
+    machine = machines.load_machine("h100")
     links = step_time.layout_links(machine, run_of(dp=8, tp=8), 8)
     assert links["tp"] == machine["node"]  # tp fastest: ranks 0-7, one node
     # dp: ranks 0, 8, 16, ...: one per node, one NIC each
@@ -185,7 +185,7 @@ def test_groups_inside_a_node_take_the_node_link_and_across_nodes_the_network():
 
 def test_every_named_machine_has_every_field():
     for name in machines.MACHINES:
-        machine = step_time.load_machine(name)
+        machine = machines.load_machine(name)
         for field in ("matmul_flops", "peak_flops", "memory_bw", "attention_efficiency", "node", "network",
                       "overlaps", "gpus_per_node", "memory_gib", "description"):
             assert field in machine, (name, field)
@@ -193,22 +193,22 @@ def test_every_named_machine_has_every_field():
 
 def test_a_prediction_breaks_the_step_into_parts_that_sum_to_it():
     run = run_of(dp=2, tp=2, pp=2, gradient_accumulation_steps=4, zero_stage=1)
-    p = step_time.predict(SMALL, run, step_time.load_machine("a100"))
+    p = step_time.predict(SMALL, run, machines.load_machine("a100"))
     assert sum(p["parts"].values()) == pytest.approx(p["step_s"])
     assert p["tokens_per_sec_per_gpu"] == pytest.approx(2 * 4 * 2 * 64 / p["step_s"] / 8)
 
 
 def test_a_machine_written_to_a_file_reproduces_the_prediction(tmp_path):
     run = run_of(dp=2, zero_stage=2)
-    first = step_time.predict(SMALL, run, step_time.load_machine("l4"))
+    first = step_time.predict(SMALL, run, machines.load_machine("l4"))
     path = tmp_path / "box.json"
     path.write_text(json.dumps(first["machine"]))
-    assert step_time.predict(SMALL, run, step_time.load_machine(str(path)))["step_s"] == first["step_s"]
+    assert step_time.predict(SMALL, run, machines.load_machine(str(path)))["step_s"] == first["step_s"]
 
 
 def test_an_unknown_machine_is_refused_by_name():
     with pytest.raises(ValueError, match="machine = 'b300'"):
-        step_time.load_machine("b300")
+        machines.load_machine("b300")
 
 
 # --machine=PATH.json that is JSON but not a machine, or no JSON at all: before, a traceback where
@@ -217,7 +217,7 @@ def test_an_unknown_machine_is_refused_by_name():
 A_MACHINE = {"matmul_flops": {"bfloat16": 1e15}, "memory_bw": 3e12, "attention_efficiency": 0.5,
              "node": {"busbw": 3e11, "latency": 3e-6}}
 NOT_A_MACHINE = {  # what the file holds: (its text, the error line after "machine = 'PATH'")
-    "a bare number": ("5", " holds 5, not an object: a machine file is an object of step_time."),
+    "a bare number": ("5", " holds 5, not an object: a machine file is an object of machines.MACHINES"),
     "a rate as a string": (json.dumps({**A_MACHINE, "matmul_flops": {"bfloat16": "1e15"}}),
                            ': matmul_flops.bfloat16 = "1e15": it must be a number of FLOP/s above'),
     "node not an object": (json.dumps({**A_MACHINE, "node": 3e11}),
@@ -234,8 +234,8 @@ NOT_A_MACHINE = {  # what the file holds: (its text, the error line after "machi
 MODEL = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32",
          "--vocab_size=512"]
 TOOLS = {  # each command line that takes --machine, at a model it plans in a moment
-    "step_time.py": lambda path, *flags: step_time.main([*MODEL, f"--machine={path}", *flags]),
-    "make_config.py --choose": lambda path, *flags: make_config.main(
+    "tools/step_time.py": lambda path, *flags: step_time.main([*MODEL, f"--machine={path}", *flags]),
+    "tools/make_config.py --choose": lambda path, *flags: make_config.main(
         [*MODEL, "--nproc=2", "--choose=True", "--global_batch=4", f"--machine={path}", *flags,
          f"--out={path}.py"]),
 }
@@ -272,8 +272,8 @@ def test_a_machine_file_without_a_rate_for_the_runs_dtype_is_refused_naming_it(t
 def test_every_named_machine_written_to_a_file_passes_the_checks_and_reads_back_the_same(tmp_path):
     for name in machines.MACHINES:
         path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps(step_time.load_machine(name)))
-        assert step_time.load_machine(str(path)) == step_time.load_machine(name)
+        path.write_text(json.dumps(machines.load_machine(name)))
+        assert machines.load_machine(str(path)) == machines.load_machine(name)
 
 
 @pytest.mark.parametrize("nproc", [0, -8])  # 0 was predicted as one process, -8 divided by zero
@@ -284,7 +284,7 @@ def test_a_process_count_below_one_is_refused_naming_nproc(nproc):
 
 
 def test_bench_predicts_its_step_and_step_time_given_its_machine_reproduces_it(tmp_path, capsys):
-    import bench
+    from tools import bench
     flags = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--vocab_size=512",
              "--batch_size=2", "--gradient_accumulation_steps=2"]
     bench.main(flags + ["--warmup_steps=1", "--bench_steps=1"])
@@ -311,13 +311,13 @@ def test_train_prints_the_predicted_step_at_start_up_and_the_measured_beside_it(
 def test_zero_one_gathers_wait_whole_when_overlap_param_gather_is_off():
     # small buckets: the first is needed at once, the later ones while the forward runs
     run = run_of(dp=2, zero_stage=1, bucket_size_mb=0.01)
-    on = step_time.predict(SMALL, run, step_time.load_machine("a100"))["parts"]["zero_gather"]
+    on = step_time.predict(SMALL, run, machines.load_machine("a100"))["parts"]["zero_gather"]
     off = step_time.predict(SMALL, run_of(dp=2, zero_stage=1, bucket_size_mb=0.01, overlap_param_gather=False),
-                            step_time.load_machine("a100"))["parts"]["zero_gather"]
+                            machines.load_machine("a100"))["parts"]["zero_gather"]
     # off: every bucket's all-gather before the forward, whole
     pieces = step_time.rank_pieces(SMALL, run, step_time.stage_cut(SMALL, run), (0,))
     whole = sum(t for _, t in step_time.bucket_collectives(pieces, run, step_time.layout_links(
-        step_time.load_machine("a100"), run, 8)["dp"], "all_gather"))
+        machines.load_machine("a100"), run, 8)["dp"], "all_gather"))
     assert off == pytest.approx(whole) and on < off
 
 
@@ -331,7 +331,7 @@ def test_a_prediction_says_what_it_leaves_out_of_this_run(monkeypatch):
                              "block_size": 32, "vocab_size": 512, "batch_size": 2, "fp8": "rowwise"})
     layout = SimpleNamespace(world_size=1, dp=1, tp=1)
     model_cfg = step_time.model_config_of(vars(cfg))
-    machine = step_time.load_machine("a100")
+    machine = machines.load_machine("a100")
     monkeypatch.setattr(step_time, "startup_machine", lambda *args: machine)
     predict = lambda: step_time.run_prediction(cfg, model_cfg, layout, torch.device("cpu"), torch.float32)[1]  # noqa: E731
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(os.cpu_count() * torch.get_num_threads() + 1))

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from dist_utils import backward, build_model, gather_full, make_token_data, run_ranks, run_train
 from model import ModelConfig, swiglu_hidden_size
 from parallel import (ColumnParallelLinear, ParallelLayout, RowParallelLinear, copy_to_tp, gather_from_tp,
-                      padded_vocab_size, reduce_from_tp, scatter_to_tp, shard_of, valid_vocab_columns,
+                      split_vocab_size, reduce_from_tp, scatter_to_tp, shard_of, valid_vocab_columns,
                       vocab_parallel_cross_entropy)
 from settings import check_layout
 from tensor_parallel import load_full
@@ -144,7 +144,7 @@ def check_cross_entropy(group, vocab_size):
     logits = torch.randn(40, vocab_size, generator=g) * 3
     targets = torch.randint(0, vocab_size, (40,), generator=g)
     targets[::7] = -1
-    rows_per_rank = padded_vocab_size(vocab_size, world) // world
+    rows_per_rank = split_vocab_size(vocab_size, world) // world
     start = rank * rows_per_rank
     width = valid_vocab_columns(vocab_size, rows_per_rank, group)
     local = logits[:, start:start + width].clone().requires_grad_()

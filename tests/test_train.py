@@ -5,6 +5,7 @@ import io
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -288,8 +289,8 @@ sys.meta_path.insert(0, Blocker())
 def test_every_module_imports_without_flash_attn_triton_functorch():
     code = BLOCK_GPU_LIBS + """
 import glob, importlib, os
-for path in sorted(glob.glob('*.py')):
-    importlib.import_module(os.path.basename(path)[:-3])
+for path in sorted(glob.glob('*.py') + glob.glob('tools/*.py')):
+    importlib.import_module(path[:-3].replace('/', '.'))
 from model import choose_attn_impl
 import torch
 print(choose_attn_impl('auto', 'cpu', torch.float32)[0])
@@ -297,3 +298,26 @@ print(choose_attn_impl('auto', 'cpu', torch.float32)[0])
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("sdpa")
+
+
+def test_train_needs_no_tools_folder_at_dp2_zero1_tp2_pp2(tmp_path):
+    """Training never needs tools/: the checkout copied without it trains at dp = 2 (ZeRO-1) x tp = 2 x
+    pp = 2, one launch for the three axes, and says in one line at start-up what it skipped."""
+    copy = tmp_path / "picotron"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("tools", "tests", ".*", "out", "data", "hf",
+                                                              "__pycache__"))
+    data = make_token_data(str(tmp_path / "data"))
+    argv = ["--dp=2", "--tp=2", "--pp=2", "--zero_stage=1", "--pp_trace=True", f"--data_dir={data}",
+            f"--out_dir={tmp_path / 'out'}", "--n_layer=2", "--n_head=2", "--n_kv_head=2", "--n_embd=32",
+            "--block_size=32", "--batch_size=2", "--gradient_accumulation_steps=2", "--max_iters=2",
+            "--eval_iters=1", "--eval_interval=2", "--log_interval=1"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
+                           "train.py", *argv], cwd=copy, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "layout: dp=2 x tp=2 x pp=2 = 8 processes" in proc.stdout, proc.stdout[:2000]
+    skipped = [line for line in proc.stdout.splitlines() if line.startswith("tools/ is not here")]
+    assert skipped == ["tools/ is not here: no predicted memory or step at start-up, no measured peak beside "
+                       "a prediction, no pp_trace"], proc.stdout
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step      2 | loss")]
+    assert len(steps) == 1 and "nan" not in steps[0], proc.stdout

@@ -1,12 +1,12 @@
 """
 How long one training step of a run will take, predicted before anything runs: the time half of the plan whose
-memory half is memory_plan.py. `python step_time.py config/x.py --nproc=64 --machine=h100 --tp=8` prints one
-layout's step broken down; make_config.py --choose=True ranks every layout that fits by it; train.py prints it at
-start-up beside the measured step, and bench.py puts it in its RESULT.
+memory half is tools/memory_plan.py. `python tools/step_time.py config/x.py --nproc=64 --machine=h100 --tp=8` prints one
+layout's step broken down; tools/make_config.py --choose=True ranks every layout that fits by it; train.py prints it at
+start-up beside the measured step, and tools/bench.py puts it in its RESULT.
 
 It predicts one step's seconds as its parts (compute, the bubble, each mechanism's exposed communication, the
 optimizer), tokens/s per device and MFU, from the model config, the layout, the execution settings and a machine
-(machines.py): metrics.pipeline_costs' FLOPs, the schedule's own action lists placed in time, each collective's bytes
+(tools/machines.py): metrics.pipeline_costs' FLOPs, the schedule's own action lists placed in time, each collective's bytes
 counted from the code that sends them; no constant fitted to a measured run. It calls no collective, touches no
 device and runs no model: it runs on a laptop for an H100 cluster.
 
@@ -32,22 +32,30 @@ Left out, and which way each errs: kernels' efficiency at the run's own shapes (
 shape's), congestion across nodes, the skew between ranks at each blocking exchange (it waits for the slower),
 data loading, logging (all fast); overlap NCCL gets unasked (slow).
 """
+import dataclasses
 import json
 import os
 import sys
+from dataclasses import fields
 from types import SimpleNamespace
+
+if __name__ == "__main__" and not __package__:  # python tools/X.py: import from the repository
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 
+import build
 import metrics
+import settings
 from configurator import ConfigError, Setting, configure, section
 from expert_parallel import expert_rows
-from model import attention_dims, mlp_hidden_size
-from parallel import stage_layers
-from pipeline_schedules import SCHEDULES, virtual_stages
-from machines import (MACHINES, collective_seconds, group_link, load_machine, measure_machine,  # noqa: F401
-                      p2p_seconds, probe_tokens, startup_machine)
-from timeline import check_channels, route_messages, simulate_pipeline
+from model import ModelConfig, attention_dims, mlp_hidden_size
+from parallel import resolve_dp, stage_layers
+from pipeline_schedules import SCHEDULES, check_schedule, virtual_stages
+from tools.machines import (MACHINES, collective_seconds, group_link, load_machine, measure_machine,
+                            p2p_seconds, probe_tokens, startup_machine)
+from tools.timeline import check_channels, route_messages, simulate_pipeline
+from tools import memory_plan
 
 
 # -----------------------------------------------------------------------------
@@ -87,10 +95,8 @@ _PIECES = {}  # (repr(model_cfg), tp, ep, sequence_parallel): _pieces' answer (t
 def _pieces(model_cfg, tp, ep, sequence_parallel=False):
     """(({name: elements} of one block, {name: elements} of the rest) of every parameter on one tp (and ep)
     rank, the same of those whose gradient is summed over tp once a step): a one-block model built on the
-    meta device as train.build_model builds it (memory_plan.stage_parameter_elements), so the counts are the
+    meta device as build.build_model builds it (memory_plan.stage_parameter_elements), so the counts are the
     run's, at a cost that does not grow with the depth."""
-    import dataclasses
-    import memory_plan
     key = (repr(model_cfg), tp, ep, sequence_parallel)
     if key not in _PIECES:
         summed = {}
@@ -128,7 +134,6 @@ def tp_summed_seconds(model_cfg, run, cut, held, link):
 def fused_attention(model_cfg, run, machine):
     """Whether the attention runs a fused kernel or writes its scores out: the eager attention (the rule of
     memory_plan.attention_saves_scores) and context parallelism's ring attention (its blocks' softmax)."""
-    import memory_plan
     device = "cpu" if machine.get("name") == "auto" and not machine["overlaps"] else "cuda"
     return run.cp == 1 and not memory_plan.attention_saves_scores(model_cfg, run.attn_impl, device, dtype_of(run, machine))
 
@@ -331,11 +336,10 @@ def bucket_collectives(pieces, run, link, kind):
     """[(elements, seconds)] of each bucket's collective in backward order (memory_plan.bucket_elements:
     parallel.GradientBuckets' plan), the experts' buckets after the dense ones', over their own replicas.
     Gradients travel in fp32 (the parameters' dtype)."""
-    from memory_plan import bucket_elements
     capacity = max(1, int(run.bucket_size_mb * 2 ** 20)) // 4
     out = []
     for expert, n in ((False, run.dp * run.cp), (True, run.dp // run.ep * run.cp)):
-        sizes = bucket_elements([e for e, is_expert in pieces if is_expert == expert], capacity)
+        sizes = memory_plan.bucket_elements([e for e, is_expert in pieces if is_expert == expert], capacity)
         out += [(size, collective_seconds(kind, size * 4, n, link)) for size in sizes]
     return out
 
@@ -398,14 +402,14 @@ def data_parallel_seconds(pieces, root_elements, run, machine, link, last_window
 # The step
 
 
-_CUTS = {}  # metrics.stage_cut's answers (the model config is not hashable)
+_CUTS = {}  # build.stage_cut's answers (the model config is not hashable)
 
 
 def stage_cut(model_cfg, run):
-    """The blocks of each model stage, as train.py cuts them (metrics.stage_cut)."""
+    """The blocks of each model stage, as train.py cuts them (build.stage_cut)."""
     key = (repr(model_cfg), run.pp_schedule, run.pp, run.pp_chunks, run.pp_layers)
     if key not in _CUTS:
-        _CUTS[key] = (metrics.stage_cut(model_cfg, run.pp_schedule, run.pp, run.pp_chunks, run.pp_layers)
+        _CUTS[key] = (build.stage_cut(model_cfg, run.pp_schedule, run.pp, run.pp_chunks, run.pp_layers)
                       if run.pp > 1 else (model_cfg.n_layer,))
     return _CUTS[key]
 
@@ -535,7 +539,7 @@ def format_prediction(prediction, run):
 # -----------------------------------------------------------------------------
 # The command line: one layout's step, broken down
 
-OWN = section("step_time.py's own", Setting("nproc", 1, "processes the run will have (GPUs)"),
+OWN = section("tools/step_time.py's own", Setting("nproc", 1, "processes the run will have (GPUs)"),
     Setting("machine", "h100", "a named machine (" + ", ".join(MACHINES) + "), a .json file of the same fields, or "
                                "'auto' (this machine, measured)"),
     Setting("gpus_per_node", 0, "devices per node: which groups cross nodes (0: the machine's, 8 for the named ones)"))
@@ -544,7 +548,7 @@ OWN = section("step_time.py's own", Setting("nproc", 1, "processes the run will 
 def check_counts(values):
     """Refuse a count that no launch has (nproc < 1, gpus_per_node < 0) with a ConfigError naming
     the setting. Unchecked, 0 processes are predicted as one and a negative count divides by zero
-    far from here. make_config.py, which takes the same two settings, checks them here too."""
+    far from here. tools/make_config.py, which takes the same two settings, checks them here too."""
     problems = []
     if values["nproc"] < 1:
         problems.append(f"nproc = {values['nproc']} must be at least 1: the processes the run "
@@ -556,11 +560,19 @@ def check_counts(values):
         raise ConfigError("; ".join(problems))
 
 
+def vocab_size_of(cfg):
+    """(vocabulary size, where it comes from): the setting, else the data's meta.json, else GPT-2's."""
+    if cfg["vocab_size"]:
+        return cfg["vocab_size"], "the vocab_size setting"
+    meta_path = os.path.join(cfg["data_dir"], "meta.json")
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            return json.load(f)["vocab_size"], meta_path
+    return 50257, f"GPT-2's, as {meta_path} is not there yet"
+
+
 def model_config_of(cfg):
-    """The ModelConfig of a settings dict, its vocabulary as make_config.py finds it."""
-    from dataclasses import fields
-    from make_config import vocab_size_of
-    from model import ModelConfig
+    """The ModelConfig of a settings dict, its vocabulary as vocab_size_of finds it."""
     vocab, _ = vocab_size_of(cfg)
     return ModelConfig(**{f.name: cfg[f.name] for f in fields(ModelConfig) if f.name != "vocab_size"}, vocab_size=vocab)
 
@@ -568,7 +580,7 @@ def model_config_of(cfg):
 def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None, matmul_rate=None):
     """(predicted seconds or None, its lines, {'predicted_step_s', 'predicted_parts_s', 'machine'}) of a run.
     machine_name None: train.py's start-up (on CPU the cached matmul probe and gloo's figures, no collective; on
-    a GPU the named machine its name matches); 'auto': this machine measured (bench.py: every rank calls this,
+    a GPU the named machine its name matches); 'auto': this machine measured (tools/bench.py: every rank calls this,
     with the linears' rate it timed between its steps)."""
     if machine_name is None:
         machine = startup_machine(model_cfg, dtype, device)
@@ -578,7 +590,7 @@ def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None, mat
     else:
         machine = load_machine(machine_name)
     if machine is None:
-        return None, ("predicted step: no named machine matches this GPU (python step_time.py --machine=PATH.json "
+        return None, ("predicted step: no named machine matches this GPU (python tools/step_time.py --machine=PATH.json "
                       "predicts for one you describe)"), {}
     run = run_of(cfg, layout.world_size)
     run.dp = layout.dp
@@ -593,9 +605,6 @@ def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None, mat
 
 
 def main(argv):
-    import settings
-    from parallel import resolve_dp
-    from pipeline_schedules import check_schedule
     try:
         values, _ = configure(settings.TRAINING + OWN, argv, usage=__doc__)
         check_counts(values)

@@ -1,17 +1,17 @@
 r"""
 Time picotron's training step: tokens/s, ms/step, MFU and peak memory, for any config and layout.
 
-    python bench.py config/tiny_fineweb.py
-    python bench.py config/tiny_fineweb.py --compile=True --bench_steps=20
-    python bench.py --n_layer=6 --n_head=6 --n_kv_head=6 --n_embd=384 --reference=True
-    python bench.py config/tiny_fineweb.py --optimizer=muon --compare_optimizer=adamw
-    torchrun --nproc_per_node=2 bench.py config/tiny_fineweb.py --zero_stage=1 --compare_zero_stage=0
-    python bench.py config/tiny_fineweb.py --data_dir=data/fineweb_edu --doc_mask=True --compare_doc_mask=True
-    python bench.py config/tiny_fineweb.py --fp8=tensorwise --compare_fp8=True
-    torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --tp=2 --dp=2
-    torchrun --nproc_per_node=4 bench.py config/tiny_fineweb.py --cp=2 --tp=2 --sequence_parallel=True \
+    python tools/bench.py config/tiny_fineweb.py
+    python tools/bench.py config/tiny_fineweb.py --compile=True --bench_steps=20
+    python tools/bench.py --n_layer=6 --n_head=6 --n_kv_head=6 --n_embd=384 --reference=True
+    python tools/bench.py config/tiny_fineweb.py --optimizer=muon --compare_optimizer=adamw
+    torchrun --nproc_per_node=2 tools/bench.py config/tiny_fineweb.py --zero_stage=1 --compare_zero_stage=0
+    python tools/bench.py config/tiny_fineweb.py --data_dir=data/fineweb_edu --doc_mask=True --compare_doc_mask=True
+    python tools/bench.py config/tiny_fineweb.py --fp8=tensorwise --compare_fp8=True
+    torchrun --nproc_per_node=4 tools/bench.py config/tiny_fineweb.py --tp=2 --dp=2
+    torchrun --nproc_per_node=4 tools/bench.py config/tiny_fineweb.py --cp=2 --tp=2 --sequence_parallel=True \
         --block_size=1024
-    torchrun --nproc_per_node=2 bench.py --pp=2 --gradient_accumulation_steps=8 \
+    torchrun --nproc_per_node=2 tools/bench.py --pp=2 --gradient_accumulation_steps=8 \
         --schedules=1f1b,zero_bubble,interleaved_1f1b:2,zbv:2
 
 Every training setting works here (settings.py), and the model, optimizer and step are train.py's own
@@ -30,7 +30,7 @@ random unless --data_dir is given on the command line (doc_mask needs its eot_to
 meta.json, or --eot_token). The last line printed is `RESULT {json}`, for scripts; first_step_s in it is
 the first step's time, which holds the compilation with compile=True; exposed_comm_ms, {mechanism: ms},
 what a rank stood waiting on communication in a step (one more step, its waits counted:
-timeline.exposed_comm; the mean over the ranks), each comparison's as compare_exposed_comm_ms.
+metrics.exposed_comm; the mean over the ranks), each comparison's as compare_exposed_comm_ms.
 """
 import dataclasses
 import json
@@ -41,30 +41,33 @@ import sys
 import time
 from types import SimpleNamespace
 
+if __name__ == "__main__" and not __package__:  # python tools/X.py: import from the repository
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
-import machines
-import memory_plan
 import metrics
 import settings
-import step_time
-import timeline
 from data import TRAIN_STREAM, context_split, document_end, rank_microbatches
+import build
 import train
 from configurator import ConfigError, Setting, configure, section
 from faults import run_script
 from fp8 import check_fp8
 from settings import check_layout
 from pipeline_schedules import check_schedule, ideal_bubble
+from tools import machines, memory_plan, step_time, timeline
 
 BENCH = section(
-    "bench.py's own",
+    "tools/bench.py's own",
     Setting("warmup_steps", 3, "untimed steps first (compiling, allocator and thread warm-up)"),
     Setting("bench_steps", 10, "timed steps; the median is reported"),
-    Setting("reference", False, "also time the plain GPT at the end of bench.py, step by step in turn"),
+    Setting("reference", False, "also time the plain GPT at the end of tools/bench.py, step by step in turn"),
     Setting("schedules", "", "pp > 1: pipeline schedules to time side by side in turn, comma-separated, each "
             "pp_schedule or pp_schedule:pp_chunks (1f1b,zero_bubble,interleaved_1f1b:2,zbv:2)"),
     Setting("profile_steps", 0, "after the timed steps, this many more under torch.profiler: prints where the "
@@ -76,7 +79,7 @@ BENCH = section(
     Setting("compare_zero_stage", -1, "also time train.py's step at this ZeRO stage (0-3) instead of --zero_stage, "
             "step by step in turn (-1: off)"),
     Setting("compare_doc_mask", False, "also time train.py's step with doc_mask the other way, step by step in turn"),
-    Setting("machine", "auto", "the machine step_time.py predicts the step for: 'auto' (this one, measured: a matmul "
+    Setting("machine", "auto", "the machine tools/step_time.py predicts the step for: 'auto' (this one, measured: a matmul "
             "at the model's shapes, an all-reduce over the ranks), a named one or a .json file"),
     Setting("compare_fp8", False, "also time train.py's step with fp8 the other way ('none' against the run's "
             "recipe; a run without fp8 against 'tensorwise'), step by step in turn"),
@@ -84,7 +87,7 @@ BENCH = section(
 
 
 def parse_args(argv):
-    """bench.py's settings and the training settings, from one command line."""
+    """tools/bench.py's settings and the training settings, from one command line."""
     values, _ = configure(settings.TRAINING + BENCH, argv, usage=__doc__)
     warnings = settings.check_values(values)
     if warnings and int(os.environ.get("RANK", 0)) == 0:
@@ -197,7 +200,7 @@ class Picotron:
 
     def __init__(self, cfg, run, name="picotron"):
         self.name, self.cfg, self.run, self.dev, self.layout = name, cfg, run, run.dev, run.layout
-        self.parts = train.build(cfg, run)  # the pipeline's channel runs the world's first collective (NCCL)
+        self.parts = build.build(cfg, run)  # the pipeline's channel runs the world's first collective (NCCL)
         self.autocast = self.parts.autocast
         self.flops_per_token = metrics.flops_per_token(run.model_cfg)
 
@@ -219,7 +222,8 @@ class Picotron:
         trace = timeline.PipelineTrace(self.dev)
         self.step(i, trace)
         bubble = timeline.measured_bubble(timeline.pipeline_values(trace.times(), self.layout))
-        with timeline.ActivationMemory(self.parts.model, self.parts.pipeline.weight_grad_stores or ()) as memory:
+        with timeline.ActivationMemory(
+                self.parts.model, getattr(self.parts.pipeline, "weight_grad_stores", None) or ()) as memory:
             self.step(i + 1, memory)
         return {"measured_bubble": bubble, "peak_activation_bytes": timeline.pipeline_values(memory.peak, self.layout),
                 "ideal_bubble": ideal_bubble(self.cfg.pp_schedule, self.layout.pp, self.cfg.gradient_accumulation_steps,
@@ -264,10 +268,10 @@ def reset_peak_memory(dev):
 
 def timed_columns(cfg, bench, setup):
     """[(label, settings, Run)] of the steps timed side by side: picotron's (one per schedule), then
-    each it is compared with. Each passes the checks train.setup gives the run's own (column_run),
+    each it is compared with. Each passes the checks build.setup gives the run's own (column_run),
     here in main's try: a column that cannot run ends in one line before any model is built."""
     asked = [("schedules", label, label, other) for label, other in bench.variants]
-    asked = asked or [(None, None, "picotron", cfg)]  # (the run's own: train.setup checked it)
+    asked = asked or [(None, None, "picotron", cfg)]  # (the run's own: build.setup checked it)
     asked += [(flag, getattr(bench, flag), label, other)
               for flag, (label, other) in bench.compared.items()]
     columns = []
@@ -283,8 +287,8 @@ def timed_columns(cfg, bench, setup):
 
 
 def column_run(other, setup):
-    """setup's Run for other settings: the model's settings read from them as train.setup reads the
-    run's, and train.setup's checks on them (a schedule's chunks against the layout setup built,
+    """setup's Run for other settings: the model's settings read from them as build.setup reads the
+    run's, and build.setup's checks on them (a schedule's chunks against the layout setup built,
     doc_mask against the vocabulary, fp8 against the device and dtype)."""
     model = {f.name: getattr(other, f.name) for f in dataclasses.fields(setup.model_cfg)
              if f.name not in ("vocab_size", "eot_token")}  # (those two from the data, as setup's)
@@ -375,7 +379,7 @@ def run(cfg, bench, setup, columns):
     step = bench.warmup_steps + bench.bench_steps
     pipeline = {r.name: r.measure_pipeline(step) for r in runners if bench.variants}
     step += 2 if bench.variants else 0  # (measure_pipeline ran two more steps)
-    exposed = {r.name: timeline.exposed_comm(lambda: r.step(step), layout)[1] for r in runners if isinstance(r, Picotron)}
+    exposed = {r.name: metrics.exposed_comm(lambda: r.step(step), layout)[1] for r in runners if isinstance(r, Picotron)}
     step += 1
     profile = profile_steps(runners[0], step, bench.profile_steps, bench.profile_trace) if bench.profile_steps else None
     memory = measure_memory(cfg, setup, runners[0], step)
@@ -386,7 +390,7 @@ def run(cfg, bench, setup, columns):
     results = speed_results(runners, times, losses, first_step_s, pipeline, tokens_per_step, peak, layout.world_size)
     # the process's peak memory covers whatever ran in it: with the reference alongside it is both models'
     main = runners[0].name
-    # the step predicted (step_time.py) beside the measured; `python step_time.py --machine=FILE` given the
+    # the step predicted (tools/step_time.py) beside the measured; `python tools/step_time.py --machine=FILE` given the
     # machine in the RESULT reproduces it
     rate = flops / statistics.median(passes) if passes else None
     results[main].update(step_time.run_prediction(cfg, model_cfg, layout, dev, ptdtype, bench.machine, rate)[2])
@@ -500,8 +504,6 @@ def profile_steps(picotron, first_step, n_steps, trace_path=""):
     elementwise kernels, norms and the loss), and how busy the device was (kernel time over wall time; idle
     time is the host running behind: launches, Python, syncs). On CPU the same for each operator's own
     time. Prints the kinds and the top kernels; returns {"device_busy": ..., "kinds": {kind: share}}."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
     on_gpu = picotron.dev.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof:
@@ -580,7 +582,7 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, kind
 def main(argv):
     try:
         cfg, bench = parse_args(argv)
-        setup = train.setup(cfg, training=False)
+        setup = build.setup(cfg, training=False)
         if bench.reference and setup.layout.world_size > 1:
             raise ValueError("reference=True times a single-process GPT beside picotron: run it without torchrun")
         columns = timed_columns(cfg, bench, setup)
@@ -595,7 +597,7 @@ def main(argv):
 
 # -----------------------------------------------------------------------------
 
-# A straightforward GPT-2 (nanoGPT-style), the yardstick bench.py --reference=True times picotron against.
+# A straightforward GPT-2 (nanoGPT-style), the yardstick tools/bench.py --reference=True times picotron against.
 #
 # Written the plain way on purpose: learned positions, LayerNorm, one fused qkv projection, PyTorch SDPA,
 # a 4x GELU MLP, tied embeddings, the vocabulary padded to a multiple of 64, the full (B, T, V) logits

@@ -1,5 +1,5 @@
 """
-The machines step_time.py predicts for: a few numbers each, every one with its source (MACHINES, from the
+The machines tools/step_time.py predicts for: a few numbers each, every one with its source (MACHINES, from the
 figures ../shared/published_runs.md collects), a JSON file of the same fields for any other (H200, MI300X,
 B200: --machine=PATH.json), or this machine measured in a second or two (machine=auto: a matmul at the
 model's shapes, an elementwise product on operands out of the caches, a fused attention, a chain of autograd
@@ -16,6 +16,8 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
+from torch.nn.functional import gelu, linear, silu
 
 import metrics
 from model import attention_dims, mlp_hidden_size
@@ -35,7 +37,7 @@ from parallel import grid_rank
 #                   nodes over g NICs, min(node busbw, g x NIC busbw)
 #   overlaps        whether communication runs beside compute (a GPU's copy engines and NCCL's kernels do;
 #                   gloo on a CPU core that also computes does not)
-#   gpus_per_node, memory_gib  which groups cross nodes; what make_config.py fits into
+#   gpus_per_node, memory_gib  which groups cross nodes; what tools/make_config.py fits into
 
 MACHINES = {
     "a100": {
@@ -88,7 +90,7 @@ MACHINES = {
 # at 8 MiB; the 26 two-rank launches of the small validation model in one run of
 # scripts/validate_step_time.py): busbw 0.84-2.14 GB/s, a latency of 0.73-1.53 ms a ring step, their medians
 # below. Back to back the same link reads 1.33 GB/s and 0.08 ms (../shared/PERF_NOTES.md), which a step
-# never sees. Used where a CPU run measures no collective (train.py's start-up, step_time.py alone).
+# never sees. Used where a CPU run measures no collective (train.py's start-up, tools/step_time.py alone).
 CPU_GLOO_LINK = {"busbw": 1.35e9, "latency": 1.2e-3}
 
 
@@ -110,7 +112,7 @@ def load_machine(name):
 # (step_time.dtype_of). The dtypes are settings.py's.
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 _MISSING = object()  # a required field the file lacks
-SHOWN_BY = "machines.MACHINES' fields; python step_time.py --machine=h100 prints one in its RESULT"
+SHOWN_BY = "machines.MACHINES' fields; python tools/step_time.py --machine=h100 prints one in its RESULT"
 
 
 def _number_above(least, strict=True):
@@ -170,7 +172,7 @@ def check_machine_fields(machine, where):
 
 def read_machine_file(path):
     """The fields of a machine file (--machine=PATH.json), each checked: a ValueError of one line
-    that names the file, the field and what it must hold, which step_time.py and make_config.py
+    that names the file, the field and what it must hold, which tools/step_time.py and tools/make_config.py
     print."""
     where = f"machine = {path!r}"
     try:
@@ -188,7 +190,7 @@ def read_machine_file(path):
 
 
 # -----------------------------------------------------------------------------
-# A collective's time on the link a group spans: the ring algorithm (step_time.py times every exchange so)
+# A collective's time on the link a group spans: the ring algorithm (tools/step_time.py times every exchange so)
 
 
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1,
@@ -248,7 +250,7 @@ def calls_between_waits(dev):
 
 def _median_of(measure, repeats):
     """The median of `repeats` calls of measure() (each returns seconds) after two warm-up calls (the thread
-    pool, the kernel's choice, first-touch pages): the statistic bench.py reports of its steps, which see the
+    pool, the kernel's choice, first-touch pages): the statistic tools/bench.py reports of its steps, which see the
     machine's noise as the probe does (a best of a few read this machine's prediction 6-9% apart from one call
     to the next)."""
     measure()
@@ -284,7 +286,6 @@ def measure_link(group=None, device="cpu", nbytes=2 ** 16, burst=None, clock=tim
     all-reduce after 64 ms of compute took 2.6 ms at the median, 5.0 on average), so the run's own message is timed
     60 times (15 read the latency 0.4 to 1.5 ms from one launch to the next), 8 MiB 15 times.
     clock: where the seconds are read (a test drives a fake one: no busy machine moves them)."""
-    import torch.distributed as dist
     n = dist.get_world_size(group)
     sync = device_sync(torch.device(device))
     burst = burst or (lambda: None)
@@ -359,7 +360,6 @@ def linear_pass(model_cfg, dtype, dev, tokens, tp=1):
     (x W^T, then dy W and dy^T x: 6 FLOPs per weight and token) on `tokens` tokens, weighted as the model runs
     them; one_pass() runs every shape once (on a GPU calls_between_waits times in a row) and returns the
     seconds of one run of each, weighted so (those FLOPs' time)."""
-    from torch.nn.functional import linear
     sync, calls = device_sync(dev), calls_between_waits(dev)
     C, F, (qk, v) = model_cfg.n_embd, mlp_hidden_size(model_cfg) // tp, attention_dims(model_cfg)
     H, H_kv = model_cfg.n_head // tp, max(1, model_cfg.n_kv_head // tp)
@@ -385,7 +385,7 @@ def linear_pass(model_cfg, dtype, dev, tokens, tp=1):
 def linear_rate(model_cfg, dtype, dev, tokens, tp=1):
     """FLOP/s of the model's own linears (linear_pass), the median of 15 passes: a slow stretch of the host
     spoils a few passes, where each shape's repeats timed back to back let it spoil that shape's every one
-    (three launches of one run read the same compute 262, 321 and 403 ms so). bench.py times its passes
+    (three launches of one run read the same compute 262, 321 and 403 ms so). tools/bench.py times its passes
     between its timed steps instead (bench.timed_steps)."""
     flops, one_pass = linear_pass(model_cfg, dtype, dev, tokens, tp)
     return flops / _median_of(one_pass, 15)
@@ -415,7 +415,6 @@ def mlp_forward(model_cfg, dtype, dev, tokens, tp):
     added 1.5-1.9 ms after 0.4 ms of compute, 2.1-2.5 after 1.4 ms and 3.6-3.8 after 14 ms. After the MLP's
     first linear alone (the burst until 2026-12-04) the small validation model's link read 0.55-1.1 ms a ring
     step, after its MLP 0.73-1.53 (docs/performance.md#on-this-machine)."""
-    from torch.nn.functional import gelu, linear, silu
     C, F, swiglu = model_cfg.n_embd, mlp_hidden_size(model_cfg) // tp, model_cfg.mlp == "swiglu"
     x = torch.randn(tokens, C, device=dev, dtype=dtype)
     w_in = torch.randn((2 if swiglu else 1) * F, C, device=dev, dtype=dtype)
@@ -465,7 +464,7 @@ def measure_machine(model_cfg, dtype, device="cpu", collective=False, tokens=512
     message = tokens * model_cfg.n_embd * torch.finfo(dtype).bits // 8
     link = (measure_link(None, dev, nbytes=max(message, 2 ** 16), burst=mlp_forward(model_cfg, dtype, dev, tokens, tp))
             if collective else CPU_GLOO_LINK)
-    # the peak MFU divides by: the datasheet's on a GPU, on CPU the square-matmul probe bench.py's MFU reads
+    # the peak MFU divides by: the datasheet's on a GPU, on CPU the square-matmul probe tools/bench.py's MFU reads
     peak = (metrics.gpu_peak_flops(torch.cuda.get_device_name(dev), dtype) if dev.type == "cuda"
             else metrics.measure_cpu_peak_flops(dtype)) or matmul_rate
     threads = torch.get_num_threads()

@@ -1,6 +1,6 @@
 """
-How much memory each rank of a run will hold, predicted before anything runs: make_config.py prints the
-plan of a config, train.py prints it at start-up, and bench.py's RESULT carries it beside the measured peak.
+How much memory each rank of a run will hold, predicted before anything runs: tools/make_config.py prints the
+plan of a config, train.py prints it at start-up, and tools/bench.py's RESULT carries it beside the measured peak.
 
 What it predicts: for one rank of each pipeline stage, the bytes of the parameters, gradients, optimizer
 state, saved activations, the loss's tensors, the gradients in flight, the optimizer step's temporaries,
@@ -13,7 +13,7 @@ rank's own actions of the schedule; no constant is fitted to a measurement.
 How it is checked: tests/test_memory.py holds the plan to every rank's measured peak of one step
 (metrics.measure_step_memory: CUDA's allocator, or on CPU metrics.LiveTensorBytes, the live tensor
 storages, or with compiled blocks the CPU allocator's), within 10%: every shipped config at one process
-and the README's multi-process layouts, and small layouts through bench.py; `python tests/test_memory.py
+and the README's multi-process layouts, and small layouts through tools/bench.py; `python tests/test_memory.py
 --measure` runs the larger set. It counts what eager blocks save for backward (compiled ones save less),
 and torch.compile's own memory (its traces, generated code, caches) is no tensor of the step: train.py's
 start-up says both when compile is on.
@@ -24,13 +24,14 @@ from types import SimpleNamespace
 
 import torch
 
-from metrics import rank_peak_memory_bytes, stage_cut
+from build import build_model, stage_cut
+from metrics import rank_peak_memory_bytes
 from expert_parallel import exchange_bytes, expert_rows
 from model import attention_dims, attention_head_dim, choose_attn_impl, loss_chunk_size, mlp_hidden_size, takes_muon
 from optim import deal_whole
-from parallel import full_shape_of, padded_vocab_size, stage_layers
+from parallel import full_shape_of, split_vocab_size, stage_layers
 from pipeline_schedules import virtual_stages
-from timeline import schedule_moments, walk_peak
+from tools.timeline import schedule_moments, walk_peak
 
 
 # -----------------------------------------------------------------------------
@@ -75,16 +76,15 @@ from timeline import schedule_moments, walk_peak
 def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1, ep=1, shapes=None, pp_layers="",
                              sequence_parallel=False, summed=None):
     """{name: elements this tp rank holds} of pipeline rank `stage`'s parameters (its chunks', cut as train.py
-    cuts them): the model built on the meta device and the layout applied as train.build_model applies it,
+    cuts them): the model built on the meta device and the layout applied as build.build_model applies it,
     each group a stand-in of its size, so what is counted is what a run holds (under expert parallelism the
     first ep rank's experts). shapes: a dict, filled with each parameter's full shape (Muon orthogonalises
     the full matrix; autocast copies the matrices); summed: those tensor_parallel.sum_grad_over marks."""
-    import train  # (here: train.py imports this file)
     group = lambda size: SimpleNamespace(size=lambda: size, rank=lambda: 0) if size > 1 else None  # noqa: E731
     layout = SimpleNamespace(pp=pp, pp_rank=stage, tp_group=group(tp), ep_group=group(ep), cp_group=None)
     cfg = SimpleNamespace(chunked_loss=False, pp_schedule=schedule, pp_chunks=chunks, pp_layers=pp_layers,
                           sequence_parallel=sequence_parallel, activation_checkpointing=False, fp8="none")
-    model = train.build_model(cfg, model_cfg, layout, "auto", "meta")  # (the kernel holds no parameters)
+    model = build_model(cfg, model_cfg, layout, "auto", "meta")  # (the kernel holds no parameters)
     out = {}
     for name, p in model.named_parameters():  # (a tied weight once: named_parameters gives each tensor once)
         out[name] = p.numel()
@@ -427,7 +427,7 @@ def activation_bytes(model_cfg, tokens, seq_len, tp, ep, sequence_parallel, acti
 def loss_bytes(model_cfg, N, tp, sequence_parallel, chunked_loss, act_bytes):
     """(held, once): the bytes the loss keeps on the head's chunk per micro-batch from its forward to its
     backward, and those alive only while it runs (N: this rank's tokens per micro-batch)."""
-    C, V = model_cfg.n_embd, padded_vocab_size(model_cfg.vocab_size, tp)
+    C, V = model_cfg.n_embd, split_vocab_size(model_cfg.vocab_size, tp)
     n_local = N // tp if sequence_parallel else N  # between the tensor-parallel regions
     # the final norm's tensors: its rsqrt and x * rsqrt (fp32), its output as the head keeps it (the compute
     # dtype, gathered under sequence parallelism)
@@ -475,7 +475,7 @@ def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, b
     (dp x cp) rank, where ranks differ (Muon's ZeRO-1 deals whole matrices); None: the largest of them.
     attention_scores: whether the attention kernel keeps the (B, H, T, T) probabilities (attention_saves_scores;
     never under context parallelism, whose ring attention keeps the log-sum-exp). pp_layers: the blocks of
-    each model stage, as the setting ('': cut by cost, metrics.stage_cut)."""
+    each model stage, as the setting ('': cut by cost, build.stage_cut)."""
     T = block_size or model_cfg.block_size
     replicas, expert_replicas = dp * cp, dp // ep * cp  # the ranks that shard a parameter, an expert
     N = batch_size * T // cp  # this rank's tokens per micro-batch
@@ -568,7 +568,7 @@ def format_plan(stages, gpu_mem_gib=None):
 
 
 # -----------------------------------------------------------------------------
-# The plan beside the measure (metrics.measure_step_memory) on every rank: train.py's start-up, bench.py's RESULT
+# The plan beside the measure (metrics.measure_step_memory) on every rank: train.py's start-up, tools/bench.py's RESULT
 
 
 def memory_rows(layout, predicted, measured, **more):

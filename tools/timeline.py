@@ -1,8 +1,8 @@
 """
 The pipeline schedules drawn in time, one row per rank and one column per time slot:
 
-    python timeline.py --schedule zero_bubble --pp 4 --microbatches 8
-    python timeline.py --schedule interleaved_1f1b --pp 4 --microbatches 8 --chunks 2
+    python tools/timeline.py --schedule zero_bubble --pp 4 --microbatches 8
+    python tools/timeline.py --schedule interleaved_1f1b --pp 4 --microbatches 8 --chunks 2
 
 What is drawn is what runs: the rows are the very action lists the executor walks
 (pipeline_schedules.SCHEDULES, routed by parallel.message_route), placed in time by a simulator of the
@@ -14,8 +14,8 @@ it). Under the rows: the most microbatches each rank holds, and the bubble measu
 the paper's formula (pipeline_schedules.ideal_bubble).
 
 The end of the file measures the real thing: a step's actions timed on every rank (train.py's pp_trace,
-bench.py --schedules), written as pp_trace.json in Chrome's trace format with the measured bubble; and the
-activation memory each rank holds for backward, sampled at every action (ActivationMemory; bench.py reports both).
+tools/bench.py --schedules), written as pp_trace.json in Chrome's trace format with the measured bubble; and the
+activation memory each rank holds for backward, sampled at every action (ActivationMemory; tools/bench.py reports both).
 """
 import argparse
 import json
@@ -24,10 +24,13 @@ import sys
 import time
 from contextlib import contextmanager
 
+if __name__ == "__main__" and not __package__:  # python tools/X.py: import from the repository
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import torch
 import torch.distributed as dist
 
-from parallel import counting_waits, message_route
+from parallel import message_route
 from pipeline_schedules import SCHEDULES, check_schedule, ideal_bubble, virtual_stages
 
 
@@ -135,7 +138,7 @@ def simulate_pipeline(lists, stages, seconds, transfer, routes=None, deadlock="t
     """Place every rank's actions (lists[r], the schedule's; stages[r], the model stage of each of its chunks)
     in time as the executor runs them: a rank runs its actions in order, each when the one before has ended
     and its input has arrived, which is `transfer` after the action that sent it ended. seconds(r, action):
-    an action's duration (slots for the printed timeline, seconds for step_time.py); routes: route_messages'
+    an action's duration (slots for the printed timeline, seconds for tools/step_time.py); routes: route_messages'
     (sent, needs) of these lists, when already found. Returns {(r, k): (start, end)}; raises RuntimeError
     starting with `deadlock` when every rank still at work waits on another."""
     if routes is None:
@@ -234,7 +237,7 @@ def format_timeline(schedule, pp, m, chunks=1):
 
 
 # -----------------------------------------------------------------------------
-# The schedule walked for memory: memory_plan.py's peak, action by action
+# The schedule walked for memory: tools/memory_plan.py's peak, action by action
 
 
 def schedule_moments(schedule, pp, stage, m, chunks, chunk_blocks, head_chunk, saved, residual):
@@ -302,7 +305,7 @@ def walk_peak(moments, head_chunk, zero_stage, recompute, backward_start, loss_h
 
 class PipelineTrace:
     """Every pipeline action's start and end on this rank during one step (pass it as
-    pipeline_schedules.ScheduleExecutor's trace). Time zero is the end of a barrier every rank joins when the
+    parallel.PipelineExecutor's trace). Time zero is the end of a barrier every rank joins when the
     trace is made, so the ranks' clocks agree to within the barrier's own skew (a fraction of a millisecond on
     one machine). On a GPU each time is a CUDA event recorded on the stream: the host only sees kernels being
     launched, the events see them run. times() reads them (on a GPU after a synchronize, so call it after the
@@ -400,7 +403,7 @@ class ActivationMemory:
     (seen through saved-tensor hooks; parameters and integer index tensors such as token ids are left out,
     and a tensor saved by two operations counts twice), plus what zero-bubble WeightGradStores keep between a
     microbatch's B and its W. Use it as a context around the step; sampled at every save and, passed as
-    pipeline_schedules.ScheduleExecutor's trace, at the end of every action."""
+    parallel.PipelineExecutor's trace, at the end of every action."""
 
     def __init__(self, model, stores=()):
         self.params = {p.data_ptr() for p in model.parameters()}
@@ -442,32 +445,6 @@ class _Saved:
 
     def __del__(self):
         self.counter.live -= self.nbytes
-
-
-# -----------------------------------------------------------------------------
-# Where a step waited: parallel.waited counts every wait on communication by its mechanism, so a log line
-# shows what no computation hid (bench.py's exposed_comm_ms, train.py's).
-
-MECHANISMS = ("dp", "tp", "cp", "ep", "pp")  # (dp: data parallelism and every ZeRO stage)
-
-
-def exposed_comm(step, layout):
-    """Run step(); returns (what it returned, mean_waits of the milliseconds this rank stood in
-    parallel.waited during it)."""
-    with counting_waits() as waits:
-        out = step()
-    return out, mean_waits(waits, layout)
-
-
-def mean_waits(waits, layout):
-    """{mechanism: ms} of a counting_waits block, every mechanism named, the mean over the world's ranks
-    (every rank calls it: one all-reduce)."""
-    waited = {m: waits.get(m, 0.0) for m in MECHANISMS}
-    if layout.world_size > 1:
-        mean = torch.tensor(list(waited.values()), dtype=torch.float64) / layout.world_size
-        dist.all_reduce(mean)
-        waited = dict(zip(waited, mean.tolist()))
-    return waited
 
 
 def main(argv):

@@ -1,7 +1,7 @@
 """
 Write a starter config for a model size and a parallel layout, checked before anything runs.
 
-    python make_config.py --n_layer=12 --n_embd=768 --n_head=12 --tp=2 --pp=2 --nproc=8 --out=config/my.py
+    python tools/make_config.py --n_layer=12 --n_embd=768 --n_head=12 --tp=2 --pp=2 --nproc=8 --out=config/my.py
     torchrun --nproc_per_node=8 train.py config/my.py
 
 Every training setting can be given (--key=value, or a config file to start from), plus `nproc`, the number
@@ -22,33 +22,35 @@ import os
 import sys
 from dataclasses import fields
 
+if __name__ == "__main__" and not __package__:  # python tools/X.py: import from the repository
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 import torch
 
-import machines
-import memory_plan
+import build
 import metrics
 import settings
-import step_time
-from step_time import model_config_of
+from tools.step_time import model_config_of
 from configurator import ConfigError, Setting, configure, section
 from model import ModelConfig, Transformer, attention_head_dim
 from settings import check_layout
 from parallel import resolve_dp
-from pipeline_schedules import check_schedule, describe_pipeline
+from build import describe_pipeline
+from pipeline_schedules import check_schedule
+from tools import machines, memory_plan, step_time
 
-GPT2_VOCAB_SIZE = 50257
 OWN = section(
-    "make_config.py's own",
+    "tools/make_config.py's own",
     Setting("nproc", 1, "processes the run will have (torchrun --nproc_per_node x nodes)"),
     Setting("out", "config/my.py", "the config file to write"),
     Setting("force", False, "overwrite --out if it exists (else an existing file is refused)"),
     Setting("gpu_mem_gib", 0.0, "the memory of one GPU in GiB (2**30 bytes, the plan's unit): say which stage does "
                                 "not fit it, and what to change (0: no check; --choose: the machine's)"),
-    Setting("choose", False, "rank every layout that fits by its predicted step time (step_time.py) and write the "
+    Setting("choose", False, "rank every layout that fits by its predicted step time (tools/step_time.py) and write the "
                              "fastest; a layout setting given on the command line is held, the others chosen"),
     Setting("global_batch", 0, "--choose: sequences per step, held while the layouts vary (0: batch_size x "
                                "gradient_accumulation_steps x the dp of the layout given)"),
-    Setting("machine", "h100", "the machine the run is for (step_time.py's a100, h100, l4, or a "
+    Setting("machine", "h100", "the machine the run is for (tools/step_time.py's a100, h100, l4, or a "
                                ".json file): its GPUs per node cut the launch line into nodes; "
                                "--choose predicts on it"),
     Setting("gpus_per_node", 0, "devices per node (0: the machine's): the launch line's "
@@ -64,12 +66,12 @@ def machine_of(cfg):
     name = cfg["machine"]
     if name not in machines.MACHINES and not (name.endswith(".json") and os.path.exists(name)):
         raise ConfigError(
-            f"machine = {name!r} is not one make_config.py can plan for: --choose (which ranks "
+            f"machine = {name!r} is not one tools/make_config.py can plan for: --choose (which ranks "
             f"layouts on it) and the launch line (its GPUs per node) need a named machine: "
             f"{', '.join(machines.MACHINES)}, or a .json file that exists with "
             f"machines.MACHINES' fields; 'auto' measures the machine a tool runs on, which "
-            f"step_time.py and bench.py do")
-    return step_time.load_machine(name)
+            f"tools/step_time.py and tools/bench.py do")
+    return machines.load_machine(name)
 
 
 def gpus_per_node_of(cfg):
@@ -101,17 +103,6 @@ def launch_lines(cfg):
             f"(the same on each of the {nodes} nodes, HOST the first node's address; on SLURM,",
             f"sbatch scripts/slurm.sh with --nodes={nodes} --gpus-per-node={per_node},",
             f"GPUS_PER_NODE={per_node}, CONFIG={out} and ARGS=\"\": the layout is in the config)"]
-
-
-def vocab_size_of(cfg):
-    """(vocabulary size, where it comes from): the setting, else the data's meta.json, else GPT-2's."""
-    if cfg["vocab_size"]:
-        return cfg["vocab_size"], "the vocab_size setting"
-    meta_path = os.path.join(cfg["data_dir"], "meta.json")
-    if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            return json.load(f)["vocab_size"], meta_path
-    return GPT2_VOCAB_SIZE, f"GPT-2's, as {meta_path} is not there yet"
 
 
 def count_parameters(model_cfg):
@@ -171,7 +162,7 @@ def make_config(cfg, given, argv, launch):
     dp = resolve_dp(cfg["nproc"], cfg["dp"], tp, pp, count_name="nproc", cp=cp, ep=cfg["ep"])
     chosen = choices(cfg, given, dp)
     cfg = dict(cfg, **{k: v for k, (v, _) in chosen.items()})
-    vocab, vocab_source = vocab_size_of(cfg)
+    vocab, vocab_source = step_time.vocab_size_of(cfg)
     model_cfg = ModelConfig(**{f.name: cfg[f.name] for f in fields(ModelConfig) if f.name != "vocab_size"},
                             vocab_size=vocab)
     check_layout(model_cfg, tp, pp, cp, cfg["sequence_parallel"], cfg["pp_chunks"], ep=cfg["ep"])
@@ -184,7 +175,7 @@ def make_config(cfg, given, argv, launch):
     layout = (f"dp {dp} x " + (f"cp {cp} x " if cp > 1 else "") + f"tp {tp}"
               + (" (sequence parallel)" if cfg["sequence_parallel"] else "") + f" x pp {pp}")
     header = f"""\
-# Written by: python make_config.py {' '.join(argv)}
+# Written by: python tools/make_config.py {' '.join(argv)}
 #
 # model:  {n_params / 1e6:.2f}M parameters ({(n_params - n_embedding) / 1e6:.2f}M without the embedding{'' if model_cfg.tie_embeddings else 's'}), \
 {model_cfg.n_layer} layers, width {model_cfg.n_embd}, {model_cfg.n_head} heads ({model_cfg.n_kv_head} key/value) of size {head_dim}
@@ -198,7 +189,7 @@ def make_config(cfg, given, argv, launch):
 """
     header += "".join(f"#         {line}\n" for line in launch[1:])
     if pp > 1:  # the stages' cut and each rank's share of the work, as train.py prints them
-        cut = metrics.stage_cut(model_cfg, cfg["pp_schedule"], pp, cfg["pp_chunks"], cfg["pp_layers"])
+        cut = build.stage_cut(model_cfg, cfg["pp_schedule"], pp, cfg["pp_chunks"], cfg["pp_layers"])
         pipeline = describe_pipeline(cfg["pp_schedule"], pp, cfg["gradient_accumulation_steps"], cfg["pp_chunks"], cut,
                                      metrics.pipeline_costs(model_cfg))
         header += "".join(f"# {line}\n" for line in pipeline.splitlines())
@@ -215,7 +206,7 @@ def make_config(cfg, given, argv, launch):
 
 
 # -----------------------------------------------------------------------------
-# --choose: every layout of nproc devices that fits, ranked by its predicted step time (step_time.py)
+# --choose: every layout of nproc devices that fits, ranked by its predicted step time (tools/step_time.py)
 
 LAYOUT_SETTINGS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "pp_schedule", "pp_chunks", "batch_size",
                    "gradient_accumulation_steps", "activation_checkpointing", "sequence_parallel")
@@ -360,7 +351,7 @@ def main(argv):
             ranking = format_choice(best, count, global_batch, values["nproc"], values["machine"])
             values.update(best[0][1])
             if values["dtype"] == "auto":  # written out: the plan below counts the activations in it
-                values["dtype"] = step_time.dtype_of(step_time.run_of(values), step_time.load_machine(values["machine"]))
+                values["dtype"] = step_time.dtype_of(step_time.run_of(values), machines.load_machine(values["machine"]))
             given = set(given) | set(LAYOUT_SETTINGS) | {"dtype"}
         header, body, chosen = make_config(values, given, argv, launch)
         out, existed = values["out"], os.path.exists(values["out"])

@@ -2,13 +2,13 @@
 Plot one or more training runs side by side from their metrics.jsonl: the loss (train, and the evaluated
 val loss), the learning rate, the gradient norm and the throughput, against the step.
 
-    python plot.py out/run_a out/run_b --out=compare.png
+    python tools/plot.py out/run_a out/run_b --out=compare.png
 
 Each run gets one colour in every panel, labelled with its folder name. With --trace, draw instead the
 pipeline timeline a run measured with pp_trace=True (<out_dir>/pp_trace.json): a row per pipeline rank
 and chunk, each action a bar from its start to its end, with each rank's measured bubble:
 
-    python plot.py --trace out/run_a            # writes out/run_a/pp_trace.png
+    python tools/plot.py --trace out/run_a            # writes out/run_a/pp_trace.png
 
 matplotlib is needed only here: pip install matplotlib
 """
@@ -17,6 +17,9 @@ import importlib.util
 import json
 import os
 import sys
+
+if __name__ == "__main__" and not __package__:  # python tools/X.py: import from the repository
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from metrics import LogError, read_log
 
@@ -146,7 +149,7 @@ def main(argv):
     if not args.runs and args.trace is None:
         parser.error("give the out_dir of one or more runs, or --trace OUT_DIR")
     if importlib.util.find_spec("matplotlib") is None:
-        sys.exit("error: plot.py needs matplotlib, which is not installed: pip install matplotlib")
+        sys.exit("error: tools/plot.py needs matplotlib, which is not installed: pip install matplotlib")
     try:
         if args.trace is not None:
             out = args.out or os.path.join(os.path.dirname(args.trace) if args.trace.endswith(".json") else args.trace,
