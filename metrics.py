@@ -302,7 +302,7 @@ class MetricsLog:
             # aside, rather than refusing to start: torchrun --max-restarts with --init_from=auto restarts a
             # run that died before its first save as a new run in the same out_dir, which a refusal would
             # end; torchtitan likewise gives each launch its own log folder (tb/<date-time>). Never overwrites.
-            # (An earlier run's checkpoints are refused instead, in train.setup: a later --init_from=auto
+            # (An earlier run's checkpoints are refused instead, in build.setup: a later --init_from=auto
             # would resume the wrong run's.)
             aside = next(p for n in itertools.count(1)
                          if not os.path.exists(p := os.path.join(os.path.dirname(self.path), f"metrics.{n}.jsonl")))

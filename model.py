@@ -1102,7 +1102,7 @@ class Transformer(nn.Module):
     def init_weights(self, seed, full_shape=lambda p: p.shape, share=lambda full, p: full):
         """Every parameter's full tensor is drawn from its own generator, seeded by (seed, name), and this
         rank keeps its share, share(full, p) (full_shape(p): the full tensor's shape; a layout that splits
-        parameters passes its own, train.init_shares): the same seed gives the same full model whatever
+        parameters passes its own, build.init_shares): the same seed gives the same full model whatever
         the layout (a tied copy is drawn under the name of the weight it copies). Linear and embedding weights
         are N(0, 0.02) (GPT-2), residual output projections (attention's o_proj, the MLPs' down)
         N(0, 0.02/sqrt(2 n_layer)), norm gains 1, biases 0, padded vocabulary rows 0. The draws are made on

@@ -742,7 +742,7 @@ class Reducers:
     slices). For the mechanisms that reduce some parameters apart: the experts over the ranks holding the
     same experts (expert_parallel.ExpertSplit), and `late`, a reducer of parameters whose gradient is
     complete only after backward (a weight tied across pipeline stages, whose copies the pipeline sums:
-    train.make_grad_sync): its hooks are taken out and grad_ready passes it by, so that its finish(), after
+    build.make_grad_sync): its hooks are taken out and grad_ready passes it by, so that its finish(), after
     the others', sends them. The parts' own extensions (backward_done, unit_by_unit: zero.py) pass to the
     parts that have them."""
 

@@ -13,8 +13,8 @@ Long runs (a killed rank restarts the job, which resumes from its last checkpoin
 
 Every setting, its default and its meaning is in settings.py (`python train.py --help` lists them); a
 config file and --key=value overrides replace the defaults (configurator.py). Read top to bottom: the
-settings, setup and build, the step, evaluation and checkpoints, then the loop; the batches come from
-data.py.
+settings, the step, evaluation and checkpoints, then the loop; the run is set up and the model built by
+build.py, the batches come from data.py.
 """
 import math
 import os
