@@ -47,9 +47,10 @@ def function_lengths(source, module):
 
 
 def repository_lengths():
-    """function_lengths of every .py file at the top level, in scripts/ and in tests/ (scripts.x, tests.x)."""
+    """function_lengths of every .py file at the top level, in tools/, scripts/ and tests/ (tools.x, ...)."""
     lengths = {}
-    for folder, prefix in ((ROOT, ""), (ROOT / "scripts", "scripts."), (ROOT / "tests", "tests.")):
+    folders = ((ROOT, ""), (ROOT / "tools", "tools."), (ROOT / "scripts", "scripts."), (ROOT / "tests", "tests."))
+    for folder, prefix in folders:
         for path in sorted(folder.glob("*.py")):
             lengths.update(function_lengths(path.read_text(), prefix + path.stem))
     return lengths

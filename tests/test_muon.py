@@ -24,7 +24,7 @@ import settings
 import build
 import train
 from dist_utils import assert_same_losses_and_norms, assert_same_tensors, train_in_process, train_on_ranks
-from model import ModelConfig, Transformer, model_config_from
+from model import ModelConfig, Transformer, model_config_from, takes_muon
 from optim import NEWTON_SCHULZ_COEFFICIENTS, Muon, deal_whole, newton_schulz
 
 # -----------------------------------------------------------------------------
@@ -197,7 +197,7 @@ def weights_and_momenta(ckpt_path):
     checkpoint.load_model(model, reader)
     weights = dict(model.named_parameters())
     momenta = {name: reader.optimizer_tensor(name, p, "momentum_buffer") for name, p in weights.items()
-               if train.takes_muon(name, p)}
+               if takes_muon(name, p)}
     return weights, momenta
 
 

@@ -544,7 +544,7 @@ def test_every_readme_command_runs_as_written(tmp_path):
         shutil.copy(path, folder)
     for path in ROOT.glob("requirements*.txt"):
         shutil.copy(path, folder)
-    for name in ("config", "scripts"):
+    for name in ("config", "scripts", "tools"):
         shutil.copytree(ROOT / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
     made = set()
     for line, words in shown_commands(README.read_text()):
