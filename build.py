@@ -13,6 +13,7 @@ The run set up and the model built: everything a training step needs, made once 
 
 train.py trains with what this makes; tools/bench.py times it and tools/memory_plan.py counts it.
 """
+
 import faulthandler
 import importlib.util
 import os
@@ -35,18 +36,54 @@ from context_parallel import apply_context_parallel
 from expert_parallel import ExpertSplit, apply_expert_parallel
 from fp8 import apply_fp8, check_fp8, count_fp8
 from faults import BadSteps
-from model import (ModelConfig, Transformer, apply_activation_checkpointing, choose_attn_impl, choose_device_and_dtype,
-                   compile_blocks, takes_muon)
+from model import (
+    ModelConfig,
+    Transformer,
+    apply_activation_checkpointing,
+    choose_attn_impl,
+    choose_device_and_dtype,
+    compile_blocks,
+    takes_muon,
+)
 from optim import AdamW, DynamicLossScaler, Muon, describe_optimizer, zero_one_muon_buckets
-from parallel import (GradientBuckets, ParallelLayout, Pipeline, PipelineComm, Reducers,
-                      ShardedGradientBuckets, ZeroOneAdamW, apply_pipeline, full_shape_of, init_distributed,
-                      shard_of, stage_layers, tied_weight_group)
-from pipeline_schedules import (SCHEDULES, SchedulePipeline, WeightGradStore, announced_by_hand,
-                                balance_units, check_schedule, chunk_modules, chunk_parameters, cost_cut,
-                                ideal_bubble, stage_work, virtual_stages)
+from parallel import (
+    GradientBuckets,
+    ParallelLayout,
+    Pipeline,
+    PipelineComm,
+    Reducers,
+    ShardedGradientBuckets,
+    ZeroOneAdamW,
+    apply_pipeline,
+    full_shape_of,
+    init_distributed,
+    shard_of,
+    stage_layers,
+    tied_weight_group,
+)
+from pipeline_schedules import (
+    SCHEDULES,
+    SchedulePipeline,
+    WeightGradStore,
+    announced_by_hand,
+    balance_units,
+    check_schedule,
+    chunk_modules,
+    chunk_parameters,
+    cost_cut,
+    ideal_bubble,
+    stage_work,
+    virtual_stages,
+)
 from settings import check_layout, describe_layout
 from tensor_parallel import apply_tensor_parallel
-from zero import FullyShardedParameters, GradientShards, backward_phases, overlap_param_gather, zero3_units
+from zero import (
+    FullyShardedParameters,
+    GradientShards,
+    backward_phases,
+    overlap_param_gather,
+    zero3_units,
+)
 
 # -----------------------------------------------------------------------------
 # setup
@@ -59,64 +96,111 @@ def print0(layout, *args):
 
 @dataclass
 class Run:
-    """What setup finds: where and how the run computes, its ranks, its model's settings and its data."""
+    """What setup finds: where and how the run computes, its ranks, its model's settings and its
+    data."""
+
     dev: torch.device
     dtype: torch.dtype  # what the blocks compute in (choose_device_and_dtype)
     layout: ParallelLayout
     model_cfg: ModelConfig
     attn_impl: str  # the attention kernel choose_attn_impl chose
-    datasets: dict  # split -> load_data's (path, dtype, tokens, vocabulary size); empty without data
+    datasets: (
+        dict  # split -> load_data's (path, dtype, tokens, vocabulary size); empty without data
+    )
     tokenizer: str  # what sample.py decodes with (None: it asks)
     hf_dir: str = None  # init_from=<a transformers model folder>, else None
     phase: str = "start-up"  # what the run is doing now: a failed peer's message names it
-    recipe: dict = None  # the batch the run was first given, which its checkpoints carry on (settings.batch_recipe)
-    # what train sets once the model is built, for the log lines: the global batch's tokens, the training
-    # split's, the model's FLOPs per token and the device's peak (metrics.PeakFlops)
+    # the batch the run was first given, which its checkpoints carry on (settings.batch_recipe)
+    recipe: dict = None
+    # what train sets once the model is built, for the log lines: the global batch's tokens, the
+    # training split's, the model's FLOPs per token and the device's peak (metrics.PeakFlops)
     tokens_per_step: int = 0
     train_tokens: int = 0
     model_flops: float = 0.0
     peak: object = None
-    exposed_comm_ms: dict = None  # {mechanism: ms waited on communication} in the step before the log line
-    predicted_step_s: float = None  # tools/step_time.py's, printed at start-up and beside a log line's measure
-    memory_step: int = 0  # the step measured_step tracked (slower): the measure beside the prediction comes after
+    exposed_comm_ms: dict = (
+        None  # {mechanism: ms waited on communication} in the step before the log line
+    )
+    predicted_step_s: float = (
+        None  # tools/step_time.py's, printed at start-up and beside a log line's measure
+    )
+    memory_step: int = (
+        0  # the step measured_step tracked (slower): the measure beside the prediction comes after
+    )
 
 
 def setup(cfg, training=True):
     """Everything that can fail because of the config or the data, before any training starts: the
-    device and dtype, the process groups, the data, the attention kernel and the model config. Returns
-    them as a Run. tools/bench.py calls it with training=False: out_dir is not checked, and with
-    data_dir=None no data is read (the vocabulary is then vocab_size, or GPT-2's)."""
+    device and dtype, the process groups, the data, the attention kernel and the model config.
+    Returns them as a Run. tools/bench.py calls it with training=False: out_dir is not checked, and
+    with data_dir=None no data is read (the vocabulary is then vocab_size, or GPT-2's)."""
     for flag, package in (("wandb_log", "wandb"), ("tensorboard_log", "tensorboard")):
         if getattr(cfg, flag) and importlib.util.find_spec(package) is None:
-            raise ValueError(f"{flag}=True needs the {package} package, which is not installed: pip install "
-                             f"{package} (or set --{flag}=False)")
+            raise ValueError(
+                f"{flag}=True needs the {package} package, which is not installed: pip install "
+                f"{package} (or set --{flag}=False)"
+            )
     check_schedule(cfg.pp_schedule, cfg.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks)
-    hf_dir = None if cfg.init_from in ("scratch", "resume", "auto") else cfg.init_from  # a transformers model folder
+    hf_dir = (
+        None if cfg.init_from in ("scratch", "resume", "auto") else cfg.init_from
+    )  # a transformers model folder
     if training:
         make_folder("out_dir", cfg.out_dir)
-    if training and cfg.init_from not in ("resume", "auto") and checkpoint.latest_checkpoint(cfg.out_dir):
-        raise FileExistsError(f"out_dir '{cfg.out_dir}' already holds checkpoints and init_from={cfg.init_from!r} "
-                              f"would overwrite them: use --init_from=resume to continue, or choose another --out_dir")
+    if (
+        training
+        and cfg.init_from not in ("resume", "auto")
+        and checkpoint.latest_checkpoint(cfg.out_dir)
+    ):
+        raise FileExistsError(
+            f"out_dir '{cfg.out_dir}' already holds checkpoints and init_from={cfg.init_from!r} "
+            f"would overwrite them: use --init_from=resume to continue, or choose another --out_dir"
+        )
     dev, ptdtype, dtype_why = choose_device_and_dtype(cfg.device, cfg.dtype)
     check_fp8(cfg.fp8, dev, ptdtype)
-    converting = hf_dir is not None and cfg.max_iters == 0  # (convert the model and exit: no data needed)
+    converting = (
+        hf_dir is not None and cfg.max_iters == 0
+    )  # (convert the model and exit: no data needed)
     data_meta, datasets = {}, {}
     if cfg.data_dir is not None and not converting:
         data_meta = read_data_meta(cfg.data_dir)
     vocab = cfg.vocab_size or data_meta.get("vocab_size", 50257)
-    eot = cfg.eot_token if cfg.eot_token is not None else data_meta.get("eot_token", -1)  # -1: none known
-    model_cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig)
-                               if f.name not in ("vocab_size", "eot_token")}, vocab_size=vocab, eot_token=eot)
+    eot = (
+        cfg.eot_token if cfg.eot_token is not None else data_meta.get("eot_token", -1)
+    )  # -1: none known
+    model_cfg = ModelConfig(
+        **{
+            f.name: getattr(cfg, f.name)
+            for f in fields(ModelConfig)
+            if f.name not in ("vocab_size", "eot_token")
+        },
+        vocab_size=vocab,
+        eot_token=eot,
+    )
     attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype, cfg.attn_softcap)
-    layout = init_distributed(cfg.dp, cfg.tp, cfg.pp, dev.type, cp=cfg.cp, ep=cfg.ep, timeout_s=cfg.dist_timeout_s)
+    layout = init_distributed(
+        cfg.dp, cfg.tp, cfg.pp, dev.type, cp=cfg.cp, ep=cfg.ep, timeout_s=cfg.dist_timeout_s
+    )
     if dev.type == "cuda":
-        # NCCL's watchdog ends a rank whose collective timed out from C++ (an abort), past any Python handler:
-        # faulthandler then prints every thread's Python stack, the line the rank was waiting in
-        faulthandler.enable(sys.__stderr__)  # (the process's own: sys.stderr may be a capture, with no fileno)
-    check_layout(model_cfg, layout.tp, layout.pp, layout.cp, cfg.sequence_parallel, cfg.pp_chunks, ep=layout.ep)
+        # NCCL's watchdog ends a rank whose collective timed out from C++ (an abort), past any
+        # Python handler: faulthandler then prints every thread's Python stack, the line the rank
+        # was waiting in
+        faulthandler.enable(
+            sys.__stderr__
+        )  # (the process's own: sys.stderr may be a capture, with no fileno)
+    check_layout(
+        model_cfg,
+        layout.tp,
+        layout.pp,
+        layout.cp,
+        cfg.sequence_parallel,
+        cfg.pp_chunks,
+        ep=layout.ep,
+    )
     tokenizer = data_meta.get("tokenizer", "gpt2")
     if hf_dir is not None:
-        import_hf.check_weights(hf_dir, model_cfg)  # on every rank alike: a bad folder stops all of them
+        import_hf.check_weights(
+            hf_dir, model_cfg
+        )  # on every rank alike: a bad folder stops all of them
         tokenizer, warning = import_hf.run_tokenizer(hf_dir, data_meta, cfg.data_dir)
         if warning:
             print0(layout, warning)
@@ -125,44 +209,83 @@ def setup(cfg, training=True):
         torch.cuda.set_device(dev)
     if data_meta:
         datasets = load_splits(cfg, vocab, data_meta, layout)
-    print0(layout, f"device: {dev}, dtype: {str(ptdtype).replace('torch.', '')} ({dtype_why}), "
-                   f"attention: {attn} ({attn_why})")
+    print0(
+        layout,
+        f"device: {dev}, dtype: {str(ptdtype).replace('torch.', '')} ({dtype_why}), "
+        f"attention: {attn} ({attn_why})",
+    )
     describe_run_layout(cfg, layout, model_cfg, attn, converting)
-    return Run(dev=dev, dtype=ptdtype, layout=layout, model_cfg=model_cfg, attn_impl=attn, datasets=datasets,
-               tokenizer=tokenizer, hf_dir=hf_dir)
+    return Run(
+        dev=dev,
+        dtype=ptdtype,
+        layout=layout,
+        model_cfg=model_cfg,
+        attn_impl=attn,
+        datasets=datasets,
+        tokenizer=tokenizer,
+        hf_dir=hf_dir,
+    )
 
 
 def load_splits(cfg, vocab, data_meta, layout):
     """{split: load_data's} of the data: train, and val unless it is absent or empty."""
     datasets = {"train": load_data(cfg.data_dir, "train", cfg.block_size, vocab, data_meta)}
     val_path = os.path.join(cfg.data_dir, "val.bin")
-    if os.path.exists(val_path) and os.path.getsize(val_path) > 0:  # a corrupt val.bin stops the run
+    if (
+        os.path.exists(val_path) and os.path.getsize(val_path) > 0
+    ):  # a corrupt val.bin stops the run
         datasets["val"] = load_data(cfg.data_dir, "val", cfg.block_size, vocab, data_meta)
     else:  # a corpus of one document has no validation split: evaluate on train only
-        print0(layout, f"no validation loss: {val_path} is absent or empty (a corpus of one document has no "
-                       f"validation split)")
+        print0(
+            layout,
+            f"no validation loss: {val_path} is absent or empty (a corpus of one document has no "
+            f"validation split)",
+        )
     return datasets
 
 
 def describe_run_layout(cfg, layout, model_cfg, attn, converting):
-    """The start-up lines of the layout: context parallelism's split, the rank grid, the pipeline's cut."""
+    """The start-up lines of the layout: context parallelism's split, the rank grid, the pipeline's
+    cut."""
     if layout.cp > 1:
-        print0(layout, f"context parallelism: each sequence of {cfg.block_size} tokens split across cp = "
-                       f"{layout.cp} ranks ({cfg.block_size // layout.cp} each, two zigzag chunks); attention is ring "
-                       f"attention, whose own blockwise kernel replaces {attn}")
+        print0(
+            layout,
+            f"context parallelism: each sequence of {cfg.block_size} tokens split across cp = "
+            f"{layout.cp} ranks ({cfg.block_size // layout.cp} each, two zigzag chunks); attention is ring "
+            f"attention, whose own blockwise kernel replaces {attn}",
+        )
     if cfg.chunked_loss and layout.tp > 1:
-        print0(layout, f"chunked_loss: not at tp = {layout.tp} (the vocab-parallel loss never gathers the logits "
-                       f"anyway): the loss is computed from the logits")
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))  # torchrun's processes on this node
-    first, _, grid = describe_layout(layout, cfg.sequence_parallel, model_cfg.n_expert, per_node).partition("\n")
-    print0(layout, first + ("" if converting else f"; {settings.global_batch(vars(cfg), layout.dp)}") + "\n" + grid)
+        print0(
+            layout,
+            f"chunked_loss: not at tp = {layout.tp} (the vocab-parallel loss never gathers the logits "
+            f"anyway): the loss is computed from the logits",
+        )
+    per_node = int(
+        os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)
+    )  # torchrun's processes on this node
+    first, _, grid = describe_layout(
+        layout, cfg.sequence_parallel, model_cfg.n_expert, per_node
+    ).partition("\n")
+    print0(
+        layout,
+        first
+        + ("" if converting else f"; {settings.global_batch(vars(cfg), layout.dp)}")
+        + "\n"
+        + grid,
+    )
     if layout.pp > 1:
         cut = stage_cut(model_cfg, cfg.pp_schedule, layout.pp, cfg.pp_chunks, cfg.pp_layers)
         m, costs = cfg.gradient_accumulation_steps, metrics.pipeline_costs(model_cfg)
-        print0(layout, describe_pipeline(cfg.pp_schedule, layout.pp, m, cfg.pp_chunks, cut, costs,
-                                         warn=not converting))
+        print0(
+            layout,
+            describe_pipeline(
+                cfg.pp_schedule, layout.pp, m, cfg.pp_chunks, cut, costs, warn=not converting
+            ),
+        )
     elif cfg.pp_trace:
-        print0(layout, "pp_trace: nothing to trace with pp = 1 (no pipeline); the run goes on untraced")
+        print0(
+            layout, "pp_trace: nothing to trace with pp = 1 (no pipeline); the run goes on untraced"
+        )
 
 
 def describe_pipeline(schedule, pp, m, chunks, stage_blocks, costs, warn=True):
@@ -171,16 +294,25 @@ def describe_pipeline(schedule, pp, m, chunks, stage_blocks, costs, warn=True):
     balance_warning's, and one when there are fewer micro-batches than stages (the stages are then
     idle most of the step)."""
     blocks = lambda r: r.start if len(r) == 1 else f"{r.start}-{r.stop - 1}"
-    per_rank = [", ".join(str(blocks(stage_layers(stage_blocks, s)))
-                          for s in virtual_stages(schedule, pp, p, chunks)) for p in range(pp)]
+    per_rank = [
+        ", ".join(
+            str(blocks(stage_layers(stage_blocks, s)))
+            for s in virtual_stages(schedule, pp, p, chunks)
+        )
+        for p in range(pp)
+    ]
     shares = rank_work(schedule, pp, chunks, stage_blocks, costs)
     best = cost_cut(schedule, pp, chunks, costs)
-    text = (f"pipeline: {schedule}, {m} microbatches, "
-            + (f"{chunks} chunks per rank, " if chunks > 1 else "")
-            + ("cut by cost, " if tuple(stage_blocks) == best else "cut by pp_layers, ")
-            + ("blocks per stage " if chunks == 1 else "blocks per rank (chunk by chunk) ")
-            + " | ".join(f"{p}: {text} ({share:.0%}{' of the work' if p == 0 else ''})"
-                         for p, (text, share) in enumerate(zip(per_rank, shares))))
+    text = (
+        f"pipeline: {schedule}, {m} microbatches, "
+        + (f"{chunks} chunks per rank, " if chunks > 1 else "")
+        + ("cut by cost, " if tuple(stage_blocks) == best else "cut by pp_layers, ")
+        + ("blocks per stage " if chunks == 1 else "blocks per rank (chunk by chunk) ")
+        + " | ".join(
+            f"{p}: {text} ({share:.0%}{' of the work' if p == 0 else ''})"
+            for p, (text, share) in enumerate(zip(per_rank, shares))
+        )
+    )
     if not warn:
         return text
     text += balance_warning(schedule, pp, chunks, stage_blocks, costs, best)
@@ -188,10 +320,12 @@ def describe_pipeline(schedule, pp, m, chunks, stage_blocks, costs, warn=True):
         bubble, whose = ideal_bubble(schedule, pp, m, chunks), schedule
         if bubble is None:  # (the paper gives no formula for this m)
             bubble, whose = ideal_bubble("1f1b", pp, m), "1f1b"
-        text += (f"\nwarning: gradient_accumulation_steps = {m} microbatches for pp = {pp} stages: "
-                 f"the stages are idle about {bubble:.0%} of each step ({whose}'s bubble); raise "
-                 f"gradient_accumulation_steps (lowering batch_size to keep the batch): {4 * pp} "
-                 f"microbatches bring 1F1B's bubble, (pp - 1) / (m + pp - 1), under 20%")
+        text += (
+            f"\nwarning: gradient_accumulation_steps = {m} microbatches for pp = {pp} stages: "
+            f"the stages are idle about {bubble:.0%} of each step ({whose}'s bubble); raise "
+            f"gradient_accumulation_steps (lowering batch_size to keep the batch): {4 * pp} "
+            f"microbatches bring 1F1B's bubble, (pp - 1) / (m + pp - 1), under 20%"
+        )
     return text
 
 
@@ -210,22 +344,35 @@ def balance_warning(schedule, pp, chunks, stage_blocks, costs, best):
     with_head = next(u for u in units if pp * chunks - 1 in u)
     head_unit = head_share + len(with_head) * min(costs[1]) / total(best)
     if max(best_shares) > 1.15 * even:
-        why = (f"the head and the loss alone are {head_share:.0%} of the model's work, so the "
-               f"{unit} that holds them does at least {head_unit:.0%}"
-               if head_unit > 1.15 * even
-               else f"{len(costs[1])} blocks do not deal evenly into {pp * chunks} stages")
+        why = (
+            f"the head and the loss alone are {head_share:.0%} of the model's work, so the "
+            f"{unit} that holds them does at least {head_unit:.0%}"
+            if head_unit > 1.15 * even
+            else f"{len(costs[1])} blocks do not deal evenly into {pp * chunks} stages"
+        )
         idle = 1 - min(best_shares) / max(best_shares)
-        return (f"\nwarning: no cut of the blocks brings every {unit} within 115% of an even share "
-                f"of the work ({even:.0%}): {why}. The others wait for the costliest"
-                + (f", so the least busy rank is idle about {idle:.0%} of each step on top of the "
-                   f"schedule's bubble; " if unit == "rank" else " on every lap of the ring; ")
-                + ("split the model with tp (which splits the head too) or dp rather than pp"
-                   + (", or use fewer chunks" if chunks > 1 else "") if head_unit > 1.15 * even
-                   else "a pp * pp_chunks that divides n_layer deals them evenly"))
+        return (
+            f"\nwarning: no cut of the blocks brings every {unit} within 115% of an even share "
+            f"of the work ({even:.0%}): {why}. The others wait for the costliest"
+            + (
+                f", so the least busy rank is idle about {idle:.0%} of each step on top of the "
+                f"schedule's bubble; "
+                if unit == "rank"
+                else " on every lap of the ring; "
+            )
+            + (
+                "split the model with tp (which splits the head too) or dp rather than pp"
+                + (", or use fewer chunks" if chunks > 1 else "")
+                if head_unit > 1.15 * even
+                else "a pp * pp_chunks that divides n_layer deals them evenly"
+            )
+        )
     if max(share(stage_blocks)) > 1.15 * even:
-        return (f"\nwarning: pp_layers gives a {unit} {max(share(stage_blocks)):.0%} of the work, "
-                f"where an even share is {even:.0%}; the cut by cost (pp_layers='') gives at most "
-                f"{max(best_shares):.0%}: {','.join(map(str, best))}")
+        return (
+            f"\nwarning: pp_layers gives a {unit} {max(share(stage_blocks)):.0%} of the work, "
+            f"where an even share is {even:.0%}; the cut by cost (pp_layers='') gives at most "
+            f"{max(best_shares):.0%}: {','.join(map(str, best))}"
+        )
     return ""
 
 
@@ -240,6 +387,7 @@ def rank_work(schedule, pp, chunks, stage_blocks, costs):
 @dataclass
 class Parts:
     """What build makes: everything a training step needs."""
+
     model: Transformer
     optimizer: object  # optim.AdamW, parallel.ZeroOneAdamW or optim.Muon: grads(), step(found_inf)
     grad_sync: object  # the data-parallel reducer (parallel.GradientBuckets or an extension)
@@ -248,30 +396,40 @@ class Parts:
     scaler: DynamicLossScaler
     bad_steps: BadSteps
     compiled: bool  # whether the blocks run torch.compile'd (compile=True, until a compile fails)
-    loaded: SimpleNamespace = None  # init_from=<a transformers folder>: seconds, bytes_read, file_bytes
+    loaded: SimpleNamespace = (
+        None  # init_from=<a transformers folder>: seconds, bytes_read, file_bytes
+    )
 
 
 def build(cfg, run):
     """This rank's model (initialised, on its device), the pipeline, the gradient averaging across
-    data-parallel ranks, the optimizer, the autocast context and the loss scaler: everything a training
-    step needs. tools/bench.py builds through here too, so it times exactly what train.py runs."""
+    data-parallel ranks, the optimizer, the autocast context and the loss scaler: everything a
+    training step needs. tools/bench.py builds through here too, so it times exactly what train.py
+    runs."""
     layout = run.layout
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, run.model_cfg, layout, run.attn_impl, run.dev)
     loaded = None
-    if run.hf_dir is not None:  # a transformers model: each rank reads only its own slices of the weights
+    if (
+        run.hf_dir is not None
+    ):  # a transformers model: each rank reads only its own slices of the weights
         start = time.time()
         read, total = import_hf.load_weights(model, run.hf_dir)
         loaded = SimpleNamespace(seconds=time.time() - start, bytes_read=read, file_bytes=total)
     else:
-        init_shares(model, cfg.seed)  # each full tensor drawn from (seed, name), this rank's share kept
-    # float64 (a check on CPU): the parameters, and so everything computed from them, in float64; the
-    # initial weights are the fp32 draws, the same at every layout. Other dtypes keep fp32 parameters
-    # and compute in the autocast dtype
+        init_shares(
+            model, cfg.seed
+        )  # each full tensor drawn from (seed, name), this rank's share kept
+    # float64 (a check on CPU): the parameters, and so everything computed from them, in float64;
+    # the initial weights are the fp32 draws, the same at every layout. Other dtypes keep fp32
+    # parameters and compute in the autocast dtype
     model.to(run.dev, dtype=torch.float64 if run.dtype == torch.float64 else None)
     pipeline = make_pipeline(cfg, layout, model, run.dev)
     grad_sync = make_grad_sync(model, cfg, layout, pipeline)
-    if cfg.overlap_param_gather and cfg.zero_stage in (1, 2):  # each gather waited for where forward reads it
+    if cfg.overlap_param_gather and cfg.zero_stage in (
+        1,
+        2,
+    ):  # each gather waited for where forward reads it
         overlap_param_gather(model, grad_sync)
     optimizer = make_optimizer(model, cfg, layout, grad_sync)
     print0(layout, describe_optimizer(optimizer, model, cfg, layout))
@@ -280,61 +438,89 @@ def build(cfg, run):
     if model.cfg.n_expert > 0:
         expert_params, expert_state = metrics.expert_memory_bytes(model, optimizer)
         held = [int(e) for e in next(iter(model.moe_layers().values())).experts]
-        print0(layout, f"experts: rank 0 holds experts {held[0]}-{held[-1]} of "
-                       f"{model.cfg.n_expert} in each layer (ep={layout.ep}): {expert_params / 2**20:.2f} MiB of "
-                       f"parameters, {expert_state / 2**20:.2f} MiB of optimizer state")
+        print0(
+            layout,
+            f"experts: rank 0 holds experts {held[0]}-{held[-1]} of "
+            f"{model.cfg.n_expert} in each layer (ep={layout.ep}): {expert_params / 2**20:.2f} MiB of "
+            f"parameters, {expert_state / 2**20:.2f} MiB of optimizer state",
+        )
     if cfg.compile:
         print0(layout, "compiling each block with torch.compile (the first steps are slow)")
     fp16 = run.dtype == torch.float16
-    autocast = torch.autocast(run.dev.type, dtype=run.dtype) if run.dtype in (torch.bfloat16, torch.float16) \
+    autocast = (
+        torch.autocast(run.dev.type, dtype=run.dtype)
+        if run.dtype in (torch.bfloat16, torch.float16)
         else nullcontext()
-    return Parts(model=model, optimizer=optimizer, grad_sync=grad_sync, pipeline=pipeline, autocast=autocast,
-                 scaler=DynamicLossScaler(enabled=fp16), bad_steps=BadSteps(run.dev, cfg.max_bad_steps, enabled=not fp16),
-                 compiled=cfg.compile and compile_blocks(model), loaded=loaded)
+    )
+    return Parts(
+        model=model,
+        optimizer=optimizer,
+        grad_sync=grad_sync,
+        pipeline=pipeline,
+        autocast=autocast,
+        scaler=DynamicLossScaler(enabled=fp16),
+        bad_steps=BadSteps(run.dev, cfg.max_bad_steps, enabled=not fp16),
+        compiled=cfg.compile and compile_blocks(model),
+        loaded=loaded,
+    )
 
 
 def stage_cut(cfg, schedule, pp, chunks=1, pp_layers=""):
-    """The number of blocks of each of the pp * chunks model stages, first to last: the pp_layers setting's
-    numbers when it is set ("7,1"; settings.check_values checked them), else the cut by the blocks' costs
-    (cost_cut, by metrics.pipeline_costs). model.Transformer, the memory planner and the start-up line all take
-    their cut from here."""
+    """The number of blocks of each of the pp * chunks model stages, first to last: the pp_layers
+    setting's numbers when it is set ("7,1"; settings.check_values checked them), else the cut by
+    the blocks' costs (cost_cut, by metrics.pipeline_costs). model.Transformer, the memory planner
+    and the start-up line all take their cut from here."""
     if pp_layers:
         return tuple(int(n) for n in pp_layers.split(","))
     return cost_cut(schedule, pp, chunks, metrics.pipeline_costs(cfg))
 
 
 def build_model(cfg, model_cfg, layout, attn_impl, dev):
-    """This rank's model, uninitialised on dev: the whole model built on the meta device (no memory), the
-    layout applied to it in one fixed order, each mechanism swapping in its own parts, then this rank's
-    share materialized. tools/bench.py, tools/memory_plan.py and scripts/compare.py build through here too."""
+    """This rank's model, uninitialised on dev: the whole model built on the meta device (no
+    memory), the layout applied to it in one fixed order, each mechanism swapping in its own parts,
+    then this rank's share materialized. tools/bench.py, tools/memory_plan.py and scripts/compare.py
+    build through here too."""
     with torch.device("meta"):
         model = Transformer(model_cfg, attn_impl=attn_impl, chunked_loss=cfg.chunked_loss)
-    # this rank's model chunks, stages of the model cut into pp * pp_chunks (by cost, or pp_layers: stage_cut)
+    # this rank's model chunks, stages of the model cut into pp * pp_chunks (by cost, or pp_layers:
+    # stage_cut)
     cut = stage_cut(model_cfg, cfg.pp_schedule, layout.pp, cfg.pp_chunks, cfg.pp_layers)
-    apply_pipeline(model, cut, virtual_stages(cfg.pp_schedule, layout.pp, layout.pp_rank, cfg.pp_chunks))
+    apply_pipeline(
+        model, cut, virtual_stages(cfg.pp_schedule, layout.pp, layout.pp_rank, cfg.pp_chunks)
+    )
     apply_expert_parallel(model, layout.ep_group)  # this rank's experts
     apply_tensor_parallel(model, layout.tp_group, cfg.sequence_parallel)  # its slice of every layer
-    apply_context_parallel(model, layout.cp_group)  # ring attention over its share of every sequence
-    # FP8 linears; the head and the router stay in the run's dtype (the loss and the routing are precise)
-    apply_fp8(model, cfg.fp8, keep=lambda name, _: name == "lm_head" or name.endswith(".router"),
-              token_group=layout.cp_group, device_type=torch.device(dev).type)
+    apply_context_parallel(
+        model, layout.cp_group
+    )  # ring attention over its share of every sequence
+    # FP8 linears; the head and the router stay in the run's dtype (the loss and the routing are
+    # precise)
+    apply_fp8(
+        model,
+        cfg.fp8,
+        keep=lambda name, _: name == "lm_head" or name.endswith(".router"),
+        token_group=layout.cp_group,
+        device_type=torch.device(dev).type,
+    )
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
     return materialize(model, dev)
 
 
 def materialize(model, device):
-    """Give every parameter of a model built on the meta device memory on `device`, uninitialised: only
-    this rank's shares exist by now, so that is all a rank allocates. The Parameter objects stay the same
-    (their contents are swapped in), so what the layout marked on them (the shard a tensor-parallel weight
-    is, the hooks that sum a gradient) stays. Initialise next (init_shares), or load a checkpoint."""
+    """Give every parameter of a model built on the meta device memory on `device`, uninitialised:
+    only this rank's shares exist by now, so that is all a rank allocates. The Parameter objects
+    stay the same (their contents are swapped in), so what the layout marked on them (the shard a
+    tensor-parallel weight is, the hooks that sum a gradient) stays. Initialise next (init_shares),
+    or load a checkpoint."""
     for p in model.parameters():
         if p.is_meta:
             marks, hooks = dict(p.__dict__), list((p._backward_hooks or {}).values())
             real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
             torch.utils.swap_tensors(p, real)
             p.__dict__.update(marks)
-            # autograd's gradient hooks went with the old contents: register them again on the new ones
+            # autograd's gradient hooks went with the old contents: register them again on the new
+            # ones
             p._backward_hooks = None
             for hook in hooks:
                 p.register_hook(hook)
@@ -342,8 +528,8 @@ def materialize(model, device):
 
 
 def init_shares(model, seed):
-    """model.init_weights with this layout's shares: each full tensor drawn, then cut to this rank's slice
-    (shard_of). Returns the model."""
+    """model.init_weights with this layout's shares: each full tensor drawn, then cut to this rank's
+    slice (shard_of). Returns the model."""
     model.init_weights(seed, full_shape=full_shape_of, share=shard_of)
     return model
 
@@ -362,14 +548,22 @@ def make_pipeline(cfg, layout, model, dev):
     # parallelism; in the parameters' dtype, the residual stream's (PipelineComm's note): fp32, or
     # fp64 in float64
     dtype, seq_split = next(model.parameters()).dtype, layout.tp if cfg.sequence_parallel else 1
-    comm = PipelineComm.from_layout(layout, model.cfg.n_embd, dev, dtype=dtype, stages_of=stages_of,
-                                    seq_split=seq_split)
+    comm = PipelineComm.from_layout(
+        layout, model.cfg.n_embd, dev, dtype=dtype, stages_of=stages_of, seq_split=seq_split
+    )
     tied_group, tied_copies = None, []
-    if model.cfg.tie_embeddings:  # the embedding with stage 0, its copy (or itself) as the last's head
+    if (
+        model.cfg.tie_embeddings
+    ):  # the embedding with stage 0, its copy (or itself) as the last's head
         holders = [p for p in range(layout.pp) for s in stages_of(p) if s in (0, layout.pp * v - 1)]
         tied_group = tied_weight_group(layout, holders)
-        tied_copies = [model.tok_emb.weight] if model.tok_emb is not None else \
-            [model.lm_head.weight] if model.lm_head is not None else []
+        tied_copies = (
+            [model.tok_emb.weight]
+            if model.tok_emb is not None
+            else [model.lm_head.weight]
+            if model.lm_head is not None
+            else []
+        )
     tied = dict(tied_copies=tied_copies, tied_group=tied_group, sums_tied=cfg.zero_stage < 2)
     if schedule in ("afab", "1f1b"):
         return Pipeline(comm, schedule, **tied)
@@ -380,18 +574,21 @@ def make_pipeline(cfg, layout, model, dev):
 
 
 def make_grad_sync(model, cfg, layout, pipeline):
-    """What averages the gradients across the ranks that hold the same parameters, dp x cp (each cp rank
-    has the gradient of its share of every sequence), by ZeRO stage: GradientBuckets' all-reduce (0; of no
-    parameter with a single replica), ShardedGradientBuckets' reduce-scatter (1; with Muon, its matrices dealt whole:
-    optim.zero_one_muon_buckets), zero.GradientShards (2), zero.FullyShardedParameters (3). Under expert
-    parallelism the experts get a reducer of their own kind over the ranks that hold the same experts
-    (expert_parallel.ExpertSplit). A tied weight's gradient changes after backward (its copies are summed
-    by the pipeline): ZeRO-0 and 1 average it in finish(), after that sum, by a reducer of its own without
-    hooks (parallel.Reducers' late); ZeRO-2 and 3 sum the copies' shards themselves (tied). The split
-    backward's W gradients are announced by hand (pipeline_schedules.announced_by_hand)."""
+    """What averages the gradients across the ranks that hold the same parameters, dp x cp (each cp
+    rank has the gradient of its share of every sequence), by ZeRO stage: GradientBuckets'
+    all-reduce (0; of no parameter with a single replica), ShardedGradientBuckets' reduce-scatter
+    (1; with Muon, its matrices dealt whole: optim.zero_one_muon_buckets), zero.GradientShards (2),
+    zero.FullyShardedParameters (3). Under expert parallelism the experts get a reducer of their own
+    kind over the ranks that hold the same experts (expert_parallel.ExpertSplit). A tied weight's
+    gradient changes after backward (its copies are summed by the pipeline): ZeRO-0 and 1 average it
+    in finish(), after that sum, by a reducer of its own without hooks (parallel.Reducers' late);
+    ZeRO-2 and 3 sum the copies' shards themselves (tied). The split backward's W gradients are
+    announced by hand (pipeline_schedules.announced_by_hand)."""
     zero, group, size = cfg.zero_stage, layout.dp_cp_group, cfg.bucket_size_mb
     if zero == 0 and group is None:
-        return GradientBuckets([], None)  # one replica: nothing to average (a reducer of no parameters)
+        return GradientBuckets(
+            [], None
+        )  # one replica: nothing to average (a reducer of no parameters)
     stores = getattr(pipeline, "weight_grad_stores", None)  # the split backward's: SchedulePipeline
     tied = (pipeline.tied_copies, pipeline.tied_group) if pipeline is not None else ((), None)
     phases = None
@@ -399,50 +596,82 @@ def make_grad_sync(model, cfg, layout, pipeline):
         chunks = [chunk_parameters(model, c) for c in range(len(model.chunk_layers))]
         phases = backward_phases(chunks, stores)
     units = zero3_units(model, tied[0], phases) if zero == 3 else None
-    matrices = [p for name, p in model.named_parameters() if takes_muon(name, p)] if cfg.optimizer == "muon" else []
+    matrices = (
+        [p for name, p in model.named_parameters() if takes_muon(name, p)]
+        if cfg.optimizer == "muon"
+        else []
+    )
 
     def reducer(params, group, tied=((), None)):
         keep = {id(p) for p in params}
         if zero == 0:
             return GradientBuckets(params, group, size)
         if zero == 1 and matrices:
-            return zero_one_muon_buckets(params, [p for p in matrices if id(p) in keep], group, size)
+            return zero_one_muon_buckets(
+                params, [p for p in matrices if id(p) in keep], group, size
+            )
         if zero == 1:
             return ShardedGradientBuckets(params, group, size)
         if zero == 2:
             return GradientShards(params, group, size, phases, tied)
-        return FullyShardedParameters(params, group, [(m, [p for p in ps if id(p) in keep], c) for m, ps, c in units],
-                                      model, phases, tied)
+        return FullyShardedParameters(
+            params,
+            group,
+            [(m, [p for p in ps if id(p) in keep], c) for m, ps, c in units],
+            model,
+            phases,
+            tied,
+        )
 
-    experts = {id(p) for p in model.expert_parameters().values()} if layout.expert_dp_group is not group else set()
-    late = {id(p) for p in tied[0]} if zero <= 1 else set()  # ZeRO-0/1: a tied weight's copies, sent in finish()
+    experts = (
+        {id(p) for p in model.expert_parameters().values()}
+        if layout.expert_dp_group is not group
+        else set()
+    )
+    late = (
+        {id(p) for p in tied[0]} if zero <= 1 else set()
+    )  # ZeRO-0/1: a tied weight's copies, sent in finish()
     grad_sync = reducer([p for p in model.parameters() if id(p) not in experts | late], group, tied)
     if late:
         grad_sync = Reducers(grad_sync, late=reducer(list(tied[0]), group))
     if experts:
-        grad_sync = ExpertSplit(grad_sync, reducer([p for p in model.parameters() if id(p) in experts],
-                                                   layout.expert_dp_group))
+        grad_sync = ExpertSplit(
+            grad_sync,
+            reducer([p for p in model.parameters() if id(p) in experts], layout.expert_dp_group),
+        )
     if stores:  # W accumulates these outside autograd and announces them (ScheduleExecutor)
         announced_by_hand(grad_sync, [p for store in stores for p in store.params])
     return grad_sync
 
 
 def make_optimizer(model, cfg, layout, grad_sync):
-    """AdamW; weight decay on matrices (linears, embeddings) only, not on norm gains and biases. With
-    zero_stage=1, 2 or 3, ZeroOneAdamW: the same update on the elements this rank owns, stepping with the
-    sharded reducer. With optimizer='muon', optim.Muon: Muon for the blocks' matrices (takes_muon), with
-    the same weight decay, AdamW as above for the rest (ZeRO-1: with its reducer)."""
+    """AdamW; weight decay on matrices (linears, embeddings) only, not on norm gains and biases.
+    With zero_stage=1, 2 or 3, ZeroOneAdamW: the same update on the elements this rank owns,
+    stepping with the sharded reducer. With optimizer='muon', optim.Muon: Muon for the blocks'
+    matrices (takes_muon), with the same weight decay, AdamW as above for the rest (ZeRO-1: with its
+    reducer)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     betas = (cfg.beta1, cfg.beta2)
     if cfg.optimizer == "muon":
         matrices = [p for name, p in model.named_parameters() if takes_muon(name, p)]
         chosen = {id(p) for p in matrices}
         groups = [{"params": matrices, "weight_decay": cfg.weight_decay, "muon": True}] + [
-            dict(g, params=[p for p in g["params"] if id(p) not in chosen]) for g in groups]
-        return Muon(groups, lr=cfg.learning_rate, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps, betas=betas,
-                    tp_group=layout.tp_group, grad_sync=grad_sync if cfg.zero_stage == 1 else None)
+            dict(g, params=[p for p in g["params"] if id(p) not in chosen]) for g in groups
+        ]
+        return Muon(
+            groups,
+            lr=cfg.learning_rate,
+            momentum=cfg.muon_momentum,
+            ns_steps=cfg.muon_ns_steps,
+            betas=betas,
+            tp_group=layout.tp_group,
+            grad_sync=grad_sync if cfg.zero_stage == 1 else None,
+        )
     if cfg.zero_stage >= 1:
         return ZeroOneAdamW(groups, grad_sync, lr=cfg.learning_rate, betas=betas)
     return AdamW(groups, lr=cfg.learning_rate, betas=betas)

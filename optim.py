@@ -1,21 +1,22 @@
 """
-The optimizers beside ZeRO-1's sharded AdamW (parallel.py): torch's AdamW with the interface the training
-step uses for every optimizer, and Muon, whose matrices are orthogonalised whole across tensor- and
-data-parallel ranks.
+The optimizers beside ZeRO-1's sharded AdamW (parallel.py): torch's AdamW with the interface the
+training step uses for every optimizer, and Muon, whose matrices are orthogonalised whole across
+tensor- and data-parallel ranks.
 
 Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks") steps a weight
-matrix along its momentum made orthogonal: the momentum M = U S V^T is replaced by about U V^T, so that
-every direction of the matrix moves by the same amount, where a gradient step moves mostly along its
-few largest singular directions. U V^T comes without an SVD, from five iterations of a quintic
-Newton-Schulz polynomial: matmuls only. Liu et al. 2025 ("Muon is Scalable for LLM Training", Moonshot
-AI, section 2.2) scale the update of an A x B matrix by 0.2 * sqrt(max(A, B)): U V^T has RMS
-1 / sqrt(max(A, B)), so the update's RMS is 0.2, about AdamW's, and an AdamW recipe's learning rate and
-decoupled weight decay carry over. Muon is for the matrices that map hidden states to hidden states;
-the embedding, the head, the router, the norms and the biases stay on AdamW (Jordan et al. and Liu et
-al. both keep the embedding and head on AdamW): one optimizer, with parameter groups.
+matrix along its momentum made orthogonal: the momentum M = U S V^T is replaced by about U V^T, so
+that every direction of the matrix moves by the same amount, where a gradient step moves mostly
+along its few largest singular directions. U V^T comes without an SVD, from five iterations of a
+quintic Newton-Schulz polynomial: matmuls only. Liu et al. 2025 ("Muon is Scalable for LLM
+Training", Moonshot AI, section 2.2) scale the update of an A x B matrix by 0.2 * sqrt(max(A, B)): U
+V^T has RMS 1 / sqrt(max(A, B)), so the update's RMS is 0.2, about AdamW's, and an AdamW recipe's
+learning rate and decoupled weight decay carry over. Muon is for the matrices that map hidden states
+to hidden states; the embedding, the head, the router, the norms and the biases stay on AdamW
+(Jordan et al. and Liu et al. both keep the embedding and head on AdamW): one optimizer, with
+parameter groups.
 
-Orthogonalising is not elementwise, as AdamW is: it needs the whole matrix, which tensor parallelism and
-ZeRO-1 both cut. What each rank holds and which collectives run, for each:
+Orthogonalising is not elementwise, as AdamW is: it needs the whole matrix, which tensor parallelism
+and ZeRO-1 both cut. What each rank holds and which collectives run, for each:
   Tensor parallelism: each rank keeps the momentum of its own slice (momentum is elementwise); the tp
     ranks all-gather the slices of the Nesterov momentum, every rank orthogonalises the full matrix and
     keeps its slice of the result. Gathering is one all-gather per matrix on the fastest links, with no
@@ -32,43 +33,59 @@ ZeRO-1 both cut. What each rank holds and which collectives run, for each:
     the owner (instead of reduce-scattered), the owner keeps the momentum, runs Newton-Schulz, and
     broadcasts the updated matrix (instead of the all-gather). The AdamW parameters keep ZeRO-1's even
     slices. With tp as well, the tp ranks of the owner do the tp all-gather among themselves.
-What it costs. Bytes: across dp, what AdamW moves (a reduce plus a broadcast move what a reduce-scatter
-plus an all-gather move); across tp, one all-gather of each matrix. Memory: one momentum per element
-where AdamW keeps two, 1/dp of them with ZeRO-1. Compute: Newton-Schulz for an A x B matrix, A <= B, is
-5 x (X X^T: 2 A^2 B, its square: 2 A^3, times X: 2 A^2 B) = 20 A^2 B + 10 A^3 FLOPs a step; for m x m
-matrices that is 5 m / (tokens per step) of the training FLOPs (6 m^2 per token), tp times over. It runs
-in fp32, so that every layout's update equals one process's to fp32 rounding (Jordan et al. run it in
-bf16 on GPUs, faster).
+What it costs. Bytes: across dp, what AdamW moves (a reduce plus a broadcast move what a
+reduce-scatter plus an all-gather move); across tp, one all-gather of each matrix. Memory: one
+momentum per element where AdamW keeps two, 1/dp of them with ZeRO-1. Compute: Newton-Schulz for an
+A x B matrix, A <= B, is 5 x (X X^T: 2 A^2 B, its square: 2 A^3, times X: 2 A^2 B) = 20 A^2 B + 10
+A^3 FLOPs a step; for m x m matrices that is 5 m / (tokens per step) of the training FLOPs (6 m^2
+per token), tp times over. It runs in fp32, so that every layout's update equals one process's to
+fp32 rounding (Jordan et al. run it in bf16 on GPUs, faster).
 
-The 2-D weights must be plain matrices (out, in), as nn.Linear keeps them: an expert stored as one 3-D
-tensor would need its own loop here.
+The 2-D weights must be plain matrices (out, in), as nn.Linear keeps them: an expert stored as one
+3-D tensor would need its own loop here.
 """
+
 import math
 
 import torch
 import torch.distributed as dist
 
-from parallel import (ShardedBucket, ShardedGradientBuckets, _all_gather_along, adamw_step, at_least_fp32,
-                      buckets_by_kind, group_size, optimizer_state_bytes, params_flat, shard_of,
-                      wait_for_params)
+from parallel import (
+    ShardedBucket,
+    ShardedGradientBuckets,
+    _all_gather_along,
+    adamw_step,
+    at_least_fp32,
+    buckets_by_kind,
+    group_size,
+    optimizer_state_bytes,
+    params_flat,
+    shard_of,
+    wait_for_params,
+)
 
 
 class AdamW(torch.optim.AdamW):
-    """torch.optim.AdamW with weight decay as each parameter group says, stepped by torch's fused kernel
-    (one kernel for the whole update: on CPU it was a third of a small model's step unfused), with the
-    interface the training step uses for every optimizer: grads() and step(found_inf). Its states exist
-    from the start, as ZeroOneAdamW's and Muon's do (their size is reported before the first step)."""
+    """torch.optim.AdamW with weight decay as each parameter group says, stepped by torch's fused
+    kernel (one kernel for the whole update: on CPU it was a third of a small model's step unfused),
+    with the interface the training step uses for every optimizer: grads() and step(found_inf). Its
+    states exist from the start, as ZeroOneAdamW's and Muon's do (their size is reported before the
+    first step)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
         for p in (p for g in self.param_groups for p in g["params"]):
-            self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                             "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            self.state[p] = {
+                "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
 
     def grads(self):
-        """[(param, gradient)] of every parameter. One that got none (an expert no token reached) gets a zero
-        gradient, as the data-parallel reducer gives it: AdamW then steps every parameter alike (its moments
-        decay, the weight decays, one step counter for all), and every parameter has a state to save."""
+        """[(param, gradient)] of every parameter. One that got none (an expert no token reached)
+        gets a zero gradient, as the data-parallel reducer gives it: AdamW then steps every
+        parameter alike (its moments decay, the weight decays, one step counter for all), and every
+        parameter has a state to save."""
         params = [p for g in self.param_groups for p in g["params"]]
         for p in params:
             if p.grad is None:
@@ -77,23 +94,26 @@ class AdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, found_inf=None):
-        """AdamW's update (parallel.adamw_step); found_inf (a 0-dim float tensor on the device, 1: the
-        gradient is not finite) leaves every weight, moment and step counter as it was, decided on the
-        device without a host sync."""
+        """AdamW's update (parallel.adamw_step); found_inf (a 0-dim float tensor on the device, 1:
+        the gradient is not finite) leaves every weight, moment and step counter as it was, decided
+        on the device without a host sync."""
         for group in self.param_groups:
             params = group["params"]
-            adamw_step(params, [p.grad for p in params], [self.state[p] for p in params], group, found_inf)
+            adamw_step(
+                params, [p.grad for p in params], [self.state[p] for p in params], group, found_inf
+            )
+
 
 NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Jordan et al. 2024
 
 
 def newton_schulz(G, steps=5, eps=1e-7):
-    """About U V^T for G = U S V^T. G is scaled to Frobenius norm 1, so every singular value is at most 1;
-    then each iteration X <- a X + b (X X^T) X + c (X X^T)^2 X maps every singular value s to
-    a s + b s^3 + c s^5 and leaves U and V alone. Jordan et al.'s (a, b, c) buy a steep start (a = 3.4:
-    small singular values grow fast) with not converging to exactly 1: after 5 iterations every singular
-    value from 0.01 of the norm up lands in [0.68, 1.13], which the update tolerates. In fp32 (fp64 in a
-    float64 run); the Gram matrix X X^T is taken on the shorter side."""
+    """About U V^T for G = U S V^T. G is scaled to Frobenius norm 1, so every singular value is at
+    most 1; then each iteration X <- a X + b (X X^T) X + c (X X^T)^2 X maps every singular value s
+    to a s + b s^3 + c s^5 and leaves U and V alone. Jordan et al.'s (a, b, c) buy a steep start (a
+    = 3.4: small singular values grow fast) with not converging to exactly 1: after 5 iterations
+    every singular value from 0.01 of the norm up lands in [0.68, 1.13], which the update tolerates.
+    In fp32 (fp64 in a float64 run); the Gram matrix X X^T is taken on the shorter side."""
     a, b, c = NEWTON_SCHULZ_COEFFICIENTS
     X = G.to(at_least_fp32(G.dtype))
     tall = X.shape[0] > X.shape[1]
@@ -107,19 +127,21 @@ def newton_schulz(G, steps=5, eps=1e-7):
 
 
 def deal_whole(params, n):
-    """{param: rank}: the params, in order, cut into n runs of about equal numbers of elements, each param
-    whole: a param goes to the rank whose even share of them all holds its middle element."""
+    """{param: rank}: the params, in order, cut into n runs of about equal numbers of elements, each
+    param whole: a param goes to the rank whose even share of them all holds its middle element."""
     params = list(params)
     total, seen, owners = sum(p.numel() for p in params), 0, {}
     for p in params:
-        owners[p] = (2 * seen + p.numel()) * n // (2 * total)  # the middle element's share, 0 .. n - 1
+        owners[p] = (
+            (2 * seen + p.numel()) * n // (2 * total)
+        )  # the middle element's share, 0 .. n - 1
         seen += p.numel()
     return owners
 
 
 def gather_tp_slices(x, param, group):
-    """The full matrix of which x is this rank's tensor-parallel slice (shaped like param); x itself when
-    param is replicated (no tp_shard_dim) or the group is one rank."""
+    """The full matrix of which x is this rank's tensor-parallel slice (shaped like param); x itself
+    when param is replicated (no tp_shard_dim) or the group is one rank."""
     dim = getattr(param, "tp_shard_dim", None)
     if dim is None or group_size(group) == 1:
         return x
@@ -127,11 +149,12 @@ def gather_tp_slices(x, param, group):
 
 
 class WholeMatrixBuckets(ShardedGradientBuckets):
-    """ZeRO-1's reducer with some parameters dealt whole: `owners` ({param: rank of group}, deal_whole's)
-    sends each of those parameters' gradients whole to one rank, in buckets of their own, one owner per
-    bucket, reduced to the owner (dist.reduce) instead of reduce-scattered; after the step the owner
-    broadcasts what it updated (instead of the all-gather). Every other parameter keeps ZeRO-1's even
-    slices. It extends ShardedGradientBuckets through the hooks parallel.py's docstring lists."""
+    """ZeRO-1's reducer with some parameters dealt whole: `owners` ({param: rank of group},
+    deal_whole's) sends each of those parameters' gradients whole to one rank, in buckets of their
+    own, one owner per bucket, reduced to the owner (dist.reduce) instead of reduce-scattered; after
+    the step the owner broadcasts what it updated (instead of the all-gather). Every other parameter
+    keeps ZeRO-1's even slices. It extends ShardedGradientBuckets through the hooks parallel.py's
+    docstring lists."""
 
     def __init__(self, params, group, bucket_size_mb=25.0, owners=None):
         self.owners = owners or {}
@@ -152,14 +175,22 @@ class WholeMatrixBuckets(ShardedGradientBuckets):
         if not isinstance(bucket, WholeBucket):
             return super().launch(bucket)
         if bucket.world > 1:  # the sum lands on the owner only (land() then finds it in flat)
-            bucket.work = dist.reduce(bucket.flat, dist.get_global_rank(bucket.group, bucket.owner),
-                                      group=bucket.group, async_op=True)
+            bucket.work = dist.reduce(
+                bucket.flat,
+                dist.get_global_rank(bucket.group, bucket.owner),
+                group=bucket.group,
+                async_op=True,
+            )
 
     def gather(self, bucket):
         if not isinstance(bucket, WholeBucket):
             return super().gather(bucket)
-        return dist.broadcast(params_flat(bucket), dist.get_global_rank(bucket.group, bucket.owner),
-                              group=bucket.group, async_op=True)
+        return dist.broadcast(
+            params_flat(bucket),
+            dist.get_global_rank(bucket.group, bucket.owner),
+            group=bucket.group,
+            async_op=True,
+        )
 
 
 class WholeBucket(ShardedBucket):
@@ -178,33 +209,57 @@ class WholeBucket(ShardedBucket):
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for the parameter groups with muon=True (2-D matrices), AdamW for the others: one optimizer,
-    whose param_groups' lr the schedule writes at each step. Muon's update of an A x B matrix W with
-    gradient G (Nesterov momentum; Liu et al. 2025's scale and decoupled weight decay):
+    """Muon for the parameter groups with muon=True (2-D matrices), AdamW for the others: one
+    optimizer, whose param_groups' lr the schedule writes at each step. Muon's update of an A x B
+    matrix W with gradient G (Nesterov momentum; Liu et al. 2025's scale and decoupled weight
+    decay):
         M <- mu M + G;   O = newton_schulz(G + mu M)
         W <- W - lr * wd * W - lr * 0.2 * sqrt(max(A, B)) * O
     where A x B is the full matrix's shape, on a rank that holds a tensor-parallel slice of it too.
     The other groups take parallel.adamw_step, torch's fused AdamW.
 
-    tp_group: matrices split across it (parameters marked by mark_sharded) are orthogonalised whole, see
-    the file's note; None: not split (every matrix is whole here). grad_sync (ZeRO-1): a WholeMatrixBuckets over the dp x cp group with the matrices
-    dealt whole (zero_one_muon_buckets builds it); the optimizer then steps with it as ZeroOneAdamW does
-    (do not also all-reduce the gradients). Per step: backward -> grad_sync.finish() -> [clip grads()] ->
-    step(found_inf) (AdamW on this rank's slices, Muon on its matrices, then grad_sync.after_step()).
-    Every state exists from the start (its size is reported before the first step): AdamW's moments flat
-    over the elements this rank updates (`flat_range` under ZeRO-1), Muon's momentum shaped like the
-    matrix (its tp slice)."""
+    tp_group: matrices split across it (parameters marked by mark_sharded) are orthogonalised whole,
+    see the file's note; None: not split (every matrix is whole here). grad_sync (ZeRO-1): a
+    WholeMatrixBuckets over the dp x cp group with the matrices dealt whole (zero_one_muon_buckets
+    builds it); the optimizer then steps with it as ZeroOneAdamW does (do not also all-reduce the
+    gradients). Per step: backward -> grad_sync.finish() -> [clip grads()] -> step(found_inf) (AdamW
+    on this rank's slices, Muon on its matrices, then grad_sync.after_step()). Every state exists
+    from the start (its size is reported before the first step): AdamW's moments flat over the
+    elements this rank updates (`flat_range` under ZeRO-1), Muon's momentum shaped like the matrix
+    (its tp slice)."""
 
-    def __init__(self, params, lr=1e-3, momentum=0.95, ns_steps=5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                 tp_group=None, grad_sync=None):
-        super().__init__(params, dict(lr=lr, momentum=momentum, ns_steps=ns_steps, betas=betas, eps=eps,
-                                      weight_decay=weight_decay, muon=False))
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        momentum=0.95,
+        ns_steps=5,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.0,
+        tp_group=None,
+        grad_sync=None,
+    ):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                momentum=momentum,
+                ns_steps=ns_steps,
+                betas=betas,
+                eps=eps,
+                weight_decay=weight_decay,
+                muon=False,
+            ),
+        )
         self.tp_group, self.grad_sync = tp_group, grad_sync
         self.group_of = {p: g for g in self.param_groups for p in g["params"]}
         self.matrices = [p for g in self.param_groups if g["muon"] for p in g["params"]]
         if any(p.dim() != 2 for p in self.matrices):
-            raise ValueError(f"Muon orthogonalises 2-D matrices; its groups hold tensors of shapes "
-                             f"{sorted({tuple(p.shape) for p in self.matrices if p.dim() != 2})}")
+            raise ValueError(
+                f"Muon orthogonalises 2-D matrices; its groups hold tensors of shapes "
+                f"{sorted({tuple(p.shape) for p in self.matrices if p.dim() != 2})}"
+            )
         if grad_sync is not None:
             pieces = [piece[:3] for piece in grad_sync.owned_slices()]
         else:
@@ -213,16 +268,19 @@ class Muon(torch.optim.Optimizer):
             if self.group_of[p]["muon"]:
                 self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
             else:
-                self.state[p] = {"step": torch.zeros((), device=p.device),
-                                 "exp_avg": torch.zeros(end - start, dtype=p.dtype, device=p.device),
-                                 "exp_avg_sq": torch.zeros(end - start, dtype=p.dtype, device=p.device)}
+                self.state[p] = {
+                    "step": torch.zeros((), device=p.device),
+                    "exp_avg": torch.zeros(end - start, dtype=p.dtype, device=p.device),
+                    "exp_avg_sq": torch.zeros(end - start, dtype=p.dtype, device=p.device),
+                }
             if grad_sync is not None:
                 self.state[p]["flat_range"] = (start, end)
 
     def grads(self):
-        """[(param, gradient)]: every gradient element this rank holds, each once (ZeRO-1: p.grad, zero off
-        what this rank owns). A parameter without a gradient (an expert no token reached) gets a zero one,
-        as the data-parallel reducer gives it, so that every parameter steps alike."""
+        """[(param, gradient)]: every gradient element this rank holds, each once (ZeRO-1: p.grad,
+        zero off what this rank owns). A parameter without a gradient (an expert no token reached)
+        gets a zero one, as the data-parallel reducer gives it, so that every parameter steps alike.
+        """
         for p in self.group_of:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -232,15 +290,21 @@ class Muon(torch.optim.Optimizer):
     def step(self, found_inf=None):
         """found_inf: as ZeroOneAdamW.step's (a step whose gradient is not finite changes nothing)."""
         if self.grad_sync is not None:
-            wait_for_params(self.grad_sync.buckets)  # (the last gathers, if no forward waited: they write p too)
+            wait_for_params(
+                self.grad_sync.buckets
+            )  # (the last gathers, if no forward waited: they write p too)
         for group in self.param_groups:
             if group["muon"]:
                 continue
             mine = [p for p in group["params"] if self.state.get(p)]
             ranges = [self.state[p].get("flat_range", (0, p.numel())) for p in mine]
-            adamw_step([p.view(-1)[a:b] for p, (a, b) in zip(mine, ranges)],
-                       [p.grad.reshape(-1)[a:b] for p, (a, b) in zip(mine, ranges)],
-                       [self.state[p] for p in mine], group, found_inf)
+            adamw_step(
+                [p.view(-1)[a:b] for p, (a, b) in zip(mine, ranges)],
+                [p.grad.reshape(-1)[a:b] for p, (a, b) in zip(mine, ranges)],
+                [self.state[p] for p in mine],
+                group,
+                found_inf,
+            )
         for p in self.matrices:  # the same order on every rank: the tp all-gathers match
             state = self.state.get(p)
             if not state:
@@ -249,34 +313,44 @@ class Muon(torch.optim.Optimizer):
             lr, mu = group["lr"], group["momentum"]
             momentum = state["momentum_buffer"]
             new_momentum = momentum.mul(mu).add_(p.grad)
-            nesterov = p.grad.add(new_momentum, alpha=mu)  # the gradient plus the momentum's next step
+            nesterov = p.grad.add(
+                new_momentum, alpha=mu
+            )  # the gradient plus the momentum's next step
             full = gather_tp_slices(nesterov, p, self.tp_group)  # (A, B): the whole matrix
             orthogonal = shard_of(newton_schulz(full, group["ns_steps"]), p).to(p.dtype)
             scale = -lr * 0.2 * math.sqrt(max(full.shape))
             new_p = (p * (1 - lr * group["weight_decay"])).add_(orthogonal, alpha=scale)
-            for old, new in ((p, new_p), (momentum, new_momentum)):  # found_inf: keep the old values
+            for old, new in (
+                (p, new_p),
+                (momentum, new_momentum),
+            ):  # found_inf: keep the old values
                 old.copy_(new if found_inf is None else torch.where(found_inf.bool(), old, new))
         if self.grad_sync is not None:
             self.grad_sync.after_step()
 
 
 def zero_one_muon_buckets(params, matrices, group, bucket_size_mb=25.0):
-    """ZeRO-1 under Muon: the reducer that deals `matrices` whole (in backward order, as the buckets fill)
-    over `group` and cuts every other parameter of `params` in ZeRO-1's even slices."""
+    """ZeRO-1 under Muon: the reducer that deals `matrices` whole (in backward order, as the buckets
+    fill) over `group` and cuts every other parameter of `params` in ZeRO-1's even slices."""
     owners = deal_whole(reversed(list(matrices)), group_size(group))
     return WholeMatrixBuckets(params, group, bucket_size_mb, owners)
 
 
 class DynamicLossScaler:
-    """fp16 has a narrow range: gradients of small losses underflow to zero. Multiply the loss by a large
-    scale before backward (loss_multiplier) and divide the gradients by it after (unscale). A step whose
-    gradient norm is inf/nan is skipped (the optimizer's found_inf) and the scale halved; after
-    `growth_interval` good steps it doubles (Micikevicius et al. 2017). The overflow check uses the global
-    gradient norm, already reduced across every rank, so all ranks agree on skipping a step. With
-    enabled=False (bf16, fp32) it does nothing."""
+    """fp16 has a narrow range: gradients of small losses underflow to zero. Multiply the loss by a
+    large scale before backward (loss_multiplier) and divide the gradients by it after (unscale). A
+    step whose gradient norm is inf/nan is skipped (the optimizer's found_inf) and the scale halved;
+    after `growth_interval` good steps it doubles (Micikevicius et al. 2017). The overflow check
+    uses the global gradient norm, already reduced across every rank, so all ranks agree on skipping
+    a step. With enabled=False (bf16, fp32) it does nothing."""
 
-    def __init__(self, enabled, scale=2.0 ** 16, growth_interval=2000):
-        self.enabled, self.scale, self.growth_interval, self.good_steps = enabled, scale, growth_interval, 0
+    def __init__(self, enabled, scale=2.0**16, growth_interval=2000):
+        self.enabled, self.scale, self.growth_interval, self.good_steps = (
+            enabled,
+            scale,
+            growth_interval,
+            0,
+        )
 
     def loss_multiplier(self):
         return self.scale if self.enabled else 1.0
@@ -287,8 +361,8 @@ class DynamicLossScaler:
                 grad.mul_(1.0 / self.scale)
 
     def update(self, found_inf):
-        """After the global gradient norm: found_inf (0-dim, 1 when it is not finite) lowers the scale, good
-        steps raise it. Reading it is a host-device sync, with fp16 only."""
+        """After the global gradient norm: found_inf (0-dim, 1 when it is not finite) lowers the
+        scale, good steps raise it. Reading it is a host-device sync, with fp16 only."""
         if not self.enabled:
             return
         if found_inf.item():
@@ -301,23 +375,39 @@ class DynamicLossScaler:
 
 
 def describe_optimizer(optimizer, model, cfg, layout):
-    """The start-up lines saying what train.py's optimizer is (cfg: its settings) and what its state costs
-    on rank 0."""
+    """The start-up lines saying what train.py's optimizer is (cfg: its settings) and what its state
+    costs on rank 0."""
     state = f"state {optimizer_state_bytes(optimizer) / 2**20:.2f} MiB on rank 0"
     if cfg.optimizer == "muon":
         n = sum(p.numel() for p in optimizer.matrices)
-        return (f"optimizer: Muon for {len(optimizer.matrices)} matrices ({n / 1e6:.2f}M parameters on rank 0), "
-                f"AdamW for the rest; {state}" + (f", whole matrices and AdamW slices across {layout.dp_cp} "
-                                                  f"data-parallel ranks (ZeRO-1)" if cfg.zero_stage else ""))
+        return (
+            f"optimizer: Muon for {len(optimizer.matrices)} matrices ({n / 1e6:.2f}M parameters on rank 0), "
+            f"AdamW for the rest; {state}"
+            + (
+                f", whole matrices and AdamW slices across {layout.dp_cp} "
+                f"data-parallel ranks (ZeRO-1)"
+                if cfg.zero_stage
+                else ""
+            )
+        )
     if cfg.zero_stage == 0:
         return f"optimizer: AdamW, {state}"
     unsharded = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    text = f"optimizer: ZeroOneAdamW (ZeRO-{cfg.zero_stage}), {state}, about 1/{layout.dp_cp} of the unsharded " \
-           f"{unsharded / 2**20:.2f} MiB"
+    text = (
+        f"optimizer: ZeroOneAdamW (ZeRO-{cfg.zero_stage}), {state}, about 1/{layout.dp_cp} of the unsharded "
+        f"{unsharded / 2**20:.2f} MiB"
+    )
     if cfg.zero_stage >= 2 and layout.dp_cp > 1:
         m = cfg.gradient_accumulation_steps
-        text += (f"\nZeRO-{cfg.zero_stage}: the gradients are reduce-scattered after every one of the {m} "
-                 f"micro-batches ({m}x the reduce traffic of ZeRO-1, which sends them once per step) and kept as "
-                 f"1/{layout.dp_cp} shards" + ("; the parameters too: each block all-gathered before its forward and "
-                                               "again before its backward, every micro-batch" if cfg.zero_stage == 3 else ""))
+        text += (
+            f"\nZeRO-{cfg.zero_stage}: the gradients are reduce-scattered after every one of the {m} "
+            f"micro-batches ({m}x the reduce traffic of ZeRO-1, which sends them once per step) and kept as "
+            f"1/{layout.dp_cp} shards"
+            + (
+                "; the parameters too: each block all-gathered before its forward and "
+                "again before its backward, every micro-batch"
+                if cfg.zero_stage == 3
+                else ""
+            )
+        )
     return text

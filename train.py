@@ -11,11 +11,12 @@ Long sequences:         torchrun --nproc_per_node=8 train.py config/tiny_fineweb
 Long runs (a killed rank restarts the job, which resumes from its last checkpoint by itself):
     torchrun --nproc_per_node=8 --max-restarts=3 train.py config/tiny_fineweb.py --init_from=auto --tp=2
 
-Every setting, its default and its meaning is in settings.py (`python train.py --help` lists them); a
-config file and --key=value overrides replace the defaults (configurator.py). Read top to bottom: the
-settings, the step, evaluation and checkpoints, then the loop; the run is set up and the model built by
-build.py, the batches come from data.py.
+Every setting, its default and its meaning is in settings.py (`python train.py --help` lists them);
+a config file and --key=value overrides replace the defaults (configurator.py). Read top to bottom:
+the settings, the step, evaluation and checkpoints, then the loop; the run is set up and the model
+built by build.py, the batches come from data.py.
 """
+
 import math
 import os
 import sys
@@ -38,8 +39,8 @@ from model import uncompile_blocks
 from parallel import at_least_fp32, counting_waits, optimizer_state_bytes, wait_for_params
 from tensor_parallel import sum_partial_grads
 
-# The tools (tools/): the start-up memory plan and predicted step, the pipeline trace. Training never
-# needs them: without the folder a run trains alike and says at start-up what it skipped.
+# The tools (tools/): the start-up memory plan and predicted step, the pipeline trace. Training
+# never needs them: without the folder a run trains alike and says at start-up what it skipped.
 try:
     from tools import memory_plan, step_time, timeline
 except ModuleNotFoundError as missing:
@@ -52,31 +53,53 @@ except ModuleNotFoundError as missing:
 
 
 def configure_run(argv):
-    """The run's settings from the command line (config files, then --key=value), checked. With init_from=
-    'resume' or 'auto' the ones left out come from the checkpoint, with init_from=<a transformers model folder>
-    the architecture from its config.json, by settings.py's rules (resume_settings: the layout and the batch
-    too). Returns (cfg, notes to print, the checkpoint to resume or None)."""
+    """The run's settings from the command line (config files, then --key=value), checked. With
+    init_from= 'resume' or 'auto' the ones left out come from the checkpoint, with init_from=<a
+    transformers model folder> the architecture from its config.json, by settings.py's rules
+    (resume_settings: the layout and the batch too). Returns (cfg, notes to print, the checkpoint to
+    resume or None)."""
     values, given = configure(settings.TRAINING, argv, usage=__doc__)
     notes, path = [], None
     if values["init_from"] in ("resume", "auto"):
         path = checkpoint.latest_checkpoint(values["out_dir"])
         folders = checkpoint.checkpoint_folders(values["out_dir"])
-        newer = [p for p in folders if checkpoint.step_of(p) > checkpoint.step_of(path)] if path else folders
-        damaged = [f"{p} cannot be used: {checkpoint.why_incomplete(p)}" for p in newer]  # incomplete or damaged
+        newer = (
+            [p for p in folders if checkpoint.step_of(p) > checkpoint.step_of(path)]
+            if path
+            else folders
+        )
+        damaged = [
+            f"{p} cannot be used: {checkpoint.why_incomplete(p)}" for p in newer
+        ]  # incomplete or damaged
         if path is None and values["init_from"] == "resume":
-            raise FileNotFoundError(f"init_from='resume' but out_dir '{values['out_dir']}' holds no complete "
-                                    f"checkpoint" + "".join(f" ({d})" for d in damaged)
-                                    + ": use --init_from=scratch to start a new run")
+            raise FileNotFoundError(
+                f"init_from='resume' but out_dir '{values['out_dir']}' holds no complete "
+                f"checkpoint"
+                + "".join(f" ({d})" for d in damaged)
+                + ": use --init_from=scratch to start a new run"
+            )
         if path is None:
-            notes.append(f"init_from='auto': out_dir '{values['out_dir']}' holds no complete checkpoint"
-                         + "".join(f" ({d})" for d in damaged) + ", starting from scratch")
+            notes.append(
+                f"init_from='auto': out_dir '{values['out_dir']}' holds no complete checkpoint"
+                + "".join(f" ({d})" for d in damaged)
+                + ", starting from scratch"
+            )
         else:
-            values, notes = settings.resume_settings(values, given, checkpoint.read_meta(path), path,
-                                                     int(os.environ.get("WORLD_SIZE", 1)))
-            notes = [f"resume: {d}; the newest complete checkpoint is {path}" for d in damaged] + notes
+            values, notes = settings.resume_settings(
+                values,
+                given,
+                checkpoint.read_meta(path),
+                path,
+                int(os.environ.get("WORLD_SIZE", 1)),
+            )
+            notes = [
+                f"resume: {d}; the newest complete checkpoint is {path}" for d in damaged
+            ] + notes
     elif values["init_from"] != "scratch":
         model, _, notes = import_hf.model_settings(values["init_from"])
-        values, changes = settings.resume_values(values, given, model, source=f"{values['init_from']}/config.json")
+        values, changes = settings.resume_values(
+            values, given, model, source=f"{values['init_from']}/config.json"
+        )
         notes += changes
     notes += settings.check_values(values)  # (its warnings)
     return SimpleNamespace(**values), notes, path
@@ -87,15 +110,16 @@ def configure_run(argv):
 
 
 def get_lr(step, cfg):
-    """The learning rate of step `step` (from 0). Both schedules warm up linearly to learning_rate over
-    warmup_iters steps and reach min_lr at lr_decay_iters, where they stay. In between:
+    """The learning rate of step `step` (from 0). Both schedules warm up linearly to learning_rate
+    over warmup_iters steps and reach min_lr at lr_decay_iters, where they stay. In between:
         cosine  half a cosine from learning_rate down to min_lr (Loshchilov & Hutter 2017)
         wsd     warmup-stable-decay: learning_rate held, then over the last decay_frac of lr_decay_iters a
                 decay to min_lr, linear or 1-sqrt: lr = learning_rate - (learning_rate - min_lr) * f(progress)
                 with f(x) = x or sqrt(x) (Hu et al. 2024, "MiniCPM"; Hägele et al. 2024, "Scaling Laws and
                 Compute-Optimal Training Beyond Fixed Training Durations", whose 1-sqrt decay did best).
                 While the peak is held the lr does not depend on lr_decay_iters, so a run resumed there with
-                a larger lr_decay_iters (the change is allowed) continues as if planned that long."""
+                a larger lr_decay_iters (the change is allowed) continues as if planned that long.
+    """
     if step < cfg.warmup_iters:
         return cfg.learning_rate * (step + 1) / (cfg.warmup_iters + 1)
     if step >= cfg.lr_decay_iters:
@@ -108,51 +132,72 @@ def get_lr(step, cfg):
         f = progress if cfg.decay_shape == "linear" else math.sqrt(progress)
         return cfg.learning_rate - (cfg.learning_rate - cfg.min_lr) * f
     progress = (step - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (
+        cfg.learning_rate - cfg.min_lr
+    )
 
 
 def forward_backward(model, microbatches, autocast, loss_multiplier, grad_sync):
-    """Run every micro-batch forward and backward, accumulating gradients. Each micro-batch's mean loss is
-    divided by the number of micro-batches here, and only here, so the gradient is that of the mean loss
-    over the whole batch. Returns that mean loss (a tensor: reading it is a host-device sync). The
-    data-parallel reducer is told before each backward whether it is the last (it communicates only then)
-    and after each that it ran (ZeRO-2/3 send every micro-batch's gradients), as the pipeline tells it."""
+    """Run every micro-batch forward and backward, accumulating gradients. Each micro-batch's mean
+    loss is divided by the number of micro-batches here, and only here, so the gradient is that of
+    the mean loss over the whole batch. Returns that mean loss (a tensor: reading it is a
+    host-device sync). The data-parallel reducer is told before each backward whether it is the last
+    (it communicates only then) and after each that it ran (ZeRO-2/3 send every micro-batch's
+    gradients), as the pipeline tells it."""
     total = 0.0
-    for i, batch in enumerate(microbatches):  # (x, y), or (x, y, positions) under context parallelism
+    for i, batch in enumerate(
+        microbatches
+    ):  # (x, y), or (x, y, positions) under context parallelism
         with autocast:
-            loss = model(*batch)[1]  # (not the logits: kept in a name, they would outlive the backward)
+            loss = model(*batch)[
+                1
+            ]  # (not the logits: kept in a name, they would outlive the backward)
         loss = loss / len(microbatches)
         grad_sync.set_grad_sync(i == len(microbatches) - 1)
         (loss * loss_multiplier).backward()
-        if hasattr(grad_sync, "backward_done"):  # ZeRO-2/3 (zero.py) send every micro-batch's gradients
+        if hasattr(
+            grad_sync, "backward_done"
+        ):  # ZeRO-2/3 (zero.py) send every micro-batch's gradients
             grad_sync.backward_done("B", 0)
         total += loss.detach()
     return total
 
 
 def forward_backward_step(parts, microbatches, trace=None):
-    """Forward and backward of the step's micro-batches (through the pipeline schedule when pp > 1: the
-    tied copies' gradients summed there), then the data-parallel average (grad_sync.finish: every
-    parameter that got no gradient gets a zero one, as on every replica). Returns the loss (this rank's
-    part of it with pp > 1). trace: see parallel.PipelineExecutor (pipeline only)."""
+    """Forward and backward of the step's micro-batches (through the pipeline schedule when pp > 1:
+    the tied copies' gradients summed there), then the data-parallel average (grad_sync.finish:
+    every parameter that got no gradient gets a zero one, as on every replica). Returns the loss
+    (this rank's part of it with pp > 1). trace: see parallel.PipelineExecutor (pipeline only)."""
     if parts.pipeline is not None:
-        loss = parts.pipeline.forward_backward(parts.model, microbatches, parts.autocast,
-                                               parts.scaler.loss_multiplier(), parts.grad_sync, trace)
+        loss = parts.pipeline.forward_backward(
+            parts.model,
+            microbatches,
+            parts.autocast,
+            parts.scaler.loss_multiplier(),
+            parts.grad_sync,
+            trace,
+        )
     else:
-        loss = forward_backward(parts.model, microbatches, parts.autocast, parts.scaler.loss_multiplier(),
-                                parts.grad_sync)
+        loss = forward_backward(
+            parts.model,
+            microbatches,
+            parts.autocast,
+            parts.scaler.loss_multiplier(),
+            parts.grad_sync,
+        )
     parts.grad_sync.finish()  # waits for the data-parallel averaging launched during backward
     return loss
 
 
 def global_grad_norm(model, layout, grads, dp_sharded=False):
-    """The norm of the whole model's gradient, the same on every rank whatever the layout. Tensor-sharded
-    parameters contribute their slice on each tp rank; replicated ones (norms) are counted on tp rank 0
-    only; pipeline stages hold disjoint blocks (a tied head's copy is not counted twice); data- and
-    context-parallel replicas hold the same (already averaged) gradient and are counted once: a parameter
-    is held by dp x cp replicas, an expert under expert parallelism by (dp / ep) x cp (each rank of an ep
-    group holds other experts). Under ZeRO (dp_sharded) each replica holds the gradient of its own elements
-    only: they add up. `grads`: the optimizer's grads()."""
+    """The norm of the whole model's gradient, the same on every rank whatever the layout.
+    Tensor-sharded parameters contribute their slice on each tp rank; replicated ones (norms) are
+    counted on tp rank 0 only; pipeline stages hold disjoint blocks (a tied head's copy is not
+    counted twice); data- and context-parallel replicas hold the same (already averaged) gradient
+    and are counted once: a parameter is held by dp x cp replicas, an expert under expert
+    parallelism by (dp / ep) x cp (each rank of an ep group holds other experts). Under ZeRO
+    (dp_sharded) each replica holds the gradient of its own elements only: they add up. `grads`: the
+    optimizer's grads()."""
     copies = {id(p) for name, p in model.named_parameters() if name in model.tied_copies()}
     experts = {id(p) for p in model.expert_parameters().values()}
     param = next(model.parameters())
@@ -171,21 +216,22 @@ def global_grad_norm(model, layout, grads, dp_sharded=False):
 
 
 def train_step(cfg, layout, parts, microbatches, lr, trace=None, step=0):
-    """One optimizer step (the run's step-th, counted from 1): forward and backward of every micro-batch,
-    unscaling (fp16), the global gradient norm and clipping, the optimizer. Returns (loss, grad norm), both
-    tensors: nothing here waits for the device except fp16 loss scaling, which must read the norm to change
-    its scale. trace: the pipeline actions' timer (timeline.PipelineTrace) or memory sampler, or None.
+    """One optimizer step (the run's step-th, counted from 1): forward and backward of every
+    micro-batch, unscaling (fp16), the global gradient norm and clipping, the optimizer. Returns
+    (loss, grad norm), both tensors: nothing here waits for the device except fp16 loss scaling,
+    which must read the norm to change its scale. trace: the pipeline actions' timer
+    (timeline.PipelineTrace) or memory sampler, or None.
 
     A step whose global gradient norm is not finite (inf or NaN, the same on every rank: the norm is
-    all-reduced) is skipped on the device: the optimizer gets found_inf, as torch's GradScaler hands it to
-    the fused kernel, and leaves weights, moments and step counter as they were; parts.bad_steps counts it
-    (faults.BadSteps, read at log lines), except under fp16, whose scaler skips its overflows itself (a lower
-    scale is the cure there).
+    all-reduced) is skipped on the device: the optimizer gets found_inf, as torch's GradScaler hands
+    it to the fused kernel, and leaves weights, moments and step counter as they were;
+    parts.bad_steps counts it (faults.BadSteps, read at log lines), except under fp16, whose scaler
+    skips its overflows itself (a lower scale is the cure there).
 
-    torch.compile compiles inside the first forward and backward, so that is where it fails (no C compiler,
-    an op it cannot trace): on one rank the step is then run again eagerly, and the blocks stay eager from
-    then on (parts.compiled is False). (With pp > 1 or dp > 1 the ranks may already have communicated: the
-    error stops the run.)"""
+    torch.compile compiles inside the first forward and backward, so that is where it fails (no C
+    compiler, an op it cannot trace): on one rank the step is then run again eagerly, and the blocks
+    stay eager from then on (parts.compiled is False). (With pp > 1 or dp > 1 the ranks may already
+    have communicated: the error stops the run.)"""
     optimizer, scaler = parts.optimizer, parts.scaler
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -200,7 +246,9 @@ def train_step(cfg, layout, parts, microbatches, lr, trace=None, step=0):
         parts.compiled = uncompile_blocks(parts.model)
         loss = forward_backward_step(parts, microbatches, trace)
     grads = optimizer.grads()
-    sum_partial_grads(grads)  # tensor parallelism's replicated parameters: each rank's part of their gradient
+    sum_partial_grads(
+        grads
+    )  # tensor parallelism's replicated parameters: each rank's part of their gradient
     scaler.unscale(grads)
     grad_norm = global_grad_norm(parts.model, layout, grads, dp_sharded=cfg.zero_stage >= 1)
     if cfg.grad_clip > 0:
@@ -220,14 +268,16 @@ def train_step(cfg, layout, parts, microbatches, lr, trace=None, step=0):
 
 @torch.no_grad()
 def evaluate(cfg, run, parts):
-    """Mean loss over eval_iters fixed batches of each split (the same batches at every evaluation). Each
-    batch is a global batch, batch_size x gradient_accumulation_steps x dp windows, this rank taking its
-    slice as training does (rank_microbatches): so every layout with the same global batch sees the same
-    windows and reports the same losses. With pp > 1 the micro-batches go through the pipeline's stages,
-    forward only. The evaluation's all-to-alls (expert parallelism) are not counted in the training log's
-    a2a_bytes, which is the training step's traffic."""
+    """Mean loss over eval_iters fixed batches of each split (the same batches at every evaluation).
+    Each batch is a global batch, batch_size x gradient_accumulation_steps x dp windows, this rank
+    taking its slice as training does (rank_microbatches): so every layout with the same global
+    batch sees the same windows and reports the same losses. With pp > 1 the micro-batches go
+    through the pipeline's stages, forward only. The evaluation's all-to-alls (expert parallelism)
+    are not counted in the training log's a2a_bytes, which is the training step's traffic."""
     model, layout = parts.model, run.layout
-    wait_for_params(parts.grad_sync.buckets)  # ZeRO-1/2: the last step's gathers, if still in flight
+    wait_for_params(
+        parts.grad_sync.buckets
+    )  # ZeRO-1/2: the last step's gathers, if still in flight
     moe = list(model.moe_layers().values())
     sent = [m.dispatch.bytes_sent for m in moe]
     model.eval()
@@ -235,9 +285,19 @@ def evaluate(cfg, run, parts):
     for split, data in run.datasets.items():
         total = 0.0
         for i in range(cfg.eval_iters):
-            micro = rank_microbatches(cfg, layout, data, EVAL_STREAM, i, cfg.gradient_accumulation_steps, run.dev,
-                                      document_end(run.model_cfg))
-            if parts.pipeline is not None:  # the loss on the last stage (the mean over the micro-batches)
+            micro = rank_microbatches(
+                cfg,
+                layout,
+                data,
+                EVAL_STREAM,
+                i,
+                cfg.gradient_accumulation_steps,
+                run.dev,
+                document_end(run.model_cfg),
+            )
+            if (
+                parts.pipeline is not None
+            ):  # the loss on the last stage (the mean over the micro-batches)
                 loss = parts.pipeline.forward(model, micro, parts.autocast)
             else:
                 loss = 0.0
@@ -253,13 +313,15 @@ def evaluate(cfg, run, parts):
 
 
 def mean_across_ranks(value, layout):
-    """The job-wide mean of a per-rank loss: equal on tp ranks, different on each dp rank, each cp rank's
-    its share (their mean is the loss: context_parallel.loss_share), and with pp > 1 in parts summed over
-    the stages (the last stage's loss, the others' auxiliary losses or zero: parallel.PipelineExecutor).
-    One all-reduce over the whole world, rank 0 and everyone get it."""
+    """The job-wide mean of a per-rank loss: equal on tp ranks, different on each dp rank, each cp
+    rank's its share (their mean is the loss: context_parallel.loss_share), and with pp > 1 in parts
+    summed over the stages (the last stage's loss, the others' auxiliary losses or zero:
+    parallel.PipelineExecutor). One all-reduce over the whole world, rank 0 and everyone get it."""
     if layout.world_size == 1:
         return value
-    value = value.detach().to(at_least_fp32(value.dtype)) * (1.0 / layout.dp_cp if layout.tp_rank == 0 else 0.0)
+    value = value.detach().to(at_least_fp32(value.dtype)) * (
+        1.0 / layout.dp_cp if layout.tp_rank == 0 else 0.0
+    )
     dist.all_reduce(value)
     return value
 
@@ -269,19 +331,35 @@ def mean_across_ranks(value, layout):
 
 
 def save_checkpoint(cfg, run, parts, step, converted=False):
-    """converted: the model just loaded from a transformers folder (max_iters=0). Its checkpoint records the
-    architecture as its settings and nothing of this launch's run: resuming it takes max_iters, the schedule
-    and the data from its own command line, and starts a fresh optimizer (see resume). keep_last_n never
-    removes the last checkpoint before a streak of skipped steps began (parts.bad_steps.keep)."""
+    """converted: the model just loaded from a transformers folder (max_iters=0). Its checkpoint
+    records the architecture as its settings and nothing of this launch's run: resuming it takes
+    max_iters, the schedule and the data from its own command line, and starts a fresh optimizer
+    (see resume). keep_last_n never removes the last checkpoint before a streak of skipped steps
+    began (parts.bad_steps.keep)."""
     parts.bad_steps.check(cfg.out_dir, step)  # never save the state of a run that must stop
-    wait_for_params(parts.grad_sync.buckets)  # ZeRO-1/2: the parameters whole before they are written
+    wait_for_params(
+        parts.grad_sync.buckets
+    )  # ZeRO-1/2: the parameters whole before they are written
     layout, model, optimizer = run.layout, parts.model, parts.optimizer
     config = vars(cfg)
     if converted:
-        config = {k: v for k, v in asdict(run.model_cfg).items() if k not in import_hf.NOT_ARCHITECTURE}
-    meta = {"config": config, "model": asdict(run.model_cfg), "tokenizer": run.tokenizer,
-            "layout": {"dp": layout.dp, "cp": layout.cp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep},
-            "adam_step": checkpoint.adamw_step_count(optimizer), "loss_scale": parts.scaler.scale}
+        config = {
+            k: v for k, v in asdict(run.model_cfg).items() if k not in import_hf.NOT_ARCHITECTURE
+        }
+    meta = {
+        "config": config,
+        "model": asdict(run.model_cfg),
+        "tokenizer": run.tokenizer,
+        "layout": {
+            "dp": layout.dp,
+            "cp": layout.cp,
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "ep": layout.ep,
+        },
+        "adam_step": checkpoint.adamw_step_count(optimizer),
+        "loss_scale": parts.scaler.scale,
+    }
     if converted:
         meta["converted_from"] = os.path.abspath(cfg.init_from)
     else:
@@ -291,15 +369,24 @@ def save_checkpoint(cfg, run, parts, step, converted=False):
         extra["cuda_rng"] = torch.cuda.get_rng_state()
     # ZeRO-3: each rank saves the slices of the parameters it stores (flat ranges, as the moments)
     shards = {p: optimizer.owned_param(p) for p in optimizer.state} if cfg.zero_stage == 3 else None
-    return checkpoint.save(cfg.out_dir, step, layout.rank, layout.world_size,
-                           checkpoint.model_pieces(model, layout, shards, optimizer),
-                           {} if converted else checkpoint.optimizer_pieces(optimizer, model, layout), meta, extra,
-                           cfg.keep_last_n, parts.bad_steps.keep(cfg.out_dir))
+    return checkpoint.save(
+        cfg.out_dir,
+        step,
+        layout.rank,
+        layout.world_size,
+        checkpoint.model_pieces(model, layout, shards, optimizer),
+        {} if converted else checkpoint.optimizer_pieces(optimizer, model, layout),
+        meta,
+        extra,
+        cfg.keep_last_n,
+        parts.bad_steps.keep(cfg.out_dir),
+    )
 
 
 def write_log(cfg, run, parts, log, record):
-    """log.write(record), on every rank. When rank 0 cannot (a full disk: every rank learns it in the write),
-    every rank saves this step if the disk lets it, and stops with rank 0's line saying what to do."""
+    """log.write(record), on every rank. When rank 0 cannot (a full disk: every rank learns it in
+    the write), every rank saves this step if the disk lets it, and stops with rank 0's line saying
+    what to do."""
     try:
         log.write(record)
     except metrics.LogError as e:
@@ -309,9 +396,11 @@ def write_log(cfg, run, parts, log, record):
             path = save_checkpoint(cfg, run, parts, step)
         except checkpoint.CheckpointError as failed:
             raise metrics.LogError(f"{e}, and saving step {step} failed too: {failed}") from None
-        raise metrics.LogError(f"{e}: the run stopped at step {step} and saved {path}. Free space on the disk of "
-                               f"out_dir '{cfg.out_dir}' (or fix its permissions), then launch again with "
-                               f"--init_from=auto to continue from there") from None
+        raise metrics.LogError(
+            f"{e}: the run stopped at step {step} and saved {path}. Free space on the disk of "
+            f"out_dir '{cfg.out_dir}' (or fix its permissions), then launch again with "
+            f"--init_from=auto to continue from there"
+        ) from None
 
 
 # -----------------------------------------------------------------------------
@@ -326,12 +415,31 @@ def train(cfg, run, resume_path=None):
     describe_training(cfg, run, parts)
     step = start_step(cfg, run, parts, resume_path)
     vote = StopVote(layout, layout.timeout, cfg.out_dir)
-    log = metrics.MetricsLog(cfg.out_dir, layout.rank, step if resume_path else None,
-                             metrics.open_log_backends(cfg) if layout.rank == 0 else [], vote.any_rank)
-    batches = lambda s: rank_microbatches(cfg, layout, run.datasets["train"], TRAIN_STREAM, s,
-                                          cfg.gradient_accumulation_steps, run.dev, document_end(model_cfg))
+    log = metrics.MetricsLog(
+        cfg.out_dir,
+        layout.rank,
+        step if resume_path else None,
+        metrics.open_log_backends(cfg) if layout.rank == 0 else [],
+        vote.any_rank,
+    )
+    batches = lambda s: rank_microbatches(
+        cfg,
+        layout,
+        run.datasets["train"],
+        TRAIN_STREAM,
+        s,
+        cfg.gradient_accumulation_steps,
+        run.dev,
+        document_end(model_cfg),
+    )
     timer, timed_steps, logged = time.time(), 0, step
-    started, first_step, evals, newest, stopping = timer, step, [], resume_path, False  # (for the end)
+    started, first_step, evals, newest, stopping = (
+        timer,
+        step,
+        [],
+        resume_path,
+        False,
+    )  # (for the end)
     micro = batches(step)
     traced = cfg.pp_trace and parts.pipeline is not None and timeline is not None
     trace_step = min(step + 2, cfg.max_iters) if traced else None
@@ -352,7 +460,16 @@ def train(cfg, run, resume_path=None):
             micro = batches(step)
         if step % cfg.log_interval == 0 or last:
             run.phase = f"the log line of step {step} (an all-reduce of the loss)"
-            record = step_record(cfg, run, parts, step, loss, grad_norm, lr, (time.time() - timer, timed_steps, logged))
+            record = step_record(
+                cfg,
+                run,
+                parts,
+                step,
+                loss,
+                grad_norm,
+                lr,
+                (time.time() - timer, timed_steps, logged),
+            )
             if measured and step == measured[0]["step"]:
                 record["memory"] = measured  # every rank's predicted and measured peak, once
             write_log(cfg, run, parts, log, record)
@@ -361,87 +478,135 @@ def train(cfg, run, resume_path=None):
             run.phase = f"the evaluation at step {step}"
             evals.append((step, evaluate_and_log(cfg, run, parts, log, step)))
             timer, timed_steps = time.time(), 0
-        if (cfg.checkpoint_interval > 0 and (step % cfg.checkpoint_interval == 0 or last)) or stopping:
+        if (
+            cfg.checkpoint_interval > 0 and (step % cfg.checkpoint_interval == 0 or last)
+        ) or stopping:
             run.phase = f"saving the checkpoint of step {step}"
             newest = save_checkpoint(cfg, run, parts, step)
             print0(layout, f"step {step:6d} | saved {newest}")
             timer, timed_steps = time.time(), 0
         if stopping:
-            print0(layout, f"step {step:6d} | stopped by SIGTERM: every rank finished step {step} and saved it; "
-                           f"launch again with --init_from=auto (or resume) to continue from there")
+            print0(
+                layout,
+                f"step {step:6d} | stopped by SIGTERM: every rank finished step {step} and saved it; "
+                f"launch again with --init_from=auto (or resume) to continue from there",
+            )
             break
     vote.finish()
     wait_for_params(parts.grad_sync.buckets)  # the model returned whole
     log.close()
-    print0(layout, end_of_run(cfg, layout, first_step, step, run.tokens_per_step, time.time() - started, evals, newest))
+    print0(
+        layout,
+        end_of_run(
+            cfg, layout, first_step, step, run.tokens_per_step, time.time() - started, evals, newest
+        ),
+    )
     if stopping:
-        vote.exit_saved(step)  # the status scripts/slurm.sh requeues the job on (faults.SAVED_ON_SIGTERM)
+        vote.exit_saved(
+            step
+        )  # the status scripts/slurm.sh requeues the job on (faults.SAVED_ON_SIGTERM)
     return parts.model
 
 
 def describe_training(cfg, run, parts):
-    """What the run's log lines need (the global batch's tokens, the training split's, the FLOPs per token, the
-    device's peak), set on run; and their start-up lines, with the memory each rank is predicted to need."""
+    """What the run's log lines need (the global batch's tokens, the training split's, the FLOPs per
+    token, the device's peak), set on run; and their start-up lines, with the memory each rank is
+    predicted to need."""
     layout = run.layout
     print0(layout, model_line(run, parts))
     if parts.loaded is not None:
-        print0(layout, f"loaded {run.hf_dir} in {parts.loaded.seconds:.1f} s (rank 0 read "
-                       f"{parts.loaded.bytes_read / 2**20:,.1f} MiB of the files' {parts.loaded.file_bytes / 2**20:,.1f})")
-    run.tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
+        print0(
+            layout,
+            f"loaded {run.hf_dir} in {parts.loaded.seconds:.1f} s (rank 0 read "
+            f"{parts.loaded.bytes_read / 2**20:,.1f} MiB of the files' {parts.loaded.file_bytes / 2**20:,.1f})",
+        )
+    run.tokens_per_step = (
+        cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
+    )
     run.model_flops = metrics.flops_per_token(run.model_cfg)
-    run.peak = metrics.PeakFlops(cfg.peak_flops, run.dev, run.dtype)  # (asked for the MFU of each log line)
+    run.peak = metrics.PeakFlops(
+        cfg.peak_flops, run.dev, run.dtype
+    )  # (asked for the MFU of each log line)
     print0(layout, f"{run.model_flops / 1e6:.1f} MFLOP per token; peak {run.peak}")
     run.train_tokens = run.datasets["train"][2]  # the training split's tokens (load_data)
     if cfg.max_iters * run.tokens_per_step > 4 * run.train_tokens:
-        print0(layout, metrics.repeats_warning(cfg.max_iters, run.tokens_per_step, run.train_tokens))
+        print0(
+            layout, metrics.repeats_warning(cfg.max_iters, run.tokens_per_step, run.train_tokens)
+        )
     if memory_plan is None:
-        print0(layout, "tools/ is not here: no predicted memory or step at start-up, no measured peak beside "
-                       "a prediction" + (", no pp_trace" if cfg.pp_trace else ""))
+        print0(
+            layout,
+            "tools/ is not here: no predicted memory or step at start-up, no measured peak beside "
+            "a prediction" + (", no pp_trace" if cfg.pp_trace else ""),
+        )
         return
     plan = memory_plan.plan_for(cfg, run.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))
     print0(layout, "predicted " + memory_plan.format_plan(plan))
-    run.predicted_step_s, lines, _ = step_time.run_prediction(cfg, run.model_cfg, layout, run.dev, run.dtype)
+    run.predicted_step_s, lines, _ = step_time.run_prediction(
+        cfg, run.model_cfg, layout, run.dev, run.dtype
+    )
     print0(layout, lines)
 
 
 def model_line(run, parts):
     model_cfg = run.model_cfg
-    return (f"model: {metrics.full_param_count(parts.model, run.layout) / 1e6:.2f}M parameters (vocabulary padded), "
-            f"{model_cfg.n_layer} layers, {model_cfg.n_head} heads ({model_cfg.n_kv_head} kv), width {model_cfg.n_embd}")
+    return (
+        f"model: {metrics.full_param_count(parts.model, run.layout) / 1e6:.2f}M parameters (vocabulary padded), "
+        f"{model_cfg.n_layer} layers, {model_cfg.n_head} heads ({model_cfg.n_kv_head} kv), width {model_cfg.n_embd}"
+    )
 
 
 def evaluate_and_log(cfg, run, parts, log, step):
     """evaluate, its line printed and its record logged; returns {split: loss}."""
     losses = evaluate(cfg, run, parts)
     record = {"step": step, **{f"{split}_loss": v for split, v in losses.items()}}
-    print0(run.layout, f"step {step:6d} | eval " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
+    print0(
+        run.layout,
+        f"step {step:6d} | eval "
+        + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"),
+    )
     write_log(cfg, run, parts, log, record)
     return losses
 
 
 def start_step(cfg, run, parts, resume_path):
-    """The step training starts from: 0, or the checkpoint's it resumes, whose batch recipe it carries on."""
+    """The step training starts from: 0, or the checkpoint's it resumes, whose batch recipe it
+    carries on."""
     layout = run.layout
-    # the batch this run was first given, which its checkpoints carry on (resume_settings): this launch's, unless
-    # it resumed a run with the same global batch
-    run.recipe = {"batch_size": cfg.batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-                  "windows": cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp}
+    # the batch this run was first given, which its checkpoints carry on (resume_settings): this
+    # launch's, unless it resumed a run with the same global batch
+    run.recipe = {
+        "batch_size": cfg.batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "windows": cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp,
+    }
     if resume_path is None:
         return 0
-    step, path, saved = checkpoint.resume_run(resume_path, cfg, run, parts, lambda text: print0(layout, text))
+    step, path, saved = checkpoint.resume_run(
+        resume_path, cfg, run, parts, lambda text: print0(layout, text)
+    )
     if settings.batch_recipe(saved)["windows"] == run.recipe["windows"]:
         run.recipe = settings.batch_recipe(saved)
-    print0(layout, f"resumed from {path} at step {step}" + (f", which is max_iters = {cfg.max_iters} already: "
-                   f"nothing to train (raise --max_iters to go on)" if step >= cfg.max_iters else ""))
+    print0(
+        layout,
+        f"resumed from {path} at step {step}"
+        + (
+            f", which is max_iters = {cfg.max_iters} already: "
+            f"nothing to train (raise --max_iters to go on)"
+            if step >= cfg.max_iters
+            else ""
+        ),
+    )
     if note := settings.global_batch_change(saved, run.tokens_per_step):
         print0(layout, note)
     return step
 
 
 def one_step(cfg, run, parts, micro, lr, trace, step, measured):
-    """train_step for step `step`: (loss, grad norm, measured). The run's first has every rank's peak
-    memory measured (measured: None until then; its time includes the CPU tracker's); with several ranks,
-    the one before each log line has its waits on communication counted (run.exposed_comm_ms)."""
+    """train_step for step `step`: (loss, grad norm, measured). The run's first has every rank's
+    peak memory measured (measured: None until then; its time includes the CPU tracker's); with
+    several ranks, the one before each log line has its waits on communication counted
+    (run.exposed_comm_ms)."""
     layout = run.layout
     if measured is None:
         return measured_step(cfg, run, parts, micro, lr, trace, step)
@@ -453,60 +618,93 @@ def one_step(cfg, run, parts, micro, lr, trace, step, measured):
 
 
 def measured_step(cfg, run, parts, micro, lr, trace, step):
-    """train_step with its peak memory measured (the first step of a run): (loss, grad norm, every rank's
-    predicted and measured peak, memory_plan.memory_rows), the rows printed."""
+    """train_step with its peak memory measured (the first step of a run): (loss, grad norm, every
+    rank's predicted and measured peak, memory_plan.memory_rows), the rows printed."""
     layout, out, run.memory_step = run.layout, [], step
     if memory_plan is None:  # (no plan to hold the measure to: describe_training said so)
         return (*train_step(cfg, layout, parts, micro, lr, trace, step=step), [])
-    rank_plan = memory_plan.plan_for(cfg, run.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank)
-    peak_bytes = metrics.measure_step_memory(lambda: out.append(train_step(cfg, layout, parts, micro, lr, trace, step=step)),
-                                             run.dev, compiled=parts.compiled)
-    (loss, grad_norm), = out
-    measured = memory_plan.memory_rows(layout, rank_plan[layout.pp_rank]["peak"], peak_bytes, step=step)
+    rank_plan = memory_plan.plan_for(
+        cfg, run.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank
+    )
+    peak_bytes = metrics.measure_step_memory(
+        lambda: out.append(train_step(cfg, layout, parts, micro, lr, trace, step=step)),
+        run.dev,
+        compiled=parts.compiled,
+    )
+    ((loss, grad_norm),) = out
+    measured = memory_plan.memory_rows(
+        layout, rank_plan[layout.pp_rank]["peak"], peak_bytes, step=step
+    )
     print0(layout, memory_plan.format_memory_rows(measured, run.dev if parts.compiled else None))
     return loss, grad_norm, measured
 
 
 def step_record(cfg, run, parts, step, loss, grad_norm, lr, since):
-    """The log record of a training step, its line printed. since: (seconds, training steps and the step at
-    the last log line): the speed is over the steps since, evaluations and saves left out."""
+    """The log record of a training step, its line printed. since: (seconds, training steps and the
+    step at the last log line): the speed is over the steps since, evaluations and saves left out.
+    """
     layout, (elapsed, timed_steps, logged) = run.layout, since
     loss_value = mean_across_ranks(loss, layout).item()  # host-device sync, once per log interval
     skipped = parts.bad_steps.check(cfg.out_dir, step)
-    record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped,
-              "tokens_per_sec": run.tokens_per_step * timed_steps / elapsed, "ms_per_step": 1000 * elapsed / timed_steps,
-              "optimizer_state_bytes": optimizer_state_bytes(parts.optimizer),  # on rank 0
-              "epoch": step * run.tokens_per_step / run.train_tokens}  # passes over the training split so far
+    record = {
+        "step": step,
+        "loss": loss_value,
+        "lr": lr,
+        "grad_norm": grad_norm.item(),
+        "skipped_steps": skipped,
+        "tokens_per_sec": run.tokens_per_step * timed_steps / elapsed,
+        "ms_per_step": 1000 * elapsed / timed_steps,
+        "optimizer_state_bytes": optimizer_state_bytes(parts.optimizer),  # on rank 0
+        "epoch": step * run.tokens_per_step / run.train_tokens,
+    }  # passes over the training split so far
     record.update(run.peak.mfu(run.model_flops, record["tokens_per_sec"], layout.world_size))
     record["peak_mem_bytes"] = metrics.peak_memory_bytes(run.dev, layout)
     if run.exposed_comm_ms is not None and step % cfg.log_interval == 0:  # (this step's, counted)
         record["exposed_comm_ms"] = metrics.mean_waits(run.exposed_comm_ms, layout)
     if run.model_cfg.n_expert > 0:
         record.update(metrics.moe_metrics(parts.model, layout, steps=step - logged))
-    eta = (cfg.max_iters - step) * elapsed / timed_steps  # training steps only: evals and saves come on top
+    eta = (
+        (cfg.max_iters - step) * elapsed / timed_steps
+    )  # training steps only: evals and saves come on top
     print0(layout, metrics.format_log_line(record, eta, run.dev))
-    if run.predicted_step_s and (logged >= run.memory_step or step == cfg.max_iters):  # once, past measured_step
-        print0(layout, f"step time: predicted {run.predicted_step_s * 1e3:,.1f} ms, measured "
-                       f"{record['ms_per_step']:,.1f} ms (steps {logged + 1}-{step})")
+    if run.predicted_step_s and (
+        logged >= run.memory_step or step == cfg.max_iters
+    ):  # once, past measured_step
+        print0(
+            layout,
+            f"step time: predicted {run.predicted_step_s * 1e3:,.1f} ms, measured "
+            f"{record['ms_per_step']:,.1f} ms (steps {logged + 1}-{step})",
+        )
         run.predicted_step_s = None
     return record
 
 
 def convert(cfg, run, parts):
-    """init_from=<a transformers model folder> with max_iters=0: write the model just loaded as the step-0
-    checkpoint of out_dir, at this launch's layout, and say what each rank read and held (import_hf)."""
+    """init_from=<a transformers model folder> with max_iters=0: write the model just loaded as the
+    step-0 checkpoint of out_dir, at this launch's layout, and say what each rank read and held
+    (import_hf)."""
     print0(run.layout, model_line(run, parts))
     start = time.time()
     path = save_checkpoint(cfg, run, parts, 0, converted=True)
-    print0(run.layout, import_hf.conversion_report(run.layout, run.hf_dir, parts.loaded, time.time() - start, path,
-                                                   metrics.rank_peak_memory_bytes(run.dev)))
+    print0(
+        run.layout,
+        import_hf.conversion_report(
+            run.layout,
+            run.hf_dir,
+            parts.loaded,
+            time.time() - start,
+            path,
+            metrics.rank_peak_memory_bytes(run.dev),
+        ),
+    )
     return parts.model
 
 
 def main(argv):
-    """Run training. Every error the user can fix ends in one line, printed once: by rank 0, since every
-    rank finds the same configuration, data, layout or checkpoint problem (a bad batch is checked by every
-    rank, a failed save or log line is reported to every rank), not a traceback from each of them."""
+    """Run training. Every error the user can fix ends in one line, printed once: by rank 0, since
+    every rank finds the same configuration, data, layout or checkpoint problem (a bad batch is
+    checked by every rank, a failed save or log line is reported to every rank), not a traceback
+    from each of them."""
     rank = int(os.environ.get("RANK", 0))
     try:
         try:
@@ -514,16 +712,30 @@ def main(argv):
             if rank == 0 and notes:
                 print("\n".join(notes), flush=True)
             run = setup(cfg)
-        except (ConfigError, ValueError, FileNotFoundError, FileExistsError, checkpoint.CheckpointError) as e:
+        except (
+            ConfigError,
+            ValueError,
+            FileNotFoundError,
+            FileExistsError,
+            checkpoint.CheckpointError,
+        ) as e:
             sys.exit(f"error: {e}")  # printed by rank 0 (faults.run_script)
         try:
             return train(cfg, run, resume_path)
-        except (ConfigError, DataError, checkpoint.CheckpointError, TooManyBadSteps, metrics.LogError) as e:
+        except (
+            ConfigError,
+            DataError,
+            checkpoint.CheckpointError,
+            TooManyBadSteps,
+            metrics.LogError,
+        ) as e:
             sys.exit(f"error: {e}")  # printed by rank 0 (faults.run_script)
         except RuntimeError as e:
             if not peer_failure(e):
                 raise
-            end_on_dead_peer(e, rank, run.phase, cfg.dist_timeout_s)  # every survivor says it, and exits
+            end_on_dead_peer(
+                e, rank, run.phase, cfg.dist_timeout_s
+            )  # every survivor says it, and exits
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """
-ZeRO-2 and ZeRO-3 (ZeRO-1, the optimizer states sharded, is data parallelism's first step: parallel.py).
-What each rank holds, over the dp x cp ranks that hold the same parameters ("dp" below):
+ZeRO-2 and ZeRO-3 (ZeRO-1, the optimizer states sharded, is data parallelism's first step:
+parallel.py). What each rank holds, over the dp x cp ranks that hold the same parameters ("dp"
+below):
 
   ZeRO-2 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
          section 5.2)  1/dp of the optimizer states and of the gradients; the whole parameters
@@ -8,37 +9,39 @@ What each rank holds, over the dp x cp ranks that hold the same parameters ("dp"
          Parallel")    1/dp of the parameters too, each block gathered only around its forward and its
                        backward
 
-ZeRO-2 (GradientShards). Holding the gradients whole until the last micro-batch would be ZeRO-1's memory,
-so every micro-batch's gradients are reduce-scattered and added into this rank's slice (DeepSpeed's way:
-with m micro-batches, m times ZeRO-1's reduce traffic); each bucket's flat buffer lives only from its first
-gradient until its reduce-scatter has landed (at most two launched buckets are waited for at a time), and
-p.grad is dropped the moment it is copied into its bucket. After the step the updated slices are
-all-gathered into the parameters, as in ZeRO-1.
+ZeRO-2 (GradientShards). Holding the gradients whole until the last micro-batch would be ZeRO-1's
+memory, so every micro-batch's gradients are reduce-scattered and added into this rank's slice
+(DeepSpeed's way: with m micro-batches, m times ZeRO-1's reduce traffic); each bucket's flat buffer
+lives only from its first gradient until its reduce-scatter has landed (at most two launched buckets
+are waited for at a time), and p.grad is dropped the moment it is copied into its bucket. After the
+step the updated slices are all-gathered into the parameters, as in ZeRO-1.
 
-Under a pipeline schedule (parallel.py; pipeline_schedules.py) a micro-batch's gradient of a parameter is
-complete after the backward action that writes it, and that is when it is sent: each action (op, chunk)
-is a "phase", a bucket holds the parameters of one phase only, and after every B and W action the
-executor calls backward_done(op, chunk), which launches the buckets of that phase the hooks did not. So:
+Under a pipeline schedule (parallel.py; pipeline_schedules.py) a micro-batch's gradient of a
+parameter is complete after the backward action that writes it, and that is when it is sent: each
+action (op, chunk) is a "phase", a bucket holds the parameters of one phase only, and after every B
+and W action the executor calls backward_done(op, chunk), which launches the buckets of that phase
+the hooks did not. So:
   afab, 1f1b        one chunk, B the whole backward: every bucket after each micro-batch's B
   interleaved_1f1b  B of chunk c sends chunk c's buckets: each chunk's buckets are its own, and a
                     micro-batch's are sent v times over, a chunk at a time
   zero_bubble, zbv  B sends the parameters autograd gives gradients to (norm gains, the embedding, the
                     chunked loss's head, biases of row-parallel layers); W sends the tensor-parallel
                     linears' weights it computes (WeightGradStore.params), when it runs, however late
-Every bucket is thus launched once per micro-batch for each action that writes it, in the same order on
-every rank (the ranks of a dp group run the same action list). One parameter is written by two actions:
-under zbv with tied embeddings rank 0 holds both ends of the model, and its one embedding-and-head
-matrix, alone in a bucket, is sent after each of them (each part once). A tied weight whose copies sit on
-two stages (the embedding on the first, the head on the last) is alone in a bucket on each, cut the same
-way, so the owned shards of their gradients are summed across the two stages directly (the mean over dp
-commutes with the sum).
+Every bucket is thus launched once per micro-batch for each action that writes it, in the same order
+on every rank (the ranks of a dp group run the same action list). One parameter is written by two
+actions: under zbv with tied embeddings rank 0 holds both ends of the model, and its one
+embedding-and-head matrix, alone in a bucket, is sent after each of them (each part once). A tied
+weight whose copies sit on two stages (the embedding on the first, the head on the last) is alone in
+a bucket on each, cut the same way, so the owned shards of their gradients are summed across the two
+stages directly (the mean over dp commutes with the sum).
 
-ZeRO-3 (FullyShardedParameters). The parameters are cut into units: one per transformer block, and the
-stage's other parameters (embedding, final norm, head) as the root unit, with a tied weight in a unit of
-its own. Each unit is one bucket, padded to a multiple of dp, and each rank stores only its slice
-(param_shard): 1/dp of the parameters, of the gradients (reduce-scattered into grad_shard, as ZeRO-2) and
-of the optimizer state. A parameter is a view into its unit's gathered buffer (param_full), whose storage
-is empty except while the unit is in use. The rhythm, per block and per micro-batch:
+ZeRO-3 (FullyShardedParameters). The parameters are cut into units: one per transformer block, and
+the stage's other parameters (embedding, final norm, head) as the root unit, with a tied weight in a
+unit of its own. Each unit is one bucket, padded to a multiple of dp, and each rank stores only its
+slice (param_shard): 1/dp of the parameters, of the gradients (reduce-scattered into grad_shard, as
+ZeRO-2) and of the optimizer state. A parameter is a view into its unit's gathered buffer
+(param_full), whose storage is empty except while the unit is in use. The rhythm, per block and per
+micro-batch:
 
     forward:  all-gather the block (posted early: the previous block's forward prefetched it) ->
               post the all-gather of the next block -> compute -> free the storage
@@ -46,68 +49,88 @@ is empty except while the unit is in use. The rhythm, per block and per micro-ba
               of the block before it -> recompute (activation checkpointing) and backward -> copy the
               gradients into the flat buffer and reduce-scatter it -> free the storage
 
-Freeing is the storage itself (untyped_storage().resize_(0)), not a reference: what autograd saved for
-backward are views of the same storage, so they hold no memory in between and see the regathered values.
-The root unit stays whole from the step's first forward until the optimizer step (it is used at both
-ends of the model: the embedding first, the head last). The gathers, like the reduce-scatters (every
-bucket once per micro-batch), are unconditional and in the same order on every rank of the group: a block
-runs forward and backward on every rank, even one whose MoE experts got no token. A pipeline stage gathers
-each block again for every micro-batch (twice: forward and backward); with pp stages and m micro-batches,
-2m all-gathers and m reduce-scatters of each unit per step, each unit's bytes times (dp - 1)/dp on the
-wire. Memory at a time: the shards, plus about two gathered blocks (the one computing, the one
-prefetched), the root unit, and two buckets of gradients in flight.
+Freeing is the storage itself (untyped_storage().resize_(0)), not a reference: what autograd saved
+for backward are views of the same storage, so they hold no memory in between and see the regathered
+values. The root unit stays whole from the step's first forward until the optimizer step (it is used
+at both ends of the model: the embedding first, the head last). The gathers, like the
+reduce-scatters (every bucket once per micro-batch), are unconditional and in the same order on
+every rank of the group: a block runs forward and backward on every rank, even one whose MoE experts
+got no token. A pipeline stage gathers each block again for every micro-batch (twice: forward and
+backward); with pp stages and m micro-batches, 2m all-gathers and m reduce-scatters of each unit per
+step, each unit's bytes times (dp - 1)/dp on the wire. Memory at a time: the shards, plus about two
+gathered blocks (the one computing, the one prefetched), the root unit, and two buckets of gradients
+in flight.
 
 What each schedule gathers, per block and micro-batch: afab and 1f1b as above, forward and backward.
-interleaved_1f1b the same, chunk by chunk: a block prefetches the next block of its own chunk only (the
-root's hook, the chunk's first), since another chunk's block runs only after other actions. zero_bubble
-and zbv gather before F and before B, free after each, and gather nothing for W: W computes
-dW = dy^T x from the x and dy that B kept and needs no weight, so no block stays gathered from B to W.
-Their blocks are two units each, phases of their own (the weights W computes, the rest that B does):
-gathered and freed together, two all-gathers per gather; each part's gradients reduce-scattered after
-its action. Under zbv rank 0's root unit (the embedding, the final norm, the head) is whole all step.
+interleaved_1f1b the same, chunk by chunk: a block prefetches the next block of its own chunk only
+(the root's hook, the chunk's first), since another chunk's block runs only after other actions.
+zero_bubble and zbv gather before F and before B, free after each, and gather nothing for W: W
+computes dW = dy^T x from the x and dy that B kept and needs no weight, so no block stays gathered
+from B to W. Their blocks are two units each, phases of their own (the weights W computes, the rest
+that B does): gathered and freed together, two all-gathers per gather; each part's gradients
+reduce-scattered after its action. Under zbv rank 0's root unit (the embedding, the final norm, the
+head) is whole all step.
 
-Both are reducers as parallel.py's ShardedGradientBuckets is, for parallel.ZeroOneAdamW to step with:
-GradientShards extends parallel.GradientBuckets through the hooks parallel.py's docstring lists, with
-ZeRO-1's slices (parallel.ShardedBucket, owned_slices, gather_slices), and FullyShardedParameters extends
-GradientShards, each ZeRO-3 unit's parameters held by a Unit beside its bucket. Expert parallelism
-(expert_parallel.py) runs one of them over the experts' group beside the other. At the end of this file:
-what of picotron's Transformer they are cut from, the backward action that writes each parameter's
-gradient (backward_phases) and ZeRO-3's units (zero3_units).
+Both are reducers as parallel.py's ShardedGradientBuckets is, for parallel.ZeroOneAdamW to step
+with: GradientShards extends parallel.GradientBuckets through the hooks parallel.py's docstring
+lists, with ZeRO-1's slices (parallel.ShardedBucket, owned_slices, gather_slices), and
+FullyShardedParameters extends GradientShards, each ZeRO-3 unit's parameters held by a Unit beside
+its bucket. Expert parallelism (expert_parallel.py) runs one of them over the experts' group beside
+the other. At the end of this file: what of picotron's Transformer they are cut from, the backward
+action that writes each parameter's gradient (backward_phases) and ZeRO-3's units (zero3_units).
 """
+
 import torch
 import torch.distributed as dist
 
-from parallel import (GradientBuckets, ShardedBucket, _all_gather_single, buckets_by_kind, gather_slices, owned_slices,
-                      post_gathers, post_reduce_scatter, summed_slice, wait_for_params, waited)
+from parallel import (
+    GradientBuckets,
+    ShardedBucket,
+    _all_gather_single,
+    buckets_by_kind,
+    gather_slices,
+    owned_slices,
+    post_gathers,
+    post_reduce_scatter,
+    summed_slice,
+    wait_for_params,
+    waited,
+)
 
 
 class GradientShards(GradientBuckets):
-    """ZeRO-2's reducer: every micro-batch's gradients are reduce-scattered, each added into its bucket's
-    `grad_shard`, and p.grad is dropped as soon as it is copied into its bucket, so that no full-size
-    gradient lives beyond the two buckets in flight (set_grad_sync's argument is ignored: calling it before
-    a backward lands the buckets still in flight, whose flat buffers would otherwise add to that
-    backward's peak). A bucket's flat buffer lives from its first gradient until its reduce-scatter has
-    landed. After finish() p.grad is None: the gradients are the grad_shards.
+    """ZeRO-2's reducer: every micro-batch's gradients are reduce-scattered, each added into its
+    bucket's `grad_shard`, and p.grad is dropped as soon as it is copied into its bucket, so that no
+    full-size gradient lives beyond the two buckets in flight (set_grad_sync's argument is ignored:
+    calling it before a backward lands the buckets still in flight, whose flat buffers would
+    otherwise add to that backward's peak). A bucket's flat buffer lives from its first gradient
+    until its reduce-scatter has landed. After finish() p.grad is None: the gradients are the
+    grad_shards.
 
-    Call backward_done(op, chunk) after each backward action: `phases` ({param: the actions (op, chunk)
-    that write its gradient}; by default ("B", 0) for all, one plain backward) says which buckets each
-    action completes, and no bucket mixes parameters of different phases; the hooks (and grad_ready for a
-    gradient accumulated by hand) launch the buckets that fill during the action, backward_done the rest; a
-    parameter that two actions write, alone in its bucket, is sent by backward_done after each.
-    `tied` (copies, group): the copies this rank holds of a weight tied across pipeline stages, each alone
-    in a bucket, and the group of the stages holding the others: finish() sums their shards over it.
-    `units` (ZeRO-3): lists of parameters, one bucket each, each of one phase."""
+    Call backward_done(op, chunk) after each backward action: `phases` ({param: the actions (op,
+    chunk) that write its gradient}; by default ("B", 0) for all, one plain backward) says which
+    buckets each action completes, and no bucket mixes parameters of different phases; the hooks
+    (and grad_ready for a gradient accumulated by hand) launch the buckets that fill during the
+    action, backward_done the rest; a parameter that two actions write, alone in its bucket, is sent
+    by backward_done after each. `tied` (copies, group): the copies this rank holds of a weight tied
+    across pipeline stages, each alone in a bucket, and the group of the stages holding the others:
+    finish() sums their shards over it. `units` (ZeRO-3): lists of parameters, one bucket each, each
+    of one phase."""
 
-    def __init__(self, params, group, bucket_size_mb=25.0, phases=None, tied=((), None), units=None):
+    def __init__(
+        self, params, group, bucket_size_mb=25.0, phases=None, tied=((), None), units=None
+    ):
         self.phases, self.units = phases, units
         self.tied_copies, self.tied_group = list(tied[0]), tied[1]
         super().__init__(params, group, bucket_size_mb)
-        # each phase's buckets in bucket order (a parameter written by two actions, alone, is in both), and
-        # the next of them to launch in the action now running
+        # each phase's buckets in bucket order (a parameter written by two actions, alone, is in
+        # both), and the next of them to launch in the action now running
         self.phase_buckets = {}
         for b in self.buckets:
             if any(self.phase_of(p) != b.phases for p in b.params):
-                raise ValueError("GradientShards: a unit mixes parameters that different backward actions complete")
+                raise ValueError(
+                    "GradientShards: a unit mixes parameters that different backward actions complete"
+                )
             for phase in sorted(b.phases):
                 self.phase_buckets.setdefault(phase, []).append(b)
         self.next = dict.fromkeys(self.phase_buckets, 0)
@@ -117,35 +140,47 @@ class GradientShards(GradientBuckets):
         if self.phases is None:
             return frozenset({("B", 0)})
         if not self.phases.get(p):
-            raise ValueError(f"GradientShards: phases names no backward action for a parameter of shape "
-                             f"{tuple(p.shape)}")
+            raise ValueError(
+                f"GradientShards: phases names no backward action for a parameter of shape "
+                f"{tuple(p.shape)}"
+            )
         return frozenset(self.phases[p])
 
     def plan(self, params, bucket_size_mb):
         if self.units is not None:
-            return [list(u) for u in reversed(self.units) if u]  # one bucket per unit, in backward order
+            return [
+                list(u) for u in reversed(self.units) if u
+            ]  # one bucket per unit, in backward order
         tied = {id(p) for p in self.tied_copies}  # a tied copy: alone
-        return buckets_by_kind(params, bucket_size_mb, lambda p: (self.phase_of(p), id(p) in tied and id(p)))
+        return buckets_by_kind(
+            params, bucket_size_mb, lambda p: (self.phase_of(p), id(p) in tied and id(p))
+        )
 
     def new_bucket(self, params):
-        bucket = ShardedBucket(params, self.group)  # its flat buffer: made by copy_in, dropped by settle
+        bucket = ShardedBucket(
+            params, self.group
+        )  # its flat buffer: made by copy_in, dropped by settle
         bucket.phases, bucket.grad_shard = self.phase_of(params[0]), None
         return bucket
 
     def set_grad_sync(self, sync):
-        while self.in_flight:  # a backward begins: land what the last one left in flight, before its peak
+        while (
+            self.in_flight
+        ):  # a backward begins: land what the last one left in flight, before its peak
             self.settle(self.in_flight[0])
 
     def grad_ready(self, p):
-        """p.grad is complete for this micro-batch: copy it into its bucket, then launch, in its phase's
-        bucket order, every bucket that is full and has only launched buckets before it (one that two
-        actions write waits for backward_done)."""
+        """p.grad is complete for this micro-batch: copy it into its bucket, then launch, in its
+        phase's bucket order, every bucket that is full and has only launched buckets before it (one
+        that two actions write waits for backward_done)."""
         bucket, i = self.where[p]
         if len(bucket.phases) > 1:
             return
         if i in bucket.ready:
-            raise RuntimeError(f"GradientShards: a gradient of shape {tuple(p.shape)} became ready twice in one "
-                               f"backward action")
+            raise RuntimeError(
+                f"GradientShards: a gradient of shape {tuple(p.shape)} became ready twice in one "
+                f"backward action"
+            )
         self.copy_in(bucket, i)
         (phase,) = bucket.phases
         buckets = self.phase_buckets[phase]
@@ -154,11 +189,11 @@ class GradientShards(GradientBuckets):
             self.launch(buckets[self.next[phase] - 1])
 
     def backward_done(self, op, chunk):
-        """The backward action (op, chunk) of a micro-batch has run: launch, in order, the buckets of its
-        phase that its hooks did not (a parameter without a gradient sends zeros). Every rank launches every
-        bucket once per action that writes it, whatever its data did."""
+        """The backward action (op, chunk) of a micro-batch has run: launch, in order, the buckets
+        of its phase that its hooks did not (a parameter without a gradient sends zeros). Every rank
+        launches every bucket once per action that writes it, whatever its data did."""
         phase = (op, chunk)
-        for bucket in self.phase_buckets.get(phase, [])[self.next.get(phase, 0):]:
+        for bucket in self.phase_buckets.get(phase, [])[self.next.get(phase, 0) :]:
             for i in range(len(bucket.params)):
                 if i not in bucket.ready:
                     self.copy_in(bucket, i)
@@ -170,7 +205,9 @@ class GradientShards(GradientBuckets):
         if bucket.flat is None:
             bucket.flat = bucket.zeros()
         super().copy_in(bucket, i)
-        bucket.params[i].grad = None  # its elements are in the bucket now: the full-size gradient is not kept
+        bucket.params[
+            i
+        ].grad = None  # its elements are in the bucket now: the full-size gradient is not kept
 
     def launch(self, bucket):
         self.launched += 1
@@ -181,12 +218,14 @@ class GradientShards(GradientBuckets):
         bucket.ready = set()  # sent: the next action that writes it starts it afresh
 
     def settle(self, bucket):
-        """Wait for a bucket's reduce-scatter, add this micro-batch's mean into grad_shard, drop the flat
-        gradient."""
+        """Wait for a bucket's reduce-scatter, add this micro-batch's mean into grad_shard, drop the
+        flat gradient."""
         if bucket not in self.in_flight:
             return
         self.in_flight.remove(bucket)
-        shard = summed_slice(bucket).div_(self.replicas)  # the sum over ranks / dp = the mean over the global batch
+        shard = summed_slice(bucket).div_(
+            self.replicas
+        )  # the sum over ranks / dp = the mean over the global batch
         if bucket.grad_shard is not None:
             bucket.grad_shard.add_(shard)
         else:  # (kept: a copy where the slice is a view of flat, which goes now)
@@ -194,17 +233,24 @@ class GradientShards(GradientBuckets):
         bucket.flat = bucket.shard = None
 
     def finish(self):
-        """Land every bucket still in flight (every action having been closed by backward_done), then sum the
-        tied copies' shards across their stages."""
+        """Land every bucket still in flight (every action having been closed by backward_done),
+        then sum the tied copies' shards across their stages."""
         if any(b.ready for b in self.buckets) or any(p.grad is not None for p in self.where):
-            raise RuntimeError("GradientShards.finish: gradients were never sent: call backward_done(op, chunk) "
-                               "after each backward action")
+            raise RuntimeError(
+                "GradientShards.finish: gradients were never sent: call backward_done(op, chunk) "
+                "after each backward action"
+            )
         while self.in_flight:
             self.settle(self.in_flight[0])
         self.next, self.launched = dict.fromkeys(self.next, 0), 0
         if self.tied_group is not None:
             for p in self.tied_copies:
-                waited(dist.all_reduce(self.where[p][0].grad_shard, group=self.tied_group, async_op=True), "pp")
+                waited(
+                    dist.all_reduce(
+                        self.where[p][0].grad_shard, group=self.tied_group, async_op=True
+                    ),
+                    "pp",
+                )
 
     # what parallel.ZeroOneAdamW steps with: ZeRO-1's slices, the gradient's from grad_shard
     def owned_slices(self):
@@ -217,8 +263,8 @@ class GradientShards(GradientBuckets):
         return bucket.grad_shard[a:b]
 
     def after_step(self):
-        """The updated slices all-gathered into the parameters, as ZeRO-1's after_step (waited for before
-        their parameters are read); the shards dropped."""
+        """The updated slices all-gathered into the parameters, as ZeRO-1's after_step (waited for
+        before their parameters are read); the shards dropped."""
         post_gathers(self.buckets, gather_slices)
         for bucket in self.buckets:
             bucket.grad_shard = None
@@ -226,18 +272,24 @@ class GradientShards(GradientBuckets):
 
 class Unit:
     """One ZeRO-3 unit's parameters, those of `bucket`: `param_shard` the elements this rank stores,
-    `param_full` the gathered whole, a flat buffer the parameters are views of, its storage empty between
-    uses. `gather` is its state (None: empty, a request: gathering, True: whole), `keep_whole` marks the
-    root unit, `in_backward` a block whose backward is running."""
+    `param_full` the gathered whole, a flat buffer the parameters are views of, its storage empty
+    between uses. `gather` is its state (None: empty, a request: gathering, True: whole),
+    `keep_whole` marks the root unit, `in_backward` a block whose backward is running."""
 
     @torch.no_grad()
     def __init__(self, bucket, keep_whole):
         full = bucket.zeros()
         for p, start in zip(bucket.params, bucket.offsets):
-            full[start:start + p.numel()].copy_(p.reshape(-1))
-            p.data = full[start:start + p.numel()].view_as(p)  # p now lives in the gathered buffer
+            full[start : start + p.numel()].copy_(p.reshape(-1))
+            p.data = full[start : start + p.numel()].view_as(
+                p
+            )  # p now lives in the gathered buffer
         lo, _ = bucket.owned()
-        self.bucket, self.param_shard, self.param_full = bucket, full[lo:lo + bucket.shard_size].clone(), full
+        self.bucket, self.param_shard, self.param_full = (
+            bucket,
+            full[lo : lo + bucket.shard_size].clone(),
+            full,
+        )
         self.keep_whole, self.gather, self.in_backward = keep_whole, None, False
         self.free()
 
@@ -267,21 +319,27 @@ class Unit:
 
 
 class FullyShardedParameters(GradientShards):
-    """ZeRO-3: GradientShards whose buckets are the units of `units`, [(module or None, params, chunk)] in
-    forward order; module None marks a unit kept whole through the step (gathered by the model's forward,
-    freed after the optimizer step), else the module whose forward and backward use the unit: a block, whose
-    units (one per phase: a split backward's B and W parts) are gathered and freed together. `chunk` is the
-    model chunk the block runs in (the model's forward takes chunk=c): a block prefetches the next block of
-    its own chunk only, the one that runs next. Moves each unit's parameters into its Unit's shard and
-    registers the hooks on the blocks and on `model`. `phases` and `tied` as GradientShards'.
+    """ZeRO-3: GradientShards whose buckets are the units of `units`, [(module or None, params,
+    chunk)] in forward order; module None marks a unit kept whole through the step (gathered by the
+    model's forward, freed after the optimizer step), else the module whose forward and backward use
+    the unit: a block, whose units (one per phase: a split backward's B and W parts) are gathered
+    and freed together. `chunk` is the model chunk the block runs in (the model's forward takes
+    chunk=c): a block prefetches the next block of its own chunk only, the one that runs next. Moves
+    each unit's parameters into its Unit's shard and registers the hooks on the blocks and on
+    `model`. `phases` and `tied` as GradientShards'.
 
-    A block's rhythm (the paper's, section 5.3): before_forward gathers it (and posts the next block's
-    gather), after_forward frees it; before_backward gathers it again (and posts the previous block's),
-    after_backward frees it once its gradients are sent (reduce-scattered)."""
+    A block's rhythm (the paper's, section 5.3): before_forward gathers it (and posts the next
+    block's gather), after_forward frees it; before_backward gathers it again (and posts the
+    previous block's), after_backward frees it once its gradients are sent (reduce-scattered)."""
 
     def __init__(self, params, group, units, model, phases=None, tied=((), None)):
         super().__init__(params, group, phases=phases, tied=tied, units=[ps for _, ps, _ in units])
-        self.whole, self.chunks, self.unit, self.block_of = [], {}, {}, {}  # chunks: c -> [(block, [its Units])]
+        self.whole, self.chunks, self.unit, self.block_of = (
+            [],
+            {},
+            {},
+            {},
+        )  # chunks: c -> [(block, [its Units])]
         for module, params, chunk in units:
             if not params:
                 continue
@@ -294,11 +352,16 @@ class FullyShardedParameters(GradientShards):
             if not blocks or blocks[-1][0] is not module:  # a new block: its hooks
                 blocks.append((module, []))
                 c, i = chunk, len(blocks) - 1
-                module.register_forward_pre_hook(lambda mod, args, c=c, i=i: self.before_forward(c, i))
-                module.register_forward_hook(lambda mod, args, out, c=c, i=i: self.after_forward(c, i, out))
+                module.register_forward_pre_hook(
+                    lambda mod, args, c=c, i=i: self.before_forward(c, i)
+                )
+                module.register_forward_hook(
+                    lambda mod, args, out, c=c, i=i: self.after_forward(c, i, out)
+                )
             blocks[-1][1].append(unit)
             self.block_of[id(bucket)] = blocks[-1][1]
-        # a block's B is over when the last of its units that B completes is launched (they launch in order)
+        # a block's B is over when the last of its units that B completes is launched (they launch
+        # in order)
         order = {id(b): k for k, b in enumerate(self.buckets)}
         self.ends_backward = {}  # id(block) -> the bucket whose launch says the block's B is over
         for blocks in self.chunks.values():
@@ -306,14 +369,19 @@ class FullyShardedParameters(GradientShards):
                 in_b = [u.bucket for u in block if any(op == "B" for op, _ in u.bucket.phases)]
                 if in_b:
                     self.ends_backward[id(block)] = max(in_b, key=lambda b: order[id(b)])
-        model.register_forward_pre_hook(lambda mod, args, kwargs: self.gather_root(kwargs.get("chunk", 0)),
-                                        with_kwargs=True)
+        model.register_forward_pre_hook(
+            lambda mod, args, kwargs: self.gather_root(kwargs.get("chunk", 0)), with_kwargs=True
+        )
 
     def owned_param(self, p, start, end, bucket, a, b):
-        return self.unit[id(bucket)].param_shard[a:b]  # the shard: updating it is the update (the full copy is stale)
+        return self.unit[id(bucket)].param_shard[
+            a:b
+        ]  # the shard: updating it is the update (the full copy is stale)
 
     def _units(self):
-        return self.whole + [u for blocks in self.chunks.values() for _, block in blocks for u in block]
+        return self.whole + [
+            u for blocks in self.chunks.values() for _, block in blocks for u in block
+        ]
 
     def _block(self, c, i):
         return self.chunks[c][i][1]
@@ -329,13 +397,17 @@ class FullyShardedParameters(GradientShards):
     def gather_root(self, chunk):
         self.wait(self.whole)
         if self.chunks.get(chunk):
-            for unit in self._block(chunk, 0):  # prefetch the chunk's first block while the embedding computes
+            for unit in self._block(
+                chunk, 0
+            ):  # prefetch the chunk's first block while the embedding computes
                 unit.post_gather()
 
     def before_forward(self, c, i):
         block = self._block(c, i)
         self.wait(block)
-        if i + 1 < len(self.chunks[c]) and not block[0].in_backward:  # (not while recomputing in backward)
+        if (
+            i + 1 < len(self.chunks[c]) and not block[0].in_backward
+        ):  # (not while recomputing in backward)
             for unit in self._block(c, i + 1):
                 unit.post_gather()
 
@@ -364,45 +436,54 @@ class FullyShardedParameters(GradientShards):
             self.after_backward(unit)
 
     def after_backward(self, unit):
-        """Free the unit; once the last unit its block's B completes is sent, the block's backward has run:
-        free the whole block (a split backward's W needs no weights, dW = dy^T x; the W part's own launch,
-        after W, finds it free)."""
+        """Free the unit; once the last unit its block's B completes is sent, the block's backward
+        has run: free the whole block (a split backward's W needs no weights, dW = dy^T x; the W
+        part's own launch, after W, finds it free)."""
         block = self.block_of[id(unit.bucket)]
-        for u in (block if self.ends_backward.get(id(block)) is unit.bucket else [unit]):
+        for u in block if self.ends_backward.get(id(block)) is unit.bucket else [unit]:
             u.free()
 
     def after_step(self):
-        """After the optimizer stepped the shards every gathered copy is stale: the next forward gathers the
-        updated shards."""
+        """After the optimizer stepped the shards every gathered copy is stale: the next forward
+        gathers the updated shards."""
         for unit in self._units():
             unit.free()
         for bucket in self.buckets:
             bucket.grad_shard = None
 
     def unit_by_unit(self):
-        """Yields each unit's parameters gathered, one at a time, then copies this rank's slice of what was
-        written into them back into its shard and frees it: a checkpoint loads this way holding one unit
-        whole, not the model (which may not fit on one device: that is why it is sharded)."""
+        """Yields each unit's parameters gathered, one at a time, then copies this rank's slice of
+        what was written into them back into its shard and frees it: a checkpoint loads this way
+        holding one unit whole, not the model (which may not fit on one device: that is why it is
+        sharded)."""
         for unit in self._units():
             unit.wait()
             yield unit.bucket.params
             lo, _ = unit.bucket.owned()
-            unit.param_shard.copy_(unit.param_full[lo:lo + unit.bucket.shard_size])
+            unit.param_shard.copy_(unit.param_full[lo : lo + unit.bucket.shard_size])
             unit.free()
 
 
 def overlap_param_gather(model, grad_sync):
-    """ZeRO-1 and ZeRO-2 (overlap_param_gather=True): each bucket's all-gather of the updated parameters,
-    posted after the step (parallel.post_gathers), is waited for just before the forward first reads one of
-    its parameters, so the gathers of the later blocks run while the earlier ones compute
-    (Megatron-LM's --overlap-param-gather). The readers, in forward order: the model's own forward (the
-    embedding, a head tied to it, and every parameter outside the blocks but the final norm's and the
-    head's), each block, and the final norm (the head reads right after it). A bucket spanning two readers
-    is waited for by the first; one holding a parameter no reader names stays waited for at once after the
-    step. Under a pipeline each chunk's forward passes the hooks of what it holds. Returns the hook handles."""
+    """ZeRO-1 and ZeRO-2 (overlap_param_gather=True): each bucket's all-gather of the updated
+    parameters, posted after the step (parallel.post_gathers), is waited for just before the forward
+    first reads one of its parameters, so the gathers of the later blocks run while the earlier ones
+    compute (Megatron-LM's --overlap-param-gather). The readers, in forward order: the model's own
+    forward (the embedding, a head tied to it, and every parameter outside the blocks but the final
+    norm's and the head's), each block, and the final norm (the head reads right after it). A bucket
+    spanning two readers is waited for by the first; one holding a parameter no reader names stays
+    waited for at once after the step. Under a pipeline each chunk's forward passes the hooks of
+    what it holds. Returns the hook handles."""
     norm, embedding = getattr(model, "norm", None), getattr(model, "tok_emb", None)
-    tail = {id(p) for m in (norm, getattr(model, "lm_head", None)) if m is not None for p in m.parameters()}
-    tail -= {id(p) for p in (embedding.parameters() if embedding is not None else ())}  # a tied head: read first
+    tail = {
+        id(p)
+        for m in (norm, getattr(model, "lm_head", None))
+        if m is not None
+        for p in m.parameters()
+    }
+    tail -= {
+        id(p) for p in (embedding.parameters() if embedding is not None else ())
+    }  # a tied head: read first
     in_blocks = {id(p) for p in model.blocks.parameters()}
     readers = [(model, [p for p in model.parameters() if id(p) not in in_blocks | tail])]
     readers += [(block, list(block.parameters())) for block in model.blocks.values()]
@@ -420,7 +501,9 @@ def overlap_param_gather(model, grad_sync):
             waits[min(readers_of)].append(bucket)
     for (module, _), buckets in zip(readers, waits):
         if buckets:
-            handles.append(module.register_forward_pre_hook(lambda mod, args, b=buckets: wait_for_params(b)))
+            handles.append(
+                module.register_forward_pre_hook(lambda mod, args, b=buckets: wait_for_params(b))
+            )
     return handles
 
 
@@ -430,13 +513,14 @@ def overlap_param_gather(model, grad_sync):
 
 
 def backward_phases(chunk_params, weight_grad_stores=None):
-    """{parameter: {(op, chunk)}}: the backward actions of a micro-batch that write each parameter's gradient,
-    after each of which ZeRO-2 and 3 send it (GradientShards.backward_done), from `chunk_params`, each model
-    chunk's parameters (pipeline_schedules.chunk_parameters; one list without a pipeline): ('B', c) for the
-    parameters of chunk c, or, where the schedule splits the backward (zero_bubble, zbv: one
-    WeightGradStore per chunk), ('W', c) for those its W actions compute (WeightGradStore.params). One
-    parameter has two: under zbv with tied embeddings, rank 0's embedding, which chunk 0's B and, as the
-    head, chunk 1's W (its B under the chunked loss) add to."""
+    """{parameter: {(op, chunk)}}: the backward actions of a micro-batch that write each parameter's
+    gradient, after each of which ZeRO-2 and 3 send it (GradientShards.backward_done), from
+    `chunk_params`, each model chunk's parameters (pipeline_schedules.chunk_parameters; one list
+    without a pipeline): ('B', c) for the parameters of chunk c, or, where the schedule splits the
+    backward (zero_bubble, zbv: one WeightGradStore per chunk), ('W', c) for those its W actions
+    compute (WeightGradStore.params). One parameter has two: under zbv with tied embeddings, rank
+    0's embedding, which chunk 0's B and, as the head, chunk 1's W (its B under the chunked loss)
+    add to."""
     phases = {}
     for c, params in enumerate(chunk_params):
         by_hand = {id(p) for p in weight_grad_stores[c].params} if weight_grad_stores else set()
@@ -446,20 +530,27 @@ def backward_phases(chunk_params, weight_grad_stores=None):
 
 
 def zero3_units(model, tied=(), phases=None):
-    """ZeRO-3's units of parameters, (module or None, params, chunk), in forward order: the root (this
-    stage's embedding, final norm and head, kept whole through the step), a tied weight alone (its shards
-    are summed across stages), then each transformer block, gathered around its forward and its backward.
-    A unit's gradients are sent after one backward action (`phases`, as backward_phases gives them), so
-    under a split backward a block is two units, its B part and its W part (gathered and freed together),
-    and the root one per action."""
+    """ZeRO-3's units of parameters, (module or None, params, chunk), in forward order: the root
+    (this stage's embedding, final norm and head, kept whole through the step), a tied weight alone
+    (its shards are summed across stages), then each transformer block, gathered around its forward
+    and its backward. A unit's gradients are sent after one backward action (`phases`, as
+    backward_phases gives them), so under a split backward a block is two units, its B part and its
+    W part (gathered and freed together), and the root one per action."""
+
     def by_phase(params):
         parts = {}
         for p in params:
             parts.setdefault(frozenset(phases[p]) if phases is not None else None, []).append(p)
         return list(parts.values())
+
     chunk_of = {i: c for c, layers in enumerate(model.chunk_layers) for i in layers}
-    blocks = [(block, part, chunk_of[int(i)]) for i, block in model.blocks.items()
-              for part in by_phase(list(block.parameters()))]
+    blocks = [
+        (block, part, chunk_of[int(i)])
+        for i, block in model.blocks.items()
+        for part in by_phase(list(block.parameters()))
+    ]
     apart = {id(p) for _, params, _ in blocks for p in params} | {id(p) for p in tied}
     root = [p for p in model.parameters() if id(p) not in apart]
-    return [(None, part, None) for part in by_phase(root)] + [(None, [p], None) for p in tied] + blocks
+    return (
+        [(None, part, None) for part in by_phase(root)] + [(None, [p], None) for p in tied] + blocks
+    )

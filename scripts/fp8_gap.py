@@ -1,11 +1,12 @@
-"""How far FP8 moves a run from the same run in fp32: the equivalence matrix's tiny model (tests/matrix.py: 6
-steps, its data, its settings) trained in one process with fp8 'none', 'tensorwise' and 'rowwise', and the
-largest relative difference of each FP8 run's loss and gradient norm from the fp32 run's. Beside the matrix's
-fp8 rows (a layout against one process, both in FP8) it shows the scale: the layouts agree far closer than
-FP8 is to fp32 (docs/training.md#fp8).
+"""How far FP8 moves a run from the same run in fp32: the equivalence matrix's tiny model
+(tests/matrix.py: 6 steps, its data, its settings) trained in one process with fp8 'none',
+'tensorwise' and 'rowwise', and the largest relative difference of each FP8 run's loss and gradient
+norm from the fp32 run's. Beside the matrix's fp8 rows (a layout against one process, both in FP8)
+it shows the scale: the layouts agree far closer than FP8 is to fp32 (docs/training.md#fp8).
 
     python scripts/fp8_gap.py            (about a minute on one core)
 """
+
 import os
 import sys
 import tempfile
@@ -21,16 +22,23 @@ from dist_utils import read_records  # noqa: E402
 
 
 def gaps(model, root, data):
-    """{recipe: (largest relative loss difference, largest relative grad norm difference)} from fp32."""
+    """{recipe: (largest relative loss difference, largest relative grad norm difference)} from
+    fp32."""
     runs = {}
     for recipe in ("none", "tensorwise", "rowwise"):
         out = os.path.join(root, f"{model}-{recipe}")
-        error = matrix.run_one(matrix.argv_of(matrix.settings_of(matrix._case(model=model, fp8=recipe)), data, out))
+        error = matrix.run_one(
+            matrix.argv_of(matrix.settings_of(matrix._case(model=model, fp8=recipe)), data, out)
+        )
         assert error is None, error
         runs[recipe] = {r["step"]: r for r in read_records([f"--out_dir={out}"]) if "loss" in r}
     fp32 = runs.pop("none")
-    relative = lambda run, key: max(abs(r[key] - fp32[s][key]) / abs(fp32[s][key]) for s, r in run.items())
-    return {recipe: (relative(run, "loss"), relative(run, "grad_norm")) for recipe, run in runs.items()}
+    relative = lambda run, key: max(
+        abs(r[key] - fp32[s][key]) / abs(fp32[s][key]) for s, r in run.items()
+    )
+    return {
+        recipe: (relative(run, "loss"), relative(run, "grad_norm")) for recipe, run in runs.items()
+    }
 
 
 def main():
@@ -39,8 +47,10 @@ def main():
         data = matrix.make_matrix_data(os.path.join(root, "data"))
         for model in ("dense_gqa", "moe_dropless"):
             for recipe, (loss, norm) in gaps(model, root, data).items():
-                print(f"{matrix.MODEL_NAMES[model]}, fp8 {recipe}: over {matrix.STEPS} steps the loss is at most "
-                      f"{loss:.1e} and the gradient norm {norm:.1e} (relative) from the fp32 run")
+                print(
+                    f"{matrix.MODEL_NAMES[model]}, fp8 {recipe}: over {matrix.STEPS} steps the loss is at most "
+                    f"{loss:.1e} and the gradient norm {norm:.1e} (relative) from the fp32 run"
+                )
 
 
 if __name__ == "__main__":

@@ -3,17 +3,19 @@
     python scripts/gpu_check.py env [--dry-run]     the machine: GPU, versions, and two measured ceilings
     python scripts/gpu_check.py summary LOGS        the Markdown table of a check's logs (LOGS/sections.tsv)
 
-env prints `ENV {json}` last. The ceilings are what MFU can be read against beside the datasheet: a large
-bf16 matrix product on random data (never zeros: they run faster) and a device-to-device copy (bytes read
-plus bytes written), each the median of 10 timed runs after 3 warm-ups, timed with CUDA events.
+env prints `ENV {json}` last. The ceilings are what MFU can be read against beside the datasheet: a
+large bf16 matrix product on random data (never zeros: they run faster) and a device-to-device copy
+(bytes read plus bytes written), each the median of 10 timed runs after 3 warm-ups, timed with CUDA
+events.
 
-summary reads what each section left in LOGS: sections.tsv (one line per section: section, check, status,
-seconds, log file), the env log's ENV line, the pytest junit XML of the tests (each test's `figures`
-property, from record_property) and each bench log's RESULT line. A memory planner's prediction is shown
-beside the measured peak (bench's memory rows: tools/memory_plan.py's prediction and the measured step's tensors),
-and tools/step_time.py's predicted step beside the measured one (bench's `predicted_step_s`, its machine=auto
-measured on the GPU).
+summary reads what each section left in LOGS: sections.tsv (one line per section: section, check,
+status, seconds, log file), the env log's ENV line, the pytest junit XML of the tests (each test's
+`figures` property, from record_property) and each bench log's RESULT line. A memory planner's
+prediction is shown beside the measured peak (bench's memory rows: tools/memory_plan.py's prediction
+and the measured step's tensors), and tools/step_time.py's predicted step beside the measured one
+(bench's `predicted_step_s`, its machine=auto measured on the GPU).
 """
+
 import json
 import os
 import statistics
@@ -50,22 +52,39 @@ def timed_median(fn, warmup=3, repeats=10):
 
 
 def env(dry_run=False):
-    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-            "flash_attn": flash_attn_available()}
+    info = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "flash_attn": flash_attn_available(),
+    }
     try:
         import triton
+
         info["triton"] = triton.__version__
     except Exception:
         info["triton"] = None
     try:
-        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                        capture_output=True, text=True, timeout=20).stdout.strip() or None
+        info["driver"] = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         info["driver"] = None
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, capability=f"{p.major}.{p.minor}", memory_gib=p.total_memory / 2**30,
-                    multiprocessors=p.multi_processor_count, peak_bf16=metrics.gpu_peak_flops(p.name, torch.bfloat16))
+        info.update(
+            gpu=p.name,
+            capability=f"{p.major}.{p.minor}",
+            memory_gib=p.total_memory / 2**30,
+            multiprocessors=p.multi_processor_count,
+            peak_bf16=metrics.gpu_peak_flops(p.name, torch.bfloat16),
+        )
         n = 8192
         a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         info["matmul_bf16_flops"] = 2 * n**3 / timed_median(lambda: a @ b)
@@ -76,7 +95,9 @@ def env(dry_run=False):
         del src, dst
     else:
         info.update(gpu=None, cpu_threads=torch.get_num_threads(), dry_run=dry_run)
-        info["matmul_fp32_flops"] = metrics.measure_cpu_peak_flops(torch.float32, sizes=(256,), repeats=2)
+        info["matmul_fp32_flops"] = metrics.measure_cpu_peak_flops(
+            torch.float32, sizes=(256,), repeats=2
+        )
     for k, v in info.items():
         print(f"{k}: {v}")
     print("ENV " + json.dumps(info), flush=True)
@@ -94,7 +115,7 @@ def last_json_line(path, prefix):
     with open(path, errors="replace") as f:
         for line in f:
             if line.startswith(prefix):
-                found = line[len(prefix):]
+                found = line[len(prefix) :]
     try:
         return json.loads(found) if found else None
     except ValueError:
@@ -102,13 +123,17 @@ def last_json_line(path, prefix):
 
 
 def last_error_line(path):
-    """The last line of a log that looks like the reason it stopped (an error, a traceback's last line)."""
+    """The last line of a log that looks like the reason it stopped (an error, a traceback's last
+    line)."""
     if not path or not os.path.exists(path):
         return ""
     with open(path, errors="replace") as f:
         lines = [line.strip() for line in f if line.strip()]
     for line in reversed(lines):
-        if line.startswith(("error:", "RuntimeError", "torch.OutOfMemoryError", "AssertionError")) or "Error" in line.split(":")[0]:
+        if (
+            line.startswith(("error:", "RuntimeError", "torch.OutOfMemoryError", "AssertionError"))
+            or "Error" in line.split(":")[0]
+        ):
             return line
     return lines[-1] if lines else ""
 
@@ -116,21 +141,24 @@ def last_error_line(path):
 def cell(text, limit=220):
     """One table cell: no newlines, pipes escaped, long text cut."""
     text = " ".join(str(text).split()).replace("|", "\\|")
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def test_rows(xml_path):
     """(check, result, figures, seconds) for each test in a pytest junit XML file."""
     rows = []
     for case in ET.parse(xml_path).getroot().iter("testcase"):
-        figures = " ".join(p.get("value", "") for p in case.iter("property") if p.get("name") == "figures")
+        figures = " ".join(
+            p.get("value", "") for p in case.iter("property") if p.get("name") == "figures"
+        )
         result = "passed"
         for tag in ("failure", "error", "skipped"):
             node = case.find(tag)
             if node is not None:
                 message = (node.get("message") or node.text or "").strip().splitlines()
                 result = {"failure": "FAILED", "error": "ERROR", "skipped": "skipped"}[tag] + (
-                    f": {message[0]}" if message else "")
+                    f": {message[0]}" if message else ""
+                )
                 break
         rows.append((case.get("name"), result, figures, float(case.get("time") or 0)))
     return rows
@@ -141,9 +169,9 @@ def gib(n):
 
 
 def bench_figures(result, env_info):
-    """The figures of one bench RESULT: speed, MFU (of the datasheet peak, and of the measured matmul rate),
-    tools/step_time.py's predicted step, memory (and the planner's prediction), the first step (compilation), the
-    profile."""
+    """The figures of one bench RESULT: speed, MFU (of the datasheet peak, and of the measured
+    matmul rate), tools/step_time.py's predicted step, memory (and the planner's prediction), the
+    first step (compilation), the profile."""
     parts = [f"{result['tokens_per_sec']:,.0f} tok/s", f"{result['ms_per_step']:,.0f} ms/step"]
     if result.get("mfu") is not None:
         mfu = f"MFU {100 * result['mfu']:.1f}%"
@@ -153,18 +181,27 @@ def bench_figures(result, env_info):
         parts.append(mfu)
     else:
         parts.append("MFU n/a")
-    if result.get("compare_fp8"):  # (--compare_fp8: the same step with fp8 the other way, timed in turn)
-        parts.append(f"{result['ms_per_step'] / result['compare_fp8_ms_per_step']:.2f}x the time of "
-                     f"fp8={result['compare_fp8']}")
-    predicted = result.get("predicted_step_s")  # (tools/step_time.py on bench's machine=auto, measured there)
+    if result.get(
+        "compare_fp8"
+    ):  # (--compare_fp8: the same step with fp8 the other way, timed in turn)
+        parts.append(
+            f"{result['ms_per_step'] / result['compare_fp8_ms_per_step']:.2f}x the time of "
+            f"fp8={result['compare_fp8']}"
+        )
+    predicted = result.get(
+        "predicted_step_s"
+    )  # (tools/step_time.py on bench's machine=auto, measured there)
     if predicted:
         error = 1e3 * predicted / result["ms_per_step"] - 1
         parts.append(f"predicted {1e3 * predicted:,.0f} ms/step ({100 * error:+.0f}%)")
-    # the planner's prediction: memory_plan's for the measured step's tensors (bench's memory rows, rank 0)
+    # the planner's prediction: memory_plan's for the measured step's tensors (bench's memory rows,
+    # rank 0)
     rank0 = (result.get("memory") or [{}])[0]
     planned, measured = rank0.get("predicted_bytes"), rank0.get("measured_bytes")
-    parts.append(f"peak {gib(result['peak_mem_bytes'])} (planned {gib(planned) if planned else '-'}"
-                 + (f" against {gib(measured)} of the step's tensors)" if measured and planned else ")"))
+    parts.append(
+        f"peak {gib(result['peak_mem_bytes'])} (planned {gib(planned) if planned else '-'}"
+        + (f" against {gib(measured)} of the step's tensors)" if measured and planned else ")")
+    )
     if result.get("first_step_s") is not None:
         parts.append(f"first step {result['first_step_s']:.1f} s")
     if not result.get("compiled"):
@@ -172,8 +209,11 @@ def bench_figures(result, env_info):
     profile = result.get("profile")
     if profile:
         kinds = sorted(profile["kinds"].items(), key=lambda kv: -kv[1])
-        parts.append("profile: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in kinds if v >= 0.005)
-                     + f"; device busy {100 * profile['device_busy']:.0f}%")
+        parts.append(
+            "profile: "
+            + ", ".join(f"{k} {100 * v:.0f}%" for k, v in kinds if v >= 0.005)
+            + f"; device busy {100 * profile['device_busy']:.0f}%"
+        )
     return ", ".join(parts)
 
 
@@ -181,14 +221,20 @@ def caption(env_info):
     if not env_info:
         return "**GPU check**: no ENV line (the env section did not run)"
     if env_info.get("gpu"):
-        where = (f"{env_info['gpu']} (sm {env_info['capability']}, {env_info['memory_gib']:.0f} GiB, "
-                 f"driver {env_info.get('driver')})")
+        where = (
+            f"{env_info['gpu']} (sm {env_info['capability']}, {env_info['memory_gib']:.0f} GiB, "
+            f"driver {env_info.get('driver')})"
+        )
     elif env_info.get("dry_run"):
-        where = f"CPU ({env_info.get('cpu_threads')} threads; a dry run: the figures are not a GPU's)"
+        where = (
+            f"CPU ({env_info.get('cpu_threads')} threads; a dry run: the figures are not a GPU's)"
+        )
     else:
         where = f"CPU ({env_info.get('cpu_threads')} threads; no CUDA GPU: this is no GPU check)"
-    return (f"**GPU check** on {where}; torch {env_info['torch']}, CUDA {env_info['cuda']}, triton "
-            f"{env_info['triton']}, flash-attn {'installed' if env_info['flash_attn'] else 'not installed'}")
+    return (
+        f"**GPU check** on {where}; torch {env_info['torch']}, CUDA {env_info['cuda']}, triton "
+        f"{env_info['triton']}, flash-attn {'installed' if env_info['flash_attn'] else 'not installed'}"
+    )
 
 
 def summary(logs):
@@ -208,12 +254,22 @@ def summary(logs):
             figures = ""
             if env_info and env_info.get("gpu"):
                 peak = env_info.get("peak_bf16")
-                figures = (f"bf16 matmul 8192^3 {env_info['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s measured, datasheet "
-                           f"{f'{peak / 1e12:.0f}' if peak else 'unknown (not in metrics.GPU_PEAK_FLOPS)'}; "
-                           f"device copy {env_info['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write)")
+                figures = (
+                    f"bf16 matmul 8192^3 {env_info['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s measured, datasheet "
+                    f"{f'{peak / 1e12:.0f}' if peak else 'unknown (not in metrics.GPU_PEAK_FLOPS)'}; "
+                    f"device copy {env_info['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write)"
+                )
             elif env_info:
                 figures = f"fp32 matmul {env_info['matmul_fp32_flops'] / 1e9:.1f} GFLOP/s (CPU)"
-            rows.append((section, check, status if status != "ok" or env_info else "no ENV line", figures, seconds))
+            rows.append(
+                (
+                    section,
+                    check,
+                    status if status != "ok" or env_info else "no ENV line",
+                    figures,
+                    seconds,
+                )
+            )
         elif section == "tests":
             xml = os.path.join(os.path.dirname(log), "tests.xml")
             cases = test_rows(xml) if os.path.exists(xml) else []
@@ -229,8 +285,16 @@ def summary(logs):
                 rows.append((section, check, status, bench_figures(result, env_info), seconds))
             else:
                 rows.append((section, check, status, last_error_line(log), seconds))
-    out = [caption(env_info), "", "| section | check | result | figures | seconds |", "|---|---|---|---|---|"]
-    out += [f"| {cell(s)} | {cell(c)} | {cell(r)} | {cell(fig, 600)} | {t:.0f} |" for s, c, r, fig, t in rows]
+    out = [
+        caption(env_info),
+        "",
+        "| section | check | result | figures | seconds |",
+        "|---|---|---|---|---|",
+    ]
+    out += [
+        f"| {cell(s)} | {cell(c)} | {cell(r)} | {cell(fig, 600)} | {t:.0f} |"
+        for s, c, r, fig, t in rows
+    ]
     text = "\n".join(out)
     with open(os.path.join(logs, "summary.md"), "w") as f:
         f.write(text + "\n")
@@ -244,6 +308,8 @@ if __name__ == "__main__":
     elif len(sys.argv) == 3 and sys.argv[1] == "summary":
         failed = summary(sys.argv[2])
         if failed:
-            sys.exit(f"gpu_check: {failed} section(s) failed or timed out (the table's result column)")
+            sys.exit(
+                f"gpu_check: {failed} section(s) failed or timed out (the table's result column)"
+            )
     else:
         sys.exit(__doc__)

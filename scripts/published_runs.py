@@ -1,16 +1,18 @@
 """
-tools/step_time.py's prediction beside published training runs (../shared/published_runs.md): every row
-picotron's settings can express, predicted on the named machine of its GPU, its error against the
-published step time, and the rows it cannot express, with why. Nothing is tuned to the published figures:
-where a source leaves a setting unpublished, the choice below is said in the row's note and made the same
-way for every row of that source.
+tools/step_time.py's prediction beside published training runs (../shared/published_runs.md): every
+row picotron's settings can express, predicted on the named machine of its GPU, its error against
+the published step time, and the rows it cannot express, with why. Nothing is tuned to the published
+figures: where a source leaves a setting unpublished, the choice below is said in the row's note and
+made the same way for every row of that source.
 
     python scripts/published_runs.py              # the markdown table docs/performance.md carries
 
-A row's model is the source's (layers, width, heads, MLP, vocabulary, sequence); picotron's architecture
-stands in where the FLOPs are the same (RoPE for learned positions or ALiBi), and picotron's step is
-predicted: its fused attention, fp32 gradients and AdamW, which the source's code need not share.
+A row's model is the source's (layers, width, heads, MLP, vocabulary, sequence); picotron's
+architecture stands in where the FLOPs are the same (RoPE for learned positions or ALiBi), and
+picotron's step is predicted: its fused attention, fp32 gradients and AdamW, which the source's code
+need not share.
 """
+
 import os
 import statistics
 import sys
@@ -25,32 +27,45 @@ from model import ModelConfig  # noqa: E402
 SOURCE = "../shared/published_runs.md"
 
 # (layers, width, heads, kv heads, MLP width, vocabulary, sequence, mlp, tied)
-GPT = lambda L, h, a, V=51200, s=2048, tied=True: (L, h, a, a, 4 * h, V, s, "gelu", tied)  # noqa: E731
+GPT = lambda L, h, a, V=51200, s=2048, tied=True: (L, h, a, a, 4 * h, V, s, "gelu", tied)
 MODELS = {
-    "gpt1.7": GPT(24, 2304, 24), "gpt3.6": GPT(30, 3072, 32), "gpt7.5": GPT(36, 4096, 32), "gpt18": GPT(40, 6144, 48),
-    "gpt39": GPT(48, 8192, 64), "gpt76": GPT(60, 10240, 80), "gpt146": GPT(80, 12288, 96),
-    "gpt310": GPT(96, 16384, 128), "gpt530": GPT(105, 20480, 128), "gpt1t": GPT(128, 25600, 160),
+    "gpt1.7": GPT(24, 2304, 24),
+    "gpt3.6": GPT(30, 3072, 32),
+    "gpt7.5": GPT(36, 4096, 32),
+    "gpt18": GPT(40, 6144, 48),
+    "gpt39": GPT(48, 8192, 64),
+    "gpt76": GPT(60, 10240, 80),
+    "gpt146": GPT(80, 12288, 96),
+    "gpt310": GPT(96, 16384, 128),
+    "gpt530": GPT(105, 20480, 128),
+    "gpt1t": GPT(128, 25600, 160),
     "gpt175": GPT(96, 12288, 96),
-    "mlm1.7": GPT(24, 2048, 16, 131072, 4096, False), "mlm7": GPT(30, 4096, 32, 131072, 4096, False),
-    "mlm16": GPT(32, 6144, 48, 131072, 4096, False), "mlm32": GPT(48, 7168, 56, 131072, 4096, False),
-    "mlm70": GPT(84, 8192, 64, 131072, 4096, False), "mlm119": GPT(92, 10240, 80, 131072, 4096, False),
-    "mlm177": GPT(96, 12288, 96, 131072, 4096, False), "mlm314": GPT(96, 16384, 128, 131072, 4096, False),
+    "mlm1.7": GPT(24, 2048, 16, 131072, 4096, False),
+    "mlm7": GPT(30, 4096, 32, 131072, 4096, False),
+    "mlm16": GPT(32, 6144, 48, 131072, 4096, False),
+    "mlm32": GPT(48, 7168, 56, 131072, 4096, False),
+    "mlm70": GPT(84, 8192, 64, 131072, 4096, False),
+    "mlm119": GPT(92, 10240, 80, 131072, 4096, False),
+    "mlm177": GPT(96, 12288, 96, 131072, 4096, False),
+    "mlm314": GPT(96, 16384, 128, 131072, 4096, False),
     "mlm462": GPT(112, 18432, 144, 131072, 4096, False),
     "llama3-70b-8k": (80, 8192, 64, 8, 28672, 128256, 8192, "swiglu", False),
     "llama3-405b": (126, 16384, 128, 8, 53248, 128256, 8192, "swiglu", False),
     "llama2-13b": (40, 5120, 40, 40, 13824, 32000, 4096, "swiglu", False),
     "llama2-70b": (80, 8192, 64, 8, 28672, 32000, 4096, "swiglu", False),
-    "mpt7": GPT(32, 4096, 32, 50368, 2048), "mpt7-8k": GPT(32, 4096, 32, 50368, 8192),
-    "mpt13": GPT(40, 5120, 40, 50368, 2048), "mpt30": GPT(48, 7168, 56, 50368, 2048),
+    "mpt7": GPT(32, 4096, 32, 50368, 2048),
+    "mpt7-8k": GPT(32, 4096, 32, 50368, 8192),
+    "mpt13": GPT(40, 5120, 40, 50368, 2048),
+    "mpt30": GPT(48, 7168, 56, 50368, 2048),
     "mpt70": GPT(80, 8192, 64, 50368, 2048),
 }
 
-# (id, model, machine, dp, tp, pp, schedule, chunks, micro-batch, global batch, zero, checkpointing, published
-# step s, note). Unpublished settings, one rule per source: Narayanan Table 1 (v, mbs unpublished): interleaved
-# over 2 chunks where pp > 1, micro-batch 1; Table 2's schedule: 1F1B; recompute "not stated" in Table 2: on
-# (full), as Table 1's eq. 3 assumes; Megatron-LM's table (mbs, SP, recompute, distributed optimizer
-# unpublished): micro-batch 1, sequence parallel where tp > 1, no recompute (its MFU counts none), ZeRO-1 (the
-# distributed optimizer), 1F1B.
+# (id, model, machine, dp, tp, pp, schedule, chunks, micro-batch, global batch, zero, checkpointing,
+# published step s, note). Unpublished settings, one rule per source: Narayanan Table 1 (v, mbs
+# unpublished): interleaved over 2 chunks where pp > 1, micro-batch 1; Table 2's schedule: 1F1B;
+# recompute "not stated" in Table 2: on (full), as Table 1's eq. 3 assumes; Megatron-LM's table
+# (mbs, SP, recompute, distributed optimizer unpublished): micro-batch 1, sequence parallel where tp
+# > 1, no recompute (its MFU counts none), ZeRO-1 (the distributed optimizer), 1F1B.
 N1 = "v and mbs unpublished: interleaved x2 where pp > 1, mbs 1"
 N2 = "schedule and recompute not stated: 1F1B, full recompute"
 NM = "mbs/SP/recompute/dist-opt unpublished: mbs 1, SP, none, ZeRO-1"
@@ -63,8 +78,22 @@ ROWS = [
     ("NAR-6", "gpt76", "a100", 32, 8, 4, "interleaved_1f1b", 2, 1, 1792, 0, True, 16.1, N1),
     ("NAR-7", "gpt146", "a100", 24, 8, 8, "interleaved_1f1b", 2, 1, 2304, 0, True, 24.8, N1),
     ("NAR-8", "gpt310", "a100", 15, 8, 16, "interleaved_1f1b", 2, 1, 2160, 0, True, 37.6, N1),
-    ("NAR-9", "gpt530", "a100", 9, 8, 35, "interleaved_1f1b", 1, 1, 2520, 0, True, 54.1,
-     N1 + "; 105 blocks do not split into 35 x 2 chunks: 1F1B"),
+    (
+        "NAR-9",
+        "gpt530",
+        "a100",
+        9,
+        8,
+        35,
+        "interleaved_1f1b",
+        1,
+        1,
+        2520,
+        0,
+        True,
+        54.1,
+        N1 + "; 105 blocks do not split into 35 x 2 chunks: 1F1B",
+    ),
     ("NAR-10", "gpt1t", "a100", 6, 8, 64, "interleaved_1f1b", 2, 1, 3072, 0, True, 103, N1),
     ("NZ-1", "gpt175", "a100", 384, 1, 1, "1f1b", 1, 4, 1536, 3, True, 81.6, N2),
     ("NZ-2", "gpt175", "a100", 768, 1, 1, "1f1b", 1, 2, 1536, 3, True, 66.7, N2),
@@ -90,42 +119,235 @@ ROWS = [
     ("TT-3", "llama3-70b-8k", "a100", 64, 1, 1, "1f1b", 1, 1, 64, 3, True, 24.7, "FSDP2 as ZeRO-3"),
     ("TT-4", "llama2-13b", "a100", 64, 1, 1, "1f1b", 1, 2, 128, 3, False, 3.79, "FSDP2 as ZeRO-3"),
     ("TT-8", "llama2-70b", "a100", 64, 1, 1, "1f1b", 1, 2, 128, 3, True, 23.2, "FSDP2 as ZeRO-3"),
-    ("TT-22", "llama3-405b", "h100", 16, 8, 1, "1f1b", 1, 2, 32, 3, True, 18.8,
-     "a 500 W HBM2e H100, slower than the SXM figures used: errs fast"),
-    ("TT-23", "llama3-70b-8k", "h100", 32, 8, 1, "1f1b", 1, 16, 512, 3, True, 27.4,
-     "a 500 W HBM2e H100, slower than the SXM figures used: errs fast; compiled"),
-    ("MOS-1", "mpt7", "h100", 8, 1, 1, "1f1b", 1, 6, 48, 3, False, 1.15, "FSDP as ZeRO-3; RoPE for ALiBi"),
-    ("MOS-2", "mpt13", "h100", 64, 1, 1, "1f1b", 1, 2, 128, 3, False, 0.853, "FSDP as ZeRO-3; RoPE for ALiBi"),
-    ("MOS-3", "mpt30", "h100", 32, 1, 1, "1f1b", 1, 14, 1344, 3, True, 37.3, "FSDP as ZeRO-3; RoPE for ALiBi"),
-    ("MOS-4", "mpt70", "h100", 64, 1, 1, "1f1b", 1, 8, 2048, 3, True, 63.1, "FSDP as ZeRO-3; RoPE for ALiBi"),
-    ("MOS-5", "mpt7-8k", "h100", 8, 1, 1, "1f1b", 1, 8, 128, 3, True, 18.9, "FSDP as ZeRO-3; RoPE for ALiBi"),
-    ("MOS-6", "mpt7", "a100", 8, 1, 1, "1f1b", 1, 6, 96, 3, False, 5.3, "FSDP as ZeRO-3; RoPE for ALiBi"),
-    ("MOS-7", "mpt13", "a100", 8, 1, 1, "1f1b", 1, 2, 48, 3, False, 5.43, "FSDP as ZeRO-3; RoPE for ALiBi"),
-    ("MOS-8", "mpt30", "a100", 8, 1, 1, "1f1b", 1, 3, 504, 3, True, 141, "FSDP as ZeRO-3; RoPE for ALiBi"),
-    ("MOS-9", "mpt70", "a100", 64, 1, 1, "1f1b", 1, 8, 2048, 3, True, 160, "FSDP as ZeRO-3; RoPE for ALiBi"),
+    (
+        "TT-22",
+        "llama3-405b",
+        "h100",
+        16,
+        8,
+        1,
+        "1f1b",
+        1,
+        2,
+        32,
+        3,
+        True,
+        18.8,
+        "a 500 W HBM2e H100, slower than the SXM figures used: errs fast",
+    ),
+    (
+        "TT-23",
+        "llama3-70b-8k",
+        "h100",
+        32,
+        8,
+        1,
+        "1f1b",
+        1,
+        16,
+        512,
+        3,
+        True,
+        27.4,
+        "a 500 W HBM2e H100, slower than the SXM figures used: errs fast; compiled",
+    ),
+    (
+        "MOS-1",
+        "mpt7",
+        "h100",
+        8,
+        1,
+        1,
+        "1f1b",
+        1,
+        6,
+        48,
+        3,
+        False,
+        1.15,
+        "FSDP as ZeRO-3; RoPE for ALiBi",
+    ),
+    (
+        "MOS-2",
+        "mpt13",
+        "h100",
+        64,
+        1,
+        1,
+        "1f1b",
+        1,
+        2,
+        128,
+        3,
+        False,
+        0.853,
+        "FSDP as ZeRO-3; RoPE for ALiBi",
+    ),
+    (
+        "MOS-3",
+        "mpt30",
+        "h100",
+        32,
+        1,
+        1,
+        "1f1b",
+        1,
+        14,
+        1344,
+        3,
+        True,
+        37.3,
+        "FSDP as ZeRO-3; RoPE for ALiBi",
+    ),
+    (
+        "MOS-4",
+        "mpt70",
+        "h100",
+        64,
+        1,
+        1,
+        "1f1b",
+        1,
+        8,
+        2048,
+        3,
+        True,
+        63.1,
+        "FSDP as ZeRO-3; RoPE for ALiBi",
+    ),
+    (
+        "MOS-5",
+        "mpt7-8k",
+        "h100",
+        8,
+        1,
+        1,
+        "1f1b",
+        1,
+        8,
+        128,
+        3,
+        True,
+        18.9,
+        "FSDP as ZeRO-3; RoPE for ALiBi",
+    ),
+    (
+        "MOS-6",
+        "mpt7",
+        "a100",
+        8,
+        1,
+        1,
+        "1f1b",
+        1,
+        6,
+        96,
+        3,
+        False,
+        5.3,
+        "FSDP as ZeRO-3; RoPE for ALiBi",
+    ),
+    (
+        "MOS-7",
+        "mpt13",
+        "a100",
+        8,
+        1,
+        1,
+        "1f1b",
+        1,
+        2,
+        48,
+        3,
+        False,
+        5.43,
+        "FSDP as ZeRO-3; RoPE for ALiBi",
+    ),
+    (
+        "MOS-8",
+        "mpt30",
+        "a100",
+        8,
+        1,
+        1,
+        "1f1b",
+        1,
+        3,
+        504,
+        3,
+        True,
+        141,
+        "FSDP as ZeRO-3; RoPE for ALiBi",
+    ),
+    (
+        "MOS-9",
+        "mpt70",
+        "a100",
+        64,
+        1,
+        1,
+        "1f1b",
+        1,
+        8,
+        2048,
+        3,
+        True,
+        160,
+        "FSDP as ZeRO-3; RoPE for ALiBi",
+    ),
 ]
 
 NOT_EXPRESSIBLE = [
-    ("TT-1, TT-2, TT-5, TT-6, TT-7, TT-25", "selective activation checkpointing (per layer or per op): picotron "
-     "recomputes whole blocks or none"),
-    ("TT-9 to TT-12", "selective activation checkpointing, on a 500 W HBM2e H100 whose peak torchtitan itself does "
-     "not know"),
-    ("TT-13 to TT-21", "float8 linears (torchao): not a bf16 matmul rate, and tools/step_time.py does not model FP8's "
-                       "(fp8.py runs it; no GPU here to measure its rate)"),
-    ("TT-24, TT-26", "asynchronous tensor parallelism (communication overlapped inside the matmuls): picotron's TP "
-     "collectives are not overlapped"),
+    (
+        "TT-1, TT-2, TT-5, TT-6, TT-7, TT-25",
+        "selective activation checkpointing (per layer or per op): picotron "
+        "recomputes whole blocks or none",
+    ),
+    (
+        "TT-9 to TT-12",
+        "selective activation checkpointing, on a 500 W HBM2e H100 whose peak torchtitan itself does "
+        "not know",
+    ),
+    (
+        "TT-13 to TT-21",
+        "float8 linears (torchao): not a bf16 matmul rate, and tools/step_time.py does not model FP8's "
+        "(fp8.py runs it; no GPU here to measure its rate)",
+    ),
+    (
+        "TT-24, TT-26",
+        "asynchronous tensor parallelism (communication overlapped inside the matmuls): picotron's TP "
+        "collectives are not overlapped",
+    ),
 ]
 
 
 def predict_row(row):
-    """(predicted seconds, the prediction) of one row, from the training settings' defaults and its own."""
+    """(predicted seconds, the prediction) of one row, from the training settings' defaults and its
+    own."""
     _, model, machine, dp, tp, pp, schedule, chunks, mbs, gbs, zero, ac, _, _ = row
     L, h, a, kv, ffn, V, s, mlp, tied = MODELS[model]
     cfg = {st.name: st.default for st in settings.TRAINING}
-    cfg.update(n_layer=L, n_embd=h, n_head=a, n_kv_head=kv, intermediate_size=ffn, vocab_size=V, block_size=s,
-               mlp=mlp, tie_embeddings=tied, dp=dp, tp=tp, pp=pp, pp_schedule=schedule, pp_chunks=chunks,
-               batch_size=mbs, gradient_accumulation_steps=gbs // (dp * mbs), zero_stage=zero,
-               activation_checkpointing=ac, sequence_parallel=tp > 1 and model.startswith("mlm"))
+    cfg.update(
+        n_layer=L,
+        n_embd=h,
+        n_head=a,
+        n_kv_head=kv,
+        intermediate_size=ffn,
+        vocab_size=V,
+        block_size=s,
+        mlp=mlp,
+        tie_embeddings=tied,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        pp_schedule=schedule,
+        pp_chunks=chunks,
+        batch_size=mbs,
+        gradient_accumulation_steps=gbs // (dp * mbs),
+        zero_stage=zero,
+        activation_checkpointing=ac,
+        sequence_parallel=tp > 1 and model.startswith("mlm"),
+    )
     model_cfg = ModelConfig(**{k: cfg[k] for k in ModelConfig.__dataclass_fields__ if k in cfg})
     prediction = step_time.predict(model_cfg, step_time.run_of(cfg), machines.load_machine(machine))
     return prediction["step_s"], prediction
@@ -146,8 +368,8 @@ def spearman(a, b):
 
 
 def rankings(rows, predicted):
-    """Lines: for each model run on one machine at several GPU counts (dp varied, the rest held), the rank
-    correlation of the predicted step times with the published."""
+    """Lines: for each model run on one machine at several GPU counts (dp varied, the rest held),
+    the rank correlation of the predicted step times with the published."""
     groups = {}
     for row in rows:
         groups.setdefault((row[1], row[2], row[4], row[5], row[10]), []).append(row)
@@ -157,30 +379,44 @@ def rankings(rows, predicted):
             continue
         published = [r[12] for r in members]
         mine = [predicted[r[0]] for r in members]
-        lines.append(f"| {model} on {machine} | " + ", ".join(f"{r[0]} ({r[3] * r[4] * r[5]} GPUs)" for r in members)
-                     + f" | {spearman(published, mine):.2f} |")
+        lines.append(
+            f"| {model} on {machine} | "
+            + ", ".join(f"{r[0]} ({r[3] * r[4] * r[5]} GPUs)" for r in members)
+            + f" | {spearman(published, mine):.2f} |"
+        )
     return lines
 
 
 def main():
-    lines = ["| ID | GPUs | layout (dp/tp/pp, schedule, mbs x m, ZeRO, recompute) | machine | published s | "
-             "predicted s | error | largest parts | note |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| ID | GPUs | layout (dp/tp/pp, schedule, mbs x m, ZeRO, recompute) | machine | published s | "
+        "predicted s | error | largest parts | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     errors, predicted = {}, {}
     for row in ROWS:
         rid, _, machine, dp, tp, pp, schedule, chunks, mbs, gbs, zero, ac, published, note = row
         seconds, p = predict_row(row)
         errors[rid], predicted[rid] = seconds / published - 1, seconds
         top = sorted(p["parts"].items(), key=lambda kv: -kv[1])[:3]
-        lines.append(f"| {rid} | {dp * tp * pp} | {dp}/{tp}/{pp}" + (f", {schedule} x{chunks}" if pp > 1 else "")
-                     + f", {mbs} x {gbs // (dp * mbs)}, {zero}, {'full' if ac else 'none'} | {machine} | {published:g} | "
-                     f"{seconds:.3g} | {errors[rid]:+.0%} | " + ", ".join(f"{k} {v / seconds:.0%}" for k, v in top)
-                     + f" | {note} |")
+        lines.append(
+            f"| {rid} | {dp * tp * pp} | {dp}/{tp}/{pp}"
+            + (f", {schedule} x{chunks}" if pp > 1 else "")
+            + f", {mbs} x {gbs // (dp * mbs)}, {zero}, {'full' if ac else 'none'} | {machine} | {published:g} | "
+            f"{seconds:.3g} | {errors[rid]:+.0%} | "
+            + ", ".join(f"{k} {v / seconds:.0%}" for k, v in top)
+            + f" | {note} |"
+        )
     absolute = [abs(e) for e in errors.values()]
-    lines += ["", f"{len(errors)} rows expressed; median absolute error {statistics.median(absolute):.0%}, mean "
-              f"{statistics.mean(absolute):.0%}, {sum(e < 0 for e in errors.values())} predicted faster than "
-              f"published, {sum(e > 0 for e in errors.values())} slower. Source of every published figure: {SOURCE}.",
-              "", "| one model, several GPU counts | runs | Spearman, predicted against published step time |",
-              "|---|---|---|"]
+    lines += [
+        "",
+        f"{len(errors)} rows expressed; median absolute error {statistics.median(absolute):.0%}, mean "
+        f"{statistics.mean(absolute):.0%}, {sum(e < 0 for e in errors.values())} predicted faster than "
+        f"published, {sum(e > 0 for e in errors.values())} slower. Source of every published figure: {SOURCE}.",
+        "",
+        "| one model, several GPU counts | runs | Spearman, predicted against published step time |",
+        "|---|---|---|",
+    ]
     lines += rankings(ROWS, predicted)
     lines += ["", "| rows not expressed | why |", "|---|---|"]
     lines += [f"| {ids} | {why} |" for ids, why in NOT_EXPRESSIBLE]

@@ -16,26 +16,27 @@ in-process, on the one process group the launch starts (as tests/dist_utils.py's
 does). train.main is those three calls, its error messages, and the process group destroyed at its
 end, which the next row needs. The one-process runs run in this process meanwhile.
 
-Two things part from a run launched alone. The first step's memory measurement is left out of
-every run (metrics.measure_step_memory, as the tests leave it out): on CPU its dispatch mode sees
-every op, which made the runs several times slower; it observes a step whatever the layout, and the
-table came out the same with it when this was written. And what a process caches (functools'
-lru_cache, tools/step_time.py's _SCHEDULES) is computed by the first run in it that needs it, later
-runs skipping the functions that compute it. The cached functions a row enters today are entered by
-its one-process run too, so the lines read do not change; the tools' figures do: step_time's
-routing (tools/timeline.py's route_messages and check_channels) is entered by the tensor parallel
-row, the first without a pipeline, and by the 1F1B row only.
+Two things part from a run launched alone. The first step's memory measurement is left out of every
+run (metrics.measure_step_memory, as the tests leave it out): on CPU its dispatch mode sees every
+op, which made the runs several times slower; it observes a step whatever the layout, and the table
+came out the same with it when this was written. And what a process caches (functools' lru_cache,
+tools/step_time.py's _SCHEDULES) is computed by the first run in it that needs it, later runs
+skipping the functions that compute it. The cached functions a row enters today are entered by its
+one-process run too, so the lines read do not change; the tools' figures do: step_time's routing
+(tools/timeline.py's route_messages and check_channels) is entered by the tensor parallel row, the
+first without a pipeline, and by the 1F1B row only.
 
 What is counted. Every function (a code object: file, first line, name) that Python enters during a
 run, on any rank, is recorded (sys.settrace's 'call' events, and threading.settrace's in threads the
 run starts). The functions of picotron's own files count: the .py files at the top of the repository
 (not tests/ or scripts/), but not the tools (TOOLS: planning, benchmarks, interop, plots), whose
-lines a run entered (the start-up plan and predicted step) --show lists apart. A function entered counts whole:
-all the non-blank lines of its def, decorators, docstring and comments inside included. Lines read:
-the (file, line) pairs of all the functions the row's run entered, less those of the functions its
-one-process run entered, each pair once (a nested def lies within its outer def's lines). A module's
-or a class body's own code is no function and is not counted.
+lines a run entered (the start-up plan and predicted step) --show lists apart. A function entered
+counts whole: all the non-blank lines of its def, decorators, docstring and comments inside
+included. Lines read: the (file, line) pairs of all the functions the row's run entered, less those
+of the functions its one-process run entered, each pair once (a nested def lies within its outer
+def's lines). A module's or a class body's own code is no function and is not counted.
 """
+
 import argparse
 import ast
 import io
@@ -66,24 +67,42 @@ import train  # noqa: E402
 TOOLS = {"tools/"}
 
 # every run: the tiny model, two steps, one evaluation batch at the end, no checkpoint, on CPU
-TINY = ["--n_layer=4", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_size=64",
-        "--batch_size=2", "--max_iters=2", "--eval_iters=1", "--checkpoint_interval=0",
-        "--device=cpu"]
+TINY = [
+    "--n_layer=4",
+    "--n_head=4",
+    "--n_kv_head=2",
+    "--n_embd=32",
+    "--block_size=64",
+    "--batch_size=2",
+    "--max_iters=2",
+    "--eval_iters=1",
+    "--checkpoint_interval=0",
+    "--device=cpu",
+]
 # the one-process runs the rows are measured against: a config file and settings
-BASELINES = {"dense": ["config/tiny_fineweb.py"], "MoE": ["config/moe.py"],
-             "Muon": ["config/tiny_fineweb.py", "--optimizer=muon"]}
+BASELINES = {
+    "dense": ["config/tiny_fineweb.py"],
+    "MoE": ["config/moe.py"],
+    "Muon": ["config/tiny_fineweb.py", "--optimizer=muon"],
+}
 # a row: the mechanism, its one-process run, the settings its 2-process run adds
-ROWS = [("tensor parallel", "dense", ["--tp=2"]),
-        ("data parallel", "dense", ["--dp=2"]),
-        ("ZeRO-1", "dense", ["--dp=2", "--zero_stage=1"]),
-        ("1F1B", "dense", ["--pp=2", "--pp_schedule=1f1b"]),
-        ("ring attention", "dense", ["--cp=2"]),
-        ("ZeRO-3", "dense", ["--dp=2", "--zero_stage=3"]),
-        ("expert parallel", "MoE", ["--ep=2"]),
-        ("Muon", "Muon", ["--dp=2", "--zero_stage=1"])]
+ROWS = [
+    ("tensor parallel", "dense", ["--tp=2"]),
+    ("data parallel", "dense", ["--dp=2"]),
+    ("ZeRO-1", "dense", ["--dp=2", "--zero_stage=1"]),
+    ("1F1B", "dense", ["--pp=2", "--pp_schedule=1f1b"]),
+    ("ring attention", "dense", ["--cp=2"]),
+    ("ZeRO-3", "dense", ["--dp=2", "--zero_stage=3"]),
+    ("expert parallel", "MoE", ["--ep=2"]),
+    ("Muon", "Muon", ["--dp=2", "--zero_stage=1"]),
+]
 NPROC = 2
-COMPREHENSIONS = {ast.ListComp: "<listcomp>", ast.SetComp: "<setcomp>",
-                  ast.DictComp: "<dictcomp>", ast.GeneratorExp: "<genexpr>"}
+COMPREHENSIONS = {
+    ast.ListComp: "<listcomp>",
+    ast.SetComp: "<setcomp>",
+    ast.DictComp: "<dictcomp>",
+    ast.GeneratorExp: "<genexpr>",
+}
 
 # -----------------------------------------------------------------------------
 # the counting rule: the functions entered, to the lines they hold
@@ -202,16 +221,27 @@ def traced(argv):
         threading.settrace(None)
         metrics.measure_step_memory = measure
     files = set(project_files(ROOT))
-    where = {name: os.path.relpath(os.path.realpath(name), os.path.realpath(ROOT))
-             for name in {c.co_filename for c in codes}}
-    return {(where[c.co_filename], c.co_firstlineno, c.co_name) for c in codes
-            if where[c.co_filename] in files}
+    where = {
+        name: os.path.relpath(os.path.realpath(name), os.path.realpath(ROOT))
+        for name in {c.co_filename for c in codes}
+    }
+    return {
+        (where[c.co_filename], c.co_firstlineno, c.co_name)
+        for c in codes
+        if where[c.co_filename] in files
+    }
 
 
 def run_argv(work, base, settings, name):
     config, *given = BASELINES[base]
-    return [str(ROOT / config), *given, *TINY, *settings, f"--data_dir={work}/data",
-            f"--out_dir={work}/{name}"]
+    return [
+        str(ROOT / config),
+        *given,
+        *TINY,
+        *settings,
+        f"--data_dir={work}/data",
+        f"--out_dir={work}/{name}",
+    ]
 
 
 def trace_rows(work):
@@ -233,15 +263,28 @@ def write_tokens(folder, n_tokens=8192, vocab_size=512):
     rng = np.random.default_rng(0)
     for split, n in (("train", n_tokens), ("val", n_tokens // 4)):
         rng.integers(0, vocab_size, n, dtype=np.uint16).tofile(folder / f"{split}.bin")
-    meta = {"tokenizer": "gpt2", "vocab_size": vocab_size, "dtype": "uint16",
-            "eot_token": vocab_size - 1, "train_tokens": n_tokens, "val_tokens": n_tokens // 4}
+    meta = {
+        "tokenizer": "gpt2",
+        "vocab_size": vocab_size,
+        "dtype": "uint16",
+        "eot_token": vocab_size - 1,
+        "train_tokens": n_tokens,
+        "val_tokens": n_tokens // 4,
+    }
     (folder / "meta.json").write_text(json.dumps(meta))
 
 
 def launch_ranks(work):
     """torchrun of NPROC ranks running trace_rows, its output in <work>/launch.log: the Popen."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={NPROC}", str(Path(__file__).resolve()), f"--ranks_of={work}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={NPROC}",
+        str(Path(__file__).resolve()),
+        f"--ranks_of={work}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(Path(work) / "launch.log", "w") as log:  # (the launch writes to its own copy)
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
@@ -304,15 +347,18 @@ def details(spans, rows, alone):
     out = []
     for row, base, settings in ROWS:
         read, tools = count(spans, rows[row], alone[base])
-        out.append(f"\n## {row}: {layout_cell(base, settings)} on {NPROC} processes against one: "
-                   f"{len(read)} lines read")
+        out.append(
+            f"\n## {row}: {layout_cell(base, settings)} on {NPROC} processes against one: "
+            f"{len(read)} lines read"
+        )
         out += listing(spans, rows[row], read)
         out.append(f"  tools entered: {len(tools)} lines")
         out += listing(spans, rows[row], tools, "    ")
     for base in BASELINES:
         _, tools = count(spans, alone[base], ())
-        out.append(f"\n## one process, `{' '.join(BASELINES[base])}`: tools entered: "
-                   f"{len(tools)} lines")
+        out.append(
+            f"\n## one process, `{' '.join(BASELINES[base])}`: tools entered: {len(tools)} lines"
+        )
         out += listing(spans, alone[base], tools)
     return "\n".join(out)
 
@@ -324,15 +370,19 @@ def with_table(readme, new):
     first = HEADER.splitlines()[0]
     start = next((k for k, line in enumerate(lines) if line.rstrip("\n") == first), None)
     if start is None:
-        raise SystemExit(f"README.md has no line {first!r}: put the table where it belongs once by "
-                         f"hand (python scripts/reading_path.py prints it), then --write keeps it")
+        raise SystemExit(
+            f"README.md has no line {first!r}: put the table where it belongs once by "
+            f"hand (python scripts/reading_path.py prints it), then --write keeps it"
+        )
     end = next((k for k in range(start, len(lines)) if not lines[k].startswith("|")), len(lines))
     return "".join(lines[:start]) + new + "\n" + "".join(lines[end:])
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.strip().splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--show", action="store_true", help="list each function counted, per row")
     parser.add_argument("--write", action="store_true", help="rewrite the table in README.md")
     parser.add_argument("--ranks_of", help=argparse.SUPPRESS)  # (a rank of the launch: its folder)

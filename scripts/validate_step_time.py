@@ -1,7 +1,8 @@
 """
-tools/step_time.py held to this machine: every layout below timed by tools/bench.py (one core a rank, OMP_NUM_THREADS=1)
-at one process and at 2 ranks, at two model sizes, its predicted step (tools/bench.py's RESULT: machine=auto, this
-machine measured by tools/bench.py itself) beside the measured, and whether the layouts rank as measured.
+tools/step_time.py held to this machine: every layout below timed by tools/bench.py (one core a
+rank, OMP_NUM_THREADS=1) at one process and at 2 ranks, at two model sizes, its predicted step
+(tools/bench.py's RESULT: machine=auto, this machine measured by tools/bench.py itself) beside the
+measured, and whether the layouts rank as measured.
 
     nice python scripts/validate_step_time.py                 # both sizes, every layout: about 15 minutes
     nice python scripts/validate_step_time.py --sizes=small   # one size
@@ -12,6 +13,7 @@ predicted and measured ms per step, the error; then per size and over all, the s
 Spearman's rank correlation (each launch's progress goes to stderr). Not a test: it times things, on
 whatever else the machine runs.
 """
+
 import argparse
 import json
 import os
@@ -26,10 +28,24 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from published_runs import spearman  # noqa: E402
 
 SIZES = {
-    "small": ["--n_layer=4", "--n_embd=128", "--n_head=4", "--n_kv_head=4", "--block_size=128", "--vocab_size=4096",
-              "--batch_size=4"],
-    "large": ["--n_layer=8", "--n_embd=256", "--n_head=8", "--n_kv_head=8", "--block_size=256", "--vocab_size=8192",
-              "--batch_size=2"],
+    "small": [
+        "--n_layer=4",
+        "--n_embd=128",
+        "--n_head=4",
+        "--n_kv_head=4",
+        "--block_size=128",
+        "--vocab_size=4096",
+        "--batch_size=4",
+    ],
+    "large": [
+        "--n_layer=8",
+        "--n_embd=256",
+        "--n_head=8",
+        "--n_kv_head=8",
+        "--block_size=256",
+        "--vocab_size=8192",
+        "--batch_size=2",
+    ],
 }
 MOE = ["--n_expert=4", "--n_expert_per_token=2"]
 # (name, processes, settings): 4 micro-batches each, so every schedule runs the same work
@@ -56,15 +72,36 @@ LAYOUTS = [
 def bench(size, nproc, flags, steps):
     """tools/bench.py's RESULT for one layout (raises with its output when it fails)."""
     script = os.path.join(ROOT, "tools/bench.py")
-    cmd = ([sys.executable, script] if nproc == 1 else
-           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script])
-    args = SIZES[size] + flags + ["--gradient_accumulation_steps=4", "--warmup_steps=2", f"--bench_steps={steps}"]
-    proc = subprocess.run(cmd + args, capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = (
+        [sys.executable, script]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            script,
+        ]
+    )
+    args = (
+        SIZES[size]
+        + flags
+        + ["--gradient_accumulation_steps=4", "--warmup_steps=2", f"--bench_steps={steps}"]
+    )
+    proc = subprocess.run(
+        cmd + args,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
-        raise RuntimeError(f"tools/bench.py {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+        raise RuntimeError(
+            f"tools/bench.py {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        )
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def summary(label, rows):
@@ -76,31 +113,52 @@ def summary(label, rows):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", default="small,large")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (tools/bench.py's median)")
+    parser.add_argument(
+        "--steps", type=int, default=5, help="timed steps per layout (tools/bench.py's median)"
+    )
     parser.add_argument("--layouts", default="", help="only the layouts whose names contain this")
-    parser.add_argument("--launches", type=int, default=1, help="launches per layout, the fastest kept: what else "
-                        "the machine runs only ever adds time, so the fastest is the least disturbed")
+    parser.add_argument(
+        "--launches",
+        type=int,
+        default=1,
+        help="launches per layout, the fastest kept: what else "
+        "the machine runs only ever adds time, so the fastest is the least disturbed",
+    )
     args = parser.parse_args(argv)
     chosen = [layout for layout in LAYOUTS if args.layouts in layout[0]]
-    # each launch runs every layout once, in turn, the fastest step kept with its own launch's prediction (made
-    # in the seconds those steps ran in): a stretch in which the host runs this machine slow (for seconds to
-    # minutes here) falls on other layouts in each launch, not on one's every try. (Keeping the fastest
-    # prediction apart instead put 32, 28 and 30 of 32 within 20% where this rule put 32, 29 and 31, on the
-    # same three runs' launches: the predictions err fast, and the fastest errs the most.)
+    # each launch runs every layout once, in turn, the fastest step kept with its own launch's
+    # prediction (made in the seconds those steps ran in): a stretch in which the host runs this
+    # machine slow (for seconds to minutes here) falls on other layouts in each launch, not on one's
+    # every try. (Keeping the fastest prediction apart instead put 32, 28 and 30 of 32 within 20%
+    # where this rule put 32, 29 and 31, on the same three runs' launches: the predictions err fast,
+    # and the fastest errs the most.)
     fastest = {}
     for launch in range(args.launches):
         for size in args.sizes.split(","):
             for name, nproc, flags in chosen:
                 result = bench(size, nproc, flags, args.steps)
-                if (size, name) not in fastest or result["ms_per_step"] < fastest[(size, name)]["ms_per_step"]:
+                if (size, name) not in fastest or result["ms_per_step"] < fastest[(size, name)][
+                    "ms_per_step"
+                ]:
                     fastest[(size, name)] = result
                 link = result["machine"]["node"]  # gloo's, as the launch measured it (with 2 ranks)
-                timed = f", link {1e3 * link['latency']:.2f} ms a ring step {link['busbw'] / 1e9:.2f} GB/s" * (nproc > 1)
-                print(f"launch {launch + 1}: {size} {name} {result['ms_per_step']:,.1f} ms, predicted "
-                      f"{1e3 * result['predicted_step_s']:,.1f}{timed}", file=sys.stderr, flush=True)
-    print("| size | layout | ranks | predicted ms | measured ms | error | largest predicted parts | measured waits |")
+                timed = (
+                    f", link {1e3 * link['latency']:.2f} ms a ring step {link['busbw'] / 1e9:.2f} GB/s"
+                    * (nproc > 1)
+                )
+                print(
+                    f"launch {launch + 1}: {size} {name} {result['ms_per_step']:,.1f} ms, predicted "
+                    f"{1e3 * result['predicted_step_s']:,.1f}{timed}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    print(
+        "| size | layout | ranks | predicted ms | measured ms | error | largest predicted parts | measured waits |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     every, summaries = [], []  # (after the table: a line between its rows would end it)
     for size in args.sizes.split(","):
@@ -110,9 +168,14 @@ def main(argv):
             predicted, measured = 1e3 * result["predicted_step_s"], result["ms_per_step"]
             parts = sorted(result["predicted_parts_s"].items(), key=lambda kv: -kv[1])[:3]
             shown = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in parts if v > 0)
-            waited = ", ".join(f"{k} {v:.1f}" for k, v in result.get("exposed_comm_ms", {}).items() if v) or "-"
-            print(f"| {size} | {name} | {nproc} | {predicted:,.1f} | {measured:,.1f} | {predicted / measured - 1:+.0%} "
-                  f"| {shown} | {waited} |")
+            waited = (
+                ", ".join(f"{k} {v:.1f}" for k, v in result.get("exposed_comm_ms", {}).items() if v)
+                or "-"
+            )
+            print(
+                f"| {size} | {name} | {nproc} | {predicted:,.1f} | {measured:,.1f} | {predicted / measured - 1:+.0%} "
+                f"| {shown} | {waited} |"
+            )
             rows.append((predicted, measured))
         summaries.append(summary(size, rows))
         every += rows

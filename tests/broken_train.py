@@ -1,6 +1,7 @@
-"""train.py with one thing broken on purpose, for tests/test_compare.py: at tp = 2 only, the gradient of the
-parameter named by the environment variable DOUBLE_GRADIENT_AT_TP2 is doubled (a hook on it, from step 1).
-Everything else is train.py's own."""
+"""train.py with one thing broken on purpose, for tests/test_compare.py: at tp = 2 only, the
+gradient of the parameter named by the environment variable DOUBLE_GRADIENT_AT_TP2 is doubled (a
+hook on it, from step 1). Everything else is train.py's own."""
+
 import os
 import sys
 from pathlib import Path

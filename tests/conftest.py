@@ -1,11 +1,12 @@
 """Shared test setup.
 
-Tests run offline: when the project checkout has `../shared/data` beside it (our machines and CI), the
-tiktoken cache and the small real corpora there are used. On a user's fresh clone without it, tiktoken
-downloads the GPT-2 files as usual and the tests that need a real corpus make their own text; where it
-cannot (no network, and no TIKTOKEN_CACHE_DIR holding them) the tests that need the GPT-2 tokenizer
-(marked needs_gpt2) are skipped, saying why, and every other test runs.
+Tests run offline: when the project checkout has `../shared/data` beside it (our machines and CI),
+the tiktoken cache and the small real corpora there are used. On a user's fresh clone without it,
+tiktoken downloads the GPT-2 files as usual and the tests that need a real corpus make their own
+text; where it cannot (no network, and no TIKTOKEN_CACHE_DIR holding them) the tests that need the
+GPT-2 tokenizer (marked needs_gpt2) are skipped, saying why, and every other test runs.
 """
+
 import functools
 import os
 import sys
@@ -31,9 +32,10 @@ def shared_file(relpath):
 
 @functools.cache
 def _load_gpt2():
-    """(tiktoken's GPT-2 encoding, None), or (None, why it cannot be loaded). Tried once per session: offline,
-    each try is a failed download."""
+    """(tiktoken's GPT-2 encoding, None), or (None, why it cannot be loaded). Tried once per
+    session: offline, each try is a failed download."""
     import hf_tokenizer
+
     try:
         return hf_tokenizer.get_encoding("gpt2"), None
     except OSError as e:  # hf_tokenizer's ConnectionError names the file and TIKTOKEN_CACHE_DIR
@@ -41,8 +43,8 @@ def _load_gpt2():
 
 
 def gpt2_encoding():
-    """tiktoken's GPT-2 encoding. A test that needs it and runs where it cannot be loaded is skipped with the
-    reason, rather than failing (or erroring at collection) for want of a network."""
+    """tiktoken's GPT-2 encoding. A test that needs it and runs where it cannot be loaded is skipped
+    with the reason, rather than failing (or erroring at collection) for want of a network."""
     enc, why = _load_gpt2()
     if enc is None:
         pytest.skip(f"needs the GPT-2 tokenizer, which cannot be loaded here ({why})")
@@ -54,35 +56,47 @@ def gpt2():
     return gpt2_encoding()
 
 
-needs_gpt2 = pytest.mark.usefixtures("gpt2")  # on a test that tokenizes with GPT-2, directly or through a tool
+needs_gpt2 = pytest.mark.usefixtures(
+    "gpt2"
+)  # on a test that tokenizes with GPT-2, directly or through a tool
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    """Token bins every training test of a file shares (tests/dist_utils.py make_token_data); a file whose
-    runs need other data defines its own."""
+    """Token bins every training test of a file shares (tests/dist_utils.py make_token_data); a file
+    whose runs need other data defines its own."""
     from dist_utils import make_token_data
+
     return make_token_data(str(tmp_path_factory.mktemp("data")))
 
 
 def pytest_addoption(parser):
-    parser.addoption("--write-matrix", action="store_true",
-                     help="tests/test_matrix.py: write the results into docs/equivalence.md")
+    parser.addoption(
+        "--write-matrix",
+        action="store_true",
+        help="tests/test_matrix.py: write the results into docs/equivalence.md",
+    )
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (tests/test_cuda.py); skipped where there is none. "
-                                       "scripts/gpu_check.sh runs them with pytest -m cuda")
+    config.addinivalue_line(
+        "markers",
+        "cuda: needs a CUDA GPU (tests/test_cuda.py); skipped where there is none. "
+        "scripts/gpu_check.sh runs them with pytest -m cuda",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     """The cuda-marked tests are collected everywhere and skipped, with the reason, where no GPU is."""
     import pytest
     import torch
+
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False here); "
-                                   "scripts/gpu_check.sh runs these on one")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA GPU (torch.cuda.is_available() is False here); "
+        "scripts/gpu_check.sh runs these on one"
+    )
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)

@@ -1,6 +1,6 @@
-"""train.py that crashes at a chosen point, for tests/test_checkpoint.py: one rank stops there as a killed
-process would (os._exit: no exception handler, no cleanup, no collective), at the same point every run,
-whatever the machine's speed.
+"""train.py that crashes at a chosen point, for tests/test_checkpoint.py: one rank stops there as a
+killed process would (os._exit: no exception handler, no cleanup, no collective), at the same point
+every run, whatever the machine's speed.
 
     torchrun --nproc_per_node=2 tests/crash_run.py --crash=STAGE:STEP:RANK[:once] <train.py's arguments>
 
@@ -12,11 +12,12 @@ STAGE is one of
     sigterm      after optimizer step STEP the rank sends itself SIGTERM (as SLURM would) and goes on
     sigstop      after optimizer step STEP the rank stops itself with SIGSTOP (a hung rank: it never
                  answers again), after printing its pid
-With `once`, the rank does it only the first time (a marker file in out_dir remembers it), so that a run
-restarted by torchrun --max-restarts, resumed from its checkpoint, goes past the same step.
-Only rank RANK crashes; torchrun then stops the others. The hooks are monkeypatches of train.py and
+With `once`, the rank does it only the first time (a marker file in out_dir remembers it), so that a
+run restarted by torchrun --max-restarts, resumed from its checkpoint, goes past the same step. Only
+rank RANK crashes; torchrun then stops the others. The hooks are monkeypatches of train.py and
 checkpoint.py in this process only: the product code carries no test hooks.
 """
+
 import os
 import signal
 import sys
@@ -40,15 +41,24 @@ def install_crash(stage, at_step, crash_rank, marker=None):
             os.makedirs(os.path.dirname(marker), exist_ok=True)
             open(marker, "w").close()
         if stage == "sigterm":
-            print(f"crash_run: rank {crash_rank} sends itself SIGTERM after step {at_step}", flush=True)
+            print(
+                f"crash_run: rank {crash_rank} sends itself SIGTERM after step {at_step}",
+                flush=True,
+            )
             os.kill(os.getpid(), signal.SIGTERM)
             return
         if stage == "sigstop":
-            print(f"crash_run: rank {crash_rank} (pid {os.getpid()}) stops itself after step {at_step} at "
-                  f"{time.time():.3f}", flush=True)
+            print(
+                f"crash_run: rank {crash_rank} (pid {os.getpid()}) stops itself after step {at_step} at "
+                f"{time.time():.3f}",
+                flush=True,
+            )
             os.kill(os.getpid(), signal.SIGSTOP)
             return
-        print(f"crash_run: rank {crash_rank} exits at {stage} of step {at_step} at {time.time():.3f}", flush=True)
+        print(
+            f"crash_run: rank {crash_rank} exits at {stage} of step {at_step} at {time.time():.3f}",
+            flush=True,
+        )
         os._exit(CRASH_EXIT_CODE)
 
     if stage in ("after_step", "sigterm", "sigstop"):
@@ -65,6 +75,7 @@ def install_crash(stage, at_step, crash_rank, marker=None):
             if here and step[0] == at_step:
                 crash()
             return out
+
         checkpoint.resume_run, train.train_step = resume_counting, train_step_then_crash
     elif stage == "mid_save":
         save, gather, saving = checkpoint.save, checkpoint._gather, [None]
@@ -77,10 +88,12 @@ def install_crash(stage, at_step, crash_rank, marker=None):
                 saving[0] = None
 
         def gather_or_crash(obj):
-            # save's first gather comes right after this rank's torch.save: its file is complete on disk
+            # save's first gather comes right after this rank's torch.save: its file is complete on
+            # disk
             if here and saving[0] == at_step:
                 crash()
             return gather(obj)
+
         checkpoint.save, checkpoint._gather = save_noting_the_step, gather_or_crash
     else:
         sys.exit(f"crash_run: unknown stage {stage!r}: after_step, mid_save, sigterm or sigstop")
@@ -93,6 +106,8 @@ if __name__ == "__main__":
         sys.exit("usage: tests/crash_run.py --crash=STAGE:STEP:RANK <train.py's arguments>")
     stage, at_step, crash_rank, *once = crash_args[0].split("=", 1)[1].split(":")
     out_dir = [a.split("=", 1)[1] for a in argv if a.startswith("--out_dir=")]
-    marker = os.path.join(out_dir[-1], f"crash_run_{stage}_{at_step}_{crash_rank}") if once else None
+    marker = (
+        os.path.join(out_dir[-1], f"crash_run_{stage}_{at_step}_{crash_rank}") if once else None
+    )
     install_crash(stage, int(at_step), int(crash_rank), marker)
     train.run_script(train.main, [a for a in argv if a not in crash_args])  # as train.py ends

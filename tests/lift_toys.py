@@ -1,14 +1,15 @@
-"""The toys of tests/test_lift.py: each mechanism, lifted alone into a folder of its own, on 2 gloo ranks
-against one process computed here, in the same worker.
+"""The toys of tests/test_lift.py: each mechanism, lifted alone into a folder of its own, on 2 gloo
+ranks against one process computed here, in the same worker.
 
-test_lift.py copies this file into an empty folder beside the lifted ones and runs it there, one process
-per rank (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment, as torchrun sets them), with
-the checkout not on sys.path: it imports nothing of picotron but the lifted files, each from its own
-folder (lifted()); a reducer's toy runs a second time from the folder mutants.json names, if any (the
-mutation test's). Each rank writes what its toys measured to rank<r>.json: {toy: {what: [kind, largest
-difference]}}, the difference ||a - b|| / ||b|| of a tensor against its one-process value (|a - b| / |b|
-for a loss), `kind` naming the tolerance test_lift.py holds it to.
+test_lift.py copies this file into an empty folder beside the lifted ones and runs it there, one
+process per rank (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment, as torchrun sets
+them), with the checkout not on sys.path: it imports nothing of picotron but the lifted files, each
+from its own folder (lifted()); a reducer's toy runs a second time from the folder mutants.json
+names, if any (the mutation test's). Each rank writes what its toys measured to rank<r>.json: {toy:
+{what: [kind, largest difference]}}, the difference ||a - b|| / ||b|| of a tensor against its
+one-process value (|a - b| / |b| for a loss), `kind` naming the tolerance test_lift.py holds it to.
 """
+
 import copy
 import importlib
 import json
@@ -22,12 +23,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
-WORLD = None  # the group of both ranks (dist.group.WORLD once initialised): None would mean "not split"
+WORLD = (
+    None  # the group of both ranks (dist.group.WORLD once initialised): None would mean "not split"
+)
 
 
 def lifted(folder, name):
-    """Module `name` from HERE/folder, and nothing another toy lifted: every module imported from another
-    folder here is forgotten first, so that an extension finds only its own folder's parallel.py."""
+    """Module `name` from HERE/folder, and nothing another toy lifted: every module imported from
+    another folder here is forgotten first, so that an extension finds only its own folder's
+    parallel.py."""
     for key, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
         if file and Path(file).resolve().parent.parent == HERE:
@@ -40,7 +44,9 @@ def lifted(folder, name):
     for m in sys.modules.values():  # whatever it imported of ours came from its folder
         file = getattr(m, "__file__", None)
         if file and Path(file).resolve().parent.parent == HERE:
-            assert Path(file).resolve().parent == HERE / folder, f"{name} imported {file}, outside {folder}/"
+            assert Path(file).resolve().parent == HERE / folder, (
+                f"{name} imported {file}, outside {folder}/"
+            )
     return module
 
 
@@ -65,13 +71,19 @@ def randn(g, *shape):
 
 
 def tensor_parallel_mlp(rank):
-    """ColumnParallelLinear -> gelu -> RowParallelLinear at tp = 2, filled with its shards of the full tensors (shard_of), against the MLP
-    unsplit: the output, the input's gradient and the full weights' and biases' gradients."""
+    """ColumnParallelLinear -> gelu -> RowParallelLinear at tp = 2, filled with its shards of the
+    full tensors (shard_of), against the MLP unsplit: the output, the input's gradient and the full
+    weights' and biases' gradients."""
     tp = lifted("tensor_parallel", "parallel")
     g = torch.Generator().manual_seed(0)
-    x, dy = randn(g, 3, 5, 8), randn(g, 3, 5, 8)  # (B, T, C), the same on both ranks; dy: d loss / d out
+    x, dy = (
+        randn(g, 3, 5, 8),
+        randn(g, 3, 5, 8),
+    )  # (B, T, C), the same on both ranks; dy: d loss / d out
     w_up, b_up, w_down, b_down = randn(g, 16, 8), randn(g, 16), randn(g, 8, 16), randn(g, 8)
-    up = tp.ColumnParallelLinear(8, 16, bias=True, group=WORLD)  # this rank: 8 of the 16 hidden features
+    up = tp.ColumnParallelLinear(
+        8, 16, bias=True, group=WORLD
+    )  # this rank: 8 of the 16 hidden features
     down = tp.RowParallelLinear(16, 8, bias=True, group=WORLD)
     with torch.no_grad():  # this rank's slice of each full tensor (a replicated bias: all of it)
         for layer, w, b in ((up, w_up, b_up), (down, w_down, b_down)):
@@ -84,13 +96,17 @@ def tensor_parallel_mlp(rank):
     one = [t.clone().requires_grad_() for t in (x, w_up, b_up, w_down, b_down)]
     out_one = F.linear(F.gelu(F.linear(one[0], one[1], one[2])), one[3], one[4])
     out_one.backward(dy)
-    weights = max(difference(gathered(up.weight.grad, 0), one[1].grad),
-                  difference(gathered(up.bias.grad, 0), one[2].grad),
-                  difference(gathered(down.weight.grad, 1), one[3].grad),
-                  difference(down.bias.grad, one[4].grad))  # (the row-parallel bias is whole on each rank)
-    return {"output": ("output", difference(out, out_one)),
-            "input gradient": ("gradient", difference(x_here.grad, one[0].grad)),
-            "weight and bias gradients": ("gradient", weights)}
+    weights = max(
+        difference(gathered(up.weight.grad, 0), one[1].grad),
+        difference(gathered(up.bias.grad, 0), one[2].grad),
+        difference(gathered(down.weight.grad, 1), one[3].grad),
+        difference(down.bias.grad, one[4].grad),
+    )  # (the row-parallel bias is whole on each rank)
+    return {
+        "output": ("output", difference(out, out_one)),
+        "input gradient": ("gradient", difference(x_here.grad, one[0].grad)),
+        "weight and bias gradients": ("gradient", weights),
+    }
 
 
 class ToyStage(nn.Module):
@@ -106,17 +122,19 @@ class ToyStage(nn.Module):
 
 
 def pipeline_1f1b(rank):
-    """run_schedule walking one_f_one_b_actions on two stages, one per rank, 4 microbatches, against both
-    stages on one process accumulating the microbatches' mean loss: the loss and each stage's gradients.
-    Exact: the schedule reorders only forwards against backwards, each microbatch's arithmetic is the one
-    process's and the gradients accumulate in the same microbatch order."""
+    """run_schedule walking one_f_one_b_actions on two stages, one per rank, 4 microbatches, against
+    both stages on one process accumulating the microbatches' mean loss: the loss and each stage's
+    gradients. Exact: the schedule reorders only forwards against backwards, each microbatch's
+    arithmetic is the one process's and the gradients accumulate in the same microbatch order."""
     pp = lifted("pipeline", "parallel")
     torch.manual_seed(0)
     stages = [ToyStage(6, 8, last=False), ToyStage(8, 3, last=True)]
     one = copy.deepcopy(stages)
     g = torch.Generator().manual_seed(1)
     microbatches = [(randn(g, 4, 6), randn(g, 4, 3)) for _ in range(4)]
-    comm = pp.PipelineComm(rank, 2, [0, 1], lambda x: (x.shape[0], 8))  # what travels: (batch, 8) activations
+    comm = pp.PipelineComm(
+        rank, 2, [0, 1], lambda x: (x.shape[0], 8)
+    )  # what travels: (batch, 8) activations
     loss = pp.run_schedule(pp.one_f_one_b_actions(2, rank, 4), stages[rank], microbatches, comm)
     dist.all_reduce(loss)  # this rank's part of the mean loss: the last stage's, and 0
 
@@ -125,9 +143,14 @@ def pipeline_1f1b(rank):
         _, l = one[1](one[0](x)[0], y)
         (l / 4).backward()
         loss_one += l.detach() / 4
-    grads = max(difference(p.grad, q.grad) for p, q in zip(stages[rank].parameters(), one[rank].parameters()))
-    return {"loss": ("exact", abs(loss - loss_one).item() / abs(loss_one).item()),
-            "this stage's gradients": ("exact", grads)}
+    grads = max(
+        difference(p.grad, q.grad)
+        for p, q in zip(stages[rank].parameters(), one[rank].parameters())
+    )
+    return {
+        "loss": ("exact", abs(loss - loss_one).item() / abs(loss_one).item()),
+        "this stage's gradients": ("exact", grads),
+    }
 
 
 def toy_model(seed, bias=True):
@@ -137,13 +160,16 @@ def toy_model(seed, bias=True):
 
 def data_parallel(rank, folder="data_parallel"):
     """GradientBuckets over dp = 2, each rank a half of the batch in two micro-batches (gradient
-    accumulation), small buckets: the average gradient against one process's gradient of the whole batch."""
+    accumulation), small buckets: the average gradient against one process's gradient of the whole
+    batch."""
     dp = lifted(folder, "parallel")
     model = toy_model(0)
     one = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     x, y = randn(g, 8, 5), randn(g, 8, 3)
-    sync = dp.GradientBuckets(model.parameters(), WORLD, bucket_size_mb=100 / 2 ** 20)  # ~100 bytes a bucket
+    sync = dp.GradientBuckets(
+        model.parameters(), WORLD, bucket_size_mb=100 / 2**20
+    )  # ~100 bytes a bucket
     assert len(sync.buckets) > 1
     mine = slice(4 * rank, 4 * rank + 4)
     for i, micro in enumerate((slice(0, 2), slice(2, 4))):
@@ -151,28 +177,40 @@ def data_parallel(rank, folder="data_parallel"):
         (F.mse_loss(model(x[mine][micro]), y[mine][micro]) / 2).backward()
     sync.finish()
     F.mse_loss(one(x), y).backward()
-    return {"gradients": ("gradient", max(difference(p.grad, q.grad)
-                                          for p, q in zip(model.parameters(), one.parameters())))}
+    return {
+        "gradients": (
+            "gradient",
+            max(difference(p.grad, q.grad) for p, q in zip(model.parameters(), one.parameters())),
+        )
+    }
 
 
 def owned_gradients(opt, pairs):
-    """The largest difference between the gradient elements a ZeRO optimizer steps with on this rank (its
-    grads(): the slices it owns, after the reducer's finish, before the step) and the same elements of the
-    one-process gradient: `pairs` maps each parameter to its one-process twin."""
-    return max(difference(g, pairs[p].grad.reshape(-1)[slice(*opt.state[p]["flat_range"])]) for p, g in opt.grads())
+    """The largest difference between the gradient elements a ZeRO optimizer steps with on this rank
+    (its grads(): the slices it owns, after the reducer's finish, before the step) and the same
+    elements of the one-process gradient: `pairs` maps each parameter to its one-process twin."""
+    return max(
+        difference(g, pairs[p].grad.reshape(-1)[slice(*opt.state[p]["flat_range"])])
+        for p, g in opt.grads()
+    )
 
 
 def owned_weights(opt, pairs):
     """The same for the weights this rank stores and updates (a view of p, or ZeRO-3's shard)."""
-    return max(difference(opt.owned_param(p), pairs[p].detach().reshape(-1)[slice(*opt.state[p]["flat_range"])])
-               for p in opt.state)
+    return max(
+        difference(
+            opt.owned_param(p), pairs[p].detach().reshape(-1)[slice(*opt.state[p]["flat_range"])]
+        )
+        for p in opt.state
+    )
 
 
 def zero_one(rank, folder="zero_one"):
     """ShardedGradientBuckets + ZeroOneAdamW at dp = 2 (63 elements in one bucket: padded to 64, the
-    ranks' slices cut through a weight), 3 steps, against torch.optim.AdamW on one process: the losses, the
-    gradient slices each rank steps with (before the step: AdamW's update barely changes when a gradient is
-    scaled, so the weights alone would not see a gradient dp times too large) and the weights after it."""
+    ranks' slices cut through a weight), 3 steps, against torch.optim.AdamW on one process: the
+    losses, the gradient slices each rank steps with (before the step: AdamW's update barely changes
+    when a gradient is scaled, so the weights alone would not see a gradient dp times too large) and
+    the weights after it."""
     z = lifted(folder, "parallel")
     model, one = toy_model(0, bias=False), toy_model(0, bias=False)
     pairs = dict(zip(model.parameters(), one.parameters()))
@@ -198,15 +236,22 @@ def zero_one(rank, folder="zero_one"):
         dist.all_reduce(loss)  # the two halves' mean losses: their mean is the batch's
         losses = max(losses, abs(loss / 2 - loss_one).item() / loss_one.item())
         weights = max([weights] + [difference(p, q) for p, q in pairs.items()])
-    # the reduce-scatter every ZeRO stage sends with (gloo's written out: SlicesExchange), on its own: three
-    # buffers of different sizes posted at once, each rank's slice of their sum (two addends: exact)
-    flats = [[randn(torch.Generator().manual_seed(10 * r + n), n) for r in range(2)] for n in (6, 18, 2)]
+    # the reduce-scatter every ZeRO stage sends with (gloo's written out: SlicesExchange), on its
+    # own: three buffers of different sizes posted at once, each rank's slice of their sum (two
+    # addends: exact)
+    flats = [
+        [randn(torch.Generator().manual_seed(10 * r + n), n) for r in range(2)] for n in (6, 18, 2)
+    ]
     outs = [torch.empty(len(f[0]) // 2) for f in flats]
     for request in [z.reduce_scatter(out, f[rank].clone(), WORLD) for out, f in zip(outs, flats)]:
         request.wait()
     summed = max(difference(out, (f[0] + f[1]).view(2, -1)[rank]) for out, f in zip(outs, flats))
-    return {"losses": ("loss", losses), "gradients before the step": ("gradient", grads),
-            "weights": ("weight", weights), "reduce-scatter alone": ("exact", summed)}
+    return {
+        "losses": ("loss", losses),
+        "gradients before the step": ("gradient", grads),
+        "weights": ("weight", weights),
+        "reduce-scatter alone": ("exact", summed),
+    }
 
 
 # -----------------------------------------------------------------------------
@@ -214,8 +259,9 @@ def zero_one(rank, folder="zero_one"):
 
 
 def ring_attention(rank):
-    """ring_attention at cp = 2 on the zigzag split of q, k, v (rank r: chunks r and 3 - r of 4), against
-    causal attention over the whole sequence on one process: this rank's outputs and q, k, v gradients."""
+    """ring_attention at cp = 2 on the zigzag split of q, k, v (rank r: chunks r and 3 - r of 4),
+    against causal attention over the whole sequence on one process: this rank's outputs and q, k, v
+    gradients."""
     cp = lifted("context_parallel", "context_parallel")
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (randn(g, 2, 8, 2, 4) for _ in range(4))  # (B, T, H, D)
@@ -224,22 +270,34 @@ def ring_attention(rank):
     out.backward(cp.zigzag_split(dout, 2, rank))
 
     one = [t.clone().requires_grad_() for t in (q, k, v)]
-    out_one = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in one), is_causal=True).transpose(1, 2)
+    out_one = F.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in one), is_causal=True
+    ).transpose(1, 2)
     out_one.backward(dout)
-    tokens = [2 * rank, 2 * rank + 1, 2 * (3 - rank), 2 * (3 - rank) + 1]  # this rank's, written out
-    return {"output": ("output", difference(out, out_one[:, tokens])),
-            "q, k, v gradients": ("gradient", max(difference(t.grad, o.grad[:, tokens]) for t, o in zip(here, one)))}
+    tokens = [
+        2 * rank,
+        2 * rank + 1,
+        2 * (3 - rank),
+        2 * (3 - rank) + 1,
+    ]  # this rank's, written out
+    return {
+        "output": ("output", difference(out, out_one[:, tokens])),
+        "q, k, v gradients": (
+            "gradient",
+            max(difference(t.grad, o.grad[:, tokens]) for t, o in zip(here, one)),
+        ),
+    }
 
 
 def expert_all_to_all(rank):
-    """dispatch_to_experts at ep = 2 (rank r holds experts 2r and 2r + 1 of 4; some rank sends an expert
-    no row) against every rank's rows run through their experts on one process: the outputs, the rows'
-    gradients and the local experts' gradients (the sum over both ranks' rows)."""
+    """dispatch_to_experts at ep = 2 (rank r holds experts 2r and 2r + 1 of 4; some rank sends an
+    expert no row) against every rank's rows run through their experts on one process: the outputs,
+    the rows' gradients and the local experts' gradients (the sum over both ranks' rows)."""
     ep = lifted("expert_parallel", "expert_parallel")
     torch.manual_seed(0)
     experts = [nn.Linear(6, 6) for _ in range(4)]  # the same on both ranks
     one = copy.deepcopy(experts)
-    local = experts[2 * rank:2 * rank + 2]
+    local = experts[2 * rank : 2 * rank + 2]
     counts = [[3, 0, 2, 1], [1, 2, 0, 4]]  # each rank's rows per expert, sorted by expert
     g = torch.Generator().manual_seed(1)
     rows = [randn(g, sum(c), 6) for c in counts]
@@ -260,16 +318,21 @@ def expert_all_to_all(rank):
         o.backward(dys[r])
         outs_one.append(o)
         xs_one.append(x)
-    grads = max(difference(p.grad, q.grad) for e, expert in enumerate(local)
-                for p, q in zip(expert.parameters(), one[2 * rank + e].parameters()))
-    return {"outputs": ("output", difference(out, outs_one[rank])),
-            "rows' gradient": ("gradient", difference(x_here.grad, xs_one[rank].grad)),
-            "local experts' gradients": ("gradient", grads)}
+    grads = max(
+        difference(p.grad, q.grad)
+        for e, expert in enumerate(local)
+        for p, q in zip(expert.parameters(), one[2 * rank + e].parameters())
+    )
+    return {
+        "outputs": ("output", difference(out, outs_one[rank])),
+        "rows' gradient": ("gradient", difference(x_here.grad, xs_one[rank].grad)),
+        "local experts' gradients": ("gradient", grads),
+    }
 
 
 class TwoLayers(nn.Module):
-    """Two blocks (linear layers, each a ZeRO-3 unit gathered around its forward and backward) and a head
-    (the root unit, whole through the step)."""
+    """Two blocks (linear layers, each a ZeRO-3 unit gathered around its forward and backward) and a
+    head (the root unit, whole through the step)."""
 
     def __init__(self):
         super().__init__()
@@ -283,16 +346,21 @@ class TwoLayers(nn.Module):
 
 
 def zero_three(rank, folder="zero"):
-    """FullyShardedParameters + ZeroOneAdamW at dp = 2 on TwoLayers, 2 steps, against torch.optim.AdamW on
-    one process: the losses, the gradient shards each rank steps with (before the step) and the weight
-    shards each rank stores after it (the next step's loss checks what the gathers rebuild from them)."""
+    """FullyShardedParameters + ZeroOneAdamW at dp = 2 on TwoLayers, 2 steps, against
+    torch.optim.AdamW on one process: the losses, the gradient shards each rank steps with (before
+    the step) and the weight shards each rank stores after it (the next step's loss checks what the
+    gathers rebuild from them)."""
     zero = lifted(folder, "zero")
-    parallel = sys.modules["parallel"]  # the copy zero.py imported, from its own folder (lifted() checked)
+    parallel = sys.modules[
+        "parallel"
+    ]  # the copy zero.py imported, from its own folder (lifted() checked)
     torch.manual_seed(0)
     model = TwoLayers()
     one = copy.deepcopy(model)
     pairs = dict(zip(model.parameters(), one.parameters()))
-    units = [(None, list(model.head.parameters()), 0)] + [(b, list(b.parameters()), 0) for b in model.blocks]
+    units = [(None, list(model.head.parameters()), 0)] + [
+        (b, list(b.parameters()), 0) for b in model.blocks
+    ]
     sync = zero.FullyShardedParameters(list(model.parameters()), WORLD, units, model)
     opt = parallel.ZeroOneAdamW(model.parameters(), sync, lr=1e-2, weight_decay=0.1)
     opt_one = torch.optim.AdamW(one.parameters(), lr=1e-2, weight_decay=0.1)
@@ -317,14 +385,18 @@ def zero_three(rank, folder="zero"):
         dist.all_reduce(loss)
         losses = max(losses, abs(loss / 2 - loss_one).item() / loss_one.item())
         weights = max(weights, owned_weights(opt, pairs))
-    return {"losses": ("loss", losses), "gradients before the step": ("gradient", grads),
-            "weights": ("weight", weights)}
+    return {
+        "losses": ("loss", losses),
+        "gradients before the step": ("gradient", grads),
+        "weights": ("weight", weights),
+    }
 
 
 def fp8_tensor_parallel(rank):
-    """fp8.apply_fp8 (both recipes) on ColumnParallelLinear -> gelu -> RowParallelLinear at tp = 2, against
-    the same MLP of two nn.Linear with apply_fp8 on one process: the output, the input's gradient and the
-    full weights' gradients (the scales are the same: fp8.py's rule; the fp32 sums differ in order)."""
+    """fp8.apply_fp8 (both recipes) on ColumnParallelLinear -> gelu -> RowParallelLinear at tp = 2,
+    against the same MLP of two nn.Linear with apply_fp8 on one process: the output, the input's
+    gradient and the full weights' gradients (the scales are the same: fp8.py's rule; the fp32 sums
+    differ in order)."""
     fp8 = lifted("fp8", "fp8")
     tp = sys.modules["parallel"]
     g = torch.Generator().manual_seed(0)
@@ -332,43 +404,72 @@ def fp8_tensor_parallel(rank):
     w_up, w_down = randn(g, 16, 8), randn(g, 8, 16)
     measured = {}
     for recipe in ("tensorwise", "rowwise"):
-        mlp = nn.Sequential(tp.ColumnParallelLinear(8, 16, group=WORLD), nn.GELU(),
-                            tp.RowParallelLinear(16, 8, group=WORLD))
+        mlp = nn.Sequential(
+            tp.ColumnParallelLinear(8, 16, group=WORLD),
+            nn.GELU(),
+            tp.RowParallelLinear(16, 8, group=WORLD),
+        )
         one = nn.Sequential(nn.Linear(8, 16, bias=False), nn.GELU(), nn.Linear(16, 8, bias=False))
         with torch.no_grad():
             for layer, single, w in ((mlp[0], one[0], w_up), (mlp[2], one[2], w_down)):
                 layer.weight.copy_(tp.shard_of(w, layer.weight))
                 single.weight.copy_(w)
-        assert fp8.count_fp8(fp8.apply_fp8(mlp, recipe)) == fp8.count_fp8(fp8.apply_fp8(one, recipe)) == 2
+        assert (
+            fp8.count_fp8(fp8.apply_fp8(mlp, recipe))
+            == fp8.count_fp8(fp8.apply_fp8(one, recipe))
+            == 2
+        )
         x_here, x_one = x.clone().requires_grad_(), x.clone().requires_grad_()
         out, out_one = mlp(x_here), one(x_one)
         out.backward(dy)
         out_one.backward(dy)
-        grads = max(difference(gathered(mlp[0].weight.grad, 0), one[0].weight.grad),
-                    difference(gathered(mlp[2].weight.grad, 1), one[2].weight.grad))
-        measured.update({f"{recipe} output": ("output", difference(out, out_one)),
-                         f"{recipe} input gradient": ("gradient", difference(x_here.grad, x_one.grad)),
-                         f"{recipe} weight gradients": ("gradient", grads)})
+        grads = max(
+            difference(gathered(mlp[0].weight.grad, 0), one[0].weight.grad),
+            difference(gathered(mlp[2].weight.grad, 1), one[2].weight.grad),
+        )
+        measured.update(
+            {
+                f"{recipe} output": ("output", difference(out, out_one)),
+                f"{recipe} input gradient": ("gradient", difference(x_here.grad, x_one.grad)),
+                f"{recipe} weight gradients": ("gradient", grads),
+            }
+        )
     return measured
 
 
-TOYS = [tensor_parallel_mlp, pipeline_1f1b, data_parallel, zero_one, ring_attention, expert_all_to_all, zero_three,
-        fp8_tensor_parallel]
+TOYS = [
+    tensor_parallel_mlp,
+    pipeline_1f1b,
+    data_parallel,
+    zero_one,
+    ring_attention,
+    expert_all_to_all,
+    zero_three,
+    fp8_tensor_parallel,
+]
 
 
 def main():
     global WORLD
     torch.set_num_threads(1)
     checkout = Path(os.environ["PICOTRON_CHECKOUT"]).resolve()
-    assert all(Path(p or ".").resolve() != checkout for p in sys.path), f"the checkout is on sys.path: {sys.path}"
-    assert importlib.util.find_spec("model") is None and importlib.util.find_spec("train") is None, \
+    assert all(Path(p or ".").resolve() != checkout for p in sys.path), (
+        f"the checkout is on sys.path: {sys.path}"
+    )
+    assert (
+        importlib.util.find_spec("model") is None and importlib.util.find_spec("train") is None
+    ), (
         "picotron's model.py or train.py can be imported here: the toys would not prove the lifted files alone"
+    )
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     WORLD = dist.group.WORLD
     measured = {toy.__name__: toy(rank) for toy in TOYS}
-    # test_lift.py's mutation test: {toy: a folder where its mechanism was lifted with a line patched out}
-    mutants = json.loads((HERE / "mutants.json").read_text()) if (HERE / "mutants.json").exists() else {}
+    # test_lift.py's mutation test: {toy: a folder where its mechanism was lifted with a line
+    # patched out}
+    mutants = (
+        json.loads((HERE / "mutants.json").read_text()) if (HERE / "mutants.json").exists() else {}
+    )
     for toy in TOYS:
         if toy.__name__ in mutants:
             measured[f"{toy.__name__} mutant"] = toy(rank, mutants[toy.__name__])

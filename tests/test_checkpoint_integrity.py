@@ -1,8 +1,10 @@
-"""Checkpoints whose bytes are not what was saved, and weights that must not be saved: each rank file's crc32
-is recorded as it is written and checked by every rank that reads it; a save refuses non-finite weights;
-`python checkpoint.py --verify` checks a run's checkpoints offline. One 2-rank launch (run_ranks) holds the
-multi-rank cases; the rest run here, at one process, on checkpoint.py directly or on train.main.
+"""Checkpoints whose bytes are not what was saved, and weights that must not be saved: each rank
+file's crc32 is recorded as it is written and checked by every rank that reads it; a save refuses
+non-finite weights; `python checkpoint.py --verify` checks a run's checkpoints offline. One 2-rank
+launch (run_ranks) holds the multi-rank cases; the rest run here, at one process, on checkpoint.py
+directly or on train.main.
 """
+
 import errno
 import json
 import os
@@ -18,24 +20,48 @@ import train
 from dist_utils import run_ranks, train_in_process, without_memory_measurement
 from model import ModelConfig
 
-TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=4", "--block_size=32", "--device=cpu",
-        "--batch_size=2", "--log_interval=1", "--eval_interval=0", "--peak_flops=1e12"]
+TINY = [
+    "--n_layer=2",
+    "--n_embd=64",
+    "--n_head=4",
+    "--n_kv_head=4",
+    "--block_size=32",
+    "--device=cpu",
+    "--batch_size=2",
+    "--log_interval=1",
+    "--eval_interval=0",
+    "--peak_flops=1e12",
+]
 NUMEL = 65536  # 256 KiB of float32: 4 KiB in the middle of the file land in a tensor's bytes
 
 
 def _piece(value):
-    return {"tensor": torch.full((NUMEL,), float(value)), "full_shape": [NUMEL], "tp_dim": None, "tp_rank": 0,
-            "tp_world": 1, "flat_range": [0, NUMEL]}
+    return {
+        "tensor": torch.full((NUMEL,), float(value)),
+        "full_shape": [NUMEL],
+        "tp_dim": None,
+        "tp_rank": 0,
+        "tp_world": 1,
+        "flat_range": [0, NUMEL],
+    }
 
 
 def _save(out_dir, step, value=None, rank=0, world_size=1):
     meta = {"adam_step": step, "model": asdict(ModelConfig())}
-    return checkpoint.save(str(out_dir), step, rank, world_size, {f"w{rank}": _piece(step if value is None else value)},
-                           {}, meta)
+    return checkpoint.save(
+        str(out_dir),
+        step,
+        rank,
+        world_size,
+        {f"w{rank}": _piece(step if value is None else value)},
+        {},
+        meta,
+    )
 
 
 def _damage(path):
-    """4 KiB of 0xff written in the middle of a file: its size is unchanged, and 0xffffffff is a float32 NaN."""
+    """4 KiB of 0xff written in the middle of a file: its size is unchanged, and 0xffffffff is a
+    float32 NaN."""
     size = os.path.getsize(path)
     with open(path, "r+b") as f:
         f.seek(size // 2)
@@ -50,30 +76,44 @@ def test_meta_json_records_the_crc32_of_each_file_as_written(tmp_path):
         assert meta["file_crc32"] == [zlib.crc32(f.read())]
 
 
-def test_a_file_damaged_at_the_same_size_stops_the_resume_naming_it_at_one_process(data_dir, tmp_path):
+def test_a_file_damaged_at_the_same_size_stops_the_resume_naming_it_at_one_process(
+    data_dir, tmp_path
+):
     """The issue's case: today the NaN loads silently and the run later blames a divergence."""
-    argv = TINY + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=2", "--checkpoint_interval=1"]
+    argv = TINY + [
+        f"--data_dir={data_dir}",
+        f"--out_dir={tmp_path}",
+        "--max_iters=2",
+        "--checkpoint_interval=1",
+    ]
     train_in_process(argv)
     damaged = tmp_path / "ckpt_0000002" / "rank00000.pt"
     _damage(damaged)
     with without_memory_measurement(), pytest.raises(SystemExit) as stop:
         train.main(argv[:-2] + ["--max_iters=3", "--init_from=resume"])
-    assert stop.value.code.startswith(f"error: {damaged} is corrupted, not diverged: its bytes' crc32 is "), \
-        stop.value.code
-    assert (f"mv {tmp_path / 'ckpt_0000002'} {tmp_path / 'ckpt_0000002'}.damaged" in stop.value.code
-            and f"the newest intact checkpoint, {tmp_path / 'ckpt_0000001'}" in stop.value.code), stop.value.code
+    assert stop.value.code.startswith(
+        f"error: {damaged} is corrupted, not diverged: its bytes' crc32 is "
+    ), stop.value.code
+    assert (
+        f"mv {tmp_path / 'ckpt_0000002'} {tmp_path / 'ckpt_0000002'}.damaged" in stop.value.code
+        and f"the newest intact checkpoint, {tmp_path / 'ckpt_0000001'}" in stop.value.code
+    ), stop.value.code
 
 
 def test_a_checkpoint_written_before_checksums_loads_with_a_note(tmp_path):
     path = _save(tmp_path, 1, value=7.0)
     meta_file = tmp_path / "ckpt_0000001" / "meta.json"
     meta = json.loads(meta_file.read_text())
-    meta_file.write_text(json.dumps({k: v for k, v in meta.items() if k != "file_crc32"}))  # as saved before
+    meta_file.write_text(
+        json.dumps({k: v for k, v in meta.items() if k != "file_crc32"})
+    )  # as saved before
     notes = []
     reader = checkpoint.open_for_resume(path, ModelConfig(), notes.append)
     assert torch.equal(reader.files[0]["model"]["w0"]["tensor"], torch.full((NUMEL,), 7.0))
-    assert notes == [f"checkpoint {path} was written before checkpoints had checksums: its files' sizes are "
-                     f"checked, not their bytes"]
+    assert notes == [
+        f"checkpoint {path} was written before checkpoints had checksums: its files' sizes are "
+        f"checked, not their bytes"
+    ]
 
 
 def test_weights_that_are_not_finite_are_never_saved(tmp_path):
@@ -84,26 +124,33 @@ def test_weights_that_are_not_finite_are_never_saved(tmp_path):
         f"the weights are not finite at step 4 (rank 0: w0): checkpoint {tmp_path / 'ckpt_0000004'} was not written. "
         f"Either the run diverged (resume with a lower --learning_rate) or it was given bad input (a damaged data "
         f"file or checkpoint: python checkpoint.py --verify {tmp_path}). The last finite checkpoint is "
-        f"{tmp_path / 'ckpt_0000002'}: resume from it with --init_from=resume")
+        f"{tmp_path / 'ckpt_0000002'}: resume from it with --init_from=resume"
+    )
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002"]  # no ckpt_0000004, no .tmp folder
 
 
-def test_a_save_that_finds_the_disk_full_names_the_checkpoints_older_than_the_newest_intact_one(tmp_path, monkeypatch):
+def test_a_save_that_finds_the_disk_full_names_the_checkpoints_older_than_the_newest_intact_one(
+    tmp_path, monkeypatch
+):
     for step in (1, 2, 3):
         _save(tmp_path, step)
-    _damage(tmp_path / "ckpt_0000003" / "rank00000.pt")  # complete, not intact: ckpt_0000002 is the one to keep
+    _damage(
+        tmp_path / "ckpt_0000003" / "rank00000.pt"
+    )  # complete, not intact: ckpt_0000002 is the one to keep
 
     def full_disk(obj, f):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(checkpoint.torch, "save", full_disk)
     with pytest.raises(checkpoint.CheckpointError) as failed:
         _save(tmp_path, 4)
     old = tmp_path / "ckpt_0000001"
     freed = sum(os.path.getsize(old / name) for name in os.listdir(old)) / 2**20
-    assert str(failed.value).endswith(f"The checkpoints older than the newest intact one "
-                                      f"({tmp_path / 'ckpt_0000002'}) can be deleted to free "
-                                      f"{freed:,.1f} MiB: rm -r {old}; then resume with --init_from=resume"), \
-        str(failed.value)
+    assert str(failed.value).endswith(
+        f"The checkpoints older than the newest intact one "
+        f"({tmp_path / 'ckpt_0000002'}) can be deleted to free "
+        f"{freed:,.1f} MiB: rm -r {old}; then resume with --init_from=resume"
+    ), str(failed.value)
 
 
 def _verify(out_dir, capsys):
@@ -118,7 +165,8 @@ def test_verify_names_the_newest_checkpoint_intact_and_exits_0(tmp_path, capsys)
     assert code == 0, out
     assert out.splitlines()[-2:] == [
         f"the newest intact checkpoint is {tmp_path / 'ckpt_0000002'} (saved by 1 process); resume from it with:",
-        f"  python train.py --init_from=resume --out_dir={tmp_path}"]
+        f"  python train.py --init_from=resume --out_dir={tmp_path}",
+    ]
 
 
 def test_verify_exits_1_when_the_newest_is_damaged_and_2_when_there_is_none(tmp_path, capsys):
@@ -129,12 +177,16 @@ def test_verify_exits_1_when_the_newest_is_damaged_and_2_when_there_is_none(tmp_
     newest = tmp_path / "ckpt_0000002"
     assert code == 1, out
     assert f"{newest}: {newest / 'rank00000.pt'} is corrupted, not diverged" in out
-    assert (f"the newest intact checkpoint is {tmp_path / 'ckpt_0000001'} (saved by 1 process), older than the "
-            f"damaged {newest}: move it aside first (mv {newest} {newest}.damaged)") in out
+    assert (
+        f"the newest intact checkpoint is {tmp_path / 'ckpt_0000001'} (saved by 1 process), older than the "
+        f"damaged {newest}: move it aside first (mv {newest} {newest}.damaged)"
+    ) in out
     assert _verify(tmp_path / "empty", capsys)[0] == 2
 
 
-# --- two ranks: one launch ------------------------------------------------------------------------------------------
+# --- two ranks: one launch
+# ------------------------------------------------------------------------------------------
+
 
 def _stop_of(call):
     """(the error's type name, its message) of what call() raised, or None."""
@@ -150,22 +202,30 @@ def _no_space(*args, **kwargs):
 
 
 def _two_rank_cases(rank, world_size, out_dir):
-    """A 2-rank run's checkpoints at steps 1 and 2; rank 0 damages rank 1's file of step 2, which both ranks
-    then read. Then step 1 read by both, where only rank 1 finds a wrong crc32, and a save of step 3 where
-    only rank 1's weights are not finite, and one where rank 0 cannot make the save's folder. Each case: what
-    each rank raised."""
+    """A 2-rank run's checkpoints at steps 1 and 2; rank 0 damages rank 1's file of step 2, which
+    both ranks then read. Then step 1 read by both, where only rank 1 finds a wrong crc32, and a
+    save of step 3 where only rank 1's weights are not finite, and one where rank 0 cannot make the
+    save's folder. Each case: what each rank raised."""
     for step in (1, 2):
         _save(out_dir, step, rank=rank, world_size=world_size)
     if rank == 0:
         _damage(os.path.join(out_dir, "ckpt_0000002", "rank00001.pt"))
     dist.barrier()
-    results = {"damaged": _stop_of(lambda: checkpoint.open_for_resume(os.path.join(out_dir, "ckpt_0000002"), None))}
+    results = {
+        "damaged": _stop_of(
+            lambda: checkpoint.open_for_resume(os.path.join(out_dir, "ckpt_0000002"), None)
+        )
+    }
     crc32 = checkpoint.file_crc32
     if rank == 1:
         checkpoint.file_crc32 = lambda path: 0
-    results["rank_1_only"] = _stop_of(lambda: checkpoint.open_for_resume(os.path.join(out_dir, "ckpt_0000001"), None))
+    results["rank_1_only"] = _stop_of(
+        lambda: checkpoint.open_for_resume(os.path.join(out_dir, "ckpt_0000001"), None)
+    )
     checkpoint.file_crc32 = crc32
-    results["not_finite"] = _stop_of(lambda: _save(out_dir, 3, float("nan") if rank == 1 else 3.0, rank, world_size))
+    results["not_finite"] = _stop_of(
+        lambda: _save(out_dir, 3, float("nan") if rank == 1 else 3.0, rank, world_size)
+    )
     makedirs = os.makedirs
     if rank == 0:  # rank 0 alone makes the .tmp folder every rank writes into
         os.makedirs = _no_space
@@ -185,7 +245,9 @@ def test_a_damaged_file_stops_every_rank_naming_it(two_ranks):
     for rank, result in enumerate(results):
         kind, text = result["damaged"]
         assert kind == "CorruptedCheckpoint", (rank, result)
-        assert text.startswith(f"{out_dir / 'ckpt_0000002' / 'rank00001.pt'} is corrupted, not diverged"), text
+        assert text.startswith(
+            f"{out_dir / 'ckpt_0000002' / 'rank00001.pt'} is corrupted, not diverged"
+        ), text
 
 
 def test_a_file_only_one_rank_reads_wrong_stops_every_rank(two_ranks):
@@ -197,22 +259,33 @@ def test_a_file_only_one_rank_reads_wrong_stops_every_rank(two_ranks):
 def test_weights_not_finite_on_one_rank_stop_every_rank_without_a_save(two_ranks):
     out_dir, results = two_ranks
     assert [r["not_finite"] for r in results] == [results[0]["not_finite"]] * 2
-    assert results[0]["not_finite"][1].startswith("the weights are not finite at step 3 (rank 1: w1)")
-    assert results[0]["not_finite"][1].endswith(f"The last finite checkpoint is {out_dir / 'ckpt_0000001'}: resume "
-                                                f"from it with --init_from=resume")
-    assert not os.path.exists(out_dir / "ckpt_0000003") and not os.path.exists(out_dir / "ckpt_0000003.tmp")
+    assert results[0]["not_finite"][1].startswith(
+        "the weights are not finite at step 3 (rank 1: w1)"
+    )
+    assert results[0]["not_finite"][1].endswith(
+        f"The last finite checkpoint is {out_dir / 'ckpt_0000001'}: resume "
+        f"from it with --init_from=resume"
+    )
+    assert not os.path.exists(out_dir / "ckpt_0000003") and not os.path.exists(
+        out_dir / "ckpt_0000003.tmp"
+    )
 
 
 def test_verify_gives_the_torchrun_command_of_a_two_rank_checkpoint(two_ranks, capsys):
     out_dir, _ = two_ranks
     code, out = _verify(out_dir, capsys)
     assert code == 1, out  # its step-2 checkpoint is damaged
-    assert out.splitlines()[-1] == f"  torchrun --nproc_per_node=2 train.py --init_from=resume --out_dir={out_dir}"
+    assert (
+        out.splitlines()[-1]
+        == f"  torchrun --nproc_per_node=2 train.py --init_from=resume --out_dir={out_dir}"
+    )
 
 
 def test_a_save_whose_folder_rank_0_cannot_make_stops_every_rank_with_the_same_error(two_ranks):
     out_dir, results = two_ranks
     assert [r["no_folder"] for r in results] == [results[0]["no_folder"]] * 2, results
     kind, text = results[0]["no_folder"]
-    assert kind == "CheckpointError" and text.startswith(f"saving checkpoint {out_dir / 'ckpt_0000004'} failed on "
-                                                         f"rank 0: OSError: [Errno 28] No space left on device"), text
+    assert kind == "CheckpointError" and text.startswith(
+        f"saving checkpoint {out_dir / 'ckpt_0000004'} failed on "
+        f"rank 0: OSError: [Errno 28] No space left on device"
+    ), text

@@ -1,10 +1,13 @@
-"""Data parallelism and ZeRO-1's pieces on their own (CPU, gloo, fp32): ZeroOneAdamW and the gradient
-buckets against torch.optim.AdamW and the mean gradient computed by hand, and the layout's checks.
+"""Data parallelism and ZeRO-1's pieces on their own (CPU, gloo, fp32): ZeroOneAdamW and the
+gradient buckets against torch.optim.AdamW and the mean gradient computed by hand, and the layout's
+checks.
 
 train.py at dp = 2 and 4, with ZeRO 0 to 3, alone and with the other axes, against one process: the
-equivalence matrix (tests/matrix.py, tests/test_matrix.py). The optimizer state train.py logs at dp = 2,
-whole at ZeRO-0 and halved at ZeRO-1: tests/test_checkpoint.py's run whose rank dies and resumes.
+equivalence matrix (tests/matrix.py, tests/test_matrix.py). The optimizer state train.py logs at dp
+= 2, whole at ZeRO-0 and halved at ZeRO-1: tests/test_checkpoint.py's run whose rank dies and
+resumes.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,8 +18,14 @@ import settings
 import zero
 from model import ModelConfig, Transformer
 from dist_utils import run_ranks
-from parallel import (GradientBuckets, ParallelLayout, ShardedGradientBuckets, ZeroOneAdamW, init_distributed,
-                      optimizer_state_bytes)
+from parallel import (
+    GradientBuckets,
+    ParallelLayout,
+    ShardedGradientBuckets,
+    ZeroOneAdamW,
+    init_distributed,
+    optimizer_state_bytes,
+)
 
 
 # -----------------------------------------------------------------------------
@@ -25,17 +34,24 @@ from parallel import (GradientBuckets, ParallelLayout, ShardedGradientBuckets, Z
 
 def _tiny_net():
     torch.manual_seed(0)
-    # 2-d weights (decayed) and 1-d biases (not): two parameter groups, sizes that do not split evenly
+    # 2-d weights (decayed) and 1-d biases (not): two parameter groups, sizes that do not split
+    # evenly
     return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(), nn.Linear(5, 3))
 
 
 def _groups(net, wd):
-    return [{"params": [p for p in net.parameters() if p.dim() >= 2], "weight_decay": wd},
-            {"params": [p for p in net.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in net.parameters() if p.dim() >= 2], "weight_decay": wd},
+        {"params": [p for p in net.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def _moment_bytes(optimizer):
-    return sum(s[k].numel() * s[k].element_size() for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    return sum(
+        s[k].numel() * s[k].element_size()
+        for s in optimizer.state.values()
+        for k in ("exp_avg", "exp_avg_sq")
+    )
 
 
 def _zero_against_adamw(rank, world_size):
@@ -43,7 +59,9 @@ def _zero_against_adamw(rank, world_size):
     lrs = [1e-2, 3e-2, 2e-3, 5e-4]  # a schedule: each step's update must use its own lr
     ref, net = _tiny_net(), _tiny_net()
     ref_opt = torch.optim.AdamW(_groups(ref, 0.1), betas=(0.9, 0.95))
-    sync = ShardedGradientBuckets(list(net.parameters()), dist.group.WORLD, bucket_size_mb=10 * 4 / 2 ** 20)
+    sync = ShardedGradientBuckets(
+        list(net.parameters()), dist.group.WORLD, bucket_size_mb=10 * 4 / 2**20
+    )
     opt = ZeroOneAdamW(_groups(net, 0.1), sync, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(1)
     launched_per_backward, max_diff = [], 0.0
@@ -55,24 +73,36 @@ def _zero_against_adamw(rank, world_size):
         (nn.functional.mse_loss(ref(x), y)).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        mine = x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4]
+        mine = x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]
         for i in range(2):  # gradient accumulation: communication only on the last micro-batch
             sync.set_grad_sync(i == 1)
-            (nn.functional.mse_loss(net(mine[0][2 * i:2 * i + 2]), mine[1][2 * i:2 * i + 2]) / 2).backward()
+            (
+                nn.functional.mse_loss(net(mine[0][2 * i : 2 * i + 2]), mine[1][2 * i : 2 * i + 2])
+                / 2
+            ).backward()
             launched_per_backward.append(sync.launched)
         sync.finish()
         opt.step()
         opt.zero_grad()
-        max_diff = max(max_diff, max((a - b).abs().max().item() for a, b in zip(ref.parameters(), net.parameters())))
-    return {"max_diff": max_diff, "launched_per_backward": launched_per_backward, "n_buckets": len(sync.buckets),
-            "zero_moment_bytes": _moment_bytes(opt), "adamw_moment_bytes": _moment_bytes(ref_opt),
-            "zero_state_bytes": optimizer_state_bytes(opt)}
+        max_diff = max(
+            max_diff,
+            max((a - b).abs().max().item() for a, b in zip(ref.parameters(), net.parameters())),
+        )
+    return {
+        "max_diff": max_diff,
+        "launched_per_backward": launched_per_backward,
+        "n_buckets": len(sync.buckets),
+        "zero_moment_bytes": _moment_bytes(opt),
+        "adamw_moment_bytes": _moment_bytes(ref_opt),
+        "zero_state_bytes": optimizer_state_bytes(opt),
+    }
 
 
 def _buckets_with_a_parameter_unused_on_one_rank(rank):
-    """Three equal linears, one bucket each; rank 1 skips the middle one (as a replica none of whose tokens
-    reached an MoE expert): its bucket fills during backward on rank 0 and only in finish() on rank 1.
-    Returns the largest difference from the mean gradient computed by hand (zero where a rank had none)."""
+    """Three equal linears, one bucket each; rank 1 skips the middle one (as a replica none of whose
+    tokens reached an MoE expert): its bucket fills during backward on rank 0 and only in finish()
+    on rank 1. Returns the largest difference from the mean gradient computed by hand (zero where a
+    rank had none)."""
     torch.manual_seed(0)
     layers = nn.ModuleList(nn.Linear(4, 4, bias=False) for _ in range(3))
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
@@ -83,23 +113,34 @@ def _buckets_with_a_parameter_unused_on_one_rank(rank):
             h = layers[1](h)
         layers[2](h).pow(2).sum().backward()
 
-    backward()  # the reference, before any hook is registered: every gradient all-reduced on its own
+    # the reference, before any hook is registered: every gradient all-reduced on its own
+    backward()
     expected = []
     for p in layers.parameters():
         g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
         dist.all_reduce(g)
         expected.append(g / 2)
         p.grad = None
-    sync = GradientBuckets(list(layers.parameters()), dist.group.WORLD, bucket_size_mb=16 * 4 / 2 ** 20)
+    sync = GradientBuckets(
+        list(layers.parameters()), dist.group.WORLD, bucket_size_mb=16 * 4 / 2**20
+    )
     backward()
     launched_in_backward = sync.launched
     sync.finish()
-    return {"n_buckets": len(sync.buckets), "launched_in_backward": launched_in_backward,
-            "max_diff": max((p.grad - e).abs().max().item() for p, e in zip(layers.parameters(), expected))}
+    return {
+        "n_buckets": len(sync.buckets),
+        "launched_in_backward": launched_in_backward,
+        "max_diff": max(
+            (p.grad - e).abs().max().item() for p, e in zip(layers.parameters(), expected)
+        ),
+    }
 
 
 def _data_parallel_worker(rank, world_size):
-    return {**_zero_against_adamw(rank, world_size), "unused": _buckets_with_a_parameter_unused_on_one_rank(rank)}
+    return {
+        **_zero_against_adamw(rank, world_size),
+        "unused": _buckets_with_a_parameter_unused_on_one_rank(rank),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +155,12 @@ def test_zero_one_adamw_follows_adamw_under_a_changing_learning_rate(zero_result
 
 def test_zero_one_state_is_one_dp_th_of_adamw_state(zero_results):
     full = zero_results[0]["adamw_moment_bytes"]
-    assert sum(r["zero_moment_bytes"] for r in zero_results) == full  # every element's moments exactly once
-    padding = 2 * 4 * zero_results[0]["n_buckets"]  # at most one padded element per bucket, 2 fp32 moments
+    assert (
+        sum(r["zero_moment_bytes"] for r in zero_results) == full
+    )  # every element's moments exactly once
+    padding = (
+        2 * 4 * zero_results[0]["n_buckets"]
+    )  # at most one padded element per bucket, 2 fp32 moments
     for r in zero_results:
         assert abs(r["zero_moment_bytes"] - full / 2) <= padding
 
@@ -123,68 +168,105 @@ def test_zero_one_state_is_one_dp_th_of_adamw_state(zero_results):
 def test_gradients_are_communicated_from_backward_hooks_on_the_last_micro_batch_only(zero_results):
     for r in zero_results:
         assert r["n_buckets"] > 2
-        # after the accumulation micro-step's backward: nothing launched; after the last one's backward
-        # returns (before finish()): every bucket already launched, from the hooks, during backward
+        # after the accumulation micro-step's backward: nothing launched; after the last one's
+        # backward returns (before finish()): every bucket already launched, from the hooks, during
+        # backward
         assert r["launched_per_backward"] == [0, r["n_buckets"]] * 4
 
 
-def test_buckets_are_launched_in_the_same_order_on_every_rank_whatever_order_they_fill_in(zero_results):
-    # rank 0 fills buckets 0, 1, 2 during backward; rank 1 fills 0 and 2, and 1 only in finish(): launched
-    # as they filled, rank 1 would add its bucket 2 to rank 0's bucket 1 (same size: no error, wrong sums)
+def test_buckets_are_launched_in_the_same_order_on_every_rank_whatever_order_they_fill_in(
+    zero_results,
+):
+    # rank 0 fills buckets 0, 1, 2 during backward; rank 1 fills 0 and 2, and 1 only in finish():
+    # launched as they filled, rank 1 would add its bucket 2 to rank 0's bucket 1 (same size: no
+    # error, wrong sums)
     assert [r["unused"]["n_buckets"] for r in zero_results] == [3, 3]
-    assert [r["unused"]["launched_in_backward"] for r in zero_results] == [3, 1]  # rank 1's bucket 2 waits
+    assert [r["unused"]["launched_in_backward"] for r in zero_results] == [
+        3,
+        1,
+    ]  # rank 1's bucket 2 waits
     for r in zero_results:
         assert r["unused"]["max_diff"] < 1e-6, r["unused"]
 
 
 def _reduce_scatter_worker(rank, world_size):
-    """parallel.reduce_scatter (on gloo the point-to-point SlicesExchange) of buffers of several sizes, all
-    posted before any is waited for, as the buckets are: (this rank's slices, every rank's buffers)."""
-    flats = [[torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * r + n))
-              for r in range(world_size)] for n in (4 * world_size, 12 * world_size, world_size)]
+    """parallel.reduce_scatter (on gloo the point-to-point SlicesExchange) of buffers of several
+    sizes, all posted before any is waited for, as the buckets are: (this rank's slices, every
+    rank's buffers)."""
+    flats = [
+        [
+            torch.randn(
+                n, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * r + n)
+            )
+            for r in range(world_size)
+        ]
+        for n in (4 * world_size, 12 * world_size, world_size)
+    ]
     outs = [torch.empty(len(f[0]) // world_size, dtype=torch.float64) for f in flats]
-    requests = [parallel.reduce_scatter(out, f[rank].clone(), dist.group.WORLD) for out, f in zip(outs, flats)]
-    for request in reversed(requests):  # (waited in another order than posted: each lands on its own)
+    requests = [
+        parallel.reduce_scatter(out, f[rank].clone(), dist.group.WORLD)
+        for out, f in zip(outs, flats)
+    ]
+    for request in reversed(
+        requests
+    ):  # (waited in another order than posted: each lands on its own)
         request.wait()
-    return [o.tolist() for o in outs], [[f.tolist() for f in per_rank] for per_rank in flats]  # (lists: pickled)
+    return [o.tolist() for o in outs], [
+        [f.tolist() for f in per_rank] for per_rank in flats
+    ]  # (lists: pickled)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gloo_reduce_scatter_gives_each_rank_its_slice_of_the_sum(world_size):
     for rank, (outs, flats) in enumerate(run_ranks(_reduce_scatter_worker, world_size)):
         for out, per_rank in zip(outs, flats):
-            expected = torch.tensor(per_rank, dtype=torch.float64).sum(0).view(world_size, -1)[rank]  # one process
-            torch.testing.assert_close(torch.tensor(out, dtype=torch.float64), expected, rtol=1e-12, atol=1e-12)
+            expected = (
+                torch.tensor(per_rank, dtype=torch.float64).sum(0).view(world_size, -1)[rank]
+            )  # one process
+            torch.testing.assert_close(
+                torch.tensor(out, dtype=torch.float64), expected, rtol=1e-12, atol=1e-12
+            )
 
 
 def _overlap_worker(rank, world_size):
-    """A 3-block Transformer under ZeRO-1 at dp = 2, three steps, with zero.overlap_param_gather and without:
-    how many buckets' gathers are still in flight when step() returns, whether block 1's parameters are
-    whole when its forward starts, and the weights at the end."""
+    """A 3-block Transformer under ZeRO-1 at dp = 2, three steps, with zero.overlap_param_gather and
+    without: how many buckets' gathers are still in flight when step() returns, whether block 1's
+    parameters are whole when its forward starts, and the weights at the end."""
     cfg = ModelConfig(vocab_size=64, block_size=8, n_layer=3, n_head=2, n_kv_head=2, n_embd=16)
     out = {}
     for overlap in (True, False):
         torch.manual_seed(0)
         model = Transformer(cfg)
-        sync = ShardedGradientBuckets(list(model.parameters()), dist.group.WORLD, bucket_size_mb=900 * 4 / 2 ** 20)
+        sync = ShardedGradientBuckets(
+            list(model.parameters()), dist.group.WORLD, bucket_size_mb=900 * 4 / 2**20
+        )
         if overlap:
             zero.overlap_param_gather(model, sync)
         opt = ZeroOneAdamW(model.parameters(), sync, lr=1e-2)
         block = {id(p) for p in model.blocks["1"].parameters()}
         mine = [b for b in sync.buckets if any(id(p) in block for p in b.params)]
         whole = []  # (this hook runs after overlap_param_gather's, registered before it)
-        model.blocks["1"].register_forward_pre_hook(lambda m, a: whole.append([b.gathering is None for b in mine]))
+        model.blocks["1"].register_forward_pre_hook(
+            lambda m, a: whole.append([b.gathering is None for b in mine])
+        )
         in_flight, g = [], torch.Generator().manual_seed(rank)
         for _ in range(3):
-            x, y = torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)
+            x, y = (
+                torch.randint(0, 64, (2, 8), generator=g),
+                torch.randint(0, 64, (2, 8), generator=g),
+            )
             model(x, y)[1].backward()
             sync.finish()
             opt.step()
             opt.zero_grad()
             in_flight.append(sum(b.gathering is not None for b in sync.buckets))
         parallel.wait_for_params(sync.buckets)  # (what train.py's evaluation and save call first)
-        out[overlap] = {"in_flight": in_flight, "whole": whole, "n_buckets": len(sync.buckets),
-                        "weights": [p.detach().reshape(-1).tolist() for p in model.parameters()]}
+        out[overlap] = {
+            "in_flight": in_flight,
+            "whole": whole,
+            "n_buckets": len(sync.buckets),
+            "weights": [p.detach().reshape(-1).tolist() for p in model.parameters()],
+        }
     return out
 
 
@@ -193,9 +275,15 @@ def test_zero_one_gathers_stay_in_flight_after_the_step_and_land_before_their_fi
         on, off = r[True], r[False]
         assert on["n_buckets"] > 3
         assert off["in_flight"] == [0, 0, 0]  # waited for at once
-        assert all(n > 1 for n in on["in_flight"]), on["in_flight"]  # left in flight for the next forward
-        assert all(all(seen) for seen in on["whole"]) and len(on["whole"]) == 3  # whole when block 1 starts
-        assert on["weights"] == off["weights"]  # the same arithmetic: only when each wait happens moves
+        assert all(n > 1 for n in on["in_flight"]), on[
+            "in_flight"
+        ]  # left in flight for the next forward
+        assert (
+            all(all(seen) for seen in on["whole"]) and len(on["whole"]) == 3
+        )  # whole when block 1 starts
+        assert (
+            on["weights"] == off["weights"]
+        )  # the same arithmetic: only when each wait happens moves
 
 
 # -----------------------------------------------------------------------------
@@ -203,12 +291,16 @@ def test_zero_one_gathers_stay_in_flight_after_the_step_and_land_before_their_fi
 
 
 def test_a_layout_that_does_not_multiply_to_the_world_size_is_refused():
-    with pytest.raises(ValueError, match=r"dp=2 x tp=2 x pp=1 = 4 ranks does not match the world size 6"):
+    with pytest.raises(
+        ValueError, match=r"dp=2 x tp=2 x pp=1 = 4 ranks does not match the world size 6"
+    ):
         ParallelLayout(2, 2, 1, world_size=6, rank=0)
 
 
 def test_dp_defaults_to_world_size_over_tp_times_pp(monkeypatch):
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # pretend torchrun started us: no group is built
+    monkeypatch.setattr(
+        dist, "is_initialized", lambda: True
+    )  # pretend torchrun started us: no group is built
     monkeypatch.setenv("WORLD_SIZE", "6")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: None)
@@ -220,5 +312,6 @@ def test_dp_defaults_to_world_size_over_tp_times_pp(monkeypatch):
 def test_the_grid_names_every_rank_once():
     text = settings.format_grid(2, 2, 2)
     assert "stage 1 replica 0: ranks [4, 5]" in text
-    assert sorted(int(r) for r in text.replace("[", ",").replace("]", ",").split(",") if r.strip().isdigit()) == \
-        list(range(8))
+    assert sorted(
+        int(r) for r in text.replace("[", ",").replace("]", ",").split(",") if r.strip().isdigit()
+    ) == list(range(8))

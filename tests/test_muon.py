@@ -1,16 +1,19 @@
 """Muon (optim.py) and the warmup-stable-decay schedule (train.get_lr).
 
 Muon on its own: Newton-Schulz maps each singular value through the quintic and keeps the singular
-vectors; the update is the orthogonalised Nesterov momentum at 0.2 * sqrt(max(A, B)) with decoupled weight
-decay, against a reference written here with an SVD; the blocks' matrices take Muon and the rest AdamW.
-Then through train.py: the logged learning rate follows wsd, and a dp2 x tp2 ZeRO-1 run (with multi-query
-attention, so k and v are replicated across the tp ranks) resumes at other layouts with one process's
-losses, gradient norms, final weights and final momentum, or with AdamW afresh. (Muon at dp, tp, pp, cp and
-their compositions against one process: the equivalence matrix, tests/matrix.py.)
+vectors; the update is the orthogonalised Nesterov momentum at 0.2 * sqrt(max(A, B)) with decoupled
+weight decay, against a reference written here with an SVD; the blocks' matrices take Muon and the
+rest AdamW. Then through train.py: the logged learning rate follows wsd, and a dp2 x tp2 ZeRO-1 run
+(with multi-query attention, so k and v are replicated across the tp ranks) resumes at other layouts
+with one process's losses, gradient norms, final weights and final momentum, or with AdamW afresh.
+(Muon at dp, tp, pp, cp and their compositions against one process: the equivalence matrix,
+tests/matrix.py.)
 
-The reference is one process with the same global batch (batch_size 4 x 2 micro-batches; two replicas
-take batch_size 2). The runs use the wsd schedule, whose decay starts inside the five steps.
+The reference is one process with the same global batch (batch_size 4 x 2 micro-batches; two
+replicas take batch_size 2). The runs use the wsd schedule, whose decay starts inside the five
+steps.
 """
+
 import math
 import os
 import re
@@ -23,7 +26,12 @@ import checkpoint
 import settings
 import build
 import train
-from dist_utils import assert_same_losses_and_norms, assert_same_tensors, train_in_process, train_on_ranks
+from dist_utils import (
+    assert_same_losses_and_norms,
+    assert_same_tensors,
+    train_in_process,
+    train_on_ranks,
+)
 from model import ModelConfig, Transformer, model_config_from, takes_muon
 from optim import NEWTON_SCHULZ_COEFFICIENTS, Muon, deal_whole, newton_schulz
 
@@ -32,11 +40,11 @@ from optim import NEWTON_SCHULZ_COEFFICIENTS, Muon, deal_whole, newton_schulz
 
 
 def quintic_iterated(s, steps=5):
-    """What `steps` iterations of the Newton-Schulz quintic do to one singular value s (of a matrix scaled
-    to Frobenius norm 1): s -> a s + b s^3 + c s^5, each time."""
+    """What `steps` iterations of the Newton-Schulz quintic do to one singular value s (of a matrix
+    scaled to Frobenius norm 1): s -> a s + b s^3 + c s^5, each time."""
     a, b, c = NEWTON_SCHULZ_COEFFICIENTS
     for _ in range(steps):
-        s = a * s + b * s ** 3 + c * s ** 5
+        s = a * s + b * s**3 + c * s**5
     return s
 
 
@@ -54,11 +62,16 @@ BAND = (0.68, 1.135)
 def test_the_band_is_the_quintics():
     s = torch.linspace(0.01, 1.0, 100001, dtype=torch.float64)
     out = quintic_iterated(s)
-    assert BAND[0] <= out.min() < BAND[0] + 0.005 and BAND[1] - 0.005 < out.max() <= BAND[1], (out.min(), out.max())
+    assert BAND[0] <= out.min() < BAND[0] + 0.005 and BAND[1] - 0.005 < out.max() <= BAND[1], (
+        out.min(),
+        out.max(),
+    )
 
 
 @pytest.mark.parametrize("shape", [(24, 40), (40, 24)], ids=["wide", "tall"])
-def test_newton_schulz_pushes_every_singular_value_into_the_band_and_keeps_the_singular_vectors(shape):
+def test_newton_schulz_pushes_every_singular_value_into_the_band_and_keeps_the_singular_vectors(
+    shape,
+):
     g = torch.Generator().manual_seed(0)
     # singular values spread over 1.7 decades, the smallest at just over 0.01 of the Frobenius norm
     U, _ = torch.linalg.qr(torch.randn(shape[0], min(shape), generator=g))
@@ -80,8 +93,14 @@ def _muon_against_reference(lrs, weight_decay, momentum=0.95):
     W = torch.nn.Parameter(torch.randn(24, 40) * 0.1)
     b = torch.nn.Parameter(torch.randn(40) * 0.1)
     b_ref = torch.nn.Parameter(b.detach().clone())
-    opt = Muon([{"params": [W], "muon": True, "weight_decay": weight_decay}, {"params": [b], "weight_decay": 0.0}],
-               momentum=momentum, betas=(0.9, 0.95))
+    opt = Muon(
+        [
+            {"params": [W], "muon": True, "weight_decay": weight_decay},
+            {"params": [b], "weight_decay": 0.0},
+        ],
+        momentum=momentum,
+        betas=(0.9, 0.95),
+    )
     adamw = torch.optim.AdamW([b_ref], betas=(0.9, 0.95), weight_decay=0.0)
     W_ref, M = W.detach().double().clone(), torch.zeros(24, 40, dtype=torch.float64)
     g = torch.Generator().manual_seed(1)
@@ -97,7 +116,9 @@ def _muon_against_reference(lrs, weight_decay, momentum=0.95):
         adamw.step()
         updates.append((before * (1 - lr * weight_decay) - W.detach()) / lr)
         M = momentum * M + G.double()
-        W_ref = W_ref * (1 - lr * weight_decay) - lr * 0.2 * math.sqrt(40) * orthogonalised_by_svd(G.double() + momentum * M)
+        W_ref = W_ref * (1 - lr * weight_decay) - lr * 0.2 * math.sqrt(40) * orthogonalised_by_svd(
+            G.double() + momentum * M
+        )
     return W.detach(), W_ref, b.detach(), b_ref.detach(), updates
 
 
@@ -109,8 +130,9 @@ def test_muon_steps_along_the_orthogonalised_nesterov_momentum_at_0_2_sqrt_max_d
 
 
 def test_muon_updates_have_rms_0_2_times_the_singular_values_rms():
-    # an A x B orthogonal matrix has RMS 1 / sqrt(max(A, B)): scaled by 0.2 sqrt(max(A, B)), the update's
-    # RMS per unit of learning rate is 0.2 times the RMS of its singular values, which lie in the band
+    # an A x B orthogonal matrix has RMS 1 / sqrt(max(A, B)): scaled by 0.2 sqrt(max(A, B)), the
+    # update's RMS per unit of learning rate is 0.2 times the RMS of its singular values, which lie
+    # in the band
     _, _, _, _, updates = _muon_against_reference([1e-2, 1e-2, 1e-2], weight_decay=0.0)
     for u in updates:
         rms = u.pow(2).mean().sqrt().item()
@@ -118,21 +140,42 @@ def test_muon_updates_have_rms_0_2_times_the_singular_values_rms():
 
 
 def test_the_blocks_matrices_take_muon_and_the_rest_adamw():
-    cfg = ModelConfig(vocab_size=101, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, bias=True,
-                      n_expert=2, n_shared_expert=1, tie_embeddings=False)
+    cfg = ModelConfig(
+        vocab_size=101,
+        block_size=16,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=32,
+        bias=True,
+        n_expert=2,
+        n_shared_expert=1,
+        tie_embeddings=False,
+    )
     model = Transformer(cfg)
     run_cfg = train.SimpleNamespace(**{**settings.DEFAULTS, "optimizer": "muon"})
     layout = train.SimpleNamespace(tp_group=None, dp_group=None, dp_cp_group=None)
     opt = build.make_optimizer(model, run_cfg, layout, None)
     names = {id(p): n for n, p in model.named_parameters()}
     muon = sorted(names[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"])
-    matrix = re.compile(r"blocks\.\d+\.(attn\.[qkvo]_proj|mlp(\.(shared_)?experts\.\d+)?\.(gate|up|down))\.weight")
+    matrix = re.compile(
+        r"blocks\.\d+\.(attn\.[qkvo]_proj|mlp(\.(shared_)?experts\.\d+)?\.(gate|up|down))\.weight"
+    )
     assert muon == sorted(n for n in names.values() if matrix.fullmatch(n))
-    assert len(muon) == 2 * (4 + 3 * 3)  # per block: q, k, v, o; gate, up, down of 2 experts and 1 shared
+    assert len(muon) == 2 * (
+        4 + 3 * 3
+    )  # per block: q, k, v, o; gate, up, down of 2 experts and 1 shared
     adamw = {names[id(p)] for g in opt.param_groups if not g["muon"] for p in g["params"]}
-    assert {"tok_emb.weight", "lm_head.weight", "blocks.0.mlp.router.weight", "norm.weight",
-            "blocks.0.attn.q_proj.bias"} <= adamw
-    assert sorted(muon + list(adamw)) == sorted(names.values())  # every parameter in exactly one group
+    assert {
+        "tok_emb.weight",
+        "lm_head.weight",
+        "blocks.0.mlp.router.weight",
+        "norm.weight",
+        "blocks.0.attn.q_proj.bias",
+    } <= adamw
+    assert sorted(muon + list(adamw)) == sorted(
+        names.values()
+    )  # every parameter in exactly one group
 
 
 def test_zero_deals_each_matrix_whole_in_runs_of_about_equal_size():
@@ -145,7 +188,9 @@ def test_zero_deals_each_matrix_whole_in_runs_of_about_equal_size():
 
 
 def test_muon_with_zero_stage_2_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"optimizer='muon' runs with zero_stage 0 or 1.*not zero_stage=2"):
+    with pytest.raises(
+        ValueError, match=r"optimizer='muon' runs with zero_stage 0 or 1.*not zero_stage=2"
+    ):
         settings.check_values({**settings.DEFAULTS, "optimizer": "muon", "zero_stage": 2})
 
 
@@ -155,8 +200,15 @@ def test_muon_with_zero_stage_2_is_refused_by_name():
 
 @pytest.mark.parametrize("shape", ["linear", "1-sqrt"])
 def test_wsd_warms_up_holds_the_peak_then_decays_over_the_last_decay_frac(shape):
-    cfg = train.SimpleNamespace(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110,
-                                lr_schedule="wsd", decay_frac=0.2, decay_shape=shape)
+    cfg = train.SimpleNamespace(
+        learning_rate=1.0,
+        min_lr=0.1,
+        warmup_iters=10,
+        lr_decay_iters=110,
+        lr_schedule="wsd",
+        decay_frac=0.2,
+        decay_shape=shape,
+    )
     lrs = [train.get_lr(s, cfg) for s in range(130)]
     assert lrs[0] == pytest.approx(1 / 11) and lrs[9] == pytest.approx(10 / 11)
     assert lrs[10:89] == [1.0] * 79 and lrs[88] == 1.0  # held until 110 - 0.2 * 110 = 88
@@ -169,14 +221,30 @@ def test_wsd_warms_up_holds_the_peak_then_decays_over_the_last_decay_frac(shape)
 # through train.py
 
 STEPS = 5
-TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=1", "--block_size=32", "--device=cpu",
-        f"--max_iters={STEPS}", "--log_interval=1", "--eval_interval=1", "--eval_iters=1", "--warmup_iters=2", "--learning_rate=3e-3",
-        "--gradient_accumulation_steps=2", "--optimizer=muon",
-        # wsd: held at steps 2-3, decaying at 4-5 (of lr_decay_iters 6, the last half)
-        "--lr_schedule=wsd", "--lr_decay_iters=6", "--decay_frac=0.5", "--decay_shape=1-sqrt",
-        # tiny buckets: several per step, so ZeRO-1 deals the matrices into several whole buckets
-        "--bucket_size_mb=0.01",
-        "--peak_flops=1e12"]  # skips timing a CPU matmul on each rank at start-up
+TINY = [
+    "--n_layer=2",
+    "--n_embd=64",
+    "--n_head=4",
+    "--n_kv_head=1",
+    "--block_size=32",
+    "--device=cpu",
+    f"--max_iters={STEPS}",
+    "--log_interval=1",
+    "--eval_interval=1",
+    "--eval_iters=1",
+    "--warmup_iters=2",
+    "--learning_rate=3e-3",
+    "--gradient_accumulation_steps=2",
+    "--optimizer=muon",
+    # wsd: held at steps 2-3, decaying at 4-5 (of lr_decay_iters 6, the last half)
+    "--lr_schedule=wsd",
+    "--lr_decay_iters=6",
+    "--decay_frac=0.5",
+    "--decay_shape=1-sqrt",
+    # tiny buckets: several per step, so ZeRO-1 deals the matrices into several whole buckets
+    "--bucket_size_mb=0.01",
+    "--peak_flops=1e12",
+]  # skips timing a CPU matmul on each rank at start-up
 ONE_REPLICA, TWO_REPLICAS = ["--batch_size=4"], ["--batch_size=2"]
 
 
@@ -184,8 +252,11 @@ ONE_REPLICA, TWO_REPLICAS = ["--batch_size=4"], ["--batch_size=2"]
 def reference(data_dir, tmp_path_factory):
     """One process, here in the test process: (records, its final checkpoint)."""
     out = str(tmp_path_factory.mktemp("ref"))
-    records = train_in_process(TINY + ONE_REPLICA + [f"--data_dir={data_dir}", f"--out_dir={out}",
-                                                     f"--checkpoint_interval={STEPS}"])
+    records = train_in_process(
+        TINY
+        + ONE_REPLICA
+        + [f"--data_dir={data_dir}", f"--out_dir={out}", f"--checkpoint_interval={STEPS}"]
+    )
     return records, os.path.join(out, f"ckpt_{STEPS:07d}")
 
 
@@ -196,15 +267,25 @@ def weights_and_momenta(ckpt_path):
     model = Transformer(model_config_from(reader.meta["model"]))
     checkpoint.load_model(model, reader)
     weights = dict(model.named_parameters())
-    momenta = {name: reader.optimizer_tensor(name, p, "momentum_buffer") for name, p in weights.items()
-               if takes_muon(name, p)}
+    momenta = {
+        name: reader.optimizer_tensor(name, p, "momentum_buffer")
+        for name, p in weights.items()
+        if takes_muon(name, p)
+    }
     return weights, momenta
 
 
 def test_the_logged_lr_is_wsd_and_muon_reached_every_matrix(reference):
     records, ckpt = reference
-    cfg = train.SimpleNamespace(learning_rate=3e-3, min_lr=1e-4, warmup_iters=2, lr_decay_iters=6,
-                                lr_schedule="wsd", decay_frac=0.5, decay_shape="1-sqrt")
+    cfg = train.SimpleNamespace(
+        learning_rate=3e-3,
+        min_lr=1e-4,
+        warmup_iters=2,
+        lr_decay_iters=6,
+        lr_schedule="wsd",
+        decay_frac=0.5,
+        decay_shape="1-sqrt",
+    )
     logged = [r["lr"] for r in records if "lr" in r]  # (the evaluation's records have none)
     assert logged == pytest.approx([train.get_lr(s, cfg) for s in range(STEPS)])
     assert logged[2:4] == [3e-3, 3e-3]
@@ -214,13 +295,28 @@ def test_the_logged_lr_is_wsd_and_muon_reached_every_matrix(reference):
 
 @pytest.fixture(scope="module")
 def zero_run(data_dir, tmp_path_factory):
-    """dp2 x tp2 with ZeRO-1, checkpoints at steps 3 and 5: each matrix's momentum lives on one replica,
-    split between that replica's two tp ranks (k and v: whole on both). (Its run against one process, and
-    its checkpoint resumed at one process: the equivalence matrix's muon-dp2-tp2-zero1.)"""
+    """dp2 x tp2 with ZeRO-1, checkpoints at steps 3 and 5: each matrix's momentum lives on one
+    replica, split between that replica's two tp ranks (k and v: whole on both). (Its run against
+    one process, and its checkpoint resumed at one process: the equivalence matrix's
+    muon-dp2-tp2-zero1.)"""
     out = str(tmp_path_factory.mktemp("dp2_tp2_zero1"))
-    [(records, stdout)] = train_on_ranks([TINY + TWO_REPLICAS + [f"--data_dir={data_dir}", f"--out_dir={out}", "--tp=2",
-                                                                 "--zero_stage=1", "--checkpoint_interval=3"]], 4)
-    assert "dp=2 x tp=2 x pp=1" in stdout and "optimizer: Muon for" in stdout and "(ZeRO-1)" in stdout
+    [(records, stdout)] = train_on_ranks(
+        [
+            TINY
+            + TWO_REPLICAS
+            + [
+                f"--data_dir={data_dir}",
+                f"--out_dir={out}",
+                "--tp=2",
+                "--zero_stage=1",
+                "--checkpoint_interval=3",
+            ]
+        ],
+        4,
+    )
+    assert (
+        "dp=2 x tp=2 x pp=1" in stdout and "optimizer: Muon for" in stdout and "(ZeRO-1)" in stdout
+    )
     return records, out
 
 
@@ -233,17 +329,27 @@ RESUMED_AT = {
 
 @pytest.fixture(scope="module")
 def resumed(zero_run, data_dir, tmp_path_factory):
-    """The ZeRO-1 run's step-3 checkpoint resumed to step 5 at each layout of RESUMED_AT, the runs one after
-    another in one launch of 2 processes: {name: (records, out_dir, stdout)}."""
+    """The ZeRO-1 run's step-3 checkpoint resumed to step 5 at each layout of RESUMED_AT, the runs
+    one after another in one launch of 2 processes: {name: (records, out_dir, stdout)}."""
     argv, outs = [], []
     for name, layout in RESUMED_AT.items():
         out = tmp_path_factory.mktemp(name)
         shutil.copytree(os.path.join(zero_run[1], "ckpt_0000003"), out / "ckpt_0000003")
-        argv.append(TINY + layout + [f"--data_dir={data_dir}", f"--out_dir={out}", "--init_from=resume",
-                                     f"--checkpoint_interval={STEPS}"])
+        argv.append(
+            TINY
+            + layout
+            + [
+                f"--data_dir={data_dir}",
+                f"--out_dir={out}",
+                "--init_from=resume",
+                f"--checkpoint_interval={STEPS}",
+            ]
+        )
         outs.append(out)
     runs = train_on_ranks(argv, 2)
-    return {name: (records, out, stdout) for name, out, (records, stdout) in zip(RESUMED_AT, outs, runs)}
+    return {
+        name: (records, out, stdout) for name, out, (records, stdout) in zip(RESUMED_AT, outs, runs)
+    }
 
 
 @pytest.mark.parametrize("name", list(RESUMED_AT))
@@ -252,18 +358,35 @@ def test_the_zero1_checkpoint_resumes_at_another_layout(name, resumed, reference
     assert f"resumed from {out / 'ckpt_0000003'} at step 3" in stdout
     assert [r["step"] for r in records if "loss" in r] == [4, 5]
     assert_same_losses_and_norms(records, reference[0][3:])
-    (weights, momenta), (ref_weights, ref_momenta) = (weights_and_momenta(out / f"ckpt_{STEPS:07d}"),
-                                                      weights_and_momenta(reference[1]))
+    (weights, momenta), (ref_weights, ref_momenta) = (
+        weights_and_momenta(out / f"ckpt_{STEPS:07d}"),
+        weights_and_momenta(reference[1]),
+    )
     assert_same_tensors(weights, ref_weights)
     assert_same_tensors(momenta, ref_momenta, what="Muon momentum")
 
 
-def test_resuming_with_the_other_optimizer_starts_its_state_afresh(zero_run, data_dir, tmp_path, capsys):
+def test_resuming_with_the_other_optimizer_starts_its_state_afresh(
+    zero_run, data_dir, tmp_path, capsys
+):
     shutil.copytree(os.path.join(zero_run[1], "ckpt_0000003"), tmp_path / "ckpt_0000003")
-    records = train_in_process(TINY + ONE_REPLICA + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--tp=1",
-                                                     "--zero_stage=0", "--optimizer=adamw", "--max_iters=4",
-                                                     "--init_from=resume", "--checkpoint_interval=0"])
+    records = train_in_process(
+        TINY
+        + ONE_REPLICA
+        + [
+            f"--data_dir={data_dir}",
+            f"--out_dir={tmp_path}",
+            "--tp=1",
+            "--zero_stage=0",
+            "--optimizer=adamw",
+            "--max_iters=4",
+            "--init_from=resume",
+            "--checkpoint_interval=0",
+        ]
+    )
     stdout = capsys.readouterr().out
     assert "resume: optimizer = 'adamw', the checkpoint's was 'muon'" in stdout
-    assert "the checkpoint's optimizer state (muon) is not loaded: adamw's starts from zero" in stdout
+    assert (
+        "the checkpoint's optimizer state (muon) is not loaded: adamw's starts from zero" in stdout
+    )
     assert [r["step"] for r in records if "loss" in r] == [4]

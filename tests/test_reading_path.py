@@ -1,8 +1,10 @@
-"""scripts/reading_path.py traces what a learner reads for each mechanism from real runs: its table has
-one row per mechanism, the layout its 2-process run adds and the lines read; the README shows exactly that table. The counting rule behind it (a function entered counts
-whole, a nested def within its outer def once, only picotron's own files count, the tools apart, the
-one-process run's functions subtracted) is checked on a small project and a trace written here, its
-counts made by hand."""
+"""scripts/reading_path.py traces what a learner reads for each mechanism from real runs: its table
+has one row per mechanism, the layout its 2-process run adds and the lines read; the README shows
+exactly that table. The counting rule behind it (a function entered counts whole, a nested def
+within its outer def once, only picotron's own files count, the tools apart, the one-process run's
+functions subtracted) is checked on a small project and a trace written here, its counts made by
+hand."""
+
 import re
 import subprocess
 import sys
@@ -15,15 +17,28 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import reading_path  # noqa: E402  (scripts/reading_path.py)
 
-MECHANISMS = ["tensor parallel", "data parallel", "ZeRO-1", "1F1B", "ring attention", "ZeRO-3",
-              "expert parallel", "Muon"]
+MECHANISMS = [
+    "tensor parallel",
+    "data parallel",
+    "ZeRO-1",
+    "1F1B",
+    "ring attention",
+    "ZeRO-3",
+    "expert parallel",
+    "Muon",
+]
 
 
 @pytest.fixture(scope="module")
 def printed():
     """The script's table: one launch of 2 ranks for the rows, the one-process runs beside it."""
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "reading_path.py")],
-                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "reading_path.py")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     return run.stdout.strip()
 
@@ -41,9 +56,11 @@ def test_the_table_has_a_row_per_mechanism_ending_in_lines_read(printed):
 
 def test_the_readme_shows_the_table_the_script_prints(printed):
     readme = (ROOT / "README.md").read_text()
-    assert printed + "\n" in readme, ("README.md's reading table is not what "
-                                      "scripts/reading_path.py prints now: run "
-                                      "python scripts/reading_path.py --write")
+    assert printed + "\n" in readme, (
+        "README.md's reading table is not what "
+        "scripts/reading_path.py prints now: run "
+        "python scripts/reading_path.py --write"
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -77,10 +94,10 @@ class Layer:
 def never_entered():
     return 0
 '''
-PLAN = '''\
+PLAN = """\
 def plan():
     return 1
-'''
+"""
 ENTRY, INNER = ("core.py", 4, "entry"), ("core.py", 9, "inner")
 HELPER = ("core.py", 15, "helper")  # a code object's first line: its first decorator's
 FORWARD, LISTCOMP = ("core.py", 21, "forward"), ("core.py", 22, "<listcomp>")
@@ -115,13 +132,20 @@ def test_what_the_one_process_run_entered_is_subtracted(project):
     read, _ = reading_path.count(project, entered, {HELPER})
     assert len(read) == 7 + 2  # entry, and forward with its comprehension; not helper
     assert reading_path.by_function(project, entered, read) == {
-        "core.py": [("entry", 7), ("Layer.forward", 2)]}
+        "core.py": [("entry", 7), ("Layer.forward", 2)]
+    }
 
 
 def test_only_picotrons_own_functions_count_and_the_tools_apart(project):
-    entered = {ENTRY, ("plan.py", 1, "plan"), ("tests/other.py", 1, "plan"),
-               ("scripts/other.py", 1, "plan"), ("torch/nn/modules/module.py", 1, "forward"),
-               ("core.py", 1, "<module>"), ("core.py", 20, "Layer")}  # (a class body's code)
+    entered = {
+        ENTRY,
+        ("plan.py", 1, "plan"),
+        ("tests/other.py", 1, "plan"),
+        ("scripts/other.py", 1, "plan"),
+        ("torch/nn/modules/module.py", 1, "forward"),
+        ("core.py", 1, "<module>"),
+        ("core.py", 20, "Layer"),
+    }  # (a class body's code)
     read, tools = reading_path.count(project, entered, set())
     assert len(read) == 7 and tools == {("plan.py", 1), ("plan.py", 2)}
 

@@ -1,21 +1,23 @@
 """The README and docs/ are part of the product, held to the code here:
 
-  - docs/settings.md lists every setting of train.py and of each tool, with the default and meaning the code
-    declares (its tables are generated from settings.TRAINING and each tool's own list or parser);
-  - CI runs the README's test command, and the README links every docs page;
-  - every command the README and docs show, in a code block or inline in prose (a `code` span that
-    starts as a command), names files that exist and only flags its script takes, parsed by that
-    script's own Setting list or argparse parser (torchrun's flags by torchrun's parser);
-  - the README's reading path ("Read the code") gives each function or class it names its current line
-    range and count of non-blank lines, so a range that moved fails here;
-  - and the README's commands, inline ones too, run, in its order, in one fresh copy of the
-    checkout, each cut to a tiny model and 2 steps by flags put after its own (NOT_RUN: what cannot
-    run offline on a CPU), so a command that fails as written fails here.
+- docs/settings.md lists every setting of train.py and of each tool, with the default and meaning
+the code
+  declares (its tables are generated from settings.TRAINING and each tool's own list or parser);
+- CI runs the README's test command, and the README links every docs page; - every command the
+README and docs show, in a code block or inline in prose (a `code` span that
+  starts as a command), names files that exist and only flags its script takes, parsed by that
+  script's own Setting list or argparse parser (torchrun's flags by torchrun's parser);
+- the README's reading path ("Read the code") gives each function or class it names its current line
+  range and count of non-blank lines, so a range that moved fails here;
+- and the README's commands, inline ones too, run, in its order, in one fresh copy of the
+  checkout, each cut to a tiny model and 2 steps by flags put after its own (NOT_RUN: what cannot
+  run offline on a CPU), so a command that fails as written fails here.
 
-    python tests/test_readme.py            print the reading path's ranges as the code has them now
-    python tests/test_readme.py --write    rewrite the generated parts: docs/settings.md's tables and the
-                                           reading path's ranges in the README
+  python tests/test_readme.py            print the reading path's ranges as the code has them now
+  python tests/test_readme.py --write    rewrite the generated parts: docs/settings.md's tables and the
+                                         reading path's ranges in the README
 """
+
 import argparse
 import ast
 import contextlib
@@ -57,8 +59,10 @@ def docs_pages():
 # -----------------------------------------------------------------------------
 # the scripts and how each reads its command line
 
+
 def load(script):
-    """The module of a script of this repository (scripts/compare.py too), imported without running it."""
+    """The module of a script of this repository (scripts/compare.py too), imported without running
+    it."""
     name = script[:-3].replace("/", ".")
     if "/" not in script or script.startswith("tools/"):
         return importlib.import_module(name)
@@ -69,25 +73,35 @@ def load(script):
 
 
 def setting_lists():
-    """(script, what else takes the same list, its Setting list) for every script read by configurator.py."""
+    """(script, what else takes the same list, its Setting list) for every script read by
+    configurator.py."""
     return [
-        ("train.py", "also tools/bench.py, tools/make_config.py and scripts/compare.py", settings.TRAINING),
+        (
+            "train.py",
+            "also tools/bench.py, tools/make_config.py and scripts/compare.py",
+            settings.TRAINING,
+        ),
         ("tools/bench.py", "its own, besides train.py's", load("tools/bench.py").BENCH),
         ("tools/make_config.py", "its own, besides train.py's", load("tools/make_config.py").OWN),
         ("tools/step_time.py", "its own, besides train.py's", load("tools/step_time.py").OWN),
         ("sample.py", "", load("sample.py").SAMPLING),
         ("export_hf.py", "", load("export_hf.py").EXPORT),
-        ("scripts/compare.py", "its own, besides train.py's; each side's --a and --b are train.py's",
-         load("scripts/compare.py").OPTIONS),
+        (
+            "scripts/compare.py",
+            "its own, besides train.py's; each side's --a and --b are train.py's",
+            load("scripts/compare.py").OPTIONS,
+        ),
     ]
 
 
-CONFIGURE = {"train.py": lambda: settings.TRAINING,
-             "tools/bench.py": lambda: settings.TRAINING + load("tools/bench.py").BENCH,
-             "tools/make_config.py": lambda: settings.TRAINING + load("tools/make_config.py").OWN,
-             "tools/step_time.py": lambda: settings.TRAINING + load("tools/step_time.py").OWN,
-             "sample.py": lambda: load("sample.py").SAMPLING,
-             "export_hf.py": lambda: load("export_hf.py").EXPORT}
+CONFIGURE = {
+    "train.py": lambda: settings.TRAINING,
+    "tools/bench.py": lambda: settings.TRAINING + load("tools/bench.py").BENCH,
+    "tools/make_config.py": lambda: settings.TRAINING + load("tools/make_config.py").OWN,
+    "tools/step_time.py": lambda: settings.TRAINING + load("tools/step_time.py").OWN,
+    "sample.py": lambda: load("sample.py").SAMPLING,
+    "export_hf.py": lambda: load("export_hf.py").EXPORT,
+}
 ARGPARSE = ("prepare_data.py", "tools/plot.py", "tools/timeline.py")
 
 
@@ -96,9 +110,12 @@ class _Caught(Exception):
 
 
 def argparse_parser(script):
-    """The argparse parser that a script's main(argv) builds, caught when it starts parsing: nothing runs."""
+    """The argparse parser that a script's main(argv) builds, caught when it starts parsing: nothing
+    runs."""
+
     def catch(parser, args=None, namespace=None):
         raise _Caught(parser)
+
     with mock.patch.object(argparse.ArgumentParser, "parse_args", catch):
         try:
             load(script).main([])
@@ -109,6 +126,7 @@ def argparse_parser(script):
 
 # -----------------------------------------------------------------------------
 # docs/settings.md: the tables, generated from the code
+
 
 def _cell(text):
     return str(text).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
@@ -131,8 +149,11 @@ def settings_tables():
             if resume and s.section != banner:
                 banner = s.section
                 out.append(f"| **{_cell(banner)}** | | | |")
-            out.append(f"| `{s.name}` | {_default(s.default)} | " + (f"{s.resume} | " if resume else "")
-                       + f"{_cell(s.meaning)} |")
+            out.append(
+                f"| `{s.name}` | {_default(s.default)} | "
+                + (f"{s.resume} | " if resume else "")
+                + f"{_cell(s.meaning)} |"
+            )
         out.append("")
     for script in ARGPARSE:
         out += [f"### {script}", "", "| option | default | meaning |", "|---|---|---|"]
@@ -148,7 +169,9 @@ def settings_tables():
 
 
 def generated_part(text, path):
-    assert BEGIN in text and END in text, f"{path.name} has lost its generated part's markers: {BEGIN} ... {END}"
+    assert BEGIN in text and END in text, (
+        f"{path.name} has lost its generated part's markers: {BEGIN} ... {END}"
+    )
     return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
 
 
@@ -160,22 +183,32 @@ def with_generated_part(text, part):
 # -----------------------------------------------------------------------------
 # the reading path: [file `name` start-end](file#Lstart-Lend), N lines
 
-ENTRY = re.compile(r"\[(?P<file>[\w/]+\.py) `(?P<name>[\w.]+)` \d+-\d+\]\([\w/]+\.py#L\d+-L\d+\), \d+ lines")
+ENTRY = re.compile(
+    r"\[(?P<file>[\w/]+\.py) `(?P<name>[\w.]+)` \d+-\d+\]\([\w/]+\.py#L\d+-L\d+\), \d+ lines"
+)
 
 
 def code_range(path, name):
-    """(first line, last line, non-blank lines) of the def or class `name` (Class.method for a method) at
-    the top level of the file, its decorators included; None when there is no such def or class."""
+    """(first line, last line, non-blank lines) of the def or class `name` (Class.method for a
+    method) at the top level of the file, its decorators included; None when there is no such def or
+    class."""
     source = (ROOT / path).read_text()
     body, node = ast.parse(source).body, None
     for part in name.split("."):
-        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                     and n.name == part), None)
+        node = next(
+            (
+                n
+                for n in body
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                and n.name == part
+            ),
+            None,
+        )
         if node is None:
             return None
         body = node.body
     start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-    lines = source.splitlines()[start - 1:node.end_lineno]
+    lines = source.splitlines()[start - 1 : node.end_lineno]
     return start, node.end_lineno, sum(1 for line in lines if line.strip())
 
 
@@ -194,8 +227,9 @@ def reading_path(text):
 
 COMMAND_START = re.compile(r"^(\$ )?(\w+=\S+ +)*(python3?|torchrun|pip|sbatch|\S+\.sh)( |$)")
 # a code block, or an inline `code` span in one paragraph (a blank line ends it), in text order
-SHOWN = re.compile(r"^```[^\n]*\n(?P<block>.*?)^```|(?<!`)`(?P<inline>(?:[^`\n]|\n(?!\s*\n))+)`",
-                   re.M | re.S)
+SHOWN = re.compile(
+    r"^```[^\n]*\n(?P<block>.*?)^```|(?<!`)`(?P<inline>(?:[^`\n]|\n(?!\s*\n))+)`", re.M | re.S
+)
 # an inline span that starts as a command is one (`slurm.sh` names a file, `scripts/slurm.sh` runs)
 INLINE_START = re.compile(r"^(\w+=\S+ +)*(python3?|torchrun|pip|sbatch|\S+/\S+\.sh)( |$)")
 PYTEST_FLAGS = {"-q", "-s", "-x", "-v", "-m", "-k"}  # those the docs use; -m and -k take a value
@@ -207,8 +241,11 @@ def is_form(words):
     `[config.py ...]`, `<out_dir>`, a name in capitals: `--zero_stage=N`, `OUT_DIR`), or torchrun's
     flags named without a script."""
     program = next((w for w in words if not re.match(r"^\w+=", w)), "")
-    return (any(w == "..." or w[:1] in "[<" or re.search(r"(^|=)[A-Z][A-Z_]*$", w) for w in words)
-            or program == "torchrun" and not any(w.endswith(".py") for w in words))
+    return (
+        any(w == "..." or w[:1] in "[<" or re.search(r"(^|=)[A-Z][A-Z_]*$", w) for w in words)
+        or program == "torchrun"
+        and not any(w.endswith(".py") for w in words)
+    )
 
 
 def shown_lines(text):
@@ -250,8 +287,8 @@ def _file_problem(path, line):
 
 
 def check_configure(script, args, made):
-    """configurator.py's own checks: config files and --key=value of the declared types (--help is every
-    tool's)."""
+    """configurator.py's own checks: config files and --key=value of the declared types (--help is
+    every tool's)."""
     args = [a for a in args if a not in made and a not in ("--help", "-h")]
     if script == "scripts/compare.py":
         compare = load(script)
@@ -268,8 +305,8 @@ def check_configure(script, args, made):
 
 
 def check_command(line, words, made):
-    """What is wrong with one shown command (None when nothing): a file that does not exist, a flag its
-    script does not take, a value of the wrong type."""
+    """What is wrong with one shown command (None when nothing): a file that does not exist, a flag
+    its script does not take, a value of the wrong type."""
     program, args = words[0], words[1:]
     if program == "pip":
         files = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("-r", "--requirement")]
@@ -286,10 +323,11 @@ def check_command(line, words, made):
         if at is None:
             return f"{line}\n    torchrun is given no script"
         from torch.distributed.run import get_args_parser
+
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err):
-                get_args_parser().parse_args(args[:at + 1])
+                get_args_parser().parse_args(args[: at + 1])
         except SystemExit:
             return f"{line}\n    torchrun: {err.getvalue().strip().splitlines()[-1]}"
         program, args = "python", args[at:]
@@ -315,7 +353,9 @@ def check_command(line, words, made):
             err = io.StringIO()
             with contextlib.redirect_stderr(err):
                 argparse_parser(script).parse_args(args)
-        else:  # a script with a hand-read command line (tests/test_memory.py --measure): it names each flag
+        # a script with a hand-read command line (tests/test_memory.py --measure): it names each
+        # flag
+        else:
             text = (ROOT / script).read_text()
             unknown = [a for a in args if a.startswith("--") and a.partition("=")[0] not in text]
             if unknown:
@@ -331,6 +371,7 @@ def check_command(line, words, made):
 # -----------------------------------------------------------------------------
 # the tests
 
+
 def test_every_setting_is_in_the_settings_page():
     page = SETTINGS_PAGE.read_text()
     missing = [k for k in settings.DEFAULTS if not re.search(rf"^\| `{k}` \|", page, re.M)]
@@ -339,8 +380,10 @@ def test_every_setting_is_in_the_settings_page():
 
 def test_the_settings_page_says_what_the_code_declares():
     page = generated_part(SETTINGS_PAGE.read_text(), SETTINGS_PAGE)
-    assert page == settings_tables(), (f"docs/settings.md's tables are not the defaults and meanings the code "
-                                       f"declares now: run {WRITE}")
+    assert page == settings_tables(), (
+        f"docs/settings.md's tables are not the defaults and meanings the code "
+        f"declares now: run {WRITE}"
+    )
 
 
 def test_ci_runs_the_readme_test_command():
@@ -353,7 +396,9 @@ def test_ci_runs_the_readme_test_command():
 def test_the_readme_is_a_short_guide_that_links_every_docs_page():
     readme = README.read_text()
     n = len(readme.splitlines())
-    assert n <= README_MAX_LINES, f"the README has {n} lines, over {README_MAX_LINES}: move reference into docs/"
+    assert n <= README_MAX_LINES, (
+        f"the README has {n} lines, over {README_MAX_LINES}: move reference into docs/"
+    )
     unlinked = [p.name for p in docs_pages() if f"](docs/{p.name}" not in readme]
     assert not unlinked, f"docs pages the README does not link: {unlinked}"
 
@@ -361,12 +406,15 @@ def test_the_readme_is_a_short_guide_that_links_every_docs_page():
 def test_every_command_shown_uses_files_and_flags_that_exist():
     problems, checked = [], 0
     for page in [README, *docs_pages()]:
-        made = set()  # files a shown command writes (tools/make_config.py --out=...), for the commands after it
+        # files a shown command writes (tools/make_config.py --out=...), for the commands after it
+        made = set()
         for line, words in shown_commands(page.read_text()):
             checked += 1
             if problem := check_command(line, words, made):
                 problems.append(f"{page.relative_to(ROOT)}: {problem}")
-    assert checked >= 20, f"only {checked} commands found in the README and docs: is the parsing broken?"
+    assert checked >= 20, (
+        f"only {checked} commands found in the README and docs: is the parsing broken?"
+    )
     assert not problems, "commands shown that would not run as written:\n" + "\n".join(problems)
 
 
@@ -374,8 +422,14 @@ def test_the_reading_path_gives_current_line_ranges():
     entries = reading_path(README.read_text())
     assert len(entries) >= 20, f"the README's reading path has {len(entries)} entries"
     missing = [f"{path} `{name}`" for _, path, name in entries if code_range(path, name) is None]
-    assert not missing, f"the reading path names defs or classes that are gone: {missing}; rename them in README.md"
-    stale = [f"{shown}\n    now {entry(path, name)}" for shown, path, name in entries if shown != entry(path, name)]
+    assert not missing, (
+        f"the reading path names defs or classes that are gone: {missing}; rename them in README.md"
+    )
+    stale = [
+        f"{shown}\n    now {entry(path, name)}"
+        for shown, path, name in entries
+        if shown != entry(path, name)
+    ]
     assert not stale, f"the reading path's line ranges moved (run {WRITE}):\n" + "\n".join(stale)
 
 
@@ -398,7 +452,9 @@ def test_every_link_points_at_a_file_and_heading_that_exist():
                 text = re.sub(r"^```.*?^```", "", file.read_text(), flags=re.M | re.S)
                 anchors = {github_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
                 if anchor not in anchors:
-                    broken.append(f"{page.name}: {target} (no heading with that anchor in {file.name})")
+                    broken.append(
+                        f"{page.name}: {target} (no heading with that anchor in {file.name})"
+                    )
     assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
 
 
@@ -406,105 +462,164 @@ def test_a_shown_command_with_an_unknown_flag_is_caught():
     made = set()
     assert check_command("x", ["python", "train.py", "--n_layers=2"], made) is not None
     assert check_command("x", ["python", "tools/timeline.py", "--stages", "4"], made) is not None
-    assert check_command("x", ["torchrun", "--nproc-per-node=2", "train.py", "--tp=2"], made) is None
+    assert (
+        check_command("x", ["torchrun", "--nproc-per-node=2", "train.py", "--tp=2"], made) is None
+    )
     assert check_command("x", ["python", "sample.py", "--top_k=one"], made) is not None
     assert check_command("x", ["python", "config/nowhere.py"], made) is not None
 
 
 def test_an_inline_command_is_a_command_in_its_place_among_the_blocks():
-    text = ("```bash\npython tools/make_config.py --nproc=8 --out=config/my.py\n```\n\n"
-            "Then `python tools/step_time.py config/my.py\n--nproc=8 --machine=h100` explains it; "
-            "`slurm.sh`, `--tp=2`, `torchrun --max-restarts=N`, `python train.py [config.py ...]`\n"
-            "and `python tools/plot.py --trace <out_dir>` are names and forms, not commands. A lone ` is "
-            "no span.\n\n`sbatch scripts/slurm.sh`\n"
-            "```\ntorchrun --nproc_per_node=8 train.py config/my.py\n```\n")
+    text = (
+        "```bash\npython tools/make_config.py --nproc=8 --out=config/my.py\n```\n\n"
+        "Then `python tools/step_time.py config/my.py\n--nproc=8 --machine=h100` explains it; "
+        "`slurm.sh`, `--tp=2`, `torchrun --max-restarts=N`, `python train.py [config.py ...]`\n"
+        "and `python tools/plot.py --trace <out_dir>` are names and forms, not commands. A lone ` is "
+        "no span.\n\n`sbatch scripts/slurm.sh`\n"
+        "```\ntorchrun --nproc_per_node=8 train.py config/my.py\n```\n"
+    )
     assert [words for _, words in shown_commands(text)] == [
         ["python", "tools/make_config.py", "--nproc=8", "--out=config/my.py"],
         ["python", "tools/step_time.py", "config/my.py", "--nproc=8", "--machine=h100"],
         ["sbatch", "scripts/slurm.sh"],
-        ["torchrun", "--nproc_per_node=8", "train.py", "config/my.py"]]
+        ["torchrun", "--nproc_per_node=8", "train.py", "config/my.py"],
+    ]
     # and is checked as a block's command is: a flag its script does not take is caught
     line, words = next(shown_commands("run `python tools/step_time.py --nprocs=8` to see"))
     assert "unknown config key 'nprocs'" in check_command(line, words, set())
 
 
-# -----------------------------------------------------------------------------
-# the README's commands, run: in its order, in one fresh folder, each cut to a tiny size by flags put after
-# its own, so a command that fails as written fails here
+# ----------------------------------------------------------------------------- the README's
+# commands, run: in its order, in one fresh folder, each cut to a tiny size by flags put after its
+# own, so a command that fails as written fails here
 
-# What cannot run offline on a CPU, not run (its files and flags are checked above): (why, which commands)
+# What cannot run offline on a CPU, not run (its files and flags are checked above): (why, which
+# commands)
 NOT_RUN = [
     ("pip installs from the network", lambda words: words[0] == "pip"),
-    ("the online prepare streams FineWeb-Edu from the Hub (the offline prepare runs first, in its place)",
-     lambda words: words[1:2] == ["prepare_data.py"] and not any(a.startswith("--dataset=") for a in words)),
-    ("a Hub model: hf/SmolLM2-135M is a model folder downloaded from the Hugging Face Hub",
-     lambda words: "--init_from=hf/SmolLM2-135M" in words),
+    (
+        "the online prepare streams FineWeb-Edu from the Hub (the offline prepare runs first, in its place)",
+        lambda words: (
+            words[1:2] == ["prepare_data.py"] and not any(a.startswith("--dataset=") for a in words)
+        ),
+    ),
+    (
+        "a Hub model: hf/SmolLM2-135M is a model folder downloaded from the Hugging Face Hub",
+        lambda words: "--init_from=hf/SmolLM2-135M" in words,
+    ),
     ("sbatch needs a SLURM cluster", lambda words: words[0] == "sbatch"),
     ("the GPU check needs a CUDA GPU", lambda words: words[0].endswith("gpu_check.sh")),
     ("the test suite, which this test is part of", lambda words: words[1:3] == ["-m", "pytest"]),
-    ("it rewrites the checkout's README and docs (their generated parts): the copy has neither",
-     lambda words: words[1:2] == ["tests/test_readme.py"]),
+    (
+        "it rewrites the checkout's README and docs (their generated parts): the copy has neither",
+        lambda words: words[1:2] == ["tests/test_readme.py"],
+    ),
 ]
-# Each script's cut, put after the command's own flags: a small model (4 layers, so that pp = 4 and two
-# chunks of pp = 2 still have a layer each), 2 steps, evaluations of one batch; tools/bench.py times one step,
-# uncompiled (compiling costs half a minute of CPU; tests/test_bench.py tests compile); sample.py writes 4 tokens
-TINY_MODEL = ["--n_layer=4", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_size=64", "--batch_size=2"]
-CUT = {"train.py": TINY_MODEL + ["--max_iters=2", "--eval_iters=1"],
-       "tools/make_config.py": TINY_MODEL,
-       "tools/bench.py": TINY_MODEL + ["--warmup_steps=0", "--bench_steps=1", "--compile=False"],
-       "scripts/compare.py": TINY_MODEL + ["--max_iters=2"],
-       "sample.py": ["--num_samples=1", "--max_new_tokens=4"],
-       "prepare_data.py": ["--num_proc=1"]}  # a small file: a pool's processes would each import the tokenizer
-# A command that needs more than its script's cut: (a word of the command, the flags put after it too)
-CUT_ALSO = [("--init_from=resume", ["--max_iters=4"]),  # the quick start's cut run saved step 2: resume to 4
-            ("--ckpt=200", ["--ckpt=2"])]  # the cut runs save steps 2 and 4, not 200
+# Each script's cut, put after the command's own flags: a small model (4 layers, so that pp = 4 and
+# two chunks of pp = 2 still have a layer each), 2 steps, evaluations of one batch; tools/bench.py
+# times one step, uncompiled (compiling costs half a minute of CPU; tests/test_bench.py tests
+# compile); sample.py writes 4 tokens
+TINY_MODEL = [
+    "--n_layer=4",
+    "--n_head=4",
+    "--n_kv_head=2",
+    "--n_embd=32",
+    "--block_size=64",
+    "--batch_size=2",
+]
+CUT = {
+    "train.py": TINY_MODEL + ["--max_iters=2", "--eval_iters=1"],
+    "tools/make_config.py": TINY_MODEL,
+    "tools/bench.py": TINY_MODEL + ["--warmup_steps=0", "--bench_steps=1", "--compile=False"],
+    "scripts/compare.py": TINY_MODEL + ["--max_iters=2"],
+    "sample.py": ["--num_samples=1", "--max_new_tokens=4"],
+    "prepare_data.py": ["--num_proc=1"],
+}  # a small file: a pool's processes would each import the tokenizer
+# A command that needs more than its script's cut: (a word of the command, the flags put after it
+# too)
+CUT_ALSO = [
+    (
+        "--init_from=resume",
+        ["--max_iters=4"],
+    ),  # the quick start's cut run saved step 2: resume to 4
+    ("--ckpt=200", ["--ckpt=2"]),
+]  # the cut runs save steps 2 and 4, not 200
 # The reader's own files that commands name, made here: a folder of text to prepare, a prompt
-READERS_FILES = {"path/to/corpus/notes.txt": "The history of the printing press begins in China. " * 40,
-                 "prompt.txt": "The history of"}
-# A command that fails for a reason another item of issue 34 fixes: (a word of the command, the item). It
-# must fail until that fix is merged (and then this line is removed): a marked command that passes fails
+READERS_FILES = {
+    "path/to/corpus/notes.txt": "The history of the printing press begins in China. " * 40,
+    "prompt.txt": "The history of",
+}
+# A command that fails for a reason another item of issue 34 fixes: (a word of the command, the
+# item). It must fail until that fix is merged (and then this line is removed): a marked command
+# that passes fails
 AWAITING = []
 
 
 def _as_run(script, argv, env, folder, log):
-    """One process of a shown command, as `python script argv` runs it (and torchrun each of its workers):
-    the script as __main__, in the folder and environment given, its output into the file log."""
+    """One process of a shown command, as `python script argv` runs it (and torchrun each of its
+    workers): the script as __main__, in the folder and environment given, its output into the file
+    log."""
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(folder)
-    multiprocessing.process.ORIGINAL_DIR = folder  # where a spawned child finds __main__ (as if started here)
+    multiprocessing.process.ORIGINAL_DIR = (
+        folder  # where a spawned child finds __main__ (as if started here)
+    )
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # (torch read it once, in the fork server)
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(os.path.abspath(script), run_name="__main__")  # python gives __main__ its absolute path
+    runpy.run_path(
+        os.path.abspath(script), run_name="__main__"
+    )  # python gives __main__ its absolute path
 
 
 def run_shown(words, folder, logs, timeout=300):
-    """Run a shown command, `python SCRIPT ...` or `torchrun [its flags] SCRIPT ...`, in folder: each process
-    forked from tests/dist_utils.py's fork server, which has imported torch and picotron once (a fresh
-    interpreter per rank would spend seconds on that), with the environment torchrun gives its workers.
-    torchrun's flags are read by torchrun's own parser; one node, and no failure to restart after.
-    Returns (each process's exit status, the output of the first that failed, else rank 0's)."""
+    """Run a shown command, `python SCRIPT ...` or `torchrun [its flags] SCRIPT ...`, in folder:
+    each process forked from tests/dist_utils.py's fork server, which has imported torch and
+    picotron once (a fresh interpreter per rank would spend seconds on that), with the environment
+    torchrun gives its workers. torchrun's flags are read by torchrun's own parser; one node, and no
+    failure to restart after. Returns (each process's exit status, the output of the first that
+    failed, else rank 0's)."""
     nproc, at = 1, 1
     if words[0] == "torchrun":
         from torch.distributed.run import get_args_parser
+
         at = next(i for i, a in enumerate(words) if a.endswith(".py"))
-        launch = get_args_parser().parse_args(words[1:at + 1])
-        assert launch.nnodes in ("1", "1:1"), f"{shlex.join(words)}: several nodes cannot run here: add it to NOT_RUN"
+        launch = get_args_parser().parse_args(words[1 : at + 1])
+        assert launch.nnodes in ("1", "1:1"), (
+            f"{shlex.join(words)}: several nodes cannot run here: add it to NOT_RUN"
+        )
         nproc = int(launch.nproc_per_node)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if words[0] == "torchrun":
-        env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-                   WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", TORCHELASTIC_RESTART_COUNT="0")
+        env.update(
+            OMP_NUM_THREADS="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            GROUP_RANK="0",
+            TORCHELASTIC_RESTART_COUNT="0",
+        )
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     files = [os.path.join(logs, f"{len(os.listdir(logs)):03d}.rank{r}.log") for r in range(nproc)]
-    procs = [ctx.Process(target=_as_run, args=(words[at], words[at + 1:], {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
-                                               if words[0] == "torchrun" else env, str(folder), files[r]))
-             for r in range(nproc)]
+    procs = [
+        ctx.Process(
+            target=_as_run,
+            args=(
+                words[at],
+                words[at + 1 :],
+                {**env, "RANK": str(r), "LOCAL_RANK": str(r)} if words[0] == "torchrun" else env,
+                str(folder),
+                files[r],
+            ),
+        )
+        for r in range(nproc)
+    ]
     for p in procs:
         p.start()
     deadline = time.time() + timeout
@@ -516,21 +631,32 @@ def run_shown(words, folder, logs, timeout=300):
         procs[r].join()
     codes = [p.exitcode for p in procs]
     failed = next((r for r, c in enumerate(codes) if c != 0), 0)
-    return codes, open(files[failed]).read() + (f"\n(ranks {hung} killed after {timeout} s)" if hung else "")
+    return codes, open(files[failed]).read() + (
+        f"\n(ranks {hung} killed after {timeout} s)" if hung else ""
+    )
 
 
 def readme_runs(data_source):
-    """Every command of the README in its order, cut (CUT, CUT_ALSO), or its reason not to run; the offline
-    prepare of data_source first. Yields (the line shown, the words run or None, why not run or None)."""
-    yield "(the offline prepare)", ["python", "prepare_data.py", f"--dataset={data_source}", *CUT["prepare_data.py"]], None
+    """Every command of the README in its order, cut (CUT, CUT_ALSO), or its reason not to run; the
+    offline prepare of data_source first. Yields (the line shown, the words run or None, why not run
+    or None)."""
+    yield (
+        "(the offline prepare)",
+        ["python", "prepare_data.py", f"--dataset={data_source}", *CUT["prepare_data.py"]],
+        None,
+    )
     for line, words in shown_commands(README.read_text()):
         why = next((why for why, matches in NOT_RUN if matches(words)), None)
         if why is not None:
             yield line, None, why
             continue
         script = next(a for a in words if a.endswith(".py"))
-        cut = [] if "--help" in words else \
-            CUT.get(script, []) + [flag for word, flags in CUT_ALSO if word in words for flag in flags]
+        cut = (
+            []
+            if "--help" in words
+            else CUT.get(script, [])
+            + [flag for word, flags in CUT_ALSO if word in words for flag in flags]
+        )
         yield line, words + cut, None
 
 
@@ -538,7 +664,8 @@ def readme_runs(data_source):
 def test_every_readme_command_runs_as_written(tmp_path):
     folder, logs = tmp_path / "checkout", tmp_path / "logs"
     logs.mkdir()
-    # a fresh checkout: the scripts, configs and requirements, without what the README's commands write
+    # a fresh checkout: the scripts, configs and requirements, without what the README's commands
+    # write
     folder.mkdir()
     for path in ROOT.glob("*.py"):
         shutil.copy(path, folder)
@@ -558,8 +685,18 @@ def test_every_readme_command_runs_as_written(tmp_path):
     data_source = shared_file("fineweb_edu_sample/fineweb_edu_sample10bt_150.jsonl")
     if data_source is None:  # a fresh clone without ../shared: documents of our own
         data_source = tmp_path / "docs.jsonl"
-        data_source.write_text("".join(json.dumps({"text": f"Document {i}. " + "The quick brown fox jumps over the "
-                                                   "lazy dog. " * (30 + i)}) + "\n" for i in range(40)))
+        data_source.write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "text": f"Document {i}. " + "The quick brown fox jumps over the "
+                        "lazy dog. " * (30 + i)
+                    }
+                )
+                + "\n"
+                for i in range(40)
+            )
+        )
     failures, ran, not_run, awaited = [], 0, [], []
     for line, words, why in readme_runs(data_source):
         if words is None:
@@ -568,15 +705,24 @@ def test_every_readme_command_runs_as_written(tmp_path):
         start = time.time()
         codes, output = run_shown(words, folder, str(logs))
         ran += 1
-        print(f"readme | {time.time() - start:5.1f} s | exit {codes} | {' '.join(words)}", flush=True)
+        print(
+            f"readme | {time.time() - start:5.1f} s | exit {codes} | {' '.join(words)}", flush=True
+        )
         item = next((item for word, item in AWAITING if word in words), None)
         if item is not None:
             awaited.append(line) if any(codes) else failures.append(
-                f"{line}\n    runs now: remove its mark in AWAITING ({item})")
+                f"{line}\n    runs now: remove its mark in AWAITING ({item})"
+            )
         elif any(codes):
-            failures.append(f"{line}\n    ran as: {shlex.join(words)}\n    exit status {codes}; "
-                            f"the output:\n{output[-3000:]}")
-    print("not run: " + "; ".join(not_run) + "".join(f"\nawaiting another item's fix: {line}" for line in awaited))
+            failures.append(
+                f"{line}\n    ran as: {shlex.join(words)}\n    exit status {codes}; "
+                f"the output:\n{output[-3000:]}"
+            )
+    print(
+        "not run: "
+        + "; ".join(not_run)
+        + "".join(f"\nawaiting another item's fix: {line}" for line in awaited)
+    )
     assert ran >= 20, f"only {ran} of the README's commands ran"
     assert not failures, "README commands that fail as written:\n" + "\n".join(failures)
 
@@ -586,10 +732,16 @@ if __name__ == "__main__":
         SETTINGS_PAGE.write_text(with_generated_part(SETTINGS_PAGE.read_text(), settings_tables()))
         readme = README.read_text()
         README.write_text(ENTRY.sub(lambda m: entry(m["file"], m["name"]), readme))
-        print(f"wrote {SETTINGS_PAGE.relative_to(ROOT)}'s tables and {len(reading_path(readme))} reading-path "
-              f"ranges in README.md")
+        print(
+            f"wrote {SETTINGS_PAGE.relative_to(ROOT)}'s tables and {len(reading_path(readme))} reading-path "
+            f"ranges in README.md"
+        )
     elif sys.argv[1:]:
         sys.exit(__doc__)
     else:
         for shown, path, name in reading_path(README.read_text()):
-            print(entry(path, name) if code_range(path, name) else f"{path} `{name}`: no such def or class")
+            print(
+                entry(path, name)
+                if code_range(path, name)
+                else f"{path} `{name}`: no such def or class"
+            )

@@ -1,14 +1,15 @@
-"""Tensor parallelism: parallel.py's operators and layers, and model.py's split of the Llama model (MHA, GQA,
-MQA), each against one process with the same weights and inputs, fp32 on CPU with gloo.
+"""Tensor parallelism: parallel.py's operators and layers, and model.py's split of the Llama model
+(MHA, GQA, MQA), each against one process with the same weights and inputs, fp32 on CPU with gloo.
 
-The reference is always the unsplit computation: nn.Linear, F.cross_entropy on the full logits, the model
-built without a tensor-parallel group. To pay the process start-up once per world size, one run_ranks
-call per tp does every check and returns the errors; the tests below each read one behaviour from it.
-train.py at tp = 2 (training steps, the evaluation, the final weights) against one process: the equivalence
-matrix (tests/matrix.py).
+The reference is always the unsplit computation: nn.Linear, F.cross_entropy on the full logits, the
+model built without a tensor-parallel group. To pay the process start-up once per world size, one
+run_ranks call per tp does every check and returns the errors; the tests below each read one
+behaviour from it. train.py at tp = 2 (training steps, the evaluation, the final weights) against
+one process: the equivalence matrix (tests/matrix.py).
 
     PYTHONPATH=. python tests/test_tensor_parallel.py --measure    tokens/s and TP bytes per step at tp = 1, 2, 4
 """
+
 import os
 import sys
 import tempfile
@@ -22,9 +23,19 @@ import torch.nn.functional as F
 
 from dist_utils import backward, build_model, gather_full, make_token_data, run_ranks, run_train
 from model import ModelConfig, swiglu_hidden_size
-from parallel import (ColumnParallelLinear, ParallelLayout, RowParallelLinear, copy_to_tp, gather_from_tp,
-                      split_vocab_size, reduce_from_tp, scatter_to_tp, shard_of, valid_vocab_columns,
-                      vocab_parallel_cross_entropy)
+from parallel import (
+    ColumnParallelLinear,
+    ParallelLayout,
+    RowParallelLinear,
+    copy_to_tp,
+    gather_from_tp,
+    split_vocab_size,
+    reduce_from_tp,
+    scatter_to_tp,
+    shard_of,
+    valid_vocab_columns,
+    vocab_parallel_cross_entropy,
+)
 from settings import check_layout
 from tensor_parallel import load_full
 
@@ -36,7 +47,9 @@ MODEL_CONFIGS = {
     # tp=2 splits the 2 key/value heads, tp=4 replicates them; vocab 520 pads to 576 / 640 / 768 at
     # tp = 1 / 2 / 4, and at tp=4 the last rank holds nothing but padding
     "gqa_padded_vocab": dict(n_kv_head=2, vocab_size=520),
-    "mqa_untied": dict(n_kv_head=1, tie_embeddings=False),  # one key/value head, replicated on every rank
+    "mqa_untied": dict(
+        n_kv_head=1, tie_embeddings=False
+    ),  # one key/value head, replicated on every rank
 }
 
 
@@ -45,8 +58,8 @@ def rel_err(a, b):
 
 
 def gather_vocab_columns(local, vocab_size, rows_per_rank, group):
-    """Full-vocab tensor from (..., V_local) slices whose widths differ (the padding is cut off on each
-    rank): pad each to rows_per_rank, all-gather, cut to vocab_size."""
+    """Full-vocab tensor from (..., V_local) slices whose widths differ (the padding is cut off on
+    each rank): pad each to rows_per_rank, all-gather, cut to vocab_size."""
     padded = F.pad(local, (0, rows_per_rank - local.shape[-1]))
     parts = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, padded.contiguous(), group=group)
@@ -58,10 +71,13 @@ def gather_vocab_columns(local, vocab_size, rows_per_rank, group):
 
 
 def check_primitives(group):
-    """Forward and backward of f, g, gather and scatter on rank-dependent tensors; True where they hold."""
+    """Forward and backward of f, g, gather and scatter on rank-dependent tensors; True where they
+    hold."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     per_rank = [torch.arange(6.0).reshape(2, 3) + 10 * r for r in range(world)]  # what rank r holds
-    grads = [torch.arange(6.0).reshape(2, 3) * (r + 1) for r in range(world)]  # rank r's incoming gradient
+    grads = [
+        torch.arange(6.0).reshape(2, 3) * (r + 1) for r in range(world)
+    ]  # rank r's incoming gradient
     out = {}
 
     x = per_rank[rank].clone().requires_grad_()
@@ -70,7 +86,9 @@ def check_primitives(group):
     y.backward(incoming)
     out["copy_forward_identity"] = torch.equal(y, per_rank[rank])
     out["copy_backward_all_reduce"] = torch.equal(x.grad, sum(grads))
-    out["copy_leaves_incoming_grad"] = torch.equal(incoming, grads[rank])  # autograd may share it elsewhere
+    out["copy_leaves_incoming_grad"] = torch.equal(
+        incoming, grads[rank]
+    )  # autograd may share it elsewhere
 
     x = per_rank[rank].clone().requires_grad_()
     y = reduce_from_tp(x, group)
@@ -81,10 +99,14 @@ def check_primitives(group):
 
     x = per_rank[rank].clone().requires_grad_()
     y = gather_from_tp(x, group)
-    full_grad = torch.arange(6.0 * world).reshape(2, 3 * world)  # the same on every rank, as after a gather
+    full_grad = torch.arange(6.0 * world).reshape(
+        2, 3 * world
+    )  # the same on every rank, as after a gather
     y.backward(full_grad)
     out["gather_forward_concatenates"] = torch.equal(y, torch.cat(per_rank, dim=-1))
-    out["gather_backward_keeps_own_slice"] = torch.equal(x.grad, full_grad[:, 3 * rank:3 * rank + 3])
+    out["gather_backward_keeps_own_slice"] = torch.equal(
+        x.grad, full_grad[:, 3 * rank : 3 * rank + 3]
+    )
 
     x = torch.cat(per_rank, dim=-1).requires_grad_()  # the same on every rank, as before a scatter
     y = scatter_to_tp(x, group)
@@ -95,9 +117,9 @@ def check_primitives(group):
 
 
 def check_linears(group):
-    """ColumnParallelLinear(gather_output=True) and RowParallelLinear(input_is_parallel=False), used on
-    their own with slices of an nn.Linear's weights, against that nn.Linear: output, input gradient,
-    weight and bias gradients."""
+    """ColumnParallelLinear(gather_output=True) and RowParallelLinear(input_is_parallel=False), used
+    on their own with slices of an nn.Linear's weights, against that nn.Linear: output, input
+    gradient, weight and bias gradients."""
     g = torch.Generator().manual_seed(0)
     x_full = torch.randn(3, 5, 24, generator=g)
     out, fills = {}, {}
@@ -110,20 +132,30 @@ def check_linears(group):
             layer = ColumnParallelLinear(24, 16, bias=True, group=group, gather_output=True)
         else:
             layer = RowParallelLinear(24, 16, bias=True, group=group, input_is_parallel=False)
-        # a layer fills itself from the full tensors, or from a reader of slices (as a safetensors file gives)
+        # a layer fills itself from the full tensors, or from a reader of slices (as a safetensors
+        # file gives)
         load_full(layer, ref.weight.detach(), ref.bias.detach())
         if kind == "column":
             twin = ColumnParallelLinear(24, 16, bias=True, group=group, gather_output=True)
         else:
             twin = RowParallelLinear(24, 16, bias=True, group=group, input_is_parallel=False)
         reads = []
-        reader = lambda t: (lambda dim, start, size: reads.append(dim) or
-                            (t if dim is None else t.narrow(dim, start, size)).detach().clone())
+        reader = lambda t: (
+            lambda dim, start, size: (
+                reads.append(dim)
+                or (t if dim is None else t.narrow(dim, start, size)).detach().clone()
+            )
+        )
         load_full(twin, reader(ref.weight), reader(ref.bias))
-        fills[f"{kind}/reader_fill_equals_full_fill"] = (torch.equal(twin.weight, layer.weight) and
-                                                      torch.equal(twin.bias, layer.bias) and
-                                                      torch.equal(layer.weight, shard_of(ref.weight, layer.weight)))
-        fills[f"{kind}/reader_reads_only_slices"] = reads == [1 if kind == "row" else 0, None if kind == "row" else 0]
+        fills[f"{kind}/reader_fill_equals_full_fill"] = (
+            torch.equal(twin.weight, layer.weight)
+            and torch.equal(twin.bias, layer.bias)
+            and torch.equal(layer.weight, shard_of(ref.weight, layer.weight))
+        )
+        fills[f"{kind}/reader_reads_only_slices"] = reads == [
+            1 if kind == "row" else 0,
+            None if kind == "row" else 0,
+        ]
         upstream = torch.randn(3, 5, 16, generator=g)  # d loss / d y, the same on every rank
         x_ref, x = x_full.clone().requires_grad_(), x_full.clone().requires_grad_()
         y_ref, y = ref(x_ref), layer(x)
@@ -131,14 +163,19 @@ def check_linears(group):
         (y * upstream).sum().backward()
         out[f"{kind}/output"] = rel_err(y, y_ref)
         out[f"{kind}/input_grad"] = rel_err(x.grad, x_ref.grad)
-        out[f"{kind}/weight_grad"] = rel_err(gather_full(layer.weight.grad, layer.weight, group), ref.weight.grad)
-        out[f"{kind}/bias_grad"] = rel_err(gather_full(layer.bias.grad, layer.bias, group), ref.bias.grad)
+        out[f"{kind}/weight_grad"] = rel_err(
+            gather_full(layer.weight.grad, layer.weight, group), ref.weight.grad
+        )
+        out[f"{kind}/bias_grad"] = rel_err(
+            gather_full(layer.bias.grad, layer.bias, group), ref.bias.grad
+        )
     return out, fills
 
 
 def check_cross_entropy(group, vocab_size):
-    """vocab_parallel_cross_entropy on this rank's columns of full logits (padding cut off, as the model
-    does) against F.cross_entropy on the full logits, with some targets ignored (-1): loss and gradient."""
+    """vocab_parallel_cross_entropy on this rank's columns of full logits (padding cut off, as the
+    model does) against F.cross_entropy on the full logits, with some targets ignored (-1): loss and
+    gradient."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     g = torch.Generator().manual_seed(vocab_size)
     logits = torch.randn(40, vocab_size, generator=g) * 3
@@ -147,7 +184,7 @@ def check_cross_entropy(group, vocab_size):
     rows_per_rank = split_vocab_size(vocab_size, world) // world
     start = rank * rows_per_rank
     width = valid_vocab_columns(vocab_size, rows_per_rank, group)
-    local = logits[:, start:start + width].clone().requires_grad_()
+    local = logits[:, start : start + width].clone().requires_grad_()
     full = logits.clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(local, targets, start, group, ignore_index=-1)
     ref = F.cross_entropy(full, targets, ignore_index=-1)
@@ -159,7 +196,8 @@ def check_cross_entropy(group, vocab_size):
 
 def check_model(group, overrides, seed=1234):
     """The model at this tp against the same model built without a group: initial weights (exactly),
-    logits, loss and every gradient; replicated gradients identical on every rank; padded rows untouched."""
+    logits, loss and every gradient; replicated gradients identical on every rank; padded rows
+    untouched."""
     cfg = ModelConfig(**{**TINY, **overrides})
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=g)
@@ -167,20 +205,34 @@ def check_model(group, overrides, seed=1234):
     y[0, :5] = -1  # ignored targets
     ref, model = build_model(cfg, seed=seed), build_model(cfg, tp_group=group, seed=seed)
     ref_params = dict(ref.named_parameters())
-    out = {"init_differs": [name for name, p in model.named_parameters()
-                            if not torch.equal(gather_full(p.detach(), p, group),
-                                               gather_full(ref_params[name].detach(), ref_params[name], None))]}
+    out = {
+        "init_differs": [
+            name
+            for name, p in model.named_parameters()
+            if not torch.equal(
+                gather_full(p.detach(), p, group),
+                gather_full(ref_params[name].detach(), ref_params[name], None),
+            )
+        ]
+    }
     ref_logits, ref_loss = ref(x, y)
     logits, loss = model(x, y)
     ref_loss.backward()
     backward(loss, model)
-    out["logits"] = rel_err(gather_vocab_columns(logits.detach(), cfg.vocab_size, model.lm_head.out_per_rank, group),
-                            ref_logits.detach())
+    out["logits"] = rel_err(
+        gather_vocab_columns(logits.detach(), cfg.vocab_size, model.lm_head.out_per_rank, group),
+        ref_logits.detach(),
+    )
     out["loss"] = rel_err(loss.detach(), ref_loss.detach())
-    out["grads"] = {name: rel_err(gather_full(p.grad, p, group), gather_full(ref_params[name].grad, ref_params[name], None))
-                    for name, p in model.named_parameters()}
-    # replicated parameters (norms, replicated key/value weights) must get the same gradient on every rank,
-    # or the copies drift apart with the first optimizer step
+    out["grads"] = {
+        name: rel_err(
+            gather_full(p.grad, p, group),
+            gather_full(ref_params[name].grad, ref_params[name], None),
+        )
+        for name, p in model.named_parameters()
+    }
+    # replicated parameters (norms, replicated key/value weights) must get the same gradient on
+    # every rank, or the copies drift apart with the first optimizer step
     spread = 0.0
     for name, p in model.named_parameters():
         if getattr(p, "tp_shard_dim", None) is None:
@@ -190,9 +242,15 @@ def check_model(group, overrides, seed=1234):
     out["replicated_grad_spread"] = spread
     # padded vocabulary rows: never looked up, never a logit, so zero weights and zero gradient
     padding = [p for p in model.parameters() if getattr(p, "vocab_size", None) is not None]
-    out["padding_abs_max"] = max(max(t[valid_vocab_columns(p.vocab_size, p.shape[0], group):].abs().max().item()
-                                     if valid_vocab_columns(p.vocab_size, p.shape[0], group) < p.shape[0] else 0.0
-                                     for t in (p.detach(), p.grad)) for p in padding)
+    out["padding_abs_max"] = max(
+        max(
+            t[valid_vocab_columns(p.vocab_size, p.shape[0], group) :].abs().max().item()
+            if valid_vocab_columns(p.vocab_size, p.shape[0], group) < p.shape[0]
+            else 0.0
+            for t in (p.detach(), p.grad)
+        )
+        for p in padding
+    )
     return out
 
 
@@ -201,15 +259,22 @@ def count_tp_bytes(group, overrides, batch_size=2):
     wrapping torch.distributed's collectives (parallel.py keeps no counter of its own)."""
     cfg = ModelConfig(**{**TINY, **overrides})
     model = build_model(cfg, tp_group=group)
-    x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=torch.Generator().manual_seed(0))
-    counted, real = {}, {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast")}
+    x = torch.randint(
+        0, cfg.vocab_size, (batch_size, cfg.block_size), generator=torch.Generator().manual_seed(0)
+    )
+    counted, real = (
+        {},
+        {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast")},
+    )
 
     def counting(name):
         def collective(first, *args, **kwargs):
             tensor = args[0] if name == "all_gather" else first  # all_gather(outputs, input)
             counted[name] = counted.get(name, 0) + tensor.numel() * tensor.element_size()
             return real[name](first, *args, **kwargs)
+
         return collective
+
     try:
         for name in real:
             setattr(dist, name, counting(name))
@@ -224,10 +289,16 @@ def count_tp_bytes(group, overrides, batch_size=2):
 def tp_checks(rank, world_size):
     group = ParallelLayout(1, world_size, 1, world_size, rank).tp_group
     linears, fills = check_linears(group)
-    return {"primitives": check_primitives(group), "linears": linears, "linear_fills": fills,
-            "cross_entropy": {v: check_cross_entropy(group, v) for v in (500, 50)},
-            "model": {name: check_model(group, overrides) for name, overrides in MODEL_CONFIGS.items()},
-            "bytes": {name: count_tp_bytes(group, overrides) for name, overrides in MODEL_CONFIGS.items()}}
+    return {
+        "primitives": check_primitives(group),
+        "linears": linears,
+        "linear_fills": fills,
+        "cross_entropy": {v: check_cross_entropy(group, v) for v in (500, 50)},
+        "model": {name: check_model(group, overrides) for name, overrides in MODEL_CONFIGS.items()},
+        "bytes": {
+            name: count_tp_bytes(group, overrides) for name, overrides in MODEL_CONFIGS.items()
+        },
+    }
 
 
 # -----------------------------------------------------------------------------
@@ -246,7 +317,9 @@ def _every_rank(tp_results, section):
 def test_copy_to_region_is_identity_forward_all_reduce_backward(tp_results):
     for p in _every_rank(tp_results, "primitives"):
         assert p["copy_forward_identity"] and p["copy_backward_all_reduce"]
-        assert p["copy_leaves_incoming_grad"], "the all-reduce overwrote the gradient autograd handed in"
+        assert p["copy_leaves_incoming_grad"], (
+            "the all-reduce overwrote the gradient autograd handed in"
+        )
 
 
 def test_reduce_from_region_is_all_reduce_forward_identity_backward(tp_results):
@@ -273,8 +346,9 @@ def test_a_parallel_linear_fills_its_shard_from_a_full_tensor_or_a_reader_of_sli
 
 def test_tp_bytes_per_step_equal_the_analytic_figure(tp_results):
     """One f and one g per attention and per MLP, the embedding's g, the head's f, the loss's three
-    reductions of one number per token, and (tp not dividing n_kv_head) the replicated k/v weights' grads.
-    One f per projection instead of per sublayer would pass every other test while sending more."""
+    reductions of one number per token, and (tp not dividing n_kv_head) the replicated k/v weights'
+    grads. One f per projection instead of per sublayer would pass every other test while sending
+    more."""
     tp = len(tp_results)
     for name, overrides in MODEL_CONFIGS.items():
         cfg = ModelConfig(**{**TINY, **overrides})
@@ -305,9 +379,11 @@ def test_tp_model_logits_loss_and_every_gradient_equal_one_process(tp_results, c
         assert r["logits"] < TOL and r["loss"] < TOL, (r["logits"], r["loss"])
         worst = max(r["grads"], key=r["grads"].get)
         assert r["grads"][worst] < TOL, (worst, r["grads"][worst])
-        print(f"equivalence | tp={len(tp_results)} {config} | logits {r['logits']:.2e}, loss {r['loss']:.2e}, "
-              f"gradients {r['grads'][worst]:.2e} ({worst}): max |tp - one process| / max |one process|, "
-              f"tolerance {TOL:.0e}")
+        print(
+            f"equivalence | tp={len(tp_results)} {config} | logits {r['logits']:.2e}, loss {r['loss']:.2e}, "
+            f"gradients {r['grads'][worst]:.2e} ({worst}): max |tp - one process| / max |one process|, "
+            f"tolerance {TOL:.0e}"
+        )
 
 
 def test_replicated_norm_and_kv_gradients_are_identical_on_every_rank(tp_results):
@@ -317,21 +393,33 @@ def test_replicated_norm_and_kv_gradients_are_identical_on_every_rank(tp_results
 
 
 def test_vocabulary_padding_never_affects_the_loss(tp_results):
-    # gqa_padded_vocab pads 520 differently at every tp (one rank holds only padding at tp=4): its loss
-    # and logits match one process (above) and the padded rows stay exactly zero, gradient included
+    # gqa_padded_vocab pads 520 differently at every tp (one rank holds only padding at tp=4): its
+    # loss and logits match one process (above) and the padded rows stay exactly zero, gradient
+    # included
     for by_config in _every_rank(tp_results, "model"):
         r = by_config["gqa_padded_vocab"]
         assert r["loss"] < TOL and r["logits"] < TOL
         assert r["padding_abs_max"] == 0.0
 
 
-@pytest.mark.parametrize("overrides, tp, message", [
-    (dict(n_head=6, n_kv_head=6, n_embd=96), 4, "n_head = 6 must be divisible by tp = 4"),
-    (dict(n_head=4, n_kv_head=4), 8, "tp = 8 is larger than n_head = 4"),
-    (dict(n_head=6, n_kv_head=3, n_embd=96), 2, "n_kv_head = 3 and tp = 2: one must divide the other"),
-    (dict(n_head=6, n_kv_head=6, n_embd=96), 3, f"the MLP width {swiglu_hidden_size(96)} (from n_embd = 96) must "
-                                                f"be divisible by tp = 3"),
-])
+@pytest.mark.parametrize(
+    "overrides, tp, message",
+    [
+        (dict(n_head=6, n_kv_head=6, n_embd=96), 4, "n_head = 6 must be divisible by tp = 4"),
+        (dict(n_head=4, n_kv_head=4), 8, "tp = 8 is larger than n_head = 4"),
+        (
+            dict(n_head=6, n_kv_head=3, n_embd=96),
+            2,
+            "n_kv_head = 3 and tp = 2: one must divide the other",
+        ),
+        (
+            dict(n_head=6, n_kv_head=6, n_embd=96),
+            3,
+            f"the MLP width {swiglu_hidden_size(96)} (from n_embd = 96) must "
+            f"be divisible by tp = 3",
+        ),
+    ],
+)
 def test_check_layout_names_what_must_divide_what(overrides, tp, message):
     with pytest.raises(ValueError, match="cannot be built with this layout") as e:
         check_layout(ModelConfig(**overrides), tp)
@@ -340,8 +428,19 @@ def test_check_layout_names_what_must_divide_what(overrides, tp, message):
 
 def test_train_py_stops_with_a_clean_error_when_tp_does_not_divide_the_heads(tmp_path):
     data = make_token_data(str(tmp_path / "data"))
-    _, proc = run_train([f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", "--tp=2", "--n_head=3",
-                         "--n_kv_head=3", "--n_embd=96", "--device=cpu"], nproc=2, check=False)
+    _, proc = run_train(
+        [
+            f"--data_dir={data}",
+            f"--out_dir={tmp_path / 'out'}",
+            "--tp=2",
+            "--n_head=3",
+            "--n_kv_head=3",
+            "--n_embd=96",
+            "--device=cpu",
+        ],
+        nproc=2,
+        check=False,
+    )
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert lines, proc.stderr[-2000:]
@@ -359,24 +458,32 @@ BENCH_BATCH = 8
 
 
 def analytic_tp_bytes(cfg, batch_size, tp):
-    """fp32 bytes each rank contributes to TP all-reduces in one forward + backward (Megatron layout):
-    per block one g (attention output) and one g (MLP output) forward, one f (attention input) and one f
-    (MLP input) backward, each B*T*n_embd; the embedding's g forward and the head's f backward, B*T*n_embd
-    each; the cross-entropy's max, sum-exp and target logit, B*T each; with key/value heads replicated
-    (tp does not divide n_kv_head), the k and v weights' gradients, n_kv_head*head_dim*n_embd each, per block."""
+    """fp32 bytes each rank contributes to TP all-reduces in one forward + backward (Megatron
+    layout): per block one g (attention output) and one g (MLP output) forward, one f (attention
+    input) and one f (MLP input) backward, each B*T*n_embd; the embedding's g forward and the head's
+    f backward, B*T*n_embd each; the cross-entropy's max, sum-exp and target logit, B*T each; with
+    key/value heads replicated (tp does not divide n_kv_head), the k and v weights' gradients,
+    n_kv_head*head_dim*n_embd each, per block."""
     btc = batch_size * cfg.block_size * cfg.n_embd
-    kv = 2 * cfg.n_layer * cfg.n_kv_head * (cfg.n_embd // cfg.n_head) * cfg.n_embd if cfg.n_kv_head % tp else 0
+    kv = (
+        2 * cfg.n_layer * cfg.n_kv_head * (cfg.n_embd // cfg.n_head) * cfg.n_embd
+        if cfg.n_kv_head % tp
+        else 0
+    )
     return 4 * ((4 * cfg.n_layer + 2) * btc + 3 * batch_size * cfg.block_size + kv)
 
 
 def measured_tp_bytes(rank, world_size, overrides, batch_size):
-    return count_tp_bytes(ParallelLayout(1, world_size, 1, world_size, rank).tp_group, overrides, batch_size)
+    return count_tp_bytes(
+        ParallelLayout(1, world_size, 1, world_size, rank).tp_group, overrides, batch_size
+    )
 
 
 def time_steps(rank, world_size, overrides, batch_size, steps):
-    """Median wall and CPU seconds of this rank's training steps (forward, backward, AdamW), the first left
-    out. CPU time is what the rank itself computed: on a machine shared with other jobs it stays close to
-    what the step costs, where the wall time mostly measures the competition for cores."""
+    """Median wall and CPU seconds of this rank's training steps (forward, backward, AdamW), the
+    first left out. CPU time is what the rank itself computed: on a machine shared with other jobs
+    it stays close to what the step costs, where the wall time mostly measures the competition for
+    cores."""
     torch.set_num_threads(1)
     group = ParallelLayout(1, world_size, 1, world_size, rank).tp_group
     cfg = ModelConfig(**{**TINY, **overrides})
@@ -401,34 +508,60 @@ def measure(steps=8, log_interval=2):
     with tempfile.TemporaryDirectory() as tmp:
         data = make_token_data(f"{tmp}/data", n_tokens=200_000, vocab_size=BENCH["vocab_size"])
         args = [f"--{k}={v}" for k, v in BENCH.items() if k != "vocab_size"] + [
-            f"--batch_size={BENCH_BATCH}", f"--data_dir={data}", f"--max_iters={steps}", f"--log_interval={log_interval}",
-            "--eval_interval=0", "--checkpoint_interval=0", "--device=cpu", "--dtype=float32", "--attn_impl=sdpa"]
+            f"--batch_size={BENCH_BATCH}",
+            f"--data_dir={data}",
+            f"--max_iters={steps}",
+            f"--log_interval={log_interval}",
+            "--eval_interval=0",
+            "--checkpoint_interval=0",
+            "--device=cpu",
+            "--dtype=float32",
+            "--attn_impl=sdpa",
+        ]
         for tp, threads in ((1, 1), (1, 2), (2, 1), (4, 1)):
-            records, _ = run_train(args + [f"--out_dir={tmp}/tp{tp}_{threads}", f"--tp={tp}"], nproc=tp,
-                                   env={"OMP_NUM_THREADS": str(threads)})
-            rates = sorted(r["tokens_per_sec"] for r in records[1:] if "tokens_per_sec" in r)  # the first interval warms up
+            records, _ = run_train(
+                args + [f"--out_dir={tmp}/tp{tp}_{threads}", f"--tp={tp}"],
+                nproc=tp,
+                env={"OMP_NUM_THREADS": str(threads)},
+            )
+            rates = sorted(
+                r["tokens_per_sec"] for r in records[1:] if "tokens_per_sec" in r
+            )  # the first interval warms up
             ms = sorted(r["ms_per_step"] for r in records[1:] if "ms_per_step" in r)
-            print(f"tp={tp} ({tp} process(es) x {threads} thread(s)): {rates[len(rates) // 2]:,.0f} tokens/s, "
-                  f"{ms[len(ms) // 2]:.0f} ms/step (median of {len(rates)} intervals of {log_interval} steps; "
-                  f"load average after: {os.getloadavg()[0]:.1f})", flush=True)
+            print(
+                f"tp={tp} ({tp} process(es) x {threads} thread(s)): {rates[len(rates) // 2]:,.0f} tokens/s, "
+                f"{ms[len(ms) // 2]:.0f} ms/step (median of {len(rates)} intervals of {log_interval} steps; "
+                f"load average after: {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
     for tp in (1, 2, 4):
         per_rank = run_ranks(time_steps, tp, BENCH, BENCH_BATCH, 4)
         wall, cpu = max(w for w, _ in per_rank), max(c for _, c in per_rank)
-        print(f"tp={tp} in-process steps: wall {wall * 1e3:.0f} ms/step ({BENCH_BATCH * BENCH['block_size'] / wall:,.0f} "
-              f"tokens/s); CPU per rank {cpu * 1e3:.0f} ms/step (slowest rank; {BENCH_BATCH * BENCH['block_size'] / cpu:,.0f} "
-              f"tokens/s if each rank had its own core; load average {os.getloadavg()[0]:.1f})", flush=True)
+        print(
+            f"tp={tp} in-process steps: wall {wall * 1e3:.0f} ms/step ({BENCH_BATCH * BENCH['block_size'] / wall:,.0f} "
+            f"tokens/s); CPU per rank {cpu * 1e3:.0f} ms/step (slowest rank; {BENCH_BATCH * BENCH['block_size'] / cpu:,.0f} "
+            f"tokens/s if each rank had its own core; load average {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
     for name, overrides in (("MHA", {}), ("MQA", {"n_kv_head": 1})):
         cfg = ModelConfig(**{**TINY, **BENCH, **overrides})
         for tp in (2, 4):
             counted = run_ranks(measured_tp_bytes, tp, {**BENCH, **overrides}, BENCH_BATCH)[0]
             expected = analytic_tp_bytes(cfg, BENCH_BATCH, tp)
-            wire = 2 * (tp - 1) / tp * counted.get("all_reduce", 0)  # a ring all-reduce sends 2(p-1)/p of its buffer
-            print(f"{name} tp={tp}: counted {counted} bytes per rank per step, analytic all_reduce {expected:,} "
-                  f"({'equal' if counted.get('all_reduce') == expected else 'DIFFERENT'}); ring all-reduce sends "
-                  f"{wire / 1e6:.1f} MB per rank", flush=True)
+            wire = (
+                2 * (tp - 1) / tp * counted.get("all_reduce", 0)
+            )  # a ring all-reduce sends 2(p-1)/p of its buffer
+            print(
+                f"{name} tp={tp}: counted {counted} bytes per rank per step, analytic all_reduce {expected:,} "
+                f"({'equal' if counted.get('all_reduce') == expected else 'DIFFERENT'}); ring all-reduce sends "
+                f"{wire / 1e6:.1f} MB per rank",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--measure"]:
-        sys.exit("usage: PYTHONPATH=. python tests/test_tensor_parallel.py --measure   (the tests run under pytest)")
+        sys.exit(
+            "usage: PYTHONPATH=. python tests/test_tensor_parallel.py --measure   (the tests run under pytest)"
+        )
     measure()

@@ -7,7 +7,8 @@
     timeline.py     the pipeline schedules drawn in time, from the action lists the executor runs
     plot.py         loss, learning rate, grad norm and tokens/s of runs, as a PNG
 
-Each runs as `python tools/NAME.py` (torchrun for bench.py). Training never needs this folder: train.py
-imports the planners when they are here (its start-up plan and predicted step, pp_trace) and says what
-it skipped when they are not. The tools import the training code, never the other way round.
+Each runs as `python tools/NAME.py` (torchrun for bench.py). Training never needs this folder:
+train.py imports the planners when they are here (its start-up plan and predicted step, pp_trace)
+and says what it skipped when they are not. The tools import the training code, never the other way
+round.
 """

@@ -14,24 +14,26 @@ Time picotron's training step: tokens/s, ms/step, MFU and peak memory, for any c
     torchrun --nproc_per_node=2 tools/bench.py --pp=2 --gradient_accumulation_steps=8 \
         --schedules=1f1b,zero_bubble,interleaved_1f1b:2,zbv:2
 
-Every training setting works here (settings.py), and the model, optimizer and step are train.py's own
-(setup, build, train_step), so this times exactly what training runs, in whatever layouts train.py
-supports. Bench-only settings: --warmup_steps (untimed steps first: compiling, allocator and thread
-warm-up), --bench_steps (timed steps), --reference=True (also time the plain GPT at the end of this file at
-the same size, step by step in turn with picotron's, so both see the same machine), --schedules (pp > 1:
-time several pipeline schedules the same way, each its own model, and measure each one's bubble from a
-traced step and its peak activations per rank), --profile_steps (after the timed steps, that many more
-under torch.profiler: where a step's time goes) and --profile_trace (the same as a Chrome trace file),
---compare_optimizer=NAME (also time train.py's step with another optimizer, in turn the same way),
---compare_zero_stage=N (also time it at ZeRO stage N, in turn the same way),
---compare_doc_mask=True (also time it with doc_mask the other way, in turn the same way), --compare_fp8=True
-(also time it with fp8 the other way: the run's dtype against its recipe, or against tensorwise). Tokens are
-random unless --data_dir is given on the command line (doc_mask needs its eot_token: from the data's
-meta.json, or --eot_token). The last line printed is `RESULT {json}`, for scripts; first_step_s in it is
-the first step's time, which holds the compilation with compile=True; exposed_comm_ms, {mechanism: ms},
-what a rank stood waiting on communication in a step (one more step, its waits counted:
-metrics.exposed_comm; the mean over the ranks), each comparison's as compare_exposed_comm_ms.
+Every training setting works here (settings.py), and the model, optimizer and step are train.py's
+own (setup, build, train_step), so this times exactly what training runs, in whatever layouts
+train.py supports. Bench-only settings: --warmup_steps (untimed steps first: compiling, allocator
+and thread warm-up), --bench_steps (timed steps), --reference=True (also time the plain GPT at the
+end of this file at the same size, step by step in turn with picotron's, so both see the same
+machine), --schedules (pp > 1: time several pipeline schedules the same way, each its own model, and
+measure each one's bubble from a traced step and its peak activations per rank), --profile_steps
+(after the timed steps, that many more under torch.profiler: where a step's time goes) and
+--profile_trace (the same as a Chrome trace file), --compare_optimizer=NAME (also time train.py's
+step with another optimizer, in turn the same way), --compare_zero_stage=N (also time it at ZeRO
+stage N, in turn the same way), --compare_doc_mask=True (also time it with doc_mask the other way,
+in turn the same way), --compare_fp8=True (also time it with fp8 the other way: the run's dtype
+against its recipe, or against tensorwise). Tokens are random unless --data_dir is given on the
+command line (doc_mask needs its eot_token: from the data's meta.json, or --eot_token). The last
+line printed is `RESULT {json}`, for scripts; first_step_s in it is the first step's time, which
+holds the compilation with compile=True; exposed_comm_ms, {mechanism: ms}, what a rank stood waiting
+on communication in a step (one more step, its waits counted: metrics.exposed_comm; the mean over
+the ranks), each comparison's as compare_exposed_comm_ms.
 """
+
 import dataclasses
 import json
 import math
@@ -67,22 +69,57 @@ BENCH = section(
     "tools/bench.py's own",
     Setting("warmup_steps", 3, "untimed steps first (compiling, allocator and thread warm-up)"),
     Setting("bench_steps", 10, "timed steps; the median is reported"),
-    Setting("reference", False, "also time the plain GPT at the end of tools/bench.py, step by step in turn"),
-    Setting("schedules", "", "pp > 1: pipeline schedules to time side by side in turn, comma-separated, each "
-            "pp_schedule or pp_schedule:pp_chunks (1f1b,zero_bubble,interleaved_1f1b:2,zbv:2)"),
-    Setting("profile_steps", 0, "after the timed steps, this many more under torch.profiler: prints where the "
-            "time goes"),
-    Setting("profile_trace", "", "with profile_steps: also write the profile here as a Chrome trace (.json or "
-            ".json.gz; PATH.rankN.json for each rank of several)"),
-    Setting("compare_optimizer", "", "also time train.py's step with this optimizer ('adamw' or 'muon') instead of "
-            "--optimizer, step by step in turn"),
-    Setting("compare_zero_stage", -1, "also time train.py's step at this ZeRO stage (0-3) instead of --zero_stage, "
-            "step by step in turn (-1: off)"),
-    Setting("compare_doc_mask", False, "also time train.py's step with doc_mask the other way, step by step in turn"),
-    Setting("machine", "auto", "the machine tools/step_time.py predicts the step for: 'auto' (this one, measured: a matmul "
-            "at the model's shapes, an all-reduce over the ranks), a named one or a .json file"),
-    Setting("compare_fp8", False, "also time train.py's step with fp8 the other way ('none' against the run's "
-            "recipe; a run without fp8 against 'tensorwise'), step by step in turn"),
+    Setting(
+        "reference",
+        False,
+        "also time the plain GPT at the end of tools/bench.py, step by step in turn",
+    ),
+    Setting(
+        "schedules",
+        "",
+        "pp > 1: pipeline schedules to time side by side in turn, comma-separated, each "
+        "pp_schedule or pp_schedule:pp_chunks (1f1b,zero_bubble,interleaved_1f1b:2,zbv:2)",
+    ),
+    Setting(
+        "profile_steps",
+        0,
+        "after the timed steps, this many more under torch.profiler: prints where the time goes",
+    ),
+    Setting(
+        "profile_trace",
+        "",
+        "with profile_steps: also write the profile here as a Chrome trace (.json or "
+        ".json.gz; PATH.rankN.json for each rank of several)",
+    ),
+    Setting(
+        "compare_optimizer",
+        "",
+        "also time train.py's step with this optimizer ('adamw' or 'muon') instead of "
+        "--optimizer, step by step in turn",
+    ),
+    Setting(
+        "compare_zero_stage",
+        -1,
+        "also time train.py's step at this ZeRO stage (0-3) instead of --zero_stage, "
+        "step by step in turn (-1: off)",
+    ),
+    Setting(
+        "compare_doc_mask",
+        False,
+        "also time train.py's step with doc_mask the other way, step by step in turn",
+    ),
+    Setting(
+        "machine",
+        "auto",
+        "the machine tools/step_time.py predicts the step for: 'auto' (this one, measured: a matmul "
+        "at the model's shapes, an all-reduce over the ranks), a named one or a .json file",
+    ),
+    Setting(
+        "compare_fp8",
+        False,
+        "also time train.py's step with fp8 the other way ('none' against the run's "
+        "recipe; a run without fp8 against 'tensorwise'), step by step in turn",
+    ),
 )
 
 
@@ -93,13 +130,17 @@ def parse_args(argv):
     if warnings and int(os.environ.get("RANK", 0)) == 0:
         print("\n".join(warnings), flush=True)
     if values["compare_zero_stage"] != -1 and values["compare_optimizer"]:
-        raise ConfigError(f"compare_zero_stage = {values['compare_zero_stage']} and "
-                          f"compare_optimizer = {values['compare_optimizer']!r}: give one of them "
-                          f"(both report compare_tokens_per_sec): --compare_zero_stage=-1 or "
-                          f"--compare_optimizer=''")
+        raise ConfigError(
+            f"compare_zero_stage = {values['compare_zero_stage']} and "
+            f"compare_optimizer = {values['compare_optimizer']!r}: give one of them "
+            f"(both report compare_tokens_per_sec): --compare_zero_stage=-1 or "
+            f"--compare_optimizer=''"
+        )
     if values["bench_steps"] < 1 or values["warmup_steps"] < 0 or values["profile_steps"] < 0:
-        raise ConfigError(f"bench_steps = {values['bench_steps']} must be >= 1, warmup_steps = "
-                          f"{values['warmup_steps']} and profile_steps = {values['profile_steps']} >= 0")
+        raise ConfigError(
+            f"bench_steps = {values['bench_steps']} must be >= 1, warmup_steps = "
+            f"{values['warmup_steps']} and profile_steps = {values['profile_steps']} >= 0"
+        )
     bench = SimpleNamespace(**{s.name: values.pop(s.name) for s in BENCH})
     if bench.machine != "auto":  # a machine file read now stops a bad one before the timed steps
         try:
@@ -130,8 +171,10 @@ def refused(flag, value, changes, why):
     """The error line of a column that --flag=value asked for, with `changes` to the run's settings,
     which train.py's checks refuse for `why` (whose fix names the run's setting, not the flag)."""
     changed = ", ".join(f"{k}={v!r}" for k, v in changes.items())
-    return (f"--{flag}={value} would time {changed}, which train.py refuses: {why} "
-            f"(for the comparison, change --{flag})")
+    return (
+        f"--{flag}={value} would time {changed}, which train.py refuses: {why} "
+        f"(for the comparison, change --{flag})"
+    )
 
 
 # each --compare_*: the setting it changes, and its column's label, read from the settings that
@@ -150,10 +193,12 @@ def compared_settings(cfg, bench):
     first = bench.variants[0][1] if bench.variants else cfg
     other_fp8 = "tensorwise" if cfg.fp8 == "none" else "none"
     zero_stage = bench.compare_zero_stage
-    asked = {"compare_optimizer": bench.compare_optimizer or None,
-             "compare_zero_stage": None if zero_stage == -1 else zero_stage,
-             "compare_doc_mask": (not cfg.doc_mask) if bench.compare_doc_mask else None,
-             "compare_fp8": other_fp8 if bench.compare_fp8 else None}
+    asked = {
+        "compare_optimizer": bench.compare_optimizer or None,
+        "compare_zero_stage": None if zero_stage == -1 else zero_stage,
+        "compare_doc_mask": (not cfg.doc_mask) if bench.compare_doc_mask else None,
+        "compare_fp8": other_fp8 if bench.compare_fp8 else None,
+    }
     compared = {}
     for flag, value in asked.items():
         if value is not None:
@@ -164,12 +209,15 @@ def compared_settings(cfg, bench):
 
 
 def schedule_variants(cfg, schedules):
-    """[(label, cfg with that pp_schedule and pp_chunks)] from --schedules, each checked as train.py would."""
+    """[(label, cfg with that pp_schedule and pp_chunks)] from --schedules, each checked as train.py
+    would."""
     variants = []
     for item in filter(None, (part.strip() for part in schedules.split(","))):
         name, _, chunks = item.partition(":")
         if chunks and not chunks.isdigit():
-            raise ConfigError(f"schedules: {item!r} is not pp_schedule or pp_schedule:pp_chunks (a number)")
+            raise ConfigError(
+                f"schedules: {item!r} is not pp_schedule or pp_schedule:pp_chunks (a number)"
+            )
         if cfg.pp == 1:
             raise ConfigError("schedules compares pipeline schedules: set --pp to 2 or more")
         if item in (label for label, _ in variants):  # (a second column of a label hides the first)
@@ -182,15 +230,19 @@ def schedule_variants(cfg, schedules):
 
 
 def random_microbatches(cfg, layout, model_cfg, step, device):
-    """Random (x, y) micro-batches, the same on every tensor- and pipeline-parallel rank of a data-parallel
-    rank (as real batches are), different across data-parallel ranks and steps; under context parallelism
-    each cp rank's share of them, as train.py's batches (context_split; with doc_mask, document ids
-    at the random eot tokens)."""
+    """Random (x, y) micro-batches, the same on every tensor- and pipeline-parallel rank of a
+    data-parallel rank (as real batches are), different across data-parallel ranks and steps; under
+    context parallelism each cp rank's share of them, as train.py's batches (context_split; with
+    doc_mask, document ids at the random eot tokens)."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + layout.dp_rank)
     out = []
     for _ in range(cfg.gradient_accumulation_steps):
-        tokens = torch.randint(0, model_cfg.vocab_size, (cfg.batch_size, cfg.block_size + 1), generator=g)
-        x, y, *rest = context_split((tokens[:, :-1], tokens[:, 1:]), layout, document_end(model_cfg))
+        tokens = torch.randint(
+            0, model_cfg.vocab_size, (cfg.batch_size, cfg.block_size + 1), generator=g
+        )
+        x, y, *rest = context_split(
+            (tokens[:, :-1], tokens[:, 1:]), layout, document_end(model_cfg)
+        )
         out.append((x.to(device), y.to(device), *rest))
     return out
 
@@ -200,45 +252,69 @@ class Picotron:
 
     def __init__(self, cfg, run, name="picotron"):
         self.name, self.cfg, self.run, self.dev, self.layout = name, cfg, run, run.dev, run.layout
-        self.parts = build.build(cfg, run)  # the pipeline's channel runs the world's first collective (NCCL)
+        self.parts = build.build(
+            cfg, run
+        )  # the pipeline's channel runs the world's first collective (NCCL)
         self.autocast = self.parts.autocast
         self.flops_per_token = metrics.flops_per_token(run.model_cfg)
 
     def batches(self, step):
         if self.run.datasets:
-            return rank_microbatches(self.cfg, self.layout, self.run.datasets["train"], TRAIN_STREAM,
-                                           step, self.cfg.gradient_accumulation_steps, self.dev,
-                                           document_end(self.run.model_cfg))
+            return rank_microbatches(
+                self.cfg,
+                self.layout,
+                self.run.datasets["train"],
+                TRAIN_STREAM,
+                step,
+                self.cfg.gradient_accumulation_steps,
+                self.dev,
+                document_end(self.run.model_cfg),
+            )
         return random_microbatches(self.cfg, self.layout, self.run.model_cfg, step, self.dev)
 
     def step(self, i, trace=None):
-        """One training step; returns its loss as a float, which waits for the device (and every rank)."""
-        loss, _ = train.train_step(self.cfg, self.layout, self.parts, self.batches(i), train.get_lr(i, self.cfg), trace)
+        """One training step; returns its loss as a float, which waits for the device (and every
+        rank)."""
+        loss, _ = train.train_step(
+            self.cfg, self.layout, self.parts, self.batches(i), train.get_lr(i, self.cfg), trace
+        )
         return train.mean_across_ranks(loss, self.layout).item()
 
     def measure_pipeline(self, i):
-        """Two more steps: one traced (each pipeline rank's measured bubble), one counting the activations held
-        for backward (each rank's peak bytes). Lists by pipeline rank, on every rank."""
+        """Two more steps: one traced (each pipeline rank's measured bubble), one counting the
+        activations held for backward (each rank's peak bytes). Lists by pipeline rank, on every
+        rank."""
         trace = timeline.PipelineTrace(self.dev)
         self.step(i, trace)
         bubble = timeline.measured_bubble(timeline.pipeline_values(trace.times(), self.layout))
         with timeline.ActivationMemory(
-                self.parts.model, getattr(self.parts.pipeline, "weight_grad_stores", None) or ()) as memory:
+            self.parts.model, getattr(self.parts.pipeline, "weight_grad_stores", None) or ()
+        ) as memory:
             self.step(i + 1, memory)
-        return {"measured_bubble": bubble, "peak_activation_bytes": timeline.pipeline_values(memory.peak, self.layout),
-                "ideal_bubble": ideal_bubble(self.cfg.pp_schedule, self.layout.pp, self.cfg.gradient_accumulation_steps,
-                                             self.cfg.pp_chunks)}
+        return {
+            "measured_bubble": bubble,
+            "peak_activation_bytes": timeline.pipeline_values(memory.peak, self.layout),
+            "ideal_bubble": ideal_bubble(
+                self.cfg.pp_schedule,
+                self.layout.pp,
+                self.cfg.gradient_accumulation_steps,
+                self.cfg.pp_chunks,
+            ),
+        }
 
 
 class ReferenceGPT:
     """The plain GPT below at the same size, on the same batches, one process."""
+
     name = "reference GPT"
 
     def __init__(self, picotron):
         cfg, mc = picotron.cfg, picotron.run.model_cfg
         torch.manual_seed(cfg.seed)
         self.picotron = picotron
-        self.model = GPT(mc.vocab_size, mc.block_size, mc.n_layer, mc.n_head, mc.n_embd).to(picotron.dev)
+        self.model = GPT(mc.vocab_size, mc.block_size, mc.n_layer, mc.n_head, mc.n_embd).to(
+            picotron.dev
+        )
         self.optimizer = reference_optimizer(self.model, cfg.learning_rate, cfg.weight_decay)
         self.step_model = torch.compile(self.model) if cfg.compile else self.model
         self.flops_per_token = self.model.flops_per_token()
@@ -272,8 +348,10 @@ def timed_columns(cfg, bench, setup):
     here in main's try: a column that cannot run ends in one line before any model is built."""
     asked = [("schedules", label, label, other) for label, other in bench.variants]
     asked = asked or [(None, None, "picotron", cfg)]  # (the run's own: build.setup checked it)
-    asked += [(flag, getattr(bench, flag), label, other)
-              for flag, (label, other) in bench.compared.items()]
+    asked += [
+        (flag, getattr(bench, flag), label, other)
+        for flag, (label, other) in bench.compared.items()
+    ]
     columns = []
     for flag, value, label, other in asked:
         try:
@@ -290,12 +368,22 @@ def column_run(other, setup):
     """setup's Run for other settings: the model's settings read from them as build.setup reads the
     run's, and build.setup's checks on them (a schedule's chunks against the layout setup built,
     doc_mask against the vocabulary, fp8 against the device and dtype)."""
-    model = {f.name: getattr(other, f.name) for f in dataclasses.fields(setup.model_cfg)
-             if f.name not in ("vocab_size", "eot_token")}  # (those two from the data, as setup's)
+    model = {
+        f.name: getattr(other, f.name)
+        for f in dataclasses.fields(setup.model_cfg)
+        if f.name not in ("vocab_size", "eot_token")
+    }  # (those two from the data, as setup's)
     model_cfg = dataclasses.replace(setup.model_cfg, **model)
     layout = setup.layout
-    check_layout(model_cfg, layout.tp, layout.pp, layout.cp, other.sequence_parallel,
-                 other.pp_chunks, ep=layout.ep)
+    check_layout(
+        model_cfg,
+        layout.tp,
+        layout.pp,
+        layout.cp,
+        other.sequence_parallel,
+        other.pp_chunks,
+        ep=layout.ep,
+    )
     check_fp8(other.fp8, setup.dev, setup.dtype)
     if model_cfg == setup.model_cfg:
         return setup
@@ -311,7 +399,8 @@ def make_runners(columns, bench):
 
 
 def warm_up(runners, bench):
-    """Each runner's untimed warm-up steps (compiling, allocating); {name: seconds of its first step}."""
+    """Each runner's untimed warm-up steps (compiling, allocating); {name: seconds of its first
+    step}."""
     first_step_s = {}
     for r in runners:
         for i in range(bench.warmup_steps):
@@ -322,11 +411,13 @@ def warm_up(runners, bench):
 
 
 def timed_steps(runners, bench, probe=None):
-    """The timed steps after the warm-up: ({name: [seconds of each step]}, {name: its last step's loss},
-    [seconds of each pass of probe]). probe (machines.linear_pass's one_pass) runs three times after each step."""
-    # the runners take turns step by step, so a machine that speeds up or slows down affects them alike; so does
-    # the step-time prediction's matmul probe on CPU: this host runs 25% faster or slower from one second to the
-    # next, and probed after the steps, the probe read other seconds than they ran in
+    """The timed steps after the warm-up: ({name: [seconds of each step]}, {name: its last step's
+    loss}, [seconds of each pass of probe]). probe (machines.linear_pass's one_pass) runs three
+    times after each step."""
+    # the runners take turns step by step, so a machine that speeds up or slows down affects them
+    # alike; so does the step-time prediction's matmul probe on CPU: this host runs 25% faster or
+    # slower from one second to the next, and probed after the steps, the probe read other seconds
+    # than they ran in
     times = {r.name: [] for r in runners}
     losses, passes = {}, []
     for i in range(bench.warmup_steps, bench.warmup_steps + bench.bench_steps):
@@ -338,21 +429,31 @@ def timed_steps(runners, bench, probe=None):
     return times, losses, passes
 
 
-def speed_results(runners, times, losses, first_step_s, pipeline, tokens_per_step, peak, world_size):
+def speed_results(
+    runners, times, losses, first_step_s, pipeline, tokens_per_step, peak, world_size
+):
     """{name: speed, loss and MFU} of each runner, from the median of its timed steps."""
     results = {}
     for r in runners:
         seconds = statistics.median(times[r.name])
         tokens_per_sec = tokens_per_step / seconds
-        results[r.name] = {"tokens_per_sec": tokens_per_sec, "ms_per_step": 1000 * seconds,
-                           "ms_per_step_min": 1000 * min(times[r.name]), "ms_per_step_max": 1000 * max(times[r.name]),
-                           "flops_per_token": r.flops_per_token,
-                           "loss": losses[r.name], "first_step_s": first_step_s.get(r.name)}
+        results[r.name] = {
+            "tokens_per_sec": tokens_per_sec,
+            "ms_per_step": 1000 * seconds,
+            "ms_per_step_min": 1000 * min(times[r.name]),
+            "ms_per_step_max": 1000 * max(times[r.name]),
+            "flops_per_token": r.flops_per_token,
+            "loss": losses[r.name],
+            "first_step_s": first_step_s.get(r.name),
+        }
         results[r.name].update(pipeline.get(r.name, {}))
     # the fastest first: if it makes the peak probe again, the others divide by the same final peak
-    for name in sorted(results, key=lambda n: -results[n]["flops_per_token"] * results[n]["tokens_per_sec"]):
-        results[name].update(peak.mfu(results[name]["flops_per_token"], results[name]["tokens_per_sec"],
-                                      world_size))
+    for name in sorted(
+        results, key=lambda n: -results[n]["flops_per_token"] * results[n]["tokens_per_sec"]
+    ):
+        results[name].update(
+            peak.mfu(results[name]["flops_per_token"], results[name]["tokens_per_sec"], world_size)
+        )
     return results
 
 
@@ -365,43 +466,71 @@ def run(cfg, bench, setup, columns):
     first_step_s = warm_up(runners, bench)
     moe = model_cfg.n_expert > 0
     if moe:
-        metrics.moe_metrics(runners[0].parts.model, layout)  # (resets the step counts: only timed steps below)
+        metrics.moe_metrics(
+            runners[0].parts.model, layout
+        )  # (resets the step counts: only timed steps below)
     reset_peak_memory(dev)
-    # on a GPU, which holds its pace, the probe's tensors would count in the allocator's peak: it runs later
-    flops, probe = (machines.linear_pass(model_cfg, ptdtype, dev, machines.probe_tokens(cfg, dev), layout.tp)
-                    if bench.machine == "auto" and dev.type == "cpu" else (0, None))
+    # on a GPU, which holds its pace, the probe's tensors would count in the allocator's peak: it
+    # runs later
+    flops, probe = (
+        machines.linear_pass(model_cfg, ptdtype, dev, machines.probe_tokens(cfg, dev), layout.tp)
+        if bench.machine == "auto" and dev.type == "cpu"
+        else (0, None)
+    )
     times, losses, passes = timed_steps(runners, bench, probe)
     del probe  # (its tensors, before the memory is measured)
     peak_mem = metrics.peak_memory_bytes(dev, layout)
-    # MoE: the load and the all-to-all bytes per timed step (the first runner's steps only, before any
-    # pipeline measurement runs more)
-    moe_stats = metrics.moe_metrics(runners[0].parts.model, layout, steps=bench.bench_steps) if moe else {}
+    # MoE: the load and the all-to-all bytes per timed step (the first runner's steps only, before
+    # any pipeline measurement runs more)
+    moe_stats = (
+        metrics.moe_metrics(runners[0].parts.model, layout, steps=bench.bench_steps) if moe else {}
+    )
     step = bench.warmup_steps + bench.bench_steps
     pipeline = {r.name: r.measure_pipeline(step) for r in runners if bench.variants}
     step += 2 if bench.variants else 0  # (measure_pipeline ran two more steps)
-    exposed = {r.name: metrics.exposed_comm(lambda: r.step(step), layout)[1] for r in runners if isinstance(r, Picotron)}
+    exposed = {
+        r.name: metrics.exposed_comm(lambda: r.step(step), layout)[1]
+        for r in runners
+        if isinstance(r, Picotron)
+    }
     step += 1
-    profile = profile_steps(runners[0], step, bench.profile_steps, bench.profile_trace) if bench.profile_steps else None
+    profile = (
+        profile_steps(runners[0], step, bench.profile_steps, bench.profile_trace)
+        if bench.profile_steps
+        else None
+    )
     memory = measure_memory(cfg, setup, runners[0], step)
     step += 1
 
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     peak = metrics.PeakFlops(cfg.peak_flops, dev, ptdtype)
-    results = speed_results(runners, times, losses, first_step_s, pipeline, tokens_per_step, peak, layout.world_size)
-    # the process's peak memory covers whatever ran in it: with the reference alongside it is both models'
+    results = speed_results(
+        runners, times, losses, first_step_s, pipeline, tokens_per_step, peak, layout.world_size
+    )
+    # the process's peak memory covers whatever ran in it: with the reference alongside it is both
+    # models'
     main = runners[0].name
-    # the step predicted (tools/step_time.py) beside the measured; `python tools/step_time.py --machine=FILE` given the
-    # machine in the RESULT reproduces it
+    # the step predicted (tools/step_time.py) beside the measured; `python tools/step_time.py
+    # --machine=FILE` given the machine in the RESULT reproduces it
     rate = flops / statistics.median(passes) if passes else None
-    results[main].update(step_time.run_prediction(cfg, model_cfg, layout, dev, ptdtype, bench.machine, rate)[2])
+    results[main].update(
+        step_time.run_prediction(cfg, model_cfg, layout, dev, ptdtype, bench.machine, rate)[2]
+    )
     results[main]["peak_mem_bytes"] = peak_mem
     for name, waited in exposed.items():
         results[name]["exposed_comm_ms"] = waited
     if moe:
-        params, state = metrics.expert_memory_bytes(runners[0].parts.model, runners[0].parts.optimizer)
-        results[main].update(ep=layout.ep, a2a_bytes=moe_stats["a2a_bytes"],
-                             expert_load_min=moe_stats["expert_load_min"], expert_load_max=moe_stats["expert_load_max"],
-                             expert_param_bytes=params, expert_optimizer_bytes=state)
+        params, state = metrics.expert_memory_bytes(
+            runners[0].parts.model, runners[0].parts.optimizer
+        )
+        results[main].update(
+            ep=layout.ep,
+            a2a_bytes=moe_stats["a2a_bytes"],
+            expert_load_min=moe_stats["expert_load_min"],
+            expert_load_max=moe_stats["expert_load_max"],
+            expert_param_bytes=params,
+            expert_optimizer_bytes=state,
+        )
 
     if layout.rank == 0:
         report(cfg, bench, setup, runners, results, peak, tokens_per_step, memory, profile)
@@ -409,26 +538,43 @@ def run(cfg, bench, setup, columns):
 
 
 def report(cfg, bench, setup, runners, results, peak, tokens_per_step, memory, profile):
-    """Rank 0's output: the table, each comparison in a line, and the RESULT line that tests and scripts parse."""
+    """Rank 0's output: the table, each comparison in a line, and the RESULT line that tests and
+    scripts parse."""
     dev, ptdtype, layout, model_cfg = setup.dev, setup.dtype, setup.layout, setup.model_cfg
     main = runners[0].name
-    print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, step_model_kind(runners[0]))
+    print_table(
+        cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, step_model_kind(runners[0])
+    )
     if bench.reference or len(runners) > 1:
         print("(peak memory is the whole process's: every model, as they ran side by side)")
-    result = dict(results[main], device=str(dev), dtype=str(ptdtype).replace("torch.", ""),
-                  world_size=layout.world_size, dp=layout.dp, cp=layout.cp, tp=layout.tp, pp=layout.pp,
-                  sequence_parallel=cfg.sequence_parallel,
-                  compiled=step_model_kind(runners[0]) == "compiled", peak_flops=peak.flops,
-                  tokens_per_step=tokens_per_step, threads=torch.get_num_threads(), zero_stage=cfg.zero_stage,
-                  memory=memory)
+    result = dict(
+        results[main],
+        device=str(dev),
+        dtype=str(ptdtype).replace("torch.", ""),
+        world_size=layout.world_size,
+        dp=layout.dp,
+        cp=layout.cp,
+        tp=layout.tp,
+        pp=layout.pp,
+        sequence_parallel=cfg.sequence_parallel,
+        compiled=step_model_kind(runners[0]) == "compiled",
+        peak_flops=peak.flops,
+        tokens_per_step=tokens_per_step,
+        threads=torch.get_num_threads(),
+        zero_stage=cfg.zero_stage,
+        memory=memory,
+    )
     result.update(report_comparisons(bench, runners[0], results, dev))
     if profile is not None:
         result["profile"] = profile
     if bench.reference:
         ref = results["reference GPT"]
-        result.update(reference_tokens_per_sec=ref["tokens_per_sec"], reference_ms_per_step=ref["ms_per_step"],
-                      reference_mfu=ref["mfu"],
-                      speedup_vs_reference=results[main]["tokens_per_sec"] / ref["tokens_per_sec"])
+        result.update(
+            reference_tokens_per_sec=ref["tokens_per_sec"],
+            reference_ms_per_step=ref["ms_per_step"],
+            reference_mfu=ref["mfu"],
+            speedup_vs_reference=results[main]["tokens_per_sec"] / ref["tokens_per_sec"],
+        )
     if bench.variants:
         result["schedules"] = {name: results[name] for name, _ in bench.variants}
     print("RESULT " + json.dumps(result), flush=True)
@@ -444,49 +590,86 @@ def report_comparisons(bench, first, results, dev):
         times = f"{ms:,.1f} against {other_ms:,.1f} ms/step (median), {ms / other_ms:.3f}x the time"
         if flag == "compare_optimizer":
             print(f"optimizer {ours.optimizer} against {theirs.optimizer}: {times}")
-            fields.update(optimizer=ours.optimizer, compare_optimizer=theirs.optimizer,
-                          compare_ms_per_step=other_ms, compare_loss=other["loss"],
-                          compare_tokens_per_sec=other["tokens_per_sec"])
+            fields.update(
+                optimizer=ours.optimizer,
+                compare_optimizer=theirs.optimizer,
+                compare_ms_per_step=other_ms,
+                compare_loss=other["loss"],
+                compare_tokens_per_sec=other["tokens_per_sec"],
+            )
         if flag == "compare_zero_stage":
             speed, other_speed = mine["tokens_per_sec"], other["tokens_per_sec"]
-            print(f"ZeRO-{ours.zero_stage} against ZeRO-{theirs.zero_stage}: {speed:,.0f} against "
-                  f"{other_speed:,.0f} tokens/s (median), {speed / other_speed:.3f}x the speed")
-            fields.update(compare_zero_stage=theirs.zero_stage, compare_ms_per_step=other_ms,
-                          compare_tokens_per_sec=other_speed, compare_loss=other["loss"],
-                          compare_exposed_comm_ms=other["exposed_comm_ms"])
+            print(
+                f"ZeRO-{ours.zero_stage} against ZeRO-{theirs.zero_stage}: {speed:,.0f} against "
+                f"{other_speed:,.0f} tokens/s (median), {speed / other_speed:.3f}x the speed"
+            )
+            fields.update(
+                compare_zero_stage=theirs.zero_stage,
+                compare_ms_per_step=other_ms,
+                compare_tokens_per_sec=other_speed,
+                compare_loss=other["loss"],
+                compare_exposed_comm_ms=other["exposed_comm_ms"],
+            )
         if flag == "compare_doc_mask":
             print(f"doc_mask={ours.doc_mask} against doc_mask={theirs.doc_mask}: {times}")
-            fields.update(doc_mask=ours.doc_mask, compare_doc_mask_ms_per_step=other_ms,
-                          compare_doc_mask_tokens_per_sec=other["tokens_per_sec"])
+            fields.update(
+                doc_mask=ours.doc_mask,
+                compare_doc_mask_ms_per_step=other_ms,
+                compare_doc_mask_tokens_per_sec=other["tokens_per_sec"],
+            )
         if flag == "compare_fp8":
             cpu = " (on CPU FP8 proves the numerics, not the speed: it is slower)"
             print(f"fp8={ours.fp8} against fp8={theirs.fp8}: {times}" + cpu * (dev.type == "cpu"))
-            fields.update(fp8=ours.fp8, compare_fp8=theirs.fp8, compare_fp8_ms_per_step=other_ms,
-                          compare_fp8_tokens_per_sec=other["tokens_per_sec"],
-                          compare_fp8_loss=other["loss"])
+            fields.update(
+                fp8=ours.fp8,
+                compare_fp8=theirs.fp8,
+                compare_fp8_ms_per_step=other_ms,
+                compare_fp8_tokens_per_sec=other["tokens_per_sec"],
+                compare_fp8_loss=other["loss"],
+            )
     return fields
 
 
 def measure_memory(cfg, setup, picotron, step):
-    """One more, untimed step, its peak measured on every rank (metrics.measure_step_memory) beside the
-    planner's prediction for the rank's stage: [{rank, dp_rank, cp_rank, tp_rank, pp_rank, predicted_bytes,
-    measured_bytes, ...the planned parts}] for every rank, on rank 0."""
+    """One more, untimed step, its peak measured on every rank (metrics.measure_step_memory) beside
+    the planner's prediction for the rank's stage: [{rank, dp_rank, cp_rank, tp_rank, pp_rank,
+    predicted_bytes, measured_bytes, ...the planned parts}] for every rank, on rank 0."""
     layout = setup.layout
-    plan = memory_plan.plan_for(cfg, setup.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp),
-                                layout.dp_cp_rank)[layout.pp_rank]
-    measured = metrics.measure_step_memory(lambda: picotron.step(step), setup.dev, compiled=picotron.parts.compiled)
-    return memory_plan.memory_rows(layout, plan["peak"], measured,
-                               planned={k: int(v) for k, v in plan.items() if k not in ("stage", "peak")})
+    plan = memory_plan.plan_for(
+        cfg, setup.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp), layout.dp_cp_rank
+    )[layout.pp_rank]
+    measured = metrics.measure_step_memory(
+        lambda: picotron.step(step), setup.dev, compiled=picotron.parts.compiled
+    )
+    return memory_plan.memory_rows(
+        layout,
+        plan["peak"],
+        measured,
+        planned={k: int(v) for k, v in plan.items() if k not in ("stage", "peak")},
+    )
 
 
 def step_model_kind(picotron):
     return "compiled" if picotron.parts.compiled else "eager"
 
 
-# what a kernel (on GPU) or an operator (on CPU) is, from its name: the first kind whose name part matches
+# what a kernel (on GPU) or an operator (on CPU) is, from its name: the first kind whose name part
+# matches
 PROFILE_KINDS = (
     ("attention", ("flash", "fmha", "attention", "scaled_dot_product", "sdpa")),
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")),
+    (
+        "matmul",
+        (
+            "gemm",
+            "nvjet",
+            "cutlass",
+            "xmma",
+            "aten::mm",
+            "aten::addmm",
+            "aten::bmm",
+            "aten::matmul",
+        ),
+    ),
     ("optimizer", ("adam",)),
     ("compiled fusions", ("triton",)),
     ("copies", ("memcpy", "memset", "aten::copy_", "aten::to")),
@@ -495,15 +678,18 @@ PROFILE_KINDS = (
 
 def profile_kind(name):
     lowered = name.lower()
-    return next((kind for kind, parts in PROFILE_KINDS if any(p in lowered for p in parts)), "other")
+    return next(
+        (kind for kind, parts in PROFILE_KINDS if any(p in lowered for p in parts)), "other"
+    )
 
 
 def profile_steps(picotron, first_step, n_steps, trace_path=""):
-    """Where a step's time goes: n_steps more steps under torch.profiler. On GPU it sums the time of every
-    kernel the device ran, by kind (matmul, attention, compiled fusions, optimizer, copies, other: the eager
-    elementwise kernels, norms and the loss), and how busy the device was (kernel time over wall time; idle
-    time is the host running behind: launches, Python, syncs). On CPU the same for each operator's own
-    time. Prints the kinds and the top kernels; returns {"device_busy": ..., "kinds": {kind: share}}."""
+    """Where a step's time goes: n_steps more steps under torch.profiler. On GPU it sums the time of
+    every kernel the device ran, by kind (matmul, attention, compiled fusions, optimizer, copies,
+    other: the eager elementwise kernels, norms and the loss), and how busy the device was (kernel
+    time over wall time; idle time is the host running behind: launches, Python, syncs). On CPU the
+    same for each operator's own time. Prints the kinds and the top kernels; returns {"device_busy":
+    ..., "kinds": {kind: share}}."""
     on_gpu = picotron.dev.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof:
@@ -512,13 +698,22 @@ def profile_steps(picotron, first_step, n_steps, trace_path=""):
             picotron.step(i)  # returns the loss as a float: the device has finished when it returns
         wall_us = 1e6 * (time.perf_counter() - start)
     if trace_path and dist.is_initialized() and dist.get_world_size() > 1:
-        stem, dot, ext = trace_path.partition(".json")  # each rank its own file: one path would be written twice
+        stem, dot, ext = trace_path.partition(
+            ".json"
+        )  # each rank its own file: one path would be written twice
         trace_path = f"{stem}.rank{dist.get_rank()}{dot}{ext}"
     if trace_path:
         prof.export_chrome_trace(trace_path)
-    if on_gpu:  # every kernel launch is an event of device type CUDA; its duration is its time on the GPU
-        timed = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
-    else:  # operators nest (aten::linear calls aten::mm): their own time only, so nothing counts twice
+    if (
+        on_gpu
+    ):  # every kernel launch is an event of device type CUDA; its duration is its time on the GPU
+        timed = [
+            (e.name, e.time_range.elapsed_us())
+            for e in prof.events()
+            if e.device_type == DeviceType.CUDA
+        ]
+    # operators nest (aten::linear calls aten::mm): their own time only, so nothing counts twice
+    else:
         timed = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
     total = sum(t for _, t in timed) or 1.0
     by_kind, by_name = {}, {}
@@ -528,8 +723,10 @@ def profile_steps(picotron, first_step, n_steps, trace_path=""):
     busy = total / wall_us
     if picotron.layout.rank == 0:
         what = "kernel time on the GPU" if on_gpu else "operators' own CPU time"
-        print(f"\nprofile of {n_steps} step(s): {what} {total / 1e3 / n_steps:,.1f} ms per step, "
-              f"{wall_us / 1e3 / n_steps:,.1f} ms wall (busy {100 * busy:.0f}%; the profiler itself slows the host)")
+        print(
+            f"\nprofile of {n_steps} step(s): {what} {total / 1e3 / n_steps:,.1f} ms per step, "
+            f"{wall_us / 1e3 / n_steps:,.1f} ms wall (busy {100 * busy:.0f}%; the profiler itself slows the host)"
+        )
         for kind, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
             print(f"  {kind:18s} {100 * t / total:5.1f}%")
         print("top kernels:" if on_gpu else "top operators:")
@@ -542,35 +739,79 @@ def profile_steps(picotron, first_step, n_steps, trace_path=""):
 
 def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, kind):
     mc, threads = model_cfg, torch.get_num_threads()
-    print(f"\nbench: {mc.n_layer} layers, {mc.n_head} heads ({mc.n_kv_head} kv), width {mc.n_embd}, block {mc.block_size}, "
-          f"vocab {mc.vocab_size}, batch {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro x dp {layout.dp}; "
-          f"{dev}, {str(ptdtype).replace('torch.', '')}, {kind}, {threads} thread{'s' * (threads != 1)}; "
-          f"layout dp={layout.dp} cp={layout.cp} tp={layout.tp}{' sequence-parallel' if cfg.sequence_parallel else ''} "
-          f"pp={layout.pp} ep={layout.ep}; activation_checkpointing={cfg.activation_checkpointing}, "
-          f"chunked_loss={cfg.chunked_loss}; {'data ' + cfg.data_dir if cfg.data_dir else 'random tokens'}; "
-          + (f"pipeline {cfg.pp_schedule}, {cfg.pp_chunks} chunk(s) per rank; " if layout.pp > 1 and not bench.variants else "")
-          + f"{bench.warmup_steps} warm-up + {bench.bench_steps} timed steps (median)")
+    print(
+        f"\nbench: {mc.n_layer} layers, {mc.n_head} heads ({mc.n_kv_head} kv), width {mc.n_embd}, block {mc.block_size}, "
+        f"vocab {mc.vocab_size}, batch {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro x dp {layout.dp}; "
+        f"{dev}, {str(ptdtype).replace('torch.', '')}, {kind}, {threads} thread{'s' * (threads != 1)}; "
+        f"layout dp={layout.dp} cp={layout.cp} tp={layout.tp}{' sequence-parallel' if cfg.sequence_parallel else ''} "
+        f"pp={layout.pp} ep={layout.ep}; activation_checkpointing={cfg.activation_checkpointing}, "
+        f"chunked_loss={cfg.chunked_loss}; {'data ' + cfg.data_dir if cfg.data_dir else 'random tokens'}; "
+        + (
+            f"pipeline {cfg.pp_schedule}, {cfg.pp_chunks} chunk(s) per rank; "
+            if layout.pp > 1 and not bench.variants
+            else ""
+        )
+        + f"{bench.warmup_steps} warm-up + {bench.bench_steps} timed steps (median)"
+    )
     print(f"peak: {peak}")
     names = list(results)
-    rows = [("tokens/s", lambda r: f"{r['tokens_per_sec']:,.0f}"),
-            ("ms/step (median)", lambda r: f"{r['ms_per_step']:,.1f}"),
-            ("ms/step (min-max)", lambda r: f"{r['ms_per_step_min']:,.0f}-{r['ms_per_step_max']:,.0f}"),
-            ("MFLOP/token", lambda r: f"{r['flops_per_token'] / 1e6:,.1f}"),
-            ("MFU", lambda r: metrics.format_mfu(r["mfu"])),
-            ("peak memory (MiB)", lambda r: f"{r['peak_mem_bytes'] / 2**20:,.0f}" if "peak_mem_bytes" in r else "-"),
-            ("experts MiB (rank 0)", lambda r: f"{r['expert_param_bytes'] / 2**20:,.2f} + {r['expert_optimizer_bytes'] / 2**20:,.2f}"
-             if "expert_param_bytes" in r else "-"),
-            ("all-to-all MiB/step", lambda r: f"{r['a2a_bytes'] / 2**20:,.2f}" if "a2a_bytes" in r else "-"),
-            ("expert load min-max", lambda r: f"{r['expert_load_min']:,.0f}-{r['expert_load_max']:,.0f}"
-             if "expert_load_min" in r else "-"),
-            ("comm waited ms/step", lambda r: " ".join(f"{k} {v:.1f}" for k, v in r["exposed_comm_ms"].items() if v)
-             or "0" if "exposed_comm_ms" in r else "-"),
-            ("loss (last step)", lambda r: f"{r['loss']:.4f}")]
+    rows = [
+        ("tokens/s", lambda r: f"{r['tokens_per_sec']:,.0f}"),
+        ("ms/step (median)", lambda r: f"{r['ms_per_step']:,.1f}"),
+        ("ms/step (min-max)", lambda r: f"{r['ms_per_step_min']:,.0f}-{r['ms_per_step_max']:,.0f}"),
+        ("MFLOP/token", lambda r: f"{r['flops_per_token'] / 1e6:,.1f}"),
+        ("MFU", lambda r: metrics.format_mfu(r["mfu"])),
+        (
+            "peak memory (MiB)",
+            lambda r: f"{r['peak_mem_bytes'] / 2**20:,.0f}" if "peak_mem_bytes" in r else "-",
+        ),
+        (
+            "experts MiB (rank 0)",
+            lambda r: (
+                f"{r['expert_param_bytes'] / 2**20:,.2f} + {r['expert_optimizer_bytes'] / 2**20:,.2f}"
+                if "expert_param_bytes" in r
+                else "-"
+            ),
+        ),
+        (
+            "all-to-all MiB/step",
+            lambda r: f"{r['a2a_bytes'] / 2**20:,.2f}" if "a2a_bytes" in r else "-",
+        ),
+        (
+            "expert load min-max",
+            lambda r: (
+                f"{r['expert_load_min']:,.0f}-{r['expert_load_max']:,.0f}"
+                if "expert_load_min" in r
+                else "-"
+            ),
+        ),
+        (
+            "comm waited ms/step",
+            lambda r: (
+                " ".join(f"{k} {v:.1f}" for k, v in r["exposed_comm_ms"].items() if v) or "0"
+                if "exposed_comm_ms" in r
+                else "-"
+            ),
+        ),
+        ("loss (last step)", lambda r: f"{r['loss']:.4f}"),
+    ]
     if bench.variants:  # per pipeline rank, rank 0 first
-        rows += [("bubble, ideal", lambda r: f"{r['ideal_bubble']:.1%}" if r["ideal_bubble"] is not None else "-"),
-                 ("bubble, measured", lambda r: " ".join(f"{b:.0%}" for b in r["measured_bubble"])),
-                 ("activations (KiB)", lambda r: " ".join(f"{b / 2**10:.0f}" for b in r["peak_activation_bytes"]))]
-    width = max(16, *(len(n) + 2 for n in names), *(len(fmt(results[n])) + 2 for _, fmt in rows for n in names))
+        rows += [
+            (
+                "bubble, ideal",
+                lambda r: f"{r['ideal_bubble']:.1%}" if r["ideal_bubble"] is not None else "-",
+            ),
+            ("bubble, measured", lambda r: " ".join(f"{b:.0%}" for b in r["measured_bubble"])),
+            (
+                "activations (KiB)",
+                lambda r: " ".join(f"{b / 2**10:.0f}" for b in r["peak_activation_bytes"]),
+            ),
+        ]
+    width = max(
+        16,
+        *(len(n) + 2 for n in names),
+        *(len(fmt(results[n])) + 2 for _, fmt in rows for n in names),
+    )
     print(f"{'':20s}" + "".join(f"{n:>{width}s}" for n in names))
     for label, fmt in rows:
         print(f"{label:20s}" + "".join(f"{fmt(results[n]):>{width}s}" for n in names))
@@ -584,7 +825,9 @@ def main(argv):
         cfg, bench = parse_args(argv)
         setup = build.setup(cfg, training=False)
         if bench.reference and setup.layout.world_size > 1:
-            raise ValueError("reference=True times a single-process GPT beside picotron: run it without torchrun")
+            raise ValueError(
+                "reference=True times a single-process GPT beside picotron: run it without torchrun"
+            )
         columns = timed_columns(cfg, bench, setup)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")  # printed by rank 0 (faults.run_script)
@@ -597,12 +840,14 @@ def main(argv):
 
 # -----------------------------------------------------------------------------
 
-# A straightforward GPT-2 (nanoGPT-style), the yardstick tools/bench.py --reference=True times picotron against.
+# A straightforward GPT-2 (nanoGPT-style), the yardstick tools/bench.py --reference=True times
+# picotron against.
 #
-# Written the plain way on purpose: learned positions, LayerNorm, one fused qkv projection, PyTorch SDPA,
-# a 4x GELU MLP, tied embeddings, the vocabulary padded to a multiple of 64, the full (B, T, V) logits
-# into F.cross_entropy, and fused AdamW. Nothing here is tuned for this machine: it is what someone would
-# write first, and picotron's training step should be no slower than it at the same size.
+# Written the plain way on purpose: learned positions, LayerNorm, one fused qkv projection, PyTorch
+# SDPA, a 4x GELU MLP, tied embeddings, the vocabulary padded to a multiple of 64, the full (B, T,
+# V) logits into F.cross_entropy, and fused AdamW. Nothing here is tuned for this machine: it is
+# what someone would write first, and picotron's training step should be no slower than it at the
+# same size.
 
 
 class SelfAttention(nn.Module):
@@ -615,7 +860,9 @@ class SelfAttention(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        q, k, v = (
+            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v)
+        )  # (B, H, T, D)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
@@ -644,10 +891,19 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, padded, bias=False)
         self.lm_head.weight = self.wte.weight
-        self.n_layer, self.n_head, self.n_embd, self.block_size = n_layer, n_head, n_embd, block_size
+        self.n_layer, self.n_head, self.n_embd, self.block_size = (
+            n_layer,
+            n_head,
+            n_embd,
+            block_size,
+        )
         for name, p in self.named_parameters():
             if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "fc_proj.weight")) else 0.02
+                std = (
+                    0.02 / math.sqrt(2 * n_layer)
+                    if name.endswith(("proj.weight", "fc_proj.weight"))
+                    else 0.02
+                )
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, idx, targets=None):
@@ -655,15 +911,17 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))[..., :self.vocab_size]
+        logits = self.lm_head(self.ln_f(x))[..., : self.vocab_size]
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
+            )
         return logits, loss
 
     def flops_per_token(self):
-        """6 FLOPs per matmul parameter (forward 2, backward 4) plus the attention scores and their use:
-        6 * n_layer * T * 2 * n_embd (Kaplan et al. 2020; nanoGPT's estimate_mfu)."""
+        """6 FLOPs per matmul parameter (forward 2, backward 4) plus the attention scores and their
+        use: 6 * n_layer * T * 2 * n_embd (Kaplan et al. 2020; nanoGPT's estimate_mfu)."""
         matmul_params = sum(p.numel() for p in self.blocks.parameters() if p.dim() >= 2)
         matmul_params += self.n_embd * self.vocab_size  # the head, not its padding
         return 6 * matmul_params + 12 * self.n_layer * self.n_embd * self.block_size
@@ -672,7 +930,10 @@ class GPT(nn.Module):
 def reference_optimizer(model, lr=1e-3, weight_decay=0.1):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True)
 
 

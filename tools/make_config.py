@@ -4,17 +4,19 @@ Write a starter config for a model size and a parallel layout, checked before an
     python tools/make_config.py --n_layer=12 --n_embd=768 --n_head=12 --tp=2 --pp=2 --nproc=8 --out=config/my.py
     torchrun --nproc_per_node=8 train.py config/my.py
 
-Every training setting can be given (--key=value, or a config file to start from), plus `nproc`, the number
-of processes the run will have, and `out`, the file to write (an existing one is refused unless
---force=True). The layout is checked with train.py's own rules (dp x cp x tp x pp must be nproc, and
-settings.check_layout: heads, key/value heads, MLP width and blocks must split, block_size into context
-parallelism's 2*cp chunks; the pipeline schedule's rules), so a layout that does not divide the model is
-refused here rather than after the job waited in a queue. The file states the parameter count and the global
-batch in tokens, then the settings that were asked for (and the few this script chose, each saying why),
-with their meanings from settings.py; every other setting keeps its default. Its launch line starts
-nproc processes on nodes of the machine's GPUs (or --gpus_per_node): above one node, torchrun on
-each node with a c10d rendezvous, as scripts/slurm.sh starts it.
+Every training setting can be given (--key=value, or a config file to start from), plus `nproc`, the
+number of processes the run will have, and `out`, the file to write (an existing one is refused
+unless --force=True). The layout is checked with train.py's own rules (dp x cp x tp x pp must be
+nproc, and settings.check_layout: heads, key/value heads, MLP width and blocks must split,
+block_size into context parallelism's 2*cp chunks; the pipeline schedule's rules), so a layout that
+does not divide the model is refused here rather than after the job waited in a queue. The file
+states the parameter count and the global batch in tokens, then the settings that were asked for
+(and the few this script chose, each saying why), with their meanings from settings.py; every other
+setting keeps its default. Its launch line starts nproc processes on nodes of the machine's GPUs (or
+--gpus_per_node): above one node, torchrun on each node with a c10d rendezvous, as scripts/slurm.sh
+starts it.
 """
+
 import functools
 import itertools
 import json
@@ -44,18 +46,38 @@ OWN = section(
     Setting("nproc", 1, "processes the run will have (torchrun --nproc_per_node x nodes)"),
     Setting("out", "config/my.py", "the config file to write"),
     Setting("force", False, "overwrite --out if it exists (else an existing file is refused)"),
-    Setting("gpu_mem_gib", 0.0, "the memory of one GPU in GiB (2**30 bytes, the plan's unit): say which stage does "
-                                "not fit it, and what to change (0: no check; --choose: the machine's)"),
-    Setting("choose", False, "rank every layout that fits by its predicted step time (tools/step_time.py) and write the "
-                             "fastest; a layout setting given on the command line is held, the others chosen"),
-    Setting("global_batch", 0, "--choose: sequences per step, held while the layouts vary (0: batch_size x "
-                               "gradient_accumulation_steps x the dp of the layout given)"),
-    Setting("machine", "h100", "the machine the run is for (tools/step_time.py's a100, h100, l4, or a "
-                               ".json file): its GPUs per node cut the launch line into nodes; "
-                               "--choose predicts on it"),
-    Setting("gpus_per_node", 0, "devices per node (0: the machine's): the launch line's "
-                                "--nproc_per_node above one node; --choose keeps tensor "
-                                "parallelism inside a node unless --tp is given"),
+    Setting(
+        "gpu_mem_gib",
+        0.0,
+        "the memory of one GPU in GiB (2**30 bytes, the plan's unit): say which stage does "
+        "not fit it, and what to change (0: no check; --choose: the machine's)",
+    ),
+    Setting(
+        "choose",
+        False,
+        "rank every layout that fits by its predicted step time (tools/step_time.py) and write the "
+        "fastest; a layout setting given on the command line is held, the others chosen",
+    ),
+    Setting(
+        "global_batch",
+        0,
+        "--choose: sequences per step, held while the layouts vary (0: batch_size x "
+        "gradient_accumulation_steps x the dp of the layout given)",
+    ),
+    Setting(
+        "machine",
+        "h100",
+        "the machine the run is for (tools/step_time.py's a100, h100, l4, or a "
+        ".json file): its GPUs per node cut the launch line into nodes; "
+        "--choose predicts on it",
+    ),
+    Setting(
+        "gpus_per_node",
+        0,
+        "devices per node (0: the machine's): the launch line's "
+        "--nproc_per_node above one node; --choose keeps tensor "
+        "parallelism inside a node unless --tp is given",
+    ),
 )
 
 
@@ -70,7 +92,8 @@ def machine_of(cfg):
             f"layouts on it) and the launch line (its GPUs per node) need a named machine: "
             f"{', '.join(machines.MACHINES)}, or a .json file that exists with "
             f"machines.MACHINES' fields; 'auto' measures the machine a tool runs on, which "
-            f"tools/step_time.py and tools/bench.py do")
+            f"tools/step_time.py and tools/bench.py do"
+        )
     return machines.load_machine(name)
 
 
@@ -97,17 +120,20 @@ def launch_lines(cfg):
             f"nproc = {nproc} is more than one node of {per_node} GPUs ({source}) but not a "
             f"multiple of {per_node}: torchrun starts as many processes on every node; set "
             f"--nproc={nodes * per_node} or {(nodes + 1) * per_node}, or --gpus_per_node to "
-            f"your nodes' count")
-    return [f"torchrun --nnodes={nodes} --nproc_per_node={per_node} --rdzv-id=my_run "
-            f"--rdzv-backend=c10d --rdzv-endpoint=HOST:29500 train.py {out}",
-            f"(the same on each of the {nodes} nodes, HOST the first node's address; on SLURM,",
-            f"sbatch scripts/slurm.sh with --nodes={nodes} --gpus-per-node={per_node},",
-            f"GPUS_PER_NODE={per_node}, CONFIG={out} and ARGS=\"\": the layout is in the config)"]
+            f"your nodes' count"
+        )
+    return [
+        f"torchrun --nnodes={nodes} --nproc_per_node={per_node} --rdzv-id=my_run "
+        f"--rdzv-backend=c10d --rdzv-endpoint=HOST:29500 train.py {out}",
+        f"(the same on each of the {nodes} nodes, HOST the first node's address; on SLURM,",
+        f"sbatch scripts/slurm.sh with --nodes={nodes} --gpus-per-node={per_node},",
+        f'GPUS_PER_NODE={per_node}, CONFIG={out} and ARGS="": the layout is in the config)',
+    ]
 
 
 def count_parameters(model_cfg):
-    """(all parameters, those in embedding tables), without the vocabulary's padding rows. The model is built
-    on the meta device: shapes only, no memory, so any size can be counted."""
+    """(all parameters, those in embedding tables), without the vocabulary's padding rows. The model
+    is built on the meta device: shapes only, no memory, so any size can be counted."""
     with torch.device("meta"):
         model = Transformer(model_cfg)
     total = embeddings = 0
@@ -122,17 +148,28 @@ def choices(cfg, given, dp):
     """The settings this script fills in beyond what was asked, {name: (value, why)}: the ones whose
     default would mean something nobody asked for at this size or layout."""
     if cfg["cp"] > 1:
-        chosen = {"dp": (dp, f"nproc / (cp * tp * pp) = {cfg['nproc']} / ({cfg['cp']} * {cfg['tp']} * {cfg['pp']})")}
+        chosen = {
+            "dp": (
+                dp,
+                f"nproc / (cp * tp * pp) = {cfg['nproc']} / ({cfg['cp']} * {cfg['tp']} * {cfg['pp']})",
+            )
+        }
     else:
         chosen = {"dp": (dp, f"nproc / (tp * pp) = {cfg['nproc']} / ({cfg['tp']} * {cfg['pp']})")}
     if "n_kv_head" not in given and cfg["n_kv_head"] != cfg["n_head"]:
-        # the default n_kv_head fits the default n_head only: at another n_head it would be grouped-query
-        # attention nobody requested
-        chosen["n_kv_head"] = (cfg["n_head"], "= n_head: multi-head attention (set n_kv_head for GQA)")
+        # the default n_kv_head fits the default n_head only: at another n_head it would be
+        # grouped-query attention nobody requested
+        chosen["n_kv_head"] = (
+            cfg["n_head"],
+            "= n_head: multi-head attention (set n_kv_head for GQA)",
+        )
     if cfg["pp"] > 1 and "gradient_accumulation_steps" not in given:
         m = 4 * cfg["pp"]
-        chosen["gradient_accumulation_steps"] = (m, f"4 x pp microbatches keep the pipeline bubble, (pp - 1) / "
-                                                    f"(m + pp - 1), at {(cfg['pp'] - 1) / (m + cfg['pp'] - 1):.0%}")
+        chosen["gradient_accumulation_steps"] = (
+            m,
+            f"4 x pp microbatches keep the pipeline bubble, (pp - 1) / "
+            f"(m + pp - 1), at {(cfg['pp'] - 1) / (m + cfg['pp'] - 1):.0%}",
+        )
     return chosen
 
 
@@ -163,8 +200,10 @@ def make_config(cfg, given, argv, launch):
     chosen = choices(cfg, given, dp)
     cfg = dict(cfg, **{k: v for k, (v, _) in chosen.items()})
     vocab, vocab_source = step_time.vocab_size_of(cfg)
-    model_cfg = ModelConfig(**{f.name: cfg[f.name] for f in fields(ModelConfig) if f.name != "vocab_size"},
-                            vocab_size=vocab)
+    model_cfg = ModelConfig(
+        **{f.name: cfg[f.name] for f in fields(ModelConfig) if f.name != "vocab_size"},
+        vocab_size=vocab,
+    )
     check_layout(model_cfg, tp, pp, cp, cfg["sequence_parallel"], cfg["pp_chunks"], ep=cfg["ep"])
     check_schedule(cfg["pp_schedule"], pp, cfg["gradient_accumulation_steps"], cfg["pp_chunks"])
     n_params, n_embedding = count_parameters(model_cfg)
@@ -172,44 +211,84 @@ def make_config(cfg, given, argv, launch):
     tokens_per_step = sequences * cfg["block_size"]
     total_tokens = tokens_per_step * cfg["max_iters"]
     head_dim = attention_head_dim(model_cfg)
-    layout = (f"dp {dp} x " + (f"cp {cp} x " if cp > 1 else "") + f"tp {tp}"
-              + (" (sequence parallel)" if cfg["sequence_parallel"] else "") + f" x pp {pp}")
+    layout = (
+        f"dp {dp} x "
+        + (f"cp {cp} x " if cp > 1 else "")
+        + f"tp {tp}"
+        + (" (sequence parallel)" if cfg["sequence_parallel"] else "")
+        + f" x pp {pp}"
+    )
     header = f"""\
-# Written by: python tools/make_config.py {' '.join(argv)}
+# Written by: python tools/make_config.py {" ".join(argv)}
 #
-# model:  {n_params / 1e6:.2f}M parameters ({(n_params - n_embedding) / 1e6:.2f}M without the embedding{'' if model_cfg.tie_embeddings else 's'}), \
+# model:  {n_params / 1e6:.2f}M parameters ({(n_params - n_embedding) / 1e6:.2f}M without the embedding{"" if model_cfg.tie_embeddings else "s"}), \
 {model_cfg.n_layer} layers, width {model_cfg.n_embd}, {model_cfg.n_head} heads ({model_cfg.n_kv_head} key/value) of size {head_dim}
-#         vocabulary {vocab} ({vocab_source}), {'tied' if model_cfg.tie_embeddings else 'untied'} input and output embeddings
-# layout: {cfg['nproc']} processes = {layout} (checked: the model splits this way)
-# batch:  {cfg['batch_size']} sequences x {cfg['gradient_accumulation_steps']} micro-batches x {dp} data-parallel ranks \
-= {sequences} sequences of {cfg['block_size']} tokens = {tokens_per_step:,} tokens per step
-# run:    {cfg['max_iters']:,} steps = {total_tokens / 1e6:,.1f}M tokens, {total_tokens / n_params:.3g} tokens per parameter \
+#         vocabulary {vocab} ({vocab_source}), {"tied" if model_cfg.tie_embeddings else "untied"} input and output embeddings
+# layout: {cfg["nproc"]} processes = {layout} (checked: the model splits this way)
+# batch:  {cfg["batch_size"]} sequences x {cfg["gradient_accumulation_steps"]} micro-batches x {dp} data-parallel ranks \
+= {sequences} sequences of {cfg["block_size"]} tokens = {tokens_per_step:,} tokens per step
+# run:    {cfg["max_iters"]:,} steps = {total_tokens / 1e6:,.1f}M tokens, {total_tokens / n_params:.3g} tokens per parameter \
 (Chinchilla's compute-optimal ratio is about 20)
 # launch: {launch[0]}
 """
     header += "".join(f"#         {line}\n" for line in launch[1:])
     if pp > 1:  # the stages' cut and each rank's share of the work, as train.py prints them
         cut = build.stage_cut(model_cfg, cfg["pp_schedule"], pp, cfg["pp_chunks"], cfg["pp_layers"])
-        pipeline = describe_pipeline(cfg["pp_schedule"], pp, cfg["gradient_accumulation_steps"], cfg["pp_chunks"], cut,
-                                     metrics.pipeline_costs(model_cfg))
+        pipeline = describe_pipeline(
+            cfg["pp_schedule"],
+            pp,
+            cfg["gradient_accumulation_steps"],
+            cfg["pp_chunks"],
+            cut,
+            metrics.pipeline_costs(model_cfg),
+        )
         header += "".join(f"# {line}\n" for line in pipeline.splitlines())
-    plan = memory_plan.plan_memory(model_cfg, dp, tp, pp, cp, cfg["zero_stage"], cfg["batch_size"],
-                                   cfg["block_size"], cfg["gradient_accumulation_steps"], cfg["pp_schedule"],
-                                   cfg["activation_checkpointing"], cfg["chunked_loss"], cfg["sequence_parallel"],
-                                   cfg["bucket_size_mb"], act_bytes=memory_plan.compute_bytes(cfg["dtype"], cfg["device"]),
-                                   chunks=cfg["pp_chunks"], ep=cfg["ep"], optimizer=cfg["optimizer"],
-                                   pp_layers=cfg["pp_layers"], attention_scores=memory_plan.attention_saves_scores(
-                                       model_cfg, cfg["attn_impl"], cfg["device"], cfg["dtype"]))
+    plan = memory_plan.plan_memory(
+        model_cfg,
+        dp,
+        tp,
+        pp,
+        cp,
+        cfg["zero_stage"],
+        cfg["batch_size"],
+        cfg["block_size"],
+        cfg["gradient_accumulation_steps"],
+        cfg["pp_schedule"],
+        cfg["activation_checkpointing"],
+        cfg["chunked_loss"],
+        cfg["sequence_parallel"],
+        cfg["bucket_size_mb"],
+        act_bytes=memory_plan.compute_bytes(cfg["dtype"], cfg["device"]),
+        chunks=cfg["pp_chunks"],
+        ep=cfg["ep"],
+        optimizer=cfg["optimizer"],
+        pp_layers=cfg["pp_layers"],
+        attention_scores=memory_plan.attention_saves_scores(
+            model_cfg, cfg["attn_impl"], cfg["device"], cfg["dtype"]
+        ),
+    )
     memory = memory_plan.format_plan(plan, cfg["gpu_mem_gib"] or None)
     header += "".join(f"# {line}\n" for line in memory.splitlines())
     return header, settings_block(cfg, given, chosen) + "\n", chosen
 
 
-# -----------------------------------------------------------------------------
-# --choose: every layout of nproc devices that fits, ranked by its predicted step time (tools/step_time.py)
+# ----------------------------------------------------------------------------- --choose: every
+# layout of nproc devices that fits, ranked by its predicted step time (tools/step_time.py)
 
-LAYOUT_SETTINGS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "pp_schedule", "pp_chunks", "batch_size",
-                   "gradient_accumulation_steps", "activation_checkpointing", "sequence_parallel")
+LAYOUT_SETTINGS = (
+    "dp",
+    "tp",
+    "pp",
+    "cp",
+    "ep",
+    "zero_stage",
+    "pp_schedule",
+    "pp_chunks",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "activation_checkpointing",
+    "sequence_parallel",
+)
 
 
 def divisors(n):
@@ -217,19 +296,23 @@ def divisors(n):
 
 
 def held_or(cfg, given, name, options):
-    """A layout setting's options: the value given on the command line (held), else every one of options."""
+    """A layout setting's options: the value given on the command line (held), else every one of
+    options."""
     return [cfg[name]] if name in given else options
 
 
 def grids(cfg, given, model_cfg, gpus_per_node):
-    """(dp, tp, pp, cp, sequence_parallel) of every cut of nproc that divides the model (settings.check_layout),
-    tp within a node unless --tp is given, cp at most 8, sequence parallelism on wherever tp > 1 allows it
-    (it moves the same bytes as tp alone and holds less)."""
+    """(dp, tp, pp, cp, sequence_parallel) of every cut of nproc that divides the model
+    (settings.check_layout), tp within a node unless --tp is given, cp at most 8, sequence
+    parallelism on wherever tp > 1 allows it (it moves the same bytes as tp alone and holds less).
+    """
     nproc = cfg["nproc"]
     held = functools.partial(held_or, cfg, given)
-    for tp, pp, cp in itertools.product(held("tp", [d for d in divisors(nproc) if d <= gpus_per_node]),
-                                        held("pp", [d for d in divisors(nproc) if d <= model_cfg.n_layer]),
-                                        held("cp", [d for d in divisors(nproc) if d <= 8])):
+    for tp, pp, cp in itertools.product(
+        held("tp", [d for d in divisors(nproc) if d <= gpus_per_node]),
+        held("pp", [d for d in divisors(nproc) if d <= model_cfg.n_layer]),
+        held("cp", [d for d in divisors(nproc) if d <= 8]),
+    ):
         if nproc % (tp * pp * cp):
             continue
         for sp in held("sequence_parallel", [True, False] if tp > 1 else [False]):
@@ -242,22 +325,32 @@ def grids(cfg, given, model_cfg, gpus_per_node):
 
 
 def candidates(cfg, given, model_cfg, global_batch, gpus_per_node):
-    """Every layout (a dict of LAYOUT_SETTINGS) of nproc devices for global_batch sequences per step: the grids,
-    expert parallelism over divisors of dp, ZeRO 0 to 3, micro-batches that divide each replica's sequences,
-    the schedules (pp > 1: 1f1b, interleaved_1f1b over 2 chunks, zero_bubble, zbv), activation checkpointing
-    off and on; each that pipeline_schedules.check_schedule and settings.check_layout accept."""
+    """Every layout (a dict of LAYOUT_SETTINGS) of nproc devices for global_batch sequences per
+    step: the grids, expert parallelism over divisors of dp, ZeRO 0 to 3, micro-batches that divide
+    each replica's sequences, the schedules (pp > 1: 1f1b, interleaved_1f1b over 2 chunks,
+    zero_bubble, zbv), activation checkpointing off and on; each that
+    pipeline_schedules.check_schedule and settings.check_layout accept."""
     held = functools.partial(held_or, cfg, given)
     for dp, tp, pp, cp, sp in grids(cfg, given, model_cfg, gpus_per_node):
         if global_batch % dp:
             continue
         per_replica = global_batch // dp
-        eps = [d for d in divisors(dp) if model_cfg.n_expert % d == 0] if model_cfg.n_expert else [1]
-        schedules = ([(cfg["pp_schedule"], cfg["pp_chunks"])] if "pp_schedule" in given else
-                     [("1f1b", 1)] + ([("interleaved_1f1b", 2), ("zero_bubble", 1), ("zbv", 2)] if pp > 1 else []))
+        eps = (
+            [d for d in divisors(dp) if model_cfg.n_expert % d == 0] if model_cfg.n_expert else [1]
+        )
+        schedules = (
+            [(cfg["pp_schedule"], cfg["pp_chunks"])]
+            if "pp_schedule" in given
+            else [("1f1b", 1)]
+            + ([("interleaved_1f1b", 2), ("zero_bubble", 1), ("zbv", 2)] if pp > 1 else [])
+        )
         for ep, zero, b, (schedule, chunks), ac in itertools.product(
-                held("ep", eps), held("zero_stage", [0, 1, 2, 3] if dp * cp > 1 else [0]),
-                held("batch_size", [d for d in divisors(per_replica) if d <= 32]), schedules,
-                held("activation_checkpointing", [False, True])):
+            held("ep", eps),
+            held("zero_stage", [0, 1, 2, 3] if dp * cp > 1 else [0]),
+            held("batch_size", [d for d in divisors(per_replica) if d <= 32]),
+            schedules,
+            held("activation_checkpointing", [False, True]),
+        ):
             if per_replica % b:
                 continue
             try:
@@ -265,14 +358,26 @@ def candidates(cfg, given, model_cfg, global_batch, gpus_per_node):
                 check_layout(model_cfg, tp, pp, cp, sp, chunks, ep=ep)
             except ValueError:
                 continue
-            yield dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero, pp_schedule=schedule, pp_chunks=chunks,
-                       batch_size=b, gradient_accumulation_steps=per_replica // b, activation_checkpointing=ac,
-                       sequence_parallel=sp)
+            yield dict(
+                dp=dp,
+                tp=tp,
+                pp=pp,
+                cp=cp,
+                ep=ep,
+                zero_stage=zero,
+                pp_schedule=schedule,
+                pp_chunks=chunks,
+                batch_size=b,
+                gradient_accumulation_steps=per_replica // b,
+                activation_checkpointing=ac,
+                sequence_parallel=sp,
+            )
 
 
 def states_bytes(model_cfg, layout):
-    """A lower bound on a rank's bytes, to skip a layout before planning it: its stage's parameters (fp32),
-    gradients and AdamW's two moments, shared as the ZeRO stage shares them (16 bytes a parameter at ZeRO-0)."""
+    """A lower bound on a rank's bytes, to skip a layout before planning it: its stage's parameters
+    (fp32), gradients and AdamW's two moments, shared as the ZeRO stage shares them (16 bytes a
+    parameter at ZeRO-0)."""
     block, root = step_time.parameter_pieces(model_cfg, layout["tp"], layout["ep"])
     params = (sum(block.values()) * model_cfg.n_layer + sum(root.values())) / layout["pp"]
     n = layout["dp"] * layout["cp"]
@@ -283,33 +388,72 @@ def states_bytes(model_cfg, layout):
 def plan_peak(cfg, model_cfg, layout, act_bytes):
     """The largest rank's predicted peak bytes (memory_plan.plan_memory) of a layout on a GPU."""
     plan = memory_plan.plan_memory(
-        model_cfg, layout["dp"], layout["tp"], layout["pp"], layout["cp"], layout["zero_stage"], layout["batch_size"],
-        cfg["block_size"], layout["gradient_accumulation_steps"], layout["pp_schedule"], layout["activation_checkpointing"],
-        cfg["chunked_loss"], layout["sequence_parallel"], cfg["bucket_size_mb"], act_bytes=act_bytes,
-        chunks=layout["pp_chunks"], ep=layout["ep"], optimizer=cfg["optimizer"], pp_layers=cfg["pp_layers"],
-        attention_scores=memory_plan.attention_saves_scores(model_cfg, cfg["attn_impl"], "cuda", cfg["dtype"]))
+        model_cfg,
+        layout["dp"],
+        layout["tp"],
+        layout["pp"],
+        layout["cp"],
+        layout["zero_stage"],
+        layout["batch_size"],
+        cfg["block_size"],
+        layout["gradient_accumulation_steps"],
+        layout["pp_schedule"],
+        layout["activation_checkpointing"],
+        cfg["chunked_loss"],
+        layout["sequence_parallel"],
+        cfg["bucket_size_mb"],
+        act_bytes=act_bytes,
+        chunks=layout["pp_chunks"],
+        ep=layout["ep"],
+        optimizer=cfg["optimizer"],
+        pp_layers=cfg["pp_layers"],
+        attention_scores=memory_plan.attention_saves_scores(
+            model_cfg, cfg["attn_impl"], "cuda", cfg["dtype"]
+        ),
+    )
     return max(stage["peak"] for stage in plan)
 
 
 def choose(cfg, given, model_cfg):
-    """[(prediction, layout, peak bytes)] of the fastest ten layouts that fit, fastest first, and how many were
-    ranked; raises ValueError when none fits."""
+    """[(prediction, layout, peak bytes)] of the fastest ten layouts that fit, fastest first, and
+    how many were ranked; raises ValueError when none fits."""
     machine = machine_of(cfg)
     gpus_per_node, _ = gpus_per_node_of(cfg)
-    limit = (cfg["gpu_mem_gib"] or machine["memory_gib"]) * 2 ** 30
-    dp = resolve_dp(cfg["nproc"], cfg["dp"], cfg["tp"], cfg["pp"], count_name="nproc", cp=cfg["cp"], ep=cfg["ep"])
-    global_batch = cfg["global_batch"] or cfg["batch_size"] * cfg["gradient_accumulation_steps"] * dp
+    limit = (cfg["gpu_mem_gib"] or machine["memory_gib"]) * 2**30
+    dp = resolve_dp(
+        cfg["nproc"],
+        cfg["dp"],
+        cfg["tp"],
+        cfg["pp"],
+        count_name="nproc",
+        cp=cfg["cp"],
+        ep=cfg["ep"],
+    )
+    global_batch = (
+        cfg["global_batch"] or cfg["batch_size"] * cfg["gradient_accumulation_steps"] * dp
+    )
     ranked = []
     for layout in candidates(cfg, given, model_cfg, global_batch, gpus_per_node):
         if states_bytes(model_cfg, layout) <= limit:
             run = step_time.run_of({**cfg, **layout})
             ranked.append((step_time.predict(model_cfg, run, machine, gpus_per_node), layout))
-    # equal times (the model sees no difference) go to the simpler layout: fewer axes, less sharding, no
-    # recomputation, fewer and larger micro-batches
-    ranked.sort(key=lambda pair: (round(pair[0]["step_s"], 9), pair[1]["cp"], pair[1]["pp"], pair[1]["tp"],
-                                  pair[1]["zero_stage"], pair[1]["activation_checkpointing"], -pair[1]["batch_size"]))
+    # equal times (the model sees no difference) go to the simpler layout: fewer axes, less
+    # sharding, no recomputation, fewer and larger micro-batches
+    ranked.sort(
+        key=lambda pair: (
+            round(pair[0]["step_s"], 9),
+            pair[1]["cp"],
+            pair[1]["pp"],
+            pair[1]["tp"],
+            pair[1]["zero_stage"],
+            pair[1]["activation_checkpointing"],
+            -pair[1]["batch_size"],
+        )
+    )
     best = []
-    act_bytes = memory_plan.compute_bytes(step_time.dtype_of(step_time.run_of(cfg), machine), "cuda")
+    act_bytes = memory_plan.compute_bytes(
+        step_time.dtype_of(step_time.run_of(cfg), machine), "cuda"
+    )
     for prediction, layout in ranked:
         peak = plan_peak(cfg, model_cfg, layout, act_bytes)
         if peak <= limit:
@@ -317,16 +461,20 @@ def choose(cfg, given, model_cfg):
         if len(best) == 10:
             break
     if not best:
-        raise ValueError(f"no layout of nproc = {cfg['nproc']} devices fits {limit / 2**30:g} GiB at global_batch = "
-                         f"{global_batch} sequences ({len(ranked)} ranked): use more devices, a machine with more "
-                         f"memory, or a smaller global_batch or block_size")
+        raise ValueError(
+            f"no layout of nproc = {cfg['nproc']} devices fits {limit / 2**30:g} GiB at global_batch = "
+            f"{global_batch} sequences ({len(ranked)} ranked): use more devices, a machine with more "
+            f"memory, or a smaller global_batch or block_size"
+        )
     return best, len(ranked), global_batch
 
 
 def format_choice(best, count, global_batch, nproc, machine):
     """The ranked list as lines: each layout, its step and where its time goes."""
-    lines = [f"{count} layouts of {nproc} devices for {global_batch} sequences per step ranked on {machine}; "
-             f"the fastest {len(best)} that fit memory:"]
+    lines = [
+        f"{count} layouts of {nproc} devices for {global_batch} sequences per step ranked on {machine}; "
+        f"the fastest {len(best)} that fit memory:"
+    ]
     for i, (p, layout, peak) in enumerate(best):
         shown = {k: v for k, v in p["parts"].items() if v > 0.005 * p["step_s"]}
         lines.append(
@@ -335,7 +483,9 @@ def format_choice(best, count, global_batch, nproc, machine):
             f"{layout['pp_schedule'] + ' x' + str(layout['pp_chunks']) + ', ' if layout['pp'] > 1 else ''}"
             f"ZeRO-{layout['zero_stage']}, micro-batch {layout['batch_size']} x {layout['gradient_accumulation_steps']}"
             f"{', checkpointed' if layout['activation_checkpointing'] else ''}; {peak / 2**30:.1f} GiB; MFU "
-            f"{metrics.format_mfu(p['mfu'])}\n      " + ", ".join(f"{k} {v / p['step_s']:.0%}" for k, v in shown.items()))
+            f"{metrics.format_mfu(p['mfu'])}\n      "
+            + ", ".join(f"{k} {v / p['step_s']:.0%}" for k, v in shown.items())
+        )
     return "\n".join(lines)
 
 
@@ -346,33 +496,52 @@ def main(argv):
         step_time.check_counts(values)
         launch = launch_lines(values)  # before --choose: a count that fills no nodes stops here
         ranking = ""
-        if values["choose"]:  # every layout ranked; the fastest that fits written, every layout setting with it
+        if values[
+            "choose"
+        ]:  # every layout ranked; the fastest that fits written, every layout setting with it
             best, count, global_batch = choose(values, given, model_config_of(values))
             ranking = format_choice(best, count, global_batch, values["nproc"], values["machine"])
             values.update(best[0][1])
-            if values["dtype"] == "auto":  # written out: the plan below counts the activations in it
-                values["dtype"] = step_time.dtype_of(step_time.run_of(values), machines.load_machine(values["machine"]))
+            if (
+                values["dtype"] == "auto"
+            ):  # written out: the plan below counts the activations in it
+                values["dtype"] = step_time.dtype_of(
+                    step_time.run_of(values), machines.load_machine(values["machine"])
+                )
             given = set(given) | set(LAYOUT_SETTINGS) | {"dtype"}
         header, body, chosen = make_config(values, given, argv, launch)
         out, existed = values["out"], os.path.exists(values["out"])
         if existed and not values["force"]:
-            raise ConfigError(f"out = {out!r} exists: choose another --out, or pass --force=True to overwrite it")
+            raise ConfigError(
+                f"out = {out!r} exists: choose another --out, or pass --force=True to overwrite it"
+            )
         try:
             if os.path.dirname(out):
                 os.makedirs(os.path.dirname(out), exist_ok=True)
             with open(out, "w") as f:
                 f.write(header + "\n" + body)
         except OSError as e:
-            raise ConfigError(f"out = {out!r} cannot be written ({e.strerror}): choose another --out")
+            raise ConfigError(
+                f"out = {out!r} cannot be written ({e.strerror}): choose another --out"
+            )
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")
-    print("\n".join(warnings + ([ranking] if ranking else []) + [line[2:] for line in header.splitlines()[2:]]))
+    print(
+        "\n".join(
+            warnings
+            + ([ranking] if ranking else [])
+            + [line[2:] for line in header.splitlines()[2:]]
+        )
+    )
     for name, (value, why) in chosen.items():
         print(f"chose {name} = {value}: {why}")
-    # the default --out is a path in the current folder: say where the file went, so it is not found by surprise
+    # the default --out is a path in the current folder: say where the file went, so it is not found
+    # by surprise
     where = out if os.path.isabs(out) else f"{out} ({os.path.abspath(out)})"
-    print(f"{'overwrote' if existed else 'wrote'} {where}" + ("" if "out" in given else
-                                                            ": the default --out; --out=PATH writes elsewhere"))
+    print(
+        f"{'overwrote' if existed else 'wrote'} {where}"
+        + ("" if "out" in given else ": the default --out; --out=PATH writes elsewhere")
+    )
 
 
 if __name__ == "__main__":

@@ -1,23 +1,26 @@
 """
-How much memory each rank of a run will hold, predicted before anything runs: tools/make_config.py prints the
-plan of a config, train.py prints it at start-up, and tools/bench.py's RESULT carries it beside the measured peak.
+How much memory each rank of a run will hold, predicted before anything runs: tools/make_config.py
+prints the plan of a config, train.py prints it at start-up, and tools/bench.py's RESULT carries it
+beside the measured peak.
 
-What it predicts: for one rank of each pipeline stage, the bytes of the parameters, gradients, optimizer
-state, saved activations, the loss's tensors, the gradients in flight, the optimizer step's temporaries,
-and the step's peak. From what: the model config, the layout (dp, tp, pp, cp, ep) and the execution
-settings (ZeRO stage, batch, micro-batches, schedule, activation checkpointing, chunked loss, bucket size,
-optimizer, compute dtype, whether the attention kernel keeps its scores), by shapes and dtypes alone: the
-parameters counted on the meta device, the activations from the block's code, the peak by walking the
-rank's own actions of the schedule; no constant is fitted to a measurement.
+What it predicts: for one rank of each pipeline stage, the bytes of the parameters, gradients,
+optimizer state, saved activations, the loss's tensors, the gradients in flight, the optimizer
+step's temporaries, and the step's peak. From what: the model config, the layout (dp, tp, pp, cp,
+ep) and the execution settings (ZeRO stage, batch, micro-batches, schedule, activation
+checkpointing, chunked loss, bucket size, optimizer, compute dtype, whether the attention kernel
+keeps its scores), by shapes and dtypes alone: the parameters counted on the meta device, the
+activations from the block's code, the peak by walking the rank's own actions of the schedule; no
+constant is fitted to a measurement.
 
 How it is checked: tests/test_memory.py holds the plan to every rank's measured peak of one step
 (metrics.measure_step_memory: CUDA's allocator, or on CPU metrics.LiveTensorBytes, the live tensor
-storages, or with compiled blocks the CPU allocator's), within 10%: every shipped config at one process
-and the README's multi-process layouts, and small layouts through tools/bench.py; `python tests/test_memory.py
---measure` runs the larger set. It counts what eager blocks save for backward (compiled ones save less),
-and torch.compile's own memory (its traces, generated code, caches) is no tensor of the step: train.py's
-start-up says both when compile is on.
+storages, or with compiled blocks the CPU allocator's), within 10%: every shipped config at one
+process and the README's multi-process layouts, and small layouts through tools/bench.py; `python
+tests/test_memory.py --measure` runs the larger set. It counts what eager blocks save for backward
+(compiled ones save less), and torch.compile's own memory (its traces, generated code, caches) is no
+tensor of the step: train.py's start-up says both when compile is on.
 """
+
 import itertools
 import math
 from types import SimpleNamespace
@@ -27,7 +30,14 @@ import torch
 from build import build_model, stage_cut
 from metrics import rank_peak_memory_bytes
 from expert_parallel import exchange_bytes, expert_rows
-from model import attention_dims, attention_head_dim, choose_attn_impl, loss_chunk_size, mlp_hidden_size, takes_muon
+from model import (
+    attention_dims,
+    attention_head_dim,
+    choose_attn_impl,
+    loss_chunk_size,
+    mlp_hidden_size,
+    takes_muon,
+)
 from optim import deal_whole
 from parallel import full_shape_of, split_vocab_size, stage_layers
 from pipeline_schedules import virtual_stages
@@ -73,20 +83,44 @@ from tools.timeline import schedule_moments, walk_peak
 # attention is counted as a fused kernel).
 
 
-def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1, ep=1, shapes=None, pp_layers="",
-                             sequence_parallel=False, summed=None):
-    """{name: elements this tp rank holds} of pipeline rank `stage`'s parameters (its chunks', cut as train.py
-    cuts them): the model built on the meta device and the layout applied as build.build_model applies it,
-    each group a stand-in of its size, so what is counted is what a run holds (under expert parallelism the
-    first ep rank's experts). shapes: a dict, filled with each parameter's full shape (Muon orthogonalises
-    the full matrix; autocast copies the matrices); summed: those tensor_parallel.sum_grad_over marks."""
-    group = lambda size: SimpleNamespace(size=lambda: size, rank=lambda: 0) if size > 1 else None  # noqa: E731
-    layout = SimpleNamespace(pp=pp, pp_rank=stage, tp_group=group(tp), ep_group=group(ep), cp_group=None)
-    cfg = SimpleNamespace(chunked_loss=False, pp_schedule=schedule, pp_chunks=chunks, pp_layers=pp_layers,
-                          sequence_parallel=sequence_parallel, activation_checkpointing=False, fp8="none")
+def stage_parameter_elements(
+    model_cfg,
+    tp,
+    pp,
+    stage,
+    schedule="1f1b",
+    chunks=1,
+    ep=1,
+    shapes=None,
+    pp_layers="",
+    sequence_parallel=False,
+    summed=None,
+):
+    """{name: elements this tp rank holds} of pipeline rank `stage`'s parameters (its chunks', cut
+    as train.py cuts them): the model built on the meta device and the layout applied as
+    build.build_model applies it, each group a stand-in of its size, so what is counted is what a
+    run holds (under expert parallelism the first ep rank's experts). shapes: a dict, filled with
+    each parameter's full shape (Muon orthogonalises the full matrix; autocast copies the matrices);
+    summed: those tensor_parallel.sum_grad_over marks."""
+    group = lambda size: SimpleNamespace(size=lambda: size, rank=lambda: 0) if size > 1 else None
+    layout = SimpleNamespace(
+        pp=pp, pp_rank=stage, tp_group=group(tp), ep_group=group(ep), cp_group=None
+    )
+    cfg = SimpleNamespace(
+        chunked_loss=False,
+        pp_schedule=schedule,
+        pp_chunks=chunks,
+        pp_layers=pp_layers,
+        sequence_parallel=sequence_parallel,
+        activation_checkpointing=False,
+        fp8="none",
+    )
     model = build_model(cfg, model_cfg, layout, "auto", "meta")  # (the kernel holds no parameters)
     out = {}
-    for name, p in model.named_parameters():  # (a tied weight once: named_parameters gives each tensor once)
+    for (
+        name,
+        p,
+    ) in model.named_parameters():  # (a tied weight once: named_parameters gives each tensor once)
         out[name] = p.numel()
         if shapes is not None:
             shapes[name] = tuple(full_shape_of(p))
@@ -96,48 +130,63 @@ def stage_parameter_elements(model_cfg, tp, pp, stage, schedule="1f1b", chunks=1
 
 
 def is_expert(name):
-    """A parameter (or module) of a routed expert: held by its ep rank only, averaged over its replicas."""
+    """A parameter (or module) of a routed expert: held by its ep rank only, averaged over its
+    replicas."""
     return ".mlp.experts." in name
 
 
 def compute_bytes(dtype="auto", device="auto"):
-    """The bytes of an element of a run's compute dtype, which its narrow activations take: 2 under bf16 or
-    fp16 autocast (dtype auto on a GPU is one of them: train.choose_device_and_dtype), else 4."""
+    """The bytes of an element of a run's compute dtype, which its narrow activations take: 2 under
+    bf16 or fp16 autocast (dtype auto on a GPU is one of them: train.choose_device_and_dtype), else
+    4."""
     gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     return 2 if dtype in ("bfloat16", "float16") or (dtype == "auto" and gpu) else 4
 
 
 def attention_saves_scores(model_cfg, attn_impl="auto", device="auto", dtype="auto"):
-    """Whether a run with these settings keeps each block's (B, H, T, T) attention probabilities for backward
-    (without context parallelism): the eager attention does (model.choose_attn_impl's for soft-capped
-    scores unless flash-attn runs on a GPU in half precision), and SDPA on CPU when the value head differs
-    from the query/key head (MLA: its math path). The fused kernels and ring attention keep the log-sum-exp."""
+    """Whether a run with these settings keeps each block's (B, H, T, T) attention probabilities for
+    backward (without context parallelism): the eager attention does (model.choose_attn_impl's for
+    soft-capped scores unless flash-attn runs on a GPU in half precision), and SDPA on CPU when the
+    value head differs from the query/key head (MLA: its math path). The fused kernels and ring
+    attention keep the log-sum-exp."""
     gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     half = compute_bytes(dtype, device) < 4
-    impl = attn_impl if attn_impl != "auto" else choose_attn_impl(  # train.py's rule, for a device maybe not here
-        "auto", "cuda" if gpu else "cpu", torch.bfloat16 if half else torch.float32, model_cfg.attn_softcap)[0]
+    impl = (
+        attn_impl
+        if attn_impl != "auto"
+        else choose_attn_impl(  # train.py's rule, for a device maybe not here
+            "auto",
+            "cuda" if gpu else "cpu",
+            torch.bfloat16 if half else torch.float32,
+            model_cfg.attn_softcap,
+        )[0]
+    )
     qk_dim, v_dim = attention_dims(model_cfg)
     return impl == "eager" or (impl == "sdpa" and not gpu and v_dim != qk_dim)
 
 
 def attention_activation_elements(model_cfg, N, seq_len, tp, scores=False):
-    """(wide, narrow) elements one attention layer saves for backward (block_activation_elements says which
-    is which) for N tokens (this rank's, after sequence parallelism's gather) in sequences of seq_len, from
-    model.py's CausalSelfAttention and MultiHeadLatentAttention: the rotated q and k, the values (repeated to
-    the query heads under GQA), the output (o_proj's input); the log-sum-exp, or with scores=True
-    (attention_saves_scores) the (B, H, T, T) probabilities and soft-capped the tanh (the T x T mask left
-    out). RoPE saves none of its inputs. QK-norm keeps for q and k the projection's output, its product with
-    the rsqrt and the rsqrt; MLA its latent (kv_down's output), that norm's rsqrt, product and output, and
-    with q_lora_rank > 0 the same of the query's. Wide: the log-sum-exp, the probabilities (autocast's
-    softmax is fp32), what a norm reads and its rsqrt; narrow: a linear's output or input."""
+    """(wide, narrow) elements one attention layer saves for backward (block_activation_elements
+    says which is which) for N tokens (this rank's, after sequence parallelism's gather) in
+    sequences of seq_len, from model.py's CausalSelfAttention and MultiHeadLatentAttention: the
+    rotated q and k, the values (repeated to the query heads under GQA), the output (o_proj's
+    input); the log-sum-exp, or with scores=True (attention_saves_scores) the (B, H, T, T)
+    probabilities and soft-capped the tanh (the T x T mask left out). RoPE saves none of its inputs.
+    QK-norm keeps for q and k the projection's output, its product with the rsqrt and the rsqrt; MLA
+    its latent (kv_down's output), that norm's rsqrt, product and output, and with q_lora_rank > 0
+    the same of the query's. Wide: the log-sum-exp, the probabilities (autocast's softmax is fp32),
+    what a norm reads and its rsqrt; narrow: a linear's output or input."""
     qk_dim, v_dim = attention_dims(model_cfg)
     H = model_cfg.n_head // tp
     if model_cfg.attention == "mla":
         kv_heads = norm_heads = H  # every head its own k_nope and v
         kvr, qr = model_cfg.kv_lora_rank, model_cfg.q_lora_rank
-        # the latents as their norms read them (and their rsqrt); the rope key, the products and outputs
-        latents = [N * kvr + N + ((N * qr + N) if qr > 0 else 0),
-                   N * model_cfg.qk_rope_head_dim + 2 * N * kvr + (2 * N * qr if qr > 0 else 0)]
+        # the latents as their norms read them (and their rsqrt); the rope key, the products and
+        # outputs
+        latents = [
+            N * kvr + N + ((N * qr + N) if qr > 0 else 0),
+            N * model_cfg.qk_rope_head_dim + 2 * N * kvr + (2 * N * qr if qr > 0 else 0),
+        ]
     else:
         H_kv = model_cfg.n_kv_head // tp if model_cfg.n_kv_head % tp == 0 else 1
         kv_heads, norm_heads, latents = max(H, H_kv), H_kv, [0, 0]
@@ -148,25 +197,30 @@ def attention_activation_elements(model_cfg, N, seq_len, tp, scores=False):
         kernel = [N * H, 0]  # the log-sum-exp
     heads = H + norm_heads  # QK-norm: the projection's output and rsqrt, the product
     qk_norm = [N * heads * qk_dim + N * heads, N * heads * qk_dim] if model_cfg.qk_norm else [0, 0]
-    return kernel[0] + qk_norm[0] + latents[0], qkv + N * H * v_dim + kernel[1] + qk_norm[1] + latents[1]
+    return kernel[0] + qk_norm[0] + latents[0], qkv + N * H * v_dim + kernel[1] + qk_norm[
+        1
+    ] + latents[1]
 
 
-def block_activation_elements(model_cfg, tokens, tp, sequence_parallel=False, ep=1, seq_len=None, scores=False,
-                              autocast=False):
-    """(wide, narrow) elements autograd saves for one block's backward, for `tokens` tokens of a micro-batch
-    (this rank's) in sequences of seq_len (block_size unless given), from model.py's Block: the residual
-    input and mid-block sum, each norm's rsqrt, normalised input and output, the attention's tensors
-    (attention_activation_elements), the MLP's hidden tensors (SwiGLU: gate, silu, up, product; GELU: up and
-    gelu), or an MoE layer at its capacity bound (the local experts' rows: expert_rows). Wide: fp32 whatever
-    the dtype (the residual stream, what a norm reads and its rsqrt, the router's, what the gates weight);
-    narrow: the compute dtype's (a linear's output and input). Under autocast each linear keeps its own half
-    copy of its input, where in fp32 q, k and v (SwiGLU's gate and up, an expert's) share one tensor."""
+def block_activation_elements(
+    model_cfg, tokens, tp, sequence_parallel=False, ep=1, seq_len=None, scores=False, autocast=False
+):
+    """(wide, narrow) elements autograd saves for one block's backward, for `tokens` tokens of a
+    micro-batch (this rank's) in sequences of seq_len (block_size unless given), from model.py's
+    Block: the residual input and mid-block sum, each norm's rsqrt, normalised input and output, the
+    attention's tensors (attention_activation_elements), the MLP's hidden tensors (SwiGLU: gate,
+    silu, up, product; GELU: up and gelu), or an MoE layer at its capacity bound (the local experts'
+    rows: expert_rows). Wide: fp32 whatever the dtype (the residual stream, what a norm reads and
+    its rsqrt, the router's, what the gates weight); narrow: the compute dtype's (a linear's output
+    and input). Under autocast each linear keeps its own half copy of its input, where in fp32 q, k
+    and v (SwiGLU's gate and up, an expert's) share one tensor."""
     C = model_cfg.n_embd
     N = tokens
     n_local = N // tp if sequence_parallel else N  # between the tensor-parallel regions
     attn_readers = (2 if model_cfg.attention == "mla" else 3) if autocast else 1
     mlp_readers = (2 if model_cfg.mlp == "swiglu" else 1) if autocast else 1
-    # rsqrt, x * rsqrt; * gain, its output as the linears keep it (under sequence parallelism gathered)
+    # rsqrt, x * rsqrt; * gain, its output as the linears keep it (under sequence parallelism
+    # gathered)
     norm = [n_local + n_local * C, N * C]
     attn = attention_activation_elements(model_cfg, N, seq_len or model_cfg.block_size, tp, scores)
     F = mlp_hidden_size(model_cfg) // tp
@@ -174,26 +228,32 @@ def block_activation_elements(model_cfg, tokens, tp, sequence_parallel=False, ep
     if model_cfg.n_expert > 0:
         E = model_cfg.n_expert
         kept, received = expert_rows(model_cfg, N, ep)
-        # tokens reordered (N x C), router logits and probabilities (N x E, fp32), each received row's input
-        # and hidden tensors, each kept assignment's output (back on this rank), the combined output; the
-        # shared experts on every token
+        # tokens reordered (N x C), router logits and probabilities (N x E, fp32), each received
+        # row's input and hidden tensors, each kept assignment's output (back on this rank), the
+        # combined output; the shared experts on every token
         expert_in = mlp_readers * C + per_token_mlp
-        mlp = [N * C + 2 * N * E + 2 * N * C, received * expert_in + kept * C + model_cfg.n_shared_expert * N * expert_in]
+        mlp = [
+            N * C + 2 * N * E + 2 * N * C,
+            received * expert_in + kept * C + model_cfg.n_shared_expert * N * expert_in,
+        ]
     else:
         mlp = [0, N * per_token_mlp]
     blocks_norms = 1 if model_cfg.parallel_block else 2
-    residual = n_local * C * (1 if model_cfg.parallel_block else 2)  # the block's input; the mid-block sum
+    residual = (
+        n_local * C * (1 if model_cfg.parallel_block else 2)
+    )  # the block's input; the mid-block sum
     norm_outputs = norm[1] * (attn_readers + mlp_readers if autocast else blocks_norms)
     return residual + blocks_norms * norm[0] + attn[0] + mlp[0], norm_outputs + attn[1] + mlp[1]
 
 
 def block_backward_elements(model_cfg, tokens, tp, sequence_parallel=False):
-    """(wide, narrow) elements a backward adds, as it starts, to the activations of the chunk it runs (all still held):
-    the gradient arriving at the last block (n_local x C: from the next stage, or the final norm's), and
-    inside that block's MLP backward the gradient of its hidden product with the two it splits into
-    (SwiGLU: the silu's and the up projection's), while the product itself is freed: net 2 x N x hidden
-    (GELU: the gelu's input gradient, net 1). An MoE layer's is not added: its capacity bound already
-    counts more rows than its routed tokens fill. The residual's gradient is wide, the MLP's narrow."""
+    """(wide, narrow) elements a backward adds, as it starts, to the activations of the chunk it
+    runs (all still held): the gradient arriving at the last block (n_local x C: from the next
+    stage, or the final norm's), and inside that block's MLP backward the gradient of its hidden
+    product with the two it splits into (SwiGLU: the silu's and the up projection's), while the
+    product itself is freed: net 2 x N x hidden (GELU: the gelu's input gradient, net 1). An MoE
+    layer's is not added: its capacity bound already counts more rows than its routed tokens fill.
+    The residual's gradient is wide, the MLP's narrow."""
     C, N = model_cfg.n_embd, tokens
     n_local = N // tp if sequence_parallel else N
     F = mlp_hidden_size(model_cfg) // tp
@@ -202,20 +262,22 @@ def block_backward_elements(model_cfg, tokens, tp, sequence_parallel=False):
 
 
 def tied_sum_bytes(model_cfg, pp, zero_stage, elements, param_bytes=4):
-    """The bytes of the tied embedding's summed gradient on a pipeline rank holding a copy, at ZeRO-0/1 (2/3's
-    reducer sums the shards): after the last backward parallel.sync_tied_grads adds the copies' gradients
-    into a new tensor and all-reduces it, beside this rank's copy's own gradient until the sum replaces it.
-    One tensor of the copy's size, even where one rank holds the only copy (zbv's first: embedding = head)."""
+    """The bytes of the tied embedding's summed gradient on a pipeline rank holding a copy, at
+    ZeRO-0/1 (2/3's reducer sums the shards): after the last backward parallel.sync_tied_grads adds
+    the copies' gradients into a new tensor and all-reduces it, beside this rank's copy's own
+    gradient until the sum replaces it. One tensor of the copy's size, even where one rank holds the
+    only copy (zbv's first: embedding = head)."""
     if pp == 1 or not model_cfg.tie_embeddings or zero_stage >= 2:
         return 0
     return elements.get("tok_emb.weight", elements.get("lm_head.weight", 0)) * param_bytes
 
 
 def grad_norm_temp_elements(elements, zero_stage, muon=False, skipped=(), largest_shard=None):
-    """The elements of the gradient norm's temporary (train.global_grad_norm squares each gradient of the
-    optimizer's grads() into a new tensor), for the largest: whole p.grad at ZeRO-0 and under Muon's ZeRO-1,
-    else the slice this rank owns, at most the largest 1/dp shard of a bucket (largest_shard). skipped:
-    parameters the norm leaves out (a last stage's copy of the tied embedding, counted on the first)."""
+    """The elements of the gradient norm's temporary (train.global_grad_norm squares each gradient
+    of the optimizer's grads() into a new tensor), for the largest: whole p.grad at ZeRO-0 and under
+    Muon's ZeRO-1, else the slice this rank owns, at most the largest 1/dp shard of a bucket
+    (largest_shard). skipped: parameters the norm leaves out (a last stage's copy of the tied
+    embedding, counted on the first)."""
     largest = max((n for name, n in elements.items() if name not in skipped), default=0)
     if zero_stage >= 1 and not (muon and zero_stage == 1) and largest_shard is not None:
         largest = min(largest, largest_shard)
@@ -223,8 +285,8 @@ def grad_norm_temp_elements(elements, zero_stage, muon=False, skipped=(), larges
 
 
 def bucket_elements(param_elements, capacity):
-    """The elements of each gradient bucket parallel.GradientBuckets makes of parameters of these sizes
-    (one dtype): filled in backward order, closed once they reach capacity."""
+    """The elements of each gradient bucket parallel.GradientBuckets makes of parameters of these
+    sizes (one dtype): filled in backward order, closed once they reach capacity."""
     sizes, current = [], 0
     for n in reversed(param_elements):
         current += n
@@ -235,92 +297,137 @@ def bucket_elements(param_elements, capacity):
 
 
 def last_launched(zero_stage, elements, block_units, root, holds_embedding, capacity):
-    """ZeRO-2/3: the last two buckets (units) of each reducer that a backward launches, as (elements,
-    whether of experts): they stay in flight through the forwards after it, until the next backward lands
-    them (zero.GradientShards.set_grad_sync). Launched in backward order, the experts' by a reducer of their
-    own; ZeRO-3's root unit last where the stage holds the embedding, first where it holds only the head."""
+    """ZeRO-2/3: the last two buckets (units) of each reducer that a backward launches, as
+    (elements, whether of experts): they stay in flight through the forwards after it, until the
+    next backward lands them (zero.GradientShards.set_grad_sync). Launched in backward order, the
+    experts' by a reducer of their own; ZeRO-3's root unit last where the stage holds the embedding,
+    first where it holds only the head."""
     if zero_stage == 3:
         back = [[unit[e] for unit in reversed(block_units) if unit[e]] for e in (0, 1)]
         launches = [back[0] + [root] if holds_embedding else [root] + back[0], back[1]]
     else:
-        launches = [bucket_elements([n for name, n in elements.items() if is_expert(name) == e], capacity)
-                    for e in (False, True)]
+        launches = [
+            bucket_elements([n for name, n in elements.items() if is_expert(name) == e], capacity)
+            for e in (False, True)
+        ]
     return [(n, bool(e)) for e, order in enumerate(launches) for n in order[-2:]]
 
 
 def weight_grad_residual_elements(model_cfg, tokens, tp):
-    """Elements one block keeps for a micro-batch between a zero-bubble B and its W (pipeline_schedules.WeightGradStore):
-    each tensor-parallel linear's input x (q, k and v read one tensor, as the MLP's gate and up do) and its
-    output's gradient dy, all narrow. Counted for the dense attention and MLP."""
+    """Elements one block keeps for a micro-batch between a zero-bubble B and its W
+    (pipeline_schedules.WeightGradStore): each tensor-parallel linear's input x (q, k and v read one
+    tensor, as the MLP's gate and up do) and its output's gradient dy, all narrow. Counted for the
+    dense attention and MLP."""
     C, D = model_cfg.n_embd, attention_head_dim(model_cfg)
     H = model_cfg.n_head // tp
     kv = model_cfg.n_kv_head // tp if model_cfg.n_kv_head % tp == 0 else model_cfg.n_kv_head
     F = mlp_hidden_size(model_cfg) // tp
     attn = C + H * D + 2 * kv * D + H * D + C  # q/k/v's x, their dy; o's x and dy
-    mlp = C + (2 if model_cfg.mlp == "swiglu" else 1) * F + F + C  # gate/up's x and dy; down's x and dy
+    mlp = (
+        C + (2 if model_cfg.mlp == "swiglu" else 1) * F + F + C
+    )  # gate/up's x and dy; down's x and dy
     return tokens * (attn + mlp)
 
 
 def fp8_saved_elements(model_cfg, tokens, tp, recipe, act_bytes):
-    """fp8's change to a dense block's saved elements (of act_bytes; MoE and MLA counted as plain): tensorwise
-    keeps each linear's input (q, k, v each theirs) and weight as FP8 casts (a byte each), no longer the norms'
-    outputs and the MLP's hidden product, which only the linears kept; rowwise keeps what plain linears keep."""
+    """fp8's change to a dense block's saved elements (of act_bytes; MoE and MLA counted as plain):
+    tensorwise keeps each linear's input (q, k, v each theirs) and weight as FP8 casts (a byte
+    each), no longer the norms' outputs and the MLP's hidden product, which only the linears kept;
+    rowwise keeps what plain linears keep."""
     if recipe != "tensorwise" or model_cfg.n_expert > 0 or model_cfg.attention == "mla":
         return 0
-    C, D, F, H = model_cfg.n_embd, attention_head_dim(model_cfg), mlp_hidden_size(model_cfg) // tp, model_cfg.n_head//tp
-    kv, up = model_cfg.n_kv_head // (tp if model_cfg.n_kv_head % tp == 0 else 1), 2 if model_cfg.mlp == "swiglu" else 1
+    C, D, F, H = (
+        model_cfg.n_embd,
+        attention_head_dim(model_cfg),
+        mlp_hidden_size(model_cfg) // tp,
+        model_cfg.n_head // tp,
+    )
+    kv, up = (
+        model_cfg.n_kv_head // (tp if model_cfg.n_kv_head % tp == 0 else 1),
+        2 if model_cfg.mlp == "swiglu" else 1,
+    )
     casts = tokens * (3 * C + H * D + up * C + F) + C * (2 * H + 2 * kv) * D + (up + 1) * C * F
     return round(casts / act_bytes) - tokens * ((1 if model_cfg.parallel_block else 2) * C + F)
 
 
 def block_matrix_elements(elements, shapes, blocks):
-    """A block's matrices on this rank, the mean over the stage's `blocks` (the router's stays fp32): what bf16
-    or fp16 autocast copies to half in each forward."""
-    return sum(n for name, n in elements.items() if name.startswith("blocks.") and len(shapes[name]) > 1
-               and ".router." not in name) // max(1, blocks)
+    """A block's matrices on this rank, the mean over the stage's `blocks` (the router's stays
+    fp32): what bf16 or fp16 autocast copies to half in each forward."""
+    return sum(
+        n
+        for name, n in elements.items()
+        if name.startswith("blocks.") and len(shapes[name]) > 1 and ".router." not in name
+    ) // max(1, blocks)
 
 
 def shard(n, ranks):
-    """One rank's share of n elements split over `ranks` ranks, rounded up (ZeRO's shards are padded)."""
+    """One rank's share of n elements split over `ranks` ranks, rounded up (ZeRO's shards are
+    padded)."""
     return -(-n // ranks)
 
 
 def zero3_units(elements, chunk_layers):
-    """[dense, experts] elements of each block here (chunk_layers: each chunk's blocks), each a ZeRO-3 unit."""
-    return [[sum(n for name, n in elements.items() if name.startswith(f"blocks.{i}.") and
-                 is_expert(name) == expert) for expert in (False, True)]
-            for layers in chunk_layers for i in layers]
+    """[dense, experts] elements of each block here (chunk_layers: each chunk's blocks), each a
+    ZeRO-3 unit."""
+    return [
+        [
+            sum(
+                n
+                for name, n in elements.items()
+                if name.startswith(f"blocks.{i}.") and is_expert(name) == expert
+            )
+            for expert in (False, True)
+        ]
+        for layers in chunk_layers
+        for i in layers
+    ]
 
 
 def sharded_elements(block_units, root, replicas, expert_replicas):
-    """This rank's elements of the parameters under ZeRO-2/3's sharding: each block's dense part over dp x cp,
-    its experts over their own replicas, the root unit over dp x cp."""
-    return (sum(shard(dense, replicas) + shard(experts, expert_replicas) for dense, experts in block_units)
-            + shard(root, replicas))
+    """This rank's elements of the parameters under ZeRO-2/3's sharding: each block's dense part
+    over dp x cp, its experts over their own replicas, the root unit over dp x cp."""
+    return sum(
+        shard(dense, replicas) + shard(experts, expert_replicas) for dense, experts in block_units
+    ) + shard(root, replicas)
 
 
 def parameter_bytes(zero_stage, block_units, root, replicas, expert_replicas, param_bytes):
-    """The bytes of the parameters one rank holds: all of its stage's, but under ZeRO-3 the shards, the root
-    unit whole and two gathered blocks (the one computing, the one prefetched)."""
+    """The bytes of the parameters one rank holds: all of its stage's, but under ZeRO-3 the shards,
+    the root unit whole and two gathered blocks (the one computing, the one prefetched)."""
     P = sum(map(sum, block_units)) + root
     params = P * param_bytes
     if zero_stage == 3:
         sharded = sharded_elements(block_units, root, replicas, expert_replicas)
         biggest_block = max(map(sum, block_units), default=0)
-        params = sharded * param_bytes + (root + min(2, len(block_units)) * biggest_block) * param_bytes
+        params = (
+            sharded * param_bytes + (root + min(2, len(block_units)) * biggest_block) * param_bytes
+        )
     return params
 
 
-def gradient_bytes(model_cfg, zero_stage, elements, block_units, root, here, head_chunk, replicas,
-                   expert_replicas, capacity, param_bytes):
-    """(gradients, buffers, in_flight) of one rank, in bytes: its gradients, those in flight at the end of a
-    backward, and ZeRO-2/3's last two buckets (units) still in flight after it, as [flat gradients, shards]."""
+def gradient_bytes(
+    model_cfg,
+    zero_stage,
+    elements,
+    block_units,
+    root,
+    here,
+    head_chunk,
+    replicas,
+    expert_replicas,
+    capacity,
+    param_bytes,
+):
+    """(gradients, buffers, in_flight) of one rank, in bytes: its gradients, those in flight at the
+    end of a backward, and ZeRO-2/3's last two buckets (units) still in flight after it, as [flat
+    gradients, shards]."""
     P = sum(elements.values())
     # at the end of backward: autograd's new gradient of the largest parameter before it is added
-    # into p.grad or copied into its bucket; for a weight tied within one chunk (one backward reaches
-    # both uses) the head's part, the embedding's part and autograd's sum of them. Where one rank holds
-    # the two ends in different chunks (zbv's first rank) each chunk's backward is its own: the head's
-    # part becomes p.grad, and the embedding's, one new gradient, is added into it later
+    # into p.grad or copied into its bucket; for a weight tied within one chunk (one backward
+    # reaches both uses) the head's part, the embedding's part and autograd's sum of them. Where one
+    # rank holds the two ends in different chunks (zbv's first rank) each chunk's backward is its
+    # own: the head's part becomes p.grad, and the embedding's, one new gradient, is added into it
+    # later
     tied_in_chunk = model_cfg.tie_embeddings and head_chunk is not None and here[head_chunk] == 0
     largest = max(elements.values()) * (3 if tied_in_chunk else 1)
     buffers = largest * param_bytes
@@ -330,15 +437,27 @@ def gradient_bytes(model_cfg, zero_stage, elements, block_units, root, here, hea
         if zero_stage == 3:
             sizes = sorted([n for unit in block_units for n in unit if n] + [root], reverse=True)
         else:  # the experts fill buckets of their own
-            sizes = sorted(sum((bucket_elements([n for name, n in elements.items() if is_expert(name) == e],
-                                                capacity) for e in (False, True)), []), reverse=True)
+            sizes = sorted(
+                sum(
+                    (
+                        bucket_elements(
+                            [n for name, n in elements.items() if is_expert(name) == e], capacity
+                        )
+                        for e in (False, True)
+                    ),
+                    [],
+                ),
+                reverse=True,
+            )
         buffers += (sizes[0] + (sizes[1] if len(sizes) > 1 else 0)) * param_bytes
-        # the buckets still in flight through the forwards after a backward (last_launched): their flat
-        # gradients, and from the second backward on their shards of the sum beside the grad_shards
-        # (after the first the shard becomes the grad_shard, counted above)
+        # the buckets still in flight through the forwards after a backward (last_launched): their
+        # flat gradients, and from the second backward on their shards of the sum beside the
+        # grad_shards (after the first the shard becomes the grad_shard, counted above)
         last = last_launched(zero_stage, elements, block_units, root, 0 in here, capacity)
-        in_flight = [sum(n for n, _ in last) * param_bytes,
-                     sum(shard(n, expert_replicas if e else replicas) for n, e in last) * param_bytes]
+        in_flight = [
+            sum(n for n, _ in last) * param_bytes,
+            sum(shard(n, expert_replicas if e else replicas) for n, e in last) * param_bytes,
+        ]
     else:
         grads = P * param_bytes * (2 if (replicas > 1 or zero_stage == 1) else 1)
         in_flight = [0, 0]  # (flat gradients, shards)
@@ -346,236 +465,474 @@ def gradient_bytes(model_cfg, zero_stage, elements, block_units, root, here, hea
 
 
 def optimizer_state(elements, shapes, muon, zero_stage, replicas, expert_replicas, dp_rank):
-    """(state elements, Muon's matrices, AdamW's elements as [dense, experts], the matrices this rank
-    updates) of one rank: what the optimizer keeps, and what its step and ZeRO-1's slices are counted from."""
+    """(state elements, Muon's matrices, AdamW's elements as [dense, experts], the matrices this
+    rank updates) of one rank: what the optimizer keeps, and what its step and ZeRO-1's slices are
+    counted from."""
     # the optimizer's state: AdamW's two moments per element; Muon's one momentum per matrix element
     # (AdamW's two for the rest); under ZeRO 1/dp of them (the experts' over their replicas), except
     # Muon's matrices, dealt whole (optim.deal_whole): this rank's share is what the deal gives it
-    matrices = [name for name in elements if takes_muon(name, torch.empty(shapes[name], device="meta"))] if muon else []
+    matrices = (
+        [name for name in elements if takes_muon(name, torch.empty(shapes[name], device="meta"))]
+        if muon
+        else []
+    )
     M = sum(elements[name] for name in matrices)
-    adamw_elements = [sum(n for name, n in elements.items() if is_expert(name) == e and name not in matrices)
-                      for e in (False, True)]  # dense, experts
+    adamw_elements = [
+        sum(n for name, n in elements.items() if is_expert(name) == e and name not in matrices)
+        for e in (False, True)
+    ]  # dense, experts
     P = sum(elements.values())
     if zero_stage == 0:
         state = 2 * (P - M) + M
         owned = matrices
     else:
         state = 2 * (shard(adamw_elements[0], replicas) + shard(adamw_elements[1], expert_replicas))
-        owners = deal_whole(reversed([torch.empty(elements[name], device="meta") for name in matrices]), replicas)
+        owners = deal_whole(
+            reversed([torch.empty(elements[name], device="meta") for name in matrices]), replicas
+        )
         share = [[] for _ in range(replicas)]
         for name, owner in zip(reversed(matrices), owners.values()):
             share[owner].append(name)
-        owned = share[dp_rank] if dp_rank is not None else max(share, key=lambda ns: sum(elements[n] for n in ns))
+        owned = (
+            share[dp_rank]
+            if dp_rank is not None
+            else max(share, key=lambda ns: sum(elements[n] for n in ns))
+        )
         state += sum(elements[name] for name in owned)
     return state, matrices, adamw_elements, owned
 
 
-def optimizer_step_bytes(zero_stage, elements, shapes, adamw_elements, owned, tp, replicas, expert_replicas,
-                         param_bytes):
-    """The bytes of the optimizer step's own temporaries (ZeRO-1/2's all-gather inputs, Muon's update)."""
-    # the optimizer step's temporaries. AdamW makes none: it is torch's fused kernel (parallel.adamw_step)
-    # on whole tensors or on ZeRO's flat slices alike. After it, ZeRO-1/2's all-gather of the updated
-    # parameters (ShardedGradientBuckets.after_step) posts every bucket's at once, each with a copy of
-    # this rank's slice as its input: 1/dp of the parameters AdamW steps (the experts' over their
-    # replicas), beside the gradient shards (Muon's whole matrices are broadcast in place). Muon's own,
-    # before that, for the largest matrix it owns: the new momentum and its Nesterov step (its tp slice),
-    # the matrix gathered whole across tp, and Newton-Schulz on it in fp32 (the normalised X; then at
-    # most X's next iterate, X X^T, the polynomial's terms: see newton_schulz)
+def optimizer_step_bytes(
+    zero_stage, elements, shapes, adamw_elements, owned, tp, replicas, expert_replicas, param_bytes
+):
+    """The bytes of the optimizer step's own temporaries (ZeRO-1/2's all-gather inputs, Muon's
+    update)."""
+    # the optimizer step's temporaries. AdamW makes none: it is torch's fused kernel
+    # (parallel.adamw_step) on whole tensors or on ZeRO's flat slices alike. After it, ZeRO-1/2's
+    # all-gather of the updated parameters (ShardedGradientBuckets.after_step) posts every bucket's
+    # at once, each with a copy of this rank's slice as its input: 1/dp of the parameters AdamW
+    # steps (the experts' over their replicas), beside the gradient shards (Muon's whole matrices
+    # are broadcast in place). Muon's own, before that, for the largest matrix it owns: the new
+    # momentum and its Nesterov step (its tp slice), the matrix gathered whole across tp, and
+    # Newton-Schulz on it in fp32 (the normalised X; then at most X's next iterate, X X^T, the
+    # polynomial's terms: see newton_schulz)
     step_temps = 0
     if zero_stage in (1, 2):
-        step_temps = ((shard(adamw_elements[0], replicas) if replicas > 1 else 0)
-                      + (shard(adamw_elements[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
+        step_temps = (
+            (shard(adamw_elements[0], replicas) if replicas > 1 else 0)
+            + (shard(adamw_elements[1], expert_replicas) if expert_replicas > 1 else 0)
+        ) * param_bytes
     if owned:
         big = max(owned, key=lambda name: math.prod(shapes[name]))
         F, a = math.prod(shapes[big]), min(shapes[big])
         gathered = F * param_bytes if tp > 1 and elements[big] < F else 0
         newton_schulz_bytes = (F + max(F + 4 * a * a, 3 * F + 2 * a * a)) * 4
-        step_temps = max(step_temps, 2 * elements[big] * param_bytes + gathered + newton_schulz_bytes)
+        step_temps = max(
+            step_temps, 2 * elements[big] * param_bytes + gathered + newton_schulz_bytes
+        )
     return step_temps
 
 
 def zero1_slice_bytes(elements, matrices, adamw_elements, replicas, expert_replicas, param_bytes):
-    """ZeRO-1: each bucket's reduce-scatter output (this rank's slice) lives from its launch in the last
-    backward until finish(): at the end of it, every bucket's but the one of the largest gradient, the last
-    to fill (Muon's whole matrices are reduced into the flat buffer itself)."""
+    """ZeRO-1: each bucket's reduce-scatter output (this rank's slice) lives from its launch in the
+    last backward until finish(): at the end of it, every bucket's but the one of the largest
+    gradient, the last to fill (Muon's whole matrices are reduced into the flat buffer itself)."""
     biggest_name = max(elements, key=elements.get)
-    launched = [n - (elements[biggest_name] if is_expert(biggest_name) == e and biggest_name not in matrices
-                     else 0) for e, n in enumerate(adamw_elements)]
-    return ((shard(launched[0], replicas) if replicas > 1 else 0)
-            + (shard(launched[1], expert_replicas) if expert_replicas > 1 else 0)) * param_bytes
+    launched = [
+        n
+        - (
+            elements[biggest_name]
+            if is_expert(biggest_name) == e and biggest_name not in matrices
+            else 0
+        )
+        for e, n in enumerate(adamw_elements)
+    ]
+    return (
+        (shard(launched[0], replicas) if replicas > 1 else 0)
+        + (shard(launched[1], expert_replicas) if expert_replicas > 1 else 0)
+    ) * param_bytes
 
 
-def activation_bytes(model_cfg, tokens, seq_len, tp, ep, sequence_parallel, activation_checkpointing,
-                     scores, blocks, fp8="none", act_bytes=4, block_matrices=0):
-    """(saved, recompute, backward_start): the bytes a forward leaves per block until its backward, the block
-    recomputed at a time, what a backward adds as it starts (blocks: whether the rank holds any). act_bytes:
-    the compute dtype's; under autocast a forward also keeps a half copy of a block's block_matrices."""
+def activation_bytes(
+    model_cfg,
+    tokens,
+    seq_len,
+    tp,
+    ep,
+    sequence_parallel,
+    activation_checkpointing,
+    scores,
+    blocks,
+    fp8="none",
+    act_bytes=4,
+    block_matrices=0,
+):
+    """(saved, recompute, backward_start): the bytes a forward leaves per block until its backward,
+    the block recomputed at a time, what a backward adds as it starts (blocks: whether the rank
+    holds any). act_bytes: the compute dtype's; under autocast a forward also keeps a half copy of a
+    block's block_matrices."""
     autocast = act_bytes < 4
     to_bytes = lambda wide, narrow: 4 * wide + act_bytes * narrow  # noqa: E731
-    wide, narrow = block_activation_elements(model_cfg, tokens, tp, sequence_parallel, ep, seq_len, scores, autocast)
-    narrow += fp8_saved_elements(model_cfg, tokens, tp, fp8, act_bytes) + (block_matrices if autocast else 0)
+    wide, narrow = block_activation_elements(
+        model_cfg, tokens, tp, sequence_parallel, ep, seq_len, scores, autocast
+    )
+    narrow += fp8_saved_elements(model_cfg, tokens, tp, fp8, act_bytes) + (
+        block_matrices if autocast else 0
+    )
     per_block = to_bytes(wide, narrow)
     n_local = tokens // tp if sequence_parallel else tokens
-    # with activation checkpointing a block keeps its (fp32) input, and one block is recomputed at a time
+    # with activation checkpointing a block keeps its (fp32) input, and one block is recomputed at a
+    # time
     saved = 4 * n_local * model_cfg.n_embd if activation_checkpointing else per_block
     recompute = per_block if activation_checkpointing else 0
     # a backward, as it starts: the chunk's activations all held, and the backward's first tensors
-    backward_start = to_bytes(*block_backward_elements(model_cfg, tokens, tp, sequence_parallel)) if blocks else 0
+    backward_start = (
+        to_bytes(*block_backward_elements(model_cfg, tokens, tp, sequence_parallel))
+        if blocks
+        else 0
+    )
     return saved, recompute, backward_start
 
 
 def loss_bytes(model_cfg, N, tp, sequence_parallel, chunked_loss, act_bytes):
-    """(held, once): the bytes the loss keeps on the head's chunk per micro-batch from its forward to its
-    backward, and those alive only while it runs (N: this rank's tokens per micro-batch)."""
+    """(held, once): the bytes the loss keeps on the head's chunk per micro-batch from its forward
+    to its backward, and those alive only while it runs (N: this rank's tokens per micro-batch)."""
     C, V = model_cfg.n_embd, split_vocab_size(model_cfg.vocab_size, tp)
     n_local = N // tp if sequence_parallel else N  # between the tensor-parallel regions
-    # the final norm's tensors: its rsqrt and x * rsqrt (fp32), its output as the head keeps it (the compute
-    # dtype, gathered under sequence parallelism)
+    # the final norm's tensors: its rsqrt and x * rsqrt (fp32), its output as the head keeps it (the
+    # compute dtype, gathered under sequence parallelism)
     final_norm = 4 * (n_local + n_local * C) + act_bytes * N * C
     vocab, capped = model_cfg.vocab_size, model_cfg.final_softcap > 0
     if chunked_loss and tp == 1:
-        # model._chunked_cross_entropy: held, the head's input and weight gradients (the latter fp32); while
-        # it runs, one chunk's logits buffer and soft-capped its 1 - tanh^2 (fp32); in half precision also the
-        # chunk's fp32 logits, the half copies of input and weight, and a chunk's weight gradient term
+        # model._chunked_cross_entropy: held, the head's input and weight gradients (the latter
+        # fp32); while it runs, one chunk's logits buffer and soft-capped its 1 - tanh^2 (fp32); in
+        # half precision also the chunk's fp32 logits, the half copies of input and weight, and a
+        # chunk's weight gradient term
         half = act_bytes < 4
         loss_held = final_norm + N * C * act_bytes + V * C * 4
-        loss_once = min(N, loss_chunk_size(vocab)) * vocab * (act_bytes + (4 if half else 0) + (4 if capped else 0))
+        loss_once = (
+            min(N, loss_chunk_size(vocab))
+            * vocab
+            * (act_bytes + (4 if half else 0) + (4 if capped else 0))
+        )
         loss_once += (N * C + 2 * V * C) * act_bytes if half else 0
     else:
-        # the (N, V / tp) logits. Held: the softmax (tp > 1) or log-softmax, fp32, and soft-capped the tanh.
-        # While the loss runs: the vocab-parallel loss's logits beside their exp (in half precision also
-        # their fp32 copy); F.cross_entropy's backward's two gradients
+        # the (N, V / tp) logits. Held: the softmax (tp > 1) or log-softmax, fp32, and soft-capped
+        # the tanh. While the loss runs: the vocab-parallel loss's logits beside their exp (in half
+        # precision also their fp32 copy); F.cross_entropy's backward's two gradients
         logits = N * (V // tp)
         loss_held = final_norm + logits * 4 + (logits * act_bytes if capped else 0)
         loss_once = logits * (act_bytes + (4 if act_bytes < 4 else 0)) if tp > 1 else 2 * logits * 4
     return loss_held, loss_once
 
 
-def grad_norm_bytes(model_cfg, zero_stage, muon, elements, block_units, root, here, head_chunk, capacity, replicas,
-                    expert_replicas, param_bytes):
-    """The bytes of the gradient norm's temporary, once the gradients are reduced: the norm's square of the
-    largest gradient (under ZeRO a slice of at most the largest bucket's or unit's shard; the experts' over
-    their replicas)."""
+def grad_norm_bytes(
+    model_cfg,
+    zero_stage,
+    muon,
+    elements,
+    block_units,
+    root,
+    here,
+    head_chunk,
+    capacity,
+    replicas,
+    expert_replicas,
+    param_bytes,
+):
+    """The bytes of the gradient norm's temporary, once the gradients are reduced: the norm's square
+    of the largest gradient (under ZeRO a slice of at most the largest bucket's or unit's shard; the
+    experts' over their replicas)."""
     kinds = [[n for name, n in elements.items() if is_expert(name) == e] for e in (False, True)]
-    pieces = (block_units + [[root, 0]] if zero_stage == 3 else
-              itertools.zip_longest(*[bucket_elements(ns, capacity) for ns in kinds], fillvalue=0))
-    largest_shard = max(max(shard(dense, replicas), shard(experts, expert_replicas)) for dense, experts in pieces)
-    copy_here = model_cfg.tie_embeddings and head_chunk is not None and 0 not in here  # the head's copy
-    return grad_norm_temp_elements(elements, zero_stage, muon, ("lm_head.weight",) if copy_here else (),
-                                   largest_shard) * param_bytes
+    pieces = (
+        block_units + [[root, 0]]
+        if zero_stage == 3
+        else itertools.zip_longest(*[bucket_elements(ns, capacity) for ns in kinds], fillvalue=0)
+    )
+    largest_shard = max(
+        max(shard(dense, replicas), shard(experts, expert_replicas)) for dense, experts in pieces
+    )
+    copy_here = (
+        model_cfg.tie_embeddings and head_chunk is not None and 0 not in here
+    )  # the head's copy
+    return (
+        grad_norm_temp_elements(
+            elements, zero_stage, muon, ("lm_head.weight",) if copy_here else (), largest_shard
+        )
+        * param_bytes
+    )
 
 
-def plan_memory(model_cfg, dp=1, tp=1, pp=1, cp=1, zero_stage=0, batch_size=1, block_size=None,
-                microbatches=1, schedule="1f1b", activation_checkpointing=False, chunked_loss=True,
-                sequence_parallel=False, bucket_size_mb=25.0, param_bytes=4, act_bytes=4, chunks=1, ep=1,
-                optimizer="adamw", dp_rank=None, attention_scores=False, pp_layers="", fp8="none"):
+def plan_memory(
+    model_cfg,
+    dp=1,
+    tp=1,
+    pp=1,
+    cp=1,
+    zero_stage=0,
+    batch_size=1,
+    block_size=None,
+    microbatches=1,
+    schedule="1f1b",
+    activation_checkpointing=False,
+    chunked_loss=True,
+    sequence_parallel=False,
+    bucket_size_mb=25.0,
+    param_bytes=4,
+    act_bytes=4,
+    chunks=1,
+    ep=1,
+    optimizer="adamw",
+    dp_rank=None,
+    attention_scores=False,
+    pp_layers="",
+    fp8="none",
+):
     """For each pipeline stage, one rank's bytes: {'stage', 'parameters', 'gradients', 'optimizer',
-    'activations', 'loss', 'buffers', 'step', 'peak'} (see above; ZeRO-3's gathered root unit and blocks are
-    under 'parameters'; activations and loss are their largest over the step). dp_rank: the data-parallel
-    (dp x cp) rank, where ranks differ (Muon's ZeRO-1 deals whole matrices); None: the largest of them.
-    attention_scores: whether the attention kernel keeps the (B, H, T, T) probabilities (attention_saves_scores;
-    never under context parallelism, whose ring attention keeps the log-sum-exp). pp_layers: the blocks of
-    each model stage, as the setting ('': cut by cost, build.stage_cut)."""
+    'activations', 'loss', 'buffers', 'step', 'peak'} (see above; ZeRO-3's gathered root unit and
+    blocks are under 'parameters'; activations and loss are their largest over the step). dp_rank:
+    the data-parallel (dp x cp) rank, where ranks differ (Muon's ZeRO-1 deals whole matrices); None:
+    the largest of them. attention_scores: whether the attention kernel keeps the (B, H, T, T)
+    probabilities (attention_saves_scores; never under context parallelism, whose ring attention
+    keeps the log-sum-exp). pp_layers: the blocks of each model stage, as the setting ('': cut by
+    cost, build.stage_cut)."""
     T = block_size or model_cfg.block_size
-    replicas, expert_replicas = dp * cp, dp // ep * cp  # the ranks that shard a parameter, an expert
+    replicas, expert_replicas = (
+        dp * cp,
+        dp // ep * cp,
+    )  # the ranks that shard a parameter, an expert
     N = batch_size * T // cp  # this rank's tokens per micro-batch
-    capacity = max(1, int(bucket_size_mb * 2 ** 20)) // param_bytes  # a gradient bucket's elements
+    capacity = max(1, int(bucket_size_mb * 2**20)) // param_bytes  # a gradient bucket's elements
     n_stages = pp * chunks  # the model's stages; this rank holds `chunks` of them
     stages = []
     for stage in range(pp):
         here = virtual_stages(schedule, pp, stage, chunks)
         head_chunk = here.index(n_stages - 1) if n_stages - 1 in here else None
         shapes = {}
-        elements = stage_parameter_elements(model_cfg, tp, pp, stage, schedule, chunks, ep, shapes, pp_layers)
+        elements = stage_parameter_elements(
+            model_cfg, tp, pp, stage, schedule, chunks, ep, shapes, pp_layers
+        )
         P = sum(elements.values())
-        chunk_layers = [stage_layers(stage_cut(model_cfg, schedule, pp, chunks, pp_layers), s) for s in here]
+        chunk_layers = [
+            stage_layers(stage_cut(model_cfg, schedule, pp, chunks, pp_layers), s) for s in here
+        ]
         # ZeRO-3's units: each block's dense part over dp x cp, its experts over their own replicas
         block_units = zero3_units(elements, chunk_layers)
         root = P - sum(map(sum, block_units))
-        params = parameter_bytes(zero_stage, block_units, root, replicas, expert_replicas, param_bytes)
-        grads, buffers, in_flight = gradient_bytes(model_cfg, zero_stage, elements, block_units, root, here,
-                                                   head_chunk, replicas, expert_replicas, capacity, param_bytes)
-        state, matrices, adamw_elements, owned = optimizer_state(elements, shapes, optimizer == "muon", zero_stage,
-                                                                 replicas, expert_replicas, dp_rank)
+        params = parameter_bytes(
+            zero_stage, block_units, root, replicas, expert_replicas, param_bytes
+        )
+        grads, buffers, in_flight = gradient_bytes(
+            model_cfg,
+            zero_stage,
+            elements,
+            block_units,
+            root,
+            here,
+            head_chunk,
+            replicas,
+            expert_replicas,
+            capacity,
+            param_bytes,
+        )
+        state, matrices, adamw_elements, owned = optimizer_state(
+            elements, shapes, optimizer == "muon", zero_stage, replicas, expert_replicas, dp_rank
+        )
         optimizer_bytes = state * param_bytes
-        step_temps = optimizer_step_bytes(zero_stage, elements, shapes, adamw_elements, owned, tp, replicas,
-                                          expert_replicas, param_bytes)
-        zero1_slices = (zero1_slice_bytes(elements, matrices, adamw_elements, replicas, expert_replicas, param_bytes)
-                        if zero_stage == 1 else 0)
+        step_temps = optimizer_step_bytes(
+            zero_stage,
+            elements,
+            shapes,
+            adamw_elements,
+            owned,
+            tp,
+            replicas,
+            expert_replicas,
+            param_bytes,
+        )
+        zero1_slices = (
+            zero1_slice_bytes(
+                elements, matrices, adamw_elements, replicas, expert_replicas, param_bytes
+            )
+            if zero_stage == 1
+            else 0
+        )
         buffers += zero1_slices
         saved, recompute, backward_start = activation_bytes(
-            model_cfg, N, T // cp, tp, ep, sequence_parallel, activation_checkpointing, attention_scores and cp == 1,
-            bool(block_units), fp8, act_bytes, block_matrix_elements(elements, shapes, len(block_units)))
-        exchange = exchange_bytes(model_cfg, N, ep, act_bytes) if ep > 1 and model_cfg.n_expert > 0 and block_units else 0
+            model_cfg,
+            N,
+            T // cp,
+            tp,
+            ep,
+            sequence_parallel,
+            activation_checkpointing,
+            attention_scores and cp == 1,
+            bool(block_units),
+            fp8,
+            act_bytes,
+            block_matrix_elements(elements, shapes, len(block_units)),
+        )
+        exchange = (
+            exchange_bytes(model_cfg, N, ep, act_bytes)
+            if ep > 1 and model_cfg.n_expert > 0 and block_units
+            else 0
+        )
         loss_held = loss_once = 0  # per micro-batch the head's chunk holds; while the loss runs
         if head_chunk is not None:
-            loss_held, loss_once = loss_bytes(model_cfg, N, tp, sequence_parallel, chunked_loss, act_bytes)
+            loss_held, loss_once = loss_bytes(
+                model_cfg, N, tp, sequence_parallel, chunked_loss, act_bytes
+            )
         accumulated = P * param_bytes if zero_stage < 2 else 0  # autograd's p.grad (ZeRO-0/1)
-        moments = schedule_moments(schedule, pp, stage, microbatches, chunks, [len(layers) for layers in chunk_layers],
-                                   head_chunk, saved, act_bytes * weight_grad_residual_elements(model_cfg, N, tp))
-        top, activations, loss = walk_peak(moments, head_chunk, zero_stage, recompute, backward_start,
-                                           loss_held, loss_once, exchange, accumulated, buffers, in_flight)
+        moments = schedule_moments(
+            schedule,
+            pp,
+            stage,
+            microbatches,
+            chunks,
+            [len(layers) for layers in chunk_layers],
+            head_chunk,
+            saved,
+            act_bytes * weight_grad_residual_elements(model_cfg, N, tp),
+        )
+        top, activations, loss = walk_peak(
+            moments,
+            head_chunk,
+            zero_stage,
+            recompute,
+            backward_start,
+            loss_held,
+            loss_once,
+            exchange,
+            accumulated,
+            buffers,
+            in_flight,
+        )
         peak = params + (grads - accumulated) + optimizer_bytes + top
-        # after the last backward, before the data-parallel reduction: the tied copies' gradients summed into
-        # a new tensor (the activations all freed; ZeRO-1's slices still in flight)
-        at_tied_sum = (params + grads + optimizer_bytes + zero1_slices
-                       + tied_sum_bytes(model_cfg, pp, zero_stage, elements, param_bytes))
-        # then, the gradients reduced, the norm's square of the largest gradient (under ZeRO a slice of at
-        # most the largest bucket's or unit's shard; the experts' over their replicas), and the step's own
-        norm_temp = grad_norm_bytes(model_cfg, zero_stage, optimizer == "muon", elements, block_units, root, here,
-                                    head_chunk, capacity, replicas, expert_replicas, param_bytes)
+        # after the last backward, before the data-parallel reduction: the tied copies' gradients
+        # summed into a new tensor (the activations all freed; ZeRO-1's slices still in flight)
+        at_tied_sum = (
+            params
+            + grads
+            + optimizer_bytes
+            + zero1_slices
+            + tied_sum_bytes(model_cfg, pp, zero_stage, elements, param_bytes)
+        )
+        # then, the gradients reduced, the norm's square of the largest gradient (under ZeRO a slice
+        # of at most the largest bucket's or unit's shard; the experts' over their replicas), and
+        # the step's own
+        norm_temp = grad_norm_bytes(
+            model_cfg,
+            zero_stage,
+            optimizer == "muon",
+            elements,
+            block_units,
+            root,
+            here,
+            head_chunk,
+            capacity,
+            replicas,
+            expert_replicas,
+            param_bytes,
+        )
         step_temps = max(step_temps, norm_temp)
-        at_step = params + (grads if zero_stage >= 2 else P * param_bytes) + optimizer_bytes + step_temps
+        at_step = (
+            params + (grads if zero_stage >= 2 else P * param_bytes) + optimizer_bytes + step_temps
+        )
         peak = max(peak, at_tied_sum)
-        stages.append({"stage": stage, "parameters": params, "gradients": grads, "optimizer": optimizer_bytes,
-                       "activations": activations, "loss": loss, "buffers": buffers, "step": step_temps,
-                       "peak": max(peak, at_step)})
+        stages.append(
+            {
+                "stage": stage,
+                "parameters": params,
+                "gradients": grads,
+                "optimizer": optimizer_bytes,
+                "activations": activations,
+                "loss": loss,
+                "buffers": buffers,
+                "step": step_temps,
+                "peak": max(peak, at_step),
+            }
+        )
     return stages
 
 
 def plan_for(cfg, model_cfg, layout_dims, dp_rank=None):
-    """plan_memory for a run's settings (train.py's cfg) at layout_dims = (dp, tp, pp, cp); dp_rank: see
-    plan_memory."""
+    """plan_memory for a run's settings (train.py's cfg) at layout_dims = (dp, tp, pp, cp); dp_rank:
+    see plan_memory."""
     dp, tp, pp, cp = layout_dims
-    return plan_memory(model_cfg, dp, tp, pp, cp, cfg.zero_stage, cfg.batch_size, cfg.block_size,
-                       cfg.gradient_accumulation_steps, cfg.pp_schedule, cfg.activation_checkpointing,
-                       cfg.chunked_loss, cfg.sequence_parallel, cfg.bucket_size_mb, chunks=cfg.pp_chunks, ep=cfg.ep,
-                       optimizer=cfg.optimizer, dp_rank=dp_rank, pp_layers=cfg.pp_layers, fp8=cfg.fp8,
-                       act_bytes=compute_bytes(cfg.dtype, cfg.device),
-                       attention_scores=attention_saves_scores(model_cfg, cfg.attn_impl, cfg.device, cfg.dtype))
+    return plan_memory(
+        model_cfg,
+        dp,
+        tp,
+        pp,
+        cp,
+        cfg.zero_stage,
+        cfg.batch_size,
+        cfg.block_size,
+        cfg.gradient_accumulation_steps,
+        cfg.pp_schedule,
+        cfg.activation_checkpointing,
+        cfg.chunked_loss,
+        cfg.sequence_parallel,
+        cfg.bucket_size_mb,
+        chunks=cfg.pp_chunks,
+        ep=cfg.ep,
+        optimizer=cfg.optimizer,
+        dp_rank=dp_rank,
+        pp_layers=cfg.pp_layers,
+        fp8=cfg.fp8,
+        act_bytes=compute_bytes(cfg.dtype, cfg.device),
+        attention_scores=attention_saves_scores(model_cfg, cfg.attn_impl, cfg.device, cfg.dtype),
+    )
 
 
 def format_plan(stages, gpu_mem_gib=None):
-    """The plan as lines of text, one per stage, the largest named; with gpu_mem_gib what to change when it
-    does not fit."""
+    """The plan as lines of text, one per stage, the largest named; with gpu_mem_gib what to change
+    when it does not fit."""
     mib = lambda b: f"{b / 2**20:,.1f}"
-    lines = ["memory per rank (MiB): stage | parameters gradients optimizer activations loss buffers step | peak"]
+    lines = [
+        "memory per rank (MiB): stage | parameters gradients optimizer activations loss buffers step | peak"
+    ]
     for s in stages:
-        lines.append(f"  stage {s['stage']} | {mib(s['parameters'])} {mib(s['gradients'])} {mib(s['optimizer'])} "
-                     f"{mib(s['activations'])} {mib(s['loss'])} {mib(s['buffers'])} {mib(s['step'])} | {mib(s['peak'])}")
+        lines.append(
+            f"  stage {s['stage']} | {mib(s['parameters'])} {mib(s['gradients'])} {mib(s['optimizer'])} "
+            f"{mib(s['activations'])} {mib(s['loss'])} {mib(s['buffers'])} {mib(s['step'])} | {mib(s['peak'])}"
+        )
     top = max(stages, key=lambda s: s["peak"])
     lines.append(f"  largest: stage {top['stage']}, {top['peak'] / 2**30:.2f} GiB")
     if gpu_mem_gib is not None and top["peak"] > gpu_mem_gib * 2**30:
         kinds = {k: top[k] for k in ("parameters", "gradients", "optimizer", "activations", "loss")}
         worst = max(kinds, key=kinds.get)
-        advice = {"parameters": "raise zero_stage to 3 or tp/pp", "gradients": "raise zero_stage to 2",
-                  "optimizer": "raise zero_stage (1 shards the optimizer state) or dp",
-                  "activations": "turn on activation_checkpointing, lower batch_size, or use 1f1b",
-                  "loss": "keep chunked_loss on (tp = 1) or lower batch_size"}[worst]
-        lines.append(f"  does not fit {gpu_mem_gib} GiB: stage {top['stage']} needs {top['peak'] / 2**30:.2f} GiB, most "
-                     f"of it {worst}: {advice}")
+        advice = {
+            "parameters": "raise zero_stage to 3 or tp/pp",
+            "gradients": "raise zero_stage to 2",
+            "optimizer": "raise zero_stage (1 shards the optimizer state) or dp",
+            "activations": "turn on activation_checkpointing, lower batch_size, or use 1f1b",
+            "loss": "keep chunked_loss on (tp = 1) or lower batch_size",
+        }[worst]
+        lines.append(
+            f"  does not fit {gpu_mem_gib} GiB: stage {top['stage']} needs {top['peak'] / 2**30:.2f} GiB, most "
+            f"of it {worst}: {advice}"
+        )
     return "\n".join(lines)
 
 
-# -----------------------------------------------------------------------------
-# The plan beside the measure (metrics.measure_step_memory) on every rank: train.py's start-up, tools/bench.py's RESULT
+# ----------------------------------------------------------------------------- The plan beside the
+# measure (metrics.measure_step_memory) on every rank: train.py's start-up, tools/bench.py's RESULT
 
 
 def memory_rows(layout, predicted, measured, **more):
-    """[{rank, dp_rank, cp_rank, tp_rank, pp_rank, predicted_bytes, measured_bytes, **more}] of every rank
-    (every rank must call it: a gather)."""
-    mine = {"rank": layout.rank, "dp_rank": layout.dp_rank, "cp_rank": layout.cp_rank, "tp_rank": layout.tp_rank,
-            "pp_rank": layout.pp_rank, "predicted_bytes": int(predicted), "measured_bytes": int(measured), **more}
+    """[{rank, dp_rank, cp_rank, tp_rank, pp_rank, predicted_bytes, measured_bytes, **more}] of
+    every rank (every rank must call it: a gather)."""
+    mine = {
+        "rank": layout.rank,
+        "dp_rank": layout.dp_rank,
+        "cp_rank": layout.cp_rank,
+        "tp_rank": layout.tp_rank,
+        "pp_rank": layout.pp_rank,
+        "predicted_bytes": int(predicted),
+        "measured_bytes": int(measured),
+        **more,
+    }
     rows = [mine]
     if layout.world_size > 1:
         rows = [None] * layout.world_size
@@ -584,17 +941,27 @@ def memory_rows(layout, predicted, measured, **more):
 
 
 def format_memory_rows(rows, compiled_on=None):
-    """memory_rows as start-up lines: the first step's tensors' peak, which the plan counts (the log line's is
-    the process's). compiled_on: the device, when the blocks compiled in that step: one more line says how
-    compiling moves the measure from the plan, and what it adds that neither counts."""
-    lines = [f"memory rank {r['rank']} (dp {r['dp_rank']} tp {r['tp_rank']} pp {r['pp_rank']}): predicted "
-             f"{r['predicted_bytes'] / 2**20:,.1f} MiB, measured {r['measured_bytes'] / 2**20:,.1f} MiB of tensors "
-             f"(step {r['step']})" for r in rows]
+    """memory_rows as start-up lines: the first step's tensors' peak, which the plan counts (the log
+    line's is the process's). compiled_on: the device, when the blocks compiled in that step: one
+    more line says how compiling moves the measure from the plan, and what it adds that neither
+    counts."""
+    lines = [
+        f"memory rank {r['rank']} (dp {r['dp_rank']} tp {r['tp_rank']} pp {r['pp_rank']}): predicted "
+        f"{r['predicted_bytes'] / 2**20:,.1f} MiB, measured {r['measured_bytes'] / 2**20:,.1f} MiB of tensors "
+        f"(step {r['step']})"
+        for r in rows
+    ]
     if compiled_on is not None:
-        where = (f"the log lines' peak RSS ({rank_peak_memory_bytes(compiled_on) / 2**20:,.0f} MiB after this first "
-                 f"step, which compiled)" if compiled_on.type == "cpu" else "host memory")
-        lines.append(f"compile=True: the plan counts an eager step's tensors (compiled blocks save fewer for backward: "
-                     f"their partitioner recomputes cheap operations, so the measure may come in under it); "
-                     f"torch.compile's own memory (dynamo's traces, inductor's generated code and caches) is in "
-                     f"neither, but in {where}")
+        where = (
+            f"the log lines' peak RSS ({rank_peak_memory_bytes(compiled_on) / 2**20:,.0f} MiB after this first "
+            f"step, which compiled)"
+            if compiled_on.type == "cpu"
+            else "host memory"
+        )
+        lines.append(
+            f"compile=True: the plan counts an eager step's tensors (compiled blocks save fewer for backward: "
+            f"their partitioner recomputes cheap operations, so the measure may come in under it); "
+            f"torch.compile's own memory (dynamo's traces, inductor's generated code and caches) is in "
+            f"neither, but in {where}"
+        )
     return "\n".join(lines)

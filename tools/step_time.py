@@ -1,14 +1,16 @@
 """
-How long one training step of a run will take, predicted before anything runs: the time half of the plan whose
-memory half is tools/memory_plan.py. `python tools/step_time.py config/x.py --nproc=64 --machine=h100 --tp=8` prints one
-layout's step broken down; tools/make_config.py --choose=True ranks every layout that fits by it; train.py prints it at
-start-up beside the measured step, and tools/bench.py puts it in its RESULT.
+How long one training step of a run will take, predicted before anything runs: the time half of the
+plan whose memory half is tools/memory_plan.py. `python tools/step_time.py config/x.py --nproc=64
+--machine=h100 --tp=8` prints one layout's step broken down; tools/make_config.py --choose=True
+ranks every layout that fits by it; train.py prints it at start-up beside the measured step, and
+tools/bench.py puts it in its RESULT.
 
-It predicts one step's seconds as its parts (compute, the bubble, each mechanism's exposed communication, the
-optimizer), tokens/s per device and MFU, from the model config, the layout, the execution settings and a machine
-(tools/machines.py): metrics.pipeline_costs' FLOPs, the schedule's own action lists placed in time, each collective's bytes
-counted from the code that sends them; no constant fitted to a measured run. It calls no collective, touches no
-device and runs no model: it runs on a laptop for an H100 cluster.
+It predicts one step's seconds as its parts (compute, the bubble, each mechanism's exposed
+communication, the optimizer), tokens/s per device and MFU, from the model config, the layout, the
+execution settings and a machine (tools/machines.py): metrics.pipeline_costs' FLOPs, the schedule's
+own action lists placed in time, each collective's bytes counted from the code that sends them; no
+constant fitted to a measured run. It calls no collective, touches no device and runs no model: it
+runs on a laptop for an H100 cluster.
 
 The terms, each with its formula and source where it is computed:
   compute       FLOPs / the machine's achieved matmul rate (its best published measurement, or one measured
@@ -28,10 +30,11 @@ The terms, each with its formula and source where it is computed:
                 with the unit before, the cp ring with the attention it feeds. Where the links share the
                 compute's cores (CPU, gloo with one core a rank) nothing overlaps.
   host          on CPU, each operator's dispatch and autograd bookkeeping (OPS_PER_BLOCK, op_seconds).
-Left out, and which way each errs: kernels' efficiency at the run's own shapes (a named machine's rate is the best
-shape's), congestion across nodes, the skew between ranks at each blocking exchange (it waits for the slower),
-data loading, logging (all fast); overlap NCCL gets unasked (slow).
+Left out, and which way each errs: kernels' efficiency at the run's own shapes (a named machine's
+rate is the best shape's), congestion across nodes, the skew between ranks at each blocking exchange
+(it waits for the slower), data loading, logging (all fast); overlap NCCL gets unasked (slow).
 """
+
 import dataclasses
 import json
 import os
@@ -52,8 +55,16 @@ from expert_parallel import expert_rows
 from model import ModelConfig, attention_dims, mlp_hidden_size
 from parallel import resolve_dp, stage_layers
 from pipeline_schedules import SCHEDULES, check_schedule, virtual_stages
-from tools.machines import (MACHINES, collective_seconds, group_link, load_machine, measure_machine,
-                            p2p_seconds, probe_tokens, startup_machine)
+from tools.machines import (
+    MACHINES,
+    collective_seconds,
+    group_link,
+    load_machine,
+    measure_machine,
+    p2p_seconds,
+    probe_tokens,
+    startup_machine,
+)
 from tools.timeline import check_channels, route_messages, simulate_pipeline
 from tools import memory_plan
 
@@ -64,12 +75,34 @@ from tools import memory_plan
 
 def run_of(cfg, nproc=None):
     """The settings the model reads, from train.py's cfg (a SimpleNamespace or dict of settings), dp
-    resolved from nproc when dp = 0; overlap_param_gather (ZeRO-1/2) True where a cfg has no such setting."""
+    resolved from nproc when dp = 0; overlap_param_gather (ZeRO-1/2) True where a cfg has no such
+    setting."""
     source = cfg if isinstance(cfg, dict) else vars(cfg)
-    names = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "batch_size", "gradient_accumulation_steps", "pp_schedule",
-             "pp_chunks", "activation_checkpointing", "sequence_parallel", "bucket_size_mb", "dtype", "pp_layers",
-             "block_size", "optimizer", "attn_impl", "chunked_loss")
-    run = SimpleNamespace(**{k: source[k] for k in names}, overlap_param_gather=source.get("overlap_param_gather", True))
+    names = (
+        "dp",
+        "tp",
+        "pp",
+        "cp",
+        "ep",
+        "zero_stage",
+        "batch_size",
+        "gradient_accumulation_steps",
+        "pp_schedule",
+        "pp_chunks",
+        "activation_checkpointing",
+        "sequence_parallel",
+        "bucket_size_mb",
+        "dtype",
+        "pp_layers",
+        "block_size",
+        "optimizer",
+        "attn_impl",
+        "chunked_loss",
+    )
+    run = SimpleNamespace(
+        **{k: source[k] for k in names},
+        overlap_param_gather=source.get("overlap_param_gather", True),
+    )
     if not run.dp:
         run.dp = (nproc or 1) // (run.tp * run.pp * run.cp)
     run.pp_chunks = 2 if run.pp_schedule == "zbv" else run.pp_chunks
@@ -83,48 +116,71 @@ def dtype_of(run, machine):
     gpu = "bfloat16" in rates and machine.get("name") != "auto"
     dtype = run.dtype if run.dtype != "auto" else "bfloat16" if gpu else next(iter(rates))
     if dtype not in rates:
-        raise ValueError(f"dtype = {dtype!r}: machine {machine.get('name')!r} has no matmul_flops "
-                         f"for it, only {', '.join(rates)}: choose --dtype= one of them, or add "
-                         f"its rate to the machine file")
+        raise ValueError(
+            f"dtype = {dtype!r}: machine {machine.get('name')!r} has no matmul_flops "
+            f"for it, only {', '.join(rates)}: choose --dtype= one of them, or add "
+            f"its rate to the machine file"
+        )
     return dtype
 
 
-_PIECES = {}  # (repr(model_cfg), tp, ep, sequence_parallel): _pieces' answer (the config is not hashable)
+# (repr(model_cfg), tp, ep, sequence_parallel): _pieces' answer (the config is not hashable)
+_PIECES = {}
 
 
 def _pieces(model_cfg, tp, ep, sequence_parallel=False):
-    """(({name: elements} of one block, {name: elements} of the rest) of every parameter on one tp (and ep)
-    rank, the same of those whose gradient is summed over tp once a step): a one-block model built on the
-    meta device as build.build_model builds it (memory_plan.stage_parameter_elements), so the counts are the
-    run's, at a cost that does not grow with the depth."""
+    """(({name: elements} of one block, {name: elements} of the rest) of every parameter on one tp
+    (and ep) rank, the same of those whose gradient is summed over tp once a step): a one-block
+    model built on the meta device as build.build_model builds it
+    (memory_plan.stage_parameter_elements), so the counts are the run's, at a cost that does not
+    grow with the depth."""
     key = (repr(model_cfg), tp, ep, sequence_parallel)
     if key not in _PIECES:
         summed = {}
-        elements = memory_plan.stage_parameter_elements(dataclasses.replace(model_cfg, n_layer=1), tp, 1, 0, ep=ep,
-                                                        sequence_parallel=sequence_parallel, summed=summed)
-        _PIECES[key] = tuple(({name[len("blocks.0."):]: n for name, n in of.items() if name.startswith("blocks.0.")},
-                              {name: n for name, n in of.items() if not name.startswith("blocks.0.")})
-                             for of in (elements, summed))
+        elements = memory_plan.stage_parameter_elements(
+            dataclasses.replace(model_cfg, n_layer=1),
+            tp,
+            1,
+            0,
+            ep=ep,
+            sequence_parallel=sequence_parallel,
+            summed=summed,
+        )
+        _PIECES[key] = tuple(
+            (
+                {
+                    name[len("blocks.0.") :]: n
+                    for name, n in of.items()
+                    if name.startswith("blocks.0.")
+                },
+                {name: n for name, n in of.items() if not name.startswith("blocks.0.")},
+            )
+            for of in (elements, summed)
+        )
     return _PIECES[key]
 
 
 def parameter_pieces(model_cfg, tp, ep):
-    """({name: elements} of one block, {name: elements} of the rest) on one tp (and ep) rank (_pieces)."""
+    """({name: elements} of one block, {name: elements} of the rest) on one tp (and ep) rank
+    (_pieces)."""
     return _pieces(model_cfg, tp, ep)[0]
 
 
 def tp_summed_seconds(model_cfg, run, cut, held, link):
-    """Seconds of the one all-reduce a step that sums over tp the gradients of the parameters each tp rank
-    holds whole (tensor_parallel.sum_partial_grads), on a pipeline rank holding model stages `held`: under
-    sequence parallelism the norms, and the replicated parts of attention (QK-norm gains, key/value heads
-    fewer than the tp ranks, MLA's down-projections). Under ZeRO each rank sums its own slices."""
+    """Seconds of the one all-reduce a step that sums over tp the gradients of the parameters each
+    tp rank holds whole (tensor_parallel.sum_partial_grads), on a pipeline rank holding model stages
+    `held`: under sequence parallelism the norms, and the replicated parts of attention (QK-norm
+    gains, key/value heads fewer than the tp ranks, MLA's down-projections). Under ZeRO each rank
+    sums its own slices."""
     if run.tp == 1:
         return 0.0
     block, root = _pieces(model_cfg, run.tp, run.ep, run.sequence_parallel)[1]
     elements = sum(len(stage_layers(cut, s)) for s in held) * sum(block.values())
     elements += sum(root.values()) if len(cut) - 1 in held else 0  # (the final norm)
     shards = run.dp * run.cp if run.zero_stage >= 1 else 1
-    return collective_seconds("all_reduce", elements * 4 / shards, run.tp, link) if elements else 0.0
+    return (
+        collective_seconds("all_reduce", elements * 4 / shards, run.tp, link) if elements else 0.0
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -132,21 +188,25 @@ def tp_summed_seconds(model_cfg, run, cut, held, link):
 
 
 def fused_attention(model_cfg, run, machine):
-    """Whether the attention runs a fused kernel or writes its scores out: the eager attention (the rule of
-    memory_plan.attention_saves_scores) and context parallelism's ring attention (its blocks' softmax)."""
+    """Whether the attention runs a fused kernel or writes its scores out: the eager attention (the
+    rule of memory_plan.attention_saves_scores) and context parallelism's ring attention (its
+    blocks' softmax)."""
     device = "cpu" if machine.get("name") == "auto" and not machine["overlaps"] else "cuda"
-    return run.cp == 1 and not memory_plan.attention_saves_scores(model_cfg, run.attn_impl, device, dtype_of(run, machine))
+    return run.cp == 1 and not memory_plan.attention_saves_scores(
+        model_cfg, run.attn_impl, device, dtype_of(run, machine)
+    )
 
 
 def elementwise_bytes(model_cfg, run, fused, act_bytes):
-    """Bytes one token's forward through one block moves outside the matmuls, each eager kernel of model.py
-    reading its inputs and writing its output (a = act_bytes; f = 4: RMSNorm and RoPE compute in fp32): RMSNorm
-    per element 5f + 2a, plus 2 (a + f) for its casts in and out when a < f (to fp32, pow, mean, x * rsqrt,
-    back, * weight; LayerNorm one fused kernel, 2a); RoPE per element of q and k 9f, plus the casts (four
-    products and two sums of halves, the cat); two residual adds (3a); the MLP's activation (SwiGLU's silu and
-    product 5a per hidden element, GELU's 2a, for each expert a token goes to); without a fused kernel the
-    softmax (2a per head and key, the causal half). Under sequence parallelism the norms and adds see 1/tp of
-    the tokens. A backward moves about twice a forward's."""
+    """Bytes one token's forward through one block moves outside the matmuls, each eager kernel of
+    model.py reading its inputs and writing its output (a = act_bytes; f = 4: RMSNorm and RoPE
+    compute in fp32): RMSNorm per element 5f + 2a, plus 2 (a + f) for its casts in and out when a <
+    f (to fp32, pow, mean, x * rsqrt, back, * weight; LayerNorm one fused kernel, 2a); RoPE per
+    element of q and k 9f, plus the casts (four products and two sums of halves, the cat); two
+    residual adds (3a); the MLP's activation (SwiGLU's silu and product 5a per hidden element,
+    GELU's 2a, for each expert a token goes to); without a fused kernel the softmax (2a per head and
+    key, the causal half). Under sequence parallelism the norms and adds see 1/tp of the tokens. A
+    backward moves about twice a forward's."""
     tp, C, a, f, (qk, _) = run.tp, model_cfg.n_embd, act_bytes, 4, attention_dims(model_cfg)
     H, H_kv = model_cfg.n_head / tp, max(1, model_cfg.n_kv_head / tp)
     share = C / tp if run.sequence_parallel else C
@@ -156,27 +216,30 @@ def elementwise_bytes(model_cfg, run, fused, act_bytes):
     mlp = (5 if model_cfg.mlp == "swiglu" else 2) * a * F
     if model_cfg.n_expert > 0:
         mlp *= model_cfg.n_expert_per_token + model_cfg.n_shared_expert
-    softmax = 0 if fused else 2 * a * H * run.block_size / 2  # the causal half of the scores, on average
+    softmax = (
+        0 if fused else 2 * a * H * run.block_size / 2
+    )  # the causal half of the scores, on average
     return 2 * norm * share + 2 * 3 * a * share + (9 * f + casts) * (H + H_kv) * qk + mlp + softmax
 
 
-# The operators one block runs for a micro-batch, forward and backward (views included), counted with a
-# TorchDispatchMode: model.Block's (SwiGLU 80 and 137, GELU 75 and 125, a mixture of experts 161 and 246), what the
-# ends add (20 and 34); the ring attention, where a fused kernel's are 2 and 7, 91 and 69 per chunk pair a rank
-# computes (2 cp + 1 of them) and 38 more backward (tests/test_context_parallel.py holds it to the ring's own).
+# The operators one block runs for a micro-batch, forward and backward (views included), counted
+# with a TorchDispatchMode: model.Block's (SwiGLU 80 and 137, GELU 75 and 125, a mixture of experts
+# 161 and 246), what the ends add (20 and 34); the ring attention, where a fused kernel's are 2 and
+# 7, 91 and 69 per chunk pair a rank computes (2 cp + 1 of them) and 38 more backward
+# (tests/test_context_parallel.py holds it to the ring's own).
 OPS_PER_BLOCK, OPS_AT_ENDS = {"dense": (80, 137), "moe": (161, 246)}, (20, 34)
 RING_OPS_PER_PAIR, RING_OPS_BACKWARD, FUSED_ATTENTION_OPS = (91, 69), 38, (2, 7)
 
 
 def block_seconds(model_cfg, run, machine, links, tokens):
-    """Seconds of one block on one rank for one micro-batch of `tokens` tokens (this rank's, after context
-    parallelism's split): {'forward', 'input_grad', 'weight_grad'} of compute, and the communication each
-    leaves exposed, {'tp', 'cp', 'ep'} per forward and per backward.
-    Matmuls: metrics.pipeline_costs' 6 FLOPs per weight and token (2 forward, 2 for the input's gradient,
-    2 for the weights'), over tp, at the machine's matmul rate. Attention: its 6 T H (qk + v) FLOPs per
-    token, with a fused kernel at the kernel's efficiency on the causal half it computes (FlashAttention-2
-    reports causal FLOP/s so, its backward 2.5 forwards), otherwise at the matmul rate on all of it. The
-    rest: elementwise_bytes over the memory bandwidth."""
+    """Seconds of one block on one rank for one micro-batch of `tokens` tokens (this rank's, after
+    context parallelism's split): {'forward', 'input_grad', 'weight_grad'} of compute, and the
+    communication each leaves exposed, {'tp', 'cp', 'ep'} per forward and per backward. Matmuls:
+    metrics.pipeline_costs' 6 FLOPs per weight and token (2 forward, 2 for the input's gradient, 2
+    for the weights'), over tp, at the machine's matmul rate. Attention: its 6 T H (qk + v) FLOPs
+    per token, with a fused kernel at the kernel's efficiency on the causal half it computes
+    (FlashAttention-2 reports causal FLOP/s so, its backward 2.5 forwards), otherwise at the matmul
+    rate on all of it. The rest: elementwise_bytes over the memory bandwidth."""
     dtype = dtype_of(run, machine)
     rate, act_bytes = machine["matmul_flops"][dtype], 4 if dtype == "float32" else 2
     _, blocks, _ = metrics.pipeline_costs(model_cfg)
@@ -184,77 +247,138 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     attention = 6 * run.block_size * model_cfg.n_head * (qk + v)
     fused = fused_attention(model_cfg, run, machine)
     matmul_f = tokens * (blocks[0] - attention) / 3 / run.tp / rate
-    # the eager attention computes every score and masks half; the zigzag ring skips the blocks no query
-    # sees: the causal half and its 2 cp diagonal blocks' other half, of 2 cp x 2 cp
+    # the eager attention computes every score and masks half; the zigzag ring skips the blocks no
+    # query sees: the causal half and its 2 cp diagonal blocks' other half, of 2 cp x 2 cp
     unfused = 1.0 if run.cp == 1 else 0.5 + 1 / (4 * run.cp)
-    attention_f = tokens * attention / 3 / run.tp / (rate * machine["attention_efficiency"] * 2 if fused else rate / unfused)
-    # a fused kernel's backward recomputes the scores: 2.5 forwards' FLOPs (FlashAttention-2's count, in which
-    # its efficiency is reported), where the unfused backward is two
+    attention_f = (
+        tokens
+        * attention
+        / 3
+        / run.tp
+        / (rate * machine["attention_efficiency"] * 2 if fused else rate / unfused)
+    )
+    # a fused kernel's backward recomputes the scores: 2.5 forwards' FLOPs (FlashAttention-2's
+    # count, in which its efficiency is reported), where the unfused backward is two
     attention_b = attention_f * (2.5 if fused else 2)
-    elementwise_f = tokens * elementwise_bytes(model_cfg, run, fused, act_bytes) / machine["memory_bw"]
-    # tensor parallelism's two regions a block copy their activations, forward and backward alike (parallel.py):
-    # g clones its input for the in-place all-reduce, f its gradient (2a per element); under SP the all-gather
-    # writes through the library's flat buffer, then concatenates (4a), the reduce-scatter moves the sequence
-    # to the front (2a) and adds the received piece (3a / tp)
+    elementwise_f = (
+        tokens * elementwise_bytes(model_cfg, run, fused, act_bytes) / machine["memory_bw"]
+    )
+    # tensor parallelism's two regions a block copy their activations, forward and backward alike
+    # (parallel.py): g clones its input for the in-place all-reduce, f its gradient (2a per
+    # element); under SP the all-gather writes through the library's flat buffer, then concatenates
+    # (4a), the reduce-scatter moves the sequence to the front (2a) and adds the received piece (3a
+    # / tp)
     per_region = (6 + 3 / run.tp if run.sequence_parallel else 2) * (run.tp > 1)
     copies = tokens * 2 * per_region * act_bytes * model_cfg.n_embd / machine["memory_bw"]
-    # tensor parallelism: attention's and the MLP's outputs all-reduced forward (g), their inputs' gradients
-    # backward (f); under sequence parallelism an all-gather and a reduce-scatter instead, the same bytes
-    tp = 2 * collective_seconds("all_reduce", tokens * model_cfg.n_embd * act_bytes, run.tp, links["tp"])
-    # context parallelism, the ring's messages (context_parallel.ring_attention_bytes): forward cp - 1 of the
-    # keys and values; backward cp - 1 of them and cp of their fp32 gradients' accumulators, the last one
-    # bringing them home. Each overlaps the attention of its step (the ring feeds it), the last one nothing.
+    # tensor parallelism: attention's and the MLP's outputs all-reduced forward (g), their inputs'
+    # gradients backward (f); under sequence parallelism an all-gather and a reduce-scatter instead,
+    # the same bytes
+    tp = 2 * collective_seconds(
+        "all_reduce", tokens * model_cfg.n_embd * act_bytes, run.tp, links["tp"]
+    )
+    # context parallelism, the ring's messages (context_parallel.ring_attention_bytes): forward cp -
+    # 1 of the keys and values; backward cp - 1 of them and cp of their fp32 gradients'
+    # accumulators, the last one bringing them home. Each overlaps the attention of its step (the
+    # ring feeds it), the last one nothing.
     kv_elements = tokens * max(1, model_cfg.n_kv_head // run.tp) * (qk + v)
-    kv, kv_grads = p2p_seconds(kv_elements * act_bytes, links["cp"]), p2p_seconds(kv_elements * 4, links["cp"])
+    kv, kv_grads = (
+        p2p_seconds(kv_elements * act_bytes, links["cp"]),
+        p2p_seconds(kv_elements * 4, links["cp"]),
+    )
     hidden = attention_f / run.cp if machine["overlaps"] else 0.0  # one step's attention
-    cp = [(run.cp - 1) * max(0.0, kv - hidden),
-          (run.cp - 1) * max(0.0, kv + kv_grads - 2 * hidden) + kv_grads * (run.cp > 1)]
-    # expert parallelism: two all-to-alls of the kept rows each way, forward after the counts' (exchange_expert_counts)
+    cp = [
+        (run.cp - 1) * max(0.0, kv - hidden),
+        (run.cp - 1) * max(0.0, kv + kv_grads - 2 * hidden) + kv_grads * (run.cp > 1),
+    ]
+    # expert parallelism: two all-to-alls of the kept rows each way, forward after the counts'
+    # (exchange_expert_counts)
     ep = [0.0, 0.0]
     if model_cfg.n_expert > 0 and run.ep > 1:
         kept, _ = expert_rows(model_cfg, tokens, run.ep)
-        rows = 2 * collective_seconds("all_to_all", kept * model_cfg.n_embd * act_bytes, run.ep, links["ep"])
-        ep = [rows + collective_seconds("all_to_all", model_cfg.n_expert * 8, run.ep, links["ep"]), rows]
-    # the host's cost per operator (op_seconds: measured on CPU, hidden behind a GPU's kernels); the ring's under cp
+        rows = 2 * collective_seconds(
+            "all_to_all", kept * model_cfg.n_embd * act_bytes, run.ep, links["ep"]
+        )
+        ep = [
+            rows + collective_seconds("all_to_all", model_cfg.n_expert * 8, run.ep, links["ep"]),
+            rows,
+        ]
+    # the host's cost per operator (op_seconds: measured on CPU, hidden behind a GPU's kernels); the
+    # ring's under cp
     ops_f, ops_b = OPS_PER_BLOCK["moe" if model_cfg.n_expert else "dense"]
     if run.cp > 1:
         ops_f += RING_OPS_PER_PAIR[0] * (2 * run.cp + 1) - FUSED_ATTENTION_OPS[0]
-        ops_b += RING_OPS_PER_PAIR[1] * (2 * run.cp + 1) + RING_OPS_BACKWARD - FUSED_ATTENTION_OPS[1]
+        ops_b += (
+            RING_OPS_PER_PAIR[1] * (2 * run.cp + 1) + RING_OPS_BACKWARD - FUSED_ATTENTION_OPS[1]
+        )
     ops_f, ops_b = ops_f * machine.get("op_seconds", 0.0), ops_b * machine.get("op_seconds", 0.0)
     forward = matmul_f + attention_f + elementwise_f + copies + ops_f
-    recompute = forward if run.activation_checkpointing else 0.0  # (its communication: stage_actions)
-    return {"forward": forward, "input_grad": matmul_f + attention_b + 2 * elementwise_f + copies + ops_b + recompute,
-            "weight_grad": matmul_f, "tp": tp, "cp": cp, "ep": ep}
+    recompute = (
+        forward if run.activation_checkpointing else 0.0
+    )  # (its communication: stage_actions)
+    return {
+        "forward": forward,
+        "input_grad": matmul_f + attention_b + 2 * elementwise_f + copies + ops_b + recompute,
+        "weight_grad": matmul_f,
+        "tp": tp,
+        "cp": cp,
+        "ep": ep,
+    }
 
 
 def ends_seconds(model_cfg, run, machine, links, tokens):
-    """(embedding, head) seconds for one micro-batch: {'forward', 'input_grad', 'weight_grad'} of compute and
-    'tp' [forward, backward]. The embedding: a lookup (its rows written), under tp the vocab-parallel embedding's
-    all-reduce forward (under SP a reduce-scatter, whose backward all-gathers). The head: 6 C V FLOPs per token
-    over tp (metrics.pipeline_costs') and the loss's fp32 softmax read and written forward and backward (under tp
-    machine=auto's timed kernels, machines.loss_seconds); all in the forward under the chunked loss (tp = 1:
-    model.ChunkedLinearCrossEntropy, whose backward scales the gradients); under tp the vocab-parallel loss's
-    three all-reduces of a float per token forward and f's all-reduce of the head's input gradient backward
-    (under SP the final norm's all-gather forward and reduce-scatter backward instead)."""
+    """(embedding, head) seconds for one micro-batch: {'forward', 'input_grad', 'weight_grad'} of
+    compute and 'tp' [forward, backward]. The embedding: a lookup (its rows written), under tp the
+    vocab-parallel embedding's all-reduce forward (under SP a reduce-scatter, whose backward
+    all-gathers). The head: 6 C V FLOPs per token over tp (metrics.pipeline_costs') and the loss's
+    fp32 softmax read and written forward and backward (under tp machine=auto's timed kernels,
+    machines.loss_seconds); all in the forward under the chunked loss (tp = 1:
+    model.ChunkedLinearCrossEntropy, whose backward scales the gradients); under tp the
+    vocab-parallel loss's three all-reduces of a float per token forward and f's all-reduce of the
+    head's input gradient backward (under SP the final norm's all-gather forward and reduce-scatter
+    backward instead)."""
     dtype = dtype_of(run, machine)
-    rate, act_bytes, C = machine["matmul_flops"][dtype], 4 if dtype == "float32" else 2, model_cfg.n_embd
+    rate, act_bytes, C = (
+        machine["matmul_flops"][dtype],
+        4 if dtype == "float32" else 2,
+        model_cfg.n_embd,
+    )
     _, _, head = metrics.pipeline_costs(model_cfg)
     lookup = tokens * C * act_bytes / machine["memory_bw"]
     activations = collective_seconds("all_reduce", tokens * C * act_bytes, run.tp, links["tp"])
     half = activations / 2  # (a reduce-scatter or an all-gather)
-    embedding = {"forward": lookup, "input_grad": 2 * lookup, "weight_grad": 0.0,
-                 "tp": [half, half] if run.sequence_parallel else [activations, 0.0]}
+    embedding = {
+        "forward": lookup,
+        "input_grad": 2 * lookup,
+        "weight_grad": 0.0,
+        "tp": [half, half] if run.sequence_parallel else [activations, 0.0],
+    }
     matmul = tokens * head / 3 / run.tp / rate
     softmax = tokens * 2 * model_cfg.vocab_size / run.tp * 4 / machine["memory_bw"]
-    loss_f, loss_b = ([tokens * -(-model_cfg.vocab_size // run.tp) * s for s in machine["loss_seconds"]]
-                      if run.tp > 1 and "loss_seconds" in machine else (softmax, softmax))
+    loss_f, loss_b = (
+        [tokens * -(-model_cfg.vocab_size // run.tp) * s for s in machine["loss_seconds"]]
+        if run.tp > 1 and "loss_seconds" in machine
+        else (softmax, softmax)
+    )
     ops_f, ops_b = (n * machine.get("op_seconds", 0.0) for n in OPS_AT_ENDS)
     loss = 3 * collective_seconds("all_reduce", tokens * 4, run.tp, links["tp"])
     tp = [loss + half, half] if run.sequence_parallel else [loss, activations]
     chunked = run.chunked_loss and run.tp == 1
-    scale = (tokens + model_cfg.vocab_size) * C * 8 / machine["memory_bw"]  # (both gradients read and written, fp32)
-    head = ({"forward": 3 * matmul + 2 * softmax + ops_f, "input_grad": scale + ops_b, "weight_grad": 0.0} if chunked
-            else {"forward": matmul + loss_f + ops_f, "input_grad": matmul + loss_b + ops_b, "weight_grad": matmul})
+    scale = (
+        (tokens + model_cfg.vocab_size) * C * 8 / machine["memory_bw"]
+    )  # (both gradients read and written, fp32)
+    head = (
+        {
+            "forward": 3 * matmul + 2 * softmax + ops_f,
+            "input_grad": scale + ops_b,
+            "weight_grad": 0.0,
+        }
+        if chunked
+        else {
+            "forward": matmul + loss_f + ops_f,
+            "input_grad": matmul + loss_b + ops_b,
+            "weight_grad": matmul,
+        }
+    )
     return embedding, {**head, "tp": tp}
 
 
@@ -262,12 +386,13 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
 # The pipeline: every rank's actions placed in time
 
 
-_SCHEDULES = {}  # (schedule, pp, m, chunks): schedule_lists' answer, found once (the routing costs most)
+# (schedule, pp, m, chunks): schedule_lists' answer, found once (the routing costs most)
+_SCHEDULES = {}
 
 
 def schedule_lists(run):
-    """(each rank's actions, each rank's model stages, their routes for simulate_pipeline): the schedule's own
-    lists, or without a pipeline each micro-batch's forward then backward."""
+    """(each rank's actions, each rank's model stages, their routes for simulate_pipeline): the
+    schedule's own lists, or without a pipeline each micro-batch's forward then backward."""
     m = run.gradient_accumulation_steps
     key = (run.pp_schedule, run.pp, m, run.pp_chunks)
     if key not in _SCHEDULES:
@@ -275,7 +400,9 @@ def schedule_lists(run):
             lists, stages = [[(op, i, 0) for i in range(m) for op in "FB"]], [(0,)]
         else:
             lists = [SCHEDULES[run.pp_schedule](run.pp, r, m, run.pp_chunks) for r in range(run.pp)]
-            stages = [virtual_stages(run.pp_schedule, run.pp, r, run.pp_chunks) for r in range(run.pp)]
+            stages = [
+                virtual_stages(run.pp_schedule, run.pp, r, run.pp_chunks) for r in range(run.pp)
+            ]
         sent, expected, needs = route_messages("the step-time simulation", lists, stages)
         check_channels("the step-time simulation", sent, expected)
         _SCHEDULES[key] = lists, stages, (sent, needs)
@@ -283,30 +410,44 @@ def schedule_lists(run):
 
 
 def stage_actions(model_cfg, run, machine, links, cut, zero3):
-    """{model stage: {op: (seconds, {part: seconds})}} of one micro-batch's F, B and W on each model stage: its
-    blocks, the embedding on the first, the head and loss on the last; B is the whole backward where the
-    schedule does not split it (no W). zero3: (gather, reduce-scatter) seconds of one block's parameters
-    under ZeRO-3, which prefetches the next block's gather while this one computes (forward and backward)."""
+    """{model stage: {op: (seconds, {part: seconds})}} of one micro-batch's F, B and W on each model
+    stage: its blocks, the embedding on the first, the head and loss on the last; B is the whole
+    backward where the schedule does not split it (no W). zero3: (gather, reduce-scatter) seconds of
+    one block's parameters under ZeRO-3, which prefetches the next block's gather while this one
+    computes (forward and backward)."""
     tokens = run.batch_size * run.block_size // run.cp
     block = block_seconds(model_cfg, run, machine, links, tokens)
     gather, reduce = zero3
     hide = machine["overlaps"]
-    zero3 = (max(0.0, gather - block["forward"] * hide),
-             max(0.0, gather + reduce - (block["input_grad"] + block["weight_grad"]) * hide))
+    zero3 = (
+        max(0.0, gather - block["forward"] * hide),
+        max(0.0, gather + reduce - (block["input_grad"] + block["weight_grad"]) * hide),
+    )
     embedding, head = ends_seconds(model_cfg, run, machine, links, tokens)
     split = run.pp > 1 and run.pp_schedule in ("zero_bubble", "zbv")
-    again = 2 if run.activation_checkpointing else 1  # the recomputed forward's communication, in the backward
+    again = (
+        2 if run.activation_checkpointing else 1
+    )  # the recomputed forward's communication, in the backward
     out = {}
     for s, n in enumerate(cut):
         ends = ([embedding] if s == 0 else []) + ([head] if s == len(cut) - 1 else [])
-        f = {"compute": n * block["forward"] + sum(e["forward"] for e in ends),
-             "tp": n * block["tp"] + sum(e["tp"][0] for e in ends), "cp": n * block["cp"][0], "ep": n * block["ep"][0],
-             "zero": n * zero3[0]}
+        f = {
+            "compute": n * block["forward"] + sum(e["forward"] for e in ends),
+            "tp": n * block["tp"] + sum(e["tp"][0] for e in ends),
+            "cp": n * block["cp"][0],
+            "ep": n * block["ep"][0],
+            "zero": n * zero3[0],
+        }
         w = {"compute": n * block["weight_grad"] + sum(e["weight_grad"] for e in ends)}
-        b = {"compute": n * block["input_grad"] + sum(e["input_grad"] for e in ends) + (0 if split else w["compute"]),
-             "tp": n * block["tp"] * again + sum(e["tp"][1] for e in ends),
-             "cp": n * (block["cp"][1] + block["cp"][0] * (again - 1)),
-             "ep": n * (block["ep"][1] + block["ep"][0] * (again - 1)), "zero": n * zero3[1]}
+        b = {
+            "compute": n * block["input_grad"]
+            + sum(e["input_grad"] for e in ends)
+            + (0 if split else w["compute"]),
+            "tp": n * block["tp"] * again + sum(e["tp"][1] for e in ends),
+            "cp": n * (block["cp"][1] + block["cp"][0] * (again - 1)),
+            "ep": n * (block["ep"][1] + block["ep"][0] * (again - 1)),
+            "zero": n * zero3[1],
+        }
         out[s] = {op: (sum(parts.values()), parts) for op, parts in (("F", f), ("B", b), ("W", w))}
     return out
 
@@ -316,9 +457,10 @@ def stage_actions(model_cfg, run, machine, links, cut, zero3):
 
 
 def rank_pieces(model_cfg, run, cut, held):
-    """[(elements, whether of an expert)] of the parameters a pipeline rank holds (held: its model stages),
-    in forward order: the embedding on the first stage, each block's tensors, the final norm and head on
-    the last (a tied head's copy of the embedding where the first stage is elsewhere)."""
+    """[(elements, whether of an expert)] of the parameters a pipeline rank holds (held: its model
+    stages), in forward order: the embedding on the first stage, each block's tensors, the final
+    norm and head on the last (a tied head's copy of the embedding where the first stage is
+    elsewhere)."""
     block, root = parameter_pieces(model_cfg, run.tp, run.ep)
     embedding = [n for name, n in root.items() if name.startswith("tok_emb.")]
     pieces = []
@@ -328,26 +470,32 @@ def rank_pieces(model_cfg, run, cut, held):
             pieces += [(n, ".experts." in name) for name, n in block.items()]
         if s == len(cut) - 1:
             pieces += [(n, False) for name, n in root.items() if not name.startswith("tok_emb.")]
-            pieces += [(n, False) for n in embedding] if model_cfg.tie_embeddings and 0 not in held else []
+            pieces += (
+                [(n, False) for n in embedding]
+                if model_cfg.tie_embeddings and 0 not in held
+                else []
+            )
     return pieces
 
 
 def bucket_collectives(pieces, run, link, kind):
-    """[(elements, seconds)] of each bucket's collective in backward order (memory_plan.bucket_elements:
-    parallel.GradientBuckets' plan), the experts' buckets after the dense ones', over their own replicas.
-    Gradients travel in fp32 (the parameters' dtype)."""
-    capacity = max(1, int(run.bucket_size_mb * 2 ** 20)) // 4
+    """[(elements, seconds)] of each bucket's collective in backward order
+    (memory_plan.bucket_elements: parallel.GradientBuckets' plan), the experts' buckets after the
+    dense ones', over their own replicas. Gradients travel in fp32 (the parameters' dtype)."""
+    capacity = max(1, int(run.bucket_size_mb * 2**20)) // 4
     out = []
     for expert, n in ((False, run.dp * run.cp), (True, run.dp // run.ep * run.cp)):
-        sizes = memory_plan.bucket_elements([e for e, is_expert in pieces if is_expert == expert], capacity)
+        sizes = memory_plan.bucket_elements(
+            [e for e, is_expert in pieces if is_expert == expert], capacity
+        )
         out += [(size, collective_seconds(kind, size * 4, n, link)) for size in sizes]
     return out
 
 
 def overlapped(collectives, window, overlaps):
-    """The seconds a series of collectives runs past the end of a compute window they overlap: each starts
-    when its bucket is ready (the buckets fill evenly over the window, in the order given) and the one
-    before it has ended (one channel). Without overlap, all of them."""
+    """The seconds a series of collectives runs past the end of a compute window they overlap: each
+    starts when its bucket is ready (the buckets fill evenly over the window, in the order given)
+    and the one before it has ended (one channel). Without overlap, all of them."""
     total = sum(seconds for _, seconds in collectives)
     if not overlaps:
         return total
@@ -359,9 +507,10 @@ def overlapped(collectives, window, overlaps):
 
 
 def gathered_late(collectives, forward, overlaps):
-    """ZeRO-1/2's parameter all-gathers, posted together after the optimizer step (overlap_param_gather) and
-    each waited for before its bucket's first use in the next forward: the seconds the forward waits, the
-    buckets used in forward order (the reverse of the backward's) through `forward` seconds of compute."""
+    """ZeRO-1/2's parameter all-gathers, posted together after the optimizer step
+    (overlap_param_gather) and each waited for before its bucket's first use in the next forward:
+    the seconds the forward waits, the buckets used in forward order (the reverse of the backward's)
+    through `forward` seconds of compute."""
     if not overlaps:
         return sum(seconds for _, seconds in collectives)
     order = list(reversed(collectives))
@@ -373,19 +522,26 @@ def gathered_late(collectives, forward, overlaps):
     return max(0.0, late)
 
 
-def data_parallel_seconds(pieces, root_elements, run, machine, link, last_window, micro_window, forward):
+def data_parallel_seconds(
+    pieces, root_elements, run, machine, link, last_window, micro_window, forward
+):
     """(exposed seconds of the gradients' reduction, of ZeRO-1/2's parameter gather) on one rank.
-    ZeRO-0: each bucket all-reduced in the last micro-batch's backward (the reducer communicates only then),
-    overlapped with it. ZeRO-1: reduce-scattered so. ZeRO-2: reduce-scattered in every micro-batch's
-    backward, the earlier ones overlapped with the backward and the next forward too. ZeRO-1/2: every
-    bucket's parameters all-gathered after the step, ahead of the next forward. ZeRO-3: its blocks' gathers
-    and reduce-scatters are in the actions (stage_actions); here its root unit's, once each way."""
+    ZeRO-0: each bucket all-reduced in the last micro-batch's backward (the reducer communicates
+    only then), overlapped with it. ZeRO-1: reduce-scattered so. ZeRO-2: reduce-scattered in every
+    micro-batch's backward, the earlier ones overlapped with the backward and the next forward too.
+    ZeRO-1/2: every bucket's parameters all-gathered after the step, ahead of the next forward.
+    ZeRO-3: its blocks' gathers and reduce-scatters are in the actions (stage_actions); here its
+    root unit's, once each way."""
     if run.dp * run.cp == 1:
         return 0.0, 0.0
     overlaps = machine["overlaps"]
-    if run.zero_stage == 3:  # the root unit: gathered before the first forward, reduced after the last backward
+    if (
+        run.zero_stage == 3
+    ):  # the root unit: gathered before the first forward, reduced after the last backward
         n, ranks = root_elements * 4, run.dp * run.cp
-        return collective_seconds("reduce_scatter", n, ranks, link), collective_seconds("all_gather", n, ranks, link)
+        return collective_seconds("reduce_scatter", n, ranks, link), collective_seconds(
+            "all_gather", n, ranks, link
+        )
     kind = "all_reduce" if run.zero_stage == 0 else "reduce_scatter"
     reduce = overlapped(bucket_collectives(pieces, run, link, kind), last_window, overlaps)
     if run.zero_stage == 2:
@@ -393,8 +549,11 @@ def data_parallel_seconds(pieces, root_elements, run, machine, link, last_window
         reduce += (run.gradient_accumulation_steps - 1) * earlier
     gather = 0.0
     if run.zero_stage in (1, 2):
-        gather = gathered_late(bucket_collectives(pieces, run, link, "all_gather"), forward,
-                               overlaps and run.overlap_param_gather)
+        gather = gathered_late(
+            bucket_collectives(pieces, run, link, "all_gather"),
+            forward,
+            overlaps and run.overlap_param_gather,
+        )
     return reduce, gather
 
 
@@ -409,46 +568,66 @@ def stage_cut(model_cfg, run):
     """The blocks of each model stage, as train.py cuts them (build.stage_cut)."""
     key = (repr(model_cfg), run.pp_schedule, run.pp, run.pp_chunks, run.pp_layers)
     if key not in _CUTS:
-        _CUTS[key] = (build.stage_cut(model_cfg, run.pp_schedule, run.pp, run.pp_chunks, run.pp_layers)
-                      if run.pp > 1 else (model_cfg.n_layer,))
+        _CUTS[key] = (
+            build.stage_cut(model_cfg, run.pp_schedule, run.pp, run.pp_chunks, run.pp_layers)
+            if run.pp > 1
+            else (model_cfg.n_layer,)
+        )
     return _CUTS[key]
 
 
 def layout_links(machine, run, gpus_per_node):
-    """The link each group spans: tp, cp, the data-parallel dp x cp, pp, and ep (ep neighbouring dp ranks)."""
+    """The link each group spans: tp, cp, the data-parallel dp x cp, pp, and ep (ep neighbouring dp
+    ranks)."""
     dims = (run.dp, run.cp, run.tp, run.pp)
-    links = {name: group_link(machine, dims, axes, gpus_per_node)
-             for name, axes in (("tp", ("tp",)), ("cp", ("cp",)), ("dp", ("dp", "cp")), ("pp", ("pp",)))}
+    links = {
+        name: group_link(machine, dims, axes, gpus_per_node)
+        for name, axes in (("tp", ("tp",)), ("cp", ("cp",)), ("dp", ("dp", "cp")), ("pp", ("pp",)))
+    }
     links["ep"] = group_link(machine, (run.ep, run.cp, run.tp, run.pp), ("dp",), gpus_per_node)
     return links
 
 
 def zero3_block_seconds(model_cfg, run, link):
-    """(all-gather, reduce-scatter) seconds of one block's parameters (fp32) under ZeRO-3: the dense part over
-    dp x cp, the experts over their replicas."""
+    """(all-gather, reduce-scatter) seconds of one block's parameters (fp32) under ZeRO-3: the dense
+    part over dp x cp, the experts over their replicas."""
     if run.zero_stage != 3 or run.dp * run.cp == 1:
         return 0.0, 0.0
     block, _ = parameter_pieces(model_cfg, run.tp, run.ep)
     experts = sum(n for name, n in block.items() if ".experts." in name)
-    groups = ((sum(block.values()) - experts, run.dp * run.cp), (experts, run.dp // run.ep * run.cp))
-    return tuple(sum(collective_seconds(kind, n * 4, ranks, link) for n, ranks in groups)
-                 for kind in ("all_gather", "reduce_scatter"))
+    groups = (
+        (sum(block.values()) - experts, run.dp * run.cp),
+        (experts, run.dp // run.ep * run.cp),
+    )
+    return tuple(
+        sum(collective_seconds(kind, n * 4, ranks, link) for n, ranks in groups)
+        for kind in ("all_gather", "reduce_scatter")
+    )
 
 
 def rank_timing(r, lists, stages, times, times_without, actions):
-    """One rank's {'end', 'busy' {part: seconds}, 'bubble', 'pp', 'last_window', 'micro_window', 'forward'}
-    from the simulation (times_without: the same without the pipeline's transfers)."""
+    """One rank's {'end', 'busy' {part: seconds}, 'bubble', 'pp', 'last_window', 'micro_window',
+    'forward'} from the simulation (times_without: the same without the pipeline's transfers)."""
     last = len(lists[r]) - 1  # (a rank's actions run in its list's order)
     busy, end, end_without = {}, times[(r, last)][1], times_without[(r, last)][1]
     m = max(i for _, i, _ in lists[r])
-    first_last = min(times[(r, k)][0] for k, (op, i, _) in enumerate(lists[r]) if op != "F" and i == m)
+    first_last = min(
+        times[(r, k)][0] for k, (op, i, _) in enumerate(lists[r]) if op != "F" and i == m
+    )
     for op, c in {(op, c) for op, _, c in lists[r]}:  # each chunk runs each op once per micro-batch
         for part, seconds in actions[stages[r][c]][op][1].items():
             busy[part] = busy.get(part, 0.0) + seconds * (m + 1)
-    of = lambda op: sum(actions[s][op][0] for s in stages[r])  # noqa: E731  (one micro-batch, every chunk)
+    of = lambda op: sum(actions[s][op][0] for s in stages[r])
     split = any(op == "W" for op, _, _ in lists[r])  # (where B is not split, B holds W's work)
-    return {"end": end, "busy": busy, "bubble": end_without - sum(busy.values()), "pp": end - end_without,
-            "last_window": end - first_last, "micro_window": of("F") + of("B") + of("W") * split, "forward": of("F")}
+    return {
+        "end": end,
+        "busy": busy,
+        "bubble": end_without - sum(busy.values()),
+        "pp": end - end_without,
+        "last_window": end - first_last,
+        "micro_window": of("F") + of("B") + of("W") * split,
+        "forward": of("F"),
+    }
 
 
 def predict(model_cfg, run, machine, gpus_per_node=None):
@@ -458,91 +637,157 @@ def predict(model_cfg, run, machine, gpus_per_node=None):
     gpus_per_node = gpus_per_node or machine["gpus_per_node"]
     links = layout_links(machine, run, gpus_per_node)
     cut = stage_cut(model_cfg, run)
-    actions = stage_actions(model_cfg, run, machine, links, cut, zero3_block_seconds(model_cfg, run, links["dp"]))
+    actions = stage_actions(
+        model_cfg, run, machine, links, cut, zero3_block_seconds(model_cfg, run, links["dp"])
+    )
     lists, stages, routes = schedule_lists(run)
     dtype = dtype_of(run, machine)
     tokens = run.batch_size * run.block_size // run.cp
-    message = tokens * model_cfg.n_embd * (4 if dtype == "float32" else 2) // (run.tp if run.sequence_parallel else 1)
+    message = (
+        tokens
+        * model_cfg.n_embd
+        * (4 if dtype == "float32" else 2)
+        // (run.tp if run.sequence_parallel else 1)
+    )
     seconds = lambda r, a: actions[stages[r][a[2]]][a[0]][0]  # noqa: E731
-    times = simulate_pipeline(lists, stages, seconds, p2p_seconds(message, links["pp"]) if run.pp > 1 else 0.0, routes)
+    times = simulate_pipeline(
+        lists, stages, seconds, p2p_seconds(message, links["pp"]) if run.pp > 1 else 0.0, routes
+    )
     times_without = simulate_pipeline(lists, stages, seconds, 0.0, routes) if run.pp > 1 else times
     block, root = parameter_pieces(model_cfg, run.tp, run.ep)
     ranks = []
     for r in range(len(lists)):
         timing = rank_timing(r, lists, stages, times, times_without, actions)
         pieces = rank_pieces(model_cfg, run, cut, stages[r])
-        held_root = sum(n for n, _ in pieces) - sum(len(stage_layers(cut, s)) for s in stages[r]) * sum(block.values())
+        held_root = sum(n for n, _ in pieces) - sum(
+            len(stage_layers(cut, s)) for s in stages[r]
+        ) * sum(block.values())
         timing["dp"], timing["zero_gather"] = data_parallel_seconds(
-            pieces, held_root, run, machine, links["dp"], timing["last_window"], timing["micro_window"], timing["forward"])
+            pieces,
+            held_root,
+            run,
+            machine,
+            links["dp"],
+            timing["last_window"],
+            timing["micro_window"],
+            timing["forward"],
+        )
         timing["tied"] = 0.0
-        if run.pp > 1 and model_cfg.tie_embeddings and run.zero_stage < 2 and (0 in stages[r] or len(cut) - 1 in stages[r]):
-            # parallel.sync_tied_grads: the two copies' gradients all-reduced between the first and last stage
+        if (
+            run.pp > 1
+            and model_cfg.tie_embeddings
+            and run.zero_stage < 2
+            and (0 in stages[r] or len(cut) - 1 in stages[r])
+        ):
+            # parallel.sync_tied_grads: the two copies' gradients all-reduced between the first and
+            # last stage
             copy = sum(n for name, n in root.items() if name.startswith("tok_emb."))
             timing["tied"] = collective_seconds("all_reduce", copy * 4, 2, links["pp"])
         timing["tp_summed"] = tp_summed_seconds(model_cfg, run, cut, stages[r], links["tp"])
         timing["optimizer"] = optimizer_seconds(pieces, run, machine)
-        timing["total"] = sum(timing[k] for k in ("end", "tied", "tp_summed", "dp", "zero_gather", "optimizer"))
+        timing["total"] = sum(
+            timing[k] for k in ("end", "tied", "tp_summed", "dp", "zero_gather", "optimizer")
+        )
         ranks.append(timing)
     return summarize(model_cfg, run, machine, dtype, ranks)
 
 
 def optimizer_seconds(pieces, run, machine):
-    """AdamW's step over the elements this rank steps (all of its stage's, or under ZeRO its 1/dp shard, the
-    experts' over their replicas), by the bytes it moves: torch's fused kernel reads the parameter, its
-    gradient and the two moments and writes three of them back (7 x 4 bytes), and the gradient norm reads
-    the gradient once more (4): 32 bytes an element over the memory bandwidth."""
+    """AdamW's step over the elements this rank steps (all of its stage's, or under ZeRO its 1/dp
+    shard, the experts' over their replicas), by the bytes it moves: torch's fused kernel reads the
+    parameter, its gradient and the two moments and writes three of them back (7 x 4 bytes), and the
+    gradient norm reads the gradient once more (4): 32 bytes an element over the memory bandwidth.
+    """
     shards = (run.dp * run.cp, run.dp // run.ep * run.cp) if run.zero_stage >= 1 else (1, 1)
     stepped = sum(n / shards[expert] for n, expert in pieces)
     return stepped * 32 / machine["memory_bw"]
 
 
 def summarize(model_cfg, run, machine, dtype, ranks):
-    """predict's answer from every pipeline rank's timing: the step is the slowest rank's, its parts the
-    busiest rank's (the one with the most work), whose idle time in the step is the bubble."""
+    """predict's answer from every pipeline rank's timing: the step is the slowest rank's, its parts
+    the busiest rank's (the one with the most work), whose idle time in the step is the bubble."""
     step = max(t["total"] for t in ranks)
     busiest = max(ranks, key=lambda t: sum(t["busy"].values()))
     busy = busiest["busy"]
-    parts = {"compute": busy.get("compute", 0.0), "tp": busy.get("tp", 0.0) + busiest["tp_summed"],
-             "cp": busy.get("cp", 0.0), "ep": busy.get("ep", 0.0), "pp": busiest["pp"] + busiest["tied"],
-             "dp": busiest["dp"] + busy.get("zero", 0.0), "zero_gather": busiest["zero_gather"],
-             "optimizer": busiest["optimizer"]}
+    parts = {
+        "compute": busy.get("compute", 0.0),
+        "tp": busy.get("tp", 0.0) + busiest["tp_summed"],
+        "cp": busy.get("cp", 0.0),
+        "ep": busy.get("ep", 0.0),
+        "pp": busiest["pp"] + busiest["tied"],
+        "dp": busiest["dp"] + busy.get("zero", 0.0),
+        "zero_gather": busiest["zero_gather"],
+        "optimizer": busiest["optimizer"],
+    }
     parts["bubble"] = max(0.0, step - sum(parts.values()))
     world = run.dp * run.cp * run.tp * run.pp
     tokens_per_step = run.batch_size * run.gradient_accumulation_steps * run.dp * run.block_size
     peak = machine.get("peak_flops", machine["matmul_flops"]).get(dtype)
     flops = metrics.flops_per_token(model_cfg) * tokens_per_step / step
-    return {"step_s": step, "parts": parts, "tokens_per_sec_per_gpu": tokens_per_step / step / world,
-            "mfu": flops / (world * peak) if peak else None, "dtype": dtype,
-            "machine": {k: v for k, v in machine.items()}}
+    return {
+        "step_s": step,
+        "parts": parts,
+        "tokens_per_sec_per_gpu": tokens_per_step / step / world,
+        "mfu": flops / (world * peak) if peak else None,
+        "dtype": dtype,
+        "machine": {k: v for k, v in machine.items()},
+    }
 
 
 def format_prediction(prediction, run):
-    """The prediction as lines: the step, its parts (each with its share), tokens/s per device and MFU."""
+    """The prediction as lines: the step, its parts (each with its share), tokens/s per device and
+    MFU."""
     step, parts = prediction["step_s"], prediction["parts"]
-    names = {"compute": "compute", "bubble": "pipeline bubble", "tp": "TP communication (exposed)",
-             "cp": "CP ring (exposed)", "ep": "EP all-to-all (exposed)", "pp": "PP transfers (exposed)",
-             "dp": "DP/ZeRO reduction (exposed)", "zero_gather": "ZeRO parameter gather (exposed)",
-             "optimizer": "optimizer step"}
-    lines = [f"predicted step: {step * 1e3:,.1f} ms on {prediction['machine'].get('description', '?')} "
-             f"({prediction['dtype']}); layout dp {run.dp} x cp {run.cp} x tp {run.tp} x pp {run.pp} x ep {run.ep}, "
-             f"ZeRO-{run.zero_stage}, micro-batch {run.batch_size} x {run.gradient_accumulation_steps}"
-             + (f", {run.pp_schedule} ({run.pp_chunks} chunk{'s' * (run.pp_chunks > 1)})" if run.pp > 1 else "")
-             + (", activation checkpointing" if run.activation_checkpointing else "")]
+    names = {
+        "compute": "compute",
+        "bubble": "pipeline bubble",
+        "tp": "TP communication (exposed)",
+        "cp": "CP ring (exposed)",
+        "ep": "EP all-to-all (exposed)",
+        "pp": "PP transfers (exposed)",
+        "dp": "DP/ZeRO reduction (exposed)",
+        "zero_gather": "ZeRO parameter gather (exposed)",
+        "optimizer": "optimizer step",
+    }
+    lines = [
+        f"predicted step: {step * 1e3:,.1f} ms on {prediction['machine'].get('description', '?')} "
+        f"({prediction['dtype']}); layout dp {run.dp} x cp {run.cp} x tp {run.tp} x pp {run.pp} x ep {run.ep}, "
+        f"ZeRO-{run.zero_stage}, micro-batch {run.batch_size} x {run.gradient_accumulation_steps}"
+        + (
+            f", {run.pp_schedule} ({run.pp_chunks} chunk{'s' * (run.pp_chunks > 1)})"
+            if run.pp > 1
+            else ""
+        )
+        + (", activation checkpointing" if run.activation_checkpointing else "")
+    ]
     for key, label in names.items():
         if parts[key] > 1e-4 * step or key == "compute":
             lines.append(f"  {label:34s} {parts[key] * 1e3:12,.2f} ms  {parts[key] / step:6.1%}")
-    lines.append(f"  tokens/s per device {prediction['tokens_per_sec_per_gpu']:,.0f}; "
-                 f"MFU {metrics.format_mfu(prediction['mfu'])}")
+    lines.append(
+        f"  tokens/s per device {prediction['tokens_per_sec_per_gpu']:,.0f}; "
+        f"MFU {metrics.format_mfu(prediction['mfu'])}"
+    )
     return "\n".join(lines)
 
 
 # -----------------------------------------------------------------------------
 # The command line: one layout's step, broken down
 
-OWN = section("tools/step_time.py's own", Setting("nproc", 1, "processes the run will have (GPUs)"),
-    Setting("machine", "h100", "a named machine (" + ", ".join(MACHINES) + "), a .json file of the same fields, or "
-                               "'auto' (this machine, measured)"),
-    Setting("gpus_per_node", 0, "devices per node: which groups cross nodes (0: the machine's, 8 for the named ones)"))
+OWN = section(
+    "tools/step_time.py's own",
+    Setting("nproc", 1, "processes the run will have (GPUs)"),
+    Setting(
+        "machine",
+        "h100",
+        "a named machine (" + ", ".join(MACHINES) + "), a .json file of the same fields, or "
+        "'auto' (this machine, measured)",
+    ),
+    Setting(
+        "gpus_per_node",
+        0,
+        "devices per node: which groups cross nodes (0: the machine's, 8 for the named ones)",
+    ),
+)
 
 
 def check_counts(values):
@@ -551,11 +796,15 @@ def check_counts(values):
     far from here. tools/make_config.py, which takes the same two settings, checks them here too."""
     problems = []
     if values["nproc"] < 1:
-        problems.append(f"nproc = {values['nproc']} must be at least 1: the processes the run "
-                        f"will have (torchrun's --nproc_per_node x nodes); set --nproc=1 or more")
+        problems.append(
+            f"nproc = {values['nproc']} must be at least 1: the processes the run "
+            f"will have (torchrun's --nproc_per_node x nodes); set --nproc=1 or more"
+        )
     if values["gpus_per_node"] < 0:
-        problems.append(f"gpus_per_node = {values['gpus_per_node']} must not be negative: set "
-                        f"--gpus_per_node to one node's devices, or 0 for the machine's")
+        problems.append(
+            f"gpus_per_node = {values['gpus_per_node']} must not be negative: set "
+            f"--gpus_per_node to one node's devices, or 0 for the machine's"
+        )
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -574,24 +823,41 @@ def vocab_size_of(cfg):
 def model_config_of(cfg):
     """The ModelConfig of a settings dict, its vocabulary as vocab_size_of finds it."""
     vocab, _ = vocab_size_of(cfg)
-    return ModelConfig(**{f.name: cfg[f.name] for f in fields(ModelConfig) if f.name != "vocab_size"}, vocab_size=vocab)
+    return ModelConfig(
+        **{f.name: cfg[f.name] for f in fields(ModelConfig) if f.name != "vocab_size"},
+        vocab_size=vocab,
+    )
 
 
 def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None, matmul_rate=None):
-    """(predicted seconds or None, its lines, {'predicted_step_s', 'predicted_parts_s', 'machine'}) of a run.
-    machine_name None: train.py's start-up (on CPU the cached matmul probe and gloo's figures, no collective; on
-    a GPU the named machine its name matches); 'auto': this machine measured (tools/bench.py: every rank calls this,
-    with the linears' rate it timed between its steps)."""
+    """(predicted seconds or None, its lines, {'predicted_step_s', 'predicted_parts_s', 'machine'})
+    of a run. machine_name None: train.py's start-up (on CPU the cached matmul probe and gloo's
+    figures, no collective; on a GPU the named machine its name matches); 'auto': this machine
+    measured (tools/bench.py: every rank calls this, with the linears' rate it timed between its
+    steps)."""
     if machine_name is None:
         machine = startup_machine(model_cfg, dtype, device)
     elif machine_name == "auto":
-        machine = measure_machine(model_cfg, dtype, device, collective=layout.world_size > 1,
-                                  tokens=probe_tokens(cfg, device), tp=layout.tp, matmul_rate=matmul_rate)
+        machine = measure_machine(
+            model_cfg,
+            dtype,
+            device,
+            collective=layout.world_size > 1,
+            tokens=probe_tokens(cfg, device),
+            tp=layout.tp,
+            matmul_rate=matmul_rate,
+        )
     else:
         machine = load_machine(machine_name)
     if machine is None:
-        return None, ("predicted step: no named machine matches this GPU (python tools/step_time.py --machine=PATH.json "
-                      "predicts for one you describe)"), {}
+        return (
+            None,
+            (
+                "predicted step: no named machine matches this GPU (python tools/step_time.py --machine=PATH.json "
+                "predicts for one you describe)"
+            ),
+            {},
+        )
     run = run_of(cfg, layout.world_size)
     run.dp = layout.dp
     p = predict(model_cfg, run, machine)
@@ -599,9 +865,15 @@ def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None, mat
     if getattr(cfg, "fp8", "none") != "none":
         lines += f"\n  (fp8 = {cfg.fp8!r} is not modelled: its linears are predicted at the {p['dtype']} rate)"
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) * torch.get_num_threads()
-    if device.type == "cpu" and sharing > (os.cpu_count() or 1):  # (a step-time model gives each rank its cores)
+    if device.type == "cpu" and sharing > (
+        os.cpu_count() or 1
+    ):  # (a step-time model gives each rank its cores)
         lines += f"\n  ({sharing} threads share this machine's {os.cpu_count()} cores: expect a slower step)"
-    return p["step_s"], lines, {"predicted_step_s": p["step_s"], "predicted_parts_s": p["parts"], "machine": machine}
+    return (
+        p["step_s"],
+        lines,
+        {"predicted_step_s": p["step_s"], "predicted_parts_s": p["parts"], "machine": machine},
+    )
 
 
 def main(argv):
@@ -609,21 +881,59 @@ def main(argv):
         values, _ = configure(settings.TRAINING + OWN, argv, usage=__doc__)
         check_counts(values)
         model_cfg = model_config_of(values)
-        values["dp"] = resolve_dp(values["nproc"], values["dp"], values["tp"], values["pp"], count_name="nproc",
-                                  cp=values["cp"], ep=values["ep"])
-        settings.check_layout(model_cfg, values["tp"], values["pp"], values["cp"], values["sequence_parallel"],
-                              values["pp_chunks"], ep=values["ep"])
-        check_schedule(values["pp_schedule"], values["pp"], values["gradient_accumulation_steps"], values["pp_chunks"])
-        dtype = torch.float32 if values["dtype"] in ("auto", "float32") else getattr(torch, values["dtype"])
-        machine = load_machine(values["machine"]) if values["machine"] != "auto" else measure_machine(model_cfg, dtype)
+        values["dp"] = resolve_dp(
+            values["nproc"],
+            values["dp"],
+            values["tp"],
+            values["pp"],
+            count_name="nproc",
+            cp=values["cp"],
+            ep=values["ep"],
+        )
+        settings.check_layout(
+            model_cfg,
+            values["tp"],
+            values["pp"],
+            values["cp"],
+            values["sequence_parallel"],
+            values["pp_chunks"],
+            ep=values["ep"],
+        )
+        check_schedule(
+            values["pp_schedule"],
+            values["pp"],
+            values["gradient_accumulation_steps"],
+            values["pp_chunks"],
+        )
+        dtype = (
+            torch.float32
+            if values["dtype"] in ("auto", "float32")
+            else getattr(torch, values["dtype"])
+        )
+        machine = (
+            load_machine(values["machine"])
+            if values["machine"] != "auto"
+            else measure_machine(model_cfg, dtype)
+        )
         run = run_of(values)  # (predicted in here: dtype_of refuses a machine lacking --dtype)
         prediction = predict(model_cfg, run, machine, values["gpus_per_node"] or None)
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")
     print(format_prediction(prediction, run))
-    result = {k: prediction[k] for k in ("step_s", "tokens_per_sec_per_gpu", "mfu", "dtype", "machine")}
-    result.update(parts_s=prediction["parts"], dp=run.dp, cp=run.cp, tp=run.tp, pp=run.pp, ep=run.ep,
-                  zero_stage=run.zero_stage, pp_schedule=run.pp_schedule, pp_chunks=run.pp_chunks)
+    result = {
+        k: prediction[k] for k in ("step_s", "tokens_per_sec_per_gpu", "mfu", "dtype", "machine")
+    }
+    result.update(
+        parts_s=prediction["parts"],
+        dp=run.dp,
+        cp=run.cp,
+        tp=run.tp,
+        pp=run.pp,
+        ep=run.ep,
+        zero_stage=run.zero_stage,
+        pp_schedule=run.pp_schedule,
+        pp_chunks=run.pp_chunks,
+    )
     print("RESULT " + json.dumps(result), flush=True)
     return result
 
