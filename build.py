@@ -141,9 +141,8 @@ def setup(cfg, training=True):
                 f"{package} (or set --{flag}=False)"
             )
     check_schedule(cfg.pp_schedule, cfg.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks)
-    hf_dir = (
-        None if cfg.init_from in ("scratch", "resume", "auto") else cfg.init_from
-    )  # a transformers model folder
+    # a transformers model folder
+    hf_dir = None if cfg.init_from in ("scratch", "resume", "auto") else cfg.init_from
     if training:
         make_folder("out_dir", cfg.out_dir)
     if (
@@ -157,16 +156,14 @@ def setup(cfg, training=True):
         )
     dev, ptdtype, dtype_why = choose_device_and_dtype(cfg.device, cfg.dtype)
     check_fp8(cfg.fp8, dev, ptdtype)
-    converting = (
-        hf_dir is not None and cfg.max_iters == 0
-    )  # (convert the model and exit: no data needed)
+    # (convert the model and exit: no data needed)
+    converting = hf_dir is not None and cfg.max_iters == 0
     data_meta, datasets = {}, {}
     if cfg.data_dir is not None and not converting:
         data_meta = read_data_meta(cfg.data_dir)
     vocab = cfg.vocab_size or data_meta.get("vocab_size", 50257)
-    eot = (
-        cfg.eot_token if cfg.eot_token is not None else data_meta.get("eot_token", -1)
-    )  # -1: none known
+    # -1: none known
+    eot = cfg.eot_token if cfg.eot_token is not None else data_meta.get("eot_token", -1)
     model_cfg = ModelConfig(
         **{
             f.name: getattr(cfg, f.name)
@@ -184,9 +181,8 @@ def setup(cfg, training=True):
         # NCCL's watchdog ends a rank whose collective timed out from C++ (an abort), past any
         # Python handler: faulthandler then prints every thread's Python stack, the line the rank
         # was waiting in
-        faulthandler.enable(
-            sys.__stderr__
-        )  # (the process's own: sys.stderr may be a capture, with no fileno)
+        # (the process's own: sys.stderr may be a capture, with no fileno)
+        faulthandler.enable(sys.__stderr__)
     check_layout(
         model_cfg,
         layout.tp,
@@ -198,9 +194,8 @@ def setup(cfg, training=True):
     )
     tokenizer = data_meta.get("tokenizer", "gpt2")
     if hf_dir is not None:
-        import_hf.check_weights(
-            hf_dir, model_cfg
-        )  # on every rank alike: a bad folder stops all of them
+        # on every rank alike: a bad folder stops all of them
+        import_hf.check_weights(hf_dir, model_cfg)
         tokenizer, warning = import_hf.run_tokenizer(hf_dir, data_meta, cfg.data_dir)
         if warning:
             print0(layout, warning)
@@ -231,9 +226,8 @@ def load_splits(cfg, vocab, data_meta, layout):
     """{split: load_data's} of the data: train, and val unless it is absent or empty."""
     datasets = {"train": load_data(cfg.data_dir, "train", cfg.block_size, vocab, data_meta)}
     val_path = os.path.join(cfg.data_dir, "val.bin")
-    if (
-        os.path.exists(val_path) and os.path.getsize(val_path) > 0
-    ):  # a corrupt val.bin stops the run
+    # a corrupt val.bin stops the run
+    if os.path.exists(val_path) and os.path.getsize(val_path) > 0:
         datasets["val"] = load_data(cfg.data_dir, "val", cfg.block_size, vocab, data_meta)
     else:  # a corpus of one document has no validation split: evaluate on train only
         print0(
@@ -260,9 +254,8 @@ def describe_run_layout(cfg, layout, model_cfg, attn, converting):
             f"chunked_loss: not at tp = {layout.tp} (the vocab-parallel loss never gathers the logits "
             f"anyway): the loss is computed from the logits",
         )
-    per_node = int(
-        os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)
-    )  # torchrun's processes on this node
+    # torchrun's processes on this node
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
     first, _, grid = describe_layout(
         layout, cfg.sequence_parallel, model_cfg.n_expert, per_node
     ).partition("\n")
@@ -410,26 +403,25 @@ def build(cfg, run):
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, run.model_cfg, layout, run.attn_impl, run.dev)
     loaded = None
-    if (
-        run.hf_dir is not None
-    ):  # a transformers model: each rank reads only its own slices of the weights
+    # a transformers model: each rank reads only its own slices of the weights
+    if run.hf_dir is not None:
         start = time.time()
         read, total = import_hf.load_weights(model, run.hf_dir)
         loaded = SimpleNamespace(seconds=time.time() - start, bytes_read=read, file_bytes=total)
     else:
-        init_shares(
-            model, cfg.seed
-        )  # each full tensor drawn from (seed, name), this rank's share kept
+        # each full tensor drawn from (seed, name), this rank's share kept
+        init_shares(model, cfg.seed)
     # float64 (a check on CPU): the parameters, and so everything computed from them, in float64;
     # the initial weights are the fp32 draws, the same at every layout. Other dtypes keep fp32
     # parameters and compute in the autocast dtype
     model.to(run.dev, dtype=torch.float64 if run.dtype == torch.float64 else None)
     pipeline = make_pipeline(cfg, layout, model, run.dev)
     grad_sync = make_grad_sync(model, cfg, layout, pipeline)
+    # each gather waited for where forward reads it
     if cfg.overlap_param_gather and cfg.zero_stage in (
         1,
         2,
-    ):  # each gather waited for where forward reads it
+    ):
         overlap_param_gather(model, grad_sync)
     optimizer = make_optimizer(model, cfg, layout, grad_sync)
     print0(layout, describe_optimizer(optimizer, model, cfg, layout))
@@ -490,9 +482,8 @@ def build_model(cfg, model_cfg, layout, attn_impl, dev):
     )
     apply_expert_parallel(model, layout.ep_group)  # this rank's experts
     apply_tensor_parallel(model, layout.tp_group, cfg.sequence_parallel)  # its slice of every layer
-    apply_context_parallel(
-        model, layout.cp_group
-    )  # ring attention over its share of every sequence
+    # ring attention over its share of every sequence
+    apply_context_parallel(model, layout.cp_group)
     # FP8 linears; the head and the router stay in the run's dtype (the loss and the routing are
     # precise)
     apply_fp8(
@@ -552,9 +543,8 @@ def make_pipeline(cfg, layout, model, dev):
         layout, model.cfg.n_embd, dev, dtype=dtype, stages_of=stages_of, seq_split=seq_split
     )
     tied_group, tied_copies = None, []
-    if (
-        model.cfg.tie_embeddings
-    ):  # the embedding with stage 0, its copy (or itself) as the last's head
+    # the embedding with stage 0, its copy (or itself) as the last's head
+    if model.cfg.tie_embeddings:
         holders = [p for p in range(layout.pp) for s in stages_of(p) if s in (0, layout.pp * v - 1)]
         tied_group = tied_weight_group(layout, holders)
         tied_copies = (
@@ -586,9 +576,8 @@ def make_grad_sync(model, cfg, layout, pipeline):
     announced by hand (pipeline_schedules.announced_by_hand)."""
     zero, group, size = cfg.zero_stage, layout.dp_cp_group, cfg.bucket_size_mb
     if zero == 0 and group is None:
-        return GradientBuckets(
-            [], None
-        )  # one replica: nothing to average (a reducer of no parameters)
+        # one replica: nothing to average (a reducer of no parameters)
+        return GradientBuckets([], None)
     stores = getattr(pipeline, "weight_grad_stores", None)  # the split backward's: SchedulePipeline
     tied = (pipeline.tied_copies, pipeline.tied_group) if pipeline is not None else ((), None)
     phases = None
@@ -628,9 +617,8 @@ def make_grad_sync(model, cfg, layout, pipeline):
         if layout.expert_dp_group is not group
         else set()
     )
-    late = (
-        {id(p) for p in tied[0]} if zero <= 1 else set()
-    )  # ZeRO-0/1: a tied weight's copies, sent in finish()
+    # ZeRO-0/1: a tied weight's copies, sent in finish()
+    late = {id(p) for p in tied[0]} if zero <= 1 else set()
     grad_sync = reducer([p for p in model.parameters() if id(p) not in experts | late], group, tied)
     if late:
         grad_sync = Reducers(grad_sync, late=reducer(list(tied[0]), group))

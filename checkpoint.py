@@ -264,9 +264,8 @@ def open_for_resume(path, model_cfg, say=print):
     corrupted file on any rank stops every rank, naming it: its NaN would otherwise pass for a
     divergence."""
     out_dir = os.path.dirname(path)
-    candidates = [p for p in complete_checkpoints(out_dir) if step_of(p) <= step_of(path)][
-        ::-1
-    ]  # newest first
+    # newest first
+    candidates = [p for p in complete_checkpoints(out_dir) if step_of(p) <= step_of(path)][::-1]
     for i, candidate in enumerate(candidates):
         try:
             reader, error = CheckpointReader(candidate), None
@@ -406,9 +405,8 @@ def load_states(optimizer, model, reader):
                 saved = _moment(reader, copies.get(name, name), p, k).reshape(-1)[start:end]
                 state[k].copy_(saved.view_as(state[k]))
         if "step" in state:
-            state["step"] = step.to(
-                p.device, copy=True
-            )  # its own: the optimizers update it in place
+            # its own: the optimizers update it in place
+            state["step"] = step.to(p.device, copy=True)
 
 
 def adamw_step_count(optimizer):
@@ -425,13 +423,11 @@ def resume_run(path, cfg, run, parts, say=print):
     for params in parts.grad_sync.unit_by_unit() if cfg.zero_stage == 3 else [None]:
         load_model(parts.model, reader, params)
     saved_optimizer = reader.meta["config"].get("optimizer", "adamw")
-    if reader.meta.get(
-        "converted_from"
-    ):  # a model converted from transformers has no optimizer state
+    # a model converted from transformers has no optimizer state
+    if reader.meta.get("converted_from"):
         say(f"a model converted from {reader.meta['converted_from']}: a fresh optimizer")
-    elif (
-        saved_optimizer != cfg.optimizer
-    ):  # AdamW's moments are not Muon's momentum, nor the reverse
+    # AdamW's moments are not Muon's momentum, nor the reverse
+    elif saved_optimizer != cfg.optimizer:
         say(
             f"resume: the checkpoint's optimizer state ({saved_optimizer}) is not loaded: {cfg.optimizer}'s starts "
             f"from zero"
@@ -512,12 +508,10 @@ def save(
     if rank == 0:
         try:
             if is_complete(tmp) and not is_complete(final):
-                _publish(
-                    tmp, final
-                )  # a save of this step killed between its renames: it is this step's checkpoint
-            shutil.rmtree(
-                tmp, ignore_errors=True
-            )  # leftovers of a save that was killed before its meta.json
+                # a save of this step killed between its renames: it is this step's checkpoint
+                _publish(tmp, final)
+            # leftovers of a save that was killed before its meta.json
+            shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         except OSError as e:
             error = (_error(e), e.errno)
@@ -555,9 +549,8 @@ def save(
                 )
                 with open(os.path.join(tmp, "meta.json.partial"), "w") as f:
                     json.dump(meta, f, indent=1)
-                os.rename(
-                    os.path.join(tmp, "meta.json.partial"), os.path.join(tmp, "meta.json")
-                )  # the commit
+                # the commit
+                os.rename(os.path.join(tmp, "meta.json.partial"), os.path.join(tmp, "meta.json"))
                 _publish(tmp, final)
                 if keep_last_n > 0:
                     _prune(out_dir, step, keep_last_n, keep)
@@ -704,9 +697,8 @@ def complete_checkpoints(out_dir):
     A .tmp folder without meta.json, a folder whose rank file is short, a ckpt_N.old/ are never
     listed."""
     by_step = {}
-    for p in sorted(
-        glob.glob(os.path.join(out_dir, "ckpt_*")), key=lambda p: p.endswith(".tmp")
-    ):  # ckpt_N first
+    # ckpt_N first
+    for p in sorted(glob.glob(os.path.join(out_dir, "ckpt_*")), key=lambda p: p.endswith(".tmp")):
         name = _NAME.fullmatch(os.path.basename(p))
         if name and int(name.group(1)) not in by_step and is_complete(p):
             by_step[int(name.group(1))] = p
@@ -786,9 +778,8 @@ def find_checkpoint(ckpt, out_dir):
             )
     else:
         why = why_incomplete(ckpt)
-        folder = (
-            ckpt if checkpoint_folders(ckpt) else parent or "."
-        )  # a run's folder: list its checkpoints
+        # a run's folder: list its checkpoints
+        folder = ckpt if checkpoint_folders(ckpt) else parent or "."
     done = [os.path.basename(p) for p in complete_checkpoints(folder)]
     if done:
         shown = done if len(done) <= 6 else done[:1] + ["..."] + done[-4:]

@@ -91,9 +91,8 @@ def zigzag_split(x, cp, cp_rank, dim=1):
     """cp rank cp_rank's tokens of x: chunks cp_rank and 2*cp-1-cp_rank of 2*cp along dim,
     concatenated."""
     chunk, rest = divmod(x.shape[dim], 2 * cp)
-    if (
-        rest
-    ):  # (settings.check_layout stops such a block_size before a run starts, saying what to change)
+    # (settings.check_layout stops such a block_size before a run starts, saying what to change)
+    if rest:
         raise ValueError(
             f"zigzag_split: {x.shape[dim]} tokens do not split into 2 * cp = {2 * cp} equal chunks"
         )
@@ -118,9 +117,8 @@ def all_gather_context(x, group, dim=1):
     way (small integers) to queue them in the window's order, as one process does."""
     if group_size(group) == 1:
         return x
-    return zigzag_gather(
-        _all_gather_along(x, group, dim).chunk(group_size(group), dim), dim
-    )  # (every rank's share)
+    # (every rank's share)
+    return zigzag_gather(_all_gather_along(x, group, dim).chunk(group_size(group), dim), dim)
 
 
 def split_for_every_rank(x, cp, split=zigzag_split):
@@ -169,9 +167,8 @@ def block_plan(keys, firsts, rank):
     firsts: visibility's, (cp, B, T_local) host tensors; at step i the block of rank (rank - i) % cp
     is visiting."""
     cp, T = keys.shape[0], keys.shape[-1]
-    slices = [
-        s for s in (slice(0, T // 2), slice(T // 2, T)) if s.stop > s.start
-    ]  # (one token: one slice)
+    # (one token: one slice)
+    slices = [s for s in (slice(0, T // 2), slice(T // 2, T)) if s.stop > s.start]
     plan = []
     for step in range(cp):
         source = (rank - step) % cp
@@ -275,9 +272,8 @@ def _block_backward(q, k, v, dout, lse, delta, visible, softcap, dq, dk, dv):
     if visible is not None:
         s.masked_fill_(~visible, float("-inf"))
     p = s.sub_(_finite(lse)[..., None]).exp_()  # (B, H_kv, G, Tq, Tk); hidden keys give exactly 0
-    dv += (p.transpose(-2, -1) @ dout).sum(
-        2
-    )  # summed over the G query heads that read each kv head
+    # summed over the G query heads that read each kv head
+    dv += (p.transpose(-2, -1) @ dout).sum(2)
     ds = (dout @ v.transpose(-2, -1)).sub_(delta[..., None]).mul_(p)
     if softcap:
         ds.mul_(1 - t * t)  # d/ds cap * tanh(s / cap) = 1 - tanh^2
@@ -298,9 +294,8 @@ def _query_heads(x, n_kv_head, scale=1.0):
 
 
 def _kv_heads(x):
-    return (
-        x.to(at_least_fp32(x.dtype)).permute(0, 2, 1, 3).contiguous()[:, :, None]
-    )  # (B, T, H_kv, D) -> (B, H_kv, 1, T, D)
+    # (B, T, H_kv, D) -> (B, H_kv, 1, T, D)
+    return x.to(at_least_fp32(x.dtype)).permute(0, 2, 1, 3).contiguous()[:, :, None]
 
 
 def _post_ring_exchange(tensors, group):
@@ -358,9 +353,8 @@ class RingAttention(torch.autograd.Function):
         keys, firsts = keys.to(q.device, non_blocking=True), firsts.to(q.device, non_blocking=True)
 
         qh = _query_heads(q, n_kv_head, scale)
-        out = q.new_zeros(
-            *qh.shape[:-1], v.shape[-1], dtype=qh.dtype
-        )  # (B, H_kv, G, T, D_v), fp32 (fp64)
+        # (B, H_kv, G, T, D_v), fp32 (fp64)
+        out = q.new_zeros(*qh.shape[:-1], v.shape[-1], dtype=qh.dtype)
         lse = q.new_full(qh.shape[:-1], float("-inf"), dtype=qh.dtype)  # (B, H_kv, G, T)
         k_block, v_block = k, v
         for step in range(cp):
@@ -416,10 +410,11 @@ class RingAttention(torch.autograd.Function):
                 (k_next, v_next), kv_requests = _post_ring_exchange([k_block, v_block], group)
             source = (rank - step) % cp
             kh, vh = _kv_heads(k_block), _kv_heads(v_block)
+            # (B, H_kv, T, D)
             dk_block, dv_block = (
                 torch.zeros_like(kh[:, :, 0]),
                 torch.zeros_like(vh[:, :, 0]),
-            )  # (B, H_kv, T, D)
+            )
             for qs, ks, kind in ctx.plan[step]:
                 visible = (
                     _visible(ctx.keys, ctx.firsts, rank, source, qs, ks)
@@ -448,15 +443,13 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 _wait(kv_requests)
                 k_block, v_block = k_next, v_next
-        if (
-            cp > 1
-        ):  # after cp steps the accumulators that arrive are this rank's own keys' and values'
+        # after cp steps the accumulators that arrive are this rank's own keys' and values'
+        if cp > 1:
             (dk_block, dv_block), grad_requests = grads_home
             _wait(grad_requests)
 
-        dq = (
-            (dq * ctx.scale).permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(q.dtype)
-        )  # (B, T, H, D): q's, unscaled
+        # (B, T, H, D): q's, unscaled
+        dq = (dq * ctx.scale).permute(0, 3, 1, 2, 4).reshape(B, T, H, D).to(q.dtype)
         dk = dk_block.transpose(1, 2).to(k.dtype)  # (B, T, H_kv, D)
         dv = dv_block.transpose(1, 2).to(v.dtype)  # (B, T, H_kv, D_v)
         return dq, dk, dv, None, None, None, None, None

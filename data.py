@@ -152,9 +152,8 @@ def context_split(batch, layout, eot_token=None):
         return batch
     x, y = batch
     if eot_token is None:
-        positions = torch.arange(x.shape[1]).expand(
-            x.shape[0], -1
-        )  # (B, T): each window's own positions
+        # (B, T): each window's own positions
+        positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
         extra = (positions,)
     else:
         documents, positions = document_ids_and_positions(x.cpu(), eot_token)  # (B, T) each

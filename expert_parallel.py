@@ -63,9 +63,8 @@ def exchange_expert_counts(counts, group):
         send = counts.tolist()  # host-device sync
         return ExpertSplits(send, [send], recv_counts)
     recv_counts = torch.empty_like(counts)
-    waited(
-        dist.all_to_all_single(recv_counts, counts, group=group, async_op=True), "ep"
-    )  # n_expert / ep to each
+    # n_expert / ep to each
+    waited(dist.all_to_all_single(recv_counts, counts, group=group, async_op=True), "ep")
     both = torch.cat([counts, recv_counts]).tolist()  # host-device sync
     n = len(both) // 2
     return ExpertSplits(
@@ -125,13 +124,11 @@ def dispatch_to_experts(rows, splits, run_local_experts, group, sent):
     if ep == 1:
         return run_local_experts(rows, splits.send)
     n_local = len(splits.recv[0])
-    send = [
-        sum(splits.send[j * n_local : (j + 1) * n_local]) for j in range(ep)
-    ]  # rows to each rank
+    # rows to each rank
+    send = [sum(splits.send[j * n_local : (j + 1) * n_local]) for j in range(ep)]
     recv = [sum(r) for r in splits.recv]  # rows from each rank
-    received = AllToAll.apply(
-        rows, send, recv, group, sent
-    )  # source-rank-major, expert-sorted within
+    # source-rank-major, expert-sorted within
+    received = AllToAll.apply(rows, send, recv, group, sent)
     # expert-major: the local expert of every received row, then a stable sort keeps the sources in
     # order
     expert_of_row = (

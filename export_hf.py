@@ -108,9 +108,8 @@ def load_picotron(out_dir, ckpt=""):
         "activation_checkpointing",
         "chunked_loss",
     }
-    unknown = sorted(
-        set(meta["model"]) - known
-    )  # (the last three: execution choices older checkpoints saved)
+    # (the last three: execution choices older checkpoints saved)
+    unknown = sorted(set(meta["model"]) - known)
     if unknown:
         raise ValueError(
             f"checkpoint {path} has model options {unknown} that this picotron's ModelConfig lacks: it "
@@ -211,9 +210,8 @@ def hf_architecture(cfg):
         return "Qwen3ForCausalLM"
     if softcap:
         return "VaultGemmaForCausalLM"
-    if (
-        cfg.qkv_bias and not cfg.bias
-    ):  # (with bias=True every linear has one already: Llama holds it)
+    # (with bias=True every linear has one already: Llama holds it)
+    if cfg.qkv_bias and not cfg.bias:
         return "Qwen2ForCausalLM"
     return "LlamaForCausalLM"
 
@@ -320,9 +318,8 @@ def hf_tensors(model, arch):
                 f"added it cannot be exported"
             )
         if name in ("tok_emb.weight", "lm_head.weight"):
-            t = t[
-                : cfg.vocab_size
-            ]  # rows past vocab_size pad the vocabulary for tensor parallelism
+            # rows past vocab_size pad the vocabulary for tensor parallelism
+            t = t[: cfg.vocab_size]
         tensors[new] = t.detach().float().clone().contiguous()
     if arch == "VaultGemmaForCausalLM":
         gemma_conventions(tensors, cfg)
@@ -373,9 +370,8 @@ def gemma_conventions(tensors, cfg):
     sqrt(n_embd). Store weight - 1 and the embedding divided by sqrt(n_embd). A tied head reads that
     divided embedding, so the final norm's gain is multiplied by sqrt(n_embd) to give the same
     logits."""
-    scale = torch.tensor(
-        cfg.n_embd**0.5, dtype=torch.float32
-    )  # the float32 value transformers multiplies by
+    # the float32 value transformers multiplies by
+    scale = torch.tensor(cfg.n_embd**0.5, dtype=torch.float32)
     tensors["model.embed_tokens.weight"] /= scale
     if cfg.tie_embeddings:
         tensors["model.norm.weight"] *= scale
@@ -639,9 +635,8 @@ def export(out_dir, hf_dir, ckpt=""):
     from safetensors.torch import save_file
 
     model, meta, path = load_picotron(out_dir, ckpt)
-    make_folder(
-        "hf_dir", hf_dir
-    )  # before the conversion: a folder that cannot be written is found at once
+    # before the conversion: a folder that cannot be written is found at once
+    make_folder("hf_dir", hf_dir)
     arch = hf_architecture(model.cfg)
     model_class, config_class = hf_classes(arch)
     tokenizer_fits = (
@@ -701,9 +696,8 @@ def main(argv):
             print(
                 f"  check: transformers' logits differ from picotron's by at most {diff:.2e} (logits up to {scale:.1f})"
             )
-            if not diff <= 1e-4 * max(
-                1.0, scale
-            ):  # fp32 agrees to ~1e-6; a wrong mapping differs by O(1)
+            # fp32 agrees to ~1e-6; a wrong mapping differs by O(1)
+            if not diff <= 1e-4 * max(1.0, scale):
                 raise ValueError(
                     f"the exported {arch} does not reproduce picotron's logits (max difference "
                     f"{diff:.2e}): the export is wrong for this model; please report it"

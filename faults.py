@@ -132,9 +132,8 @@ class StopVote:
         )
         self.replaced = signal.signal(signal.SIGTERM, self._ask)
         self.mark = os.path.join(out_dir, SIGTERM_MARK) if out_dir and layout.rank == 0 else None
-        if self.mark and os.path.exists(
-            self.mark
-        ):  # an earlier launch's: this one goes on from there
+        # an earlier launch's: this one goes on from there
+        if self.mark and os.path.exists(self.mark):
             os.remove(self.mark)
 
     def _ask(self, signum, frame):
@@ -295,9 +294,8 @@ def end_of_run(cfg, layout, first_step, step, tokens_per_step, seconds, evals, n
         f"{format_duration(seconds)}"
     ]
     if evals:
-        split = (
-            "val" if "val" in evals[-1][1] else "train"
-        )  # a corpus of one document has no validation split
+        # a corpus of one document has no validation split
+        split = "val" if "val" in evals[-1][1] else "train"
         (last, losses), best = evals[-1], min(evals, key=lambda e: e[1][split])
         lines.append(
             f"{'validation' if split == 'val' else 'no validation split: training-set'} loss "

@@ -254,9 +254,8 @@ class Float8Matmul:
 
     def __call__(self, x, weight, bias=None):
         device = x.device.type
-        if torch.is_autocast_enabled(
-            device
-        ):  # the input in the autocast dtype, as F.linear's autocast would
+        # the input in the autocast dtype, as F.linear's autocast would
+        if torch.is_autocast_enabled(device):
             x = x.to(torch.get_autocast_dtype(device))
         with torch.autocast(device, enabled=False):
             y = Float8LinearFunction.apply(x, weight, self)
@@ -335,9 +334,8 @@ def apply_fp8(model, recipe, *, keep=None, token_group=None, device_type="cpu"):
             layer.matmul = Float8Matmul(recipe, outer=layer.group, tokens=token_group)
         elif isinstance(layer, RowParallelLinear):
             layer.matmul = Float8Matmul(recipe, inner=layer.group, tokens=token_group)
-            if (
-                recipe == "rowwise" and group_size(layer.group) > 1
-            ):  # round the sum, not each rank's part
+            # round the sum, not each rank's part
+            if recipe == "rowwise" and group_size(layer.group) > 1:
                 layer.combine = functools.partial(round_after, layer.combine)
         else:
             layer.__class__ = Float8Linear  # the same module: its parameters, hooks and name stay

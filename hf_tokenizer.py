@@ -60,9 +60,8 @@ def folder_vocabulary(folder):
     with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
         spec = json.load(f)
     vocab = dict(spec.get("model", {}).get("vocab") or {})
-    if not isinstance(
-        vocab, dict
-    ):  # (a Unigram model lists [piece, score] pairs: no tiktoken encoding)
+    # (a Unigram model lists [piece, score] pairs: no tiktoken encoding)
+    if not isinstance(vocab, dict):
         return None
     vocab.update({t["content"]: t["id"] for t in spec.get("added_tokens", [])})
     return vocab

@@ -124,10 +124,11 @@ DEFAULTS = {
     },
 }
 SILU = ("silu", "swish")  # transformers' names of x * sigmoid(x)
+# of GELU's tanh approximation, picotron's (and GPT-2's)
 GELU_TANH = (
     "gelu_pytorch_tanh",
     "gelu_new",
-)  # of GELU's tanh approximation, picotron's (and GPT-2's)
+)
 # the model settings that are not the architecture: they come from the command line (and the data's
 # meta.json), not from config.json. (A mixture of experts' capacity_factor and aux_loss_coef do come
 # from it: transformers routes dropless, capacity_factor=0, and config.json has
@@ -265,9 +266,8 @@ def model_settings(folder):
     s.update(attention_settings(arch, config, get, problems))
     s.update(bias_settings(arch, get, problems))
     if arch in MOE:
-        s.update(
-            moe_settings(arch, folder, config, get, problems)
-        )  # (after the MLP: the experts' width)
+        # (after the MLP: the experts' width)
+        s.update(moe_settings(arch, folder, config, get, problems))
     if problems:
         raise ValueError(
             f"picotron cannot represent the {arch} in {folder}: " + "; ".join(problems)
@@ -400,9 +400,8 @@ def moe_settings(arch, folder, config, get, problems):
     token). Renormalised top-k weights and dense layers among the sparse ones are refused by name;
     Qwen2-MoE's shared expert is read from the weights (shared_expert_count)."""
     width = get("moe_intermediate_size")
-    n_expert = config.get(
-        "num_local_experts", get("num_experts")
-    )  # the name Qwen3-MoE's config class saves
+    # the name Qwen3-MoE's config class saves
+    n_expert = config.get("num_local_experts", get("num_experts"))
     s = dict(
         n_expert=n_expert,
         n_expert_per_token=get("num_experts_per_tok"),
@@ -430,9 +429,8 @@ def moe_settings(arch, folder, config, get, problems):
             f"mlp_only_layers={get('mlp_only_layers')}: every layer of picotron's mixture of experts is "
             f"sparse (dense MLP layers among them are not implemented)"
         )
-    if (
-        arch == "Qwen2MoeForCausalLM" and not problems
-    ):  # (a folder refused already need not have weights)
+    # (a folder refused already need not have weights)
+    if arch == "Qwen2MoeForCausalLM" and not problems:
         s["n_shared_expert"] = shared_expert_count(
             folder, config, width, get("shared_expert_intermediate_size"), problems
         )

@@ -242,9 +242,8 @@ class PeakFlops:
     def __init__(self, setting, dev, dtype):
         self.setting, self.dev, self.dtype = setting, dev, dtype
         self.flops, self.why = device_peak_flops(setting, dev, dtype)
-        self.probes = (
-            1 if setting <= 0 and dev.type == "cpu" else 0
-        )  # probes taken (0: not a probe)
+        # probes taken (0: not a probe)
+        self.probes = 1 if setting <= 0 and dev.type == "cpu" else 0
         self.probed_at = 0.0  # the achieved FLOP/s per device that made the last probe
 
     def __str__(self):
@@ -364,9 +363,8 @@ class MetricsLog:
                 flush=True,
             )
         keep = _lines_up_to(self.path, resume_step) if os.path.exists(self.path) else []
-        with open(
-            self.path + ".tmp", "w"
-        ) as f:  # aside, then renamed: a kill now leaves the file as it was
+        # aside, then renamed: a kill now leaves the file as it was
+        with open(self.path + ".tmp", "w") as f:
             f.writelines(keep)
         os.replace(self.path + ".tmp", self.path)
 
@@ -457,9 +455,8 @@ class TensorBoardLog:
 
     def log(self, record):
         for k, v in record.items():
-            if k != "step" and isinstance(
-                v, (int, float)
-            ):  # scalars only: TensorBoard plots numbers
+            # scalars only: TensorBoard plots numbers
+            if k != "step" and isinstance(v, (int, float)):
                 self.writer.add_scalar(k, v, record["step"])
         self.writer.flush()  # once per log interval: a crash loses nothing that metrics.jsonl has
 
@@ -526,9 +523,8 @@ def moe_metrics(model, layout, steps=1):
     dev = next(model.parameters()).device
     layers = model.moe_layers()
     n_layer, n_expert = model.cfg.n_layer, model.cfg.n_expert
-    stats = torch.zeros(
-        4 + n_layer * n_expert, device=dev, dtype=torch.float64
-    )  # the byte counts need float64
+    # the byte counts need float64
+    stats = torch.zeros(4 + n_layer * n_expert, device=dev, dtype=torch.float64)
     load = stats[4:].view(n_layer, n_expert)  # each stage fills its own layers' rows
     for i, m in layers.items():
         if m.aux_loss is not None:
@@ -591,9 +587,8 @@ def format_log_line(record, eta, dev):
     the process's peak (peak_memory_bytes: the CPU's resident set, or CUDA's allocated bytes), which
     counts more than the live tensors the start-up line's plan is held to."""
     memory = "peak RSS" if dev.type == "cpu" else "peak allocated"
-    mfu_note = (
-        f" ({record['mfu_note']})" if record.get("mfu_note") else ""
-    )  # PeakFlops: a new probe, a cap
+    # PeakFlops: a new probe, a cap
+    mfu_note = f" ({record['mfu_note']})" if record.get("mfu_note") else ""
     line = (
         f"step {record['step']:6d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
         f"{record['grad_norm']:.3f} | {record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step | "

@@ -96,9 +96,8 @@ class ModelConfig:
     n_shared_expert: int = 0
     router_z_loss_coef: float = 0.0
     doc_mask: bool = False  # attention stops at eot_token, positions restart after it
-    eot_token: int = (
-        -1
-    )  # the end-of-text id that ends each document in the bins (meta.json's); -1 = unknown
+    # the end-of-text id that ends each document in the bins (meta.json's); -1 = unknown
+    eot_token: int = -1
 
 
 def model_config_from(saved):
@@ -234,10 +233,11 @@ def choose_attn_impl(attn_impl, device_type, dtype, softcap=0.0):
             f"attn_impl='auto' or 'eager' (or 'flash' on a GPU), or set attn_softcap=0"
         )
     if attn_impl in ("sdpa", "eager"):
+        # (this function is the one place that keeps SDPA away from soft-capping)
         return (
             attn_impl,
             "requested",
-        )  # (this function is the one place that keeps SDPA away from soft-capping)
+        )
     raise ValueError(f"attn_impl must be 'auto', 'sdpa', 'flash' or 'eager', got {attn_impl!r}")
 
 
@@ -274,18 +274,16 @@ def causal_attention(q, k, v, impl, softcap=0.0, documents=None):
         from flash_attn import flash_attn_func  # lazily: see choose_attn_impl
 
         d, dv = q.shape[-1], v.shape[-1]
-        if (
-            dv != d
-        ):  # FlashAttention-2 wants one head size for q, k and v: pad the smaller with zeros
+        # FlashAttention-2 wants one head size for q, k and v: pad the smaller with zeros
+        if dv != d:
             if dv < d:  # (zero value columns give zero outputs, cut off below)
                 v = F.pad(v, (0, d - dv))
             else:  # (zero query/key columns add nothing to the scores; the scale stays 1/sqrt(d))
                 q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
         capped = {"softcap": softcap} if softcap else {}  # flash-attn < 2.6 has no softcap argument
         if documents is None:
-            y = flash_attn_func(
-                q, k, v, causal=True, softmax_scale=1.0 / math.sqrt(d), **capped
-            )  # takes GQA directly
+            # takes GQA directly
+            y = flash_attn_func(q, k, v, causal=True, softmax_scale=1.0 / math.sqrt(d), **capped)
         # every document its own causal sequence, the batch's rows laid end to end: (B * T, H, D)
         else:
             from flash_attn import flash_attn_varlen_func
@@ -310,9 +308,8 @@ def causal_attention(q, k, v, impl, softcap=0.0, documents=None):
     if group > 1:  # each key/value head serves `group` query heads
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    if (
-        impl == "sdpa" and documents is not None
-    ):  # (every query sees itself: no row is all hidden, no NaN)
+    # (every query sees itself: no row is all hidden, no NaN)
+    if impl == "sdpa" and documents is not None:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.visible)
     elif impl == "sdpa":
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -371,9 +368,8 @@ def document_ids_and_positions(tokens, eot_token):
     index = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
     starts = torch.ones_like(tokens, dtype=torch.bool)  # a document starts at 0 and after every eot
     starts[..., 1:] = ends[..., :-1].bool()
-    first = (
-        torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
-    )  # each token's document start
+    # each token's document start
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
     return documents, index - first
 
 
@@ -526,9 +522,8 @@ class Rotary(nn.Module):
     def forward(self, positions=None):
         if positions is None:
             return self.cos, self.sin
-        positions = positions.to(
-            self.cos.device, non_blocking=True
-        )  # (the copy does not block: no sync)
+        # (the copy does not block: no sync)
+        positions = positions.to(self.cos.device, non_blocking=True)
         return self.cos[positions], self.sin[positions]
 
 
@@ -668,9 +663,8 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_rope = self.compress_kv(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_up(self.kv_latent_norm(c_kv)).view(B, T, -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # (B, T, H, nope), (B, T, H, v)
-        k = torch.cat(
-            [k_nope, k_rope.unsqueeze(2).expand(-1, -1, kv.shape[2], -1)], dim=-1
-        )  # one k_rope for all
+        # one k_rope for all
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, kv.shape[2], -1)], dim=-1)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
@@ -857,13 +851,11 @@ class MixtureOfExperts(nn.Module):
         B, T, D = x.shape
         tokens = x.transpose(0, 1).reshape(T * B, D)  # position-major, the capacity queue's order
         N, E = tokens.shape[0], self.n_expert
-        with torch.autocast(
-            x.device.type, enabled=False
-        ):  # routing decisions in fp32 (ST-MoE, section 3)
+        # routing decisions in fp32 (ST-MoE, section 3)
+        with torch.autocast(x.device.type, enabled=False):
             fp32 = at_least_fp32(tokens.dtype)
-            logits = self.router(
-                tokens.to(fp32)
-            )  # (N, E); the weight is fp32 (fp64 in a float64 run)
+            # (N, E); the weight is fp32 (fp64 in a float64 run)
+            logits = self.router(tokens.to(fp32))
         probs = logits.softmax(dim=-1)
         gate, expert = probs.topk(self.k, dim=-1)  # (N, k) each
         if self.capacity_factor == 0:  # dropless
@@ -987,18 +979,16 @@ def _chunked_cross_entropy(h, weight, targets, vocab_size, softcap, ignore_index
         h_c, w_c = h.to(compute), weight[:vocab_size].to(compute)
         N = h.shape[0]
         chunk = min(N, loss_chunk_size(vocab_size))
-        logits_buf = torch.empty(
-            chunk, vocab_size, dtype=compute, device=h.device
-        )  # reused by every chunk
+        # reused by every chunk
+        logits_buf = torch.empty(chunk, vocab_size, dtype=compute, device=h.device)
         # in half precision the chunk's fp32 logits have a buffer of their own, reused likewise (a
         # fresh copy each chunk kept two of them alive as the next replaced the last), and the half
         # buffer takes the chunk's gradient back for the matmuls
         z_buf = (
             None if compute == fp32 else torch.empty(chunk, vocab_size, dtype=fp32, device=h.device)
         )
-        dcap_buf = (
-            torch.empty(chunk, vocab_size, dtype=fp32, device=h.device) if softcap else None
-        )  # likewise
+        # likewise
+        dcap_buf = torch.empty(chunk, vocab_size, dtype=fp32, device=h.device) if softcap else None
         loss = torch.zeros((), dtype=fp32, device=h.device)
         grad_h = torch.empty_like(h_c) if need_grads else None
         grad_w = torch.zeros_like(weight, dtype=fp32) if need_grads else None
@@ -1019,9 +1009,8 @@ def _chunked_cross_entropy(h, weight, targets, vocab_size, softcap, ignore_index
             probs = z.sub_(z_max).exp_()  # in place: from here z holds exp(z - max)
             sum_exp = probs.sum(dim=1, keepdim=True)
             loss += ((sum_exp.log() + z_max - z_target).squeeze(1) * valid).sum()
-            if (
-                need_grads
-            ):  # d loss_i / d z_i = softmax(z_i) - onehot(target_i), zero for ignored tokens
+            # d loss_i / d z_i = softmax(z_i) - onehot(target_i), zero for ignored tokens
+            if need_grads:
                 grad_z = probs.div_(sum_exp)
                 grad_z.scatter_add_(1, t, torch.full_like(z_target, -1.0))
                 grad_z.mul_(valid.unsqueeze(1))
@@ -1261,9 +1250,8 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg, *, attn_impl="auto", chunked_loss=False):
         super().__init__()
-        if (
-            attn_impl != "flash"
-        ):  # (flash needs its device to be checked: the caller's choose_attn_impl did)
+        # (flash needs its device to be checked: the caller's choose_attn_impl did)
+        if attn_impl != "flash":
             attn_impl, _ = choose_attn_impl(attn_impl, "cpu", torch.float32, cfg.attn_softcap)
         self.cfg = cfg
         vocab_rows = padded_vocab_size(cfg.vocab_size)
@@ -1274,9 +1262,8 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight  # one tensor, one gradient
         for table in (self.tok_emb.weight, self.lm_head.weight):
-            table.vocab_size = (
-                cfg.vocab_size
-            )  # rows past it are padding: zero at init, and a checkpoint's may differ
+            # rows past it are padding: zero at init, and a checkpoint's may differ
+            table.vocab_size = cfg.vocab_size
         self.rope = Rotary(cfg)
         self.loss = NextTokenLoss(cfg.vocab_size, cfg.final_softcap, chunked_loss)
         self.chunk_layers = [list(range(cfg.n_layer))]
@@ -1285,9 +1272,8 @@ class Transformer(nn.Module):
         layers = self.chunk_layers[chunk]
         starts, ends = layers[0] == 0, layers[-1] == self.cfg.n_layer - 1
         if starts and self.cfg.doc_mask and documents is None and positions is None:
-            documents, positions = document_ids_and_positions(
-                x, self.cfg.eot_token
-            )  # (on x's device)
+            # (on x's device)
+            documents, positions = document_ids_and_positions(x, self.cfg.eot_token)
         if (documents is None) == self.cfg.doc_mask:
             raise ValueError(
                 f"Transformer.forward: documents (each token's document id, shaped like positions) "
@@ -1312,9 +1298,8 @@ class Transformer(nn.Module):
         aux = None
         if self.training:
             aux = self.moe_aux_loss(blocks)
-            for (
-                block
-            ) in blocks:  # (this chunk's layers only: a pipeline's other chunks run separately)
+            # (this chunk's layers only: a pipeline's other chunks run separately)
+            for block in blocks:
                 if isinstance(block.mlp, MixtureOfExperts):
                     block.mlp.count_load()
         if not ends:
@@ -1382,13 +1367,11 @@ class Transformer(nn.Module):
                 (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**62
             )
             shape = full_shape(p)
-            full = torch.zeros(
-                shape, device="cpu"
-            )  # (also inside a `with torch.device("cuda")` block)
+            # (also inside a `with torch.device("cuda")` block)
+            full = torch.zeros(shape, device="cpu")
             rows = getattr(p, "vocab_size", shape[0])  # only real tokens get random rows
-            residual = name.endswith(
-                (".o_proj.weight", ".down.weight")
-            )  # GPT-2's depth-scaled residual init
+            # GPT-2's depth-scaled residual init
+            residual = name.endswith((".o_proj.weight", ".down.weight"))
             full[:rows].normal_(
                 0.0, 0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02, generator=g
             )
@@ -1459,9 +1442,8 @@ def compile_blocks(model):
     after and the re-gather before backward run eagerly around the compiled code, which sees
     parameters whose storage is filled whenever it runs."""
     for block in model.blocks.values():
-        eager = block.__dict__.get(
-            "forward"
-        )  # activation checkpointing's wrapper, or None: Block.forward
+        # activation checkpointing's wrapper, or None: Block.forward
+        eager = block.__dict__.get("forward")
         block.forward = torch.compile(block.forward)
         block.forward.eager = eager
     return True

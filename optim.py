@@ -132,9 +132,8 @@ def deal_whole(params, n):
     params = list(params)
     total, seen, owners = sum(p.numel() for p in params), 0, {}
     for p in params:
-        owners[p] = (
-            (2 * seen + p.numel()) * n // (2 * total)
-        )  # the middle element's share, 0 .. n - 1
+        # the middle element's share, 0 .. n - 1
+        owners[p] = (2 * seen + p.numel()) * n // (2 * total)
         seen += p.numel()
     return owners
 
@@ -290,9 +289,8 @@ class Muon(torch.optim.Optimizer):
     def step(self, found_inf=None):
         """found_inf: as ZeroOneAdamW.step's (a step whose gradient is not finite changes nothing)."""
         if self.grad_sync is not None:
-            wait_for_params(
-                self.grad_sync.buckets
-            )  # (the last gathers, if no forward waited: they write p too)
+            # (the last gathers, if no forward waited: they write p too)
+            wait_for_params(self.grad_sync.buckets)
         for group in self.param_groups:
             if group["muon"]:
                 continue
@@ -313,17 +311,17 @@ class Muon(torch.optim.Optimizer):
             lr, mu = group["lr"], group["momentum"]
             momentum = state["momentum_buffer"]
             new_momentum = momentum.mul(mu).add_(p.grad)
-            nesterov = p.grad.add(
-                new_momentum, alpha=mu
-            )  # the gradient plus the momentum's next step
+            # the gradient plus the momentum's next step
+            nesterov = p.grad.add(new_momentum, alpha=mu)
             full = gather_tp_slices(nesterov, p, self.tp_group)  # (A, B): the whole matrix
             orthogonal = shard_of(newton_schulz(full, group["ns_steps"]), p).to(p.dtype)
             scale = -lr * 0.2 * math.sqrt(max(full.shape))
             new_p = (p * (1 - lr * group["weight_decay"])).add_(orthogonal, alpha=scale)
+            # found_inf: keep the old values
             for old, new in (
                 (p, new_p),
                 (momentum, new_momentum),
-            ):  # found_inf: keep the old values
+            ):
                 old.copy_(new if found_inf is None else torch.where(found_inf.bool(), old, new))
         if self.grad_sync is not None:
             self.grad_sync.after_step()

@@ -270,9 +270,8 @@ class ParallelLayout:
                 group = dist.new_group(ranks, timeout=timeout, group_desc="_".join(axes))
                 if rank in ranks:
                     setattr(self, f"{'_'.join(axes)}_group", group)
-        if (
-            self.dp_cp_group is None
-        ):  # one of dp and cp is 1: the other's group holds the same parameters
+        # one of dp and cp is 1: the other's group holds the same parameters
+        if self.dp_cp_group is None:
             self.dp_cp_group = self.dp_group if cp == 1 else self.cp_group
         # the expert groups (where one of them is a line built above, that line)
         self.expert_dp_group = self.dp_cp_group if ep == 1 else None
@@ -320,9 +319,8 @@ def init_distributed(dp, tp, pp, device_type, cp=1, ep=1, timeout_s=None):
     for its peers before it fails (None: torch's default, 10 minutes on gloo, 30 on NCCL)."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
-    dp = resolve_dp(
-        world_size, dp, tp, pp, cp=cp, ep=ep
-    )  # before any process group: a bad layout fails fast, alone
+    # before any process group: a bad layout fails fast, alone
+    dp = resolve_dp(world_size, dp, tp, pp, cp=cp, ep=ep)
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
@@ -421,14 +419,16 @@ class GradientBuckets:
     grad_ready(p) once complete."""
 
     def __init__(self, params, group, bucket_size_mb=25.0):
+        # replicas: what the summed gradients are divided by
         self.group, self.replicas = (
             group,
             group_size(group),
-        )  # replicas: what the summed gradients are divided by
+        )
+        # launched: buckets sent since the last finish(), in order
         self.sync, self.launched = (
             True,
             0,
-        )  # launched: buckets sent since the last finish(), in order
+        )
         params = [p for p in params if p.requires_grad]
         self.buckets = [self.new_bucket(ps) for ps in self.plan(params, bucket_size_mb)]
         self.where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -490,9 +490,8 @@ class GradientBuckets:
 
     def land(self, bucket):
         if self.replicas > 1:
-            bucket.flat.div_(
-                self.replicas
-            )  # the sum over the ranks / dp = the mean over the global batch
+            # the sum over the ranks / dp = the mean over the global batch
+            bucket.flat.div_(self.replicas)
         for p, view in bucket.views():
             p.grad = view
 
@@ -593,9 +592,8 @@ class ShardedBucket(Bucket):
 
     def __init__(self, params, group):
         self.world, self.rank = group_size(group), group_rank(group)
-        self.shard_size = (
-            sum(p.numel() for p in params) + self.world - 1
-        ) // self.world  # elements one rank owns
+        # elements one rank owns
+        self.shard_size = (sum(p.numel() for p in params) + self.world - 1) // self.world
         self.shard = self.values = self.gathering = (
             None  # gathering: after_step's all-gather, in flight
         )
@@ -812,12 +810,10 @@ class ZeroOneAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, found_inf=None):
-        wait_for_params(
-            self.grad_sync.buckets
-        )  # (the last gathers, if no forward waited: they write p too)
-        for (
-            group
-        ) in self.param_groups:  # one fused kernel per group over this rank's slices (views of p)
+        # (the last gathers, if no forward waited: they write p too)
+        wait_for_params(self.grad_sync.buckets)
+        # one fused kernel per group over this rank's slices (views of p)
+        for group in self.param_groups:
             mine = [p for p in group["params"] if p in self.slices]
             adamw_step(
                 [self.owned_param(p) for p in mine],
@@ -885,9 +881,8 @@ class Reducers:
         self.parts = parts + ((late,) if late is not None else ())
         self.group, self.replicas = parts[0].group, parts[0].replicas
         self.where = {p: at for r in self.parts for p, at in r.where.items()}
-        self.part_of = {
-            p: r for r in parts for p in r.where
-        }  # (not late's: grad_ready passes them by)
+        # (not late's: grad_ready passes them by)
+        self.part_of = {p: r for r in parts for p in r.where}
         if late is not None:
             for key in list(late.hooks):
                 late.hooks.pop(key).remove()
@@ -979,9 +974,8 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        x = x.clone(
-            memory_format=torch.contiguous_format
-        )  # all_reduce works in place: leave the caller's x
+        # all_reduce works in place: leave the caller's x
+        x = x.clone(memory_format=torch.contiguous_format)
         waited(dist.all_reduce(x, group=group, async_op=True), "tp")
         return x
 
@@ -1246,12 +1240,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             max_logit = torch.full((n,), float("-inf"), dtype=logits.dtype, device=logits.device)
             target_logit = torch.zeros(n, dtype=logits.dtype, device=logits.device)
         waited(dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group, async_op=True), "tp")
-        target_summed = dist.all_reduce(
-            target_logit, group=group, async_op=True
-        )  # lands while exp runs
-        exp = (
-            logits - max_logit.unsqueeze(-1)
-        ).exp_()  # the one (N, V_local) temporary; becomes the softmax
+        # lands while exp runs
+        target_summed = dist.all_reduce(target_logit, group=group, async_op=True)
+        # the one (N, V_local) temporary; becomes the softmax
+        exp = (logits - max_logit.unsqueeze(-1)).exp_()
         sum_exp = exp.sum(dim=-1)
         waited(dist.all_reduce(sum_exp, group=group, async_op=True), "tp")
         waited(target_summed, "tp")
@@ -1347,9 +1339,8 @@ def _reduce_scatter_along(x, group, dim):
     """This rank's chunk, along dim, of the sum over the group of every rank's x."""
     moved = x.movedim(dim, 0).contiguous()  # a reduce-scatter cuts along dimension 0
     out = moved.new_empty((moved.shape[0] // group_size(group), *moved.shape[1:]))
-    waited(
-        reduce_scatter(out.view(-1), moved, group), "tp"
-    )  # (section 3's: gloo's own takes twice as long)
+    # (section 3's: gloo's own takes twice as long)
+    waited(reduce_scatter(out.view(-1), moved, group), "tp")
     return out.movedim(0, dim)
 
 
@@ -1454,9 +1445,8 @@ def apply_pipeline(model, stage_blocks, stages):
     first, last = 0 in stages, len(stage_blocks) - 1 in stages
     if not last:
         model.norm = model.lm_head = None
-    elif (
-        not first and model.cfg.tie_embeddings
-    ):  # the copy: a parameter of its own, same shape and marks
+    # the copy: a parameter of its own, same shape and marks
+    elif not first and model.cfg.tie_embeddings:
         copy = nn.Parameter(torch.empty_like(model.lm_head.weight))
         copy.__dict__.update(model.lm_head.weight.__dict__)
         model.lm_head.weight = copy
@@ -1642,18 +1632,16 @@ class PipelineExecutor:
     def forward(self, i, c, received):
         """Microbatch i through chunk c, from the previous stage's output (received) or, on the
         first stage, the token ids; returns what the next stage receives (None on the last)."""
-        x, y, *context = self.microbatches[
-            i
-        ]  # (x, y, positions[, documents]) under context parallelism
+        # (x, y, positions[, documents]) under context parallelism
+        x, y, *context = self.microbatches[i]
         stage, last_stage = self.comm.chunk_stages[c], self.comm.n_stages - 1
         if stage > 0:
             x = received.requires_grad_(torch.is_grad_enabled())  # its .grad is what goes back
         with self.autocast:
             out, loss = self.chunks[c](x, y if stage == last_stage else None, *context)
         if loss is not None:
-            loss = loss / len(
-                self.microbatches
-            )  # the mean over microbatches: the one place the loss is scaled
+            # the mean over microbatches: the one place the loss is scaled
+            loss = loss / len(self.microbatches)
             self.total += loss.detach().to(at_least_fp32(loss.dtype))
         if torch.is_grad_enabled():
             self.held[(i, c)] = x, (None if stage == last_stage else out), loss
@@ -1702,9 +1690,8 @@ class PipelineExecutor:
         stage), or None."""
         op, i, c = action
         source, _ = message_route(op, self.comm.chunk_stages[c], self.comm.n_stages)
-        if source is None or self.comm.is_here(
-            source
-        ):  # (a chunk of this rank: pipeline_schedules.py)
+        # (a chunk of this rank: pipeline_schedules.py)
+        if source is None or self.comm.is_here(source):
             return None
         return *self.comm.receive(op, source, self.microbatches[i][0]), source
 
@@ -1725,27 +1712,23 @@ class PipelineExecutor:
         send its product on without waiting (the section's note); wait for every send at the end.
         Returns the loss."""
         comm, sends = self.comm, []  # sends: the requests in flight (each holds its tensor)
-        last = {
-            (op, c): k for k, (op, _, c) in enumerate(actions)
-        }  # each op's last action on each chunk
+        # each op's last action on each chunk
+        last = {(op, c): k for k, (op, _, c) in enumerate(actions)}
         posted = self.post_receive(actions[0]) if actions else None
         for k, (op, i, c) in enumerate(actions):
             received = None
             if posted is not None:
                 received, request, source = posted
                 self.wait(request, (op, i, c), source)
-            posted = (
-                self.post_receive(actions[k + 1]) if k + 1 < len(actions) else None
-            )  # lands while this runs
+            # lands while this runs
+            posted = self.post_receive(actions[k + 1]) if k + 1 < len(actions) else None
             with self.trace((op, i, c)) if self.trace is not None else nullcontext():
                 product = self.act((op, i, c), received, k == last[(op, c)])
-            if (
-                product is not None
-            ):  # a forward's output to the next stage, a backward's input gradient back
+            # a forward's output to the next stage, a backward's input gradient back
+            if product is not None:
                 _, destination = message_route(op, comm.chunk_stages[c], comm.n_stages)
-                sends[:] = [
-                    request for request in sends if not request.is_completed()
-                ]  # their buffers can go
+                # their buffers can go
+                sends[:] = [request for request in sends if not request.is_completed()]
                 sends.append(comm.send(product, op, destination))
         for request in sends:
             waited(request, "pp")

@@ -124,9 +124,8 @@ def zero_bubble_actions(pp, stage, m, chunks=1):
     while b < m:  # cool-down: the remaining backwards, each with a W
         actions += [("B", b, 0), ("W", w, 0)]
         b, w = b + 1, w + 1
-    return actions + [
-        ("W", i, 0) for i in range(w, m)
-    ]  # the delayed W's, in the drain's idle slots
+    # the delayed W's, in the drain's idle slots
+    return actions + [("W", i, 0) for i in range(w, m)]
 
 
 def zbv_actions(pp, stage, m, chunks=2):
@@ -143,9 +142,8 @@ def zbv_actions(pp, stage, m, chunks=2):
     The phases are written for at least 2 pp - 1 microbatches; with fewer, the actions of the
     microbatches that do not exist are left out (schedule_timeline checks the rest still runs)."""
     n = max(m, 2 * pp - 1)
-    count = {
-        (op, c): 0 for op in "FBW" for c in (0, 1)
-    }  # the next microbatch of each op on each chunk
+    # the next microbatch of each op on each chunk
+    count = {(op, c): 0 for op in "FBW" for c in (0, 1)}
     actions = []
 
     def add(op, c, microbatch=None):
@@ -192,9 +190,8 @@ def check_schedule(schedule, pp, m, chunks=1):
             f"pp_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}"
         )
     if pp == 1:
-        if (
-            schedule == "zbv"
-        ):  # (its cut and its V place model stages 0 and 1 on ranks that are not there)
+        # (its cut and its V place model stages 0 and 1 on ranks that are not there)
+        if schedule == "zbv":
             raise ValueError(
                 "pp_schedule='zbv' needs a pipeline of pp >= 2 ranks (its V is two model chunks on "
                 "each), but pp = 1: set --pp=2 or more with --pp_chunks=2, or run on one stage "
@@ -267,9 +264,8 @@ def balanced_cut(block_costs, n_stages, first_cost=0, last_cost=0):
         )
     extra = [first_cost if s == 0 else 0 for s in range(n_stages)]
     extra[-1] += last_cost
-    before = list(
-        itertools.accumulate(block_costs, initial=0)
-    )  # before[i]: the cost of blocks 0 .. i - 1
+    # before[i]: the cost of blocks 0 .. i - 1
+    before = list(itertools.accumulate(block_costs, initial=0))
     cost = lambda start, stop, s: before[stop] - before[start] + extra[s]
 
     def best_cut(score, limit):
@@ -395,9 +391,8 @@ class _LinearSplitBackward(torch.autograd.Function):
     def backward(ctx, dy):
         x_c, w_c = ctx.saved_tensors
         dy = dy.to(w_c.dtype)
-        dx = (
-            dy @ w_c if ctx.needs_input_grad[0] else None
-        )  # (..., in): autograd casts it to x's dtype
+        # (..., in): autograd casts it to x's dtype
+        dx = dy @ w_c if ctx.needs_input_grad[0] else None
         if ctx.store.collecting is not None:
             ctx.store.collecting.append(
                 (ctx.weight, ctx.bias, x_c, dy, WeightGradStore.weight_grads)
@@ -434,9 +429,8 @@ class WeightGradStore:
                     self.params.append(layer.weight)
                     continue
                 if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
-                    layer.matmul = (
-                        self.linear
-                    )  # the layers' hook: their product, with this backward
+                    # the layers' hook: their product, with this backward
+                    layer.matmul = self.linear
                 elif isinstance(layer, nn.Linear):
                     # a plain linear (one process, and the layers tensor parallelism leaves whole):
                     # its forward is this product
@@ -444,13 +438,11 @@ class WeightGradStore:
                 else:
                     continue
                 self.params.append(layer.weight)
-                if (
-                    not isinstance(layer, RowParallelLinear) and layer.bias is not None
-                ):  # (Row's: after its sum)
+                # (Row's: after its sum)
+                if not isinstance(layer, RowParallelLinear) and layer.bias is not None:
                     self.params.append(layer.bias)
-        self.params = list(
-            {id(p): p for p in self.params}.values()
-        )  # a tied head's weight is the embedding's
+        # a tied head's weight is the embedding's
+        self.params = list({id(p): p for p in self.params}.values())
 
     def linear_layer(self, layer, x):
         return self.linear(x, layer.weight, layer.bias)
@@ -551,9 +543,8 @@ class ScheduleExecutor(PipelineExecutor):
     def act(self, action, received, last):
         op, i, c = action
         source, destination = message_route(op, self.comm.chunk_stages[c], self.comm.n_stages)
-        if source is not None and self.comm.is_here(
-            source
-        ):  # from this rank's other chunk: kept, not received
+        # from this rank's other chunk: kept, not received
+        if source is not None and self.comm.is_here(source):
             received = self.here.pop((op, i, self.comm.chunk_stages[c]))
         if op == "W":
             product = self.weight_gradients(i, c, last)
@@ -561,9 +552,8 @@ class ScheduleExecutor(PipelineExecutor):
             split = op == "B" and self.split_backward is not None
             with self.split_backward[c].collect(i) if split else nullcontext():
                 product = super().act(action, received, last)
-        if product is not None and self.comm.is_here(
-            destination
-        ):  # for this rank's other chunk: kept, not sent
+        # for this rank's other chunk: kept, not sent
+        if product is not None and self.comm.is_here(destination):
             self.here[(op, i, destination)], product = product, None
         return product
 

@@ -203,9 +203,8 @@ def first_bad_json_line(path):
             if not line.strip():
                 continue
             try:
-                row = json.loads(
-                    line.rstrip("\r\n")
-                )  # without its newline, so that colno counts within the line
+                # without its newline, so that colno counts within the line
+                row = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
                 return f"line {n} is not JSON ({e.msg} at column {e.colno})"
             if not isinstance(row, dict):
@@ -219,9 +218,8 @@ def local_texts(builder, files, split, text_field, skipped):
     columns (one stream over them all casts every file to the first one's columns and fails on the
     others). Opening a stream per file costs little: about 0.6 s more than one stream over 1,000
     small files."""
-    extra = (
-        {"sample_by": "document"} if builder == "text" else {}
-    )  # the text builder's default is one row per line
+    # the text builder's default is one row per line
+    extra = {"sample_by": "document"} if builder == "text" else {}
     for path in files:
         # datasets reads lazily, so a file's problems surface while iterating as well as when
         # opening it; and it streams, so they come as they are, not wrapped in a
@@ -234,9 +232,8 @@ def local_texts(builder, files, split, text_field, skipped):
                 text = document_text(row, text_field, path)
                 if text is None:
                     skipped.add(path, n)
-                elif (
-                    builder != "text" or text.strip()
-                ):  # a .txt file of nothing or blank lines holds no document
+                # a .txt file of nothing or blank lines holds no document
+                elif builder != "text" or text.strip():
                     yield text
         except StopIteration:
             # the json builder reads a file's first rows to learn its columns, and an empty file has
@@ -442,9 +439,8 @@ def prepare(
         raise ValueError(f"--max_tokens={max_tokens} must be positive (leave it out for no cap)")
     num_proc = num_proc or os.cpu_count()
     enc = get_encoding(tokenizer)  # a bad name fails here, before any data is read
-    tokenizer = (
-        enc.name
-    )  # a model folder's tokenizer is recorded by its absolute path, or as the tiktoken one it is
+    # a model folder's tokenizer is recorded by its absolute path, or as the tiktoken one it is
+    tokenizer = enc.name
     dtype = token_dtype(enc.n_vocab)
     skipped = SkippedRows()
     texts = load_documents(dataset, name, split, text_field, skipped)

@@ -723,9 +723,8 @@ def resume_settings(values, given, meta, path, world_size):
                   batch is what they make it. "The run's recipe changes" is said only when the global batch
                   does.
     Returns (values, notes to print)."""
-    if (
-        "batch_size" not in meta["config"]
-    ):  # a model converted from transformers: no run to continue yet
+    # a model converted from transformers: no run to continue yet
+    if "batch_size" not in meta["config"]:
         values, notes = resume_values(values, given, meta["config"])
         return values, notes + follow_the_world(values, given, world_size, path)
     auto = values["init_from"] == "auto"
@@ -819,9 +818,8 @@ def layout_that_fits(values, inherited, world_size):
         flags.append(("pp_chunks", 1))
     if values["pp_layers"] and fit["pp"] != values["pp"]:
         flags.append(("pp_layers", "''"))
-    if (
-        fit["tp"] == 1 and values["sequence_parallel"]
-    ):  # (it splits tokens across tp ranks: none to split)
+    # (it splits tokens across tp ranks: none to split)
+    if fit["tp"] == 1 and values["sequence_parallel"]:
         flags.append(("sequence_parallel", False))
     return flags
 

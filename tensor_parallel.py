@@ -53,9 +53,8 @@ class VocabParallelLoss(nn.Module):
     def forward(self, h, head, targets=None):
         h = gather_from_sp(h, self.sp_group)  # (B, T/tp, C) -> (B, T, C); the identity without SP
         logits = head(h)[..., : valid_vocab_columns(self.vocab_size, head.out_per_rank, self.group)]
-        if (
-            self.softcap
-        ):  # Gemma 2's soft-capping (model.soft_cap), elementwise: fine on a vocabulary slice
+        # Gemma 2's soft-capping (model.soft_cap), elementwise: fine on a vocabulary slice
+        if self.softcap:
             logits = self.softcap * torch.tanh(logits / self.softcap)
         if targets is None:
             return logits, None
@@ -195,9 +194,8 @@ def apply_tp_attention(attn, group, sequence_parallel):
         if hasattr(attn, name):
             setattr(attn, name, column_parallel(getattr(attn, name), group))
     attn.o_proj = row_parallel(attn.o_proj, group, sequence_parallel)
-    for (
-        module
-    ) in attn.children():  # replicated, each rank reading its own heads' share: sum the gradients
+    # replicated, each rank reading its own heads' share: sum the gradients
+    for module in attn.children():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             sum_grad_over(module, group)
     enter_region(attn, group, sequence_parallel)
@@ -255,9 +253,8 @@ def apply_tensor_parallel(model, group, sequence_parallel=False):
                 group=group,
                 copy_input=not sequence_parallel,
             )
-        model.lm_head.weight.vocab_size = (
-            cfg.vocab_size
-        )  # rows past it are padding (load_shard reads the real ones)
+        # rows past it are padding (load_shard reads the real ones)
+        model.lm_head.weight.vocab_size = cfg.vocab_size
         if tied:
             model.lm_head.weight = model.tok_emb.weight  # one tensor, one gradient
         model.loss = VocabParallelLoss(group, cfg.vocab_size, cfg.final_softcap, sequence_parallel)
@@ -298,9 +295,8 @@ def load_shard(param, source):
             return param
         size = param.shape[dim]
         start = param.tp_rank * size
-        real = max(
-            0, min(size, getattr(param, "vocab_size", start + size) - start)
-        )  # < size only in padded tables
+        # < size only in padded tables
+        real = max(0, min(size, getattr(param, "vocab_size", start + size) - start))
         param.narrow(dim, real, size - real).zero_()
         if real > 0:
             param.narrow(dim, 0, real).copy_(read(dim, start, real))

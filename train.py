@@ -68,9 +68,8 @@ def configure_run(argv):
             if path
             else folders
         )
-        damaged = [
-            f"{p} cannot be used: {checkpoint.why_incomplete(p)}" for p in newer
-        ]  # incomplete or damaged
+        # incomplete or damaged
+        damaged = [f"{p} cannot be used: {checkpoint.why_incomplete(p)}" for p in newer]
         if path is None and values["init_from"] == "resume":
             raise FileNotFoundError(
                 f"init_from='resume' but out_dir '{values['out_dir']}' holds no complete "
@@ -145,19 +144,16 @@ def forward_backward(model, microbatches, autocast, loss_multiplier, grad_sync):
     (it communicates only then) and after each that it ran (ZeRO-2/3 send every micro-batch's
     gradients), as the pipeline tells it."""
     total = 0.0
-    for i, batch in enumerate(
-        microbatches
-    ):  # (x, y), or (x, y, positions) under context parallelism
+    # (x, y), or (x, y, positions) under context parallelism
+    for i, batch in enumerate(microbatches):
         with autocast:
-            loss = model(*batch)[
-                1
-            ]  # (not the logits: kept in a name, they would outlive the backward)
+            # (not the logits: kept in a name, they would outlive the backward)
+            loss = model(*batch)[1]
         loss = loss / len(microbatches)
         grad_sync.set_grad_sync(i == len(microbatches) - 1)
         (loss * loss_multiplier).backward()
-        if hasattr(
-            grad_sync, "backward_done"
-        ):  # ZeRO-2/3 (zero.py) send every micro-batch's gradients
+        # ZeRO-2/3 (zero.py) send every micro-batch's gradients
+        if hasattr(grad_sync, "backward_done"):
             grad_sync.backward_done("B", 0)
         total += loss.detach()
     return total
@@ -246,9 +242,8 @@ def train_step(cfg, layout, parts, microbatches, lr, trace=None, step=0):
         parts.compiled = uncompile_blocks(parts.model)
         loss = forward_backward_step(parts, microbatches, trace)
     grads = optimizer.grads()
-    sum_partial_grads(
-        grads
-    )  # tensor parallelism's replicated parameters: each rank's part of their gradient
+    # tensor parallelism's replicated parameters: each rank's part of their gradient
+    sum_partial_grads(grads)
     scaler.unscale(grads)
     grad_norm = global_grad_norm(parts.model, layout, grads, dp_sharded=cfg.zero_stage >= 1)
     if cfg.grad_clip > 0:
@@ -275,9 +270,8 @@ def evaluate(cfg, run, parts):
     through the pipeline's stages, forward only. The evaluation's all-to-alls (expert parallelism)
     are not counted in the training log's a2a_bytes, which is the training step's traffic."""
     model, layout = parts.model, run.layout
-    wait_for_params(
-        parts.grad_sync.buckets
-    )  # ZeRO-1/2: the last step's gathers, if still in flight
+    # ZeRO-1/2: the last step's gathers, if still in flight
+    wait_for_params(parts.grad_sync.buckets)
     moe = list(model.moe_layers().values())
     sent = [m.dispatch.bytes_sent for m in moe]
     model.eval()
@@ -295,9 +289,8 @@ def evaluate(cfg, run, parts):
                 run.dev,
                 document_end(run.model_cfg),
             )
-            if (
-                parts.pipeline is not None
-            ):  # the loss on the last stage (the mean over the micro-batches)
+            # the loss on the last stage (the mean over the micro-batches)
+            if parts.pipeline is not None:
                 loss = parts.pipeline.forward(model, micro, parts.autocast)
             else:
                 loss = 0.0
@@ -337,9 +330,8 @@ def save_checkpoint(cfg, run, parts, step, converted=False):
     (see resume). keep_last_n never removes the last checkpoint before a streak of skipped steps
     began (parts.bad_steps.keep)."""
     parts.bad_steps.check(cfg.out_dir, step)  # never save the state of a run that must stop
-    wait_for_params(
-        parts.grad_sync.buckets
-    )  # ZeRO-1/2: the parameters whole before they are written
+    # ZeRO-1/2: the parameters whole before they are written
+    wait_for_params(parts.grad_sync.buckets)
     layout, model, optimizer = run.layout, parts.model, parts.optimizer
     config = vars(cfg)
     if converted:
@@ -502,9 +494,8 @@ def train(cfg, run, resume_path=None):
         ),
     )
     if stopping:
-        vote.exit_saved(
-            step
-        )  # the status scripts/slurm.sh requeues the job on (faults.SAVED_ON_SIGTERM)
+        # the status scripts/slurm.sh requeues the job on (faults.SAVED_ON_SIGTERM)
+        vote.exit_saved(step)
     return parts.model
 
 
@@ -524,9 +515,8 @@ def describe_training(cfg, run, parts):
         cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     )
     run.model_flops = metrics.flops_per_token(run.model_cfg)
-    run.peak = metrics.PeakFlops(
-        cfg.peak_flops, run.dev, run.dtype
-    )  # (asked for the MFU of each log line)
+    # (asked for the MFU of each log line)
+    run.peak = metrics.PeakFlops(cfg.peak_flops, run.dev, run.dtype)
     print0(layout, f"{run.model_flops / 1e6:.1f} MFLOP per token; peak {run.peak}")
     run.train_tokens = run.datasets["train"][2]  # the training split's tokens (load_data)
     if cfg.max_iters * run.tokens_per_step > 4 * run.train_tokens:
@@ -663,13 +653,11 @@ def step_record(cfg, run, parts, step, loss, grad_norm, lr, since):
         record["exposed_comm_ms"] = metrics.mean_waits(run.exposed_comm_ms, layout)
     if run.model_cfg.n_expert > 0:
         record.update(metrics.moe_metrics(parts.model, layout, steps=step - logged))
-    eta = (
-        (cfg.max_iters - step) * elapsed / timed_steps
-    )  # training steps only: evals and saves come on top
+    # training steps only: evals and saves come on top
+    eta = (cfg.max_iters - step) * elapsed / timed_steps
     print0(layout, metrics.format_log_line(record, eta, run.dev))
-    if run.predicted_step_s and (
-        logged >= run.memory_step or step == cfg.max_iters
-    ):  # once, past measured_step
+    # once, past measured_step
+    if run.predicted_step_s and (logged >= run.memory_step or step == cfg.max_iters):
         print0(
             layout,
             f"step time: predicted {run.predicted_step_s * 1e3:,.1f} ms, measured "
@@ -733,9 +721,8 @@ def main(argv):
         except RuntimeError as e:
             if not peer_failure(e):
                 raise
-            end_on_dead_peer(
-                e, rank, run.phase, cfg.dist_timeout_s
-            )  # every survivor says it, and exits
+            # every survivor says it, and exits
+            end_on_dead_peer(e, rank, run.phase, cfg.dist_timeout_s)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

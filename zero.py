@@ -148,25 +148,22 @@ class GradientShards(GradientBuckets):
 
     def plan(self, params, bucket_size_mb):
         if self.units is not None:
-            return [
-                list(u) for u in reversed(self.units) if u
-            ]  # one bucket per unit, in backward order
+            # one bucket per unit, in backward order
+            return [list(u) for u in reversed(self.units) if u]
         tied = {id(p) for p in self.tied_copies}  # a tied copy: alone
         return buckets_by_kind(
             params, bucket_size_mb, lambda p: (self.phase_of(p), id(p) in tied and id(p))
         )
 
     def new_bucket(self, params):
-        bucket = ShardedBucket(
-            params, self.group
-        )  # its flat buffer: made by copy_in, dropped by settle
+        # its flat buffer: made by copy_in, dropped by settle
+        bucket = ShardedBucket(params, self.group)
         bucket.phases, bucket.grad_shard = self.phase_of(params[0]), None
         return bucket
 
     def set_grad_sync(self, sync):
-        while (
-            self.in_flight
-        ):  # a backward begins: land what the last one left in flight, before its peak
+        # a backward begins: land what the last one left in flight, before its peak
+        while self.in_flight:
             self.settle(self.in_flight[0])
 
     def grad_ready(self, p):
@@ -205,9 +202,8 @@ class GradientShards(GradientBuckets):
         if bucket.flat is None:
             bucket.flat = bucket.zeros()
         super().copy_in(bucket, i)
-        bucket.params[
-            i
-        ].grad = None  # its elements are in the bucket now: the full-size gradient is not kept
+        # its elements are in the bucket now: the full-size gradient is not kept
+        bucket.params[i].grad = None
 
     def launch(self, bucket):
         self.launched += 1
@@ -223,9 +219,8 @@ class GradientShards(GradientBuckets):
         if bucket not in self.in_flight:
             return
         self.in_flight.remove(bucket)
-        shard = summed_slice(bucket).div_(
-            self.replicas
-        )  # the sum over ranks / dp = the mean over the global batch
+        # the sum over ranks / dp = the mean over the global batch
+        shard = summed_slice(bucket).div_(self.replicas)
         if bucket.grad_shard is not None:
             bucket.grad_shard.add_(shard)
         else:  # (kept: a copy where the slice is a view of flat, which goes now)
@@ -281,9 +276,8 @@ class Unit:
         full = bucket.zeros()
         for p, start in zip(bucket.params, bucket.offsets):
             full[start : start + p.numel()].copy_(p.reshape(-1))
-            p.data = full[start : start + p.numel()].view_as(
-                p
-            )  # p now lives in the gathered buffer
+            # p now lives in the gathered buffer
+            p.data = full[start : start + p.numel()].view_as(p)
         lo, _ = bucket.owned()
         self.bucket, self.param_shard, self.param_full = (
             bucket,
@@ -374,9 +368,8 @@ class FullyShardedParameters(GradientShards):
         )
 
     def owned_param(self, p, start, end, bucket, a, b):
-        return self.unit[id(bucket)].param_shard[
-            a:b
-        ]  # the shard: updating it is the update (the full copy is stale)
+        # the shard: updating it is the update (the full copy is stale)
+        return self.unit[id(bucket)].param_shard[a:b]
 
     def _units(self):
         return self.whole + [
@@ -397,17 +390,15 @@ class FullyShardedParameters(GradientShards):
     def gather_root(self, chunk):
         self.wait(self.whole)
         if self.chunks.get(chunk):
-            for unit in self._block(
-                chunk, 0
-            ):  # prefetch the chunk's first block while the embedding computes
+            # prefetch the chunk's first block while the embedding computes
+            for unit in self._block(chunk, 0):
                 unit.post_gather()
 
     def before_forward(self, c, i):
         block = self._block(c, i)
         self.wait(block)
-        if (
-            i + 1 < len(self.chunks[c]) and not block[0].in_backward
-        ):  # (not while recomputing in backward)
+        # (not while recomputing in backward)
+        if i + 1 < len(self.chunks[c]) and not block[0].in_backward:
             for unit in self._block(c, i + 1):
                 unit.post_gather()
 
@@ -481,9 +472,8 @@ def overlap_param_gather(model, grad_sync):
         if m is not None
         for p in m.parameters()
     }
-    tail -= {
-        id(p) for p in (embedding.parameters() if embedding is not None else ())
-    }  # a tied head: read first
+    # a tied head: read first
+    tail -= {id(p) for p in (embedding.parameters() if embedding is not None else ())}
     in_blocks = {id(p) for p in model.blocks.parameters()}
     readers = [(model, [p for p in model.parameters() if id(p) not in in_blocks | tail])]
     readers += [(block, list(block.parameters())) for block in model.blocks.values()]

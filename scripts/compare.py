@@ -154,9 +154,8 @@ def read_steps(run):
     """The run's metrics records by step, from the complete lines of its metrics.jsonl so far;
     prints each step not printed before."""
     path = os.path.join(run["out_dir"], "metrics.jsonl")
-    lines = (
-        Path(path).read_text().split("\n")[:-1] if os.path.exists(path) else []
-    )  # the last may be half-written
+    # the last may be half-written
+    lines = Path(path).read_text().split("\n")[:-1] if os.path.exists(path) else []
     for record in map(json.loads, filter(str.strip, lines)):
         if "loss" in record and record["step"] not in run["records"]:
             run["records"][record["step"]] = record
@@ -205,9 +204,8 @@ def step1_gradients(out_dir, grad_norm):
     for name, p in model.named_parameters():
         name = copies.get(name, name)
         try:
-            grads[name] = (
-                reader.optimizer_tensor(name, p, "momentum_buffer").double() / clip
-            )  # Muon: M = g
+            # Muon: M = g
+            grads[name] = reader.optimizer_tensor(name, p, "momentum_buffer").double() / clip
         except (KeyError, checkpoint.CheckpointError):
             grads[name] = reader.optimizer_tensor(name, p, "exp_avg").double() / (
                 (1 - config["beta1"]) * clip
@@ -284,9 +282,8 @@ def compare(script, common, side_a, side_b, work_dir):
             "two fp8 runs part on rounding alone: docs/training.md#fp8"
         )
         return FAILED
-    steps64 = min(
-        steps, max(FLOAT64_STEPS, parted or 0)
-    )  # a float64 step costs about three float32 ones
+    # a float64 step costs about three float32 ones
+    steps64 = min(steps, max(FLOAT64_STEPS, parted or 0))
     grads64, loss64, norm64, _, _ = run_pair(
         script, common, side_a, side_b, work_dir, "float64", [f"--max_iters={steps64}"]
     )

@@ -181,16 +181,14 @@ def bench_figures(result, env_info):
         parts.append(mfu)
     else:
         parts.append("MFU n/a")
-    if result.get(
-        "compare_fp8"
-    ):  # (--compare_fp8: the same step with fp8 the other way, timed in turn)
+    # (--compare_fp8: the same step with fp8 the other way, timed in turn)
+    if result.get("compare_fp8"):
         parts.append(
             f"{result['ms_per_step'] / result['compare_fp8_ms_per_step']:.2f}x the time of "
             f"fp8={result['compare_fp8']}"
         )
-    predicted = result.get(
-        "predicted_step_s"
-    )  # (tools/step_time.py on bench's machine=auto, measured there)
+    # (tools/step_time.py on bench's machine=auto, measured there)
+    predicted = result.get("predicted_step_s")
     if predicted:
         error = 1e3 * predicted / result["ms_per_step"] - 1
         parts.append(f"predicted {1e3 * predicted:,.0f} ms/step ({100 * error:+.0f}%)")

@@ -56,9 +56,8 @@ def gpt2():
     return gpt2_encoding()
 
 
-needs_gpt2 = pytest.mark.usefixtures(
-    "gpt2"
-)  # on a test that tokenizes with GPT-2, directly or through a tool
+# on a test that tokenizes with GPT-2, directly or through a tool
+needs_gpt2 = pytest.mark.usefixtures("gpt2")
 
 
 @pytest.fixture(scope="module")

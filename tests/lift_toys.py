@@ -76,14 +76,14 @@ def tensor_parallel_mlp(rank):
     weights' and biases' gradients."""
     tp = lifted("tensor_parallel", "parallel")
     g = torch.Generator().manual_seed(0)
+    # (B, T, C), the same on both ranks; dy: d loss / d out
     x, dy = (
         randn(g, 3, 5, 8),
         randn(g, 3, 5, 8),
-    )  # (B, T, C), the same on both ranks; dy: d loss / d out
+    )
     w_up, b_up, w_down, b_down = randn(g, 16, 8), randn(g, 16), randn(g, 8, 16), randn(g, 8)
-    up = tp.ColumnParallelLinear(
-        8, 16, bias=True, group=WORLD
-    )  # this rank: 8 of the 16 hidden features
+    # this rank: 8 of the 16 hidden features
+    up = tp.ColumnParallelLinear(8, 16, bias=True, group=WORLD)
     down = tp.RowParallelLinear(16, 8, bias=True, group=WORLD)
     with torch.no_grad():  # this rank's slice of each full tensor (a replicated bias: all of it)
         for layer, w, b in ((up, w_up, b_up), (down, w_down, b_down)):
@@ -132,9 +132,8 @@ def pipeline_1f1b(rank):
     one = copy.deepcopy(stages)
     g = torch.Generator().manual_seed(1)
     microbatches = [(randn(g, 4, 6), randn(g, 4, 3)) for _ in range(4)]
-    comm = pp.PipelineComm(
-        rank, 2, [0, 1], lambda x: (x.shape[0], 8)
-    )  # what travels: (batch, 8) activations
+    # what travels: (batch, 8) activations
+    comm = pp.PipelineComm(rank, 2, [0, 1], lambda x: (x.shape[0], 8))
     loss = pp.run_schedule(pp.one_f_one_b_actions(2, rank, 4), stages[rank], microbatches, comm)
     dist.all_reduce(loss)  # this rank's part of the mean loss: the last stage's, and 0
 
@@ -167,9 +166,8 @@ def data_parallel(rank, folder="data_parallel"):
     one = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     x, y = randn(g, 8, 5), randn(g, 8, 3)
-    sync = dp.GradientBuckets(
-        model.parameters(), WORLD, bucket_size_mb=100 / 2**20
-    )  # ~100 bytes a bucket
+    # ~100 bytes a bucket
+    sync = dp.GradientBuckets(model.parameters(), WORLD, bucket_size_mb=100 / 2**20)
     assert len(sync.buckets) > 1
     mine = slice(4 * rank, 4 * rank + 4)
     for i, micro in enumerate((slice(0, 2), slice(2, 4))):
@@ -351,9 +349,8 @@ def zero_three(rank, folder="zero"):
     the step) and the weight shards each rank stores after it (the next step's loss checks what the
     gathers rebuild from them)."""
     zero = lifted(folder, "zero")
-    parallel = sys.modules[
-        "parallel"
-    ]  # the copy zero.py imported, from its own folder (lifted() checked)
+    # the copy zero.py imported, from its own folder (lifted() checked)
+    parallel = sys.modules["parallel"]
     torch.manual_seed(0)
     model = TwoLayers()
     one = copy.deepcopy(model)

@@ -196,10 +196,11 @@ def test_a_type_error_quotes_the_value_given_and_the_one_it_replaces_with_their_
     config = tmp_path / "run_config.py"
     config.write_text("max_iters = 300\n")
     line = error_of(train.main, [str(config), "--max_iters=3e2"])
+    # not "like its default 1000": the user wrote 300
     assert line == (
         f"error: config key 'max_iters' must be of type int like 300 (from {config}), got 300.0 of type "
         f"float (from --max_iters=3e2)"
-    )  # not "like its default 1000": the user wrote 300
+    )
     line = error_of(train.main, ["--max_iters=3e2"])
     assert (
         "must be of type int like its default 1000, got 300.0 of type float (from --max_iters=3e2)"
@@ -246,9 +247,8 @@ def test_min_lr_above_learning_rate_stops_naming_both():
         "error: min_lr = 1.0 is above learning_rate = 0.001: the decay would raise the learning "
         "rate"
     )
-    assert (
-        settings.check_values({**settings.DEFAULTS, "learning_rate": 1e-3, "min_lr": 1e-3}) == []
-    )  # equal: held
+    # equal: held
+    assert settings.check_values({**settings.DEFAULTS, "learning_rate": 1e-3, "min_lr": 1e-3}) == []
 
 
 def test_warmup_reaching_lr_decay_iters_is_a_one_line_warning_in_every_tool(
@@ -301,9 +301,8 @@ def test_resume_refuses_another_architecture_naming_both_values(args, message, r
         train.main, [f"--out_dir={run_copy}", "--init_from=resume", "--max_iters=3", *args]
     )
     assert "another architecture" in line and message in line
-    assert checkpoint.latest_checkpoint(str(run_copy)).endswith(
-        "ckpt_0000002"
-    )  # nothing trained, nothing saved
+    # nothing trained, nothing saved
+    assert checkpoint.latest_checkpoint(str(run_copy)).endswith("ckpt_0000002")
 
 
 def test_resume_without_the_config_file_keeps_its_data_dir_and_learning_rate_and_prints_allowed_changes(
@@ -381,9 +380,8 @@ def test_an_unreadable_newest_checkpoint_is_named_and_the_previous_one_resumed(r
         )
     )
     rank_file = run_copy / "ckpt_0000002" / "rank00000.pt"
-    rank_file.write_bytes(
-        b"\0" * rank_file.stat().st_size
-    )  # the size it was saved with, but no zip archive
+    # the size it was saved with, but no zip archive
+    rank_file.write_bytes(b"\0" * rank_file.stat().st_size)
     train.main([f"--out_dir={run_copy}", "--init_from=resume", "--max_iters=2"])
     out = capsys.readouterr().out
     assert f"checkpoint {run_copy / 'ckpt_0000002'} cannot be read on 1 rank(s) (checkpoint " in out
@@ -675,9 +673,8 @@ def test_a_bad_token_id_in_the_middle_of_train_bin_stops_naming_the_file_offset_
         f"{data}/train.bin holds token id {BAD_ID} at token offset {offset}, outside the vocabulary of 512"
         in line
     )
-    assert [r["step"] for r in records_of(tmp_path / "run")] == list(
-        range(1, step)
-    )  # it stopped at that batch
+    # it stopped at that batch
+    assert [r["step"] for r in records_of(tmp_path / "run")] == list(range(1, step))
 
 
 def test_a_corrupt_val_bin_stops_the_run(tmp_path):
@@ -1036,12 +1033,10 @@ def two_ranks(tmp_path_factory):
         "--checkpoint_interval=0",
     ]
     tp_data, dp_data = big_token_data(base / "tp_data"), big_token_data(base / "dp_data")
-    tp_step, tp_offset = plant_bad_id(
-        tp_data, n_windows=2, window=1
-    )  # dp = 1: the step's 2 windows
-    dp_step, dp_offset = plant_bad_id(
-        dp_data, n_windows=4, window=3
-    )  # dp = 2: in rank 1's half of the 4
+    # dp = 1: the step's 2 windows
+    tp_step, tp_offset = plant_bad_id(tp_data, n_windows=2, window=1)
+    # dp = 2: in rank 1's half of the 4
+    dp_step, dp_offset = plant_bad_id(dp_data, n_windows=4, window=3)
     # one-process checkpoints to resume at dp = 2
     token = make_token_data(str(base / "tokens"))
     train.main(
@@ -1089,9 +1084,8 @@ def test_a_bad_token_id_stops_every_rank_at_the_same_step_with_one_message(layou
         f"error: {data}/train.bin holds token id {BAD_ID} at token offset {offset}, outside the "
         f"vocabulary of 512: the file is corrupt or was written by another tokenizer; {_prepare_hint(data)}"
     )
-    assert (
-        code1 == code0
-    )  # stopped too, at the same batch (the launch returned: no rank waits); run_script prints
+    # stopped too, at the same batch (the launch returned: no rank waits); run_script prints
+    assert code1 == code0
     # the line on rank 0 only
     assert [r["step"] for r in records_of(two_ranks["base"] / layout)] == list(range(1, step))
 
@@ -1169,13 +1163,11 @@ def test_a_failed_save_on_one_rank_stops_every_rank_once_naming_path_and_cause(t
         f"{out}/ckpt_0000002. Free space or fix the permissions of out_dir '{out}', then resume with "
         f"--init_from=resume"
     ], proc.stderr
-    assert (
-        'train.py", line' not in proc.stderr
-    )  # no worker traceback (the launcher's own summary may follow)
+    # no worker traceback (the launcher's own summary may follow)
+    assert 'train.py", line' not in proc.stderr
     assert sorted(os.listdir(out)) == ["ckpt_0000002", "metrics.jsonl"]
-    reader = checkpoint.CheckpointReader(
-        str(out / "ckpt_0000002")
-    )  # the previous checkpoint still loads
+    # the previous checkpoint still loads
+    reader = checkpoint.CheckpointReader(str(out / "ckpt_0000002"))
     model = Transformer(model_config_from(reader.meta["model"]))
     checkpoint.load_model(model, reader)
     assert reader.meta["step"] == 2 and all(torch.isfinite(p).all() for p in model.parameters())

@@ -44,9 +44,8 @@ def test_flops_per_token_dense_is_the_hand_count():
     attn = 4 * 64 * 64  # q, k, v, o
     mlp = 3 * 64 * 192  # gate, up, down
     head = 64 * 512  # the output head over the real vocabulary (the embedding lookup is no matmul)
-    scores = (
-        6 * 2 * 32 * 4 * (16 + 16)
-    )  # per layer: q.k over 32 positions and the weighted sum of v, 4 heads
+    # per layer: q.k over 32 positions and the weighted sum of v, 4 heads
+    scores = 6 * 2 * 32 * 4 * (16 + 16)
     assert flops_per_token(ModelConfig(**TINY)) == 6 * (2 * (attn + mlp) + head) + scores
 
 
@@ -139,9 +138,8 @@ def test_unknown_gpu_reports_mfu_as_not_available(monkeypatch):
     peak, why = metrics.device_peak_flops(0.0, torch.device("cuda"), torch.bfloat16)
     assert peak is None and "peak_flops" in why
     assert metrics.mfu(1e6, 1e5, peak, 1) is None and metrics.format_mfu(None) == "n/a"
-    peak, why = metrics.device_peak_flops(
-        123e12, torch.device("cuda"), torch.bfloat16
-    )  # the setting overrides
+    # the setting overrides
+    peak, why = metrics.device_peak_flops(123e12, torch.device("cuda"), torch.bfloat16)
     assert peak == 123e12 and metrics.mfu(1e6, 1e5, peak, 2) == pytest.approx(1e11 / 246e12)
 
 
@@ -225,9 +223,8 @@ def test_a_low_cpu_probe_is_probed_again_the_best_kept_and_the_mfu_capped_at_100
 
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
 def test_chunked_cross_entropy_equals_cross_entropy_of_the_full_logits(monkeypatch, softcap):
-    monkeypatch.setattr(
-        model_module, "loss_chunk_size", lambda vocab: 64
-    )  # 300 tokens: 5 chunks, the last short
+    # 300 tokens: 5 chunks, the last short
+    monkeypatch.setattr(model_module, "loss_chunk_size", lambda vocab: 64)
     torch.manual_seed(0)
     h = torch.randn(300, 16, requires_grad=True)
     w = (0.5 * torch.randn(1024, 16)).requires_grad_()  # 1000 real tokens + 24 padding rows
@@ -408,9 +405,8 @@ def test_compiled_blocks_share_one_graph_at_any_depth_and_train_like_eager(
             losses = [
                 train.train_step(cfg, run.layout, parts, micro, 1e-3)[0].item() for _ in range(2)
             ]
-            sharded = (
-                parts.grad_sync if cfg.zero_stage == 3 else None
-            )  # ZeRO-3: the blocks' storages are empty now
+            # ZeRO-3: the blocks' storages are empty now
+            sharded = parts.grad_sync if cfg.zero_stage == 3 else None
             whole = gathered_parameters(sharded)
             results[compiled] = (
                 losses,
@@ -667,9 +663,8 @@ def test_the_memory_probe_reads_each_product_from_a_pool_past_the_cache(monkeypa
     )
     assert machines.memory_bandwidth(4096, torch.float32, torch.device("cpu")) > 0
     pool = [z.data_ptr() for z in written[2::3]]
-    assert (
-        len(pool) - 1
-    ) * 3 * 4096 * 4 >= 4 * 2**20  # a call's triple: four caches' worth since its last
+    # a call's triple: four caches' worth since its last
+    assert (len(pool) - 1) * 3 * 4096 * 4 >= 4 * 2**20
     assert len(read) == 9 and read == [pool[i % len(pool)] for i in range(9)]
 
 

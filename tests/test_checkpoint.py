@@ -295,9 +295,8 @@ def test_a_run_whose_rank_dies_mid_save_then_mid_run_resumes_to_the_uninterrupte
 
     def crash_run(*argv):
         _, proc = run_train(run + list(argv), nproc=2, check=False, script="tests/crash_run.py")
-        assert proc.returncode != 0, proc.stdout[
-            -2000:
-        ]  # torchrun saw the dead rank and stopped the other
+        # torchrun saw the dead rank and stopped the other
+        assert proc.returncode != 0, proc.stdout[-2000:]
         return proc
 
     # rank 1 writes its file of step 4's checkpoint and dies before rank 0 writes meta.json

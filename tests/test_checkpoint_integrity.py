@@ -104,9 +104,8 @@ def test_a_checkpoint_written_before_checksums_loads_with_a_note(tmp_path):
     path = _save(tmp_path, 1, value=7.0)
     meta_file = tmp_path / "ckpt_0000001" / "meta.json"
     meta = json.loads(meta_file.read_text())
-    meta_file.write_text(
-        json.dumps({k: v for k, v in meta.items() if k != "file_crc32"})
-    )  # as saved before
+    # as saved before
+    meta_file.write_text(json.dumps({k: v for k, v in meta.items() if k != "file_crc32"}))
     notes = []
     reader = checkpoint.open_for_resume(path, ModelConfig(), notes.append)
     assert torch.equal(reader.files[0]["model"]["w0"]["tensor"], torch.full((NUMEL,), 7.0))
@@ -134,9 +133,8 @@ def test_a_save_that_finds_the_disk_full_names_the_checkpoints_older_than_the_ne
 ):
     for step in (1, 2, 3):
         _save(tmp_path, step)
-    _damage(
-        tmp_path / "ckpt_0000003" / "rank00000.pt"
-    )  # complete, not intact: ckpt_0000002 is the one to keep
+    # complete, not intact: ckpt_0000002 is the one to keep
+    _damage(tmp_path / "ckpt_0000003" / "rank00000.pt")
 
     def full_disk(obj, f):
         raise OSError(errno.ENOSPC, "No space left on device")

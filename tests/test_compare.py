@@ -101,9 +101,8 @@ def test_a_run_that_fails_stops_the_comparison_with_its_output_and_exit_status_2
     )
     out, err = capsys.readouterr()
     assert status == 2 and "error: the run float32 " in err and "failed (exit status 1)" in err
-    assert (
-        f"{tmp_path / 'none'}" in err.split("failed (exit status 1)")[1]
-    )  # the run's own error, quoted
+    # the run's own error, quoted
+    assert f"{tmp_path / 'none'}" in err.split("failed (exit status 1)")[1]
     assert out.splitlines()[-1] == "compare: exit 2: the comparison could not be made"
 
 
@@ -114,12 +113,14 @@ def test_the_config_file_cannot_undo_the_scripts_defaults_and_the_users_flags_re
         values, _ = configure(settings.TRAINING, compare.with_defaults(list(argv)))
         return values["max_iters"], values["eval_interval"]
 
+    # the config says 300 and 100
     assert run_settings("config/tiny_fineweb.py", "--tp=2") == (
         10,
         0,
-    )  # the config says 300 and 100
+    )
     assert run_settings("config/tiny_fineweb.py", "--max_iters=4", "--eval_interval=2") == (4, 2)
+    # train.py's order: the file last
     assert run_settings("--max_iters=4", "config/tiny_fineweb.py") == (
         300,
         0,
-    )  # train.py's order: the file last
+    )

@@ -76,9 +76,8 @@ from test_variants_tp import TP_VARIANTS
 # ring attention alone: the inputs, the reference, and what each rank runs
 
 B, T = 2, 32
-TOL = dict(
-    rtol=1e-5, atol=1e-5
-)  # fp32; the largest difference seen, 3.9e-6 in a gradient of ~7, is a third of it
+# fp32; the largest difference seen, 3.9e-6 in a gradient of ~7, is a third of it
+TOL = dict(rtol=1e-5, atol=1e-5)
 
 # name -> query heads, key/value heads, q/k head size, v head size, soft-cap, document masking
 CASES = {
@@ -130,9 +129,8 @@ def reference_attention(q, k, v, softcap, documents=None):
         scores = softcap * torch.tanh(scores / softcap)
     visible = torch.ones(T, T, dtype=torch.bool).tril()
     if documents is not None:
-        visible = (
-            visible & (documents[:, :, None] == documents[:, None, :])[:, None]
-        )  # (B, 1, T, T)
+        # (B, 1, T, T)
+        visible = visible & (documents[:, :, None] == documents[:, None, :])[:, None]
     return (scores.masked_fill(~visible, float("-inf")).softmax(dim=-1) @ v).transpose(1, 2)
 
 
@@ -185,10 +183,11 @@ class CountingOperators(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# in the worker processes: bytes of each isend, chunk pairs computed in forward
 SENT, BLOCKS = (
     [],
     {},
-)  # in the worker processes: bytes of each isend, chunk pairs computed in forward
+)
 
 
 def _count_communication_and_blocks():
@@ -383,9 +382,8 @@ def five_steps(layout, model_overrides=None, **setting_overrides):
             }
         )
     copies = parts.model.tied_copies()
-    sharded = (
-        parts.grad_sync if cfg.zero_stage == 3 else None
-    )  # ZeRO-3: the parameters gathered to be read
+    # ZeRO-3: the parameters gathered to be read
+    sharded = parts.grad_sync if cfg.zero_stage == 3 else None
     whole = gathered_parameters(sharded)
     # (a copy: numpy() would pin the storage that ZeRO-3 frees by resizing it)
     weights = {
@@ -478,9 +476,8 @@ def merged_weights(ranks, key):
 
 def assert_same_steps(ranks, key, reference):
     records, ref_weights = reference
-    assert_same_losses_and_norms(
-        ranks[0]["steps"][key][0], records, evaluated=False
-    )  # (train_step on synthetic batches)
+    # (train_step on synthetic batches)
+    assert_same_losses_and_norms(ranks[0]["steps"][key][0], records, evaluated=False)
     assert_same_tensors(
         merged_weights(ranks, key), {n: torch.from_numpy(w) for n, w in ref_weights.items()}
     )
@@ -554,9 +551,8 @@ def test_contiguous_split_does_not_balance_the_work(cp):
     pairs = [unmasked_pairs(t) for t in tokens]
     blocks = [w["blocks"] for w in attention_work(tokens)]
     assert pairs == sorted(pairs) and pairs[0] < pairs[-1]
-    assert blocks == [
-        4 * r + 3 for r in range(cp)
-    ]  # r whole pieces (4 chunk pairs each), 3 of its own
+    # r whole pieces (4 chunk pairs each), 3 of its own
+    assert blocks == [4 * r + 3 for r in range(cp)]
 
 
 # -----------------------------------------------------------------------------
@@ -712,12 +708,10 @@ def test_cp_composed_with_tp_and_with_dp_zero3_equals_one_process(launch4, layou
 
 
 def test_the_layout_numbers_tp_fastest_then_cp_then_dp_then_pp(monkeypatch):
-    monkeypatch.setattr(
-        dist, "new_group", lambda ranks, **kw: tuple(ranks)
-    )  # no processes: a group is its ranks
-    layout = ParallelLayout(
-        2, 2, 2, world_size=16, rank=13, cp=2
-    )  # 13 = ((1 * 2 + 1) * 2 + 0) * 2 + 1
+    # no processes: a group is its ranks
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: tuple(ranks))
+    # 13 = ((1 * 2 + 1) * 2 + 0) * 2 + 1
+    layout = ParallelLayout(2, 2, 2, world_size=16, rank=13, cp=2)
     assert (layout.pp_rank, layout.dp_rank, layout.cp_rank, layout.tp_rank) == (1, 1, 0, 1)
     assert (layout.tp_group, layout.cp_group, layout.dp_group, layout.pp_group) == (
         (12, 13),
@@ -725,9 +719,8 @@ def test_the_layout_numbers_tp_fastest_then_cp_then_dp_then_pp(monkeypatch):
         (9, 13),
         (5, 13),
     )
-    assert (
-        layout.dp_cp_group == (9, 11, 13, 15) and layout.dp_cp_rank == 2
-    )  # gradients average over these
+    # gradients average over these
+    assert layout.dp_cp_group == (9, 11, 13, 15) and layout.dp_cp_rank == 2
     assert layout.pp_prev == 5 and layout.pp_next is None
     assert parallel.grid_rank(1, 1, 1, 2, 2, cp_rank=0, cp=2) == 13
     # at cp = 1 the numbering is that of a run without context parallelism, and the dp group is the

@@ -147,9 +147,8 @@ def test_dtype_auto_is_bf16_from_compute_capability_8_and_fp16_before(monkeypatc
         "figures", f"{torch.cuda.get_device_name()}, sm {major}.{minor}: {dtype} ({why})"
     )
     assert dev.type == "cuda" and dtype == (torch.bfloat16 if major >= 8 else torch.float16), why
-    monkeypatch.setattr(
-        torch.cuda, "get_device_capability", lambda dev=None: (7, 0)
-    )  # a V100's answer
+    # a V100's answer
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (7, 0))
     assert choose_device_and_dtype("cuda", "auto")[1] == torch.float16
 
 
@@ -339,10 +338,11 @@ def test_fp16_step_waits_only_at_the_loss_scaler(tmp_path, monkeypatch):
     cfg, run = gpu_run(tmp_path, dtype="float16")
     parts = build.build(cfg, run)
     train.train_step(cfg, run.layout, parts, random_batches(cfg, 0), 1e-3)
+    # (copied to the device before the timing)
     micro, later = (
         random_batches(cfg, 1),
         random_batches(cfg, 2),
-    )  # (copied to the device before the timing)
+    )
     sync = first_sync_point(lambda: train.train_step(cfg, run.layout, parts, micro, 1e-3))
     assert sync is not None and "scaler.update(found_inf)" in sync and "found_inf.item()" in sync, (
         sync

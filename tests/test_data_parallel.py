@@ -155,12 +155,10 @@ def test_zero_one_adamw_follows_adamw_under_a_changing_learning_rate(zero_result
 
 def test_zero_one_state_is_one_dp_th_of_adamw_state(zero_results):
     full = zero_results[0]["adamw_moment_bytes"]
-    assert (
-        sum(r["zero_moment_bytes"] for r in zero_results) == full
-    )  # every element's moments exactly once
-    padding = (
-        2 * 4 * zero_results[0]["n_buckets"]
-    )  # at most one padded element per bucket, 2 fp32 moments
+    # every element's moments exactly once
+    assert sum(r["zero_moment_bytes"] for r in zero_results) == full
+    # at most one padded element per bucket, 2 fp32 moments
+    padding = 2 * 4 * zero_results[0]["n_buckets"]
     for r in zero_results:
         assert abs(r["zero_moment_bytes"] - full / 2) <= padding
 
@@ -181,10 +179,11 @@ def test_buckets_are_launched_in_the_same_order_on_every_rank_whatever_order_the
     # launched as they filled, rank 1 would add its bucket 2 to rank 0's bucket 1 (same size: no
     # error, wrong sums)
     assert [r["unused"]["n_buckets"] for r in zero_results] == [3, 3]
+    # rank 1's bucket 2 waits
     assert [r["unused"]["launched_in_backward"] for r in zero_results] == [
         3,
         1,
-    ]  # rank 1's bucket 2 waits
+    ]
     for r in zero_results:
         assert r["unused"]["max_diff"] < 1e-6, r["unused"]
 
@@ -207,22 +206,19 @@ def _reduce_scatter_worker(rank, world_size):
         parallel.reduce_scatter(out, f[rank].clone(), dist.group.WORLD)
         for out, f in zip(outs, flats)
     ]
-    for request in reversed(
-        requests
-    ):  # (waited in another order than posted: each lands on its own)
+    # (waited in another order than posted: each lands on its own)
+    for request in reversed(requests):
         request.wait()
-    return [o.tolist() for o in outs], [
-        [f.tolist() for f in per_rank] for per_rank in flats
-    ]  # (lists: pickled)
+    # (lists: pickled)
+    return [o.tolist() for o in outs], [[f.tolist() for f in per_rank] for per_rank in flats]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gloo_reduce_scatter_gives_each_rank_its_slice_of_the_sum(world_size):
     for rank, (outs, flats) in enumerate(run_ranks(_reduce_scatter_worker, world_size)):
         for out, per_rank in zip(outs, flats):
-            expected = (
-                torch.tensor(per_rank, dtype=torch.float64).sum(0).view(world_size, -1)[rank]
-            )  # one process
+            # one process
+            expected = torch.tensor(per_rank, dtype=torch.float64).sum(0).view(world_size, -1)[rank]
             torch.testing.assert_close(
                 torch.tensor(out, dtype=torch.float64), expected, rtol=1e-12, atol=1e-12
             )
@@ -275,15 +271,12 @@ def test_zero_one_gathers_stay_in_flight_after_the_step_and_land_before_their_fi
         on, off = r[True], r[False]
         assert on["n_buckets"] > 3
         assert off["in_flight"] == [0, 0, 0]  # waited for at once
-        assert all(n > 1 for n in on["in_flight"]), on[
-            "in_flight"
-        ]  # left in flight for the next forward
-        assert (
-            all(all(seen) for seen in on["whole"]) and len(on["whole"]) == 3
-        )  # whole when block 1 starts
-        assert (
-            on["weights"] == off["weights"]
-        )  # the same arithmetic: only when each wait happens moves
+        # left in flight for the next forward
+        assert all(n > 1 for n in on["in_flight"]), on["in_flight"]
+        # whole when block 1 starts
+        assert all(all(seen) for seen in on["whole"]) and len(on["whole"]) == 3
+        # the same arithmetic: only when each wait happens moves
+        assert on["weights"] == off["weights"]
 
 
 # -----------------------------------------------------------------------------
@@ -298,9 +291,8 @@ def test_a_layout_that_does_not_multiply_to_the_world_size_is_refused():
 
 
 def test_dp_defaults_to_world_size_over_tp_times_pp(monkeypatch):
-    monkeypatch.setattr(
-        dist, "is_initialized", lambda: True
-    )  # pretend torchrun started us: no group is built
+    # pretend torchrun started us: no group is built
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setenv("WORLD_SIZE", "6")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: None)

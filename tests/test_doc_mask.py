@@ -52,9 +52,8 @@ def test_sdpa_block_mask_equals_the_eager_attention():
         doc_mask=True,
         eot_token=EOT,
     )
-    x = torch.cat(
-        [window(5, 9, 1, 6, end=False), window(3, 7, 11, seed=1)]
-    )  # two rows, other boundaries
+    # two rows, other boundaries
+    x = torch.cat([window(5, 9, 1, 6, end=False), window(3, 7, 11, seed=1)])
     logits = {}
     for impl in ("sdpa", "eager"):
         model = Transformer(cfg, attn_impl=impl)
@@ -156,9 +155,8 @@ def data_dir(tmp_path_factory):
         tokens = []
         while len(tokens) < n:
             start = rng.integers(0, 40)
-            tokens += [(start + i) % EOT for i in range(rng.integers(2, 20))] + [
-                EOT
-            ]  # learnable: counting
+            # learnable: counting
+            tokens += [(start + i) % EOT for i in range(rng.integers(2, 20))] + [EOT]
         np.array(tokens[:n], dtype=np.uint16).tofile(out / f"{split}.bin")
     with open(out / "meta.json", "w") as f:
         json.dump({"tokenizer": "gpt2", "vocab_size": 64, "dtype": "uint16", "eot_token": EOT}, f)

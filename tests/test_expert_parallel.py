@@ -241,9 +241,8 @@ def train_five_steps(cfg, model_cfg, layout, dp_of_batch, data_dir):
     )
     parts = build.build(cfg, run)
     model, copies = parts.model, parts.model.tied_copies()
-    sharded = (
-        parts.grad_sync if cfg.zero_stage == 3 else None
-    )  # ZeRO-3: each unit gathered to be written, kept sliced
+    # ZeRO-3: each unit gathered to be written, kept sliced
+    sharded = parts.grad_sync if cfg.zero_stage == 3 else None
     for params in sharded.unit_by_unit() if sharded is not None else [None]:
         large_experts(model, params)
         if cfg.collapsed_router:
@@ -348,9 +347,8 @@ def reference(name, data_dir):
     finally:
         build.build = original_build
     n_layer, micro = model_cfg.n_layer, cfg.gradient_accumulation_steps
-    step1 = loads[
-        : micro * n_layer
-    ]  # the first step's forwards, micro-batch by micro-batch, layer by layer
+    # the first step's forwards, micro-batch by micro-batch, layer by layer
+    step1 = loads[: micro * n_layer]
     result["micro_loads"] = np.array(step1).reshape(micro, n_layer, -1)
     return result
 
@@ -391,9 +389,8 @@ def idle_local_experts(name, micro_loads):
     g = given.get("gradient_accumulation_steps", 1)
     idle = []
     for s in range(g):
-        rows = sum(
-            micro_loads[r * g + s] for r in range(ep)
-        )  # (layer, expert), micro-batch r * g + s on dp rank r
+        # (layer, expert), micro-batch r * g + s on dp rank r
+        rows = sum(micro_loads[r * g + s] for r in range(ep))
         idle += [(s, layer, e) for layer, e in zip(*np.nonzero(rows == 0))]
     return idle
 
@@ -412,9 +409,8 @@ def test_layout_trains_like_one_process(name, request, references, moe_data):
         assert idle_local_experts(name, ref["micro_loads"]), (
             f"{name}: every expert got rows in every micro-batch"
         )
-    if (
-        "collapsed_router" in name
-    ):  # every local expert of ep rank 0 got no row in some micro-step and layer
+    # every local expert of ep rank 0 got no row in some micro-step and layer
+    if "collapsed_router" in name:
         idle = idle_local_experts(name, ref["micro_loads"])
         assert any({(s, layer, e) for e in (0, 1)} <= set(idle) for s, layer, _ in idle), (
             f"{name}: {idle}"
@@ -426,9 +422,8 @@ def test_layout_trains_like_one_process(name, request, references, moe_data):
         assert r["eval_left_a2a_bytes"], (
             f"{name}: the evaluation's all-to-alls were counted as training's"
         )
-    if (
-        CASES[name][4].get("zero_stage", 0) == 0
-    ):  # (under ZeRO each rank holds the gradient of its own elements)
+    # (under ZeRO each rank holds the gradient of its own elements)
+    if CASES[name][4].get("zero_stage", 0) == 0:
         grads = merged(ranks, "grads")
         assert set(grads) == set(ref["grads"])
         for n, g in grads.items():

@@ -133,9 +133,8 @@ def test_a_checkpoint_written_by_train_py_exports_with_its_own_check(tmp_path):
             "--device=cpu",
         ]
     )
-    export_hf.main(
-        [f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}"]
-    )  # check=True: exits if off
+    # check=True: exits if off
+    export_hf.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}"])
     reader = checkpoint.CheckpointReader(checkpoint.latest_checkpoint(str(tmp_path / "run")))
     model = Transformer(model_config_from(reader.meta["model"]), attn_impl="eager")
     checkpoint.load_model(model, reader)
@@ -363,9 +362,8 @@ def test_a_dropless_moe_checkpoint_of_train_py_generates_the_same_greedy_tokens(
             "--peak_flops=1e12",
         ]
     )
-    export_hf.main(
-        [f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}"]
-    )  # check=True: exits if off
+    # check=True: exits if off
+    export_hf.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}"])
     reader = checkpoint.CheckpointReader(checkpoint.latest_checkpoint(str(tmp_path / "run")))
     model = Transformer(model_config_from(reader.meta["model"]), attn_impl="eager")
     checkpoint.load_model(model, reader)

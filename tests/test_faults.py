@@ -187,9 +187,8 @@ def test_a_save_killed_at_any_moment_leaves_the_previous_checkpoint_or_the_new_o
         values = {1: 1.0, 2: 20.0 if moment[1] >= 2 else 2.0}
     latest = checkpoint.latest_checkpoint(str(tmp_path))
     assert checkpoint.step_of(latest) == newest, (os.listdir(tmp_path), latest)
-    for path in checkpoint.complete_checkpoints(
-        str(tmp_path)
-    ):  # every one that counts reads back whole
+    # every one that counts reads back whole
+    for path in checkpoint.complete_checkpoints(str(tmp_path)):
         assert _value(path) == values[checkpoint.step_of(path)], (path, os.listdir(tmp_path))
     # the next save of that step, and one after it, clean up and succeed
     _save(tmp_path, newest, 30.0)
@@ -274,9 +273,8 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint_and_auto_continu
     assert (out / SIGTERM_MARK).read_text() == "4\n"
     [(records, stdout)] = train_on_ranks([run], 2)
     assert f"resumed from {out / 'ckpt_0000004'} at step 4" in stdout
-    assert not (
-        out / SIGTERM_MARK
-    ).exists()  # the launch that continues the run takes its mark away
+    # the launch that continues the run takes its mark away
+    assert not (out / SIGTERM_MARK).exists()
     # a run stopped by SIGTERM saves at once, without the evaluation of its last step
     unevaluated = [r for r in reference[0] if not ("train_loss" in r and r["step"] == 4)]
     assert_equals_reference(records, out, (unevaluated, reference[1]))
@@ -375,10 +373,11 @@ def test_a_hung_peer_stops_the_survivor_within_dist_timeout_s_with_a_message(dat
         "--dist_timeout_s=4",
         "--crash=sigstop:2:1",
     ]
+    # what torchrun would start, without torchrun (which waits 30 s for a stopped rank)
     for rank in (
         0,
         1,
-    ):  # what torchrun would start, without torchrun (which waits 30 s for a stopped rank)
+    ):
         env = {
             **os.environ,
             "OMP_NUM_THREADS": "1",
@@ -524,12 +523,10 @@ def test_a_layout_error_under_torchrun_is_one_line_by_rank_0_even_when_the_other
     )
     assert proc.returncode == 1
     err = proc.stderr.splitlines()
-    torchrun_report = err.index(
-        "Traceback (most recent call last):"
-    )  # torchrun's own, the only one
-    ours = [
-        line for line in err[:torchrun_report] if not re.match(r"[IWE]\d{4} ", line)
-    ]  # not torchrun's log
+    # torchrun's own, the only one
+    torchrun_report = err.index("Traceback (most recent call last):")
+    # not torchrun's log
+    ours = [line for line in err[:torchrun_report] if not re.match(r"[IWE]\d{4} ", line)]
     assert ours == [
         "error: WORLD_SIZE = 2 processes cannot be cut into tp = 4 x pp = 1: the world size 2 is not "
         "divisible by tp * pp = 4 * 1; launch a multiple of 4 processes or change --tp/--pp"
@@ -607,9 +604,8 @@ def test_a_full_disk_at_a_log_line_saves_the_step_stops_in_one_line_and_auto_con
         f"--out_dir={out}",
         "--init_from=auto",
     ]
-    _fill_the_disk_at_the_log(
-        at_append=5
-    )  # step 3's log line (steps 1 and 2 each wrote a log and an eval line)
+    # step 3's log line (steps 1 and 2 each wrote a log and an eval line)
+    _fill_the_disk_at_the_log(at_append=5)
     try:
         with pytest.raises(SystemExit) as stop:
             train_in_process(argv)
@@ -622,16 +618,14 @@ def test_a_full_disk_at_a_log_line_saves_the_step_stops_in_one_line_and_auto_con
         f"--init_from=auto to continue from there"
     )
     capsys.readouterr()
-    records = train_in_process(
-        argv
-    )  # the command the message gives: no step lost, the log reads as one run
+    # the command the message gives: no step lost, the log reads as one run
+    records = train_in_process(argv)
     assert (
         f"warning: the last line of {out}/metrics.jsonl (line 5) is cut short, as a kill in the middle of a write "
         f"leaves it: dropped it"
     ) in capsys.readouterr().out
-    assert_equals_reference(
-        records, out, reference, steps=[1, 2, 4, 5, 6]
-    )  # step 3's line: the one cut short
+    # step 3's line: the one cut short
+    assert_equals_reference(records, out, reference, steps=[1, 2, 4, 5, 6])
 
 
 def _full_disk_on_rank_0(rank, world_size, argv):
@@ -867,9 +861,8 @@ def _resume(meta, world_size, *argv):
 
 
 def test_a_resumed_run_s_dp_follows_the_world_size_and_its_batch_is_said_to_change_only_when_it_does():
-    meta = _meta(
-        dp=4, zero_stage=3, batch_size=2, gradient_accumulation_steps=1, saved_dp=4
-    )  # --dp=4 was given
+    # --dp=4 was given
+    meta = _meta(dp=4, zero_stage=3, batch_size=2, gradient_accumulation_steps=1, saved_dp=4)
     values, notes = _resume(meta, 1, "--gradient_accumulation_steps=4")
     assert values["dp"] == 0 and values["zero_stage"] == 3
     assert not any("recipe changes" in n for n in notes), notes
@@ -877,9 +870,8 @@ def test_a_resumed_run_s_dp_follows_the_world_size_and_its_batch_is_said_to_chan
         "resume: batch_size 2 x gradient_accumulation_steps 4 x dp 1 keep the checkpoint's global batch of 8 "
         "windows" in notes
     )
-    values, notes = _resume(
-        meta, 1
-    )  # resume keeps batch_size and gradient_accumulation_steps: a new batch
+    # resume keeps batch_size and gradient_accumulation_steps: a new batch
+    values, notes = _resume(meta, 1)
     assert values["gradient_accumulation_steps"] == 1 and not any(
         "recipe changes" in n for n in notes
     )
@@ -897,9 +889,8 @@ def test_an_inherited_layout_that_does_not_fit_the_world_names_where_it_came_fro
         r"for example --cp=1 --tp=1 --pp=1",
     ):
         _resume(meta, 1)
-    values, _ = _resume(
-        meta, 4, "--pp=1"
-    )  # what is given is used; the rest inherited fits 4 processes
+    # what is given is used; the rest inherited fits 4 processes
+    values, _ = _resume(meta, 4, "--pp=1")
     assert (values["cp"], values["tp"], values["pp"], values["dp"]) == (2, 2, 1, 0)
 
 

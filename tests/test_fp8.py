@@ -56,9 +56,8 @@ def test_apply_fp8_equals_torchao(recipe, zero_input):
     ):
         assert torch.isfinite(g).all(), name
         assert relative(g, w) <= 1e-6, f"{recipe} {name}: {relative(g, w):.2e} from torchao"
-    if (
-        not zero_input
-    ):  # and it is FP8: torchao and ours part from the fp32 product by FP8's rounding
+    # and it is FP8: torchao and ours part from the fp32 product by FP8's rounding
+    if not zero_input:
         assert 1e-4 < relative(got[0], exact[0]) < 0.1
 
 

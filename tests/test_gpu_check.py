@@ -150,9 +150,8 @@ def test_summary_shows_failures_figures_and_the_predictions(tmp_path, capsys):
         },
     }
     write_logs(tmp_path / "logs", result, junit)
-    assert (
-        gpu_check.summary(str(tmp_path / "logs")) == 2
-    )  # the tests' and the 355M bench's sections
+    # the tests' and the 355M bench's sections
+    assert gpu_check.summary(str(tmp_path / "logs")) == 2
     out = capsys.readouterr().out
     assert out.startswith(
         "**GPU check** on NVIDIA H200 (sm 9.0, 140 GiB, driver 580.1); torch 2.11.0+cu130"
@@ -162,9 +161,8 @@ def test_summary_shows_failures_figures_and_the_predictions(tmp_path, capsys):
         "| tests | test_fp16_trains_like_bf16 | passed | step 50 loss fp16 2.1 / bf16 2.1 (0.10% apart) | 3 |"
         in out
     )
-    assert (
-        "FAILED: AssertionError: the bfloat16 training step waits \\| here" in out
-    )  # the pipe escaped
+    # the pipe escaped
+    assert "FAILED: AssertionError: the bfloat16 training step waits \\| here" in out
     assert (
         "51,234 tok/s, 320 ms/step, MFU 52.0% (65% of the measured bf16 matmul), predicted 288 ms/step (-10%), "
         "peak 60.0 GiB (planned 58.0 GiB against 59.0 GiB of the step's tensors), first step 41.2 s, profile: matmul 70%, attention 20%, other 10%; device busy 97%"

@@ -206,9 +206,8 @@ def make_hf_model(folder, config_class, overrides, save_kwargs=(), tokenizer=Tru
                 if p.dim() == 1
                 else torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5
             )
-            if name.endswith(
-                "shared_expert_gate.weight"
-            ):  # picotron's shared experts are not gated: sigmoid(0) = 1/2
+            # picotron's shared experts are not gated: sigmoid(0) = 1/2
+            if name.endswith("shared_expert_gate.weight"):
                 p.zero_()
     save_kwargs = dict(save_kwargs)
     if "dtype" in save_kwargs:
@@ -238,9 +237,8 @@ def export_picotron_model(root, overrides):
 
     model = random_model(**overrides)
     save(model, root / "run")
-    export_hf.main(
-        [f"--out_dir={root / 'run'}", f"--hf_dir={root / 'hf'}"]
-    )  # its own check: exits if off
+    # its own check: exits if off
+    export_hf.main([f"--out_dir={root / 'run'}", f"--hf_dir={root / 'hf'}"])
     return str(root / "hf"), model
 
 
@@ -286,9 +284,8 @@ def convert_and_forward(rank, world_size, folders, out_root, idx):
             run = build.setup(cfg)
             model = train.train(cfg, run).eval()
             with torch.no_grad():
-                if (
-                    layout == "ep"
-                ):  # every rank computes the whole batch, its tokens sent to the experts' ranks
+                # every rank computes the whole batch, its tokens sent to the experts' ranks
+                if layout == "ep":
                     logits = model(idx)[0]
                 elif layout == "tp":
                     parts = [None] * world_size
@@ -302,9 +299,8 @@ def convert_and_forward(rank, world_size, folders, out_root, idx):
                     logits = model(hidden)[0]
             if layout in ("tp", "ep") and rank == 0 or layout == "pp" and rank == 1:
                 results[name, layout] = logits
-            if (
-                name == "llama"
-            ):  # what this rank read (loading again), against what it holds: fp32 in the file too
+            # what this rank read (loading again), against what it holds: fp32 in the file too
+            if name == "llama":
                 real_rows = lambda p: min(
                     p.shape[0],
                     getattr(p, "vocab_size", 1 << 62) - p.shape[0] * getattr(p, "tp_rank", 0),
@@ -345,9 +341,8 @@ def test_a_loaded_model_gives_transformers_logits(name, layout, hf_models, conve
 def test_sample_py_decodes_greedily_as_transformers_does(name, layout, hf_models, converted):
     _, out_root = converted
     ckpt = checkpoint.latest_checkpoint(str(out_root / f"{name}_{layout}"))
-    assert checkpoint.read_meta(ckpt)["tokenizer"] == os.path.abspath(
-        hf_models[name]
-    )  # the folder's tokenizer.json
+    # the folder's tokenizer.json
+    assert checkpoint.read_meta(ckpt)["tokenizer"] == os.path.abspath(hf_models[name])
     text = sample.main(
         [
             f"--ckpt={ckpt}",
@@ -458,9 +453,8 @@ def test_the_settings_come_from_config_json_and_a_different_one_is_refused_by_na
         True,
         True,
     )
-    assert any(
-        "rope_theta = 500000.0, the model's was 10000.0" in n for n in notes
-    )  # allowed: a context extension
+    # allowed: a context extension
+    assert any("rope_theta = 500000.0, the model's was 10000.0" in n for n in notes)
     with pytest.raises(
         ConfigError,
         match=r"n_layer = 5 \(the model has 3\); qkv_bias = False \(the model has True\)",
@@ -713,9 +707,8 @@ def test_an_export_imports_as_the_same_model(tmp_path, overrides):
 
     model = random_model(**overrides)
     save(model, tmp_path / "run")
-    export_hf.main(
-        [f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}"]
-    )  # its own check: exits if off
+    # its own check: exits if off
+    export_hf.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}"])
     found, _, _ = import_hf.model_settings(str(tmp_path / "hf"))
     cfg = ModelConfig(**found, block_size=TINY["block_size"])
     assert cfg == model.cfg
@@ -800,9 +793,8 @@ def test_a_folder_with_gpt2s_vocabulary_uses_tiktoken(tmp_path):
     export_hf.write_gpt2_tokenizer(str(tmp_path), 64)
     assert prepare_data.get_encoding(str(tmp_path)).name == "gpt2"  # tiktoken's own
     spec = json.loads((tmp_path / "tokenizer.json").read_text())
-    spec["model"]["vocab"]["hello"] = spec["model"]["vocab"].pop(
-        "Ġthe"
-    )  # one token spelled otherwise
+    # one token spelled otherwise
+    spec["model"]["vocab"]["hello"] = spec["model"]["vocab"].pop("Ġthe")
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     assert hf_tokenizer.resolve(str(tmp_path)) == os.path.abspath(tmp_path)
 

@@ -125,9 +125,8 @@ def test_imports_run_one_way_and_nothing_imports_an_entry_script():
     wrong = []
     for module, imported in graph.items():
         for name, line in imported.items():
-            if module.startswith(
-                "scripts."
-            ):  # a script drives the others: it may import any but itself
+            # a script drives the others: it may import any but itself
+            if module.startswith("scripts."):
                 continue
             if LAYER_OF[name] == entry and (module, name) not in ENTRY_IMPORTED_BY:
                 wrong.append(f"{module}:{line} imports the entry script {name}")

@@ -633,10 +633,11 @@ def one_process_cases():
     x = torch.randn(2, 4, 6, generator=g)  # (B, T, C)
     logits, targets = torch.randn(5, 11, generator=g), torch.tensor([0, 10, 3, 3, 7])
     q, k, v = (torch.randn(2, 8, 2, 4, generator=g) for _ in range(3))  # (B, T, H, D)
+    # rows sorted by expert, 4 experts
     rows, counts = (
         torch.randn(6, 4, generator=g),
         torch.tensor([2, 0, 3, 1]),
-    )  # rows sorted by expert, 4 experts
+    )
     experts = [nn.Linear(4, 4) for _ in range(4)]
 
     def run_experts(rows, sizes):

@@ -153,16 +153,14 @@ def test_a_missing_backend_stops_at_start_up_with_the_pip_command(
     assert not os.path.exists(tmp_path / "run")  # stopped before anything was written
 
 
-LINES = [
-    json.dumps({"step": s, "loss": 6.0 / s}) + "\n" for s in (1, 2, 3)
-]  # a log as a run writes it
+# a log as a run writes it
+LINES = [json.dumps({"step": s, "loss": 6.0 / s}) + "\n" for s in (1, 2, 3)]
 
 
 def test_a_resume_drops_a_torn_last_line_of_the_log_with_a_one_line_warning(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
-    path.write_text(
-        "".join(LINES) + '{"step": 4, "loss": 1.'
-    )  # killed in the middle of step 4's line
+    # killed in the middle of step 4's line
+    path.write_text("".join(LINES) + '{"step": 4, "loss": 1.')
     metrics.MetricsLog(str(tmp_path), 0, resume_step=3)
     assert path.read_text() == "".join(LINES)
     assert capsys.readouterr().out == (
@@ -339,9 +337,8 @@ def test_a_trace_box_is_labelled_only_where_its_label_fits_inside_it():
         for e in spans
     }
     drawn = {text.get_text(): text.get_window_extent(renderer) for text in ax.texts}
-    assert set(drawn) == {
-        f"{op}{i}" for op in "FB" for i in range(8)
-    }  # every W box is too narrow for its name
+    # every W box is too narrow for its name
+    assert set(drawn) == {f"{op}{i}" for op in "FB" for i in range(8)}
     for name, extent in drawn.items():
         left, right = boxes[name]
         assert left < extent.x0 and extent.x1 < right, name

@@ -220,9 +220,8 @@ def test_an_existing_file_is_refused_unless_force_is_given(tmp_path, capsys):
     ):
         make_config.main(["--n_layer=2", f"--out={out}"])
     assert out.read_text() == "# someone's own config\n"
-    make_config.main(
-        ["--n_layer=2", f"--out={tmp_path / 'another.py'}"]
-    )  # the advice, either way, is taken
+    # the advice, either way, is taken
+    make_config.main(["--n_layer=2", f"--out={tmp_path / 'another.py'}"])
     make_config.main(["--n_layer=2", f"--out={out}", "--force=True"])
     assert "n_layer = 2  #" in out.read_text()
     assert capsys.readouterr().out.endswith(f"overwrote {out}\n")

@@ -85,9 +85,8 @@ def matrix_runs(tmp_path_factory, request):
         if name in wanted:
             by_world.setdefault(matrix.world_size(case), []).append(name)
     for world in sorted(w for w in by_world if w > 1):
-        names = sorted(
-            by_world[world], key=lambda n: "resume_from" in matrix.CASES[n]
-        )  # resumed ones last
+        # resumed ones last
+        names = sorted(by_world[world], key=lambda n: "resume_from" in matrix.CASES[n])
         began = time.time()
         per_rank = run_ranks(matrix.run_launch, world, [job(n) for n in names], timeout=1800)
         timings.append(f"{len(names)} cases on {world} processes in {time.time() - began:.0f} s")

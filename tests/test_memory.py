@@ -303,9 +303,8 @@ def test_the_planner_walks_each_schedules_own_actions():
             assert most("afab", pp, stage, m) == m
     assert most("1f1b", 1, 0, 4) == 1
     assert [most("interleaved_1f1b", 4, s, 8, chunks=2) for s in range(4)] == [8, 7, 6, 5]
-    assert (
-        most("zero_bubble", 4, 0, 8) == 4
-    )  # (no W actions are deferred on the first rank, residual 0)
+    # (no W actions are deferred on the first rank, residual 0)
+    assert most("zero_bubble", 4, 0, 8) == 4
     walk = list(schedule_moments("zero_bubble", 2, 1, 2, 1, [1], None, 10, 3))
     assert [(op, held) for op, _, held, _, _ in walk] == [
         ("F", 10),
@@ -524,9 +523,8 @@ def _first_step_memory(rank, world_size, cases, data_dir, out_dir):
         measured = metrics.measure_step_memory(step, run.dev)
         where = f"rank {rank} (dp {layout.dp_rank} cp {layout.cp_rank} tp {layout.tp_rank} pp {layout.pp_rank})"
         found[name] = (plan[layout.pp_rank]["peak"], measured, where)
-        for hook in (
-            parts.grad_sync.hooks.values()
-        ):  # (a cycle the garbage collector does not see: see below)
+        # (a cycle the garbage collector does not see: see below)
+        for hook in parts.grad_sync.hooks.values():
             hook.remove()
         del parts, micro, step
         gc.collect()
@@ -642,9 +640,8 @@ def _state_bytes_of_each_zero_stage(rank, world_size):
             )
             padding = sum(b.shard_size * world_size - b.numel for b in buckets) * 4
             allowance = {"root": root, "padding": padding}
-        for hook in (
-            parts.grad_sync.hooks.values()
-        ):  # the gradient hooks hold the parameters in a cycle that
+        # the gradient hooks hold the parameters in a cycle that
+        for hook in parts.grad_sync.hooks.values():
             hook.remove()  # the garbage collector does not see: let this stage go
         del parts, step, measure_then_step
         gc.collect()

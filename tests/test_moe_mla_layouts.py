@@ -125,9 +125,8 @@ def layout_runs(data_dir, tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_moe_mla_with_idle_experts_equals_one_process(name, layout_runs, reference):
     ref_records, ref_out = reference
-    assert idle_experts(
-        saved_state(ref_out / "ckpt_0000002")
-    )  # the case at hand: experts no token reached
+    # the case at hand: experts no token reached
+    assert idle_experts(saved_state(ref_out / "ckpt_0000002"))
     records, out, stdout = layout_runs[name]
     assert LAYOUTS[name][1] in stdout
     assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))

@@ -162,9 +162,8 @@ def test_the_blocks_matrices_take_muon_and_the_rest_adamw():
         r"blocks\.\d+\.(attn\.[qkvo]_proj|mlp(\.(shared_)?experts\.\d+)?\.(gate|up|down))\.weight"
     )
     assert muon == sorted(n for n in names.values() if matrix.fullmatch(n))
-    assert len(muon) == 2 * (
-        4 + 3 * 3
-    )  # per block: q, k, v, o; gate, up, down of 2 experts and 1 shared
+    # per block: q, k, v, o; gate, up, down of 2 experts and 1 shared
+    assert len(muon) == 2 * (4 + 3 * 3)
     adamw = {names[id(p)] for g in opt.param_groups if not g["muon"] for p in g["params"]}
     assert {
         "tok_emb.weight",
@@ -173,9 +172,8 @@ def test_the_blocks_matrices_take_muon_and_the_rest_adamw():
         "norm.weight",
         "blocks.0.attn.q_proj.bias",
     } <= adamw
-    assert sorted(muon + list(adamw)) == sorted(
-        names.values()
-    )  # every parameter in exactly one group
+    # every parameter in exactly one group
+    assert sorted(muon + list(adamw)) == sorted(names.values())
 
 
 def test_zero_deals_each_matrix_whole_in_runs_of_about_equal_size():

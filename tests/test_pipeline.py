@@ -68,9 +68,8 @@ from tools.timeline import ActivationMemory, bubble_fraction, format_timeline, s
 from tools.timeline import main as timeline_main
 
 CFG = ModelConfig(vocab_size=512, block_size=16, n_layer=6, n_head=4, n_kv_head=2, n_embd=64)
-CFG8 = ModelConfig(
-    vocab_size=512, block_size=16, n_layer=8, n_head=4, n_kv_head=2, n_embd=64
-)  # pp4 x v2
+# pp4 x v2
+CFG8 = ModelConfig(vocab_size=512, block_size=16, n_layer=8, n_head=4, n_kv_head=2, n_embd=64)
 SEED, M, BATCH = 1234, 8, 2
 AUX_WEIGHT = 0.01
 
@@ -243,9 +242,8 @@ def test_timeline_py_prints_the_interleaved_timeline_from_the_command_line():
         "15.8% of the slots idle (measured on this timeline); theory (pp - 1) / (v m + pp - 1) = 3/19 = 15.8%"
         in out
     )
-    assert (
-        out.count("\nrank ") == 4 and "F0.0" in out and "B7.1" in out
-    )  # every slot names its chunk
+    # every slot names its chunk
+    assert out.count("\nrank ") == 4 and "F0.0" in out and "B7.1" in out
 
 
 @pytest.mark.parametrize(
@@ -418,14 +416,12 @@ def test_chunks_compute_the_whole_model_auxiliary_losses_included(variant):
     ]
     x, y = make_microbatches(1)[0]
     h, total = x, 0.0
-    for stage in range(
-        4
-    ):  # model stages 0..3: rank 0 chunk 0, rank 1 chunk 0, rank 0 chunk 1, rank 1 chunk 1
+    # model stages 0..3: rank 0 chunk 0, rank 1 chunk 0, rank 0 chunk 1, rank 1 chunk 1
+    for stage in range(4):
         out, loss = chunks[stage % 2](h, y if stage == 3 else None, chunk=stage // 2)
         total, h = total + (loss if loss is not None else 0.0), out
-        assert (loss is not None) == (
-            stage == 3 or variant == "moe"
-        )  # an MoE chunk returns its aux loss
+        # an MoE chunk returns its aux loss
+        assert (loss is not None) == (stage == 3 or variant == "moe")
     torch.testing.assert_close(h, whole(x, y)[0])
     torch.testing.assert_close(total, whole(x, y)[1])
 
@@ -847,14 +843,12 @@ def train_steps(**overrides):
             captured["grads"] = full_tensors(parts.model, layout, "grads", zero, parts.optimizer)
 
     parts.optimizer.register_step_pre_hook(capture)
-    if (
-        parts.grad_sync is not None
-    ):  # how many buckets the schedule had launched when finish() is called
+    # how many buckets the schedule had launched when finish() is called
+    if parts.grad_sync is not None:
         finish = parts.grad_sync.finish
         parts.grad_sync.finish = lambda: (launched.append(parts.grad_sync.launched), finish())[1]
-    all_gather = (
-        zero_stages._all_gather_single
-    )  # counted in the last step (ZeRO-3 gathers units with it)
+    # counted in the last step (ZeRO-3 gathers units with it)
+    all_gather = zero_stages._all_gather_single
     records, seen = [], AfterEachAction(parts)
     for step in range(STEPS):
         last = step == STEPS - 1 and zero >= 2
@@ -1036,9 +1030,8 @@ def test_pp4_matches_one_process(ranks, key, cfg):
     assert_grads_match(results, ref_grads)
     # the tied embedding: its copies got the same summed gradient, wherever they sit
     holders = [r for r in results if "tok_emb.weight" in r["grads"]]
-    assert len(holders) == (
-        1 if key == "pp4_zbv" else 2
-    )  # zbv: rank 0 holds both ends of the model
+    # zbv: rank 0 holds both ends of the model
+    assert len(holders) == (1 if key == "pp4_zbv" else 2)
     assert all(
         (h["grads"]["tok_emb.weight"] == holders[0]["grads"]["tok_emb.weight"]).all()
         for h in holders
@@ -1076,10 +1069,11 @@ def test_pp2_with_tp2_matches_one_process(ranks, schedule):
     ref_loss, ref_grads = reference(
         M, aux_after_blocks=(0, 2, 4) if schedule == "interleaved_v2" else ()
     )
+    # ranks (pp, tp): 0 = (0, 0), 1 = (0, 1), 2 = (1, 0), 3 = (1, 1)
     tp_rank0 = [
         results[0],
         results[2],
-    ]  # ranks (pp, tp): 0 = (0, 0), 1 = (0, 1), 2 = (1, 0), 3 = (1, 1)
+    ]
     assert [r["pp2_tp2_stage"] for r in ranks] == [0, 0, 1, 1]
     assert pipeline_loss(tp_rank0) == pytest.approx(ref_loss, rel=1e-5)
     assert_grads_match(results, ref_grads)
@@ -1092,10 +1086,11 @@ def test_activation_checkpointing_at_pp2_with_tp2_matches_one_process(ranks):
     ref_loss, ref_grads = reference(M)
     assert pipeline_loss([results[0], results[2]]) == pytest.approx(ref_loss, rel=1e-5)
     assert_grads_match(results, ref_grads)
+    # it did recompute: each stage held less for backward than without checkpointing
     for stage in (
         0,
         2,
-    ):  # it did recompute: each stage held less for backward than without checkpointing
+    ):
         assert results[stage]["peak"] < ranks[stage]["pp2_tp2_1f1b"]["peak"] / 2
 
 
@@ -1116,9 +1111,8 @@ def test_zero_bubble_peak_activations_equal_1f1b_interleaved_within_the_papers_f
     one = [r["pp4_one_microbatch"]["peak"] for r in ranks]
     assert zb[0] == ofob[0] == 4 * one[0], (zb, ofob)
     assert all(z <= 4 * o for z, o in zip(zb, one))
-    assert all(
-        z >= o for z, o in zip(zb, ofob)
-    )  # the later stages keep x and dy of their delayed W's
+    # the later stages keep x and dy of their delayed W's
+    assert all(z >= o for z, o in zip(zb, ofob))
     interleaved, even = (
         [r["pp4_interleaved_v2"]["peak"] for r in ranks],
         [r["pp4_1f1b_cfg8"]["peak"] for r in ranks],
@@ -1130,9 +1124,8 @@ def test_grad_sync_is_requested_before_each_chunks_last_backward_only(ranks):
     for r in ranks:
         for key in ("pp4_afab", "pp4_1f1b", "pp2_tp2_1f1b"):
             assert r[key]["syncs"] == [False] * (M - 1) + [True]
-        syncs = r["pp4_zero_bubble"][
-            "syncs"
-        ]  # before each B and each W: the last B's, the last W's
+        # before each B and each W: the last B's, the last W's
+        syncs = r["pp4_zero_bubble"]["syncs"]
         assert len(syncs) == 2 * M and syncs.count(True) == 2 and syncs[-1]
         syncs = r["pp2_tp2_interleaved_v2"]["syncs"]  # two chunks: each one's last backward
         assert len(syncs) == 2 * M and syncs.count(True) == 2 and syncs[-1]
@@ -1142,9 +1135,8 @@ def test_weight_gradients_accumulated_by_hand_are_announced_by_every_w(ranks):
     for r in ranks:
         for key in ("pp4_zero_bubble", "pp2_tp2_zbv"):
             assert r[key]["deferred"] > 0 and r[key]["ready_distinct"] == r[key]["deferred"]
-            assert (
-                r[key]["ready"] == M * r[key]["deferred"]
-            )  # each W announces its chunk's, every microbatch
+            # each W announces its chunk's, every microbatch
+            assert r[key]["ready"] == M * r[key]["deferred"]
         assert r["pp4_1f1b"]["ready"] == 0
 
 
@@ -1462,9 +1454,8 @@ def test_checkpoints_resume_across_chunkings_and_schedules(
     else:
         records, _, stdout = two_ranks[name]
     assert "resumed from" in stdout
-    if (
-        "--pp_layers=5,1" in layout
-    ):  # the checkpoint's stages were cut by cost (1-2-2-1 in chunks), these by hand
+    # the checkpoint's stages were cut by cost (1-2-2-1 in chunks), these by hand
+    if "--pp_layers=5,1" in layout:
         assert "cut by pp_layers, blocks per stage 0: 0-4 (" in stdout
     later = lambda rs: [r for r in rs if r["step"] > 2]
     assert_same_losses_and_norms(later(records), later(ref))
@@ -1557,9 +1548,8 @@ def test_bench_times_schedules_side_by_side_with_their_bubbles_and_activations()
 
 
 def test_train_py_refuses_a_schedule_that_cannot_run_in_one_line(data_dir, tmp_path):
-    with pytest.raises(
-        SystemExit
-    ) as exit:  # before any process group: every rank would print the same
+    # before any process group: every rank would print the same
+    with pytest.raises(SystemExit) as exit:
         train.main(
             [
                 f"--data_dir={data_dir}",

@@ -23,10 +23,11 @@ TINY = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=4, n_e
 
 def test_loss_scaler_halves_on_an_overflow_and_doubles_after_growth_interval_good_steps():
     scaler = DynamicLossScaler(enabled=True, scale=2.0**16, growth_interval=3)
+    # found_inf, as the step computes it from the norm
     bad, good = (
         torch.tensor(1.0),
         torch.tensor(0.0),
-    )  # found_inf, as the step computes it from the norm
+    )
     assert scaler.loss_multiplier() == 2.0**16
     scaler.update(bad)
     assert scaler.scale == 2.0**15
@@ -98,17 +99,16 @@ def test_a_step_with_an_inf_or_nan_gradient_is_skipped_and_a_scaled_step_is_the_
         assert not math.isfinite(norm.item())
         changed = [n for n, p in parts.model.named_parameters() if not torch.equal(p, start[n])]
         assert not changed, f"a skipped step changed {changed}"
-        assert all(
-            p.grad is None for p in parts.model.parameters()
-        )  # its gradients do not leak into the next step
+        # its gradients do not leak into the next step
+        assert all(p.grad is None for p in parts.model.parameters())
+        # not stepped
         assert all(
             s["step"] == 0 and not s["exp_avg"].any() for s in parts.optimizer.state.values()
-        )  # not stepped
+        )
     assert scaler.scale == 2.0**8
 
-    _, _, reference = tiny_parts(
-        tmp_path, DynamicLossScaler(enabled=False)
-    )  # the same initial weights
+    # the same initial weights
+    _, _, reference = tiny_parts(tmp_path, DynamicLossScaler(enabled=False))
     for i, micro in enumerate(batches[1:3]):
         _, norm = train.train_step(cfg, run.layout, parts, micro, 1e-3)
         _, ref_norm = train.train_step(cfg, run.layout, reference, micro, 1e-3)
@@ -186,8 +186,7 @@ def test_float64_is_chosen_on_cpu_and_refused_on_cuda(monkeypatch):
     from model import choose_device_and_dtype
 
     assert choose_device_and_dtype("cpu", "float64")[1] == torch.float64
-    monkeypatch.setattr(
-        torch.cuda, "is_available", lambda: True
-    )  # a CUDA device, as far as the check goes
+    # a CUDA device, as far as the check goes
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ValueError, match="dtype='float64' is for checking runs on CPU"):
         choose_device_and_dtype("cuda", "float64")

@@ -289,9 +289,8 @@ def test_missing_path_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         prepare_data.prepare(str(tmp_path / "nope.jsonl"), str(tmp_path / "out"))
     with pytest.raises(FileNotFoundError, match="no_such_corpus"):
-        prepare_data.prepare(
-            "no_such_corpus", str(tmp_path / "out")
-        )  # no '/': not a hub name either
+        # no '/': not a hub name either
+        prepare_data.prepare("no_such_corpus", str(tmp_path / "out"))
     with pytest.raises(FileNotFoundError, match="missing_dir"):
         prepare_data.prepare("./missing_dir/data", str(tmp_path / "out"))
 
@@ -536,16 +535,14 @@ def test_tokenizer_that_cannot_be_downloaded_names_TIKTOKEN_CACHE_DIR_and_the_fi
 
     monkeypatch.setattr(requests, "get", no_network)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty_cache"))
-    monkeypatch.setattr(
-        tiktoken.registry, "ENCODINGS", {}
-    )  # forget the gpt2 this process already loaded
+    # forget the gpt2 this process already loaded
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
     src = write_jsonl(tmp_path / "d.jsonl", DOCS)
     message = main_error(f"--dataset={src}", f"--out_dir={tmp_path / 'out'}")
     url = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe"
     assert url in message and f"TIKTOKEN_CACHE_DIR='{tmp_path / 'empty_cache'}'" in message
-    assert (
-        hashlib.sha1(url.encode()).hexdigest() in message
-    )  # the name tiktoken looks for in its cache
+    # the name tiktoken looks for in its cache
+    assert hashlib.sha1(url.encode()).hexdigest() in message
 
 
 def test_an_unreachable_hub_is_an_error_at_once_not_after_datasets_retries(monkeypatch):
@@ -562,9 +559,8 @@ def test_an_unreachable_hub_is_an_error_at_once_not_after_datasets_retries(monke
     def datasets_must_not_be_asked(*args, **kwargs):
         raise AssertionError("datasets.load_dataset was called although the hub cannot be reached")
 
-    monkeypatch.setattr(
-        datasets.config, "HF_HUB_OFFLINE", False
-    )  # (conftest sets it: the tests run offline)
+    # (conftest sets it: the tests run offline)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(prepare_data.urllib.request, "getproxies", lambda: {})
     monkeypatch.setattr(prepare_data.socket, "create_connection", no_network)
     monkeypatch.setattr(prepare_data.datasets, "load_dataset", datasets_must_not_be_asked)

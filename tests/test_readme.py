@@ -571,9 +571,8 @@ def _as_run(script, argv, env, folder, log):
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # (torch read it once, in the fork server)
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(
-        os.path.abspath(script), run_name="__main__"
-    )  # python gives __main__ its absolute path
+    # python gives __main__ its absolute path
+    runpy.run_path(os.path.abspath(script), run_name="__main__")
 
 
 def run_shown(words, folder, logs, timeout=300):

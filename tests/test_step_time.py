@@ -148,9 +148,8 @@ def test_the_ring_pays_a_latency_for_each_message_it_sends(cp):
     block = step_time.block_seconds(
         SMALL, run_of(cp=cp), CPU, {"tp": LINK, "cp": link, "ep": LINK}, tokens
     )
-    kv = (
-        tokens * SMALL.n_kv_head * 2 * (SMALL.n_embd // SMALL.n_head) * 4
-    )  # fp32 k and v, and their gradients
+    # fp32 k and v, and their gradients
+    kv = tokens * SMALL.n_kv_head * 2 * (SMALL.n_embd // SMALL.n_head) * 4
     assert block["cp"][0] == pytest.approx((cp - 1) * (1e-3 + kv / 1e9))
     assert block["cp"][1] == pytest.approx((2 * cp - 1) * (1e-3 + kv / 1e9))
 
@@ -519,9 +518,10 @@ def test_a_prediction_says_what_it_leaves_out_of_this_run(monkeypatch):
     model_cfg = step_time.model_config_of(vars(cfg))
     machine = machines.load_machine("a100")
     monkeypatch.setattr(step_time, "startup_machine", lambda *args: machine)
+    # noqa: E731
     predict = lambda: step_time.run_prediction(
         cfg, model_cfg, layout, torch.device("cpu"), torch.float32
-    )[1]  # noqa: E731
+    )[1]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(os.cpu_count() * torch.get_num_threads() + 1))
     assert (
         "(fp8 = 'rowwise' is not modelled" in predict()

@@ -75,9 +75,8 @@ def check_primitives(group):
     hold."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     per_rank = [torch.arange(6.0).reshape(2, 3) + 10 * r for r in range(world)]  # what rank r holds
-    grads = [
-        torch.arange(6.0).reshape(2, 3) * (r + 1) for r in range(world)
-    ]  # rank r's incoming gradient
+    # rank r's incoming gradient
+    grads = [torch.arange(6.0).reshape(2, 3) * (r + 1) for r in range(world)]
     out = {}
 
     x = per_rank[rank].clone().requires_grad_()
@@ -86,9 +85,8 @@ def check_primitives(group):
     y.backward(incoming)
     out["copy_forward_identity"] = torch.equal(y, per_rank[rank])
     out["copy_backward_all_reduce"] = torch.equal(x.grad, sum(grads))
-    out["copy_leaves_incoming_grad"] = torch.equal(
-        incoming, grads[rank]
-    )  # autograd may share it elsewhere
+    # autograd may share it elsewhere
+    out["copy_leaves_incoming_grad"] = torch.equal(incoming, grads[rank])
 
     x = per_rank[rank].clone().requires_grad_()
     y = reduce_from_tp(x, group)
@@ -99,9 +97,8 @@ def check_primitives(group):
 
     x = per_rank[rank].clone().requires_grad_()
     y = gather_from_tp(x, group)
-    full_grad = torch.arange(6.0 * world).reshape(
-        2, 3 * world
-    )  # the same on every rank, as after a gather
+    # the same on every rank, as after a gather
+    full_grad = torch.arange(6.0 * world).reshape(2, 3 * world)
     y.backward(full_grad)
     out["gather_forward_concatenates"] = torch.equal(y, torch.cat(per_rank, dim=-1))
     out["gather_backward_keeps_own_slice"] = torch.equal(
@@ -524,9 +521,8 @@ def measure(steps=8, log_interval=2):
                 nproc=tp,
                 env={"OMP_NUM_THREADS": str(threads)},
             )
-            rates = sorted(
-                r["tokens_per_sec"] for r in records[1:] if "tokens_per_sec" in r
-            )  # the first interval warms up
+            # the first interval warms up
+            rates = sorted(r["tokens_per_sec"] for r in records[1:] if "tokens_per_sec" in r)
             ms = sorted(r["ms_per_step"] for r in records[1:] if "ms_per_step" in r)
             print(
                 f"tp={tp} ({tp} process(es) x {threads} thread(s)): {rates[len(rates) // 2]:,.0f} tokens/s, "
@@ -548,9 +544,8 @@ def measure(steps=8, log_interval=2):
         for tp in (2, 4):
             counted = run_ranks(measured_tp_bytes, tp, {**BENCH, **overrides}, BENCH_BATCH)[0]
             expected = analytic_tp_bytes(cfg, BENCH_BATCH, tp)
-            wire = (
-                2 * (tp - 1) / tp * counted.get("all_reduce", 0)
-            )  # a ring all-reduce sends 2(p-1)/p of its buffer
+            # a ring all-reduce sends 2(p-1)/p of its buffer
+            wire = 2 * (tp - 1) / tp * counted.get("all_reduce", 0)
             print(
                 f"{name} tp={tp}: counted {counted} bytes per rank per step, analytic all_reduce {expected:,} "
                 f"({'equal' if counted.get('all_reduce') == expected else 'DIFFERENT'}); ring all-reduce sends "

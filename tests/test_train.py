@@ -203,9 +203,8 @@ def test_corrupt_or_mismatched_data_is_refused(tmp_path):
         f.write(b"\x00")  # half a uint16 token
     assert "not a whole number of uint16 tokens" in data_error(d, tmp_path)
     d = make_token_data(str(tmp_path / "e"), vocab_size=512)
-    np.full(1000, 600, dtype=np.uint16).tofile(
-        os.path.join(d, "train.bin")
-    )  # ids beyond the vocabulary
+    # ids beyond the vocabulary
+    np.full(1000, 600, dtype=np.uint16).tofile(os.path.join(d, "train.bin"))
     assert "token id 600" in data_error(d, tmp_path)
 
 
@@ -367,9 +366,8 @@ def test_a_run_ends_with_a_summary_and_the_commands_that_take_it_further(real_te
 
     out_dir, records, printed = real_text_run
     summary = printed[printed.index("finished:") :]
-    evals = [
-        (r["step"], r["val_loss"]) for r in records if "val_loss" in r
-    ]  # metrics.jsonl's: steps 2, 4
+    # metrics.jsonl's: steps 2, 4
+    evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     best = min(evals, key=lambda e: e[1])
     assert summary.startswith(f"finished: steps 0 -> 4 (4 steps, {4 * 2 * 64:,} tokens) in ")
     assert (
@@ -380,9 +378,8 @@ def test_a_run_ends_with_a_summary_and_the_commands_that_take_it_further(real_te
     shown = [
         shlex.split(line, comments=True) for line in summary.splitlines() if line.startswith("  ")
     ]
-    commands = {
-        words[1]: words for words in shown if words[0] == "python"
-    }  # one process: python SCRIPT ...
+    # one process: python SCRIPT ...
+    commands = {words[1]: words for words in shown if words[0] == "python"}
     assert set(commands) == {"sample.py", "train.py", "export_hf.py"}
     assert all(f"--out_dir={out_dir}" in words for words in commands.values())
     # each is taken as printed: sample.py samples, train.py finds this run's checkpoint to resume to

@@ -183,9 +183,8 @@ def test_qk_norm_normalises_every_query_and_key_head_before_rope():
     seen = {}
     attn.q_norm.register_forward_hook(lambda m, i, out: seen.setdefault("q", out))
     attn.k_norm.register_forward_hook(lambda m, i, out: seen.setdefault("k", out))
-    x = 100 * torch.randn(
-        2, 8, cfg.n_embd
-    )  # large inputs: without the norm, q and k would be large
+    # large inputs: without the norm, q and k would be large
+    x = 100 * torch.randn(2, 8, cfg.n_embd)
     attn(x, *rope_cache(cfg.block_size, 16, cfg.rope_theta))
     for t in seen.values():  # (B, T, H, D): divided by the gain, every head has rms 1
         rms = (t / attn.q_norm.weight).pow(2).mean(-1).sqrt()
@@ -343,9 +342,8 @@ def test_capacity_mask_keeps_each_experts_first_assignments_in_order():
 def test_no_expert_receives_more_than_its_capacity():
     cfg, layer = moe_layer(capacity_factor=1.0, n_shared_expert=0)
     with torch.no_grad():
-        layer.router.weight[0] += 5.0 * torch.ones(
-            cfg.n_embd
-        )  # nearly every token's first choice: expert 0
+        # nearly every token's first choice: expert 0
+        layer.router.weight[0] += 5.0 * torch.ones(cfg.n_embd)
     x = torch.randn(4, 16, cfg.n_embd).abs()
     layer(x)
     capacity = math.ceil(1.0 * 64 * 2 / 4)
@@ -384,9 +382,8 @@ def test_capacity_factor_zero_is_dropless_routing():
     give here)."""
     cfg, layer = moe_layer(capacity_factor=0.0, n_shared_expert=0)
     with torch.no_grad():
-        layer.router.weight[0] += 5.0 * torch.ones(
-            cfg.n_embd
-        )  # nearly every token's first choice: expert 0
+        # nearly every token's first choice: expert 0
+        layer.router.weight[0] += 5.0 * torch.ones(cfg.n_embd)
     x = torch.randn(4, 16, cfg.n_embd).abs()
     out = layer(x)
     assert layer.last_dropped_frac == 0
@@ -685,7 +682,6 @@ def test_train_logs_moe_statistics_and_why_it_chose_the_attention(tmp_path, caps
     logged = [r for r in records if "loss" in r]
     assert len(logged) == 2
     for r in logged:
-        assert (
-            0.02 <= r["aux_loss"] <= 0.08
-        )  # 2 layers x 0.01 x (between 1, balanced, and n_expert)
+        # 2 layers x 0.01 x (between 1, balanced, and n_expert)
+        assert 0.02 <= r["aux_loss"] <= 0.08
         assert 0 < r["moe_dropped_frac"] < 1  # half the capacity a balanced router needs

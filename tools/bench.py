@@ -252,9 +252,8 @@ class Picotron:
 
     def __init__(self, cfg, run, name="picotron"):
         self.name, self.cfg, self.run, self.dev, self.layout = name, cfg, run, run.dev, run.layout
-        self.parts = build.build(
-            cfg, run
-        )  # the pipeline's channel runs the world's first collective (NCCL)
+        # the pipeline's channel runs the world's first collective (NCCL)
+        self.parts = build.build(cfg, run)
         self.autocast = self.parts.autocast
         self.flops_per_token = metrics.flops_per_token(run.model_cfg)
 
@@ -466,9 +465,8 @@ def run(cfg, bench, setup, columns):
     first_step_s = warm_up(runners, bench)
     moe = model_cfg.n_expert > 0
     if moe:
-        metrics.moe_metrics(
-            runners[0].parts.model, layout
-        )  # (resets the step counts: only timed steps below)
+        # (resets the step counts: only timed steps below)
+        metrics.moe_metrics(runners[0].parts.model, layout)
     reset_peak_memory(dev)
     # on a GPU, which holds its pace, the probe's tensors would count in the allocator's peak: it
     # runs later
@@ -698,15 +696,13 @@ def profile_steps(picotron, first_step, n_steps, trace_path=""):
             picotron.step(i)  # returns the loss as a float: the device has finished when it returns
         wall_us = 1e6 * (time.perf_counter() - start)
     if trace_path and dist.is_initialized() and dist.get_world_size() > 1:
-        stem, dot, ext = trace_path.partition(
-            ".json"
-        )  # each rank its own file: one path would be written twice
+        # each rank its own file: one path would be written twice
+        stem, dot, ext = trace_path.partition(".json")
         trace_path = f"{stem}.rank{dist.get_rank()}{dot}{ext}"
     if trace_path:
         prof.export_chrome_trace(trace_path)
-    if (
-        on_gpu
-    ):  # every kernel launch is an event of device type CUDA; its duration is its time on the GPU
+    # every kernel launch is an event of device type CUDA; its duration is its time on the GPU
+    if on_gpu:
         timed = [
             (e.name, e.time_range.elapsed_us())
             for e in prof.events()
@@ -860,9 +856,8 @@ class SelfAttention(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (
-            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v)
-        )  # (B, H, T, D)
+        # (B, H, T, D)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 

@@ -386,9 +386,8 @@ def measure_link(group=None, device="cpu", nbytes=2**16, burst=None, clock=time.
     def timed(size, repeats):
         t = torch.zeros(max(1, size // 4), device=device)
         alone = mean_seconds(burst, repeats)
-        dist.all_reduce(
-            t, group=group
-        )  # warm-up: the connections, the buffers; the ranks met again
+        # warm-up: the connections, the buffers; the ranks met again
+        dist.all_reduce(t, group=group)
         return mean_seconds(lambda: (burst(), dist.all_reduce(t, group=group)), repeats) - alone
 
     large = max(2**23, 2 * nbytes)
@@ -432,9 +431,8 @@ def memory_bandwidth(elements, dtype, dev):
         [torch.ones(elements, device=dev, dtype=dtype) for _ in range(3)]
         for _ in range(1 + -(-4 * last_level_cache_bytes(dev) // (3 * size)))
     ]
-    order = itertools.cycle(
-        triples
-    )  # in the order they were written: the first is the longest evicted
+    # in the order they were written: the first is the longest evicted
+    order = itertools.cycle(triples)
 
     def product():
         x, y, z = next(order)
@@ -570,12 +568,12 @@ def measure_machine(
         else (max(1, tokens // model_cfg.block_size), model_cfg.block_size)
     )
     q = torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True)
+    # noqa: E731
     sdpa = lambda: (
         torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
-    )  # noqa: E731
-    attention_flops = (
-        3.5 * 4 * B * T * T * H * D / 2
-    )  # forward and backward (FlashAttention-2's 3.5 forwards), causal half
+    )
+    # forward and backward (FlashAttention-2's 3.5 forwards), causal half
+    attention_flops = 3.5 * 4 * B * T * T * H * D / 2
     efficiency = attention_flops / _median_seconds(sdpa, dev) / matmul_rate
     # the host's cost of one operator as a training step pays it, the dispatcher and autograd's
     # bookkeeping: a chain of 50 one-element products forward, each recorded for the backward, and

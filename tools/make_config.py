@@ -496,15 +496,13 @@ def main(argv):
         step_time.check_counts(values)
         launch = launch_lines(values)  # before --choose: a count that fills no nodes stops here
         ranking = ""
-        if values[
-            "choose"
-        ]:  # every layout ranked; the fastest that fits written, every layout setting with it
+        # every layout ranked; the fastest that fits written, every layout setting with it
+        if values["choose"]:
             best, count, global_batch = choose(values, given, model_config_of(values))
             ranking = format_choice(best, count, global_batch, values["nproc"], values["machine"])
             values.update(best[0][1])
-            if (
-                values["dtype"] == "auto"
-            ):  # written out: the plan below counts the activations in it
+            # written out: the plan below counts the activations in it
+            if values["dtype"] == "auto":
                 values["dtype"] = step_time.dtype_of(
                     step_time.run_of(values), machines.load_machine(values["machine"])
                 )

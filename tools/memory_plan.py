@@ -117,10 +117,11 @@ def stage_parameter_elements(
     )
     model = build_model(cfg, model_cfg, layout, "auto", "meta")  # (the kernel holds no parameters)
     out = {}
+    # (a tied weight once: named_parameters gives each tensor once)
     for (
         name,
         p,
-    ) in model.named_parameters():  # (a tied weight once: named_parameters gives each tensor once)
+    ) in model.named_parameters():
         out[name] = p.numel()
         if shapes is not None:
             shapes[name] = tuple(full_shape_of(p))
@@ -239,9 +240,8 @@ def block_activation_elements(
     else:
         mlp = [0, N * per_token_mlp]
     blocks_norms = 1 if model_cfg.parallel_block else 2
-    residual = (
-        n_local * C * (1 if model_cfg.parallel_block else 2)
-    )  # the block's input; the mid-block sum
+    # the block's input; the mid-block sum
+    residual = n_local * C * (1 if model_cfg.parallel_block else 2)
     norm_outputs = norm[1] * (attn_readers + mlp_readers if autocast else blocks_norms)
     return residual + blocks_norms * norm[0] + attn[0] + mlp[0], norm_outputs + attn[1] + mlp[1]
 
@@ -323,9 +323,8 @@ def weight_grad_residual_elements(model_cfg, tokens, tp):
     kv = model_cfg.n_kv_head // tp if model_cfg.n_kv_head % tp == 0 else model_cfg.n_kv_head
     F = mlp_hidden_size(model_cfg) // tp
     attn = C + H * D + 2 * kv * D + H * D + C  # q/k/v's x, their dy; o's x and dy
-    mlp = (
-        C + (2 if model_cfg.mlp == "swiglu" else 1) * F + F + C
-    )  # gate/up's x and dy; down's x and dy
+    # gate/up's x and dy; down's x and dy
+    mlp = C + (2 if model_cfg.mlp == "swiglu" else 1) * F + F + C
     return tokens * (attn + mlp)
 
 
@@ -477,10 +476,11 @@ def optimizer_state(elements, shapes, muon, zero_stage, replicas, expert_replica
         else []
     )
     M = sum(elements[name] for name in matrices)
+    # dense, experts
     adamw_elements = [
         sum(n for name, n in elements.items() if is_expert(name) == e and name not in matrices)
         for e in (False, True)
-    ]  # dense, experts
+    ]
     P = sum(elements.values())
     if zero_stage == 0:
         state = 2 * (P - M) + M
@@ -652,9 +652,8 @@ def grad_norm_bytes(
     largest_shard = max(
         max(shard(dense, replicas), shard(experts, expert_replicas)) for dense, experts in pieces
     )
-    copy_here = (
-        model_cfg.tie_embeddings and head_chunk is not None and 0 not in here
-    )  # the head's copy
+    # the head's copy
+    copy_here = model_cfg.tie_embeddings and head_chunk is not None and 0 not in here
     return (
         grad_norm_temp_elements(
             elements, zero_stage, muon, ("lm_head.weight",) if copy_here else (), largest_shard
@@ -697,10 +696,11 @@ def plan_memory(
     keeps the log-sum-exp). pp_layers: the blocks of each model stage, as the setting ('': cut by
     cost, build.stage_cut)."""
     T = block_size or model_cfg.block_size
+    # the ranks that shard a parameter, an expert
     replicas, expert_replicas = (
         dp * cp,
         dp // ep * cp,
-    )  # the ranks that shard a parameter, an expert
+    )
     N = batch_size * T // cp  # this rank's tokens per micro-batch
     capacity = max(1, int(bucket_size_mb * 2**20)) // param_bytes  # a gradient bucket's elements
     n_stages = pp * chunks  # the model's stages; this rank holds `chunks` of them

@@ -216,9 +216,8 @@ def elementwise_bytes(model_cfg, run, fused, act_bytes):
     mlp = (5 if model_cfg.mlp == "swiglu" else 2) * a * F
     if model_cfg.n_expert > 0:
         mlp *= model_cfg.n_expert_per_token + model_cfg.n_shared_expert
-    softmax = (
-        0 if fused else 2 * a * H * run.block_size / 2
-    )  # the causal half of the scores, on average
+    # the causal half of the scores, on average
+    softmax = 0 if fused else 2 * a * H * run.block_size / 2
     return 2 * norm * share + 2 * 3 * a * share + (9 * f + casts) * (H + H_kv) * qk + mlp + softmax
 
 
@@ -312,9 +311,8 @@ def block_seconds(model_cfg, run, machine, links, tokens):
         )
     ops_f, ops_b = ops_f * machine.get("op_seconds", 0.0), ops_b * machine.get("op_seconds", 0.0)
     forward = matmul_f + attention_f + elementwise_f + copies + ops_f
-    recompute = (
-        forward if run.activation_checkpointing else 0.0
-    )  # (its communication: stage_actions)
+    # (its communication: stage_actions)
+    recompute = forward if run.activation_checkpointing else 0.0
     return {
         "forward": forward,
         "input_grad": matmul_f + attention_b + 2 * elementwise_f + copies + ops_b + recompute,
@@ -363,9 +361,8 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
     loss = 3 * collective_seconds("all_reduce", tokens * 4, run.tp, links["tp"])
     tp = [loss + half, half] if run.sequence_parallel else [loss, activations]
     chunked = run.chunked_loss and run.tp == 1
-    scale = (
-        (tokens + model_cfg.vocab_size) * C * 8 / machine["memory_bw"]
-    )  # (both gradients read and written, fp32)
+    # (both gradients read and written, fp32)
+    scale = (tokens + model_cfg.vocab_size) * C * 8 / machine["memory_bw"]
     head = (
         {
             "forward": 3 * matmul + 2 * softmax + ops_f,
@@ -425,9 +422,8 @@ def stage_actions(model_cfg, run, machine, links, cut, zero3):
     )
     embedding, head = ends_seconds(model_cfg, run, machine, links, tokens)
     split = run.pp > 1 and run.pp_schedule in ("zero_bubble", "zbv")
-    again = (
-        2 if run.activation_checkpointing else 1
-    )  # the recomputed forward's communication, in the backward
+    # the recomputed forward's communication, in the backward
+    again = 2 if run.activation_checkpointing else 1
     out = {}
     for s, n in enumerate(cut):
         ends = ([embedding] if s == 0 else []) + ([head] if s == len(cut) - 1 else [])
@@ -535,9 +531,8 @@ def data_parallel_seconds(
     if run.dp * run.cp == 1:
         return 0.0, 0.0
     overlaps = machine["overlaps"]
-    if (
-        run.zero_stage == 3
-    ):  # the root unit: gathered before the first forward, reduced after the last backward
+    # the root unit: gathered before the first forward, reduced after the last backward
+    if run.zero_stage == 3:
         n, ranks = root_elements * 4, run.dp * run.cp
         return collective_seconds("reduce_scatter", n, ranks, link), collective_seconds(
             "all_gather", n, ranks, link
@@ -865,9 +860,8 @@ def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None, mat
     if getattr(cfg, "fp8", "none") != "none":
         lines += f"\n  (fp8 = {cfg.fp8!r} is not modelled: its linears are predicted at the {p['dtype']} rate)"
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) * torch.get_num_threads()
-    if device.type == "cpu" and sharing > (
-        os.cpu_count() or 1
-    ):  # (a step-time model gives each rank its cores)
+    # (a step-time model gives each rank its cores)
+    if device.type == "cpu" and sharing > (os.cpu_count() or 1):
         lines += f"\n  ({sharing} threads share this machine's {os.cpu_count()} cores: expect a slower step)"
     return (
         p["step_s"],

@@ -86,10 +86,11 @@ def route_messages(where, lists, stages):
     owner = {s: r for r, held in enumerate(stages) for s in held}
     n_stages = len(owner)
     sent, expected, needs = {}, {}, []
+    # on its own rank, a backward follows its forward, a W its backward
     before = {
         "B": "F",
         "W": "B",
-    }  # on its own rank, a backward follows its forward, a W its backward
+    }
     for r, actions in enumerate(lists):
         produced, done, row = set(), set(), []
         for k, (op, i, c) in enumerate(actions):
