@@ -212,13 +212,13 @@ def ring_attention_bytes(batch, seq_len_local, n_kv_head, head_dim, v_head_dim, 
     }
 
 
-# ----------------------------------------------------------------------------- One chunk pair,
-# forward and backward. Query heads are grouped by the key/value head they read: q is (B, H_kv, G,
-# Tq, D) with G = H / H_kv, k is (B, H_kv, 1, Tk, D), and broadcasting does the rest. q comes
-# already multiplied by the scale (once per call, not once per pair's scores), and dq leaves as the
-# gradient of that scaled q. Each pass over a pair's (Tq, Tk) scores costs a kernel and its memory
-# traffic, and there are ten to fifteen of them where a fused kernel makes one, so the scores are
-# worked on in place.
+# -----------------------------------------------------------------------------
+# One chunk pair, forward and backward. Query heads are grouped by the key/value head they read: q
+# is (B, H_kv, G, Tq, D) with G = H / H_kv, k is (B, H_kv, 1, Tk, D), and broadcasting does the
+# rest. q comes already multiplied by the scale (once per call, not once per pair's scores), and dq
+# leaves as the gradient of that scaled q. Each pass over a pair's (Tq, Tk) scores costs a kernel
+# and its memory traffic, and there are ten to fifteen of them where a fused kernel makes one, so
+# the scores are worked on in place.
 
 
 def _scores(q, k, softcap):
@@ -521,9 +521,9 @@ def check_ring_inputs(q, k, v, positions, documents, cp):
             )
 
 
-# ----------------------------------------------------------------------------- Context parallelism
-# applied to a built model (model.Transformer): the pieces the model leaves for it to swap, each
-# doing what one process does over the whole window.
+# -----------------------------------------------------------------------------
+# Context parallelism applied to a built model (model.Transformer): the pieces the model leaves for
+# it to swap, each doing what one process does over the whole window.
 
 
 class RingAttentionKernel(nn.Module):

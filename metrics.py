@@ -482,9 +482,9 @@ def open_log_backends(cfg):
         ) from e
 
 
-# ----------------------------------------------------------------------------- Where a step waited:
-# parallel.waited counts every wait on communication by its mechanism, so a log line shows what no
-# computation hid (tools/bench.py's exposed_comm_ms, train.py's).
+# -----------------------------------------------------------------------------
+# Where a step waited: parallel.waited counts every wait on communication by its mechanism, so a log
+# line shows what no computation hid (tools/bench.py's exposed_comm_ms, train.py's).
 
 MECHANISMS = ("dp", "tp", "cp", "ep", "pp")  # (dp: data parallelism and every ZeRO stage)
 

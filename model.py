@@ -108,10 +108,10 @@ def model_config_from(saved):
     return ModelConfig(**{k: v for k, v in saved.items() if k in known})
 
 
-# ----------------------------------------------------------------------------- Where the model
-# runs: device, precision and attention backend, chosen at run time. flash_attn is never imported at
-# module level: picotron must import on a T4, a laptop or a CPU box where it is absent or cannot
-# load.
+# -----------------------------------------------------------------------------
+# Where the model runs: device, precision and attention backend, chosen at run time. flash_attn is
+# never imported at module level: picotron must import on a T4, a laptop or a CPU box where it is
+# absent or cannot load.
 
 
 def choose_device_and_dtype(device_name, dtype_name):
@@ -322,14 +322,14 @@ def causal_attention(q, k, v, impl, softcap=0.0, documents=None):
     return y.transpose(1, 2)
 
 
-# ----------------------------------------------------------------------------- Document masking
-# (doc_mask=True). The bins are documents laid end to end, each ended by the end-of-text token, and
-# a training window cuts across several. Plain causal attention lets a token attend to the end of an
-# unrelated earlier document; with doc_mask a query sees only the earlier keys of its own document,
-# and RoPE positions restart at 0 with each document, so a document is processed exactly as if it
-# began the window (as Llama 3 trains: Dubey et al. 2024, section 3.2). The end-of-text token
-# belongs to the document it ends (it is predicted from that document; the token after it starts the
-# next).
+# -----------------------------------------------------------------------------
+# Document masking (doc_mask=True). The bins are documents laid end to end, each ended by the
+# end-of-text token, and a training window cuts across several. Plain causal attention lets a token
+# attend to the end of an unrelated earlier document; with doc_mask a query sees only the earlier
+# keys of its own document, and RoPE positions restart at 0 with each document, so a document is
+# processed exactly as if it began the window (as Llama 3 trains: Dubey et al. 2024, section 3.2).
+# The end-of-text token belongs to the document it ends (it is predicted from that document; the
+# token after it starts the next).
 #
 # Document ids and positions are built on the host with the batch (data.context_split), so that no
 # kernel choice needs a device sync: SDPA gets a (B, 1, T, T) boolean mask, "same document and not
@@ -950,12 +950,13 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-# ----------------------------------------------------------------------------- The loss without the
-# logits. With a 50k vocabulary the (B*T, V) logits are by far the largest tensors of a small model
-# (B=8, T=256: 412 MB in fp32), and a plain F.cross_entropy makes several of them (logits,
-# log-softmax, their gradients). On CPU each is fresh memory the kernel must fault in page by page,
-# every step. Computing the loss a chunk of tokens at a time, and the head's gradients right there
-# while the chunk's softmax is at hand, keeps one small chunk of logits alive instead.
+# -----------------------------------------------------------------------------
+# The loss without the logits. With a 50k vocabulary the (B*T, V) logits are by far the largest
+# tensors of a small model (B=8, T=256: 412 MB in fp32), and a plain F.cross_entropy makes several
+# of them (logits, log-softmax, their gradients). On CPU each is fresh memory the kernel must fault
+# in page by page, every step. Computing the loss a chunk of tokens at a time, and the head's
+# gradients right there while the chunk's softmax is at hand, keeps one small chunk of logits alive
+# instead.
 
 
 def loss_chunk_size(vocab_size, budget_bytes=128 * 2**20):
@@ -1405,8 +1406,9 @@ def takes_muon(name, param):
     return name.startswith("blocks.") and param.dim() == 2 and not name.endswith("router.weight")
 
 
-# ----------------------------------------------------------------------------- How it runs, applied
-# to a built model like a layout: activation checkpointing and torch.compile, block by block.
+# -----------------------------------------------------------------------------
+# How it runs, applied to a built model like a layout: activation checkpointing and torch.compile,
+# block by block.
 
 
 def apply_activation_checkpointing(model):

@@ -1279,10 +1279,11 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
     return losses.sum() / (targets != ignore_index).sum().clamp(min=1)
 
 
-# ----------------------------------------------------------------------------- 5. Sequence
-# parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-# Models", section 4.2.2), an option of tensor parallelism. Needs: sections 1 (group_size), 3
-# (reduce_scatter) and 4 (RowParallelLinear, VocabParallelEmbedding, copy_to_tp, _all_gather_along).
+# -----------------------------------------------------------------------------
+# 5. Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+# Transformer Models", section 4.2.2), an option of tensor parallelism. Needs: sections 1
+# (group_size), 3 (reduce_scatter) and 4 (RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
+# _all_gather_along).
 #
 # Between the tensor-parallel regions (the norms and the residual adds: everything outside attention
 # and the MLP) every tp rank computes the same thing on the same tokens and holds the same (B, T, C)

@@ -978,8 +978,9 @@ def sequence_split_problems(seq_len, cp, tp):
     ]
 
 
-# ----------------------------------------------------------------------------- The layout in words:
-# its start-up lines, rank grid and tp groups across nodes (parallel.ParallelLayout's)
+# -----------------------------------------------------------------------------
+# The layout in words: its start-up lines, rank grid and tp groups across nodes
+# (parallel.ParallelLayout's)
 
 
 def tp_groups_across_nodes(dp, tp, pp, local_world_size, cp=1):

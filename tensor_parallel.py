@@ -261,11 +261,11 @@ def apply_tensor_parallel(model, group, sequence_parallel=False):
     return model
 
 
-# ----------------------------------------------------------------------------- Filling a layer used
-# alone (outside a model that init_shares or a checkpoint fills): each full tensor is either the
-# tensor itself (drawn, or from another layout's checkpoint) or a reader of slices, read(dim, start,
-# size) returning that slice of it, so that a rank reads only its shard of a safetensors file
-# (import_hf.py reads a transformers model so).
+# -----------------------------------------------------------------------------
+# Filling a layer used alone (outside a model that init_shares or a checkpoint fills): each full
+# tensor is either the tensor itself (drawn, or from another layout's checkpoint) or a reader of
+# slices, read(dim, start, size) returning that slice of it, so that a rank reads only its shard of
+# a safetensors file (import_hf.py reads a transformers model so).
 
 
 def load_full(layer, weight, bias=None):

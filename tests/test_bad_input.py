@@ -421,9 +421,10 @@ def test_zbv_at_pp_1_stops_at_start_up_naming_pp_and_the_schedule_settings(
 
 
 # --- advice: a message that suggests settings gets past the check when they are given
-# --------------------- Each message's every branch: the settings it suggests, added to the same
-# command, pass start_up, the checks a launch makes before it builds anything (the settings', the
-# resume's, the layout's and the schedule's).
+# ---------------------
+# Each message's every branch: the settings it suggests, added to the same command, pass start_up,
+# the checks a launch makes before it builds anything (the settings', the resume's, the layout's and
+# the schedule's).
 
 RESUME = ["--init_from=resume", "--out_dir=out"]
 

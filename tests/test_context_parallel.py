@@ -214,9 +214,9 @@ def gathered(pieces, key):
     return zigzag_gather([torch.from_numpy(p[key]) for p in pieces])
 
 
-# ----------------------------------------------------------------------------- the model and the
-# training step at a layout: what each rank of a launch runs, and (at a layout of one rank) the
-# references
+# -----------------------------------------------------------------------------
+# the model and the training step at a layout: what each rank of a launch runs, and (at a layout of
+# one rank) the references
 
 TINY = dict(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
 SEED, STEPS = 7, 5
@@ -808,12 +808,12 @@ def test_make_config_checks_the_cp_layout(tmp_path):
     assert "nproc / (cp * tp * pp) = 16 / (2 * 2 * 2)" in text
 
 
-# ----------------------------------------------------------------------------- train.py: a
-# checkpoint resumed across cp, both ways. One process's step-2 checkpoint resumes at cp = 2 with
-# ZeRO-1 to step 4, and that run's step-4 checkpoint at one process to step 6; each segment must be
-# the uninterrupted run. (train.py at cp = 2, alone and composed with every other axis, against one
-# process: the equivalence matrix, tests/matrix.py.) Each run logs every step, evaluates and saves
-# every second step.
+# -----------------------------------------------------------------------------
+# train.py: a checkpoint resumed across cp, both ways. One process's step-2 checkpoint resumes at cp
+# = 2 with ZeRO-1 to step 4, and that run's step-4 checkpoint at one process to step 6; each segment
+# must be the uninterrupted run. (train.py at cp = 2, alone and composed with every other axis,
+# against one process: the equivalence matrix, tests/matrix.py.) Each run logs every step, evaluates
+# and saves every second step.
 
 TRAIN_ARGS = [
     "--n_layer=2",

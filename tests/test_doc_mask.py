@@ -122,8 +122,9 @@ def test_changing_an_earlier_document_leaves_the_next_documents_logits_unchanged
                 assert err > 1e-3, f"{variant}: without doc_mask the change should show ({err})"
 
 
-# ----------------------------------------------------------------------------- through train.py (at
-# tp2, pp2, cp2 and the other layouts against one process: the equivalence matrix)
+# -----------------------------------------------------------------------------
+# through train.py (at tp2, pp2, cp2 and the other layouts against one process: the equivalence
+# matrix)
 
 TINY = [
     "--n_layer=2",

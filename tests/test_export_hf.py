@@ -307,8 +307,9 @@ def test_architecture_follows_the_options():
         export_hf.hf_architecture(ModelConfig(**TINY, attention="mla", qk_norm=True))
 
 
-# ----------------------------------------------------------------------------- a dropless mixture
-# of experts (capacity_factor=0): Qwen2-MoE's routing (softmax, top-k, no renormalising)
+# -----------------------------------------------------------------------------
+# a dropless mixture of experts (capacity_factor=0): Qwen2-MoE's routing (softmax, top-k, no
+# renormalising)
 
 DROPLESS = dict(n_expert=4, n_expert_per_token=2, capacity_factor=0.0)
 MOE_VARIANTS = [

@@ -73,8 +73,9 @@ def assert_equals_reference(records, out, reference, steps=range(1, 7)):
     )
 
 
-# ----------------------------------------------------------------------------- a save killed at
-# every moment of its own (one process; the two-rank moment is in test_checkpoint.py)
+# -----------------------------------------------------------------------------
+# a save killed at every moment of its own (one process; the two-rank moment is in
+# test_checkpoint.py)
 
 
 def _piece(value):
@@ -538,8 +539,9 @@ def test_a_layout_error_under_torchrun_is_one_line_by_rank_0_even_when_the_other
     ), err
 
 
-# ----------------------------------------------------------------------------- a full disk at a log
-# line: rank 0 alone writes metrics.jsonl, every rank stops there, saving first if it can
+# -----------------------------------------------------------------------------
+# a full disk at a log line: rank 0 alone writes metrics.jsonl, every rank stops there, saving first
+# if it can
 
 
 def _fill_the_disk_at_the_log(at_append, save_too=False):

@@ -260,8 +260,9 @@ def hf_models(tmp_path_factory):
     }
 
 
-# ----------------------------------------------------------------------------- one 2-rank launch:
-# every model converted by train.py at tp=2 and at pp=2, and its logits at that layout
+# -----------------------------------------------------------------------------
+# one 2-rank launch: every model converted by train.py at tp=2 and at pp=2, and its logits at that
+# layout
 
 
 def convert_and_forward(rank, world_size, folders, out_root, idx):

@@ -365,8 +365,9 @@ def test_a_reducer_toy_fails_when_the_division_by_the_group_size_is_patched_out(
             )
 
 
-# ----------------------------------------------------------------------------- a layer used alone
-# is filled with load_full; a model is built on the meta device, then given its shares
+# -----------------------------------------------------------------------------
+# a layer used alone is filled with load_full; a model is built on the meta device, then given its
+# shares
 
 
 def empty_layers():
@@ -468,8 +469,9 @@ def test_no_class_has_more_than_two_picotron_classes_above_it_and_zero_is_four_c
     )
 
 
-# ----------------------------------------------------------------------------- the hook list: what
-# the extensions override, call or set on parallel.py's classes, all of it in its docstring
+# -----------------------------------------------------------------------------
+# the hook list: what the extensions override, call or set on parallel.py's classes, all of it in
+# its docstring
 
 EXTENSION_FILES = (
     "zero.py",
@@ -620,10 +622,10 @@ def f(bucket):
     )
 
 
-# ----------------------------------------------------------------------------- group=None means
-# "not split" (parallel.py's module docstring says so once): in one process, with no process group
-# at all, each collective helper returns what the one-process code computes from its input, and its
-# input's gradient is that code's too
+# -----------------------------------------------------------------------------
+# group=None means "not split" (parallel.py's module docstring says so once): in one process, with
+# no process group at all, each collective helper returns what the one-process code computes from
+# its input, and its input's gradient is that code's too
 
 
 def one_process_cases():

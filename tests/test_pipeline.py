@@ -609,10 +609,11 @@ def test_the_model_the_memory_planner_and_the_start_up_line_hold_the_same_cut(
         assert f"{rank}: {text} (" in line
 
 
-# ----------------------------------------------------------------------------- one 4-rank launch.
-# Per-stage gradients of one step (ScheduleExecutor directly): pp=4 (cut by cost: 1-2-2-1) and pp=2
-# x tp=2 with every schedule, auxiliary losses, fewer microbatches than stages, activation memory.
-# Training steps through train.py's build and train_step: dp=2 x pp=2 with ZeRO-1, pp=4 x 2 chunks.
+# -----------------------------------------------------------------------------
+# one 4-rank launch. Per-stage gradients of one step (ScheduleExecutor directly): pp=4 (cut by cost:
+# 1-2-2-1) and pp=2 x tp=2 with every schedule, auxiliary losses, fewer microbatches than stages,
+# activation memory. Training steps through train.py's build and train_step: dp=2 x pp=2 with
+# ZeRO-1, pp=4 x 2 chunks.
 
 
 def make_microbatches(m, batch=BATCH, seed=7):

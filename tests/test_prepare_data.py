@@ -376,9 +376,9 @@ def test_local_files_without_out_dir_say_they_go_to_the_default_and_where_they_w
     assert (tmp_path / "data" / "fineweb_edu" / "meta.json").exists()
 
 
-# ----------------------------------------------------------------------------- bad input: main()
-# exits with one line, `error: ...`, that names the file and what to do, and leaves out_dir as it
-# was
+# -----------------------------------------------------------------------------
+# bad input: main() exits with one line, `error: ...`, that names the file and what to do, and
+# leaves out_dir as it was
 
 
 def main_error(*argv):

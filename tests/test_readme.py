@@ -489,9 +489,9 @@ def test_an_inline_command_is_a_command_in_its_place_among_the_blocks():
     assert "unknown config key 'nprocs'" in check_command(line, words, set())
 
 
-# ----------------------------------------------------------------------------- the README's
-# commands, run: in its order, in one fresh folder, each cut to a tiny size by flags put after its
-# own, so a command that fails as written fails here
+# -----------------------------------------------------------------------------
+# the README's commands, run: in its order, in one fresh folder, each cut to a tiny size by flags
+# put after its own, so a command that fails as written fails here
 
 # What cannot run offline on a CPU, not run (its files and flags are checked above): (why, which
 # commands)

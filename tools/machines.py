@@ -25,8 +25,9 @@ from model import attention_dims, mlp_hidden_size
 from parallel import grid_rank
 
 
-# ----------------------------------------------------------------------------- Machines: a few
-# numbers each, every one with its source (../shared/published_runs.md collects them)
+# -----------------------------------------------------------------------------
+# Machines: a few numbers each, every one with its source (../shared/published_runs.md collects
+# them)
 #
 #   matmul_flops    achieved dense matmul FLOP/s per dtype: the best published measurement (MAMF, stas00
 #                   ml-engineering compute/accelerator/README.md), else the datasheet's peak (errs fast)
@@ -252,8 +253,9 @@ def read_machine_file(path):
     return machine
 
 
-# ----------------------------------------------------------------------------- A collective's time
-# on the link a group spans: the ring algorithm (tools/step_time.py times every exchange so)
+# -----------------------------------------------------------------------------
+# A collective's time on the link a group spans: the ring algorithm (tools/step_time.py times every
+# exchange so)
 
 
 RING_STEPS = {

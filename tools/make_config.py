@@ -272,8 +272,9 @@ def make_config(cfg, given, argv, launch):
     return header, settings_block(cfg, given, chosen) + "\n", chosen
 
 
-# ----------------------------------------------------------------------------- --choose: every
-# layout of nproc devices that fits, ranked by its predicted step time (tools/step_time.py)
+# -----------------------------------------------------------------------------
+# --choose: every layout of nproc devices that fits, ranked by its predicted step time
+# (tools/step_time.py)
 
 LAYOUT_SETTINGS = (
     "dp",

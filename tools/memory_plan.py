@@ -916,8 +916,9 @@ def format_plan(stages, gpu_mem_gib=None):
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- The plan beside the
-# measure (metrics.measure_step_memory) on every rank: train.py's start-up, tools/bench.py's RESULT
+# -----------------------------------------------------------------------------
+# The plan beside the measure (metrics.measure_step_memory) on every rank: train.py's start-up,
+# tools/bench.py's RESULT
 
 
 def memory_rows(layout, predicted, measured, **more):

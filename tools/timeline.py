@@ -37,9 +37,9 @@ from parallel import message_route
 from pipeline_schedules import SCHEDULES, check_schedule, ideal_bubble, virtual_stages
 
 
-# ----------------------------------------------------------------------------- The simulator: the
-# pipeline schedules' action lists (parallel.py, section 4), placed in time slots as the executor's
-# exchanges would place them.
+# -----------------------------------------------------------------------------
+# The simulator: the pipeline schedules' action lists (parallel.py, section 4), placed in time slots
+# as the executor's exchanges would place them.
 
 ACTION_TIME = {"F": 1, "B": 2, "W": 1}  # in slots; a backward split into B and W takes 1 + 1
 
@@ -206,9 +206,9 @@ def simulate_pipeline(
     return times
 
 
-# ----------------------------------------------------------------------------- The printed
-# timeline: the rows as text, the microbatches each rank holds, the bubble measured on the rows
-# beside the paper's formula, and the command line.
+# -----------------------------------------------------------------------------
+# The printed timeline: the rows as text, the microbatches each rank holds, the bubble measured on
+# the rows beside the paper's formula, and the command line.
 
 
 def bubble_fraction(rows):
