@@ -3,8 +3,7 @@ The run set up and the model built: everything a training step needs, made once 
 
   setup        what can fail because of the config or the data, before anything trains: the device and
                dtype, the process groups (parallel.init_distributed), the data, the attention kernel and
-               the model's config (a Run); it prints the start-up lines of the layout and of the
-               pipeline (describe_pipeline: the schedule, each rank's blocks and share of the work)
+               the model's config (a Run); it prints the start-up lines of the layout
   build        this rank's model, pipeline, gradient reducer, optimizer, autocast and loss scaler (Parts)
   build_model  the whole model built on the meta device, the layout applied to it in one fixed order
                (apply_pipeline, apply_expert_parallel, apply_tensor_parallel, apply_context_parallel,
@@ -58,7 +57,6 @@ from parallel import (
     full_shape_of,
     init_distributed,
     shard_of,
-    stage_layers,
     tied_weight_group,
 )
 from pipeline_schedules import (
@@ -66,13 +64,10 @@ from pipeline_schedules import (
     SchedulePipeline,
     WeightGradStore,
     announced_by_hand,
-    balance_units,
     check_schedule,
     chunk_modules,
     chunk_parameters,
     cost_cut,
-    ideal_bubble,
-    stage_work,
     virtual_stages,
 )
 from settings import check_layout, describe_layout
@@ -266,115 +261,10 @@ def describe_run_layout(cfg, layout, model_cfg, attn, converting):
         + "\n"
         + grid,
     )
-    if layout.pp > 1:
-        cut = stage_cut(model_cfg, cfg.pp_schedule, layout.pp, cfg.pp_chunks, cfg.pp_layers)
-        m, costs = cfg.gradient_accumulation_steps, metrics.pipeline_costs(model_cfg)
-        print0(
-            layout,
-            describe_pipeline(
-                cfg.pp_schedule, layout.pp, m, cfg.pp_chunks, cut, costs, warn=not converting
-            ),
-        )
-    elif cfg.pp_trace:
+    if layout.pp == 1 and cfg.pp_trace:
         print0(
             layout, "pp_trace: nothing to trace with pp = 1 (no pipeline); the run goes on untraced"
         )
-
-
-def describe_pipeline(schedule, pp, m, chunks, stage_blocks, costs, warn=True):
-    """The start-up line naming the schedule, the blocks of each rank (chunk by chunk) and its share
-    of the work (costs as metrics.pipeline_costs gives them), and with warn two warnings:
-    balance_warning's, and one when there are fewer micro-batches than stages (the stages are then
-    idle most of the step)."""
-    blocks = lambda r: r.start if len(r) == 1 else f"{r.start}-{r.stop - 1}"
-    per_rank = [
-        ", ".join(
-            str(blocks(stage_layers(stage_blocks, s)))
-            for s in virtual_stages(schedule, pp, p, chunks)
-        )
-        for p in range(pp)
-    ]
-    shares = rank_work(schedule, pp, chunks, stage_blocks, costs)
-    best = cost_cut(schedule, pp, chunks, costs)
-    text = (
-        f"pipeline: {schedule}, {m} microbatches, "
-        + (f"{chunks} chunks per rank, " if chunks > 1 else "")
-        + ("cut by cost, " if tuple(stage_blocks) == best else "cut by pp_layers, ")
-        + ("blocks per stage " if chunks == 1 else "blocks per rank (chunk by chunk) ")
-        + " | ".join(
-            f"{p}: {text} ({share:.0%}{' of the work' if p == 0 else ''})"
-            for p, (text, share) in enumerate(zip(per_rank, shares))
-        )
-    )
-    if not warn:
-        return text
-    text += balance_warning(schedule, pp, chunks, stage_blocks, costs, best)
-    if m < pp:
-        bubble, whose = ideal_bubble(schedule, pp, m, chunks), schedule
-        if bubble is None:  # (the paper gives no formula for this m)
-            bubble, whose = ideal_bubble("1f1b", pp, m), "1f1b"
-        text += (
-            f"\nwarning: gradient_accumulation_steps = {m} microbatches for pp = {pp} stages: "
-            f"the stages are idle about {bubble:.0%} of each step ({whose}'s bubble); raise "
-            f"gradient_accumulation_steps (lowering batch_size to keep the batch): {4 * pp} "
-            f"microbatches bring 1F1B's bubble, (pp - 1) / (m + pp - 1), under 20%"
-        )
-    return text
-
-
-def balance_warning(schedule, pp, chunks, stage_blocks, costs, best):
-    """A warning, or "". When no cut by cost (best: cost_cut's) brings every unit that must balance
-    (balance_units: the ranks, or under interleaving the model stages) within 115% of an even
-    share, the others wait for the costliest, which their measured bubble shows: the warning says
-    why (the head, or blocks that do not deal evenly), lest it be taken for a failure. Or when
-    pp_layers is that uneven and the cut by cost is not."""
-    units = balance_units(schedule, pp, chunks)
-    unit = "rank" if len(units) == pp else "model stage"
-    total = lambda cut: sum(stage_work(cut, costs))
-    share = lambda cut: [sum(stage_work(cut, costs)[s] for s in u) / total(cut) for u in units]
-    even, best_shares, head_share = 1 / len(units), share(best), costs[2] / total(best)
-    # the least the unit with the head can do: the head and the loss, a block in each of its stages
-    with_head = next(u for u in units if pp * chunks - 1 in u)
-    head_unit = head_share + len(with_head) * min(costs[1]) / total(best)
-    if max(best_shares) > 1.15 * even:
-        why = (
-            f"the head and the loss alone are {head_share:.0%} of the model's work, so the "
-            f"{unit} that holds them does at least {head_unit:.0%}"
-            if head_unit > 1.15 * even
-            else f"{len(costs[1])} blocks do not deal evenly into {pp * chunks} stages"
-        )
-        idle = 1 - min(best_shares) / max(best_shares)
-        return (
-            f"\nwarning: no cut of the blocks brings every {unit} within 115% of an even share "
-            f"of the work ({even:.0%}): {why}. The others wait for the costliest"
-            + (
-                f", so the least busy rank is idle about {idle:.0%} of each step on top of the "
-                f"schedule's bubble; "
-                if unit == "rank"
-                else " on every lap of the ring; "
-            )
-            + (
-                "split the model with tp (which splits the head too) or dp rather than pp"
-                + (", or use fewer chunks" if chunks > 1 else "")
-                if head_unit > 1.15 * even
-                else "a pp * pp_chunks that divides n_layer deals them evenly"
-            )
-        )
-    if max(share(stage_blocks)) > 1.15 * even:
-        return (
-            f"\nwarning: pp_layers gives a {unit} {max(share(stage_blocks)):.0%} of the work, "
-            f"where an even share is {even:.0%}; the cut by cost (pp_layers='') gives at most "
-            f"{max(best_shares):.0%}: {','.join(map(str, best))}"
-        )
-    return ""
-
-
-def rank_work(schedule, pp, chunks, stage_blocks, costs):
-    """Each pipeline rank's share of the model's work (its chunks' stages summed), under the cut
-    stage_blocks."""
-    work = stage_work(stage_blocks, costs)
-    ranks = [virtual_stages(schedule, pp, p, chunks) for p in range(pp)]
-    return [sum(work[s] for s in stages) / sum(work) for stages in ranks]
 
 
 @dataclass

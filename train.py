@@ -31,7 +31,7 @@ import checkpoint
 import import_hf
 import metrics
 import settings
-from build import build, print0, setup
+from build import build, print0, setup, stage_cut
 from configurator import ConfigError, configure
 from data import EVAL_STREAM, TRAIN_STREAM, DataError, document_end, rank_microbatches
 from faults import StopVote, TooManyBadSteps, end_of_run, end_on_dead_peer, peer_failure, run_script
@@ -39,8 +39,9 @@ from model import uncompile_blocks
 from parallel import at_least_fp32, counting_waits, optimizer_state_bytes, wait_for_params
 from tensor_parallel import sum_partial_grads
 
-# The tools (tools/): the start-up memory plan and predicted step, the pipeline trace. Training
-# never needs them: without the folder a run trains alike and says at start-up what it skipped.
+# The tools (tools/): the start-up memory plan, predicted step and pipeline description, the
+# pipeline trace. Training never needs them: without the folder a run trains alike and says at
+# start-up what it skipped.
 try:
     from tools import memory_plan, step_time, timeline
 except ModuleNotFoundError as missing:
@@ -527,9 +528,18 @@ def describe_training(cfg, run, parts):
         print0(
             layout,
             "tools/ is not here: no predicted memory or step at start-up, no measured peak beside "
-            "a prediction" + (", no pp_trace" if cfg.pp_trace else ""),
+            "a prediction"
+            + (", no pipeline description" if layout.pp > 1 else "")
+            + (", no pp_trace" if cfg.pp_trace else ""),
         )
         return
+    if layout.pp > 1:
+        cut = stage_cut(run.model_cfg, cfg.pp_schedule, layout.pp, cfg.pp_chunks, cfg.pp_layers)
+        m, costs = cfg.gradient_accumulation_steps, metrics.pipeline_costs(run.model_cfg)
+        print0(
+            layout,
+            timeline.describe_pipeline(cfg.pp_schedule, layout.pp, m, cfg.pp_chunks, cut, costs),
+        )
     plan = memory_plan.plan_for(cfg, run.model_cfg, (layout.dp, layout.tp, layout.pp, layout.cp))
     print0(layout, "predicted " + memory_plan.format_plan(plan))
     run.predicted_step_s, lines, _ = step_time.run_prediction(

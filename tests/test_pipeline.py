@@ -48,7 +48,7 @@ from parallel import (
     sync_tied_grads,
     tied_weight_group,
 )
-from build import describe_pipeline
+from tools.timeline import describe_pipeline
 from pipeline_schedules import (
     SCHEDULES,
     ScheduleExecutor,

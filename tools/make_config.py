@@ -37,7 +37,7 @@ from configurator import ConfigError, Setting, configure, section
 from model import ModelConfig, Transformer, attention_head_dim
 from settings import check_layout
 from parallel import resolve_dp
-from build import describe_pipeline
+from tools.timeline import describe_pipeline
 from pipeline_schedules import check_schedule
 from tools import machines, memory_plan, step_time
 
