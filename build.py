@@ -1,14 +1,15 @@
 """
 The run set up and the model built: everything a training step needs, made once per launch.
 
-  setup        what can fail because of the config or the data, before anything trains: the device and
-               dtype, the process groups (parallel.init_distributed), the data, the attention kernel and
-               the model's config (a Run); it prints the start-up lines of the layout
-  build        this rank's model, pipeline, gradient reducer, optimizer, autocast and loss scaler (Parts)
-  build_model  the whole model built on the meta device, the layout applied to it in one fixed order
-               (apply_pipeline, apply_expert_parallel, apply_tensor_parallel, apply_context_parallel,
-               apply_fp8, activation checkpointing), then this rank's share materialized; init_shares
-               draws it from (seed, name), the same numbers at every layout
+  setup        what can fail because of the config or the data, before anything trains: the
+               device and dtype, the process groups (parallel.init_distributed), the data, the
+               attention kernel and the model's config (a Run); it prints the layout's lines
+  build        this rank's model, pipeline, gradient reducer, optimizer, autocast and loss scaler
+               (Parts)
+  build_model  the whole model built on the meta device, the layout applied to it in one fixed
+               order (apply_pipeline, apply_expert_parallel, apply_tensor_parallel,
+               apply_context_parallel, apply_fp8, activation checkpointing), then this rank's share
+               materialized; init_shares draws it from (seed, name), the same at every layout
 
 train.py trains with what this makes; tools/bench.py times it and tools/memory_plan.py counts it.
 """
@@ -99,9 +100,8 @@ class Run:
     layout: ParallelLayout
     model_cfg: ModelConfig
     attn_impl: str  # the attention kernel choose_attn_impl chose
-    datasets: (
-        dict  # split -> load_data's (path, dtype, tokens, vocabulary size); empty without data
-    )
+    # split -> load_data's (path, dtype, tokens, vocabulary size); empty without data
+    datasets: dict
     tokenizer: str  # what sample.py decodes with (None: it asks)
     hf_dir: str = None  # init_from=<a transformers model folder>, else None
     phase: str = "start-up"  # what the run is doing now: a failed peer's message names it
@@ -113,15 +113,51 @@ class Run:
     train_tokens: int = 0
     model_flops: float = 0.0
     peak: object = None
-    exposed_comm_ms: dict = (
-        None  # {mechanism: ms waited on communication} in the step before the log line
-    )
-    predicted_step_s: float = (
-        None  # tools/step_time.py's, printed at start-up and beside a log line's measure
-    )
-    memory_step: int = (
-        0  # the step measured_step tracked (slower): the measure beside the prediction comes after
-    )
+    # {mechanism: ms waited on communication} in the step before the log line
+    exposed_comm_ms: dict = None
+    # tools/step_time.py's, printed at start-up and beside a log line's measure
+    predicted_step_s: float = None
+    # the step measured_step tracked (slower): the measure beside the prediction comes after it
+    memory_step: int = 0
+
+
+def check_log_packages(cfg):
+    """wandb_log and tensorboard_log need their packages installed."""
+    for flag, package in (("wandb_log", "wandb"), ("tensorboard_log", "tensorboard")):
+        if getattr(cfg, flag) and importlib.util.find_spec(package) is None:
+            raise ValueError(
+                f"{flag}=True needs the {package} package, which is not installed: pip install "
+                f"{package} (or set --{flag}=False)"
+            )
+
+
+def check_out_dir(cfg):
+    """out_dir made, and refused when it holds checkpoints a new run would overwrite."""
+    make_folder("out_dir", cfg.out_dir)
+    if cfg.init_from not in ("resume", "auto") and checkpoint.latest_checkpoint(cfg.out_dir):
+        raise FileExistsError(
+            f"out_dir '{cfg.out_dir}' already holds checkpoints and init_from={cfg.init_from!r} "
+            f"would overwrite them: use --init_from=resume to continue, or choose another --out_dir"
+        )
+
+
+def model_config(cfg, data_meta):
+    """The ModelConfig of the settings, the vocabulary and end-of-text token from the data's
+    meta.json unless set (else GPT-2's vocabulary, and -1: no end-of-text token known)."""
+    vocab = cfg.vocab_size or data_meta.get("vocab_size", 50257)
+    eot = cfg.eot_token if cfg.eot_token is not None else data_meta.get("eot_token", -1)
+    names = [f.name for f in fields(ModelConfig) if f.name not in ("vocab_size", "eot_token")]
+    return ModelConfig(**{n: getattr(cfg, n) for n in names}, vocab_size=vocab, eot_token=eot)
+
+
+def check_hf_folder(cfg, hf_dir, model_cfg, data_meta, layout):
+    """A transformers model folder's weights checked against the model config, on every rank alike
+    (a bad folder stops all of them); returns the tokenizer the run takes from it."""
+    import_hf.check_weights(hf_dir, model_cfg)
+    tokenizer, warning = import_hf.run_tokenizer(hf_dir, data_meta, cfg.data_dir)
+    if warning:
+        print0(layout, warning)
+    return tokenizer
 
 
 def setup(cfg, training=True):
@@ -129,26 +165,12 @@ def setup(cfg, training=True):
     device and dtype, the process groups, the data, the attention kernel and the model config.
     Returns them as a Run. tools/bench.py calls it with training=False: out_dir is not checked, and
     with data_dir=None no data is read (the vocabulary is then vocab_size, or GPT-2's)."""
-    for flag, package in (("wandb_log", "wandb"), ("tensorboard_log", "tensorboard")):
-        if getattr(cfg, flag) and importlib.util.find_spec(package) is None:
-            raise ValueError(
-                f"{flag}=True needs the {package} package, which is not installed: pip install "
-                f"{package} (or set --{flag}=False)"
-            )
+    check_log_packages(cfg)
     check_schedule(cfg.pp_schedule, cfg.pp, cfg.gradient_accumulation_steps, cfg.pp_chunks)
     # a transformers model folder
     hf_dir = None if cfg.init_from in ("scratch", "resume", "auto") else cfg.init_from
     if training:
-        make_folder("out_dir", cfg.out_dir)
-    if (
-        training
-        and cfg.init_from not in ("resume", "auto")
-        and checkpoint.latest_checkpoint(cfg.out_dir)
-    ):
-        raise FileExistsError(
-            f"out_dir '{cfg.out_dir}' already holds checkpoints and init_from={cfg.init_from!r} "
-            f"would overwrite them: use --init_from=resume to continue, or choose another --out_dir"
-        )
+        check_out_dir(cfg)
     dev, ptdtype, dtype_why = choose_device_and_dtype(cfg.device, cfg.dtype)
     check_fp8(cfg.fp8, dev, ptdtype)
     # (convert the model and exit: no data needed)
@@ -156,18 +178,7 @@ def setup(cfg, training=True):
     data_meta, datasets = {}, {}
     if cfg.data_dir is not None and not converting:
         data_meta = read_data_meta(cfg.data_dir)
-    vocab = cfg.vocab_size or data_meta.get("vocab_size", 50257)
-    # -1: none known
-    eot = cfg.eot_token if cfg.eot_token is not None else data_meta.get("eot_token", -1)
-    model_cfg = ModelConfig(
-        **{
-            f.name: getattr(cfg, f.name)
-            for f in fields(ModelConfig)
-            if f.name not in ("vocab_size", "eot_token")
-        },
-        vocab_size=vocab,
-        eot_token=eot,
-    )
+    model_cfg = model_config(cfg, data_meta)
     attn, attn_why = choose_attn_impl(cfg.attn_impl, dev.type, ptdtype, cfg.attn_softcap)
     layout = init_distributed(
         cfg.dp, cfg.tp, cfg.pp, dev.type, cp=cfg.cp, ep=cfg.ep, timeout_s=cfg.dist_timeout_s
@@ -175,8 +186,7 @@ def setup(cfg, training=True):
     if dev.type == "cuda":
         # NCCL's watchdog ends a rank whose collective timed out from C++ (an abort), past any
         # Python handler: faulthandler then prints every thread's Python stack, the line the rank
-        # was waiting in
-        # (the process's own: sys.stderr may be a capture, with no fileno)
+        # was waiting in (to the process's own stderr: sys.stderr may be a capture, with no fileno)
         faulthandler.enable(sys.__stderr__)
     check_layout(
         model_cfg,
@@ -189,16 +199,12 @@ def setup(cfg, training=True):
     )
     tokenizer = data_meta.get("tokenizer", "gpt2")
     if hf_dir is not None:
-        # on every rank alike: a bad folder stops all of them
-        import_hf.check_weights(hf_dir, model_cfg)
-        tokenizer, warning = import_hf.run_tokenizer(hf_dir, data_meta, cfg.data_dir)
-        if warning:
-            print0(layout, warning)
+        tokenizer = check_hf_folder(cfg, hf_dir, model_cfg, data_meta, layout)
     if dev.type == "cuda" and layout.world_size > 1:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(dev)
     if data_meta:
-        datasets = load_splits(cfg, vocab, data_meta, layout)
+        datasets = load_splits(cfg, model_cfg.vocab_size, data_meta, layout)
     print0(
         layout,
         f"device: {dev}, dtype: {str(ptdtype).replace('torch.', '')} ({dtype_why}), "
@@ -240,14 +246,14 @@ def describe_run_layout(cfg, layout, model_cfg, attn, converting):
         print0(
             layout,
             f"context parallelism: each sequence of {cfg.block_size} tokens split across cp = "
-            f"{layout.cp} ranks ({cfg.block_size // layout.cp} each, two zigzag chunks); attention is ring "
-            f"attention, whose own blockwise kernel replaces {attn}",
+            f"{layout.cp} ranks ({cfg.block_size // layout.cp} each, two zigzag chunks); "
+            f"attention is ring attention, whose own blockwise kernel replaces {attn}",
         )
     if cfg.chunked_loss and layout.tp > 1:
         print0(
             layout,
-            f"chunked_loss: not at tp = {layout.tp} (the vocab-parallel loss never gathers the logits "
-            f"anyway): the loss is computed from the logits",
+            f"chunked_loss: not at tp = {layout.tp} (the vocab-parallel loss never gathers the "
+            f"logits anyway): the loss is computed from the logits",
         )
     # torchrun's processes on this node
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
@@ -279,9 +285,8 @@ class Parts:
     scaler: DynamicLossScaler
     bad_steps: BadSteps
     compiled: bool  # whether the blocks run torch.compile'd (compile=True, until a compile fails)
-    loaded: SimpleNamespace = (
-        None  # init_from=<a transformers folder>: seconds, bytes_read, file_bytes
-    )
+    # init_from=<a transformers folder>: seconds, bytes_read, file_bytes
+    loaded: SimpleNamespace = None
 
 
 def build(cfg, run):
@@ -308,10 +313,7 @@ def build(cfg, run):
     pipeline = make_pipeline(cfg, layout, model, run.dev)
     grad_sync = make_grad_sync(model, cfg, layout, pipeline)
     # each gather waited for where forward reads it
-    if cfg.overlap_param_gather and cfg.zero_stage in (
-        1,
-        2,
-    ):
+    if cfg.overlap_param_gather and cfg.zero_stage in (1, 2):
         overlap_param_gather(model, grad_sync)
     optimizer = make_optimizer(model, cfg, layout, grad_sync)
     print0(layout, describe_optimizer(optimizer, model, cfg, layout))
@@ -323,8 +325,9 @@ def build(cfg, run):
         print0(
             layout,
             f"experts: rank 0 holds experts {held[0]}-{held[-1]} of "
-            f"{model.cfg.n_expert} in each layer (ep={layout.ep}): {expert_params / 2**20:.2f} MiB of "
-            f"parameters, {expert_state / 2**20:.2f} MiB of optimizer state",
+            f"{model.cfg.n_expert} in each layer (ep={layout.ep}): "
+            f"{expert_params / 2**20:.2f} MiB of parameters, "
+            f"{expert_state / 2**20:.2f} MiB of optimizer state",
         )
     if cfg.compile:
         print0(layout, "compiling each block with torch.compile (the first steps are slow)")
@@ -364,8 +367,7 @@ def build_model(cfg, model_cfg, layout, attn_impl, dev):
     build through here too."""
     with torch.device("meta"):
         model = Transformer(model_cfg, attn_impl=attn_impl, chunked_loss=cfg.chunked_loss)
-    # this rank's model chunks, stages of the model cut into pp * pp_chunks (by cost, or pp_layers:
-    # stage_cut)
+    # this rank's model chunks: the model cut into pp * pp_chunks stages (stage_cut)
     cut = stage_cut(model_cfg, cfg.pp_schedule, layout.pp, cfg.pp_chunks, cfg.pp_layers)
     apply_pipeline(
         model, cut, virtual_stages(cfg.pp_schedule, layout.pp, layout.pp_rank, cfg.pp_chunks)
@@ -374,8 +376,7 @@ def build_model(cfg, model_cfg, layout, attn_impl, dev):
     apply_tensor_parallel(model, layout.tp_group, cfg.sequence_parallel)  # its slice of every layer
     # ring attention over its share of every sequence
     apply_context_parallel(model, layout.cp_group)
-    # FP8 linears; the head and the router stay in the run's dtype (the loss and the routing are
-    # precise)
+    # FP8 linears; the head and the router keep the run's dtype: the loss and routing stay precise
     apply_fp8(
         model,
         cfg.fp8,
@@ -400,8 +401,7 @@ def materialize(model, device):
             real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
             torch.utils.swap_tensors(p, real)
             p.__dict__.update(marks)
-            # autograd's gradient hooks went with the old contents: register them again on the new
-            # ones
+            # autograd's gradient hooks went with the old contents: register them on the new ones
             p._backward_hooks = None
             for hook in hooks:
                 p.register_hook(hook)
@@ -425,9 +425,8 @@ def make_pipeline(cfg, layout, model, dev):
     schedule, v = cfg.pp_schedule, cfg.pp_chunks
     stages_of = lambda rank: virtual_stages(schedule, layout.pp, rank, v)  # afab, 1f1b: (rank,)
     # what travels: the hidden states of this rank's tokens, (B, T, n_embd) for token ids x of
-    # (B, T), which are this rank's T/cp under context parallelism; T/tp of those under sequence
-    # parallelism; in the parameters' dtype, the residual stream's (PipelineComm's note): fp32, or
-    # fp64 in float64
+    # (B, T), T being this rank's T/cp under context parallelism, T/tp of those under sequence
+    # parallelism; in the residual stream's dtype, the parameters' (PipelineComm): fp32 or fp64
     dtype, seq_split = next(model.parameters()).dtype, layout.tp if cfg.sequence_parallel else 1
     comm = PipelineComm.from_layout(
         layout, model.cfg.n_embd, dev, dtype=dtype, stages_of=stages_of, seq_split=seq_split

@@ -2,15 +2,16 @@
 Sharded, atomic, reshardable checkpoints.
 
 A checkpoint is a folder  out_dir/ckpt_0001000/  holding
-    rank00000.pt ... rankNNNNN.pt   what each rank holds, and nothing more: no rank gathers the model
-    meta.json                       step, config, layout, the files, their sizes and crc32s; written last
+    rank00000.pt ... rankNNNNN.pt  what each rank holds and nothing more: no rank gathers the model
+    meta.json                      step, config, layout, files, their sizes and crc32s; written last
 
-Every rank writes into  ckpt_0001000.tmp/ ; once all have finished (a barrier), rank 0 writes meta.json
-(whole or not at all: written aside, then renamed) and renames the folder. meta.json is the commit:
-a .tmp folder without it is a save that stopped, which resume ignores; one with it is complete, and
-counts as its step's checkpoint while no complete ckpt_0001000/ is there (a kill between the two
-renames of a re-save, see _publish). A kill of any rank at any moment of a save therefore leaves the
-checkpoints before it as they were, and never makes a partial one look complete.
+Every rank writes into  ckpt_0001000.tmp/ ; once all have finished (a barrier), rank 0 writes
+meta.json (whole or not at all: written aside, then renamed) and renames the folder. meta.json is
+the commit: a .tmp folder without it is a save that stopped, which resume ignores; one with it is
+complete, and counts as its step's checkpoint while no complete ckpt_0001000/ is there (a kill
+between the two renames of a re-save, see _publish). A kill of any rank at any moment of a save
+therefore leaves the checkpoints before it as they were, and never makes a partial one look
+complete.
 
 Each rank file's crc32 is computed as torch.save writes it (no second read) and checked by every
 rank that reads the file: a file damaged on disk without changing its size (a bad sector, a copy
@@ -153,9 +154,9 @@ def why_corrupted(path, name, meta):
     if found is None or found == crcs[name]:
         return None
     return (
-        f"{os.path.join(path, name)} is corrupted, not diverged: its bytes' crc32 is {found:08x}, meta.json "
-        f"recorded {crcs[name]:08x} as it was written (the file changed on disk since, at the same size: "
-        f"the storage or a copy damaged it)"
+        f"{os.path.join(path, name)} is corrupted, not diverged: its bytes' crc32 is {found:08x}, "
+        f"meta.json recorded {crcs[name]:08x} as it was written (the file changed on disk since, "
+        f"at the same size: the storage or a copy damaged it)"
     )
 
 
@@ -171,15 +172,12 @@ class CheckpointReader:
         for name in self.meta["files"]:
             if corrupted := why_corrupted(path, name, self.meta):
                 raise CorruptedCheckpoint(corrupted)
+            file = os.path.join(path, name)
             try:
                 self.files.append(
-                    torch.load(
-                        os.path.join(path, name), map_location="cpu", mmap=True, weights_only=True
-                    )
+                    torch.load(file, map_location="cpu", mmap=True, weights_only=True)
                 )
-            except (
-                Exception
-            ) as e:  # torch.load raises many kinds for a damaged file: all mean "unreadable"
+            except Exception as e:  # a damaged file raises many kinds: all mean "unreadable"
                 raise CheckpointError(f"checkpoint {path}: {name} cannot be read ({_error(e)})")
 
     def _pieces(self, section, name, key=None):
@@ -220,7 +218,8 @@ class CheckpointReader:
         return self._fetch("optimizer", name, param, key)
 
     def rank_state(self, rank):
-        """This rank's own extras (RNG states), or None when the world changed size since the save."""
+        """This rank's own extras (RNG states), or None when the world changed size since the
+        save."""
         if self.meta["world_size"] != len(self.files) or rank >= len(self.files):
             return None
         return self.files[rank].get("extra")
@@ -283,8 +282,8 @@ def open_for_resume(path, model_cfg, say=print):
         if not errors:
             if "file_crc32" not in reader.meta:
                 say(
-                    f"checkpoint {candidate} was written before checkpoints had checksums: its files' sizes are "
-                    f"checked, not their bytes"
+                    f"checkpoint {candidate} was written before checkpoints had checksums: its "
+                    f"files' sizes are checked, not their bytes"
                 )
             check_model_config(reader.meta["model"], model_cfg, candidate)
             return reader
@@ -305,13 +304,13 @@ def _corrupted_advice(out_dir, corrupted):
     intact = newest_intact(out_dir, before=step_of(corrupted))
     if intact is None:
         return (
-            f"No older checkpoint in {out_dir} is intact: start again with --init_from=scratch (or restore "
-            f"the file from a copy)"
+            f"No older checkpoint in {out_dir} is intact: start again with --init_from=scratch "
+            f"(or restore the file from a copy)"
         )
     return (
-        f"Move it aside (mv {corrupted} {corrupted}.damaged) and launch again with --init_from=resume to "
-        f"resume from the newest intact checkpoint, {intact} (python checkpoint.py --verify {out_dir} checks "
-        f"them all)"
+        f"Move it aside (mv {corrupted} {corrupted}.damaged) and launch again with "
+        f"--init_from=resume to resume from the newest intact checkpoint, {intact} "
+        f"(python checkpoint.py --verify {out_dir} checks them all)"
     )
 
 
@@ -429,12 +428,11 @@ def resume_run(path, cfg, run, parts, say=print):
     # AdamW's moments are not Muon's momentum, nor the reverse
     elif saved_optimizer != cfg.optimizer:
         say(
-            f"resume: the checkpoint's optimizer state ({saved_optimizer}) is not loaded: {cfg.optimizer}'s starts "
-            f"from zero"
+            f"resume: the checkpoint's optimizer state ({saved_optimizer}) is not loaded: "
+            f"{cfg.optimizer}'s starts from zero"
         )
     else:
-        # the states are assembled from whatever pieces were saved (ZeRO-1 or not, any dp):
-        # zero_stage can change
+        # assembled from whatever pieces were saved (ZeRO-1 or not, any dp): zero_stage can change
         load_states(parts.optimizer, parts.model, reader)
     parts.scaler.scale = reader.meta["loss_scale"]
     extra = reader.rank_state(run.layout.rank)
@@ -484,6 +482,47 @@ def _save_file(obj, path):
     return recorder.crc
 
 
+def _start_folder(tmp, final):
+    """Rank 0's first move of a save: an empty tmp folder, after publishing a complete save of this
+    step killed between its renames. Returns (the error, its errno) of a failure, else None."""
+    try:
+        if is_complete(tmp) and not is_complete(final):
+            # a save of this step killed between its renames: it is this step's checkpoint
+            _publish(tmp, final)
+        # leftovers of a save that was killed before its meta.json
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    except OSError as e:
+        return (_error(e), e.errno)
+    return None
+
+
+def _write_rank_file(path, contents):
+    """This rank's file, written unless a weight is NaN or inf: NaN never reaches the disk (the
+    gather after this stops every rank). Returns (the names of the weights that are not finite,
+    the file's size, its crc32, the error of a failed write, its errno)."""
+    weights = contents["model"]
+    bad = [n for n, piece in weights.items() if not torch.isfinite(piece["tensor"]).all()]
+    size, crc, error, code = None, None, None, None
+    try:
+        if not bad:
+            crc = _save_file(contents, path)
+            size = os.path.getsize(path)
+    except (OSError, RuntimeError) as e:
+        error, code = _error(e), getattr(e, "errno", None)
+    return bad, size, crc, error, code
+
+
+def _commit(tmp, final, meta):
+    """Rank 0's last move of a save, once every rank has written: meta.json, whole or not at all
+    (written aside, then renamed: the commit), then the folder renamed into place."""
+    with open(os.path.join(tmp, "meta.json.partial"), "w") as f:
+        json.dump(meta, f, indent=1)
+    # the commit
+    os.rename(os.path.join(tmp, "meta.json.partial"), os.path.join(tmp, "meta.json"))
+    _publish(tmp, final)
+
+
 def save(
     out_dir,
     step,
@@ -504,54 +543,21 @@ def save(
     """
     final = os.path.join(out_dir, f"ckpt_{step:07d}")
     tmp = final + ".tmp"
-    error = None
-    if rank == 0:
-        try:
-            if is_complete(tmp) and not is_complete(final):
-                # a save of this step killed between its renames: it is this step's checkpoint
-                _publish(tmp, final)
-            # leftovers of a save that was killed before its meta.json
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as e:
-            error = (_error(e), e.errno)
+    error = _start_folder(tmp, final) if rank == 0 else None
     error = _broadcast(error)  # rank 0's, on every rank
     failed = [(0, *error)] if error else []
-    name, size, crc, code, not_finite = f"rank{rank:05d}.pt", None, None, None, []
+    name, not_finite = f"rank{rank:05d}.pt", []
     if not failed:
-        bad = [
-            name
-            for name, piece in model_pieces.items()
-            if not torch.isfinite(piece["tensor"]).all()
-        ]  # NaN, inf
-        try:
-            if not bad:  # NaN never reaches the disk: the gather below stops every rank
-                crc = _save_file(
-                    {"model": model_pieces, "optimizer": optimizer_pieces, "extra": extra or {}},
-                    os.path.join(tmp, name),
-                )
-                size = os.path.getsize(os.path.join(tmp, name))
-        except (OSError, RuntimeError) as e:
-            error, code = _error(e), getattr(e, "errno", None)
+        contents = {"model": model_pieces, "optimizer": optimizer_pieces, "extra": extra or {}}
+        bad, size, crc, error, code = _write_rank_file(os.path.join(tmp, name), contents)
         names, sizes, crcs, errors, codes, bads = zip(*_gather((name, size, crc, error, code, bad)))
         failed = [(r, e, c) for r, (e, c) in enumerate(zip(errors, codes)) if e]
         not_finite = [(r, b) for r, b in enumerate(bads) if b]
         if rank == 0 and not failed and not not_finite:
             try:
-                meta = dict(
-                    meta,
-                    step=step,
-                    world_size=world_size,
-                    files=list(names),
-                    file_sizes=list(sizes),
-                    file_crc32=list(crcs),
-                    saved_at=time.time(),
-                )
-                with open(os.path.join(tmp, "meta.json.partial"), "w") as f:
-                    json.dump(meta, f, indent=1)
-                # the commit
-                os.rename(os.path.join(tmp, "meta.json.partial"), os.path.join(tmp, "meta.json"))
-                _publish(tmp, final)
+                listing = dict(files=list(names), file_sizes=list(sizes), file_crc32=list(crcs))
+                meta = dict(meta, step=step, world_size=world_size, **listing, saved_at=time.time())
+                _commit(tmp, final, meta)
                 if keep_last_n > 0:
                     _prune(out_dir, step, keep_last_n, keep)
             except OSError as e:
@@ -587,9 +593,10 @@ def _not_finite_message(final, step, r, names):
     out_dir, intact = os.path.dirname(final), newest_intact(os.path.dirname(final))
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return (
-        f"the weights are not finite at step {step} (rank {r}: {shown}): checkpoint {final} was not "
-        f"written. Either the run diverged (resume with a lower --learning_rate) or it was given bad input "
-        f"(a damaged data file or checkpoint: python checkpoint.py --verify {out_dir}). "
+        f"the weights are not finite at step {step} (rank {r}: {shown}): checkpoint {final} was "
+        f"not written. Either the run diverged (resume with a lower --learning_rate) or it was "
+        f"given bad input (a damaged data file or checkpoint: python checkpoint.py --verify "
+        f"{out_dir}). "
         + (
             f"The last finite checkpoint is {intact}: resume from it with --init_from=resume"
             if intact
@@ -601,7 +608,10 @@ def _not_finite_message(final, step, r, names):
 def _failed_message(out_dir, final, rank, cause, code):
     """The error of a save that failed on `rank`; for a full disk or quota, which old checkpoints
     can go."""
-    advice = f"Free space or fix the permissions of out_dir '{out_dir}', then resume with --init_from=resume"
+    advice = (
+        f"Free space or fix the permissions of out_dir '{out_dir}', then resume with "
+        f"--init_from=resume"
+    )
     if code in (errno.ENOSPC, errno.EDQUOT):
         intact = newest_intact(out_dir)
         older = [p for p in checkpoint_folders(out_dir) if intact and step_of(p) < step_of(intact)]
@@ -613,17 +623,20 @@ def _failed_message(out_dir, final, rank, cause, code):
                 for f in fs
             )
             advice = (
-                f"The checkpoints older than the newest intact one ({intact}) can be deleted to free "
-                f"{freed / 2**20:,.1f} MiB: rm -r {' '.join(older)}; then resume with --init_from=resume"
+                f"The checkpoints older than the newest intact one ({intact}) can be deleted to "
+                f"free {freed / 2**20:,.1f} MiB: rm -r {' '.join(older)}; then resume with "
+                f"--init_from=resume"
             )
         else:
             advice = (
-                f"No checkpoint is older than the newest intact one ({intact or 'none'}): free space on the "
-                f"disk of out_dir '{out_dir}' (or give another --out_dir), then resume with --init_from=resume"
+                f"No checkpoint is older than the newest intact one ({intact or 'none'}): free "
+                f"space on the disk of out_dir '{out_dir}' (or give another --out_dir), then "
+                f"resume with --init_from=resume"
             )
     return (
-        f"saving checkpoint {final} failed on rank {rank}: {cause}. The partial {final}.tmp was removed; the "
-        f"last complete checkpoint is {latest_checkpoint(out_dir) or 'none'}. {advice}"
+        f"saving checkpoint {final} failed on rank {rank}: {cause}. The partial {final}.tmp was "
+        f"removed; the last complete checkpoint is {latest_checkpoint(out_dir) or 'none'}. "
+        f"{advice}"
     )
 
 
@@ -652,7 +665,10 @@ def why_incomplete(path):
         sizes = dict(zip(meta["files"], meta["file_sizes"]))
     except FileNotFoundError:
         if checkpoint_folders(path):
-            return "it is a run's folder, not one checkpoint: name it as out_dir, or name one of its ckpt_* folders"
+            return (
+                "it is a run's folder, not one checkpoint: name it as out_dir, or name one of its "
+                "ckpt_* folders"
+            )
         return "it has no meta.json"
     except KeyError as e:
         return f"its meta.json is not a checkpoint's (it has no {e})"
@@ -761,8 +777,7 @@ def find_checkpoint(ckpt, out_dir):
     parent, name = os.path.split(os.path.normpath(ckpt))
     named = re.fullmatch(r"ckpt_(\d+)", name) or (None if parent else re.fullmatch(r"(\d+)", name))
     if named:
-        # ckpt_300 is ckpt_0000300, as save() names it (the step zero-padded to 7 digits, so names
-        # sort by step)
+        # ckpt_300 is ckpt_0000300, as save() names it (7 digits, so that names sort by step)
         folder, step = parent or out_dir, int(named.group(1))
         for path in complete_checkpoints(folder):
             if step_of(path) == step:
@@ -829,8 +844,8 @@ def verify(out_dir, say=print):
             intact, meta = path, read_meta(path)
             files, size = len(meta["files"]), sum(meta["file_sizes"]) / 2**20
             why = (
-                f"intact ({files} file{'s' if files > 1 else ''}, {size:,.1f} MiB, crc32 checked in "
-                f"{time.time() - start:.2f} s)"
+                f"intact ({files} file{'s' if files > 1 else ''}, {size:,.1f} MiB, "
+                f"crc32 checked in {time.time() - start:.2f} s)"
                 if "file_crc32" in meta
                 else "intact by its sizes (written before checksums: its bytes cannot be checked)"
             )
@@ -841,9 +856,11 @@ def verify(out_dir, say=print):
     world = read_meta(intact)["world_size"]
     newer = [p for p in paths if step_of(p) > step_of(intact)]
     say(
-        f"the newest intact checkpoint is {intact} (saved by {world} process{'es' if world > 1 else ''})"
+        f"the newest intact checkpoint is {intact} "
+        f"(saved by {world} process{'es' if world > 1 else ''})"
         + (
-            f", older than the damaged {', '.join(newer)}: move {'them' if len(newer) > 1 else 'it'} aside first ("
+            f", older than the damaged {', '.join(newer)}: "
+            f"move {'them' if len(newer) > 1 else 'it'} aside first ("
             + "; ".join(f"mv {p} {p}.damaged" for p in newer)
             + ")"
             if newer
@@ -861,8 +878,8 @@ def verify_main(argv):
     if len(argv) == 1 and argv[0].startswith("--verify="):
         return verify(argv[0].split("=", 1)[1])
     print(
-        "usage: python checkpoint.py --verify OUT_DIR   (checks every checkpoint of a run; exit status 0 when the "
-        "newest is intact, 1 when it is not, 2 when OUT_DIR holds none)",
+        "usage: python checkpoint.py --verify OUT_DIR   (checks every checkpoint of a run; exit "
+        "status 0 when the newest is intact, 1 when it is not, 2 when OUT_DIR holds none)",
         file=sys.stderr,
     )
     return 2

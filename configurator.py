@@ -119,7 +119,8 @@ def _refuse_statements_that_set_nothing(tree, path):
 
 
 def _run_config_file(path):
-    """The names a config file assigns. A syntax error or a failing line is named by file and line."""
+    """The names a config file assigns; a syntax error or a failing line is named by file and
+    line."""
     try:
         with open(path) as f:
             source = f.read()

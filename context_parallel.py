@@ -81,28 +81,22 @@ def check_context_split(seq_len, cp):
         return
     lower, upper = seq_len // pieces * pieces, (seq_len // pieces + 1) * pieces
     raise ValueError(
-        f"block_size = {seq_len} does not split into 2 * cp = {pieces} (cp = {cp}) equal chunks: context "
-        f"parallelism gives each rank chunk r and chunk 2*cp-1-r of every window. Set block_size to a "
-        f"multiple of {pieces} (e.g. {lower or upper} or {upper}), or change cp"
+        f"block_size = {seq_len} does not split into 2 * cp = {pieces} (cp = {cp}) equal chunks: "
+        f"context parallelism gives each rank chunk r and chunk 2*cp-1-r of every window. Set "
+        f"block_size to a multiple of {pieces} (e.g. {lower or upper} or {upper}), or change cp"
     )
 
 
 def zigzag_split(x, cp, cp_rank, dim=1):
-    """cp rank cp_rank's tokens of x: chunks cp_rank and 2*cp-1-cp_rank of 2*cp along dim,
-    concatenated."""
+    """cp rank cp_rank's tokens of x: chunks cp_rank and 2*cp-1-cp_rank of 2*cp along dim."""
     chunk, rest = divmod(x.shape[dim], 2 * cp)
     # (settings.check_layout stops such a block_size before a run starts, saying what to change)
     if rest:
         raise ValueError(
             f"zigzag_split: {x.shape[dim]} tokens do not split into 2 * cp = {2 * cp} equal chunks"
         )
-    return torch.cat(
-        [
-            x.narrow(dim, cp_rank * chunk, chunk),
-            x.narrow(dim, (2 * cp - 1 - cp_rank) * chunk, chunk),
-        ],
-        dim=dim,
-    )
+    mine, mirror = cp_rank * chunk, (2 * cp - 1 - cp_rank) * chunk
+    return torch.cat([x.narrow(dim, mine, chunk), x.narrow(dim, mirror, chunk)], dim=dim)
 
 
 def zigzag_gather(parts, dim=1):
@@ -222,17 +216,15 @@ def ring_attention_bytes(batch, seq_len_local, n_kv_head, head_dim, v_head_dim, 
 
 
 def _scores(q, k, softcap):
-    """fp32 scores q k^T (q scaled), soft-capped to cap * tanh(s / cap); also the tanh, for the
-    derivative."""
+    """fp32 scores q k^T (q scaled), soft-capped to cap * tanh(s / cap); and tanh, for backward."""
     s = q @ k.transpose(-2, -1)  # (B, H_kv, G, Tq, Tk)
     t = torch.tanh(s / softcap) if softcap else None
     return (s, None) if t is None else (softcap * t, t)
 
 
 def _finite(lse):
-    """A row with no visible key has lse = -inf; exp(s - lse) would be exp(-inf + inf) = nan.
-    Against 0 it is exp(-inf) = 0: the row gets zero probabilities, a zero output and zero
-    gradients."""
+    """A row with no visible key has lse = -inf, and exp(s - lse) = exp(-inf + inf) = nan; against
+    0 it is exp(-inf) = 0: zero probabilities, a zero output and zero gradients."""
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
@@ -252,15 +244,13 @@ def _block_forward(q, k, v, visible, softcap):
 
 def _merge(out, lse, block_out, block_lse):
     """Two softmax-weighted averages over disjoint sets of keys, combined into the one over both:
-    lse = log(e^lse1 + e^lse2), out = e^(lse1 - lse) out1 + e^(lse2 - lse) out2. Each weight is the
-    share of the softmax denominator its keys hold (Milakov & Gimelshein 2018, "Online normalizer
-    calculation for softmax"). Rows that have seen no visible key yet have lse = -inf and stay zero.
-    """
+    lse = log(e^lse1 + e^lse2), out = e^(lse1 - lse) out1 + e^(lse2 - lse) out2, each weight its
+    keys' share of the softmax denominator (Milakov & Gimelshein 2018, "Online normalizer
+    calculation for softmax"). Rows that have seen no visible key yet have lse = -inf, stay zero."""
     new_lse = torch.logaddexp(lse, block_lse)
     safe = _finite(new_lse)[..., None]
-    return torch.exp(lse[..., None] - safe) * out + torch.exp(
-        block_lse[..., None] - safe
-    ) * block_out, new_lse
+    weight, block_weight = torch.exp(lse[..., None] - safe), torch.exp(block_lse[..., None] - safe)
+    return weight * out + block_weight * block_out, new_lse
 
 
 def _block_backward(q, k, v, dout, lse, delta, visible, softcap, dq, dk, dv):
@@ -299,26 +289,20 @@ def _kv_heads(x):
 
 
 def _post_ring_exchange(tensors, group):
-    """Post the send of `tensors` (one dtype) to the next rank of the ring and the receive of as
-    many from the previous one, in one batch: (the received tensors, views of one buffer, and the
-    requests), not waited for (the caller computes meanwhile). They travel as one message: each
-    message pays the link's latency (on gloo about a millisecond, more than 512 KiB take to cross),
-    and the copy that packs them costs far less."""
+    """Post the send of `tensors` (one dtype) to the next rank and the receive of as many from the
+    previous, unwaited (the caller computes meanwhile): (the received, views of one buffer, and the
+    requests). One message, since each pays the link's latency (on gloo about a millisecond, more
+    than 512 KiB take to cross) and packing costs far less."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     next_rank = dist.get_global_rank(group, (rank + 1) % cp)  # a P2POp's peer is a global rank
     prev_rank = dist.get_global_rank(group, (rank - 1) % cp)
     packed = torch.cat([t.reshape(-1) for t in tensors])
     arriving = torch.empty_like(packed)
-    requests = dist.batch_isend_irecv(
-        [
-            dist.P2POp(dist.isend, packed, next_rank, group),
-            dist.P2POp(dist.irecv, arriving, prev_rank, group),
-        ]
-    )
-    received = [
-        part.view(t.shape) for part, t in zip(arriving.split([t.numel() for t in tensors]), tensors)
-    ]
-    return received, requests
+    send = dist.P2POp(dist.isend, packed, next_rank, group)
+    receive = dist.P2POp(dist.irecv, arriving, prev_rank, group)
+    requests = dist.batch_isend_irecv([send, receive])
+    parts = arriving.split([t.numel() for t in tensors])
+    return [part.view(t.shape) for part, t in zip(parts, tensors)], requests
 
 
 def _wait(requests):
@@ -327,13 +311,9 @@ def _wait(requests):
 
 
 def _visible(keys, firsts, rank, source, qs, ks):
-    """Which keys each query sees, (B or 1, 1, 1, Tq, Tk): firsts[q] <= keys[k] <= keys[q]
-    (visibility)."""
-    q_key, q_first, kv_key = (
-        keys[rank][..., qs, None],
-        firsts[rank][..., qs, None],
-        keys[source][..., None, ks],
-    )
+    """Which keys each query sees, (B or 1, 1, 1, Tq, Tk): firsts[q] <= keys[k] <= keys[q]."""
+    q_key, q_first = keys[rank][..., qs, None], firsts[rank][..., qs, None]
+    kv_key = keys[source][..., None, ks]
     return ((kv_key <= q_key) & (kv_key >= q_first))[:, None, None]
 
 
@@ -347,9 +327,8 @@ class RingAttention(torch.autograd.Function):
         B, T, H, _ = q.shape
         n_kv_head = k.shape[2]
         plan = block_plan(keys, firsts, rank)
-        # the masks of the partly visible pairs are built from a device copy; non_blocking, since a
-        # blocking host-to-device copy waits for the GPU's queue to drain, the sync the host-side
-        # plan avoids
+        # the masks come from a device copy, non_blocking: a blocking one waits for the GPU's queue
+        # to drain, the sync the host-side plan avoids
         keys, firsts = keys.to(q.device, non_blocking=True), firsts.to(q.device, non_blocking=True)
 
         qh = _query_heads(q, n_kv_head, scale)
@@ -376,51 +355,33 @@ class RingAttention(torch.autograd.Function):
 
         out = out.permute(0, 3, 1, 2, 4).reshape(B, T, H, v.shape[-1]).to(q.dtype)  # (B, T, H, D_v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.keys, ctx.firsts, ctx.group, ctx.softcap, ctx.scale = (
-            plan,
-            keys,
-            firsts,
-            group,
-            softcap,
-            scale,
-        )
-        ctx.cp, ctx.rank = cp, rank
+        ctx.plan, ctx.keys, ctx.firsts, ctx.group = plan, keys, firsts, group
+        ctx.softcap, ctx.scale, ctx.cp, ctx.rank = softcap, scale, cp, rank
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, rank, group = ctx.cp, ctx.rank, ctx.group
+        cp, rank, group, keys, firsts = ctx.cp, ctx.rank, ctx.group, ctx.keys, ctx.firsts
         n_kv_head = k.shape[2]
         B, T, H, D = q.shape
         qh, dh = _query_heads(q, n_kv_head, ctx.scale), _query_heads(dout, n_kv_head)
         delta = (dout.to(qh.dtype) * out.to(qh.dtype)).sum(-1)  # (B, T, H): rowsum(dout * out)
         delta = delta.view(B, T, n_kv_head, H // n_kv_head).permute(0, 2, 3, 1)  # (B, H_kv, G, T)
         dq = torch.zeros_like(qh)
-        # The gradients of a visiting block's keys and values come from every rank's queries, so
-        # they cannot be finished where they are computed: an fp32 accumulator travels with each
-        # block, every rank adds its part, and after the cp-th rank one more step brings the sum
-        # home to the block's owner.
+        # A visiting block's dk and dv come from every rank's queries: an fp32 accumulator travels
+        # with it, every rank adds its part, and one more step brings the sum home to its owner.
         k_block, v_block = k, v
-        grads_home = (
-            None  # the accumulators arriving for the next visiting block, and their requests
-        )
+        grads_home = None  # the accumulators arriving for the next block, and their requests
         for step in range(cp):
             if step < cp - 1:
                 (k_next, v_next), kv_requests = _post_ring_exchange([k_block, v_block], group)
             source = (rank - step) % cp
             kh, vh = _kv_heads(k_block), _kv_heads(v_block)
             # (B, H_kv, T, D)
-            dk_block, dv_block = (
-                torch.zeros_like(kh[:, :, 0]),
-                torch.zeros_like(vh[:, :, 0]),
-            )
+            dk_block, dv_block = torch.zeros_like(kh[:, :, 0]), torch.zeros_like(vh[:, :, 0])
             for qs, ks, kind in ctx.plan[step]:
-                visible = (
-                    _visible(ctx.keys, ctx.firsts, rank, source, qs, ks)
-                    if kind == "masked"
-                    else None
-                )
+                visible = _visible(keys, firsts, rank, source, qs, ks) if kind == "masked" else None
                 _block_backward(
                     qh[..., qs, :],
                     kh[..., ks, :],
@@ -516,8 +477,8 @@ def check_ring_inputs(q, k, v, positions, documents, cp):
             )
         if x.shape not in ((cp, T), (cp, B, T)):
             raise ValueError(
-                f"{name} must be (cp, T_local) = ({cp}, {T}) or (cp, B, T_local) = ({cp}, {B}, {T}), "
-                f"one row per cp rank (see split_for_every_rank); got {tuple(x.shape)}"
+                f"{name} must be (cp, T_local) = ({cp}, {T}) or (cp, B, T_local) = ({cp}, {B}, "
+                f"{T}), one row per cp rank (see split_for_every_rank); got {tuple(x.shape)}"
             )
 
 
@@ -555,12 +516,12 @@ class ContextParallelRotary(nn.Module):
         self.rotary, self.group = rotary, group
 
     def forward(self, positions=None):
-        cp = group_size(self.group)
-        if positions is None or positions.dim() < 2 or positions.shape[0] != cp:
+        cp, shape = group_size(self.group), None if positions is None else tuple(positions.shape)
+        if shape is None or len(shape) < 2 or shape[0] != cp:
             raise ValueError(
-                f"Transformer.forward: under context parallelism (cp = {cp}) positions must be every cp "
-                f"rank's global token positions, (cp, B, T/cp) on the host (split_for_every_rank), got "
-                f"{None if positions is None else tuple(positions.shape)}"
+                f"Transformer.forward: under context parallelism (cp = {cp}) positions must be "
+                f"every cp rank's global token positions, (cp, B, T/cp) on the host "
+                f"(split_for_every_rank), got {shape}"
             )
         return self.rotary(positions[group_rank(self.group)])
 

@@ -23,9 +23,10 @@ class DataError(ValueError):
 def _prepare_hint(data_dir):
     # the plain command streams FineWeb-Edu from the hub: offline, local text is what a user has
     return (
-        f"run: python prepare_data.py --out_dir={data_dir} (streams FineWeb-Edu: needs the network), or "
-        f"without a network, from local text: python prepare_data.py --dataset=PATH --out_dir={data_dir} (PATH "
-        f"a .txt, .jsonl or .parquet file, a glob or a folder; see the README)"
+        f"run: python prepare_data.py --out_dir={data_dir} (streams FineWeb-Edu: needs the "
+        f"network), or without a network, from local text: python prepare_data.py --dataset=PATH "
+        f"--out_dir={data_dir} (PATH a .txt, .jsonl or .parquet file, a glob or a folder; see the "
+        f"README)"
     )
 
 
@@ -77,8 +78,9 @@ def load_data(data_dir, split, block_size, vocab_size, meta):
     sample = np.concatenate([data[: 1 << 20], data[-(1 << 20) :]])
     if sample.max() >= vocab_size:
         raise DataError(
-            f"{path} holds token id {int(sample.max())} but the vocabulary has {vocab_size} tokens: the "
-            f"bins do not match meta.json (dtype {meta['dtype']}) or the vocab_size setting; {hint}"
+            f"{path} holds token id {int(sample.max())} but the vocabulary has {vocab_size} "
+            f"tokens: the bins do not match meta.json (dtype {meta['dtype']}) or the vocab_size "
+            f"setting; {hint}"
         )
     # a bin cut short at a whole token (a copy stopped, a full disk) looks sound but for its length,
     # which prepare_data.py records; checked after the ids, so that bins of another tokenizer are
@@ -115,9 +117,9 @@ def read_windows(data, starts, block_size):
     if windows.max() >= vocab_size:
         row, col = np.unravel_index(int(windows.argmax()), windows.shape)
         raise DataError(
-            f"{path} holds token id {int(windows[row, col])} at token offset {int(starts[row]) + col}, "
-            f"outside the vocabulary of {vocab_size}: the file is corrupt or was written by another "
-            f"tokenizer; {_prepare_hint(os.path.dirname(path))}"
+            f"{path} holds token id {int(windows[row, col])} at token offset "
+            f"{int(starts[row]) + col}, outside the vocabulary of {vocab_size}: the file is "
+            f"corrupt or was written by another tokenizer; {_prepare_hint(os.path.dirname(path))}"
         )
     return windows
 

@@ -20,8 +20,8 @@ then:
      experts (all_to_all_single with uneven splits).
   3. each rank runs its local experts, each on its contiguous group of rows (the received rows are
      sorted from source-rank-major to expert-major first, and back after).
-  4. return: a second all-to-all, the reverse of the first, sends every output row to its token's rank,
-     where the router weights combine them (model.MixtureOfExperts).
+  4. return: a second all-to-all, the reverse of the first, sends every output row to its token's
+     rank, where the router weights combine them (model.MixtureOfExperts).
 Backward runs the same two exchanges in reverse (AllToAll's backward), so each expert's weight
 gradient sums the contributions of every rank that sent it tokens: the gradient of the ep ranks'
 summed losses. The ranks holding the same experts (the expert_dp_group: dp / ep of them, times cp
@@ -63,7 +63,7 @@ def exchange_expert_counts(counts, group):
         send = counts.tolist()  # host-device sync
         return ExpertSplits(send, [send], recv_counts)
     recv_counts = torch.empty_like(counts)
-    # n_expert / ep to each
+    # n_expert / ep counts to each rank
     waited(dist.all_to_all_single(recv_counts, counts, group=group, async_op=True), "ep")
     both = torch.cat([counts, recv_counts]).tolist()  # host-device sync
     n = len(both) // 2
@@ -86,12 +86,10 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx, x, send_splits, recv_splits, group, sent):
         ctx.splits, ctx.group, ctx.sent = (send_splits, recv_splits), group, sent
         out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-        waited(
-            dist.all_to_all_single(
-                out, x.contiguous(), recv_splits, send_splits, group=group, async_op=True
-            ),
-            "ep",
+        work = dist.all_to_all_single(
+            out, x.contiguous(), recv_splits, send_splits, group=group, async_op=True
         )
+        waited(work, "ep")
         sent.bytes_sent += _bytes_to_others(x, send_splits, group)
         return out
 
@@ -99,12 +97,10 @@ class AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
         grad_x = grad.new_empty((sum(send_splits), *grad.shape[1:]))
-        waited(
-            dist.all_to_all_single(
-                grad_x, grad.contiguous(), send_splits, recv_splits, group=ctx.group, async_op=True
-            ),
-            "ep",
+        work = dist.all_to_all_single(
+            grad_x, grad.contiguous(), send_splits, recv_splits, group=ctx.group, async_op=True
         )
+        waited(work, "ep")
         ctx.sent.bytes_sent += _bytes_to_others(grad, recv_splits, ctx.group)
         return grad_x, None, None, None, None
 
@@ -129,8 +125,7 @@ def dispatch_to_experts(rows, splits, run_local_experts, group, sent):
     recv = [sum(r) for r in splits.recv]  # rows from each rank
     # source-rank-major, expert-sorted within
     received = AllToAll.apply(rows, send, recv, group, sent)
-    # expert-major: the local expert of every received row, then a stable sort keeps the sources in
-    # order
+    # expert-major: each received row's local expert; a stable sort keeps the sources in order
     expert_of_row = (
         torch.arange(n_local, device=rows.device)
         .repeat(ep)

@@ -2,7 +2,7 @@
 Export a picotron checkpoint to a Hugging Face transformers model directory.
 
     python export_hf.py --out_dir=out --hf_dir=hf/my-model
-    python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('hf/my-model')"
+    python -c "import transformers as t; t.AutoModelForCausalLM.from_pretrained('hf/my-model')"
 
 The newest complete checkpoint in out_dir, or the one --ckpt names (saved at any dp x tp x pp
 layout), is loaded into one process, its weights are renamed to the transformers names and written
@@ -11,16 +11,19 @@ vocabulary. The export is then reloaded in transformers and its logits compared 
 (--check=False skips that).
 
 Which architecture holds which model (each computes exactly what picotron computes):
-    the base model (RMSNorm, SwiGLU, RoPE, MHA/GQA/MQA, tied or untied)   LlamaForCausalLM
-      + bias=True (biases on the attention and MLP linears)               LlamaForCausalLM (attention_bias, mlp_bias)
-      + qkv_bias=True (biases on q, k and v only)                         Qwen2ForCausalLM
-      + qk_norm=True (RMSNorm on each query and key head)                 Qwen3ForCausalLM
-      + attn_softcap and/or final_softcap (tanh soft-capping)            VaultGemmaForCausalLM
-      + attention='mla' (multi-head latent attention)                    DeepseekV3ForCausalLM (all layers dense)
-    a dropless mixture of experts (n_expert > 0, capacity_factor=0)      Qwen2MoeForCausalLM
-      + qk_norm=True, no shared experts                                   Qwen3MoeForCausalLM
-    GPT-2's pieces with RoPE: norm='layernorm', mlp='gelu' (with or without
-      bias, sequential or parallel_block), MHA                            GPTNeoXForCausalLM
+    the base model: RMSNorm, SwiGLU, RoPE,
+      MHA/GQA/MQA, tied or untied                      LlamaForCausalLM
+      + bias=True (attention and MLP linears)          LlamaForCausalLM (attention_bias, mlp_bias)
+      + qkv_bias=True (q, k and v only)                Qwen2ForCausalLM
+      + qk_norm=True (RMSNorm on each q and k head)    Qwen3ForCausalLM
+      + attn_softcap and/or final_softcap (tanh)       VaultGemmaForCausalLM
+      + attention='mla' (multi-head latent attention)  DeepseekV3ForCausalLM (all layers dense)
+    a dropless mixture of experts
+      (n_expert > 0, capacity_factor=0)                Qwen2MoeForCausalLM
+      + qk_norm=True, no shared experts                Qwen3MoeForCausalLM
+    GPT-2's pieces with RoPE: norm='layernorm',
+      mlp='gelu' (with or without bias, sequential
+      or parallel_block), MHA                          GPTNeoXForCausalLM
 Gemma2 also has soft-capping, but it normalises each sublayer's output too (sandwich norms), which
 picotron's blocks do not; VaultGemma is the Gemma variant without them.
 
@@ -67,7 +70,8 @@ EXPORT = section(
     Setting(
         "out_dir",
         "out",
-        "the training run: its newest complete checkpoint is exported (or a ckpt_* folder itself)...",
+        "the training run: its newest complete checkpoint is exported "
+        "(or a ckpt_* folder itself)...",
     ),
     Setting(
         "ckpt",
@@ -80,9 +84,8 @@ EXPORT = section(
     ),
 )
 
-GPT2_FILES = (
-    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"  # tiktoken's gpt2 source
-)
+# tiktoken's gpt2 source
+GPT2_FILES = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
 GPT2_VOCAB_SIZE, GPT2_EOT = 50257, 50256
 
 
@@ -103,21 +106,17 @@ def load_picotron(out_dir, ckpt=""):
     path = find_checkpoint(ckpt, out_dir)
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
-    known = {f.name for f in fields(ModelConfig)} | {
-        "attn_impl",
-        "activation_checkpointing",
-        "chunked_loss",
-    }
-    # (the last three: execution choices older checkpoints saved)
+    known = {f.name for f in fields(ModelConfig)}
+    # execution choices that older checkpoints saved with the model
+    known |= {"attn_impl", "activation_checkpointing", "chunked_loss"}
     unknown = sorted(set(meta["model"]) - known)
     if unknown:
         raise ValueError(
-            f"checkpoint {path} has model options {unknown} that this picotron's ModelConfig lacks: it "
-            f"was saved by a newer picotron; export it with that version"
+            f"checkpoint {path} has model options {unknown} that this picotron's ModelConfig "
+            f"lacks: it was saved by a newer picotron; export it with that version"
         )
-    # 'eager' is picotron's written-out reference attention (the checkpoint may name flash, a
-    # CUDA-only kernel)
     cfg = model_config_from(meta["model"])
+    # picotron's written-out reference attention (the checkpoint may name flash, CUDA-only)
     model = Transformer(cfg, attn_impl="eager")
     checkpoint.load_model(model, checkpoint.CheckpointReader(path))
     return model.eval(), meta, path
@@ -127,95 +126,6 @@ def load_picotron(out_dir, ckpt=""):
 # choosing the transformers architecture
 
 
-def hf_architecture(cfg):
-    """The transformers architecture that computes what this picotron model computes, or a
-    ValueError naming each option that no architecture can hold."""
-    qk_norm = bool(cfg.qk_norm)
-    softcap = bool(cfg.attn_softcap or cfg.final_softcap)
-    mla = cfg.attention == "mla"
-    blockers = []
-    moe = cfg.n_expert > 0
-    if moe:
-        blockers += moe_blockers(cfg)
-    norm, mlp = cfg.norm, cfg.mlp
-    neox = norm == "layernorm" and mlp == "gelu"
-    if neox:  # GPT-NeoX: LayerNorm, GELU MLP, RoPE, sequential or parallel blocks, and nothing else
-        if cfg.n_kv_head != cfg.n_head:
-            blockers.append(
-                f"norm='layernorm', mlp='gelu' with n_kv_head={cfg.n_kv_head} < n_head={cfg.n_head}: "
-                f"GPT-NeoX has no grouped-query attention"
-            )
-        blockers += [
-            f"norm='layernorm', mlp='gelu' with {name}: GPT-NeoX has no such option"
-            for name in ("qk_norm", "attn_softcap", "final_softcap", "qkv_bias")
-            if getattr(cfg, name)
-        ]
-        if cfg.attention == "mha" and attention_head_dim(cfg) * cfg.n_head != cfg.n_embd:
-            blockers.append(
-                f"norm='layernorm', mlp='gelu' with head_dim={cfg.head_dim}: GPT-NeoX's head size is "
-                f"n_embd / n_head = {cfg.n_embd / cfg.n_head:g}"
-            )
-        if mla:
-            blockers.append(
-                "norm='layernorm', mlp='gelu' with attention='mla': no architecture has both"
-            )
-    else:
-        if cfg.parallel_block:
-            blockers.append(
-                "parallel_block=True with RMSNorm or SwiGLU: the only parallel-block architecture "
-                "(GPT-NeoX) uses LayerNorm and GELU (norm='layernorm', mlp='gelu')"
-            )
-        if norm != "rmsnorm":
-            blockers.append(
-                f"norm={norm!r} with mlp={mlp!r}: LayerNorm comes only with the GELU MLP (GPT-NeoX)"
-            )
-        if mlp != "swiglu":
-            blockers.append(
-                f"mlp={mlp!r} with norm={norm!r}: the GELU MLP comes only with LayerNorm (GPT-NeoX)"
-            )
-    if not (neox or mla):
-        if qk_norm and softcap:
-            blockers.append(
-                "qk_norm=True with soft-capping: the architectures with both (Gemma3) also normalise "
-                "each sublayer's output, which picotron does not"
-            )
-        elif cfg.bias and (qk_norm or softcap):
-            blockers.append(
-                f"bias=True with {'qk_norm' if qk_norm else 'soft-capping'}: "
-                f"{'Qwen3' if qk_norm else 'VaultGemma'} has no MLP biases"
-            )
-        elif cfg.qkv_bias and not cfg.bias and (qk_norm or softcap):
-            blockers.append(
-                f"qkv_bias=True with {'qk_norm' if qk_norm else 'soft-capping'}: "
-                f"{'Qwen3' if qk_norm else 'VaultGemma'}'s attention_bias gives o_proj a bias too"
-            )
-    # DeepSeek-V3's attention has no QK-norm, no soft-capping, and biases on only some projections
-    if mla:
-        blockers += [
-            f"attention='mla' with {name}: DeepSeek-V3's MLA has no such option"
-            for name in ("qk_norm", "attn_softcap", "final_softcap", "bias")
-            if getattr(cfg, name)
-        ]
-    if blockers:
-        raise ValueError(
-            "this model cannot be exported to a transformers architecture: " + "; ".join(blockers)
-        )
-    if moe:
-        return "Qwen3MoeForCausalLM" if qk_norm else "Qwen2MoeForCausalLM"
-    if neox:
-        return "GPTNeoXForCausalLM"
-    if mla:
-        return "DeepseekV3ForCausalLM"
-    if qk_norm:
-        return "Qwen3ForCausalLM"
-    if softcap:
-        return "VaultGemmaForCausalLM"
-    # (with bias=True every linear has one already: Llama holds it)
-    if cfg.qkv_bias and not cfg.bias:
-        return "Qwen2ForCausalLM"
-    return "LlamaForCausalLM"
-
-
 def moe_blockers(cfg):
     """What keeps a mixture of experts from Qwen2-MoE and Qwen3-MoE, the architectures whose routing
     is picotron's (see the module's docstring), as one message per option."""
@@ -223,9 +133,9 @@ def moe_blockers(cfg):
     blockers = []
     if cfg.capacity_factor > 0:
         blockers.append(
-            f"{name} with capacity_factor={cfg.capacity_factor}: no transformers architecture drops tokens "
-            f"over an expert's capacity as picotron's router does; a mixture of experts trained dropless "
-            f"(capacity_factor=0) exports"
+            f"{name} with capacity_factor={cfg.capacity_factor}: no transformers architecture "
+            f"drops tokens over an expert's capacity as picotron's router does; a mixture of "
+            f"experts trained dropless (capacity_factor=0) exports"
         )
     if cfg.norm == "layernorm" and cfg.mlp == "gelu":
         blockers.append(
@@ -235,8 +145,8 @@ def moe_blockers(cfg):
         blockers.append(f"{name} with bias=True: Qwen-MoE's experts have no biases")
     if cfg.attention == "mla":
         blockers.append(
-            f"{name} with attention='mla': DeepSeek-V3's experts are chosen by sigmoid scores in groups, "
-            f"not by picotron's softmax"
+            f"{name} with attention='mla': DeepSeek-V3's experts are chosen by sigmoid scores in "
+            f"groups, not by picotron's softmax"
         )
     if cfg.attn_softcap or cfg.final_softcap:
         blockers.append(f"{name} with soft-capping: no mixture-of-experts architecture soft-caps")
@@ -247,9 +157,113 @@ def moe_blockers(cfg):
         )
     if cfg.qk_norm and cfg.qkv_bias:
         blockers.append(
-            f"{name} with qk_norm=True and qkv_bias=True: Qwen3-MoE's attention_bias gives o_proj a bias too"
+            f"{name} with qk_norm=True and qkv_bias=True: Qwen3-MoE's attention_bias gives o_proj "
+            f"a bias too"
         )
     return blockers
+
+
+def neox_blockers(cfg):
+    """What keeps a LayerNorm + GELU model from GPT-NeoX, which has those, RoPE, sequential or
+    parallel blocks, and nothing else."""
+    blockers = []
+    pieces = "norm='layernorm', mlp='gelu'"
+    if cfg.n_kv_head != cfg.n_head:
+        blockers.append(
+            f"{pieces} with n_kv_head={cfg.n_kv_head} < n_head={cfg.n_head}: "
+            f"GPT-NeoX has no grouped-query attention"
+        )
+    blockers += [
+        f"{pieces} with {name}: GPT-NeoX has no such option"
+        for name in ("qk_norm", "attn_softcap", "final_softcap", "qkv_bias")
+        if getattr(cfg, name)
+    ]
+    if cfg.attention == "mha" and attention_head_dim(cfg) * cfg.n_head != cfg.n_embd:
+        blockers.append(
+            f"{pieces} with head_dim={cfg.head_dim}: GPT-NeoX's head size is "
+            f"n_embd / n_head = {cfg.n_embd / cfg.n_head:g}"
+        )
+    if cfg.attention == "mla":
+        blockers.append(f"{pieces} with attention='mla': no architecture has both")
+    return blockers
+
+
+def llama_family_blockers(cfg):
+    """What keeps an RMSNorm + SwiGLU model from the Llama family (Llama, Qwen2, Qwen3,
+    VaultGemma): the GPT-NeoX pieces alone, and the options no one member holds together."""
+    blockers = []
+    norm, mlp = cfg.norm, cfg.mlp
+    if cfg.parallel_block:
+        blockers.append(
+            "parallel_block=True with RMSNorm or SwiGLU: the only parallel-block architecture "
+            "(GPT-NeoX) uses LayerNorm and GELU (norm='layernorm', mlp='gelu')"
+        )
+    if norm != "rmsnorm":
+        blockers.append(
+            f"norm={norm!r} with mlp={mlp!r}: LayerNorm comes only with the GELU MLP (GPT-NeoX)"
+        )
+    if mlp != "swiglu":
+        blockers.append(
+            f"mlp={mlp!r} with norm={norm!r}: the GELU MLP comes only with LayerNorm (GPT-NeoX)"
+        )
+    if cfg.attention == "mla":
+        return blockers  # mla_blockers says what DeepSeek-V3 cannot hold
+    qk_norm = bool(cfg.qk_norm)
+    softcap = bool(cfg.attn_softcap or cfg.final_softcap)
+    option = "qk_norm" if qk_norm else "soft-capping"
+    holder = "Qwen3" if qk_norm else "VaultGemma"
+    if qk_norm and softcap:
+        blockers.append(
+            "qk_norm=True with soft-capping: the architectures with both (Gemma3) also normalise "
+            "each sublayer's output, which picotron does not"
+        )
+    elif cfg.bias and (qk_norm or softcap):
+        blockers.append(f"bias=True with {option}: {holder} has no MLP biases")
+    elif cfg.qkv_bias and not cfg.bias and (qk_norm or softcap):
+        blockers.append(
+            f"qkv_bias=True with {option}: {holder}'s attention_bias gives o_proj a bias too"
+        )
+    return blockers
+
+
+def mla_blockers(cfg):
+    """DeepSeek-V3's attention has no QK-norm, no soft-capping, and biases on only some
+    projections."""
+    return [
+        f"attention='mla' with {name}: DeepSeek-V3's MLA has no such option"
+        for name in ("qk_norm", "attn_softcap", "final_softcap", "bias")
+        if getattr(cfg, name)
+    ]
+
+
+def hf_architecture(cfg):
+    """The transformers architecture that computes what this picotron model computes, or a
+    ValueError naming each option that no architecture can hold."""
+    moe = cfg.n_expert > 0
+    neox = cfg.norm == "layernorm" and cfg.mlp == "gelu"
+    mla = cfg.attention == "mla"
+    blockers = moe_blockers(cfg) if moe else []
+    blockers += neox_blockers(cfg) if neox else llama_family_blockers(cfg)
+    if mla:
+        blockers += mla_blockers(cfg)
+    if blockers:
+        raise ValueError(
+            "this model cannot be exported to a transformers architecture: " + "; ".join(blockers)
+        )
+    if moe:
+        return "Qwen3MoeForCausalLM" if cfg.qk_norm else "Qwen2MoeForCausalLM"
+    if neox:
+        return "GPTNeoXForCausalLM"
+    if mla:
+        return "DeepseekV3ForCausalLM"
+    if cfg.qk_norm:
+        return "Qwen3ForCausalLM"
+    if cfg.attn_softcap or cfg.final_softcap:
+        return "VaultGemmaForCausalLM"
+    # (with bias=True every linear has one already: Llama holds it)
+    if cfg.qkv_bias and not cfg.bias:
+        return "Qwen2ForCausalLM"
+    return "LlamaForCausalLM"
 
 
 # -----------------------------------------------------------------------------
@@ -262,8 +276,7 @@ HF_NAMES = [
     (r"blocks\.(\d+)\.attn_norm\.(weight|bias)", r"model.layers.\1.input_layernorm.\2"),
     (r"blocks\.(\d+)\.attn\.([qkvo])_proj\.(weight|bias)", r"model.layers.\1.self_attn.\2_proj.\3"),
     (r"blocks\.(\d+)\.attn\.([qk])_norm\.weight", r"model.layers.\1.self_attn.\2_norm.weight"),
-    # multi-head latent attention: DeepSeek's a (down) and b (up) projections around the latent
-    # norms
+    # multi-head latent attention: DeepSeek's a (down) and b (up) projections around latent norms
     (r"blocks\.(\d+)\.attn\.q_down\.weight", r"model.layers.\1.self_attn.q_a_proj.weight"),
     (
         r"blocks\.(\d+)\.attn\.q_latent_norm\.weight",
@@ -281,8 +294,7 @@ HF_NAMES = [
     (r"blocks\.(\d+)\.attn\.kv_up\.weight", r"model.layers.\1.self_attn.kv_b_proj.weight"),
     (r"blocks\.(\d+)\.mlp_norm\.(weight|bias)", r"model.layers.\1.post_attention_layernorm.\2"),
     (r"blocks\.(\d+)\.mlp\.(gate|up|down)\.(weight|bias)", r"model.layers.\1.mlp.\2_proj.\3"),
-    # a mixture of experts: the router; each expert under its own name here, stacked by
-    # qwen_moe_layout
+    # a mixture of experts: the router, and each expert by name (qwen_moe_layout stacks them)
     (r"blocks\.(\d+)\.mlp\.router\.weight", r"model.layers.\1.mlp.gate.weight"),
     (
         r"blocks\.(\d+)\.mlp\.(experts|shared_experts)\.(\d+)\.(gate|up|down)\.weight",
@@ -314,8 +326,8 @@ def hf_tensors(model, arch):
         new = hf_name(name, arch)
         if new is None:
             raise ValueError(
-                f"the checkpoint's parameter '{name}' has no counterpart in {arch}: the option that "
-                f"added it cannot be exported"
+                f"the checkpoint's parameter '{name}' has no counterpart in {arch}: the option "
+                f"that added it cannot be exported"
             )
         if name in ("tok_emb.weight", "lm_head.weight"):
             # rows past vocab_size pad the vocabulary for tensor parallelism
@@ -455,10 +467,68 @@ def gpt_neox_config(cfg, tensors, rope, tokens):
     )
 
 
+def qwen_options(cfg):
+    """What the Qwen architectures (dense and MoE) need said: every layer attends to the whole
+    context."""
+    return dict(
+        hidden_act="silu",
+        use_sliding_window=False,
+        sliding_window=None,
+        layer_types=["full_attention"] * cfg.n_layer,
+    )
+
+
+def qwen_moe_options(cfg, arch):
+    """Qwen-MoE's router and experts: picotron's routing (see the module's docstring) in every
+    layer."""
+    options = dict(
+        num_experts=cfg.n_expert,
+        num_experts_per_tok=cfg.n_expert_per_token,
+        moe_intermediate_size=mlp_hidden_size(cfg),
+        norm_topk_prob=False,  # picotron's gates are the top-k probabilities as they are
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=cfg.aux_loss_coef,
+    )
+    if arch == "Qwen2MoeForCausalLM":
+        shared_width = mlp_hidden_size(cfg) * max(1, cfg.n_shared_expert)
+        options.update(qkv_bias=bool(cfg.qkv_bias), shared_expert_intermediate_size=shared_width)
+    return options
+
+
+def vaultgemma_options(cfg):
+    """VaultGemma's soft-capping, and the settings that make its layers plain full attention."""
+    return dict(
+        hidden_activation="silu",
+        query_pre_attn_scalar=attention_head_dim(cfg),  # scores scaled by 1/sqrt(head_dim)
+        attn_logit_softcapping=cfg.attn_softcap or None,
+        final_logit_softcapping=cfg.final_softcap or None,
+        # every layer attends to the whole context; transformers builds a sliding-window mask
+        # all the same and needs a window for it, which no layer uses
+        sliding_window=cfg.block_size,
+        layer_types=["full_attention"] * cfg.n_layer,
+    )
+
+
+def deepseek_v3_options(cfg):
+    """DeepSeek-V3's multi-head latent attention, with every layer's MLP dense."""
+    return dict(
+        hidden_act="silu",
+        num_key_value_heads=cfg.n_head,
+        kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=cfg.q_lora_rank or None,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        rope_interleave=False,  # picotron rotates halves, not interleaved pairs
+        first_k_dense_replace=cfg.n_layer,  # every layer a dense MLP
+        num_mtp_layers=0,
+    )
+
+
 def hf_config(model, arch, tensors, tokenizer_fits):
     """The transformers config (a dict for its config class) of this model under `arch`."""
     cfg = model.cfg
-    head_dim = attention_head_dim(cfg)
     rope = hf_rope(cfg)
     tokens = dict(
         bos_token_id=GPT2_EOT if tokenizer_fits else None,
@@ -484,62 +554,20 @@ def hf_config(model, arch, tensors, tokenizer_fits):
         **tokens,
     )
     if arch != "DeepseekV3ForCausalLM":
-        kwargs.update(head_dim=head_dim)
+        kwargs.update(head_dim=attention_head_dim(cfg))
+    # Qwen2's q, k and v always have biases, its o_proj never (Qwen2-MoE: qkv_bias for q, k, v)
+    if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
+        del kwargs["attention_bias"]
     if arch == "LlamaForCausalLM":
         kwargs.update(hidden_act="silu", mlp_bias="model.layers.0.mlp.gate_proj.bias" in tensors)
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        if arch == "Qwen2ForCausalLM":
-            del kwargs["attention_bias"]  # Qwen2's q, k and v always have biases, its o_proj never
-        kwargs.update(
-            hidden_act="silu",
-            use_sliding_window=False,
-            sliding_window=None,
-            layer_types=["full_attention"] * cfg.n_layer,
-        )
+        kwargs.update(qwen_options(cfg))
     elif arch == "VaultGemmaForCausalLM":
-        kwargs.update(
-            hidden_activation="silu",
-            query_pre_attn_scalar=head_dim,  # scores scaled by 1/sqrt(head_dim)
-            attn_logit_softcapping=cfg.attn_softcap or None,
-            final_logit_softcapping=cfg.final_softcap or None,
-            # every layer attends to the whole context; transformers builds a sliding-window mask
-            # all the same and needs a window for it, which no layer uses
-            sliding_window=cfg.block_size,
-            layer_types=["full_attention"] * cfg.n_layer,
-        )
+        kwargs.update(vaultgemma_options(cfg))
     elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-        kwargs.update(
-            hidden_act="silu",
-            use_sliding_window=False,
-            sliding_window=None,
-            layer_types=["full_attention"] * cfg.n_layer,
-            num_experts=cfg.n_expert,
-            num_experts_per_tok=cfg.n_expert_per_token,
-            moe_intermediate_size=mlp_hidden_size(cfg),
-            norm_topk_prob=False,  # picotron's gates are the top-k probabilities as they are
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            router_aux_loss_coef=cfg.aux_loss_coef,
-        )
-        if arch == "Qwen2MoeForCausalLM":
-            del kwargs["attention_bias"]  # Qwen2-MoE: qkv_bias for q, k and v, never o_proj
-            kwargs.update(
-                qkv_bias=bool(cfg.qkv_bias),
-                shared_expert_intermediate_size=mlp_hidden_size(cfg) * max(1, cfg.n_shared_expert),
-            )
+        kwargs.update(qwen_options(cfg), **qwen_moe_options(cfg, arch))
     elif arch == "DeepseekV3ForCausalLM":
-        kwargs.update(
-            hidden_act="silu",
-            num_key_value_heads=cfg.n_head,
-            kv_lora_rank=cfg.kv_lora_rank,
-            q_lora_rank=cfg.q_lora_rank or None,
-            qk_rope_head_dim=cfg.qk_rope_head_dim,
-            qk_nope_head_dim=cfg.qk_nope_head_dim,
-            v_head_dim=cfg.v_head_dim,
-            rope_interleave=False,  # picotron rotates halves, not interleaved pairs
-            first_k_dense_replace=cfg.n_layer,
-            num_mtp_layers=0,
-        )  # every layer a dense MLP
+        kwargs.update(deepseek_v3_options(cfg))
     return kwargs
 
 
@@ -650,25 +678,25 @@ def export(out_dir, hf_dir, ckpt=""):
     config.save_pretrained(hf_dir)
     weights = os.path.join(hf_dir, "model.safetensors")
     save_file(tensors, weights, metadata={"format": "pt"})
-    # save_file writes a temporary file (mode 0600) and renames it: give the weights the mode every
-    # other new file gets, 0666 less the umask, like config.json beside them (os.umask only reads it
-    # by setting it)
+    # save_file writes a temporary file (mode 0600) and renames it: give the weights the mode of
+    # config.json beside them, 0666 less the umask (which os.umask reads only by setting it)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(weights, 0o666 & ~umask)
     print(f"exported {path} (step {meta['step']}) as {arch} to {hf_dir}")
     if arch == "DeepseekV3ForCausalLM" and model.cfg.norm_eps != 1e-6:
         print(
-            f"  note: DeepSeek-V3's latent norms have eps 1e-6 built in, picotron's norm_eps is {model.cfg.norm_eps}: "
-            f"the logits differ by about 1e-5 (exactly the same with norm_eps=1e-6)"
+            f"  note: DeepSeek-V3's latent norms have eps 1e-6 built in, picotron's norm_eps is "
+            f"{model.cfg.norm_eps}: the logits differ by about 1e-5 (exactly the same with "
+            f"norm_eps=1e-6)"
         )
     if tokenizer_fits:
         write_gpt2_tokenizer(hf_dir, model.cfg.block_size)
         print("  with the GPT-2 tokenizer")
     else:
         print(
-            f"  without a tokenizer: the model's vocabulary ({model.cfg.vocab_size} tokens, tokenizer "
-            f"{meta.get('tokenizer')!r}) is not GPT-2's {GPT2_VOCAB_SIZE}"
+            f"  without a tokenizer: the model's vocabulary ({model.cfg.vocab_size} tokens, "
+            f"tokenizer {meta.get('tokenizer')!r}) is not GPT-2's {GPT2_VOCAB_SIZE}"
         )
     return model, arch
 
@@ -679,9 +707,8 @@ def max_logit_difference(model, arch, hf_dir, batch=2, seq_len=64, seed=0):
     model_class, _ = hf_classes(arch)
     hf_model = model_class.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(
-        0, model.cfg.vocab_size, (batch, min(seq_len, model.cfg.block_size)), generator=g
-    )
+    shape = (batch, min(seq_len, model.cfg.block_size))
+    idx = torch.randint(0, model.cfg.vocab_size, shape, generator=g)
     ours, _ = model(idx)
     theirs = hf_model(idx).logits
     return (ours - theirs).abs().max().item(), ours.abs().max().item()
@@ -694,7 +721,8 @@ def main(argv):
         if cfg["check"]:
             diff, scale = max_logit_difference(model, arch, cfg["hf_dir"])
             print(
-                f"  check: transformers' logits differ from picotron's by at most {diff:.2e} (logits up to {scale:.1f})"
+                f"  check: transformers' logits differ from picotron's by at most {diff:.2e} "
+                f"(logits up to {scale:.1f})"
             )
             # fp32 agrees to ~1e-6; a wrong mapping differs by O(1)
             if not diff <= 1e-4 * max(1.0, scale):

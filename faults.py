@@ -2,21 +2,24 @@
 What a long run does when a step, a peer or the job's time goes wrong (settings.py's "faults"
 section):
 
-  a non-finite step   skipped on the device, counted without a host sync (BadSteps); max_bad_steps in a
-                      row stop the run naming the last checkpoint before the trouble (TooManyBadSteps)
-  SIGTERM             SLURM's notice before the job's time runs out: every rank stops at the same step,
-                      saves, exits SAVED_ON_SIGTERM (StopVote), and --init_from=auto continues from there
+  a non-finite step   skipped on the device, counted without a host sync (BadSteps); max_bad_steps
+                      in a row stop the run naming the last checkpoint before the trouble
+                      (TooManyBadSteps)
+  SIGTERM             SLURM's notice before the job's time runs out: every rank stops at the same
+                      step, saves, exits SAVED_ON_SIGTERM (StopVote), and --init_from=auto continues
+                      from there
   a dead or hung peer every survivor says which rank it is, what it waited in and how to continue
                       (peer_failure tells such an error from the others; end_on_dead_peer), within
                       dist_timeout_s
-  the end of a script train.py and tools/bench.py end by run_script, past the interpreter's teardown, where
-                      torch's gloo threads can abort a process: 0 finished, 1 an error (said once, by
-                      rank 0), 75 stopped and saved by SIGTERM
-  a full disk at      rank 0 alone writes metrics.jsonl: every rank learns of its failure at the same line
-  a log line          (StopVote.any_rank), saves if it can and stops with rank 0's one line (train.write_log)
-  a damaged           `python checkpoint.py --verify OUT_DIR` checks every checkpoint of a run offline (sizes
-  checkpoint          and crc32s) and names the newest intact one with its resume command
-                      (checkpoint.verify)
+  the end of a script train.py and tools/bench.py end by run_script, past the interpreter's
+                      teardown, where torch's gloo threads can abort a process: 0 finished, 1 an
+                      error (said once, by rank 0), 75 stopped and saved by SIGTERM
+  a full disk at      rank 0 alone writes metrics.jsonl: every rank learns of its failure at the
+  a log line          same line (StopVote.any_rank), saves if it can and stops with rank 0's one
+                      line (train.write_log)
+  a damaged           `python checkpoint.py --verify OUT_DIR` checks every checkpoint of a run
+  checkpoint          offline (sizes and crc32s) and names the newest intact one with its resume
+                      command (checkpoint.verify)
   the end of a run    finished or stopped, it says what it trained and how to go on from its newest
                       checkpoint (end_of_run)
 
@@ -72,18 +75,17 @@ class BadSteps:
         max_bad_steps came in a row."""
         total, _, _, tripped = self.read()
         if tripped:
-            good = [
-                p
-                for p in checkpoint.complete_checkpoints(out_dir)
-                if checkpoint.step_of(p) < tripped
-            ]
+            done = checkpoint.complete_checkpoints(out_dir)
+            good = [p for p in done if checkpoint.step_of(p) < tripped]
+            last_good = good[-1] if good else "none (start again with --init_from=scratch)"
             raise TooManyBadSteps(
-                f"steps {tripped} to {tripped + self.max_bad_steps - 1} all had a non-finite gradient norm "
-                f"(max_bad_steps = {self.max_bad_steps} in a row; each was skipped, so the weights are those of step "
-                f"{tripped - 1}): the run diverged, stopped at step {step}. The last checkpoint written before the "
-                f"trouble is {good[-1] if good else 'none (start again with --init_from=scratch)'}: resume from it "
-                f"with a lower --learning_rate (--init_from=resume takes the newest complete checkpoint in out_dir; "
-                f"those after step {tripped - 1} hold the same weights)"
+                f"steps {tripped} to {tripped + self.max_bad_steps - 1} all had a non-finite "
+                f"gradient norm (max_bad_steps = {self.max_bad_steps} in a row; each was skipped, "
+                f"so the weights are those of step {tripped - 1}): the run diverged, stopped at "
+                f"step {step}. The last checkpoint written before the trouble is {last_good}: "
+                f"resume from it with a lower --learning_rate (--init_from=resume takes the newest "
+                f"complete checkpoint in out_dir; those after step {tripped - 1} hold the same "
+                f"weights)"
             )
         return total
 
@@ -132,7 +134,7 @@ class StopVote:
         )
         self.replaced = signal.signal(signal.SIGTERM, self._ask)
         self.mark = os.path.join(out_dir, SIGTERM_MARK) if out_dir and layout.rank == 0 else None
-        # an earlier launch's: this one goes on from there
+        # a mark an earlier launch left: this one goes on from there
         if self.mark and os.path.exists(self.mark):
             os.remove(self.mark)
 
@@ -200,8 +202,8 @@ def end_on_dead_peer(e, rank, phase, timeout_s):
     print(
         f"error: rank {rank} stopped in {phase}: a peer died or did not answer within "
         f"dist_timeout_s = {timeout_s:g} s ({first}). Launched with torchrun --max-restarts=N "
-        f"--init_from=auto, the job restarts from its last checkpoint by itself; else launch it again "
-        f"with --init_from=auto",
+        f"--init_from=auto, the job restarts from its last checkpoint by itself; else launch it "
+        f"again with --init_from=auto",
         file=sys.stderr,
         flush=True,
     )
@@ -290,8 +292,8 @@ def end_of_run(cfg, layout, first_step, step, tokens_per_step, seconds, evals, n
     checkpoint and the commands that take it further, written for this run's out_dir."""
     trained = step - first_step
     lines = [
-        f"finished: steps {first_step} -> {step} ({trained} steps, {trained * tokens_per_step:,} tokens) in "
-        f"{format_duration(seconds)}"
+        f"finished: steps {first_step} -> {step} ({trained} steps, "
+        f"{trained * tokens_per_step:,} tokens) in {format_duration(seconds)}"
     ]
     if evals:
         # a corpus of one document has no validation split

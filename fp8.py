@@ -12,15 +12,17 @@ and the optimizer state stay in the run's dtype, the embedding, the norms, atten
 stay as they are, so a checkpoint does not depend on fp8 (an fp8 run resumes without it and back).
 
 The two recipes (torchao's names):
-  tensorwise  one scale per tensor: input and weight in e4m3 (3 mantissa bits, up to 448), the output
-              gradient in e5m2 (2 mantissa bits, up to 57,344: gradients span more range than precision).
-  rowwise     one scale per row of each operand along the matmul's inner dimension (per token of x, per
-              output row of W, ...), all e4m3, each scale rounded down to a power of two (multiplying by it
-              is exact, so the cast rounds only once). CUDA's rowwise kernel has no fp32 output, so torchao
-              rounds each matmul's output through bf16, here too; and it multiplies the two gradient
-              matmuls' scales in after the product (its rowwise kernel is slow without fast accumulation, so
-              those run the tensorwise kernel with unit scales): with power-of-two scales this is the same
-              number, done the same way so that the two agree bit for bit.
+  tensorwise  one scale per tensor: input and weight in e4m3 (3 mantissa bits, up to 448), the
+              output gradient in e5m2 (2 mantissa bits, up to 57,344: gradients span more range
+              than precision).
+  rowwise     one scale per row of each operand along the matmul's inner dimension (per token of
+              x, per output row of W, ...), all e4m3, each scale rounded down to a power of two
+              (multiplying by it is exact, so the cast rounds only once). CUDA's rowwise kernel has
+              no fp32 output, so torchao rounds each matmul's output through bf16, here too; and it
+              multiplies the two gradient matmuls' scales in after the product (its rowwise kernel
+              is slow without fast accumulation, so those run the tensorwise kernel with unit
+              scales): with power-of-two scales this is the same number, done the same way so that
+              the two agree bit for bit.
 torchao floors every amax at 1e-12 and computes the scale in float64, then fp32: an all-zero tensor
 gets a finite scale. Every cast clamps first: `.to(float8_e4m3fn)` saturates at 448, but
 `.to(float8_e5m2)` turns values from 61,440 up into inf.
@@ -102,8 +104,9 @@ def cast(x, dtype, dim, groups, power_of_2=False):
 def scaled_mm(a, a_scale, b, b_scale, out_dtype, post_scaled=False):
     """a @ b / (a_scale * b_scale), a (M, K) and b (K, N) in FP8, scales 0-d or (M, 1) and (1, N).
     torch._scaled_mm takes the inverse scales, and (under torch.compile) a row-major, b
-    column-major. post_scaled: the product with unit scales, then the scales multiplied in
-    (torchao's gradient matmuls)."""
+    column-major.
+    post_scaled: the product with unit scales, then the scales multiplied in (torchao's gradient
+    matmuls)."""
     a, b = a.contiguous(), b.t().contiguous().t()
     inverse = a_scale.reciprocal(), b_scale.reciprocal()
     if post_scaled:
@@ -325,11 +328,10 @@ def apply_fp8(model, recipe, *, keep=None, token_group=None, device_type="cpu"):
             not fp8_dims_ok(layer.weight, device_type)
             or getattr(layer.weight, "grad_summed_over", None) is not None
         ):
-            # (a weight every tp rank holds whole but uses for part of the work, MLA's
-            # down-projections:
+            # a weight every tp rank holds whole but uses for part of the work (MLA's
+            # down-projections): its output gradient here is a partial sum, and no cast of a part
+            # is one process's cast
             continue
-            # its output gradient here is a partial sum, and no cast of a part is one process's
-            # cast)
         if isinstance(layer, ColumnParallelLinear):
             layer.matmul = Float8Matmul(recipe, outer=layer.group, tokens=token_group)
         elif isinstance(layer, RowParallelLinear):

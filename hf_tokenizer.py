@@ -2,9 +2,9 @@
 The tokenizer of a transformers model folder, for prepare_data.py, sample.py and the models
 import_hf.py loads. A tokenizer is named by a string, which meta.json files and checkpoints record:
 
-    a tiktoken encoding ('gpt2', 'cl100k_base', ...)    tiktoken, as for picotron's own models
-    a model folder (its absolute path)                  the folder's tokenizer.json, read with the
-                                                        `tokenizers` package (pip install tokenizers)
+    a tiktoken encoding ('gpt2', 'cl100k_base', ...)  tiktoken, as for picotron's own models
+    a model folder (its absolute path)                the folder's tokenizer.json, read with the
+                                                      `tokenizers` package (pip install tokenizers)
 
 A folder whose vocabulary is exactly one of tiktoken's encodings (GPT-2's, for picotron's own
 exports) resolves to that encoding: tiktoken is faster and needs no other package. Every other
@@ -60,7 +60,7 @@ def folder_vocabulary(folder):
     with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
         spec = json.load(f)
     vocab = dict(spec.get("model", {}).get("vocab") or {})
-    # (a Unigram model lists [piece, score] pairs: no tiktoken encoding)
+    # a Unigram model lists [piece, score] pairs: no tiktoken encoding
     if not isinstance(vocab, dict):
         return None
     vocab.update({t["content"]: t["id"] for t in spec.get("added_tokens", [])})
@@ -131,8 +131,9 @@ def end_of_text_token(folder, tokenizer):
             if isinstance(eos, int):
                 return eos
     raise ValueError(
-        f"the tokenizer of {folder} names no end-of-text token (eos_token in tokenizer_config.json, "
-        f"or eos_token_id in config.json): add one, documents are separated by it"
+        f"the tokenizer of {folder} names no end-of-text token (eos_token in "
+        f"tokenizer_config.json, or eos_token_id in config.json): add one, documents are separated "
+        f"by it"
     )
 
 
@@ -156,8 +157,8 @@ class FolderTokenizer:
         self.eot_token = end_of_text_token(folder, self.tokenizer)
 
     def encode_ordinary(self, text):
-        # (unlike tiktoken's encode_ordinary, the text of a special token, "<|endoftext|>", becomes
-        # that token)
+        # unlike tiktoken's encode_ordinary, the text of a special token, "<|endoftext|>", becomes
+        # that token
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode(self, text, allowed_special=None):
@@ -172,8 +173,8 @@ def folder_encoding(folder):
     the folder's tokenizer.json."""
     if not has_tokenizer(folder):
         raise ValueError(
-            f"{folder} holds no tokenizer.json: name its tokenizer with --tokenizer (a tiktoken encoding, "
-            f"or a model folder that has tokenizer.json)"
+            f"{folder} holds no tokenizer.json: name its tokenizer with --tokenizer (a tiktoken "
+            f"encoding, or a model folder that has tokenizer.json)"
         )
     name = matching_tiktoken(folder)
     return tiktoken.get_encoding(name) if name else FolderTokenizer(folder)
@@ -187,14 +188,14 @@ def get_encoding(name):
         return folder_encoding(name)
     names = tiktoken.list_encoding_names()
     if name not in names:
+        moved = (
+            " (a checkpoint records its data's tokenizer folder: it was moved or deleted?)"
+            if os.path.isabs(name)
+            else ""
+        )
         raise ValueError(
-            f"unknown tokenizer {name!r}: --tokenizer must name a tiktoken encoding, one of {', '.join(names)}, "
-            f"or a model folder with tokenizer.json"
-            + (
-                " (a checkpoint records its data's tokenizer folder: it was moved or deleted?)"
-                if os.path.isabs(name)
-                else ""
-            )
+            f"unknown tokenizer {name!r}: --tokenizer must name a tiktoken encoding, one of "
+            f"{', '.join(names)}, or a model folder with tokenizer.json{moved}"
         )
     try:
         return tiktoken.get_encoding(name)
@@ -212,8 +213,10 @@ def get_encoding(name):
             if cache_dir
             else f"TIKTOKEN_CACHE_DIR is {'empty' if cache_dir == '' else 'not set'}"
         )
+        sha1 = hashlib.sha1(url.encode()).hexdigest()
         raise ConnectionError(
-            f"--tokenizer={name}: tiktoken could not download {url} ({type(e).__name__}), and {cache}. Offline, set "
-            f"TIKTOKEN_CACHE_DIR to a directory holding the encoding's files, each named by the sha1 of its URL "
-            f"(this one: {hashlib.sha1(url.encode()).hexdigest()}); one filled by a run with network access will do"
+            f"--tokenizer={name}: tiktoken could not download {url} ({type(e).__name__}), and "
+            f"{cache}. Offline, set TIKTOKEN_CACHE_DIR to a directory holding the encoding's "
+            f"files, each named by the sha1 of its URL (this one: {sha1}); one filled by a run "
+            f"with network access will do"
         ) from e

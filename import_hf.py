@@ -1,32 +1,35 @@
-"""
+r"""
 Start from a transformers model: read a local model folder (config.json and safetensors weights)
 into picotron's model at any layout. train.py does it for init_from=<folder>:
 
-    torchrun --nproc_per_node=4 train.py --init_from=hf/SmolLM2-135M --tp=2 --pp=2 --max_iters=0 --out_dir=out/smol
-    torchrun --nproc_per_node=8 train.py --init_from=resume --out_dir=out/smol --data_dir=... --max_iters=2000
+    torchrun --nproc_per_node=4 train.py --init_from=hf/SmolLM2-135M --tp=2 --pp=2 \
+        --max_iters=0 --out_dir=out/smol
+    torchrun --nproc_per_node=8 train.py --init_from=resume --out_dir=out/smol --data_dir=... \
+        --max_iters=2000
 
 (max_iters=0 converts the model once into a picotron checkpoint at the launch's layout and exits;
 resuming it starts a fresh optimizer at step 0. With max_iters > 0 training starts from the model
 directly.)
 
   1. The config: config.json becomes picotron's model settings, every one of them (head_dim,
-     intermediate_size, qkv_bias, Llama 3's RoPE scaling, the experts, ...); whatever picotron cannot
-     represent (a sliding window, another RoPE scaling, DeepSeek's mixture of experts, renormalised top-k
-     weights, a GELU-gated MLP) is refused by its config.json name, all at once. The architectures are
-     those export_hf.py writes, and Qwen2's:
+     intermediate_size, qkv_bias, Llama 3's RoPE scaling, the experts, ...); whatever picotron
+     cannot represent (a sliding window, another RoPE scaling, DeepSeek's mixture of experts,
+     renormalised top-k weights, a GELU-gated MLP) is refused by its config.json name, all at
+     once. The architectures are those export_hf.py writes, and Qwen2's:
          LlamaForCausalLM        SmolLM2, Llama 3.x, TinyLlama
          Qwen2ForCausalLM        Qwen2.5 (q/k/v biases: qkv_bias=True)
          Qwen3ForCausalLM        Qwen3 dense (qk_norm=True, head_dim)
-         Qwen2MoeForCausalLM     a dropless mixture of experts (capacity_factor=0), its shared expert
-                                 ungated (a zero gate: picotron's exports; see moe_settings)
+         Qwen2MoeForCausalLM     a dropless mixture of experts (capacity_factor=0), its shared
+                                 expert ungated (a zero gate: picotron's exports; see moe_settings)
          Qwen3MoeForCausalLM     the same with qk_norm=True, without shared experts
          VaultGemmaForCausalLM, DeepseekV3ForCausalLM (dense layers), GPTNeoXForCausalLM
-  2. The weights: each tensor is found under its transformers name (export_hf.py's table, read the other
-     way; experts in stacked tensors or one by one), its shape checked against the config, and each rank
-     reads only its own slice of it (an expert-parallel rank: only its own experts), straight
-     from the safetensors files (safe_open(...).get_slice: a slice of a memory-mapped file), so no rank
-     ever holds a full model. One file or several (model.safetensors.index.json), fp32, bf16 or fp16:
-     each slice is cast to the parameters' fp32 as it is copied in.
+  2. The weights: each tensor is found under its transformers name (export_hf.py's table, read
+     the other way; experts in stacked tensors or one by one), its shape checked against the
+     config, and each rank reads only its own slice of it (an expert-parallel rank: only its own
+     experts), straight from the safetensors files (safe_open(...).get_slice: a slice of a
+     memory-mapped file), so no rank ever holds a full model. One file or several
+     (model.safetensors.index.json), fp32, bf16 or fp16: each slice is cast to the parameters'
+     fp32 as it is copied in.
 
 Needs the safetensors package (pip install safetensors); the model folder's tokenizer is
 hf_tokenizer.py's.
@@ -47,6 +50,7 @@ from model import ModelConfig, Transformer, mlp_hidden_size, swiglu_hidden_size
 from parallel import full_shape_of
 from tensor_parallel import load_shard
 
+# the architectures picotron reads -> their model_type
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -56,7 +60,7 @@ ARCHITECTURES = {
     "GPTNeoXForCausalLM": "gpt_neox",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
-}  # -> their model_type
+}
 MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 # transformers' defaults for what a config.json may leave out (tests/test_import_hf.py checks them
@@ -123,15 +127,12 @@ DEFAULTS = {
         "router_aux_loss_coef": 0.001,
     },
 }
-SILU = ("silu", "swish")  # transformers' names of x * sigmoid(x)
-# of GELU's tanh approximation, picotron's (and GPT-2's)
-GELU_TANH = (
-    "gelu_pytorch_tanh",
-    "gelu_new",
-)
+# transformers' names of x * sigmoid(x), and of GELU's tanh approximation (picotron's, GPT-2's)
+SILU = ("silu", "swish")
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")
 # the model settings that are not the architecture: they come from the command line (and the data's
-# meta.json), not from config.json. (A mixture of experts' capacity_factor and aux_loss_coef do come
-# from it: transformers routes dropless, capacity_factor=0, and config.json has
+# meta.json), not from config.json. (A mixture of experts' capacity_factor and aux_loss_coef do
+# come from it: transformers routes dropless, capacity_factor=0, and config.json has
 # router_aux_loss_coef; a dense model has their defaults.)
 NOT_ARCHITECTURE = ("block_size", "router_z_loss_coef", "doc_mask", "eot_token")
 
@@ -142,8 +143,8 @@ def require_safetensors():
         import safetensors  # noqa: F401
     except ImportError:
         raise ValueError(
-            "init_from=<a transformers model folder> reads its weights with the safetensors package, "
-            "which is not installed: pip install safetensors"
+            "init_from=<a transformers model folder> reads its weights with the safetensors "
+            "package, which is not installed: pip install safetensors"
         )
 
 
@@ -167,11 +168,8 @@ def read_config(folder):
 
 def architecture_of(config, folder):
     names = config.get("architectures") or []
-    arch = (
-        names[0]
-        if names
-        else {t: a for a, t in ARCHITECTURES.items()}.get(config.get("model_type"))
-    )
+    by_model_type = {t: a for a, t in ARCHITECTURES.items()}
+    arch = names[0] if names else by_model_type.get(config.get("model_type"))
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"{folder} holds a {arch or config.get('model_type')!r} model: picotron loads "
@@ -186,7 +184,8 @@ def rope_settings(config, defaults, problems):
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if any(isinstance(v, dict) for v in params.values()):
         problems.append(
-            f"rope_parameters per layer type ({', '.join(params)}): picotron's layers share one RoPE"
+            f"rope_parameters per layer type ({', '.join(params)}): picotron's layers share one "
+            f"RoPE"
         )
         return {}
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -201,24 +200,22 @@ def rope_settings(config, defaults, problems):
     partial = params.get("partial_rotary_factor", partial)
     if partial != 1.0:
         problems.append(
-            f"partial_rotary_factor={partial}: picotron rotates every dimension of a head (RoPE on part "
-            f"of it, as Pythia has, is not implemented)"
+            f"partial_rotary_factor={partial}: picotron rotates every dimension of a head (RoPE on "
+            f"part of it, as Pythia has, is not implemented)"
         )
     out = {"rope_theta": float(theta)}
     if rope_type == "llama3":
+        context = config.get("max_position_embeddings")
         out.update(
             rope_scaling_factor=float(params["factor"]),
             rope_low_freq_factor=float(params["low_freq_factor"]),
             rope_high_freq_factor=float(params["high_freq_factor"]),
-            rope_original_context=int(
-                params.get(
-                    "original_max_position_embeddings", config.get("max_position_embeddings")
-                )
-            ),
+            rope_original_context=int(params.get("original_max_position_embeddings", context)),
         )
     elif rope_type != "default":
         problems.append(
-            f"rope_type={rope_type!r}: picotron has plain RoPE and Llama 3's scaling (rope_type 'llama3')"
+            f"rope_type={rope_type!r}: picotron has plain RoPE and Llama 3's scaling "
+            f"(rope_type 'llama3')"
         )
     return out
 
@@ -235,17 +232,8 @@ def model_settings(folder):
     defaults = {**COMMON_DEFAULTS, **DEFAULTS[arch]}
     get = lambda key: config.get(key, defaults.get(key))
     problems = []
-    missing = [
-        k
-        for k in (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-        )
-        if k not in config
-    ]
+    required = "vocab_size hidden_size num_hidden_layers num_attention_heads intermediate_size"
+    missing = [k for k in required.split() if k not in config]
     if missing:
         raise ValueError(
             f"{folder}/config.json has no {', '.join(missing)}: it is not a complete {arch} config"
@@ -266,7 +254,7 @@ def model_settings(folder):
     s.update(attention_settings(arch, config, get, problems))
     s.update(bias_settings(arch, get, problems))
     if arch in MOE:
-        # (after the MLP: the experts' width)
+        # after mlp_settings: the experts' width replaces the dense MLP's
         s.update(moe_settings(arch, folder, config, get, problems))
     if problems:
         raise ValueError(
@@ -275,8 +263,8 @@ def model_settings(folder):
     notes = [f"init_from: {arch} from {folder}"]
     if arch == "DeepseekV3ForCausalLM" and s["norm_eps"] != 1e-6:
         notes.append(
-            f"  note: DeepSeek-V3's latent norms have eps 1e-6 built in, picotron's use rms_norm_eps = "
-            f"{s['norm_eps']}: the logits differ by about 1e-5"
+            f"  note: DeepSeek-V3's latent norms have eps 1e-6 built in, picotron's use "
+            f"rms_norm_eps = {s['norm_eps']}: the logits differ by about 1e-5"
         )
     return s, arch, notes
 
@@ -307,9 +295,8 @@ def mlp_settings(arch, config, get, problems):
         problems.append(
             f"{act_key}={get(act_key)!r}: picotron's SwiGLU MLP gates with SiLU ('silu')"
         )
-    s["intermediate_size"] = (
-        0 if config["intermediate_size"] == derived_mlp else config["intermediate_size"]
-    )
+    size = config["intermediate_size"]
+    s["intermediate_size"] = 0 if size == derived_mlp else size
     return s
 
 
@@ -330,12 +317,13 @@ def attention_settings(arch, config, get, problems):
         if get("first_k_dense_replace") < config["num_hidden_layers"]:
             problems.append(
                 f"first_k_dense_replace={get('first_k_dense_replace')} < num_hidden_layers="
-                f"{config['num_hidden_layers']}: the layers after it are DeepSeek's mixture of experts, "
-                f"which picotron's (with capacity and a Switch balance loss) is not"
+                f"{config['num_hidden_layers']}: the layers after it are DeepSeek's mixture of "
+                f"experts, which picotron's (with capacity and a Switch balance loss) is not"
             )
         if get("rope_interleave"):
             problems.append(
-                "rope_interleave=True: picotron rotates the two halves of a head, not interleaved pairs"
+                "rope_interleave=True: picotron rotates the two halves of a head, not interleaved "
+                "pairs"
             )
         return s
     if arch == "GPTNeoXForCausalLM":
@@ -354,8 +342,8 @@ def attention_settings(arch, config, get, problems):
         )
     elif layer_types and any(t != "full_attention" for t in layer_types):
         problems.append(
-            f"layer_types with {sorted(set(layer_types) - {'full_attention'})}: picotron's attention "
-            f"always sees the whole context"
+            f"layer_types with {sorted(set(layer_types) - {'full_attention'})}: picotron's "
+            f"attention always sees the whole context"
         )
     if arch == "VaultGemmaForCausalLM":
         s.update(
@@ -377,8 +365,9 @@ def bias_settings(arch, get, problems):
     if arch == "LlamaForCausalLM":
         if get("attention_bias") != get("mlp_bias"):
             problems.append(
-                f"attention_bias={get('attention_bias')} with mlp_bias={get('mlp_bias')}: picotron's bias=True "
-                f"puts biases on the attention and the MLP linears alike (qkv_bias: on q, k and v only)"
+                f"attention_bias={get('attention_bias')} with mlp_bias={get('mlp_bias')}: "
+                f"picotron's bias=True puts biases on the attention and the MLP linears alike "
+                f"(qkv_bias: on q, k and v only)"
             )
         return {"bias": bool(get("attention_bias") and get("mlp_bias"))}
     if arch == "Qwen2ForCausalLM":
@@ -387,8 +376,8 @@ def bias_settings(arch, get, problems):
         return {"qkv_bias": bool(get("qkv_bias"))}
     if arch != "GPTNeoXForCausalLM" and get("attention_bias"):
         problems.append(
-            f"attention_bias=True: {arch}'s attention biases (o_proj's too, none in the MLP) are not "
-            f"one of picotron's bias settings"
+            f"attention_bias=True: {arch}'s attention biases (o_proj's too, none in the MLP) are "
+            f"not one of picotron's bias settings"
         )
     return {}
 
@@ -411,23 +400,23 @@ def moe_settings(arch, folder, config, get, problems):
     )
     if not s["n_expert"]:
         problems.append(
-            "num_experts=0: every layer is a dense MLP of intermediate_size, which picotron loads as the "
-            "dense architecture (Qwen2ForCausalLM, Qwen3ForCausalLM)"
+            "num_experts=0: every layer is a dense MLP of intermediate_size, which picotron loads "
+            "as the dense architecture (Qwen2ForCausalLM, Qwen3ForCausalLM)"
         )
     if get("norm_topk_prob"):
         problems.append(
-            "norm_topk_prob=True: picotron weights each chosen expert by its softmax probability as it "
-            "is; renormalising the top-k weights to sum to 1 is not implemented"
+            "norm_topk_prob=True: picotron weights each chosen expert by its softmax probability "
+            "as it is; renormalising the top-k weights to sum to 1 is not implemented"
         )
     if get("decoder_sparse_step") != 1:
         problems.append(
-            f"decoder_sparse_step={get('decoder_sparse_step')}: every layer of picotron's mixture of "
-            f"experts is sparse (dense MLP layers between sparse ones are not implemented)"
+            f"decoder_sparse_step={get('decoder_sparse_step')}: every layer of picotron's mixture "
+            f"of experts is sparse (dense MLP layers between sparse ones are not implemented)"
         )
     if get("mlp_only_layers"):
         problems.append(
-            f"mlp_only_layers={get('mlp_only_layers')}: every layer of picotron's mixture of experts is "
-            f"sparse (dense MLP layers among them are not implemented)"
+            f"mlp_only_layers={get('mlp_only_layers')}: every layer of picotron's mixture of "
+            f"experts is sparse (dense MLP layers among them are not implemented)"
         )
     # (a folder refused already need not have weights)
     if arch == "Qwen2MoeForCausalLM" and not problems:
@@ -448,23 +437,22 @@ def shared_expert_count(folder, config, width, shared_width, problems):
     layers = [f"model.layers.{i}.mlp." for i in range(config["num_hidden_layers"])]
     with WeightFiles(folder) as files:
         nonzero = lambda name: files.find(name) is not None and bool(files.read(name).any())
-        gated = [
-            p + "shared_expert_gate.weight"
-            for p in layers
-            if nonzero(p + "shared_expert_gate.weight")
-        ]
+        gate = "shared_expert_gate.weight"
+        gated = [p + gate for p in layers if nonzero(p + gate)]
         if gated:
             problems.append(
-                f"'{gated[0]}' is not zero: Qwen2-MoE gates its shared expert with a learned sigmoid, "
-                f"picotron's shared experts are not gated (picotron's own exports have zero gates)"
+                f"'{gated[0]}' is not zero: Qwen2-MoE gates its shared expert with a learned "
+                f"sigmoid, picotron's shared experts are not gated (picotron's own exports have "
+                f"zero gates)"
             )
             return 0
         if not any(nonzero(p + "shared_expert.down_proj.weight") for p in layers):
             return 0
     if shared_width % width:
         problems.append(
-            f"shared_expert_intermediate_size={shared_width} is not a multiple of moe_intermediate_size="
-            f"{width}: picotron's shared experts are each as wide as a routed one"
+            f"shared_expert_intermediate_size={shared_width} is not a multiple of "
+            f"moe_intermediate_size={width}: picotron's shared experts are each as wide as a "
+            f"routed one"
         )
         return 0
     return shared_width // width
@@ -485,8 +473,8 @@ def run_tokenizer(folder, data_meta, data_dir):
         return data_meta.get("tokenizer"), None
     if data_meta and data_meta.get("tokenizer") != tokenizer:
         return tokenizer, (
-            f"warning: data_dir '{data_dir}' was tokenized with {data_meta.get('tokenizer')!r}, the "
-            f"model's tokenizer is {tokenizer!r}: prepare the data with --tokenizer={folder}"
+            f"warning: data_dir '{data_dir}' was tokenized with {data_meta.get('tokenizer')!r}, "
+            f"the model's tokenizer is {tokenizer!r}: prepare the data with --tokenizer={folder}"
         )
     return tokenizer, None
 
@@ -502,12 +490,13 @@ def conversion_report(layout, folder, loaded, save_seconds, path, peak_bytes):
         rows = [None] * layout.world_size
         torch.distributed.all_gather_object(rows, mine)
     lines = [
-        f"converted {folder} ({loaded.file_bytes / 2**20:,.1f} MiB of safetensors) to {path}, step 0, layout "
-        f"dp={layout.dp} x tp={layout.tp} x pp={layout.pp}; resume it with --init_from=resume"
+        f"converted {folder} ({loaded.file_bytes / 2**20:,.1f} MiB of safetensors) to {path}, "
+        f"step 0, layout dp={layout.dp} x tp={layout.tp} x pp={layout.pp}; resume it with "
+        f"--init_from=resume"
     ]
     lines += [
-        f"  rank {rank}: read {read / 2**20:,.1f} MiB in {load_s:.2f} s, saved in {save_s:.2f} s, peak memory "
-        f"{peak / 2**20:,.0f} MiB"
+        f"  rank {rank}: read {read / 2**20:,.1f} MiB in {load_s:.2f} s, saved in {save_s:.2f} s, "
+        f"peak memory {peak / 2**20:,.0f} MiB"
         for rank, load_s, save_s, read, peak in rows
     ]
     return "\n".join(lines)
@@ -523,29 +512,24 @@ def weight_map(folder):
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
-            return {
-                name: os.path.join(folder, file)
-                for name, file in json.load(f)["weight_map"].items()
-            }
+            files = json.load(f)["weight_map"]
+        return {name: os.path.join(folder, file) for name, file in files.items()}
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
         from safetensors import safe_open
 
         with safe_open(single, framework="pt") as f:
             return {name: single for name in f.keys()}
-    other = [
-        n
-        for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")
-        if os.path.exists(os.path.join(folder, n))
-    ]
-    raise FileNotFoundError(
-        f"{folder} has no model.safetensors (nor model.safetensors.index.json)"
-        + (
+    torch_files = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+    other = [n for n in torch_files if os.path.exists(os.path.join(folder, n))]
+    hint = ""
+    if other:
+        hint = (
             f", only {other[0]}: save it as safetensors with transformers, from_pretrained then "
             f"save_pretrained"
-            if other
-            else ""
         )
+    raise FileNotFoundError(
+        f"{folder} has no model.safetensors (nor model.safetensors.index.json){hint}"
     )
 
 
@@ -700,9 +684,8 @@ def source_reader(files, cfg, arch, name):
         return read
     hd = cfg.n_embd // cfg.n_head
 
-    def read_fused(
-        dim, start, size
-    ):  # GPT-NeoX's rows are [q_h; k_h; v_h] head after head: read the heads
+    # GPT-NeoX's rows are [q_h; k_h; v_h] head after head: read the heads
+    def read_fused(dim, start, size):
         assert dim in (None, 0), "q, k and v are split by rows only"
         first, last = (0, cfg.n_head) if dim is None else (start // hd, (start + size) // hd)
         t = files.read(src.name, (slice(3 * first * hd, 3 * last * hd),))  # (heads * 3 * hd, ...)
@@ -769,24 +752,22 @@ def unused_tensor_problem(files, name, cfg, arch):
         return None
     # Qwen2-MoE's shared expert gate, and its shared expert when picotron has none: model_settings
     # found every gate zero (else it refused) and, for n_shared_expert = 0, every shared expert zero
-    if arch == "Qwen2MoeForCausalLM" and (
-        ".mlp.shared_expert_gate." in name
-        or ".mlp.shared_expert." in name
-        and not cfg.n_shared_expert
-    ):
-        return None
+    if arch == "Qwen2MoeForCausalLM":
+        if ".mlp.shared_expert_gate." in name:
+            return None
+        if ".mlp.shared_expert." in name and not cfg.n_shared_expert:
+            return None
     if arch == "GPTNeoXForCausalLM":
         if name.endswith(".bias") and not cfg.bias and not files.read(name).any():
             return None
         if cfg.parallel_block and ".post_attention_layernorm." in name:
             twin = name.replace("post_attention_layernorm", "input_layernorm")
-            if twin in files.map and torch.equal(
-                files.read(name).float(), files.read(twin).float()
-            ):
+            as_float = lambda n: files.read(n).float()
+            if twin in files.map and torch.equal(as_float(name), as_float(twin)):
                 return None
             return (
-                f"'{name}' differs from '{twin}': picotron's parallel block has one norm for attention and MLP "
-                f"(use_parallel_residual=True with two norms is not implemented)"
+                f"'{name}' differs from '{twin}': picotron's parallel block has one norm for "
+                f"attention and MLP (use_parallel_residual=True with two norms is not implemented)"
             )
     return f"'{name}' has no place in picotron's model (config.json describes a model without it)"
 

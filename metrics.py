@@ -2,14 +2,14 @@
 What a training run measures, and where the measurements go. train.py and tools/bench.py both use
 it.
 
-  1. FLOPs per token of a model config (the numerator of MFU), and the pipeline's stages cut by them.
+  1. FLOPs per token of a model config (MFU's numerator), and the pipeline's stages cut by them.
   2. The device's peak FLOP/s: a table of GPU datasheet figures, or a measured matmul probe on CPU,
      probed again when a run comes near it (PeakFlops, which both ask for the MFU).
   3. MFU and peak memory.
-  4. The log: metrics.jsonl (always; the resume and tools/plot.py read it back with read_log), and the
-     optional W&B and TensorBoard backends, imported only when a run asks for them.
-  5. The memory of one step, measured: CUDA's allocator, or on CPU a tracker of live tensor storages.
-     What tools/memory_plan.py predicts before anything runs is held to it (memory_plan.memory_rows).
+  4. The log: metrics.jsonl (always; the resume and tools/plot.py read it back with read_log), and
+     the optional W&B and TensorBoard backends, imported only when a run asks for them.
+  5. The memory of one step, measured: CUDA's allocator, or on CPU a tracker of live tensor
+     storages. What tools/memory_plan.py predicts is held to it (memory_plan.memory_rows).
 """
 
 import functools
@@ -193,10 +193,8 @@ def device_peak_flops(setting, dev, dtype):
         name = torch.cuda.get_device_name(dev)
         peak = gpu_peak_flops(name, dtype)
         if peak is None:
-            return (
-                None,
-                f"no peak figure for {name} in {str(dtype).replace('torch.', '')}: set --peak_flops",
-            )
+            dtype_name = str(dtype).replace("torch.", "")
+            return None, f"no peak figure for {name} in {dtype_name}: set --peak_flops"
         return peak, f"{name}, datasheet"
     if dev.type == "cpu":
         threads = f"{torch.get_num_threads()} thread" + "s" * (torch.get_num_threads() != 1)
@@ -207,8 +205,9 @@ def device_peak_flops(setting, dev, dtype):
         why = f"measured: best square matmul in {name} and fp32, {threads}"
         if own < fp32:
             why += (
-                f"; note: {name} has no fast matmul kernel on this CPU ({own / 1e9:.0f} GFLOP/s against "
-                f"{fp32 / 1e9:.0f} in float32): --dtype=float32 is faster here"
+                f"; note: {name} has no fast matmul kernel on this CPU "
+                f"({own / 1e9:.0f} GFLOP/s against {fp32 / 1e9:.0f} in float32): "
+                f"--dtype=float32 is faster here"
             )
         return max(own, fp32), why
     return None, f"no peak figure for device type {dev.type}: set --peak_flops"
@@ -248,7 +247,8 @@ class PeakFlops:
 
     def __str__(self):
         """The start-up line's account: '1 TFLOP/s per device (the peak_flops setting)'."""
-        return f"{f'{self.flops / 1e12:.3g} TFLOP/s' if self.flops else 'unknown'} per device ({self.why})"
+        peak = f"{self.flops / 1e12:.3g} TFLOP/s" if self.flops else "unknown"
+        return f"{peak} per device ({self.why})"
 
     def mfu(self, flops_per_token, tokens_per_sec, n_devices):
         """{'mfu': model FLOPs utilisation of n_devices, at most 1 (None when the peak is unknown),
@@ -335,8 +335,8 @@ class MetricsLog:
                 self.error = str(e)
             except OSError as e:
                 self.error = (
-                    f"cannot write the log {self.path} ({type(e).__name__}: {e}): free space on its disk "
-                    f"(or fix the permissions of out_dir), then launch again"
+                    f"cannot write the log {self.path} ({type(e).__name__}: {e}): free space on "
+                    f"its disk (or fix the permissions of out_dir), then launch again"
                 )
         self._stop_if_failed()
 
@@ -358,12 +358,12 @@ class MetricsLog:
             )
             os.rename(self.path, aside)
             print(
-                f"log: {self.path} held an earlier run's log (out_dir has no checkpoint to resume): moved it to "
-                f"{aside}",
+                f"log: {self.path} held an earlier run's log (out_dir has no checkpoint to "
+                f"resume): moved it to {aside}",
                 flush=True,
             )
         keep = _lines_up_to(self.path, resume_step) if os.path.exists(self.path) else []
-        # aside, then renamed: a kill now leaves the file as it was
+        # written aside, then renamed: a kill now leaves the file as it was
         with open(self.path + ".tmp", "w") as f:
             f.writelines(keep)
         os.replace(self.path + ".tmp", self.path)
@@ -381,8 +381,8 @@ class MetricsLog:
                     f.write(json.dumps(record) + "\n")
             except OSError as e:
                 self.error = (
-                    f"writing the log {self.path} failed at step {record['step']} ({type(e).__name__}: "
-                    f"{e})"
+                    f"writing the log {self.path} failed at step {record['step']} "
+                    f"({type(e).__name__}: {e})"
                 )
         self._stop_if_failed()
         for backend in self.backends:
@@ -408,14 +408,14 @@ def read_log(path):
         except (ValueError, KeyError, TypeError):  # not JSON; not a record with a step
             if n == lines[-1][0]:
                 print(
-                    f"warning: the last line of {path} (line {n}) is cut short, as a kill in the middle of a "
-                    f"write leaves it: dropped it",
+                    f"warning: the last line of {path} (line {n}) is cut short, as a kill in the "
+                    f"middle of a write leaves it: dropped it",
                     flush=True,
                 )
                 break
             raise LogError(
-                f"{path} line {n} is not a whole record (it begins {line.strip()[:40]!r}), and records "
-                f"follow it: the file is damaged. Delete or mend that line"
+                f"{path} line {n} is not a whole record (it begins {line.strip()[:40]!r}), and "
+                f"records follow it: the file is damaged. Delete or mend that line"
             ) from None
         records.append((line, record))
     return records
@@ -575,10 +575,11 @@ def repeats_warning(max_iters, tokens_per_step, train_tokens):
     at random, so a pass is a mean: its tokens seen about once each)."""
     passes = max_iters * tokens_per_step / train_tokens
     return (
-        f"warning: {max_iters} steps read {max_iters * tokens_per_step:,} tokens, {passes:.1f} passes over the "
-        f"training split's {train_tokens:,}: the train loss will fall below the val loss as the model learns "
-        f"this data by heart; prepare more text (prepare_data.py --max_tokens) or lower max_iters (the log's "
-        f"epoch says which pass a step is in)"
+        f"warning: {max_iters} steps read {max_iters * tokens_per_step:,} tokens, "
+        f"{passes:.1f} passes over the training split's {train_tokens:,}: the train loss will fall "
+        f"below the val loss as the model learns this data by heart; prepare more text "
+        f"(prepare_data.py --max_tokens) or lower max_iters (the log's epoch says which pass a "
+        f"step is in)"
     )
 
 
@@ -587,26 +588,24 @@ def format_log_line(record, eta, dev):
     the process's peak (peak_memory_bytes: the CPU's resident set, or CUDA's allocated bytes), which
     counts more than the live tensors the start-up line's plan is held to."""
     memory = "peak RSS" if dev.type == "cpu" else "peak allocated"
-    # PeakFlops: a new probe, a cap
+    # PeakFlops' remark on the MFU: a new probe, a cap
     mfu_note = f" ({record['mfu_note']})" if record.get("mfu_note") else ""
     line = (
-        f"step {record['step']:6d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
-        f"{record['grad_norm']:.3f} | {record['tokens_per_sec']:,.0f} tok/s | {record['ms_per_step']:.0f} ms/step | "
-        f"MFU {format_mfu(record['mfu'])}{mfu_note} | {memory} {record['peak_mem_bytes'] / 2**20:,.0f} MiB | epoch "
-        f"{record['epoch']:.2f} | eta {format_duration(eta)}"
+        f"step {record['step']:6d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+        f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_sec']:,.0f} tok/s | "
+        f"{record['ms_per_step']:.0f} ms/step | MFU {format_mfu(record['mfu'])}{mfu_note} | "
+        f"{memory} {record['peak_mem_bytes'] / 2**20:,.0f} MiB | epoch {record['epoch']:.2f} | "
+        f"eta {format_duration(eta)}"
     )
     if record["skipped_steps"]:
         line += f" | skipped {record['skipped_steps']}"
-    line += (
-        f" | comm waited {sum(record['exposed_comm_ms'].values()):.1f} ms"
-        if "exposed_comm_ms" in record
-        else ""
-    )
+    if "exposed_comm_ms" in record:
+        line += f" | comm waited {sum(record['exposed_comm_ms'].values()):.1f} ms"
     if "aux_loss" in record:
         line += (
-            f" | aux {record['aux_loss']:.4f} dropped {record['moe_dropped_frac']:.3f} | expert load "
-            f"{record['expert_load_min']:,.0f}-{record['expert_load_max']:,.0f} | all-to-all "
-            f"{record['a2a_bytes'] / 2**20:,.2f} MiB"
+            f" | aux {record['aux_loss']:.4f} dropped {record['moe_dropped_frac']:.3f} | "
+            f"expert load {record['expert_load_min']:,.0f}-{record['expert_load_max']:,.0f} | "
+            f"all-to-all {record['a2a_bytes'] / 2**20:,.2f} MiB"
         )
     return line
 

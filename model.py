@@ -30,7 +30,7 @@ mechanism changes more than a layer, the model leaves one small named piece for 
 plain class here that does what one process does:
     AttentionKernel      attention proper; context parallelism swaps in ring attention
     Rotary               RoPE's cos and sin; context parallelism reads its rank's positions
-    TokenWindow          the tokens a router's capacity and counts span; context parallelism's window
+    TokenWindow          the tokens a router queues and counts; context parallelism's window
     LocalExperts         how tokens reach their experts; expert parallelism's all-to-all
     NextTokenLoss        the head's logits and loss; tensor parallelism's vocab-parallel loss,
                          context parallelism's share of it
@@ -129,7 +129,8 @@ def choose_device_and_dtype(device_name, dtype_name):
         raise ValueError(f"device={device_name!r} is not a device name: use one of {available}")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(
-            f"device={device_name!r}: picotron runs on CPU and CUDA only; available here: {available}"
+            f"device={device_name!r}: picotron runs on CPU and CUDA only; "
+            f"available here: {available}"
         )
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
@@ -137,7 +138,8 @@ def choose_device_and_dtype(device_name, dtype_name):
         )
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(
-            f"device={device_name!r} but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            f"device={device_name!r} but this machine has "
+            f"{torch.cuda.device_count()} CUDA device(s)"
         )
     if dtype_name == "auto":
         if dev.type != "cuda":
@@ -158,7 +160,8 @@ def choose_device_and_dtype(device_name, dtype_name):
     }
     if dtype_name not in dtypes:
         raise ValueError(
-            f"dtype must be 'auto', 'float32', 'bfloat16', 'float16' or 'float64', got {dtype_name!r}"
+            f"dtype must be 'auto', 'float32', 'bfloat16', 'float16' or 'float64', "
+            f"got {dtype_name!r}"
         )
     if dtype_name == "float16" and dev.type == "cpu":
         raise ValueError("dtype='float16' on CPU has no fast kernels: use 'float32' or 'bfloat16'")
@@ -200,7 +203,8 @@ def choose_attn_impl(attn_impl, device_type, dtype, softcap=0.0):
             capped = ", and it soft-caps the scores" if softcap else ""
             return (
                 "flash",
-                f"auto: flash-attn is installed, device is CUDA and dtype is half precision{capped}",
+                f"auto: flash-attn is installed, device is CUDA and dtype is half "
+                f"precision{capped}",
             )
         why = (
             "flash-attn is not installed"
@@ -211,8 +215,8 @@ def choose_attn_impl(attn_impl, device_type, dtype, softcap=0.0):
         )
         if softcap:
             return "eager", (
-                f"auto: {why}, and attn_softcap = {softcap} needs a kernel that can cap scores, which "
-                f"SDPA cannot, so the explicit (eager) attention"
+                f"auto: {why}, and attn_softcap = {softcap} needs a kernel that can cap "
+                f"scores, which SDPA cannot, so the explicit (eager) attention"
             )
         return "sdpa", f"auto: {why}, so PyTorch SDPA"
     if attn_impl == "flash":
@@ -234,10 +238,7 @@ def choose_attn_impl(attn_impl, device_type, dtype, softcap=0.0):
         )
     if attn_impl in ("sdpa", "eager"):
         # (this function is the one place that keeps SDPA away from soft-capping)
-        return (
-            attn_impl,
-            "requested",
-        )
+        return attn_impl, "requested"
     raise ValueError(f"attn_impl must be 'auto', 'sdpa', 'flash' or 'eager', got {attn_impl!r}")
 
 
@@ -282,12 +283,12 @@ def causal_attention(q, k, v, impl, softcap=0.0, documents=None):
                 q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
         capped = {"softcap": softcap} if softcap else {}  # flash-attn < 2.6 has no softcap argument
         if documents is None:
-            # takes GQA directly
+            # flash-attn takes GQA directly
             y = flash_attn_func(q, k, v, causal=True, softmax_scale=1.0 / math.sqrt(d), **capped)
-        # every document its own causal sequence, the batch's rows laid end to end: (B * T, H, D)
         else:
             from flash_attn import flash_attn_varlen_func
 
+            # every document its own causal sequence, the batch's rows end to end: (B * T, H, D)
             B, T = q.shape[:2]
             cu, n = documents.cu_seqlens, documents.max_seqlen
             y = flash_attn_varlen_func(
@@ -308,7 +309,7 @@ def causal_attention(q, k, v, impl, softcap=0.0, documents=None):
     if group > 1:  # each key/value head serves `group` query heads
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    # (every query sees itself: no row is all hidden, no NaN)
+    # every query sees itself, so no row of the mask is all hidden: no NaN
     if impl == "sdpa" and documents is not None:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.visible)
     elif impl == "sdpa":
@@ -347,11 +348,12 @@ def causal_attention(q, k, v, impl, softcap=0.0, documents=None):
 
 @dataclass
 class DocumentMask:
-    """What attention needs to stop at documents, made once per forward (document_mask). ids:
-    document ids, (B, T) on the model's device; under context parallelism (cp, B, T/cp) on the host.
-    visible (sdpa, eager): (B, 1, T, T) bool, key in the query's document and not later. cu_seqlens,
-    max_seqlen (flash): the documents' starts in the batch's rows laid end to end, plus the end,
-    (n_documents + 1,) int32 on the device, and the longest document's length."""
+    """What attention needs to stop at documents, made once per forward (document_mask).
+    ids: document ids, (B, T) on the model's device; under context parallelism (cp, B, T/cp) on
+        the host.
+    visible (sdpa, eager): (B, 1, T, T) bool, key in the query's document and not later.
+    cu_seqlens, max_seqlen (flash): the documents' starts in the batch's rows laid end to end, plus
+        the end, (n_documents + 1,) int32 on the device, and the longest document's length."""
 
     ids: torch.Tensor
     visible: torch.Tensor = None
@@ -408,7 +410,7 @@ class AttentionKernel(nn.Module):
         self.impl, self.softcap = impl, softcap
 
     def document_mask(self, documents, device):
-        """What this kernel needs to stop at documents, built once per forward from the ids (B, T)."""
+        """What this kernel needs to stop at documents, built once per forward from ids (B, T)."""
         return document_mask(documents, self.impl, device)
 
     def forward(self, q, k, v, positions=None, documents=None):
@@ -451,13 +453,13 @@ def llama3_scaled_frequencies(
     """Llama 3.1's RoPE scaling (Meta's llama-models, apply_scaling; transformers' rope_type
     'llama3'), which stretches a model pretrained on original_context tokens to a longer context.
     Per frequency w, of wavelength 2 pi / w:
-        wavelength < original_context / high_freq_factor   kept: these rotate many times within the
-                                                           original context and encode local order
-        wavelength > original_context / low_freq_factor    w / factor: these never completed a turn in
-                                                           the original context, so they are slowed down
-                                                           (interpolated, Chen et al. 2023) to stay in range
-        in between                                         (1 - s) w / factor + s w, with
-                                                           s = (original_context / wavelength - low) / (high - low)
+        wavelength < original_context / high_freq_factor: kept. These rotate many times within the
+            original context and encode local order.
+        wavelength > original_context / low_freq_factor: w / factor. These never completed a turn in
+            the original context, so they are slowed down (interpolated, Chen et al. 2023) to stay
+            in range.
+        in between: (1 - s) w / factor + s w, with
+            s = (original_context / wavelength - low) / (high - low)
     """
     wavelength = 2 * math.pi / inv_freq
     smooth = (original_context / wavelength - low_freq_factor) / (
@@ -522,7 +524,7 @@ class Rotary(nn.Module):
     def forward(self, positions=None):
         if positions is None:
             return self.cos, self.sin
-        # (the copy does not block: no sync)
+        # the copy does not block: no host-device sync
         positions = positions.to(self.cos.device, non_blocking=True)
         return self.cos[positions], self.sin[positions]
 
@@ -530,9 +532,9 @@ class Rotary(nn.Module):
 def apply_rope(x, cos, sin):
     """Rotate the two halves of each head: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). The half
     split (not interleaved pairs) is the convention of Hugging Face's Llama, so weights export as
-    they are. x: (B, T, H, D); cos and sin: (T', D/2) for positions 0, 1, ... (T' >= T: the first T
-    are used), or (B, T, D/2), each token's own (a context-parallel rank's tokens are not 0..T-1).
-    """
+    they are.
+    x: (B, T, H, D); cos and sin: (T', D/2) for positions 0, 1, ... (T' >= T: the first T are
+    used), or (B, T, D/2), each token's own (a context-parallel rank's tokens are not 0..T-1)."""
     T = x.shape[1]
     if cos.dim() == 2:
         cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, D/2), broadcast over (B, T, H, D/2)
@@ -606,13 +608,14 @@ class MultiHeadLatentAttention(nn.Module):
     latent (kv_lora_rank numbers) and one RoPE key shared by all heads (qk_rope_head_dim numbers),
     instead of 2 * n_kv_head * head_dim:
 
-        latent = kv_down(x) = [c_kv ; k_rope]          c_kv: kv_lora_rank, k_rope: qk_rope_head_dim
-        [k_nope ; v] per head = kv_up(norm(c_kv))      qk_nope_head_dim and v_head_dim per head
-        k = [k_nope ; rope(k_rope)]                    the same k_rope for every head ("decoupled RoPE":
-                                                       rotating k_nope would put a position-dependent
-                                                       matrix between q and kv_up, which could then no
-                                                       longer be folded into the query at inference)
-        q = [q_nope ; rope(q_rope)] per head = q_proj(x), or q_up(norm(q_down(x))) when q_lora_rank > 0
+        latent = kv_down(x) = [c_kv ; k_rope]      c_kv: kv_lora_rank, k_rope: qk_rope_head_dim
+        [k_nope ; v] per head = kv_up(norm(c_kv))  qk_nope_head_dim and v_head_dim per head
+        k = [k_nope ; rope(k_rope)]                the same k_rope for every head ("decoupled RoPE":
+                                                   rotating k_nope would put a position-dependent
+                                                   matrix between q and kv_up, which could then no
+                                                   longer be folded into the query at inference)
+        q = [q_nope ; rope(q_rope)] per head       from q_proj(x), or q_up(norm(q_down(x))) when
+                                                   q_lora_rank > 0
         out = o_proj(softmax(q k^T / sqrt(qk_nope_head_dim + qk_rope_head_dim)) v)
 
     With qk_norm the per-head queries [q_nope ; q_rope] and keys [k_nope ; k_rope] are
@@ -663,7 +666,7 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_rope = self.compress_kv(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_up(self.kv_latent_norm(c_kv)).view(B, T, -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # (B, T, H, nope), (B, T, H, v)
-        # one k_rope for all
+        # one k_rope for all heads
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, kv.shape[2], -1)], dim=-1)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
@@ -809,11 +812,12 @@ class MixtureOfExperts(nn.Module):
 
     Auxiliary losses (weighted; forward leaves their sum in self.aux_loss, which Transformer.forward
     adds to the training loss):
-      load balancing (Switch eq. 4, with f counting all k choices): aux_loss_coef * n_expert * sum_e f_e P_e,
-        f_e the fraction of assignments routed to e (before capacity), P_e the mean router probability of
-        e. It is 1 (times the coefficient) for a perfectly balanced router, larger otherwise.
-      router z-loss (ST-MoE, Zoph et al. 2022): router_z_loss_coef * mean(logsumexp(router logits)^2),
-        which keeps the router's logits small.
+      load balancing (Switch eq. 4, with f counting all k choices):
+        aux_loss_coef * n_expert * sum_e f_e P_e, f_e the fraction of assignments routed to e
+        (before capacity), P_e the mean router probability of e. It is 1 (times the coefficient)
+        for a perfectly balanced router, larger otherwise.
+      router z-loss (ST-MoE, Zoph et al. 2022), which keeps the router's logits small:
+        router_z_loss_coef * mean(logsumexp(router logits)^2).
     n_shared_expert experts see every token, outside the routing (DeepSeekMoE, Dai et al. 2024).
 
     How the layer runs under each layout, where that layout is applied: tensor parallelism splits
@@ -854,7 +858,7 @@ class MixtureOfExperts(nn.Module):
         # routing decisions in fp32 (ST-MoE, section 3)
         with torch.autocast(x.device.type, enabled=False):
             fp32 = at_least_fp32(tokens.dtype)
-            # (N, E); the weight is fp32 (fp64 in a float64 run)
+            # (N, E); the router's weight is fp32 (fp64 in a float64 run)
             logits = self.router(tokens.to(fp32))
         probs = logits.softmax(dim=-1)
         gate, expert = probs.topk(self.k, dim=-1)  # (N, k) each
@@ -988,7 +992,7 @@ def _chunked_cross_entropy(h, weight, targets, vocab_size, softcap, ignore_index
         z_buf = (
             None if compute == fp32 else torch.empty(chunk, vocab_size, dtype=fp32, device=h.device)
         )
-        # likewise
+        # the soft cap's derivative 1 - tanh^2, reused likewise
         dcap_buf = torch.empty(chunk, vocab_size, dtype=fp32, device=h.device) if softcap else None
         loss = torch.zeros((), dtype=fp32, device=h.device)
         grad_h = torch.empty_like(h_c) if need_grads else None
@@ -1075,19 +1079,24 @@ def chunked_cross_entropy(h, weight, targets, vocab_size=None, softcap=0.0, igno
 # The model
 
 
-def config_problems(cfg):
-    """What makes the model impossible to build from cfg, whatever the layout: a list of sentences,
-    each saying what must hold (settings.check_layout adds the layout's and stops on any)."""
+def choice_problems(cfg):
+    """config_problems' sentences about the settings that name one of a few pieces."""
     problems = []
     for key, allowed in (
         ("attention", ("mha", "mla")),
         ("norm", ("rmsnorm", "layernorm")),
         ("mlp", ("swiglu", "gelu")),
     ):
-        if getattr(cfg, key) not in allowed:
-            problems.append(
-                f"{key} = {getattr(cfg, key)!r} must be one of {', '.join(map(repr, allowed))}"
-            )
+        value = getattr(cfg, key)
+        if value not in allowed:
+            problems.append(f"{key} = {value!r} must be one of {', '.join(map(repr, allowed))}")
+    return problems
+
+
+def attention_problems(cfg):
+    """config_problems' sentences about the attention heads: MLA's sizes, or MHA's head size and
+    key/value heads."""
+    problems = []
     if cfg.attention == "mla":
         if cfg.qk_rope_head_dim <= 0 or cfg.qk_rope_head_dim % 2:
             problems.append(
@@ -1121,34 +1130,25 @@ def config_problems(cfg):
         )
     if cfg.attention == "mha" and cfg.n_head % cfg.n_kv_head:
         problems.append(f"n_head = {cfg.n_head} must be divisible by n_kv_head = {cfg.n_kv_head}")
-    if cfg.rope_scaling_factor:
-        if not 0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor:
-            problems.append(
-                f"rope_low_freq_factor = {cfg.rope_low_freq_factor} and rope_high_freq_factor = "
-                f"{cfg.rope_high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1 and 4)"
-            )
-        if cfg.rope_original_context <= 0:
-            problems.append(
-                f"rope_original_context = {cfg.rope_original_context} must be positive (the "
-                f"context the model was pretrained at before scaling; Llama 3.1: 8192)"
-            )
-    if cfg.attn_softcap < 0 or cfg.final_softcap < 0:
+    return problems
+
+
+def rope_problems(cfg):
+    """config_problems' sentences about Llama 3.1's RoPE scaling (llama3_scaled_frequencies)."""
+    problems = []
+    if not cfg.rope_scaling_factor:
+        return problems
+    if not 0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor:
         problems.append(
-            f"attn_softcap = {cfg.attn_softcap} and final_softcap = {cfg.final_softcap} must be >= 0 (0 = off)"
+            f"rope_low_freq_factor = {cfg.rope_low_freq_factor} and rope_high_freq_factor = "
+            f"{cfg.rope_high_freq_factor} must satisfy 0 < low < high (Llama 3.1: 1 and 4)"
         )
-    return (
-        problems
-        + moe_problems(cfg)
-        + (
-            [
-                f"doc_mask=True needs the end-of-text id that separates the documents, eot_token, in the vocabulary of "
-                f"{cfg.vocab_size}; it is {cfg.eot_token}: prepare the data with prepare_data.py (its meta.json names "
-                f"it), or set --eot_token"
-            ]
-            if cfg.doc_mask and not 0 <= cfg.eot_token < cfg.vocab_size
-            else []
+    if cfg.rope_original_context <= 0:
+        problems.append(
+            f"rope_original_context = {cfg.rope_original_context} must be positive (the "
+            f"context the model was pretrained at before scaling; Llama 3.1: 8192)"
         )
-    )
+    return problems
 
 
 def moe_problems(cfg):
@@ -1161,18 +1161,39 @@ def moe_problems(cfg):
     if cfg.n_expert > 0:
         if not 1 <= cfg.n_expert_per_token <= cfg.n_expert:
             problems.append(
-                f"n_expert_per_token = {cfg.n_expert_per_token} must be between 1 and n_expert = {cfg.n_expert}"
+                f"n_expert_per_token = {cfg.n_expert_per_token} must be between 1 and "
+                f"n_expert = {cfg.n_expert}"
             )
         if cfg.capacity_factor < 0:
             problems.append(
-                f"capacity_factor = {cfg.capacity_factor} must be positive (1.0 fits a perfectly balanced "
-                f"router exactly; 1.25 is usual) or 0 (dropless: no token is dropped)"
+                f"capacity_factor = {cfg.capacity_factor} must be positive (1.0 fits a perfectly "
+                f"balanced router exactly; 1.25 is usual) or 0 (dropless: no token is dropped)"
             )
         if cfg.aux_loss_coef < 0 or cfg.router_z_loss_coef < 0:
             problems.append(
-                f"aux_loss_coef = {cfg.aux_loss_coef} and router_z_loss_coef = {cfg.router_z_loss_coef} "
+                f"aux_loss_coef = {cfg.aux_loss_coef} and "
+                f"router_z_loss_coef = {cfg.router_z_loss_coef} "
                 f"must be >= 0 (a negative weight trains the router towards imbalance)"
             )
+    return problems
+
+
+def config_problems(cfg):
+    """What makes the model impossible to build from cfg, whatever the layout: a list of sentences,
+    each saying what must hold (settings.check_layout adds the layout's and stops on any)."""
+    problems = choice_problems(cfg) + attention_problems(cfg) + rope_problems(cfg)
+    if cfg.attn_softcap < 0 or cfg.final_softcap < 0:
+        problems.append(
+            f"attn_softcap = {cfg.attn_softcap} and final_softcap = {cfg.final_softcap} "
+            f"must be >= 0 (0 = off)"
+        )
+    problems += moe_problems(cfg)
+    if cfg.doc_mask and not 0 <= cfg.eot_token < cfg.vocab_size:
+        problems.append(
+            f"doc_mask=True needs the end-of-text id that separates the documents, eot_token, "
+            f"in the vocabulary of {cfg.vocab_size}; it is {cfg.eot_token}: prepare the data with "
+            f"prepare_data.py (its meta.json names it), or set --eot_token"
+        )
     return problems
 
 
@@ -1222,18 +1243,21 @@ class Transformer(nn.Module):
     computes).
 
     forward(x, targets=None, positions=None, documents=None, chunk=0) returns (output, loss):
-        x               token ids (B, T); a chunk that does not start at block 0 (a later pipeline stage)
-                        takes the previous chunk's hidden states (B, T, n_embd) instead
-        positions       None, or with doc_mask each token's position in its document, (B, T); under context
-                        parallelism every cp rank's (context_parallel.py)
-        documents       doc_mask=True: each token's document id, shaped like positions, on the host
-                        (document_ids_and_positions; data.context_split builds both with the batch). Given
-                        neither, the first chunk derives both from x itself. Without doc_mask: None.
-        output          the logits (B, T, vocab_size) on the chunk that ends the model; None instead when the
-                        chunked loss computes the loss without them. On other chunks the hidden states.
-        loss            with targets, on the chunk that ends the model: the mean cross-entropy, plus the MoE
-                        auxiliary losses while training. On other chunks: their auxiliary loss (a scalar the
-                        pipeline backpropagates from there), None for a dense model or in eval mode.
+        x           token ids (B, T); a chunk that does not start at block 0 (a later pipeline
+                    stage) takes the previous chunk's hidden states (B, T, n_embd) instead
+        positions   None, or with doc_mask each token's position in its document, (B, T); under
+                    context parallelism every cp rank's (context_parallel.py)
+        documents   doc_mask=True: each token's document id, shaped like positions, on the host
+                    (document_ids_and_positions; data.context_split builds both with the batch).
+                    Given neither, the first chunk derives both from x itself. Without doc_mask:
+                    None.
+        output      the logits (B, T, vocab_size) on the chunk that ends the model; None instead
+                    when the chunked loss computes the loss without them. On other chunks the
+                    hidden states.
+        loss        with targets, on the chunk that ends the model: the mean cross-entropy, plus
+                    the MoE auxiliary losses while training. On other chunks: their auxiliary loss
+                    (a scalar the pipeline backpropagates from there), None for a dense model or in
+                    eval mode.
     In eval mode (model.eval()) the auxiliary losses are left out, so a validation loss is the plain
     cross-entropy, comparable with a dense model's.
 
@@ -1251,7 +1275,7 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg, *, attn_impl="auto", chunked_loss=False):
         super().__init__()
-        # (flash needs its device to be checked: the caller's choose_attn_impl did)
+        # flash needs its device checked, which the caller's choose_attn_impl did
         if attn_impl != "flash":
             attn_impl, _ = choose_attn_impl(attn_impl, "cpu", torch.float32, cfg.attn_softcap)
         self.cfg = cfg
@@ -1273,18 +1297,20 @@ class Transformer(nn.Module):
         layers = self.chunk_layers[chunk]
         starts, ends = layers[0] == 0, layers[-1] == self.cfg.n_layer - 1
         if starts and self.cfg.doc_mask and documents is None and positions is None:
-            # (on x's device)
+            # derived from the tokens, on x's device
             documents, positions = document_ids_and_positions(x, self.cfg.eot_token)
         if (documents is None) == self.cfg.doc_mask:
             raise ValueError(
-                f"Transformer.forward: documents (each token's document id, shaped like positions) "
-                f"must be given exactly with doc_mask=True (doc_mask = {self.cfg.doc_mask} here; the "
-                f"first chunk derives them from the tokens when neither is given)"
+                f"Transformer.forward: documents (each token's document id, shaped like "
+                f"positions) must be given exactly with doc_mask=True "
+                f"(doc_mask = {self.cfg.doc_mask} here; the first chunk derives them from the "
+                f"tokens when neither is given)"
             )
         if starts:
             if x.shape[1] > self.cfg.block_size:
                 raise ValueError(
-                    f"sequence of length {x.shape[1]} is longer than block_size {self.cfg.block_size}"
+                    f"sequence of length {x.shape[1]} is longer than "
+                    f"block_size {self.cfg.block_size}"
                 )
             x = self.tok_emb(x)
         cos, sin = self.rope(positions)
@@ -1299,7 +1325,7 @@ class Transformer(nn.Module):
         aux = None
         if self.training:
             aux = self.moe_aux_loss(blocks)
-            # (this chunk's layers only: a pipeline's other chunks run separately)
+            # this chunk's layers only: a pipeline's other chunks run separately
             for block in blocks:
                 if isinstance(block.mlp, MixtureOfExperts):
                     block.mlp.count_load()
@@ -1368,7 +1394,7 @@ class Transformer(nn.Module):
                 (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**62
             )
             shape = full_shape(p)
-            # (also inside a `with torch.device("cuda")` block)
+            # on the CPU even inside a `with torch.device("cuda")` block
             full = torch.zeros(shape, device="cpu")
             rows = getattr(p, "vocab_size", shape[0])  # only real tokens get random rows
             # GPT-2's depth-scaled residual init
@@ -1444,7 +1470,7 @@ def compile_blocks(model):
     after and the re-gather before backward run eagerly around the compiled code, which sees
     parameters whose storage is filled whenever it runs."""
     for block in model.blocks.values():
-        # activation checkpointing's wrapper, or None: Block.forward
+        # activation checkpointing's wrapper, or None for Block.forward
         eager = block.__dict__.get("forward")
         block.forward = torch.compile(block.forward)
         block.forward.eager = eager

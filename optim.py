@@ -17,22 +17,23 @@ parameter groups.
 
 Orthogonalising is not elementwise, as AdamW is: it needs the whole matrix, which tensor parallelism
 and ZeRO-1 both cut. What each rank holds and which collectives run, for each:
-  Tensor parallelism: each rank keeps the momentum of its own slice (momentum is elementwise); the tp
-    ranks all-gather the slices of the Nesterov momentum, every rank orthogonalises the full matrix and
-    keeps its slice of the result. Gathering is one all-gather per matrix on the fastest links, with no
-    extra process group and no scatter back; its price is Newton-Schulz run tp times over (dealing
-    whole matrices to tp ranks would split that work, at the cost of a gather to each owner and a
-    scatter back). A matrix replicated across the tp ranks (key and value weights with fewer heads than
-    ranks, MQA; MLA's down-projections) already has its complete gradient on every rank (copy_to_tp
-    summed it), so every rank computes the same update with no collective.
-  ZeRO-1 (zero=True): even flat slices would cut matrices, so the matrices are dealt whole instead, over
-    the ranks that hold the same parameters (dp x cp under context parallelism, as for ZeroOneAdamW;
-    "dp" below). In backward order, each goes to the dp rank whose even share of all their elements
-    holds its middle element: ZeRO-1's cut, moved to the nearest matrix boundary (a rank's share is off
-    by at most about one matrix). They travel in buckets of their own (WholeMatrixBuckets), one owner each: the gradient is reduced to
-    the owner (instead of reduce-scattered), the owner keeps the momentum, runs Newton-Schulz, and
-    broadcasts the updated matrix (instead of the all-gather). The AdamW parameters keep ZeRO-1's even
-    slices. With tp as well, the tp ranks of the owner do the tp all-gather among themselves.
+  Tensor parallelism: each rank keeps the momentum of its own slice (momentum is elementwise);
+    the tp ranks all-gather the slices of the Nesterov momentum, every rank orthogonalises the full
+    matrix and keeps its slice of the result. Gathering is one all-gather per matrix on the fastest
+    links, with no extra process group and no scatter back; its price is Newton-Schulz run tp times
+    over (dealing whole matrices to tp ranks would split that work, at the cost of a gather to each
+    owner and a scatter back). A matrix replicated across the tp ranks (key and value weights with
+    fewer heads than ranks, MQA; MLA's down-projections) already has its complete gradient on every
+    rank (copy_to_tp summed it), so every rank computes the same update with no collective.
+  ZeRO-1 (zero=True): even flat slices would cut matrices, so the matrices are dealt whole instead,
+    over the ranks that hold the same parameters (dp x cp under context parallelism, as for
+    ZeroOneAdamW; "dp" below). In backward order, each goes to the dp rank whose even share of all
+    their elements holds its middle element: ZeRO-1's cut, moved to the nearest matrix boundary (a
+    rank's share is off by at most about one matrix). They travel in buckets of their own
+    (WholeMatrixBuckets), one owner each: the gradient is reduced to the owner (instead of
+    reduce-scattered), the owner keeps the momentum, runs Newton-Schulz, and broadcasts the updated
+    matrix (instead of the all-gather). The AdamW parameters keep ZeRO-1's even slices. With tp as
+    well, the tp ranks of the owner do the tp all-gather among themselves.
 What it costs. Bytes: across dp, what AdamW moves (a reduce plus a broadcast move what a
 reduce-scatter plus an all-gather move); across tp, one all-gather of each matrix. Memory: one
 momentum per element where AdamW keeps two, 1/dp of them with ZeRO-1. Compute: Newton-Schulz for an
@@ -287,7 +288,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, found_inf=None):
-        """found_inf: as ZeroOneAdamW.step's (a step whose gradient is not finite changes nothing)."""
+        """found_inf: as ZeroOneAdamW.step's (a step with a non-finite gradient changes nothing)."""
         if self.grad_sync is not None:
             # (the last gathers, if no forward waited: they write p too)
             wait_for_params(self.grad_sync.buckets)
@@ -376,36 +377,31 @@ def describe_optimizer(optimizer, model, cfg, layout):
     """The start-up lines saying what train.py's optimizer is (cfg: its settings) and what its state
     costs on rank 0."""
     state = f"state {optimizer_state_bytes(optimizer) / 2**20:.2f} MiB on rank 0"
+    dp, stage = layout.dp_cp, cfg.zero_stage
     if cfg.optimizer == "muon":
         n = sum(p.numel() for p in optimizer.matrices)
+        sharded = f", whole matrices and AdamW slices across {dp} data-parallel ranks (ZeRO-1)"
         return (
-            f"optimizer: Muon for {len(optimizer.matrices)} matrices ({n / 1e6:.2f}M parameters on rank 0), "
-            f"AdamW for the rest; {state}"
-            + (
-                f", whole matrices and AdamW slices across {layout.dp_cp} "
-                f"data-parallel ranks (ZeRO-1)"
-                if cfg.zero_stage
-                else ""
-            )
+            f"optimizer: Muon for {len(optimizer.matrices)} matrices ({n / 1e6:.2f}M parameters "
+            f"on rank 0), AdamW for the rest; {state}" + (sharded if stage else "")
         )
-    if cfg.zero_stage == 0:
+    if stage == 0:
         return f"optimizer: AdamW, {state}"
     unsharded = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     text = (
-        f"optimizer: ZeroOneAdamW (ZeRO-{cfg.zero_stage}), {state}, about 1/{layout.dp_cp} of the unsharded "
+        f"optimizer: ZeroOneAdamW (ZeRO-{stage}), {state}, about 1/{dp} of the unsharded "
         f"{unsharded / 2**20:.2f} MiB"
     )
-    if cfg.zero_stage >= 2 and layout.dp_cp > 1:
+    if stage >= 2 and dp > 1:
         m = cfg.gradient_accumulation_steps
         text += (
-            f"\nZeRO-{cfg.zero_stage}: the gradients are reduce-scattered after every one of the {m} "
-            f"micro-batches ({m}x the reduce traffic of ZeRO-1, which sends them once per step) and kept as "
-            f"1/{layout.dp_cp} shards"
-            + (
+            f"\nZeRO-{stage}: the gradients are reduce-scattered after every one of the {m} "
+            f"micro-batches ({m}x the reduce traffic of ZeRO-1, which sends them once per step) "
+            f"and kept as 1/{dp} shards"
+        )
+        if stage == 3:
+            text += (
                 "; the parameters too: each block all-gathered before its forward and "
                 "again before its backward, every micro-batch"
-                if cfg.zero_stage == 3
-                else ""
             )
-        )
     return text

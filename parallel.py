@@ -3,47 +3,47 @@ The 3D core of picotron's parallelism, in plain torch.distributed: data, tensor 
 parallelism, one numbered section each, in the order a reader learns them (the Ultra-Scale
 Playbook's: data parallelism and ZeRO, then tensor and sequence parallelism, then the pipeline).
 
-  1. The layout: how the world of ranks is cut into data-, context-, tensor- and pipeline-parallel groups
-     (and the data-parallel ranks into expert-parallel groups); settings.py prints the grid.
-  2. Data parallelism: gradients averaged in buckets launched from backward hooks (GradientBuckets), with
-     the few named hooks the mechanisms that extend it override.
-  3. ZeRO-1: the buckets reduce-scattered instead (ShardedGradientBuckets) and an AdamW whose states are
-     split across the data-parallel ranks (ZeroOneAdamW), stepped by torch's fused kernel (adamw_step).
-  4. Tensor parallelism (Megatron-LM): the communication operators as autograd functions, the layers built
-     from them (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) and the vocab-parallel
-     cross-entropy.
-  5. Sequence parallelism, tensor parallelism's option: the two operators that split the tokens between
-     the tensor-parallel regions, and the layers that end and begin them that way.
-  6. Pipeline parallelism: a schedule as every rank's ordered list of forward and backward actions (AFAB,
-     1F1B), the stages' cut, the channel between the ranks, the executor that walks such a list on a real
-     rank (PipelineExecutor), the tied-weight sync, and a step's Pipeline, which puts them together.
+  1. The layout: how the world of ranks is cut into data-, context-, tensor- and pipeline-parallel
+     groups (and the data-parallel ranks into expert-parallel groups); settings.py prints the grid.
+  2. Data parallelism: gradients averaged in buckets launched from backward hooks
+     (GradientBuckets), with the few named hooks the mechanisms that extend it override.
+  3. ZeRO-1: the buckets reduce-scattered instead (ShardedGradientBuckets) and an AdamW whose states
+     are split across the data-parallel ranks (ZeroOneAdamW), stepped by torch's fused kernel.
+  4. Tensor parallelism (Megatron-LM): the communication operators as autograd functions, the
+     layers built from them (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) and
+     the vocab-parallel cross-entropy.
+  5. Sequence parallelism, tensor parallelism's option: the two operators that split the tokens
+     between the tensor-parallel regions, and the layers that end and begin them that way.
+  6. Pipeline parallelism: a schedule as every rank's ordered list of forward and backward actions
+     (AFAB, 1F1B), the stages' cut, the channel between the ranks, the executor that walks such a
+     list on a real rank (PipelineExecutor), the tied-weight sync, and a step's Pipeline.
 
 Each mechanism beyond these is a file of its own, importing only torch and this file:
 tensor_parallel.py (tensor and sequence parallelism applied to the model), context_parallel.py (the
 zigzag split and ring attention), zero.py (ZeRO-2 and ZeRO-3), expert_parallel.py (the all-to-all),
 pipeline_schedules.py (interleaved 1F1B, ZB-H1, ZB-V and the split backward); optim.py holds AdamW's
-interface and Muon. A core piece knows nothing of them: where one extends it, it does so through
-these hooks, every method (with its arguments) or attribute (in backquotes) of a class here that
-those files override, call or set (tests/test_lift.py reads their code and fails on one missing
-here):
-  GradientBuckets  plan(params, bucket_size_mb)  the buckets, lists of parameters (ZeRO-2/3: by backward
-                                                  action, one per unit; Muon: one owner each)
-                   new_bucket(params)            the object each bucket is, its flat buffer made now or not
-                   set_grad_sync(sync)           before each backward (ZeRO-2: lands what is in flight)
-                   grad_ready(p)                 p.grad complete: the hook's, or by hand (the split
-                                                  backward's W calls it)
-                   full(bucket), copy_in(bucket, i)  a bucket complete; p.grad into it
-                   launch(bucket), land(bucket)  post its collective; what p.grad becomes after it
-                   finish()                      after backward: every collective waited for
-                   `hooks`, `replicas`           {id(p): its hook}, taken out where autograd does not say
-                                                  when p.grad is complete (Reducers' late; the split
-                                                  backward's announced_by_hand); what the sums are divided
-                                                  by (the experts': the dense group's size)
-  ShardedGradientBuckets  owned_slices(), gather(bucket), after_step()  what the optimizer steps with
+interface and Muon. A core piece knows nothing of them: an extension goes through these
+hooks, every method (with its arguments) or attribute (in backquotes) of a class here that those
+files override, call or set (tests/test_lift.py reads their code and fails on one missing here):
+  GradientBuckets
+    plan(params, bucket_size_mb)      the buckets, lists of parameters (ZeRO-2/3: by backward
+                                      action, one per unit; Muon: one owner each)
+    new_bucket(params)                the object each bucket is, its flat buffer made now or not
+    set_grad_sync(sync)               before each backward (ZeRO-2: lands what is in flight)
+    grad_ready(p)                     p.grad complete: the hook's, or by hand (split backward's W)
+    full(bucket), copy_in(bucket, i)  a bucket complete; p.grad into it
+    launch(bucket), land(bucket)      post its collective; what p.grad becomes after it
+    finish()                          after backward: every collective waited for
+    `hooks`                           {id(p): its hook}, taken out where autograd does not say when
+                                      p.grad is complete (Reducers' late; the split backward's
+                                      announced_by_hand)
+    `replicas`                        what the sums are divided by (the experts': the dense group's)
+  ShardedGradientBuckets  owned_slices(), gather(bucket), after_step()  what the optimizer uses
   Bucket, ShardedBucket   zeros(), owned()  the flat buffer, this rank's range of it
-  ColumnParallelLinear, RowParallelLinear  `matmul`  their product (the split backward's WeightGradStore)
-  ColumnParallelLinear  `weight`, `vocab_size`  a head's weight tied to the embedding's, and its real rows
-                                                 (tensor_parallel.apply_tensor_parallel)
+  ColumnParallelLinear, RowParallelLinear  `matmul`  their product (the split backward's
+                                           WeightGradStore)
+  ColumnParallelLinear  `weight`, `vocab_size`  a head's weight tied to the embedding's, and its
+                                                real rows (tensor_parallel.apply_tensor_parallel)
 What ZeRO-2/3 add, backward_done(op, chunk) after each backward action, the executor and train.py
 call where a reducer has it.
 
@@ -173,25 +173,25 @@ def resolve_dp(world_size, dp, tp, pp, count_name="WORLD_SIZE", cp=1, ep=1):
         )
     if world_size % split != 0:
         raise ValueError(
-            f"{count_name} = {world_size} process{'es' if world_size != 1 else ''} cannot be cut into {axes}: the world size "
-            f"{world_size} is not divisible by {product}; launch a multiple of {split} processes or "
-            f"change {names}"
+            f"{count_name} = {world_size} process{'es' if world_size != 1 else ''} cannot be cut "
+            f"into {axes}: the world size {world_size} is not divisible by {product}; launch a "
+            f"multiple of {split} processes or change {names}"
         )
     if dp == 0:
         dp = world_size // split
     elif dp * split != world_size:
-        cut = f"dp={dp} x cp={cp} x tp={tp} x pp={pp}" if cp > 1 else f"dp={dp} x tp={tp} x pp={pp}"
+        cut = f"dp={dp} x " + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp} x pp={pp}"
         flags = "--dp, --cp, --tp and --pp" if cp > 1 else "--dp, --tp and --pp"
         raise ValueError(
-            f"the layout {cut} = {dp * split} ranks does not match the world size {world_size}: set "
-            f"{flags} so that their product is {world_size} (leave dp=0 to have it computed as "
-            f"world_size / ({'cp * ' if cp > 1 else ''}tp * pp))"
+            f"the layout {cut} = {dp * split} ranks does not match the world size {world_size}: "
+            f"set {flags} so that their product is {world_size} (leave dp=0 to have it computed "
+            f"as world_size / ({'cp * ' if cp > 1 else ''}tp * pp))"
         )
     if dp % ep != 0:
         raise ValueError(
             f"ep = {ep} must divide dp = {dp}: the experts are spread over ep of the data-parallel "
-            f"ranks, so launch a multiple of ep * {product.split(' = ')[0]} = {ep * split} processes "
-            f"or choose an ep that divides {dp}"
+            f"ranks, so launch a multiple of ep * {product.split(' = ')[0]} = {ep * split} "
+            f"processes or choose an ep that divides {dp}"
         )
     return dp
 
@@ -232,15 +232,8 @@ class ParallelLayout:
 
     def __init__(self, dp, tp, pp, world_size=1, rank=0, cp=1, ep=1, timeout=None):
         dp = resolve_dp(world_size, dp, tp, pp, cp=cp, ep=ep)
-        self.dp, self.cp, self.tp, self.pp, self.world_size, self.rank = (
-            dp,
-            cp,
-            tp,
-            pp,
-            world_size,
-            rank,
-        )
-        self.ep, self.timeout = ep, timeout
+        self.dp, self.cp, self.tp, self.pp, self.ep = dp, cp, tp, pp, ep
+        self.world_size, self.rank, self.timeout = world_size, rank, timeout
         self.tp_rank = rank % tp
         self.cp_rank = (rank // tp) % cp
         self.dp_rank = (rank // (tp * cp)) % dp
@@ -249,12 +242,14 @@ class ParallelLayout:
         self.ep_rank = self.dp_rank % ep
         self.tp_group = self.cp_group = self.dp_group = self.pp_group = self.dp_cp_group = None
         self.ep_group = self.expert_dp_group = None
-        self.pp_prev = self.pp_next = None  # global ranks of the neighbouring pipeline stages
+        # the global ranks of the neighbouring pipeline stages
+        stage = lambda p: grid_rank(p, self.dp_rank, self.tp_rank, dp, tp, self.cp_rank, cp)
+        self.pp_prev = stage(self.pp_rank - 1) if self.pp_rank > 0 else None
+        self.pp_next = stage(self.pp_rank + 1) if self.pp_rank < pp - 1 else None
         if world_size == 1:
             return
-        # A group is a line of the grid: the ranks that differ along its axes only. Every rank must
-        # create every group, in the same order, even the groups it is not in. An axis of size 1 has
-        # no group.
+        # A group is a line of the grid: the ranks that differ along its axes only (none for an axis
+        # of size 1). Each rank must create all of them, in the same order, even those it is not in.
         sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
         rank_at = lambda c: grid_rank(c["pp"], c["dp"], c["tp"], dp, tp, c["cp"], cp)
         lines = [("tp",), ("cp",), ("dp",), ("pp",)] + ([("dp", "cp")] if dp > 1 and cp > 1 else [])
@@ -286,14 +281,6 @@ class ParallelLayout:
                     group = dist.new_group(ranks, timeout=timeout, group_desc=kind)
                     if rank in ranks:
                         setattr(self, kind, group)
-        if self.pp_rank > 0:
-            self.pp_prev = grid_rank(
-                self.pp_rank - 1, self.dp_rank, self.tp_rank, dp, tp, self.cp_rank, cp
-            )
-        if self.pp_rank < pp - 1:
-            self.pp_next = grid_rank(
-                self.pp_rank + 1, self.dp_rank, self.tp_rank, dp, tp, self.cp_rank, cp
-            )
 
 
 def expert_groups(dp, tp, pp, cp, ep):
@@ -420,15 +407,9 @@ class GradientBuckets:
 
     def __init__(self, params, group, bucket_size_mb=25.0):
         # replicas: what the summed gradients are divided by
-        self.group, self.replicas = (
-            group,
-            group_size(group),
-        )
+        self.group, self.replicas = group, group_size(group)
         # launched: buckets sent since the last finish(), in order
-        self.sync, self.launched = (
-            True,
-            0,
-        )
+        self.sync, self.launched = True, 0
         params = [p for p in params if p.requires_grad]
         self.buckets = [self.new_bucket(ps) for ps in self.plan(params, bucket_size_mb)]
         self.where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -540,9 +521,8 @@ class GradientBuckets:
 
 def reduce_scatter(out, flat, group):
     """Post out = this rank's slice (group rank r: the r-th of equal pieces) of the sum of flat over
-    the group; returns its request. NCCL's reduce-scatter, or on gloo, which has none (torch's
-    emulation takes twice an all-reduce's time: 14 against 7 ms for 10 MB at 2 ranks),
-    SlicesExchange."""
+    the group; returns its request. NCCL's reduce-scatter, or on gloo SlicesExchange (torch's
+    emulation takes twice an all-reduce's time: 14 against 7 ms for 10 MB at 2 ranks)."""
     if dist.get_backend(group) != "gloo":
         return _reduce_scatter_single(out, flat, group=group, async_op=True)
     return SlicesExchange(out, flat, group)
@@ -561,11 +541,8 @@ class SlicesExchange:
     def __init__(self, out, flat, group):
         n, r = group_size(group), group_rank(group)
         pieces = flat.view(n, -1)
-        self.out, self.mine, self.received = (
-            out,
-            pieces[r],
-            [out] + [torch.empty_like(out) for _ in range(2, n)],
-        )
+        self.out, self.mine = out, pieces[r]
+        self.received = [out] + [torch.empty_like(out) for _ in range(2, n)]
         self.requests = [
             dist.isend(pieces[(r + s) % n], group=group, group_dst=(r + s) % n) for s in range(1, n)
         ]
@@ -594,18 +571,14 @@ class ShardedBucket(Bucket):
         self.world, self.rank = group_size(group), group_rank(group)
         # elements one rank owns
         self.shard_size = (sum(p.numel() for p in params) + self.world - 1) // self.world
-        self.shard = self.values = self.gathering = (
-            None  # gathering: after_step's all-gather, in flight
-        )
-        self.waited_by_hook = (
-            False  # (zero.overlap_param_gather: a forward pre-hook waits for the gathering)
-        )
+        self.shard = self.values = None
+        self.gathering = None  # after_step's all-gather, in flight
+        self.waited_by_hook = False  # zero.overlap_param_gather: a forward pre-hook waits for it
         super().__init__(params, group)
 
     def zeros(self):
-        return torch.zeros(
-            self.shard_size * self.world, dtype=self.params[0].dtype, device=self.params[0].device
-        )
+        p = self.params[0]
+        return torch.zeros(self.shard_size * self.world, dtype=p.dtype, device=p.device)
 
     def owned(self):
         """The range of `flat` this rank owns."""
@@ -614,13 +587,10 @@ class ShardedBucket(Bucket):
 
 def post_reduce_scatter(bucket):
     """Post the sum over the group of bucket.flat, of which this rank keeps its slice
-    (summed_slice): a reduce-scatter into a new bucket.shard. With one rank there is nothing to
-    send."""
+    (summed_slice): a reduce-scatter into a new bucket.shard. One rank sends nothing."""
     if bucket.world == 1:
         return
-    bucket.shard = torch.empty(
-        bucket.shard_size, dtype=bucket.flat.dtype, device=bucket.flat.device
-    )
+    bucket.shard = bucket.flat.new_empty(bucket.shard_size)
     bucket.work = reduce_scatter(bucket.shard, bucket.flat, bucket.group)
 
 
@@ -637,9 +607,9 @@ def summed_slice(bucket):
 
 
 def owned_slices(buckets):
-    """(param, start, end, bucket, a, b): the range start:end of each parameter's flattened elements
-    this rank owns, which is a:b of its bucket's owned range. Each parameter has at most one range:
-    it is contiguous in its bucket, so is the slice."""
+    """(param, start, end, bucket, a, b): the elements start:end of each parameter (flattened) this
+    rank owns, a:b of its bucket's owned range; at most one range each, a parameter being
+    contiguous in its bucket."""
     pieces = []
     for bucket in buckets:
         lo, hi = bucket.owned()
@@ -774,8 +744,9 @@ class ZeroOneAdamW(torch.optim.Optimizer):
     reducer that averages their gradients (ShardedGradientBuckets over the same parameters;
     zero.py's for ZeRO-2 and 3), which it steps with: do not also all-reduce the gradients, or wrap
     the model in DistributedDataParallel, or they are reduced twice. Per step:
-        backward (hooks reduce-scatter the buckets) -> grad_sync.finish() -> [clip grads()] -> step(found_inf)
-        (AdamW on this rank's slice, then grad_sync.after_step(): the all-gather of the updated slices)
+        backward (hooks reduce-scatter the buckets) -> grad_sync.finish() -> [clip grads()]
+        -> step(found_inf): AdamW on this rank's slice, then grad_sync.after_step(), the
+           all-gather of the updated slices
     The update is torch.optim.AdamW's fused kernel on this rank's flat slices (adamw_step). The
     learning rate is read from self.param_groups at every step, so a schedule that writes
     group['lr'] reaches the update.
@@ -788,8 +759,7 @@ class ZeroOneAdamW(torch.optim.Optimizer):
     def __init__(self, params, grad_sync, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.grad_sync = grad_sync
-        # the moments of this rank's slice only, created now so that their size can be reported at
-        # start-up
+        # the moments of this rank's slice only, made now so that start-up can report their size
         self.slices = {}
         for p, start, end, *where in grad_sync.owned_slices():
             self.slices[p] = (p, start, end, *where)
@@ -805,7 +775,7 @@ class ZeroOneAdamW(torch.optim.Optimizer):
         return self.grad_sync.owned_param(*self.slices[p])
 
     def grads(self):
-        """[(param, gradient)]: every gradient element this rank holds, each once: its owned slices."""
+        """[(param, gradient)]: every gradient element this rank holds, once: its owned slices."""
         return [(p, self.grad_sync.owned_grad(*self.slices[p])) for p in self.state]
 
     @torch.no_grad()
@@ -815,13 +785,9 @@ class ZeroOneAdamW(torch.optim.Optimizer):
         # one fused kernel per group over this rank's slices (views of p)
         for group in self.param_groups:
             mine = [p for p in group["params"] if p in self.slices]
-            adamw_step(
-                [self.owned_param(p) for p in mine],
-                [self.grad_sync.owned_grad(*self.slices[p]) for p in mine],
-                [self.state[p] for p in mine],
-                group,
-                found_inf,
-            )
+            params = [self.owned_param(p) for p in mine]
+            grads = [self.grad_sync.owned_grad(*self.slices[p]) for p in mine]
+            adamw_step(params, grads, [self.state[p] for p in mine], group, found_inf)
         self.grad_sync.after_step()
 
 
@@ -881,7 +847,7 @@ class Reducers:
         self.parts = parts + ((late,) if late is not None else ())
         self.group, self.replicas = parts[0].group, parts[0].replicas
         self.where = {p: at for r in self.parts for p, at in r.where.items()}
-        # (not late's: grad_ready passes them by)
+        # not late's parameters: grad_ready passes them by
         self.part_of = {p: r for r in parts for p in r.where}
         if late is not None:
             for key in list(late.hooks):
@@ -961,8 +927,7 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # all_reduce works in place, and autograd may hand the same gradient tensor to other
-        # branches too (an addition passes its output's gradient to both inputs): reduce a copy
+        # all-reduce a copy: it works in place and autograd may pass this gradient to other branches
         grad = grad.clone(memory_format=torch.contiguous_format)
         waited(dist.all_reduce(grad, group=ctx.group, async_op=True), "tp")
         return grad, None
@@ -1119,13 +1084,9 @@ class ColumnParallelLinear(nn.Module):
     ):
         super().__init__()
         self.group, self.gather_output, self.copy_input = group, gather_output, copy_input
-        self.out_per_rank = _divide(out_features, group_size(group), "out_features")
-        self.weight = mark_sharded(
-            nn.Parameter(torch.empty(self.out_per_rank, in_features)), 0, group
-        )
-        self.bias = (
-            mark_sharded(nn.Parameter(torch.zeros(self.out_per_rank)), 0, group) if bias else None
-        )
+        rows = self.out_per_rank = _divide(out_features, group_size(group), "out_features")
+        self.weight = mark_sharded(nn.Parameter(torch.empty(rows, in_features)), 0, group)
+        self.bias = mark_sharded(nn.Parameter(torch.zeros(rows)), 0, group) if bias else None
         self.matmul = F.linear
 
     def forward(self, x):
@@ -1148,10 +1109,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, bias=False, group=None, input_is_parallel=True):
         super().__init__()
         self.group, self.input_is_parallel = group, input_is_parallel
-        self.in_per_rank = _divide(in_features, group_size(group), "in_features")
-        self.weight = mark_sharded(
-            nn.Parameter(torch.empty(out_features, self.in_per_rank)), 1, group
-        )
+        columns = self.in_per_rank = _divide(in_features, group_size(group), "in_features")
+        self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, columns)), 1, group)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.matmul = F.linear
 
@@ -1187,12 +1146,9 @@ class VocabParallelEmbedding(nn.Module):
         self.group, self.vocab_size = group, vocab_size
         self.rows_per_rank = split_vocab_size(vocab_size, group_size(group)) // group_size(group)
         self.vocab_start = group_rank(group) * self.rows_per_rank
-        self.weight = mark_sharded(
-            nn.Parameter(torch.empty(self.rows_per_rank, dim)), 0, self.group
-        )
-        self.weight.vocab_size = (
-            vocab_size  # rows past it are padding: zero at init, never looked up
-        )
+        self.weight = mark_sharded(nn.Parameter(torch.empty(self.rows_per_rank, dim)), 0, group)
+        # rows past it are padding: zero at init, never looked up
+        self.weight.vocab_size = vocab_size
 
     def forward(self, idx):
         if group_size(self.group) == 1:
@@ -1207,7 +1163,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def valid_vocab_columns(vocab_size, rows_per_rank, group):
-    """How many of this rank's vocab columns are real tokens (the last ranks may hold only padding)."""
+    """How many of this rank's vocab columns are real tokens (the last may hold only padding)."""
     start = group_rank(group) * rows_per_rank
     return max(0, min(rows_per_rank, vocab_size - start))
 
@@ -1267,10 +1223,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ignore_index=-1):
-    """Mean cross-entropy of (N, V_local) logits, this rank's vocabulary columns starting at global
-    id vocab_start, against (N,) global target ids; ignored targets are left out of the mean (if
-    every target is ignored the loss is 0, where F.cross_entropy gives nan). With one rank it is
-    F.cross_entropy."""
+    """Mean cross-entropy of (N, V_local) logits, this rank's vocabulary from global id vocab_start,
+    against (N,) global target ids, ignored targets left out (all ignored: 0, where F.cross_entropy
+    gives nan). With one rank it is F.cross_entropy."""
     if group_size(group) == 1:
         return F.cross_entropy(
             logits.to(at_least_fp32(logits.dtype)), targets, ignore_index=ignore_index
@@ -1281,9 +1236,9 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start=0, group=None, ign
 
 # -----------------------------------------------------------------------------
 # 5. Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-# Transformer Models", section 4.2.2), an option of tensor parallelism. Needs: sections 1
-# (group_size), 3 (reduce_scatter) and 4 (RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
-# _all_gather_along).
+# Transformer Models", section 4.2.2), an option of tensor parallelism.
+# Needs: sections 1 (group_size), 3 (reduce_scatter) and 4 (RowParallelLinear,
+# VocabParallelEmbedding, copy_to_tp, _all_gather_along).
 #
 # Between the tensor-parallel regions (the norms and the residual adds: everything outside attention
 # and the MLP) every tp rank computes the same thing on the same tokens and holds the same (B, T, C)
@@ -1340,7 +1295,7 @@ def _reduce_scatter_along(x, group, dim):
     """This rank's chunk, along dim, of the sum over the group of every rank's x."""
     moved = x.movedim(dim, 0).contiguous()  # a reduce-scatter cuts along dimension 0
     out = moved.new_empty((moved.shape[0] // group_size(group), *moved.shape[1:]))
-    # (section 3's: gloo's own takes twice as long)
+    # section 3's reduce_scatter: gloo's own takes twice as long
     waited(reduce_scatter(out.view(-1), moved, group), "tp")
     return out.movedim(0, dim)
 
@@ -1388,14 +1343,15 @@ class SequenceParallelEmbedding(VocabParallelEmbedding):
 # section 2.2).
 #
 # A schedule is written once, as each pipeline rank's ordered list of actions (op, i, c): run op for
-# microbatch i on the rank's model chunk c (one chunk here: c is 0). PipelineExecutor (run_schedule) walks
-# that list on a real rank; tools/timeline.py places the very same lists in time slots for the printed picture. A rank keeps a
-# microbatch's activations from its forward to its backward, so the order also decides the memory:
+# microbatch i on the rank's model chunk c (one chunk here: c is 0). PipelineExecutor (run_schedule)
+# walks that list on a real rank; tools/timeline.py places the very same lists in time slots for the
+# printed picture. A rank keeps a microbatch's activations from its forward to its backward, so the
+# order also decides the memory:
 #   afab              all forward, all backward (GPipe): all m microbatches held at the turn
 #   1f1b              one forward, one backward (PipeDream-Flush): the same bubble, pp - stage held
-# pipeline_schedules.py adds interleaved 1F1B (several model chunks per rank) and the zero-bubble schedules
-# ZB-H1 and ZB-V (the backward split into B and W), as more lists of the same kind for the same
-# executor, which it extends, with the step's Pipeline, through the hooks the module docstring
+# pipeline_schedules.py adds interleaved 1F1B (several model chunks per rank) and the zero-bubble
+# schedules ZB-H1 and ZB-V (the backward split into B and W), as more lists of the same kind for the
+# same executor, which it extends, with the step's Pipeline, through the hooks the module docstring
 # lists; it also holds every schedule's table (SCHEDULES), the rules that refuse a schedule that
 # cannot run (check_schedule) and the bubbles (ideal_bubble). A training step of afab or 1f1b runs
 # this section's code alone: Pipeline.forward_backward, PipelineExecutor, sync_tied_grads.
@@ -1446,8 +1402,8 @@ def apply_pipeline(model, stage_blocks, stages):
     first, last = 0 in stages, len(stage_blocks) - 1 in stages
     if not last:
         model.norm = model.lm_head = None
-    # the copy: a parameter of its own, same shape and marks
     elif not first and model.cfg.tie_embeddings:
+        # the head's copy of the tied weight: a parameter of its own, same shape and marks
         copy = nn.Parameter(torch.empty_like(model.lm_head.weight))
         copy.__dict__.update(model.lm_head.weight.__dict__)
         model.lm_head.weight = copy
@@ -1691,7 +1647,7 @@ class PipelineExecutor:
         stage), or None."""
         op, i, c = action
         source, _ = message_route(op, self.comm.chunk_stages[c], self.comm.n_stages)
-        # (a chunk of this rank: pipeline_schedules.py)
+        # no other rank sends it (is_here: a chunk of this rank, pipeline_schedules.py)
         if source is None or self.comm.is_here(source):
             return None
         return *self.comm.receive(op, source, self.microbatches[i][0]), source
@@ -1771,8 +1727,7 @@ def sync_tied_grads(copies, group):
     gradients are averaged across data-parallel ranks."""
     if not copies:
         return
-    # a new tensor (sum starts from 0): the copies' own gradients are replaced, never reduced in
-    # place
+    # a new tensor (sum starts from 0): the copies' own gradients are replaced, not reduced in place
     total = sum(w.grad if w.grad is not None else torch.zeros_like(w) for w in copies)
     if group is not None:
         dist.all_reduce(total, group=group)

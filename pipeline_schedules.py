@@ -10,13 +10,14 @@ table (SCHEDULES, afab and 1f1b included), the rules that refuse one that cannot
 (check_schedule), the bubbles (ideal_bubble) and the cut of the blocks into stages by their cost
 (cost_cut).
 
-  interleaved_1f1b  v chunks per rank: the bubble (pp - 1) / (v m + pp - 1) (Narayanan et al. 2021,
-                    "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
-                    section 2.2.2), for v times the point-to-point messages
-  zero_bubble       ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3.1): the backward
-                    split in two, and the weights' half fills 1F1B's idle slots: (pp - 1) / (3 m + pp - 1)
-  zbv               ZB-V (same paper, section 6): two chunks per rank in a V, only the fill's pp - 1
-                    chunk-slots idle (with forward = input backward = weight backward in time)
+  interleaved_1f1b  v chunks per rank: the bubble (pp - 1) / (v m + pp - 1) (Narayanan et al.
+                    2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+                    Megatron-LM", section 2.2.2), for v times the point-to-point messages
+  zero_bubble       ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3.1): the
+                    backward split in two, and the weights' half fills 1F1B's idle slots:
+                    (pp - 1) / (3 m + pp - 1)
+  zbv               ZB-V (same paper, section 6): two chunks per rank in a V, only the fill's
+                    pp - 1 chunk-slots idle (forward = input backward = weight backward in time)
 
 Chunks ("virtual stages"). With v chunks per rank the layers are cut into pp * v model stages and
 rank r holds stages r, r + pp, r + 2 pp, ... (zbv: r and 2 pp - 1 - r, so the last rank turns the V
@@ -138,7 +139,8 @@ def zbv_actions(pp, stage, m, chunks=2):
       2. r pairs (chunk 1 forward, chunk 0 forward) while the V's second arm fills;
       3. pp - r triples (chunk 1 forward, B, W): the turn comes back;
       4. steady state: chunk 0's F, B, W, then chunk 1's, until every forward is done;
-      5. cool-down: r pairs of B (chunks 0 and 1), then pp - r of (chunk 0's B, W), then the rest of the W's.
+      5. cool-down: r pairs of B (chunks 0 and 1), then pp - r of (chunk 0's B, W), then the
+         rest of the W's.
     The phases are written for at least 2 pp - 1 microbatches; with fewer, the actions of the
     microbatches that do not exist are left out (schedule_timeline checks the rest still runs)."""
     n = max(m, 2 * pp - 1)
@@ -199,8 +201,8 @@ def check_schedule(schedule, pp, m, chunks=1):
             )
         if chunks > 1:
             raise ValueError(
-                f"pp_chunks = {chunks} needs a pipeline: with pp = 1 one rank holds the whole model "
-                f"(set --pp to 2 or more, or --pp_chunks=1)"
+                f"pp_chunks = {chunks} needs a pipeline: with pp = 1 one rank holds the whole "
+                f"model (set --pp to 2 or more, or --pp_chunks=1)"
             )
         return
     if schedule in ("afab", "1f1b", "zero_bubble") and chunks != 1:
@@ -270,8 +272,7 @@ def balanced_cut(block_costs, n_stages, first_cost=0, last_cost=0):
 
     def best_cut(score, limit):
         # cuts[j]: (score, blocks per stage) of the best cut of blocks 0 .. j - 1 into the stages so
-        # far, each stage within the limit (tuples compare the score first, then the first stage's
-        # blocks)
+        # far, each within the limit (tuples compare the score, then the first stage's blocks)
         cuts = {0: (0, ())}
         for s in range(n_stages):
             ends = [n] if s == n_stages - 1 else range(s + 1, n - (n_stages - 1 - s) + 1)
@@ -417,15 +418,13 @@ class WeightGradStore:
 
     def __init__(self, modules):
         self.params, self.held, self.collecting = [], {}, None
-        self.held_bytes = (
-            0  # of the x and dy kept (each counted per layer): timeline.ActivationMemory reads it
-        )
+        # of the x and dy kept (each counted per layer): timeline.ActivationMemory reads it
+        self.held_bytes = 0
         for module in modules:
             for layer in module.modules():
                 if hasattr(getattr(layer, "matmul", None), "store"):
-                    layer.matmul.store = (
-                        self  # an FP8 product: collects here itself; its bias, outside it, in B
-                    )
+                    # an FP8 product: collects here itself; its bias, outside it, in B
+                    layer.matmul.store = self
                     self.params.append(layer.weight)
                     continue
                 if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
@@ -438,7 +437,7 @@ class WeightGradStore:
                 else:
                     continue
                 self.params.append(layer.weight)
-                # (Row's: after its sum)
+                # the bias too, but a row-parallel one's (added after the sum) gets its grad in B
                 if not isinstance(layer, RowParallelLinear) and layer.bias is not None:
                     self.params.append(layer.bias)
         # a tied head's weight is the embedding's
@@ -558,7 +557,7 @@ class ScheduleExecutor(PipelineExecutor):
         return product
 
     def weight_gradients(self, i, c, last):
-        """W: the weights' half of microbatch i's split backward on chunk c, from what its B kept."""
+        """W: the weights' half of microbatch i's split backward on chunk c, from what B kept."""
         if self.split_backward is None:
             raise ValueError(
                 "these actions split the backward into B and W: give the executor split_backward, "

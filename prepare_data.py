@@ -15,8 +15,9 @@ blank); json and parquet files hold one document per row, in the column --text_f
 text is null or missing is skipped, and the count is printed at the end (SkippedRows says why).
 
 Output, in out_dir:
-  train.bin, val.bin  every document's tokens (tiktoken's encode_ordinary) followed by the end-of-text
-                      token, all concatenated: read with np.memmap(path, dtype=meta['dtype'], mode='r')
+  train.bin, val.bin  every document's tokens (tiktoken's encode_ordinary) followed by the
+                      end-of-text token, all concatenated: read them with
+                      np.memmap(path, dtype=meta['dtype'], mode='r')
   meta.json           tokenizer, vocab_size, dtype, eot_token, token and document counts, source
 
 Validation split: each document goes to val or train by a stable hash of its index in the stream
@@ -45,7 +46,7 @@ import os
 import sys
 import time
 from collections import deque
-from contextlib import closing
+from contextlib import closing, contextmanager
 import multiprocessing
 import socket
 import urllib.parse
@@ -65,15 +66,10 @@ except ImportError:
 
 DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
 DEFAULT_NAME = "sample-10BT"
-DEFAULT_OUT_DIR = (
-    "data/fineweb_edu"  # where config/tiny_fineweb.py (the quick start) reads its data_dir
-)
-LOCAL_BUILDERS = {
-    ".txt": "text",
-    ".jsonl": "json",
-    ".json": "json",
-    ".parquet": "parquet",
-}  # suffix -> datasets builder
+# where config/tiny_fineweb.py (the quick start) reads its data_dir
+DEFAULT_OUT_DIR = "data/fineweb_edu"
+# file suffix -> the datasets builder that reads it
+LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 VAL_SEED = 1337
 
 # -----------------------------------------------------------------------------
@@ -103,9 +99,8 @@ def tokenize_batch(texts):
     the parent than a list of lists."""
     docs = [_enc.encode_ordinary(text) + [_enc.eot_token] for text in texts]
     lengths = np.array([len(doc) for doc in docs], dtype=np.int64)
-    tokens = np.fromiter(
-        (t for doc in docs for t in doc), dtype=token_dtype(_enc.n_vocab), count=int(lengths.sum())
-    )
+    flat = (t for doc in docs for t in doc)
+    tokens = np.fromiter(flat, dtype=token_dtype(_enc.n_vocab), count=int(lengths.sum()))
     return tokens, lengths
 
 
@@ -128,7 +123,8 @@ def local_files(dataset):
         )
     elif "/" not in dataset or dataset.startswith((".", "/")):
         raise FileNotFoundError(
-            f"--dataset={dataset!r}: no such file or directory, and not a hub dataset name (owner/name)"
+            f"--dataset={dataset!r}: no such file or directory, and not a hub dataset name "
+            f"(owner/name)"
         )
     else:
         return None
@@ -146,7 +142,8 @@ def local_files(dataset):
     builders = {LOCAL_BUILDERS[os.path.splitext(f)[1]] for f in files}
     if len(builders) > 1:
         raise ValueError(
-            f"--dataset={dataset!r} mixes file types ({', '.join(sorted(builders))}); pass a glob of one type"
+            f"--dataset={dataset!r} mixes file types ({', '.join(sorted(builders))}); "
+            f"pass a glob of one type"
         )
     return builders.pop(), files
 
@@ -222,8 +219,7 @@ def local_texts(builder, files, split, text_field, skipped):
     extra = {"sample_by": "document"} if builder == "text" else {}
     for path in files:
         # datasets reads lazily, so a file's problems surface while iterating as well as when
-        # opening it; and it streams, so they come as they are, not wrapped in a
-        # DatasetGenerationError
+        # opening it; streamed, they come as they are, not wrapped in a DatasetGenerationError
         try:
             rows = datasets.load_dataset(
                 builder, data_files=[path], split=split, streaming=True, **extra
@@ -241,12 +237,11 @@ def local_texts(builder, files, split, text_field, skipped):
             continue
         except UnicodeDecodeError as e:
             raise ValueError(
-                f"{path} is not UTF-8 text (it holds the byte {e.object[e.start]:#04x}: {e.reason}); "
-                f"is it a binary file? prepare_data.py reads text files as UTF-8"
+                f"{path} is not UTF-8 text (it holds the byte {e.object[e.start]:#04x}: "
+                f"{e.reason}); is it a binary file? prepare_data.py reads text files as UTF-8"
             ) from e
         except pyarrow.ArrowInvalid as e:
-            # only a .jsonl file is one value per line; a .json file may be one value over many
-            # lines
+            # only a .jsonl file is one value per line; a .json value may span many lines
             bad_line = first_bad_json_line(path) if path.endswith(".jsonl") else None
             if bad_line:
                 raise ValueError(
@@ -292,8 +287,8 @@ def load_documents(dataset, name, split, text_field, skipped=None):
     local = local_files(dataset)
     if local is None:
         offline = (
-            f"Offline, tokenize local files instead: --dataset=PATH, a {', '.join(LOCAL_BUILDERS)} file, a "
-            f"glob of them or a directory"
+            f"Offline, tokenize local files instead: --dataset=PATH, a "
+            f"{', '.join(LOCAL_BUILDERS)} file, a glob of them or a directory"
         )
         why = why_hub_unreachable()
         if why:
@@ -302,9 +297,8 @@ def load_documents(dataset, name, split, text_field, skipped=None):
             )
         try:
             rows = datasets.load_dataset(dataset, name=name, split=split, streaming=True)
-        except (
-            ConnectionError
-        ) as e:  # datasets' own, when the hub cannot be reached or HF_HUB_OFFLINE is set
+        except ConnectionError as e:
+            # datasets' own, when the hub cannot be reached or HF_HUB_OFFLINE is set
             raise ConnectionError(f"--dataset={dataset!r}: {e}. {offline}") from e
         return hub_texts(rows, text_field, dataset, skipped)
     if name is not None:
@@ -368,6 +362,7 @@ def is_val(doc_index, val_fraction):
 
 
 # -----------------------------------------------------------------------------
+# writing the bins
 
 
 def write_bins(stream, f_train, f_val, val_fraction, max_tokens, bar):
@@ -378,8 +373,7 @@ def write_bins(stream, f_train, f_val, val_fraction, max_tokens, bar):
     t0 = last_print = time.time()
     for tokens, lengths in stream:
         if max_tokens is not None and n_tokens + len(tokens) > max_tokens:
-            # cut exactly at the cap: later documents are dropped and the last one kept is cut
-            # short, losing its EOT
+            # cut exactly at the cap: later documents dropped, the last one kept cut short, no EOT
             keep = max_tokens - n_tokens
             # the documents that start before the cap
             n_keep = int(np.count_nonzero(np.cumsum(lengths) - lengths < keep))
@@ -413,6 +407,41 @@ def write_bins(stream, f_train, f_val, val_fraction, max_tokens, bar):
     return split_tokens, split_docs
 
 
+def settings_with_defaults(dataset, name, val_fraction, max_tokens):
+    """(name, val_fraction) with their defaults for `dataset` filled in; a value out of range is
+    refused before anything is read."""
+    if dataset == DEFAULT_DATASET and name is None:
+        name = DEFAULT_NAME
+    if val_fraction is None:
+        # FineWeb-Edu's ~10M documents give 5M val tokens at 0.05%; a small corpus needs more
+        val_fraction = 0.0005 if dataset == DEFAULT_DATASET else 0.005
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"--val_fraction={val_fraction} must be in [0, 1)")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"--max_tokens={max_tokens} must be positive (leave it out for no cap)")
+    return name, val_fraction
+
+
+@contextmanager
+def out_dir_kept_on_failure(paths, bar):
+    """A failed run, Ctrl-C included, leaves out_dir as it found it: no half-written .tmp files, and
+    the bins and meta.json of an earlier run untouched (publish replaces them only once all is
+    read). The progress bar is closed either way."""
+    try:
+        yield
+    except BaseException:
+        for path in paths.values():
+            if os.path.exists(path + ".tmp"):
+                os.remove(path + ".tmp")
+        if bar is not None:
+            # closing erases the bar, so that the error is the one line left on the terminal
+            bar.leave = False
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 def prepare(
     dataset=DEFAULT_DATASET,
     out_dir=DEFAULT_OUT_DIR,
@@ -427,21 +456,11 @@ def prepare(
 ):
     """Tokenize `dataset` into out_dir/{train.bin, val.bin, meta.json} (see the top of this file);
     returns meta."""
-    if dataset == DEFAULT_DATASET and name is None:
-        name = DEFAULT_NAME
-    if val_fraction is None:
-        # FineWeb-Edu's ~10M documents give 5M val tokens at 0.05%; a small corpus needs a larger
-        # share
-        val_fraction = 0.0005 if dataset == DEFAULT_DATASET else 0.005
-    if not 0 <= val_fraction < 1:
-        raise ValueError(f"--val_fraction={val_fraction} must be in [0, 1)")
-    if max_tokens is not None and max_tokens < 1:
-        raise ValueError(f"--max_tokens={max_tokens} must be positive (leave it out for no cap)")
+    name, val_fraction = settings_with_defaults(dataset, name, val_fraction, max_tokens)
     num_proc = num_proc or os.cpu_count()
     enc = get_encoding(tokenizer)  # a bad name fails here, before any data is read
     # a model folder's tokenizer is recorded by its absolute path, or as the tiktoken one it is
     tokenizer = enc.name
-    dtype = token_dtype(enc.n_vocab)
     skipped = SkippedRows()
     texts = load_documents(dataset, name, split, text_field, skipped)
 
@@ -449,13 +468,12 @@ def prepare(
     paths = {s: os.path.join(out_dir, f"{s}.bin") for s in ("train", "val")}
     bar = tqdm(desc="tokenizing", unit=" docs", file=sys.stderr) if tqdm else None
     t0 = time.time()
-    try:
+    with out_dir_kept_on_failure(paths, bar):
+        batches = tokenized_batches(text_batches(texts, chunk_docs), tokenizer, num_proc)
         with (
             open(paths["train"] + ".tmp", "wb") as f_train,
             open(paths["val"] + ".tmp", "wb") as f_val,
-            closing(
-                tokenized_batches(text_batches(texts, chunk_docs), tokenizer, num_proc)
-            ) as stream,
+            closing(batches) as stream,
         ):
             split_tokens, split_docs = write_bins(
                 stream, f_train, f_val, val_fraction, max_tokens, bar
@@ -466,26 +484,12 @@ def prepare(
                 + (f"; its {skipped.count:,} rows have no {text_field!r}" if skipped.count else "")
                 + ")"
             )
-    except BaseException:
-        # a failed run, Ctrl-C included, leaves out_dir as it found it: no half-written .tmp files,
-        # and the bins and meta.json of an earlier run untouched (they are only replaced below, once
-        # all is read)
-        for path in paths.values():
-            if os.path.exists(path + ".tmp"):
-                os.remove(path + ".tmp")
-        if bar is not None:
-            # closing erases the bar, so that the error is the one line left on the terminal
-            bar.leave = False
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
     elapsed = time.time() - t0
 
     meta = {
         "tokenizer": tokenizer,
         "vocab_size": enc.n_vocab,
-        "dtype": np.dtype(dtype).name,
+        "dtype": np.dtype(token_dtype(enc.n_vocab)).name,
         "eot_token": enc.eot_token,
         "train_tokens": split_tokens["train"],
         "val_tokens": split_tokens["val"],
@@ -502,9 +506,8 @@ def prepare(
 
 
 def publish(paths, meta_path, meta):
-    """Put the new bins (written beside them as .tmp) in place of out_dir's, then write meta.json."""
-    # the old meta.json goes first, so a crash between the renames never leaves new bins beside an
-    # old meta
+    """Move the new bins (written beside them as .tmp) over out_dir's, then write meta.json."""
+    # the old meta.json goes first: a crash between the renames never leaves new bins beside it
     if os.path.exists(meta_path):
         os.remove(meta_path)
     for path in paths.values():
@@ -515,22 +518,20 @@ def publish(paths, meta_path, meta):
 
 
 def print_summary(meta, out_dir, elapsed, skipped):
-    n_docs, n_tokens = (
-        meta["train_docs"] + meta["val_docs"],
-        meta["train_tokens"] + meta["val_tokens"],
-    )
+    n_docs = meta["train_docs"] + meta["val_docs"]
+    n_tokens = meta["train_tokens"] + meta["val_tokens"]
     print(
-        f"wrote {n_tokens:,} {meta['tokenizer']} tokens from {n_docs:,} documents to {out_dir} in {elapsed:.1f}s "
-        f"({n_docs / elapsed:,.0f} docs/s, {n_tokens / elapsed:,.0f} tokens/s)"
+        f"wrote {n_tokens:,} {meta['tokenizer']} tokens from {n_docs:,} documents to {out_dir} "
+        f"in {elapsed:.1f}s ({n_docs / elapsed:,.0f} docs/s, {n_tokens / elapsed:,.0f} tokens/s)"
     )
     for s in ("train", "val"):
-        print(
-            f"  {s}.bin: {meta[s + '_tokens']:,} tokens, {meta[s + '_docs']:,} documents ({meta['dtype']})"
-        )
+        tokens, docs = meta[s + "_tokens"], meta[s + "_docs"]
+        print(f"  {s}.bin: {tokens:,} tokens, {docs:,} documents ({meta['dtype']})")
     if skipped.count:
+        field = meta["source"]["text_field"]
         print(
-            f"  skipped {skipped.count:,} row(s) with no {meta['source']['text_field']!r} (null, or missing): the "
-            f"first is {skipped.where_first()}"
+            f"  skipped {skipped.count:,} row(s) with no {field!r} (null, or missing): the first "
+            f"is {skipped.where_first()}"
         )
     if meta["val_docs"] == 0 and meta["val_fraction"] > 0:
         # np.memmap cannot open an empty file, so say it here rather than leave train.py to find out
@@ -541,12 +542,13 @@ def print_summary(meta, out_dir, elapsed, skipped):
             else "each row is one document: add rows"
         )
         print(
-            f"  note: val.bin is empty: {n_docs} document(s) is too few to hold any out; {more} to get a val split."
+            f"  note: val.bin is empty: {n_docs} document(s) is too few to hold any out; {more} "
+            "to get a val split."
         )
     print(f"train on it: python train.py config/tiny_fineweb.py --data_dir={out_dir}")
 
 
-def main(argv):
+def argument_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     parser.add_argument(
         "--dataset",
@@ -570,7 +572,8 @@ def main(argv):
     parser.add_argument(
         "--tokenizer",
         default="gpt2",
-        help="a tiktoken encoding name, or a transformers model folder with tokenizer.json (default gpt2)",
+        help="a tiktoken encoding name, or a transformers model folder with tokenizer.json "
+        "(default gpt2)",
     )
     parser.add_argument(
         "--val_fraction",
@@ -590,30 +593,29 @@ def main(argv):
     parser.add_argument(
         "--split", default="train", help="the split of the dataset to read (default train)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv):
+    args = argument_parser().parse_args(argv)
     if args.out_dir is None:
         args.out_dir = DEFAULT_OUT_DIR
         if args.dataset != DEFAULT_DATASET:
-            # the default is named for FineWeb-Edu: a corpus of one's own written there replaces
-            # that data
+            # the default is named for FineWeb-Edu: a corpus of one's own written there replaces it
             print(
-                f"no --out_dir given: writing to {DEFAULT_OUT_DIR}, the default, which config/tiny_fineweb.py "
-                f"reads (pass --out_dir=DIR to write elsewhere)"
+                f"no --out_dir given: writing to {DEFAULT_OUT_DIR}, the default, which "
+                f"config/tiny_fineweb.py reads (pass --out_dir=DIR to write elsewhere)"
             )
     # on a malformed json or parquet file datasets logs a line of its own before raising; the error
-    # below names the file (and the line), so datasets' line would only say it a second time, less
-    # exactly
-    for module in (
-        "datasets.packaged_modules.json.json",
-        "datasets.packaged_modules.parquet.parquet",
-    ):
-        logging.getLogger(module).setLevel(logging.CRITICAL)
+    # below names the file and the line, so datasets' line would only repeat it, less exactly
+    for builder in ("json", "parquet"):
+        logger = logging.getLogger(f"datasets.packaged_modules.{builder}.{builder}")
+        logger.setLevel(logging.CRITICAL)
     try:
         prepare(**vars(args))
     except (ValueError, OSError) as e:
-        # what prepare() raises about its input and settings (OSError: a missing path, no network, a
-        # full disk) says in its message which file or setting is wrong and what to do; a traceback
-        # would bury it
+        # what prepare() raises about its input and settings (OSError: a missing path, no network,
+        # a full disk) names the file or setting and what to do; a traceback would bury it
         sys.exit(f"error: {e}")
 
 

@@ -1,7 +1,7 @@
 """
 Generate text from a picotron checkpoint (saved at any parallel layout) on one device.
 
-    python sample.py --out_dir=out/tiny_fineweb --start="The history of" --num_samples=3 --max_new_tokens=100
+    python sample.py --out_dir=out/tiny_fineweb --start="The history of" --max_new_tokens=100
     python sample.py --out_dir=out/tiny_fineweb --start=FILE:prompt.txt --top_k=1     # greedy
 
 The tokenizer is the one the checkpoint records (its data's, or a converted model's: a tiktoken
@@ -102,12 +102,11 @@ def main(argv):
         enc = hf_tokenizer.get_encoding(checkpoint_tokenizer(reader.meta, cfg["tokenizer"]))
         ids = enc.encode(prompt, allowed_special={"<|endoftext|>"})
         if not ids:
-            source = (
-                f"the file {cfg['start'][5:]}" if cfg["start"].startswith("FILE:") else "--start"
-            )
+            start = cfg["start"]
+            source = f"the file {start[5:]}" if start.startswith("FILE:") else "--start"
             raise ValueError(
-                f"the prompt is empty ({source} holds no text): generation needs at least one token "
-                f"to start from"
+                f"the prompt is empty ({source} holds no text): generation needs at least one "
+                f"token to start from"
             )
     except (ConfigError, ValueError, OSError, checkpoint.CheckpointError) as e:
         sys.exit(f"error: {e}")

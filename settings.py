@@ -6,12 +6,13 @@ assignments of these names; --key=value on the command line overrides any of the
 
 Each setting also says what resuming a run (init_from='resume') does with it, one rule for all of
 them:
-    refuse    the architecture: the checkpoint's weights mean nothing under another value, so a different
-              value stops the run, naming the setting and both values
-    allow     a deliberate change that is safe: the run's length and schedule, the layout, logging, the
-              hardware, the context length and rope_theta (for a context extension); the change is printed
-    inherit   everything else (the data, the batch, the optimizer): the checkpoint's value, unless the
-              command line or a config file gives another, which is printed
+    refuse    the architecture: the checkpoint's weights mean nothing under another value, so a
+              different value stops the run, naming the setting and both values
+    allow     a deliberate change that is safe: the run's length and schedule, the layout,
+              logging, the hardware, the context length and rope_theta (for a context
+              extension); the change is printed
+    inherit   everything else (the data, the batch, the optimizer): the checkpoint's value, unless
+              the command line or a config file gives another, which is printed
 Whatever the kind, a setting left out takes the checkpoint's value, not the default here (resuming
 without the config file continues the same run); a key that an older checkpoint lacks takes its
 default. out_dir and init_from are how this launch finds the checkpoint, never taken from it.
@@ -36,8 +37,8 @@ TRAINING = [
         Setting(
             "init_from",
             "scratch",
-            "'scratch', 'resume' (from the newest complete checkpoint in out_dir), "
-            "'auto' (resume when out_dir holds one, else scratch: for torchrun --max-restarts) or a transformers "
+            "'scratch', 'resume' (from the newest complete checkpoint in out_dir), 'auto' (resume "
+            "when out_dir holds one, else scratch: for torchrun --max-restarts) or a transformers "
             "model folder (config.json and safetensors weights; the model settings come from it)",
             resume="allow",
         ),
@@ -120,8 +121,8 @@ TRAINING = [
         Setting(
             "dtype",
             "auto",
-            "'auto' (bf16 on Ampere+, fp16 before, fp32 on CPU), 'float32', 'bfloat16', "
-            "'float16', or 'float64' (CPU only: everything in float64, to tell rounding from a real "
+            "'auto' (bf16 on Ampere+, fp16 before, fp32 on CPU), 'float32', 'bfloat16', 'float16', "
+            "or 'float64' (CPU only: everything in float64, to tell rounding from a real "
             "difference, scripts/compare.py)",
             resume="allow",
         ),
@@ -135,8 +136,9 @@ TRAINING = [
         Setting(
             "fp8",
             "none",
-            "'tensorwise' or 'rowwise': the linears but the head and router compute in FP8 (fp8.py, "
-            "torchao's recipes; weights and checkpoints unchanged); 'none': the run's dtype",
+            "'tensorwise' or 'rowwise': the linears but the head and router "
+            "compute in FP8 (fp8.py, torchao's recipes; weights and checkpoints "
+            "unchanged); 'none': the run's dtype",
             resume="allow",
         ),
         Setting(
@@ -335,7 +337,8 @@ TRAINING = [
         ),
     ),
     *section(
-        "batch: one step sees batch_size * gradient_accumulation_steps * dp windows of block_size tokens",
+        "batch: one step sees batch_size * gradient_accumulation_steps * dp "
+        "windows of block_size tokens",
         Setting("batch_size", 8, "micro-batch per data-parallel rank"),
         Setting(
             "gradient_accumulation_steps",
@@ -344,8 +347,8 @@ TRAINING = [
         ),
     ),
     *section(
-        "the optimizer and the learning-rate schedule: linear warmup, then a decay to min_lr (cosine, or held "
-        "and decayed late: wsd)",
+        "the optimizer and the learning-rate schedule: linear warmup, then a decay to min_lr "
+        "(cosine, or held and decayed late: wsd)",
         Setting(
             "max_iters",
             1000,
@@ -395,7 +398,8 @@ TRAINING = [
         ),
     ),
     *section(
-        "Muon (optimizer='muon'): orthogonalised momentum, its update scaled to AdamW's RMS (same learning_rate)",
+        "Muon (optimizer='muon'): orthogonalised momentum, its update scaled to "
+        "AdamW's RMS (same learning_rate)",
         Setting("muon_momentum", 0.95, "Muon's Nesterov momentum coefficient"),
         Setting("muon_ns_steps", 5, "Newton-Schulz iterations that orthogonalise the momentum"),
     ),
@@ -404,8 +408,8 @@ TRAINING = [
         Setting(
             "dp",
             0,
-            "data-parallel ranks; 0 means world_size / (cp * tp * pp), and a resumed run's dp follows "
-            "its world size unless given",
+            "data-parallel ranks; 0 means world_size / (cp * tp * pp), and a resumed run's dp "
+            "follows its world size unless given",
             resume="allow",
         ),
         Setting("tp", 1, "tensor-parallel ranks", resume="allow"),
@@ -420,8 +424,8 @@ TRAINING = [
         Setting(
             "zero_stage",
             0,
-            "1 shards the optimizer states across data-parallel ranks, 2 also the gradients, 3 also "
-            "the parameters",
+            "1 shards the optimizer states across data-parallel ranks, 2 also the "
+            "gradients, 3 also the parameters",
             resume="allow",
         ),
         Setting(
@@ -461,8 +465,9 @@ TRAINING = [
         Setting(
             "pp_layers",
             "",
-            "the blocks of each model stage, first to last, pp * pp_chunks numbers summing to "
-            "n_layer ('7,1'); '' cuts the stages by their FLOPs, the head and loss counted (build.stage_cut)",
+            "the blocks of each model stage, first to last, pp * pp_chunks numbers "
+            "summing to n_layer ('7,1'); '' cuts the stages by their FLOPs, the head and "
+            "loss counted (build.stage_cut)",
             resume="allow",
         ),
         Setting(
@@ -539,75 +544,64 @@ CHOICES = {
 }
 
 
-def check_values(values):
-    """The value rules no type can say: every number finite, sizes and intervals in range, one of
-    the allowed words, AdamW's betas in [0, 1), the schedule's settings consistent, a non-empty
-    out_dir. Raises ConfigError naming every problem; returns the warnings to print (a setting that
-    runs, but not as meant)."""
-    # a NaN passes every comparison below (nan <= 0 is False) and would fail far from here, in a
-    # traceback
-    problems = [
-        f"{k} = {v} must be a finite number"
-        for k, v in values.items()
-        if isinstance(v, float) and not math.isfinite(v)
-    ]
-    if problems:
-        raise ConfigError("; ".join(problems))
-    problems = [f"{k} = {values[k]} must be positive" for k in POSITIVE if values[k] <= 0]
-    problems += [f"{k} = {values[k]} must not be negative" for k in NOT_NEGATIVE if values[k] < 0]
-    problems += [
-        f"{k} = {values[k]!r} must be one of {', '.join(map(repr, allowed))}"
-        for k, allowed in CHOICES.items()
-        if values[k] not in allowed
-    ]
+def optimizer_problems(values):
+    """The rules of the optimizer and learning-rate schedule settings (Muon's included) that no
+    type can say, in check_values' words."""
+    problems = []
     if not 0 <= values["decay_frac"] <= 1:
         problems.append(
-            f"decay_frac = {values['decay_frac']} must be between 0 and 1 (the share of lr_decay_iters "
-            f"that decays)"
+            f"decay_frac = {values['decay_frac']} must be between 0 and 1 (the share "
+            "of lr_decay_iters that decays)"
         )
     if not 0 <= values["muon_momentum"] < 1:
         problems.append(f"muon_momentum = {values['muon_momentum']} must be at least 0 and below 1")
     if values["min_lr"] > values["learning_rate"]:
         problems.append(
-            f"min_lr = {values['min_lr']} is above learning_rate = {values['learning_rate']}: the decay "
-            f"would raise the learning rate; set min_lr at most learning_rate (a tenth of it is usual: "
-            f"--min_lr={values['learning_rate'] / 10:g})"
+            f"min_lr = {values['min_lr']} is above learning_rate = {values['learning_rate']}: the "
+            "decay would raise the learning rate; set min_lr at most learning_rate (a tenth of it "
+            f"is usual: --min_lr={values['learning_rate'] / 10:g})"
         )
     if values["max_iters"] == 0 and values["init_from"] in ("scratch", "resume", "auto"):
         problems.append(
-            f"max_iters = 0 trains nothing: it only converts a model, with init_from=<a transformers "
-            f"model folder> (init_from is {values['init_from']!r})"
+            "max_iters = 0 trains nothing: it only converts a model, with init_from=<a "
+            f"transformers model folder> (init_from is {values['init_from']!r})"
         )
     problems += [
-        f"{k} = {values[k]} must be in [0, 1) (AdamW's moments average over about 1 / (1 - {k}) steps)"
+        f"{k} = {values[k]} must be in [0, 1) (AdamW's moments average "
+        f"over about 1 / (1 - {k}) steps)"
         for k in ("beta1", "beta2")
         if not 0 <= values[k] < 1
     ]
-    if values["vocab_size"] is not None and values["vocab_size"] <= 0:
-        problems.append(
-            f"vocab_size = {values['vocab_size']} must be positive (or None: from meta.json)"
+    return problems
+
+
+def pp_layers_problems(values):
+    """pp_layers, when set: pp * pp_chunks whole numbers summing to n_layer."""
+    if not values["pp_layers"]:
+        return []
+    n_stages, n_layer = values["pp"] * values["pp_chunks"], values["n_layer"]
+    parts = values["pp_layers"].split(",")
+    whole = all(p.strip().isdigit() and int(p) > 0 for p in parts)
+    if whole and len(parts) == n_stages and sum(map(int, parts)) == n_layer:
+        return []
+    even = [n_layer // n_stages + (s < n_layer % n_stages) for s in range(n_stages)]
+    # (fewer blocks than stages: no cut can do, and check_layout says so whatever pp_layers is)
+    return [
+        f"pp_layers = {values['pp_layers']!r} must be pp * pp_chunks = {n_stages} whole "
+        f"numbers, each at least 1, summing to n_layer = {n_layer}: the blocks of each "
+        "model stage, first to last ("
+        + (
+            f"for example {','.join(map(str, even))!r}; '' cuts the stages by their cost)"
+            if min(even) > 0
+            else f"n_layer = {n_layer} blocks cannot fill {n_stages} stages: lower --pp or "
+            f"--pp_chunks)"
         )
-    if not values["out_dir"].strip():
-        problems.append("out_dir is empty: name the folder the run writes to")
-    if values["pp_layers"]:
-        n_stages, n_layer = values["pp"] * values["pp_chunks"], values["n_layer"]
-        parts = values["pp_layers"].split(",")
-        whole = all(p.strip().isdigit() and int(p) > 0 for p in parts)
-        if not whole or len(parts) != n_stages or sum(map(int, parts)) != n_layer:
-            even = [n_layer // n_stages + (s < n_layer % n_stages) for s in range(n_stages)]
-            # (with fewer blocks than stages no cut can do: check_layout says so, whatever pp_layers
-            # is)
-            problems.append(
-                f"pp_layers = {values['pp_layers']!r} must be pp * pp_chunks = {n_stages} whole numbers, "
-                f"each at least 1, summing to n_layer = {n_layer}: the blocks of each model stage, first "
-                f"to last ("
-                + (
-                    f"for example {','.join(map(str, even))!r}; '' cuts the stages by their cost)"
-                    if min(even) > 0
-                    else f"n_layer = {n_layer} blocks cannot fill {n_stages} stages: lower --pp or "
-                    f"--pp_chunks)"
-                )
-            )
+    ]
+
+
+def zero_stage_problems(values):
+    """zero_stage is 0 to 3, and with Muon 0 or 1 (0 under expert parallelism)."""
+    problems = []
     if values["zero_stage"] not in (0, 1, 2, 3):
         problems.append(
             f"zero_stage must be 0 (plain AdamW), 1 (optimizer states sharded across data-parallel "
@@ -622,13 +616,43 @@ def check_values(values):
             + ", or --optimizer=adamw"
         )
     if values["optimizer"] == "muon" and values["zero_stage"] == 1 and values["ep"] > 1:
-        # ZeRO-1 deals Muon's matrices over dp x cp, but an expert is held by dp / ep of those ranks
-        # only
+        # ZeRO-1 deals Muon's matrices over dp x cp, but only dp / ep of those ranks hold an expert
         problems.append(
-            f"optimizer='muon' with zero_stage=1 and ep = {values['ep']} is not supported (the experts "
-            f"are not on every data-parallel rank to be dealt whole): use --zero_stage=0 with Muon at "
-            f"ep > 1, or --optimizer=adamw"
+            f"optimizer='muon' with zero_stage=1 and ep = {values['ep']} is not supported (the "
+            "experts are not on every data-parallel rank to be dealt whole): use --zero_stage=0 "
+            "with Muon at ep > 1, or --optimizer=adamw"
         )
+    return problems
+
+
+def check_values(values):
+    """The value rules no type can say: every number finite, sizes and intervals in range, one of
+    the allowed words, the optimizer's and schedule's settings consistent (optimizer_problems), a
+    non-empty out_dir, the pipeline cut and the ZeRO stage. Raises ConfigError naming every
+    problem; returns the warnings to print (a setting that runs, but not as meant)."""
+    # a NaN passes every comparison below (nan <= 0 is False) and would fail far off, in a traceback
+    problems = [
+        f"{k} = {v} must be a finite number"
+        for k, v in values.items()
+        if isinstance(v, float) and not math.isfinite(v)
+    ]
+    if problems:
+        raise ConfigError("; ".join(problems))
+    problems = [f"{k} = {values[k]} must be positive" for k in POSITIVE if values[k] <= 0]
+    problems += [f"{k} = {values[k]} must not be negative" for k in NOT_NEGATIVE if values[k] < 0]
+    problems += [
+        f"{k} = {values[k]!r} must be one of {', '.join(map(repr, allowed))}"
+        for k, allowed in CHOICES.items()
+        if values[k] not in allowed
+    ]
+    problems += optimizer_problems(values)
+    if values["vocab_size"] is not None and values["vocab_size"] <= 0:
+        problems.append(
+            f"vocab_size = {values['vocab_size']} must be positive (or None: from meta.json)"
+        )
+    if not values["out_dir"].strip():
+        problems.append("out_dir is empty: name the folder the run writes to")
+    problems += pp_layers_problems(values) + zero_stage_problems(values)
     if problems:
         raise ConfigError("; ".join(problems))
     return schedule_warnings(values)
@@ -641,9 +665,10 @@ def schedule_warnings(values):
     warmup, decay = values["warmup_iters"], values["lr_decay_iters"]
     if 0 < warmup < values["max_iters"] and warmup >= decay:
         return [
-            f"warning: warmup_iters = {warmup} is not below lr_decay_iters = {decay}: the learning rate climbs "
-            f"for {warmup} steps, then drops to min_lr = {values['min_lr']} in one step, with no decay (lower "
-            f"--warmup_iters, or decay over the run: --lr_decay_iters={values['max_iters']})"
+            f"warning: warmup_iters = {warmup} is not below lr_decay_iters = {decay}: the learning "
+            f"rate climbs for {warmup} steps, then drops to min_lr = {values['min_lr']} in one "
+            "step, with no decay (lower --warmup_iters, or decay over the run: "
+            f"--lr_decay_iters={values['max_iters']})"
         ]
     return []
 
@@ -711,17 +736,18 @@ def batch_recipe(meta):
 def resume_settings(values, given, meta, path, world_size):
     """The settings of a run resumed from the checkpoint at `path` (its `meta`) by this launch of
     world_size processes: resume_values' rules, and then:
-      the layout  dp follows the world size (every elastic restart changes it) unless given again; an
-                  inherited ep that does not divide the new dp is lowered to one that does (the experts
-                  reshard between ep values); inherited cp, tp or pp that do not fit the world stop the run,
-                  saying they came from the checkpoint and which flags to pass;
-      the batch   init_from='auto' (a restart, maybe on fewer or more nodes) keeps the run's recipe, the
-                  global batch it was first given (batch_recipe), when the batch settings it is given are
-                  the recipe's (a config file or scripts/slurm.sh passes the same ones every time), changing
-                  gradient_accumulation_steps or batch_size for the new dp (keep_global_batch); given other
-                  values, or init_from='resume' (a deliberate choice: the values as given or inherited), the
-                  batch is what they make it. "The run's recipe changes" is said only when the global batch
-                  does.
+      the layout  dp follows the world size (every elastic restart changes it) unless given
+                  again; an inherited ep that does not divide the new dp is lowered to one that
+                  does (the experts reshard between ep values); inherited cp, tp or pp that do not
+                  fit the world stop the run, saying they came from the checkpoint and which flags
+                  to pass;
+      the batch   init_from='auto' (a restart, maybe on fewer or more nodes) keeps the run's
+                  recipe, the global batch it was first given (batch_recipe), when the batch
+                  settings it is given are the recipe's (a config file or scripts/slurm.sh passes
+                  the same ones every time), changing gradient_accumulation_steps or batch_size for
+                  the new dp (keep_global_batch); given other values, or init_from='resume' (a
+                  deliberate choice: the values as given or inherited), the batch is what they make
+                  it. "The run's recipe changes" is said only when the global batch does.
     Returns (values, notes to print)."""
     # a model converted from transformers: no run to continue yet
     if "batch_size" not in meta["config"]:
@@ -729,9 +755,8 @@ def resume_settings(values, given, meta, path, world_size):
         return values, notes + follow_the_world(values, given, world_size, path)
     auto = values["init_from"] == "auto"
     recipe = batch_recipe(meta)
-    # a restart compares the batch settings it is given with the recipe's, not with the last
-    # launch's adjusted ones: the same values given every time keep the same global batch across any
-    # chain of restarts
+    # a restart compares the batch settings it is given with the recipe's, not the last launch's
+    # adjusted ones: the same values given every time keep one global batch over any restarts
     before = {k: recipe[k] if auto else meta["config"][k] for k in BATCH}
     values, notes = resume_values(
         values, given, {k: v for k, v in meta["config"].items() if k not in BATCH}
@@ -749,20 +774,22 @@ def resume_settings(values, given, meta, path, world_size):
     changed = [k for k in BATCH if values[k] != saved[k]]
     if windows != saved["batch_size"] * saved["gradient_accumulation_steps"] * meta["layout"]["dp"]:
         notes += [
-            f"resume: {k} = {values[k]!r}, the checkpoint's was {saved[k]!r} (the run's recipe changes)"
+            f"resume: {k} = {values[k]!r}, the checkpoint's was "
+            f"{saved[k]!r} (the run's recipe changes)"
             for k in changed
         ]
     elif changed and not keeping:
         notes.append(
             f"resume: batch_size {values['batch_size']} x gradient_accumulation_steps "
-            f"{values['gradient_accumulation_steps']} x dp {dp} keep the checkpoint's global batch of "
-            f"{windows} windows"
+            f"{values['gradient_accumulation_steps']} x dp {dp} keep the checkpoint's "
+            f"global batch of {windows} windows"
         )
     return values, notes
 
 
 def follow_the_world(values, given, world_size, path):
-    """A resumed run's layout at this launch's world size (see resume_settings); returns the notes."""
+    """A resumed run's layout at this launch's world size (see resume_settings); returns the
+    notes."""
     notes = []
     if "dp" not in given:
         values["dp"] = 0  # whatever the world leaves after cp * tp * pp
@@ -786,8 +813,8 @@ def follow_the_world(values, given, world_size, path):
     if "ep" not in given and ep > 1 and dp and dp % ep:
         values["ep"] = math.gcd(ep, dp)  # divides ep, so n_expert too, and dp
         notes.append(
-            f"resume: ep = {values['ep']}, the checkpoint's was {ep}, which does not divide dp = {dp} at "
-            f"{procs} (the experts reshard between ep values; pass --ep to choose)"
+            f"resume: ep = {values['ep']}, the checkpoint's was {ep}, which does not divide dp = "
+            f"{dp} at {procs} (the experts reshard between ep values; pass --ep to choose)"
         )
     return notes
 
@@ -818,7 +845,7 @@ def layout_that_fits(values, inherited, world_size):
         flags.append(("pp_chunks", 1))
     if values["pp_layers"] and fit["pp"] != values["pp"]:
         flags.append(("pp_layers", "''"))
-    # (it splits tokens across tp ranks: none to split)
+    # sequence parallelism splits tokens across tp ranks: at tp = 1 there are none to split
     if fit["tp"] == 1 and values["sequence_parallel"]:
         flags.append(("sequence_parallel", False))
     return flags
@@ -842,12 +869,12 @@ def keep_global_batch(values, windows, dp):
         values["batch_size"], values["gradient_accumulation_steps"] = windows // dp, 1
     else:
         raise ConfigError(
-            f"the run's global batch is {windows} windows (batch_size x gradient_accumulation_steps x "
-            f"dp), which dp = {dp} cannot keep: {windows} windows do not split evenly across {dp} "
-            f"replicas. Launch a number of processes whose dp divides {windows}, or give --batch_size "
-            f"and --gradient_accumulation_steps for a new global batch, or resume with "
-            f"--init_from=resume (the batch settings as given or as the checkpoint has them, the "
-            f"global batch whatever they make it)"
+            f"the run's global batch is {windows} windows (batch_size x "
+            f"gradient_accumulation_steps x dp), which dp = {dp} cannot keep: {windows} windows do "
+            f"not split evenly across {dp} replicas. Launch a number of processes whose dp divides "
+            f"{windows}, or give --batch_size and --gradient_accumulation_steps for a new global "
+            "batch, or resume with --init_from=resume (the batch settings as given or as the "
+            "checkpoint has them, the global batch whatever they make it)"
         )
     return [
         f"resume: dp = {dp}: batch_size {values['batch_size']} x gradient_accumulation_steps "
@@ -880,9 +907,9 @@ def global_batch_change(saved, tokens_per_step):
     if before == tokens_per_step:
         return None
     return (
-        f"resume: the global batch is now {tokens_per_step:,} tokens per step, the checkpoint's run had "
-        f"{c['batch_size']} x {c['gradient_accumulation_steps']} micro-batches x dp {dp} x {c['block_size']} = "
-        f"{before:,} (set batch_size or gradient_accumulation_steps to keep it)"
+        f"resume: the global batch is now {tokens_per_step:,} tokens per step, the checkpoint's "
+        f"run had {c['batch_size']} x {c['gradient_accumulation_steps']} micro-batches x dp {dp} x "
+        f"{c['block_size']} = {before:,} (set batch_size or gradient_accumulation_steps to keep it)"
     )
 
 
@@ -898,7 +925,8 @@ def check_layout(cfg, tp=1, pp=1, cp=1, sequence_parallel=False, chunks=1, ep=1)
 
 
 def layout_problems(cfg, tp, pp, cp, sequence_parallel, chunks, ep):
-    """check_layout's sentences about the layout: what each mechanism needs of the model's shapes."""
+    """check_layout's sentences about the layout: what each mechanism needs of the model's
+    shapes."""
     problems = []
     if sequence_parallel and tp == 1:
         problems.append(
@@ -914,18 +942,18 @@ def layout_problems(cfg, tp, pp, cp, sequence_parallel, chunks, ep):
             problems.append(str(e))
     if tp > cfg.n_head:
         problems.append(
-            f"tp = {tp} is larger than n_head = {cfg.n_head}: each rank needs at least one whole head, "
-            f"so use a tp that divides n_head"
+            f"tp = {tp} is larger than n_head = {cfg.n_head}: each rank needs at least one whole "
+            "head, so use a tp that divides n_head"
         )
     elif cfg.n_head % tp:
         problems.append(
-            f"n_head = {cfg.n_head} must be divisible by tp = {tp} (each rank takes n_head / tp whole "
-            f"heads): use a tp that divides n_head"
+            f"n_head = {cfg.n_head} must be divisible by tp = {tp} (each rank takes n_head / tp "
+            "whole heads): use a tp that divides n_head"
         )
     if cfg.attention == "mha" and cfg.n_kv_head % tp and tp % cfg.n_kv_head:
         problems.append(
-            f"n_kv_head = {cfg.n_kv_head} and tp = {tp}: one must divide the other (key/value heads are "
-            f"split when tp divides n_kv_head, replicated when n_kv_head divides tp)"
+            f"n_kv_head = {cfg.n_kv_head} and tp = {tp}: one must divide the other (key/value "
+            "heads are split when tp divides n_kv_head, replicated when n_kv_head divides tp)"
         )
     if mlp_hidden_size(cfg) % tp:
         source = "intermediate_size" if cfg.intermediate_size else f"from n_embd = {cfg.n_embd}"
@@ -934,25 +962,25 @@ def layout_problems(cfg, tp, pp, cp, sequence_parallel, chunks, ep):
         )
     if cfg.n_expert > 0 and cfg.n_expert % ep:
         problems.append(
-            f"n_expert = {cfg.n_expert} must be divisible by ep = {ep} (each expert-parallel rank holds "
-            f"n_expert / ep whole experts): use an ep that divides n_expert"
+            f"n_expert = {cfg.n_expert} must be divisible by ep = {ep} (each expert-parallel rank "
+            "holds n_expert / ep whole experts): use an ep that divides n_expert"
         )
     elif cfg.n_expert <= 0 and ep > 1:
         problems.append(
-            f"ep = {ep} spreads the experts of a mixture of experts over ranks, but n_expert = 0 (a dense "
-            f"model): set n_expert > 0 or ep = 1"
+            f"ep = {ep} spreads the experts of a mixture of experts over ranks, but n_expert = 0 "
+            "(a dense model): set n_expert > 0 or ep = 1"
         )
     if pp * chunks > cfg.n_layer:
         if chunks == 1:
             problems.append(
-                f"pp = {pp} stages but only n_layer = {cfg.n_layer} blocks: every stage needs at least "
-                f"one block, so use pp <= {cfg.n_layer}"
+                f"pp = {pp} stages but only n_layer = {cfg.n_layer} blocks: every stage needs at "
+                f"least one block, so use pp <= {cfg.n_layer}"
             )
         else:
             problems.append(
-                f"pp = {pp} ranks x pp_chunks = {chunks} chunks = {pp * chunks} model stages but only "
-                f"n_layer = {cfg.n_layer} blocks: every chunk needs at least one block, so use "
-                f"pp * pp_chunks <= {cfg.n_layer}"
+                f"pp = {pp} ranks x pp_chunks = {chunks} chunks = {pp * chunks} model stages but "
+                f"only n_layer = {cfg.n_layer} blocks: every chunk needs at least one block, so "
+                f"use pp * pp_chunks <= {cfg.n_layer}"
             )
     return problems
 
@@ -968,13 +996,15 @@ def sequence_split_problems(seq_len, cp, tp):
     fix = f"Set block_size to a multiple of {pieces} (e.g. {lower or upper} or {upper})"
     if cp == 1:
         return [
-            f"block_size = {seq_len} does not split into tp = {tp} equal pieces: sequence parallelism gives each "
-            f"tensor-parallel rank 1/tp of the tokens between the tensor-parallel regions. {fix}, or change tp"
+            f"block_size = {seq_len} does not split into tp = {tp} equal pieces: sequence "
+            "parallelism gives each tensor-parallel rank 1/tp of the tokens between the "
+            f"tensor-parallel regions. {fix}, or change tp"
         ]
     return [
-        f"block_size = {seq_len} does not split into 2 * cp * tp = {pieces} (cp = {cp}, tp = {tp}: sequence "
-        f"parallelism splits each rank's tokens again across tp) equal chunks: context parallelism gives each "
-        f"rank chunk r and chunk 2*cp-1-r of every window. {fix}, or change cp"
+        f"block_size = {seq_len} does not split into 2 * cp * tp = {pieces} (cp = {cp}, tp = "
+        f"{tp}: sequence parallelism splits each rank's tokens again across tp) equal "
+        "chunks: context parallelism gives each rank chunk r and chunk 2*cp-1-r of every "
+        f"window. {fix}, or change cp"
     ]
 
 
@@ -1044,9 +1074,10 @@ def describe_layout(layout, sequence_parallel=False, n_expert=0, per_node=None):
     per_node = per_node or layout.world_size
     spanning = tp_groups_across_nodes(layout.dp, layout.tp, layout.pp, per_node, layout.cp)
     return text + (
-        f"\nwarning: {len(spanning)} tensor-parallel group(s) span two nodes (ranks {spanning[0]} with "
-        f"{per_node} process{'es' if per_node != 1 else ''} per node): their all-reduces, several per layer, "
-        f"cross the network. Make tp = {layout.tp} divide --nproc_per_node = {per_node}"
+        f"\nwarning: {len(spanning)} tensor-parallel group(s) span two nodes (ranks "
+        f"{spanning[0]} with {per_node} process{'es' if per_node != 1 else ''} per node): their "
+        f"all-reduces, several per layer, cross the network. Make tp = {layout.tp} divide "
+        f"--nproc_per_node = {per_node}"
         if spanning
         else ""
     )

@@ -110,8 +110,7 @@ class VocabParallelLoss(nn.Module):
 
 
 def sum_grad_over(module, group):
-    """Mark each parameter of `module` as one whose gradient is partial on each rank of the tp
-    group, for sum_partial_grads to sum (see above)."""
+    """Mark `module`'s parameters as partial on each tp rank, for sum_partial_grads (see above)."""
     for p in module.parameters():
         p.grad_summed_over = group
 
@@ -133,9 +132,8 @@ def sum_partial_grads(grads):
 
 
 def enter_region(module, group, sequence_parallel):
-    """Pass `module`'s first input through the region's entry: f, or under sequence parallelism the
-    all-gather of the tokens (see above). A forward pre-hook, so the module's own code stays one
-    process's."""
+    """Pass `module`'s first input through f, or under sequence parallelism the tokens' all-gather,
+    in a forward pre-hook: the module's own code stays one process's (see above)."""
     enter = gather_from_sp if sequence_parallel else copy_to_tp
     module.register_forward_pre_hook(lambda _, args: (enter(args[0], group), *args[1:]))
 
@@ -159,15 +157,10 @@ class KeyValueHeadOfRank(nn.Module):
 
 
 def column_parallel(linear, group, copy_input=False):
-    """The ColumnParallelLinear of an nn.Linear, on its device (the meta device: nothing allocated)."""
+    """The ColumnParallelLinear of an nn.Linear, on its device (meta: nothing allocated)."""
+    shape, bias = (linear.in_features, linear.out_features), linear.bias is not None
     with torch.device(linear.weight.device):
-        return ColumnParallelLinear(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            group,
-            copy_input=copy_input,
-        )
+        return ColumnParallelLinear(*shape, bias, group, copy_input=copy_input)
 
 
 def row_parallel(linear, group, sequence_parallel=False):
@@ -246,12 +239,10 @@ def apply_tensor_parallel(model, group, sequence_parallel=False):
         if sequence_parallel:
             sum_grad_over(model.norm, group)
         tied = cfg.tie_embeddings and model.tok_emb is not None
-        with torch.device(model.lm_head.weight.device):  # padded to 64 rows per rank
+        rows = split_vocab_size(cfg.vocab_size, tp)  # padded to 64 rows per rank
+        with torch.device(model.lm_head.weight.device):
             model.lm_head = ColumnParallelLinear(
-                cfg.n_embd,
-                split_vocab_size(cfg.vocab_size, tp),
-                group=group,
-                copy_input=not sequence_parallel,
+                cfg.n_embd, rows, group=group, copy_input=not sequence_parallel
             )
         # rows past it are padding (load_shard reads the real ones)
         model.lm_head.weight.vocab_size = cfg.vocab_size
@@ -284,11 +275,9 @@ def load_shard(param, source):
     reads only the real rows (rows past `vocab_size` stay zero), so the source needs no padding, or
     any padding."""
     dim = getattr(param, "tp_shard_dim", None)
-    read = (
-        source
-        if callable(source)
-        else (lambda d, start, size: source if d is None else source.narrow(d, start, size))
-    )
+    read = source
+    if not callable(source):
+        read = lambda d, start, size: source if d is None else source.narrow(d, start, size)
     with torch.no_grad():
         if dim is None:
             param.copy_(read(None, 0, None))

@@ -4,12 +4,16 @@ Pretrain a Llama-style model on token bins written by prepare_data.py.
 One process:            python train.py config/tiny_fineweb.py --max_iters=200
 Several (any layout):   torchrun --nproc_per_node=8 train.py config/tiny_fineweb.py --tp=2 --pp=2
 From a transformers model folder (import_hf.py), converted once, then trained:
-    torchrun --nproc_per_node=2 train.py --init_from=hf/SmolLM2-135M --tp=2 --max_iters=0 --out_dir=out/smol
-    torchrun --nproc_per_node=2 train.py --init_from=resume --out_dir=out/smol --tp=2 --data_dir=... --max_iters=500
-Long sequences:         torchrun --nproc_per_node=8 train.py config/tiny_fineweb.py --cp=2 --tp=2 --pp=2 \
-                            --block_size=1024
+    torchrun --nproc_per_node=2 train.py --init_from=hf/SmolLM2-135M --tp=2 --max_iters=0 \
+        --out_dir=out/smol
+    torchrun --nproc_per_node=2 train.py --init_from=resume --out_dir=out/smol --tp=2 \
+        --data_dir=... --max_iters=500
+Long sequences:
+    torchrun --nproc_per_node=8 train.py config/tiny_fineweb.py --cp=2 --tp=2 --pp=2 \
+        --block_size=1024
 Long runs (a killed rank restarts the job, which resumes from its last checkpoint by itself):
-    torchrun --nproc_per_node=8 --max-restarts=3 train.py config/tiny_fineweb.py --init_from=auto --tp=2
+    torchrun --nproc_per_node=8 --max-restarts=3 train.py config/tiny_fineweb.py --init_from=auto \
+        --tp=2
 
 Every setting, its default and its meaning is in settings.py (`python train.py --help` lists them);
 a config file and --key=value overrides replace the defaults (configurator.py). Read top to bottom:
@@ -64,12 +68,12 @@ def configure_run(argv):
     if values["init_from"] in ("resume", "auto"):
         path = checkpoint.latest_checkpoint(values["out_dir"])
         folders = checkpoint.checkpoint_folders(values["out_dir"])
+        # the folders after the newest complete checkpoint: incomplete or damaged
         newer = (
             [p for p in folders if checkpoint.step_of(p) > checkpoint.step_of(path)]
             if path
             else folders
         )
-        # incomplete or damaged
         damaged = [f"{p} cannot be used: {checkpoint.why_incomplete(p)}" for p in newer]
         if path is None and values["init_from"] == "resume":
             raise FileNotFoundError(
@@ -85,13 +89,9 @@ def configure_run(argv):
                 + ", starting from scratch"
             )
         else:
-            values, notes = settings.resume_settings(
-                values,
-                given,
-                checkpoint.read_meta(path),
-                path,
-                int(os.environ.get("WORLD_SIZE", 1)),
-            )
+            world_size = int(os.environ.get("WORLD_SIZE", 1))
+            meta = checkpoint.read_meta(path)
+            values, notes = settings.resume_settings(values, given, meta, path, world_size)
             notes = [
                 f"resume: {d}; the newest complete checkpoint is {path}" for d in damaged
             ] + notes
@@ -113,12 +113,13 @@ def get_lr(step, cfg):
     """The learning rate of step `step` (from 0). Both schedules warm up linearly to learning_rate
     over warmup_iters steps and reach min_lr at lr_decay_iters, where they stay. In between:
         cosine  half a cosine from learning_rate down to min_lr (Loshchilov & Hutter 2017)
-        wsd     warmup-stable-decay: learning_rate held, then over the last decay_frac of lr_decay_iters a
-                decay to min_lr, linear or 1-sqrt: lr = learning_rate - (learning_rate - min_lr) * f(progress)
-                with f(x) = x or sqrt(x) (Hu et al. 2024, "MiniCPM"; Hägele et al. 2024, "Scaling Laws and
-                Compute-Optimal Training Beyond Fixed Training Durations", whose 1-sqrt decay did best).
-                While the peak is held the lr does not depend on lr_decay_iters, so a run resumed there with
-                a larger lr_decay_iters (the change is allowed) continues as if planned that long.
+        wsd     warmup-stable-decay: learning_rate held, then over the last decay_frac of
+                lr_decay_iters a decay to min_lr, linear or 1-sqrt:
+                lr = learning_rate - (learning_rate - min_lr) * f(progress), f(x) = x or sqrt(x)
+                (Hu et al. 2024, "MiniCPM"; Hägele et al. 2024, "Scaling Laws and Compute-Optimal
+                Training Beyond Fixed Training Durations", whose 1-sqrt decay did best).
+                While the peak is held the lr does not depend on lr_decay_iters, so a run resumed
+                there with a larger lr_decay_iters (an allowed change) goes on as if planned so.
     """
     if step < cfg.warmup_iters:
         return cfg.learning_rate * (step + 1) / (cfg.warmup_iters + 1)
@@ -165,23 +166,11 @@ def forward_backward_step(parts, microbatches, trace=None):
     the tied copies' gradients summed there), then the data-parallel average (grad_sync.finish:
     every parameter that got no gradient gets a zero one, as on every replica). Returns the loss
     (this rank's part of it with pp > 1). trace: see parallel.PipelineExecutor (pipeline only)."""
+    args = (parts.model, microbatches, parts.autocast, parts.scaler.loss_multiplier())
     if parts.pipeline is not None:
-        loss = parts.pipeline.forward_backward(
-            parts.model,
-            microbatches,
-            parts.autocast,
-            parts.scaler.loss_multiplier(),
-            parts.grad_sync,
-            trace,
-        )
+        loss = parts.pipeline.forward_backward(*args, parts.grad_sync, trace)
     else:
-        loss = forward_backward(
-            parts.model,
-            microbatches,
-            parts.autocast,
-            parts.scaler.loss_multiplier(),
-            parts.grad_sync,
-        )
+        loss = forward_backward(*args, parts.grad_sync)
     parts.grad_sync.finish()  # waits for the data-parallel averaging launched during backward
     return loss
 
@@ -262,6 +251,20 @@ def train_step(cfg, layout, parts, microbatches, lr, trace=None, step=0):
 # evaluation
 
 
+def rank_batch(cfg, run, data, stream, index):
+    """This rank's micro-batches of global batch `index` of `stream` (data.rank_microbatches)."""
+    return rank_microbatches(
+        cfg,
+        run.layout,
+        data,
+        stream,
+        index,
+        cfg.gradient_accumulation_steps,
+        run.dev,
+        document_end(run.model_cfg),
+    )
+
+
 @torch.no_grad()
 def evaluate(cfg, run, parts):
     """Mean loss over eval_iters fixed batches of each split (the same batches at every evaluation).
@@ -280,16 +283,7 @@ def evaluate(cfg, run, parts):
     for split, data in run.datasets.items():
         total = 0.0
         for i in range(cfg.eval_iters):
-            micro = rank_microbatches(
-                cfg,
-                layout,
-                data,
-                EVAL_STREAM,
-                i,
-                cfg.gradient_accumulation_steps,
-                run.dev,
-                document_end(run.model_cfg),
-            )
+            micro = rank_batch(cfg, run, data, EVAL_STREAM, i)
             # the loss on the last stage (the mean over the micro-batches)
             if parts.pipeline is not None:
                 loss = parts.pipeline.forward(model, micro, parts.autocast)
@@ -343,13 +337,7 @@ def save_checkpoint(cfg, run, parts, step, converted=False):
         "config": config,
         "model": asdict(run.model_cfg),
         "tokenizer": run.tokenizer,
-        "layout": {
-            "dp": layout.dp,
-            "cp": layout.cp,
-            "tp": layout.tp,
-            "pp": layout.pp,
-            "ep": layout.ep,
-        },
+        "layout": {k: getattr(layout, k) for k in ("dp", "cp", "tp", "pp", "ep")},
         "adam_step": checkpoint.adamw_step_count(optimizer),
         "loss_scale": parts.scaler.scale,
     }
@@ -400,40 +388,41 @@ def write_log(cfg, run, parts, log, record):
 # the loop
 
 
+def open_log(cfg, layout, resume_step, vote):
+    """The run's metrics.MetricsLog (its backends on rank 0), every rank told of a failed write
+    through the stop vote."""
+    backends = metrics.open_log_backends(cfg) if layout.rank == 0 else []
+    return metrics.MetricsLog(cfg.out_dir, layout.rank, resume_step, backends, vote.any_rank)
+
+
+def checkpoint_due(cfg, step, last):
+    """Whether step `step` is saved: every checkpoint_interval steps and the last (0: never)."""
+    return cfg.checkpoint_interval > 0 and (step % cfg.checkpoint_interval == 0 or last)
+
+
+def stopped_line(step):
+    return (
+        f"step {step:6d} | stopped by SIGTERM: every rank finished step {step} and saved it; "
+        f"launch again with --init_from=auto (or resume) to continue from there"
+    )
+
+
 def train(cfg, run, resume_path=None):
-    layout, model_cfg = run.layout, run.model_cfg
+    """Build the model (or convert a transformers folder and stop), start at step 0 or resume, then
+    the loop: a step, then at their intervals its log line, an evaluation and a checkpoint, until
+    max_iters or a SIGTERM every rank agreed to stop on. Returns the model."""
+    layout = run.layout
     parts = build(cfg, run)
     if run.hf_dir is not None and cfg.max_iters == 0:
         return convert(cfg, run, parts)
     describe_training(cfg, run, parts)
     step = start_step(cfg, run, parts, resume_path)
     vote = StopVote(layout, layout.timeout, cfg.out_dir)
-    log = metrics.MetricsLog(
-        cfg.out_dir,
-        layout.rank,
-        step if resume_path else None,
-        metrics.open_log_backends(cfg) if layout.rank == 0 else [],
-        vote.any_rank,
-    )
-    batches = lambda s: rank_microbatches(
-        cfg,
-        layout,
-        run.datasets["train"],
-        TRAIN_STREAM,
-        s,
-        cfg.gradient_accumulation_steps,
-        run.dev,
-        document_end(model_cfg),
-    )
+    log = open_log(cfg, layout, step if resume_path else None, vote)
     timer, timed_steps, logged = time.time(), 0, step
-    started, first_step, evals, newest, stopping = (
-        timer,
-        step,
-        [],
-        resume_path,
-        False,
-    )  # (for the end)
-    micro = batches(step)
+    # what the end of the run reports
+    started, first_step, evals, newest, stopping = timer, step, [], resume_path, False
+    micro = rank_batch(cfg, run, run.datasets["train"], TRAIN_STREAM, step)
     traced = cfg.pp_trace and parts.pipeline is not None and timeline is not None
     trace_step = min(step + 2, cfg.max_iters) if traced else None
     measured = None
@@ -450,19 +439,11 @@ def train(cfg, run, resume_path=None):
         stopping = vote.agreed()
         end, last = step == cfg.max_iters, step == cfg.max_iters or stopping
         if not last:  # read the next batch now, while the GPU still works through this step
-            micro = batches(step)
+            micro = rank_batch(cfg, run, run.datasets["train"], TRAIN_STREAM, step)
         if step % cfg.log_interval == 0 or last:
             run.phase = f"the log line of step {step} (an all-reduce of the loss)"
-            record = step_record(
-                cfg,
-                run,
-                parts,
-                step,
-                loss,
-                grad_norm,
-                lr,
-                (time.time() - timer, timed_steps, logged),
-            )
+            since = (time.time() - timer, timed_steps, logged)
+            record = step_record(cfg, run, parts, step, loss, grad_norm, lr, since)
             if measured and step == measured[0]["step"]:
                 record["memory"] = measured  # every rank's predicted and measured peak, once
             write_log(cfg, run, parts, log, record)
@@ -471,29 +452,20 @@ def train(cfg, run, resume_path=None):
             run.phase = f"the evaluation at step {step}"
             evals.append((step, evaluate_and_log(cfg, run, parts, log, step)))
             timer, timed_steps = time.time(), 0
-        if (
-            cfg.checkpoint_interval > 0 and (step % cfg.checkpoint_interval == 0 or last)
-        ) or stopping:
+        if checkpoint_due(cfg, step, last) or stopping:
             run.phase = f"saving the checkpoint of step {step}"
             newest = save_checkpoint(cfg, run, parts, step)
             print0(layout, f"step {step:6d} | saved {newest}")
             timer, timed_steps = time.time(), 0
         if stopping:
-            print0(
-                layout,
-                f"step {step:6d} | stopped by SIGTERM: every rank finished step {step} and saved it; "
-                f"launch again with --init_from=auto (or resume) to continue from there",
-            )
+            print0(layout, stopped_line(step))
             break
     vote.finish()
     wait_for_params(parts.grad_sync.buckets)  # the model returned whole
     log.close()
-    print0(
-        layout,
-        end_of_run(
-            cfg, layout, first_step, step, run.tokens_per_step, time.time() - started, evals, newest
-        ),
-    )
+    elapsed = time.time() - started
+    tokens = run.tokens_per_step
+    print0(layout, end_of_run(cfg, layout, first_step, step, tokens, elapsed, evals, newest))
     if stopping:
         # the status scripts/slurm.sh requeues the job on (faults.SAVED_ON_SIGTERM)
         vote.exit_saved(step)
@@ -510,7 +482,8 @@ def describe_training(cfg, run, parts):
         print0(
             layout,
             f"loaded {run.hf_dir} in {parts.loaded.seconds:.1f} s (rank 0 read "
-            f"{parts.loaded.bytes_read / 2**20:,.1f} MiB of the files' {parts.loaded.file_bytes / 2**20:,.1f})",
+            f"{parts.loaded.bytes_read / 2**20:,.1f} MiB of the files' "
+            f"{parts.loaded.file_bytes / 2**20:,.1f})",
         )
     run.tokens_per_step = (
         cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
@@ -549,10 +522,10 @@ def describe_training(cfg, run, parts):
 
 
 def model_line(run, parts):
-    model_cfg = run.model_cfg
+    m, params = run.model_cfg, metrics.full_param_count(parts.model, run.layout)
     return (
-        f"model: {metrics.full_param_count(parts.model, run.layout) / 1e6:.2f}M parameters (vocabulary padded), "
-        f"{model_cfg.n_layer} layers, {model_cfg.n_head} heads ({model_cfg.n_kv_head} kv), width {model_cfg.n_embd}"
+        f"model: {params / 1e6:.2f}M parameters (vocabulary padded), {m.n_layer} layers, "
+        f"{m.n_head} heads ({m.n_kv_head} kv), width {m.n_embd}"
     )
 
 
@@ -655,8 +628,9 @@ def step_record(cfg, run, parts, step, loss, grad_norm, lr, since):
         "tokens_per_sec": run.tokens_per_step * timed_steps / elapsed,
         "ms_per_step": 1000 * elapsed / timed_steps,
         "optimizer_state_bytes": optimizer_state_bytes(parts.optimizer),  # on rank 0
+        # passes over the training split so far
         "epoch": step * run.tokens_per_step / run.train_tokens,
-    }  # passes over the training split so far
+    }
     record.update(run.peak.mfu(run.model_flops, record["tokens_per_sec"], layout.world_size))
     record["peak_mem_bytes"] = metrics.peak_memory_bytes(run.dev, layout)
     if run.exposed_comm_ms is not None and step % cfg.log_interval == 0:  # (this step's, counted)
@@ -666,7 +640,7 @@ def step_record(cfg, run, parts, step, loss, grad_norm, lr, since):
     # training steps only: evals and saves come on top
     eta = (cfg.max_iters - step) * elapsed / timed_steps
     print0(layout, metrics.format_log_line(record, eta, run.dev))
-    # once, past measured_step
+    # the predicted step time beside the measured one, once, past measured_step
     if run.predicted_step_s and (logged >= run.memory_step or step == cfg.max_iters):
         print0(
             layout,

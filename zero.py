@@ -3,11 +3,12 @@ ZeRO-2 and ZeRO-3 (ZeRO-1, the optimizer states sharded, is data parallelism's f
 parallel.py). What each rank holds, over the dp x cp ranks that hold the same parameters ("dp"
 below):
 
-  ZeRO-2 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
-         section 5.2)  1/dp of the optimizer states and of the gradients; the whole parameters
-  ZeRO-3 (section 5.3; Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data
-         Parallel")    1/dp of the parameters too, each block gathered only around its forward and its
-                       backward
+  ZeRO-2  1/dp of the optimizer states and of the gradients; the whole parameters
+          (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+          Parameter Models", section 5.2)
+  ZeRO-3  1/dp of the parameters too, each block gathered only around its forward and its backward
+          (section 5.3; Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data
+          Parallel")
 
 ZeRO-2 (GradientShards). Holding the gradients whole until the last micro-batch would be ZeRO-1's
 memory, so every micro-batch's gradients are reduce-scattered and added into this rank's slice
@@ -24,9 +25,10 @@ the hooks did not. So:
   afab, 1f1b        one chunk, B the whole backward: every bucket after each micro-batch's B
   interleaved_1f1b  B of chunk c sends chunk c's buckets: each chunk's buckets are its own, and a
                     micro-batch's are sent v times over, a chunk at a time
-  zero_bubble, zbv  B sends the parameters autograd gives gradients to (norm gains, the embedding, the
-                    chunked loss's head, biases of row-parallel layers); W sends the tensor-parallel
-                    linears' weights it computes (WeightGradStore.params), when it runs, however late
+  zero_bubble, zbv  B sends the parameters autograd gives gradients to (norm gains, the embedding,
+                    the chunked loss's head, biases of row-parallel layers); W sends the
+                    tensor-parallel linears' weights it computes (WeightGradStore.params), when it
+                    runs, however late
 Every bucket is thus launched once per micro-batch for each action that writes it, in the same order
 on every rank (the ranks of a dp group run the same action list). One parameter is written by two
 actions: under zbv with tied embeddings rank 0 holds both ends of the model, and its one
@@ -43,11 +45,11 @@ ZeRO-2) and of the optimizer state. A parameter is a view into its unit's gather
 (param_full), whose storage is empty except while the unit is in use. The rhythm, per block and per
 micro-batch:
 
-    forward:  all-gather the block (posted early: the previous block's forward prefetched it) ->
-              post the all-gather of the next block -> compute -> free the storage
-    backward: all-gather the block again (the later block's backward prefetched it) -> post the gather
-              of the block before it -> recompute (activation checkpointing) and backward -> copy the
-              gradients into the flat buffer and reduce-scatter it -> free the storage
+    forward:  all-gather the block (posted early: the previous block's forward prefetched it)
+              -> post the all-gather of the next block -> compute -> free the storage
+    backward: all-gather the block again (the later block's backward prefetched it) -> post the
+              gather of the block before it -> recompute (activation checkpointing) and backward
+              -> copy the gradients into the flat buffer and reduce-scatter it -> free the storage
 
 Freeing is the storage itself (untyped_storage().resize_(0)), not a reference: what autograd saved
 for backward are views of the same storage, so they hold no memory in between and see the regathered
@@ -123,14 +125,14 @@ class GradientShards(GradientBuckets):
         self.phases, self.units = phases, units
         self.tied_copies, self.tied_group = list(tied[0]), tied[1]
         super().__init__(params, group, bucket_size_mb)
-        # each phase's buckets in bucket order (a parameter written by two actions, alone, is in
-        # both), and the next of them to launch in the action now running
+        if any(self.phase_of(p) != b.phases for b in self.buckets for p in b.params):
+            raise ValueError(
+                "GradientShards: a unit mixes parameters that different backward actions complete"
+            )
+        # each phase's buckets in order (a parameter two actions write is in both), and the next
+        # to launch in the action now running
         self.phase_buckets = {}
         for b in self.buckets:
-            if any(self.phase_of(p) != b.phases for p in b.params):
-                raise ValueError(
-                    "GradientShards: a unit mixes parameters that different backward actions complete"
-                )
             for phase in sorted(b.phases):
                 self.phase_buckets.setdefault(phase, []).append(b)
         self.next = dict.fromkeys(self.phase_buckets, 0)
@@ -167,9 +169,8 @@ class GradientShards(GradientBuckets):
             self.settle(self.in_flight[0])
 
     def grad_ready(self, p):
-        """p.grad is complete for this micro-batch: copy it into its bucket, then launch, in its
-        phase's bucket order, every bucket that is full and has only launched buckets before it (one
-        that two actions write waits for backward_done)."""
+        """p.grad is complete: copy it into its bucket, then launch, in phase order, every full
+        bucket with only launched ones before it (one two actions write waits for backward_done)."""
         bucket, i = self.where[p]
         if len(bucket.phases) > 1:
             return
@@ -186,9 +187,8 @@ class GradientShards(GradientBuckets):
             self.launch(buckets[self.next[phase] - 1])
 
     def backward_done(self, op, chunk):
-        """The backward action (op, chunk) of a micro-batch has run: launch, in order, the buckets
-        of its phase that its hooks did not (a parameter without a gradient sends zeros). Every rank
-        launches every bucket once per action that writes it, whatever its data did."""
+        """Action (op, chunk) has run: launch, in order, its phase's buckets the hooks did not (a
+        missing gradient sends zeros), so every rank launches each bucket whatever its data did."""
         phase = (op, chunk)
         for bucket in self.phase_buckets.get(phase, [])[self.next.get(phase, 0) :]:
             for i in range(len(bucket.params)):
@@ -214,8 +214,7 @@ class GradientShards(GradientBuckets):
         bucket.ready = set()  # sent: the next action that writes it starts it afresh
 
     def settle(self, bucket):
-        """Wait for a bucket's reduce-scatter, add this micro-batch's mean into grad_shard, drop the
-        flat gradient."""
+        """Land a bucket's reduce-scatter: add its mean into grad_shard, drop the flat buffer."""
         if bucket not in self.in_flight:
             return
         self.in_flight.remove(bucket)
@@ -228,8 +227,7 @@ class GradientShards(GradientBuckets):
         bucket.flat = bucket.shard = None
 
     def finish(self):
-        """Land every bucket still in flight (every action having been closed by backward_done),
-        then sum the tied copies' shards across their stages."""
+        """Land every bucket still in flight, then sum the tied copies' shards across stages."""
         if any(b.ready for b in self.buckets) or any(p.grad is not None for p in self.where):
             raise RuntimeError(
                 "GradientShards.finish: gradients were never sent: call backward_done(op, chunk) "
@@ -240,12 +238,8 @@ class GradientShards(GradientBuckets):
         self.next, self.launched = dict.fromkeys(self.next, 0), 0
         if self.tied_group is not None:
             for p in self.tied_copies:
-                waited(
-                    dist.all_reduce(
-                        self.where[p][0].grad_shard, group=self.tied_group, async_op=True
-                    ),
-                    "pp",
-                )
+                shard = self.where[p][0].grad_shard
+                waited(dist.all_reduce(shard, group=self.tied_group, async_op=True), "pp")
 
     # what parallel.ZeroOneAdamW steps with: ZeRO-1's slices, the gradient's from grad_shard
     def owned_slices(self):
@@ -276,14 +270,10 @@ class Unit:
         full = bucket.zeros()
         for p, start in zip(bucket.params, bucket.offsets):
             full[start : start + p.numel()].copy_(p.reshape(-1))
-            # p now lives in the gathered buffer
             p.data = full[start : start + p.numel()].view_as(p)
         lo, _ = bucket.owned()
-        self.bucket, self.param_shard, self.param_full = (
-            bucket,
-            full[lo : lo + bucket.shard_size].clone(),
-            full,
-        )
+        self.bucket, self.param_full = bucket, full
+        self.param_shard = full[lo : lo + bucket.shard_size].clone()
         self.keep_whole, self.gather, self.in_backward = keep_whole, None, False
         self.free()
 
@@ -328,12 +318,8 @@ class FullyShardedParameters(GradientShards):
 
     def __init__(self, params, group, units, model, phases=None, tied=((), None)):
         super().__init__(params, group, phases=phases, tied=tied, units=[ps for _, ps, _ in units])
-        self.whole, self.chunks, self.unit, self.block_of = (
-            [],
-            {},
-            {},
-            {},
-        )  # chunks: c -> [(block, [its Units])]
+        # chunks: c -> [(block, [its Units])]
+        self.whole, self.chunks, self.unit, self.block_of = [], {}, {}, {}
         for module, params, chunk in units:
             if not params:
                 continue
@@ -346,16 +332,11 @@ class FullyShardedParameters(GradientShards):
             if not blocks or blocks[-1][0] is not module:  # a new block: its hooks
                 blocks.append((module, []))
                 c, i = chunk, len(blocks) - 1
-                module.register_forward_pre_hook(
-                    lambda mod, args, c=c, i=i: self.before_forward(c, i)
-                )
-                module.register_forward_hook(
-                    lambda mod, args, out, c=c, i=i: self.after_forward(c, i, out)
-                )
+                module.register_forward_pre_hook(lambda m, a, c=c, i=i: self.before_forward(c, i))
+                module.register_forward_hook(lambda m, a, y, c=c, i=i: self.after_forward(c, i, y))
             blocks[-1][1].append(unit)
             self.block_of[id(bucket)] = blocks[-1][1]
-        # a block's B is over when the last of its units that B completes is launched (they launch
-        # in order)
+        # a block's B is over when the last of its B units is launched (they launch in order)
         order = {id(b): k for k, b in enumerate(self.buckets)}
         self.ends_backward = {}  # id(block) -> the bucket whose launch says the block's B is over
         for blocks in self.chunks.values():
@@ -372,9 +353,7 @@ class FullyShardedParameters(GradientShards):
         return self.unit[id(bucket)].param_shard[a:b]
 
     def _units(self):
-        return self.whole + [
-            u for blocks in self.chunks.values() for _, block in blocks for u in block
-        ]
+        return self.whole + [u for blocks in self.chunks.values() for _, b in blocks for u in b]
 
     def _block(self, c, i):
         return self.chunks[c][i][1]
@@ -427,16 +406,14 @@ class FullyShardedParameters(GradientShards):
             self.after_backward(unit)
 
     def after_backward(self, unit):
-        """Free the unit; once the last unit its block's B completes is sent, the block's backward
-        has run: free the whole block (a split backward's W needs no weights, dW = dy^T x; the W
-        part's own launch, after W, finds it free)."""
+        """Free the unit, or the whole block once its last B unit is sent: a split backward's W
+        needs no weights (dW = dy^T x), and the W part's own launch, after W, finds it free."""
         block = self.block_of[id(unit.bucket)]
         for u in block if self.ends_backward.get(id(block)) is unit.bucket else [unit]:
             u.free()
 
     def after_step(self):
-        """After the optimizer stepped the shards every gathered copy is stale: the next forward
-        gathers the updated shards."""
+        """Every gathered copy is stale once the shards stepped: the next forward gathers anew."""
         for unit in self._units():
             unit.free()
         for bucket in self.buckets:
@@ -504,13 +481,11 @@ def overlap_param_gather(model, grad_sync):
 
 def backward_phases(chunk_params, weight_grad_stores=None):
     """{parameter: {(op, chunk)}}: the backward actions of a micro-batch that write each parameter's
-    gradient, after each of which ZeRO-2 and 3 send it (GradientShards.backward_done), from
-    `chunk_params`, each model chunk's parameters (pipeline_schedules.chunk_parameters; one list
-    without a pipeline): ('B', c) for the parameters of chunk c, or, where the schedule splits the
-    backward (zero_bubble, zbv: one WeightGradStore per chunk), ('W', c) for those its W actions
-    compute (WeightGradStore.params). One parameter has two: under zbv with tied embeddings, rank
-    0's embedding, which chunk 0's B and, as the head, chunk 1's W (its B under the chunked loss)
-    add to."""
+    gradient (ZeRO-2/3 send it after each), from `chunk_params`, each chunk's parameters
+    (pipeline_schedules.chunk_parameters; one list without a pipeline): ('B', c), or ('W', c) for
+    those a split backward's W computes (WeightGradStore.params, one store per chunk). Under zbv
+    with tied embeddings rank 0's embedding has two: chunk 0's B and, as the head, chunk 1's W (its
+    B under the chunked loss)."""
     phases = {}
     for c, params in enumerate(chunk_params):
         by_hand = {id(p) for p in weight_grad_stores[c].params} if weight_grad_stores else set()
@@ -520,12 +495,11 @@ def backward_phases(chunk_params, weight_grad_stores=None):
 
 
 def zero3_units(model, tied=(), phases=None):
-    """ZeRO-3's units of parameters, (module or None, params, chunk), in forward order: the root
-    (this stage's embedding, final norm and head, kept whole through the step), a tied weight alone
-    (its shards are summed across stages), then each transformer block, gathered around its forward
-    and its backward. A unit's gradients are sent after one backward action (`phases`, as
-    backward_phases gives them), so under a split backward a block is two units, its B part and its
-    W part (gathered and freed together), and the root one per action."""
+    """ZeRO-3's units, (module or None, params, chunk), in forward order: the root (this stage's
+    embedding, final norm and head, kept whole through the step), a tied weight alone (its shards
+    summed across stages), then each block, gathered around its forward and backward. A unit's
+    gradients are sent after one backward action (`phases`, from backward_phases): under a split
+    backward a block is two, its B and W parts (gathered and freed together), the root one each."""
 
     def by_phase(params):
         parts = {}
@@ -541,6 +515,5 @@ def zero3_units(model, tied=(), phases=None):
     ]
     apart = {id(p) for _, params, _ in blocks for p in params} | {id(p) for p in tied}
     root = [p for p in model.parameters() if id(p) not in apart]
-    return (
-        [(None, part, None) for part in by_phase(root)] + [(None, [p], None) for p in tied] + blocks
-    )
+    whole = [(None, part, None) for part in by_phase(root)] + [(None, [p], None) for p in tied]
+    return whole + blocks

@@ -2,8 +2,9 @@
 # 50) and on the output logits (cap 30), plus QK-norm (RMSNorm on every query and key head, as in
 # Gemma 3 and OLMo 2) and grouped-query attention. SDPA cannot cap scores, so on a CPU
 # attn_impl='auto' picks the explicit (eager) attention, and on a GPU FlashAttention-2 (>= 2.6) when
-# it is installed; the start-up log line says which and why. python train.py config/gemma2_style.py
-# --max_iters=200 torchrun --nproc_per_node=2 train.py config/gemma2_style.py --tp=2
+# it is installed; the start-up log line says which and why.
+#   python train.py config/gemma2_style.py --max_iters=200
+#   torchrun --nproc_per_node=2 train.py config/gemma2_style.py --tp=2
 n_layer = 4
 n_head = 4
 n_kv_head = 2

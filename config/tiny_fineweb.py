@@ -1,7 +1,7 @@
 # The README's main job: a tiny Llama-style model (~7M parameters, most of them the GPT-2 embedding)
 # pretrained on FineWeb-Edu. It trains on a laptop CPU in a few minutes; on a GPU, raise max_iters.
 #
-#   python prepare_data.py --max_tokens=20000000          # FineWeb-Edu sample-10BT -> data/fineweb_edu
+#   python prepare_data.py --max_tokens=20000000   # FineWeb-Edu sample-10BT -> data/fineweb_edu
 #   python train.py config/tiny_fineweb.py
 #   torchrun --nproc_per_node=8 train.py config/tiny_fineweb.py --tp=2 --pp=2
 out_dir = "out/tiny_fineweb"
