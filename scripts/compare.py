@@ -1,8 +1,9 @@
-"""
+r"""
 Where two runs part: train two layouts (or any two settings) from the same seed on CPU and say
 whether their difference is rounding or real.
 
-    python scripts/compare.py config/tiny_fineweb.py --a="--tp=2" --b="--pp=2 --pp_schedule=zbv --pp_chunks=2"
+    python scripts/compare.py config/tiny_fineweb.py --a="--tp=2" \
+        --b="--pp=2 --pp_schedule=zbv --pp_chunks=2"
 
 The settings before --a and --b are common to both runs, as train.py takes them (config files, then
 --key=value); each side's own go on top. This script's defaults, 10 steps without evaluation
@@ -12,24 +13,25 @@ parallelism), under torchrun when that is more than one; the two sides run at th
 Printed:
   - a line as each run starts, and one for each step it finishes;
   - every step's two losses and global gradient norms, and their relative differences;
-  - where the runs part beyond picotron's tolerances (tests/dist_utils.py: loss 1e-5, gradient norm 1e-4
-    relative): the first such step, and the parameters whose step-1 gradients differ most;
-  - the verdict, from the same pair run again in float64 (model, collectives and optimizer; CPU): layouts
-    that only round differently agree there to about 1e-15, so a float64 difference below 1e-10 is
-    "rounding", and above it "a real difference", with the parameters whose gradients still differ. It is
-    given also when the float32 runs agree within the tolerances: a small real difference (a missing
-    scale on one small tensor, say) can hide under them. The float64 pair runs the first 3 steps (step 1's
-    gradients, and two updates by the optimizer), or up to the step where the float32 pair parted: a
-    float64 step costs about three float32 ones on CPU.
+  - where the runs part beyond picotron's tolerances (tests/dist_utils.py: loss 1e-5, gradient
+    norm 1e-4 relative): the first such step, and the parameters whose step-1 gradients differ
+    most;
+  - the verdict, from the same pair run again in float64 (model, collectives and optimizer; CPU):
+    layouts that only round differently agree there to about 1e-15, so a float64 difference below
+    1e-10 is "rounding", and above it "a real difference", with the parameters whose gradients
+    still differ. It is given also when the float32 runs agree within the tolerances: a small real
+    difference (a missing scale on one small tensor, say) can hide under them. The float64 pair
+    runs the first 3 steps (step 1's gradients, and two updates by the optimizer), or up to the
+    step where the float32 pair parted: a float64 step costs about three float32 ones on CPU.
 
 The step-1 gradients are read back from each run's step-1 checkpoint, which any layout saves as full
 tensors: after one step AdamW's first moment is (1 - beta1) * g and Muon's momentum is g, with g the
 clipped gradient, unclipped here by the logged norm. Options of this script:
     --a, --b        each side's settings (quoted: --a="--tp=2 --sequence_parallel=True")
-    --script        the training script both sides run (default train.py): a copy you changed, to see
-                    where it parts from picotron's
-    --work_dir      where the four runs write, each with its output in <run>.log (default: a temporary
-                    folder, removed at the end)
+    --script        the training script both sides run (default train.py): a copy you changed,
+                    to see where it parts from picotron's
+    --work_dir      where the four runs write, each with its output in <run>.log (default: a
+                    temporary folder, removed at the end)
 Exit status, also said in the last line printed: 0 for rounding (the same model), 1 for a real
 difference, 2 when the comparison could not be made (a bad setting, a run that failed: its output
 shown; fp8, which has no float64 pair: the float32 table is still printed).
@@ -97,7 +99,8 @@ def split_argv(argv):
 
 
 def processes(argv):
-    """The number of processes a layout needs: dp * cp * tp * pp (dp = 0, the default, counts as 1)."""
+    """The number of processes a layout needs: dp * cp * tp * pp (dp = 0, the default, counts as
+    1)."""
     values, _ = configure(settings.TRAINING, argv)
     return max(values["dp"], 1) * values["cp"] * values["tp"] * values["pp"]
 
@@ -159,10 +162,8 @@ def read_steps(run):
     for record in map(json.loads, filter(str.strip, lines)):
         if "loss" in record and record["step"] not in run["records"]:
             run["records"][record["step"]] = record
-            print(
-                f"{run['name']}: step {record['step']} of {run['max_iters']}, loss {record['loss']:.4f}",
-                flush=True,
-            )
+            step, loss = record["step"], record["loss"]
+            print(f"{run['name']}: step {step} of {run['max_iters']}, loss {loss:.4f}", flush=True)
     return run["records"]
 
 
@@ -238,8 +239,8 @@ def run_pair(script, common, side_a, side_b, work_dir, dtype, extra=()):
     na, nb = (run["processes"] for run in runs)
     print(f"\n{dtype}: a on {na} process{'es' if na > 1 else ''}, b on {nb}")
     print(
-        f"{'step':>5} {'loss a':>15} {'loss b':>15} {'rel diff':>9}  {'grad norm a':>15} {'grad norm b':>15} "
-        f"{'rel diff':>9}"
+        f"{'step':>5} {'loss a':>15} {'loss b':>15} {'rel diff':>9}  {'grad norm a':>15} "
+        f"{'grad norm b':>15} {'rel diff':>9}"
     )
     worst_loss = worst_norm = 0.0
     parted = None
@@ -278,8 +279,8 @@ def compare(script, common, side_a, side_b, work_dir):
         for side in (side_a, side_b)
     ):
         print(
-            "no float64 verdict: fp8's matmuls give fp32 at most, so the pair cannot run in float64; how far "
-            "two fp8 runs part on rounding alone: docs/training.md#fp8"
+            "no float64 verdict: fp8's matmuls give fp32 at most, so the pair cannot run in "
+            "float64; how far two fp8 runs part on rounding alone: docs/training.md#fp8"
         )
         return FAILED
     # a float64 step costs about three float32 ones
@@ -289,19 +290,21 @@ def compare(script, common, side_a, side_b, work_dir):
     )
     worst64 = max(loss64, norm64, grads64[0][0])
     print(
-        f"float64: largest relative differences: loss {loss64:.1e}, gradient norm {norm64:.1e}, step-1 "
-        f"gradient {grads64[0][0]:.1e} ({grads64[0][1]}); in float32 {worst_loss:.1e}, {worst_norm:.1e} and "
-        f"{grads[0][0]:.1e}"
+        f"float64: largest relative differences: loss {loss64:.1e}, gradient norm {norm64:.1e}, "
+        f"step-1 gradient {grads64[0][0]:.1e} ({grads64[0][1]}); in float32 {worst_loss:.1e}, "
+        f"{worst_norm:.1e} and {grads[0][0]:.1e}"
     )
     if worst64 < FLOAT64_ROUNDING:
         print(
-            f"verdict: rounding (in float64 the runs agree to {worst64:.1e}, below {FLOAT64_ROUNDING:.0e})"
+            f"verdict: rounding (in float64 the runs agree to {worst64:.1e}, below "
+            f"{FLOAT64_ROUNDING:.0e})"
         )
         return ROUNDING
     differ = [(d, name) for d, name in grads64 if d >= FLOAT64_ROUNDING]
     print(
-        f"verdict: a real difference (in float64 the runs still differ by {worst64:.1e}); the step-1 "
-        f"gradients that differ" + (":" if differ else ": none (the difference comes after step 1)")
+        f"verdict: a real difference (in float64 the runs still differ by {worst64:.1e}); the "
+        f"step-1 gradients that differ"
+        + (":" if differ else ": none (the difference comes after step 1)")
     )
     for d, name in differ[:SHOWN]:
         print(f"  {name}: {d:.1e}")

@@ -46,9 +46,10 @@ def main():
     with tempfile.TemporaryDirectory() as root:
         data = matrix.make_matrix_data(os.path.join(root, "data"))
         for model in ("dense_gqa", "moe_dropless"):
+            name = matrix.MODEL_NAMES[model]
             for recipe, (loss, norm) in gaps(model, root, data).items():
                 print(
-                    f"{matrix.MODEL_NAMES[model]}, fp8 {recipe}: over {matrix.STEPS} steps the loss is at most "
+                    f"{name}, fp8 {recipe}: over {matrix.STEPS} steps the loss is at most "
                     f"{loss:.1e} and the gradient norm {norm:.1e} (relative) from the fp32 run"
                 )
 

@@ -1,7 +1,7 @@
 """The two Python parts of scripts/gpu_check.sh (which says what the check is and how to run it).
 
-    python scripts/gpu_check.py env [--dry-run]     the machine: GPU, versions, and two measured ceilings
-    python scripts/gpu_check.py summary LOGS        the Markdown table of a check's logs (LOGS/sections.tsv)
+    python scripts/gpu_check.py env [--dry-run]  the machine: GPU, versions, two measured ceilings
+    python scripts/gpu_check.py summary LOGS     the Markdown table of a check's logs in LOGS
 
 env prints `ENV {json}` last. The ceilings are what MFU can be read against beside the datasheet: a
 large bf16 matrix product on random data (never zeros: they run faster) and a device-to-device copy
@@ -177,7 +177,8 @@ def bench_figures(result, env_info):
         mfu = f"MFU {100 * result['mfu']:.1f}%"
         measured = (env_info or {}).get("matmul_bf16_flops")
         if measured and result.get("peak_flops"):
-            mfu += f" ({100 * result['mfu'] * result['peak_flops'] / measured:.0f}% of the measured bf16 matmul)"
+            of_measured = result["mfu"] * result["peak_flops"] / measured
+            mfu += f" ({100 * of_measured:.0f}% of the measured bf16 matmul)"
         parts.append(mfu)
     else:
         parts.append("MFU n/a")
@@ -229,45 +230,50 @@ def caption(env_info):
         )
     else:
         where = f"CPU ({env_info.get('cpu_threads')} threads; no CUDA GPU: this is no GPU check)"
+    flash = "installed" if env_info["flash_attn"] else "not installed"
     return (
         f"**GPU check** on {where}; torch {env_info['torch']}, CUDA {env_info['cuda']}, triton "
-        f"{env_info['triton']}, flash-attn {'installed' if env_info['flash_attn'] else 'not installed'}"
+        f"{env_info['triton']}, flash-attn {flash}"
     )
 
 
-def summary(logs):
-    """Print and write the table; return how many sections failed or timed out (a budget skip is no
-    failure: the table says it), so the script's exit code says whether the check passed."""
+def read_sections(logs):
+    """[(section, check, status, seconds, log file)] from LOGS/sections.tsv, one a line."""
     sections = []
     with open(os.path.join(logs, "sections.tsv")) as f:
         for line in f:
             if line.strip():
                 section, check, status, seconds, log = line.rstrip("\n").split("\t")
                 sections.append((section, check, status, float(seconds), log))
+    return sections
+
+
+def env_figures(env_info):
+    """The env row's figures: the measured ceilings beside the datasheet's peak."""
+    if env_info and env_info.get("gpu"):
+        peak = env_info.get("peak_bf16")
+        datasheet = f"{peak / 1e12:.0f}" if peak else "unknown (not in metrics.GPU_PEAK_FLOPS)"
+        return (
+            f"bf16 matmul 8192^3 {env_info['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s measured, "
+            f"datasheet {datasheet}; "
+            f"device copy {env_info['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write)"
+        )
+    if env_info:
+        return f"fp32 matmul {env_info['matmul_fp32_flops'] / 1e9:.1f} GFLOP/s (CPU)"
+    return ""
+
+
+def summary(logs):
+    """Print and write the table; return how many sections failed or timed out (a budget skip is no
+    failure: the table says it), so the script's exit code says whether the check passed."""
+    sections = read_sections(logs)
     env_log = next((log for s, _, _, _, log in sections if s == "env"), None)
     env_info = last_json_line(env_log, "ENV ")
     rows = []
     for section, check, status, seconds, log in sections:
         if section == "env":
-            figures = ""
-            if env_info and env_info.get("gpu"):
-                peak = env_info.get("peak_bf16")
-                figures = (
-                    f"bf16 matmul 8192^3 {env_info['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s measured, datasheet "
-                    f"{f'{peak / 1e12:.0f}' if peak else 'unknown (not in metrics.GPU_PEAK_FLOPS)'}; "
-                    f"device copy {env_info['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write)"
-                )
-            elif env_info:
-                figures = f"fp32 matmul {env_info['matmul_fp32_flops'] / 1e9:.1f} GFLOP/s (CPU)"
-            rows.append(
-                (
-                    section,
-                    check,
-                    status if status != "ok" or env_info else "no ENV line",
-                    figures,
-                    seconds,
-                )
-            )
+            shown = status if status != "ok" or env_info else "no ENV line"
+            rows.append((section, check, shown, env_figures(env_info), seconds))
         elif section == "tests":
             xml = os.path.join(os.path.dirname(log), "tests.xml")
             cases = test_rows(xml) if os.path.exists(xml) else []

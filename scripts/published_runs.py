@@ -61,11 +61,12 @@ MODELS = {
 }
 
 # (id, model, machine, dp, tp, pp, schedule, chunks, micro-batch, global batch, zero, checkpointing,
-# published step s, note). Unpublished settings, one rule per source: Narayanan Table 1 (v, mbs
-# unpublished): interleaved over 2 chunks where pp > 1, micro-batch 1; Table 2's schedule: 1F1B;
-# recompute "not stated" in Table 2: on (full), as Table 1's eq. 3 assumes; Megatron-LM's table
-# (mbs, SP, recompute, distributed optimizer unpublished): micro-batch 1, sequence parallel where tp
-# > 1, no recompute (its MFU counts none), ZeRO-1 (the distributed optimizer), 1F1B.
+# published step s, note). Unpublished settings, one rule per source:
+# - Narayanan Table 1 (v, mbs unpublished): interleaved over 2 chunks where pp > 1, micro-batch 1;
+# - Table 2: schedule 1F1B; recompute "not stated": on (full), as Table 1's eq. 3 assumes;
+# - Megatron-LM's table (mbs, SP, recompute, distributed optimizer unpublished): micro-batch 1,
+#   sequence parallel where tp > 1, no recompute (its MFU counts none), ZeRO-1 (the distributed
+#   optimizer), 1F1B.
 N1 = "v and mbs unpublished: interleaved x2 where pp > 1, mbs 1"
 N2 = "schedule and recompute not stated: 1F1B, full recompute"
 NM = "mbs/SP/recompute/dist-opt unpublished: mbs 1, SP, none, ZeRO-1"
@@ -305,18 +306,18 @@ NOT_EXPRESSIBLE = [
     ),
     (
         "TT-9 to TT-12",
-        "selective activation checkpointing, on a 500 W HBM2e H100 whose peak torchtitan itself does "
-        "not know",
+        "selective activation checkpointing, on a 500 W HBM2e H100 whose peak torchtitan itself "
+        "does not know",
     ),
     (
         "TT-13 to TT-21",
-        "float8 linears (torchao): not a bf16 matmul rate, and tools/step_time.py does not model FP8's "
-        "(fp8.py runs it; no GPU here to measure its rate)",
+        "float8 linears (torchao): not a bf16 matmul rate, and tools/step_time.py does not model "
+        "FP8's (fp8.py runs it; no GPU here to measure its rate)",
     ),
     (
         "TT-24, TT-26",
-        "asynchronous tensor parallelism (communication overlapped inside the matmuls): picotron's TP "
-        "collectives are not overlapped",
+        "asynchronous tensor parallelism (communication overlapped inside the matmuls): picotron's "
+        "TP collectives are not overlapped",
     ),
 ]
 
@@ -387,34 +388,45 @@ def rankings(rows, predicted):
     return lines
 
 
+def row_line(row, seconds, prediction, error):
+    """A row of the table: the run, its layout, published and predicted step, the error and the
+    largest predicted parts."""
+    rid, _, machine, dp, tp, pp, schedule, chunks, mbs, gbs, zero, ac, published, note = row
+    top = sorted(prediction["parts"].items(), key=lambda kv: -kv[1])[:3]
+    layout = (
+        f"{dp}/{tp}/{pp}"
+        + (f", {schedule} x{chunks}" if pp > 1 else "")
+        + f", {mbs} x {gbs // (dp * mbs)}, {zero}, {'full' if ac else 'none'}"
+    )
+    parts = ", ".join(f"{k} {v / seconds:.0%}" for k, v in top)
+    return (
+        f"| {rid} | {dp * tp * pp} | {layout} | {machine} | {published:g} | {seconds:.3g} | "
+        f"{error:+.0%} | {parts} | {note} |"
+    )
+
+
 def main():
     lines = [
-        "| ID | GPUs | layout (dp/tp/pp, schedule, mbs x m, ZeRO, recompute) | machine | published s | "
-        "predicted s | error | largest parts | note |",
+        "| ID | GPUs | layout (dp/tp/pp, schedule, mbs x m, ZeRO, recompute) | machine | "
+        "published s | predicted s | error | largest parts | note |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     errors, predicted = {}, {}
     for row in ROWS:
-        rid, _, machine, dp, tp, pp, schedule, chunks, mbs, gbs, zero, ac, published, note = row
+        rid, published = row[0], row[12]
         seconds, p = predict_row(row)
         errors[rid], predicted[rid] = seconds / published - 1, seconds
-        top = sorted(p["parts"].items(), key=lambda kv: -kv[1])[:3]
-        lines.append(
-            f"| {rid} | {dp * tp * pp} | {dp}/{tp}/{pp}"
-            + (f", {schedule} x{chunks}" if pp > 1 else "")
-            + f", {mbs} x {gbs // (dp * mbs)}, {zero}, {'full' if ac else 'none'} | {machine} | {published:g} | "
-            f"{seconds:.3g} | {errors[rid]:+.0%} | "
-            + ", ".join(f"{k} {v / seconds:.0%}" for k, v in top)
-            + f" | {note} |"
-        )
+        lines.append(row_line(row, seconds, p, errors[rid]))
     absolute = [abs(e) for e in errors.values()]
+    faster, slower = sum(e < 0 for e in errors.values()), sum(e > 0 for e in errors.values())
     lines += [
         "",
-        f"{len(errors)} rows expressed; median absolute error {statistics.median(absolute):.0%}, mean "
-        f"{statistics.mean(absolute):.0%}, {sum(e < 0 for e in errors.values())} predicted faster than "
-        f"published, {sum(e > 0 for e in errors.values())} slower. Source of every published figure: {SOURCE}.",
+        f"{len(errors)} rows expressed; median absolute error {statistics.median(absolute):.0%}, "
+        f"mean {statistics.mean(absolute):.0%}, {faster} predicted faster than published, "
+        f"{slower} slower. Source of every published figure: {SOURCE}.",
         "",
-        "| one model, several GPU counts | runs | Spearman, predicted against published step time |",
+        "| one model, several GPU counts | runs | "
+        "Spearman, predicted against published step time |",
         "|---|---|---|",
     ]
     lines += rankings(ROWS, predicted)

@@ -4,9 +4,9 @@ rank, OMP_NUM_THREADS=1) at one process and at 2 ranks, at two model sizes, its 
 (tools/bench.py's RESULT: machine=auto, this machine measured by tools/bench.py itself) beside the
 measured, and whether the layouts rank as measured.
 
-    nice python scripts/validate_step_time.py                 # both sizes, every layout: about 15 minutes
-    nice python scripts/validate_step_time.py --sizes=small   # one size
-    nice python scripts/validate_step_time.py --launches=2    # each layout twice, the faster kept
+    nice python scripts/validate_step_time.py                # all layouts, both sizes: ~15 minutes
+    nice python scripts/validate_step_time.py --sizes=small  # one size
+    nice python scripts/validate_step_time.py --launches=2   # each layout twice, the faster kept
 
 Prints a markdown table (docs/performance.md carries it) once every layout is measured: the layout,
 predicted and measured ms per step, the error; then per size and over all, the share within 20% and
@@ -109,7 +109,67 @@ def summary(label, rows):
     within = sum(abs(p / m - 1) <= 0.2 for p, m in rows)
     errors = [abs(p / m - 1) for p, m in rows]
     rank = f", Spearman {spearman(predicted, measured):.2f}" if len(rows) > 2 else ""
-    return f"{label}: {within} of {len(rows)} within 20%, median |error| {statistics.median(errors):.0%}{rank}"
+    median = statistics.median(errors)
+    return f"{label}: {within} of {len(rows)} within 20%, median |error| {median:.0%}{rank}"
+
+
+def fastest_results(chosen, sizes, steps, launches):
+    """{(size, layout name): the RESULT of its fastest launch}, each launch's progress to stderr."""
+    # each launch runs every layout once, in turn, the fastest step kept with its own launch's
+    # prediction (made in the seconds those steps ran in): a stretch in which the host runs this
+    # machine slow (for seconds to minutes here) falls on other layouts in each launch, not on one's
+    # every try. (Keeping the fastest prediction apart instead put 32, 28 and 30 of 32 within 20%
+    # where this rule put 32, 29 and 31, on the same three runs' launches: the predictions err fast,
+    # and the fastest errs the most.)
+    fastest = {}
+    for launch in range(launches):
+        for size in sizes:
+            for name, nproc, flags in chosen:
+                result = bench(size, nproc, flags, steps)
+                kept = fastest.get((size, name))
+                if kept is None or result["ms_per_step"] < kept["ms_per_step"]:
+                    fastest[(size, name)] = result
+                link = result["machine"]["node"]  # gloo's, as the launch measured it (with 2 ranks)
+                timed = (
+                    f", link {1e3 * link['latency']:.2f} ms a ring step "
+                    f"{link['busbw'] / 1e9:.2f} GB/s" * (nproc > 1)
+                )
+                ms, predicted = result["ms_per_step"], 1e3 * result["predicted_step_s"]
+                print(
+                    f"launch {launch + 1}: {size} {name} {ms:,.1f} ms, predicted "
+                    f"{predicted:,.1f}{timed}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return fastest
+
+
+def print_table(chosen, sizes, fastest):
+    """The markdown table, then the share within 20% and the rank correlation per size and over
+    all."""
+    print(
+        "| size | layout | ranks | predicted ms | measured ms | error | largest predicted parts "
+        "| measured waits |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    every, summaries = [], []  # (after the table: a line between its rows would end it)
+    for size in sizes:
+        rows = []
+        for name, nproc, _ in chosen:
+            result = fastest[(size, name)]
+            predicted, measured = 1e3 * result["predicted_step_s"], result["ms_per_step"]
+            parts = sorted(result["predicted_parts_s"].items(), key=lambda kv: -kv[1])[:3]
+            shown = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in parts if v > 0)
+            waits = result.get("exposed_comm_ms", {}).items()
+            waited = ", ".join(f"{k} {v:.1f}" for k, v in waits if v) or "-"
+            print(
+                f"| {size} | {name} | {nproc} | {predicted:,.1f} | {measured:,.1f} | "
+                f"{predicted / measured - 1:+.0%} | {shown} | {waited} |"
+            )
+            rows.append((predicted, measured))
+        summaries.append(summary(size, rows))
+        every += rows
+    print("\n" + "\n".join(summaries + [summary("all", every)]))
 
 
 def main(argv):
@@ -130,56 +190,8 @@ def main(argv):
     )
     args = parser.parse_args(argv)
     chosen = [layout for layout in LAYOUTS if args.layouts in layout[0]]
-    # each launch runs every layout once, in turn, the fastest step kept with its own launch's
-    # prediction (made in the seconds those steps ran in): a stretch in which the host runs this
-    # machine slow (for seconds to minutes here) falls on other layouts in each launch, not on one's
-    # every try. (Keeping the fastest prediction apart instead put 32, 28 and 30 of 32 within 20%
-    # where this rule put 32, 29 and 31, on the same three runs' launches: the predictions err fast,
-    # and the fastest errs the most.)
-    fastest = {}
-    for launch in range(args.launches):
-        for size in args.sizes.split(","):
-            for name, nproc, flags in chosen:
-                result = bench(size, nproc, flags, args.steps)
-                if (size, name) not in fastest or result["ms_per_step"] < fastest[(size, name)][
-                    "ms_per_step"
-                ]:
-                    fastest[(size, name)] = result
-                link = result["machine"]["node"]  # gloo's, as the launch measured it (with 2 ranks)
-                timed = (
-                    f", link {1e3 * link['latency']:.2f} ms a ring step {link['busbw'] / 1e9:.2f} GB/s"
-                    * (nproc > 1)
-                )
-                print(
-                    f"launch {launch + 1}: {size} {name} {result['ms_per_step']:,.1f} ms, predicted "
-                    f"{1e3 * result['predicted_step_s']:,.1f}{timed}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-    print(
-        "| size | layout | ranks | predicted ms | measured ms | error | largest predicted parts | measured waits |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    every, summaries = [], []  # (after the table: a line between its rows would end it)
-    for size in args.sizes.split(","):
-        rows = []
-        for name, nproc, _ in chosen:
-            result = fastest[(size, name)]
-            predicted, measured = 1e3 * result["predicted_step_s"], result["ms_per_step"]
-            parts = sorted(result["predicted_parts_s"].items(), key=lambda kv: -kv[1])[:3]
-            shown = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in parts if v > 0)
-            waited = (
-                ", ".join(f"{k} {v:.1f}" for k, v in result.get("exposed_comm_ms", {}).items() if v)
-                or "-"
-            )
-            print(
-                f"| {size} | {name} | {nproc} | {predicted:,.1f} | {measured:,.1f} | {predicted / measured - 1:+.0%} "
-                f"| {shown} | {waited} |"
-            )
-            rows.append((predicted, measured))
-        summaries.append(summary(size, rows))
-        every += rows
-    print("\n" + "\n".join(summaries + [summary("all", every)]))
+    sizes = args.sizes.split(",")
+    print_table(chosen, sizes, fastest_results(chosen, sizes, args.steps, args.launches))
 
 
 if __name__ == "__main__":

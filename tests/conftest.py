@@ -86,7 +86,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The cuda-marked tests are collected everywhere and skipped, with the reason, where no GPU is."""
+    """The cuda-marked tests are collected everywhere, skipped with the reason where no GPU is."""
     import pytest
     import torch
 

@@ -124,11 +124,8 @@ def run_train(argv, nproc=1, check=True, env=None, timeout=600, script="train.py
             f"--nproc_per_node={nproc}",
             str(ROOT / script),
         ]
-    full_env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        **(env or {}),
-    }  # env may override OMP_NUM_THREADS
+    # env may override OMP_NUM_THREADS
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(
         cmd + list(argv), capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT
     )
@@ -258,18 +255,19 @@ def gather_full(tensor, param, group):
 # -----------------------------------------------------------------------------
 # comparing a run with its one-process reference: one rule for every equivalence test
 #
-# fp32 on CPU, different layouts sum in different orders, and AdamW amplifies those roundings a little
-# each step; the tolerances hold on CPUs with and without AVX-512 and still catch a real error:
-#   losses             relative 1e-5 each logged step (the train loss, and the evaluated losses)
-#   global grad norm   relative 1e-4 each logged step (losses barely move when a gradient is off by a
-#                      constant factor under AdamW with clipping; the norm moves with it)
-#   final weights      per tensor, ||a - b|| / ||b|| <= 1e-3, and the optimizer's state alike. AdamW moves
-#                      an element whose gradient is at the level of rounding by about its learning rate,
-#                      either way, so a tensor with many such elements parts by more than its gradients:
-#                      the MoE at dp2 x tp2 + SP x ep2 parted by 1.7e-4 on an AMD EPYC (3e-5 on another
-#                      CPU) in one tensor, where one process in fp32 is itself 1.0e-4 from the float64 run
-#                      and the layout 7e-5 (the matrix's float64 rows hold the layouts to 1e-12). A real
-#                      error moves most elements of a tensor by about the update: 1e-2 and more.
+# fp32 on CPU, different layouts sum in different orders, and AdamW amplifies those roundings a
+# little each step; the tolerances hold on CPUs with and without AVX-512 and catch a real error:
+#   losses            relative 1e-5 each logged step (the train loss, and the evaluated losses)
+#   global grad norm  relative 1e-4 each logged step (losses barely move when a gradient is off by
+#                     a constant factor under AdamW with clipping; the norm moves with it)
+#   final weights     per tensor, ||a - b|| / ||b|| <= 1e-3, and the optimizer's state alike. AdamW
+#                     moves an element whose gradient is at the level of rounding by about its
+#                     learning rate, either way, so a tensor with many such elements parts by more
+#                     than its gradients: the MoE at dp2 x tp2 + SP x ep2 parted by 1.7e-4 on an AMD
+#                     EPYC (3e-5 on another CPU) in one tensor, where one process in fp32 is itself
+#                     1.0e-4 from the float64 run and the layout 7e-5 (the matrix's float64 rows
+#                     hold the layouts to 1e-12). A real error moves most elements of a tensor by
+#                     about the update: 1e-2 and more.
 # Each comparison prints its largest difference (pytest -s shows them): the margin each test has.
 LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_RTOL = 1e-5, 1e-4, 1e-3
 FLOAT64_RTOL = (
@@ -290,7 +288,8 @@ LOGGED = (
 def _report(what, worst, where, rtol, label):
     test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0] + (f" {label}" if label else "")
     print(
-        f"equivalence | {test} | {what}: largest relative difference {worst:.2e} ({where}), tolerance {rtol:.0e}",
+        f"equivalence | {test} | {what}: largest relative difference {worst:.2e} ({where}), "
+        f"tolerance {rtol:.0e}",
         flush=True,
     )
 

@@ -100,8 +100,9 @@ def tensor_parallel_mlp(rank):
         difference(gathered(up.weight.grad, 0), one[1].grad),
         difference(gathered(up.bias.grad, 0), one[2].grad),
         difference(gathered(down.weight.grad, 1), one[3].grad),
+        # (the row-parallel bias is whole on each rank)
         difference(down.bias.grad, one[4].grad),
-    )  # (the row-parallel bias is whole on each rank)
+    )
     return {
         "output": ("output", difference(out, out_one)),
         "input gradient": ("gradient", difference(x_here.grad, one[0].grad)),
@@ -272,12 +273,8 @@ def ring_attention(rank):
         *(t.transpose(1, 2) for t in one), is_causal=True
     ).transpose(1, 2)
     out_one.backward(dout)
-    tokens = [
-        2 * rank,
-        2 * rank + 1,
-        2 * (3 - rank),
-        2 * (3 - rank) + 1,
-    ]  # this rank's, written out
+    # this rank's, written out
+    tokens = [2 * rank, 2 * rank + 1, 2 * (3 - rank), 2 * (3 - rank) + 1]
     return {
         "output": ("output", difference(out, out_one[:, tokens])),
         "q, k, v gradients": (
@@ -456,7 +453,8 @@ def main():
     assert (
         importlib.util.find_spec("model") is None and importlib.util.find_spec("train") is None
     ), (
-        "picotron's model.py or train.py can be imported here: the toys would not prove the lifted files alone"
+        "picotron's model.py or train.py can be imported here: "
+        "the toys would not prove the lifted files alone"
     )
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")

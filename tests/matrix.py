@@ -11,8 +11,9 @@ covered by a refused case instead, one that breaks that rule alone: it must be r
 rule's message. After them come a few larger cases by name (8 ranks, dp=4), float64 runs held to
 1e-12, FP8 runs (fp8.py), and runs resumed at another layout mid-run.
 
-    python tests/matrix.py            the cases, one a line, and what they cover
-    python -m pytest tests/test_matrix.py [--write-matrix]   run them (and rewrite docs/equivalence.md)
+    python tests/matrix.py                                   the cases, one a line, what they cover
+    python -m pytest tests/test_matrix.py [--write-matrix]   run them (and rewrite the page
+                                                             docs/equivalence.md)
 
 Every case trains STEPS steps of a tiny model on data with short documents, evaluates at steps 3 and
 6 and saves at both; its one-process reference (reference_values) sees the same global batch.
@@ -43,14 +44,8 @@ AXES = {
     "tp": (1, 2),
     "sp": (False, True),  # sequence parallelism (needs tp > 1)
     "cp": (1, 2),
-    "pp": (
-        1,
-        "afab",
-        "1f1b",
-        "interleaved_1f1b",
-        "zero_bubble",
-        "zbv",
-    ),  # 1: no pipeline; a schedule: pp=2
+    # 1: no pipeline; a schedule: pp=2
+    "pp": (1, "afab", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"),
     "ep": (1, 2),
     "zero_stage": (0, 1, 2, 3),
     "optimizer": ("adamw", "muon"),
@@ -499,23 +494,26 @@ def write_page(path, results, seconds=None):
     lines = [
         "# The equivalence matrix",
         "",
-        "Every row is a layout that `tests/test_matrix.py` trains on CPU (gloo) against one process on the same "
-        f"global batch, {STEPS} steps of a tiny model: the loss of every step (tolerance {tol(LOSS_RTOL)} relative), "
-        f"the global gradient norm of every step ({tol(GRAD_NORM_RTOL)}), the evaluated train and val losses at "
-        f"steps 3 and 6 ({tol(LOSS_RTOL)}), the final weights and the optimizer's final state per tensor by "
-        f"||a - b|| / ||b|| ({tol(WEIGHT_RTOL)}; tests/dist_utils.py says why). The float64 rows are held to "
-        f"{tol(FLOAT64_RTOL)} on all of them. The fp8 rows compare with one process with the same recipe (fp8.py), "
-        f"its losses held to {tol(FP8_RTOL['loss'])} and gradient norms to {tol(FP8_RTOL['grad_norm'])}: where "
-        "two layouts' fp32 sums differ in their last bit an FP8 rounding may flip; fp8 itself moves this model's "
-        "loss from the fp32 run's far more (docs/training.md#fp8). The pipeline's fp8 rows run rowwise: tensorwise's "
-        "scale moves with an amax's last bit and flips more (there one process parts from itself as far, given "
-        "another attention kernel). The numbers are each row's largest relative "
-        "difference (n/a: not measured: a refused case).",
+        "Every row is a layout that `tests/test_matrix.py` trains on CPU (gloo) against one "
+        f"process on the same global batch, {STEPS} steps of a tiny model: the loss of every step "
+        f"(tolerance {tol(LOSS_RTOL)} relative), the global gradient norm of every step "
+        f"({tol(GRAD_NORM_RTOL)}), the evaluated train and val losses at steps 3 and 6 "
+        f"({tol(LOSS_RTOL)}), the final weights and the optimizer's final state per tensor by "
+        f"||a - b|| / ||b|| ({tol(WEIGHT_RTOL)}; tests/dist_utils.py says why). The float64 rows "
+        f"are held to {tol(FLOAT64_RTOL)} on all of them. The fp8 rows compare with one process "
+        f"with the same recipe (fp8.py), its losses held to {tol(FP8_RTOL['loss'])} and gradient "
+        f"norms to {tol(FP8_RTOL['grad_norm'])}: where two layouts' fp32 sums differ in their last "
+        "bit an FP8 rounding may flip; fp8 itself moves this model's loss from the fp32 run's far "
+        "more (docs/training.md#fp8). The pipeline's fp8 rows run rowwise: tensorwise's scale "
+        "moves with an amax's last bit and flips more (there one process parts from itself as far, "
+        "given another attention kernel). The numbers are each row's largest relative difference "
+        "(n/a: not measured: a refused case).",
         "",
-        f"The pairwise rows are generated (tests/matrix.py, `pairwise_cases`): every value of every axis and "
-        f"every pair of values of two axes is in one of them, {ran} of the {total} pairs in a run and the "
-        f"{refused} that picotron refuses in a refused row, which passes when picotron stops with that rule's "
-        f"message. Then the larger layouts by name, float64, and runs resumed at another layout at step 3.",
+        "The pairwise rows are generated (tests/matrix.py, `pairwise_cases`): every value of every "
+        f"axis and every pair of values of two axes is in one of them, {ran} of the {total} pairs "
+        f"in a run and the {refused} that picotron refuses in a refused row, which passes when "
+        "picotron stops with that rule's message. Then the larger layouts by name, float64, and "
+        "runs resumed at another layout at step 3.",
         "",
         "Regenerate: `python -m pytest tests/test_matrix.py --write-matrix`"
         + (f" (last run: {seconds / 60:.1f} minutes on a 2-core machine)." if seconds else "."),
@@ -639,9 +637,9 @@ def main():
         what = f"refused: {case['refused']}" if case["refused"] else features_text(case)
         print(f"{name:34s} {world_size(case)} ranks  {layout_text(case):34s} {what}")
     print(
-        f"{len(CASES)} cases ({len(RUN)} pairwise, {len(REFUSED) + len(NAMED_REFUSED)} refused, {len(NAMED)} "
-        f"named, {len(RESUMES)} resumed); {total} pairs of values: {ran} covered by a run, {refused} by a "
-        f"refused case"
+        f"{len(CASES)} cases ({len(RUN)} pairwise, {len(REFUSED) + len(NAMED_REFUSED)} refused, "
+        f"{len(NAMED)} named, {len(RESUMES)} resumed); {total} pairs of values: {ran} covered by a "
+        f"run, {refused} by a refused case"
     )
 
 

@@ -98,8 +98,7 @@ def run_copy(trained, tmp_path):
     return out
 
 
-# --- settings
-# -------------------------------------------------------------------------------------------
+# --- settings -------------------------------------------------------------------------------------
 
 
 def test_a_setting_whose_default_is_none_is_type_checked():
@@ -198,8 +197,8 @@ def test_a_type_error_quotes_the_value_given_and_the_one_it_replaces_with_their_
     line = error_of(train.main, [str(config), "--max_iters=3e2"])
     # not "like its default 1000": the user wrote 300
     assert line == (
-        f"error: config key 'max_iters' must be of type int like 300 (from {config}), got 300.0 of type "
-        f"float (from --max_iters=3e2)"
+        f"error: config key 'max_iters' must be of type int like 300 (from {config}), got 300.0 of "
+        "type float (from --max_iters=3e2)"
     )
     line = error_of(train.main, ["--max_iters=3e2"])
     assert (
@@ -213,7 +212,7 @@ def test_a_bool_given_for_a_number_is_told_the_number_s_type(tmp_path):
     config.write_text("max_iters = True\n")
     line = error_of(train.main, [str(config)])
     assert line == (
-        f"error: config key 'max_iters' must be of type int like its default 1000, got True of type "
+        "error: config key 'max_iters' must be of type int like its default 1000, got True of type "
         f"bool (from {config})"
     )
     assert (
@@ -227,11 +226,8 @@ def test_a_bool_given_for_a_number_is_told_the_number_s_type(tmp_path):
     [
         ("learning_rate = float('nan')\n", None, "learning_rate = nan must be a finite number"),
         ("min_lr = float('inf')\n", None, "min_lr = inf must be a finite number"),
-        (
-            "",
-            "--grad_clip=1e999",
-            "grad_clip = inf must be a finite number",
-        ),  # python reads 1e999 as inf
+        # python reads 1e999 as inf
+        ("", "--grad_clip=1e999", "grad_clip = inf must be a finite number"),
     ],
 )
 def test_a_number_that_is_not_finite_stops_at_the_check(text, arg, message, tmp_path):
@@ -256,8 +252,8 @@ def test_warmup_reaching_lr_decay_iters_is_a_one_line_warning_in_every_tool(
 ):
     argv = ["--warmup_iters=50", "--lr_decay_iters=30", "--max_iters=100"]
     warning = (
-        "warning: warmup_iters = 50 is not below lr_decay_iters = 30: the learning rate climbs for 50 steps, "
-        "then drops to min_lr = 0.0001 in one step, with no decay"
+        "warning: warmup_iters = 50 is not below lr_decay_iters = 30: the learning rate climbs for "
+        "50 steps, then drops to min_lr = 0.0001 in one step, with no decay"
     )
     # what the schedule does, by get_lr: the peak's last warm-up step, then min_lr at once
     lr_cfg = train.SimpleNamespace(
@@ -272,16 +268,16 @@ def test_warmup_reaching_lr_decay_iters_is_a_one_line_warning_in_every_tool(
         [*argv, "--n_layer=2", "--n_embd=64", "--vocab_size=512", f"--out={tmp_path / 'c.py'}"]
     )
     assert capsys.readouterr().out.count(warning) == 1
+    # the run ends before the drop: nothing to warn about
     assert (
         settings.check_values(
             {**settings.DEFAULTS, "warmup_iters": 50, "lr_decay_iters": 30, "max_iters": 40}
         )
         == []
-    )  # the run ends before the drop: nothing to warn about
+    )
 
 
-# --- resuming checks what it resumes
-# ---------------------------------------------------------------------
+# --- resuming checks what it resumes --------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -305,7 +301,7 @@ def test_resume_refuses_another_architecture_naming_both_values(args, message, r
     assert checkpoint.latest_checkpoint(str(run_copy)).endswith("ckpt_0000002")
 
 
-def test_resume_without_the_config_file_keeps_its_data_dir_and_learning_rate_and_prints_allowed_changes(
+def test_resume_without_the_config_file_keeps_its_data_dir_and_lr_and_prints_allowed_changes(
     run_copy, token_dir, capsys
 ):
     # data_dir and learning_rate came from the config file: left out now, they are the checkpoint's,
@@ -334,19 +330,16 @@ def test_a_changed_inherited_setting_and_the_new_global_batch_are_printed(run_co
     out = capsys.readouterr().out
     assert "resume: batch_size = 2, the checkpoint's was 4 (the run's recipe changes)" in out
     assert (
-        "resume: the global batch is now 64 tokens per step, the checkpoint's run had 4 x 1 micro-batches x dp 1 "
-        "x 32 = 128" in out
+        "resume: the global batch is now 64 tokens per step, the checkpoint's run had 4 x 1 "
+        "micro-batches x dp 1 x 32 = 128" in out
     )
 
 
 def test_a_setting_missing_from_an_older_checkpoint_takes_its_default(run_copy):
     meta_path = run_copy / "ckpt_0000002" / "meta.json"
     meta = json.loads(meta_path.read_text())
-    for key in (
-        "qk_norm",
-        "router_z_loss_coef",
-        "keep_last_n",
-    ):  # as if saved before these settings existed
+    # as if saved before these settings existed
+    for key in ("qk_norm", "router_z_loss_coef", "keep_last_n"):
         meta["config"].pop(key)
         meta["model"].pop(key, None)
     meta_path.write_text(json.dumps(meta))
@@ -363,8 +356,8 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumed(run_c
     train.main([f"--out_dir={run_copy}", "--init_from=resume", "--max_iters=2"])
     out = capsys.readouterr().out
     assert (
-        f"resume: {run_copy / 'ckpt_0000002'} cannot be used: rank00000.pt has 1000 of its {size} bytes; the "
-        f"newest complete checkpoint is {run_copy / 'ckpt_0000001'}"
+        f"resume: {run_copy / 'ckpt_0000002'} cannot be used: rank00000.pt has 1000 of its {size} "
+        f"bytes; the newest complete checkpoint is {run_copy / 'ckpt_0000001'}"
     ) in out
     assert f"resumed from {run_copy / 'ckpt_0000001'} at step 1" in out
     assert [r["step"] for r in records_of(run_copy)] == [1, 2]
@@ -397,8 +390,7 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_train(run_copy, capsys
     )
 
 
-# --- a schedule that needs a pipeline
-# ---------------------------------------------------------------------
+# --- a schedule that needs a pipeline -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
@@ -413,15 +405,14 @@ def test_zbv_at_pp_1_stops_at_start_up_naming_pp_and_the_schedule_settings(
     }[tool]
     line = error_of(tool.main, [*TINY, *own, "--pp_schedule=zbv", f"--pp_chunks={chunks}"])
     assert line == (
-        "error: pp_schedule='zbv' needs a pipeline of pp >= 2 ranks (its V is two model chunks on each), "
-        "but pp = 1: set --pp=2 or more with --pp_chunks=2, or run on one stage with --pp_schedule=1f1b "
-        "--pp_chunks=1"
+        "error: pp_schedule='zbv' needs a pipeline of pp >= 2 ranks (its V is two model chunks on "
+        "each), but pp = 1: set --pp=2 or more with --pp_chunks=2, or run on one stage with "
+        "--pp_schedule=1f1b --pp_chunks=1"
     )
     assert not os.path.exists(tmp_path / "run") and not os.path.exists(tmp_path / "c.py")
 
 
-# --- advice: a message that suggests settings gets past the check when they are given
-# ---------------------
+# --- advice: a message that suggests settings gets past the check when they are given -------------
 # Each message's every branch: the settings it suggests, added to the same command, pass start_up,
 # the checks a launch makes before it builds anything (the settings', the resume's, the layout's and
 # the schedule's).
@@ -479,7 +470,7 @@ def advice(start_up, argv, world_size=1, saved=None):
 
 
 def suggested(message, flags):
-    """flags ('--a=1 --b=2'), after checking that the message suggests them, as a list of arguments."""
+    """flags ('--a=1 --b=2') as a list of arguments, once the message is seen to suggest them."""
     assert flags in message, message
     return flags.split()
 
@@ -508,12 +499,8 @@ def test_a_pp_2_zbv_checkpoint_resumed_on_one_process_is_told_settings_that_run(
 @pytest.mark.parametrize(
     "config,given,world_size,flags",
     [
-        (
-            {"tp": 2},
-            ["--pp=2"],
-            2,
-            "--tp=1",
-        ),  # the given pp takes both processes (it once said --tp=2)
+        # the given pp takes both processes (it once said --tp=2)
+        ({"tp": 2}, ["--pp=2"], 2, "--tp=1"),
         ({"cp": 2, "tp": 2, "pp": 2}, [], 1, "--cp=1 --tp=1 --pp=1"),
         ({"tp": 4}, [], 2, "--tp=2"),
         ({"tp": 2}, ["--dp=4"], 4, "--tp=1"),  # a given dp is kept
@@ -531,12 +518,8 @@ def test_a_pp_2_zbv_checkpoint_resumed_on_one_process_is_told_settings_that_run(
             "--pp=1 --pp_chunks=1",
         ),
         ({"pp": 2, "pp_layers": "3,1"}, [], 1, "--pp=1 --pp_layers=''"),
-        (
-            {"tp": 2, "sequence_parallel": True},
-            ["--pp=2"],
-            2,
-            "--tp=1 --sequence_parallel=False",
-        ),  # nothing to split
+        # nothing to split
+        ({"tp": 2, "sequence_parallel": True}, ["--pp=2"], 2, "--tp=1 --sequence_parallel=False"),
     ],
 )
 def test_a_layout_inherited_that_does_not_fit_the_world_is_told_flags_that_fit(
@@ -584,11 +567,8 @@ def test_another_architecture_is_told_to_leave_the_settings_out_or_start_a_new_r
     "argv,world_size,options",
     [
         (["--zero_stage=2"], 1, ["--zero_stage=1", "--optimizer=adamw"]),
-        (
-            ["--zero_stage=2", "--ep=2", "--n_expert=4"],
-            2,
-            ["--zero_stage=0", "--optimizer=adamw"],
-        ),  # not ZeRO-1 at ep > 1
+        # not ZeRO-1 at ep > 1
+        (["--zero_stage=2", "--ep=2", "--n_expert=4"], 2, ["--zero_stage=0", "--optimizer=adamw"]),
         (["--zero_stage=1", "--ep=2", "--n_expert=4"], 2, ["--zero_stage=0", "--optimizer=adamw"]),
     ],
 )
@@ -626,8 +606,7 @@ def test_pp_layers_that_do_not_cut_the_model_is_told_a_cut_that_does(start_up):
     assert line.endswith("n_layer = 1 blocks cannot fill 2 stages: lower --pp or --pp_chunks)")
 
 
-# --- token ids are checked where they are read
-# ------------------------------------------------------------
+# --- token ids are checked where they are read ----------------------------------------------------
 
 
 def big_token_data(data_dir):
@@ -671,8 +650,8 @@ def test_a_bad_token_id_in_the_middle_of_train_bin_stops_naming_the_file_offset_
         ],
     )
     assert (
-        f"{data}/train.bin holds token id {BAD_ID} at token offset {offset}, outside the vocabulary of 512"
-        in line
+        f"{data}/train.bin holds token id {BAD_ID} at token offset {offset}, outside the "
+        "vocabulary of 512" in line
     )
     # it stopped at that batch
     assert [r["step"] for r in records_of(tmp_path / "run")] == list(range(1, step))
@@ -796,8 +775,7 @@ def test_bench_says_one_thread_in_the_singular(monkeypatch, capsys):
     assert ", 1 thread; layout dp=1" in capsys.readouterr().out
 
 
-# --- files and devices
-# -------------------------------------------------------------------------------------
+# --- files and devices ----------------------------------------------------------------------------
 
 
 def test_an_unknown_device_is_an_error_listing_what_is_available(token_dir, tmp_path, run_copy):
@@ -857,8 +835,8 @@ def test_an_out_dir_that_cannot_be_created_stops_before_training(token_dir, tmp_
     blocker.write_text("")
     line = error_of(train.main, [f"--data_dir={token_dir}", f"--out_dir={blocker / 'run'}", *TINY])
     assert (
-        f"out_dir = '{blocker / 'run'}' cannot be created (Not a directory): choose another --out_dir"
-        in line
+        f"out_dir = '{blocker / 'run'}' cannot be created (Not a directory): choose another "
+        "--out_dir" in line
     )
 
 
@@ -873,8 +851,8 @@ def test_a_logging_backend_that_cannot_start_is_one_line(token_dir, tmp_path, mo
         train.main, [f"--data_dir={token_dir}", f"--out_dir={tmp_path}", *TINY, "--wandb_log=True"]
     )
     assert line == (
-        "error: logging cannot start (RuntimeError: No API key configured. Use `wandb login` to log in.): "
-        "fix that, or turn it off (--wandb_log=False)"
+        "error: logging cannot start (RuntimeError: No API key configured. Use `wandb login` to "
+        "log in.): fix that, or turn it off (--wandb_log=False)"
     )
 
 
@@ -929,8 +907,7 @@ def test_under_torchrun_the_failure_summary_names_the_one_line_error(tmp_path):
     assert f"  traceback : {proc.stderr.strip()}" in summary
 
 
-# --- MFU is never above 100%
-# ---------------------------------------------------------------------------------
+# --- MFU is never above 100% ----------------------------------------------------------------------
 
 
 def test_the_cpu_peak_is_the_faster_of_the_run_dtype_and_fp32_with_a_note_when_the_dtype_is_slower(
@@ -972,8 +949,7 @@ def test_a_bf16_run_on_this_cpu_reports_mfu_under_100_percent_and_the_note_where
     assert ("note: bfloat16 has no fast matmul kernel on this CPU" in out) == slow, out
 
 
-# --- several ranks: one 2-rank launch
-# ---------------------------------------------------------------------------
+# --- several ranks: one 2-rank launch -------------------------------------------------------------
 
 
 def _two_rank_cases(rank, world_size, cases):
@@ -1083,7 +1059,8 @@ def test_a_bad_token_id_stops_every_rank_at_the_same_step_with_one_message(layou
     (code0, _, _), (code1, _, _) = (r[layout] for r in two_ranks["results"])
     assert code0 == (
         f"error: {data}/train.bin holds token id {BAD_ID} at token offset {offset}, outside the "
-        f"vocabulary of 512: the file is corrupt or was written by another tokenizer; {_prepare_hint(data)}"
+        "vocabulary of 512: the file is corrupt or was written by another tokenizer; "
+        f"{_prepare_hint(data)}"
     )
     # stopped too, at the same batch (the launch returned: no rank waits); run_script prints
     assert code1 == code0
@@ -1095,8 +1072,9 @@ def test_a_batch_size_inherited_at_another_dp_prints_the_new_global_batch(two_ra
     (code, out, resumed), (_, out1, resumed1) = (r["resume_dp2"] for r in two_ranks["results"])
     assert code is None and resumed == resumed1 == [2]
     assert (
-        "resume: the global batch is now 256 tokens per step, the checkpoint's run had 4 x 1 micro-batches x dp 1 "
-        "x 32 = 128 (set batch_size or gradient_accumulation_steps to keep it)" in out
+        "resume: the global batch is now 256 tokens per step, the checkpoint's run had 4 x 1 "
+        "micro-batches x dp 1 x 32 = 128 (set batch_size or gradient_accumulation_steps to keep "
+        "it)" in out
     )
     assert out1 == ""  # rank 0 prints
 
@@ -1113,12 +1091,12 @@ def test_when_one_rank_cannot_read_the_newest_checkpoint_every_rank_falls_back_t
     )
 
 
-# --- a checkpoint write that fails on one rank: one torchrun launch
-# ------------------------------------------
+# --- a checkpoint write that fails on one rank: one torchrun launch -------------------------------
 
 
 def test_a_write_past_the_file_size_limit_names_its_cause(tmp_path):
-    """torch.save itself reports it as "[enforce fail at inline_container.cc] unexpected pos ..."."""
+    """torch.save itself reports it as
+    "[enforce fail at inline_container.cc] unexpected pos ..."."""
     import errno
     import resource
 
@@ -1159,10 +1137,10 @@ def test_a_failed_save_on_one_rank_stops_every_rank_once_naming_path_and_cause(t
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
-        f"error: saving checkpoint {out}/ckpt_0000004 failed on rank 1: OSError: [Errno 27] File too "
-        f"large. The partial {out}/ckpt_0000004.tmp was removed; the last complete checkpoint is "
-        f"{out}/ckpt_0000002. Free space or fix the permissions of out_dir '{out}', then resume with "
-        f"--init_from=resume"
+        f"error: saving checkpoint {out}/ckpt_0000004 failed on rank 1: OSError: [Errno 27] File "
+        f"too large. The partial {out}/ckpt_0000004.tmp was removed; the last complete checkpoint "
+        f"is {out}/ckpt_0000002. Free space or fix the permissions of out_dir '{out}', then resume "
+        "with --init_from=resume"
     ], proc.stderr
     # no worker traceback (the launcher's own summary may follow)
     assert 'train.py", line' not in proc.stderr

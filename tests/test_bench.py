@@ -35,8 +35,7 @@ def tiny_model(seed=0, activation_checkpointing=False, chunked_loss=False, **kw)
     )
 
 
-# --- FLOPs per token
-# -------------------------------------------------------------------------------------
+# --- FLOPs per token ------------------------------------------------------------------------------
 
 
 def test_flops_per_token_dense_is_the_hand_count():
@@ -59,7 +58,7 @@ def test_flops_per_token_gqa_counts_the_smaller_key_value_projections():
 
 
 def test_flops_per_token_counts_the_matmul_weights_the_model_has():
-    """The formula from the config against the built model's own matmul weights (not the embedding)."""
+    """The formula from the config against the built model's matmul weights (not the embedding)."""
     for kw in (
         {},
         {"n_kv_head": 2},
@@ -107,8 +106,7 @@ def test_flops_per_token_mla_counts_the_latent_projections():
     assert flops_per_token(cfg) == 6 * (2 * (attn + mlp) + head) + scores
 
 
-# --- peak FLOP/s and MFU
-# ---------------------------------------------------------------------------------
+# --- peak FLOP/s and MFU --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -146,6 +144,20 @@ def test_unknown_gpu_reports_mfu_as_not_available(monkeypatch):
 def test_cpu_peak_is_measured():
     peak, why = metrics.device_peak_flops(0.0, torch.device("cpu"), torch.float32)
     assert peak > 1e8 and "measured" in why
+
+
+# a step's record as train.py logs it, before its MFU
+LOG_RECORD = {
+    "step": 10,
+    "loss": 3.0,
+    "lr": 1e-3,
+    "grad_norm": 1.0,
+    "skipped_steps": 0,
+    "tokens_per_sec": 60e3,
+    "ms_per_step": 100.0,
+    "peak_mem_bytes": 2**30,
+    "epoch": 0.1,
+}
 
 
 def test_a_low_cpu_probe_is_probed_again_the_best_kept_and_the_mfu_capped_at_100_percent(
@@ -189,18 +201,7 @@ def test_a_low_cpu_probe_is_probed_again_the_best_kept_and_the_mfu_capped_at_100
     )
     # the same rate again is no new high: no probe at every log line
     assert peak.mfu(1e6, 60e3, 1)["mfu"] == 1.0 and len(taken) == 3
-    record = {
-        "step": 10,
-        "loss": 3.0,
-        "lr": 1e-3,
-        "grad_norm": 1.0,
-        "skipped_steps": 0,
-        "tokens_per_sec": 60e3,
-        "ms_per_step": 100.0,
-        "peak_mem_bytes": 2**30,
-        "epoch": 0.1,
-        **got,
-    }
+    record = {**LOG_RECORD, **got}
     assert f"| MFU 100.0% ({got['mfu_note']}) | peak RSS" in metrics.format_log_line(
         record, 60, cpu
     )
@@ -217,8 +218,7 @@ def test_a_low_cpu_probe_is_probed_again_the_best_kept_and_the_mfu_capped_at_100
     )
 
 
-# --- the chunked loss
-# ----------------------------------------------------------------------------------
+# --- the chunked loss -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
@@ -281,8 +281,7 @@ def test_chunked_loss_model_has_the_same_loss_and_gradients():
     torch.testing.assert_close(chunked(x)[0], logits)
 
 
-# --- activation checkpointing
-# --------------------------------------------------------------------------
+# --- activation checkpointing ---------------------------------------------------------------------
 
 
 def test_activation_checkpointing_gives_identical_loss_and_gradients():
@@ -321,8 +320,7 @@ def test_activation_checkpointing_keeps_fewer_activations():
     assert ckpt < plain / 3
 
 
-# --- train.py: the step, the fallback, the log
-# ------------------------------------------------------------
+# --- train.py: the step, the fallback, the log ----------------------------------------------------
 
 
 def tiny_run(tmp_path, **kw):
@@ -356,8 +354,8 @@ def test_compile_failure_falls_back_to_eager_with_a_log_line(tmp_path, monkeypat
         )
         results.append((loss, [p.detach().clone() for p in parts.model.parameters()]))
     assert (
-        "torch.compile failed (RuntimeError: backend compiler failed: no C compiler here); continuing without it"
-        in capsys.readouterr().out
+        "torch.compile failed (RuntimeError: backend compiler failed: no C compiler here); "
+        "continuing without it" in capsys.readouterr().out
     )
     assert torch.equal(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1]):
@@ -547,8 +545,7 @@ def test_training_log_has_mfu_and_peak_memory(tmp_path):
         assert 0 < r["mfu"] < 1 and r["peak_mem_bytes"] > 10 * 2**20
 
 
-# --- tools/bench.py
-# --------------------------------------------------------------------------------------------
+# --- tools/bench.py -------------------------------------------------------------------------------
 
 
 def test_bench_prints_a_table_and_a_parseable_result_line(capsys):

@@ -41,8 +41,9 @@ TINY = [
     "--learning_rate=3e-3",
     "--gradient_accumulation_steps=2",
     "--bucket_size_mb=0.01",
+    # skips timing a CPU matmul on each rank at start-up
     "--peak_flops=1e12",
-]  # skips timing a CPU matmul on each rank at start-up
+]
 ONE_RANK = ["--batch_size=4"]
 TWO_REPLICAS = ["--batch_size=2"]
 
@@ -150,14 +151,10 @@ def uninterrupted(data_dir, tmp_path_factory):
 
 # name: (processes, the layout the step-3 checkpoint of the dp2 x tp2 x pp2 run resumes at)
 RESUMES = {
-    "dp1_tp2_pp2_zero1": (
-        4,
-        ONE_RANK + ["--tp=2", "--pp=2", "--zero_stage=1"],
-    ),  # the joined moments cut again
-    "dp4_tp1_pp2_zero3": (
-        8,
-        ["--batch_size=1", "--tp=1", "--pp=2", "--zero_stage=3"],
-    ),  # 2 ZeRO-3 shards cut into 4
+    # the joined moments cut again
+    "dp1_tp2_pp2_zero1": (4, ONE_RANK + ["--tp=2", "--pp=2", "--zero_stage=1"]),
+    # 2 ZeRO-3 shards cut into 4
+    "dp4_tp1_pp2_zero3": (8, ["--batch_size=1", "--tp=1", "--pp=2", "--zero_stage=3"]),
 }
 
 
@@ -281,17 +278,8 @@ def test_a_run_whose_rank_dies_mid_save_then_mid_run_resumes_to_the_uninterrupte
     data_dir, uninterrupted, tmp_path
 ):
     out = tmp_path / "run"
-    run = (
-        TINY
-        + TWO_REPLICAS
-        + [
-            f"--data_dir={data_dir}",
-            f"--out_dir={out}",
-            "--checkpoint_interval=2",
-            "--max_iters=10",
-            "--keep_last_n=2",
-        ]
-    )
+    run = TINY + TWO_REPLICAS + [f"--data_dir={data_dir}", f"--out_dir={out}"]
+    run += ["--checkpoint_interval=2", "--max_iters=10", "--keep_last_n=2"]
 
     def crash_run(*argv):
         _, proc = run_train(run + list(argv), nproc=2, check=False, script="tests/crash_run.py")
@@ -309,9 +297,8 @@ def test_a_run_whose_rank_dies_mid_save_then_mid_run_resumes_to_the_uninterrupte
     )
     assert checkpoint.latest_checkpoint(str(out)) == str(out / "ckpt_0000002")
 
-    # resumed from step 2 with ZeRO-1 switched on (the saved moments are cut into the replicas'
-    # shards); it saves step 4 over the crashed save's leftovers, then rank 1 dies after step 5's
-    # optimizer step
+    # resumed from step 2 with ZeRO-1 switched on (the saved moments cut into the replicas' shards);
+    # it saves step 4 over the crashed save's leftovers, then rank 1 dies after step 5's update
     proc = crash_run("--zero_stage=1", "--init_from=resume", "--crash=after_step:5:1")
     assert f"resumed from {out / 'ckpt_0000002'} at step 2" in proc.stdout
     assert "crash_run: rank 1 exits at after_step of step 5" in proc.stdout
@@ -320,23 +307,15 @@ def test_a_run_whose_rank_dies_mid_save_then_mid_run_resumes_to_the_uninterrupte
 
     records, proc = run_train(run + ["--zero_stage=1", "--init_from=resume"], nproc=2)
     assert f"resumed from {out / 'ckpt_0000004'} at step 4" in proc.stdout
-    # steps 1-4 come from the crashed runs' log, the rest from the last run: one run's worth of
-    # records
+    # steps 1-4 come from the crashed runs' log, the rest from the last run: one run's records
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 11))
     ref_records, ref_out = uninterrupted
     assert_same_losses_and_norms(records, ref_records)
-    assert_same_tensors(
-        checkpoint_weights(out / "ckpt_0000010"),
-        checkpoint_weights(os.path.join(ref_out, "ckpt_0000010")),
-    )
+    ref_weights = checkpoint_weights(os.path.join(ref_out, "ckpt_0000010"))
+    assert_same_tensors(checkpoint_weights(out / "ckpt_0000010"), ref_weights)
     # the optimizer state rank 0 logged: both AdamW moments of every parameter at ZeRO-0 (steps
-    # 1-2), half of them from the resume with ZeRO-1 on (steps 3-10: the saved moments cut into the
-    # replicas' shards)
-    full = (
-        2
-        * 4
-        * sum(p.numel() for p in checkpoint_weights(os.path.join(ref_out, "ckpt_0000010")).values())
-    )
+    # 1-2), half of them from the resume with ZeRO-1 on (steps 3-10: the moments cut into shards)
+    full = 2 * 4 * sum(p.numel() for p in ref_weights.values())
     state = {r["step"]: r["optimizer_state_bytes"] for r in records if "optimizer_state_bytes" in r}
     assert state == pytest.approx({s: full if s <= 2 else full / 2 for s in range(1, 11)}, rel=0.01)
 

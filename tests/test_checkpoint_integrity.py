@@ -120,9 +120,10 @@ def test_weights_that_are_not_finite_are_never_saved(tmp_path):
     with pytest.raises(checkpoint.CheckpointError) as refused:
         _save(tmp_path, 4, value=float("nan"))
     assert str(refused.value) == (
-        f"the weights are not finite at step 4 (rank 0: w0): checkpoint {tmp_path / 'ckpt_0000004'} was not written. "
-        f"Either the run diverged (resume with a lower --learning_rate) or it was given bad input (a damaged data "
-        f"file or checkpoint: python checkpoint.py --verify {tmp_path}). The last finite checkpoint is "
+        "the weights are not finite at step 4 (rank 0: w0): checkpoint "
+        f"{tmp_path / 'ckpt_0000004'} was not written. Either the run diverged (resume with a "
+        "lower --learning_rate) or it was given bad input (a damaged data file or checkpoint: "
+        f"python checkpoint.py --verify {tmp_path}). The last finite checkpoint is "
         f"{tmp_path / 'ckpt_0000002'}: resume from it with --init_from=resume"
     )
     assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002"]  # no ckpt_0000004, no .tmp folder
@@ -162,7 +163,8 @@ def test_verify_names_the_newest_checkpoint_intact_and_exits_0(tmp_path, capsys)
     code, out = _verify(tmp_path, capsys)
     assert code == 0, out
     assert out.splitlines()[-2:] == [
-        f"the newest intact checkpoint is {tmp_path / 'ckpt_0000002'} (saved by 1 process); resume from it with:",
+        f"the newest intact checkpoint is {tmp_path / 'ckpt_0000002'} (saved by 1 process); resume "
+        "from it with:",
         f"  python train.py --init_from=resume --out_dir={tmp_path}",
     ]
 
@@ -176,14 +178,13 @@ def test_verify_exits_1_when_the_newest_is_damaged_and_2_when_there_is_none(tmp_
     assert code == 1, out
     assert f"{newest}: {newest / 'rank00000.pt'} is corrupted, not diverged" in out
     assert (
-        f"the newest intact checkpoint is {tmp_path / 'ckpt_0000001'} (saved by 1 process), older than the "
-        f"damaged {newest}: move it aside first (mv {newest} {newest}.damaged)"
+        f"the newest intact checkpoint is {tmp_path / 'ckpt_0000001'} (saved by 1 process), older "
+        f"than the damaged {newest}: move it aside first (mv {newest} {newest}.damaged)"
     ) in out
     assert _verify(tmp_path / "empty", capsys)[0] == 2
 
 
-# --- two ranks: one launch
-# ------------------------------------------------------------------------------------------
+# --- two ranks: one launch ------------------------------------------------------------------------
 
 
 def _stop_of(call):

@@ -1,16 +1,17 @@
 """Context parallelism (context_parallel.py) and sequence parallelism (parallel.py) against one
 process, fp32 on CPU with gloo.
 
-  the zigzag split       its balance (every rank the same attention work) and its errors; no processes
-  ring attention alone   against plain causal attention written out here on the whole sequence: MHA, GQA,
-                         MQA, D_v != D, soft-capping, document masking, a cp group that is not the world
-  the model at cp 2, 4   Llama/GQA, MLA, soft-capping, MoE with capacity dropping: logits, loss and every
-                         gradient against the unsplit model, and five training steps through train.py's
-                         own build and train_step (losses, gradient norms, final weights)
-  cp composed            cp2 x tp2 and cp2 x dp2 with ZeRO-3, five steps each
-  sequence parallelism   at tp 2 and 4, every variant, against tensor parallelism without it
-  train.py               a one-process checkpoint resumed at cp = 2, and that run's checkpoint resumed at
-                         one process
+  the zigzag split      its balance (every rank the same attention work) and errors; no processes
+  ring attention alone  against plain causal attention written out here on the whole sequence:
+                        MHA, GQA, MQA, D_v != D, soft-capping, document masking, a cp group that is
+                        not the world
+  the model at cp 2, 4  Llama/GQA, MLA, soft-capping, MoE with capacity dropping: logits, loss and
+                        every gradient against the unsplit model, and five training steps through
+                        train.py's own build and train_step (losses, gradient norms, final weights)
+  cp composed           cp2 x tp2 and cp2 x dp2 with ZeRO-3, five steps each
+  sequence parallelism  at tp 2 and 4, every variant, against tensor parallelism without it
+  train.py              a one-process checkpoint resumed at cp = 2, and that run's checkpoint
+                        resumed at one process
 
 train.py at cp = 2 composed with tp (sequence parallel or not), pp, dp and ZeRO, activation
 checkpointing and document masking, against one process: the equivalence matrix (tests/matrix.py).
@@ -19,8 +20,8 @@ The distributed numerics share two launches, one of 2 ranks and one of 4, that b
 turn (module fixtures); each test reads its part. The one-process references are computed here, in
 the test process, with the same functions at a layout of one rank.
 
-    PYTHONPATH=. python tests/test_context_parallel.py --measure    the figures: activation memory per rank,
-                                                                     attention work, ring bytes per step
+    PYTHONPATH=. python tests/test_context_parallel.py --measure
+        the figures: activation memory per rank, attention work, ring bytes per step
 """
 
 import math
@@ -84,9 +85,8 @@ CASES = {
     "mha": dict(H=4, H_kv=4, D=8, Dv=8, softcap=0.0, documents=False),
     "gqa": dict(H=4, H_kv=2, D=8, Dv=8, softcap=0.0, documents=False),
     "mqa": dict(H=4, H_kv=1, D=8, Dv=8, softcap=0.0, documents=False),
-    "mla_like": dict(
-        H=4, H_kv=4, D=12, Dv=8, softcap=0.0, documents=False
-    ),  # D = qk_nope + qk_rope != D_v
+    # D = qk_nope + qk_rope != D_v
+    "mla_like": dict(H=4, H_kv=4, D=12, Dv=8, softcap=0.0, documents=False),
     "softcap": dict(H=4, H_kv=2, D=8, Dv=8, softcap=5.0, documents=False),
     "documents": dict(H=4, H_kv=2, D=8, Dv=8, softcap=0.0, documents=True),
 }
@@ -143,7 +143,7 @@ def reference(name):
 
 
 def run_case(name, group):
-    """This rank's ring attention of case `name`: its output, its gradients, and the bytes it sent."""
+    """This rank's ring attention of case `name`: its output, its gradients, the bytes it sent."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     q, k, v, dout, positions, documents = make_inputs(name)
     q, k, v = (zigzag_split(t, cp, rank).requires_grad_() for t in (q, k, v))
@@ -306,7 +306,7 @@ def model_at(layout, overrides, sequence_parallel=False):
 
 
 def relative_error(a, b):
-    """max |a - b| / max |b|: the per-tensor elementwise measure of tests/test_tensor_parallel.py."""
+    """max |a - b| / max |b|: the per-tensor measure of tests/test_tensor_parallel.py."""
     a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
 
@@ -723,8 +723,7 @@ def test_the_layout_numbers_tp_fastest_then_cp_then_dp_then_pp(monkeypatch):
     assert layout.dp_cp_group == (9, 11, 13, 15) and layout.dp_cp_rank == 2
     assert layout.pp_prev == 5 and layout.pp_next is None
     assert parallel.grid_rank(1, 1, 1, 2, 2, cp_rank=0, cp=2) == 13
-    # at cp = 1 the numbering is that of a run without context parallelism, and the dp group is the
-    # dp x cp one
+    # at cp = 1 the numbering is a run's without context parallelism; the dp group is dp x cp's
     assert parallel.grid_rank(1, 1, 1, 2, 2) == (1 * 2 + 1) * 2 + 1
     flat = ParallelLayout(2, 2, 2, world_size=8, rank=7)
     assert flat.dp_cp_group is flat.dp_group == (5, 7) and flat.cp_group is None
@@ -833,8 +832,9 @@ TRAIN_ARGS = [
     "--lr_decay_iters=10",
     "--learning_rate=3e-3",
     "--bucket_size_mb=0.01",
+    # skips timing a CPU matmul on each rank at start-up
     "--peak_flops=1e12",
-]  # skips timing a CPU matmul on each rank at start-up
+]
 
 
 @pytest.fixture(scope="module")
@@ -913,10 +913,11 @@ def test_a_cp2_checkpoint_resumes_at_one_process_with_the_uninterrupted_run(
 
 # -----------------------------------------------------------------------------
 # Measurement, not a test:  PYTHONPATH=. python tests/test_context_parallel.py --measure
-# At the shape of config/tiny_fineweb.py with block_size 2048 (one sequence per rank): the activation memory
-# per rank (the bytes autograd saves for backward, counted by saved-tensor hooks, each storage once) at
-# cp = 1, 2, 4 and at tp = 2 with and without sequence parallelism; the attention
-# work per rank, zigzag against contiguous; the bytes the ring sends per step against ring_attention_bytes.
+# At the shape of config/tiny_fineweb.py with block_size 2048 (one sequence per rank): the
+# activation memory per rank (the bytes autograd saves for backward, counted by saved-tensor hooks,
+# each storage once) at cp = 1, 2, 4 and at tp = 2 with and without sequence parallelism; the
+# attention work per rank, zigzag against contiguous; the bytes the ring sends per step against
+# ring_attention_bytes.
 
 MEASURE = dict(vocab_size=50257, block_size=2048, n_layer=4, n_head=4, n_kv_head=2, n_embd=128)
 
@@ -982,9 +983,8 @@ def measured_activations(rank, world_size, cp, tp, sequence_parallel):
     batch = context_split(measure_window(), layout)
     body = {}
 
-    def after_the_blocks(
-        *_,
-    ):  # what the embedding and the blocks saved (nothing is let go during forward)
+    # what the embedding and the blocks saved (nothing is let go during forward)
+    def after_the_blocks(*_):
         body["bytes"] = saved.live
 
     list(model.blocks.values())[-1].register_forward_hook(after_the_blocks)
@@ -1033,12 +1033,15 @@ def measured_attention_time(rank, world_size, split, repeats=3):
     return best
 
 
-def measure():
-    mib = lambda b: f"{b / 2**20:,.1f} MiB"
+def mib(nbytes):
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
+def measure_activation_memory():
     print(
-        f"model: {MEASURE}, one sequence per step (batch_size 1), fp32\n\nactivation memory per rank (bytes saved "
-        f"for backward; the head's and loss's are the chunked loss's gradients at tp = 1, the vocab-parallel "
-        f"softmax at tp = 2):",
+        f"model: {MEASURE}, one sequence per step (batch_size 1), fp32\n\n"
+        "activation memory per rank (bytes saved for backward; the head's and loss's are the "
+        "chunked loss's gradients at tp = 1, the vocab-parallel softmax at tp = 2):",
         flush=True,
     )
     rows = [
@@ -1058,14 +1061,16 @@ def measure():
         body, total = max(b for b, _ in per_rank), max(t for _, t in per_rank)
         base = base or body
         print(
-            f"  {label:34s} embedding + blocks {mib(body):>12s} ({body / base:.2f} of one process)   "
-            f"whole forward {mib(total):>12s}",
+            f"  {label:34s} embedding + blocks {mib(body):>12s} "
+            f"({body / base:.2f} of one process)   whole forward {mib(total):>12s}",
             flush=True,
         )
 
+
+def measure_attention_work():
     print(
-        "\nattention work per rank, one layer (score elements computed per head; CPU time of ring attention "
-        "forward + backward, 1 thread, best of 3):",
+        "\nattention work per rank, one layer (score elements computed per head; CPU time of ring "
+        "attention forward + backward, 1 thread, best of 3):",
         flush=True,
     )
     T = MEASURE["block_size"]
@@ -1078,32 +1083,44 @@ def measure():
             work = [w["scores"] for w in attention_work(positions)]
             seconds = run_ranks(measured_attention_time, cp, split)
             print(
-                f"  cp = {cp} {split:10s}  scores per rank {work}  (max / min {max(work) / min(work):.2f});  "
-                f"ms per rank {[round(1000 * s) for s in seconds]}  (max / min {max(seconds) / min(seconds):.2f})",
+                f"  cp = {cp} {split:10s}  scores per rank {work}  "
+                f"(max / min {max(work) / min(work):.2f});  "
+                f"ms per rank {[round(1000 * s) for s in seconds]}  "
+                f"(max / min {max(seconds) / min(seconds):.2f})",
                 flush=True,
             )
 
+
+def measure_ring_bytes():
     print(
-        "\nring bytes sent per rank in one step (forward + backward, every layer), measured against "
-        "ring_attention_bytes:",
+        "\nring bytes sent per rank in one step (forward + backward, every layer), "
+        "measured against ring_attention_bytes:",
         flush=True,
     )
-    D = MEASURE["n_embd"] // MEASURE["n_head"]
+    T, D = MEASURE["block_size"], MEASURE["n_embd"] // MEASURE["n_head"]
     for cp in (2, 4):
         sent = run_ranks(measured_ring_bytes, cp)
         per_layer = ring_attention_bytes(1, T // cp, MEASURE["n_kv_head"], D, D, cp)
         analytic = MEASURE["n_layer"] * (per_layer["forward"] + per_layer["backward"])
         verdict = "equal" if set(sent) == {analytic} else "DIFFERENT"
         print(
-            f"  cp = {cp}: measured {sent} bytes per rank; analytic n_layer x (forward {per_layer['forward']:,} + "
-            f"backward {per_layer['backward']:,}) = {analytic:,} ({verdict})",
+            f"  cp = {cp}: measured {sent} bytes per rank; analytic n_layer x "
+            f"(forward {per_layer['forward']:,} + backward {per_layer['backward']:,}) = "
+            f"{analytic:,} ({verdict})",
             flush=True,
         )
+
+
+def measure():
+    measure_activation_memory()
+    measure_attention_work()
+    measure_ring_bytes()
 
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--measure"]:
         sys.exit(
-            "usage: PYTHONPATH=. python tests/test_context_parallel.py --measure   (the tests run under pytest)"
+            "usage: PYTHONPATH=. python tests/test_context_parallel.py --measure   "
+            "(the tests run under pytest)"
         )
     measure()

@@ -50,7 +50,7 @@ SMALL = dict(
 
 
 def gpu_run(tmp_path, data_dir=None, **kw):
-    """train.py's settings and setup for a run on the GPU (random tokens unless data_dir is given)."""
+    """train.py's settings and setup for a GPU run (random tokens unless data_dir is given)."""
     cfg = SimpleNamespace(
         **{
             **settings.DEFAULTS,
@@ -136,8 +136,7 @@ def grad_differences(a, b):
     }
 
 
-# --- the precision and the attention kernel chosen for the card
-# ---------------------------------------------
+# --- the precision and the attention kernel chosen for the card -----------------------------------
 
 
 def test_dtype_auto_is_bf16_from_compute_capability_8_and_fp16_before(monkeypatch, record_property):
@@ -230,8 +229,7 @@ def test_attention_auto_is_sdpa_and_takes_its_flash_kernel(record_property):
     )
 
 
-# --- the optimizer and the data on the device
-# -----------------------------------------------------------------
+# --- the optimizer and the data on the device -----------------------------------------------------
 
 
 def test_fused_adamw_resumes_on_the_device(tmp_path, record_property):
@@ -310,8 +308,7 @@ def test_batches_are_pinned_and_copied_without_blocking(tmp_path, monkeypatch, r
         assert got.device.type == DEVICE.type and torch.equal(got.cpu(), want)
 
 
-# --- the training step
-# ----------------------------------------------------------------------------------------
+# --- the training step ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -453,8 +450,7 @@ def test_compile_runs_the_blocks_compiled_on_the_gpu(tmp_path, capsys, record_pr
     assert diff < 2e-2, (results[True], results[False])
 
 
-# --- the initial weights
-# ----------------------------------------------------------------------------------------
+# --- the initial weights --------------------------------------------------------------------------
 
 
 def test_initialising_on_the_gpu_gives_the_cpu_weights(record_property):

@@ -55,7 +55,7 @@ def _moment_bytes(optimizer):
 
 
 def _zero_against_adamw(rank, world_size):
-    """Two micro-batches per step on each of 2 ranks (the reference: the whole batch on one model)."""
+    """Two micro-batches per step on each of 2 ranks (reference: the whole batch on one model)."""
     lrs = [1e-2, 3e-2, 2e-3, 5e-4]  # a schedule: each step's update must use its own lr
     ref, net = _tiny_net(), _tiny_net()
     ref_opt = torch.optim.AdamW(_groups(ref, 0.1), betas=(0.9, 0.95))

@@ -64,7 +64,7 @@ def test_sdpa_block_mask_equals_the_eager_attention():
 
 
 def window(*lengths, seed=0, end=True):
-    """(1, T): documents of the given lengths (each ended by EOT except, with end=False, the last)."""
+    """(1, T): documents of these lengths (each ended by EOT except, with end=False, the last)."""
     g = torch.Generator().manual_seed(seed)
     parts = []
     for i, n in enumerate(lengths):
@@ -105,11 +105,8 @@ def test_changing_an_earlier_document_leaves_the_next_documents_logits_unchanged
     later = window(17, seed=3, end=False)  # the document whose logits are compared
     base = torch.cat([window(9, 6, seed=1), later], dim=1)
     n = later.shape[1]
-    for earlier in (
-        window(9, 6, seed=5),
-        window(12, 6, seed=2),
-        window(4, seed=4),
-    ):  # other text, other lengths
+    # other text, other lengths
+    for earlier in (window(9, 6, seed=5), window(12, 6, seed=2), window(4, seed=4)):
         changed = torch.cat([earlier, later], dim=1)
         for model, isolated in ((masked, True), (plain, False)):
             with torch.no_grad():
@@ -142,8 +139,9 @@ TINY = [
     "--gradient_accumulation_steps=2",
     "--doc_mask=True",
     "--checkpoint_interval=1",
+    # skips timing a CPU matmul at start-up
     "--peak_flops=1e12",
-]  # skips timing a CPU matmul at start-up
+]
 
 
 @pytest.fixture(scope="module")

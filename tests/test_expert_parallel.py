@@ -223,12 +223,9 @@ def collapse_routers(model, only=None):
             moe.router.weight.zero_()
 
 
-def train_five_steps(cfg, model_cfg, layout, dp_of_batch, data_dir):
-    """train.py's build and five train_steps on this rank's slice of each step's global batch, then
-    train.py's evaluation on the validation split of data_dir. Returns the losses (job-wide), the
-    norms, step 1's gradients (before clipping) and final weights as full tensors by name, the
-    tokens each expert took in step 1 (this rank's, by layer), moe_metrics of step 1, the evaluated
-    loss, and whether the evaluation left the all-to-all byte counts of training as they were."""
+def build_with_large_experts(cfg, model_cfg, layout, data_dir):
+    """train.py's build on this rank, with data_dir's validation split to evaluate on, its experts
+    made large (and its routers collapsed where cfg asks): (run, parts)."""
     meta = read_data_meta(data_dir)
     run = SimpleNamespace(
         dev=torch.device("cpu"),
@@ -240,13 +237,24 @@ def train_five_steps(cfg, model_cfg, layout, dp_of_batch, data_dir):
         datasets={"val": load_data(data_dir, "val", cfg.block_size, model_cfg.vocab_size, meta)},
     )
     parts = build.build(cfg, run)
-    model, copies = parts.model, parts.model.tied_copies()
     # ZeRO-3: each unit gathered to be written, kept sliced
     sharded = parts.grad_sync if cfg.zero_stage == 3 else None
     for params in sharded.unit_by_unit() if sharded is not None else [None]:
-        large_experts(model, params)
+        large_experts(parts.model, params)
         if cfg.collapsed_router:
-            collapse_routers(model, params)
+            collapse_routers(parts.model, params)
+    return run, parts
+
+
+def train_five_steps(cfg, model_cfg, layout, dp_of_batch, data_dir):
+    """train.py's build and five train_steps on this rank's slice of each step's global batch, then
+    train.py's evaluation on the validation split of data_dir. Returns the losses (job-wide), the
+    norms, step 1's gradients (before clipping) and final weights as full tensors by name, the
+    tokens each expert took in step 1 (this rank's, by layer), moe_metrics of step 1, the evaluated
+    loss, and whether the evaluation left the all-to-all byte counts of training as they were."""
+    run, parts = build_with_large_experts(cfg, model_cfg, layout, data_dir)
+    model, copies = parts.model, parts.model.tied_copies()
+    sharded = parts.grad_sync if cfg.zero_stage == 3 else None
 
     def full(tensor, p):  # numpy: torch tensors would cross the result queue as shared memory
         return gather_full(tensor.detach().clone(), p, layout.tp_group).numpy()
@@ -254,9 +262,8 @@ def train_five_steps(cfg, model_cfg, layout, dp_of_batch, data_dir):
     grads = {}
     norm_of = train.global_grad_norm
 
-    def capture(
-        model_, layout_, grads_, dp_sharded=False
-    ):  # the gradients the norm is taken of, then the norm
+    # the gradients the norm is taken of, then the norm
+    def capture(model_, layout_, grads_, dp_sharded=False):
         if not grads and not dp_sharded:
             grads.update(
                 {n: full(p.grad, p) for n, p in model_.named_parameters() if n not in copies}
@@ -359,7 +366,7 @@ def references():
 
 
 def results_of(name, request):
-    """Each rank's results of a case, from the launch that ran it (launched when first asked for)."""
+    """Each rank's results of a case, from the launch that ran it (launched when first needed)."""
     return [
         r[name] for r in request.getfixturevalue("two_ranks" if name in TWO_RANKS else "four_ranks")
     ]
@@ -518,8 +525,9 @@ CHAIN = [
 SEGMENTS = [
     ["--ep=2", "--zero_stage=3"],  # one process -> ep=2 (two expert replicas), ZeRO-3
     ["--ep=4", "--zero_stage=1"],  # ep=2 ZeRO-3 -> ep=4, ZeRO-1
+    # ep=4 ZeRO-1 -> ep=2, ZeRO-3; then its checkpoint -> one process
     ["--ep=2", "--zero_stage=3"],
-]  # ep=4 ZeRO-1 -> ep=2, ZeRO-3; then its checkpoint -> one process
+]
 
 
 def test_checkpoints_reshard_between_ep_values(tmp_path):
@@ -595,8 +603,8 @@ def test_the_grid_prints_each_replicas_experts_and_the_expert_groups():
     assert "stage 0 replica 1: ranks [2, 3], experts 4-7" in text
     assert "stage 0 replica 2: ranks [4, 5], experts 0-3" in text
     assert (
-        "expert-parallel groups (ep=2, tokens sent to their experts all-to-all): [0, 2] [4, 6] [1, 3] [5, 7]"
-        in text
+        "expert-parallel groups (ep=2, tokens sent to their experts all-to-all): "
+        "[0, 2] [4, 6] [1, 3] [5, 7]" in text
     )
     assert (
         "expert replicas (the same experts, gradients averaged): [0, 4] [2, 6] [1, 5] [3, 7]"

@@ -374,7 +374,8 @@ def test_a_dropless_moe_checkpoint_of_train_py_generates_the_same_greedy_tokens(
     )
     diff = max_logit_diff(model, hf_model)
     print(
-        f"train.py's dropless MoE checkpoint as Qwen2MoeForCausalLM: max logit difference {diff:.2e}"
+        "train.py's dropless MoE checkpoint as Qwen2MoeForCausalLM: max logit difference "
+        f"{diff:.2e}"
     )
     assert diff < 1e-5
     prompt = torch.randint(

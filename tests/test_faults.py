@@ -154,20 +154,14 @@ def _killed_save(out_dir, step, value, moment, keep_last_n=0):
 
 # (moment, a fresh step or a re-save of the step, the step whose checkpoint must then be the newest)
 MOMENTS = [
-    (
-        ("meta", 0),
-        "new",
-        2,
-    ),  # meta.json half written, in its .partial file: the save never happened
+    # meta.json half written, in its .partial file: the save never happened
+    (("meta", 0), "new", 2),
     (("rename", 1), "new", 4),  # meta.json committed, the folder not yet renamed: the .tmp counts
     (("rename", 2), "new", 4),  # renamed, rotation not begun
     (("rmtree", 0), "new", 4),  # rotation killed halfway through removing the oldest
     (("meta", 0), "resave", 2),  # a re-save of step 2 (a run resumed from an older checkpoint)
-    (
-        ("rename", 2),
-        "resave",
-        2,
-    ),  # the old step-2 folder renamed aside, the new one not yet in place
+    # the old step-2 folder renamed aside, the new one not yet in place
+    (("rename", 2), "resave", 2),
     (("rename", 3), "resave", 2),  # the new one in place, the old copy not yet removed
 ]
 
@@ -302,9 +296,12 @@ def test_a_run_stopped_by_sigterm_exits_75_with_its_step_saved(data_dir, tmp_pat
     assert (out / SIGTERM_MARK).read_text() == "2\n"
 
 
-SLURM_STUBS = {  # scontrol and srun as scripts/slurm.sh calls them, recording what it asks
-    "scontrol": '#!/bin/bash\nif [ "$1" = show ]; then echo node1; else echo "$@" >> "$STUB_LOG"; fi\n',
-    "srun": '#!/bin/bash\n[ -z "$STUB_MARK" ] || { mkdir -p "$(dirname "$STUB_MARK")"; echo 4 > "$STUB_MARK"; }\n'
+# scontrol and srun as scripts/slurm.sh calls them, recording what it asks
+SLURM_STUBS = {
+    "scontrol": "#!/bin/bash\n"
+    'if [ "$1" = show ]; then echo node1; else echo "$@" >> "$STUB_LOG"; fi\n',
+    "srun": "#!/bin/bash\n"
+    '[ -z "$STUB_MARK" ] || { mkdir -p "$(dirname "$STUB_MARK")"; echo 4 > "$STUB_MARK"; }\n'
     'exit "$STUB_STATUS"\n',
 }
 
@@ -433,9 +430,10 @@ def leave_a_gloo_worker_waiting_for_the_gil():
     import torch, torch.distributed as dist
     sys.setswitchinterval(100.0)  # no waiting thread gets the GIL before this one blocks
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="file://" + os.environ["GIL_WAITER_STORE"], rank=0,
-                                world_size=1)
-    dist.all_reduce(torch.ones(1), async_op=True)  # its worker holds the last references to the tensor
+        store = "file://" + os.environ["GIL_WAITER_STORE"]
+        dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    # its worker holds the last references to the tensor
+    dist.all_reduce(torch.ones(1), async_op=True)
     end = time.time() + 0.2  # the worker finishes and asks for the GIL, to release them
     while time.time() < end:
         pass
@@ -529,8 +527,8 @@ def test_a_layout_error_under_torchrun_is_one_line_by_rank_0_even_when_the_other
     # not torchrun's log
     ours = [line for line in err[:torchrun_report] if not re.match(r"[IWE]\d{4} ", line)]
     assert ours == [
-        "error: WORLD_SIZE = 2 processes cannot be cut into tp = 4 x pp = 1: the world size 2 is not "
-        "divisible by tp * pp = 4 * 1; launch a multiple of 4 processes or change --tp/--pp"
+        "error: WORLD_SIZE = 2 processes cannot be cut into tp = 4 x pp = 1: the world size 2 is "
+        "not divisible by tp * pp = 4 * 1; launch a multiple of 4 processes or change --tp/--pp"
     ], err
     assert proc.stderr.count("Traceback (most recent call last)") == 1
     assert (
@@ -623,8 +621,8 @@ def test_a_full_disk_at_a_log_line_saves_the_step_stops_in_one_line_and_auto_con
     # the command the message gives: no step lost, the log reads as one run
     records = train_in_process(argv)
     assert (
-        f"warning: the last line of {out}/metrics.jsonl (line 5) is cut short, as a kill in the middle of a write "
-        f"leaves it: dropped it"
+        f"warning: the last line of {out}/metrics.jsonl (line 5) is cut short, as a kill in the "
+        "middle of a write leaves it: dropped it"
     ) in capsys.readouterr().out
     # step 3's line: the one cut short
     assert_equals_reference(records, out, reference, steps=[1, 2, 4, 5, 6])
@@ -759,8 +757,7 @@ def test_two_torchrun_agents_as_two_nodes_give_one_process_s_run(data_dir, refer
     outputs = [a.communicate(timeout=300)[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     text = "".join(outputs)
-    # tp = 2 over nodes of 1 process each: the one tensor-parallel group spans the two nodes, and
-    # says so
+    # tp = 2 over nodes of 1 process each: the one tensor-parallel group spans both, and says so
     assert (
         "warning: 1 tensor-parallel group(s) span two nodes (ranks [0, 1] with 1 process per node)"
         in text
@@ -862,15 +859,15 @@ def _resume(meta, world_size, *argv):
     return settings.resume_settings(values, given, meta, "out/ckpt_0000004", world_size)
 
 
-def test_a_resumed_run_s_dp_follows_the_world_size_and_its_batch_is_said_to_change_only_when_it_does():
+def test_a_resumed_run_s_dp_follows_the_world_size_and_a_batch_change_is_said_only_when_real():
     # --dp=4 was given
     meta = _meta(dp=4, zero_stage=3, batch_size=2, gradient_accumulation_steps=1, saved_dp=4)
     values, notes = _resume(meta, 1, "--gradient_accumulation_steps=4")
     assert values["dp"] == 0 and values["zero_stage"] == 3
     assert not any("recipe changes" in n for n in notes), notes
     assert (
-        "resume: batch_size 2 x gradient_accumulation_steps 4 x dp 1 keep the checkpoint's global batch of 8 "
-        "windows" in notes
+        "resume: batch_size 2 x gradient_accumulation_steps 4 x dp 1 keep the checkpoint's global "
+        "batch of 8 windows" in notes
     )
     # resume keeps batch_size and gradient_accumulation_steps: a new batch
     values, notes = _resume(meta, 1)

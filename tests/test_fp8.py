@@ -19,7 +19,8 @@ def torchao_or_skip():
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         pytest.skip(
-            "torchao is not installed (pip install -r requirements-dev.txt): the comparison needs it"
+            "torchao is not installed (pip install -r requirements-dev.txt): "
+            "the comparison needs it"
         )
     return Float8LinearConfig, convert_to_float8_training
 

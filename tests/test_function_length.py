@@ -122,7 +122,8 @@ def test_a_function_of_61_lines_fails_and_one_of_60_passes():
 
 def test_methods_and_nested_functions_are_measured_by_name():
     source = (
-        "class A:\n    def g(self):\n        def inner():\n            return 1\n        return inner()\n"
+        "class A:\n    def g(self):\n"
+        "        def inner():\n            return 1\n        return inner()\n"
         "async def h():\n    pass\n"
     )
     assert function_lengths(source, "m") == {"m.A.g": 4, "m.A.g.inner": 2, "m.h": 2}

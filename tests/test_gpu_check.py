@@ -24,8 +24,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check  # noqa: E402  (scripts/gpu_check.py)
 
 
-# --- the script
-# ----------------------------------------------------------------------------------------------
+# --- the script -----------------------------------------------------------------------------------
 
 
 def test_the_script_parses_and_rejects_an_unknown_section():
@@ -128,11 +127,14 @@ def write_logs(logs, bench_result, junit):
 def test_summary_shows_failures_figures_and_the_predictions(tmp_path, capsys):
     junit = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
       <testcase classname="tests.test_cuda" name="test_fp16_trains_like_bf16" time="3.2">
-        <properties><property name="figures" value="step 50 loss fp16 2.1 / bf16 2.1 (0.10% apart)"/></properties>
+        <properties>
+          <property name="figures" value="step 50 loss fp16 2.1 / bf16 2.1 (0.10% apart)"/>
+        </properties>
       </testcase>
       <testcase classname="tests.test_cuda" name="test_step_never_waits[bfloat16-False]" time="1.0">
         <properties><property name="figures" value="x = y.item()"/></properties>
-        <failure message="AssertionError: the bfloat16 training step waits | here">traceback</failure>
+        <failure
+          message="AssertionError: the bfloat16 training step waits | here">traceback</failure>
       </testcase></testsuite></testsuites>"""
     result = {
         "tokens_per_sec": 51234.5,
@@ -158,14 +160,15 @@ def test_summary_shows_failures_figures_and_the_predictions(tmp_path, capsys):
     )
     assert "| tests | pytest -m cuda | FAILED (exit 1) | 1 passed, 1 FAILED | 80 |" in out
     assert (
-        "| tests | test_fp16_trains_like_bf16 | passed | step 50 loss fp16 2.1 / bf16 2.1 (0.10% apart) | 3 |"
-        in out
+        "| tests | test_fp16_trains_like_bf16 | passed | step 50 loss fp16 2.1 / bf16 2.1 (0.10% "
+        "apart) | 3 |" in out
     )
     # the pipe escaped
     assert "FAILED: AssertionError: the bfloat16 training step waits \\| here" in out
     assert (
-        "51,234 tok/s, 320 ms/step, MFU 52.0% (65% of the measured bf16 matmul), predicted 288 ms/step (-10%), "
-        "peak 60.0 GiB (planned 58.0 GiB against 59.0 GiB of the step's tensors), first step 41.2 s, profile: matmul 70%, attention 20%, other 10%; device busy 97%"
+        "51,234 tok/s, 320 ms/step, MFU 52.0% (65% of the measured bf16 matmul), predicted 288 "
+        "ms/step (-10%), peak 60.0 GiB (planned 58.0 GiB against 59.0 GiB of the step's tensors), "
+        "first step 41.2 s, profile: matmul 70%, attention 20%, other 10%; device busy 97%"
     ) in out
     assert (
         "| bench | 24 x 1024 | FAILED (exit 1) | torch.OutOfMemoryError: CUDA out of memory." in out
@@ -221,8 +224,7 @@ def test_a_failed_section_fails_the_check_and_the_caption_says_no_gpu(tmp_path):
     assert "no CUDA GPU: this is no GPU check" in proc.stdout and "dry run" not in proc.stdout
 
 
-# --- the GPU path's pieces that run on a CPU
-# -------------------------------------------------------------------
+# --- the GPU path's pieces that run on a CPU ------------------------------------------------------
 
 
 def test_get_batch_pins_and_copies_without_blocking_for_a_cuda_device(tmp_path, monkeypatch):

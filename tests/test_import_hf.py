@@ -48,8 +48,10 @@ SIZES = dict(
     num_attention_heads=4,
     max_position_embeddings=64,
     bos_token_id=None,
+    # (no eos: generate never stops early)
     eos_token_id=None,
-)  # (no eos: generate never stops early)
+)
+# llama3's RoPE scaling: each of its regimes meets some frequency
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 10000.0,
@@ -57,30 +59,25 @@ LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
-}  # each regime meets some frequency
+}
 # name: (config class, its settings, how it is saved). 3 layers: pp=2 splits them 2 + 1; tied models
 # then hold the embedding on stage 0 and its copy as the head on stage 1
 MODELS = {
-    "llama": (
-        "LlamaConfig",
-        dict(num_key_value_heads=2),
-        {},
-    ),  # intermediate 96, not picotron's derived 192
+    # intermediate 96, not picotron's derived 192
+    "llama": ("LlamaConfig", dict(num_key_value_heads=2), {}),
     "llama3": (
         "LlamaConfig",
         dict(num_key_value_heads=1, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
         {},
     ),
+    # q/k/v biases
     "qwen2": (
         "Qwen2Config",
         dict(num_key_value_heads=1, head_dim=32, tie_word_embeddings=True),
         {},
-    ),  # q/k/v biases
-    "qwen3": (
-        "Qwen3Config",
-        dict(num_key_value_heads=2, head_dim=32),
-        {},
-    ),  # 4 heads of 32 in a width of 64
+    ),
+    # 4 heads of 32 in a width of 64
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=32), {}),
     "llama_bf16_sharded": (
         "LlamaConfig",
         dict(num_key_value_heads=2),
@@ -172,7 +169,7 @@ def corpus():
 
 
 def write_tokenizer(folder):
-    """A byte-level BPE trained here on a little text, 300 tokens with <|endoftext|>: no download."""
+    """A byte-level BPE trained here on a little text, 300 tokens and <|endoftext|>: no download."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -193,7 +190,7 @@ def write_tokenizer(folder):
 
 
 def make_hf_model(folder, config_class, overrides, save_kwargs=(), tokenizer=True, seed=0):
-    """A transformers model with every weight random at a scale that keeps activations O(1), saved."""
+    """A transformers model, saved, every weight random at a scale that keeps activations O(1)."""
     import transformers
 
     config = getattr(transformers, config_class)(**{**SIZES, **overrides})

@@ -119,10 +119,11 @@ def with_needs(n, parts):
 
 
 def core_piece(n):
-    """The text of section n lifted: the prologue, the sections it needs and itself, in their order."""
+    """Section n's lifted text: the prologue, the sections it needs and itself, in their order."""
     prologue, parts = sections()
     chosen = with_needs(n, parts)
-    title = f"picotron's parallel.py, sections {', '.join(map(str, chosen))} alone (assembled by tests/test_lift.py)"
+    numbers = ", ".join(map(str, chosen))
+    title = f"picotron's parallel.py, sections {numbers} alone (assembled by tests/test_lift.py)"
     return f'"""{title}."""\n' + prologue + "".join(parts[m] for m in chosen)
 
 
@@ -146,7 +147,7 @@ def unbound_names(source):
 
 
 def foreign_imports(source, allowed=()):
-    """The modules a file imports, anywhere in it, beyond torch, the standard library and `allowed`."""
+    """The modules a file imports anywhere in it beyond torch, the standard library, `allowed`."""
     found = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -158,7 +159,7 @@ def foreign_imports(source, allowed=()):
     )
 
 
-def test_each_section_of_parallel_py_names_the_earlier_sections_it_needs_and_lifts_with_them_alone():
+def test_each_section_of_parallel_py_names_the_earlier_ones_it_needs_and_lifts_with_them_alone():
     _, parts = sections()
     assert sorted(parts) == list(range(1, len(parts) + 1))
     for n, section in parts.items():
@@ -194,7 +195,7 @@ def test_the_import_check_catches_a_lifted_file_that_imports_picotron():
 
 
 def write_lifted(root):
-    """The lifted folders under root, and lift_toys.py beside them; returns {folder: [its files]}."""
+    """The lifted folders under root, and lift_toys.py beside them: {folder: [its files]}."""
     files = {}
     for folder, n in CORE.items():
         (root / folder).mkdir()
@@ -317,8 +318,8 @@ def test_a_mechanism_lifted_alone_equals_one_process_on_two_ranks(measured, toy)
     for rank, on_rank in enumerate(measured):
         for what, (kind, diff) in on_rank[toy].items():
             print(
-                f"equivalence | test_lift {toy} ({TOYS[toy]}/) rank {rank} | {what}: largest relative "
-                f"difference {diff:.2e}, tolerance {TOLERANCE[kind]:.0e}",
+                f"equivalence | test_lift {toy} ({TOYS[toy]}/) rank {rank} | {what}: largest "
+                f"relative difference {diff:.2e}, tolerance {TOLERANCE[kind]:.0e}",
                 flush=True,
             )
             assert diff <= TOLERANCE[kind], (
@@ -397,7 +398,7 @@ def tiny_config():
     return ModelConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_kv_head=2, n_embd=16)
 
 
-def test_a_model_built_on_the_meta_device_holds_nothing_until_materialized_then_init_shares_draws_it():
+def test_a_model_built_on_meta_holds_nothing_until_materialized_then_init_shares_draws_it():
     with torch.device("meta"):
         model = Transformer(tiny_config())
     assert all(p.is_meta for p in model.parameters())
@@ -482,13 +483,8 @@ EXTENSION_FILES = (
     "tensor_parallel.py",
     "fp8.py",
 )
-NOT_HOOKS = {
-    "__init__",
-    "forward",
-    "backward",
-    "apply",
-    "step",
-}  # torch's own protocol, not a hook of ours
+# torch's own protocol, not a hook of ours
+NOT_HOOKS = {"__init__", "forward", "backward", "apply", "step"}
 
 
 def core_classes(source=PARALLEL):
@@ -558,6 +554,7 @@ def extension_hooks(source, core):
             and node.func.attr in core_methods
         ):
             found.add(node.func.attr)  # (super().x(...) and any object's .x(...))
+        # an attribute given an existing value (or a lambda): one value, not a new state
         if isinstance(node, ast.Assign) and isinstance(
             node.value, (ast.Attribute, ast.Name, ast.Lambda)
         ):
@@ -567,7 +564,7 @@ def extension_hooks(source, core):
                 if isinstance(t, ast.Attribute)
                 and t.attr in core_attributes
                 and not (isinstance(t.value, ast.Name) and t.value.id == "self")
-            }  # one value, not a new state
+            }
     return found
 
 

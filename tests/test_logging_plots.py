@@ -263,8 +263,8 @@ def test_a_new_run_moves_an_earlier_run_s_log_aside_and_keeps_it(data_dir, tmp_p
         LINES
     ) and before.read_text() == LINES[0]
     assert (
-        f"log: {earlier} held an earlier run's log (out_dir has no checkpoint to resume): moved it to "
-        f"{tmp_path / 'metrics.2.jsonl'}\n"
+        f"log: {earlier} held an earlier run's log (out_dir has no checkpoint to resume): moved it "
+        f"to {tmp_path / 'metrics.2.jsonl'}\n"
     ) in capsys.readouterr().out
 
 
@@ -305,8 +305,7 @@ def test_plot_names_a_run_without_metrics(tmp_path):
 
 @skip_without("matplotlib")
 def test_a_trace_box_is_labelled_only_where_its_label_fits_inside_it():
-    # one rank's step: long forwards and backwards, and weight gradients a tenth of a forward, as a
-    # CPU's are
+    # one rank's step: long forwards and backwards, weight gradients a tenth of a forward (a CPU's)
     spans, t = [], 0.0
     for i in range(8):
         for op, dur in (("F", 2000.0), ("B", 3000.0), ("W", 200.0)):
@@ -366,8 +365,10 @@ def test_no_optional_package_is_imported_by_picotron_at_start_up():
     from conftest import ROOT
 
     code = (
-        "import sys; import train, model, parallel, checkpoint, configurator, prepare_data, export_hf; "
-        "from tools import plot, make_config, bench; print(sorted(m for m in ('transformers', 'safetensors', 'wandb', 'tensorboard', "
+        "import sys; "
+        "import train, model, parallel, checkpoint, configurator, prepare_data, export_hf; "
+        "from tools import plot, make_config, bench; "
+        "print(sorted(m for m in ('transformers', 'safetensors', 'wandb', 'tensorboard', "
         "'matplotlib', 'flash_attn') if m in sys.modules))"
     )
     proc = subprocess.run(

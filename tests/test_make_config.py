@@ -171,8 +171,8 @@ def test_a_pipeline_states_its_cut_by_cost_or_by_hand_and_warns_when_no_cut_bala
         ]
     )
     assert (
-        "# pipeline: 1f1b, 8 microbatches, cut by cost, blocks per stage 0: 0-5 (47% of the work) | 1: 6-7 (53%)\n"
-        in out.read_text()
+        "# pipeline: 1f1b, 8 microbatches, cut by cost, blocks per stage 0: 0-5 (47% of the work) "
+        "| 1: 6-7 (53%)\n" in out.read_text()
     )
     make_config.main(
         [

@@ -50,12 +50,8 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def matrix_runs(tmp_path_factory, request):
-    """Every case run, and its reference: (errors: {name: each rank's error or None}, out_dir:
-    {name: the case's out_dir}, reference: {name: its reference's out_dir}). Only the cases whose
-    test is selected run (pytest -k pairwise-07), with the runs they resume."""
-    root = tmp_path_factory.mktemp("matrix")
+def selected_cases(request):
+    """The names of the cases whose test is selected, and of the runs they resume."""
     wanted = {
         item.callspec.params["name"]
         for item in request.session.items
@@ -65,6 +61,34 @@ def matrix_runs(tmp_path_factory, request):
         while "resume_from" in matrix.CASES[name]:
             name = matrix.CASES[name]["resume_from"]
             wanted.add(name)
+    return wanted
+
+
+def one_process_references(wanted, data, root):
+    """{case: its reference's out_dir}, each distinct reference run once in this process."""
+    references, reference_of = {}, {}
+    for name, case in matrix.CASES.items():
+        if case["refused"] or name not in wanted:
+            continue
+        values = matrix.reference_values(case)
+        key = tuple(sorted(values.items()))
+        if key not in references:
+            references[key] = str(root / f"reference{len(references)}")
+            error = matrix.run_one(
+                matrix.argv_of(values, data, references[key]), None, references[key] + ".log"
+            )
+            assert error is None, f"the one-process reference of {name} failed: {error}"
+        reference_of[name] = references[key]
+    return reference_of
+
+
+@pytest.fixture(scope="module")
+def matrix_runs(tmp_path_factory, request):
+    """Every case run, and its reference: (errors: {name: each rank's error or None}, out_dir:
+    {name: the case's out_dir}, reference: {name: its reference's out_dir}). Only the cases whose
+    test is selected run (pytest -k pairwise-07), with the runs they resume."""
+    root = tmp_path_factory.mktemp("matrix")
+    wanted = selected_cases(request)
     data = matrix.make_matrix_data(str(root / "data"))
     out_dir = {name: str(root / name) for name in matrix.CASES}
 
@@ -97,22 +121,10 @@ def matrix_runs(tmp_path_factory, request):
         for name in by_world.get(1, []):
             _, argv, copy_from, log = job(name)
             errors[name] = [matrix.run_one(argv, copy_from, log.format(rank=0))]
-        references, reference_of = {}, {}
-        for name, case in matrix.CASES.items():
-            if case["refused"] or name not in wanted:
-                continue
-            values = matrix.reference_values(case)
-            key = tuple(sorted(values.items()))
-            if key not in references:
-                references[key] = str(root / f"reference{len(references)}")
-                error = matrix.run_one(
-                    matrix.argv_of(values, data, references[key]), None, references[key] + ".log"
-                )
-                assert error is None, f"the one-process reference of {name} failed: {error}"
-            reference_of[name] = references[key]
+        reference_of = one_process_references(wanted, data, root)
     timings.append(
-        f"{len(references)} references and {len(by_world.get(1, []))} one-process cases here in "
-        f"{time.time() - began:.0f} s"
+        f"{len(set(reference_of.values()))} references and {len(by_world.get(1, []))} "
+        f"one-process cases here in {time.time() - began:.0f} s"
     )
     seconds = time.time() - start
     slowest = sorted(seconds_of, key=seconds_of.get, reverse=True)[:5]

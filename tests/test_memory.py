@@ -234,7 +234,7 @@ def _bench(rank, world_size, argv):
 
 
 def memory_rows(base, argv, nproc):
-    """Every rank's planned and measured peak from tools/bench.py's RESULT line (rank 0 prints it)."""
+    """Every rank's planned and measured peak, from tools/bench.py's RESULT line (rank 0's)."""
     stdout = run_ranks(_bench, nproc, base + argv)[0]
     line = [x for x in stdout.splitlines() if x.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT ") :])["memory"]
@@ -249,9 +249,9 @@ def report(name, rows):
     for r in rows:
         parts = " ".join(f"{k} {v / 2**20:.2f}" for k, v in r["planned"].items())
         lines.append(
-            f"{name:30s} rank {r['rank']} (dp {r['dp_rank']} tp {r['tp_rank']} pp {r['pp_rank']}): predicted "
-            f"{r['predicted_bytes'] / 2**20:8.2f} MiB, measured {r['measured_bytes'] / 2**20:8.2f} MiB, "
-            f"error {relative_error(r):+.1%} | {parts}"
+            f"{name:30s} rank {r['rank']} (dp {r['dp_rank']} tp {r['tp_rank']} pp {r['pp_rank']}): "
+            f"predicted {r['predicted_bytes'] / 2**20:8.2f} MiB, measured "
+            f"{r['measured_bytes'] / 2**20:8.2f} MiB, error {relative_error(r):+.1%} | {parts}"
         )
     return "\n".join(lines)
 
@@ -521,7 +521,10 @@ def _first_step_memory(rank, world_size, cases, data_dir, out_dir):
             cfg, layout, parts, micro, train.get_lr(0, cfg), step=1
         )
         measured = metrics.measure_step_memory(step, run.dev)
-        where = f"rank {rank} (dp {layout.dp_rank} cp {layout.cp_rank} tp {layout.tp_rank} pp {layout.pp_rank})"
+        where = (
+            f"rank {rank} (dp {layout.dp_rank} cp {layout.cp_rank} tp {layout.tp_rank} "
+            f"pp {layout.pp_rank})"
+        )
         found[name] = (plan[layout.pp_rank]["peak"], measured, where)
         # (a cycle the garbage collector does not see: see below)
         for hook in parts.grad_sync.hooks.values():
@@ -578,6 +581,32 @@ STATE_MODEL = dict(
 )
 
 
+def _live_bytes_by_owner(parts):
+    """The nbytes of every live tensor storage on this rank (views counted once), sorted by what
+    holds it: {"parameters", "gradients", "optimizer", "other": bytes}."""
+    import torch
+    from metrics import LiveTensorBytes
+
+    def key(t):
+        return t.untyped_storage()._cdata  # the storage itself, whichever view holds it
+
+    sync = parts.grad_sync
+    params = [p for p in parts.model.parameters()] + [
+        u.param_shard for u in getattr(sync, "unit", {}).values()
+    ]
+    grads = [p.grad for p in parts.model.parameters() if p.grad is not None] + [
+        t for b in sync.buckets for t in (b.flat, getattr(b, "grad_shard", None)) if t is not None
+    ]
+    state = [t for s in parts.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    owner = {}
+    for part, tensors in (("optimizer", state), ("gradients", grads), ("parameters", params)):
+        owner.update({key(t): part for t in tensors})
+    sizes = {"parameters": 0, "gradients": 0, "optimizer": 0, "other": 0}
+    for storage in LiveTensorBytes().live.keys():
+        sizes[owner.get(storage._cdata, "other")] += storage.nbytes()
+    return sizes
+
+
 def _state_bytes_of_each_zero_stage(rank, world_size):
     """Each ZeRO stage built and stepped in turn; on the second step, just before the optimizer
     steps (the gradients reduced, the moments alive since the first step, the activations gone),
@@ -589,32 +618,6 @@ def _state_bytes_of_each_zero_stage(rank, world_size):
     import gc
 
     import torch
-    from metrics import LiveTensorBytes
-
-    def key(t):
-        return t.untyped_storage()._cdata  # the storage itself, whichever view holds it
-
-    def measure(parts):
-        sync = parts.grad_sync
-        params = [p for p in parts.model.parameters()] + [
-            u.param_shard for u in getattr(sync, "unit", {}).values()
-        ]
-        grads = [p.grad for p in parts.model.parameters() if p.grad is not None] + [
-            t
-            for b in sync.buckets
-            for t in (b.flat, getattr(b, "grad_shard", None))
-            if t is not None
-        ]
-        state = [
-            t for s in parts.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
-        ]
-        owner = {}
-        for part, tensors in (("optimizer", state), ("gradients", grads), ("parameters", params)):
-            owner.update({key(t): part for t in tensors})
-        sizes = {"parameters": 0, "gradients": 0, "optimizer": 0, "other": 0}
-        for storage in LiveTensorBytes().live.keys():
-            sizes[owner.get(storage._cdata, "other")] += storage.nbytes()
-        return sizes
 
     found, allowance = {}, {}
     g = torch.Generator().manual_seed(rank)
@@ -623,10 +626,9 @@ def _state_bytes_of_each_zero_stage(rank, world_size):
         micro = _random_microbatches(cfg, g)
         step = parts.optimizer.step
 
-        def measure_then_step(
-            *args, parts=parts, step=step, **kwargs
-        ):  # (bound now: deleted below)
-            found.setdefault(stage, []).append(measure(parts))
+        # (bound now: deleted below)
+        def measure_then_step(*args, parts=parts, step=step, **kwargs):
+            found.setdefault(stage, []).append(_live_bytes_by_owner(parts))
             return step(*args, **kwargs)
 
         parts.optimizer.step = measure_then_step
@@ -640,9 +642,10 @@ def _state_bytes_of_each_zero_stage(rank, world_size):
             )
             padding = sum(b.shard_size * world_size - b.numel for b in buckets) * 4
             allowance = {"root": root, "padding": padding}
-        # the gradient hooks hold the parameters in a cycle that
+        # the gradient hooks hold the parameters in a cycle that the garbage collector does not
+        # see: let this stage go
         for hook in parts.grad_sync.hooks.values():
-            hook.remove()  # the garbage collector does not see: let this stage go
+            hook.remove()
         del parts, step, measure_then_step
         gc.collect()
     return found, allowance

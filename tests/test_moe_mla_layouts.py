@@ -64,8 +64,9 @@ MOE_MLA = [
     "--learning_rate=3e-3",
     # tiny buckets, many of them: they fill in another order on each replica (parallel.py section 4)
     "--bucket_size_mb=0.01",
+    # skips timing a CPU matmul on each rank at start-up
     "--peak_flops=1e12",
-]  # skips timing a CPU matmul on each rank at start-up
+]
 ONE_PROCESS = ["--gradient_accumulation_steps=4"]
 PER_REPLICA_AT_DP2 = ["--gradient_accumulation_steps=2"]
 
@@ -99,10 +100,8 @@ def idle_experts(state):
 LAYOUTS = {  # name: (settings, the layout train.py must print)
     "dp2_zero0": (PER_REPLICA_AT_DP2 + ["--zero_stage=0"], "dp=2 x tp=1 x pp=1"),
     "dp2_zero1": (PER_REPLICA_AT_DP2 + ["--zero_stage=1"], "dp=2 x tp=1 x pp=1"),
-    "dp2_zero3": (
-        PER_REPLICA_AT_DP2 + ["--zero_stage=3"],
-        "dp=2 x tp=1 x pp=1",
-    ),  # every block gathered, idle experts too
+    # every block gathered, idle experts too
+    "dp2_zero3": (PER_REPLICA_AT_DP2 + ["--zero_stage=3"], "dp=2 x tp=1 x pp=1"),
     "pp2": (ONE_PROCESS + ["--pp=2"], "dp=1 x tp=1 x pp=2"),
 }
 

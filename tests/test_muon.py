@@ -241,8 +241,9 @@ TINY = [
     "--decay_shape=1-sqrt",
     # tiny buckets: several per step, so ZeRO-1 deals the matrices into several whole buckets
     "--bucket_size_mb=0.01",
+    # skips timing a CPU matmul on each rank at start-up
     "--peak_flops=1e12",
-]  # skips timing a CPU matmul on each rank at start-up
+]
 ONE_REPLICA, TWO_REPLICAS = ["--batch_size=4"], ["--batch_size=2"]
 
 

@@ -111,10 +111,10 @@ def test_zero_bubble_timeline_puts_the_weight_gradients_in_1f1b_idle_slots():
 
 def test_interleaved_timeline_takes_each_group_of_pp_microbatches_round_the_ring_per_chunk():
     assert grid(schedule_timeline("interleaved_1f1b", pp=2, m=4, chunks=2), chunks=2) == [
-        "F0.0 F1.0 F0.1 F1.1 . . B0.1 B0.1 F2.0 B1.1 B1.1 F3.0 B0.0 B0.0 F2.1 B1.0 B1.0 F3.1 B2.1 B2.1 . B3.1 B3.1 "
-        "B2.0 B2.0 B3.0 B3.0",
-        ". F0.0 F1.0 F0.1 B0.1 B0.1 F1.1 B1.1 B1.1 F2.0 B0.0 B0.0 F3.0 B1.0 B1.0 F2.1 B2.1 B2.1 F3.1 B3.1 B3.1 "
-        "B2.0 B2.0 B3.0 B3.0 . .",
+        "F0.0 F1.0 F0.1 F1.1 . . B0.1 B0.1 F2.0 B1.1 B1.1 F3.0 B0.0 B0.0 F2.1 B1.0 B1.0 F3.1 B2.1 "
+        "B2.1 . B3.1 B3.1 B2.0 B2.0 B3.0 B3.0",
+        ". F0.0 F1.0 F0.1 B0.1 B0.1 F1.1 B1.1 B1.1 F2.0 B0.0 B0.0 F3.0 B1.0 B1.0 F2.1 B2.1 B2.1 "
+        "F3.1 B3.1 B3.1 B2.0 B2.0 B3.0 B3.0 . .",
     ]
 
 
@@ -126,7 +126,7 @@ def allowed(schedule, pp, m, chunks):
         return False
 
 
-def test_every_schedule_runs_each_action_once_in_order_without_deadlock_and_with_the_papers_bubble():
+def test_every_schedule_runs_each_action_once_in_order_without_deadlock_with_the_papers_bubble():
     """pp 2..8, m 1..16, chunks 1..4 wherever check_schedule allows them: every rank's list holds
     one F and one B (and one W when split) per microbatch and chunk, F before B before W; the
     simulator, which models the executor's first-in first-out channels, places every action (else it
@@ -209,12 +209,12 @@ def test_the_simulator_fails_a_list_that_would_hang_or_mix_up_messages():
 def test_printed_timeline_shows_grid_and_bubble():
     text = format_timeline("1f1b", pp=4, m=8)
     assert (
-        "rank 0 | F0 F1 F2 F3 .. .. .. .. .. .. B0 -- F4 B1 -- F5 B2 -- F6 B3 -- F7 B4 -- .. B5 -- .. B6 -- .. B7 --"
-        in text
+        "rank 0 | F0 F1 F2 F3 .. .. .. .. .. .. B0 -- F4 B1 -- F5 B2 -- F6 B3 -- F7 B4 -- .. B5 -- "
+        ".. B6 -- .. B7 --" in text
     )
     assert (
-        "bubble: 27.3% of the slots idle (measured on this timeline); theory (pp - 1) / (m + pp - 1) = 3/11 = 27.3%"
-        in text
+        "bubble: 27.3% of the slots idle (measured on this timeline); "
+        "theory (pp - 1) / (m + pp - 1) = 3/11 = 27.3%" in text
     )
     assert "rank 0: 4, rank 1: 3, rank 2: 2, rank 3: 1" in text
 
@@ -239,8 +239,8 @@ def test_timeline_py_prints_the_interleaved_timeline_from_the_command_line():
         check=True,
     ).stdout
     assert (
-        "15.8% of the slots idle (measured on this timeline); theory (pp - 1) / (v m + pp - 1) = 3/19 = 15.8%"
-        in out
+        "15.8% of the slots idle (measured on this timeline); "
+        "theory (pp - 1) / (v m + pp - 1) = 3/19 = 15.8%" in out
     )
     # every slot names its chunk
     assert out.count("\nrank ") == 4 and "F0.0" in out and "B7.1" in out
@@ -252,17 +252,20 @@ def test_timeline_py_prints_the_interleaved_timeline_from_the_command_line():
         (
             "1f1b",
             None,
-            "27.3% of the slots idle (measured on this timeline); theory (pp - 1) / (m + pp - 1) = 3/11 = 27.3%",
+            "27.3% of the slots idle (measured on this timeline); "
+            "theory (pp - 1) / (m + pp - 1) = 3/11 = 27.3%",
         ),
         (
             "interleaved_1f1b",
             4,
-            "8.6% of the slots idle (measured on this timeline); theory (pp - 1) / (v m + pp - 1) = 3/35",
+            "8.6% of the slots idle (measured on this timeline); "
+            "theory (pp - 1) / (v m + pp - 1) = 3/35",
         ),
         (
             "zero_bubble",
             None,
-            "11.1% of the slots idle (measured on this timeline); theory (pp - 1) / (3 m + pp - 1) = 3/27",
+            "11.1% of the slots idle (measured on this timeline); "
+            "theory (pp - 1) / (3 m + pp - 1) = 3/27",
         ),
         ("zbv", 2, "5.9% of the slots idle (measured on this timeline); theory none in the paper"),
     ],
@@ -431,7 +434,7 @@ def test_chunks_compute_the_whole_model_auxiliary_losses_included(variant):
 
 
 def every_cut(n_blocks, n_stages):
-    """Every way of cutting n_blocks into n_stages runs of at least one block, as blocks per stage."""
+    """Every cut of n_blocks into n_stages runs of at least one block, as blocks per stage."""
     for bounds in itertools.combinations(range(1, n_blocks), n_stages - 1):
         yield tuple(b - a for a, b in zip((0, *bounds), (*bounds, n_blocks)))
 
@@ -448,20 +451,10 @@ def stage_costs(block_costs, sizes, first, last):
     "block_costs, n_stages, first, last, cut",
     [
         ([1] * 8, 2, 0, 4.8, (6, 2)),  # issue 28's shape: the head and loss are worth 4.8 blocks
-        (
-            [1] * 12,
-            4,
-            0,
-            4.5,
-            (3, 4, 4, 1),
-        ),  # GPT-2 small at pp=4: the head's stage sets the limit, the rest even
-        (
-            [1] * 8,
-            3,
-            0,
-            0,
-            (2, 3, 3),
-        ),  # no head: as even as blocks go, the first stage lighter on a tie
+        # GPT-2 small at pp=4: the head's stage sets the limit, the rest even
+        ([1] * 12, 4, 0, 4.5, (3, 4, 4, 1)),
+        # no head: as even as blocks go, the first stage lighter on a tie
+        ([1] * 8, 3, 0, 0, (2, 3, 3)),
         ([1] * 4, 2, 2, 0, (1, 3)),  # an embedding worth two blocks
         ([1, 2, 3, 4, 5, 6, 7, 8, 9], 3, 0, 0, (5, 2, 2)),
         ([5], 1, 1, 1, (1,)),
@@ -540,8 +533,8 @@ def test_the_start_up_line_gives_each_ranks_blocks_and_share_and_says_when_no_cu
     )
     assert "0: 0-2 (11% of the work) | 1: 3 (89%)" in line
     assert (
-        "the head and the loss alone are 86% of the model's work, so the rank that holds them does at least "
-        "89%"
+        "the head and the loss alone are 86% of the model's work, so the rank that holds them does "
+        "at least 89%"
     ) in line
     assert "the least busy rank is idle about 88% of each step" in line
     assert "split the model with tp (which splits the head too) or dp rather than pp" in line
@@ -550,8 +543,8 @@ def test_the_start_up_line_gives_each_ranks_blocks_and_share_and_says_when_no_cu
         "interleaved_1f1b", 2, 8, 2, build.stage_cut(ISSUE_SHAPE, "interleaved_1f1b", 2, 2), costs
     )
     assert (
-        "no cut of the blocks brings every model stage within 115% of an even share of the work (25%)"
-        in line
+        "no cut of the blocks brings every model stage within 115% of an even share of the work "
+        "(25%)" in line
     )
     assert line.endswith("or use fewer chunks")
 
@@ -659,6 +652,26 @@ class ToldReducer:
         pass
 
 
+def _sum_tied_grads(model, layout, schedule, v):
+    """Sum the tied embedding's and head's gradients between the ranks that hold the first and
+    the last stage."""
+    holders = [
+        p
+        for p in range(layout.pp)
+        for s in virtual_stages(schedule, layout.pp, p, v)
+        if s in (0, layout.pp * v - 1)
+    ]
+    group = tied_weight_group(layout, holders)
+    held = (
+        [model.tok_emb.weight]
+        if model.tok_emb is not None
+        else [model.lm_head.weight]
+        if model.lm_head is not None
+        else []
+    )
+    sync_tied_grads(held, group)
+
+
 def _stage_step(layout, schedule, m, chunks=1, aux=False, cfg=CFG, checkpointing=False):
     """One step of this rank's chunks; returns its loss part, full grads by (original) name, peak
     activation bytes and the set_grad_sync calls."""
@@ -695,21 +708,7 @@ def _stage_step(layout, schedule, m, chunks=1, aux=False, cfg=CFG, checkpointing
             trace=memory,
         ).run(actions)
     syncs, ready = told.syncs, told.ready
-    holders = [
-        p
-        for p in range(layout.pp)
-        for s in virtual_stages(schedule, layout.pp, p, v)
-        if s in (0, layout.pp * v - 1)
-    ]
-    group = tied_weight_group(layout, holders)
-    held = (
-        [model.tok_emb.weight]
-        if model.tok_emb is not None
-        else [model.lm_head.weight]
-        if model.lm_head is not None
-        else []
-    )
-    sync_tied_grads(held, group)
+    _sum_tied_grads(model, layout, schedule, v)
     # numpy: torch tensors would cross the result queue as shared memory, gone once the worker exits
     originals = model.tied_copies()
     grads = {
@@ -770,7 +769,7 @@ def step_batches(cfg, layout, step):
 
 
 def whole_grads(grad_sync):
-    """ZeRO-2/3: {parameter: its mean gradient}, all-gathered from the owned shards of the buckets."""
+    """ZeRO-2/3: {parameter: its mean gradient}, all-gathered from the buckets' owned shards."""
     out = {}
     for b in grad_sync.buckets:
         flat = torch.empty(b.shard_size * b.world)
@@ -824,6 +823,30 @@ class AfterEachAction:
             )
 
 
+def _logged_steps(cfg, layout, parts, seen, gathers):
+    """STEPS steps of train.train_step: the logged loss and grad norm of each. The last step, under
+    ZeRO-2/3, is traced by `seen` and appends to `gathers` once per all-gather (ZeRO-3 gathers
+    units with it)."""
+    all_gather = zero_stages._all_gather_single
+    records = []
+    for step in range(STEPS):
+        last = step == STEPS - 1 and cfg.zero_stage >= 2
+        if last:
+            zero_stages._all_gather_single = lambda *a, **k: (
+                gathers.append(1),
+                all_gather(*a, **k),
+            )[1]
+        try:
+            batches, lr = step_batches(cfg, layout, step), train.get_lr(step, cfg)
+            trace = seen if last else None
+            loss, norm = train.train_step(cfg, layout, parts, batches, lr, trace=trace)
+        finally:
+            zero_stages._all_gather_single = all_gather
+        loss = train.mean_across_ranks(loss, layout).item()
+        records.append({"step": step + 1, "loss": loss, "grad_norm": norm.item()})
+    return records
+
+
 def train_steps(**overrides):
     """STEPS optimizer steps of train.py's own build and train_step at a layout (world of this
     process): the logged loss and grad norm of each, the gradients the first step's AdamW used, the
@@ -837,9 +860,8 @@ def train_steps(**overrides):
     layout, zero = run.layout, cfg.zero_stage
     captured, launched, gathers = {}, [], []
 
-    def capture(
-        *_,
-    ):  # the gradients AdamW steps with, first step only (a collective: every rank runs it)
+    # the gradients AdamW steps with, first step only (a collective: every rank runs it)
+    def capture(*_):
         if "grads" not in captured:
             captured["grads"] = full_tensors(parts.model, layout, "grads", zero, parts.optimizer)
 
@@ -848,34 +870,8 @@ def train_steps(**overrides):
     if parts.grad_sync is not None:
         finish = parts.grad_sync.finish
         parts.grad_sync.finish = lambda: (launched.append(parts.grad_sync.launched), finish())[1]
-    # counted in the last step (ZeRO-3 gathers units with it)
-    all_gather = zero_stages._all_gather_single
-    records, seen = [], AfterEachAction(parts)
-    for step in range(STEPS):
-        last = step == STEPS - 1 and zero >= 2
-        if last:
-            zero_stages._all_gather_single = lambda *a, **k: (
-                gathers.append(1),
-                all_gather(*a, **k),
-            )[1]
-        try:
-            loss, norm = train.train_step(
-                cfg,
-                layout,
-                parts,
-                step_batches(cfg, layout, step),
-                train.get_lr(step, cfg),
-                trace=seen if last else None,
-            )
-        finally:
-            zero_stages._all_gather_single = all_gather
-        records.append(
-            {
-                "step": step + 1,
-                "loss": train.mean_across_ranks(loss, layout).item(),
-                "grad_norm": norm.item(),
-            }
-        )
+    seen = AfterEachAction(parts)
+    records = _logged_steps(cfg, layout, parts, seen, gathers)
     grad_sync = parts.grad_sync
     if grad_sync is not None:  # ZeRO-1/2: the last step's gathers land before the weights are read
         parallel.wait_for_params(grad_sync.buckets)
@@ -1003,8 +999,8 @@ def assert_grads_match(results, ref_grads, rtol=1e-5, atol=1e-6):
     assert seen == set(ref_grads)  # every parameter is on some stage
     test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
     print(
-        f"equivalence | {test} | gradients: the worst element uses {worst[0]:.2e} of |a-b| <= {atol:.0e} + "
-        f"{rtol:.0e}|b| ({worst[1]})",
+        f"equivalence | {test} | gradients: the worst element uses {worst[0]:.2e} of |a-b| <= "
+        f"{atol:.0e} + {rtol:.0e}|b| ({worst[1]})",
         flush=True,
     )
 
@@ -1325,8 +1321,9 @@ TRAIN_ARGS = [
     "--lr_decay_iters=8",
     "--learning_rate=1e-2",
     "--keep_last_n=0",
+    # skips timing a CPU matmul on each rank at start-up
     "--peak_flops=1e12",
-]  # skips timing a CPU matmul on each rank at start-up
+]
 
 
 @pytest.fixture(scope="module")
@@ -1358,11 +1355,8 @@ RESUMES = {  # name: (the run whose step-2 checkpoint it resumes, its layout, pr
         ["--pp=2", "--pp_schedule=zero_bubble", "--pp_chunks=1", "--pp_layers=5,1"],
         2,
     ),
-    "one_process_to_zbv": (
-        "one process",
-        ["--pp=2", "--pp_schedule=zbv", "--pp_chunks=2"],
-        2,
-    ),  # one chunk -> a V
+    # one chunk -> a V
+    "one_process_to_zbv": ("one process", ["--pp=2", "--pp_schedule=zbv", "--pp_chunks=2"], 2),
 }
 
 
@@ -1427,8 +1421,8 @@ def test_train_py_pipelined_matches_one_process(reference_run, interleaved_run):
     assert val(records) == pytest.approx(val(ref), rel=1e-5) and val(ref)
     # the cut by cost, printed: rank 1 has the head and the loss
     assert (
-        "cut by cost, blocks per rank (chunk by chunk) 0: 0, 3-4 (46% of the work) | 1: 1-2, 5 (54%)"
-        in stdout
+        "cut by cost, blocks per rank (chunk by chunk) 0: 0, 3-4 (46% of the work) | 1: 1-2, 5 "
+        "(54%)" in stdout
     )
 
 
@@ -1562,7 +1556,7 @@ def test_train_py_refuses_a_schedule_that_cannot_run_in_one_line(data_dir, tmp_p
             ]
         )
     assert exit.value.code == (
-        "error: pp_schedule='interleaved_1f1b' needs gradient_accumulation_steps (the microbatches, 3) to be a "
-        "multiple of pp = 2: they go round the ring of ranks in groups of pp (Megatron-LM's rule); use 2 or 4, "
-        "adjusting batch_size to keep the batch"
+        "error: pp_schedule='interleaved_1f1b' needs gradient_accumulation_steps (the "
+        "microbatches, 3) to be a multiple of pp = 2: they go round the ring of ranks in groups of "
+        "pp (Megatron-LM's rule); use 2 or 4, adjusting batch_size to keep the batch"
     )

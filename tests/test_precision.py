@@ -150,8 +150,9 @@ def test_bf16_autocast_trains_through_train_py_close_to_fp32(tmp_path, capsys):
         "--checkpoint_interval=0",
         "--warmup_iters=2",
         "--learning_rate=3e-3",
+        # a given peak: measuring bf16 matmuls on a CPU without bf16 kernels is slow
         "--peak_flops=1e12",
-    ]  # a given peak: measuring bf16 matmuls on a CPU without bf16 kernels is slow
+    ]
     runs = {
         dtype: train_in_process(argv + [f"--out_dir={tmp_path / dtype}", f"--dtype={dtype}"])
         for dtype in ("float32", "bfloat16")
@@ -168,10 +169,12 @@ def test_bf16_autocast_trains_through_train_py_close_to_fp32(tmp_path, capsys):
         assert len(bf16) == len(fp32) > 0 and all(math.isfinite(v) for v in bf16), (key, bf16)
         worst = max(abs(b - a) / abs(a) for a, b in zip(fp32, bf16))
         print(
-            f"precision | bf16 against fp32 | {key}: largest relative difference {worst:.2e}, bound {rtol:.0e}"
+            f"precision | bf16 against fp32 | {key}: largest relative difference {worst:.2e}, "
+            f"bound {rtol:.0e}"
         )
         assert worst <= rtol, (
-            f"bf16 {key} differs from fp32 by {worst:.2e} relative (bound {rtol:.0e}): {bf16} {fp32}"
+            f"bf16 {key} differs from fp32 by {worst:.2e} relative (bound {rtol:.0e}): {bf16} "
+            f"{fp32}"
         )
         assert bf16 != fp32, f"bf16 {key} is fp32's exactly: autocast did not run in bf16"
     fp32_losses = [r["loss"] for r in runs["float32"] if "loss" in r]

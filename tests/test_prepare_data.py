@@ -169,8 +169,7 @@ def test_val_split_is_about_val_fraction_and_never_empty(tmp_path):
         num_proc=1,
     )
     assert 150 < read_out(tmp_path / "many")[0]["val_docs"] < 250
-    # two documents at the default fraction: one each, so train.py always has something to evaluate
-    # on
+    # two documents at the default fraction: one each, so train.py always has one to evaluate on
     prepare_data.prepare(
         str(write_jsonl(tmp_path / "two.jsonl", ["a", "b"])), str(tmp_path / "two"), num_proc=1
     )
@@ -341,8 +340,8 @@ def test_help_gives_every_default_out_dir_included(capsys):
         prepare_data.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
     assert (
-        "written, replacing those there (default data/fineweb_edu, the data_dir of config/tiny_fineweb.py)"
-        in text
+        "written, replacing those there (default data/fineweb_edu, the data_dir of "
+        "config/tiny_fineweb.py)" in text
     )
     for default in (
         "default HuggingFaceFW/fineweb-edu",
@@ -366,8 +365,8 @@ def test_local_files_without_out_dir_say_they_go_to_the_default_and_where_they_w
     prepare_data.main([f"--dataset={src}", "--num_proc=1"])
     out = capsys.readouterr().out
     assert out.startswith(
-        "no --out_dir given: writing to data/fineweb_edu, the default, which config/tiny_fineweb.py "
-        "reads (pass --out_dir=DIR to write elsewhere)\n"
+        "no --out_dir given: writing to data/fineweb_edu, the default, which "
+        "config/tiny_fineweb.py reads (pass --out_dir=DIR to write elsewhere)\n"
     )
     assert "documents to data/fineweb_edu in" in out
     assert out.endswith(
@@ -405,10 +404,11 @@ def test_missing_file_glob_or_directory_is_named(tmp_path):
 
 
 @needs_gpt2
+# (a .txt once made a 1-token bin)
 @pytest.mark.parametrize(
     "name,text",
     [("empty.jsonl", ""), ("blank.jsonl", "\n\n"), ("empty.txt", ""), ("blank.txt", "\n  \n")],
-)  # (a .txt once made a 1-token bin)
+)
 def test_an_empty_or_blank_file_is_an_error_not_empty_bins(tmp_path, name, text):
     (tmp_path / name).write_text(text)
     message = main_error(
@@ -482,8 +482,7 @@ def test_binary_file_given_as_txt_is_named(tmp_path):
 
 @needs_gpt2
 def test_wrong_text_field_names_the_file_and_its_columns(tmp_path):
-    # the second file of a directory: each file is read on its own, so the error can say which one
-    # it is
+    # the second file of a directory: each file is read on its own, so the error names the one
     (tmp_path / "corpus").mkdir()
     write_jsonl(tmp_path / "corpus" / "a.jsonl", DOCS)
     write_jsonl(tmp_path / "corpus" / "b.jsonl", DOCS, field="content")

@@ -7,7 +7,8 @@ run_ranks call per tp does every check and returns the errors; the tests below e
 behaviour from it. train.py at tp = 2 (training steps, the evaluation, the final weights) against
 one process: the equivalence matrix (tests/matrix.py).
 
-    PYTHONPATH=. python tests/test_tensor_parallel.py --measure    tokens/s and TP bytes per step at tp = 1, 2, 4
+    PYTHONPATH=. python tests/test_tensor_parallel.py --measure
+        tokens/s and TP bytes per step at tp = 1, 2, 4
 """
 
 import os
@@ -47,9 +48,8 @@ MODEL_CONFIGS = {
     # tp=2 splits the 2 key/value heads, tp=4 replicates them; vocab 520 pads to 576 / 640 / 768 at
     # tp = 1 / 2 / 4, and at tp=4 the last rank holds nothing but padding
     "gqa_padded_vocab": dict(n_kv_head=2, vocab_size=520),
-    "mqa_untied": dict(
-        n_kv_head=1, tie_embeddings=False
-    ),  # one key/value head, replicated on every rank
+    # one key/value head, replicated on every rank
+    "mqa_untied": dict(n_kv_head=1, tie_embeddings=False),
 }
 
 
@@ -377,9 +377,9 @@ def test_tp_model_logits_loss_and_every_gradient_equal_one_process(tp_results, c
         worst = max(r["grads"], key=r["grads"].get)
         assert r["grads"][worst] < TOL, (worst, r["grads"][worst])
         print(
-            f"equivalence | tp={len(tp_results)} {config} | logits {r['logits']:.2e}, loss {r['loss']:.2e}, "
-            f"gradients {r['grads'][worst]:.2e} ({worst}): max |tp - one process| / max |one process|, "
-            f"tolerance {TOL:.0e}"
+            f"equivalence | tp={len(tp_results)} {config} | logits {r['logits']:.2e}, "
+            f"loss {r['loss']:.2e}, gradients {r['grads'][worst]:.2e} ({worst}): "
+            f"max |tp - one process| / max |one process|, tolerance {TOL:.0e}"
         )
 
 
@@ -447,8 +447,8 @@ def test_train_py_stops_with_a_clean_error_when_tp_does_not_divide_the_heads(tmp
 
 # -----------------------------------------------------------------------------
 # Measurement, not a test:  PYTHONPATH=. python tests/test_tensor_parallel.py --measure
-# tokens/s of train.py at tp = 1, 2, 4, and the bytes each rank puts into tensor-parallel collectives per
-# step (count_tp_bytes) against the analytic count, at the size of config/tiny_fineweb.py.
+# tokens/s of train.py at tp = 1, 2, 4, and the bytes each rank puts into tensor-parallel
+# collectives per step (count_tp_bytes) against the analytic count, at tiny_fineweb.py's size.
 
 BENCH = dict(n_layer=4, n_head=4, n_kv_head=4, n_embd=128, block_size=256, vocab_size=50257)
 BENCH_BATCH = 8
@@ -524,18 +524,20 @@ def measure(steps=8, log_interval=2):
             # the first interval warms up
             rates = sorted(r["tokens_per_sec"] for r in records[1:] if "tokens_per_sec" in r)
             ms = sorted(r["ms_per_step"] for r in records[1:] if "ms_per_step" in r)
+            rate, step_ms = rates[len(rates) // 2], ms[len(ms) // 2]
             print(
-                f"tp={tp} ({tp} process(es) x {threads} thread(s)): {rates[len(rates) // 2]:,.0f} tokens/s, "
-                f"{ms[len(ms) // 2]:.0f} ms/step (median of {len(rates)} intervals of {log_interval} steps; "
+                f"tp={tp} ({tp} process(es) x {threads} thread(s)): {rate:,.0f} tokens/s, "
+                f"{step_ms:.0f} ms/step (median of {len(rates)} intervals of {log_interval} steps; "
                 f"load average after: {os.getloadavg()[0]:.1f})",
                 flush=True,
             )
     for tp in (1, 2, 4):
         per_rank = run_ranks(time_steps, tp, BENCH, BENCH_BATCH, 4)
         wall, cpu = max(w for w, _ in per_rank), max(c for _, c in per_rank)
+        tokens = BENCH_BATCH * BENCH["block_size"]
         print(
-            f"tp={tp} in-process steps: wall {wall * 1e3:.0f} ms/step ({BENCH_BATCH * BENCH['block_size'] / wall:,.0f} "
-            f"tokens/s); CPU per rank {cpu * 1e3:.0f} ms/step (slowest rank; {BENCH_BATCH * BENCH['block_size'] / cpu:,.0f} "
+            f"tp={tp} in-process steps: wall {wall * 1e3:.0f} ms/step ({tokens / wall:,.0f} "
+            f"tokens/s); CPU per rank {cpu * 1e3:.0f} ms/step (slowest rank; {tokens / cpu:,.0f} "
             f"tokens/s if each rank had its own core; load average {os.getloadavg()[0]:.1f})",
             flush=True,
         )
@@ -546,10 +548,10 @@ def measure(steps=8, log_interval=2):
             expected = analytic_tp_bytes(cfg, BENCH_BATCH, tp)
             # a ring all-reduce sends 2(p-1)/p of its buffer
             wire = 2 * (tp - 1) / tp * counted.get("all_reduce", 0)
+            verdict = "equal" if counted.get("all_reduce") == expected else "DIFFERENT"
             print(
-                f"{name} tp={tp}: counted {counted} bytes per rank per step, analytic all_reduce {expected:,} "
-                f"({'equal' if counted.get('all_reduce') == expected else 'DIFFERENT'}); ring all-reduce sends "
-                f"{wire / 1e6:.1f} MB per rank",
+                f"{name} tp={tp}: counted {counted} bytes per rank per step, analytic all_reduce "
+                f"{expected:,} ({verdict}); ring all-reduce sends {wire / 1e6:.1f} MB per rank",
                 flush=True,
             )
 
@@ -557,6 +559,7 @@ def measure(steps=8, log_interval=2):
 if __name__ == "__main__":
     if sys.argv[1:] != ["--measure"]:
         sys.exit(
-            "usage: PYTHONPATH=. python tests/test_tensor_parallel.py --measure   (the tests run under pytest)"
+            "usage: PYTHONPATH=. python tests/test_tensor_parallel.py --measure   "
+            "(the tests run under pytest)"
         )
     measure()

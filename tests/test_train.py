@@ -50,8 +50,7 @@ def tiny_model(attn_impl="sdpa", **kw):
     return model
 
 
-# --- model
-# ------------------------------------------------------------------------------------------
+# --- model ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])
@@ -118,8 +117,7 @@ def test_generate_greedy_is_deterministic_and_extends_the_prompt():
     assert torch.equal(a, model.generate(x, 8, top_k=1))
 
 
-# --- configuration
-# ----------------------------------------------------------------------------------
+# --- configuration --------------------------------------------------------------------------------
 
 
 def test_config_file_and_overrides_apply_in_order(tmp_path):
@@ -179,8 +177,7 @@ def test_command_line_error_is_a_clean_message(tmp_path):
     )
 
 
-# --- data checks
-# ------------------------------------------------------------------------------------
+# --- data checks ----------------------------------------------------------------------------------
 
 
 def data_error(data_dir, tmp_path, *extra):
@@ -213,8 +210,7 @@ def test_too_few_tokens_for_block_size(tmp_path):
     assert "fewer than block_size + 1" in data_error(d, tmp_path)
 
 
-# --- training loop
-# ----------------------------------------------------------------------------------
+# --- training loop --------------------------------------------------------------------------------
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr():
@@ -282,8 +278,7 @@ def test_scratch_run_refuses_to_overwrite_checkpoints(token_dir, tmp_path):
     )
 
 
-# --- the whole path on real text: prepare, train, sample
-# -------------------------------------------
+# --- the whole path on real text: prepare, train, sample ------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -396,8 +391,7 @@ def test_a_run_ends_with_a_summary_and_the_commands_that_take_it_further(real_te
     configurator.configure(export_hf.EXPORT, commands["export_hf.py"][2:])
 
 
-# --- optional GPU libraries
-# ------------------------------------------------------------------------
+# --- optional GPU libraries -----------------------------------------------------------------------
 
 BLOCK_GPU_LIBS = """
 import sys

@@ -635,9 +635,8 @@ def test_mla_does_not_need_n_embd_divisible_by_n_head():
 def test_variant_config_file_builds_a_model_that_runs(name):
     cfg = SimpleNamespace(**configure(settings.TRAINING, [str(ROOT / "config" / f"{name}.py")])[0])
     text = (ROOT / "config" / f"{name}.py").read_text()
-    assert (
-        text.startswith("#") and "train.py" in text
-    )  # a header saying what it shows and how to run it
+    # a header saying what it shows and how to run it
+    assert text.startswith("#") and "train.py" in text
     assert not re.search(r"^data_dir\s*=", text, re.M)  # model keys only: the default data applies
     model_cfg = ModelConfig(
         **{f: getattr(cfg, f) for f in ModelConfig.__dataclass_fields__ if f != "vocab_size"},

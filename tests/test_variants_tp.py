@@ -87,7 +87,8 @@ def test_every_variant_at_tp2_equals_one_process():
                         f"{name} on rank {rank}: {what} differs by {err:.2e} (tolerance 1e-5)"
                     )
             print(
-                f"equivalence | variants at tp=2 | {name} rank {rank}: logits {logit_err:.2e}, loss {loss_err:.2e}, "
-                f"gradients {grad_err:.2e} ({worst}), tolerance 1e-5 (absolute)"
+                f"equivalence | variants at tp=2 | {name} rank {rank}: logits {logit_err:.2e}, "
+                f"loss {loss_err:.2e}, gradients {grad_err:.2e} ({worst}), tolerance 1e-5 "
+                "(absolute)"
             )
     assert not failures, "\n".join(failures)

@@ -100,7 +100,8 @@ def main(repeats):
     for crc in (False, True):
         row = [
             f"{what} {statistics.median(w for w, _ in times[crc, what]):.3f} s (min "
-            f"{min(times[crc, what])[0]:.3f}), {statistics.median(c for _, c in times[crc, what]):.3f} s"
+            f"{min(times[crc, what])[0]:.3f}), "
+            f"{statistics.median(c for _, c in times[crc, what]):.3f} s"
             for what in ("save", "load")
         ]
         print(f"  {'with' if crc else 'without'} crc32: " + "; ".join(row))

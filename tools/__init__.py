@@ -2,7 +2,8 @@
 
     bench.py        the training step of any config and layout timed (tokens/s, MFU, memory, waits)
     make_config.py  a commented starter config for a model size and layout, checked, with its plan
-    step_time.py    one step's time predicted before anything runs; machines.py the machines it knows
+    step_time.py    one step's time predicted before anything runs
+    machines.py     the machines step_time.py knows, or this one measured
     memory_plan.py  each rank's memory predicted from the config and the layout
     timeline.py     the pipeline schedules drawn in time, from the action lists the executor runs
     plot.py         loss, learning rate, grad norm and tokens/s of runs, as a PNG

@@ -1,7 +1,8 @@
-"""
+r"""
 Write a starter config for a model size and a parallel layout, checked before anything runs.
 
-    python tools/make_config.py --n_layer=12 --n_embd=768 --n_head=12 --tp=2 --pp=2 --nproc=8 --out=config/my.py
+    python tools/make_config.py --n_layer=12 --n_embd=768 --n_head=12 --tp=2 --pp=2 --nproc=8 \
+        --out=config/my.py
     torchrun --nproc_per_node=8 train.py config/my.py
 
 Every training setting can be given (--key=value, or a config file to start from), plus `nproc`, the
@@ -88,8 +89,8 @@ def machine_of(cfg):
     name = cfg["machine"]
     if name not in machines.MACHINES and not (name.endswith(".json") and os.path.exists(name)):
         raise ConfigError(
-            f"machine = {name!r} is not one tools/make_config.py can plan for: --choose (which ranks "
-            f"layouts on it) and the launch line (its GPUs per node) need a named machine: "
+            f"machine = {name!r} is not one tools/make_config.py can plan for: --choose (which "
+            f"ranks layouts on it) and the launch line (its GPUs per node) need a named machine: "
             f"{', '.join(machines.MACHINES)}, or a .json file that exists with "
             f"machines.MACHINES' fields; 'auto' measures the machine a tool runs on, which "
             f"tools/step_time.py and tools/bench.py do"
@@ -147,15 +148,11 @@ def count_parameters(model_cfg):
 def choices(cfg, given, dp):
     """The settings this script fills in beyond what was asked, {name: (value, why)}: the ones whose
     default would mean something nobody asked for at this size or layout."""
-    if cfg["cp"] > 1:
-        chosen = {
-            "dp": (
-                dp,
-                f"nproc / (cp * tp * pp) = {cfg['nproc']} / ({cfg['cp']} * {cfg['tp']} * {cfg['pp']})",
-            )
-        }
+    nproc, cp, tp, pp = cfg["nproc"], cfg["cp"], cfg["tp"], cfg["pp"]
+    if cp > 1:
+        chosen = {"dp": (dp, f"nproc / (cp * tp * pp) = {nproc} / ({cp} * {tp} * {pp})")}
     else:
-        chosen = {"dp": (dp, f"nproc / (tp * pp) = {cfg['nproc']} / ({cfg['tp']} * {cfg['pp']})")}
+        chosen = {"dp": (dp, f"nproc / (tp * pp) = {nproc} / ({tp} * {pp})")}
     if "n_kv_head" not in given and cfg["n_kv_head"] != cfg["n_head"]:
         # the default n_kv_head fits the default n_head only: at another n_head it would be
         # grouped-query attention nobody requested
@@ -163,12 +160,12 @@ def choices(cfg, given, dp):
             cfg["n_head"],
             "= n_head: multi-head attention (set n_kv_head for GQA)",
         )
-    if cfg["pp"] > 1 and "gradient_accumulation_steps" not in given:
-        m = 4 * cfg["pp"]
+    if pp > 1 and "gradient_accumulation_steps" not in given:
+        m = 4 * pp
         chosen["gradient_accumulation_steps"] = (
             m,
             f"4 x pp microbatches keep the pipeline bubble, (pp - 1) / "
-            f"(m + pp - 1), at {(cfg['pp'] - 1) / (m + cfg['pp'] - 1):.0%}",
+            f"(m + pp - 1), at {(pp - 1) / (m + pp - 1):.0%}",
         )
     return chosen
 
@@ -192,6 +189,67 @@ def settings_block(cfg, given, chosen):
     return "\n".join(lines).lstrip("\n")
 
 
+def plan_of(cfg, model_cfg, layout, act_bytes, device):
+    """memory_plan.plan_memory of a layout (a dict of LAYOUT_SETTINGS) for cfg's model and batch;
+    device: where attention runs, which decides whether it keeps its scores."""
+    return memory_plan.plan_memory(
+        model_cfg,
+        layout["dp"],
+        layout["tp"],
+        layout["pp"],
+        layout["cp"],
+        layout["zero_stage"],
+        layout["batch_size"],
+        cfg["block_size"],
+        layout["gradient_accumulation_steps"],
+        layout["pp_schedule"],
+        layout["activation_checkpointing"],
+        cfg["chunked_loss"],
+        layout["sequence_parallel"],
+        cfg["bucket_size_mb"],
+        act_bytes=act_bytes,
+        chunks=layout["pp_chunks"],
+        ep=layout["ep"],
+        optimizer=cfg["optimizer"],
+        pp_layers=cfg["pp_layers"],
+        attention_scores=memory_plan.attention_saves_scores(
+            model_cfg, cfg["attn_impl"], device, cfg["dtype"]
+        ),
+    )
+
+
+def summary_lines(cfg, launch, mc, vocab_source, dp):
+    """The header's lines on the model (mc, its ModelConfig), the layout, the batch, the run and its
+    launch."""
+    n_params, n_embedding = count_parameters(mc)
+    sequences = cfg["batch_size"] * cfg["gradient_accumulation_steps"] * dp
+    tokens_per_step = sequences * cfg["block_size"]
+    total_tokens = tokens_per_step * cfg["max_iters"]
+    layout = (
+        f"dp {dp} x "
+        + (f"cp {cfg['cp']} x " if cfg["cp"] > 1 else "")
+        + f"tp {cfg['tp']}"
+        + (" (sequence parallel)" if cfg["sequence_parallel"] else "")
+        + f" x pp {cfg['pp']}"
+    )
+    plural, tied = ("", "tied") if mc.tie_embeddings else ("s", "untied")
+    return [
+        f"model:  {n_params / 1e6:.2f}M parameters ({(n_params - n_embedding) / 1e6:.2f}M without "
+        f"the embedding{plural}), {mc.n_layer} layers, width {mc.n_embd}, {mc.n_head} heads "
+        f"({mc.n_kv_head} key/value) of size {attention_head_dim(mc)}",
+        f"        vocabulary {mc.vocab_size} ({vocab_source}), {tied} input and output embeddings",
+        f"layout: {cfg['nproc']} processes = {layout} (checked: the model splits this way)",
+        f"batch:  {cfg['batch_size']} sequences x {cfg['gradient_accumulation_steps']} "
+        f"micro-batches x {dp} data-parallel ranks = {sequences} sequences of "
+        f"{cfg['block_size']} tokens = {tokens_per_step:,} tokens per step",
+        f"run:    {cfg['max_iters']:,} steps = {total_tokens / 1e6:,.1f}M tokens, "
+        f"{total_tokens / n_params:.3g} tokens per parameter "
+        f"(Chinchilla's compute-optimal ratio is about 20)",
+        f"launch: {launch[0]}",
+        *(f"        {line}" for line in launch[1:]),
+    ]
+
+
 def make_config(cfg, given, argv, launch):
     """The config file's (header, settings); raises ValueError when the layout does not divide the
     model. launch: the lines that start the run (launch_lines)."""
@@ -206,69 +264,17 @@ def make_config(cfg, given, argv, launch):
     )
     check_layout(model_cfg, tp, pp, cp, cfg["sequence_parallel"], cfg["pp_chunks"], ep=cfg["ep"])
     check_schedule(cfg["pp_schedule"], pp, cfg["gradient_accumulation_steps"], cfg["pp_chunks"])
-    n_params, n_embedding = count_parameters(model_cfg)
-    sequences = cfg["batch_size"] * cfg["gradient_accumulation_steps"] * dp
-    tokens_per_step = sequences * cfg["block_size"]
-    total_tokens = tokens_per_step * cfg["max_iters"]
-    head_dim = attention_head_dim(model_cfg)
-    layout = (
-        f"dp {dp} x "
-        + (f"cp {cp} x " if cp > 1 else "")
-        + f"tp {tp}"
-        + (" (sequence parallel)" if cfg["sequence_parallel"] else "")
-        + f" x pp {pp}"
-    )
-    header = f"""\
-# Written by: python tools/make_config.py {" ".join(argv)}
-#
-# model:  {n_params / 1e6:.2f}M parameters ({(n_params - n_embedding) / 1e6:.2f}M without the embedding{"" if model_cfg.tie_embeddings else "s"}), \
-{model_cfg.n_layer} layers, width {model_cfg.n_embd}, {model_cfg.n_head} heads ({model_cfg.n_kv_head} key/value) of size {head_dim}
-#         vocabulary {vocab} ({vocab_source}), {"tied" if model_cfg.tie_embeddings else "untied"} input and output embeddings
-# layout: {cfg["nproc"]} processes = {layout} (checked: the model splits this way)
-# batch:  {cfg["batch_size"]} sequences x {cfg["gradient_accumulation_steps"]} micro-batches x {dp} data-parallel ranks \
-= {sequences} sequences of {cfg["block_size"]} tokens = {tokens_per_step:,} tokens per step
-# run:    {cfg["max_iters"]:,} steps = {total_tokens / 1e6:,.1f}M tokens, {total_tokens / n_params:.3g} tokens per parameter \
-(Chinchilla's compute-optimal ratio is about 20)
-# launch: {launch[0]}
-"""
-    header += "".join(f"#         {line}\n" for line in launch[1:])
+    lines = summary_lines(cfg, launch, model_cfg, vocab_source, dp)
     if pp > 1:  # the stages' cut and each rank's share of the work, as train.py prints them
         cut = build.stage_cut(model_cfg, cfg["pp_schedule"], pp, cfg["pp_chunks"], cfg["pp_layers"])
-        pipeline = describe_pipeline(
-            cfg["pp_schedule"],
-            pp,
-            cfg["gradient_accumulation_steps"],
-            cfg["pp_chunks"],
-            cut,
-            metrics.pipeline_costs(model_cfg),
-        )
-        header += "".join(f"# {line}\n" for line in pipeline.splitlines())
-    plan = memory_plan.plan_memory(
-        model_cfg,
-        dp,
-        tp,
-        pp,
-        cp,
-        cfg["zero_stage"],
-        cfg["batch_size"],
-        cfg["block_size"],
-        cfg["gradient_accumulation_steps"],
-        cfg["pp_schedule"],
-        cfg["activation_checkpointing"],
-        cfg["chunked_loss"],
-        cfg["sequence_parallel"],
-        cfg["bucket_size_mb"],
-        act_bytes=memory_plan.compute_bytes(cfg["dtype"], cfg["device"]),
-        chunks=cfg["pp_chunks"],
-        ep=cfg["ep"],
-        optimizer=cfg["optimizer"],
-        pp_layers=cfg["pp_layers"],
-        attention_scores=memory_plan.attention_saves_scores(
-            model_cfg, cfg["attn_impl"], cfg["device"], cfg["dtype"]
-        ),
-    )
-    memory = memory_plan.format_plan(plan, cfg["gpu_mem_gib"] or None)
-    header += "".join(f"# {line}\n" for line in memory.splitlines())
+        costs = metrics.pipeline_costs(model_cfg)
+        m, chunks = cfg["gradient_accumulation_steps"], cfg["pp_chunks"]
+        lines += describe_pipeline(cfg["pp_schedule"], pp, m, chunks, cut, costs).splitlines()
+    act_bytes = memory_plan.compute_bytes(cfg["dtype"], cfg["device"])
+    plan = plan_of(cfg, model_cfg, dict(cfg, dp=dp), act_bytes, cfg["device"])
+    lines += memory_plan.format_plan(plan, cfg["gpu_mem_gib"] or None).splitlines()
+    header = f"# Written by: python tools/make_config.py {' '.join(argv)}\n#\n"
+    header += "".join(f"# {line}\n" for line in lines)
     return header, settings_block(cfg, given, chosen) + "\n", chosen
 
 
@@ -388,31 +394,7 @@ def states_bytes(model_cfg, layout):
 
 def plan_peak(cfg, model_cfg, layout, act_bytes):
     """The largest rank's predicted peak bytes (memory_plan.plan_memory) of a layout on a GPU."""
-    plan = memory_plan.plan_memory(
-        model_cfg,
-        layout["dp"],
-        layout["tp"],
-        layout["pp"],
-        layout["cp"],
-        layout["zero_stage"],
-        layout["batch_size"],
-        cfg["block_size"],
-        layout["gradient_accumulation_steps"],
-        layout["pp_schedule"],
-        layout["activation_checkpointing"],
-        cfg["chunked_loss"],
-        layout["sequence_parallel"],
-        cfg["bucket_size_mb"],
-        act_bytes=act_bytes,
-        chunks=layout["pp_chunks"],
-        ep=layout["ep"],
-        optimizer=cfg["optimizer"],
-        pp_layers=cfg["pp_layers"],
-        attention_scores=memory_plan.attention_saves_scores(
-            model_cfg, cfg["attn_impl"], "cuda", cfg["dtype"]
-        ),
-    )
-    return max(stage["peak"] for stage in plan)
+    return max(stage["peak"] for stage in plan_of(cfg, model_cfg, layout, act_bytes, "cuda"))
 
 
 def choose(cfg, given, model_cfg):
@@ -463,9 +445,9 @@ def choose(cfg, given, model_cfg):
             break
     if not best:
         raise ValueError(
-            f"no layout of nproc = {cfg['nproc']} devices fits {limit / 2**30:g} GiB at global_batch = "
-            f"{global_batch} sequences ({len(ranked)} ranked): use more devices, a machine with more "
-            f"memory, or a smaller global_batch or block_size"
+            f"no layout of nproc = {cfg['nproc']} devices fits {limit / 2**30:g} GiB at "
+            f"global_batch = {global_batch} sequences ({len(ranked)} ranked): use more devices, a "
+            f"machine with more memory, or a smaller global_batch or block_size"
         )
     return best, len(ranked), global_batch
 
@@ -473,17 +455,19 @@ def choose(cfg, given, model_cfg):
 def format_choice(best, count, global_batch, nproc, machine):
     """The ranked list as lines: each layout, its step and where its time goes."""
     lines = [
-        f"{count} layouts of {nproc} devices for {global_batch} sequences per step ranked on {machine}; "
-        f"the fastest {len(best)} that fit memory:"
+        f"{count} layouts of {nproc} devices for {global_batch} sequences per step ranked on "
+        f"{machine}; the fastest {len(best)} that fit memory:"
     ]
     for i, (p, layout, peak) in enumerate(best):
         shown = {k: v for k, v in p["parts"].items() if v > 0.005 * p["step_s"]}
+        sp = " (sp)" if layout["sequence_parallel"] else ""
+        schedule = f"{layout['pp_schedule']} x{layout['pp_chunks']}, " if layout["pp"] > 1 else ""
+        checkpointed = ", checkpointed" if layout["activation_checkpointing"] else ""
         lines.append(
-            f"{i + 1:2d}. {p['step_s'] * 1e3:9.4g} ms  dp {layout['dp']} cp {layout['cp']} tp {layout['tp']}"
-            f"{' (sp)' if layout['sequence_parallel'] else ''} pp {layout['pp']} ep {layout['ep']}, "
-            f"{layout['pp_schedule'] + ' x' + str(layout['pp_chunks']) + ', ' if layout['pp'] > 1 else ''}"
-            f"ZeRO-{layout['zero_stage']}, micro-batch {layout['batch_size']} x {layout['gradient_accumulation_steps']}"
-            f"{', checkpointed' if layout['activation_checkpointing'] else ''}; {peak / 2**30:.1f} GiB; MFU "
+            f"{i + 1:2d}. {p['step_s'] * 1e3:9.4g} ms  dp {layout['dp']} cp {layout['cp']} "
+            f"tp {layout['tp']}{sp} pp {layout['pp']} ep {layout['ep']}, {schedule}"
+            f"ZeRO-{layout['zero_stage']}, micro-batch {layout['batch_size']} x "
+            f"{layout['gradient_accumulation_steps']}{checkpointed}; {peak / 2**30:.1f} GiB; MFU "
             f"{metrics.format_mfu(p['mfu'])}\n      "
             + ", ".join(f"{k} {v / p['step_s']:.0%}" for k, v in shown.items())
         )
@@ -502,7 +486,7 @@ def main(argv):
             best, count, global_batch = choose(values, given, model_config_of(values))
             ranking = format_choice(best, count, global_batch, values["nproc"], values["machine"])
             values.update(best[0][1])
-            # written out: the plan below counts the activations in it
+            # dtype=auto resolved and written out: the plan below counts the activations in it
             if values["dtype"] == "auto":
                 values["dtype"] = step_time.dtype_of(
                     step_time.run_of(values), machines.load_machine(values["machine"])
@@ -534,8 +518,7 @@ def main(argv):
     )
     for name, (value, why) in chosen.items():
         print(f"chose {name} = {value}: {why}")
-    # the default --out is a path in the current folder: say where the file went, so it is not found
-    # by surprise
+    # the default --out is relative to the current folder: say where the file went
     where = out if os.path.isabs(out) else f"{out} ({os.path.abspath(out)})"
     print(
         f"{'overwrote' if existed else 'wrote'} {where}"

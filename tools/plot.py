@@ -83,11 +83,8 @@ def plot_runs(run_dirs, out):
     plt.close(fig)
 
 
-OP_COLORS = {
-    "F": "#4c72b0",
-    "B": "#dd8452",
-    "W": "#55a868",
-}  # forward, (input) backward, weight gradient
+# forward, (input) backward, weight gradient
+OP_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 
 
 def read_trace(run_dir):
@@ -99,6 +96,39 @@ def read_trace(run_dir):
         )
     with open(path) as f:
         return json.load(f)
+
+
+def lane_labels(lanes, bubble):
+    """Each lane's label: its rank with its measured idle share on the rank's first chunk, then
+    the chunk."""
+    first_chunk = {p: min(c for q, c in lanes if q == p) for p, _ in lanes}
+    return [
+        f"rank {p} (idle {bubble[p]:.0%}), chunk {c}" if c == first_chunk[p] else f"chunk {c}"
+        for p, c in lanes
+    ]
+
+
+def trace_title(info):
+    bubble, ideal = info["measured_bubble"], info.get("ideal_bubble")
+    return (
+        f"{info['schedule']}: pp={info['pp']}, m={info['microbatches']}, {info['chunks']} chunk(s) "
+        f"per rank, step {info['step']} on {info['device']}; measured bubble (mean) "
+        f"{sum(bubble) / len(bubble):.1%}, ideal "
+        + (f"{ideal:.1%}" if ideal is not None else "n/a")
+    )
+
+
+def label_boxes(fig, ax, boxes):
+    """Write each box's label (F3, B3, W3) where it fits inside the box; called once the layout has
+    fixed how many pixels a millisecond is."""
+    renderer = fig.canvas.get_renderer()
+    for y, left, width, name in boxes:
+        text = ax.text(
+            left + width / 2, y, name, ha="center", va="center", fontsize=6, clip_on=True
+        )
+        x0, x1 = ax.transData.transform([(left, y), (left + width, y)])[:, 0]
+        if text.get_window_extent(renderer).width > x1 - x0 - 2:  # 1 pixel clear of each edge
+            text.remove()
 
 
 def draw_trace(trace):
@@ -121,36 +151,15 @@ def draw_trace(trace):
     boxes = []  # (lane, left, width, label) in ms
     for e in spans:
         y, left, width = row[(e["pid"], e["tid"])], (e["ts"] - start) / 1e3, e["dur"] / 1e3
-        ax.barh(
-            y,
-            width,
-            left=left,
-            height=0.8,
-            color=OP_COLORS.get(e["cat"], "grey"),
-            edgecolor="black",
-            linewidth=0.3,
-        )
+        color = OP_COLORS.get(e["cat"], "grey")
+        ax.barh(y, width, left=left, height=0.8, color=color, edgecolor="black", linewidth=0.3)
         boxes.append((y, left, width, e["name"]))
     ax.set_xlim(0, (end - start) / 1e3 * 1.01)
     ax.set_yticks(range(len(lanes)))
-    bubble = info["measured_bubble"]
-    ax.set_yticklabels(
-        [
-            f"rank {p} (idle {bubble[p]:.0%}), chunk {c}"
-            if c == min(t for q, t in lanes if q == p)
-            else f"chunk {c}"
-            for p, c in lanes
-        ]
-    )
+    ax.set_yticklabels(lane_labels(lanes, info["measured_bubble"]))
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step's barrier")
-    ideal = info.get("ideal_bubble")
-    ax.set_title(
-        f"{info['schedule']}: pp={info['pp']}, m={info['microbatches']}, {info['chunks']} chunk(s) per rank, "
-        f"step {info['step']} on {info['device']}; measured bubble (mean) "
-        f"{sum(bubble) / len(bubble):.1%}, ideal "
-        + (f"{ideal:.1%}" if ideal is not None else "n/a")
-    )
+    ax.set_title(trace_title(info))
     split = any(e["cat"] == "W" for e in spans)
     labels = {
         "F": "F forward",
@@ -166,15 +175,7 @@ def draw_trace(trace):
     )
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    # the labels last, once the layout has fixed how many pixels a millisecond is
-    renderer = fig.canvas.get_renderer()
-    for y, left, width, name in boxes:
-        text = ax.text(
-            left + width / 2, y, name, ha="center", va="center", fontsize=6, clip_on=True
-        )
-        x0, x1 = ax.transData.transform([(left, y), (left + width, y)])[:, 0]
-        if text.get_window_extent(renderer).width > x1 - x0 - 2:  # 1 pixel clear of each edge
-            text.remove()
+    label_boxes(fig, ax, boxes)
     return fig
 
 
