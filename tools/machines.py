@@ -29,16 +29,18 @@ from parallel import grid_rank
 # Machines: a few numbers each, every one with its source (../shared/published_runs.md collects
 # them)
 #
-#   matmul_flops    achieved dense matmul FLOP/s per dtype: the best published measurement (MAMF, stas00
-#                   ml-engineering compute/accelerator/README.md), else the datasheet's peak (errs fast)
+#   matmul_flops    achieved dense matmul FLOP/s per dtype: the best published measurement
+#                   (MAMF, stas00 ml-engineering compute/accelerator/README.md), else the
+#                   datasheet's peak (errs fast)
 #   peak_flops      the datasheet peak MFU divides by (metrics.GPU_PEAK_FLOPS)
 #   memory_bw       bytes/s of device memory (datasheet)
-#   attention_efficiency  a fused attention kernel's achieved share of matmul_flops, forward and backward
-#   node, network   per link: busbw (bytes/s, nccl-tests' bus bandwidth of a ring) and latency (s per ring
-#                   step); network.busbw is per NIC, one per GPU: a group with g ranks on a node crosses
-#                   nodes over g NICs, min(node busbw, g x NIC busbw)
-#   overlaps        whether communication runs beside compute (a GPU's copy engines and NCCL's kernels do;
-#                   gloo on a CPU core that also computes does not)
+#   attention_efficiency  a fused attention kernel's achieved share of matmul_flops, forward and
+#                   backward
+#   node, network   per link: busbw (bytes/s, nccl-tests' bus bandwidth of a ring) and latency (s
+#                   per ring step); network.busbw is per NIC, one per GPU: a group with g ranks on
+#                   a node crosses nodes over g NICs, min(node busbw, g x NIC busbw)
+#   overlaps        whether communication runs beside compute (a GPU's copy engines and NCCL's
+#                   kernels do; gloo on a CPU core that also computes does not)
 #   gpus_per_node, memory_gib  which groups cross nodes; what tools/make_config.py fits into
 
 MACHINES = {
@@ -131,8 +133,8 @@ def load_machine(name):
             "name": machine.get("name", name),
         }
     raise ValueError(
-        f"machine = {name!r} is neither one of {', '.join(MACHINES)}, 'auto', nor a .json file that "
-        f"exists: name one, or describe yours in a file with machines.MACHINES' fields"
+        f"machine = {name!r} is neither one of {', '.join(MACHINES)}, 'auto', nor a .json file "
+        f"that exists: name one, or describe yours in a file with machines.MACHINES' fields"
     )
 
 
@@ -166,57 +168,44 @@ def _require(where, field, value, check, what):
         raise ValueError(f"{where}: {field} {found}: it must be {what} ({SHOWN_BY})")
 
 
-def check_machine_fields(machine, where):
-    """Each field a machine file must hold (matmul_flops, memory_bw, attention_efficiency, node) and
-    each it may hold, the nested ones by their path ('node.busbw'), a parent before its entries."""
-    positive, at_least_zero = _number_above(0), _number_above(0, strict=False)
+def _check_rates(machine, where):
+    """matmul_flops (required) and peak_flops (optional): FLOP/s above 0 keyed by dtype."""
     by_dtype = lambda v: isinstance(v, dict) and v and set(v) <= set(DTYPES)  # noqa: E731
     for key in ("matmul_flops", "peak_flops"):
         if key in machine or key == "matmul_flops":
             rates = machine.get(key, _MISSING)
-            _require(
-                where, key, rates, by_dtype, "an object of FLOP/s keyed by " + ", ".join(DTYPES)
-            )
+            what = "an object of FLOP/s keyed by " + ", ".join(DTYPES)
+            _require(where, key, rates, by_dtype, what)
             for dtype, rate in rates.items():
-                _require(where, f"{key}.{dtype}", rate, positive, "a number of FLOP/s above 0")
-    _require(
-        where,
-        "memory_bw",
-        machine.get("memory_bw", _MISSING),
-        positive,
-        "a number of bytes/s above 0",
-    )
-    _require(
-        where,
-        "attention_efficiency",
-        machine.get("attention_efficiency", _MISSING),
-        positive,
-        "a number above 0 (a share of matmul_flops)",
-    )
+                what = "a number of FLOP/s above 0"
+                _require(where, f"{key}.{dtype}", rate, _number_above(0), what)
+
+
+def _check_links(machine, where):
+    """node (required) and network (optional): each an object of busbw and latency."""
     for key in ("node", "network"):
         if key in machine or key == "node":
             link = machine.get(key, _MISSING)
-            _require(
-                where,
-                key,
-                link,
-                lambda v: isinstance(v, dict),
-                'an object {"busbw": bytes/s, "latency": seconds a ring step}',
-            )
-            _require(
-                where,
-                f"{key}.busbw",
-                link.get("busbw", _MISSING),
-                positive,
-                "a number of bytes/s above 0",
-            )
-            _require(
-                where,
-                f"{key}.latency",
-                link.get("latency", _MISSING),
-                at_least_zero,
-                "a number of seconds a ring step, 0 or more",
-            )
+            what = 'an object {"busbw": bytes/s, "latency": seconds a ring step}'
+            _require(where, key, link, lambda v: isinstance(v, dict), what)
+            busbw, latency = link.get("busbw", _MISSING), link.get("latency", _MISSING)
+            what = "a number of bytes/s above 0"
+            _require(where, f"{key}.busbw", busbw, _number_above(0), what)
+            what = "a number of seconds a ring step, 0 or more"
+            _require(where, f"{key}.latency", latency, _number_above(0, strict=False), what)
+
+
+def check_machine_fields(machine, where):
+    """Each field a machine file must hold (matmul_flops, memory_bw, attention_efficiency, node) and
+    each it may hold, the nested ones by their path ('node.busbw'), a parent before its entries."""
+    positive, at_least_zero = _number_above(0), _number_above(0, strict=False)
+    _check_rates(machine, where)
+    memory_bw = machine.get("memory_bw", _MISSING)
+    _require(where, "memory_bw", memory_bw, positive, "a number of bytes/s above 0")
+    efficiency = machine.get("attention_efficiency", _MISSING)
+    what = "a number above 0 (a share of matmul_flops)"
+    _require(where, "attention_efficiency", efficiency, positive, what)
+    _check_links(machine, where)
     two = lambda v: isinstance(v, list) and len(v) == 2 and all(map(at_least_zero, v))  # noqa: E731
     optional = {
         "overlaps": (lambda v: isinstance(v, bool), "true or false"),
@@ -546,6 +535,43 @@ def mlp_forward(model_cfg, dtype, dev, tokens, tp):
     return forward
 
 
+def attention_efficiency(model_cfg, dtype, dev, tokens, matmul_rate):
+    """The fused attention kernel's achieved share of matmul_rate: a causal SDPA forward and
+    backward at the model's heads, on one sequence of up to 1,024 on CPU (seconds); on a GPU the
+    micro-batch's sequences whole, up to the probe's tokens (one short sequence leaves most of a
+    GPU's multiprocessors idle)."""
+    H, D = model_cfg.n_head, attention_dims(model_cfg)[0]
+    if dev.type == "cpu":
+        B, T = 1, min(model_cfg.block_size, 1024)
+    else:
+        B, T = max(1, tokens // model_cfg.block_size), model_cfg.block_size
+    q = torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True)
+
+    def sdpa():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+
+    # forward and backward (FlashAttention-2's 3.5 forwards), causal half
+    attention_flops = 3.5 * 4 * B * T * T * H * D / 2
+    return attention_flops / _median_seconds(sdpa, dev) / matmul_rate
+
+
+def operator_seconds(dev):
+    """The host's cost of one operator as a training step pays it, the dispatcher and autograd's
+    bookkeeping: a chain of 50 one-element products forward, each recorded for the backward, and
+    its backward (50 more operators). A product outside autograd costs a third of that here (1.0
+    against 2.9 us), and the quick start's model at width 16, its compute nothing, spends 2.3 us an
+    operator of OPS_PER_BLOCK."""
+    one = torch.ones(1, device=dev, requires_grad=True)
+
+    def chain():
+        y = one
+        for _ in range(50):
+            y = y * 1.0  # (its backward: one product each)
+        y.backward()
+
+    return _median_seconds(chain, dev) / 100
+
+
 def measure_machine(
     model_cfg, dtype, device="cpu", collective=False, tokens=512, matmul_rate=None, tp=1
 ):
@@ -560,51 +586,16 @@ def measure_machine(
     if matmul_rate is None:
         matmul_rate = linear_rate(model_cfg, dtype, dev, tokens, tp)
     memory_bw = memory_bandwidth(tokens * mlp_hidden_size(model_cfg), dtype, dev)
-    # the attention on one sequence of up to 1,024 on CPU (seconds); on a GPU the micro-batch's
-    # sequences whole, up to the probe's tokens (one short sequence leaves most of a GPU's
-    # multiprocessors idle)
-    H, D = model_cfg.n_head, attention_dims(model_cfg)[0]
-    B, T = (
-        (1, min(model_cfg.block_size, 1024))
-        if dev.type == "cpu"
-        else (max(1, tokens // model_cfg.block_size), model_cfg.block_size)
-    )
-    q = torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True)
-    # noqa: E731
-    sdpa = lambda: (
-        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
-    )
-    # forward and backward (FlashAttention-2's 3.5 forwards), causal half
-    attention_flops = 3.5 * 4 * B * T * T * H * D / 2
-    efficiency = attention_flops / _median_seconds(sdpa, dev) / matmul_rate
-    # the host's cost of one operator as a training step pays it, the dispatcher and autograd's
-    # bookkeeping: a chain of 50 one-element products forward, each recorded for the backward, and
-    # its backward (50 more operators). A product outside autograd costs a third of that here (1.0
-    # against 2.9 us), and the quick start's model at width 16, its compute nothing, spends 2.3 us
-    # an operator of OPS_PER_BLOCK.
-    one = torch.ones(1, device=dev, requires_grad=True)
-
-    def chain():
-        y = one
-        for _ in range(50):
-            y = y * 1.0  # (its backward: one product each)
-        y.backward()
-
-    op_seconds = _median_seconds(chain, dev) / 100
+    efficiency = attention_efficiency(model_cfg, dtype, dev, tokens, matmul_rate)
+    op_seconds = operator_seconds(dev)
     name = str(dtype).replace("torch.", "")
     # the link timed on the run's own message (a micro-batch's activations, whole: what tp, cp, ep
     # and pp exchange), each exchange after the compute that comes between two of tp's (mlp_forward)
     message = tokens * model_cfg.n_embd * torch.finfo(dtype).bits // 8
-    link = (
-        measure_link(
-            None,
-            dev,
-            nbytes=max(message, 2**16),
-            burst=mlp_forward(model_cfg, dtype, dev, tokens, tp),
-        )
-        if collective
-        else CPU_GLOO_LINK
-    )
+    link = CPU_GLOO_LINK
+    if collective:
+        burst = mlp_forward(model_cfg, dtype, dev, tokens, tp)
+        link = measure_link(None, dev, nbytes=max(message, 2**16), burst=burst)
     # the peak MFU divides by: the datasheet's on a GPU, on CPU the square-matmul probe
     # tools/bench.py's MFU reads
     peak = (

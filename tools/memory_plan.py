@@ -45,42 +45,52 @@ from tools.timeline import schedule_moments, walk_peak
 
 
 # -----------------------------------------------------------------------------
-# What the plan counts, kind by kind: for one rank of each pipeline stage, the bytes alive at the step's peak
-#   parameters   the stage's tensors, this tp rank's slice (vocabulary padded as the layers pad it); ZeRO-3:
-#                the 1/dp shards, the root unit (embedding, final norm, head) whole and two gathered blocks
-#   gradients    ZeRO-0/1: autograd's p.grad, accumulated over the micro-batches, plus the buckets' flat copies
-#                with data-parallel replicas (dp x cp > 1, or ZeRO-1); ZeRO-2/3: the 1/dp shards plus three
-#                buckets (units) in flight (the one filling, two being reduce-scattered)
-#   optimizer    AdamW's two moments per element (1/dp under ZeRO, padded); Muon's one momentum per element of
-#                a block's matrix (AdamW's two for the rest), ZeRO-1 dealing the matrices whole (optim.deal_whole)
-#   activations  what autograd saves per block and micro-batch (counted from the block's code below: the
-#                attention kernel's own, the (B, H, T, T) probabilities where the kernel keeps them, MLA's
-#                latents, QK-norm), held from a chunk's forward to its backward, each tensor in its dtype: fp32
-#                for the residual stream and the norms, the compute dtype for the linears (under bf16 or fp16
-#                autocast each linear also keeps its own half copy of its input and weight); with activation
-#                checkpointing each block's input and one block recomputed. Under the zero-bubble schedules B
-#                frees them but for the linears' x and dy, which W frees. As a backward starts, the gradient
-#                arriving at the last block and its MLP's first gradients beside them all
-#   loss         the last stage: the chunked loss keeps its input and weight gradients from forward to
-#                backward, and one chunk's logits while it runs (soft-capped, also 1 - tanh^2); without it the
-#                (N, V / tp) logits: their softmax (tp > 1) or log-softmax and the soft-cap's tanh held, and
-#                while the loss runs the logits beside the softmax (F.cross_entropy: two gradients)
-#   buffers      at the end of a backward: the gradients in flight (autograd's new gradient of the largest
-#                parameter, three for a weight tied within one chunk; ZeRO-2/3 also two buckets or units, in
-#                flight through the next forwards until the next backward lands them); after the last
-#                backward, at ZeRO-0/1 under pp with tied embeddings, the copies' summed gradient
-#   step         from the reduced gradients to the step's end: the gradient norm's square of the largest
-#                gradient; AdamW's fused kernel makes none; ZeRO-1/2's all-gather after it, a copy of this
-#                rank's 1/dp slice; Muon's new momentum and Nesterov step, the matrix gathered across tp
-# Expert parallelism: a rank holds n_expert / ep experts of each layer, sharded under ZeRO over the expert
-# replicas ((dp / ep) x cp ranks); ZeRO-3 gathers a block's experts as a unit of their own. The experts'
-# activations are counted on the rows a rank receives at the capacity bound (expert_rows), and while an MoE
-# layer's outputs travel back its all-to-all buffers are alive beside them.
-# The peak: the rank's actions of the schedule walked (pipeline_schedules.SCHEDULES, the lists the executor
-# runs; with pp = 1 each micro-batch's forward, then its backward), the states plus what each action leaves
-# held, so AFAB holds all m micro-batches, 1F1B pp - stage, interleaved 1F1B its chunks' share, with no count
-# written per schedule; then the optimizer step. Not modelled: context parallelism's ring buffers (its ring
-# attention is counted as a fused kernel).
+# What the plan counts, kind by kind: for one rank of each pipeline stage, the bytes alive at the
+# step's peak
+#   parameters   the stage's tensors, this tp rank's slice (vocabulary padded as the layers pad
+#                it); ZeRO-3: the 1/dp shards, the root unit (embedding, final norm, head) whole
+#                and two gathered blocks
+#   gradients    ZeRO-0/1: autograd's p.grad, accumulated over the micro-batches, plus the buckets'
+#                flat copies with data-parallel replicas (dp x cp > 1, or ZeRO-1); ZeRO-2/3: the
+#                1/dp shards plus three buckets (units) in flight (one filling, two being
+#                reduce-scattered)
+#   optimizer    AdamW's two moments per element (1/dp under ZeRO, padded); Muon's one momentum
+#                per element of a block's matrix (AdamW's two for the rest), ZeRO-1 dealing the
+#                matrices whole (optim.deal_whole)
+#   activations  what autograd saves per block and micro-batch (counted from the block's code
+#                below: the attention kernel's own, the (B, H, T, T) probabilities where the
+#                kernel keeps them, MLA's latents, QK-norm), held from a chunk's forward to its
+#                backward, each tensor in its dtype: fp32 for the residual stream and the norms,
+#                the compute dtype for the linears (under bf16 or fp16 autocast each linear also
+#                keeps its own half copy of its input and weight); with activation checkpointing
+#                each block's input and one block recomputed. Under the zero-bubble schedules B
+#                frees them but for the linears' x and dy, which W frees. As a backward starts,
+#                all of them beside the gradient arriving at the last block and its MLP's first
+#                gradients
+#   loss         the last stage: the chunked loss keeps its input and weight gradients from
+#                forward to backward, and one chunk's logits while it runs (soft-capped, also
+#                1 - tanh^2); without it the (N, V / tp) logits: their softmax (tp > 1) or
+#                log-softmax and the soft-cap's tanh held, and while the loss runs the logits
+#                beside the softmax (F.cross_entropy: two gradients)
+#   buffers      at the end of a backward: the gradients in flight (autograd's new gradient of the
+#                largest parameter, three for a weight tied within one chunk; ZeRO-2/3 also two
+#                buckets or units, in flight through the next forwards until the next backward
+#                lands them); after the last backward, at ZeRO-0/1 under pp with tied
+#                embeddings, the copies' summed gradient
+#   step         from the reduced gradients to the step's end: the gradient norm's square of the
+#                largest gradient; AdamW's fused kernel makes none; ZeRO-1/2's all-gather after
+#                it, a copy of this rank's 1/dp slice; Muon's new momentum and Nesterov step, the
+#                matrix gathered across tp
+# Expert parallelism: a rank holds n_expert / ep experts of each layer, sharded under ZeRO over the
+# expert replicas ((dp / ep) x cp ranks); ZeRO-3 gathers a block's experts as a unit of their own.
+# The experts' activations are counted on the rows a rank receives at the capacity bound
+# (expert_rows), and while an MoE layer's outputs travel back its all-to-all buffers are alive
+# beside them.
+# The peak: the rank's actions of the schedule walked (pipeline_schedules.SCHEDULES, the lists the
+# executor runs; with pp = 1 each micro-batch's forward, then its backward), the states plus what
+# each action leaves held, so AFAB holds all m micro-batches, 1F1B pp - stage, interleaved 1F1B its
+# chunks' share, with no count written per schedule; then the optimizer step. Not modelled: context
+# parallelism's ring buffers (its ring attention is counted as a fused kernel).
 
 
 def stage_parameter_elements(
@@ -118,10 +128,7 @@ def stage_parameter_elements(
     model = build_model(cfg, model_cfg, layout, "auto", "meta")  # (the kernel holds no parameters)
     out = {}
     # (a tied weight once: named_parameters gives each tensor once)
-    for (
-        name,
-        p,
-    ) in model.named_parameters():
+    for name, p in model.named_parameters():
         out[name] = p.numel()
         if shapes is not None:
             shapes[name] = tuple(full_shape_of(p))
@@ -152,16 +159,11 @@ def attention_saves_scores(model_cfg, attn_impl="auto", device="auto", dtype="au
     attention keep the log-sum-exp."""
     gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     half = compute_bytes(dtype, device) < 4
-    impl = (
-        attn_impl
-        if attn_impl != "auto"
-        else choose_attn_impl(  # train.py's rule, for a device maybe not here
-            "auto",
-            "cuda" if gpu else "cpu",
-            torch.bfloat16 if half else torch.float32,
-            model_cfg.attn_softcap,
-        )[0]
-    )
+    impl = attn_impl
+    if impl == "auto":  # train.py's rule, for a device maybe not here
+        compute = torch.bfloat16 if half else torch.float32
+        where = "cuda" if gpu else "cpu"
+        impl = choose_attn_impl("auto", where, compute, model_cfg.attn_softcap)[0]
     qk_dim, v_dim = attention_dims(model_cfg)
     return impl == "eager" or (impl == "sdpa" and not gpu and v_dim != qk_dim)
 
@@ -198,9 +200,9 @@ def attention_activation_elements(model_cfg, N, seq_len, tp, scores=False):
         kernel = [N * H, 0]  # the log-sum-exp
     heads = H + norm_heads  # QK-norm: the projection's output and rsqrt, the product
     qk_norm = [N * heads * qk_dim + N * heads, N * heads * qk_dim] if model_cfg.qk_norm else [0, 0]
-    return kernel[0] + qk_norm[0] + latents[0], qkv + N * H * v_dim + kernel[1] + qk_norm[
-        1
-    ] + latents[1]
+    wide = kernel[0] + qk_norm[0] + latents[0]
+    narrow = qkv + N * H * v_dim + kernel[1] + qk_norm[1] + latents[1]
+    return wide, narrow
 
 
 def block_activation_elements(
@@ -335,16 +337,10 @@ def fp8_saved_elements(model_cfg, tokens, tp, recipe, act_bytes):
     rowwise keeps what plain linears keep."""
     if recipe != "tensorwise" or model_cfg.n_expert > 0 or model_cfg.attention == "mla":
         return 0
-    C, D, F, H = (
-        model_cfg.n_embd,
-        attention_head_dim(model_cfg),
-        mlp_hidden_size(model_cfg) // tp,
-        model_cfg.n_head // tp,
-    )
-    kv, up = (
-        model_cfg.n_kv_head // (tp if model_cfg.n_kv_head % tp == 0 else 1),
-        2 if model_cfg.mlp == "swiglu" else 1,
-    )
+    C, H = model_cfg.n_embd, model_cfg.n_head // tp
+    D, F = attention_head_dim(model_cfg), mlp_hidden_size(model_cfg) // tp
+    kv = model_cfg.n_kv_head // (tp if model_cfg.n_kv_head % tp == 0 else 1)
+    up = 2 if model_cfg.mlp == "swiglu" else 1
     casts = tokens * (3 * C + H * D + up * C + F) + C * (2 * H + 2 * kv) * D + (up + 1) * C * F
     return round(casts / act_bytes) - tokens * ((1 if model_cfg.parallel_block else 2) * C + F)
 
@@ -404,22 +400,12 @@ def parameter_bytes(zero_stage, block_units, root, replicas, expert_replicas, pa
     return params
 
 
-def gradient_bytes(
-    model_cfg,
-    zero_stage,
-    elements,
-    block_units,
-    root,
-    here,
-    head_chunk,
-    replicas,
-    expert_replicas,
-    capacity,
-    param_bytes,
-):
+def gradient_bytes(model_cfg, zero_stage, held, replicas, expert_replicas, capacity, param_bytes):
     """(gradients, buffers, in_flight) of one rank, in bytes: its gradients, those in flight at the
     end of a backward, and ZeRO-2/3's last two buckets (units) still in flight after it, as [flat
-    gradients, shards]."""
+    gradients, shards]. held: what the stage holds (stage_holdings)."""
+    elements, block_units, root = held.elements, held.block_units, held.root
+    here, head_chunk = held.here, held.head_chunk
     P = sum(elements.values())
     # at the end of backward: autograd's new gradient of the largest parameter before it is added
     # into p.grad or copied into its bucket; for a weight tied within one chunk (one backward
@@ -476,7 +462,7 @@ def optimizer_state(elements, shapes, muon, zero_stage, replicas, expert_replica
         else []
     )
     M = sum(elements[name] for name in matrices)
-    # dense, experts
+    # the elements AdamW steps: [dense, experts]
     adamw_elements = [
         sum(n for name, n in elements.items() if is_expert(name) == e and name not in matrices)
         for e in (False, True)
@@ -627,22 +613,13 @@ def loss_bytes(model_cfg, N, tp, sequence_parallel, chunked_loss, act_bytes):
 
 
 def grad_norm_bytes(
-    model_cfg,
-    zero_stage,
-    muon,
-    elements,
-    block_units,
-    root,
-    here,
-    head_chunk,
-    capacity,
-    replicas,
-    expert_replicas,
-    param_bytes,
+    model_cfg, zero_stage, muon, held, capacity, replicas, expert_replicas, param_bytes
 ):
     """The bytes of the gradient norm's temporary, once the gradients are reduced: the norm's square
     of the largest gradient (under ZeRO a slice of at most the largest bucket's or unit's shard; the
-    experts' over their replicas)."""
+    experts' over their replicas). held: what the stage holds (stage_holdings)."""
+    elements, block_units, root = held.elements, held.block_units, held.root
+    here, head_chunk = held.here, held.head_chunk
     kinds = [[n for name, n in elements.items() if is_expert(name) == e] for e in (False, True)]
     pieces = (
         block_units + [[root, 0]]
@@ -660,6 +637,151 @@ def grad_norm_bytes(
         )
         * param_bytes
     )
+
+
+def stage_holdings(model_cfg, run, stage):
+    """What pipeline rank `stage` holds, as a namespace: here (its model stages), head_chunk (which
+    of them holds the head and the loss, or None), elements and shapes (stage_parameter_elements),
+    chunk_layers (each chunk's blocks), block_units (ZeRO-3's units: each block's dense part over
+    dp x cp, its experts over their own replicas) and root (the rest: embedding, final norm,
+    head)."""
+    pp, chunks, schedule = run.pp, run.chunks, run.schedule
+    here = virtual_stages(schedule, pp, stage, chunks)
+    last = pp * chunks - 1  # the model's last stage (this rank holds `chunks` of them)
+    shapes = {}
+    elements = stage_parameter_elements(
+        model_cfg, run.tp, pp, stage, schedule, chunks, run.ep, shapes, run.pp_layers
+    )
+    cut = stage_cut(model_cfg, schedule, pp, chunks, run.pp_layers)
+    chunk_layers = [stage_layers(cut, s) for s in here]
+    block_units = zero3_units(elements, chunk_layers)
+    return SimpleNamespace(
+        here=here,
+        head_chunk=here.index(last) if last in here else None,
+        elements=elements,
+        shapes=shapes,
+        chunk_layers=chunk_layers,
+        block_units=block_units,
+        root=sum(elements.values()) - sum(map(sum, block_units)),
+    )
+
+
+def optimizer_bytes(model_cfg, run, held):
+    """(state, zero1_slices, step) of one rank, in bytes: the optimizer's state (optimizer_state),
+    ZeRO-1's slices in flight at the end of the last backward (zero1_slice_bytes), and from the
+    reduced gradients to the step's end the larger of the step's own temporaries
+    (optimizer_step_bytes) and the gradient norm's (grad_norm_bytes)."""
+    elements, shapes = held.elements, held.shapes
+    zero_stage, param_bytes = run.zero_stage, run.param_bytes
+    replicas = (run.replicas, run.expert_replicas)  # a parameter's, an expert's
+    state, matrices, adamw_elements, owned = optimizer_state(
+        elements, shapes, run.muon, zero_stage, *replicas, run.dp_rank
+    )
+    zero1_slices = (
+        zero1_slice_bytes(elements, matrices, adamw_elements, *replicas, param_bytes)
+        if zero_stage == 1
+        else 0
+    )
+    own = optimizer_step_bytes(
+        zero_stage, elements, shapes, adamw_elements, owned, run.tp, *replicas, param_bytes
+    )
+    norm = grad_norm_bytes(
+        model_cfg, zero_stage, run.muon, held, run.capacity, *replicas, param_bytes
+    )
+    return state * param_bytes, zero1_slices, max(own, norm)
+
+
+def activation_peak(model_cfg, run, held, stage, accumulated, buffers, in_flight):
+    """(top, activations, loss): walk_peak over this stage's actions of the schedule, from what a
+    block saves (activation_bytes), an MoE layer's all-to-all buffers and the loss's tensors
+    (loss_bytes). accumulated, buffers, in_flight: the gradients' (stage_memory)."""
+    N, tp, act_bytes = run.N, run.tp, run.act_bytes
+    saved, recompute, backward_start = activation_bytes(
+        model_cfg,
+        N,
+        run.seq_len,
+        tp,
+        run.ep,
+        run.sequence_parallel,
+        run.activation_checkpointing,
+        run.attention_scores and run.cp == 1,
+        bool(held.block_units),
+        run.fp8,
+        act_bytes,
+        block_matrix_elements(held.elements, held.shapes, len(held.block_units)),
+    )
+    exchange = (
+        exchange_bytes(model_cfg, N, run.ep, act_bytes)
+        if run.ep > 1 and model_cfg.n_expert > 0 and held.block_units
+        else 0
+    )
+    loss_held = loss_once = 0  # per micro-batch the head's chunk holds; while the loss runs
+    if held.head_chunk is not None:
+        loss_held, loss_once = loss_bytes(
+            model_cfg, N, tp, run.sequence_parallel, run.chunked_loss, act_bytes
+        )
+    moments = schedule_moments(
+        run.schedule,
+        run.pp,
+        stage,
+        run.microbatches,
+        run.chunks,
+        [len(layers) for layers in held.chunk_layers],
+        held.head_chunk,
+        saved,
+        act_bytes * weight_grad_residual_elements(model_cfg, N, tp),
+    )
+    return walk_peak(
+        moments,
+        held.head_chunk,
+        run.zero_stage,
+        recompute,
+        backward_start,
+        loss_held,
+        loss_once,
+        exchange,
+        accumulated,
+        buffers,
+        in_flight,
+    )
+
+
+def stage_memory(model_cfg, run, stage):
+    """One rank of pipeline stage `stage`: plan_memory's dict of bytes, each kind from its piece
+    above and the peak the largest of three moments: the schedule's walk, the tied copies' sum and
+    the optimizer step."""
+    held = stage_holdings(model_cfg, run, stage)
+    zero_stage, param_bytes = run.zero_stage, run.param_bytes
+    replicas = (run.replicas, run.expert_replicas)  # a parameter's, an expert's
+    P = sum(held.elements.values())
+    params = parameter_bytes(zero_stage, held.block_units, held.root, *replicas, param_bytes)
+    grads, buffers, in_flight = gradient_bytes(
+        model_cfg, zero_stage, held, *replicas, run.capacity, param_bytes
+    )
+    state, zero1_slices, step = optimizer_bytes(model_cfg, run, held)
+    buffers += zero1_slices
+    accumulated = P * param_bytes if zero_stage < 2 else 0  # autograd's p.grad (ZeRO-0/1)
+    top, activations, loss = activation_peak(
+        model_cfg, run, held, stage, accumulated, buffers, in_flight
+    )
+    during_walk = params + (grads - accumulated) + state + top
+    # after the last backward, before the data-parallel reduction: the tied copies' gradients
+    # summed into a new tensor (the activations all freed; ZeRO-1's slices still in flight)
+    tied = tied_sum_bytes(model_cfg, run.pp, zero_stage, held.elements, param_bytes)
+    at_tied_sum = params + grads + state + zero1_slices + tied
+    # then, the gradients reduced, the step's temporaries
+    at_step = params + (grads if zero_stage >= 2 else P * param_bytes) + state + step
+    return {
+        "stage": stage,
+        "parameters": params,
+        "gradients": grads,
+        "optimizer": state,
+        "activations": activations,
+        "loss": loss,
+        "buffers": buffers,
+        "step": step,
+        "peak": max(during_walk, at_tied_sum, at_step),
+    }
 
 
 def plan_memory(
@@ -695,164 +817,16 @@ def plan_memory(
     probabilities (attention_saves_scores; never under context parallelism, whose ring attention
     keeps the log-sum-exp). pp_layers: the blocks of each model stage, as the setting ('': cut by
     cost, build.stage_cut)."""
+    run = SimpleNamespace(**locals())  # the arguments, as the pieces above read them
     T = block_size or model_cfg.block_size
+    run.seq_len = T // cp  # this rank's share of a sequence
+    run.N = batch_size * T // cp  # this rank's tokens per micro-batch
     # the ranks that shard a parameter, an expert
-    replicas, expert_replicas = (
-        dp * cp,
-        dp // ep * cp,
-    )
-    N = batch_size * T // cp  # this rank's tokens per micro-batch
-    capacity = max(1, int(bucket_size_mb * 2**20)) // param_bytes  # a gradient bucket's elements
-    n_stages = pp * chunks  # the model's stages; this rank holds `chunks` of them
-    stages = []
-    for stage in range(pp):
-        here = virtual_stages(schedule, pp, stage, chunks)
-        head_chunk = here.index(n_stages - 1) if n_stages - 1 in here else None
-        shapes = {}
-        elements = stage_parameter_elements(
-            model_cfg, tp, pp, stage, schedule, chunks, ep, shapes, pp_layers
-        )
-        P = sum(elements.values())
-        chunk_layers = [
-            stage_layers(stage_cut(model_cfg, schedule, pp, chunks, pp_layers), s) for s in here
-        ]
-        # ZeRO-3's units: each block's dense part over dp x cp, its experts over their own replicas
-        block_units = zero3_units(elements, chunk_layers)
-        root = P - sum(map(sum, block_units))
-        params = parameter_bytes(
-            zero_stage, block_units, root, replicas, expert_replicas, param_bytes
-        )
-        grads, buffers, in_flight = gradient_bytes(
-            model_cfg,
-            zero_stage,
-            elements,
-            block_units,
-            root,
-            here,
-            head_chunk,
-            replicas,
-            expert_replicas,
-            capacity,
-            param_bytes,
-        )
-        state, matrices, adamw_elements, owned = optimizer_state(
-            elements, shapes, optimizer == "muon", zero_stage, replicas, expert_replicas, dp_rank
-        )
-        optimizer_bytes = state * param_bytes
-        step_temps = optimizer_step_bytes(
-            zero_stage,
-            elements,
-            shapes,
-            adamw_elements,
-            owned,
-            tp,
-            replicas,
-            expert_replicas,
-            param_bytes,
-        )
-        zero1_slices = (
-            zero1_slice_bytes(
-                elements, matrices, adamw_elements, replicas, expert_replicas, param_bytes
-            )
-            if zero_stage == 1
-            else 0
-        )
-        buffers += zero1_slices
-        saved, recompute, backward_start = activation_bytes(
-            model_cfg,
-            N,
-            T // cp,
-            tp,
-            ep,
-            sequence_parallel,
-            activation_checkpointing,
-            attention_scores and cp == 1,
-            bool(block_units),
-            fp8,
-            act_bytes,
-            block_matrix_elements(elements, shapes, len(block_units)),
-        )
-        exchange = (
-            exchange_bytes(model_cfg, N, ep, act_bytes)
-            if ep > 1 and model_cfg.n_expert > 0 and block_units
-            else 0
-        )
-        loss_held = loss_once = 0  # per micro-batch the head's chunk holds; while the loss runs
-        if head_chunk is not None:
-            loss_held, loss_once = loss_bytes(
-                model_cfg, N, tp, sequence_parallel, chunked_loss, act_bytes
-            )
-        accumulated = P * param_bytes if zero_stage < 2 else 0  # autograd's p.grad (ZeRO-0/1)
-        moments = schedule_moments(
-            schedule,
-            pp,
-            stage,
-            microbatches,
-            chunks,
-            [len(layers) for layers in chunk_layers],
-            head_chunk,
-            saved,
-            act_bytes * weight_grad_residual_elements(model_cfg, N, tp),
-        )
-        top, activations, loss = walk_peak(
-            moments,
-            head_chunk,
-            zero_stage,
-            recompute,
-            backward_start,
-            loss_held,
-            loss_once,
-            exchange,
-            accumulated,
-            buffers,
-            in_flight,
-        )
-        peak = params + (grads - accumulated) + optimizer_bytes + top
-        # after the last backward, before the data-parallel reduction: the tied copies' gradients
-        # summed into a new tensor (the activations all freed; ZeRO-1's slices still in flight)
-        at_tied_sum = (
-            params
-            + grads
-            + optimizer_bytes
-            + zero1_slices
-            + tied_sum_bytes(model_cfg, pp, zero_stage, elements, param_bytes)
-        )
-        # then, the gradients reduced, the norm's square of the largest gradient (under ZeRO a slice
-        # of at most the largest bucket's or unit's shard; the experts' over their replicas), and
-        # the step's own
-        norm_temp = grad_norm_bytes(
-            model_cfg,
-            zero_stage,
-            optimizer == "muon",
-            elements,
-            block_units,
-            root,
-            here,
-            head_chunk,
-            capacity,
-            replicas,
-            expert_replicas,
-            param_bytes,
-        )
-        step_temps = max(step_temps, norm_temp)
-        at_step = (
-            params + (grads if zero_stage >= 2 else P * param_bytes) + optimizer_bytes + step_temps
-        )
-        peak = max(peak, at_tied_sum)
-        stages.append(
-            {
-                "stage": stage,
-                "parameters": params,
-                "gradients": grads,
-                "optimizer": optimizer_bytes,
-                "activations": activations,
-                "loss": loss,
-                "buffers": buffers,
-                "step": step_temps,
-                "peak": max(peak, at_step),
-            }
-        )
-    return stages
+    run.replicas, run.expert_replicas = dp * cp, dp // ep * cp
+    # a gradient bucket's elements
+    run.capacity = max(1, int(bucket_size_mb * 2**20)) // param_bytes
+    run.muon = optimizer == "muon"
+    return [stage_memory(model_cfg, run, stage) for stage in range(pp)]
 
 
 def plan_for(cfg, model_cfg, layout_dims, dp_rank=None):
@@ -889,13 +863,11 @@ def format_plan(stages, gpu_mem_gib=None):
     """The plan as lines of text, one per stage, the largest named; with gpu_mem_gib what to change
     when it does not fit."""
     mib = lambda b: f"{b / 2**20:,.1f}"
-    lines = [
-        "memory per rank (MiB): stage | parameters gradients optimizer activations loss buffers step | peak"
-    ]
+    columns = ("parameters", "gradients", "optimizer", "activations", "loss", "buffers", "step")
+    lines = [f"memory per rank (MiB): stage | {' '.join(columns)} | peak"]
     for s in stages:
         lines.append(
-            f"  stage {s['stage']} | {mib(s['parameters'])} {mib(s['gradients'])} {mib(s['optimizer'])} "
-            f"{mib(s['activations'])} {mib(s['loss'])} {mib(s['buffers'])} {mib(s['step'])} | {mib(s['peak'])}"
+            f"  stage {s['stage']} | {' '.join(mib(s[k]) for k in columns)} | {mib(s['peak'])}"
         )
     top = max(stages, key=lambda s: s["peak"])
     lines.append(f"  largest: stage {top['stage']}, {top['peak'] / 2**30:.2f} GiB")
@@ -910,8 +882,8 @@ def format_plan(stages, gpu_mem_gib=None):
             "loss": "keep chunked_loss on (tp = 1) or lower batch_size",
         }[worst]
         lines.append(
-            f"  does not fit {gpu_mem_gib} GiB: stage {top['stage']} needs {top['peak'] / 2**30:.2f} GiB, most "
-            f"of it {worst}: {advice}"
+            f"  does not fit {gpu_mem_gib} GiB: stage {top['stage']} needs "
+            f"{top['peak'] / 2**30:.2f} GiB, most of it {worst}: {advice}"
         )
     return "\n".join(lines)
 
@@ -947,22 +919,22 @@ def format_memory_rows(rows, compiled_on=None):
     more line says how compiling moves the measure from the plan, and what it adds that neither
     counts."""
     lines = [
-        f"memory rank {r['rank']} (dp {r['dp_rank']} tp {r['tp_rank']} pp {r['pp_rank']}): predicted "
-        f"{r['predicted_bytes'] / 2**20:,.1f} MiB, measured {r['measured_bytes'] / 2**20:,.1f} MiB of tensors "
-        f"(step {r['step']})"
+        f"memory rank {r['rank']} (dp {r['dp_rank']} tp {r['tp_rank']} pp {r['pp_rank']}): "
+        f"predicted {r['predicted_bytes'] / 2**20:,.1f} MiB, measured "
+        f"{r['measured_bytes'] / 2**20:,.1f} MiB of tensors (step {r['step']})"
         for r in rows
     ]
     if compiled_on is not None:
         where = (
-            f"the log lines' peak RSS ({rank_peak_memory_bytes(compiled_on) / 2**20:,.0f} MiB after this first "
-            f"step, which compiled)"
+            f"the log lines' peak RSS ({rank_peak_memory_bytes(compiled_on) / 2**20:,.0f} MiB "
+            f"after this first step, which compiled)"
             if compiled_on.type == "cpu"
             else "host memory"
         )
         lines.append(
-            f"compile=True: the plan counts an eager step's tensors (compiled blocks save fewer for backward: "
-            f"their partitioner recomputes cheap operations, so the measure may come in under it); "
-            f"torch.compile's own memory (dynamo's traces, inductor's generated code and caches) is in "
-            f"neither, but in {where}"
+            f"compile=True: the plan counts an eager step's tensors (compiled blocks save fewer "
+            f"for backward: their partitioner recomputes cheap operations, so the measure may come "
+            f"in under it); torch.compile's own memory (dynamo's traces, inductor's generated code "
+            f"and caches) is in neither, but in {where}"
         )
     return "\n".join(lines)

@@ -13,23 +13,28 @@ constant fitted to a measured run. It calls no collective, touches no device and
 runs on a laptop for an H100 cluster.
 
 The terms, each with its formula and source where it is computed:
-  compute       FLOPs / the machine's achieved matmul rate (its best published measurement, or one measured
-                here at the model's shapes); attention, where the kernel is fused, at the kernel's published
-                efficiency, counting the causal half it computes (FlashAttention-2's convention).
-  non-matmul    the norms, residual adds, rotary, the MLP's activation, the loss's softmax and the optimizer
-                step, by the bytes they move over the memory bandwidth (the roofline: Williams et al. 2009);
-                under tp on a machine measured here, the vocab-parallel loss's kernels as they were timed.
-  pipeline      every rank's actions placed in time (simulate_pipeline): bubble, interleaving, zero-bubble
-                and the stages' imbalance all come out of the one simulation.
-  communication the ring algorithm (Patarasuk & Yuan 2009; nccl-tests doc/PERFORMANCE.md's busbw): an all-reduce
-                of S bytes over n ranks takes 2 (n - 1) latencies plus 2 (n - 1) / n S / busbw, a reduce-scatter
-                or all-gather half that; on the link the group spans (a node's, or the network's):
-                machines.collective_seconds and group_link.
-  overlap       only where the code overlaps: the data-parallel buckets with the backward (Li et al. 2020,
-                3.2.3), ZeRO-1/2's parameter all-gather with the next forward, ZeRO-3's prefetched gathers
-                with the unit before, the cp ring with the attention it feeds. Where the links share the
-                compute's cores (CPU, gloo with one core a rank) nothing overlaps.
-  host          on CPU, each operator's dispatch and autograd bookkeeping (OPS_PER_BLOCK, op_seconds).
+  compute       FLOPs / the machine's achieved matmul rate (its best published measurement, or
+                one measured here at the model's shapes); attention, where the kernel is fused, at
+                the kernel's published efficiency, counting the causal half it computes
+                (FlashAttention-2's convention).
+  non-matmul    the norms, residual adds, rotary, the MLP's activation, the loss's softmax and the
+                optimizer step, by the bytes they move over the memory bandwidth (the roofline:
+                Williams et al. 2009); under tp on a machine measured here, the vocab-parallel
+                loss's kernels as they were timed.
+  pipeline      every rank's actions placed in time (simulate_pipeline): bubble, interleaving,
+                zero-bubble and the stages' imbalance all come out of the one simulation.
+  communication the ring algorithm (Patarasuk & Yuan 2009; nccl-tests doc/PERFORMANCE.md's busbw):
+                an all-reduce of S bytes over n ranks takes 2 (n - 1) latencies plus
+                2 (n - 1) / n S / busbw, a reduce-scatter or all-gather half that; on the link the
+                group spans (a node's, or the network's): machines.collective_seconds and
+                group_link.
+  overlap       only where the code overlaps: the data-parallel buckets with the backward (Li et
+                al. 2020, 3.2.3), ZeRO-1/2's parameter all-gather with the next forward, ZeRO-3's
+                prefetched gathers with the unit before, the cp ring with the attention it feeds.
+                Where the links share the compute's cores (CPU, gloo with one core a rank) nothing
+                overlaps.
+  host          on CPU, each operator's dispatch and autograd bookkeeping (OPS_PER_BLOCK,
+                op_seconds).
 Left out, and which way each errs: kernels' efficiency at the run's own shapes (a named machine's
 rate is the best shape's), congestion across nodes, the skew between ranks at each blocking exchange
 (it waits for the slower), data loading, logging (all fast); overlap NCCL gets unasked (slow).
@@ -230,6 +235,46 @@ OPS_PER_BLOCK, OPS_AT_ENDS = {"dense": (80, 137), "moe": (161, 246)}, (20, 34)
 RING_OPS_PER_PAIR, RING_OPS_BACKWARD, FUSED_ATTENTION_OPS = (91, 69), 38, (2, 7)
 
 
+def ring_seconds(model_cfg, run, machine, links, tokens, act_bytes, attention_f):
+    """[forward, backward] seconds context parallelism's ring leaves exposed in one block
+    (context_parallel.ring_attention_bytes): forward cp - 1 messages of the keys and values;
+    backward cp - 1 of them and cp of their fp32 gradients' accumulators, the last one bringing them
+    home. Each overlaps the attention of its step (the ring feeds it), the last one nothing.
+    attention_f: the block's forward attention seconds."""
+    qk, v = attention_dims(model_cfg)
+    kv_elements = tokens * max(1, model_cfg.n_kv_head // run.tp) * (qk + v)
+    kv = p2p_seconds(kv_elements * act_bytes, links["cp"])
+    kv_grads = p2p_seconds(kv_elements * 4, links["cp"])
+    hidden = attention_f / run.cp if machine["overlaps"] else 0.0  # one step's attention
+    return [
+        (run.cp - 1) * max(0.0, kv - hidden),
+        (run.cp - 1) * max(0.0, kv + kv_grads - 2 * hidden) + kv_grads * (run.cp > 1),
+    ]
+
+
+def expert_exchange_seconds(model_cfg, run, links, tokens, act_bytes):
+    """[forward, backward] seconds of expert parallelism's all-to-alls in one block: two of the kept
+    rows each way, forward after the counts' (exchange_expert_counts)."""
+    if model_cfg.n_expert <= 0 or run.ep <= 1:
+        return [0.0, 0.0]
+    kept, _ = expert_rows(model_cfg, tokens, run.ep)
+    row_bytes = kept * model_cfg.n_embd * act_bytes
+    rows = 2 * collective_seconds("all_to_all", row_bytes, run.ep, links["ep"])
+    counts = collective_seconds("all_to_all", model_cfg.n_expert * 8, run.ep, links["ep"])
+    return [rows + counts, rows]
+
+
+def host_seconds(model_cfg, run, machine):
+    """(forward, backward) seconds the host spends on one block's operators (op_seconds: measured on
+    CPU, hidden behind a GPU's kernels), the ring's under cp."""
+    ops_f, ops_b = OPS_PER_BLOCK["moe" if model_cfg.n_expert else "dense"]
+    if run.cp > 1:
+        pairs = 2 * run.cp + 1
+        ops_f += RING_OPS_PER_PAIR[0] * pairs - FUSED_ATTENTION_OPS[0]
+        ops_b += RING_OPS_PER_PAIR[1] * pairs + RING_OPS_BACKWARD - FUSED_ATTENTION_OPS[1]
+    return ops_f * machine.get("op_seconds", 0.0), ops_b * machine.get("op_seconds", 0.0)
+
+
 def block_seconds(model_cfg, run, machine, links, tokens):
     """Seconds of one block on one rank for one micro-batch of `tokens` tokens (this rank's, after
     context parallelism's split): {'forward', 'input_grad', 'weight_grad'} of compute, and the
@@ -249,13 +294,8 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     # the eager attention computes every score and masks half; the zigzag ring skips the blocks no
     # query sees: the causal half and its 2 cp diagonal blocks' other half, of 2 cp x 2 cp
     unfused = 1.0 if run.cp == 1 else 0.5 + 1 / (4 * run.cp)
-    attention_f = (
-        tokens
-        * attention
-        / 3
-        / run.tp
-        / (rate * machine["attention_efficiency"] * 2 if fused else rate / unfused)
-    )
+    attention_rate = rate * machine["attention_efficiency"] * 2 if fused else rate / unfused
+    attention_f = tokens * attention / 3 / run.tp / attention_rate
     # a fused kernel's backward recomputes the scores: 2.5 forwards' FLOPs (FlashAttention-2's
     # count, in which its efficiency is reported), where the unfused backward is two
     attention_b = attention_f * (2.5 if fused else 2)
@@ -264,54 +304,21 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     )
     # tensor parallelism's two regions a block copy their activations, forward and backward alike
     # (parallel.py): g clones its input for the in-place all-reduce, f its gradient (2a per
-    # element); under SP the all-gather writes through the library's flat buffer, then concatenates
-    # (4a), the reduce-scatter moves the sequence to the front (2a) and adds the received piece (3a
-    # / tp)
+    # element); under SP the all-gather writes through the library's flat buffer, then
+    # concatenates (4a), the reduce-scatter moves the sequence to the front (2a) and adds the
+    # received piece (3a / tp)
     per_region = (6 + 3 / run.tp if run.sequence_parallel else 2) * (run.tp > 1)
     copies = tokens * 2 * per_region * act_bytes * model_cfg.n_embd / machine["memory_bw"]
     # tensor parallelism: attention's and the MLP's outputs all-reduced forward (g), their inputs'
     # gradients backward (f); under sequence parallelism an all-gather and a reduce-scatter instead,
     # the same bytes
-    tp = 2 * collective_seconds(
-        "all_reduce", tokens * model_cfg.n_embd * act_bytes, run.tp, links["tp"]
-    )
-    # context parallelism, the ring's messages (context_parallel.ring_attention_bytes): forward cp -
-    # 1 of the keys and values; backward cp - 1 of them and cp of their fp32 gradients'
-    # accumulators, the last one bringing them home. Each overlaps the attention of its step (the
-    # ring feeds it), the last one nothing.
-    kv_elements = tokens * max(1, model_cfg.n_kv_head // run.tp) * (qk + v)
-    kv, kv_grads = (
-        p2p_seconds(kv_elements * act_bytes, links["cp"]),
-        p2p_seconds(kv_elements * 4, links["cp"]),
-    )
-    hidden = attention_f / run.cp if machine["overlaps"] else 0.0  # one step's attention
-    cp = [
-        (run.cp - 1) * max(0.0, kv - hidden),
-        (run.cp - 1) * max(0.0, kv + kv_grads - 2 * hidden) + kv_grads * (run.cp > 1),
-    ]
-    # expert parallelism: two all-to-alls of the kept rows each way, forward after the counts'
-    # (exchange_expert_counts)
-    ep = [0.0, 0.0]
-    if model_cfg.n_expert > 0 and run.ep > 1:
-        kept, _ = expert_rows(model_cfg, tokens, run.ep)
-        rows = 2 * collective_seconds(
-            "all_to_all", kept * model_cfg.n_embd * act_bytes, run.ep, links["ep"]
-        )
-        ep = [
-            rows + collective_seconds("all_to_all", model_cfg.n_expert * 8, run.ep, links["ep"]),
-            rows,
-        ]
-    # the host's cost per operator (op_seconds: measured on CPU, hidden behind a GPU's kernels); the
-    # ring's under cp
-    ops_f, ops_b = OPS_PER_BLOCK["moe" if model_cfg.n_expert else "dense"]
-    if run.cp > 1:
-        ops_f += RING_OPS_PER_PAIR[0] * (2 * run.cp + 1) - FUSED_ATTENTION_OPS[0]
-        ops_b += (
-            RING_OPS_PER_PAIR[1] * (2 * run.cp + 1) + RING_OPS_BACKWARD - FUSED_ATTENTION_OPS[1]
-        )
-    ops_f, ops_b = ops_f * machine.get("op_seconds", 0.0), ops_b * machine.get("op_seconds", 0.0)
+    tp_bytes = tokens * model_cfg.n_embd * act_bytes
+    tp = 2 * collective_seconds("all_reduce", tp_bytes, run.tp, links["tp"])
+    cp = ring_seconds(model_cfg, run, machine, links, tokens, act_bytes, attention_f)
+    ep = expert_exchange_seconds(model_cfg, run, links, tokens, act_bytes)
+    ops_f, ops_b = host_seconds(model_cfg, run, machine)
+    # compute only (stage_actions adds the communication)
     forward = matmul_f + attention_f + elementwise_f + copies + ops_f
-    # (its communication: stage_actions)
     recompute = forward if run.activation_checkpointing else 0.0
     return {
         "forward": forward,
@@ -335,11 +342,8 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
     head's input gradient backward (under SP the final norm's all-gather forward and reduce-scatter
     backward instead)."""
     dtype = dtype_of(run, machine)
-    rate, act_bytes, C = (
-        machine["matmul_flops"][dtype],
-        4 if dtype == "float32" else 2,
-        model_cfg.n_embd,
-    )
+    rate, act_bytes = machine["matmul_flops"][dtype], 4 if dtype == "float32" else 2
+    C = model_cfg.n_embd
     _, _, head = metrics.pipeline_costs(model_cfg)
     lookup = tokens * C * act_bytes / machine["memory_bw"]
     activations = collective_seconds("all_reduce", tokens * C * act_bytes, run.tp, links["tp"])
@@ -361,7 +365,7 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
     loss = 3 * collective_seconds("all_reduce", tokens * 4, run.tp, links["tp"])
     tp = [loss + half, half] if run.sequence_parallel else [loss, activations]
     chunked = run.chunked_loss and run.tp == 1
-    # (both gradients read and written, fp32)
+    # the chunked loss's backward scales its two gradients (each read and written, fp32)
     scale = (tokens + model_cfg.vocab_size) * C * 8 / machine["memory_bw"]
     head = (
         {
@@ -746,7 +750,8 @@ def format_prediction(prediction, run):
     }
     lines = [
         f"predicted step: {step * 1e3:,.1f} ms on {prediction['machine'].get('description', '?')} "
-        f"({prediction['dtype']}); layout dp {run.dp} x cp {run.cp} x tp {run.tp} x pp {run.pp} x ep {run.ep}, "
+        f"({prediction['dtype']}); layout dp {run.dp} x cp {run.cp} x tp {run.tp} x pp {run.pp} "
+        f"x ep {run.ep}, "
         f"ZeRO-{run.zero_stage}, micro-batch {run.batch_size} x {run.gradient_accumulation_steps}"
         + (
             f", {run.pp_schedule} ({run.pp_chunks} chunk{'s' * (run.pp_chunks > 1)})"
@@ -805,7 +810,8 @@ def check_counts(values):
 
 
 def vocab_size_of(cfg):
-    """(vocabulary size, where it comes from): the setting, else the data's meta.json, else GPT-2's."""
+    """(vocabulary size, where it comes from): the setting, else the data's meta.json, else
+    GPT-2's."""
     if cfg["vocab_size"]:
         return cfg["vocab_size"], "the vocab_size setting"
     meta_path = os.path.join(cfg["data_dir"], "meta.json")
@@ -847,10 +853,8 @@ def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None, mat
     if machine is None:
         return (
             None,
-            (
-                "predicted step: no named machine matches this GPU (python tools/step_time.py --machine=PATH.json "
-                "predicts for one you describe)"
-            ),
+            "predicted step: no named machine matches this GPU (python tools/step_time.py "
+            "--machine=PATH.json predicts for one you describe)",
             {},
         )
     run = run_of(cfg, layout.world_size)
@@ -858,11 +862,17 @@ def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None, mat
     p = predict(model_cfg, run, machine)
     lines = format_prediction(p, run)
     if getattr(cfg, "fp8", "none") != "none":
-        lines += f"\n  (fp8 = {cfg.fp8!r} is not modelled: its linears are predicted at the {p['dtype']} rate)"
+        lines += (
+            f"\n  (fp8 = {cfg.fp8!r} is not modelled: its linears are predicted at the "
+            f"{p['dtype']} rate)"
+        )
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) * torch.get_num_threads()
-    # (a step-time model gives each rank its cores)
+    # the model gives each rank its cores: say when they are shared
     if device.type == "cpu" and sharing > (os.cpu_count() or 1):
-        lines += f"\n  ({sharing} threads share this machine's {os.cpu_count()} cores: expect a slower step)"
+        lines += (
+            f"\n  ({sharing} threads share this machine's {os.cpu_count()} cores: "
+            f"expect a slower step)"
+        )
     return (
         p["step_s"],
         lines,

@@ -261,7 +261,8 @@ def bubble_formula(schedule, pp, m, chunks=1):
 
 
 def format_timeline(schedule, pp, m, chunks=1):
-    """The timeline as text, one row per rank, with the microbatches each rank holds and the bubble."""
+    """The timeline as text, one row per rank, with the microbatches each rank holds and the
+    bubble."""
     if schedule == "zbv":
         chunks = 2
     rows = schedule_timeline(schedule, pp, m, chunks)
@@ -270,8 +271,8 @@ def format_timeline(schedule, pp, m, chunks=1):
     lines = [
         f"{schedule}: pp={pp} ranks, m={m} microbatches"
         + (f", {chunks} chunks per rank" if chunks > 1 else "")
-        + "; a slot per forward (F), backward (B, two slots when not split into B and W) or weight gradient "
-        + "(W)"
+        + "; a slot per forward (F), backward (B, two slots when not split into B and W) or "
+        + "weight gradient (W)"
         + (", .c the chunk" if chunks > 1 else "")
         + "; .. idle"
     ]
