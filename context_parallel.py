@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel import _all_gather_along, at_least_fp32, group_rank, group_size, waited
+from parallel import _all_gather_along, at_least_fp32, group_rank, group_size
 
 
 def check_context_split(seq_len, cp):
@@ -307,7 +307,7 @@ def _post_ring_exchange(tensors, group):
 
 def _wait(requests):
     for request in requests:
-        waited(request, "cp")
+        request.wait()
 
 
 def _visible(keys, firsts, rank, source, qs, ks):
@@ -449,7 +449,7 @@ def loss_share(loss, targets, group, ignore_index=-1):
         return loss
     count = (targets != ignore_index).sum()
     total = count.clone()
-    waited(dist.all_reduce(total, group=group, async_op=True), "cp")
+    dist.all_reduce(total, group=group)
     return loss * (count.clamp(min=1) * cp / total.clamp(min=1))
 
 
@@ -545,7 +545,7 @@ class ContextWindow:
 
     def total(self, counts):
         counts = counts.clone()
-        waited(dist.all_reduce(counts, group=self.group, async_op=True), "cp")
+        dist.all_reduce(counts, group=self.group)
         return counts
 
 

@@ -45,7 +45,7 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 
-from parallel import Reducers, group_rank, group_size, waited
+from parallel import Reducers, group_rank, group_size
 
 ExpertSplits = namedtuple("ExpertSplits", "send recv recv_counts")
 
@@ -64,7 +64,7 @@ def exchange_expert_counts(counts, group):
         return ExpertSplits(send, [send], recv_counts)
     recv_counts = torch.empty_like(counts)
     # n_expert / ep counts to each rank
-    waited(dist.all_to_all_single(recv_counts, counts, group=group, async_op=True), "ep")
+    dist.all_to_all_single(recv_counts, counts, group=group)
     both = torch.cat([counts, recv_counts]).tolist()  # host-device sync
     n = len(both) // 2
     return ExpertSplits(
@@ -89,7 +89,7 @@ class AllToAll(torch.autograd.Function):
         work = dist.all_to_all_single(
             out, x.contiguous(), recv_splits, send_splits, group=group, async_op=True
         )
-        waited(work, "ep")
+        work.wait()
         sent.bytes_sent += _bytes_to_others(x, send_splits, group)
         return out
 
@@ -100,7 +100,7 @@ class AllToAll(torch.autograd.Function):
         work = dist.all_to_all_single(
             grad_x, grad.contiguous(), send_splits, recv_splits, group=ctx.group, async_op=True
         )
-        waited(work, "ep")
+        work.wait()
         ctx.sent.bytes_sent += _bytes_to_others(grad, recv_splits, ctx.group)
         return grad_x, None, None, None, None
 

@@ -254,8 +254,11 @@ class Float8Matmul:
             raise ValueError(f"fp8 = {recipe!r} must be one of {', '.join(map(repr, RECIPES))}")
         self.recipe, self.inner, self.outer, self.tokens = recipe, inner, outer, tokens
         self.sources = self.store = None
+        self.calls = 0  # products run eagerly (ledger.py's proof a run computed in FP8)
 
     def __call__(self, x, weight, bias=None):
+        if not torch.compiler.is_compiling():  # (a count read under compile would be a guard)
+            self.calls += 1
         device = x.device.type
         # the input in the autocast dtype, as F.linear's autocast would
         if torch.is_autocast_enabled(device):
@@ -365,3 +368,9 @@ def _per_source(exchange_counts, experts, counts):
 def count_fp8(model):
     """How many of the model's linears compute in FP8."""
     return sum(isinstance(getattr(m, "matmul", None), Float8Matmul) for m in model.modules())
+
+
+def fp8_calls(model):
+    """How many FP8 products the model's linears ran eagerly (Float8Matmul.calls)."""
+    matmuls = [getattr(m, "matmul", None) for m in model.modules()]
+    return sum(mm.calls for mm in matmuls if isinstance(mm, Float8Matmul))

@@ -33,7 +33,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from configurator import ConfigError
 from model import attention_dims, mlp_hidden_size
-from parallel import counting_waits, full_shape_of
+from ledger import MECHANISMS, CommLedger, layout_groups
+from parallel import full_shape_of
 
 
 # -----------------------------------------------------------------------------
@@ -483,22 +484,21 @@ def open_log_backends(cfg):
 
 
 # -----------------------------------------------------------------------------
-# Where a step waited: parallel.waited counts every wait on communication by its mechanism, so a log
-# line shows what no computation hid (tools/bench.py's exposed_comm_ms, train.py's).
+# Where a step waited: a communication ledger (ledger.py) times every wait on communication by its
+# mechanism, so a log line shows what no computation hid (tools/bench.py's exposed_comm_ms,
+# train.py's).
 
-MECHANISMS = ("dp", "tp", "cp", "ep", "pp")  # (dp: data parallelism and every ZeRO stage)
 
-
-def exposed_comm(step, layout):
-    """Run step(); returns (what it returned, mean_waits of the milliseconds this rank stood in
-    parallel.waited during it)."""
-    with counting_waits() as waits:
+def exposed_comm(step, layout, pipeline=None):
+    """Run step() inside a ledger of the layout's groups; returns (what it returned, mean_waits of
+    the milliseconds this rank stood waiting, the ledger)."""
+    with CommLedger(layout_groups(layout, pipeline)) as ledger:
         out = step()
-    return out, mean_waits(waits, layout)
+    return out, mean_waits(ledger.waits(), layout), ledger
 
 
 def mean_waits(waits, layout):
-    """{mechanism: ms} of a counting_waits block, every mechanism named, the mean over the world's
+    """{mechanism: ms} of a ledger's waits, every mechanism named, the mean over the world's
     ranks (every rank calls it: one all-reduce)."""
     waited = {m: waits.get(m, 0.0) for m in MECHANISMS}
     if layout.world_size > 1:

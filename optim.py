@@ -253,6 +253,7 @@ class Muon(torch.optim.Optimizer):
             ),
         )
         self.tp_group, self.grad_sync = tp_group, grad_sync
+        self.orthogonalized = 0  # matrices Newton-Schulz ran on (ledger.py's proof Muon ran)
         self.group_of = {p: g for g in self.param_groups for p in g["params"]}
         self.matrices = [p for g in self.param_groups if g["muon"] for p in g["params"]]
         if any(p.dim() != 2 for p in self.matrices):
@@ -316,6 +317,7 @@ class Muon(torch.optim.Optimizer):
             nesterov = p.grad.add(new_momentum, alpha=mu)
             full = gather_tp_slices(nesterov, p, self.tp_group)  # (A, B): the whole matrix
             orthogonal = shard_of(newton_schulz(full, group["ns_steps"]), p).to(p.dtype)
+            self.orthogonalized += 1
             scale = -lr * 0.2 * math.sqrt(max(full.shape))
             new_p = (p * (1 - lr * group["weight_decay"])).add_(orthogonal, alpha=scale)
             # found_inf: keep the old values

@@ -72,7 +72,7 @@ one-process result. Apply an autograd Function through its helper: called direct
 would hand None to torch, whose collectives read it as the default world group.
 
 Each numbered section's header says which earlier sections it needs (`# Needs:`); every one needs
-the top of the file (the imports, the two renamed collectives, waited and at_least_fp32) and no
+the top of the file (the imports, the two renamed collectives and at_least_fp32) and no
 later section, so a section lifts with the ones it names (tests/test_lift.py lifts them so, and runs
 them).
 
@@ -87,8 +87,7 @@ Language Model Training on GPU Clusters Using Megatron-LM" (1F1B, section 2.2.1)
 import itertools
 import math
 import os
-import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -98,34 +97,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim.adamw import adamw
 
-# torch 2.13 renamed the single-tensor collectives (the old names still work, with a warning)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# torch 2.13 renamed the single-tensor collectives (the old names still warn): looked up at each
+# call, so that a ledger wrapping torch.distributed (ledger.py) sees them.
+def _reduce_scatter_single(*args, **kwargs):
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
-# What a rank stands waiting on communication, by mechanism (dp: data parallelism and ZeRO; tp, cp,
-# ep, pp): every wait goes through waited(), which inside `with counting_waits() as waits:`
-# (tools/bench.py, train.py's step before a log line) adds its milliseconds to waits. On CUDA a wait
-# only orders the streams, the host does not stand still: the figures are gloo's.
-_counting = []  # the dicts of the counting_waits blocks open now (what waited() adds to)
-
-
-@contextmanager
-def counting_waits():
-    waits = {}
-    _counting.append(waits)
-    try:
-        yield waits
-    finally:
-        _counting.remove(waits)
-
-
-def waited(work, mechanism):
-    """work.wait(), its time added to the open counting_waits blocks' `mechanism`."""
-    start = time.perf_counter()
-    work.wait()
-    for waits in _counting:
-        waits[mechanism] = waits.get(mechanism, 0.0) + 1e3 * (time.perf_counter() - start)
+def _all_gather_single(*args, **kwargs):
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(*args, **kwargs)
 
 
 def at_least_fp32(dtype):
@@ -252,7 +232,9 @@ class ParallelLayout:
         # of size 1). Each rank must create all of them, in the same order, even those it is not in.
         sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
         rank_at = lambda c: grid_rank(c["pp"], c["dp"], c["tp"], dp, tp, c["cp"], cp)
-        lines = [("tp",), ("cp",), ("dp",), ("pp",)] + ([("dp", "cp")] if dp > 1 and cp > 1 else [])
+        # (dp, cp) is built at dp = 1 too, a group of the cp line's ranks: the gradients' averaging
+        # then has a group of its own, which a ledger (ledger.py) tells from the ring exchange
+        lines = [("tp",), ("cp",), ("dp",), ("pp",)] + ([("dp", "cp")] if cp > 1 else [])
         for axes in lines:
             if math.prod(sizes[a] for a in axes) == 1:
                 continue
@@ -265,9 +247,9 @@ class ParallelLayout:
                 group = dist.new_group(ranks, timeout=timeout, group_desc="_".join(axes))
                 if rank in ranks:
                     setattr(self, f"{'_'.join(axes)}_group", group)
-        # one of dp and cp is 1: the other's group holds the same parameters
+        # cp is 1: the dp line holds the same parameters
         if self.dp_cp_group is None:
-            self.dp_cp_group = self.dp_group if cp == 1 else self.cp_group
+            self.dp_cp_group = self.dp_group
         # the expert groups (where one of them is a line built above, that line)
         self.expert_dp_group = self.dp_cp_group if ep == 1 else None
         if ep > 1:
@@ -486,7 +468,7 @@ class GradientBuckets:
             self.launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
-                waited(bucket.work, "dp")  # sync point: the gradient is needed from here on
+                bucket.work.wait()  # sync point: the gradient is needed from here on
             self.land(bucket)
             bucket.ready, bucket.work = set(), None
         self.sync, self.launched = True, 0
@@ -598,7 +580,7 @@ def summed_slice(bucket):
     """This rank's slice of the sum post_reduce_scatter posted, once it has landed: bucket.shard, or
     with one rank its range of flat."""
     if bucket.work is not None:
-        waited(bucket.work, "dp")  # sync point: the sum is needed now
+        bucket.work.wait()  # sync point: the sum is needed now
         bucket.work = None
     if bucket.shard is not None:
         return bucket.shard
@@ -656,7 +638,7 @@ def wait_for_params(buckets):
     whole."""
     for bucket in buckets:
         if getattr(bucket, "gathering", None) is not None:
-            waited(bucket.gathering, "dp")
+            bucket.gathering.wait()
             bucket.gathering = None
 
 
@@ -929,7 +911,7 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
     def backward(ctx, grad):
         # all-reduce a copy: it works in place and autograd may pass this gradient to other branches
         grad = grad.clone(memory_format=torch.contiguous_format)
-        waited(dist.all_reduce(grad, group=ctx.group, async_op=True), "tp")
+        dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
 
@@ -941,7 +923,7 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
     def forward(ctx, x, group):
         # all_reduce works in place: leave the caller's x
         x = x.clone(memory_format=torch.contiguous_format)
-        waited(dist.all_reduce(x, group=group, async_op=True), "tp")
+        dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
@@ -953,7 +935,7 @@ def _all_gather_along(x, group, dim):
     """Every rank's x, concatenated along dim in rank order."""
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    waited(dist.all_gather(parts, x, group=group, async_op=True), "tp")
+    dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)
 
 
@@ -1195,14 +1177,14 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         else:  # this rank holds only vocabulary padding
             max_logit = torch.full((n,), float("-inf"), dtype=logits.dtype, device=logits.device)
             target_logit = torch.zeros(n, dtype=logits.dtype, device=logits.device)
-        waited(dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group, async_op=True), "tp")
+        dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
         # lands while exp runs
         target_summed = dist.all_reduce(target_logit, group=group, async_op=True)
         # the one (N, V_local) temporary; becomes the softmax
         exp = (logits - max_logit.unsqueeze(-1)).exp_()
         sum_exp = exp.sum(dim=-1)
-        waited(dist.all_reduce(sum_exp, group=group, async_op=True), "tp")
-        waited(target_summed, "tp")
+        dist.all_reduce(sum_exp, group=group)
+        target_summed.wait()
         loss = sum_exp.log() - (target_logit - max_logit)
         valid = targets != ignore_index
         loss = loss.masked_fill(~valid, 0.0)
@@ -1296,7 +1278,7 @@ def _reduce_scatter_along(x, group, dim):
     moved = x.movedim(dim, 0).contiguous()  # a reduce-scatter cuts along dimension 0
     out = moved.new_empty((moved.shape[0] // group_size(group), *moved.shape[1:]))
     # section 3's reduce_scatter: gloo's own takes twice as long
-    waited(reduce_scatter(out.view(-1), moved, group), "tp")
+    reduce_scatter(out.view(-1), moved, group).wait()
     return out.movedim(0, dim)
 
 
@@ -1655,7 +1637,7 @@ class PipelineExecutor:
     def wait(self, request, action, source):
         """Wait for action's input, posted as `request`, from model stage `source`."""
         try:
-            waited(request, "pp")  # sync point: the input must have arrived
+            request.wait()  # sync point: the input must have arrived
         except RuntimeError as e:  # the sender died or hung: say which
             op, i, c = action
             here = f"pipeline stage {self.comm.chunk_stages[c]} (rank {self.comm.rank})"
@@ -1688,7 +1670,7 @@ class PipelineExecutor:
                 sends[:] = [request for request in sends if not request.is_completed()]
                 sends.append(comm.send(product, op, destination))
         for request in sends:
-            waited(request, "pp")
+            request.wait()
         return self.total
 
 
@@ -1749,6 +1731,11 @@ class Pipeline:
     tied_copies: list = field(default_factory=list)
     tied_group: object = None
     sums_tied: bool = True
+
+    def groups(self):
+        """The process groups the pipeline sends on beyond the world's: its gradients' and the tied
+        copies'."""
+        return [g for g in (self.comm.groups["B"], self.tied_group) if g is not None]
 
     def actions(self, m):
         """This rank's list for a step of m microbatches."""

@@ -478,6 +478,13 @@ TRAINING = [
             resume="allow",
         ),
         Setting(
+            "comm_ledger",
+            False,
+            "print the first step's communication ledger: each mechanism's calls, bytes sent "
+            "and milliseconds waited, per op (ledger.py)",
+            resume="allow",
+        ),
+        Setting(
             "ep",
             1,
             "expert-parallel ranks: each MoE layer's experts are spread over ep neighbouring "

@@ -31,7 +31,6 @@ from parallel import (
     scatter_to_tp,
     valid_vocab_columns,
     vocab_parallel_cross_entropy,
-    waited,
 )
 
 
@@ -126,7 +125,7 @@ def sum_partial_grads(grads):
             by_group.setdefault(p.grad_summed_over, []).append(grad)
     for group, parts in by_group.items():
         flat = torch.cat([grad.reshape(-1) for grad in parts])
-        waited(dist.all_reduce(flat, group=group, async_op=True), "tp")
+        dist.all_reduce(flat, group=group)
         for grad, summed in zip(parts, flat.split([grad.numel() for grad in parts])):
             grad.copy_(summed.view_as(grad))
 

@@ -40,7 +40,16 @@ from configurator import ConfigError, configure
 from data import EVAL_STREAM, TRAIN_STREAM, DataError, document_end, rank_microbatches
 from faults import StopVote, TooManyBadSteps, end_of_run, end_on_dead_peer, peer_failure, run_script
 from model import uncompile_blocks
-from parallel import at_least_fp32, counting_waits, optimizer_state_bytes, wait_for_params
+from fp8 import count_fp8, fp8_calls
+from ledger import (
+    CommLedger,
+    MechanismNotRun,
+    format_ledger,
+    layout_groups,
+    unproven,
+    world_totals,
+)
+from parallel import at_least_fp32, optimizer_state_bytes, wait_for_params
 from tensor_parallel import sum_partial_grads
 
 # The tools (tools/): the start-up memory plan, predicted step and pipeline description, the
@@ -577,17 +586,45 @@ def start_step(cfg, run, parts, resume_path):
 
 def one_step(cfg, run, parts, micro, lr, trace, step, measured):
     """train_step for step `step`: (loss, grad norm, measured). The run's first has every rank's
-    peak memory measured (measured: None until then; its time includes the CPU tracker's); with
-    several ranks, the one before each log line has its waits on communication counted
+    peak memory measured (measured: None until then; its time includes the CPU tracker's). It and,
+    with several ranks, the step before each log line run inside a communication ledger: the first
+    is held to the settings (prove_mechanisms), the others' waits go to the log line
     (run.exposed_comm_ms)."""
+    layout, first = run.layout, measured is None
+    if not first and (layout.world_size == 1 or step % cfg.log_interval != 0):
+        return (*train_step(cfg, layout, parts, micro, lr, trace, step=step), measured)
+    graphs = compiled_graphs()
+    with CommLedger(layout_groups(layout, parts.pipeline)) as ledger:
+        if first:
+            out = measured_step(cfg, run, parts, micro, lr, trace, step)
+        else:
+            out = (*train_step(cfg, layout, parts, micro, lr, trace, step=step), measured)
+    run.exposed_comm_ms = ledger.waits() if layout.world_size > 1 else None
+    if first:
+        prove_mechanisms(cfg, run, parts, ledger, step, compiled_graphs() - graphs)
+    return out
+
+
+def compiled_graphs():
+    """The graphs torch.compile has made in this process."""
+    dynamo = sys.modules.get("torch._dynamo")  # (imported by the first torch.compile)
+    return dynamo.utils.counters["stats"]["unique_graphs"] if dynamo is not None else 0
+
+
+def prove_mechanisms(cfg, run, parts, ledger, step, compiled):
+    """Stop the run (MechanismNotRun) when a mechanism its settings turned on did nothing in its
+    first step, summed over the ranks (ledger.unproven); with comm_ledger, print the ledger.
+    compiled: the graphs torch.compile made in the step."""
     layout = run.layout
-    if measured is None:
-        return measured_step(cfg, run, parts, micro, lr, trace, step)
-    if layout.world_size > 1 and step % cfg.log_interval == 0:
-        with counting_waits() as run.exposed_comm_ms:  # (averaged over the ranks by the log line)
-            loss, grad_norm = train_step(cfg, layout, parts, micro, lr, trace, step=step)
-        return loss, grad_norm, measured
-    return (*train_step(cfg, layout, parts, micro, lr, trace, step=step), measured)
+    # compiled FP8 products run inside the graph, where nothing counts them: the linears are
+    fp8 = count_fp8(parts.model) if parts.compiled else fp8_calls(parts.model)
+    orthogonalized = getattr(parts.optimizer, "orthogonalized", 0)
+    counts = {"newton_schulz": orthogonalized, "fp8_matmuls": fp8, "compiled_graphs": compiled}
+    calls, counts = world_totals(ledger, counts, layout)
+    if problems := unproven(cfg, layout, calls, counts):
+        raise MechanismNotRun("\n".join(problems))
+    if cfg.comm_ledger:
+        print0(layout, format_ledger(ledger.summary(), step, layout.rank))
 
 
 def measured_step(cfg, run, parts, micro, lr, trace, step):
@@ -700,6 +737,7 @@ def main(argv):
             checkpoint.CheckpointError,
             TooManyBadSteps,
             metrics.LogError,
+            MechanismNotRun,
         ) as e:
             sys.exit(f"error: {e}")  # printed by rank 0 (faults.run_script)
         except RuntimeError as e:

@@ -96,7 +96,6 @@ from parallel import (
     post_reduce_scatter,
     summed_slice,
     wait_for_params,
-    waited,
 )
 
 
@@ -239,7 +238,7 @@ class GradientShards(GradientBuckets):
         if self.tied_group is not None:
             for p in self.tied_copies:
                 shard = self.where[p][0].grad_shard
-                waited(dist.all_reduce(shard, group=self.tied_group, async_op=True), "pp")
+                dist.all_reduce(shard, group=self.tied_group)
 
     # what parallel.ZeroOneAdamW steps with: ZeRO-1's slices, the gradient's from grad_shard
     def owned_slices(self):
@@ -291,13 +290,13 @@ class Unit:
     def wait(self):
         self.post_gather()
         if self.gather is not True:
-            waited(self.gather, "dp")  # sync point: the parameters are needed now
+            self.gather.wait()  # sync point: the parameters are needed now
             self.gather = True
 
     def free(self):
         """Freeing is the storage itself, not a reference: what autograd saved are views of it."""
         if self.gather is not None and self.gather is not True:
-            waited(self.gather, "dp")  # a prefetch nobody used: it must land before its buffer goes
+            self.gather.wait()  # a prefetch nobody used: it must land before its buffer goes
         self.param_full.untyped_storage().resize_(0)
         self.gather, self.in_backward = None, False
 

@@ -29,8 +29,9 @@ first without a pipeline, and by the 1F1B row only.
 What is counted. Every function (a code object: file, first line, name) that Python enters during a
 run, on any rank, is recorded (sys.settrace's 'call' events, and threading.settrace's in threads the
 run starts). The functions of picotron's own files count: the .py files at the top of the repository
-(not tests/ or scripts/), but not the tools (TOOLS: planning, benchmarks, interop, plots), whose
-lines a run entered (the start-up plan and predicted step) --show lists apart. A function entered
+(not tests/ or scripts/), but not the tools (TOOLS: planning, benchmarks, interop, plots, and
+ledger.py's communication ledger), whose lines a run entered (the start-up plan and predicted step,
+the ledger's counts) --show lists apart. A function entered
 counts whole: all the non-blank lines of its def, decorators, docstring and comments inside
 included. Lines read: the (file, line) pairs of all the functions the row's run entered, less those
 of the functions its one-process run entered, each pair once (a nested def lies within its outer
@@ -64,7 +65,9 @@ import train  # noqa: E402
 
 # the tools: planning, benchmarks, interop and plots, apart from what trains. A path ending in "/"
 # is a folder
-TOOLS = {"tools/"}
+# the tools' folder, and the communication ledger: applied from outside a step (it wraps
+# torch.distributed in the run's first step and before log lines), it is no mechanism's reading
+TOOLS = {"tools/", "ledger.py"}
 
 # every run: the tiny model, two steps, one evaluation batch at the end, no checkpoint, on CPU
 TINY = [

@@ -3,9 +3,11 @@ and held to the order a learner reads the house in:
 
   foundation     configurator.py, model.py, hf_tokenizer.py
   mechanisms     parallel.py and each mechanism beyond it, the optimizers
-  the run        data, settings, metrics, checkpoints, faults, the build (build.py), transformers interop
+  the run        data, settings, metrics, checkpoints, faults, the build (build.py), transformers
+                 interop
   planners       tools/: machines, memory_plan, step_time, timeline
-  entry scripts  train.py, sample.py, prepare_data.py, tools/bench.py, tools/make_config.py, tools/plot.py
+  entry scripts  train.py, sample.py, prepare_data.py, tools/bench.py, tools/make_config.py,
+                 tools/plot.py
 
 A file imports only files of its own layer or a layer above it in this list, no circle forms,
 nothing imports an entry script, and a function-level import is only of an optional library.
@@ -29,6 +31,7 @@ LAYERS = {
         "optim",
     ],
     "the run": [
+        "ledger",
         "data",
         "settings",
         "metrics",

@@ -105,7 +105,7 @@ FORWARD, LISTCOMP = ("core.py", 21, "forward"), ("core.py", 22, "<listcomp>")
 
 @pytest.fixture
 def project(tmp_path, monkeypatch):
-    """core.py, a tool (plan.py), and files in tests/ and scripts/: the spans of the ones counted."""
+    """core.py, a tool (plan.py), files in tests/ and scripts/: the spans of the ones counted."""
     (tmp_path / "core.py").write_text(CORE)
     (tmp_path / "plan.py").write_text(PLAN)
     for folder in ("tests", "scripts"):
@@ -144,8 +144,9 @@ def test_only_picotrons_own_functions_count_and_the_tools_apart(project):
         ("scripts/other.py", 1, "plan"),
         ("torch/nn/modules/module.py", 1, "forward"),
         ("core.py", 1, "<module>"),
+        # (a class body's code)
         ("core.py", 20, "Layer"),
-    }  # (a class body's code)
+    }
     read, tools = reading_path.count(project, entered, set())
     assert len(read) == 7 and tools == {("plan.py", 1), ("plan.py", 2)}
 

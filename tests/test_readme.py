@@ -336,7 +336,7 @@ def check_command(line, words, made):
         program, args = "python", args[at:]
     if args[:2] == ["-m", "pytest"]:
         conftest = (ROOT / "tests" / "conftest.py").read_text()
-        options = set(re.findall(r"addoption\(\"(--[\w-]+)\"", conftest)) | PYTEST_FLAGS
+        options = set(re.findall(r"addoption\(\s*\"(--[\w-]+)\"", conftest)) | PYTEST_FLAGS
         rest = iter(args[2:])
         for a in rest:
             if a in PYTEST_VALUED:

@@ -5,33 +5,33 @@ Time picotron's training step: tokens/s, ms/step, MFU and peak memory, for any c
     python tools/bench.py config/tiny_fineweb.py --compile=True --bench_steps=20
     python tools/bench.py --n_layer=6 --n_head=6 --n_kv_head=6 --n_embd=384 --reference=True
     python tools/bench.py config/tiny_fineweb.py --optimizer=muon --compare_optimizer=adamw
-    torchrun --nproc_per_node=2 tools/bench.py config/tiny_fineweb.py --zero_stage=1 --compare_zero_stage=0
-    python tools/bench.py config/tiny_fineweb.py --data_dir=data/fineweb_edu --doc_mask=True --compare_doc_mask=True
+    torchrun --nproc_per_node=2 tools/bench.py config/tiny_fineweb.py --zero_stage=1 \
+        --compare_zero_stage=0
+    python tools/bench.py config/tiny_fineweb.py --data_dir=data/fineweb_edu --doc_mask=True \
+        --compare_doc_mask=True
     python tools/bench.py config/tiny_fineweb.py --fp8=tensorwise --compare_fp8=True
     torchrun --nproc_per_node=4 tools/bench.py config/tiny_fineweb.py --tp=2 --dp=2
-    torchrun --nproc_per_node=4 tools/bench.py config/tiny_fineweb.py --cp=2 --tp=2 --sequence_parallel=True \
-        --block_size=1024
+    torchrun --nproc_per_node=4 tools/bench.py config/tiny_fineweb.py --cp=2 --tp=2 \
+        --sequence_parallel=True --block_size=1024
     torchrun --nproc_per_node=2 tools/bench.py --pp=2 --gradient_accumulation_steps=8 \
         --schedules=1f1b,zero_bubble,interleaved_1f1b:2,zbv:2
 
 Every training setting works here (settings.py), and the model, optimizer and step are train.py's
 own (setup, build, train_step), so this times exactly what training runs, in whatever layouts
-train.py supports. Bench-only settings: --warmup_steps (untimed steps first: compiling, allocator
-and thread warm-up), --bench_steps (timed steps), --reference=True (also time the plain GPT at the
-end of this file at the same size, step by step in turn with picotron's, so both see the same
-machine), --schedules (pp > 1: time several pipeline schedules the same way, each its own model, and
-measure each one's bubble from a traced step and its peak activations per rank), --profile_steps
-(after the timed steps, that many more under torch.profiler: where a step's time goes) and
---profile_trace (the same as a Chrome trace file), --compare_optimizer=NAME (also time train.py's
-step with another optimizer, in turn the same way), --compare_zero_stage=N (also time it at ZeRO
-stage N, in turn the same way), --compare_doc_mask=True (also time it with doc_mask the other way,
-in turn the same way), --compare_fp8=True (also time it with fp8 the other way: the run's dtype
-against its recipe, or against tensorwise). Tokens are random unless --data_dir is given on the
-command line (doc_mask needs its eot_token: from the data's meta.json, or --eot_token). The last
-line printed is `RESULT {json}`, for scripts; first_step_s in it is the first step's time, which
+train.py supports. What the bench's own settings (listed by --help) compare is timed step by step in
+turn, so every column sees the same machine: the plain GPT at the end of this file at the same size
+(--reference), pipeline schedules (--schedules, each its own model, with its bubble measured from a
+traced step and its peak activations per rank), another optimizer, ZeRO stage, doc_mask or fp8
+(--compare_*). --profile_steps adds steps under torch.profiler (where a step's time goes;
+--profile_trace also writes them as a Chrome trace). Tokens are random unless --data_dir is given
+on the command line (doc_mask needs its eot_token: from the data's meta.json, or --eot_token).
+
+The last line printed is `RESULT {json}`, for scripts: first_step_s is the first step's time, which
 holds the compilation with compile=True; exposed_comm_ms, {mechanism: ms}, what a rank stood waiting
-on communication in a step (one more step, its waits counted: metrics.exposed_comm; the mean over
-the ranks), each comparison's as compare_exposed_comm_ms.
+on communication in a step (one more step, its waits counted by metrics.exposed_comm; the mean over
+the ranks), and each comparison's as compare_exposed_comm_ms; that step's communication ledger
+(ledger.py), rank 0's: comm_ledger, {mechanism: {op: {calls, bytes, waited_ms}}}, and comm_bytes,
+{mechanism: bytes sent}.
 """
 
 import dataclasses
@@ -111,8 +111,8 @@ BENCH = section(
     Setting(
         "machine",
         "auto",
-        "the machine tools/step_time.py predicts the step for: 'auto' (this one, measured: a matmul "
-        "at the model's shapes, an all-reduce over the ranks), a named one or a .json file",
+        "the machine tools/step_time.py predicts the step for: 'auto' (this one, measured: a "
+        "matmul at the model's shapes, an all-reduce over the ranks), a named one or a .json file",
     ),
     Setting(
         "compare_fp8",
@@ -367,11 +367,12 @@ def column_run(other, setup):
     """setup's Run for other settings: the model's settings read from them as build.setup reads the
     run's, and build.setup's checks on them (a schedule's chunks against the layout setup built,
     doc_mask against the vocabulary, fp8 against the device and dtype)."""
+    # (vocab_size and eot_token from the data, as setup's)
     model = {
         f.name: getattr(other, f.name)
         for f in dataclasses.fields(setup.model_cfg)
         if f.name not in ("vocab_size", "eot_token")
-    }  # (those two from the data, as setup's)
+    }
     model_cfg = dataclasses.replace(setup.model_cfg, **model)
     layout = setup.layout
     check_layout(
@@ -456,6 +457,40 @@ def speed_results(
     return results
 
 
+def measure_after(cfg, bench, setup, runners, step):
+    """The untimed measurements after the timed steps, from step on: each schedule's pipeline (two
+    steps), each Picotron's exposed communication (one), the profile and the memory (one).
+    Returns (pipeline, exposed, profile, memory)."""
+    layout = setup.layout
+    pipeline = {r.name: r.measure_pipeline(step) for r in runners if bench.variants}
+    step += 2 if bench.variants else 0  # (measure_pipeline ran two more steps)
+    exposed = {
+        r.name: metrics.exposed_comm(lambda: r.step(step), layout, r.parts.pipeline)
+        for r in runners
+        if isinstance(r, Picotron)
+    }
+    step += 1
+    profile = None
+    if bench.profile_steps:
+        profile = profile_steps(runners[0], step, bench.profile_steps, bench.profile_trace)
+    memory = measure_memory(cfg, setup, runners[0], step)
+    return pipeline, exposed, profile, memory
+
+
+def moe_results(picotron, layout, moe_stats):
+    """The RESULT fields of an MoE model: the expert parallelism, the all-to-all bytes and the
+    experts' load per timed step, and the experts' parameter and optimizer bytes on this rank."""
+    params, state = metrics.expert_memory_bytes(picotron.parts.model, picotron.parts.optimizer)
+    return dict(
+        ep=layout.ep,
+        a2a_bytes=moe_stats["a2a_bytes"],
+        expert_load_min=moe_stats["expert_load_min"],
+        expert_load_max=moe_stats["expert_load_max"],
+        expert_param_bytes=params,
+        expert_optimizer_bytes=state,
+    )
+
+
 def run(cfg, bench, setup, columns):
     """The benchmark of timed_columns: warm up, time the steps, then measure the pipeline, the
     profile and the memory; rank 0 prints the table and the RESULT line. Returns {name: results} of
@@ -464,17 +499,15 @@ def run(cfg, bench, setup, columns):
     runners = make_runners(columns, bench)
     first_step_s = warm_up(runners, bench)
     moe = model_cfg.n_expert > 0
-    if moe:
-        # (resets the step counts: only timed steps below)
+    if moe:  # (resets the step counts: only timed steps below)
         metrics.moe_metrics(runners[0].parts.model, layout)
     reset_peak_memory(dev)
-    # on a GPU, which holds its pace, the probe's tensors would count in the allocator's peak: it
-    # runs later
-    flops, probe = (
-        machines.linear_pass(model_cfg, ptdtype, dev, machines.probe_tokens(cfg, dev), layout.tp)
-        if bench.machine == "auto" and dev.type == "cpu"
-        else (0, None)
-    )
+    # the step-time prediction's matmul probe runs between the timed steps on CPU (timed_steps says
+    # why); on a GPU, which holds its pace, it runs later: its tensors would count in the peak
+    flops, probe = 0, None
+    if bench.machine == "auto" and dev.type == "cpu":
+        tokens = machines.probe_tokens(cfg, dev)
+        flops, probe = machines.linear_pass(model_cfg, ptdtype, dev, tokens, layout.tp)
     times, losses, passes = timed_steps(runners, bench, probe)
     del probe  # (its tensors, before the memory is measured)
     peak_mem = metrics.peak_memory_bytes(dev, layout)
@@ -484,29 +517,13 @@ def run(cfg, bench, setup, columns):
         metrics.moe_metrics(runners[0].parts.model, layout, steps=bench.bench_steps) if moe else {}
     )
     step = bench.warmup_steps + bench.bench_steps
-    pipeline = {r.name: r.measure_pipeline(step) for r in runners if bench.variants}
-    step += 2 if bench.variants else 0  # (measure_pipeline ran two more steps)
-    exposed = {
-        r.name: metrics.exposed_comm(lambda: r.step(step), layout)[1]
-        for r in runners
-        if isinstance(r, Picotron)
-    }
-    step += 1
-    profile = (
-        profile_steps(runners[0], step, bench.profile_steps, bench.profile_trace)
-        if bench.profile_steps
-        else None
-    )
-    memory = measure_memory(cfg, setup, runners[0], step)
-    step += 1
+    pipeline, exposed, profile, memory = measure_after(cfg, bench, setup, runners, step)
 
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * layout.dp * cfg.block_size
     peak = metrics.PeakFlops(cfg.peak_flops, dev, ptdtype)
     results = speed_results(
         runners, times, losses, first_step_s, pipeline, tokens_per_step, peak, layout.world_size
     )
-    # the process's peak memory covers whatever ran in it: with the reference alongside it is both
-    # models'
     main = runners[0].name
     # the step predicted (tools/step_time.py) beside the measured; `python tools/step_time.py
     # --machine=FILE` given the machine in the RESULT reproduces it
@@ -514,21 +531,14 @@ def run(cfg, bench, setup, columns):
     results[main].update(
         step_time.run_prediction(cfg, model_cfg, layout, dev, ptdtype, bench.machine, rate)[2]
     )
+    # the process's peak: with the reference alongside, both models'
     results[main]["peak_mem_bytes"] = peak_mem
-    for name, waited in exposed.items():
+    for name, (_, waited, ledger) in exposed.items():
         results[name]["exposed_comm_ms"] = waited
+        results[name]["comm_ledger"] = ledger.summary()  # this rank's (rank 0's in RESULT)
+        results[name]["comm_bytes"] = ledger.bytes_sent()
     if moe:
-        params, state = metrics.expert_memory_bytes(
-            runners[0].parts.model, runners[0].parts.optimizer
-        )
-        results[main].update(
-            ep=layout.ep,
-            a2a_bytes=moe_stats["a2a_bytes"],
-            expert_load_min=moe_stats["expert_load_min"],
-            expert_load_max=moe_stats["expert_load_max"],
-            expert_param_bytes=params,
-            expert_optimizer_bytes=state,
-        )
+        results[main].update(moe_results(runners[0], layout, moe_stats))
 
     if layout.rank == 0:
         report(cfg, bench, setup, runners, results, peak, tokens_per_step, memory, profile)
@@ -651,8 +661,7 @@ def step_model_kind(picotron):
     return "compiled" if picotron.parts.compiled else "eager"
 
 
-# what a kernel (on GPU) or an operator (on CPU) is, from its name: the first kind whose name part
-# matches
+# what a kernel (GPU) or operator (CPU) is, from its name: the first kind whose name part matches
 PROFILE_KINDS = (
     ("attention", ("flash", "fmha", "attention", "scaled_dot_product", "sdpa")),
     (
@@ -701,15 +710,10 @@ def profile_steps(picotron, first_step, n_steps, trace_path=""):
         trace_path = f"{stem}.rank{dist.get_rank()}{dot}{ext}"
     if trace_path:
         prof.export_chrome_trace(trace_path)
-    # every kernel launch is an event of device type CUDA; its duration is its time on the GPU
-    if on_gpu:
-        timed = [
-            (e.name, e.time_range.elapsed_us())
-            for e in prof.events()
-            if e.device_type == DeviceType.CUDA
-        ]
-    # operators nest (aten::linear calls aten::mm): their own time only, so nothing counts twice
-    else:
+    if on_gpu:  # every kernel launch is an event of device type CUDA, lasting its time on the GPU
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        timed = [(e.name, e.time_range.elapsed_us()) for e in events]
+    else:  # operators nest (aten::linear calls aten::mm): their own time only, none counted twice
         timed = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
     total = sum(t for _, t in timed) or 1.0
     by_kind, by_name = {}, {}
@@ -721,7 +725,8 @@ def profile_steps(picotron, first_step, n_steps, trace_path=""):
         what = "kernel time on the GPU" if on_gpu else "operators' own CPU time"
         print(
             f"\nprofile of {n_steps} step(s): {what} {total / 1e3 / n_steps:,.1f} ms per step, "
-            f"{wall_us / 1e3 / n_steps:,.1f} ms wall (busy {100 * busy:.0f}%; the profiler itself slows the host)"
+            f"{wall_us / 1e3 / n_steps:,.1f} ms wall (busy {100 * busy:.0f}%; the profiler itself "
+            f"slows the host)"
         )
         for kind, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
             print(f"  {kind:18s} {100 * t / total:5.1f}%")
@@ -733,46 +738,49 @@ def profile_steps(picotron, first_step, n_steps, trace_path=""):
     return {"device_busy": busy, "kinds": {k: t / total for k, t in by_kind.items()}}
 
 
-def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, kind):
+def describe_bench(cfg, bench, dev, ptdtype, layout, model_cfg, kind):
+    """The table's first line: the model, the batch, the device, the layout and the steps."""
     mc, threads = model_cfg, torch.get_num_threads()
-    print(
-        f"\nbench: {mc.n_layer} layers, {mc.n_head} heads ({mc.n_kv_head} kv), width {mc.n_embd}, block {mc.block_size}, "
-        f"vocab {mc.vocab_size}, batch {cfg.batch_size} x {cfg.gradient_accumulation_steps} micro x dp {layout.dp}; "
-        f"{dev}, {str(ptdtype).replace('torch.', '')}, {kind}, {threads} thread{'s' * (threads != 1)}; "
-        f"layout dp={layout.dp} cp={layout.cp} tp={layout.tp}{' sequence-parallel' if cfg.sequence_parallel else ''} "
-        f"pp={layout.pp} ep={layout.ep}; activation_checkpointing={cfg.activation_checkpointing}, "
-        f"chunked_loss={cfg.chunked_loss}; {'data ' + cfg.data_dir if cfg.data_dir else 'random tokens'}; "
-        + (
-            f"pipeline {cfg.pp_schedule}, {cfg.pp_chunks} chunk(s) per rank; "
-            if layout.pp > 1 and not bench.variants
-            else ""
-        )
-        + f"{bench.warmup_steps} warm-up + {bench.bench_steps} timed steps (median)"
+    sp = " sequence-parallel" if cfg.sequence_parallel else ""
+    tokens = f"data {cfg.data_dir}" if cfg.data_dir else "random tokens"
+    pipeline = ""
+    if layout.pp > 1 and not bench.variants:
+        pipeline = f"pipeline {cfg.pp_schedule}, {cfg.pp_chunks} chunk(s) per rank; "
+    return (
+        f"bench: {mc.n_layer} layers, {mc.n_head} heads ({mc.n_kv_head} kv), width {mc.n_embd}, "
+        f"block {mc.block_size}, vocab {mc.vocab_size}, batch {cfg.batch_size} x "
+        f"{cfg.gradient_accumulation_steps} micro x dp {layout.dp}; {dev}, "
+        f"{str(ptdtype).replace('torch.', '')}, {kind}, {threads} thread{'s' * (threads != 1)}; "
+        f"layout dp={layout.dp} cp={layout.cp} tp={layout.tp}{sp} pp={layout.pp} ep={layout.ep}; "
+        f"activation_checkpointing={cfg.activation_checkpointing}, "
+        f"chunked_loss={cfg.chunked_loss}; {tokens}; {pipeline}"
+        f"{bench.warmup_steps} warm-up + {bench.bench_steps} timed steps (median)"
     )
-    print(f"peak: {peak}")
-    names = list(results)
+
+
+def mib(n, digits=0):
+    return f"{n / 2**20:,.{digits}f}"
+
+
+def table_rows(bench):
+    """[(label, a function of one runner's results giving its cell)], top to bottom; "-" where a
+    runner has no such figure."""
     rows = [
         ("tokens/s", lambda r: f"{r['tokens_per_sec']:,.0f}"),
         ("ms/step (median)", lambda r: f"{r['ms_per_step']:,.1f}"),
         ("ms/step (min-max)", lambda r: f"{r['ms_per_step_min']:,.0f}-{r['ms_per_step_max']:,.0f}"),
         ("MFLOP/token", lambda r: f"{r['flops_per_token'] / 1e6:,.1f}"),
         ("MFU", lambda r: metrics.format_mfu(r["mfu"])),
-        (
-            "peak memory (MiB)",
-            lambda r: f"{r['peak_mem_bytes'] / 2**20:,.0f}" if "peak_mem_bytes" in r else "-",
-        ),
+        ("peak memory (MiB)", lambda r: mib(r["peak_mem_bytes"]) if "peak_mem_bytes" in r else "-"),
         (
             "experts MiB (rank 0)",
             lambda r: (
-                f"{r['expert_param_bytes'] / 2**20:,.2f} + {r['expert_optimizer_bytes'] / 2**20:,.2f}"
+                f"{mib(r['expert_param_bytes'], 2)} + {mib(r['expert_optimizer_bytes'], 2)}"
                 if "expert_param_bytes" in r
                 else "-"
             ),
         ),
-        (
-            "all-to-all MiB/step",
-            lambda r: f"{r['a2a_bytes'] / 2**20:,.2f}" if "a2a_bytes" in r else "-",
-        ),
+        ("all-to-all MiB/step", lambda r: mib(r["a2a_bytes"], 2) if "a2a_bytes" in r else "-"),
         (
             "expert load min-max",
             lambda r: (
@@ -789,6 +797,15 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, kind
                 else "-"
             ),
         ),
+        (
+            "comm sent MiB/step",
+            lambda r: (
+                " ".join(
+                    f"{m} {b / 2**20:.2f}" for m, b in sorted(r.get("comm_bytes", {}).items()) if b
+                )
+                or "-"
+            ),
+        ),
         ("loss (last step)", lambda r: f"{r['loss']:.4f}"),
     ]
     if bench.variants:  # per pipeline rank, rank 0 first
@@ -803,6 +820,13 @@ def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, kind
                 lambda r: " ".join(f"{b / 2**10:.0f}" for b in r["peak_activation_bytes"]),
             ),
         ]
+    return rows
+
+
+def print_table(cfg, bench, dev, ptdtype, layout, model_cfg, results, peak, kind):
+    print("\n" + describe_bench(cfg, bench, dev, ptdtype, layout, model_cfg, kind))
+    print(f"peak: {peak}")
+    names, rows = list(results), table_rows(bench)
     width = max(
         16,
         *(len(n) + 2 for n in names),
@@ -886,12 +910,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, padded, bias=False)
         self.lm_head.weight = self.wte.weight
-        self.n_layer, self.n_head, self.n_embd, self.block_size = (
-            n_layer,
-            n_head,
-            n_embd,
-            block_size,
-        )
+        self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
+        self.block_size = block_size
         for name, p in self.named_parameters():
             if p.dim() >= 2:
                 std = (
