@@ -238,7 +238,7 @@ def unwrap_torch_distributed():
 # world) and to three counters: the Newton-Schulz orthogonalisations (optim.Muon), the FP8 scaled
 # matmuls (fp8.Float8Matmul) and the graphs torch.compile made.
 
-COUNTERS = ("newton_schulz", "fp8_matmuls", "compiled_graphs")
+COUNTERS = ("newton_schulz", "muon_matrices", "fp8_matmuls", "compiled_graphs")
 OP_NAMES = sorted(set(OPS.values()))
 
 
@@ -318,7 +318,25 @@ def unproven(cfg, layout, calls, counts):
                 f"wired into the step. This is picotron's fault, not the settings': report it, and "
                 f"train without {setting.split(' ')[0]} meanwhile"
             )
-    return problems
+    return problems + muon_count_problems(cfg, layout, counts)
+
+
+def muon_count_problems(cfg, layout, counts):
+    """Each Muon matrix is orthogonalised once a step by each tensor-parallel rank of the data-
+    parallel ranks that update it: all of them under ZeRO-0, its owner under ZeRO-1
+    (optim.deal_whole). counts["muon_matrices"] sums the ranks' matrices, so the orthogonalisations
+    owed are that sum, over dp x cp under ZeRO-1. (Experts, at ep > 1, are not counted.)"""
+    if cfg.optimizer != "muon" or layout.ep > 1 or counts["newton_schulz"] == 0:
+        return []  # (none at all: unproven's line already says so)
+    owed = counts["muon_matrices"] // (layout.dp * layout.cp if cfg.zero_stage >= 1 else 1)
+    if counts["newton_schulz"] == owed:
+        return []
+    return [
+        f"optimizer = 'muon': the first step orthogonalised {counts['newton_schulz']} matrices "
+        f"where the ranks owe {owed} (each once per tensor-parallel rank of the rank that updates "
+        f"it): a matrix stepped without Newton-Schulz, or twice. This is picotron's fault, not the "
+        f"settings': report it, and train with optimizer = 'adamw' meanwhile"
+    ]
 
 
 def format_ledger(summary, step, rank):

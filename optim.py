@@ -58,6 +58,7 @@ from parallel import (
     adamw_step,
     at_least_fp32,
     buckets_by_kind,
+    full_shape_of,
     group_size,
     optimizer_state_bytes,
     params_flat,
@@ -127,16 +128,26 @@ def newton_schulz(G, steps=5, eps=1e-7):
     return X.T if tall else X
 
 
+def newton_schulz_flops(shape, steps=5):
+    """The FLOPs of newton_schulz on a matrix of `shape`, A x B with A <= B: each iteration X X^T
+    (2 A^2 B), the quintic's square of it (2 A^3) and its product with X (2 A^2 B); 20 A^2 B +
+    10 A^3 in 5 steps. Per element it grows with A, so a deal by size is not a deal of the work."""
+    a, b = sorted(shape)
+    return steps * (4 * a * a * b + 2 * a**3)
+
+
 def deal_whole(params, n):
-    """{param: rank}: the params, in order, cut into n runs of about equal numbers of elements, each
-    param whole: a param goes to the rank whose even share of them all holds its middle element."""
+    """{param: rank}, in the order given: each param whole to one of n ranks, the ranks' Newton-
+    Schulz work (newton_schulz_flops of the full matrix, parallel.full_shape_of) balanced: the
+    costliest first, each to the rank with the least so far, ties to the lower rank (Graham's LPT
+    rule, within 4/3 of the best deal). Every rank deals the same params alike."""
     params = list(params)
-    total, seen, owners = sum(p.numel() for p in params), 0, {}
-    for p in params:
-        # the middle element's share, 0 .. n - 1
-        owners[p] = (2 * seen + p.numel()) * n // (2 * total)
-        seen += p.numel()
-    return owners
+    costs = [newton_schulz_flops(full_shape_of(p)) for p in params]
+    load, owners = [0] * n, {}
+    for i in sorted(range(len(params)), key=lambda i: -costs[i]):  # (stable: ties keep order)
+        owners[i] = min(range(n), key=lambda r: (load[r], r))
+        load[owners[i]] += costs[i]
+    return {p: owners[i] for i, p in enumerate(params)}
 
 
 def gather_tp_slices(x, param, group):
@@ -253,7 +264,9 @@ class Muon(torch.optim.Optimizer):
             ),
         )
         self.tp_group, self.grad_sync = tp_group, grad_sync
-        self.orthogonalized = 0  # matrices Newton-Schulz ran on (ledger.py's proof Muon ran)
+        # the matrices Newton-Schulz ran on and its FLOPs, since the start (ledger.py's proof that
+        # Muon ran; tools/bench.py's balance of the work across ranks)
+        self.orthogonalized = self.newton_schulz_flops = 0
         self.group_of = {p: g for g in self.param_groups for p in g["params"]}
         self.matrices = [p for g in self.param_groups if g["muon"] for p in g["params"]]
         if any(p.dim() != 2 for p in self.matrices):
@@ -318,6 +331,7 @@ class Muon(torch.optim.Optimizer):
             full = gather_tp_slices(nesterov, p, self.tp_group)  # (A, B): the whole matrix
             orthogonal = shard_of(newton_schulz(full, group["ns_steps"]), p).to(p.dtype)
             self.orthogonalized += 1
+            self.newton_schulz_flops += newton_schulz_flops(full.shape, group["ns_steps"])
             scale = -lr * 0.2 * math.sqrt(max(full.shape))
             new_p = (p * (1 - lr * group["weight_decay"])).add_(orthogonal, alpha=scale)
             # found_inf: keep the old values

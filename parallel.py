@@ -647,11 +647,8 @@ def buckets_by_kind(params, bucket_size_mb, kind):
     backward actions, optim.py's matrix owners): one bucket of each kind(p) filling at a time, in
     backward order, each closed once it holds bucket_size_mb or when the next parameter of its kind
     has another dtype; the buckets in the order they close, those left open last."""
-    capacity, buckets, filling = (
-        max(1, int(bucket_size_mb * 2**20)),
-        [],
-        {},
-    )  # kind -> (params, bytes)
+    # filling: kind -> (params, bytes)
+    capacity, buckets, filling = max(1, int(bucket_size_mb * 2**20)), [], {}
     for p in reversed(params):
         current, size = filling.get(kind(p), ([], 0))
         if current and p.dtype != current[0].dtype:  # one dtype per flat buffer

@@ -618,8 +618,11 @@ def prove_mechanisms(cfg, run, parts, ledger, step, compiled):
     layout = run.layout
     # compiled FP8 products run inside the graph, where nothing counts them: the linears are
     fp8 = count_fp8(parts.model) if parts.compiled else fp8_calls(parts.model)
-    orthogonalized = getattr(parts.optimizer, "orthogonalized", 0)
-    counts = {"newton_schulz": orthogonalized, "fp8_matmuls": fp8, "compiled_graphs": compiled}
+    muon = {
+        "newton_schulz": getattr(parts.optimizer, "orthogonalized", 0),
+        "muon_matrices": len(getattr(parts.optimizer, "matrices", [])),
+    }
+    counts = {**muon, "fp8_matmuls": fp8, "compiled_graphs": compiled}
     calls, counts = world_totals(ledger, counts, layout)
     if problems := unproven(cfg, layout, calls, counts):
         raise MechanismNotRun("\n".join(problems))

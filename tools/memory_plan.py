@@ -473,8 +473,9 @@ def optimizer_state(elements, shapes, muon, zero_stage, replicas, expert_replica
         owned = matrices
     else:
         state = 2 * (shard(adamw_elements[0], replicas) + shard(adamw_elements[1], expert_replicas))
+        # (dealt by the full matrices' Newton-Schulz work, as optim.zero_one_muon_buckets deals)
         owners = deal_whole(
-            reversed([torch.empty(elements[name], device="meta") for name in matrices]), replicas
+            reversed([torch.empty(shapes[name], device="meta") for name in matrices]), replicas
         )
         share = [[] for _ in range(replicas)]
         for name, owner in zip(reversed(matrices), owners.values()):
