@@ -1,3 +1,6 @@
+import io
+from contextlib import redirect_stdout
+
 import build
 from ledger import CommLedger, layout_groups
 from tools.bench import Picotron, parse_args
@@ -14,9 +17,10 @@ TINY = [
 def _ledger_bytes(rank, world_size, layouts):
     out = []
     for argv in layouts:
-        cfg, _ = parse_args(TINY + argv)
-        setup = build.setup(cfg, training=False)
-        picotron = Picotron(cfg, setup)
+        with redirect_stdout(io.StringIO()):
+            cfg, _ = parse_args(TINY + argv)
+            setup = build.setup(cfg, training=False)
+            picotron = Picotron(cfg, setup)
         picotron.step(0)
         picotron.step(1)
         with CommLedger(layout_groups(setup.layout, picotron.parts.pipeline)) as ledger:

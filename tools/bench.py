@@ -256,6 +256,22 @@ class Picotron:
         self.parts = build.build(cfg, run)
         self.autocast = self.parts.autocast
         self.flops_per_token = metrics.flops_per_token(run.model_cfg)
+        # each optimizer step timed, as train_step calls it (RESULT's optimizer_ms)
+        self.optimizer_seconds, step, sync = (
+            [],
+            self.parts.optimizer.step,
+            machines.device_sync(run.dev),
+        )
+
+        def timed_step(*args, **kwargs):
+            sync()
+            start = time.perf_counter()
+            out = step(*args, **kwargs)
+            sync()
+            self.optimizer_seconds.append(time.perf_counter() - start)
+            return out
+
+        self.parts.optimizer.step = timed_step
 
     def batches(self, step):
         if self.run.datasets:
@@ -477,6 +493,29 @@ def measure_after(cfg, bench, setup, runners, step):
     return pipeline, exposed, profile, memory
 
 
+def optimizer_results(runners, layout, steps):
+    """{name: {optimizer_ms, newton_schulz_flops}} of each picotron runner, each a list with one
+    value per rank: the median of its optimizer steps over the last `steps` (the timed ones), and
+    the Newton-Schulz FLOPs of a step (optim.Muon counts them; 0 for AdamW). Muon's deal of the
+    matrices balances the second across the data-parallel ranks (optim.deal_whole)."""
+    out = {}
+    for r in runners:
+        if not isinstance(r, Picotron):
+            continue
+        ms = 1e3 * statistics.median(r.optimizer_seconds[-steps:])
+        flops = getattr(r.parts.optimizer, "newton_schulz_flops", 0) // len(r.optimizer_seconds)
+        every = [None] * layout.world_size
+        if layout.world_size > 1:
+            dist.all_gather_object(every, (ms, flops))
+        else:
+            every = [(ms, flops)]
+        out[r.name] = {
+            "optimizer_ms": [m for m, _ in every],
+            "newton_schulz_flops": [f for _, f in every],
+        }
+    return out
+
+
 def moe_results(picotron, layout, moe_stats):
     """The RESULT fields of an MoE model: the expert parallelism, the all-to-all bytes and the
     experts' load per timed step, and the experts' parameter and optimizer bytes on this rank."""
@@ -509,6 +548,7 @@ def run(cfg, bench, setup, columns):
         tokens = machines.probe_tokens(cfg, dev)
         flops, probe = machines.linear_pass(model_cfg, ptdtype, dev, tokens, layout.tp)
     times, losses, passes = timed_steps(runners, bench, probe)
+    optimizer = optimizer_results(runners, layout, bench.bench_steps)
     del probe  # (its tensors, before the memory is measured)
     peak_mem = metrics.peak_memory_bytes(dev, layout)
     # MoE: the load and the all-to-all bytes per timed step (the first runner's steps only, before
@@ -537,6 +577,8 @@ def run(cfg, bench, setup, columns):
         results[name]["exposed_comm_ms"] = waited
         results[name]["comm_ledger"] = ledger.summary()  # this rank's (rank 0's in RESULT)
         results[name]["comm_bytes"] = ledger.bytes_sent()
+    for name, fields in optimizer.items():
+        results[name].update(fields)
     if moe:
         results[main].update(moe_results(runners[0], layout, moe_stats))
 
@@ -805,6 +847,16 @@ def table_rows(bench):
                 )
                 or "-"
             ),
+        ),
+        (
+            "optimizer ms by rank",
+            lambda r: (
+                " ".join(f"{m:.1f}" for m in r["optimizer_ms"]) if "optimizer_ms" in r else "-"
+            ),
+        ),
+        (
+            "Newton-Schulz GFLOP by rank",
+            lambda r: " ".join(f"{f / 1e9:.2f}" for f in r.get("newton_schulz_flops", [])) or "-",
         ),
         ("loss (last step)", lambda r: f"{r['loss']:.4f}"),
     ]

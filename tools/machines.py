@@ -268,6 +268,12 @@ def collective_seconds(kind, nbytes, n, link):
     return steps * link["latency"] + steps / n * nbytes / link["busbw"]
 
 
+def sent_bytes(kind, nbytes, n):
+    """The bytes one rank sends in that collective (collective_seconds'), as nccl-tests counts them
+    and ledger.py books them: steps / n of the buffer, in whole bytes."""
+    return RING_STEPS[kind](n) * int(nbytes) // n if n > 1 else 0
+
+
 def p2p_seconds(nbytes, link):
     """A send (the pipeline's activations, a ring step): a latency and the bytes over the link (per
     direction)."""

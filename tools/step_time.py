@@ -68,6 +68,7 @@ from tools.machines import (
     measure_machine,
     p2p_seconds,
     probe_tokens,
+    sent_bytes,
     startup_machine,
 )
 from tools.timeline import check_channels, route_messages, simulate_pipeline
@@ -172,19 +173,20 @@ def parameter_pieces(model_cfg, tp, ep):
 
 
 def tp_summed_seconds(model_cfg, run, cut, held, link):
-    """Seconds of the one all-reduce a step that sums over tp the gradients of the parameters each
+    """(seconds, bytes this rank sends) of the one all-reduce a step that sums over tp the gradients of the parameters each
     tp rank holds whole (tensor_parallel.sum_partial_grads), on a pipeline rank holding model stages
     `held`: under sequence parallelism the norms, and the replicated parts of attention (QK-norm
     gains, key/value heads fewer than the tp ranks, MLA's down-projections). Under ZeRO each rank
     sums its own slices."""
     if run.tp == 1:
-        return 0.0
+        return 0.0, 0
     block, root = _pieces(model_cfg, run.tp, run.ep, run.sequence_parallel)[1]
     elements = sum(len(stage_layers(cut, s)) for s in held) * sum(block.values())
     elements += sum(root.values()) if len(cut) - 1 in held else 0  # (the final norm)
     shards = run.dp * run.cp if run.zero_stage >= 1 else 1
-    return (
-        collective_seconds("all_reduce", elements * 4 / shards, run.tp, link) if elements else 0.0
+    nbytes = elements * 4 / shards
+    return collective_seconds("all_reduce", nbytes, run.tp, link), sent_bytes(
+        "all_reduce", nbytes, run.tp
     )
 
 
@@ -236,7 +238,8 @@ RING_OPS_PER_PAIR, RING_OPS_BACKWARD, FUSED_ATTENTION_OPS = (91, 69), 38, (2, 7)
 
 
 def ring_seconds(model_cfg, run, machine, links, tokens, act_bytes, attention_f):
-    """[forward, backward] seconds context parallelism's ring leaves exposed in one block
+    """([forward, backward] seconds context parallelism's ring leaves exposed in one block, [forward,
+    backward] bytes this rank sends in it)
     (context_parallel.ring_attention_bytes): forward cp - 1 messages of the keys and values;
     backward cp - 1 of them and cp of their fp32 gradients' accumulators, the last one bringing them
     home. Each overlaps the attention of its step (the ring feeds it), the last one nothing.
@@ -246,22 +249,27 @@ def ring_seconds(model_cfg, run, machine, links, tokens, act_bytes, attention_f)
     kv = p2p_seconds(kv_elements * act_bytes, links["cp"])
     kv_grads = p2p_seconds(kv_elements * 4, links["cp"])
     hidden = attention_f / run.cp if machine["overlaps"] else 0.0  # one step's attention
-    return [
+    seconds = [
         (run.cp - 1) * max(0.0, kv - hidden),
         (run.cp - 1) * max(0.0, kv + kv_grads - 2 * hidden) + kv_grads * (run.cp > 1),
     ]
+    kv, kv_grads = kv_elements * act_bytes, kv_elements * 4
+    return seconds, [(run.cp - 1) * kv, ((run.cp - 1) * (kv + kv_grads) + kv_grads) * (run.cp > 1)]
 
 
 def expert_exchange_seconds(model_cfg, run, links, tokens, act_bytes):
-    """[forward, backward] seconds of expert parallelism's all-to-alls in one block: two of the kept
-    rows each way, forward after the counts' (exchange_expert_counts)."""
+    """([forward, backward] seconds, [forward, backward] bytes this rank sends) of expert
+    parallelism's all-to-alls in one block: two of the kept rows each way, forward after the counts'
+    (exchange_expert_counts). The rows are priced spread evenly over the ep ranks: (ep - 1) / ep of
+    them leave the rank (as many as routing sends where every rank's experts take an equal share)."""
     if model_cfg.n_expert <= 0 or run.ep <= 1:
-        return [0.0, 0.0]
+        return [0.0, 0.0], [0, 0]
     kept, _ = expert_rows(model_cfg, tokens, run.ep)
-    row_bytes = kept * model_cfg.n_embd * act_bytes
+    row_bytes, count_bytes = kept * model_cfg.n_embd * act_bytes, model_cfg.n_expert * 8
     rows = 2 * collective_seconds("all_to_all", row_bytes, run.ep, links["ep"])
-    counts = collective_seconds("all_to_all", model_cfg.n_expert * 8, run.ep, links["ep"])
-    return [rows + counts, rows]
+    counts = collective_seconds("all_to_all", count_bytes, run.ep, links["ep"])
+    rows_sent = 2 * sent_bytes("all_to_all", row_bytes, run.ep)
+    return [rows + counts, rows], [rows_sent + sent_bytes("all_to_all", count_bytes, run.ep), rows_sent]
 
 
 def host_seconds(model_cfg, run, machine):
@@ -277,8 +285,9 @@ def host_seconds(model_cfg, run, machine):
 
 def block_seconds(model_cfg, run, machine, links, tokens):
     """Seconds of one block on one rank for one micro-batch of `tokens` tokens (this rank's, after
-    context parallelism's split): {'forward', 'input_grad', 'weight_grad'} of compute, and the
-    communication each leaves exposed, {'tp', 'cp', 'ep'} per forward and per backward. Matmuls:
+    context parallelism's split): {'forward', 'input_grad', 'weight_grad'} of compute, the
+    communication each leaves exposed, {'tp', 'cp', 'ep'} per forward and per backward, and 'sent',
+    the bytes this rank sends, {'tp', 'cp', 'ep'} each [forward, backward]. Matmuls:
     metrics.pipeline_costs' 6 FLOPs per weight and token (2 forward, 2 for the input's gradient, 2
     for the weights'), over tp, at the machine's matmul rate. Attention: its 6 T H (qk + v) FLOPs
     per token, with a fused kernel at the kernel's efficiency on the causal half it computes
@@ -314,8 +323,9 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     # the same bytes
     tp_bytes = tokens * model_cfg.n_embd * act_bytes
     tp = 2 * collective_seconds("all_reduce", tp_bytes, run.tp, links["tp"])
-    cp = ring_seconds(model_cfg, run, machine, links, tokens, act_bytes, attention_f)
-    ep = expert_exchange_seconds(model_cfg, run, links, tokens, act_bytes)
+    tp_sent = 2 * sent_bytes("all_reduce", tp_bytes, run.tp)
+    cp, cp_sent = ring_seconds(model_cfg, run, machine, links, tokens, act_bytes, attention_f)
+    ep, ep_sent = expert_exchange_seconds(model_cfg, run, links, tokens, act_bytes)
     ops_f, ops_b = host_seconds(model_cfg, run, machine)
     # compute only (stage_actions adds the communication)
     forward = matmul_f + attention_f + elementwise_f + copies + ops_f
@@ -327,12 +337,13 @@ def block_seconds(model_cfg, run, machine, links, tokens):
         "tp": tp,
         "cp": cp,
         "ep": ep,
+        "sent": {"tp": [tp_sent, tp_sent], "cp": cp_sent, "ep": ep_sent},
     }
 
 
 def ends_seconds(model_cfg, run, machine, links, tokens):
     """(embedding, head) seconds for one micro-batch: {'forward', 'input_grad', 'weight_grad'} of
-    compute and 'tp' [forward, backward]. The embedding: a lookup (its rows written), under tp the
+    compute, 'tp' [forward, backward] and 'sent' {'tp': the bytes this rank sends, the same}. The embedding: a lookup (its rows written), under tp the
     vocab-parallel embedding's all-reduce forward (under SP a reduce-scatter, whose backward
     all-gathers). The head: 6 C V FLOPs per token over tp (metrics.pipeline_costs') and the loss's
     fp32 softmax read and written forward and backward (under tp machine=auto's timed kernels,
@@ -348,11 +359,16 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
     lookup = tokens * C * act_bytes / machine["memory_bw"]
     activations = collective_seconds("all_reduce", tokens * C * act_bytes, run.tp, links["tp"])
     half = activations / 2  # (a reduce-scatter or an all-gather)
+    # (a reduce-scatter sends what an all-gather of the same buffer does)
+    sent, half_sent = (
+        sent_bytes(kind, tokens * C * act_bytes, run.tp) for kind in ("all_reduce", "all_gather")
+    )
     embedding = {
         "forward": lookup,
         "input_grad": 2 * lookup,
         "weight_grad": 0.0,
         "tp": [half, half] if run.sequence_parallel else [activations, 0.0],
+        "sent": {"tp": [half_sent, half_sent] if run.sequence_parallel else [sent, 0]},
     }
     matmul = tokens * head / 3 / run.tp / rate
     softmax = tokens * 2 * model_cfg.vocab_size / run.tp * 4 / machine["memory_bw"]
@@ -364,6 +380,8 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
     ops_f, ops_b = (n * machine.get("op_seconds", 0.0) for n in OPS_AT_ENDS)
     loss = 3 * collective_seconds("all_reduce", tokens * 4, run.tp, links["tp"])
     tp = [loss + half, half] if run.sequence_parallel else [loss, activations]
+    loss_sent = 3 * sent_bytes("all_reduce", tokens * 4, run.tp)
+    tp_sent = [loss_sent + half_sent, half_sent] if run.sequence_parallel else [loss_sent, sent]
     chunked = run.chunked_loss and run.tp == 1
     # the chunked loss's backward scales its two gradients (each read and written, fp32)
     scale = (tokens + model_cfg.vocab_size) * C * 8 / machine["memory_bw"]
@@ -380,7 +398,7 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
             "weight_grad": matmul,
         }
     )
-    return embedding, {**head, "tp": tp}
+    return embedding, {**head, "tp": tp, "sent": {"tp": tp_sent}}
 
 
 # -----------------------------------------------------------------------------
@@ -411,14 +429,14 @@ def schedule_lists(run):
 
 
 def stage_actions(model_cfg, run, machine, links, cut, zero3):
-    """{model stage: {op: (seconds, {part: seconds})}} of one micro-batch's F, B and W on each model
-    stage: its blocks, the embedding on the first, the head and loss on the last; B is the whole
-    backward where the schedule does not split it (no W). zero3: (gather, reduce-scatter) seconds of
-    one block's parameters under ZeRO-3, which prefetches the next block's gather while this one
-    computes (forward and backward)."""
+    """{model stage: {op: (seconds, {part: seconds}, {mechanism: bytes this rank sends})}} of one
+    micro-batch's F, B and W on each model stage: its blocks, the embedding on the first, the head
+    and loss on the last; B is the whole backward where the schedule does not split it (no W).
+    zero3: zero3_block_seconds', ZeRO-3's (gather, reduce-scatter) of one block's parameters, which
+    prefetches the next block's gather while this one computes (forward and backward)."""
     tokens = run.batch_size * run.block_size // run.cp
     block = block_seconds(model_cfg, run, machine, links, tokens)
-    gather, reduce = zero3
+    (gather, reduce), zero3_sent = zero3
     hide = machine["overlaps"]
     zero3 = (
         max(0.0, gather - block["forward"] * hide),
@@ -448,7 +466,16 @@ def stage_actions(model_cfg, run, machine, links, cut, zero3):
             "ep": n * (block["ep"][1] + block["ep"][0] * (again - 1)),
             "zero": n * zero3[1],
         }
-        out[s] = {op: (sum(parts.values()), parts) for op, parts in (("F", f), ("B", b), ("W", w))}
+        sent = block["sent"]
+        sent_f = {m: n * sent[m][0] for m in ("tp", "cp", "ep")}
+        sent_b = {m: n * (sent[m][1] + sent[m][0] * (again - 1)) for m in ("tp", "cp", "ep")}
+        sent_f["tp"] += sum(e["sent"]["tp"][0] for e in ends)
+        sent_b["tp"] += sum(e["sent"]["tp"][1] for e in ends)
+        sent_f["dp"], sent_b["dp"] = n * zero3_sent[0], n * sum(zero3_sent)
+        out[s] = {
+            op: (sum(parts.values()), parts, sent)
+            for op, parts, sent in (("F", f, sent_f), ("B", b, sent_b), ("W", w, {}))
+        }
     return out
 
 
@@ -479,7 +506,7 @@ def rank_pieces(model_cfg, run, cut, held):
 
 
 def bucket_collectives(pieces, run, link, kind):
-    """[(elements, seconds)] of each bucket's collective in backward order
+    """[(elements, seconds, bytes this rank sends)] of each bucket's collective in backward order
     (memory_plan.bucket_elements: parallel.GradientBuckets' plan), the experts' buckets after the
     dense ones', over their own replicas. Gradients travel in fp32 (the parameters' dtype)."""
     capacity = max(1, int(run.bucket_size_mb * 2**20)) // 4
@@ -488,7 +515,10 @@ def bucket_collectives(pieces, run, link, kind):
         sizes = memory_plan.bucket_elements(
             [e for e, is_expert in pieces if is_expert == expert], capacity
         )
-        out += [(size, collective_seconds(kind, size * 4, n, link)) for size in sizes]
+        out += [
+            (size, collective_seconds(kind, size * 4, n, link), sent_bytes(kind, size * 4, n))
+            for size in sizes
+        ]
     return out
 
 
@@ -496,11 +526,11 @@ def overlapped(collectives, window, overlaps):
     """The seconds a series of collectives runs past the end of a compute window they overlap: each
     starts when its bucket is ready (the buckets fill evenly over the window, in the order given)
     and the one before it has ended (one channel). Without overlap, all of them."""
-    total = sum(seconds for _, seconds in collectives)
+    total = sum(seconds for _, seconds, _ in collectives)
     if not overlaps:
         return total
-    elements, done, end = sum(n for n, _ in collectives) or 1, 0, 0.0
-    for n, seconds in collectives:
+    elements, done, end = sum(n for n, _, _ in collectives) or 1, 0, 0.0
+    for n, seconds, _ in collectives:
         done += n
         end = max(end, window * done / elements) + seconds
     return max(0.0, end - window)
@@ -512,10 +542,10 @@ def gathered_late(collectives, forward, overlaps):
     the seconds the forward waits, the buckets used in forward order (the reverse of the backward's)
     through `forward` seconds of compute."""
     if not overlaps:
-        return sum(seconds for _, seconds in collectives)
+        return sum(seconds for _, seconds, _ in collectives)
     order = list(reversed(collectives))
-    elements, used, end, late = sum(n for n, _ in order) or 1, 0, 0.0, 0.0
-    for n, seconds in order:
+    elements, used, end, late = sum(n for n, _, _ in order) or 1, 0, 0.0, 0.0
+    for n, seconds, _ in order:
         end += seconds
         late = max(late, end - forward * used / elements)
         used += n
@@ -525,7 +555,8 @@ def gathered_late(collectives, forward, overlaps):
 def data_parallel_seconds(
     pieces, root_elements, run, machine, link, last_window, micro_window, forward
 ):
-    """(exposed seconds of the gradients' reduction, of ZeRO-1/2's parameter gather) on one rank.
+    """(exposed seconds of the gradients' reduction, of ZeRO-1/2's parameter gather, the bytes this
+    rank sends in both) on one rank.
     ZeRO-0: each bucket all-reduced in the last micro-batch's backward (the reducer communicates
     only then), overlapped with it. ZeRO-1: reduce-scattered so. ZeRO-2: reduce-scattered in every
     micro-batch's backward, the earlier ones overlapped with the backward and the next forward too.
@@ -533,27 +564,28 @@ def data_parallel_seconds(
     ZeRO-3: its blocks' gathers and reduce-scatters are in the actions (stage_actions); here its
     root unit's, once each way."""
     if run.dp * run.cp == 1:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0
     overlaps = machine["overlaps"]
     # the root unit: gathered before the first forward, reduced after the last backward
     if run.zero_stage == 3:
         n, ranks = root_elements * 4, run.dp * run.cp
-        return collective_seconds("reduce_scatter", n, ranks, link), collective_seconds(
-            "all_gather", n, ranks, link
-        )
+        kinds = ("reduce_scatter", "all_gather")
+        reduce, gather = (collective_seconds(kind, n, ranks, link) for kind in kinds)
+        return reduce, gather, sum(sent_bytes(kind, n, ranks) for kind in kinds)
     kind = "all_reduce" if run.zero_stage == 0 else "reduce_scatter"
-    reduce = overlapped(bucket_collectives(pieces, run, link, kind), last_window, overlaps)
+    buckets = bucket_collectives(pieces, run, link, kind)
+    reduce = overlapped(buckets, last_window, overlaps)
+    sent = sum(b for _, _, b in buckets)
     if run.zero_stage == 2:
-        earlier = overlapped(bucket_collectives(pieces, run, link, kind), micro_window, overlaps)
+        earlier = overlapped(buckets, micro_window, overlaps)
         reduce += (run.gradient_accumulation_steps - 1) * earlier
+        sent *= run.gradient_accumulation_steps  # (every micro-batch's)
     gather = 0.0
     if run.zero_stage in (1, 2):
-        gather = gathered_late(
-            bucket_collectives(pieces, run, link, "all_gather"),
-            forward,
-            overlaps and run.overlap_param_gather,
-        )
-    return reduce, gather
+        gathers = bucket_collectives(pieces, run, link, "all_gather")
+        gather = gathered_late(gathers, forward, overlaps and run.overlap_param_gather)
+        sent += sum(b for _, _, b in gathers)
+    return reduce, gather, sent
 
 
 # -----------------------------------------------------------------------------
@@ -588,20 +620,20 @@ def layout_links(machine, run, gpus_per_node):
 
 
 def zero3_block_seconds(model_cfg, run, link):
-    """(all-gather, reduce-scatter) seconds of one block's parameters (fp32) under ZeRO-3: the dense
-    part over dp x cp, the experts over their replicas."""
+    """((all-gather, reduce-scatter) seconds, the same in bytes this rank sends) of one block's
+    parameters (fp32) under ZeRO-3: the dense part over dp x cp, the experts over their replicas."""
     if run.zero_stage != 3 or run.dp * run.cp == 1:
-        return 0.0, 0.0
+        return (0.0, 0.0), (0, 0)
     block, _ = parameter_pieces(model_cfg, run.tp, run.ep)
     experts = sum(n for name, n in block.items() if ".experts." in name)
     groups = (
         (sum(block.values()) - experts, run.dp * run.cp),
         (experts, run.dp // run.ep * run.cp),
     )
-    return tuple(
-        sum(collective_seconds(kind, n * 4, ranks, link) for n, ranks in groups)
-        for kind in ("all_gather", "reduce_scatter")
-    )
+    kinds = ("all_gather", "reduce_scatter")
+    seconds = [sum(collective_seconds(k, n * 4, ranks, link) for n, ranks in groups) for k in kinds]
+    sent = [sum(sent_bytes(k, n * 4, ranks) for n, ranks in groups) for k in kinds]
+    return seconds, sent
 
 
 def rank_timing(r, lists, stages, times, times_without, actions):
