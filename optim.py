@@ -59,12 +59,15 @@ from parallel import (
     at_least_fp32,
     buckets_by_kind,
     full_shape_of,
+    gather_slices,
     group_size,
     optimizer_state_bytes,
     params_flat,
+    post_gathers,
     shard_of,
     wait_for_params,
 )
+from zero import GradientShards
 
 
 class AdamW(torch.optim.AdamW):
@@ -159,6 +162,29 @@ def gather_tp_slices(x, param, group):
     return _all_gather_along(x, group, dim)
 
 
+def post_reduce(bucket):
+    """Post the sum over the group of a WholeBucket's flat buffer, landing on its owner only
+    (dist.reduce: on the others flat is scratch once it has landed). One rank sends nothing."""
+    if bucket.world > 1:
+        bucket.work = dist.reduce(
+            bucket.flat,
+            dist.get_global_rank(bucket.group, bucket.owner),
+            group=bucket.group,
+            async_op=True,
+        )
+
+
+def post_broadcast(bucket):
+    """After the step: the owner's updated matrices to every rank of the group, into the parameters
+    themselves (params_flat), in place of ZeRO's all-gather of slices; returns its request."""
+    return dist.broadcast(
+        params_flat(bucket),
+        dist.get_global_rank(bucket.group, bucket.owner),
+        group=bucket.group,
+        async_op=True,
+    )
+
+
 class WholeMatrixBuckets(ShardedGradientBuckets):
     """ZeRO-1's reducer with some parameters dealt whole: `owners` ({param: rank of group},
     deal_whole's) sends each of those parameters' gradients whole to one rank, in buckets of their
@@ -185,23 +211,69 @@ class WholeMatrixBuckets(ShardedGradientBuckets):
     def launch(self, bucket):
         if not isinstance(bucket, WholeBucket):
             return super().launch(bucket)
-        if bucket.world > 1:  # the sum lands on the owner only (land() then finds it in flat)
-            bucket.work = dist.reduce(
-                bucket.flat,
-                dist.get_global_rank(bucket.group, bucket.owner),
-                group=bucket.group,
-                async_op=True,
-            )
+        post_reduce(bucket)  # the sum lands on the owner only (land() then finds it in flat)
 
     def gather(self, bucket):
         if not isinstance(bucket, WholeBucket):
             return super().gather(bucket)
-        return dist.broadcast(
-            params_flat(bucket),
-            dist.get_global_rank(bucket.group, bucket.owner),
-            group=bucket.group,
-            async_op=True,
+        return post_broadcast(bucket)
+
+
+class WholeMatrixShards(GradientShards):
+    """ZeRO-2's reducer (zero.GradientShards) with some parameters dealt whole, as
+    WholeMatrixBuckets deals them at ZeRO-1: each micro-batch's gradients of a bucket of
+    `owners`' parameters are reduced to its owner (dist.reduce) instead of reduce-scattered, and
+    the owner adds them into its grad_shard, the whole gradient; the other ranks drop the flat
+    buffer once the reduce has landed and hold nothing of it. After the step the owner broadcasts
+    what it updated. Every other parameter keeps ZeRO-2's even shards. What each rank holds is
+    ZeRO-2's promise, cut at matrix boundaries: about 1/dp of the gradients, and of the states.
+    `phases` and `tied` as GradientShards' (a pipeline's backward actions; Muon's matrices are the
+    blocks', never a tied weight)."""
+
+    def __init__(
+        self, params, group, bucket_size_mb=25.0, phases=None, tied=((), None), owners=None
+    ):
+        self.owners = owners or {}
+        super().__init__(params, group, bucket_size_mb, phases, tied)
+
+    def plan(self, params, bucket_size_mb):
+        tied = {id(p) for p in self.tied_copies}
+        return buckets_by_kind(
+            params,
+            bucket_size_mb,
+            lambda p: (self.phase_of(p), id(p) in tied and id(p), self.owners.get(p)),
         )
+
+    def new_bucket(self, params):
+        owner = self.owners.get(params[0])
+        if owner is None:
+            return super().new_bucket(params)
+        # its flat buffer made by copy_in and dropped by settle, as GradientShards' buckets'
+        bucket = WholeBucket(params, self.group, owner)
+        bucket.phases, bucket.grad_shard = self.phase_of(params[0]), None
+        return bucket
+
+    def launch(self, bucket):
+        """GradientShards.launch, with a reduce to the owner in place of the reduce-scatter:
+        settle() then finds the sum in the owner's flat (its owned range, all of it) and nothing
+        on the others (an empty range), so their flat buffer goes unread."""
+        if not isinstance(bucket, WholeBucket):
+            return super().launch(bucket)
+        self.launched += 1
+        while len(self.in_flight) >= 2:  # at most two buckets' full gradients in flight
+            self.settle(self.in_flight[0])
+        post_reduce(bucket)
+        self.in_flight.append(bucket)
+        bucket.ready = set()
+
+    def after_step(self):
+        """The owners' matrices broadcast and the others' slices all-gathered (waited for before
+        their parameters are read); the gradients dropped."""
+        post_gathers(
+            self.buckets, lambda b: post_broadcast(b) if isinstance(b, WholeBucket) else gather_slices(b)
+        )
+        for bucket in self.buckets:
+            bucket.grad_shard = None
 
 
 class WholeBucket(ShardedBucket):

@@ -3,6 +3,7 @@ from contextlib import redirect_stdout
 
 import build
 from ledger import CommLedger, layout_groups
+from tools import machines, step_time
 from tools.bench import Picotron, parse_args
 
 from dist_utils import run_ranks
@@ -25,5 +26,7 @@ def _ledger_bytes(rank, world_size, layouts):
         picotron.step(1)
         with CommLedger(layout_groups(setup.layout, picotron.parts.pipeline)) as ledger:
             picotron.step(2)
-        out.append((ledger.bytes_sent(), ledger.summary()))
+        run = step_time.run_of(cfg, setup.layout.world_size)
+        predicted = step_time.predict(setup.model_cfg, run, machines.load_machine("a100"))
+        out.append((ledger.bytes_sent(), ledger.summary(), predicted["comm_bytes"]))
     return out

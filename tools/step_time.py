@@ -173,11 +173,11 @@ def parameter_pieces(model_cfg, tp, ep):
 
 
 def tp_summed_seconds(model_cfg, run, cut, held, link):
-    """(seconds, bytes this rank sends) of the one all-reduce a step that sums over tp the gradients of the parameters each
-    tp rank holds whole (tensor_parallel.sum_partial_grads), on a pipeline rank holding model stages
-    `held`: under sequence parallelism the norms, and the replicated parts of attention (QK-norm
-    gains, key/value heads fewer than the tp ranks, MLA's down-projections). Under ZeRO each rank
-    sums its own slices."""
+    """(seconds, bytes this rank sends) of the one all-reduce a step that sums over tp the gradients
+    of the parameters each tp rank holds whole (tensor_parallel.sum_partial_grads), on a pipeline
+    rank holding model stages `held`: under sequence parallelism the norms, and the replicated parts
+    of attention (QK-norm gains, key/value heads fewer than the tp ranks, MLA's down-projections).
+    Under ZeRO each rank sums its own slices."""
     if run.tp == 1:
         return 0.0, 0
     block, root = _pieces(model_cfg, run.tp, run.ep, run.sequence_parallel)[1]
@@ -238,12 +238,11 @@ RING_OPS_PER_PAIR, RING_OPS_BACKWARD, FUSED_ATTENTION_OPS = (91, 69), 38, (2, 7)
 
 
 def ring_seconds(model_cfg, run, machine, links, tokens, act_bytes, attention_f):
-    """([forward, backward] seconds context parallelism's ring leaves exposed in one block, [forward,
-    backward] bytes this rank sends in it)
-    (context_parallel.ring_attention_bytes): forward cp - 1 messages of the keys and values;
-    backward cp - 1 of them and cp of their fp32 gradients' accumulators, the last one bringing them
-    home. Each overlaps the attention of its step (the ring feeds it), the last one nothing.
-    attention_f: the block's forward attention seconds."""
+    """([forward, backward] seconds context parallelism's ring leaves exposed in one block,
+    [forward, backward] bytes this rank sends) (context_parallel.ring_attention_bytes): forward
+    cp - 1 messages of the keys and values; backward cp - 1 of them and cp of their fp32 gradients'
+    accumulators, the last one bringing them home. Each overlaps the attention of its step (the ring
+    feeds it), the last one nothing. attention_f: the block's forward attention seconds."""
     qk, v = attention_dims(model_cfg)
     kv_elements = tokens * max(1, model_cfg.n_kv_head // run.tp) * (qk + v)
     kv = p2p_seconds(kv_elements * act_bytes, links["cp"])
@@ -261,7 +260,7 @@ def expert_exchange_seconds(model_cfg, run, links, tokens, act_bytes):
     """([forward, backward] seconds, [forward, backward] bytes this rank sends) of expert
     parallelism's all-to-alls in one block: two of the kept rows each way, forward after the counts'
     (exchange_expert_counts). The rows are priced spread evenly over the ep ranks: (ep - 1) / ep of
-    them leave the rank (as many as routing sends where every rank's experts take an equal share)."""
+    them leave the rank, as they do where each rank's experts take an equal share."""
     if model_cfg.n_expert <= 0 or run.ep <= 1:
         return [0.0, 0.0], [0, 0]
     kept, _ = expert_rows(model_cfg, tokens, run.ep)
@@ -269,7 +268,8 @@ def expert_exchange_seconds(model_cfg, run, links, tokens, act_bytes):
     rows = 2 * collective_seconds("all_to_all", row_bytes, run.ep, links["ep"])
     counts = collective_seconds("all_to_all", count_bytes, run.ep, links["ep"])
     rows_sent = 2 * sent_bytes("all_to_all", row_bytes, run.ep)
-    return [rows + counts, rows], [rows_sent + sent_bytes("all_to_all", count_bytes, run.ep), rows_sent]
+    counts_sent = sent_bytes("all_to_all", count_bytes, run.ep)
+    return [rows + counts, rows], [rows_sent + counts_sent, rows_sent]
 
 
 def host_seconds(model_cfg, run, machine):
@@ -343,7 +343,9 @@ def block_seconds(model_cfg, run, machine, links, tokens):
 
 def ends_seconds(model_cfg, run, machine, links, tokens):
     """(embedding, head) seconds for one micro-batch: {'forward', 'input_grad', 'weight_grad'} of
-    compute, 'tp' [forward, backward] and 'sent' {'tp': the bytes this rank sends, the same}. The embedding: a lookup (its rows written), under tp the
+    compute, 'tp' and 'cp' [forward, backward] and 'sent' {'tp', 'cp'}: the bytes this rank sends,
+    the same. Under cp the head's loss sums its token count over the cp ranks forward
+    (context_parallel.loss_share). The embedding: a lookup (its rows written), under tp the
     vocab-parallel embedding's all-reduce forward (under SP a reduce-scatter, whose backward
     all-gathers). The head: 6 C V FLOPs per token over tp (metrics.pipeline_costs') and the loss's
     fp32 softmax read and written forward and backward (under tp machine=auto's timed kernels,
@@ -368,7 +370,11 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
         "input_grad": 2 * lookup,
         "weight_grad": 0.0,
         "tp": [half, half] if run.sequence_parallel else [activations, 0.0],
-        "sent": {"tp": [half_sent, half_sent] if run.sequence_parallel else [sent, 0]},
+        "cp": [0.0, 0.0],
+        "sent": {
+            "tp": [half_sent, half_sent] if run.sequence_parallel else [sent, 0],
+            "cp": [0, 0],
+        },
     }
     matmul = tokens * head / 3 / run.tp / rate
     softmax = tokens * 2 * model_cfg.vocab_size / run.tp * 4 / machine["memory_bw"]
@@ -382,6 +388,9 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
     tp = [loss + half, half] if run.sequence_parallel else [loss, activations]
     loss_sent = 3 * sent_bytes("all_reduce", tokens * 4, run.tp)
     tp_sent = [loss_sent + half_sent, half_sent] if run.sequence_parallel else [loss_sent, sent]
+    # under cp the loss's token count: one int64 summed over the cp ranks
+    count = collective_seconds("all_reduce", 8, run.cp, links["cp"]) if run.cp > 1 else 0.0
+    count_sent = sent_bytes("all_reduce", 8, run.cp)
     chunked = run.chunked_loss and run.tp == 1
     # the chunked loss's backward scales its two gradients (each read and written, fp32)
     scale = (tokens + model_cfg.vocab_size) * C * 8 / machine["memory_bw"]
@@ -398,7 +407,8 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
             "weight_grad": matmul,
         }
     )
-    return embedding, {**head, "tp": tp, "sent": {"tp": tp_sent}}
+    cp = {"cp": [count, 0.0], "sent": {"tp": tp_sent, "cp": [count_sent, 0]}}
+    return embedding, {**head, "tp": tp, **cp}
 
 
 # -----------------------------------------------------------------------------
@@ -452,7 +462,7 @@ def stage_actions(model_cfg, run, machine, links, cut, zero3):
         f = {
             "compute": n * block["forward"] + sum(e["forward"] for e in ends),
             "tp": n * block["tp"] + sum(e["tp"][0] for e in ends),
-            "cp": n * block["cp"][0],
+            "cp": n * block["cp"][0] + sum(e["cp"][0] for e in ends),
             "ep": n * block["ep"][0],
             "zero": n * zero3[0],
         }
@@ -469,8 +479,9 @@ def stage_actions(model_cfg, run, machine, links, cut, zero3):
         sent = block["sent"]
         sent_f = {m: n * sent[m][0] for m in ("tp", "cp", "ep")}
         sent_b = {m: n * (sent[m][1] + sent[m][0] * (again - 1)) for m in ("tp", "cp", "ep")}
-        sent_f["tp"] += sum(e["sent"]["tp"][0] for e in ends)
-        sent_b["tp"] += sum(e["sent"]["tp"][1] for e in ends)
+        for m in ("tp", "cp"):  # (the ends run no expert)
+            sent_f[m] += sum(e["sent"][m][0] for e in ends)
+            sent_b[m] += sum(e["sent"][m][1] for e in ends)
         sent_f["dp"], sent_b["dp"] = n * zero3_sent[0], n * sum(zero3_sent)
         out[s] = {
             op: (sum(parts.values()), parts, sent)
@@ -505,16 +516,24 @@ def rank_pieces(model_cfg, run, cut, held):
     return pieces
 
 
+def padded(elements, ranks):
+    """A ZeRO bucket's (or ZeRO-3 unit's) elements as it sends them: padded to a multiple of the
+    ranks that share it, so each holds an equal slice (parallel.ShardedBucket)."""
+    return -(-elements // ranks) * ranks
+
+
 def bucket_collectives(pieces, run, link, kind):
     """[(elements, seconds, bytes this rank sends)] of each bucket's collective in backward order
     (memory_plan.bucket_elements: parallel.GradientBuckets' plan), the experts' buckets after the
-    dense ones', over their own replicas. Gradients travel in fp32 (the parameters' dtype)."""
+    dense ones', over their own replicas. Gradients travel in fp32 (the parameters' dtype); under
+    ZeRO (a reduce-scatter, an all-gather) each bucket padded to slice evenly."""
     capacity = max(1, int(run.bucket_size_mb * 2**20)) // 4
     out = []
     for expert, n in ((False, run.dp * run.cp), (True, run.dp // run.ep * run.cp)):
         sizes = memory_plan.bucket_elements(
             [e for e, is_expert in pieces if is_expert == expert], capacity
         )
+        sizes = sizes if kind == "all_reduce" else [padded(size, n) for size in sizes]
         out += [
             (size, collective_seconds(kind, size * 4, n, link), sent_bytes(kind, size * 4, n))
             for size in sizes
@@ -562,16 +581,19 @@ def data_parallel_seconds(
     micro-batch's backward, the earlier ones overlapped with the backward and the next forward too.
     ZeRO-1/2: every bucket's parameters all-gathered after the step, ahead of the next forward.
     ZeRO-3: its blocks' gathers and reduce-scatters are in the actions (stage_actions); here its
-    root unit's, once each way."""
+    root unit's: gathered once, reduce-scattered after every micro-batch's backward (zero.py)."""
     if run.dp * run.cp == 1:
         return 0.0, 0.0, 0
     overlaps = machine["overlaps"]
-    # the root unit: gathered before the first forward, reduced after the last backward
+    # the root unit: gathered before the first forward, kept whole until the optimizer step; its
+    # gradients, sharded as ZeRO-2's, reduce-scattered after each micro-batch's backward
     if run.zero_stage == 3:
-        n, ranks = root_elements * 4, run.dp * run.cp
-        kinds = ("reduce_scatter", "all_gather")
-        reduce, gather = (collective_seconds(kind, n, ranks, link) for kind in kinds)
-        return reduce, gather, sum(sent_bytes(kind, n, ranks) for kind in kinds)
+        m, ranks = run.gradient_accumulation_steps, run.dp * run.cp
+        n = padded(root_elements, ranks) * 4
+        reduce = m * collective_seconds("reduce_scatter", n, ranks, link)
+        gather = collective_seconds("all_gather", n, ranks, link)
+        sent = m * sent_bytes("reduce_scatter", n, ranks) + sent_bytes("all_gather", n, ranks)
+        return reduce, gather, sent
     kind = "all_reduce" if run.zero_stage == 0 else "reduce_scatter"
     buckets = bucket_collectives(pieces, run, link, kind)
     reduce = overlapped(buckets, last_window, overlaps)
@@ -626,10 +648,14 @@ def zero3_block_seconds(model_cfg, run, link):
         return (0.0, 0.0), (0, 0)
     block, _ = parameter_pieces(model_cfg, run.tp, run.ep)
     experts = sum(n for name, n in block.items() if ".experts." in name)
-    groups = (
-        (sum(block.values()) - experts, run.dp * run.cp),
-        (experts, run.dp // run.ep * run.cp),
-    )
+    # (each unit padded to slice evenly)
+    groups = [
+        (padded(n, ranks), ranks)
+        for n, ranks in (
+            (sum(block.values()) - experts, run.dp * run.cp),
+            (experts, run.dp // run.ep * run.cp),
+        )
+    ]
     kinds = ("all_gather", "reduce_scatter")
     seconds = [sum(collective_seconds(k, n * 4, ranks, link) for n, ranks in groups) for k in kinds]
     sent = [sum(sent_bytes(k, n * 4, ranks) for n, ranks in groups) for k in kinds]
@@ -638,16 +664,21 @@ def zero3_block_seconds(model_cfg, run, link):
 
 def rank_timing(r, lists, stages, times, times_without, actions):
     """One rank's {'end', 'busy' {part: seconds}, 'bubble', 'pp', 'last_window', 'micro_window',
-    'forward'} from the simulation (times_without: the same without the pipeline's transfers)."""
+    'forward', 'sent' {mechanism: bytes its actions send}} from the simulation (times_without: the
+    same without the pipeline's transfers)."""
     last = len(lists[r]) - 1  # (a rank's actions run in its list's order)
-    busy, end, end_without = {}, times[(r, last)][1], times_without[(r, last)][1]
+    busy, sent = {}, {}
+    end, end_without = times[(r, last)][1], times_without[(r, last)][1]
     m = max(i for _, i, _ in lists[r])
     first_last = min(
         times[(r, k)][0] for k, (op, i, _) in enumerate(lists[r]) if op != "F" and i == m
     )
     for op, c in {(op, c) for op, _, c in lists[r]}:  # each chunk runs each op once per micro-batch
-        for part, seconds in actions[stages[r][c]][op][1].items():
+        _, parts, sends = actions[stages[r][c]][op]
+        for part, seconds in parts.items():
             busy[part] = busy.get(part, 0.0) + seconds * (m + 1)
+        for mechanism, nbytes in sends.items():
+            sent[mechanism] = sent.get(mechanism, 0) + nbytes * (m + 1)
     of = lambda op: sum(actions[s][op][0] for s in stages[r])
     split = any(op == "W" for op, _, _ in lists[r])  # (where B is not split, B holds W's work)
     return {
@@ -658,13 +689,67 @@ def rank_timing(r, lists, stages, times, times_without, actions):
         "last_window": end - first_last,
         "micro_window": of("F") + of("B") + of("W") * split,
         "forward": of("F"),
+        "sent": sent,
     }
+
+
+def pipeline_sent(routes, r, message):
+    """The bytes pipeline rank r sends its neighbours in a step: `message` bytes (a micro-batch's
+    activations, or their gradient) for each of the schedule's messages that leave the rank
+    (tools/timeline.route_messages; a chunk's output bound for another chunk of the same rank is
+    handed over in memory)."""
+    sent, _ = routes
+    return message * sum(len(messages) for (source, _, _), messages in sent.items() if source == r)
+
+
+def tied_seconds(model_cfg, run, cut, held, link):
+    """(seconds, bytes this rank sends) of parallel.sync_tied_grads' all-reduce of the tied
+    embedding's two copies' gradients, on a pipeline rank holding model stages `held`: only where
+    it holds one copy and another rank the other (a rank holding both, as ZB-V's first rank does,
+    sums them in memory), and not under ZeRO-2/3, whose reducer sums them."""
+    first, last = 0 in held, len(cut) - 1 in held
+    if not (run.pp > 1 and model_cfg.tie_embeddings and run.zero_stage < 2 and first != last):
+        return 0.0, 0
+    _, root = parameter_pieces(model_cfg, run.tp, run.ep)
+    copy = 4 * sum(n for name, n in root.items() if name.startswith("tok_emb."))
+    return collective_seconds("all_reduce", copy, 2, link), sent_bytes("all_reduce", copy, 2)
+
+
+def once_a_step(model_cfg, run, machine, links, cut, held, timing):
+    """A pipeline rank's communication outside its actions (held: its model stages): the gradients'
+    reduction and ZeRO-1/2's gather (data_parallel_seconds), the tied embedding's sum (tied_seconds)
+    and the sum over tp (tp_summed_seconds), their seconds added to its `timing` (rank_timing's) as
+    'dp', 'zero_gather', 'tied' and 'tp_summed', their bytes to its 'sent'."""
+    block, _ = parameter_pieces(model_cfg, run.tp, run.ep)
+    pieces = rank_pieces(model_cfg, run, cut, held)
+    held_root = sum(n for n, _ in pieces) - sum(len(stage_layers(cut, s)) for s in held) * sum(
+        block.values()
+    )
+    timing["dp"], timing["zero_gather"], dp_sent = data_parallel_seconds(
+        pieces,
+        held_root,
+        run,
+        machine,
+        links["dp"],
+        timing["last_window"],
+        timing["micro_window"],
+        timing["forward"],
+    )
+    timing["tied"], tied_sent = tied_seconds(model_cfg, run, cut, held, links["pp"])
+    timing["tp_summed"], tp_sent = tp_summed_seconds(model_cfg, run, cut, held, links["tp"])
+    timing["optimizer"] = optimizer_seconds(pieces, run, machine)
+    sent = timing["sent"]
+    for mechanism, nbytes in (("dp", dp_sent), ("pp", tied_sent), ("tp", tp_sent)):
+        sent[mechanism] = sent.get(mechanism, 0) + nbytes
+    return timing
 
 
 def predict(model_cfg, run, machine, gpus_per_node=None):
     """One step's predicted seconds and its parts, for the slowest pipeline rank: {'step_s', 'parts'
     {'compute', 'bubble', 'tp', 'cp', 'ep', 'pp', 'dp', 'zero_gather', 'optimizer'} in seconds,
-    'tokens_per_sec_per_gpu', 'mfu', 'machine'}. run: run_of's fields."""
+    'tokens_per_sec_per_gpu', 'mfu', 'comm_bytes' {'tp', 'cp', 'ep', 'pp', 'dp'}: the bytes rank 0
+    sends in the step by nccl-tests' accounting (the bytes priced above; ledger.py books a run's
+    so), 'machine'}. run: run_of's fields."""
     gpus_per_node = gpus_per_node or machine["gpus_per_node"]
     links = layout_links(machine, run, gpus_per_node)
     cut = stage_cut(model_cfg, run)
@@ -685,37 +770,11 @@ def predict(model_cfg, run, machine, gpus_per_node=None):
         lists, stages, seconds, p2p_seconds(message, links["pp"]) if run.pp > 1 else 0.0, routes
     )
     times_without = simulate_pipeline(lists, stages, seconds, 0.0, routes) if run.pp > 1 else times
-    block, root = parameter_pieces(model_cfg, run.tp, run.ep)
     ranks = []
     for r in range(len(lists)):
         timing = rank_timing(r, lists, stages, times, times_without, actions)
-        pieces = rank_pieces(model_cfg, run, cut, stages[r])
-        held_root = sum(n for n, _ in pieces) - sum(
-            len(stage_layers(cut, s)) for s in stages[r]
-        ) * sum(block.values())
-        timing["dp"], timing["zero_gather"] = data_parallel_seconds(
-            pieces,
-            held_root,
-            run,
-            machine,
-            links["dp"],
-            timing["last_window"],
-            timing["micro_window"],
-            timing["forward"],
-        )
-        timing["tied"] = 0.0
-        if (
-            run.pp > 1
-            and model_cfg.tie_embeddings
-            and run.zero_stage < 2
-            and (0 in stages[r] or len(cut) - 1 in stages[r])
-        ):
-            # parallel.sync_tied_grads: the two copies' gradients all-reduced between the first and
-            # last stage
-            copy = sum(n for name, n in root.items() if name.startswith("tok_emb."))
-            timing["tied"] = collective_seconds("all_reduce", copy * 4, 2, links["pp"])
-        timing["tp_summed"] = tp_summed_seconds(model_cfg, run, cut, stages[r], links["tp"])
-        timing["optimizer"] = optimizer_seconds(pieces, run, machine)
+        timing["sent"]["pp"] = pipeline_sent(routes, r, message) if run.pp > 1 else 0
+        once_a_step(model_cfg, run, machine, links, cut, stages[r], timing)
         timing["total"] = sum(
             timing[k] for k in ("end", "tied", "tp_summed", "dp", "zero_gather", "optimizer")
         )
@@ -758,6 +817,8 @@ def summarize(model_cfg, run, machine, dtype, ranks):
     return {
         "step_s": step,
         "parts": parts,
+        # (global rank 0 is pipeline rank 0: the layout numbers the pipeline's ranks slowest)
+        "comm_bytes": {m: ranks[0]["sent"].get(m, 0) for m in ("dp", "tp", "cp", "ep", "pp")},
         "tokens_per_sec_per_gpu": tokens_per_step / step / world,
         "mfu": flops / (world * peak) if peak else None,
         "dtype": dtype,
@@ -766,8 +827,8 @@ def summarize(model_cfg, run, machine, dtype, ranks):
 
 
 def format_prediction(prediction, run):
-    """The prediction as lines: the step, its parts (each with its share), tokens/s per device and
-    MFU."""
+    """The prediction as lines: the step, its parts (each with its share), the bytes rank 0 sends
+    per mechanism, tokens/s per device and MFU."""
     step, parts = prediction["step_s"], prediction["parts"]
     names = {
         "compute": "compute",
@@ -795,6 +856,9 @@ def format_prediction(prediction, run):
     for key, label in names.items():
         if parts[key] > 1e-4 * step or key == "compute":
             lines.append(f"  {label:34s} {parts[key] * 1e3:12,.2f} ms  {parts[key] / step:6.1%}")
+    sent = [f"{m} {b / 2**20:,.2f}" for m, b in prediction["comm_bytes"].items() if b]
+    if sent:
+        lines.append(f"  MiB rank 0 sends: {', '.join(sent)}")
     lines.append(
         f"  tokens/s per device {prediction['tokens_per_sec_per_gpu']:,.0f}; "
         f"MFU {metrics.format_mfu(prediction['mfu'])}"
@@ -863,7 +927,8 @@ def model_config_of(cfg):
 
 
 def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None, matmul_rate=None):
-    """(predicted seconds or None, its lines, {'predicted_step_s', 'predicted_parts_s', 'machine'})
+    """(predicted seconds or None, its lines, {'predicted_step_s', 'predicted_parts_s',
+    'predicted_comm_bytes', 'machine'})
     of a run. machine_name None: train.py's start-up (on CPU the cached matmul probe and gloo's
     figures, no collective; on a GPU the named machine its name matches); 'auto': this machine
     measured (tools/bench.py: every rank calls this, with the linears' rate it timed between its
@@ -908,7 +973,12 @@ def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None, mat
     return (
         p["step_s"],
         lines,
-        {"predicted_step_s": p["step_s"], "predicted_parts_s": p["parts"], "machine": machine},
+        {
+            "predicted_step_s": p["step_s"],
+            "predicted_parts_s": p["parts"],
+            "predicted_comm_bytes": p["comm_bytes"],
+            "machine": machine,
+        },
     )
 
 
@@ -961,6 +1031,7 @@ def main(argv):
     }
     result.update(
         parts_s=prediction["parts"],
+        comm_bytes=prediction["comm_bytes"],
         dp=run.dp,
         cp=run.cp,
         tp=run.tp,
