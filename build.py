@@ -45,7 +45,7 @@ from model import (
     compile_blocks,
     takes_muon,
 )
-from optim import AdamW, DynamicLossScaler, Muon, describe_optimizer, zero_one_muon_buckets
+from optim import AdamW, DynamicLossScaler, Muon, describe_optimizer, muon_buckets
 from parallel import (
     GradientBuckets,
     ParallelLayout,
@@ -456,11 +456,11 @@ def make_grad_sync(model, cfg, layout, pipeline):
     """What averages the gradients across the ranks that hold the same parameters, dp x cp (each cp
     rank has the gradient of its share of every sequence), by ZeRO stage: GradientBuckets'
     all-reduce (0; of no parameter with a single replica), ShardedGradientBuckets' reduce-scatter
-    (1; with Muon, its matrices dealt whole: optim.zero_one_muon_buckets), zero.GradientShards (2),
-    zero.FullyShardedParameters (3). Under expert parallelism the experts get a reducer of their own
-    kind over the ranks that hold the same experts (expert_parallel.ExpertSplit). A tied weight's
-    gradient changes after backward (its copies are summed by the pipeline): ZeRO-0 and 1 average it
-    in finish(), after that sum, by a reducer of its own without hooks (parallel.Reducers' late);
+    (1), zero.GradientShards (2), zero.FullyShardedParameters (3); with Muon at 1 and 2 its
+    matrices dealt whole (optim.muon_buckets). Under expert parallelism the experts get a reducer of
+    their own kind over the ranks that hold the same experts (expert_parallel.ExpertSplit). A tied
+    weight's gradient changes after backward (its copies are summed by the pipeline): ZeRO-0 and 1
+    average it in finish(), after that sum, by a reducer of its own without hooks (Reducers' late);
     ZeRO-2 and 3 sum the copies' shards themselves (tied). The split backward's W gradients are
     announced by hand (pipeline_schedules.announced_by_hand)."""
     zero, group, size = cfg.zero_stage, layout.dp_cp_group, cfg.bucket_size_mb
@@ -484,10 +484,9 @@ def make_grad_sync(model, cfg, layout, pipeline):
         keep = {id(p) for p in params}
         if zero == 0:
             return GradientBuckets(params, group, size)
-        if zero == 1 and matrices:
-            return zero_one_muon_buckets(
-                params, [p for p in matrices if id(p) in keep], group, size
-            )
+        if zero in (1, 2) and matrices:
+            mine = [p for p in matrices if id(p) in keep]
+            return muon_buckets(params, mine, group, size, zero, phases, tied)
         if zero == 1:
             return ShardedGradientBuckets(params, group, size)
         if zero == 2:
@@ -525,8 +524,8 @@ def make_optimizer(model, cfg, layout, grad_sync):
     """AdamW; weight decay on matrices (linears, embeddings) only, not on norm gains and biases.
     With zero_stage=1, 2 or 3, ZeroOneAdamW: the same update on the elements this rank owns,
     stepping with the sharded reducer. With optimizer='muon', optim.Muon: Muon for the blocks'
-    matrices (takes_muon), with the same weight decay, AdamW as above for the rest (ZeRO-1: with its
-    reducer)."""
+    matrices (takes_muon), with the same weight decay, AdamW as above for the rest (ZeRO-1 and 2:
+    with its reducer)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [
@@ -547,7 +546,7 @@ def make_optimizer(model, cfg, layout, grad_sync):
             ns_steps=cfg.muon_ns_steps,
             betas=betas,
             tp_group=layout.tp_group,
-            grad_sync=grad_sync if cfg.zero_stage == 1 else None,
+            grad_sync=grad_sync if cfg.zero_stage in (1, 2) else None,
         )
     if cfg.zero_stage >= 1:
         return ZeroOneAdamW(groups, grad_sync, lr=cfg.learning_rate, betas=betas)

@@ -162,6 +162,21 @@ def gather_tp_slices(x, param, group):
     return _all_gather_along(x, group, dim)
 
 
+class WholeBucket(ShardedBucket):
+    """A bucket that one rank of the group, `owner`, gets all of."""
+
+    def __init__(self, params, group, owner):
+        self.owner = owner
+        super().__init__(params, group)
+        self.shard_size = self.numel
+
+    def zeros(self):
+        return torch.zeros(self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
+
+    def owned(self):
+        return (0, self.numel) if self.rank == self.owner else (0, 0)
+
+
 def post_reduce(bucket):
     """Post the sum over the group of a WholeBucket's flat buffer, landing on its owner only
     (dist.reduce: on the others flat is scratch once it has landed). One rank sends nothing."""
@@ -270,25 +285,11 @@ class WholeMatrixShards(GradientShards):
         """The owners' matrices broadcast and the others' slices all-gathered (waited for before
         their parameters are read); the gradients dropped."""
         post_gathers(
-            self.buckets, lambda b: post_broadcast(b) if isinstance(b, WholeBucket) else gather_slices(b)
+            self.buckets,
+            lambda b: post_broadcast(b) if isinstance(b, WholeBucket) else gather_slices(b),
         )
         for bucket in self.buckets:
             bucket.grad_shard = None
-
-
-class WholeBucket(ShardedBucket):
-    """A bucket that one rank of the group, `owner`, gets all of."""
-
-    def __init__(self, params, group, owner):
-        self.owner = owner
-        super().__init__(params, group)
-        self.shard_size = self.numel
-
-    def zeros(self):
-        return torch.zeros(self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
-
-    def owned(self):
-        return (0, self.numel) if self.rank == self.owner else (0, 0)
 
 
 class Muon(torch.optim.Optimizer):
@@ -302,13 +303,14 @@ class Muon(torch.optim.Optimizer):
     The other groups take parallel.adamw_step, torch's fused AdamW.
 
     tp_group: matrices split across it (parameters marked by mark_sharded) are orthogonalised whole,
-    see the file's note; None: not split (every matrix is whole here). grad_sync (ZeRO-1): a
-    WholeMatrixBuckets over the dp x cp group with the matrices dealt whole (zero_one_muon_buckets
-    builds it); the optimizer then steps with it as ZeroOneAdamW does (do not also all-reduce the
+    see the file's note; None: not split (every matrix is whole here). grad_sync (ZeRO-1 or 2): a
+    WholeMatrixBuckets or WholeMatrixShards over the dp x cp group with the matrices dealt whole
+    (muon_buckets builds it); the optimizer then steps with it as ZeroOneAdamW does, on the elements
+    its owned_slices() name, read through its owned_param and owned_grad (do not also all-reduce the
     gradients). Per step: backward -> grad_sync.finish() -> [clip grads()] -> step(found_inf) (AdamW
     on this rank's slices, Muon on its matrices, then grad_sync.after_step()). Every state exists
     from the start (its size is reported before the first step): AdamW's moments flat over the
-    elements this rank updates (`flat_range` under ZeRO-1), Muon's momentum shaped like the matrix
+    elements this rank updates (`flat_range` under ZeRO), Muon's momentum shaped like the matrix
     (its tp slice)."""
 
     def __init__(
@@ -346,8 +348,10 @@ class Muon(torch.optim.Optimizer):
                 f"Muon orthogonalises 2-D matrices; its groups hold tensors of shapes "
                 f"{sorted({tuple(p.shape) for p in self.matrices if p.dim() != 2})}"
             )
+        # ZeRO: {param: its piece this rank owns, (param, start, end, bucket, a, b)}: a matrix whole
+        self.slices = {piece[0]: piece for piece in grad_sync.owned_slices()} if grad_sync else {}
         if grad_sync is not None:
-            pieces = [piece[:3] for piece in grad_sync.owned_slices()]
+            pieces = [piece[:3] for piece in self.slices.values()]
         else:
             pieces = [(p, 0, p.numel()) for g in self.param_groups for p in g["params"]]
         for p, start, end in pieces:
@@ -363,14 +367,25 @@ class Muon(torch.optim.Optimizer):
                 self.state[p]["flat_range"] = (start, end)
 
     def grads(self):
-        """[(param, gradient)]: every gradient element this rank holds, each once (ZeRO-1: p.grad,
-        zero off what this rank owns). A parameter without a gradient (an expert no token reached)
-        gets a zero one, as the data-parallel reducer gives it, so that every parameter steps alike.
-        """
+        """[(param, gradient)]: every gradient element this rank holds, each once (ZeRO: its owned
+        slices, a matrix's whole gradient on its owner). A parameter without a gradient (an expert
+        no token reached) gets a zero one, as the data-parallel reducer gives it, so that every
+        parameter steps alike."""
+        if self.grad_sync is not None:
+            return [(p, self.grad_sync.owned_grad(*piece)) for p, piece in self.slices.items()]
         for p in self.group_of:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         return [(p, p.grad) for p in self.group_of]
+
+    def owned(self, p):
+        """(p's elements this rank updates, their gradient), flat views: all of them without a
+        reducer, else its owned slice (ZeRO-2: the gradient is the reducer's, p.grad is None)."""
+        if self.grad_sync is None:
+            return p.detach().view(-1), p.grad.view(-1)
+        return self.grad_sync.owned_param(*self.slices[p]), self.grad_sync.owned_grad(
+            *self.slices[p]
+        )
 
     @torch.no_grad()
     def step(self, found_inf=None):
@@ -382,24 +397,18 @@ class Muon(torch.optim.Optimizer):
             if group["muon"]:
                 continue
             mine = [p for p in group["params"] if self.state.get(p)]
-            ranges = [self.state[p].get("flat_range", (0, p.numel())) for p in mine]
-            adamw_step(
-                [p.view(-1)[a:b] for p, (a, b) in zip(mine, ranges)],
-                [p.grad.reshape(-1)[a:b] for p, (a, b) in zip(mine, ranges)],
-                [self.state[p] for p in mine],
-                group,
-                found_inf,
-            )
+            params, grads = zip(*map(self.owned, mine)) if mine else ((), ())
+            adamw_step(list(params), list(grads), [self.state[p] for p in mine], group, found_inf)
         for p in self.matrices:  # the same order on every rank: the tp all-gathers match
             state = self.state.get(p)
             if not state:
-                continue  # another data-parallel rank owns it (ZeRO-1)
+                continue  # another data-parallel rank owns it (ZeRO)
             group = self.group_of[p]
             lr, mu = group["lr"], group["momentum"]
-            momentum = state["momentum_buffer"]
-            new_momentum = momentum.mul(mu).add_(p.grad)
+            momentum, grad = state["momentum_buffer"], self.owned(p)[1].view_as(p)
+            new_momentum = momentum.mul(mu).add_(grad)
             # the gradient plus the momentum's next step
-            nesterov = p.grad.add(new_momentum, alpha=mu)
+            nesterov = grad.add(new_momentum, alpha=mu)
             full = gather_tp_slices(nesterov, p, self.tp_group)  # (A, B): the whole matrix
             orthogonal = shard_of(newton_schulz(full, group["ns_steps"]), p).to(p.dtype)
             self.orthogonalized += 1
@@ -416,10 +425,15 @@ class Muon(torch.optim.Optimizer):
             self.grad_sync.after_step()
 
 
-def zero_one_muon_buckets(params, matrices, group, bucket_size_mb=25.0):
-    """ZeRO-1 under Muon: the reducer that deals `matrices` whole (in backward order, as the buckets
-    fill) over `group` and cuts every other parameter of `params` in ZeRO-1's even slices."""
+def muon_buckets(
+    params, matrices, group, bucket_size_mb=25.0, zero_stage=1, phases=None, tied=((), None)
+):
+    """ZeRO-1 or 2 under Muon: the reducer that deals `matrices` whole (in backward order, as the
+    buckets fill) over `group` and cuts every other parameter of `params` in ZeRO's even slices:
+    WholeMatrixBuckets, or at zero_stage=2 WholeMatrixShards (phases and tied: GradientShards')."""
     owners = deal_whole(reversed(list(matrices)), group_size(group))
+    if zero_stage == 2:
+        return WholeMatrixShards(params, group, bucket_size_mb, phases, tied, owners)
     return WholeMatrixBuckets(params, group, bucket_size_mb, owners)
 
 
@@ -468,7 +482,11 @@ def describe_optimizer(optimizer, model, cfg, layout):
     dp, stage = layout.dp_cp, cfg.zero_stage
     if cfg.optimizer == "muon":
         n = sum(p.numel() for p in optimizer.matrices)
-        sharded = f", whole matrices and AdamW slices across {dp} data-parallel ranks (ZeRO-1)"
+        sharded = (
+            f", whole matrices and AdamW slices across {dp} data-parallel ranks (ZeRO-{stage})"
+        )
+        if stage == 2:
+            sharded += ", the gradients too: each matrix's kept by its owner alone"
         return (
             f"optimizer: Muon for {len(optimizer.matrices)} matrices ({n / 1e6:.2f}M parameters "
             f"on rank 0), AdamW for the rest; {state}" + (sharded if stage else "")

@@ -38,7 +38,8 @@ files override, call or set (tests/test_lift.py reads their code and fails on on
                                       p.grad is complete (Reducers' late; the split backward's
                                       announced_by_hand)
     `replicas`                        what the sums are divided by (the experts': the dense group's)
-  ShardedGradientBuckets  owned_slices(), gather(bucket), after_step()  what the optimizer uses
+  ShardedGradientBuckets  owned_slices(), owned_param(piece), owned_grad(piece), gather(bucket),
+                          after_step()  what the optimizer uses
   Bucket, ShardedBucket   zeros(), owned()  the flat buffer, this rank's range of it
   ColumnParallelLinear, RowParallelLinear  `matmul`  their product (the split backward's
                                            WeightGradStore)

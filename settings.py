@@ -607,27 +607,28 @@ def pp_layers_problems(values):
 
 
 def zero_stage_problems(values):
-    """zero_stage is 0 to 3, and with Muon 0 or 1 (0 under expert parallelism)."""
+    """zero_stage is 0 to 3, and with Muon 0 to 2 (0 under expert parallelism)."""
     problems = []
     if values["zero_stage"] not in (0, 1, 2, 3):
         problems.append(
             f"zero_stage must be 0 (plain AdamW), 1 (optimizer states sharded across data-parallel "
             f"ranks), 2 (and the gradients) or 3 (and the parameters), got {values['zero_stage']}"
         )
-    if values["optimizer"] == "muon" and values["zero_stage"] > 1:
-        zero = 1 if values["ep"] == 1 else 0  # (the rule below: at ep > 1 Muon takes no ZeRO-1)
+    if values["optimizer"] == "muon" and values["zero_stage"] == 3:
+        zero = 2 if values["ep"] == 1 else 0  # (the rule below: at ep > 1 Muon takes no ZeRO)
         problems.append(
-            f"optimizer='muon' runs with zero_stage 0 or 1 (ZeRO-1 deals its matrices whole to the "
-            f"data-parallel ranks), not zero_stage={values['zero_stage']}: use --zero_stage={zero}"
-            + (f" (ep = {values['ep']} > 1 takes no ZeRO-1 with Muon)" if zero == 0 else "")
+            f"optimizer='muon' runs with zero_stage 0, 1 or 2 (ZeRO-1 and 2 deal its matrices "
+            f"whole to the data-parallel ranks; ZeRO-3's parameter shards would cut them), not "
+            f"zero_stage=3: use --zero_stage={zero}"
+            + (f" (ep = {values['ep']} > 1 takes no ZeRO with Muon)" if zero == 0 else "")
             + ", or --optimizer=adamw"
         )
-    if values["optimizer"] == "muon" and values["zero_stage"] == 1 and values["ep"] > 1:
-        # ZeRO-1 deals Muon's matrices over dp x cp, but only dp / ep of those ranks hold an expert
+    if values["optimizer"] == "muon" and values["zero_stage"] in (1, 2) and values["ep"] > 1:
+        # ZeRO deals Muon's matrices over dp x cp, but only dp / ep of those ranks hold an expert
         problems.append(
-            f"optimizer='muon' with zero_stage=1 and ep = {values['ep']} is not supported (the "
-            "experts are not on every data-parallel rank to be dealt whole): use --zero_stage=0 "
-            "with Muon at ep > 1, or --optimizer=adamw"
+            f"optimizer='muon' with zero_stage={values['zero_stage']} and ep = {values['ep']} is "
+            "not supported (the experts are not on every data-parallel rank to be dealt whole): "
+            "use --zero_stage=0 with Muon at ep > 1, or --optimizer=adamw"
         )
     return problems
 

@@ -412,11 +412,15 @@ class FullyShardedParameters(GradientShards):
             u.free()
 
     def after_step(self):
-        """Every gathered copy is stale once the shards stepped: the next forward gathers anew."""
+        """Every gathered copy is stale once the shards stepped: the next forward gathers anew. The
+        root's gather is posted at once, as ZeRO-1 posts its gathers after the step: the forward
+        needs it first, with nothing before it to hide behind."""
         for unit in self._units():
             unit.free()
         for bucket in self.buckets:
             bucket.grad_shard = None
+        for unit in self.whole:
+            unit.post_gather()
 
     def unit_by_unit(self):
         """Yields each unit's parameters gathered, one at a time, then copies this rank's slice of

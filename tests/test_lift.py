@@ -727,8 +727,9 @@ def no_group_reducer(name, model):
     params, adamw = list(model.parameters()), dict(lr=1e-2, weight_decay=0.1)
     if name == "all-reduce":
         return parallel.GradientBuckets(params, None), optim.AdamW(params, **adamw)
-    if name == "Muon ZeRO-1":
-        sync = optim.zero_one_muon_buckets(params, [model[0].weight], None, bucket_size_mb=1e-5)
+    if name in ("Muon ZeRO-1", "Muon ZeRO-2"):
+        stage = int(name[-1])
+        sync = optim.muon_buckets(params, [model[0].weight], None, 1e-5, zero_stage=stage)
         return sync, optim.Muon(
             [{"params": [model[0].weight], "muon": True}, {"params": params[1:]}],
             grad_sync=sync,
@@ -746,7 +747,9 @@ def no_group_reducer(name, model):
     return sync, parallel.ZeroOneAdamW(params, sync, **adamw)
 
 
-@pytest.mark.parametrize("name", ["all-reduce", "ZeRO-1", "ZeRO-2", "ZeRO-3", "Muon ZeRO-1"])
+@pytest.mark.parametrize(
+    "name", ["all-reduce", "ZeRO-1", "ZeRO-2", "ZeRO-3", "Muon ZeRO-1", "Muon ZeRO-2"]
+)
 def test_a_reducer_given_no_group_is_one_rank_that_sends_nothing_and_steps_as_its_optimizer_alone(
     monkeypatch, name
 ):
@@ -778,7 +781,7 @@ def test_a_reducer_given_no_group_is_one_rank_that_sends_nothing_and_steps_as_it
     model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 5), nn.Linear(5, 3))
     alone = copy.deepcopy(model)
     sync, optimizer = no_group_reducer(name, model)
-    if name == "Muon ZeRO-1":
+    if name.startswith("Muon"):
         reference = optim.Muon(
             [{"params": [alone[0].weight], "muon": True}, {"params": list(alone.parameters())[1:]}],
             lr=1e-2,

@@ -223,11 +223,12 @@ def test_every_shipped_config_deals_each_rank_within_10_percent_of_the_mean_work
         assert max(abs(x - mean) for x in load) <= 0.10 * mean, (path.name, load)
 
 
-def test_muon_with_zero_stage_2_is_refused_by_name():
+def test_muon_with_zero_stage_3_is_refused_by_name_and_2_is_not():
     with pytest.raises(
-        ValueError, match=r"optimizer='muon' runs with zero_stage 0 or 1.*not zero_stage=2"
+        ValueError, match=r"optimizer='muon' runs with zero_stage 0, 1 or 2.*not zero_stage=3"
     ):
-        settings.check_values({**settings.DEFAULTS, "optimizer": "muon", "zero_stage": 2})
+        settings.check_values({**settings.DEFAULTS, "optimizer": "muon", "zero_stage": 3})
+    settings.check_values({**settings.DEFAULTS, "optimizer": "muon", "zero_stage": 2})
 
 
 # -----------------------------------------------------------------------------
@@ -361,6 +362,7 @@ RESUMED_AT = {
     # the owners' whole matrices and the tp slices joined; Muon on all-reduced gradients
     "dp2_tp1_zero0": TWO_REPLICAS + ["--tp=1", "--zero_stage=0"],
     "dp2_tp1_zero1": TWO_REPLICAS + ["--tp=1", "--zero_stage=1"],  # dealt again, at tp1 sizes
+    "dp2_tp1_zero2": TWO_REPLICAS + ["--tp=1", "--zero_stage=2"],  # and the gradients kept whole
 }
 
 
@@ -427,3 +429,62 @@ def test_resuming_with_the_other_optimizer_starts_its_state_afresh(
         "the checkpoint's optimizer state (muon) is not loaded: adamw's starts from zero" in stdout
     )
     assert [r["step"] for r in records if "loss" in r] == [4]
+
+
+# -----------------------------------------------------------------------------
+# ZeRO-2: each matrix's gradient reduced to its owner and kept there only
+
+
+@pytest.fixture(scope="module")
+def zero2_runs(data_dir, tmp_path_factory):
+    """Muon at ZeRO-2: dp2 (checkpoints at steps 3 and 5) on 2 ranks, and dp2 x tp2 on 4 (each
+    owned matrix split between its replica's two tp ranks; k and v whole on both): {name:
+    (records, out_dir, stdout)}."""
+    runs = {}
+    for name, layout, nproc in (
+        ("dp2_zero2", ["--tp=1", "--checkpoint_interval=3"], 2),
+        ("dp2_tp2_zero2", ["--tp=2", "--checkpoint_interval=0"], 4),
+    ):
+        out = tmp_path_factory.mktemp(name)
+        argv = TINY + TWO_REPLICAS + layout
+        argv += [f"--data_dir={data_dir}", f"--out_dir={out}", "--zero_stage=2"]
+        [(records, stdout)] = train_on_ranks([argv], nproc)
+        runs[name] = (records, out, stdout)
+    return runs
+
+
+@pytest.mark.parametrize("name", ["dp2_zero2", "dp2_tp2_zero2"])
+def test_zero2_muon_equals_one_process(name, zero2_runs, reference):
+    """Losses, gradient norms and (at dp2) final weights and momenta against one process."""
+    records, out, stdout = zero2_runs[name]
+    assert "optimizer: Muon for" in stdout and "(ZeRO-2)" in stdout
+    assert_same_losses_and_norms(records, reference[0])
+    if name == "dp2_zero2":
+        (weights, momenta), (ref_weights, ref_momenta) = (
+            weights_and_momenta(out / f"ckpt_{STEPS:07d}"),
+            weights_and_momenta(reference[1]),
+        )
+        assert_same_tensors(weights, ref_weights)
+        assert_same_tensors(momenta, ref_momenta, what="Muon momentum")
+
+
+def test_the_zero2_checkpoint_resumes_at_one_process(zero2_runs, reference, data_dir, tmp_path):
+    shutil.copytree(zero2_runs["dp2_zero2"][1] / "ckpt_0000003", tmp_path / "ckpt_0000003")
+    records = train_in_process(
+        TINY
+        + ONE_REPLICA
+        + [
+            f"--data_dir={data_dir}",
+            f"--out_dir={tmp_path}",
+            "--init_from=resume",
+            f"--checkpoint_interval={STEPS}",
+        ]
+    )
+    assert [r["step"] for r in records if "loss" in r] == [4, 5]
+    assert_same_losses_and_norms(records, reference[0][3:])
+    (weights, momenta), (ref_weights, ref_momenta) = (
+        weights_and_momenta(tmp_path / f"ckpt_{STEPS:07d}"),
+        weights_and_momenta(reference[1]),
+    )
+    assert_same_tensors(weights, ref_weights)
+    assert_same_tensors(momenta, ref_momenta, what="Muon momentum")

@@ -473,7 +473,7 @@ def optimizer_state(elements, shapes, muon, zero_stage, replicas, expert_replica
         owned = matrices
     else:
         state = 2 * (shard(adamw_elements[0], replicas) + shard(adamw_elements[1], expert_replicas))
-        # (dealt by the full matrices' Newton-Schulz work, as optim.zero_one_muon_buckets deals)
+        # (dealt by the full matrices' Newton-Schulz work, as optim.muon_buckets deals)
         owners = deal_whole(
             reversed([torch.empty(shapes[name], device="meta") for name in matrices]), replicas
         )

@@ -286,8 +286,9 @@ def host_seconds(model_cfg, run, machine):
 def block_seconds(model_cfg, run, machine, links, tokens):
     """Seconds of one block on one rank for one micro-batch of `tokens` tokens (this rank's, after
     context parallelism's split): {'forward', 'input_grad', 'weight_grad'} of compute, the
-    communication each leaves exposed, {'tp', 'cp', 'ep'} per forward and per backward, and 'sent',
-    the bytes this rank sends, {'tp', 'cp', 'ep'} each [forward, backward]. Matmuls:
+    communication each leaves exposed, {'tp', 'cp', 'ep'} each [forward, backward] (the backward's
+    with the recomputed forward's under activation checkpointing), and 'sent', the bytes this rank
+    sends, {'tp', 'cp', 'ep'} the same. Matmuls:
     metrics.pipeline_costs' 6 FLOPs per weight and token (2 forward, 2 for the input's gradient, 2
     for the weights'), over tp, at the machine's matmul rate. Attention: its 6 T H (qk + v) FLOPs
     per token, with a fused kernel at the kernel's efficiency on the causal half it computes
@@ -318,14 +319,18 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     # received piece (3a / tp)
     per_region = (6 + 3 / run.tp if run.sequence_parallel else 2) * (run.tp > 1)
     copies = tokens * 2 * per_region * act_bytes * model_cfg.n_embd / machine["memory_bw"]
-    # tensor parallelism: attention's and the MLP's outputs all-reduced forward (g), their inputs'
-    # gradients backward (f); under sequence parallelism an all-gather and a reduce-scatter instead,
-    # the same bytes
-    tp_bytes = tokens * model_cfg.n_embd * act_bytes
-    tp = 2 * collective_seconds("all_reduce", tp_bytes, run.tp, links["tp"])
-    tp_sent = 2 * sent_bytes("all_reduce", tp_bytes, run.tp)
+    tp_collectives = tp_block_collectives(model_cfg, run, tokens, act_bytes)
+    tp = sum(collective_seconds(*c, run.tp, links["tp"]) for c in tp_collectives)
+    tp_sent = sum(sent_bytes(*c, run.tp) for c in tp_collectives)
     cp, cp_sent = ring_seconds(model_cfg, run, machine, links, tokens, act_bytes, attention_f)
     ep, ep_sent = expert_exchange_seconds(model_cfg, run, links, tokens, act_bytes)
+    comm = {"tp": [tp, tp], "cp": cp, "ep": ep}
+    sent = {"tp": [tp_sent, tp_sent], "cp": cp_sent, "ep": ep_sent}
+    if run.activation_checkpointing:
+        # (a dense block's last collective, the MLP's; a mixture of experts' outputs are saved)
+        last = tp_collectives[-1] if model_cfg.n_expert == 0 else ("all_reduce", 0)
+        last_sent = (collective_seconds(*last, run.tp, links["tp"]), sent_bytes(*last, run.tp))
+        recompute_communication(comm, sent, last_sent)
     ops_f, ops_b = host_seconds(model_cfg, run, machine)
     # compute only (stage_actions adds the communication)
     forward = matmul_f + attention_f + elementwise_f + copies + ops_f
@@ -334,11 +339,40 @@ def block_seconds(model_cfg, run, machine, links, tokens):
         "forward": forward,
         "input_grad": matmul_f + attention_b + 2 * elementwise_f + copies + ops_b + recompute,
         "weight_grad": matmul_f,
-        "tp": tp,
-        "cp": cp,
-        "ep": ep,
-        "sent": {"tp": [tp_sent, tp_sent], "cp": cp_sent, "ep": ep_sent},
+        **comm,
+        "sent": sent,
     }
+
+
+def tp_block_collectives(model_cfg, run, tokens, act_bytes):
+    """[(kind, bytes)] of the tensor-parallel collectives of one block's forward (its backward sends
+    the same bytes), in order (tensor_parallel.py): attention's output all-reduced (g), or under
+    sequence parallelism its input all-gathered and its output reduce-scattered; then the MLP's
+    alike. A mixture of experts is a replicated region (under SP its input all-gathered, its output
+    sliced) in which each expert, and each shared expert, all-reduces its output rows: the kept
+    assignments (expert_rows) and every token per shared expert, priced as one all-reduce."""
+    region = tokens * model_cfg.n_embd * act_bytes
+    sp = [("all_gather", region), ("reduce_scatter", region)]
+    dense = sp if run.sequence_parallel else [("all_reduce", region)]
+    if model_cfg.n_expert == 0:
+        return dense + dense
+    kept, _ = expert_rows(model_cfg, tokens)
+    rows = kept + model_cfg.n_shared_expert * tokens
+    experts = [("all_reduce", rows * model_cfg.n_embd * act_bytes)]
+    return dense + (sp[:1] if run.sequence_parallel else []) + experts
+
+
+def recompute_communication(comm, sent, last_tp):
+    """Under activation checkpointing, add to a block's backward ([1] of each of block_seconds'
+    [forward, backward] seconds in `comm` and bytes in `sent`) what its recomputed forward sends:
+    the forward's, but for the block's last tp collective (last_tp: its seconds and bytes), the
+    MLP's all-reduce (under SP its reduce-scatter). torch's non-reentrant checkpoint stops the
+    recomputation once every tensor the backward saved is back (its early stop), and no backward
+    saves that collective's output; the ring's and the experts' exchanges all feed saved tensors."""
+    for m in comm:
+        seconds, nbytes = last_tp if m == "tp" else (0.0, 0)
+        comm[m][1] += comm[m][0] - seconds
+        sent[m][1] += sent[m][0] - nbytes
 
 
 def ends_seconds(model_cfg, run, machine, links, tokens):
@@ -454,14 +488,12 @@ def stage_actions(model_cfg, run, machine, links, cut, zero3):
     )
     embedding, head = ends_seconds(model_cfg, run, machine, links, tokens)
     split = run.pp > 1 and run.pp_schedule in ("zero_bubble", "zbv")
-    # the recomputed forward's communication, in the backward
-    again = 2 if run.activation_checkpointing else 1
     out = {}
     for s, n in enumerate(cut):
         ends = ([embedding] if s == 0 else []) + ([head] if s == len(cut) - 1 else [])
         f = {
             "compute": n * block["forward"] + sum(e["forward"] for e in ends),
-            "tp": n * block["tp"] + sum(e["tp"][0] for e in ends),
+            "tp": n * block["tp"][0] + sum(e["tp"][0] for e in ends),
             "cp": n * block["cp"][0] + sum(e["cp"][0] for e in ends),
             "ep": n * block["ep"][0],
             "zero": n * zero3[0],
@@ -471,14 +503,14 @@ def stage_actions(model_cfg, run, machine, links, cut, zero3):
             "compute": n * block["input_grad"]
             + sum(e["input_grad"] for e in ends)
             + (0 if split else w["compute"]),
-            "tp": n * block["tp"] * again + sum(e["tp"][1] for e in ends),
-            "cp": n * (block["cp"][1] + block["cp"][0] * (again - 1)),
-            "ep": n * (block["ep"][1] + block["ep"][0] * (again - 1)),
+            "tp": n * block["tp"][1] + sum(e["tp"][1] for e in ends),
+            "cp": n * block["cp"][1],
+            "ep": n * block["ep"][1],
             "zero": n * zero3[1],
         }
         sent = block["sent"]
         sent_f = {m: n * sent[m][0] for m in ("tp", "cp", "ep")}
-        sent_b = {m: n * (sent[m][1] + sent[m][0] * (again - 1)) for m in ("tp", "cp", "ep")}
+        sent_b = {m: n * sent[m][1] for m in ("tp", "cp", "ep")}
         for m in ("tp", "cp"):  # (the ends run no expert)
             sent_f[m] += sum(e["sent"][m][0] for e in ends)
             sent_b[m] += sum(e["sent"][m][1] for e in ends)
@@ -706,13 +738,17 @@ def tied_seconds(model_cfg, run, cut, held, link):
     """(seconds, bytes this rank sends) of parallel.sync_tied_grads' all-reduce of the tied
     embedding's two copies' gradients, on a pipeline rank holding model stages `held`: only where
     it holds one copy and another rank the other (a rank holding both, as ZB-V's first rank does,
-    sums them in memory), and not under ZeRO-2/3, whose reducer sums them."""
+    sums them in memory). Under ZeRO-2/3 the reducer sums only this rank's shard of it, its copy
+    alone in a bucket (zero.GradientShards.finish)."""
     first, last = 0 in held, len(cut) - 1 in held
-    if not (run.pp > 1 and model_cfg.tie_embeddings and run.zero_stage < 2 and first != last):
+    if not (run.pp > 1 and model_cfg.tie_embeddings and first != last):
         return 0.0, 0
     _, root = parameter_pieces(model_cfg, run.tp, run.ep)
-    copy = 4 * sum(n for name, n in root.items() if name.startswith("tok_emb."))
-    return collective_seconds("all_reduce", copy, 2, link), sent_bytes("all_reduce", copy, 2)
+    copy = sum(n for name, n in root.items() if name.startswith("tok_emb."))
+    if run.zero_stage >= 2:
+        copy = padded(copy, run.dp * run.cp) // (run.dp * run.cp)
+    nbytes = 4 * copy
+    return collective_seconds("all_reduce", nbytes, 2, link), sent_bytes("all_reduce", nbytes, 2)
 
 
 def once_a_step(model_cfg, run, machine, links, cut, held, timing):
