@@ -228,26 +228,27 @@ def test_the_gradients_tp_ranks_hold_whole_are_summed_in_one_all_reduce_a_step(
         else 0
     )
     expected = machines.collective_seconds("all_reduce", elements * 4, 2, link)
-    assert step_time.tp_summed_seconds(SMALL, run, [SMALL.n_layer], {0}, link) == pytest.approx(
-        expected
-    )
+    seconds, sent = step_time.tp_summed_seconds(SMALL, run, [SMALL.n_layer], {0}, link)
+    # (two ranks: an all-reduce sends its whole buffer once)
+    assert seconds == pytest.approx(expected) and sent == elements * 4
     few_kv = ModelConfig(**{**vars(SMALL), "n_kv_head": 1})
     kv = 2 * SMALL.n_layer * SMALL.n_embd * (SMALL.n_embd // SMALL.n_head)
-    assert step_time.tp_summed_seconds(
-        few_kv, run_of(tp=2), [SMALL.n_layer], {0}, link
-    ) == pytest.approx(machines.collective_seconds("all_reduce", kv * 4, 2, link))
+    assert step_time.tp_summed_seconds(few_kv, run_of(tp=2), [SMALL.n_layer], {0}, link) == (
+        pytest.approx(machines.collective_seconds("all_reduce", kv * 4, 2, link)),
+        kv * 4,
+    )
 
 
 def test_buckets_that_fit_in_the_backward_leave_only_the_last_exposed():
     # four equal buckets filling evenly over a 4 s backward, each reduced in 0.5 s: each is done
     # before the next is full, so only the last one's 0.5 s runs past the backward
-    buckets = [(100, 0.5)] * 4
+    buckets = [(100, 0.5, 0)] * 4
     assert step_time.overlapped(buckets, 4.0, overlaps=True) == pytest.approx(0.5)
     # where nothing overlaps (gloo on the cores that compute) all of it is exposed
     assert step_time.overlapped(buckets, 4.0, overlaps=False) == pytest.approx(2.0)
     # buckets slower than the backward fills them queue up: 4 x 1.5 s from the first's ready time at
     # 1 s
-    assert step_time.overlapped([(100, 1.5)] * 4, 4.0, overlaps=True) == pytest.approx(
+    assert step_time.overlapped([(100, 1.5, 0)] * 4, 4.0, overlaps=True) == pytest.approx(
         1 + 4 * 1.5 - 4
     )
 
@@ -256,10 +257,10 @@ def test_zero_one_gathers_ahead_of_the_forward_wait_only_when_they_outrun_it():
     # two buckets of equal size, gathered in 1 s each; the forward reaches the second bucket after 3
     # s
     assert step_time.gathered_late(
-        [(1, 1.0), (1, 1.0)], forward=6.0, overlaps=True
+        [(1, 1.0, 0), (1, 1.0, 0)], forward=6.0, overlaps=True
     ) == pytest.approx(1.0)
     assert step_time.gathered_late(
-        [(1, 0.1), (1, 0.1)], forward=6.0, overlaps=True
+        [(1, 0.1, 0), (1, 0.1, 0)], forward=6.0, overlaps=True
     ) == pytest.approx(0.1)
 
 
@@ -433,8 +434,21 @@ def test_bench_predicts_its_step_and_step_time_given_its_machine_reproduces_it(t
         "--batch_size=2",
         "--gradient_accumulation_steps=2",
     ]
-    bench.main(flags + ["--warmup_steps=1", "--bench_steps=1"])
+    measured = tmp_path / "measured.json"
+    bench.main(flags + ["--warmup_steps=1", "--bench_steps=1", f"--trace={measured}"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1][len("RESULT ") :])
+    # --trace without a pipeline: one more step's phases, in the order they ran, without overlap
+    spans = [e for e in json.loads(measured.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in spans] == [
+        "F0",
+        "B0",
+        "F1",
+        "B1",
+        "dp reduction",
+        "grad norm, clip",
+        "optimizer",
+    ]
+    assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(spans, spans[1:]))
     assert result["predicted_step_s"] > 0 and result["machine"]["name"] == "auto"
     path = tmp_path / "here.json"
     path.write_text(json.dumps(result["machine"]))
@@ -483,7 +497,7 @@ def test_zero_one_gathers_wait_whole_when_overlap_param_gather_is_off():
     pieces = step_time.rank_pieces(SMALL, run, step_time.stage_cut(SMALL, run), (0,))
     whole = sum(
         t
-        for _, t in step_time.bucket_collectives(
+        for _, t, _ in step_time.bucket_collectives(
             pieces,
             run,
             step_time.layout_links(machines.load_machine("a100"), run, 8)["dp"],
@@ -531,3 +545,66 @@ def test_a_prediction_says_what_it_leaves_out_of_this_run(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     sharing = torch.get_num_threads() > (os.cpu_count() or 1)
     assert "fp8" not in predict() and ("threads share" in predict()) == sharing
+
+
+TRACED = [
+    "--n_layer=4",
+    "--n_embd=64",
+    "--n_head=4",
+    "--n_kv_head=4",
+    "--block_size=64",
+    "--vocab_size=512",
+    "--batch_size=2",
+    "--gradient_accumulation_steps=4",
+    "--nproc=16",
+    "--machine=a100",
+    "--tp=2",
+    "--cp=2",
+    "--pp=2",
+    "--zero_stage=1",
+]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "interleaved_1f1b"])
+def test_the_predicted_trace_lays_out_every_rank_over_the_whole_step_naming_every_part(
+    tmp_path, schedule
+):
+    path = tmp_path / "predicted.json"
+    chunks = 2 if schedule == "interleaved_1f1b" else 1
+    result = step_time.main(
+        TRACED + [f"--pp_schedule={schedule}", f"--pp_chunks={chunks}", f"--trace={path}"]
+    )
+    trace = json.loads(path.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    step_us = result["step_s"] * 1e6
+    # one lane per pipeline rank, covered from 0 to the step without a gap or an overlap
+    assert {(e["pid"], e["tid"]) for e in spans} == {(0, 0), (1, 0)}
+    for r in range(2):
+        lane = sorted((e for e in spans if e["pid"] == r), key=lambda e: e["ts"])
+        assert lane[0]["ts"] == pytest.approx(0, abs=1e-6)
+        for a, b in zip(lane, lane[1:]):
+            assert a["ts"] + a["dur"] == pytest.approx(b["ts"], abs=1e-3)
+        assert sum(e["dur"] for e in lane) == pytest.approx(step_us, rel=1e-9)
+        # each micro-batch's actions, on every chunk the rank holds
+        ops = "FBW" if schedule == "zero_bubble" else "FB"
+        actions = sorted(e["name"] for e in lane if e["cat"] in ("F", "B", "W"))
+        assert actions == sorted(f"{op}{i}" for op in ops for i in range(4) for _ in range(chunks))
+    # every part of the step the prediction names has its spans (compute: F, B and W)
+    categories = {e["cat"] for e in spans}
+    named = {part for part, seconds in result["parts_s"].items() if seconds > 0}
+    assert named - {"compute"} <= categories and "F" in categories
+    assert {"tp", "cp", "pp", "dp", "zero_gather", "optimizer", "bubble"} <= named
+    # the busiest rank's time per category is the prediction's part (pp and the bubble split
+    # per wait here, as a whole there: their sum)
+    busiest = max(
+        range(2),
+        key=lambda r: sum(e["dur"] for e in spans if e["pid"] == r and e["cat"] in ("F", "B", "W")),
+    )
+    of = lambda *cats: (
+        sum(e["dur"] for e in spans if e["pid"] == busiest and e["cat"] in cats) / 1e6
+    )
+    parts = result["parts_s"]
+    assert of("F", "B", "W") == pytest.approx(parts["compute"], rel=1e-9)
+    for part in ("tp", "cp", "dp", "zero_gather", "optimizer"):
+        assert of(part) == pytest.approx(parts[part], rel=1e-9, abs=1e-12), part
+    assert of("pp", "bubble") == pytest.approx(parts["pp"] + parts["bubble"], rel=1e-9)

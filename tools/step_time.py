@@ -3,7 +3,8 @@ How long one training step of a run will take, predicted before anything runs: t
 plan whose memory half is tools/memory_plan.py. `python tools/step_time.py config/x.py --nproc=64
 --machine=h100 --tp=8` prints one layout's step broken down; tools/make_config.py --choose=True
 ranks every layout that fits by it; train.py prints it at start-up beside the measured step, and
-tools/bench.py puts it in its RESULT.
+tools/bench.py puts it in its RESULT. --trace=FILE writes the step as simulated, every pipeline
+rank's actions in time, as a Chrome trace (rank_spans), which tools/plot.py --trace draws.
 
 It predicts one step's seconds as its parts (compute, the bubble, each mechanism's exposed
 communication, the optimizer), tokens/s per device and MFU, from the model config, the layout, the
@@ -71,7 +72,7 @@ from tools.machines import (
     sent_bytes,
     startup_machine,
 )
-from tools.timeline import check_channels, route_messages, simulate_pipeline
+from tools.timeline import chrome_trace, check_channels, route_messages, simulate_pipeline
 from tools import memory_plan
 
 
@@ -785,7 +786,7 @@ def predict(model_cfg, run, machine, gpus_per_node=None):
     {'compute', 'bubble', 'tp', 'cp', 'ep', 'pp', 'dp', 'zero_gather', 'optimizer'} in seconds,
     'tokens_per_sec_per_gpu', 'mfu', 'comm_bytes' {'tp', 'cp', 'ep', 'pp', 'dp'}: the bytes rank 0
     sends in the step by nccl-tests' accounting (the bytes priced above; ledger.py books a run's
-    so), 'machine'}. run: run_of's fields."""
+    so), 'machine', 'timeline': what the simulation placed (rank_spans)}. run: run_of's fields."""
     gpus_per_node = gpus_per_node or machine["gpus_per_node"]
     links = layout_links(machine, run, gpus_per_node)
     cut = stage_cut(model_cfg, run)
@@ -802,9 +803,8 @@ def predict(model_cfg, run, machine, gpus_per_node=None):
         // (run.tp if run.sequence_parallel else 1)
     )
     seconds = lambda r, a: actions[stages[r][a[2]]][a[0]][0]  # noqa: E731
-    times = simulate_pipeline(
-        lists, stages, seconds, p2p_seconds(message, links["pp"]) if run.pp > 1 else 0.0, routes
-    )
+    transfer = p2p_seconds(message, links["pp"]) if run.pp > 1 else 0.0
+    times = simulate_pipeline(lists, stages, seconds, transfer, routes)
     times_without = simulate_pipeline(lists, stages, seconds, 0.0, routes) if run.pp > 1 else times
     ranks = []
     for r in range(len(lists)):
@@ -815,7 +815,17 @@ def predict(model_cfg, run, machine, gpus_per_node=None):
             timing[k] for k in ("end", "tied", "tp_summed", "dp", "zero_gather", "optimizer")
         )
         ranks.append(timing)
-    return summarize(model_cfg, run, machine, dtype, ranks)
+    prediction = summarize(model_cfg, run, machine, dtype, ranks)
+    # what the simulation placed, kept for rank_spans (the step drawn: --trace)
+    prediction["timeline"] = {
+        "lists": lists,
+        "stages": stages,
+        "times": times,
+        "actions": actions,
+        "ranks": ranks,
+        "transfer": transfer,
+    }
+    return prediction
 
 
 def optimizer_seconds(pieces, run, machine):
@@ -903,6 +913,83 @@ def format_prediction(prediction, run):
 
 
 # -----------------------------------------------------------------------------
+# The step drawn: each pipeline rank's simulated step as a Chrome trace (--trace)
+
+# the parts of an action, in the order drawn: (part, the category of its span)
+ACTION_PARTS = (("compute", None), ("tp", "tp"), ("cp", "cp"), ("ep", "ep"), ("zero", "dp"))
+# what a rank does once a step after its last action, in the order the code runs it: (rank_timing's
+# key, category, name): the tied copies' sum in the pipeline's last backward, the reducer's finish,
+# sum_partial_grads, the optimizer, ZeRO-1/2's gather posted after it (the next forward waits)
+STEP_END = (
+    ("tied", "pp", "tied embedding sum"),
+    ("dp", "dp", "dp reduction"),
+    ("tp_summed", "tp", "tp sum"),
+    ("optimizer", "optimizer", "optimizer"),
+    ("zero_gather", "zero_gather", "ZeRO gather"),
+)
+
+
+def rank_spans(prediction):
+    """Each pipeline rank's simulated step, [(name, category, lane 0, start s, end s, args)] from 0
+    to step_s without a gap (timeline.chrome_trace's spans; the dp, cp and tp ranks of a stage run
+    alike). Each action's compute (F3, B3, W3: its op the category), then the communication it
+    leaves exposed (tp, cp, ep; ZeRO-3's gathers as dp): the model prices how much is exposed, not
+    when, so it is drawn after the compute. A wait before an action is the pipeline's transfer of
+    its input (pp), up to one transfer, and the rest bubble; after the last action STEP_END's work,
+    then bubble to the slowest rank's end. (predict's parts take pp as what the transfers add to
+    the busiest rank's end: its pp and bubble may split differently, their sum is the same.)"""
+    timeline, step = prediction["timeline"], prediction["step_s"]
+    out = []
+    for r, actions in enumerate(timeline["lists"]):
+        spans, free = [], 0.0
+        for k, (op, i, c) in enumerate(actions):
+            start, end = timeline["times"][(r, k)]
+            spans += wait_spans(free, start, timeline["transfer"])
+            _, parts, _ = timeline["actions"][timeline["stages"][r][c]][op]
+            args = {"microbatch": i, "chunk": c, "stage": timeline["stages"][r][c]}
+            for part, category in ACTION_PARTS:
+                seconds = parts.get(part, 0.0)
+                if part == "compute" or seconds > 0:
+                    name = f"{op}{i}" if category is None else f"{part} {op}{i}"
+                    spans.append((name, category or op, 0, start, start + seconds, args))
+                    start += seconds
+            free = end
+        for key, category, name in STEP_END:
+            seconds = timeline["ranks"][r][key]
+            if seconds > 0:
+                spans.append((name, category, 0, free, free + seconds, {}))
+                free += seconds
+        out.append(spans + wait_spans(free, step, 0.0))
+    return out
+
+
+def wait_spans(free, start, transfer):
+    """The spans of a rank's wait from `free` to `start`: the transfer in flight at its end (pp,
+    at most `transfer`), the bubble before it."""
+    pp = min(transfer, max(0.0, start - free))
+    spans = [("bubble", "bubble", 0, free, start - pp, {})] if start - pp > free else []
+    return spans + ([("pp transfer", "pp", 0, start - pp, start, {})] if pp > 0 else [])
+
+
+def predicted_trace(prediction, run):
+    """chrome_trace's dict of the predicted step (rank_spans), its summary in otherData."""
+    spans = rank_spans(prediction)
+    summary = {
+        "predicted": True,
+        "step_s": prediction["step_s"],
+        "parts_s": prediction["parts"],
+        "schedule": run.pp_schedule if run.pp > 1 else "none",
+        "pp": run.pp,
+        "microbatches": run.gradient_accumulation_steps,
+        "chunks": run.pp_chunks if run.pp > 1 else 1,
+        "layout": f"dp {run.dp} x cp {run.cp} x tp {run.tp} x pp {run.pp} x ep {run.ep}",
+        "device": prediction["machine"].get("description", "?"),
+        "dtype": prediction["dtype"],
+    }
+    return chrome_trace(spans, [{0: "predicted"}] * len(spans), summary)
+
+
+# -----------------------------------------------------------------------------
 # The command line: one layout's step, broken down
 
 OWN = section(
@@ -918,6 +1005,12 @@ OWN = section(
         "gpus_per_node",
         0,
         "devices per node: which groups cross nodes (0: the machine's, 8 for the named ones)",
+    ),
+    Setting(
+        "trace",
+        "",
+        "also write the simulated step, each pipeline rank's actions, exposed communication and "
+        "bubble, here as a Chrome trace (.json; tools/plot.py --trace draws it; '': none)",
     ),
 )
 
@@ -1062,21 +1155,14 @@ def main(argv):
     except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")
     print(format_prediction(prediction, run))
-    result = {
-        k: prediction[k] for k in ("step_s", "tokens_per_sec_per_gpu", "mfu", "dtype", "machine")
-    }
-    result.update(
-        parts_s=prediction["parts"],
-        comm_bytes=prediction["comm_bytes"],
-        dp=run.dp,
-        cp=run.cp,
-        tp=run.tp,
-        pp=run.pp,
-        ep=run.ep,
-        zero_stage=run.zero_stage,
-        pp_schedule=run.pp_schedule,
-        pp_chunks=run.pp_chunks,
-    )
+    if values["trace"]:
+        with open(values["trace"], "w") as f:
+            json.dump(predicted_trace(prediction, run), f)
+        print(f"predicted trace -> {values['trace']}")
+    kept = ("step_s", "tokens_per_sec_per_gpu", "mfu", "dtype", "machine", "comm_bytes")
+    result = {k: prediction[k] for k in kept}
+    layout = ("dp", "cp", "tp", "pp", "ep", "zero_stage", "pp_schedule", "pp_chunks")
+    result.update(parts_s=prediction["parts"], **{k: getattr(run, k) for k in layout})
     print("RESULT " + json.dumps(result), flush=True)
     return result
 
