@@ -343,6 +343,40 @@ def test_a_trace_box_is_labelled_only_where_its_label_fits_inside_it():
         assert left < extent.x0 and extent.x1 < right, name
 
 
+@skip_without("matplotlib")
+def test_plot_draws_the_predicted_step_over_the_measured_one_on_one_time_axis(tmp_path):
+    from tools import step_time, timeline
+
+    predicted = tmp_path / "predicted.json"
+    step_time.main(
+        ["--n_layer=4", "--n_embd=64", "--n_head=4", "--vocab_size=512", "--block_size=64"]
+        + ["--pp=2", "--nproc=2", "--gradient_accumulation_steps=4", "--machine=a100"]
+        + [f"--trace={predicted}"]
+    )
+    # a measured 1F1B step on two ranks (synthetic), 1 s an action: longer than the prediction
+    ops = [
+        ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"],
+        ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"],
+    ]
+    spans = [
+        [(name, name[0], 0, r + k, r + k + 1, {}) for k, name in enumerate(names)]
+        for r, names in enumerate(ops)
+    ]
+    info = {"step": 2, "schedule": "1f1b", "pp": 2, "microbatches": 4, "chunks": 1}
+    info.update(measured_bubble=[0.1, 0.1], ideal_bubble=0.2, device="cpu")
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps(timeline.chrome_trace(spans, [{0: "chunk 0"}] * 2, info)))
+    out = tmp_path / "step.png"
+    plot.main([f"--trace={measured}", f"--predicted={predicted}", f"--out={out}"])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig = plot.draw_trace(plot.read_trace(str(measured)), plot.read_trace(str(predicted)))
+    top, bottom = fig.axes
+    assert top.get_title().startswith("predicted: 1f1b") and bottom.get_title().startswith(
+        "measured: 1f1b"
+    )
+    assert top.get_xlim() == bottom.get_xlim() and bottom.get_xlim()[1] >= 9000  # ms
+
+
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(

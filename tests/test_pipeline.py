@@ -1497,7 +1497,7 @@ def test_plot_py_draws_the_trace(interleaved_run, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_times_schedules_side_by_side_with_their_bubbles_and_activations():
+def test_bench_times_schedules_side_by_side_with_their_bubbles_and_activations(tmp_path):
     argv = [
         "--n_layer=4",
         "--n_embd=64",
@@ -1511,6 +1511,7 @@ def test_bench_times_schedules_side_by_side_with_their_bubbles_and_activations()
         "--bench_steps=1",
         "--pp=2",
         "--schedules=1f1b,zero_bubble,interleaved_1f1b:2",
+        f"--trace={tmp_path / 'measured.json'}",
     ]
     proc = subprocess.run(
         [
@@ -1540,6 +1541,15 @@ def test_bench_times_schedules_side_by_side_with_their_bubbles_and_activations()
         )
         assert len(r["peak_activation_bytes"]) == 2 and min(r["peak_activation_bytes"]) > 0
     assert result["schedules"]["zero_bubble"]["ideal_bubble"] == pytest.approx(1 / 13)
+    # --trace: one more step of the first schedule, every rank's actions in pp_trace's format
+    trace = json.loads((tmp_path / "measured.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for r in range(2):
+        names = sorted(e["name"] for e in spans if e["pid"] == r)
+        assert names == sorted(f"{op}{i}" for op in "FB" for i in range(4)), r
+    assert (
+        trace["otherData"]["schedule"] == "1f1b" and len(trace["otherData"]["measured_bubble"]) == 2
+    )
 
 
 def test_train_py_refuses_a_schedule_that_cannot_run_in_one_line(data_dir, tmp_path):

@@ -23,8 +23,10 @@ turn, so every column sees the same machine: the plain GPT at the end of this fi
 (--reference), pipeline schedules (--schedules, each its own model, with its bubble measured from a
 traced step and its peak activations per rank), another optimizer, ZeRO stage, doc_mask or fp8
 (--compare_*). --profile_steps adds steps under torch.profiler (where a step's time goes;
---profile_trace also writes them as a Chrome trace). Tokens are random unless --data_dir is given
-on the command line (doc_mask needs its eot_token: from the data's meta.json, or --eot_token).
+--profile_trace also writes them as a Chrome trace); --trace one more step's actions (trace_step),
+in the format of tools/step_time.py --trace, for tools/plot.py --trace to draw. Tokens are random
+unless --data_dir is given on the command line (doc_mask needs its eot_token: from the data's
+meta.json, or --eot_token).
 
 The last line printed is `RESULT {json}`, for scripts: first_step_s is the first step's time, which
 holds the compilation with compile=True; exposed_comm_ms, {mechanism: ms}, what a rank stood waiting
@@ -113,6 +115,13 @@ BENCH = section(
         "auto",
         "the machine tools/step_time.py predicts the step for: 'auto' (this one, measured: a "
         "matmul at the model's shapes, an all-reduce over the ranks), a named one or a .json file",
+    ),
+    Setting(
+        "trace",
+        "",
+        "after the timed steps, one more timed action by action, written here as a Chrome trace "
+        "(.json; with pp > 1 every pipeline rank's actions, without rank 0's forward, backward "
+        "and optimizer): tools/plot.py --trace draws it, over tools/step_time.py --trace's",
     ),
     Setting(
         "compare_fp8",
@@ -486,11 +495,117 @@ def measure_after(cfg, bench, setup, runners, step):
         if isinstance(r, Picotron)
     }
     step += 1
+    if bench.trace:
+        line = trace_step(runners[0], step, bench.trace)
+        if layout.rank == 0:
+            print(line, flush=True)
+        step += 1
     profile = None
     if bench.profile_steps:
         profile = profile_steps(runners[0], step, bench.profile_steps, bench.profile_trace)
     memory = measure_memory(cfg, setup, runners[0], step)
     return pipeline, exposed, profile, memory
+
+
+def trace_step(picotron, step, path):
+    """One more step, timed action by action and written to `path` in timeline.chrome_trace's
+    format, the one tools/step_time.py --trace writes its prediction in. With pp > 1 the pipeline's
+    own trace (timeline.PipelineTrace: every pipeline rank's actions); without, rank 0's phases
+    (phase_spans). Every rank must call it (the pipeline's is gathered). Returns rank 0's line."""
+    layout, cfg = picotron.layout, picotron.cfg
+    if layout.pp > 1:
+        trace = timeline.PipelineTrace(picotron.dev)
+        picotron.step(step, trace)
+        return timeline.write_pipeline_trace(trace, layout, cfg, step, path)
+    if dist.is_initialized():
+        dist.barrier()  # (the ranks start the step together, as the pipeline's trace does)
+    spans = phase_spans(picotron, step)
+    end = spans[-1][4]
+    idle = 1 - sum(e - s for _, _, _, s, e, _ in spans) / end
+    summary = {
+        "step": step,
+        "schedule": "none",
+        "pp": 1,
+        "microbatches": cfg.gradient_accumulation_steps,
+        "chunks": 1,
+        "measured_bubble": [idle],
+        "ideal_bubble": None,
+        "device": picotron.dev.type,
+    }
+    if layout.rank == 0:
+        with open(path, "w") as f:
+            json.dump(timeline.chrome_trace([spans], [{0: "rank 0"}], summary), f)
+    return f"step {step} traced -> {path}: {end * 1e3:,.1f} ms, rank 0's phases"
+
+
+# a phase_spans mark: the span it starts, up to the next mark (None: none, the forward's end)
+PHASES = {
+    "forward": ("F", "F"),
+    "backward": ("B", "B"),
+    "finish": ("dp reduction", "dp"),
+    "norm": ("grad norm, clip", "grad_norm"),
+    "optimizer": ("optimizer", "optimizer"),
+}
+
+
+def phase_spans(picotron, step):
+    """One step without a pipeline in timeline.chrome_trace's spans: each micro-batch's forward (F3:
+    the model's forward, loss included) and backward (B3: to the next forward, the last one's to the
+    reducer's finish), the reducer's finish (the exposed dp reduction), the gradient norm and
+    clipping, the optimizer step. Times are taken at hooks put on from outside for this step (the
+    model's forward hooks, the reducer's set_grad_sync and finish, the optimizer's step), each
+    after a wait for the device, which a GPU's step does not have: it runs a little slower."""
+    parts, sync, marks = picotron.parts, machines.device_sync(picotron.dev), []
+    zero = time.perf_counter()
+
+    def mark(what):
+        sync()
+        marks.append((what, time.perf_counter() - zero))
+
+    def before(obj, name, what, after=None):
+        """Mark `what` before each call of obj.name (and `after` after it); returns the undo."""
+        original, own = getattr(obj, name), name in vars(obj)  # (Picotron's own optimizer.step)
+
+        def wrapped(*args, **kwargs):
+            mark(what)
+            out = original(*args, **kwargs)
+            if after:
+                mark(after)
+            return out
+
+        setattr(obj, name, wrapped)
+        return (lambda: setattr(obj, name, original)) if own else (lambda: delattr(obj, name))
+
+    hooks = [
+        parts.model.register_forward_pre_hook(lambda *_: mark("forward")),
+        parts.model.register_forward_hook(lambda *_: mark(None)),
+    ]
+    restore = [
+        before(parts.grad_sync, "set_grad_sync", "backward"),
+        before(parts.grad_sync, "finish", "finish", "norm"),
+        before(parts.optimizer, "step", "optimizer", "end"),
+    ]
+    try:
+        picotron.step(step)
+    finally:
+        for h in hooks:
+            h.remove()
+        for undo in restore:
+            undo()
+    return phases_of(marks)
+
+
+def phases_of(marks):
+    """phase_spans' spans from its marks [(what, seconds)] in time order: each PHASES mark starts
+    a span that ends at the next mark; the micro-batch counted at each forward."""
+    spans, i = [], -1
+    for (what, start), (_, end) in zip(marks, marks[1:]):
+        i += what == "forward"
+        if what in PHASES:
+            name, category = PHASES[what]
+            name = f"{name}{i}" if category in ("F", "B") else name
+            spans.append((name, category, 0, start, end, {"microbatch": i} if i >= 0 else {}))
+    return spans
 
 
 def optimizer_results(runners, layout, steps):

@@ -551,49 +551,64 @@ def pipeline_values(value, layout):
     return [by_rank[r] for r in range(layout.pp)]
 
 
-def write_pipeline_trace(trace, layout, cfg, step):
-    """Gather one pipeline's trace and write it, on rank 0, to <out_dir>/pp_trace.json in Chrome's
-    trace format (chrome://tracing, https://ui.perfetto.dev): a process row per pipeline rank, a
-    thread row per chunk, an event per action. Every rank must call it (a gather). Returns, on rank
-    0, the summary line to print: each rank's measured bubble beside the schedule's ideal one."""
+def chrome_trace(spans_by_rank, lane_names, summary):
+    """One step in Chrome's trace format (chrome://tracing, https://ui.perfetto.dev), as a dict to
+    write as JSON: a process row per pipeline rank, a thread row per lane (lane_names[r]: {lane:
+    its name}), a complete ("X") event per span (name, category, lane, start s, end s, args), in
+    microseconds, and `summary` as otherData. The one format of a step measured
+    (write_pipeline_trace, tools/bench.py --trace) and predicted (tools/step_time.py --trace), so
+    tools/plot.py --trace draws either, or both."""
+    events = []
+    for r, spans in enumerate(spans_by_rank):
+        events += [
+            {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"pipeline rank {r}"}},
+            {"name": "process_sort_index", "ph": "M", "pid": r, "args": {"sort_index": r}},
+        ]
+        events += [
+            {"name": "thread_name", "ph": "M", "pid": r, "tid": lane, "args": {"name": lane_name}}
+            for lane, lane_name in lane_names[r].items()
+        ]
+        events += [
+            {
+                "name": name,
+                "cat": cat,
+                "ph": "X",
+                "pid": r,
+                "tid": lane,
+                "ts": start * 1e6,
+                "dur": (end - start) * 1e6,
+                "args": args,
+            }
+            for name, cat, lane, start, end, args in spans
+        ]
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": summary}
+
+
+def action_spans(times, stages):
+    """chrome_trace's spans of one rank's timed pipeline actions (PipelineTrace.times()): F3, B3,
+    W3, each on the lane of its chunk."""
+    return [
+        (f"{op}{i}", op, c, start, end, {"microbatch": i, "chunk": c, "stage": stages[c]})
+        for op, i, c, start, end in times
+    ]
+
+
+def write_pipeline_trace(trace, layout, cfg, step, path=None):
+    """Gather one pipeline's trace and write it, on rank 0, to `path` (default
+    <out_dir>/pp_trace.json) in chrome_trace's format: a lane per chunk, an event per action. Every
+    rank must call it (a gather). Returns, on rank 0, the summary line to print: each rank's
+    measured bubble beside the schedule's ideal one."""
     times_by_rank = pipeline_values(trace.times(), layout)
     if layout.rank != 0:
         return None
     bubbles = measured_bubble(times_by_rank)
     m, chunks = cfg.gradient_accumulation_steps, cfg.pp_chunks
     ideal = ideal_bubble(cfg.pp_schedule, layout.pp, m, chunks)
-    events = []
-    for r in range(layout.pp):
-        stages = virtual_stages(cfg.pp_schedule, layout.pp, r, chunks)
-        events.append(
-            {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"pipeline rank {r}"}}
-        )
-        events.append(
-            {"name": "process_sort_index", "ph": "M", "pid": r, "args": {"sort_index": r}}
-        )
-        for c, stage in enumerate(stages):
-            events.append(
-                {
-                    "name": "thread_name",
-                    "ph": "M",
-                    "pid": r,
-                    "tid": c,
-                    "args": {"name": f"chunk {c} (model stage {stage})"},
-                }
-            )
-        for op, i, c, start, end in times_by_rank[r]:
-            events.append(
-                {
-                    "name": f"{op}{i}",
-                    "cat": op,
-                    "ph": "X",
-                    "pid": r,
-                    "tid": c,
-                    "ts": start * 1e6,
-                    "dur": (end - start) * 1e6,
-                    "args": {"microbatch": i, "chunk": c, "stage": stages[c]},
-                }
-            )
+    stages = [virtual_stages(cfg.pp_schedule, layout.pp, r, chunks) for r in range(layout.pp)]
+    lanes = [
+        {c: f"chunk {c} (model stage {stage})" for c, stage in enumerate(held)} for held in stages
+    ]
+    spans = [action_spans(times, held) for times, held in zip(times_by_rank, stages)]
     summary = {
         "step": step,
         "schedule": cfg.pp_schedule,
@@ -604,9 +619,9 @@ def write_pipeline_trace(trace, layout, cfg, step):
         "ideal_bubble": ideal,
         "device": "cuda" if trace.cuda else "cpu",
     }
-    path = os.path.join(cfg.out_dir, "pp_trace.json")
+    path = path or os.path.join(cfg.out_dir, "pp_trace.json")
     with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": summary}, f)
+        json.dump(chrome_trace(spans, lanes, summary), f)
     return (
         f"pipeline trace of step {step} -> {path}: measured bubble "
         + " | ".join(f"rank {r} {b:.1%}" for r, b in enumerate(bubbles))
