@@ -471,7 +471,7 @@ def test_train_needs_no_tools_folder_at_dp2_zero1_tp2_pp2(tmp_path):
     skipped = [line for line in proc.stdout.splitlines() if line.startswith("tools/ is not here")]
     assert skipped == [
         "tools/ is not here: no predicted memory or step at start-up, no measured peak beside "
-        "a prediction, no pp_trace"
+        "a prediction, no pipeline description, no pp_trace"
     ], proc.stdout
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step      2 | loss")]
     assert len(steps) == 1 and "nan" not in steps[0], proc.stdout
