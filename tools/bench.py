@@ -919,6 +919,35 @@ def mib(n, digits=0):
     return f"{n / 2**20:,.{digits}f}"
 
 
+def joined(values, form):
+    """A cell of several figures (by rank, by mechanism), "-" when there are none."""
+    return " ".join(form(v) for v in values) or "-"
+
+
+def communication_rows():
+    """table_rows' rows of each rank's communication and optimizer step."""
+    return [
+        (
+            "comm waited ms/step",
+            lambda r: joined(
+                [f"{k} {v:.1f}" for k, v in r.get("exposed_comm_ms", {}).items() if v], str
+            ),
+        ),
+        (
+            "comm sent MiB/step",
+            lambda r: joined(
+                [f"{m} {b / 2**20:.2f}" for m, b in sorted(r.get("comm_bytes", {}).items()) if b],
+                str,
+            ),
+        ),
+        ("optimizer ms by rank", lambda r: joined(r.get("optimizer_ms", []), "{:.1f}".format)),
+        (
+            "Newton-Schulz GFLOP by rank",
+            lambda r: joined(r.get("newton_schulz_flops", []), lambda f: f"{f / 1e9:.2f}"),
+        ),
+    ]
+
+
 def table_rows(bench):
     """[(label, a function of one runner's results giving its cell)], top to bottom; "-" where a
     runner has no such figure."""
@@ -946,33 +975,7 @@ def table_rows(bench):
                 else "-"
             ),
         ),
-        (
-            "comm waited ms/step",
-            lambda r: (
-                " ".join(f"{k} {v:.1f}" for k, v in r["exposed_comm_ms"].items() if v) or "0"
-                if "exposed_comm_ms" in r
-                else "-"
-            ),
-        ),
-        (
-            "comm sent MiB/step",
-            lambda r: (
-                " ".join(
-                    f"{m} {b / 2**20:.2f}" for m, b in sorted(r.get("comm_bytes", {}).items()) if b
-                )
-                or "-"
-            ),
-        ),
-        (
-            "optimizer ms by rank",
-            lambda r: (
-                " ".join(f"{m:.1f}" for m in r["optimizer_ms"]) if "optimizer_ms" in r else "-"
-            ),
-        ),
-        (
-            "Newton-Schulz GFLOP by rank",
-            lambda r: " ".join(f"{f / 1e9:.2f}" for f in r.get("newton_schulz_flops", [])) or "-",
-        ),
+        *communication_rows(),
         ("loss (last step)", lambda r: f"{r['loss']:.4f}"),
     ]
     if bench.variants:  # per pipeline rank, rank 0 first
