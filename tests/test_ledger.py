@@ -6,7 +6,7 @@ out by hand below, not computed by ledger.py's formulas."""
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_ranks
+from dist_utils import make_token_data, run_ranks, train_on_ranks
 from ledger import CommLedger
 
 N = 4
@@ -64,3 +64,31 @@ def test_every_op_counts_the_bytes_nccl_tests_counts_under_its_groups_mechanism(
         assert tp["send"]["calls"] == tp["recv"]["calls"] == 1
         assert sent["tp"] == 800 + 100
         assert set(waits) == {"dp", "tp", "cp", "ep", "pp"} and waits["tp"] >= 0.0
+
+
+def test_train_prints_the_first_steps_ledger_with_comm_ledger(tmp_path):
+    """train.py --comm_ledger=True at tp=2: the first step's table, each mechanism's calls, MiB sent
+    and ms waited per op (the tensor-parallel all-reduces among them), printed once."""
+    make_token_data(tmp_path / "data", vocab_size=512)
+    argv = [
+        "--n_layer=2",
+        "--n_head=4",
+        "--n_embd=32",
+        "--block_size=32",
+        "--batch_size=2",
+        "--max_iters=2",
+        "--eval_interval=0",
+        "--checkpoint_interval=0",
+        "--device=cpu",
+        "--peak_flops=1e12",
+        "--tp=2",
+        "--comm_ledger=True",
+        f"--data_dir={tmp_path / 'data'}",
+        f"--out_dir={tmp_path / 'out'}",
+    ]
+    ((_, out),) = train_on_ranks([argv], 2)
+    assert out.count("communication ledger of step 1, rank 0") == 1, out
+    table = out.split("communication ledger of step 1, rank 0")[1].splitlines()
+    assert table[1].split() == ["mechanism", "op", "calls", "MiB", "sent", "ms", "waited"]
+    tp_row = next(line.split() for line in table if line.startswith("tp "))
+    assert tp_row[1] == "all_reduce" and int(tp_row[2]) > 0 and float(tp_row[3]) > 0, tp_row
