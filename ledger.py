@@ -286,14 +286,15 @@ def promised(cfg, layout):
     return rows
 
 
-def world_totals(ledger, counts, layout):
+def world_totals(ledger, counts, layout, device="cpu"):
     """({(mechanism, op): calls}, {counter: count}), each summed over the world's ranks (one
-    all-reduce, made outside any ledger)."""
+    all-reduce, made outside any ledger, on `device`: NCCL's must be the GPU's)."""
     keys = [(m, op) for m in MECHANISMS for op in OP_NAMES]
     calls = {}
     for (mechanism, op, _), entry in ledger.entries.items():
         calls[(mechanism, op)] = calls.get((mechanism, op), 0) + entry[0]
-    values = torch.tensor([calls.get(k, 0) for k in keys] + [counts[c] for c in COUNTERS])
+    values = [calls.get(k, 0) for k in keys] + [counts[c] for c in COUNTERS]
+    values = torch.tensor(values, dtype=torch.int64, device=device)
     if layout.world_size > 1:
         dist.all_reduce(values)
     values = values.tolist()

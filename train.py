@@ -623,7 +623,7 @@ def prove_mechanisms(cfg, run, parts, ledger, step, compiled):
         "muon_matrices": len(getattr(parts.optimizer, "matrices", [])),
     }
     counts = {**muon, "fp8_matmuls": fp8, "compiled_graphs": compiled}
-    calls, counts = world_totals(ledger, counts, layout)
+    calls, counts = world_totals(ledger, counts, layout, run.dev)
     if problems := unproven(cfg, layout, calls, counts):
         raise MechanismNotRun("\n".join(problems))
     if cfg.comm_ledger:
