@@ -1,5 +1,5 @@
 """
-The optimizers beside ZeRO-1's sharded AdamW (parallel.py): torch's AdamW with the interface the
+The optimizers beside ZeRO's sharded AdamW (parallel.py): torch's AdamW with the interface the
 training step uses for every optimizer, and Muon, whose matrices are orthogonalised whole across
 tensor- and data-parallel ranks.
 
@@ -16,7 +16,7 @@ to hidden states; the embedding, the head, the router, the norms and the biases 
 parameter groups.
 
 Orthogonalising is not elementwise, as AdamW is: it needs the whole matrix, which tensor parallelism
-and ZeRO-1 both cut. What each rank holds and which collectives run, for each:
+and ZeRO's even slices both cut. What each rank holds and which collectives run, for each:
   Tensor parallelism: each rank keeps the momentum of its own slice (momentum is elementwise);
     the tp ranks all-gather the slices of the Nesterov momentum, every rank orthogonalises the full
     matrix and keeps its slice of the result. Gathering is one all-gather per matrix on the fastest
@@ -25,22 +25,27 @@ and ZeRO-1 both cut. What each rank holds and which collectives run, for each:
     owner and a scatter back). A matrix replicated across the tp ranks (key and value weights with
     fewer heads than ranks, MQA; MLA's down-projections) already has its complete gradient on every
     rank (copy_to_tp summed it), so every rank computes the same update with no collective.
-  ZeRO-1 (zero=True): even flat slices would cut matrices, so the matrices are dealt whole instead,
-    over the ranks that hold the same parameters (dp x cp under context parallelism, as for
-    ZeroOneAdamW; "dp" below). In backward order, each goes to the dp rank whose even share of all
-    their elements holds its middle element: ZeRO-1's cut, moved to the nearest matrix boundary (a
-    rank's share is off by at most about one matrix). They travel in buckets of their own
-    (WholeMatrixBuckets), one owner each: the gradient is reduced to the owner (instead of
-    reduce-scattered), the owner keeps the momentum, runs Newton-Schulz, and broadcasts the updated
-    matrix (instead of the all-gather). The AdamW parameters keep ZeRO-1's even slices. With tp as
-    well, the tp ranks of the owner do the tp all-gather among themselves.
-What it costs. Bytes: across dp, what AdamW moves (a reduce plus a broadcast move what a
-reduce-scatter plus an all-gather move); across tp, one all-gather of each matrix. Memory: one
-momentum per element where AdamW keeps two, 1/dp of them with ZeRO-1. Compute: Newton-Schulz for an
-A x B matrix, A <= B, is 5 x (X X^T: 2 A^2 B, its square: 2 A^3, times X: 2 A^2 B) = 20 A^2 B + 10
-A^3 FLOPs a step; for m x m matrices that is 5 m / (tokens per step) of the training FLOPs (6 m^2
-per token), tp times over. It runs in fp32, so that every layout's update equals one process's to
-fp32 rounding (Jordan et al. run it in bf16 on GPUs, faster).
+  ZeRO-1 and ZeRO-2: the matrices are dealt whole instead of sliced, over the ranks that hold the
+    same parameters (dp x cp under context parallelism, as for ZeroOneAdamW; "dp" below), by their
+    Newton-Schulz work (deal_whole). They travel in buckets of their own, one owner each: the
+    gradient is reduced to the owner (instead of reduce-scattered), the owner keeps the momentum,
+    runs Newton-Schulz, and broadcasts the updated matrix (instead of the all-gather). The AdamW
+    parameters keep ZeRO's even slices. ZeRO-1 (WholeMatrixBuckets) reduces once, after the last
+    micro-batch. ZeRO-2 (WholeMatrixShards, zero.GradientShards with whole buckets) reduces after
+    every micro-batch, the owner adding the sum into the gradient it keeps and every other rank
+    freeing the bucket once the reduce has landed: a rank holds the gradients of its own matrices,
+    whole, and AdamW's 1/dp shards, ZeRO-2's memory cut at matrix boundaries. With tp as well, the
+    tp ranks of the owner do the tp all-gather among themselves. ZeRO-3 is refused: its parameter
+    shards would cut the matrices again.
+What it costs. Bytes: across dp, what AdamW moves at the same stage (a reduce plus a broadcast move
+what a reduce-scatter plus an all-gather move; under ZeRO-2 each rank sends every bucket once per
+micro-batch, m times ZeRO-1's reduce traffic, then the broadcast once); across tp, one all-gather of
+each matrix. Memory: one momentum per element where AdamW keeps two, about 1/dp of them under ZeRO
+(the deal balances the work, not the elements). Compute: Newton-Schulz for an A x B matrix, A <= B,
+is 5 x (X X^T: 2 A^2 B, its square: 2 A^3, times X: 2 A^2 B) = 20 A^2 B + 10 A^3 FLOPs a step; for m
+x m matrices that is 5 m / (tokens per step) of the training FLOPs (6 m^2 per token), tp times over.
+It runs in fp32, so that every layout's update equals one process's to fp32 rounding (Jordan et al.
+run it in bf16 on GPUs, faster).
 
 The 2-D weights must be plain matrices (out, in), as nn.Linear keeps them: an expert stored as one
 3-D tensor would need its own loop here.

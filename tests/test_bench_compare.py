@@ -61,19 +61,14 @@ INTERLEAVED = [
     "argv,flag,variant",
     [
         (
-            MUON + ["--compare_zero_stage=2"],
-            "compare_zero_stage",
-            dict(optimizer="muon", zero_stage=2),
-        ),
-        (
             MUON + ["--compare_zero_stage=3"],
             "compare_zero_stage",
             dict(optimizer="muon", zero_stage=3),
         ),
         (
-            ["--zero_stage=2", "--compare_optimizer=muon"],
+            ["--zero_stage=3", "--compare_optimizer=muon"],
             "compare_optimizer",
-            dict(optimizer="muon", zero_stage=2),
+            dict(optimizer="muon", zero_stage=3),
         ),
         (["--compare_optimizer=sgd"], "compare_optimizer", dict(optimizer="sgd")),
         # (once an IndexError from the pipeline's cut: pp_layers names 2 stages, interleaving makes
@@ -84,9 +79,8 @@ INTERLEAVED = [
 def test_a_compared_column_train_py_refuses_stops_before_anything_runs_with_its_message(
     argv, flag, variant, monkeypatch
 ):
-    """Muon at ZeRO-2 or 3 (once a column labelled ZeRO-2 that ran ZeRO-1, and a setStorage
-    traceback at ZeRO-3): refused by the check train.py applies, in its words, naming the flag,
-    before setup."""
+    """Muon at ZeRO-3 (once a setStorage traceback), as a compared stage or a compared optimizer:
+    refused by the check train.py applies, in its words, naming the flag, before setup."""
     monkeypatch.setattr(build, "setup", lambda *a, **k: pytest.fail("setup ran: nothing should"))
     line = error_of(argv)
     assert refusal(**variant) in line

@@ -175,6 +175,8 @@ BENCH_LAYOUTS = {
     # whole
     "muon": (["--batch_size=4", "--optimizer=muon"], 1),
     "dp2_muon_zero1": (["--batch_size=2", "--optimizer=muon", "--zero_stage=1"], 2),
+    # ZeRO-2: each matrix's gradient kept whole by its owner, AdamW's as 1/dp shards
+    "dp2_muon_zero2": (["--batch_size=2", "--optimizer=muon", "--zero_stage=2"], 2),
     "dp4_muon_zero1": (["--batch_size=1", "--optimizer=muon", "--zero_stage=1"], 4),
     "tp2_muon": (["--batch_size=4", "--optimizer=muon", "--tp=2"], 2),
     "params_dominated_muon": (

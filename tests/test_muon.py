@@ -31,6 +31,7 @@ import train
 from dist_utils import (
     assert_same_losses_and_norms,
     assert_same_tensors,
+    run_ranks,
     train_in_process,
     train_on_ranks,
 )
@@ -39,7 +40,9 @@ from tools.step_time import model_config_of
 from optim import (
     NEWTON_SCHULZ_COEFFICIENTS,
     Muon,
+    WholeBucket,
     deal_whole,
+    muon_buckets,
     newton_schulz,
     newton_schulz_flops,
 )
@@ -433,6 +436,63 @@ def test_resuming_with_the_other_optimizer_starts_its_state_afresh(
 
 # -----------------------------------------------------------------------------
 # ZeRO-2: each matrix's gradient reduced to its owner and kept there only
+
+
+def _zero2_holdings(rank, world_size):
+    """Three linears' gradients over two micro-batches through Muon's ZeRO-2 reducer, their weights
+    dealt whole: per bucket of a matrix, (its owner, the grad_shard this rank holds or None, flat
+    freed, the reference: every rank's micro-batches summed and averaged over the ranks, computed
+    here from the same seeds); and whether any p.grad is left. (Tensors go back as lists: a tensor
+    is handed over by a file descriptor of the worker, gone once it exits.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 12), torch.nn.Linear(12, 4)
+    )
+    matrices = [model[0].weight, model[2].weight, model[3].weight]
+    group = torch.distributed.new_group(list(range(world_size)))
+    sync = muon_buckets(list(model.parameters()), matrices, group, 1e-5, zero_stage=2)
+    batches = [
+        [torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * r + i)) for i in (0, 1)]
+        for r in range(world_size)
+    ]
+    for x in batches[rank]:
+        model(x).pow(2).sum().backward()
+        sync.backward_done("B", 0)
+    sync.finish()
+    reference = {id(p): torch.zeros_like(p) for p in matrices}
+    for x in (x for xs in batches for x in xs):
+        grads = torch.autograd.grad(model(x).pow(2).sum(), matrices)
+        for p, g in zip(matrices, grads):
+            reference[id(p)] += g / world_size
+    held = [
+        (
+            b.owner,
+            None if b.grad_shard is None else b.grad_shard.tolist(),
+            b.flat is None,
+            torch.cat([reference[id(p)].reshape(-1) for p in b.params]).tolist(),
+        )
+        for b in sync.buckets
+        if isinstance(b, WholeBucket)
+    ]
+    return held, any(p.grad is not None for p in model.parameters())
+
+
+def test_zero2_keeps_each_matrixs_gradient_on_its_owner_alone():
+    """The mean gradient of each matrix, summed over the micro-batches, on its owner; nothing of it
+    on the other rank once reduced (ZeRO-2's promise, whole matrices instead of even shards); no
+    full-size p.grad anywhere."""
+    ranks = run_ranks(_zero2_holdings, 2)
+    assert {owner for held, _ in ranks for owner, *_ in held} == {0, 1}  # both ranks own some
+    for rank, (held, any_grad) in enumerate(ranks):
+        assert not any_grad
+        for owner, grad, freed, reference in held:
+            assert freed
+            if rank == owner:
+                torch.testing.assert_close(
+                    torch.tensor(grad), torch.tensor(reference), rtol=1e-5, atol=1e-6
+                )
+            else:
+                assert not grad
 
 
 @pytest.fixture(scope="module")

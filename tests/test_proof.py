@@ -89,9 +89,14 @@ CASES = [
         "pp = 2",
         (parallel.PipelineComm, "receive", lambda self, kind, src, x: (zeros(self, x), NoWork())),
     ),
-    # ZeRO-1 Muon with one matrix stepped as SGD by its owner: the others orthogonalised
+    # ZeRO-1 and ZeRO-2 Muon with one matrix stepped as SGD by its owner: the others orthogonalised
     (
         ["--optimizer=muon", "--zero_stage=1"],
+        (optim.Muon, "step", lambda self, found_inf=None: one_matrix_as_sgd(self, found_inf)),
+        "optimizer = 'muon': the first step orthogonalised",
+    ),
+    (
+        ["--optimizer=muon", "--zero_stage=2"],
         (optim.Muon, "step", lambda self, found_inf=None: one_matrix_as_sgd(self, found_inf)),
         "optimizer = 'muon': the first step orthogonalised",
     ),
@@ -109,12 +114,14 @@ MUON_STEP = optim.Muon.step
 def one_matrix_as_sgd(muon, found_inf):
     i = next(i for i, p in enumerate(muon.matrices) if muon.state.get(p))  # the first it owns
     first = muon.matrices.pop(i)
+    # its whole gradient, the reducer's (under ZeRO-2 p.grad is None)
+    grad = dict(muon.grads())[first].view_as(first)
     try:
         MUON_STEP(muon, found_inf)
     finally:
         muon.matrices.insert(i, first)
     with torch.no_grad():
-        first.add_(first.grad, alpha=-1e-3)
+        first.add_(grad, alpha=-1e-3)
 
 
 def sgd(muon):

@@ -53,9 +53,9 @@ from tools.timeline import schedule_moments, walk_peak
 #   gradients    ZeRO-0/1: autograd's p.grad, accumulated over the micro-batches, plus the buckets'
 #                flat copies with data-parallel replicas (dp x cp > 1, or ZeRO-1); ZeRO-2/3: the
 #                1/dp shards plus three buckets (units) in flight (one filling, two being
-#                reduce-scattered)
+#                reduce-scattered); Muon at ZeRO-2: AdamW's shards and the matrices it owns whole
 #   optimizer    AdamW's two moments per element (1/dp under ZeRO, padded); Muon's one momentum
-#                per element of a block's matrix (AdamW's two for the rest), ZeRO-1 dealing the
+#                per element of a block's matrix (AdamW's two for the rest), ZeRO-1/2 dealing the
 #                matrices whole (optim.deal_whole)
 #   activations  what autograd saves per block and micro-batch (counted from the block's code
 #                below: the attention kernel's own, the (B, H, T, T) probabilities where the
@@ -274,16 +274,21 @@ def tied_sum_bytes(model_cfg, pp, zero_stage, elements, param_bytes=4):
     return elements.get("tok_emb.weight", elements.get("lm_head.weight", 0)) * param_bytes
 
 
-def grad_norm_temp_elements(elements, zero_stage, muon=False, skipped=(), largest_shard=None):
+def grad_norm_temp_elements(
+    elements, zero_stage, skipped=(), largest_shard=None, matrices=(), owned=()
+):
     """The elements of the gradient norm's temporary (train.global_grad_norm squares each gradient
-    of the optimizer's grads() into a new tensor), for the largest: whole p.grad at ZeRO-0 and under
-    Muon's ZeRO-1, else the slice this rank owns, at most the largest 1/dp shard of a bucket
-    (largest_shard). skipped: parameters the norm leaves out (a last stage's copy of the tied
-    embedding, counted on the first)."""
-    largest = max((n for name, n in elements.items() if name not in skipped), default=0)
-    if zero_stage >= 1 and not (muon and zero_stage == 1) and largest_shard is not None:
+    of the optimizer's grads() into a new tensor), for the largest: whole p.grad at ZeRO-0, else the
+    slice this rank owns, at most the largest 1/dp shard of a bucket (largest_shard), but Muon's
+    `matrices` whole where this rank owns them (`owned`). skipped: parameters the norm leaves out (a
+    last stage's copy of the tied embedding, counted on the first)."""
+    largest = max(
+        (n for name, n in elements.items() if name not in skipped and name not in matrices),
+        default=0,
+    )
+    if zero_stage >= 1 and largest_shard is not None:
         largest = min(largest, largest_shard)
-    return largest
+    return max([largest] + [elements[name] for name in owned if name not in skipped])
 
 
 def bucket_elements(param_elements, capacity):
@@ -400,10 +405,13 @@ def parameter_bytes(zero_stage, block_units, root, replicas, expert_replicas, pa
     return params
 
 
-def gradient_bytes(model_cfg, zero_stage, held, replicas, expert_replicas, capacity, param_bytes):
+def gradient_bytes(
+    model_cfg, zero_stage, held, replicas, expert_replicas, capacity, param_bytes, kept=None
+):
     """(gradients, buffers, in_flight) of one rank, in bytes: its gradients, those in flight at the
     end of a backward, and ZeRO-2/3's last two buckets (units) still in flight after it, as [flat
-    gradients, shards]. held: what the stage holds (stage_holdings)."""
+    gradients, shards]. held: what the stage holds (stage_holdings). kept: the gradient elements
+    ZeRO-2 keeps where it does not cut them evenly (Muon's: muon_kept_elements)."""
     elements, block_units, root = held.elements, held.block_units, held.root
     here, head_chunk = held.here, held.head_chunk
     P = sum(elements.values())
@@ -418,6 +426,8 @@ def gradient_bytes(model_cfg, zero_stage, held, replicas, expert_replicas, capac
     buffers = largest * param_bytes
     if zero_stage >= 2:
         grads = sharded_elements(block_units, root, replicas, expert_replicas) * param_bytes
+        if kept is not None:
+            grads = kept * param_bytes
         # and in flight with it: its bucket's flat buffer, and the bucket launched before it
         if zero_stage == 3:
             sizes = sorted([n for unit in block_units for n in unit if n] + [root], reverse=True)
@@ -447,6 +457,19 @@ def gradient_bytes(model_cfg, zero_stage, held, replicas, expert_replicas, capac
         grads = P * param_bytes * (2 if (replicas > 1 or zero_stage == 1) else 1)
         in_flight = [0, 0]  # (flat gradients, shards)
     return grads, buffers, in_flight
+
+
+def muon_kept_elements(held, run):
+    """Muon at ZeRO-2 (optim.WholeMatrixShards): the gradient elements one rank keeps, AdamW's 1/dp
+    shards and the matrices it owns, whole (the other ranks free theirs once reduced)."""
+    _, _, adamw_elements, owned = optimizer_state(
+        held.elements, held.shapes, True, 2, run.replicas, run.expert_replicas, run.dp_rank
+    )
+    return (
+        shard(adamw_elements[0], run.replicas)
+        + shard(adamw_elements[1], run.expert_replicas)
+        + sum(held.elements[name] for name in owned)
+    )
 
 
 def optimizer_state(elements, shapes, muon, zero_stage, replicas, expert_replicas, dp_rank):
@@ -614,11 +637,12 @@ def loss_bytes(model_cfg, N, tp, sequence_parallel, chunked_loss, act_bytes):
 
 
 def grad_norm_bytes(
-    model_cfg, zero_stage, muon, held, capacity, replicas, expert_replicas, param_bytes
+    model_cfg, zero_stage, held, capacity, replicas, expert_replicas, param_bytes, muon=((), ())
 ):
     """The bytes of the gradient norm's temporary, once the gradients are reduced: the norm's square
     of the largest gradient (under ZeRO a slice of at most the largest bucket's or unit's shard; the
-    experts' over their replicas). held: what the stage holds (stage_holdings)."""
+    experts' over their replicas; Muon's matrices whole where owned). held: what the stage holds
+    (stage_holdings); muon: (Muon's matrices, those this rank updates), optimizer_state's."""
     elements, block_units, root = held.elements, held.block_units, held.root
     here, head_chunk = held.here, held.head_chunk
     kinds = [[n for name, n in elements.items() if is_expert(name) == e] for e in (False, True)]
@@ -634,7 +658,7 @@ def grad_norm_bytes(
     copy_here = model_cfg.tie_embeddings and head_chunk is not None and 0 not in here
     return (
         grad_norm_temp_elements(
-            elements, zero_stage, muon, ("lm_head.weight",) if copy_here else (), largest_shard
+            elements, zero_stage, ("lm_head.weight",) if copy_here else (), largest_shard, *muon
         )
         * param_bytes
     )
@@ -687,7 +711,7 @@ def optimizer_bytes(model_cfg, run, held):
         zero_stage, elements, shapes, adamw_elements, owned, run.tp, *replicas, param_bytes
     )
     norm = grad_norm_bytes(
-        model_cfg, zero_stage, run.muon, held, run.capacity, *replicas, param_bytes
+        model_cfg, zero_stage, held, run.capacity, *replicas, param_bytes, (matrices, owned)
     )
     return state * param_bytes, zero1_slices, max(own, norm)
 
@@ -756,8 +780,9 @@ def stage_memory(model_cfg, run, stage):
     replicas = (run.replicas, run.expert_replicas)  # a parameter's, an expert's
     P = sum(held.elements.values())
     params = parameter_bytes(zero_stage, held.block_units, held.root, *replicas, param_bytes)
+    kept = muon_kept_elements(held, run) if run.muon and zero_stage == 2 else None
     grads, buffers, in_flight = gradient_bytes(
-        model_cfg, zero_stage, held, *replicas, run.capacity, param_bytes
+        model_cfg, zero_stage, held, *replicas, run.capacity, param_bytes, kept
     )
     state, zero1_slices, step = optimizer_bytes(model_cfg, run, held)
     buffers += zero1_slices
