@@ -6,8 +6,8 @@ the model prices none of them.
 
 One launch per world size runs every layout in turn in the same processes (tools/bench.py's
 Picotron: train.py's step on random tokens), two steps first so the step counted is a steady one.
-The model's side is step_time.predict on a named machine at float32: the bytes do not depend on the
-machine, only on the dtype.
+The model's side is step_time.predict on a named machine at float32 (the H100, which has an FP8
+rate for the fp8 layouts): the bytes do not depend on the machine, only on the dtype.
 
 Two layouts are set up so that what the code sends is fixed before it runs:
   - expert parallelism: which rank a token's experts live on depends on the router, so the bytes an
@@ -60,6 +60,11 @@ TWO_RANKS = [
     ["--tp=2", "--sequence_parallel=True", "--activation_checkpointing=True"],
     ["--tp=2", "--activation_checkpointing=True", *EVERY_EXPERT],
     ["--cp=2"],
+    # fp8's amax all-reduces (and rowwise's sums before rounding) over the tp and cp groups
+    ["--tp=2", "--fp8=tensorwise"],
+    ["--tp=2", "--fp8=tensorwise", "--activation_checkpointing=True"],
+    ["--tp=2", "--fp8=rowwise"],
+    ["--cp=2", "--fp8=rowwise"],
     ["--pp=2", "--pp_schedule=1f1b"],
     ["--pp=2", "--pp_schedule=interleaved_1f1b", "--pp_chunks=2"],
     ["--pp=2", "--pp_schedule=zbv", "--pp_chunks=2"],
@@ -89,7 +94,7 @@ def _ledger_and_model(rank, world_size, layouts):
         with CommLedger(layout_groups(setup.layout, picotron.parts.pipeline)) as ledger:
             picotron.step(2)
         run = step_time.run_of(cfg, world_size)
-        model = step_time.predict(setup.model_cfg, run, machines.load_machine("a100"))
+        model = step_time.predict(setup.model_cfg, run, machines.load_machine("h100"))
         sent = ledger.bytes_sent()
         out.append(({m: sent.get(m, 0) for m in MECHANISMS}, model["comm_bytes"]))
     return out

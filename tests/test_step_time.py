@@ -55,6 +55,8 @@ def run_of(**changes):
         attn_impl="auto",
         overlap_param_gather=True,
         chunked_loss=True,
+        fp8="none",
+        compile=False,
     )
     return SimpleNamespace(**{**base, **changes})
 
@@ -508,9 +510,9 @@ def test_zero_one_gathers_wait_whole_when_overlap_param_gather_is_off():
 
 
 def test_a_prediction_says_what_it_leaves_out_of_this_run(monkeypatch):
-    """fp8 (predicted at the run's dtype's rate) and, on CPU, more threads than cores (a rank's
-    cores are its own in the model) are said under the prediction, where train.py prints it, and not
-    otherwise."""
+    """fp8 on a machine without an FP8 rate (predicted at the run's dtype's rate) and, on CPU, more
+    threads than cores (a rank's cores are its own in the model) are said under the prediction,
+    where train.py prints it, and not otherwise."""
     import os
     import torch
     import settings
@@ -538,13 +540,79 @@ def test_a_prediction_says_what_it_leaves_out_of_this_run(monkeypatch):
     )[1]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(os.cpu_count() * torch.get_num_threads() + 1))
     assert (
-        "(fp8 = 'rowwise' is not modelled" in predict()
+        "(fp8 = 'rowwise': this machine has no FP8 matmul rate" in predict()
         and "threads share this machine's" in predict()
     )
     cfg.fp8 = "none"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     sharing = torch.get_num_threads() > (os.cpu_count() or 1)
     assert "fp8" not in predict() and ("threads share" in predict()) == sharing
+
+
+# SMALL with an MLP twice as wide: per token forward, q, k, v and o 2 x 64 x 64 each, gate, up and
+# down 2 x 64 x 128 each: 81,920 FLOPs; a micro-batch of 2 x 64 tokens: 10,485,760
+FP8_SMALL = ModelConfig(
+    n_layer=4,
+    n_head=4,
+    n_kv_head=4,
+    n_embd=64,
+    block_size=64,
+    vocab_size=512,
+    intermediate_size=128,
+)
+H100_FP8 = 794.5 / 989 * 1979e12  # bf16's MAMF share of the FP8 dense peak
+
+
+def test_fp8_runs_a_blocks_matmuls_at_the_machines_fp8_rate():
+    h100 = machines.load_machine("h100")
+    fp8 = step_time.matmul_seconds(FP8_SMALL, run_of(fp8="tensorwise"), h100, 128)
+    bf16 = step_time.matmul_seconds(FP8_SMALL, run_of(fp8="none"), h100, 128)
+    assert fp8 == pytest.approx(10_485_760 / H100_FP8)
+    assert bf16 == pytest.approx(10_485_760 / 794.5e12)
+    assert bf16 / fp8 == pytest.approx(1979 / 989)
+
+
+def test_a_cast_moves_its_operands_bytes_eager_or_compiled():
+    """One linear, x (2, 3), W (4, 3), dy (2, 4), bf16 activations, 1 byte/s: tensorwise casts x and
+    W forward (33 bytes an element eager, 2b + 1 compiled) and copies x8 (2) and y (4); dy for each
+    gradient, W8 laid out for the first (2), dy8 and x8 for the second."""
+    one = [(2, 3, 4, "column", False)]
+    eager = step_time.fp8_cast_seconds(run_of(fp8="tensorwise"), {"memory_bw": 1.0}, one, 2)
+    assert eager == [33 * 6 + 33 * 12 + 12 + 32, 33 * 8 + 24, 33 * 8 + 28]
+    run = run_of(fp8="tensorwise", compile=True)
+    compiled = step_time.fp8_cast_seconds(run, {"memory_bw": 1.0}, one, 2)
+    assert compiled == [5 * 6 + 9 * 12 + 12 + 32, 5 * 8 + 24, 5 * 8 + 28]
+
+
+def test_fp8s_casts_add_memory_time_to_a_blocks_forward():
+    """FP8_SMALL's forward at tp 1, eager tensorwise, 128 tokens: the casts of q, k, v and o (x
+    8,192, W 4,096, dy 8,192 elements) 454,656 bytes each, gate and up (x 8,192, W 8,192, dy
+    16,384) 622,592, down (x 16,384, W 8,192, dy 8,192) 876,544: 3,940,352 over HBM3's 3.35 TB/s,
+    beside the matmuls' time saved."""
+    h100 = machines.load_machine("h100")
+    links = {m: h100["node"] for m in ("tp", "cp", "ep")}
+    on, off = (
+        step_time.block_seconds(FP8_SMALL, run_of(fp8=recipe), h100, links, 128)
+        for recipe in ("tensorwise", "none")
+    )
+    saved = 10_485_760 / 794.5e12 - 10_485_760 / H100_FP8
+    assert on["forward"] - off["forward"] == pytest.approx(3_940_352 / 3.35e12 - saved)
+
+
+def test_fp8_on_a_machine_without_fp8_tensor_cores_is_refused_naming_both():
+    with pytest.raises(ValueError, match=r"fp8 = 'tensorwise': machine 'a100' has no FP8"):
+        step_time.predict(SMALL, run_of(fp8="tensorwise"), machines.load_machine("a100"))
+
+
+def test_fp8s_amax_all_reduces_under_tp_are_priced_and_counted():
+    """Tensorwise at tp 2: a column-parallel layer's W scale forward and dy's for each gradient
+    over tp, a row-parallel layer's W and x scales forward; SMALL's block has 5 column-parallel
+    linears (q, k, v, gate, up) and 2 row-parallel (o, down): 9 scalars forward, 10 backward."""
+    run = run_of(tp=2, fp8="tensorwise")
+    linears = step_time.fp8_linears(SMALL, run, 128)
+    tp = step_time.fp8_collectives(run, linears, 2)["tp"]
+    assert [len(side) for side in tp] == [9, 10]
+    assert sorted({nbytes for side in tp for _, nbytes in side}) == [2, 4]
 
 
 TRACED = [

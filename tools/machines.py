@@ -31,7 +31,8 @@ from parallel import grid_rank
 #
 #   matmul_flops    achieved dense matmul FLOP/s per dtype: the best published measurement
 #                   (MAMF, stas00 ml-engineering compute/accelerator/README.md), else the
-#                   datasheet's peak (errs fast)
+#                   datasheet's peak (errs fast); "fp8", where the GPU has FP8 tensor cores, the
+#                   rate of fp8.py's scaled matmuls (a machine without it cannot run --fp8)
 #   peak_flops      the datasheet peak MFU divides by (metrics.GPU_PEAK_FLOPS)
 #   memory_bw       bytes/s of device memory (datasheet)
 #   attention_efficiency  a fused attention kernel's achieved share of matmul_flops, forward and
@@ -47,7 +48,7 @@ MACHINES = {
     "a100": {
         "description": "A100-80GB SXM, NVLink 3 (DGX A100), 8 x 200 Gb/s HDR InfiniBand per node",
         # MAMF bf16 best shape 271.2 TFLOP/s (stas00 compute/accelerator/README.md); fp32 =
-        # datasheet 19.5
+        # datasheet 19.5; no fp8: the A100 has no FP8 tensor cores (compute capability 8.0)
         "matmul_flops": {"bfloat16": 271.2e12, "float16": 271.2e12, "float32": 19.5e12},
         "peak_flops": {
             "bfloat16": 312e12,
@@ -71,9 +72,17 @@ MACHINES = {
     },
     "h100": {
         "description": "H100-80GB SXM, NVLink 4 (DGX H100), 8 x 400 Gb/s NDR per node",
-        # MAMF bf16 794.5 TFLOP/s (stas00, torch 2.7.0+cu126); fp32 = datasheet 67
-        "matmul_flops": {"bfloat16": 794.5e12, "float16": 794.5e12, "float32": 67e12},
-        "peak_flops": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+        # MAMF bf16 794.5 TFLOP/s (stas00, torch 2.7.0+cu126); fp32 = datasheet 67. FP8: no
+        # published MAMF, so bf16's achieved share of its peak (794.5 / 989 = 80.3%) of the FP8
+        # peak: 0.803 x 1979 = 1589.8
+        "matmul_flops": {
+            "bfloat16": 794.5e12,
+            "float16": 794.5e12,
+            "float32": 67e12,
+            "fp8": 794.5 / 989 * 1979e12,
+        },
+        # NVIDIA H100 datasheet; FP8 dense 1979 (3958 with sparsity), twice bf16's
+        "peak_flops": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "fp8": 1979e12},
         "memory_bw": 3.35e12,  # HBM3 (stas00 memory table)
         # FlashAttention-3 (Shah et al. 2024, section 1): FlashAttention-2, PyTorch's SDPA kernel,
         # reaches 35% of the H100's peak; over the MAMF (80.3% of the peak): 0.35 / 0.803
@@ -88,9 +97,15 @@ MACHINES = {
     },
     "l4": {
         "description": "8 x L4 24GB on PCIe Gen4 (no NVLink), one 200 Gb/s NIC per node",
-        # no published MAMF for the L4: the datasheet's 121 TFLOP/s bf16 (errs fast)
-        "matmul_flops": {"bfloat16": 121e12, "float16": 121e12, "float32": 30.3e12},
-        "peak_flops": {"bfloat16": 121e12, "float16": 121e12, "float32": 30.3e12},
+        # no published MAMF for the L4: the datasheet's 121 TFLOP/s bf16 and 242.5 FP8 (485 with
+        # sparsity; Ada has FP8 tensor cores) (errs fast)
+        "matmul_flops": {
+            "bfloat16": 121e12,
+            "float16": 121e12,
+            "float32": 30.3e12,
+            "fp8": 242.5e12,
+        },
+        "peak_flops": {"bfloat16": 121e12, "float16": 121e12, "float32": 30.3e12, "fp8": 242.5e12},
         "memory_bw": 300e9,  # NVIDIA L4 datasheet: 300 GB/s GDDR6
         # no published figure for the L4: the H100's FlashAttention-2 share
         "attention_efficiency": 0.44,
@@ -143,6 +158,7 @@ def load_machine(name):
 # zero or negative seconds. A rate for the run's dtype is checked where the dtype is known
 # (step_time.dtype_of). The dtypes are settings.py's.
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+RATE_KEYS = DTYPES + ("fp8",)  # (fp8: the rate of fp8.py's scaled matmuls)
 _MISSING = object()  # a required field the file lacks
 SHOWN_BY = (
     "machines.MACHINES' fields; python tools/step_time.py --machine=h100 prints one in its RESULT"
@@ -170,11 +186,11 @@ def _require(where, field, value, check, what):
 
 def _check_rates(machine, where):
     """matmul_flops (required) and peak_flops (optional): FLOP/s above 0 keyed by dtype."""
-    by_dtype = lambda v: isinstance(v, dict) and v and set(v) <= set(DTYPES)  # noqa: E731
+    by_dtype = lambda v: isinstance(v, dict) and v and set(v) <= set(RATE_KEYS)  # noqa: E731
     for key in ("matmul_flops", "peak_flops"):
         if key in machine or key == "matmul_flops":
             rates = machine.get(key, _MISSING)
-            what = "an object of FLOP/s keyed by " + ", ".join(DTYPES)
+            what = "an object of FLOP/s keyed by " + ", ".join(RATE_KEYS)
             _require(where, key, rates, by_dtype, what)
             for dtype, rate in rates.items():
                 what = "a number of FLOP/s above 0"

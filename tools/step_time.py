@@ -18,6 +18,10 @@ The terms, each with its formula and source where it is computed:
                 one measured here at the model's shapes); attention, where the kernel is fused, at
                 the kernel's published efficiency, counting the causal half it computes
                 (FlashAttention-2's convention).
+  fp8           the blocks' linears' three products at the machine's FP8 rate, the casts before
+                them by the bytes fp8.py's kernels move (eager, or fused under compile), and the
+                amax all-reduces fp8.py makes where tp or cp splits what one process casts
+                (matmul_seconds, fp8_collectives); a machine without an FP8 rate is refused.
   non-matmul    the norms, residual adds, rotary, the MLP's activation, the loss's softmax and the
                 optimizer step, by the bytes they move over the memory bandwidth (the roofline:
                 Williams et al. 2009); under tp on a machine measured here, the vocab-parallel
@@ -82,8 +86,8 @@ from tools import memory_plan
 
 def run_of(cfg, nproc=None):
     """The settings the model reads, from train.py's cfg (a SimpleNamespace or dict of settings), dp
-    resolved from nproc when dp = 0; overlap_param_gather (ZeRO-1/2) True where a cfg has no such
-    setting."""
+    resolved from nproc when dp = 0; overlap_param_gather (ZeRO-1/2) True, fp8 'none' and compile
+    False (it changes only fp8's casts here) where a cfg has no such setting."""
     source = cfg if isinstance(cfg, dict) else vars(cfg)
     names = (
         "dp",
@@ -109,6 +113,8 @@ def run_of(cfg, nproc=None):
     run = SimpleNamespace(
         **{k: source[k] for k in names},
         overlap_param_gather=source.get("overlap_param_gather", True),
+        fp8=source.get("fp8", "none"),
+        compile=source.get("compile", False),
     )
     if not run.dp:
         run.dp = (nproc or 1) // (run.tp * run.pp * run.cp)
@@ -125,7 +131,8 @@ def dtype_of(run, machine):
     if dtype not in rates:
         raise ValueError(
             f"dtype = {dtype!r}: machine {machine.get('name')!r} has no matmul_flops "
-            f"for it, only {', '.join(rates)}: choose --dtype= one of them, or add "
+            f"for it, only {', '.join(d for d in rates if d != 'fp8')}: choose --dtype= one of "
+            f"them, or add "
             f"its rate to the machine file"
         )
     return dtype
@@ -284,6 +291,162 @@ def host_seconds(model_cfg, run, machine):
     return ops_f * machine.get("op_seconds", 0.0), ops_b * machine.get("op_seconds", 0.0)
 
 
+# -----------------------------------------------------------------------------
+# FP8 (fp8.py): the blocks' linears' three products at the machine's FP8 rate, the casts before
+# them, and the amaxes all-reduced where a layout splits what one process casts
+
+# The linears apply_fp8 swaps, by name in a block: build.py keeps the router (and the head) in the
+# run's dtype, and apply_fp8 every linear whose gradient is summed over tp (MLA's down-projections
+# under tp; key/value heads fewer than the tp ranks are no linear there). o_proj and down are
+# row-parallel under tp, the others column-parallel.
+FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_up", "kv_up", "q_down", "kv_down")
+FP8_LINEARS += ("gate", "up", "down")
+ROW_PARALLEL = ("o_proj", "down")
+# Bytes an element of one cast moves (cast_bytes), the eager kernels of fp8.cast: amax reads x,
+# writes |x| and reads it (3b, b its bytes: 2 bf16 activations, 4 fp32 weights); to_fp8's
+# x.float() (b + 4 where b < 4), * scale (8), clamp (8), .to(fp8) (5): 33 bytes whether b is 2 or
+# 4. Compiled (torchao's float8 needs torch.compile for its speed), they fuse into two kernels: the
+# amax reads x, the cast reads x and writes a byte (2b + 1). Laying an FP8 operand out
+# column-major for _scaled_mm reads and writes it (2).
+EAGER_CAST_BYTES, LAYOUT_BYTES = 33, 2
+
+
+def cast_bytes(b, compiled):
+    """Bytes one element of b bytes moves to be cast to FP8 with its scale (see above)."""
+    return 2 * b + 1 if compiled else EAGER_CAST_BYTES
+
+
+def fp8_rate(run, machine):
+    """The FP8 matmul rate of a run with fp8 on (machine['matmul_flops']['fp8']), None with it off.
+    A machine without FP8 tensor cores (the A100's compute capability 8.0, a CPU) has none and is
+    refused here, as fp8.check_fp8 refuses such a GPU at start-up."""
+    if getattr(run, "fp8", "none") == "none":
+        return None
+    if "fp8" not in machine["matmul_flops"]:
+        raise ValueError(
+            f"fp8 = {run.fp8!r}: machine {machine.get('name')!r} has no FP8 matmul rate (no FP8 "
+            f"tensor cores: they need compute capability 8.9, Ada or Hopper): predict with "
+            f"--fp8=none, or give the machine file matmul_flops.fp8"
+        )
+    return machine["matmul_flops"]["fp8"]
+
+
+def fp8_linears(model_cfg, run, tokens):
+    """[(rows M, input features K, output features N, 'row' or 'column', whether of an expert)] of
+    one block's FP8
+    linears on one rank (parameter_pieces' weights, this rank's share) for a micro-batch of `tokens`
+    tokens; an expert sees its share of the top-k rows (dropless, spread evenly), ep experts a rank
+    holding n_expert / ep of them. [] where fp8 is off."""
+    if getattr(run, "fp8", "none") == "none":
+        return []
+    block, _ = parameter_pieces(model_cfg, run.tp, run.ep)
+    C, out = model_cfg.n_embd, []
+    for name, elements in block.items():
+        parts = name.split(".")
+        layer = parts[-2]
+        summed = layer in ("q_down", "kv_down") or (
+            layer in ("k_proj", "v_proj") and model_cfg.n_kv_head % run.tp
+        )
+        if parts[-1] != "weight" or layer not in FP8_LINEARS or (run.tp > 1 and summed):
+            continue
+        rows = tokens
+        if "experts" in parts:  # (a routed expert; shared experts see every token)
+            rows = tokens * model_cfg.n_expert_per_token * run.ep / model_cfg.n_expert
+        K = {"q_up": model_cfg.q_lora_rank, "kv_up": model_cfg.kv_lora_rank}.get(layer, C)
+        K = elements // C if layer in ROW_PARALLEL else K
+        kind = "row" if layer in ROW_PARALLEL else "column"
+        out.append((rows, K, elements // K, kind, "experts" in parts))
+    return out
+
+
+def fp8_cast_seconds(run, machine, linears, act_bytes):
+    """[forward, input_grad, weight_grad] seconds of the FP8 casts and operand copies of `linears`
+    (fp8_linears'), by the bytes they move (cast_bytes an element cast, eager or compiled;
+    LAYOUT_BYTES one copied). x (M, K) and dy (M, N) in the activations' dtype, W (N, K) fp32.
+    Tensorwise casts W and x forward and keeps the casts (torch.cat copies x8 and y), dy once per
+    gradient product, and lays out W8, dy8^T and x8 for them. Rowwise casts x and W forward, then
+    each again along the other axis for the gradients (dy twice as well), and multiplies the two
+    gradients' scales into their bf16 outputs (read, written)."""
+    compiled = getattr(run, "compile", False)
+    cx, cw = cast_bytes(act_bytes, compiled), cast_bytes(4, compiled)
+    seconds = [0.0, 0.0, 0.0]
+    for M, K, N, *_ in linears:
+        x, w, dy = M * K, N * K, M * N
+        if run.fp8 == "tensorwise":
+            parts = (
+                cx * x + cw * w + 2 * x + 2 * act_bytes * dy,
+                cx * dy + LAYOUT_BYTES * w,
+                cx * dy + LAYOUT_BYTES * (dy + x),
+            )
+        else:
+            parts = (
+                cx * x + cw * w,
+                cx * dy + cw * w + LAYOUT_BYTES * w + 4 * x,
+                cx * (dy + x) + LAYOUT_BYTES * (dy + x) + 4 * w,
+            )
+        seconds = [s + p / machine["memory_bw"] for s, p in zip(seconds, parts)]
+    return seconds
+
+
+def fp8_collectives(run, linears, act_bytes):
+    """{'tp': [forward, backward], 'cp': the same}, each a list of the (kind, bytes) all-reduces
+    fp8.py makes in one block (the MAX of an amax over the ranks splitting what one process casts,
+    and rowwise's sum_then_round), by its rule (fp8.py's top): a row-parallel layer splits its
+    input features over tp (inner), a column-parallel one its output features (outer), cp the
+    tokens. Tensorwise: W's scale over inner and outer, x's over inner and tokens, dy's over outer
+    and tokens, once for each gradient product (each a scalar of the tensor's dtype; the weights
+    fp32), x's and dy's per source rank under ep. Rowwise: the forward's (M, 1) and (N, 1) scales
+    over inner; the input gradient's (M, 1) and (1, K) over outer and its fp32 (M, K) product
+    summed there; the weight gradient's (1, N) and (1, K) over the tokens and its fp32 (N, K)
+    product summed there, per source."""
+    out = {"tp": [[], []], "cp": [[], []]}
+    for M, K, N, kind, expert in linears:
+        inner, outer, tokens = ("tp", None, "cp") if kind == "row" else (None, "tp", "cp")
+        sources = run.ep if expert and run.ep > 1 else 1  # (an expert's rows, per source rank)
+        if run.fp8 == "tensorwise":
+            x, w, dy = [act_bytes] * sources, [4], [act_bytes] * sources
+            wanted = [
+                (0, [inner, outer], w),
+                (0, [inner, tokens], x),
+                (1, [outer, tokens], dy + dy),
+            ]
+        else:
+            wanted = [
+                (0, [inner], [M * act_bytes, N * 4]),
+                (1, [outer], [M * act_bytes, K * 4, M * K * 4]),
+                (1, [tokens], [N * act_bytes, K * act_bytes, N * K * 4] * sources),
+            ]
+        for side, groups, sizes in wanted:
+            for group in groups:
+                if group is not None and getattr(run, group) > 1:
+                    out[group][side] += [("all_reduce", nbytes) for nbytes in sizes]
+    return out
+
+
+def matmul_seconds(model_cfg, run, machine, tokens):
+    """Seconds of one of the three products (forward, input gradient, weight gradient: 2 FLOPs a
+    weight and token each) of one block's matmuls on one rank for `tokens` tokens: metrics'
+    FLOPs over tp at the machine's rate for the run's dtype, the FP8 linears' (fp8_linears: 2 M K N
+    each) at its FP8 rate."""
+    rate, rate8 = machine["matmul_flops"][dtype_of(run, machine)], fp8_rate(run, machine)
+    _, blocks, _ = metrics.pipeline_costs(model_cfg)
+    qk, v = attention_dims(model_cfg)
+    attention = 6 * run.block_size * model_cfg.n_head * (qk + v)
+    flops = tokens * (blocks[0] - attention) / 3 / run.tp
+    fp8 = min(flops, sum(2 * M * K * N for M, K, N, *_ in fp8_linears(model_cfg, run, tokens)))
+    return (flops - fp8) / rate + (fp8 / rate8 if fp8 else 0.0)
+
+
+def add_collectives(comm, sent, extra, run, links):
+    """Add fp8_collectives' all-reduces (extra: {mechanism: [forward, backward] lists}) to a block's
+    [forward, backward] seconds in comm and bytes in sent (block_seconds')."""
+    for m, sides in extra.items():
+        n = getattr(run, m)
+        for side, collectives in enumerate(sides):
+            comm[m][side] += sum(collective_seconds(*c, n, links[m]) for c in collectives)
+            sent[m][side] += sum(sent_bytes(*c, n) for c in collectives)
+
+
 def block_seconds(model_cfg, run, machine, links, tokens):
     """Seconds of one block on one rank for one micro-batch of `tokens` tokens (this rank's, after
     context parallelism's split): {'forward', 'input_grad', 'weight_grad'} of compute, the
@@ -291,17 +454,19 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     with the recomputed forward's under activation checkpointing), and 'sent', the bytes this rank
     sends, {'tp', 'cp', 'ep'} the same. Matmuls:
     metrics.pipeline_costs' 6 FLOPs per weight and token (2 forward, 2 for the input's gradient, 2
-    for the weights'), over tp, at the machine's matmul rate. Attention: its 6 T H (qk + v) FLOPs
-    per token, with a fused kernel at the kernel's efficiency on the causal half it computes
-    (FlashAttention-2 reports causal FLOP/s so, its backward 2.5 forwards), otherwise at the matmul
-    rate on all of it. The rest: elementwise_bytes over the memory bandwidth."""
+    for the weights'), over tp, at the machine's matmul rate (matmul_seconds; under fp8 the FP8
+    linears' at its FP8 rate, their casts and amax all-reduces added). Attention: its 6 T H (qk +
+    v) FLOPs per token, with a fused kernel at the kernel's efficiency on the causal half it
+    computes (FlashAttention-2 reports causal FLOP/s so, its backward 2.5 forwards), otherwise at
+    the matmul rate on all of it. The rest: elementwise_bytes over the memory bandwidth."""
     dtype = dtype_of(run, machine)
     rate, act_bytes = machine["matmul_flops"][dtype], 4 if dtype == "float32" else 2
-    _, blocks, _ = metrics.pipeline_costs(model_cfg)
     qk, v = attention_dims(model_cfg)
     attention = 6 * run.block_size * model_cfg.n_head * (qk + v)
     fused = fused_attention(model_cfg, run, machine)
-    matmul_f = tokens * (blocks[0] - attention) / 3 / run.tp / rate
+    matmul_f = matmul_seconds(model_cfg, run, machine, tokens)
+    linears = fp8_linears(model_cfg, run, tokens)
+    cast_f, cast_i, cast_w = fp8_cast_seconds(run, machine, linears, act_bytes)
     # the eager attention computes every score and masks half; the zigzag ring skips the blocks no
     # query sees: the causal half and its 2 cp diagonal blocks' other half, of 2 cp x 2 cp
     unfused = 1.0 if run.cp == 1 else 0.5 + 1 / (4 * run.cp)
@@ -327,6 +492,7 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     ep, ep_sent = expert_exchange_seconds(model_cfg, run, links, tokens, act_bytes)
     comm = {"tp": [tp, tp], "cp": cp, "ep": ep}
     sent = {"tp": [tp_sent, tp_sent], "cp": cp_sent, "ep": ep_sent}
+    add_collectives(comm, sent, fp8_collectives(run, linears, act_bytes), run, links)
     if run.activation_checkpointing:
         # (a dense block's last collective, the MLP's; a mixture of experts' outputs are saved)
         last = tp_collectives[-1] if model_cfg.n_expert == 0 else ("all_reduce", 0)
@@ -334,12 +500,13 @@ def block_seconds(model_cfg, run, machine, links, tokens):
         recompute_communication(comm, sent, last_sent)
     ops_f, ops_b = host_seconds(model_cfg, run, machine)
     # compute only (stage_actions adds the communication)
-    forward = matmul_f + attention_f + elementwise_f + copies + ops_f
+    forward = matmul_f + cast_f + attention_f + elementwise_f + copies + ops_f
     recompute = forward if run.activation_checkpointing else 0.0
+    backward = matmul_f + cast_i + attention_b + 2 * elementwise_f + copies + ops_b
     return {
         "forward": forward,
-        "input_grad": matmul_f + attention_b + 2 * elementwise_f + copies + ops_b + recompute,
-        "weight_grad": matmul_f,
+        "input_grad": backward + recompute,
+        "weight_grad": matmul_f + cast_w,
         **comm,
         "sent": sent,
     }
@@ -898,6 +1065,7 @@ def format_prediction(prediction, run):
             else ""
         )
         + (", activation checkpointing" if run.activation_checkpointing else "")
+        + (f", fp8 {run.fp8}" if getattr(run, "fp8", "none") != "none" else "")
     ]
     for key, label in names.items():
         if parts[key] > 1e-4 * step or key == "compute":
@@ -1085,12 +1253,15 @@ def run_prediction(cfg, model_cfg, layout, device, dtype, machine_name=None, mat
         )
     run = run_of(cfg, layout.world_size)
     run.dp = layout.dp
+    # fp8 on a machine with no FP8 rate (a CPU runs fp8.py for its numerics): the run's dtype
+    unpriced = run.fp8 != "none" and "fp8" not in machine["matmul_flops"]
+    run.fp8 = "none" if unpriced else run.fp8
     p = predict(model_cfg, run, machine)
     lines = format_prediction(p, run)
-    if getattr(cfg, "fp8", "none") != "none":
+    if unpriced:
         lines += (
-            f"\n  (fp8 = {cfg.fp8!r} is not modelled: its linears are predicted at the "
-            f"{p['dtype']} rate)"
+            f"\n  (fp8 = {cfg.fp8!r}: this machine has no FP8 matmul rate, so its linears are "
+            f"predicted at the {p['dtype']} rate)"
         )
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) * torch.get_num_threads()
     # the model gives each rank its cores: say when they are shared
