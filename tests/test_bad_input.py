@@ -566,7 +566,7 @@ def test_another_architecture_is_told_to_leave_the_settings_out_or_start_a_new_r
 @pytest.mark.parametrize(
     "argv,world_size,options",
     [
-        (["--zero_stage=2"], 1, ["--zero_stage=1", "--optimizer=adamw"]),
+        (["--zero_stage=3"], 1, ["--zero_stage=2", "--optimizer=adamw"]),
         # not ZeRO-1 at ep > 1
         (["--zero_stage=2", "--ep=2", "--n_expert=4"], 2, ["--zero_stage=0", "--optimizer=adamw"]),
         (["--zero_stage=1", "--ep=2", "--n_expert=4"], 2, ["--zero_stage=0", "--optimizer=adamw"]),
