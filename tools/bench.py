@@ -265,19 +265,14 @@ class Picotron:
         self.parts = build.build(cfg, run)
         self.autocast = self.parts.autocast
         self.flops_per_token = metrics.flops_per_token(run.model_cfg)
-        # each optimizer step timed, as train_step calls it (RESULT's optimizer_ms)
-        self.optimizer_seconds, step, sync = (
-            [],
-            self.parts.optimizer.step,
-            machines.device_sync(run.dev),
-        )
+        # each optimizer step timed, as train_step calls it (RESULT's optimizer_ms): between two
+        # marks that wait for nothing, so the timed steps keep their pace
+        self.optimizer_marks, step, dev = [], self.parts.optimizer.step, run.dev
 
         def timed_step(*args, **kwargs):
-            sync()
-            start = time.perf_counter()
+            start = time_mark(dev)
             out = step(*args, **kwargs)
-            sync()
-            self.optimizer_seconds.append(time.perf_counter() - start)
+            self.optimizer_marks.append((start, time_mark(dev)))
             return out
 
         self.parts.optimizer.step = timed_step
@@ -608,6 +603,24 @@ def phases_of(marks):
     return spans
 
 
+def time_mark(dev):
+    """A point in time that waits for nothing: on CUDA an event recorded on the stream (the host
+    runs ahead of the GPU), else the host's clock."""
+    if dev.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def ms_between(start, end):
+    """Milliseconds between two time_marks (a CUDA pair waits for the later one)."""
+    if isinstance(start, float):
+        return 1e3 * (end - start)
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def optimizer_results(runners, layout, steps):
     """{name: {optimizer_ms, newton_schulz_flops}} of each picotron runner, each a list with one
     value per rank: the median of its optimizer steps over the last `steps` (the timed ones), and
@@ -617,8 +630,8 @@ def optimizer_results(runners, layout, steps):
     for r in runners:
         if not isinstance(r, Picotron):
             continue
-        ms = 1e3 * statistics.median(r.optimizer_seconds[-steps:])
-        flops = getattr(r.parts.optimizer, "newton_schulz_flops", 0) // len(r.optimizer_seconds)
+        ms = statistics.median(ms_between(*marks) for marks in r.optimizer_marks[-steps:])
+        flops = getattr(r.parts.optimizer, "newton_schulz_flops", 0) // len(r.optimizer_marks)
         every = [None] * layout.world_size
         if layout.world_size > 1:
             dist.all_gather_object(every, (ms, flops))
