@@ -477,9 +477,21 @@ def _save_file(obj, path):
         try:
             torch.save(obj, recorder)
             f.flush()
+            # on the disk before meta.json names it: a power cut (not just a crash) must not leave
+            # a committed checkpoint whose files were still in the page cache
+            os.fsync(f.fileno())
         except RuntimeError as e:
             raise (recorder.error or e) from None
     return recorder.crc
+
+
+def _fsync_dir(path):
+    """Make a folder's entries (a rename, a new file) durable, as fsync makes a file's bytes."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _start_folder(tmp, final):
@@ -518,9 +530,14 @@ def _commit(tmp, final, meta):
     (written aside, then renamed: the commit), then the folder renamed into place."""
     with open(os.path.join(tmp, "meta.json.partial"), "w") as f:
         json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
     # the commit
     os.rename(os.path.join(tmp, "meta.json.partial"), os.path.join(tmp, "meta.json"))
+    _fsync_dir(tmp)
     _publish(tmp, final)
+    # the rename durable before pruning removes an older checkpoint
+    _fsync_dir(os.path.dirname(final) or ".")
 
 
 def save(

@@ -76,6 +76,35 @@ def test_meta_json_records_the_crc32_of_each_file_as_written(tmp_path):
         assert meta["file_crc32"] == [zlib.crc32(f.read())]
 
 
+def test_every_file_and_folder_is_on_the_disk_before_the_checkpoint_is_published(
+    tmp_path, monkeypatch
+):
+    """A power cut, not only a crash: the rank file and meta.json are fsynced before meta.json's
+    rename commits the save, and the folders after each rename, before an older checkpoint is
+    pruned."""
+    events, fsync, rename = [], os.fsync, os.rename
+
+    def fsync_recorded(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        fsync(fd)
+
+    def rename_recorded(src, dst):
+        events.append(("rename", os.path.basename(dst)))
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync_recorded)
+    monkeypatch.setattr(os, "rename", rename_recorded)
+    _save(tmp_path, 1)
+    assert events == [
+        ("fsync", "rank00000.pt"),
+        ("fsync", "meta.json.partial"),
+        ("rename", "meta.json"),
+        ("fsync", "ckpt_0000001.tmp"),
+        ("rename", "ckpt_0000001"),
+        ("fsync", tmp_path.name),
+    ]
+
+
 def test_a_file_damaged_at_the_same_size_stops_the_resume_naming_it_at_one_process(
     data_dir, tmp_path
 ):
