@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import checkpoint
@@ -45,7 +46,7 @@ from model import (
     compile_blocks,
     takes_muon,
 )
-from optim import AdamW, DynamicLossScaler, Muon, describe_optimizer, muon_buckets
+from optim import TP_LINK_BUSBW, AdamW, DynamicLossScaler, Muon, describe_optimizer, muon_buckets
 from parallel import (
     GradientBuckets,
     ParallelLayout,
@@ -56,6 +57,7 @@ from parallel import (
     ZeroOneAdamW,
     apply_pipeline,
     full_shape_of,
+    group_size,
     init_distributed,
     shard_of,
     tied_weight_group,
@@ -456,7 +458,7 @@ def make_grad_sync(model, cfg, layout, pipeline):
     """What averages the gradients across the ranks that hold the same parameters, dp x cp (each cp
     rank has the gradient of its share of every sequence), by ZeRO stage: GradientBuckets'
     all-reduce (0; of no parameter with a single replica), ShardedGradientBuckets' reduce-scatter
-    (1), zero.GradientShards (2), zero.FullyShardedParameters (3); with Muon at 1 and 2 its
+    (1), zero.GradientShards (2), zero.FullyShardedParameters (3); with Muon at 1, 2 and 3 its
     matrices dealt whole (optim.muon_buckets). Under expert parallelism the experts get a reducer of
     their own kind over the ranks that hold the same experts (expert_parallel.ExpertSplit). A tied
     weight's gradient changes after backward (its copies are summed by the pipeline): ZeRO-0 and 1
@@ -484,21 +486,15 @@ def make_grad_sync(model, cfg, layout, pipeline):
         keep = {id(p) for p in params}
         if zero == 0:
             return GradientBuckets(params, group, size)
-        if zero in (1, 2) and matrices:
+        here = [(m, [p for p in ps if id(p) in keep], c) for m, ps, c in units] if units else None
+        if matrices:
             mine = [p for p in matrices if id(p) in keep]
-            return muon_buckets(params, mine, group, size, zero, phases, tied)
+            return muon_buckets(params, mine, group, size, zero, phases, tied, here, model)
         if zero == 1:
             return ShardedGradientBuckets(params, group, size)
         if zero == 2:
             return GradientShards(params, group, size, phases, tied)
-        return FullyShardedParameters(
-            params,
-            group,
-            [(m, [p for p in ps if id(p) in keep], c) for m, ps, c in units],
-            model,
-            phases,
-            tied,
-        )
+        return FullyShardedParameters(params, group, here, model, phases, tied)
 
     experts = (
         {id(p) for p in model.expert_parameters().values()}
@@ -520,12 +516,29 @@ def make_grad_sync(model, cfg, layout, pipeline):
     return grad_sync
 
 
+def muon_tp_rates(cfg, layout, dev):
+    """optim.Muon's tp_rates where muon_tp_mode='auto' prices its tp split (optim.split_pays):
+    the FLOP/s Newton-Schulz runs at (fp32 matmuls: the peak_flops setting where given, else the
+    GPU's fp32 datasheet figure or the CPU probe, metrics.device_peak_flops) and the tp link
+    (optim.TP_LINK_BUSBW). The slowest rank's rate (one all-reduce over the world), so that every tp
+    rank deals the matrices alike (a CPU probe differs from process to process) and every replica
+    as rank 0 says it does. None where not needed, or where the rate is unknown (every matrix then
+    replicates, as before the mode existed)."""
+    tp_group = getattr(layout, "tp_group", None)
+    if cfg.muon_tp_mode != "auto" or group_size(tp_group) == 1 or dev.type not in TP_LINK_BUSBW:
+        return None
+    flops, _ = metrics.device_peak_flops(cfg.peak_flops, dev, torch.float32)
+    rate = torch.tensor(float(flops or 0.0), device=dev)
+    dist.all_reduce(rate, dist.ReduceOp.MIN)  # (every rank has tp > 1 here, so every rank calls it)
+    return dict(flops=rate.item(), busbw=TP_LINK_BUSBW[dev.type]) if rate.item() > 0 else None
+
+
 def make_optimizer(model, cfg, layout, grad_sync):
     """AdamW; weight decay on matrices (linears, embeddings) only, not on norm gains and biases.
     With zero_stage=1, 2 or 3, ZeroOneAdamW: the same update on the elements this rank owns,
     stepping with the sharded reducer. With optimizer='muon', optim.Muon: Muon for the blocks'
-    matrices (takes_muon), with the same weight decay, AdamW as above for the rest (ZeRO-1 and 2:
-    with its reducer)."""
+    matrices (takes_muon), with the same weight decay, AdamW as above for the rest (under ZeRO:
+    with its reducer; under tp, who runs Newton-Schulz as muon_tp_mode says, at muon_tp_rates)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [
@@ -546,7 +559,9 @@ def make_optimizer(model, cfg, layout, grad_sync):
             ns_steps=cfg.muon_ns_steps,
             betas=betas,
             tp_group=layout.tp_group,
-            grad_sync=grad_sync if cfg.zero_stage in (1, 2) else None,
+            grad_sync=grad_sync if cfg.zero_stage >= 1 else None,
+            tp_mode=cfg.muon_tp_mode,
+            tp_rates=muon_tp_rates(cfg, layout, next(model.parameters()).device),
         )
     if cfg.zero_stage >= 1:
         return ZeroOneAdamW(groups, grad_sync, lr=cfg.learning_rate, betas=betas)

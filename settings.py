@@ -25,6 +25,7 @@ from configurator import ConfigError, Setting, section
 from context_parallel import check_context_split
 from fp8 import RECIPES as FP8_RECIPES
 from model import config_problems, mlp_hidden_size
+from optim import TP_MODES as MUON_TP_MODES
 from parallel import expert_groups, grid_rank, resolve_dp
 
 TRAINING = [
@@ -402,6 +403,14 @@ TRAINING = [
         "AdamW's RMS (same learning_rate)",
         Setting("muon_momentum", 0.95, "Muon's Nesterov momentum coefficient"),
         Setting("muon_ns_steps", 5, "Newton-Schulz iterations that orthogonalise the momentum"),
+        Setting(
+            "muon_tp_mode",
+            "auto",
+            "under tp: 'replicate' every tp rank orthogonalises every matrix, 'split' each "
+            "matrix's owner alone (gathered, then scattered back), 'auto' whichever is faster "
+            "per matrix at the device's rates (optim.split_pays)",
+            resume="allow",
+        ),
     ),
     *section(
         "parallelism: dp * cp * tp * pp processes",
@@ -547,6 +556,7 @@ CHOICES = {
     "lr_schedule": ("cosine", "wsd"),
     "decay_shape": ("linear", "1-sqrt"),
     "optimizer": ("adamw", "muon"),
+    "muon_tp_mode": MUON_TP_MODES,
     "fp8": FP8_RECIPES,
 }
 
@@ -607,28 +617,13 @@ def pp_layers_problems(values):
 
 
 def zero_stage_problems(values):
-    """zero_stage is 0 to 3, and with Muon 0 to 2 (0 under expert parallelism)."""
+    """zero_stage is 0 to 3, with either optimizer (under ZeRO Muon deals its matrices whole:
+    optim.py)."""
     problems = []
     if values["zero_stage"] not in (0, 1, 2, 3):
         problems.append(
             f"zero_stage must be 0 (plain AdamW), 1 (optimizer states sharded across data-parallel "
             f"ranks), 2 (and the gradients) or 3 (and the parameters), got {values['zero_stage']}"
-        )
-    if values["optimizer"] == "muon" and values["zero_stage"] == 3:
-        zero = 2 if values["ep"] == 1 else 0  # (the rule below: at ep > 1 Muon takes no ZeRO)
-        problems.append(
-            f"optimizer='muon' runs with zero_stage 0, 1 or 2 (ZeRO-1 and 2 deal its matrices "
-            f"whole to the data-parallel ranks; ZeRO-3's parameter shards would cut them), not "
-            f"zero_stage=3: use --zero_stage={zero}"
-            + (f" (ep = {values['ep']} > 1 takes no ZeRO with Muon)" if zero == 0 else "")
-            + ", or --optimizer=adamw"
-        )
-    if values["optimizer"] == "muon" and values["zero_stage"] in (1, 2) and values["ep"] > 1:
-        # ZeRO deals Muon's matrices over dp x cp, but only dp / ep of those ranks hold an expert
-        problems.append(
-            f"optimizer='muon' with zero_stage={values['zero_stage']} and ep = {values['ep']} is "
-            "not supported (the experts are not on every data-parallel rank to be dealt whole): "
-            "use --zero_stage=0 with Muon at ep > 1, or --optimizer=adamw"
         )
     return problems
 

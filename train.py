@@ -39,7 +39,8 @@ from build import build, print0, setup, stage_cut
 from configurator import ConfigError, configure
 from data import EVAL_STREAM, TRAIN_STREAM, DataError, document_end, rank_microbatches
 from faults import StopVote, TooManyBadSteps, end_of_run, end_on_dead_peer, peer_failure, run_script
-from model import uncompile_blocks
+from model import takes_muon, uncompile_blocks
+from optim import stepped_without_newton_schulz
 from fp8 import count_fp8, fp8_calls
 from ledger import (
     CommLedger,
@@ -251,6 +252,8 @@ def train_step(cfg, layout, parts, microbatches, lr, trace=None, step=0):
     found_inf = (~torch.isfinite(grad_norm)).float()  # 0-dim, on the device: no sync
     scaler.update(found_inf)  # (fp16 only: reads it)
     optimizer.step(found_inf)
+    if cfg.optimizer == "muon":
+        check_muon_step(parts)
     parts.bad_steps.record(found_inf, step)
     optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
@@ -605,6 +608,19 @@ def one_step(cfg, run, parts, micro, lr, trace, step, measured):
     return out
 
 
+def check_muon_step(parts):
+    """Stop the run naming the matrices that this step updated without Newton-Schulz
+    (optim.stepped_without_newton_schulz): Muon silently off is AdamW or SGD, and trains on."""
+    named = [(n, p) for n, p in parts.model.named_parameters() if takes_muon(n, p)]
+    if missed := stepped_without_newton_schulz(parts.optimizer, named):
+        raise MechanismNotRun(
+            f"optimizer = 'muon': this step updated {len(missed)} of its matrices without "
+            f"Newton-Schulz ({', '.join(missed[:3])}{', ...' if len(missed) > 3 else ''}): Muon is "
+            f"not wired into the step. This is picotron's fault, not the settings': report it, "
+            f"and train with optimizer = 'adamw' meanwhile"
+        )
+
+
 def compiled_graphs():
     """The graphs torch.compile has made in this process."""
     dynamo = sys.modules.get("torch._dynamo")  # (imported by the first torch.compile)
@@ -618,9 +634,14 @@ def prove_mechanisms(cfg, run, parts, ledger, step, compiled):
     layout = run.layout
     # compiled FP8 products run inside the graph, where nothing counts them: the linears are
     fp8 = count_fp8(parts.model) if parts.compiled else fp8_calls(parts.model)
+    experts = {id(p) for p in parts.model.expert_parameters().values()}
     muon = {
         "newton_schulz": getattr(parts.optimizer, "orthogonalized", 0),
         "muon_matrices": len(getattr(parts.optimizer, "matrices", [])),
+        "muon_expert_matrices": sum(
+            id(p) in experts for p in getattr(parts.optimizer, "matrices", [])
+        ),
+        "muon_dealt": len(getattr(parts.optimizer, "tp_owners", {})),
     }
     counts = {**muon, "fp8_matmuls": fp8, "compiled_graphs": compiled}
     calls, counts = world_totals(ledger, counts, layout, run.dev)

@@ -73,6 +73,15 @@ that B does): gathered and freed together, two all-gathers per gather; each part
 reduce-scattered after its action. Under zbv rank 0's root unit (the embedding, the final norm, the
 head) is whole all step.
 
+Parameters dealt whole (`owners`). Muon (optim.py) orthogonalises whole matrices, which ZeRO's even
+slices would cut; so both reducers take owners, {param: rank of the group}, and give each of those
+parameters whole to one rank: its buckets (WholeBucket) hold one owner's parameters only, their
+gradients are reduced to the owner (dist.reduce) and kept there alone, and ZeRO-2 broadcasts them
+from the owner after the step where it all-gathers slices. ZeRO-3 cuts each unit by owner
+(by_owner): the rest in even slices and one unit per owner, gathered and freed together as a split
+backward's parts are; an owner's unit is stored on the owner alone, whole, and gathered by a
+broadcast from it. A rank then holds about 1/dp of each, cut at parameter boundaries.
+
 Both are reducers as parallel.py's ShardedGradientBuckets is, for parallel.ZeroOneAdamW to step
 with: GradientShards extends parallel.GradientBuckets through the hooks parallel.py's docstring
 lists, with ZeRO-1's slices (parallel.ShardedBucket, owned_slices, gather_slices), and
@@ -92,11 +101,58 @@ from parallel import (
     buckets_by_kind,
     gather_slices,
     owned_slices,
+    params_flat,
     post_gathers,
     post_reduce_scatter,
     summed_slice,
     wait_for_params,
 )
+
+
+class WholeBucket(ShardedBucket):
+    """A bucket that one rank of the group, `owner`, gets all of: its gradient is reduced to the
+    owner (post_reduce) and its parameters broadcast from it (post_broadcast, or ZeRO-3's Unit)."""
+
+    def __init__(self, params, group, owner):
+        self.owner = owner
+        super().__init__(params, group)
+        self.shard_size = self.numel
+
+    def zeros(self):
+        return torch.zeros(self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
+
+    def owned(self):
+        return (0, self.numel) if self.rank == self.owner else (0, 0)
+
+
+def post_reduce(bucket):
+    """Post the sum over the group of a WholeBucket's flat buffer, landing on its owner only
+    (dist.reduce: on the others flat is scratch once it has landed). One rank sends nothing."""
+    if bucket.world > 1:
+        bucket.work = dist.reduce(
+            bucket.flat,
+            dist.get_global_rank(bucket.group, bucket.owner),
+            group=bucket.group,
+            async_op=True,
+        )
+
+
+def post_broadcast(bucket):
+    """After the step: the owner's updated parameters to every rank of the group, into the
+    parameters themselves (params_flat), in place of ZeRO's all-gather of slices; returns its
+    request."""
+    return dist.broadcast(
+        params_flat(bucket),
+        dist.get_global_rank(bucket.group, bucket.owner),
+        group=bucket.group,
+        async_op=True,
+    )
+
+
+def gather_whole_or_slices(bucket):
+    """After the step: a WholeBucket broadcast from its owner, any other bucket's slices
+    all-gathered (gather_slices)."""
+    return post_broadcast(bucket) if isinstance(bucket, WholeBucket) else gather_slices(bucket)
 
 
 class GradientShards(GradientBuckets):
@@ -116,12 +172,21 @@ class GradientShards(GradientBuckets):
     by backward_done after each. `tied` (copies, group): the copies this rank holds of a weight tied
     across pipeline stages, each alone in a bucket, and the group of the stages holding the others:
     finish() sums their shards over it. `units` (ZeRO-3): lists of parameters, one bucket each, each
-    of one phase."""
+    of one phase. `owners` ({param: rank of group}): parameters dealt whole, in buckets of one
+    owner each (WholeBucket; a unit holds one owner's only): reduced to the owner instead of
+    reduce-scattered, broadcast from it after the step (Muon's matrices: optim.py)."""
 
     def __init__(
-        self, params, group, bucket_size_mb=25.0, phases=None, tied=((), None), units=None
+        self,
+        params,
+        group,
+        bucket_size_mb=25.0,
+        phases=None,
+        tied=((), None),
+        units=None,
+        owners=None,
     ):
-        self.phases, self.units = phases, units
+        self.phases, self.units, self.owners = phases, units, owners or {}
         self.tied_copies, self.tied_group = list(tied[0]), tied[1]
         super().__init__(params, group, bucket_size_mb)
         if any(self.phase_of(p) != b.phases for b in self.buckets for p in b.params):
@@ -153,12 +218,18 @@ class GradientShards(GradientBuckets):
             return [list(u) for u in reversed(self.units) if u]
         tied = {id(p) for p in self.tied_copies}  # a tied copy: alone
         return buckets_by_kind(
-            params, bucket_size_mb, lambda p: (self.phase_of(p), id(p) in tied and id(p))
+            params,
+            bucket_size_mb,
+            lambda p: (self.phase_of(p), id(p) in tied and id(p), self.owners.get(p)),
         )
 
     def new_bucket(self, params):
         # its flat buffer: made by copy_in, dropped by settle
-        bucket = ShardedBucket(params, self.group)
+        owner = self.owners.get(params[0])
+        if owner is None:
+            bucket = ShardedBucket(params, self.group)
+        else:
+            bucket = WholeBucket(params, self.group, owner)
         bucket.phases, bucket.grad_shard = self.phase_of(params[0]), None
         return bucket
 
@@ -208,7 +279,10 @@ class GradientShards(GradientBuckets):
         self.launched += 1
         while len(self.in_flight) >= 2:  # keep at most two buckets' full gradients in flight
             self.settle(self.in_flight[0])
-        post_reduce_scatter(bucket)
+        if isinstance(bucket, WholeBucket):
+            post_reduce(bucket)  # (whole on its owner; settle finds nothing on the others)
+        else:
+            post_reduce_scatter(bucket)
         self.in_flight.append(bucket)
         bucket.ready = set()  # sent: the next action that writes it starts it afresh
 
@@ -252,17 +326,20 @@ class GradientShards(GradientBuckets):
 
     def after_step(self):
         """The updated slices all-gathered into the parameters, as ZeRO-1's after_step (waited for
-        before their parameters are read); the shards dropped."""
-        post_gathers(self.buckets, gather_slices)
+        before their parameters are read), a WholeBucket broadcast from its owner; the shards
+        dropped."""
+        post_gathers(self.buckets, gather_whole_or_slices)
         for bucket in self.buckets:
             bucket.grad_shard = None
 
 
 class Unit:
-    """One ZeRO-3 unit's parameters, those of `bucket`: `param_shard` the elements this rank stores,
-    `param_full` the gathered whole, a flat buffer the parameters are views of, its storage empty
-    between uses. `gather` is its state (None: empty, a request: gathering, True: whole),
-    `keep_whole` marks the root unit, `in_backward` a block whose backward is running."""
+    """One ZeRO-3 unit's parameters, those of `bucket`: `param_shard` the elements this rank stores
+    (its owned range: 1/dp, or of a WholeBucket all on its owner and none elsewhere), `param_full`
+    the gathered whole, a flat buffer the parameters are views of, its storage empty between uses,
+    filled by an all-gather of the shards (a WholeBucket's: a broadcast from its owner). `gather` is
+    its state (None: empty, a request: gathering, True: whole), `keep_whole` marks the root unit,
+    `in_backward` a block whose backward is running."""
 
     @torch.no_grad()
     def __init__(self, bucket, keep_whole):
@@ -270,9 +347,9 @@ class Unit:
         for p, start in zip(bucket.params, bucket.offsets):
             full[start : start + p.numel()].copy_(p.reshape(-1))
             p.data = full[start : start + p.numel()].view_as(p)
-        lo, _ = bucket.owned()
+        lo, hi = bucket.owned()
         self.bucket, self.param_full = bucket, full
-        self.param_shard = full[lo : lo + bucket.shard_size].clone()
+        self.param_shard = full[lo:hi].clone()
         self.keep_whole, self.gather, self.in_backward = keep_whole, None, False
         self.free()
 
@@ -284,6 +361,11 @@ class Unit:
         if b.world == 1:
             full.copy_(self.param_shard)
             self.gather = True
+        elif isinstance(b, WholeBucket):
+            if b.rank == b.owner:
+                full.copy_(self.param_shard)
+            owner = dist.get_global_rank(b.group, b.owner)
+            self.gather = dist.broadcast(full, owner, group=b.group, async_op=True)
         else:
             self.gather = _all_gather_single(full, self.param_shard, group=b.group, async_op=True)
 
@@ -301,6 +383,15 @@ class Unit:
         self.gather, self.in_backward = None, False
 
 
+def by_owner(params, owners):
+    """params cut by owner, in order: those no rank owns (ZeRO's even slices), then each owner's
+    (owners: {param: rank}, a parameter dealt whole), leaving out the empty parts."""
+    parts = {}
+    for p in params:
+        parts.setdefault(owners.get(p), []).append(p)
+    return [parts[k] for k in sorted(parts, key=lambda k: -1 if k is None else k)]
+
+
 class FullyShardedParameters(GradientShards):
     """ZeRO-3: GradientShards whose buckets are the units of `units`, [(module or None, params,
     chunk)] in forward order; module None marks a unit kept whole through the step (gathered by the
@@ -309,14 +400,20 @@ class FullyShardedParameters(GradientShards):
     and freed together. `chunk` is the model chunk the block runs in (the model's forward takes
     chunk=c): a block prefetches the next block of its own chunk only, the one that runs next. Moves
     each unit's parameters into its Unit's shard and registers the hooks on the blocks and on
-    `model`. `phases` and `tied` as GradientShards'.
+    `model`. `phases`, `tied` and `owners` as GradientShards': a unit holding parameters dealt whole
+    is cut into one unit of the others (even slices) and one per owner (by_owner), gathered and
+    freed together, as a split backward's parts are.
 
     A block's rhythm (the paper's, section 5.3): before_forward gathers it (and posts the next
     block's gather), after_forward frees it; before_backward gathers it again (and posts the
     previous block's), after_backward frees it once its gradients are sent (reduce-scattered)."""
 
-    def __init__(self, params, group, units, model, phases=None, tied=((), None)):
-        super().__init__(params, group, phases=phases, tied=tied, units=[ps for _, ps, _ in units])
+    def __init__(self, params, group, units, model, phases=None, tied=((), None), owners=None):
+        owners = owners or {}
+        units = [(m, part, c) for m, ps, c in units for part in by_owner(ps, owners)]
+        super().__init__(
+            params, group, phases=phases, tied=tied, units=[ps for _, ps, _ in units], owners=owners
+        )
         # chunks: c -> [(block, [its Units])]
         self.whole, self.chunks, self.unit, self.block_of = [], {}, {}, {}
         for module, params, chunk in units:
@@ -430,8 +527,8 @@ class FullyShardedParameters(GradientShards):
         for unit in self._units():
             unit.wait()
             yield unit.bucket.params
-            lo, _ = unit.bucket.owned()
-            unit.param_shard.copy_(unit.param_full[lo : lo + unit.bucket.shard_size])
+            lo, hi = unit.bucket.owned()
+            unit.param_shard.copy_(unit.param_full[lo:hi])
             unit.free()
 
 

@@ -344,7 +344,9 @@ def zero_three(rank, folder="zero"):
     """FullyShardedParameters + ZeroOneAdamW at dp = 2 on TwoLayers, 2 steps, against
     torch.optim.AdamW on one process: the losses, the gradient shards each rank steps with (before
     the step) and the weight shards each rank stores after it (the next step's loss checks what the
-    gathers rebuild from them)."""
+    gathers rebuild from them). The second block's weight is dealt whole to rank 1 (owners, as
+    Muon's matrices are: optim.py): its own unit, broadcast from rank 1, its gradient reduced to
+    it, stored and stepped there alone."""
     zero = lifted(folder, "zero")
     # the copy zero.py imported, from its own folder (lifted() checked)
     parallel = sys.modules["parallel"]
@@ -355,7 +357,8 @@ def zero_three(rank, folder="zero"):
     units = [(None, list(model.head.parameters()), 0)] + [
         (b, list(b.parameters()), 0) for b in model.blocks
     ]
-    sync = zero.FullyShardedParameters(list(model.parameters()), WORLD, units, model)
+    owners = {model.blocks[1].weight: 1}
+    sync = zero.FullyShardedParameters(list(model.parameters()), WORLD, units, model, owners=owners)
     opt = parallel.ZeroOneAdamW(model.parameters(), sync, lr=1e-2, weight_decay=0.1)
     opt_one = torch.optim.AdamW(one.parameters(), lr=1e-2, weight_decay=0.1)
     g = torch.Generator().manual_seed(1)

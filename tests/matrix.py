@@ -118,18 +118,6 @@ def world_size(case):
 # resolve_dp, settings.check_layout), each with the words its message must contain.
 REFUSALS = [
     (
-        lambda c: c["optimizer"] == "muon" and c["zero_stage"] == 3,
-        "optimizer='muon' runs with zero_stage 0, 1 or 2",
-    ),
-    (
-        lambda c: c["optimizer"] == "muon" and c["zero_stage"] == 1 and c["ep"] > 1,
-        "optimizer='muon' with zero_stage=1 and ep = 2 is not supported",
-    ),
-    (
-        lambda c: c["optimizer"] == "muon" and c["zero_stage"] == 2 and c["ep"] > 1,
-        "optimizer='muon' with zero_stage=2 and ep = 2 is not supported",
-    ),
-    (
         lambda c: c["pp"] == "zbv" and c.get("pp_chunks", 2) != 2,
         "pp_schedule='zbv' holds two model chunks",
     ),
@@ -271,6 +259,31 @@ NAMED = {
     ),
     # Muon's ZeRO-1 deals whole matrices to the replicas, each split between its two tp ranks
     "muon-dp2-tp2-zero1": _case(dp=2, tp=2, zero_stage=1, optimizer="muon", model="dense_gqa"),
+    # Muon at every ZeRO stage, the experts' matrices dealt over the ranks holding them (ZeRO-3:
+    # each matrix stored, gathered and stepped by its owner): what the pairwise rows leave out
+    "muon-dp2-zero1-ep2": _case(dp=2, ep=2, zero_stage=1, optimizer="muon", model="moe_dropless"),
+    "muon-dp2-tp2-zero2": _case(
+        dp=2, tp=2, zero_stage=2, optimizer="muon", gradient_accumulation_steps=2
+    ),
+    "muon-cp2-zero3": _case(cp=2, zero_stage=3, optimizer="muon", doc_mask=True),
+    "muon-dp2-zero3-ep2": _case(
+        dp=2,
+        ep=2,
+        zero_stage=3,
+        optimizer="muon",
+        model="moe_capacity",
+        gradient_accumulation_steps=2,
+    ),
+    "muon-dp2-tp2-zero3-ep2": _case(
+        dp=2,
+        tp=2,
+        sp=True,
+        ep=2,
+        zero_stage=3,
+        optimizer="muon",
+        model="moe_dropless",
+        activation_checkpointing=True,
+    ),
     # everything in float64 (model, collectives, optimizer): layouts agree to 1e-13 at most, held to
     # 1e-12
     "float64-tp2-sp-muon": _case(
@@ -302,9 +315,8 @@ NAMED = {
     ),
     "fp8-dp2-zero3-ep2": _case(dp=2, zero_stage=3, ep=2, model="moe_dropless", fp8="tensorwise"),
 }
-# refusals no pair brings out: a rule of three settings, and a setting the generator never varies
+# refusals no pair brings out: a setting the generator never varies
 NAMED_REFUSED = {
-    "muon-zero1-ep2": _case(dp=2, ep=2, zero_stage=1, optimizer="muon", model="moe_dropless"),
     "zbv-pp_chunks1": _case(pp="zbv", pp_chunks=1),
 }
 
@@ -345,6 +357,10 @@ RESUMES = {  # name: (the first run, the layout its step-3 checkpoint resumes at
         dict(dp=2, cp=1, tp=2, sp=True, pp="1f1b", zero_stage=1),
     ),
     "resume-5": ("muon-dp2-tp2-zero1", dict(dp=1, tp=1, zero_stage=0)),
+    # a ZeRO-3 Muon checkpoint (each matrix and its momentum saved by its owner alone) at one
+    # process, and at ZeRO-1 with the experts' matrices dealt over every data-parallel rank
+    "resume-6": ("muon-dp2-zero3-ep2", dict(dp=1, ep=1, zero_stage=0)),
+    "resume-7": ("muon-dp2-zero3-ep2", dict(dp=2, ep=1, zero_stage=1)),
 }
 for name, (source, layout) in RESUMES.items():
     case = {**CASES[source], **layout, "resume_from": source, "refused": None}

@@ -61,14 +61,9 @@ INTERLEAVED = [
     "argv,flag,variant",
     [
         (
-            MUON + ["--compare_zero_stage=3"],
+            MUON + ["--compare_zero_stage=4"],
             "compare_zero_stage",
-            dict(optimizer="muon", zero_stage=3),
-        ),
-        (
-            ["--zero_stage=3", "--compare_optimizer=muon"],
-            "compare_optimizer",
-            dict(optimizer="muon", zero_stage=3),
+            dict(optimizer="muon", zero_stage=4),
         ),
         (["--compare_optimizer=sgd"], "compare_optimizer", dict(optimizer="sgd")),
         # (once an IndexError from the pipeline's cut: pp_layers names 2 stages, interleaving makes
@@ -79,8 +74,9 @@ INTERLEAVED = [
 def test_a_compared_column_train_py_refuses_stops_before_anything_runs_with_its_message(
     argv, flag, variant, monkeypatch
 ):
-    """Muon at ZeRO-3 (once a setStorage traceback), as a compared stage or a compared optimizer:
-    refused by the check train.py applies, in its words, naming the flag, before setup."""
+    """A compared column picotron refuses (a ZeRO stage or an optimizer it does not have, a pipeline
+    cut that does not fit): refused by the check train.py applies, in its words, naming the flag,
+    before setup."""
     monkeypatch.setattr(build, "setup", lambda *a, **k: pytest.fail("setup ran: nothing should"))
     line = error_of(argv)
     assert refusal(**variant) in line

@@ -727,18 +727,20 @@ def no_group_reducer(name, model):
     params, adamw = list(model.parameters()), dict(lr=1e-2, weight_decay=0.1)
     if name == "all-reduce":
         return parallel.GradientBuckets(params, None), optim.AdamW(params, **adamw)
-    if name in ("Muon ZeRO-1", "Muon ZeRO-2"):
+    units = [(None, list(model[2].parameters()), 0)] + [
+        (m, list(m.parameters()), 0) for m in model[:2]
+    ]
+    if name.startswith("Muon"):
         stage = int(name[-1])
-        sync = optim.muon_buckets(params, [model[0].weight], None, 1e-5, zero_stage=stage)
+        sync = optim.muon_buckets(
+            params, [model[0].weight], None, 1e-5, zero_stage=stage, units=units, model=model
+        )
         return sync, optim.Muon(
             [{"params": [model[0].weight], "muon": True}, {"params": params[1:]}],
             grad_sync=sync,
             **adamw,
         )
     if name == "ZeRO-3":
-        units = [(None, list(model[2].parameters()), 0)] + [
-            (m, list(m.parameters()), 0) for m in model[:2]
-        ]
         sync = zero.FullyShardedParameters(params, None, units, model)
     else:
         sync = {"ZeRO-1": parallel.ShardedGradientBuckets, "ZeRO-2": zero.GradientShards}[name](
@@ -748,7 +750,8 @@ def no_group_reducer(name, model):
 
 
 @pytest.mark.parametrize(
-    "name", ["all-reduce", "ZeRO-1", "ZeRO-2", "ZeRO-3", "Muon ZeRO-1", "Muon ZeRO-2"]
+    "name",
+    ["all-reduce", "ZeRO-1", "ZeRO-2", "ZeRO-3", "Muon ZeRO-1", "Muon ZeRO-2", "Muon ZeRO-3"],
 )
 def test_a_reducer_given_no_group_is_one_rank_that_sends_nothing_and_steps_as_its_optimizer_alone(
     monkeypatch, name
@@ -803,7 +806,7 @@ def test_a_reducer_given_no_group_is_one_rank_that_sends_nothing_and_steps_as_it
         reference.zero_grad()
     whole = (
         {p: p.detach().clone() for ps in sync.unit_by_unit() for p in ps}
-        if name == "ZeRO-3"
+        if name.endswith("ZeRO-3")
         else {}
     )
     for p, q in zip(model.parameters(), alone.parameters()):

@@ -48,6 +48,8 @@ SUITE_LAYOUTS = {
     "dp2_zero0": (["--batch_size=2", "--zero_stage=0"], 2),
     "dp2_zero2": (["--batch_size=2", "--zero_stage=2"], 2),
     "dp2_zero3": (["--batch_size=2", "--zero_stage=3"], 2),
+    # Muon at ZeRO-3: each matrix stored, and its gradient kept, whole by its owner alone
+    "dp2_muon_zero3": (["--batch_size=2", "--optimizer=muon", "--zero_stage=3"], 2),
     # expert parallelism (the experts at 1/ep, the all-to-all buffers) and Muon (one momentum per
     # matrix element, the step's whole-matrix temporaries)
     "dp2_ep2_moe_muon": (
@@ -178,6 +180,30 @@ BENCH_LAYOUTS = {
     # ZeRO-2: each matrix's gradient kept whole by its owner, AdamW's as 1/dp shards
     "dp2_muon_zero2": (["--batch_size=2", "--optimizer=muon", "--zero_stage=2"], 2),
     "dp4_muon_zero1": (["--batch_size=1", "--optimizer=muon", "--zero_stage=1"], 4),
+    # ZeRO-3: each matrix stored whole by its owner; with experts, theirs dealt over their replicas
+    "dp2_muon_zero3": (["--batch_size=2", "--optimizer=muon", "--zero_stage=3"], 2),
+    "dp4_ep2_moe_muon_zero3": (
+        [
+            "--batch_size=1",
+            "--n_expert=8",
+            "--n_expert_per_token=2",
+            "--ep=2",
+            "--optimizer=muon",
+            "--zero_stage=3",
+        ],
+        4,
+    ),
+    "dp4_ep2_moe_muon_zero1": (
+        [
+            "--batch_size=1",
+            "--n_expert=8",
+            "--n_expert_per_token=2",
+            "--ep=2",
+            "--optimizer=muon",
+            "--zero_stage=1",
+        ],
+        4,
+    ),
     "tp2_muon": (["--batch_size=4", "--optimizer=muon", "--tp=2"], 2),
     "params_dominated_muon": (
         [

@@ -6,8 +6,9 @@ weight decay, against a reference written here with an SVD; the blocks' matrices
 rest AdamW. Then through train.py: the logged learning rate follows wsd, and a dp2 x tp2 ZeRO-1 run
 (with multi-query attention, so k and v are replicated across the tp ranks) resumes at other layouts
 with one process's losses, gradient norms, final weights and final momentum, or with AdamW afresh.
-(Muon at dp, tp, pp, cp and their compositions against one process: the equivalence matrix,
-tests/matrix.py.)
+At ZeRO-2 and 3 each matrix's gradient (at ZeRO-3 the matrix too) is kept by its owner alone, and
+dp2 runs at both equal one process. (Muon at dp, tp, pp, cp, ep and their compositions against
+one process: the equivalence matrix, tests/matrix.py.)
 
 The reference is one process with the same global batch (batch_size 4 x 2 micro-batches; two
 replicas take batch_size 2). The runs use the wsd schedule, whose decay starts inside the five
@@ -226,14 +227,6 @@ def test_every_shipped_config_deals_each_rank_within_10_percent_of_the_mean_work
         assert max(abs(x - mean) for x in load) <= 0.10 * mean, (path.name, load)
 
 
-def test_muon_with_zero_stage_3_is_refused_by_name_and_2_is_not():
-    with pytest.raises(
-        ValueError, match=r"optimizer='muon' runs with zero_stage 0, 1 or 2.*not zero_stage=3"
-    ):
-        settings.check_values({**settings.DEFAULTS, "optimizer": "muon", "zero_stage": 3})
-    settings.check_values({**settings.DEFAULTS, "optimizer": "muon", "zero_stage": 2})
-
-
 # -----------------------------------------------------------------------------
 # the warmup-stable-decay schedule
 
@@ -438,19 +431,24 @@ def test_resuming_with_the_other_optimizer_starts_its_state_afresh(
 # ZeRO-2: each matrix's gradient reduced to its owner and kept there only
 
 
-def _zero2_holdings(rank, world_size):
-    """Three linears' gradients over two micro-batches through Muon's ZeRO-2 reducer, their weights
-    dealt whole: per bucket of a matrix, (its owner, the grad_shard this rank holds or None, flat
-    freed, the reference: every rank's micro-batches summed and averaged over the ranks, computed
-    here from the same seeds); and whether any p.grad is left. (Tensors go back as lists: a tensor
-    is handed over by a file descriptor of the worker, gone once it exits.)"""
+def _whole_holdings(rank, world_size, stage=2):
+    """Three linears' gradients over two micro-batches through Muon's ZeRO-2 reducer (or ZeRO-3's,
+    each linear a block: a unit), their weights dealt whole: per bucket of a matrix, (its owner,
+    the grad_shard this rank holds or None, flat freed, the reference: every rank's micro-batches
+    summed and averaged over the ranks, computed here from the same seeds, and at ZeRO-3 the
+    elements this rank stores of the matrix and whether its gathered copy is freed); and whether
+    any p.grad is left. (Tensors go back as lists: a tensor is handed over by a file descriptor of
+    the worker, gone once it exits.)"""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 12), torch.nn.Linear(12, 4)
     )
     matrices = [model[0].weight, model[2].weight, model[3].weight]
     group = torch.distributed.new_group(list(range(world_size)))
-    sync = muon_buckets(list(model.parameters()), matrices, group, 1e-5, zero_stage=2)
+    units = [(model[i], list(model[i].parameters()), 0) for i in (0, 2, 3)]
+    sync = muon_buckets(
+        list(model.parameters()), matrices, group, 1e-5, stage, units=units, model=model
+    )
     batches = [
         [torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * r + i)) for i in (0, 1)]
         for r in range(world_size)
@@ -459,6 +457,11 @@ def _zero2_holdings(rank, world_size):
         model(x).pow(2).sum().backward()
         sync.backward_done("B", 0)
     sync.finish()
+    # ZeRO-3: the elements of each unit this rank stores, and its gathered copy's storage
+    units = getattr(sync, "unit", {})
+    stored = {
+        k: (u.param_shard.numel(), u.param_full.untyped_storage().size()) for k, u in units.items()
+    }
     reference = {id(p): torch.zeros_like(p) for p in matrices}
     for x in (x for xs in batches for x in xs):
         grads = torch.autograd.grad(model(x).pow(2).sum(), matrices)
@@ -470,6 +473,7 @@ def _zero2_holdings(rank, world_size):
             None if b.grad_shard is None else b.grad_shard.tolist(),
             b.flat is None,
             torch.cat([reference[id(p)].reshape(-1) for p in b.params]).tolist(),
+            stored.get(id(b)),
         )
         for b in sync.buckets
         if isinstance(b, WholeBucket)
@@ -477,15 +481,17 @@ def _zero2_holdings(rank, world_size):
     return held, any(p.grad is not None for p in model.parameters())
 
 
-def test_zero2_keeps_each_matrixs_gradient_on_its_owner_alone():
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero2_and_3_keep_each_matrixs_gradient_on_its_owner_alone(stage):
     """The mean gradient of each matrix, summed over the micro-batches, on its owner; nothing of it
     on the other rank once reduced (ZeRO-2's promise, whole matrices instead of even shards); no
-    full-size p.grad anywhere."""
-    ranks = run_ranks(_zero2_holdings, 2)
+    full-size p.grad anywhere. ZeRO-3: the matrix itself stored by its owner alone too, and its
+    gathered copy freed once its backward is over."""
+    ranks = run_ranks(_whole_holdings, 2, stage)
     assert {owner for held, _ in ranks for owner, *_ in held} == {0, 1}  # both ranks own some
     for rank, (held, any_grad) in enumerate(ranks):
         assert not any_grad
-        for owner, grad, freed, reference in held:
+        for owner, grad, freed, reference, stored in held:
             assert freed
             if rank == owner:
                 torch.testing.assert_close(
@@ -493,39 +499,40 @@ def test_zero2_keeps_each_matrixs_gradient_on_its_owner_alone():
                 )
             else:
                 assert not grad
+            if stage == 3:
+                assert stored == ((len(reference) if rank == owner else 0), 0), stored
 
 
 @pytest.fixture(scope="module")
 def zero2_runs(data_dir, tmp_path_factory):
-    """Muon at ZeRO-2: dp2 (checkpoints at steps 3 and 5) on 2 ranks, and dp2 x tp2 on 4 (each
-    owned matrix split between its replica's two tp ranks; k and v whole on both): {name:
-    (records, out_dir, stdout)}."""
-    runs = {}
-    for name, layout, nproc in (
-        ("dp2_zero2", ["--tp=1", "--checkpoint_interval=3"], 2),
-        ("dp2_tp2_zero2", ["--tp=2", "--checkpoint_interval=0"], 4),
-    ):
-        out = tmp_path_factory.mktemp(name)
-        argv = TINY + TWO_REPLICAS + layout
-        argv += [f"--data_dir={data_dir}", f"--out_dir={out}", "--zero_stage=2"]
-        [(records, stdout)] = train_on_ranks([argv], nproc)
-        runs[name] = (records, out, stdout)
-    return runs
+    """Muon at ZeRO-2 (checkpoints at steps 3 and 5) and at ZeRO-3 (each matrix stored, gathered
+    by a broadcast and stepped by its owner), dp2 on 2 ranks, in one launch: {name: (records,
+    out_dir, stdout)}. (dp2 x tp2 and the experts: the equivalence matrix's muon rows.)"""
+    names = ("dp2_zero2", "dp2_zero3")
+    outs = [tmp_path_factory.mktemp(name) for name in names]
+    argv = [
+        TINY
+        + TWO_REPLICAS
+        + [f"--data_dir={data_dir}", f"--out_dir={out}", "--tp=1", f"--zero_stage={stage}"]
+        + [f"--checkpoint_interval={interval}"]
+        for out, stage, interval in zip(outs, (2, 3), (3, STEPS))
+    ]
+    runs = train_on_ranks(argv, 2)
+    return {name: (records, out, stdout) for name, out, (records, stdout) in zip(names, outs, runs)}
 
 
-@pytest.mark.parametrize("name", ["dp2_zero2", "dp2_tp2_zero2"])
-def test_zero2_muon_equals_one_process(name, zero2_runs, reference):
-    """Losses, gradient norms and (at dp2) final weights and momenta against one process."""
+@pytest.mark.parametrize("name", ["dp2_zero2", "dp2_zero3"])
+def test_zero2_and_3_muon_equal_one_process(name, zero2_runs, reference):
+    """Losses, gradient norms, final weights and momenta against one process."""
     records, out, stdout = zero2_runs[name]
-    assert "optimizer: Muon for" in stdout and "(ZeRO-2)" in stdout
+    assert "optimizer: Muon for" in stdout and f"(ZeRO-{name[-1]})" in stdout
     assert_same_losses_and_norms(records, reference[0])
-    if name == "dp2_zero2":
-        (weights, momenta), (ref_weights, ref_momenta) = (
-            weights_and_momenta(out / f"ckpt_{STEPS:07d}"),
-            weights_and_momenta(reference[1]),
-        )
-        assert_same_tensors(weights, ref_weights)
-        assert_same_tensors(momenta, ref_momenta, what="Muon momentum")
+    (weights, momenta), (ref_weights, ref_momenta) = (
+        weights_and_momenta(out / f"ckpt_{STEPS:07d}"),
+        weights_and_momenta(reference[1]),
+    )
+    assert_same_tensors(weights, ref_weights)
+    assert_same_tensors(momenta, ref_momenta, what="Muon momentum")
 
 
 def test_the_zero2_checkpoint_resumes_at_one_process(zero2_runs, reference, data_dir, tmp_path):

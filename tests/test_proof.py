@@ -89,15 +89,28 @@ CASES = [
         "pp = 2",
         (parallel.PipelineComm, "receive", lambda self, kind, src, x: (zeros(self, x), NoWork())),
     ),
-    # ZeRO-1 and ZeRO-2 Muon with one matrix stepped as SGD by its owner: the others orthogonalised
+    # ZeRO-1 and ZeRO-2 Muon with one matrix stepped as SGD by its owner, the others orthogonalised:
+    # the step's own check (train.check_muon_step) names it
     (
         ["--optimizer=muon", "--zero_stage=1"],
         (optim.Muon, "step", lambda self, found_inf=None: one_matrix_as_sgd(self, found_inf)),
-        "optimizer = 'muon': the first step orthogonalised",
+        "optimizer = 'muon': this step updated 1 of its matrices without Newton-Schulz (blocks.",
     ),
     (
         ["--optimizer=muon", "--zero_stage=2"],
         (optim.Muon, "step", lambda self, found_inf=None: one_matrix_as_sgd(self, found_inf)),
+        "optimizer = 'muon': this step updated 1 of its matrices without Newton-Schulz (blocks.",
+    ),
+    # Newton-Schulz off from the second step on: the first step's proof passes, the second stops
+    (
+        ["--optimizer=muon", "--max_iters=3"],
+        (optim.Muon, "orthogonalised", lambda self, full, p: off_after_step_1(self, full, p)),
+        "optimizer = 'muon': this step updated 14 of its matrices without Newton-Schulz",
+    ),
+    # a matrix orthogonalised twice by its owner: the first step's count is off by one
+    (
+        ["--optimizer=muon", "--zero_stage=1"],
+        (optim.Muon, "orthogonalised", lambda self, full, p: first_twice(self, full, p)),
         "optimizer = 'muon': the first step orthogonalised",
     ),
     (["--compile=True"], (build, "compile_blocks", lambda model: True), "compile = True"),
@@ -122,6 +135,23 @@ def one_matrix_as_sgd(muon, found_inf):
         muon.matrices.insert(i, first)
     with torch.no_grad():
         first.add_(grad, alpha=-1e-3)
+
+
+ORTHOGONALISED = optim.Muon.orthogonalised
+
+
+def off_after_step_1(muon, full, p):
+    """Newton-Schulz for the first step's matrices (at ZeRO-0 every rank's all), then the momentum
+    itself, unorthogonalised."""
+    if muon.orthogonalized < len(muon.matrices):
+        return ORTHOGONALISED(muon, full, p)
+    return full.to(p.dtype)
+
+
+def first_twice(muon, full, p):
+    if p is next(q for q in muon.matrices if muon.state.get(q)):  # the first this rank owns
+        ORTHOGONALISED(muon, full, p)
+    return ORTHOGONALISED(muon, full, p)
 
 
 def sgd(muon):

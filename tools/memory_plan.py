@@ -303,21 +303,30 @@ def bucket_elements(param_elements, capacity):
     return sizes + ([current] if current else [])
 
 
-def last_launched(zero_stage, elements, block_units, root, holds_embedding, capacity):
+def last_launched(zero_stage, elements, unit_parts, root, holds_embedding, capacity):
     """ZeRO-2/3: the last two buckets (units) of each reducer that a backward launches, as
-    (elements, whether of experts): they stay in flight through the forwards after it, until the
-    next backward lands them (zero.GradientShards.set_grad_sync). Launched in backward order, the
-    experts' by a reducer of their own; ZeRO-3's root unit last where the stage holds the embedding,
-    first where it holds only the head."""
+    (elements, whether of experts, whether dealt whole): they stay in flight through the forwards
+    after it, until the next backward lands them (zero.GradientShards.set_grad_sync). Launched in
+    backward order, the experts' by a reducer of their own; ZeRO-3's units (unit_parts) last to
+    first, the root unit last where the stage holds the embedding, first where it holds only the
+    head."""
     if zero_stage == 3:
-        back = [[unit[e] for unit in reversed(block_units) if unit[e]] for e in (0, 1)]
-        launches = [back[0] + [root] if holds_embedding else [root] + back[0], back[1]]
+        back = [
+            [part for block in reversed(unit_parts) for part in reversed(block[e])] for e in (0, 1)
+        ]
+        root_unit = [(root, False)]
+        launches = [back[0] + root_unit if holds_embedding else root_unit + back[0], back[1]]
     else:
         launches = [
-            bucket_elements([n for name, n in elements.items() if is_expert(name) == e], capacity)
+            [
+                (n, False)
+                for n in bucket_elements(
+                    [n for name, n in elements.items() if is_expert(name) == e], capacity
+                )
+            ]
             for e in (False, True)
         ]
-    return [(n, bool(e)) for e, order in enumerate(launches) for n in order[-2:]]
+    return [(n, bool(e), whole) for e, order in enumerate(launches) for n, whole in order[-2:]]
 
 
 def weight_grad_residual_elements(model_cfg, tokens, tp):
@@ -366,6 +375,25 @@ def shard(n, ranks):
     return -(-n // ranks)
 
 
+def zero3_unit_parts(elements, chunk_layers, owners):
+    """ZeRO-3's units as zero.FullyShardedParameters cuts each block's dense and expert parts
+    (zero.by_owner): per block [dense, experts], each a list of (elements, whether dealt whole): the
+    parameters no rank owns, in even slices, then one unit per owner of Muon's matrices (owners:
+    {name: rank}, muon_owners'; {} without Muon: one unit each)."""
+    parts = []
+    for i in (i for layers in chunk_layers for i in layers):
+        block = []
+        for expert in (False, True):
+            by_owner = {}
+            for name, n in elements.items():
+                if name.startswith(f"blocks.{i}.") and is_expert(name) == expert:
+                    by_owner[owners.get(name)] = by_owner.get(owners.get(name), 0) + n
+            order = sorted(by_owner, key=lambda k: -1 if k is None else k)
+            block.append([(by_owner[k], k is not None) for k in order if by_owner[k]])
+        parts.append(block)
+    return parts
+
+
 def zero3_units(elements, chunk_layers):
     """[dense, experts] elements of each block here (chunk_layers: each chunk's blocks), each a
     ZeRO-3 unit."""
@@ -391,13 +419,17 @@ def sharded_elements(block_units, root, replicas, expert_replicas):
     ) + shard(root, replicas)
 
 
-def parameter_bytes(zero_stage, block_units, root, replicas, expert_replicas, param_bytes):
+def parameter_bytes(
+    zero_stage, block_units, root, replicas, expert_replicas, param_bytes, kept=None
+):
     """The bytes of the parameters one rank holds: all of its stage's, but under ZeRO-3 the shards,
-    the root unit whole and two gathered blocks (the one computing, the one prefetched)."""
+    the root unit whole and two gathered blocks (the one computing, the one prefetched). kept: the
+    elements ZeRO-3 stores where it does not cut them evenly (Muon's: muon_kept_elements)."""
     P = sum(map(sum, block_units)) + root
     params = P * param_bytes
     if zero_stage == 3:
         sharded = sharded_elements(block_units, root, replicas, expert_replicas)
+        sharded = sharded if kept is None else kept
         biggest_block = max(map(sum, block_units), default=0)
         params = (
             sharded * param_bytes + (root + min(2, len(block_units)) * biggest_block) * param_bytes
@@ -430,7 +462,8 @@ def gradient_bytes(
             grads = kept * param_bytes
         # and in flight with it: its bucket's flat buffer, and the bucket launched before it
         if zero_stage == 3:
-            sizes = sorted([n for unit in block_units for n in unit if n] + [root], reverse=True)
+            units = [n for block in held.unit_parts for part in block for n, _ in part]
+            sizes = sorted(units + [root], reverse=True)
         else:  # the experts fill buckets of their own
             sizes = sorted(
                 sum(
@@ -448,10 +481,14 @@ def gradient_bytes(
         # the buckets still in flight through the forwards after a backward (last_launched): their
         # flat gradients, and from the second backward on their shards of the sum beside the
         # grad_shards (after the first the shard becomes the grad_shard, counted above)
-        last = last_launched(zero_stage, elements, block_units, root, 0 in here, capacity)
+        # (a unit dealt whole is reduced into its flat buffer itself: no shard of its own)
+        last = last_launched(zero_stage, elements, held.unit_parts, root, 0 in here, capacity)
         in_flight = [
-            sum(n for n, _ in last) * param_bytes,
-            sum(shard(n, expert_replicas if e else replicas) for n, e in last) * param_bytes,
+            sum(n for n, _, _ in last) * param_bytes,
+            sum(
+                0 if whole else shard(n, expert_replicas if e else replicas) for n, e, whole in last
+            )
+            * param_bytes,
         ]
     else:
         grads = P * param_bytes * (2 if (replicas > 1 or zero_stage == 1) else 1)
@@ -459,11 +496,29 @@ def gradient_bytes(
     return grads, buffers, in_flight
 
 
+def expert_dp_rank(run):
+    """The rank's place among the ranks holding its experts (parallel.expert_groups: dp rank d and
+    cp rank c at (d // ep) * cp + c), from run.dp_rank, its dp x cp rank (d * cp + c); None: not
+    given."""
+    if run.dp_rank is None:
+        return None
+    d, c = divmod(run.dp_rank, run.cp)
+    return (d // run.ep) * run.cp + c
+
+
 def muon_kept_elements(held, run):
-    """Muon at ZeRO-2 (optim.WholeMatrixShards): the gradient elements one rank keeps, AdamW's 1/dp
-    shards and the matrices it owns, whole (the other ranks free theirs once reduced)."""
+    """Muon at ZeRO-2 and 3 (zero.GradientShards and FullyShardedParameters given owners): the
+    gradient elements one rank keeps, and at ZeRO-3 the parameter elements it stores: AdamW's 1/dp
+    shards and the matrices it owns, whole (the others free theirs once reduced, and store none)."""
     _, _, adamw_elements, owned = optimizer_state(
-        held.elements, held.shapes, True, 2, run.replicas, run.expert_replicas, run.dp_rank
+        held.elements,
+        held.shapes,
+        True,
+        run.zero_stage,
+        run.replicas,
+        run.expert_replicas,
+        run.dp_rank,
+        expert_dp_rank(run),
     )
     return (
         shard(adamw_elements[0], run.replicas)
@@ -472,18 +527,46 @@ def muon_kept_elements(held, run):
     )
 
 
-def optimizer_state(elements, shapes, muon, zero_stage, replicas, expert_replicas, dp_rank):
+def muon_matrix_names(elements, shapes):
+    """The names of the parameters Muon updates (model.takes_muon), in the model's order."""
+    return [n for n in elements if takes_muon(n, torch.empty(shapes[n], device="meta"))]
+
+
+def muon_owners(matrices, shapes, replicas, expert_replicas):
+    """{name: its owner} of Muon's `matrices` under ZeRO, dealt as build.make_grad_sync's reducers
+    deal them (optim.muon_buckets: deal_whole in backward order), the experts' apart over their own
+    replicas where ep > 1."""
+
+    def dealt(names, ranks):
+        shaped = [torch.empty(shapes[name], device="meta") for name in reversed(names)]
+        return dict(zip(reversed(names), deal_whole(shaped, ranks).values()))
+
+    if expert_replicas == replicas:  # (ep = 1: one reducer deals them all)
+        return dealt(matrices, replicas)
+    dense = dealt([n for n in matrices if not is_expert(n)], replicas)
+    return {**dense, **dealt([n for n in matrices if is_expert(n)], expert_replicas)}
+
+
+def owned_matrices(names, owners, elements, ranks, rank):
+    """The names among `names` that owners ({name: rank}) gives `rank` of `ranks`; rank None: the
+    rank given the most elements."""
+    share = [[n for n in names if owners[n] == r] for r in range(ranks)]
+    if rank is not None:
+        return share[rank]
+    return max(share, key=lambda ns: sum(elements[n] for n in ns))
+
+
+def optimizer_state(
+    elements, shapes, muon, zero_stage, replicas, expert_replicas, dp_rank, expert_rank=None
+):
     """(state elements, Muon's matrices, AdamW's elements as [dense, experts], the matrices this
     rank updates) of one rank: what the optimizer keeps, and what its step and ZeRO-1's slices are
-    counted from."""
+    counted from. dp_rank, expert_rank: the rank's place among the ranks sharding a parameter, an
+    expert (None: the rank dealt the most)."""
     # the optimizer's state: AdamW's two moments per element; Muon's one momentum per matrix element
     # (AdamW's two for the rest); under ZeRO 1/dp of them (the experts' over their replicas), except
     # Muon's matrices, dealt whole (optim.deal_whole): this rank's share is what the deal gives it
-    matrices = (
-        [name for name in elements if takes_muon(name, torch.empty(shapes[name], device="meta"))]
-        if muon
-        else []
-    )
+    matrices = muon_matrix_names(elements, shapes) if muon else []
     M = sum(elements[name] for name in matrices)
     # the elements AdamW steps: [dense, experts]
     adamw_elements = [
@@ -496,18 +579,14 @@ def optimizer_state(elements, shapes, muon, zero_stage, replicas, expert_replica
         owned = matrices
     else:
         state = 2 * (shard(adamw_elements[0], replicas) + shard(adamw_elements[1], expert_replicas))
-        # (dealt by the full matrices' Newton-Schulz work, as optim.muon_buckets deals)
-        owners = deal_whole(
-            reversed([torch.empty(shapes[name], device="meta") for name in matrices]), replicas
-        )
-        share = [[] for _ in range(replicas)]
-        for name, owner in zip(reversed(matrices), owners.values()):
-            share[owner].append(name)
-        owned = (
-            share[dp_rank]
-            if dp_rank is not None
-            else max(share, key=lambda ns: sum(elements[n] for n in ns))
-        )
+        owners = muon_owners(matrices, shapes, replicas, expert_replicas)
+        if expert_replicas == replicas:
+            owned = owned_matrices(matrices, owners, elements, replicas, dp_rank)
+        else:  # the experts' reducer deals theirs over the ranks holding the same experts
+            dense = [name for name in matrices if not is_expert(name)]
+            experts = [name for name in matrices if is_expert(name)]
+            owned = owned_matrices(dense, owners, elements, replicas, dp_rank)
+            owned += owned_matrices(experts, owners, elements, expert_replicas, expert_rank)
         state += sum(elements[name] for name in owned)
     return state, matrices, adamw_elements, owned
 
@@ -668,8 +747,8 @@ def stage_holdings(model_cfg, run, stage):
     """What pipeline rank `stage` holds, as a namespace: here (its model stages), head_chunk (which
     of them holds the head and the loss, or None), elements and shapes (stage_parameter_elements),
     chunk_layers (each chunk's blocks), block_units (ZeRO-3's units: each block's dense part over
-    dp x cp, its experts over their own replicas) and root (the rest: embedding, final norm,
-    head)."""
+    dp x cp, its experts over their own replicas), unit_parts (those units as Muon's owners cut
+    them: zero3_unit_parts) and root (the rest: embedding, final norm, head)."""
     pp, chunks, schedule = run.pp, run.chunks, run.schedule
     here = virtual_stages(schedule, pp, stage, chunks)
     last = pp * chunks - 1  # the model's last stage (this rank holds `chunks` of them)
@@ -680,6 +759,10 @@ def stage_holdings(model_cfg, run, stage):
     cut = stage_cut(model_cfg, schedule, pp, chunks, run.pp_layers)
     chunk_layers = [stage_layers(cut, s) for s in here]
     block_units = zero3_units(elements, chunk_layers)
+    owners = {}
+    if run.muon and run.zero_stage == 3:
+        matrices = muon_matrix_names(elements, shapes)
+        owners = muon_owners(matrices, shapes, run.replicas, run.expert_replicas)
     return SimpleNamespace(
         here=here,
         head_chunk=here.index(last) if last in here else None,
@@ -687,6 +770,7 @@ def stage_holdings(model_cfg, run, stage):
         shapes=shapes,
         chunk_layers=chunk_layers,
         block_units=block_units,
+        unit_parts=zero3_unit_parts(elements, chunk_layers, owners),
         root=sum(elements.values()) - sum(map(sum, block_units)),
     )
 
@@ -700,7 +784,7 @@ def optimizer_bytes(model_cfg, run, held):
     zero_stage, param_bytes = run.zero_stage, run.param_bytes
     replicas = (run.replicas, run.expert_replicas)  # a parameter's, an expert's
     state, matrices, adamw_elements, owned = optimizer_state(
-        elements, shapes, run.muon, zero_stage, *replicas, run.dp_rank
+        elements, shapes, run.muon, zero_stage, *replicas, run.dp_rank, expert_dp_rank(run)
     )
     zero1_slices = (
         zero1_slice_bytes(elements, matrices, adamw_elements, *replicas, param_bytes)
@@ -779,8 +863,8 @@ def stage_memory(model_cfg, run, stage):
     zero_stage, param_bytes = run.zero_stage, run.param_bytes
     replicas = (run.replicas, run.expert_replicas)  # a parameter's, an expert's
     P = sum(held.elements.values())
-    params = parameter_bytes(zero_stage, held.block_units, held.root, *replicas, param_bytes)
-    kept = muon_kept_elements(held, run) if run.muon and zero_stage == 2 else None
+    kept = muon_kept_elements(held, run) if run.muon and zero_stage >= 2 else None
+    params = parameter_bytes(zero_stage, held.block_units, held.root, *replicas, param_bytes, kept)
     grads, buffers, in_flight = gradient_bytes(
         model_cfg, zero_stage, held, *replicas, run.capacity, param_bytes, kept
     )
