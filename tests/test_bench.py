@@ -696,7 +696,8 @@ def test_the_link_probe_counts_what_an_exchange_adds_to_the_compute_after_it(mon
 
 def test_bench_under_torchrun_prints_one_table_and_one_result_line():
     """2 ranks (dp=2): rank 0 alone prints, once; the figures are the whole job's (both replicas'
-    tokens)."""
+    tokens). With --ledger_overhead the same step inside the communication ledger is timed in turn:
+    its cost, a share of the plain step."""
     _, proc = run_train(
         [
             "--n_layer=2",
@@ -709,6 +710,7 @@ def test_bench_under_torchrun_prints_one_table_and_one_result_line():
             "--warmup_steps=1",
             "--bench_steps=2",
             "--peak_flops=1e12",
+            "--ledger_overhead=True",
         ],
         nproc=2,
         script="tools/bench.py",
@@ -726,6 +728,10 @@ def test_bench_under_torchrun_prints_one_table_and_one_result_line():
     assert result["mfu"] == pytest.approx(
         result["flops_per_token"] * result["tokens_per_sec"] / (2 * 1e12)
     )
+    assert result["ledger_overhead"] == pytest.approx(
+        result["ledger_ms_per_step"] / result["ms_per_step"] - 1
+    )
+    assert sum(line.startswith("ledger on against off: ") for line in lines) == 1, proc.stdout
     # tools/step_time.py's prediction beside it, on this machine measured with its all-reduce over
     # the two ranks
     assert (

@@ -22,9 +22,10 @@ train.py supports. What the bench's own settings (listed by --help) compare is t
 turn, so every column sees the same machine: the plain GPT at the end of this file at the same size
 (--reference), pipeline schedules (--schedules, each its own model, with its bubble measured from a
 traced step and its peak activations per rank), another optimizer, ZeRO stage, doc_mask or fp8
-(--compare_*). --profile_steps adds steps under torch.profiler (where a step's time goes;
---profile_trace also writes them as a Chrome trace); --trace one more step's actions (trace_step),
-in the format of tools/step_time.py --trace, for tools/plot.py --trace to draw. Tokens are random
+(--compare_*), the same step inside the communication ledger (--ledger_overhead).
+--profile_steps adds steps under torch.profiler (where a step's time goes; --profile_trace also
+writes them as a Chrome trace); --trace one more step's actions (trace_step), in the format of
+tools/step_time.py --trace, for tools/plot.py --trace to draw. Tokens are random
 unless --data_dir is given on the command line (doc_mask needs its eot_token: from the data's
 meta.json, or --eot_token).
 
@@ -33,7 +34,9 @@ holds the compilation with compile=True; exposed_comm_ms, {mechanism: ms}, what 
 on communication in a step (one more step, its waits counted by metrics.exposed_comm; the mean over
 the ranks), and each comparison's as compare_exposed_comm_ms; that step's communication ledger
 (ledger.py), rank 0's: comm_ledger, {mechanism: {op: {calls, bytes, waited_ms}}}, and comm_bytes,
-{mechanism: bytes sent}.
+{mechanism: bytes sent}. With --ledger_overhead, ledger_ms_per_step is the median step with the
+ledger recording and ledger_overhead its cost as a share of the plain step (ledger_ms_per_step /
+ms_per_step - 1); off, the ledger wraps nothing and costs nothing.
 """
 
 import dataclasses
@@ -65,6 +68,7 @@ from faults import run_script
 from fp8 import check_fp8
 from settings import check_layout
 from pipeline_schedules import check_schedule, ideal_bubble
+from ledger import CommLedger, layout_groups
 from tools import machines, memory_plan, step_time, timeline
 
 BENCH = section(
@@ -128,6 +132,12 @@ BENCH = section(
         False,
         "also time train.py's step with fp8 the other way ('none' against the run's "
         "recipe; a run without fp8 against 'tensorwise'), step by step in turn",
+    ),
+    Setting(
+        "ledger_overhead",
+        False,
+        "also time picotron's step with the communication ledger (ledger.py) recording, step by "
+        "step in turn with it off: RESULT's ledger_overhead, the share of a step it costs",
     ),
 )
 
@@ -322,6 +332,22 @@ class Picotron:
         }
 
 
+class Ledgered:
+    """A Picotron's own step (its model, its optimizer) inside a communication ledger (ledger.py),
+    for --ledger_overhead: timed in turn with the plain step, its column is what recording every
+    collective costs."""
+
+    name = "with ledger"
+
+    def __init__(self, picotron):
+        self.picotron, self.flops_per_token = picotron, picotron.flops_per_token
+        self.groups = layout_groups(picotron.layout, picotron.parts.pipeline)
+
+    def step(self, i):
+        with CommLedger(self.groups):
+            return self.picotron.step(i)
+
+
 class ReferenceGPT:
     """The plain GPT below at the same size, on the same batches, one process."""
 
@@ -411,10 +437,13 @@ def column_run(other, setup):
 
 
 def make_runners(columns, bench):
-    """A Picotron for each of timed_columns, in order, then the plain GPT (--reference)."""
+    """A Picotron for each of timed_columns, in order, then the plain GPT (--reference), then the
+    first one's step inside the ledger (--ledger_overhead)."""
     runners = [Picotron(other, run, label) for label, other, run in columns]
     if bench.reference:
         runners.append(ReferenceGPT(runners[0]))
+    if bench.ledger_overhead:
+        runners.append(Ledgered(runners[0]))
     return runners
 
 
@@ -676,14 +705,14 @@ def run(cfg, bench, setup, columns):
         tokens = machines.probe_tokens(cfg, dev)
         flops, probe = machines.linear_pass(model_cfg, ptdtype, dev, tokens, layout.tp)
     times, losses, passes = timed_steps(runners, bench, probe)
-    optimizer = optimizer_results(runners, layout, bench.bench_steps)
+    # (the ledger's column steps the first runner's model too: twice its steps a round)
+    rounds = bench.bench_steps * (2 if bench.ledger_overhead else 1)
+    optimizer = optimizer_results(runners, layout, rounds)
     del probe  # (its tensors, before the memory is measured)
     peak_mem = metrics.peak_memory_bytes(dev, layout)
     # MoE: the load and the all-to-all bytes per timed step (the first runner's steps only, before
     # any pipeline measurement runs more)
-    moe_stats = (
-        metrics.moe_metrics(runners[0].parts.model, layout, steps=bench.bench_steps) if moe else {}
-    )
+    moe_stats = metrics.moe_metrics(runners[0].parts.model, layout, steps=rounds) if moe else {}
     step = bench.warmup_steps + bench.bench_steps
     pipeline, exposed, profile, memory = measure_after(cfg, bench, setup, runners, step)
 
@@ -707,6 +736,11 @@ def run(cfg, bench, setup, columns):
         results[name]["comm_bytes"] = ledger.bytes_sent()
     for name, fields in optimizer.items():
         results[name].update(fields)
+    if bench.ledger_overhead:  # (medians of steps taken in turn: noise can make it negative)
+        on = results[Ledgered.name]["ms_per_step"]
+        results[main].update(
+            ledger_ms_per_step=on, ledger_overhead=on / results[main]["ms_per_step"] - 1
+        )
     if moe:
         results[main].update(moe_results(runners[0], layout, moe_stats))
 
@@ -743,6 +777,12 @@ def report(cfg, bench, setup, runners, results, peak, tokens_per_step, memory, p
         memory=memory,
     )
     result.update(report_comparisons(bench, runners[0], results, dev))
+    if bench.ledger_overhead:
+        print(
+            f"ledger on against off: {result['ledger_ms_per_step']:,.1f} against "
+            f"{result['ms_per_step']:,.1f} ms/step (median), overhead "
+            f"{result['ledger_overhead']:+.1%} of a step"
+        )
     if profile is not None:
         result["profile"] = profile
     if bench.reference:

@@ -269,6 +269,10 @@ RING_STEPS = {
     "all_gather": lambda n: n - 1,
     "all_to_all": lambda n: n - 1,
 }
+# A broadcast or a reduce (Muon's whole matrices under ZeRO: optim.py) passes the whole buffer
+# along the ring's n - 1 hops in pipelined chunks: each rank sends all S bytes, in n - 1 latencies
+# (nccl-tests: busbw = algbw)
+WHOLE_BUFFER = ("broadcast", "reduce")
 
 
 def collective_seconds(kind, nbytes, n, link):
@@ -280,14 +284,19 @@ def collective_seconds(kind, nbytes, n, link):
     bandwidth)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    if kind in WHOLE_BUFFER:
+        return (n - 1) * link["latency"] + nbytes / link["busbw"]
     steps = RING_STEPS[kind](n)
     return steps * link["latency"] + steps / n * nbytes / link["busbw"]
 
 
 def sent_bytes(kind, nbytes, n):
     """The bytes one rank sends in that collective (collective_seconds'), as nccl-tests counts them
-    and ledger.py books them: steps / n of the buffer, in whole bytes."""
-    return RING_STEPS[kind](n) * int(nbytes) // n if n > 1 else 0
+    and ledger.py books them: steps / n of the buffer (a broadcast's or a reduce's all of it), in
+    whole bytes."""
+    if n <= 1:
+        return 0
+    return int(nbytes) if kind in WHOLE_BUFFER else RING_STEPS[kind](n) * int(nbytes) // n
 
 
 def p2p_seconds(nbytes, link):

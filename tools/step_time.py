@@ -47,6 +47,7 @@ rate is the best shape's), congestion across nodes, the skew between ranks at ea
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from dataclasses import fields
@@ -62,7 +63,8 @@ import metrics
 import settings
 from configurator import ConfigError, Setting, configure, section
 from expert_parallel import expert_rows
-from model import ModelConfig, attention_dims, mlp_hidden_size
+from model import ModelConfig, attention_dims, mlp_hidden_size, takes_muon
+from optim import deal_whole, split_pays
 from parallel import resolve_dp, stage_layers
 from pipeline_schedules import SCHEDULES, check_schedule, virtual_stages
 from tools.machines import (
@@ -87,7 +89,9 @@ from tools import memory_plan
 def run_of(cfg, nproc=None):
     """The settings the model reads, from train.py's cfg (a SimpleNamespace or dict of settings), dp
     resolved from nproc when dp = 0; overlap_param_gather (ZeRO-1/2) True, fp8 'none' and compile
-    False (it changes only fp8's casts here) where a cfg has no such setting."""
+    False (it changes only fp8's casts here), muon_tp_mode 'replicate' and muon_ns_steps 5 where a
+    cfg has no such setting. dp_rank: the data-parallel (dp x cp) rank whose bytes comm_bytes
+    counts, 0 (global rank 0's); Muon's deal under ZeRO gives each its own matrices."""
     source = cfg if isinstance(cfg, dict) else vars(cfg)
     names = (
         "dp",
@@ -115,6 +119,9 @@ def run_of(cfg, nproc=None):
         overlap_param_gather=source.get("overlap_param_gather", True),
         fp8=source.get("fp8", "none"),
         compile=source.get("compile", False),
+        muon_tp_mode=source.get("muon_tp_mode", "replicate"),
+        muon_ns_steps=source.get("muon_ns_steps", 5),
+        dp_rank=0,
     )
     if not run.dp:
         run.dp = (nproc or 1) // (run.tp * run.pp * run.cp)
@@ -138,39 +145,54 @@ def dtype_of(run, machine):
     return dtype
 
 
+def element_bytes(dtype):
+    """The bytes of an activation's element in a run of this dtype (dtype_of's answer)."""
+    return {"float64": 8, "float32": 4}.get(dtype, 2)
+
+
+def wide_bytes(run):
+    """The bytes of a parameter's element, its gradient's, and of what picotron keeps at least fp32
+    beside narrow activations (parallel.at_least_fp32: the loss's floats, the ring's gradient
+    accumulators, the router's counts): 8 in a float64 run, else 4."""
+    return 8 if run.dtype == "float64" else 4
+
+
 # (repr(model_cfg), tp, ep, sequence_parallel): _pieces' answer (the config is not hashable)
 _PIECES = {}
 
 
 def _pieces(model_cfg, tp, ep, sequence_parallel=False):
     """(({name: elements} of one block, {name: elements} of the rest) of every parameter on one tp
-    (and ep) rank, the same of those whose gradient is summed over tp once a step): a one-block
-    model built on the meta device as build.build_model builds it
+    (and ep) rank, the same of those whose gradient is summed over tp once a step, {name: full
+    shape} of the block's matrices that Muon updates (model.takes_muon), in the model's order): a
+    one-block model built on the meta device as build.build_model builds it
     (memory_plan.stage_parameter_elements), so the counts are the run's, at a cost that does not
     grow with the depth."""
     key = (repr(model_cfg), tp, ep, sequence_parallel)
     if key not in _PIECES:
-        summed = {}
+        summed, shapes, block = {}, {}, "blocks.0."
         elements = memory_plan.stage_parameter_elements(
             dataclasses.replace(model_cfg, n_layer=1),
             tp,
             1,
             0,
             ep=ep,
+            shapes=shapes,
             sequence_parallel=sequence_parallel,
             summed=summed,
         )
-        _PIECES[key] = tuple(
-            (
-                {
-                    name[len("blocks.0.") :]: n
-                    for name, n in of.items()
-                    if name.startswith("blocks.0.")
-                },
-                {name: n for name, n in of.items() if not name.startswith("blocks.0.")},
+        split = (
+            lambda of: (  # noqa: E731
+                {name[len(block) :]: n for name, n in of.items() if name.startswith(block)},
+                {name: n for name, n in of.items() if not name.startswith(block)},
             )
-            for of in (elements, summed)
         )
+        muon = {
+            name[len(block) :]: shape
+            for name, shape in shapes.items()
+            if takes_muon(name, torch.empty(shape, device="meta"))
+        }
+        _PIECES[key] = split(elements), split(summed), muon
     return _PIECES[key]
 
 
@@ -192,7 +214,7 @@ def tp_summed_seconds(model_cfg, run, cut, held, link):
     elements = sum(len(stage_layers(cut, s)) for s in held) * sum(block.values())
     elements += sum(root.values()) if len(cut) - 1 in held else 0  # (the final norm)
     shards = run.dp * run.cp if run.zero_stage >= 1 else 1
-    nbytes = elements * 4 / shards
+    nbytes = elements * wide_bytes(run) / shards
     return collective_seconds("all_reduce", nbytes, run.tp, link), sent_bytes(
         "all_reduce", nbytes, run.tp
     )
@@ -254,13 +276,13 @@ def ring_seconds(model_cfg, run, machine, links, tokens, act_bytes, attention_f)
     qk, v = attention_dims(model_cfg)
     kv_elements = tokens * max(1, model_cfg.n_kv_head // run.tp) * (qk + v)
     kv = p2p_seconds(kv_elements * act_bytes, links["cp"])
-    kv_grads = p2p_seconds(kv_elements * 4, links["cp"])
+    kv_grads = p2p_seconds(kv_elements * wide_bytes(run), links["cp"])
     hidden = attention_f / run.cp if machine["overlaps"] else 0.0  # one step's attention
     seconds = [
         (run.cp - 1) * max(0.0, kv - hidden),
         (run.cp - 1) * max(0.0, kv + kv_grads - 2 * hidden) + kv_grads * (run.cp > 1),
     ]
-    kv, kv_grads = kv_elements * act_bytes, kv_elements * 4
+    kv, kv_grads = kv_elements * act_bytes, kv_elements * wide_bytes(run)
     return seconds, [(run.cp - 1) * kv, ((run.cp - 1) * (kv + kv_grads) + kv_grads) * (run.cp > 1)]
 
 
@@ -278,6 +300,20 @@ def expert_exchange_seconds(model_cfg, run, links, tokens, act_bytes):
     rows_sent = 2 * sent_bytes("all_to_all", row_bytes, run.ep)
     counts_sent = sent_bytes("all_to_all", count_bytes, run.ep)
     return [rows + counts, rows], [rows_sent + counts_sent, rows_sent]
+
+
+def expert_window_collectives(model_cfg, run, tokens):
+    """{'cp': [forward, backward]} of the (kind, bytes) collectives a mixture of experts makes over
+    the cp ranks in one block's forward, whose capacity queue and balance counts are the whole
+    window's (context_parallel.ContextWindow): the assignments per expert all-reduced (n_expert
+    floats, at least fp32), and with a capacity the window's expert choices all-gathered (k int64s
+    per token) to be queued. A recomputed forward makes them again."""
+    if model_cfg.n_expert <= 0 or run.cp <= 1:
+        return {}
+    forward = [("all_reduce", model_cfg.n_expert * wide_bytes(run))]
+    if model_cfg.capacity_factor > 0:
+        forward.append(("all_gather", tokens * run.cp * model_cfg.n_expert_per_token * 8))
+    return {"cp": [forward, []]}
 
 
 def host_seconds(model_cfg, run, machine):
@@ -438,8 +474,9 @@ def matmul_seconds(model_cfg, run, machine, tokens):
 
 
 def add_collectives(comm, sent, extra, run, links):
-    """Add fp8_collectives' all-reduces (extra: {mechanism: [forward, backward] lists}) to a block's
-    [forward, backward] seconds in comm and bytes in sent (block_seconds')."""
+    """Add collectives (extra: {mechanism: [forward, backward] lists of (kind, bytes)}, fp8's or a
+    mixture's over cp) to a block's [forward, backward] seconds in comm and bytes in sent
+    (block_seconds')."""
     for m, sides in extra.items():
         n = getattr(run, m)
         for side, collectives in enumerate(sides):
@@ -460,7 +497,7 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     computes (FlashAttention-2 reports causal FLOP/s so, its backward 2.5 forwards), otherwise at
     the matmul rate on all of it. The rest: elementwise_bytes over the memory bandwidth."""
     dtype = dtype_of(run, machine)
-    rate, act_bytes = machine["matmul_flops"][dtype], 4 if dtype == "float32" else 2
+    rate, act_bytes = machine["matmul_flops"][dtype], element_bytes(dtype)
     qk, v = attention_dims(model_cfg)
     attention = 6 * run.block_size * model_cfg.n_head * (qk + v)
     fused = fused_attention(model_cfg, run, machine)
@@ -493,6 +530,7 @@ def block_seconds(model_cfg, run, machine, links, tokens):
     comm = {"tp": [tp, tp], "cp": cp, "ep": ep}
     sent = {"tp": [tp_sent, tp_sent], "cp": cp_sent, "ep": ep_sent}
     add_collectives(comm, sent, fp8_collectives(run, linears, act_bytes), run, links)
+    add_collectives(comm, sent, expert_window_collectives(model_cfg, run, tokens), run, links)
     if run.activation_checkpointing:
         # (a dense block's last collective, the MLP's; a mixture of experts' outputs are saved)
         last = tp_collectives[-1] if model_cfg.n_expert == 0 else ("all_reduce", 0)
@@ -557,7 +595,7 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
     head's input gradient backward (under SP the final norm's all-gather forward and reduce-scatter
     backward instead)."""
     dtype = dtype_of(run, machine)
-    rate, act_bytes = machine["matmul_flops"][dtype], 4 if dtype == "float32" else 2
+    rate, act_bytes = machine["matmul_flops"][dtype], element_bytes(dtype)
     C = model_cfg.n_embd
     _, _, head = metrics.pipeline_costs(model_cfg)
     lookup = tokens * C * act_bytes / machine["memory_bw"]
@@ -586,9 +624,9 @@ def ends_seconds(model_cfg, run, machine, links, tokens):
         else (softmax, softmax)
     )
     ops_f, ops_b = (n * machine.get("op_seconds", 0.0) for n in OPS_AT_ENDS)
-    loss = 3 * collective_seconds("all_reduce", tokens * 4, run.tp, links["tp"])
+    loss = 3 * collective_seconds("all_reduce", tokens * wide_bytes(run), run.tp, links["tp"])
     tp = [loss + half, half] if run.sequence_parallel else [loss, activations]
-    loss_sent = 3 * sent_bytes("all_reduce", tokens * 4, run.tp)
+    loss_sent = 3 * sent_bytes("all_reduce", tokens * wide_bytes(run), run.tp)
     tp_sent = [loss_sent + half_sent, half_sent] if run.sequence_parallel else [loss_sent, sent]
     # under cp the loss's token count: one int64 summed over the cp ranks
     count = collective_seconds("all_reduce", 8, run.cp, links["cp"]) if run.cp > 1 else 0.0
@@ -695,25 +733,111 @@ def stage_actions(model_cfg, run, machine, links, cut, zero3):
 
 
 def rank_pieces(model_cfg, run, cut, held):
-    """[(elements, whether of an expert)] of the parameters a pipeline rank holds (held: its model
-    stages), in forward order: the embedding on the first stage, each block's tensors, the final
-    norm and head on the last (a tied head's copy of the embedding where the first stage is
-    elsewhere)."""
-    block, root = parameter_pieces(model_cfg, run.tp, run.ep)
+    """[(elements, whether of an expert, kind)] of the parameters a pipeline rank holds (held: its
+    model stages), in forward order: the embedding on the first stage, each block's tensors, the
+    final norm and head on the last. kind: 'muon' a block's matrix Muon updates (model.takes_muon),
+    'block' the rest of a block, 'root' the rest, 'tied_copy' one copy of a tied embedding whose
+    other copy is on another stage, 'both_ends' a tied embedding-and-head that the rank holds as
+    both (zbv's rank 0), whose gradient two backward actions write."""
+    (block, root), _, muon = _pieces(model_cfg, run.tp, run.ep)
     embedding = [n for name, n in root.items() if name.startswith("tok_emb.")]
+    last = len(cut) - 1
+    tied = model_cfg.tie_embeddings and last > 0
+    ends = ("both_ends" if last in held else "tied_copy") if tied else "root"
+    muon = muon if run.optimizer == "muon" else {}
     pieces = []
     for s in sorted(held):
-        pieces += [(n, False) for n in embedding] if s == 0 else []
+        pieces += [(n, False, ends) for n in embedding] if s == 0 else []
         for _ in stage_layers(cut, s):
-            pieces += [(n, ".experts." in name) for name, n in block.items()]
-        if s == len(cut) - 1:
-            pieces += [(n, False) for name, n in root.items() if not name.startswith("tok_emb.")]
-            pieces += (
-                [(n, False) for n in embedding]
-                if model_cfg.tie_embeddings and 0 not in held
-                else []
-            )
+            pieces += [
+                (n, ".experts." in name, "muon" if name in muon else "block")
+                for name, n in block.items()
+            ]
+        if s == last:
+            pieces += [
+                (n, False, "root") for name, n in root.items() if not name.startswith("tok_emb.")
+            ]
+            pieces += [(n, False, "tied_copy") for n in embedding] if tied and 0 not in held else []
     return pieces
+
+
+def muon_matrices(model_cfg, run, cut, held):
+    """[(full shape, elements on this tp rank, replicas, owner)] of the matrices Muon updates on a
+    pipeline rank holding model stages `held`, in the model's order. Under ZeRO each is dealt whole
+    over the `replicas` ranks that hold it, dp x cp (an expert's under ep > 1: its own replicas,
+    dp / ep x cp, which a reducer of their own deals): owner is the rank of them that steps it
+    (optim.muon_buckets' deal: deal_whole of each reducer's matrices in backward order, by their
+    Newton-Schulz work); without ZeRO None: every rank does. [] under AdamW."""
+    if run.optimizer != "muon":
+        return []
+    (block, _), _, shapes = _pieces(model_cfg, run.tp, run.ep)
+    replicas = lambda name: (  # noqa: E731
+        run.dp // run.ep * run.cp if run.ep > 1 and ".experts." in name else run.dp * run.cp
+    )
+    matrices = [
+        (shapes[name], block[name], replicas(name))
+        for s in sorted(held)
+        for _ in stage_layers(cut, s)
+        for name in shapes
+    ]
+    if run.zero_stage == 0:
+        return [(*m, None) for m in matrices]
+    stand_ins = [torch.empty(shape, device="meta") for shape, _, _ in matrices]
+    owners = {}
+    for n in {n for _, _, n in matrices}:
+        owners.update(
+            deal_whole(reversed([t for t, m in zip(stand_ins, matrices) if m[2] == n]), n)
+        )
+    return [(*m, owners[t]) for m, t in zip(matrices, stand_ins)]
+
+
+def replica_rank(run, replicas):
+    """run.dp_rank's rank among the `replicas` ranks holding a parameter: dp x cp, or an expert's
+    dp / ep x cp (parallel.expert_groups: the dp ranks at its place in each ep block)."""
+    rank = getattr(run, "dp_rank", 0)
+    if replicas == run.dp * run.cp:
+        return rank
+    dp_rank, cp_rank = divmod(rank, run.cp)
+    return dp_rank // run.ep * run.cp + cp_rank
+
+
+def muon_tp_seconds(matrices, run, machine, link):
+    """(seconds, bytes this rank sends) of Muon's tensor-parallel exchanges in its step
+    (optim.Muon), tp rank 0's, of the matrices data-parallel rank run.dp_rank steps (muon_matrices':
+    all, or its own) that tp splits (fewer elements here than their full shape), by muon_tp_mode:
+    'replicate' an all-gather of each one's slices; 'split' a gather of its slices to its tp owner
+    (optim.deal_tp: deal_whole over the tp ranks, in the model's order) and a scatter back, a
+    non-owner sending its slice, the owner tp - 1 of them; 'auto' split where optim.split_pays, at
+    the machine's fp32 rate and tp link (the run decides at its own device's)."""
+    wide, tp = wide_bytes(run), run.tp
+    sliced = [
+        (shape, n)
+        for shape, n, replicas, owner in matrices
+        if owner in (None, replica_rank(run, replicas)) and n < math.prod(shape)
+    ]
+    if tp == 1 or not sliced:
+        return 0.0, 0
+    mode, steps = getattr(run, "muon_tp_mode", "replicate"), getattr(run, "muon_ns_steps", 5)
+    rates = dict(link, flops=machine["matmul_flops"].get("float32"))
+
+    def pays(shape):
+        if mode == "auto" and rates["flops"]:
+            return split_pays(shape, wide, rates, steps)
+        return mode == "split"
+
+    dealt = [pays(shape) for shape, _ in sliced]
+    stand_ins = [torch.empty(shape, device="meta") for (shape, _), d in zip(sliced, dealt) if d]
+    owners = iter(deal_whole(stand_ins, tp).values())
+    seconds, sent = 0.0, 0
+    for (shape, n), split in zip(sliced, dealt):
+        whole = math.prod(shape) * wide
+        # (each a ring's time: the all-gather, or the gather and then the scatter)
+        seconds += (2 if split else 1) * collective_seconds("all_gather", whole, tp, link)
+        if split:
+            sent += n * wide * (tp - 1 if next(owners) == 0 else 1)
+        else:
+            sent += sent_bytes("all_gather", whole, tp)
+    return seconds, sent
 
 
 def padded(elements, ranks):
@@ -722,22 +846,47 @@ def padded(elements, ranks):
     return -(-elements // ranks) * ranks
 
 
+def bucket_capacity(run):
+    """A gradient bucket's elements: it closes once it holds bucket_size_mb (parallel.py)."""
+    return -(-max(1, int(run.bucket_size_mb * 2**20)) // wide_bytes(run))
+
+
 def bucket_collectives(pieces, run, link, kind):
     """[(elements, seconds, bytes this rank sends)] of each bucket's collective in backward order
     (memory_plan.bucket_elements: parallel.GradientBuckets' plan), the experts' buckets after the
-    dense ones', over their own replicas. Gradients travel in fp32 (the parameters' dtype); under
+    dense ones', over their own replicas. Gradients travel in the parameters' dtype (fp32); under
     ZeRO (a reduce-scatter, an all-gather) each bucket padded to slice evenly."""
-    capacity = max(1, int(run.bucket_size_mb * 2**20)) // 4
-    out = []
+    wide, out = wide_bytes(run), []
     for expert, n in ((False, run.dp * run.cp), (True, run.dp // run.ep * run.cp)):
         sizes = memory_plan.bucket_elements(
-            [e for e, is_expert in pieces if is_expert == expert], capacity
+            [e for e, is_expert, _ in pieces if is_expert == expert], bucket_capacity(run)
         )
         sizes = sizes if kind == "all_reduce" else [padded(size, n) for size in sizes]
         out += [
-            (size, collective_seconds(kind, size * 4, n, link), sent_bytes(kind, size * 4, n))
+            (size, collective_seconds(kind, size * wide, n, link), sent_bytes(kind, size * wide, n))
             for size in sizes
         ]
+    return out
+
+
+def whole_matrix_collectives(matrices, run, link, kind):
+    """[(elements, seconds, bytes this rank sends)] of Muon's buckets under ZeRO-1/2
+    (muon_matrices dealt: optim.WholeMatrixBuckets, zero.GradientShards' WholeBuckets), each
+    owner's matrices in buckets of their own filled in backward order, reduced whole to the owner
+    ('reduce') or broadcast from it after the step ('broadcast'): every rank sends the whole bucket
+    either way. (ZeRO-2 also closes a bucket where the backward action changes: no byte moves.)"""
+    wide, out = wide_bytes(run), []
+    for ranks, owner in sorted({(r, o) for _, _, r, o in matrices}):
+        mine = [n for _, n, r, o in matrices if (r, o) == (ranks, owner)]
+        for size in memory_plan.bucket_elements(mine, bucket_capacity(run)):
+            nbytes = size * wide
+            out.append(
+                (
+                    size,
+                    collective_seconds(kind, nbytes, ranks, link),
+                    sent_bytes(kind, nbytes, ranks),
+                )
+            )
     return out
 
 
@@ -771,42 +920,64 @@ def gathered_late(collectives, forward, overlaps):
     return max(0.0, late)
 
 
-def data_parallel_seconds(
-    pieces, root_elements, run, machine, link, last_window, micro_window, forward
-):
+def data_parallel_seconds(pieces, matrices, run, machine, link, timing):
     """(exposed seconds of the gradients' reduction, of ZeRO-1/2's parameter gather, the bytes this
-    rank sends in both) on one rank.
+    rank sends in both) on one rank (pieces: rank_pieces'; matrices: muon_matrices'; timing:
+    rank_timing's windows).
     ZeRO-0: each bucket all-reduced in the last micro-batch's backward (the reducer communicates
     only then), overlapped with it. ZeRO-1: reduce-scattered so. ZeRO-2: reduce-scattered in every
     micro-batch's backward, the earlier ones overlapped with the backward and the next forward too.
-    ZeRO-1/2: every bucket's parameters all-gathered after the step, ahead of the next forward.
+    ZeRO-1/2: every bucket's parameters all-gathered after the step, ahead of the next forward;
+    Muon's matrices reduced whole to their owners and broadcast from them instead
+    (whole_matrix_collectives). A tied embedding's copy is alone in its bucket; under ZeRO-2 one a
+    rank holds as both ends is sent after each of the two actions that write it (zero.py).
     ZeRO-3: its blocks' gathers and reduce-scatters are in the actions (stage_actions); here its
-    root unit's: gathered once, reduce-scattered after every micro-batch's backward (zero.py)."""
+    root units' (zero3_root_seconds)."""
     if run.dp * run.cp == 1:
         return 0.0, 0.0, 0
-    overlaps = machine["overlaps"]
-    # the root unit: gathered before the first forward, kept whole until the optimizer step; its
-    # gradients, sharded as ZeRO-2's, reduce-scattered after each micro-batch's backward
     if run.zero_stage == 3:
-        m, ranks = run.gradient_accumulation_steps, run.dp * run.cp
-        n = padded(root_elements, ranks) * 4
-        reduce = m * collective_seconds("reduce_scatter", n, ranks, link)
-        gather = collective_seconds("all_gather", n, ranks, link)
-        sent = m * sent_bytes("reduce_scatter", n, ranks) + sent_bytes("all_gather", n, ranks)
-        return reduce, gather, sent
+        return zero3_root_seconds(pieces, run, link)
+    overlaps, whole = machine["overlaps"], run.zero_stage in (1, 2) and bool(matrices)
     kind = "all_reduce" if run.zero_stage == 0 else "reduce_scatter"
-    buckets = bucket_collectives(pieces, run, link, kind)
-    reduce = overlapped(buckets, last_window, overlaps)
+    apart = ("tied_copy", "both_ends") + (("muon",) if whole else ())
+    parts = [[p for p in pieces if p[2] not in apart]] + [
+        [p] for p in pieces if p[2] in ("tied_copy", "both_ends")
+    ]
+    sends = lambda part: 2 if run.zero_stage == 2 and part[0][2] == "both_ends" else 1  # noqa: E731
+    buckets = [b for part in parts for b in sends(part) * bucket_collectives(part, run, link, kind)]
+    buckets += whole_matrix_collectives(matrices, run, link, "reduce") if whole else []
+    reduce = overlapped(buckets, timing["last_window"], overlaps)
     sent = sum(b for _, _, b in buckets)
     if run.zero_stage == 2:
-        earlier = overlapped(buckets, micro_window, overlaps)
+        earlier = overlapped(buckets, timing["micro_window"], overlaps)
         reduce += (run.gradient_accumulation_steps - 1) * earlier
         sent *= run.gradient_accumulation_steps  # (every micro-batch's)
     gather = 0.0
     if run.zero_stage in (1, 2):
-        gathers = bucket_collectives(pieces, run, link, "all_gather")
-        gather = gathered_late(gathers, forward, overlaps and run.overlap_param_gather)
+        gathers = [b for part in parts for b in bucket_collectives(part, run, link, "all_gather")]
+        gathers += whole_matrix_collectives(matrices, run, link, "broadcast") if whole else []
+        gather = gathered_late(gathers, timing["forward"], overlaps and run.overlap_param_gather)
         sent += sum(b for _, _, b in gathers)
+    return reduce, gather, sent
+
+
+def zero3_root_seconds(pieces, run, link):
+    """(exposed seconds of the reduce-scatters, of the gather, the bytes this rank sends) of
+    ZeRO-3's root units (zero.zero3_units: the embedding, final norm and head this rank holds, a
+    tied copy in a unit of its own): gathered before the first forward, kept whole until the
+    optimizer step; their gradients, sharded as ZeRO-2's, reduce-scattered after each micro-batch's
+    backward, a tied matrix the rank holds as both ends after each of the two actions that write
+    it."""
+    m, ranks, wide = run.gradient_accumulation_steps, run.dp * run.cp, wide_bytes(run)
+    reduce, gather, sent = 0.0, 0.0, 0
+    for kind, sends in (("root", 1), ("tied_copy", 1), ("both_ends", 2)):
+        elements = sum(n for n, _, k in pieces if k == kind)
+        if elements:
+            n = padded(elements, ranks) * wide
+            reduce += sends * m * collective_seconds("reduce_scatter", n, ranks, link)
+            gather += collective_seconds("all_gather", n, ranks, link)
+            sent += sends * m * sent_bytes("reduce_scatter", n, ranks)
+            sent += sent_bytes("all_gather", n, ranks)
     return reduce, gather, sent
 
 
@@ -842,23 +1013,24 @@ def layout_links(machine, run, gpus_per_node):
 
 
 def zero3_block_seconds(model_cfg, run, link):
-    """((all-gather, reduce-scatter) seconds, the same in bytes this rank sends) of one block's
-    parameters (fp32) under ZeRO-3: the dense part over dp x cp, the experts over their replicas."""
+    """((gather, reduce) seconds, the same in bytes this rank sends) of one block's parameters
+    under ZeRO-3: the dense part over dp x cp, the experts over their replicas, each all-gathered
+    and reduce-scattered, padded to slice evenly; under Muon the block's matrices dealt whole
+    (muon_matrices; zero.by_owner's units), broadcast from their owner and reduced to it, every
+    rank sending each whole."""
     if run.zero_stage != 3 or run.dp * run.cp == 1:
         return (0.0, 0.0), (0, 0)
-    block, _ = parameter_pieces(model_cfg, run.tp, run.ep)
-    experts = sum(n for name, n in block.items() if ".experts." in name)
-    # (each unit padded to slice evenly)
-    groups = [
-        (padded(n, ranks), ranks)
-        for n, ranks in (
-            (sum(block.values()) - experts, run.dp * run.cp),
-            (experts, run.dp // run.ep * run.cp),
-        )
-    ]
-    kinds = ("all_gather", "reduce_scatter")
-    seconds = [sum(collective_seconds(k, n * 4, ranks, link) for n, ranks in groups) for k in kinds]
-    sent = [sum(sent_bytes(k, n * 4, ranks) for n, ranks in groups) for k in kinds]
+    (block, _), _, shapes = _pieces(model_cfg, run.tp, run.ep)
+    whole = shapes if run.optimizer == "muon" else {}
+    wide, seconds, sent = wide_bytes(run), [0.0, 0.0], [0, 0]
+    for expert, ranks in ((False, run.dp * run.cp), (True, run.dp // run.ep * run.cp)):
+        names = [name for name in block if (".experts." in name) == expert]
+        sliced = padded(sum(block[n] for n in names if n not in whole), ranks)
+        dealt = sum(block[n] for n in names if n in whole)
+        for side, kinds in enumerate((("all_gather", "broadcast"), ("reduce_scatter", "reduce"))):
+            for kind, n in zip(kinds, (sliced, dealt)):
+                seconds[side] += collective_seconds(kind, n * wide, ranks, link)
+                sent[side] += sent_bytes(kind, n * wide, ranks)
     return seconds, sent
 
 
@@ -915,7 +1087,7 @@ def tied_seconds(model_cfg, run, cut, held, link):
     copy = sum(n for name, n in root.items() if name.startswith("tok_emb."))
     if run.zero_stage >= 2:
         copy = padded(copy, run.dp * run.cp) // (run.dp * run.cp)
-    nbytes = 4 * copy
+    nbytes = wide_bytes(run) * copy
     return collective_seconds("all_reduce", nbytes, 2, link), sent_bytes("all_reduce", nbytes, 2)
 
 
@@ -924,26 +1096,18 @@ def once_a_step(model_cfg, run, machine, links, cut, held, timing):
     reduction and ZeRO-1/2's gather (data_parallel_seconds), the tied embedding's sum (tied_seconds)
     and the sum over tp (tp_summed_seconds), their seconds added to its `timing` (rank_timing's) as
     'dp', 'zero_gather', 'tied' and 'tp_summed', their bytes to its 'sent'."""
-    block, _ = parameter_pieces(model_cfg, run.tp, run.ep)
     pieces = rank_pieces(model_cfg, run, cut, held)
-    held_root = sum(n for n, _ in pieces) - sum(len(stage_layers(cut, s)) for s in held) * sum(
-        block.values()
-    )
+    matrices = muon_matrices(model_cfg, run, cut, held)
     timing["dp"], timing["zero_gather"], dp_sent = data_parallel_seconds(
-        pieces,
-        held_root,
-        run,
-        machine,
-        links["dp"],
-        timing["last_window"],
-        timing["micro_window"],
-        timing["forward"],
+        pieces, matrices, run, machine, links["dp"], timing
     )
     timing["tied"], tied_sent = tied_seconds(model_cfg, run, cut, held, links["pp"])
     timing["tp_summed"], tp_sent = tp_summed_seconds(model_cfg, run, cut, held, links["tp"])
-    timing["optimizer"] = optimizer_seconds(pieces, run, machine)
+    # (Muon's tp exchanges run inside its step)
+    muon_tp, muon_sent = muon_tp_seconds(matrices, run, machine, links["tp"])
+    timing["optimizer"] = optimizer_seconds(pieces, run, machine) + muon_tp
     sent = timing["sent"]
-    for mechanism, nbytes in (("dp", dp_sent), ("pp", tied_sent), ("tp", tp_sent)):
+    for mechanism, nbytes in (("dp", dp_sent), ("pp", tied_sent), ("tp", tp_sent + muon_sent)):
         sent[mechanism] = sent.get(mechanism, 0) + nbytes
     return timing
 
@@ -964,10 +1128,7 @@ def predict(model_cfg, run, machine, gpus_per_node=None):
     dtype = dtype_of(run, machine)
     tokens = run.batch_size * run.block_size // run.cp
     message = (
-        tokens
-        * model_cfg.n_embd
-        * (4 if dtype == "float32" else 2)
-        // (run.tp if run.sequence_parallel else 1)
+        tokens * model_cfg.n_embd * element_bytes(dtype) // (run.tp if run.sequence_parallel else 1)
     )
     seconds = lambda r, a: actions[stages[r][a[2]]][a[0]][0]  # noqa: E731
     transfer = p2p_seconds(message, links["pp"]) if run.pp > 1 else 0.0
@@ -1002,7 +1163,7 @@ def optimizer_seconds(pieces, run, machine):
     gradient norm reads the gradient once more (4): 32 bytes an element over the memory bandwidth.
     """
     shards = (run.dp * run.cp, run.dp // run.ep * run.cp) if run.zero_stage >= 1 else (1, 1)
-    stepped = sum(n / shards[expert] for n, expert in pieces)
+    stepped = sum(n / shards[expert] for n, expert, _ in pieces)
     return stepped * 32 / machine["memory_bw"]
 
 
