@@ -60,16 +60,21 @@ def test_a_gradient_doubled_at_tp2_is_a_real_difference_and_named_first(
     assert listed_after(out, "verdict: a real difference")[0] == BROKEN
 
 
-def test_tp2_against_pp2_zbv_is_rounding(data_dir, tmp_path, capsys):
-    status = compare.main(
-        TINY
-        + [
-            f"--data_dir={data_dir}",
-            "--a=--tp=2 --sequence_parallel=True",
-            "--b=--pp=2 --pp_schedule=zbv --pp_chunks=2",
-            f"--work_dir={tmp_path}",
-        ]
-    )
+def readme_command():
+    """The words after `python scripts/compare.py` of the README's command: tests/test_readme.py
+    leaves its run to the test below (four torchrun launches, a minute and more of the suite)."""
+    from test_readme import README, shown_commands
+
+    [words] = [w for _, w in shown_commands(README.read_text()) if w[1:2] == ["scripts/compare.py"]]
+    return words[2:]
+
+
+def test_the_readmes_tp2_against_pp2_zbv_is_rounding(data_dir, tmp_path, capsys):
+    """The README's command as written (tp = 2 against pp = 2 under ZB-V on the quick start's
+    config), cut to TINY after its own words."""
+    argv = readme_command()
+    assert argv[1:] == ["--a=--tp=2", "--b=--pp=2 --pp_schedule=zbv --pp_chunks=2"], argv
+    status = compare.main(argv + TINY + [f"--data_dir={data_dir}", f"--work_dir={tmp_path}"])
     out = capsys.readouterr().out
     print(out)
     assert "float32: the runs agree within the tolerances" in out

@@ -515,6 +515,10 @@ NOT_RUN = [
     ("the GPU check needs a CUDA GPU", lambda words: words[0].endswith("gpu_check.sh")),
     ("the test suite, which this test is part of", lambda words: words[1:3] == ["-m", "pytest"]),
     (
+        "tests/test_compare.py runs it as written, cut alike, and reads its verdict",
+        lambda words: words[1:2] == ["scripts/compare.py"],
+    ),
+    (
         "it rewrites the checkout's README and docs (their generated parts): the copy has neither",
         lambda words: words[1:2] == ["tests/test_readme.py"],
     ),
