@@ -15,7 +15,8 @@ constant is fitted to a measurement.
 How it is checked: tests/test_memory.py holds the plan to every rank's measured peak of one step
 (metrics.measure_step_memory: CUDA's allocator, or on CPU metrics.LiveTensorBytes, the live tensor
 storages, or with compiled blocks the CPU allocator's), within 10%: every shipped config at one
-process and the README's multi-process layouts, and small layouts through tools/bench.py; `python
+process (at a small batch and vocabulary; the quick start and MoE at full size) and the README's
+multi-process layouts, and small layouts through tools/bench.py; `python
 tests/test_memory.py --measure` runs the larger set. It counts what eager blocks save for backward
 (compiled ones save less), and torch.compile's own memory (its traces, generated code, caches) is no
 tensor of the step: train.py's start-up says both when compile is on.
