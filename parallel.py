@@ -617,11 +617,13 @@ def params_flat(bucket):
 
 def gather_slices(bucket):
     """Post the collective that gives every rank the bucket's updated parameters: the all-gather of
-    every rank's owned slice into the parameters (its input a copy: the slice is part of the
-    output)."""
+    every rank's owned slice into the parameters, in place (the input is this rank's slice of the
+    output: NCCL documents this as its in-place all-gather, Megatron-LM's distributed optimizer
+    gathers so, and the ZeRO tests hold gloo to it). A copy of the slice would be a fresh 1/dp of
+    the bucket every step: on this CPU 10 ms of page faults for 13 MB, a fifth of Muon's step."""
     values = params_flat(bucket)
     lo, hi = bucket.owned()
-    return _all_gather_single(values, values[lo:hi].clone(), group=bucket.group, async_op=True)
+    return _all_gather_single(values, values[lo:hi], group=bucket.group, async_op=True)
 
 
 def post_gathers(buckets, gather):
